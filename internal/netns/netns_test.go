@@ -1,0 +1,211 @@
+package netns
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/internal/xdptest"
+)
+
+// newNS creates a namespace named after the test and removes it at cleanup.
+func newNS(t *testing.T, suffix string) *NS {
+	t.Helper()
+	ns, err := New(fmt.Sprintf("weirnstest%d-%s", os.Getpid(), suffix))
+	xdptest.Check(t, err)
+	t.Cleanup(func() {
+		if err := ns.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	return ns
+}
+
+// currentNetNS identifies the calling thread's namespace by inode.
+func currentNetNS(t *testing.T) uint64 {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Stat("/proc/thread-self/ns/net", &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Ino
+}
+
+func TestNewDoClose(t *testing.T) {
+	ns := newNS(t, "a")
+
+	if _, err := os.Stat(ns.Path()); err != nil {
+		t.Fatalf("mount point: %v", err)
+	}
+	hostIno := currentNetNS(t)
+
+	var inner uint64
+	var loUp bool
+	err := ns.Do(func() error {
+		var st unix.Stat_t
+		if err := unix.Stat("/proc/thread-self/ns/net", &st); err != nil {
+			return err
+		}
+		inner = st.Ino
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		loUp = lo.Attrs().Flags&(1<<0) != 0 // net.FlagUp
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want unix.Stat_t
+	if err := unix.Stat(ns.Path(), &want); err != nil {
+		t.Fatal(err)
+	}
+	if inner != want.Ino {
+		t.Errorf("Do ran in netns inode %d; want %d", inner, want.Ino)
+	}
+	if inner == hostIno {
+		t.Errorf("Do ran in the host's namespace")
+	}
+	if !loUp {
+		t.Errorf("lo is down in the new namespace")
+	}
+
+	// Errors from fn come back unchanged.
+	sentinel := errors.New("sentinel")
+	if err := ns.Do(func() error { return sentinel }); !errors.Is(err, sentinel) {
+		t.Errorf("Do returned %v; want %v", err, sentinel)
+	}
+
+	// Panics are re-raised in the caller.
+	func() {
+		defer func() {
+			if v := recover(); v != "boom" {
+				t.Errorf("recovered %v; want boom", v)
+			}
+		}()
+		ns.Do(func() error { panic("boom") })
+	}()
+
+	if err := ns.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := ns.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	if _, err := os.Stat(ns.Path()); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("after Close, stat %s: %v; want not exist", ns.Path(), err)
+	}
+	if err := ns.Do(func() error { return nil }); !errors.Is(err, ErrClosed) {
+		t.Errorf("Do after Close: %v; want ErrClosed", err)
+	}
+}
+
+func TestNewExisting(t *testing.T) {
+	ns := newNS(t, "dup")
+	_, err := New(ns.Name())
+	if !errors.Is(err, os.ErrExist) {
+		t.Fatalf("New(%q) twice: %v; want os.ErrExist", ns.Name(), err)
+	}
+	// The failed New must not have removed the first one's mount.
+	if _, err := os.Stat(ns.Path()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestSockets checks that sockets created in a namespace stay there: a
+// listener in one namespace on 127.0.0.1 is reachable from the same
+// namespace and not from another one.
+func TestSockets(t *testing.T) {
+	a := newNS(t, "sa")
+	b := newNS(t, "sb")
+
+	ln, err := a.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	t.Cleanup(func() { ln.Close(); <-done })
+	// Exits when ln is closed at cleanup.
+	go func() {
+		defer close(done)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			io.WriteString(c, "hello from a")
+			c.Close()
+		}
+	}()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := a.DialContext(ctx, "tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(c)
+	c.Close()
+	if err != nil || string(got) != "hello from a" {
+		t.Fatalf("read %q, %v; want %q", got, err, "hello from a")
+	}
+
+	if c, err := b.DialContext(ctx, "tcp", ln.Addr().String()); err == nil {
+		c.Close()
+		t.Fatalf("dial from another namespace reached %s", ln.Addr())
+	}
+
+	pc, err := a.ListenPacket("udp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pc.Close()
+	uc, err := a.DialContext(ctx, "udp", pc.LocalAddr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer uc.Close()
+	if _, err := uc.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	pc.SetReadDeadline(time.Now().Add(5 * time.Second))
+	buf := make([]byte, 8)
+	if n, _, err := pc.ReadFrom(buf); err != nil || string(buf[:n]) != "x" {
+		t.Fatalf("udp read %q, %v; want x", buf[:n], err)
+	}
+}
+
+func TestDialRejectsNames(t *testing.T) {
+	ns := newNS(t, "names")
+	_, err := ns.DialContext(context.Background(), "tcp", "localhost:80")
+	if err == nil || !strings.Contains(err.Error(), "IP literal") {
+		t.Fatalf("dial localhost: %v; want an IP literal error", err)
+	}
+}
+
+func TestList(t *testing.T) {
+	ns := newNS(t, "list")
+	names, err := List(ns.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(names) != 1 || names[0] != ns.Name() {
+		t.Fatalf("List(%q) = %v; want [%s]", ns.Name(), names, ns.Name())
+	}
+	if err := RemoveMounted(ns.Name()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(RunDir, ns.Name())); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("after RemoveMounted: %v", err)
+	}
+}

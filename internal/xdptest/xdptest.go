@@ -1,0 +1,66 @@
+// Package xdptest holds the one rule every test that needs network
+// namespaces or XDP follows when the machine cannot provide them.
+//
+// CI runs as root on a kernel with XDP and sets WEIR_REQUIRE_XDP=1: there a
+// test that cannot create a namespace or load or attach an XDP program fails,
+// so the end-to-end tests never pass by skipping. Anywhere else (a laptop
+// without root, a container without CAP_NET_ADMIN) the test is skipped with
+// the reason.
+package xdptest
+
+import (
+	"errors"
+	"os"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+)
+
+// EnvRequire is the environment variable that turns skips into failures.
+const EnvRequire = "WEIR_REQUIRE_XDP"
+
+// Required reports whether WEIR_REQUIRE_XDP=1 is set.
+func Required() bool { return os.Getenv(EnvRequire) == "1" }
+
+// SkipOrFail does nothing if err is nil. Otherwise it fails the test if
+// WEIR_REQUIRE_XDP=1 and skips it if not, naming err either way. Call it with
+// the error of the step that needs privileges or kernel support (creating a
+// namespace, loading or attaching a program), not with errors of the code
+// under test.
+func SkipOrFail(tb testing.TB, err error) {
+	tb.Helper()
+	if err == nil {
+		return
+	}
+	if Required() {
+		tb.Fatalf("%s=1 and the environment cannot run this test: %v", EnvRequire, err)
+	}
+	tb.Skipf("skipping, the environment cannot run this test (set %s=1 to fail instead): %v", EnvRequire, err)
+}
+
+// Unavailable reports whether err says the environment lacks a privilege or
+// a kernel feature (as opposed to a bug in what was asked): EPERM, EACCES,
+// EOPNOTSUPP, ENOSYS, or cilium/ebpf's ErrNotSupported. Helpers such as
+// topo.NewT pass such errors to SkipOrFail and fail the test on the others.
+func Unavailable(err error) bool {
+	return errors.Is(err, unix.EPERM) ||
+		errors.Is(err, unix.EACCES) ||
+		errors.Is(err, unix.EOPNOTSUPP) ||
+		errors.Is(err, unix.ENOSYS) ||
+		errors.Is(err, ebpf.ErrNotSupported)
+}
+
+// Check is SkipOrFail for errors that Unavailable accepts, and t.Fatal for
+// any other non-nil error.
+func Check(tb testing.TB, err error) {
+	tb.Helper()
+	if err == nil {
+		return
+	}
+	if Unavailable(err) {
+		SkipOrFail(tb, err)
+		return
+	}
+	tb.Fatal(err)
+}
