@@ -1,0 +1,330 @@
+package balance
+
+import (
+	"math"
+	"sync"
+)
+
+// Weights: round_robin, random, least_conn, p2c and ewma treat every usable backend
+// alike (weight only says 0 = never); weighted, weighted_least_conn, source_hash and
+// maglev honour weights. Slow start scales the weight-like term each algorithm has:
+// an acceptance probability for round_robin and random, the cost divisor for the
+// least-loaded family, the SWRR weight for weighted. source_hash and maglev ignore it:
+// their table must stay a pure function of the configuration.
+
+// roundRobin cycles over the usable set with one atomic counter. When the set changes
+// it continues from the counter's position in the new set.
+type roundRobin struct{ *core }
+
+func (r *roundRobin) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+	s := r.snap.Load()
+	n := len(s.entries)
+	if n == 0 {
+		return Lease{}, ErrNoBackend
+	}
+	start := int((r.ctr.Add(1) - 1) % uint64(n))
+	now, ramping := s.ramping(r.core)
+	var rnd splitmix
+	if ramping {
+		rnd = r.rand()
+	}
+	for i := range n {
+		j := start + i
+		if j >= n {
+			j -= n
+		}
+		e := &s.entries[j]
+		if skip != nil && skip(e.b.id) {
+			continue
+		}
+		if ramping && !accept(e, now, &rnd) {
+			continue
+		}
+		return lease(e.b), nil
+	}
+	if ramping {
+		// Every candidate was ramping and refused: give it to the first one not skipped.
+		return firstNotSkipped(s, start, skip)
+	}
+	return Lease{}, ErrNoBackend
+}
+
+// accept lets a ramping backend through with probability equal to its slow start factor.
+func accept(e *entry, now int64, rnd *splitmix) bool {
+	f := e.factor(now)
+	return f >= 1 || rnd.float() < f
+}
+
+func firstNotSkipped(s *snapshot, start int, skip func(string) bool) (Lease, error) {
+	n := len(s.entries)
+	for i := range n {
+		e := &s.entries[(start+i)%n]
+		if skip == nil || !skip(e.b.id) {
+			return lease(e.b), nil
+		}
+	}
+	return Lease{}, ErrNoBackend
+}
+
+// random picks uniformly; its only state is the snapshot.
+type random struct{ *core }
+
+func (r *random) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+	s := r.snap.Load()
+	if len(s.entries) == 0 {
+		return Lease{}, ErrNoBackend
+	}
+	rnd := r.rand()
+	now, ramping := s.ramping(r.core)
+	for range 4 {
+		i := pickRandom(s, &rnd, skip, -1)
+		if i < 0 {
+			return Lease{}, ErrNoBackend
+		}
+		if !ramping || accept(&s.entries[i], now, &rnd) {
+			return lease(s.entries[i].b), nil
+		}
+	}
+	// Refused four times by slow start: take the next candidate as it comes.
+	i := pickRandom(s, &rnd, skip, -1)
+	return lease(s.entries[i].b), nil
+}
+
+// pickRandom returns the index of a uniformly random entry that skip doesn't exclude
+// and that isn't exclude (-1 for none), or -1 if there is none. A few random draws
+// first; if the skipped share is large, a scan from a random start.
+func pickRandom(s *snapshot, rnd *splitmix, skip func(string) bool, exclude int) int {
+	n := len(s.entries)
+	if exclude >= 0 {
+		n-- // draw from the others: index >= exclude shifts up by one
+	}
+	if n <= 0 {
+		return -1
+	}
+	for range 4 {
+		i := rnd.intn(n)
+		if exclude >= 0 && i >= exclude {
+			i++
+		}
+		if skip == nil || !skip(s.entries[i].b.id) {
+			return i
+		}
+	}
+	all := len(s.entries)
+	start := rnd.intn(all)
+	for k := range all {
+		i := (start + k) % all
+		if i != exclude && (skip == nil || !skip(s.entries[i].b.id)) {
+			return i
+		}
+	}
+	return -1
+}
+
+// leastConn scans every usable backend for the fewest in-flight connections (divided by
+// weight for weighted_least_conn). The scan starts at a random offset, so among equals
+// the winner varies instead of always being the first in the list; this is not exactly
+// uniform among ties (a backend after a long run of non-minimal ones wins more often),
+// but it can't starve a backend. Cost is linear in the backend count: see the benchmark.
+type leastConn struct {
+	*core
+	weighted bool
+}
+
+func (l *leastConn) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+	s := l.snap.Load()
+	n := len(s.entries)
+	if n == 0 {
+		return Lease{}, ErrNoBackend
+	}
+	rnd := l.rand()
+	start := rnd.intn(n)
+	now, ramping := s.ramping(l.core)
+	if !l.weighted && !ramping {
+		return l.pickCount(s, start, skip)
+	}
+	best, bestCost := -1, math.Inf(1)
+	for k := range n {
+		i := start + k
+		if i >= n {
+			i -= n
+		}
+		e := &s.entries[i]
+		if skip != nil && skip(e.b.id) {
+			continue
+		}
+		w := 1.0
+		if l.weighted {
+			w = float64(e.weight)
+		}
+		if ramping {
+			w *= e.factor(now)
+		}
+		// +1: with nothing in flight anywhere, the heavier backend still wins.
+		if c := float64(e.b.inflight.Load()+1) / w; c < bestCost {
+			best, bestCost = i, c
+		}
+	}
+	if best < 0 {
+		return Lease{}, ErrNoBackend
+	}
+	return lease(s.entries[best].b), nil
+}
+
+// pickCount is least_conn's integer fast path (no weights, no slow start).
+func (l *leastConn) pickCount(s *snapshot, start int, skip func(string) bool) (Lease, error) {
+	n := len(s.entries)
+	best, bestN := -1, int64(math.MaxInt64)
+	for k := range n {
+		i := start + k
+		if i >= n {
+			i -= n
+		}
+		e := &s.entries[i]
+		if c := e.b.inflight.Load(); c < bestN && (skip == nil || !skip(e.b.id)) {
+			best, bestN = i, c
+		}
+	}
+	if best < 0 {
+		return Lease{}, ErrNoBackend
+	}
+	return lease(s.entries[best].b), nil
+}
+
+// smoothWeighted is nginx's smooth weighted round robin: each pick adds every
+// candidate's weight to its credit, the highest credit wins and pays the total. Ties go
+// to the earlier backend in the configured order (nginx's strict ">" over its peer list),
+// so weights 5:1:1 give A A B A C A A. Skipped backends sit the pick out, as nginx's
+// "tried" peers do.
+type smoothWeighted struct {
+	*core
+	mu sync.Mutex // guards every backend's current credit
+}
+
+func (w *smoothWeighted) SetBackends(backends []Backend) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.core.SetBackends(backends)
+}
+
+// Pick calls skip with w.mu held: skip must not call back into this balancer's Pick.
+func (w *smoothWeighted) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+	s := w.snap.Load()
+	now, ramping := s.ramping(w.core)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var best *backend
+	var total int64
+	for i := range s.entries {
+		e := &s.entries[i]
+		if skip != nil && skip(e.b.id) {
+			continue
+		}
+		// Weights scaled by 1024 so a ramping weight-1 backend still gets a fraction.
+		ew := int64(e.weight) << 10
+		if ramping {
+			ew = max(1, int64(float64(ew)*e.factor(now)))
+		}
+		e.b.current += ew
+		total += ew
+		if best == nil || e.b.current > best.current {
+			best = e.b
+		}
+	}
+	if best == nil {
+		return Lease{}, ErrNoBackend
+	}
+	best.current -= total
+	return lease(best), nil
+}
+
+// p2c draws two distinct random backends and takes the one with fewer in flight.
+type p2c struct{ *core }
+
+func (p *p2c) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+	s := p.snap.Load()
+	if len(s.entries) == 0 {
+		return Lease{}, ErrNoBackend
+	}
+	rnd := p.rand()
+	a := pickRandom(s, &rnd, skip, -1)
+	if a < 0 {
+		return Lease{}, ErrNoBackend
+	}
+	b := pickRandom(s, &rnd, skip, a)
+	if b < 0 {
+		return lease(s.entries[a].b), nil
+	}
+	ea, eb := &s.entries[a], &s.entries[b]
+	na, nb := ea.b.inflight.Load(), eb.b.inflight.Load()
+	if now, ramping := s.ramping(p.core); ramping {
+		if float64(nb+1)/eb.factor(now) < float64(na+1)/ea.factor(now) {
+			ea = eb
+		}
+	} else if nb < na {
+		ea = eb
+	}
+	return lease(ea.b), nil
+}
+
+// peakEWMA is Finagle's and Linkerd's least-time balancer: P2C over
+// cost = latency estimate × (in flight + 1).
+type peakEWMA struct{ *core }
+
+func (p *peakEWMA) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+	s := p.snap.Load()
+	if len(s.entries) == 0 {
+		return Lease{}, ErrNoBackend
+	}
+	rnd := p.rand()
+	a := pickRandom(s, &rnd, skip, -1)
+	if a < 0 {
+		return Lease{}, ErrNoBackend
+	}
+	b := pickRandom(s, &rnd, skip, a)
+	if b < 0 {
+		return lease(s.entries[a].b), nil
+	}
+	now := p.now()
+	neutral := p.ewma.neutral()
+	ea, eb := &s.entries[a], &s.entries[b]
+	if p.cost(eb, now, neutral) < p.cost(ea, now, neutral) {
+		ea = eb
+	}
+	return lease(ea.b), nil
+}
+
+func (p *peakEWMA) cost(e *entry, now int64, neutral float64) float64 {
+	est := e.b.ewma.estimate(now, neutral)
+	if est <= 0 {
+		est = 1 // nothing observed anywhere yet: plain P2C on in-flight counts
+	}
+	return est * float64(e.b.inflight.Load()+1) / e.factor(now)
+}
+
+// maglevHash serves source_hash and maglev: both look the key up in a weighted Maglev
+// table; they differ only in the key the caller hashes (client address, or 5-tuple).
+type maglevHash struct{ *core }
+
+func (m *maglevHash) Pick(key uint64, skip func(id string) bool) (Lease, error) {
+	s := m.snap.Load()
+	size := uint64(len(s.table))
+	if size == 0 {
+		return Lease{}, ErrNoBackend
+	}
+	// Mix the key: callers may pass a raw IPv4 address, whose low bits are poorly spread.
+	h := mix64(key)
+	e := &s.entries[s.table[h%size]]
+	if skip == nil || !skip(e.b.id) {
+		return lease(e.b), nil
+	}
+	// The owner is skipped: retry with rehashed keys (still a pure function of key and
+	// table, so balancer nodes agree), then fall back to a scan.
+	for a := uint64(1); a <= 8; a++ {
+		e = &s.entries[s.table[mix64(key+a*0x9e3779b97f4a7c15)%size]]
+		if !skip(e.b.id) {
+			return lease(e.b), nil
+		}
+	}
+	return firstNotSkipped(s, int(h%uint64(len(s.entries))), skip)
+}

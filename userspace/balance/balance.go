@@ -1,0 +1,374 @@
+// Package balance holds the backend selection algorithms of weir's splice proxy and
+// the Maglev table builder shared with the XDP loader. It is pure Go and does no I/O.
+//
+// Every algorithm publishes the usable backends as an immutable snapshot behind an
+// atomic pointer, so Pick takes no lock (except weighted and ewma, which keep small
+// per-balancer or per-backend state under a mutex) and allocates nothing.
+package balance
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// ErrNoBackend: no usable backend (all unhealthy, draining, weight 0, or skipped).
+var ErrNoBackend = errors.New("no usable backend")
+
+// ErrUnknownAlgorithm is returned by New for a name not in Algorithms().
+var ErrUnknownAlgorithm = errors.New("unknown algorithm")
+
+// ErrDuplicateID is returned by New and BuildMaglev when two backends share an ID.
+var ErrDuplicateID = errors.New("duplicate backend ID")
+
+// Backend is one backend as the configuration and the health checker see it.
+type Backend struct {
+	ID        string        // stable identity, e.g. "10.0.0.5:80"; hashing and Maglev use it, never slice order
+	Weight    uint32        // 0 = never picked
+	Usable    bool          // healthy and not draining
+	SlowStart time.Duration // 0 = off; ramp effective weight after becoming usable
+}
+
+// Result is the outcome of a connection, reported when its lease is released.
+type Result struct {
+	Failed  bool          // connect failed: no connection was made
+	Latency time.Duration // 0 if unknown (e.g. connect time / time to first byte)
+}
+
+// Lease is what Pick returns (a value, so Pick allocates nothing). Release is idempotent
+// on the same variable: it clears the lease; Release of a zero Lease is a no-op.
+// Copies of a lease are not tracked: releasing two copies releases twice (the count
+// is clamped at zero, so it can't go negative, but it can undercount).
+type Lease struct {
+	b *backend
+}
+
+// Backend returns the chosen backend's ID ("" for a zero lease).
+func (l *Lease) Backend() string {
+	if l.b == nil {
+		return ""
+	}
+	return l.b.id
+}
+
+// Release ends the connection the lease was picked for and reports its outcome.
+func (l *Lease) Release(r Result) {
+	b := l.b
+	if b == nil {
+		return
+	}
+	l.b = nil
+	b.release()
+	if b.ewma != nil {
+		b.ewma.observe(r)
+	}
+}
+
+// Balancer chooses backends for new connections. All methods are safe for concurrent use.
+type Balancer interface {
+	// Pick chooses a backend for a new connection. key is the hash key (used by
+	// source_hash and maglev; ignored by others). skip, if non-nil, excludes backends
+	// by ID (already tried for this connection, at a connection limit); if all usable
+	// ones are skipped it returns ErrNoBackend.
+	Pick(key uint64, skip func(id string) bool) (Lease, error)
+	// SetBackends replaces the set; backends whose ID stays keep their in-flight counts
+	// and latency state; leases of removed backends may still be released safely.
+	SetBackends(backends []Backend)
+	// InFlight returns the in-flight count for metrics (0 if unknown ID).
+	InFlight(id string) int
+}
+
+// Algorithm names, as the configuration spells them.
+const (
+	RoundRobin        = "round_robin"
+	Random            = "random"
+	LeastConn         = "least_conn"
+	WeightedLeastConn = "weighted_least_conn"
+	Weighted          = "weighted"
+	P2C               = "p2c"
+	EWMA              = "ewma"
+	SourceHash        = "source_hash"
+	Maglev            = "maglev"
+)
+
+// Algorithms lists the names New accepts.
+func Algorithms() []string {
+	return []string{RoundRobin, Random, LeastConn, WeightedLeastConn, Weighted, P2C, EWMA, SourceHash, Maglev}
+}
+
+// New builds a balancer. algorithm is one of Algorithms(). seed makes random choices and
+// hashing reproducible (tests) and lets independent balancer nodes agree (maglev/source_hash).
+// With seed 0 the random choices (random, p2c, ewma, least_conn's tie break) use the
+// runtime's per-thread generator: fastest, but not reproducible; Maglev hashing is
+// deterministic for every seed, 0 included.
+//
+// Backends in the initial set start at full weight: slow start applies to backends that
+// become usable later, through SetBackends.
+func New(algorithm string, backends []Backend, seed uint64) (Balancer, error) {
+	return newBalancer(algorithm, backends, seed, monotonic)
+}
+
+// epoch anchors monotonic: time.Since reads the monotonic clock, so wall-clock steps
+// don't make EWMA decay or slow start jump.
+var epoch = time.Now()
+
+func monotonic() int64 { return int64(time.Since(epoch)) }
+
+func newBalancer(algorithm string, backends []Backend, seed uint64, now func() int64) (Balancer, error) {
+	if err := checkUnique(backends); err != nil {
+		return nil, fmt.Errorf("new %s balancer: %w", algorithm, err)
+	}
+	c := &core{seed: seed, now: now, known: map[string]*backend{}}
+	var b Balancer
+	switch algorithm {
+	case RoundRobin:
+		b = &roundRobin{core: c}
+	case Random:
+		b = &random{core: c}
+	case LeastConn:
+		b = &leastConn{core: c}
+	case WeightedLeastConn:
+		b = &leastConn{core: c, weighted: true}
+	case Weighted:
+		b = &smoothWeighted{core: c}
+	case P2C:
+		b = &p2c{core: c}
+	case EWMA:
+		c.ewma = newEWMAShared(now)
+		b = &peakEWMA{core: c}
+	case SourceHash, Maglev:
+		c.maglev = true
+		b = &maglevHash{core: c}
+	default:
+		return nil, fmt.Errorf("new balancer: %q: %w (want one of %v)", algorithm, ErrUnknownAlgorithm, Algorithms())
+	}
+	c.set(backends, true)
+	return b, nil
+}
+
+func checkUnique(backends []Backend) error {
+	seen := make(map[string]struct{}, len(backends))
+	for _, b := range backends {
+		if _, dup := seen[b.ID]; dup {
+			return fmt.Errorf("backend %q: %w", b.ID, ErrDuplicateID)
+		}
+		seen[b.ID] = struct{}{}
+	}
+	return nil
+}
+
+// backend is the state that outlives snapshots: in-flight count and latency estimate.
+// Leases point at it, so a lease of a removed backend still releases into it.
+type backend struct {
+	id       string
+	inflight atomic.Int64
+	ewma     *ewmaState // nil unless the algorithm is ewma
+
+	// Guarded by core.mu.
+	wasUsable bool
+	rampStart int64 // monotonic ns when it last became usable; ramp only if SlowStart > 0
+
+	// SWRR credit; guarded by smoothWeighted.mu (its SetBackends holds that too).
+	current int64
+}
+
+func (b *backend) acquire() { b.inflight.Add(1) }
+
+// release decrements in-flight but never below zero, so a stray release (of a copied
+// lease) can't leave a negative count that would attract every new connection.
+func (b *backend) release() {
+	for {
+		n := b.inflight.Load()
+		if n <= 0 || b.inflight.CompareAndSwap(n, n-1) {
+			return
+		}
+	}
+}
+
+// entry is one usable backend in a snapshot.
+type entry struct {
+	b      *backend
+	weight uint32
+	// Slow start window [rampStart, rampStart+rampLen); rampLen 0 means full weight.
+	rampStart int64
+	rampLen   int64
+}
+
+// slowStartFloor is the share of its weight a backend gets the moment it becomes usable;
+// it rises linearly to 1 over its SlowStart window. Envoy's default minimum is 10% too:
+// starting at 0 would send the backend nothing at all for the first instants.
+const slowStartFloor = 0.1
+
+// factor returns the slow start multiplier in [slowStartFloor, 1] at time now.
+func (e *entry) factor(now int64) float64 {
+	if e.rampLen == 0 {
+		return 1
+	}
+	d := now - e.rampStart
+	if d >= e.rampLen {
+		return 1
+	}
+	if d < 0 {
+		d = 0
+	}
+	return slowStartFloor + (1-slowStartFloor)*float64(d)/float64(e.rampLen)
+}
+
+// snapshot is an immutable view of the usable backends, swapped whole by SetBackends.
+type snapshot struct {
+	entries []entry // usable with weight > 0, in the caller's order
+	// rampEnd is when the last slow start window ends; rampDone is set by the first
+	// Pick after it, so later picks skip reading the clock.
+	rampEnd  int64
+	rampDone atomic.Bool
+	table    []uint32 // Maglev lookup table, indexes into entries (maglev/source_hash)
+}
+
+// ramping reports whether any entry may still be in its slow start window; only then
+// does Pick pay for reading the clock.
+func (s *snapshot) ramping(c *core) (now int64, ok bool) {
+	if s.rampEnd == 0 || s.rampDone.Load() {
+		return 0, false
+	}
+	now = c.now()
+	if now >= s.rampEnd {
+		s.rampDone.Store(true)
+		return now, false
+	}
+	return now, true
+}
+
+// core is what every algorithm shares: the snapshot, the known backends and the
+// random source.
+type core struct {
+	snap atomic.Pointer[snapshot]
+	seed uint64
+	ctr  atomic.Uint64 // drives the seeded random stream and round robin
+	now  func() int64
+
+	ewma   *ewmaShared // ewma only
+	maglev bool        // build a lookup table with each snapshot
+
+	mu sync.Mutex // serialises SetBackends and guards known
+	// known holds every current backend and removed ones still in flight, so a backend
+	// removed and re-added while connections are open keeps its count.
+	known map[string]*backend
+}
+
+func (c *core) SetBackends(backends []Backend) { c.set(backends, false) }
+
+func (c *core) set(backends []Backend, initial bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	now := c.now()
+	s := &snapshot{entries: make([]entry, 0, len(backends))}
+	live := make(map[string]bool, len(backends))
+	for _, cfg := range backends {
+		if live[cfg.ID] {
+			continue // a duplicate ID: the first one wins (New rejects duplicates outright)
+		}
+		live[cfg.ID] = true
+		b := c.known[cfg.ID]
+		if b == nil {
+			b = &backend{id: cfg.ID}
+			if c.ewma != nil {
+				b.ewma = &ewmaState{shared: c.ewma}
+			}
+			c.known[cfg.ID] = b
+		}
+		usable := cfg.Usable && cfg.Weight > 0
+		if usable && !b.wasUsable {
+			b.rampStart = now
+			if initial {
+				b.rampStart = now - int64(cfg.SlowStart) // the initial set starts at full weight
+			}
+			b.current = 0 // a returning backend gets no burst from old SWRR credit
+		}
+		b.wasUsable = usable
+		if !usable {
+			continue
+		}
+		e := entry{b: b, weight: cfg.Weight}
+		if cfg.SlowStart > 0 && now < b.rampStart+int64(cfg.SlowStart) {
+			e.rampStart, e.rampLen = b.rampStart, int64(cfg.SlowStart)
+			s.rampEnd = max(s.rampEnd, e.rampStart+e.rampLen)
+		}
+		s.entries = append(s.entries, e)
+	}
+	// Forget removed backends once nothing is in flight on them.
+	for id, b := range c.known {
+		if !live[id] {
+			b.wasUsable = false
+			if b.inflight.Load() == 0 {
+				delete(c.known, id)
+			}
+		}
+	}
+	if c.maglev && len(s.entries) > 0 {
+		s.table = buildTable(s.entries, c.seed)
+	}
+	c.snap.Store(s)
+}
+
+func buildTable(entries []entry, seed uint64) []uint32 {
+	bs := make([]Backend, len(entries))
+	for i, e := range entries {
+		bs[i] = Backend{ID: e.b.id, Weight: e.weight, Usable: true}
+	}
+	t, err := BuildMaglev(bs, MaglevSize(len(bs)), seed)
+	if err != nil {
+		// Unreachable: IDs are unique, every entry is usable and MaglevSize is a
+		// prime >= len(bs). A panic here means BuildMaglev's contract changed.
+		panic(fmt.Sprintf("balance: build maglev table: %v", err))
+	}
+	return t
+}
+
+// InFlight returns the in-flight count for metrics (0 if unknown ID).
+func (c *core) InFlight(id string) int {
+	c.mu.Lock()
+	b := c.known[id]
+	c.mu.Unlock()
+	if b == nil {
+		return 0
+	}
+	return int(b.inflight.Load())
+}
+
+// rand returns a source for one Pick. Seeded balancers draw from a counter-based stream
+// (reproducible for a single goroutine); unseeded ones from the runtime's per-thread
+// generator, which shares no cache line between goroutines.
+func (c *core) rand() splitmix {
+	if c.seed == 0 {
+		return splitmix(rand.Uint64())
+	}
+	return splitmix(mix64(c.seed + c.ctr.Add(1)*0x9e3779b97f4a7c15))
+}
+
+// splitmix is a tiny generator for the few random numbers one Pick needs.
+type splitmix uint64
+
+func (s *splitmix) next() uint64 {
+	*s += 0x9e3779b97f4a7c15
+	return mix64(uint64(*s))
+}
+
+// intn returns a number in [0, n) by Lemire's multiply-shift (bias below 2^-32 for the
+// sizes used here, cheaper than a division).
+func (s *splitmix) intn(n int) int {
+	return int((s.next() >> 32) * uint64(n) >> 32)
+}
+
+// float returns a number in [0, 1).
+func (s *splitmix) float() float64 {
+	return float64(s.next()>>11) / (1 << 53)
+}
+
+// lease takes an in-flight slot on b.
+func lease(b *backend) Lease {
+	b.acquire()
+	return Lease{b: b}
+}

@@ -1,0 +1,103 @@
+package balance
+
+import (
+	"math"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// ewmaDecay is the time constant of the latency estimates, Finagle's and Linkerd's
+// default: a sample's weight is 1-exp(-elapsed/decay), so the estimate follows the
+// time between observations rather than their count, and a fast-serving backend's
+// many samples don't wash out a slow one's few.
+const ewmaDecay = 10 * time.Second
+
+// failPenaltyFactor: a failed connect counts as a sample this many times the
+// balancer-wide average latency, so a backend that refuses connections quickly doesn't
+// look fast (the black-hole effect of least-loaded algorithms).
+const failPenaltyFactor = 5
+
+// ewmaShared is the balancer-wide latency average, the neutral estimate an idle
+// backend's estimate decays toward.
+type ewmaShared struct {
+	now  func() int64
+	bits atomic.Uint64 // float64 ns, read lock-free by Pick
+
+	mu    sync.Mutex
+	est   float64
+	stamp int64
+	seen  bool
+}
+
+func newEWMAShared(now func() int64) *ewmaShared { return &ewmaShared{now: now} }
+
+func (g *ewmaShared) neutral() float64 { return math.Float64frombits(g.bits.Load()) }
+
+func (g *ewmaShared) observe(now int64, sample float64) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.seen {
+		g.est, g.seen = sample, true
+	} else {
+		g.est = decayToward(g.est, sample, now-g.stamp)
+	}
+	g.stamp = now
+	g.bits.Store(math.Float64bits(g.est))
+}
+
+// decayToward moves from old toward target by the share of time elapsed ns has taken.
+func decayToward(old, target float64, elapsed int64) float64 {
+	if elapsed <= 0 {
+		return old
+	}
+	w := math.Exp(-float64(elapsed) / float64(ewmaDecay))
+	return target + (old-target)*w
+}
+
+// ewmaState is one backend's peak-EWMA latency estimate.
+type ewmaState struct {
+	shared *ewmaShared
+
+	mu    sync.Mutex
+	est   float64 // ns
+	stamp int64   // monotonic ns of the last observation
+	seen  bool
+}
+
+// estimate returns the backend's latency estimate at now: the last estimate, decayed
+// toward the balancer-wide average by the time since its last observation, so a backend
+// nobody has tried for a while (because it was slow once) gets tried again.
+func (s *ewmaState) estimate(now int64, neutral float64) float64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.seen {
+		return neutral
+	}
+	return decayToward(s.est, neutral, now-s.stamp)
+}
+
+func (s *ewmaState) observe(r Result) {
+	sample := float64(r.Latency)
+	if r.Failed {
+		sample = max(sample, failPenaltyFactor*s.shared.neutral())
+	}
+	if sample <= 0 {
+		return // latency unknown: only the in-flight count changes
+	}
+	now := s.shared.now()
+	s.mu.Lock()
+	switch {
+	case !s.seen || sample > s.est:
+		// Peak: a slower sample replaces the estimate at once, so load moves off a
+		// slowing backend on its first slow answer rather than after many.
+		s.est = sample
+	default:
+		s.est = decayToward(s.est, sample, now-s.stamp)
+	}
+	s.stamp, s.seen = now, true
+	s.mu.Unlock()
+	if !r.Failed {
+		s.shared.observe(now, sample)
+	}
+}

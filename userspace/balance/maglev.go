@@ -1,0 +1,231 @@
+package balance
+
+import (
+	"container/heap"
+	"errors"
+	"fmt"
+	"math/bits"
+	"slices"
+	"strings"
+)
+
+// DefaultMaglevSize is the Maglev paper's table size for small services: a prime, 256 KiB
+// as uint32 entries.
+const DefaultMaglevSize = 65537
+
+// Sentinel errors of BuildMaglev, to check with errors.Is.
+var (
+	ErrSizeNotPrime = errors.New("maglev table size is not prime")
+	ErrSizeTooSmall = errors.New("maglev table smaller than the number of usable backends")
+)
+
+// MaglevSize returns 65537, or when n > 655 the next prime >= 100*n (Maglev's <=1% imbalance rule).
+//
+// Memory: 4 bytes an entry, so 256 KiB per table up to 655 backends, then about 400 bytes
+// per backend: 1,000 backends take 100,003 entries (391 KiB), 10,000 take 1,000,003
+// (3.8 MiB). The XDP loader keeps two generations per service (double buffer), so twice that.
+func MaglevSize(n int) uint32 {
+	if n <= 655 {
+		return DefaultMaglevSize
+	}
+	return nextPrime(uint32(100 * n))
+}
+
+func nextPrime(n uint32) uint32 {
+	for !isPrime(n) {
+		n++
+	}
+	return n
+}
+
+func isPrime(n uint32) bool {
+	if n < 2 {
+		return false
+	}
+	if n%2 == 0 {
+		return n == 2
+	}
+	for d := uint32(3); uint64(d)*uint64(d) <= uint64(n); d += 2 {
+		if n%d == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// BuildMaglev fills a Maglev lookup table of the given prime size. Entry i is an index into
+// backends. Backends with Weight 0 or !Usable get no entries. It is a pure function of
+// (IDs, weights, usable flags, size, seed) — never of slice order (sort by ID internally) or
+// map iteration — so every balancer node computes the same table.
+//
+// The fill is the paper's: each backend walks its own permutation of the slots
+// (offset + j×skip mod size, from two hashes of its ID and the seed) and takes the next
+// free slot on its turn. Weights decide the turns: each backend's entry count is fixed
+// up front at its weighted share of the table (largest remainder, ties to the smaller
+// ID), and turns go in order of (turns taken + 1) ÷ weight, ties to the smaller ID. With
+// equal weights that is exactly the paper's round robin over backends sorted by ID.
+func BuildMaglev(backends []Backend, size uint32, seed uint64) ([]uint32, error) {
+	if !isPrime(size) {
+		return nil, fmt.Errorf("build maglev table: size %d: %w", size, ErrSizeNotPrime)
+	}
+	if err := checkUnique(backends); err != nil {
+		return nil, fmt.Errorf("build maglev table: %w", err)
+	}
+	var order []int // indexes of usable backends, sorted by ID
+	for i, b := range backends {
+		if b.Usable && b.Weight > 0 {
+			order = append(order, i)
+		}
+	}
+	if len(order) == 0 {
+		return nil, fmt.Errorf("build maglev table: %w", ErrNoBackend)
+	}
+	if uint64(len(order)) > uint64(size) {
+		return nil, fmt.Errorf("build maglev table: size %d for %d usable backends: %w", size, len(order), ErrSizeTooSmall)
+	}
+	slices.SortFunc(order, func(a, b int) int { return strings.Compare(backends[a].ID, backends[b].ID) })
+
+	n := len(order)
+	m := uint64(size)
+	quota := apportion(backends, order, m)
+	t := &turns{w: make([]uint64, n), taken: make([]uint64, n)}
+	pos := make([]uint64, n)
+	skip := make([]uint64, n)
+	for k, i := range order {
+		id := backends[i].ID
+		pos[k] = hashID(id, seed) % m
+		skip[k] = hashID(id, seed^0x7f4a7c159e3779b9)%(m-1) + 1
+		t.w[k] = uint64(backends[i].Weight)
+		if quota[k] > 0 {
+			t.idx = append(t.idx, k)
+		}
+	}
+	heap.Init(t)
+
+	const empty = ^uint32(0)
+	table := make([]uint32, size)
+	for i := range table {
+		table[i] = empty
+	}
+	for filled := uint64(0); filled < m; filled++ {
+		k := t.idx[0]
+		for table[pos[k]] != empty {
+			pos[k] += skip[k]
+			if pos[k] >= m {
+				pos[k] -= m
+			}
+		}
+		table[pos[k]] = uint32(order[k])
+		t.taken[k]++
+		if t.taken[k] == quota[k] {
+			heap.Pop(t)
+		} else {
+			heap.Fix(t, 0)
+		}
+	}
+	return table, nil
+}
+
+// apportion splits m slots among the ordered backends in proportion to weight by the
+// largest remainder method (ties to the earlier, i.e. smaller, ID), so every count is
+// within one slot of its exact share.
+func apportion(backends []Backend, order []int, m uint64) []uint64 {
+	var total uint64
+	for _, i := range order {
+		total += uint64(backends[i].Weight)
+	}
+	quota := make([]uint64, len(order))
+	rem := make([]uint64, len(order))
+	var given uint64
+	for k, i := range order {
+		hi, lo := bits.Mul64(m, uint64(backends[i].Weight))
+		quota[k], rem[k] = bits.Div64(hi, lo, total)
+		given += quota[k]
+	}
+	byRem := make([]int, len(order))
+	for k := range byRem {
+		byRem[k] = k
+	}
+	slices.SortStableFunc(byRem, func(a, b int) int {
+		switch {
+		case rem[a] > rem[b]:
+			return -1
+		case rem[a] < rem[b]:
+			return 1
+		}
+		return 0
+	})
+	for _, k := range byRem[:m-given] {
+		quota[k]++
+	}
+	return quota
+}
+
+// turns is a min-heap of backends (positions in ID order) keyed by
+// (taken+1)/weight, ties to the smaller position.
+type turns struct {
+	idx   []int
+	w     []uint64
+	taken []uint64
+}
+
+func (t *turns) Len() int { return len(t.idx) }
+func (t *turns) Less(a, b int) bool {
+	i, j := t.idx[a], t.idx[b]
+	// (taken_i+1)/w_i < (taken_j+1)/w_j, cross-multiplied in 128 bits.
+	ih, il := bits.Mul64(t.taken[i]+1, t.w[j])
+	jh, jl := bits.Mul64(t.taken[j]+1, t.w[i])
+	if ih != jh {
+		return ih < jh
+	}
+	if il != jl {
+		return il < jl
+	}
+	return i < j
+}
+func (t *turns) Swap(a, b int) { t.idx[a], t.idx[b] = t.idx[b], t.idx[a] }
+func (t *turns) Push(x any)    { t.idx = append(t.idx, x.(int)) }
+func (t *turns) Pop() any {
+	x := t.idx[len(t.idx)-1]
+	t.idx = t.idx[:len(t.idx)-1]
+	return x
+}
+
+// hashID is a 64-bit hash of a backend ID in the style of xxHash64 (multiply-rotate
+// rounds over 8-byte words, an avalanche finaliser). It is written out here, not taken
+// from hash/maphash, because every balancer node must compute the same value: maphash
+// seeds are random per process.
+func hashID(id string, seed uint64) uint64 {
+	const (
+		p1 = 0x9e3779b185ebca87
+		p2 = 0xc2b2ae3d27d4eb4f
+		p3 = 0x165667b19e3779f9
+	)
+	h := seed + p3 + uint64(len(id))*p1
+	var word uint64
+	var n uint
+	round := func(w uint64) {
+		w *= p2
+		w = bits.RotateLeft64(w, 31) * p1
+		h ^= w
+		h = bits.RotateLeft64(h, 27)*p1 + p3
+	}
+	for i := 0; i < len(id); i++ {
+		word |= uint64(id[i]) << (8 * n)
+		if n++; n == 8 {
+			round(word)
+			word, n = 0, 0
+		}
+	}
+	if n > 0 {
+		round(word)
+	}
+	return mix64(h)
+}
+
+// mix64 is the splitmix64 finaliser: every input bit affects every output bit.
+func mix64(z uint64) uint64 {
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+	return z ^ (z >> 31)
+}
