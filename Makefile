@@ -1,0 +1,61 @@
+# weir's build. `make deps` installs what the build and the tests need on Debian;
+# everything else assumes it ran.
+
+GO ?= go
+ARCH_INCLUDE := /usr/include/$(shell uname -m)-linux-gnu
+
+# bpf2go's compiler and flags live here, not in the generate line, so every machine
+# compiles the committed objects the same way. clang-19 is pinned: the objects are
+# committed, and a different clang gives different bytes.
+export BPF2GO_CC := clang-19
+export BPF2GO_STRIP := llvm-strip-19
+export BPF2GO_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3 -I$(ARCH_INCLUDE)
+
+DEBIAN_PACKAGES := clang-19 llvm-19 libbpf-dev ethtool iproute2 bpftool
+
+# Tests that need XDP fail instead of skipping when this is 1 (CI sets it).
+WEIR_REQUIRE_XDP ?=
+export WEIR_REQUIRE_XDP
+
+.PHONY: all deps generate check-generated build test test-short demo bench lint clean
+
+all: build
+
+deps:
+	@missing=""; for p in $(DEBIAN_PACKAGES); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+generate:
+	$(GO) generate ./bpf/
+
+# Regenerates the BPF objects and fails if the committed ones differ.
+check-generated: generate
+	@git diff --exit-code --stat -- bpf/ || { echo "bpf/: committed generated files are stale: run 'make generate' and commit"; exit 1; }
+
+build:
+	$(GO) build -o weir ./cmd/weir
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+# The whole suite: stale objects, lint, unit and end-to-end tests (root, XDP kernel).
+test: deps check-generated lint
+	$(GO) test -count=1 -timeout 20m ./...
+
+test-short: 
+	$(GO) test -count=1 -short ./...
+
+demo: deps build
+	./weir demo
+
+bench: deps
+	$(GO) test -run '^$$' -bench . -benchtime 1x -count 1 ./loader/
+
+clean:
+	rm -f weir

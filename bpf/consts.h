@@ -1,0 +1,37 @@
+// consts.h: capacities, flags and counter indexes shared by the whole program.
+// Every capacity here is a default; the loader may resize a map before load.
+#pragma once
+
+// Capacities.
+#define MAX_SERVICES 1024       // services (VIP, port, protocol); index of per-service arrays
+#define MAX_BACKENDS 16384      // backend slots over all services
+#define MAX_VIP_ADDRS 2048      // service keys plus one address-only key per VIP address
+#define CONNTRACK_SIZE 262144   // flows remembered; the loader resizes it from its options
+#define MAX_IPV6_EXT_HDRS 4     // IPv6 extension headers walked before giving up
+
+// Address families as stored in keys (values of AF_INET / AF_INET6).
+#define FAMILY_IPV4 2
+#define FAMILY_IPV6 10
+
+// service.flags
+#define SERVICE_F_SOURCE_HASH (1u << 0) // hash the source address only (client affinity)
+
+// backend.flags
+#define BACKEND_F_USABLE (1u << 0) // healthy: may keep and receive flows
+
+// Global counters, indexed by reason. Keep in step with loader.Reason.
+enum stat_reason {
+	STAT_PASS_NOT_IP = 0,      // not IPv4/IPv6 (ARP, LLDP, QinQ, ...)
+	STAT_PASS_MALFORMED_L3,    // IP header truncated or inconsistent: the kernel judges it
+	STAT_PASS_NOT_SERVICE,     // not to a configured (VIP, port, protocol)
+	STAT_PASS_NOT_VIP_L4,      // fragment or truncated L4 header, not to a VIP address
+	STAT_TX,                   // forwarded by XDP_TX
+	STAT_DROP_NO_BACKEND,      // service has no usable backend
+	STAT_DROP_FRAGMENT,        // IP fragment to a VIP address (no ports to balance by)
+	STAT_DROP_MALFORMED_L4,    // truncated TCP/UDP header to a VIP address
+	STAT_DROP_IPV6_EXT,        // IPv6 extension header chain we do not walk, to a VIP address
+	STAT_FLOW_NEW,             // flow selected from the lookup table
+	STAT_FLOW_HIT,             // flow found in the connection table
+	STAT_FLOW_RESELECT,        // flow found, but its backend had become unusable
+	STAT_MAX,
+};

@@ -1,0 +1,78 @@
+// maps.h: every map of the program, what its key and value are, and who writes it.
+// The loader writes services, backends and lookup tables; the program writes the
+// connection table and counters.
+#pragma once
+
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+
+#include "consts.h"
+#include "structs.h"
+
+// (VIP, port, protocol) and address-only keys -> service.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_VIP_ADDRS);
+	__type(key, struct vip_key);
+	__type(value, struct service);
+} services SEC(".maps");
+
+// Backend slot -> backend.
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_BACKENDS);
+	__type(key, __u32);
+	__type(value, struct backend);
+} backends SEC(".maps");
+
+// One Maglev lookup table: entry 0 holds the table size M (a prime), entries 1..M the
+// backend slots. Its size travels inside the table, so swapping the whole inner map
+// is the one atomic step of a table update: a packet sees the old table or the new one.
+// BPF_F_INNER_MAP lets tables of different sizes share the outer map.
+struct lookup_table {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__uint(map_flags, BPF_F_INNER_MAP);
+	__type(key, __u32);
+	__type(value, __u32);
+};
+
+// Service id -> that service's current lookup table.
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, MAX_SERVICES);
+	__type(key, __u32);
+	__array(values, struct lookup_table);
+} lookup_tables SEC(".maps");
+
+// Flow 5-tuple -> backend. LRU: when full, the least recently used flow is forgotten.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, CONNTRACK_SIZE);
+	__type(key, struct flow_key);
+	__type(value, struct flow_state);
+} conntrack SEC(".maps");
+
+// Service id -> packets and bytes forwarded, per CPU.
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, MAX_SERVICES);
+	__type(key, __u32);
+	__type(value, struct counter);
+} service_stats SEC(".maps");
+
+// Backend slot -> packets and bytes forwarded, per CPU.
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, MAX_BACKENDS);
+	__type(key, __u32);
+	__type(value, struct counter);
+} backend_stats SEC(".maps");
+
+// enum stat_reason -> packets and bytes, per CPU.
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, STAT_MAX);
+	__type(key, enum stat_reason);
+	__type(value, struct counter);
+} global_stats SEC(".maps");

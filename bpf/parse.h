@@ -1,0 +1,167 @@
+// parse.h: reads Ethernet (one optional 802.1Q tag), IPv4 or IPv6 and the TCP or UDP
+// ports into struct packet, and decides what happens to what it cannot read.
+//
+// The rule for malformed input: a packet whose IP header is truncated or inconsistent
+// is passed untouched (the kernel's own checks drop it); a packet to a VIP address
+// that cannot be balanced (fragment, truncated L4 header, unwalkable IPv6 extension
+// chain) is dropped and counted; anything else not to a service is passed untouched.
+// Nothing that fails a check is ever forwarded.
+#pragma once
+
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/ipv6.h>
+#include <linux/tcp.h>
+#include <linux/udp.h>
+#include <bpf/bpf_endian.h>
+
+#include "stats.h"
+
+// CONTINUE is what a step returns when it has no verdict and the pipeline goes on.
+#define CONTINUE -1
+
+#define ETH_P_8021Q_BE bpf_htons(ETH_P_8021Q)
+#define IP_MF 0x2000
+#define IP_OFFSET 0x1fff
+
+#define TCP_FLAG_SYN 0x02
+#define TCP_FLAG_ACK 0x10
+
+struct vlan_hdr {
+	__be16 tci;
+	__be16 proto;
+};
+
+struct packet {
+	struct flow_key flow;
+	__u32 len;       // bytes of the frame, for counters
+	__u8 tcp_flags;  // flags byte of the TCP header; 0 for UDP
+};
+
+// vip_address_verdict decides for a packet that cannot be balanced: dropped if its
+// destination is a VIP address, passed otherwise.
+static __always_inline int vip_address_verdict(struct packet *p, enum stat_reason drop_reason)
+{
+	struct vip_key key = {};
+
+	__builtin_memcpy(key.addr, p->flow.dst, sizeof(key.addr));
+	key.family = p->flow.family;
+	if (bpf_map_lookup_elem(&services, &key))
+		return verdict(XDP_DROP, drop_reason, p->len);
+	return verdict(XDP_PASS, STAT_PASS_NOT_VIP_L4, p->len);
+}
+
+static __always_inline int parse_l4(void *data, void *data_end, __u32 off, struct packet *p)
+{
+	if (p->flow.proto == IPPROTO_TCP) {
+		struct tcphdr *tcp = data + off;
+
+		if ((void *)(tcp + 1) > data_end)
+			return vip_address_verdict(p, STAT_DROP_MALFORMED_L4);
+		p->flow.sport = tcp->source;
+		p->flow.dport = tcp->dest;
+		// Byte 13 of the TCP header holds the flags.
+		p->tcp_flags = ((__u8 *)tcp)[13];
+		return CONTINUE;
+	}
+	if (p->flow.proto == IPPROTO_UDP) {
+		struct udphdr *udp = data + off;
+
+		if ((void *)(udp + 1) > data_end)
+			return vip_address_verdict(p, STAT_DROP_MALFORMED_L4);
+		p->flow.sport = udp->source;
+		p->flow.dport = udp->dest;
+		return CONTINUE;
+	}
+	// ICMP and every other protocol: not balanced by this program.
+	return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+}
+
+static __always_inline int parse_ipv4(void *data, void *data_end, __u32 off, struct packet *p)
+{
+	struct iphdr *ip = data + off;
+	__u32 ihl_bytes;
+
+	if ((void *)(ip + 1) > data_end || ip->version != 4 || ip->ihl < 5)
+		return verdict(XDP_PASS, STAT_PASS_MALFORMED_L3, p->len);
+	ihl_bytes = ip->ihl * 4;
+	if (bpf_ntohs(ip->tot_len) < ihl_bytes || data + off + bpf_ntohs(ip->tot_len) > data_end)
+		return verdict(XDP_PASS, STAT_PASS_MALFORMED_L3, p->len);
+
+	p->flow.family = FAMILY_IPV4;
+	p->flow.proto = ip->protocol;
+	p->flow.src[0] = ip->saddr;
+	p->flow.dst[0] = ip->daddr;
+	if (ip->frag_off & bpf_htons(IP_MF | IP_OFFSET))
+		return vip_address_verdict(p, STAT_DROP_FRAGMENT);
+	// Options are skipped by the header length; the backend's stack reads them.
+	return parse_l4(data, data_end, off + ihl_bytes, p);
+}
+
+static __always_inline int parse_ipv6(void *data, void *data_end, __u32 off, struct packet *p)
+{
+	struct ipv6hdr *ip6 = data + off;
+	__u8 next;
+
+	if ((void *)(ip6 + 1) > data_end || ip6->version != 6)
+		return verdict(XDP_PASS, STAT_PASS_MALFORMED_L3, p->len);
+	if (data + off + sizeof(*ip6) + bpf_ntohs(ip6->payload_len) > data_end)
+		return verdict(XDP_PASS, STAT_PASS_MALFORMED_L3, p->len);
+
+	p->flow.family = FAMILY_IPV6;
+	__builtin_memcpy(p->flow.src, &ip6->saddr, sizeof(p->flow.src));
+	__builtin_memcpy(p->flow.dst, &ip6->daddr, sizeof(p->flow.dst));
+	next = ip6->nexthdr;
+	off += sizeof(*ip6);
+
+	// Walk hop-by-hop, routing and destination options headers: the ports follow them.
+#pragma unroll
+	for (int i = 0; i < MAX_IPV6_EXT_HDRS; i++) {
+		struct ipv6_opt_hdr *ext;
+
+		if (next != IPPROTO_HOPOPTS && next != IPPROTO_ROUTING && next != IPPROTO_DSTOPTS)
+			break;
+		ext = data + off;
+		if ((void *)(ext + 1) > data_end)
+			return vip_address_verdict(p, STAT_DROP_MALFORMED_L4);
+		next = ext->nexthdr;
+		off += (ext->hdrlen + 1) * 8;
+	}
+	p->flow.proto = next;
+	if (next == IPPROTO_FRAGMENT)
+		return vip_address_verdict(p, STAT_DROP_FRAGMENT);
+	if (next == IPPROTO_HOPOPTS || next == IPPROTO_ROUTING || next == IPPROTO_DSTOPTS ||
+	    next == IPPROTO_AH || next == IPPROTO_ESP)
+		return vip_address_verdict(p, STAT_DROP_IPV6_EXT);
+	return parse_l4(data, data_end, off, p);
+}
+
+// parse fills p from the frame or returns a verdict.
+static __always_inline int parse(struct xdp_md *ctx, struct packet *p)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	__u32 off = sizeof(*eth);
+	__be16 proto;
+
+	p->len = data_end - data;
+	if ((void *)(eth + 1) > data_end)
+		return verdict(XDP_PASS, STAT_PASS_NOT_IP, p->len);
+	proto = eth->h_proto;
+	if (proto == ETH_P_8021Q_BE) {
+		struct vlan_hdr *vlan = data + off;
+
+		if ((void *)(vlan + 1) > data_end)
+			return verdict(XDP_PASS, STAT_PASS_NOT_IP, p->len);
+		proto = vlan->proto;
+		off += sizeof(*vlan);
+	}
+	if (proto == bpf_htons(ETH_P_IP))
+		return parse_ipv4(data, data_end, off, p);
+	if (proto == bpf_htons(ETH_P_IPV6))
+		return parse_ipv6(data, data_end, off, p);
+	// ARP, LLDP, a second VLAN tag (QinQ), ...
+	return verdict(XDP_PASS, STAT_PASS_NOT_IP, p->len);
+}

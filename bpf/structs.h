@@ -1,0 +1,58 @@
+// structs.h: the layouts shared by the program, its maps and (through bpf2go) the Go
+// loader. Addresses and ports are in network byte order everywhere; an IPv4 address
+// takes the first word of a 16-byte address and the other three words are zero.
+#pragma once
+
+#include <linux/types.h>
+
+// Key of the services map: a VIP, its port and protocol. The loader also stores an
+// address-only key (port 0, proto 0) for every VIP address, so that fragments and
+// truncated packets to a VIP can be dropped instead of passed to a stack that does
+// not own the address.
+struct vip_key {
+	__be32 addr[4];
+	__be16 port;
+	__u8 proto;   // IPPROTO_TCP, IPPROTO_UDP; 0 in an address-only key
+	__u8 family;  // FAMILY_IPV4 or FAMILY_IPV6
+};
+
+// Value of the services map.
+struct service {
+	__u32 id;     // index into lookup_tables and service_stats
+	__u32 flags;  // SERVICE_F_*
+};
+
+// Value of the backends map (an array indexed by backend slot).
+struct backend {
+	__be32 addr[4];
+	__be16 port;
+	__u8 family;
+	__u8 flags;     // BACKEND_F_*
+	__u8 mac[6];    // next hop for dsr
+	__u8 pad[2];
+	__u32 service_id; // owning service: a flow whose slot was reused elsewhere is re-selected
+};
+
+// Key of the connection table: the flow's 5-tuple as received.
+struct flow_key {
+	__be32 src[4];
+	__be32 dst[4];
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	__u8 family;
+	__u8 pad[2];
+};
+
+// Value of the connection table.
+struct flow_state {
+	__u32 backend_id;
+	__u32 pad;
+	__u64 created_ns; // bpf_ktime_get_coarse_ns at insertion
+};
+
+// Per-CPU packet and byte counter.
+struct counter {
+	__u64 packets;
+	__u64 bytes;
+};

@@ -1,0 +1,83 @@
+package loader
+
+import (
+	"encoding/binary"
+	"math/bits"
+	"net/netip"
+)
+
+// Flow is a packet's 5-tuple as the program reads it.
+type Flow struct {
+	Src, Dst netip.AddrPort
+	Protocol Protocol
+}
+
+// FlowHash is the program's flow hash (bpf/hash.h), in Go: tests and the model use it
+// to predict which lookup-table entry a packet takes. The C hashes the address words
+// and ports as they lie in memory (network byte order read on a little-endian CPU),
+// so this reads them the same way.
+func FlowHash(f Flow, seed uint32, sourceOnly bool) uint32 {
+	h := seed
+	src := addrWords(f.Src.Addr())
+	for _, w := range src {
+		h = hashWord(h, w)
+	}
+	if !sourceOnly {
+		for _, w := range addrWords(f.Dst.Addr()) {
+			h = hashWord(h, w)
+		}
+		h = hashWord(h, uint32(portWord(f.Src.Port()))<<16|uint32(portWord(f.Dst.Port())))
+		h = hashWord(h, uint32(f.Protocol))
+	}
+	return hashFinal(h)
+}
+
+func hashWord(h, k uint32) uint32 {
+	k *= 0xcc9e2d51
+	k = bits.RotateLeft32(k, 15)
+	k *= 0x1b873593
+	h ^= k
+	h = bits.RotateLeft32(h, 13)
+	return h*5 + 0xe6546b64
+}
+
+func hashFinal(h uint32) uint32 {
+	h ^= h >> 16
+	h *= 0x85ebca6b
+	h ^= h >> 13
+	h *= 0xc2b2ae35
+	h ^= h >> 16
+	return h
+}
+
+// addrWords lays an address out as the program's keys hold it: network byte order,
+// IPv4 in the first word, read as native (little-endian) words.
+func addrWords(a netip.Addr) [4]uint32 {
+	var b [16]byte
+	if a.Is4() {
+		v4 := a.As4()
+		copy(b[:], v4[:])
+	} else {
+		b = a.As16()
+	}
+	var w [4]uint32
+	for i := range w {
+		w[i] = binary.LittleEndian.Uint32(b[i*4:])
+	}
+	return w
+}
+
+// portWord is a port in network byte order, as a native uint16 holds it.
+func portWord(p uint16) uint16 { return bits.ReverseBytes16(p) }
+
+func family(a netip.Addr) uint8 {
+	if a.Is4() {
+		return familyIPv4
+	}
+	return familyIPv6
+}
+
+const (
+	familyIPv4 = 2  // AF_INET
+	familyIPv6 = 10 // AF_INET6
+)

@@ -1,0 +1,563 @@
+// Package loader loads weir's XDP program, attaches it to interfaces and owns every
+// one of its maps behind typed methods: nothing else in weir touches a BPF map.
+package loader
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/bpf"
+	"github.com/weir-lb/weir/userspace/balance"
+)
+
+// Options are fixed for the life of a loaded program.
+type Options struct {
+	// HashSeed seeds the flow hash and the Maglev tables. Balancer nodes that share
+	// traffic behind one router must use the same seed to pick the same backends.
+	HashSeed uint32
+	// ConntrackSize is how many flows the connection table remembers; 0 keeps the
+	// default (bpf/consts.h CONNTRACK_SIZE). Each flow costs about 100 bytes of kernel memory.
+	ConntrackSize uint32
+}
+
+// Program is weir's loaded XDP program with its maps. Its methods are safe for
+// concurrent use.
+type Program struct {
+	mu          sync.Mutex
+	opts        Options
+	objs        bpf.WeirObjects
+	innerSpec   *ebpf.MapSpec
+	attachments map[string]*attachment
+	services    map[ServiceKey]*serviceState
+	vipRefs     map[netip.Addr]int
+	serviceIDs  *slotQueue
+	backendIDs  *slotQueue
+	closed      bool
+}
+
+type attachment struct {
+	link link.Link
+	mode Mode
+}
+
+type serviceState struct {
+	id       uint32
+	spec     Service
+	slots    map[netip.AddrPort]uint32
+	table    *ebpf.Map // the table packets use now
+	previous *ebpf.Map // the generation it replaced, kept readable for a later fallback
+}
+
+// Load loads the program and creates its maps. It needs CAP_BPF and CAP_NET_ADMIN
+// (or root).
+func Load(opts Options) (*Program, error) {
+	spec, err := bpf.LoadWeir()
+	if err != nil {
+		return nil, fmt.Errorf("load xdp program: %w", err)
+	}
+	if err := spec.Variables[bpf.WeirVarHashSeed].Set(opts.HashSeed); err != nil {
+		return nil, fmt.Errorf("load xdp program: set hash seed: %w", err)
+	}
+	if opts.ConntrackSize > 0 {
+		spec.Maps[bpf.WeirMapConntrack].MaxEntries = opts.ConntrackSize
+	}
+	lookupTables := spec.Maps[bpf.WeirMapLookupTables]
+	p := &Program{
+		opts:        opts,
+		innerSpec:   lookupTables.InnerMap.Copy(),
+		attachments: make(map[string]*attachment),
+		services:    make(map[ServiceKey]*serviceState),
+		vipRefs:     make(map[netip.Addr]int),
+		serviceIDs:  newSlotQueue(lookupTables.MaxEntries),
+		backendIDs:  newSlotQueue(spec.Maps[bpf.WeirMapBackends].MaxEntries),
+	}
+	if err := spec.LoadAndAssign(&p.objs, nil); err != nil {
+		if errors.Is(err, unix.EPERM) {
+			return nil, fmt.Errorf("load xdp program: %w (run as root, or grant CAP_BPF and CAP_NET_ADMIN)", err)
+		}
+		return nil, fmt.Errorf("load xdp program: %w", err)
+	}
+	return p, nil
+}
+
+// Mode is how a program is attached to an interface.
+type Mode string
+
+const (
+	// ModeNative runs the program in the driver, before any socket buffer exists.
+	ModeNative Mode = "native"
+	// ModeGeneric runs it in the kernel's generic XDP hook: every driver, slower.
+	ModeGeneric Mode = "generic"
+	// ModeAuto tries native, then generic.
+	ModeAuto Mode = "auto"
+)
+
+// ParseMode reads "native", "generic" or "auto".
+func ParseMode(s string) (Mode, error) {
+	switch m := Mode(s); m {
+	case ModeNative, ModeGeneric, ModeAuto:
+		return m, nil
+	}
+	return "", fmt.Errorf("attach mode %q: must be native, generic or auto", s)
+}
+
+// Attach attaches the program to the named interface and returns the mode it got.
+// The interface is looked up in the calling thread's network namespace.
+func (p *Program) Attach(ifname string, mode Mode) (Mode, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return "", fmt.Errorf("attach xdp to %s: %w", ifname, net.ErrClosed)
+	}
+	if _, ok := p.attachments[ifname]; ok {
+		return "", fmt.Errorf("attach xdp to %s: already attached; detach it first", ifname)
+	}
+	iface, err := net.InterfaceByName(ifname)
+	if err != nil {
+		return "", fmt.Errorf("attach xdp to %s: %w (check the interface name and network namespace)", ifname, err)
+	}
+	var tries []Mode
+	switch mode {
+	case ModeNative, ModeGeneric:
+		tries = []Mode{mode}
+	case ModeAuto, "":
+		tries = []Mode{ModeNative, ModeGeneric}
+	default:
+		return "", fmt.Errorf("attach xdp to %s: mode %q: must be native, generic or auto", ifname, mode)
+	}
+	var errs []error
+	for _, m := range tries {
+		flags := link.XDPDriverMode
+		if m == ModeGeneric {
+			flags = link.XDPGenericMode
+		}
+		l, err := link.AttachXDP(link.XDPOptions{Program: p.objs.WeirXdp, Interface: iface.Index, Flags: flags})
+		if err == nil {
+			p.attachments[ifname] = &attachment{link: l, mode: m}
+			return m, nil
+		}
+		errs = append(errs, fmt.Errorf("%s: %w", m, err))
+	}
+	return "", fmt.Errorf("attach xdp to %s: %w", ifname, errors.Join(errs...))
+}
+
+// Detach removes the program from the named interface.
+func (p *Program) Detach(ifname string) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	a, ok := p.attachments[ifname]
+	if !ok {
+		return fmt.Errorf("detach xdp from %s: not attached", ifname)
+	}
+	delete(p.attachments, ifname)
+	if err := a.link.Close(); err != nil {
+		return fmt.Errorf("detach xdp from %s: %w", ifname, err)
+	}
+	return nil
+}
+
+// Attachments returns the interfaces the program is attached to, with their modes.
+func (p *Program) Attachments() map[string]Mode {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make(map[string]Mode, len(p.attachments))
+	for name, a := range p.attachments {
+		out[name] = a.mode
+	}
+	return out
+}
+
+// Close detaches the program from every interface, then releases the program and
+// its maps. It is idempotent.
+func (p *Program) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	p.closed = true
+	var errs []error
+	// Links first: the program must leave the interfaces before its maps go.
+	for name, a := range p.attachments {
+		if err := a.link.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("detach xdp from %s: %w", name, err))
+		}
+	}
+	p.attachments = nil
+	for _, s := range p.services {
+		s.closeTables()
+	}
+	if err := p.objs.Close(); err != nil {
+		errs = append(errs, fmt.Errorf("close xdp objects: %w", err))
+	}
+	return errors.Join(errs...)
+}
+
+// AddService installs a new service with its backends and lookup table.
+func (p *Program) AddService(s Service) error {
+	if err := s.validate(); err != nil {
+		return err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.usable(); err != nil {
+		return err
+	}
+	if _, ok := p.services[s.Key]; ok {
+		return fmt.Errorf("add service %s: %w; update it instead", s.Key, ErrServiceExists)
+	}
+	id, ok := p.serviceIDs.take()
+	if !ok {
+		return fmt.Errorf("add service %s: all %d service slots in use: %w", s.Key, p.serviceIDs.capacity, ErrCapacity)
+	}
+	st := &serviceState{id: id, slots: make(map[netip.AddrPort]uint32)}
+	if err := p.zeroCounters(p.objs.ServiceStats, id); err != nil {
+		p.serviceIDs.give(id)
+		return fmt.Errorf("add service %s: %w", s.Key, err)
+	}
+	if err := p.apply(st, s); err != nil {
+		p.releaseService(st)
+		return fmt.Errorf("add service %s: %w", s.Key, err)
+	}
+	// The service key goes in last: until then no packet can reach a half-made service.
+	if err := p.objs.Services.Put(vipKey(s.Key), bpf.WeirService{Id: id, Flags: serviceFlags(s)}); err != nil {
+		p.releaseService(st)
+		return fmt.Errorf("add service %s: %w", s.Key, err)
+	}
+	if err := p.refVIP(s.Key.VIP.Addr()); err != nil {
+		_ = p.objs.Services.Delete(vipKey(s.Key))
+		p.releaseService(st)
+		return fmt.Errorf("add service %s: %w", s.Key, err)
+	}
+	p.services[s.Key] = st
+	return nil
+}
+
+// UpdateService replaces a service's settings and backends. Backends that stay keep
+// their slots, so their established flows stay with them; the new lookup table
+// replaces the old one in one step.
+func (p *Program) UpdateService(s Service) error {
+	if err := s.validate(); err != nil {
+		return err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.usable(); err != nil {
+		return err
+	}
+	st, ok := p.services[s.Key]
+	if !ok {
+		return fmt.Errorf("update service %s: %w; add it first", s.Key, ErrNoService)
+	}
+	if err := p.apply(st, s); err != nil {
+		return fmt.Errorf("update service %s: %w", s.Key, err)
+	}
+	if err := p.objs.Services.Put(vipKey(s.Key), bpf.WeirService{Id: st.id, Flags: serviceFlags(s)}); err != nil {
+		return fmt.Errorf("update service %s: %w", s.Key, err)
+	}
+	return nil
+}
+
+// DeleteService removes a service; its packets are passed to the stack from then on.
+func (p *Program) DeleteService(key ServiceKey) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.usable(); err != nil {
+		return err
+	}
+	st, ok := p.services[key]
+	if !ok {
+		return fmt.Errorf("delete service %s: %w", key, ErrNoService)
+	}
+	if err := p.objs.Services.Delete(vipKey(key)); err != nil {
+		return fmt.Errorf("delete service %s: %w", key, err)
+	}
+	delete(p.services, key)
+	p.unrefVIP(key.VIP.Addr())
+	p.releaseService(st)
+	return nil
+}
+
+// SetBackendUsable marks one backend of a service usable or unusable (for example
+// from a health check). An unusable backend leaves the lookup table (only its own
+// share of entries moves) and its established flows are re-selected.
+func (p *Program) SetBackendUsable(key ServiceKey, backend netip.AddrPort, usable bool) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.usable(); err != nil {
+		return err
+	}
+	st, ok := p.services[key]
+	if !ok {
+		return fmt.Errorf("set backend %s of service %s usable=%t: %w", backend, key, usable, ErrNoService)
+	}
+	next := st.spec
+	next.Backends = append([]Backend(nil), st.spec.Backends...)
+	found := false
+	for i := range next.Backends {
+		if next.Backends[i].Addr == backend {
+			next.Backends[i].Usable = usable
+			found = true
+		}
+	}
+	if !found {
+		return fmt.Errorf("set backend %s of service %s usable=%t: %w", backend, key, usable, ErrNoBackend)
+	}
+	if err := p.apply(st, next); err != nil {
+		return fmt.Errorf("set backend %s of service %s usable=%t: %w", backend, key, usable, err)
+	}
+	return nil
+}
+
+// Services returns the installed services as last set.
+func (p *Program) Services() []Service {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]Service, 0, len(p.services))
+	for _, st := range p.services {
+		s := st.spec
+		s.Backends = append([]Backend(nil), s.Backends...)
+		out = append(out, s)
+	}
+	return out
+}
+
+func (p *Program) usable() error {
+	if p.closed {
+		return fmt.Errorf("xdp program: %w", net.ErrClosed)
+	}
+	return nil
+}
+
+// apply writes a service's backends and swaps in its new lookup table. Order matters
+// for packets in flight: new and kept backends are written first, then the table
+// that refers to them is swapped in, and only then are removed backends cleared.
+func (p *Program) apply(st *serviceState, s Service) error {
+	slots := make(map[netip.AddrPort]uint32, len(s.Backends))
+	var fresh []uint32
+	undo := func() {
+		for _, id := range fresh {
+			p.backendIDs.give(id)
+		}
+	}
+	for _, b := range s.Backends {
+		id, ok := st.slots[b.Addr]
+		if !ok {
+			if id, ok = p.backendIDs.take(); !ok {
+				undo()
+				return fmt.Errorf("backend %s: all %d backend slots in use: %w", b.Addr, p.backendIDs.capacity, ErrCapacity)
+			}
+			fresh = append(fresh, id)
+			if err := p.zeroCounters(p.objs.BackendStats, id); err != nil {
+				undo()
+				return err
+			}
+		}
+		slots[b.Addr] = id
+	}
+
+	table, err := p.buildTable(s, slots)
+	if err != nil {
+		undo()
+		return err
+	}
+	for _, b := range s.Backends {
+		if err := p.objs.Backends.Put(slots[b.Addr], backendValue(b, st.id)); err != nil {
+			table.Close()
+			undo()
+			return fmt.Errorf("backend %s: %w", b.Addr, err)
+		}
+	}
+	if table != nil {
+		if err := p.objs.LookupTables.Put(st.id, table); err != nil {
+			table.Close()
+			undo()
+			return fmt.Errorf("swap lookup table: %w", err)
+		}
+	} else if err := p.objs.LookupTables.Delete(st.id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		undo()
+		return fmt.Errorf("clear lookup table: %w", err)
+	}
+	if st.previous != nil {
+		st.previous.Close()
+	}
+	st.previous, st.table = st.table, table
+
+	for addr, id := range st.slots {
+		if _, kept := slots[addr]; !kept {
+			p.clearBackend(id)
+		}
+	}
+	st.slots = slots
+	st.spec = s
+	st.spec.Backends = append([]Backend(nil), s.Backends...)
+	return nil
+}
+
+// buildTable fills a new inner map with the service's Maglev table. It returns nil,
+// without error, when no backend is usable: the service then drops new flows and
+// counts them as having no backend.
+func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32) (*ebpf.Map, error) {
+	members := make([]balance.Backend, len(s.Backends))
+	usable := 0
+	for i, b := range s.Backends {
+		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: b.Usable}
+		if b.Usable && b.Weight > 0 {
+			usable++
+		}
+	}
+	if usable == 0 {
+		return nil, nil
+	}
+	size := s.TableSize
+	if size == 0 {
+		size = balance.MaglevSize(len(s.Backends))
+	}
+	entries, err := balance.BuildMaglev(members, size, uint64(p.opts.HashSeed))
+	if err != nil {
+		return nil, fmt.Errorf("build lookup table: %w", err)
+	}
+	// Entry 0 holds the size: it travels with the table, so one swap changes both.
+	values := make([]uint32, len(entries)+1)
+	values[0] = uint32(len(entries))
+	for i, e := range entries {
+		values[i+1] = slots[s.Backends[e].Addr]
+	}
+	spec := p.innerSpec.Copy()
+	spec.MaxEntries = uint32(len(values))
+	spec.Name = "weir_lut"
+	table, err := ebpf.NewMap(spec)
+	if err != nil {
+		return nil, fmt.Errorf("create lookup table of %d entries: %w", len(values), err)
+	}
+	keys := make([]uint32, len(values))
+	for i := range keys {
+		keys[i] = uint32(i)
+	}
+	if _, err := table.BatchUpdate(keys, values, nil); err != nil {
+		table.Close()
+		return nil, fmt.Errorf("fill lookup table: %w", err)
+	}
+	return table, nil
+}
+
+// clearBackend zeroes a slot (so flows still pointing at it are re-selected) and
+// returns it to the free queue, which hands out the longest-free slot first.
+func (p *Program) clearBackend(id uint32) {
+	_ = p.objs.Backends.Put(id, bpf.WeirBackend{})
+	p.backendIDs.give(id)
+}
+
+func (p *Program) releaseService(st *serviceState) {
+	_ = p.objs.LookupTables.Delete(st.id)
+	st.closeTables()
+	for _, id := range st.slots {
+		p.clearBackend(id)
+	}
+	st.slots = nil
+	p.serviceIDs.give(st.id)
+}
+
+func (st *serviceState) closeTables() {
+	if st.table != nil {
+		st.table.Close()
+		st.table = nil
+	}
+	if st.previous != nil {
+		st.previous.Close()
+		st.previous = nil
+	}
+}
+
+// refVIP keeps one address-only key per VIP address, shared by the services on it:
+// the program drops unbalanceable packets (fragments, truncated headers) to it.
+func (p *Program) refVIP(addr netip.Addr) error {
+	if p.vipRefs[addr] == 0 {
+		key := bpf.WeirVipKey{Addr: addrWords(addr), Family: family(addr)}
+		if err := p.objs.Services.Put(key, bpf.WeirService{}); err != nil {
+			return fmt.Errorf("vip address %s: %w", addr, err)
+		}
+	}
+	p.vipRefs[addr]++
+	return nil
+}
+
+func (p *Program) unrefVIP(addr netip.Addr) {
+	p.vipRefs[addr]--
+	if p.vipRefs[addr] > 0 {
+		return
+	}
+	delete(p.vipRefs, addr)
+	_ = p.objs.Services.Delete(bpf.WeirVipKey{Addr: addrWords(addr), Family: family(addr)})
+}
+
+func vipKey(k ServiceKey) bpf.WeirVipKey {
+	a := k.VIP.Addr()
+	return bpf.WeirVipKey{
+		Addr:   addrWords(a),
+		Port:   portWord(k.VIP.Port()),
+		Proto:  uint8(k.Protocol),
+		Family: family(a),
+	}
+}
+
+func serviceFlags(s Service) uint32 {
+	var f uint32
+	if s.SourceHash {
+		f |= serviceFlagSourceHash
+	}
+	return f
+}
+
+func backendValue(b Backend, serviceID uint32) bpf.WeirBackend {
+	v := bpf.WeirBackend{
+		Addr:      addrWords(b.Addr.Addr()),
+		Port:      portWord(b.Addr.Port()),
+		Family:    family(b.Addr.Addr()),
+		ServiceId: serviceID,
+	}
+	copy(v.Mac[:], b.MAC)
+	if b.Usable {
+		v.Flags |= backendFlagUsable
+	}
+	return v
+}
+
+// Flag bits of bpf/consts.h.
+const (
+	serviceFlagSourceHash = 1 << 0
+	backendFlagUsable     = 1 << 0
+)
+
+// slotQueue hands out map indexes, oldest-freed first, so a slot just cleared is
+// reused as late as possible and stale flows have time to age out of the LRU.
+type slotQueue struct {
+	free     []uint32
+	capacity uint32
+}
+
+func newSlotQueue(n uint32) *slotQueue {
+	q := &slotQueue{free: make([]uint32, n), capacity: n}
+	for i := range q.free {
+		q.free[i] = uint32(i)
+	}
+	return q
+}
+
+func (q *slotQueue) take() (uint32, bool) {
+	if len(q.free) == 0 {
+		return 0, false
+	}
+	id := q.free[0]
+	q.free = q.free[1:]
+	return id, true
+}
+
+func (q *slotQueue) give(id uint32) { q.free = append(q.free, id) }

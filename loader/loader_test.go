@@ -1,0 +1,435 @@
+package loader
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"testing"
+	"unsafe"
+
+	"github.com/weir-lb/weir/bpf"
+	"github.com/weir-lb/weir/internal/packet"
+	"github.com/weir-lb/weir/internal/xdptest"
+	"github.com/weir-lb/weir/userspace/balance"
+)
+
+const testSeed = 0x5eed
+
+var (
+	clientMAC = net.HardwareAddr{0x02, 0, 0, 0, 0, 0x01}
+	lbMAC     = net.HardwareAddr{0x02, 0, 0, 0, 0, 0x02}
+	vip4      = netip.MustParseAddr("10.77.100.1")
+	vip6      = netip.MustParseAddr("fd77:100::1")
+	client4   = netip.MustParseAddr("10.77.0.1")
+	client6   = netip.MustParseAddr("fd77::1")
+	other4    = netip.MustParseAddr("10.77.0.99")
+)
+
+func backendMAC(i int) net.HardwareAddr { return net.HardwareAddr{0x02, 0, 0, 0, 1, byte(i)} }
+
+// testBackends returns n usable backends of weight 1 on the VIP's port (dsr).
+func testBackends(n int, v6 bool, port uint16) []Backend {
+	out := make([]Backend, n)
+	for i := range out {
+		a := netip.AddrFrom4([4]byte{10, 77, 0, byte(11 + i)})
+		if v6 {
+			a = netip.MustParseAddr(fmt.Sprintf("fd77::%x", 0x11+i))
+		}
+		out[i] = Backend{Addr: netip.AddrPortFrom(a, port), MAC: backendMAC(i), Weight: 1, Usable: true}
+	}
+	return out
+}
+
+func loadT(t *testing.T) *Program {
+	t.Helper()
+	p, err := Load(Options{HashSeed: testSeed, ConntrackSize: 4096})
+	xdptest.Check(t, err)
+	t.Cleanup(func() {
+		if err := p.Close(); err != nil {
+			t.Errorf("close: %v", err)
+		}
+	})
+	return p
+}
+
+// wantBackend predicts, from the Go hash and table builder, which backend the
+// program must pick for a new flow.
+func wantBackend(t *testing.T, s Service, f Flow) Backend {
+	t.Helper()
+	members := make([]balance.Backend, len(s.Backends))
+	for i, b := range s.Backends {
+		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: b.Usable}
+	}
+	size := s.TableSize
+	if size == 0 {
+		size = balance.MaglevSize(len(s.Backends))
+	}
+	table, err := balance.BuildMaglev(members, size, testSeed)
+	if err != nil {
+		t.Fatalf("build table: %v", err)
+	}
+	h := FlowHash(f, testSeed, s.SourceHash)
+	return s.Backends[table[h%uint32(len(table))]]
+}
+
+// dsrOut is what dsr must make of a frame: source MAC ours, destination the backend's.
+func dsrOut(in []byte, to net.HardwareAddr) []byte {
+	out := bytes.Clone(in)
+	copy(out[6:12], in[0:6])
+	copy(out[0:6], to)
+	return out
+}
+
+func TestStructSizesMatchC(t *testing.T) {
+	spec, err := bpf.LoadWeir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		mapName string
+		key     uintptr
+		value   uintptr
+	}{
+		{bpf.WeirMapServices, unsafe.Sizeof(bpf.WeirVipKey{}), unsafe.Sizeof(bpf.WeirService{})},
+		{bpf.WeirMapBackends, 4, unsafe.Sizeof(bpf.WeirBackend{})},
+		{bpf.WeirMapConntrack, unsafe.Sizeof(bpf.WeirFlowKey{}), unsafe.Sizeof(bpf.WeirFlowState{})},
+		{bpf.WeirMapServiceStats, 4, unsafe.Sizeof(bpf.WeirCounter{})},
+		{bpf.WeirMapGlobalStats, 4, unsafe.Sizeof(bpf.WeirCounter{})},
+	} {
+		m := spec.Maps[tc.mapName]
+		if uintptr(m.KeySize) != tc.key || uintptr(m.ValueSize) != tc.value {
+			t.Errorf("map %s: C key/value sizes %d/%d; Go %d/%d", tc.mapName, m.KeySize, m.ValueSize, tc.key, tc.value)
+		}
+	}
+	if n := spec.Maps[bpf.WeirMapGlobalStats].MaxEntries; n != uint32(reasonMax) || len(reasonNames) != int(reasonMax) {
+		t.Errorf("global_stats has %d entries, reasonMax %d, %d names; want all equal", n, reasonMax, len(reasonNames))
+	}
+}
+
+func TestFixtures(t *testing.T) {
+	p := loadT(t)
+	svc4 := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, Backends: testBackends(3, false, 80)}
+	svc6 := Service{Key: ServiceKey{netip.AddrPortFrom(vip6, 80), TCP}, Backends: testBackends(3, true, 80)}
+	udp4 := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 53), UDP}, Backends: testBackends(3, false, 53)}
+	for _, s := range []Service{svc4, svc6, udp4} {
+		if err := p.AddService(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	tcp4 := func(sport uint16, flags uint8) packet.Frame {
+		return packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC,
+			Src: netip.AddrPortFrom(client4, sport), Dst: netip.AddrPortFrom(vip4, 80), TCPFlags: flags}
+	}
+	tcp6 := func(sport uint16, flags uint8) packet.Frame {
+		return packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC,
+			Src: netip.AddrPortFrom(client6, sport), Dst: netip.AddrPortFrom(vip6, 80), TCPFlags: flags}
+	}
+	flowOf := func(f packet.Frame) Flow {
+		proto := TCP
+		if f.Proto == packet.ProtoUDP {
+			proto = UDP
+		}
+		return Flow{Src: f.Src, Dst: f.Dst, Protocol: proto}
+	}
+	with := func(f packet.Frame, change func(*packet.Frame)) packet.Frame { change(&f); return f }
+
+	type fixture struct {
+		name       string
+		in         []byte
+		wantAction Action
+		wantOut    []byte // nil: the frame unchanged
+		wantReason Reason
+	}
+	dsr := func(name string, s Service, f packet.Frame) fixture {
+		in := f.Build()
+		return fixture{name, in, XDPTX, dsrOut(in, wantBackend(t, s, flowOf(f)).MAC), ReasonTX}
+	}
+	pass := func(name string, in []byte, r Reason) fixture { return fixture{name, in, XDPPass, nil, r} }
+	drop := func(name string, in []byte, r Reason) fixture { return fixture{name, in, XDPDrop, nil, r} }
+
+	fixtures := []fixture{
+		dsr("tcp syn v4", svc4, tcp4(40000, packet.SYN)),
+		dsr("tcp syn v4 again", svc4, tcp4(40000, packet.SYN)),
+		dsr("tcp ack v4 of known flow", svc4, tcp4(40000, packet.ACK)),
+		dsr("tcp syn v6", svc6, tcp6(40001, packet.SYN)),
+		dsr("tcp ack v6", svc6, tcp6(40001, packet.ACK|packet.PSH)),
+		dsr("udp v4", udp4, packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Proto: packet.ProtoUDP,
+			Src: netip.AddrPortFrom(client4, 5353), Dst: netip.AddrPortFrom(vip4, 53), Payload: []byte("query")}),
+		dsr("vlan tagged v4", svc4, with(tcp4(40002, packet.SYN), func(f *packet.Frame) { f.VLAN = 7 })),
+		dsr("ipv4 with options", svc4, with(tcp4(40003, packet.SYN), func(f *packet.Frame) { f.IPv4Options = []byte{1, 1, 1, 0} })),
+		dsr("ipv6 hop-by-hop and dest options", svc6, with(tcp6(40004, packet.SYN), func(f *packet.Frame) {
+			f.IPv6ExtHeaders = []uint8{packet.ProtoHopOpts, packet.ProtoDstOpts}
+		})),
+		pass("non-vip v4", with(tcp4(40005, packet.SYN), func(f *packet.Frame) { f.Dst = netip.AddrPortFrom(other4, 80) }).Build(), ReasonPassNotService),
+		pass("vip wrong port", with(tcp4(40006, packet.SYN), func(f *packet.Frame) { f.Dst = netip.AddrPortFrom(vip4, 81) }).Build(), ReasonPassNotService),
+		pass("vip wrong protocol", with(tcp4(40007, 0), func(f *packet.Frame) { f.Proto = packet.ProtoUDP }).Build(), ReasonPassNotService),
+		pass("icmp to vip", with(tcp4(0, 0), func(f *packet.Frame) { f.Proto = packet.ProtoICMP; f.Payload = make([]byte, 8) }).Build(), ReasonPassNotService),
+		pass("arp", append(append(append([]byte{}, lbMAC...), clientMAC...), append([]byte{0x08, 0x06}, make([]byte, 28)...)...), ReasonPassNotIP),
+		// BPF_PROG_TEST_RUN refuses frames shorter than an Ethernet header (as no NIC
+		// delivers them), so the shortest frames tried are a bare header and a cut tag.
+		pass("ethernet header only", tcp4(40019, packet.SYN).Build()[:14], ReasonPassMalformedL3),
+		pass("truncated vlan tag", with(tcp4(40020, packet.SYN), func(f *packet.Frame) { f.VLAN = 7 }).Build()[:16], ReasonPassNotIP),
+		pass("truncated ipv4 header", tcp4(40008, packet.SYN).Build()[:14+12], ReasonPassMalformedL3),
+		pass("ipv4 total length past the frame", func() []byte {
+			b := tcp4(40009, packet.SYN).Build()
+			b[14+3] += 40
+			return b
+		}(), ReasonPassMalformedL3),
+		pass("ipv4 ihl below 5", func() []byte {
+			b := tcp4(40010, packet.SYN).Build()
+			b[14] = 0x44
+			return b
+		}(), ReasonPassMalformedL3),
+		drop("truncated tcp to vip", func() []byte {
+			b := tcp4(40011, packet.SYN).Build()[:14+20+10]
+			b[14+3] = 30 // keep the IPv4 length consistent with what is there
+			return b
+		}(), ReasonDropMalformedL4),
+		pass("truncated tcp not to vip", func() []byte {
+			b := with(tcp4(40012, packet.SYN), func(f *packet.Frame) { f.Dst = netip.AddrPortFrom(other4, 80) }).Build()[:14+20+10]
+			b[14+3] = 30
+			return b
+		}(), ReasonPassNotVIPL4),
+		drop("ipv4 first fragment to vip", with(tcp4(40013, packet.SYN), func(f *packet.Frame) { f.MoreFrags = true }).Build(), ReasonDropFragment),
+		drop("ipv4 later fragment to vip", with(tcp4(40014, packet.SYN), func(f *packet.Frame) { f.FragOffset = 185 }).Build(), ReasonDropFragment),
+		pass("ipv4 fragment not to vip", with(tcp4(40015, packet.SYN), func(f *packet.Frame) {
+			f.MoreFrags = true
+			f.Dst = netip.AddrPortFrom(other4, 80)
+		}).Build(), ReasonPassNotVIPL4),
+		drop("ipv6 fragment header to vip", with(tcp6(40016, packet.SYN), func(f *packet.Frame) { f.IPv6ExtHeaders = []uint8{packet.ProtoFrag} }).Build(), ReasonDropFragment),
+		drop("ipv6 five option headers to vip", with(tcp6(40017, packet.SYN), func(f *packet.Frame) {
+			f.IPv6ExtHeaders = []uint8{packet.ProtoHopOpts, packet.ProtoDstOpts, packet.ProtoRouting, packet.ProtoDstOpts, packet.ProtoDstOpts}
+		}).Build(), ReasonDropIPv6Extension),
+		pass("truncated ipv6 header", tcp6(40018, packet.SYN).Build()[:14+30], ReasonPassMalformedL3),
+	}
+	for _, fx := range fixtures {
+		t.Run(fx.name, func(t *testing.T) {
+			before, err := p.Stats()
+			if err != nil {
+				t.Fatal(err)
+			}
+			action, out, err := p.Run(fx.in)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if action != fx.wantAction {
+				t.Fatalf("action %s; want %s", action, fx.wantAction)
+			}
+			want := fx.wantOut
+			if want == nil {
+				want = fx.in
+			}
+			if !bytes.Equal(out, want) {
+				t.Errorf("output frame\n got %x\nwant %x", out, want)
+			}
+			after, err := p.Stats()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := after.Reasons[fx.wantReason].Packets - before.Reasons[fx.wantReason].Packets; got != 1 {
+				t.Errorf("counter %s went up by %d; want 1", fx.wantReason, got)
+			}
+		})
+	}
+}
+
+// TestConnectionTable checks that established flows keep their backend when the
+// table changes, and move only when their backend becomes unusable.
+func TestConnectionTable(t *testing.T) {
+	p := loadT(t)
+	svc := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, Backends: testBackends(4, false, 80)}
+	if err := p.AddService(svc); err != nil {
+		t.Fatal(err)
+	}
+	backendOf := func(sport uint16, flags uint8) net.HardwareAddr {
+		t.Helper()
+		in := packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Src: netip.AddrPortFrom(client4, sport),
+			Dst: netip.AddrPortFrom(vip4, 80), TCPFlags: flags}.Build()
+		action, out, err := p.Run(in)
+		if err != nil || action != XDPTX {
+			t.Fatalf("flow %d: action %s, err %v; want XDP_TX", sport, action, err)
+		}
+		return net.HardwareAddr(out[0:6])
+	}
+
+	// Open 200 flows and remember where each went.
+	first := make(map[uint16]string)
+	for port := uint16(20000); port < 20200; port++ {
+		first[port] = backendOf(port, packet.SYN).String()
+	}
+	// Remove backend 0 from the table by weight, keep it usable: established flows
+	// (non-SYN packets) must all stay where they were.
+	changed := svc
+	changed.Backends = append([]Backend(nil), svc.Backends...)
+	changed.Backends[0].Weight = 0
+	if err := p.UpdateService(changed); err != nil {
+		t.Fatal(err)
+	}
+	for port, was := range first {
+		if got := backendOf(port, packet.ACK).String(); got != was {
+			t.Fatalf("flow %d moved from %s to %s after a table change; want it to stay", port, was, got)
+		}
+	}
+
+	// Now mark backend 1 unusable: its flows move, everyone else's stay, nothing new
+	// reaches it.
+	gone := svc.Backends[1]
+	if err := p.SetBackendUsable(svc.Key, gone.Addr, false); err != nil {
+		t.Fatal(err)
+	}
+	before, _ := p.Stats()
+	moved := 0
+	for port, was := range first {
+		got := backendOf(port, packet.ACK).String()
+		switch {
+		case got == gone.MAC.String():
+			t.Fatalf("flow %d still reaches the unusable backend", port)
+		case was == gone.MAC.String():
+			moved++
+		case got != was:
+			t.Fatalf("flow %d moved from %s to %s; only the unusable backend's flows may move", port, was, got)
+		}
+	}
+	for port := uint16(30000); port < 30300; port++ {
+		if got := backendOf(port, packet.SYN).String(); got == gone.MAC.String() || got == svc.Backends[0].MAC.String() {
+			t.Fatalf("new flow %d went to %s, which is unusable or has weight 0", port, got)
+		}
+	}
+	after, _ := p.Stats()
+	if got := after.Reasons[ReasonFlowReselect].Packets - before.Reasons[ReasonFlowReselect].Packets; got != uint64(moved) || moved == 0 {
+		t.Errorf("reselected %d flows, counted %d; want equal and > 0", moved, got)
+	}
+}
+
+func TestNoUsableBackendDrops(t *testing.T) {
+	p := loadT(t)
+	svc := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, Backends: testBackends(1, false, 80)}
+	if err := p.AddService(svc); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.SetBackendUsable(svc.Key, svc.Backends[0].Addr, false); err != nil {
+		t.Fatal(err)
+	}
+	in := packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Src: netip.AddrPortFrom(client4, 1234),
+		Dst: netip.AddrPortFrom(vip4, 80), TCPFlags: packet.SYN}.Build()
+	if action, _, err := p.Run(in); err != nil || action != XDPDrop {
+		t.Fatalf("action %s, err %v; want XDP_DROP", action, err)
+	}
+}
+
+func TestSourceHashAffinity(t *testing.T) {
+	p := loadT(t)
+	svc := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, SourceHash: true, Backends: testBackends(5, false, 80)}
+	if err := p.AddService(svc); err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for port := uint16(1000); port < 1100; port++ {
+		in := packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Src: netip.AddrPortFrom(client4, port),
+			Dst: netip.AddrPortFrom(vip4, 80), TCPFlags: packet.SYN}.Build()
+		_, out, err := p.Run(in)
+		if err != nil {
+			t.Fatal(err)
+		}
+		seen[net.HardwareAddr(out[0:6]).String()] = true
+	}
+	want := wantBackend(t, svc, Flow{Src: netip.AddrPortFrom(client4, 1), Dst: svc.Key.VIP, Protocol: TCP})
+	if len(seen) != 1 || !seen[want.MAC.String()] {
+		t.Errorf("one client's flows went to %v; want all to %s", seen, want.MAC)
+	}
+}
+
+func TestServiceErrors(t *testing.T) {
+	p := loadT(t)
+	good := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, Backends: testBackends(2, false, 80)}
+	if err := p.AddService(good); err != nil {
+		t.Fatal(err)
+	}
+	zeroWeights := good
+	zeroWeights.Key.VIP = netip.AddrPortFrom(vip4, 81)
+	zeroWeights.Backends = testBackends(2, false, 81)
+	for i := range zeroWeights.Backends {
+		zeroWeights.Backends[i].Weight = 0
+	}
+	dup := good
+	dup.Backends = append(testBackends(2, false, 80), testBackends(1, false, 80)...)
+	noMAC := good
+	noMAC.Key.VIP = netip.AddrPortFrom(vip4, 82)
+	noMAC.Backends = testBackends(1, false, 82)
+	noMAC.Backends[0].MAC = nil
+
+	for _, tc := range []struct {
+		name    string
+		op      func() error
+		wantErr error
+		wantMsg string
+	}{
+		{"duplicate vip", func() error { return p.AddService(good) }, ErrServiceExists, "tcp/10.77.100.1:80"},
+		{"no backends", func() error {
+			s := good
+			s.Key.VIP = netip.AddrPortFrom(vip4, 90)
+			s.Backends = nil
+			return p.AddService(s)
+		}, ErrInvalidService, "at least one backend"},
+		{"every weight zero", func() error { return p.AddService(zeroWeights) }, ErrInvalidService, "every weight is 0"},
+		{"bad vip", func() error {
+			s := good
+			s.Key.VIP = netip.AddrPort{}
+			return p.AddService(s)
+		}, ErrInvalidService, "vip"},
+		{"vip port zero", func() error {
+			s := good
+			s.Key.VIP = netip.AddrPortFrom(vip4, 0)
+			return p.AddService(s)
+		}, ErrInvalidService, "port must be 1..65535"},
+		{"backend listed twice", func() error { return p.UpdateService(dup) }, ErrInvalidService, "listed twice"},
+		{"backend without mac", func() error { return p.AddService(noMAC) }, ErrInvalidService, "mac must be"},
+		{"weight too large", func() error {
+			s := good
+			s.Backends = testBackends(1, false, 80)
+			s.Backends[0].Weight = 70000
+			return p.UpdateService(s)
+		}, ErrInvalidService, "weight must be 0..65535, got 70000"},
+		{"update missing service", func() error {
+			s := good
+			s.Key.VIP = netip.AddrPortFrom(vip4, 99)
+			return p.UpdateService(s)
+		}, ErrNoService, "add it first"},
+		{"unknown backend", func() error {
+			return p.SetBackendUsable(good.Key, netip.MustParseAddrPort("10.9.9.9:80"), false)
+		}, ErrNoBackend, "10.9.9.9:80"},
+		{"missing interface", func() error {
+			_, err := p.Attach("weir-no-such0", ModeAuto)
+			return err
+		}, nil, "weir-no-such0"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.op()
+			if err == nil {
+				t.Fatal("got no error; want one")
+			}
+			if tc.wantErr != nil && !errors.Is(err, tc.wantErr) {
+				t.Errorf("got %v; want errors.Is %v", err, tc.wantErr)
+			}
+			if !bytes.Contains([]byte(err.Error()), []byte(tc.wantMsg)) {
+				t.Errorf("got %q; want it to mention %q", err, tc.wantMsg)
+			}
+		})
+	}
+	// Failed calls left the good service as it was.
+	if got := p.Services(); len(got) != 1 || len(got[0].Backends) != 2 {
+		t.Errorf("services after failed calls: %+v; want the one good service untouched", got)
+	}
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Close(); err != nil {
+		t.Errorf("second close: %v; want nil", err)
+	}
+	if err := p.AddService(good); !errors.Is(err, net.ErrClosed) {
+		t.Errorf("add after close: %v; want net.ErrClosed", err)
+	}
+}

@@ -1,0 +1,130 @@
+package loader
+
+import (
+	"fmt"
+	"net/netip"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/weir-lb/weir/bpf"
+)
+
+// Reason is why the program counted a packet (bpf/consts.h enum stat_reason).
+type Reason uint32
+
+const (
+	ReasonPassNotIP         = Reason(bpf.WeirStatReasonSTAT_PASS_NOT_IP)
+	ReasonPassMalformedL3   = Reason(bpf.WeirStatReasonSTAT_PASS_MALFORMED_L3)
+	ReasonPassNotService    = Reason(bpf.WeirStatReasonSTAT_PASS_NOT_SERVICE)
+	ReasonPassNotVIPL4      = Reason(bpf.WeirStatReasonSTAT_PASS_NOT_VIP_L4)
+	ReasonTX                = Reason(bpf.WeirStatReasonSTAT_TX)
+	ReasonDropNoBackend     = Reason(bpf.WeirStatReasonSTAT_DROP_NO_BACKEND)
+	ReasonDropFragment      = Reason(bpf.WeirStatReasonSTAT_DROP_FRAGMENT)
+	ReasonDropMalformedL4   = Reason(bpf.WeirStatReasonSTAT_DROP_MALFORMED_L4)
+	ReasonDropIPv6Extension = Reason(bpf.WeirStatReasonSTAT_DROP_IPV6EXT)
+	ReasonFlowNew           = Reason(bpf.WeirStatReasonSTAT_FLOW_NEW)
+	ReasonFlowHit           = Reason(bpf.WeirStatReasonSTAT_FLOW_HIT)
+	ReasonFlowReselect      = Reason(bpf.WeirStatReasonSTAT_FLOW_RESELECT)
+	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
+)
+
+var reasonNames = [...]string{
+	ReasonPassNotIP:         "pass_not_ip",
+	ReasonPassMalformedL3:   "pass_malformed_l3",
+	ReasonPassNotService:    "pass_not_service",
+	ReasonPassNotVIPL4:      "pass_not_vip_l4",
+	ReasonTX:                "tx",
+	ReasonDropNoBackend:     "drop_no_backend",
+	ReasonDropFragment:      "drop_fragment",
+	ReasonDropMalformedL4:   "drop_malformed_l4",
+	ReasonDropIPv6Extension: "drop_ipv6_extension",
+	ReasonFlowNew:           "flow_new",
+	ReasonFlowHit:           "flow_hit",
+	ReasonFlowReselect:      "flow_reselect",
+}
+
+func (r Reason) String() string {
+	if int(r) < len(reasonNames) && reasonNames[r] != "" {
+		return reasonNames[r]
+	}
+	return fmt.Sprintf("reason(%d)", uint32(r))
+}
+
+// Reasons lists every reason the program counts.
+func Reasons() []Reason {
+	out := make([]Reason, reasonMax)
+	for i := range out {
+		out[i] = Reason(i)
+	}
+	return out
+}
+
+// Counter is packets and bytes summed over CPUs.
+type Counter struct {
+	Packets, Bytes uint64
+}
+
+// Stats is a snapshot of the program's counters.
+type Stats struct {
+	Reasons  map[Reason]Counter
+	Services map[ServiceKey]Counter
+	Backends map[ServiceKey]map[netip.AddrPort]Counter
+}
+
+// Stats reads every counter. Counters of a service or backend start at zero when it
+// is added.
+func (p *Program) Stats() (Stats, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.usable(); err != nil {
+		return Stats{}, err
+	}
+	st := Stats{
+		Reasons:  make(map[Reason]Counter, reasonMax),
+		Services: make(map[ServiceKey]Counter, len(p.services)),
+		Backends: make(map[ServiceKey]map[netip.AddrPort]Counter, len(p.services)),
+	}
+	for _, r := range Reasons() {
+		c, err := sumCounter(p.objs.GlobalStats, uint32(r))
+		if err != nil {
+			return Stats{}, fmt.Errorf("read counter %s: %w", r, err)
+		}
+		st.Reasons[r] = c
+	}
+	for key, s := range p.services {
+		c, err := sumCounter(p.objs.ServiceStats, s.id)
+		if err != nil {
+			return Stats{}, fmt.Errorf("read counters of service %s: %w", key, err)
+		}
+		st.Services[key] = c
+		backends := make(map[netip.AddrPort]Counter, len(s.slots))
+		for addr, id := range s.slots {
+			if backends[addr], err = sumCounter(p.objs.BackendStats, id); err != nil {
+				return Stats{}, fmt.Errorf("read counters of backend %s of service %s: %w", addr, key, err)
+			}
+		}
+		st.Backends[key] = backends
+	}
+	return st, nil
+}
+
+func sumCounter(m *ebpf.Map, index uint32) (Counter, error) {
+	var perCPU []bpf.WeirCounter
+	if err := m.Lookup(index, &perCPU); err != nil {
+		return Counter{}, err
+	}
+	var c Counter
+	for _, v := range perCPU {
+		c.Packets += v.Packets
+		c.Bytes += v.Bytes
+	}
+	return c, nil
+}
+
+func (p *Program) zeroCounters(m *ebpf.Map, index uint32) error {
+	zero := make([]bpf.WeirCounter, ebpf.MustPossibleCPU())
+	if err := m.Put(index, zero); err != nil {
+		return fmt.Errorf("reset counters: %w", err)
+	}
+	return nil
+}
