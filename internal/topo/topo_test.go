@@ -1,0 +1,321 @@
+package topo
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/weir-lb/weir/internal/netns"
+)
+
+// testPrefix names this package's topologies; see TestMain.
+const testPrefix = "wt"
+
+func TestMain(m *testing.M) {
+	// Namespaces left by an earlier crashed run of this package; those of
+	// other live runs are kept (see CleanupStale).
+	CleanupStale(testPrefix)
+	os.Exit(m.Run())
+}
+
+func newTopo(t *testing.T, cfg Config) *Topology {
+	t.Helper()
+	cfg.Name = UniqueName(testPrefix)
+	return NewT(t, cfg)
+}
+
+func TestTopology(t *testing.T) {
+	topo := newTopo(t, Config{})
+	if len(topo.Backends) != 3 {
+		t.Fatalf("got %d backends; want 3", len(topo.Backends))
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := topo.ServeBackends(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	t.Run("HTTP to each backend", func(t *testing.T) {
+		for i, be := range topo.Backends {
+			for _, ip := range []netip.Addr{be.IP4, be.IP6} {
+				before := topo.Served(i)
+				got, err := topo.Get(ctx, ip)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got != be.Name {
+					t.Errorf("GET %s: got %q; want %q", URL(ip), got, be.Name)
+				}
+				if after := topo.Served(i); after != before+1 {
+					t.Errorf("Served(%d) went %d -> %d; want +1", i, before, after)
+				}
+			}
+		}
+	})
+
+	t.Run("UDP to each backend", func(t *testing.T) {
+		for _, be := range topo.Backends {
+			for _, ip := range []netip.Addr{be.IP4, be.IP6} {
+				got, err := topo.AskUDP(ctx, netip.AddrPortFrom(ip, UDPPort), 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got != be.Name {
+					t.Errorf("UDP %s: got %q; want %q", ip, got, be.Name)
+				}
+			}
+		}
+	})
+
+	t.Run("fixed local port", func(t *testing.T) {
+		be := topo.Backends[0]
+		// The same 5-tuple twice in a row: the second connect must not
+		// fail on the first one's TIME_WAIT.
+		for range 2 {
+			c, err := topo.DialTCP(ctx, netip.AddrPortFrom(be.IP4, HTTPPort), 40000)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := c.LocalAddr().String(); got != "10.77.0.1:40000" {
+				t.Errorf("local address %s; want 10.77.0.1:40000", got)
+			}
+			fmt.Fprintf(c, "GET / HTTP/1.0\r\n\r\n")
+			buf := make([]byte, 512)
+			c.SetDeadline(time.Now().Add(5 * time.Second))
+			if _, err := c.Read(buf); err != nil {
+				t.Fatal(err)
+			}
+			c.Close()
+		}
+	})
+
+	t.Run("backends hold the VIPs on lo", func(t *testing.T) {
+		for _, be := range topo.Backends {
+			err := be.NS.Do(func() error {
+				lo, err := netlink.LinkByName("lo")
+				if err != nil {
+					return err
+				}
+				addrs, err := netlink.AddrList(lo, netlink.FAMILY_ALL)
+				if err != nil {
+					return err
+				}
+				found := map[string]bool{}
+				for _, a := range addrs {
+					found[a.IPNet.String()] = true
+				}
+				for _, want := range []string{"10.77.100.1/32", "fd77:100::1/128"} {
+					if !found[want] {
+						return fmt.Errorf("%s: lo has %v; want %s", be.Name, addrs, want)
+					}
+				}
+				return nil
+			})
+			if err != nil {
+				t.Error(err)
+			}
+		}
+	})
+
+	t.Run("client routes VIPs via the balancer", func(t *testing.T) {
+		for _, vip := range []netip.Addr{topo.VIP4, topo.VIP6} {
+			err := topo.Client.NS.Do(func() error {
+				routes, err := netlink.RouteGet(vip.AsSlice())
+				if err != nil {
+					return err
+				}
+				if len(routes) != 1 {
+					return fmt.Errorf("route get %s: %v", vip, routes)
+				}
+				want := topo.Balancer.IP4
+				if vip.Is6() {
+					want = topo.Balancer.IP6
+				}
+				if got := routes[0].Gw.String(); got != want.String() {
+					return fmt.Errorf("route to %s via %s; want via %s", vip, got, want)
+				}
+				return nil
+			})
+			if err != nil {
+				t.Error(err)
+			}
+		}
+	})
+
+	t.Run("native XDP_PASS on the balancer's peer", func(t *testing.T) {
+		mode, err := topo.PeerXDPMode(topo.Balancer)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mode != "native" {
+			t.Errorf("balancer peer %s: XDP mode %q; want native", topo.Balancer.PeerLink, mode)
+		}
+		mode, err = topo.PeerXDPMode(topo.Client)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mode != "" {
+			t.Errorf("client peer %s: XDP mode %q; want none (PeerXDPBalancer)", topo.Client.PeerLink, mode)
+		}
+	})
+
+	t.Run("tx checksum offload off", func(t *testing.T) {
+		for _, h := range append([]Host{topo.Client, topo.Balancer}, topo.Backends...) {
+			on, err := TxChecksum(h)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if on {
+				t.Errorf("%s %s: tx checksum offload on; want off", h.Name, h.Link)
+			}
+		}
+	})
+}
+
+func TestPeerXDPAll(t *testing.T) {
+	topo := newTopo(t, Config{Backends: 2, PeerXDP: PeerXDPAll})
+	for _, h := range append([]Host{topo.Client, topo.Balancer}, topo.Backends...) {
+		mode, err := topo.PeerXDPMode(h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mode != "native" {
+			t.Errorf("%s peer %s: XDP mode %q; want native", h.Name, h.PeerLink, mode)
+		}
+	}
+	// Traffic still flows through peers running XDP_PASS.
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := topo.ServeBackends(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, be := range topo.Backends {
+		if got, err := topo.Get(ctx, be.IP6); err != nil || got != be.Name {
+			t.Errorf("GET %s: %q, %v; want %q", URL(be.IP6), got, err, be.Name)
+		}
+	}
+}
+
+// TestCloseRemovesEverything checks that Close, even with servers running
+// and called twice, leaves no namespace behind.
+func TestCloseRemovesEverything(t *testing.T) {
+	name := UniqueName(testPrefix)
+	topo, err := New(Config{Name: name, Backends: 2})
+	if err != nil {
+		// Through NewT's rule, so an unprivileged run skips.
+		newTopo(t, Config{})
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { topo.Close() })
+	if err := topo.ServeBackends(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	names, err := netns.List(name + "-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(names) != 5 { // client, lb, be0, be1, br
+		t.Errorf("namespaces %v; want 5", names)
+	}
+	if err := topo.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := topo.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	if names, _ := netns.List(name + "-"); len(names) != 0 {
+		t.Errorf("after Close, /run/netns has %v", names)
+	}
+	if err := topo.ServeBackends(context.Background()); !errors.Is(err, ErrClosed) {
+		t.Errorf("ServeBackends after Close: %v; want ErrClosed", err)
+	}
+}
+
+// TestNewFailureCleansUp makes New fail half-way (a name that is already
+// taken by the last namespace it would create) and checks that it removed
+// what it had created.
+func TestNewFailureCleansUp(t *testing.T) {
+	name := UniqueName(testPrefix)
+	blocker, err := netns.New(name + "-be0")
+	if err != nil {
+		newTopo(t, Config{}) // skip or fail by the xdptest rule
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { blocker.Close() })
+
+	_, err = New(Config{Name: name, Backends: 1})
+	if !errors.Is(err, os.ErrExist) {
+		t.Fatalf("New with a taken namespace name: %v; want os.ErrExist", err)
+	}
+	names, _ := netns.List(name + "-")
+	if len(names) != 1 || names[0] != blocker.Name() {
+		t.Errorf("after failed New, /run/netns has %v; want only %s", names, blocker.Name())
+	}
+}
+
+func TestCleanupStale(t *testing.T) {
+	// A "crashed" run: a namespace named like UniqueName's output with a
+	// pid that cannot be alive, and one of a live run (ours).
+	deadName := fmt.Sprintf("%szzzzz_0-lb", testPrefix) // pid 60466175 > pid_max
+	dead, err := netns.New(deadName)
+	if err != nil {
+		newTopo(t, Config{})
+		t.Fatal(err)
+	}
+	// Don't Close: simulate the crash by dropping the handle. Remove it
+	// at the end whatever happens.
+	t.Cleanup(func() { netns.RemoveMounted(deadName) })
+	_ = dead
+
+	live := newTopo(t, Config{Backends: 1})
+
+	if err := CleanupStale(testPrefix); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(netns.RunDir, deadName)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("stale %s still there: %v", deadName, err)
+	}
+	if names, _ := netns.List(live.Name + "-"); len(names) != 4 {
+		t.Errorf("live topology's namespaces %v; want all 4 kept", names)
+	}
+}
+
+func TestConfigErrors(t *testing.T) {
+	for _, cfg := range []Config{
+		{Name: "much-too-long-name"},
+		{Name: "a/b"},
+		{Name: "ok", Backends: MaxBackends + 1},
+		{Name: "ok", Backends: -1},
+	} {
+		if _, err := New(cfg); err == nil {
+			t.Errorf("New(%+v) succeeded; want an error", cfg)
+		}
+	}
+}
+
+func TestOwnerPID(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		wantPID int
+		wantOK  bool
+	}{
+		{"wt2s_0-lb", 100, true},
+		{"wt2s_1a-be0", 100, true},
+		{"wtdemo-lb", 0, false},
+		{"wt2s-lb", 0, false},
+		{"wt2s_0", 0, false},
+	} {
+		pid, ok := ownerPID("wt", tc.name)
+		if pid != tc.wantPID || ok != tc.wantOK {
+			t.Errorf("ownerPID(wt, %s) = %d, %v; want %d, %v", tc.name, pid, ok, tc.wantPID, tc.wantOK)
+		}
+	}
+}
