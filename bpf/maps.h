@@ -46,9 +46,12 @@ struct {
 } lookup_tables SEC(".maps");
 
 // Flow 5-tuple -> backend. LRU: when full, the least recently used flow is forgotten.
+// Each CPU keeps its own LRU list (BPF_F_NO_COMMON_LRU, as Katran does): inserting a
+// new flow takes no lock shared with other CPUs, and lookups still see every CPU's flows.
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, CONNTRACK_SIZE);
+	__uint(map_flags, BPF_F_NO_COMMON_LRU);
 	__type(key, struct flow_key);
 	__type(value, struct flow_state);
 } conntrack SEC(".maps");

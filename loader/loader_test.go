@@ -42,7 +42,7 @@ func testBackends(n int, v6 bool, port uint16) []Backend {
 	return out
 }
 
-func loadT(t *testing.T) *Program {
+func loadT(t testing.TB) *Program {
 	t.Helper()
 	p, err := Load(Options{HashSeed: testSeed, ConntrackSize: 4096})
 	xdptest.Check(t, err)
