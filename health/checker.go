@@ -1,0 +1,668 @@
+package health
+
+import (
+	"container/heap"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// DefaultMaxInFlight bounds the checks in flight when Checker.MaxInFlight is 0.
+// A black-holed backend holds its slot for the whole Timeout, so the bound must
+// exceed the sum over such backends of Timeout/Interval, or healthy backends'
+// checks start late; 1024 leaves room for a tenth of 10,000 backends
+// black-holed at Timeout = Interval while staying far below a 20,000 open-file cap.
+const DefaultMaxInFlight = 1024
+
+// slack lets the scheduler start checks that are due within this much of now
+// in the same pass, trading up to 1 ms of earliness for far fewer timer wakeups
+// when thousands of checks are spread over an interval.
+const slack = time.Millisecond
+
+// ErrRunning is returned by Run when the Checker is already running.
+var ErrRunning = errors.New("checker already running")
+
+// Checker checks backends and tracks their health. The zero value is ready to
+// use; set the exported fields before Run and do not change them afterwards.
+// All methods are safe for concurrent use.
+type Checker struct {
+	// MaxInFlight bounds the number of checks running at once. 0 means
+	// DefaultMaxInFlight.
+	MaxInFlight int
+	// Dial, when set, opens check connections in place of a net.Dialer, e.g.
+	// to check from another network namespace or VRF. Check.Source is then
+	// the dialer's business.
+	Dial func(ctx context.Context, network, address string) (net.Conn, error)
+	// OnCheck, when set, is called after every completed active check, after
+	// its result is applied and before the backend's next check is scheduled;
+	// keep it fast. It is not called for checks cut short by Remove or by the
+	// end of Run.
+	OnCheck func(Result)
+
+	// clock replaces time.Now in tests.
+	clock func() time.Time
+
+	mu       sync.RWMutex
+	services map[string]*service
+	backends map[string]*backend
+	due      dueHeap   // backends waiting for their next check
+	ejected  ejectHeap // ejected backends by end of ejection
+	wake     chan struct{}
+	subs     map[*Subscription]struct{}
+	running  bool
+}
+
+type service struct {
+	name    string
+	cfg     Config
+	dialer  *net.Dialer
+	members map[*backend]struct{}
+	up      int // members whose State is Up
+	nEject  int // members currently ejected
+	panic   bool
+}
+
+type backend struct {
+	id, addr string
+	svc      *service
+	removed  bool
+	// gen changes when the check target or kind changes, so the result of a
+	// check started before is dropped.
+	gen uint64
+
+	dueAt    time.Time
+	dueIdx   int                // index in Checker.due, -1 when not queued
+	inflight context.CancelFunc // non-nil while a check runs
+
+	active        State
+	passes, fails int
+	last          Result
+
+	state  State
+	since  time.Time
+	reason string
+	// what subscribers were last told
+	pubState  State
+	pubUsable bool
+
+	consec       atomic.Int32 // consecutive passive failures
+	ejectedUntil time.Time
+	ejectIdx     int // index in Checker.ejected, -1 when not ejected
+	ejections    int
+	returned     time.Time
+}
+
+func (c *Checker) now() time.Time {
+	if c.clock != nil {
+		return c.clock()
+	}
+	return time.Now()
+}
+
+// init makes the zero Checker usable; c.mu must be held.
+func (c *Checker) init() {
+	if c.services == nil {
+		c.services = make(map[string]*service)
+		c.backends = make(map[string]*backend)
+		c.subs = make(map[*Subscription]struct{})
+		c.wake = make(chan struct{}, 1)
+	}
+}
+
+// poke tells a running scheduler that its queue changed; c.mu must be held.
+func (c *Checker) poke() {
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// SetService creates or reconfigures a service. Reconfiguring keeps every
+// backend's state and schedule, except that a shorter interval pulls the next
+// checks of this service's backends forward; other services are not touched.
+func (c *Checker) SetService(name string, cfg Config) error {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return fmt.Errorf("set service %q: %w", name, err)
+	}
+	now := c.now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.init()
+	s, ok := c.services[name]
+	if !ok {
+		s = &service{name: name, members: make(map[*backend]struct{})}
+		c.services[name] = s
+	}
+	old := s.cfg
+	s.cfg = cfg
+	s.dialer = newDialer(cfg.Check)
+	if !ok {
+		return nil
+	}
+	for b := range s.members {
+		if old.Check.Kind != cfg.Check.Kind {
+			c.retarget(b)
+			switch {
+			case cfg.Check.Kind == None:
+				b.active = Up
+				c.unqueue(b)
+			case old.Check.Kind == None:
+				c.queue(b, now.Add(randDuration(cfg.Check.Interval)))
+			}
+		}
+		if b.dueIdx >= 0 && b.dueAt.Sub(now) > cfg.Check.Interval {
+			b.dueAt = now.Add(randDuration(cfg.Check.Interval))
+			heap.Fix(&c.due, b.dueIdx)
+		}
+		if !cfg.Outlier.passive() && b.ejectIdx >= 0 {
+			c.unEject(b)
+		}
+		c.settle(b, now, "reconfigured")
+	}
+	c.settlePanic(s, now)
+	c.poke()
+	return nil
+}
+
+// RemoveService removes a service and all its backends.
+func (c *Checker) RemoveService(name string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s, ok := c.services[name]
+	if !ok {
+		return
+	}
+	for b := range s.members {
+		c.remove(b, c.now())
+	}
+	delete(c.services, name)
+}
+
+// Set adds a backend or updates an existing one (its address or service). An
+// update keeps the backend's state; a new address restarts its pass/fail
+// counts and drops the result of a check in flight to the old one.
+func (c *Checker) Set(nb Backend) error {
+	if nb.Addr == "" {
+		nb.Addr = nb.ID
+	}
+	if nb.ID == "" {
+		return fmt.Errorf("set backend: empty id: %w", ErrInvalidBackend)
+	}
+	if _, _, err := net.SplitHostPort(nb.Addr); err != nil {
+		return fmt.Errorf("set backend %q: address: %w: %w", nb.ID, err, ErrInvalidBackend)
+	}
+	now := c.now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.init()
+	s, ok := c.services[nb.Service]
+	if !ok {
+		return fmt.Errorf("set backend %q: service %q: %w", nb.ID, nb.Service, ErrUnknownService)
+	}
+	if b, ok := c.backends[nb.ID]; ok {
+		if b.addr != nb.Addr {
+			b.addr = nb.Addr
+			c.retarget(b)
+		}
+		if b.svc != s {
+			old := b.svc
+			c.leave(b)
+			b.svc = s
+			c.join(b)
+			c.settlePanic(old, now)
+			c.settle(b, now, "moved to service "+s.name)
+		}
+		return nil
+	}
+	b := &backend{id: nb.ID, addr: nb.Addr, svc: s, dueIdx: -1, ejectIdx: -1}
+	b.active = s.cfg.Check.Initial
+	if s.cfg.Check.Kind == None {
+		b.active = Up
+	}
+	b.state = b.effective()
+	b.since = now
+	b.reason = "added"
+	c.backends[b.id] = b
+	c.join(b)
+	if s.cfg.Check.Kind != None {
+		// A random phase in the first interval keeps thousands of backends
+		// added at once from being checked in lockstep.
+		c.queue(b, now.Add(randDuration(s.cfg.Check.Interval)))
+	}
+	if !c.settlePanic(s, now) {
+		c.publish(b, now, "added")
+	}
+	return nil
+}
+
+// Remove forgets a backend and cancels its check in flight. It reports whether
+// the backend existed. Later Observe calls for it are ignored.
+func (c *Checker) Remove(id string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	b, ok := c.backends[id]
+	if ok {
+		c.remove(b, c.now())
+	}
+	return ok
+}
+
+func (c *Checker) remove(b *backend, now time.Time) {
+	b.removed = true
+	if b.inflight != nil {
+		b.inflight()
+	}
+	c.leave(b)
+	c.unqueue(b)
+	if b.ejectIdx >= 0 {
+		heap.Remove(&c.ejected, b.ejectIdx)
+	}
+	delete(c.backends, b.id)
+	for sub := range c.subs {
+		sub.forget(b.id)
+	}
+	c.settlePanic(b.svc, now)
+}
+
+// retarget drops what is known of the old check target; c.mu must be held.
+func (c *Checker) retarget(b *backend) {
+	b.gen++
+	b.passes, b.fails = 0, 0
+}
+
+func (c *Checker) join(b *backend) {
+	b.svc.members[b] = struct{}{}
+	if b.state == Up {
+		b.svc.up++
+	}
+	if b.ejectIdx >= 0 {
+		b.svc.nEject++
+	}
+}
+
+func (c *Checker) leave(b *backend) {
+	delete(b.svc.members, b)
+	if b.state == Up {
+		b.svc.up--
+	}
+	if b.ejectIdx >= 0 {
+		b.svc.nEject--
+	}
+}
+
+func (c *Checker) queue(b *backend, at time.Time) {
+	b.dueAt = at
+	if b.dueIdx >= 0 {
+		heap.Fix(&c.due, b.dueIdx)
+	} else {
+		heap.Push(&c.due, b)
+	}
+	c.poke()
+}
+
+func (c *Checker) unqueue(b *backend) {
+	if b.dueIdx >= 0 {
+		heap.Remove(&c.due, b.dueIdx)
+	}
+}
+
+func (b *backend) effective() State {
+	switch {
+	case b.active == Down:
+		return Down
+	case b.ejectIdx >= 0:
+		return Ejected
+	}
+	return b.active
+}
+
+func (b *backend) usable() bool { return b.state == Up || b.svc.panic }
+
+// settle recomputes b's effective state after its active verdict or ejection
+// changed, then the service's panic mode, and publishes what changed; c.mu
+// must be held.
+func (c *Checker) settle(b *backend, now time.Time, reason string) {
+	s := b.svc
+	st := b.effective()
+	if st != b.state {
+		if b.state == Up {
+			s.up--
+		}
+		if st == Up {
+			s.up++
+		}
+		b.state, b.since, b.reason = st, now, reason
+	}
+	if !c.settlePanic(s, now) {
+		c.publish(b, now, reason)
+	}
+}
+
+// settlePanic recomputes the panic mode of s and, if it flipped, publishes
+// every member whose usability changed with it. It reports whether it flipped.
+func (c *Checker) settlePanic(s *service, now time.Time) bool {
+	n := len(s.members)
+	p := s.cfg.PanicThreshold > 0 && n > 0 && s.up*100 < s.cfg.PanicThreshold*n
+	if p == s.panic {
+		return false
+	}
+	s.panic = p
+	reason := fmt.Sprintf("panic: %d of %d backends up, below %d%%: all used", s.up, n, s.cfg.PanicThreshold)
+	if !p {
+		reason = fmt.Sprintf("panic over: %d of %d backends up", s.up, n)
+	}
+	for m := range s.members {
+		r := reason
+		if m.state != m.pubState {
+			r = m.reason + "; " + reason
+		}
+		c.publish(m, now, r)
+	}
+	return true
+}
+
+// publish tells subscribers about b if its state or usability changed since
+// they were last told, or if it has never been published; c.mu must be held.
+func (c *Checker) publish(b *backend, now time.Time, reason string) {
+	u := b.usable()
+	if b.state == b.pubState && u == b.pubUsable && reason != "added" {
+		return
+	}
+	ch := Change{ID: b.id, Service: b.svc.name, From: b.pubState, To: b.state,
+		Usable: u, Panic: b.svc.panic, Reason: reason, Time: now}
+	b.pubState, b.pubUsable = b.state, u
+	for sub := range c.subs {
+		sub.push(ch)
+	}
+}
+
+// Status returns the status of one backend.
+func (c *Checker) Status(id string) (Status, bool) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	b, ok := c.backends[id]
+	if !ok {
+		return Status{}, false
+	}
+	return b.status(), true
+}
+
+// Snapshot returns the status of every backend, ordered by service then ID.
+func (c *Checker) Snapshot() []Status {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.snapshotLocked()
+}
+
+func (c *Checker) snapshotLocked() []Status {
+	out := make([]Status, 0, len(c.backends))
+	for _, b := range c.backends {
+		out = append(out, b.status())
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Service != out[j].Service {
+			return out[i].Service < out[j].Service
+		}
+		return out[i].ID < out[j].ID
+	})
+	return out
+}
+
+func (b *backend) status() Status {
+	return Status{
+		ID: b.id, Service: b.svc.name, Addr: b.addr,
+		State: b.state, Active: b.active, Usable: b.usable(), Panic: b.svc.panic,
+		Since: b.since, Reason: b.reason,
+		Passes: b.passes, Fails: b.fails,
+		EjectedUntil: b.ejectedUntil, Ejections: b.ejections,
+		Last: b.last,
+	}
+}
+
+// Run checks backends until ctx is done, then cancels the checks in flight,
+// waits for them and returns nil. Backends and services may be added, changed
+// and removed before and while it runs.
+func (c *Checker) Run(ctx context.Context) error {
+	c.mu.Lock()
+	c.init()
+	if c.running {
+		c.mu.Unlock()
+		return ErrRunning
+	}
+	c.running = true
+	c.mu.Unlock()
+	defer func() {
+		c.mu.Lock()
+		c.running = false
+		c.mu.Unlock()
+	}()
+
+	limit := c.MaxInFlight
+	if limit <= 0 {
+		limit = DefaultMaxInFlight
+	}
+	sem := make(chan struct{}, limit)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+
+	var batch []*backend
+	for {
+		now := c.now()
+		c.mu.Lock()
+		c.expire(now)
+		batch = batch[:0]
+		for len(c.due) > 0 && !c.due[0].dueAt.After(now.Add(slack)) {
+			batch = append(batch, heap.Pop(&c.due).(*backend))
+		}
+		next := time.Time{}
+		if len(c.due) > 0 {
+			next = c.due[0].dueAt
+		}
+		if len(c.ejected) > 0 && (next.IsZero() || c.ejected[0].ejectedUntil.Before(next)) {
+			next = c.ejected[0].ejectedUntil
+		}
+		c.mu.Unlock()
+
+		for i, b := range batch {
+			select {
+			case sem <- struct{}{}:
+			case <-ctx.Done():
+				c.requeue(batch[i:], now)
+				return nil
+			}
+			if !c.start(ctx, b, sem, &wg) {
+				<-sem
+			}
+		}
+		if len(batch) > 0 {
+			continue
+		}
+
+		var tick <-chan time.Time
+		if !next.IsZero() {
+			timer.Reset(next.Sub(now))
+			tick = timer.C
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick:
+		case <-c.wake:
+		}
+	}
+}
+
+// requeue puts back checks that Run popped but will not start, so that a
+// later Run checks them.
+func (c *Checker) requeue(bs []*backend, now time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, b := range bs {
+		if !b.removed && b.dueIdx < 0 && b.inflight == nil && b.svc.cfg.Check.Kind != None {
+			c.queue(b, now)
+		}
+	}
+}
+
+// start launches the check of b, which was popped from the queue, if it is
+// still wanted. The check releases its slot in sem when done.
+func (c *Checker) start(ctx context.Context, b *backend, sem chan struct{}, wg *sync.WaitGroup) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s := b.svc
+	if b.removed || b.dueIdx >= 0 || b.inflight != nil || s.cfg.Check.Kind == None {
+		return false
+	}
+	cctx, cancel := context.WithTimeout(ctx, s.cfg.Check.Timeout)
+	b.inflight = cancel
+	p := probe{
+		cfg:       s.cfg.Check,
+		dial:      c.Dial,
+		dialer:    s.dialer,
+		addr:      b.addr,
+		gen:       b.gen,
+		scheduled: b.dueAt,
+	}
+	if p.dial == nil {
+		p.dial = p.dialer.DialContext
+	}
+	wg.Add(1)
+	// Exits when the check ends: its Timeout bounds it, and Remove or the end
+	// of Run cancel it sooner.
+	go func() {
+		defer wg.Done()
+		defer func() { <-sem }()
+		defer cancel()
+		c.check(cctx, b, p)
+	}()
+	return true
+}
+
+// check runs one check of b and applies its result.
+func (c *Checker) check(ctx context.Context, b *backend, p probe) {
+	start := c.now()
+	err := p.run(ctx)
+	end := c.now()
+	res := Result{ID: b.id, Service: b.svc.name, Addr: p.addr,
+		Scheduled: p.scheduled, Start: start, Duration: end.Sub(start), Err: err}
+
+	c.mu.Lock()
+	stale := b.removed || b.gen != p.gen || ctx.Err() == context.Canceled
+	if !stale {
+		res.Service = b.svc.name
+		c.record(b, res, end)
+	}
+	c.mu.Unlock()
+	if !stale && c.OnCheck != nil {
+		c.OnCheck(res)
+	}
+
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	b.inflight = nil
+	if b.removed || b.svc.cfg.Check.Kind == None {
+		return
+	}
+	// Fixed rate from the scheduled time, so a late start does not push every
+	// later check back; a check that overran its interval is followed at once.
+	iv := b.svc.cfg.Check.Interval
+	j := b.svc.cfg.Check.Jitter
+	next := p.scheduled.Add(time.Duration(float64(iv) * (1 + j*(2*rand.Float64()-1))))
+	if b.gen != p.gen {
+		// Retargeted while in flight: check the new target soon.
+		next = end.Add(randDuration(iv))
+	}
+	if next.Before(end) {
+		next = end
+	}
+	c.queue(b, next)
+}
+
+// record applies the result of an active check; c.mu must be held.
+func (c *Checker) record(b *backend, res Result, now time.Time) {
+	b.last = res
+	if res.Err == nil {
+		b.passes++
+		b.fails = 0
+	} else {
+		b.fails++
+		b.passes = 0
+	}
+	cfg := b.svc.cfg.Check
+	reason := ""
+	switch {
+	case b.active != Down && res.Err != nil && (b.active == Unknown || b.fails >= cfg.Fall):
+		b.active = Down
+		reason = res.Err.Error()
+	case b.active != Up && res.Err == nil && (b.active == Unknown || b.passes >= cfg.Rise):
+		b.active = Up
+		reason = fmt.Sprintf("%d consecutive checks passed", b.passes)
+	default:
+		return
+	}
+	c.settle(b, now, reason)
+}
+
+func randDuration(d time.Duration) time.Duration {
+	if d <= 0 {
+		return 0
+	}
+	return rand.N(d)
+}
+
+// dueHeap orders backends by their next check.
+type dueHeap []*backend
+
+func (h dueHeap) Len() int           { return len(h) }
+func (h dueHeap) Less(i, j int) bool { return h[i].dueAt.Before(h[j].dueAt) }
+func (h dueHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].dueIdx = i
+	h[j].dueIdx = j
+}
+func (h *dueHeap) Push(x any) {
+	b := x.(*backend)
+	b.dueIdx = len(*h)
+	*h = append(*h, b)
+}
+func (h *dueHeap) Pop() any {
+	old := *h
+	b := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	b.dueIdx = -1
+	return b
+}
+
+// ejectHeap orders ejected backends by the end of their ejection.
+type ejectHeap []*backend
+
+func (h ejectHeap) Len() int           { return len(h) }
+func (h ejectHeap) Less(i, j int) bool { return h[i].ejectedUntil.Before(h[j].ejectedUntil) }
+func (h ejectHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].ejectIdx = i
+	h[j].ejectIdx = j
+}
+func (h *ejectHeap) Push(x any) {
+	b := x.(*backend)
+	b.ejectIdx = len(*h)
+	*h = append(*h, b)
+}
+func (h *ejectHeap) Pop() any {
+	old := *h
+	b := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	b.ejectIdx = -1
+	return b
+}

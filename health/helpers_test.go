@@ -1,0 +1,132 @@
+package health
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"sync"
+	"testing"
+	"time"
+)
+
+// requirePrivilege skips a test that needs root and namespaces, unless CI asked
+// for every such test to run (WEIR_REQUIRE_XDP=1), where it fails instead.
+func requirePrivilege(t *testing.T, reason string) {
+	t.Helper()
+	if os.Getenv("WEIR_REQUIRE_XDP") == "1" {
+		t.Fatalf("WEIR_REQUIRE_XDP=1 but %s", reason)
+	}
+	t.Skip(reason)
+}
+
+// fakeClock is a settable clock for tests that drive the Checker by hand.
+type fakeClock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func newFakeClock() *fakeClock { return &fakeClock{now: time.Unix(1_700_000_000, 0)} }
+
+func (f *fakeClock) Now() time.Time {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.now
+}
+
+func (f *fakeClock) Add(d time.Duration) time.Time {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.now = f.now.Add(d)
+	return f.now
+}
+
+// run starts c.Run and stops it (and waits for it) at the end of the test.
+func run(t *testing.T, c *Checker) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	// Exits when the cleanup below cancels ctx.
+	go func() { done <- c.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: got %v; want nil", err)
+		}
+	})
+}
+
+// waitChange returns the first change of backend id that satisfies ok, or
+// fails the test after timeout.
+func waitChange(t *testing.T, sub *Subscription, id string, timeout time.Duration, ok func(Change) bool) Change {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	for {
+		ch, err := sub.Next(ctx)
+		if err != nil {
+			t.Fatalf("waiting for a change of %s: %v", id, err)
+		}
+		if ch.ID == id && ok(ch) {
+			return ch
+		}
+	}
+}
+
+// toggleListener is a TCP listener on a fixed 127.0.0.1 port that can be shut
+// and reopened, accepting and closing every connection while open.
+type toggleListener struct {
+	t    *testing.T
+	addr string
+	mu   sync.Mutex
+	ln   net.Listener
+	wg   sync.WaitGroup
+}
+
+func newToggleListener(t *testing.T) *toggleListener {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &toggleListener{t: t, addr: ln.Addr().String()}
+	l.serve(ln)
+	t.Cleanup(func() { l.set(false) })
+	return l
+}
+
+func (l *toggleListener) serve(ln net.Listener) {
+	l.ln = ln
+	l.wg.Add(1)
+	// Exits when ln is closed by set(false).
+	go func() {
+		defer l.wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+}
+
+func (l *toggleListener) set(open bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	switch {
+	case open && l.ln == nil:
+		ln, err := net.Listen("tcp", l.addr)
+		if err != nil {
+			l.t.Errorf("reopen %s: %v", l.addr, err)
+			return
+		}
+		l.serve(ln)
+	case !open && l.ln != nil:
+		l.ln.Close()
+		l.wg.Wait()
+		l.ln = nil
+	}
+}
+
+// isTimeout reports whether err is the Checker's timeout.
+func isTimeout(err error) bool { return errors.Is(err, ErrTimeout) }
