@@ -1,0 +1,210 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+)
+
+// testBackend is a real TCP server on 127.0.0.1 that runs handle for each connection.
+type testBackend struct {
+	t      *testing.T
+	name   string
+	ln     net.Listener
+	handle func(name string, c *net.TCPConn)
+	mu     sync.Mutex
+	conns  map[net.Conn]struct{}
+	wg     sync.WaitGroup
+}
+
+func startBackend(t *testing.T, name, addr string, handle func(name string, c *net.TCPConn)) *testBackend {
+	t.Helper()
+	if addr == "" {
+		addr = "127.0.0.1:0"
+	}
+	var ln net.Listener
+	var err error
+	for i := 0; i < 50; i++ { // a restarted backend's port may linger briefly
+		if ln, err = net.Listen("tcp", addr); err == nil {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatalf("backend %s: %v", name, err)
+	}
+	b := &testBackend{t: t, name: name, ln: ln, handle: handle, conns: map[net.Conn]struct{}{}}
+	b.wg.Add(1)
+	// Exits when the listener is closed by stop.
+	go func() {
+		defer b.wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			b.mu.Lock()
+			b.conns[c] = struct{}{}
+			b.mu.Unlock()
+			b.wg.Add(1)
+			// Exits when the handler returns (the peer closed or stop closed c).
+			go func() {
+				defer b.wg.Done()
+				defer func() {
+					b.mu.Lock()
+					delete(b.conns, c)
+					b.mu.Unlock()
+					c.Close()
+				}()
+				b.handle(name, c.(*net.TCPConn))
+			}()
+		}
+	}()
+	t.Cleanup(b.stop)
+	return b
+}
+
+func (b *testBackend) addr() string { return b.ln.Addr().String() }
+
+// stop closes the listener and every connection (a backend dying) and waits.
+func (b *testBackend) stop() {
+	b.ln.Close()
+	b.mu.Lock()
+	for c := range b.conns {
+		c.(*net.TCPConn).SetLinger(0)
+		c.Close()
+	}
+	b.mu.Unlock()
+	b.wg.Wait()
+}
+
+// echo copies the client's bytes back, then half-closes.
+func echo(_ string, c *net.TCPConn) {
+	io.Copy(c, c)
+	c.CloseWrite()
+}
+
+// hello says the backend's name (one line), then echoes.
+func hello(name string, c *net.TCPConn) {
+	c.Write([]byte(name + "\n"))
+	echo(name, c)
+}
+
+// startProxy runs a Service until the test ends.
+func startProxy(t *testing.T, cfg Config) *Service {
+	t.Helper()
+	if cfg.Listen == "" {
+		cfg.Listen = "127.0.0.1:0"
+	}
+	if cfg.Name == "" {
+		cfg.Name = t.Name()
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, nil))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s, err := Listen(ctx, cfg)
+	if err != nil {
+		t.Fatalf("listen: %v", err)
+	}
+	done := make(chan error, 1)
+	// Exits when ctx is cancelled by the cleanup below and Serve has shut down.
+	go func() { done <- s.Serve(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+	return s
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Logf("%s", p)
+	return len(p), nil
+}
+
+func dial(t *testing.T, s *Service) *net.TCPConn {
+	t.Helper()
+	c, err := net.Dial("tcp", s.Addr().String())
+	if err != nil {
+		t.Fatalf("dial proxy: %v", err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c.(*net.TCPConn)
+}
+
+// readLine reads one '\n'-terminated line byte by byte (no buffering past it).
+func readLine(c net.Conn) (string, error) {
+	var b []byte
+	one := make([]byte, 1)
+	for {
+		if _, err := c.Read(one); err != nil {
+			return string(b), err
+		}
+		if one[0] == '\n' {
+			return string(b), nil
+		}
+		b = append(b, one[0])
+	}
+}
+
+// roundTrip writes msg and expects it echoed.
+func roundTrip(c net.Conn, msg string) error {
+	if _, err := c.Write([]byte(msg)); err != nil {
+		return err
+	}
+	got := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, got); err != nil {
+		return err
+	}
+	if string(got) != msg {
+		return errors.New("echo mismatch: got " + string(got) + "; want " + msg)
+	}
+	return nil
+}
+
+// countFDs is the number of open descriptors of this process.
+func countFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatalf("count fds: %v", err)
+	}
+	return len(ents)
+}
+
+// eventually polls cond until it holds or the timeout passes.
+func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// settle waits for goroutines to get back to at most base (+slack).
+func settle(t *testing.T, base, slack int) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for runtime.NumGoroutine() > base+slack {
+		if time.Now().After(deadline) {
+			buf := make([]byte, 1<<16)
+			n := runtime.Stack(buf, true)
+			t.Fatalf("goroutines: got %d; want <= %d\n%s", runtime.NumGoroutine(), base+slack, buf[:n])
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

@@ -1,0 +1,627 @@
+// Package proxy is weir's user-space data plane: a TCP proxy that balances each
+// accepted connection onto a backend with userspace/balance and moves its bytes with
+// splice(2).
+//
+// One Service serves one listen address. It is the fallback where XDP can't run and the
+// data plane of choice for algorithms that need to see connection ends and response
+// times (least_conn, weighted_least_conn, p2c, ewma).
+//
+// Per connection it picks a backend, dials it with a connect timeout, on a failed dial
+// tries other backends (never the same one twice), optionally writes a PROXY protocol
+// header, then splices both directions, honouring half-close, until both directions
+// have ended or the connection has been idle for the idle timeout. A connection holds
+// only its two sockets while it waits; pipes are pooled and held only while bytes are in
+// flight.
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/userspace/balance"
+)
+
+// Defaults applied to zero Config fields.
+const (
+	DefaultAlgorithm      = balance.LeastConn
+	DefaultConnectTimeout = 3 * time.Second
+	DefaultIdleTimeout    = 10 * time.Minute
+	DefaultDrainTimeout   = 30 * time.Second
+	DefaultEjectAfter     = 3
+	DefaultEjectFor       = 10 * time.Second
+)
+
+var (
+	// ErrUnknownBackend is returned for a backend address the service doesn't have.
+	ErrUnknownBackend = errors.New("unknown backend")
+	// ErrServing is returned by a second call to Serve.
+	ErrServing = errors.New("already serving")
+)
+
+// Backend is one backend of a service. Its address is its identity (the ID the
+// balancer, counters and the agent use).
+type Backend struct {
+	Addr      string        // "ip:port"; an IP literal, no name resolution
+	Weight    uint32        // relative weight; 0 means 1 (use SetDraining to stop new connections)
+	MaxConns  int           // connection limit; 0 takes Config.MaxConnsPerBackend
+	SlowStart time.Duration // ramp the weight up over this long after becoming usable; 0 = off
+	Down      bool          // initially not usable, until SetBackendUsable(addr, true)
+}
+
+// Outcome is how a connection to a backend ended, as reported to an Observer.
+type Outcome int
+
+const (
+	OutcomeSuccess        Outcome = iota // connected, then both directions ended normally
+	OutcomeConnectFailed                 // the dial failed (refused, unreachable)
+	OutcomeConnectTimeout                // the dial hit the connect timeout
+	OutcomeReset                         // the backend reset or broke the connection mid-stream
+	OutcomeIdleTimeout                   // closed by the idle timeout
+)
+
+func (o Outcome) String() string {
+	switch o {
+	case OutcomeSuccess:
+		return "success"
+	case OutcomeConnectFailed:
+		return "connect_failed"
+	case OutcomeConnectTimeout:
+		return "connect_timeout"
+	case OutcomeReset:
+		return "reset"
+	case OutcomeIdleTimeout:
+		return "idle_timeout"
+	}
+	return "outcome(" + fmt.Sprint(int(o)) + ")"
+}
+
+// Observer receives the outcome of every connection attempt to a backend, for example
+// to feed a shared health checker's outlier detection. Observe is called on the
+// connection's goroutine: it must be quick and must not block.
+type Observer interface {
+	Observe(backend string, o Outcome, connectLatency time.Duration)
+}
+
+// Config is one service. Zero values take the documented defaults.
+type Config struct {
+	Name      string    // for logs and errors
+	Listen    string    // "ip:port"; port 0 picks one (see Service.Addr)
+	Backends  []Backend //
+	Algorithm string    // one of balance.Algorithms(); default least_conn
+	Seed      uint64    // hashing seed for source_hash and maglev, the same on every node
+
+	ConnectTimeout time.Duration // per dial attempt; default 3s
+	IdleTimeout    time.Duration // no byte either way for this long closes; default 10m, <0 = none
+	Retries        int           // more backends tried after a failed dial; 0 = none
+
+	MaxConns           int // per service; excess connections wait in the listen backlog; 0 = no limit
+	MaxConnsPerBackend int // default per-backend limit; a full backend is skipped; 0 = no limit
+
+	ProxyProtocol int // 0 off, 1 or 2: PROXY protocol header version sent to backends
+
+	DrainTimeout    time.Duration // a draining or removed backend's connections are closed after this; default 30s, <0 = never
+	ShutdownTimeout time.Duration // Serve's grace after ctx is done; default DrainTimeout
+
+	AcceptLoops int // listeners (SO_REUSEPORT), one accept loop each; default runtime.NumCPU()
+
+	EjectAfter int           // consecutive failed dials that eject a backend; default 3, <0 = never
+	EjectFor   time.Duration // how long an ejected backend gets no new connection; default 10s
+
+	Observer Observer     // optional
+	Logger   *slog.Logger // default slog.Default()
+}
+
+// Service proxies one listen address to its backends. Create it with Listen, run it
+// with Serve; every other method is safe for concurrent use, before, during and after
+// Serve.
+type Service struct {
+	cfg  Config
+	log  *slog.Logger
+	lns  []*net.TCPListener
+	addr netip.AddrPort // bound address
+	bal  balance.Balancer
+
+	dialer net.Dialer
+	sem    chan struct{} // MaxConns slots; nil = unlimited
+
+	mu       sync.Mutex                          // serialises backend set changes
+	backends []*backend                          // current set, config order; guarded by mu
+	table    atomic.Pointer[map[string]*backend] // current set by address, read lock-free
+
+	connsMu sync.Mutex
+	conns   map[*conn]struct{} // every connection being handled
+	killAll bool               // shutdown deadline passed: close new arrivals at once
+
+	wg      sync.WaitGroup // connection goroutines
+	serving atomic.Bool
+	closed  atomic.Bool
+
+	stats   serviceCounters
+	lastLog atomic.Int64 // monotonic ns of the last "cannot serve" log line
+	dropped atomic.Int64 // "cannot serve" events since that line
+}
+
+// backend is a backend's live state; removed backends live on while connections hold them.
+type backend struct {
+	addr     string
+	ap       netip.AddrPort
+	cfg      Backend      // guarded by Service.mu
+	maxConns atomic.Int64 // 0 = no limit
+
+	usable   bool        // health says usable; guarded by Service.mu
+	draining bool        // set to drain or removed; guarded by Service.mu
+	removed  bool        // no longer in the set; guarded by Service.mu
+	timer    *time.Timer // drain deadline; guarded by Service.mu
+
+	active       atomic.Int64
+	consecFails  atomic.Int32
+	ejectedUntil atomic.Int64 // monotonic ns
+
+	c backendCounters
+}
+
+// Listen validates cfg, builds the balancer and binds the listeners (so connections
+// queue in the backlog from now on). Call Serve to accept, or Close to give up.
+func Listen(ctx context.Context, cfg Config) (*Service, error) {
+	s, err := newService(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.listen(ctx); err != nil {
+		return nil, fmt.Errorf("service %q: %w", cfg.Name, err)
+	}
+	return s, nil
+}
+
+func newService(cfg Config) (*Service, error) {
+	if cfg.Algorithm == "" {
+		cfg.Algorithm = DefaultAlgorithm
+	}
+	if cfg.ConnectTimeout <= 0 {
+		cfg.ConnectTimeout = DefaultConnectTimeout
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = DefaultIdleTimeout
+	}
+	if cfg.DrainTimeout == 0 {
+		cfg.DrainTimeout = DefaultDrainTimeout
+	}
+	if cfg.ShutdownTimeout == 0 {
+		cfg.ShutdownTimeout = cfg.DrainTimeout
+	}
+	if cfg.AcceptLoops <= 0 {
+		cfg.AcceptLoops = runtime.NumCPU()
+	}
+	if cfg.EjectAfter == 0 {
+		cfg.EjectAfter = DefaultEjectAfter
+	}
+	if cfg.EjectFor <= 0 {
+		cfg.EjectFor = DefaultEjectFor
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	name := fmt.Sprintf("service %q", cfg.Name)
+	switch {
+	case cfg.ProxyProtocol < 0 || cfg.ProxyProtocol > 2:
+		return nil, fmt.Errorf("%s: proxy_protocol must be 0, 1 or 2, got %d", name, cfg.ProxyProtocol)
+	case cfg.Retries < 0:
+		return nil, fmt.Errorf("%s: retries must be >= 0, got %d", name, cfg.Retries)
+	case cfg.MaxConns < 0 || cfg.MaxConnsPerBackend < 0:
+		return nil, fmt.Errorf("%s: connection limits must be >= 0", name)
+	}
+	if _, err := netip.ParseAddrPort(cfg.Listen); err != nil {
+		return nil, fmt.Errorf("%s: listen %q: %w", name, cfg.Listen, err)
+	}
+	bs, err := checkBackends(cfg.Backends)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", name, err)
+	}
+	s := &Service{
+		cfg:   cfg,
+		log:   cfg.Logger.With("service", cfg.Name),
+		conns: map[*conn]struct{}{},
+		dialer: net.Dialer{
+			Timeout:   cfg.ConnectTimeout,
+			KeepAlive: -1, // no keep-alive setsockopts per connection; the idle timeout reaps
+		},
+	}
+	if cfg.MaxConns > 0 {
+		s.sem = make(chan struct{}, cfg.MaxConns)
+	}
+	s.backends = make([]*backend, len(bs))
+	for i, b := range bs {
+		s.backends[i] = s.newBackend(b)
+	}
+	s.bal, err = balance.New(cfg.Algorithm, s.balanceSet(), cfg.Seed)
+	if err != nil {
+		return nil, fmt.Errorf("%s: algorithm: %w", name, err)
+	}
+	s.publish()
+	return s, nil
+}
+
+// checkBackends validates a backend list and returns it normalised.
+func checkBackends(in []Backend) ([]Backend, error) {
+	out := make([]Backend, len(in))
+	seen := make(map[string]bool, len(in))
+	for i, b := range in {
+		ap, err := netip.ParseAddrPort(b.Addr)
+		if err != nil {
+			return nil, fmt.Errorf("backend %q: address must be ip:port: %w", b.Addr, err)
+		}
+		if b.MaxConns < 0 {
+			return nil, fmt.Errorf("backend %q: max_conns must be >= 0, got %d", b.Addr, b.MaxConns)
+		}
+		b.Addr = ap.String()
+		if seen[b.Addr] {
+			return nil, fmt.Errorf("backend %q: listed twice", b.Addr)
+		}
+		seen[b.Addr] = true
+		if b.Weight == 0 {
+			b.Weight = 1
+		}
+		out[i] = b
+	}
+	return out, nil
+}
+
+func (s *Service) newBackend(b Backend) *backend {
+	be := &backend{addr: b.Addr, ap: netip.MustParseAddrPort(b.Addr), usable: !b.Down}
+	s.configure(be, b)
+	return be
+}
+
+func (s *Service) configure(be *backend, b Backend) {
+	be.cfg = b
+	m := b.MaxConns
+	if m == 0 {
+		m = s.cfg.MaxConnsPerBackend
+	}
+	be.maxConns.Store(int64(m))
+}
+
+// balanceSet is the backend set as the balancer sees it. Called with s.mu held (or
+// before the service is shared).
+func (s *Service) balanceSet() []balance.Backend {
+	out := make([]balance.Backend, len(s.backends))
+	for i, b := range s.backends {
+		out[i] = balance.Backend{
+			ID:        b.addr,
+			Weight:    b.cfg.Weight,
+			Usable:    b.usable && !b.draining,
+			SlowStart: b.cfg.SlowStart,
+		}
+	}
+	return out
+}
+
+// publish makes the current set visible to the connection path. Called with s.mu held.
+func (s *Service) publish() {
+	t := make(map[string]*backend, len(s.backends))
+	for _, b := range s.backends {
+		t[b.addr] = b
+	}
+	s.table.Store(&t)
+}
+
+func (s *Service) listen(ctx context.Context) error {
+	lc := net.ListenConfig{
+		KeepAlive: -1, // accepted sockets get no keep-alive setsockopts
+		Control: func(_, _ string, c syscall.RawConn) error {
+			var serr error
+			err := c.Control(func(fd uintptr) {
+				serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
+			})
+			if err == nil {
+				err = serr
+			}
+			if err != nil {
+				return fmt.Errorf("set SO_REUSEPORT: %w", err)
+			}
+			return nil
+		},
+	}
+	addr := s.cfg.Listen
+	for range s.cfg.AcceptLoops {
+		l, err := lc.Listen(ctx, "tcp", addr)
+		if err != nil {
+			s.closeListeners()
+			return fmt.Errorf("listen %s: %w", addr, err)
+		}
+		ln := l.(*net.TCPListener)
+		s.lns = append(s.lns, ln)
+		if len(s.lns) == 1 {
+			s.addr = ln.Addr().(*net.TCPAddr).AddrPort()
+			addr = s.addr.String() // the others join the same port, even if it was 0
+		}
+	}
+	return nil
+}
+
+func (s *Service) closeListeners() {
+	for _, ln := range s.lns {
+		ln.Close()
+	}
+}
+
+// Addr is the bound listen address.
+func (s *Service) Addr() netip.AddrPort { return s.addr }
+
+// Close releases the listeners of a Service whose Serve was never called. (Serve owns
+// them once called and closes them itself.)
+func (s *Service) Close() error {
+	if s.serving.Load() || !s.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	s.closeListeners()
+	return nil
+}
+
+// Serve accepts and proxies connections until ctx is done, then shuts down gracefully:
+// it stops accepting, lets connections finish for up to ShutdownTimeout, closes the
+// rest, and returns once every goroutine it started has ended. It returns nil after a
+// shutdown caused by ctx, or the error that stopped an accept loop.
+func (s *Service) Serve(ctx context.Context) error {
+	if !s.serving.CompareAndSwap(false, true) {
+		return fmt.Errorf("service %q: serve: %w", s.cfg.Name, ErrServing)
+	}
+	if s.closed.Load() {
+		return fmt.Errorf("service %q: serve: %w", s.cfg.Name, net.ErrClosed)
+	}
+	// dialCtx outlives ctx by the shutdown grace: connections still dialing when the
+	// grace ends are cancelled through it.
+	dialCtx, cancelDials := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelDials()
+
+	acceptCtx, stopAccepting := context.WithCancel(ctx)
+	var loops sync.WaitGroup
+	errc := make(chan error, len(s.lns))
+	for _, ln := range s.lns {
+		loops.Add(1)
+		// Exits when its listener is closed (below, once ctx is done or a loop failed).
+		go func() {
+			defer loops.Done()
+			if err := s.acceptLoop(acceptCtx, dialCtx, ln); err != nil {
+				errc <- err
+				stopAccepting()
+			}
+		}()
+	}
+	<-acceptCtx.Done()
+	s.closeListeners()
+	loops.Wait()
+	stopAccepting()
+	var err error
+	select {
+	case err = <-errc:
+	default:
+	}
+
+	// Grace: let connections end by themselves, then close the rest.
+	done := make(chan struct{})
+	// Exits when every connection goroutine has returned; after the grace they are
+	// all forced closed, so that happens promptly.
+	go func() {
+		s.wg.Wait()
+		close(done)
+	}()
+	var grace <-chan time.Time
+	if s.cfg.ShutdownTimeout > 0 {
+		t := time.NewTimer(s.cfg.ShutdownTimeout)
+		defer t.Stop()
+		grace = t.C
+	}
+	select {
+	case <-done:
+	case <-grace:
+		n := s.killConns(nil)
+		cancelDials()
+		s.log.Warn("shutdown grace ended: closed connections still open", "grace", s.cfg.ShutdownTimeout, "closed", n)
+		<-done
+	}
+	s.mu.Lock()
+	for _, b := range s.backends {
+		if b.timer != nil {
+			b.timer.Stop()
+		}
+	}
+	s.mu.Unlock()
+	return err
+}
+
+// acceptLoop accepts on ln until it is closed, starting one goroutine per connection.
+func (s *Service) acceptLoop(ctx, dialCtx context.Context, ln *net.TCPListener) error {
+	var backoff time.Duration
+	for {
+		c, err := ln.AcceptTCP()
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
+				return nil
+			}
+			// Out of descriptors or memory, or a connection aborted before accept:
+			// back off and go on, as a listener must not die of load.
+			if backoff == 0 {
+				backoff = 5 * time.Millisecond
+			} else if backoff *= 2; backoff > time.Second {
+				backoff = time.Second
+			}
+			s.stats.acceptErrors.Add(1)
+			s.log.Warn("accept", "err", err, "retry_in", backoff)
+			select {
+			case <-time.After(backoff):
+			case <-ctx.Done():
+				return nil
+			}
+			continue
+		}
+		// At MaxConns this loop waits here holding the one connection it accepted;
+		// the rest wait in the kernel's backlog. (Taking the slot before Accept would
+		// starve: with SO_REUSEPORT the next client may queue on another listener.)
+		if s.sem != nil {
+			select {
+			case s.sem <- struct{}{}:
+			case <-ctx.Done():
+				c.Close()
+				return nil
+			}
+		}
+		backoff = 0
+		s.wg.Add(1)
+		// Exits when the connection is done: both directions ended, the idle timeout,
+		// a drain or shutdown deadline closed it, or it could not be served.
+		go s.handle(dialCtx, c)
+	}
+}
+
+// SetBackends replaces the backend set. Backends that stay keep their state and
+// connections; new ones start usable unless Down; removed ones get no new connections
+// and their connections are closed after DrainTimeout.
+func (s *Service) SetBackends(bs []Backend) error {
+	bs, err := checkBackends(bs)
+	if err != nil {
+		return fmt.Errorf("service %q: set backends: %w", s.cfg.Name, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	old := make(map[string]*backend, len(s.backends))
+	for _, b := range s.backends {
+		old[b.addr] = b
+	}
+	next := make([]*backend, 0, len(bs))
+	for _, nb := range bs {
+		if b, ok := old[nb.Addr]; ok {
+			s.configure(b, nb)
+			delete(old, nb.Addr)
+			next = append(next, b)
+			continue
+		}
+		next = append(next, s.newBackend(nb))
+	}
+	for _, b := range old {
+		b.removed = true
+		s.startDrain(b)
+	}
+	s.backends = next
+	s.bal.SetBackends(s.balanceSet())
+	s.publish()
+	return nil
+}
+
+// SetDraining sets a backend draining (no new connections; existing ones closed after
+// DrainTimeout) or back to normal.
+func (s *Service) SetDraining(addr string, draining bool) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b := s.find(addr)
+	if b == nil {
+		return fmt.Errorf("service %q: drain %q: %w", s.cfg.Name, addr, ErrUnknownBackend)
+	}
+	if b.draining == draining {
+		return nil
+	}
+	b.draining = draining
+	if draining {
+		s.startDrain(b)
+	} else if b.timer != nil {
+		b.timer.Stop()
+		b.timer = nil
+	}
+	s.bal.SetBackends(s.balanceSet())
+	return nil
+}
+
+// SetBackendUsable is how active health checks mark a backend up or down. A backend
+// that is down gets no new connections; its established ones are left alone.
+func (s *Service) SetBackendUsable(addr string, usable bool) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b := s.find(addr)
+	if b == nil {
+		return fmt.Errorf("service %q: set usable %q: %w", s.cfg.Name, addr, ErrUnknownBackend)
+	}
+	if b.usable == usable {
+		return nil
+	}
+	b.usable = usable
+	if usable {
+		b.ejectedUntil.Store(0)
+		b.consecFails.Store(0)
+	}
+	s.bal.SetBackends(s.balanceSet())
+	return nil
+}
+
+// find returns the current backend with that address, or nil. Called with s.mu held.
+func (s *Service) find(addr string) *backend {
+	if ap, err := netip.ParseAddrPort(addr); err == nil {
+		addr = ap.String()
+	}
+	for _, b := range s.backends {
+		if b.addr == addr {
+			return b
+		}
+	}
+	return nil
+}
+
+// startDrain arms b's drain deadline. Called with s.mu held.
+func (s *Service) startDrain(b *backend) {
+	b.draining = true
+	if b.timer != nil || s.cfg.DrainTimeout < 0 {
+		return
+	}
+	b.timer = time.AfterFunc(s.cfg.DrainTimeout, func() {
+		if n := s.killConns(b); n > 0 {
+			s.log.Info("drain timeout: closed connections", "backend", b.addr, "closed", n)
+		}
+	})
+}
+
+// killConns closes the connections to backend b (every connection if b is nil) and
+// returns how many.
+func (s *Service) killConns(b *backend) int {
+	s.connsMu.Lock()
+	defer s.connsMu.Unlock()
+	if b == nil {
+		s.killAll = true
+	}
+	n := 0
+	for c := range s.conns {
+		if b == nil || c.backend() == b {
+			c.kill()
+			n++
+		}
+	}
+	return n
+}
+
+// noteUnserved counts a client that could not be served and logs it, at most one line
+// a second with the number of events since the previous line.
+func (s *Service) noteUnserved(err error) {
+	s.stats.unserved.Add(1)
+	n := s.dropped.Add(1)
+	now := monotonic()
+	last := s.lastLog.Load()
+	if now-last < int64(time.Second) || !s.lastLog.CompareAndSwap(last, now) {
+		return
+	}
+	s.dropped.Add(-n)
+	s.log.Warn("closed client connections that could not be served", "count", n, "err", err)
+}
+
+var epoch = time.Now()
+
+// monotonic is nanoseconds on the monotonic clock.
+func monotonic() int64 { return int64(time.Since(epoch)) }
