@@ -246,8 +246,11 @@ func (s *snapshot) ramping(c *core) (now int64, ok bool) {
 type core struct {
 	snap atomic.Pointer[snapshot]
 	seed uint64
-	ctr  atomic.Uint64 // drives the seeded random stream and round robin
 	now  func() int64
+	ctr  atomic.Uint64 // round robin's position
+	// rctr is the seeded random stream's position, apart from ctr: sharing one counter,
+	// round robin under slow start would advance by two and visit every other backend.
+	rctr atomic.Uint64
 
 	ewma   *ewmaShared // ewma only
 	maglev bool        // build a lookup table with each snapshot
@@ -298,7 +301,9 @@ func (c *core) set(backends []Backend, initial bool) {
 		}
 		s.entries = append(s.entries, e)
 	}
-	// Forget removed backends once nothing is in flight on them.
+	// Forget removed backends once nothing is in flight on them. A Pick still reading
+	// the previous snapshot may lease one just after: its count then lives only in the
+	// forgotten object (released correctly, but not seen by InFlight if the ID returns).
 	for id, b := range c.known {
 		if !live[id] {
 			b.wasUsable = false
@@ -345,7 +350,7 @@ func (c *core) rand() splitmix {
 	if c.seed == 0 {
 		return splitmix(rand.Uint64())
 	}
-	return splitmix(mix64(c.seed + c.ctr.Add(1)*0x9e3779b97f4a7c15))
+	return splitmix(mix64(c.seed + c.rctr.Add(1)*0x9e3779b97f4a7c15))
 }
 
 // splitmix is a tiny generator for the few random numbers one Pick needs.

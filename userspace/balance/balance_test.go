@@ -1,0 +1,501 @@
+package balance
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+	"testing"
+	"time"
+)
+
+// clock is a manual clock for slow start and EWMA tests.
+type clock struct{ t int64 }
+
+func (c *clock) now() int64              { return c.t }
+func (c *clock) advance(d time.Duration) { c.t += int64(d) }
+
+func mustNew(t *testing.T, alg string, bs []Backend, seed uint64) Balancer {
+	t.Helper()
+	b, err := New(alg, bs, seed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func mustNewClock(t *testing.T, alg string, bs []Backend, seed uint64, c *clock) Balancer {
+	t.Helper()
+	b, err := newBalancer(alg, bs, seed, c.now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func abc(weights ...uint32) []Backend {
+	bs := make([]Backend, len(weights))
+	for i, w := range weights {
+		bs[i] = Backend{ID: string(rune('A' + i)), Weight: w, Usable: true}
+	}
+	return bs
+}
+
+// picks picks n times, releasing each lease at once, and returns the IDs joined.
+func picks(t *testing.T, b Balancer, n int) string {
+	t.Helper()
+	var s strings.Builder
+	for i := range n {
+		l, err := b.Pick(uint64(i), nil)
+		if err != nil {
+			t.Fatalf("pick %d: %v", i, err)
+		}
+		s.WriteString(l.Backend())
+		l.Release(Result{})
+	}
+	return s.String()
+}
+
+// counts picks n times, holding every lease, and returns how often each ID was chosen.
+func counts(t *testing.T, b Balancer, n int, hold bool) map[string]int {
+	t.Helper()
+	c := map[string]int{}
+	leases := make([]Lease, 0, n)
+	for i := range n {
+		l, err := b.Pick(uint64(i)*0x9e3779b97f4a7c15, nil)
+		if err != nil {
+			t.Fatalf("pick %d: %v", i, err)
+		}
+		c[l.Backend()]++
+		if hold {
+			leases = append(leases, l)
+		} else {
+			l.Release(Result{})
+		}
+	}
+	for i := range leases {
+		leases[i].Release(Result{})
+	}
+	return c
+}
+
+func TestNewErrors(t *testing.T) {
+	if _, err := New("fastest", abc(1), 0); !errors.Is(err, ErrUnknownAlgorithm) {
+		t.Errorf("New(fastest): got %v; want ErrUnknownAlgorithm", err)
+	}
+	dup := []Backend{{ID: "a", Weight: 1, Usable: true}, {ID: "a", Weight: 2, Usable: true}}
+	for _, alg := range Algorithms() {
+		if _, err := New(alg, dup, 0); !errors.Is(err, ErrDuplicateID) {
+			t.Errorf("New(%s, duplicate IDs): got %v; want ErrDuplicateID", alg, err)
+		}
+	}
+}
+
+// TestNoBackend: every algorithm says ErrNoBackend, never panics, when nothing is usable.
+func TestNoBackend(t *testing.T) {
+	sets := []struct {
+		name     string
+		backends []Backend
+		skip     func(string) bool
+	}{
+		{"empty", nil, nil},
+		{"all unusable", []Backend{{ID: "a", Weight: 1}, {ID: "b", Weight: 1}}, nil},
+		{"all weight 0", []Backend{{ID: "a", Usable: true}, {ID: "b", Usable: true}}, nil},
+		{"all skipped", abc(1, 2, 3), func(string) bool { return true }},
+	}
+	for _, alg := range Algorithms() {
+		for _, set := range sets {
+			t.Run(alg+"/"+set.name, func(t *testing.T) {
+				b := mustNew(t, alg, set.backends, 1)
+				l, err := b.Pick(7, set.skip)
+				if !errors.Is(err, ErrNoBackend) {
+					t.Errorf("got %q, %v; want ErrNoBackend", l.Backend(), err)
+				}
+				l.Release(Result{}) // a zero lease: no-op
+			})
+		}
+	}
+}
+
+// TestSkip: skipped backends are never chosen, whatever the algorithm.
+func TestSkip(t *testing.T) {
+	bs := backendsN(10, one)
+	for _, alg := range Algorithms() {
+		t.Run(alg, func(t *testing.T) {
+			b := mustNew(t, alg, bs, 3)
+			allowed := map[string]bool{bs[3].ID: true, bs[8].ID: true}
+			skip := func(id string) bool { return !allowed[id] }
+			seen := map[string]int{}
+			for i := range 400 {
+				l, err := b.Pick(uint64(i), skip)
+				if err != nil {
+					t.Fatal(err)
+				}
+				seen[l.Backend()]++
+				l.Release(Result{})
+			}
+			for id := range seen {
+				if !allowed[id] {
+					t.Errorf("picked skipped backend %s", id)
+				}
+			}
+			if alg != Maglev && alg != SourceHash && alg != WeightedLeastConn && alg != LeastConn && len(seen) != 2 {
+				t.Errorf("got %v; want both unskipped backends used", seen)
+			}
+		})
+	}
+}
+
+func TestRoundRobin(t *testing.T) {
+	b := mustNew(t, RoundRobin, abc(1, 5, 1), 0)
+	if got, want := picks(t, b, 7), "ABCABCA"; got != want {
+		t.Errorf("got %s; want %s", got, want)
+	}
+	// A new usable set: it cycles over the new set.
+	b.SetBackends([]Backend{{ID: "A", Weight: 1, Usable: true}, {ID: "B", Weight: 1}, {ID: "C", Weight: 1, Usable: true}, {ID: "D", Weight: 1, Usable: true}})
+	got := picks(t, b, 6)
+	for _, c := range "ACD" {
+		if strings.Count(got, string(c)) != 2 {
+			t.Errorf("after SetBackends got %s; want A, C and D twice each", got)
+		}
+	}
+	if strings.Contains(got, "B") {
+		t.Errorf("after SetBackends got %s; want no B (unusable)", got)
+	}
+}
+
+// TestWeighted checks nginx's smooth weighted round robin sequences.
+func TestWeighted(t *testing.T) {
+	tests := []struct {
+		weights []uint32
+		n       int
+		want    string
+	}{
+		{[]uint32{5, 1, 1}, 7, "AABACAA"},
+		{[]uint32{5, 1, 1}, 14, "AABACAAAABACAA"},
+		{[]uint32{1, 1, 1}, 6, "ABCABC"},
+		{[]uint32{2, 1}, 6, "ABAABA"},
+		{[]uint32{4, 2, 1}, 7, "ABACABA"},
+	}
+	for _, tt := range tests {
+		t.Run(fmt.Sprint(tt.weights), func(t *testing.T) {
+			b := mustNew(t, Weighted, abc(tt.weights...), 0)
+			if got := picks(t, b, tt.n); got != tt.want {
+				t.Errorf("got %s; want %s", got, tt.want)
+			}
+		})
+	}
+}
+
+// TestWeightedNoBurst: a backend returning after an absence gets its share from the
+// first round on, not a run of picks from stored credit.
+func TestWeightedNoBurst(t *testing.T) {
+	bs := abc(1, 1, 1)
+	b := mustNew(t, Weighted, bs, 0)
+	picks(t, b, 5)
+	bs[2].Usable = false
+	b.SetBackends(bs)
+	if got := picks(t, b, 100); strings.Contains(got, "C") {
+		t.Fatalf("C unusable but picked: %s", got)
+	}
+	bs[2].Usable = true
+	b.SetBackends(bs)
+	got := picks(t, b, 9)
+	for _, c := range "ABC" {
+		if n := strings.Count(got, string(c)); n != 3 {
+			t.Errorf("after C returns got %s: %c %d times; want 3", got, c, n)
+		}
+	}
+}
+
+func TestLeastConn(t *testing.T) {
+	b := mustNew(t, LeastConn, abc(1, 1, 1), 5)
+	// Hold: least_conn spreads held connections evenly.
+	got := counts(t, b, 300, true)
+	for _, id := range []string{"A", "B", "C"} {
+		if got[id] != 100 {
+			t.Errorf("held picks: %s got %d; want 100 (%v)", id, got[id], got)
+		}
+	}
+	// Released at once every backend ties at 0: the winner must still vary.
+	got = counts(t, b, 3000, false)
+	for _, id := range []string{"A", "B", "C"} {
+		if got[id] < 700 {
+			t.Errorf("ties: %s got %d of 3000; want each >= 700 (%v)", id, got[id], got)
+		}
+	}
+}
+
+func TestWeightedLeastConn(t *testing.T) {
+	b := mustNew(t, WeightedLeastConn, abc(3, 1), 5)
+	got := counts(t, b, 400, true)
+	if got["A"] != 300 || got["B"] != 100 {
+		t.Errorf("held picks: got %v; want A 300, B 100", got)
+	}
+}
+
+// TestRandomUniform: with a fixed seed, random's counts stay within 5 standard deviations
+// of uniform.
+func TestRandomUniform(t *testing.T) {
+	const n, picks = 10, 100000
+	b := mustNew(t, Random, backendsN(n, one), 11)
+	got := counts(t, b, picks, false)
+	mean := float64(picks) / n
+	sd := math.Sqrt(picks * (1.0 / n) * (1 - 1.0/n))
+	for id, c := range got {
+		if math.Abs(float64(c)-mean) > 5*sd {
+			t.Errorf("%s: %d picks; want %.0f ± %.0f", id, c, mean, 5*sd)
+		}
+	}
+	if len(got) != n {
+		t.Errorf("got %d backends picked; want %d", len(got), n)
+	}
+}
+
+// TestSeeded: the same seed gives the same sequence of random choices.
+func TestSeeded(t *testing.T) {
+	for _, alg := range []string{Random, P2C, LeastConn, EWMA} {
+		a := picks(t, mustNew(t, alg, backendsN(20, one), 99), 50)
+		b := picks(t, mustNew(t, alg, backendsN(20, one), 99), 50)
+		if a != b {
+			t.Errorf("%s: two balancers with seed 99 differ; want the same picks", alg)
+		}
+	}
+}
+
+func TestP2C(t *testing.T) {
+	// Two backends: the candidates are always both, so the less loaded always wins.
+	b := mustNew(t, P2C, abc(1, 1), 3)
+	hold := make([]Lease, 0, 10)
+	for range 10 {
+		l, err := b.Pick(0, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hold = append(hold, l)
+	}
+	if a, bb := b.InFlight("A"), b.InFlight("B"); a != 5 || bb != 5 {
+		t.Errorf("in flight A %d, B %d; want 5 and 5", a, bb)
+	}
+	for i := range hold {
+		hold[i].Release(Result{})
+	}
+	// Many backends, held: the maximum load stays close to the mean (the power of two
+	// choices), where uniform random would spread much wider.
+	const n, k = 100, 2000
+	b = mustNew(t, P2C, backendsN(n, one), 3)
+	got := counts(t, b, k, true)
+	worst := 0
+	for _, c := range got {
+		worst = max(worst, c)
+	}
+	if worst > k/n+3 {
+		t.Errorf("max load %d; want <= mean %d + 3", worst, k/n)
+	}
+}
+
+// TestEWMA: a backend that answers slowly loses its share at once (peak), and gets
+// tried again after it has been left alone (decay toward the neutral estimate).
+func TestEWMA(t *testing.T) {
+	c := &clock{}
+	b := mustNewClock(t, EWMA, abc(1, 1, 1), 7, c)
+	// serve runs n connections, conc at a time, each taking 1ms of clock.
+	serve := func(n, conc int, latency map[string]time.Duration) map[string]int {
+		got := map[string]int{}
+		open := make([]Lease, conc)
+		for i := range n {
+			l, err := b.Pick(0, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got[l.Backend()]++
+			open[i%conc] = l
+			if i%conc == conc-1 {
+				c.advance(time.Millisecond)
+				for j := range open {
+					open[j].Release(Result{Latency: latency[open[j].Backend()]})
+				}
+			}
+		}
+		return got
+	}
+	fast := map[string]time.Duration{"A": time.Millisecond, "B": time.Millisecond, "C": time.Millisecond}
+	got := serve(300, 1, fast)
+	for _, id := range []string{"A", "B", "C"} {
+		if got[id] < 60 {
+			t.Errorf("all fast: %s got %d of 300; want >= 60", id, got[id])
+		}
+	}
+	slow := map[string]time.Duration{"A": time.Millisecond, "B": time.Millisecond, "C": 50 * time.Millisecond}
+	got = serve(300, 1, slow)
+	if got["C"] > 3 {
+		t.Errorf("C 50x slower: got %d of 300 picks; want <= 3 (one slow answer is enough)", got["C"])
+	}
+	// Nobody picks C now; after many decay times its estimate is back at the average,
+	// so it wins as soon as the others have a connection open.
+	c.advance(10 * ewmaDecay)
+	got = serve(300, 3, fast)
+	if got["C"] < 30 {
+		t.Errorf("after a long quiet: C got %d of 300; want >= 30", got["C"])
+	}
+}
+
+// TestEWMAFailure: failed connects count as slow, so a quickly refusing backend doesn't
+// attract traffic.
+func TestEWMAFailure(t *testing.T) {
+	c := &clock{}
+	b := mustNewClock(t, EWMA, abc(1, 1), 7, c)
+	got := map[string]int{}
+	for range 200 {
+		l, err := b.Pick(0, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got[l.Backend()]++
+		c.advance(time.Millisecond)
+		if l.Backend() == "B" {
+			l.Release(Result{Failed: true, Latency: 10 * time.Microsecond})
+		} else {
+			l.Release(Result{Latency: time.Millisecond})
+		}
+	}
+	if got["B"] > 5 {
+		t.Errorf("B fails every connect: got %d of 200 picks; want <= 5", got["B"])
+	}
+}
+
+// TestSlowStart: a backend that becomes usable starts near slowStartFloor of its share
+// and reaches its full share when the window ends; the initial set is not ramped.
+func TestSlowStart(t *testing.T) {
+	for _, alg := range []string{RoundRobin, Random, LeastConn, WeightedLeastConn, Weighted, P2C, EWMA} {
+		t.Run(alg, func(t *testing.T) {
+			c := &clock{}
+			bs := abc(1, 1, 1, 1)
+			for i := range bs {
+				bs[i].SlowStart = 10 * time.Second
+			}
+			bs[3].Usable = false
+			b := mustNewClock(t, alg, bs, 1, c)
+			if got := counts(t, b, 300, false); got["A"] < 80 {
+				t.Errorf("initial set: A got %d of 300; want full share (no ramp at start)", got["A"])
+			}
+			bs[3].Usable = true
+			b.SetBackends(bs)
+			share := func() float64 {
+				// Held picks for the least-loaded algorithms, so load, not ties, decides.
+				hold := alg == LeastConn || alg == WeightedLeastConn || alg == P2C || alg == EWMA
+				got := counts(t, b, 4000, hold)
+				return float64(got["D"]) / 4000
+			}
+			early := share()
+			c.advance(5 * time.Second)
+			mid := share()
+			c.advance(6 * time.Second)
+			full := share()
+			t.Logf("D's share at 0s %.3f, 5s %.3f, 11s %.3f", early, mid, full)
+			if early > 0.1 {
+				t.Errorf("D's share at the start = %.3f; want <= 0.1", early)
+			}
+			if mid <= early || mid >= full {
+				t.Errorf("D's share mid-ramp = %.3f; want between %.3f and %.3f", mid, early, full)
+			}
+			if full < 0.2 {
+				t.Errorf("D's share after the window = %.3f; want about 0.25", full)
+			}
+		})
+	}
+}
+
+// TestLeaseRelease: release is idempotent on the same variable, a zero lease is a no-op,
+// and a removed backend's lease releases safely.
+func TestLeaseRelease(t *testing.T) {
+	for _, alg := range Algorithms() {
+		t.Run(alg, func(t *testing.T) {
+			b := mustNew(t, alg, abc(1), 0)
+			var zero Lease
+			zero.Release(Result{})
+			if zero.Backend() != "" {
+				t.Errorf("zero lease Backend() = %q; want \"\"", zero.Backend())
+			}
+			l1, err := b.Pick(1, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			l2, _ := b.Pick(2, nil)
+			if got := b.InFlight("A"); got != 2 {
+				t.Errorf("InFlight = %d; want 2", got)
+			}
+			l1.Release(Result{})
+			l1.Release(Result{})
+			if got := b.InFlight("A"); got != 1 {
+				t.Errorf("after releasing one lease twice InFlight = %d; want 1", got)
+			}
+			if l1.Backend() != "" {
+				t.Errorf("released lease Backend() = %q; want \"\"", l1.Backend())
+			}
+			// Remove A while l2 is open: it still counts, and re-adding keeps the count.
+			b.SetBackends(abc())
+			if got := b.InFlight("A"); got != 1 {
+				t.Errorf("removed with one open: InFlight = %d; want 1", got)
+			}
+			b.SetBackends(abc(1))
+			if got := b.InFlight("A"); got != 1 {
+				t.Errorf("re-added: InFlight = %d; want 1", got)
+			}
+			l2.Release(Result{Latency: time.Millisecond})
+			if got := b.InFlight("A"); got != 0 {
+				t.Errorf("all released: InFlight = %d; want 0", got)
+			}
+			if got := b.InFlight("nobody"); got != 0 {
+				t.Errorf("InFlight(unknown) = %d; want 0", got)
+			}
+		})
+	}
+}
+
+// TestMaglevPick: maglev and source_hash send a key to the same backend every time, on
+// every node with the same seed, and a removal moves the removed backend's keys and
+// hardly any other (Maglev's disruption at N = 10 is about 1.03 × the minimum).
+func TestMaglevPick(t *testing.T) {
+	bs := backendsN(10, one)
+	a := mustNew(t, Maglev, bs, 5)
+	rev := make([]Backend, len(bs))
+	for i := range bs {
+		rev[len(bs)-1-i] = bs[i]
+	}
+	b := mustNew(t, Maglev, rev, 5)
+	before := map[uint64]string{}
+	for k := range uint64(2000) {
+		la, _ := a.Pick(k, nil)
+		lb, _ := b.Pick(k, nil)
+		if la.Backend() != lb.Backend() {
+			t.Fatalf("key %d: node 1 picked %s, node 2 %s; want the same", k, la.Backend(), lb.Backend())
+		}
+		before[k] = la.Backend()
+		la.Release(Result{})
+		lb.Release(Result{})
+	}
+	gone := bs[4].ID
+	bs[4].Usable = false
+	a.SetBackends(bs)
+	moved, others := 0, 0
+	for k, was := range before {
+		l, _ := a.Pick(k, nil)
+		if l.Backend() == gone {
+			t.Fatalf("key %d still goes to removed %s", k, gone)
+		}
+		if l.Backend() != was {
+			moved++
+			if was != gone {
+				others++
+			}
+		}
+		l.Release(Result{})
+	}
+	if moved == 0 {
+		t.Errorf("no key moved; want the removed backend's keys to move")
+	}
+	if others > len(before)/50 {
+		t.Errorf("%d of %d keys of staying backends moved; want <= 2%%", others, len(before))
+	}
+}

@@ -1,0 +1,160 @@
+package balance
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+)
+
+// randomSet returns a random backend set drawn from a pool of ids, with random weights,
+// usable flags and slow start windows.
+func randomSet(r *rand.Rand, ids []string) []Backend {
+	var bs []Backend
+	for _, id := range ids {
+		if r.IntN(4) == 0 {
+			continue // absent from this set
+		}
+		bs = append(bs, Backend{
+			ID:        id,
+			Weight:    uint32(r.IntN(4)), // 0 sometimes
+			Usable:    r.IntN(5) != 0,
+			SlowStart: time.Duration(r.IntN(2)) * time.Millisecond,
+		})
+	}
+	return bs
+}
+
+// TestInFlightProperty: after any interleaving of picks, releases (some twice, some of
+// zero leases) and backend set changes, the in-flight counts always equal the open
+// leases per backend, and return to zero when every lease is released.
+func TestInFlightProperty(t *testing.T) {
+	ids := []string{"a", "b", "c", "d", "e", "f"}
+	// Few seeds: every set change under maglev/source_hash rebuilds a 65537-slot table.
+	seeds := 10
+	if testing.Short() {
+		seeds = 3
+	}
+	for _, alg := range Algorithms() {
+		for seed := range uint64(seeds) {
+			r := rand.New(rand.NewPCG(seed, 77))
+			b := mustNew(t, alg, randomSet(r, ids), seed+1)
+			var open []Lease
+			for step := range 1000 {
+				switch op := r.IntN(20); {
+				case op < 10:
+					skip := func(id string) bool { return id == ids[step%len(ids)] }
+					l, err := b.Pick(r.Uint64(), skip)
+					if err != nil && !errors.Is(err, ErrNoBackend) {
+						t.Fatalf("%s seed %d: pick: %v", alg, seed, err)
+					}
+					open = append(open, l) // a zero lease on error: releasing it is a no-op
+				case op < 19 && len(open) > 0:
+					i := r.IntN(len(open))
+					open[i].Release(Result{Failed: r.IntN(8) == 0, Latency: time.Duration(r.IntN(1000))})
+					if r.IntN(3) == 0 {
+						open[i].Release(Result{}) // twice on the same variable: no-op
+					}
+					open[i] = open[len(open)-1]
+					open = open[:len(open)-1]
+				default:
+					b.SetBackends(randomSet(r, ids))
+				}
+				if step%100 == 0 {
+					checkCounts(t, b, ids, open, fmt.Sprintf("%s seed %d step %d", alg, seed, step))
+				}
+			}
+			for i := range open {
+				open[i].Release(Result{})
+			}
+			for _, id := range ids {
+				if n := b.InFlight(id); n != 0 {
+					t.Errorf("%s seed %d: all released but InFlight(%s) = %d; want 0", alg, seed, id, n)
+				}
+			}
+		}
+	}
+}
+
+func checkCounts(t *testing.T, b Balancer, ids []string, open []Lease, where string) {
+	t.Helper()
+	want := map[string]int{}
+	for i := range open {
+		want[open[i].Backend()]++
+	}
+	for _, id := range ids {
+		if got := b.InFlight(id); got != want[id] {
+			t.Fatalf("%s: InFlight(%s) = %d; want %d open leases", where, id, got, want[id])
+		}
+	}
+}
+
+// TestConcurrent runs many goroutines picking and releasing while another keeps
+// replacing the backend set; run it with -race. Counts must end at zero.
+func TestConcurrent(t *testing.T) {
+	ids := []string{"a", "b", "c", "d", "e", "f", "g", "h"}
+	const workers = 16
+	iters := 3000
+	if testing.Short() {
+		iters = 300
+	}
+	for _, alg := range Algorithms() {
+		t.Run(alg, func(t *testing.T) {
+			b := mustNew(t, alg, randomSet(rand.New(rand.NewPCG(1, 1)), ids), 0)
+			stop := make(chan struct{})
+			var churn sync.WaitGroup
+			churn.Add(1)
+			// Replaces the set until the workers are done (stop is closed).
+			go func() {
+				defer churn.Done()
+				r := rand.New(rand.NewPCG(2, 2))
+				for {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					b.SetBackends(randomSet(r, ids))
+					_ = b.InFlight(ids[r.IntN(len(ids))])
+				}
+			}()
+			var wg sync.WaitGroup
+			for w := range workers {
+				wg.Add(1)
+				// Picks and releases iters times, then exits.
+				go func() {
+					defer wg.Done()
+					r := rand.New(rand.NewPCG(uint64(w), 3))
+					var held []Lease
+					for i := range iters {
+						l, err := b.Pick(r.Uint64(), func(id string) bool { return id == ids[i%len(ids)] })
+						if err != nil && !errors.Is(err, ErrNoBackend) {
+							t.Errorf("pick: %v", err)
+							return
+						}
+						held = append(held, l)
+						if len(held) > 4 || r.IntN(2) == 0 {
+							k := r.IntN(len(held))
+							held[k].Release(Result{Latency: time.Duration(1 + r.IntN(1000))})
+							held[k] = held[len(held)-1]
+							held = held[:len(held)-1]
+						}
+					}
+					for k := range held {
+						held[k].Release(Result{})
+					}
+				}()
+			}
+			wg.Wait()
+			close(stop)
+			churn.Wait()
+			for _, id := range ids {
+				if n := b.InFlight(id); n != 0 {
+					t.Errorf("InFlight(%s) = %d after every lease was released; want 0", id, n)
+				}
+			}
+		})
+	}
+}

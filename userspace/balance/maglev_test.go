@@ -1,0 +1,229 @@
+package balance
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+)
+
+func backendsN(n int, weight func(i int) uint32) []Backend {
+	bs := make([]Backend, n)
+	for i := range bs {
+		bs[i] = Backend{ID: fmt.Sprintf("10.%d.%d.%d:80", i>>16, (i>>8)&255, i&255), Weight: weight(i), Usable: true}
+	}
+	return bs
+}
+
+func one(int) uint32 { return 1 }
+
+// tableIDs maps a table to backend IDs, the form in which tables built from the same
+// backends in different slice orders must agree.
+func tableIDs(t *testing.T, bs []Backend, table []uint32) []string {
+	t.Helper()
+	ids := make([]string, len(table))
+	for i, e := range table {
+		if int(e) >= len(bs) {
+			t.Fatalf("entry %d = %d; want an index < %d", i, e, len(bs))
+		}
+		ids[i] = bs[e].ID
+	}
+	return ids
+}
+
+func TestMaglevSize(t *testing.T) {
+	tests := []struct {
+		n    int
+		want uint32
+	}{
+		{1, 65537},
+		{655, 65537},
+		{656, 65609}, // next prime >= 65600
+		{1000, 100003},
+		{10000, 1000003},
+	}
+	for _, tt := range tests {
+		if got := MaglevSize(tt.n); got != tt.want {
+			t.Errorf("MaglevSize(%d) = %d; want %d", tt.n, got, tt.want)
+		}
+		if got := MaglevSize(tt.n); !isPrime(got) || uint64(got) < min(65537, uint64(100*tt.n)) {
+			t.Errorf("MaglevSize(%d) = %d; want a prime >= %d", tt.n, got, 100*tt.n)
+		}
+	}
+}
+
+func TestBuildMaglevErrors(t *testing.T) {
+	tests := []struct {
+		name     string
+		backends []Backend
+		size     uint32
+		want     error
+	}{
+		{"size not prime", backendsN(3, one), 65536, ErrSizeNotPrime},
+		{"size too small", backendsN(8, one), 7, ErrSizeTooSmall},
+		{"no backends", nil, 13, ErrNoBackend},
+		{"none usable", []Backend{{ID: "a", Weight: 1}, {ID: "b", Usable: true}}, 13, ErrNoBackend},
+		{"duplicate ID", []Backend{{ID: "a", Weight: 1, Usable: true}, {ID: "a", Weight: 1, Usable: true}}, 13, ErrDuplicateID},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := BuildMaglev(tt.backends, tt.size, 0)
+			if !errors.Is(err, tt.want) {
+				t.Errorf("got error %v; want %v", err, tt.want)
+			}
+		})
+	}
+}
+
+// TestMaglevBalance checks the 1% rule: with M >= 100 N every backend's entry count is
+// within 1% (relative) of its weighted ideal M × w / W.
+func TestMaglevBalance(t *testing.T) {
+	tests := []struct {
+		name   string
+		n      int
+		weight func(int) uint32
+		size   uint32
+	}{
+		{"3 equal", 3, one, DefaultMaglevSize},
+		{"100 equal", 100, one, DefaultMaglevSize},
+		{"655 equal", 655, one, DefaultMaglevSize},
+		{"1000 equal", 1000, one, MaglevSize(1000)},
+		{"3 weights 5:1:1", 3, func(i int) uint32 { return []uint32{5, 1, 1}[i] }, DefaultMaglevSize},
+		{"100 weights 1..4", 100, func(i int) uint32 { return uint32(1 + i%4) }, DefaultMaglevSize},
+		{"300 weights 100..300", 300, func(i int) uint32 { return uint32(100 + i*200/299) }, MaglevSize(300)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			bs := backendsN(tt.n, tt.weight)
+			bs = append(bs, Backend{ID: "down", Weight: 9, Usable: false}, Backend{ID: "zero", Weight: 0, Usable: true})
+			table, err := BuildMaglev(bs, tt.size, 42)
+			if err != nil {
+				t.Fatal(err)
+			}
+			count := make([]int, len(bs))
+			for _, e := range table {
+				count[e]++
+			}
+			var total float64
+			for _, b := range bs[:tt.n] {
+				total += float64(b.Weight)
+			}
+			worst := 0.0
+			for i, b := range bs[:tt.n] {
+				ideal := float64(tt.size) * float64(b.Weight) / total
+				dev := math.Abs(float64(count[i])-ideal) / ideal
+				worst = max(worst, dev)
+				if dev > 0.01 {
+					t.Errorf("%s: %d entries; want %.1f ± 1%%", b.ID, count[i], ideal)
+				}
+			}
+			if c := count[tt.n] + count[tt.n+1]; c != 0 {
+				t.Errorf("unusable and weight-0 backends got %d entries; want 0", c)
+			}
+			t.Logf("worst relative deviation %.4f%%", 100*worst)
+		})
+	}
+}
+
+// TestMaglevDeterministic: the same backends in any slice order give the same table
+// (mapped to IDs), and a different seed gives a different one.
+func TestMaglevDeterministic(t *testing.T) {
+	bs := backendsN(50, func(i int) uint32 { return uint32(1 + i%3) })
+	bs[7].Usable = false
+	want, err := BuildMaglev(bs, 4099, 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantIDs := tableIDs(t, bs, want)
+	r := rand.New(rand.NewPCG(1, 2))
+	for i := range 10 {
+		shuffled := slices.Clone(bs)
+		r.Shuffle(len(shuffled), func(a, b int) { shuffled[a], shuffled[b] = shuffled[b], shuffled[a] })
+		got, err := BuildMaglev(shuffled, 4099, 7)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(tableIDs(t, shuffled, got), wantIDs) {
+			t.Fatalf("shuffle %d: table differs from the unshuffled one; want identical", i)
+		}
+	}
+	other, err := BuildMaglev(bs, 4099, 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slices.Equal(tableIDs(t, bs, other), wantIDs) {
+		t.Errorf("seed 8 built the same table as seed 7; want the seed to change it")
+	}
+}
+
+// TestMaglevHashPinned pins hashID's output: every balancer node, in every version that
+// shares a table, must compute the same hash. Changing these values is a breaking change.
+func TestMaglevHashPinned(t *testing.T) {
+	pinned := map[string]uint64{
+		"":            0xb39362cb946013e3,
+		"10.0.0.5:80": 0x4acaad94044a75c3,
+	}
+	for id, want := range pinned {
+		if got := hashID(id, 0); got != want {
+			t.Errorf("hashID(%q, 0) = %#x; want %#x", id, got, want)
+		}
+	}
+}
+
+// disruption removes one of n backends at a time (removals of them, spread over the
+// ID order) and returns the mean and the worst of moved ÷ (1/n): 1 is the minimum, where
+// only the removed backend's own slots move.
+func disruption(t *testing.T, n int, size uint32, removals int) (mean, worst float64) {
+	t.Helper()
+	bs := backendsN(n, one)
+	before, err := BuildMaglev(bs, size, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for r := range removals {
+		gone := r * n / removals
+		bs[gone].Usable = false // same slice, so indexes compare directly
+		after, err := BuildMaglev(bs, size, 0)
+		bs[gone].Usable = true
+		if err != nil {
+			t.Fatal(err)
+		}
+		moved := 0
+		for i := range before {
+			if before[i] != after[i] {
+				moved++
+			}
+		}
+		d := float64(moved) / float64(size) * float64(n)
+		mean += d / float64(removals)
+		worst = max(worst, d)
+	}
+	return mean, worst
+}
+
+// TestMaglevDisruption reports moved ÷ (1/N) when one of N backends leaves. Maglev trades
+// disruption for balance as M/N shrinks: the paper's fill gives about 1.0, 1.55 and 6.5
+// at M = 65537 for N = 10, 100, 1000. The mean over removals at N = 100 must stay <= 1.6
+// (single removals scatter around it: see the logged worst case).
+func TestMaglevDisruption(t *testing.T) {
+	removals := 20
+	if testing.Short() {
+		removals = 4
+	}
+	for _, n := range []int{10, 100, 1000} {
+		mean, worst := disruption(t, n, DefaultMaglevSize, min(n, removals))
+		t.Logf("N=%d M=%d: moved/(1/N) mean %.2f, worst %.2f over %d removals", n, DefaultMaglevSize, mean, worst, min(n, removals))
+		if n == 100 && mean > 1.6 {
+			t.Errorf("N=100: mean moved/(1/N) = %.3f; want <= 1.6", mean)
+		}
+		if worst < 1 {
+			t.Errorf("N=%d: moved/(1/N) = %.2f; want >= 1 (the removed backend's slots must move)", n, worst)
+		}
+		if m := MaglevSize(n); m != DefaultMaglevSize {
+			mean, worst := disruption(t, n, m, min(n, removals))
+			t.Logf("N=%d M=%d (MaglevSize): moved/(1/N) mean %.2f, worst %.2f", n, m, mean, worst)
+		}
+	}
+}
