@@ -110,7 +110,7 @@ func (t *Topology) ServeBackends(ctx context.Context) error {
 func (t *Topology) httpServer(i int, name string) *http.Server {
 	return &http.Server{
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			t.served[i].Add(1)
+			t.servedHTTP[i].Add(1)
 			w.Header().Set("X-Backend", name)
 			w.Header().Set("Content-Type", "text/plain")
 			io.WriteString(w, name)
@@ -135,19 +135,25 @@ func (t *Topology) serveUDP(i int, pc net.PacketConn) {
 			// peer; keep serving.
 			continue
 		}
-		t.served[i].Add(1)
+		t.servedUDP[i].Add(1)
 		pc.WriteTo(name, from)
 	}
 }
 
-// Served returns how many requests (HTTP and UDP) backend i has answered.
-func (t *Topology) Served(i int) uint64 { return t.served[i].Load() }
+// Served returns how many requests backend i has answered, HTTP and UDP.
+func (t *Topology) Served(i int) uint64 { return t.ServedHTTP(i) + t.ServedUDP(i) }
+
+// ServedHTTP returns how many HTTP requests backend i has answered.
+func (t *Topology) ServedHTTP(i int) uint64 { return t.servedHTTP[i].Load() }
+
+// ServedUDP returns how many UDP datagrams backend i has answered.
+func (t *Topology) ServedUDP(i int) uint64 { return t.servedUDP[i].Load() }
 
 // ServedAll returns Served for every backend.
 func (t *Topology) ServedAll() []uint64 {
-	out := make([]uint64, len(t.served))
-	for i := range t.served {
-		out[i] = t.served[i].Load()
+	out := make([]uint64, len(t.Backends))
+	for i := range out {
+		out[i] = t.Served(i)
 	}
 	return out
 }
@@ -156,7 +162,14 @@ func (t *Topology) ServedAll() []uint64 {
 // namespace, a new TCP connection for every request (so each request is a
 // new flow for the balancer), with timeouts that fail a test rather than
 // hang it. Addresses in URLs must be IP literals.
+//
+// The client is made once and shared; it is safe for concurrent use.
 func (t *Topology) HTTPClient() *http.Client {
+	t.httpOnce.Do(func() { t.httpClient = t.newHTTPClient() })
+	return t.httpClient
+}
+
+func (t *Topology) newHTTPClient() *http.Client {
 	d := &net.Dialer{Timeout: 3 * time.Second}
 	return &http.Client{
 		Transport: &http.Transport{
@@ -200,9 +213,11 @@ func (t *Topology) Get(ctx context.Context, ip netip.Addr) (string, error) {
 
 // DialTCP opens a new TCP connection from the client namespace to dst, from
 // local port localPort (0: an ephemeral port), so a test can pick distinct
-// or repeated 5-tuples. SO_REUSEADDR is set for a fixed port, and the client
-// namespace has tcp_tw_reuse=1, so a port can be reused right after its
-// previous connection closed.
+// or repeated 5-tuples. SO_REUSEADDR is set for a fixed port. Reusing a
+// 4-tuple whose previous connection the client closed first meets that
+// connection's TIME_WAIT: the client namespace has tcp_tw_reuse=1 and
+// tcp_tw_reuse_delay=1ms, so it works a millisecond later; close with
+// SetLinger(0) to have no TIME_WAIT at all.
 func (t *Topology) DialTCP(ctx context.Context, dst netip.AddrPort, localPort uint16) (*net.TCPConn, error) {
 	c, err := t.Client.NS.DialWith(ctx, dialer("tcp", dst, localPort), "tcp", dst.String())
 	if err != nil {

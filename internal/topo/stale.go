@@ -15,14 +15,21 @@ import (
 
 var nameSeq atomic.Uint64
 
-// UniqueName returns prefix + <pid in base 36> + "_" + <sequence in base 36>,
-// a topology name no other live process and no other call in this process
-// uses. Keep prefix to 3 characters so the result fits MaxNameLen. Because
-// the name carries the pid, CleanupStale can tell a crashed run's namespaces
-// from those of a run that is still going.
+// pidWidth is the width of the base-36 pid in UniqueName: 36^5 exceeds the
+// kernel's largest pid_max (2^22).
+const pidWidth = 5
+
+// UniqueName returns prefix + <pid, 5 base-36 digits> + <sequence number in
+// base 36>, a topology name that no other live process and no other call in
+// this process uses, e.g. "wt01kxz0". With a prefix of up to 3 characters
+// the first 1296 names of a process fit MaxNameLen. Because the name carries
+// the pid, CleanupStale can tell a crashed run's namespaces from those of a
+// run that is still going.
 func UniqueName(prefix string) string {
+	pid := strconv.FormatInt(int64(os.Getpid()), 36)
+	pid = strings.Repeat("0", pidWidth-len(pid)) + pid
 	for {
-		name := prefix + strconv.FormatInt(int64(os.Getpid()), 36) + "_" + strconv.FormatUint(nameSeq.Add(1)-1, 36)
+		name := prefix + pid + strconv.FormatUint(nameSeq.Add(1)-1, 36)
 		// A namespace of that name can only be left by a crashed run
 		// whose pid has been recycled; skip past it.
 		if left, _ := netns.List(name + "-"); len(left) == 0 {
@@ -60,19 +67,18 @@ func CleanupStale(prefix string) error {
 // ownerPID parses the pid out of a namespace name made from
 // UniqueName(prefix) + "-" + role.
 func ownerPID(prefix, nsName string) (int, bool) {
-	rest := strings.TrimPrefix(nsName, prefix)
+	rest, ok := strings.CutPrefix(nsName, prefix)
+	if !ok {
+		return 0, false
+	}
 	id, _, ok := strings.Cut(rest, "-")
-	if !ok {
+	if !ok || len(id) <= pidWidth {
 		return 0, false
 	}
-	pid36, seq, ok := strings.Cut(id, "_")
-	if !ok {
+	if _, err := strconv.ParseUint(id[pidWidth:], 36, 64); err != nil {
 		return 0, false
 	}
-	if _, err := strconv.ParseUint(seq, 36, 64); err != nil {
-		return 0, false
-	}
-	pid, err := strconv.ParseInt(pid36, 36, 32)
+	pid, err := strconv.ParseInt(id[:pidWidth], 36, 64)
 	if err != nil || pid <= 0 {
 		return 0, false
 	}

@@ -52,6 +52,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"regexp"
@@ -144,8 +145,11 @@ type Topology struct {
 	BridgeLink       string    // the bridge device inside Bridge
 	VIP4, VIP6       netip.Addr
 	namespaces       []*netns.NS
-	pass             *ebpf.Program // the peer XDP_PASS program, nil if unused
-	served           []atomic.Uint64
+	pass             *ebpf.Program   // the peer XDP_PASS program, nil if unused
+	servedHTTP       []atomic.Uint64 // per backend
+	servedUDP        []atomic.Uint64 // per backend
+	httpOnce         sync.Once
+	httpClient       *http.Client
 	mu               sync.Mutex // guards closed, serving
 	closed, serving  bool
 	stop             chan struct{} // closed by Close to stop the servers
@@ -176,7 +180,8 @@ func New(cfg Config) (_ *Topology, err error) {
 		BridgeLink: cfg.Name + "-br",
 		VIP4:       VIP4,
 		VIP6:       VIP6,
-		served:     make([]atomic.Uint64, cfg.Backends),
+		servedHTTP: make([]atomic.Uint64, cfg.Backends),
+		servedUDP:  make([]atomic.Uint64, cfg.Backends),
 		stop:       make(chan struct{}),
 	}
 	defer func() {
@@ -456,7 +461,13 @@ func (t *Topology) setupClient() error {
 	if err := sysctls(c.NS, "net/ipv4/tcp_tw_reuse", "1"); err != nil {
 		return err
 	}
-	err := c.NS.Do(func() error {
+	// Since 6.13 the reuse waits tcp_tw_reuse_delay (default 1s) after the
+	// last timestamp; older kernels have no such sysctl and wait 1s.
+	err := sysctls(c.NS, "net/ipv4/tcp_tw_reuse_delay", "1")
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	err = c.NS.Do(func() error {
 		for _, r := range []struct {
 			dst netip.Prefix
 			gw  netip.Addr

@@ -93,7 +93,23 @@ func TestTopology(t *testing.T) {
 			if _, err := c.Read(buf); err != nil {
 				t.Fatal(err)
 			}
+			// Who closes first (and so holds TIME_WAIT) is a race
+			// between client and server; a reset leaves none.
+			c.SetLinger(0)
 			c.Close()
+		}
+	})
+
+	t.Run("fixed local port after TIME_WAIT", func(t *testing.T) {
+		dst := netip.AddrPortFrom(topo.Backends[1].IP4, HTTPPort)
+		for i := range 3 {
+			c, err := topo.DialTCP(ctx, dst, 40001)
+			if err != nil {
+				t.Fatalf("connection %d: %v", i, err)
+			}
+			// The client closes first, so its end goes to TIME_WAIT.
+			c.Close()
+			time.Sleep(20 * time.Millisecond)
 		}
 	})
 
@@ -264,7 +280,7 @@ func TestNewFailureCleansUp(t *testing.T) {
 func TestCleanupStale(t *testing.T) {
 	// A "crashed" run: a namespace named like UniqueName's output with a
 	// pid that cannot be alive, and one of a live run (ours).
-	deadName := fmt.Sprintf("%szzzzz_0-lb", testPrefix) // pid 60466175 > pid_max
+	deadName := fmt.Sprintf("%szzzzz0-lb", testPrefix) // pid 60466175 > pid_max
 	dead, err := netns.New(deadName)
 	if err != nil {
 		newTopo(t, Config{})
@@ -288,6 +304,19 @@ func TestCleanupStale(t *testing.T) {
 	}
 }
 
+func TestUniqueName(t *testing.T) {
+	a, b := UniqueName("wt"), UniqueName("wt")
+	if a == b {
+		t.Errorf("UniqueName twice: %q and %q", a, b)
+	}
+	if len(a) > MaxNameLen {
+		t.Errorf("UniqueName(wt) = %q: longer than %d", a, MaxNameLen)
+	}
+	if pid, ok := ownerPID("wt", a+"-lb"); !ok || pid != os.Getpid() {
+		t.Errorf("ownerPID(%q) = %d, %v; want %d, true", a+"-lb", pid, ok, os.Getpid())
+	}
+}
+
 func TestConfigErrors(t *testing.T) {
 	for _, cfg := range []Config{
 		{Name: "much-too-long-name"},
@@ -307,11 +336,13 @@ func TestOwnerPID(t *testing.T) {
 		wantPID int
 		wantOK  bool
 	}{
-		{"wt2s_0-lb", 100, true},
-		{"wt2s_1a-be0", 100, true},
+		{"wt0002s0-lb", 100, true},
+		{"wt0002s1a-be0", 100, true},
+		{"wt2hwcg0-client", 4194304, true},
 		{"wtdemo-lb", 0, false},
-		{"wt2s-lb", 0, false},
-		{"wt2s_0", 0, false},
+		{"wt0002s-lb", 0, false},
+		{"wt0002s0", 0, false},
+		{"wt0002s_-lb", 0, false},
 	} {
 		pid, ok := ownerPID("wt", tc.name)
 		if pid != tc.wantPID || ok != tc.wantOK {
