@@ -90,6 +90,7 @@ type backend struct {
 	// what subscribers were last told
 	pubState  State
 	pubUsable bool
+	pubPanic  bool
 
 	consec       atomic.Int32 // consecutive passive failures
 	ejectedUntil time.Time
@@ -346,7 +347,7 @@ func (c *Checker) settle(b *backend, now time.Time, reason string) {
 }
 
 // settlePanic recomputes the panic mode of s and, if it flipped, publishes
-// every member whose usability changed with it. It reports whether it flipped.
+// every member, since each Change carries the service's panic mode. It reports whether it flipped.
 func (c *Checker) settlePanic(s *service, now time.Time) bool {
 	n := len(s.members)
 	p := s.cfg.PanicThreshold > 0 && n > 0 && s.up*100 < s.cfg.PanicThreshold*n
@@ -372,12 +373,12 @@ func (c *Checker) settlePanic(s *service, now time.Time) bool {
 // they were last told, or if it has never been published; c.mu must be held.
 func (c *Checker) publish(b *backend, now time.Time, reason string) {
 	u := b.usable()
-	if b.state == b.pubState && u == b.pubUsable && reason != "added" {
+	if b.state == b.pubState && u == b.pubUsable && b.svc.panic == b.pubPanic && reason != "added" {
 		return
 	}
 	ch := Change{ID: b.id, Service: b.svc.name, From: b.pubState, To: b.state,
 		Usable: u, Panic: b.svc.panic, Reason: reason, Time: now}
-	b.pubState, b.pubUsable = b.state, u
+	b.pubState, b.pubUsable, b.pubPanic = b.state, u, b.svc.panic
 	for sub := range c.subs {
 		sub.push(ch)
 	}

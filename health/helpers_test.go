@@ -130,3 +130,10 @@ func (l *toggleListener) set(open bool) {
 
 // isTimeout reports whether err is the Checker's timeout.
 func isTimeout(err error) bool { return errors.Is(err, ErrTimeout) }
+
+// pending counts the changes queued in s.
+func (s *Subscription) pending() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.queue) - s.head
+}

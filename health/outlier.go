@@ -81,8 +81,8 @@ func (c *Checker) unEject(b *backend) {
 func (c *Checker) expire(now time.Time) {
 	for len(c.ejected) > 0 && !c.ejected[0].ejectedUntil.After(now) {
 		b := c.ejected[0]
+		b.returned = b.ejectedUntil
 		c.unEject(b)
-		b.returned = now
 		c.settle(b, now, "ejection ended")
 	}
 }

@@ -135,8 +135,9 @@ type Status struct {
 	Last Result
 }
 
-// Change is published when a backend's effective State or Usable changes, and
-// once per backend when a subscription starts (From == To, Reason "current").
+// Change is published when a backend is added, when its effective State or
+// Usable changes, when its service enters or leaves panic mode, and once per
+// backend when a subscription starts (From == To, Reason "current").
 type Change struct {
 	ID, Service string
 	From, To    State

@@ -1,0 +1,121 @@
+package health
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"testing"
+	"time"
+)
+
+func TestHTTPCheck(t *testing.T) {
+	slow := func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-time.After(2 * time.Second):
+		case <-r.Context().Done():
+		}
+	}
+	tests := []struct {
+		name       string
+		handler    http.HandlerFunc
+		check      HTTPCheck
+		wantState  State
+		wantErr    error // errors.Is target; nil for a pass
+		wantReason string
+	}{
+		{
+			name: "200 is up",
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				if r.Host != "web.test" || r.URL.Path != "/healthz" || r.Header.Get("Connection") != "close" {
+					w.WriteHeader(http.StatusBadRequest)
+					fmt.Fprintf(w, "host %q path %q connection %q", r.Host, r.URL.Path, r.Header.Get("Connection"))
+					return
+				}
+				fmt.Fprint(w, "ok")
+			},
+			check:     HTTPCheck{Path: "/healthz", Host: "web.test"},
+			wantState: Up,
+		},
+		{
+			name:       "503 is down",
+			handler:    func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusServiceUnavailable) },
+			wantState:  Down,
+			wantErr:    ErrStatus,
+			wantReason: "http status 503",
+		},
+		{
+			name:       "404 is down unless accepted",
+			handler:    func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusNotFound) },
+			check:      HTTPCheck{Status: []StatusRange{{200, 299}}},
+			wantState:  Down,
+			wantErr:    ErrStatus,
+			wantReason: "http status 404",
+		},
+		{
+			name:      "accepted status set",
+			handler:   func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusNotFound) },
+			check:     HTTPCheck{Status: []StatusRange{{200, 299}, {404, 404}}},
+			wantState: Up,
+		},
+		{
+			name:      "body substring found",
+			handler:   func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, `{"status":"serving"}`) },
+			check:     HTTPCheck{Body: `"serving"`},
+			wantState: Up,
+		},
+		{
+			name:       "wrong body is down",
+			handler:    func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, `{"status":"draining"}`) },
+			check:      HTTPCheck{Body: `"serving"`},
+			wantState:  Down,
+			wantErr:    ErrBody,
+			wantReason: `http body: no "\"serving\"" in the first 21 bytes`,
+		},
+		{
+			name:       "slow response past the timeout is down",
+			handler:    slow,
+			wantState:  Down,
+			wantErr:    ErrTimeout,
+			wantReason: "http: timeout after 200ms",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			srv := httptest.NewServer(tt.handler)
+			defer srv.Close()
+			u, _ := url.Parse(srv.URL)
+
+			c := &Checker{}
+			cfg := Config{Check: Check{Kind: HTTP, Interval: 50 * time.Millisecond, Timeout: 200 * time.Millisecond, HTTP: tt.check}}
+			if err := c.SetService("web", cfg); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.Set(Backend{ID: "b", Addr: u.Host, Service: "web"}); err != nil {
+				t.Fatal(err)
+			}
+			sub := c.Subscribe()
+			defer sub.Close()
+			run(t, c)
+			ch := waitChange(t, sub, "b", 5*time.Second, func(ch Change) bool { return ch.To != Unknown })
+			st, _ := c.Status("b")
+			if ch.To != tt.wantState {
+				t.Fatalf("state: got %v (reason %q, last %v); want %v", ch.To, ch.Reason, st.Last.Err, tt.wantState)
+			}
+			if tt.wantErr == nil {
+				if st.Last.Err != nil {
+					t.Errorf("last error: got %v; want nil", st.Last.Err)
+				}
+				return
+			}
+			if !errors.Is(st.Last.Err, tt.wantErr) {
+				t.Errorf("last error: got %v; want one wrapping %v", st.Last.Err, tt.wantErr)
+			}
+			if ch.Reason != tt.wantReason {
+				t.Errorf("reason: got %q; want %q", ch.Reason, tt.wantReason)
+			}
+		})
+	}
+}
