@@ -182,7 +182,9 @@ func (n *NS) String() string { return n.name }
 
 // Do runs fn on a locked OS thread switched into the namespace and returns
 // fn's error. Goroutines that fn starts do not run in the namespace, but
-// sockets fn creates stay in it. A panic in fn is re-raised in the caller.
+// sockets fn creates stay in it. A panic in fn is re-raised in the caller,
+// and runtime.Goexit in fn (t.Fatal, t.Skip) exits the caller's goroutine
+// too, so tests may call t.Fatal inside fn.
 //
 // The thread is switched back before it is returned to the runtime; if that
 // fails the thread is never unlocked, so the runtime discards it rather than
@@ -190,19 +192,25 @@ func (n *NS) String() string { return n.name }
 func (n *NS) Do(fn func() error) error {
 	type result struct {
 		err      error
+		returned bool // fn returned or panicked, as opposed to Goexit
 		panicked bool
 		panicVal any
 	}
 	done := make(chan result, 1)
-	// Exits when fn returns (or panics); see doLocked for its thread.
+	// Exits when fn returns, panics or calls Goexit; see doLocked for what
+	// happens to its thread.
 	go func() {
 		var r result
 		defer func() { done <- r }()
 		r.err, r.panicked, r.panicVal = n.doLocked(fn)
+		r.returned = true
 	}()
 	r := <-done
-	if r.panicked {
+	switch {
+	case r.panicked:
 		panic(r.panicVal)
+	case !r.returned:
+		runtime.Goexit()
 	}
 	return r.err
 }

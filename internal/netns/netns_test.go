@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -95,6 +96,18 @@ func TestNewDoClose(t *testing.T) {
 		}()
 		ns.Do(func() error { panic("boom") })
 	}()
+
+	// Goexit (t.FailNow, t.SkipNow) in fn ends the caller's goroutine.
+	exited := make(chan bool)
+	// Exits through the Goexit that Do passes on.
+	go func() {
+		defer func() { exited <- true }()
+		ns.Do(func() error { runtime.Goexit(); return nil })
+		exited <- false
+	}()
+	if !<-exited {
+		t.Errorf("Do returned after fn called runtime.Goexit")
+	}
 
 	if err := ns.Close(); err != nil {
 		t.Fatal(err)

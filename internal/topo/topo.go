@@ -278,6 +278,11 @@ func (t *Topology) host(name, role, linkSuffix, peerSuffix string, octet int) Ho
 	}
 }
 
+// Hosts returns every host: the client, the balancer, then the backends.
+func (t *Topology) Hosts() []Host {
+	return append([]Host{t.Client, t.Balancer}, t.Backends...)
+}
+
 // hosts returns pointers to every host, client and balancer first.
 func (t *Topology) hosts() []*Host {
 	hs := []*Host{&t.Client, &t.Balancer}

@@ -184,7 +184,7 @@ func TestTopology(t *testing.T) {
 	})
 
 	t.Run("tx checksum offload off", func(t *testing.T) {
-		for _, h := range append([]Host{topo.Client, topo.Balancer}, topo.Backends...) {
+		for _, h := range topo.Hosts() {
 			on, err := TxChecksum(h)
 			if err != nil {
 				t.Fatal(err)
@@ -198,7 +198,7 @@ func TestTopology(t *testing.T) {
 
 func TestPeerXDPAll(t *testing.T) {
 	topo := newTopo(t, Config{Backends: 2, PeerXDP: PeerXDPAll})
-	for _, h := range append([]Host{topo.Client, topo.Balancer}, topo.Backends...) {
+	for _, h := range topo.Hosts() {
 		mode, err := topo.PeerXDPMode(h)
 		if err != nil {
 			t.Fatal(err)

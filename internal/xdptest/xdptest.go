@@ -43,7 +43,13 @@ func SkipOrFail(tb testing.TB, err error) {
 // a kernel feature (as opposed to a bug in what was asked): EPERM, EACCES,
 // EOPNOTSUPP, ENOSYS, or cilium/ebpf's ErrNotSupported. Helpers such as
 // topo.NewT pass such errors to SkipOrFail and fail the test on the others.
+//
+// A program the verifier rejects is never Unavailable, even though the
+// verifier reports EACCES: that is a bug in the program.
 func Unavailable(err error) bool {
+	if _, ok := errors.AsType[*ebpf.VerifierError](err); ok {
+		return false
+	}
 	return errors.Is(err, unix.EPERM) ||
 		errors.Is(err, unix.EACCES) ||
 		errors.Is(err, unix.EOPNOTSUPP) ||
