@@ -22,7 +22,9 @@ func (r *roundRobin) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	if n == 0 {
 		return Lease{}, ErrNoBackend
 	}
-	start := int((r.ctr.Add(1) - 1) % uint64(n))
+	// 32-bit modulo: a 64-bit division costs several times more on older x86. The
+	// wrap at 2^32 picks only shifts the cycle once.
+	start := int(uint32(r.ctr.Add(1)-1) % uint32(n))
 	now, ramping := s.ramping(r.core)
 	var rnd splitmix
 	if ramping {
@@ -143,6 +145,9 @@ func (l *leastConn) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	if !l.weighted && !ramping {
 		return l.pickCount(s, start, skip)
 	}
+	if !ramping {
+		return l.pickWeighted(s, start, skip)
+	}
 	best, bestCost := -1, math.Inf(1)
 	for k := range n {
 		i := start + k
@@ -183,6 +188,31 @@ func (l *leastConn) pickCount(s *snapshot, start int, skip func(string) bool) (L
 		e := &s.entries[i]
 		if c := e.b.inflight.Load(); c < bestN && (skip == nil || !skip(e.b.id)) {
 			best, bestN = i, c
+		}
+	}
+	if best < 0 {
+		return Lease{}, ErrNoBackend
+	}
+	return lease(s.entries[best].b), nil
+}
+
+// pickWeighted is weighted_least_conn's integer path (no slow start): it compares
+// (in flight + 1) / weight by cross-multiplying, avoiding a division per backend.
+// In flight < 2^31 and weight < 2^32, so the products fit in a uint64.
+func (l *leastConn) pickWeighted(s *snapshot, start int, skip func(string) bool) (Lease, error) {
+	n := len(s.entries)
+	best := -1
+	var bestN, bestW uint64
+	for k := range n {
+		i := start + k
+		if i >= n {
+			i -= n
+		}
+		e := &s.entries[i]
+		c := uint64(max(0, e.b.inflight.Load())) + 1
+		w := uint64(e.weight)
+		if (best < 0 || c*bestW < bestN*w) && (skip == nil || !skip(e.b.id)) {
+			best, bestN, bestW = i, c, w
 		}
 	}
 	if best < 0 {

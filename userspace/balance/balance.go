@@ -173,18 +173,21 @@ type backend struct {
 
 	// SWRR credit; guarded by smoothWeighted.mu (its SetBackends holds that too).
 	current int64
+
+	// Pad to two cache lines: neighbouring backends are picked by different goroutines
+	// at once, and the adjacent-line prefetcher pairs lines.
+	_ [64]byte
 }
 
 func (b *backend) acquire() { b.inflight.Add(1) }
 
-// release decrements in-flight but never below zero, so a stray release (of a copied
-// lease) can't leave a negative count that would attract every new connection.
+// release decrements in-flight but undoes a decrement below zero, so a stray release
+// (of a copied lease) can't leave a negative count that would attract every new
+// connection. One atomic add in the common case; a load-and-CAS loop costs two
+// coherence round trips on a contended line.
 func (b *backend) release() {
-	for {
-		n := b.inflight.Load()
-		if n <= 0 || b.inflight.CompareAndSwap(n, n-1) {
-			return
-		}
+	if b.inflight.Add(-1) < 0 {
+		b.inflight.Add(1)
 	}
 }
 
