@@ -145,7 +145,11 @@ func (p *Program) Attach(ifname string, mode Mode) (Mode, error) {
 		}
 		errs = append(errs, fmt.Errorf("%s: %w", m, err))
 	}
-	return "", fmt.Errorf("attach xdp to %s: %w", ifname, errors.Join(errs...))
+	err = errors.Join(errs...)
+	if mode == ModeNative && errors.Is(err, unix.EOPNOTSUPP) {
+		return "", fmt.Errorf("attach xdp to %s: %w (the driver has no native XDP: use generic or auto)", ifname, err)
+	}
+	return "", fmt.Errorf("attach xdp to %s: %w", ifname, err)
 }
 
 // Detach removes the program from the named interface.
