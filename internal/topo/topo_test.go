@@ -7,12 +7,15 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/vishvananda/netlink"
 
 	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/internal/xdptest"
 )
 
 // testPrefix names this package's topologies; see TestMain.
@@ -225,11 +228,7 @@ func TestPeerXDPAll(t *testing.T) {
 func TestCloseRemovesEverything(t *testing.T) {
 	name := UniqueName(testPrefix)
 	topo, err := New(Config{Name: name, Backends: 2})
-	if err != nil {
-		// Through NewT's rule, so an unprivileged run skips.
-		newTopo(t, Config{})
-		t.Fatal(err)
-	}
+	xdptest.Check(t, err)
 	t.Cleanup(func() { topo.Close() })
 	if err := topo.ServeBackends(context.Background()); err != nil {
 		t.Fatal(err)
@@ -261,10 +260,7 @@ func TestCloseRemovesEverything(t *testing.T) {
 func TestNewFailureCleansUp(t *testing.T) {
 	name := UniqueName(testPrefix)
 	blocker, err := netns.New(name + "-be0")
-	if err != nil {
-		newTopo(t, Config{}) // skip or fail by the xdptest rule
-		t.Fatal(err)
-	}
+	xdptest.Check(t, err)
 	t.Cleanup(func() { blocker.Close() })
 
 	_, err = New(Config{Name: name, Backends: 1})
@@ -278,29 +274,33 @@ func TestNewFailureCleansUp(t *testing.T) {
 }
 
 func TestCleanupStale(t *testing.T) {
-	// A "crashed" run: a namespace named like UniqueName's output with a
-	// pid that cannot be alive, and one of a live run (ours).
-	deadName := fmt.Sprintf("%szzzzz0-lb", testPrefix) // pid 60466175 > pid_max
-	dead, err := netns.New(deadName)
-	if err != nil {
-		newTopo(t, Config{})
+	// A prefix of this process's own, so parallel runs of this test do
+	// not see each other's namespaces.
+	prefix := fmt.Sprintf("wx%d", os.Getpid())
+	pid := strconv.FormatInt(int64(os.Getpid()), 36)
+	pid = strings.Repeat("0", pidWidth-len(pid)) + pid
+	names := map[string]bool{ // name -> removed by CleanupStale
+		prefix + "zzzzz0-lb":  true,  // a dead pid (60466175 > pid_max): crashed
+		prefix + "demo-lb":    true,  // a fixed name: always stale
+		prefix + pid + "0-lb": false, // a live pid (ours): kept
+	}
+	for name := range names {
+		ns, err := netns.New(name)
+		xdptest.Check(t, err)
+		// Not closed before CleanupStale, as if its process had crashed;
+		// closed at the end to release the handle (and to remove it if
+		// CleanupStale did not).
+		t.Cleanup(func() { ns.Close() })
+	}
+
+	if err := CleanupStale(prefix); err != nil {
 		t.Fatal(err)
 	}
-	// Don't Close: simulate the crash by dropping the handle. Remove it
-	// at the end whatever happens.
-	t.Cleanup(func() { netns.RemoveMounted(deadName) })
-	_ = dead
-
-	live := newTopo(t, Config{Backends: 1})
-
-	if err := CleanupStale(testPrefix); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := os.Stat(filepath.Join(netns.RunDir, deadName)); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("stale %s still there: %v", deadName, err)
-	}
-	if names, _ := netns.List(live.Name + "-"); len(names) != 4 {
-		t.Errorf("live topology's namespaces %v; want all 4 kept", names)
+	for name, removed := range names {
+		_, err := os.Stat(filepath.Join(netns.RunDir, name))
+		if gone := errors.Is(err, os.ErrNotExist); gone != removed {
+			t.Errorf("%s: removed = %v; want %v", name, gone, removed)
+		}
 	}
 }
 
