@@ -144,18 +144,19 @@ type Topology struct {
 	Bridge           *netns.NS // namespace holding the bridge
 	BridgeLink       string    // the bridge device inside Bridge
 	VIP4, VIP6       netip.Addr
-	namespaces       []*netns.NS
-	pass             *ebpf.Program   // the peer XDP_PASS program, nil if unused
-	servedHTTP       []atomic.Uint64 // per backend
-	servedUDP        []atomic.Uint64 // per backend
-	httpOnce         sync.Once
-	httpClient       *http.Client
-	mu               sync.Mutex // guards closed, serving
-	closed, serving  bool
-	stop             chan struct{} // closed by Close to stop the servers
-	servers          sync.WaitGroup
-	closeOnce        sync.Once
-	closeErr         error
+
+	namespaces      []*netns.NS
+	pass            *ebpf.Program   // the peer XDP_PASS program, nil if unused
+	servedHTTP      []atomic.Uint64 // per backend
+	servedUDP       []atomic.Uint64 // per backend
+	httpOnce        sync.Once
+	httpClient      *http.Client
+	mu              sync.Mutex // guards closed, serving
+	closed, serving bool
+	stop            chan struct{} // closed by Close to stop the servers
+	servers         sync.WaitGroup
+	closeOnce       sync.Once
+	closeErr        error
 }
 
 var nameRE = regexp.MustCompile(`^[A-Za-z0-9_]+$`)
@@ -173,6 +174,9 @@ func New(cfg Config) (_ *Topology, err error) {
 	}
 	if cfg.Backends < 0 || cfg.Backends > MaxBackends {
 		return nil, fmt.Errorf("topology %s: backends: want 1-%d, got %d", cfg.Name, MaxBackends, cfg.Backends)
+	}
+	if cfg.PeerXDP < PeerXDPBalancer || cfg.PeerXDP > PeerXDPNone {
+		return nil, fmt.Errorf("topology %s: unknown PeerXDP %d", cfg.Name, cfg.PeerXDP)
 	}
 
 	t := &Topology{
@@ -230,9 +234,6 @@ func New(cfg Config) (_ *Topology, err error) {
 				break
 			}
 		}
-	case PeerXDPNone:
-	default:
-		err = fmt.Errorf("topology %s: unknown PeerXDP %d", cfg.Name, cfg.PeerXDP)
 	}
 	if err != nil {
 		return nil, err

@@ -323,6 +323,7 @@ func TestConfigErrors(t *testing.T) {
 		{Name: "a/b"},
 		{Name: "ok", Backends: MaxBackends + 1},
 		{Name: "ok", Backends: -1},
+		{Name: "ok", PeerXDP: 7},
 	} {
 		if _, err := New(cfg); err == nil {
 			t.Errorf("New(%+v) succeeded; want an error", cfg)
