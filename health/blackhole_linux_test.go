@@ -1,0 +1,106 @@
+package health
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+)
+
+// TestBlackHoledBackend drops the SYNs to one port inside a namespace: its
+// checks must fail by timeout, and meanwhile the checks of the healthy
+// backends must keep their schedule although few check slots are free.
+func TestBlackHoledBackend(t *testing.T) {
+	ns := newNetNS(t)
+	good := []string{ns.listen(t, "127.0.0.1:0").Addr().String(), ns.listen(t, "127.0.0.1:0").Addr().String()}
+	hole := ns.listen(t, "127.0.0.1:0").Addr().String() // listening, but its SYNs are dropped
+	ns.dropSYN(t, netip.MustParseAddrPort(hole).Port())
+
+	const (
+		interval = 50 * time.Millisecond
+		timeout  = 300 * time.Millisecond
+		nHoles   = 4
+		nGood    = 20
+		runFor   = 1500 * time.Millisecond
+	)
+	var (
+		mu        sync.Mutex
+		lags      []time.Duration
+		goodCount = map[string]int{}
+		holeRes   []Result
+	)
+	c := &Checker{
+		Dial: ns.dial,
+		// The black holes hold half the slots for their whole timeout.
+		MaxInFlight: 2 * nHoles,
+		OnCheck: func(r Result) {
+			mu.Lock()
+			defer mu.Unlock()
+			if r.Addr == hole {
+				holeRes = append(holeRes, r)
+				return
+			}
+			lags = append(lags, r.Lag())
+			if r.Err == nil {
+				goodCount[r.ID]++
+			}
+		},
+	}
+	cfg := Config{Check: Check{Interval: interval, Timeout: timeout, Rise: 1, Fall: 2, Initial: Up}, PanicThreshold: -1}
+	if err := c.SetService("web", cfg); err != nil {
+		t.Fatal(err)
+	}
+	for i := range nHoles {
+		if err := c.Set(Backend{ID: fmt.Sprint("hole", i), Addr: hole, Service: "web"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range nGood {
+		if err := c.Set(Backend{ID: fmt.Sprint("good", i), Addr: good[i%2], Service: "web"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	run(t, c)
+	time.Sleep(runFor)
+
+	for _, st := range c.Snapshot() {
+		want := Up
+		if st.Addr == hole {
+			want = Down
+		}
+		if st.State != want {
+			t.Errorf("%s (%s): got %v (%s); want %v", st.ID, st.Addr, st.State, st.Reason, want)
+		}
+		if st.Addr == hole && st.Reason != "connect: timeout after 300ms" {
+			t.Errorf("%s reason: got %q; want connect: timeout after 300ms", st.ID, st.Reason)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(holeRes) < nHoles*2 {
+		t.Errorf("black-holed checks: got %d; want at least %d", len(holeRes), nHoles*2)
+	}
+	for _, r := range holeRes {
+		if !errors.Is(r.Err, ErrTimeout) || r.Duration < timeout || r.Duration > timeout+200*time.Millisecond {
+			t.Errorf("black-holed check: got %v after %v; want a timeout after about %v", r.Err, r.Duration, timeout)
+		}
+	}
+	// Every healthy backend gets nearly all of its checks...
+	wantChecks := int(runFor/interval) * 8 / 10
+	for i := range nGood {
+		if n := goodCount[fmt.Sprint("good", i)]; n < wantChecks {
+			t.Errorf("good%d: got %d passed checks in %v; want at least %d", i, n, runFor, wantChecks)
+		}
+	}
+	// ...on time.
+	slices.Sort(lags)
+	p99 := lags[len(lags)*99/100]
+	t.Logf("healthy checks: %d, lag p50 %v p99 %v max %v; black-holed checks: %d",
+		len(lags), lags[len(lags)/2], p99, lags[len(lags)-1], len(holeRes))
+	if p99 > 50*time.Millisecond {
+		t.Errorf("healthy checks' p99 scheduling lag: got %v; want <= 50ms", p99)
+	}
+}
