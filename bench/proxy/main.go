@@ -1,0 +1,841 @@
+// Command proxy benchmarks weir's splice proxy side by side with HAProxy (mode tcp,
+// leastconn; splice-auto and forced splice; 1 and 2 threads), nginx stream (least_conn;
+// 1 and 2 workers) and the direct path, all on loopback.
+//
+//	go run ./bench/proxy            # 3 interleaved runs, 3 s per case
+//	go run ./bench/proxy -runs 5 -d 5s -only weir,haproxy-2t-splice
+//
+// Per target it measures new connections/s with one request each (wrk, Connection:
+// close) and p50/p99, keep-alive requests/s and p99, bulk throughput with iperf3 (1 and
+// 4 streams), the proxy's CPU time per short connection, its system calls per
+// connection and splice calls (perf stat on the syscall tracepoints), peak RSS, and RSS
+// and descriptors at 1,000 idle connections. Targets are interleaved in every run;
+// results are medians over the runs, written as a markdown table, JSON and PNG plots
+// (gnuplot) under -out.
+//
+// It installs haproxy, nginx, its stream module, wrk, iperf3 and gnuplot with apt-get
+// if missing, bounds every step in time, and stops only the processes it started.
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"log"
+	"math"
+	"net"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+var (
+	runs     = flag.Int("runs", 3, "interleaved runs; results are medians")
+	duration = flag.Duration("d", 3*time.Second, "length of each load")
+	conns    = flag.Int("c", 50, "wrk connections")
+	idle     = flag.Int("idle", 1000, "idle connections held for the RSS/descriptor measure")
+	outDir   = flag.String("out", "bench/results/proxy", "results directory")
+	only     = flag.String("only", "", "comma-separated targets (default all)")
+	install  = flag.Bool("install", true, "apt-get install missing tools")
+	timeout  = flag.Duration("timeout", 40*time.Minute, "bound on the whole run")
+	serve    = flag.Bool("serve", false, "internal: run weir's proxy (child process)")
+)
+
+// Loopback ports used by the bench.
+const (
+	httpA, httpB = "127.0.0.1:18081", "127.0.0.1:18082" // nginx HTTP backends
+	iperfAddr    = "127.0.0.1:15201"                     // iperf3 server
+	proxyHTTP    = "127.0.0.1:19080"                     // every proxy's HTTP front
+	proxyBulk    = "127.0.0.1:19201"                     // every proxy's bulk front
+)
+
+func main() {
+	flag.Parse()
+	if *serve {
+		if err := serveWeir(); err != nil {
+			log.Fatal(err)
+		}
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
+	defer cancel()
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx); err != nil {
+		log.Fatal(err)
+	}
+}
+
+// target is one thing measured: a proxy (or nothing, for direct).
+type target struct {
+	name  string
+	http  string // address wrk uses
+	bulk  string // address iperf3 uses
+	start func(ctx context.Context, dir string) (*proc, error)
+}
+
+// result is one target's measures in one run.
+type result struct {
+	ConnRPS, ConnP50, ConnP99 float64 // /s, ms, ms
+	KARPS, KAP50, KAP99       float64
+	Bulk1, Bulk4             float64 // Gbit/s
+	CPUPerConn               float64 // µs of proxy CPU per short connection
+	SyscallsPerConn          float64
+	SplicesBulk              float64 // splice calls during the 1-stream bulk
+	PeakRSS                  float64 // MB
+	IdleRSS                  float64 // MB at -idle connections
+	FDsPerConn               float64 // descriptors per idle proxied connection
+}
+
+func run(ctx context.Context) error {
+	if *install {
+		if err := ensureTools(ctx); err != nil {
+			return err
+		}
+	}
+	dir, err := os.MkdirTemp("", "weir-proxybench-")
+	if err != nil {
+		return fmt.Errorf("temp dir: %w", err)
+	}
+	defer os.RemoveAll(dir)
+	var procs []*proc
+	defer func() {
+		for _, p := range procs {
+			p.stop()
+		}
+	}()
+	be, err := startNginxBackend(ctx, dir)
+	if err != nil {
+		return err
+	}
+	procs = append(procs, be)
+	ip, err := startProc(ctx, dir, "iperf3-server", "iperf3", "-s", "-p", port(iperfAddr))
+	if err != nil {
+		return err
+	}
+	procs = append(procs, ip)
+	if err := waitPorts(ctx, httpA, httpB, iperfAddr); err != nil {
+		return err
+	}
+
+	targets := allTargets()
+	if *only != "" {
+		keep := strings.Split(*only, ",")
+		targets = slices.DeleteFunc(targets, func(t target) bool { return !slices.Contains(keep, t.name) && t.name != "direct" })
+	}
+	results := map[string][]result{}
+	for r := range *runs {
+		// Rotate the order so no target always runs first or last.
+		order := append(slices.Clone(targets[r%len(targets):]), targets[:r%len(targets)]...)
+		for _, t := range order {
+			log.Printf("run %d/%d: %s", r+1, *runs, t.name)
+			res, err := measure(ctx, dir, t)
+			if err != nil {
+				return fmt.Errorf("run %d: %s: %w", r+1, t.name, err)
+			}
+			results[t.name] = append(results[t.name], res)
+			log.Printf("  %+v", res)
+		}
+	}
+	return report(ctx, targets, results)
+}
+
+func allTargets() []target {
+	ts := []target{
+		{name: "direct", http: httpA, bulk: iperfAddr},
+		{name: "weir", http: proxyHTTP, bulk: proxyBulk, start: startWeir},
+	}
+	for _, threads := range []int{1, 2} {
+		for _, splice := range []string{"auto", "splice"} {
+			ts = append(ts, target{
+				name: fmt.Sprintf("haproxy-%dt-%s", threads, splice), http: proxyHTTP, bulk: proxyBulk,
+				start: func(ctx context.Context, dir string) (*proc, error) { return startHAProxy(ctx, dir, threads, splice) },
+			})
+		}
+	}
+	for _, workers := range []int{1, 2} {
+		ts = append(ts, target{
+			name: fmt.Sprintf("nginx-%dw", workers), http: proxyHTTP, bulk: proxyBulk,
+			start: func(ctx context.Context, dir string) (*proc, error) { return startNginxStream(ctx, dir, workers) },
+		})
+	}
+	return ts
+}
+
+// measure starts t, runs every case against it and stops it.
+func measure(ctx context.Context, dir string, t target) (result, error) {
+	var res result
+	var p *proc
+	if t.start != nil {
+		var err error
+		if p, err = t.start(ctx, dir); err != nil {
+			return res, err
+		}
+		defer p.stop()
+		if err := waitPorts(ctx, t.http, t.bulk); err != nil {
+			return res, err
+		}
+	}
+	url := "http://" + t.http + "/"
+
+	// Short connections: one request each.
+	var perf *perfStat
+	cpu0 := p.cpu()
+	if p != nil {
+		perf = startPerf(ctx, p.pids())
+	}
+	w, err := runWrk(ctx, url, true)
+	if err != nil {
+		return res, err
+	}
+	sys, _ := perf.stop()
+	res.ConnRPS, res.ConnP50, res.ConnP99 = w.rps, w.p50, w.p99
+	if p != nil && w.requests > 0 {
+		res.CPUPerConn = (p.cpu() - cpu0) * 1e6 / float64(w.requests)
+		res.SyscallsPerConn = float64(sys.syscalls) / float64(w.requests)
+	}
+
+	// Keep-alive.
+	if w, err = runWrk(ctx, url, false); err != nil {
+		return res, err
+	}
+	res.KARPS, res.KAP50, res.KAP99 = w.rps, w.p50, w.p99
+
+	// Bulk.
+	if p != nil {
+		perf = startPerf(ctx, p.pids())
+	}
+	if res.Bulk1, err = runIperf(ctx, t.bulk, 1); err != nil {
+		return res, err
+	}
+	sys, _ = perf.stop()
+	res.SplicesBulk = float64(sys.splices)
+	if res.Bulk4, err = runIperf(ctx, t.bulk, 4); err != nil {
+		return res, err
+	}
+
+	if p != nil {
+		res.PeakRSS = p.mem("VmHWM")
+		rss, fds, err := holdIdle(ctx, t.http, p)
+		if err != nil {
+			return res, err
+		}
+		res.IdleRSS, res.FDsPerConn = rss, fds
+	}
+	return res, nil
+}
+
+// holdIdle opens -idle connections through p, each having done one request, and
+// returns p's RSS (MB) and descriptors per connection while they are held.
+func holdIdle(ctx context.Context, addr string, p *proc) (float64, float64, error) {
+	fd0 := p.fds()
+	var cs []net.Conn
+	defer func() {
+		for _, c := range cs {
+			c.Close()
+		}
+	}()
+	req := []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	buf := make([]byte, 4096)
+	for range *idle {
+		if ctx.Err() != nil {
+			return 0, 0, ctx.Err()
+		}
+		c, err := net.DialTimeout("tcp", addr, 3*time.Second)
+		if err != nil {
+			return 0, 0, fmt.Errorf("idle connections: %w", err)
+		}
+		cs = append(cs, c)
+		c.SetDeadline(time.Now().Add(3 * time.Second))
+		if _, err := c.Write(req); err != nil {
+			return 0, 0, fmt.Errorf("idle connections: %w", err)
+		}
+		if _, err := c.Read(buf); err != nil {
+			return 0, 0, fmt.Errorf("idle connections: %w", err)
+		}
+	}
+	time.Sleep(500 * time.Millisecond)
+	rss := p.mem("VmRSS")
+	fds := float64(p.fds()-fd0) / float64(*idle)
+	return rss, fds, nil
+}
+
+// --- processes ---
+
+// proc is a process this program started (with its own process group), plus the
+// worker processes it forked, found through /proc.
+type proc struct {
+	name string
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+func startProc(ctx context.Context, dir, name string, argv ...string) (*proc, error) {
+	cmd := exec.Command(argv[0], argv[1:]...)
+	logf, err := os.Create(filepath.Join(dir, name+".log"))
+	if err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	p := &proc{name: name, cmd: cmd, done: make(chan struct{})}
+	// Exits when the process has exited (stop makes sure it does).
+	go func() {
+		cmd.Wait()
+		logf.Close()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// stop ends the process (SIGTERM, then SIGKILL after 3 s) and its process group, which
+// it created: workers of nginx or HAProxy go with it.
+func (p *proc) stop() {
+	if p == nil {
+		return
+	}
+	pid := p.cmd.Process.Pid
+	syscall.Kill(-pid, syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(3 * time.Second):
+		syscall.Kill(-pid, syscall.SIGKILL)
+		<-p.done
+	}
+	// Workers that outlived their master in our group.
+	syscall.Kill(-pid, syscall.SIGKILL)
+	time.Sleep(100 * time.Millisecond) // let the ports be released
+}
+
+// pids is the process and its children (nginx workers).
+func (p *proc) pids() []int {
+	if p == nil {
+		return nil
+	}
+	pid := p.cmd.Process.Pid
+	out := []int{pid}
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
+	for _, f := range strings.Fields(string(b)) {
+		if n, err := strconv.Atoi(f); err == nil {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// cpu is user+system seconds of the process and its workers.
+func (p *proc) cpu() float64 {
+	if p == nil {
+		return 0
+	}
+	var total float64
+	for _, pid := range p.pids() {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		s := string(b)
+		f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+		ut, _ := strconv.ParseFloat(f[11], 64)
+		st, _ := strconv.ParseFloat(f[12], 64)
+		total += (ut + st) / 100 // USER_HZ
+	}
+	return total
+}
+
+// mem is a /proc/PID/status field (VmRSS, VmHWM) summed over the processes, in MB.
+func (p *proc) mem(field string) float64 {
+	var kb float64
+	for _, pid := range p.pids() {
+		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(l, field+":") {
+				f := strings.Fields(l)
+				v, _ := strconv.ParseFloat(f[1], 64)
+				kb += v
+			}
+		}
+	}
+	return kb / 1024
+}
+
+func (p *proc) fds() int {
+	n := 0
+	for _, pid := range p.pids() {
+		ents, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+		n += len(ents)
+	}
+	return n
+}
+
+func startWeir(ctx context.Context, dir string) (*proc, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	return startProc(ctx, dir, "weir", self, "-serve")
+}
+
+func startHAProxy(ctx context.Context, dir string, threads int, splice string) (*proc, error) {
+	opt := "option splice-auto"
+	if splice == "splice" {
+		opt = "option splice-request\n  option splice-response"
+	}
+	cfg := fmt.Sprintf(`global
+  nbthread %d
+defaults
+  mode tcp
+  timeout connect 3s
+  timeout client 60s
+  timeout server 60s
+  %s
+listen http
+  bind %s
+  balance leastconn
+  server a %s
+  server b %s
+listen bulk
+  bind %s
+  server a %s
+`, threads, opt, proxyHTTP, httpA, httpB, proxyBulk, iperfAddr)
+	path := filepath.Join(dir, "haproxy.cfg")
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		return nil, err
+	}
+	return startProc(ctx, dir, "haproxy", "haproxy", "-db", "-f", path)
+}
+
+func startNginxStream(ctx context.Context, dir string, workers int) (*proc, error) {
+	prefix := filepath.Join(dir, "nginx-stream")
+	os.MkdirAll(prefix, 0o755)
+	cfg := fmt.Sprintf(`load_module /usr/lib/nginx/modules/ngx_stream_module.so;
+worker_processes %d;
+pid %s/nginx.pid;
+error_log %s/error.log;
+events { worker_connections 8192; }
+stream {
+  upstream http { least_conn; server %s; server %s; }
+  upstream bulk { server %s; }
+  server { listen %s reuseport; proxy_pass http; }
+  server { listen %s reuseport; proxy_pass bulk; }
+}
+`, workers, prefix, prefix, httpA, httpB, iperfAddr, proxyHTTP, proxyBulk)
+	path := filepath.Join(prefix, "nginx.conf")
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		return nil, err
+	}
+	return startProc(ctx, dir, "nginx-stream", "nginx", "-p", prefix, "-c", path, "-e", prefix+"/error.log", "-g", "daemon off;")
+}
+
+func startNginxBackend(ctx context.Context, dir string) (*proc, error) {
+	prefix := filepath.Join(dir, "nginx-backend")
+	os.MkdirAll(prefix, 0o755)
+	cfg := fmt.Sprintf(`worker_processes 1;
+pid %s/nginx.pid;
+error_log %s/error.log;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  keepalive_requests 100000000;
+  keepalive_timeout 120s;
+  server {
+    listen %s backlog=4096;
+    listen %s backlog=4096;
+    location / { return 200 "ok\n"; }
+  }
+}
+`, prefix, prefix, httpA, httpB)
+	path := filepath.Join(prefix, "nginx.conf")
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		return nil, err
+	}
+	return startProc(ctx, dir, "nginx-backend", "nginx", "-p", prefix, "-c", path, "-e", prefix+"/error.log", "-g", "daemon off;")
+}
+
+func waitPorts(ctx context.Context, addrs ...string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for _, a := range addrs {
+		for {
+			c, err := net.DialTimeout("tcp", a, time.Second)
+			if err == nil {
+				c.Close()
+				break
+			}
+			if time.Now().After(deadline) || ctx.Err() != nil {
+				return fmt.Errorf("wait for %s: %w", a, err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return nil
+}
+
+func port(addr string) string {
+	_, p, _ := net.SplitHostPort(addr)
+	return p
+}
+
+func ensureTools(ctx context.Context) error {
+	need := map[string]string{
+		"haproxy": "haproxy", "nginx": "nginx", "wrk": "wrk", "iperf3": "iperf3", "gnuplot": "gnuplot-nox", "perf": "linux-perf",
+	}
+	var pkgs []string
+	for bin, pkg := range need {
+		if _, err := exec.LookPath(bin); err != nil {
+			pkgs = append(pkgs, pkg)
+		}
+	}
+	if _, err := os.Stat("/usr/lib/nginx/modules/ngx_stream_module.so"); err != nil {
+		pkgs = append(pkgs, "libnginx-mod-stream")
+	}
+	if len(pkgs) == 0 {
+		return nil
+	}
+	sort.Strings(pkgs)
+	log.Printf("apt-get install %v", pkgs)
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
+	defer cancel()
+	for _, argv := range [][]string{{"apt-get", "update"}, append([]string{"apt-get", "install", "-y"}, pkgs...)} {
+		cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+		cmd.Env = append(os.Environ(), "DEBIAN_FRONTEND=noninteractive")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("%s: %w\n%s", strings.Join(argv, " "), err, out)
+		}
+	}
+	return nil
+}
+
+// --- load generators ---
+
+type wrkResult struct {
+	rps, p50, p99 float64
+	requests      int64
+}
+
+var (
+	reRPS  = regexp.MustCompile(`Requests/sec:\s+([\d.]+)`)
+	reReqs = regexp.MustCompile(`(\d+) requests in`)
+	reLat  = regexp.MustCompile(`(?m)^\s+(50|99)%\s+([\d.]+)(us|ms|s)`)
+)
+
+func runWrk(ctx context.Context, url string, closeEach bool) (wrkResult, error) {
+	var res wrkResult
+	args := []string{"-t1", "-c" + strconv.Itoa(*conns), "-d" + strconv.Itoa(int(duration.Seconds())) + "s", "--latency"}
+	if closeEach {
+		args = append(args, "-H", "Connection: close")
+	}
+	ctx, cancel := context.WithTimeout(ctx, *duration+20*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "wrk", append(args, url)...).CombinedOutput()
+	if err != nil {
+		return res, fmt.Errorf("wrk: %w\n%s", err, out)
+	}
+	s := string(out)
+	m := reRPS.FindStringSubmatch(s)
+	if m == nil {
+		return res, fmt.Errorf("wrk: no Requests/sec in output:\n%s", s)
+	}
+	res.rps, _ = strconv.ParseFloat(m[1], 64)
+	if m := reReqs.FindStringSubmatch(s); m != nil {
+		res.requests, _ = strconv.ParseInt(m[1], 10, 64)
+	}
+	for _, m := range reLat.FindAllStringSubmatch(s, -1) {
+		v, _ := strconv.ParseFloat(m[2], 64)
+		switch m[3] {
+		case "us":
+			v /= 1000
+		case "s":
+			v *= 1000
+		}
+		if m[1] == "50" {
+			res.p50 = v
+		} else {
+			res.p99 = v
+		}
+	}
+	if strings.Contains(s, "Socket errors") || strings.Contains(s, "Non-2xx") {
+		log.Printf("wrk %s: %s", url, strings.TrimSpace(s[strings.Index(s, "requests in"):]))
+	}
+	return res, nil
+}
+
+func runIperf(ctx context.Context, addr string, streams int) (float64, error) {
+	host, p, _ := net.SplitHostPort(addr)
+	ctx, cancel := context.WithTimeout(ctx, *duration+20*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "iperf3", "-c", host, "-p", p, "-P", strconv.Itoa(streams),
+		"-t", strconv.Itoa(int(duration.Seconds())), "-J").Output()
+	if err != nil {
+		return 0, fmt.Errorf("iperf3: %w\n%s", err, out)
+	}
+	var r struct {
+		End struct {
+			SumReceived struct {
+				BitsPerSecond float64 `json:"bits_per_second"`
+			} `json:"sum_received"`
+		} `json:"end"`
+		Error string `json:"error"`
+	}
+	if err := json.Unmarshal(out, &r); err != nil || r.Error != "" {
+		return 0, fmt.Errorf("iperf3: %v %s", err, r.Error)
+	}
+	return r.End.SumReceived.BitsPerSecond / 1e9, nil
+}
+
+// perfStat counts system calls of some processes with perf stat on the syscall
+// tracepoints (no ptrace, so the processes run at full speed).
+type perfStat struct {
+	cmd *exec.Cmd
+	out string
+}
+
+type sysCounts struct{ syscalls, splices int64 }
+
+func startPerf(ctx context.Context, pids []int) *perfStat {
+	if _, err := exec.LookPath("perf"); err != nil || len(pids) == 0 {
+		return nil
+	}
+	var ps []string
+	for _, p := range pids {
+		ps = append(ps, strconv.Itoa(p))
+	}
+	f, err := os.CreateTemp("", "perf-*.csv")
+	if err != nil {
+		return nil
+	}
+	f.Close()
+	cmd := exec.Command("perf", "stat", "-x,", "-o", f.Name(), "-e", "raw_syscalls:sys_enter,syscalls:sys_enter_splice", "-p", strings.Join(ps, ","))
+	if err := cmd.Start(); err != nil {
+		return nil
+	}
+	time.Sleep(200 * time.Millisecond) // attached
+	return &perfStat{cmd: cmd, out: f.Name()}
+}
+
+func (ps *perfStat) stop() (sysCounts, error) {
+	var c sysCounts
+	if ps == nil {
+		return c, errors.New("no perf")
+	}
+	defer os.Remove(ps.out)
+	ps.cmd.Process.Signal(os.Interrupt)
+	ps.cmd.Wait()
+	f, err := os.Open(ps.out)
+	if err != nil {
+		return c, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fs := strings.Split(sc.Text(), ",")
+		if len(fs) < 3 {
+			continue
+		}
+		v, _ := strconv.ParseInt(fs[0], 10, 64)
+		switch fs[2] {
+		case "raw_syscalls:sys_enter":
+			c.syscalls = v
+		case "syscalls:sys_enter_splice":
+			c.splices = v
+		}
+	}
+	return c, nil
+}
+
+// --- report ---
+
+func median(rs []result, f func(result) float64) (med, lo, hi float64) {
+	var v []float64
+	for _, r := range rs {
+		v = append(v, f(r))
+	}
+	sort.Float64s(v)
+	n := len(v)
+	if n == 0 {
+		return 0, 0, 0
+	}
+	med = v[n/2]
+	if n%2 == 0 {
+		med = (v[n/2-1] + v[n/2]) / 2
+	}
+	return med, v[0], v[n-1]
+}
+
+type metric struct {
+	key, title, unit string
+	f                func(result) float64
+	ratio            bool // also shown as a ratio to direct
+	higher           bool // higher is better
+}
+
+var metrics = []metric{
+	{"conn_rps", "new connections/s (1 request each)", "conn/s", func(r result) float64 { return r.ConnRPS }, true, true},
+	{"conn_p50", "p50 latency, new connections", "ms", func(r result) float64 { return r.ConnP50 }, false, false},
+	{"conn_p99", "p99 latency, new connections", "ms", func(r result) float64 { return r.ConnP99 }, false, false},
+	{"ka_rps", "keep-alive requests/s", "req/s", func(r result) float64 { return r.KARPS }, true, true},
+	{"ka_p99", "p99 latency, keep-alive", "ms", func(r result) float64 { return r.KAP99 }, false, false},
+	{"bulk1", "bulk, 1 stream", "Gbit/s", func(r result) float64 { return r.Bulk1 }, true, true},
+	{"bulk4", "bulk, 4 streams", "Gbit/s", func(r result) float64 { return r.Bulk4 }, true, true},
+	{"cpu_per_conn", "proxy CPU per short connection", "µs", func(r result) float64 { return r.CPUPerConn }, false, false},
+	{"syscalls_per_conn", "proxy system calls per short connection", "calls", func(r result) float64 { return r.SyscallsPerConn }, false, false},
+	{"splices_bulk", "splice calls during 1-stream bulk", "calls", func(r result) float64 { return r.SplicesBulk }, false, false},
+	{"peak_rss", "peak RSS", "MB", func(r result) float64 { return r.PeakRSS }, false, false},
+	{"idle_rss", "RSS at idle connections", "MB", func(r result) float64 { return r.IdleRSS }, false, false},
+	{"fds_per_conn", "descriptors per idle connection", "fds", func(r result) float64 { return r.FDsPerConn }, false, false},
+}
+
+func report(ctx context.Context, targets []target, results map[string][]result) error {
+	if err := os.MkdirAll(*outDir, 0o755); err != nil {
+		return err
+	}
+	raw, _ := json.MarshalIndent(results, "", "  ")
+	if err := os.WriteFile(filepath.Join(*outDir, "results.json"), raw, 0o644); err != nil {
+		return err
+	}
+	var b strings.Builder
+	host, _ := os.Hostname()
+	fmt.Fprintf(&b, "# weir proxy vs HAProxy vs nginx (loopback)\n\n")
+	fmt.Fprintf(&b, "`go run ./bench/proxy -runs %d -d %s -c %d` on %s, %d CPUs (shared), %s. Medians of %d interleaved runs; "+
+		"ratios are to direct in the same runs. HAProxy `auto` = `option splice-auto`, `splice` = `option splice-request` + "+
+		"`splice-response`; the splice column says whether it spliced at all.\n\n",
+		*runs, *duration, *conns, host, numCPU(), time.Now().UTC().Format("2006-01-02"), *runs)
+	fmt.Fprintf(&b, "| target | new conn/s | ratio | p50 ms | p99 ms | keep-alive req/s | ratio | p99 ms | bulk 1 Gbit/s | ratio | bulk 4 Gbit/s | ratio | CPU µs/conn | syscalls/conn | splice calls (bulk) | peak RSS MB | RSS MB @%d idle | fds/conn |\n", *idle)
+	fmt.Fprintf(&b, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	direct := results["direct"]
+	ratio := func(rs []result, f func(result) float64) string {
+		d, _, _ := median(direct, f)
+		m, _, _ := median(rs, f)
+		if d == 0 {
+			return "-"
+		}
+		return fmt.Sprintf("%.2f", m/d)
+	}
+	for _, t := range targets {
+		rs := results[t.name]
+		cell := func(f func(result) float64, prec int) string {
+			m, _, _ := median(rs, f)
+			if t.start == nil && m == 0 {
+				return "-"
+			}
+			return strconv.FormatFloat(m, 'f', prec, 64)
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", t.name,
+			cell(metrics[0].f, 0), ratio(rs, metrics[0].f), cell(metrics[1].f, 2), cell(metrics[2].f, 2),
+			cell(metrics[3].f, 0), ratio(rs, metrics[3].f), cell(metrics[4].f, 2),
+			cell(metrics[5].f, 1), ratio(rs, metrics[5].f), cell(metrics[6].f, 1), ratio(rs, metrics[6].f),
+			cell(metrics[7].f, 0), cell(metrics[8].f, 1), cell(metrics[9].f, 0), cell(metrics[10].f, 1), cell(metrics[11].f, 1), cell(metrics[12].f, 2))
+	}
+	b.WriteString(targetsVsHAProxy(targets, results))
+	if err := os.WriteFile(filepath.Join(*outDir, "results.md"), []byte(b.String()), 0o644); err != nil {
+		return err
+	}
+	fmt.Print(b.String())
+	return plot(ctx, targets, results)
+}
+
+// targetsVsHAProxy checks the issue's targets: weir against HAProxy's best configuration.
+func targetsVsHAProxy(targets []target, results map[string][]result) string {
+	if _, ok := results["weir"]; !ok {
+		return ""
+	}
+	best := func(f func(result) float64, higher bool, onlySplice bool) (string, float64) {
+		name, v := "", math.NaN()
+		for _, t := range targets {
+			if !strings.HasPrefix(t.name, "haproxy") || (onlySplice && !strings.HasSuffix(t.name, "splice")) {
+				continue
+			}
+			m, _, _ := median(results[t.name], f)
+			if math.IsNaN(v) || (higher && m > v) || (!higher && m < v) {
+				name, v = t.name, m
+			}
+		}
+		return name, v
+	}
+	var b strings.Builder
+	b.WriteString("\n## Targets: weir against HAProxy's best configuration for each measure\n\n| measure | weir | best HAProxy | ratio | target | met |\n|---|---:|---:|---:|---:|---|\n")
+	row := func(title string, f func(result) float64, higher, onlySplice bool, want float64) {
+		name, h := best(f, higher, onlySplice)
+		if name == "" {
+			return
+		}
+		w, _, _ := median(results["weir"], f)
+		r := w / h
+		met := (higher && r >= want) || (!higher && r <= want)
+		op := ">="
+		if !higher {
+			op = "<="
+		}
+		fmt.Fprintf(&b, "| %s | %.4g | %.4g (%s) | %.2f | %s %.1f | %v |\n", title, w, h, name, r, op, want, met)
+	}
+	row("new connections/s", metrics[0].f, true, false, 1.1)
+	row("keep-alive requests/s", metrics[3].f, true, false, 1.0)
+	row("bulk 1 stream (vs forced splice)", metrics[5].f, true, true, 1.0)
+	row("bulk 4 streams (vs forced splice)", metrics[6].f, true, true, 1.0)
+	row("p99 new connections", metrics[2].f, false, false, 1.0)
+	row("p99 keep-alive", metrics[4].f, false, false, 1.0)
+	row("CPU per connection", metrics[7].f, false, false, 1.0)
+	w, _, _ := median(results["weir"], metrics[12].f)
+	fmt.Fprintf(&b, "| descriptors per connection | %.2f | | | <= 3 | %v |\n", w, w <= 3)
+	w, _, _ = median(results["weir"], metrics[11].f)
+	fmt.Fprintf(&b, "| RSS MB at %d connections | %.1f | | | <= 40 | %v |\n", *idle, w, w <= 40)
+	return b.String()
+}
+
+func plot(ctx context.Context, targets []target, results map[string][]result) error {
+	if _, err := exec.LookPath("gnuplot"); err != nil {
+		log.Printf("no gnuplot: skipping plots")
+		return nil
+	}
+	for _, m := range metrics {
+		var data strings.Builder
+		for _, t := range targets {
+			med, lo, hi := median(results[t.name], m.f)
+			if t.start == nil && med == 0 {
+				continue
+			}
+			fmt.Fprintf(&data, "%q %g %g %g\n", t.name, med, lo, hi)
+		}
+		dat := filepath.Join(*outDir, m.key+".dat")
+		if err := os.WriteFile(dat, []byte(data.String()), 0o644); err != nil {
+			return err
+		}
+		better := "lower is better"
+		if m.higher {
+			better = "higher is better"
+		}
+		script := fmt.Sprintf(`set terminal pngcairo size 900,420 font "sans,10"
+set output %q
+set title "%s (%s; median, bars min-max of %d runs)"
+set ylabel %q
+set style fill solid 0.6
+set boxwidth 0.6
+set yrange [0:*]
+set xtics rotate by -25
+set grid ytics
+unset key
+plot %q using 0:2:xtic(1) with boxes lc rgb "#4477aa", '' using 0:2:3:4 with yerrorbars lc rgb "black" pt 0, '' using 0:2:(sprintf("%%.3g",$2)) with labels offset 0,1
+`, filepath.Join(*outDir, m.key+".png"), m.title, better, *runs, m.unit, dat)
+		cmd := exec.CommandContext(ctx, "gnuplot")
+		cmd.Stdin = strings.NewReader(script)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("gnuplot %s: %w\n%s", m.key, err, out)
+		}
+		os.Remove(dat)
+	}
+	return nil
+}

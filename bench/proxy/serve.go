@@ -1,0 +1,57 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"runtime"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/weir-lb/weir/userspace/proxy"
+)
+
+func numCPU() int { return runtime.NumCPU() }
+
+// serveWeir runs weir's proxy with the same two services the other proxies get, until
+// SIGTERM or SIGINT.
+func serveWeir() error {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	cfgs := []proxy.Config{
+		{
+			Name: "http", Listen: proxyHTTP, Algorithm: "least_conn",
+			Backends:    []proxy.Backend{{Addr: httpA}, {Addr: httpB}},
+			IdleTimeout: time.Minute, ShutdownTimeout: time.Second, Logger: logger,
+		},
+		{
+			Name: "bulk", Listen: proxyBulk, Algorithm: "least_conn",
+			Backends:    []proxy.Backend{{Addr: iperfAddr}},
+			IdleTimeout: time.Minute, ShutdownTimeout: time.Second, Logger: logger,
+		},
+	}
+	var wg sync.WaitGroup
+	errc := make(chan error, len(cfgs))
+	for _, cfg := range cfgs {
+		s, err := proxy.Listen(ctx, cfg)
+		if err != nil {
+			return err
+		}
+		wg.Add(1)
+		// Exits when ctx is done and the service has shut down.
+		go func() {
+			defer wg.Done()
+			if err := s.Serve(ctx); err != nil {
+				errc <- fmt.Errorf("serve %s: %w", cfg.Name, err)
+				stop()
+			}
+		}()
+	}
+	wg.Wait()
+	close(errc)
+	return <-errc
+}
