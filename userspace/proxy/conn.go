@@ -187,9 +187,12 @@ func (s *Service) connect(ctx context.Context, src netip.AddrPort) (*net.TCPConn
 		}
 		attempt++
 		start := time.Now()
-		server, err := s.dialer.DialTCP(ctx, "tcp", netip.AddrPort{}, b.ap)
+		// DialContext with an IP literal resolves nothing. (DialTCP with a zero local
+		// AddrPort would bind(2) to it: one more system call.)
+		nc, err := s.dialer.DialContext(ctx, "tcp", b.addr)
 		lat := time.Since(start)
 		if err == nil {
+			server := nc.(*net.TCPConn)
 			b.consecFails.Store(0)
 			b.c.connects.Add(1)
 			b.c.connectNanos.Add(uint64(lat))

@@ -380,10 +380,10 @@ func (s *Service) Serve(ctx context.Context) error {
 	if s.closed.Load() {
 		return fmt.Errorf("service %q: serve: %w", s.cfg.Name, net.ErrClosed)
 	}
-	// dialCtx outlives ctx by the shutdown grace: connections still dialing when the
-	// grace ends are cancelled through it.
-	dialCtx, cancelDials := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancelDials()
+	// Dials are not cancelled by ctx (the connect timeout bounds them): a cancellable
+	// parent would cost every dial a registration under the parent's lock. After the
+	// grace, a connection whose dial completes is closed at once (see conn.connected).
+	dialCtx := context.WithoutCancel(ctx)
 
 	acceptCtx, stopAccepting := context.WithCancel(ctx)
 	var loops sync.WaitGroup
@@ -427,7 +427,6 @@ func (s *Service) Serve(ctx context.Context) error {
 	case <-done:
 	case <-grace:
 		n := s.killConns(nil)
-		cancelDials()
 		s.log.Warn("shutdown grace ended: closed connections still open", "grace", s.cfg.ShutdownTimeout, "closed", n)
 		<-done
 	}
