@@ -8,6 +8,17 @@
 #define MAX_VIP_ADDRS 2048      // service keys plus one address-only key per VIP address
 #define CONNTRACK_SIZE 262144   // flows remembered; the loader resizes it from its options
 #define MAX_IPV6_EXT_HDRS 4     // IPv6 extension headers walked before giving up
+#define MAX_TX_PORTS 64         // interfaces a nat packet may be redirected to
+#define NAT_PORT_TRIES 8        // random source ports tried before a new nat flow gives up
+#define MAX_L3_OFFSET 64        // Ethernet + VLAN; keeps header offsets provably small
+#define MAX_L4_OFFSET 512       // IP header + options or extension headers
+
+// Forwarding modes, service.mode.
+#define MODE_DSR 0
+#define MODE_NAT 1
+
+// flow_state.flags
+#define FLOW_F_CLOSING (1u << 0) // a FIN or RST was seen: short timeout, counted as closed
 
 // Address families as stored in keys (values of AF_INET / AF_INET6).
 #define FAMILY_IPV4 2
@@ -33,5 +44,10 @@ enum stat_reason {
 	STAT_FLOW_NEW,             // flow selected from the lookup table
 	STAT_FLOW_HIT,             // flow found in the connection table
 	STAT_FLOW_RESELECT,        // flow found, but its backend had become unusable
+	STAT_REDIRECT,             // nat: forwarded by XDP_REDIRECT to another interface
+	STAT_NAT_REPLY,            // nat: a backend's reply translated back to the client
+	STAT_PASS_NO_NEIGH,        // nat: next hop not resolved yet: passed so the kernel resolves it
+	STAT_DROP_NO_ROUTE,        // nat: no route (or forwarding disabled) towards the next hop
+	STAT_DROP_NAT_PORTS,       // nat: no free source port for a new flow
 	STAT_MAX,
 };

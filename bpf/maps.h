@@ -79,3 +79,30 @@ struct {
 	__type(key, enum stat_reason);
 	__type(value, struct counter);
 } global_stats SEC(".maps");
+
+// nat: the backend's reply 5-tuple (backend addr:port -> nat addr:port) -> the client's
+// flow. Sized like the connection table, which holds the other direction.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, CONNTRACK_SIZE);
+	__uint(map_flags, BPF_F_NO_COMMON_LRU);
+	__type(key, struct flow_key);
+	__type(value, struct nat_entry);
+} nat_reverse SEC(".maps");
+
+// Backend slot -> nat flows opened and closed, per CPU.
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, MAX_BACKENDS);
+	__type(key, __u32);
+	__type(value, struct flow_count);
+} backend_flows SEC(".maps");
+
+// ifindex -> ifindex: the interfaces the program is attached to, which a nat packet
+// may leave by (the loader fills it on attach).
+struct {
+	__uint(type, BPF_MAP_TYPE_DEVMAP_HASH);
+	__uint(max_entries, MAX_TX_PORTS);
+	__type(key, __u32);
+	__type(value, __u32);
+} tx_ports SEC(".maps");

@@ -25,7 +25,9 @@
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1fff
 
+#define TCP_FLAG_FIN 0x01
 #define TCP_FLAG_SYN 0x02
+#define TCP_FLAG_RST 0x04
 #define TCP_FLAG_ACK 0x10
 
 struct vlan_hdr {
@@ -36,6 +38,8 @@ struct vlan_hdr {
 struct packet {
 	struct flow_key flow;
 	__u32 len;       // bytes of the frame, for counters
+	__u16 l3_off;    // offset of the IP header in the frame
+	__u16 l4_off;    // offset of the TCP/UDP header in the frame
 	__u8 tcp_flags;  // flags byte of the TCP header; 0 for UDP
 };
 
@@ -54,6 +58,7 @@ static __always_inline int vip_address_verdict(struct packet *p, enum stat_reaso
 
 static __always_inline int parse_l4(void *data, void *data_end, __u32 off, struct packet *p)
 {
+	p->l4_off = off;
 	if (p->flow.proto == IPPROTO_TCP) {
 		struct tcphdr *tcp = data + off;
 
@@ -158,6 +163,7 @@ static __always_inline int parse(struct xdp_md *ctx, struct packet *p)
 		proto = vlan->proto;
 		off += sizeof(*vlan);
 	}
+	p->l3_off = off;
 	if (proto == bpf_htons(ETH_P_IP))
 		return parse_ipv4(data, data_end, off, p);
 	if (proto == bpf_htons(ETH_P_IPV6))

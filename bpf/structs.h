@@ -20,6 +20,7 @@ struct vip_key {
 struct service {
 	__u32 id;     // index into lookup_tables and service_stats
 	__u32 flags;  // SERVICE_F_*
+	__u32 mode;   // MODE_*
 };
 
 // Value of the backends map (an array indexed by backend slot).
@@ -47,8 +48,26 @@ struct flow_key {
 // Value of the connection table.
 struct flow_state {
 	__u32 backend_id;
+	__be16 nat_port;    // nat: the source port towards the backend
+	__u8 flags;         // FLOW_F_*
+	__u8 pad;
+	__u64 created_ns;   // bpf_ktime_get_coarse_ns at insertion
+	__u64 last_seen_ns; // nat: refreshed by the client's packets, at most once a second
+};
+
+// Value of the nat reverse table, whose key is the backend's reply 5-tuple
+// (backend -> nat address:port).
+struct nat_entry {
+	struct flow_key client; // the client's flow as received: client -> VIP
+	__u32 backend_id;
 	__u32 pad;
-	__u64 created_ns; // bpf_ktime_get_coarse_ns at insertion
+};
+
+// Per-CPU count of a backend's nat flows; active = opened - closed, summed over CPUs.
+// A flow the LRU forgets without a FIN or RST stays counted as open.
+struct flow_count {
+	__u64 opened;
+	__u64 closed;
 };
 
 // Per-CPU packet and byte counter.

@@ -4,6 +4,7 @@
 // its own header and returns a verdict or CONTINUE.
 
 #include "dsr.h"
+#include "nat.h"
 #include "select.h"
 
 char LICENSE[] SEC("license") = "Dual MIT/GPL";
@@ -22,6 +23,13 @@ int weir_xdp(struct xdp_md *ctx)
 	if (action != CONTINUE)
 		return action;
 
+	// A backend's reply to a nat flow comes back to the balancer's own address.
+	if (is_nat_address(&p.flow)) {
+		action = nat_reply(ctx, &p);
+		if (action != CONTINUE)
+			return action;
+	}
+
 	__builtin_memcpy(key.addr, p.flow.dst, sizeof(key.addr));
 	key.port = p.flow.dport;
 	key.proto = p.flow.proto;
@@ -30,10 +38,12 @@ int weir_xdp(struct xdp_md *ctx)
 	if (!svc)
 		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p.len);
 
+	if (svc->mode == MODE_NAT)
+		return nat_forward(ctx, &p, svc);
+
 	action = select_backend(&p, svc, &be, &backend_id);
 	if (action != CONTINUE)
 		return action;
-
 	count(&service_stats, svc->id, p.len);
 	count(&backend_stats, backend_id, p.len);
 	action = forward_dsr(ctx, be);

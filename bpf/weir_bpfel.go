@@ -30,6 +30,12 @@ type WeirCounter struct {
 	Bytes   uint64
 }
 
+type WeirFlowCount struct {
+	_      structs.HostLayout
+	Opened uint64
+	Closed uint64
+}
+
 type WeirFlowKey struct {
 	_      structs.HostLayout
 	Src    [4]uint32
@@ -42,16 +48,27 @@ type WeirFlowKey struct {
 }
 
 type WeirFlowState struct {
+	_          structs.HostLayout
+	BackendId  uint32
+	NatPort    uint16
+	Flags      uint8
+	Pad        uint8
+	CreatedNs  uint64
+	LastSeenNs uint64
+}
+
+type WeirNatEntry struct {
 	_         structs.HostLayout
+	Client    WeirFlowKey
 	BackendId uint32
 	Pad       uint32
-	CreatedNs uint64
 }
 
 type WeirService struct {
 	_     structs.HostLayout
 	Id    uint32
 	Flags uint32
+	Mode  uint32
 }
 
 type WeirStatReason uint32
@@ -69,7 +86,12 @@ const (
 	WeirStatReasonSTAT_FLOW_NEW          WeirStatReason = 9
 	WeirStatReasonSTAT_FLOW_HIT          WeirStatReason = 10
 	WeirStatReasonSTAT_FLOW_RESELECT     WeirStatReason = 11
-	WeirStatReasonSTAT_MAX               WeirStatReason = 12
+	WeirStatReasonSTAT_REDIRECT          WeirStatReason = 12
+	WeirStatReasonSTAT_NAT_REPLY         WeirStatReason = 13
+	WeirStatReasonSTAT_PASS_NO_NEIGH     WeirStatReason = 14
+	WeirStatReasonSTAT_DROP_NO_ROUTE     WeirStatReason = 15
+	WeirStatReasonSTAT_DROP_NAT_PORTS    WeirStatReason = 16
+	WeirStatReasonSTAT_MAX               WeirStatReason = 17
 )
 
 type WeirVipKey struct {
@@ -84,15 +106,25 @@ type WeirVipKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	WeirMapBackendFlows = "backend_flows"
 	WeirMapBackendStats = "backend_stats"
 	WeirMapBackends     = "backends"
 	WeirMapConntrack    = "conntrack"
 	WeirMapGlobalStats  = "global_stats"
 	WeirMapLookupTables = "lookup_tables"
+	WeirMapNatReverse   = "nat_reverse"
 	WeirMapServiceStats = "service_stats"
 	WeirMapServices     = "services"
+	WeirMapTxPorts      = "tx_ports"
 	WeirProgWeirXdp     = "weir_xdp"
 	WeirVarHashSeed     = "hash_seed"
+	WeirVarNatAddr4     = "nat_addr4"
+	WeirVarNatAddr6     = "nat_addr6"
+	WeirVarNatPortMax   = "nat_port_max"
+	WeirVarNatPortMin   = "nat_port_min"
+	WeirVarTcpClosingNs = "tcp_closing_ns"
+	WeirVarTcpIdleNs    = "tcp_idle_ns"
+	WeirVarUdpIdleNs    = "udp_idle_ns"
 )
 
 // LoadWeir returns the embedded CollectionSpec for Weir.
@@ -144,20 +176,30 @@ type WeirProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type WeirMapSpecs struct {
+	BackendFlows *ebpf.MapSpec `ebpf:"backend_flows"`
 	BackendStats *ebpf.MapSpec `ebpf:"backend_stats"`
 	Backends     *ebpf.MapSpec `ebpf:"backends"`
 	Conntrack    *ebpf.MapSpec `ebpf:"conntrack"`
 	GlobalStats  *ebpf.MapSpec `ebpf:"global_stats"`
 	LookupTables *ebpf.MapSpec `ebpf:"lookup_tables"`
+	NatReverse   *ebpf.MapSpec `ebpf:"nat_reverse"`
 	ServiceStats *ebpf.MapSpec `ebpf:"service_stats"`
 	Services     *ebpf.MapSpec `ebpf:"services"`
+	TxPorts      *ebpf.MapSpec `ebpf:"tx_ports"`
 }
 
 // WeirVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type WeirVariableSpecs struct {
-	HashSeed *ebpf.VariableSpec `ebpf:"hash_seed"`
+	HashSeed     *ebpf.VariableSpec `ebpf:"hash_seed"`
+	NatAddr4     *ebpf.VariableSpec `ebpf:"nat_addr4"`
+	NatAddr6     *ebpf.VariableSpec `ebpf:"nat_addr6"`
+	NatPortMax   *ebpf.VariableSpec `ebpf:"nat_port_max"`
+	NatPortMin   *ebpf.VariableSpec `ebpf:"nat_port_min"`
+	TcpClosingNs *ebpf.VariableSpec `ebpf:"tcp_closing_ns"`
+	TcpIdleNs    *ebpf.VariableSpec `ebpf:"tcp_idle_ns"`
+	UdpIdleNs    *ebpf.VariableSpec `ebpf:"udp_idle_ns"`
 }
 
 // WeirObjects contains all objects after they have been loaded into the kernel.
@@ -180,24 +222,30 @@ func (o *WeirObjects) Close() error {
 //
 // It can be passed to LoadWeirObjects or ebpf.CollectionSpec.LoadAndAssign.
 type WeirMaps struct {
+	BackendFlows *ebpf.Map `ebpf:"backend_flows"`
 	BackendStats *ebpf.Map `ebpf:"backend_stats"`
 	Backends     *ebpf.Map `ebpf:"backends"`
 	Conntrack    *ebpf.Map `ebpf:"conntrack"`
 	GlobalStats  *ebpf.Map `ebpf:"global_stats"`
 	LookupTables *ebpf.Map `ebpf:"lookup_tables"`
+	NatReverse   *ebpf.Map `ebpf:"nat_reverse"`
 	ServiceStats *ebpf.Map `ebpf:"service_stats"`
 	Services     *ebpf.Map `ebpf:"services"`
+	TxPorts      *ebpf.Map `ebpf:"tx_ports"`
 }
 
 func (m *WeirMaps) Close() error {
 	return _WeirClose(
+		m.BackendFlows,
 		m.BackendStats,
 		m.Backends,
 		m.Conntrack,
 		m.GlobalStats,
 		m.LookupTables,
+		m.NatReverse,
 		m.ServiceStats,
 		m.Services,
+		m.TxPorts,
 	)
 }
 
@@ -205,7 +253,14 @@ func (m *WeirMaps) Close() error {
 //
 // It can be passed to LoadWeirObjects or ebpf.CollectionSpec.LoadAndAssign.
 type WeirVariables struct {
-	HashSeed *ebpf.Variable `ebpf:"hash_seed"`
+	HashSeed     *ebpf.Variable `ebpf:"hash_seed"`
+	NatAddr4     *ebpf.Variable `ebpf:"nat_addr4"`
+	NatAddr6     *ebpf.Variable `ebpf:"nat_addr6"`
+	NatPortMax   *ebpf.Variable `ebpf:"nat_port_max"`
+	NatPortMin   *ebpf.Variable `ebpf:"nat_port_min"`
+	TcpClosingNs *ebpf.Variable `ebpf:"tcp_closing_ns"`
+	TcpIdleNs    *ebpf.Variable `ebpf:"tcp_idle_ns"`
+	UdpIdleNs    *ebpf.Variable `ebpf:"udp_idle_ns"`
 }
 
 // WeirPrograms contains all programs after they have been loaded into the kernel.

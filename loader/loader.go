@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -23,8 +24,71 @@ type Options struct {
 	// traffic behind one router must use the same seed to pick the same backends.
 	HashSeed uint32
 	// ConntrackSize is how many flows the connection table remembers; 0 keeps the
-	// default (bpf/consts.h CONNTRACK_SIZE). Each flow costs about 100 bytes of kernel memory.
+	// default (bpf/consts.h CONNTRACK_SIZE). Each flow costs about 100 bytes of kernel
+	// memory, twice for nat flows (the reverse table is sized the same).
 	ConntrackSize uint32
+	// NAT is the source side of nat-mode services.
+	NAT NATOptions
+}
+
+// NATOptions configure full NAT. A nat-mode service needs the address of its family.
+type NATOptions struct {
+	// Addr4 and Addr6 are the balancer's own addresses that nat flows leave from and
+	// replies come back to.
+	Addr4, Addr6 netip.Addr
+	// PortMin..PortMax are the source ports handed out per (backend, protocol);
+	// default 10000..32767, clear of Linux's ip_local_port_range (32768..60999), so
+	// the host's own connections to backends (health checks) never collide.
+	PortMin, PortMax uint16
+	// Idle timeouts: established TCP (default 15 min), TCP after FIN or RST
+	// (default 10 s), UDP (default 30 s). An expired flow's port may be reused.
+	TCPIdle, TCPClosing, UDPIdle time.Duration
+}
+
+func (o *NATOptions) setVariables(spec *ebpf.CollectionSpec) error {
+	if o.PortMin == 0 && o.PortMax == 0 {
+		o.PortMin, o.PortMax = 10000, 32767
+	}
+	if o.PortMin == 0 || o.PortMin > o.PortMax {
+		return fmt.Errorf("nat ports %d..%d: need 1 <= min <= max", o.PortMin, o.PortMax)
+	}
+	if o.Addr4.IsValid() && !o.Addr4.Is4() {
+		return fmt.Errorf("nat addr4 %s: not an IPv4 address", o.Addr4)
+	}
+	if o.Addr6.IsValid() && (!o.Addr6.Is6() || o.Addr6.Is4In6()) {
+		return fmt.Errorf("nat addr6 %s: not an IPv6 address", o.Addr6)
+	}
+	if o.TCPIdle == 0 {
+		o.TCPIdle = 15 * time.Minute
+	}
+	if o.TCPClosing == 0 {
+		o.TCPClosing = 10 * time.Second
+	}
+	if o.UDPIdle == 0 {
+		o.UDPIdle = 30 * time.Second
+	}
+	var a4 uint32
+	var a6 [4]uint32
+	if o.Addr4.IsValid() {
+		a4 = addrWords(o.Addr4)[0]
+	}
+	if o.Addr6.IsValid() {
+		a6 = addrWords(o.Addr6)
+	}
+	for name, v := range map[string]any{
+		bpf.WeirVarNatAddr4:     a4,
+		bpf.WeirVarNatAddr6:     a6,
+		bpf.WeirVarNatPortMin:   o.PortMin,
+		bpf.WeirVarNatPortMax:   o.PortMax,
+		bpf.WeirVarTcpIdleNs:    uint64(o.TCPIdle),
+		bpf.WeirVarTcpClosingNs: uint64(o.TCPClosing),
+		bpf.WeirVarUdpIdleNs:    uint64(o.UDPIdle),
+	} {
+		if err := spec.Variables[name].Set(v); err != nil {
+			return fmt.Errorf("set %s: %w", name, err)
+		}
+	}
+	return nil
 }
 
 // Program is weir's loaded XDP program with its maps. Its methods are safe for
@@ -43,8 +107,9 @@ type Program struct {
 }
 
 type attachment struct {
-	link link.Link
-	mode Mode
+	link    link.Link
+	mode    Mode
+	ifindex int
 }
 
 type serviceState struct {
@@ -65,8 +130,12 @@ func Load(opts Options) (*Program, error) {
 	if err := spec.Variables[bpf.WeirVarHashSeed].Set(opts.HashSeed); err != nil {
 		return nil, fmt.Errorf("load xdp program: set hash seed: %w", err)
 	}
+	if err := opts.NAT.setVariables(spec); err != nil {
+		return nil, fmt.Errorf("load xdp program: %w", err)
+	}
 	if opts.ConntrackSize > 0 {
 		spec.Maps[bpf.WeirMapConntrack].MaxEntries = opts.ConntrackSize
+		spec.Maps[bpf.WeirMapNatReverse].MaxEntries = opts.ConntrackSize
 	}
 	lookupTables := spec.Maps[bpf.WeirMapLookupTables]
 	p := &Program{
@@ -140,7 +209,12 @@ func (p *Program) Attach(ifname string, mode Mode) (Mode, error) {
 		}
 		l, err := link.AttachXDP(link.XDPOptions{Program: p.objs.WeirXdp, Interface: iface.Index, Flags: flags})
 		if err == nil {
-			p.attachments[ifname] = &attachment{link: l, mode: m}
+			// nat packets may leave by any interface the program is attached to.
+			if err := p.objs.TxPorts.Put(uint32(iface.Index), uint32(iface.Index)); err != nil {
+				l.Close()
+				return "", fmt.Errorf("attach xdp to %s: add to tx_ports: %w", ifname, err)
+			}
+			p.attachments[ifname] = &attachment{link: l, mode: m, ifindex: iface.Index}
 			return m, nil
 		}
 		errs = append(errs, fmt.Errorf("%s: %w", m, err))
@@ -161,6 +235,7 @@ func (p *Program) Detach(ifname string) error {
 		return fmt.Errorf("detach xdp from %s: not attached", ifname)
 	}
 	delete(p.attachments, ifname)
+	_ = p.objs.TxPorts.Delete(uint32(a.ifindex))
 	if err := a.link.Close(); err != nil {
 		return fmt.Errorf("detach xdp from %s: %w", ifname, err)
 	}
@@ -206,7 +281,7 @@ func (p *Program) Close() error {
 
 // AddService installs a new service with its backends and lookup table.
 func (p *Program) AddService(s Service) error {
-	if err := s.validate(); err != nil {
+	if err := p.validate(&s); err != nil {
 		return err
 	}
 	p.mu.Lock()
@@ -231,7 +306,7 @@ func (p *Program) AddService(s Service) error {
 		return fmt.Errorf("add service %s: %w", s.Key, err)
 	}
 	// The service key goes in last: until then no packet can reach a half-made service.
-	if err := p.objs.Services.Put(vipKey(s.Key), bpf.WeirService{Id: id, Flags: serviceFlags(s)}); err != nil {
+	if err := p.objs.Services.Put(vipKey(s.Key), serviceValue(s, id)); err != nil {
 		p.releaseService(st)
 		return fmt.Errorf("add service %s: %w", s.Key, err)
 	}
@@ -248,7 +323,7 @@ func (p *Program) AddService(s Service) error {
 // their slots, so their established flows stay with them; the new lookup table
 // replaces the old one in one step.
 func (p *Program) UpdateService(s Service) error {
-	if err := s.validate(); err != nil {
+	if err := p.validate(&s); err != nil {
 		return err
 	}
 	p.mu.Lock()
@@ -263,7 +338,7 @@ func (p *Program) UpdateService(s Service) error {
 	if err := p.apply(st, s); err != nil {
 		return fmt.Errorf("update service %s: %w", s.Key, err)
 	}
-	if err := p.objs.Services.Put(vipKey(s.Key), bpf.WeirService{Id: st.id, Flags: serviceFlags(s)}); err != nil {
+	if err := p.objs.Services.Put(vipKey(s.Key), serviceValue(s, st.id)); err != nil {
 		return fmt.Errorf("update service %s: %w", s.Key, err)
 	}
 	return nil
@@ -360,6 +435,10 @@ func (p *Program) apply(st *serviceState, s Service) error {
 			}
 			fresh = append(fresh, id)
 			if err := p.zeroCounters(p.objs.BackendStats, id); err != nil {
+				undo()
+				return err
+			}
+			if err := p.zeroCounters(p.objs.BackendFlows, id); err != nil {
 				undo()
 				return err
 			}
@@ -512,12 +591,12 @@ func vipKey(k ServiceKey) bpf.WeirVipKey {
 	}
 }
 
-func serviceFlags(s Service) uint32 {
-	var f uint32
+func serviceValue(s Service, id uint32) bpf.WeirService {
+	v := bpf.WeirService{Id: id, Mode: uint32(s.Forwarding)}
 	if s.SourceHash {
-		f |= serviceFlagSourceHash
+		v.Flags |= serviceFlagSourceHash
 	}
-	return f
+	return v
 }
 
 func backendValue(b Backend, serviceID uint32) bpf.WeirBackend {
@@ -565,3 +644,18 @@ func (q *slotQueue) take() (uint32, bool) {
 }
 
 func (q *slotQueue) give(id uint32) { q.free = append(q.free, id) }
+
+// validate checks a service against itself and against the program's options.
+func (p *Program) validate(s *Service) error {
+	if err := s.validate(); err != nil {
+		return err
+	}
+	if s.Forwarding != ForwardNAT {
+		return nil
+	}
+	if s.Key.VIP.Addr().Is4() && !p.opts.NAT.Addr4.IsValid() ||
+		s.Key.VIP.Addr().Is6() && !p.opts.NAT.Addr6.IsValid() {
+		return fmt.Errorf("service %s: nat mode needs the balancer's own address of the VIP's family (loader Options.NAT): %w", s.Key, ErrInvalidService)
+	}
+	return nil
+}

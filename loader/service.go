@@ -45,9 +45,43 @@ type ServiceKey struct {
 
 func (k ServiceKey) String() string { return k.Protocol.String() + "/" + k.VIP.String() }
 
+// Forwarding is how a service's packets reach its backends.
+type Forwarding uint32
+
+const (
+	// ForwardDSR rewrites the destination MAC and sends the frame back out (L2 direct
+	// server return): backends hold the VIP on loopback and answer clients directly.
+	ForwardDSR Forwarding = 0
+	// ForwardNAT translates both directions (DNAT to the backend, SNAT to the
+	// balancer's address): backends need no change.
+	ForwardNAT Forwarding = 1
+)
+
+func (f Forwarding) String() string {
+	switch f {
+	case ForwardDSR:
+		return "dsr"
+	case ForwardNAT:
+		return "nat"
+	}
+	return fmt.Sprintf("forwarding(%d)", uint32(f))
+}
+
+// ParseForwarding reads "dsr" or "nat".
+func ParseForwarding(s string) (Forwarding, error) {
+	switch strings.ToLower(s) {
+	case "dsr":
+		return ForwardDSR, nil
+	case "nat":
+		return ForwardNAT, nil
+	}
+	return 0, fmt.Errorf("forwarding mode %q: must be nat or dsr", s)
+}
+
 // Service is a VIP and the backends that share its traffic.
 type Service struct {
-	Key ServiceKey
+	Key        ServiceKey
+	Forwarding Forwarding
 	// SourceHash hashes the client address only, so one client always reaches the same
 	// backend (while the backend set is unchanged), instead of hashing the 5-tuple.
 	SourceHash bool
@@ -61,7 +95,8 @@ type Backend struct {
 	// Addr identifies the backend (and is where nat and tunnel modes send to). In dsr
 	// mode only the MAC is used on the wire: the port must equal the VIP's.
 	Addr netip.AddrPort
-	// MAC is the backend's (or the next hop's) Ethernet address, for dsr.
+	// MAC is the backend's (or the next hop's) Ethernet address, for dsr; nat finds
+	// the next hop itself.
 	MAC net.HardwareAddr
 	// Weight is the backend's share of new flows relative to the others; 0 takes none.
 	Weight uint32
@@ -96,6 +131,8 @@ func (s *Service) validate() error {
 		return fail("vip %s: must be a unicast address", vip)
 	case s.Key.VIP.Port() == 0:
 		return fail("vip: port must be 1..65535, got 0")
+	case s.Forwarding != ForwardDSR && s.Forwarding != ForwardNAT:
+		return fail("forwarding must be dsr or nat, got %s", s.Forwarding)
 	case s.Key.Protocol != TCP && s.Key.Protocol != UDP:
 		return fail("protocol must be tcp or udp, got %s", s.Key.Protocol)
 	case len(s.Backends) == 0:
@@ -112,8 +149,12 @@ func (s *Service) validate() error {
 			return fail("%s: write IPv4 addresses in dotted form", where)
 		case seen[b.Addr]:
 			return fail("%s: listed twice; merge the entries or change the port", where)
-		case len(b.MAC) != 6:
+		case s.Forwarding == ForwardDSR && len(b.MAC) != 6:
 			return fail("%s: mac must be a 6-byte Ethernet address, got %q", where, b.MAC.String())
+		case s.Forwarding == ForwardNAT && b.Addr.Addr().Is4() != vip.Is4():
+			return fail("%s: nat mode needs backends of the VIP's address family", where)
+		case s.Forwarding == ForwardNAT && b.Addr.Port() == 0:
+			return fail("%s: nat mode needs the backend's port", where)
 		case b.Weight > MaxWeight:
 			return fail("%s: weight must be 0..%d, got %d", where, MaxWeight, b.Weight)
 		}

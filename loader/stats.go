@@ -25,6 +25,11 @@ const (
 	ReasonFlowNew           = Reason(bpf.WeirStatReasonSTAT_FLOW_NEW)
 	ReasonFlowHit           = Reason(bpf.WeirStatReasonSTAT_FLOW_HIT)
 	ReasonFlowReselect      = Reason(bpf.WeirStatReasonSTAT_FLOW_RESELECT)
+	ReasonRedirect          = Reason(bpf.WeirStatReasonSTAT_REDIRECT)
+	ReasonNATReply          = Reason(bpf.WeirStatReasonSTAT_NAT_REPLY)
+	ReasonPassNoNeighbour   = Reason(bpf.WeirStatReasonSTAT_PASS_NO_NEIGH)
+	ReasonDropNoRoute       = Reason(bpf.WeirStatReasonSTAT_DROP_NO_ROUTE)
+	ReasonDropNATPorts      = Reason(bpf.WeirStatReasonSTAT_DROP_NAT_PORTS)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
 
@@ -41,6 +46,11 @@ var reasonNames = [...]string{
 	ReasonFlowNew:           "flow_new",
 	ReasonFlowHit:           "flow_hit",
 	ReasonFlowReselect:      "flow_reselect",
+	ReasonRedirect:          "redirect",
+	ReasonNATReply:          "nat_reply",
+	ReasonPassNoNeighbour:   "pass_no_neighbour",
+	ReasonDropNoRoute:       "drop_no_route",
+	ReasonDropNATPorts:      "drop_nat_ports",
 }
 
 func (r Reason) String() string {
@@ -69,6 +79,22 @@ type Stats struct {
 	Reasons  map[Reason]Counter
 	Services map[ServiceKey]Counter
 	Backends map[ServiceKey]map[netip.AddrPort]Counter
+	// Flows counts each nat backend's flows. A flow the connection table forgets
+	// without a FIN or RST (LRU pressure) stays counted as active.
+	Flows map[ServiceKey]map[netip.AddrPort]FlowCount
+}
+
+// FlowCount is a backend's nat flows since it was added.
+type FlowCount struct {
+	Opened, Closed uint64
+}
+
+// Active is the number of flows opened and not yet closed.
+func (f FlowCount) Active() uint64 {
+	if f.Closed > f.Opened {
+		return 0
+	}
+	return f.Opened - f.Closed
 }
 
 // Stats reads every counter. Counters of a service or backend start at zero when it
@@ -83,6 +109,7 @@ func (p *Program) Stats() (Stats, error) {
 		Reasons:  make(map[Reason]Counter, reasonMax),
 		Services: make(map[ServiceKey]Counter, len(p.services)),
 		Backends: make(map[ServiceKey]map[netip.AddrPort]Counter, len(p.services)),
+		Flows:    make(map[ServiceKey]map[netip.AddrPort]FlowCount, len(p.services)),
 	}
 	for _, r := range Reasons() {
 		c, err := sumCounter(p.objs.GlobalStats, uint32(r))
@@ -98,12 +125,24 @@ func (p *Program) Stats() (Stats, error) {
 		}
 		st.Services[key] = c
 		backends := make(map[netip.AddrPort]Counter, len(s.slots))
+		flows := make(map[netip.AddrPort]FlowCount, len(s.slots))
 		for addr, id := range s.slots {
 			if backends[addr], err = sumCounter(p.objs.BackendStats, id); err != nil {
 				return Stats{}, fmt.Errorf("read counters of backend %s of service %s: %w", addr, key, err)
 			}
+			var perCPU []bpf.WeirFlowCount
+			if err := p.objs.BackendFlows.Lookup(id, &perCPU); err != nil {
+				return Stats{}, fmt.Errorf("read flow counts of backend %s of service %s: %w", addr, key, err)
+			}
+			var fc FlowCount
+			for _, v := range perCPU {
+				fc.Opened += v.Opened
+				fc.Closed += v.Closed
+			}
+			flows[addr] = fc
 		}
 		st.Backends[key] = backends
+		st.Flows[key] = flows
 	}
 	return st, nil
 }
@@ -121,6 +160,8 @@ func sumCounter(m *ebpf.Map, index uint32) (Counter, error) {
 	return c, nil
 }
 
+// zeroCounters resets a per-CPU slot whose value is all counters (counter or
+// flow_count: both are two uint64).
 func (p *Program) zeroCounters(m *ebpf.Map, index uint32) error {
 	zero := make([]bpf.WeirCounter, ebpf.MustPossibleCPU())
 	if err := m.Put(index, zero); err != nil {

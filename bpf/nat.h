@@ -1,0 +1,313 @@
+// nat.h: full NAT. A client's packet to a nat-mode VIP is DNATed to its backend and
+// SNATed to the balancer's own address with a source port unique per (backend,
+// protocol); the backend's reply is matched in nat_reverse and translated back.
+// Both leave by the next hop bpf_fib_lookup finds: XDP_TX out of the interface they
+// came in on, XDP_REDIRECT through tx_ports otherwise. Backends need no change.
+#pragma once
+
+#include "csum.h"
+#include "select.h"
+
+// Runtime switches set by the loader before load.
+volatile const __be32 nat_addr4 = 0;         // the balancer's IPv4 source for nat
+volatile const __be32 nat_addr6[4] = {};     // and its IPv6 source
+volatile const __u16 nat_port_min = 10000;   // source ports handed out, host order:
+volatile const __u16 nat_port_max = 32767;   // keep clear of ip_local_port_range
+volatile const __u64 tcp_idle_ns = 900ull * 1000000000;   // established TCP flow
+volatile const __u64 tcp_closing_ns = 10ull * 1000000000; // after FIN or RST
+volatile const __u64 udp_idle_ns = 30ull * 1000000000;
+
+#define NSEC_PER_SEC 1000000000ull
+
+static __always_inline int is_nat_address(const struct flow_key *f)
+{
+	if (f->family == FAMILY_IPV4)
+		return nat_addr4 != 0 && f->dst[0] == nat_addr4;
+	return (nat_addr6[0] | nat_addr6[1] | nat_addr6[2] | nat_addr6[3]) != 0 &&
+	       f->dst[0] == nat_addr6[0] && f->dst[1] == nat_addr6[1] &&
+	       f->dst[2] == nat_addr6[2] && f->dst[3] == nat_addr6[3];
+}
+
+static __always_inline void nat_source(__u8 family, __be32 *addr)
+{
+	if (family == FAMILY_IPV4) {
+		addr[0] = nat_addr4;
+		return;
+	}
+	addr[0] = nat_addr6[0];
+	addr[1] = nat_addr6[1];
+	addr[2] = nat_addr6[2];
+	addr[3] = nat_addr6[3];
+}
+
+static __always_inline int tcp_closes(struct packet *p)
+{
+	return p->flow.proto == IPPROTO_TCP && (p->tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST));
+}
+
+static __always_inline int flow_alive(struct flow_state *fs, __u8 proto, __u64 now)
+{
+	__u64 idle = udp_idle_ns;
+
+	if (proto == IPPROTO_TCP)
+		idle = (fs->flags & FLOW_F_CLOSING) ? tcp_closing_ns : tcp_idle_ns;
+	return now - fs->last_seen_ns <= idle;
+}
+
+static __always_inline void count_flow(__u32 backend_id, int opened)
+{
+	struct flow_count *c = bpf_map_lookup_elem(&backend_flows, &backend_id);
+
+	if (!c)
+		return;
+	if (opened)
+		c->opened++;
+	else
+		c->closed++;
+}
+
+// mark_closing starts a flow's short timeout and counts it closed, once.
+static __always_inline void mark_closing(struct flow_state *fs)
+{
+	if (fs->flags & FLOW_F_CLOSING)
+		return;
+	fs->flags |= FLOW_F_CLOSING;
+	count_flow(fs->backend_id, 0);
+}
+
+// nat_rewrite sets the packet's addresses and ports and fixes the IPv4 header
+// checksum and the TCP/UDP checksum (whose pseudo-header covers the addresses).
+static __always_inline int nat_rewrite(struct xdp_md *ctx, struct packet *p,
+				       const __be32 *src, __be16 sport,
+				       const __be32 *dst, __be16 dport)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	__u32 l3 = p->l3_off, l4 = p->l4_off;
+	__u16 *check;
+	__be16 *ports;
+	__u32 sum;
+	int words = p->flow.family == FAMILY_IPV4 ? 1 : 4;
+
+	// Offsets come from the stack; bound them so the verifier accepts the pointers.
+	if (l3 > MAX_L3_OFFSET || l4 > MAX_L4_OFFSET)
+		return XDP_ABORTED;
+	ports = data + l4;
+	if ((void *)(ports + 2) > data_end)
+		return XDP_ABORTED;
+
+	if (p->flow.proto == IPPROTO_TCP) {
+		struct tcphdr *tcp = data + l4;
+
+		if ((void *)(tcp + 1) > data_end)
+			return XDP_ABORTED;
+		check = &tcp->check;
+	} else {
+		struct udphdr *udp = data + l4;
+
+		if ((void *)(udp + 1) > data_end)
+			return XDP_ABORTED;
+		check = &udp->check;
+	}
+
+	// The L4 checksum: addresses (pseudo-header) and ports. An IPv4 UDP checksum of
+	// zero means "none" and stays zero.
+	if (!(p->flow.proto == IPPROTO_UDP && p->flow.family == FAMILY_IPV4 && *check == 0)) {
+		sum = csum_start(*check);
+		for (int i = 0; i < 4; i++) {
+			if (i >= words)
+				break;
+			sum = csum_add32(sum, p->flow.src[i], src[i]);
+			sum = csum_add32(sum, p->flow.dst[i], dst[i]);
+		}
+		sum = csum_add16(sum, ports[0], sport);
+		sum = csum_add16(sum, ports[1], dport);
+		*check = csum_finish(sum);
+		if (p->flow.proto == IPPROTO_UDP && *check == 0)
+			*check = 0xffff;
+	}
+	ports[0] = sport;
+	ports[1] = dport;
+
+	if (p->flow.family == FAMILY_IPV4) {
+		struct iphdr *ip = data + l3;
+
+		if ((void *)(ip + 1) > data_end)
+			return XDP_ABORTED;
+		sum = csum_start(ip->check);
+		sum = csum_add32(sum, ip->saddr, src[0]);
+		sum = csum_add32(sum, ip->daddr, dst[0]);
+		ip->check = csum_finish(sum);
+		ip->saddr = src[0];
+		ip->daddr = dst[0];
+	} else {
+		struct ipv6hdr *ip6 = data + l3;
+
+		if ((void *)(ip6 + 1) > data_end)
+			return XDP_ABORTED;
+		__builtin_memcpy(&ip6->saddr, src, 16);
+		__builtin_memcpy(&ip6->daddr, dst, 16);
+	}
+	__builtin_memcpy(p->flow.src, src, sizeof(p->flow.src));
+	__builtin_memcpy(p->flow.dst, dst, sizeof(p->flow.dst));
+	p->flow.sport = sport;
+	p->flow.dport = dport;
+	return CONTINUE;
+}
+
+// fib_forward sends the (rewritten) packet to its next hop.
+static __always_inline int fib_forward(struct xdp_md *ctx, struct packet *p)
+{
+	struct bpf_fib_lookup fib = {};
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	long rc;
+
+	fib.family = p->flow.family;
+	fib.ifindex = ctx->ingress_ifindex;
+	fib.l4_protocol = p->flow.proto;
+	fib.sport = p->flow.sport;
+	fib.dport = p->flow.dport;
+	fib.tot_len = p->len - p->l3_off;
+	if (p->flow.family == FAMILY_IPV4) {
+		fib.ipv4_src = p->flow.src[0];
+		fib.ipv4_dst = p->flow.dst[0];
+	} else {
+		__builtin_memcpy(fib.ipv6_src, p->flow.src, 16);
+		__builtin_memcpy(fib.ipv6_dst, p->flow.dst, 16);
+	}
+	rc = bpf_fib_lookup(ctx, &fib, sizeof(fib), 0);
+	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH)
+		// The kernel forwards this one and resolves the neighbour for the next.
+		return verdict(XDP_PASS, STAT_PASS_NO_NEIGH, p->len);
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS)
+		return verdict(XDP_DROP, STAT_DROP_NO_ROUTE, p->len);
+	if ((void *)(eth + 1) > data_end)
+		return XDP_ABORTED;
+	__builtin_memcpy(eth->h_dest, fib.dmac, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, fib.smac, ETH_ALEN);
+	if (fib.ifindex == ctx->ingress_ifindex)
+		return verdict(XDP_TX, STAT_TX, p->len);
+	return verdict(bpf_redirect_map(&tx_ports, fib.ifindex, XDP_DROP), STAT_REDIRECT, p->len);
+}
+
+// nat_alloc_port claims a source port towards the backend by inserting the reverse
+// entry with BPF_NOEXIST, trying random ports in the range. A port still held by a
+// flow that has ended (expired, or moved elsewhere) is taken over. 0 means none.
+static __always_inline __be16 nat_alloc_port(struct packet *p, struct backend *be,
+					     __u32 backend_id, __u64 now)
+{
+	struct flow_key rk = {};
+	struct nat_entry entry = {};
+	__u32 range = (__u32)nat_port_max - nat_port_min + 1;
+
+	__builtin_memcpy(rk.src, be->addr, sizeof(rk.src));
+	nat_source(p->flow.family, rk.dst);
+	rk.sport = be->port;
+	rk.proto = p->flow.proto;
+	rk.family = p->flow.family;
+	entry.client = p->flow;
+	entry.backend_id = backend_id;
+
+	for (int i = 0; i < NAT_PORT_TRIES; i++) {
+		struct nat_entry *old;
+		struct flow_state *holder;
+
+		rk.dport = bpf_htons(nat_port_min + bpf_get_prandom_u32() % range);
+		if (bpf_map_update_elem(&nat_reverse, &rk, &entry, BPF_NOEXIST) == 0)
+			return rk.dport;
+		old = bpf_map_lookup_elem(&nat_reverse, &rk);
+		if (!old)
+			continue;
+		holder = bpf_map_lookup_elem(&conntrack, &old->client);
+		if (holder && flow_alive(holder, rk.proto, now) && holder->nat_port == rk.dport &&
+		    holder->backend_id == old->backend_id)
+			continue;
+		if (bpf_map_update_elem(&nat_reverse, &rk, &entry, BPF_ANY) == 0)
+			return rk.dport;
+	}
+	return 0;
+}
+
+// nat_forward handles a client's packet to a nat-mode service.
+static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, struct service *svc)
+{
+	struct flow_state *fs, fresh = {};
+	struct backend *be = 0;
+	__be32 src[4] = {};
+	__u64 now = bpf_ktime_get_coarse_ns();
+	__u32 id = 0;
+	__be16 port;
+	int action;
+
+	fs = bpf_map_lookup_elem(&conntrack, &p->flow);
+	if (fs) {
+		if (flow_alive(fs, p->flow.proto, now))
+			be = usable_backend(fs->backend_id, svc->id);
+		if (be) {
+			id = fs->backend_id;
+			port = fs->nat_port;
+			if (now - fs->last_seen_ns > NSEC_PER_SEC)
+				fs->last_seen_ns = now;
+			if (tcp_closes(p))
+				mark_closing(fs);
+			count(&global_stats, STAT_FLOW_HIT, p->len);
+			goto rewrite;
+		}
+		// Expired, or its backend became unusable: the old flow ends here.
+		mark_closing(fs);
+	}
+
+	be = lookup_table_pick(p, svc, &id);
+	if (!be)
+		return verdict(XDP_DROP, STAT_DROP_NO_BACKEND, p->len);
+	port = nat_alloc_port(p, be, id, now);
+	if (!port)
+		return verdict(XDP_DROP, STAT_DROP_NAT_PORTS, p->len);
+	fresh.backend_id = id;
+	fresh.nat_port = port;
+	fresh.created_ns = now;
+	fresh.last_seen_ns = now;
+	if (tcp_closes(p))
+		fresh.flags = FLOW_F_CLOSING;
+	bpf_map_update_elem(&conntrack, &p->flow, &fresh, BPF_ANY);
+	count_flow(id, 1);
+	if (fresh.flags & FLOW_F_CLOSING)
+		count_flow(id, 0);
+	count(&global_stats, fs ? STAT_FLOW_RESELECT : STAT_FLOW_NEW, p->len);
+
+rewrite:
+	count(&service_stats, svc->id, p->len);
+	count(&backend_stats, id, p->len);
+	nat_source(p->flow.family, src);
+	action = nat_rewrite(ctx, p, src, port, be->addr, be->port);
+	if (action != CONTINUE)
+		return action;
+	return fib_forward(ctx, p);
+}
+
+// nat_reply translates a backend's reply back to the client, or returns CONTINUE for
+// a packet to the nat address that is not a tracked reply (the host's own traffic).
+static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
+{
+	struct nat_entry *rev;
+	struct flow_key client;
+	int action;
+
+	rev = bpf_map_lookup_elem(&nat_reverse, &p->flow);
+	if (!rev)
+		return CONTINUE;
+	client = rev->client;
+	if (tcp_closes(p)) {
+		struct flow_state *fs = bpf_map_lookup_elem(&conntrack, &client);
+
+		if (fs)
+			mark_closing(fs);
+	}
+	count(&global_stats, STAT_NAT_REPLY, p->len);
+	action = nat_rewrite(ctx, p, client.dst, client.dport, client.src, client.sport);
+	if (action != CONTINUE)
+		return action;
+	return fib_forward(ctx, p);
+}
