@@ -39,8 +39,22 @@ func (a Action) String() string {
 // agent's self-test use it; counters and the connection table change as for a real
 // packet.
 func (p *Program) Run(frame []byte) (Action, []byte, error) {
+	return p.RunOn(frame, 0)
+}
+
+// xdpMD is the kernel's struct xdp_md, the context BPF_PROG_TEST_RUN accepts.
+type xdpMD struct {
+	Data, DataEnd, DataMeta, IngressIfindex, RxQueueIndex, EgressIfindex uint32
+}
+
+// RunOn is Run with the frame received on the interface with index ifindex (0: none),
+// looked up in the calling thread's network namespace; nat's next-hop lookups need it.
+func (p *Program) RunOn(frame []byte, ifindex int) (Action, []byte, error) {
 	out := make([]byte, len(frame)+256)
 	opts := ebpf.RunOptions{Data: frame, DataOut: out}
+	if ifindex != 0 {
+		opts.Context = xdpMD{DataEnd: uint32(len(frame)), IngressIfindex: uint32(ifindex)}
+	}
 	ret, err := p.objs.WeirXdp.Run(&opts)
 	if err != nil {
 		return 0, nil, fmt.Errorf("test-run xdp program: %w", err)
