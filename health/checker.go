@@ -20,10 +20,16 @@ import (
 // black-holed at Timeout = Interval while staying far below a 20,000 open-file cap.
 const DefaultMaxInFlight = 1024
 
-// slack lets the scheduler start checks that are due within this much of now
-// in the same pass, trading up to 1 ms of earliness for far fewer timer wakeups
-// when thousands of checks are spread over an interval.
-const slack = time.Millisecond
+// maxSlack bounds how early the scheduler starts a check: it starts, in one
+// pass, every check due within the slack of now, trading a little earliness
+// (nothing next to the interval's jitter) for far fewer timer wakeups when
+// thousands of checks are spread over an interval.
+const maxSlack = 5 * time.Millisecond
+
+// slackFor is the slack for a given shortest interval: 1/200 of it, capped.
+func slackFor(interval time.Duration) time.Duration {
+	return min(maxSlack, interval/200)
+}
 
 // ErrRunning is returned by Run when the Checker is already running.
 var ErrRunning = errors.New("checker already running")
@@ -461,7 +467,7 @@ func (c *Checker) Run(ctx context.Context) error {
 		c.mu.Lock()
 		c.expire(now)
 		batch = batch[:0]
-		for len(c.due) > 0 && !c.due[0].dueAt.After(now.Add(slack)) {
+		for len(c.due) > 0 && !c.due[0].dueAt.After(now.Add(slackFor(c.due[0].svc.cfg.Check.Interval))) {
 			batch = append(batch, heap.Pop(&c.due).(*backend))
 		}
 		next := time.Time{}
