@@ -1,0 +1,170 @@
+package config
+
+import (
+	"errors"
+	"os"
+	"strings"
+	"testing"
+	"time"
+)
+
+// The example shipped in the repository must stay valid, and mean what its comments say.
+func TestExample(t *testing.T) {
+	cfg, err := Load("../../examples/weir.yaml")
+	if err != nil {
+		t.Fatalf("examples/weir.yaml: %v", err)
+	}
+	if got, want := len(cfg.Services), 3; got != want {
+		t.Fatalf("services: got %d; want %d", got, want)
+	}
+	web := cfg.Services[0]
+	for _, c := range []struct{ name, got, want string }{
+		{"web key", web.Key(), "tcp/10.77.100.1:80"},
+		{"web mode", web.Mode, ModeDSR},
+		{"web data plane", web.DataPlane, DataPlaneAuto},
+		{"web6 key", cfg.Services[1].Key(), "tcp/[fd77:100::1]:80"},
+		{"dns key", cfg.Services[2].Key(), "udp/10.77.100.1:53"},
+		{"dns hash", cfg.Services[2].Hash, HashSource},
+		{"dns check address", cfg.Services[2].Backends[0].CheckAddr.String(), "10.77.0.11:80"},
+		{"interface", cfg.Interfaces[0].Name, "eth0"},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s: got %q; want %q", c.name, c.got, c.want)
+		}
+	}
+}
+
+func TestDefaults(t *testing.T) {
+	cfg, err := Parse([]byte("services:\n- name: a\n  vip: 192.0.2.1:443\n  backends: [{address: 192.0.2.10:443}]\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := cfg.Services[0]
+	for _, c := range []struct {
+		name      string
+		got, want any
+	}{
+		{"admin.socket", cfg.Admin.Socket, DefaultAdminSocket},
+		{"metrics.listen", cfg.Metrics.Listen, DefaultMetricsListen},
+		{"log.format", cfg.Log.Format, "text"},
+		{"xdp.conntrack_size", cfg.XDP.ConntrackSize, uint32(DefaultConntrackSize)},
+		{"protocol", s.Protocol, "tcp"},
+		{"data_plane", s.DataPlane, DataPlaneAuto},
+		{"mode", s.Mode, ModeNAT},
+		{"algorithm", s.Algorithm, AlgorithmMaglev},
+		{"hash", s.Hash, HashFiveTuple},
+		{"all_down", s.AllDown, AllDownDrop},
+		{"drain_timeout", s.DrainTimeout.D(), 30 * time.Second},
+		{"health.type", s.Health.Type, "tcp"},
+		{"health.interval", s.Health.Interval.D(), 2 * time.Second},
+		{"health.timeout", s.Health.Timeout.D(), time.Second},
+		{"health.rise", *s.Health.Rise, 2},
+		{"health.fall", *s.Health.Fall, 3},
+		{"health.initial", s.Health.Initial, "up"},
+		{"passive.consecutive", *s.Passive.Consecutive, 5},
+		{"panic_threshold", *s.PanicThreshold, 50},
+		{"proxy.listen", s.Proxy.ListenAddr.String(), "192.0.2.1:443"},
+		{"proxy.retries", *s.Proxy.Retries, 1},
+		{"backends[0].weight", *s.Backends[0].Weight, int64(1)},
+		{"backends[0].check_address", s.Backends[0].CheckAddr.String(), "192.0.2.10:443"},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s: got %v; want %v", c.name, c.got, c.want)
+		}
+	}
+
+	proxy, err := Parse([]byte("services:\n- {name: a, vip: 192.0.2.1:443, data_plane: proxy, backends: [{address: 192.0.2.10:443}]}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := proxy.Services[0].Algorithm; got != AlgorithmLeastConn {
+		t.Errorf("proxy service algorithm: got %q; want %q", got, AlgorithmLeastConn)
+	}
+}
+
+// Every error of a file is reported, in file order, each with its line and path.
+func TestErrorsAll(t *testing.T) {
+	_, err := Load("testdata/bad.yaml")
+	if !errors.Is(err, ErrInvalid) {
+		t.Fatalf("got %v; want an error wrapping ErrInvalid", err)
+	}
+	want, rerr := os.ReadFile("testdata/bad.want")
+	if rerr != nil {
+		t.Fatal(rerr)
+	}
+	if got := err.Error() + "\n"; got != string(want) {
+		t.Errorf("errors:\n%s\nwant:\n%s", got, want)
+	}
+}
+
+func TestErrors(t *testing.T) {
+	const svc = "services:\n- name: a\n  vip: 10.0.0.1:80\n"
+	const be = "  backends: [{address: 10.0.0.11:80}]\n"
+	for _, c := range []struct {
+		name, yaml, want string
+	}{
+		{"empty", "", "the file is empty"},
+		{"syntax", "services: [\n", "line 1: invalid YAML: did not find expected node content"},
+		{"unknown top-level", "servces: []\n", `line 1: servces: unknown field; did you mean "services"?`},
+		{"unknown far", "bogus_thing: 1\nservices: []\n", "line 1: bogus_thing: unknown field; known fields here: addresses, admin"},
+		{"list for string", svc + "  protocol: [tcp]\n" + be, "line 4: services[0].protocol: must be a string, got a list"},
+		{"weight out of range", svc + "  backends: [{address: 10.0.0.11:80, weight: 70000}]\n", "services[0].backends[0].weight: must be 0..65535, got 70000"},
+		{"negative weight", svc + "  backends: [{address: 10.0.0.11:80, weight: -1}]\n", "services[0].backends[0].weight: must be 0..65535, got -1"},
+		{"all weights zero", svc + "  backends: [{address: 10.0.0.11:80, weight: 0}]\n", "services[0].backends: every weight is 0"},
+		{"no backends", svc, "services[0].backends: missing"},
+		{"vip without port", "services:\n- {name: a, vip: 10.0.0.1, backends: [{address: 10.0.0.11:80}]}\n", `services[0].vip: must be address:port`},
+		{"vip multicast", "services:\n- {name: a, vip: '224.0.0.1:80', backends: [{address: 10.0.0.11:80}]}\n", "services[0].vip: must be a unicast address"},
+		{"4in6 backend", svc + "  backends: [{address: '[::ffff:10.0.0.11]:80'}]\n", "write IPv4 addresses in dotted form"},
+		{"nat family", "interfaces: [{name: eth0}]\n" + svc + "  backends: [{address: '[fd00::1]:80'}]\n", "services[0].backends[0].address: nat mode keeps the VIP's family (IPv4)"},
+		{"dsr any family", "interfaces: [{name: eth0}]\n" + svc + "  mode: dsr\n  backends: [{address: '[fd00::1]:80'}]\n", ""},
+		{"proxy any family", svc + "  data_plane: proxy\n  backends: [{address: '[fd00::1]:80'}]\n", ""},
+		{"unknown algorithm", svc + "  algorithm: fastest\n" + be, `services[0].algorithm: must be round_robin, random, least_conn, weighted_least_conn, weighted, p2c, ewma, source_hash or maglev, got "fastest"`},
+		{"proxy algorithm on xdp", "interfaces: [{name: eth0}]\n" + svc + "  data_plane: xdp\n  algorithm: ewma\n" + be, "services[0].algorithm: ewma needs the proxy data plane"},
+		{"proxy algorithm on auto", svc + "  algorithm: ewma\n" + be, ""},
+		{"xdp without interfaces", svc + "  data_plane: xdp\n" + be, "services[0].data_plane: xdp needs at least one entry in interfaces"},
+		{"udp on proxy", svc + "  protocol: udp\n  data_plane: proxy\n" + be, "the proxy serves tcp only"},
+		{"udp with proxy algorithm", "interfaces: [{name: eth0}]\n" + svc + "  protocol: udp\n  algorithm: p2c\n" + be, "p2c is a proxy algorithm and the proxy serves tcp only"},
+		{"udp without interfaces", svc + "  protocol: udp\n" + be, "services[0].protocol: udp is served by XDP only"},
+		{"hash on proxy algorithm", svc + "  algorithm: round_robin\n  hash: source\n" + be, "services[0].hash: only maglev and source_hash hash"},
+		{"source_hash with 5tuple", svc + "  algorithm: source_hash\n  hash: 5tuple\n" + be, "source_hash always hashes the source address"},
+		{"slow start on xdp", "interfaces: [{name: eth0}]\n" + svc + "  data_plane: xdp\n  slow_start: 10s\n" + be, "services[0].slow_start: only the proxy ramps weights"},
+		{"pass on proxy", svc + "  data_plane: proxy\n  all_down: pass\n" + be, "services[0].all_down: pass hands packets"},
+		{"table size not prime", svc + "  table_size: 1000\n" + be, "services[0].table_size: must be a prime"},
+		{"http fields on tcp", svc + "  health: {path: /x}\n" + be, "services[0].health.path: only http checks use it"},
+		{"bad status", svc + "  health: {type: http, expect_status: ['600']}\n" + be, "services[0].health.expect_status[0]: must be a status code"},
+		{"jitter", svc + "  health: {jitter: 0.9}\n" + be, "services[0].health.jitter: must be 0..0.5, got 0.9"},
+		{"ejection order", svc + "  passive: {base_ejection: 1m, max_ejection: 10s}\n" + be, "services[0].passive.max_ejection: must be at least base_ejection (1m0s), got 10s"},
+		{"panic", svc + "  panic_threshold: 101\n" + be, "services[0].panic_threshold: must be 0..100"},
+		{"proxy protocol", svc + "  proxy: {proxy_protocol: 3}\n" + be, "services[0].proxy.proxy_protocol: must be 0 (off), 1 or 2, got 3"},
+		{"mac", svc + "  mode: dsr\n  backends: [{address: 10.0.0.11:80, mac: zz}]\n", `services[0].backends[0].mac: must be a 6-byte Ethernet address`},
+		{"bad name", "services:\n- {name: 'a b', vip: 10.0.0.1:80, backends: [{address: 10.0.0.11:80}]}\n", `services[0].name: must be 1-64 letters`},
+		{"duplicate interface", "interfaces: [{name: eth0}, {name: eth0}]\nservices: []\n", `interfaces[1].name: "eth0" is already listed as interfaces[0]`},
+		{"metrics", "metrics: {listen: localhost}\nservices: []\n", `metrics.listen: must be address:port, got "localhost"`},
+		{"metrics off", "metrics: {listen: \"off\"}\nservices: []\n", ""},
+		{"log level", "log: {level: loud}\nservices: []\n", `log.level: must be debug, info, warn or error, got "loud"`},
+		{"duration type", svc + "  drain_timeout: 5\n" + be, `line 4: services[0].drain_timeout: must be a duration such as 500ms, 2s or 1m, got "5"`},
+		{"duplicate key", "services: []\nservices: []\n", `line 2: services: mapping key "services" already defined at line 1`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := Parse([]byte(c.yaml))
+			switch {
+			case c.want == "" && err != nil:
+				t.Fatalf("got error %v; want none", err)
+			case c.want == "":
+			case err == nil:
+				t.Fatalf("got no error; want one containing %q", c.want)
+			case !strings.Contains(err.Error(), c.want):
+				t.Fatalf("got error\n%v\nwant one containing %q", err, c.want)
+			case !errors.Is(err, ErrInvalid):
+				t.Fatalf("got %v; want it to wrap ErrInvalid", err)
+			}
+		})
+	}
+}
+
+func TestLoadMissing(t *testing.T) {
+	_, err := Load("testdata/does-not-exist.yaml")
+	if !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("got %v; want an error wrapping os.ErrNotExist", err)
+	}
+}

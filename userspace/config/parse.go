@@ -1,0 +1,361 @@
+package config
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"reflect"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// ErrInvalid is wrapped by every error Parse and Load return for a file that is
+// readable but wrong; test with errors.Is.
+var ErrInvalid = errors.New("invalid config")
+
+// FieldError is one problem, at one place in the file.
+type FieldError struct {
+	File string // "" for Parse
+	Line int    // 0 when unknown
+	Path string // services[1].backends[3].weight; "" for the whole file
+	Msg  string
+}
+
+func (e *FieldError) Error() string {
+	var b strings.Builder
+	switch {
+	case e.File != "" && e.Line > 0:
+		fmt.Fprintf(&b, "%s:%d: ", e.File, e.Line)
+	case e.File != "":
+		b.WriteString(e.File + ": ")
+	case e.Line > 0:
+		fmt.Fprintf(&b, "line %d: ", e.Line)
+	}
+	if e.Path != "" {
+		b.WriteString(e.Path + ": ")
+	}
+	b.WriteString(e.Msg)
+	return b.String()
+}
+
+// Errors is every problem found in a file, in file order. It wraps ErrInvalid.
+type Errors []*FieldError
+
+func (es Errors) Error() string {
+	lines := make([]string, len(es))
+	for i, e := range es {
+		lines[i] = e.Error()
+	}
+	return strings.Join(lines, "\n")
+}
+
+// Is makes errors.Is(err, ErrInvalid) true.
+func (es Errors) Is(target error) bool { return target == ErrInvalid }
+
+// Load reads and parses the file at path. A file that cannot be read is returned
+// as the os error (wrapped); a file that can be read but is wrong as Errors naming
+// the file.
+func Load(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("read config: %w", err)
+	}
+	cfg, err := Parse(data)
+	var es Errors
+	if errors.As(err, &es) {
+		for _, e := range es {
+			e.File = path
+		}
+	}
+	return cfg, err
+}
+
+// Parse parses, fills in defaults and validates one file's contents.
+func Parse(data []byte) (*Config, error) {
+	var doc yaml.Node
+	if err := yaml.Unmarshal(data, &doc); err != nil {
+		return nil, Errors{syntaxError(err)}
+	}
+	if doc.Kind == 0 || len(doc.Content) == 0 || len(bytes.TrimSpace(data)) == 0 {
+		return nil, Errors{{Msg: "the file is empty: a config needs at least a services list"}}
+	}
+	root := doc.Content[0]
+	p := &parser{lines: make(map[string]int), atLine: make(map[int]string)}
+	p.index(root, "")
+	p.checkFields(root, reflect.TypeFor[Config](), "")
+
+	var cfg Config
+	if err := root.Decode(&cfg); err != nil {
+		var te *yaml.TypeError
+		if !errors.As(err, &te) {
+			return nil, append(p.errs, &FieldError{Msg: err.Error()})
+		}
+		for _, msg := range te.Errors {
+			p.typeError(msg)
+		}
+	}
+	decodeErrs := len(p.errs)
+	cfg.defaults()
+	for _, e := range cfg.validate() {
+		// A field that did not decode is already reported; its zero value would only
+		// add noise.
+		if !p.reported(e.Path, decodeErrs) {
+			e.Line = p.lineOf(e.Path)
+			p.errs = append(p.errs, e)
+		}
+	}
+	if len(p.errs) > 0 {
+		sort.SliceStable(p.errs, func(i, j int) bool { return p.errs[i].Line < p.errs[j].Line })
+		return nil, p.errs
+	}
+	return &cfg, nil
+}
+
+var lineRE = regexp.MustCompile(`^(?:yaml: )?line (\d+): (.*)$`)
+
+func syntaxError(err error) *FieldError {
+	msg := strings.TrimPrefix(err.Error(), "yaml: ")
+	if m := lineRE.FindStringSubmatch(msg); m != nil {
+		n, _ := strconv.Atoi(m[1])
+		return &FieldError{Line: n, Msg: "invalid YAML: " + m[2]}
+	}
+	return &FieldError{Msg: "invalid YAML: " + msg}
+}
+
+// parser maps between places in the YAML tree (paths) and lines, and collects errors.
+type parser struct {
+	lines  map[string]int // path -> line of its key or item
+	atLine map[int]string // line -> the path of what starts there (common prefix if several)
+	errs   Errors
+}
+
+func (p *parser) index(n *yaml.Node, path string) {
+	if n.Kind == yaml.AliasNode && n.Alias != nil {
+		n = n.Alias
+	}
+	switch n.Kind {
+	case yaml.MappingNode:
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			k, v := n.Content[i], n.Content[i+1]
+			sub := join(path, k.Value)
+			p.mark(sub, k.Line)
+			p.index(v, sub)
+		}
+	case yaml.SequenceNode:
+		for i, item := range n.Content {
+			sub := fmt.Sprintf("%s[%d]", path, i)
+			p.mark(sub, item.Line)
+			p.index(item, sub)
+		}
+	}
+}
+
+func (p *parser) mark(path string, line int) {
+	if _, ok := p.lines[path]; !ok {
+		p.lines[path] = line
+	}
+	if prev, ok := p.atLine[line]; ok {
+		p.atLine[line] = commonPath(prev, path)
+	} else {
+		p.atLine[line] = path
+	}
+}
+
+// lineOf returns the line of path, or of its nearest ancestor the file has.
+func (p *parser) lineOf(path string) int {
+	for path != "" {
+		if l, ok := p.lines[path]; ok {
+			return l
+		}
+		path = parent(path)
+	}
+	return 0
+}
+
+// reported reports whether one of the first n errors is about path or a parent of it.
+func (p *parser) reported(path string, n int) bool {
+	for _, e := range p.errs[:n] {
+		if e.Path == path || strings.HasPrefix(path, e.Path+".") || strings.HasPrefix(path, e.Path+"[") {
+			return true
+		}
+	}
+	return false
+}
+
+var unmarshalRE = regexp.MustCompile("^cannot unmarshal !!(\\w+)(?: `(.*)`)? into (\\S+)$")
+
+// typeError turns one of yaml's "line N: cannot unmarshal ..." messages into a
+// FieldError at the path on that line.
+func (p *parser) typeError(msg string) {
+	e := &FieldError{Msg: msg}
+	if m := lineRE.FindStringSubmatch(msg); m != nil {
+		e.Line, _ = strconv.Atoi(m[1])
+		e.Msg = m[2]
+		e.Path = p.atLine[e.Line]
+	}
+	if m := unmarshalRE.FindStringSubmatch(e.Msg); m != nil {
+		got := yamlKindWords(m[1])
+		if m[1] != "seq" && m[1] != "map" {
+			got += fmt.Sprintf(" %q", m[2])
+		}
+		e.Msg = fmt.Sprintf("must be %s, got %s", goTypeWords(m[3]), got)
+	}
+	p.errs = append(p.errs, e)
+}
+
+func goTypeWords(t string) string {
+	switch {
+	case strings.HasPrefix(t, "[]"):
+		return "a list"
+	case strings.HasPrefix(t, "map["), strings.HasPrefix(t, "config."):
+		return "a mapping"
+	case t == "string":
+		return "a string"
+	case t == "bool":
+		return "true or false"
+	case strings.HasPrefix(t, "uint"):
+		return "a whole number ≥ 0"
+	case strings.HasPrefix(t, "int"):
+		return "a whole number"
+	case strings.HasPrefix(t, "float"):
+		return "a number"
+	}
+	return "a " + t
+}
+
+func yamlKindWords(k string) string {
+	switch k {
+	case "str":
+		return "the string"
+	case "seq":
+		return "a list"
+	case "map":
+		return "a mapping"
+	case "int", "float":
+		return "the number"
+	case "bool":
+		return "the boolean"
+	}
+	return k
+}
+
+// checkFields reports every mapping key that names no field of t, so a misspelt
+// setting is an error rather than silently its default. (yaml's KnownFields stops at
+// the first; this names them all, with the fields that would fit.)
+func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string) {
+	if n.Kind == yaml.AliasNode && n.Alias != nil {
+		n = n.Alias
+	}
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch t.Kind() {
+	case reflect.Struct:
+		if n.Kind != yaml.MappingNode || t == reflect.TypeFor[Duration]() {
+			return // a type error, reported by Decode
+		}
+		fields := yamlFields(t)
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			k, v := n.Content[i], n.Content[i+1]
+			sub := join(path, k.Value)
+			f, ok := fields[k.Value]
+			if !ok {
+				p.errs = append(p.errs, &FieldError{Line: k.Line, Path: sub, Msg: unknownField(k.Value, fields)})
+				continue
+			}
+			p.checkFields(v, f.Type, sub)
+		}
+	case reflect.Slice:
+		if n.Kind != yaml.SequenceNode {
+			return
+		}
+		for i, item := range n.Content {
+			p.checkFields(item, t.Elem(), fmt.Sprintf("%s[%d]", path, i))
+		}
+	}
+}
+
+func yamlFields(t reflect.Type) map[string]reflect.StructField {
+	out := make(map[string]reflect.StructField)
+	for i := range t.NumField() {
+		f := t.Field(i)
+		name, _, _ := strings.Cut(f.Tag.Get("yaml"), ",")
+		if name == "-" || !f.IsExported() {
+			continue
+		}
+		if name == "" {
+			name = strings.ToLower(f.Name)
+		}
+		out[name] = f
+	}
+	return out
+}
+
+func unknownField(name string, fields map[string]reflect.StructField) string {
+	names := make([]string, 0, len(fields))
+	best, bestD := "", 3
+	for n := range fields {
+		names = append(names, n)
+		if d := distance(name, n); d < bestD {
+			best, bestD = n, d
+		}
+	}
+	if best != "" {
+		return fmt.Sprintf("unknown field; did you mean %q?", best)
+	}
+	sort.Strings(names)
+	return "unknown field; known fields here: " + strings.Join(names, ", ")
+}
+
+// distance is the Levenshtein distance of a and b.
+func distance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
+}
+
+func join(path, key string) string {
+	if path == "" {
+		return key
+	}
+	return path + "." + key
+}
+
+// parent strips the last element of a path: a.b[2].c -> a.b[2] -> a.b -> a -> "".
+func parent(path string) string {
+	i := strings.LastIndexAny(path, ".[")
+	if i < 0 {
+		return ""
+	}
+	return path[:i]
+}
+
+func commonPath(a, b string) string {
+	for a != b {
+		if len(a) > len(b) {
+			a = parent(a)
+		} else {
+			b = parent(b)
+		}
+	}
+	return a
+}
