@@ -529,7 +529,7 @@ func (c *Checker) start(ctx context.Context, b *backend, sem chan struct{}, wg *
 	if b.removed || b.dueIdx >= 0 || b.inflight != nil || s.cfg.Check.Kind == None {
 		return false
 	}
-	cctx, cancel := context.WithTimeout(ctx, s.cfg.Check.Timeout)
+	cctx, cancel := context.WithCancel(ctx)
 	b.inflight = cancel
 	p := probe{
 		cfg:       s.cfg.Check,
@@ -557,7 +557,10 @@ func (c *Checker) start(ctx context.Context, b *backend, sem chan struct{}, wg *
 // check runs one check of b and applies its result.
 func (c *Checker) check(ctx context.Context, b *backend, p probe) {
 	start := c.now()
-	err := p.run(ctx)
+	// The timeout counts from the start, not from when the check was queued.
+	tctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
+	err := p.run(tctx)
+	cancel()
 	end := c.now()
 	res := Result{ID: b.id, Service: b.svc.name, Addr: p.addr,
 		Scheduled: p.scheduled, Start: start, Duration: end.Sub(start), Err: err}
