@@ -1,0 +1,368 @@
+package pktgen
+
+import (
+	"bytes"
+	"context"
+	"net"
+	"net/netip"
+	"os"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/xdptest"
+)
+
+// testPrefix names this package's namespaces.
+const testPrefix = "wpg"
+
+func TestMain(m *testing.M) {
+	// Namespaces a crashed earlier run of this package left behind.
+	topo.CleanupStale(testPrefix)
+	os.Exit(m.Run())
+}
+
+var (
+	genMAC  = net.HardwareAddr{0x02, 0x78, 0, 0, 9, 1}
+	sinkMAC = net.HardwareAddr{0x02, 0x78, 0, 0, 9, 2}
+	sink4   = netip.MustParseAddr("10.78.9.2")
+	sink6   = netip.MustParseAddr("fd78:9::2")
+)
+
+// pair is two namespaces joined by one veth: gen (link "g0") and sink
+// (link "s0", holding sink4 and sink6).
+type pair struct {
+	gen, sink *netns.NS
+	genIndex  int
+}
+
+func newPair(t *testing.T) *pair {
+	t.Helper()
+	name := topo.UniqueName(testPrefix)
+	p := &pair{}
+	var err error
+	p.gen, err = netns.New(name + "-gen")
+	xdptest.Check(t, err)
+	t.Cleanup(func() { p.gen.Close() })
+	p.sink, err = netns.New(name + "-sink")
+	xdptest.Check(t, err)
+	t.Cleanup(func() { p.sink.Close() })
+
+	err = p.gen.Do(func() error {
+		// IPv6 off before the link exists, so g0 sends nothing of its own
+		// (router solicitations, MLD) for the sink to count.
+		for _, k := range []string{"all", "default"} {
+			if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+k+"/disable_ipv6", []byte("1"), 0o644); err != nil {
+				return err
+			}
+		}
+		fd, err := unix.Open(p.sink.Path(), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		veth := &netlink.Veth{
+			LinkAttrs:        netlink.LinkAttrs{Name: "g0", HardwareAddr: genMAC},
+			PeerName:         "s0",
+			PeerHardwareAddr: sinkMAC,
+			PeerNamespace:    netlink.NsFd(fd),
+		}
+		if err := netlink.LinkAdd(veth); err != nil {
+			return err
+		}
+		l, err := netlink.LinkByName("g0")
+		if err != nil {
+			return err
+		}
+		p.genIndex = l.Attrs().Index
+		return netlink.LinkSetUp(l)
+	})
+	xdptest.Check(t, err)
+	err = p.sink.Do(func() error {
+		for _, kv := range [][2]string{
+			{"net/ipv4/conf/all/rp_filter", "0"},
+			{"net/ipv4/conf/default/rp_filter", "0"},
+			{"net/ipv6/conf/all/accept_dad", "0"},
+			{"net/ipv6/conf/default/accept_dad", "0"},
+		} {
+			if err := os.WriteFile("/proc/sys/"+kv[0], []byte(kv[1]), 0o644); err != nil {
+				return err
+			}
+		}
+		l, err := netlink.LinkByName("s0")
+		if err != nil {
+			return err
+		}
+		for _, a := range []string{sink4.String() + "/24", sink6.String() + "/64"} {
+			addr, _ := netlink.ParseAddr(a)
+			addr.Flags = unix.IFA_F_NODAD
+			if err := netlink.AddrAdd(l, addr); err != nil {
+				return err
+			}
+		}
+		return netlink.LinkSetUp(l)
+	})
+	xdptest.Check(t, err)
+	return p
+}
+
+func newSink(t *testing.T, pass bool, ns *netns.NS, ifname string) *Sink {
+	t.Helper()
+	s, err := NewSink(pass)
+	xdptest.Check(t, err)
+	t.Cleanup(func() {
+		if err := s.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	xdptest.Check(t, s.Attach(ns, ifname))
+	return s
+}
+
+func newGenerator(t *testing.T, cfg Config) *Generator {
+	t.Helper()
+	g, err := New(cfg)
+	xdptest.Check(t, err)
+	t.Cleanup(func() { g.Close() })
+	return g
+}
+
+// waitCount polls the sink until it has counted want frames or a second
+// has passed, and returns the last count.
+func waitCount(t *testing.T, s *Sink, want uint64) Counter {
+	t.Helper()
+	deadline := time.Now().Add(time.Second)
+	for {
+		c, err := s.Count()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.Packets >= want || time.Now().After(deadline) {
+			return c
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestSendCounts sends a fixed number of frames of each kind through a real
+// veth into a native-mode sink: what the generator says it sent, the sink
+// counts, frame for frame and byte for byte.
+func TestSendCounts(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mix  []Packet
+	}{
+		{"v4 tcp ack", []Packet{{}}},
+		{"v6 tcp syn", []Packet{{IPv6: true, SYN: true}}},
+		{"mix v4 udp 128B + v6 tcp", []Packet{{UDP: true, Size: 128, Weight: 3}, {IPv6: true}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPair(t)
+			sink := newSink(t, false, p.sink, "s0")
+			g := newGenerator(t, Config{
+				SrcMAC: genMAC, DstMAC: sinkMAC,
+				Dst4: netip.AddrPortFrom(sink4, 80), Dst6: netip.AddrPortFrom(sink6, 80),
+				Flows: 1000, Mix: tc.mix,
+			})
+			const n = 20_000
+			if err := g.Send(p.gen, p.genIndex, n); err != nil {
+				t.Fatal(err)
+			}
+			sent, err := g.Sent()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var wantBytes uint64
+			sched := schedule(g.Config().Mix)
+			for i := range n {
+				wantBytes += uint64(g.Config().Mix[sched[i%scheduleLen]].FrameSize() - fcs)
+			}
+			if sent.Packets != n || sent.Bytes != wantBytes {
+				t.Errorf("generator sent %d frames, %d bytes; want %d, %d", sent.Packets, sent.Bytes, n, wantBytes)
+			}
+			got := waitCount(t, sink, n)
+			if got != sent {
+				t.Errorf("sink counted %d frames, %d bytes; want %d, %d", got.Packets, got.Bytes, sent.Packets, sent.Bytes)
+			}
+		})
+	}
+}
+
+// TestFramesReachSockets passes the generator's UDP frames to the kernel
+// stack, which drops any with a bad IP or UDP checksum: every frame must
+// reach the sockets, from every flow's source address.
+func TestFramesReachSockets(t *testing.T) {
+	p := newPair(t)
+	sink := newSink(t, true, p.sink, "s0")
+	const flows, port = 50, 9999
+	g := newGenerator(t, Config{
+		SrcMAC: genMAC, DstMAC: sinkMAC,
+		Dst4: netip.AddrPortFrom(sink4, port), Dst6: netip.AddrPortFrom(sink6, port),
+		Flows: flows, Mix: []Packet{{UDP: true}, {UDP: true, IPv6: true, Size: 200}},
+	})
+	var conns []net.PacketConn
+	for _, a := range []netip.Addr{sink4, sink6} {
+		c, err := p.sink.ListenPacket("udp", netip.AddrPortFrom(a, port).String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		// Room for every frame: a datagram built from an XDP frame holds a
+		// whole page of receive buffer.
+		raw, _ := c.(*net.UDPConn).SyscallConn()
+		raw.Control(func(fd uintptr) {
+			unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, 8<<20)
+		})
+		conns = append(conns, c)
+	}
+	const n = 400 // 200 of each family, 4 per flow
+	if err := g.Send(p.gen, p.genIndex, n); err != nil {
+		t.Fatal(err)
+	}
+	if c := waitCount(t, sink, n); c.Packets != n {
+		t.Fatalf("sink counted %d frames; want %d", c.Packets, n)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	for i, c := range conns {
+		sources := map[netip.Addr]int{}
+		buf := make([]byte, 2048)
+		wantLen := g.Config().Mix[i].FrameSize() - fcs - 14 - 8 - 20
+		if i == 1 {
+			wantLen -= 20
+		}
+		for range n / 2 {
+			deadline, _ := ctx.Deadline()
+			c.SetReadDeadline(deadline)
+			m, from, err := c.ReadFrom(buf)
+			if err != nil {
+				t.Fatalf("%s: got %d datagrams from %d sources, then %v; want %d", c.LocalAddr(), sum(sources), len(sources), err, n/2)
+			}
+			if m != wantLen {
+				t.Errorf("datagram of %d bytes; want %d", m, wantLen)
+			}
+			sources[from.(*net.UDPAddr).AddrPort().Addr().Unmap()]++
+		}
+		base := Src4
+		if i == 1 {
+			base = Src6
+		}
+		for f := range flows {
+			src := flowAddr(base, f)
+			if sources[src] != n/2/flows {
+				t.Errorf("%s: %d datagrams from %s; want %d", c.LocalAddr(), sources[src], src, n/2/flows)
+			}
+		}
+	}
+}
+
+func sum(m map[netip.Addr]int) int {
+	n := 0
+	for _, v := range m {
+		n += v
+	}
+	return n
+}
+
+// TestRunStops runs flat out until the context ends and checks that Run
+// returns promptly (the signal ends the kernel's loop) and frames arrived.
+func TestRunStops(t *testing.T) {
+	p := newPair(t)
+	sink := newSink(t, false, p.sink, "s0")
+	g := newGenerator(t, Config{
+		SrcMAC: genMAC, DstMAC: sinkMAC,
+		Dst4: netip.AddrPortFrom(sink4, 80), Flows: 4096,
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	if err := g.Run(ctx, p.gen, p.genIndex, []int{0}); err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("Run took %v after a 300ms context; want it to stop within a second or so", d)
+	}
+	sent, err := g.Sent()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := waitCount(t, sink, sent.Packets)
+	if sent.Packets == 0 || got.Packets == 0 {
+		t.Fatalf("sent %d, sink counted %d; want both > 0", sent.Packets, got.Packets)
+	}
+	t.Logf("sent %d frames in %v (%.2f Mpps), sink counted %d", sent.Packets, time.Since(start), float64(sent.Packets)/time.Since(start).Seconds()/1e6, got.Packets)
+}
+
+// TestFrames runs the generator through BPF_PROG_RUN without live frames and
+// compares each output frame byte for byte with Config.Frame: template,
+// flow order, source addresses, checksums, lengths.
+func TestFrames(t *testing.T) {
+	cfg := Config{
+		SrcMAC: genMAC, DstMAC: sinkMAC,
+		Dst4: netip.AddrPortFrom(sink4, 80), Dst6: netip.AddrPortFrom(sink6, 443),
+		Flows: MaxFlows,
+		Mix: []Packet{
+			{}, {SYN: true, Size: 70}, {UDP: true, Size: 100}, {IPv6: true},
+			{IPv6: true, UDP: true, Size: 81}, {IPv6: true, SYN: true, Size: 300},
+		},
+	}
+	g := newGenerator(t, cfg)
+	cfg = g.Config()
+	// The flow cursor is per CPU: stay on one.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	restore, err := pin(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer restore()
+
+	sched := schedule(cfg.Mix)
+	var zero GeneratorGenState
+	for _, start := range []uint32{0, 1, 65535, 65536, 65537, MaxFlows - 3} {
+		// Start at flow start, frame count 0 (schedule slot 0).
+		st := make([]GeneratorGenState, ebpfPossibleCPUs(t))
+		for i := range st {
+			st[i] = zero
+			for k := range st[i].Flow {
+				st[i].Flow[k] = start
+			}
+		}
+		var next [MaxTemplates]int // flow of each kind's next frame
+		if err := g.objs.State.Put(uint32(0), st); err != nil {
+			t.Fatal(err)
+		}
+		for n := range 2 * len(cfg.Mix) {
+			k := sched[n%scheduleLen]
+			f := (int(start) + next[k]) % MaxFlows
+			next[k]++
+			p := cfg.Mix[k]
+			want := cfg.Frame(p, f)
+			ret, out, err := g.objs.Generate.Test(g.input)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ret != 3 { // XDP_TX
+				t.Fatalf("frame %d: verdict %d; want XDP_TX (3)", n, ret)
+			}
+			if !bytes.Equal(out, want) {
+				t.Errorf("frame %d (%s, flow %d):\n got %x\nwant %x", n, p, f, out, want)
+			}
+		}
+	}
+}
+
+func ebpfPossibleCPUs(t *testing.T) int {
+	n, err := ebpf.PossibleCPU()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
