@@ -100,7 +100,10 @@ func TestBlackHoledBackend(t *testing.T) {
 	p99 := lags[len(lags)*99/100]
 	t.Logf("healthy checks: %d, lag p50 %v p99 %v max %v; black-holed checks: %d",
 		len(lags), lags[len(lags)/2], p99, lags[len(lags)-1], len(holeRes))
-	if p99 > 50*time.Millisecond {
-		t.Errorf("healthy checks' p99 scheduling lag: got %v; want <= 50ms", p99)
+	// A check that waited behind a black hole would start a whole timeout
+	// late; half of it leaves room for a busy shared machine, where the p99
+	// is normally a few milliseconds.
+	if p99 >= timeout/2 {
+		t.Errorf("healthy checks' p99 scheduling lag: got %v; want < %v", p99, timeout/2)
 	}
 }

@@ -102,6 +102,7 @@ func TestReconfigureWhileRunning(t *testing.T) {
 	var (
 		mu        sync.Mutex
 		scheduled = map[string][]time.Time{}
+		results   = map[string][]Result{}
 		removedAt time.Time
 		lateCheck string
 	)
@@ -109,6 +110,7 @@ func TestReconfigureWhileRunning(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		scheduled[r.ID] = append(scheduled[r.ID], r.Scheduled)
+		results[r.ID] = append(results[r.ID], r)
 		if r.ID == "a0" && !removedAt.IsZero() && r.Start.After(removedAt) {
 			lateCheck = fmt.Sprintf("a0 checked at %v after its removal at %v", r.Start, removedAt)
 		}
@@ -147,13 +149,17 @@ func TestReconfigureWhileRunning(t *testing.T) {
 		t.Error(lateCheck)
 	}
 	for _, id := range []string{"b0", "b1", "b2"} {
-		ts := scheduled[id]
-		if len(ts) < 5 {
-			t.Errorf("%s: got %d checks; want at least 5 in 700ms at %v", id, len(ts), ivB)
+		rs := results[id]
+		if len(rs) < 5 {
+			t.Errorf("%s: got %d checks; want at least 5 in 700ms at %v", id, len(rs), ivB)
 		}
-		for i := 1; i < len(ts); i++ {
-			if d := ts[i].Sub(ts[i-1]); d != ivB {
-				t.Errorf("%s: check %d scheduled %v after the previous; want %v (schedule restarted or stalled)", id, i, d, ivB)
+		for i := 1; i < len(rs); i++ {
+			prev := rs[i-1]
+			if prev.Start.Add(prev.Duration).After(prev.Scheduled.Add(ivB)) {
+				continue // overran its interval on a busy machine: rescheduled at its end
+			}
+			if d := rs[i].Scheduled.Sub(prev.Scheduled); d != ivB {
+				t.Errorf("%s: check %d scheduled %v after the previous; want %v (schedule restarted)", id, i, d, ivB)
 			}
 		}
 	}
@@ -164,11 +170,11 @@ func TestReconfigureWhileRunning(t *testing.T) {
 		}
 	}
 	// 400ms at the new 20ms interval is 20 checks; the old one would give 2.
-	if after < 10 {
-		t.Errorf("a1 after shortening its interval: got %d checks; want at least 10", after)
+	if after < 6 {
+		t.Errorf("a1 after shortening its interval: got %d checks; want at least 6", after)
 	}
-	if len(scheduled["a2"]) < 10 {
-		t.Errorf("a2 added while running: got %d checks; want at least 10", len(scheduled["a2"]))
+	if len(scheduled["a2"]) < 6 {
+		t.Errorf("a2 added while running: got %d checks; want at least 6", len(scheduled["a2"]))
 	}
 }
 
