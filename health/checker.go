@@ -222,6 +222,12 @@ func (c *Checker) Set(nb Backend) error {
 			old := b.svc
 			c.leave(b)
 			b.svc = s
+			if s.cfg.Check.Kind == None {
+				b.active = Up
+				c.unqueue(b)
+			} else if b.dueIdx < 0 && b.inflight == nil {
+				c.queue(b, now.Add(randDuration(s.cfg.Check.Interval)))
+			}
 			c.join(b)
 			c.settlePanic(old, now)
 			c.settle(b, now, "moved to service "+s.name)
@@ -532,6 +538,7 @@ func (c *Checker) start(ctx context.Context, b *backend, sem chan struct{}, wg *
 	cctx, cancel := context.WithCancel(ctx)
 	b.inflight = cancel
 	p := probe{
+		service:   s.name,
 		cfg:       s.cfg.Check,
 		dial:      c.Dial,
 		dialer:    s.dialer,
@@ -562,13 +569,12 @@ func (c *Checker) check(ctx context.Context, b *backend, p probe) {
 	err := p.run(tctx)
 	cancel()
 	end := c.now()
-	res := Result{ID: b.id, Service: b.svc.name, Addr: p.addr,
+	res := Result{ID: b.id, Service: p.service, Addr: p.addr,
 		Scheduled: p.scheduled, Start: start, Duration: end.Sub(start), Err: err}
 
 	c.mu.Lock()
 	stale := b.removed || b.gen != p.gen || ctx.Err() == context.Canceled
 	if !stale {
-		res.Service = b.svc.name
 		c.record(b, res, end)
 	}
 	c.mu.Unlock()

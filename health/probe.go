@@ -17,6 +17,7 @@ import (
 // probe is one check, with everything it needs copied out of the Checker so it
 // runs without the lock.
 type probe struct {
+	service   string
 	cfg       Check
 	dial      func(ctx context.Context, network, address string) (net.Conn, error)
 	dialer    *net.Dialer

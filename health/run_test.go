@@ -221,3 +221,34 @@ func TestSubscriptionCoalesces(t *testing.T) {
 		t.Errorf("Next after Close: got %v; want ErrClosed", err)
 	}
 }
+
+// TestMoveBackendBetweenServices moves a backend from a service without active
+// checks to one with them: it must start being checked.
+func TestMoveBackendBetweenServices(t *testing.T) {
+	ln := newToggleListener(t)
+	ln.set(false) // refused from now on
+	c := &Checker{}
+	if err := c.SetService("passive", Config{Check: Check{Kind: None}, PanicThreshold: -1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.SetService("active", Config{Check: Check{Interval: 10 * time.Millisecond, Fall: 1}, PanicThreshold: -1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(Backend{ID: "b", Addr: ln.addr, Service: "passive"}); err != nil {
+		t.Fatal(err)
+	}
+	sub := c.Subscribe()
+	defer sub.Close()
+	run(t, c)
+	time.Sleep(50 * time.Millisecond)
+	if st, _ := c.Status("b"); st.State != Up || !st.Last.Start.IsZero() {
+		t.Fatalf("without active checks: got %v, last check at %v; want up, never checked", st.State, st.Last.Start)
+	}
+	if err := c.Set(Backend{ID: "b", Addr: ln.addr, Service: "active"}); err != nil {
+		t.Fatal(err)
+	}
+	ch := waitChange(t, sub, "b", 5*time.Second, func(ch Change) bool { return ch.To == Down })
+	if ch.Service != "active" || ch.Reason != "connect: connection refused" {
+		t.Errorf("after the move: got %v; want down in service active, connect: connection refused", ch)
+	}
+}

@@ -127,8 +127,9 @@ type Status struct {
 	Reason string
 	// Passes and Fails count the current run of passed or failed checks.
 	Passes, Fails int
-	// EjectedUntil is when the current ejection ends (zero if not ejected);
-	// Ejections is the multiplier of the next ejection's length minus one.
+	// EjectedUntil is when the current ejection ends (zero if not ejected).
+	// Ejections is the multiplier of the current or last ejection's length
+	// (BaseEjection times it); it decays while the backend stays in service.
 	EjectedUntil time.Time
 	Ejections    int
 	// Last is the most recent completed active check (zero before the first).
