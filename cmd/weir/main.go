@@ -1,38 +1,69 @@
 // Command weir is the load balancer's one binary. Subcommands:
 //
+//	weir run -c FILE [--no-xdp]           run the agent
+//	weir validate -c FILE                 check a config file, print every error
+//	weir status [--json] [-s SOCKET]      what the running agent serves, and how
+//	weir drain SERVICE BACKEND            no new flows to a backend; established ones stay
+//	weir undrain SERVICE BACKEND
+//	weir weight SERVICE BACKEND N         set a backend's weight at runtime
+//	weir reload                           re-read the config file (or send SIGHUP)
 //	weir demo [-backends N] [-requests N] [-mode auto|native|generic]
 //
-// More (run, validate, status, drain, weight, reload, decap) arrive with the agent.
+// Subcommands parse their flags with the standard flag package: each has a handful
+// of flags, `weir demo` already used it, and a CLI library would add dependencies
+// without adding anything these commands need. Flags come before arguments.
 package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
 	"os/signal"
+	"strconv"
 	"syscall"
+
+	"github.com/weir-lb/weir/userspace/agent"
+	"github.com/weir-lb/weir/userspace/config"
 )
 
 const usage = `weir: an L4 load balancer with an XDP data plane
 
 usage:
-  weir demo [flags]   build a demo topology in network namespaces, balance real
-                      traffic with XDP, print who answered, remove everything
+  weir run -c FILE [--no-xdp]      run the agent (SIGHUP reloads, SIGTERM stops)
+  weir validate -c FILE            check a config file; prints every error, exit 1 if any
+  weir status [--json]             services, data planes, backends, health, counters
+  weir drain SERVICE BACKEND       stop new flows to BACKEND (ip:port); established ones stay
+  weir undrain SERVICE BACKEND     end a drain
+  weir weight SERVICE BACKEND N    set BACKEND's weight (0..65535) until restart
+  weir reload                      re-read the config file; an invalid one changes nothing
+  weir demo [flags]                build a demo topology in network namespaces, balance real
+                                   traffic with XDP, print who answered, remove everything
 
+status, drain, undrain, weight and reload talk to the agent's admin socket
+(-s SOCKET, default ` + config.DefaultAdminSocket + `, or the one in -c FILE).
 run 'weir COMMAND -h' for a command's flags
 `
+
+// errReported: the command has printed its errors itself.
+var errReported = errors.New("errors reported")
 
 func main() {
 	// A closed stdout (weir demo | head) must not kill the process before it removes
 	// its namespaces: with SIGPIPE ignored the write fails and teardown still runs.
 	signal.Ignore(syscall.SIGPIPE)
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
+	sigs := []os.Signal{os.Interrupt, syscall.SIGTERM}
+	if len(os.Args) < 2 || os.Args[1] != "run" {
+		// weir run reloads on SIGHUP; every other command stops on it.
+		sigs = append(sigs, syscall.SIGHUP)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), sigs...)
 	defer stop()
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
-		if !errors.Is(err, flag.ErrHelp) {
+		if !errors.Is(err, flag.ErrHelp) && !errors.Is(err, errReported) {
 			fmt.Fprintln(os.Stderr, "weir:", err)
 		}
 		stop()
@@ -48,10 +79,207 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	switch args[0] {
 	case "demo":
 		return runDemo(ctx, args[1:], stdout, stderr)
+	case "validate":
+		return runValidate(args[1:], stdout, stderr)
+	case "run":
+		return runAgent(ctx, args[1:], stderr)
+	case "status":
+		return runStatus(ctx, args[1:], stdout, stderr)
+	case "drain", "undrain":
+		return runDrain(ctx, args[0], args[1:], stdout, stderr)
+	case "weight":
+		return runWeight(ctx, args[1:], stdout, stderr)
+	case "reload":
+		return runReload(ctx, args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, usage)
 		return nil
 	}
 	fmt.Fprint(stderr, usage)
 	return fmt.Errorf("unknown command %q", args[0])
+}
+
+func runValidate(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("weir validate", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	file := fs.String("c", "", "the config `file` to check")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *file == "" || fs.NArg() > 0 {
+		return errors.New("validate: usage: weir validate -c FILE")
+	}
+	cfg, err := config.Load(*file)
+	var es config.Errors
+	if errors.As(err, &es) {
+		for _, e := range es {
+			fmt.Fprintln(stderr, e)
+		}
+		fmt.Fprintf(stderr, "%s: %d errors\n", *file, len(es))
+		return errReported
+	}
+	if err != nil {
+		return fmt.Errorf("validate: %w", err)
+	}
+	fmt.Fprintf(stdout, "%s: valid, %d services\n", *file, len(cfg.Services))
+	for _, s := range cfg.Services {
+		plane := s.DataPlane
+		if plane != config.DataPlaneProxy {
+			plane += ", xdp mode " + s.Mode
+		}
+		fmt.Fprintf(stdout, "  %s  %s  data plane %s, %s, %d backends\n", s.Name, s.Key(), plane, s.Algorithm, len(s.Backends))
+	}
+	return nil
+}
+
+func runAgent(ctx context.Context, args []string, stderr io.Writer) error {
+	fs := flag.NewFlagSet("weir run", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	file := fs.String("c", "/etc/weir/weir.yaml", "the config `file`")
+	noXDP := fs.Bool("no-xdp", false, "serve every service with the proxy (udp services cannot start)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return errors.New("run: usage: weir run -c FILE [--no-xdp]")
+	}
+	a := agent.New(agent.Options{ConfigPath: *file, NoXDP: *noXDP, Log: stderr})
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan struct{})
+	// Exits when runCtx is done (Run returned, or a signal stopped the agent).
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-runCtx.Done():
+				return
+			case <-hup:
+				a.Reload(runCtx) // logs its outcome, keeps the running config on error
+			}
+		}
+	}()
+	err := a.Run(runCtx)
+	cancel()
+	<-done
+	return err
+}
+
+// adminFlags adds -s and -c to a client command's flags and returns the socket to use.
+func adminFlags(fs *flag.FlagSet) func() (string, error) {
+	sock := fs.String("s", "", "the agent's admin `socket` (default "+config.DefaultAdminSocket+")")
+	file := fs.String("c", "", "read the admin socket from this config `file`")
+	return func() (string, error) {
+		switch {
+		case *sock != "":
+			return *sock, nil
+		case *file != "":
+			cfg, err := config.Load(*file)
+			if err != nil {
+				return "", err
+			}
+			return cfg.Admin.Socket, nil
+		}
+		return config.DefaultAdminSocket, nil
+	}
+}
+
+func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("weir status", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	asJSON := fs.Bool("json", false, "print JSON, for scripts")
+	socket := adminFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	path, err := socket()
+	if err != nil {
+		return fmt.Errorf("status: %w", err)
+	}
+	st, err := agent.NewClient(path).Status(ctx)
+	if err != nil {
+		return fmt.Errorf("status: %w", err)
+	}
+	if *asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(st)
+	}
+	st.WriteTable(stdout)
+	return nil
+}
+
+func runDrain(ctx context.Context, cmd string, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("weir "+cmd, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	socket := adminFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() != 2 {
+		return fmt.Errorf("%s: usage: weir %s SERVICE BACKEND (BACKEND as ip:port; see weir status)", cmd, cmd)
+	}
+	path, err := socket()
+	if err != nil {
+		return fmt.Errorf("%s: %w", cmd, err)
+	}
+	if err := agent.NewClient(path).Drain(ctx, fs.Arg(0), fs.Arg(1), cmd == "drain"); err != nil {
+		return fmt.Errorf("%s: %w", cmd, err)
+	}
+	fmt.Fprintf(stdout, "%sed %s of %s (until undone or weir restarts; reloads keep it)\n", cmd, fs.Arg(1), fs.Arg(0))
+	return nil
+}
+
+func runWeight(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("weir weight", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	socket := adminFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() != 3 {
+		return errors.New("weight: usage: weir weight SERVICE BACKEND N")
+	}
+	n, err := strconv.ParseInt(fs.Arg(2), 10, 64)
+	if err != nil || n < 0 || n > config.MaxWeight {
+		return fmt.Errorf("weight: N must be 0..%d, got %q", config.MaxWeight, fs.Arg(2))
+	}
+	path, err := socket()
+	if err != nil {
+		return fmt.Errorf("weight: %w", err)
+	}
+	if err := agent.NewClient(path).Weight(ctx, fs.Arg(0), fs.Arg(1), n); err != nil {
+		return fmt.Errorf("weight: %w", err)
+	}
+	fmt.Fprintf(stdout, "weight of %s of %s set to %d (until weir restarts; reloads keep it)\n", fs.Arg(1), fs.Arg(0), n)
+	return nil
+}
+
+func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("weir reload", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	socket := adminFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	path, err := socket()
+	if err != nil {
+		return fmt.Errorf("reload: %w", err)
+	}
+	if err := agent.NewClient(path).Reload(ctx); err != nil {
+		var re *agent.RequestError
+		if errors.As(err, &re) {
+			fmt.Fprintln(stderr, "weir: reload rejected; the running config stays in force:")
+			for _, e := range re.Errors {
+				fmt.Fprintln(stderr, "  "+e)
+			}
+			return errReported
+		}
+		return fmt.Errorf("reload: %w", err)
+	}
+	fmt.Fprintln(stdout, "reloaded")
+	return nil
 }
