@@ -1,0 +1,205 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/weir-lb/weir/userspace/config"
+)
+
+// The admin API, HTTP+JSON:
+//
+//	GET  /v1/status                                      Status
+//	POST /v1/reload                                      {"ok":true} or 422 {"errors":[...]}
+//	POST /v1/services/{service}/backends/{addr}/drain    {"drain": true|false}
+//	POST /v1/services/{service}/backends/{addr}/weight   {"weight": N}
+//	GET  /metrics                                        Prometheus exposition
+//
+// Errors are {"error": "..."} (or {"errors": [...]} for a rejected reload) with a
+// 4xx or 5xx status.
+func (a *Agent) adminHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, r *http.Request) {
+		st, err := a.Status()
+		if err != nil {
+			writeErr(w, http.StatusServiceUnavailable, err)
+			return
+		}
+		writeJSON(w, http.StatusOK, st)
+	})
+	mux.HandleFunc("POST /v1/reload", func(w http.ResponseWriter, r *http.Request) {
+		if err := a.Reload(r.Context()); err != nil {
+			writeJSON(w, http.StatusUnprocessableEntity, errorBody{Errors: errorLines(err)})
+			return
+		}
+		writeJSON(w, http.StatusOK, map[string]bool{"ok": true})
+	})
+	mux.HandleFunc("POST /v1/services/{service}/backends/{addr}/drain", func(w http.ResponseWriter, r *http.Request) {
+		var req struct {
+			Drain *bool `json:"drain"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&req); err != nil || req.Drain == nil {
+			writeErr(w, http.StatusBadRequest, errors.New(`body must be {"drain": true} or {"drain": false}`))
+			return
+		}
+		a.answer(w, a.SetDrain(r.PathValue("service"), r.PathValue("addr"), *req.Drain))
+	})
+	mux.HandleFunc("POST /v1/services/{service}/backends/{addr}/weight", func(w http.ResponseWriter, r *http.Request) {
+		var req struct {
+			Weight *int64 `json:"weight"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&req); err != nil || req.Weight == nil {
+			writeErr(w, http.StatusBadRequest, errors.New(`body must be {"weight": N}`))
+			return
+		}
+		if *req.Weight < 0 || *req.Weight > config.MaxWeight {
+			writeErr(w, http.StatusBadRequest, fmt.Errorf("weight must be 0..%d, got %d", config.MaxWeight, *req.Weight))
+			return
+		}
+		a.answer(w, a.SetWeight(r.PathValue("service"), r.PathValue("addr"), uint32(*req.Weight)))
+	})
+	mux.Handle("GET /metrics", a.metrics.handler())
+	return mux
+}
+
+func (a *Agent) answer(w http.ResponseWriter, err error) {
+	switch {
+	case err == nil:
+		writeJSON(w, http.StatusOK, map[string]bool{"ok": true})
+	case errors.Is(err, ErrNotFound):
+		writeErr(w, http.StatusNotFound, err)
+	default:
+		writeErr(w, http.StatusConflict, err)
+	}
+}
+
+type errorBody struct {
+	Error  string   `json:"error,omitempty"`
+	Errors []string `json:"errors,omitempty"`
+}
+
+func writeErr(w http.ResponseWriter, code int, err error) {
+	writeJSON(w, code, errorBody{Error: err.Error()})
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.Encode(v)
+}
+
+// Client talks to a running agent's admin API over its unix socket.
+type Client struct {
+	socket string
+	hc     *http.Client
+}
+
+// NewClient returns a client for the admin socket at path.
+func NewClient(socket string) *Client {
+	tr := &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", socket)
+		},
+	}
+	return &Client{socket: socket, hc: &http.Client{Transport: tr, Timeout: 30 * time.Second}}
+}
+
+// RequestError is an error the agent answered with.
+type RequestError struct {
+	Code   int
+	Errors []string
+}
+
+func (e *RequestError) Error() string { return strings.Join(e.Errors, "\n") }
+
+func (c *Client) do(ctx context.Context, method, path string, body, out any) error {
+	var rd io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return err
+		}
+		rd = strings.NewReader(string(b))
+	}
+	req, err := http.NewRequestWithContext(ctx, method, "http://weir"+path, rd)
+	if err != nil {
+		return err
+	}
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		return fmt.Errorf("admin socket %s: %w (is weir running? is this the socket of its config?)", c.socket, err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return fmt.Errorf("admin socket %s: %w", c.socket, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		var eb errorBody
+		json.Unmarshal(data, &eb)
+		re := &RequestError{Code: resp.StatusCode, Errors: eb.Errors}
+		if eb.Error != "" {
+			re.Errors = append(re.Errors, eb.Error)
+		}
+		if len(re.Errors) == 0 {
+			re.Errors = []string{resp.Status}
+		}
+		return re
+	}
+	if out != nil {
+		return json.Unmarshal(data, out)
+	}
+	return nil
+}
+
+// Status fetches the agent's status.
+func (c *Client) Status(ctx context.Context) (Status, error) {
+	var st Status
+	err := c.do(ctx, http.MethodGet, "/v1/status", nil, &st)
+	return st, err
+}
+
+// Reload asks the agent to reload its config file.
+func (c *Client) Reload(ctx context.Context) error {
+	return c.do(ctx, http.MethodPost, "/v1/reload", nil, nil)
+}
+
+// Drain drains a backend, or ends its drain.
+func (c *Client) Drain(ctx context.Context, service, backend string, drain bool) error {
+	return c.do(ctx, http.MethodPost, backendPath(service, backend, "drain"), map[string]bool{"drain": drain}, nil)
+}
+
+// Weight sets a backend's weight.
+func (c *Client) Weight(ctx context.Context, service, backend string, weight int64) error {
+	return c.do(ctx, http.MethodPost, backendPath(service, backend, "weight"), map[string]int64{"weight": weight}, nil)
+}
+
+// Metrics fetches the Prometheus exposition text.
+func (c *Client) Metrics(ctx context.Context) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://weir/metrics", nil)
+	if err != nil {
+		return "", err
+	}
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		return "", fmt.Errorf("admin socket %s: %w", c.socket, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return string(b), err
+}
+
+func backendPath(service, backend, op string) string {
+	return "/v1/services/" + url.PathEscape(service) + "/backends/" + url.PathEscape(backend) + "/" + op
+}

@@ -1,0 +1,211 @@
+package agent
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/weir-lb/weir/userspace/proxy"
+)
+
+// Status is what `weir status` shows; the admin API serves it as JSON.
+type Status struct {
+	Config     string            `json:"config"`
+	Started    time.Time         `json:"started"`
+	XDP        XDPStatus         `json:"xdp"`
+	Services   []ServiceStatus   `json:"services"`
+	Reloads    []ReloadStatus    `json:"reloads,omitempty"`
+	XDPReasons map[string]uint64 `json:"xdp_packets_by_reason,omitempty"`
+}
+
+// XDPStatus says whether XDP is loaded and where.
+type XDPStatus struct {
+	Loaded     bool              `json:"loaded"`
+	Reason     string            `json:"reason,omitempty"` // why not, or a warning
+	Interfaces []InterfaceStatus `json:"interfaces,omitempty"`
+	// Pinned is false until the loader can pin: a stop or restart drops XDP flows.
+	Pinned bool `json:"pinned"`
+}
+
+// InterfaceStatus is one configured interface.
+type InterfaceStatus struct {
+	Name      string `json:"name"`
+	Requested string `json:"requested"`
+	Mode      string `json:"mode,omitempty"` // native or generic once attached
+	Error     string `json:"error,omitempty"`
+}
+
+// ReloadStatus is one reload's outcome.
+type ReloadStatus struct {
+	Time   time.Time `json:"time"`
+	OK     bool      `json:"ok"`
+	Errors []string  `json:"errors,omitempty"`
+}
+
+// ServiceStatus is one service.
+type ServiceStatus struct {
+	Name      string `json:"name"`
+	Key       string `json:"key"`
+	DataPlane string `json:"data_plane"`
+	Why       string `json:"why"`
+	Mode      string `json:"mode,omitempty"`
+	Algorithm string `json:"algorithm"`
+	AllDown   bool   `json:"all_down"`
+	Note      string `json:"note,omitempty"`
+	Packets   uint64 `json:"packets"`
+	Bytes     uint64 `json:"bytes"`
+	// Proxy only.
+	Connections int64           `json:"active_connections"`
+	Accepted    uint64          `json:"accepted_connections"`
+	Backends    []BackendStatus `json:"backends"`
+	proxySnap   *proxy.Snapshot // for metrics
+}
+
+// BackendStatus is one backend.
+type BackendStatus struct {
+	Address      string `json:"address"`
+	Health       string `json:"health"`
+	Usable       bool   `json:"usable"`
+	Weight       uint32 `json:"weight"`
+	ConfigWeight uint32 `json:"config_weight"`
+	Drained      bool   `json:"drained"`
+	Override     bool   `json:"runtime_override,omitempty"`
+	MAC          string `json:"mac,omitempty"`
+	MACError     string `json:"mac_error,omitempty"`
+	Packets      uint64 `json:"packets"`
+	Bytes        uint64 `json:"bytes"`
+	Connections  int64  `json:"active_connections"`
+	Connects     uint64 `json:"connects"`
+	LastCheck    string `json:"last_check,omitempty"`
+	LastCheckAgo string `json:"last_check_ago,omitempty"`
+}
+
+// Status returns the agent's state now.
+func (a *Agent) Status() (Status, error) {
+	stats, haveStats := a.xdpStats()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !a.running {
+		return Status{}, ErrNotRunning
+	}
+	st := Status{Config: a.opts.ConfigPath, Started: a.started, Reloads: append([]ReloadStatus(nil), a.reloads...)}
+	st.XDP = XDPStatus{Loaded: a.xdp.prog != nil, Reason: a.xdp.reason, Interfaces: a.xdp.ifaces}
+	if haveStats {
+		st.XDPReasons = make(map[string]uint64, len(stats.Reasons))
+		for r, c := range stats.Reasons {
+			st.XDPReasons[r.String()] = c.Packets
+		}
+	}
+	now := time.Now()
+	for _, s := range a.services {
+		ss := ServiceStatus{Name: s.cfg.Name, Key: s.key.String(), DataPlane: s.plane, Why: s.why,
+			Algorithm: s.cfg.Algorithm, AllDown: s.allDown, Note: s.note}
+		if s.plane == PlaneXDP {
+			ss.Mode = s.cfg.Mode
+			c := stats.Services[s.key]
+			ss.Packets, ss.Bytes = c.Packets, c.Bytes
+		}
+		var backSnap map[string]proxy.BackendSnapshot
+		if s.px != nil {
+			snap := s.px.Snapshot()
+			ss.proxySnap = &snap
+			ss.Connections, ss.Accepted = snap.Active, snap.Accepted
+			ss.Bytes = snap.BytesIn + snap.BytesOut
+			backSnap = make(map[string]proxy.BackendSnapshot, len(snap.Backends))
+			for _, b := range snap.Backends {
+				backSnap[b.Addr] = b
+			}
+		}
+		for _, b := range s.backends {
+			bs := BackendStatus{Address: b.cfg.Addr.String(), Health: b.state.String(), Usable: b.usable,
+				Weight: b.weight(), ConfigWeight: uint32(*b.cfg.Weight), Drained: b.drained(),
+				Override: b.weightOverride != nil || b.drainOverride != nil, MACError: b.macErr}
+			if b.mac != nil {
+				bs.MAC = b.mac.String()
+			}
+			if s.plane == PlaneXDP {
+				c := stats.Backends[s.key][b.cfg.Addr]
+				bs.Packets, bs.Bytes = c.Packets, c.Bytes
+			}
+			if ps, ok := backSnap[bs.Address]; ok {
+				bs.Connections, bs.Connects = ps.Active, ps.Connects
+				bs.Bytes = ps.BytesIn + ps.BytesOut
+			}
+			if hs, ok := a.checker.Status(b.id); ok && !hs.Last.Start.IsZero() {
+				bs.LastCheck = "ok"
+				if hs.Last.Err != nil {
+					bs.LastCheck = hs.Last.Err.Error()
+				}
+				bs.LastCheckAgo = now.Sub(hs.Last.Start).Round(time.Millisecond).String()
+			}
+			ss.Backends = append(ss.Backends, bs)
+		}
+		st.Services = append(st.Services, ss)
+	}
+	return st, nil
+}
+
+// WriteTable writes st as the readable table `weir status` prints.
+func (st Status) WriteTable(w io.Writer) {
+	fmt.Fprintf(w, "config %s, running since %s\n", st.Config, st.Started.Format(time.RFC3339))
+	if st.XDP.Loaded {
+		var ifs []string
+		for _, i := range st.XDP.Interfaces {
+			if i.Error != "" {
+				ifs = append(ifs, fmt.Sprintf("%s (not attached: %s)", i.Name, i.Error))
+			} else {
+				ifs = append(ifs, fmt.Sprintf("%s (%s)", i.Name, i.Mode))
+			}
+		}
+		fmt.Fprintf(w, "xdp: attached to %s; not pinned: stopping weir detaches it\n", strings.Join(ifs, ", "))
+	} else {
+		fmt.Fprintf(w, "xdp: not loaded: %s\n", st.XDP.Reason)
+	}
+	if n := len(st.Reloads); n > 0 {
+		r := st.Reloads[n-1]
+		if r.OK {
+			fmt.Fprintf(w, "last reload: %s, applied\n", r.Time.Format(time.RFC3339))
+		} else {
+			fmt.Fprintf(w, "last reload: %s, REJECTED (the previous config stays in force):\n", r.Time.Format(time.RFC3339))
+			for _, e := range r.Errors {
+				fmt.Fprintf(w, "  %s\n", e)
+			}
+		}
+	}
+	for _, s := range st.Services {
+		fmt.Fprintf(w, "\nservice %s  %s  data plane %s (%s)  algorithm %s\n", s.Name, s.Key, s.DataPlane, s.Why, s.Algorithm)
+		if s.Note != "" {
+			fmt.Fprintf(w, "  %s\n", s.Note)
+		}
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		if s.DataPlane == PlaneXDP {
+			fmt.Fprintf(w, "  %d packets, %d bytes\n", s.Packets, s.Bytes)
+			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tmac\tpackets\tbytes\tlast check")
+		} else {
+			fmt.Fprintf(w, "  %d active connections, %d accepted, %d bytes\n", s.Connections, s.Accepted, s.Bytes)
+			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tactive\tconnects\tbytes\tlast check")
+		}
+		for _, b := range s.Backends {
+			weight := fmt.Sprint(b.Weight)
+			if b.Override {
+				weight += fmt.Sprintf(" (file %d, runtime)", b.ConfigWeight)
+			}
+			check := b.LastCheck
+			if b.LastCheckAgo != "" {
+				check += " (" + b.LastCheckAgo + " ago)"
+			}
+			if s.DataPlane == PlaneXDP {
+				mac := b.MAC
+				if mac == "" {
+					mac = "unknown: " + b.MACError
+				}
+				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, mac, b.Packets, b.Bytes, check)
+			} else {
+				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%d\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, b.Connections, b.Connects, b.Bytes, check)
+			}
+		}
+		tw.Flush()
+	}
+}

@@ -1,0 +1,173 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// Capabilities the XDP data plane needs (linux/capability.h).
+const (
+	capNetAdmin = 12
+	capSysAdmin = 21
+	capBPF      = 39
+)
+
+// checkPrivileges reports, with the fix, a process that cannot load and attach XDP.
+func checkPrivileges() error {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("check privileges: capget: %w", err)
+	}
+	has := func(c uint) bool { return data[c/32].Effective&(1<<(c%32)) != 0 }
+	var missing []string
+	if !has(capBPF) && !has(capSysAdmin) {
+		missing = append(missing, "CAP_BPF")
+	}
+	if !has(capNetAdmin) {
+		missing = append(missing, "CAP_NET_ADMIN")
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("check privileges: missing %v: run weir as root, or grant CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN (for bpffs); or serve every service with the proxy (weir run --no-xdp): %w", missing, unix.EPERM)
+	}
+	return nil
+}
+
+// ensureBPFFS makes sure dir (the pin directory) lies on a bpffs mount, mounting one
+// on /sys/fs/bpf if nothing is mounted there, and creates dir.
+func ensureBPFFS(dir string) error {
+	const root = "/sys/fs/bpf"
+	var st unix.Statfs_t
+	if err := unix.Statfs(root, &st); err != nil || st.Type != unix.BPF_FS_MAGIC {
+		if err := os.MkdirAll(root, 0o700); err != nil {
+			return fmt.Errorf("mount bpffs on %s: %w", root, err)
+		}
+		if err := unix.Mount("bpffs", root, "bpf", 0, "mode=0700"); err != nil {
+			return fmt.Errorf("mount bpffs on %s: %w (mount it yourself: mount -t bpf bpffs %s)", root, err, root)
+		}
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("create pin directory %s: %w", dir, err)
+	}
+	if err := unix.Statfs(dir, &st); err != nil || st.Type != unix.BPF_FS_MAGIC {
+		return fmt.Errorf("pin directory %s is not on a bpffs mount: set xdp.pin_path under %s", dir, root)
+	}
+	return nil
+}
+
+// errNeighbourPending says resolution was started and the MAC is not known yet.
+var errNeighbourPending = errors.New("neighbour resolution pending")
+
+// resolveMAC returns the Ethernet address of an on-link backend from the
+// neighbour table, after checking that it is reached directly (no gateway)
+// through one of the XDP interfaces. If the table has no valid entry it asks the
+// kernel to resolve the address (NTF_USE, as `ip neigh replace ... use` does) and
+// returns an error wrapping errNeighbourPending; a later call finds the answer.
+func resolveMAC(ip netip.Addr, xdpLinks map[int]string) (net.HardwareAddr, error) {
+	routes, err := netlink.RouteGet(ip.AsSlice())
+	if err != nil || len(routes) == 0 {
+		return nil, fmt.Errorf("no route to %s: %w", ip, err)
+	}
+	r := routes[0]
+	if r.Gw != nil {
+		return nil, fmt.Errorf("%s is reached through the gateway %s, but dsr needs backends on a segment of the balancer's interface", ip, r.Gw)
+	}
+	name, ok := xdpLinks[r.LinkIndex]
+	if !ok {
+		l, _ := netlink.LinkByIndex(r.LinkIndex)
+		ifname := fmt.Sprint(r.LinkIndex)
+		if l != nil {
+			ifname = l.Attrs().Name
+		}
+		return nil, fmt.Errorf("%s is reached through %s, which is not in interfaces: XDP_TX can only send out of the interface the packet came in on", ip, ifname)
+	}
+	fam := unix.AF_INET
+	if ip.Is6() {
+		fam = unix.AF_INET6
+	}
+	neighs, err := netlink.NeighList(r.LinkIndex, fam)
+	if err != nil {
+		return nil, fmt.Errorf("list neighbours on %s: %w", name, err)
+	}
+	const valid = netlink.NUD_REACHABLE | netlink.NUD_STALE | netlink.NUD_DELAY | netlink.NUD_PROBE | netlink.NUD_PERMANENT | netlink.NUD_NOARP
+	for _, n := range neighs {
+		if a, ok := netip.AddrFromSlice(n.IP); ok && a.Unmap() == ip && n.State&valid != 0 && len(n.HardwareAddr) == 6 {
+			return n.HardwareAddr, nil
+		}
+	}
+	err = netlink.NeighSet(&netlink.Neigh{LinkIndex: r.LinkIndex, Family: fam, IP: ip.AsSlice(), State: netlink.NUD_NONE, Flags: netlink.NTF_USE})
+	if err != nil {
+		return nil, fmt.Errorf("%s on %s: no neighbour entry, and asking the kernel to resolve it failed: %w", ip, name, err)
+	}
+	return nil, fmt.Errorf("%s on %s: %w (the kernel is sending ARP/ND; if this persists the backend is unreachable)", ip, name, errNeighbourPending)
+}
+
+// interfaceAddrs returns the first global unicast address of each family on a link.
+func interfaceAddrs(ifname string) ([]netip.Addr, error) {
+	l, err := netlink.LinkByName(ifname)
+	if err != nil {
+		return nil, fmt.Errorf("interface %s: %w", ifname, err)
+	}
+	addrs, err := netlink.AddrList(l, unix.AF_UNSPEC)
+	if err != nil {
+		return nil, fmt.Errorf("interface %s: list addresses: %w", ifname, err)
+	}
+	var out []netip.Addr
+	var have4, have6 bool
+	for _, a := range addrs {
+		ip, ok := netip.AddrFromSlice(a.IP)
+		if !ok || !ip.Unmap().IsGlobalUnicast() {
+			continue
+		}
+		ip = ip.Unmap()
+		if ip.Is4() && !have4 {
+			out, have4 = append(out, ip), true
+		} else if ip.Is6() && !have6 {
+			out, have6 = append(out, ip), true
+		}
+	}
+	return out, nil
+}
+
+// socketInUse reports whether something answers on the unix socket at path.
+func socketInUse(path string) bool {
+	c, err := net.DialTimeout("unix", path, 500*time.Millisecond)
+	if err != nil {
+		return false
+	}
+	c.Close()
+	return true
+}
+
+// listenUnix listens on a fresh unix socket at path with mode 0600, refusing if
+// another process answers there and replacing a stale socket file.
+func listenUnix(path string) (net.Listener, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, fmt.Errorf("admin socket %s: %w", path, err)
+	}
+	if socketInUse(path) {
+		return nil, fmt.Errorf("admin socket %s: another weir agent answers there: stop it first, or give this one another admin.socket", path)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("admin socket %s: remove stale socket: %w", path, err)
+	}
+	old := unix.Umask(0o177)
+	ln, err := net.Listen("unix", path)
+	unix.Umask(old)
+	if err != nil {
+		return nil, fmt.Errorf("admin socket %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("admin socket %s: %w", path, err)
+	}
+	return ln, nil
+}
