@@ -65,6 +65,11 @@ type Packet struct {
 }
 
 func (p Packet) String() string {
+	return fmt.Sprintf("%s %dB", p.Traffic(), p.FrameSize())
+}
+
+// Traffic names the kind without its size: "v4 tcp ack", "v6 tcp syn", "v4 udp".
+func (p Packet) Traffic() string {
 	s := "v4"
 	if p.IPv6 {
 		s = "v6"
@@ -77,7 +82,7 @@ func (p Packet) String() string {
 	default:
 		s += " tcp ack"
 	}
-	return fmt.Sprintf("%s %dB", s, p.FrameSize())
+	return s
 }
 
 // FrameSize is the frame's size with FCS after raising Size to the headers'

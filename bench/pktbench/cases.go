@@ -1,0 +1,271 @@
+package pktbench
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os/exec"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/weir-lb/weir/bench/pktgen"
+	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/loader"
+)
+
+// Path says which sink counts a case's forwarded frames.
+type Path int
+
+const (
+	// PathBack: frames sent back out of l0 (XDP_TX: dsr, the floor),
+	// counted on g0.
+	PathBack Path = iota
+	// PathFar: frames routed out of l1 (kernel forwarding, NAT), counted
+	// on s0.
+	PathFar
+	// PathLocal: the balancer namespace's own sink on l0 counts what
+	// arrives; the null case.
+	PathLocal
+)
+
+// Balancer is what runs in the balancer namespace during a case.
+type Balancer struct {
+	Name  string // "weir dsr native"
+	Group string // plot colour and table section: null, floor, weir, kernel
+	Path  Path
+	// Floor names the balancer whose rate this one is compared with.
+	Floor string
+	// Setup installs the balancer on the line and returns what removes it.
+	Setup func(l *Line) (teardown func() error, err error)
+}
+
+// Case is one measurement: a balancer, a number of flows and a kind of frame.
+type Case struct {
+	Balancer
+	Flows  int
+	Packet pktgen.Packet
+	// RateOfFloor, if > 0, sends at that fraction of the floor's median
+	// forwarding rate measured earlier in the same round instead of flat
+	// out (the no-loss-below-the-floor check).
+	RateOfFloor float64
+}
+
+// Name is the case's label in tables and plots.
+func (c Case) Name() string {
+	s := fmt.Sprintf("%s, %s, %d flows", c.Balancer.Name, c.Packet.Traffic(), c.Flows)
+	if c.RateOfFloor > 0 {
+		s += fmt.Sprintf(", at %.0f%% of floor", 100*c.RateOfFloor)
+	}
+	return s
+}
+
+// The balancers. A new weir mode is one more entry: weir("nat", ...) once the
+// loader takes a mode per service.
+var (
+	Null = Balancer{Name: "null (counting XDP_DROP on l0)", Group: "null", Path: PathLocal, Setup: setupNull}
+
+	FloorNative  = Balancer{Name: "floor native", Group: "floor", Path: PathBack, Floor: "floor native", Setup: setupFloor(false)}
+	FloorGeneric = Balancer{Name: "floor generic", Group: "floor", Path: PathBack, Floor: "floor generic", Setup: setupFloor(true)}
+
+	WeirDSRNative  = Balancer{Name: "weir dsr native", Group: "weir", Path: PathBack, Floor: "floor native", Setup: setupWeir(loader.ModeNative)}
+	WeirDSRGeneric = Balancer{Name: "weir dsr generic", Group: "weir", Path: PathBack, Floor: "floor generic", Setup: setupWeir(loader.ModeGeneric)}
+
+	KernelRoute = Balancer{Name: "kernel routing", Group: "kernel", Path: PathFar, Floor: "floor native", Setup: setupRoute}
+	NftDNAT     = Balancer{Name: "nftables dnat", Group: "kernel", Path: PathFar, Floor: "floor native", Setup: setupNft(false)}
+	NftDNATMasq = Balancer{Name: "nftables dnat+masquerade", Group: "kernel", Path: PathFar, Floor: "floor native", Setup: setupNft(true)}
+)
+
+// DefaultCases is the benchmark `make bench-pkt` runs, in the order each
+// round runs it (floors before the cases compared with them).
+func DefaultCases() []Case {
+	ack := pktgen.Packet{}
+	syn := pktgen.Packet{SYN: true}
+	cs := []Case{
+		{Balancer: Null, Flows: 1000, Packet: ack},
+		{Balancer: FloorNative, Flows: 1000, Packet: ack},
+		{Balancer: FloorGeneric, Flows: 1000, Packet: ack},
+	}
+	for _, b := range []Balancer{WeirDSRNative, WeirDSRGeneric} {
+		for _, p := range []pktgen.Packet{ack, syn} {
+			for _, flows := range []int{1, 1000, 100_000} {
+				cs = append(cs, Case{Balancer: b, Flows: flows, Packet: p})
+			}
+		}
+	}
+	cs = append(cs,
+		Case{Balancer: WeirDSRNative, Flows: 1000, Packet: pktgen.Packet{IPv6: true}},
+		Case{Balancer: WeirDSRNative, Flows: 1000, Packet: pktgen.Packet{UDP: true}},
+		Case{Balancer: WeirDSRNative, Flows: 4096, Packet: ack},
+		Case{Balancer: WeirDSRNative, Flows: 1000, Packet: ack, RateOfFloor: 0.5},
+		Case{Balancer: KernelRoute, Flows: 4096, Packet: ack},
+		Case{Balancer: NftDNAT, Flows: 1, Packet: ack},
+		Case{Balancer: NftDNAT, Flows: 4096, Packet: ack},
+		Case{Balancer: NftDNATMasq, Flows: 4096, Packet: ack},
+	)
+	return cs
+}
+
+// SmokeCases is a few seconds' check that the pipeline works: the null
+// case, the floor and weir, one run each.
+func SmokeCases() []Case {
+	return []Case{
+		{Balancer: Null, Flows: 100, Packet: pktgen.Packet{}},
+		{Balancer: FloorNative, Flows: 100, Packet: pktgen.Packet{}},
+		{Balancer: WeirDSRNative, Flows: 100, Packet: pktgen.Packet{}},
+		{Balancer: WeirDSRGeneric, Flows: 100, Packet: pktgen.Packet{SYN: true}},
+	}
+}
+
+// Backends is how many backends every service has.
+const Backends = 4
+
+func setupNull(l *Line) (func() error, error) {
+	s, err := pktgen.NewSink(false)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.Attach(l.LB, LBIn); err != nil {
+		s.Close()
+		return nil, err
+	}
+	l.local = s
+	return func() error {
+		l.local = nil
+		return s.Close()
+	}, nil
+}
+
+func setupFloor(generic bool) func(l *Line) (func() error, error) {
+	return func(l *Line) (func() error, error) {
+		f, err := pktgen.NewFloor()
+		if err != nil {
+			return nil, err
+		}
+		if err := f.Attach(l.LB, LBIn, generic); err != nil {
+			f.Close()
+			return nil, err
+		}
+		return f.Close, nil
+	}
+}
+
+// setupWeir loads weir's program with a TCP service on each VIP and a UDP
+// one on VIP4, Backends backends each, and attaches it to l0.
+func setupWeir(mode loader.Mode) func(l *Line) (func() error, error) {
+	return func(l *Line) (func() error, error) {
+		p, err := loader.Load(loader.Options{HashSeed: 1})
+		if err != nil {
+			return nil, err
+		}
+		for _, k := range []loader.ServiceKey{
+			{VIP: netip.AddrPortFrom(VIP4, Port), Protocol: loader.TCP},
+			{VIP: netip.AddrPortFrom(VIP6, Port), Protocol: loader.TCP},
+			{VIP: netip.AddrPortFrom(VIP4, Port), Protocol: loader.UDP},
+		} {
+			s := loader.Service{Key: k}
+			for i := range Backends {
+				ip, mac := Backend(i)
+				if k.VIP.Addr().Is6() {
+					ip = netip.AddrFrom16([16]byte{0xfd, 0x78, 0, 3, 14: 0, 15: byte(1 + i)})
+				}
+				s.Backends = append(s.Backends, loader.Backend{Addr: netip.AddrPortFrom(ip, Port), MAC: mac, Weight: 1, Usable: true})
+			}
+			if err := p.AddService(s); err != nil {
+				p.Close()
+				return nil, err
+			}
+		}
+		err = l.LB.Do(func() error {
+			_, err := p.Attach(LBIn, mode)
+			return err
+		})
+		if err != nil {
+			p.Close()
+			return nil, err
+		}
+		return p.Close, nil
+	}
+}
+
+// setupRoute routes the VIPs to the far side: plain kernel forwarding, the
+// kernel's least work for a frame that leaves by another link.
+func setupRoute(l *Line) (func() error, error) {
+	r := &netlink.Route{Dst: ipNet(VIPNet4), Gw: SinkIP.AsSlice()}
+	err := l.LB.Do(func() error {
+		out, err := netlink.LinkByName(LBOut)
+		if err != nil {
+			return err
+		}
+		r.LinkIndex = out.Attrs().Index
+		return netlink.RouteAdd(r)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("route %s: %w", VIPNet4, err)
+	}
+	return func() error { return l.LB.Do(func() error { return netlink.RouteDel(r) }) }, nil
+}
+
+// nftTable is the kernel's answer to weir's job: DNAT of the TCP VIP to the
+// backends by a hash of the source, as a balancer would, optionally with
+// masquerade (SNAT to l1's address) for a full-NAT comparison.
+const nftTable = "weirbench"
+
+func nftRules(masquerade bool) string {
+	var m []string
+	for i := range Backends {
+		ip, _ := Backend(i)
+		m = append(m, fmt.Sprintf("%d : %s", i, ip))
+	}
+	s := fmt.Sprintf(`table ip %s {
+	chain pre {
+		type nat hook prerouting priority dstnat; policy accept;
+		ip daddr %s tcp dport %d dnat to jhash ip saddr . tcp sport mod %d map { %s }
+	}
+`, nftTable, VIP4, Port, Backends, strings.Join(m, ", "))
+	if masquerade {
+		s += fmt.Sprintf(`	chain post {
+		type nat hook postrouting priority srcnat; policy accept;
+		oifname %q masquerade
+	}
+`, LBOut)
+	}
+	return s + "}\n"
+}
+
+func setupNft(masquerade bool) func(l *Line) (func() error, error) {
+	return func(l *Line) (func() error, error) {
+		if err := nft(l.LB, nftRules(masquerade)); err != nil {
+			return nil, err
+		}
+		// Repeated segments of a flow the conntrack never saw open are
+		// in window only for the liberal TCP tracker (the generator does
+		// not advance sequence numbers).
+		if err := sysctls(l.LB, "net/netfilter/nf_conntrack_tcp_be_liberal", "1"); err != nil {
+			nft(l.LB, "delete table ip "+nftTable+"\n")
+			return nil, err
+		}
+		return func() error {
+			err := nft(l.LB, "delete table ip "+nftTable+"\n")
+			// A tracked flow keeps its NAT binding after the rules go:
+			// flush, so the next case starts clean.
+			return errors.Join(err, l.LB.Do(func() error { return netlink.ConntrackTableFlush(netlink.ConntrackTable) }))
+		}, nil
+	}
+}
+
+// nft runs `nft -f -` with script inside ns.
+func nft(ns *netns.NS, script string) error {
+	cmd := exec.Command("ip", "netns", "exec", ns.Name(), "nft", "-f", "-")
+	cmd.Stdin = strings.NewReader(script)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		if errors.Is(err, exec.ErrNotFound) {
+			return fmt.Errorf("nft in %s: %w (install iproute2 and nftables)", ns, err)
+		}
+		return fmt.Errorf("nft in %s: %w: %s", ns, err, strings.TrimSpace(out.String()))
+	}
+	return nil
+}

@@ -1,0 +1,245 @@
+package pktbench
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"slices"
+	"time"
+
+	"github.com/weir-lb/weir/bench/pktgen"
+)
+
+// Options of a benchmark run. Zero values take the defaults.
+type Options struct {
+	Runs     int           // rounds; each runs every case once, in order; default 3
+	Duration time.Duration // measured window per case and round; default 1s
+	Warmup   time.Duration // sending before the window opens; default 300ms
+	// CPU pins the generator's thread; the balancer's and sinks' softirq
+	// work runs on the same CPU (veth schedules its NAPI on the sending
+	// CPU). Default: the last CPU. -1 leaves it unpinned.
+	CPU int
+	Log io.Writer // progress lines; nil prints nothing
+}
+
+func (o *Options) defaults(ncpu int) {
+	if o.Runs == 0 {
+		o.Runs = 3
+	}
+	if o.Duration == 0 {
+		o.Duration = time.Second
+	}
+	if o.Warmup == 0 {
+		o.Warmup = 300 * time.Millisecond
+	}
+	if o.CPU == 0 {
+		o.CPU = ncpu - 1
+	}
+	if o.Log == nil {
+		o.Log = io.Discard
+	}
+}
+
+// Sample is one case in one round.
+type Sample struct {
+	Offered   float64 // frames/s the generator sent
+	Forwarded float64 // frames/s the case's sink counted
+}
+
+// Result is every sample of one case.
+type Result struct {
+	Case    Case
+	Samples []Sample
+}
+
+// Offered and Forwarded are the medians over rounds; the Min/Max variants
+// the spread.
+func (r Result) Offered() float64 {
+	return median(r.values(func(s Sample) float64 { return s.Offered }))
+}
+func (r Result) Forwarded() float64 { return median(r.forwarded()) }
+func (r Result) MinForwarded() float64 {
+	return slices.Min(r.forwarded())
+}
+func (r Result) MaxForwarded() float64 {
+	return slices.Max(r.forwarded())
+}
+
+// LossRatio is the median over rounds of 1 - forwarded/offered.
+func (r Result) LossRatio() float64 {
+	return median(r.values(func(s Sample) float64 {
+		if s.Offered == 0 {
+			return 0
+		}
+		return max(0, 1-s.Forwarded/s.Offered)
+	}))
+}
+
+func (r Result) forwarded() []float64 {
+	return r.values(func(s Sample) float64 { return s.Forwarded })
+}
+
+func (r Result) values(f func(Sample) float64) []float64 {
+	v := make([]float64, len(r.Samples))
+	for i, s := range r.Samples {
+		v[i] = f(s)
+	}
+	return v
+}
+
+func median(v []float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	s := slices.Clone(v)
+	slices.Sort(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+// Run builds the line, runs every case Runs times, interleaved round by
+// round so every case sees the same machine, and removes the line.
+func Run(ctx context.Context, cases []Case, opts Options) (_ []Result, err error) {
+	opts.defaults(numCPU())
+	l, err := NewLine()
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if cerr := l.Close(); cerr != nil && err == nil {
+			err = cerr
+		}
+	}()
+	results := make([]Result, len(cases))
+	for i, c := range cases {
+		results[i].Case = c
+	}
+	for round := range opts.Runs {
+		floors := map[string]float64{} // this round's floor rates
+		for i, c := range cases {
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
+			rate := 0.0
+			if c.RateOfFloor > 0 {
+				f, ok := floors[c.Floor]
+				if !ok {
+					return nil, fmt.Errorf("case %q: rate relative to %q, which no earlier case measured", c.Name(), c.Floor)
+				}
+				rate = c.RateOfFloor * f
+			}
+			s, err := runCase(ctx, l, c, rate, opts)
+			if err != nil {
+				return nil, fmt.Errorf("round %d: case %q: %w", round+1, c.Name(), err)
+			}
+			if c.Group == "floor" {
+				floors[c.Balancer.Name] = s.Forwarded
+			}
+			results[i].Samples = append(results[i].Samples, s)
+			fmt.Fprintf(opts.Log, "round %d/%d  %-62s offered %6.3f Mpps  forwarded %6.3f Mpps\n",
+				round+1, opts.Runs, c.Name(), s.Offered/1e6, s.Forwarded/1e6)
+		}
+	}
+	return results, nil
+}
+
+// runCase installs the case's balancer, sends for Warmup, counts what the
+// generator sent and the sink received over Duration, and removes it all.
+func runCase(ctx context.Context, l *Line, c Case, rate float64, opts Options) (_ Sample, err error) {
+	teardown, err := c.Setup(l)
+	if err != nil {
+		return Sample{}, fmt.Errorf("set up %s: %w", c.Balancer.Name, err)
+	}
+	defer func() {
+		if terr := teardown(); terr != nil && err == nil {
+			err = fmt.Errorf("tear down %s: %w", c.Balancer.Name, terr)
+		}
+	}()
+	g, err := pktgen.New(pktgen.Config{
+		SrcMAC: GenMAC, DstMAC: LBInMAC,
+		Dst4: netipPort(VIP4), Dst6: netipPort(VIP6),
+		Flows: c.Flows, Mix: []pktgen.Packet{c.Packet}, Rate: rate,
+	})
+	if err != nil {
+		return Sample{}, err
+	}
+	defer g.Close()
+
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	var cpus []int
+	if opts.CPU >= 0 {
+		cpus = []int{opts.CPU}
+	}
+	runErr := make(chan error, 1)
+	// Exits when stop is called (below, or by the deferred stop on an
+	// early return) and the generator's call is interrupted.
+	go func() { runErr <- g.Run(runCtx, l.Gen, l.GenIndex, cpus) }()
+	defer func() {
+		stop()
+		if rerr := <-runErr; rerr != nil && err == nil {
+			err = rerr
+		}
+	}()
+
+	snapshot := func() (sent, got pktgen.Counter, at time.Time, err error) {
+		if sent, err = g.Sent(); err != nil {
+			return
+		}
+		got, err = l.received(c.Path)
+		return sent, got, time.Now(), err
+	}
+	if err := sleep(ctx, opts.Warmup, runErr); err != nil {
+		return Sample{}, err
+	}
+	sent0, got0, t0, err := snapshot()
+	if err != nil {
+		return Sample{}, err
+	}
+	if err := sleep(ctx, opts.Duration, runErr); err != nil {
+		return Sample{}, err
+	}
+	sent1, got1, t1, err := snapshot()
+	if err != nil {
+		return Sample{}, err
+	}
+	dt := t1.Sub(t0).Seconds()
+	return Sample{
+		Offered:   float64(sent1.Sub(sent0).Packets) / dt,
+		Forwarded: float64(got1.Sub(got0).Packets) / dt,
+	}, nil
+}
+
+// sleep waits d, returning early with an error if ctx ends or the
+// generator stops on its own (which is an error).
+func sleep(ctx context.Context, d time.Duration, runErr chan error) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case err := <-runErr:
+		runErr <- err // for the deferred wait
+		return fmt.Errorf("generator stopped early: %w", err)
+	}
+}
+
+// received reads the sink a path counts on.
+func (l *Line) received(p Path) (pktgen.Counter, error) {
+	switch p {
+	case PathBack:
+		return l.Back.Count()
+	case PathFar:
+		return l.Far.Count()
+	case PathLocal:
+		if l.local == nil {
+			return pktgen.Counter{}, fmt.Errorf("no sink on %s: PathLocal needs a balancer that installs one", LBIn)
+		}
+		return l.local.Count()
+	}
+	return pktgen.Counter{}, fmt.Errorf("unknown path %d", p)
+}
