@@ -122,6 +122,7 @@ func startProxy(t *testing.T, cfg Config) *Service {
 		if err := <-done; err != nil {
 			t.Errorf("serve: %v", err)
 		}
+		checkReleased(t, s)
 	})
 	return s
 }
@@ -208,3 +209,21 @@ func settle(t *testing.T, base, slack int) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// checkReleased checks that every connection gave its balancer lease and its backend
+// slot back (exactly once: a double release would show as a negative count).
+func checkReleased(t *testing.T, s *Service) {
+	t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, b := range s.backends {
+		if n := s.bal.InFlight(b.addr); n != 0 {
+			t.Errorf("backend %s: balancer in-flight after shutdown: got %d; want 0", b.addr, n)
+		}
+		if n := b.active.Load(); n != 0 {
+			t.Errorf("backend %s: active after shutdown: got %d; want 0", b.addr, n)
+		}
+	}
+}
+
+func discardLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
