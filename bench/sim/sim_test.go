@@ -1,0 +1,69 @@
+package main
+
+import (
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"reflect"
+	"testing"
+)
+
+// TestDeterministic: the same configuration and seed give the same numbers.
+func TestDeterministic(t *testing.T) {
+	cfg := config{backends: uniform(5), balancers: 3, policy: "ewma", util: 0.8, jobs: 5000, warmup: 500, seed: 9}
+	a, b := run(cfg), run(cfg)
+	if !reflect.DeepEqual(a, b) {
+		t.Errorf("two runs with seed 9 differ: %+v and %+v; want identical", a, b)
+	}
+	cfg.seed = 10
+	if c := run(cfg); reflect.DeepEqual(a, c) {
+		t.Errorf("seeds 9 and 10 gave identical runs; want the seed to matter")
+	}
+}
+
+// TestFinishSkipsPauses checks service across GC pauses.
+func TestFinishSkipsPauses(t *testing.T) {
+	s := backendSpec{mean: 1, period: 10, pause: 2, phase: 0}
+	tests := []struct {
+		start, work, want float64
+	}{
+		{0, 1, 3},   // starts in a pause: waits until 2
+		{5, 1, 6},   // no pause in the way
+		{9, 2, 13},  // 1 before the pause at 10, 1 after it ends at 12
+		{2, 20, 26}, // two pauses crossed: 8 + 8 + 4
+	}
+	for _, tt := range tests {
+		if got := s.finish(tt.start, tt.work); got != tt.want {
+			t.Errorf("finish(%v, %v) = %v; want %v", tt.start, tt.work, got, tt.want)
+		}
+	}
+}
+
+// TestBallsIntoBins: two choices cut the maximum load well below one choice.
+func TestBallsIntoBins(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	one, two := ballsIntoBins(10000, 1, rng), ballsIntoBins(10000, 2, rng)
+	if two >= one {
+		t.Errorf("max load with two choices %d; want below one choice's %d", two, one)
+	}
+}
+
+// TestQuickRun runs every experiment at the quick scale and checks the files appear.
+func TestQuickRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("writes plots; about a second")
+	}
+	dir := t.TempDir()
+	report, err := simulate(dir, quickScale, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(report) == 0 {
+		t.Errorf("empty report")
+	}
+	for _, f := range []string{"max-load.png", "herd-p99.png", "slowdown-share-k1.png", "util-p99-gc.png"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); err != nil {
+			t.Errorf("plot %s: %v", f, err)
+		}
+	}
+}
