@@ -46,6 +46,12 @@ func savePlot(dir, file string, a axes, ss []series) error {
 	if err := plotutil.AddLinePoints(p, args...); err != nil {
 		return fmt.Errorf("plot %s: %w", file, err)
 	}
+	// Headroom above the data for the legend, which sits top left.
+	if a.logY {
+		p.Y.Max *= 6
+	} else {
+		p.Y.Max += 0.45 * (p.Y.Max - p.Y.Min)
+	}
 	if err := p.Save(7*vg.Inch, 4.5*vg.Inch, filepath.Join(dir, file)); err != nil {
 		return fmt.Errorf("plot %s: %w", file, err)
 	}
