@@ -57,7 +57,7 @@ type Packet struct {
 	SYN bool
 	// Size is the Ethernet frame size with its 4-byte FCS, as RFC 2544
 	// counts it; 0 means DefaultSize. It is raised to what the headers need
-	// (an IPv6 TCP frame is at least 84).
+	// (an IPv6 TCP frame is at least 78).
 	Size int
 	// Weight is this kind's share of the mix, relative to the others; 0
 	// counts as 1. Shares are rounded to 64ths.
