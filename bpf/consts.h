@@ -49,5 +49,6 @@ enum stat_reason {
 	STAT_PASS_NO_NEIGH,        // nat: next hop not resolved yet: passed so the kernel resolves it
 	STAT_DROP_NO_ROUTE,        // nat: no route (or forwarding disabled) towards the next hop
 	STAT_DROP_NAT_PORTS,       // nat: no free source port for a new flow
+	STAT_ICMP_TRANSLATED,      // nat: an ICMP error quoting a nat flow, translated
 	STAT_MAX,
 };

@@ -41,7 +41,26 @@ struct packet {
 	__u16 l3_off;    // offset of the IP header in the frame
 	__u16 l4_off;    // offset of the TCP/UDP header in the frame
 	__u8 tcp_flags;  // flags byte of the TCP header; 0 for UDP
+	__u8 icmp_error; // an ICMP/ICMPv6 error; l4_off points at its header
 };
+
+// The first 8 bytes of every ICMP and ICMPv6 message.
+struct icmp_hdr {
+	__u8 type;
+	__u8 code;
+	__be16 check;
+	__be32 rest; // unused, pointer, or the next-hop MTU
+};
+
+// icmp_is_error: destination unreachable (fragmentation needed among its codes) and
+// time exceeded for ICMP; destination unreachable, packet too big and time exceeded
+// for ICMPv6. They quote the packet that caused them.
+static __always_inline int icmp_is_error(__u8 family, __u8 type)
+{
+	if (family == FAMILY_IPV4)
+		return type == 3 || type == 11;
+	return type == 1 || type == 2 || type == 3;
+}
 
 // vip_address_verdict decides for a packet that cannot be balanced: dropped if its
 // destination is a VIP address, passed otherwise.
@@ -79,7 +98,16 @@ static __always_inline int parse_l4(void *data, void *data_end, __u32 off, struc
 		p->flow.dport = udp->dest;
 		return CONTINUE;
 	}
-	// ICMP and every other protocol: not balanced by this program.
+	if ((p->flow.family == FAMILY_IPV4 && p->flow.proto == IPPROTO_ICMP) ||
+	    (p->flow.family == FAMILY_IPV6 && p->flow.proto == IPPROTO_ICMPV6)) {
+		struct icmp_hdr *icmp = data + off;
+
+		if ((void *)(icmp + 1) <= data_end && icmp_is_error(p->flow.family, icmp->type)) {
+			p->icmp_error = 1;
+			return CONTINUE;
+		}
+	}
+	// Other ICMP and every other protocol: not balanced by this program.
 	return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
 }
 

@@ -4,6 +4,7 @@
 // its own header and returns a verdict or CONTINUE.
 
 #include "dsr.h"
+#include "icmp.h"
 #include "nat.h"
 #include "select.h"
 
@@ -22,6 +23,9 @@ int weir_xdp(struct xdp_md *ctx)
 	action = parse(ctx, &p);
 	if (action != CONTINUE)
 		return action;
+
+	if (p.icmp_error)
+		return icmp_error_translate(ctx, &p);
 
 	// A backend's reply to a nat flow comes back to the balancer's own address.
 	if (is_nat_address(&p.flow)) {

@@ -91,7 +91,8 @@ const (
 	WeirStatReasonSTAT_PASS_NO_NEIGH     WeirStatReason = 14
 	WeirStatReasonSTAT_DROP_NO_ROUTE     WeirStatReason = 15
 	WeirStatReasonSTAT_DROP_NAT_PORTS    WeirStatReason = 16
-	WeirStatReasonSTAT_MAX               WeirStatReason = 17
+	WeirStatReasonSTAT_ICMP_TRANSLATED   WeirStatReason = 17
+	WeirStatReasonSTAT_MAX               WeirStatReason = 18
 )
 
 type WeirVipKey struct {

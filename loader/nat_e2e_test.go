@@ -3,6 +3,7 @@ package loader
 import (
 	"context"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -29,7 +30,10 @@ type natTopology struct {
 	echo map[bool]Service
 }
 
-const echoPort = 9000
+const (
+	echoPort   = 9000
+	closedPort = 5555 // a nat udp service whose backends listen on nothing
+)
 
 func newNATTopology(t *testing.T, mode Mode) *natTopology {
 	t.Helper()
@@ -96,6 +100,7 @@ func newNATTopology(t *testing.T, mode Mode) *natTopology {
 		web := Service{Key: ServiceKey{netip.AddrPortFrom(vip, topo.HTTPPort), TCP}, Forwarding: ForwardNAT}
 		dns := Service{Key: ServiceKey{netip.AddrPortFrom(vip, topo.UDPPort), UDP}, Forwarding: ForwardNAT}
 		echo := Service{Key: ServiceKey{netip.AddrPortFrom(vip, echoPort), TCP}, Forwarding: ForwardNAT}
+		closed := Service{Key: ServiceKey{netip.AddrPortFrom(vip, closedPort), UDP}, Forwarding: ForwardNAT}
 		for i, h := range tp.Backends {
 			ip := h.IP4
 			if v6 {
@@ -103,11 +108,12 @@ func newNATTopology(t *testing.T, mode Mode) *natTopology {
 			}
 			web.Backends = append(web.Backends, Backend{Addr: netip.AddrPortFrom(ip, topo.HTTPPort), Weight: 1, Usable: true})
 			dns.Backends = append(dns.Backends, Backend{Addr: netip.AddrPortFrom(ip, topo.UDPPort), Weight: 1, Usable: true})
+			closed.Backends = append(closed.Backends, Backend{Addr: netip.AddrPortFrom(ip, closedPort), Weight: 1, Usable: true})
 			if i == 0 {
 				echo.Backends = append(echo.Backends, Backend{Addr: netip.AddrPortFrom(ip, echoPort), Weight: 1, Usable: true})
 			}
 		}
-		for _, s := range []Service{web, dns, echo} {
+		for _, s := range []Service{web, dns, echo, closed} {
 			if err := p.AddService(s); err != nil {
 				t.Fatal(err)
 			}
@@ -137,6 +143,7 @@ func TestNATEndToEnd(t *testing.T) {
 						}
 					})
 					t.Run("bulk transfer", func(t *testing.T) { natBulk(t, nt, vip, 100<<20) })
+					t.Run("backend's icmp error reaches the client", func(t *testing.T) { natPortUnreachable(t, nt, vip) })
 					t.Run("same source port from two clients", func(t *testing.T) { natSamePort(t, nt, vip) })
 				})
 			}
@@ -316,4 +323,30 @@ func family2netlink(a netip.Addr) int {
 		return netlink.FAMILY_V4
 	}
 	return netlink.FAMILY_V6
+}
+
+// natPortUnreachable sends UDP to a service whose backends listen on nothing: the
+// backend's kernel answers "port unreachable" to the nat address, the program
+// translates it, and the client's connected socket sees the refusal.
+func natPortUnreachable(t *testing.T, nt *natTopology, vip netip.Addr) {
+	c, err := nt.DialUDP(context.Background(), netip.AddrPortFrom(vip, closedPort), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(3 * time.Second))
+	if _, err := c.Write([]byte("anyone?")); err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.Read(make([]byte, 16))
+	if !errors.Is(err, unix.ECONNREFUSED) {
+		t.Fatalf("read: %v; want connection refused from the translated ICMP error", err)
+	}
+	st, err := nt.prog.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Reasons[ReasonICMPTranslated].Packets == 0 {
+		t.Error("icmp_translated counter is 0; want the error counted")
+	}
 }

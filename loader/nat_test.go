@@ -110,6 +110,52 @@ func TestNATFixtures(t *testing.T) {
 			if w := wantReply.Build(); !bytes.Equal(out, w) {
 				t.Fatalf("reply frame\n got %x\nwant %x", out, w)
 			}
+
+			// ICMP errors quoting the flow, from either side, are translated like it:
+			// the quote becomes the packet the receiver itself sent.
+			icmpProto, errType, errCode, mtu := uint8(packet.ProtoICMP), uint8(3), uint8(4), uint32(1400)
+			if tc.v6 {
+				icmpProto, errType, errCode, mtu = packet.ProtoICMPv6, 2, 0, 1280
+			}
+			for _, ic := range []struct {
+				side       string
+				in, want   packet.Frame
+				wantAction Action
+			}{
+				{
+					side: "from the backend",
+					in: packet.Frame{SrcMAC: chosen.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(backend, 0), Dst: netip.AddrPortFrom(lb, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: want.IPPacket()}},
+					want: packet.Frame{SrcMAC: nt.Balancer.MAC, DstMAC: nt.Client.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(vip, 0), Dst: netip.AddrPortFrom(client, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: in.IPPacket()}},
+				},
+				{
+					side: "from the client",
+					in: packet.Frame{SrcMAC: nt.Client.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(client, 0), Dst: netip.AddrPortFrom(vip, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: wantReply.IPPacket()}},
+					want: packet.Frame{SrcMAC: nt.Balancer.MAC, DstMAC: chosen.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(lb, 0), Dst: netip.AddrPortFrom(backend, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: reply.IPPacket()}},
+				},
+			} {
+				err = nt.Balancer.NS.Do(func() error {
+					var err error
+					action, out, err = nt.prog.RunOn(ic.in.Build(), nt.Balancer.Index)
+					return err
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if action != XDPTX {
+					t.Fatalf("icmp error %s: action %s; want XDP_TX", ic.side, action)
+				}
+				if w := ic.want.Build(); !bytes.Equal(out, w) {
+					t.Fatalf("icmp error %s\n got %x\nwant %x", ic.side, out, w)
+				}
+			}
 		})
 	}
 

@@ -30,6 +30,7 @@ const (
 	ReasonPassNoNeighbour   = Reason(bpf.WeirStatReasonSTAT_PASS_NO_NEIGH)
 	ReasonDropNoRoute       = Reason(bpf.WeirStatReasonSTAT_DROP_NO_ROUTE)
 	ReasonDropNATPorts      = Reason(bpf.WeirStatReasonSTAT_DROP_NAT_PORTS)
+	ReasonICMPTranslated    = Reason(bpf.WeirStatReasonSTAT_ICMP_TRANSLATED)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
 
@@ -51,6 +52,7 @@ var reasonNames = [...]string{
 	ReasonPassNoNeighbour:   "pass_no_neighbour",
 	ReasonDropNoRoute:       "drop_no_route",
 	ReasonDropNATPorts:      "drop_nat_ports",
+	ReasonICMPTranslated:    "icmp_translated",
 }
 
 func (r Reason) String() string {

@@ -46,6 +46,27 @@ type Frame struct {
 	// IPv6ExtHeaders are extension header protocol numbers placed before the L4
 	// header, each 8 bytes long (ProtoFrag writes a fragment header).
 	IPv6ExtHeaders []uint8
+
+	// ICMP, with Proto ProtoICMP or ProtoICMPv6, writes an ICMP message instead of
+	// Payload; its checksum is computed (with the pseudo-header for ICMPv6).
+	ICMP *ICMP
+}
+
+// ICMP is an ICMP or ICMPv6 message.
+type ICMP struct {
+	Type, Code uint8
+	Rest       uint32 // the second word: unused, or the MTU of "fragmentation needed" / "packet too big"
+	Quote      []byte // the quoted IP packet, as much of it as the sender keeps
+}
+
+// IPPacket returns the frame's IP packet (the bytes after the Ethernet header and
+// VLAN tag), for quoting in an ICMP error.
+func (f Frame) IPPacket() []byte {
+	b := f.Build()
+	if f.VLAN != 0 {
+		return b[18:]
+	}
+	return b[14:]
 }
 
 // Build returns the frame's bytes.
@@ -116,6 +137,20 @@ func (f Frame) l4(proto uint8) []byte {
 		}
 		binary.BigEndian.PutUint16(h[6:], sum)
 		return h
+	}
+	if f.ICMP != nil {
+		m := make([]byte, 8, 8+len(f.ICMP.Quote))
+		m[0], m[1] = f.ICMP.Type, f.ICMP.Code
+		binary.BigEndian.PutUint32(m[4:], f.ICMP.Rest)
+		m = append(m, f.ICMP.Quote...)
+		var sum uint16
+		if proto == ProtoICMPv6 {
+			sum = f.l4Checksum(proto, m)
+		} else {
+			sum = Checksum(m)
+		}
+		binary.BigEndian.PutUint16(m[2:], sum)
+		return m
 	}
 	return append([]byte(nil), f.Payload...)
 }

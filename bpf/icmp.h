@@ -1,0 +1,224 @@
+// icmp.h: ICMP and ICMPv6 errors that quote a nat flow are translated like the flow,
+// so path-MTU discovery and "port unreachable" work through the balancer. An error
+// from the backend's side comes to the nat address and quotes the packet we sent the
+// backend; one from the client's side comes to the VIP and quotes our reply. The
+// flow is the quoted packet reversed. Anything else is passed untouched.
+#pragma once
+
+#include "nat.h"
+
+struct icmp_rewrite {
+	__be32 outer_src[4], outer_dst[4]; // new outer addresses
+	__be32 inner_src[4], inner_dst[4]; // new addresses of the quoted packet
+	__be16 inner_sport, inner_dport;   // and its new ports
+};
+
+// icmp_apply writes the new outer and quoted headers. The ICMP checksum covers the
+// quoted bytes (and, for ICMPv6, a pseudo-header of the outer addresses), so every
+// change there is added to it as well.
+static __always_inline int icmp_apply(struct xdp_md *ctx, struct packet *p, const struct flow_key *inner,
+				      __u32 in3, __u32 in4, const struct icmp_rewrite *rw)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	int v4 = p->flow.family == FAMILY_IPV4;
+	int words = v4 ? 1 : 4;
+	struct icmp_hdr *icmp;
+	__be16 *ports;
+	__u16 *l4check = 0;
+	__u32 isum, s;
+
+	__u32 l3 = p->l3_off, l4 = p->l4_off;
+
+	if (l3 > MAX_L3_OFFSET || l4 > MAX_L4_OFFSET || in4 > MAX_L4_OFFSET + 48)
+		return XDP_ABORTED;
+	// The masks change no value (the checks above bound them) but give the verifier a
+	// bound that survives the compiler reloading the offsets from the stack; without
+	// them 6.18 rejects the header pointers as possibly beyond 64 KiB.
+	l3 &= 0x7f;
+	l4 &= 0x3ff;
+	in3 &= 0x3ff;
+	in4 &= 0x7ff;
+	icmp = data + l4;
+	if ((void *)(icmp + 1) > data_end)
+		return XDP_ABORTED;
+	isum = csum_start(icmp->check);
+
+	// The quoted TCP or UDP checksum, when the quote reaches it.
+	if (inner->proto == IPPROTO_TCP) {
+		if (data + in4 + 18 <= data_end)
+			l4check = data + in4 + 16;
+	} else if (data + in4 + 8 <= data_end) {
+		l4check = data + in4 + 6;
+	}
+	if (l4check && !(inner->proto == IPPROTO_UDP && v4 && *l4check == 0)) {
+		__u16 old = *l4check, fresh;
+
+		s = csum_start(old);
+		for (int i = 0; i < 4; i++) {
+			if (i >= words)
+				break;
+			s = csum_add32(s, inner->src[i], rw->inner_src[i]);
+			s = csum_add32(s, inner->dst[i], rw->inner_dst[i]);
+		}
+		s = csum_add16(s, inner->sport, rw->inner_sport);
+		s = csum_add16(s, inner->dport, rw->inner_dport);
+		fresh = csum_finish(s);
+		if (inner->proto == IPPROTO_UDP && fresh == 0)
+			fresh = 0xffff;
+		*l4check = fresh;
+		isum = csum_add16(isum, old, fresh);
+	}
+
+	ports = data + in4;
+	if ((void *)(ports + 2) > data_end)
+		return XDP_ABORTED;
+	isum = csum_add16(isum, ports[0], rw->inner_sport);
+	isum = csum_add16(isum, ports[1], rw->inner_dport);
+	ports[0] = rw->inner_sport;
+	ports[1] = rw->inner_dport;
+
+	if (v4) {
+		struct iphdr *iip = data + in3;
+		__u16 old;
+
+		if ((void *)(iip + 1) > data_end)
+			return XDP_ABORTED;
+		old = iip->check;
+		s = csum_start(old);
+		s = csum_add32(s, iip->saddr, rw->inner_src[0]);
+		s = csum_add32(s, iip->daddr, rw->inner_dst[0]);
+		iip->check = csum_finish(s);
+		isum = csum_add16(isum, old, iip->check);
+		isum = csum_add32(isum, iip->saddr, rw->inner_src[0]);
+		isum = csum_add32(isum, iip->daddr, rw->inner_dst[0]);
+		iip->saddr = rw->inner_src[0];
+		iip->daddr = rw->inner_dst[0];
+	} else {
+		struct ipv6hdr *iip6 = data + in3;
+
+		if ((void *)(iip6 + 1) > data_end)
+			return XDP_ABORTED;
+		for (int i = 0; i < 4; i++) {
+			isum = csum_add32(isum, inner->src[i], rw->inner_src[i]);
+			isum = csum_add32(isum, inner->dst[i], rw->inner_dst[i]);
+			// ICMPv6's pseudo-header holds the outer addresses.
+			isum = csum_add32(isum, p->flow.src[i], rw->outer_src[i]);
+			isum = csum_add32(isum, p->flow.dst[i], rw->outer_dst[i]);
+		}
+		__builtin_memcpy(&iip6->saddr, rw->inner_src, 16);
+		__builtin_memcpy(&iip6->daddr, rw->inner_dst, 16);
+	}
+	icmp->check = csum_finish(isum);
+
+	if (v4) {
+		struct iphdr *ip = data + l3;
+
+		if ((void *)(ip + 1) > data_end)
+			return XDP_ABORTED;
+		s = csum_start(ip->check);
+		s = csum_add32(s, ip->saddr, rw->outer_src[0]);
+		s = csum_add32(s, ip->daddr, rw->outer_dst[0]);
+		ip->check = csum_finish(s);
+		ip->saddr = rw->outer_src[0];
+		ip->daddr = rw->outer_dst[0];
+	} else {
+		struct ipv6hdr *ip6 = data + l3;
+
+		if ((void *)(ip6 + 1) > data_end)
+			return XDP_ABORTED;
+		__builtin_memcpy(&ip6->saddr, rw->outer_src, 16);
+		__builtin_memcpy(&ip6->daddr, rw->outer_dst, 16);
+	}
+	__builtin_memcpy(p->flow.src, rw->outer_src, sizeof(p->flow.src));
+	__builtin_memcpy(p->flow.dst, rw->outer_dst, sizeof(p->flow.dst));
+	return CONTINUE;
+}
+
+// icmp_error_translate handles an ICMP error (p->icmp_error set by parse).
+static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packet *p)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct flow_key inner = {}, flow = {};
+	struct icmp_rewrite rw = {};
+	__u32 in3 = p->l4_off + sizeof(struct icmp_hdr), in4;
+	__be16 *ports;
+	int action;
+
+	if (in3 > MAX_L4_OFFSET)
+		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	inner.family = p->flow.family;
+	if (p->flow.family == FAMILY_IPV4) {
+		struct iphdr *iip = data + in3;
+
+		// Quotes with IP options are left to the kernel.
+		if ((void *)(iip + 1) > data_end || iip->version != 4 || iip->ihl != 5)
+			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+		inner.src[0] = iip->saddr;
+		inner.dst[0] = iip->daddr;
+		inner.proto = iip->protocol;
+		in4 = in3 + sizeof(*iip);
+	} else {
+		struct ipv6hdr *iip6 = data + in3;
+
+		if ((void *)(iip6 + 1) > data_end || iip6->version != 6)
+			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+		__builtin_memcpy(inner.src, &iip6->saddr, 16);
+		__builtin_memcpy(inner.dst, &iip6->daddr, 16);
+		inner.proto = iip6->nexthdr;
+		in4 = in3 + sizeof(*iip6);
+	}
+	if (inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP)
+		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	ports = data + in4;
+	if ((void *)(ports + 2) > data_end)
+		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	inner.sport = ports[0];
+	inner.dport = ports[1];
+
+	// The flow the quoted packet belongs to, in the direction its table is keyed by.
+	__builtin_memcpy(flow.src, inner.dst, sizeof(flow.src));
+	__builtin_memcpy(flow.dst, inner.src, sizeof(flow.dst));
+	flow.sport = inner.dport;
+	flow.dport = inner.sport;
+	flow.proto = inner.proto;
+	flow.family = inner.family;
+
+	if (is_nat_address(&p->flow)) {
+		// From the backend's side: the quote is nat:port -> backend, the flow's reply key.
+		struct nat_entry *rev = bpf_map_lookup_elem(&nat_reverse, &flow);
+
+		if (!rev)
+			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+		__builtin_memcpy(rw.outer_src, rev->client.dst, 16);
+		__builtin_memcpy(rw.outer_dst, rev->client.src, 16);
+		__builtin_memcpy(rw.inner_src, rev->client.src, 16);
+		__builtin_memcpy(rw.inner_dst, rev->client.dst, 16);
+		rw.inner_sport = rev->client.sport;
+		rw.inner_dport = rev->client.dport;
+	} else {
+		// From the client's side: the quote is our reply VIP -> client.
+		struct flow_state *fs = bpf_map_lookup_elem(&conntrack, &flow);
+		struct backend *be;
+		__u32 id;
+
+		if (!fs || !fs->nat_port)
+			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+		id = fs->backend_id;
+		be = bpf_map_lookup_elem(&backends, &id);
+		if (!be)
+			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+		nat_source(p->flow.family, rw.outer_src);
+		__builtin_memcpy(rw.outer_dst, be->addr, 16);
+		__builtin_memcpy(rw.inner_src, be->addr, 16);
+		nat_source(p->flow.family, rw.inner_dst);
+		rw.inner_sport = be->port;
+		rw.inner_dport = fs->nat_port;
+	}
+	count(&global_stats, STAT_ICMP_TRANSLATED, p->len);
+	action = icmp_apply(ctx, p, &inner, in3, in4, &rw);
+	if (action != CONTINUE)
+		return action;
+	return fib_forward(ctx, p);
+}
