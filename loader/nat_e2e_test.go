@@ -35,7 +35,7 @@ const (
 	closedPort = 5555 // a nat udp service whose backends listen on nothing
 )
 
-func newNATTopology(t *testing.T, mode Mode) *natTopology {
+func newNATTopology(t testing.TB, mode Mode) *natTopology {
 	t.Helper()
 	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("wnt"), Backends: 3})
 	ctx, cancel := context.WithCancel(context.Background())
