@@ -58,6 +58,9 @@ func BenchmarkPickRelease(b *testing.B) {
 			benchPick(b, alg, 1000, 42, base)
 		})
 	}
+	// The baseline again: on a shared machine, a baseline that moved between the two
+	// runs says the ratios in between are only as good as that spread.
+	b.Run("atomic_rr-again/n=1000", func(b *testing.B) { benchAtomicRR(b, 1000) })
 }
 
 func benchPick(b *testing.B, alg string, n int, seed uint64, base float64) {
