@@ -155,15 +155,34 @@ static __always_inline int nat_rewrite(struct xdp_md *ctx, struct packet *p,
 	return CONTINUE;
 }
 
-// fib_forward sends the (rewritten) packet to its next hop.
-static __always_inline int fib_forward(struct xdp_md *ctx, struct packet *p)
+// send_to writes the next hop's MACs and sends the frame: XDP_TX out of the interface
+// it came in on, XDP_REDIRECT through tx_ports to another.
+static __always_inline int send_to(struct xdp_md *ctx, struct packet *p, const struct next_hop *hop)
 {
-	struct bpf_fib_lookup fib = {};
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
 	struct ethhdr *eth = data;
+
+	if ((void *)(eth + 1) > data_end)
+		return XDP_ABORTED;
+	__builtin_memcpy(eth->h_dest, hop->dmac, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, hop->smac, ETH_ALEN);
+	if (hop->ifindex == ctx->ingress_ifindex)
+		return verdict(XDP_TX, STAT_TX, p->len);
+	return verdict(bpf_redirect_map(&tx_ports, hop->ifindex, XDP_DROP), STAT_REDIRECT, p->len);
+}
+
+// fib_forward sends the (rewritten) packet to its next hop: the one cached in *cache
+// if there is one (cache may be 0), else the one bpf_fib_lookup finds, which it then
+// caches.
+static __always_inline int fib_forward(struct xdp_md *ctx, struct packet *p, struct next_hop *cache)
+{
+	struct bpf_fib_lookup fib = {};
+	struct next_hop hop = {};
 	long rc;
 
+	if (cache && cache->ifindex)
+		return send_to(ctx, p, cache);
 	fib.family = p->flow.family;
 	fib.ifindex = ctx->ingress_ifindex;
 	fib.l4_protocol = p->flow.proto;
@@ -183,32 +202,56 @@ static __always_inline int fib_forward(struct xdp_md *ctx, struct packet *p)
 		return verdict(XDP_PASS, STAT_PASS_NO_NEIGH, p->len);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS)
 		return verdict(XDP_DROP, STAT_DROP_NO_ROUTE, p->len);
+	__builtin_memcpy(hop.dmac, fib.dmac, ETH_ALEN);
+	__builtin_memcpy(hop.smac, fib.smac, ETH_ALEN);
+	hop.ifindex = fib.ifindex;
+	if (cache)
+		*cache = hop;
+	return send_to(ctx, p, &hop);
+}
+
+// came_from is the next hop back to where the frame came from.
+static __always_inline int came_from(struct xdp_md *ctx, struct next_hop *hop)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+
 	if ((void *)(eth + 1) > data_end)
-		return XDP_ABORTED;
-	__builtin_memcpy(eth->h_dest, fib.dmac, ETH_ALEN);
-	__builtin_memcpy(eth->h_source, fib.smac, ETH_ALEN);
-	if (fib.ifindex == ctx->ingress_ifindex)
-		return verdict(XDP_TX, STAT_TX, p->len);
-	return verdict(bpf_redirect_map(&tx_ports, fib.ifindex, XDP_DROP), STAT_REDIRECT, p->len);
+		return -1;
+	__builtin_memcpy(hop->dmac, eth->h_source, ETH_ALEN);
+	__builtin_memcpy(hop->smac, eth->h_dest, ETH_ALEN);
+	hop->ifindex = ctx->ingress_ifindex;
+	return 0;
+}
+
+// reply_key is the key under which the backend's replies to a nat flow are found.
+static __always_inline void reply_key(struct flow_key *rk, const struct packet *p,
+				      const struct backend *be, __be16 nat_port)
+{
+	__builtin_memcpy(rk->src, be->addr, sizeof(rk->src));
+	nat_source(p->flow.family, rk->dst);
+	rk->sport = be->port;
+	rk->dport = nat_port;
+	rk->proto = p->flow.proto;
+	rk->family = p->flow.family;
 }
 
 // nat_alloc_port claims a source port towards the backend by inserting the reverse
 // entry with BPF_NOEXIST, trying random ports in the range. A port still held by a
 // flow that has ended (expired, or moved elsewhere) is taken over. 0 means none.
-static __always_inline __be16 nat_alloc_port(struct packet *p, struct backend *be,
+static __always_inline __be16 nat_alloc_port(struct xdp_md *ctx, struct packet *p, struct backend *be,
 					     __u32 backend_id, __u64 now)
 {
 	struct flow_key rk = {};
 	struct nat_entry entry = {};
 	__u32 range = (__u32)nat_port_max - nat_port_min + 1;
 
-	__builtin_memcpy(rk.src, be->addr, sizeof(rk.src));
-	nat_source(p->flow.family, rk.dst);
-	rk.sport = be->port;
-	rk.proto = p->flow.proto;
-	rk.family = p->flow.family;
+	reply_key(&rk, p, be, 0);
 	entry.client = p->flow;
 	entry.backend_id = backend_id;
+	if (came_from(ctx, &entry.to_client))
+		return 0;
 
 	for (int i = 0; i < NAT_PORT_TRIES; i++) {
 		struct nat_entry *old;
@@ -230,10 +273,28 @@ static __always_inline __be16 nat_alloc_port(struct packet *p, struct backend *b
 	return 0;
 }
 
+// refresh_flow runs at most once a second per flow: it keeps the flow alive, has the
+// next hop to the backend looked up again, and points replies at where the
+// client's packets come from now (a router may have changed).
+static __always_inline void refresh_flow(struct xdp_md *ctx, struct packet *p, struct flow_state *fs,
+					 struct backend *be, __u64 now)
+{
+	struct flow_key rk = {};
+	struct nat_entry *rev;
+
+	fs->last_seen_ns = now;
+	fs->to_backend.ifindex = 0;
+	reply_key(&rk, p, be, fs->nat_port);
+	rev = bpf_map_lookup_elem(&nat_reverse, &rk);
+	if (rev)
+		came_from(ctx, &rev->to_client);
+}
+
 // nat_forward handles a client's packet to a nat-mode service.
 static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, struct service *svc)
 {
 	struct flow_state *fs, fresh = {};
+	struct flow_key key = p->flow;
 	struct backend *be = 0;
 	__be32 src[4] = {};
 	__u64 now = bpf_ktime_get_coarse_ns();
@@ -241,19 +302,24 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 	__be16 port;
 	int action;
 
-	fs = bpf_map_lookup_elem(&conntrack, &p->flow);
+	fs = bpf_map_lookup_elem(&conntrack, &key);
 	if (fs) {
 		if (flow_alive(fs, p->flow.proto, now))
 			be = usable_backend(fs->backend_id, svc->id);
 		if (be) {
 			id = fs->backend_id;
-			port = fs->nat_port;
 			if (now - fs->last_seen_ns > NSEC_PER_SEC)
-				fs->last_seen_ns = now;
+				refresh_flow(ctx, p, fs, be, now);
 			if (tcp_closes(p))
 				mark_closing(fs);
 			count(&global_stats, STAT_FLOW_HIT, p->len);
-			goto rewrite;
+			count(&service_stats, svc->id, p->len);
+			count(&backend_stats, id, p->len);
+			nat_source(p->flow.family, src);
+			action = nat_rewrite(ctx, p, src, fs->nat_port, be->addr, be->port);
+			if (action != CONTINUE)
+				return action;
+			return fib_forward(ctx, p, &fs->to_backend);
 		}
 		// Expired, or its backend became unusable: the old flow ends here.
 		mark_closing(fs);
@@ -262,7 +328,7 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 	be = lookup_table_pick(p, svc, &id);
 	if (!be)
 		return verdict(XDP_DROP, STAT_DROP_NO_BACKEND, p->len);
-	port = nat_alloc_port(p, be, id, now);
+	port = nat_alloc_port(ctx, p, be, id, now);
 	if (!port)
 		return verdict(XDP_DROP, STAT_DROP_NAT_PORTS, p->len);
 	fresh.backend_id = id;
@@ -271,20 +337,20 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 	fresh.last_seen_ns = now;
 	if (tcp_closes(p))
 		fresh.flags = FLOW_F_CLOSING;
-	bpf_map_update_elem(&conntrack, &p->flow, &fresh, BPF_ANY);
 	count_flow(id, 1);
 	if (fresh.flags & FLOW_F_CLOSING)
 		count_flow(id, 0);
 	count(&global_stats, fs ? STAT_FLOW_RESELECT : STAT_FLOW_NEW, p->len);
-
-rewrite:
 	count(&service_stats, svc->id, p->len);
 	count(&backend_stats, id, p->len);
 	nat_source(p->flow.family, src);
 	action = nat_rewrite(ctx, p, src, port, be->addr, be->port);
-	if (action != CONTINUE)
-		return action;
-	return fib_forward(ctx, p);
+	if (action == CONTINUE)
+		action = fib_forward(ctx, p, &fresh.to_backend);
+	// Recorded whatever the verdict: a packet passed for neighbour resolution has
+	// already claimed its port, and the next one must find the flow.
+	bpf_map_update_elem(&conntrack, &key, &fresh, BPF_ANY);
+	return action;
 }
 
 // nat_reply translates a backend's reply back to the client, or returns CONTINUE for
@@ -309,5 +375,5 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 	action = nat_rewrite(ctx, p, client.dst, client.dport, client.src, client.sport);
 	if (action != CONTINUE)
 		return action;
-	return fib_forward(ctx, p);
+	return send_to(ctx, p, &rev->to_client);
 }

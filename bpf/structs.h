@@ -45,6 +45,13 @@ struct flow_key {
 	__u8 pad[2];
 };
 
+// A next hop: the MACs to write and the interface to leave by (0: not known).
+struct next_hop {
+	__u8 dmac[6];
+	__u8 smac[6];
+	__u32 ifindex;
+};
+
 // Value of the connection table.
 struct flow_state {
 	__u32 backend_id;
@@ -53,6 +60,7 @@ struct flow_state {
 	__u8 pad;
 	__u64 created_ns;   // bpf_ktime_get_coarse_ns at insertion
 	__u64 last_seen_ns; // nat: refreshed by the client's packets, at most once a second
+	struct next_hop to_backend; // nat: bpf_fib_lookup's answer, looked up again each refresh
 };
 
 // Value of the nat reverse table, whose key is the backend's reply 5-tuple
@@ -61,6 +69,10 @@ struct nat_entry {
 	struct flow_key client; // the client's flow as received: client -> VIP
 	__u32 backend_id;
 	__u32 pad;
+	// Replies go back to where the client's packets come from: the MAC they came from
+	// (the client or its router) and the interface they came in on, refreshed with
+	// the flow once a second, so no reply needs a route lookup.
+	struct next_hop to_client;
 };
 
 // Per-CPU count of a backend's nat flows; active = opened - closed, summed over CPUs.

@@ -55,6 +55,7 @@ type WeirFlowState struct {
 	Pad        uint8
 	CreatedNs  uint64
 	LastSeenNs uint64
+	ToBackend  WeirNextHop
 }
 
 type WeirNatEntry struct {
@@ -62,6 +63,14 @@ type WeirNatEntry struct {
 	Client    WeirFlowKey
 	BackendId uint32
 	Pad       uint32
+	ToClient  WeirNextHop
+}
+
+type WeirNextHop struct {
+	_       structs.HostLayout
+	Dmac    [6]uint8
+	Smac    [6]uint8
+	Ifindex uint32
 }
 
 type WeirService struct {

@@ -30,6 +30,9 @@ type natTopology struct {
 	echo map[bool]Service
 }
 
+// natConntrackSize is the nat tests' table size (0: the default).
+var natConntrackSize uint32
+
 const (
 	echoPort   = 9000
 	closedPort = 5555 // a nat udp service whose backends listen on nothing
@@ -77,7 +80,7 @@ func newNATTopology(t testing.TB, mode Mode) *natTopology {
 		t.Fatal(err)
 	}
 
-	p, err := Load(Options{HashSeed: 7, NAT: NATOptions{Addr4: tp.Balancer.IP4, Addr6: tp.Balancer.IP6}})
+	p, err := Load(Options{HashSeed: 7, ConntrackSize: natConntrackSize, NAT: NATOptions{Addr4: tp.Balancer.IP4, Addr6: tp.Balancer.IP6}})
 	xdptest.Check(t, err)
 	t.Cleanup(func() { p.Close() })
 	var got Mode
