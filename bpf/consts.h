@@ -12,10 +12,12 @@
 #define NAT_PORT_TRIES 8        // random source ports tried before a new nat flow gives up
 #define MAX_L3_OFFSET 64        // Ethernet + VLAN; keeps header offsets provably small
 #define MAX_L4_OFFSET 512       // IP header + options or extension headers
+#define MAX_ICMP_QUOTE 200      // bytes of the offending packet an ICMPv6 "too big" quotes
 
 // Forwarding modes, service.mode.
 #define MODE_DSR 0
 #define MODE_NAT 1
+#define MODE_TUNNEL 2
 
 // flow_state.flags
 #define FLOW_F_CLOSING (1u << 0) // a FIN or RST was seen: short timeout, counted as closed
@@ -50,5 +52,7 @@ enum stat_reason {
 	STAT_DROP_NO_ROUTE,        // nat: no route (or forwarding disabled) towards the next hop
 	STAT_DROP_NAT_PORTS,       // nat: no free source port for a new flow
 	STAT_ICMP_TRANSLATED,      // nat: an ICMP error quoting a nat flow, translated
+	STAT_TUNNEL_TOO_BIG,       // tunnel: too big once encapsulated; ICMP error sent back
+	STAT_DROP_TOO_BIG,         // tunnel: too big, and no ICMP error could be made (no DF, odd quote)
 	STAT_MAX,
 };

@@ -40,6 +40,7 @@ struct packet {
 	__u32 len;       // bytes of the frame, for counters
 	__u16 l3_off;    // offset of the IP header in the frame
 	__u16 l4_off;    // offset of the TCP/UDP header in the frame
+	__u16 l3_len;    // the IP packet's length as its header says (frames may be padded)
 	__u8 tcp_flags;  // flags byte of the TCP header; 0 for UDP
 	__u8 icmp_error; // an ICMP/ICMPv6 error; l4_off points at its header
 };
@@ -123,6 +124,7 @@ static __always_inline int parse_ipv4(void *data, void *data_end, __u32 off, str
 		return verdict(XDP_PASS, STAT_PASS_MALFORMED_L3, p->len);
 
 	p->flow.family = FAMILY_IPV4;
+	p->l3_len = bpf_ntohs(ip->tot_len);
 	p->flow.proto = ip->protocol;
 	p->flow.src[0] = ip->saddr;
 	p->flow.dst[0] = ip->daddr;
@@ -143,6 +145,7 @@ static __always_inline int parse_ipv6(void *data, void *data_end, __u32 off, str
 		return verdict(XDP_PASS, STAT_PASS_MALFORMED_L3, p->len);
 
 	p->flow.family = FAMILY_IPV6;
+	p->l3_len = sizeof(*ip6) + bpf_ntohs(ip6->payload_len);
 	__builtin_memcpy(p->flow.src, &ip6->saddr, sizeof(p->flow.src));
 	__builtin_memcpy(p->flow.dst, &ip6->daddr, sizeof(p->flow.dst));
 	next = ip6->nexthdr;
@@ -162,6 +165,9 @@ static __always_inline int parse_ipv6(void *data, void *data_end, __u32 off, str
 		off += (ext->hdrlen + 1) * 8;
 	}
 	p->flow.proto = next;
+	// Headers this long are legal, but the rewriting steps bound their offsets.
+	if (off > MAX_L4_OFFSET)
+		return vip_address_verdict(p, STAT_DROP_IPV6_EXT);
 	if (next == IPPROTO_FRAGMENT)
 		return vip_address_verdict(p, STAT_DROP_FRAGMENT);
 	if (next == IPPROTO_HOPOPTS || next == IPPROTO_ROUTING || next == IPPROTO_DSTOPTS ||

@@ -23,6 +23,13 @@ struct service {
 	__u32 mode;   // MODE_*
 };
 
+// A next hop: the MACs to write and the interface to leave by (0: not known).
+struct next_hop {
+	__u8 dmac[6];
+	__u8 smac[6];
+	__u32 ifindex;
+};
+
 // Value of the backends map (an array indexed by backend slot).
 struct backend {
 	__be32 addr[4];
@@ -32,6 +39,14 @@ struct backend {
 	__u8 mac[6];    // next hop for dsr
 	__u8 pad[2];
 	__u32 service_id; // owning service: a flow whose slot was reused elsewhere is re-selected
+	// tunnel: the next hop towards the backend as bpf_fib_lookup found it, reused for
+	// a second (hop_ns) for packets no longer than hop_len, the longest it accepted;
+	// a longer packet is looked up again, which is how the path MTU is checked. The
+	// program writes these; the loader writes zeros.
+	struct next_hop hop;
+	__u64 hop_ns;
+	__u32 hop_len;
+	__u32 pad2;
 };
 
 // Key of the connection table: the flow's 5-tuple as received.
@@ -43,13 +58,6 @@ struct flow_key {
 	__u8 proto;
 	__u8 family;
 	__u8 pad[2];
-};
-
-// A next hop: the MACs to write and the interface to leave by (0: not known).
-struct next_hop {
-	__u8 dmac[6];
-	__u8 smac[6];
-	__u32 ifindex;
 };
 
 // Value of the connection table.

@@ -7,6 +7,7 @@
 #include "icmp.h"
 #include "nat.h"
 #include "select.h"
+#include "tunnel.h"
 
 char LICENSE[] SEC("license") = "Dual MIT/GPL";
 
@@ -44,6 +45,8 @@ int weir_xdp(struct xdp_md *ctx)
 
 	if (svc->mode == MODE_NAT)
 		return nat_forward(ctx, &p, svc);
+	if (svc->mode == MODE_TUNNEL)
+		return tunnel_forward(ctx, &p, svc);
 
 	action = select_backend(&p, svc, &be, &backend_id);
 	if (action != CONTINUE)

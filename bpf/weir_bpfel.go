@@ -22,6 +22,10 @@ type WeirBackend struct {
 	Mac       [6]uint8
 	Pad       [2]uint8
 	ServiceId uint32
+	Hop       WeirNextHop
+	HopNs     uint64
+	HopLen    uint32
+	Pad2      uint32
 }
 
 type WeirCounter struct {
@@ -101,7 +105,9 @@ const (
 	WeirStatReasonSTAT_DROP_NO_ROUTE     WeirStatReason = 15
 	WeirStatReasonSTAT_DROP_NAT_PORTS    WeirStatReason = 16
 	WeirStatReasonSTAT_ICMP_TRANSLATED   WeirStatReason = 17
-	WeirStatReasonSTAT_MAX               WeirStatReason = 18
+	WeirStatReasonSTAT_TUNNEL_TOO_BIG    WeirStatReason = 18
+	WeirStatReasonSTAT_DROP_TOO_BIG      WeirStatReason = 19
+	WeirStatReasonSTAT_MAX               WeirStatReason = 20
 )
 
 type WeirVipKey struct {

@@ -188,9 +188,24 @@ func (p *Program) Attach(ifname string, mode Mode) (Mode, error) {
 	if _, ok := p.attachments[ifname]; ok {
 		return "", fmt.Errorf("attach xdp to %s: already attached; detach it first", ifname)
 	}
+	a, err := attachXDP(p.objs.WeirXdp, ifname, mode)
+	if err != nil {
+		return "", err
+	}
+	// nat packets may leave by any interface the program is attached to.
+	if err := p.objs.TxPorts.Put(uint32(a.ifindex), uint32(a.ifindex)); err != nil {
+		a.link.Close()
+		return "", fmt.Errorf("attach xdp to %s: add to tx_ports: %w", ifname, err)
+	}
+	p.attachments[ifname] = a
+	return a.mode, nil
+}
+
+// attachXDP attaches prog to ifname in mode (auto: native, then generic).
+func attachXDP(prog *ebpf.Program, ifname string, mode Mode) (*attachment, error) {
 	iface, err := net.InterfaceByName(ifname)
 	if err != nil {
-		return "", fmt.Errorf("attach xdp to %s: %w (check the interface name and network namespace)", ifname, err)
+		return nil, fmt.Errorf("attach xdp to %s: %w (check the interface name and network namespace)", ifname, err)
 	}
 	var tries []Mode
 	switch mode {
@@ -199,7 +214,7 @@ func (p *Program) Attach(ifname string, mode Mode) (Mode, error) {
 	case ModeAuto, "":
 		tries = []Mode{ModeNative, ModeGeneric}
 	default:
-		return "", fmt.Errorf("attach xdp to %s: mode %q: must be native, generic or auto", ifname, mode)
+		return nil, fmt.Errorf("attach xdp to %s: mode %q: must be native, generic or auto", ifname, mode)
 	}
 	var errs []error
 	for _, m := range tries {
@@ -207,23 +222,17 @@ func (p *Program) Attach(ifname string, mode Mode) (Mode, error) {
 		if m == ModeGeneric {
 			flags = link.XDPGenericMode
 		}
-		l, err := link.AttachXDP(link.XDPOptions{Program: p.objs.WeirXdp, Interface: iface.Index, Flags: flags})
+		l, err := link.AttachXDP(link.XDPOptions{Program: prog, Interface: iface.Index, Flags: flags})
 		if err == nil {
-			// nat packets may leave by any interface the program is attached to.
-			if err := p.objs.TxPorts.Put(uint32(iface.Index), uint32(iface.Index)); err != nil {
-				l.Close()
-				return "", fmt.Errorf("attach xdp to %s: add to tx_ports: %w", ifname, err)
-			}
-			p.attachments[ifname] = &attachment{link: l, mode: m, ifindex: iface.Index}
-			return m, nil
+			return &attachment{link: l, mode: m, ifindex: iface.Index}, nil
 		}
 		errs = append(errs, fmt.Errorf("%s: %w", m, err))
 	}
 	err = errors.Join(errs...)
 	if mode == ModeNative && errors.Is(err, unix.EOPNOTSUPP) {
-		return "", fmt.Errorf("attach xdp to %s: %w (the driver has no native XDP: use generic or auto)", ifname, err)
+		return nil, fmt.Errorf("attach xdp to %s: %w (the driver has no native XDP: use generic or auto)", ifname, err)
 	}
-	return "", fmt.Errorf("attach xdp to %s: %w", ifname, err)
+	return nil, fmt.Errorf("attach xdp to %s: %w", ifname, err)
 }
 
 // Detach removes the program from the named interface.
@@ -650,12 +659,20 @@ func (p *Program) validate(s *Service) error {
 	if err := s.validate(); err != nil {
 		return err
 	}
-	if s.Forwarding != ForwardNAT {
-		return nil
-	}
-	if s.Key.VIP.Addr().Is4() && !p.opts.NAT.Addr4.IsValid() ||
-		s.Key.VIP.Addr().Is6() && !p.opts.NAT.Addr6.IsValid() {
-		return fmt.Errorf("service %s: nat mode needs the balancer's own address of the VIP's family (loader Options.NAT): %w", s.Key, ErrInvalidService)
+	switch s.Forwarding {
+	case ForwardNAT:
+		if s.Key.VIP.Addr().Is4() && !p.opts.NAT.Addr4.IsValid() ||
+			s.Key.VIP.Addr().Is6() && !p.opts.NAT.Addr6.IsValid() {
+			return fmt.Errorf("service %s: nat mode needs the balancer's own address of the VIP's family (loader Options.NAT): %w", s.Key, ErrInvalidService)
+		}
+	case ForwardTunnel:
+		// The outer header's family is each backend's.
+		for i, b := range s.Backends {
+			if b.Addr.Addr().Is4() && !p.opts.NAT.Addr4.IsValid() || b.Addr.Addr().Is6() && !p.opts.NAT.Addr6.IsValid() {
+				return fmt.Errorf("service %s: backends[%d] %s: tunnel mode needs the balancer's own address of the backend's family as the outer source (loader Options.NAT): %w",
+					s.Key, i, b.Addr, ErrInvalidService)
+			}
+		}
 	}
 	return nil
 }

@@ -55,6 +55,11 @@ const (
 	// ForwardNAT translates both directions (DNAT to the backend, SNAT to the
 	// balancer's address): backends need no change.
 	ForwardNAT Forwarding = 1
+	// ForwardTunnel encapsulates the client's packet (IPIP, IP6IP6, or across
+	// families) to the backend, which may sit in another subnet behind routers; the
+	// backend decapsulates (weir decap, or the kernel's ipip/ip6tnl), holds the VIP
+	// and answers the client directly.
+	ForwardTunnel Forwarding = 2
 )
 
 func (f Forwarding) String() string {
@@ -63,19 +68,23 @@ func (f Forwarding) String() string {
 		return "dsr"
 	case ForwardNAT:
 		return "nat"
+	case ForwardTunnel:
+		return "tunnel"
 	}
 	return fmt.Sprintf("forwarding(%d)", uint32(f))
 }
 
-// ParseForwarding reads "dsr" or "nat".
+// ParseForwarding reads "dsr", "nat" or "tunnel".
 func ParseForwarding(s string) (Forwarding, error) {
 	switch strings.ToLower(s) {
 	case "dsr":
 		return ForwardDSR, nil
 	case "nat":
 		return ForwardNAT, nil
+	case "tunnel":
+		return ForwardTunnel, nil
 	}
-	return 0, fmt.Errorf("forwarding mode %q: must be nat or dsr", s)
+	return 0, fmt.Errorf("forwarding mode %q: must be nat, dsr or tunnel", s)
 }
 
 // Service is a VIP and the backends that share its traffic.
@@ -131,8 +140,8 @@ func (s *Service) validate() error {
 		return fail("vip %s: must be a unicast address", vip)
 	case s.Key.VIP.Port() == 0:
 		return fail("vip: port must be 1..65535, got 0")
-	case s.Forwarding != ForwardDSR && s.Forwarding != ForwardNAT:
-		return fail("forwarding must be dsr or nat, got %s", s.Forwarding)
+	case s.Forwarding > ForwardTunnel:
+		return fail("forwarding must be nat, dsr or tunnel, got %s", s.Forwarding)
 	case s.Key.Protocol != TCP && s.Key.Protocol != UDP:
 		return fail("protocol must be tcp or udp, got %s", s.Key.Protocol)
 	case len(s.Backends) == 0:

@@ -31,6 +31,8 @@ const (
 	ReasonDropNoRoute       = Reason(bpf.WeirStatReasonSTAT_DROP_NO_ROUTE)
 	ReasonDropNATPorts      = Reason(bpf.WeirStatReasonSTAT_DROP_NAT_PORTS)
 	ReasonICMPTranslated    = Reason(bpf.WeirStatReasonSTAT_ICMP_TRANSLATED)
+	ReasonTunnelTooBig      = Reason(bpf.WeirStatReasonSTAT_TUNNEL_TOO_BIG)
+	ReasonDropTooBig        = Reason(bpf.WeirStatReasonSTAT_DROP_TOO_BIG)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
 
@@ -53,6 +55,8 @@ var reasonNames = [...]string{
 	ReasonDropNoRoute:       "drop_no_route",
 	ReasonDropNATPorts:      "drop_nat_ports",
 	ReasonICMPTranslated:    "icmp_translated",
+	ReasonTunnelTooBig:      "tunnel_too_big",
+	ReasonDropTooBig:        "drop_too_big",
 }
 
 func (r Reason) String() string {

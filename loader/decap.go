@@ -1,0 +1,152 @@
+package loader
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/bpf"
+)
+
+// Decap is weir's tunnel decapsulation program, for backends of tunnel-mode services
+// on hosts without the kernel's ipip/ip6tnl modules. It strips the outer header of
+// tunnel packets sent to one of the addresses it is given and passes the client's
+// packet up the stack, which holds the VIP.
+type Decap struct {
+	mu          sync.Mutex
+	objs        bpf.DecapObjects
+	addrs       []netip.Addr
+	attachments map[string]*attachment
+	closed      bool
+}
+
+// LoadDecap loads the decapsulation program for tunnel packets to addrs.
+func LoadDecap(addrs []netip.Addr) (*Decap, error) {
+	d := &Decap{attachments: make(map[string]*attachment)}
+	if err := bpf.LoadDecapObjects(&d.objs, nil); err != nil {
+		if errors.Is(err, unix.EPERM) {
+			return nil, fmt.Errorf("load decap program: %w (run as root, or grant CAP_BPF and CAP_NET_ADMIN)", err)
+		}
+		return nil, fmt.Errorf("load decap program: %w", err)
+	}
+	if err := d.SetAddrs(addrs); err != nil {
+		d.Close()
+		return nil, err
+	}
+	return d, nil
+}
+
+// SetAddrs replaces the addresses whose tunnel packets are decapsulated.
+func (d *Decap) SetAddrs(addrs []netip.Addr) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return fmt.Errorf("decap: %w", net.ErrClosed)
+	}
+	want := make(map[netip.Addr]bool, len(addrs))
+	for _, a := range addrs {
+		if !a.IsValid() || a.Is4In6() {
+			return fmt.Errorf("decap address %s: want an IPv4 or IPv6 address", a)
+		}
+		want[a] = true
+		key := bpf.DecapDecapKey{Addr: addrWords(a), Family: uint32(family(a))}
+		if err := d.objs.DecapAddrs.Put(key, uint8(1)); err != nil {
+			return fmt.Errorf("decap address %s: %w", a, err)
+		}
+	}
+	for _, a := range d.addrs {
+		if !want[a] {
+			_ = d.objs.DecapAddrs.Delete(bpf.DecapDecapKey{Addr: addrWords(a), Family: uint32(family(a))})
+		}
+	}
+	d.addrs = append([]netip.Addr(nil), addrs...)
+	return nil
+}
+
+// Attach attaches the program to an interface of this (backend) host, looked up in
+// the calling thread's network namespace, and returns the mode it got.
+func (d *Decap) Attach(ifname string, mode Mode) (Mode, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return "", fmt.Errorf("attach decap to %s: %w", ifname, net.ErrClosed)
+	}
+	if _, ok := d.attachments[ifname]; ok {
+		return "", fmt.Errorf("attach decap to %s: already attached", ifname)
+	}
+	a, err := attachXDP(d.objs.WeirDecap, ifname, mode)
+	if err != nil {
+		return "", err
+	}
+	d.attachments[ifname] = a
+	return a.mode, nil
+}
+
+// DecapStats counts what the decapsulation program did.
+type DecapStats struct {
+	Decapsulated Counter // outer header removed, passed up
+	NotOurs      Counter // not a tunnel packet to one of our addresses, passed untouched
+	Malformed    Counter // a tunnel packet to us with a cut-short inner header, dropped
+}
+
+// Stats reads the program's counters.
+func (d *Decap) Stats() (DecapStats, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return DecapStats{}, fmt.Errorf("decap: %w", net.ErrClosed)
+	}
+	var st DecapStats
+	for reason, dst := range map[bpf.DecapDecapReason]*Counter{
+		bpf.DecapDecapReasonDECAP_OK:        &st.Decapsulated,
+		bpf.DecapDecapReasonDECAP_NOT_OURS:  &st.NotOurs,
+		bpf.DecapDecapReasonDECAP_MALFORMED: &st.Malformed,
+	} {
+		var perCPU []bpf.DecapDecapCounter
+		if err := d.objs.DecapStats.Lookup(uint32(reason), &perCPU); err != nil {
+			return DecapStats{}, fmt.Errorf("read decap counters: %w", err)
+		}
+		for _, v := range perCPU {
+			dst.Packets += v.Packets
+			dst.Bytes += v.Bytes
+		}
+	}
+	return st, nil
+}
+
+// Run runs the program once on a frame (BPF_PROG_TEST_RUN).
+func (d *Decap) Run(frame []byte) (Action, []byte, error) {
+	out := make([]byte, len(frame)+256)
+	opts := ebpf.RunOptions{Data: frame, DataOut: out}
+	ret, err := d.objs.WeirDecap.Run(&opts)
+	if err != nil {
+		return 0, nil, fmt.Errorf("test-run decap program: %w", err)
+	}
+	return Action(ret), opts.DataOut, nil
+}
+
+// Close detaches the program everywhere, then releases it. It is idempotent.
+func (d *Decap) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil
+	}
+	d.closed = true
+	var errs []error
+	for name, a := range d.attachments {
+		if err := a.link.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("detach decap from %s: %w", name, err))
+		}
+	}
+	d.attachments = nil
+	if err := d.objs.Close(); err != nil {
+		errs = append(errs, fmt.Errorf("close decap objects: %w", err))
+	}
+	return errors.Join(errs...)
+}
