@@ -1,0 +1,944 @@
+package loader
+
+import (
+	"encoding/binary"
+	"fmt"
+
+	"github.com/weir-lb/weir/bpf"
+)
+
+// model.go: a pure-Go model of the XDP program's decision (bpf/weir.c and its
+// headers), step for step: parse, ICMP error translation, nat replies, VIP match,
+// connection table, lookup table, rewrite, counters. Given the same map contents
+// and a frame it predicts the verdict, the output frame, the counters and the
+// changes to the connection and nat reverse tables. FuzzDataPath holds it against
+// the real program; it mirrors the C, bugs included, so keep the two in step.
+//
+// What no model can predict comes in through ModelEnv: the clock, the nat source
+// port the program's random draws settle on, and bpf_fib_lookup's answer.
+//
+// Words are read from the frame as the C reads them: network-order bytes loaded as
+// native (little-endian) integers, the layout bpf2go's key and value types hold.
+
+// Model is the program's map contents and load-time settings. Run changes
+// Conntrack and NATReverse as the program changes its maps.
+type Model struct {
+	HashSeed uint32
+	// The nat settings (bpf/nat.h's volatile consts) as the program holds them.
+	NATAddr4         uint32
+	NATAddr6         [4]uint32
+	PortMin, PortMax uint16
+	TCPIdleNs        uint64
+	TCPClosingNs     uint64
+	UDPIdleNs        uint64
+	MaxServices      uint32 // entries of lookup_tables and service_stats
+	MaxBackends      uint32 // entries of backend_stats and backend_flows
+	Services         map[bpf.WeirVipKey]bpf.WeirService
+	Backends         []bpf.WeirBackend   // the whole array, index = slot
+	Tables           map[uint32][]uint32 // service id -> lookup table: entry 0 the size M, 1..M slots
+	Conntrack        map[bpf.WeirFlowKey]bpf.WeirFlowState
+	NATReverse       map[bpf.WeirFlowKey]bpf.WeirNatEntry
+	TxPorts          map[uint32]bool // tx_ports keys
+	IngressIfindex   uint32          // ctx->ingress_ifindex of every Run
+}
+
+// ModelEnv is what the model cannot know.
+type ModelEnv struct {
+	// Now is bpf_ktime_get_coarse_ns as the program reads it.
+	Now uint64
+	// NATPort is asked for when a new nat flow (its key as received) claims a source
+	// port and the range holds more than one port: it returns the port (host order)
+	// the program's random draws settled on, or 0 if every draw failed. A test reads
+	// it from the program's connection table afterwards. The model checks that the
+	// port is in range and could be claimed. With PortMin == PortMax the draw is
+	// forced and NATPort is not asked.
+	NATPort func(flow bpf.WeirFlowKey) uint16
+	// FIB answers bpf_fib_lookup; nil means no route (drop_no_route).
+	FIB func(FIBQuery) FIBAnswer
+}
+
+// FIBQuery is what the program asks bpf_fib_lookup.
+type FIBQuery struct {
+	Family, Proto uint8
+	Src, Dst      [4]uint32
+	Sport, Dport  uint16 // network order, as native words
+	TotLen        uint16
+	Ifindex       uint32
+}
+
+// FIBAnswer is bpf_fib_lookup's result.
+type FIBAnswer struct {
+	Result         FIBResult
+	SrcMAC, DstMAC [6]byte
+	Ifindex        uint32
+}
+
+// FIBResult is the return code of bpf_fib_lookup, reduced to what the program
+// distinguishes.
+type FIBResult int
+
+const (
+	FIBNoRoute FIBResult = iota // any failure other than an unresolved neighbour
+	FIBSuccess
+	FIBNoNeighbour
+)
+
+// Outcome is the model's prediction for one frame.
+type Outcome struct {
+	Action Action
+	Frame  []byte // the frame as the program leaves it
+	// Len is the frame's length: every counter below counts one packet of Len bytes.
+	Len      uint32
+	Reasons  []Reason // global_stats, in the order counted
+	Services []uint32 // service_stats indexes counted
+	Backends []uint32 // backend_stats indexes counted
+	// FlowsOpened and FlowsClosed are backend_flows increments by backend slot.
+	FlowsOpened, FlowsClosed []uint32
+}
+
+// Constants of bpf/consts.h and the kernel's headers.
+const (
+	modelContinue       = -1
+	maxL3Offset         = 64
+	maxL4Offset         = 512
+	maxIPv6ExtHeaders   = 4
+	natPortTries        = 8
+	flowFlagClosing     = 1 << 0
+	modeNAT             = 1
+	modeTunnel          = 2
+	nsecPerSec          = 1_000_000_000
+	protoHopOpts        = 0
+	protoICMP           = 1
+	protoTCP            = 6
+	protoUDP            = 17
+	protoRouting        = 43
+	protoFragment       = 44
+	protoESP            = 50
+	protoAH             = 51
+	protoICMPv6         = 58
+	protoDstOpts        = 60
+	tcpFlagFIN          = 0x01
+	tcpFlagSYN          = 0x02
+	tcpFlagRST          = 0x04
+	tcpFlagACK          = 0x10
+	etherTypeIPv4       = 0x0800
+	etherTypeIPv6       = 0x86dd
+	etherTypeVLAN       = 0x8100
+	ipv4HeaderLen       = 20
+	ipv6HeaderLen       = 40
+	icmpHeaderLen       = 8
+	ethHeaderLen        = 14
+	vlanHeaderLen       = 4
+	tcpHeaderLen        = 20
+	udpHeaderLen        = 8
+	ipv6OptHeaderMinLen = 2
+)
+
+// modelPacket is struct packet of bpf/parse.h.
+type modelPacket struct {
+	flow      bpf.WeirFlowKey
+	len       uint32
+	l3, l4    uint32 // __u16 in C; every value fits
+	l3Len     uint32 // the IP packet's length as its header says
+	tcpFlags  uint8
+	icmpError bool
+}
+
+// run is one packet through the model: the frame being rewritten and what was counted.
+type run struct {
+	m   *Model
+	env ModelEnv
+	b   []byte
+	out Outcome
+	err error
+}
+
+// Run predicts what the program does with frame. It returns an error when env
+// contradicts the model (a nat port out of range or held by a live flow).
+func (m *Model) Run(frame []byte, env ModelEnv) (Outcome, error) {
+	r := &run{m: m, env: env, b: append([]byte(nil), frame...)}
+	r.out.Len = uint32(len(frame))
+	r.out.Action = Action(r.program())
+	r.out.Frame = r.b
+	return r.out, r.err
+}
+
+// Little-endian loads and stores: the C's native accesses to network-order bytes.
+func (r *run) ld16(off uint32) uint16         { return binary.LittleEndian.Uint16(r.b[off:]) }
+func (r *run) ld32(off uint32) uint32         { return binary.LittleEndian.Uint32(r.b[off:]) }
+func (r *run) st16(off uint32, v uint16)      { binary.LittleEndian.PutUint16(r.b[off:], v) }
+func (r *run) st32(off uint32, v uint32)      { binary.LittleEndian.PutUint32(r.b[off:], v) }
+func (r *run) fits(off, n uint32) bool        { return uint64(off)+uint64(n) <= uint64(len(r.b)) }
+func ntohs(v uint16) uint16                   { return v>>8 | v<<8 }
+func (r *run) count(reason Reason)            { r.out.Reasons = append(r.out.Reasons, reason) }
+func (r *run) verdict(a Action, s Reason) int { r.count(s); return int(a) }
+
+func (r *run) countService(id uint32) {
+	if id < r.m.MaxServices {
+		r.out.Services = append(r.out.Services, id)
+	}
+}
+
+func (r *run) countBackend(id uint32) {
+	if id < r.m.MaxBackends {
+		r.out.Backends = append(r.out.Backends, id)
+	}
+}
+
+func (r *run) countFlow(id uint32, opened bool) {
+	if id >= r.m.MaxBackends {
+		return
+	}
+	if opened {
+		r.out.FlowsOpened = append(r.out.FlowsOpened, id)
+	} else {
+		r.out.FlowsClosed = append(r.out.FlowsClosed, id)
+	}
+}
+
+// program is weir_xdp.
+func (r *run) program() int {
+	var p modelPacket
+	if a := r.parse(&p); a != modelContinue {
+		return a
+	}
+	if p.icmpError {
+		return r.icmpErrorTranslate(&p)
+	}
+	if r.isNATAddress(&p.flow) {
+		if a := r.natReply(&p); a != modelContinue {
+			return a
+		}
+	}
+	key := bpf.WeirVipKey{Addr: p.flow.Dst, Port: p.flow.Dport, Proto: p.flow.Proto, Family: p.flow.Family}
+	svc, ok := r.m.Services[key]
+	if !ok {
+		return r.verdict(XDPPass, ReasonPassNotService)
+	}
+	switch svc.Mode {
+	case modeNAT:
+		return r.natForward(&p, svc)
+	case modeTunnel:
+		r.err = fmt.Errorf("service id %d: tunnel mode is not modelled", svc.Id)
+		return int(XDPAborted)
+	}
+	id, be, a := r.selectBackend(&p, svc)
+	if a != modelContinue {
+		return a
+	}
+	r.countService(svc.Id)
+	r.countBackend(id)
+	// forward_dsr: the frame came to us, so its destination MAC is our source MAC.
+	// weir.c counts tx whatever forward_dsr returns.
+	if !r.fits(0, ethHeaderLen) {
+		return r.verdict(XDPAborted, ReasonTX)
+	}
+	copy(r.b[6:12], r.b[0:6])
+	copy(r.b[0:6], be.Mac[:])
+	return r.verdict(XDPTX, ReasonTX)
+}
+
+// parse is bpf/parse.h's parse.
+func (r *run) parse(p *modelPacket) int {
+	p.len = uint32(len(r.b))
+	off := uint32(ethHeaderLen)
+	if !r.fits(0, ethHeaderLen) {
+		return r.verdict(XDPPass, ReasonPassNotIP)
+	}
+	proto := binary.BigEndian.Uint16(r.b[12:])
+	if proto == etherTypeVLAN {
+		if !r.fits(off, vlanHeaderLen) {
+			return r.verdict(XDPPass, ReasonPassNotIP)
+		}
+		proto = binary.BigEndian.Uint16(r.b[off+2:])
+		off += vlanHeaderLen
+	}
+	p.l3 = off
+	switch proto {
+	case etherTypeIPv4:
+		return r.parseIPv4(off, p)
+	case etherTypeIPv6:
+		return r.parseIPv6(off, p)
+	}
+	return r.verdict(XDPPass, ReasonPassNotIP)
+}
+
+func (r *run) parseIPv4(off uint32, p *modelPacket) int {
+	if !r.fits(off, ipv4HeaderLen) || r.b[off]>>4 != 4 || r.b[off]&0xf < 5 {
+		return r.verdict(XDPPass, ReasonPassMalformedL3)
+	}
+	ihl := uint32(r.b[off]&0xf) * 4
+	totLen := uint32(binary.BigEndian.Uint16(r.b[off+2:]))
+	if totLen < ihl || !r.fits(off, totLen) {
+		return r.verdict(XDPPass, ReasonPassMalformedL3)
+	}
+	p.flow.Family = familyIPv4
+	p.l3Len = totLen
+	p.flow.Proto = r.b[off+9]
+	p.flow.Src[0] = r.ld32(off + 12)
+	p.flow.Dst[0] = r.ld32(off + 16)
+	if binary.BigEndian.Uint16(r.b[off+6:])&0x3fff != 0 {
+		return r.vipAddressVerdict(p, ReasonDropFragment)
+	}
+	return r.parseL4(off+ihl, p)
+}
+
+func (r *run) parseIPv6(off uint32, p *modelPacket) int {
+	if !r.fits(off, ipv6HeaderLen) || r.b[off]>>4 != 6 {
+		return r.verdict(XDPPass, ReasonPassMalformedL3)
+	}
+	if !r.fits(off+ipv6HeaderLen, uint32(binary.BigEndian.Uint16(r.b[off+4:]))) {
+		return r.verdict(XDPPass, ReasonPassMalformedL3)
+	}
+	p.flow.Family = familyIPv6
+	p.l3Len = ipv6HeaderLen + uint32(binary.BigEndian.Uint16(r.b[off+4:]))
+	for i := range 4 {
+		p.flow.Src[i] = r.ld32(off + 8 + uint32(i)*4)
+		p.flow.Dst[i] = r.ld32(off + 24 + uint32(i)*4)
+	}
+	next := r.b[off+6]
+	off += ipv6HeaderLen
+	for range maxIPv6ExtHeaders {
+		if next != protoHopOpts && next != protoRouting && next != protoDstOpts {
+			break
+		}
+		if !r.fits(off, ipv6OptHeaderMinLen) {
+			return r.vipAddressVerdict(p, ReasonDropMalformedL4)
+		}
+		next = r.b[off]
+		off += (uint32(r.b[off+1]) + 1) * 8
+	}
+	p.flow.Proto = next
+	// Headers this long are legal, but the rewriting steps bound their offsets.
+	if off > maxL4Offset {
+		return r.vipAddressVerdict(p, ReasonDropIPv6Extension)
+	}
+	if next == protoFragment {
+		return r.vipAddressVerdict(p, ReasonDropFragment)
+	}
+	switch next {
+	case protoHopOpts, protoRouting, protoDstOpts, protoAH, protoESP:
+		return r.vipAddressVerdict(p, ReasonDropIPv6Extension)
+	}
+	return r.parseL4(off, p)
+}
+
+func (r *run) parseL4(off uint32, p *modelPacket) int {
+	p.l4 = off
+	switch p.flow.Proto {
+	case protoTCP:
+		if !r.fits(off, tcpHeaderLen) {
+			return r.vipAddressVerdict(p, ReasonDropMalformedL4)
+		}
+		p.flow.Sport, p.flow.Dport = r.ld16(off), r.ld16(off+2)
+		p.tcpFlags = r.b[off+13]
+		return modelContinue
+	case protoUDP:
+		if !r.fits(off, udpHeaderLen) {
+			return r.vipAddressVerdict(p, ReasonDropMalformedL4)
+		}
+		p.flow.Sport, p.flow.Dport = r.ld16(off), r.ld16(off+2)
+		return modelContinue
+	}
+	if (p.flow.Family == familyIPv4 && p.flow.Proto == protoICMP) ||
+		(p.flow.Family == familyIPv6 && p.flow.Proto == protoICMPv6) {
+		if r.fits(off, icmpHeaderLen) && icmpIsError(p.flow.Family, r.b[off]) {
+			p.icmpError = true
+			return modelContinue
+		}
+	}
+	return r.verdict(XDPPass, ReasonPassNotService)
+}
+
+func icmpIsError(family, typ uint8) bool {
+	if family == familyIPv4 {
+		return typ == 3 || typ == 11
+	}
+	return typ == 1 || typ == 2 || typ == 3
+}
+
+func (r *run) vipAddressVerdict(p *modelPacket, drop Reason) int {
+	if _, ok := r.m.Services[bpf.WeirVipKey{Addr: p.flow.Dst, Family: p.flow.Family}]; ok {
+		return r.verdict(XDPDrop, drop)
+	}
+	return r.verdict(XDPPass, ReasonPassNotVIPL4)
+}
+
+// usableBackend is select.h's usable_backend.
+func (r *run) usableBackend(id, serviceID uint32) (bpf.WeirBackend, bool) {
+	if uint64(id) >= uint64(len(r.m.Backends)) {
+		return bpf.WeirBackend{}, false
+	}
+	be := r.m.Backends[id]
+	if be.Flags&backendFlagUsable == 0 || be.ServiceId != serviceID {
+		return bpf.WeirBackend{}, false
+	}
+	return be, true
+}
+
+// lookupTablePick returns the slot the table gives (set even when its backend is
+// unusable, as the C sets *id) and the backend if usable.
+func (r *run) lookupTablePick(p *modelPacket, svc bpf.WeirService) (uint32, bpf.WeirBackend, bool) {
+	table, ok := r.m.Tables[svc.Id]
+	if !ok || svc.Id >= r.m.MaxServices || len(table) == 0 || table[0] == 0 {
+		return 0, bpf.WeirBackend{}, false
+	}
+	h := flowKeyHash(&p.flow, r.m.HashSeed, svc.Flags&serviceFlagSourceHash != 0)
+	index := 1 + h%table[0]
+	if uint64(index) >= uint64(len(table)) {
+		return 0, bpf.WeirBackend{}, false
+	}
+	id := table[index]
+	be, ok := r.usableBackend(id, svc.Id)
+	return id, be, ok
+}
+
+// flowKeyHash is bpf/hash.h's flow_hash on a key as the program holds it.
+func flowKeyHash(f *bpf.WeirFlowKey, seed uint32, sourceOnly bool) uint32 {
+	h := seed
+	for _, w := range f.Src {
+		h = hashWord(h, w)
+	}
+	if !sourceOnly {
+		for _, w := range f.Dst {
+			h = hashWord(h, w)
+		}
+		h = hashWord(h, uint32(f.Sport)<<16|uint32(f.Dport))
+		h = hashWord(h, uint32(f.Proto))
+	}
+	return hashFinal(h)
+}
+
+// selectBackend is select.h's select_backend (dsr).
+func (r *run) selectBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.WeirBackend, int) {
+	event := ReasonFlowNew
+	if !(p.flow.Proto == protoTCP && p.tcpFlags&(tcpFlagSYN|tcpFlagACK) == tcpFlagSYN) {
+		if known, ok := r.m.Conntrack[p.flow]; ok {
+			if be, ok := r.usableBackend(known.BackendId, svc.Id); ok {
+				r.count(ReasonFlowHit)
+				return known.BackendId, be, modelContinue
+			}
+			event = ReasonFlowReselect
+		}
+	}
+	id, be, ok := r.lookupTablePick(p, svc)
+	if !ok {
+		return 0, be, r.verdict(XDPDrop, ReasonDropNoBackend)
+	}
+	r.m.Conntrack[p.flow] = bpf.WeirFlowState{BackendId: id, CreatedNs: r.env.Now}
+	r.count(event)
+	return id, be, modelContinue
+}
+
+// The nat side (bpf/nat.h).
+
+func (r *run) isNATAddress(f *bpf.WeirFlowKey) bool {
+	if f.Family == familyIPv4 {
+		return r.m.NATAddr4 != 0 && f.Dst[0] == r.m.NATAddr4
+	}
+	a := r.m.NATAddr6
+	return a[0]|a[1]|a[2]|a[3] != 0 && f.Dst == a
+}
+
+func (r *run) natSource(family uint8) [4]uint32 {
+	if family == familyIPv4 {
+		return [4]uint32{r.m.NATAddr4}
+	}
+	return r.m.NATAddr6
+}
+
+func tcpCloses(p *modelPacket) bool {
+	return p.flow.Proto == protoTCP && p.tcpFlags&(tcpFlagFIN|tcpFlagRST) != 0
+}
+
+func (m *Model) flowAlive(fs *bpf.WeirFlowState, proto uint8, now uint64) bool {
+	idle := m.UDPIdleNs
+	if proto == protoTCP {
+		idle = m.TCPIdleNs
+		if fs.Flags&flowFlagClosing != 0 {
+			idle = m.TCPClosingNs
+		}
+	}
+	return now-fs.LastSeenNs <= idle
+}
+
+// markClosing marks the connection-table entry under key closing, once, and counts
+// its backend's flow closed.
+func (r *run) markClosing(key bpf.WeirFlowKey) {
+	fs := r.m.Conntrack[key]
+	if fs.Flags&flowFlagClosing != 0 {
+		return
+	}
+	fs.Flags |= flowFlagClosing
+	r.m.Conntrack[key] = fs
+	r.countFlow(fs.BackendId, false)
+}
+
+// Incremental checksum updates (bpf/csum.h).
+func csumStart(check uint16) uint32                { return uint32(^check) }
+func csumAdd16(sum uint32, from, to uint16) uint32 { return sum + uint32(^from) + uint32(to) }
+func csumAdd32(sum, from, to uint32) uint32 {
+	sum = csumAdd16(sum, uint16(from), uint16(to))
+	return csumAdd16(sum, uint16(from>>16), uint16(to>>16))
+}
+func csumFinish(sum uint32) uint16 {
+	sum = sum&0xffff + sum>>16
+	sum = sum&0xffff + sum>>16
+	return ^uint16(sum)
+}
+
+// natRewrite is nat.h's nat_rewrite.
+func (r *run) natRewrite(p *modelPacket, src [4]uint32, sport uint16, dst [4]uint32, dport uint16) int {
+	l3, l4 := p.l3, p.l4
+	words := 4
+	if p.flow.Family == familyIPv4 {
+		words = 1
+	}
+	if l3 > maxL3Offset || l4 > maxL4Offset {
+		return int(XDPAborted)
+	}
+	if !r.fits(l4, 4) {
+		return int(XDPAborted)
+	}
+	var check uint32
+	if p.flow.Proto == protoTCP {
+		if !r.fits(l4, tcpHeaderLen) {
+			return int(XDPAborted)
+		}
+		check = l4 + 16
+	} else {
+		if !r.fits(l4, udpHeaderLen) {
+			return int(XDPAborted)
+		}
+		check = l4 + 6
+	}
+	if !(p.flow.Proto == protoUDP && p.flow.Family == familyIPv4 && r.ld16(check) == 0) {
+		sum := csumStart(r.ld16(check))
+		for i := range words {
+			sum = csumAdd32(sum, p.flow.Src[i], src[i])
+			sum = csumAdd32(sum, p.flow.Dst[i], dst[i])
+		}
+		sum = csumAdd16(sum, r.ld16(l4), sport)
+		sum = csumAdd16(sum, r.ld16(l4+2), dport)
+		c := csumFinish(sum)
+		if p.flow.Proto == protoUDP && c == 0 {
+			c = 0xffff
+		}
+		r.st16(check, c)
+	}
+	r.st16(l4, sport)
+	r.st16(l4+2, dport)
+	if p.flow.Family == familyIPv4 {
+		if !r.fits(l3, ipv4HeaderLen) {
+			return int(XDPAborted)
+		}
+		sum := csumStart(r.ld16(l3 + 10))
+		sum = csumAdd32(sum, r.ld32(l3+12), src[0])
+		sum = csumAdd32(sum, r.ld32(l3+16), dst[0])
+		r.st16(l3+10, csumFinish(sum))
+		r.st32(l3+12, src[0])
+		r.st32(l3+16, dst[0])
+	} else {
+		if !r.fits(l3, ipv6HeaderLen) {
+			return int(XDPAborted)
+		}
+		for i := range 4 {
+			r.st32(l3+8+uint32(i)*4, src[i])
+			r.st32(l3+24+uint32(i)*4, dst[i])
+		}
+	}
+	p.flow.Src, p.flow.Dst = src, dst
+	p.flow.Sport, p.flow.Dport = sport, dport
+	return modelContinue
+}
+
+// sendTo is nat.h's send_to.
+func (r *run) sendTo(p *modelPacket, hop bpf.WeirNextHop) int {
+	if !r.fits(0, ethHeaderLen) {
+		return int(XDPAborted)
+	}
+	copy(r.b[0:6], hop.Dmac[:])
+	copy(r.b[6:12], hop.Smac[:])
+	if hop.Ifindex == r.m.IngressIfindex {
+		return r.verdict(XDPTX, ReasonTX)
+	}
+	if r.m.TxPorts[hop.Ifindex] {
+		return r.verdict(XDPRedirect, ReasonRedirect)
+	}
+	return r.verdict(XDPDrop, ReasonRedirect)
+}
+
+// fibForward is nat.h's fib_forward: the cached next hop if there is one (cache may
+// be nil), else the one bpf_fib_lookup finds, which it then caches.
+func (r *run) fibForward(p *modelPacket, cache *bpf.WeirNextHop) int {
+	if cache != nil && cache.Ifindex != 0 {
+		return r.sendTo(p, *cache)
+	}
+	q := FIBQuery{Family: p.flow.Family, Proto: p.flow.Proto, Src: p.flow.Src, Dst: p.flow.Dst,
+		Sport: p.flow.Sport, Dport: p.flow.Dport, TotLen: uint16(p.len - p.l3), Ifindex: r.m.IngressIfindex}
+	if q.Family == familyIPv4 {
+		q.Src, q.Dst = [4]uint32{q.Src[0]}, [4]uint32{q.Dst[0]}
+	}
+	var ans FIBAnswer
+	if r.env.FIB != nil {
+		ans = r.env.FIB(q)
+	}
+	switch ans.Result {
+	case FIBNoNeighbour:
+		return r.verdict(XDPPass, ReasonPassNoNeighbour)
+	case FIBSuccess:
+	default:
+		return r.verdict(XDPDrop, ReasonDropNoRoute)
+	}
+	hop := bpf.WeirNextHop{Dmac: ans.DstMAC, Smac: ans.SrcMAC, Ifindex: ans.Ifindex}
+	if cache != nil {
+		*cache = hop
+	}
+	return r.sendTo(p, hop)
+}
+
+// cameFrom is nat.h's came_from: the next hop back to where the frame came from.
+func (r *run) cameFrom() (bpf.WeirNextHop, bool) {
+	var hop bpf.WeirNextHop
+	if !r.fits(0, ethHeaderLen) {
+		return hop, false
+	}
+	copy(hop.Dmac[:], r.b[6:12])
+	copy(hop.Smac[:], r.b[0:6])
+	hop.Ifindex = r.m.IngressIfindex
+	return hop, true
+}
+
+// replyKey is nat.h's reply_key.
+func (r *run) replyKey(p *modelPacket, be bpf.WeirBackend, natPort uint16) bpf.WeirFlowKey {
+	return bpf.WeirFlowKey{Src: be.Addr, Dst: r.natSource(p.flow.Family), Sport: be.Port, Dport: natPort,
+		Proto: p.flow.Proto, Family: p.flow.Family}
+}
+
+// natClaimable reports whether nat_alloc_port would take port (network order,
+// native) for the reverse key rk: free, or held by a flow that has ended.
+func (r *run) natClaimable(rk bpf.WeirFlowKey, now uint64) bool {
+	old, ok := r.m.NATReverse[rk]
+	if !ok {
+		return true
+	}
+	holder, ok := r.m.Conntrack[old.Client]
+	return !(ok && r.m.flowAlive(&holder, rk.Proto, now) && holder.NatPort == rk.Dport &&
+		holder.BackendId == old.BackendId)
+}
+
+// natAllocPort is nat.h's nat_alloc_port with the random draws replaced by
+// ModelEnv.NATPort. It returns the port in network order (as a native word), 0 for none.
+func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now uint64) uint16 {
+	rk := r.replyKey(p, be, 0)
+	toClient, ok := r.cameFrom()
+	if !ok {
+		return 0
+	}
+	var port uint16
+	if r.m.PortMin == r.m.PortMax {
+		port = r.m.PortMin
+	} else {
+		if r.env.NATPort != nil {
+			port = r.env.NATPort(p.flow)
+		}
+		if port == 0 {
+			return 0
+		}
+		if port < r.m.PortMin || port > r.m.PortMax {
+			r.err = fmt.Errorf("nat source port %d outside %d..%d", port, r.m.PortMin, r.m.PortMax)
+			return 0
+		}
+	}
+	rk.Dport = ntohs(port)
+	if !r.natClaimable(rk, now) {
+		if r.m.PortMin != r.m.PortMax {
+			r.err = fmt.Errorf("nat source port %d is held by a live flow: the program must not take it", port)
+		}
+		return 0
+	}
+	r.m.NATReverse[rk] = bpf.WeirNatEntry{Client: p.flow, BackendId: id, ToClient: toClient}
+	return rk.Dport
+}
+
+// natForward is nat.h's nat_forward.
+func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
+	now := r.env.Now
+	key := p.flow
+	var (
+		id uint32
+		be bpf.WeirBackend
+		ok bool
+	)
+	fs, known := r.m.Conntrack[key]
+	if known {
+		if r.m.flowAlive(&fs, p.flow.Proto, now) {
+			be, ok = r.usableBackend(fs.BackendId, svc.Id)
+		}
+		if ok {
+			id = fs.BackendId
+			if now-fs.LastSeenNs > nsecPerSec {
+				r.refreshFlow(p, key, be, now)
+			}
+			if tcpCloses(p) {
+				r.markClosing(key)
+			}
+			r.count(ReasonFlowHit)
+			r.countService(svc.Id)
+			r.countBackend(id)
+			fs = r.m.Conntrack[key]
+			if a := r.natRewrite(p, r.natSource(p.flow.Family), fs.NatPort, be.Addr, be.Port); a != modelContinue {
+				return a
+			}
+			a := r.fibForward(p, &fs.ToBackend)
+			r.m.Conntrack[key] = fs
+			return a
+		}
+		// Expired, or its backend became unusable: the old flow ends here.
+		r.markClosing(key)
+	}
+	id, be, ok = r.lookupTablePick(p, svc)
+	if !ok {
+		return r.verdict(XDPDrop, ReasonDropNoBackend)
+	}
+	port := r.natAllocPort(p, be, id, now)
+	if port == 0 {
+		return r.verdict(XDPDrop, ReasonDropNATPorts)
+	}
+	fresh := bpf.WeirFlowState{BackendId: id, NatPort: port, CreatedNs: now, LastSeenNs: now}
+	if tcpCloses(p) {
+		fresh.Flags = flowFlagClosing
+	}
+	r.countFlow(id, true)
+	if fresh.Flags&flowFlagClosing != 0 {
+		r.countFlow(id, false)
+	}
+	if known {
+		r.count(ReasonFlowReselect)
+	} else {
+		r.count(ReasonFlowNew)
+	}
+	r.countService(svc.Id)
+	r.countBackend(id)
+	a := r.natRewrite(p, r.natSource(p.flow.Family), port, be.Addr, be.Port)
+	if a == modelContinue {
+		a = r.fibForward(p, &fresh.ToBackend)
+	}
+	// Recorded whatever the verdict.
+	r.m.Conntrack[key] = fresh
+	return a
+}
+
+// refreshFlow is nat.h's refresh_flow.
+func (r *run) refreshFlow(p *modelPacket, key bpf.WeirFlowKey, be bpf.WeirBackend, now uint64) {
+	fs := r.m.Conntrack[key]
+	fs.LastSeenNs = now
+	fs.ToBackend.Ifindex = 0
+	r.m.Conntrack[key] = fs
+	rk := r.replyKey(p, be, fs.NatPort)
+	if rev, ok := r.m.NATReverse[rk]; ok {
+		if hop, ok := r.cameFrom(); ok {
+			rev.ToClient = hop
+			r.m.NATReverse[rk] = rev
+		}
+	}
+}
+
+// natReply is nat.h's nat_reply.
+func (r *run) natReply(p *modelPacket) int {
+	rev, ok := r.m.NATReverse[p.flow]
+	if !ok {
+		return modelContinue
+	}
+	client := rev.Client
+	if tcpCloses(p) {
+		if _, ok := r.m.Conntrack[client]; ok {
+			r.markClosing(client)
+		}
+	}
+	r.count(ReasonNATReply)
+	if a := r.natRewrite(p, client.Dst, client.Dport, client.Src, client.Sport); a != modelContinue {
+		return a
+	}
+	return r.sendTo(p, rev.ToClient)
+}
+
+// ICMP errors (bpf/icmp.h).
+
+type icmpRewrite struct {
+	outerSrc, outerDst, innerSrc, innerDst [4]uint32
+	innerSport, innerDport                 uint16
+}
+
+// icmpErrorTranslate is icmp.h's icmp_error_translate.
+func (r *run) icmpErrorTranslate(p *modelPacket) int {
+	var inner, flow bpf.WeirFlowKey
+	var rw icmpRewrite
+	in3 := p.l4 + icmpHeaderLen
+	var in4 uint32
+	if in3 > maxL4Offset {
+		return r.verdict(XDPPass, ReasonPassNotService)
+	}
+	inner.Family = p.flow.Family
+	if p.flow.Family == familyIPv4 {
+		if !r.fits(in3, ipv4HeaderLen) || r.b[in3]>>4 != 4 || r.b[in3]&0xf != 5 {
+			return r.verdict(XDPPass, ReasonPassNotService)
+		}
+		inner.Src[0], inner.Dst[0] = r.ld32(in3+12), r.ld32(in3+16)
+		inner.Proto = r.b[in3+9]
+		in4 = in3 + ipv4HeaderLen
+	} else {
+		if !r.fits(in3, ipv6HeaderLen) || r.b[in3]>>4 != 6 {
+			return r.verdict(XDPPass, ReasonPassNotService)
+		}
+		for i := range 4 {
+			inner.Src[i] = r.ld32(in3 + 8 + uint32(i)*4)
+			inner.Dst[i] = r.ld32(in3 + 24 + uint32(i)*4)
+		}
+		inner.Proto = r.b[in3+6]
+		in4 = in3 + ipv6HeaderLen
+	}
+	if inner.Proto != protoTCP && inner.Proto != protoUDP {
+		return r.verdict(XDPPass, ReasonPassNotService)
+	}
+	if !r.fits(in4, 4) {
+		return r.verdict(XDPPass, ReasonPassNotService)
+	}
+	inner.Sport, inner.Dport = r.ld16(in4), r.ld16(in4+2)
+
+	flow.Src, flow.Dst = inner.Dst, inner.Src
+	flow.Sport, flow.Dport = inner.Dport, inner.Sport
+	flow.Proto, flow.Family = inner.Proto, inner.Family
+
+	if r.isNATAddress(&p.flow) {
+		rev, ok := r.m.NATReverse[flow]
+		if !ok {
+			return r.verdict(XDPPass, ReasonPassNotService)
+		}
+		rw.outerSrc, rw.outerDst = rev.Client.Dst, rev.Client.Src
+		rw.innerSrc, rw.innerDst = rev.Client.Src, rev.Client.Dst
+		rw.innerSport, rw.innerDport = rev.Client.Sport, rev.Client.Dport
+	} else {
+		fs, ok := r.m.Conntrack[flow]
+		if !ok || fs.NatPort == 0 {
+			return r.verdict(XDPPass, ReasonPassNotService)
+		}
+		if uint64(fs.BackendId) >= uint64(len(r.m.Backends)) {
+			return r.verdict(XDPPass, ReasonPassNotService)
+		}
+		be := r.m.Backends[fs.BackendId]
+		rw.outerSrc = r.natSource(p.flow.Family)
+		rw.outerDst = be.Addr
+		rw.innerSrc = be.Addr
+		rw.innerDst = r.natSource(p.flow.Family)
+		rw.innerSport, rw.innerDport = be.Port, fs.NatPort
+	}
+	r.count(ReasonICMPTranslated)
+	if a := r.icmpApply(p, &inner, in3, in4, &rw); a != modelContinue {
+		return a
+	}
+	return r.fibForward(p, nil)
+}
+
+// icmpApply is icmp.h's icmp_apply.
+func (r *run) icmpApply(p *modelPacket, inner *bpf.WeirFlowKey, in3, in4 uint32, rw *icmpRewrite) int {
+	v4 := p.flow.Family == familyIPv4
+	words := 4
+	if v4 {
+		words = 1
+	}
+	l3, l4 := p.l3, p.l4
+	if l3 > maxL3Offset || l4 > maxL4Offset || in4 > maxL4Offset+48 {
+		return int(XDPAborted)
+	}
+	if !r.fits(l4, icmpHeaderLen) {
+		return int(XDPAborted)
+	}
+	isum := csumStart(r.ld16(l4 + 2))
+
+	l4check, haveCheck := uint32(0), false
+	if inner.Proto == protoTCP {
+		if r.fits(in4, 18) {
+			l4check, haveCheck = in4+16, true
+		}
+	} else if r.fits(in4, 8) {
+		l4check, haveCheck = in4+6, true
+	}
+	if haveCheck && !(inner.Proto == protoUDP && v4 && r.ld16(l4check) == 0) {
+		old := r.ld16(l4check)
+		s := csumStart(old)
+		for i := range words {
+			s = csumAdd32(s, inner.Src[i], rw.innerSrc[i])
+			s = csumAdd32(s, inner.Dst[i], rw.innerDst[i])
+		}
+		s = csumAdd16(s, inner.Sport, rw.innerSport)
+		s = csumAdd16(s, inner.Dport, rw.innerDport)
+		fresh := csumFinish(s)
+		if inner.Proto == protoUDP && fresh == 0 {
+			fresh = 0xffff
+		}
+		r.st16(l4check, fresh)
+		isum = csumAdd16(isum, old, fresh)
+	}
+
+	if !r.fits(in4, 4) {
+		return int(XDPAborted)
+	}
+	isum = csumAdd16(isum, r.ld16(in4), rw.innerSport)
+	isum = csumAdd16(isum, r.ld16(in4+2), rw.innerDport)
+	r.st16(in4, rw.innerSport)
+	r.st16(in4+2, rw.innerDport)
+
+	if v4 {
+		if !r.fits(in3, ipv4HeaderLen) {
+			return int(XDPAborted)
+		}
+		old := r.ld16(in3 + 10)
+		s := csumStart(old)
+		s = csumAdd32(s, r.ld32(in3+12), rw.innerSrc[0])
+		s = csumAdd32(s, r.ld32(in3+16), rw.innerDst[0])
+		r.st16(in3+10, csumFinish(s))
+		isum = csumAdd16(isum, old, r.ld16(in3+10))
+		isum = csumAdd32(isum, r.ld32(in3+12), rw.innerSrc[0])
+		isum = csumAdd32(isum, r.ld32(in3+16), rw.innerDst[0])
+		r.st32(in3+12, rw.innerSrc[0])
+		r.st32(in3+16, rw.innerDst[0])
+	} else {
+		if !r.fits(in3, ipv6HeaderLen) {
+			return int(XDPAborted)
+		}
+		for i := range 4 {
+			isum = csumAdd32(isum, inner.Src[i], rw.innerSrc[i])
+			isum = csumAdd32(isum, inner.Dst[i], rw.innerDst[i])
+			isum = csumAdd32(isum, p.flow.Src[i], rw.outerSrc[i])
+			isum = csumAdd32(isum, p.flow.Dst[i], rw.outerDst[i])
+		}
+		for i := range 4 {
+			r.st32(in3+8+uint32(i)*4, rw.innerSrc[i])
+			r.st32(in3+24+uint32(i)*4, rw.innerDst[i])
+		}
+	}
+	r.st16(l4+2, csumFinish(isum))
+
+	if v4 {
+		if !r.fits(l3, ipv4HeaderLen) {
+			return int(XDPAborted)
+		}
+		s := csumStart(r.ld16(l3 + 10))
+		s = csumAdd32(s, r.ld32(l3+12), rw.outerSrc[0])
+		s = csumAdd32(s, r.ld32(l3+16), rw.outerDst[0])
+		r.st16(l3+10, csumFinish(s))
+		r.st32(l3+12, rw.outerSrc[0])
+		r.st32(l3+16, rw.outerDst[0])
+	} else {
+		if !r.fits(l3, ipv6HeaderLen) {
+			return int(XDPAborted)
+		}
+		for i := range 4 {
+			r.st32(l3+8+uint32(i)*4, rw.outerSrc[i])
+			r.st32(l3+24+uint32(i)*4, rw.outerDst[i])
+		}
+	}
+	p.flow.Src, p.flow.Dst = rw.outerSrc, rw.outerDst
+	return modelContinue
+}

@@ -1,0 +1,773 @@
+package loader
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"maps"
+	"net"
+	"net/netip"
+	"os"
+	"slices"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/bpf"
+	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/internal/packet"
+	"github.com/weir-lb/weir/internal/xdptest"
+)
+
+// FuzzDataPath runs frames built from the fuzz input through the real program
+// (BPF_PROG_TEST_RUN) and through the Go model (model.go), from the same map
+// contents, and fails on any difference: verdict, output bytes, counters by reason,
+// per-service, per-backend and per-backend flow counters, and the connection and
+// nat reverse tables afterwards.
+//
+// Each input starts from empty connection and nat reverse tables plus the entries the
+// input asks for (a known flow, a port held by another flow, a reply's reverse
+// entry, fresh or expired), so every input is independent of the ones before it.
+//
+// nat's next hop comes from bpf_fib_lookup. The programs run in an empty network
+// namespace where every lookup fails, so the model predicts drop_no_route; the
+// program has rewritten the frame by then and BPF_PROG_TEST_RUN returns it, so the
+// translation is still compared byte for byte. Of two loaded programs one hands out
+// nat ports from 10000..32767 (the model is given the port the program drew, read
+// back from its output, and checks it is in range and was free) and one from the
+// single port 20000 (the draw is forced, so port collisions, take-overs of ended
+// flows and drop_nat_ports are predicted exactly).
+func FuzzDataPath(f *testing.F) {
+	for _, s := range fuzzSeeds {
+		f.Add(s.in)
+	}
+	rig := newFuzzRig(f)
+	f.Fuzz(func(t *testing.T, in []byte) {
+		rig.check(t, in)
+	})
+}
+
+// fuzzSeeds hold each kind of frame, valid and malformed. The layout of an input
+// is decodeFuzz's.
+var fuzzSeeds = []struct {
+	name string
+	in   []byte
+}{
+	// target, client, sport, flags, opts, ext count [ext...], payload, mutation [args], seeds [args]
+	{"dsr tcp syn v4", []byte{0, 0, 0, 0, packet.SYN}},
+	{"dsr tcp ack v4, flow known", []byte{0, 0, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0}},
+	{"dsr tcp ack v4, flow on an unusable slot", []byte{0, 0, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 3}},
+	{"dsr tcp syn v4 overwrites a known flow", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 0, 1, 1}},
+	{"dsr udp v4 source hash", []byte{0, 1, 2, 1, 0, 0, 0, 5}},
+	{"dsr service without usable backend", []byte{0, 2, 0, 0, packet.SYN}},
+	{"dsr tcp syn v6", []byte{0, 3, 1, 0, packet.SYN}},
+	{"vlan tagged", []byte{0, 0, 0, 0, packet.SYN, 0x01}},
+	{"ipv4 options", []byte{0, 0, 0, 0, packet.SYN, 0xa0}},
+	{"ipv4 first fragment to vip", []byte{0, 0, 0, 0, packet.SYN, 0x02}},
+	{"ipv4 later fragment to vip", []byte{0, 0, 0, 0, packet.SYN, 0x04}},
+	{"ipv4 fragment not to vip", []byte{0, 9, 0, 0, packet.SYN, 0x02}},
+	{"ipv6 hop-by-hop, routing, dest options", []byte{0, 3, 0, 0, packet.SYN, 0, 3, 0, 1 | 2<<3, 2}},
+	{"ipv6 four long option headers", []byte{0, 3, 0, 0, packet.SYN, 0, 4, 0 | 5<<3, 1, 2 | 9<<3, 2}},
+	{"ipv6 five option headers", []byte{0, 3, 0, 0, packet.SYN, 0, 5, 0, 2, 1, 2, 2}},
+	{"ipv6 fragment header", []byte{0, 3, 0, 0, packet.SYN, 0, 1, 3}},
+	{"ipv6 option then fragment header", []byte{0, 3, 0, 0, packet.SYN, 0, 2, 0, 3}},
+	{"ipv6 ah", []byte{0, 3, 0, 0, packet.SYN, 0, 1, 4}},
+	{"ipv6 esp", []byte{0, 3, 0, 0, packet.SYN, 0, 1, 5}},
+	{"ipv6 no next header", []byte{0, 3, 0, 0, packet.SYN, 0, 1, 6}},
+	{"ipv6 option header length past the frame", []byte{0, 3, 0, 0, packet.SYN, 0, 2, 0, 0, 0, 4, 0, 55, 200}},
+	{"ipv6 nat, extension headers end beyond 512 bytes", []byte{0, 6, 0, 0, packet.SYN, 0, 2, 0 | 30<<3, 2 | 30<<3}},
+	{"ethernet header only", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 1, 0, 0}},
+	{"truncated vlan tag", []byte{0, 0, 0, 0, packet.SYN, 0x01, 0, 0, 1, 0, 2}},
+	{"truncated ipv4 header", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 1, 0, 26}},
+	{"truncated tcp header to vip", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 7, 0, 30}},
+	{"truncated udp header not to vip", []byte{0, 10, 0, 0, 0, 0, 0, 0, 7, 0, 44}},
+	{"truncated udp header to vip, v6", []byte{0, 7, 0, 0, 0, 0, 0, 0, 7, 0, 44}},
+	{"truncated ipv6 header", []byte{0, 3, 0, 0, packet.SYN, 0, 0, 0, 1, 0, 30}},
+	{"ipv4 ihl below 5", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 2, 0x44}},
+	{"ipv4 version 6 in an ipv4 frame", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 2, 0x65}},
+	{"ipv4 ihl past total length", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 2, 0x4f}},
+	{"ipv4 total length past the frame", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 3, 40}},
+	{"ipv6 payload length past the frame", []byte{0, 3, 0, 0, packet.SYN, 0, 0, 0, 3, 1}},
+	{"ipv4 total length ends before the tcp header", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 6, 4}},
+	{"ethernet padding after the datagram", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 5, 20}},
+	{"icmp echo to vip", []byte{0, 21, 0, 0, 0}},
+	{"gre to vip", []byte{0, 22, 0, 0, 0}},
+	{"vip, wrong port", []byte{0, 8, 0, 0, packet.SYN}},
+	{"nat tcp syn v4", []byte{0, 4, 0, 0, packet.SYN}},
+	{"nat tcp syn v4, single port", []byte{1, 4, 0, 0, packet.SYN}},
+	{"nat udp v4 zero checksum", []byte{0, 5, 0, 0, 0, 0x08, 0, 3}},
+	{"nat tcp v6", []byte{0, 6, 0, 0, packet.ACK}},
+	{"nat udp v6", []byte{0, 7, 0, 0, 0, 0, 0, 9}},
+	{"nat known flow, refreshed", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 1}},
+	{"nat known flow, next hop cached", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0x20}},
+	{"nat known flow, next hop cached on another interface", []byte{0, 6, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0x40}},
+	{"nat known flow refreshed, cached next hop dropped", []byte{0, 5, 0, 0, 0, 0, 0, 0, 0, 3, 0, 1, 0x21}},
+	{"nat known flow, fin", []byte{0, 4, 0, 0, packet.FIN | packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0}},
+	{"nat known flow expired", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 4}},
+	{"nat closing flow expired", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0x12}},
+	{"nat known flow on an unusable backend", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 1, 1, 0}},
+	{"nat single port held by a live flow", []byte{1, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 6, 0, 0, 0, 1, 0}},
+	{"nat single port held by an ended flow", []byte{1, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 6, 0, 0, 0, 1, 4}},
+	{"nat single port held, holder gone", []byte{1, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 2, 0, 0, 0, 1}},
+	{"nat single port held by this flow, its backend unusable", []byte{1, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 6, 0, 0, 0, 2 | 1<<2, 0}},
+	{"nat reply v4 tcp", []byte{0, 11, 0, 0, packet.SYN | packet.ACK, 0, 0, 0, 0, 6, 0, 0x40, 0}},
+	{"nat reply v4 tcp back where the client came from", []byte{0, 11, 0, 0, packet.ACK, 0, 0, 0, 0, 6, 0, 0x40, 0, 0, 0x20}},
+	{"nat reply v6 udp back where the client came from", []byte{1, 14, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0x20}},
+	{"nat reply v4 tcp rst", []byte{0, 11, 0, 0, packet.RST, 0, 0, 0, 0, 6, 0, 0x40, 0}},
+	{"nat reply v4 udp", []byte{0, 12, 1, 0, 0, 0, 0, 4, 0, 2, 0, 0x10}},
+	{"nat reply v6 tcp fin", []byte{0, 13, 0, 0, packet.FIN, 0, 0, 0, 0, 6, 0, 0x20, 0}},
+	{"nat reply v6 udp", []byte{1, 14, 0, 0, 0, 0, 0, 0, 0, 2}},
+	{"untracked packet to the nat address", []byte{0, 11, 0, 0, packet.ACK}},
+	{"icmp frag needed from backend, v4", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 255, 0, 2}},
+	{"icmp port unreachable from backend, v4 udp, 8-byte quote", []byte{0, 19, 0, 0, 3 << 3, 0, 0, 28, 0, 2}},
+	{"icmpv6 packet too big from backend", []byte{0, 16, 0, 0, 1, 0, 0, 255, 0, 2}},
+	{"icmp time exceeded from client side, v4", []byte{0, 17, 0, 0, 1, 0, 0, 255, 0, 1, 0, 1}},
+	{"icmpv6 unreachable from client side", []byte{0, 18, 0, 0, 0, 0, 0, 255, 0, 1, 0, 1}},
+	{"icmp from client side, flow without nat port", []byte{0, 20, 0, 0, 0, 0, 0, 255, 0, 1, 0, 0}},
+	{"icmp quote with ip options", []byte{0, 15, 0, 0, 4 << 3, 0x10, 0, 255, 0, 2}},
+	{"icmp echo reply (not an error)", []byte{0, 15, 0, 0, 3, 0, 0, 255, 0, 2}},
+	{"raw bytes", []byte{0x0e, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}},
+	{"raw ipv4 after ethernet", []byte{0x0c, 0, 0x45, 0, 0, 40, 0, 0, 0, 0, 64, 6, 0, 0, 10, 77, 0, 1, 10, 77, 100, 1}},
+	{"raw ipv6 after vlan", []byte{0x0c, 3, 0x60, 0, 0, 0, 0, 0, 6, 64}},
+}
+
+// The programs' services. Every address is fixed; the fuzz input picks among them.
+var (
+	fuzzVIPD4 = netip.MustParseAddr("10.77.100.1") // dsr
+	fuzzVIPN4 = netip.MustParseAddr("10.77.100.2") // nat
+	fuzzVIPD6 = netip.MustParseAddr("fd77:100::1")
+	fuzzVIPN6 = netip.MustParseAddr("fd77:100::2")
+	fuzzNAT4  = netip.MustParseAddr("10.77.200.1")
+	fuzzNAT6  = netip.MustParseAddr("fd77:200::1")
+)
+
+const fuzzSinglePort = 20000
+
+func fuzzBackends(v6 bool, port uint16, net3 byte, n int) []Backend {
+	out := make([]Backend, n)
+	for i := range out {
+		a := netip.AddrFrom4([4]byte{10, 77, net3, byte(11 + i)})
+		if v6 {
+			a = netip.MustParseAddr(fmt.Sprintf("fd77:%x::%x", net3, 0x11+i))
+		}
+		out[i] = Backend{Addr: netip.AddrPortFrom(a, port), MAC: net.HardwareAddr{2, 0, 0, net3, 1, byte(i)}, Weight: 1, Usable: true}
+	}
+	return out
+}
+
+func fuzzServices() []Service {
+	svc := func(vip netip.Addr, port uint16, proto Protocol, fwd Forwarding, bes []Backend) Service {
+		return Service{Key: ServiceKey{netip.AddrPortFrom(vip, port), proto}, Forwarding: fwd, TableSize: 31, Backends: bes}
+	}
+	s := []Service{
+		svc(fuzzVIPD4, 80, TCP, ForwardDSR, fuzzBackends(false, 80, 0, 3)),
+		svc(fuzzVIPD4, 53, UDP, ForwardDSR, fuzzBackends(false, 53, 0, 2)),
+		svc(fuzzVIPD4, 81, TCP, ForwardDSR, fuzzBackends(false, 81, 2, 1)),
+		svc(fuzzVIPD6, 80, TCP, ForwardDSR, fuzzBackends(true, 80, 0, 2)),
+		svc(fuzzVIPN4, 80, TCP, ForwardNAT, fuzzBackends(false, 8080, 1, 3)),
+		svc(fuzzVIPN4, 53, UDP, ForwardNAT, fuzzBackends(false, 5353, 1, 2)),
+		svc(fuzzVIPN6, 443, TCP, ForwardNAT, fuzzBackends(true, 8443, 1, 2)),
+		svc(fuzzVIPN6, 53, UDP, ForwardNAT, fuzzBackends(true, 5353, 1, 2)),
+	}
+	s[0].Backends[2].Weight = 0     // usable, but in no table slot: known flows keep it
+	s[1].SourceHash = true          // client affinity
+	s[2].Backends[0].Usable = false // no usable backend: no table at all
+	s[3].Backends[1].Usable = false
+	s[4].Backends[1].Usable = false
+	return s
+}
+
+// fuzzTarget is what a structured input's frame is addressed to.
+type fuzzTarget struct {
+	kind  targetKind
+	svc   int // index into fuzzServices; -1 none
+	v6    bool
+	proto uint8
+	dst   netip.AddrPort // toVIP, toOther
+}
+
+type targetKind int
+
+const (
+	toVIP       targetKind = iota // a service's VIP, or another port or protocol of a VIP address
+	toOther                       // an address that is no VIP
+	natReply                      // a backend's reply to the nat address
+	icmpBackend                   // an ICMP error from the backend's side, to the nat address
+	icmpClient                    // an ICMP error from the client's side, to the VIP
+)
+
+var fuzzTargets = []fuzzTarget{
+	{toVIP, 0, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPD4, 80)},
+	{toVIP, 1, false, packet.ProtoUDP, netip.AddrPortFrom(fuzzVIPD4, 53)},
+	{toVIP, 2, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPD4, 81)},
+	{toVIP, 3, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPD6, 80)},
+	{toVIP, 4, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPN4, 80)},
+	{toVIP, 5, false, packet.ProtoUDP, netip.AddrPortFrom(fuzzVIPN4, 53)},
+	{toVIP, 6, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPN6, 443)},
+	{toVIP, 7, true, packet.ProtoUDP, netip.AddrPortFrom(fuzzVIPN6, 53)},
+	{toVIP, -1, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPD4, 8080)},
+	{toOther, -1, false, packet.ProtoTCP, netip.MustParseAddrPort("10.77.0.99:80")},
+	{toOther, -1, true, packet.ProtoUDP, netip.MustParseAddrPort("[fd77::99]:53")},
+	{natReply, 4, false, packet.ProtoTCP, netip.AddrPort{}},
+	{natReply, 5, false, packet.ProtoUDP, netip.AddrPort{}},
+	{natReply, 6, true, packet.ProtoTCP, netip.AddrPort{}},
+	{natReply, 7, true, packet.ProtoUDP, netip.AddrPort{}},
+	{icmpBackend, 4, false, packet.ProtoTCP, netip.AddrPort{}},
+	{icmpBackend, 7, true, packet.ProtoUDP, netip.AddrPort{}},
+	{icmpClient, 5, false, packet.ProtoUDP, netip.AddrPort{}},
+	{icmpClient, 6, true, packet.ProtoTCP, netip.AddrPort{}},
+	{icmpBackend, 5, false, packet.ProtoUDP, netip.AddrPort{}},
+	{icmpClient, 4, false, packet.ProtoTCP, netip.AddrPort{}},
+	{toVIP, -1, false, packet.ProtoICMP, netip.AddrPortFrom(fuzzVIPD4, 0)},
+	{toVIP, -1, false, 47, netip.AddrPortFrom(fuzzVIPD4, 0)},
+	{toVIP, -1, true, packet.ProtoICMPv6, netip.AddrPortFrom(fuzzVIPN6, 0)},
+}
+
+var (
+	fuzzClients4 = []netip.Addr{netip.MustParseAddr("10.77.0.1"), netip.MustParseAddr("10.77.0.2"), netip.MustParseAddr("192.0.2.7"), netip.MustParseAddr("10.77.0.1")}
+	fuzzClients6 = []netip.Addr{netip.MustParseAddr("fd77::1"), netip.MustParseAddr("fd77::2"), netip.MustParseAddr("2001:db8::7"), netip.MustParseAddr("fd77::1")}
+	fuzzSports   = []uint16{40000, 40001, fuzzSinglePort, 0}
+	// Extension header types an input picks from.
+	fuzzExtTypes = []uint8{packet.ProtoHopOpts, packet.ProtoRouting, packet.ProtoDstOpts, packet.ProtoFrag, protoAH, protoESP, 59, 135}
+	// Ages of seeded flows, against the rig's timeouts (TCP 100 s, closing 10 s, UDP 30 s):
+	// alive, alive and refreshed, closing expired, UDP expired, all expired, in the future.
+	fuzzAges = []time.Duration{500 * time.Millisecond, 5 * time.Second, 20 * time.Second, 60 * time.Second, 200 * time.Second, -50 * time.Second}
+)
+
+// fuzzRig is what one fuzzing process runs inputs against.
+type fuzzRig struct {
+	progs    [2]*Program // [0]: nat ports 10000..32767, [1]: the single port 20000
+	models   [2]*Model   // their static map contents
+	slots    [2][][]uint32
+	services []Service
+	nBackend uint32 // backend slots read back: every slot in use and one free
+	ingress  uint32 // ifindex the programs see frames come in on: the namespace's lo
+	run      chan fuzzRun
+}
+
+type fuzzRun struct {
+	prog  *Program
+	frame []byte
+	done  chan fuzzResult
+}
+
+type fuzzResult struct {
+	action Action
+	out    []byte
+	err    error
+}
+
+func newFuzzRig(tb testing.TB) *fuzzRig {
+	tb.Helper()
+	rig := &fuzzRig{services: fuzzServices(), run: make(chan fuzzRun)}
+	for i := range rig.progs {
+		nat := NATOptions{Addr4: fuzzNAT4, Addr6: fuzzNAT6, TCPIdle: 100 * time.Second, TCPClosing: 10 * time.Second, UDPIdle: 30 * time.Second}
+		if i == 1 {
+			nat.PortMin, nat.PortMax = fuzzSinglePort, fuzzSinglePort
+		}
+		p, err := Load(Options{HashSeed: testSeed, ConntrackSize: 4096, NAT: nat})
+		xdptest.Check(tb, err)
+		tb.Cleanup(func() { p.Close() })
+		for _, s := range rig.services {
+			if err := p.AddService(s); err != nil {
+				tb.Fatal(err)
+			}
+		}
+		m, err := p.Model()
+		if err != nil {
+			tb.Fatal(err)
+		}
+		rig.progs[i], rig.models[i] = p, m
+		for _, s := range rig.services {
+			st := p.services[s.Key]
+			ids := make([]uint32, len(s.Backends))
+			for j, b := range s.Backends {
+				ids[j] = st.slots[b.Addr]
+				rig.nBackend = max(rig.nBackend, ids[j]+2)
+			}
+			rig.slots[i] = append(rig.slots[i], ids)
+		}
+	}
+
+	// bpf_fib_lookup looks in the namespace of the thread that test-runs the program:
+	// an empty one, where it finds no route. One goroutine stays in it for all runs.
+	ns, err := netns.New(fmt.Sprintf("weir-fuzz-%d", os.Getpid()))
+	xdptest.Check(tb, err)
+	tb.Cleanup(func() { ns.Close() })
+	ready := make(chan error, 1)
+	// Runs frames in the namespace until the rig's cleanup closes rig.run.
+	go func() {
+		err := ns.Do(func() error {
+			lo, err := net.InterfaceByName("lo")
+			if err != nil {
+				return err
+			}
+			// BPF_PROG_TEST_RUN without a context receives on the namespace's loopback.
+			rig.ingress = uint32(lo.Index)
+			ready <- nil
+			for r := range rig.run {
+				action, out, err := r.prog.Run(r.frame)
+				r.done <- fuzzResult{action, out, err}
+			}
+			return nil
+		})
+		if err != nil {
+			ready <- err
+		}
+	}()
+	if err := <-ready; err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { close(rig.run) })
+	return rig
+}
+
+func coarseNow(tb testing.TB) uint64 {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC_COARSE, &ts); err != nil {
+		tb.Fatal(err)
+	}
+	return uint64(ts.Nano())
+}
+
+// fuzzCase is a decoded input: which program, the frame and the flows to seed.
+type fuzzCase struct {
+	prog      int
+	frame     []byte
+	conntrack map[bpf.WeirFlowKey]bpf.WeirFlowState
+	reverse   map[bpf.WeirFlowKey]bpf.WeirNatEntry
+}
+
+func (rig *fuzzRig) check(t *testing.T, in []byte) {
+	now := coarseNow(t)
+	c := rig.decode(in, now)
+	p := rig.progs[c.prog]
+	if err := p.setFlows(c.conntrack, c.reverse); err != nil {
+		t.Fatal(err)
+	}
+	nSvc := uint32(len(rig.services))
+	before, err := p.readCounters(nSvc, rig.nBackend)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan fuzzResult, 1)
+	rig.run <- fuzzRun{p, c.frame, done}
+	res := <-done
+	if res.err != nil {
+		t.Fatal(res.err)
+	}
+	later := coarseNow(t)
+	after, err := p.readCounters(nSvc, rig.nBackend)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ct, rev, err := p.flows()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	deltas := func(a, b []Counter) []Counter {
+		out := make([]Counter, len(a))
+		for i := range a {
+			out[i] = Counter{b[i].Packets - a[i].Packets, b[i].Bytes - a[i].Bytes}
+		}
+		return out
+	}
+	gotReasons := deltas(before.Reasons, after.Reasons)
+
+	m := *rig.models[c.prog]
+	m.Conntrack, m.NATReverse = maps.Clone(c.conntrack), maps.Clone(c.reverse)
+	m.IngressIfindex = rig.ingress
+	// The port the program drew is the one it recorded for the flow.
+	env := ModelEnv{Now: now, NATPort: func(flow bpf.WeirFlowKey) uint16 {
+		if fs, ok := ct[flow]; ok && gotReasons[ReasonDropNATPorts].Packets == 0 {
+			return ntohs(fs.NatPort)
+		}
+		return 0
+	}}
+	want, err := m.Run(c.frame, env)
+	report := func(format string, args ...any) {
+		t.Helper()
+		t.Fatalf("%s\n in  %x\n got %s %x\nwant %s %x", fmt.Sprintf(format, args...), c.frame, res.action, res.out, want.Action, want.Frame)
+	}
+	if err != nil {
+		report("model: %v", err)
+	}
+	if res.action != want.Action {
+		report("action %s; want %s", res.action, want.Action)
+	}
+	if !bytes.Equal(res.out, want.Frame) {
+		report("output frame differs")
+	}
+	if c.prog == 0 && gotReasons[ReasonDropNATPorts].Packets > 0 {
+		report("drop_nat_ports with 22768 ports and at most a few held")
+	}
+
+	wantCounts := func(n int, ids []uint32) []Counter {
+		out := make([]Counter, n)
+		for _, id := range ids {
+			if int(id) >= n {
+				t.Fatalf("model counted index %d; the rig reads %d", id, n)
+			}
+			out[id].Packets++
+			out[id].Bytes += uint64(want.Len)
+		}
+		return out
+	}
+	reasons := make([]uint32, len(want.Reasons))
+	for i, r := range want.Reasons {
+		reasons[i] = uint32(r)
+	}
+	for _, cmp := range []struct {
+		what      string
+		got, want []Counter
+	}{
+		{"global_stats", gotReasons, wantCounts(int(reasonMax), reasons)},
+		{"service_stats", deltas(before.Services, after.Services), wantCounts(int(nSvc), want.Services)},
+		{"backend_stats", deltas(before.Backends, after.Backends), wantCounts(int(rig.nBackend), want.Backends)},
+	} {
+		if !slices.Equal(cmp.got, cmp.want) {
+			report("%s went up by %v; want %v", cmp.what, cmp.got, cmp.want)
+		}
+	}
+	gotFlows := deltas(before.Flows, after.Flows)
+	opened, closed := wantCounts(int(rig.nBackend), want.FlowsOpened), wantCounts(int(rig.nBackend), want.FlowsClosed)
+	for i := range gotFlows {
+		if gotFlows[i].Packets != opened[i].Packets || gotFlows[i].Bytes != closed[i].Packets {
+			report("backend_flows[%d] opened/closed went up by %d/%d; want %d/%d", i,
+				gotFlows[i].Packets, gotFlows[i].Bytes, opened[i].Packets, closed[i].Packets)
+		}
+	}
+
+	// Times the model set to now may be anything the program read between the two
+	// clock readings around the run.
+	near := func(got, want uint64) bool {
+		if want == now {
+			return got >= now && got <= later
+		}
+		return got == want
+	}
+	if len(ct) != len(m.Conntrack) {
+		report("conntrack holds %d entries; want %d:\n got %+v\nwant %+v", len(ct), len(m.Conntrack), ct, m.Conntrack)
+	}
+	for k, w := range m.Conntrack {
+		g, ok := ct[k]
+		if !ok || g.BackendId != w.BackendId || g.NatPort != w.NatPort || g.Flags != w.Flags ||
+			!near(g.CreatedNs, w.CreatedNs) || !near(g.LastSeenNs, w.LastSeenNs) {
+			report("conntrack[%+v] = %+v (present %t); want %+v", k, g, ok, w)
+		}
+	}
+	if !maps.Equal(rev, m.NATReverse) {
+		report("nat_reverse\n got %+v\nwant %+v", rev, m.NATReverse)
+	}
+}
+
+// fuzzReader hands out the input's bytes, zeros once it is used up.
+type fuzzReader struct{ b []byte }
+
+func (r *fuzzReader) u8() uint8 {
+	if len(r.b) == 0 {
+		return 0
+	}
+	v := r.b[0]
+	r.b = r.b[1:]
+	return v
+}
+
+func (r *fuzzReader) u16() uint16 { return uint16(r.u8())<<8 | uint16(r.u8()) }
+
+func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
+	return bpf.WeirFlowKey{Src: addrWords(src.Addr()), Dst: addrWords(dst.Addr()),
+		Sport: portWord(src.Port()), Dport: portWord(dst.Port()), Proto: proto, Family: family(dst.Addr())}
+}
+
+// decode turns an input into a case. Its layout, byte by byte (missing bytes read
+// as 0):
+//
+//	0  bit 0: program (0: nat port range, 1: single nat port); bits 1-3: 6 raw frame
+//	   after an Ethernet header (next byte picks the EtherType), 7 raw frame; else
+//	   a structured frame:
+//	1  target (fuzzTargets)
+//	2  client address (and, for replies and ICMP, backend)
+//	3  source port: < 128 picks fuzzSports, else 1024 + 7n
+//	4  TCP flags; for ICMP targets the type (low 3 bits) and code (high bits)
+//	5  bit 0 VLAN tag, 1 more fragments, 2 fragment offset, 3 UDP checksum 0,
+//	   bits 4-7 IPv4 option words (mod 11)
+//	6  IPv6 extension headers (mod 7), then one byte each: type (low 3 bits,
+//	   fuzzExtTypes) and length in 8-byte units (high 5 bits; 30 and 31 mean 70)
+//	7  payload length: < 224 its value mod 32, else 40 bytes per step above;
+//	   for ICMP targets the quote's length (255: the whole packet)
+//	8  mutation (mod 8): 1 truncate the frame at 14 + n (2 bytes), 2 set the IP
+//	   header's first byte, 3 add n (signed) to the IP length field, 4 set one byte
+//	   (2 bytes offset, 1 byte value), 5 append n zero bytes (Ethernet padding), 6 cut
+//	   the IPv4 total length to the IP header plus n mod 8 bytes, 7 truncate the frame
+//	   at 14 + n (2 bytes) and the IP length field with it
+//	9  seeds: bit 0 the packet's own flow is known (or, for ICMP from the client,
+//	   the quoted flow), bit 1 a nat reverse entry (the port this flow would take,
+//	   for every backend; the reply's or the quote's), bit 2 its holder's
+//	   connection-table entry; then bytes: backend, nat port, age (low 4 bits),
+//	   closing (bit 4) and cached next hop (bits 5-6) of the known flow, holder, and
+//	   the holder's age, closing and next hops
+func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
+	r := &fuzzReader{in}
+	b0 := r.u8()
+	c := fuzzCase{prog: int(b0 & 1), conntrack: map[bpf.WeirFlowKey]bpf.WeirFlowState{}, reverse: map[bpf.WeirFlowKey]bpf.WeirNatEntry{}}
+	kind := b0 >> 1 & 7
+	if kind == 6 || kind == 7 {
+		var frame []byte
+		if kind == 6 {
+			frame = append([]byte{}, lbMAC...)
+			frame = append(frame, clientMAC...)
+			types := [][]byte{{0x08, 0x00}, {0x86, 0xdd}, {0x81, 0x00, 0, 7, 0x08, 0x00}, {0x81, 0x00, 0, 7, 0x86, 0xdd}, {0x08, 0x06}, {0x88, 0xa8}}
+			frame = append(frame, types[int(r.u8())%len(types)]...)
+		}
+		c.frame = fitFrame(append(frame, r.b...))
+		return c
+	}
+
+	tg := fuzzTargets[int(r.u8())%len(fuzzTargets)]
+	clientSel := int(r.u8())
+	client := fuzzClients4[clientSel%4]
+	if tg.v6 {
+		client = fuzzClients6[clientSel%4]
+	}
+	sportSel := r.u8()
+	sport := fuzzSports[sportSel%4]
+	if sportSel >= 128 {
+		sport = 1024 + 7*uint16(sportSel)
+	}
+	flags := r.u8()
+	opts := r.u8()
+	var ext []uint8
+	var extLen []uint8
+	if n := int(r.u8() % 7); tg.v6 {
+		for range n {
+			e := r.u8()
+			ext = append(ext, fuzzExtTypes[e&7])
+			l := e >> 3
+			if l >= 30 {
+				l = 70
+			}
+			extLen = append(extLen, l)
+		}
+	}
+	payloadSel := r.u8()
+	payload := make([]byte, payloadSel%32)
+	if payloadSel >= 224 {
+		payload = make([]byte, 40*int(payloadSel-223))
+	}
+	for i := range payload {
+		payload[i] = byte(i)
+	}
+
+	var svc Service
+	var slots []uint32
+	if tg.svc >= 0 {
+		svc = rig.services[tg.svc]
+		slots = rig.slots[c.prog][tg.svc]
+	}
+	natAddr := fuzzNAT4
+	if tg.v6 {
+		natAddr = fuzzNAT6
+	}
+	var be Backend
+	if len(svc.Backends) > 0 {
+		be = svc.Backends[clientSel%len(svc.Backends)]
+	}
+	// The nat port of the flows the seeds make up.
+	natPort := uint16(fuzzSinglePort)
+	if c.prog == 0 {
+		natPort = 10000 + uint16(sportSel)*89
+	}
+
+	f := packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Proto: tg.proto, TCPFlags: flags, Payload: payload,
+		FragOffset: 0, MoreFrags: opts&2 != 0, IPv6ExtHeaders: ext}
+	if opts&1 != 0 {
+		f.VLAN = 7
+	}
+	if opts&4 != 0 {
+		f.FragOffset = 185
+	}
+	if words := int(opts>>4) % 11; words > 0 && !tg.v6 {
+		f.IPv4Options = bytes.Repeat([]byte{1}, 4*words)
+	}
+	var clientFlow bpf.WeirFlowKey // the flow the seeds are about, client -> VIP
+	switch tg.kind {
+	case toVIP, toOther:
+		f.Src, f.Dst = netip.AddrPortFrom(client, sport), tg.dst
+		clientFlow = flowKeyOf(f.Src, f.Dst, tg.proto)
+	case natReply:
+		f.Src, f.Dst = be.Addr, netip.AddrPortFrom(natAddr, natPort)
+		clientFlow = flowKeyOf(netip.AddrPortFrom(client, sport), svc.Key.VIP, tg.proto)
+	case icmpBackend, icmpClient:
+		icmp := &packet.ICMP{Type: []uint8{3, 11, 3, 0, 8, 3, 5, 3}[flags&7], Code: flags >> 3 % 5, Rest: 1400}
+		f.Proto = packet.ProtoICMP
+		if tg.v6 {
+			icmp.Type = []uint8{1, 2, 3, 1, 128, 129, 4, 1}[flags&7]
+			f.Proto = packet.ProtoICMPv6
+		}
+		quoted := packet.Frame{Proto: tg.proto, TCPFlags: packet.SYN | packet.ACK, Payload: payload[:min(len(payload), 8)]}
+		if tg.kind == icmpBackend {
+			// A router between us and the backend answers the packet we sent it.
+			quoted.Src, quoted.Dst = netip.AddrPortFrom(natAddr, natPort), be.Addr
+			f.Src, f.Dst = netip.AddrPortFrom(be.Addr.Addr(), 0), netip.AddrPortFrom(natAddr, 0)
+		} else {
+			// The client's side answers our reply.
+			quoted.Src, quoted.Dst = svc.Key.VIP, netip.AddrPortFrom(client, sport)
+			f.Src, f.Dst = netip.AddrPortFrom(client, 0), netip.AddrPortFrom(svc.Key.VIP.Addr(), 0)
+		}
+		quoted.IPv4Options = f.IPv4Options
+		f.IPv4Options, f.Payload = nil, nil
+		quote := quoted.IPPacket()
+		if payloadSel != 255 {
+			quote = quote[:min(len(quote), int(payloadSel))]
+		}
+		icmp.Quote = quote
+		f.ICMP = icmp
+		clientFlow = flowKeyOf(netip.AddrPortFrom(client, sport), svc.Key.VIP, tg.proto)
+	}
+	if opts&8 != 0 && tg.proto == packet.ProtoUDP && !tg.v6 && tg.kind != icmpBackend && tg.kind != icmpClient {
+		defer func() { // the UDP checksum is written by Build; zero it afterwards
+			if l4 := l4Offset(c.frame); l4 > 0 && l4+8 <= len(c.frame) {
+				c.frame[l4+6], c.frame[l4+7] = 0, 0
+			}
+		}()
+	}
+	frame := f.Build()
+	frame = longExtHeaders(frame, f.VLAN != 0, extLen)
+
+	l3 := 14
+	if f.VLAN != 0 {
+		l3 = 18
+	}
+	switch r.u8() % 8 {
+	case 1:
+		frame = frame[:14+int(r.u16())%(len(frame)-13)]
+	case 2:
+		frame[l3] = r.u8()
+	case 3:
+		d := uint16(int8(r.u8()))
+		if tg.v6 {
+			binary.BigEndian.PutUint16(frame[l3+4:], binary.BigEndian.Uint16(frame[l3+4:])+d)
+		} else {
+			binary.BigEndian.PutUint16(frame[l3+2:], binary.BigEndian.Uint16(frame[l3+2:])+d)
+		}
+	case 4:
+		off := int(r.u16()) % len(frame)
+		frame[off] = r.u8()
+	case 5:
+		frame = append(frame, make([]byte, r.u8()%64)...)
+	case 6:
+		if !tg.v6 {
+			ihl := int(frame[l3]&0xf) * 4
+			binary.BigEndian.PutUint16(frame[l3+2:], uint16(ihl+int(r.u8()%8)))
+		}
+	case 7:
+		frame = frame[:14+int(r.u16())%(len(frame)-13)]
+		if n := len(frame) - l3; n >= 40 && tg.v6 {
+			binary.BigEndian.PutUint16(frame[l3+4:], uint16(n-40))
+		} else if n >= 20 && !tg.v6 {
+			binary.BigEndian.PutUint16(frame[l3+2:], uint16(n))
+		}
+	}
+	c.frame = fitFrame(frame)
+
+	// Seeds.
+	seeds := r.u8()
+	beSel, portSel, stateSel, holderSel, holderAge := r.u8(), r.u8(), r.u8(), r.u8(), r.u8()
+	age := func(sel uint8) uint64 { return now - uint64(fuzzAges[int(sel&0xf)%len(fuzzAges)]) }
+	flowFlags := func(sel uint8) uint8 { return sel >> 4 & flowFlagClosing }
+	// A cached next hop: none, out of the interface frames come in on, another one
+	// (not in tx_ports).
+	hop := func(sel uint8, dmac net.HardwareAddr) bpf.WeirNextHop {
+		h := bpf.WeirNextHop{Ifindex: []uint32{0, rig.ingress, 9, 0}[sel>>5&3]}
+		copy(h.Dmac[:], dmac)
+		copy(h.Smac[:], lbMAC)
+		return h
+	}
+	// Candidate backend slots: the service's, a free one, one beyond the array.
+	candidates := append(slices.Clone(slots), rig.nBackend-1, 1<<20)
+	if tg.svc != 0 {
+		candidates = append(candidates, rig.slots[c.prog][0][0]) // another service's
+	}
+	if seeds&1 != 0 && tg.svc >= 0 {
+		port := []uint16{0, portWord(natPort), portWord(natPort + 1), portWord(fuzzSinglePort)}[portSel%4]
+		c.conntrack[clientFlow] = bpf.WeirFlowState{BackendId: candidates[int(beSel)%len(candidates)], NatPort: port,
+			Flags: flowFlags(stateSel), CreatedNs: age(stateSel), LastSeenNs: age(stateSel), ToBackend: hop(stateSel, be.MAC)}
+	}
+	if seeds&2 != 0 && tg.svc >= 0 {
+		// The holder: this flow, or another client's.
+		holder := clientFlow
+		if holderSel&1 != 0 {
+			holder.Sport = portWord(5555)
+		}
+		for i, b := range svc.Backends {
+			if tg.kind == natReply || tg.kind == icmpBackend {
+				if b.Addr != be.Addr {
+					continue
+				}
+			}
+			rk := flowKeyOf(b.Addr, netip.AddrPortFrom(natAddr, natPort), tg.proto)
+			holderID := slots[i]
+			if holderSel&2 != 0 {
+				holderID = candidates[int(holderSel>>2)%len(candidates)]
+			}
+			c.reverse[rk] = bpf.WeirNatEntry{Client: holder, BackendId: holderID, ToClient: hop(holderAge, clientMAC)}
+			if seeds&4 != 0 {
+				port := portWord(natPort)
+				if holderSel&0x80 != 0 {
+					port = portWord(natPort + 1)
+				}
+				c.conntrack[holder] = bpf.WeirFlowState{BackendId: holderID, NatPort: port,
+					Flags: flowFlags(holderAge), CreatedNs: age(holderAge), LastSeenNs: age(holderAge), ToBackend: hop(holderAge, b.MAC)}
+			}
+		}
+	}
+	return c
+}
+
+// fitFrame pads a frame to the 14 bytes BPF_PROG_TEST_RUN needs and cuts it to
+// what it takes without fragments.
+func fitFrame(b []byte) []byte {
+	if len(b) < 14 {
+		b = append(b, make([]byte, 14-len(b))...)
+	}
+	return b[:min(len(b), 3000)]
+}
+
+// l4Offset is the L4 header's offset in a frame the rig built (no extension headers).
+func l4Offset(b []byte) int {
+	l3 := 14
+	if binary.BigEndian.Uint16(b[12:]) == 0x8100 {
+		l3 = 18
+	}
+	if len(b) < l3+20 {
+		return 0
+	}
+	if b[l3]>>4 == 4 {
+		return l3 + int(b[l3]&0xf)*4
+	}
+	return l3 + 40
+}
+
+// longExtHeaders lengthens the IPv6 extension headers packet.Frame wrote (8 bytes
+// each) to the given lengths in 8-byte units beyond the first 8.
+func longExtHeaders(b []byte, vlan bool, lens []uint8) []byte {
+	l3 := 14
+	if vlan {
+		l3 = 18
+	}
+	for i := len(lens) - 1; i >= 0; i-- {
+		if lens[i] == 0 {
+			continue
+		}
+		at := l3 + 40 + 8*i
+		extra := make([]byte, 8*int(lens[i]))
+		b = slices.Insert(b, at+8, extra...)
+		b[at+1] = lens[i]
+		pl := binary.BigEndian.Uint16(b[l3+4:])
+		binary.BigEndian.PutUint16(b[l3+4:], pl+uint16(len(extra)))
+	}
+	return b
+}
