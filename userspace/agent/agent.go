@@ -335,7 +335,7 @@ func (a *Agent) apply(next *config.Config) (err error) {
 		if plane == PlaneProxy {
 			px, err := proxy.Listen(context.Background(), proxyConfig(&cs, observer{a.checker, cs.Name}, s.log))
 			if err != nil {
-				errs = append(errs, fmt.Errorf("service %q: %w", cs.Name, err))
+				errs = append(errs, err) // names the service
 				continue
 			}
 			s.px = px

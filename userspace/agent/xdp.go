@@ -98,7 +98,7 @@ func (x *xdpPlane) canServe(s *config.Service) error {
 	case !config.XDPAlgorithm(s.Algorithm):
 		return fmt.Errorf("algorithm %s needs the proxy (XDP serves maglev and source_hash)", s.Algorithm)
 	case s.Mode != config.ModeDSR:
-		return fmt.Errorf("the XDP program has no %s mode yet (only dsr)", s.Mode)
+		return fmt.Errorf("the agent drives only dsr mode in XDP so far (%s needs its own self-test and settings)", s.Mode)
 	}
 	if err := x.selfTest(s); err != nil {
 		return fmt.Errorf("self-test failed: %w", err)

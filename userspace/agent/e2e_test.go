@@ -1,0 +1,458 @@
+package agent_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/xdptest"
+	"github.com/weir-lb/weir/userspace/agent"
+)
+
+// The agent under test runs as a child process (this test binary, re-executed
+// through `ip netns exec` into the balancer's namespace), so that everything it
+// does — XDP attach, neighbour lookups, health checks, proxy sockets, bpffs — happens
+// in that namespace as it would on a host, and signals reach it as they would.
+const childEnv = "WEIR_AGENT_TEST_CHILD"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) == "1" {
+		os.Exit(child())
+	}
+	os.Exit(m.Run())
+}
+
+func child() int {
+	ctx, stop := signalContext()
+	defer stop()
+	a := agent.New(agent.Options{ConfigPath: os.Getenv("WEIR_AGENT_TEST_CONFIG"), NoXDP: os.Getenv("WEIR_AGENT_TEST_NOXDP") == "1"})
+	if err := a.Run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "agent:", err)
+		return 1
+	}
+	return 0
+}
+
+func signalNotify(ch chan os.Signal) { signal.Notify(ch, syscall.SIGTERM, os.Interrupt) }
+
+func signalContext() (context.Context, func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	ch := make(chan os.Signal, 1)
+	signalNotify(ch)
+	// Exits at the first SIGTERM or SIGINT.
+	go func() {
+		<-ch
+		cancel()
+	}()
+	return ctx, cancel
+}
+
+// backends serves HTTP on :80 and UDP on VIP:53 and own:53 in each backend
+// namespace, answering with the backend's name, each stoppable on its own.
+type backends struct {
+	mu      sync.Mutex
+	servers map[string]*http.Server
+	wg      sync.WaitGroup
+}
+
+func serveBackends(t *testing.T, tp *topo.Topology) *backends {
+	bs := &backends{servers: map[string]*http.Server{}}
+	var pcs []net.PacketConn
+	for _, h := range tp.Backends {
+		ln, err := h.NS.Listen("tcp", ":80")
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			io.WriteString(w, h.Name)
+		}), ReadHeaderTimeout: 5 * time.Second}
+		bs.servers[h.Name] = srv
+		bs.wg.Add(1)
+		// Exits when srv is closed (stop or cleanup).
+		go func() { defer bs.wg.Done(); srv.Serve(ln) }()
+		for _, ip := range []netip.Addr{tp.VIP4, h.IP4} {
+			pc, err := h.NS.ListenPacket("udp", netip.AddrPortFrom(ip, 53).String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			bs.wg.Add(1)
+			// Exits when pc is closed at cleanup.
+			go func() {
+				defer bs.wg.Done()
+				buf := make([]byte, 512)
+				for {
+					_, from, err := pc.ReadFrom(buf)
+					if err != nil {
+						return
+					}
+					pc.WriteTo([]byte(h.Name), from)
+				}
+			}()
+			pcs = append(pcs, pc)
+		}
+	}
+	t.Cleanup(func() {
+		bs.mu.Lock()
+		for _, s := range bs.servers {
+			s.Close()
+		}
+		bs.mu.Unlock()
+		for _, pc := range pcs {
+			pc.Close()
+		}
+		bs.wg.Wait()
+	})
+	return bs
+}
+
+// kill closes a backend's HTTP listener and connections, as a crashed server would.
+func (bs *backends) kill(name string) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	bs.servers[name].Close()
+}
+
+type agentProc struct {
+	cmd    *exec.Cmd
+	client *agent.Client
+	log    *strings.Builder
+	done   chan error
+}
+
+func startAgent(t *testing.T, tp *topo.Topology, cfgPath, socket string, noXDP bool) *agentProc {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("ip", "netns", "exec", tp.Balancer.NS.Name(), exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"=1", "WEIR_AGENT_TEST_CONFIG="+cfgPath)
+	if noXDP {
+		cmd.Env = append(cmd.Env, "WEIR_AGENT_TEST_NOXDP=1")
+	}
+	p := &agentProc{cmd: cmd, client: agent.NewClient(socket), log: &strings.Builder{}, done: make(chan error, 1)}
+	pr, pw := io.Pipe()
+	cmd.Stdout, cmd.Stderr = pw, pw
+	var logMu sync.Mutex
+	logDone := make(chan struct{})
+	// Exits when the child's output ends (pw closed after Wait).
+	go func() {
+		defer close(logDone)
+		sc := bufio.NewScanner(pr)
+		for sc.Scan() {
+			logMu.Lock()
+			p.log.WriteString(sc.Text() + "\n")
+			logMu.Unlock()
+		}
+	}()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	// Exits when the child exits.
+	go func() { err := cmd.Wait(); pw.Close(); p.done <- err }()
+	t.Cleanup(func() {
+		cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-p.done:
+		case <-time.After(20 * time.Second):
+			cmd.Process.Kill()
+			<-p.done
+		}
+		<-logDone
+		if t.Failed() {
+			t.Logf("agent log:\n%s", p.log.String())
+		}
+	})
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		if _, err := p.client.Status(context.Background()); err == nil {
+			return p
+		}
+		select {
+		case err := <-p.done:
+			p.done <- err
+			logMu.Lock()
+			defer logMu.Unlock()
+			xdptest.Check(t, fmt.Errorf("agent exited at start: %v\n%s", err, p.log.String()))
+			t.FailNow()
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("agent did not answer on %s within 15s", socket)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// writeConfig writes the example config, adapted to the topology, plus edit.
+func writeConfig(t *testing.T, path string, tp *topo.Topology, socket string, edit func(string) string) {
+	t.Helper()
+	b, err := os.ReadFile("../../examples/weir.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := strings.Replace(string(b), "- name: eth0", "- name: "+tp.Balancer.Link, 1)
+	s = strings.Replace(s, "socket: /run/weir/weir.sock", "socket: "+socket, 1)
+	if edit != nil {
+		s = edit(s)
+	}
+	if err := os.WriteFile(path, []byte(s), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// spread sends n HTTP requests, each on a new connection, and counts answers.
+func spread(t *testing.T, tp *topo.Topology, vip netip.Addr, n int) map[string]int {
+	t.Helper()
+	got := map[string]int{}
+	for range n {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		name, err := tp.Get(ctx, vip)
+		cancel()
+		if err != nil {
+			got["error: "+err.Error()]++
+			continue
+		}
+		got[name]++
+	}
+	return got
+}
+
+func waitFor(t *testing.T, what string, within time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %v", what, within)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func backendStatus(t *testing.T, c *agent.Client, service, addr string) agent.BackendStatus {
+	t.Helper()
+	st, err := c.Status(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range st.Services {
+		if s.Name != service {
+			continue
+		}
+		for _, b := range s.Backends {
+			if b.Address == addr {
+				return b
+			}
+		}
+	}
+	t.Fatalf("status has no backend %s of %s", addr, service)
+	return agent.BackendStatus{}
+}
+
+func TestAgentXDP(t *testing.T) {
+	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("wag"), Backends: 4})
+	bs := serveBackends(t, tp)
+	dir := t.TempDir()
+	cfgPath, socket := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "weir.sock")
+	writeConfig(t, cfgPath, tp, socket, nil)
+	p := startAgent(t, tp, cfgPath, socket, false)
+	ctx := context.Background()
+
+	st, err := p.client.Status(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.XDP.Loaded {
+		xdptest.SkipOrFail(t, fmt.Errorf("agent could not load XDP: %s", st.XDP.Reason))
+	}
+	for _, s := range st.Services {
+		if s.DataPlane != agent.PlaneXDP {
+			t.Errorf("service %s: got data plane %s (%s); want xdp", s.Name, s.DataPlane, s.Why)
+		}
+		for _, b := range s.Backends {
+			if b.MAC == "" {
+				t.Errorf("service %s backend %s: no MAC: %s", s.Name, b.Address, b.MACError)
+			}
+		}
+	}
+	var table strings.Builder
+	st.WriteTable(&table)
+	if !strings.Contains(table.String(), "service web  tcp/10.77.100.1:80  data plane xdp") {
+		t.Errorf("status table: got\n%s\nwant a line for service web on xdp", table.String())
+	}
+
+	t.Run("balanced", func(t *testing.T) {
+		got := spread(t, tp, tp.VIP4, 60)
+		for _, name := range []string{"backend-0", "backend-1", "backend-2"} {
+			if got[name] < 5 {
+				t.Errorf("%s answered %d of 60; want at least 5 (answers %v)", name, got[name], got)
+			}
+		}
+		if got["backend-3"] != 0 || len(got) != 3 {
+			t.Errorf("answers: got %v; want only backend-0..2", got)
+		}
+		if got6 := spread(t, tp, tp.VIP6, 10); len(got6) == 0 || got6["backend-3"] > 0 {
+			t.Errorf("IPv6 answers: got %v; want backends 0..2", got6)
+		}
+		name, err := tp.AskUDP(ctx, netip.AddrPortFrom(tp.VIP4, 53), 0)
+		if err != nil || !strings.HasPrefix(name, "backend-") {
+			t.Errorf("udp: got %q, %v; want a backend's name", name, err)
+		}
+		st, _ := p.client.Status(ctx)
+		if st.Services[0].Packets == 0 {
+			t.Errorf("service web: XDP counted no packets")
+		}
+	})
+
+	t.Run("backend killed", func(t *testing.T) {
+		bs.kill("backend-0")
+		start := time.Now()
+		// fall 2 × interval 1s + timeout 500ms, plus a check's jitter and slack.
+		waitFor(t, "backend-0 marked down", 5*time.Second, func() bool {
+			return !backendStatus(t, p.client, "web", "10.77.0.11:80").Usable
+		})
+		t.Logf("backend-0 marked down after %v", time.Since(start).Round(time.Millisecond))
+		got := spread(t, tp, tp.VIP4, 40)
+		if got["backend-0"] != 0 || got["backend-1"] == 0 || got["backend-2"] == 0 || len(got) != 2 {
+			t.Errorf("answers with backend-0 down: got %v; want only backend-1 and backend-2", got)
+		}
+	})
+
+	t.Run("reload invalid keeps serving", func(t *testing.T) {
+		good, _ := os.ReadFile(cfgPath)
+		os.WriteFile(cfgPath, append(good, []byte("\n  - name: broken\n    vip: nonsense\n")...), 0o644)
+		err := p.client.Reload(ctx)
+		if err == nil || !strings.Contains(err.Error(), "services[3].vip") {
+			t.Fatalf("reload of a broken file: got %v; want an error naming services[3].vip", err)
+		}
+		os.WriteFile(cfgPath, good, 0o644)
+		if got := spread(t, tp, tp.VIP4, 20); got["backend-1"]+got["backend-2"] != 20 {
+			t.Errorf("answers after a rejected reload: got %v; want all from backend-1 and backend-2", got)
+		}
+		st, _ := p.client.Status(ctx)
+		if n := len(st.Reloads); n == 0 || st.Reloads[n-1].OK {
+			t.Errorf("status reloads: got %+v; want the last one rejected", st.Reloads)
+		}
+	})
+
+	t.Run("reload adds a backend", func(t *testing.T) {
+		writeConfig(t, cfgPath, tp, socket, func(s string) string {
+			return strings.Replace(s, "      - address: 10.77.0.13:80\n        weight: 1\n",
+				"      - address: 10.77.0.13:80\n        weight: 1\n      - address: 10.77.0.14:80\n", 1)
+		})
+		if err := p.client.Reload(ctx); err != nil {
+			t.Fatalf("reload: %v", err)
+		}
+		got := spread(t, tp, tp.VIP4, 60)
+		if got["backend-3"] == 0 || got["backend-0"] != 0 || got["backend-1"]+got["backend-2"]+got["backend-3"] != 60 {
+			t.Errorf("answers after adding backend-3: got %v; want backend-1..3, none failed", got)
+		}
+	})
+
+	t.Run("drain keeps established", func(t *testing.T) {
+		conn, err := tp.DialTCP(ctx, netip.AddrPortFrom(tp.VIP4, 80), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		br := bufio.NewReader(conn)
+		ask := func() (string, error) {
+			conn.SetDeadline(time.Now().Add(3 * time.Second))
+			if _, err := io.WriteString(conn, "GET / HTTP/1.1\r\nHost: vip\r\n\r\n"); err != nil {
+				return "", err
+			}
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				return "", err
+			}
+			defer resp.Body.Close()
+			b, err := io.ReadAll(resp.Body)
+			return string(b), err
+		}
+		first, err := ask()
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr := map[string]string{"backend-1": "10.77.0.12:80", "backend-2": "10.77.0.13:80", "backend-3": "10.77.0.14:80"}[first]
+		if err := p.client.Drain(ctx, "web", addr, true); err != nil {
+			t.Fatalf("drain %s: %v", addr, err)
+		}
+		again, err := ask()
+		if err != nil || again != first {
+			t.Errorf("established connection after draining %s: got %q, %v; want %q", first, again, err, first)
+		}
+		if got := spread(t, tp, tp.VIP4, 30); got[first] != 0 || len(got) != 2 {
+			t.Errorf("new connections with %s drained: got %v; want none to it, none failed", first, got)
+		}
+	})
+
+	t.Run("metrics", func(t *testing.T) {
+		m, err := p.client.Metrics(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, want := range []string{
+			`weir_backend_usable{backend="10.77.0.11:80",service="web"} 0`,
+			`weir_service_data_plane{data_plane="xdp",service="web"} 1`,
+			`weir_reloads_total{result="error"} 1`,
+			`weir_reloads_total{result="ok"} 1`,
+			`weir_xdp_packets_total{reason="tx"}`,
+		} {
+			if !strings.Contains(m, want) {
+				t.Errorf("metrics: no line containing %q", want)
+			}
+		}
+	})
+}
+
+func TestAgentProxyFallback(t *testing.T) {
+	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("wap"), Backends: 3})
+	serveBackends(t, tp)
+	// With XDP off, the VIP must be the balancer's own for the proxy to accept on it.
+	err := tp.Balancer.NS.Do(func() error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.AddrAdd(lo, &netlink.Addr{IPNet: &net.IPNet{IP: tp.VIP4.AsSlice(), Mask: net.CIDRMask(32, 32)}})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	cfgPath, socket := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "weir.sock")
+	writeConfig(t, cfgPath, tp, socket, func(s string) string {
+		s, _, _ = strings.Cut(s, "  - name: web6") // the proxy serves tcp only: no udp service
+		// A proxy-only algorithm (maglev on the proxy hashes the client's address, so
+		// one client would see one backend).
+		return strings.Replace(s, "algorithm: maglev\n    hash: 5tuple\n", "algorithm: round_robin\n", 1)
+	})
+	p := startAgent(t, tp, cfgPath, socket, true)
+	st, err := p.client.Status(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := st.Services[0]; s.DataPlane != agent.PlaneProxy {
+		t.Fatalf("service web: got data plane %s (%s); want proxy", s.DataPlane, s.Why)
+	}
+	got := spread(t, tp, tp.VIP4, 30)
+	if len(got) != 3 || got["backend-0"]+got["backend-1"]+got["backend-2"] != 30 {
+		t.Errorf("answers through the proxy: got %v; want all three backends, none failed", got)
+	}
+}
