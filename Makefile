@@ -71,3 +71,12 @@ bench-pkt: deps
 # The benchmark's own XDP objects, compiled with the pinned compiler and flags above.
 bench-pkt-generate:
 	$(GO) generate ./bench/pktgen/
+
+# Differential fuzzing: FuzzDataPath runs generated frames through the XDP program
+# (BPF_PROG_TEST_RUN) and its Go model (loader/model.go) and fails on any difference.
+# Bounded by FUZZTIME; CI runs it after `make test`. A failing input is saved under
+# loader/testdata/fuzz/FuzzDataPath/ and replays with `go test -run FuzzDataPath ./loader/`.
+FUZZTIME ?= 60s
+.PHONY: fuzz
+fuzz:
+	$(GO) test -count=1 -run '^$$' -fuzz '^FuzzDataPath$$' -fuzztime $(FUZZTIME) ./loader/
