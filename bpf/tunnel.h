@@ -171,8 +171,13 @@ static __always_inline int tunnel_hop(struct xdp_md *ctx, struct packet *p, stru
 		fib.ipv4_src = nat_addr4;
 		fib.ipv4_dst = be->addr[0];
 	} else {
+		__be32 src[4];
+
 		fib.l4_protocol = p->flow.family == FAMILY_IPV4 ? IPPROTO_IPIP_ : IPPROTO_IPV6_;
-		__builtin_memcpy(fib.ipv6_src, (void *)nat_addr6, 16);
+		// Read word by word: a memcpy from the volatile const would be folded to its
+		// compile-time value (zero) by clang.
+		nat_source(FAMILY_IPV6, src);
+		__builtin_memcpy(fib.ipv6_src, src, 16);
 		__builtin_memcpy(fib.ipv6_dst, be->addr, 16);
 	}
 	rc = bpf_fib_lookup(ctx, &fib, sizeof(fib), 0);
@@ -261,8 +266,11 @@ static __always_inline int tunnel_forward(struct xdp_md *ctx, struct packet *p, 
 		*(__be32 *)ip6 = bpf_htonl(0x60000000 | (hash & 0xfffff));
 		ip6->payload_len = bpf_htons(p->l3_len);
 		ip6->nexthdr = p->flow.family == FAMILY_IPV4 ? IPPROTO_IPIP_ : IPPROTO_IPV6_;
+		__be32 src[4];
+
 		ip6->hop_limit = 64;
-		__builtin_memcpy(&ip6->saddr, (void *)nat_addr6, 16);
+		nat_source(FAMILY_IPV6, src);
+		__builtin_memcpy(&ip6->saddr, src, 16);
 		__builtin_memcpy(&ip6->daddr, be->addr, 16);
 	}
 	if (!hop.ifindex) {

@@ -12,6 +12,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/bpf"
@@ -103,6 +104,8 @@ type Program struct {
 	vipRefs     map[netip.Addr]int
 	serviceIDs  *slotQueue
 	backendIDs  *slotQueue
+	ns          *netns.NsHandle // namespace of the first Attach, for neighbour entries
+	nextHopErr  error           // the last keepNextHops failure, for NextHopError
 	closed      bool
 }
 
@@ -198,7 +201,21 @@ func (p *Program) Attach(ifname string, mode Mode) (Mode, error) {
 		return "", fmt.Errorf("attach xdp to %s: add to tx_ports: %w", ifname, err)
 	}
 	p.attachments[ifname] = a
+	p.rememberNamespace()
+	// Services added before the first attach had no namespace to resolve in.
+	for _, st := range p.services {
+		p.nextHopErr = p.keepNextHops(st.spec)
+	}
 	return a.mode, nil
+}
+
+// NextHopError is the last failure to set up the neighbour entries of nat and tunnel
+// backends' next hops (nil if none): such backends still work, but their first
+// packets depend on the kernel's own resolution.
+func (p *Program) NextHopError() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.nextHopErr
 }
 
 // attachXDP attaches prog to ifname in mode (auto: native, then generic).
@@ -285,6 +302,9 @@ func (p *Program) Close() error {
 	if err := p.objs.Close(); err != nil {
 		errs = append(errs, fmt.Errorf("close xdp objects: %w", err))
 	}
+	if p.ns != nil {
+		p.ns.Close()
+	}
 	return errors.Join(errs...)
 }
 
@@ -325,6 +345,7 @@ func (p *Program) AddService(s Service) error {
 		return fmt.Errorf("add service %s: %w", s.Key, err)
 	}
 	p.services[s.Key] = st
+	p.nextHopErr = p.keepNextHops(s)
 	return nil
 }
 
@@ -350,6 +371,7 @@ func (p *Program) UpdateService(s Service) error {
 	if err := p.objs.Services.Put(vipKey(s.Key), serviceValue(s, st.id)); err != nil {
 		return fmt.Errorf("update service %s: %w", s.Key, err)
 	}
+	p.nextHopErr = p.keepNextHops(s)
 	return nil
 }
 

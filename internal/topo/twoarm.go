@@ -148,24 +148,33 @@ func NewTwoArmed(cfg TwoArmedConfig) (_ *TwoArmed, err error) {
 // wire creates the veth pair between the balancer's link lb and the far host's,
 // addresses both ends and puts XDP_PASS on the far end.
 func (t *TwoArmed) wire(lb, far *Host) error {
-	farNS, err := os.Open(far.NS.Path())
+	if err := connect(lb, far); err != nil {
+		return err
+	}
+	return attachPass(far, t.pass)
+}
+
+// connect creates a veth pair between a.Link in a.NS and b.Link in b.NS with their
+// MACs, gives both ends their addresses (/24 and /64, no DAD), brings them up and
+// turns tx checksum offload off, and records each end's ifindex.
+func connect(a, b *Host) error {
+	bNS, err := os.Open(b.NS.Path())
 	if err != nil {
 		return err
 	}
-	defer farNS.Close()
-	err = t.Balancer.Do(func() error {
-		veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: lb.Link, HardwareAddr: lb.MAC},
-			PeerName: far.Link, PeerHardwareAddr: far.MAC, PeerNamespace: netlink.NsFd(int(farNS.Fd()))}
+	defer bNS.Close()
+	err = a.NS.Do(func() error {
+		veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: a.Link, HardwareAddr: a.MAC},
+			PeerName: b.Link, PeerHardwareAddr: b.MAC, PeerNamespace: netlink.NsFd(int(bNS.Fd()))}
 		if err := netlink.LinkAdd(veth); err != nil {
-			return fmt.Errorf("create veth %s/%s: %w", lb.Link, far.Link, err)
+			return fmt.Errorf("create veth %s/%s: %w", a.Link, b.Link, err)
 		}
 		return nil
 	})
 	if err != nil {
 		return err
 	}
-	for _, h := range []*Host{lb, far} {
-		h := h
+	for _, h := range []*Host{a, b} {
 		err := h.NS.Do(func() error {
 			l, err := netlink.LinkByName(h.Link)
 			if err != nil {
@@ -188,11 +197,6 @@ func (t *TwoArmed) wire(lb, far *Host) error {
 			if err := setTxChecksum(h.Link, false); err != nil {
 				return fmt.Errorf("tx checksum off on %s: %w", h.Link, err)
 			}
-			if h == far {
-				if err := netlink.LinkSetXdpFdWithFlags(l, t.pass.FD(), nl.XDP_FLAGS_DRV_MODE); err != nil {
-					return fmt.Errorf("attach native xdp_pass to %s: %w", h.Link, err)
-				}
-			}
 			return nil
 		})
 		if err != nil {
@@ -200,6 +204,21 @@ func (t *TwoArmed) wire(lb, far *Host) error {
 		}
 	}
 	return nil
+}
+
+// attachPass puts the native XDP_PASS program on h's link, so frames sent to it by
+// native XDP_TX or XDP_REDIRECT are delivered.
+func attachPass(h *Host, pass *ebpf.Program) error {
+	return h.NS.Do(func() error {
+		l, err := netlink.LinkByName(h.Link)
+		if err != nil {
+			return err
+		}
+		if err := netlink.LinkSetXdpFdWithFlags(l, pass.FD(), nl.XDP_FLAGS_DRV_MODE); err != nil {
+			return fmt.Errorf("attach native xdp_pass to %s: %w", h.Link, err)
+		}
+		return nil
+	})
 }
 
 func route(h Host, dst netip.Addr, bits int, via netip.Addr) error {

@@ -1,0 +1,225 @@
+package loader
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/xdptest"
+)
+
+// TestTunnelEndToEnd runs tunnel mode through a router to backends in other subnets,
+// each with weir's decap program: new connections are answered directly (the replies
+// never reach the balancer), a bulk transfer arrives intact — which needs path-MTU
+// discovery through the ICMP errors the balancer sends for packets too big to
+// encapsulate — in both families and both attach modes.
+func TestTunnelEndToEnd(t *testing.T) {
+	for _, mode := range []Mode{ModeNative, ModeGeneric} {
+		t.Run(string(mode), func(t *testing.T) {
+			tp := topo.NewRoutedT(t, 3)
+			var decaps []*Decap
+			for i, b := range tp.Backends {
+				serveBackend(t, b, fmt.Sprintf("backend-%d", i))
+				d, err := LoadDecap([]netip.Addr{b.IP4, b.IP6})
+				xdptest.Check(t, err)
+				t.Cleanup(func() { d.Close() })
+				err = b.NS.Do(func() error { _, err := d.Attach(b.Link, mode); return err })
+				xdptest.Check(t, err)
+				decaps = append(decaps, d)
+			}
+			p, err := Load(Options{HashSeed: 3, NAT: NATOptions{Addr4: tp.BalancerUp.IP4, Addr6: tp.BalancerUp.IP6}})
+			xdptest.Check(t, err)
+			t.Cleanup(func() { p.Close() })
+			err = tp.Balancer.NS.Do(func() error {
+				for _, link := range []string{tp.Balancer.Link, tp.BalancerUp.Link} {
+					if _, err := p.Attach(link, mode); err != nil {
+						return err
+					}
+				}
+				return nil
+			})
+			xdptest.Check(t, err)
+			for _, vip := range []netip.Addr{tp.VIP4, tp.VIP6} {
+				web := Service{Key: ServiceKey{netip.AddrPortFrom(vip, 80), TCP}, Forwarding: ForwardTunnel}
+				echo := Service{Key: ServiceKey{netip.AddrPortFrom(vip, echoPort), TCP}, Forwarding: ForwardTunnel}
+				for i, b := range tp.Backends {
+					ip := b.IP4
+					if vip.Is6() {
+						ip = b.IP6
+					}
+					web.Backends = append(web.Backends, Backend{Addr: netip.AddrPortFrom(ip, 80), Weight: 1, Usable: true})
+					if i == 0 {
+						echo.Backends = append(echo.Backends, Backend{Addr: netip.AddrPortFrom(ip, echoPort), Weight: 1, Usable: true})
+					}
+				}
+				for _, s := range []Service{web, echo} {
+					if err := p.AddService(s); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+
+			client := &http.Client{Transport: &http.Transport{
+				DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+					return tp.Client.NS.DialWith(ctx, &net.Dialer{Timeout: 3 * time.Second}, network, addr)
+				},
+				DisableKeepAlives: true,
+			}, Timeout: 10 * time.Second}
+			for _, tc := range []struct {
+				vip netip.Addr
+				n   int
+			}{{tp.VIP4, 1000}, {tp.VIP6, 200}} {
+				answers := tunnelRequests(t, client, tc.vip, tc.n)
+				for i := range tp.Backends {
+					name := fmt.Sprintf("backend-%d", i)
+					if share := float64(answers[name]) / float64(tc.n); share < 0.7/3 || share > 1.3/3 {
+						t.Errorf("%s: %s answered %.1f%%; want within ±30%% of a third", tc.vip, name, 100*share)
+					}
+				}
+			}
+			for _, vip := range []netip.Addr{tp.VIP4, tp.VIP6} {
+				tunnelBulk(t, tp.Client, netip.AddrPortFrom(vip, echoPort), 50<<20)
+			}
+
+			st, err := p.Stats()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var decapsulated uint64
+			for _, d := range decaps {
+				ds, err := d.Stats()
+				if err != nil {
+					t.Fatal(err)
+				}
+				decapsulated += ds.Decapsulated.Packets
+			}
+			sent := st.Reasons[ReasonRedirect].Packets + st.Reasons[ReasonPassNoNeighbour].Packets
+			t.Logf("balancer: redirect %d, pass_no_neighbour %d, tunnel_too_big %d, pass_not_service %d, pass_not_ip %d; backends decapsulated %d",
+				st.Reasons[ReasonRedirect].Packets, st.Reasons[ReasonPassNoNeighbour].Packets, st.Reasons[ReasonTunnelTooBig].Packets,
+				st.Reasons[ReasonPassNotService].Packets, st.Reasons[ReasonPassNotIP].Packets, decapsulated)
+			if decapsulated != sent {
+				t.Errorf("backends decapsulated %d packets; the balancer encapsulated %d", decapsulated, sent)
+			}
+			if st.Reasons[ReasonTunnelTooBig].Packets == 0 {
+				t.Error("no packet was answered as too big; the bulk transfer should have needed path-MTU discovery")
+			}
+			// Thousands of replies went to the client; at most a few neighbour
+			// discovery packets may reach the balancer besides its clients' traffic.
+			if n := st.Reasons[ReasonPassNotService].Packets; n > 50 {
+				t.Errorf("the balancer passed %d packets not to a service; want the replies to bypass it", n)
+			}
+		})
+	}
+}
+
+// serveBackend serves HTTP (its name) on :80 and an echo on echoPort in b's namespace.
+func serveBackend(t *testing.T, b topo.Host, name string) {
+	t.Helper()
+	ln, err := b.NS.Listen("tcp", ":80")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, name) })}
+	// Exits when the server is closed at cleanup.
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	echo, err := b.NS.Listen("tcp", fmt.Sprintf(":%d", echoPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { echo.Close() })
+	// Exits when the listener is closed at cleanup.
+	go func() {
+		for {
+			c, err := echo.Accept()
+			if err != nil {
+				return
+			}
+			// Exits when the client closes its side.
+			go func() {
+				defer c.Close()
+				io.Copy(c, c)
+			}()
+		}
+	}()
+}
+
+func tunnelRequests(t *testing.T, client *http.Client, vip netip.Addr, n int) map[string]int {
+	t.Helper()
+	answers := make(map[string]int)
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	var failures []error
+	work := make(chan struct{})
+	for range 8 {
+		wg.Add(1)
+		// Exits when work is closed.
+		go func() {
+			defer wg.Done()
+			for range work {
+				resp, err := client.Get("http://" + netip.AddrPortFrom(vip, 80).String() + "/")
+				var body []byte
+				if err == nil {
+					body, err = io.ReadAll(resp.Body)
+					resp.Body.Close()
+				}
+				mu.Lock()
+				if err != nil {
+					failures = append(failures, err)
+				} else {
+					answers[string(body)]++
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	for range n {
+		work <- struct{}{}
+	}
+	close(work)
+	wg.Wait()
+	if len(failures) > 0 {
+		t.Fatalf("%s: %d of %d requests failed; first: %v", vip, len(failures), n, failures[0])
+	}
+	return answers
+}
+
+func tunnelBulk(t *testing.T, client topo.Host, dst netip.AddrPort, size int64) {
+	t.Helper()
+	conn, err := client.NS.DialWith(context.Background(), &net.Dialer{Timeout: 3 * time.Second}, "tcp", dst.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := conn.(*net.TCPConn)
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(60 * time.Second))
+	sent := sha256.New()
+	errc := make(chan error, 1)
+	// Exits when the whole payload is written.
+	go func() {
+		_, err := io.Copy(c, io.TeeReader(io.LimitReader(newPattern(), size), sent))
+		if err == nil {
+			err = c.CloseWrite()
+		}
+		errc <- err
+	}()
+	got := sha256.New()
+	n, err := io.Copy(got, c)
+	if err != nil {
+		t.Fatalf("%s: read back after %d bytes: %v", dst, n, err)
+	}
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	if n != size || string(got.Sum(nil)) != string(sent.Sum(nil)) {
+		t.Fatalf("%s: echoed %d bytes, sha256 %x; want %d bytes, %x", dst, n, got.Sum(nil), size, sent.Sum(nil))
+	}
+}
