@@ -368,7 +368,9 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 	if (tcp_closes(p)) {
 		struct flow_state *fs = bpf_map_lookup_elem(&conntrack, &client);
 
-		if (fs)
+		// Only if the flow still goes to this backend by this port: a late FIN or
+		// RST from a backend the flow has left must not close its new entry.
+		if (fs && fs->backend_id == rev->backend_id && fs->nat_port == p->flow.dport)
 			mark_closing(fs);
 	}
 	count(&global_stats, STAT_NAT_REPLY, p->len);

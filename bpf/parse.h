@@ -76,13 +76,20 @@ static __always_inline int vip_address_verdict(struct packet *p, enum stat_reaso
 	return verdict(XDP_PASS, STAT_PASS_NOT_VIP_L4, p->len);
 }
 
+// within_ip says whether len bytes at off lie inside the IP packet: Ethernet padding
+// after it must not pass for a header.
+static __always_inline int within_ip(struct packet *p, __u32 off, __u32 len)
+{
+	return off + len <= (__u32)p->l3_off + p->l3_len;
+}
+
 static __always_inline int parse_l4(void *data, void *data_end, __u32 off, struct packet *p)
 {
 	p->l4_off = off;
 	if (p->flow.proto == IPPROTO_TCP) {
 		struct tcphdr *tcp = data + off;
 
-		if ((void *)(tcp + 1) > data_end)
+		if ((void *)(tcp + 1) > data_end || !within_ip(p, off, sizeof(*tcp)))
 			return vip_address_verdict(p, STAT_DROP_MALFORMED_L4);
 		p->flow.sport = tcp->source;
 		p->flow.dport = tcp->dest;
@@ -93,7 +100,7 @@ static __always_inline int parse_l4(void *data, void *data_end, __u32 off, struc
 	if (p->flow.proto == IPPROTO_UDP) {
 		struct udphdr *udp = data + off;
 
-		if ((void *)(udp + 1) > data_end)
+		if ((void *)(udp + 1) > data_end || !within_ip(p, off, sizeof(*udp)))
 			return vip_address_verdict(p, STAT_DROP_MALFORMED_L4);
 		p->flow.sport = udp->source;
 		p->flow.dport = udp->dest;
@@ -103,7 +110,8 @@ static __always_inline int parse_l4(void *data, void *data_end, __u32 off, struc
 	    (p->flow.family == FAMILY_IPV6 && p->flow.proto == IPPROTO_ICMPV6)) {
 		struct icmp_hdr *icmp = data + off;
 
-		if ((void *)(icmp + 1) <= data_end && icmp_is_error(p->flow.family, icmp->type)) {
+		if ((void *)(icmp + 1) <= data_end && within_ip(p, off, sizeof(*icmp)) &&
+		    icmp_is_error(p->flow.family, icmp->type)) {
 			p->icmp_error = 1;
 			return CONTINUE;
 		}

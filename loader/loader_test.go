@@ -2,6 +2,7 @@ package loader
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -186,6 +187,13 @@ func TestFixtures(t *testing.T) {
 		drop("truncated tcp to vip", func() []byte {
 			b := tcp4(40011, packet.SYN).Build()[:14+20+10]
 			b[14+3] = 30 // keep the IPv4 length consistent with what is there
+			return b
+		}(), ReasonDropMalformedL4),
+		drop("tcp header only in the ethernet padding", func() []byte {
+			b := tcp4(40021, packet.SYN).Build()
+			b[14+3] = 24 // the IP packet ends 4 bytes into the TCP header
+			binary.BigEndian.PutUint16(b[14+10:], 0)
+			binary.BigEndian.PutUint16(b[14+10:], packet.Checksum(b[14:34]))
 			return b
 		}(), ReasonDropMalformedL4),
 		pass("truncated tcp not to vip", func() []byte {

@@ -327,14 +327,14 @@ func (r *run) parseL4(off uint32, p *modelPacket) int {
 	p.l4 = off
 	switch p.flow.Proto {
 	case protoTCP:
-		if !r.fits(off, tcpHeaderLen) {
+		if !r.fits(off, tcpHeaderLen) || !withinIP(p, off, tcpHeaderLen) {
 			return r.vipAddressVerdict(p, ReasonDropMalformedL4)
 		}
 		p.flow.Sport, p.flow.Dport = r.ld16(off), r.ld16(off+2)
 		p.tcpFlags = r.b[off+13]
 		return modelContinue
 	case protoUDP:
-		if !r.fits(off, udpHeaderLen) {
+		if !r.fits(off, udpHeaderLen) || !withinIP(p, off, udpHeaderLen) {
 			return r.vipAddressVerdict(p, ReasonDropMalformedL4)
 		}
 		p.flow.Sport, p.flow.Dport = r.ld16(off), r.ld16(off+2)
@@ -342,13 +342,16 @@ func (r *run) parseL4(off uint32, p *modelPacket) int {
 	}
 	if (p.flow.Family == familyIPv4 && p.flow.Proto == protoICMP) ||
 		(p.flow.Family == familyIPv6 && p.flow.Proto == protoICMPv6) {
-		if r.fits(off, icmpHeaderLen) && icmpIsError(p.flow.Family, r.b[off]) {
+		if r.fits(off, icmpHeaderLen) && withinIP(p, off, icmpHeaderLen) && icmpIsError(p.flow.Family, r.b[off]) {
 			p.icmpError = true
 			return modelContinue
 		}
 	}
 	return r.verdict(XDPPass, ReasonPassNotService)
 }
+
+// withinIP is parse.h's within_ip: Ethernet padding is not a header.
+func withinIP(p *modelPacket, off, n uint32) bool { return off+n <= p.l3+p.l3Len }
 
 func icmpIsError(family, typ uint8) bool {
 	if family == familyIPv4 {
@@ -752,7 +755,7 @@ func (r *run) natReply(p *modelPacket) int {
 	}
 	client := rev.Client
 	if tcpCloses(p) {
-		if _, ok := r.m.Conntrack[client]; ok {
+		if fs, ok := r.m.Conntrack[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
 			r.markClosing(client)
 		}
 	}
