@@ -399,6 +399,24 @@ func (p *Program) DeleteService(key ServiceKey) error {
 // from a health check). An unusable backend leaves the lookup table (only its own
 // share of entries moves) and its established flows are re-selected.
 func (p *Program) SetBackendUsable(key ServiceKey, backend netip.AddrPort, usable bool) error {
+	return p.changeBackend(key, backend, fmt.Sprintf("usable=%t", usable), func(b *Backend) { b.Usable = usable })
+}
+
+// SetBackendDraining drains a backend (or ends its draining): it leaves the lookup
+// table, so it gets no new flows, while its established flows stay with it.
+func (p *Program) SetBackendDraining(key ServiceKey, backend netip.AddrPort, draining bool) error {
+	return p.changeBackend(key, backend, fmt.Sprintf("draining=%t", draining), func(b *Backend) { b.Draining = draining })
+}
+
+// SetBackendWeight changes one backend's weight; only its share of the lookup table
+// moves, and established flows stay where they are.
+func (p *Program) SetBackendWeight(key ServiceKey, backend netip.AddrPort, weight uint32) error {
+	return p.changeBackend(key, backend, fmt.Sprintf("weight=%d", weight), func(b *Backend) { b.Weight = weight })
+}
+
+// changeBackend applies change to one backend of a service, validating the result
+// like UpdateService: a failure leaves the service as it was.
+func (p *Program) changeBackend(key ServiceKey, backend netip.AddrPort, what string, change func(*Backend)) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.usable(); err != nil {
@@ -406,22 +424,25 @@ func (p *Program) SetBackendUsable(key ServiceKey, backend netip.AddrPort, usabl
 	}
 	st, ok := p.services[key]
 	if !ok {
-		return fmt.Errorf("set backend %s of service %s usable=%t: %w", backend, key, usable, ErrNoService)
+		return fmt.Errorf("set backend %s of service %s %s: %w", backend, key, what, ErrNoService)
 	}
 	next := st.spec
 	next.Backends = append([]Backend(nil), st.spec.Backends...)
 	found := false
 	for i := range next.Backends {
 		if next.Backends[i].Addr == backend {
-			next.Backends[i].Usable = usable
+			change(&next.Backends[i])
 			found = true
 		}
 	}
 	if !found {
-		return fmt.Errorf("set backend %s of service %s usable=%t: %w", backend, key, usable, ErrNoBackend)
+		return fmt.Errorf("set backend %s of service %s %s: %w", backend, key, what, ErrNoBackend)
+	}
+	if err := p.validate(&next); err != nil {
+		return fmt.Errorf("set backend %s %s: %w", backend, what, err)
 	}
 	if err := p.apply(st, next); err != nil {
-		return fmt.Errorf("set backend %s of service %s usable=%t: %w", backend, key, usable, err)
+		return fmt.Errorf("set backend %s of service %s %s: %w", backend, key, what, err)
 	}
 	return nil
 }
@@ -522,8 +543,10 @@ func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32) (*ebpf.
 	members := make([]balance.Backend, len(s.Backends))
 	usable := 0
 	for i, b := range s.Backends {
-		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: b.Usable}
-		if b.Usable && b.Weight > 0 {
+		// A draining backend keeps its flows (its slot stays usable) but takes no new ones.
+		inTable := b.Usable && !b.Draining
+		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: inTable}
+		if inTable && b.Weight > 0 {
 			usable++
 		}
 	}

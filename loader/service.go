@@ -112,6 +112,9 @@ type Backend struct {
 	// Usable is false while the backend is unhealthy: it gets no new flows and its
 	// established flows are moved to another backend.
 	Usable bool
+	// Draining takes the backend out of the lookup table while its established flows
+	// stay with it (maintenance, removal with a grace period).
+	Draining bool
 }
 
 // Errors a caller can test for with errors.Is.

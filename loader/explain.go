@@ -1,0 +1,77 @@
+package loader
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/weir-lb/weir/bpf"
+)
+
+// Explanation says where the program sends a client's flow to a service.
+type Explanation struct {
+	// New is the backend a new flow from this client address and port would get from
+	// the lookup table now (zero if the service has no usable backend).
+	New netip.AddrPort
+	// Tracked is the backend the connection table holds for this flow, if any.
+	Tracked netip.AddrPort
+	// TrackedUsable says whether Tracked may still carry the flow; if not, the flow's
+	// next packet is re-selected.
+	TrackedUsable bool
+	// NATPort is the flow's source port towards its backend (nat mode).
+	NATPort uint16
+}
+
+// Explain answers "where does this client go": the backend the lookup table gives a
+// new flow, and the one the connection table holds for an existing flow.
+func (p *Program) Explain(key ServiceKey, client netip.AddrPort) (Explanation, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.usable(); err != nil {
+		return Explanation{}, err
+	}
+	st, ok := p.services[key]
+	if !ok {
+		return Explanation{}, fmt.Errorf("explain %s for %s: %w", key, client, ErrNoService)
+	}
+	if client.Addr().Is4() != key.VIP.Addr().Is4() {
+		return Explanation{}, fmt.Errorf("explain %s for %s: the client's address family differs from the VIP's", key, client)
+	}
+	var ex Explanation
+	bySlot := make(map[uint32]Backend, len(st.slots))
+	for _, b := range st.spec.Backends {
+		bySlot[st.slots[b.Addr]] = b
+	}
+	if st.table != nil {
+		var size, slot uint32
+		if err := st.table.Lookup(uint32(0), &size); err != nil {
+			return Explanation{}, fmt.Errorf("explain %s: read table: %w", key, err)
+		}
+		h := FlowHash(Flow{Src: client, Dst: key.VIP, Protocol: key.Protocol}, p.opts.HashSeed, st.spec.SourceHash)
+		if err := st.table.Lookup(1+h%size, &slot); err != nil {
+			return Explanation{}, fmt.Errorf("explain %s: read table: %w", key, err)
+		}
+		ex.New = bySlot[slot].Addr
+	}
+	fk := bpf.WeirFlowKey{
+		Src: addrWords(client.Addr()), Dst: addrWords(key.VIP.Addr()),
+		Sport: portWord(client.Port()), Dport: portWord(key.VIP.Port()),
+		Proto: uint8(key.Protocol), Family: family(key.VIP.Addr()),
+	}
+	var fs bpf.WeirFlowState
+	err := p.objs.Conntrack.Lookup(fk, &fs)
+	switch {
+	case errors.Is(err, ebpf.ErrKeyNotExist):
+	case err != nil:
+		return Explanation{}, fmt.Errorf("explain %s: read connection table: %w", key, err)
+	default:
+		if b, ok := bySlot[fs.BackendId]; ok && st.slots[b.Addr] == fs.BackendId {
+			ex.Tracked = b.Addr
+			ex.TrackedUsable = b.Usable
+			ex.NATPort = portWord(fs.NatPort)
+		}
+	}
+	return ex, nil
+}
