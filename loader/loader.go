@@ -30,6 +30,10 @@ type Options struct {
 	ConntrackSize uint32
 	// NAT is the source side of nat-mode services.
 	NAT NATOptions
+	// PinPath, a directory on a bpf filesystem (e.g. /sys/fs/bpf/weir), pins the maps
+	// and links there so that the program outlives the process and the next Load
+	// takes over without dropping flows (see pin.go). Empty: nothing is pinned.
+	PinPath string
 }
 
 // NATOptions configure full NAT. A nat-mode service needs the address of its family.
@@ -125,7 +129,7 @@ type serviceState struct {
 
 // Load loads the program and creates its maps. It needs CAP_BPF and CAP_NET_ADMIN
 // (or root).
-func Load(opts Options) (*Program, error) {
+func Load(opts Options) (_ *Program, err error) {
 	spec, err := bpf.LoadWeir()
 	if err != nil {
 		return nil, fmt.Errorf("load xdp program: %w", err)
@@ -140,6 +144,14 @@ func Load(opts Options) (*Program, error) {
 		spec.Maps[bpf.WeirMapConntrack].MaxEntries = opts.ConntrackSize
 		spec.Maps[bpf.WeirMapNatReverse].MaxEntries = opts.ConntrackSize
 	}
+	var adopting bool
+	var loadOpts *ebpf.CollectionOptions
+	if opts.PinPath != "" {
+		if adopting, err = pinSetup(spec, opts.PinPath); err != nil {
+			return nil, fmt.Errorf("load xdp program: %w", err)
+		}
+		loadOpts = &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: opts.PinPath}}
+	}
 	lookupTables := spec.Maps[bpf.WeirMapLookupTables]
 	p := &Program{
 		opts:        opts,
@@ -150,11 +162,20 @@ func Load(opts Options) (*Program, error) {
 		serviceIDs:  newSlotQueue(lookupTables.MaxEntries),
 		backendIDs:  newSlotQueue(spec.Maps[bpf.WeirMapBackends].MaxEntries),
 	}
-	if err := spec.LoadAndAssign(&p.objs, nil); err != nil {
-		if errors.Is(err, unix.EPERM) {
+	if err := spec.LoadAndAssign(&p.objs, loadOpts); err != nil {
+		switch {
+		case errors.Is(err, unix.EPERM):
 			return nil, fmt.Errorf("load xdp program: %w (run as root, or grant CAP_BPF and CAP_NET_ADMIN)", err)
+		case errors.Is(err, ebpf.ErrMapIncompatible):
+			return nil, fmt.Errorf("load xdp program: %w (the maps pinned in %s are from an incompatible version or settings; remove the directory to start afresh, dropping established flows)", err, opts.PinPath)
 		}
 		return nil, fmt.Errorf("load xdp program: %w", err)
+	}
+	if adopting {
+		if err := p.adopt(); err != nil {
+			p.objs.Close()
+			return nil, fmt.Errorf("load xdp program: %w", err)
+		}
 	}
 	return p, nil
 }
@@ -191,9 +212,31 @@ func (p *Program) Attach(ifname string, mode Mode) (Mode, error) {
 	if _, ok := p.attachments[ifname]; ok {
 		return "", fmt.Errorf("attach xdp to %s: already attached; detach it first", ifname)
 	}
-	a, err := attachXDP(p.objs.WeirXdp, ifname, mode)
-	if err != nil {
-		return "", err
+	var a *attachment
+	if p.opts.PinPath != "" {
+		iface, err := net.InterfaceByName(ifname)
+		if err != nil {
+			return "", fmt.Errorf("attach xdp to %s: %w (check the interface name and network namespace)", ifname, err)
+		}
+		adopted, ok, err := p.adoptLink(ifname, iface.Index)
+		if err != nil {
+			return "", fmt.Errorf("attach xdp to %s: %w", ifname, err)
+		}
+		a = adopted
+		if !ok {
+			if a, err = attachXDP(p.objs.WeirXdp, ifname, mode); err != nil {
+				return "", err
+			}
+			if err := a.link.Pin(p.linkPin(ifname)); err != nil {
+				a.link.Close()
+				return "", fmt.Errorf("attach xdp to %s: pin link: %w", ifname, err)
+			}
+		}
+	} else {
+		var err error
+		if a, err = attachXDP(p.objs.WeirXdp, ifname, mode); err != nil {
+			return "", err
+		}
 	}
 	// nat packets may leave by any interface the program is attached to.
 	if err := p.objs.TxPorts.Put(uint32(a.ifindex), uint32(a.ifindex)); err != nil {
@@ -262,6 +305,9 @@ func (p *Program) Detach(ifname string) error {
 	}
 	delete(p.attachments, ifname)
 	_ = p.objs.TxPorts.Delete(uint32(a.ifindex))
+	if p.opts.PinPath != "" {
+		_ = a.link.Unpin()
+	}
 	if err := a.link.Close(); err != nil {
 		return fmt.Errorf("detach xdp from %s: %w", ifname, err)
 	}
@@ -289,6 +335,9 @@ func (p *Program) Close() error {
 	}
 	p.closed = true
 	var errs []error
+	if p.opts.PinPath != "" {
+		errs = append(errs, p.unpinAll())
+	}
 	// Links first: the program must leave the interfaces before its maps go.
 	for name, a := range p.attachments {
 		if err := a.link.Close(); err != nil {

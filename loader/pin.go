@@ -1,0 +1,233 @@
+package loader
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/bpf"
+)
+
+// Pinning lets the agent restart without dropping a flow. With Options.PinPath set,
+// every map is pinned there by name and every attachment's link as link-<ifname>:
+// when the process ends — even killed — the program stays attached and keeps
+// balancing with the maps as they were. The next Load adopts the pinned maps and
+// rebuilds its view of the services from them (same service ids, same backend
+// slots), and Attach adopts the pinned link, swapping the new program in without a
+// gap. Connection-table entries point at backend slots, and a backend keeps its slot
+// as long as its address stays in the service, so established flows — nat ports
+// included — survive the restart.
+
+// pinSetup prepares spec for pinning under dir and reports whether an earlier run
+// left maps there.
+func pinSetup(spec *ebpf.CollectionSpec, dir string) (adopting bool, err error) {
+	var fs unix.Statfs_t
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return false, fmt.Errorf("pin path %s: %w", dir, err)
+	}
+	if err := unix.Statfs(dir, &fs); err != nil {
+		return false, fmt.Errorf("pin path %s: %w", dir, err)
+	}
+	if fs.Type != unix.BPF_FS_MAGIC {
+		return false, fmt.Errorf("pin path %s is not on a bpf filesystem: mount one (mount -t bpf bpf /sys/fs/bpf) or choose a path under it", dir)
+	}
+	for name, m := range spec.Maps {
+		// .rodata and friends hold the program's settings: they belong to one load.
+		if !strings.HasPrefix(name, ".") {
+			m.Pinning = ebpf.PinByName
+		}
+	}
+	_, err = os.Stat(filepath.Join(dir, bpf.WeirMapServices))
+	return err == nil, nil
+}
+
+// adopt rebuilds the services and slot queues from maps an earlier run pinned.
+// Weights are not stored in the maps, so adopted backends report weight 0 until the
+// agent sets its configuration (SetService).
+func (p *Program) adopt() error {
+	var (
+		key bpf.WeirVipKey
+		val bpf.WeirService
+	)
+	usedServices := make(map[uint32]bool)
+	byID := make(map[uint32]*serviceState)
+	it := p.objs.Services.Iterate()
+	for it.Next(&key, &val) {
+		addr := addrFromWords(key.Addr, key.Family)
+		if key.Proto == 0 {
+			p.vipRefs[addr]++ // an address-only key: counted again below
+			continue
+		}
+		sk := ServiceKey{VIP: netip.AddrPortFrom(addr, portWord(key.Port)), Protocol: Protocol(key.Proto)}
+		st := &serviceState{id: val.Id, slots: make(map[netip.AddrPort]uint32)}
+		st.spec = Service{Key: sk, Forwarding: Forwarding(val.Mode), SourceHash: val.Flags&serviceFlagSourceHash != 0}
+		p.services[sk] = st
+		byID[val.Id] = st
+		usedServices[val.Id] = true
+	}
+	if err := it.Err(); err != nil {
+		return fmt.Errorf("adopt services: %w", err)
+	}
+	// vipRefs counts services per address, not address keys.
+	for addr := range p.vipRefs {
+		p.vipRefs[addr] = 0
+	}
+	for sk := range p.services {
+		p.vipRefs[sk.VIP.Addr()]++
+	}
+
+	usedSlots := make(map[uint32]bool)
+	var slot uint32
+	var be bpf.WeirBackend
+	bit := p.objs.Backends.Iterate()
+	for bit.Next(&slot, &be) {
+		st, ok := byID[be.ServiceId]
+		if be.Family == 0 || !ok {
+			continue
+		}
+		addr := netip.AddrPortFrom(addrFromWords(be.Addr, be.Family), portWord(be.Port))
+		st.slots[addr] = slot
+		st.spec.Backends = append(st.spec.Backends, Backend{
+			Addr: addr, MAC: append(net.HardwareAddr(nil), be.Mac[:]...), Usable: be.Flags&backendFlagUsable != 0,
+		})
+		usedSlots[slot] = true
+	}
+	if err := bit.Err(); err != nil {
+		return fmt.Errorf("adopt backends: %w", err)
+	}
+	p.serviceIDs.remove(usedServices)
+	p.backendIDs.remove(usedSlots)
+	return nil
+}
+
+func addrFromWords(w [4]uint32, fam uint8) netip.Addr {
+	var b [16]byte
+	for i, x := range w {
+		b[i*4], b[i*4+1], b[i*4+2], b[i*4+3] = byte(x), byte(x>>8), byte(x>>16), byte(x>>24)
+	}
+	if fam == familyIPv4 {
+		return netip.AddrFrom4([4]byte(b[:4]))
+	}
+	return netip.AddrFrom16(b)
+}
+
+// remove takes ids in use out of the free queue.
+func (q *slotQueue) remove(used map[uint32]bool) {
+	kept := q.free[:0]
+	for _, id := range q.free {
+		if !used[id] {
+			kept = append(kept, id)
+		}
+	}
+	q.free = kept
+}
+
+func (p *Program) linkPin(ifname string) string {
+	return filepath.Join(p.opts.PinPath, "link-"+ifname)
+}
+
+// adoptLink takes over the link an earlier run pinned for ifname, if it is still
+// attached to that interface, and swaps this program in. ok is false if there was
+// none (or a stale one, which it removes).
+func (p *Program) adoptLink(ifname string, ifindex int) (a *attachment, ok bool, err error) {
+	path := p.linkPin(ifname)
+	l, err := link.LoadPinnedLink(path, nil)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, false, nil
+	}
+	if err != nil {
+		return nil, false, fmt.Errorf("adopt pinned link %s: %w", path, err)
+	}
+	info, err := l.Info()
+	if err != nil || info.XDP() == nil || int(info.XDP().Ifindex) != ifindex {
+		// Pinned for an interface that is gone or renumbered: not ours any more.
+		l.Unpin()
+		l.Close()
+		return nil, false, nil
+	}
+	if err := l.Update(p.objs.WeirXdp); err != nil {
+		l.Close()
+		return nil, false, fmt.Errorf("adopt pinned link %s: swap program: %w", path, err)
+	}
+	mode := ModeGeneric
+	if nl, err := netlink.LinkByIndex(ifindex); err == nil && nl.Attrs().Xdp != nil && nl.Attrs().Xdp.AttachMode == nlXDPAttachedDrv {
+		mode = ModeNative
+	}
+	return &attachment{link: l, mode: mode, ifindex: ifindex}, true, nil
+}
+
+// nlXDPAttachedDrv is XDP_ATTACHED_DRV of the kernel's link attributes.
+const nlXDPAttachedDrv = 1
+
+// SetService adds the service, or updates it if it is installed (for example adopted
+// from pinned maps after a restart).
+func (p *Program) SetService(s Service) error {
+	p.mu.Lock()
+	_, exists := p.services[s.Key]
+	p.mu.Unlock()
+	if exists {
+		return p.UpdateService(s)
+	}
+	return p.AddService(s)
+}
+
+// Release closes this process's handles on the program, its maps and links, but
+// leaves what is pinned in place: the program stays attached and keeps balancing,
+// and the next Load with the same PinPath takes over. Without PinPath it is Close.
+func (p *Program) Release() error {
+	if p.opts.PinPath == "" {
+		return p.Close()
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	p.closed = true
+	var errs []error
+	for name, a := range p.attachments {
+		// Closing a pinned link's handle does not detach it.
+		if err := a.link.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("release link of %s: %w", name, err))
+		}
+	}
+	p.attachments = nil
+	for _, s := range p.services {
+		s.closeTables()
+	}
+	if err := p.objs.Close(); err != nil {
+		errs = append(errs, fmt.Errorf("release xdp objects: %w", err))
+	}
+	if p.ns != nil {
+		p.ns.Close()
+	}
+	return errors.Join(errs...)
+}
+
+// unpinAll removes every pin of the program (links first), for Close.
+func (p *Program) unpinAll() error {
+	var errs []error
+	for name, a := range p.attachments {
+		if err := a.link.Unpin(); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("unpin link of %s: %w", name, err))
+		}
+	}
+	for _, m := range []*ebpf.Map{p.objs.Services, p.objs.Backends, p.objs.LookupTables, p.objs.Conntrack,
+		p.objs.NatReverse, p.objs.ServiceStats, p.objs.BackendStats, p.objs.GlobalStats, p.objs.BackendFlows, p.objs.TxPorts} {
+		if err := m.Unpin(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	// The directory goes too if nothing else lives in it.
+	_ = os.Remove(p.opts.PinPath)
+	return errors.Join(errs...)
+}
