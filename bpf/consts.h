@@ -9,7 +9,8 @@
 #define CONNTRACK_SIZE 262144   // flows remembered; the loader resizes it from its options
 #define MAX_IPV6_EXT_HDRS 4     // IPv6 extension headers walked before giving up
 #define MAX_TX_PORTS 64         // interfaces a nat packet may be redirected to
-#define NAT_PORT_TRIES 8        // random source ports tried before a new nat flow gives up
+#define NAT_PORT_TRIES 8        // random source ports tried for a new nat flow,
+#define NAT_PORT_PROBES 56      // then this many following ports, before it gives up
 #define MAX_L3_OFFSET 64        // Ethernet + VLAN; keeps header offsets provably small
 #define MAX_L4_OFFSET 512       // IP header + options or extension headers
 #define MAX_ICMP_QUOTE 200      // bytes of the offending packet an ICMPv6 "too big" quotes
