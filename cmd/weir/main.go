@@ -6,7 +6,9 @@
 //	weir drain SERVICE BACKEND            no new flows to a backend; established ones stay
 //	weir undrain SERVICE BACKEND
 //	weir weight SERVICE BACKEND N         set a backend's weight at runtime
+//	weir explain SERVICE CLIENT_IP:PORT   which backend a client's flow gets (XDP)
 //	weir reload                           re-read the config file (or send SIGHUP)
+//	weir decap --interface IFACE          on a tunnel-mode backend: decapsulate weir's tunnel packets
 //	weir demo [-backends N] [-requests N] [-mode auto|native|generic]
 //
 // Subcommands parse their flags with the standard flag package: each has a handful
@@ -39,11 +41,16 @@ usage:
   weir drain SERVICE BACKEND       stop new flows to BACKEND (ip:port); established ones stay
   weir undrain SERVICE BACKEND     end a drain
   weir weight SERVICE BACKEND N    set BACKEND's weight (0..65535) until restart
+  weir explain SERVICE CLIENT      which backend a new flow from CLIENT (ip:port) gets, and the
+                                   backend an existing flow is pinned to (XDP services)
   weir reload                      re-read the config file; an invalid one changes nothing
+  weir decap --interface IFACE [--mode auto|native|generic] [--addr A ...] [--interval D]
+                                   on a backend of a tunnel-mode service: attach weir's
+                                   decapsulation program until SIGINT/SIGTERM
   weir demo [flags]                build a demo topology in network namespaces, balance real
                                    traffic with XDP, print who answered, remove everything
 
-status, drain, undrain, weight and reload talk to the agent's admin socket
+status, drain, undrain, weight, explain and reload talk to the agent's admin socket
 (-s SOCKET, default ` + config.DefaultAdminSocket + `, or the one in -c FILE).
 run 'weir COMMAND -h' for a command's flags
 `
@@ -91,6 +98,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runWeight(ctx, args[1:], stdout, stderr)
 	case "reload":
 		return runReload(ctx, args[1:], stdout, stderr)
+	case "explain":
+		return runExplain(ctx, args[1:], stdout, stderr)
+	case "decap":
+		return runDecap(ctx, args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, usage)
 		return nil
@@ -281,5 +292,50 @@ func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return fmt.Errorf("reload: %w", err)
 	}
 	fmt.Fprintln(stdout, "reloaded")
+	return nil
+}
+
+func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("weir explain", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	asJSON := fs.Bool("json", false, "print JSON, for scripts")
+	socket := adminFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() != 2 {
+		return errors.New("explain: usage: weir explain SERVICE CLIENT_IP:PORT ([v6]:port for IPv6)")
+	}
+	path, err := socket()
+	if err != nil {
+		return fmt.Errorf("explain: %w", err)
+	}
+	ex, err := agent.NewClient(path).Explain(ctx, fs.Arg(0), fs.Arg(1))
+	if err != nil {
+		return fmt.Errorf("explain: %w", err)
+	}
+	if *asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(ex)
+	}
+	if ex.New == "" {
+		fmt.Fprintf(stdout, "a new flow from %s to %s: no backend takes new flows (all down or drained)\n", ex.Client, ex.Service)
+	} else {
+		fmt.Fprintf(stdout, "a new flow from %s to %s: %s\n", ex.Client, ex.Service, ex.New)
+	}
+	switch {
+	case ex.Tracked == "":
+		fmt.Fprintln(stdout, "no flow from this client address and port is tracked")
+	case !ex.TrackedUsable:
+		fmt.Fprintf(stdout, "tracked flow: %s, no longer usable: its next packet is re-selected\n", ex.Tracked)
+	case ex.Tracked != ex.New:
+		fmt.Fprintf(stdout, "tracked flow: pinned to %s (not where a new flow would go: it stays there)\n", ex.Tracked)
+	default:
+		fmt.Fprintf(stdout, "tracked flow: %s\n", ex.Tracked)
+	}
+	if ex.NATPort != 0 {
+		fmt.Fprintf(stdout, "nat source port towards the backend: %d\n", ex.NATPort)
+	}
 	return nil
 }

@@ -21,6 +21,7 @@ import (
 //	POST /v1/reload                                      {"ok":true} or 422 {"errors":[...]}
 //	POST /v1/services/{service}/backends/{addr}/drain    {"drain": true|false}
 //	POST /v1/services/{service}/backends/{addr}/weight   {"weight": N}
+//	GET  /v1/services/{service}/explain?client=IP:PORT   Explanation
 //	GET  /metrics                                        Prometheus exposition
 //
 // Errors are {"error": "..."} (or {"errors": [...]} for a rejected reload) with a
@@ -66,6 +67,14 @@ func (a *Agent) adminHandler() http.Handler {
 		}
 		a.answer(w, a.SetWeight(r.PathValue("service"), r.PathValue("addr"), uint32(*req.Weight)))
 	})
+	mux.HandleFunc("GET /v1/services/{service}/explain", func(w http.ResponseWriter, r *http.Request) {
+		ex, err := a.Explain(r.PathValue("service"), r.URL.Query().Get("client"))
+		if err != nil {
+			a.answer(w, err)
+			return
+		}
+		writeJSON(w, http.StatusOK, ex)
+	})
 	mux.Handle("GET /metrics", a.metrics.handler())
 	return mux
 }
@@ -76,6 +85,10 @@ func (a *Agent) answer(w http.ResponseWriter, err error) {
 		writeJSON(w, http.StatusOK, map[string]bool{"ok": true})
 	case errors.Is(err, ErrNotFound):
 		writeErr(w, http.StatusNotFound, err)
+	case errors.Is(err, ErrBadRequest):
+		writeErr(w, http.StatusBadRequest, err)
+	case errors.Is(err, ErrNotRunning):
+		writeErr(w, http.StatusServiceUnavailable, err)
 	default:
 		writeErr(w, http.StatusConflict, err)
 	}
@@ -183,6 +196,13 @@ func (c *Client) Drain(ctx context.Context, service, backend string, drain bool)
 // Weight sets a backend's weight.
 func (c *Client) Weight(ctx context.Context, service, backend string, weight int64) error {
 	return c.do(ctx, http.MethodPost, backendPath(service, backend, "weight"), map[string]int64{"weight": weight}, nil)
+}
+
+// Explain asks where a client's flow to an XDP service goes.
+func (c *Client) Explain(ctx context.Context, service, client string) (Explanation, error) {
+	var ex Explanation
+	err := c.do(ctx, http.MethodGet, "/v1/services/"+url.PathEscape(service)+"/explain?client="+url.QueryEscape(client), nil, &ex)
+	return ex, err
 }
 
 // Metrics fetches the Prometheus exposition text.

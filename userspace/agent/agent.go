@@ -15,6 +15,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"slices"
 	"sync"
@@ -584,6 +585,8 @@ func (a *Agent) SetDrain(serviceName, addr string, drain bool) error {
 		prev := b.drainOverride
 		b.drainOverride = &drain
 		return func() { b.drainOverride = prev }
+	}, func(p *loader.Program, s *service, b *backend) error {
+		return p.SetBackendDraining(s.key, b.cfg.Addr, b.drained())
 	})
 }
 
@@ -597,13 +600,20 @@ func (a *Agent) SetWeight(serviceName, addr string, weight uint32) error {
 		prev := b.weightOverride
 		b.weightOverride = &weight
 		return func() { b.weightOverride = prev }
+	}, func(p *loader.Program, s *service, b *backend) error {
+		return p.SetBackendWeight(s.key, b.cfg.Addr, b.weight())
 	})
 }
 
 // ErrNotFound is returned for an unknown service or backend.
 var ErrNotFound = errors.New("not found")
 
-func (a *Agent) change(serviceName, addr string, set func(*backend) (undo func())) error {
+// change applies a runtime change to one backend: set changes the agent's record
+// (and returns its undo); direct writes just that change to an installed XDP
+// service, which moves only that backend's share of the lookup table. When the
+// change makes the service's usable set change shape (all_down starts or ends),
+// the whole service is pushed instead.
+func (a *Agent) change(serviceName, addr string, set func(*backend) (undo func()), direct func(*loader.Program, *service, *backend) error) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if !a.running {
@@ -618,7 +628,19 @@ func (a *Agent) change(serviceName, addr string, set func(*backend) (undo func()
 				continue
 			}
 			undo := set(b)
-			if err := s.push(a.xdp); err != nil {
+			var err error
+			if s.plane == PlaneXDP && s.installed {
+				wasDown := s.allDown
+				spec, install := s.xdpSpec()
+				if s.allDown == wasDown && install && weightSum(spec) > 0 {
+					err = direct(a.xdp.prog, s, b)
+				} else {
+					err = s.push(a.xdp)
+				}
+			} else {
+				err = s.push(a.xdp)
+			}
+			if err != nil {
 				undo()
 				s.push(a.xdp)
 				return err
@@ -639,3 +661,64 @@ func (a *Agent) xdpStats() (loader.Stats, bool) {
 	st, err := a.xdp.prog.Stats()
 	return st, err == nil
 }
+
+// Explanation says where the XDP data plane sends a client's flow to a service.
+type Explanation struct {
+	Service string `json:"service"`
+	Client  string `json:"client"`
+	// New is the backend a new flow from the client would get now; "" if none is
+	// in the lookup table (every backend down or drained).
+	New string `json:"new"`
+	// Tracked is the backend the connection table holds for this flow, if any, and
+	// whether it may still carry it (if not, the flow's next packet is re-selected).
+	Tracked       string `json:"tracked,omitempty"`
+	TrackedUsable bool   `json:"tracked_usable,omitempty"`
+	// NATPort is the flow's source port towards its backend (nat mode).
+	NATPort uint16 `json:"nat_port,omitempty"`
+}
+
+// Explain answers "where does this client go" for an XDP service: the backend a
+// new flow from client (ip:port) would get, and the one an existing flow is pinned
+// to. The proxy picks per connection as they come, so it has nothing to explain.
+func (a *Agent) Explain(serviceName, client string) (Explanation, error) {
+	ap, err := netip.ParseAddrPort(client)
+	if err != nil {
+		return Explanation{}, fmt.Errorf("explain: client %q: want ip:port ([v6]:port for IPv6): %w", client, ErrBadRequest)
+	}
+	ap = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !a.running {
+		return Explanation{}, ErrNotRunning
+	}
+	for _, s := range a.services {
+		if s.cfg.Name != serviceName {
+			continue
+		}
+		if s.plane != PlaneXDP {
+			return Explanation{}, fmt.Errorf("explain: service %q is served by the %s, which picks a backend per connection as it comes: nothing to explain", serviceName, s.plane)
+		}
+		if ap.Addr().Is4() != s.key.VIP.Addr().Is4() {
+			return Explanation{}, fmt.Errorf("explain: client %s: the VIP %s is of the other address family: %w", ap, s.key.VIP.Addr(), ErrBadRequest)
+		}
+		ex := Explanation{Service: serviceName, Client: ap.String()}
+		if !s.installed {
+			return ex, nil // all_down: pass: the host's stack gets the packets
+		}
+		le, err := a.xdp.prog.Explain(s.key, ap)
+		if err != nil {
+			return Explanation{}, fmt.Errorf("explain: %w", err)
+		}
+		if le.New.IsValid() {
+			ex.New = le.New.String()
+		}
+		if le.Tracked.IsValid() {
+			ex.Tracked, ex.TrackedUsable, ex.NATPort = le.Tracked.String(), le.TrackedUsable, le.NATPort
+		}
+		return ex, nil
+	}
+	return Explanation{}, fmt.Errorf("service %q: %w (see weir status)", serviceName, ErrNotFound)
+}
+
+// ErrBadRequest is returned for a malformed argument.
+var ErrBadRequest = errors.New("bad request")

@@ -7,6 +7,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/userspace/config"
 )
 
 // metrics is the agent's Prometheus registry. Counters of the data planes are read
@@ -45,6 +46,8 @@ func newMetrics(a *Agent) *metrics {
 		"service_accept":  d("weir_service_connections_total", "Connections the proxy accepted.", "service"),
 		"backend_pkts":    d("weir_backend_packets_total", "Packets the XDP program sent to the backend.", "service", "backend"),
 		"backend_bytes":   d("weir_backend_bytes_total", "Bytes to and from the backend.", "service", "backend", "data_plane"),
+		"service_flows":   d("weir_service_flows_active", "XDP nat flows open now (a flow the connection table forgets without FIN or RST stays counted).", "service"),
+		"backend_flows":   d("weir_backend_flows_active", "XDP nat flows to the backend open now.", "service", "backend"),
 		"backend_conns":   d("weir_backend_connections_active", "Proxy connections to the backend now.", "service", "backend"),
 		"backend_connect": d("weir_backend_connects_total", "Successful proxy connects to the backend.", "service", "backend"),
 		"backend_usable":  d("weir_backend_usable", "1 while health says the backend may take new flows.", "service", "backend"),
@@ -106,6 +109,9 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 		c("service_bytes", s.Bytes, s.Name, s.DataPlane)
 		if s.DataPlane == PlaneXDP {
 			c("service_pkts", s.Packets, s.Name)
+			if s.Mode == config.ModeNAT {
+				g("service_flows", float64(s.ActiveFlows), s.Name)
+			}
 		} else {
 			g("service_conns", float64(s.Connections), s.Name)
 			c("service_accept", s.Accepted, s.Name)
@@ -114,6 +120,9 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 			c("backend_bytes", b.Bytes, s.Name, b.Address, s.DataPlane)
 			if s.DataPlane == PlaneXDP {
 				c("backend_pkts", b.Packets, s.Name, b.Address)
+				if s.Mode == config.ModeNAT {
+					g("backend_flows", float64(b.ActiveFlows), s.Name, b.Address)
+				}
 			} else {
 				g("backend_conns", float64(b.Connections), s.Name, b.Address)
 				c("backend_connect", b.Connects, s.Name, b.Address)

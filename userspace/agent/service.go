@@ -154,22 +154,30 @@ func decide(x *xdpPlane, s *config.Service) (plane, why string, err error) {
 // usableSet applies all_down to the health verdicts: which backends the data plane
 // is told are usable. Called with Agent.mu held.
 func (s *service) usableSet(xdp bool) map[*backend]bool {
+	// Draining is not being down: a drained backend keeps its established flows
+	// whatever all_down says, and a service whose every backend is drained takes no
+	// new flows but keeps serving the ones it has.
+	needMAC := xdp && s.cfg.Mode == config.ModeDSR
 	u := make(map[*backend]bool, len(s.backends))
-	some := false
+	some, undrained := false, false
 	for _, b := range s.backends {
-		u[b] = b.usable && (!xdp || b.mac != nil)
-		if u[b] && b.weight() > 0 && !b.drained() {
+		u[b] = b.usable && (!needMAC || b.mac != nil)
+		if u[b] && b.weight() > 0 {
 			some = true
+			undrained = undrained || !b.drained()
 		}
 	}
 	s.allDown = !some
 	s.note = ""
+	if some && !undrained {
+		s.note = "every usable backend is drained: new flows are refused, established ones continue"
+	}
 	if !some {
 		switch s.cfg.AllDown {
 		case config.AllDownKeepLast:
 			kept := false
 			for _, b := range s.backends {
-				if b.kept && (!xdp || b.mac != nil) {
+				if b.kept && (!needMAC || b.mac != nil) {
 					u[b], kept = true, true
 				}
 			}
@@ -190,7 +198,7 @@ func (s *service) usableSet(xdp bool) map[*backend]bool {
 		return u
 	}
 	for _, b := range s.backends {
-		b.kept = u[b] && b.weight() > 0 && !b.drained()
+		b.kept = u[b] && b.weight() > 0
 	}
 	return u
 }
@@ -198,20 +206,28 @@ func (s *service) usableSet(xdp bool) map[*backend]bool {
 // xdpSpec is the loader's view of the service now.
 func (s *service) xdpSpec() (loader.Service, bool) {
 	u := s.usableSet(true)
-	spec := loader.Service{Key: s.key, SourceHash: s.cfg.Hash == config.HashSource, TableSize: s.cfg.TableSize}
+	spec := loader.Service{Key: s.key, Forwarding: forwarding(s.cfg.Mode), SourceHash: s.cfg.Hash == config.HashSource,
+		TableSize: s.cfg.TableSize}
 	for _, b := range s.backends {
-		w := b.weight()
-		if b.drained() {
-			w = 0 // no new flows; established flows keep their conntrack entry
+		lb := loader.Backend{Addr: b.cfg.Addr, Weight: b.weight(), Usable: u[b], Draining: b.drained()}
+		if spec.Forwarding == loader.ForwardDSR {
+			lb.MAC = b.mac
+			if lb.MAC == nil {
+				lb.MAC = zeroMAC // unusable until resolved
+			}
 		}
-		mac := b.mac
-		if mac == nil {
-			mac = zeroMAC
-		}
-		spec.Backends = append(spec.Backends, loader.Backend{Addr: b.cfg.Addr, MAC: mac, Weight: w, Usable: u[b]})
+		spec.Backends = append(spec.Backends, lb)
 	}
 	pass := s.allDown && s.cfg.AllDown == config.AllDownPass
 	return spec, !pass
+}
+
+func weightSum(spec loader.Service) uint64 {
+	sum := uint64(0)
+	for _, b := range spec.Backends {
+		sum += uint64(b.Weight)
+	}
+	return sum
 }
 
 // push brings the service's data plane in line with its backends' state.
@@ -219,12 +235,8 @@ func (s *service) push(x *xdpPlane) error {
 	switch s.plane {
 	case PlaneXDP:
 		spec, install := s.xdpSpec()
-		weights := uint64(0)
-		for _, b := range spec.Backends {
-			weights += uint64(b.Weight)
-		}
-		if weights == 0 {
-			return fmt.Errorf("service %q: every backend is drained or has weight 0: undrain one first", s.cfg.Name)
+		if weightSum(spec) == 0 {
+			return fmt.Errorf("service %q: every backend has weight 0: give one a weight first", s.cfg.Name)
 		}
 		switch {
 		case !install && s.installed:

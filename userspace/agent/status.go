@@ -7,6 +7,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/weir-lb/weir/userspace/config"
 	"github.com/weir-lb/weir/userspace/proxy"
 )
 
@@ -56,6 +57,8 @@ type ServiceStatus struct {
 	Note      string `json:"note,omitempty"`
 	Packets   uint64 `json:"packets"`
 	Bytes     uint64 `json:"bytes"`
+	// XDP nat only: flows open now (opened and not yet seen to close).
+	ActiveFlows uint64 `json:"active_flows"`
 	// Proxy only.
 	Connections int64           `json:"active_connections"`
 	Accepted    uint64          `json:"accepted_connections"`
@@ -76,6 +79,7 @@ type BackendStatus struct {
 	MACError     string `json:"mac_error,omitempty"`
 	Packets      uint64 `json:"packets"`
 	Bytes        uint64 `json:"bytes"`
+	ActiveFlows  uint64 `json:"active_flows"` // XDP nat only
 	Connections  int64  `json:"active_connections"`
 	Connects     uint64 `json:"connects"`
 	LastCheck    string `json:"last_check,omitempty"`
@@ -128,6 +132,10 @@ func (a *Agent) Status() (Status, error) {
 			if s.plane == PlaneXDP {
 				c := stats.Backends[s.key][b.cfg.Addr]
 				bs.Packets, bs.Bytes = c.Packets, c.Bytes
+				if s.cfg.Mode == config.ModeNAT {
+					bs.ActiveFlows = stats.Flows[s.key][b.cfg.Addr].Active()
+					ss.ActiveFlows += bs.ActiveFlows
+				}
 			}
 			if ps, ok := backSnap[bs.Address]; ok {
 				bs.Connections, bs.Connects = ps.Active, ps.Connects
@@ -180,10 +188,18 @@ func (st Status) WriteTable(w io.Writer) {
 			fmt.Fprintf(w, "  %s\n", s.Note)
 		}
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		if s.DataPlane == PlaneXDP {
-			fmt.Fprintf(w, "  %d packets, %d bytes\n", s.Packets, s.Bytes)
+		switch {
+		case s.DataPlane == PlaneXDP && s.Mode == config.ModeDSR:
+			fmt.Fprintf(w, "  %s mode: %d packets, %d bytes\n", s.Mode, s.Packets, s.Bytes)
 			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tmac\tpackets\tbytes\tlast check")
-		} else {
+		case s.DataPlane == PlaneXDP:
+			fmt.Fprintf(w, "  %s mode: %d packets, %d bytes", s.Mode, s.Packets, s.Bytes)
+			if s.Mode == config.ModeNAT {
+				fmt.Fprintf(w, ", %d active flows", s.ActiveFlows)
+			}
+			fmt.Fprintln(w)
+			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tflows\tpackets\tbytes\tlast check")
+		default:
 			fmt.Fprintf(w, "  %d active connections, %d accepted, %d bytes\n", s.Connections, s.Accepted, s.Bytes)
 			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tactive\tconnects\tbytes\tlast check")
 		}
@@ -196,13 +212,20 @@ func (st Status) WriteTable(w io.Writer) {
 			if b.LastCheckAgo != "" {
 				check += " (" + b.LastCheckAgo + " ago)"
 			}
-			if s.DataPlane == PlaneXDP {
+			switch {
+			case s.DataPlane == PlaneXDP && s.Mode == config.ModeDSR:
 				mac := b.MAC
 				if mac == "" {
 					mac = "unknown: " + b.MACError
 				}
 				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, mac, b.Packets, b.Bytes, check)
-			} else {
+			case s.DataPlane == PlaneXDP:
+				flows := "-" // dsr and tunnel see one direction only: no flow ends to count
+				if s.Mode == config.ModeNAT {
+					flows = fmt.Sprint(b.ActiveFlows)
+				}
+				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, flows, b.Packets, b.Bytes, check)
+			default:
 				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%d\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, b.Connections, b.Connects, b.Bytes, check)
 			}
 		}

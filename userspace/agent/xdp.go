@@ -1,15 +1,15 @@
 package agent
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/weir-lb/weir/internal/packet"
 	"github.com/weir-lb/weir/loader"
 	"github.com/weir-lb/weir/userspace/config"
 )
@@ -21,6 +21,20 @@ type xdpPlane struct {
 	ifaces []InterfaceStatus
 	links  map[int]string // ifindex -> name of attached interfaces
 	addrs  []netip.Addr   // the balancer's own addresses
+
+	hashSeed uint32
+	scratch  scratchNS // where nat and tunnel self-tests run
+}
+
+// natAddr is the balancer's own address of a family: nat's source and tunnel's
+// outer source (zero if there is none).
+func (x *xdpPlane) natAddr(v6 bool) netip.Addr {
+	for _, a := range x.addrs {
+		if a.Is6() == v6 {
+			return a
+		}
+	}
+	return netip.Addr{}
 }
 
 // errInterfaceBusy: another program (another agent?) already holds the interface.
@@ -31,7 +45,7 @@ var errInterfaceBusy = errors.New("interface already has an XDP program")
 // returns an error only for what must stop the agent (an interface that another
 // XDP program holds).
 func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
-	x := &xdpPlane{links: make(map[int]string), addrs: cfg.Addrs}
+	x := &xdpPlane{links: make(map[int]string), addrs: cfg.Addrs, hashSeed: cfg.XDP.HashSeed}
 	switch {
 	case disabled:
 		x.reason = "XDP disabled (--no-xdp)"
@@ -49,7 +63,13 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 		// would lose flows, so XDP still serves.
 		x.reason = "bpffs: " + err.Error()
 	}
-	prog, err := loader.Load(loader.Options{HashSeed: cfg.XDP.HashSeed, ConntrackSize: cfg.XDP.ConntrackSize})
+	if len(x.addrs) == 0 {
+		// Best effort: without an address of a family, nat and tunnel services of
+		// that family fall back to the proxy and say why.
+		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name)
+	}
+	prog, err := loader.Load(loader.Options{HashSeed: cfg.XDP.HashSeed, ConntrackSize: cfg.XDP.ConntrackSize,
+		NAT: loader.NATOptions{Addr4: x.natAddr(false), Addr6: x.natAddr(true)}})
 	if err != nil {
 		x.reason = err.Error()
 		return x, nil
@@ -77,9 +97,6 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 		return x, nil
 	}
 	x.prog = prog
-	if len(x.addrs) == 0 {
-		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name)
-	}
 	return x, nil
 }
 
@@ -87,6 +104,7 @@ func (x *xdpPlane) close() error {
 	if x == nil || x.prog == nil {
 		return nil
 	}
+	x.scratch.close()
 	return x.prog.Close()
 }
 
@@ -97,8 +115,9 @@ func (x *xdpPlane) canServe(s *config.Service) error {
 		return fmt.Errorf("XDP unavailable: %s", x.reason)
 	case !config.XDPAlgorithm(s.Algorithm):
 		return fmt.Errorf("algorithm %s needs the proxy (XDP serves maglev and source_hash)", s.Algorithm)
-	case s.Mode != config.ModeDSR:
-		return fmt.Errorf("the agent drives only dsr mode in XDP so far (%s needs its own self-test and settings)", s.Mode)
+	}
+	if err := x.modeReady(s); err != nil {
+		return err
 	}
 	if err := x.selfTest(s); err != nil {
 		return fmt.Errorf("self-test failed: %w", err)
@@ -106,72 +125,48 @@ func (x *xdpPlane) canServe(s *config.Service) error {
 	return nil
 }
 
-// Addresses the self-test uses: documentation ranges (RFC 5737, RFC 3849, RFC 7042)
-// that no real client, VIP or backend has.
-var (
-	testVIP4     = netip.MustParseAddr("192.0.2.1")
-	testClient4  = netip.MustParseAddr("192.0.2.2")
-	testBackend4 = netip.MustParseAddr("192.0.2.3")
-	testVIP6     = netip.MustParseAddr("2001:db8::1")
-	testClient6  = netip.MustParseAddr("2001:db8::2")
-	testBackend6 = netip.MustParseAddr("2001:db8::3")
-	testMACIn    = net.HardwareAddr{0x00, 0x00, 0x5e, 0x00, 0x53, 0x01}
-	testMACOur   = net.HardwareAddr{0x00, 0x00, 0x5e, 0x00, 0x53, 0x02}
-	testMACBE    = net.HardwareAddr{0x00, 0x00, 0x5e, 0x00, 0x53, 0x03}
-)
-
-// selfTest runs the loaded program through BPF_PROG_TEST_RUN on golden packets for
-// a service shaped like s (family, protocol, port, hashing) at a documentation
-// VIP, so it is safe while real traffic flows: a first packet of a flow must leave
-// by XDP_TX with only the MACs rewritten as dsr does, and a packet to another port
-// must pass untouched.
-func (x *xdpPlane) selfTest(s *config.Service) error {
-	vip, client, be := testVIP4, testClient4, testBackend4
-	if s.VIPAddr.Addr().Is6() {
-		vip, client, be = testVIP6, testClient6, testBackend6
+// modeReady checks what a forwarding mode needs of the host: nat and tunnel send
+// from the balancer's own address of the family they send in, and their next-hop
+// lookups (bpf_fib_lookup) answer only where the kernel would forward: IPv4
+// forwarding on the interface the packets arrive on, IPv6 forwarding for the host.
+func (x *xdpPlane) modeReady(s *config.Service) error {
+	var families []bool // IPv6?
+	switch s.Mode {
+	case config.ModeDSR:
+		return nil
+	case config.ModeNAT:
+		families = []bool{s.VIPAddr.Addr().Is6()}
+	case config.ModeTunnel:
+		seen := map[bool]bool{}
+		for _, b := range s.Backends {
+			if !seen[b.Addr.Addr().Is6()] {
+				seen[b.Addr.Addr().Is6()] = true
+				families = append(families, b.Addr.Addr().Is6())
+			}
+		}
 	}
-	proto := loader.TCP
-	if s.Protocol == "udp" {
-		proto = loader.UDP
-	}
-	port := s.VIPAddr.Port()
-	key := loader.ServiceKey{VIP: netip.AddrPortFrom(vip, port), Protocol: proto}
-	svc := loader.Service{Key: key, SourceHash: s.Hash == config.HashSource, Backends: []loader.Backend{
-		{Addr: netip.AddrPortFrom(be, port), MAC: testMACBE, Weight: 1, Usable: true},
-	}}
-	if err := x.prog.AddService(svc); err != nil {
-		return fmt.Errorf("install test service %s: %w", key, err)
-	}
-	defer x.prog.DeleteService(key)
-
-	frame := packet.Frame{SrcMAC: testMACIn, DstMAC: testMACOur,
-		Src: netip.AddrPortFrom(client, 40000), Dst: key.VIP, Payload: []byte("weir self-test")}
-	if proto == loader.UDP {
-		frame.Proto = packet.ProtoUDP
-	} else {
-		frame.TCPFlags = packet.SYN
-	}
-	in := frame.Build()
-	act, out, err := x.prog.Run(in)
-	if err != nil {
-		return err
-	}
-	want := append(append(append([]byte{}, testMACBE...), testMACOur...), in[12:]...)
-	if act != loader.XDPTX || !bytes.Equal(out, want) {
-		return fmt.Errorf("first packet to %s: got %v and a %d-byte frame; want XDP_TX and the frame with destination MAC %s, source MAC %s", key, act, len(out), testMACBE, testMACOur)
-	}
-
-	other := frame
-	other.Dst = netip.AddrPortFrom(vip, port+1)
-	if port == 65535 {
-		other.Dst = netip.AddrPortFrom(vip, 1)
-	}
-	in = other.Build()
-	if act, out, err = x.prog.Run(in); err != nil {
-		return err
-	}
-	if act != loader.XDPPass || !bytes.Equal(out, in) {
-		return fmt.Errorf("packet to %s (no service): got %v; want XDP_PASS and the frame untouched", other.Dst, act)
+	for _, v6 := range families {
+		name, sysctl := "IPv4", "net/ipv4/conf/%s/forwarding"
+		if v6 {
+			name, sysctl = "IPv6", "net/ipv6/conf/all/forwarding"
+		}
+		if !x.natAddr(v6).IsValid() {
+			return fmt.Errorf("%s mode needs the balancer's own %s address: list one in addresses (none found on the first interface either)", s.Mode, name)
+		}
+		for _, ifname := range x.links {
+			path := sysctl
+			if !v6 {
+				path = fmt.Sprintf(sysctl, ifname)
+			}
+			b, err := os.ReadFile("/proc/sys/" + path)
+			if err != nil {
+				return fmt.Errorf("%s mode: read %s: %w", s.Mode, path, err)
+			}
+			if strings.TrimSpace(string(b)) != "1" {
+				key := strings.ReplaceAll(path, "/", ".")
+				return fmt.Errorf("%s mode needs %s forwarding (the program's next-hop lookup answers only where the kernel would forward): %s is 0; set it with sysctl -w %s=1", s.Mode, name, key, key)
+			}
+		}
 	}
 	return nil
 }
