@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"os"
 	"sort"
 	"sync"
 	"text/tabwriter"
@@ -47,6 +48,10 @@ type Report struct {
 // NamePrefix prefixes the demo's namespaces; a crashed run's are removed at start.
 const NamePrefix = "wdm"
 
+// NATVIP is the demo's full-nat VIP, routed by the client via the balancer like the
+// others but held by no backend.
+var NATVIP = netip.MustParseAddr("10.77.100.2")
+
 // Run builds the topology, runs the rounds and removes everything, whatever happens.
 func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if opts.Backends == 0 {
@@ -74,7 +79,13 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 		return Report{}, fmt.Errorf("demo: %w", err)
 	}
 
-	prog, err := loader.Load(loader.Options{HashSeed: 1})
+	// nat needs forwarding on for its route lookups; its source is the balancer's address.
+	if err := t.Balancer.NS.Do(func() error {
+		return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644)
+	}); err != nil {
+		return Report{}, fmt.Errorf("demo: enable forwarding: %w", err)
+	}
+	prog, err := loader.Load(loader.Options{HashSeed: 1, NAT: loader.NATOptions{Addr4: t.Balancer.IP4, Addr6: t.Balancer.IP6}})
 	if err != nil {
 		return Report{}, fmt.Errorf("demo: %w", err)
 	}
@@ -106,11 +117,19 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	web4 := service(t.VIP4, topo.HTTPPort, loader.TCP)
 	web6 := service(t.VIP6, topo.HTTPPort, loader.TCP)
 	dns4 := service(t.VIP4, topo.UDPPort, loader.UDP)
-	for _, s := range []loader.Service{web4, web6, dns4} {
+	// A second VIP in full nat mode: the backends hold no VIP for it and answer the
+	// balancer's address; the program translates both directions.
+	natVIP := NATVIP
+	web4nat := service(natVIP, topo.HTTPPort, loader.TCP)
+	web4nat.Forwarding = loader.ForwardNAT
+	for i := range web4nat.Backends {
+		web4nat.Backends[i].MAC = nil
+	}
+	for _, s := range []loader.Service{web4, web6, dns4, web4nat} {
 		if err := prog.AddService(s); err != nil {
 			return rep, fmt.Errorf("demo: %w", err)
 		}
-		fmt.Fprintf(out, "service %s -> %d backends, dsr\n", s.Key, len(s.Backends))
+		fmt.Fprintf(out, "service %s -> %d backends, %s\n", s.Key, len(s.Backends), s.Forwarding)
 	}
 	for _, h := range t.Backends {
 		rep.Backends = append(rep.Backends, h.Name)
@@ -172,6 +191,11 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	}
 	if err := round(fmt.Sprintf("%d UDP queries to %s from distinct ports", n/3, dns4.Key),
 		dns4, n/3, func(i int) (string, error) { return t.AskUDP(ctx, dns4.Key.VIP, uint16(30000+i)) }); err != nil {
+		return rep, fmt.Errorf("demo: %w", err)
+	}
+
+	if err := round(fmt.Sprintf("%d HTTP requests to %s (full nat: the backends see the balancer, not the client)", n, web4nat.Key),
+		web4nat, n, func(int) (string, error) { return t.Get(ctx, natVIP) }); err != nil {
 		return rep, fmt.Errorf("demo: %w", err)
 	}
 

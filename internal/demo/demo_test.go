@@ -28,8 +28,8 @@ func TestDemoDSR(t *testing.T) {
 			if rep.Mode != mode {
 				t.Fatalf("attached in %s mode; want %s", rep.Mode, mode)
 			}
-			if len(rep.Rounds) != 4 {
-				t.Fatalf("%d rounds; want 4", len(rep.Rounds))
+			if len(rep.Rounds) != 5 {
+				t.Fatalf("%d rounds; want 5", len(rep.Rounds))
 			}
 			for _, r := range rep.Rounds {
 				if len(r.Failures) > 0 {
@@ -45,15 +45,16 @@ func TestDemoDSR(t *testing.T) {
 					}
 				}
 			}
-			// Fair share over three equal backends: each within ±30 % of a third.
-			first := rep.Rounds[0]
-			for _, b := range rep.Backends {
-				share := float64(first.Answers[b]) / float64(first.Sent)
-				if share < 0.7/3 || share > 1.3/3 {
-					t.Errorf("%s answered %.1f%% of new connections; want %.1f%%..%.1f%%", b, 100*share, 70.0/3, 130.0/3)
+			// Fair share over three equal backends, dsr and nat: each within ±30 % of a third.
+			for _, r := range []Round{rep.Rounds[0], rep.Rounds[3]} {
+				for _, b := range rep.Backends {
+					share := float64(r.Answers[b]) / float64(r.Sent)
+					if share < 0.7/3 || share > 1.3/3 {
+						t.Errorf("%s: %s answered %.1f%% of new connections; want %.1f%%..%.1f%%", r.Title, b, 100*share, 70.0/3, 130.0/3)
+					}
 				}
 			}
-			last := rep.Rounds[3]
+			last := rep.Rounds[4]
 			if n := last.Answers[rep.Backends[0]]; n != 0 {
 				t.Errorf("unusable %s answered %d new connections; want 0", rep.Backends[0], n)
 			}
