@@ -98,11 +98,23 @@ func TestStructSizesMatchC(t *testing.T) {
 		{bpf.WeirMapConntrack, unsafe.Sizeof(bpf.WeirFlowKey{}), unsafe.Sizeof(bpf.WeirFlowState{})},
 		{bpf.WeirMapServiceStats, 4, unsafe.Sizeof(bpf.WeirCounter{})},
 		{bpf.WeirMapGlobalStats, 4, unsafe.Sizeof(bpf.WeirCounter{})},
+		{bpf.WeirMapNatReverse, unsafe.Sizeof(bpf.WeirFlowKey{}), unsafe.Sizeof(bpf.WeirNatEntry{})},
+		{bpf.WeirMapBackendFlows, 4, unsafe.Sizeof(bpf.WeirFlowCount{})},
 	} {
 		m := spec.Maps[tc.mapName]
 		if uintptr(m.KeySize) != tc.key || uintptr(m.ValueSize) != tc.value {
 			t.Errorf("map %s: C key/value sizes %d/%d; Go %d/%d", tc.mapName, m.KeySize, m.ValueSize, tc.key, tc.value)
 		}
+	}
+	decap, err := bpf.LoadDecap()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := decap.Maps[bpf.DecapMapDecapAddrs]; uintptr(m.KeySize) != unsafe.Sizeof(bpf.DecapDecapKey{}) {
+		t.Errorf("decap_addrs: C key size %d; Go %d", m.KeySize, unsafe.Sizeof(bpf.DecapDecapKey{}))
+	}
+	if m := decap.Maps[bpf.DecapMapDecapStats]; uintptr(m.ValueSize) != unsafe.Sizeof(bpf.DecapDecapCounter{}) {
+		t.Errorf("decap_stats: C value size %d; Go %d", m.ValueSize, unsafe.Sizeof(bpf.DecapDecapCounter{}))
 	}
 	if n := spec.Maps[bpf.WeirMapGlobalStats].MaxEntries; n != uint32(reasonMax) || len(reasonNames) != int(reasonMax) {
 		t.Errorf("global_stats has %d entries, reasonMax %d, %d names; want all equal", n, reasonMax, len(reasonNames))

@@ -202,12 +202,18 @@ func natManyConnections(t *testing.T, nt *natTopology, vip netip.Addr, n int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var opened uint64
+	var opened, active uint64
 	for _, fc := range st.Flows[nt.web[vip.Is6()].Key] {
 		opened += fc.Opened
+		active += fc.Active()
 	}
 	if opened < uint64(n) {
 		t.Errorf("backends' flow counters opened %d; want at least %d", opened, n)
+	}
+	// Every connection has ended with FINs both ways, so none is active; the count is
+	// what a load-aware choice would read.
+	if active != 0 {
+		t.Errorf("%d flows still counted active after every connection closed; want 0", active)
 	}
 }
 
