@@ -6,6 +6,7 @@
 //	weir drain SERVICE BACKEND            no new flows to a backend; established ones stay
 //	weir undrain SERVICE BACKEND
 //	weir weight SERVICE BACKEND N         set a backend's weight at runtime
+//	weir stop [--detach]                  stop the agent; --detach also removes its XDP program
 //	weir explain SERVICE CLIENT_IP:PORT   which backend a client's flow gets (XDP)
 //	weir reload                           re-read the config file (or send SIGHUP)
 //	weir decap --interface IFACE          on a tunnel-mode backend: decapsulate weir's tunnel packets
@@ -41,6 +42,8 @@ usage:
   weir drain SERVICE BACKEND       stop new flows to BACKEND (ip:port); established ones stay
   weir undrain SERVICE BACKEND     end a drain
   weir weight SERVICE BACKEND N    set BACKEND's weight (0..65535) until restart
+  weir stop [--detach]             stop the agent (the pinned XDP program keeps balancing);
+                                   --detach removes it too, even with the agent stopped (-c FILE)
   weir explain SERVICE CLIENT      which backend a new flow from CLIENT (ip:port) gets, and the
                                    backend an existing flow is pinned to (XDP services)
   weir reload                      re-read the config file; an invalid one changes nothing
@@ -50,7 +53,7 @@ usage:
   weir demo [flags]                build a demo topology in network namespaces, balance real
                                    traffic with XDP, print who answered, remove everything
 
-status, drain, undrain, weight, explain and reload talk to the agent's admin socket
+status, drain, undrain, weight, explain, stop and reload talk to the agent's admin socket
 (-s SOCKET, default ` + config.DefaultAdminSocket + `, or the one in -c FILE).
 run 'weir COMMAND -h' for a command's flags
 `
@@ -98,6 +101,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runWeight(ctx, args[1:], stdout, stderr)
 	case "reload":
 		return runReload(ctx, args[1:], stdout, stderr)
+	case "stop":
+		return runStop(ctx, args[1:], stdout, stderr)
 	case "explain":
 		return runExplain(ctx, args[1:], stdout, stderr)
 	case "decap":
@@ -337,5 +342,48 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if ex.NATPort != 0 {
 		fmt.Fprintf(stdout, "nat source port towards the backend: %d\n", ex.NATPort)
 	}
+	return nil
+}
+
+func runStop(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("weir stop", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	detach := fs.Bool("detach", false, "also detach the XDP program and remove its pins (drops every XDP flow)")
+	socket := adminFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return errors.New("stop: usage: weir stop [--detach] [-s SOCKET | -c FILE]")
+	}
+	path, err := socket()
+	if err != nil {
+		return fmt.Errorf("stop: %w", err)
+	}
+	err = agent.NewClient(path).Stop(ctx, *detach)
+	var re *agent.RequestError
+	switch {
+	case err == nil && *detach:
+		fmt.Fprintln(stdout, "weir is stopping and detaching its XDP program")
+		return nil
+	case err == nil:
+		fmt.Fprintln(stdout, "weir is stopping; its XDP program, if pinned, keeps balancing until the next weir run (weir stop --detach removes it)")
+		return nil
+	case errors.As(err, &re) || !*detach:
+		return fmt.Errorf("stop: %w", err)
+	}
+	// No agent answers: remove what the last one left, from the config's settings.
+	file := fs.Lookup("c").Value.String()
+	if file == "" {
+		return fmt.Errorf("stop: %w\n(to remove the XDP program a stopped agent left, give its config: weir stop --detach -c FILE)", err)
+	}
+	cfg, cerr := config.Load(file)
+	if cerr != nil {
+		return fmt.Errorf("stop: %w", cerr)
+	}
+	if err := agent.RemovePinned(cfg); err != nil {
+		return fmt.Errorf("stop: no agent answers on %s, and: %w", path, err)
+	}
+	fmt.Fprintf(stdout, "no agent was running; the XDP program pinned in %s is detached and its pins removed\n", cfg.XDP.PinPath)
 	return nil
 }

@@ -22,6 +22,7 @@ import (
 //	POST /v1/services/{service}/backends/{addr}/drain    {"drain": true|false}
 //	POST /v1/services/{service}/backends/{addr}/weight   {"weight": N}
 //	GET  /v1/services/{service}/explain?client=IP:PORT   Explanation
+//	POST /v1/stop                                        {"detach": true|false}: stop the agent
 //	GET  /metrics                                        Prometheus exposition
 //
 // Errors are {"error": "..."} (or {"errors": [...]} for a rejected reload) with a
@@ -74,6 +75,16 @@ func (a *Agent) adminHandler() http.Handler {
 			return
 		}
 		writeJSON(w, http.StatusOK, ex)
+	})
+	mux.HandleFunc("POST /v1/stop", func(w http.ResponseWriter, r *http.Request) {
+		var req struct {
+			Detach bool `json:"detach"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&req); err != nil && !errors.Is(err, io.EOF) {
+			writeErr(w, http.StatusBadRequest, errors.New(`body must be {"detach": true} or {"detach": false}`))
+			return
+		}
+		a.answer(w, a.Stop(req.Detach))
 	})
 	mux.Handle("GET /metrics", a.metrics.handler())
 	return mux
@@ -203,6 +214,11 @@ func (c *Client) Explain(ctx context.Context, service, client string) (Explanati
 	var ex Explanation
 	err := c.do(ctx, http.MethodGet, "/v1/services/"+url.PathEscape(service)+"/explain?client="+url.QueryEscape(client), nil, &ex)
 	return ex, err
+}
+
+// Stop asks the agent to stop; with detach it removes its XDP program too.
+func (c *Client) Stop(ctx context.Context, detach bool) error {
+	return c.do(ctx, http.MethodPost, "/v1/stop", map[string]bool{"detach": detach}, nil)
 }
 
 // Metrics fetches the Prometheus exposition text.

@@ -19,6 +19,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/weir-lb/weir/health"
@@ -58,6 +59,9 @@ type Agent struct {
 	reloads  []ReloadStatus // most recent last, at most maxReloads
 
 	retiring sync.WaitGroup // proxies of removed or replaced services, draining
+
+	detachOnStop atomic.Bool        // set by Stop(detach): remove the XDP program at stop
+	stopRun      context.CancelFunc // ends Run; set while it runs
 }
 
 const maxReloads = 10
@@ -121,16 +125,19 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 		return fmt.Errorf("run: %w", err)
 	}
 	if x.prog != nil {
-		a.log.Info("xdp program loaded", "interfaces", x.ifaces)
+		a.log.Info("xdp program loaded", "interfaces", x.ifaces, "pinned", x.pinPath, "adopted", x.hadPins)
 	} else {
 		a.log.Warn("xdp unavailable: services are served by the proxy where they can be", "reason", x.reason)
 	}
 
+	stopCtx, stopRun := context.WithCancel(ctx)
+	defer stopRun()
 	a.mu.Lock()
-	a.xdp, a.started = x, time.Now()
+	a.xdp, a.started, a.stopRun = x, time.Now(), stopRun
 	err = a.apply(cfg)
 	if err == nil {
 		a.cfg, a.running = cfg, true
+		x.dropStale(a.services, a.log)
 	}
 	a.mu.Unlock()
 	if err != nil {
@@ -139,7 +146,9 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 			metricsLn.Close()
 		}
 		a.stopAll()
-		return fmt.Errorf("run: %w", errors.Join(err, x.close()))
+		// A pinned program adopted from the last run keeps serving as it was (apply
+		// undid its own writes); one this run made is removed.
+		return fmt.Errorf("run: %w", errors.Join(err, x.stop(!x.hadPins)))
 	}
 	a.log.Info("weir running", "config", a.opts.ConfigPath, "services", len(cfg.Services), "admin", cfg.Admin.Socket, "metrics", cfg.Metrics.Listen)
 
@@ -169,7 +178,7 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 		wg.Go(func() { msrv.Serve(metricsLn) })
 	}
 
-	<-ctx.Done()
+	<-stopCtx.Done()
 	a.log.Info("stopping")
 	shutCtx, done := context.WithTimeout(context.Background(), 5*time.Second)
 	for _, s := range servers {
@@ -182,10 +191,34 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 	a.running = false
 	a.mu.Unlock()
 	a.stopAll()
-	if err := x.close(); err != nil {
+	detach := cfg.XDP.DetachOnStop || a.detachOnStop.Load()
+	if err := x.stop(detach); err != nil {
 		return fmt.Errorf("run: stop: %w", err)
 	}
-	a.log.Info("stopped: proxies closed, XDP program detached")
+	switch {
+	case x.prog == nil:
+		a.log.Info("stopped: proxies closed")
+	case detach || x.pinPath == "":
+		a.log.Info("stopped: proxies closed, XDP program detached")
+	default:
+		a.log.Info("stopped: proxies closed; the XDP program stays attached and balancing, pinned for the next run (weir stop --detach, or xdp.detach_on_stop: true, removes it)", "pin_path", x.pinPath)
+	}
+	return nil
+}
+
+// Stop ends Run as a signal would; with detach the XDP program is detached and its
+// pins removed whatever xdp.detach_on_stop says.
+func (a *Agent) Stop(detach bool) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !a.running || a.stopRun == nil {
+		return ErrNotRunning
+	}
+	if detach {
+		a.detachOnStop.Store(true)
+	}
+	a.log.Info("stop requested through the admin API", "detach", detach)
+	a.stopRun()
 	return nil
 }
 

@@ -18,7 +18,7 @@ func TestSelfTest(t *testing.T) {
 	prog, err := loader.Load(loader.Options{HashSeed: 42, NAT: loader.NATOptions{Addr4: own4, Addr6: own6}})
 	xdptest.Check(t, err)
 	x := &xdpPlane{prog: prog, addrs: []netip.Addr{own4, own6}, hashSeed: 42, links: map[int]string{}}
-	t.Cleanup(func() { x.close() })
+	t.Cleanup(func() { x.stop(true) })
 	for _, mode := range []string{config.ModeDSR, config.ModeNAT, config.ModeTunnel} {
 		for _, vip := range []string{"10.1.2.3:80", "[fd00::1]:443"} {
 			for _, proto := range []string{"tcp", "udp"} {

@@ -248,7 +248,8 @@ func (s *service) push(x *xdpPlane) error {
 		case s.installed:
 			return x.prog.UpdateService(spec)
 		default:
-			if err := x.prog.AddService(spec); err != nil {
+			// SetService: after a restart the pinned program may have it already.
+			if err := x.prog.SetService(spec); err != nil {
 				return err
 			}
 			s.installed = true

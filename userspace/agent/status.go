@@ -26,8 +26,12 @@ type XDPStatus struct {
 	Loaded     bool              `json:"loaded"`
 	Reason     string            `json:"reason,omitempty"` // why not, or a warning
 	Interfaces []InterfaceStatus `json:"interfaces,omitempty"`
-	// Pinned is false until the loader can pin: a stop or restart drops XDP flows.
-	Pinned bool `json:"pinned"`
+	// Pinned: the program and maps are pinned at PinPath, so a restart (or a crash)
+	// keeps XDP flows; DetachOnStop says whether stopping removes them anyway.
+	Pinned       bool   `json:"pinned"`
+	PinPath      string `json:"pin_path,omitempty"`
+	Adopted      bool   `json:"adopted,omitempty"` // taken over from the previous run
+	DetachOnStop bool   `json:"detach_on_stop"`
 }
 
 // InterfaceStatus is one configured interface.
@@ -95,7 +99,9 @@ func (a *Agent) Status() (Status, error) {
 		return Status{}, ErrNotRunning
 	}
 	st := Status{Config: a.opts.ConfigPath, Started: a.started, Reloads: append([]ReloadStatus(nil), a.reloads...)}
-	st.XDP = XDPStatus{Loaded: a.xdp.prog != nil, Reason: a.xdp.reason, Interfaces: a.xdp.ifaces}
+	st.XDP = XDPStatus{Loaded: a.xdp.prog != nil, Reason: a.xdp.reason, Interfaces: a.xdp.ifaces,
+		Pinned: a.xdp.prog != nil && a.xdp.pinPath != "", PinPath: a.xdp.pinPath, Adopted: a.xdp.hadPins,
+		DetachOnStop: a.cfg.XDP.DetachOnStop}
 	if haveStats {
 		st.XDPReasons = make(map[string]uint64, len(stats.Reasons))
 		for r, c := range stats.Reasons {
@@ -167,7 +173,17 @@ func (st Status) WriteTable(w io.Writer) {
 				ifs = append(ifs, fmt.Sprintf("%s (%s)", i.Name, i.Mode))
 			}
 		}
-		fmt.Fprintf(w, "xdp: attached to %s; not pinned: stopping weir detaches it\n", strings.Join(ifs, ", "))
+		switch {
+		case !st.XDP.Pinned:
+			fmt.Fprintf(w, "xdp: attached to %s; not pinned (%s): stopping weir detaches it and drops its flows\n", strings.Join(ifs, ", "), st.XDP.Reason)
+		case st.XDP.DetachOnStop:
+			fmt.Fprintf(w, "xdp: attached to %s; pinned at %s; stopping weir detaches it (xdp.detach_on_stop), a crash keeps it\n", strings.Join(ifs, ", "), st.XDP.PinPath)
+		default:
+			fmt.Fprintf(w, "xdp: attached to %s; pinned at %s: it keeps balancing while weir is stopped or restarting (weir stop --detach removes it)\n", strings.Join(ifs, ", "), st.XDP.PinPath)
+		}
+		if st.XDP.Adopted {
+			fmt.Fprintln(w, "xdp: adopted from the previous run with its established flows")
+		}
 	} else {
 		fmt.Fprintf(w, "xdp: not loaded: %s\n", st.XDP.Reason)
 	}

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/vishvananda/netlink"
@@ -41,26 +42,48 @@ func checkPrivileges() error {
 	return nil
 }
 
-// ensureBPFFS makes sure dir (the pin directory) lies on a bpffs mount, mounting one
-// on /sys/fs/bpf if nothing is mounted there, and creates dir.
+// ensureBPFFS makes sure dir (the pin directory) lies on a bpf filesystem and
+// exists. If it does not: under /sys/fs/bpf it mounts one on /sys/fs/bpf (where
+// systems keep it); elsewhere on dir itself.
 func ensureBPFFS(dir string) error {
 	const root = "/sys/fs/bpf"
-	var st unix.Statfs_t
-	if err := unix.Statfs(root, &st); err != nil || st.Type != unix.BPF_FS_MAGIC {
-		if err := os.MkdirAll(root, 0o700); err != nil {
-			return fmt.Errorf("mount bpffs on %s: %w", root, err)
+	if onBPFFS(dir) {
+		return nil
+	}
+	mountAt := dir
+	if dir == root || strings.HasPrefix(dir, root+"/") {
+		mountAt = root
+	}
+	if !onBPFFS(mountAt) {
+		if err := os.MkdirAll(mountAt, 0o700); err != nil {
+			return fmt.Errorf("mount bpffs on %s: %w", mountAt, err)
 		}
-		if err := unix.Mount("bpffs", root, "bpf", 0, "mode=0700"); err != nil {
-			return fmt.Errorf("mount bpffs on %s: %w (mount it yourself: mount -t bpf bpffs %s)", root, err, root)
+		if err := unix.Mount("bpffs", mountAt, "bpf", 0, "mode=0700"); err != nil {
+			return fmt.Errorf("mount bpffs on %s: %w (mount it yourself: mount -t bpf bpffs %s)", mountAt, err, mountAt)
 		}
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create pin directory %s: %w", dir, err)
 	}
-	if err := unix.Statfs(dir, &st); err != nil || st.Type != unix.BPF_FS_MAGIC {
+	if !onBPFFS(dir) {
 		return fmt.Errorf("pin directory %s is not on a bpffs mount: set xdp.pin_path under %s", dir, root)
 	}
 	return nil
+}
+
+// onBPFFS reports whether path exists on a bpf filesystem, or does not exist and its
+// nearest existing parent is one (so MkdirAll creates it there).
+func onBPFFS(path string) bool {
+	for p := path; ; p = filepath.Dir(p) {
+		var st unix.Statfs_t
+		err := unix.Statfs(p, &st)
+		if err == nil {
+			return st.Type == unix.BPF_FS_MAGIC
+		}
+		if !errors.Is(err, unix.ENOENT) || p == "/" {
+			return false
+		}
+	}
 }
 
 // errNeighbourPending says resolution was started and the MAC is not known yet.

@@ -3,6 +3,7 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/netip"
 	"os"
@@ -24,6 +25,10 @@ type xdpPlane struct {
 
 	hashSeed uint32
 	scratch  scratchNS // where nat and tunnel self-tests run
+
+	pinPath string   // where the program is pinned; "" when it is not
+	hadPins bool     // an earlier run's pinned program was adopted
+	pinLock *os.File // flock on pinPath: one agent per pinned program
 }
 
 // natAddr is the balancer's own address of a family: nat's source and tunnel's
@@ -59,9 +64,16 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 		return x, nil
 	}
 	if err := ensureBPFFS(cfg.XDP.PinPath); err != nil {
-		// Pinning is not used yet (see the README): without bpffs only a restart
-		// would lose flows, so XDP still serves.
-		x.reason = "bpffs: " + err.Error()
+		// Without pins XDP still serves; only a restart would lose flows.
+		x.reason = "not pinned, a restart drops XDP flows: " + err.Error()
+	} else {
+		lock, err := lockPinPath(cfg.XDP.PinPath)
+		if err != nil {
+			return nil, err
+		}
+		x.pinPath, x.pinLock = cfg.XDP.PinPath, lock
+		entries, _ := os.ReadDir(x.pinPath)
+		x.hadPins = len(entries) > 0
 	}
 	if len(x.addrs) == 0 {
 		// Best effort: without an address of a family, nat and tunnel services of
@@ -69,8 +81,15 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name)
 	}
 	prog, err := loader.Load(loader.Options{HashSeed: cfg.XDP.HashSeed, ConntrackSize: cfg.XDP.ConntrackSize,
-		NAT: loader.NATOptions{Addr4: x.natAddr(false), Addr6: x.natAddr(true)}})
+		NAT: loader.NATOptions{Addr4: x.natAddr(false), Addr6: x.natAddr(true)}, PinPath: x.pinPath})
 	if err != nil {
+		if x.hadPins {
+			// The pinned program is still attached and balancing: a proxy could
+			// not see its traffic, so falling back would serve nothing.
+			x.unlock()
+			return nil, fmt.Errorf("adopt the XDP program pinned in %s: %w", x.pinPath, err)
+		}
+		x.unlock()
 		x.reason = err.Error()
 		return x, nil
 	}
@@ -79,7 +98,8 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 		mode, err := prog.Attach(in.Name, loader.Mode(in.Attach))
 		if err != nil {
 			if errors.Is(err, unix.EBUSY) || errors.Is(err, unix.EEXIST) {
-				prog.Close()
+				x.prog = prog
+				x.stop(!x.hadPins)
 				return nil, fmt.Errorf("attach xdp to %s: %w: is another weir agent running? (%w)", in.Name, errInterfaceBusy, err)
 			}
 			st.Error = err.Error()
@@ -92,7 +112,9 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 		x.ifaces = append(x.ifaces, st)
 	}
 	if len(x.links) == 0 {
-		prog.Close()
+		x.prog = prog
+		x.stop(!x.hadPins)
+		x.prog = nil
 		x.reason = "could not attach XDP to any interface"
 		return x, nil
 	}
@@ -100,12 +122,71 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 	return x, nil
 }
 
-func (x *xdpPlane) close() error {
-	if x == nil || x.prog == nil {
+// stop releases the program: with detach (or without pins) it is detached and its
+// pins removed; otherwise it stays attached and balancing, pinned for the next run.
+func (x *xdpPlane) stop(detach bool) error {
+	if x == nil {
+		return nil
+	}
+	defer x.unlock()
+	if x.prog == nil {
 		return nil
 	}
 	x.scratch.close()
-	return x.prog.Close()
+	if detach || x.pinPath == "" {
+		return x.prog.Close()
+	}
+	return x.prog.Release()
+}
+
+func (x *xdpPlane) unlock() {
+	if x.pinLock != nil {
+		x.pinLock.Close()
+		x.pinLock = nil
+	}
+}
+
+// lockPinPath takes an exclusive flock on the pin directory, held while the agent
+// runs (the kernel drops it when the process dies, even by SIGKILL): a second agent
+// with the same pin path would otherwise adopt the first one's program and links.
+func lockPinPath(dir string) (*os.File, error) {
+	f, err := os.Open(dir)
+	if err != nil {
+		return nil, fmt.Errorf("lock pin path %s: %w", dir, err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			return nil, fmt.Errorf("pin path %s: %w: another weir agent runs with this xdp.pin_path; stop it first", dir, errInterfaceBusy)
+		}
+		return nil, fmt.Errorf("lock pin path %s: %w", dir, err)
+	}
+	return f, nil
+}
+
+// dropStale removes installed services that no running XDP service owns: after a
+// restart, services the pinned program still had that the config no longer serves
+// through XDP (or self-test services a killed agent left). Called with Agent.mu held.
+func (x *xdpPlane) dropStale(services []*service, log *slog.Logger) {
+	if x.prog == nil {
+		return
+	}
+	owned := make(map[loader.ServiceKey]bool)
+	for _, s := range services {
+		if s.plane == PlaneXDP && s.installed {
+			owned[s.key] = true
+		}
+	}
+	for _, s := range x.prog.Services() {
+		if owned[s.Key] {
+			continue
+		}
+		if err := x.prog.DeleteService(s.Key); err != nil {
+			log.Error("remove a service the pinned program had", "key", s.Key.String(), "err", err)
+			continue
+		}
+		log.Info("removed a service the pinned program had and the config does not serve with XDP", "key", s.Key.String())
+	}
 }
 
 // canServe says whether the XDP plane can serve a service, and if not why.
@@ -167,6 +248,39 @@ func (x *xdpPlane) modeReady(s *config.Service) error {
 				return fmt.Errorf("%s mode needs %s forwarding (the program's next-hop lookup answers only where the kernel would forward): %s is 0; set it with sysctl -w %s=1", s.Mode, name, key, key)
 			}
 		}
+	}
+	return nil
+}
+
+// RemovePinned removes the XDP program a stopped agent left attached and pinned for
+// cfg: it adopts the pins as a restarted agent would, then detaches the program from
+// cfg's interfaces and removes the pins, which drops every XDP flow. It refuses
+// while an agent runs with the same pin path (use the admin API's stop instead).
+func RemovePinned(cfg *config.Config) error {
+	dir := cfg.XDP.PinPath
+	if entries, err := os.ReadDir(dir); err != nil || len(entries) == 0 {
+		return fmt.Errorf("remove pinned xdp program: nothing pinned in %s", dir)
+	}
+	lock, err := lockPinPath(dir)
+	if err != nil {
+		return fmt.Errorf("remove pinned xdp program: %w", err)
+	}
+	defer lock.Close()
+	prog, err := loader.Load(loader.Options{HashSeed: cfg.XDP.HashSeed, ConntrackSize: cfg.XDP.ConntrackSize, PinPath: dir})
+	if err != nil {
+		return fmt.Errorf("remove pinned xdp program: %w", err)
+	}
+	var errs []error
+	for _, in := range cfg.Interfaces {
+		// Attach adopts the pinned link (or attaches anew where none was left); Close
+		// detaches them all.
+		if _, err := prog.Attach(in.Name, loader.Mode(in.Attach)); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	errs = append(errs, prog.Close())
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("remove pinned xdp program: %w", err)
 	}
 	return nil
 }
