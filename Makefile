@@ -33,9 +33,11 @@ deps:
 generate:
 	$(GO) generate ./bpf/
 
-# Regenerates the BPF objects and fails if the committed ones differ.
-check-generated: generate
+# Regenerates the BPF objects (weir's and the packet benchmark's) and fails if the
+# committed ones differ.
+check-generated: generate bench-pkt-generate
 	@git diff --exit-code --stat -- bpf/ || { echo "bpf/: committed generated files are stale: run 'make generate' and commit"; exit 1; }
+	@git diff --exit-code --stat -- bench/pktgen || { echo "bench/pktgen: committed generated files are stale: run 'make bench-pkt-generate' and commit"; exit 1; }
 
 build:
 	$(GO) build -o weir ./cmd/weir
