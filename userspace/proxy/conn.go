@@ -1,14 +1,12 @@
 package proxy
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/weir-lb/weir/userspace/balance"
@@ -17,12 +15,12 @@ import (
 // conn is one client connection being handled.
 type conn struct {
 	s      *Service
-	client *net.TCPConn
+	client *sock
 
 	mu     sync.Mutex
-	b      *backend     // chosen backend, once connected
-	server *net.TCPConn // backend connection, once connected
-	killed bool         // closed by a drain or shutdown deadline
+	b      *backend // chosen backend, once connected
+	server *sock    // backend connection, once connected
+	killed bool     // closed by a drain or shutdown deadline
 
 	last    atomic.Int64 // monotonic ns of the last byte moved either way
 	idle    atomic.Pointer[time.Timer]
@@ -41,9 +39,9 @@ func (c *conn) kill() {
 	c.killed = true
 	server := c.server
 	c.mu.Unlock()
-	c.client.Close()
+	c.client.close()
 	if server != nil {
-		server.Close()
+		server.close()
 	}
 }
 
@@ -55,7 +53,7 @@ func (c *conn) wasKilled() bool {
 
 // connected records the backend connection; it reports false if the connection was
 // killed meanwhile (the caller then closes server).
-func (c *conn) connected(b *backend, server *net.TCPConn) bool {
+func (c *conn) connected(b *backend, server *sock) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.killed {
@@ -81,13 +79,19 @@ func (s *Service) untrack(c *conn) {
 	s.connsMu.Unlock()
 }
 
-// handle serves one accepted connection from start to end.
-func (s *Service) handle(dialCtx context.Context, client *net.TCPConn) {
+// handle serves one accepted connection from start to end. It owns fd, the accepted
+// socket; src is the client's address.
+func (s *Service) handle(fd int, src netip.AddrPort) {
 	defer s.wg.Done()
 	if s.sem != nil {
 		defer func() { <-s.sem }()
 	}
-	defer client.Close()
+	client, err := newSock(fd)
+	if err != nil {
+		s.noteUnserved(fmt.Errorf("register accepted socket: %w", err))
+		return
+	}
+	defer client.close()
 	s.stats.accepted.Add(1)
 	s.stats.active.Add(1)
 	defer s.stats.active.Add(-1)
@@ -97,15 +101,14 @@ func (s *Service) handle(dialCtx context.Context, client *net.TCPConn) {
 	}
 	defer s.untrack(c)
 
-	src := client.RemoteAddr().(*net.TCPAddr).AddrPort()
-	server, b, lease, lat, err := s.connect(dialCtx, src)
+	server, b, lease, lat, err := s.connect(src)
 	if err != nil {
 		if !c.wasKilled() {
 			s.noteUnserved(err)
 		}
 		return
 	}
-	defer server.Close()
+	defer server.close()
 	if !c.connected(b, server) {
 		b.active.Add(-1)
 		lease.Release(balance.Result{Latency: lat})
@@ -114,9 +117,16 @@ func (s *Service) handle(dialCtx context.Context, client *net.TCPConn) {
 
 	outcome := OutcomeSuccess
 	if s.cfg.ProxyProtocol != 0 {
-		dst := client.LocalAddr().(*net.TCPAddr).AddrPort()
-		hdr := appendProxyHeader(make([]byte, 0, 108), s.cfg.ProxyProtocol, src, dst)
-		if _, err := server.Write(hdr); err != nil {
+		// The listener's own address, unless it is a wildcard.
+		dst, err := s.addr, error(nil)
+		if dst.Addr().IsUnspecified() {
+			dst, err = client.localAddr()
+		}
+		if err == nil {
+			hdr := appendProxyHeader(make([]byte, 0, 108), s.cfg.ProxyProtocol, src, dst)
+			err = server.write(hdr)
+		}
+		if err != nil {
 			outcome = OutcomeReset
 		}
 	}
@@ -151,7 +161,7 @@ func sourceKey(a netip.Addr) uint64 {
 // connect picks a backend and dials it, trying up to Retries other backends after a
 // failed dial. On success the backend's active count holds this connection and the
 // lease is the caller's to release.
-func (s *Service) connect(ctx context.Context, src netip.AddrPort) (*net.TCPConn, *backend, balance.Lease, time.Duration, error) {
+func (s *Service) connect(src netip.AddrPort) (*sock, *backend, balance.Lease, time.Duration, error) {
 	tried := make([]string, 0, 4)
 	now := monotonic()
 	skip := func(id string) bool {
@@ -187,12 +197,9 @@ func (s *Service) connect(ctx context.Context, src netip.AddrPort) (*net.TCPConn
 		}
 		attempt++
 		start := time.Now()
-		// DialContext with an IP literal resolves nothing. (DialTCP with a zero local
-		// AddrPort would bind(2) to it: one more system call.)
-		nc, err := s.dialer.DialContext(ctx, "tcp", b.addr)
+		server, err := dialBackend(b.ap, s.cfg.ConnectTimeout)
 		lat := time.Since(start)
 		if err == nil {
-			server := nc.(*net.TCPConn)
 			b.consecFails.Store(0)
 			b.c.connects.Add(1)
 			b.c.connectNanos.Add(uint64(lat))
@@ -200,9 +207,6 @@ func (s *Service) connect(ctx context.Context, src netip.AddrPort) (*net.TCPConn
 		}
 		b.active.Add(-1)
 		lease.Release(balance.Result{Failed: true, Latency: lat})
-		if ctx.Err() != nil {
-			return nil, nil, balance.Lease{}, 0, fmt.Errorf("connect %s: %w", b.addr, ctx.Err())
-		}
 		s.dialFailed(b, err, lat)
 		lastErr = fmt.Errorf("dial %s: %w", b.addr, err)
 	}
@@ -251,15 +255,7 @@ func (s *Service) dialFailed(b *backend, err error, lat time.Duration) {
 
 // proxy moves bytes both ways until both directions end, one fails, or the connection
 // is closed by the idle timeout, a drain or shutdown.
-func (c *conn) proxy(server *net.TCPConn, b *backend) Outcome {
-	crc, err := c.client.SyscallConn()
-	if err != nil {
-		return OutcomeSuccess
-	}
-	src, err := server.SyscallConn()
-	if err != nil {
-		return OutcomeReset
-	}
+func (c *conn) proxy(server *sock, b *backend) Outcome {
 	c.last.Store(monotonic())
 	if d := c.s.cfg.IdleTimeout; d > 0 {
 		t := time.AfterFunc(d, c.checkIdle)
@@ -271,9 +267,9 @@ func (c *conn) proxy(server *net.TCPConn, b *backend) Outcome {
 	// Exits when the backend-to-client direction ends: EOF from the backend, an error
 	// on either socket, or both sockets closed by the other direction, a timeout or kill.
 	go func() {
-		down <- c.copyDirection(c.client, crc, server, src, &b.c.bytesOut, &c.s.stats.bytesOut, &ended)
+		down <- c.copyDirection(c.client, server, &b.c.bytesOut, &c.s.stats.bytesOut, &ended)
 	}()
-	upErr := c.copyDirection(server, src, c.client, crc, &b.c.bytesIn, &c.s.stats.bytesIn, &ended)
+	upErr := c.copyDirection(server, c.client, &b.c.bytesIn, &c.s.stats.bytesIn, &ended)
 	downErr := <-down
 
 	switch {
@@ -297,15 +293,15 @@ func (c *conn) proxy(server *net.TCPConn, b *backend) Outcome {
 // direction has already ended (the final close then sends the FIN, one call fewer). On
 // an error it closes both sockets, resetting the other peer, so the other direction
 // ends too.
-func (c *conn) copyDirection(dst *net.TCPConn, dstRC syscall.RawConn, src *net.TCPConn, srcRC syscall.RawConn, bytes, total *atomic.Uint64, ended *atomic.Int32) error {
-	_, err := spliceCopy(dstRC, srcRC, func(n int) {
+func (c *conn) copyDirection(dst, src *sock, bytes, total *atomic.Uint64, ended *atomic.Int32) error {
+	_, err := spliceCopy(dst.rc, src.rc, func(n int) {
 		c.last.Store(monotonic())
 		bytes.Add(uint64(n))
 		total.Add(uint64(n))
 	})
 	if err == nil {
 		if ended.Add(1) == 1 {
-			if err := dst.CloseWrite(); err != nil && !errors.Is(err, net.ErrClosed) {
+			if err := dst.closeWrite(); err != nil && !errors.Is(err, net.ErrClosed) {
 				return &copyError{err: fmt.Errorf("half-close: %w", err)}
 			}
 		}
@@ -319,9 +315,9 @@ func (c *conn) copyDirection(dst *net.TCPConn, dstRC syscall.RawConn, src *net.T
 	if errors.As(err, &ce) && ce.read {
 		other = dst
 	}
-	other.SetLinger(0)
-	src.Close()
-	dst.Close()
+	other.setLinger0()
+	src.close()
+	dst.close()
 	return err
 }
 
@@ -340,8 +336,8 @@ func (c *conn) checkIdle() {
 	c.mu.Lock()
 	server := c.server
 	c.mu.Unlock()
-	c.client.Close()
+	c.client.close()
 	if server != nil {
-		server.Close()
+		server.close()
 	}
 }

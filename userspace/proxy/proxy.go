@@ -128,12 +128,11 @@ type Config struct {
 type Service struct {
 	cfg  Config
 	log  *slog.Logger
-	lns  []*net.TCPListener
+	lns  []*sock        // listening sockets
 	addr netip.AddrPort // bound address
 	bal  balance.Balancer
 
-	dialer net.Dialer
-	sem    chan struct{} // MaxConns slots; nil = unlimited
+	sem chan struct{} // MaxConns slots; nil = unlimited
 
 	mu       sync.Mutex                          // serialises backend set changes
 	backends []*backend                          // current set, config order; guarded by mu
@@ -232,10 +231,6 @@ func newService(cfg Config) (*Service, error) {
 		cfg:   cfg,
 		log:   cfg.Logger.With("service", cfg.Name),
 		conns: map[*conn]struct{}{},
-		dialer: net.Dialer{
-			Timeout:   cfg.ConnectTimeout,
-			KeepAlive: -1, // no keep-alive setsockopts per connection; the idle timeout reaps
-		},
 	}
 	if cfg.MaxConns > 0 {
 		s.sem = make(chan struct{}, cfg.MaxConns)
@@ -323,14 +318,20 @@ func (s *Service) listen(ctx context.Context) error {
 			var serr error
 			err := c.Control(func(fd uintptr) {
 				serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
+				if serr != nil {
+					serr = fmt.Errorf("set SO_REUSEPORT: %w", serr)
+					return
+				}
+				// Accepted sockets inherit TCP_NODELAY: one setsockopt here instead of
+				// one per connection.
+				if err := unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
+					serr = fmt.Errorf("set TCP_NODELAY: %w", err)
+				}
 			})
 			if err == nil {
 				err = serr
 			}
-			if err != nil {
-				return fmt.Errorf("set SO_REUSEPORT: %w", err)
-			}
-			return nil
+			return err
 		},
 	}
 	addr := s.cfg.Listen
@@ -340,19 +341,32 @@ func (s *Service) listen(ctx context.Context) error {
 			s.closeListeners()
 			return fmt.Errorf("listen %s: %w", addr, err)
 		}
-		ln := l.(*net.TCPListener)
-		s.lns = append(s.lns, ln)
-		if len(s.lns) == 1 {
-			s.addr = ln.Addr().(*net.TCPAddr).AddrPort()
+		if len(s.lns) == 0 {
+			s.addr = l.Addr().(*net.TCPAddr).AddrPort()
 			addr = s.addr.String() // the others join the same port, even if it was 0
 		}
+		// Accept with accept4(2) on a poller-registered copy of the descriptor: a
+		// TCPListener's RawConn can't wait for readability.
+		f, err := l.(*net.TCPListener).File()
+		l.Close()
+		if err != nil {
+			s.closeListeners()
+			return fmt.Errorf("listen %s: %w", addr, err)
+		}
+		rc, err := f.SyscallConn()
+		if err != nil {
+			f.Close()
+			s.closeListeners()
+			return fmt.Errorf("listen %s: %w", addr, err)
+		}
+		s.lns = append(s.lns, &sock{f: f, rc: rc})
 	}
 	return nil
 }
 
 func (s *Service) closeListeners() {
 	for _, ln := range s.lns {
-		ln.Close()
+		ln.close()
 	}
 }
 
@@ -380,11 +394,8 @@ func (s *Service) Serve(ctx context.Context) error {
 	if s.closed.Load() {
 		return fmt.Errorf("service %q: serve: %w", s.cfg.Name, net.ErrClosed)
 	}
-	// Dials are not cancelled by ctx (the connect timeout bounds them): a cancellable
-	// parent would cost every dial a registration under the parent's lock. After the
-	// grace, a connection whose dial completes is closed at once (see conn.connected).
-	dialCtx := context.WithoutCancel(ctx)
-
+	// Dials are not cancelled by ctx (the connect timeout bounds them). After the grace,
+	// a connection whose dial completes is closed at once (see conn.connected).
 	acceptCtx, stopAccepting := context.WithCancel(ctx)
 	var loops sync.WaitGroup
 	errc := make(chan error, len(s.lns))
@@ -393,7 +404,7 @@ func (s *Service) Serve(ctx context.Context) error {
 		// Exits when its listener is closed (below, once ctx is done or a loop failed).
 		go func() {
 			defer loops.Done()
-			if err := s.acceptLoop(acceptCtx, dialCtx, ln); err != nil {
+			if err := s.acceptLoop(acceptCtx, ln); err != nil {
 				errc <- err
 				stopAccepting()
 			}
@@ -441,10 +452,10 @@ func (s *Service) Serve(ctx context.Context) error {
 }
 
 // acceptLoop accepts on ln until it is closed, starting one goroutine per connection.
-func (s *Service) acceptLoop(ctx, dialCtx context.Context, ln *net.TCPListener) error {
+func (s *Service) acceptLoop(ctx context.Context, ln *sock) error {
 	var backoff time.Duration
 	for {
-		c, err := ln.AcceptTCP()
+		fd, src, err := accept(ln.rc)
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
 				return nil
@@ -472,7 +483,7 @@ func (s *Service) acceptLoop(ctx, dialCtx context.Context, ln *net.TCPListener) 
 			select {
 			case s.sem <- struct{}{}:
 			case <-ctx.Done():
-				c.Close()
+				unix.Close(fd)
 				return nil
 			}
 		}
@@ -480,7 +491,7 @@ func (s *Service) acceptLoop(ctx, dialCtx context.Context, ln *net.TCPListener) 
 		s.wg.Add(1)
 		// Exits when the connection is done: both directions ended, the idle timeout,
 		// a drain or shutdown deadline closed it, or it could not be served.
-		go s.handle(dialCtx, c)
+		go s.handle(fd, src)
 	}
 }
 

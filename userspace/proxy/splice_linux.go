@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"fmt"
+	"net"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -102,7 +103,8 @@ func (e *copyError) Unwrap() error { return e.err }
 
 // spliceCopy moves bytes from src to dst until src reaches EOF (returning a nil error)
 // or either side fails. progress is called after each chunk written, with its size.
-// It neither closes nor half-closes anything: the caller does.
+// It neither closes nor half-closes anything: the caller does. An error from the
+// poller (the socket was closed under it) is reported as net.ErrClosed.
 func spliceCopy(dst, src syscall.RawConn, progress func(n int)) (int64, error) {
 	var total int64
 	for {
@@ -138,7 +140,9 @@ func spliceCopy(dst, src syscall.RawConn, progress func(n int)) (int64, error) {
 		if perr != nil {
 			return total, &copyError{read: true, err: perr}
 		}
-		if err == nil {
+		if err != nil {
+			err = net.ErrClosed
+		} else {
 			err = serr
 		}
 		if err != nil {
@@ -167,7 +171,9 @@ func spliceCopy(dst, src syscall.RawConn, progress func(n int)) (int64, error) {
 				}
 				return werr != unix.EAGAIN
 			})
-			if err == nil {
+			if err != nil {
+				err = net.ErrClosed
+			} else {
 				err = werr
 			}
 			if err != nil {
