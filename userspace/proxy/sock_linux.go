@@ -42,7 +42,7 @@ func (s *sock) close() { s.f.Close() }
 // closeWrite shuts down the sending half (a FIN to the peer).
 func (s *sock) closeWrite() error {
 	var serr error
-	if err := s.rc.Control(func(fd uintptr) { serr = unix.Shutdown(int(fd), unix.SHUT_WR) }); err != nil {
+	if err := s.rc.Control(func(fd uintptr) { serr = shutdownRaw(int(fd), unix.SHUT_WR) }); err != nil {
 		return net.ErrClosed
 	}
 	if serr != nil && serr != unix.ENOTCONN {
@@ -65,7 +65,7 @@ func (s *sock) write(b []byte) error {
 		var werr error
 		if err := s.rc.Write(func(fd uintptr) bool {
 			for {
-				n, werr = unix.Write(int(fd), b)
+				n, werr = writeRaw(int(fd), b)
 				if werr != unix.EINTR {
 					break
 				}
@@ -84,15 +84,15 @@ func (s *sock) write(b []byte) error {
 
 // localAddr is the address the peer connected to (getsockname).
 func (s *sock) localAddr() (netip.AddrPort, error) {
-	var sa unix.Sockaddr
+	var ap netip.AddrPort
 	var serr error
-	if err := s.rc.Control(func(fd uintptr) { sa, serr = unix.Getsockname(int(fd)) }); err != nil {
+	if err := s.rc.Control(func(fd uintptr) { ap, serr = getsocknameRaw(int(fd)) }); err != nil {
 		return netip.AddrPort{}, net.ErrClosed
 	}
 	if serr != nil {
 		return netip.AddrPort{}, fmt.Errorf("getsockname: %w", serr)
 	}
-	return addrPortOf(sa), nil
+	return ap, nil
 }
 
 // accept takes one connection from a listener, waiting in the poller while there is
@@ -100,13 +100,12 @@ func (s *sock) localAddr() (netip.AddrPort, error) {
 func accept(ln syscall.RawConn) (int, netip.AddrPort, error) {
 	var (
 		nfd  int
-		sa   syscall.Sockaddr
+		src  netip.AddrPort
 		aerr error
 	)
 	err := ln.Read(func(fd uintptr) bool {
 		for {
-			// syscall.Accept4, unlike unix.Accept4, doesn't ask SO_PROTOCOL of every IPv4 peer.
-			nfd, sa, aerr = syscall.Accept4(int(fd), syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC)
+			nfd, src, aerr = accept4Raw(int(fd), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
 			if aerr != syscall.EINTR && aerr != syscall.ECONNABORTED {
 				break
 			}
@@ -118,13 +117,6 @@ func accept(ln syscall.RawConn) (int, netip.AddrPort, error) {
 	}
 	if aerr != nil {
 		return -1, netip.AddrPort{}, fmt.Errorf("accept4: %w", aerr)
-	}
-	var src netip.AddrPort
-	switch sa := sa.(type) {
-	case *syscall.SockaddrInet4:
-		src = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
-	case *syscall.SockaddrInet6:
-		src = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), uint16(sa.Port))
 	}
 	return nfd, src, nil
 }
@@ -138,8 +130,8 @@ func accept(ln syscall.RawConn) (int, netip.AddrPort, error) {
 // other error: failed). Reading SO_ERROR instead would be racy here: RawConn.Write
 // forgets readiness seen before it started, and SO_ERROR is 0 while still connecting.
 func dialBackend(ap netip.AddrPort, timeout time.Duration) (*sock, error) {
-	family, sa := sockaddrOf(ap)
-	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	sa := sockaddrOf(ap)
+	fd, err := unix.Socket(sa.family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("socket: %w", err)
 	}
@@ -155,7 +147,7 @@ func dialBackend(ap netip.AddrPort, timeout time.Duration) (*sock, error) {
 	var cerr error
 	err = s.rc.Write(func(fd uintptr) bool {
 		for {
-			cerr = unix.Connect(int(fd), sa)
+			cerr = connectRaw(int(fd), &sa)
 			if cerr != unix.EINTR {
 				break
 			}
@@ -179,26 +171,12 @@ func dialBackend(ap netip.AddrPort, timeout time.Duration) (*sock, error) {
 	return s, nil
 }
 
-func sockaddrOf(ap netip.AddrPort) (int, unix.Sockaddr) {
-	a := ap.Addr()
-	if a.Is4() || a.Is4In6() {
-		return unix.AF_INET, &unix.SockaddrInet4{Port: int(ap.Port()), Addr: a.Unmap().As4()}
-	}
-	sa := &unix.SockaddrInet6{Port: int(ap.Port()), Addr: a.As16()}
-	if z := a.Zone(); z != "" {
+func sockaddrOf(ap netip.AddrPort) rawSockaddr {
+	var zoneID uint32
+	if z := ap.Addr().Zone(); z != "" {
 		if ifi, err := net.InterfaceByName(z); err == nil {
-			sa.ZoneId = uint32(ifi.Index)
+			zoneID = uint32(ifi.Index)
 		}
 	}
-	return unix.AF_INET6, sa
-}
-
-func addrPortOf(sa unix.Sockaddr) netip.AddrPort {
-	switch sa := sa.(type) {
-	case *unix.SockaddrInet4:
-		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
-	case *unix.SockaddrInet6:
-		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), uint16(sa.Port))
-	}
-	return netip.AddrPort{}
+	return newRawSockaddr(ap, zoneID)
 }

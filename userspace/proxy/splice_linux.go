@@ -121,9 +121,7 @@ func spliceCopy(dst, src syscall.RawConn, progress func(n int)) (int64, error) {
 				}
 			}
 			for {
-				var n64 int64
-				n64, serr = unix.Splice(int(fd), nil, p.w, nil, pipeSize, spliceFlags)
-				n = int(n64)
+				n, serr = spliceRaw(int(fd), p.w, pipeSize, spliceFlags)
 				if serr != unix.EINTR {
 					break
 				}
@@ -162,9 +160,7 @@ func spliceCopy(dst, src syscall.RawConn, progress func(n int)) (int64, error) {
 			var werr error
 			err := dst.Write(func(fd uintptr) bool {
 				for {
-					var m64 int64
-					m64, werr = unix.Splice(p.r, nil, int(fd), nil, rem, spliceFlags)
-					m = int(m64)
+					m, werr = spliceRaw(p.r, int(fd), rem, spliceFlags)
 					if werr != unix.EINTR {
 						break
 					}
