@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os/exec"
 	"strings"
+	"time"
 
 	"github.com/vishvananda/netlink"
 
@@ -19,11 +20,11 @@ import (
 type Path int
 
 const (
-	// PathBack: frames sent back out of l0 (XDP_TX: dsr, the floor),
-	// counted on g0.
+	// PathBack: frames sent back out of l0 (XDP_TX: dsr, the XDP_TX
+	// floor), counted on g0.
 	PathBack Path = iota
-	// PathFar: frames routed out of l1 (kernel forwarding, NAT), counted
-	// on s0.
+	// PathFar: frames sent out of l1 (weir nat and tunnel, the redirect
+	// floor, kernel forwarding and NAT), counted on s0.
 	PathFar
 	// PathLocal: the balancer namespace's own sink on l0 counts what
 	// arrives; the null case.
@@ -61,16 +62,32 @@ func (c Case) Name() string {
 	return s
 }
 
-// The balancers. A new weir mode is one more entry: weir("nat", ...) once the
-// loader takes a mode per service.
+// The balancers. dsr is compared with the XDP_TX floor (both send the frame
+// back out of l0), nat and tunnel with the redirect floor (both send it out
+// of l1 through a devmap).
 var (
 	Null = Balancer{Name: "null (counting XDP_DROP on l0)", Group: "null", Path: PathLocal, Setup: setupNull}
 
-	FloorNative  = Balancer{Name: "floor native", Group: "floor", Path: PathBack, Floor: "floor native", Setup: setupFloor(false)}
-	FloorGeneric = Balancer{Name: "floor generic", Group: "floor", Path: PathBack, Floor: "floor generic", Setup: setupFloor(true)}
+	FloorNative          = Balancer{Name: "floor native", Group: "floor", Path: PathBack, Floor: "floor native", Setup: setupFloor(false)}
+	FloorGeneric         = Balancer{Name: "floor generic", Group: "floor", Path: PathBack, Floor: "floor generic", Setup: setupFloor(true)}
+	FloorRedirectNative  = Balancer{Name: "floor redirect native", Group: "floor", Path: PathFar, Floor: "floor redirect native", Setup: setupRedirectFloor(false)}
+	FloorRedirectGeneric = Balancer{Name: "floor redirect generic", Group: "floor", Path: PathFar, Floor: "floor redirect generic", Setup: setupRedirectFloor(true)}
 
-	WeirDSRNative  = Balancer{Name: "weir dsr native", Group: "weir", Path: PathBack, Floor: "floor native", Setup: setupWeir(loader.ModeNative)}
-	WeirDSRGeneric = Balancer{Name: "weir dsr generic", Group: "weir", Path: PathBack, Floor: "floor generic", Setup: setupWeir(loader.ModeGeneric)}
+	WeirDSRNative  = Balancer{Name: "weir dsr native", Group: "weir", Path: PathBack, Floor: "floor native", Setup: setupWeir(loader.ModeNative, loader.ForwardDSR, 0)}
+	WeirDSRGeneric = Balancer{Name: "weir dsr generic", Group: "weir", Path: PathBack, Floor: "floor generic", Setup: setupWeir(loader.ModeGeneric, loader.ForwardDSR, 0)}
+
+	WeirNATNative  = Balancer{Name: "weir nat native", Group: "weir", Path: PathFar, Floor: "floor redirect native", Setup: setupWeir(loader.ModeNative, loader.ForwardNAT, 0)}
+	WeirNATGeneric = Balancer{Name: "weir nat generic", Group: "weir", Path: PathFar, Floor: "floor redirect generic", Setup: setupWeir(loader.ModeGeneric, loader.ForwardNAT, 0)}
+	// A nat flow lives on through SYNs (only FIN, RST or idleness end it),
+	// so SYN traffic alone measures established nat flows. With a TCP idle
+	// timeout of 1 ns, a flow last seen in an earlier tick of the kernel's
+	// coarse clock has expired, and at 100,000 flows every frame opens a
+	// new flow: a new backend pick, port claim, reverse and connection
+	// entries — the new-flow cost.
+	WeirNATNewNative = Balancer{Name: "weir nat native, flows expire at once", Group: "weir", Path: PathFar, Floor: "floor redirect native", Setup: setupWeir(loader.ModeNative, loader.ForwardNAT, time.Nanosecond)}
+
+	WeirTunnelNative  = Balancer{Name: "weir tunnel native", Group: "weir", Path: PathFar, Floor: "floor redirect native", Setup: setupWeir(loader.ModeNative, loader.ForwardTunnel, 0)}
+	WeirTunnelGeneric = Balancer{Name: "weir tunnel generic", Group: "weir", Path: PathFar, Floor: "floor redirect generic", Setup: setupWeir(loader.ModeGeneric, loader.ForwardTunnel, 0)}
 
 	KernelRoute = Balancer{Name: "kernel routing", Group: "kernel", Path: PathFar, Floor: "floor native", Setup: setupRoute}
 	NftDNAT     = Balancer{Name: "nftables dnat", Group: "kernel", Path: PathFar, Floor: "floor native", Setup: setupNft(false)}
@@ -86,6 +103,8 @@ func DefaultCases() []Case {
 		{Balancer: Null, Flows: 1000, Packet: ack},
 		{Balancer: FloorNative, Flows: 1000, Packet: ack},
 		{Balancer: FloorGeneric, Flows: 1000, Packet: ack},
+		{Balancer: FloorRedirectNative, Flows: 1000, Packet: ack},
+		{Balancer: FloorRedirectGeneric, Flows: 1000, Packet: ack},
 	}
 	for _, b := range []Balancer{WeirDSRNative, WeirDSRGeneric} {
 		for _, p := range []pktgen.Packet{ack, syn} {
@@ -99,6 +118,30 @@ func DefaultCases() []Case {
 		Case{Balancer: WeirDSRNative, Flows: 1000, Packet: pktgen.Packet{UDP: true}},
 		Case{Balancer: WeirDSRNative, Flows: 4096, Packet: ack},
 		Case{Balancer: WeirDSRNative, Flows: 1000, Packet: ack, RateOfFloor: 0.5},
+	)
+	// nat and tunnel: native at 1 to 100,000 flows, generic at 1,000 and
+	// 100,000, IPv6 at 1,000.
+	for _, b := range []Balancer{WeirNATNative, WeirTunnelNative} {
+		for _, flows := range []int{1, 1000, 4096, 100_000} {
+			cs = append(cs, Case{Balancer: b, Flows: flows, Packet: ack})
+		}
+		cs = append(cs,
+			Case{Balancer: b, Flows: 1000, Packet: syn},
+			Case{Balancer: b, Flows: 100_000, Packet: syn},
+			Case{Balancer: b, Flows: 1000, Packet: pktgen.Packet{IPv6: true}},
+			Case{Balancer: b, Flows: 1000, Packet: pktgen.Packet{IPv6: true, SYN: true}},
+		)
+	}
+	for _, b := range []Balancer{WeirNATGeneric, WeirTunnelGeneric} {
+		cs = append(cs,
+			Case{Balancer: b, Flows: 1000, Packet: ack},
+			Case{Balancer: b, Flows: 100_000, Packet: ack},
+			Case{Balancer: b, Flows: 1000, Packet: syn},
+		)
+	}
+	cs = append(cs,
+		Case{Balancer: WeirNATNewNative, Flows: 100_000, Packet: syn},
+		Case{Balancer: WeirNATNative, Flows: 1000, Packet: ack, RateOfFloor: 0.5},
 		Case{Balancer: KernelRoute, Flows: 4096, Packet: ack},
 		Case{Balancer: NftDNAT, Flows: 1, Packet: ack},
 		Case{Balancer: NftDNAT, Flows: 4096, Packet: ack},
@@ -115,11 +158,20 @@ func SmokeCases() []Case {
 		{Balancer: FloorNative, Flows: 100, Packet: pktgen.Packet{}},
 		{Balancer: WeirDSRNative, Flows: 100, Packet: pktgen.Packet{}},
 		{Balancer: WeirDSRGeneric, Flows: 100, Packet: pktgen.Packet{SYN: true}},
+		{Balancer: FloorRedirectNative, Flows: 100, Packet: pktgen.Packet{}},
+		{Balancer: WeirNATNative, Flows: 100, Packet: pktgen.Packet{IPv6: true}},
+		{Balancer: WeirTunnelGeneric, Flows: 100, Packet: pktgen.Packet{}},
 	}
 }
 
-// Backends is how many backends every service has.
+// Backends is how many backends every dsr and tunnel service has, and
+// nftables balances over.
 const Backends = 4
+
+// NATBackends is how many backends a nat service has: a nat flow holds a
+// source port per (backend, protocol), from 22,768 (10000..32767), so
+// 100,000 flows need more than 4 backends; 8 hold 12,500 each.
+const NATBackends = 8
 
 func setupNull(l *Line) (func() error, error) {
 	s, err := pktgen.NewSink(false)
@@ -137,6 +189,20 @@ func setupNull(l *Line) (func() error, error) {
 	}, nil
 }
 
+func setupRedirectFloor(generic bool) func(l *Line) (func() error, error) {
+	return func(l *Line) (func() error, error) {
+		f, err := pktgen.NewRedirectFloor(LBOut, LBOutMAC, SinkMAC)
+		if err != nil {
+			return nil, err
+		}
+		if err := f.Attach(l.LB, LBIn, generic); err != nil {
+			f.Close()
+			return nil, err
+		}
+		return f.Close, nil
+	}
+}
+
 func setupFloor(generic bool) func(l *Line) (func() error, error) {
 	return func(l *Line) (func() error, error) {
 		f, err := pktgen.NewFloor()
@@ -152,23 +218,47 @@ func setupFloor(generic bool) func(l *Line) (func() error, error) {
 }
 
 // setupWeir loads weir's program with a TCP service on each VIP and a UDP
-// one on VIP4, Backends backends each, and attaches it to l0.
-func setupWeir(mode loader.Mode) func(l *Line) (func() error, error) {
+// one on VIP4, forwarding by fwd to Backends backends each (NATBackends for
+// nat), and attaches it to l0 and, for nat and tunnel, to l1, so that its
+// devmap can send out of l1. nat and tunnel send from l1's addresses to
+// backends routed via s0. tcpIdle, if not 0, is nat's idle timeout for
+// established TCP flows.
+func setupWeir(mode loader.Mode, fwd loader.Forwarding, tcpIdle time.Duration) func(l *Line) (func() error, error) {
 	return func(l *Line) (func() error, error) {
-		p, err := loader.Load(loader.Options{HashSeed: 1})
+		p, err := loader.Load(loader.Options{HashSeed: 1, NAT: loader.NATOptions{Addr4: LBOutIP, Addr6: LBOutIP6, TCPIdle: tcpIdle}})
 		if err != nil {
 			return nil, err
+		}
+		links := []string{LBIn}
+		if fwd != loader.ForwardDSR {
+			links = append(links, LBOut)
+		}
+		err = l.LB.Do(func() error {
+			for _, link := range links {
+				if _, err := p.Attach(link, mode); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			p.Close()
+			return nil, err
+		}
+		n := Backends
+		if fwd == loader.ForwardNAT {
+			n = NATBackends
 		}
 		for _, k := range []loader.ServiceKey{
 			{VIP: netip.AddrPortFrom(VIP4, Port), Protocol: loader.TCP},
 			{VIP: netip.AddrPortFrom(VIP6, Port), Protocol: loader.TCP},
 			{VIP: netip.AddrPortFrom(VIP4, Port), Protocol: loader.UDP},
 		} {
-			s := loader.Service{Key: k}
-			for i := range Backends {
+			s := loader.Service{Key: k, Forwarding: fwd}
+			for i := range n {
 				ip, mac := Backend(i)
 				if k.VIP.Addr().Is6() {
-					ip = netip.AddrFrom16([16]byte{0xfd, 0x78, 0, 3, 14: 0, 15: byte(1 + i)})
+					ip = Backend6(i)
 				}
 				s.Backends = append(s.Backends, loader.Backend{Addr: netip.AddrPortFrom(ip, Port), MAC: mac, Weight: 1, Usable: true})
 			}
@@ -177,11 +267,7 @@ func setupWeir(mode loader.Mode) func(l *Line) (func() error, error) {
 				return nil, err
 			}
 		}
-		err = l.LB.Do(func() error {
-			_, err := p.Attach(LBIn, mode)
-			return err
-		})
-		if err != nil {
+		if err := p.NextHopError(); err != nil {
 			p.Close()
 			return nil, err
 		}

@@ -7,13 +7,16 @@
 //
 //	gen ns                 lb ns                        sink ns
 //	g0 10.78.1.1 ──veth── l0 10.78.1.2   l1 10.78.2.1 ──veth── s0 10.78.2.2
-//	generator sends here   balancer under test here     far sink (routed, NATed)
-//	back sink (XDP_TX)
+//	                                        fd78:2::1            fd78:2::2
+//	generator sends here   balancer under test here     far sink (routed, NATed,
+//	back sink (XDP_TX)                                  tunnelled)
 //
-// L2 direct server return (weir's dsr mode, the floor) sends each frame back
-// out of the link it came in on: on a veth that is the generator's link, so
-// the back sink on g0 counts those; the kernel's forwarding and NAT route
-// out of l1, counted by the far sink on s0. Both sinks are native XDP
+// L2 direct server return (weir's dsr mode, the XDP_TX floor) sends each
+// frame back out of the link it came in on: on a veth that is the
+// generator's link, so the back sink on g0 counts those. weir's nat and
+// tunnel modes, the redirect floor, and the kernel's forwarding and NAT send
+// out of l1 towards backends behind s0 (10.78.3.0/24, fd78:3::/64, routed
+// via s0, which only counts), counted by the far sink on s0. Both sinks are native XDP
 // programs that count per CPU and drop, so counting costs almost nothing,
 // and g0 needs one anyway: a veth delivers frames sent by XDP only to a peer
 // that runs native XDP (or has GRO on).
@@ -46,6 +49,10 @@ var (
 	VIP6        = netip.MustParseAddr("fd78:100::1")
 	VIPNet4     = netip.MustParsePrefix("10.78.100.0/24")
 	BackendNet4 = netip.MustParsePrefix("10.78.3.0/24")
+	// IPv6 exists only on l1, for weir's nat and tunnel to IPv6 backends.
+	LBOutIP6    = netip.MustParseAddr("fd78:2::1")
+	SinkIP6     = netip.MustParseAddr("fd78:2::2")
+	BackendNet6 = netip.MustParsePrefix("fd78:3::/64")
 	GenMAC      = net.HardwareAddr{0x02, 0x78, 0, 0, 1, 1}
 	LBInMAC     = net.HardwareAddr{0x02, 0x78, 0, 0, 1, 2}
 	LBOutMAC    = net.HardwareAddr{0x02, 0x78, 0, 0, 2, 1}
@@ -67,6 +74,11 @@ const (
 // exist only as addresses and MACs the sinks see.
 func Backend(i int) (netip.Addr, net.HardwareAddr) {
 	return netip.AddrFrom4([4]byte{10, 78, 3, byte(1 + i)}), net.HardwareAddr{0x02, 0x78, 0, 0, 3, byte(1 + i)}
+}
+
+// Backend6 returns backend i's IPv6 address, fd78:3::(1+i).
+func Backend6(i int) netip.Addr {
+	return netip.AddrFrom16([16]byte{0xfd, 0x78, 0, 3, 15: byte(1 + i)})
 }
 
 // Line is the three namespaces with their links and sinks. Close removes it.
@@ -115,13 +127,26 @@ func NewLine() (_ *Line, err error) {
 			return nil, err
 		}
 	}
-	if err := sysctls(l.LB, "net/ipv4/ip_forward", "1"); err != nil {
+	if err := sysctls(l.LB, "net/ipv4/ip_forward", "1", "net/ipv6/conf/all/forwarding", "1"); err != nil {
 		return nil, err
 	}
 	if err := l.veth(l.Gen, GenLink, GenMAC, GenIP, LBIn, LBInMAC, LBInIP); err != nil {
 		return nil, err
 	}
 	if err := l.veth(l.Sink, SinkLink, SinkMAC, SinkIP, LBOut, LBOutMAC, LBOutIP); err != nil {
+		return nil, err
+	}
+	// IPv6 on l1 alone (bpf_fib_lookup needs an IPv6 route, which needs
+	// IPv6 on its link): no link-local address, no duplicate address
+	// detection, and, forwarding, no router solicitations. What remains
+	// are a few MLD reports when the address is added, their repeats 1 ms
+	// apart instead of 1 s, so they are over before any case starts.
+	if err := sysctls(l.LB,
+		"net/ipv6/conf/"+LBOut+"/mldv2_unsolicited_report_interval", "1",
+		"net/ipv6/conf/"+LBOut+"/addr_gen_mode", "1",
+		"net/ipv6/conf/"+LBOut+"/accept_dad", "0",
+		"net/ipv6/conf/"+LBOut+"/disable_ipv6", "0",
+	); err != nil {
 		return nil, err
 	}
 	err = l.Gen.Do(func() error {
@@ -150,7 +175,15 @@ func NewLine() (_ *Line, err error) {
 		if err := neigh(out, SinkIP, SinkMAC); err != nil {
 			return err
 		}
-		// Replies to the generator's sources, and the NAT targets.
+		err = netlink.AddrAdd(out, &netlink.Addr{IPNet: ipNet(netip.PrefixFrom(LBOutIP6, 64)), Flags: unix.IFA_F_NODAD})
+		if err != nil {
+			return fmt.Errorf("address %s on %s: %w", LBOutIP6, LBOut, err)
+		}
+		if err := neigh(out, SinkIP6, SinkMAC); err != nil {
+			return err
+		}
+		// Replies to the generator's sources, and the NAT and tunnel
+		// targets.
 		for _, r := range []struct {
 			dst  netip.Prefix
 			link netlink.Link
@@ -158,6 +191,7 @@ func NewLine() (_ *Line, err error) {
 		}{
 			{netip.MustParsePrefix("198.18.0.0/15"), in, GenIP},
 			{BackendNet4, out, SinkIP},
+			{BackendNet6, out, SinkIP6},
 		} {
 			if err := netlink.RouteAdd(&netlink.Route{LinkIndex: r.link.Attrs().Index, Dst: ipNet(r.dst), Gw: r.gw.AsSlice()}); err != nil {
 				return fmt.Errorf("route %s: %w", r.dst, err)
@@ -232,8 +266,12 @@ func up(link string, ip netip.Addr) error {
 }
 
 func neigh(l netlink.Link, ip netip.Addr, mac net.HardwareAddr) error {
+	family := unix.AF_INET
+	if ip.Is6() {
+		family = unix.AF_INET6
+	}
 	err := netlink.NeighSet(&netlink.Neigh{
-		LinkIndex: l.Attrs().Index, Family: unix.AF_INET, State: netlink.NUD_PERMANENT,
+		LinkIndex: l.Attrs().Index, Family: family, State: netlink.NUD_PERMANENT,
 		IP: ip.AsSlice(), HardwareAddr: mac,
 	})
 	if err != nil {

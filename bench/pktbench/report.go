@@ -116,7 +116,7 @@ func (r Report) Save(dir string) error {
 	}
 	var md bytes.Buffer
 	md.WriteString("# Packets per second through the balancer namespace\n\n")
-	md.WriteString("`make bench-pkt` (`go run ./bench/cmd/pktbench -out bench/results/pkt`). See bench/pkt-README-section.md for how to read it.\n\n")
+	md.WriteString("`make bench-pkt` (`go run ./bench/cmd/pktbench -out bench/results/pkt`). How to read it: README.md, section \"Packets per second through a balancer namespace\".\n\n")
 	if err := r.WriteMarkdown(&md); err != nil {
 		return err
 	}

@@ -16,7 +16,11 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	FloorProgFloorTx = "floor_tx"
+	FloorMapOutPort        = "out_port"
+	FloorProgFloorRedirect = "floor_redirect"
+	FloorProgFloorTx       = "floor_tx"
+	FloorVarRedirectDmac   = "redirect_dmac"
+	FloorVarRedirectSmac   = "redirect_smac"
 )
 
 // LoadFloor returns the embedded CollectionSpec for Floor.
@@ -61,19 +65,23 @@ type FloorSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type FloorProgramSpecs struct {
-	FloorTx *ebpf.ProgramSpec `ebpf:"floor_tx"`
+	FloorRedirect *ebpf.ProgramSpec `ebpf:"floor_redirect"`
+	FloorTx       *ebpf.ProgramSpec `ebpf:"floor_tx"`
 }
 
 // FloorMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type FloorMapSpecs struct {
+	OutPort *ebpf.MapSpec `ebpf:"out_port"`
 }
 
 // FloorVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type FloorVariableSpecs struct {
+	RedirectDmac *ebpf.VariableSpec `ebpf:"redirect_dmac"`
+	RedirectSmac *ebpf.VariableSpec `ebpf:"redirect_smac"`
 }
 
 // FloorObjects contains all objects after they have been loaded into the kernel.
@@ -96,27 +104,34 @@ func (o *FloorObjects) Close() error {
 //
 // It can be passed to LoadFloorObjects or ebpf.CollectionSpec.LoadAndAssign.
 type FloorMaps struct {
+	OutPort *ebpf.Map `ebpf:"out_port"`
 }
 
 func (m *FloorMaps) Close() error {
-	return _FloorClose()
+	return _FloorClose(
+		m.OutPort,
+	)
 }
 
 // FloorVariables contains all global variables after they have been loaded into the kernel.
 //
 // It can be passed to LoadFloorObjects or ebpf.CollectionSpec.LoadAndAssign.
 type FloorVariables struct {
+	RedirectDmac *ebpf.Variable `ebpf:"redirect_dmac"`
+	RedirectSmac *ebpf.Variable `ebpf:"redirect_smac"`
 }
 
 // FloorPrograms contains all programs after they have been loaded into the kernel.
 //
 // It can be passed to LoadFloorObjects or ebpf.CollectionSpec.LoadAndAssign.
 type FloorPrograms struct {
-	FloorTx *ebpf.Program `ebpf:"floor_tx"`
+	FloorRedirect *ebpf.Program `ebpf:"floor_redirect"`
+	FloorTx       *ebpf.Program `ebpf:"floor_tx"`
 }
 
 func (p *FloorPrograms) Close() error {
 	return _FloorClose(
+		p.FloorRedirect,
 		p.FloorTx,
 	)
 }

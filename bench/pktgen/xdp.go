@@ -3,6 +3,7 @@ package pktgen
 import (
 	"errors"
 	"fmt"
+	"net"
 	"sync"
 
 	"github.com/cilium/ebpf"
@@ -135,18 +136,21 @@ func (s *Sink) Close() error {
 	return errors.Join(errs...)
 }
 
-// Floor is the benchmark's yardstick forwarder: it swaps the frame's MACs and
-// sends it back out (XDP_TX), the path weir's dsr mode takes, and nothing
-// else.
+// Floor is the benchmark's yardstick forwarder, doing nothing but what any
+// forwarder must: the XDP_TX floor swaps the frame's MACs and sends it back out,
+// the path weir's dsr mode takes; the redirect floor writes a next hop's MACs
+// and sends the frame out of another link through a devmap, the path weir's nat
+// and tunnel modes take.
 type Floor struct {
 	objs FloorObjects
+	out  string // the redirect floor's outgoing link; "" for the XDP_TX floor
 
 	mu     sync.Mutex
 	at     *attachment
 	closed bool
 }
 
-// NewFloor loads the floor program.
+// NewFloor loads the XDP_TX floor.
 func NewFloor() (*Floor, error) {
 	f := &Floor{}
 	if err := LoadFloorObjects(&f.objs, nil); err != nil {
@@ -155,15 +159,53 @@ func NewFloor() (*Floor, error) {
 	return f, nil
 }
 
+// NewRedirectFloor loads the redirect floor: frames leave by the link out
+// (named in the namespace Attach is given) from srcMAC to dstMAC.
+func NewRedirectFloor(out string, srcMAC, dstMAC net.HardwareAddr) (*Floor, error) {
+	spec, err := LoadFloor()
+	if err != nil {
+		return nil, fmt.Errorf("load redirect floor: %w", err)
+	}
+	for name, mac := range map[string]net.HardwareAddr{FloorVarRedirectSmac: srcMAC, FloorVarRedirectDmac: dstMAC} {
+		if len(mac) != 6 {
+			return nil, fmt.Errorf("load redirect floor: %s must be a 6-byte Ethernet address, got %q", name, mac)
+		}
+		if err := spec.Variables[name].Set([6]byte(mac)); err != nil {
+			return nil, fmt.Errorf("load redirect floor: set %s: %w", name, err)
+		}
+	}
+	f := &Floor{out: out}
+	if err := spec.LoadAndAssign(&f.objs, nil); err != nil {
+		return nil, fmt.Errorf("load redirect floor: %w", err)
+	}
+	return f, nil
+}
+
 // Attach attaches the floor to ifname inside ns, natively or in the generic
-// hook.
+// hook. The redirect floor's outgoing link is looked up in ns too.
 func (f *Floor) Attach(ns *netns.NS, ifname string, generic bool) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.closed || f.at != nil {
 		return fmt.Errorf("attach floor to %s: floor closed or attached already", ifname)
 	}
-	at, err := attach(ns, ifname, f.objs.FloorTx, generic)
+	prog := f.objs.FloorTx
+	if f.out != "" {
+		prog = f.objs.FloorRedirect
+		// A devmap resolves its ifindexes in the namespace of whoever
+		// fills it.
+		err := ns.Do(func() error {
+			l, err := netlink.LinkByName(f.out)
+			if err != nil {
+				return err
+			}
+			return f.objs.OutPort.Put(uint32(0), uint32(l.Attrs().Index))
+		})
+		if err != nil {
+			return fmt.Errorf("attach redirect floor: out link %s in %s: %w", f.out, ns, err)
+		}
+	}
+	at, err := attach(ns, ifname, prog, generic)
 	if err != nil {
 		return err
 	}
