@@ -185,6 +185,25 @@ func (p *Program) setFlows(conntrack map[bpf.WeirFlowKey]bpf.WeirFlowState, reve
 	return nil
 }
 
+// setBackends writes backend slots whole (the tests seed tunnel next hops).
+func (p *Program) setBackends(backends map[uint32]bpf.WeirBackend) error {
+	for id, b := range backends {
+		if err := p.objs.Backends.Put(id, b); err != nil {
+			return fmt.Errorf("seed backends[%d]: %w", id, err)
+		}
+	}
+	return nil
+}
+
+// backendSlots reads the first n slots of the backends array.
+func (p *Program) backendSlots(n uint32) ([]bpf.WeirBackend, error) {
+	b, err := readArray[bpf.WeirBackend](p.objs.Backends, n)
+	if err != nil {
+		return nil, fmt.Errorf("read backends: %w", err)
+	}
+	return b, nil
+}
+
 // flows reads the connection and nat reverse tables.
 func (p *Program) flows() (map[bpf.WeirFlowKey]bpf.WeirFlowState, map[bpf.WeirFlowKey]bpf.WeirNatEntry, error) {
 	ct := make(map[bpf.WeirFlowKey]bpf.WeirFlowState)

@@ -9,19 +9,24 @@ import (
 
 // model.go: a pure-Go model of the XDP program's decision (bpf/weir.c and its
 // headers), step for step: parse, ICMP error translation, nat replies, VIP match,
-// connection table, lookup table, rewrite, counters. Given the same map contents
-// and a frame it predicts the verdict, the output frame, the counters and the
-// changes to the connection and nat reverse tables. FuzzDataPath holds it against
-// the real program; it mirrors the C, bugs included, so keep the two in step.
+// connection table, lookup table, the dsr, nat and tunnel forwarding (with tunnel
+// mode's next-hop cache and ICMP "too big" replies), counters. Given the same map
+// contents and a frame it predicts the verdict, the output frame, the counters and
+// the changes to the connection and nat reverse tables and to the backends' cached
+// next hops. FuzzDataPath holds it against the real program; it mirrors the C, bugs
+// included, so keep the two in step.
 //
 // What no model can predict comes in through ModelEnv: the clock, the nat source
-// port the program's random draws settle on, and bpf_fib_lookup's answer.
+// port the program's random draws settle on, and bpf_fib_lookup's answer. The model
+// assumes bpf_xdp_adjust_head always finds the headroom it asks for (at most 40
+// bytes; drivers and BPF_PROG_TEST_RUN leave 256).
 //
 // Words are read from the frame as the C reads them: network-order bytes loaded as
 // native (little-endian) integers, the layout bpf2go's key and value types hold.
 
 // Model is the program's map contents and load-time settings. Run changes
-// Conntrack and NATReverse as the program changes its maps.
+// Conntrack, NATReverse and the tunnel next-hop cache of Backends (hop, hop_ns,
+// hop_len) as the program changes its maps.
 type Model struct {
 	HashSeed uint32
 	// The nat settings (bpf/nat.h's volatile consts) as the program holds them.
@@ -34,7 +39,7 @@ type Model struct {
 	MaxServices      uint32 // entries of lookup_tables and service_stats
 	MaxBackends      uint32 // entries of backend_stats and backend_flows
 	Services         map[bpf.WeirVipKey]bpf.WeirService
-	Backends         []bpf.WeirBackend   // the whole array, index = slot
+	Backends         []bpf.WeirBackend   // the whole array, index = slot; Run writes tunnel next hops in place
 	Tables           map[uint32][]uint32 // service id -> lookup table: entry 0 the size M, 1..M slots
 	Conntrack        map[bpf.WeirFlowKey]bpf.WeirFlowState
 	NATReverse       map[bpf.WeirFlowKey]bpf.WeirNatEntry
@@ -53,7 +58,10 @@ type ModelEnv struct {
 	// port is in range and could be claimed. With PortMin == PortMax the draw is
 	// forced and NATPort is not asked.
 	NATPort func(flow bpf.WeirFlowKey) uint16
-	// FIB answers bpf_fib_lookup; nil means no route (drop_no_route).
+	// FIB answers bpf_fib_lookup; nil means no route (drop_no_route). nat asks it for
+	// the rewritten packet's next hop, tunnel mode for the outer packet's (Proto 4 or
+	// 41, TotLen the outer packet's length, which the kernel checks against the
+	// route's MTU).
 	FIB func(FIBQuery) FIBAnswer
 }
 
@@ -71,6 +79,7 @@ type FIBAnswer struct {
 	Result         FIBResult
 	SrcMAC, DstMAC [6]byte
 	Ifindex        uint32
+	MTU            uint16 // with FIBFragNeeded: the route's MTU (mtu_result)
 }
 
 // FIBResult is the return code of bpf_fib_lookup, reduced to what the program
@@ -78,9 +87,10 @@ type FIBAnswer struct {
 type FIBResult int
 
 const (
-	FIBNoRoute FIBResult = iota // any failure other than an unresolved neighbour
+	FIBNoRoute FIBResult = iota // any failure other than those below
 	FIBSuccess
 	FIBNoNeighbour
+	FIBFragNeeded // TotLen exceeds the route's MTU (BPF_FIB_LKUP_RET_FRAG_NEEDED)
 )
 
 // Outcome is the model's prediction for one frame.
@@ -132,6 +142,10 @@ const (
 	tcpHeaderLen        = 20
 	udpHeaderLen        = 8
 	ipv6OptHeaderMinLen = 2
+	maxICMPQuote        = 200
+	protoIPIP           = 4  // IPv4 inside (tunnel.h IPPROTO_IPIP_)
+	protoIPv6           = 41 // IPv6 inside
+	ipFlagDF            = 0x4000
 )
 
 // modelPacket is struct packet of bpf/parse.h.
@@ -219,8 +233,7 @@ func (r *run) program() int {
 	case modeNAT:
 		return r.natForward(&p, svc)
 	case modeTunnel:
-		r.err = fmt.Errorf("service id %d: tunnel mode is not modelled", svc.Id)
-		return int(XDPAborted)
+		return r.tunnelForward(&p, svc)
 	}
 	id, be, a := r.selectBackend(&p, svc)
 	if a != modelContinue {
@@ -582,10 +595,7 @@ func (r *run) fibForward(p *modelPacket, cache *bpf.WeirNextHop) int {
 	if q.Family == familyIPv4 {
 		q.Src, q.Dst = [4]uint32{q.Src[0]}, [4]uint32{q.Dst[0]}
 	}
-	var ans FIBAnswer
-	if r.env.FIB != nil {
-		ans = r.env.FIB(q)
-	}
+	ans := r.fib(q)
 	switch ans.Result {
 	case FIBNoNeighbour:
 		return r.verdict(XDPPass, ReasonPassNoNeighbour)
@@ -598,6 +608,14 @@ func (r *run) fibForward(p *modelPacket, cache *bpf.WeirNextHop) int {
 		*cache = hop
 	}
 	return r.sendTo(p, hop)
+}
+
+// fib is bpf_fib_lookup.
+func (r *run) fib(q FIBQuery) FIBAnswer {
+	if r.env.FIB == nil {
+		return FIBAnswer{Result: FIBNoRoute}
+	}
+	return r.env.FIB(q)
 }
 
 // cameFrom is nat.h's came_from: the next hop back to where the frame came from.
@@ -944,4 +962,220 @@ func (r *run) icmpApply(p *modelPacket, inner *bpf.WeirFlowKey, in3, in4 uint32,
 	}
 	p.flow.Src, p.flow.Dst = rw.outerSrc, rw.outerDst
 	return modelContinue
+}
+
+// Tunnel mode (bpf/tunnel.h).
+
+// adjustHead is bpf_xdp_adjust_head: a negative delta grows the frame at the front
+// (the new bytes are whatever the headroom held; the program overwrites all of
+// them), a positive one cuts it.
+func (r *run) adjustHead(delta int) {
+	if delta < 0 {
+		r.b = append(make([]byte, -delta), r.b...)
+		return
+	}
+	r.b = r.b[delta:]
+}
+
+// adjustTail is bpf_xdp_adjust_tail for the shrinking the program does.
+func (r *run) adjustTail(delta int) { r.b = r.b[:len(r.b)+delta] }
+
+// ipv4HeaderChecksum is tunnel.h's ipv4_header_checksum of the 20-byte header at
+// off, whose check field is zero.
+func (r *run) ipv4HeaderChecksum(off uint32) uint16 {
+	var sum uint32
+	for i := range uint32(10) {
+		sum += uint32(r.ld16(off + 2*i))
+	}
+	return csumFinish(sum)
+}
+
+// icmpTooBig is tunnel.h's icmp_too_big: the frame becomes an ICMP "fragmentation
+// needed" (IPv4 with DF only) or ICMPv6 "packet too big" back to the client, from
+// the VIP, quoting the IP header(s) and 8 bytes of TCP/UDP.
+func (r *run) icmpTooBig(p *modelPacket, mtu uint32) int {
+	l3, l4 := p.l3&0x7f, p.l4&0x3ff
+	v4 := p.flow.Family == familyIPv4
+	ipLen := uint32(ipv6HeaderLen)
+	if v4 {
+		ipLen = ipv4HeaderLen
+	}
+	if !r.fits(0, ethHeaderLen) || l3 > maxL3Offset || l4 > maxL4Offset {
+		return r.verdict(XDPDrop, ReasonDropTooBig)
+	}
+	if v4 && (!r.fits(l3, ipv4HeaderLen) || binary.BigEndian.Uint16(r.b[l3+6:])&ipFlagDF == 0) {
+		return r.verdict(XDPDrop, ReasonDropTooBig)
+	}
+	var clientMAC, ourMAC [6]byte
+	copy(clientMAC[:], r.b[6:12])
+	copy(ourMAC[:], r.b[0:6])
+
+	quote := l4 - l3 + 8
+	if quote > maxICMPQuote || l3+quote > p.len {
+		return r.verdict(XDPDrop, ReasonDropTooBig)
+	}
+	head := ethHeaderLen + ipLen + icmpHeaderLen
+	r.adjustHead(-(int(head) - int(l3)))
+	r.adjustTail(int(head+quote) - len(r.b))
+
+	copy(r.b[0:6], clientMAC[:])
+	copy(r.b[6:12], ourMAC[:])
+	var sum uint32
+	if v4 {
+		ip, icmp := uint32(ethHeaderLen), uint32(ethHeaderLen+ipv4HeaderLen)
+		binary.BigEndian.PutUint16(r.b[12:], etherTypeIPv4)
+		binary.BigEndian.PutUint16(r.b[ip:], 0x4500)
+		binary.BigEndian.PutUint16(r.b[ip+2:], uint16(ipv4HeaderLen+icmpHeaderLen+quote))
+		r.st16(ip+4, 0)
+		r.st16(ip+6, 0)
+		r.b[ip+8] = 64
+		r.b[ip+9] = protoICMP
+		r.st16(ip+10, 0)
+		r.st32(ip+12, p.flow.Dst[0])
+		r.st32(ip+16, p.flow.Src[0])
+		r.st16(ip+10, r.ipv4HeaderChecksum(ip))
+		r.b[icmp], r.b[icmp+1] = 3, 4 // destination unreachable, fragmentation needed
+		r.st16(icmp+2, 0)
+		binary.BigEndian.PutUint32(r.b[icmp+4:], mtu&0xffff)
+	} else {
+		ip6, icmp := uint32(ethHeaderLen), uint32(ethHeaderLen+ipv6HeaderLen)
+		plen := icmpHeaderLen + quote
+		binary.BigEndian.PutUint16(r.b[12:], etherTypeIPv6)
+		binary.BigEndian.PutUint32(r.b[ip6:], 0x60000000)
+		binary.BigEndian.PutUint16(r.b[ip6+4:], uint16(plen))
+		r.b[ip6+6] = protoICMPv6
+		r.b[ip6+7] = 64
+		for i := range uint32(4) {
+			r.st32(ip6+8+4*i, p.flow.Dst[i])
+			r.st32(ip6+24+4*i, p.flow.Src[i])
+		}
+		r.b[icmp], r.b[icmp+1] = 2, 0 // packet too big
+		r.st16(icmp+2, 0)
+		binary.BigEndian.PutUint32(r.b[icmp+4:], mtu)
+		// ICMPv6's pseudo-header: addresses, length, next header.
+		for i := range 4 {
+			sum += p.flow.Src[i]&0xffff + p.flow.Src[i]>>16
+			sum += p.flow.Dst[i]&0xffff + p.flow.Dst[i]>>16
+		}
+		sum += uint32(ntohs(uint16(plen))) + uint32(ntohs(protoICMPv6))
+	}
+	// The ICMP checksum over its header and the quote, a 16-bit word at a time.
+	icmp := ethHeaderLen + ipLen
+	for i := range uint32((icmpHeaderLen + maxICMPQuote) / 2) {
+		if !r.fits(icmp+2*i, 2) {
+			break
+		}
+		sum += uint32(r.ld16(icmp + 2*i))
+	}
+	r.st16(icmp+2, csumFinish(sum))
+	return r.verdict(XDPTX, ReasonTunnelTooBig)
+}
+
+// tunnelHop is tunnel.h's tunnel_hop: the next hop for an outer packet of totLen
+// bytes, from backend id's cache when fresh and long enough, else from
+// bpf_fib_lookup, whose answer it caches in the backends array. A zero Ifindex means
+// "not resolved: hand the packet to the kernel".
+func (r *run) tunnelHop(p *modelPacket, id, totLen, outerLen uint32) (bpf.WeirNextHop, int) {
+	be := &r.m.Backends[id]
+	now := r.env.Now
+	if be.Hop.Ifindex != 0 && now-be.HopNs < nsecPerSec && totLen <= be.HopLen {
+		return be.Hop, modelContinue
+	}
+	q := FIBQuery{Family: be.Family, Proto: protoIPv6, TotLen: uint16(totLen), Ifindex: r.m.IngressIfindex}
+	if p.flow.Family == familyIPv4 {
+		q.Proto = protoIPIP
+	}
+	if be.Family == familyIPv4 {
+		q.Src, q.Dst = [4]uint32{r.m.NATAddr4}, [4]uint32{be.Addr[0]}
+	} else {
+		q.Src, q.Dst = r.m.NATAddr6, be.Addr
+	}
+	ans := r.fib(q)
+	switch ans.Result {
+	case FIBFragNeeded:
+		mtu := uint32(0)
+		if uint32(ans.MTU) > outerLen {
+			mtu = uint32(ans.MTU) - outerLen
+		}
+		return bpf.WeirNextHop{}, r.icmpTooBig(p, mtu)
+	case FIBNoNeighbour:
+		return bpf.WeirNextHop{}, modelContinue
+	case FIBSuccess:
+	default:
+		return bpf.WeirNextHop{}, r.verdict(XDPDrop, ReasonDropNoRoute)
+	}
+	hop := bpf.WeirNextHop{Dmac: ans.DstMAC, Smac: ans.SrcMAC, Ifindex: ans.Ifindex}
+	be.Hop = hop
+	if now-be.HopNs >= nsecPerSec {
+		be.HopNs = now
+		be.HopLen = totLen
+	} else if totLen > be.HopLen {
+		be.HopLen = totLen
+	}
+	return hop, modelContinue
+}
+
+// tunnelForward is tunnel.h's tunnel_forward: select as dsr does, find the next
+// hop, put the outer header (the backend's family, from the balancer's own address,
+// the flow hash in the IPv4 ID or IPv6 flow label) between the Ethernet header and
+// the client's packet, and send it.
+func (r *run) tunnelForward(p *modelPacket, svc bpf.WeirService) int {
+	back, ok := r.cameFrom()
+	if !ok {
+		return int(XDPAborted)
+	}
+	id, be, a := r.selectBackend(p, svc)
+	if a != modelContinue {
+		return a
+	}
+	outerLen := uint32(ipv6HeaderLen)
+	if be.Family == familyIPv4 {
+		outerLen = ipv4HeaderLen
+	}
+	totLen := p.l3Len + outerLen
+	hop, a := r.tunnelHop(p, id, totLen, outerLen)
+	if a != modelContinue {
+		return a
+	}
+	r.countService(svc.Id)
+	r.countBackend(id)
+	hash := flowKeyHash(&p.flow, r.m.HashSeed, false)
+	inner := uint8(protoIPv6)
+	if p.flow.Family == familyIPv4 {
+		inner = protoIPIP
+	}
+
+	// Room for the outer header; a VLAN tag is not carried over.
+	r.adjustHead(-(int(ethHeaderLen+outerLen) - int(p.l3&0x7f)))
+	ip := uint32(ethHeaderLen)
+	if be.Family == familyIPv4 {
+		binary.BigEndian.PutUint16(r.b[12:], etherTypeIPv4)
+		binary.BigEndian.PutUint16(r.b[ip:], 0x4500)
+		binary.BigEndian.PutUint16(r.b[ip+2:], uint16(totLen))
+		r.st16(ip+4, uint16(hash))
+		binary.BigEndian.PutUint16(r.b[ip+6:], ipFlagDF)
+		r.b[ip+8] = 64
+		r.b[ip+9] = inner
+		r.st16(ip+10, 0)
+		r.st32(ip+12, r.m.NATAddr4)
+		r.st32(ip+16, be.Addr[0])
+		r.st16(ip+10, r.ipv4HeaderChecksum(ip))
+	} else {
+		binary.BigEndian.PutUint16(r.b[12:], etherTypeIPv6)
+		binary.BigEndian.PutUint32(r.b[ip:], 0x60000000|hash&0xfffff)
+		binary.BigEndian.PutUint16(r.b[ip+4:], uint16(p.l3Len))
+		r.b[ip+6] = inner
+		r.b[ip+7] = 64
+		for i := range uint32(4) {
+			r.st32(ip+8+4*i, r.m.NATAddr6[i])
+			r.st32(ip+24+4*i, be.Addr[i])
+		}
+	}
+	if hop.Ifindex == 0 {
+		// No neighbour yet: the kernel sends it; the frame looks addressed to us, as it was.
+		copy(r.b[0:6], back.Smac[:])
+		copy(r.b[6:12], back.Dmac[:])
+		return r.verdict(XDPPass, ReasonPassNoNeighbour)
+	}
+	return r.sendTo(p, hop)
 }

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/bpf"
@@ -30,10 +31,16 @@ import (
 // input asks for (a known flow, a port held by another flow, a reply's reverse
 // entry, fresh or expired), so every input is independent of the ones before it.
 //
-// nat's next hop comes from bpf_fib_lookup. The programs run in an empty network
-// namespace where every lookup fails, so the model predicts drop_no_route; the
-// program has rewritten the frame by then and BPF_PROG_TEST_RUN returns it, so the
-// translation is still compared byte for byte. Of two loaded programs one hands out
+// nat's and tunnel mode's next hops come from bpf_fib_lookup. The programs run in a
+// network namespace of their own whose one route (fuzzNet) leads to the tunnel
+// backends' prefixes over a veth with an MTU of 1280, some of them with resolved
+// neighbours; the model's FIB answers as that namespace does (fuzzRig.fib): a
+// next hop, an unresolved neighbour, or "fragmentation needed" for a packet above the
+// MTU, and no route for everything else, so nat flows end in drop_no_route after the
+// rewrite, which BPF_PROG_TEST_RUN returns and the test compares byte for byte. The
+// backends' tunnel next-hop cache is seeded per input (fresh, stale, too short, on
+// the receiving interface, on the veth in tx_ports, on one not in it) and compared
+// afterwards with what the model wrote. Of two loaded programs one hands out
 // nat ports from 10000..32767 (the model is given the port the program drew, read
 // back from its output, and checks it is in range and was free) and one from the
 // single port 20000 (the draw is forced, so port collisions, take-overs of ended
@@ -127,6 +134,53 @@ var fuzzSeeds = []struct {
 	{"icmp from client side, flow without nat port", []byte{0, 20, 0, 0, 0, 0, 0, 255, 0, 1, 0, 0}},
 	{"icmp quote with ip options", []byte{0, 15, 0, 0, 4 << 3, 0x10, 0, 255, 0, 2}},
 	{"icmp echo reply (not an error)", []byte{0, 15, 0, 0, 3, 0, 0, 255, 0, 2}},
+	// Tunnel: targets 24 (IPv4 VIP, TCP; backends 10.78.0.11, 10.78.0.12, fd78::13),
+	// 25 (IPv6 VIP, TCP; fd78::11, fd78::12, 10.78.0.13) and 26 (IPv4 VIP, UDP, source
+	// hash). A known flow (seeds bit 0) picks the backend by its index (byte 10);
+	// .11 and .13 have resolved neighbours, .12 has none. Byte 15 is the cached hop.
+	{"tunnel v4 syn by the lookup table", []byte{0, 24, 0, 0, packet.SYN}},
+	{"tunnel v4-in-v4, fib next hop cached, redirect", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0}},
+	{"tunnel v4-in-v6, fib next hop cached, redirect", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 2}},
+	{"tunnel v4-in-v4, neighbour unresolved", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 1}},
+	{"tunnel v6-in-v6", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0}},
+	{"tunnel v6-in-v4", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 2}},
+	{"tunnel v6-in-v6, neighbour unresolved", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 1}},
+	{"tunnel udp v4 source hash", []byte{0, 26, 1, 2, 0, 0, 0, 9}},
+	{"tunnel vlan tagged", []byte{0, 24, 0, 0, packet.ACK, 0x01, 0, 0, 0, 1, 0}},
+	{"tunnel v6 vlan tagged, hop cached", []byte{0, 25, 0, 0, packet.ACK, 0x01, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0x01}},
+	{"tunnel v6 with extension headers", []byte{0, 25, 0, 0, packet.ACK, 0, 2, 0, 2 | 2<<3, 0, 0, 1, 0}},
+	{"tunnel fresh cached hop on the receiving interface", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0x01}},
+	{"tunnel fresh cached hop on an interface in tx_ports", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0x02}},
+	{"tunnel fresh cached hop on an interface not in tx_ports", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0x03}},
+	{"tunnel fresh cached hop on a backend without neighbour", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0x01}},
+	{"tunnel fresh cached hop just now", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0x01 | 3<<2}},
+	{"tunnel stale cached hop", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0x01 | 1<<2}},
+	{"tunnel cached hop from the future", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0x01 | 2<<2}},
+	{"tunnel stale cached hop, neighbour unresolved", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0x01 | 1<<2}},
+	{"tunnel cached hop too short (0)", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0x01 | 1<<4}},
+	{"tunnel cached hop one byte too short", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0x01 | 2<<4}},
+	{"tunnel cached hop exactly long enough", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0x01 | 3<<4}},
+	{"tunnel stale cached hop too short", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0x01 | 1<<2 | 1<<4}},
+	{"tunnel cached hop on the first backend only", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0x81}},
+	{"tunnel ethernet padding", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 5, 30, 1, 0}},
+	{"tunnel v6 ethernet padding, hop cached", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 0, 5, 30, 1, 0, 0, 0, 0, 0, 0x01}},
+	{"tunnel too big v4 with df", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 255, 0, 1, 0, 0, 0, 0, 0, 0x40}},
+	{"tunnel too big v4 without df", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 255, 0, 1, 0}},
+	{"tunnel too big v4-in-v6 with df", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 254, 0, 1, 2, 0, 0, 0, 0, 0x40}},
+	{"tunnel too big v4 with df and options, vlan", []byte{0, 24, 0, 0, packet.ACK, 0x31, 0, 255, 0, 1, 0, 0, 0, 0, 0, 0x40}},
+	{"tunnel too big v4 with df, padded", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 255, 5, 33, 1, 0, 0, 0, 0, 0, 0x40}},
+	{"tunnel v4 exactly at the mtu", []byte{0, 24, 0, 0, packet.ACK, 0x50, 0, 253, 0, 1, 0, 0, 0, 0, 0, 0x40}},
+	{"tunnel v4 one word above the mtu", []byte{0, 24, 0, 0, packet.ACK, 0x60, 0, 253, 0, 1, 0, 0, 0, 0, 0, 0x40}},
+	{"tunnel too big past a fresh cached hop", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 255, 0, 1, 0, 0, 0, 0, 0, 0x41 | 1<<4}},
+	{"tunnel too big within a fresh cached hop's length", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 255, 0, 1, 0, 0, 0, 0, 0, 0x01}},
+	{"tunnel ipv6 too big", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 255, 0, 1, 0}},
+	{"tunnel ipv6 too big, ipv4 outer", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 255, 0, 1, 2}},
+	{"tunnel ipv6 too big, vlan", []byte{0, 25, 0, 0, packet.ACK, 0x01, 0, 255, 0, 1, 0}},
+	{"tunnel ipv6 too big, extension headers quoted", []byte{0, 25, 0, 0, packet.ACK, 0, 1, 2 << 3, 255, 0, 1, 0}},
+	{"tunnel ipv6 too big, quote past 200 bytes", []byte{0, 25, 0, 0, packet.ACK, 0, 1, 20 << 3, 255, 0, 1, 0}},
+	{"tunnel ipv6 too big, neighbour unresolved", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 255, 0, 1, 1}},
+	{"tunnel udp too big", []byte{0, 26, 0, 0, 0, 0, 0, 255, 0, 0, 0, 0, 0, 0, 0, 0x40}},
+	{"tunnel service without backend for the flow's slot", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 3}},
 	{"raw bytes", []byte{0x0e, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}},
 	{"raw ipv4 after ethernet", []byte{0x0c, 0, 0x45, 0, 0, 40, 0, 0, 0, 0, 64, 6, 0, 0, 10, 77, 0, 1, 10, 77, 100, 1}},
 	{"raw ipv6 after vlan", []byte{0x0c, 3, 0x60, 0, 0, 0, 0, 0, 6, 64}},
@@ -138,6 +192,8 @@ var (
 	fuzzVIPN4 = netip.MustParseAddr("10.77.100.2") // nat
 	fuzzVIPD6 = netip.MustParseAddr("fd77:100::1")
 	fuzzVIPN6 = netip.MustParseAddr("fd77:100::2")
+	fuzzVIPT4 = netip.MustParseAddr("10.77.100.3") // tunnel
+	fuzzVIPT6 = netip.MustParseAddr("fd77:100::3")
 	fuzzNAT4  = netip.MustParseAddr("10.77.200.1")
 	fuzzNAT6  = netip.MustParseAddr("fd77:200::1")
 )
@@ -175,7 +231,103 @@ func fuzzServices() []Service {
 	s[2].Backends[0].Usable = false // no usable backend: no table at all
 	s[3].Backends[1].Usable = false
 	s[4].Backends[1].Usable = false
+	// Tunnel services: backends of both families behind each VIP family.
+	tunnel := func(port uint16, addrs ...string) []Backend {
+		out := make([]Backend, len(addrs))
+		for i, a := range addrs {
+			out[i] = Backend{Addr: netip.AddrPortFrom(netip.MustParseAddr(a), port), Weight: 1, Usable: true}
+		}
+		return out
+	}
+	s = append(s,
+		svc(fuzzVIPT4, 80, TCP, ForwardTunnel, tunnel(80, "10.78.0.11", "10.78.0.12", "fd78::13")),
+		svc(fuzzVIPT6, 80, TCP, ForwardTunnel, tunnel(80, "fd78::11", "fd78::12", "10.78.0.13")),
+		svc(fuzzVIPT4, 53, UDP, ForwardTunnel, tunnel(53, "10.78.0.11", "fd78::11", "fd78::12")),
+	)
+	s[10].SourceHash = true
+	s[10].Backends[2].Usable = false
 	return s
+}
+
+// The fuzz namespace's network (fuzzNet): the tunnel backends' prefixes on a veth
+// with this MTU, and the backends with a resolved neighbour.
+var (
+	fuzzTunnelNets = []netip.Prefix{netip.MustParsePrefix("10.78.0.0/16"), netip.MustParsePrefix("fd78::/32")}
+	fuzzVethMAC    = net.HardwareAddr{0x02, 0, 0, 0x78, 0, 0x01}
+	fuzzNeighbours = map[netip.Addr]net.HardwareAddr{
+		netip.MustParseAddr("10.78.0.11"): {0x02, 0, 0, 0x78, 1, 0x11},
+		netip.MustParseAddr("10.78.0.13"): {0x02, 0, 0, 0x78, 1, 0x13},
+		netip.MustParseAddr("fd78::11"):   {0x02, 0, 0, 0x78, 2, 0x11},
+		netip.MustParseAddr("fd78::13"):   {0x02, 0, 0, 0x78, 2, 0x13},
+	}
+)
+
+const fuzzMTU = 1280
+
+// fuzzNet sets up the calling thread's (new, empty) network namespace: forwarding on,
+// so bpf_fib_lookup looks routes up, and one veth, wf0, with the tunnel prefixes
+// routed on it, its MTU fuzzMTU and permanent neighbours for fuzzNeighbours. It
+// returns wf0's index.
+func fuzzNet() (uint32, error) {
+	for _, name := range []string{"net/ipv4/conf/all/forwarding", "net/ipv6/conf/all/forwarding"} {
+		if err := os.WriteFile("/proc/sys/"+name, []byte("1"), 0o644); err != nil {
+			return 0, fmt.Errorf("sysctl %s=1: %w", name, err)
+		}
+	}
+	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "wf0", MTU: fuzzMTU, HardwareAddr: fuzzVethMAC}, PeerName: "wf1"}
+	if err := netlink.LinkAdd(veth); err != nil {
+		return 0, fmt.Errorf("add veth wf0: %w", err)
+	}
+	var index int
+	for _, name := range []string{"wf1", "wf0"} {
+		l, err := netlink.LinkByName(name)
+		if err != nil {
+			return 0, fmt.Errorf("find %s: %w", name, err)
+		}
+		if err := netlink.LinkSetUp(l); err != nil {
+			return 0, fmt.Errorf("set %s up: %w", name, err)
+		}
+		index = l.Attrs().Index
+	}
+	for _, pfx := range fuzzTunnelNets {
+		r := &netlink.Route{LinkIndex: index, Dst: &net.IPNet{IP: pfx.Addr().AsSlice(), Mask: net.CIDRMask(pfx.Bits(), pfx.Addr().BitLen())}}
+		if pfx.Addr().Is4() {
+			r.Scope = netlink.SCOPE_LINK
+		}
+		if err := netlink.RouteAdd(r); err != nil {
+			return 0, fmt.Errorf("route %s dev wf0: %w", pfx, err)
+		}
+	}
+	for ip, mac := range fuzzNeighbours {
+		n := &netlink.Neigh{LinkIndex: index, Family: family2netlink(ip), IP: ip.AsSlice(), HardwareAddr: mac, State: netlink.NUD_PERMANENT}
+		if err := netlink.NeighAdd(n); err != nil {
+			return 0, fmt.Errorf("neighbour %s dev wf0: %w", ip, err)
+		}
+	}
+	return uint32(index), nil
+}
+
+// fib is bpf_fib_lookup as fuzzNet's namespace answers it, for the model.
+func (rig *fuzzRig) fib(q FIBQuery) FIBAnswer {
+	dst := addrFromWords(q.Dst, q.Family)
+	routed := false
+	for _, pfx := range fuzzTunnelNets {
+		routed = routed || (q.Family == familyIPv4 || q.Family == familyIPv6) && pfx.Contains(dst)
+	}
+	if !routed {
+		return FIBAnswer{Result: FIBNoRoute}
+	}
+	if q.TotLen > fuzzMTU {
+		return FIBAnswer{Result: FIBFragNeeded, MTU: fuzzMTU}
+	}
+	mac, ok := fuzzNeighbours[dst]
+	if !ok {
+		return FIBAnswer{Result: FIBNoNeighbour}
+	}
+	a := FIBAnswer{Result: FIBSuccess, Ifindex: rig.veth}
+	copy(a.SrcMAC[:], fuzzVethMAC)
+	copy(a.DstMAC[:], mac)
+	return a
 }
 
 // fuzzTarget is what a structured input's frame is addressed to.
@@ -222,6 +374,9 @@ var fuzzTargets = []fuzzTarget{
 	{toVIP, -1, false, packet.ProtoICMP, netip.AddrPortFrom(fuzzVIPD4, 0)},
 	{toVIP, -1, false, 47, netip.AddrPortFrom(fuzzVIPD4, 0)},
 	{toVIP, -1, true, packet.ProtoICMPv6, netip.AddrPortFrom(fuzzVIPN6, 0)},
+	{toVIP, 8, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPT4, 80)},
+	{toVIP, 9, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPT6, 80)},
+	{toVIP, 10, false, packet.ProtoUDP, netip.AddrPortFrom(fuzzVIPT4, 53)},
 }
 
 var (
@@ -238,29 +393,53 @@ var (
 // fuzzRig is what one fuzzing process runs inputs against.
 type fuzzRig struct {
 	progs    [2]*Program // [0]: nat ports 10000..32767, [1]: the single port 20000
-	models   [2]*Model   // their static map contents
+	models   [2]*Model   // their static map contents; the tunnel slots' next hops are reset per input
 	slots    [2][][]uint32
+	tunnel   [2][]uint32 // every tunnel service's backend slots
 	services []Service
 	nBackend uint32 // backend slots read back: every slot in use and one free
 	ingress  uint32 // ifindex the programs see frames come in on: the namespace's lo
-	run      chan fuzzRun
-}
-
-type fuzzRun struct {
-	prog  *Program
-	frame []byte
-	done  chan fuzzResult
-}
-
-type fuzzResult struct {
-	action Action
-	out    []byte
-	err    error
+	veth     uint32 // wf0's ifindex (fuzzNet), in both programs' tx_ports
+	do       chan func()
 }
 
 func newFuzzRig(tb testing.TB) *fuzzRig {
 	tb.Helper()
-	rig := &fuzzRig{services: fuzzServices(), run: make(chan fuzzRun)}
+	rig := &fuzzRig{services: fuzzServices(), do: make(chan func())}
+
+	// bpf_fib_lookup looks in the namespace of the thread that test-runs the program;
+	// one goroutine stays in the fuzz namespace for all runs.
+	ns, err := netns.New(fmt.Sprintf("weir-fuzz-%d", os.Getpid()))
+	xdptest.Check(tb, err)
+	tb.Cleanup(func() { ns.Close() })
+	ready := make(chan error, 1)
+	// Runs functions in the namespace until the rig's cleanup closes rig.do.
+	go func() {
+		err := ns.Do(func() error {
+			lo, err := net.InterfaceByName("lo")
+			if err != nil {
+				return err
+			}
+			// BPF_PROG_TEST_RUN without a context receives on the namespace's loopback.
+			rig.ingress = uint32(lo.Index)
+			if rig.veth, err = fuzzNet(); err != nil {
+				return err
+			}
+			ready <- nil
+			for fn := range rig.do {
+				fn()
+			}
+			return nil
+		})
+		if err != nil {
+			ready <- err
+		}
+	}()
+	if err := <-ready; err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { close(rig.do) })
+
 	for i := range rig.progs {
 		nat := NATOptions{Addr4: fuzzNAT4, Addr6: fuzzNAT6, TCPIdle: 100 * time.Second, TCPClosing: 10 * time.Second, UDPIdle: 30 * time.Second}
 		if i == 1 {
@@ -273,6 +452,13 @@ func newFuzzRig(tb testing.TB) *fuzzRig {
 			if err := p.AddService(s); err != nil {
 				tb.Fatal(err)
 			}
+		}
+		// wf0 may be redirected to, as if the program were attached to it. A devmap
+		// entry names its device in the namespace of the thread that writes it.
+		done := make(chan error)
+		rig.do <- func() { done <- p.objs.TxPorts.Put(rig.veth, rig.veth) }
+		if err := <-done; err != nil {
+			tb.Fatalf("tx_ports: add wf0: %v", err)
 		}
 		m, err := p.Model()
 		if err != nil {
@@ -287,39 +473,11 @@ func newFuzzRig(tb testing.TB) *fuzzRig {
 				rig.nBackend = max(rig.nBackend, ids[j]+2)
 			}
 			rig.slots[i] = append(rig.slots[i], ids)
+			if s.Forwarding == ForwardTunnel {
+				rig.tunnel[i] = append(rig.tunnel[i], ids...)
+			}
 		}
 	}
-
-	// bpf_fib_lookup looks in the namespace of the thread that test-runs the program:
-	// an empty one, where it finds no route. One goroutine stays in it for all runs.
-	ns, err := netns.New(fmt.Sprintf("weir-fuzz-%d", os.Getpid()))
-	xdptest.Check(tb, err)
-	tb.Cleanup(func() { ns.Close() })
-	ready := make(chan error, 1)
-	// Runs frames in the namespace until the rig's cleanup closes rig.run.
-	go func() {
-		err := ns.Do(func() error {
-			lo, err := net.InterfaceByName("lo")
-			if err != nil {
-				return err
-			}
-			// BPF_PROG_TEST_RUN without a context receives on the namespace's loopback.
-			rig.ingress = uint32(lo.Index)
-			ready <- nil
-			for r := range rig.run {
-				action, out, err := r.prog.Run(r.frame)
-				r.done <- fuzzResult{action, out, err}
-			}
-			return nil
-		})
-		if err != nil {
-			ready <- err
-		}
-	}()
-	if err := <-ready; err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { close(rig.run) })
 	return rig
 }
 
@@ -331,12 +489,14 @@ func coarseNow(tb testing.TB) uint64 {
 	return uint64(ts.Nano())
 }
 
-// fuzzCase is a decoded input: which program, the frame and the flows to seed.
+// fuzzCase is a decoded input: which program, the frame, the flows to seed and the
+// tunnel backends (every tunnel slot, with its next-hop cache as the input sets it).
 type fuzzCase struct {
 	prog      int
 	frame     []byte
 	conntrack map[bpf.WeirFlowKey]bpf.WeirFlowState
 	reverse   map[bpf.WeirFlowKey]bpf.WeirNatEntry
+	backends  map[uint32]bpf.WeirBackend
 }
 
 func (rig *fuzzRig) check(t *testing.T, in []byte) {
@@ -346,14 +506,25 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) {
 	if err := p.setFlows(c.conntrack, c.reverse); err != nil {
 		t.Fatal(err)
 	}
+	if err := p.setBackends(c.backends); err != nil {
+		t.Fatal(err)
+	}
 	nSvc := uint32(len(rig.services))
 	before, err := p.readCounters(nSvc, rig.nBackend)
 	if err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan fuzzResult, 1)
-	rig.run <- fuzzRun{p, c.frame, done}
-	res := <-done
+	var res struct {
+		action Action
+		out    []byte
+		err    error
+	}
+	done := make(chan struct{})
+	rig.do <- func() {
+		res.action, res.out, res.err = p.Run(c.frame)
+		close(done)
+	}
+	<-done
 	if res.err != nil {
 		t.Fatal(res.err)
 	}
@@ -363,6 +534,10 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) {
 		t.Fatal(err)
 	}
 	ct, rev, err := p.flows()
+	if err != nil {
+		t.Fatal(err)
+	}
+	gotBackends, err := p.backendSlots(rig.nBackend)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -379,13 +554,18 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) {
 	m := *rig.models[c.prog]
 	m.Conntrack, m.NATReverse = maps.Clone(c.conntrack), maps.Clone(c.reverse)
 	m.IngressIfindex = rig.ingress
+	// The backends array is shared with the rig's model (a copy per input would cost
+	// more than the run): only tunnel slots change, and every input resets them all.
+	for id, b := range c.backends {
+		m.Backends[id] = b
+	}
 	// The port the program drew is the one it recorded for the flow.
 	env := ModelEnv{Now: now, NATPort: func(flow bpf.WeirFlowKey) uint16 {
 		if fs, ok := ct[flow]; ok && gotReasons[ReasonDropNATPorts].Packets == 0 {
 			return ntohs(fs.NatPort)
 		}
 		return 0
-	}}
+	}, FIB: rig.fib}
 	want, err := m.Run(c.frame, env)
 	report := func(format string, args ...any) {
 		t.Helper()
@@ -461,6 +641,17 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) {
 	if !maps.Equal(rev, m.NATReverse) {
 		report("nat_reverse\n got %+v\nwant %+v", rev, m.NATReverse)
 	}
+	for i, g := range gotBackends {
+		w := m.Backends[i]
+		hopNs := g.HopNs
+		if near(hopNs, w.HopNs) {
+			hopNs = w.HopNs
+		}
+		g.HopNs = hopNs
+		if g != w {
+			report("backends[%d] = %+v; want %+v", i, gotBackends[i], w)
+		}
+	}
 }
 
 // fuzzReader hands out the input's bytes, zeros once it is used up.
@@ -507,12 +698,25 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 //	   the quoted flow), bit 1 a nat reverse entry (the port this flow would take,
 //	   for every backend; the reply's or the quote's), bit 2 its holder's
 //	   connection-table entry; then bytes: backend, nat port, age (low 4 bits),
-//	   closing (bit 4) and cached next hop (bits 5-6) of the known flow, holder, and
-//	   the holder's age, closing and next hops
+//	   closing (bit 4) and cached next hop (bits 5-6: none, the receiving
+//	   interface, one not in tx_ports, wf0) of the known flow, holder, and the
+//	   holder's age, closing and next hops
+//	15 tunnel: the cached next hop of the target tunnel service's backends: bits 0-1
+//	   its interface (none, the receiving one, wf0 in tx_ports, one not in
+//	   tx_ports), bits 2-3 its age (100 ms, 3 s, 50 s in the future, now), bits 4-5
+//	   its length (4096, 0, this packet's outer length - 1, its outer length), bit 6
+//	   set DF on an IPv4 frame, bit 7 the first backend only
 func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	r := &fuzzReader{in}
 	b0 := r.u8()
-	c := fuzzCase{prog: int(b0 & 1), conntrack: map[bpf.WeirFlowKey]bpf.WeirFlowState{}, reverse: map[bpf.WeirFlowKey]bpf.WeirNatEntry{}}
+	c := fuzzCase{prog: int(b0 & 1), conntrack: map[bpf.WeirFlowKey]bpf.WeirFlowState{}, reverse: map[bpf.WeirFlowKey]bpf.WeirNatEntry{},
+		backends: map[uint32]bpf.WeirBackend{}}
+	// Every tunnel slot starts without a cached next hop.
+	for _, id := range rig.tunnel[c.prog] {
+		b := rig.models[c.prog].Backends[id]
+		b.Hop, b.HopNs, b.HopLen = bpf.WeirNextHop{}, 0, 0
+		c.backends[id] = b
+	}
 	kind := b0 >> 1 & 7
 	if kind == 6 || kind == 7 {
 		var frame []byte
@@ -679,9 +883,9 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	age := func(sel uint8) uint64 { return now - uint64(fuzzAges[int(sel&0xf)%len(fuzzAges)]) }
 	flowFlags := func(sel uint8) uint8 { return sel >> 4 & flowFlagClosing }
 	// A cached next hop: none, out of the interface frames come in on, another one
-	// (not in tx_ports).
+	// (not in tx_ports), wf0 (in tx_ports).
 	hop := func(sel uint8, dmac net.HardwareAddr) bpf.WeirNextHop {
-		h := bpf.WeirNextHop{Ifindex: []uint32{0, rig.ingress, 9, 0}[sel>>5&3]}
+		h := bpf.WeirNextHop{Ifindex: []uint32{0, rig.ingress, 9, rig.veth}[sel>>5&3]}
 		copy(h.Dmac[:], dmac)
 		copy(h.Smac[:], lbMAC)
 		return h
@@ -724,7 +928,64 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 			}
 		}
 	}
+
+	tun := r.u8()
+	if tun&0x40 != 0 {
+		setDF(c.frame)
+	}
+	if tg.svc >= 0 && svc.Forwarding == ForwardTunnel {
+		ifindex := []uint32{0, rig.ingress, rig.veth, 9}[tun&3]
+		at := now - uint64([]time.Duration{100 * time.Millisecond, 3 * time.Second, -50 * time.Second, 0}[tun>>2&3])
+		l3Len := ipLength(c.frame)
+		for i, b := range svc.Backends {
+			if i > 0 && tun&0x80 != 0 {
+				break
+			}
+			outer := uint32(40)
+			if b.Addr.Addr().Is4() {
+				outer = 20
+			}
+			v := c.backends[slots[i]]
+			v.Hop = bpf.WeirNextHop{Ifindex: ifindex, Dmac: [6]byte{0x02, 0, 0, 0x78, 3, byte(i)}}
+			copy(v.Hop.Smac[:], lbMAC)
+			v.HopNs = at
+			v.HopLen = []uint32{4096, 0, l3Len + outer - 1, l3Len + outer}[tun>>4&3]
+			c.backends[slots[i]] = v
+		}
+	}
 	return c
+}
+
+// setDF sets "don't fragment" in a frame's IPv4 header, and its checksum.
+func setDF(b []byte) {
+	l3 := 14
+	if len(b) >= 14 && binary.BigEndian.Uint16(b[12:]) == 0x8100 {
+		l3 = 18
+	}
+	if len(b) < l3+20 || b[l3]>>4 != 4 {
+		return
+	}
+	b[l3+6] |= 0x40
+	if ihl := int(b[l3]&0xf) * 4; ihl >= 20 && len(b) >= l3+ihl {
+		b[l3+10], b[l3+11] = 0, 0
+		binary.BigEndian.PutUint16(b[l3+10:], packet.Checksum(b[l3:l3+ihl]))
+	}
+}
+
+// ipLength is the IP packet's length as the header of a frame the rig built says
+// (0 if it is cut before).
+func ipLength(b []byte) uint32 {
+	l3 := 14
+	if len(b) >= 14 && binary.BigEndian.Uint16(b[12:]) == 0x8100 {
+		l3 = 18
+	}
+	switch {
+	case len(b) >= l3+20 && b[l3]>>4 == 4:
+		return uint32(binary.BigEndian.Uint16(b[l3+2:]))
+	case len(b) >= l3+40 && b[l3]>>4 == 6:
+		return 40 + uint32(binary.BigEndian.Uint16(b[l3+4:]))
+	}
+	return 0
 }
 
 // fitFrame pads a frame to the 14 bytes BPF_PROG_TEST_RUN needs and cuts it to
