@@ -185,12 +185,20 @@ func (p *Program) setFlows(conntrack map[bpf.WeirFlowKey]bpf.WeirFlowState, reve
 	return nil
 }
 
-// setBackends writes backend slots whole (the tests seed tunnel next hops).
+// setBackends writes backend slots whole, in one batch (the tests seed tunnel next
+// hops).
 func (p *Program) setBackends(backends map[uint32]bpf.WeirBackend) error {
+	if len(backends) == 0 {
+		return nil
+	}
+	keys := make([]uint32, 0, len(backends))
+	values := make([]bpf.WeirBackend, 0, len(backends))
 	for id, b := range backends {
-		if err := p.objs.Backends.Put(id, b); err != nil {
-			return fmt.Errorf("seed backends[%d]: %w", id, err)
-		}
+		keys = append(keys, id)
+		values = append(values, b)
+	}
+	if _, err := p.objs.Backends.BatchUpdate(keys, values, nil); err != nil {
+		return fmt.Errorf("seed backends: %w", err)
 	}
 	return nil
 }
