@@ -994,11 +994,13 @@ func (r *run) ipv4HeaderChecksum(off uint32) uint16 {
 // needed" (IPv4 with DF only) or ICMPv6 "packet too big" back to the client, from
 // the VIP, quoting the IP header(s) and 8 bytes of TCP/UDP.
 func (r *run) icmpTooBig(p *modelPacket, mtu uint32) int {
-	l3, l4 := p.l3&0x7f, p.l4&0x3ff
+	l3, l4 := p.l3&0x1f, p.l4&0x3ff
 	v4 := p.flow.Family == familyIPv4
+	tagged := l3 == ethHeaderLen+4
 	ipLen := uint32(ipv6HeaderLen)
+	etherType := uint16(etherTypeIPv6)
 	if v4 {
-		ipLen = ipv4HeaderLen
+		ipLen, etherType = ipv4HeaderLen, etherTypeIPv4
 	}
 	if !r.fits(0, ethHeaderLen) || l3 > maxL3Offset || l4 > maxL4Offset {
 		return r.verdict(XDPDrop, ReasonDropTooBig)
@@ -1006,24 +1008,40 @@ func (r *run) icmpTooBig(p *modelPacket, mtu uint32) int {
 	if v4 && (!r.fits(l3, ipv4HeaderLen) || binary.BigEndian.Uint16(r.b[l3+6:])&ipFlagDF == 0) {
 		return r.verdict(XDPDrop, ReasonDropTooBig)
 	}
+	var tci [2]byte
+	if tagged {
+		if !r.fits(ethHeaderLen, 4) {
+			return r.verdict(XDPDrop, ReasonDropTooBig)
+		}
+		copy(tci[:], r.b[ethHeaderLen:ethHeaderLen+2])
+	}
 	var clientMAC, ourMAC [6]byte
 	copy(clientMAC[:], r.b[6:12])
 	copy(ourMAC[:], r.b[0:6])
+	// RFC 8201: IPv6 never goes below 1280.
+	if !v4 && mtu < 1280 {
+		mtu = 1280
+	}
 
 	quote := l4 - l3 + 8
 	if quote > maxICMPQuote || l3+quote > p.len {
 		return r.verdict(XDPDrop, ReasonDropTooBig)
 	}
-	head := ethHeaderLen + ipLen + icmpHeaderLen
-	r.adjustHead(-(int(head) - int(l3)))
-	r.adjustTail(int(head+quote) - len(r.b))
+	r.adjustHead(-int(ipLen + icmpHeaderLen))
+	r.adjustTail(int(l3+ipLen+icmpHeaderLen+quote) - len(r.b))
 
 	copy(r.b[0:6], clientMAC[:])
 	copy(r.b[6:12], ourMAC[:])
+	if tagged {
+		binary.BigEndian.PutUint16(r.b[12:], 0x8100)
+		copy(r.b[14:16], tci[:])
+		binary.BigEndian.PutUint16(r.b[16:], etherType)
+	} else {
+		binary.BigEndian.PutUint16(r.b[12:], etherType)
+	}
 	var sum uint32
 	if v4 {
-		ip, icmp := uint32(ethHeaderLen), uint32(ethHeaderLen+ipv4HeaderLen)
-		binary.BigEndian.PutUint16(r.b[12:], etherTypeIPv4)
+		ip, icmp := l3, l3+ipv4HeaderLen
 		binary.BigEndian.PutUint16(r.b[ip:], 0x4500)
 		binary.BigEndian.PutUint16(r.b[ip+2:], uint16(ipv4HeaderLen+icmpHeaderLen+quote))
 		r.st16(ip+4, 0)
@@ -1038,9 +1056,8 @@ func (r *run) icmpTooBig(p *modelPacket, mtu uint32) int {
 		r.st16(icmp+2, 0)
 		binary.BigEndian.PutUint32(r.b[icmp+4:], mtu&0xffff)
 	} else {
-		ip6, icmp := uint32(ethHeaderLen), uint32(ethHeaderLen+ipv6HeaderLen)
+		ip6, icmp := l3, l3+ipv6HeaderLen
 		plen := icmpHeaderLen + quote
-		binary.BigEndian.PutUint16(r.b[12:], etherTypeIPv6)
 		binary.BigEndian.PutUint32(r.b[ip6:], 0x60000000)
 		binary.BigEndian.PutUint16(r.b[ip6+4:], uint16(plen))
 		r.b[ip6+6] = protoICMPv6
@@ -1060,7 +1077,7 @@ func (r *run) icmpTooBig(p *modelPacket, mtu uint32) int {
 		sum += uint32(ntohs(uint16(plen))) + uint32(ntohs(protoICMPv6))
 	}
 	// The ICMP checksum over its header and the quote, a 16-bit word at a time.
-	icmp := ethHeaderLen + ipLen
+	icmp := l3 + ipLen
 	for i := range uint32((icmpHeaderLen + maxICMPQuote) / 2) {
 		if !r.fits(icmp+2*i, 2) {
 			break
