@@ -333,15 +333,22 @@ func (p *Program) Close() error {
 	if p.closed {
 		return nil
 	}
-	p.closed = true
 	var errs []error
 	if p.opts.PinPath != "" {
 		errs = append(errs, p.unpinAll())
 	}
-	// Links first: the program must leave the interfaces before its maps go.
+	return errors.Join(append(errs, p.closeHandles())...)
+}
+
+// closeHandles releases every handle the process holds, links first: an unpinned
+// link detaches the program as it closes, a pinned one stays (Release). Called with
+// p.mu held.
+func (p *Program) closeHandles() error {
+	p.closed = true
+	var errs []error
 	for name, a := range p.attachments {
 		if err := a.link.Close(); err != nil {
-			errs = append(errs, fmt.Errorf("detach xdp from %s: %w", name, err))
+			errs = append(errs, fmt.Errorf("close link of %s: %w", name, err))
 		}
 	}
 	p.attachments = nil

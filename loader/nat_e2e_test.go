@@ -16,6 +16,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
 )
@@ -47,28 +48,10 @@ func newNATTopology(t testing.TB, mode Mode) *natTopology {
 		t.Fatal(err)
 	}
 	// An echo server on backend-0 for the bulk transfer.
-	ln, err := tp.Backends[0].NS.Listen("tcp", fmt.Sprintf(":%d", echoPort))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	// Exits when the listener is closed at cleanup.
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			// Exits when the client closes its side.
-			go func() {
-				defer c.Close()
-				io.Copy(c, c)
-			}()
-		}
-	}()
+	serveEcho(t, tp.Backends[0].NS, echoPort)
 
 	// fib lookups forward only where forwarding is on.
-	err = tp.Balancer.NS.Do(func() error {
+	err := tp.Balancer.NS.Do(func() error {
 		for _, k := range []string{"net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"} {
 			if err := os.WriteFile("/proc/sys/"+k, []byte("1"), 0o644); err != nil {
 				return err
@@ -358,4 +341,28 @@ func natPortUnreachable(t *testing.T, nt *natTopology, vip netip.Addr) {
 	if st.Reasons[ReasonICMPTranslated].Packets == 0 {
 		t.Error("icmp_translated counter is 0; want the error counted")
 	}
+}
+
+// serveEcho echoes every TCP connection to port in ns until the test ends.
+func serveEcho(t testing.TB, ns *netns.NS, port int) {
+	t.Helper()
+	ln, err := ns.Listen("tcp", fmt.Sprintf(":%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	// Exits when the listener is closed at cleanup.
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			// Exits when the client closes its side.
+			go func() {
+				defer c.Close()
+				io.Copy(c, c)
+			}()
+		}
+	}()
 }

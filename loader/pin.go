@@ -192,25 +192,7 @@ func (p *Program) Release() error {
 	if p.closed {
 		return nil
 	}
-	p.closed = true
-	var errs []error
-	for name, a := range p.attachments {
-		// Closing a pinned link's handle does not detach it.
-		if err := a.link.Close(); err != nil {
-			errs = append(errs, fmt.Errorf("release link of %s: %w", name, err))
-		}
-	}
-	p.attachments = nil
-	for _, s := range p.services {
-		s.closeTables()
-	}
-	if err := p.objs.Close(); err != nil {
-		errs = append(errs, fmt.Errorf("release xdp objects: %w", err))
-	}
-	if p.ns != nil {
-		p.ns.Close()
-	}
-	return errors.Join(errs...)
+	return p.closeHandles()
 }
 
 // unpinAll removes every pin of the program (links first), for Close.

@@ -131,25 +131,7 @@ func serveBackend(t *testing.T, b topo.Host, name string) {
 	// Exits when the server is closed at cleanup.
 	go srv.Serve(ln)
 	t.Cleanup(func() { srv.Close() })
-	echo, err := b.NS.Listen("tcp", fmt.Sprintf(":%d", echoPort))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { echo.Close() })
-	// Exits when the listener is closed at cleanup.
-	go func() {
-		for {
-			c, err := echo.Accept()
-			if err != nil {
-				return
-			}
-			// Exits when the client closes its side.
-			go func() {
-				defer c.Close()
-				io.Copy(c, c)
-			}()
-		}
-	}()
+	serveEcho(t, b.NS, echoPort)
 }
 
 func tunnelRequests(t *testing.T, client *http.Client, vip netip.Addr, n int) map[string]int {

@@ -1,17 +1,12 @@
 package topo
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
-	"sync"
 	"testing"
 
-	"github.com/cilium/ebpf"
-
 	"github.com/weir-lb/weir/internal/netns"
-	"github.com/weir-lb/weir/internal/xdptest"
 )
 
 // Routed puts the backends in other subnets than the balancer, behind a router, as
@@ -28,6 +23,7 @@ import (
 // (the client's c0 for ICMP errors, the router's rl) carry an XDP_PASS program.
 // Every link has tx checksum offload off and MTU 1500.
 type Routed struct {
+	group
 	Name         string
 	Client       Host // Link c0, towards the balancer
 	ClientReturn Host // the client's second link c1, towards the router
@@ -36,10 +32,6 @@ type Routed struct {
 	Router       *netns.NS
 	Backends     []Host // Link b0 in each backend's namespace
 	VIP4, VIP6   netip.Addr
-	namespaces   []*netns.NS
-	pass         *ebpf.Program
-	closeOnce    sync.Once
-	closeErr     error
 }
 
 // Addresses of the routed topology.
@@ -59,20 +51,13 @@ func NewRouted(name string, n int) (_ *Routed, err error) {
 	if n < 1 || n > 50 {
 		return nil, fmt.Errorf("topology %s: backends: want 1-50, got %d", name, n)
 	}
-	t := &Routed{Name: name, VIP4: RoutedVIP4, VIP6: RoutedVIP6}
+	t := &Routed{group: group{name: name}, Name: name, VIP4: RoutedVIP4, VIP6: RoutedVIP6}
 	defer func() {
 		if err != nil {
 			t.Close()
 		}
 	}()
-	mk := func(role string) (*netns.NS, error) {
-		ns, err := netns.New(t.Name + "-" + role)
-		if err != nil {
-			return nil, fmt.Errorf("topology %s: %w", t.Name, err)
-		}
-		t.namespaces = append(t.namespaces, ns)
-		return ns, nil
-	}
+	mk := t.newNS
 	host := func(name, link string, ns *netns.NS, subnet, octet int) Host {
 		return Host{
 			Name: name, Link: link, NS: ns,
@@ -92,8 +77,8 @@ func NewRouted(name string, n int) (_ *Routed, err error) {
 	if t.Router, err = mk("rt"); err != nil {
 		return nil, err
 	}
-	if t.pass, err = passProgram(); err != nil {
-		return nil, fmt.Errorf("topology %s: %w", t.Name, err)
+	if err := t.loadPass(); err != nil {
+		return nil, err
 	}
 	t.Client = host("client", "c0", clientNS, 1, 1)
 	t.Balancer = host("balancer", "lc", lbNS, 1, 2)
@@ -180,30 +165,5 @@ func NewRouted(name string, n int) (_ *Routed, err error) {
 // missing privileges.
 func NewRoutedT(tb testing.TB, n int) *Routed {
 	tb.Helper()
-	t, err := NewRouted("", n)
-	if err != nil {
-		xdptest.Check(tb, err)
-		return nil
-	}
-	tb.Cleanup(func() {
-		if err := t.Close(); err != nil {
-			tb.Errorf("close topology: %v", err)
-		}
-	})
-	return t
-}
-
-// Close removes the namespaces (and with them the links) and the XDP_PASS program.
-func (t *Routed) Close() error {
-	t.closeOnce.Do(func() {
-		var errs []error
-		for i := len(t.namespaces) - 1; i >= 0; i-- {
-			errs = append(errs, t.namespaces[i].Close())
-		}
-		if t.pass != nil {
-			errs = append(errs, t.pass.Close())
-		}
-		t.closeErr = errors.Join(errs...)
-	})
-	return t.closeErr
+	return newT(tb, func() (*Routed, error) { return NewRouted("", n) })
 }

@@ -67,7 +67,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/internal/netns"
-	"github.com/weir-lb/weir/internal/xdptest"
 )
 
 // Addresses of the topology. They never leave the namespaces.
@@ -247,17 +246,7 @@ func New(cfg Config) (_ *Topology, err error) {
 // error fails the test. An empty cfg.Name gets a unique one.
 func NewT(tb testing.TB, cfg Config) *Topology {
 	tb.Helper()
-	t, err := New(cfg)
-	if err != nil {
-		xdptest.Check(tb, err)
-		return nil
-	}
-	tb.Cleanup(func() {
-		if err := t.Close(); err != nil {
-			tb.Errorf("close topology: %v", err)
-		}
-	})
-	return t
+	return newT(tb, func() (*Topology, error) { return New(cfg) })
 }
 
 // host returns the description of a host before anything is created.

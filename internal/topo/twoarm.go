@@ -2,13 +2,11 @@ package topo
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"net/netip"
 	"os"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,7 +16,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/internal/netns"
-	"github.com/weir-lb/weir/internal/xdptest"
 )
 
 // TwoArmed is a balancer with two interfaces on two subnets: clients on one, the
@@ -35,15 +32,12 @@ import (
 // sees when the program passes it a translated packet whose next hop it has yet to
 // resolve.
 type TwoArmed struct {
+	group
 	Name                    string
 	Client, Backend         Host // Link is the host's own link; PeerLink its balancer-side end
 	Balancer                *netns.NS
 	ClientSide, BackendSide Host // the balancer's two links (NS is Balancer)
 	VIP4, VIP6              netip.Addr
-	namespaces              []*netns.NS
-	pass                    *ebpf.Program
-	closeOnce               sync.Once
-	closeErr                error
 }
 
 // TwoArmedConfig describes a two-armed topology.
@@ -68,20 +62,13 @@ func NewTwoArmed(cfg TwoArmedConfig) (_ *TwoArmed, err error) {
 	if len(cfg.Name) > MaxNameLen || !nameRE.MatchString(cfg.Name) {
 		return nil, fmt.Errorf("topology name %q: want 1-%d characters of [A-Za-z0-9_]", cfg.Name, MaxNameLen)
 	}
-	t := &TwoArmed{Name: cfg.Name, VIP4: TwoArmedVIP4, VIP6: TwoArmedVIP6}
+	t := &TwoArmed{group: group{name: cfg.Name}, Name: cfg.Name, VIP4: TwoArmedVIP4, VIP6: TwoArmedVIP6}
 	defer func() {
 		if err != nil {
 			t.Close()
 		}
 	}()
-	mk := func(role string) (*netns.NS, error) {
-		ns, err := netns.New(t.Name + "-" + role)
-		if err != nil {
-			return nil, fmt.Errorf("topology %s: %w", t.Name, err)
-		}
-		t.namespaces = append(t.namespaces, ns)
-		return ns, nil
-	}
+	mk := t.newNS
 	host := func(name, link, peer string, subnet, octet int) Host {
 		return Host{
 			Name:     name,
@@ -106,8 +93,8 @@ func NewTwoArmed(cfg TwoArmedConfig) (_ *TwoArmed, err error) {
 		return nil, err
 	}
 	t.ClientSide.NS, t.BackendSide.NS = t.Balancer, t.Balancer
-	if t.pass, err = passProgram(); err != nil {
-		return nil, fmt.Errorf("topology %s: %w", t.Name, err)
+	if err := t.loadPass(); err != nil {
+		return nil, err
 	}
 
 	for _, pair := range []struct{ lb, far *Host }{{&t.ClientSide, &t.Client}, {&t.BackendSide, &t.Backend}} {
@@ -257,17 +244,7 @@ func neighbours(ns *netns.NS, link string, to Host) error {
 // missing privileges.
 func NewTwoArmedT(tb testing.TB, cfg TwoArmedConfig) *TwoArmed {
 	tb.Helper()
-	t, err := NewTwoArmed(cfg)
-	if err != nil {
-		xdptest.Check(tb, err)
-		return nil
-	}
-	tb.Cleanup(func() {
-		if err := t.Close(); err != nil {
-			tb.Errorf("close topology: %v", err)
-		}
-	})
-	return t
+	return newT(tb, func() (*TwoArmed, error) { return NewTwoArmed(cfg) })
 }
 
 // HTTPClient is Topology.HTTPClient for the two-armed client.
@@ -284,19 +261,4 @@ func (t *TwoArmed) HTTPClient() *http.Client {
 		},
 		Timeout: 10 * time.Second,
 	}
-}
-
-// Close removes the namespaces (and with them the links) and the XDP_PASS program.
-func (t *TwoArmed) Close() error {
-	t.closeOnce.Do(func() {
-		var errs []error
-		for i := len(t.namespaces) - 1; i >= 0; i-- {
-			errs = append(errs, t.namespaces[i].Close())
-		}
-		if t.pass != nil {
-			errs = append(errs, t.pass.Close())
-		}
-		t.closeErr = errors.Join(errs...)
-	})
-	return t.closeErr
 }
