@@ -48,6 +48,9 @@ func checkPrivileges() error {
 func ensureBPFFS(dir string) error {
 	const root = "/sys/fs/bpf"
 	if onBPFFS(dir) {
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return fmt.Errorf("create pin directory %s: %w", dir, err)
+		}
 		return nil
 	}
 	mountAt := dir

@@ -1,0 +1,344 @@
+package agent_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/xdptest"
+	"github.com/weir-lb/weir/userspace/agent"
+)
+
+const echoPort = 9000
+
+// serveEcho runs, in each backend namespace, a TCP server on :9000 that first
+// writes the backend's name and a newline, then echoes what it reads.
+func serveEcho(t *testing.T, tp *topo.Topology) {
+	t.Helper()
+	var wg sync.WaitGroup
+	var lns []net.Listener
+	var mu sync.Mutex
+	var conns []net.Conn
+	for _, h := range tp.Backends {
+		ln, err := h.NS.Listen("tcp", fmt.Sprintf(":%d", echoPort))
+		if err != nil {
+			t.Fatal(err)
+		}
+		lns = append(lns, ln)
+		wg.Add(1)
+		// Exits when the listener is closed at cleanup.
+		go func() {
+			defer wg.Done()
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				mu.Lock()
+				conns = append(conns, c)
+				mu.Unlock()
+				wg.Add(1)
+				// Exits when the client closes its side (or cleanup closes the conn).
+				go func() {
+					defer wg.Done()
+					defer c.Close()
+					io.WriteString(c, h.Name+"\n")
+					io.Copy(c, c)
+				}()
+			}
+		}()
+	}
+	t.Cleanup(func() {
+		for _, ln := range lns {
+			ln.Close()
+		}
+		// A client's FIN may never arrive (the test removes the balancer's program).
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+}
+
+// stream keeps one TCP connection busy: it writes a numbered pattern and checks
+// that exactly the same bytes come back, until stopped.
+type stream struct {
+	conn    *net.TCPConn
+	backend string
+	echoed  atomic.Int64
+	err     error
+	done    chan struct{}
+	stop    chan struct{}
+}
+
+func startStream(t *testing.T, tp *topo.Topology, vip netip.AddrPort) *stream {
+	t.Helper()
+	conn, err := tp.DialTCP(context.Background(), vip, 0)
+	if err != nil {
+		t.Fatalf("dial %s: %v", vip, err)
+	}
+	conn.SetDeadline(time.Now().Add(3 * time.Second))
+	br := bufio.NewReader(conn)
+	name, err := br.ReadString('\n')
+	if err != nil {
+		t.Fatalf("%s: read the backend's name: %v", vip, err)
+	}
+	conn.SetDeadline(time.Time{})
+	s := &stream{conn: conn, backend: strings.TrimSpace(name), done: make(chan struct{}), stop: make(chan struct{})}
+	// Exits when stop is closed or the stream breaks.
+	go func() {
+		defer close(s.done)
+		buf := make([]byte, 1024)
+		got := make([]byte, 1024)
+		for i := 0; ; i++ {
+			select {
+			case <-s.stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+			for j := range buf {
+				buf[j] = byte(i + j)
+			}
+			conn.SetDeadline(time.Now().Add(5 * time.Second))
+			if _, err := conn.Write(buf); err != nil {
+				s.err = fmt.Errorf("write after %d bytes echoed: %w", s.echoed.Load(), err)
+				return
+			}
+			if _, err := io.ReadFull(br, got); err != nil {
+				s.err = fmt.Errorf("read after %d bytes echoed: %w", s.echoed.Load(), err)
+				return
+			}
+			if !bytes.Equal(got, buf) {
+				s.err = fmt.Errorf("echo differs after %d bytes", s.echoed.Load())
+				return
+			}
+			s.echoed.Add(int64(len(buf)))
+		}
+	}()
+	return s
+}
+
+// progress waits until the stream has echoed more than it had, or fails.
+func (s *stream) progress(t *testing.T, what string) {
+	t.Helper()
+	from := s.echoed.Load()
+	deadline := time.Now().Add(5 * time.Second)
+	for s.echoed.Load() < from+10*1024 {
+		select {
+		case <-s.done:
+			t.Fatalf("%s: stream to %s broke: %v", what, s.backend, s.err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: stream to %s stalled at %d bytes", what, s.backend, s.echoed.Load())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// echoOnce opens a new connection, checks the echo, and returns the backend's name.
+func echoOnce(tp *topo.Topology, vip netip.AddrPort) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	conn, err := tp.DialTCP(ctx, vip, 0)
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(3 * time.Second))
+	br := bufio.NewReader(conn)
+	name, err := br.ReadString('\n')
+	if err != nil {
+		return "", err
+	}
+	if _, err := io.WriteString(conn, "ping"); err != nil {
+		return "", err
+	}
+	got := make([]byte, 4)
+	if _, err := io.ReadFull(br, got); err != nil || string(got) != "ping" {
+		return "", fmt.Errorf("echo: got %q, %v; want ping", got, err)
+	}
+	return strings.TrimSpace(name), nil
+}
+
+const restartConfig = `interfaces:
+  - name: %s
+xdp:
+  hash_seed: 9
+  pin_path: %s
+addresses: [10.77.0.2]
+admin:
+  socket: %s
+metrics:
+  listen: "off"
+services:
+  - name: echo-dsr
+    vip: 10.77.100.1:9000
+    mode: dsr
+    health: {type: tcp, interval: 1s}
+    backends:
+      - address: 10.77.0.11:9000
+      - address: 10.77.0.12:9000
+      - address: 10.77.0.13:9000
+  - name: echo-nat
+    vip: 10.77.100.1:9001
+    mode: nat
+    health: {type: tcp, interval: 1s}
+    backends:
+      - address: 10.77.0.11:9000
+      - address: 10.77.0.12:9000
+      - address: 10.77.0.13:9000
+`
+
+// TestAgentRestartKeepsFlows: long-lived TCP connections through the XDP path, in
+// dsr and nat mode, survive kill -9 of the agent and its restart byte-exact; new
+// connections work while no agent runs and after the new one has adopted the pinned
+// program. weir stop --detach then removes the program and its pins.
+func TestAgentRestartKeepsFlows(t *testing.T) {
+	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("war"), Backends: 3})
+	serveEcho(t, tp)
+	// nat's next-hop lookups answer only where the kernel would forward.
+	err := tp.Balancer.NS.Do(func() error {
+		return os.WriteFile("/proc/sys/net/ipv4/conf/all/forwarding", []byte("1"), 0o644)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A bpffs of the test's own: `ip netns exec` gives the agent a private /sys, so
+	// pins under /sys/fs/bpf would die with each agent process.
+	bpffs := t.TempDir()
+	xdptest.Check(t, unix.Mount("bpf", bpffs, "bpf", 0, "mode=0700"))
+	t.Cleanup(func() { unix.Unmount(bpffs, unix.MNT_DETACH) })
+	pinPath := filepath.Join(bpffs, "weir")
+
+	dir := t.TempDir()
+	cfgPath, socket := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "weir.sock")
+	if err := os.WriteFile(cfgPath, []byte(fmt.Sprintf(restartConfig, tp.Balancer.Link, pinPath, socket)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	first := startAgent(t, tp, cfgPath, socket, false)
+	st, err := first.client.Status(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.XDP.Loaded {
+		xdptest.SkipOrFail(t, fmt.Errorf("agent could not load XDP: %s", st.XDP.Reason))
+	}
+	if !st.XDP.Pinned || st.XDP.Adopted {
+		t.Fatalf("first agent: pinned %t (%s), adopted %t; want pinned, not adopted", st.XDP.Pinned, st.XDP.Reason, st.XDP.Adopted)
+	}
+	for _, s := range st.Services {
+		if s.DataPlane != agent.PlaneXDP {
+			t.Fatalf("service %s: data plane %s (%s); want xdp", s.Name, s.DataPlane, s.Why)
+		}
+	}
+
+	dsrVIP := netip.AddrPortFrom(tp.VIP4, 9000)
+	natVIP := netip.AddrPortFrom(tp.VIP4, 9001)
+	var streams []*stream
+	for _, vip := range []netip.AddrPort{dsrVIP, natVIP} {
+		for range 3 {
+			s := startStream(t, tp, vip)
+			t.Cleanup(func() { close(s.stop); <-s.done; s.conn.Close() })
+			streams = append(streams, s)
+		}
+	}
+	for _, s := range streams {
+		s.progress(t, "before the kill")
+	}
+	st, _ = first.client.Status(ctx)
+	if n := st.Services[1].ActiveFlows; n < 3 {
+		t.Errorf("echo-nat: %d active flows in status; want at least the 3 streams", n)
+	}
+	local := streams[3].conn.LocalAddr().(*net.TCPAddr).AddrPort()
+	before, err := first.client.Explain(ctx, "echo-nat", local.String())
+	if err != nil || before.Tracked == "" {
+		t.Fatalf("explain the nat stream: %+v, %v; want its tracked backend", before, err)
+	}
+
+	// kill -9: nothing of the agent's stop runs.
+	first.cmd.Process.Kill()
+	werr := <-first.done
+	first.done <- werr
+	for _, s := range streams {
+		s.progress(t, "with the agent killed")
+	}
+	for _, vip := range []netip.AddrPort{dsrVIP, natVIP} {
+		for i := range 5 {
+			if _, err := echoOnce(tp, vip); err != nil {
+				t.Errorf("new connection %d to %s with the agent killed: %v", i, vip, err)
+			}
+		}
+	}
+
+	second := startAgent(t, tp, cfgPath, socket, false)
+	st, err = second.client.Status(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.XDP.Pinned || !st.XDP.Adopted {
+		t.Errorf("restarted agent: pinned %t, adopted %t; want both", st.XDP.Pinned, st.XDP.Adopted)
+	}
+	for _, s := range streams {
+		s.progress(t, "after the restart")
+	}
+	after, err := second.client.Explain(ctx, "echo-nat", local.String())
+	if err != nil || after.Tracked != before.Tracked || after.NATPort != before.NATPort {
+		t.Errorf("nat stream after the restart: %+v, %v; want still tracked to %s with nat port %d", after, err, before.Tracked, before.NATPort)
+	}
+	for _, vip := range []netip.AddrPort{dsrVIP, natVIP} {
+		seen := map[string]int{}
+		for range 30 {
+			name, err := echoOnce(tp, vip)
+			if err != nil {
+				t.Fatalf("new connection to %s after the restart: %v", vip, err)
+			}
+			seen[name]++
+		}
+		if len(seen) != 3 {
+			t.Errorf("new connections to %s after the restart: %v; want all three backends", vip, seen)
+		}
+	}
+	for _, s := range streams {
+		if s.err != nil {
+			t.Errorf("stream to %s: %v", s.backend, s.err)
+		}
+	}
+
+	// weir stop --detach removes the program and the pins.
+	if err := second.client.Stop(ctx, true); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-second.done:
+		second.done <- err
+		if err != nil {
+			t.Errorf("agent stopped with --detach: %v", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("agent did not stop within 15s of weir stop --detach")
+	}
+	if entries, _ := os.ReadDir(pinPath); len(entries) != 0 {
+		t.Errorf("pins left after weir stop --detach: %d entries in %s", len(entries), pinPath)
+	}
+	if _, err := echoOnce(tp, dsrVIP); err == nil {
+		t.Error("new connection to the dsr VIP after weir stop --detach was answered; want the program gone")
+	}
+}
