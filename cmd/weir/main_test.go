@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"os"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestValidate(t *testing.T) {
@@ -44,6 +46,45 @@ func TestValidate(t *testing.T) {
 				if !strings.Contains(stderr.String(), w) {
 					t.Errorf("stderr: got\n%s\nwant a line containing %q", stderr.String(), w)
 				}
+			}
+		})
+	}
+}
+
+// TestRunBadInput: weir run with a config it cannot use stops at once with an error
+// naming the problem, before touching any data plane.
+func TestRunBadInput(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, body string) string {
+		p := dir + "/" + name
+		if err := os.WriteFile(p, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	socket := dir + "/weir.sock"
+	head := "admin: {socket: " + socket + "}\nmetrics: {listen: \"off\"}\n"
+	for _, c := range []struct {
+		name, file, want string
+	}{
+		{"missing file", dir + "/none.yaml", "no such file"},
+		{"unreadable file", dir, "is a directory"},
+		{"invalid yaml", write("bad.yaml", head+"services: [\n"), "bad.yaml"},
+		{"unknown field", write("unknown.yaml", head+"services:\n  - name: a\n    vip: 10.0.0.1:80\n    protcol: tcp\n    backends: [{address: 10.0.0.2:80}]\n"),
+			`services[0].protcol: unknown field; did you mean "protocol"?`},
+		{"impossible value", write("weight.yaml", head+"services:\n  - name: a\n    vip: 10.0.0.1:80\n    backends: [{address: 10.0.0.2:80, weight: 70000}]\n"),
+			"services[0].backends[0].weight: must be 0..65535, got 70000"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			err := run(ctx, []string{"run", "-c", c.file}, &stdout, &stderr)
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("got %v; want an error containing %q", err, c.want)
+			}
+			if _, serr := os.Stat(socket); serr == nil {
+				t.Errorf("admin socket %s exists after a failed start; want nothing created", socket)
 			}
 		})
 	}

@@ -538,7 +538,14 @@ func (a *Agent) resolve(b *backend) {
 	}
 	mac, err := resolveMAC(b.cfg.Addr.Addr(), a.xdp.links)
 	if err != nil {
-		b.mac, b.macErr = nil, err.Error()
+		if m, ok := a.xdp.adoptedMACs[b.cfg.Addr.Addr()]; ok && b.mac == nil {
+			// Keep what the previous run used until the neighbour table answers.
+			b.mac, b.macErr = m, ""
+			return
+		}
+		if b.mac == nil {
+			b.macErr = err.Error()
+		}
 		return
 	}
 	b.mac, b.macErr = mac, ""

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -340,5 +341,66 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 	}
 	if _, err := echoOnce(tp, dsrVIP); err == nil {
 		t.Error("new connection to the dsr VIP after weir stop --detach was answered; want the program gone")
+	}
+}
+
+// TestSecondAgentRefused: a second agent on the interface of a running one exits
+// with an error naming the conflict — whether it shares the pin path (the pin lock)
+// or not (the interface's XDP hook is taken) — and the first keeps serving.
+func TestSecondAgentRefused(t *testing.T) {
+	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("was"), Backends: 3})
+	serveEcho(t, tp)
+	bpffs := t.TempDir()
+	xdptest.Check(t, unix.Mount("bpf", bpffs, "bpf", 0, "mode=0700"))
+	t.Cleanup(func() { unix.Unmount(bpffs, unix.MNT_DETACH) })
+	err := tp.Balancer.NS.Do(func() error {
+		return os.WriteFile("/proc/sys/net/ipv4/conf/all/forwarding", []byte("1"), 0o644)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	writeCfg := func(name, pinPath string) (string, string) {
+		path, socket := filepath.Join(dir, name+".yaml"), filepath.Join(dir, name+".sock")
+		if err := os.WriteFile(path, []byte(fmt.Sprintf(restartConfig, tp.Balancer.Link, pinPath, socket)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return path, socket
+	}
+	cfg1, sock1 := writeCfg("first", filepath.Join(bpffs, "weir"))
+	first := startAgent(t, tp, cfg1, sock1, false)
+	if st, err := first.client.Status(context.Background()); err != nil || !st.XDP.Loaded {
+		xdptest.SkipOrFail(t, fmt.Errorf("first agent has no XDP: %+v, %v", st.XDP, err))
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name, pinPath, want string
+	}{
+		{"same pin path", filepath.Join(bpffs, "weir"), "another weir agent runs with this xdp.pin_path"},
+		{"own pin path", "/sys/fs/bpf/weir", "interface already has an XDP program: is another weir agent running?"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			cfg, sock := writeCfg(strings.ReplaceAll(c.name, " ", "-"), c.pinPath)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, "ip", "netns", "exec", tp.Balancer.NS.Name(), exe, "-test.run=^$")
+			cmd.Env = append(os.Environ(), childEnv+"=1", "WEIR_AGENT_TEST_CONFIG="+cfg)
+			out, err := cmd.CombinedOutput()
+			if err == nil || !strings.Contains(string(out), c.want) {
+				t.Errorf("second agent: %v, output:\n%s\nwant exit status non-zero and %q", err, out, c.want)
+			}
+			if _, err := os.Stat(sock); err == nil {
+				t.Errorf("second agent left its admin socket %s", sock)
+			}
+			if _, err := echoOnce(tp, netip.AddrPortFrom(tp.VIP4, 9001)); err != nil {
+				t.Errorf("the first agent's nat service after the second agent failed: %v", err)
+			}
+			if _, err := first.client.Status(ctx); err != nil {
+				t.Errorf("first agent after the second failed: %v", err)
+			}
+		})
 	}
 }

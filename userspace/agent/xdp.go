@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -29,6 +30,9 @@ type xdpPlane struct {
 	pinPath string   // where the program is pinned; "" when it is not
 	hadPins bool     // an earlier run's pinned program was adopted
 	pinLock *os.File // flock on pinPath: one agent per pinned program
+	// adoptedMACs are the dsr backend MACs the pinned program held, used while the
+	// neighbour table has no answer so a restart never takes a backend out.
+	adoptedMACs map[netip.Addr]net.HardwareAddr
 }
 
 // natAddr is the balancer's own address of a family: nat's source and tunnel's
@@ -92,6 +96,14 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 		x.unlock()
 		x.reason = err.Error()
 		return x, nil
+	}
+	x.adoptedMACs = make(map[netip.Addr]net.HardwareAddr)
+	for _, s := range prog.Services() {
+		for _, b := range s.Backends {
+			if s.Forwarding == loader.ForwardDSR && len(b.MAC) == 6 && !bytes.Equal(b.MAC, zeroMAC) {
+				x.adoptedMACs[b.Addr.Addr()] = b.MAC
+			}
+		}
 	}
 	for _, in := range cfg.Interfaces {
 		st := InterfaceStatus{Name: in.Name, Requested: in.Attach}
