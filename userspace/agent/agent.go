@@ -178,7 +178,9 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 		wg.Go(func() { msrv.Serve(metricsLn) })
 	}
 
+	sdNotify("READY=1")
 	<-stopCtx.Done()
+	sdNotify("STOPPING=1")
 	a.log.Info("stopping")
 	shutCtx, done := context.WithTimeout(context.Background(), 5*time.Second)
 	for _, s := range servers {
