@@ -160,7 +160,7 @@ func spliceCopy(dst, src syscall.RawConn, progress func(n int)) (int64, error) {
 			var werr error
 			err := dst.Write(func(fd uintptr) bool {
 				for {
-					m, werr = spliceRaw(p.r, int(fd), rem, spliceFlags)
+					m, werr = spliceOut(p.r, int(fd), rem, spliceFlags)
 					if werr != unix.EINTR {
 						break
 					}
