@@ -8,6 +8,10 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/xdptest"
 )
 
 func TestValidate(t *testing.T) {
@@ -87,5 +91,48 @@ func TestRunBadInput(t *testing.T) {
 				t.Errorf("admin socket %s exists after a failed start; want nothing created", socket)
 			}
 		})
+	}
+}
+
+// TestUsageErrors: commands given the wrong arguments say how to call them.
+func TestUsageErrors(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"explain", "web"}, "usage: weir explain SERVICE CLIENT_IP:PORT"},
+		{[]string{"stop", "now"}, "usage: weir stop [--detach]"},
+		{[]string{"decap"}, "usage: weir decap --interface IFACE"},
+		{[]string{"decap", "--interface", "lo", "--mode", "fast"}, `attach mode "fast"`},
+		{[]string{"decap", "--interface", "lo", "--addr", "not-an-ip"}, "not-an-ip"},
+		{[]string{"explain", "-s", "/nonexistent/weir.sock", "web", "10.0.0.1:1"}, "is weir running?"},
+	} {
+		t.Run(strings.Join(c.args, " "), func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			err := run(context.Background(), c.args, &stdout, &stderr)
+			if err == nil || !strings.Contains(err.Error()+stderr.String(), c.want) {
+				t.Errorf("got %v (stderr %q); want an error containing %q", err, stderr.String(), c.want)
+			}
+		})
+	}
+}
+
+// TestDecap attaches weir decap to a namespace's loopback, stops it as SIGTERM
+// would, and checks that it reported its counters and detached.
+func TestDecap(t *testing.T) {
+	ns, err := netns.New(topo.UniqueName("wdc"))
+	xdptest.Check(t, err)
+	t.Cleanup(func() { ns.Close() })
+	var stdout, stderr bytes.Buffer
+	err = ns.Do(func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		defer cancel()
+		return run(ctx, []string{"decap", "--interface", "lo", "--mode", "generic", "--addr", "192.0.2.1", "--interval", "100ms"}, &stdout, &stderr)
+	})
+	xdptest.Check(t, err)
+	for _, want := range []string{"attached to lo (generic) for tunnel packets to 192.0.2.1", "decapsulated 0 packets", "at exit:", "detached from lo"} {
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("stdout: got\n%s\nwant a line containing %q", stdout.String(), want)
+		}
 	}
 }

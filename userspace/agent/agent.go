@@ -74,10 +74,11 @@ func New(opts Options) *Agent {
 	return a
 }
 
-// Run loads the config, sets up the data planes and serves until ctx is done, then
-// stops what it started: proxies finish their connections (up to their drain
-// timeout), and the XDP program is detached (the loader cannot pin it yet, so a
-// stop or restart drops XDP flows).
+// Run loads the config, sets up the data planes and serves until ctx is done (or
+// Stop is called), then stops what it started: proxies finish their connections (up
+// to their drain timeout); the XDP program stays attached and pinned for the next
+// run unless xdp.detach_on_stop or Stop(true) asks to detach it, or it could not be
+// pinned.
 func (a *Agent) Run(ctx context.Context) (err error) {
 	cfg, err := config.Load(a.opts.ConfigPath)
 	if err != nil {

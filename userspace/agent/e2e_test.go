@@ -402,6 +402,59 @@ func TestAgentXDP(t *testing.T) {
 		}
 	})
 
+	t.Run("drain every backend", func(t *testing.T) {
+		conn, err := tp.DialTCP(ctx, netip.AddrPortFrom(tp.VIP4, 80), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		br := bufio.NewReader(conn)
+		ask := func() (string, error) {
+			conn.SetDeadline(time.Now().Add(3 * time.Second))
+			if _, err := io.WriteString(conn, "GET / HTTP/1.1\r\nHost: vip\r\n\r\n"); err != nil {
+				return "", err
+			}
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				return "", err
+			}
+			defer resp.Body.Close()
+			b, err := io.ReadAll(resp.Body)
+			return string(b), err
+		}
+		first, err := ask()
+		if err != nil {
+			t.Fatal(err)
+		}
+		client := conn.LocalAddr().(*net.TCPAddr).AddrPort().String()
+		addrs := []string{"10.77.0.12:80", "10.77.0.13:80", "10.77.0.14:80"}
+		for _, a := range addrs {
+			if err := p.client.Drain(ctx, "web", a, true); err != nil {
+				t.Fatalf("drain %s: %v", a, err)
+			}
+		}
+		if again, err := ask(); err != nil || again != first {
+			t.Errorf("established connection with every backend drained: got %q, %v; want %q", again, err, first)
+		}
+		ex, err := p.client.Explain(ctx, "web", client)
+		if err != nil || ex.New != "" || ex.Tracked == "" || !ex.TrackedUsable {
+			t.Errorf("explain with every backend drained: %+v, %v; want no backend for a new flow and the tracked one usable", ex, err)
+		}
+		tctx, cancel := context.WithTimeout(ctx, time.Second)
+		if name, err := tp.Get(tctx, tp.VIP4); err == nil {
+			t.Errorf("new connection with every backend drained: answered by %s; want none", name)
+		}
+		cancel()
+		for _, a := range addrs {
+			if err := p.client.Drain(ctx, "web", a, false); err != nil {
+				t.Fatalf("undrain %s: %v", a, err)
+			}
+		}
+		if got := spread(t, tp, tp.VIP4, 10); got["backend-1"]+got["backend-2"]+got["backend-3"] != 10 {
+			t.Errorf("new connections after undraining: got %v; want all answered", got)
+		}
+	})
+
 	t.Run("metrics", func(t *testing.T) {
 		m, err := p.client.Metrics(ctx)
 		if err != nil {
