@@ -209,6 +209,15 @@ func (p *Program) unpinAll() error {
 			errs = append(errs, err)
 		}
 	}
+	// Links an earlier run pinned for interfaces this process never attached (say,
+	// one dropped from the configuration): removing the pin detaches them.
+	if stale, err := filepath.Glob(filepath.Join(p.opts.PinPath, "link-*")); err == nil {
+		for _, path := range stale {
+			if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, fmt.Errorf("unpin %s: %w", path, err))
+			}
+		}
+	}
 	// The directory goes too if nothing else lives in it.
 	_ = os.Remove(p.opts.PinPath)
 	return errors.Join(errs...)

@@ -230,10 +230,14 @@ func forwarding(mode string) loader.Forwarding {
 
 func (x *xdpPlane) runSelfTest(svc loader.Service, client netip.Addr) error {
 	key := svc.Key
-	if err := x.prog.AddService(svc); err != nil {
+	prog, err := x.selfTestProgram()
+	if err != nil {
+		return err
+	}
+	if err := prog.AddService(svc); err != nil {
 		return fmt.Errorf("install test service %s: %w", key, err)
 	}
-	defer x.prog.DeleteService(key)
+	defer prog.DeleteService(key)
 
 	frame := packet.Frame{SrcMAC: testMACIn, DstMAC: testMACOur,
 		Src: netip.AddrPortFrom(client, uint16(40000+testClientPt.Add(1)%20000)), Dst: key.VIP, Payload: []byte("weir self-test")}
@@ -244,7 +248,6 @@ func (x *xdpPlane) runSelfTest(svc loader.Service, client netip.Addr) error {
 	}
 	in := frame.Build()
 	be := svc.Backends[0].Addr
-	var err error
 	switch svc.Forwarding {
 	case loader.ForwardDSR:
 		err = x.checkRun(in, 0, loader.XDPTX, func(out []byte) error {
@@ -283,7 +286,11 @@ func (x *xdpPlane) runSelfTest(svc loader.Service, client netip.Addr) error {
 
 // checkRun runs one frame and checks the verdict, then the output with check.
 func (x *xdpPlane) checkRun(in []byte, ifindex int, want loader.Action, check func(out []byte) error) error {
-	act, out, err := x.prog.RunOn(in, ifindex)
+	prog, err := x.selfTestProgram()
+	if err != nil {
+		return err
+	}
+	act, out, err := prog.RunOn(in, ifindex)
 	if err != nil {
 		return err
 	}

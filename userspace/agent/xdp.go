@@ -26,6 +26,10 @@ type xdpPlane struct {
 
 	hashSeed uint32
 	scratch  scratchNS // where nat and tunnel self-tests run
+	// selfProg is a second, never attached instance of the program, loaded with the
+	// same settings, that the self-tests install their test services in: the live
+	// program's maps, counters and neighbour entries stay untouched.
+	selfProg *loader.Program
 
 	pinPath string   // where the program is pinned; "" when it is not
 	hadPins bool     // an earlier run's pinned program was adopted
@@ -145,10 +149,27 @@ func (x *xdpPlane) stop(detach bool) error {
 		return nil
 	}
 	x.scratch.close()
+	if x.selfProg != nil {
+		x.selfProg.Close()
+		x.selfProg = nil
+	}
 	if detach || x.pinPath == "" {
 		return x.prog.Close()
 	}
 	return x.prog.Release()
+}
+
+// selfTestProgram loads the self-tests' own instance of the program on first use.
+func (x *xdpPlane) selfTestProgram() (*loader.Program, error) {
+	if x.selfProg == nil {
+		p, err := loader.Load(loader.Options{HashSeed: x.hashSeed, ConntrackSize: 1024,
+			NAT: loader.NATOptions{Addr4: x.natAddr(false), Addr6: x.natAddr(true)}})
+		if err != nil {
+			return nil, fmt.Errorf("load the self-test instance: %w", err)
+		}
+		x.selfProg = p
+	}
+	return x.selfProg, nil
 }
 
 func (x *xdpPlane) unlock() {
