@@ -160,3 +160,47 @@ func TestChangesCarryReasonAndTime(t *testing.T) {
 		t.Errorf("up change: got %v; want down -> up, usable, after the down change", up)
 	}
 }
+
+// TestBackendInitialOverridesService: a backend's own initial state wins over its
+// service's, only when it is first added, and the usual rise/fall apply from it.
+func TestBackendInitialOverridesService(t *testing.T) {
+	down, unknown := Down, Unknown
+	for _, tc := range []struct {
+		name    string
+		service State
+		own     *State
+		want    State
+	}{
+		{"service up, backend down", Up, &down, Down},
+		{"service up, backend unknown", Up, &unknown, Unknown},
+		{"service down, backend inherits", Down, nil, Down},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clk := newFakeClock()
+			c := &Checker{clock: clk.Now}
+			if err := c.SetService("web", Config{Check: Check{Rise: 2, Fall: 3, Initial: tc.service}}); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.Set(Backend{ID: "127.0.0.1:1", Service: "web", Initial: tc.own}); err != nil {
+				t.Fatal(err)
+			}
+			st, ok := c.Status("127.0.0.1:1")
+			if !ok || st.State != tc.want {
+				t.Fatalf("state after add: %v (found %t); want %v", st.State, ok, tc.want)
+			}
+			// Setting it again (an update) does not reset its state.
+			b := c.backends["127.0.0.1:1"]
+			c.mu.Lock()
+			for range 2 {
+				c.record(b, Result{ID: b.id}, clk.Add(time.Second))
+			}
+			c.mu.Unlock()
+			if err := c.Set(Backend{ID: "127.0.0.1:1", Service: "web", Initial: &down}); err != nil {
+				t.Fatal(err)
+			}
+			if st, _ := c.Status("127.0.0.1:1"); st.State != Up {
+				t.Errorf("after 2 passes and an update: %v; want up", st.State)
+			}
+		})
+	}
+}

@@ -236,6 +236,9 @@ func (c *Checker) Set(nb Backend) error {
 	}
 	b := &backend{id: nb.ID, addr: nb.Addr, svc: s, dueIdx: -1, ejectIdx: -1}
 	b.active = s.cfg.Check.Initial
+	if nb.Initial != nil {
+		b.active = *nb.Initial
+	}
 	if s.cfg.Check.Kind == None {
 		b.active = Up
 	}

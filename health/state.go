@@ -93,6 +93,10 @@ type Backend struct {
 	// address, for DSR and tunnel backends the backend's real address (never
 	// the VIP). "" means ID.
 	Addr string
+	// Initial, if set, is this backend's state when it is first added, instead of
+	// its service's check.initial (for a backend known to be down, or one added
+	// to a running service that must not take traffic before its first checks).
+	Initial *State
 }
 
 // Result is the outcome of one active check.

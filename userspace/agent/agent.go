@@ -443,7 +443,7 @@ func (a *Agent) apply(next *config.Config) (err error) {
 		}
 		// Health registrations of the service's current backends.
 		for _, b := range s.backends {
-			a.checker.Set(health.Backend{ID: b.id, Service: s.cfg.Name, Addr: b.cfg.CheckAddr.String()})
+			a.checker.Set(health.Backend{ID: b.id, Service: s.cfg.Name, Addr: b.cfg.CheckAddr.String(), Initial: initialState(b.cfg.Initial)})
 		}
 		if st.prev != nil {
 			for _, b := range st.prev.backends {

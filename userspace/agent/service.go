@@ -134,6 +134,22 @@ func healthConfig(s *config.Service) health.Config {
 	return hc
 }
 
+// initialState is a backend's own initial health state, nil to take its service's.
+func initialState(s string) *health.State {
+	var st health.State
+	switch s {
+	case "up":
+		st = health.Up
+	case "down":
+		st = health.Down
+	case "unknown":
+		st = health.Unknown
+	default:
+		return nil
+	}
+	return &st
+}
+
 // decide picks the data plane of a service: see config.DataPlaneAuto.
 func decide(x *xdpPlane, s *config.Service) (plane, why string, err error) {
 	if s.DataPlane == config.DataPlaneProxy {

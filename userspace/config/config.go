@@ -273,6 +273,9 @@ type Backend struct {
 	Drain bool `yaml:"drain,omitempty"`
 	// MaxConns limits the proxy's connections to it; 0 takes the service's.
 	MaxConns int `yaml:"max_conns,omitempty"`
+	// Initial is the backend's health state when it is first added: up, down or
+	// unknown. Default: the service's health.initial.
+	Initial string `yaml:"initial,omitempty"`
 
 	Addr      netip.AddrPort `yaml:"-"` // Address, parsed
 	CheckAddr netip.AddrPort `yaml:"-"` // CheckAddress (or Address), parsed

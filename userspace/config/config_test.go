@@ -110,6 +110,8 @@ func TestErrors(t *testing.T) {
 		{"list for string", svc + "  protocol: [tcp]\n" + be, "line 4: services[0].protocol: must be a string, got a list"},
 		{"weight out of range", svc + "  backends: [{address: 10.0.0.11:80, weight: 70000}]\n", "services[0].backends[0].weight: must be 0..65535, got 70000"},
 		{"negative weight", svc + "  backends: [{address: 10.0.0.11:80, weight: -1}]\n", "services[0].backends[0].weight: must be 0..65535, got -1"},
+		{"backend initial", svc + "  backends: [{address: 10.0.0.11:80, initial: sideways}]\n", `services[0].backends[0].initial: must be up, down or unknown, got "sideways"`},
+		{"backend initial down", svc + "  backends: [{address: 10.0.0.11:80, initial: down}]\n", ""},
 		{"all weights zero", svc + "  backends: [{address: 10.0.0.11:80, weight: 0}]\n", "services[0].backends: every weight is 0"},
 		{"no backends", svc, "services[0].backends: missing"},
 		{"vip without port", "services:\n- {name: a, vip: 10.0.0.1, backends: [{address: 10.0.0.11:80}]}\n", `services[0].vip: must be address:port`},

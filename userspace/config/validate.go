@@ -416,6 +416,9 @@ func (s *Service) validate(c *checker, p string, xdpPossible bool) {
 				c.bad(bp+".mac", "must be a 6-byte Ethernet address such as 02:00:00:00:00:01, got %q", b.MAC)
 			}
 		}
+		if b.Initial != "" {
+			c.oneOf(bp+".initial", b.Initial, "up", "down", "unknown")
+		}
 		if b.MaxConns < 0 {
 			c.bad(bp+".max_conns", "must be 0 (the service's limit) or positive, got %d", b.MaxConns)
 		}
