@@ -14,12 +14,23 @@ import (
 func TestSmoke(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	res, err := Run(ctx, SmokeCases(), Options{Runs: 1, Duration: 100 * time.Millisecond, Warmup: 50 * time.Millisecond})
+	opts := Options{Runs: 1, Duration: 300 * time.Millisecond, Warmup: 100 * time.Millisecond}
+	res, err := Run(ctx, SmokeCases(), opts)
 	if err != nil {
 		xdptest.Check(t, err)
 	}
 	for _, r := range res {
 		s := r.Samples[0]
+		// On a loaded machine the generator's one long call may start after a
+		// window has closed; a case that saw nothing gets two more windows before it
+		// counts as broken.
+		for try := 0; try < 2 && (s.Offered == 0 || s.Forwarded == 0); try++ {
+			again, err := Run(ctx, []Case{r.Case}, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s = again[0].Samples[0]
+		}
 		if s.Offered == 0 || s.Forwarded == 0 {
 			t.Errorf("%s: offered %.0f, forwarded %.0f frames/s; want both > 0", r.Case.Name(), s.Offered, s.Forwarded)
 		}

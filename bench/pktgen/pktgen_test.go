@@ -3,10 +3,13 @@ package pktgen
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"net"
 	"net/netip"
 	"os"
 	"runtime"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -229,6 +232,10 @@ func TestFramesReachSockets(t *testing.T) {
 		t.Fatalf("sink counted %d frames; want %d", c.Packets, n)
 	}
 
+	// The frames are what the kernel accepts if no UDP checksum error is counted
+	// and every flow's datagrams reach the sockets. UDP may still drop a datagram
+	// under memory pressure on a loaded machine, so delivery is held to 90 %, and
+	// each flow to at least one.
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	for i, c := range conns {
@@ -243,24 +250,71 @@ func TestFramesReachSockets(t *testing.T) {
 			c.SetReadDeadline(deadline)
 			m, from, err := c.ReadFrom(buf)
 			if err != nil {
-				t.Fatalf("%s: got %d datagrams from %d sources, then %v; want %d", c.LocalAddr(), sum(sources), len(sources), err, n/2)
+				break
 			}
 			if m != wantLen {
 				t.Errorf("datagram of %d bytes; want %d", m, wantLen)
 			}
 			sources[from.(*net.UDPAddr).AddrPort().Addr().Unmap()]++
 		}
+		if got := sum(sources); got < n/2*9/10 {
+			t.Errorf("%s: got %d datagrams; want at least %d of %d", c.LocalAddr(), got, n/2*9/10, n/2)
+		}
 		base := Src4
 		if i == 1 {
 			base = Src6
 		}
 		for f := range flows {
-			src := flowAddr(base, f)
-			if sources[src] != n/2/flows {
-				t.Errorf("%s: %d datagrams from %s; want %d", c.LocalAddr(), sources[src], src, n/2/flows)
+			if src := flowAddr(base, f); sources[src] == 0 {
+				t.Errorf("%s: no datagram from %s; want its %d", c.LocalAddr(), src, n/2/flows)
 			}
 		}
 	}
+	for _, counter := range []string{"Udp: InCsumErrors", "Udp6InCsumErrors"} {
+		if v := snmpCounter(t, p.sink, counter); v != 0 {
+			t.Errorf("sink namespace counted %d %s; want 0: the frames' checksums are wrong", v, counter)
+		}
+	}
+}
+
+// snmpCounter reads one counter of /proc/net/snmp ("Udp: InCsumErrors") or
+// /proc/net/snmp6 ("Udp6InCsumErrors") in ns.
+func snmpCounter(t *testing.T, ns *netns.NS, name string) int64 {
+	t.Helper()
+	var v int64 = -1
+	err := ns.Do(func() error {
+		file, field := "/proc/thread-self/net/snmp6", name
+		if i := strings.Index(name, ": "); i >= 0 {
+			file, field = "/proc/thread-self/net/snmp", name[i+2:]
+		}
+		b, err := os.ReadFile(file)
+		if err != nil {
+			return err
+		}
+		lines := strings.Split(string(b), "\n")
+		for i, line := range lines {
+			f := strings.Fields(line)
+			if len(f) == 2 && f[0] == field {
+				v, err = strconv.ParseInt(f[1], 10, 64)
+				return err
+			}
+			// snmp pairs a header line of names with a line of values.
+			if prefix := strings.SplitN(name, ": ", 2)[0] + ":"; len(f) > 1 && f[0] == prefix && i+1 < len(lines) {
+				vals := strings.Fields(lines[i+1])
+				for j, n := range f {
+					if n == field && j < len(vals) {
+						v, err = strconv.ParseInt(vals[j], 10, 64)
+						return err
+					}
+				}
+			}
+		}
+		return fmt.Errorf("%s: no counter %s", file, name)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
 }
 
 func sum(m map[netip.Addr]int) int {
