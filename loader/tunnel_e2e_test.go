@@ -76,7 +76,7 @@ func TestTunnelEndToEnd(t *testing.T) {
 			for _, tc := range []struct {
 				vip netip.Addr
 				n   int
-			}{{tp.VIP4, 1000}, {tp.VIP6, 200}} {
+			}{{tp.VIP4, 1000}, {tp.VIP6, 600}} {
 				answers := tunnelRequests(t, client, tc.vip, tc.n)
 				for i := range tp.Backends {
 					name := fmt.Sprintf("backend-%d", i)
