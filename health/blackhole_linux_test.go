@@ -84,12 +84,15 @@ func TestBlackHoledBackend(t *testing.T) {
 		t.Errorf("black-holed checks: got %d; want at least %d", len(holeRes), nHoles*2)
 	}
 	for _, r := range holeRes {
-		if !errors.Is(r.Err, ErrTimeout) || r.Duration < timeout || r.Duration > timeout+200*time.Millisecond {
+		// Not before the timeout; the upper bound only says "not stuck", with room for
+		// a late timer on a loaded machine.
+		if !errors.Is(r.Err, ErrTimeout) || r.Duration < timeout || r.Duration > timeout+700*time.Millisecond {
 			t.Errorf("black-holed check: got %v after %v; want a timeout after about %v", r.Err, r.Duration, timeout)
 		}
 	}
-	// Every healthy backend gets nearly all of its checks...
-	wantChecks := int(runFor/interval) * 8 / 10
+	// Every healthy backend gets most of its checks (one stuck behind the black
+	// holes would get well under half)...
+	wantChecks := int(runFor/interval) * 6 / 10
 	for i := range nGood {
 		if n := goodCount[fmt.Sprint("good", i)]; n < wantChecks {
 			t.Errorf("good%d: got %d passed checks in %v; want at least %d", i, n, runFor, wantChecks)
