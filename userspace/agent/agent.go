@@ -398,7 +398,7 @@ func (a *Agent) apply(next *config.Config) (err error) {
 	for i, st := range steps {
 		cs := next.Services[i]
 		s := st.s
-		prevCfg, prevBackends := s.cfg, s.backends
+		prevCfg, prevBackends, prevLeaving := s.cfg, s.backends, s.leaving
 		if st.update {
 			s.cfg = cs
 		}
@@ -407,16 +407,26 @@ func (a *Agent) apply(next *config.Config) (err error) {
 			s.plane == PlaneXDP && st.prev.key == s.key
 		if adopt {
 			s.installed = true // the replaced service's entry is updated in place
+			s.leaving = st.prev.leaving
 			undo = append(undo, func() { st.prev.push(a.xdp) })
+		}
+		// Backends the reload removes drain in the program instead of losing their
+		// flows at once.
+		if s.plane == PlaneXDP && (st.update || adopt) {
+			before := prevBackends
+			if adopt {
+				before = st.prev.backends
+			}
+			s.leave(before, time.Now())
 		}
 		if err := s.push(a.xdp); err != nil {
 			if st.update {
-				s.cfg, s.backends = prevCfg, prevBackends
+				s.cfg, s.backends, s.leaving = prevCfg, prevBackends, prevLeaving
 			}
 			return fmt.Errorf("service %q: %w", cs.Name, err)
 		}
 		if st.update {
-			undo = append(undo, func() { s.cfg, s.backends = prevCfg, prevBackends; s.push(a.xdp) })
+			undo = append(undo, func() { s.cfg, s.backends, s.leaving = prevCfg, prevBackends, prevLeaving; s.push(a.xdp) })
 		} else if s.plane == PlaneXDP && !adopt {
 			undo = append(undo, func() { a.xdp.prog.DeleteService(s.key) })
 		}
@@ -555,7 +565,8 @@ func (a *Agent) resolve(b *backend) {
 }
 
 // retryMACs resolves, every second, the MACs of dsr backends that have none yet,
-// and brings their services up to date.
+// ends the drain of removed backends whose time is up, and brings their services
+// up to date.
 func (a *Agent) retryMACs(ctx context.Context) {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
@@ -570,7 +581,8 @@ func (a *Agent) retryMACs(ctx context.Context) {
 			if s.plane != PlaneXDP {
 				continue
 			}
-			changed := false
+			// Removed backends whose drain time is up leave the program now.
+			changed := s.expireLeaving(time.Now())
 			for _, b := range s.backends {
 				if b.mac == nil {
 					a.resolve(b)

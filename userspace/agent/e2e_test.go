@@ -68,24 +68,18 @@ func signalContext() (context.Context, func()) {
 type backends struct {
 	mu      sync.Mutex
 	servers map[string]*http.Server
+	hosts   map[string]topo.Host
 	wg      sync.WaitGroup
 }
 
 func serveBackends(t *testing.T, tp *topo.Topology) *backends {
-	bs := &backends{servers: map[string]*http.Server{}}
+	bs := &backends{servers: map[string]*http.Server{}, hosts: map[string]topo.Host{}}
 	var pcs []net.PacketConn
 	for _, h := range tp.Backends {
-		ln, err := h.NS.Listen("tcp", ":80")
-		if err != nil {
+		bs.hosts[h.Name] = h
+		if err := bs.serveHTTP(h); err != nil {
 			t.Fatal(err)
 		}
-		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			io.WriteString(w, h.Name)
-		}), ReadHeaderTimeout: 5 * time.Second}
-		bs.servers[h.Name] = srv
-		bs.wg.Add(1)
-		// Exits when srv is closed (stop or cleanup).
-		go func() { defer bs.wg.Done(); srv.Serve(ln) }()
 		for _, ip := range []netip.Addr{tp.VIP4, h.IP4} {
 			pc, err := h.NS.ListenPacket("udp", netip.AddrPortFrom(ip, 53).String())
 			if err != nil {
@@ -121,11 +115,68 @@ func serveBackends(t *testing.T, tp *topo.Topology) *backends {
 	return bs
 }
 
+// serveHTTP serves h's name over HTTP on :80 in its namespace.
+func (bs *backends) serveHTTP(h topo.Host) error {
+	ln, err := h.NS.Listen("tcp", ":80")
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, h.Name)
+	}), ReadHeaderTimeout: 5 * time.Second}
+	bs.mu.Lock()
+	bs.servers[h.Name] = srv
+	bs.mu.Unlock()
+	bs.wg.Add(1)
+	// Exits when srv is closed (kill or cleanup).
+	go func() { defer bs.wg.Done(); srv.Serve(ln) }()
+	return nil
+}
+
 // kill closes a backend's HTTP listener and connections, as a crashed server would.
 func (bs *backends) kill(name string) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
 	bs.servers[name].Close()
+}
+
+// revive starts a killed backend's server again.
+func (bs *backends) revive(t *testing.T, name string) {
+	t.Helper()
+	if err := bs.serveHTTP(bs.hosts[name]); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// keepAlive is one HTTP/1.1 connection to the VIP that asks again and again: the
+// answers say which backend holds its flow.
+type keepAlive struct {
+	conn *net.TCPConn
+	br   *bufio.Reader
+}
+
+func dialKeepAlive(t *testing.T, tp *topo.Topology, vip netip.Addr) *keepAlive {
+	t.Helper()
+	conn, err := tp.DialTCP(context.Background(), netip.AddrPortFrom(vip, 80), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return &keepAlive{conn: conn, br: bufio.NewReader(conn)}
+}
+
+func (k *keepAlive) ask() (string, error) {
+	k.conn.SetDeadline(time.Now().Add(3 * time.Second))
+	if _, err := io.WriteString(k.conn, "GET / HTTP/1.1\r\nHost: vip\r\n\r\n"); err != nil {
+		return "", err
+	}
+	resp, err := http.ReadResponse(k.br, nil)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return string(b), err
 }
 
 type agentProc struct {
@@ -352,12 +403,28 @@ func TestAgentXDP(t *testing.T) {
 	})
 
 	t.Run("reload adds a backend", func(t *testing.T) {
+		// Established flows stay where they are through the reload.
+		var held []*keepAlive
+		var was []string
+		for range 6 {
+			k := dialKeepAlive(t, tp, tp.VIP4)
+			name, err := k.ask()
+			if err != nil {
+				t.Fatal(err)
+			}
+			held, was = append(held, k), append(was, name)
+		}
 		writeConfig(t, cfgPath, tp, socket, func(s string) string {
 			return strings.Replace(s, "      - address: 10.77.0.13:80\n        weight: 1\n",
 				"      - address: 10.77.0.13:80\n        weight: 1\n      - address: 10.77.0.14:80\n", 1)
 		})
 		if err := p.client.Reload(ctx); err != nil {
 			t.Fatalf("reload: %v", err)
+		}
+		for i, k := range held {
+			if got, err := k.ask(); err != nil || got != was[i] {
+				t.Errorf("established connection %d after the reload: got %q, %v; want %q", i, got, err, was[i])
+			}
 		}
 		got := spread(t, tp, tp.VIP4, 60)
 		if got["backend-3"] == 0 || got["backend-0"] != 0 || got["backend-1"]+got["backend-2"]+got["backend-3"] != 60 {
@@ -470,6 +537,46 @@ func TestAgentXDP(t *testing.T) {
 			if !strings.Contains(m, want) {
 				t.Errorf("metrics: no line containing %q", want)
 			}
+		}
+	})
+
+	t.Run("reload removes a backend, which drains", func(t *testing.T) {
+		// A connection on backend-3, then a reload without it: the connection keeps
+		// its backend, new connections avoid it.
+		var on3 *keepAlive
+		for range 40 {
+			k := dialKeepAlive(t, tp, tp.VIP4)
+			if name, err := k.ask(); err == nil && name == "backend-3" {
+				on3 = k
+				break
+			}
+			k.conn.Close()
+		}
+		if on3 == nil {
+			t.Fatal("no connection of 40 reached backend-3")
+		}
+		writeConfig(t, cfgPath, tp, socket, nil)
+		if err := p.client.Reload(ctx); err != nil {
+			t.Fatalf("reload: %v", err)
+		}
+		if got, err := on3.ask(); err != nil || got != "backend-3" {
+			t.Errorf("connection on the removed backend-3: got %q, %v; want it to keep going while it drains", got, err)
+		}
+		if got := spread(t, tp, tp.VIP4, 30); got["backend-3"] != 0 || got["backend-1"]+got["backend-2"] != 30 {
+			t.Errorf("new connections after removing backend-3: got %v; want only backend-1 and backend-2", got)
+		}
+	})
+
+	t.Run("killed backend comes back", func(t *testing.T) {
+		bs.revive(t, "backend-0")
+		start := time.Now()
+		// rise 2 × interval 1s, plus a check's jitter and slack.
+		waitFor(t, "backend-0 marked up", 6*time.Second, func() bool {
+			return backendStatus(t, p.client, "web", "10.77.0.11:80").Usable
+		})
+		t.Logf("backend-0 marked up after %v", time.Since(start).Round(time.Millisecond))
+		if got := spread(t, tp, tp.VIP4, 60); got["backend-0"] == 0 {
+			t.Errorf("answers with backend-0 back: got %v; want some from backend-0", got)
 		}
 	})
 }

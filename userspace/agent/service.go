@@ -42,6 +42,16 @@ type service struct {
 
 	allDown bool
 	note    string // what all_down is doing, or the last error applying the service
+
+	// leaving are backends a reload removed from an XDP service: they stay in the
+	// program as draining (no new flows, their established flows continue) until
+	// their time is up. The proxy drains removed backends itself.
+	leaving []leavingBackend
+}
+
+type leavingBackend struct {
+	b     *backend
+	until time.Time
 }
 
 // backend is one backend of a service. Guarded by Agent.mu.
@@ -219,6 +229,42 @@ func (s *service) usableSet(xdp bool) map[*backend]bool {
 	return u
 }
 
+// leave records backends that were in before and are not in s.backends now as
+// draining until now + drain_timeout (0, "no limit", keeps them for the program's
+// established-TCP idle timeout, after which their flows are forgotten anyway), and
+// keeps earlier leavers whose time is not up and that did not come back.
+func (s *service) leave(before []*backend, now time.Time) {
+	d := s.cfg.DrainTimeout.D()
+	if d == 0 {
+		d = 15 * time.Minute
+	}
+	var next []leavingBackend
+	for _, l := range s.leaving {
+		if now.Before(l.until) && s.backend(l.b.cfg.Addr) == nil {
+			next = append(next, l)
+		}
+	}
+	for _, b := range before {
+		if s.backend(b.cfg.Addr) == nil {
+			next = append(next, leavingBackend{b: b, until: now.Add(d)})
+		}
+	}
+	s.leaving = next
+}
+
+// expireLeaving drops the leavers whose time is up and reports whether any went.
+func (s *service) expireLeaving(now time.Time) bool {
+	kept := s.leaving[:0]
+	for _, l := range s.leaving {
+		if now.Before(l.until) {
+			kept = append(kept, l)
+		}
+	}
+	gone := len(kept) != len(s.leaving)
+	s.leaving = kept
+	return gone
+}
+
 // xdpSpec is the loader's view of the service now.
 func (s *service) xdpSpec() (loader.Service, bool) {
 	u := s.usableSet(true)
@@ -230,6 +276,16 @@ func (s *service) xdpSpec() (loader.Service, bool) {
 			lb.MAC = b.mac
 			if lb.MAC == nil {
 				lb.MAC = zeroMAC // unusable until resolved
+			}
+		}
+		spec.Backends = append(spec.Backends, lb)
+	}
+	for _, l := range s.leaving {
+		lb := loader.Backend{Addr: l.b.cfg.Addr, Usable: l.b.usable, Draining: true}
+		if spec.Forwarding == loader.ForwardDSR {
+			lb.MAC = l.b.mac
+			if lb.MAC == nil {
+				lb.MAC = zeroMAC
 			}
 		}
 		spec.Backends = append(spec.Backends, lb)
