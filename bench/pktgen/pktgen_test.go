@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/internal/packet"
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
 )
@@ -419,4 +420,54 @@ func ebpfPossibleCPUs(t *testing.T) int {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// TestProbeSink checks that a probe sink passes IPv4 TCP frames from or to
+// its port uncounted and counts and drops everything else.
+func TestProbeSink(t *testing.T) {
+	s, err := NewProbeSink(8080)
+	xdptest.Check(t, err)
+	defer s.Close()
+	mac := net.HardwareAddr{2, 0, 0, 0, 0, 1}
+	frame := func(proto uint8, src, dst uint16, v6 bool) []byte {
+		a, b := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
+		if v6 {
+			a, b = netip.MustParseAddr("fd00::1"), netip.MustParseAddr("fd00::2")
+		}
+		return packet.Frame{SrcMAC: mac, DstMAC: mac, Src: netip.AddrPortFrom(a, src), Dst: netip.AddrPortFrom(b, dst), Proto: proto, TCPFlags: packet.ACK}.Build()
+	}
+	for _, tc := range []struct {
+		name  string
+		frame []byte
+		want  uint32
+	}{
+		{"tcp to the port", frame(packet.ProtoTCP, 40000, 8080, false), 2},     // XDP_PASS
+		{"tcp from the port", frame(packet.ProtoTCP, 8080, 40000, false), 2},   // XDP_PASS
+		{"tcp to another port", frame(packet.ProtoTCP, 40000, 80, false), 1},   // XDP_DROP
+		{"udp to the port", frame(packet.ProtoUDP, 40000, 8080, false), 1},     // XDP_DROP
+		{"ipv6 tcp to the port", frame(packet.ProtoTCP, 40000, 8080, true), 1}, // XDP_DROP
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before, err := s.Count()
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := s.objs.Sink.Run(&ebpf.RunOptions{Data: tc.frame})
+			xdptest.Check(t, err)
+			if got != tc.want {
+				t.Errorf("verdict: got %d; want %d", got, tc.want)
+			}
+			after, err := s.Count()
+			if err != nil {
+				t.Fatal(err)
+			}
+			wantCount := uint64(0) // passed frames are not counted
+			if tc.want == 1 {
+				wantCount = 1
+			}
+			if counted := after.Sub(before).Packets; counted != wantCount {
+				t.Errorf("counted %d frames; want %d", counted, wantCount)
+			}
+		})
+	}
 }

@@ -23,9 +23,10 @@ type SinkCounter struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	SinkMapCounts = "counts"
-	SinkProgSink  = "sink"
-	SinkVarPass   = "pass"
+	SinkMapCounts   = "counts"
+	SinkProgSink    = "sink"
+	SinkVarPass     = "pass"
+	SinkVarPassPort = "pass_port"
 )
 
 // LoadSink returns the embedded CollectionSpec for Sink.
@@ -84,7 +85,8 @@ type SinkMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type SinkVariableSpecs struct {
-	Pass *ebpf.VariableSpec `ebpf:"pass"`
+	Pass     *ebpf.VariableSpec `ebpf:"pass"`
+	PassPort *ebpf.VariableSpec `ebpf:"pass_port"`
 }
 
 // SinkObjects contains all objects after they have been loaded into the kernel.
@@ -120,7 +122,8 @@ func (m *SinkMaps) Close() error {
 //
 // It can be passed to LoadSinkObjects or ebpf.CollectionSpec.LoadAndAssign.
 type SinkVariables struct {
-	Pass *ebpf.Variable `ebpf:"pass"`
+	Pass     *ebpf.Variable `ebpf:"pass"`
+	PassPort *ebpf.Variable `ebpf:"pass_port"`
 }
 
 // SinkPrograms contains all programs after they have been loaded into the kernel.

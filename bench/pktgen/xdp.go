@@ -73,13 +73,32 @@ type Sink struct {
 
 // NewSink loads a sink. With pass it returns XDP_PASS after counting, so
 // the frames go on to the kernel stack (tests check them through sockets).
-func NewSink(pass bool) (*Sink, error) {
+func NewSink(pass bool) (*Sink, error) { return loadSink(pass, 0) }
+
+// NewProbeSink loads a sink that counts and drops every frame except IPv4
+// TCP frames from or to port, which it passes to the stack uncounted: the
+// load is counted and dropped, latency probes to a service on port get
+// through.
+func NewProbeSink(port uint16) (*Sink, error) {
+	if port == 0 {
+		return nil, fmt.Errorf("load probe sink: port must be 1..65535, got 0")
+	}
+	return loadSink(false, port)
+}
+
+func loadSink(pass bool, port uint16) (*Sink, error) {
 	spec, err := LoadSink()
 	if err != nil {
 		return nil, fmt.Errorf("load sink: %w", err)
 	}
 	if pass {
 		if err := spec.Variables[SinkVarPass].Set(uint8(1)); err != nil {
+			return nil, fmt.Errorf("load sink: %w", err)
+		}
+	}
+	if port != 0 {
+		// Network order, as the program compares it with the header.
+		if err := spec.Variables[SinkVarPassPort].Set(port<<8 | port>>8); err != nil {
 			return nil, fmt.Errorf("load sink: %w", err)
 		}
 	}
