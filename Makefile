@@ -65,10 +65,13 @@ clean:
 # Packets/s through a balancer namespace with weir's own XDP packet generator
 # (bench/pktgen): null, floor, weir and the kernel's forwarding and nftables NAT,
 # interleaved, 5 rounds each. A few minutes; results in bench/results/pkt/.
+# PKTBENCH_FLAGS=-new runs only trafgen, latency and softirq cases (with their null
+# case and floors), about a minute.
 .PHONY: bench-pkt bench-pkt-generate
 bench-pkt: deps
 	@command -v nft >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables; }
-	$(GO) run ./bench/cmd/pktbench -runs 5 -duration 700ms -out bench/results/pkt
+	@command -v trafgen >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq netsniff-ng; }
+	$(GO) run ./bench/cmd/pktbench -runs 5 -duration 700ms -out bench/results/pkt $(PKTBENCH_FLAGS)
 
 # The benchmark's own XDP objects, compiled with the pinned compiler and flags above.
 bench-pkt-generate:

@@ -51,16 +51,39 @@ type Case struct {
 	// forwarding rate measured earlier in the same round instead of flat
 	// out (the no-loss-below-the-floor check).
 	RateOfFloor float64
+	// Rate, if > 0, sends at that many frames/s instead of flat out.
+	Rate float64
+	// Idle sends no load at all (a latency baseline).
+	Idle bool
+	// Generator is "" for weir's own generator or Trafgen.
+	Generator string
+	// Probe times TCP request/response probes through the balancer's probe
+	// service during the window (weir nat and nftables DNAT have one).
+	Probe bool
 }
 
 // Name is the case's label in tables and plots.
 func (c Case) Name() string {
 	s := fmt.Sprintf("%s, %s, %d flows", c.Balancer.Name, c.Packet.Traffic(), c.Flows)
-	if c.RateOfFloor > 0 {
+	switch {
+	case c.Idle:
+		s = c.Balancer.Name + ", no load"
+	case c.RateOfFloor > 0:
 		s += fmt.Sprintf(", at %.0f%% of floor", 100*c.RateOfFloor)
+	case c.Rate > 0:
+		s += fmt.Sprintf(", at %.2f Mpps", c.Rate/1e6)
+	}
+	if c.Generator != "" {
+		s += ", by " + c.Generator
+	}
+	if c.Probe {
+		s += ", probed"
 	}
 	return s
 }
+
+// paced says the case does not send flat out, so its rate is no capacity.
+func (c Case) paced() bool { return c.Idle || c.RateOfFloor > 0 || c.Rate > 0 }
 
 // The balancers. dsr is compared with the XDP_TX floor (both send the frame
 // back out of l0), nat and tunnel with the redirect floor (both send it out
@@ -147,7 +170,63 @@ func DefaultCases() []Case {
 		Case{Balancer: NftDNAT, Flows: 4096, Packet: ack},
 		Case{Balancer: NftDNATMasq, Flows: 4096, Packet: ack},
 	)
+	if TrafgenAvailable() {
+		cs = append(cs, TrafgenCases()...)
+	}
+	return append(cs, LatencyCases()...)
+}
+
+// TrafgenCases repeat a few cases with trafgen as the generator: null, the
+// XDP_TX floor, weir dsr established at 1,000 flows, and nftables DNAT at
+// 4,096 flows, so their ratios can be set beside weir's generator's.
+func TrafgenCases() []Case {
+	cs := []Case{
+		{Balancer: Null, Flows: 1000},
+		{Balancer: FloorNative, Flows: 1000},
+		{Balancer: WeirDSRNative, Flows: 1000},
+		{Balancer: NftDNAT, Flows: 4096},
+	}
+	for i := range cs {
+		cs[i].Generator = Trafgen
+	}
 	return cs
+}
+
+// LatencyLoads are the load rates, in frames/s, of the latency cases beside
+// none: one that nftables DNAT forwards without loss here and one beyond
+// what it forwards (about a quarter of the redirect floor).
+var LatencyLoads = []float64{0.5e6, 2e6}
+
+// LatencyCases probe weir nat and nftables DNAT (the two balancers here
+// whose backends answer) with no load and at each of LatencyLoads, 4,096
+// established flows of load.
+func LatencyCases() []Case {
+	var cs []Case
+	for _, b := range []Balancer{WeirNATNative, NftDNAT} {
+		cs = append(cs, Case{Balancer: b, Flows: 4096, Idle: true, Probe: true})
+		for _, r := range LatencyLoads {
+			cs = append(cs, Case{Balancer: b, Flows: 4096, Rate: r, Probe: true})
+		}
+	}
+	return cs
+}
+
+// NewCases are the cases of the second generator, latency and CPU cost
+// with the null case and floors they are read against.
+func NewCases() []Case {
+	ack := pktgen.Packet{}
+	cs := []Case{
+		{Balancer: Null, Flows: 1000, Packet: ack},
+		{Balancer: FloorNative, Flows: 1000, Packet: ack},
+		{Balancer: FloorRedirectNative, Flows: 1000, Packet: ack},
+		{Balancer: WeirDSRNative, Flows: 1000, Packet: ack},
+		{Balancer: WeirNATNative, Flows: 4096, Packet: ack},
+		{Balancer: NftDNAT, Flows: 4096, Packet: ack},
+	}
+	if TrafgenAvailable() {
+		cs = append(cs, TrafgenCases()...)
+	}
+	return append(cs, LatencyCases()...)
 }
 
 // SmokeCases is a few seconds' check that the pipeline works: the null
@@ -267,6 +346,19 @@ func setupWeir(mode loader.Mode, fwd loader.Forwarding, tcpIdle time.Duration) f
 				return nil, err
 			}
 		}
+		if fwd == loader.ForwardNAT {
+			// The probe service: one backend, the sink namespace's echo
+			// server.
+			s := loader.Service{
+				Key:        loader.ServiceKey{VIP: netip.AddrPortFrom(VIP4, ProbePort), Protocol: loader.TCP},
+				Forwarding: fwd,
+				Backends:   []loader.Backend{{Addr: netip.AddrPortFrom(ProbeBackend, ProbePort), MAC: SinkMAC, Weight: 1, Usable: true}},
+			}
+			if err := p.AddService(s); err != nil {
+				p.Close()
+				return nil, err
+			}
+		}
 		if err := p.NextHopError(); err != nil {
 			p.Close()
 			return nil, err
@@ -295,7 +387,10 @@ func setupRoute(l *Line) (func() error, error) {
 
 // nftTable is the kernel's answer to weir's job: DNAT of the TCP VIP to the
 // backends by a hash of the source, as a balancer would, optionally with
-// masquerade (SNAT to l1's address) for a full-NAT comparison.
+// masquerade (SNAT to l1's address) for a full-NAT comparison. The probe
+// service (VIP4:ProbePort) goes to the echo server; the load never reaches
+// that rule (a new connection's first packet alone runs the nat chain, and
+// the load's all match the first rule).
 const nftTable = "weirbench"
 
 func nftRules(masquerade bool) string {
@@ -308,8 +403,9 @@ func nftRules(masquerade bool) string {
 	chain pre {
 		type nat hook prerouting priority dstnat; policy accept;
 		ip daddr %s tcp dport %d dnat to jhash ip saddr . tcp sport mod %d map { %s }
+		ip daddr %s tcp dport %d dnat to %s
 	}
-`, nftTable, VIP4, Port, Backends, strings.Join(m, ", "))
+`, nftTable, VIP4, Port, Backends, strings.Join(m, ", "), VIP4, ProbePort, ProbeBackend)
 	if masquerade {
 		s += fmt.Sprintf(`	chain post {
 		type nat hook postrouting priority srcnat; policy accept;
@@ -354,4 +450,10 @@ func nft(ns *netns.NS, script string) error {
 		return fmt.Errorf("nft in %s: %w: %s", ns, err, strings.TrimSpace(out.String()))
 	}
 	return nil
+}
+
+// nftAvailable says whether the nft binary is on PATH.
+func nftAvailable() bool {
+	_, err := exec.LookPath("nft")
+	return err == nil
 }

@@ -204,6 +204,9 @@ func NewLine() (_ *Line, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("line: %s: %w", l.LB, err)
 	}
+	if err := l.probePath(); err != nil {
+		return nil, fmt.Errorf("line: %w", err)
+	}
 	if l.Back, err = l.sink(l.Gen, GenLink); err != nil {
 		return nil, err
 	}
@@ -213,8 +216,58 @@ func NewLine() (_ *Line, err error) {
 	return l, nil
 }
 
+// probePath lets latency probes cross the line: the generator namespace
+// routes the VIPs via l0; the sink namespace holds ProbeBackend on its
+// loopback, knows l1's MAC, and routes replies to the generator via l1 (for
+// nftables DNAT, which keeps the client's address). Both ends send with tx
+// checksum offload off: a veth hands a partial checksum on with the skb, and
+// a frame that weir's XDP program rewrites and redirects loses the skb.
+func (l *Line) probePath() error {
+	err := l.Gen.Do(func() error {
+		g, err := netlink.LinkByName(GenLink)
+		if err != nil {
+			return err
+		}
+		if err := netlink.RouteAdd(&netlink.Route{LinkIndex: g.Attrs().Index, Dst: ipNet(VIPNet4), Gw: LBInIP.AsSlice()}); err != nil {
+			return err
+		}
+		return ethtool(GenLink, unix.ETHTOOL_STXCSUM, 0)
+	})
+	if err != nil {
+		return fmt.Errorf("%s: route %s: %w", l.Gen, VIPNet4, err)
+	}
+	err = l.Sink.Do(func() error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		if err := netlink.LinkSetUp(lo); err != nil {
+			return err
+		}
+		if err := netlink.AddrAdd(lo, &netlink.Addr{IPNet: ipNet(netip.PrefixFrom(ProbeBackend, 32))}); err != nil {
+			return fmt.Errorf("address %s on lo: %w", ProbeBackend, err)
+		}
+		s0, err := netlink.LinkByName(SinkLink)
+		if err != nil {
+			return err
+		}
+		if err := neigh(s0, LBOutIP, LBOutMAC); err != nil {
+			return err
+		}
+		if err := netlink.RouteAdd(&netlink.Route{LinkIndex: s0.Attrs().Index, Dst: ipNet(netip.PrefixFrom(GenIP, 24).Masked()), Gw: LBOutIP.AsSlice()}); err != nil {
+			return err
+		}
+		return ethtool(SinkLink, unix.ETHTOOL_STXCSUM, 0)
+	})
+	if err != nil {
+		return fmt.Errorf("%s: probe path: %w", l.Sink, err)
+	}
+	return nil
+}
+
+// sink counts and drops the load arriving on link, passing probes on.
 func (l *Line) sink(ns *netns.NS, link string) (*pktgen.Sink, error) {
-	s, err := pktgen.NewSink(false)
+	s, err := pktgen.NewProbeSink(ProbePort)
 	if err != nil {
 		return nil, fmt.Errorf("line: %w", err)
 	}

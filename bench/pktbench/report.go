@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -39,29 +40,32 @@ func NewReport(res []Result, opts Options, elapsed time.Duration) Report {
 	}
 }
 
-// find returns the result of the first case of the named balancer.
-func (r Report) find(balancer string) (Result, bool) {
+// find returns the result of the first flat-out case of the named balancer
+// sent by the named generator.
+func (r Report) find(balancer, generator string) (Result, bool) {
 	for _, x := range r.Results {
-		if x.Case.Balancer.Name == balancer {
+		if x.Case.Balancer.Name == balancer && x.Case.Generator == generator && !x.Case.paced() {
 			return x, true
 		}
 	}
 	return Result{}, false
 }
 
-func (r Report) null() (Result, bool) {
+// null returns the null case sent by the named generator.
+func (r Report) null(generator string) (Result, bool) {
 	for _, x := range r.Results {
-		if x.Case.Group == "null" {
+		if x.Case.Group == "null" && x.Case.Generator == generator {
 			return x, true
 		}
 	}
 	return Result{}, false
 }
 
-// FloorRatio is a result's median forwarding rate over its floor's, or NaN.
+// FloorRatio is a result's median forwarding rate over its floor's (sent by
+// the same generator), or NaN.
 func (r Report) FloorRatio(x Result) float64 {
-	f, ok := r.find(x.Case.Floor)
-	if !ok || f.Forwarded() == 0 || x.Case.RateOfFloor > 0 {
+	f, ok := r.find(x.Case.Floor, x.Case.Generator)
+	if !ok || f.Forwarded() == 0 || x.Case.paced() {
 		return math.NaN()
 	}
 	return x.Forwarded() / f.Forwarded()
@@ -71,11 +75,43 @@ func (r Report) FloorRatio(x Result) float64 {
 // null case, in ns (generator, balancer and sinks share one CPU, so time per
 // frame adds up).
 func (r Report) StepNs(x Result) float64 {
-	n, ok := r.null()
-	if !ok || x.Forwarded() == 0 || n.Forwarded() == 0 || x.Case.Group == "null" || x.Case.RateOfFloor > 0 {
+	n, ok := r.null(x.Case.Generator)
+	if !ok || x.Forwarded() == 0 || n.Forwarded() == 0 || x.Case.Group == "null" || x.Case.paced() {
 		return math.NaN()
 	}
 	return 1e9/x.Forwarded() - 1e9/n.Forwarded()
+}
+
+// SoftirqNs is the median over rounds of the softirq time per forwarded
+// frame in ns (numerically, ms per million frames), or NaN.
+func (r Report) SoftirqNs(x Result) float64 {
+	var v []float64
+	for _, s := range x.Samples {
+		if s.Forwarded > 0 {
+			v = append(v, 1e9*s.Softirq/s.Forwarded)
+		}
+	}
+	if len(v) == 0 || x.Case.Idle {
+		return math.NaN()
+	}
+	return median(v)
+}
+
+// SoftirqStepNs is SoftirqNs over the null case's (same generator): the
+// softirq time the balancer step and the frame's onward delivery add.
+func (r Report) SoftirqStepNs(x Result) float64 {
+	n, ok := r.null(x.Case.Generator)
+	if !ok || x.Case.Group == "null" {
+		return math.NaN()
+	}
+	return r.SoftirqNs(x) - r.SoftirqNs(n)
+}
+
+// latency returns the median and min-max over rounds of a probed case's
+// per-round percentile.
+func latency(x Result, p func(Sample) float64) (med, lo, hi float64) {
+	v := x.values(p)
+	return median(v), slices.Min(v), slices.Max(v)
 }
 
 func mpps(v float64) string { return fmt.Sprintf("%.3f", v/1e6) }
@@ -92,20 +128,107 @@ func (r Report) WriteMarkdown(w io.Writer) error {
 	var b bytes.Buffer
 	fmt.Fprintf(&b, "Measured %s on Linux %s, %d CPUs shared with other work; %d rounds × %v per case (after %v warm-up), cases interleaved round by round; generator pinned to CPU %d, so generator, balancer and sinks all run on that one CPU. Mpps: median (min–max) over rounds. Run took %v.\n\n",
 		r.Date.Format("2006-01-02"), r.Kernel, r.CPUs, r.Opts.Runs, r.Opts.Duration, r.Opts.Warmup, r.Opts.CPU, r.Elapsed.Round(time.Second))
-	b.WriteString("| balancer | traffic | flows | offered Mpps | forwarded Mpps | lost | × floor | ns/frame over null |\n")
-	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|\n")
+	b.WriteString("| balancer | traffic | flows | offered Mpps | forwarded Mpps | lost | × floor | ns/frame over null | softirq ns/frame | softirq over null |\n")
+	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, x := range r.Results {
 		c := x.Case
-		traffic := c.Packet.String()
-		if c.RateOfFloor > 0 {
-			traffic += fmt.Sprintf(", paced at %.0f%% of %s", 100*c.RateOfFloor, c.Floor)
+		if c.Idle {
+			continue
 		}
-		fmt.Fprintf(&b, "| %s | %s | %d | %s | %s (%s–%s) | %.1f%% | %s | %s |\n",
-			c.Balancer.Name, traffic, c.Flows, mpps(x.Offered()), mpps(x.Forwarded()), mpps(x.MinForwarded()), mpps(x.MaxForwarded()),
-			100*x.LossRatio(), orDash(r.FloorRatio(x), "%.2f"), orDash(r.StepNs(x), "%.0f"))
+		name := c.Balancer.Name
+		if c.Generator != "" {
+			name += " (by " + c.Generator + ")"
+		}
+		traffic := c.Packet.String()
+		switch {
+		case c.RateOfFloor > 0:
+			traffic += fmt.Sprintf(", paced at %.0f%% of %s", 100*c.RateOfFloor, c.Floor)
+		case c.Rate > 0:
+			traffic += fmt.Sprintf(", paced at %.2f Mpps", c.Rate/1e6)
+		}
+		if c.Probe {
+			traffic += ", probed"
+		}
+		fmt.Fprintf(&b, "| %s | %s | %d | %s | %s (%s–%s) | %.1f%% | %s | %s | %s | %s |\n",
+			name, traffic, c.Flows, mpps(x.Offered()), mpps(x.Forwarded()), mpps(x.MinForwarded()), mpps(x.MaxForwarded()),
+			100*x.LossRatio(), orDash(r.FloorRatio(x), "%.2f"), orDash(r.StepNs(x), "%.0f"),
+			orDash(r.SoftirqNs(x), "%.0f"), orDash(r.SoftirqStepNs(x), "%.0f"))
 	}
+	r.writeGenerators(&b)
+	r.writeLatency(&b)
 	_, err := w.Write(b.Bytes())
 	return err
+}
+
+// writeGenerators writes the cases trafgen sent beside the same cases sent
+// by weir's generator, if any.
+func (r Report) writeGenerators(b *bytes.Buffer) {
+	var rows []string
+	for _, t := range r.Results {
+		c := t.Case
+		if c.Generator == "" {
+			continue
+		}
+		w, ok := r.find(c.Balancer.Name, "")
+		if !ok || w.Case.Flows != c.Flows || w.Case.Packet != c.Packet {
+			w = Result{}
+		}
+		rows = append(rows, fmt.Sprintf("| %s | %s | %d | %s | %s | %s | %s | %s | %s |",
+			c.Balancer.Name, c.Packet, c.Flows,
+			orDash(nan(w.Samples == nil, w.Forwarded()/1e6), "%.3f"), orDash(nan(w.Samples == nil, r.FloorRatio(w)), "%.2f"),
+			orDash(nan(w.Samples == nil, r.SoftirqStepNs(w)), "%.0f"),
+			mpps(t.Forwarded()), orDash(r.FloorRatio(t), "%.2f"), orDash(r.SoftirqStepNs(t), "%.0f")))
+	}
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintf(b, "\nThe same cases from a second, independent generator (%s: one process, packet socket TX ring, same frames, pinned to the same CPU). It sends far fewer frames/s, so compare the ratios to the floor and the softirq cost, not the rates:\n\n", Trafgen)
+	b.WriteString("| balancer | traffic | flows | weir's generator: Mpps | × floor | softirq ns/frame over null | trafgen: Mpps | × floor | softirq ns/frame over null |\n")
+	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+	b.WriteString(strings.Join(rows, "\n") + "\n")
+}
+
+// writeLatency writes the probed cases' round trips, if any.
+func (r Report) writeLatency(b *bytes.Buffer) {
+	var rows []string
+	for _, x := range r.Results {
+		c := x.Case
+		if !c.Probe {
+			continue
+		}
+		load := "none"
+		if !c.Idle {
+			load = fmt.Sprintf("%s Mpps, %d flows", mpps(c.Rate), c.Flows)
+		}
+		probes, fails := 0, 0
+		for _, s := range x.Samples {
+			probes += s.Probes
+			fails += s.ProbeFails
+		}
+		p50, p50lo, p50hi := latency(x, func(s Sample) float64 { return s.P50us })
+		p99, p99lo, p99hi := latency(x, func(s Sample) float64 { return s.P99us })
+		fwd := "—"
+		if !c.Idle {
+			fwd = fmt.Sprintf("%s (%.1f%% lost)", mpps(x.Forwarded()), 100*x.LossRatio())
+		}
+		rows = append(rows, fmt.Sprintf("| %s | %s | %s | %d | %d | %.0f (%.0f–%.0f) | %.0f (%.0f–%.0f) |",
+			c.Balancer.Name, load, fwd, probes, fails, p50, p50lo, p50hi, p99, p99lo, p99hi))
+	}
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintf(b, "\nLatency under load: TCP request/response probes (%d-byte request and echo over one established connection, one every %v; prober in the generator namespace, echo server behind the VIP's probe service in the sink namespace, both pinned to the generator's CPU) while the generator sends the load at a fixed rate. Round trip in µs: median (min–max) over rounds of each round's percentile; failed: no echo within %v.\n\n", ProbeSize, ProbeInterval, probeTimeout)
+	b.WriteString("| balancer | load offered | load forwarded Mpps | probes | failed | p50 µs | p99 µs |\n")
+	b.WriteString("|---|---|---:|---:|---:|---:|---:|\n")
+	b.WriteString(strings.Join(rows, "\n") + "\n")
+}
+
+// nan is NaN if cond, else v.
+func nan(cond bool, v float64) float64 {
+	if cond {
+		return math.NaN()
+	}
+	return v
 }
 
 // Save writes results.md, results.json (every sample), mpps.png and
@@ -120,15 +243,18 @@ func (r Report) Save(dir string) error {
 	if err := r.WriteMarkdown(&md); err != nil {
 		return err
 	}
-	md.WriteString("\n![forwarded Mpps](mpps.png)\n\n![ratio to the floor](floor-ratio.png)\n")
+	md.WriteString("\n![forwarded Mpps](mpps.png)\n\n![ratio to the floor](floor-ratio.png)\n\n![softirq time per frame](softirq.png)\n\n![probe round trip p99](latency.png)\n")
 	if err := os.WriteFile(filepath.Join(dir, "results.md"), md.Bytes(), 0o644); err != nil {
 		return err
 	}
 
 	type jsonCase struct {
 		Name, Balancer, Group, Traffic string
+		Generator                      string `json:",omitempty"`
 		FrameBytes, Flows              int
 		RateOfFloor                    float64
+		Rate                           float64 `json:",omitempty"`
+		Idle, Probe                    bool    `json:",omitempty"`
 		Samples                        []Sample
 	}
 	var js struct {
@@ -142,7 +268,7 @@ func (r Report) Save(dir string) error {
 	js.DurationSeconds, js.WarmupSecds = r.Opts.Duration.Seconds(), r.Opts.Warmup.Seconds()
 	for _, x := range r.Results {
 		c := x.Case
-		js.Cases = append(js.Cases, jsonCase{c.Name(), c.Balancer.Name, c.Group, c.Packet.Traffic(), c.Packet.FrameSize(), c.Flows, c.RateOfFloor, x.Samples})
+		js.Cases = append(js.Cases, jsonCase{c.Name(), c.Balancer.Name, c.Group, c.Packet.Traffic(), c.Generator, c.Packet.FrameSize(), c.Flows, c.RateOfFloor, c.Rate, c.Idle, c.Probe, x.Samples})
 	}
 	data, err := json.MarshalIndent(js, "", "  ")
 	if err != nil {
@@ -157,9 +283,23 @@ func (r Report) Save(dir string) error {
 	}); err != nil {
 		return err
 	}
-	return r.plot(filepath.Join(dir, "floor-ratio.png"), "Forwarded rate ÷ its floor's (median)", func(x Result) (v, lo, hi float64) {
+	if err := r.plot(filepath.Join(dir, "floor-ratio.png"), "Forwarded rate ÷ its floor's (median)", func(x Result) (v, lo, hi float64) {
 		v = r.FloorRatio(x)
 		return v, v, v
+	}); err != nil {
+		return err
+	}
+	if err := r.plot(filepath.Join(dir, "softirq.png"), "Softirq time per forwarded frame (ns = ms per million frames, median)", func(x Result) (v, lo, hi float64) {
+		v = r.SoftirqNs(x)
+		return v, v, v
+	}); err != nil {
+		return err
+	}
+	return r.plot(filepath.Join(dir, "latency.png"), "Probe round trip p99 (µs, median over rounds; bars: min–max)", func(x Result) (v, lo, hi float64) {
+		if !x.Case.Probe {
+			return math.NaN(), 0, 0
+		}
+		return latency(x, func(s Sample) float64 { return s.P99us })
 	})
 }
 

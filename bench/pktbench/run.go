@@ -2,8 +2,10 @@ package pktbench
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"slices"
 	"time"
 
@@ -44,6 +46,13 @@ func (o *Options) defaults(ncpu int) {
 type Sample struct {
 	Offered   float64 // frames/s the generator sent
 	Forwarded float64 // frames/s the case's sink counted
+	// Softirq is the softirq time of the generator's CPU (all CPUs if
+	// unpinned) over the window, in CPU-seconds per second (cpu.go).
+	Softirq float64
+	// Probed cases: probes completed and failed in the window, and the
+	// round trips' 50th and 99th percentiles in µs.
+	Probes, ProbeFails int     `json:",omitempty"`
+	P50us, P99us       float64 `json:",omitempty"`
 }
 
 // Result is every sample of one case.
@@ -122,7 +131,7 @@ func Run(ctx context.Context, cases []Case, opts Options) (_ []Result, err error
 			if err := ctx.Err(); err != nil {
 				return nil, err
 			}
-			rate := 0.0
+			rate := c.Rate
 			if c.RateOfFloor > 0 {
 				f, ok := floors[c.Floor]
 				if !ok {
@@ -134,12 +143,16 @@ func Run(ctx context.Context, cases []Case, opts Options) (_ []Result, err error
 			if err != nil {
 				return nil, fmt.Errorf("round %d: case %q: %w", round+1, c.Name(), err)
 			}
-			if c.Group == "floor" {
+			if c.Group == "floor" && c.Generator == "" {
 				floors[c.Balancer.Name] = s.Forwarded
 			}
 			results[i].Samples = append(results[i].Samples, s)
-			fmt.Fprintf(opts.Log, "round %d/%d  %-62s offered %6.3f Mpps  forwarded %6.3f Mpps\n",
-				round+1, opts.Runs, c.Name(), s.Offered/1e6, s.Forwarded/1e6)
+			fmt.Fprintf(opts.Log, "round %d/%d  %-62s offered %6.3f Mpps  forwarded %6.3f Mpps  softirq %3.0f%%",
+				round+1, opts.Runs, c.Name(), s.Offered/1e6, s.Forwarded/1e6, 100*s.Softirq)
+			if c.Probe {
+				fmt.Fprintf(opts.Log, "  probes %d (%d failed) p50 %.0f µs p99 %.0f µs", s.Probes, s.ProbeFails, s.P50us, s.P99us)
+			}
+			fmt.Fprintln(opts.Log)
 		}
 	}
 	return results, nil
@@ -157,59 +170,150 @@ func runCase(ctx context.Context, l *Line, c Case, rate float64, opts Options) (
 			err = fmt.Errorf("tear down %s: %w", c.Balancer.Name, terr)
 		}
 	}()
-	g, err := pktgen.New(pktgen.Config{
+	cfg := pktgen.Config{
 		SrcMAC: GenMAC, DstMAC: LBInMAC,
 		Dst4: netipPort(VIP4), Dst6: netipPort(VIP6),
 		Flows: c.Flows, Mix: []pktgen.Packet{c.Packet}, Rate: rate,
-	})
-	if err != nil {
-		return Sample{}, err
 	}
-	defer g.Close()
-
 	runCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	var cpus []int
 	if opts.CPU >= 0 {
 		cpus = []int{opts.CPU}
 	}
+	// sent reads what the load's generator has sent; runErr reports its
+	// end, which before stop is an error.
+	sent := func() (uint64, error) { return 0, nil }
 	runErr := make(chan error, 1)
-	// Exits when stop is called (below, or by the deferred stop on an
-	// early return) and the generator's call is interrupted.
-	go func() { runErr <- g.Run(runCtx, l.Gen, l.GenIndex, cpus) }()
-	defer func() {
-		stop()
-		if rerr := <-runErr; rerr != nil && err == nil {
-			err = rerr
+	switch {
+	case c.Idle:
+	case c.Generator == Trafgen:
+		t, err := startTrafgen(l, cfg, opts.CPU, rate, opts.Warmup+opts.Duration+30*time.Second)
+		if err != nil {
+			return Sample{}, err
 		}
-	}()
+		sent = l.g0Sent
+		// Exits when trafgen does (stopped by the deferred stop below).
+		go func() {
+			<-runCtx.Done()
+			runErr <- t.stop()
+		}()
+		defer func() {
+			stop()
+			if rerr := <-runErr; rerr != nil && err == nil {
+				err = rerr
+			}
+		}()
+		// trafgen takes a moment to build its ring: wait for its first
+		// frames before the warm-up starts.
+		if err := waitSending(ctx, sent); err != nil {
+			return Sample{}, err
+		}
+		if err := t.pin(opts.CPU); err != nil {
+			return Sample{}, err
+		}
+	case c.Generator == "":
+		g, err := pktgen.New(cfg)
+		if err != nil {
+			return Sample{}, err
+		}
+		defer g.Close()
+		sent = func() (uint64, error) {
+			n, err := g.Sent()
+			return n.Packets, err
+		}
+		// Exits when stop is called (below, or by the deferred stop on an
+		// early return) and the generator's call is interrupted.
+		go func() { runErr <- g.Run(runCtx, l.Gen, l.GenIndex, cpus) }()
+		defer func() {
+			stop()
+			if rerr := <-runErr; rerr != nil && err == nil {
+				err = rerr
+			}
+		}()
+	default:
+		return Sample{}, fmt.Errorf("unknown generator %q", c.Generator)
+	}
 
-	snapshot := func() (sent, got pktgen.Counter, at time.Time, err error) {
-		if sent, err = g.Sent(); err != nil {
+	type probed struct {
+		res probeResult
+		err error
+	}
+	var probeDone chan probed // nil unless c.Probe; read once
+	if c.Probe {
+		echo, err := startEcho(l.Sink, netip.AddrPortFrom(ProbeBackend, ProbePort), opts.CPU)
+		if err != nil {
+			return Sample{}, err
+		}
+		defer echo.Close()
+		probeDone = make(chan probed, 1)
+		// Exits when stop is called.
+		go func() {
+			res, err := runProber(runCtx, l.Gen, netip.AddrPortFrom(VIP4, ProbePort), opts.CPU)
+			probeDone <- probed{res, err}
+		}()
+		// On an early return: stop ends the prober; wait for it before
+		// the echo server closes.
+		defer func() {
+			if probeDone != nil {
+				stop()
+				<-probeDone
+			}
+		}()
+	}
+
+	type snap struct {
+		sent, got uint64
+		softirq   uint64
+		at        time.Time
+	}
+	snapshot := func() (s snap, err error) {
+		if s.sent, err = sent(); err != nil {
 			return
 		}
-		got, err = l.received(c.Path)
-		return sent, got, time.Now(), err
+		got, err := l.received(c.Path)
+		if err != nil {
+			return s, err
+		}
+		s.got = got.Packets
+		if s.softirq, err = softirqTicks(opts.CPU); err != nil {
+			return s, err
+		}
+		s.at = time.Now()
+		return s, nil
 	}
 	if err := sleep(ctx, opts.Warmup, runErr); err != nil {
 		return Sample{}, err
 	}
-	sent0, got0, t0, err := snapshot()
+	s0, err := snapshot()
 	if err != nil {
 		return Sample{}, err
 	}
 	if err := sleep(ctx, opts.Duration, runErr); err != nil {
 		return Sample{}, err
 	}
-	sent1, got1, t1, err := snapshot()
+	s1, err := snapshot()
 	if err != nil {
 		return Sample{}, err
 	}
-	dt := t1.Sub(t0).Seconds()
-	return Sample{
-		Offered:   float64(sent1.Sub(sent0).Packets) / dt,
-		Forwarded: float64(got1.Sub(got0).Packets) / dt,
-	}, nil
+	dt := s1.at.Sub(s0.at).Seconds()
+	out := Sample{
+		Offered:   float64(s1.sent-s0.sent) / dt,
+		Forwarded: float64(s1.got-s0.got) / dt,
+		Softirq:   float64(s1.softirq-s0.softirq) / userHZ / dt,
+	}
+	if probeDone != nil {
+		stop()
+		p := <-probeDone
+		probeDone = nil
+		if p.err != nil {
+			return Sample{}, p.err
+		}
+		rtts, fails := p.res.within(s0.at, s1.at)
+		out.Probes, out.ProbeFails = len(rtts), fails
+		out.P50us, out.P99us = percentile(rtts, 0.50), percentile(rtts, 0.99)
+	}
+	return out, nil
 }
 
 // sleep waits d, returning early with an error if ctx ends or the
@@ -242,4 +346,28 @@ func (l *Line) received(p Path) (pktgen.Counter, error) {
 		return l.local.Count()
 	}
 	return pktgen.Counter{}, fmt.Errorf("unknown path %d", p)
+}
+
+// waitSending waits up to 5 s for sent to rise: a generator outside weir
+// has started.
+func waitSending(ctx context.Context, sent func() (uint64, error)) error {
+	first, err := sent()
+	if err != nil {
+		return err
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		n, err := sent()
+		if err != nil {
+			return err
+		}
+		if n > first {
+			return nil
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return errors.New("generator sent nothing within 5 s")
 }

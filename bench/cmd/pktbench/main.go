@@ -1,12 +1,16 @@
 // Command pktbench measures packets per second through a balancer namespace
 // with weir's own XDP packet generator: null, floor, weir and the kernel's
-// forwarding and nftables NAT, each case repeated, and writes a markdown
-// table, JSON samples and PNG plots. It needs root and a kernel with XDP
-// (BPF_F_TEST_XDP_LIVE_FRAMES: Linux 5.18 or later); nftables cases need the
-// nft binary. Everything runs in network namespaces it creates and removes.
+// forwarding and nftables NAT, each case repeated, with softirq time per
+// frame, a few cases again from trafgen (netsniff-ng) as a second generator,
+// and TCP probe latency through weir nat and nftables DNAT under load; it
+// writes a markdown table, JSON samples and PNG plots. It needs root and a
+// kernel with XDP (BPF_F_TEST_XDP_LIVE_FRAMES: Linux 5.18 or later);
+// nftables cases need the nft binary, trafgen's the trafgen binary (left out
+// if missing). Everything runs in network namespaces it creates and removes.
 //
 //	go run ./bench/cmd/pktbench -out bench/results/pkt
 //	go run ./bench/cmd/pktbench -smoke          # a few seconds: does the pipeline work?
+//	go run ./bench/cmd/pktbench -new -out /tmp/x # only trafgen, latency, softirq
 package main
 
 import (
@@ -24,10 +28,11 @@ import (
 
 func main() {
 	var (
-		opts  pktbench.Options
-		out   = flag.String("out", "", "directory for results.md, results.json and the plots (empty: print the table only)")
-		smoke = flag.Bool("smoke", false, "run a few short cases once: checks the pipeline, measures nothing")
-		only  = flag.String("cases", "", "run only the cases whose name matches this regular expression")
+		opts    pktbench.Options
+		out     = flag.String("out", "", "directory for results.md, results.json and the plots (empty: print the table only)")
+		smoke   = flag.Bool("smoke", false, "run a few short cases once: checks the pipeline, measures nothing")
+		only    = flag.String("cases", "", "run only the cases whose name matches this regular expression")
+		onlyNew = flag.Bool("new", false, "run only the trafgen, latency and CPU-cost cases with the null case and floors they are read against")
 	)
 	flag.IntVar(&opts.Runs, "runs", 3, "rounds; every round runs every case once, interleaved")
 	flag.DurationVar(&opts.Duration, "duration", time.Second, "measured window per case and round")
@@ -36,6 +41,12 @@ func main() {
 	flag.Parse()
 
 	cases := pktbench.DefaultCases()
+	if *onlyNew {
+		cases = pktbench.NewCases()
+	}
+	if !pktbench.TrafgenAvailable() {
+		fmt.Fprintln(os.Stderr, "pktbench: trafgen not found (install netsniff-ng): leaving out the second generator's cases")
+	}
 	if *smoke {
 		cases = pktbench.SmokeCases()
 		opts.Runs, opts.Duration, opts.Warmup = 1, 200*time.Millisecond, 100*time.Millisecond
