@@ -6,6 +6,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
@@ -14,6 +15,9 @@ import (
 )
 
 var nameSeq atomic.Uint64
+
+// cleanedPrefixes are the prefixes UniqueName has run CleanupStale for.
+var cleanedPrefixes sync.Map
 
 // pidWidth is the width of the base-36 pid in UniqueName: 36^5 exceeds the
 // kernel's largest pid_max (2^22).
@@ -25,7 +29,14 @@ const pidWidth = 5
 // the first 1296 names of a process fit MaxNameLen. Because the name carries
 // the pid, CleanupStale can tell a crashed run's namespaces from those of a
 // run that is still going.
+//
+// The first call for a prefix in a process also removes what crashed runs with
+// that prefix left behind (CleanupStale), so a killed test run's namespaces do
+// not outlive the next run.
 func UniqueName(prefix string) string {
+	if _, done := cleanedPrefixes.LoadOrStore(prefix, true); !done {
+		_ = CleanupStale(prefix)
+	}
 	pid := strconv.FormatInt(int64(os.Getpid()), 36)
 	pid = strings.Repeat("0", pidWidth-len(pid)) + pid
 	for {
