@@ -241,7 +241,7 @@ func runCase(ctx context.Context, l *Line, c Case, rate float64, opts Options) (
 	}
 	var probeDone chan probed // nil unless c.Probe; read once
 	if c.Probe {
-		echo, err := startEcho(l.Sink, netip.AddrPortFrom(ProbeBackend, ProbePort), opts.CPU)
+		echo, err := startEcho(l.Sink, netip.AddrPortFrom(ProbeBackend, ProbePort), probeCPU(opts.CPU))
 		if err != nil {
 			return Sample{}, err
 		}
@@ -249,7 +249,7 @@ func runCase(ctx context.Context, l *Line, c Case, rate float64, opts Options) (
 		probeDone = make(chan probed, 1)
 		// Exits when stop is called.
 		go func() {
-			res, err := runProber(runCtx, l.Gen, netip.AddrPortFrom(VIP4, ProbePort), opts.CPU)
+			res, err := runProber(runCtx, l.Gen, netip.AddrPortFrom(VIP4, ProbePort), probeCPU(opts.CPU))
 			probeDone <- probed{res, err}
 		}()
 		// On an early return: stop ends the prober; wait for it before
@@ -370,4 +370,17 @@ func waitSending(ctx context.Context, sent func() (uint64, error)) error {
 		time.Sleep(10 * time.Millisecond)
 	}
 	return errors.New("generator sent nothing within 5 s")
+}
+
+// probeCPU is the CPU the prober and echo server are pinned to: the next
+// one after the generator's, so they do not wait for the generator's thread
+// to be scheduled out; their frames still queue in l0's one receive ring
+// behind the load, which the generator's CPU polls. -1 (unpinned) if the
+// generator is unpinned or there is one CPU.
+func probeCPU(genCPU int) int {
+	n := numCPU()
+	if genCPU < 0 || n < 2 {
+		return -1
+	}
+	return (genCPU + 1) % n
 }
