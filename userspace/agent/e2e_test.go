@@ -433,25 +433,7 @@ func TestAgentXDP(t *testing.T) {
 	})
 
 	t.Run("drain keeps established", func(t *testing.T) {
-		conn, err := tp.DialTCP(ctx, netip.AddrPortFrom(tp.VIP4, 80), 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer conn.Close()
-		br := bufio.NewReader(conn)
-		ask := func() (string, error) {
-			conn.SetDeadline(time.Now().Add(3 * time.Second))
-			if _, err := io.WriteString(conn, "GET / HTTP/1.1\r\nHost: vip\r\n\r\n"); err != nil {
-				return "", err
-			}
-			resp, err := http.ReadResponse(br, nil)
-			if err != nil {
-				return "", err
-			}
-			defer resp.Body.Close()
-			b, err := io.ReadAll(resp.Body)
-			return string(b), err
-		}
+		ask := dialKeepAlive(t, tp, tp.VIP4).ask
 		first, err := ask()
 		if err != nil {
 			t.Fatal(err)
@@ -470,25 +452,8 @@ func TestAgentXDP(t *testing.T) {
 	})
 
 	t.Run("drain every backend", func(t *testing.T) {
-		conn, err := tp.DialTCP(ctx, netip.AddrPortFrom(tp.VIP4, 80), 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer conn.Close()
-		br := bufio.NewReader(conn)
-		ask := func() (string, error) {
-			conn.SetDeadline(time.Now().Add(3 * time.Second))
-			if _, err := io.WriteString(conn, "GET / HTTP/1.1\r\nHost: vip\r\n\r\n"); err != nil {
-				return "", err
-			}
-			resp, err := http.ReadResponse(br, nil)
-			if err != nil {
-				return "", err
-			}
-			defer resp.Body.Close()
-			b, err := io.ReadAll(resp.Body)
-			return string(b), err
-		}
+		k := dialKeepAlive(t, tp, tp.VIP4)
+		conn, ask := k.conn, k.ask
 		first, err := ask()
 		if err != nil {
 			t.Fatal(err)

@@ -272,20 +272,10 @@ func (w *smoothWeighted) Pick(_ uint64, skip func(id string) bool) (Lease, error
 type p2c struct{ *core }
 
 func (p *p2c) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
-	s := p.snap.Load()
-	if len(s.entries) == 0 {
-		return Lease{}, ErrNoBackend
+	s, ea, eb, err := p.drawTwo(skip)
+	if err != nil || eb == nil {
+		return leaseOf(ea), err
 	}
-	rnd := p.rand()
-	a := pickRandom(s, &rnd, skip, -1)
-	if a < 0 {
-		return Lease{}, ErrNoBackend
-	}
-	b := pickRandom(s, &rnd, skip, a)
-	if b < 0 {
-		return lease(s.entries[a].b), nil
-	}
-	ea, eb := &s.entries[a], &s.entries[b]
 	na, nb := ea.b.inflight.Load(), eb.b.inflight.Load()
 	if now, ramping := s.ramping(p.core); ramping {
 		if float64(nb+1)/eb.factor(now) < float64(na+1)/ea.factor(now) {
@@ -297,27 +287,44 @@ func (p *p2c) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	return lease(ea.b), nil
 }
 
+// drawTwo draws two distinct random usable backends for the P2C family. With one
+// left after skip, eb is nil; with none, err is ErrNoBackend.
+func (c *core) drawTwo(skip func(id string) bool) (s *snapshot, ea, eb *entry, err error) {
+	s = c.snap.Load()
+	if len(s.entries) == 0 {
+		return s, nil, nil, ErrNoBackend
+	}
+	rnd := c.rand()
+	a := pickRandom(s, &rnd, skip, -1)
+	if a < 0 {
+		return s, nil, nil, ErrNoBackend
+	}
+	ea = &s.entries[a]
+	if b := pickRandom(s, &rnd, skip, a); b >= 0 {
+		eb = &s.entries[b]
+	}
+	return s, ea, eb, nil
+}
+
+// leaseOf is a lease on e's backend, or the zero lease for nil.
+func leaseOf(e *entry) Lease {
+	if e == nil {
+		return Lease{}
+	}
+	return lease(e.b)
+}
+
 // peakEWMA is Finagle's and Linkerd's least-time balancer: P2C over
 // cost = latency estimate × (in flight + 1).
 type peakEWMA struct{ *core }
 
 func (p *peakEWMA) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
-	s := p.snap.Load()
-	if len(s.entries) == 0 {
-		return Lease{}, ErrNoBackend
-	}
-	rnd := p.rand()
-	a := pickRandom(s, &rnd, skip, -1)
-	if a < 0 {
-		return Lease{}, ErrNoBackend
-	}
-	b := pickRandom(s, &rnd, skip, a)
-	if b < 0 {
-		return lease(s.entries[a].b), nil
+	_, ea, eb, err := p.drawTwo(skip)
+	if err != nil || eb == nil {
+		return leaseOf(ea), err
 	}
 	now := p.now()
 	neutral := p.ewma.neutral()
-	ea, eb := &s.entries[a], &s.entries[b]
 	if p.cost(eb, now, neutral) < p.cost(ea, now, neutral) {
 		ea = eb
 	}
