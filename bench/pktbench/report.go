@@ -17,6 +17,7 @@ import (
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/vg"
+	"gonum.org/v1/plot/vg/draw"
 )
 
 // Report is a run's results with what is needed to read them.
@@ -298,12 +299,61 @@ func (r Report) Save(dir string) error {
 	}); err != nil {
 		return err
 	}
-	return r.plot(filepath.Join(dir, "latency.png"), "Probe round trip p99 (µs, median over rounds; bars: min–max)", func(x Result) (v, lo, hi float64) {
+	return r.plotLatency(filepath.Join(dir, "latency.png"))
+}
+
+// plotLatency draws each probed case's p50 (circle) and p99 (triangle) round
+// trip, medians over rounds with min–max whiskers, on a log scale: an
+// overloaded balancer's p99 is a retransmission timeout, 1,000× the rest.
+func (r Report) plotLatency(path string) error {
+	p := plot.New()
+	p.Title.Text = "Probe round trip (µs, log scale; circle p50, triangle p99: median over rounds, bars min–max)"
+	var labels []string
+	i := 0
+	for _, x := range r.Results {
 		if !x.Case.Probe {
-			return math.NaN(), 0, 0
+			continue
 		}
-		return latency(x, func(s Sample) float64 { return s.P99us })
-	})
+		y := float64(-i)
+		for k, pc := range []func(Sample) float64{
+			func(s Sample) float64 { return s.P50us },
+			func(s Sample) float64 { return s.P99us },
+		} {
+			v, lo, hi := latency(x, pc)
+			if v <= 0 || lo <= 0 {
+				continue
+			}
+			pts := plotter.XYs{{X: v, Y: y}}
+			sc, err := plotter.NewScatter(pts)
+			if err != nil {
+				return err
+			}
+			sc.GlyphStyle.Color = groupColors[x.Case.Group]
+			sc.GlyphStyle.Radius = vg.Points(4)
+			sc.GlyphStyle.Shape = []draw.GlyphDrawer{draw.CircleGlyph{}, draw.TriangleGlyph{}}[k]
+			eb, err := plotter.NewXErrorBars(struct {
+				plotter.XYer
+				plotter.XErrorer
+			}{pts, plotter.XErrors{{Low: v - lo, High: hi - v}}})
+			if err != nil {
+				return err
+			}
+			p.Add(sc, eb)
+		}
+		labels = append([]string{x.Case.Name()}, labels...)
+		i++
+	}
+	if i == 0 {
+		return nil
+	}
+	p.Y.Min, p.Y.Max = float64(-i)+0.5, 0.5
+	p.Y.Tick.Width = 0
+	p.Y.Tick.Length = 0
+	p.Y.Tick.Marker = shiftedTicks{labels: labels}
+	p.X.Scale = plot.LogScale{}
+	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
+	p.X.Label.Text = "round trip, µs"
+	return p.Save(10*vg.Inch, vg.Length(1.2+0.3*float64(i))*vg.Inch, path)
 }
 
 var groupColors = map[string]color.Color{
