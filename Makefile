@@ -66,7 +66,7 @@ clean:
 # (bench/pktgen): null, floor, weir and the kernel's forwarding and nftables NAT,
 # interleaved, 5 rounds each. A few minutes; results in bench/results/pkt/.
 # PKTBENCH_FLAGS=-new runs only trafgen, latency and softirq cases (with their null
-# case and floors), about a minute.
+# case and floors), about a minute; it rewrites bench/results/pkt with those alone.
 .PHONY: bench-pkt bench-pkt-generate
 bench-pkt: deps
 	@command -v nft >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables; }
