@@ -1,7 +1,9 @@
 # weir's build. `make deps` installs what the build and the tests need on Debian;
 # everything else assumes it ran.
 
-GO ?= go
+# sudo's secure_path usually leaves out /usr/local/go/bin, where Go's own installer puts
+# it: look there too, so `sudo make demo` works on a fresh machine.
+GO ?= $(shell command -v go 2>/dev/null || echo /usr/local/go/bin/go)
 ARCH_INCLUDE := /usr/include/$(shell uname -m)-linux-gnu
 
 # bpf2go's compiler and flags live here, not in the generate line, so every machine
