@@ -37,6 +37,8 @@ static __always_inline int icmp_too_big(struct xdp_md *ctx, struct packet *p, __
 	void *data_end = (void *)(long)ctx->data_end;
 	__u8 client_mac[ETH_ALEN], our_mac[ETH_ALEN];
 	struct ethhdr *eth = data;
+	// Masked (values unchanged: parse bounds them) so the verifier keeps a bound on
+	// offsets clang reloads from the stack (Linux 6.18, clang 19; see icmp.h).
 	__u32 l3 = p->l3_off & 0x1f, l4 = p->l4_off & 0x3ff;
 	int v4 = p->flow.family == FAMILY_IPV4;
 	int tagged = l3 == sizeof(struct ethhdr) + sizeof(struct vlan_hdr);
