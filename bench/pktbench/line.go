@@ -29,7 +29,6 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
-	"unsafe"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -199,7 +198,7 @@ func NewLine() (_ *Line, err error) {
 		}
 		// Frames a veth receives from an XDP sender enter the stack (and
 		// generic XDP) only with GRO on or a native program attached.
-		return ethtool(LBIn, unix.ETHTOOL_SGRO, 1)
+		return topo.SetGRO(LBIn, true)
 	})
 	if err != nil {
 		return nil, fmt.Errorf("line: %s: %w", l.LB, err)
@@ -231,7 +230,7 @@ func (l *Line) probePath() error {
 		if err := netlink.RouteAdd(&netlink.Route{LinkIndex: g.Attrs().Index, Dst: ipNet(VIPNet4), Gw: LBInIP.AsSlice()}); err != nil {
 			return err
 		}
-		return ethtool(GenLink, unix.ETHTOOL_STXCSUM, 0)
+		return topo.SetTxChecksum(GenLink, false)
 	})
 	if err != nil {
 		return fmt.Errorf("%s: route %s: %w", l.Gen, VIPNet4, err)
@@ -257,7 +256,7 @@ func (l *Line) probePath() error {
 		if err := netlink.RouteAdd(&netlink.Route{LinkIndex: s0.Attrs().Index, Dst: ipNet(netip.PrefixFrom(GenIP, 24).Masked()), Gw: LBOutIP.AsSlice()}); err != nil {
 			return err
 		}
-		return ethtool(SinkLink, unix.ETHTOOL_STXCSUM, 0)
+		return topo.SetTxChecksum(SinkLink, false)
 	})
 	if err != nil {
 		return fmt.Errorf("%s: probe path: %w", l.Sink, err)
@@ -364,37 +363,6 @@ func (l *Line) Close() error {
 	l.namespaces = nil
 	l.Back, l.Far = nil, nil
 	return errors.Join(errs...)
-}
-
-// ethtoolValue and ifreqData are struct ethtool_value and struct ifreq with
-// ifr_data, for the one SIOCETHTOOL set command the line needs.
-type ethtoolValue struct{ cmd, data uint32 }
-
-type ifreqData struct {
-	name [unix.IFNAMSIZ]byte
-	data unsafe.Pointer
-	_    [24 - unsafe.Sizeof(uintptr(0))]byte
-}
-
-// ethtool runs one set-value SIOCETHTOOL command on ifname in the calling
-// thread's namespace (`ethtool -K ifname gro on` is ETHTOOL_SGRO, 1).
-func ethtool(ifname string, cmd, data uint32) error {
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("ethtool %s: %w", ifname, err)
-	}
-	defer unix.Close(fd)
-	v := ethtoolValue{cmd: cmd, data: data}
-	var ifr ifreqData
-	copy(ifr.name[:], ifname)
-	ifr.data = unsafe.Pointer(&v)
-	_, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), unix.SIOCETHTOOL, uintptr(unsafe.Pointer(&ifr)))
-	runtime.KeepAlive(&ifr)
-	runtime.KeepAlive(&v)
-	if errno != 0 {
-		return fmt.Errorf("ethtool %s: cmd %#x: %w", ifname, cmd, errno)
-	}
-	return nil
 }
 
 func netipPort(a netip.Addr) netip.AddrPort { return netip.AddrPortFrom(a, Port) }

@@ -48,10 +48,10 @@ func ethtool(ifname string, cmd, data uint32) (uint32, error) {
 	return v.data, nil
 }
 
-// setTxChecksum is `ethtool -K ifname tx on|off`. Turning it off also turns
+// SetTxChecksum is `ethtool -K ifname tx on|off`, in the calling thread's namespace. Turning it off also turns
 // off TSO, which depends on it, so the stack hands the device (and any XDP
 // program behind it) complete packets with complete checksums.
-func setTxChecksum(ifname string, on bool) error {
+func SetTxChecksum(ifname string, on bool) error {
 	var data uint32
 	if on {
 		data = 1
@@ -64,4 +64,15 @@ func setTxChecksum(ifname string, on bool) error {
 func txChecksum(ifname string) (bool, error) {
 	v, err := ethtool(ifname, unix.ETHTOOL_GTXCSUM, 0)
 	return v != 0, err
+}
+
+// SetGRO is `ethtool -K ifname gro on|off`, in the calling thread's namespace: frames
+// reach a veth's stack without an XDP program on it only with GRO on.
+func SetGRO(ifname string, on bool) error {
+	var data uint32
+	if on {
+		data = 1
+	}
+	_, err := ethtool(ifname, unix.ETHTOOL_SGRO, data)
+	return err
 }

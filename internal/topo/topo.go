@@ -404,7 +404,7 @@ func (t *Topology) setupHost(h *Host) error {
 		}
 		// See the package comment: XDP_TX does not finish partial
 		// checksums, so this host computes them in software.
-		if err := setTxChecksum(h.Link, false); err != nil {
+		if err := SetTxChecksum(h.Link, false); err != nil {
 			return fmt.Errorf("turn tx checksum offload off: %w", err)
 		}
 		return nil

@@ -181,7 +181,7 @@ func connect(a, b *Host) error {
 			if err := netlink.LinkSetUp(l); err != nil {
 				return err
 			}
-			if err := setTxChecksum(h.Link, false); err != nil {
+			if err := SetTxChecksum(h.Link, false); err != nil {
 				return fmt.Errorf("tx checksum off on %s: %w", h.Link, err)
 			}
 			return nil
