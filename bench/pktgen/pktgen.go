@@ -320,7 +320,16 @@ func (g *Generator) Sent() (Counter, error) {
 // early send nothing. It returns when the kernel is done.
 func (g *Generator) Send(ns *netns.NS, ifindex int, n uint32) error {
 	return ns.Do(func() error {
-		err := g.liveRun(ifindex, n)
+		// The generator's flow counters are per CPU, and a long live-frames run
+		// may migrate when it yields (the kernel re-enables migration around
+		// cond_resched): pinned, every frame continues the same counters, so n
+		// frames of n flows are n distinct flows even on a loaded machine.
+		restore, err := pinFirstAllowed()
+		if err != nil {
+			return err
+		}
+		defer restore()
+		err = g.liveRun(ifindex, n)
 		if err != nil {
 			return fmt.Errorf("generator: send %d frames on ifindex %d in %s: %w", n, ifindex, ns, err)
 		}
@@ -410,6 +419,20 @@ func (g *Generator) Run(ctx context.Context, ns *netns.NS, ifindex int, cpus []i
 }
 
 // pin binds the calling thread to cpu and returns what restores its old set.
+// pinFirstAllowed pins the calling thread to the lowest CPU it may run on.
+func pinFirstAllowed() (func(), error) {
+	var set unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &set); err != nil {
+		return nil, fmt.Errorf("generator: get cpu affinity: %w", err)
+	}
+	for cpu := 0; cpu < 1024; cpu++ {
+		if set.IsSet(cpu) {
+			return pin(cpu)
+		}
+	}
+	return nil, fmt.Errorf("generator: no cpu in the thread's affinity set")
+}
+
 func pin(cpu int) (func(), error) {
 	var old, set unix.CPUSet
 	if err := unix.SchedGetaffinity(0, &old); err != nil {
