@@ -638,50 +638,57 @@ func randDuration(d time.Duration) time.Duration {
 	return rand.N(d)
 }
 
-// dueHeap orders backends by their next check.
-type dueHeap []*backend
+// dueHeap orders backends by their next check; ejectHeap orders ejected backends by
+// the end of their ejection. Both keep each backend's position in it, so a backend
+// can be re-keyed or removed in O(log n).
+type (
+	dueHeap   = backendHeap[byDue]
+	ejectHeap = backendHeap[byEjectionEnd]
+)
 
-func (h dueHeap) Len() int           { return len(h) }
-func (h dueHeap) Less(i, j int) bool { return h[i].dueAt.Before(h[j].dueAt) }
-func (h dueHeap) Swap(i, j int) {
-	h[i], h[j] = h[j], h[i]
-	h[i].dueIdx = i
-	h[j].dueIdx = j
+// heapField says which time a backendHeap orders by and where a backend keeps its
+// position in that heap.
+type heapField interface {
+	at(b *backend) time.Time
+	index(b *backend) *int
 }
-func (h *dueHeap) Push(x any) {
+
+type byDue struct{}
+
+func (byDue) at(b *backend) time.Time { return b.dueAt }
+func (byDue) index(b *backend) *int   { return &b.dueIdx }
+
+type byEjectionEnd struct{}
+
+func (byEjectionEnd) at(b *backend) time.Time { return b.ejectedUntil }
+func (byEjectionEnd) index(b *backend) *int   { return &b.ejectIdx }
+
+// backendHeap is a container/heap of backends ordered by F's time.
+type backendHeap[F heapField] []*backend
+
+func (h backendHeap[F]) Len() int { return len(h) }
+func (h backendHeap[F]) Less(i, j int) bool {
+	var f F
+	return f.at(h[i]).Before(f.at(h[j]))
+}
+func (h backendHeap[F]) Swap(i, j int) {
+	var f F
+	h[i], h[j] = h[j], h[i]
+	*f.index(h[i]) = i
+	*f.index(h[j]) = j
+}
+func (h *backendHeap[F]) Push(x any) {
+	var f F
 	b := x.(*backend)
-	b.dueIdx = len(*h)
+	*f.index(b) = len(*h)
 	*h = append(*h, b)
 }
-func (h *dueHeap) Pop() any {
+func (h *backendHeap[F]) Pop() any {
+	var f F
 	old := *h
 	b := old[len(old)-1]
 	old[len(old)-1] = nil
 	*h = old[:len(old)-1]
-	b.dueIdx = -1
-	return b
-}
-
-// ejectHeap orders ejected backends by the end of their ejection.
-type ejectHeap []*backend
-
-func (h ejectHeap) Len() int           { return len(h) }
-func (h ejectHeap) Less(i, j int) bool { return h[i].ejectedUntil.Before(h[j].ejectedUntil) }
-func (h ejectHeap) Swap(i, j int) {
-	h[i], h[j] = h[j], h[i]
-	h[i].ejectIdx = i
-	h[j].ejectIdx = j
-}
-func (h *ejectHeap) Push(x any) {
-	b := x.(*backend)
-	b.ejectIdx = len(*h)
-	*h = append(*h, b)
-}
-func (h *ejectHeap) Pop() any {
-	old := *h
-	b := old[len(old)-1]
-	old[len(old)-1] = nil
-	*h = old[:len(old)-1]
-	b.ejectIdx = -1
+	*f.index(b) = -1
 	return b
 }
