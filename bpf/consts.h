@@ -1,16 +1,33 @@
 // consts.h: capacities, flags and counter indexes shared by the whole program.
-// Every capacity here is a default; the loader may resize a map before load.
+// Every capacity here is a default: a build may override it (-DCONNTRACK_SIZE=...),
+// and the loader may resize a map before load.
 #pragma once
 
 // Capacities.
+#ifndef MAX_SERVICES
 #define MAX_SERVICES 1024       // services (VIP, port, protocol); index of per-service arrays
+#endif
+#ifndef MAX_BACKENDS
 #define MAX_BACKENDS 16384      // backend slots over all services
+#endif
+#ifndef MAX_VIP_ADDRS
 #define MAX_VIP_ADDRS 2048      // service keys plus one address-only key per VIP address
-#define CONNTRACK_SIZE 262144   // flows remembered; the loader resizes it from its options
+#endif
+#ifndef CONNTRACK_SIZE
+#define CONNTRACK_SIZE 262144   // established flows remembered; the loader resizes it
+#endif
+#ifndef HALF_OPEN_SIZE
+#define HALF_OPEN_SIZE 65536    // flows before their handshake completes; the loader resizes it
+#endif
+#ifndef MAX_IPV6_EXT_HDRS
 #define MAX_IPV6_EXT_HDRS 4     // IPv6 extension headers walked before giving up
+#endif
+#ifndef MAX_TX_PORTS
 #define MAX_TX_PORTS 64         // interfaces a nat packet may be redirected to
-#define NAT_PORT_TRIES 8        // random source ports tried for a new nat flow,
-#define NAT_PORT_PROBES 56      // then this many following ports, before it gives up
+#endif
+#ifndef NAT_PORT_TRIES
+#define NAT_PORT_TRIES 8        // ports of a backend's ring tried for a new nat flow
+#endif
 #define MAX_L3_OFFSET 64        // Ethernet + VLAN; keeps header offsets provably small
 #define MAX_L4_OFFSET 512       // IP header + options or extension headers
 #define MAX_ICMP_QUOTE 200      // bytes of the offending packet an ICMPv6 "too big" quotes
@@ -21,7 +38,7 @@
 #define MODE_TUNNEL 2
 
 // flow_state.flags
-#define FLOW_F_CLOSING (1u << 0) // a FIN or RST was seen: short timeout, counted as closed
+#define FLOW_F_CLOSING (1u << 0) // a FIN or RST was seen: short timeout; counted closed once established
 
 // Address families as stored in keys (values of AF_INET / AF_INET6).
 #define FAMILY_IPV4 2
@@ -55,5 +72,8 @@ enum stat_reason {
 	STAT_ICMP_TRANSLATED,      // nat: an ICMP error quoting a nat flow, translated
 	STAT_TUNNEL_TOO_BIG,       // tunnel: too big once encapsulated; ICMP error sent back
 	STAT_DROP_TOO_BIG,         // tunnel: too big, and no ICMP error could be made (no DF, odd quote)
+	STAT_FLOW_ESTABLISHED,     // a half-open flow's client answered: moved to the connection table
+	STAT_FLOW_UNTRACKED,       // dsr/tunnel: over the new-flow rate, sent by the lookup table, not recorded
+	STAT_DROP_FLOW_RATE,       // nat: over the new-flow rate, dropped
 	STAT_MAX,
 };

@@ -190,6 +190,8 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 		struct nat_entry *rev = bpf_map_lookup_elem(&nat_reverse, &flow);
 
 		if (!rev)
+			rev = bpf_map_lookup_elem(&nat_half_reverse, &flow);
+		if (!rev)
 			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
 		__builtin_memcpy(rw.outer_src, rev->client.dst, 16);
 		__builtin_memcpy(rw.outer_dst, rev->client.src, 16);
@@ -203,6 +205,8 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 		struct backend *be;
 		__u32 id;
 
+		if (!fs)
+			fs = bpf_map_lookup_elem(&half_open, &flow);
 		if (!fs || !fs->nat_port)
 			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
 		id = fs->backend_id;

@@ -45,9 +45,13 @@ struct {
 	__array(values, struct lookup_table);
 } lookup_tables SEC(".maps");
 
-// Flow 5-tuple -> backend. LRU: when full, the least recently used flow is forgotten.
-// Each CPU keeps its own LRU list (BPF_F_NO_COMMON_LRU, as Katran does): inserting a
-// new flow takes no lock shared with other CPUs, and lookups still see every CPU's flows.
+// The connection table: established flows, 5-tuple as received -> backend. A flow
+// gets here only once its client has answered (select.h): the first packet that is
+// not a SYN after the flow's first packet, which a spoofed source never sends. So a
+// flood of new 5-tuples churns half_open below and never evicts an entry here.
+// LRU: when full, the least recently used flow is forgotten. Each CPU keeps its own
+// LRU list (BPF_F_NO_COMMON_LRU, as Katran does): inserting a flow takes no lock
+// shared with other CPUs, and lookups still see every CPU's flows.
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, CONNTRACK_SIZE);
@@ -55,6 +59,25 @@ struct {
 	__type(key, struct flow_key);
 	__type(value, struct flow_state);
 } conntrack SEC(".maps");
+
+// Flows that have sent only their first packet (a SYN, a lone UDP datagram), same key
+// and value as conntrack. Small, and the only table a flood of new 5-tuples can fill.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, HALF_OPEN_SIZE);
+	__uint(map_flags, BPF_F_NO_COMMON_LRU);
+	__type(key, struct flow_key);
+	__type(value, struct flow_state);
+} half_open SEC(".maps");
+
+// New-flow rate limit, per CPU: the theoretical arrival time (ns, the coarse clock) of
+// the next new flow in a generic cell rate algorithm; see new_flow_allowed.
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} new_flow_limit SEC(".maps");
 
 // Service id -> packets and bytes forwarded, per CPU.
 struct {
@@ -81,7 +104,8 @@ struct {
 } global_stats SEC(".maps");
 
 // nat: the backend's reply 5-tuple (backend addr:port -> nat addr:port) -> the client's
-// flow. Sized like the connection table, which holds the other direction.
+// flow, for established flows. Sized like the connection table, which holds the other
+// direction.
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, CONNTRACK_SIZE);
@@ -89,6 +113,27 @@ struct {
 	__type(key, struct flow_key);
 	__type(value, struct nat_entry);
 } nat_reverse SEC(".maps");
+
+// nat: the same for half-open flows; sized like half_open. A half-open flow's port is
+// claimed here, and moves to nat_reverse with its flow.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, HALF_OPEN_SIZE);
+	__uint(map_flags, BPF_F_NO_COMMON_LRU);
+	__type(key, struct flow_key);
+	__type(value, struct nat_entry);
+} nat_half_reverse SEC(".maps");
+
+// nat: backend slot -> where that backend's ring of source ports goes on: a new flow
+// takes port nat_port_min + (cursor++ % range), skipping ports that established flows
+// hold. Ports come round oldest first, so the port a new flow looks at is the one
+// most likely to be free. Shared by all CPUs (atomic add); host byte order.
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_BACKENDS);
+	__type(key, __u32);
+	__type(value, __u32);
+} nat_cursor SEC(".maps");
 
 // Backend slot -> nat flows opened and closed, per CPU.
 struct {

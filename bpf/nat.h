@@ -1,8 +1,15 @@
 // nat.h: full NAT. A client's packet to a nat-mode VIP is DNATed to its backend and
 // SNATed to the balancer's own address with a source port unique per (backend,
-// protocol); the backend's reply is matched in nat_reverse and translated back.
-// Both leave by the next hop bpf_fib_lookup finds: XDP_TX out of the interface they
-// came in on, XDP_REDIRECT through tx_ports otherwise. Backends need no change.
+// protocol); the backend's reply is matched in nat_reverse (nat_half_reverse while
+// the flow is half-open) and translated back. Both leave by the next hop
+// bpf_fib_lookup finds: XDP_TX out of the interface they came in on, XDP_REDIRECT
+// through tx_ports otherwise. Backends need no change.
+//
+// Floods: a new flow lives in half_open / nat_half_reverse until its client's next
+// packet that is not a SYN (the ACK of the handshake; a UDP flow's second datagram),
+// then moves to conntrack / nat_reverse. A spoofed source never answers, so its flows
+// never leave the half-open tables, never evict an established flow, and give their
+// ports back to the next new flow that comes round the backend's port ring.
 #pragma once
 
 #include "csum.h"
@@ -16,6 +23,7 @@ volatile const __u16 nat_port_max = 32767;   // keep clear of ip_local_port_rang
 volatile const __u64 tcp_idle_ns = 900ull * 1000000000;   // established TCP flow
 volatile const __u64 tcp_closing_ns = 10ull * 1000000000; // after FIN or RST
 volatile const __u64 udp_idle_ns = 30ull * 1000000000;
+volatile const __u64 half_open_ns = 5ull * 1000000000;    // a flow before its client answers
 
 #define NSEC_PER_SEC 1000000000ull
 
@@ -237,50 +245,61 @@ static __always_inline void reply_key(struct flow_key *rk, const struct packet *
 	rk->family = p->flow.family;
 }
 
-// nat_alloc_port claims a source port towards the backend by inserting the reverse
-// entry with BPF_NOEXIST, trying random ports in the range. A port still held by a
-// flow that has ended (expired, or moved elsewhere) is taken over. 0 means none.
+// flow_key_equal compares two keys word by word (BPF has no memcmp).
+static __always_inline int flow_key_equal(const struct flow_key *a, const struct flow_key *b)
+{
+	const __u32 *x = (const __u32 *)a, *y = (const __u32 *)b;
+	__u32 diff = 0;
+
+#pragma unroll
+	for (int i = 0; i < sizeof(*a) / 4; i++)
+		diff |= x[i] ^ y[i];
+	return diff == 0;
+}
+
+// nat_alloc_port claims a source port towards the backend for a new (half-open) flow:
+// the next ports of the backend's ring (nat_cursor), skipping a port that a live
+// established flow holds. A port held by a half-open flow, or by one that has ended
+// (expired, moved elsewhere), is taken over: the ring reaches it only after every
+// other port of the backend was handed out since, so it is the oldest. Its entry in
+// nat_half_reverse is the claim. O(1): NAT_PORT_TRIES ports at most. 0 means none.
 static __always_inline __be16 nat_alloc_port(struct xdp_md *ctx, struct packet *p, struct backend *be,
 					     __u32 backend_id, __u64 now)
 {
 	struct flow_key rk = {};
 	struct nat_entry entry = {};
 	__u32 range = (__u32)nat_port_max - nat_port_min + 1;
+	__u32 *cursor;
 
 	reply_key(&rk, p, be, 0);
 	entry.client = p->flow;
 	entry.backend_id = backend_id;
 	if (came_from(ctx, &entry.to_client))
 		return 0;
+	cursor = bpf_map_lookup_elem(&nat_cursor, &backend_id);
+	if (!cursor)
+		return 0;
 
-	__u32 port = 0;
-
-	// Random ports first: cheap while the range is sparse. Then the ports after the
-	// last one tried: eight random misses mean the range is crowded, and a scan finds
-	// a hole that more random draws would mostly miss (at half full, 8 random tries
-	// alone fail for 1 flow in 256; with the scan, practically never).
-	// Kept a real loop (bounded loops verify since Linux 5.3): unrolled, its 64 map
-	// updates and lookups would multiply the program's size for a rarely taken path.
+	// Kept a real loop (bounded loops verify since Linux 5.3): unrolled, its map
+	// operations would multiply the program's size for a path that almost always
+	// ends at the first port.
 #pragma clang loop unroll(disable)
-	for (int i = 0; i < NAT_PORT_TRIES + NAT_PORT_PROBES; i++) {
+	for (int i = 0; i < NAT_PORT_TRIES; i++) {
 		struct nat_entry *old;
 		struct flow_state *holder;
+		__u32 port = __sync_fetch_and_add(cursor, 1) % range;
 
-		if (i < NAT_PORT_TRIES)
-			port = bpf_get_prandom_u32() % range;
-		else
-			port = (port + 1) % range;
 		rk.dport = bpf_htons(nat_port_min + port);
-		if (bpf_map_update_elem(&nat_reverse, &rk, &entry, BPF_NOEXIST) == 0)
-			return rk.dport;
 		old = bpf_map_lookup_elem(&nat_reverse, &rk);
-		if (!old)
-			continue;
-		holder = bpf_map_lookup_elem(&conntrack, &old->client);
-		if (holder && flow_alive(holder, rk.proto, now) && holder->nat_port == rk.dport &&
-		    holder->backend_id == old->backend_id)
-			continue;
-		if (bpf_map_update_elem(&nat_reverse, &rk, &entry, BPF_ANY) == 0)
+		if (old) {
+			holder = bpf_map_lookup_elem(&conntrack, &old->client);
+			if (holder && flow_alive(holder, rk.proto, now) && holder->nat_port == rk.dport &&
+			    holder->backend_id == old->backend_id)
+				continue;
+			// Ended: its replies must not find it any more.
+			bpf_map_delete_elem(&nat_reverse, &rk);
+		}
+		if (bpf_map_update_elem(&nat_half_reverse, &rk, &entry, BPF_ANY) == 0)
 			return rk.dport;
 	}
 	return 0;
@@ -303,13 +322,77 @@ static __always_inline void refresh_flow(struct xdp_md *ctx, struct packet *p, s
 		came_from(ctx, &rev->to_client);
 }
 
+// nat_send forwards a packet of a flow with a port towards be: rewritten to
+// go from the nat address and that port to the backend, to the next hop in *hop (or
+// the one bpf_fib_lookup finds, which it caches there).
+static __always_inline int nat_send(struct xdp_md *ctx, struct packet *p, struct backend *be,
+				    __be16 port, struct next_hop *hop)
+{
+	__be32 src[4] = {};
+	int action;
+
+	nat_source(p->flow.family, src);
+	action = nat_rewrite(ctx, p, src, port, be->addr, be->port);
+	if (action != CONTINUE)
+		return action;
+	return fib_forward(ctx, p, hop);
+}
+
+// nat_half_open handles a packet of a flow in half_open: a SYN sent again goes the
+// same way; any other packet is the client's answer, and the flow and its port move to
+// the established tables. CONTINUE if the flow is not (or no longer) half-open: it
+// expired, its backend became unusable, or a newer flow took its port.
+static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, struct service *svc,
+					 const struct flow_key *key, __u64 now)
+{
+	struct flow_state *hs;
+	struct nat_entry *rev;
+	struct flow_key rk = {};
+	struct backend *be;
+	__u32 id;
+	int action;
+
+	hs = bpf_map_lookup_elem(&half_open, key);
+	if (!hs || now - hs->created_ns > half_open_ns)
+		return CONTINUE;
+	id = hs->backend_id;
+	be = usable_backend(id, svc->id);
+	if (!be)
+		return CONTINUE;
+	reply_key(&rk, p, be, hs->nat_port);
+	rev = bpf_map_lookup_elem(&nat_half_reverse, &rk);
+	if (!rev || rev->backend_id != id || !flow_key_equal(&rev->client, key))
+		return CONTINUE;
+	if (tcp_closes(p))
+		hs->flags |= FLOW_F_CLOSING;
+	count(&service_stats, svc->id, p->len);
+	count(&backend_stats, id, p->len);
+	if (is_syn(p)) {
+		count(&global_stats, STAT_FLOW_HIT, p->len);
+		return nat_send(ctx, p, be, hs->nat_port, &hs->to_backend);
+	}
+
+	count(&global_stats, STAT_FLOW_ESTABLISHED, p->len);
+	count_flow(id, 1);
+	if (hs->flags & FLOW_F_CLOSING)
+		count_flow(id, 0);
+	hs->last_seen_ns = now;
+	action = nat_send(ctx, p, be, hs->nat_port, &hs->to_backend);
+	// The entries move as they are (map values are copied in place: no stack copy).
+	bpf_map_update_elem(&conntrack, key, hs, BPF_ANY);
+	bpf_map_update_elem(&nat_reverse, &rk, rev, BPF_ANY);
+	bpf_map_delete_elem(&nat_half_reverse, &rk);
+	bpf_map_delete_elem(&half_open, key);
+	return action;
+}
+
 // nat_forward handles a client's packet to a nat-mode service.
 static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, struct service *svc)
 {
 	struct flow_state *fs, fresh = {};
 	struct flow_key key = p->flow;
+	enum stat_reason event = STAT_FLOW_NEW;
 	struct backend *be = 0;
-	__be32 src[4] = {};
 	__u64 now = bpf_ktime_get_coarse_ns();
 	__u32 id = 0;
 	__be16 port;
@@ -328,19 +411,24 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 			count(&global_stats, STAT_FLOW_HIT, p->len);
 			count(&service_stats, svc->id, p->len);
 			count(&backend_stats, id, p->len);
-			nat_source(p->flow.family, src);
-			action = nat_rewrite(ctx, p, src, fs->nat_port, be->addr, be->port);
-			if (action != CONTINUE)
-				return action;
-			return fib_forward(ctx, p, &fs->to_backend);
+			return nat_send(ctx, p, be, fs->nat_port, &fs->to_backend);
 		}
-		// Expired, or its backend became unusable: the old flow ends here.
+		// Expired, or its backend became unusable: the old flow ends here, and this
+		// packet starts a new one.
 		mark_closing(fs);
+		bpf_map_delete_elem(&conntrack, &key);
+		event = STAT_FLOW_RESELECT;
+	} else {
+		action = nat_half_open(ctx, p, svc, &key, now);
+		if (action != CONTINUE)
+			return action;
 	}
 
 	be = lookup_table_pick(p, svc, &id);
 	if (!be)
 		return verdict(XDP_DROP, STAT_DROP_NO_BACKEND, p->len);
+	if (!new_flow_allowed(now))
+		return verdict(XDP_DROP, STAT_DROP_FLOW_RATE, p->len);
 	port = nat_alloc_port(ctx, p, be, id, now);
 	if (!port)
 		return verdict(XDP_DROP, STAT_DROP_NAT_PORTS, p->len);
@@ -350,19 +438,13 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 	fresh.last_seen_ns = now;
 	if (tcp_closes(p))
 		fresh.flags = FLOW_F_CLOSING;
-	count_flow(id, 1);
-	if (fresh.flags & FLOW_F_CLOSING)
-		count_flow(id, 0);
-	count(&global_stats, fs ? STAT_FLOW_RESELECT : STAT_FLOW_NEW, p->len);
+	count(&global_stats, event, p->len);
 	count(&service_stats, svc->id, p->len);
 	count(&backend_stats, id, p->len);
-	nat_source(p->flow.family, src);
-	action = nat_rewrite(ctx, p, src, port, be->addr, be->port);
-	if (action == CONTINUE)
-		action = fib_forward(ctx, p, &fresh.to_backend);
+	action = nat_send(ctx, p, be, port, &fresh.to_backend);
 	// Recorded whatever the verdict: a packet passed for neighbour resolution has
 	// already claimed its port, and the next one must find the flow.
-	bpf_map_update_elem(&conntrack, &key, &fresh, BPF_ANY);
+	bpf_map_update_elem(&half_open, &key, &fresh, BPF_ANY);
 	return action;
 }
 
@@ -372,19 +454,31 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 {
 	struct nat_entry *rev;
 	struct flow_key client;
-	int action;
+	int action, established = 1;
 
 	rev = bpf_map_lookup_elem(&nat_reverse, &p->flow);
+	if (!rev) {
+		rev = bpf_map_lookup_elem(&nat_half_reverse, &p->flow);
+		established = 0;
+	}
 	if (!rev)
 		return CONTINUE;
 	client = rev->client;
 	if (tcp_closes(p)) {
-		struct flow_state *fs = bpf_map_lookup_elem(&conntrack, &client);
+		struct flow_state *fs;
 
+		if (established)
+			fs = bpf_map_lookup_elem(&conntrack, &client);
+		else
+			fs = bpf_map_lookup_elem(&half_open, &client);
 		// Only if the flow still goes to this backend by this port: a late FIN or
 		// RST from a backend the flow has left must not close its new entry.
-		if (fs && fs->backend_id == rev->backend_id && fs->nat_port == p->flow.dport)
-			mark_closing(fs);
+		if (fs && fs->backend_id == rev->backend_id && fs->nat_port == p->flow.dport) {
+			if (established)
+				mark_closing(fs);
+			else
+				fs->flags |= FLOW_F_CLOSING;
+		}
 	}
 	count(&global_stats, STAT_NAT_REPLY, p->len);
 	action = nat_rewrite(ctx, p, client.dst, client.dport, client.src, client.sport);

@@ -35,18 +35,63 @@ static __always_inline struct backend *lookup_table_pick(struct packet *p, struc
 	return usable_backend(*id, svc->id);
 }
 
-// select_backend sets *be to the flow's backend or returns a verdict.
+// Runtime switches set by the loader before load: the new-flow rate limit per CPU.
+// A new flow costs new_flow_interval_ns of credit, and up to new_flow_burst_ns of
+// credit may be drawn ahead; 0 turns the limit off.
+volatile const __u64 new_flow_interval_ns = 0;
+volatile const __u64 new_flow_burst_ns = 0;
+
+// is_syn: a TCP SYN without ACK, the first packet of a connection.
+static __always_inline int is_syn(const struct packet *p)
+{
+	return p->flow.proto == IPPROTO_TCP &&
+	       (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
+}
+
+// new_flow_allowed reports whether this CPU may record one more new flow now: a
+// generic cell rate algorithm (one word per CPU, no division on the packet path).
+static __always_inline int new_flow_allowed(__u64 now)
+{
+	__u32 zero = 0;
+	__u64 *tat, t;
+
+	if (!new_flow_interval_ns)
+		return 1;
+	tat = bpf_map_lookup_elem(&new_flow_limit, &zero);
+	if (!tat)
+		return 1;
+	t = *tat > now ? *tat : now;
+	if (t - now > new_flow_burst_ns)
+		return 0;
+	*tat = t + new_flow_interval_ns;
+	return 1;
+}
+
+// forget_reused drops the connection-table entry of a SYN's 5-tuple, if any: a SYN
+// starts a new connection, which takes the lookup table (as Katran does), and the
+// entry of an earlier connection on the same 5-tuple must not shadow it.
+static __always_inline void forget_reused(struct packet *p)
+{
+	if (bpf_map_lookup_elem(&conntrack, &p->flow))
+		bpf_map_delete_elem(&conntrack, &p->flow);
+}
+
+// select_backend sets *be to the flow's backend or returns a verdict (dsr and tunnel).
+// An established flow keeps its backend while it is usable. A new flow takes the
+// lookup table and is recorded in half_open; the next packet of it that is not a SYN
+// (the client's ACK, a UDP flow's second datagram) moves it to the connection table.
+// Over the new-flow rate a new flow is sent by the lookup table unrecorded: it loses
+// only stickiness across a table change during its handshake.
 static __always_inline int select_backend(struct packet *p, struct service *svc,
 					  struct backend **be, __u32 *id)
 {
 	struct flow_state *known, fresh = {};
 	enum stat_reason event = STAT_FLOW_NEW;
+	__u64 now;
 
-	// A SYN starts a new connection: it always takes the lookup table and overwrites
-	// any stale entry of a reused 5-tuple (as Katran does). Other packets use the
-	// connection table, so established flows survive table changes.
-	if (!(p->flow.proto == IPPROTO_TCP &&
-	      (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN)) {
+	if (is_syn(p)) {
+		forget_reused(p);
+	} else {
 		known = bpf_map_lookup_elem(&conntrack, &p->flow);
 		if (known) {
 			*id = known->backend_id;
@@ -55,18 +100,39 @@ static __always_inline int select_backend(struct packet *p, struct service *svc,
 				count(&global_stats, STAT_FLOW_HIT, p->len);
 				return CONTINUE;
 			}
+			// Its backend became unusable: it starts again as a new flow.
+			bpf_map_delete_elem(&conntrack, &p->flow);
 			event = STAT_FLOW_RESELECT;
+		} else {
+			known = bpf_map_lookup_elem(&half_open, &p->flow);
+			if (known) {
+				*id = known->backend_id;
+				*be = usable_backend(*id, svc->id);
+				if (*be) {
+					fresh = *known;
+					bpf_map_update_elem(&conntrack, &p->flow, &fresh, BPF_ANY);
+					bpf_map_delete_elem(&half_open, &p->flow);
+					count(&global_stats, STAT_FLOW_ESTABLISHED, p->len);
+					return CONTINUE;
+				}
+				event = STAT_FLOW_RESELECT;
+			}
 		}
 	}
 
 	*be = lookup_table_pick(p, svc, id);
 	if (!*be)
 		return verdict(XDP_DROP, STAT_DROP_NO_BACKEND, p->len);
+	now = bpf_ktime_get_coarse_ns();
+	if (!new_flow_allowed(now)) {
+		count(&global_stats, STAT_FLOW_UNTRACKED, p->len);
+		return CONTINUE;
+	}
 	fresh.backend_id = *id;
-	fresh.created_ns = bpf_ktime_get_coarse_ns();
+	fresh.created_ns = now;
 	// A failed insert (map full of entries being updated) only costs stickiness: the
 	// next packet of the flow takes the same table slot while the table is unchanged.
-	bpf_map_update_elem(&conntrack, &p->flow, &fresh, BPF_ANY);
+	bpf_map_update_elem(&half_open, &p->flow, &fresh, BPF_ANY);
 	count(&global_stats, event, p->len);
 	return CONTINUE;
 }

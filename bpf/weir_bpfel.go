@@ -107,7 +107,10 @@ const (
 	WeirStatReasonSTAT_ICMP_TRANSLATED   WeirStatReason = 17
 	WeirStatReasonSTAT_TUNNEL_TOO_BIG    WeirStatReason = 18
 	WeirStatReasonSTAT_DROP_TOO_BIG      WeirStatReason = 19
-	WeirStatReasonSTAT_MAX               WeirStatReason = 20
+	WeirStatReasonSTAT_FLOW_ESTABLISHED  WeirStatReason = 20
+	WeirStatReasonSTAT_FLOW_UNTRACKED    WeirStatReason = 21
+	WeirStatReasonSTAT_DROP_FLOW_RATE    WeirStatReason = 22
+	WeirStatReasonSTAT_MAX               WeirStatReason = 23
 )
 
 type WeirVipKey struct {
@@ -122,25 +125,32 @@ type WeirVipKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	WeirMapBackendFlows = "backend_flows"
-	WeirMapBackendStats = "backend_stats"
-	WeirMapBackends     = "backends"
-	WeirMapConntrack    = "conntrack"
-	WeirMapGlobalStats  = "global_stats"
-	WeirMapLookupTables = "lookup_tables"
-	WeirMapNatReverse   = "nat_reverse"
-	WeirMapServiceStats = "service_stats"
-	WeirMapServices     = "services"
-	WeirMapTxPorts      = "tx_ports"
-	WeirProgWeirXdp     = "weir_xdp"
-	WeirVarHashSeed     = "hash_seed"
-	WeirVarNatAddr4     = "nat_addr4"
-	WeirVarNatAddr6     = "nat_addr6"
-	WeirVarNatPortMax   = "nat_port_max"
-	WeirVarNatPortMin   = "nat_port_min"
-	WeirVarTcpClosingNs = "tcp_closing_ns"
-	WeirVarTcpIdleNs    = "tcp_idle_ns"
-	WeirVarUdpIdleNs    = "udp_idle_ns"
+	WeirMapBackendFlows      = "backend_flows"
+	WeirMapBackendStats      = "backend_stats"
+	WeirMapBackends          = "backends"
+	WeirMapConntrack         = "conntrack"
+	WeirMapGlobalStats       = "global_stats"
+	WeirMapHalfOpen          = "half_open"
+	WeirMapLookupTables      = "lookup_tables"
+	WeirMapNatCursor         = "nat_cursor"
+	WeirMapNatHalfReverse    = "nat_half_reverse"
+	WeirMapNatReverse        = "nat_reverse"
+	WeirMapNewFlowLimit      = "new_flow_limit"
+	WeirMapServiceStats      = "service_stats"
+	WeirMapServices          = "services"
+	WeirMapTxPorts           = "tx_ports"
+	WeirProgWeirXdp          = "weir_xdp"
+	WeirVarHalfOpenNs        = "half_open_ns"
+	WeirVarHashSeed          = "hash_seed"
+	WeirVarNatAddr4          = "nat_addr4"
+	WeirVarNatAddr6          = "nat_addr6"
+	WeirVarNatPortMax        = "nat_port_max"
+	WeirVarNatPortMin        = "nat_port_min"
+	WeirVarNewFlowBurstNs    = "new_flow_burst_ns"
+	WeirVarNewFlowIntervalNs = "new_flow_interval_ns"
+	WeirVarTcpClosingNs      = "tcp_closing_ns"
+	WeirVarTcpIdleNs         = "tcp_idle_ns"
+	WeirVarUdpIdleNs         = "udp_idle_ns"
 )
 
 // LoadWeir returns the embedded CollectionSpec for Weir.
@@ -192,30 +202,37 @@ type WeirProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type WeirMapSpecs struct {
-	BackendFlows *ebpf.MapSpec `ebpf:"backend_flows"`
-	BackendStats *ebpf.MapSpec `ebpf:"backend_stats"`
-	Backends     *ebpf.MapSpec `ebpf:"backends"`
-	Conntrack    *ebpf.MapSpec `ebpf:"conntrack"`
-	GlobalStats  *ebpf.MapSpec `ebpf:"global_stats"`
-	LookupTables *ebpf.MapSpec `ebpf:"lookup_tables"`
-	NatReverse   *ebpf.MapSpec `ebpf:"nat_reverse"`
-	ServiceStats *ebpf.MapSpec `ebpf:"service_stats"`
-	Services     *ebpf.MapSpec `ebpf:"services"`
-	TxPorts      *ebpf.MapSpec `ebpf:"tx_ports"`
+	BackendFlows   *ebpf.MapSpec `ebpf:"backend_flows"`
+	BackendStats   *ebpf.MapSpec `ebpf:"backend_stats"`
+	Backends       *ebpf.MapSpec `ebpf:"backends"`
+	Conntrack      *ebpf.MapSpec `ebpf:"conntrack"`
+	GlobalStats    *ebpf.MapSpec `ebpf:"global_stats"`
+	HalfOpen       *ebpf.MapSpec `ebpf:"half_open"`
+	LookupTables   *ebpf.MapSpec `ebpf:"lookup_tables"`
+	NatCursor      *ebpf.MapSpec `ebpf:"nat_cursor"`
+	NatHalfReverse *ebpf.MapSpec `ebpf:"nat_half_reverse"`
+	NatReverse     *ebpf.MapSpec `ebpf:"nat_reverse"`
+	NewFlowLimit   *ebpf.MapSpec `ebpf:"new_flow_limit"`
+	ServiceStats   *ebpf.MapSpec `ebpf:"service_stats"`
+	Services       *ebpf.MapSpec `ebpf:"services"`
+	TxPorts        *ebpf.MapSpec `ebpf:"tx_ports"`
 }
 
 // WeirVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type WeirVariableSpecs struct {
-	HashSeed     *ebpf.VariableSpec `ebpf:"hash_seed"`
-	NatAddr4     *ebpf.VariableSpec `ebpf:"nat_addr4"`
-	NatAddr6     *ebpf.VariableSpec `ebpf:"nat_addr6"`
-	NatPortMax   *ebpf.VariableSpec `ebpf:"nat_port_max"`
-	NatPortMin   *ebpf.VariableSpec `ebpf:"nat_port_min"`
-	TcpClosingNs *ebpf.VariableSpec `ebpf:"tcp_closing_ns"`
-	TcpIdleNs    *ebpf.VariableSpec `ebpf:"tcp_idle_ns"`
-	UdpIdleNs    *ebpf.VariableSpec `ebpf:"udp_idle_ns"`
+	HalfOpenNs        *ebpf.VariableSpec `ebpf:"half_open_ns"`
+	HashSeed          *ebpf.VariableSpec `ebpf:"hash_seed"`
+	NatAddr4          *ebpf.VariableSpec `ebpf:"nat_addr4"`
+	NatAddr6          *ebpf.VariableSpec `ebpf:"nat_addr6"`
+	NatPortMax        *ebpf.VariableSpec `ebpf:"nat_port_max"`
+	NatPortMin        *ebpf.VariableSpec `ebpf:"nat_port_min"`
+	NewFlowBurstNs    *ebpf.VariableSpec `ebpf:"new_flow_burst_ns"`
+	NewFlowIntervalNs *ebpf.VariableSpec `ebpf:"new_flow_interval_ns"`
+	TcpClosingNs      *ebpf.VariableSpec `ebpf:"tcp_closing_ns"`
+	TcpIdleNs         *ebpf.VariableSpec `ebpf:"tcp_idle_ns"`
+	UdpIdleNs         *ebpf.VariableSpec `ebpf:"udp_idle_ns"`
 }
 
 // WeirObjects contains all objects after they have been loaded into the kernel.
@@ -238,16 +255,20 @@ func (o *WeirObjects) Close() error {
 //
 // It can be passed to LoadWeirObjects or ebpf.CollectionSpec.LoadAndAssign.
 type WeirMaps struct {
-	BackendFlows *ebpf.Map `ebpf:"backend_flows"`
-	BackendStats *ebpf.Map `ebpf:"backend_stats"`
-	Backends     *ebpf.Map `ebpf:"backends"`
-	Conntrack    *ebpf.Map `ebpf:"conntrack"`
-	GlobalStats  *ebpf.Map `ebpf:"global_stats"`
-	LookupTables *ebpf.Map `ebpf:"lookup_tables"`
-	NatReverse   *ebpf.Map `ebpf:"nat_reverse"`
-	ServiceStats *ebpf.Map `ebpf:"service_stats"`
-	Services     *ebpf.Map `ebpf:"services"`
-	TxPorts      *ebpf.Map `ebpf:"tx_ports"`
+	BackendFlows   *ebpf.Map `ebpf:"backend_flows"`
+	BackendStats   *ebpf.Map `ebpf:"backend_stats"`
+	Backends       *ebpf.Map `ebpf:"backends"`
+	Conntrack      *ebpf.Map `ebpf:"conntrack"`
+	GlobalStats    *ebpf.Map `ebpf:"global_stats"`
+	HalfOpen       *ebpf.Map `ebpf:"half_open"`
+	LookupTables   *ebpf.Map `ebpf:"lookup_tables"`
+	NatCursor      *ebpf.Map `ebpf:"nat_cursor"`
+	NatHalfReverse *ebpf.Map `ebpf:"nat_half_reverse"`
+	NatReverse     *ebpf.Map `ebpf:"nat_reverse"`
+	NewFlowLimit   *ebpf.Map `ebpf:"new_flow_limit"`
+	ServiceStats   *ebpf.Map `ebpf:"service_stats"`
+	Services       *ebpf.Map `ebpf:"services"`
+	TxPorts        *ebpf.Map `ebpf:"tx_ports"`
 }
 
 func (m *WeirMaps) Close() error {
@@ -257,8 +278,12 @@ func (m *WeirMaps) Close() error {
 		m.Backends,
 		m.Conntrack,
 		m.GlobalStats,
+		m.HalfOpen,
 		m.LookupTables,
+		m.NatCursor,
+		m.NatHalfReverse,
 		m.NatReverse,
+		m.NewFlowLimit,
 		m.ServiceStats,
 		m.Services,
 		m.TxPorts,
@@ -269,14 +294,17 @@ func (m *WeirMaps) Close() error {
 //
 // It can be passed to LoadWeirObjects or ebpf.CollectionSpec.LoadAndAssign.
 type WeirVariables struct {
-	HashSeed     *ebpf.Variable `ebpf:"hash_seed"`
-	NatAddr4     *ebpf.Variable `ebpf:"nat_addr4"`
-	NatAddr6     *ebpf.Variable `ebpf:"nat_addr6"`
-	NatPortMax   *ebpf.Variable `ebpf:"nat_port_max"`
-	NatPortMin   *ebpf.Variable `ebpf:"nat_port_min"`
-	TcpClosingNs *ebpf.Variable `ebpf:"tcp_closing_ns"`
-	TcpIdleNs    *ebpf.Variable `ebpf:"tcp_idle_ns"`
-	UdpIdleNs    *ebpf.Variable `ebpf:"udp_idle_ns"`
+	HalfOpenNs        *ebpf.Variable `ebpf:"half_open_ns"`
+	HashSeed          *ebpf.Variable `ebpf:"hash_seed"`
+	NatAddr4          *ebpf.Variable `ebpf:"nat_addr4"`
+	NatAddr6          *ebpf.Variable `ebpf:"nat_addr6"`
+	NatPortMax        *ebpf.Variable `ebpf:"nat_port_max"`
+	NatPortMin        *ebpf.Variable `ebpf:"nat_port_min"`
+	NewFlowBurstNs    *ebpf.Variable `ebpf:"new_flow_burst_ns"`
+	NewFlowIntervalNs *ebpf.Variable `ebpf:"new_flow_interval_ns"`
+	TcpClosingNs      *ebpf.Variable `ebpf:"tcp_closing_ns"`
+	TcpIdleNs         *ebpf.Variable `ebpf:"tcp_idle_ns"`
+	UdpIdleNs         *ebpf.Variable `ebpf:"udp_idle_ns"`
 }
 
 // WeirPrograms contains all programs after they have been loaded into the kernel.

@@ -17,6 +17,9 @@ type Explanation struct {
 	New netip.AddrPort
 	// Tracked is the backend the connection table holds for this flow, if any.
 	Tracked netip.AddrPort
+	// HalfOpen says the flow is tracked in the half-open table: its client has sent
+	// only its first packet so far (a spoofed source never gets further).
+	HalfOpen bool
 	// TrackedUsable says whether Tracked may still carry the flow; if not, the flow's
 	// next packet is re-selected.
 	TrackedUsable bool
@@ -60,18 +63,25 @@ func (p *Program) Explain(key ServiceKey, client netip.AddrPort) (Explanation, e
 		Sport: portWord(client.Port()), Dport: portWord(key.VIP.Port()),
 		Proto: uint8(key.Protocol), Family: family(key.VIP.Addr()),
 	}
-	var fs bpf.WeirFlowState
-	err := p.objs.Conntrack.Lookup(fk, &fs)
-	switch {
-	case errors.Is(err, ebpf.ErrKeyNotExist):
-	case err != nil:
-		return Explanation{}, fmt.Errorf("explain %s: read connection table: %w", key, err)
-	default:
+	for _, table := range []struct {
+		m        *ebpf.Map
+		halfOpen bool
+	}{{p.objs.Conntrack, false}, {p.objs.HalfOpen, true}} {
+		var fs bpf.WeirFlowState
+		err := table.m.Lookup(fk, &fs)
+		switch {
+		case errors.Is(err, ebpf.ErrKeyNotExist):
+			continue
+		case err != nil:
+			return Explanation{}, fmt.Errorf("explain %s: read connection table: %w", key, err)
+		}
 		if b, ok := bySlot[fs.BackendId]; ok && st.slots[b.Addr] == fs.BackendId {
 			ex.Tracked = b.Addr
 			ex.TrackedUsable = b.Usable
+			ex.HalfOpen = table.halfOpen
 			ex.NATPort = portWord(fs.NatPort)
 		}
+		break
 	}
 	return ex, nil
 }

@@ -24,20 +24,24 @@ func (p *Program) Model() (*Model, error) {
 	}
 	o := p.opts.NAT
 	m := &Model{
-		HashSeed:     p.opts.HashSeed,
-		PortMin:      o.PortMin,
-		PortMax:      o.PortMax,
-		TCPIdleNs:    uint64(o.TCPIdle),
-		TCPClosingNs: uint64(o.TCPClosing),
-		UDPIdleNs:    uint64(o.UDPIdle),
-		MaxServices:  p.objs.ServiceStats.MaxEntries(),
-		MaxBackends:  p.objs.BackendStats.MaxEntries(),
-		Services:     make(map[bpf.WeirVipKey]bpf.WeirService),
-		Tables:       make(map[uint32][]uint32),
-		Conntrack:    make(map[bpf.WeirFlowKey]bpf.WeirFlowState),
-		NATReverse:   make(map[bpf.WeirFlowKey]bpf.WeirNatEntry),
-		TxPorts:      make(map[uint32]bool),
+		HashSeed:       p.opts.HashSeed,
+		PortMin:        o.PortMin,
+		PortMax:        o.PortMax,
+		TCPIdleNs:      uint64(o.TCPIdle),
+		TCPClosingNs:   uint64(o.TCPClosing),
+		UDPIdleNs:      uint64(o.UDPIdle),
+		HalfOpenNs:     uint64(o.HalfOpen),
+		MaxServices:    p.objs.ServiceStats.MaxEntries(),
+		MaxBackends:    p.objs.BackendStats.MaxEntries(),
+		Services:       make(map[bpf.WeirVipKey]bpf.WeirService),
+		Tables:         make(map[uint32][]uint32),
+		Conntrack:      make(map[bpf.WeirFlowKey]bpf.WeirFlowState),
+		HalfOpen:       make(map[bpf.WeirFlowKey]bpf.WeirFlowState),
+		NATReverse:     make(map[bpf.WeirFlowKey]bpf.WeirNatEntry),
+		NATHalfReverse: make(map[bpf.WeirFlowKey]bpf.WeirNatEntry),
+		TxPorts:        make(map[uint32]bool),
 	}
+	m.NewFlowIntervalNs, m.NewFlowBurstNs = p.opts.flowLimitNs()
 	if o.Addr4.IsValid() {
 		m.NATAddr4 = addrWords(o.Addr4)[0]
 	}
@@ -53,6 +57,12 @@ func (p *Program) Model() (*Model, error) {
 	if err := readAll(p.objs.NatReverse, m.NATReverse); err != nil {
 		return nil, fmt.Errorf("read nat_reverse: %w", err)
 	}
+	if err := readAll(p.objs.HalfOpen, m.HalfOpen); err != nil {
+		return nil, fmt.Errorf("read half_open: %w", err)
+	}
+	if err := readAll(p.objs.NatHalfReverse, m.NATHalfReverse); err != nil {
+		return nil, fmt.Errorf("read nat_half_reverse: %w", err)
+	}
 	ports := make(map[uint32]uint32)
 	if err := readAll(p.objs.TxPorts, ports); err != nil {
 		return nil, fmt.Errorf("read tx_ports: %w", err)
@@ -63,6 +73,9 @@ func (p *Program) Model() (*Model, error) {
 	var err error
 	if m.Backends, err = readArray[bpf.WeirBackend](p.objs.Backends, p.objs.Backends.MaxEntries()); err != nil {
 		return nil, fmt.Errorf("read backends: %w", err)
+	}
+	if m.NATCursor, err = readArray[uint32](p.objs.NatCursor, p.objs.NatCursor.MaxEntries()); err != nil {
+		return nil, fmt.Errorf("read nat_cursor: %w", err)
 	}
 	for _, svc := range m.Services {
 		if _, done := m.Tables[svc.Id]; done {
@@ -163,26 +176,137 @@ func (p *Program) readCounters(services, backends uint32) (dataPlaneCounters, er
 	return c, nil
 }
 
-// setFlows empties the connection and nat reverse tables and fills them with the
-// given entries, so a test starts each packet from a known state.
-func (p *Program) setFlows(conntrack map[bpf.WeirFlowKey]bpf.WeirFlowState, reverse map[bpf.WeirFlowKey]bpf.WeirNatEntry) error {
-	if err := clearMap[bpf.WeirFlowKey, bpf.WeirFlowState](p.objs.Conntrack); err != nil {
-		return fmt.Errorf("clear conntrack: %w", err)
+// flowTables are the program's flow tables, as a test seeds and reads them.
+type flowTables struct {
+	Conntrack, HalfOpen  map[bpf.WeirFlowKey]bpf.WeirFlowState
+	Reverse, HalfReverse map[bpf.WeirFlowKey]bpf.WeirNatEntry
+}
+
+func (p *Program) flowMaps() []struct {
+	name  string
+	m     *ebpf.Map
+	state bool // value is a flow_state (else a nat_entry)
+} {
+	return []struct {
+		name  string
+		m     *ebpf.Map
+		state bool
+	}{
+		{"conntrack", p.objs.Conntrack, true}, {"half_open", p.objs.HalfOpen, true},
+		{"nat_reverse", p.objs.NatReverse, false}, {"nat_half_reverse", p.objs.NatHalfReverse, false},
 	}
-	if err := clearMap[bpf.WeirFlowKey, bpf.WeirNatEntry](p.objs.NatReverse); err != nil {
-		return fmt.Errorf("clear nat_reverse: %w", err)
-	}
-	for k, v := range conntrack {
-		if err := p.objs.Conntrack.Put(k, v); err != nil {
-			return fmt.Errorf("seed conntrack: %w", err)
+}
+
+func (t *flowTables) states(i int) map[bpf.WeirFlowKey]bpf.WeirFlowState {
+	return [...]map[bpf.WeirFlowKey]bpf.WeirFlowState{t.Conntrack, t.HalfOpen}[i]
+}
+
+func (t *flowTables) entries(i int) map[bpf.WeirFlowKey]bpf.WeirNatEntry {
+	return [...]map[bpf.WeirFlowKey]bpf.WeirNatEntry{t.Reverse, t.HalfReverse}[i-2]
+}
+
+// setFlows replaces the flow tables' contents with next, so a test starts each
+// packet from a known state. prev is what the tables hold now (as flows read them),
+// so only its keys need deleting.
+func (p *Program) setFlows(prev, next flowTables) error {
+	for i, fm := range p.flowMaps() {
+		var err error
+		if fm.state {
+			err = replaceEntries(fm.m, prev.states(i), next.states(i))
+		} else {
+			err = replaceEntries(fm.m, prev.entries(i), next.entries(i))
 		}
-	}
-	for k, v := range reverse {
-		if err := p.objs.NatReverse.Put(k, v); err != nil {
-			return fmt.Errorf("seed nat_reverse: %w", err)
+		if err != nil {
+			return fmt.Errorf("seed %s: %w", fm.name, err)
 		}
 	}
 	return nil
+}
+
+// replaceEntries makes m hold next where it held prev.
+func replaceEntries[V comparable](m *ebpf.Map, prev, next map[bpf.WeirFlowKey]V) error {
+	for k := range prev {
+		if _, keep := next[k]; keep {
+			continue
+		}
+		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return err
+		}
+	}
+	for k, v := range next {
+		if old, ok := prev[k]; ok && old == v {
+			continue
+		}
+		if err := m.Put(k, v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// flows reads the flow tables.
+func (p *Program) flows() (flowTables, error) {
+	t := flowTables{
+		Conntrack: make(map[bpf.WeirFlowKey]bpf.WeirFlowState), HalfOpen: make(map[bpf.WeirFlowKey]bpf.WeirFlowState),
+		Reverse: make(map[bpf.WeirFlowKey]bpf.WeirNatEntry), HalfReverse: make(map[bpf.WeirFlowKey]bpf.WeirNatEntry),
+	}
+	for i, fm := range p.flowMaps() {
+		var err error
+		if fm.state {
+			err = readAll(fm.m, t.states(i))
+		} else {
+			err = readAll(fm.m, t.entries(i))
+		}
+		if err != nil {
+			return t, fmt.Errorf("read %s: %w", fm.name, err)
+		}
+	}
+	return t, nil
+}
+
+// setNATCursors writes the first len(cursors) entries of nat_cursor.
+func (p *Program) setNATCursors(cursors []uint32) error {
+	keys := make([]uint32, len(cursors))
+	for i := range keys {
+		keys[i] = uint32(i)
+	}
+	if _, err := p.objs.NatCursor.BatchUpdate(keys, cursors, nil); err != nil {
+		return fmt.Errorf("seed nat_cursor: %w", err)
+	}
+	return nil
+}
+
+// natCursors reads the first n entries of nat_cursor.
+func (p *Program) natCursors(n uint32) ([]uint32, error) {
+	c, err := readArray[uint32](p.objs.NatCursor, n)
+	if err != nil {
+		return nil, fmt.Errorf("read nat_cursor: %w", err)
+	}
+	return c, nil
+}
+
+// setNewFlowTAT sets every CPU's new-flow limit word; newFlowTATs reads them.
+func (p *Program) setNewFlowTAT(tat uint64) error {
+	cpus, err := ebpf.PossibleCPU()
+	if err != nil {
+		return err
+	}
+	v := make([]uint64, cpus)
+	for i := range v {
+		v[i] = tat
+	}
+	if err := p.objs.NewFlowLimit.Put(uint32(0), v); err != nil {
+		return fmt.Errorf("seed new_flow_limit: %w", err)
+	}
+	return nil
+}
+
+func (p *Program) newFlowTATs() ([]uint64, error) {
+	var v []uint64
+	if err := p.objs.NewFlowLimit.Lookup(uint32(0), &v); err != nil {
+		return nil, fmt.Errorf("read new_flow_limit: %w", err)
+	}
+	return v, nil
 }
 
 // setBackends writes backend slots whole, in one batch (the tests seed tunnel next
@@ -210,30 +334,4 @@ func (p *Program) backendSlots(n uint32) ([]bpf.WeirBackend, error) {
 		return nil, fmt.Errorf("read backends: %w", err)
 	}
 	return b, nil
-}
-
-// flows reads the connection and nat reverse tables.
-func (p *Program) flows() (map[bpf.WeirFlowKey]bpf.WeirFlowState, map[bpf.WeirFlowKey]bpf.WeirNatEntry, error) {
-	ct := make(map[bpf.WeirFlowKey]bpf.WeirFlowState)
-	rev := make(map[bpf.WeirFlowKey]bpf.WeirNatEntry)
-	if err := readAll(p.objs.Conntrack, ct); err != nil {
-		return nil, nil, fmt.Errorf("read conntrack: %w", err)
-	}
-	if err := readAll(p.objs.NatReverse, rev); err != nil {
-		return nil, nil, fmt.Errorf("read nat_reverse: %w", err)
-	}
-	return ct, rev, nil
-}
-
-func clearMap[K comparable, V any](m *ebpf.Map) error {
-	all := make(map[K]V)
-	if err := readAll(m, all); err != nil {
-		return err
-	}
-	for k := range all {
-		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return err
-		}
-	}
-	return nil
 }

@@ -28,6 +28,16 @@ type Options struct {
 	// default (bpf/consts.h CONNTRACK_SIZE). Each flow costs about 100 bytes of kernel
 	// memory, twice for nat flows (the reverse table is sized the same).
 	ConntrackSize uint32
+	// HalfOpenSize is how many flows the half-open table remembers: flows whose
+	// client has sent only a first packet (a SYN, a lone UDP datagram), the only ones
+	// a spoofed-source flood makes. 0: a quarter of ConntrackSize (at least 1,024), or
+	// bpf/consts.h HALF_OPEN_SIZE with the default connection table.
+	HalfOpenSize uint32
+	// NewFlowRate limits the new flows each CPU records per second; 0: no limit. Over
+	// it, a new nat flow is dropped (drop_flow_rate) and a new dsr or tunnel flow is
+	// sent by the lookup table without being recorded (flow_untracked). NewFlowBurst
+	// is how many flows may come at once above the rate (0: a tenth of a second's).
+	NewFlowRate, NewFlowBurst uint32
 	// NAT is the source side of nat-mode services.
 	NAT NATOptions
 	// PinPath, a directory on a bpf filesystem (e.g. /sys/fs/bpf/weir), pins the maps
@@ -48,6 +58,10 @@ type NATOptions struct {
 	// Idle timeouts: established TCP (default 15 min), TCP after FIN or RST
 	// (default 10 s), UDP (default 30 s). An expired flow's port may be reused.
 	TCPIdle, TCPClosing, UDPIdle time.Duration
+	// HalfOpen is how long a flow whose client has sent only its first packet keeps
+	// its port and backend (default 5 s); sooner if the backend's port ring comes
+	// round to its port first.
+	HalfOpen time.Duration
 }
 
 func (o *NATOptions) setVariables(spec *ebpf.CollectionSpec) error {
@@ -72,6 +86,9 @@ func (o *NATOptions) setVariables(spec *ebpf.CollectionSpec) error {
 	if o.UDPIdle == 0 {
 		o.UDPIdle = 30 * time.Second
 	}
+	if o.HalfOpen == 0 {
+		o.HalfOpen = 5 * time.Second
+	}
 	var a4 uint32
 	var a6 [4]uint32
 	if o.Addr4.IsValid() {
@@ -88,12 +105,41 @@ func (o *NATOptions) setVariables(spec *ebpf.CollectionSpec) error {
 		bpf.WeirVarTcpIdleNs:    uint64(o.TCPIdle),
 		bpf.WeirVarTcpClosingNs: uint64(o.TCPClosing),
 		bpf.WeirVarUdpIdleNs:    uint64(o.UDPIdle),
+		bpf.WeirVarHalfOpenNs:   uint64(o.HalfOpen),
 	} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return fmt.Errorf("set %s: %w", name, err)
 		}
 	}
 	return nil
+}
+
+// setFlowLimit sets the program's new-flow rate limit: each new flow costs
+// 1/NewFlowRate seconds of credit, and NewFlowBurst flows' worth may be drawn ahead.
+func (o *Options) setFlowLimit(spec *ebpf.CollectionSpec) error {
+	if o.NewFlowRate > 0 && o.NewFlowBurst == 0 {
+		o.NewFlowBurst = max(o.NewFlowRate/10, 1)
+	}
+	interval, burst := o.flowLimitNs()
+	for name, v := range map[string]uint64{
+		bpf.WeirVarNewFlowIntervalNs: interval,
+		bpf.WeirVarNewFlowBurstNs:    burst,
+	} {
+		if err := spec.Variables[name].Set(v); err != nil {
+			return fmt.Errorf("set %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// flowLimitNs is the new-flow limit as the program holds it: the credit one flow
+// costs and the credit that may be drawn ahead, in ns (0, 0: no limit).
+func (o *Options) flowLimitNs() (interval, burst uint64) {
+	if o.NewFlowRate == 0 {
+		return 0, 0
+	}
+	interval = uint64(time.Second) / uint64(o.NewFlowRate)
+	return interval, interval * uint64(o.NewFlowBurst)
 }
 
 // Program is weir's loaded XDP program with its maps. Its methods are safe for
@@ -140,9 +186,19 @@ func Load(opts Options) (_ *Program, err error) {
 	if err := opts.NAT.setVariables(spec); err != nil {
 		return nil, fmt.Errorf("load xdp program: %w", err)
 	}
+	if err := opts.setFlowLimit(spec); err != nil {
+		return nil, fmt.Errorf("load xdp program: %w", err)
+	}
 	if opts.ConntrackSize > 0 {
 		spec.Maps[bpf.WeirMapConntrack].MaxEntries = opts.ConntrackSize
 		spec.Maps[bpf.WeirMapNatReverse].MaxEntries = opts.ConntrackSize
+		if opts.HalfOpenSize == 0 {
+			opts.HalfOpenSize = max(opts.ConntrackSize/4, 1024)
+		}
+	}
+	if opts.HalfOpenSize > 0 {
+		spec.Maps[bpf.WeirMapHalfOpen].MaxEntries = opts.HalfOpenSize
+		spec.Maps[bpf.WeirMapNatHalfReverse].MaxEntries = opts.HalfOpenSize
 	}
 	var adopting bool
 	var loadOpts *ebpf.CollectionOptions

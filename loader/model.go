@@ -2,7 +2,6 @@ package loader
 
 import (
 	"encoding/binary"
-	"fmt"
 
 	"github.com/weir-lb/weir/bpf"
 )
@@ -16,17 +15,18 @@ import (
 // next hops. FuzzDataPath holds it against the real program; it mirrors the C, bugs
 // included, so keep the two in step.
 //
-// What no model can predict comes in through ModelEnv: the clock, the nat source
-// port the program's random draws settle on, and bpf_fib_lookup's answer. The model
+// What no model can predict comes in through ModelEnv: the clock and
+// bpf_fib_lookup's answer. The model
 // assumes bpf_xdp_adjust_head always finds the headroom it asks for (at most 40
 // bytes; drivers and BPF_PROG_TEST_RUN leave 256).
 //
 // Words are read from the frame as the C reads them: network-order bytes loaded as
 // native (little-endian) integers, the layout bpf2go's key and value types hold.
 
-// Model is the program's map contents and load-time settings. Run changes
-// Conntrack, NATReverse and the tunnel next-hop cache of Backends (hop, hop_ns,
-// hop_len) as the program changes its maps.
+// Model is the program's map contents and load-time settings. Run changes the flow
+// tables (Conntrack, HalfOpen, NATReverse, NATHalfReverse), the nat port rings
+// (NATCursor), the new-flow limit (NewFlowTAT) and the tunnel next-hop cache of
+// Backends (hop, hop_ns, hop_len) as the program changes its maps.
 type Model struct {
 	HashSeed uint32
 	// The nat settings (bpf/nat.h's volatile consts) as the program holds them.
@@ -36,28 +36,30 @@ type Model struct {
 	TCPIdleNs        uint64
 	TCPClosingNs     uint64
 	UDPIdleNs        uint64
-	MaxServices      uint32 // entries of lookup_tables and service_stats
-	MaxBackends      uint32 // entries of backend_stats and backend_flows
-	Services         map[bpf.WeirVipKey]bpf.WeirService
-	Backends         []bpf.WeirBackend   // the whole array, index = slot; Run writes tunnel next hops in place
-	Tables           map[uint32][]uint32 // service id -> lookup table: entry 0 the size M, 1..M slots
-	Conntrack        map[bpf.WeirFlowKey]bpf.WeirFlowState
-	NATReverse       map[bpf.WeirFlowKey]bpf.WeirNatEntry
-	TxPorts          map[uint32]bool // tx_ports keys
-	IngressIfindex   uint32          // ctx->ingress_ifindex of every Run
+	HalfOpenNs       uint64
+	// The new-flow limit (bpf/select.h): the cost of one flow and the credit that may
+	// be drawn ahead, in ns; 0 is no limit. NewFlowTAT is new_flow_limit's word of
+	// the CPU that runs the program.
+	NewFlowIntervalNs, NewFlowBurstNs uint64
+	NewFlowTAT                        uint64
+	MaxServices                       uint32 // entries of lookup_tables and service_stats
+	MaxBackends                       uint32 // entries of backend_stats, backend_flows and nat_cursor
+	Services                          map[bpf.WeirVipKey]bpf.WeirService
+	Backends                          []bpf.WeirBackend   // the whole array, index = slot; Run writes tunnel next hops in place
+	Tables                            map[uint32][]uint32 // service id -> lookup table: entry 0 the size M, 1..M slots
+	Conntrack                         map[bpf.WeirFlowKey]bpf.WeirFlowState
+	HalfOpen                          map[bpf.WeirFlowKey]bpf.WeirFlowState
+	NATReverse                        map[bpf.WeirFlowKey]bpf.WeirNatEntry
+	NATHalfReverse                    map[bpf.WeirFlowKey]bpf.WeirNatEntry
+	NATCursor                         []uint32        // by backend slot (MaxBackends entries)
+	TxPorts                           map[uint32]bool // tx_ports keys
+	IngressIfindex                    uint32          // ctx->ingress_ifindex of every Run
 }
 
 // ModelEnv is what the model cannot know.
 type ModelEnv struct {
 	// Now is bpf_ktime_get_coarse_ns as the program reads it.
 	Now uint64
-	// NATPort is asked for when a new nat flow (its key as received) claims a source
-	// port and the range holds more than one port: it returns the port (host order)
-	// the program's random draws settled on, or 0 if every draw failed. A test reads
-	// it from the program's connection table afterwards. The model checks that the
-	// port is in range and could be claimed. With PortMin == PortMax the draw is
-	// forced and NATPort is not asked.
-	NATPort func(flow bpf.WeirFlowKey) uint16
 	// FIB answers bpf_fib_lookup; nil means no route (drop_no_route). nat asks it for
 	// the rewritten packet's next hop, tunnel mode for the outer packet's (Proto 4 or
 	// 41, TotLen the outer packet's length, which the kernel checks against the
@@ -112,7 +114,7 @@ const (
 	maxL3Offset         = 64
 	maxL4Offset         = 512
 	maxIPv6ExtHeaders   = 4
-	natPortTries        = 8
+	natPortTries        = 8 // NAT_PORT_TRIES
 	flowFlagClosing     = 1 << 0
 	modeNAT             = 1
 	modeTunnel          = 2
@@ -164,17 +166,15 @@ type run struct {
 	env ModelEnv
 	b   []byte
 	out Outcome
-	err error
 }
 
-// Run predicts what the program does with frame. It returns an error when env
-// contradicts the model (a nat port out of range or held by a live flow).
-func (m *Model) Run(frame []byte, env ModelEnv) (Outcome, error) {
+// Run predicts what the program does with frame.
+func (m *Model) Run(frame []byte, env ModelEnv) Outcome {
 	r := &run{m: m, env: env, b: append([]byte(nil), frame...)}
 	r.out.Len = uint32(len(frame))
 	r.out.Action = Action(r.program())
 	r.out.Frame = r.b
-	return r.out, r.err
+	return r.out
 }
 
 // Little-endian loads and stores: the C's native accesses to network-order bytes.
@@ -425,23 +425,53 @@ func flowKeyHash(f *bpf.WeirFlowKey, seed uint32, sourceOnly bool) uint32 {
 	return hashFinal(h)
 }
 
-// selectBackend is select.h's select_backend (dsr).
+func isSYN(p *modelPacket) bool {
+	return p.flow.Proto == protoTCP && p.tcpFlags&(tcpFlagSYN|tcpFlagACK) == tcpFlagSYN
+}
+
+// newFlowAllowed is select.h's new_flow_allowed.
+func (r *run) newFlowAllowed(now uint64) bool {
+	if r.m.NewFlowIntervalNs == 0 {
+		return true
+	}
+	t := max(r.m.NewFlowTAT, now)
+	if t-now > r.m.NewFlowBurstNs {
+		return false
+	}
+	r.m.NewFlowTAT = t + r.m.NewFlowIntervalNs
+	return true
+}
+
+// selectBackend is select.h's select_backend (dsr and tunnel).
 func (r *run) selectBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.WeirBackend, int) {
 	event := ReasonFlowNew
-	if !(p.flow.Proto == protoTCP && p.tcpFlags&(tcpFlagSYN|tcpFlagACK) == tcpFlagSYN) {
-		if known, ok := r.m.Conntrack[p.flow]; ok {
-			if be, ok := r.usableBackend(known.BackendId, svc.Id); ok {
-				r.count(ReasonFlowHit)
-				return known.BackendId, be, modelContinue
-			}
-			event = ReasonFlowReselect
+	if isSYN(p) {
+		delete(r.m.Conntrack, p.flow)
+	} else if known, ok := r.m.Conntrack[p.flow]; ok {
+		if be, ok := r.usableBackend(known.BackendId, svc.Id); ok {
+			r.count(ReasonFlowHit)
+			return known.BackendId, be, modelContinue
 		}
+		delete(r.m.Conntrack, p.flow)
+		event = ReasonFlowReselect
+	} else if known, ok := r.m.HalfOpen[p.flow]; ok {
+		if be, ok := r.usableBackend(known.BackendId, svc.Id); ok {
+			r.m.Conntrack[p.flow] = known
+			delete(r.m.HalfOpen, p.flow)
+			r.count(ReasonFlowEstablished)
+			return known.BackendId, be, modelContinue
+		}
+		event = ReasonFlowReselect
 	}
 	id, be, ok := r.lookupTablePick(p, svc)
 	if !ok {
 		return 0, be, r.verdict(XDPDrop, ReasonDropNoBackend)
 	}
-	r.m.Conntrack[p.flow] = bpf.WeirFlowState{BackendId: id, CreatedNs: r.env.Now}
+	if !r.newFlowAllowed(r.env.Now) {
+		r.count(ReasonFlowUntracked)
+		return id, be, modelContinue
+	}
+	r.m.HalfOpen[p.flow] = bpf.WeirFlowState{BackendId: id, CreatedNs: r.env.Now}
 	r.count(event)
 	return id, be, modelContinue
 }
@@ -636,68 +666,97 @@ func (r *run) replyKey(p *modelPacket, be bpf.WeirBackend, natPort uint16) bpf.W
 		Proto: p.flow.Proto, Family: p.flow.Family}
 }
 
-// natClaimable reports whether nat_alloc_port would take port (network order,
-// native) for the reverse key rk: free, or held by a flow that has ended.
-func (r *run) natClaimable(rk bpf.WeirFlowKey, now uint64) bool {
-	old, ok := r.m.NATReverse[rk]
-	if !ok {
-		return true
-	}
-	holder, ok := r.m.Conntrack[old.Client]
-	return !(ok && r.m.flowAlive(&holder, rk.Proto, now) && holder.NatPort == rk.Dport &&
-		holder.BackendId == old.BackendId)
-}
-
-// natAllocPort is nat.h's nat_alloc_port with the random draws replaced by
-// ModelEnv.NATPort. It returns the port in network order (as a native word), 0 for none.
+// natAllocPort is nat.h's nat_alloc_port. It returns the port in network order (as
+// a native word), 0 for none.
 func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now uint64) uint16 {
 	rk := r.replyKey(p, be, 0)
 	toClient, ok := r.cameFrom()
+	if !ok || id >= uint32(len(r.m.NATCursor)) {
+		return 0
+	}
+	span := uint32(r.m.PortMax) - uint32(r.m.PortMin) + 1
+	for range natPortTries {
+		port := r.m.NATCursor[id] % span
+		r.m.NATCursor[id]++
+		rk.Dport = ntohs(r.m.PortMin + uint16(port))
+		if old, ok := r.m.NATReverse[rk]; ok {
+			holder, ok := r.m.Conntrack[old.Client]
+			if ok && r.m.flowAlive(&holder, rk.Proto, now) && holder.NatPort == rk.Dport &&
+				holder.BackendId == old.BackendId {
+				continue
+			}
+			delete(r.m.NATReverse, rk)
+		}
+		r.m.NATHalfReverse[rk] = bpf.WeirNatEntry{Client: p.flow, BackendId: id, ToClient: toClient}
+		return rk.Dport
+	}
+	return 0
+}
+
+// natSend is nat.h's nat_send.
+func (r *run) natSend(p *modelPacket, be bpf.WeirBackend, port uint16, hop *bpf.WeirNextHop) int {
+	if a := r.natRewrite(p, r.natSource(p.flow.Family), port, be.Addr, be.Port); a != modelContinue {
+		return a
+	}
+	return r.fibForward(p, hop)
+}
+
+// natHalfOpen is nat.h's nat_half_open.
+func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowKey, now uint64) int {
+	hs, ok := r.m.HalfOpen[key]
+	if !ok || now-hs.CreatedNs > r.m.HalfOpenNs {
+		return modelContinue
+	}
+	id := hs.BackendId
+	be, ok := r.usableBackend(id, svc.Id)
 	if !ok {
-		return 0
+		return modelContinue
 	}
-	var port uint16
-	if r.m.PortMin == r.m.PortMax {
-		port = r.m.PortMin
-	} else {
-		if r.env.NATPort != nil {
-			port = r.env.NATPort(p.flow)
-		}
-		if port == 0 {
-			return 0
-		}
-		if port < r.m.PortMin || port > r.m.PortMax {
-			r.err = fmt.Errorf("nat source port %d outside %d..%d", port, r.m.PortMin, r.m.PortMax)
-			return 0
-		}
+	rk := r.replyKey(p, be, hs.NatPort)
+	rev, ok := r.m.NATHalfReverse[rk]
+	if !ok || rev.BackendId != id || rev.Client != key {
+		return modelContinue
 	}
-	rk.Dport = ntohs(port)
-	if !r.natClaimable(rk, now) {
-		if r.m.PortMin != r.m.PortMax {
-			r.err = fmt.Errorf("nat source port %d is held by a live flow: the program must not take it", port)
-		}
-		return 0
+	if tcpCloses(p) {
+		hs.Flags |= flowFlagClosing
 	}
-	r.m.NATReverse[rk] = bpf.WeirNatEntry{Client: p.flow, BackendId: id, ToClient: toClient}
-	return rk.Dport
+	r.countService(svc.Id)
+	r.countBackend(id)
+	if isSYN(p) {
+		r.count(ReasonFlowHit)
+		a := r.natSend(p, be, hs.NatPort, &hs.ToBackend)
+		r.m.HalfOpen[key] = hs
+		return a
+	}
+	r.count(ReasonFlowEstablished)
+	r.countFlow(id, true)
+	if hs.Flags&flowFlagClosing != 0 {
+		r.countFlow(id, false)
+	}
+	hs.LastSeenNs = now
+	a := r.natSend(p, be, hs.NatPort, &hs.ToBackend)
+	r.m.Conntrack[key] = hs
+	r.m.NATReverse[rk] = rev
+	delete(r.m.NATHalfReverse, rk)
+	delete(r.m.HalfOpen, key)
+	return a
 }
 
 // natForward is nat.h's nat_forward.
 func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 	now := r.env.Now
 	key := p.flow
-	var (
-		id uint32
-		be bpf.WeirBackend
-		ok bool
-	)
-	fs, known := r.m.Conntrack[key]
-	if known {
+	event := ReasonFlowNew
+	if fs, known := r.m.Conntrack[key]; known {
+		var (
+			be bpf.WeirBackend
+			ok bool
+		)
 		if r.m.flowAlive(&fs, p.flow.Proto, now) {
 			be, ok = r.usableBackend(fs.BackendId, svc.Id)
 		}
 		if ok {
-			id = fs.BackendId
+			id := fs.BackendId
 			if now-fs.LastSeenNs > nsecPerSec {
 				r.refreshFlow(p, key, be, now)
 			}
@@ -708,19 +767,23 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 			r.countService(svc.Id)
 			r.countBackend(id)
 			fs = r.m.Conntrack[key]
-			if a := r.natRewrite(p, r.natSource(p.flow.Family), fs.NatPort, be.Addr, be.Port); a != modelContinue {
-				return a
-			}
-			a := r.fibForward(p, &fs.ToBackend)
+			a := r.natSend(p, be, fs.NatPort, &fs.ToBackend)
 			r.m.Conntrack[key] = fs
 			return a
 		}
 		// Expired, or its backend became unusable: the old flow ends here.
 		r.markClosing(key)
+		delete(r.m.Conntrack, key)
+		event = ReasonFlowReselect
+	} else if a := r.natHalfOpen(p, svc, key, now); a != modelContinue {
+		return a
 	}
-	id, be, ok = r.lookupTablePick(p, svc)
+	id, be, ok := r.lookupTablePick(p, svc)
 	if !ok {
 		return r.verdict(XDPDrop, ReasonDropNoBackend)
+	}
+	if !r.newFlowAllowed(now) {
+		return r.verdict(XDPDrop, ReasonDropFlowRate)
 	}
 	port := r.natAllocPort(p, be, id, now)
 	if port == 0 {
@@ -730,23 +793,12 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 	if tcpCloses(p) {
 		fresh.Flags = flowFlagClosing
 	}
-	r.countFlow(id, true)
-	if fresh.Flags&flowFlagClosing != 0 {
-		r.countFlow(id, false)
-	}
-	if known {
-		r.count(ReasonFlowReselect)
-	} else {
-		r.count(ReasonFlowNew)
-	}
+	r.count(event)
 	r.countService(svc.Id)
 	r.countBackend(id)
-	a := r.natRewrite(p, r.natSource(p.flow.Family), port, be.Addr, be.Port)
-	if a == modelContinue {
-		a = r.fibForward(p, &fresh.ToBackend)
-	}
+	a := r.natSend(p, be, port, &fresh.ToBackend)
 	// Recorded whatever the verdict.
-	r.m.Conntrack[key] = fresh
+	r.m.HalfOpen[key] = fresh
 	return a
 }
 
@@ -767,14 +819,24 @@ func (r *run) refreshFlow(p *modelPacket, key bpf.WeirFlowKey, be bpf.WeirBacken
 
 // natReply is nat.h's nat_reply.
 func (r *run) natReply(p *modelPacket) int {
+	established := true
 	rev, ok := r.m.NATReverse[p.flow]
+	if !ok {
+		rev, ok = r.m.NATHalfReverse[p.flow]
+		established = false
+	}
 	if !ok {
 		return modelContinue
 	}
 	client := rev.Client
 	if tcpCloses(p) {
-		if fs, ok := r.m.Conntrack[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
-			r.markClosing(client)
+		if established {
+			if fs, ok := r.m.Conntrack[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
+				r.markClosing(client)
+			}
+		} else if fs, ok := r.m.HalfOpen[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
+			fs.Flags |= flowFlagClosing
+			r.m.HalfOpen[client] = fs
 		}
 	}
 	r.count(ReasonNATReply)
@@ -834,6 +896,9 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 	if r.isNATAddress(&p.flow) {
 		rev, ok := r.m.NATReverse[flow]
 		if !ok {
+			rev, ok = r.m.NATHalfReverse[flow]
+		}
+		if !ok {
 			return r.verdict(XDPPass, ReasonPassNotService)
 		}
 		rw.outerSrc, rw.outerDst = rev.Client.Dst, rev.Client.Src
@@ -841,6 +906,9 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 		rw.innerSport, rw.innerDport = rev.Client.Sport, rev.Client.Dport
 	} else {
 		fs, ok := r.m.Conntrack[flow]
+		if !ok {
+			fs, ok = r.m.HalfOpen[flow]
+		}
 		if !ok || fs.NatPort == 0 {
 			return r.verdict(XDPPass, ReasonPassNotService)
 		}

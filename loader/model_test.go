@@ -55,6 +55,51 @@ func FuzzDataPath(f *testing.F) {
 	})
 }
 
+// TestFuzzSeedsTakeTheirPath holds seeds of the flood defences to the path their
+// name says, so a change to the input layout cannot quietly turn them into seeds of
+// something else.
+func TestFuzzSeedsTakeTheirPath(t *testing.T) {
+	rig := newFuzzRig(t)
+	for _, tc := range []struct {
+		seed string
+		want Reason
+	}{
+		{"dsr tcp ack v4, half-open flow established", ReasonFlowEstablished},
+		{"dsr udp second datagram establishes", ReasonFlowEstablished},
+		{"tunnel ack, half-open flow established", ReasonFlowEstablished},
+		{"nat tcp ack v4, half-open flow established", ReasonFlowEstablished},
+		{"nat udp second datagram establishes", ReasonFlowEstablished},
+		{"nat tcp syn again, half-open flow", ReasonFlowHit},
+		{"nat half-open flow expired", ReasonFlowNew},
+		{"nat half-open flow whose port a newer flow took", ReasonFlowNew},
+		{"nat reply to a half-open flow", ReasonNATReply},
+		{"nat ring's first port held by a live established flow", ReasonFlowNew},
+		{"nat single port held by a live established flow, ring", ReasonDropNATPorts},
+		{"nat new flow over the rate limit", ReasonDropFlowRate},
+		{"nat new flow within the burst", ReasonFlowNew},
+		{"nat established flow over the rate limit", ReasonFlowHit},
+		{"dsr new flow over the rate limit, untracked", ReasonFlowUntracked},
+		{"tunnel new flow over the rate limit, untracked", ReasonFlowUntracked},
+		{"icmp from backend quoting a half-open flow", ReasonICMPTranslated},
+		{"icmp from client side quoting a half-open flow", ReasonICMPTranslated},
+	} {
+		t.Run(tc.seed, func(t *testing.T) {
+			i := slices.IndexFunc(fuzzSeeds, func(s struct {
+				name string
+				in   []byte
+			}) bool {
+				return s.name == tc.seed
+			})
+			if i < 0 {
+				t.Fatalf("no seed %q", tc.seed)
+			}
+			if got := rig.check(t, fuzzSeeds[i].in); !slices.Contains(got.Reasons, tc.want) {
+				t.Errorf("counted %v; want %s among them", got.Reasons, tc.want)
+			}
+		})
+	}
+}
+
 // fuzzSeeds hold each kind of frame, valid and malformed. The layout of an input
 // is decodeFuzz's.
 var fuzzSeeds = []struct {
@@ -181,6 +226,39 @@ var fuzzSeeds = []struct {
 	{"tunnel ipv6 too big, neighbour unresolved", []byte{0, 25, 0, 0, packet.ACK, 0, 0, 255, 0, 1, 1}},
 	{"tunnel udp too big", []byte{0, 26, 0, 0, 0, 0, 0, 255, 0, 0, 0, 0, 0, 0, 0, 0x40}},
 	{"tunnel service without backend for the flow's slot", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 3}},
+	// Half-open flows, the nat port ring and the new-flow limit. Seeds byte 9: bits
+	// 3-5 put the flow, the reverse entries, the holder in the half-open tables; bits
+	// 6-7 place the port rings. Byte 16 is the new-flow limit's word (program 1).
+	{"dsr tcp ack v4, half-open flow established", []byte{0, 0, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 8, 0}},
+	{"dsr tcp ack v4, half-open flow on an unusable slot", []byte{0, 0, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 8, 3}},
+	{"dsr udp second datagram establishes", []byte{0, 1, 2, 1, 0, 0, 0, 5, 0, 1 | 8}},
+	{"tunnel ack, half-open flow established", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 8, 0}},
+	{"nat tcp ack v4, half-open flow established", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 0, 0}},
+	{"nat tcp ack v6, half-open flow established, next hop cached", []byte{0, 6, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0x40, 0, 0}},
+	{"nat udp second datagram establishes", []byte{0, 5, 0, 0, 0, 0, 0, 3, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 0, 0}},
+	{"nat tcp fin, half-open flow established closing", []byte{0, 4, 0, 0, packet.FIN | packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 0, 0}},
+	{"nat tcp syn again, half-open flow", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 0, 0}},
+	{"nat half-open flow expired", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 1, 0, 0}},
+	{"nat half-open flow whose port a newer flow took", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 1, 0}},
+	{"nat half-open flow on an unusable backend", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 1, 1, 0, 0, 0}},
+	{"nat half-open flow, reverse entry established elsewhere", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8, 0, 1, 0, 0, 0}},
+	{"nat reply to a half-open flow", []byte{0, 11, 0, 0, packet.SYN | packet.ACK, 0, 0, 0, 0, 2 | 0x10, 0, 0, 0, 0, 0}},
+	{"nat reply rst to a half-open flow", []byte{0, 11, 0, 0, packet.RST, 0, 0, 0, 0, 2 | 4 | 0x10 | 0x20, 0, 0, 0, 0, 0}},
+	{"nat reply v6 udp to a half-open flow", []byte{1, 14, 0, 0, 0, 0, 0, 0, 0, 2 | 0x10}},
+	{"nat ring's first port held by a live established flow", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 2 | 4, 0, 0, 0, 1, 0}},
+	{"nat ring's first port held by an expired flow", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 2 | 4, 0, 0, 0, 1, 4}},
+	{"nat ring's first port held by a half-open flow, taken over", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 2 | 4 | 0x10 | 0x20, 0, 0, 0, 1, 0}},
+	{"nat ring one past the seeded port", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 2 | 4 | 0x40, 0, 0, 0, 1, 0}},
+	{"nat ring about to wrap", []byte{0, 6, 0, 0, packet.SYN, 0, 0, 0, 0, 0xc0}},
+	{"nat single port held by a live established flow, ring", []byte{1, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 2 | 4 | 0x80, 0, 0, 0, 1, 0}},
+	{"nat new flow over the rate limit", []byte{1, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
+	{"nat new flow within the burst", []byte{1, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1}},
+	{"nat new flow, limit long idle", []byte{1, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3}},
+	{"nat established flow over the rate limit", []byte{1, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 2}},
+	{"dsr new flow over the rate limit, untracked", []byte{1, 0, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
+	{"tunnel new flow over the rate limit, untracked", []byte{1, 24, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
+	{"icmp from backend quoting a half-open flow", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 255, 0, 2 | 0x10}},
+	{"icmp from client side quoting a half-open flow", []byte{0, 17, 0, 0, 1, 0, 0, 255, 0, 1 | 8, 0, 1}},
 	{"raw bytes", []byte{0x0e, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}},
 	{"raw ipv4 after ethernet", []byte{0x0c, 0, 0x45, 0, 0, 40, 0, 0, 0, 0, 64, 6, 0, 0, 10, 77, 0, 1, 10, 77, 100, 1}},
 	{"raw ipv6 after vlan", []byte{0x0c, 3, 0x60, 0, 0, 0, 0, 0, 6, 64}},
@@ -388,7 +466,18 @@ var (
 	// Ages of seeded flows, against the rig's timeouts (TCP 100 s, closing 10 s, UDP 30 s):
 	// alive, alive and refreshed, closing expired, UDP expired, all expired, in the future.
 	fuzzAges = []time.Duration{500 * time.Millisecond, 5 * time.Second, 20 * time.Second, 60 * time.Second, 200 * time.Second, -50 * time.Second}
+	// The new-flow limit's word against the single-port program's limit (a flow costs
+	// 1 s, 2 s may be drawn ahead): never used (0), due 1.5 s from now (one more flow
+	// allowed), 5 s (none), 10 s ago (allowed, and it starts from now).
+	fuzzTATs = []time.Duration{0, 1500 * time.Millisecond, 5 * time.Second, -10 * time.Second}
 )
+
+func emptyFlows() flowTables {
+	return flowTables{
+		Conntrack: map[bpf.WeirFlowKey]bpf.WeirFlowState{}, HalfOpen: map[bpf.WeirFlowKey]bpf.WeirFlowState{},
+		Reverse: map[bpf.WeirFlowKey]bpf.WeirNatEntry{}, HalfReverse: map[bpf.WeirFlowKey]bpf.WeirNatEntry{},
+	}
+}
 
 // fuzzRig is what one fuzzing process runs inputs against.
 type fuzzRig struct {
@@ -398,9 +487,15 @@ type fuzzRig struct {
 	tunnel   [2][]uint32 // every tunnel service's backend slots
 	services []Service
 	nBackend uint32 // backend slots read back: every slot in use and one free
-	ingress  uint32 // ifindex the programs see frames come in on: the namespace's lo
-	veth     uint32 // wf0's ifindex (fuzzNet), in both programs' tx_ports
-	do       chan func()
+	// What each program's flow tables held after the last input (nil: not known), so
+	// the next input deletes only those keys.
+	last [2]*flowTables
+	// Each model's nat_cursor (MaxBackends entries); an input rewrites the first
+	// nBackend, the only ones a lookup table can name.
+	cursors [2][]uint32
+	ingress uint32 // ifindex the programs see frames come in on: the namespace's lo
+	veth    uint32 // wf0's ifindex (fuzzNet), in both programs' tx_ports
+	do      chan func()
 }
 
 func newFuzzRig(tb testing.TB) *fuzzRig {
@@ -441,11 +536,15 @@ func newFuzzRig(tb testing.TB) *fuzzRig {
 	tb.Cleanup(func() { close(rig.do) })
 
 	for i := range rig.progs {
-		nat := NATOptions{Addr4: fuzzNAT4, Addr6: fuzzNAT6, TCPIdle: 100 * time.Second, TCPClosing: 10 * time.Second, UDPIdle: 30 * time.Second}
+		nat := NATOptions{Addr4: fuzzNAT4, Addr6: fuzzNAT6, TCPIdle: 100 * time.Second, TCPClosing: 10 * time.Second,
+			UDPIdle: 30 * time.Second, HalfOpen: 2 * time.Second}
+		opts := Options{HashSeed: testSeed, ConntrackSize: 4096, NAT: nat}
 		if i == 1 {
-			nat.PortMin, nat.PortMax = fuzzSinglePort, fuzzSinglePort
+			opts.NAT.PortMin, opts.NAT.PortMax = fuzzSinglePort, fuzzSinglePort
+			// One new flow a second, two ahead: fuzzTATs straddle the limit.
+			opts.NewFlowRate, opts.NewFlowBurst = 1, 2
 		}
-		p, err := Load(Options{HashSeed: testSeed, ConntrackSize: 4096, NAT: nat})
+		p, err := Load(opts)
 		xdptest.Check(tb, err)
 		tb.Cleanup(func() { p.Close() })
 		for _, s := range rig.services {
@@ -465,6 +564,7 @@ func newFuzzRig(tb testing.TB) *fuzzRig {
 			tb.Fatal(err)
 		}
 		rig.progs[i], rig.models[i] = p, m
+		rig.cursors[i] = m.NATCursor
 		for _, s := range rig.services {
 			st := p.services[s.Key]
 			ids := make([]uint32, len(s.Backends))
@@ -489,24 +589,47 @@ func coarseNow(tb testing.TB) uint64 {
 	return uint64(ts.Nano())
 }
 
-// fuzzCase is a decoded input: which program, the frame, the flows to seed and the
-// tunnel backends (every tunnel slot, with its next-hop cache as the input sets it).
+// fuzzCase is a decoded input: which program, the frame, the flows to seed, the nat
+// port rings' position, the new-flow limit's word and the tunnel backends (every
+// tunnel slot, with its next-hop cache as the input sets it).
 type fuzzCase struct {
-	prog      int
-	frame     []byte
-	conntrack map[bpf.WeirFlowKey]bpf.WeirFlowState
-	reverse   map[bpf.WeirFlowKey]bpf.WeirNatEntry
-	backends  map[uint32]bpf.WeirBackend
+	prog     int
+	frame    []byte
+	flows    flowTables
+	cursor   uint32 // every backend's nat_cursor
+	tat      uint64 // every CPU's new_flow_limit
+	backends map[uint32]bpf.WeirBackend
 }
 
-func (rig *fuzzRig) check(t *testing.T, in []byte) {
+// check runs one input through the program and the model and fails on any
+// difference; it returns the model's outcome.
+func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 	now := coarseNow(t)
 	c := rig.decode(in, now)
 	p := rig.progs[c.prog]
-	if err := p.setFlows(c.conntrack, c.reverse); err != nil {
+	prev := rig.last[c.prog]
+	rig.last[c.prog] = nil
+	if prev == nil {
+		all, err := p.flows()
+		if err != nil {
+			t.Fatal(err)
+		}
+		prev = &all
+	}
+	if err := p.setFlows(*prev, c.flows); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.setBackends(c.backends); err != nil {
+		t.Fatal(err)
+	}
+	cursors := rig.cursors[c.prog]
+	for i := range rig.nBackend {
+		cursors[i] = c.cursor
+	}
+	if err := p.setNATCursors(cursors[:rig.nBackend]); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.setNewFlowTAT(c.tat); err != nil {
 		t.Fatal(err)
 	}
 	nSvc := uint32(len(rig.services))
@@ -533,7 +656,7 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ct, rev, err := p.flows()
+	got, err := p.flows()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -541,6 +664,15 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	gotCursors, err := p.natCursors(rig.nBackend)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gotTATs, err := p.newFlowTATs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rig.last[c.prog] = &got
 
 	deltas := func(a, b []Counter) []Counter {
 		out := make([]Counter, len(a))
@@ -552,36 +684,27 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) {
 	gotReasons := deltas(before.Reasons, after.Reasons)
 
 	m := *rig.models[c.prog]
-	m.Conntrack, m.NATReverse = maps.Clone(c.conntrack), maps.Clone(c.reverse)
+	m.Conntrack, m.HalfOpen = maps.Clone(c.flows.Conntrack), maps.Clone(c.flows.HalfOpen)
+	m.NATReverse, m.NATHalfReverse = maps.Clone(c.flows.Reverse), maps.Clone(c.flows.HalfReverse)
+	m.NATCursor = cursors
+	m.NewFlowTAT = c.tat
 	m.IngressIfindex = rig.ingress
 	// The backends array is shared with the rig's model (a copy per input would cost
 	// more than the run): only tunnel slots change, and every input resets them all.
 	for id, b := range c.backends {
 		m.Backends[id] = b
 	}
-	// The port the program drew is the one it recorded for the flow.
-	env := ModelEnv{Now: now, NATPort: func(flow bpf.WeirFlowKey) uint16 {
-		if fs, ok := ct[flow]; ok && gotReasons[ReasonDropNATPorts].Packets == 0 {
-			return ntohs(fs.NatPort)
-		}
-		return 0
-	}, FIB: rig.fib}
-	want, err := m.Run(c.frame, env)
+	env := ModelEnv{Now: now, FIB: rig.fib}
+	want := m.Run(c.frame, env)
 	report := func(format string, args ...any) {
 		t.Helper()
 		t.Fatalf("%s\n in  %x\n got %s %x\nwant %s %x", fmt.Sprintf(format, args...), c.frame, res.action, res.out, want.Action, want.Frame)
-	}
-	if err != nil {
-		report("model: %v", err)
 	}
 	if res.action != want.Action {
 		report("action %s; want %s", res.action, want.Action)
 	}
 	if !bytes.Equal(res.out, want.Frame) {
 		report("output frame differs")
-	}
-	if c.prog == 0 && gotReasons[ReasonDropNATPorts].Packets > 0 {
-		report("drop_nat_ports with 22768 ports and at most a few held")
 	}
 
 	wantCounts := func(n int, ids []uint32) []Counter {
@@ -628,18 +751,44 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) {
 		}
 		return got == want
 	}
-	if len(ct) != len(m.Conntrack) {
-		report("conntrack holds %d entries; want %d:\n got %+v\nwant %+v", len(ct), len(m.Conntrack), ct, m.Conntrack)
-	}
-	for k, w := range m.Conntrack {
-		g, ok := ct[k]
-		if !ok || g.BackendId != w.BackendId || g.NatPort != w.NatPort || g.Flags != w.Flags ||
-			!near(g.CreatedNs, w.CreatedNs) || !near(g.LastSeenNs, w.LastSeenNs) {
-			report("conntrack[%+v] = %+v (present %t); want %+v", k, g, ok, w)
+	for _, cmp := range []struct {
+		what      string
+		got, want map[bpf.WeirFlowKey]bpf.WeirFlowState
+	}{{"conntrack", got.Conntrack, m.Conntrack}, {"half_open", got.HalfOpen, m.HalfOpen}} {
+		if len(cmp.got) != len(cmp.want) {
+			report("%s holds %d entries; want %d:\n got %+v\nwant %+v", cmp.what, len(cmp.got), len(cmp.want), cmp.got, cmp.want)
+		}
+		for k, w := range cmp.want {
+			g, ok := cmp.got[k]
+			if !ok || g.BackendId != w.BackendId || g.NatPort != w.NatPort || g.Flags != w.Flags ||
+				!near(g.CreatedNs, w.CreatedNs) || !near(g.LastSeenNs, w.LastSeenNs) || g.ToBackend != w.ToBackend {
+				report("%s[%+v] = %+v (present %t); want %+v", cmp.what, k, g, ok, w)
+			}
 		}
 	}
-	if !maps.Equal(rev, m.NATReverse) {
-		report("nat_reverse\n got %+v\nwant %+v", rev, m.NATReverse)
+	if !maps.Equal(got.Reverse, m.NATReverse) {
+		report("nat_reverse\n got %+v\nwant %+v", got.Reverse, m.NATReverse)
+	}
+	if !maps.Equal(got.HalfReverse, m.NATHalfReverse) {
+		report("nat_half_reverse\n got %+v\nwant %+v", got.HalfReverse, m.NATHalfReverse)
+	}
+	if !slices.Equal(gotCursors, m.NATCursor[:rig.nBackend]) {
+		report("nat_cursor = %v; want %v", gotCursors, m.NATCursor[:rig.nBackend])
+	}
+	// One CPU ran the program: its word is the model's, the others' stay as seeded.
+	// A word the model set from now may hold any time the program read up to later.
+	var moved []uint64
+	for _, g := range gotTATs {
+		if g != c.tat {
+			moved = append(moved, g)
+		}
+	}
+	switch {
+	case m.NewFlowTAT == c.tat && len(moved) == 0:
+	case m.NewFlowTAT != c.tat && len(moved) == 1 && (moved[0] == m.NewFlowTAT ||
+		m.NewFlowTAT == now+m.NewFlowIntervalNs && moved[0] >= m.NewFlowTAT && moved[0] <= later+m.NewFlowIntervalNs):
+	default:
+		report("new_flow_limit = %v (seeded %d); want one CPU's at %d, or none moved if that is the seed", gotTATs, c.tat, m.NewFlowTAT)
 	}
 	for i, g := range gotBackends {
 		w := m.Backends[i]
@@ -652,6 +801,7 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) {
 			report("backends[%d] = %+v; want %+v", i, gotBackends[i], w)
 		}
 	}
+	return want
 }
 
 // fuzzReader hands out the input's bytes, zeros once it is used up.
@@ -697,7 +847,10 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 //	9  seeds: bit 0 the packet's own flow is known (or, for ICMP from the client,
 //	   the quoted flow), bit 1 a nat reverse entry (the port this flow would take,
 //	   for every backend; the reply's or the quote's), bit 2 its holder's
-//	   connection-table entry; then bytes: backend, nat port, age (low 4 bits),
+//	   connection-table entry; bits 3, 4, 5 put each of those three in its
+//	   half-open table instead (half_open, nat_half_reverse, half_open); bits 6-7
+//	   start every backend's nat port ring at the seeded port, the one after it, 0,
+//	   or 3 short of wrapping; then bytes: backend, nat port, age (low 4 bits),
 //	   closing (bit 4) and cached next hop (bits 5-6: none, the receiving
 //	   interface, one not in tx_ports, wf0) of the known flow, holder, and the
 //	   holder's age, closing and next hops
@@ -706,11 +859,11 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 //	   tx_ports), bits 2-3 its age (100 ms, 3 s, 50 s in the future, now), bits 4-5
 //	   its length (4096, 0, this packet's outer length - 1, its outer length), bit 6
 //	   set DF on an IPv4 frame, bit 7 the first backend only
+//	16 the new-flow limit's word on every CPU (fuzzTATs)
 func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	r := &fuzzReader{in}
 	b0 := r.u8()
-	c := fuzzCase{prog: int(b0 & 1), conntrack: map[bpf.WeirFlowKey]bpf.WeirFlowState{}, reverse: map[bpf.WeirFlowKey]bpf.WeirNatEntry{},
-		backends: map[uint32]bpf.WeirBackend{}}
+	c := fuzzCase{prog: int(b0 & 1), flows: emptyFlows(), backends: map[uint32]bpf.WeirBackend{}}
 	// Every tunnel slot starts without a cached next hop.
 	for _, id := range rig.tunnel[c.prog] {
 		b := rig.models[c.prog].Backends[id]
@@ -895,9 +1048,23 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	if tg.svc != 0 {
 		candidates = append(candidates, rig.slots[c.prog][0][0]) // another service's
 	}
+	// Bits 3-5 move each seeded entry to the half-open table of its kind; bits 6-7
+	// start every port ring at the seeded nat port, the one after it, 0 or just short
+	// of wrapping.
+	flowTable := func(bit uint8) map[bpf.WeirFlowKey]bpf.WeirFlowState {
+		if seeds&bit != 0 {
+			return c.flows.HalfOpen
+		}
+		return c.flows.Conntrack
+	}
+	reverseTable := c.flows.Reverse
+	if seeds&0x10 != 0 {
+		reverseTable = c.flows.HalfReverse
+	}
+	c.cursor = []uint32{uint32(natPort) - 10000, uint32(natPort) - 10000 + 1, 0, 1<<32 - 3}[seeds>>6]
 	if seeds&1 != 0 && tg.svc >= 0 {
 		port := []uint16{0, portWord(natPort), portWord(natPort + 1), portWord(fuzzSinglePort)}[portSel%4]
-		c.conntrack[clientFlow] = bpf.WeirFlowState{BackendId: candidates[int(beSel)%len(candidates)], NatPort: port,
+		flowTable(0x08)[clientFlow] = bpf.WeirFlowState{BackendId: candidates[int(beSel)%len(candidates)], NatPort: port,
 			Flags: flowFlags(stateSel), CreatedNs: age(stateSel), LastSeenNs: age(stateSel), ToBackend: hop(stateSel, be.MAC)}
 	}
 	if seeds&2 != 0 && tg.svc >= 0 {
@@ -917,13 +1084,13 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 			if holderSel&2 != 0 {
 				holderID = candidates[int(holderSel>>2)%len(candidates)]
 			}
-			c.reverse[rk] = bpf.WeirNatEntry{Client: holder, BackendId: holderID, ToClient: hop(holderAge, clientMAC)}
+			reverseTable[rk] = bpf.WeirNatEntry{Client: holder, BackendId: holderID, ToClient: hop(holderAge, clientMAC)}
 			if seeds&4 != 0 {
 				port := portWord(natPort)
 				if holderSel&0x80 != 0 {
 					port = portWord(natPort + 1)
 				}
-				c.conntrack[holder] = bpf.WeirFlowState{BackendId: holderID, NatPort: port,
+				flowTable(0x20)[holder] = bpf.WeirFlowState{BackendId: holderID, NatPort: port,
 					Flags: flowFlags(holderAge), CreatedNs: age(holderAge), LastSeenNs: age(holderAge), ToBackend: hop(holderAge, b.MAC)}
 			}
 		}
@@ -932,6 +1099,9 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	tun := r.u8()
 	if tun&0x40 != 0 {
 		setDF(c.frame)
+	}
+	if tat := fuzzTATs[int(r.u8())%len(fuzzTATs)]; tat != 0 {
+		c.tat = now + uint64(tat)
 	}
 	if tg.svc >= 0 && svc.Forwarding == ForwardTunnel {
 		ifindex := []uint32{0, rig.ingress, rig.veth, 9}[tun&3]

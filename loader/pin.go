@@ -204,7 +204,7 @@ func (p *Program) unpinAll() error {
 		}
 	}
 	for _, m := range []*ebpf.Map{p.objs.Services, p.objs.Backends, p.objs.LookupTables, p.objs.Conntrack,
-		p.objs.NatReverse, p.objs.ServiceStats, p.objs.BackendStats, p.objs.GlobalStats, p.objs.BackendFlows, p.objs.TxPorts} {
+		p.objs.HalfOpen, p.objs.NewFlowLimit, p.objs.NatReverse, p.objs.NatHalfReverse, p.objs.NatCursor, p.objs.ServiceStats, p.objs.BackendStats, p.objs.GlobalStats, p.objs.BackendFlows, p.objs.TxPorts} {
 		if err := m.Unpin(); err != nil {
 			errs = append(errs, err)
 		}

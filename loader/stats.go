@@ -33,6 +33,9 @@ const (
 	ReasonICMPTranslated    = Reason(bpf.WeirStatReasonSTAT_ICMP_TRANSLATED)
 	ReasonTunnelTooBig      = Reason(bpf.WeirStatReasonSTAT_TUNNEL_TOO_BIG)
 	ReasonDropTooBig        = Reason(bpf.WeirStatReasonSTAT_DROP_TOO_BIG)
+	ReasonFlowEstablished   = Reason(bpf.WeirStatReasonSTAT_FLOW_ESTABLISHED)
+	ReasonFlowUntracked     = Reason(bpf.WeirStatReasonSTAT_FLOW_UNTRACKED)
+	ReasonDropFlowRate      = Reason(bpf.WeirStatReasonSTAT_DROP_FLOW_RATE)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
 
@@ -57,6 +60,9 @@ var reasonNames = [...]string{
 	ReasonICMPTranslated:    "icmp_translated",
 	ReasonTunnelTooBig:      "tunnel_too_big",
 	ReasonDropTooBig:        "drop_too_big",
+	ReasonFlowEstablished:   "flow_established",
+	ReasonFlowUntracked:     "flow_untracked",
+	ReasonDropFlowRate:      "drop_flow_rate",
 }
 
 func (r Reason) String() string {

@@ -339,6 +339,9 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	default:
 		fmt.Fprintf(stdout, "tracked flow: %s\n", ex.Tracked)
 	}
+	if ex.HalfOpen {
+		fmt.Fprintln(stdout, "half-open: only the flow's first packet was seen; it is established by the client's next one")
+	}
 	if ex.NATPort != 0 {
 		fmt.Fprintf(stdout, "nat source port towards the backend: %d\n", ex.NATPort)
 	}

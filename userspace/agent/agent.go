@@ -728,6 +728,9 @@ type Explanation struct {
 	// whether it may still carry it (if not, the flow's next packet is re-selected).
 	Tracked       string `json:"tracked,omitempty"`
 	TrackedUsable bool   `json:"tracked_usable,omitempty"`
+	// HalfOpen: the flow has sent only its first packet so far; it moves to the
+	// connection table with its client's next one.
+	HalfOpen bool `json:"half_open,omitempty"`
 	// NATPort is the flow's source port towards its backend (nat mode).
 	NATPort uint16 `json:"nat_port,omitempty"`
 }
@@ -769,6 +772,7 @@ func (a *Agent) Explain(serviceName, client string) (Explanation, error) {
 		}
 		if le.Tracked.IsValid() {
 			ex.Tracked, ex.TrackedUsable, ex.NATPort = le.Tracked.String(), le.TrackedUsable, le.NATPort
+			ex.HalfOpen = le.HalfOpen
 		}
 		return ex, nil
 	}
