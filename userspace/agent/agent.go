@@ -319,7 +319,7 @@ func restartOnly(old, next *config.Config) error {
 	if !slices.Equal(old.Interfaces, next.Interfaces) {
 		errs = append(errs, errors.New("interfaces: changed; restart weir to apply"))
 	}
-	if old.XDP != next.XDP {
+	if !old.XDP.Equal(next.XDP) {
 		errs = append(errs, errors.New("xdp: changed; restart weir to apply"))
 	}
 	if old.Admin != next.Admin || old.Metrics != next.Metrics || old.Log != next.Log {

@@ -88,8 +88,9 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 		// that family fall back to the proxy and say why.
 		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name)
 	}
-	prog, err := loader.Load(loader.Options{HashSeed: cfg.XDP.HashSeed, ConntrackSize: cfg.XDP.ConntrackSize,
-		NAT: loader.NATOptions{Addr4: x.natAddr(false), Addr6: x.natAddr(true)}, PinPath: x.pinPath})
+	opts := loaderOptions(cfg)
+	opts.NAT.Addr4, opts.NAT.Addr6, opts.PinPath = x.natAddr(false), x.natAddr(true), x.pinPath
+	prog, err := loader.Load(opts)
 	if err != nil {
 		if x.hadPins {
 			// The pinned program is still attached and balancing: a proxy could
@@ -299,7 +300,9 @@ func RemovePinned(cfg *config.Config) error {
 		return fmt.Errorf("remove pinned xdp program: %w", err)
 	}
 	defer lock.Close()
-	prog, err := loader.Load(loader.Options{HashSeed: cfg.XDP.HashSeed, ConntrackSize: cfg.XDP.ConntrackSize, PinPath: dir})
+	opts := loaderOptions(cfg)
+	opts.PinPath = dir
+	prog, err := loader.Load(opts)
 	if err != nil {
 		return fmt.Errorf("remove pinned xdp program: %w", err)
 	}
@@ -316,4 +319,17 @@ func RemovePinned(cfg *config.Config) error {
 		return fmt.Errorf("remove pinned xdp program: %w", err)
 	}
 	return nil
+}
+
+// loaderOptions are the XDP program's load-time settings from cfg: the table sizes
+// must be the same at every load that adopts the pinned maps.
+func loaderOptions(cfg *config.Config) loader.Options {
+	return loader.Options{
+		HashSeed:      cfg.XDP.HashSeed,
+		ConntrackSize: cfg.XDP.ConntrackSize,
+		HalfOpenSize:  cfg.XDP.HalfOpenSize,
+		NewFlowRate:   *cfg.XDP.NewFlowRate,
+		NewFlowBurst:  cfg.XDP.NewFlowBurst,
+		NAT:           loader.NATOptions{HalfOpen: cfg.XDP.HalfOpenTimeout.D()},
+	}
 }

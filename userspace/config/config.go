@@ -24,35 +24,38 @@ import (
 
 // Defaults applied to settings the file leaves out.
 const (
-	DefaultAdminSocket    = "/run/weir/weir.sock"
-	DefaultMetricsListen  = "127.0.0.1:9470"
-	DefaultPinPath        = "/sys/fs/bpf/weir"
-	DefaultConntrackSize  = 262144
-	DefaultLogFormat      = "text"
-	DefaultLogLevel       = "info"
-	DefaultProtocol       = "tcp"
-	DefaultDataPlane      = DataPlaneAuto
-	DefaultMode           = ModeNAT
-	DefaultAllDown        = AllDownDrop
-	DefaultDrainTimeout   = 30 * time.Second
-	DefaultHealthType     = "tcp"
-	DefaultInterval       = 2 * time.Second
-	DefaultTimeout        = time.Second
-	DefaultRise           = 2
-	DefaultFall           = 3
-	DefaultJitter         = 0.1
-	DefaultHealthInitial  = "up"
-	DefaultHTTPPath       = "/"
-	DefaultConsecutive    = 5
-	DefaultBaseEjection   = 30 * time.Second
-	DefaultMaxEjection    = 300 * time.Second
-	DefaultMaxEjectionPct = 10
-	DefaultPanicThreshold = 50
-	DefaultConnectTimeout = 3 * time.Second
-	DefaultIdleTimeout    = 10 * time.Minute
-	DefaultRetries        = 1
-	DefaultWeight         = 1
-	MaxWeight             = 65535
+	DefaultAdminSocket     = "/run/weir/weir.sock"
+	DefaultMetricsListen   = "127.0.0.1:9470"
+	DefaultPinPath         = "/sys/fs/bpf/weir"
+	DefaultConntrackSize   = 262144
+	DefaultHalfOpenTimeout = 5 * time.Second
+	DefaultNewFlowRate     = 125000 // per CPU per second, as Katran's MAX_CONN_RATE
+	MinHalfOpenSize        = 1024
+	DefaultLogFormat       = "text"
+	DefaultLogLevel        = "info"
+	DefaultProtocol        = "tcp"
+	DefaultDataPlane       = DataPlaneAuto
+	DefaultMode            = ModeNAT
+	DefaultAllDown         = AllDownDrop
+	DefaultDrainTimeout    = 30 * time.Second
+	DefaultHealthType      = "tcp"
+	DefaultInterval        = 2 * time.Second
+	DefaultTimeout         = time.Second
+	DefaultRise            = 2
+	DefaultFall            = 3
+	DefaultJitter          = 0.1
+	DefaultHealthInitial   = "up"
+	DefaultHTTPPath        = "/"
+	DefaultConsecutive     = 5
+	DefaultBaseEjection    = 30 * time.Second
+	DefaultMaxEjection     = 300 * time.Second
+	DefaultMaxEjectionPct  = 10
+	DefaultPanicThreshold  = 50
+	DefaultConnectTimeout  = 3 * time.Second
+	DefaultIdleTimeout     = 10 * time.Minute
+	DefaultRetries         = 1
+	DefaultWeight          = 1
+	MaxWeight              = 65535
 )
 
 // Data planes a service can ask for.
@@ -142,13 +145,43 @@ type XDP struct {
 	// HashSeed seeds flow hashing and the Maglev tables; balancers behind one
 	// router's ECMP must share it. Default 0.
 	HashSeed uint32 `yaml:"hash_seed,omitempty"`
-	// ConntrackSize is how many flows the connection table holds. Default 262144.
+	// ConntrackSize is how many established flows the connection table holds.
+	// Default 262144.
 	ConntrackSize uint32 `yaml:"conntrack_size,omitempty"`
+	// HalfOpenSize is how many flows the half-open table holds: flows that have
+	// sent only their first packet, the only ones a spoofed flood makes. Default a
+	// quarter of ConntrackSize, at least MinHalfOpenSize.
+	HalfOpenSize uint32 `yaml:"half_open_size,omitempty"`
+	// HalfOpenTimeout is how long a nat flow keeps its port before its client's
+	// second packet. Default 5s.
+	HalfOpenTimeout Duration `yaml:"half_open_timeout,omitempty"`
+	// NewFlowRate is how many new flows per second each CPU records; over it new
+	// nat flows are dropped and new dsr/tunnel flows forwarded unrecorded. 0 turns
+	// the limit off. Default 125000.
+	NewFlowRate *uint32 `yaml:"new_flow_rate,omitempty"`
+	// NewFlowBurst is how many new flows may come at once above the rate. Default a
+	// tenth of a second's worth.
+	NewFlowBurst uint32 `yaml:"new_flow_burst,omitempty"`
 	// PinPath is where maps and the link are pinned (bpffs). Default /sys/fs/bpf/weir.
 	PinPath string `yaml:"pin_path,omitempty"`
 	// DetachOnStop removes the program when the agent stops. Default false: the data
 	// plane stays in place so a restart loses no flow.
 	DetachOnStop bool `yaml:"detach_on_stop,omitempty"`
+}
+
+// Equal reports whether x and y are the same settings (NewFlowRate by value).
+func (x XDP) Equal(y XDP) bool {
+	rate := func(r *uint32) int64 {
+		if r == nil {
+			return -1
+		}
+		return int64(*r)
+	}
+	if rate(x.NewFlowRate) != rate(y.NewFlowRate) {
+		return false
+	}
+	x.NewFlowRate, y.NewFlowRate = nil, nil
+	return x == y
 }
 
 // Admin is the admin API's listeners.

@@ -48,6 +48,10 @@ func TestDefaults(t *testing.T) {
 		{"metrics.listen", cfg.Metrics.Listen, DefaultMetricsListen},
 		{"log.format", cfg.Log.Format, "text"},
 		{"xdp.conntrack_size", cfg.XDP.ConntrackSize, uint32(DefaultConntrackSize)},
+		{"xdp.half_open_size", cfg.XDP.HalfOpenSize, uint32(DefaultConntrackSize / 4)},
+		{"xdp.half_open_timeout", cfg.XDP.HalfOpenTimeout.D(), 5 * time.Second},
+		{"xdp.new_flow_rate", *cfg.XDP.NewFlowRate, uint32(125000)},
+		{"xdp.new_flow_burst", cfg.XDP.NewFlowBurst, uint32(12500)},
 		{"protocol", s.Protocol, "tcp"},
 		{"data_plane", s.DataPlane, DataPlaneAuto},
 		{"mode", s.Mode, ModeNAT},
@@ -145,6 +149,9 @@ func TestErrors(t *testing.T) {
 		{"metrics off", "metrics: {listen: \"off\"}\nservices: []\n", ""},
 		{"log level", "log: {level: loud}\nservices: []\n", `log.level: must be debug, info, warn or error, got "loud"`},
 		{"duration type", svc + "  drain_timeout: 5\n" + be, `line 4: services[0].drain_timeout: must be a duration such as 500ms, 2s or 1m, got "5"`},
+		{"half-open timeout", "xdp: {half_open_timeout: 1ms}\nservices: []\n", "xdp.half_open_timeout: must be 100ms..10m, got 1ms"},
+		{"new-flow rate", "xdp: {new_flow_rate: 2000000000}\nservices: []\n", "xdp.new_flow_rate: must be 0 (no limit) ..1000000000"},
+		{"new-flow rate off", "xdp: {new_flow_rate: 0}\nservices: []\n", ""},
 		{"duplicate key", "services: []\nservices: []\n", `line 2: services: mapping key "services" already defined at line 1`},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -168,5 +175,23 @@ func TestLoadMissing(t *testing.T) {
 	_, err := Load("testdata/does-not-exist.yaml")
 	if !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("got %v; want an error wrapping os.ErrNotExist", err)
+	}
+}
+
+func TestXDPEqual(t *testing.T) {
+	rate := func(v uint32) *uint32 { return &v }
+	for _, c := range []struct {
+		name string
+		a, b XDP
+		want bool
+	}{
+		{"same rate, two pointers", XDP{NewFlowRate: rate(5)}, XDP{NewFlowRate: rate(5)}, true},
+		{"other rate", XDP{NewFlowRate: rate(5)}, XDP{NewFlowRate: rate(6)}, false},
+		{"unset and 0", XDP{}, XDP{NewFlowRate: rate(0)}, false},
+		{"other size", XDP{HalfOpenSize: 1}, XDP{HalfOpenSize: 2}, false},
+	} {
+		if got := c.a.Equal(c.b); got != c.want {
+			t.Errorf("%s: got %t; want %t", c.name, got, c.want)
+		}
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 )
 
 func ptr[T any](v T) *T { return &v }
@@ -22,6 +23,18 @@ func (c *Config) defaults() {
 	}
 	if c.XDP.ConntrackSize == 0 {
 		c.XDP.ConntrackSize = DefaultConntrackSize
+	}
+	if c.XDP.HalfOpenSize == 0 {
+		c.XDP.HalfOpenSize = max(c.XDP.ConntrackSize/4, MinHalfOpenSize)
+	}
+	if c.XDP.HalfOpenTimeout == 0 {
+		c.XDP.HalfOpenTimeout = Duration(DefaultHalfOpenTimeout)
+	}
+	if c.XDP.NewFlowRate == nil {
+		c.XDP.NewFlowRate = ptr(uint32(DefaultNewFlowRate))
+	}
+	if c.XDP.NewFlowBurst == 0 && *c.XDP.NewFlowRate > 0 {
+		c.XDP.NewFlowBurst = max(*c.XDP.NewFlowRate/10, 1)
 	}
 	if c.XDP.PinPath == "" {
 		c.XDP.PinPath = DefaultPinPath
@@ -236,6 +249,12 @@ func (cfg *Config) validate() []*FieldError {
 		}
 		seenIf[in.Name] = i
 		c.oneOf(p+".attach", in.Attach, "native", "generic", "auto")
+	}
+	if d := cfg.XDP.HalfOpenTimeout.D(); d < 0 || d > 0 && (d < 100*time.Millisecond || d > 10*time.Minute) {
+		c.bad("xdp.half_open_timeout", "must be 100ms..10m, got %s", d)
+	}
+	if cfg.XDP.NewFlowRate != nil && *cfg.XDP.NewFlowRate > 1_000_000_000 {
+		c.bad("xdp.new_flow_rate", "must be 0 (no limit) ..1000000000 flows per second per CPU, got %d", *cfg.XDP.NewFlowRate)
 	}
 	if cfg.XDP.PinPath != "" && !filepath.IsAbs(cfg.XDP.PinPath) {
 		c.bad("xdp.pin_path", "must be an absolute path under a bpffs mount, got %q", cfg.XDP.PinPath)
