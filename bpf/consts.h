@@ -77,3 +77,8 @@ enum stat_reason {
 	STAT_DROP_FLOW_RATE,       // nat: over the new-flow rate, dropped
 	STAT_MAX,
 };
+
+// global_stats has room for reasons yet to come, so that maps pinned by this version
+// stay compatible with the next one.
+#define STAT_SLOTS 64
+_Static_assert(STAT_MAX <= STAT_SLOTS, "global_stats: raise STAT_SLOTS");

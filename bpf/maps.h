@@ -95,10 +95,10 @@ struct {
 	__type(value, struct counter);
 } backend_stats SEC(".maps");
 
-// enum stat_reason -> packets and bytes, per CPU.
+// enum stat_reason -> packets and bytes, per CPU (STAT_SLOTS entries, STAT_MAX used).
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, STAT_MAX);
+	__uint(max_entries, STAT_SLOTS);
 	__type(key, enum stat_reason);
 	__type(value, struct counter);
 } global_stats SEC(".maps");

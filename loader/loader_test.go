@@ -116,8 +116,9 @@ func TestStructSizesMatchC(t *testing.T) {
 	if m := decap.Maps[bpf.DecapMapDecapStats]; uintptr(m.ValueSize) != unsafe.Sizeof(bpf.DecapDecapCounter{}) {
 		t.Errorf("decap_stats: C value size %d; Go %d", m.ValueSize, unsafe.Sizeof(bpf.DecapDecapCounter{}))
 	}
-	if n := spec.Maps[bpf.WeirMapGlobalStats].MaxEntries; n != uint32(reasonMax) || len(reasonNames) != int(reasonMax) {
-		t.Errorf("global_stats has %d entries, reasonMax %d, %d names; want all equal", n, reasonMax, len(reasonNames))
+	// Room for reasons to come (STAT_SLOTS), so pinned maps stay compatible.
+	if n := spec.Maps[bpf.WeirMapGlobalStats].MaxEntries; n != 64 || n < uint32(reasonMax) || len(reasonNames) != int(reasonMax) {
+		t.Errorf("global_stats has %d entries, reasonMax %d, %d names; want 64 entries and a name per reason", n, reasonMax, len(reasonNames))
 	}
 }
 
