@@ -32,12 +32,14 @@
 #define MAX_L4_OFFSET 512       // IP header + options or extension headers
 #define MAX_ICMP_QUOTE 200      // bytes of the offending packet an ICMPv6 "too big" quotes
 
+#define NSEC_PER_SEC 1000000000ull
+
 // Forwarding modes, service.mode.
 #define MODE_DSR 0
 #define MODE_NAT 1
 #define MODE_TUNNEL 2
 
-// flow_state.flags
+// nat_flow.flags
 #define FLOW_F_CLOSING (1u << 0) // a FIN or RST was seen: short timeout; counted closed once established
 
 // Address families as stored in keys (values of AF_INET / AF_INET6).

@@ -5,5 +5,5 @@
 // generate` rebuilds them with the compiler and flags the Makefile pins.
 package bpf
 
-//go:generate go tool bpf2go -target bpfel -type vip_key -type service -type backend -type flow_key -type flow_state -type counter -type stat_reason -type nat_entry -type flow_count -type next_hop Weir weir.c
+//go:generate go tool bpf2go -target bpfel -type vip_key -type service -type backend -type flow_key -type flow_key4 -type lb_flow -type nat_flow -type counter -type stat_reason -type nat_entry -type flow_count -type next_hop Weir weir.c
 //go:generate go tool bpf2go -target bpfel -type decap_key -type decap_counter -type decap_reason Decap decap.c

@@ -187,10 +187,10 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 
 	if (is_nat_address(&p->flow)) {
 		// From the backend's side: the quote is nat:port -> backend, the flow's reply key.
-		struct nat_entry *rev = bpf_map_lookup_elem(&nat_reverse, &flow);
+		struct nat_entry *rev = flow_lookup(NAT_REVERSE, &flow);
 
 		if (!rev)
-			rev = bpf_map_lookup_elem(&nat_half_reverse, &flow);
+			rev = flow_lookup(NAT_HALF_REVERSE, &flow);
 		if (!rev)
 			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
 		__builtin_memcpy(rw.outer_src, rev->client.dst, 16);
@@ -201,12 +201,12 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 		rw.inner_dport = rev->client.dport;
 	} else {
 		// From the client's side: the quote is our reply VIP -> client.
-		struct flow_state *fs = bpf_map_lookup_elem(&conntrack, &flow);
+		struct nat_flow *fs = flow_lookup(NAT_CONNTRACK, &flow);
 		struct backend *be;
 		__u32 id;
 
 		if (!fs)
-			fs = bpf_map_lookup_elem(&half_open, &flow);
+			fs = flow_lookup(NAT_HALF_OPEN, &flow);
 		if (!fs || !fs->nat_port)
 			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
 		id = fs->backend_id;

@@ -45,30 +45,42 @@ struct {
 	__array(values, struct lookup_table);
 } lookup_tables SEC(".maps");
 
-// The connection table: established flows, 5-tuple as received -> backend. A flow
-// gets here only once its client has answered (select.h): the first packet that is
-// not a SYN after the flow's first packet, which a spoofed source never sends. So a
-// flood of new 5-tuples churns half_open below and never evicts an entry here.
-// LRU: when full, the least recently used flow is forgotten. Each CPU keeps its own
-// LRU list (BPF_F_NO_COMMON_LRU, as Katran does): inserting a flow takes no lock
-// shared with other CPUs, and lookups still see every CPU's flows.
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, CONNTRACK_SIZE);
-	__uint(map_flags, BPF_F_NO_COMMON_LRU);
-	__type(key, struct flow_key);
-	__type(value, struct flow_state);
-} conntrack SEC(".maps");
+// The flow tables. Each kind comes twice: an IPv4 table keyed by flow_key4 and an
+// IPv6 one keyed by flow_key (flows.h picks). A flow is recorded half-open on its first
+// packet and established with its client's next packet that is not a SYN (select.h,
+// nat.h): a spoofed source never sends one, so a flood of new 5-tuples churns the
+// half-open tables and never evicts an established flow. All are LRU: when full, the
+// least recently used flow is forgotten. Each CPU keeps its own LRU list
+// (BPF_F_NO_COMMON_LRU, as Katran does): inserting a flow takes no lock shared with
+// other CPUs, and lookups still see every CPU's flows.
+#define FLOW_TABLE(name, key_type, value_type, size)		\
+	struct {						\
+		__uint(type, BPF_MAP_TYPE_LRU_HASH);		\
+		__uint(max_entries, size);			\
+		__uint(map_flags, BPF_F_NO_COMMON_LRU);		\
+		__type(key, key_type);				\
+		__type(value, value_type);			\
+	} name SEC(".maps")
 
-// Flows that have sent only their first packet (a SYN, a lone UDP datagram), same key
-// and value as conntrack. Small, and the only table a flood of new 5-tuples can fill.
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, HALF_OPEN_SIZE);
-	__uint(map_flags, BPF_F_NO_COMMON_LRU);
-	__type(key, struct flow_key);
-	__type(value, struct flow_state);
-} half_open SEC(".maps");
+// dsr and tunnel flows -> backend.
+FLOW_TABLE(lb_conntrack4, struct flow_key4, struct lb_flow, CONNTRACK_SIZE);
+FLOW_TABLE(lb_conntrack6, struct flow_key, struct lb_flow, CONNTRACK_SIZE);
+FLOW_TABLE(lb_half_open4, struct flow_key4, struct lb_flow, HALF_OPEN_SIZE);
+FLOW_TABLE(lb_half_open6, struct flow_key, struct lb_flow, HALF_OPEN_SIZE);
+
+// nat flows -> backend, source port and next hop.
+FLOW_TABLE(nat_conntrack4, struct flow_key4, struct nat_flow, CONNTRACK_SIZE);
+FLOW_TABLE(nat_conntrack6, struct flow_key, struct nat_flow, CONNTRACK_SIZE);
+FLOW_TABLE(nat_half_open4, struct flow_key4, struct nat_flow, HALF_OPEN_SIZE);
+FLOW_TABLE(nat_half_open6, struct flow_key, struct nat_flow, HALF_OPEN_SIZE);
+
+// nat: the backend's reply 5-tuple (backend addr:port -> nat addr:port) -> the client's
+// flow; the half-open ones hold a half-open flow's claim on its port, which moves to
+// the established ones with its flow.
+FLOW_TABLE(nat_reverse4, struct flow_key4, struct nat_entry, CONNTRACK_SIZE);
+FLOW_TABLE(nat_reverse6, struct flow_key, struct nat_entry, CONNTRACK_SIZE);
+FLOW_TABLE(nat_half_reverse4, struct flow_key4, struct nat_entry, HALF_OPEN_SIZE);
+FLOW_TABLE(nat_half_reverse6, struct flow_key, struct nat_entry, HALF_OPEN_SIZE);
 
 // New-flow rate limit, per CPU: the theoretical arrival time (ns, the coarse clock) of
 // the next new flow in a generic cell rate algorithm; see new_flow_allowed.
@@ -102,27 +114,6 @@ struct {
 	__type(key, enum stat_reason);
 	__type(value, struct counter);
 } global_stats SEC(".maps");
-
-// nat: the backend's reply 5-tuple (backend addr:port -> nat addr:port) -> the client's
-// flow, for established flows. Sized like the connection table, which holds the other
-// direction.
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, CONNTRACK_SIZE);
-	__uint(map_flags, BPF_F_NO_COMMON_LRU);
-	__type(key, struct flow_key);
-	__type(value, struct nat_entry);
-} nat_reverse SEC(".maps");
-
-// nat: the same for half-open flows; sized like half_open. A half-open flow's port is
-// claimed here, and moves to nat_reverse with its flow.
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, HALF_OPEN_SIZE);
-	__uint(map_flags, BPF_F_NO_COMMON_LRU);
-	__type(key, struct flow_key);
-	__type(value, struct nat_entry);
-} nat_half_reverse SEC(".maps");
 
 // nat: backend slot -> where that backend's ring of source ports goes on: a new flow
 // takes port nat_port_min + (cursor++ % range), skipping ports that established flows

@@ -1,13 +1,13 @@
 // nat.h: full NAT. A client's packet to a nat-mode VIP is DNATed to its backend and
 // SNATed to the balancer's own address with a source port unique per (backend,
-// protocol); the backend's reply is matched in nat_reverse (nat_half_reverse while
-// the flow is half-open) and translated back. Both leave by the next hop
+// protocol); the backend's reply is matched in the nat reverse tables and translated
+// back. Both leave by the next hop
 // bpf_fib_lookup finds: XDP_TX out of the interface they came in on, XDP_REDIRECT
 // through tx_ports otherwise. Backends need no change.
 //
-// Floods: a new flow lives in half_open / nat_half_reverse until its client's next
+// Floods: a new flow lives in NAT_HALF_OPEN / NAT_HALF_REVERSE until its client's next
 // packet that is not a SYN (the ACK of the handshake; a UDP flow's second datagram),
-// then moves to conntrack / nat_reverse. A spoofed source never answers, so its flows
+// then moves to NAT_CONNTRACK / NAT_REVERSE. A spoofed source never answers, so its flows
 // never leave the half-open tables, never evict an established flow, and give their
 // ports back to the next new flow that comes round the backend's port ring.
 #pragma once
@@ -25,7 +25,6 @@ volatile const __u64 tcp_closing_ns = 10ull * 1000000000; // after FIN or RST
 volatile const __u64 udp_idle_ns = 30ull * 1000000000;
 volatile const __u64 half_open_ns = 5ull * 1000000000;    // a flow before its client answers
 
-#define NSEC_PER_SEC 1000000000ull
 
 static __always_inline int is_nat_address(const struct flow_key *f)
 {
@@ -53,7 +52,7 @@ static __always_inline int tcp_closes(struct packet *p)
 	return p->flow.proto == IPPROTO_TCP && (p->tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST));
 }
 
-static __always_inline int flow_alive(struct flow_state *fs, __u8 proto, __u64 now)
+static __always_inline int flow_alive(struct nat_flow *fs, __u8 proto, __u64 now)
 {
 	__u64 idle = udp_idle_ns;
 
@@ -75,7 +74,7 @@ static __always_inline void count_flow(__u32 backend_id, int opened)
 }
 
 // mark_closing starts a flow's short timeout and counts it closed, once.
-static __always_inline void mark_closing(struct flow_state *fs)
+static __always_inline void mark_closing(struct nat_flow *fs)
 {
 	if (fs->flags & FLOW_F_CLOSING)
 		return;
@@ -286,20 +285,20 @@ static __always_inline __be16 nat_alloc_port(struct xdp_md *ctx, struct packet *
 #pragma clang loop unroll(disable)
 	for (int i = 0; i < NAT_PORT_TRIES; i++) {
 		struct nat_entry *old;
-		struct flow_state *holder;
+		struct nat_flow *holder;
 		__u32 port = __sync_fetch_and_add(cursor, 1) % range;
 
 		rk.dport = bpf_htons(nat_port_min + port);
-		old = bpf_map_lookup_elem(&nat_reverse, &rk);
+		old = flow_lookup(NAT_REVERSE, &rk);
 		if (old) {
-			holder = bpf_map_lookup_elem(&conntrack, &old->client);
+			holder = flow_lookup(NAT_CONNTRACK, &old->client);
 			if (holder && flow_alive(holder, rk.proto, now) && holder->nat_port == rk.dport &&
 			    holder->backend_id == old->backend_id)
 				continue;
 			// Ended: its replies must not find it any more.
-			bpf_map_delete_elem(&nat_reverse, &rk);
+			flow_delete(NAT_REVERSE, &rk);
 		}
-		if (bpf_map_update_elem(&nat_half_reverse, &rk, &entry, BPF_ANY) == 0)
+		if (flow_update(NAT_HALF_REVERSE, &rk, &entry) == 0)
 			return rk.dport;
 	}
 	return 0;
@@ -308,7 +307,7 @@ static __always_inline __be16 nat_alloc_port(struct xdp_md *ctx, struct packet *
 // refresh_flow runs at most once a second per flow: it keeps the flow alive, has the
 // next hop to the backend looked up again, and points replies at where the
 // client's packets come from now (a router may have changed).
-static __always_inline void refresh_flow(struct xdp_md *ctx, struct packet *p, struct flow_state *fs,
+static __always_inline void refresh_flow(struct xdp_md *ctx, struct packet *p, struct nat_flow *fs,
 					 struct backend *be, __u64 now)
 {
 	struct flow_key rk = {};
@@ -317,7 +316,7 @@ static __always_inline void refresh_flow(struct xdp_md *ctx, struct packet *p, s
 	fs->last_seen_ns = now;
 	fs->to_backend.ifindex = 0;
 	reply_key(&rk, p, be, fs->nat_port);
-	rev = bpf_map_lookup_elem(&nat_reverse, &rk);
+	rev = flow_lookup(NAT_REVERSE, &rk);
 	if (rev)
 		came_from(ctx, &rev->to_client);
 }
@@ -338,29 +337,29 @@ static __always_inline int nat_send(struct xdp_md *ctx, struct packet *p, struct
 	return fib_forward(ctx, p, hop);
 }
 
-// nat_half_open handles a packet of a flow in half_open: a SYN sent again goes the
+// nat_half_open handles a packet of a half-open flow: a SYN sent again goes the
 // same way; any other packet is the client's answer, and the flow and its port move to
 // the established tables. CONTINUE if the flow is not (or no longer) half-open: it
 // expired, its backend became unusable, or a newer flow took its port.
 static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, struct service *svc,
 					 const struct flow_key *key, __u64 now)
 {
-	struct flow_state *hs;
+	struct nat_flow *hs;
 	struct nat_entry *rev;
 	struct flow_key rk = {};
 	struct backend *be;
 	__u32 id;
 	int action;
 
-	hs = bpf_map_lookup_elem(&half_open, key);
-	if (!hs || now - hs->created_ns > half_open_ns)
+	hs = flow_lookup(NAT_HALF_OPEN, key);
+	if (!hs || now - hs->last_seen_ns > half_open_ns)
 		return CONTINUE;
 	id = hs->backend_id;
 	be = usable_backend(id, svc->id);
 	if (!be)
 		return CONTINUE;
 	reply_key(&rk, p, be, hs->nat_port);
-	rev = bpf_map_lookup_elem(&nat_half_reverse, &rk);
+	rev = flow_lookup(NAT_HALF_REVERSE, &rk);
 	if (!rev || rev->backend_id != id || !flow_key_equal(&rev->client, key))
 		return CONTINUE;
 	if (tcp_closes(p))
@@ -379,17 +378,17 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 	hs->last_seen_ns = now;
 	action = nat_send(ctx, p, be, hs->nat_port, &hs->to_backend);
 	// The entries move as they are (map values are copied in place: no stack copy).
-	bpf_map_update_elem(&conntrack, key, hs, BPF_ANY);
-	bpf_map_update_elem(&nat_reverse, &rk, rev, BPF_ANY);
-	bpf_map_delete_elem(&nat_half_reverse, &rk);
-	bpf_map_delete_elem(&half_open, key);
+	flow_update(NAT_CONNTRACK, key, hs);
+	flow_update(NAT_REVERSE, &rk, rev);
+	flow_delete(NAT_HALF_REVERSE, &rk);
+	flow_delete(NAT_HALF_OPEN, key);
 	return action;
 }
 
 // nat_forward handles a client's packet to a nat-mode service.
 static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, struct service *svc)
 {
-	struct flow_state *fs, fresh = {};
+	struct nat_flow *fs, fresh = {};
 	struct flow_key key = p->flow;
 	enum stat_reason event = STAT_FLOW_NEW;
 	struct backend *be = 0;
@@ -398,7 +397,7 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 	__be16 port;
 	int action;
 
-	fs = bpf_map_lookup_elem(&conntrack, &key);
+	fs = flow_lookup(NAT_CONNTRACK, &key);
 	if (fs) {
 		if (flow_alive(fs, p->flow.proto, now))
 			be = usable_backend(fs->backend_id, svc->id);
@@ -416,7 +415,7 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 		// Expired, or its backend became unusable: the old flow ends here, and this
 		// packet starts a new one.
 		mark_closing(fs);
-		bpf_map_delete_elem(&conntrack, &key);
+		flow_delete(NAT_CONNTRACK, &key);
 		event = STAT_FLOW_RESELECT;
 	} else {
 		action = nat_half_open(ctx, p, svc, &key, now);
@@ -434,7 +433,6 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 		return verdict(XDP_DROP, STAT_DROP_NAT_PORTS, p->len);
 	fresh.backend_id = id;
 	fresh.nat_port = port;
-	fresh.created_ns = now;
 	fresh.last_seen_ns = now;
 	if (tcp_closes(p))
 		fresh.flags = FLOW_F_CLOSING;
@@ -444,7 +442,7 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 	action = nat_send(ctx, p, be, port, &fresh.to_backend);
 	// Recorded whatever the verdict: a packet passed for neighbour resolution has
 	// already claimed its port, and the next one must find the flow.
-	bpf_map_update_elem(&half_open, &key, &fresh, BPF_ANY);
+	flow_update(NAT_HALF_OPEN, &key, &fresh);
 	return action;
 }
 
@@ -456,21 +454,21 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 	struct flow_key client;
 	int action, established = 1;
 
-	rev = bpf_map_lookup_elem(&nat_reverse, &p->flow);
+	rev = flow_lookup(NAT_REVERSE, &p->flow);
 	if (!rev) {
-		rev = bpf_map_lookup_elem(&nat_half_reverse, &p->flow);
+		rev = flow_lookup(NAT_HALF_REVERSE, &p->flow);
 		established = 0;
 	}
 	if (!rev)
 		return CONTINUE;
 	client = rev->client;
 	if (tcp_closes(p)) {
-		struct flow_state *fs;
+		struct nat_flow *fs;
 
 		if (established)
-			fs = bpf_map_lookup_elem(&conntrack, &client);
+			fs = flow_lookup(NAT_CONNTRACK, &client);
 		else
-			fs = bpf_map_lookup_elem(&half_open, &client);
+			fs = flow_lookup(NAT_HALF_OPEN, &client);
 		// Only if the flow still goes to this backend by this port: a late FIN or
 		// RST from a backend the flow has left must not close its new entry.
 		if (fs && fs->backend_id == rev->backend_id && fs->nat_port == p->flow.dport) {

@@ -2,6 +2,7 @@
 // service's Maglev lookup table on a miss, and records the choice.
 #pragma once
 
+#include "flows.h"
 #include "hash.h"
 #include "parse.h"
 
@@ -72,27 +73,27 @@ static __always_inline int new_flow_allowed(__u64 now)
 // entry of an earlier connection on the same 5-tuple must not shadow it.
 static __always_inline void forget_reused(struct packet *p)
 {
-	if (bpf_map_lookup_elem(&conntrack, &p->flow))
-		bpf_map_delete_elem(&conntrack, &p->flow);
+	if (flow_lookup(LB_CONNTRACK, &p->flow))
+		flow_delete(LB_CONNTRACK, &p->flow);
 }
 
 // select_backend sets *be to the flow's backend or returns a verdict (dsr and tunnel).
 // An established flow keeps its backend while it is usable. A new flow takes the
-// lookup table and is recorded in half_open; the next packet of it that is not a SYN
+// lookup table and is recorded half-open; the next packet of it that is not a SYN
 // (the client's ACK, a UDP flow's second datagram) moves it to the connection table.
 // Over the new-flow rate a new flow is sent by the lookup table unrecorded: it loses
 // only stickiness across a table change during its handshake.
 static __always_inline int select_backend(struct packet *p, struct service *svc,
 					  struct backend **be, __u32 *id)
 {
-	struct flow_state *known, fresh = {};
+	struct lb_flow *known, fresh = {};
 	enum stat_reason event = STAT_FLOW_NEW;
 	__u64 now;
 
 	if (is_syn(p)) {
 		forget_reused(p);
 	} else {
-		known = bpf_map_lookup_elem(&conntrack, &p->flow);
+		known = flow_lookup(LB_CONNTRACK, &p->flow);
 		if (known) {
 			*id = known->backend_id;
 			*be = usable_backend(*id, svc->id);
@@ -101,17 +102,17 @@ static __always_inline int select_backend(struct packet *p, struct service *svc,
 				return CONTINUE;
 			}
 			// Its backend became unusable: it starts again as a new flow.
-			bpf_map_delete_elem(&conntrack, &p->flow);
+			flow_delete(LB_CONNTRACK, &p->flow);
 			event = STAT_FLOW_RESELECT;
 		} else {
-			known = bpf_map_lookup_elem(&half_open, &p->flow);
+			known = flow_lookup(LB_HALF_OPEN, &p->flow);
 			if (known) {
 				*id = known->backend_id;
 				*be = usable_backend(*id, svc->id);
 				if (*be) {
 					fresh = *known;
-					bpf_map_update_elem(&conntrack, &p->flow, &fresh, BPF_ANY);
-					bpf_map_delete_elem(&half_open, &p->flow);
+					flow_update(LB_CONNTRACK, &p->flow, &fresh);
+					flow_delete(LB_HALF_OPEN, &p->flow);
 					count(&global_stats, STAT_FLOW_ESTABLISHED, p->len);
 					return CONTINUE;
 				}
@@ -129,10 +130,10 @@ static __always_inline int select_backend(struct packet *p, struct service *svc,
 		return CONTINUE;
 	}
 	fresh.backend_id = *id;
-	fresh.created_ns = now;
+	fresh.created_s = now / NSEC_PER_SEC;
 	// A failed insert (map full of entries being updated) only costs stickiness: the
 	// next packet of the flow takes the same table slot while the table is unchanged.
-	bpf_map_update_elem(&half_open, &p->flow, &fresh, BPF_ANY);
+	flow_update(LB_HALF_OPEN, &p->flow, &fresh);
 	count(&global_stats, event, p->len);
 	return CONTINUE;
 }

@@ -49,7 +49,8 @@ struct backend {
 	__u32 pad2;
 };
 
-// Key of the connection table: the flow's 5-tuple as received.
+// A flow's 5-tuple as received, as the program holds it, and the key of the IPv6
+// flow tables.
 struct flow_key {
 	__be32 src[4];
 	__be32 dst[4];
@@ -60,18 +61,35 @@ struct flow_key {
 	__u8 pad[2];
 };
 
-// Value of the connection table.
-struct flow_state {
-	__u32 backend_id;
-	__be16 nat_port;    // nat: the source port towards the backend
-	__u8 flags;         // FLOW_F_*
-	__u8 pad;
-	__u64 created_ns;   // bpf_ktime_get_coarse_ns at insertion
-	__u64 last_seen_ns; // nat: refreshed by the client's packets, at most once a second
-	struct next_hop to_backend; // nat: bpf_fib_lookup's answer, looked up again each refresh
+// Key of the IPv4 flow tables: an IPv4 flow_key without its 24 bytes of zeros and its
+// family, so more flows fit in cache and the hash covers 16 bytes, not 40.
+struct flow_key4 {
+	__be32 src;
+	__be32 dst;
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	__u8 pad[3];
 };
 
-// Value of the nat reverse table, whose key is the backend's reply 5-tuple
+// Value of the dsr and tunnel flow tables: all a flow needs to keep its backend.
+struct lb_flow {
+	__u32 backend_id;
+	__u32 created_s; // bpf_ktime_get_coarse_ns at insertion, in seconds
+};
+
+// Value of the nat flow tables.
+struct nat_flow {
+	__u32 backend_id;
+	__be16 nat_port;    // the source port towards the backend
+	__u8 flags;         // FLOW_F_*
+	__u8 pad;
+	__u64 last_seen_ns; // bpf_ktime_get_coarse_ns: insertion, then the client's packets at
+			    // most once a second once established
+	struct next_hop to_backend; // bpf_fib_lookup's answer, looked up again each refresh
+};
+
+// Value of the nat reverse tables, whose key is the backend's reply 5-tuple
 // (backend -> nat address:port).
 struct nat_entry {
 	struct flow_key client; // the client's flow as received: client -> VIP

@@ -51,15 +51,20 @@ type WeirFlowKey struct {
 	Pad    [2]uint8
 }
 
-type WeirFlowState struct {
-	_          structs.HostLayout
-	BackendId  uint32
-	NatPort    uint16
-	Flags      uint8
-	Pad        uint8
-	CreatedNs  uint64
-	LastSeenNs uint64
-	ToBackend  WeirNextHop
+type WeirFlowKey4 struct {
+	_     structs.HostLayout
+	Src   uint32
+	Dst   uint32
+	Sport uint16
+	Dport uint16
+	Proto uint8
+	Pad   [3]uint8
+}
+
+type WeirLbFlow struct {
+	_         structs.HostLayout
+	BackendId uint32
+	CreatedS  uint32
 }
 
 type WeirNatEntry struct {
@@ -68,6 +73,16 @@ type WeirNatEntry struct {
 	BackendId uint32
 	Pad       uint32
 	ToClient  WeirNextHop
+}
+
+type WeirNatFlow struct {
+	_          structs.HostLayout
+	BackendId  uint32
+	NatPort    uint16
+	Flags      uint8
+	Pad        uint8
+	LastSeenNs uint64
+	ToBackend  WeirNextHop
 }
 
 type WeirNextHop struct {
@@ -128,13 +143,21 @@ const (
 	WeirMapBackendFlows      = "backend_flows"
 	WeirMapBackendStats      = "backend_stats"
 	WeirMapBackends          = "backends"
-	WeirMapConntrack         = "conntrack"
 	WeirMapGlobalStats       = "global_stats"
-	WeirMapHalfOpen          = "half_open"
+	WeirMapLbConntrack4      = "lb_conntrack4"
+	WeirMapLbConntrack6      = "lb_conntrack6"
+	WeirMapLbHalfOpen4       = "lb_half_open4"
+	WeirMapLbHalfOpen6       = "lb_half_open6"
 	WeirMapLookupTables      = "lookup_tables"
+	WeirMapNatConntrack4     = "nat_conntrack4"
+	WeirMapNatConntrack6     = "nat_conntrack6"
 	WeirMapNatCursor         = "nat_cursor"
-	WeirMapNatHalfReverse    = "nat_half_reverse"
-	WeirMapNatReverse        = "nat_reverse"
+	WeirMapNatHalfOpen4      = "nat_half_open4"
+	WeirMapNatHalfOpen6      = "nat_half_open6"
+	WeirMapNatHalfReverse4   = "nat_half_reverse4"
+	WeirMapNatHalfReverse6   = "nat_half_reverse6"
+	WeirMapNatReverse4       = "nat_reverse4"
+	WeirMapNatReverse6       = "nat_reverse6"
 	WeirMapNewFlowLimit      = "new_flow_limit"
 	WeirMapServiceStats      = "service_stats"
 	WeirMapServices          = "services"
@@ -202,20 +225,28 @@ type WeirProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type WeirMapSpecs struct {
-	BackendFlows   *ebpf.MapSpec `ebpf:"backend_flows"`
-	BackendStats   *ebpf.MapSpec `ebpf:"backend_stats"`
-	Backends       *ebpf.MapSpec `ebpf:"backends"`
-	Conntrack      *ebpf.MapSpec `ebpf:"conntrack"`
-	GlobalStats    *ebpf.MapSpec `ebpf:"global_stats"`
-	HalfOpen       *ebpf.MapSpec `ebpf:"half_open"`
-	LookupTables   *ebpf.MapSpec `ebpf:"lookup_tables"`
-	NatCursor      *ebpf.MapSpec `ebpf:"nat_cursor"`
-	NatHalfReverse *ebpf.MapSpec `ebpf:"nat_half_reverse"`
-	NatReverse     *ebpf.MapSpec `ebpf:"nat_reverse"`
-	NewFlowLimit   *ebpf.MapSpec `ebpf:"new_flow_limit"`
-	ServiceStats   *ebpf.MapSpec `ebpf:"service_stats"`
-	Services       *ebpf.MapSpec `ebpf:"services"`
-	TxPorts        *ebpf.MapSpec `ebpf:"tx_ports"`
+	BackendFlows    *ebpf.MapSpec `ebpf:"backend_flows"`
+	BackendStats    *ebpf.MapSpec `ebpf:"backend_stats"`
+	Backends        *ebpf.MapSpec `ebpf:"backends"`
+	GlobalStats     *ebpf.MapSpec `ebpf:"global_stats"`
+	LbConntrack4    *ebpf.MapSpec `ebpf:"lb_conntrack4"`
+	LbConntrack6    *ebpf.MapSpec `ebpf:"lb_conntrack6"`
+	LbHalfOpen4     *ebpf.MapSpec `ebpf:"lb_half_open4"`
+	LbHalfOpen6     *ebpf.MapSpec `ebpf:"lb_half_open6"`
+	LookupTables    *ebpf.MapSpec `ebpf:"lookup_tables"`
+	NatConntrack4   *ebpf.MapSpec `ebpf:"nat_conntrack4"`
+	NatConntrack6   *ebpf.MapSpec `ebpf:"nat_conntrack6"`
+	NatCursor       *ebpf.MapSpec `ebpf:"nat_cursor"`
+	NatHalfOpen4    *ebpf.MapSpec `ebpf:"nat_half_open4"`
+	NatHalfOpen6    *ebpf.MapSpec `ebpf:"nat_half_open6"`
+	NatHalfReverse4 *ebpf.MapSpec `ebpf:"nat_half_reverse4"`
+	NatHalfReverse6 *ebpf.MapSpec `ebpf:"nat_half_reverse6"`
+	NatReverse4     *ebpf.MapSpec `ebpf:"nat_reverse4"`
+	NatReverse6     *ebpf.MapSpec `ebpf:"nat_reverse6"`
+	NewFlowLimit    *ebpf.MapSpec `ebpf:"new_flow_limit"`
+	ServiceStats    *ebpf.MapSpec `ebpf:"service_stats"`
+	Services        *ebpf.MapSpec `ebpf:"services"`
+	TxPorts         *ebpf.MapSpec `ebpf:"tx_ports"`
 }
 
 // WeirVariableSpecs contains global variables before they are loaded into the kernel.
@@ -255,20 +286,28 @@ func (o *WeirObjects) Close() error {
 //
 // It can be passed to LoadWeirObjects or ebpf.CollectionSpec.LoadAndAssign.
 type WeirMaps struct {
-	BackendFlows   *ebpf.Map `ebpf:"backend_flows"`
-	BackendStats   *ebpf.Map `ebpf:"backend_stats"`
-	Backends       *ebpf.Map `ebpf:"backends"`
-	Conntrack      *ebpf.Map `ebpf:"conntrack"`
-	GlobalStats    *ebpf.Map `ebpf:"global_stats"`
-	HalfOpen       *ebpf.Map `ebpf:"half_open"`
-	LookupTables   *ebpf.Map `ebpf:"lookup_tables"`
-	NatCursor      *ebpf.Map `ebpf:"nat_cursor"`
-	NatHalfReverse *ebpf.Map `ebpf:"nat_half_reverse"`
-	NatReverse     *ebpf.Map `ebpf:"nat_reverse"`
-	NewFlowLimit   *ebpf.Map `ebpf:"new_flow_limit"`
-	ServiceStats   *ebpf.Map `ebpf:"service_stats"`
-	Services       *ebpf.Map `ebpf:"services"`
-	TxPorts        *ebpf.Map `ebpf:"tx_ports"`
+	BackendFlows    *ebpf.Map `ebpf:"backend_flows"`
+	BackendStats    *ebpf.Map `ebpf:"backend_stats"`
+	Backends        *ebpf.Map `ebpf:"backends"`
+	GlobalStats     *ebpf.Map `ebpf:"global_stats"`
+	LbConntrack4    *ebpf.Map `ebpf:"lb_conntrack4"`
+	LbConntrack6    *ebpf.Map `ebpf:"lb_conntrack6"`
+	LbHalfOpen4     *ebpf.Map `ebpf:"lb_half_open4"`
+	LbHalfOpen6     *ebpf.Map `ebpf:"lb_half_open6"`
+	LookupTables    *ebpf.Map `ebpf:"lookup_tables"`
+	NatConntrack4   *ebpf.Map `ebpf:"nat_conntrack4"`
+	NatConntrack6   *ebpf.Map `ebpf:"nat_conntrack6"`
+	NatCursor       *ebpf.Map `ebpf:"nat_cursor"`
+	NatHalfOpen4    *ebpf.Map `ebpf:"nat_half_open4"`
+	NatHalfOpen6    *ebpf.Map `ebpf:"nat_half_open6"`
+	NatHalfReverse4 *ebpf.Map `ebpf:"nat_half_reverse4"`
+	NatHalfReverse6 *ebpf.Map `ebpf:"nat_half_reverse6"`
+	NatReverse4     *ebpf.Map `ebpf:"nat_reverse4"`
+	NatReverse6     *ebpf.Map `ebpf:"nat_reverse6"`
+	NewFlowLimit    *ebpf.Map `ebpf:"new_flow_limit"`
+	ServiceStats    *ebpf.Map `ebpf:"service_stats"`
+	Services        *ebpf.Map `ebpf:"services"`
+	TxPorts         *ebpf.Map `ebpf:"tx_ports"`
 }
 
 func (m *WeirMaps) Close() error {
@@ -276,13 +315,21 @@ func (m *WeirMaps) Close() error {
 		m.BackendFlows,
 		m.BackendStats,
 		m.Backends,
-		m.Conntrack,
 		m.GlobalStats,
-		m.HalfOpen,
+		m.LbConntrack4,
+		m.LbConntrack6,
+		m.LbHalfOpen4,
+		m.LbHalfOpen6,
 		m.LookupTables,
+		m.NatConntrack4,
+		m.NatConntrack6,
 		m.NatCursor,
-		m.NatHalfReverse,
-		m.NatReverse,
+		m.NatHalfOpen4,
+		m.NatHalfOpen6,
+		m.NatHalfReverse4,
+		m.NatHalfReverse6,
+		m.NatReverse4,
+		m.NatReverse6,
 		m.NewFlowLimit,
 		m.ServiceStats,
 		m.Services,

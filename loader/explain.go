@@ -1,11 +1,8 @@
 package loader
 
 import (
-	"errors"
 	"fmt"
 	"net/netip"
-
-	"github.com/cilium/ebpf"
 
 	"github.com/weir-lb/weir/bpf"
 )
@@ -63,25 +60,35 @@ func (p *Program) Explain(key ServiceKey, client netip.AddrPort) (Explanation, e
 		Sport: portWord(client.Port()), Dport: portWord(key.VIP.Port()),
 		Proto: uint8(key.Protocol), Family: family(key.VIP.Addr()),
 	}
-	for _, table := range []struct {
-		m        *ebpf.Map
-		halfOpen bool
-	}{{p.objs.Conntrack, false}, {p.objs.HalfOpen, true}} {
-		var fs bpf.WeirFlowState
-		err := table.m.Lookup(fk, &fs)
-		switch {
-		case errors.Is(err, ebpf.ErrKeyNotExist):
-			continue
-		case err != nil:
-			return Explanation{}, fmt.Errorf("explain %s: read connection table: %w", key, err)
+	var found bool
+	var slot uint32
+	var natPort uint16
+	var err error
+	fp := p.flowPairs()
+	if st.spec.Forwarding == ForwardNAT {
+		var f bpf.WeirNatFlow
+		if found, err = lookupPair(fp[natConntrack], fk, &f); err == nil && !found {
+			found, err = lookupPair(fp[natHalfOpen], fk, &f)
+			ex.HalfOpen = found
 		}
-		if b, ok := bySlot[fs.BackendId]; ok && st.slots[b.Addr] == fs.BackendId {
-			ex.Tracked = b.Addr
-			ex.TrackedUsable = b.Usable
-			ex.HalfOpen = table.halfOpen
-			ex.NATPort = portWord(fs.NatPort)
+		slot, natPort = f.BackendId, f.NatPort
+	} else {
+		var f bpf.WeirLbFlow
+		if found, err = lookupPair(fp[lbConntrack], fk, &f); err == nil && !found {
+			found, err = lookupPair(fp[lbHalfOpen], fk, &f)
+			ex.HalfOpen = found
 		}
-		break
+		slot = f.BackendId
+	}
+	if err != nil {
+		return Explanation{}, fmt.Errorf("explain %s: read connection table: %w", key, err)
+	}
+	if b, ok := bySlot[slot]; found && ok && st.slots[b.Addr] == slot {
+		ex.Tracked = b.Addr
+		ex.TrackedUsable = b.Usable
+		ex.NATPort = portWord(natPort)
+	} else {
+		ex.HalfOpen = false
 	}
 	return ex, nil
 }

@@ -24,22 +24,18 @@ func (p *Program) Model() (*Model, error) {
 	}
 	o := p.opts.NAT
 	m := &Model{
-		HashSeed:       p.opts.HashSeed,
-		PortMin:        o.PortMin,
-		PortMax:        o.PortMax,
-		TCPIdleNs:      uint64(o.TCPIdle),
-		TCPClosingNs:   uint64(o.TCPClosing),
-		UDPIdleNs:      uint64(o.UDPIdle),
-		HalfOpenNs:     uint64(o.HalfOpen),
-		MaxServices:    p.objs.ServiceStats.MaxEntries(),
-		MaxBackends:    p.objs.BackendStats.MaxEntries(),
-		Services:       make(map[bpf.WeirVipKey]bpf.WeirService),
-		Tables:         make(map[uint32][]uint32),
-		Conntrack:      make(map[bpf.WeirFlowKey]bpf.WeirFlowState),
-		HalfOpen:       make(map[bpf.WeirFlowKey]bpf.WeirFlowState),
-		NATReverse:     make(map[bpf.WeirFlowKey]bpf.WeirNatEntry),
-		NATHalfReverse: make(map[bpf.WeirFlowKey]bpf.WeirNatEntry),
-		TxPorts:        make(map[uint32]bool),
+		HashSeed:     p.opts.HashSeed,
+		PortMin:      o.PortMin,
+		PortMax:      o.PortMax,
+		TCPIdleNs:    uint64(o.TCPIdle),
+		TCPClosingNs: uint64(o.TCPClosing),
+		UDPIdleNs:    uint64(o.UDPIdle),
+		HalfOpenNs:   uint64(o.HalfOpen),
+		MaxServices:  p.objs.ServiceStats.MaxEntries(),
+		MaxBackends:  p.objs.BackendStats.MaxEntries(),
+		Services:     make(map[bpf.WeirVipKey]bpf.WeirService),
+		Tables:       make(map[uint32][]uint32),
+		TxPorts:      make(map[uint32]bool),
 	}
 	m.NewFlowIntervalNs, m.NewFlowBurstNs = p.opts.flowLimitNs()
 	if o.Addr4.IsValid() {
@@ -51,18 +47,11 @@ func (p *Program) Model() (*Model, error) {
 	if err := readAll(p.objs.Services, m.Services); err != nil {
 		return nil, fmt.Errorf("read services: %w", err)
 	}
-	if err := readAll(p.objs.Conntrack, m.Conntrack); err != nil {
-		return nil, fmt.Errorf("read conntrack: %w", err)
+	flows, err := p.flows()
+	if err != nil {
+		return nil, err
 	}
-	if err := readAll(p.objs.NatReverse, m.NATReverse); err != nil {
-		return nil, fmt.Errorf("read nat_reverse: %w", err)
-	}
-	if err := readAll(p.objs.HalfOpen, m.HalfOpen); err != nil {
-		return nil, fmt.Errorf("read half_open: %w", err)
-	}
-	if err := readAll(p.objs.NatHalfReverse, m.NATHalfReverse); err != nil {
-		return nil, fmt.Errorf("read nat_half_reverse: %w", err)
-	}
+	m.setFlows(flows)
 	ports := make(map[uint32]uint32)
 	if err := readAll(p.objs.TxPorts, ports); err != nil {
 		return nil, fmt.Errorf("read tx_ports: %w", err)
@@ -70,7 +59,6 @@ func (p *Program) Model() (*Model, error) {
 	for k := range ports {
 		m.TxPorts[k] = true
 	}
-	var err error
 	if m.Backends, err = readArray[bpf.WeirBackend](p.objs.Backends, p.objs.Backends.MaxEntries()); err != nil {
 		return nil, fmt.Errorf("read backends: %w", err)
 	}
@@ -176,69 +164,138 @@ func (p *Program) readCounters(services, backends uint32) (dataPlaneCounters, er
 	return c, nil
 }
 
-// flowTables are the program's flow tables, as a test seeds and reads them.
-type flowTables struct {
-	Conntrack, HalfOpen  map[bpf.WeirFlowKey]bpf.WeirFlowState
-	Reverse, HalfReverse map[bpf.WeirFlowKey]bpf.WeirNatEntry
+// The kinds of flow table, each a pair of maps (IPv4, IPv6); index of flowPairs.
+const (
+	lbConntrack = iota
+	lbHalfOpen
+	natConntrack
+	natHalfOpen
+	natReverse
+	natHalfReverse
+	flowKinds
+)
+
+// flowPair is one kind of flow table: the IPv4 map (flow_key4 keys) and the IPv6 one
+// (flow_key keys).
+type flowPair struct {
+	name   string
+	v4, v6 *ebpf.Map
 }
 
-func (p *Program) flowMaps() []struct {
-	name  string
-	m     *ebpf.Map
-	state bool // value is a flow_state (else a nat_entry)
-} {
-	return []struct {
-		name  string
-		m     *ebpf.Map
-		state bool
-	}{
-		{"conntrack", p.objs.Conntrack, true}, {"half_open", p.objs.HalfOpen, true},
-		{"nat_reverse", p.objs.NatReverse, false}, {"nat_half_reverse", p.objs.NatHalfReverse, false},
+func (p *Program) flowPairs() [flowKinds]flowPair {
+	o := &p.objs
+	return [flowKinds]flowPair{
+		{"lb_conntrack", o.LbConntrack4, o.LbConntrack6}, {"lb_half_open", o.LbHalfOpen4, o.LbHalfOpen6},
+		{"nat_conntrack", o.NatConntrack4, o.NatConntrack6}, {"nat_half_open", o.NatHalfOpen4, o.NatHalfOpen6},
+		{"nat_reverse", o.NatReverse4, o.NatReverse6}, {"nat_half_reverse", o.NatHalfReverse4, o.NatHalfReverse6},
 	}
 }
 
-func (t *flowTables) states(i int) map[bpf.WeirFlowKey]bpf.WeirFlowState {
-	return [...]map[bpf.WeirFlowKey]bpf.WeirFlowState{t.Conntrack, t.HalfOpen}[i]
+// key4 is bpf/flows.h's flow_key4_of; keyOf4 the other way.
+func key4(k bpf.WeirFlowKey) bpf.WeirFlowKey4 {
+	return bpf.WeirFlowKey4{Src: k.Src[0], Dst: k.Dst[0], Sport: k.Sport, Dport: k.Dport, Proto: k.Proto}
 }
 
-func (t *flowTables) entries(i int) map[bpf.WeirFlowKey]bpf.WeirNatEntry {
-	return [...]map[bpf.WeirFlowKey]bpf.WeirNatEntry{t.Reverse, t.HalfReverse}[i-2]
+func keyOf4(k bpf.WeirFlowKey4) bpf.WeirFlowKey {
+	return bpf.WeirFlowKey{Src: [4]uint32{k.Src}, Dst: [4]uint32{k.Dst}, Sport: k.Sport, Dport: k.Dport,
+		Proto: k.Proto, Family: familyIPv4}
 }
 
-// setFlows replaces the flow tables' contents with next, so a test starts each
-// packet from a known state. prev is what the tables hold now (as flows read them),
-// so only its keys need deleting.
-func (p *Program) setFlows(prev, next flowTables) error {
-	for i, fm := range p.flowMaps() {
-		var err error
-		if fm.state {
-			err = replaceEntries(fm.m, prev.states(i), next.states(i))
-		} else {
-			err = replaceEntries(fm.m, prev.entries(i), next.entries(i))
-		}
-		if err != nil {
-			return fmt.Errorf("seed %s: %w", fm.name, err)
-		}
+func lookupPair[V any](fp flowPair, k bpf.WeirFlowKey, v *V) (bool, error) {
+	var err error
+	if k.Family == familyIPv4 {
+		err = fp.v4.Lookup(key4(k), v)
+	} else {
+		err = fp.v6.Lookup(k, v)
 	}
-	return nil
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return false, nil
+	}
+	return err == nil, err
 }
 
-// replaceEntries makes m hold next where it held prev.
-func replaceEntries[V comparable](m *ebpf.Map, prev, next map[bpf.WeirFlowKey]V) error {
+func putPair[V any](fp flowPair, k bpf.WeirFlowKey, v V) error {
+	if k.Family == familyIPv4 {
+		return fp.v4.Put(key4(k), v)
+	}
+	return fp.v6.Put(k, v)
+}
+
+func deletePair(fp flowPair, k bpf.WeirFlowKey) error {
+	var err error
+	if k.Family == familyIPv4 {
+		err = fp.v4.Delete(key4(k))
+	} else {
+		err = fp.v6.Delete(k)
+	}
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return nil
+	}
+	return err
+}
+
+// readPair copies both maps of a pair into out, IPv4 keys widened to flow_key.
+func readPair[V any](fp flowPair, out map[bpf.WeirFlowKey]V) error {
+	var k bpf.WeirFlowKey4
+	var v V
+	it := fp.v4.Iterate()
+	for it.Next(&k, &v) {
+		out[keyOf4(k)] = v
+	}
+	if err := it.Err(); err != nil {
+		return err
+	}
+	return readAll(fp.v6, out)
+}
+
+// replacePair makes a pair hold next where it held prev.
+func replacePair[V comparable](fp flowPair, prev, next map[bpf.WeirFlowKey]V) error {
 	for k := range prev {
-		if _, keep := next[k]; keep {
-			continue
-		}
-		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return err
+		if _, keep := next[k]; !keep {
+			if err := deletePair(fp, k); err != nil {
+				return err
+			}
 		}
 	}
 	for k, v := range next {
 		if old, ok := prev[k]; ok && old == v {
 			continue
 		}
-		if err := m.Put(k, v); err != nil {
+		if err := putPair(fp, k, v); err != nil {
 			return err
+		}
+	}
+	return nil
+}
+
+// flowTables are the program's flow tables by kind, as a test seeds and reads them
+// (both families of a kind in one map).
+type flowTables struct {
+	LB, LBHalfOpen       map[bpf.WeirFlowKey]bpf.WeirLbFlow
+	NAT, NATHalfOpen     map[bpf.WeirFlowKey]bpf.WeirNatFlow
+	Reverse, HalfReverse map[bpf.WeirFlowKey]bpf.WeirNatEntry
+}
+
+func emptyFlowTables() flowTables {
+	return flowTables{
+		LB: map[bpf.WeirFlowKey]bpf.WeirLbFlow{}, LBHalfOpen: map[bpf.WeirFlowKey]bpf.WeirLbFlow{},
+		NAT: map[bpf.WeirFlowKey]bpf.WeirNatFlow{}, NATHalfOpen: map[bpf.WeirFlowKey]bpf.WeirNatFlow{},
+		Reverse: map[bpf.WeirFlowKey]bpf.WeirNatEntry{}, HalfReverse: map[bpf.WeirFlowKey]bpf.WeirNatEntry{},
+	}
+}
+
+// setFlows replaces the flow tables' contents with next, so a test starts each
+// packet from a known state. prev is what the tables hold now (as flows read them),
+// so only its keys need deleting.
+func (p *Program) setFlows(prev, next flowTables) error {
+	fp := p.flowPairs()
+	for _, err := range []error{
+		replacePair(fp[lbConntrack], prev.LB, next.LB), replacePair(fp[lbHalfOpen], prev.LBHalfOpen, next.LBHalfOpen),
+		replacePair(fp[natConntrack], prev.NAT, next.NAT), replacePair(fp[natHalfOpen], prev.NATHalfOpen, next.NATHalfOpen),
+		replacePair(fp[natReverse], prev.Reverse, next.Reverse), replacePair(fp[natHalfReverse], prev.HalfReverse, next.HalfReverse),
+	} {
+		if err != nil {
+			return fmt.Errorf("seed flow tables: %w", err)
 		}
 	}
 	return nil
@@ -246,19 +303,15 @@ func replaceEntries[V comparable](m *ebpf.Map, prev, next map[bpf.WeirFlowKey]V)
 
 // flows reads the flow tables.
 func (p *Program) flows() (flowTables, error) {
-	t := flowTables{
-		Conntrack: make(map[bpf.WeirFlowKey]bpf.WeirFlowState), HalfOpen: make(map[bpf.WeirFlowKey]bpf.WeirFlowState),
-		Reverse: make(map[bpf.WeirFlowKey]bpf.WeirNatEntry), HalfReverse: make(map[bpf.WeirFlowKey]bpf.WeirNatEntry),
-	}
-	for i, fm := range p.flowMaps() {
-		var err error
-		if fm.state {
-			err = readAll(fm.m, t.states(i))
-		} else {
-			err = readAll(fm.m, t.entries(i))
-		}
+	t := emptyFlowTables()
+	fp := p.flowPairs()
+	for _, err := range []error{
+		readPair(fp[lbConntrack], t.LB), readPair(fp[lbHalfOpen], t.LBHalfOpen),
+		readPair(fp[natConntrack], t.NAT), readPair(fp[natHalfOpen], t.NATHalfOpen),
+		readPair(fp[natReverse], t.Reverse), readPair(fp[natHalfReverse], t.HalfReverse),
+	} {
 		if err != nil {
-			return t, fmt.Errorf("read %s: %w", fm.name, err)
+			return t, fmt.Errorf("read flow tables: %w", err)
 		}
 	}
 	return t, nil

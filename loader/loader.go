@@ -24,9 +24,11 @@ type Options struct {
 	// HashSeed seeds the flow hash and the Maglev tables. Balancer nodes that share
 	// traffic behind one router must use the same seed to pick the same backends.
 	HashSeed uint32
-	// ConntrackSize is how many flows the connection table remembers; 0 keeps the
-	// default (bpf/consts.h CONNTRACK_SIZE). Each flow costs about 100 bytes of kernel
-	// memory, twice for nat flows (the reverse table is sized the same).
+	// ConntrackSize is how many established flows each connection table remembers;
+	// 0 keeps the default (bpf/consts.h CONNTRACK_SIZE). There is a table per family
+	// and kind (dsr and tunnel, nat) and a nat reverse table per family, all of this
+	// size; the kernel allocates them whole at load (see docs/datapath.md for bytes
+	// per entry).
 	ConntrackSize uint32
 	// HalfOpenSize is how many flows the half-open table remembers: flows whose
 	// client has sent only a first packet (a SYN, a lone UDP datagram), the only ones
@@ -190,15 +192,19 @@ func Load(opts Options) (_ *Program, err error) {
 		return nil, fmt.Errorf("load xdp program: %w", err)
 	}
 	if opts.ConntrackSize > 0 {
-		spec.Maps[bpf.WeirMapConntrack].MaxEntries = opts.ConntrackSize
-		spec.Maps[bpf.WeirMapNatReverse].MaxEntries = opts.ConntrackSize
+		for _, name := range []string{bpf.WeirMapLbConntrack4, bpf.WeirMapLbConntrack6, bpf.WeirMapNatConntrack4,
+			bpf.WeirMapNatConntrack6, bpf.WeirMapNatReverse4, bpf.WeirMapNatReverse6} {
+			spec.Maps[name].MaxEntries = opts.ConntrackSize
+		}
 		if opts.HalfOpenSize == 0 {
 			opts.HalfOpenSize = max(opts.ConntrackSize/4, 1024)
 		}
 	}
 	if opts.HalfOpenSize > 0 {
-		spec.Maps[bpf.WeirMapHalfOpen].MaxEntries = opts.HalfOpenSize
-		spec.Maps[bpf.WeirMapNatHalfReverse].MaxEntries = opts.HalfOpenSize
+		for _, name := range []string{bpf.WeirMapLbHalfOpen4, bpf.WeirMapLbHalfOpen6, bpf.WeirMapNatHalfOpen4,
+			bpf.WeirMapNatHalfOpen6, bpf.WeirMapNatHalfReverse4, bpf.WeirMapNatHalfReverse6} {
+			spec.Maps[name].MaxEntries = opts.HalfOpenSize
+		}
 	}
 	var adopting bool
 	var loadOpts *ebpf.CollectionOptions

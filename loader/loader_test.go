@@ -95,15 +95,35 @@ func TestStructSizesMatchC(t *testing.T) {
 	}{
 		{bpf.WeirMapServices, unsafe.Sizeof(bpf.WeirVipKey{}), unsafe.Sizeof(bpf.WeirService{})},
 		{bpf.WeirMapBackends, 4, unsafe.Sizeof(bpf.WeirBackend{})},
-		{bpf.WeirMapConntrack, unsafe.Sizeof(bpf.WeirFlowKey{}), unsafe.Sizeof(bpf.WeirFlowState{})},
+		{bpf.WeirMapLbConntrack4, unsafe.Sizeof(bpf.WeirFlowKey4{}), unsafe.Sizeof(bpf.WeirLbFlow{})},
+		{bpf.WeirMapLbConntrack6, unsafe.Sizeof(bpf.WeirFlowKey{}), unsafe.Sizeof(bpf.WeirLbFlow{})},
+		{bpf.WeirMapLbHalfOpen4, unsafe.Sizeof(bpf.WeirFlowKey4{}), unsafe.Sizeof(bpf.WeirLbFlow{})},
+		{bpf.WeirMapNatConntrack4, unsafe.Sizeof(bpf.WeirFlowKey4{}), unsafe.Sizeof(bpf.WeirNatFlow{})},
+		{bpf.WeirMapNatHalfOpen6, unsafe.Sizeof(bpf.WeirFlowKey{}), unsafe.Sizeof(bpf.WeirNatFlow{})},
 		{bpf.WeirMapServiceStats, 4, unsafe.Sizeof(bpf.WeirCounter{})},
 		{bpf.WeirMapGlobalStats, 4, unsafe.Sizeof(bpf.WeirCounter{})},
-		{bpf.WeirMapNatReverse, unsafe.Sizeof(bpf.WeirFlowKey{}), unsafe.Sizeof(bpf.WeirNatEntry{})},
+		{bpf.WeirMapNatReverse4, unsafe.Sizeof(bpf.WeirFlowKey4{}), unsafe.Sizeof(bpf.WeirNatEntry{})},
+		{bpf.WeirMapNatHalfReverse6, unsafe.Sizeof(bpf.WeirFlowKey{}), unsafe.Sizeof(bpf.WeirNatEntry{})},
 		{bpf.WeirMapBackendFlows, 4, unsafe.Sizeof(bpf.WeirFlowCount{})},
 	} {
 		m := spec.Maps[tc.mapName]
 		if uintptr(m.KeySize) != tc.key || uintptr(m.ValueSize) != tc.value {
 			t.Errorf("map %s: C key/value sizes %d/%d; Go %d/%d", tc.mapName, m.KeySize, m.ValueSize, tc.key, tc.value)
+		}
+	}
+	// The flow entries' sizes, as docs/datapath.md states them.
+	for _, c := range []struct {
+		what      string
+		got, want uintptr
+	}{
+		{"flow_key4", unsafe.Sizeof(bpf.WeirFlowKey4{}), 16},
+		{"flow_key", unsafe.Sizeof(bpf.WeirFlowKey{}), 40},
+		{"lb_flow", unsafe.Sizeof(bpf.WeirLbFlow{}), 8},
+		{"nat_flow", unsafe.Sizeof(bpf.WeirNatFlow{}), 32},
+		{"nat_entry", unsafe.Sizeof(bpf.WeirNatEntry{}), 64},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s is %d bytes; want %d", c.what, c.got, c.want)
 		}
 	}
 	decap, err := bpf.LoadDecap()

@@ -24,7 +24,7 @@ import (
 // native (little-endian) integers, the layout bpf2go's key and value types hold.
 
 // Model is the program's map contents and load-time settings. Run changes the flow
-// tables (Conntrack, HalfOpen, NATReverse, NATHalfReverse), the nat port rings
+// tables (each kind's IPv4 and IPv6 maps in one Go map keyed by flow_key), the nat port rings
 // (NATCursor), the new-flow limit (NewFlowTAT) and the tunnel next-hop cache of
 // Backends (hop, hop_ns, hop_len) as the program changes its maps.
 type Model struct {
@@ -45,12 +45,11 @@ type Model struct {
 	MaxServices                       uint32 // entries of lookup_tables and service_stats
 	MaxBackends                       uint32 // entries of backend_stats, backend_flows and nat_cursor
 	Services                          map[bpf.WeirVipKey]bpf.WeirService
-	Backends                          []bpf.WeirBackend   // the whole array, index = slot; Run writes tunnel next hops in place
-	Tables                            map[uint32][]uint32 // service id -> lookup table: entry 0 the size M, 1..M slots
-	Conntrack                         map[bpf.WeirFlowKey]bpf.WeirFlowState
-	HalfOpen                          map[bpf.WeirFlowKey]bpf.WeirFlowState
-	NATReverse                        map[bpf.WeirFlowKey]bpf.WeirNatEntry
-	NATHalfReverse                    map[bpf.WeirFlowKey]bpf.WeirNatEntry
+	Backends                          []bpf.WeirBackend                  // the whole array, index = slot; Run writes tunnel next hops in place
+	Tables                            map[uint32][]uint32                // service id -> lookup table: entry 0 the size M, 1..M slots
+	LBConntrack, LBHalfOpen           map[bpf.WeirFlowKey]bpf.WeirLbFlow // dsr and tunnel
+	NATConntrack, NATHalfOpen         map[bpf.WeirFlowKey]bpf.WeirNatFlow
+	NATReverse, NATHalfReverse        map[bpf.WeirFlowKey]bpf.WeirNatEntry
 	NATCursor                         []uint32        // by backend slot (MaxBackends entries)
 	TxPorts                           map[uint32]bool // tx_ports keys
 	IngressIfindex                    uint32          // ctx->ingress_ifindex of every Run
@@ -166,6 +165,13 @@ type run struct {
 	env ModelEnv
 	b   []byte
 	out Outcome
+}
+
+// setFlows makes t the model's flow tables (the maps, not copies).
+func (m *Model) setFlows(t flowTables) {
+	m.LBConntrack, m.LBHalfOpen = t.LB, t.LBHalfOpen
+	m.NATConntrack, m.NATHalfOpen = t.NAT, t.NATHalfOpen
+	m.NATReverse, m.NATHalfReverse = t.Reverse, t.HalfReverse
 }
 
 // Run predicts what the program does with frame.
@@ -446,18 +452,18 @@ func (r *run) newFlowAllowed(now uint64) bool {
 func (r *run) selectBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.WeirBackend, int) {
 	event := ReasonFlowNew
 	if isSYN(p) {
-		delete(r.m.Conntrack, p.flow)
-	} else if known, ok := r.m.Conntrack[p.flow]; ok {
+		delete(r.m.LBConntrack, p.flow)
+	} else if known, ok := r.m.LBConntrack[p.flow]; ok {
 		if be, ok := r.usableBackend(known.BackendId, svc.Id); ok {
 			r.count(ReasonFlowHit)
 			return known.BackendId, be, modelContinue
 		}
-		delete(r.m.Conntrack, p.flow)
+		delete(r.m.LBConntrack, p.flow)
 		event = ReasonFlowReselect
-	} else if known, ok := r.m.HalfOpen[p.flow]; ok {
+	} else if known, ok := r.m.LBHalfOpen[p.flow]; ok {
 		if be, ok := r.usableBackend(known.BackendId, svc.Id); ok {
-			r.m.Conntrack[p.flow] = known
-			delete(r.m.HalfOpen, p.flow)
+			r.m.LBConntrack[p.flow] = known
+			delete(r.m.LBHalfOpen, p.flow)
 			r.count(ReasonFlowEstablished)
 			return known.BackendId, be, modelContinue
 		}
@@ -471,7 +477,7 @@ func (r *run) selectBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.We
 		r.count(ReasonFlowUntracked)
 		return id, be, modelContinue
 	}
-	r.m.HalfOpen[p.flow] = bpf.WeirFlowState{BackendId: id, CreatedNs: r.env.Now}
+	r.m.LBHalfOpen[p.flow] = bpf.WeirLbFlow{BackendId: id, CreatedS: uint32(r.env.Now / nsecPerSec)}
 	r.count(event)
 	return id, be, modelContinue
 }
@@ -497,7 +503,7 @@ func tcpCloses(p *modelPacket) bool {
 	return p.flow.Proto == protoTCP && p.tcpFlags&(tcpFlagFIN|tcpFlagRST) != 0
 }
 
-func (m *Model) flowAlive(fs *bpf.WeirFlowState, proto uint8, now uint64) bool {
+func (m *Model) flowAlive(fs *bpf.WeirNatFlow, proto uint8, now uint64) bool {
 	idle := m.UDPIdleNs
 	if proto == protoTCP {
 		idle = m.TCPIdleNs
@@ -508,15 +514,15 @@ func (m *Model) flowAlive(fs *bpf.WeirFlowState, proto uint8, now uint64) bool {
 	return now-fs.LastSeenNs <= idle
 }
 
-// markClosing marks the connection-table entry under key closing, once, and counts
-// its backend's flow closed.
+// markClosing marks the nat connection-table entry under key closing, once, and
+// counts its backend's flow closed.
 func (r *run) markClosing(key bpf.WeirFlowKey) {
-	fs := r.m.Conntrack[key]
+	fs := r.m.NATConntrack[key]
 	if fs.Flags&flowFlagClosing != 0 {
 		return
 	}
 	fs.Flags |= flowFlagClosing
-	r.m.Conntrack[key] = fs
+	r.m.NATConntrack[key] = fs
 	r.countFlow(fs.BackendId, false)
 }
 
@@ -680,7 +686,7 @@ func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now ui
 		r.m.NATCursor[id]++
 		rk.Dport = ntohs(r.m.PortMin + uint16(port))
 		if old, ok := r.m.NATReverse[rk]; ok {
-			holder, ok := r.m.Conntrack[old.Client]
+			holder, ok := r.m.NATConntrack[old.Client]
 			if ok && r.m.flowAlive(&holder, rk.Proto, now) && holder.NatPort == rk.Dport &&
 				holder.BackendId == old.BackendId {
 				continue
@@ -703,8 +709,8 @@ func (r *run) natSend(p *modelPacket, be bpf.WeirBackend, port uint16, hop *bpf.
 
 // natHalfOpen is nat.h's nat_half_open.
 func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowKey, now uint64) int {
-	hs, ok := r.m.HalfOpen[key]
-	if !ok || now-hs.CreatedNs > r.m.HalfOpenNs {
+	hs, ok := r.m.NATHalfOpen[key]
+	if !ok || now-hs.LastSeenNs > r.m.HalfOpenNs {
 		return modelContinue
 	}
 	id := hs.BackendId
@@ -725,7 +731,7 @@ func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowK
 	if isSYN(p) {
 		r.count(ReasonFlowHit)
 		a := r.natSend(p, be, hs.NatPort, &hs.ToBackend)
-		r.m.HalfOpen[key] = hs
+		r.m.NATHalfOpen[key] = hs
 		return a
 	}
 	r.count(ReasonFlowEstablished)
@@ -735,10 +741,10 @@ func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowK
 	}
 	hs.LastSeenNs = now
 	a := r.natSend(p, be, hs.NatPort, &hs.ToBackend)
-	r.m.Conntrack[key] = hs
+	r.m.NATConntrack[key] = hs
 	r.m.NATReverse[rk] = rev
 	delete(r.m.NATHalfReverse, rk)
-	delete(r.m.HalfOpen, key)
+	delete(r.m.NATHalfOpen, key)
 	return a
 }
 
@@ -747,7 +753,7 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 	now := r.env.Now
 	key := p.flow
 	event := ReasonFlowNew
-	if fs, known := r.m.Conntrack[key]; known {
+	if fs, known := r.m.NATConntrack[key]; known {
 		var (
 			be bpf.WeirBackend
 			ok bool
@@ -766,14 +772,14 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 			r.count(ReasonFlowHit)
 			r.countService(svc.Id)
 			r.countBackend(id)
-			fs = r.m.Conntrack[key]
+			fs = r.m.NATConntrack[key]
 			a := r.natSend(p, be, fs.NatPort, &fs.ToBackend)
-			r.m.Conntrack[key] = fs
+			r.m.NATConntrack[key] = fs
 			return a
 		}
 		// Expired, or its backend became unusable: the old flow ends here.
 		r.markClosing(key)
-		delete(r.m.Conntrack, key)
+		delete(r.m.NATConntrack, key)
 		event = ReasonFlowReselect
 	} else if a := r.natHalfOpen(p, svc, key, now); a != modelContinue {
 		return a
@@ -789,7 +795,7 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 	if port == 0 {
 		return r.verdict(XDPDrop, ReasonDropNATPorts)
 	}
-	fresh := bpf.WeirFlowState{BackendId: id, NatPort: port, CreatedNs: now, LastSeenNs: now}
+	fresh := bpf.WeirNatFlow{BackendId: id, NatPort: port, LastSeenNs: now}
 	if tcpCloses(p) {
 		fresh.Flags = flowFlagClosing
 	}
@@ -798,16 +804,16 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 	r.countBackend(id)
 	a := r.natSend(p, be, port, &fresh.ToBackend)
 	// Recorded whatever the verdict.
-	r.m.HalfOpen[key] = fresh
+	r.m.NATHalfOpen[key] = fresh
 	return a
 }
 
 // refreshFlow is nat.h's refresh_flow.
 func (r *run) refreshFlow(p *modelPacket, key bpf.WeirFlowKey, be bpf.WeirBackend, now uint64) {
-	fs := r.m.Conntrack[key]
+	fs := r.m.NATConntrack[key]
 	fs.LastSeenNs = now
 	fs.ToBackend.Ifindex = 0
-	r.m.Conntrack[key] = fs
+	r.m.NATConntrack[key] = fs
 	rk := r.replyKey(p, be, fs.NatPort)
 	if rev, ok := r.m.NATReverse[rk]; ok {
 		if hop, ok := r.cameFrom(); ok {
@@ -831,12 +837,12 @@ func (r *run) natReply(p *modelPacket) int {
 	client := rev.Client
 	if tcpCloses(p) {
 		if established {
-			if fs, ok := r.m.Conntrack[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
+			if fs, ok := r.m.NATConntrack[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
 				r.markClosing(client)
 			}
-		} else if fs, ok := r.m.HalfOpen[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
+		} else if fs, ok := r.m.NATHalfOpen[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
 			fs.Flags |= flowFlagClosing
-			r.m.HalfOpen[client] = fs
+			r.m.NATHalfOpen[client] = fs
 		}
 	}
 	r.count(ReasonNATReply)
@@ -905,9 +911,9 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 		rw.innerSrc, rw.innerDst = rev.Client.Src, rev.Client.Dst
 		rw.innerSport, rw.innerDport = rev.Client.Sport, rev.Client.Dport
 	} else {
-		fs, ok := r.m.Conntrack[flow]
+		fs, ok := r.m.NATConntrack[flow]
 		if !ok {
-			fs, ok = r.m.HalfOpen[flow]
+			fs, ok = r.m.NATHalfOpen[flow]
 		}
 		if !ok || fs.NatPort == 0 {
 			return r.verdict(XDPPass, ReasonPassNotService)

@@ -472,13 +472,6 @@ var (
 	fuzzTATs = []time.Duration{0, 1500 * time.Millisecond, 5 * time.Second, -10 * time.Second}
 )
 
-func emptyFlows() flowTables {
-	return flowTables{
-		Conntrack: map[bpf.WeirFlowKey]bpf.WeirFlowState{}, HalfOpen: map[bpf.WeirFlowKey]bpf.WeirFlowState{},
-		Reverse: map[bpf.WeirFlowKey]bpf.WeirNatEntry{}, HalfReverse: map[bpf.WeirFlowKey]bpf.WeirNatEntry{},
-	}
-}
-
 // fuzzRig is what one fuzzing process runs inputs against.
 type fuzzRig struct {
 	progs    [2]*Program // [0]: nat ports 10000..32767, [1]: the single port 20000
@@ -684,8 +677,11 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 	gotReasons := deltas(before.Reasons, after.Reasons)
 
 	m := *rig.models[c.prog]
-	m.Conntrack, m.HalfOpen = maps.Clone(c.flows.Conntrack), maps.Clone(c.flows.HalfOpen)
-	m.NATReverse, m.NATHalfReverse = maps.Clone(c.flows.Reverse), maps.Clone(c.flows.HalfReverse)
+	m.setFlows(flowTables{
+		LB: maps.Clone(c.flows.LB), LBHalfOpen: maps.Clone(c.flows.LBHalfOpen),
+		NAT: maps.Clone(c.flows.NAT), NATHalfOpen: maps.Clone(c.flows.NATHalfOpen),
+		Reverse: maps.Clone(c.flows.Reverse), HalfReverse: maps.Clone(c.flows.HalfReverse),
+	})
 	m.NATCursor = cursors
 	m.NewFlowTAT = c.tat
 	m.IngressIfindex = rig.ingress
@@ -751,17 +747,36 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 		}
 		return got == want
 	}
+	nearS := func(got, want uint32) bool {
+		if want == uint32(now/nsecPerSec) {
+			return got >= want && got <= uint32(later/nsecPerSec)
+		}
+		return got == want
+	}
 	for _, cmp := range []struct {
 		what      string
-		got, want map[bpf.WeirFlowKey]bpf.WeirFlowState
-	}{{"conntrack", got.Conntrack, m.Conntrack}, {"half_open", got.HalfOpen, m.HalfOpen}} {
+		got, want map[bpf.WeirFlowKey]bpf.WeirLbFlow
+	}{{"lb_conntrack", got.LB, m.LBConntrack}, {"lb_half_open", got.LBHalfOpen, m.LBHalfOpen}} {
+		if len(cmp.got) != len(cmp.want) {
+			report("%s holds %d entries; want %d:\n got %+v\nwant %+v", cmp.what, len(cmp.got), len(cmp.want), cmp.got, cmp.want)
+		}
+		for k, w := range cmp.want {
+			if g, ok := cmp.got[k]; !ok || g.BackendId != w.BackendId || !nearS(g.CreatedS, w.CreatedS) {
+				report("%s[%+v] = %+v (present %t); want %+v", cmp.what, k, g, ok, w)
+			}
+		}
+	}
+	for _, cmp := range []struct {
+		what      string
+		got, want map[bpf.WeirFlowKey]bpf.WeirNatFlow
+	}{{"nat_conntrack", got.NAT, m.NATConntrack}, {"nat_half_open", got.NATHalfOpen, m.NATHalfOpen}} {
 		if len(cmp.got) != len(cmp.want) {
 			report("%s holds %d entries; want %d:\n got %+v\nwant %+v", cmp.what, len(cmp.got), len(cmp.want), cmp.got, cmp.want)
 		}
 		for k, w := range cmp.want {
 			g, ok := cmp.got[k]
 			if !ok || g.BackendId != w.BackendId || g.NatPort != w.NatPort || g.Flags != w.Flags ||
-				!near(g.CreatedNs, w.CreatedNs) || !near(g.LastSeenNs, w.LastSeenNs) || g.ToBackend != w.ToBackend {
+				!near(g.LastSeenNs, w.LastSeenNs) || g.ToBackend != w.ToBackend {
 				report("%s[%+v] = %+v (present %t); want %+v", cmp.what, k, g, ok, w)
 			}
 		}
@@ -863,7 +878,7 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	r := &fuzzReader{in}
 	b0 := r.u8()
-	c := fuzzCase{prog: int(b0 & 1), flows: emptyFlows(), backends: map[uint32]bpf.WeirBackend{}}
+	c := fuzzCase{prog: int(b0 & 1), flows: emptyFlowTables(), backends: map[uint32]bpf.WeirBackend{}}
 	// Every tunnel slot starts without a cached next hop.
 	for _, id := range rig.tunnel[c.prog] {
 		b := rig.models[c.prog].Backends[id]
@@ -1051,11 +1066,15 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	// Bits 3-5 move each seeded entry to the half-open table of its kind; bits 6-7
 	// start every port ring at the seeded nat port, the one after it, 0 or just short
 	// of wrapping.
-	flowTable := func(bit uint8) map[bpf.WeirFlowKey]bpf.WeirFlowState {
+	natTable := func(bit uint8) map[bpf.WeirFlowKey]bpf.WeirNatFlow {
 		if seeds&bit != 0 {
-			return c.flows.HalfOpen
+			return c.flows.NATHalfOpen
 		}
-		return c.flows.Conntrack
+		return c.flows.NAT
+	}
+	lbTable := c.flows.LB
+	if seeds&0x08 != 0 {
+		lbTable = c.flows.LBHalfOpen
 	}
 	reverseTable := c.flows.Reverse
 	if seeds&0x10 != 0 {
@@ -1064,8 +1083,13 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	c.cursor = []uint32{uint32(natPort) - 10000, uint32(natPort) - 10000 + 1, 0, 1<<32 - 3}[seeds>>6]
 	if seeds&1 != 0 && tg.svc >= 0 {
 		port := []uint16{0, portWord(natPort), portWord(natPort + 1), portWord(fuzzSinglePort)}[portSel%4]
-		flowTable(0x08)[clientFlow] = bpf.WeirFlowState{BackendId: candidates[int(beSel)%len(candidates)], NatPort: port,
-			Flags: flowFlags(stateSel), CreatedNs: age(stateSel), LastSeenNs: age(stateSel), ToBackend: hop(stateSel, be.MAC)}
+		id := candidates[int(beSel)%len(candidates)]
+		if svc.Forwarding == ForwardNAT {
+			natTable(0x08)[clientFlow] = bpf.WeirNatFlow{BackendId: id, NatPort: port, Flags: flowFlags(stateSel),
+				LastSeenNs: age(stateSel), ToBackend: hop(stateSel, be.MAC)}
+		} else {
+			lbTable[clientFlow] = bpf.WeirLbFlow{BackendId: id, CreatedS: uint32(age(stateSel) / nsecPerSec)}
+		}
 	}
 	if seeds&2 != 0 && tg.svc >= 0 {
 		// The holder: this flow, or another client's.
@@ -1079,6 +1103,10 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 					continue
 				}
 			}
+			// A reply key has the backend's family (tunnel services mix them).
+			if b.Addr.Addr().Is4() != natAddr.Is4() {
+				continue
+			}
 			rk := flowKeyOf(b.Addr, netip.AddrPortFrom(natAddr, natPort), tg.proto)
 			holderID := slots[i]
 			if holderSel&2 != 0 {
@@ -1090,8 +1118,8 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 				if holderSel&0x80 != 0 {
 					port = portWord(natPort + 1)
 				}
-				flowTable(0x20)[holder] = bpf.WeirFlowState{BackendId: holderID, NatPort: port,
-					Flags: flowFlags(holderAge), CreatedNs: age(holderAge), LastSeenNs: age(holderAge), ToBackend: hop(holderAge, b.MAC)}
+				natTable(0x20)[holder] = bpf.WeirNatFlow{BackendId: holderID, NatPort: port,
+					Flags: flowFlags(holderAge), LastSeenNs: age(holderAge), ToBackend: hop(holderAge, b.MAC)}
 			}
 		}
 	}

@@ -203,8 +203,12 @@ func (p *Program) unpinAll() error {
 			errs = append(errs, fmt.Errorf("unpin link of %s: %w", name, err))
 		}
 	}
-	for _, m := range []*ebpf.Map{p.objs.Services, p.objs.Backends, p.objs.LookupTables, p.objs.Conntrack,
-		p.objs.HalfOpen, p.objs.NewFlowLimit, p.objs.NatReverse, p.objs.NatHalfReverse, p.objs.NatCursor, p.objs.ServiceStats, p.objs.BackendStats, p.objs.GlobalStats, p.objs.BackendFlows, p.objs.TxPorts} {
+	maps := []*ebpf.Map{p.objs.Services, p.objs.Backends, p.objs.LookupTables, p.objs.NewFlowLimit, p.objs.NatCursor,
+		p.objs.ServiceStats, p.objs.BackendStats, p.objs.GlobalStats, p.objs.BackendFlows, p.objs.TxPorts}
+	for _, fp := range p.flowPairs() {
+		maps = append(maps, fp.v4, fp.v6)
+	}
+	for _, m := range maps {
 		if err := m.Unpin(); err != nil {
 			errs = append(errs, err)
 		}
