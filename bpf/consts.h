@@ -77,6 +77,7 @@ enum stat_reason {
 	STAT_FLOW_ESTABLISHED,     // a half-open flow's client answered: moved to the connection table
 	STAT_FLOW_UNTRACKED,       // dsr/tunnel: over the new-flow rate, sent by the lookup table, not recorded
 	STAT_DROP_FLOW_RATE,       // nat: over the new-flow rate, dropped
+	STAT_DROP_HALF_OPEN_FULL,  // nat: the half-open table refused a new flow's port claim
 	STAT_MAX,
 };
 

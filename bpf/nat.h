@@ -257,18 +257,24 @@ static __always_inline int flow_key_equal(const struct flow_key *a, const struct
 }
 
 // nat_alloc_port claims a source port towards the backend for a new (half-open) flow:
-// the next ports of the backend's ring (nat_cursor), skipping a port that a live
-// established flow holds. A port held by a half-open flow, or by one that has ended
-// (expired, moved elsewhere), is taken over: the ring reaches it only after every
-// other port of the backend was handed out since, so it is the oldest. Its entry in
-// nat_half_reverse is the claim. O(1): NAT_PORT_TRIES ports at most. 0 means none.
-static __always_inline __be16 nat_alloc_port(struct xdp_md *ctx, struct packet *p, struct backend *be,
+// the next port of the backend's ring (nat_cursor) unless a live established flow
+// holds it. A port held by a half-open flow, or by one that has ended (expired, moved
+// elsewhere), is taken over: the ring reaches it only after every other port of the
+// backend was handed out since, so it is the oldest. Long-lived flows sit together
+// in the ring (they were handed out one after another), so past a port one of them
+// holds the next tries spread over the range instead, from a hash of the flow, and
+// find a free port as often as the range has one. Its entry in nat_half_reverse is
+// the claim. O(1): NAT_PORT_TRIES ports at most. It returns the
+// port (network order), 0 if every port it looked at is held, or -1 if the half-open
+// table refused the claim (an LRU whose CPU list has nothing to evict at once, which
+// a flood can cause): a retry at another port would meet the same table.
+static __always_inline int nat_alloc_port(struct xdp_md *ctx, struct packet *p, struct backend *be,
 					     __u32 backend_id, __u64 now)
 {
 	struct flow_key rk = {};
 	struct nat_entry entry = {};
 	__u32 range = (__u32)nat_port_max - nat_port_min + 1;
-	__u32 *cursor;
+	__u32 *cursor, spread = 0;
 
 	reply_key(&rk, p, be, 0);
 	entry.client = p->flow;
@@ -286,20 +292,27 @@ static __always_inline __be16 nat_alloc_port(struct xdp_md *ctx, struct packet *
 	for (int i = 0; i < NAT_PORT_TRIES; i++) {
 		struct nat_entry *old;
 		struct nat_flow *holder;
-		__u32 port = __sync_fetch_and_add(cursor, 1) % range;
+		__u32 port;
 
+		if (!spread)
+			port = __sync_fetch_and_add(cursor, 1) % range;
+		else
+			port = hash_final(hash_word(spread, i)) % range;
 		rk.dport = bpf_htons(nat_port_min + port);
 		old = flow_lookup(NAT_REVERSE, &rk);
 		if (old) {
 			holder = flow_lookup(NAT_CONNTRACK, &old->client);
 			if (holder && flow_alive(holder, rk.proto, now) && holder->nat_port == rk.dport &&
-			    holder->backend_id == old->backend_id)
+			    holder->backend_id == old->backend_id) {
+				spread = flow_hash(&p->flow, 0) | 1;
 				continue;
+			}
 			// Ended: its replies must not find it any more.
 			flow_delete(NAT_REVERSE, &rk);
 		}
-		if (flow_update(NAT_HALF_REVERSE, &rk, &entry) == 0)
-			return rk.dport;
+		if (flow_update(NAT_HALF_REVERSE, &rk, &entry))
+			return -1;
+		return rk.dport;
 	}
 	return 0;
 }
@@ -394,8 +407,7 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 	struct backend *be = 0;
 	__u64 now = bpf_ktime_get_coarse_ns();
 	__u32 id = 0;
-	__be16 port;
-	int action;
+	int port, action;
 
 	fs = flow_lookup(NAT_CONNTRACK, &key);
 	if (fs) {
@@ -429,6 +441,8 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 	if (!new_flow_allowed(now))
 		return verdict(XDP_DROP, STAT_DROP_FLOW_RATE, p->len);
 	port = nat_alloc_port(ctx, p, be, id, now);
+	if (port < 0)
+		return verdict(XDP_DROP, STAT_DROP_HALF_OPEN_FULL, p->len);
 	if (!port)
 		return verdict(XDP_DROP, STAT_DROP_NAT_PORTS, p->len);
 	fresh.backend_id = id;

@@ -102,30 +102,31 @@ type WeirService struct {
 type WeirStatReason uint32
 
 const (
-	WeirStatReasonSTAT_PASS_NOT_IP       WeirStatReason = 0
-	WeirStatReasonSTAT_PASS_MALFORMED_L3 WeirStatReason = 1
-	WeirStatReasonSTAT_PASS_NOT_SERVICE  WeirStatReason = 2
-	WeirStatReasonSTAT_PASS_NOT_VIP_L4   WeirStatReason = 3
-	WeirStatReasonSTAT_TX                WeirStatReason = 4
-	WeirStatReasonSTAT_DROP_NO_BACKEND   WeirStatReason = 5
-	WeirStatReasonSTAT_DROP_FRAGMENT     WeirStatReason = 6
-	WeirStatReasonSTAT_DROP_MALFORMED_L4 WeirStatReason = 7
-	WeirStatReasonSTAT_DROP_IPV6EXT      WeirStatReason = 8
-	WeirStatReasonSTAT_FLOW_NEW          WeirStatReason = 9
-	WeirStatReasonSTAT_FLOW_HIT          WeirStatReason = 10
-	WeirStatReasonSTAT_FLOW_RESELECT     WeirStatReason = 11
-	WeirStatReasonSTAT_REDIRECT          WeirStatReason = 12
-	WeirStatReasonSTAT_NAT_REPLY         WeirStatReason = 13
-	WeirStatReasonSTAT_PASS_NO_NEIGH     WeirStatReason = 14
-	WeirStatReasonSTAT_DROP_NO_ROUTE     WeirStatReason = 15
-	WeirStatReasonSTAT_DROP_NAT_PORTS    WeirStatReason = 16
-	WeirStatReasonSTAT_ICMP_TRANSLATED   WeirStatReason = 17
-	WeirStatReasonSTAT_TUNNEL_TOO_BIG    WeirStatReason = 18
-	WeirStatReasonSTAT_DROP_TOO_BIG      WeirStatReason = 19
-	WeirStatReasonSTAT_FLOW_ESTABLISHED  WeirStatReason = 20
-	WeirStatReasonSTAT_FLOW_UNTRACKED    WeirStatReason = 21
-	WeirStatReasonSTAT_DROP_FLOW_RATE    WeirStatReason = 22
-	WeirStatReasonSTAT_MAX               WeirStatReason = 23
+	WeirStatReasonSTAT_PASS_NOT_IP         WeirStatReason = 0
+	WeirStatReasonSTAT_PASS_MALFORMED_L3   WeirStatReason = 1
+	WeirStatReasonSTAT_PASS_NOT_SERVICE    WeirStatReason = 2
+	WeirStatReasonSTAT_PASS_NOT_VIP_L4     WeirStatReason = 3
+	WeirStatReasonSTAT_TX                  WeirStatReason = 4
+	WeirStatReasonSTAT_DROP_NO_BACKEND     WeirStatReason = 5
+	WeirStatReasonSTAT_DROP_FRAGMENT       WeirStatReason = 6
+	WeirStatReasonSTAT_DROP_MALFORMED_L4   WeirStatReason = 7
+	WeirStatReasonSTAT_DROP_IPV6EXT        WeirStatReason = 8
+	WeirStatReasonSTAT_FLOW_NEW            WeirStatReason = 9
+	WeirStatReasonSTAT_FLOW_HIT            WeirStatReason = 10
+	WeirStatReasonSTAT_FLOW_RESELECT       WeirStatReason = 11
+	WeirStatReasonSTAT_REDIRECT            WeirStatReason = 12
+	WeirStatReasonSTAT_NAT_REPLY           WeirStatReason = 13
+	WeirStatReasonSTAT_PASS_NO_NEIGH       WeirStatReason = 14
+	WeirStatReasonSTAT_DROP_NO_ROUTE       WeirStatReason = 15
+	WeirStatReasonSTAT_DROP_NAT_PORTS      WeirStatReason = 16
+	WeirStatReasonSTAT_ICMP_TRANSLATED     WeirStatReason = 17
+	WeirStatReasonSTAT_TUNNEL_TOO_BIG      WeirStatReason = 18
+	WeirStatReasonSTAT_DROP_TOO_BIG        WeirStatReason = 19
+	WeirStatReasonSTAT_FLOW_ESTABLISHED    WeirStatReason = 20
+	WeirStatReasonSTAT_FLOW_UNTRACKED      WeirStatReason = 21
+	WeirStatReasonSTAT_DROP_FLOW_RATE      WeirStatReason = 22
+	WeirStatReasonSTAT_DROP_HALF_OPEN_FULL WeirStatReason = 23
+	WeirStatReasonSTAT_MAX                 WeirStatReason = 24
 )
 
 type WeirVipKey struct {

@@ -681,14 +681,21 @@ func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now ui
 		return 0
 	}
 	span := uint32(r.m.PortMax) - uint32(r.m.PortMin) + 1
-	for range natPortTries {
-		port := r.m.NATCursor[id] % span
-		r.m.NATCursor[id]++
+	var spread uint32
+	for i := range uint32(natPortTries) {
+		var port uint32
+		if spread == 0 {
+			port = r.m.NATCursor[id] % span
+			r.m.NATCursor[id]++
+		} else {
+			port = hashFinal(hashWord(spread, i)) % span
+		}
 		rk.Dport = ntohs(r.m.PortMin + uint16(port))
 		if old, ok := r.m.NATReverse[rk]; ok {
 			holder, ok := r.m.NATConntrack[old.Client]
 			if ok && r.m.flowAlive(&holder, rk.Proto, now) && holder.NatPort == rk.Dport &&
 				holder.BackendId == old.BackendId {
+				spread = flowKeyHash(&p.flow, r.m.HashSeed, false) | 1
 				continue
 			}
 			delete(r.m.NATReverse, rk)

@@ -36,6 +36,7 @@ const (
 	ReasonFlowEstablished   = Reason(bpf.WeirStatReasonSTAT_FLOW_ESTABLISHED)
 	ReasonFlowUntracked     = Reason(bpf.WeirStatReasonSTAT_FLOW_UNTRACKED)
 	ReasonDropFlowRate      = Reason(bpf.WeirStatReasonSTAT_DROP_FLOW_RATE)
+	ReasonDropHalfOpenFull  = Reason(bpf.WeirStatReasonSTAT_DROP_HALF_OPEN_FULL)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
 
@@ -63,6 +64,7 @@ var reasonNames = [...]string{
 	ReasonFlowEstablished:   "flow_established",
 	ReasonFlowUntracked:     "flow_untracked",
 	ReasonDropFlowRate:      "drop_flow_rate",
+	ReasonDropHalfOpenFull:  "drop_half_open_full",
 }
 
 func (r Reason) String() string {
