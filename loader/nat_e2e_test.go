@@ -49,33 +49,7 @@ func newNATTopology(t testing.TB, mode Mode) *natTopology {
 	}
 	// An echo server on backend-0 for the bulk transfer.
 	serveEcho(t, tp.Backends[0].NS, echoPort)
-
-	// fib lookups forward only where forwarding is on.
-	err := tp.Balancer.NS.Do(func() error {
-		for _, k := range []string{"net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"} {
-			if err := os.WriteFile("/proc/sys/"+k, []byte("1"), 0o644); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-
-	p, err := Load(Options{HashSeed: 7, ConntrackSize: natConntrackSize, NAT: NATOptions{Addr4: tp.Balancer.IP4, Addr6: tp.Balancer.IP6}})
-	xdptest.Check(t, err)
-	t.Cleanup(func() { p.Close() })
-	var got Mode
-	err = tp.Balancer.NS.Do(func() error {
-		var err error
-		got, err = p.Attach(tp.Balancer.Link, mode)
-		return err
-	})
-	xdptest.Check(t, err)
-	if got != mode {
-		t.Fatalf("attached in %s mode; want %s", got, mode)
-	}
+	p := attachBalancer(t, tp, mode, Options{HashSeed: 7, ConntrackSize: natConntrackSize, NAT: NATOptions{Addr4: tp.Balancer.IP4, Addr6: tp.Balancer.IP6}})
 
 	nt := &natTopology{Topology: tp, prog: p, web: map[bool]Service{}, echo: map[bool]Service{}}
 	for _, v6 := range []bool{false, true} {
@@ -107,6 +81,39 @@ func newNATTopology(t testing.TB, mode Mode) *natTopology {
 		nt.web[v6], nt.echo[v6] = web, echo
 	}
 	return nt
+}
+
+// attachBalancer turns forwarding on in tp's balancer namespace (fib lookups
+// forward only where it is on), loads the program with opts and attaches it to
+// the balancer's link in mode. The program is closed at cleanup.
+func attachBalancer(t testing.TB, tp *topo.Topology, mode Mode, opts Options) *Program {
+	t.Helper()
+	err := tp.Balancer.NS.Do(func() error {
+		for _, k := range []string{"net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"} {
+			if err := os.WriteFile("/proc/sys/"+k, []byte("1"), 0o644); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	p, err := Load(opts)
+	xdptest.Check(t, err)
+	t.Cleanup(func() { p.Close() })
+	var got Mode
+	err = tp.Balancer.NS.Do(func() error {
+		var err error
+		got, err = p.Attach(tp.Balancer.Link, mode)
+		return err
+	})
+	xdptest.Check(t, err)
+	if got != mode {
+		t.Fatalf("attached in %s mode; want %s", got, mode)
+	}
+	return p
 }
 
 func TestNATEndToEnd(t *testing.T) {

@@ -62,6 +62,9 @@ type Packet struct {
 	// Weight is this kind's share of the mix, relative to the others; 0
 	// counts as 1. Shares are rounded to 64ths.
 	Weight int
+	// Dst, if set, is where this kind goes instead of Config's Dst4 or
+	// Dst6 (of the kind's family), so one mix can aim at several services.
+	Dst netip.AddrPort
 }
 
 func (p Packet) String() string {
@@ -110,7 +113,8 @@ type Config struct {
 	// SrcMAC and DstMAC address every frame: the sending link's MAC and
 	// the next hop's.
 	SrcMAC, DstMAC net.HardwareAddr
-	// Dst4 and Dst6 are where IPv4 and IPv6 frames go (a VIP and port).
+	// Dst4 and Dst6 are where IPv4 and IPv6 frames go (a VIP and port),
+	// unless a kind of the mix has its own Dst.
 	Dst4, Dst6 netip.AddrPort
 	// Flows is the number of distinct 5-tuples, 1..MaxFlows; 0 means 1.
 	// Frames cycle through the flows in order.
@@ -127,9 +131,9 @@ type Config struct {
 // Frames the generator sends carry these bytes up to the end of the headers;
 // the payload is zeros here and whatever a recycled page held on the wire.
 func (c Config) Frame(p Packet, f int) []byte {
-	src, dst := Src4, c.Dst4
+	src, dst := Src4, c.dst(p)
 	if p.IPv6 {
-		src, dst = Src6, c.Dst6
+		src = Src6
 	}
 	src = flowAddr(src, f)
 	fr := packet.Frame{
@@ -145,6 +149,17 @@ func (c Config) Frame(p Packet, f int) []byte {
 	hdr := len(fr.Build())
 	fr.Payload = make([]byte, p.FrameSize()-fcs-hdr)
 	return fr.Build()
+}
+
+// dst is where frames of kind p go: p.Dst, or Dst4 or Dst6 by family.
+func (c Config) dst(p Packet) netip.AddrPort {
+	switch {
+	case p.Dst.IsValid():
+		return p.Dst
+	case p.IPv6:
+		return c.Dst6
+	}
+	return c.Dst4
 }
 
 // template is the generator's description of one kind of frame.
@@ -187,12 +202,9 @@ func (c *Config) validate() error {
 		return fmt.Errorf("generator: rate must be >= 0 frames/s, got %g", c.Rate)
 	}
 	for i, p := range c.Mix {
-		dst := c.Dst4
-		if p.IPv6 {
-			dst = c.Dst6
-		}
+		dst := c.dst(p)
 		if !dst.IsValid() || dst.Addr().Is6() != p.IPv6 || dst.Port() == 0 {
-			return fmt.Errorf("generator: mix[%d] %s: destination %s: want an IPv%d address and a port (set Dst4/Dst6)", i, p, dst, map[bool]int{false: 4, true: 6}[p.IPv6])
+			return fmt.Errorf("generator: mix[%d] %s: destination %s: want an IPv%d address and a port (set Dst4/Dst6 or the kind's Dst)", i, p, dst, map[bool]int{false: 4, true: 6}[p.IPv6])
 		}
 		if p.Weight < 0 {
 			return fmt.Errorf("generator: mix[%d] %s: weight must be >= 0, got %d", i, p, p.Weight)

@@ -366,7 +366,13 @@ func TestFrames(t *testing.T) {
 		Mix: []Packet{
 			{}, {SYN: true, Size: 70}, {UDP: true, Size: 100}, {IPv6: true},
 			{IPv6: true, UDP: true, Size: 81}, {IPv6: true, SYN: true, Size: 300},
+			{SYN: true, Dst: netip.AddrPortFrom(sink4.Next(), 9000)},
 		},
+	}
+	// A kind's own Dst replaces Dst4 in its frames (IPv4 destination at
+	// 30..33, TCP destination port at 36..37).
+	if f := cfg.Frame(cfg.Mix[6], 0); netip.AddrFrom4([4]byte(f[30:34])) != sink4.Next() || f[36] != 9000>>8 || f[37] != 9000&0xff {
+		t.Fatalf("frame of a kind with Dst %s: destination %x; want that address and port", cfg.Mix[6].Dst, f[30:38])
 	}
 	g := newGenerator(t, cfg)
 	cfg = g.Config()
