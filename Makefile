@@ -35,11 +35,12 @@ deps:
 generate:
 	$(GO) generate ./bpf/
 
-# Regenerates the BPF objects (weir's and the packet benchmark's) and fails if the
+# Regenerates the BPF objects (weir's and the benchmarks') and fails if the
 # committed ones differ.
-check-generated: generate bench-pkt-generate
+check-generated: generate bench-pkt-generate bench-rerun-generate
 	@git diff --exit-code --stat -- bpf/ || { echo "bpf/: committed generated files are stale: run 'make generate' and commit"; exit 1; }
 	@git diff --exit-code --stat -- bench/pktgen || { echo "bench/pktgen: committed generated files are stale: run 'make bench-pkt-generate' and commit"; exit 1; }
+	@git diff --exit-code --stat -- bench/rerun || { echo "bench/rerun: committed generated files are stale: run 'make bench-rerun-generate' and commit"; exit 1; }
 
 build:
 	$(GO) build -o weir ./cmd/weir
@@ -78,6 +79,12 @@ bench-pkt: deps
 # The benchmark's own XDP objects, compiled with the pinned compiler and flags above.
 bench-pkt-generate:
 	$(GO) generate ./bench/pktgen/
+
+# The repeat-mode wrapper of the ns/packet benchmarks (bench/rerun; loader's
+# Benchmark* use it), compiled the same way.
+.PHONY: bench-rerun-generate
+bench-rerun-generate:
+	$(GO) generate ./bench/rerun/
 
 # Differential fuzzing: FuzzDataPath runs generated frames through the XDP program
 # (BPF_PROG_TEST_RUN) and its Go model (loader/model.go) and fails on any difference.

@@ -64,7 +64,9 @@ func (p *Program) RunOn(frame []byte, ifindex int) (Action, []byte, error) {
 
 // Benchmark runs the program repeat times on one frame in the kernel and returns the
 // mean time per run. The kernel hands every repeat the frame as the previous run left
-// it, which is the same frame for dsr (it only swaps MACs).
+// it, which is the same frame for dsr (it only swaps MACs); the benchmarks measure
+// paths that rewrite or encapsulate the frame through bench/rerun, which restores it
+// before every repeat (see bench_test.go).
 func (p *Program) Benchmark(frame []byte, repeat int) (Action, time.Duration, error) {
 	ret, d, err := p.objs.WeirXdp.Benchmark(frame, repeat, nil)
 	if err != nil {
