@@ -53,3 +53,18 @@ static __always_inline __u32 flow_hash(const struct flow_key *f, int source_only
 	}
 	return hash_final(h);
 }
+
+// entropy_hash is a cheap mix of the whole 5-tuple for tunnel mode's outer IPv6 flow
+// label and IPv4 ID: it only has to spread flows over the backend's receive queues
+// and a router's ECMP paths, so it folds the words together and multiplies once
+// (about 20 instructions) instead of running flow_hash (about 160) on every packet.
+static __always_inline __u32 entropy_hash(const struct flow_key *f)
+{
+	__u32 h = f->src[0] ^ f->src[1] ^ f->src[2] ^ f->src[3];
+
+	h ^= rotl32(f->dst[0] ^ f->dst[1] ^ f->dst[2] ^ f->dst[3], 16);
+	h ^= ((__u32)f->sport << 16 | f->dport) ^ f->proto;
+	h *= 0x9e3779b1; // 2^32 / the golden ratio
+	return h ^ (h >> 16);
+}
+

@@ -179,23 +179,51 @@ static __always_inline int send_to(struct xdp_md *ctx, struct packet *p, const s
 	return verdict(bpf_redirect_map(&tx_ports, hop->ifindex, XDP_DROP), STAT_REDIRECT, p->len);
 }
 
-// fib_forward sends the (rewritten) packet to its next hop: the one cached in *cache
-// if there is one (cache may be 0), else the one bpf_fib_lookup finds, which it then
-// caches.
-static __always_inline int fib_forward(struct xdp_md *ctx, struct packet *p, struct next_hop *cache)
+// hop_cached sets *hop to be's cached next hop if it may carry a packet of tot_len
+// bytes now: found less than a second ago, and the packet no longer than the longest
+// one the route accepted in that second (a longer one is looked up again, which is how
+// the path MTU is checked). The program writes the cache; the loader writes zeros.
+static __always_inline int hop_cached(const struct backend *be, __u32 tot_len, __u64 now,
+				      struct next_hop *hop)
+{
+	if (!be->hop.ifindex || now - be->hop_ns >= NSEC_PER_SEC || tot_len > be->hop_len)
+		return 0;
+	*hop = be->hop;
+	return 1;
+}
+
+// hop_remember caches the next hop bpf_fib_lookup found for a packet of tot_len bytes.
+// A concurrent writer on another CPU stores the same answer; a torn mix of two equal
+// next hops is still that next hop.
+static __always_inline void hop_remember(struct backend *be, const struct next_hop *hop,
+					 __u32 tot_len, __u64 now)
+{
+	be->hop = *hop;
+	if (now - be->hop_ns >= NSEC_PER_SEC) {
+		be->hop_ns = now;
+		be->hop_len = tot_len;
+	} else if (tot_len > be->hop_len) {
+		be->hop_len = tot_len;
+	}
+}
+
+// fib_forward sends the (rewritten) packet to its next hop: be's cached one (be may
+// be 0: no cache), else the one bpf_fib_lookup finds, which it then caches in be.
+static __always_inline int fib_forward(struct xdp_md *ctx, struct packet *p, struct backend *be, __u64 now)
 {
 	struct bpf_fib_lookup fib = {};
 	struct next_hop hop = {};
+	__u32 tot_len = p->len - p->l3_off;
 	long rc;
 
-	if (cache && cache->ifindex)
-		return send_to(ctx, p, cache);
+	if (be && hop_cached(be, tot_len, now, &hop))
+		return send_to(ctx, p, &hop);
 	fib.family = p->flow.family;
 	fib.ifindex = ctx->ingress_ifindex;
 	fib.l4_protocol = p->flow.proto;
 	fib.sport = p->flow.sport;
 	fib.dport = p->flow.dport;
-	fib.tot_len = p->len - p->l3_off;
+	fib.tot_len = tot_len;
 	if (p->flow.family == FAMILY_IPV4) {
 		fib.ipv4_src = p->flow.src[0];
 		fib.ipv4_dst = p->flow.dst[0];
@@ -212,8 +240,8 @@ static __always_inline int fib_forward(struct xdp_md *ctx, struct packet *p, str
 	__builtin_memcpy(hop.dmac, fib.dmac, ETH_ALEN);
 	__builtin_memcpy(hop.smac, fib.smac, ETH_ALEN);
 	hop.ifindex = fib.ifindex;
-	if (cache)
-		*cache = hop;
+	if (be)
+		hop_remember(be, &hop, tot_len, now);
 	return send_to(ctx, p, &hop);
 }
 
@@ -317,9 +345,8 @@ static __always_inline int nat_alloc_port(struct xdp_md *ctx, struct packet *p, 
 	return 0;
 }
 
-// refresh_flow runs at most once a second per flow: it keeps the flow alive, has the
-// next hop to the backend looked up again, and points replies at where the
-// client's packets come from now (a router may have changed).
+// refresh_flow runs at most once a second per flow: it keeps the flow alive and points
+// replies at where the client's packets come from now (a router may have changed).
 static __always_inline void refresh_flow(struct xdp_md *ctx, struct packet *p, struct nat_flow *fs,
 					 struct backend *be, __u64 now)
 {
@@ -327,18 +354,16 @@ static __always_inline void refresh_flow(struct xdp_md *ctx, struct packet *p, s
 	struct nat_entry *rev;
 
 	fs->last_seen_ns = now;
-	fs->to_backend.ifindex = 0;
 	reply_key(&rk, p, be, fs->nat_port);
 	rev = flow_lookup(NAT_REVERSE, &rk);
 	if (rev)
 		came_from(ctx, &rev->to_client);
 }
 
-// nat_send forwards a packet of a flow with a port towards be: rewritten to
-// go from the nat address and that port to the backend, to the next hop in *hop (or
-// the one bpf_fib_lookup finds, which it caches there).
+// nat_send forwards a packet of a flow with a port towards be: rewritten to go from
+// the nat address and that port to the backend, to be's next hop (fib_forward).
 static __always_inline int nat_send(struct xdp_md *ctx, struct packet *p, struct backend *be,
-				    __be16 port, struct next_hop *hop)
+				    __be16 port, __u64 now)
 {
 	__be32 src[4] = {};
 	int action;
@@ -347,7 +372,7 @@ static __always_inline int nat_send(struct xdp_md *ctx, struct packet *p, struct
 	action = nat_rewrite(ctx, p, src, port, be->addr, be->port);
 	if (action != CONTINUE)
 		return action;
-	return fib_forward(ctx, p, hop);
+	return fib_forward(ctx, p, be, now);
 }
 
 // nat_half_open handles a packet of a half-open flow: a SYN sent again goes the
@@ -381,7 +406,7 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 	count(&backend_stats, id, p->len);
 	if (is_syn(p)) {
 		count(&global_stats, STAT_FLOW_HIT, p->len);
-		return nat_send(ctx, p, be, hs->nat_port, &hs->to_backend);
+		return nat_send(ctx, p, be, hs->nat_port, now);
 	}
 
 	count(&global_stats, STAT_FLOW_ESTABLISHED, p->len);
@@ -389,7 +414,7 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 	if (hs->flags & FLOW_F_CLOSING)
 		count_flow(id, 0);
 	hs->last_seen_ns = now;
-	action = nat_send(ctx, p, be, hs->nat_port, &hs->to_backend);
+	action = nat_send(ctx, p, be, hs->nat_port, now);
 	// The entries move as they are (map values are copied in place: no stack copy).
 	flow_update(NAT_CONNTRACK, key, hs);
 	flow_update(NAT_REVERSE, &rk, rev);
@@ -422,7 +447,7 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 			count(&global_stats, STAT_FLOW_HIT, p->len);
 			count(&service_stats, svc->id, p->len);
 			count(&backend_stats, id, p->len);
-			return nat_send(ctx, p, be, fs->nat_port, &fs->to_backend);
+			return nat_send(ctx, p, be, fs->nat_port, now);
 		}
 		// Expired, or its backend became unusable: the old flow ends here, and this
 		// packet starts a new one.
@@ -453,7 +478,7 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 	count(&global_stats, event, p->len);
 	count(&service_stats, svc->id, p->len);
 	count(&backend_stats, id, p->len);
-	action = nat_send(ctx, p, be, port, &fresh.to_backend);
+	action = nat_send(ctx, p, be, port, now);
 	// Recorded whatever the verdict: a packet passed for neighbour resolution has
 	// already claimed its port, and the next one must find the flow.
 	flow_update(NAT_HALF_OPEN, &key, &fresh);

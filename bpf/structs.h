@@ -39,10 +39,10 @@ struct backend {
 	__u8 mac[6];    // next hop for dsr
 	__u8 pad[2];
 	__u32 service_id; // owning service: a flow whose slot was reused elsewhere is re-selected
-	// tunnel: the next hop towards the backend as bpf_fib_lookup found it, reused for
-	// a second (hop_ns) for packets no longer than hop_len, the longest it accepted;
-	// a longer packet is looked up again, which is how the path MTU is checked. The
-	// program writes these; the loader writes zeros.
+	// nat and tunnel: the next hop towards the backend as bpf_fib_lookup found it,
+	// reused for a second (hop_ns) for packets no longer than hop_len, the longest it
+	// accepted; a longer packet is looked up again, which is how the path MTU is
+	// checked (nat.h hop_cached). The program writes these; the loader writes zeros.
 	struct next_hop hop;
 	__u64 hop_ns;
 	__u32 hop_len;
@@ -86,7 +86,6 @@ struct nat_flow {
 	__u8 pad;
 	__u64 last_seen_ns; // bpf_ktime_get_coarse_ns: insertion, then the client's packets at
 			    // most once a second once established
-	struct next_hop to_backend; // bpf_fib_lookup's answer, looked up again each refresh
 };
 
 // Value of the nat reverse tables, whose key is the backend's reply 5-tuple

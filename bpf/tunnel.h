@@ -185,10 +185,8 @@ static __always_inline int tunnel_hop(struct xdp_md *ctx, struct packet *p, stru
 	__u64 now = bpf_ktime_get_coarse_ns();
 	long rc;
 
-	if (be->hop.ifindex && now - be->hop_ns < NSEC_PER_SEC && tot_len <= be->hop_len) {
-		*hop = be->hop;
+	if (hop_cached(be, tot_len, now, hop))
 		return CONTINUE;
-	}
 	fib.family = be->family;
 	fib.ifindex = ctx->ingress_ifindex;
 	fib.tot_len = tot_len;
@@ -218,15 +216,7 @@ static __always_inline int tunnel_hop(struct xdp_md *ctx, struct packet *p, stru
 	__builtin_memcpy(hop->dmac, fib.dmac, ETH_ALEN);
 	__builtin_memcpy(hop->smac, fib.smac, ETH_ALEN);
 	hop->ifindex = fib.ifindex;
-	// A concurrent writer on another CPU stores the same answer; a torn mix of two
-	// equal next hops is still that next hop.
-	be->hop = *hop;
-	if (now - be->hop_ns >= NSEC_PER_SEC) {
-		be->hop_ns = now;
-		be->hop_len = tot_len;
-	} else if (tot_len > be->hop_len) {
-		be->hop_len = tot_len;
-	}
+	hop_remember(be, hop, tot_len, now);
 	return CONTINUE;
 }
 
@@ -253,7 +243,7 @@ static __always_inline int tunnel_forward(struct xdp_md *ctx, struct packet *p, 
 		return action;
 	count(&service_stats, svc->id, p->len);
 	count(&backend_stats, id, p->len);
-	hash = flow_hash(&p->flow, 0);
+	hash = entropy_hash(&p->flow);
 
 	// Room for the outer header between the Ethernet header and the client's packet
 	// (a VLAN tag, if there was one, is not carried over).

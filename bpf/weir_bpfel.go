@@ -82,7 +82,6 @@ type WeirNatFlow struct {
 	Flags      uint8
 	Pad        uint8
 	LastSeenNs uint64
-	ToBackend  WeirNextHop
 }
 
 type WeirNextHop struct {

@@ -2,6 +2,7 @@ package loader
 
 import (
 	"encoding/binary"
+	"math/bits"
 
 	"github.com/weir-lb/weir/bpf"
 )
@@ -415,6 +416,15 @@ func (r *run) lookupTablePick(p *modelPacket, svc bpf.WeirService) (uint32, bpf.
 	return id, be, ok
 }
 
+// entropyHash is bpf/hash.h's entropy_hash.
+func entropyHash(f *bpf.WeirFlowKey) uint32 {
+	h := f.Src[0] ^ f.Src[1] ^ f.Src[2] ^ f.Src[3]
+	h ^= bits.RotateLeft32(f.Dst[0]^f.Dst[1]^f.Dst[2]^f.Dst[3], 16)
+	h ^= (uint32(f.Sport)<<16 | uint32(f.Dport)) ^ uint32(f.Proto)
+	h *= 0x9e3779b1
+	return h ^ h>>16
+}
+
 // flowKeyHash is bpf/hash.h's flow_hash on a key as the program holds it.
 func flowKeyHash(f *bpf.WeirFlowKey, seed uint32, sourceOnly bool) uint32 {
 	h := seed
@@ -620,14 +630,40 @@ func (r *run) sendTo(p *modelPacket, hop bpf.WeirNextHop) int {
 	return r.verdict(XDPDrop, ReasonRedirect)
 }
 
-// fibForward is nat.h's fib_forward: the cached next hop if there is one (cache may
-// be nil), else the one bpf_fib_lookup finds, which it then caches.
-func (r *run) fibForward(p *modelPacket, cache *bpf.WeirNextHop) int {
-	if cache != nil && cache.Ifindex != 0 {
-		return r.sendTo(p, *cache)
+// hopCached is nat.h's hop_cached.
+func hopCached(be *bpf.WeirBackend, totLen uint32, now uint64) (bpf.WeirNextHop, bool) {
+	if be.Hop.Ifindex == 0 || now-be.HopNs >= nsecPerSec || totLen > be.HopLen {
+		return bpf.WeirNextHop{}, false
+	}
+	return be.Hop, true
+}
+
+// hopRemember is nat.h's hop_remember.
+func hopRemember(be *bpf.WeirBackend, hop bpf.WeirNextHop, totLen uint32, now uint64) {
+	be.Hop = hop
+	if now-be.HopNs >= nsecPerSec {
+		be.HopNs = now
+		be.HopLen = totLen
+	} else if totLen > be.HopLen {
+		be.HopLen = totLen
+	}
+}
+
+// fibForward is nat.h's fib_forward: the next hop cached in the backend in slot id
+// (none if id is noSlot), else the one bpf_fib_lookup finds, which it then caches there.
+func (r *run) fibForward(p *modelPacket, id uint32) int {
+	var be *bpf.WeirBackend
+	if uint64(id) < uint64(len(r.m.Backends)) {
+		be = &r.m.Backends[id]
+	}
+	totLen := p.len - p.l3
+	if be != nil {
+		if hop, ok := hopCached(be, totLen, r.env.Now); ok {
+			return r.sendTo(p, hop)
+		}
 	}
 	q := FIBQuery{Family: p.flow.Family, Proto: p.flow.Proto, Src: p.flow.Src, Dst: p.flow.Dst,
-		Sport: p.flow.Sport, Dport: p.flow.Dport, TotLen: uint16(p.len - p.l3), Ifindex: r.m.IngressIfindex}
+		Sport: p.flow.Sport, Dport: p.flow.Dport, TotLen: uint16(totLen), Ifindex: r.m.IngressIfindex}
 	if q.Family == familyIPv4 {
 		q.Src, q.Dst = [4]uint32{q.Src[0]}, [4]uint32{q.Dst[0]}
 	}
@@ -640,11 +676,14 @@ func (r *run) fibForward(p *modelPacket, cache *bpf.WeirNextHop) int {
 		return r.verdict(XDPDrop, ReasonDropNoRoute)
 	}
 	hop := bpf.WeirNextHop{Dmac: ans.DstMAC, Smac: ans.SrcMAC, Ifindex: ans.Ifindex}
-	if cache != nil {
-		*cache = hop
+	if be != nil {
+		hopRemember(be, hop, totLen, r.env.Now)
 	}
 	return r.sendTo(p, hop)
 }
+
+// noSlot is a backend slot no array has: fib_forward without a cache.
+const noSlot = ^uint32(0)
 
 // fib is bpf_fib_lookup.
 func (r *run) fib(q FIBQuery) FIBAnswer {
@@ -706,12 +745,12 @@ func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now ui
 	return 0
 }
 
-// natSend is nat.h's nat_send.
-func (r *run) natSend(p *modelPacket, be bpf.WeirBackend, port uint16, hop *bpf.WeirNextHop) int {
+// natSend is nat.h's nat_send, to the backend be in slot id.
+func (r *run) natSend(p *modelPacket, be bpf.WeirBackend, id uint32, port uint16) int {
 	if a := r.natRewrite(p, r.natSource(p.flow.Family), port, be.Addr, be.Port); a != modelContinue {
 		return a
 	}
-	return r.fibForward(p, hop)
+	return r.fibForward(p, id)
 }
 
 // natHalfOpen is nat.h's nat_half_open.
@@ -737,7 +776,7 @@ func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowK
 	r.countBackend(id)
 	if isSYN(p) {
 		r.count(ReasonFlowHit)
-		a := r.natSend(p, be, hs.NatPort, &hs.ToBackend)
+		a := r.natSend(p, be, id, hs.NatPort)
 		r.m.NATHalfOpen[key] = hs
 		return a
 	}
@@ -747,7 +786,7 @@ func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowK
 		r.countFlow(id, false)
 	}
 	hs.LastSeenNs = now
-	a := r.natSend(p, be, hs.NatPort, &hs.ToBackend)
+	a := r.natSend(p, be, id, hs.NatPort)
 	r.m.NATConntrack[key] = hs
 	r.m.NATReverse[rk] = rev
 	delete(r.m.NATHalfReverse, rk)
@@ -779,10 +818,7 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 			r.count(ReasonFlowHit)
 			r.countService(svc.Id)
 			r.countBackend(id)
-			fs = r.m.NATConntrack[key]
-			a := r.natSend(p, be, fs.NatPort, &fs.ToBackend)
-			r.m.NATConntrack[key] = fs
-			return a
+			return r.natSend(p, be, id, r.m.NATConntrack[key].NatPort)
 		}
 		// Expired, or its backend became unusable: the old flow ends here.
 		r.markClosing(key)
@@ -809,7 +845,7 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 	r.count(event)
 	r.countService(svc.Id)
 	r.countBackend(id)
-	a := r.natSend(p, be, port, &fresh.ToBackend)
+	a := r.natSend(p, be, id, port)
 	// Recorded whatever the verdict.
 	r.m.NATHalfOpen[key] = fresh
 	return a
@@ -819,7 +855,6 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 func (r *run) refreshFlow(p *modelPacket, key bpf.WeirFlowKey, be bpf.WeirBackend, now uint64) {
 	fs := r.m.NATConntrack[key]
 	fs.LastSeenNs = now
-	fs.ToBackend.Ifindex = 0
 	r.m.NATConntrack[key] = fs
 	rk := r.replyKey(p, be, fs.NatPort)
 	if rev, ok := r.m.NATReverse[rk]; ok {
@@ -939,7 +974,7 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 	if a := r.icmpApply(p, &inner, in3, in4, &rw); a != modelContinue {
 		return a
 	}
-	return r.fibForward(p, nil)
+	return r.fibForward(p, noSlot)
 }
 
 // icmpApply is icmp.h's icmp_apply.
@@ -1176,8 +1211,8 @@ func (r *run) icmpTooBig(p *modelPacket, mtu uint32) int {
 func (r *run) tunnelHop(p *modelPacket, id, totLen, outerLen uint32) (bpf.WeirNextHop, int) {
 	be := &r.m.Backends[id]
 	now := r.env.Now
-	if be.Hop.Ifindex != 0 && now-be.HopNs < nsecPerSec && totLen <= be.HopLen {
-		return be.Hop, modelContinue
+	if hop, ok := hopCached(be, totLen, now); ok {
+		return hop, modelContinue
 	}
 	q := FIBQuery{Family: be.Family, Proto: protoIPv6, TotLen: uint16(totLen), Ifindex: r.m.IngressIfindex}
 	if p.flow.Family == familyIPv4 {
@@ -1203,13 +1238,7 @@ func (r *run) tunnelHop(p *modelPacket, id, totLen, outerLen uint32) (bpf.WeirNe
 		return bpf.WeirNextHop{}, r.verdict(XDPDrop, ReasonDropNoRoute)
 	}
 	hop := bpf.WeirNextHop{Dmac: ans.DstMAC, Smac: ans.SrcMAC, Ifindex: ans.Ifindex}
-	be.Hop = hop
-	if now-be.HopNs >= nsecPerSec {
-		be.HopNs = now
-		be.HopLen = totLen
-	} else if totLen > be.HopLen {
-		be.HopLen = totLen
-	}
+	hopRemember(be, hop, totLen, now)
 	return hop, modelContinue
 }
 
@@ -1237,7 +1266,7 @@ func (r *run) tunnelForward(p *modelPacket, svc bpf.WeirService) int {
 	}
 	r.countService(svc.Id)
 	r.countBackend(id)
-	hash := flowKeyHash(&p.flow, r.m.HashSeed, false)
+	hash := entropyHash(&p.flow)
 	inner := uint8(protoIPv6)
 	if p.flow.Family == familyIPv4 {
 		inner = protoIPIP

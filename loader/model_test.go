@@ -80,6 +80,9 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"nat established flow over the rate limit", ReasonFlowHit},
 		{"dsr new flow over the rate limit, untracked", ReasonFlowUntracked},
 		{"tunnel new flow over the rate limit, untracked", ReasonFlowUntracked},
+		{"nat known flow, backend's next hop cached", ReasonTX},
+		{"nat known flow, backend's next hop cached on wf0", ReasonRedirect},
+		{"nat known flow refreshed, backend's next hop stale", ReasonDropNoRoute},
 		{"icmp from backend quoting a half-open flow", ReasonICMPTranslated},
 		{"icmp from client side quoting a half-open flow", ReasonICMPTranslated},
 	} {
@@ -152,9 +155,11 @@ var fuzzSeeds = []struct {
 	{"nat tcp v6", []byte{0, 6, 0, 0, packet.ACK}},
 	{"nat udp v6", []byte{0, 7, 0, 0, 0, 0, 0, 9}},
 	{"nat known flow, refreshed", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 1}},
-	{"nat known flow, next hop cached", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0x20}},
-	{"nat known flow, next hop cached on another interface", []byte{0, 6, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0x40}},
-	{"nat known flow refreshed, cached next hop dropped", []byte{0, 5, 0, 0, 0, 0, 0, 0, 0, 3, 0, 1, 0x21}},
+	{"nat known flow, backend's next hop cached", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0x01}},
+	{"nat known flow, backend's next hop cached on wf0", []byte{0, 6, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0x02}},
+	{"nat known flow refreshed, backend's next hop stale", []byte{0, 5, 0, 0, 0, 0, 0, 0, 0, 3, 0, 1, 1, 0, 0, 0x01 | 1<<2}},
+	{"nat new flow, backend's next hop cached, too short", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x01 | 2<<4}},
+	{"nat new flow, backend's next hop cached on an interface not in tx_ports", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x03}},
 	{"nat known flow, fin", []byte{0, 4, 0, 0, packet.FIN | packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0}},
 	{"nat known flow expired", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 4}},
 	{"nat closing flow expired", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0x12}},
@@ -477,7 +482,7 @@ type fuzzRig struct {
 	progs    [2]*Program // [0]: nat ports 10000..32767, [1]: the single port 20000
 	models   [2]*Model   // their static map contents; the tunnel slots' next hops are reset per input
 	slots    [2][][]uint32
-	tunnel   [2][]uint32 // every tunnel service's backend slots
+	cached   [2][]uint32 // every nat and tunnel service's backend slots (next-hop caches)
 	services []Service
 	nBackend uint32 // backend slots read back: every slot in use and one free
 	// What each program's flow tables held after the last input (nil: not known), so
@@ -566,8 +571,8 @@ func newFuzzRig(tb testing.TB) *fuzzRig {
 				rig.nBackend = max(rig.nBackend, ids[j]+2)
 			}
 			rig.slots[i] = append(rig.slots[i], ids)
-			if s.Forwarding == ForwardTunnel {
-				rig.tunnel[i] = append(rig.tunnel[i], ids...)
+			if s.Forwarding == ForwardTunnel || s.Forwarding == ForwardNAT {
+				rig.cached[i] = append(rig.cached[i], ids...)
 			}
 		}
 	}
@@ -776,7 +781,7 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 		for k, w := range cmp.want {
 			g, ok := cmp.got[k]
 			if !ok || g.BackendId != w.BackendId || g.NatPort != w.NatPort || g.Flags != w.Flags ||
-				!near(g.LastSeenNs, w.LastSeenNs) || g.ToBackend != w.ToBackend {
+				!near(g.LastSeenNs, w.LastSeenNs) {
 				report("%s[%+v] = %+v (present %t); want %+v", cmp.what, k, g, ok, w)
 			}
 		}
@@ -865,11 +870,11 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 //	   connection-table entry; bits 3, 4, 5 put each of those three in its
 //	   half-open table instead (half_open, nat_half_reverse, half_open); bits 6-7
 //	   start every backend's nat port ring at the seeded port, the one after it, 0,
-//	   or 3 short of wrapping; then bytes: backend, nat port, age (low 4 bits),
-//	   closing (bit 4) and cached next hop (bits 5-6: none, the receiving
-//	   interface, one not in tx_ports, wf0) of the known flow, holder, and the
-//	   holder's age, closing and next hops
-//	15 tunnel: the cached next hop of the target tunnel service's backends: bits 0-1
+//	   or 3 short of wrapping; then bytes: backend, nat port, and age (low 4
+//	   bits) and closing (bit 4) of the known flow; holder; the holder's age and
+//	   closing, and in bits 5-6 the reverse entries' next hop back to the client
+//	   (none, the receiving interface, one not in tx_ports, wf0)
+//	15 nat, tunnel: the cached next hop of the target service's backends: bits 0-1
 //	   its interface (none, the receiving one, wf0 in tx_ports, one not in
 //	   tx_ports), bits 2-3 its age (100 ms, 3 s, 50 s in the future, now), bits 4-5
 //	   its length (4096, 0, this packet's outer length - 1, its outer length), bit 6
@@ -880,7 +885,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	b0 := r.u8()
 	c := fuzzCase{prog: int(b0 & 1), flows: emptyFlowTables(), backends: map[uint32]bpf.WeirBackend{}}
 	// Every tunnel slot starts without a cached next hop.
-	for _, id := range rig.tunnel[c.prog] {
+	for _, id := range rig.cached[c.prog] {
 		b := rig.models[c.prog].Backends[id]
 		b.Hop, b.HopNs, b.HopLen = bpf.WeirNextHop{}, 0, 0
 		c.backends[id] = b
@@ -1086,7 +1091,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 		id := candidates[int(beSel)%len(candidates)]
 		if svc.Forwarding == ForwardNAT {
 			natTable(0x08)[clientFlow] = bpf.WeirNatFlow{BackendId: id, NatPort: port, Flags: flowFlags(stateSel),
-				LastSeenNs: age(stateSel), ToBackend: hop(stateSel, be.MAC)}
+				LastSeenNs: age(stateSel)}
 		} else {
 			lbTable[clientFlow] = bpf.WeirLbFlow{BackendId: id, CreatedS: uint32(age(stateSel) / nsecPerSec)}
 		}
@@ -1119,7 +1124,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 					port = portWord(natPort + 1)
 				}
 				natTable(0x20)[holder] = bpf.WeirNatFlow{BackendId: holderID, NatPort: port,
-					Flags: flowFlags(holderAge), LastSeenNs: age(holderAge), ToBackend: hop(holderAge, b.MAC)}
+					Flags: flowFlags(holderAge), LastSeenNs: age(holderAge)}
 			}
 		}
 	}
@@ -1131,7 +1136,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	if tat := fuzzTATs[int(r.u8())%len(fuzzTATs)]; tat != 0 {
 		c.tat = now + uint64(tat)
 	}
-	if tg.svc >= 0 && svc.Forwarding == ForwardTunnel {
+	if tg.svc >= 0 && (svc.Forwarding == ForwardTunnel || svc.Forwarding == ForwardNAT) {
 		ifindex := []uint32{0, rig.ingress, rig.veth, 9}[tun&3]
 		at := now - uint64([]time.Duration{100 * time.Millisecond, 3 * time.Second, -50 * time.Second, 0}[tun>>2&3])
 		l3Len := ipLength(c.frame)
