@@ -60,11 +60,49 @@ type Case struct {
 	// Probe times TCP request/response probes through the balancer's probe
 	// service during the window (weir nat and nftables DNAT have one).
 	Probe bool
+	// SrcPorts, if > 1, sends Packet from that many source ports
+	// (pktgen.SrcPort upwards, a kind of frame each, at most
+	// pktgen.MaxTemplates), each cycling through Flows source addresses:
+	// Flows × SrcPorts distinct flows.
+	SrcPorts int
+	// Streams, if > 0, runs that many established TCP streams through weir
+	// nat's stream service (the probe service's VIP and backend address)
+	// from before the load starts until after it stops, and measures what
+	// they deliver (flood.go); Interactive streams write a little every
+	// 100 ms, the others flat out. Not with Probe: both use the probe
+	// service.
+	Streams     int
+	Interactive bool
+	// SplitCPU gives the generator its CPU to itself: l0 is polled by a
+	// kernel thread on the next CPU, where the streams and the rest of the
+	// line run, so a paced load arrives at its rate whatever the balancer
+	// costs, and what it costs comes out of the other CPU (flood.go).
+	SplitCPU bool
 }
+
+// mix is the kinds of frame the case sends: Packet, once per source port.
+func (c Case) mix() []pktgen.Packet {
+	if c.SrcPorts <= 1 {
+		return []pktgen.Packet{c.Packet}
+	}
+	mix := make([]pktgen.Packet, c.SrcPorts)
+	for i := range mix {
+		mix[i] = c.Packet
+		mix[i].SrcPort = uint16(pktgen.SrcPort + i)
+	}
+	return mix
+}
+
+// flows is the case's distinct flows: Flows from each source port.
+func (c Case) flows() int { return c.Flows * max(c.SrcPorts, 1) }
 
 // Name is the case's label in tables and plots.
 func (c Case) Name() string {
-	s := fmt.Sprintf("%s, %s, %d flows", c.Balancer.Name, c.Packet.Traffic(), c.Flows)
+	traffic := c.Packet.Traffic()
+	if c.Packet.Dst.IsValid() {
+		traffic += " to " + floodTarget(c.Packet.Dst)
+	}
+	s := fmt.Sprintf("%s, %s, %d flows", c.Balancer.Name, traffic, c.flows())
 	switch {
 	case c.Idle:
 		s = c.Balancer.Name + ", no load"
@@ -78,6 +116,16 @@ func (c Case) Name() string {
 	}
 	if c.Probe {
 		s += ", probed"
+	}
+	if c.Streams > 0 {
+		kind := "bulk"
+		if c.Interactive {
+			kind = "interactive"
+		}
+		s += fmt.Sprintf(", %d %s streams", c.Streams, kind)
+	}
+	if c.SplitCPU {
+		s += ", split CPUs"
 	}
 	return s
 }
@@ -162,6 +210,7 @@ func DefaultCases() []Case {
 			Case{Balancer: b, Flows: 1000, Packet: syn},
 		)
 	}
+	cs = append(cs, floodCases()...)
 	cs = append(cs,
 		Case{Balancer: WeirNATNewNative, Flows: 100_000, Packet: syn},
 		Case{Balancer: WeirNATNative, Flows: 1000, Packet: ack, RateOfFloor: 0.5},
@@ -303,8 +352,17 @@ func setupFloor(generic bool) func(l *Line) (func() error, error) {
 // backends routed via s0. tcpIdle, if not 0, is nat's idle timeout for
 // established TCP flows.
 func setupWeir(mode loader.Mode, fwd loader.Forwarding, tcpIdle time.Duration) func(l *Line) (func() error, error) {
+	return setupWeirOpts(mode, fwd, loader.Options{NAT: loader.NATOptions{TCPIdle: tcpIdle}})
+}
+
+// setupWeirOpts is setupWeir with the rest of the loader's options taken
+// from opts (its hash seed and nat addresses are setupWeir's). While the
+// balancer is installed, l.weir is its program.
+func setupWeirOpts(mode loader.Mode, fwd loader.Forwarding, opts loader.Options) func(l *Line) (func() error, error) {
+	opts.HashSeed = 1
+	opts.NAT.Addr4, opts.NAT.Addr6 = LBOutIP, LBOutIP6
 	return func(l *Line) (func() error, error) {
-		p, err := loader.Load(loader.Options{HashSeed: 1, NAT: loader.NATOptions{Addr4: LBOutIP, Addr6: LBOutIP6, TCPIdle: tcpIdle}})
+		p, err := loader.Load(opts)
 		if err != nil {
 			return nil, err
 		}
@@ -363,7 +421,11 @@ func setupWeir(mode loader.Mode, fwd loader.Forwarding, tcpIdle time.Duration) f
 			p.Close()
 			return nil, err
 		}
-		return p.Close, nil
+		l.weir = p
+		return func() error {
+			l.weir = nil
+			return p.Close()
+		}, nil
 	}
 }
 

@@ -36,6 +36,7 @@ import (
 	"github.com/weir-lb/weir/bench/pktgen"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/loader"
 )
 
 // Addresses and MACs of the line. They never leave its namespaces.
@@ -86,7 +87,8 @@ type Line struct {
 	Gen, LB, Sink *netns.NS
 	GenIndex      int // g0's ifindex inside Gen, where the generator sends
 	Back, Far     *pktgen.Sink
-	local         *pktgen.Sink // the null case's sink on l0, while it runs
+	local         *pktgen.Sink    // the null case's sink on l0, while it runs
+	weir          *loader.Program // weir's program, while a weir case runs
 
 	namespaces []*netns.NS
 }

@@ -7,6 +7,7 @@ import (
 	"image/color"
 	"io"
 	"math"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -133,7 +134,7 @@ func (r Report) WriteMarkdown(w io.Writer) error {
 	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, x := range r.Results {
 		c := x.Case
-		if c.Idle {
+		if c.Idle || c.Streams > 0 {
 			continue
 		}
 		name := c.Balancer.Name
@@ -157,6 +158,7 @@ func (r Report) WriteMarkdown(w io.Writer) error {
 	}
 	r.writeGenerators(&b)
 	r.writeLatency(&b)
+	r.writeFloods(&b)
 	_, err := w.Write(b.Bytes())
 	return err
 }
@@ -247,7 +249,7 @@ func (r Report) Save(dir string) error {
 	if err := r.WriteMarkdown(&md); err != nil {
 		return err
 	}
-	md.WriteString("\n![forwarded Mpps](mpps.png)\n\n![ratio to the floor](floor-ratio.png)\n\n![softirq time per frame](softirq.png)\n\n![probe round trip p99](latency.png)\n")
+	md.WriteString("\n![forwarded Mpps](mpps.png)\n\n![ratio to the floor](floor-ratio.png)\n\n![softirq time per frame](softirq.png)\n\n![probe round trip p99](latency.png)\n\n![stream throughput under SYN floods](floods.png)\n")
 	if err := os.WriteFile(filepath.Join(dir, "results.md"), md.Bytes(), 0o644); err != nil {
 		return err
 	}
@@ -259,7 +261,12 @@ func (r Report) Save(dir string) error {
 		RateOfFloor                    float64
 		Rate                           float64 `json:",omitempty"`
 		Idle, Probe                    bool    `json:",omitempty"`
-		Samples                        []Sample
+		// Flood cases (flood.go): where the load went, its source ports
+		// (Flows counts every port's), the streams.
+		Dst                   string `json:",omitempty"`
+		SrcPorts, Streams     int    `json:",omitempty"`
+		Interactive, SplitCPU bool   `json:",omitempty"`
+		Samples               []Sample
 	}
 	var js struct {
 		Date                         time.Time
@@ -272,7 +279,15 @@ func (r Report) Save(dir string) error {
 	js.DurationSeconds, js.WarmupSecds = r.Opts.Duration.Seconds(), r.Opts.Warmup.Seconds()
 	for _, x := range r.Results {
 		c := x.Case
-		js.Cases = append(js.Cases, jsonCase{c.Name(), c.Balancer.Name, c.Group, c.Packet.Traffic(), c.Generator, c.Packet.FrameSize(), c.Flows, c.RateOfFloor, c.Rate, c.Idle, c.Probe, x.Samples})
+		jc := jsonCase{
+			Name: c.Name(), Balancer: c.Balancer.Name, Group: c.Group, Traffic: c.Packet.Traffic(), Generator: c.Generator,
+			FrameBytes: c.Packet.FrameSize(), Flows: c.flows(), RateOfFloor: c.RateOfFloor, Rate: c.Rate, Idle: c.Idle, Probe: c.Probe,
+			SrcPorts: c.SrcPorts, Streams: c.Streams, Interactive: c.Interactive, SplitCPU: c.SplitCPU, Samples: x.Samples,
+		}
+		if c.Packet.Dst.IsValid() {
+			jc.Dst = c.Packet.Dst.String()
+		}
+		js.Cases = append(js.Cases, jc)
 	}
 	data, err := json.MarshalIndent(js, "", "  ")
 	if err != nil {
@@ -282,24 +297,27 @@ func (r Report) Save(dir string) error {
 		return err
 	}
 
-	if err := r.plot(filepath.Join(dir, "mpps.png"), "Frames forwarded (Mpps, median; bars: min–max)", func(x Result) (v, lo, hi float64) {
+	if err := r.plot(filepath.Join(dir, "mpps.png"), "Frames forwarded (Mpps, median; bars: min–max)", noStreams(func(x Result) (v, lo, hi float64) {
 		return x.Forwarded() / 1e6, x.MinForwarded() / 1e6, x.MaxForwarded() / 1e6
-	}); err != nil {
+	})); err != nil {
 		return err
 	}
-	if err := r.plot(filepath.Join(dir, "floor-ratio.png"), "Forwarded rate ÷ its floor's (median)", func(x Result) (v, lo, hi float64) {
+	if err := r.plot(filepath.Join(dir, "floor-ratio.png"), "Forwarded rate ÷ its floor's (median)", noStreams(func(x Result) (v, lo, hi float64) {
 		v = r.FloorRatio(x)
 		return v, v, v
-	}); err != nil {
+	})); err != nil {
 		return err
 	}
-	if err := r.plot(filepath.Join(dir, "softirq.png"), "Softirq time per forwarded frame (ns = ms per million frames, median)", func(x Result) (v, lo, hi float64) {
+	if err := r.plot(filepath.Join(dir, "softirq.png"), "Softirq time per forwarded frame (ns = ms per million frames, median)", noStreams(func(x Result) (v, lo, hi float64) {
 		v = r.SoftirqNs(x)
 		return v, v, v
-	}); err != nil {
+	})); err != nil {
 		return err
 	}
-	return r.plotLatency(filepath.Join(dir, "latency.png"))
+	if err := r.plotLatency(filepath.Join(dir, "latency.png")); err != nil {
+		return err
+	}
+	return r.plotFloods(filepath.Join(dir, "floods.png"))
 }
 
 // plotLatency draws each probed case's p50 (circle) and p99 (triangle) round
@@ -363,9 +381,26 @@ var groupColors = map[string]color.Color{
 	"kernel": color.RGBA{80, 160, 90, 255},
 }
 
+// noStreams leaves the stream cases (flood.go) out of a plot of value: their
+// forwarded frames are a flood's, which plotFloods shows otherwise.
+func noStreams(value func(Result) (v, lo, hi float64)) func(Result) (v, lo, hi float64) {
+	return func(x Result) (v, lo, hi float64) {
+		if x.Case.Streams > 0 {
+			return math.NaN(), 0, 0
+		}
+		return value(x)
+	}
+}
+
 // plot draws one horizontal bar per case (NaN values are left out), coloured
 // by group, with min–max whiskers where lo < hi.
 func (r Report) plot(path, title string, value func(Result) (v, lo, hi float64)) error {
+	return r.plotWith(path, title, value, func(x Result) color.Color { return groupColors[x.Case.Group] }, Case.Name)
+}
+
+// plotWith is plot with each bar's colour and label chosen by colorOf and
+// label.
+func (r Report) plotWith(path, title string, value func(Result) (v, lo, hi float64), colorOf func(Result) color.Color, label func(Case) string) error {
 	p := plot.New()
 	p.Title.Text = title
 	var labels []string
@@ -386,13 +421,13 @@ func (r Report) plot(path, title string, value func(Result) (v, lo, hi float64))
 		bar.Horizontal = true
 		bar.XMin = y
 		bar.LineStyle.Width = 0
-		bar.Color = groupColors[x.Case.Group]
+		bar.Color = colorOf(x)
 		p.Add(bar)
 		if hi > lo {
 			pts = append(pts, plotter.XY{X: v, Y: y})
 			errs = append(errs, struct{ Low, High float64 }{v - lo, hi - v})
 		}
-		labels = append([]string{x.Case.Name()}, labels...)
+		labels = append([]string{label(x.Case)}, labels...)
 		i++
 	}
 	if len(pts) > 0 {
@@ -425,4 +460,166 @@ func (t shiftedTicks) Ticks(min, max float64) []plot.Tick {
 		ticks[k] = plot.Tick{Value: float64(k - (n - 1)), Label: l}
 	}
 	return ticks
+}
+
+// streamBaseline returns the no-load case a stream case is read against:
+// the same balancer, streams and arrangement of CPUs.
+func (r Report) streamBaseline(x Result) (Result, bool) {
+	c := x.Case
+	for _, b := range r.Results {
+		bc := b.Case
+		if bc.Idle && bc.Balancer.Name == c.Balancer.Name && bc.Streams == c.Streams &&
+			bc.Interactive == c.Interactive && bc.SplitCPU == c.SplitCPU && len(b.Samples) > 0 {
+			return b, true
+		}
+	}
+	return Result{}, false
+}
+
+// StreamShare is a stream case's stream throughput over its baseline's in
+// the same round: median, min and max over rounds; NaN without a baseline.
+func (r Report) StreamShare(x Result) (med, lo, hi float64) {
+	b, ok := r.streamBaseline(x)
+	if !ok || x.Case.Streams == 0 {
+		return math.NaN(), math.NaN(), math.NaN()
+	}
+	var v []float64
+	for i, s := range x.Samples {
+		if i < len(b.Samples) && b.Samples[i].StreamBps > 0 {
+			v = append(v, s.StreamBps/b.Samples[i].StreamBps)
+		}
+	}
+	if len(v) == 0 {
+		return math.NaN(), math.NaN(), math.NaN()
+	}
+	return median(v), slices.Min(v), slices.Max(v)
+}
+
+// FloodRatio is a flat-out flood's median rate taken by weir over its
+// floor's median forwarding rate (the floor measured the usual way, so
+// only flood cases measured that way, not split, have one), or NaN.
+func (r Report) FloodRatio(x Result) float64 {
+	c := x.Case
+	f, ok := r.find(c.Floor, c.Generator)
+	if !ok || f.Forwarded() == 0 || c.paced() || c.SplitCPU || c.Streams == 0 {
+		return math.NaN()
+	}
+	return median(x.values(func(s Sample) float64 { return s.Taken })) / f.Forwarded()
+}
+
+// writeFloods writes the stream cases, if any: flat-out floods and floods
+// at fixed rates on split CPUs, each in a table of its own.
+func (r Report) writeFloods(b *bytes.Buffer) {
+	var flat, split []string
+	for _, x := range r.Results {
+		c := x.Case
+		if c.Streams == 0 {
+			continue
+		}
+		flood, offered, taken, fwd, ratio := "none", "—", "—", "—", "—"
+		if !c.Idle {
+			flood = floodTarget(c.Packet.Dst)
+			if c.Rate > 0 {
+				flood += fmt.Sprintf(", %.2f Mpps", c.Rate/1e6)
+			}
+			offered = mpps(x.Offered())
+			taken = mpps(median(x.values(func(s Sample) float64 { return s.Taken })))
+			fwd = mpps(x.Forwarded())
+			ratio = orDash(r.FloodRatio(x), "%.2f")
+		}
+		idle, broken := 0, 0
+		for _, s := range x.Samples {
+			idle += s.StreamsIdle
+			broken += s.StreamsBroken
+		}
+		bps := x.values(func(s Sample) float64 { return 8 * s.StreamBps / 1e6 })
+		share, lo, hi := r.StreamShare(x)
+		shareText := "—"
+		if !math.IsNaN(share) {
+			shareText = fmt.Sprintf("%.2f (%.2f–%.2f)", share, lo, hi)
+		}
+		row := fmt.Sprintf("| %s | %s | %s | %s | %s | %s | %.1f (%.1f–%.1f) | %s | %d | %d |",
+			c.Balancer.Name, flood, offered, taken, ratio, fwd,
+			median(bps), slices.Min(bps), slices.Max(bps), shareText, idle, broken)
+		if c.SplitCPU {
+			split = append(split, row)
+		} else {
+			flat = append(flat, row)
+		}
+	}
+	if len(flat)+len(split) == 0 {
+		return
+	}
+	rounds := r.Opts.Runs
+	fmt.Fprintf(b, "\nSYN floods against established TCP streams through weir nat. The generator sends SYNs from %d sources × %d source ports (%d flows; none comes round again while the half-open table remembers it, so each is a new flow, as from random sources) to the nat service %s, whose backends are the far sink, or to %s, a port of the same address that no service has (weir passes it to the balancer namespace's stack, which has no route to the VIP: a route lookup, a rate-limited ICMP unreachable, a drop). The streams go through another nat service of that VIP (%s, one backend in the sink namespace that reads and discards) and are established before the flood starts. *offered*: frames/s the generator sent; *weir took*: flood frames its program took a verdict on (forwarded, dropped over the new-flow limit, passed), from its counters; *× floor*: weir took over %s's forwarded rate; *forwarded*: flood SYNs that reached the backends' sink. *Mbit/s*: what the streams delivered to their server, median (min–max) over rounds; *× no flood*: that over the same streams' with no load in the same round, median (min–max) over rounds; *idle*: streams that delivered nothing in a window, *broken*: streams that did not deliver again within %v of the flood's end or met an error, summed over %d rounds.\n\n",
+		FloodFlows, FloodPorts, FloodFlows*FloodPorts, FloodService, FloodNoService, netip.AddrPortFrom(VIP4, ProbePort), FloorRedirectNative.Name, streamRecover, rounds)
+	header := "| balancer | flood aimed at | offered Mpps | weir took Mpps | × floor | forwarded Mpps | streams Mbit/s | × no flood | idle | broken |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+	if len(flat) > 0 {
+		fmt.Fprintf(b, "Flat out, everything on the generator's CPU as in the cases above, with %d interactive streams (%d KiB every %v each) on that CPU too:\n\n", ManyStreams, streamBurst>>10, streamEvery)
+		b.WriteString(header + strings.Join(flat, "\n") + "\n")
+	}
+	if len(split) > 0 {
+		if len(flat) > 0 {
+			b.WriteString("\n")
+		}
+		fmt.Fprintf(b, "At fixed rates, split CPUs: the generator alone on CPU %d sends at its rate whatever the balancer costs; l0 is polled by a SCHED_FIFO kernel thread on CPU %d, where %d bulk streams and the rest of the line run, so a flood's frames share l0's ring and poll with the streams' and its cost comes out of their CPU:\n\n", r.Opts.CPU, probeCPU(r.Opts.CPU), FloodStreams)
+		b.WriteString(header + strings.Join(split, "\n") + "\n")
+	}
+}
+
+// floodColors tell the flood plot's bars apart: aimed at the service with
+// the new-flow limit on or off, and at no service.
+var floodColors = map[string]color.Color{
+	"limit":      color.RGBA{220, 120, 40, 255},
+	"no limit":   color.RGBA{190, 60, 60, 255},
+	"no service": color.RGBA{80, 160, 90, 255},
+}
+
+// plotFloods draws the flood cases' stream throughput over their no-flood
+// baseline's (median, min–max whiskers), if there are any.
+func (r Report) plotFloods(path string) error {
+	found := false
+	for _, x := range r.Results {
+		found = found || (x.Case.Streams > 0 && !x.Case.Idle)
+	}
+	if !found {
+		return nil
+	}
+	return r.plotWith(path, "Streams' throughput under a SYN flood ÷ with none (median; bars: min–max)", func(x Result) (v, lo, hi float64) {
+		if x.Case.Streams == 0 || x.Case.Idle {
+			return math.NaN(), 0, 0
+		}
+		return r.StreamShare(x)
+	}, func(x Result) color.Color {
+		switch {
+		case x.Case.Packet.Dst != FloodService:
+			return floodColors["no service"]
+		case x.Case.Balancer.Name == WeirNATNoLimit.Name:
+			return floodColors["no limit"]
+		}
+		return floodColors["limit"]
+	}, floodLabel)
+}
+
+// floodLabel is a flood case's short name: "limit 125000/s, to service, 0.25
+// Mpps, 4 bulk streams, split CPUs".
+func floodLabel(c Case) string {
+	limit := strings.TrimPrefix(c.Balancer.Name, "weir nat native, new-flow ")
+	to := "to service"
+	if c.Packet.Dst != FloodService {
+		to = "to no service"
+	}
+	rate := "flat out"
+	if c.Rate > 0 {
+		rate = fmt.Sprintf("%.2f Mpps", c.Rate/1e6)
+	}
+	kind := "bulk"
+	if c.Interactive {
+		kind = "interactive"
+	}
+	s := fmt.Sprintf("%s, %s, %s, %d %s streams", limit, to, rate, c.Streams, kind)
+	if c.SplitCPU {
+		s += ", split CPUs"
+	}
+	return s
 }

@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"runtime"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/weir-lb/weir/bench/pktgen"
@@ -53,6 +55,15 @@ type Sample struct {
 	// round trips' 50th and 99th percentiles in µs.
 	Probes, ProbeFails int     `json:",omitempty"`
 	P50us, P99us       float64 `json:",omitempty"`
+	// Cases with streams (flood.go): the frames/s of the load that weir's
+	// program took a verdict on (forwarded, dropped or passed), read from
+	// its counters; the bytes/s the streams delivered to their server; the
+	// streams that delivered nothing in the window; and those that did not
+	// deliver again within streamRecover of the load's end or met an error.
+	Taken         float64 `json:",omitempty"`
+	StreamBps     float64 `json:",omitempty"`
+	StreamsIdle   int     `json:",omitempty"`
+	StreamsBroken int     `json:",omitempty"`
 }
 
 // Result is every sample of one case.
@@ -112,6 +123,13 @@ func median(v []float64) float64 {
 // round so every case sees the same machine, and removes the line.
 func Run(ctx context.Context, cases []Case, opts Options) (_ []Result, err error) {
 	opts.defaults(numCPU())
+	// Before the line is built: a case that cannot run should not end a
+	// long run halfway.
+	for _, c := range cases {
+		if err := c.check(opts); err != nil {
+			return nil, err
+		}
+	}
 	l, err := NewLine()
 	if err != nil {
 		return nil, err
@@ -152,10 +170,26 @@ func Run(ctx context.Context, cases []Case, opts Options) (_ []Result, err error
 			if c.Probe {
 				fmt.Fprintf(opts.Log, "  probes %d (%d failed) p50 %.0f µs p99 %.0f µs", s.Probes, s.ProbeFails, s.P50us, s.P99us)
 			}
+			if c.Streams > 0 {
+				fmt.Fprintf(opts.Log, "  weir took %6.3f Mpps  streams %8.1f Mbit/s (%d idle, %d broken)", s.Taken/1e6, 8*s.StreamBps/1e6, s.StreamsIdle, s.StreamsBroken)
+			}
 			fmt.Fprintln(opts.Log)
 		}
 	}
 	return results, nil
+}
+
+// check says whether the case can run with opts.
+func (c Case) check(opts Options) error {
+	switch {
+	case c.Probe && c.Streams > 0:
+		return fmt.Errorf("case %q: probes and streams both need the probe service: choose one", c.Name())
+	case c.SrcPorts > pktgen.MaxTemplates || (c.SrcPorts > 1 && c.Generator != ""):
+		return fmt.Errorf("case %q: %d source ports: weir's generator sends at most %d, trafgen one", c.Name(), c.SrcPorts, pktgen.MaxTemplates)
+	case c.SplitCPU && probeCPU(opts.CPU) < 0:
+		return fmt.Errorf("case %q: split CPUs need the generator pinned (-cpu) and a second CPU", c.Name())
+	}
+	return nil
 }
 
 // runCase installs the case's balancer, sends for Warmup, counts what the
@@ -173,7 +207,44 @@ func runCase(ctx context.Context, l *Line, c Case, rate float64, opts Options) (
 	cfg := pktgen.Config{
 		SrcMAC: GenMAC, DstMAC: LBInMAC,
 		Dst4: netipPort(VIP4), Dst6: netipPort(VIP6),
-		Flows: c.Flows, Mix: []pktgen.Packet{c.Packet}, Rate: rate,
+		Flows: c.Flows, Mix: c.mix(), Rate: rate,
+	}
+	// Split CPUs: l0 is polled on the other CPU, with the streams. This
+	// goroutine, which reads the counters, stays on the generator's CPU:
+	// l0's real-time poll can hold the other one for most of a second, and
+	// a snapshot stalled between its reads would skew the rates.
+	streamCPU := opts.CPU
+	if c.SplitCPU {
+		streamCPU = probeCPU(opts.CPU)
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		unpin, err := pinThread(opts.CPU)
+		if err != nil {
+			return Sample{}, err
+		}
+		defer unpin()
+		restore, err := pollOn(l.LB, LBIn, streamCPU)
+		if err != nil {
+			return Sample{}, err
+		}
+		defer func() {
+			if rerr := restore(); rerr != nil && err == nil {
+				err = rerr
+			}
+		}()
+	}
+	// Streams are established before the load starts, so a flood meets
+	// them established, and end after the deferred stop of the load below.
+	var st *streams
+	if c.Streams > 0 {
+		if l.weir == nil {
+			return Sample{}, fmt.Errorf("streams through %s: only weir nat has the stream service", c.Balancer.Name)
+		}
+		st, err = startStreams(l, c.Streams, c.Interactive, streamCPU, opts.Warmup+opts.Duration+streamStart+streamRecover+30*time.Second)
+		if err != nil {
+			return Sample{}, err
+		}
+		defer st.Close()
 	}
 	runCtx, stop := context.WithCancel(ctx)
 	defer stop()
@@ -182,9 +253,29 @@ func runCase(ctx context.Context, l *Line, c Case, rate float64, opts Options) (
 		cpus = []int{opts.CPU}
 	}
 	// sent reads what the load's generator has sent; runErr reports its
-	// end, which before stop is an error.
+	// end, which before stop is an error. waitLoad stops the load and
+	// returns how it ended (at once if there is none); it is idempotent.
 	sent := func() (uint64, error) { return 0, nil }
 	runErr := make(chan error, 1)
+	loaded := false
+	var (
+		loadOnce sync.Once
+		loadErr  error
+	)
+	waitLoad := func() error {
+		loadOnce.Do(func() {
+			stop()
+			if loaded {
+				loadErr = <-runErr
+			}
+		})
+		return loadErr
+	}
+	defer func() {
+		if rerr := waitLoad(); rerr != nil && err == nil {
+			err = rerr
+		}
+	}()
 	switch {
 	case c.Idle:
 	case c.Generator == Trafgen:
@@ -193,16 +284,11 @@ func runCase(ctx context.Context, l *Line, c Case, rate float64, opts Options) (
 			return Sample{}, err
 		}
 		sent = l.g0Sent
-		// Exits when trafgen does (stopped by the deferred stop below).
+		loaded = true
+		// Exits when trafgen does (stopped by waitLoad).
 		go func() {
 			<-runCtx.Done()
 			runErr <- t.stop()
-		}()
-		defer func() {
-			stop()
-			if rerr := <-runErr; rerr != nil && err == nil {
-				err = rerr
-			}
 		}()
 		// trafgen takes a moment to build its ring: wait for its first
 		// frames before the warm-up starts.
@@ -222,15 +308,12 @@ func runCase(ctx context.Context, l *Line, c Case, rate float64, opts Options) (
 			n, err := g.Sent()
 			return n.Packets, err
 		}
-		// Exits when stop is called (below, or by the deferred stop on an
-		// early return) and the generator's call is interrupted.
+		loaded = true
+		// Exits when waitLoad stops it and the generator's call is
+		// interrupted. Registered after g.Close, so the deferred waitLoad
+		// runs first.
 		go func() { runErr <- g.Run(runCtx, l.Gen, l.GenIndex, cpus) }()
-		defer func() {
-			stop()
-			if rerr := <-runErr; rerr != nil && err == nil {
-				err = rerr
-			}
-		}()
+		defer waitLoad()
 	default:
 		return Sample{}, fmt.Errorf("unknown generator %q", c.Generator)
 	}
@@ -265,9 +348,20 @@ func runCase(ctx context.Context, l *Line, c Case, rate float64, opts Options) (
 	type snap struct {
 		sent, got uint64
 		softirq   uint64
+		taken     uint64  // the load's frames weir took (stream cases)
+		streamed  int64   // bytes the streams delivered
+		perStream []int64 // the same per stream
 		at        time.Time
 	}
 	snapshot := func() (s snap, err error) {
+		if st != nil {
+			ws, err := l.weir.Stats()
+			if err != nil {
+				return s, err
+			}
+			s.taken = floodTaken(ws, cfg.Mix[0].Dst)
+			s.streamed, s.perStream = st.delivered()
+		}
 		if s.sent, err = sent(); err != nil {
 			return
 		}
@@ -301,6 +395,18 @@ func runCase(ctx context.Context, l *Line, c Case, rate float64, opts Options) (
 		Offered:   float64(s1.sent-s0.sent) / dt,
 		Forwarded: float64(s1.got-s0.got) / dt,
 		Softirq:   float64(s1.softirq-s0.softirq) / userHZ / dt,
+	}
+	if st != nil {
+		out.Taken = float64(s1.taken-s0.taken) / dt
+		out.StreamBps = float64(s1.streamed-s0.streamed) / dt
+		out.StreamsIdle = st.idle(s0.perStream, s1.perStream)
+		if err := waitLoad(); err != nil {
+			return Sample{}, err
+		}
+		// Streams a flood starved may be in retransmission back-off:
+		// each has streamRecover to deliver again.
+		_, after := st.delivered()
+		out.StreamsBroken = st.broken(ctx, after, streamRecover)
 	}
 	if probeDone != nil {
 		stop()

@@ -19,7 +19,7 @@ import (
 )
 
 // Source addresses: flow f of a run comes from Src4 + f or Src6 + f, port
-// SrcPort. Both ranges are reserved for benchmarking (RFC 2544: 198.18.0.0/15;
+// SrcPort (or its kind's own). Both ranges are reserved for benchmarking (RFC 2544: 198.18.0.0/15;
 // RFC 5180: 2001:2::/48), and both have room for MaxFlows flows.
 var (
 	Src4 = netip.MustParseAddr("198.18.0.0")
@@ -27,7 +27,8 @@ var (
 )
 
 const (
-	// SrcPort is every frame's source port; flows differ by source address.
+	// SrcPort is every frame's source port unless its kind has its own;
+	// flows of a kind differ by source address.
 	SrcPort = 40000
 	// MaxFlows is the most distinct flows a run cycles through (17 bits of
 	// source address).
@@ -65,6 +66,10 @@ type Packet struct {
 	// Dst, if set, is where this kind goes instead of Config's Dst4 or
 	// Dst6 (of the kind's family), so one mix can aim at several services.
 	Dst netip.AddrPort
+	// SrcPort, if not 0, is this kind's source port instead of SrcPort, so
+	// kinds that differ only by port multiply the distinct 5-tuples a run
+	// sends: each kind cycles through every flow's source address.
+	SrcPort uint16
 }
 
 func (p Packet) String() string {
@@ -136,9 +141,13 @@ func (c Config) Frame(p Packet, f int) []byte {
 		src = Src6
 	}
 	src = flowAddr(src, f)
+	sport := uint16(SrcPort)
+	if p.SrcPort != 0 {
+		sport = p.SrcPort
+	}
 	fr := packet.Frame{
 		SrcMAC: c.SrcMAC, DstMAC: c.DstMAC,
-		Src: netip.AddrPortFrom(src, SrcPort), Dst: dst,
+		Src: netip.AddrPortFrom(src, sport), Dst: dst,
 		Proto: packet.ProtoTCP, TCPFlags: packet.ACK,
 	}
 	if p.UDP {

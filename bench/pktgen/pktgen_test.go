@@ -367,12 +367,17 @@ func TestFrames(t *testing.T) {
 			{}, {SYN: true, Size: 70}, {UDP: true, Size: 100}, {IPv6: true},
 			{IPv6: true, UDP: true, Size: 81}, {IPv6: true, SYN: true, Size: 300},
 			{SYN: true, Dst: netip.AddrPortFrom(sink4.Next(), 9000)},
+			{SYN: true, SrcPort: 40007},
 		},
 	}
 	// A kind's own Dst replaces Dst4 in its frames (IPv4 destination at
 	// 30..33, TCP destination port at 36..37).
 	if f := cfg.Frame(cfg.Mix[6], 0); netip.AddrFrom4([4]byte(f[30:34])) != sink4.Next() || f[36] != 9000>>8 || f[37] != 9000&0xff {
 		t.Fatalf("frame of a kind with Dst %s: destination %x; want that address and port", cfg.Mix[6].Dst, f[30:38])
+	}
+	// A kind's own SrcPort replaces SrcPort (TCP source port at 34..35).
+	if f := cfg.Frame(cfg.Mix[7], 0); f[34] != 40007>>8 || f[35] != 40007&0xff {
+		t.Fatalf("frame of a kind with SrcPort %d: source port %x; want %x", cfg.Mix[7].SrcPort, f[34:36], []byte{40007 >> 8, 40007 & 0xff})
 	}
 	g := newGenerator(t, cfg)
 	cfg = g.Config()

@@ -2,8 +2,9 @@
 // with weir's own XDP packet generator: null, floor, weir and the kernel's
 // forwarding and nftables NAT, each case repeated, with softirq time per
 // frame, a few cases again from trafgen (netsniff-ng) as a second generator,
-// and TCP probe latency through weir nat and nftables DNAT under load; it
-// writes a markdown table, JSON samples and PNG plots. It needs root and a
+// TCP probe latency through weir nat and nftables DNAT under load, and SYN
+// floods against established TCP streams through weir nat; it writes a
+// markdown table, JSON samples and PNG plots. It needs root and a
 // kernel with XDP (BPF_F_TEST_XDP_LIVE_FRAMES: Linux 5.18 or later);
 // nftables cases need the nft binary, trafgen's the trafgen binary (left out
 // if missing). Everything runs in network namespaces it creates and removes.
@@ -11,6 +12,7 @@
 //	go run ./bench/cmd/pktbench -out bench/results/pkt
 //	go run ./bench/cmd/pktbench -smoke          # a few seconds: does the pipeline work?
 //	go run ./bench/cmd/pktbench -new -out /tmp/x # only trafgen, latency, softirq
+//	go run ./bench/cmd/pktbench -flood           # only the SYN floods and their floor
 package main
 
 import (
@@ -33,6 +35,7 @@ func main() {
 		smoke   = flag.Bool("smoke", false, "run a few short cases once: checks the pipeline, measures nothing")
 		only    = flag.String("cases", "", "run only the cases whose name matches this regular expression")
 		onlyNew = flag.Bool("new", false, "run only the trafgen, latency and CPU-cost cases with the null case and floors they are read against")
+		flood   = flag.Bool("flood", false, "run only the SYN-flood cases (streams through weir nat alone and under floods) with the floor they are read against")
 	)
 	flag.IntVar(&opts.Runs, "runs", 3, "rounds; every round runs every case once, interleaved")
 	flag.DurationVar(&opts.Duration, "duration", time.Second, "measured window per case and round")
@@ -43,6 +46,9 @@ func main() {
 	cases := pktbench.DefaultCases()
 	if *onlyNew {
 		cases = pktbench.NewCases()
+	}
+	if *flood {
+		cases = pktbench.FloodCases()
 	}
 	if !pktbench.TrafgenAvailable() {
 		fmt.Fprintln(os.Stderr, "pktbench: trafgen not found (install netsniff-ng): leaving out the second generator's cases")
