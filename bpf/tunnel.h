@@ -181,12 +181,14 @@ static __always_inline int icmp_too_big(struct xdp_md *ctx, struct packet *p, __
 static __always_inline int tunnel_hop(struct xdp_md *ctx, struct packet *p, struct backend *be,
 				      __u32 tot_len, __u32 outer_len, struct next_hop *hop)
 {
-	struct bpf_fib_lookup fib = {};
 	__u64 now = bpf_ktime_get_coarse_ns();
 	long rc;
 
 	if (hop_cached(be, tot_len, now, hop))
 		return CONTINUE;
+	// Zeroed only here: 64 bytes of stores the cached path need not pay.
+	struct bpf_fib_lookup fib = {};
+
 	fib.family = be->family;
 	fib.ifindex = ctx->ingress_ifindex;
 	fib.tot_len = tot_len;
@@ -223,16 +225,13 @@ static __always_inline int tunnel_hop(struct xdp_md *ctx, struct packet *p, stru
 // tunnel_forward handles a packet to a tunnel-mode service.
 static __always_inline int tunnel_forward(struct xdp_md *ctx, struct packet *p, struct service *svc)
 {
-	struct next_hop hop = {}, back = {};
+	struct next_hop hop = {};
 	struct backend *be;
 	__u32 id, outer_len, tot_len, hash;
 	int action, delta;
 	void *data, *data_end;
 	struct ethhdr *eth;
 
-	// Where the frame came from, for handing it to the kernel below.
-	if (came_from(ctx, &back))
-		return XDP_ABORTED;
 	action = select_backend(p, svc, &be, &id);
 	if (action != CONTINUE)
 		return action;
@@ -255,6 +254,16 @@ static __always_inline int tunnel_forward(struct xdp_md *ctx, struct packet *p, 
 	eth = data;
 	if ((void *)(eth + 1) > data_end)
 		return XDP_ABORTED;
+	if (!hop.ifindex) {
+		// No neighbour yet: the kernel sends it and resolves one for the next packet,
+		// so the frame must look addressed to us, as it was. The old MACs are delta
+		// bytes on (at least 16: no overlap), until the outer header covers them.
+		__u8 *old = data + (delta & 0x3f);
+
+		if ((void *)(old + 2 * ETH_ALEN) > data_end)
+			return XDP_ABORTED;
+		__builtin_memcpy(eth->h_dest, old, 2 * ETH_ALEN);
+	}
 
 	if (be->family == FAMILY_IPV4) {
 		struct iphdr *ip = (void *)(eth + 1);
@@ -289,12 +298,7 @@ static __always_inline int tunnel_forward(struct xdp_md *ctx, struct packet *p, 
 		__builtin_memcpy(&ip6->saddr, src, 16);
 		__builtin_memcpy(&ip6->daddr, be->addr, 16);
 	}
-	if (!hop.ifindex) {
-		// No neighbour yet: the kernel sends it and resolves one for the next packet.
-		// The frame must look addressed to us, as it was.
-		__builtin_memcpy(eth->h_dest, back.smac, ETH_ALEN);
-		__builtin_memcpy(eth->h_source, back.dmac, ETH_ALEN);
+	if (!hop.ifindex)
 		return verdict(XDP_PASS, STAT_PASS_NO_NEIGH, p->len);
-	}
 	return send_to(ctx, p, &hop);
 }
