@@ -4,6 +4,8 @@ import (
 	"encoding/binary"
 	"math/bits"
 	"net/netip"
+
+	"github.com/weir-lb/weir/bpf"
 )
 
 // Flow is a packet's 5-tuple as the program reads it.
@@ -30,6 +32,22 @@ func FlowHash(f Flow, seed uint32, sourceOnly bool) uint32 {
 		h = hashWord(h, uint32(f.Protocol))
 	}
 	return hashFinal(h)
+}
+
+// OuterHash is what tunnel mode puts in the outer IPv6 flow label (its low 20 bits) and
+// IPv4 ID (its low 16 bits, as the program stores them) of a flow's packets.
+func OuterHash(f Flow) uint32 {
+	return entropyHash(&bpf.WeirFlowKey{Src: addrWords(f.Src.Addr()), Dst: addrWords(f.Dst.Addr()),
+		Sport: portWord(f.Src.Port()), Dport: portWord(f.Dst.Port()), Proto: uint8(f.Protocol)})
+}
+
+// entropyHash is bpf/hash.h's entropy_hash on a key as the program holds it.
+func entropyHash(f *bpf.WeirFlowKey) uint32 {
+	h := f.Src[0] ^ f.Src[1] ^ f.Src[2] ^ f.Src[3]
+	h ^= bits.RotateLeft32(f.Dst[0]^f.Dst[1]^f.Dst[2]^f.Dst[3], 16)
+	h ^= (uint32(f.Sport)<<16 | uint32(f.Dport)) ^ uint32(f.Proto)
+	h *= 0x9e3779b1
+	return h ^ h>>16
 }
 
 func hashWord(h, k uint32) uint32 {

@@ -2,7 +2,6 @@ package loader
 
 import (
 	"encoding/binary"
-	"math/bits"
 
 	"github.com/weir-lb/weir/bpf"
 )
@@ -414,15 +413,6 @@ func (r *run) lookupTablePick(p *modelPacket, svc bpf.WeirService) (uint32, bpf.
 	id := table[index]
 	be, ok := r.usableBackend(id, svc.Id)
 	return id, be, ok
-}
-
-// entropyHash is bpf/hash.h's entropy_hash.
-func entropyHash(f *bpf.WeirFlowKey) uint32 {
-	h := f.Src[0] ^ f.Src[1] ^ f.Src[2] ^ f.Src[3]
-	h ^= bits.RotateLeft32(f.Dst[0]^f.Dst[1]^f.Dst[2]^f.Dst[3], 16)
-	h ^= (uint32(f.Sport)<<16 | uint32(f.Dport)) ^ uint32(f.Proto)
-	h *= 0x9e3779b1
-	return h ^ h>>16
 }
 
 // flowKeyHash is bpf/hash.h's flow_hash on a key as the program holds it.

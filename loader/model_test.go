@@ -758,32 +758,18 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 		}
 		return got == want
 	}
-	for _, cmp := range []struct {
-		what      string
-		got, want map[bpf.WeirFlowKey]bpf.WeirLbFlow
-	}{{"lb_conntrack", got.LB, m.LBConntrack}, {"lb_half_open", got.LBHalfOpen, m.LBHalfOpen}} {
-		if len(cmp.got) != len(cmp.want) {
-			report("%s holds %d entries; want %d:\n got %+v\nwant %+v", cmp.what, len(cmp.got), len(cmp.want), cmp.got, cmp.want)
-		}
-		for k, w := range cmp.want {
-			if g, ok := cmp.got[k]; !ok || g.BackendId != w.BackendId || !nearS(g.CreatedS, w.CreatedS) {
-				report("%s[%+v] = %+v (present %t); want %+v", cmp.what, k, g, ok, w)
-			}
-		}
+	lbSame := func(g, w bpf.WeirLbFlow) bool { return g.BackendId == w.BackendId && nearS(g.CreatedS, w.CreatedS) }
+	natSame := func(g, w bpf.WeirNatFlow) bool {
+		return g.BackendId == w.BackendId && g.NatPort == w.NatPort && g.Flags == w.Flags && near(g.LastSeenNs, w.LastSeenNs)
 	}
-	for _, cmp := range []struct {
-		what      string
-		got, want map[bpf.WeirFlowKey]bpf.WeirNatFlow
-	}{{"nat_conntrack", got.NAT, m.NATConntrack}, {"nat_half_open", got.NATHalfOpen, m.NATHalfOpen}} {
-		if len(cmp.got) != len(cmp.want) {
-			report("%s holds %d entries; want %d:\n got %+v\nwant %+v", cmp.what, len(cmp.got), len(cmp.want), cmp.got, cmp.want)
-		}
-		for k, w := range cmp.want {
-			g, ok := cmp.got[k]
-			if !ok || g.BackendId != w.BackendId || g.NatPort != w.NatPort || g.Flags != w.Flags ||
-				!near(g.LastSeenNs, w.LastSeenNs) {
-				report("%s[%+v] = %+v (present %t); want %+v", cmp.what, k, g, ok, w)
-			}
+	for _, diff := range []string{
+		flowsDiff("lb_conntrack", got.LB, m.LBConntrack, lbSame),
+		flowsDiff("lb_half_open", got.LBHalfOpen, m.LBHalfOpen, lbSame),
+		flowsDiff("nat_conntrack", got.NAT, m.NATConntrack, natSame),
+		flowsDiff("nat_half_open", got.NATHalfOpen, m.NATHalfOpen, natSame),
+	} {
+		if diff != "" {
+			report("%s", diff)
 		}
 	}
 	if !maps.Equal(got.Reverse, m.NATReverse) {
@@ -822,6 +808,20 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 		}
 	}
 	return want
+}
+
+// flowsDiff says how a flow table the program holds differs from the model's ("" if
+// not at all), with same deciding whether two entries agree.
+func flowsDiff[V any](what string, got, want map[bpf.WeirFlowKey]V, same func(g, w V) bool) string {
+	if len(got) != len(want) {
+		return fmt.Sprintf("%s holds %d entries; want %d:\n got %+v\nwant %+v", what, len(got), len(want), got, want)
+	}
+	for k, w := range want {
+		if g, ok := got[k]; !ok || !same(g, w) {
+			return fmt.Sprintf("%s[%+v] = %+v (present %t); want %+v", what, k, g, ok, w)
+		}
+	}
+	return ""
 }
 
 // fuzzReader hands out the input's bytes, zeros once it is used up.

@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net/netip"
-	"os"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -12,7 +11,6 @@ import (
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/packet"
 	"github.com/weir-lb/weir/internal/topo"
-	"github.com/weir-lb/weir/internal/xdptest"
 )
 
 // natBench is a nat balancer for the benchmarks: the nat topology (client, balancer
@@ -27,26 +25,7 @@ type natBench struct {
 func newNATBench(b *testing.B) *natBench {
 	b.Helper()
 	tp := topo.NewT(b, topo.Config{Name: topo.UniqueName("wnb"), Backends: 3})
-	// fib lookups forward only where forwarding is on.
-	err := tp.Balancer.NS.Do(func() error {
-		for _, k := range []string{"net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"} {
-			if err := os.WriteFile("/proc/sys/"+k, []byte("1"), 0o644); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		b.Fatal(err)
-	}
-	p, err := Load(Options{HashSeed: 7, NAT: NATOptions{Addr4: tp.Balancer.IP4, Addr6: tp.Balancer.IP6}})
-	xdptest.Check(b, err)
-	b.Cleanup(func() { p.Close() })
-	err = tp.Balancer.NS.Do(func() error {
-		_, err := p.Attach(tp.Balancer.Link, ModeGeneric)
-		return err
-	})
-	xdptest.Check(b, err)
+	p := attachBalancer(b, tp, ModeGeneric, Options{HashSeed: 7, NAT: NATOptions{Addr4: tp.Balancer.IP4, Addr6: tp.Balancer.IP6}})
 	for _, vip := range []netip.Addr{tp.VIP4, tp.VIP6} {
 		s := Service{Key: ServiceKey{netip.AddrPortFrom(vip, topo.HTTPPort), TCP}, Forwarding: ForwardNAT}
 		for _, h := range tp.Backends {

@@ -360,7 +360,7 @@ func (x *xdpPlane) tunnelSelfTest(in packet.Frame, be netip.AddrPort, ifindex in
 	if in.Proto == packet.ProtoUDP {
 		key.Protocol = loader.UDP
 	}
-	hash := loader.FlowHash(loader.Flow{Src: in.Src, Dst: in.Dst, Protocol: key.Protocol}, x.hashSeed, false)
+	hash := loader.OuterHash(loader.Flow{Src: in.Src, Dst: in.Dst, Protocol: key.Protocol})
 	innerProto := byte(4) // IPPROTO_IPIP
 	if in.Dst.Addr().Is6() {
 		innerProto = 41 // IPPROTO_IPV6
