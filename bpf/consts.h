@@ -41,7 +41,6 @@
 
 // nat_flow.flags
 #define FLOW_F_CLOSING (1u << 0) // a FIN or RST was seen: short timeout; counted closed once established
-#define FLOW_F_REPLIED (1u << 1) // nat, half-open TCP: the backend's SYN-ACK was seen (backend_isn)
 
 // Address families as stored in keys (values of AF_INET / AF_INET6).
 #define FAMILY_IPV4 2

@@ -5,10 +5,9 @@
 // bpf_fib_lookup finds: XDP_TX out of the interface they came in on, XDP_REDIRECT
 // through tx_ports otherwise. Backends need no change.
 //
-// Floods: a new flow lives in NAT_HALF_OPEN / NAT_HALF_REVERSE until its client
-// completes the handshake (the ACK of the backend's SYN-ACK, acknowledging its
-// sequence number; a UDP flow's second datagram), then moves to NAT_CONNTRACK /
-// NAT_REVERSE. A spoofed source never answers, so its flows
+// Floods: a new flow lives in NAT_HALF_OPEN / NAT_HALF_REVERSE until its client's next
+// packet that is not a SYN (the ACK of the handshake; a UDP flow's second datagram),
+// then moves to NAT_CONNTRACK / NAT_REVERSE. A spoofed source never answers, so its flows
 // never leave the half-open tables, never evict an established flow, and give their
 // ports back to the next new flow that comes round the backend's port ring.
 #pragma once
@@ -378,24 +377,10 @@ static __always_inline int nat_send(struct xdp_md *ctx, struct packet *p, struct
 	return fib_forward(ctx, p, be, now);
 }
 
-// handshake_done reports whether a client's packet to a half-open nat flow proves the
-// client is real: a UDP flow's second datagram, or the ACK of the backend's SYN-ACK,
-// which acknowledges the backend's sequence number (a spoofed source never saw it, so
-// blind SYN-then-ACK pairs from it stay half-open).
-static __always_inline int handshake_done(const struct packet *p, const struct nat_flow *hs)
-{
-	if (p->flow.proto != IPPROTO_TCP)
-		return 1;
-	return (p->tcp_flags & TCP_FLAG_ACK) && (hs->flags & FLOW_F_REPLIED) &&
-	       bpf_ntohl(p->tcp_ack) == hs->backend_isn + 1;
-}
-
-// nat_half_open handles a packet of a half-open flow: the packet that completes the
-// handshake (handshake_done) moves the flow and its port to the established tables;
-// any other (a SYN sent again, an ACK that acknowledges nothing the backend sent) goes
-// the same way and the flow stays half-open. CONTINUE if the flow is not (or no
-// longer) half-open: it expired, its backend became unusable, or a newer flow took
-// its port.
+// nat_half_open handles a packet of a half-open flow: a SYN sent again goes the
+// same way; any other packet is the client's answer, and the flow and its port move to
+// the established tables. CONTINUE if the flow is not (or no longer) half-open: it
+// expired, its backend became unusable, or a newer flow took its port.
 static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, struct service *svc,
 					 const struct flow_key *key, __u64 now)
 {
@@ -421,7 +406,7 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 		hs->flags |= FLOW_F_CLOSING;
 	count(&service_stats, svc->id, p->len);
 	count(&backend_stats, id, p->len);
-	if (!handshake_done(p, hs)) {
+	if (is_syn(p)) {
 		count(&global_stats, STAT_FLOW_HIT, p->len);
 		return nat_send(ctx, p, be, hs->nat_port, now);
 	}
@@ -518,24 +503,20 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 	if (!rev)
 		return CONTINUE;
 	client = rev->client;
-	if (established && tcp_closes(p)) {
-		struct nat_flow *fs = flow_lookup(NAT_CONNTRACK, &client);
+	if (tcp_closes(p)) {
+		struct nat_flow *fs;
 
+		if (established)
+			fs = flow_lookup(NAT_CONNTRACK, &client);
+		else
+			fs = flow_lookup(NAT_HALF_OPEN, &client);
 		// Only if the flow still goes to this backend by this port: a late FIN or
 		// RST from a backend the flow has left must not close its new entry.
-		if (fs && fs->backend_id == rev->backend_id && fs->nat_port == p->flow.dport)
-			mark_closing(fs);
-	} else if (!established && p->flow.proto == IPPROTO_TCP) {
-		struct nat_flow *hs = flow_lookup(NAT_HALF_OPEN, &client);
-
-		if (hs && hs->backend_id == rev->backend_id && hs->nat_port == p->flow.dport) {
-			if (tcp_closes(p))
-				hs->flags |= FLOW_F_CLOSING;
-			// The SYN-ACK: the client's ACK must acknowledge its sequence number.
-			if ((p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == (TCP_FLAG_SYN | TCP_FLAG_ACK)) {
-				hs->backend_isn = bpf_ntohl(p->tcp_seq);
-				hs->flags |= FLOW_F_REPLIED;
-			}
+		if (fs && fs->backend_id == rev->backend_id && fs->nat_port == p->flow.dport) {
+			if (established)
+				mark_closing(fs);
+			else
+				fs->flags |= FLOW_F_CLOSING;
 		}
 	}
 	count(&global_stats, STAT_NAT_REPLY, p->len);

@@ -86,9 +86,6 @@ struct nat_flow {
 	__u8 pad;
 	__u64 last_seen_ns; // bpf_ktime_get_coarse_ns: insertion, then the client's packets at
 			    // most once a second once established
-	__u32 backend_isn;  // half-open TCP: the backend's SYN-ACK's sequence number, host
-			    // order, with FLOW_F_REPLIED
-	__u32 pad2;
 };
 
 // Value of the nat reverse tables, whose key is the backend's reply 5-tuple

@@ -82,8 +82,6 @@ type WeirNatFlow struct {
 	Flags      uint8
 	Pad        uint8
 	LastSeenNs uint64
-	BackendIsn uint32
-	Pad2       uint32
 }
 
 type WeirNextHop struct {

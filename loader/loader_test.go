@@ -119,7 +119,7 @@ func TestStructSizesMatchC(t *testing.T) {
 		{"flow_key4", unsafe.Sizeof(bpf.WeirFlowKey4{}), 16},
 		{"flow_key", unsafe.Sizeof(bpf.WeirFlowKey{}), 40},
 		{"lb_flow", unsafe.Sizeof(bpf.WeirLbFlow{}), 8},
-		{"nat_flow", unsafe.Sizeof(bpf.WeirNatFlow{}), 24},
+		{"nat_flow", unsafe.Sizeof(bpf.WeirNatFlow{}), 16},
 		{"nat_entry", unsafe.Sizeof(bpf.WeirNatEntry{}), 64},
 	} {
 		if c.got != c.want {

@@ -2,7 +2,6 @@ package loader
 
 import (
 	"encoding/binary"
-	"math/bits"
 
 	"github.com/weir-lb/weir/bpf"
 )
@@ -116,7 +115,6 @@ const (
 	maxIPv6ExtHeaders   = 4
 	natPortTries        = 8 // NAT_PORT_TRIES
 	flowFlagClosing     = 1 << 0
-	flowFlagReplied     = 1 << 1
 	modeNAT             = 1
 	modeTunnel          = 2
 	nsecPerSec          = 1_000_000_000
@@ -159,9 +157,6 @@ type modelPacket struct {
 	l3Len     uint32 // the IP packet's length as its header says
 	tcpFlags  uint8
 	icmpError bool
-	// The TCP sequence and acknowledgement numbers as the C loads them (network
-	// order read as native words); 0 for UDP.
-	tcpSeq, tcpAck uint32
 }
 
 // run is one packet through the model: the frame being rewritten and what was counted.
@@ -356,7 +351,6 @@ func (r *run) parseL4(off uint32, p *modelPacket) int {
 		}
 		p.flow.Sport, p.flow.Dport = r.ld16(off), r.ld16(off+2)
 		p.tcpFlags = r.b[off+13]
-		p.tcpSeq, p.tcpAck = r.ld32(off+4), r.ld32(off+8)
 		return modelContinue
 	case protoUDP:
 		if !r.fits(off, udpHeaderLen) || !withinIP(p, off, udpHeaderLen) {
@@ -749,15 +743,6 @@ func (r *run) natSend(p *modelPacket, be bpf.WeirBackend, id uint32, port uint16
 	return r.fibForward(p, id)
 }
 
-// handshakeDone is nat.h's handshake_done.
-func handshakeDone(p *modelPacket, hs *bpf.WeirNatFlow) bool {
-	if p.flow.Proto != protoTCP {
-		return true
-	}
-	return p.tcpFlags&tcpFlagACK != 0 && hs.Flags&flowFlagReplied != 0 &&
-		bits.ReverseBytes32(p.tcpAck) == hs.BackendIsn+1
-}
-
 // natHalfOpen is nat.h's nat_half_open.
 func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowKey, now uint64) int {
 	hs, ok := r.m.NATHalfOpen[key]
@@ -779,7 +764,7 @@ func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowK
 	}
 	r.countService(svc.Id)
 	r.countBackend(id)
-	if !handshakeDone(p, &hs) {
+	if isSYN(p) {
 		r.count(ReasonFlowHit)
 		a := r.natSend(p, be, id, hs.NatPort)
 		r.m.NATHalfOpen[key] = hs
@@ -882,20 +867,14 @@ func (r *run) natReply(p *modelPacket) int {
 		return modelContinue
 	}
 	client := rev.Client
-	if established && tcpCloses(p) {
-		if fs, ok := r.m.NATConntrack[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
-			r.markClosing(client)
-		}
-	} else if !established && p.flow.Proto == protoTCP {
-		if hs, ok := r.m.NATHalfOpen[client]; ok && hs.BackendId == rev.BackendId && hs.NatPort == p.flow.Dport {
-			if tcpCloses(p) {
-				hs.Flags |= flowFlagClosing
+	if tcpCloses(p) {
+		if established {
+			if fs, ok := r.m.NATConntrack[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
+				r.markClosing(client)
 			}
-			if p.tcpFlags&(tcpFlagSYN|tcpFlagACK) == tcpFlagSYN|tcpFlagACK {
-				hs.BackendIsn = bits.ReverseBytes32(p.tcpSeq)
-				hs.Flags |= flowFlagReplied
-			}
-			r.m.NATHalfOpen[client] = hs
+		} else if fs, ok := r.m.NATHalfOpen[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
+			fs.Flags |= flowFlagClosing
+			r.m.NATHalfOpen[client] = fs
 		}
 	}
 	r.count(ReasonNATReply)

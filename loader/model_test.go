@@ -68,10 +68,6 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"dsr udp second datagram establishes", ReasonFlowEstablished},
 		{"tunnel ack, half-open flow established", ReasonFlowEstablished},
 		{"nat tcp ack v4, half-open flow established", ReasonFlowEstablished},
-		{"nat tcp ack v6, half-open flow established", ReasonFlowEstablished},
-		{"nat tcp ack acknowledging another number: stays half-open", ReasonFlowHit},
-		{"nat tcp ack before the backend's syn-ack: stays half-open", ReasonFlowHit},
-		{"nat reply syn-ack to a half-open flow records the backend's isn", ReasonNATReply},
 		{"nat udp second datagram establishes", ReasonFlowEstablished},
 		{"nat tcp syn again, half-open flow", ReasonFlowHit},
 		{"nat half-open flow expired", ReasonFlowNew},
@@ -242,14 +238,10 @@ var fuzzSeeds = []struct {
 	{"dsr tcp ack v4, half-open flow on an unusable slot", []byte{0, 0, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 8, 3}},
 	{"dsr udp second datagram establishes", []byte{0, 1, 2, 1, 0, 0, 0, 5, 0, 1 | 8}},
 	{"tunnel ack, half-open flow established", []byte{0, 24, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 8, 0}},
-	{"nat tcp ack v4, half-open flow established", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0x20, 0, 0}},
-	{"nat tcp ack v6, half-open flow established", []byte{0, 6, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0x60, 0, 0}},
-	{"nat tcp ack acknowledging another number: stays half-open", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0x40, 0, 0}},
-	{"nat tcp ack before the backend's syn-ack: stays half-open", []byte{0, 6, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 0, 0}},
-	{"nat tcp data without ack, replied: stays half-open", []byte{0, 4, 0, 0, 0, 0, 0, 5, 0, 1 | 2 | 8 | 0x10, 0, 1, 0x20, 0, 0}},
-	{"nat reply syn-ack to a half-open flow records the backend's isn", []byte{0, 11, 0, 0, packet.SYN | packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 0, 0}},
+	{"nat tcp ack v4, half-open flow established", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 0, 0}},
+	{"nat tcp ack v6, half-open flow established, next hop cached", []byte{0, 6, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0x40, 0, 0}},
 	{"nat udp second datagram establishes", []byte{0, 5, 0, 0, 0, 0, 0, 3, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 0, 0}},
-	{"nat tcp fin, half-open flow established closing", []byte{0, 4, 0, 0, packet.FIN | packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0x20, 0, 0}},
+	{"nat tcp fin, half-open flow established closing", []byte{0, 4, 0, 0, packet.FIN | packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 0, 0}},
 	{"nat tcp syn again, half-open flow", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 0, 0}},
 	{"nat half-open flow expired", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 1, 0, 0}},
 	{"nat half-open flow whose port a newer flow took", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 0, 1, 0}},
@@ -768,8 +760,7 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 	}
 	lbSame := func(g, w bpf.WeirLbFlow) bool { return g.BackendId == w.BackendId && nearS(g.CreatedS, w.CreatedS) }
 	natSame := func(g, w bpf.WeirNatFlow) bool {
-		return g.BackendId == w.BackendId && g.NatPort == w.NatPort && g.Flags == w.Flags && near(g.LastSeenNs, w.LastSeenNs) &&
-			g.BackendIsn == w.BackendIsn
+		return g.BackendId == w.BackendId && g.NatPort == w.NatPort && g.Flags == w.Flags && near(g.LastSeenNs, w.LastSeenNs)
 	}
 	for _, diff := range []string{
 		flowsDiff("lb_conntrack", got.LB, m.LBConntrack, lbSame),
@@ -880,9 +871,7 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 //	   half-open table instead (half_open, nat_half_reverse, half_open); bits 6-7
 //	   start every backend's nat port ring at the seeded port, the one after it, 0,
 //	   or 3 short of wrapping; then bytes: backend, nat port, and age (low 4
-//	   bits), closing (bit 4) and, for a nat flow, the backend's SYN-ACK (bits
-//	   5-6: not seen, seen with sequence number 1999, with 77, with 1999) of the
-//	   known flow; holder; the holder's age and
+//	   bits) and closing (bit 4) of the known flow; holder; the holder's age and
 //	   closing, and in bits 5-6 the reverse entries' next hop back to the client
 //	   (none, the receiving interface, one not in tx_ports, wf0)
 //	15 nat, tunnel: the cached next hop of the target service's backends: bits 0-1
@@ -1101,14 +1090,8 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 		port := []uint16{0, portWord(natPort), portWord(natPort + 1), portWord(fuzzSinglePort)}[portSel%4]
 		id := candidates[int(beSel)%len(candidates)]
 		if svc.Forwarding == ForwardNAT {
-			f := bpf.WeirNatFlow{BackendId: id, NatPort: port, Flags: flowFlags(stateSel), LastSeenNs: age(stateSel)}
-			// Bits 5-6: the backend's SYN-ACK not seen, seen with the number the
-			// frames' ACKs acknowledge (packet.Frame's ack is 2000), with another.
-			if isn := []uint32{0, 1999, 77, 1999}[stateSel>>5&3]; isn != 0 {
-				f.Flags |= flowFlagReplied
-				f.BackendIsn = isn
-			}
-			natTable(0x08)[clientFlow] = f
+			natTable(0x08)[clientFlow] = bpf.WeirNatFlow{BackendId: id, NatPort: port, Flags: flowFlags(stateSel),
+				LastSeenNs: age(stateSel)}
 		} else {
 			lbTable[clientFlow] = bpf.WeirLbFlow{BackendId: id, CreatedS: uint32(age(stateSel) / nsecPerSec)}
 		}
