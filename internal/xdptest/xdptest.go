@@ -1,5 +1,6 @@
-// Package xdptest holds the one rule every test that needs network
-// namespaces or XDP follows when the machine cannot provide them.
+// Package xdptest is the skip-or-fail rule of internal/xdpenv for tests: the
+// same functions, taking a testing.TB. Only tests import it; code the weir
+// binary links uses xdpenv, which does not import package testing.
 //
 // CI runs as root on a kernel with XDP and sets WEIR_REQUIRE_XDP=1: there a
 // test that cannot create a namespace or load or attach an XDP program fails,
@@ -9,19 +10,16 @@
 package xdptest
 
 import (
-	"errors"
-	"os"
 	"testing"
 
-	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
+	"github.com/weir-lb/weir/internal/xdpenv"
 )
 
 // EnvRequire is the environment variable that turns skips into failures.
-const EnvRequire = "WEIR_REQUIRE_XDP"
+const EnvRequire = xdpenv.EnvRequire
 
 // Required reports whether WEIR_REQUIRE_XDP=1 is set.
-func Required() bool { return os.Getenv(EnvRequire) == "1" }
+func Required() bool { return xdpenv.Required() }
 
 // SkipOrFail does nothing if err is nil. Otherwise it fails the test if
 // WEIR_REQUIRE_XDP=1 and skips it if not, naming err either way. Call it with
@@ -30,43 +28,16 @@ func Required() bool { return os.Getenv(EnvRequire) == "1" }
 // under test.
 func SkipOrFail(tb testing.TB, err error) {
 	tb.Helper()
-	if err == nil {
-		return
-	}
-	if Required() {
-		tb.Fatalf("%s=1 and the environment cannot run this test: %v", EnvRequire, err)
-	}
-	tb.Skipf("skipping, the environment cannot run this test (set %s=1 to fail instead): %v", EnvRequire, err)
+	xdpenv.SkipOrFail(tb, err)
 }
 
 // Unavailable reports whether err says the environment lacks a privilege or
-// a kernel feature (as opposed to a bug in what was asked): EPERM, EACCES,
-// EOPNOTSUPP, ENOSYS, or cilium/ebpf's ErrNotSupported. Helpers such as
-// topo.NewT pass such errors to SkipOrFail and fail the test on the others.
-//
-// A program the verifier rejects is never Unavailable, even though the
-// verifier reports EACCES: that is a bug in the program.
-func Unavailable(err error) bool {
-	if _, ok := errors.AsType[*ebpf.VerifierError](err); ok {
-		return false
-	}
-	return errors.Is(err, unix.EPERM) ||
-		errors.Is(err, unix.EACCES) ||
-		errors.Is(err, unix.EOPNOTSUPP) ||
-		errors.Is(err, unix.ENOSYS) ||
-		errors.Is(err, ebpf.ErrNotSupported)
-}
+// a kernel feature rather than a bug in what was asked; see xdpenv.Unavailable.
+func Unavailable(err error) bool { return xdpenv.Unavailable(err) }
 
 // Check is SkipOrFail for errors that Unavailable accepts, and t.Fatal for
 // any other non-nil error.
 func Check(tb testing.TB, err error) {
 	tb.Helper()
-	if err == nil {
-		return
-	}
-	if Unavailable(err) {
-		SkipOrFail(tb, err)
-		return
-	}
-	tb.Fatal(err)
+	xdpenv.Check(tb, err)
 }
