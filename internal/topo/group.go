@@ -4,13 +4,24 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"testing"
 
 	"github.com/cilium/ebpf"
 
 	"github.com/weir-lb/weir/internal/netns"
-	"github.com/weir-lb/weir/internal/xdptest"
+	"github.com/weir-lb/weir/internal/xdpenv"
 )
+
+// TB is what NewT, NewRoutedT and NewTwoArmedT need of a test; *testing.T and
+// *testing.B have it. The package declares it rather than importing testing,
+// so the weir binary, whose demo builds on this package, does not link testing.
+type TB interface {
+	Helper()
+	Cleanup(func())
+	Errorf(format string, args ...any)
+	Fatal(args ...any)
+	Fatalf(format string, args ...any)
+	Skipf(format string, args ...any)
+}
 
 // group owns what a topology built from plain veth pairs creates: its namespaces
 // (named <name>-<role>, removed in reverse order) and the XDP_PASS program its
@@ -58,12 +69,12 @@ func (g *group) Close() error {
 
 // newT builds a topology for a test and closes it at cleanup. If the machine cannot
 // build it for lack of privileges or kernel support, the test is skipped, or fails
-// when WEIR_REQUIRE_XDP=1 (see xdptest); any other error fails the test.
-func newT[T interface{ Close() error }](tb testing.TB, build func() (T, error)) T {
+// when WEIR_REQUIRE_XDP=1 (see xdpenv); any other error fails the test.
+func newT[T interface{ Close() error }](tb TB, build func() (T, error)) T {
 	tb.Helper()
 	t, err := build()
 	if err != nil {
-		xdptest.Check(tb, err)
+		xdpenv.Check(tb, err)
 		var zero T
 		return zero
 	}

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"testing"
 
 	"github.com/weir-lb/weir/internal/netns"
 )
@@ -163,7 +162,7 @@ func NewRouted(name string, n int) (_ *Routed, err error) {
 
 // NewRoutedT is NewRouted for tests, closed at cleanup; see NewT for the rule on
 // missing privileges.
-func NewRoutedT(tb testing.TB, n int) *Routed {
+func NewRoutedT(tb TB, n int) *Routed {
 	tb.Helper()
 	return newT(tb, func() (*Routed, error) { return NewRouted("", n) })
 }

@@ -58,7 +58,6 @@ import (
 	"regexp"
 	"sync"
 	"sync/atomic"
-	"testing"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
@@ -242,9 +241,9 @@ func New(cfg Config) (_ *Topology, err error) {
 
 // NewT is New for tests: the topology is closed at t's cleanup. If the
 // machine cannot build it for lack of privileges or kernel support, the test
-// is skipped, or fails when WEIR_REQUIRE_XDP=1 (see xdptest); any other
+// is skipped, or fails when WEIR_REQUIRE_XDP=1 (see xdpenv); any other
 // error fails the test. An empty cfg.Name gets a unique one.
-func NewT(tb testing.TB, cfg Config) *Topology {
+func NewT(tb TB, cfg Config) *Topology {
 	tb.Helper()
 	return newT(tb, func() (*Topology, error) { return New(cfg) })
 }

@@ -7,7 +7,6 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"testing"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -242,7 +241,7 @@ func neighbours(ns *netns.NS, link string, to Host) error {
 
 // NewTwoArmedT is NewTwoArmed for tests, closed at cleanup; see NewT for the rule on
 // missing privileges.
-func NewTwoArmedT(tb testing.TB, cfg TwoArmedConfig) *TwoArmed {
+func NewTwoArmedT(tb TB, cfg TwoArmedConfig) *TwoArmed {
 	tb.Helper()
 	return newT(tb, func() (*TwoArmed, error) { return NewTwoArmed(cfg) })
 }
