@@ -6,12 +6,16 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"runtime"
 	"sync"
 	"testing"
 	"time"
 )
+
+// loopback0 is 127.0.0.1 port 0: a listener there gets a free port.
+var loopback0 = netip.MustParseAddrPort("127.0.0.1:0")
 
 // testBackend is a real TCP server on 127.0.0.1 that runs handle for each connection.
 type testBackend struct {
@@ -24,10 +28,11 @@ type testBackend struct {
 	wg     sync.WaitGroup
 }
 
-func startBackend(t *testing.T, name, addr string, handle func(name string, c *net.TCPConn)) *testBackend {
+func startBackend(t *testing.T, name string, ap netip.AddrPort, handle func(name string, c *net.TCPConn)) *testBackend {
 	t.Helper()
-	if addr == "" {
-		addr = "127.0.0.1:0"
+	addr := "127.0.0.1:0"
+	if ap.IsValid() {
+		addr = ap.String()
 	}
 	var ln net.Listener
 	var err error
@@ -71,7 +76,7 @@ func startBackend(t *testing.T, name, addr string, handle func(name string, c *n
 	return b
 }
 
-func (b *testBackend) addr() string { return b.ln.Addr().String() }
+func (b *testBackend) addr() netip.AddrPort { return b.ln.Addr().(*net.TCPAddr).AddrPort() }
 
 // stop closes the listener and every connection (a backend dying) and waits.
 func (b *testBackend) stop() {
@@ -100,8 +105,8 @@ func hello(name string, c *net.TCPConn) {
 // startProxy runs a Service until the test ends.
 func startProxy(t *testing.T, cfg Config) *Service {
 	t.Helper()
-	if cfg.Listen == "" {
-		cfg.Listen = "127.0.0.1:0"
+	if !cfg.Listen.IsValid() {
+		cfg.Listen = loopback0
 	}
 	if cfg.Name == "" {
 		cfg.Name = t.Name()

@@ -52,11 +52,11 @@ var (
 // Backend is one backend of a service. Its address is its identity (the ID the
 // balancer, counters and the agent use).
 type Backend struct {
-	Addr      string        // "ip:port"; an IP literal, no name resolution
-	Weight    uint32        // relative weight; 0 means 1 (use SetDraining to stop new connections)
-	MaxConns  int           // connection limit; 0 takes Config.MaxConnsPerBackend
-	SlowStart time.Duration // ramp the weight up over this long after becoming usable; 0 = off
-	Down      bool          // initially not usable, until SetBackendUsable(addr, true)
+	Addr      netip.AddrPort // the backend's address and port
+	Weight    uint32         // relative weight; 0 means 1 (use SetDraining to stop new connections)
+	MaxConns  int            // connection limit; 0 takes Config.MaxConnsPerBackend
+	SlowStart time.Duration  // ramp the weight up over this long after becoming usable; 0 = off
+	Down      bool           // initially not usable, until SetBackendUsable(addr, true)
 }
 
 // Outcome is how a connection to a backend ended, as reported to an Observer.
@@ -90,16 +90,16 @@ func (o Outcome) String() string {
 // to feed a shared health checker's outlier detection. Observe is called on the
 // connection's goroutine: it must be quick and must not block.
 type Observer interface {
-	Observe(backend string, o Outcome, connectLatency time.Duration)
+	Observe(addr netip.AddrPort, out Outcome, connectLatency time.Duration)
 }
 
 // Config is one service. Zero values take the documented defaults.
 type Config struct {
-	Name      string    // for logs and errors
-	Listen    string    // "ip:port"; port 0 picks one (see Service.Addr)
-	Backends  []Backend //
-	Algorithm string    // one of balance.Algorithms(); default least_conn
-	Seed      uint64    // hashing seed for source_hash and maglev, the same on every node
+	Name      string         // for logs and errors
+	Listen    netip.AddrPort // port 0 picks one (see Service.Addr)
+	Backends  []Backend      //
+	Algorithm string         // one of balance.Algorithms(); default least_conn
+	Seed      uint64         // hashing seed for source_hash and maglev, the same on every node
 
 	ConnectTimeout time.Duration // per dial attempt; default 3s
 	IdleTimeout    time.Duration // no byte either way for this long closes; default 10m, <0 = none
@@ -153,10 +153,10 @@ type Service struct {
 
 // backend is a backend's live state; removed backends live on while connections hold them.
 type backend struct {
-	addr     string
-	ap       netip.AddrPort
-	cfg      Backend      // guarded by Service.mu
-	maxConns atomic.Int64 // 0 = no limit
+	addr     string         // ap.String(): the balancer's and the logs' name for it
+	ap       netip.AddrPort // its identity
+	cfg      Backend        // guarded by Service.mu
+	maxConns atomic.Int64   // 0 = no limit
 
 	usable   bool        // health says usable; guarded by Service.mu
 	draining bool        // set to drain or removed; guarded by Service.mu
@@ -220,8 +220,8 @@ func newService(cfg Config) (*Service, error) {
 	case cfg.MaxConns < 0 || cfg.MaxConnsPerBackend < 0:
 		return nil, fmt.Errorf("%s: connection limits must be >= 0", name)
 	}
-	if _, err := netip.ParseAddrPort(cfg.Listen); err != nil {
-		return nil, fmt.Errorf("%s: listen %q: %w", name, cfg.Listen, err)
+	if !cfg.Listen.IsValid() {
+		return nil, fmt.Errorf("%s: listen: must be ip:port, got the zero address", name)
 	}
 	bs, err := checkBackends(cfg.Backends)
 	if err != nil {
@@ -250,16 +250,14 @@ func newService(cfg Config) (*Service, error) {
 // checkBackends validates a backend list and returns it normalised.
 func checkBackends(in []Backend) ([]Backend, error) {
 	out := make([]Backend, len(in))
-	seen := make(map[string]bool, len(in))
+	seen := make(map[netip.AddrPort]bool, len(in))
 	for i, b := range in {
-		ap, err := netip.ParseAddrPort(b.Addr)
-		if err != nil {
-			return nil, fmt.Errorf("backend %q: address must be ip:port: %w", b.Addr, err)
+		if !b.Addr.IsValid() {
+			return nil, fmt.Errorf("backend %d: address must be ip:port, got the zero address", i)
 		}
 		if b.MaxConns < 0 {
 			return nil, fmt.Errorf("backend %q: max_conns must be >= 0, got %d", b.Addr, b.MaxConns)
 		}
-		b.Addr = ap.String()
 		if seen[b.Addr] {
 			return nil, fmt.Errorf("backend %q: listed twice", b.Addr)
 		}
@@ -273,7 +271,7 @@ func checkBackends(in []Backend) ([]Backend, error) {
 }
 
 func (s *Service) newBackend(b Backend) *backend {
-	be := &backend{addr: b.Addr, ap: netip.MustParseAddrPort(b.Addr), usable: !b.Down}
+	be := &backend{addr: b.Addr.String(), ap: b.Addr, usable: !b.Down}
 	s.configure(be, b)
 	return be
 }
@@ -334,7 +332,7 @@ func (s *Service) listen(ctx context.Context) error {
 			return err
 		},
 	}
-	addr := s.cfg.Listen
+	addr := s.cfg.Listen.String()
 	for range s.cfg.AcceptLoops {
 		l, err := lc.Listen(ctx, "tcp", addr)
 		if err != nil {
@@ -505,9 +503,9 @@ func (s *Service) SetBackends(bs []Backend) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	old := make(map[string]*backend, len(s.backends))
+	old := make(map[netip.AddrPort]*backend, len(s.backends))
 	for _, b := range s.backends {
-		old[b.addr] = b
+		old[b.ap] = b
 	}
 	next := make([]*backend, 0, len(bs))
 	for _, nb := range bs {
@@ -531,7 +529,7 @@ func (s *Service) SetBackends(bs []Backend) error {
 
 // SetDraining sets a backend draining (no new connections; existing ones closed after
 // DrainTimeout) or back to normal.
-func (s *Service) SetDraining(addr string, draining bool) error {
+func (s *Service) SetDraining(addr netip.AddrPort, draining bool) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	b := s.find(addr)
@@ -554,7 +552,7 @@ func (s *Service) SetDraining(addr string, draining bool) error {
 
 // SetBackendUsable is how active health checks mark a backend up or down. A backend
 // that is down gets no new connections; its established ones are left alone.
-func (s *Service) SetBackendUsable(addr string, usable bool) error {
+func (s *Service) SetBackendUsable(addr netip.AddrPort, usable bool) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	b := s.find(addr)
@@ -574,12 +572,9 @@ func (s *Service) SetBackendUsable(addr string, usable bool) error {
 }
 
 // find returns the current backend with that address, or nil. Called with s.mu held.
-func (s *Service) find(addr string) *backend {
-	if ap, err := netip.ParseAddrPort(addr); err == nil {
-		addr = ap.String()
-	}
+func (s *Service) find(addr netip.AddrPort) *backend {
 	for _, b := range s.backends {
-		if b.addr == addr {
+		if b.ap == addr {
 			return b
 		}
 	}

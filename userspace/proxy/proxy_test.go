@@ -86,7 +86,7 @@ func TestTransferBothWaysByteExact(t *testing.T) {
 		size = 64 << 20
 	}
 	got := make(chan transferResult, 1)
-	be := startBackend(t, "a", "", bulkBackend(size, got))
+	be := startBackend(t, "a", netip.AddrPort{}, bulkBackend(size, got))
 	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}})
 	before := Splices()
 	c := dial(t, s)
@@ -129,8 +129,8 @@ func TestTransferBothWaysByteExact(t *testing.T) {
 }
 
 func TestManySmallTransfersConcurrently(t *testing.T) {
-	a := startBackend(t, "a", "", echo)
-	b := startBackend(t, "b", "", echo)
+	a := startBackend(t, "a", netip.AddrPort{}, echo)
+	b := startBackend(t, "b", netip.AddrPort{}, echo)
 	s := startProxy(t, Config{Backends: []Backend{{Addr: a.addr()}, {Addr: b.addr()}}, Algorithm: "round_robin"})
 	const conns = 200
 	var wg sync.WaitGroup
@@ -166,16 +166,16 @@ func TestManySmallTransfersConcurrently(t *testing.T) {
 		t.Error(err)
 	}
 	eventually(t, 2*time.Second, "all connections ended", func() bool { return s.Snapshot().Active == 0 })
-	for _, id := range []string{a.addr(), b.addr()} {
-		if n := s.bal.InFlight(id); n != 0 {
-			t.Errorf("balancer in-flight for %s after all ended: got %d; want 0", id, n)
+	for _, ap := range []netip.AddrPort{a.addr(), b.addr()} {
+		if n := s.bal.InFlight(ap.String()); n != 0 {
+			t.Errorf("balancer in-flight for %s after all ended: got %d; want 0", ap, n)
 		}
 	}
 }
 
 func TestHalfCloseClientStillGetsReply(t *testing.T) {
 	reply := bytes.Repeat([]byte("r"), 3<<20)
-	be := startBackend(t, "a", "", func(_ string, c *net.TCPConn) {
+	be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
 		n, _ := io.Copy(io.Discard, c) // until the client's FIN
 		fmt.Fprintf(c, "got %d\n", n)
 		c.Write(reply)
@@ -200,7 +200,7 @@ func TestProxyProtocolHeaders(t *testing.T) {
 	for _, v := range []int{1, 2} {
 		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
 			hdr := make(chan []byte, 1)
-			be := startBackend(t, "a", "", func(_ string, c *net.TCPConn) {
+			be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
 				c.SetReadDeadline(time.Now().Add(2 * time.Second))
 				all, _ := io.ReadAll(c)
 				hdr <- all
@@ -246,7 +246,7 @@ func TestProxyHeaderIPv6(t *testing.T) {
 }
 
 func TestIdleTimeout(t *testing.T) {
-	be := startBackend(t, "a", "", echo)
+	be := startBackend(t, "a", netip.AddrPort{}, echo)
 	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, IdleTimeout: 200 * time.Millisecond})
 	idle, busy := dial(t, s), dial(t, s)
 	start := time.Now()
@@ -281,9 +281,9 @@ type recorder struct {
 	got []string
 }
 
-func (r *recorder) Observe(backend string, o Outcome, _ time.Duration) {
+func (r *recorder) Observe(addr netip.AddrPort, out Outcome, _ time.Duration) {
 	r.mu.Lock()
-	r.got = append(r.got, backend+" "+o.String())
+	r.got = append(r.got, addr.String()+" "+out.String())
 	r.mu.Unlock()
 }
 
@@ -294,19 +294,19 @@ func (r *recorder) list() []string {
 }
 
 // closedPort returns an address on 127.0.0.1 where nothing listens.
-func closedPort(t *testing.T) string {
+func closedPort(t *testing.T) netip.AddrPort {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := ln.Addr().String()
+	addr := ln.Addr().(*net.TCPAddr).AddrPort()
 	ln.Close()
 	return addr
 }
 
 // blackhole returns an address whose listen backlog is full, so a connect to it hangs
 // (the SYN is dropped) until the connect timeout.
-func blackhole(t *testing.T) string {
+func blackhole(t *testing.T) netip.AddrPort {
 	fd, err := listenBacklog0()
 	if err != nil {
 		t.Skipf("blackhole listener: %v", err)
@@ -314,7 +314,7 @@ func blackhole(t *testing.T) string {
 	t.Cleanup(func() { closeFD(fd) })
 	addr := sockName(fd)
 	for range 2 { // fill the accept queue
-		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
+		c, err := net.DialTimeout("tcp", addr.String(), 200*time.Millisecond)
 		if err != nil {
 			break
 		}
@@ -324,7 +324,7 @@ func blackhole(t *testing.T) string {
 }
 
 func TestConnectTimeoutAndRetries(t *testing.T) {
-	live := startBackend(t, "live", "", hello)
+	live := startBackend(t, "live", netip.AddrPort{}, hello)
 	slow := blackhole(t)
 	dead := closedPort(t)
 	rec := &recorder{}
@@ -349,7 +349,7 @@ func TestConnectTimeoutAndRetries(t *testing.T) {
 	for _, o := range rec.list() {
 		counts[o]++
 	}
-	if counts[slow+" connect_timeout"] == 0 || counts[dead+" connect_failed"] == 0 || counts[live.addr()+" success"] != 3 {
+	if counts[slow.String()+" connect_timeout"] == 0 || counts[dead.String()+" connect_failed"] == 0 || counts[live.addr().String()+" success"] != 3 {
 		t.Errorf("outcomes: got %v; want connect timeouts on %s, failures on %s, 3 successes", counts, slow, dead)
 	}
 
@@ -373,8 +373,8 @@ func TestConnectTimeoutAndRetries(t *testing.T) {
 }
 
 func TestBackendKilledMidStreamIsEjectedAndReturns(t *testing.T) {
-	a := startBackend(t, "a", "", hello)
-	b := startBackend(t, "b", "", hello)
+	a := startBackend(t, "a", netip.AddrPort{}, hello)
+	b := startBackend(t, "b", netip.AddrPort{}, hello)
 	aAddr := a.addr()
 	s := startProxy(t, Config{
 		Backends:   []Backend{{Addr: aAddr}, {Addr: b.addr()}},
@@ -439,7 +439,7 @@ func TestLeastConnAvoidsBackendWithLongConnections(t *testing.T) {
 	var bes []*testBackend
 	var list []Backend
 	for _, n := range []string{"a", "b", "c"} {
-		be := startBackend(t, n, "", hello)
+		be := startBackend(t, n, netip.AddrPort{}, hello)
 		bes = append(bes, be)
 		list = append(list, Backend{Addr: be.addr()})
 	}
@@ -477,8 +477,8 @@ func TestLeastConnAvoidsBackendWithLongConnections(t *testing.T) {
 }
 
 func TestMaxConns(t *testing.T) {
-	a := startBackend(t, "a", "", hello)
-	b := startBackend(t, "b", "", hello)
+	a := startBackend(t, "a", netip.AddrPort{}, hello)
+	b := startBackend(t, "b", netip.AddrPort{}, hello)
 	s := startProxy(t, Config{
 		Backends:  []Backend{{Addr: a.addr(), MaxConns: 2}, {Addr: b.addr()}},
 		Algorithm: "round_robin",
@@ -511,8 +511,8 @@ func TestMaxConns(t *testing.T) {
 func TestDrainKeepsConnectionsUntilDeadline(t *testing.T) {
 	for _, how := range []string{"SetDraining", "SetBackends"} {
 		t.Run(how, func(t *testing.T) {
-			a := startBackend(t, "a", "", hello)
-			b := startBackend(t, "b", "", hello)
+			a := startBackend(t, "a", netip.AddrPort{}, hello)
+			b := startBackend(t, "b", netip.AddrPort{}, hello)
 			s := startProxy(t, Config{
 				Backends:     []Backend{{Addr: a.addr()}, {Addr: b.addr()}},
 				Algorithm:    "round_robin",
@@ -564,15 +564,16 @@ func TestDrainKeepsConnectionsUntilDeadline(t *testing.T) {
 }
 
 func TestConfigErrorsNameTheField(t *testing.T) {
+	port1 := netip.MustParseAddrPort("127.0.0.1:1")
 	for _, tc := range []struct {
 		cfg  Config
 		want string
 	}{
-		{Config{Name: "web", Listen: "nope"}, `service "web": listen "nope"`},
-		{Config{Name: "web", Listen: "127.0.0.1:0", Backends: []Backend{{Addr: "x"}}}, `service "web": backend "x": address must be ip:port`},
-		{Config{Name: "web", Listen: "127.0.0.1:0", ProxyProtocol: 3}, `proxy_protocol must be 0, 1 or 2, got 3`},
-		{Config{Name: "web", Listen: "127.0.0.1:0", Algorithm: "fastest"}, `service "web": algorithm`},
-		{Config{Name: "web", Listen: "127.0.0.1:0", Backends: []Backend{{Addr: "127.0.0.1:1"}, {Addr: "127.0.0.1:1"}}}, `listed twice`},
+		{Config{Name: "web"}, `service "web": listen: must be ip:port`},
+		{Config{Name: "web", Listen: loopback0, Backends: []Backend{{}}}, `service "web": backend 0: address must be ip:port`},
+		{Config{Name: "web", Listen: loopback0, ProxyProtocol: 3}, `proxy_protocol must be 0, 1 or 2, got 3`},
+		{Config{Name: "web", Listen: loopback0, Algorithm: "fastest"}, `service "web": algorithm`},
+		{Config{Name: "web", Listen: loopback0, Backends: []Backend{{Addr: port1}, {Addr: port1}}}, `listed twice`},
 	} {
 		_, err := newService(tc.cfg)
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"runtime"
@@ -128,7 +129,7 @@ func TestManyConcurrentConnections(t *testing.T) {
 	backend := expect("BACKEND")
 
 	ctx, cancel := context.WithCancel(context.Background())
-	s, err := Listen(ctx, Config{Name: "scale", Listen: "127.0.0.1:0", Backends: []Backend{{Addr: backend}}, Logger: discardLogger()})
+	s, err := Listen(ctx, Config{Name: "scale", Listen: loopback0, Backends: []Backend{{Addr: netip.MustParseAddrPort(backend)}}, Logger: discardLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,11 +173,11 @@ func TestManyConcurrentConnections(t *testing.T) {
 }
 
 func TestGracefulShutdown(t *testing.T) {
-	be := startBackend(t, "a", "", echo)
+	be := startBackend(t, "a", netip.AddrPort{}, echo)
 	fd0, g0 := countFDs(t), runtime.NumGoroutine()
 	ctx, cancel := context.WithCancel(context.Background())
 	s, err := Listen(ctx, Config{
-		Name: "shutdown", Listen: "127.0.0.1:0", Backends: []Backend{{Addr: be.addr()}},
+		Name: "shutdown", Listen: loopback0, Backends: []Backend{{Addr: be.addr()}},
 		ShutdownTimeout: 400 * time.Millisecond, Logger: discardLogger(),
 	})
 	if err != nil {
