@@ -116,10 +116,10 @@ func TestReconfigureWhileRunning(t *testing.T) {
 		}
 	}}
 	const ivB = 100 * time.Millisecond
-	if err := c.SetService("a", Config{Check: Check{Interval: 200 * time.Millisecond, Jitter: -1}}); err != nil {
+	if err := c.SetService("a", Config{Check: Check{Interval: 200 * time.Millisecond}}); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.SetService("b", Config{Check: Check{Interval: ivB, Jitter: -1}}); err != nil {
+	if err := c.SetService("b", Config{Check: Check{Interval: ivB}}); err != nil {
 		t.Fatal(err)
 	}
 	for _, id := range []string{"a0", "a1", "b0", "b1", "b2"} {
@@ -130,7 +130,7 @@ func TestReconfigureWhileRunning(t *testing.T) {
 	run(t, c)
 	time.Sleep(300 * time.Millisecond)
 
-	if err := c.SetService("a", Config{Check: Check{Interval: 20 * time.Millisecond, Jitter: -1}}); err != nil {
+	if err := c.SetService("a", Config{Check: Check{Interval: 20 * time.Millisecond}}); err != nil {
 		t.Fatal(err)
 	}
 	changed := time.Now()
@@ -182,8 +182,7 @@ func TestReconfigureWhileRunning(t *testing.T) {
 // holds one change per backend, ending at the latest state.
 func TestSubscriptionCoalesces(t *testing.T) {
 	c, clk := passiveChecker(t, 3, Config{
-		Outlier:        Outlier{Consecutive: 1, BaseEjection: time.Second, MaxEjectionPercent: 100},
-		PanicThreshold: -1,
+		Outlier: Outlier{Consecutive: 1, BaseEjection: time.Second, MaxEjectionPercent: 100},
 	})
 	sub := c.Subscribe()
 	defer sub.Close()
@@ -228,10 +227,10 @@ func TestMoveBackendBetweenServices(t *testing.T) {
 	ln := newToggleListener(t)
 	ln.set(false) // refused from now on
 	c := &Checker{}
-	if err := c.SetService("passive", Config{Check: Check{Kind: None}, PanicThreshold: -1}); err != nil {
+	if err := c.SetService("passive", Config{Check: Check{Kind: None}}); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.SetService("active", Config{Check: Check{Interval: 10 * time.Millisecond, Fall: 1}, PanicThreshold: -1}); err != nil {
+	if err := c.SetService("active", Config{Check: Check{Interval: 10 * time.Millisecond, Fall: 1}}); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.Set(Backend{ID: "b", Addr: ln.addr, Service: "passive"}); err != nil {
