@@ -30,11 +30,13 @@ func serveWeir() error {
 				{Addr: netip.MustParseAddrPort(httpA)}, {Addr: netip.MustParseAddrPort(httpB)},
 			},
 			IdleTimeout: time.Minute, ShutdownTimeout: time.Second, Logger: logger,
+			DrainTimeout: proxy.DefaultDrainTimeout, EjectAfter: proxy.DefaultEjectAfter,
 		},
 		{
 			Name: "bulk", Listen: netip.MustParseAddrPort(proxyBulk), Algorithm: "least_conn",
 			Backends:    []proxy.Backend{{Addr: netip.MustParseAddrPort(iperfAddr)}},
 			IdleTimeout: time.Minute, ShutdownTimeout: time.Second, Logger: logger,
+			DrainTimeout: proxy.DefaultDrainTimeout, EjectAfter: proxy.DefaultEjectAfter,
 		},
 	}
 	var wg sync.WaitGroup

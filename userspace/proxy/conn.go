@@ -239,7 +239,7 @@ func (s *Service) dialFailed(b *backend, err error, lat time.Duration) {
 	if o := s.cfg.Observer; o != nil {
 		o.Observe(b.ap, outcome, lat)
 	}
-	if s.cfg.EjectAfter < 0 {
+	if s.cfg.EjectAfter == 0 {
 		return
 	}
 	if n := b.consecFails.Add(1); int(n) >= s.cfg.EjectAfter {

@@ -111,6 +111,9 @@ func startProxy(t *testing.T, cfg Config) *Service {
 	if cfg.Name == "" {
 		cfg.Name = t.Name()
 	}
+	if cfg.ShutdownTimeout == 0 && cfg.DrainTimeout == 0 {
+		cfg.ShutdownTimeout = DefaultDrainTimeout // bounded, so a test that leaks a connection fails rather than hangs
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, nil))
 	}

@@ -36,10 +36,15 @@ import (
 const (
 	DefaultAlgorithm      = balance.LeastConn
 	DefaultConnectTimeout = 3 * time.Second
-	DefaultIdleTimeout    = 10 * time.Minute
-	DefaultDrainTimeout   = 30 * time.Second
-	DefaultEjectAfter     = 3
 	DefaultEjectFor       = 10 * time.Second
+)
+
+// Suggested values for the settings whose zero value turns the feature off; the
+// package never applies them by itself.
+const (
+	DefaultIdleTimeout  = 10 * time.Minute
+	DefaultDrainTimeout = 30 * time.Second
+	DefaultEjectAfter   = 3
 )
 
 var (
@@ -93,7 +98,8 @@ type Observer interface {
 	Observe(addr netip.AddrPort, out Outcome, connectLatency time.Duration)
 }
 
-// Config is one service. Zero values take the documented defaults.
+// Config is one service. Zero values take the documented defaults, or turn the
+// feature off where the field says so; no field takes a negative value.
 type Config struct {
 	Name      string         // for logs and errors
 	Listen    netip.AddrPort // port 0 picks one (see Service.Addr)
@@ -102,7 +108,7 @@ type Config struct {
 	Seed      uint64         // hashing seed for source_hash and maglev, the same on every node
 
 	ConnectTimeout time.Duration // per dial attempt; default 3s
-	IdleTimeout    time.Duration // no byte either way for this long closes; default 10m, <0 = none
+	IdleTimeout    time.Duration // no byte either way for this long closes; 0 = no idle timeout
 	Retries        int           // more backends tried after a failed dial; 0 = none
 
 	MaxConns           int // per service; excess connections wait in the listen backlog; 0 = no limit
@@ -110,12 +116,12 @@ type Config struct {
 
 	ProxyProtocol int // 0 off, 1 or 2: PROXY protocol header version sent to backends
 
-	DrainTimeout    time.Duration // a draining or removed backend's connections are closed after this; default 30s, <0 = never
-	ShutdownTimeout time.Duration // Serve's grace after ctx is done; default DrainTimeout
+	DrainTimeout    time.Duration // a draining or removed backend's connections are closed after this; 0 = no limit
+	ShutdownTimeout time.Duration // Serve's grace after ctx is done; 0 takes DrainTimeout (and with it, no limit)
 
 	AcceptLoops int // listeners (SO_REUSEPORT), one accept loop each; default runtime.NumCPU()
 
-	EjectAfter int           // consecutive failed dials that eject a backend; default 3, <0 = never
+	EjectAfter int           // consecutive failed dials that eject a backend; 0 = never (passive health off)
 	EjectFor   time.Duration // how long an ejected backend gets no new connection; default 10s
 
 	Observer Observer     // optional
@@ -187,32 +193,41 @@ func newService(cfg Config) (*Service, error) {
 	if cfg.Algorithm == "" {
 		cfg.Algorithm = DefaultAlgorithm
 	}
-	if cfg.ConnectTimeout <= 0 {
+	name := fmt.Sprintf("service %q", cfg.Name)
+	for _, d := range []struct {
+		field string
+		v     time.Duration
+	}{
+		{"connect_timeout", cfg.ConnectTimeout},
+		{"idle_timeout", cfg.IdleTimeout},
+		{"drain_timeout", cfg.DrainTimeout},
+		{"shutdown_timeout", cfg.ShutdownTimeout},
+		{"eject_for", cfg.EjectFor},
+	} {
+		if d.v < 0 {
+			return nil, fmt.Errorf("%s: %s must be >= 0, got %v", name, d.field, d.v)
+		}
+	}
+	if cfg.ConnectTimeout == 0 {
 		cfg.ConnectTimeout = DefaultConnectTimeout
-	}
-	if cfg.IdleTimeout == 0 {
-		cfg.IdleTimeout = DefaultIdleTimeout
-	}
-	if cfg.DrainTimeout == 0 {
-		cfg.DrainTimeout = DefaultDrainTimeout
 	}
 	if cfg.ShutdownTimeout == 0 {
 		cfg.ShutdownTimeout = cfg.DrainTimeout
 	}
-	if cfg.AcceptLoops <= 0 {
+	if cfg.AcceptLoops == 0 {
 		cfg.AcceptLoops = runtime.NumCPU()
 	}
-	if cfg.EjectAfter == 0 {
-		cfg.EjectAfter = DefaultEjectAfter
-	}
-	if cfg.EjectFor <= 0 {
+	if cfg.EjectFor == 0 {
 		cfg.EjectFor = DefaultEjectFor
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	name := fmt.Sprintf("service %q", cfg.Name)
 	switch {
+	case cfg.AcceptLoops < 0:
+		return nil, fmt.Errorf("%s: accept_loops must be >= 0, got %d", name, cfg.AcceptLoops)
+	case cfg.EjectAfter < 0:
+		return nil, fmt.Errorf("%s: eject_after must be >= 0 (0: never), got %d", name, cfg.EjectAfter)
 	case cfg.ProxyProtocol < 0 || cfg.ProxyProtocol > 2:
 		return nil, fmt.Errorf("%s: proxy_protocol must be 0, 1 or 2, got %d", name, cfg.ProxyProtocol)
 	case cfg.Retries < 0:
@@ -584,7 +599,7 @@ func (s *Service) find(addr netip.AddrPort) *backend {
 // startDrain arms b's drain deadline. Called with s.mu held.
 func (s *Service) startDrain(b *backend) {
 	b.draining = true
-	if b.timer != nil || s.cfg.DrainTimeout < 0 {
+	if b.timer != nil || s.cfg.DrainTimeout == 0 {
 		return
 	}
 	b.timer = time.AfterFunc(s.cfg.DrainTimeout, func() {

@@ -333,8 +333,8 @@ func TestConnectTimeoutAndRetries(t *testing.T) {
 		Algorithm:      "round_robin",
 		ConnectTimeout: 150 * time.Millisecond,
 		Retries:        2,
-		EjectAfter:     -1,
-		Observer:       rec,
+		Observer:       rec, // EjectAfter 0: no passive ejection
+
 	})
 	for i := range 3 {
 		c := dial(t, s)
@@ -355,7 +355,7 @@ func TestConnectTimeoutAndRetries(t *testing.T) {
 
 	// With every backend failing, a client is closed promptly after one attempt per
 	// backend: never the same backend twice.
-	s2 := startProxy(t, Config{Backends: []Backend{{Addr: dead}, {Addr: closedPort(t)}}, Retries: 5, EjectAfter: -1})
+	s2 := startProxy(t, Config{Backends: []Backend{{Addr: dead}, {Addr: closedPort(t)}}, Retries: 5})
 	c := dial(t, s2)
 	start := time.Now()
 	c.SetReadDeadline(time.Now().Add(2 * time.Second))
@@ -563,6 +563,33 @@ func TestDrainKeepsConnectionsUntilDeadline(t *testing.T) {
 	}
 }
 
+// TestDrainWithoutLimit drains with DrainTimeout 0: the draining backend's
+// connections are never closed by the proxy, only by their ends.
+func TestDrainWithoutLimit(t *testing.T) {
+	a := startBackend(t, "a", netip.AddrPort{}, hello)
+	s := startProxy(t, Config{Backends: []Backend{{Addr: a.addr()}}, ShutdownTimeout: 5 * time.Second})
+	c := dial(t, s)
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if name, err := readLine(c); err != nil || name != "a" {
+		t.Fatalf("before the drain: got %q, %v; want a", name, err)
+	}
+	if err := s.SetDraining(a.addr(), true); err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	timer := s.backends[0].timer
+	s.mu.Unlock()
+	if timer != nil {
+		t.Errorf("drain deadline armed with DrainTimeout 0; want none")
+	}
+	if err := roundTrip(c, "still here"); err != nil {
+		t.Errorf("draining connection: %v; want it open", err)
+	}
+	if snap := s.Snapshot(); !snap.Backends[0].Draining || snap.Backends[0].Active != 1 {
+		t.Errorf("snapshot: draining %t, active %d; want draining with 1 connection", snap.Backends[0].Draining, snap.Backends[0].Active)
+	}
+}
+
 func TestConfigErrorsNameTheField(t *testing.T) {
 	port1 := netip.MustParseAddrPort("127.0.0.1:1")
 	for _, tc := range []struct {
@@ -572,6 +599,9 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		{Config{Name: "web"}, `service "web": listen: must be ip:port`},
 		{Config{Name: "web", Listen: loopback0, Backends: []Backend{{}}}, `service "web": backend 0: address must be ip:port`},
 		{Config{Name: "web", Listen: loopback0, ProxyProtocol: 3}, `proxy_protocol must be 0, 1 or 2, got 3`},
+		{Config{Name: "web", Listen: loopback0, DrainTimeout: -1}, `service "web": drain_timeout must be >= 0, got -1ns`},
+		{Config{Name: "web", Listen: loopback0, IdleTimeout: -time.Second}, `service "web": idle_timeout must be >= 0, got -1s`},
+		{Config{Name: "web", Listen: loopback0, EjectAfter: -1}, `service "web": eject_after must be >= 0 (0: never), got -1`},
 		{Config{Name: "web", Listen: loopback0, Algorithm: "fastest"}, `service "web": algorithm`},
 		{Config{Name: "web", Listen: loopback0, Backends: []Backend{{Addr: port1}, {Addr: port1}}}, `listed twice`},
 	} {
