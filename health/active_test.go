@@ -135,7 +135,7 @@ func TestTCPListenerClosesAndReopens(t *testing.T) {
 func TestChangesCarryReasonAndTime(t *testing.T) {
 	ln := newToggleListener(t)
 	c := &Checker{}
-	if err := c.SetService("web", Config{Check: Check{Interval: 10 * time.Millisecond, Rise: 1, Fall: 1, Initial: Up}, PanicThreshold: -1}); err != nil {
+	if err := c.SetService("web", Config{Check: Check{Interval: 10 * time.Millisecond, Rise: 1, Fall: 1, Initial: Up}}); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.Set(Backend{ID: "b1", Addr: ln.addr, Service: "web"}); err != nil {

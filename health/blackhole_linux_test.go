@@ -49,7 +49,7 @@ func TestBlackHoledBackend(t *testing.T) {
 			}
 		},
 	}
-	cfg := Config{Check: Check{Interval: interval, Timeout: timeout, Rise: 1, Fall: 2, Initial: Up}, PanicThreshold: -1}
+	cfg := Config{Check: Check{Interval: interval, Timeout: timeout, Rise: 1, Fall: 2, Initial: Up}}
 	if err := c.SetService("web", cfg); err != nil {
 		t.Fatal(err)
 	}

@@ -473,20 +473,8 @@ func (c *Checker) Run(ctx context.Context) error {
 	var batch []*backend
 	for {
 		now := c.now()
-		c.mu.Lock()
-		c.expire(now)
-		batch = batch[:0]
-		for len(c.due) > 0 && !c.due[0].dueAt.After(now.Add(slackFor(c.due[0].svc.cfg.Check.Interval))) {
-			batch = append(batch, heap.Pop(&c.due).(*backend))
-		}
-		next := time.Time{}
-		if len(c.due) > 0 {
-			next = c.due[0].dueAt
-		}
-		if len(c.ejected) > 0 && (next.IsZero() || c.ejected[0].ejectedUntil.Before(next)) {
-			next = c.ejected[0].ejectedUntil
-		}
-		c.mu.Unlock()
+		var next time.Time
+		batch, next = c.takeDue(now, batch[:0])
 
 		for i, b := range batch {
 			select {
@@ -515,6 +503,27 @@ func (c *Checker) Run(ctx context.Context) error {
 		case <-c.wake:
 		}
 	}
+}
+
+// takeDue ends the ejections due by now and pops the backends whose checks are
+// due by now (within the slack), appending them to batch. It returns batch and
+// the time of the next event: the next check or the next end of an ejection,
+// zero if there is none.
+func (c *Checker) takeDue(now time.Time, batch []*backend) ([]*backend, time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.expire(now)
+	for len(c.due) > 0 && !c.due[0].dueAt.After(now.Add(slackFor(c.due[0].svc.cfg.Check.Interval))) {
+		batch = append(batch, heap.Pop(&c.due).(*backend))
+	}
+	next := time.Time{}
+	if len(c.due) > 0 {
+		next = c.due[0].dueAt
+	}
+	if len(c.ejected) > 0 && (next.IsZero() || c.ejected[0].ejectedUntil.Before(next)) {
+		next = c.ejected[0].ejectedUntil
+	}
+	return batch, next
 }
 
 // requeue puts back checks that Run popped but will not start, so that a

@@ -8,10 +8,12 @@ import (
 	"time"
 )
 
-// Defaults applied to zero-valued settings. The active-check ones follow
-// HAProxy's (inter 2s, rise 2, fall 3); the passive ones follow Envoy's outlier
-// detection (consecutive 5, base ejection 30s, max ejection 300s, max ejection
-// 10 %, healthy panic threshold 50 %).
+// Defaults. The active-check ones follow HAProxy's (inter 2s, rise 2, fall 3);
+// the passive ones follow Envoy's outlier detection (consecutive 5, base
+// ejection 30s, max ejection 300s, max ejection 10 %, healthy panic threshold
+// 50 %). Most are applied to zero-valued settings; DefaultJitter,
+// DefaultConsecutive and DefaultPanicThreshold are not, since the zero value of
+// those settings turns the feature off: a caller that wants them passes them.
 const (
 	DefaultInterval           = 2 * time.Second
 	DefaultTimeout            = time.Second
@@ -48,8 +50,9 @@ type Config struct {
 	// service's backends are up and not ejected, every backend of the service is
 	// reported usable, as Envoy's healthy_panic_threshold does, because sending
 	// traffic to possibly-bad backends beats overloading the few good ones or
-	// dropping everything. 0 means DefaultPanicThreshold; negative turns panic
-	// mode off, so a service whose backends are all down has none usable.
+	// dropping everything. 0 turns panic mode off, so a service whose
+	// backends are all down has none usable. 0..100; DefaultPanicThreshold is
+	// Envoy's choice.
 	PanicThreshold int
 }
 
@@ -67,7 +70,7 @@ type Check struct {
 	Rise, Fall int
 	// Jitter spreads each interval uniformly over Interval*(1±Jitter) so that
 	// thousands of checks that once fired together (after a stall, say) drift
-	// apart again. 0 means DefaultJitter; negative turns jitter off. At most 0.5.
+	// apart again. 0 means no jitter. 0..0.5; DefaultJitter is a sensible choice.
 	Jitter float64
 	// Initial is the state of a newly added backend: Up (needs Fall failures to
 	// go down), Down (needs Rise successes to go up) or Unknown (the zero value:
@@ -99,7 +102,8 @@ type StatusRange struct{ Min, Max int }
 // Outlier configures passive ejection from the outcomes the data planes report.
 type Outlier struct {
 	// Consecutive failures (connect failure, reset, timeout) eject a backend.
-	// 0 means DefaultConsecutive; negative turns passive ejection off.
+	// 0 turns passive ejection off (Observe then ignores every outcome of the
+	// service). DefaultConsecutive is Envoy's choice.
 	Consecutive int
 	// BaseEjection is how long the first ejection lasts; the n-th repeated
 	// ejection lasts n times as long, up to MaxEjection. 0 means the defaults.
@@ -111,8 +115,8 @@ type Outlier struct {
 	MaxEjectionPercent int
 }
 
-// withDefaults returns cfg with every zero setting replaced by its default and
-// checks that the result makes sense; errors name the field.
+// withDefaults returns cfg with every zero setting that has a default replaced
+// by it and checks that the result makes sense; errors name the field.
 func (cfg Config) withDefaults() (Config, error) {
 	c := &cfg.Check
 	if c.Kind == "" {
@@ -130,12 +134,6 @@ func (cfg Config) withDefaults() (Config, error) {
 	if c.Fall == 0 {
 		c.Fall = DefaultFall
 	}
-	if c.Jitter == 0 {
-		c.Jitter = DefaultJitter
-	}
-	if c.Jitter < 0 {
-		c.Jitter = 0
-	}
 	if c.HTTP.Path == "" {
 		c.HTTP.Path = DefaultPath
 	}
@@ -143,9 +141,6 @@ func (cfg Config) withDefaults() (Config, error) {
 		c.HTTP.Status = []StatusRange{{200, 399}}
 	}
 	o := &cfg.Outlier
-	if o.Consecutive == 0 {
-		o.Consecutive = DefaultConsecutive
-	}
 	if o.BaseEjection == 0 {
 		o.BaseEjection = DefaultBaseEjection
 	}
@@ -154,9 +149,6 @@ func (cfg Config) withDefaults() (Config, error) {
 	}
 	if o.MaxEjectionPercent == 0 {
 		o.MaxEjectionPercent = DefaultMaxEjectionPercent
-	}
-	if cfg.PanicThreshold == 0 {
-		cfg.PanicThreshold = DefaultPanicThreshold
 	}
 
 	var errs []error
@@ -180,8 +172,8 @@ func (cfg Config) withDefaults() (Config, error) {
 	if c.Fall < 0 {
 		bad("check.fall", "must be at least 1, got %d", c.Fall)
 	}
-	if c.Jitter > 0.5 {
-		bad("check.jitter", "must be at most 0.5, got %g", c.Jitter)
+	if c.Jitter < 0 || c.Jitter > 0.5 {
+		bad("check.jitter", "must be 0..0.5, got %g", c.Jitter)
 	}
 	switch c.Initial {
 	case Unknown, Up, Down:
@@ -202,6 +194,9 @@ func (cfg Config) withDefaults() (Config, error) {
 			bad(fmt.Sprintf("check.http.status[%d]", i), "must be a range within 100..599, got %d-%d", r.Min, r.Max)
 		}
 	}
+	if o.Consecutive < 0 {
+		bad("outlier.consecutive", "must be at least 0 (0: off), got %d", o.Consecutive)
+	}
 	if o.BaseEjection < 0 {
 		bad("outlier.base_ejection", "must be positive, got %v", o.BaseEjection)
 	}
@@ -211,8 +206,8 @@ func (cfg Config) withDefaults() (Config, error) {
 	if o.MaxEjectionPercent < 0 || o.MaxEjectionPercent > 100 {
 		bad("outlier.max_ejection_percent", "must be 0..100, got %d", o.MaxEjectionPercent)
 	}
-	if cfg.PanicThreshold > 100 {
-		bad("panic_threshold", "must be at most 100, got %d", cfg.PanicThreshold)
+	if cfg.PanicThreshold < 0 || cfg.PanicThreshold > 100 {
+		bad("panic_threshold", "must be 0..100 (0: off), got %d", cfg.PanicThreshold)
 	}
 	return cfg, errors.Join(errs...)
 }

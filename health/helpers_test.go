@@ -41,6 +41,88 @@ func (f *fakeClock) Add(d time.Duration) time.Time {
 	return f.now
 }
 
+// Set moves the clock to t.
+func (f *fakeClock) Set(t time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.now = t
+}
+
+// poll calls cond every few milliseconds until it reports true, and reports
+// whether it did before timeout.
+func poll(timeout time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return true
+}
+
+// waitUntil polls cond until it reports ok, or fails the test after timeout
+// with the last value cond got and what was wanted.
+func waitUntil(t *testing.T, timeout time.Duration, want string, cond func() (got any, ok bool)) {
+	t.Helper()
+	var got any
+	if !poll(timeout, func() bool {
+		var ok bool
+		got, ok = cond()
+		return ok
+	}) {
+		t.Fatalf("got %v; want %s (gave up after %v)", got, want, timeout)
+	}
+}
+
+// isRunning reports whether c.Run has started.
+func (c *Checker) isRunning() bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.running
+}
+
+// runFake runs c's scheduler on the fake clock until the clock reaches until,
+// as Run does it: at each pass it ends due ejections and starts the checks due,
+// then waits for those checks to complete before it moves the clock to the
+// next event, so every check takes no time on the fake clock. The checks
+// themselves are real; give c a Dial that answers at once.
+func runFake(t *testing.T, c *Checker, clk *fakeClock, until time.Time) {
+	t.Helper()
+	sem := make(chan struct{}, DefaultMaxInFlight)
+	var (
+		wg    sync.WaitGroup
+		batch []*backend
+		next  time.Time
+	)
+	for {
+		batch, next = c.takeDue(clk.Now(), batch[:0])
+		for _, b := range batch {
+			sem <- struct{}{}
+			if !c.start(t.Context(), b, sem, &wg) {
+				<-sem
+			}
+		}
+		wg.Wait()
+		if len(batch) > 0 {
+			continue
+		}
+		if next.IsZero() || next.After(until) {
+			clk.Set(until)
+			return
+		}
+		clk.Set(next)
+	}
+}
+
+// pipeDial is a Checker.Dial that connects at once, to nothing: a TCP check
+// through it always passes, without touching the network.
+func pipeDial(context.Context, string, string) (net.Conn, error) {
+	a, b := net.Pipe()
+	b.Close()
+	return a, nil
+}
+
 // run starts c.Run and stops it (and waits for it) at the end of the test.
 func run(t *testing.T, c *Checker) {
 	t.Helper()

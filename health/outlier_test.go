@@ -41,7 +41,7 @@ func advance(c *Checker, clk *fakeClock, d time.Duration) {
 
 func TestEjectionBackoff(t *testing.T) {
 	out := Outlier{Consecutive: 3, BaseEjection: 10 * time.Second, MaxEjection: 25 * time.Second, MaxEjectionPercent: 100}
-	c, clk := passiveChecker(t, 1, Config{Outlier: out, PanicThreshold: -1})
+	c, clk := passiveChecker(t, 1, Config{Outlier: out})
 	steps := []struct {
 		name        string
 		wait        time.Duration // clock advance before the failures
@@ -97,7 +97,7 @@ func TestSuccessResetsFailureRun(t *testing.T) {
 	}
 	// Unknown backends and disabled services ignore outcomes.
 	c.Observe("nope", Reset)
-	d, _ := passiveChecker(t, 1, Config{Outlier: Outlier{Consecutive: -1}})
+	d, _ := passiveChecker(t, 1, Config{})
 	observeN(d, "b0", Reset, 100)
 	if st, _ := d.Status("b0"); st.State != Up {
 		t.Errorf("passive off: got %v; want up", st.State)
@@ -120,8 +120,7 @@ func TestMaxEjectionPercent(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			c, _ := passiveChecker(t, tt.backends, Config{
-				Outlier:        Outlier{Consecutive: 2, MaxEjectionPercent: tt.percent},
-				PanicThreshold: -1,
+				Outlier: Outlier{Consecutive: 2, MaxEjectionPercent: tt.percent},
 			})
 			for i := range tt.backends {
 				observeN(c, fmt.Sprintf("b%d", i), ConnectFailure, 2)
@@ -150,7 +149,7 @@ func TestPanicThreshold(t *testing.T) {
 		{"half up is not below 50%", 50, 2, false},
 		{"a quarter up is below 50%", 50, 3, true},
 		{"all down, panic uses all", 50, 4, true},
-		{"all down, panic off: none usable", -1, 4, false},
+		{"all down, panic off: none usable", 0, 4, false},
 		{"threshold 100: any down panics", 100, 1, true},
 	}
 	for _, tt := range tests {
@@ -211,9 +210,8 @@ func TestEjectionWaitsForActiveChecks(t *testing.T) {
 	clk := newFakeClock()
 	c := &Checker{clock: clk.Now}
 	cfg := Config{
-		Check:          Check{Rise: 2, Fall: 1, Initial: Up},
-		Outlier:        Outlier{Consecutive: 1, BaseEjection: 10 * time.Second},
-		PanicThreshold: -1,
+		Check:   Check{Rise: 2, Fall: 1, Initial: Up},
+		Outlier: Outlier{Consecutive: 1, BaseEjection: 10 * time.Second},
 	}
 	if err := c.SetService("web", cfg); err != nil {
 		t.Fatal(err)

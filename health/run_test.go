@@ -41,7 +41,7 @@ func TestRemoveInFlightLeaksNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	run(t, c)
-	time.Sleep(20 * time.Millisecond)
+	waitUntil(t, 5*time.Second, "Run started", func() (any, bool) { r := c.isRunning(); return r, r })
 	baseline := runtime.NumGoroutine()
 
 	const n = 50
@@ -68,11 +68,8 @@ func TestRemoveInFlightLeaksNothing(t *testing.T) {
 		}
 	}
 
-	deadline := time.Now().Add(5 * time.Second)
-	for runtime.NumGoroutine() > baseline && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
-	if got := runtime.NumGoroutine(); got > baseline {
+	if !poll(5*time.Second, func() bool { return runtime.NumGoroutine() <= baseline }) {
+		got := runtime.NumGoroutine()
 		buf := make([]byte, 1<<16)
 		t.Fatalf("goroutines after removing every backend: got %d; want %d\n%s", got, baseline, buf[:runtime.Stack(buf, true)])
 	}
@@ -95,86 +92,161 @@ func TestRemoveInFlightLeaksNothing(t *testing.T) {
 	}
 }
 
-// TestReconfigureWhileRunning changes one service, adds and removes backends
-// while Run runs, and checks that the other service's schedule is untouched.
-func TestReconfigureWhileRunning(t *testing.T) {
-	ln := newToggleListener(t)
+// TestReconfigureSchedule changes one service, adds and removes backends, and
+// checks on the fake clock that the other service's schedule is untouched, that
+// a shorter interval takes effect at once, and that a removed backend is never
+// checked again. Every time in it is the fake clock's, so a loaded machine
+// changes nothing.
+func TestReconfigureSchedule(t *testing.T) {
+	clk := newFakeClock()
 	var (
 		mu        sync.Mutex
 		scheduled = map[string][]time.Time{}
-		results   = map[string][]Result{}
-		removedAt time.Time
-		lateCheck string
 	)
-	c := &Checker{OnCheck: func(r Result) {
+	c := &Checker{clock: clk.Now, Dial: pipeDial, OnCheck: func(r Result) {
 		mu.Lock()
 		defer mu.Unlock()
 		scheduled[r.ID] = append(scheduled[r.ID], r.Scheduled)
-		results[r.ID] = append(results[r.ID], r)
-		if r.ID == "a0" && !removedAt.IsZero() && r.Start.After(removedAt) {
-			lateCheck = fmt.Sprintf("a0 checked at %v after its removal at %v", r.Start, removedAt)
-		}
 	}}
-	const ivB = 100 * time.Millisecond
-	if err := c.SetService("a", Config{Check: Check{Interval: 200 * time.Millisecond, Jitter: -1}}); err != nil {
+	const (
+		ivA    = 200 * time.Millisecond
+		ivB    = 100 * time.Millisecond
+		ivAnew = 20 * time.Millisecond
+	)
+	if err := c.SetService("a", Config{Check: Check{Interval: ivA}}); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.SetService("b", Config{Check: Check{Interval: ivB, Jitter: -1}}); err != nil {
+	if err := c.SetService("b", Config{Check: Check{Interval: ivB}}); err != nil {
 		t.Fatal(err)
 	}
 	for _, id := range []string{"a0", "a1", "b0", "b1", "b2"} {
-		if err := c.Set(Backend{ID: id, Addr: ln.addr, Service: id[:1]}); err != nil {
+		if err := c.Set(Backend{ID: id, Addr: "127.0.0.1:1", Service: id[:1]}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	run(t, c)
-	time.Sleep(300 * time.Millisecond)
+	t0 := clk.Now()
+	runFake(t, c, clk, t0.Add(300*time.Millisecond))
 
-	if err := c.SetService("a", Config{Check: Check{Interval: 20 * time.Millisecond, Jitter: -1}}); err != nil {
+	changed := clk.Now()
+	if err := c.SetService("a", Config{Check: Check{Interval: ivAnew}}); err != nil {
 		t.Fatal(err)
 	}
-	changed := time.Now()
-	if err := c.Set(Backend{ID: "a2", Addr: ln.addr, Service: "a"}); err != nil {
+	if err := c.Set(Backend{ID: "a2", Addr: "127.0.0.1:1", Service: "a"}); err != nil {
 		t.Fatal(err)
 	}
-	mu.Lock()
 	c.Remove("a0")
-	removedAt = time.Now()
-	mu.Unlock()
-	time.Sleep(400 * time.Millisecond)
+	end := changed.Add(400 * time.Millisecond)
+	runFake(t, c, clk, end)
 
 	mu.Lock()
 	defer mu.Unlock()
-	if lateCheck != "" {
-		t.Error(lateCheck)
-	}
+	// Fixed rate, no jitter: b's checks are exactly one interval apart, across
+	// the change of service a. The first comes within the first interval.
 	for _, id := range []string{"b0", "b1", "b2"} {
-		rs := results[id]
-		if len(rs) < 5 {
-			t.Errorf("%s: got %d checks; want at least 5 in 700ms at %v", id, len(rs), ivB)
+		ts := scheduled[id]
+		if len(ts) < 7 {
+			t.Errorf("%s: got %d checks in 700ms at %v; want at least 7", id, len(ts), ivB)
+			continue
 		}
-		for i := 1; i < len(rs); i++ {
-			prev := rs[i-1]
-			if prev.Start.Add(prev.Duration).After(prev.Scheduled.Add(ivB)) {
-				continue // overran its interval on a busy machine: rescheduled at its end
-			}
-			if d := rs[i].Scheduled.Sub(prev.Scheduled); d != ivB {
+		if d := ts[0].Sub(t0); d < 0 || d >= ivB {
+			t.Errorf("%s: first check %v after the start; want within %v", id, d, ivB)
+		}
+		for i := 1; i < len(ts); i++ {
+			if d := ts[i].Sub(ts[i-1]); d != ivB {
 				t.Errorf("%s: check %d scheduled %v after the previous; want %v (schedule restarted)", id, i, d, ivB)
 			}
 		}
 	}
-	after := 0
-	for _, ts := range scheduled["a1"] {
-		if ts.After(changed) {
-			after++
+	// a1 and a2 run at the new interval from within one new interval of the
+	// change: 400ms at 20ms is 20 checks (the old 200ms would give 2).
+	for _, id := range []string{"a1", "a2"} {
+		var after []time.Time
+		for _, ts := range scheduled[id] {
+			if !ts.Before(changed) {
+				after = append(after, ts)
+			}
+		}
+		if len(after) < 20 {
+			t.Errorf("%s after the change to %v: got %d checks in 400ms; want at least 20", id, ivAnew, len(after))
+		}
+		if len(after) == 0 {
+			continue
+		}
+		if d := after[0].Sub(changed); d >= ivAnew {
+			t.Errorf("%s: first check %v after the change; want within %v", id, d, ivAnew)
+		}
+		for i := 1; i < len(after); i++ {
+			if d := after[i].Sub(after[i-1]); d != ivAnew {
+				t.Errorf("%s: check %d after the change scheduled %v after the previous; want %v", id, i, d, ivAnew)
+			}
 		}
 	}
-	// 400ms at the new 20ms interval is 20 checks; the old one would give 2.
-	if after < 6 {
-		t.Errorf("a1 after shortening its interval: got %d checks; want at least 6", after)
+	for _, ts := range scheduled["a0"] {
+		if !ts.Before(changed) {
+			t.Errorf("a0: check scheduled at +%v, after its removal at +%v", ts.Sub(t0), changed.Sub(t0))
+		}
 	}
-	if len(scheduled["a2"]) < 6 {
-		t.Errorf("a2 added while running: got %d checks; want at least 6", len(scheduled["a2"]))
+	if _, ok := c.Status("a0"); ok {
+		t.Errorf("a0: still known after Remove")
+	}
+}
+
+// TestReconfigureWhileRunning makes the same changes while Run runs on the
+// real clock, and checks only what no scheduling delay can change: the old
+// interval is an hour, so any check of a1 proves the shorter interval took
+// effect; a2, added while running, gets checked; and no result of a0 comes
+// from a check that started after Remove returned.
+func TestReconfigureWhileRunning(t *testing.T) {
+	var (
+		mu        sync.Mutex
+		checks    = map[string]int{}
+		removedAt time.Time
+		lateCheck string
+	)
+	c := &Checker{Dial: pipeDial, OnCheck: func(r Result) {
+		mu.Lock()
+		defer mu.Unlock()
+		checks[r.ID]++
+		if r.ID == "a0" && !removedAt.IsZero() && r.Start.After(removedAt) {
+			lateCheck = fmt.Sprintf("a0 checked at %v, after its removal at %v", r.Start, removedAt)
+		}
+	}}
+	if err := c.SetService("a", Config{Check: Check{Interval: time.Hour}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.SetService("b", Config{Check: Check{Interval: 10 * time.Millisecond}}); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"a0", "a1", "b0"} {
+		if err := c.Set(Backend{ID: id, Addr: "127.0.0.1:1", Service: id[:1]}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	run(t, c)
+	count := func(id string) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return checks[id]
+	}
+	waitUntil(t, 5*time.Second, "b0 checked twice", func() (any, bool) { return count("b0"), count("b0") >= 2 })
+
+	if err := c.SetService("a", Config{Check: Check{Interval: 10 * time.Millisecond}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(Backend{ID: "a2", Addr: "127.0.0.1:1", Service: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	c.Remove("a0")
+	mu.Lock()
+	removedAt = time.Now()
+	mu.Unlock()
+	for _, id := range []string{"a1", "a2"} {
+		waitUntil(t, 5*time.Second, id+" checked 3 times", func() (any, bool) { return count(id), count(id) >= 3 })
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if lateCheck != "" {
+		t.Error(lateCheck)
 	}
 }
 
@@ -182,8 +254,7 @@ func TestReconfigureWhileRunning(t *testing.T) {
 // holds one change per backend, ending at the latest state.
 func TestSubscriptionCoalesces(t *testing.T) {
 	c, clk := passiveChecker(t, 3, Config{
-		Outlier:        Outlier{Consecutive: 1, BaseEjection: time.Second, MaxEjectionPercent: 100},
-		PanicThreshold: -1,
+		Outlier: Outlier{Consecutive: 1, BaseEjection: time.Second, MaxEjectionPercent: 100},
 	})
 	sub := c.Subscribe()
 	defer sub.Close()
@@ -228,10 +299,10 @@ func TestMoveBackendBetweenServices(t *testing.T) {
 	ln := newToggleListener(t)
 	ln.set(false) // refused from now on
 	c := &Checker{}
-	if err := c.SetService("passive", Config{Check: Check{Kind: None}, PanicThreshold: -1}); err != nil {
+	if err := c.SetService("passive", Config{Check: Check{Kind: None}}); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.SetService("active", Config{Check: Check{Interval: 10 * time.Millisecond, Fall: 1}, PanicThreshold: -1}); err != nil {
+	if err := c.SetService("active", Config{Check: Check{Interval: 10 * time.Millisecond, Fall: 1}}); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.Set(Backend{ID: "b", Addr: ln.addr, Service: "passive"}); err != nil {
@@ -240,9 +311,15 @@ func TestMoveBackendBetweenServices(t *testing.T) {
 	sub := c.Subscribe()
 	defer sub.Close()
 	run(t, c)
-	time.Sleep(50 * time.Millisecond)
-	if st, _ := c.Status("b"); st.State != Up || !st.Last.Start.IsZero() {
-		t.Fatalf("without active checks: got %v, last check at %v; want up, never checked", st.State, st.Last.Start)
+	waitUntil(t, 5*time.Second, "Run started", func() (any, bool) { r := c.isRunning(); return r, r })
+	// Not waiting to see that no check comes: a backend without active checks
+	// is in no queue, so Run has nothing to start for it.
+	c.mu.RLock()
+	queued, inflight := c.backends["b"].dueIdx >= 0, c.backends["b"].inflight != nil
+	c.mu.RUnlock()
+	if st, _ := c.Status("b"); st.State != Up || !st.Last.Start.IsZero() || queued || inflight {
+		t.Fatalf("without active checks: got %v, last check at %v, queued %t, in flight %t; want up, never checked, not queued",
+			st.State, st.Last.Start, queued, inflight)
 	}
 	if err := c.Set(Backend{ID: "b", Addr: ln.addr, Service: "active"}); err != nil {
 		t.Fatal(err)

@@ -343,7 +343,7 @@ func runChecker(ctx context.Context, o options, addrs []string) (report, error) 
 			hist.add(r.Lag())
 		},
 	}
-	cfg := health.Config{Check: health.Check{Interval: o.interval, Timeout: o.timeout, Initial: health.Up}}
+	cfg := health.Config{Check: health.Check{Interval: o.interval, Timeout: o.timeout, Jitter: health.DefaultJitter, Initial: health.Up}}
 	if err := c.SetService("bench", cfg); err != nil {
 		return report{}, err
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"os/signal"
 	"runtime"
@@ -24,14 +25,18 @@ func serveWeir() error {
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	cfgs := []proxy.Config{
 		{
-			Name: "http", Listen: proxyHTTP, Algorithm: "least_conn",
-			Backends:    []proxy.Backend{{Addr: httpA}, {Addr: httpB}},
+			Name: "http", Listen: netip.MustParseAddrPort(proxyHTTP), Algorithm: "least_conn",
+			Backends: []proxy.Backend{
+				{Addr: netip.MustParseAddrPort(httpA)}, {Addr: netip.MustParseAddrPort(httpB)},
+			},
 			IdleTimeout: time.Minute, ShutdownTimeout: time.Second, Logger: logger,
+			DrainTimeout: proxy.DefaultDrainTimeout, EjectAfter: proxy.DefaultEjectAfter,
 		},
 		{
-			Name: "bulk", Listen: proxyBulk, Algorithm: "least_conn",
-			Backends:    []proxy.Backend{{Addr: iperfAddr}},
+			Name: "bulk", Listen: netip.MustParseAddrPort(proxyBulk), Algorithm: "least_conn",
+			Backends:    []proxy.Backend{{Addr: netip.MustParseAddrPort(iperfAddr)}},
 			IdleTimeout: time.Minute, ShutdownTimeout: time.Second, Logger: logger,
+			DrainTimeout: proxy.DefaultDrainTimeout, EjectAfter: proxy.DefaultEjectAfter,
 		},
 	}
 	var wg sync.WaitGroup

@@ -142,7 +142,7 @@ func (s *Service) handle(fd int, src netip.AddrPort) {
 		b.c.idleTimeouts.Add(1)
 	}
 	if o := s.cfg.Observer; o != nil {
-		o.Observe(b.addr, outcome, lat)
+		o.Observe(b.ap, outcome, lat)
 	}
 }
 
@@ -237,9 +237,9 @@ func (s *Service) dialFailed(b *backend, err error, lat time.Duration) {
 	}
 	b.c.connectFailures.Add(1)
 	if o := s.cfg.Observer; o != nil {
-		o.Observe(b.addr, outcome, lat)
+		o.Observe(b.ap, outcome, lat)
 	}
-	if s.cfg.EjectAfter < 0 {
+	if s.cfg.EjectAfter == 0 {
 		return
 	}
 	if n := b.consecFails.Add(1); int(n) >= s.cfg.EjectAfter {

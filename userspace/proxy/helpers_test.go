@@ -3,15 +3,20 @@ package proxy
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"runtime"
 	"sync"
 	"testing"
 	"time"
 )
+
+// loopback0 is 127.0.0.1 port 0: a listener there gets a free port.
+var loopback0 = netip.MustParseAddrPort("127.0.0.1:0")
 
 // testBackend is a real TCP server on 127.0.0.1 that runs handle for each connection.
 type testBackend struct {
@@ -24,20 +29,16 @@ type testBackend struct {
 	wg     sync.WaitGroup
 }
 
-func startBackend(t *testing.T, name, addr string, handle func(name string, c *net.TCPConn)) *testBackend {
+func startBackend(t *testing.T, name string, ap netip.AddrPort, handle func(name string, c *net.TCPConn)) *testBackend {
 	t.Helper()
-	if addr == "" {
-		addr = "127.0.0.1:0"
+	addr := "127.0.0.1:0"
+	if ap.IsValid() {
+		addr = ap.String()
 	}
 	var ln net.Listener
 	var err error
-	for i := 0; i < 50; i++ { // a restarted backend's port may linger briefly
-		if ln, err = net.Listen("tcp", addr); err == nil {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if err != nil {
+	// A restarted backend's port may linger briefly.
+	if !poll(time.Second, func() bool { ln, err = net.Listen("tcp", addr); return err == nil }) {
 		t.Fatalf("backend %s: %v", name, err)
 	}
 	b := &testBackend{t: t, name: name, ln: ln, handle: handle, conns: map[net.Conn]struct{}{}}
@@ -71,7 +72,7 @@ func startBackend(t *testing.T, name, addr string, handle func(name string, c *n
 	return b
 }
 
-func (b *testBackend) addr() string { return b.ln.Addr().String() }
+func (b *testBackend) addr() netip.AddrPort { return b.ln.Addr().(*net.TCPAddr).AddrPort() }
 
 // stop closes the listener and every connection (a backend dying) and waits.
 func (b *testBackend) stop() {
@@ -100,11 +101,14 @@ func hello(name string, c *net.TCPConn) {
 // startProxy runs a Service until the test ends.
 func startProxy(t *testing.T, cfg Config) *Service {
 	t.Helper()
-	if cfg.Listen == "" {
-		cfg.Listen = "127.0.0.1:0"
+	if !cfg.Listen.IsValid() {
+		cfg.Listen = loopback0
 	}
 	if cfg.Name == "" {
 		cfg.Name = t.Name()
+	}
+	if cfg.ShutdownTimeout == 0 && cfg.DrainTimeout == 0 {
+		cfg.ShutdownTimeout = DefaultDrainTimeout // bounded, so a test that leaks a connection fails rather than hangs
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, nil))
@@ -184,29 +188,48 @@ func countFDs(t *testing.T) int {
 	return len(ents)
 }
 
-// eventually polls cond until it holds or the timeout passes.
-func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
+// poll calls cond every few milliseconds until it reports true, and reports
+// whether it did before timeout.
+func poll(timeout time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(timeout)
 	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+			return false
 		}
-		time.Sleep(5 * time.Millisecond)
+		time.Sleep(2 * time.Millisecond)
+	}
+	return true
+}
+
+// eventually polls cond until it reports ok, or fails the test after timeout
+// with the last value cond got and what was wanted.
+func eventually(t *testing.T, timeout time.Duration, want string, cond func() (got any, ok bool)) {
+	t.Helper()
+	var got any
+	if !poll(timeout, func() bool {
+		var ok bool
+		got, ok = cond()
+		return ok
+	}) {
+		t.Fatalf("got %v; want %s (gave up after %v)", got, want, timeout)
+	}
+}
+
+// active is the number of client connections s is handling, for eventually.
+func active(s *Service, want int64) func() (any, bool) {
+	return func() (any, bool) {
+		n := s.Snapshot().Active
+		return fmt.Sprintf("%d active connections", n), n == want
 	}
 }
 
 // settle waits for goroutines to get back to at most base (+slack).
 func settle(t *testing.T, base, slack int) {
 	t.Helper()
-	deadline := time.Now().Add(3 * time.Second)
-	for runtime.NumGoroutine() > base+slack {
-		if time.Now().After(deadline) {
-			buf := make([]byte, 1<<16)
-			n := runtime.Stack(buf, true)
-			t.Fatalf("goroutines: got %d; want <= %d\n%s", runtime.NumGoroutine(), base+slack, buf[:n])
-		}
-		time.Sleep(10 * time.Millisecond)
+	if !poll(3*time.Second, func() bool { return runtime.NumGoroutine() <= base+slack }) {
+		buf := make([]byte, 1<<16)
+		n := runtime.Stack(buf, true)
+		t.Fatalf("goroutines: got %d; want <= %d\n%s", runtime.NumGoroutine(), base+slack, buf[:n])
 	}
 }
 

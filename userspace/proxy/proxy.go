@@ -36,10 +36,15 @@ import (
 const (
 	DefaultAlgorithm      = balance.LeastConn
 	DefaultConnectTimeout = 3 * time.Second
-	DefaultIdleTimeout    = 10 * time.Minute
-	DefaultDrainTimeout   = 30 * time.Second
-	DefaultEjectAfter     = 3
 	DefaultEjectFor       = 10 * time.Second
+)
+
+// Suggested values for the settings whose zero value turns the feature off; the
+// package never applies them by itself.
+const (
+	DefaultIdleTimeout  = 10 * time.Minute
+	DefaultDrainTimeout = 30 * time.Second
+	DefaultEjectAfter   = 3
 )
 
 var (
@@ -52,11 +57,11 @@ var (
 // Backend is one backend of a service. Its address is its identity (the ID the
 // balancer, counters and the agent use).
 type Backend struct {
-	Addr      string        // "ip:port"; an IP literal, no name resolution
-	Weight    uint32        // relative weight; 0 means 1 (use SetDraining to stop new connections)
-	MaxConns  int           // connection limit; 0 takes Config.MaxConnsPerBackend
-	SlowStart time.Duration // ramp the weight up over this long after becoming usable; 0 = off
-	Down      bool          // initially not usable, until SetBackendUsable(addr, true)
+	Addr      netip.AddrPort // the backend's address and port
+	Weight    uint32         // relative weight; 0 means 1 (use SetDraining to stop new connections)
+	MaxConns  int            // connection limit; 0 takes Config.MaxConnsPerBackend
+	SlowStart time.Duration  // ramp the weight up over this long after becoming usable; 0 = off
+	Down      bool           // initially not usable, until SetBackendUsable(addr, true)
 }
 
 // Outcome is how a connection to a backend ended, as reported to an Observer.
@@ -90,19 +95,20 @@ func (o Outcome) String() string {
 // to feed a shared health checker's outlier detection. Observe is called on the
 // connection's goroutine: it must be quick and must not block.
 type Observer interface {
-	Observe(backend string, o Outcome, connectLatency time.Duration)
+	Observe(addr netip.AddrPort, out Outcome, connectLatency time.Duration)
 }
 
-// Config is one service. Zero values take the documented defaults.
+// Config is one service. Zero values take the documented defaults, or turn the
+// feature off where the field says so; no field takes a negative value.
 type Config struct {
-	Name      string    // for logs and errors
-	Listen    string    // "ip:port"; port 0 picks one (see Service.Addr)
-	Backends  []Backend //
-	Algorithm string    // one of balance.Algorithms(); default least_conn
-	Seed      uint64    // hashing seed for source_hash and maglev, the same on every node
+	Name      string         // for logs and errors
+	Listen    netip.AddrPort // port 0 picks one (see Service.Addr)
+	Backends  []Backend      //
+	Algorithm string         // one of balance.Algorithms(); default least_conn
+	Seed      uint64         // hashing seed for source_hash and maglev, the same on every node
 
 	ConnectTimeout time.Duration // per dial attempt; default 3s
-	IdleTimeout    time.Duration // no byte either way for this long closes; default 10m, <0 = none
+	IdleTimeout    time.Duration // no byte either way for this long closes; 0 = no idle timeout
 	Retries        int           // more backends tried after a failed dial; 0 = none
 
 	MaxConns           int // per service; excess connections wait in the listen backlog; 0 = no limit
@@ -110,12 +116,12 @@ type Config struct {
 
 	ProxyProtocol int // 0 off, 1 or 2: PROXY protocol header version sent to backends
 
-	DrainTimeout    time.Duration // a draining or removed backend's connections are closed after this; default 30s, <0 = never
-	ShutdownTimeout time.Duration // Serve's grace after ctx is done; default DrainTimeout
+	DrainTimeout    time.Duration // a draining or removed backend's connections are closed after this; 0 = no limit
+	ShutdownTimeout time.Duration // Serve's grace after ctx is done; 0 takes DrainTimeout (and with it, no limit)
 
 	AcceptLoops int // listeners (SO_REUSEPORT), one accept loop each; default runtime.NumCPU()
 
-	EjectAfter int           // consecutive failed dials that eject a backend; default 3, <0 = never
+	EjectAfter int           // consecutive failed dials that eject a backend; 0 = never (passive health off)
 	EjectFor   time.Duration // how long an ejected backend gets no new connection; default 10s
 
 	Observer Observer     // optional
@@ -153,10 +159,10 @@ type Service struct {
 
 // backend is a backend's live state; removed backends live on while connections hold them.
 type backend struct {
-	addr     string
-	ap       netip.AddrPort
-	cfg      Backend      // guarded by Service.mu
-	maxConns atomic.Int64 // 0 = no limit
+	addr     string         // ap.String(): the balancer's and the logs' name for it
+	ap       netip.AddrPort // its identity
+	cfg      Backend        // guarded by Service.mu
+	maxConns atomic.Int64   // 0 = no limit
 
 	usable   bool        // health says usable; guarded by Service.mu
 	draining bool        // set to drain or removed; guarded by Service.mu
@@ -187,32 +193,41 @@ func newService(cfg Config) (*Service, error) {
 	if cfg.Algorithm == "" {
 		cfg.Algorithm = DefaultAlgorithm
 	}
-	if cfg.ConnectTimeout <= 0 {
+	name := fmt.Sprintf("service %q", cfg.Name)
+	for _, d := range []struct {
+		field string
+		v     time.Duration
+	}{
+		{"connect_timeout", cfg.ConnectTimeout},
+		{"idle_timeout", cfg.IdleTimeout},
+		{"drain_timeout", cfg.DrainTimeout},
+		{"shutdown_timeout", cfg.ShutdownTimeout},
+		{"eject_for", cfg.EjectFor},
+	} {
+		if d.v < 0 {
+			return nil, fmt.Errorf("%s: %s must be >= 0, got %v", name, d.field, d.v)
+		}
+	}
+	if cfg.ConnectTimeout == 0 {
 		cfg.ConnectTimeout = DefaultConnectTimeout
-	}
-	if cfg.IdleTimeout == 0 {
-		cfg.IdleTimeout = DefaultIdleTimeout
-	}
-	if cfg.DrainTimeout == 0 {
-		cfg.DrainTimeout = DefaultDrainTimeout
 	}
 	if cfg.ShutdownTimeout == 0 {
 		cfg.ShutdownTimeout = cfg.DrainTimeout
 	}
-	if cfg.AcceptLoops <= 0 {
+	if cfg.AcceptLoops == 0 {
 		cfg.AcceptLoops = runtime.NumCPU()
 	}
-	if cfg.EjectAfter == 0 {
-		cfg.EjectAfter = DefaultEjectAfter
-	}
-	if cfg.EjectFor <= 0 {
+	if cfg.EjectFor == 0 {
 		cfg.EjectFor = DefaultEjectFor
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	name := fmt.Sprintf("service %q", cfg.Name)
 	switch {
+	case cfg.AcceptLoops < 0:
+		return nil, fmt.Errorf("%s: accept_loops must be >= 0, got %d", name, cfg.AcceptLoops)
+	case cfg.EjectAfter < 0:
+		return nil, fmt.Errorf("%s: eject_after must be >= 0 (0: never), got %d", name, cfg.EjectAfter)
 	case cfg.ProxyProtocol < 0 || cfg.ProxyProtocol > 2:
 		return nil, fmt.Errorf("%s: proxy_protocol must be 0, 1 or 2, got %d", name, cfg.ProxyProtocol)
 	case cfg.Retries < 0:
@@ -220,8 +235,8 @@ func newService(cfg Config) (*Service, error) {
 	case cfg.MaxConns < 0 || cfg.MaxConnsPerBackend < 0:
 		return nil, fmt.Errorf("%s: connection limits must be >= 0", name)
 	}
-	if _, err := netip.ParseAddrPort(cfg.Listen); err != nil {
-		return nil, fmt.Errorf("%s: listen %q: %w", name, cfg.Listen, err)
+	if !cfg.Listen.IsValid() {
+		return nil, fmt.Errorf("%s: listen: must be ip:port, got the zero address", name)
 	}
 	bs, err := checkBackends(cfg.Backends)
 	if err != nil {
@@ -250,16 +265,14 @@ func newService(cfg Config) (*Service, error) {
 // checkBackends validates a backend list and returns it normalised.
 func checkBackends(in []Backend) ([]Backend, error) {
 	out := make([]Backend, len(in))
-	seen := make(map[string]bool, len(in))
+	seen := make(map[netip.AddrPort]bool, len(in))
 	for i, b := range in {
-		ap, err := netip.ParseAddrPort(b.Addr)
-		if err != nil {
-			return nil, fmt.Errorf("backend %q: address must be ip:port: %w", b.Addr, err)
+		if !b.Addr.IsValid() {
+			return nil, fmt.Errorf("backend %d: address must be ip:port, got the zero address", i)
 		}
 		if b.MaxConns < 0 {
 			return nil, fmt.Errorf("backend %q: max_conns must be >= 0, got %d", b.Addr, b.MaxConns)
 		}
-		b.Addr = ap.String()
 		if seen[b.Addr] {
 			return nil, fmt.Errorf("backend %q: listed twice", b.Addr)
 		}
@@ -273,7 +286,7 @@ func checkBackends(in []Backend) ([]Backend, error) {
 }
 
 func (s *Service) newBackend(b Backend) *backend {
-	be := &backend{addr: b.Addr, ap: netip.MustParseAddrPort(b.Addr), usable: !b.Down}
+	be := &backend{addr: b.Addr.String(), ap: b.Addr, usable: !b.Down}
 	s.configure(be, b)
 	return be
 }
@@ -334,7 +347,7 @@ func (s *Service) listen(ctx context.Context) error {
 			return err
 		},
 	}
-	addr := s.cfg.Listen
+	addr := s.cfg.Listen.String()
 	for range s.cfg.AcceptLoops {
 		l, err := lc.Listen(ctx, "tcp", addr)
 		if err != nil {
@@ -505,9 +518,9 @@ func (s *Service) SetBackends(bs []Backend) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	old := make(map[string]*backend, len(s.backends))
+	old := make(map[netip.AddrPort]*backend, len(s.backends))
 	for _, b := range s.backends {
-		old[b.addr] = b
+		old[b.ap] = b
 	}
 	next := make([]*backend, 0, len(bs))
 	for _, nb := range bs {
@@ -531,7 +544,7 @@ func (s *Service) SetBackends(bs []Backend) error {
 
 // SetDraining sets a backend draining (no new connections; existing ones closed after
 // DrainTimeout) or back to normal.
-func (s *Service) SetDraining(addr string, draining bool) error {
+func (s *Service) SetDraining(addr netip.AddrPort, draining bool) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	b := s.find(addr)
@@ -554,7 +567,7 @@ func (s *Service) SetDraining(addr string, draining bool) error {
 
 // SetBackendUsable is how active health checks mark a backend up or down. A backend
 // that is down gets no new connections; its established ones are left alone.
-func (s *Service) SetBackendUsable(addr string, usable bool) error {
+func (s *Service) SetBackendUsable(addr netip.AddrPort, usable bool) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	b := s.find(addr)
@@ -574,12 +587,9 @@ func (s *Service) SetBackendUsable(addr string, usable bool) error {
 }
 
 // find returns the current backend with that address, or nil. Called with s.mu held.
-func (s *Service) find(addr string) *backend {
-	if ap, err := netip.ParseAddrPort(addr); err == nil {
-		addr = ap.String()
-	}
+func (s *Service) find(addr netip.AddrPort) *backend {
 	for _, b := range s.backends {
-		if b.addr == addr {
+		if b.ap == addr {
 			return b
 		}
 	}
@@ -589,7 +599,7 @@ func (s *Service) find(addr string) *backend {
 // startDrain arms b's drain deadline. Called with s.mu held.
 func (s *Service) startDrain(b *backend) {
 	b.draining = true
-	if b.timer != nil || s.cfg.DrainTimeout < 0 {
+	if b.timer != nil || s.cfg.DrainTimeout == 0 {
 		return
 	}
 	b.timer = time.AfterFunc(s.cfg.DrainTimeout, func() {

@@ -86,7 +86,7 @@ func TestTransferBothWaysByteExact(t *testing.T) {
 		size = 64 << 20
 	}
 	got := make(chan transferResult, 1)
-	be := startBackend(t, "a", "", bulkBackend(size, got))
+	be := startBackend(t, "a", netip.AddrPort{}, bulkBackend(size, got))
 	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}})
 	before := Splices()
 	c := dial(t, s)
@@ -121,7 +121,7 @@ func TestTransferBothWaysByteExact(t *testing.T) {
 	}
 	t.Logf("%d MiB each way in %v (%.1f Gbit/s both ways), %d splice calls",
 		size>>20, elapsed, float64(2*size*8)/elapsed.Seconds()/1e9, after.Calls-before.Calls)
-	eventually(t, 2*time.Second, "connection accounted", func() bool { return s.Snapshot().Active == 0 })
+	eventually(t, 2*time.Second, "0 active connections", active(s, 0))
 	snap := s.Snapshot()
 	if snap.BytesIn != uint64(size) || snap.BytesOut != uint64(size) {
 		t.Errorf("snapshot bytes: got in %d out %d; want %d each", snap.BytesIn, snap.BytesOut, size)
@@ -129,8 +129,8 @@ func TestTransferBothWaysByteExact(t *testing.T) {
 }
 
 func TestManySmallTransfersConcurrently(t *testing.T) {
-	a := startBackend(t, "a", "", echo)
-	b := startBackend(t, "b", "", echo)
+	a := startBackend(t, "a", netip.AddrPort{}, echo)
+	b := startBackend(t, "b", netip.AddrPort{}, echo)
 	s := startProxy(t, Config{Backends: []Backend{{Addr: a.addr()}, {Addr: b.addr()}}, Algorithm: "round_robin"})
 	const conns = 200
 	var wg sync.WaitGroup
@@ -165,17 +165,17 @@ func TestManySmallTransfersConcurrently(t *testing.T) {
 	for err := range errc {
 		t.Error(err)
 	}
-	eventually(t, 2*time.Second, "all connections ended", func() bool { return s.Snapshot().Active == 0 })
-	for _, id := range []string{a.addr(), b.addr()} {
-		if n := s.bal.InFlight(id); n != 0 {
-			t.Errorf("balancer in-flight for %s after all ended: got %d; want 0", id, n)
+	eventually(t, 2*time.Second, "0 active connections", active(s, 0))
+	for _, ap := range []netip.AddrPort{a.addr(), b.addr()} {
+		if n := s.bal.InFlight(ap.String()); n != 0 {
+			t.Errorf("balancer in-flight for %s after all ended: got %d; want 0", ap, n)
 		}
 	}
 }
 
 func TestHalfCloseClientStillGetsReply(t *testing.T) {
 	reply := bytes.Repeat([]byte("r"), 3<<20)
-	be := startBackend(t, "a", "", func(_ string, c *net.TCPConn) {
+	be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
 		n, _ := io.Copy(io.Discard, c) // until the client's FIN
 		fmt.Fprintf(c, "got %d\n", n)
 		c.Write(reply)
@@ -200,7 +200,7 @@ func TestProxyProtocolHeaders(t *testing.T) {
 	for _, v := range []int{1, 2} {
 		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
 			hdr := make(chan []byte, 1)
-			be := startBackend(t, "a", "", func(_ string, c *net.TCPConn) {
+			be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
 				c.SetReadDeadline(time.Now().Add(2 * time.Second))
 				all, _ := io.ReadAll(c)
 				hdr <- all
@@ -246,7 +246,7 @@ func TestProxyHeaderIPv6(t *testing.T) {
 }
 
 func TestIdleTimeout(t *testing.T) {
-	be := startBackend(t, "a", "", echo)
+	be := startBackend(t, "a", netip.AddrPort{}, echo)
 	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, IdleTimeout: 200 * time.Millisecond})
 	idle, busy := dial(t, s), dial(t, s)
 	start := time.Now()
@@ -256,6 +256,7 @@ func TestIdleTimeout(t *testing.T) {
 		io.Copy(io.Discard, idle)
 		idleDone <- time.Since(start)
 	}()
+	// The busy connection moves a byte every 50ms, well inside the idle timeout.
 	for time.Since(start) < 500*time.Millisecond {
 		if err := roundTrip(busy, "ping"); err != nil {
 			t.Fatalf("busy connection: %v after %v", err, time.Since(start))
@@ -281,9 +282,9 @@ type recorder struct {
 	got []string
 }
 
-func (r *recorder) Observe(backend string, o Outcome, _ time.Duration) {
+func (r *recorder) Observe(addr netip.AddrPort, out Outcome, _ time.Duration) {
 	r.mu.Lock()
-	r.got = append(r.got, backend+" "+o.String())
+	r.got = append(r.got, addr.String()+" "+out.String())
 	r.mu.Unlock()
 }
 
@@ -294,19 +295,19 @@ func (r *recorder) list() []string {
 }
 
 // closedPort returns an address on 127.0.0.1 where nothing listens.
-func closedPort(t *testing.T) string {
+func closedPort(t *testing.T) netip.AddrPort {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := ln.Addr().String()
+	addr := ln.Addr().(*net.TCPAddr).AddrPort()
 	ln.Close()
 	return addr
 }
 
 // blackhole returns an address whose listen backlog is full, so a connect to it hangs
 // (the SYN is dropped) until the connect timeout.
-func blackhole(t *testing.T) string {
+func blackhole(t *testing.T) netip.AddrPort {
 	fd, err := listenBacklog0()
 	if err != nil {
 		t.Skipf("blackhole listener: %v", err)
@@ -314,7 +315,7 @@ func blackhole(t *testing.T) string {
 	t.Cleanup(func() { closeFD(fd) })
 	addr := sockName(fd)
 	for range 2 { // fill the accept queue
-		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
+		c, err := net.DialTimeout("tcp", addr.String(), 200*time.Millisecond)
 		if err != nil {
 			break
 		}
@@ -324,7 +325,7 @@ func blackhole(t *testing.T) string {
 }
 
 func TestConnectTimeoutAndRetries(t *testing.T) {
-	live := startBackend(t, "live", "", hello)
+	live := startBackend(t, "live", netip.AddrPort{}, hello)
 	slow := blackhole(t)
 	dead := closedPort(t)
 	rec := &recorder{}
@@ -333,8 +334,8 @@ func TestConnectTimeoutAndRetries(t *testing.T) {
 		Algorithm:      "round_robin",
 		ConnectTimeout: 150 * time.Millisecond,
 		Retries:        2,
-		EjectAfter:     -1,
-		Observer:       rec,
+		Observer:       rec, // EjectAfter 0: no passive ejection
+
 	})
 	for i := range 3 {
 		c := dial(t, s)
@@ -344,18 +345,18 @@ func TestConnectTimeoutAndRetries(t *testing.T) {
 		}
 		c.Close()
 	}
-	eventually(t, 2*time.Second, "outcomes", func() bool { return len(rec.list()) >= 9 })
+	eventually(t, 2*time.Second, "at least 9 outcomes", func() (any, bool) { return rec.list(), len(rec.list()) >= 9 })
 	counts := map[string]int{}
 	for _, o := range rec.list() {
 		counts[o]++
 	}
-	if counts[slow+" connect_timeout"] == 0 || counts[dead+" connect_failed"] == 0 || counts[live.addr()+" success"] != 3 {
+	if counts[slow.String()+" connect_timeout"] == 0 || counts[dead.String()+" connect_failed"] == 0 || counts[live.addr().String()+" success"] != 3 {
 		t.Errorf("outcomes: got %v; want connect timeouts on %s, failures on %s, 3 successes", counts, slow, dead)
 	}
 
 	// With every backend failing, a client is closed promptly after one attempt per
 	// backend: never the same backend twice.
-	s2 := startProxy(t, Config{Backends: []Backend{{Addr: dead}, {Addr: closedPort(t)}}, Retries: 5, EjectAfter: -1})
+	s2 := startProxy(t, Config{Backends: []Backend{{Addr: dead}, {Addr: closedPort(t)}}, Retries: 5})
 	c := dial(t, s2)
 	start := time.Now()
 	c.SetReadDeadline(time.Now().Add(2 * time.Second))
@@ -373,8 +374,8 @@ func TestConnectTimeoutAndRetries(t *testing.T) {
 }
 
 func TestBackendKilledMidStreamIsEjectedAndReturns(t *testing.T) {
-	a := startBackend(t, "a", "", hello)
-	b := startBackend(t, "b", "", hello)
+	a := startBackend(t, "a", netip.AddrPort{}, hello)
+	b := startBackend(t, "b", netip.AddrPort{}, hello)
 	aAddr := a.addr()
 	s := startProxy(t, Config{
 		Backends:   []Backend{{Addr: aAddr}, {Addr: b.addr()}},
@@ -422,7 +423,10 @@ func TestBackendKilledMidStreamIsEjectedAndReturns(t *testing.T) {
 	}
 	// a returns; after the ejection time it gets connections again.
 	startBackend(t, "a", aAddr, hello)
-	time.Sleep(350 * time.Millisecond)
+	eventually(t, 5*time.Second, "a no longer ejected", func() (any, bool) {
+		ba := s.Snapshot().Backends[0]
+		return fmt.Sprintf("ejected %t", ba.Ejected), !ba.Ejected
+	})
 	seen := map[string]int{}
 	for range 4 {
 		c := dial(t, s)
@@ -439,7 +443,7 @@ func TestLeastConnAvoidsBackendWithLongConnections(t *testing.T) {
 	var bes []*testBackend
 	var list []Backend
 	for _, n := range []string{"a", "b", "c"} {
-		be := startBackend(t, n, "", hello)
+		be := startBackend(t, n, netip.AddrPort{}, hello)
 		bes = append(bes, be)
 		list = append(list, Backend{Addr: be.addr()})
 	}
@@ -461,14 +465,14 @@ func TestLeastConnAvoidsBackendWithLongConnections(t *testing.T) {
 	if long == 0 {
 		t.Fatal("no connection landed on a")
 	}
-	eventually(t, 2*time.Second, "short connections ended", func() bool { return s.Snapshot().Active == int64(long) })
+	eventually(t, 2*time.Second, fmt.Sprintf("%d active connections (the long ones)", long), active(s, int64(long)))
 	got := map[string]int{}
 	for range 60 {
 		c := dial(t, s)
 		name, _ := readLine(c)
 		got[name]++
 		c.Close()
-		eventually(t, time.Second, "connection ended", func() bool { return s.Snapshot().Active == int64(long) })
+		eventually(t, time.Second, fmt.Sprintf("%d active connections (the long ones)", long), active(s, int64(long)))
 	}
 	t.Logf("a holds %d long connections; 60 new connections went %v", long, got)
 	if got["a"] != 0 || got["b"] < 10 || got["c"] < 10 {
@@ -477,8 +481,8 @@ func TestLeastConnAvoidsBackendWithLongConnections(t *testing.T) {
 }
 
 func TestMaxConns(t *testing.T) {
-	a := startBackend(t, "a", "", hello)
-	b := startBackend(t, "b", "", hello)
+	a := startBackend(t, "a", netip.AddrPort{}, hello)
+	b := startBackend(t, "b", netip.AddrPort{}, hello)
 	s := startProxy(t, Config{
 		Backends:  []Backend{{Addr: a.addr(), MaxConns: 2}, {Addr: b.addr()}},
 		Algorithm: "round_robin",
@@ -511,8 +515,8 @@ func TestMaxConns(t *testing.T) {
 func TestDrainKeepsConnectionsUntilDeadline(t *testing.T) {
 	for _, how := range []string{"SetDraining", "SetBackends"} {
 		t.Run(how, func(t *testing.T) {
-			a := startBackend(t, "a", "", hello)
-			b := startBackend(t, "b", "", hello)
+			a := startBackend(t, "a", netip.AddrPort{}, hello)
+			b := startBackend(t, "b", netip.AddrPort{}, hello)
 			s := startProxy(t, Config{
 				Backends:     []Backend{{Addr: a.addr()}, {Addr: b.addr()}},
 				Algorithm:    "round_robin",
@@ -542,9 +546,13 @@ func TestDrainKeepsConnectionsUntilDeadline(t *testing.T) {
 				}
 				c.Close()
 			}
+			// Traffic through the drain window, paced below the deadline. The
+			// deadline is on the real clock and counts from after start: a
+			// failure seen before 400ms is a connection cut early; one seen
+			// later is a loaded machine that reached the deadline.
 			for time.Since(start) < 300*time.Millisecond {
 				for _, c := range onA {
-					if err := roundTrip(c, "ok"); err != nil {
+					if err := roundTrip(c, "ok"); err != nil && time.Since(start) < 400*time.Millisecond {
 						t.Fatalf("draining connection cut after %v: %v", time.Since(start), err)
 					}
 				}
@@ -563,16 +571,47 @@ func TestDrainKeepsConnectionsUntilDeadline(t *testing.T) {
 	}
 }
 
+// TestDrainWithoutLimit drains with DrainTimeout 0: the draining backend's
+// connections are never closed by the proxy, only by their ends.
+func TestDrainWithoutLimit(t *testing.T) {
+	a := startBackend(t, "a", netip.AddrPort{}, hello)
+	s := startProxy(t, Config{Backends: []Backend{{Addr: a.addr()}}, ShutdownTimeout: 5 * time.Second})
+	c := dial(t, s)
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if name, err := readLine(c); err != nil || name != "a" {
+		t.Fatalf("before the drain: got %q, %v; want a", name, err)
+	}
+	if err := s.SetDraining(a.addr(), true); err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	timer := s.backends[0].timer
+	s.mu.Unlock()
+	if timer != nil {
+		t.Errorf("drain deadline armed with DrainTimeout 0; want none")
+	}
+	if err := roundTrip(c, "still here"); err != nil {
+		t.Errorf("draining connection: %v; want it open", err)
+	}
+	if snap := s.Snapshot(); !snap.Backends[0].Draining || snap.Backends[0].Active != 1 {
+		t.Errorf("snapshot: draining %t, active %d; want draining with 1 connection", snap.Backends[0].Draining, snap.Backends[0].Active)
+	}
+}
+
 func TestConfigErrorsNameTheField(t *testing.T) {
+	port1 := netip.MustParseAddrPort("127.0.0.1:1")
 	for _, tc := range []struct {
 		cfg  Config
 		want string
 	}{
-		{Config{Name: "web", Listen: "nope"}, `service "web": listen "nope"`},
-		{Config{Name: "web", Listen: "127.0.0.1:0", Backends: []Backend{{Addr: "x"}}}, `service "web": backend "x": address must be ip:port`},
-		{Config{Name: "web", Listen: "127.0.0.1:0", ProxyProtocol: 3}, `proxy_protocol must be 0, 1 or 2, got 3`},
-		{Config{Name: "web", Listen: "127.0.0.1:0", Algorithm: "fastest"}, `service "web": algorithm`},
-		{Config{Name: "web", Listen: "127.0.0.1:0", Backends: []Backend{{Addr: "127.0.0.1:1"}, {Addr: "127.0.0.1:1"}}}, `listed twice`},
+		{Config{Name: "web"}, `service "web": listen: must be ip:port`},
+		{Config{Name: "web", Listen: loopback0, Backends: []Backend{{}}}, `service "web": backend 0: address must be ip:port`},
+		{Config{Name: "web", Listen: loopback0, ProxyProtocol: 3}, `proxy_protocol must be 0, 1 or 2, got 3`},
+		{Config{Name: "web", Listen: loopback0, DrainTimeout: -1}, `service "web": drain_timeout must be >= 0, got -1ns`},
+		{Config{Name: "web", Listen: loopback0, IdleTimeout: -time.Second}, `service "web": idle_timeout must be >= 0, got -1s`},
+		{Config{Name: "web", Listen: loopback0, EjectAfter: -1}, `service "web": eject_after must be >= 0 (0: never), got -1`},
+		{Config{Name: "web", Listen: loopback0, Algorithm: "fastest"}, `service "web": algorithm`},
+		{Config{Name: "web", Listen: loopback0, Backends: []Backend{{Addr: port1}, {Addr: port1}}}, `listed twice`},
 	} {
 		_, err := newService(tc.cfg)
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

@@ -25,8 +25,8 @@ func noDelay(t *testing.T, s *sock) int {
 // The accepted socket comes from accept4 with the peer's address and inherits
 // TCP_NODELAY from the listener (no setsockopt per connection).
 func TestAcceptReturnsPeerAndInheritsNoDelay(t *testing.T) {
-	s, err := Listen(context.Background(), Config{Name: "accept", Listen: "127.0.0.1:0", AcceptLoops: 1,
-		Backends: []Backend{{Addr: "127.0.0.1:1"}}, Logger: discardLogger()})
+	s, err := Listen(context.Background(), Config{Name: "accept", Listen: loopback0, AcceptLoops: 1,
+		Backends: []Backend{{Addr: netip.MustParseAddrPort("127.0.0.1:1")}}, Logger: discardLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,12 +85,12 @@ func TestDialBackend(t *testing.T) {
 	}
 	s.close()
 
-	dead := netip.MustParseAddrPort(closedPort(t))
+	dead := closedPort(t)
 	if _, err := dialBackend(dead, time.Second); !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Errorf("dial closed port: got %v; want ECONNREFUSED", err)
 	}
 
-	hole := netip.MustParseAddrPort(blackhole(t))
+	hole := blackhole(t)
 	start := time.Now()
 	_, err = dialBackend(hole, 100*time.Millisecond)
 	var ne net.Error

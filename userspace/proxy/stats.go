@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"net/netip"
 	"sync/atomic"
 	"time"
 )
@@ -41,7 +42,7 @@ type Snapshot struct {
 // BackendSnapshot is one current backend's state and counters. Counters of removed
 // backends are not reported once they are gone.
 type BackendSnapshot struct {
-	Addr            string
+	Addr            netip.AddrPort
 	Weight          uint32
 	Usable          bool // per active health checks
 	Draining        bool
@@ -73,7 +74,7 @@ func (s *Service) Snapshot() Snapshot {
 	defer s.mu.Unlock()
 	for _, b := range s.backends {
 		snap.Backends = append(snap.Backends, BackendSnapshot{
-			Addr:            b.addr,
+			Addr:            b.ap,
 			Weight:          b.cfg.Weight,
 			Usable:          b.usable,
 			Draining:        b.draining,

@@ -25,8 +25,8 @@ func listenBacklog0() (int, error) {
 
 func closeFD(fd int) { unix.Close(fd) }
 
-func sockName(fd int) string {
+func sockName(fd int) netip.AddrPort {
 	sa, _ := unix.Getsockname(fd)
 	in := sa.(*unix.SockaddrInet4)
-	return netip.AddrPortFrom(netip.AddrFrom4(in.Addr), uint16(in.Port)).String()
+	return netip.AddrPortFrom(netip.AddrFrom4(in.Addr), uint16(in.Port))
 }
