@@ -22,7 +22,7 @@ import (
 )
 
 // FuzzDataPath runs frames built from the fuzz input through the real program
-// (BPF_PROG_TEST_RUN) and through the Go model (model.go), from the same map
+// (BPF_PROG_TEST_RUN) and through the Go model (model_sim_test.go), from the same map
 // contents, and fails on any difference: verdict, output bytes, counters by reason,
 // per-service, per-backend and per-backend flow counters, and the connection and
 // nat reverse tables afterwards.

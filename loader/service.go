@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"strings"
 )
 
 // Protocol is the L4 protocol of a service, numbered as in IP headers.
@@ -24,17 +23,6 @@ func (p Protocol) String() string {
 		return "udp"
 	}
 	return fmt.Sprintf("proto(%d)", uint8(p))
-}
-
-// ParseProtocol reads "tcp" or "udp".
-func ParseProtocol(s string) (Protocol, error) {
-	switch strings.ToLower(s) {
-	case "tcp":
-		return TCP, nil
-	case "udp":
-		return UDP, nil
-	}
-	return 0, fmt.Errorf("protocol %q: must be tcp or udp", s)
 }
 
 // ServiceKey names a service the way the program matches packets: VIP, port, protocol.
@@ -72,19 +60,6 @@ func (f Forwarding) String() string {
 		return "tunnel"
 	}
 	return fmt.Sprintf("forwarding(%d)", uint32(f))
-}
-
-// ParseForwarding reads "dsr", "nat" or "tunnel".
-func ParseForwarding(s string) (Forwarding, error) {
-	switch strings.ToLower(s) {
-	case "dsr":
-		return ForwardDSR, nil
-	case "nat":
-		return ForwardNAT, nil
-	case "tunnel":
-		return ForwardTunnel, nil
-	}
-	return 0, fmt.Errorf("forwarding mode %q: must be nat, dsr or tunnel", s)
 }
 
 // Service is a VIP and the backends that share its traffic.

@@ -6,7 +6,7 @@ import (
 	"github.com/weir-lb/weir/bpf"
 )
 
-// model.go: a pure-Go model of the XDP program's decision (bpf/weir.c and its
+// model_sim_test.go: a pure-Go model of the XDP program's decision (bpf/weir.c and its
 // headers), step for step: parse, ICMP error translation, nat replies, VIP match,
 // connection table, lookup table, the dsr, nat and tunnel forwarding (with tunnel
 // mode's next-hop cache and ICMP "too big" replies), counters. Given the same map
