@@ -405,7 +405,7 @@ func (r *run) lookupTablePick(p *modelPacket, svc bpf.WeirService) (uint32, bpf.
 	if !ok || svc.Id >= r.m.MaxServices || len(table) == 0 || table[0] == 0 {
 		return 0, bpf.WeirBackend{}, false
 	}
-	h := flowKeyHash(&p.flow, r.m.HashSeed, svc.Flags&serviceFlagSourceHash != 0)
+	h := flowHash(&p.flow, r.m.HashSeed, svc.Flags&serviceFlagSourceHash != 0)
 	index := 1 + h%table[0]
 	if uint64(index) >= uint64(len(table)) {
 		return 0, bpf.WeirBackend{}, false
@@ -413,22 +413,6 @@ func (r *run) lookupTablePick(p *modelPacket, svc bpf.WeirService) (uint32, bpf.
 	id := table[index]
 	be, ok := r.usableBackend(id, svc.Id)
 	return id, be, ok
-}
-
-// flowKeyHash is bpf/hash.h's flow_hash on a key as the program holds it.
-func flowKeyHash(f *bpf.WeirFlowKey, seed uint32, sourceOnly bool) uint32 {
-	h := seed
-	for _, w := range f.Src {
-		h = hashWord(h, w)
-	}
-	if !sourceOnly {
-		for _, w := range f.Dst {
-			h = hashWord(h, w)
-		}
-		h = hashWord(h, uint32(f.Sport)<<16|uint32(f.Dport))
-		h = hashWord(h, uint32(f.Proto))
-	}
-	return hashFinal(h)
 }
 
 func isSYN(p *modelPacket) bool {
@@ -724,7 +708,7 @@ func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now ui
 			holder, ok := r.m.NATConntrack[old.Client]
 			if ok && r.m.flowAlive(&holder, rk.Proto, now) && holder.NatPort == rk.Dport &&
 				holder.BackendId == old.BackendId {
-				spread = flowKeyHash(&p.flow, r.m.HashSeed, false) | 1
+				spread = flowHash(&p.flow, r.m.HashSeed, false) | 1
 				continue
 			}
 			delete(r.m.NATReverse, rk)
