@@ -114,9 +114,7 @@ const (
 	maxL4Offset         = 512
 	maxIPv6ExtHeaders   = 4
 	natPortTries        = 8 // NAT_PORT_TRIES
-	flowFlagClosing     = 1 << 0
-	modeNAT             = 1
-	modeTunnel          = 2
+	flowFlagClosing     = bpf.WeirFlowFlagsFLOW_F_CLOSING
 	nsecPerSec          = 1_000_000_000
 	protoHopOpts        = 0
 	protoICMP           = 1
@@ -236,9 +234,9 @@ func (r *run) program() int {
 		return r.verdict(XDPPass, ReasonPassNotService)
 	}
 	switch svc.Mode {
-	case modeNAT:
+	case bpf.WeirModeMODE_NAT:
 		return r.natForward(&p, svc)
-	case modeTunnel:
+	case bpf.WeirModeMODE_TUNNEL:
 		return r.tunnelForward(&p, svc)
 	}
 	id, be, a := r.selectBackend(&p, svc)

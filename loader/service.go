@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+
+	"github.com/weir-lb/weir/bpf"
 )
 
 // Protocol is the L4 protocol of a service, numbered as in IP headers.
@@ -33,21 +35,21 @@ type ServiceKey struct {
 
 func (k ServiceKey) String() string { return k.Protocol.String() + "/" + k.VIP.String() }
 
-// Forwarding is how a service's packets reach its backends.
+// Forwarding is how a service's packets reach its backends (bpf/consts.h enum mode).
 type Forwarding uint32
 
 const (
 	// ForwardDSR rewrites the destination MAC and sends the frame back out (L2 direct
 	// server return): backends hold the VIP on loopback and answer clients directly.
-	ForwardDSR Forwarding = 0
+	ForwardDSR = Forwarding(bpf.WeirModeMODE_DSR)
 	// ForwardNAT translates both directions (DNAT to the backend, SNAT to the
 	// balancer's address): backends need no change.
-	ForwardNAT Forwarding = 1
+	ForwardNAT = Forwarding(bpf.WeirModeMODE_NAT)
 	// ForwardTunnel encapsulates the client's packet (IPIP, IP6IP6, or across
 	// families) to the backend, which may sit in another subnet behind routers; the
 	// backend decapsulates (weir decap, or the kernel's ipip/ip6tnl), holds the VIP
 	// and answers the client directly.
-	ForwardTunnel Forwarding = 2
+	ForwardTunnel = Forwarding(bpf.WeirModeMODE_TUNNEL)
 )
 
 func (f Forwarding) String() string {
