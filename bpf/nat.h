@@ -462,9 +462,9 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 			return action;
 	}
 
-	be = lookup_table_pick(p, svc, &id);
-	if (!be)
-		return verdict(XDP_DROP, STAT_DROP_NO_BACKEND, p->len);
+	action = new_flow_backend(p, svc, &be, &id);
+	if (action != CONTINUE)
+		return action;
 	if (!new_flow_allowed(now))
 		return verdict(XDP_DROP, STAT_DROP_FLOW_RATE, p->len);
 	port = nat_alloc_port(ctx, p, be, id, now);

@@ -413,6 +413,16 @@ func (r *run) lookupTablePick(p *modelPacket, svc bpf.WeirService) (uint32, bpf.
 	return id, be, ok
 }
 
+// newFlowBackend is select.h's new_flow_backend: the backend every mode gives a new
+// flow, or a verdict.
+func (r *run) newFlowBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.WeirBackend, int) {
+	id, be, ok := r.lookupTablePick(p, svc)
+	if !ok {
+		return 0, be, r.verdict(XDPDrop, ReasonDropNoBackend)
+	}
+	return id, be, modelContinue
+}
+
 func isSYN(p *modelPacket) bool {
 	return p.flow.Proto == protoTCP && p.tcpFlags&(tcpFlagSYN|tcpFlagACK) == tcpFlagSYN
 }
@@ -451,9 +461,9 @@ func (r *run) selectBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.We
 		}
 		event = ReasonFlowReselect
 	}
-	id, be, ok := r.lookupTablePick(p, svc)
-	if !ok {
-		return 0, be, r.verdict(XDPDrop, ReasonDropNoBackend)
+	id, be, a := r.newFlowBackend(p, svc)
+	if a != modelContinue {
+		return 0, be, a
 	}
 	if !r.newFlowAllowed(r.env.Now) {
 		r.count(ReasonFlowUntracked)
@@ -799,9 +809,9 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 	} else if a := r.natHalfOpen(p, svc, key, now); a != modelContinue {
 		return a
 	}
-	id, be, ok := r.lookupTablePick(p, svc)
-	if !ok {
-		return r.verdict(XDPDrop, ReasonDropNoBackend)
+	id, be, a := r.newFlowBackend(p, svc)
+	if a != modelContinue {
+		return a
 	}
 	if !r.newFlowAllowed(now) {
 		return r.verdict(XDPDrop, ReasonDropFlowRate)
@@ -817,7 +827,7 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 	r.count(event)
 	r.countService(svc.Id)
 	r.countBackend(id)
-	a := r.natSend(p, be, id, port)
+	a = r.natSend(p, be, id, port)
 	// Recorded whatever the verdict.
 	r.m.NATHalfOpen[key] = fresh
 	return a
