@@ -89,7 +89,7 @@ bench-rerun-generate:
 	$(GO) generate ./bench/rerun/
 
 # Differential fuzzing: FuzzDataPath runs generated frames through the XDP program
-# (BPF_PROG_TEST_RUN) and its Go model (loader/model.go) and fails on any difference.
+# (BPF_PROG_TEST_RUN) and its Go model (loader/model_sim_test.go) and fails on any difference.
 # FUZZTIME bounds it by executions (1000000x, what CI runs: about 2-3 minutes here)
 # or by time (60s). A failing input is saved under loader/testdata/fuzz/FuzzDataPath/
 # and replays with `go test -run FuzzDataPath ./loader/`.

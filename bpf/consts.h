@@ -1,6 +1,8 @@
-// consts.h: capacities, flags and counter indexes shared by the whole program.
-// Every capacity here is a default: a build may override it (-DCONNTRACK_SIZE=...),
-// and the loader may resize a map before load.
+// consts.h: capacities, defaults, modes, flags and counter indexes shared by the whole
+// program. Every capacity here is a default: a build may override it
+// (-DCONNTRACK_SIZE=...), and the loader may resize a map before load. What Go needs
+// to know is an enum, which bpf2go (-type) turns into Go constants: loader has no
+// copies of these numbers.
 #pragma once
 
 // Capacities.
@@ -34,25 +36,55 @@
 
 #define NSEC_PER_SEC 1000000000ull
 
-// Forwarding modes, service.mode.
-#define MODE_DSR 0
-#define MODE_NAT 1
-#define MODE_TUNNEL 2
+// Defaults the program, the loader and the agent share (Go: bpf.WeirDefaults*). The
+// loader sets the nat settings (nat.h) and table sizes before load, these when its
+// options leave them zero, and reports what it loaded.
+enum defaults {
+	DEFAULT_CONNTRACK_SIZE = CONNTRACK_SIZE, // entries of each connection and nat reverse table
+	DEFAULT_HALF_OPEN_SIZE = HALF_OPEN_SIZE, // entries of each half-open table
+	MIN_HALF_OPEN_SIZE = 1024,        // loader: a resized connection table's half-open tables get
+					  // a quarter of its size, at least this
+	DEFAULT_NAT_PORT_MIN = 10000,     // nat source ports handed out, host order: clear of
+	DEFAULT_NAT_PORT_MAX = 32767,     // Linux's ip_local_port_range (32768..60999)
+	DEFAULT_TCP_IDLE_S = 900,         // nat: an established TCP flow's idle timeout
+	DEFAULT_TCP_CLOSING_S = 10,       // nat: a TCP flow's after a FIN or RST
+	DEFAULT_UDP_IDLE_S = 30,          // nat: a UDP flow's
+	DEFAULT_HALF_OPEN_S = 5,          // nat: a flow's before its client answers
+};
 
-// nat_flow.flags
-#define FLOW_F_CLOSING (1u << 0) // a FIN or RST was seen: short timeout; counted closed once established
+// bpf2go finds a -type only in the object's BTF, and clang puts an enum there only
+// when something uses it; the modes and flags are struct fields' types, stat_reason a
+// map's key, and this constant, which nothing reads, is enum defaults' one use.
+const enum defaults defaults_btf_anchor __attribute__((used)) = DEFAULT_CONNTRACK_SIZE;
+
+// Forwarding modes, service.mode.
+enum mode {
+	MODE_DSR = 0,    // rewrite the destination MAC, XDP_TX
+	MODE_NAT = 1,    // full NAT both ways
+	MODE_TUNNEL = 2, // IPIP / IP6IP6 encapsulation
+};
+
+// Flag bits of service.flags.
+enum service_flags {
+	SERVICE_F_SOURCE_HASH = 1u << 0, // hash the source address only (client affinity)
+};
+
+// Flag bits of backend.flags, one byte like the field (packed).
+enum __attribute__((packed)) backend_flags {
+	BACKEND_F_USABLE = 1u << 0, // healthy: may keep and receive flows
+};
+
+// Flag bits of nat_flow.flags, one byte like the field (packed).
+enum __attribute__((packed)) flow_flags {
+	FLOW_F_CLOSING = 1u << 0, // a FIN or RST was seen: short timeout; counted closed once established
+};
 
 // Address families as stored in keys (values of AF_INET / AF_INET6).
 #define FAMILY_IPV4 2
 #define FAMILY_IPV6 10
 
-// service.flags
-#define SERVICE_F_SOURCE_HASH (1u << 0) // hash the source address only (client affinity)
-
-// backend.flags
-#define BACKEND_F_USABLE (1u << 0) // healthy: may keep and receive flows
-
-// Global counters, indexed by reason. Keep in step with loader.Reason.
+// Global counters, indexed by reason (Go: bpf.WeirStatReason*, which loader.Reason
+// takes its values from; loader names each one, and a test fails on a reason without one).
 enum stat_reason {
 	STAT_PASS_NOT_IP = 0,      // not IPv4/IPv6 (ARP, LLDP, QinQ, ...)
 	STAT_PASS_MALFORMED_L3,    // IP header truncated or inconsistent: the kernel judges it

@@ -19,6 +19,10 @@ char LICENSE[] SEC("license") = "Dual MIT/GPL";
 #define FAMILY_IPV4 2
 #define FAMILY_IPV6 10
 
+#ifndef MAX_DECAP_ADDRS
+#define MAX_DECAP_ADDRS 64 // addresses of this host tunnel packets may be sent to
+#endif
+
 // Key of decap_addrs: an address of this host (network byte order, IPv4 in word 0).
 struct decap_key {
 	__be32 addr[4];
@@ -40,7 +44,7 @@ struct decap_counter {
 // This host's addresses that tunnel packets may be sent to; the value is unused.
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 64);
+	__uint(max_entries, MAX_DECAP_ADDRS);
 	__type(key, struct decap_key);
 	__type(value, __u8);
 } decap_addrs SEC(".maps");

@@ -18,12 +18,12 @@
 // Runtime switches set by the loader before load.
 volatile const __be32 nat_addr4 = 0;         // the balancer's IPv4 source for nat
 volatile const __be32 nat_addr6[4] = {};     // and its IPv6 source
-volatile const __u16 nat_port_min = 10000;   // source ports handed out, host order:
-volatile const __u16 nat_port_max = 32767;   // keep clear of ip_local_port_range
-volatile const __u64 tcp_idle_ns = 900ull * 1000000000;   // established TCP flow
-volatile const __u64 tcp_closing_ns = 10ull * 1000000000; // after FIN or RST
-volatile const __u64 udp_idle_ns = 30ull * 1000000000;
-volatile const __u64 half_open_ns = 5ull * 1000000000;    // a flow before its client answers
+volatile const __u16 nat_port_min = DEFAULT_NAT_PORT_MIN; // source ports handed out, host order
+volatile const __u16 nat_port_max = DEFAULT_NAT_PORT_MAX;
+volatile const __u64 tcp_idle_ns = DEFAULT_TCP_IDLE_S * NSEC_PER_SEC;       // established TCP flow
+volatile const __u64 tcp_closing_ns = DEFAULT_TCP_CLOSING_S * NSEC_PER_SEC; // after FIN or RST
+volatile const __u64 udp_idle_ns = DEFAULT_UDP_IDLE_S * NSEC_PER_SEC;
+volatile const __u64 half_open_ns = DEFAULT_HALF_OPEN_S * NSEC_PER_SEC;     // a flow before its client answers
 
 
 static __always_inline int is_nat_address(const struct flow_key *f)
@@ -462,9 +462,9 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 			return action;
 	}
 
-	be = lookup_table_pick(p, svc, &id);
-	if (!be)
-		return verdict(XDP_DROP, STAT_DROP_NO_BACKEND, p->len);
+	action = new_flow_backend(p, svc, &be, &id);
+	if (action != CONTINUE)
+		return action;
 	if (!new_flow_allowed(now))
 		return verdict(XDP_DROP, STAT_DROP_FLOW_RATE, p->len);
 	port = nat_alloc_port(ctx, p, be, id, now);

@@ -1,5 +1,7 @@
 // select.h: chooses the backend of a packet's flow: the connection table first, the
-// service's Maglev lookup table on a miss, and records the choice.
+// service's Maglev lookup table on a miss, and records the choice. new_flow_backend is
+// the one place a new flow of any mode gets its backend; nat (nat.h) keeps its own
+// connection tables and ports around it, dsr and tunnel use select_backend.
 #pragma once
 
 #include "flows.h"
@@ -34,6 +36,18 @@ static __always_inline struct backend *lookup_table_pick(struct packet *p, struc
 		return 0;
 	*id = *slot;
 	return usable_backend(*id, svc->id);
+}
+
+// new_flow_backend sets *be and *id to the backend a new flow of svc gets, or returns
+// a verdict: drop_no_backend when the table gives none that is usable. Every mode
+// asks here, so a flow's backend does not depend on its service's mode.
+static __always_inline int new_flow_backend(struct packet *p, struct service *svc,
+					    struct backend **be, __u32 *id)
+{
+	*be = lookup_table_pick(p, svc, id);
+	if (!*be)
+		return verdict(XDP_DROP, STAT_DROP_NO_BACKEND, p->len);
+	return CONTINUE;
 }
 
 // Runtime switches set by the loader before load: the new-flow rate limit per CPU.
@@ -89,6 +103,7 @@ static __always_inline int select_backend(struct packet *p, struct service *svc,
 	struct lb_flow *known, fresh = {};
 	enum stat_reason event = STAT_FLOW_NEW;
 	__u64 now;
+	int action;
 
 	if (is_syn(p)) {
 		forget_reused(p);
@@ -121,9 +136,9 @@ static __always_inline int select_backend(struct packet *p, struct service *svc,
 		}
 	}
 
-	*be = lookup_table_pick(p, svc, id);
-	if (!*be)
-		return verdict(XDP_DROP, STAT_DROP_NO_BACKEND, p->len);
+	action = new_flow_backend(p, svc, be, id);
+	if (action != CONTINUE)
+		return action;
 	now = bpf_ktime_get_coarse_ns();
 	if (!new_flow_allowed(now)) {
 		count(&global_stats, STAT_FLOW_UNTRACKED, p->len);

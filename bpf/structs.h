@@ -5,6 +5,8 @@
 
 #include <linux/types.h>
 
+#include "consts.h"
+
 // Key of the services map: a VIP, its port and protocol. The loader also stores an
 // address-only key (port 0, proto 0) for every VIP address, so that fragments and
 // truncated packets to a VIP can be dropped instead of passed to a stack that does
@@ -19,8 +21,8 @@ struct vip_key {
 // Value of the services map.
 struct service {
 	__u32 id;     // index into lookup_tables and service_stats
-	__u32 flags;  // SERVICE_F_*
-	__u32 mode;   // MODE_*
+	enum service_flags flags; // SERVICE_F_* bits (4 bytes)
+	enum mode mode;           // MODE_* (4 bytes)
 };
 
 // A next hop: the MACs to write and the interface to leave by (0: not known).
@@ -35,7 +37,7 @@ struct backend {
 	__be32 addr[4];
 	__be16 port;
 	__u8 family;
-	__u8 flags;     // BACKEND_F_*
+	enum backend_flags flags; // BACKEND_F_* bits (1 byte)
 	__u8 mac[6];    // next hop for dsr
 	__u8 pad[2];
 	__u32 service_id; // owning service: a flow whose slot was reused elsewhere is re-selected
@@ -82,7 +84,7 @@ struct lb_flow {
 struct nat_flow {
 	__u32 backend_id;
 	__be16 nat_port;    // the source port towards the backend
-	__u8 flags;         // FLOW_F_*
+	enum flow_flags flags; // FLOW_F_* bits (1 byte)
 	__u8 pad;
 	__u64 last_seen_ns; // bpf_ktime_get_coarse_ns: insertion, then the client's packets at
 			    // most once a second once established

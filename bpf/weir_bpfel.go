@@ -18,7 +18,7 @@ type WeirBackend struct {
 	Addr      [4]uint32
 	Port      uint16
 	Family    uint8
-	Flags     uint8
+	Flags     WeirBackendFlags
 	Mac       [6]uint8
 	Pad       [2]uint8
 	ServiceId uint32
@@ -28,17 +28,43 @@ type WeirBackend struct {
 	Pad2      uint32
 }
 
+type WeirBackendFlags uint8
+
+const (
+	WeirBackendFlagsBACKEND_F_USABLE WeirBackendFlags = 1
+)
+
 type WeirCounter struct {
 	_       structs.HostLayout
 	Packets uint64
 	Bytes   uint64
 }
 
+type WeirDefaults uint32
+
+const (
+	WeirDefaultsDEFAULT_CONNTRACK_SIZE WeirDefaults = 262144
+	WeirDefaultsDEFAULT_HALF_OPEN_SIZE WeirDefaults = 65536
+	WeirDefaultsMIN_HALF_OPEN_SIZE     WeirDefaults = 1024
+	WeirDefaultsDEFAULT_NAT_PORT_MIN   WeirDefaults = 10000
+	WeirDefaultsDEFAULT_NAT_PORT_MAX   WeirDefaults = 32767
+	WeirDefaultsDEFAULT_TCP_IDLE_S     WeirDefaults = 900
+	WeirDefaultsDEFAULT_TCP_CLOSING_S  WeirDefaults = 10
+	WeirDefaultsDEFAULT_UDP_IDLE_S     WeirDefaults = 30
+	WeirDefaultsDEFAULT_HALF_OPEN_S    WeirDefaults = 5
+)
+
 type WeirFlowCount struct {
 	_      structs.HostLayout
 	Opened uint64
 	Closed uint64
 }
+
+type WeirFlowFlags uint8
+
+const (
+	WeirFlowFlagsFLOW_F_CLOSING WeirFlowFlags = 1
+)
 
 type WeirFlowKey struct {
 	_      structs.HostLayout
@@ -67,6 +93,14 @@ type WeirLbFlow struct {
 	CreatedS  uint32
 }
 
+type WeirMode uint32
+
+const (
+	WeirModeMODE_DSR    WeirMode = 0
+	WeirModeMODE_NAT    WeirMode = 1
+	WeirModeMODE_TUNNEL WeirMode = 2
+)
+
 type WeirNatEntry struct {
 	_         structs.HostLayout
 	Client    WeirFlowKey
@@ -79,7 +113,7 @@ type WeirNatFlow struct {
 	_          structs.HostLayout
 	BackendId  uint32
 	NatPort    uint16
-	Flags      uint8
+	Flags      WeirFlowFlags
 	Pad        uint8
 	LastSeenNs uint64
 }
@@ -94,9 +128,15 @@ type WeirNextHop struct {
 type WeirService struct {
 	_     structs.HostLayout
 	Id    uint32
-	Flags uint32
-	Mode  uint32
+	Flags WeirServiceFlags
+	Mode  WeirMode
 }
+
+type WeirServiceFlags uint32
+
+const (
+	WeirServiceFlagsSERVICE_F_SOURCE_HASH WeirServiceFlags = 1
+)
 
 type WeirStatReason uint32
 
@@ -163,6 +203,7 @@ const (
 	WeirMapServices          = "services"
 	WeirMapTxPorts           = "tx_ports"
 	WeirProgWeirXdp          = "weir_xdp"
+	WeirVarDefaultsBtfAnchor = "defaults_btf_anchor"
 	WeirVarHalfOpenNs        = "half_open_ns"
 	WeirVarHashSeed          = "hash_seed"
 	WeirVarNatAddr4          = "nat_addr4"
@@ -253,6 +294,7 @@ type WeirMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type WeirVariableSpecs struct {
+	DefaultsBtfAnchor *ebpf.VariableSpec `ebpf:"defaults_btf_anchor"`
 	HalfOpenNs        *ebpf.VariableSpec `ebpf:"half_open_ns"`
 	HashSeed          *ebpf.VariableSpec `ebpf:"hash_seed"`
 	NatAddr4          *ebpf.VariableSpec `ebpf:"nat_addr4"`
@@ -341,6 +383,7 @@ func (m *WeirMaps) Close() error {
 //
 // It can be passed to LoadWeirObjects or ebpf.CollectionSpec.LoadAndAssign.
 type WeirVariables struct {
+	DefaultsBtfAnchor *ebpf.Variable `ebpf:"defaults_btf_anchor"`
 	HalfOpenNs        *ebpf.Variable `ebpf:"half_open_ns"`
 	HashSeed          *ebpf.Variable `ebpf:"hash_seed"`
 	NatAddr4          *ebpf.Variable `ebpf:"nat_addr4"`

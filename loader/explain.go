@@ -40,6 +40,7 @@ func (p *Program) Explain(key ServiceKey, client netip.AddrPort) (Explanation, e
 		return Explanation{}, fmt.Errorf("explain %s for %s: the client's address family differs from the VIP's", key, client)
 	}
 	var ex Explanation
+	fk := flowKey(Flow{Src: client, Dst: key.VIP, Protocol: key.Protocol})
 	bySlot := make(map[uint32]Backend, len(st.slots))
 	for _, b := range st.spec.Backends {
 		bySlot[st.slots[b.Addr]] = b
@@ -49,16 +50,11 @@ func (p *Program) Explain(key ServiceKey, client netip.AddrPort) (Explanation, e
 		if err := st.table.Lookup(uint32(0), &size); err != nil {
 			return Explanation{}, fmt.Errorf("explain %s: read table: %w", key, err)
 		}
-		h := FlowHash(Flow{Src: client, Dst: key.VIP, Protocol: key.Protocol}, p.opts.HashSeed, st.spec.SourceHash)
+		h := flowHash(&fk, p.opts.HashSeed, st.spec.SourceHash)
 		if err := st.table.Lookup(1+h%size, &slot); err != nil {
 			return Explanation{}, fmt.Errorf("explain %s: read table: %w", key, err)
 		}
 		ex.New = bySlot[slot].Addr
-	}
-	fk := bpf.WeirFlowKey{
-		Src: addrWords(client.Addr()), Dst: addrWords(key.VIP.Addr()),
-		Sport: portWord(client.Port()), Dport: portWord(key.VIP.Port()),
-		Proto: uint8(key.Protocol), Family: family(key.VIP.Addr()),
 	}
 	var found bool
 	var slot uint32

@@ -14,22 +14,31 @@ type Flow struct {
 	Protocol Protocol
 }
 
-// FlowHash is the program's flow hash (bpf/hash.h), in Go: tests and the model use it
-// to predict which lookup-table entry a packet takes. The C hashes the address words
-// and ports as they lie in memory (network byte order read on a little-endian CPU),
-// so this reads them the same way.
-func FlowHash(f Flow, seed uint32, sourceOnly bool) uint32 {
+// flowKey is a flow as the program's keys hold it (see addrWords and portWord).
+func flowKey(f Flow) bpf.WeirFlowKey {
+	return bpf.WeirFlowKey{
+		Src: addrWords(f.Src.Addr()), Dst: addrWords(f.Dst.Addr()),
+		Sport: portWord(f.Src.Port()), Dport: portWord(f.Dst.Port()),
+		Proto: uint8(f.Protocol), Family: family(f.Dst.Addr()),
+	}
+}
+
+// flowHash is bpf/hash.h's flow_hash on a key as the program holds it: the one Go
+// copy of it, which Explain and the model (model_sim_test.go) both use to predict
+// the lookup-table entry a packet takes. The C hashes the address words and ports
+// as they lie in memory (network byte order read on a little-endian CPU); the key's
+// words hold them the same way.
+func flowHash(f *bpf.WeirFlowKey, seed uint32, sourceOnly bool) uint32 {
 	h := seed
-	src := addrWords(f.Src.Addr())
-	for _, w := range src {
+	for _, w := range f.Src {
 		h = hashWord(h, w)
 	}
 	if !sourceOnly {
-		for _, w := range addrWords(f.Dst.Addr()) {
+		for _, w := range f.Dst {
 			h = hashWord(h, w)
 		}
-		h = hashWord(h, uint32(portWord(f.Src.Port()))<<16|uint32(portWord(f.Dst.Port())))
-		h = hashWord(h, uint32(f.Protocol))
+		h = hashWord(h, uint32(f.Sport)<<16|uint32(f.Dport))
+		h = hashWord(h, uint32(f.Proto))
 	}
 	return hashFinal(h)
 }
@@ -37,8 +46,8 @@ func FlowHash(f Flow, seed uint32, sourceOnly bool) uint32 {
 // OuterHash is what tunnel mode puts in the outer IPv6 flow label (its low 20 bits) and
 // IPv4 ID (its low 16 bits, as the program stores them) of a flow's packets.
 func OuterHash(f Flow) uint32 {
-	return entropyHash(&bpf.WeirFlowKey{Src: addrWords(f.Src.Addr()), Dst: addrWords(f.Dst.Addr()),
-		Sport: portWord(f.Src.Port()), Dport: portWord(f.Dst.Port()), Proto: uint8(f.Protocol)})
+	k := flowKey(f)
+	return entropyHash(&k)
 }
 
 // entropyHash is bpf/hash.h's entropy_hash on a key as the program holds it.

@@ -19,21 +19,37 @@ import (
 	"github.com/weir-lb/weir/userspace/balance"
 )
 
+// Defaults of Options, as bpf/consts.h (enum defaults) holds them: the committed
+// object's table sizes and nat settings. Program.Sizes and Program.NAT report what a
+// loaded program uses.
+const (
+	DefaultConntrackSize = uint32(bpf.WeirDefaultsDEFAULT_CONNTRACK_SIZE)
+	DefaultHalfOpenSize  = uint32(bpf.WeirDefaultsDEFAULT_HALF_OPEN_SIZE)
+	// MinHalfOpenSize is the least half-open size a ConntrackSize alone gives.
+	MinHalfOpenSize   = uint32(bpf.WeirDefaultsMIN_HALF_OPEN_SIZE)
+	DefaultNATPortMin = uint16(bpf.WeirDefaultsDEFAULT_NAT_PORT_MIN)
+	DefaultNATPortMax = uint16(bpf.WeirDefaultsDEFAULT_NAT_PORT_MAX)
+	DefaultTCPIdle    = time.Duration(bpf.WeirDefaultsDEFAULT_TCP_IDLE_S) * time.Second
+	DefaultTCPClosing = time.Duration(bpf.WeirDefaultsDEFAULT_TCP_CLOSING_S) * time.Second
+	DefaultUDPIdle    = time.Duration(bpf.WeirDefaultsDEFAULT_UDP_IDLE_S) * time.Second
+	DefaultHalfOpen   = time.Duration(bpf.WeirDefaultsDEFAULT_HALF_OPEN_S) * time.Second
+)
+
 // Options are fixed for the life of a loaded program.
 type Options struct {
 	// HashSeed seeds the flow hash and the Maglev tables. Balancer nodes that share
 	// traffic behind one router must use the same seed to pick the same backends.
 	HashSeed uint32
 	// ConntrackSize is how many established flows each connection table remembers;
-	// 0 keeps the default (bpf/consts.h CONNTRACK_SIZE). There is a table per family
+	// 0 keeps the default (DefaultConntrackSize). There is a table per family
 	// and kind (dsr and tunnel, nat) and a nat reverse table per family, all of this
 	// size; the kernel allocates them whole at load (see docs/datapath.md for bytes
 	// per entry).
 	ConntrackSize uint32
 	// HalfOpenSize is how many flows the half-open table remembers: flows whose
 	// client has sent only a first packet (a SYN, a lone UDP datagram), the only ones
-	// a spoofed-source flood makes. 0: a quarter of ConntrackSize (at least 1,024), or
-	// bpf/consts.h HALF_OPEN_SIZE with the default connection table.
+	// a spoofed-source flood makes. 0: a quarter of ConntrackSize (at least
+	// MinHalfOpenSize), or DefaultHalfOpenSize with the default connection table.
 	HalfOpenSize uint32
 	// NewFlowRate limits the new flows each CPU records per second; 0: no limit. Over
 	// it, a new nat flow is dropped (drop_flow_rate) and a new dsr or tunnel flow is
@@ -54,21 +70,23 @@ type NATOptions struct {
 	// replies come back to.
 	Addr4, Addr6 netip.Addr
 	// PortMin..PortMax are the source ports handed out per (backend, protocol);
-	// default 10000..32767, clear of Linux's ip_local_port_range (32768..60999), so
-	// the host's own connections to backends (health checks) never collide.
+	// default DefaultNATPortMin..DefaultNATPortMax (10000..32767), clear of Linux's
+	// ip_local_port_range (32768..60999), so the host's own connections to backends
+	// (health checks) never collide.
 	PortMin, PortMax uint16
-	// Idle timeouts: established TCP (default 15 min), TCP after FIN or RST
-	// (default 10 s), UDP (default 30 s). An expired flow's port may be reused.
+	// Idle timeouts: established TCP (default DefaultTCPIdle, 15 min), TCP after FIN
+	// or RST (DefaultTCPClosing, 10 s), UDP (DefaultUDPIdle, 30 s). An expired flow's
+	// port may be reused.
 	TCPIdle, TCPClosing, UDPIdle time.Duration
 	// HalfOpen is how long a flow whose client has sent only its first packet keeps
-	// its port and backend (default 5 s); sooner if the backend's port ring comes
-	// round to its port first.
+	// its port and backend (default DefaultHalfOpen, 5 s); sooner if the backend's
+	// port ring comes round to its port first.
 	HalfOpen time.Duration
 }
 
 func (o *NATOptions) setVariables(spec *ebpf.CollectionSpec) error {
 	if o.PortMin == 0 && o.PortMax == 0 {
-		o.PortMin, o.PortMax = 10000, 32767
+		o.PortMin, o.PortMax = DefaultNATPortMin, DefaultNATPortMax
 	}
 	if o.PortMin == 0 || o.PortMin > o.PortMax {
 		return fmt.Errorf("nat ports %d..%d: need 1 <= min <= max", o.PortMin, o.PortMax)
@@ -80,16 +98,16 @@ func (o *NATOptions) setVariables(spec *ebpf.CollectionSpec) error {
 		return fmt.Errorf("nat addr6 %s: not an IPv6 address", o.Addr6)
 	}
 	if o.TCPIdle == 0 {
-		o.TCPIdle = 15 * time.Minute
+		o.TCPIdle = DefaultTCPIdle
 	}
 	if o.TCPClosing == 0 {
-		o.TCPClosing = 10 * time.Second
+		o.TCPClosing = DefaultTCPClosing
 	}
 	if o.UDPIdle == 0 {
-		o.UDPIdle = 30 * time.Second
+		o.UDPIdle = DefaultUDPIdle
 	}
 	if o.HalfOpen == 0 {
-		o.HalfOpen = 5 * time.Second
+		o.HalfOpen = DefaultHalfOpen
 	}
 	var a4 uint32
 	var a6 [4]uint32
@@ -197,7 +215,7 @@ func Load(opts Options) (_ *Program, err error) {
 			spec.Maps[name].MaxEntries = opts.ConntrackSize
 		}
 		if opts.HalfOpenSize == 0 {
-			opts.HalfOpenSize = max(opts.ConntrackSize/4, 1024)
+			opts.HalfOpenSize = max(opts.ConntrackSize/4, MinHalfOpenSize)
 		}
 	}
 	if opts.HalfOpenSize > 0 {
@@ -565,6 +583,18 @@ func (p *Program) changeBackend(key ServiceKey, backend netip.AddrPort, what str
 	return nil
 }
 
+// NAT returns the nat settings the program was loaded with, defaults filled in.
+func (p *Program) NAT() NATOptions { return p.opts.NAT }
+
+// NATPortRange returns the source ports nat flows are given, lo..hi inclusive.
+func (p *Program) NATPortRange() (lo, hi uint16) { return p.opts.NAT.PortMin, p.opts.NAT.PortMax }
+
+// Sizes returns how many flows each connection table and each half-open table holds,
+// as loaded (with pinned maps: as the pinned maps were created).
+func (p *Program) Sizes() (conntrack, halfOpen uint32) {
+	return p.objs.LbConntrack4.MaxEntries(), p.objs.LbHalfOpen4.MaxEntries()
+}
+
 // Services returns the installed services as last set.
 func (p *Program) Services() []Service {
 	p.mu.Lock()
@@ -764,7 +794,7 @@ func vipKey(k ServiceKey) bpf.WeirVipKey {
 }
 
 func serviceValue(s Service, id uint32) bpf.WeirService {
-	v := bpf.WeirService{Id: id, Mode: uint32(s.Forwarding)}
+	v := bpf.WeirService{Id: id, Mode: bpf.WeirMode(s.Forwarding)}
 	if s.SourceHash {
 		v.Flags |= serviceFlagSourceHash
 	}
@@ -787,8 +817,8 @@ func backendValue(b Backend, serviceID uint32) bpf.WeirBackend {
 
 // Flag bits of bpf/consts.h.
 const (
-	serviceFlagSourceHash = 1 << 0
-	backendFlagUsable     = 1 << 0
+	serviceFlagSourceHash = bpf.WeirServiceFlagsSERVICE_F_SOURCE_HASH
+	backendFlagUsable     = bpf.WeirBackendFlagsBACKEND_F_USABLE
 )
 
 // slotQueue hands out map indexes, oldest-freed first, so a slot just cleared is

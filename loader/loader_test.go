@@ -71,7 +71,8 @@ func wantBackend(t *testing.T, s Service, f Flow) Backend {
 	if err != nil {
 		t.Fatalf("build table: %v", err)
 	}
-	h := FlowHash(f, testSeed, s.SourceHash)
+	k := flowKey(f)
+	h := flowHash(&k, testSeed, s.SourceHash)
 	return s.Backends[table[h%uint32(len(table))]]
 }
 

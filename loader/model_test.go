@@ -22,7 +22,7 @@ import (
 )
 
 // FuzzDataPath runs frames built from the fuzz input through the real program
-// (BPF_PROG_TEST_RUN) and through the Go model (model.go), from the same map
+// (BPF_PROG_TEST_RUN) and through the Go model (model_sim_test.go), from the same map
 // contents, and fails on any difference: verdict, output bytes, counters by reason,
 // per-service, per-backend and per-backend flow counters, and the connection and
 // nat reverse tables afterwards.
@@ -1054,7 +1054,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	seeds := r.u8()
 	beSel, portSel, stateSel, holderSel, holderAge := r.u8(), r.u8(), r.u8(), r.u8(), r.u8()
 	age := func(sel uint8) uint64 { return now - uint64(fuzzAges[int(sel&0xf)%len(fuzzAges)]) }
-	flowFlags := func(sel uint8) uint8 { return sel >> 4 & flowFlagClosing }
+	flowFlags := func(sel uint8) bpf.WeirFlowFlags { return bpf.WeirFlowFlags(sel>>4) & flowFlagClosing }
 	// A cached next hop: none, out of the interface frames come in on, another one
 	// (not in tx_ports), wf0 (in tx_ports).
 	hop := func(sel uint8, dmac net.HardwareAddr) bpf.WeirNextHop {

@@ -5,7 +5,8 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"strings"
+
+	"github.com/weir-lb/weir/bpf"
 )
 
 // Protocol is the L4 protocol of a service, numbered as in IP headers.
@@ -26,17 +27,6 @@ func (p Protocol) String() string {
 	return fmt.Sprintf("proto(%d)", uint8(p))
 }
 
-// ParseProtocol reads "tcp" or "udp".
-func ParseProtocol(s string) (Protocol, error) {
-	switch strings.ToLower(s) {
-	case "tcp":
-		return TCP, nil
-	case "udp":
-		return UDP, nil
-	}
-	return 0, fmt.Errorf("protocol %q: must be tcp or udp", s)
-}
-
 // ServiceKey names a service the way the program matches packets: VIP, port, protocol.
 type ServiceKey struct {
 	VIP      netip.AddrPort
@@ -45,21 +35,21 @@ type ServiceKey struct {
 
 func (k ServiceKey) String() string { return k.Protocol.String() + "/" + k.VIP.String() }
 
-// Forwarding is how a service's packets reach its backends.
+// Forwarding is how a service's packets reach its backends (bpf/consts.h enum mode).
 type Forwarding uint32
 
 const (
 	// ForwardDSR rewrites the destination MAC and sends the frame back out (L2 direct
 	// server return): backends hold the VIP on loopback and answer clients directly.
-	ForwardDSR Forwarding = 0
+	ForwardDSR = Forwarding(bpf.WeirModeMODE_DSR)
 	// ForwardNAT translates both directions (DNAT to the backend, SNAT to the
 	// balancer's address): backends need no change.
-	ForwardNAT Forwarding = 1
+	ForwardNAT = Forwarding(bpf.WeirModeMODE_NAT)
 	// ForwardTunnel encapsulates the client's packet (IPIP, IP6IP6, or across
 	// families) to the backend, which may sit in another subnet behind routers; the
 	// backend decapsulates (weir decap, or the kernel's ipip/ip6tnl), holds the VIP
 	// and answers the client directly.
-	ForwardTunnel Forwarding = 2
+	ForwardTunnel = Forwarding(bpf.WeirModeMODE_TUNNEL)
 )
 
 func (f Forwarding) String() string {
@@ -72,19 +62,6 @@ func (f Forwarding) String() string {
 		return "tunnel"
 	}
 	return fmt.Sprintf("forwarding(%d)", uint32(f))
-}
-
-// ParseForwarding reads "dsr", "nat" or "tunnel".
-func ParseForwarding(s string) (Forwarding, error) {
-	switch strings.ToLower(s) {
-	case "dsr":
-		return ForwardDSR, nil
-	case "nat":
-		return ForwardNAT, nil
-	case "tunnel":
-		return ForwardTunnel, nil
-	}
-	return 0, fmt.Errorf("forwarding mode %q: must be nat, dsr or tunnel", s)
 }
 
 // Service is a VIP and the backends that share its traffic.

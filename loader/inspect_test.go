@@ -9,8 +9,8 @@ import (
 	"github.com/weir-lb/weir/bpf"
 )
 
-// inspect.go: reading the program's maps back whole, for the data-plane model
-// (model.go) and the tests that hold the program against it.
+// inspect_test.go: reading the program's maps back whole and seeding them, for the
+// data-plane model (model_sim_test.go) and the tests that hold the program against it.
 
 // Model returns a model of the program (see Model) holding its current map contents
 // and load-time settings, so that Model.Run predicts what the program does with a
@@ -164,54 +164,10 @@ func (p *Program) readCounters(services, backends uint32) (dataPlaneCounters, er
 	return c, nil
 }
 
-// The kinds of flow table, each a pair of maps (IPv4, IPv6); index of flowPairs.
-const (
-	lbConntrack = iota
-	lbHalfOpen
-	natConntrack
-	natHalfOpen
-	natReverse
-	natHalfReverse
-	flowKinds
-)
-
-// flowPair is one kind of flow table: the IPv4 map (flow_key4 keys) and the IPv6 one
-// (flow_key keys).
-type flowPair struct {
-	name   string
-	v4, v6 *ebpf.Map
-}
-
-func (p *Program) flowPairs() [flowKinds]flowPair {
-	o := &p.objs
-	return [flowKinds]flowPair{
-		{"lb_conntrack", o.LbConntrack4, o.LbConntrack6}, {"lb_half_open", o.LbHalfOpen4, o.LbHalfOpen6},
-		{"nat_conntrack", o.NatConntrack4, o.NatConntrack6}, {"nat_half_open", o.NatHalfOpen4, o.NatHalfOpen6},
-		{"nat_reverse", o.NatReverse4, o.NatReverse6}, {"nat_half_reverse", o.NatHalfReverse4, o.NatHalfReverse6},
-	}
-}
-
-// key4 is bpf/flows.h's flow_key4_of; keyOf4 the other way.
-func key4(k bpf.WeirFlowKey) bpf.WeirFlowKey4 {
-	return bpf.WeirFlowKey4{Src: k.Src[0], Dst: k.Dst[0], Sport: k.Sport, Dport: k.Dport, Proto: k.Proto}
-}
-
+// keyOf4 is key4 the other way.
 func keyOf4(k bpf.WeirFlowKey4) bpf.WeirFlowKey {
 	return bpf.WeirFlowKey{Src: [4]uint32{k.Src}, Dst: [4]uint32{k.Dst}, Sport: k.Sport, Dport: k.Dport,
 		Proto: k.Proto, Family: familyIPv4}
-}
-
-func lookupPair[V any](fp flowPair, k bpf.WeirFlowKey, v *V) (bool, error) {
-	var err error
-	if k.Family == familyIPv4 {
-		err = fp.v4.Lookup(key4(k), v)
-	} else {
-		err = fp.v6.Lookup(k, v)
-	}
-	if errors.Is(err, ebpf.ErrKeyNotExist) {
-		return false, nil
-	}
-	return err == nil, err
 }
 
 func putPair[V any](fp flowPair, k bpf.WeirFlowKey, v V) error {

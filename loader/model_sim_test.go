@@ -6,7 +6,7 @@ import (
 	"github.com/weir-lb/weir/bpf"
 )
 
-// model.go: a pure-Go model of the XDP program's decision (bpf/weir.c and its
+// model_sim_test.go: a pure-Go model of the XDP program's decision (bpf/weir.c and its
 // headers), step for step: parse, ICMP error translation, nat replies, VIP match,
 // connection table, lookup table, the dsr, nat and tunnel forwarding (with tunnel
 // mode's next-hop cache and ICMP "too big" replies), counters. Given the same map
@@ -114,9 +114,7 @@ const (
 	maxL4Offset         = 512
 	maxIPv6ExtHeaders   = 4
 	natPortTries        = 8 // NAT_PORT_TRIES
-	flowFlagClosing     = 1 << 0
-	modeNAT             = 1
-	modeTunnel          = 2
+	flowFlagClosing     = bpf.WeirFlowFlagsFLOW_F_CLOSING
 	nsecPerSec          = 1_000_000_000
 	protoHopOpts        = 0
 	protoICMP           = 1
@@ -236,9 +234,9 @@ func (r *run) program() int {
 		return r.verdict(XDPPass, ReasonPassNotService)
 	}
 	switch svc.Mode {
-	case modeNAT:
+	case bpf.WeirModeMODE_NAT:
 		return r.natForward(&p, svc)
-	case modeTunnel:
+	case bpf.WeirModeMODE_TUNNEL:
 		return r.tunnelForward(&p, svc)
 	}
 	id, be, a := r.selectBackend(&p, svc)
@@ -405,7 +403,7 @@ func (r *run) lookupTablePick(p *modelPacket, svc bpf.WeirService) (uint32, bpf.
 	if !ok || svc.Id >= r.m.MaxServices || len(table) == 0 || table[0] == 0 {
 		return 0, bpf.WeirBackend{}, false
 	}
-	h := flowKeyHash(&p.flow, r.m.HashSeed, svc.Flags&serviceFlagSourceHash != 0)
+	h := flowHash(&p.flow, r.m.HashSeed, svc.Flags&serviceFlagSourceHash != 0)
 	index := 1 + h%table[0]
 	if uint64(index) >= uint64(len(table)) {
 		return 0, bpf.WeirBackend{}, false
@@ -415,20 +413,14 @@ func (r *run) lookupTablePick(p *modelPacket, svc bpf.WeirService) (uint32, bpf.
 	return id, be, ok
 }
 
-// flowKeyHash is bpf/hash.h's flow_hash on a key as the program holds it.
-func flowKeyHash(f *bpf.WeirFlowKey, seed uint32, sourceOnly bool) uint32 {
-	h := seed
-	for _, w := range f.Src {
-		h = hashWord(h, w)
+// newFlowBackend is select.h's new_flow_backend: the backend every mode gives a new
+// flow, or a verdict.
+func (r *run) newFlowBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.WeirBackend, int) {
+	id, be, ok := r.lookupTablePick(p, svc)
+	if !ok {
+		return 0, be, r.verdict(XDPDrop, ReasonDropNoBackend)
 	}
-	if !sourceOnly {
-		for _, w := range f.Dst {
-			h = hashWord(h, w)
-		}
-		h = hashWord(h, uint32(f.Sport)<<16|uint32(f.Dport))
-		h = hashWord(h, uint32(f.Proto))
-	}
-	return hashFinal(h)
+	return id, be, modelContinue
 }
 
 func isSYN(p *modelPacket) bool {
@@ -469,9 +461,9 @@ func (r *run) selectBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.We
 		}
 		event = ReasonFlowReselect
 	}
-	id, be, ok := r.lookupTablePick(p, svc)
-	if !ok {
-		return 0, be, r.verdict(XDPDrop, ReasonDropNoBackend)
+	id, be, a := r.newFlowBackend(p, svc)
+	if a != modelContinue {
+		return 0, be, a
 	}
 	if !r.newFlowAllowed(r.env.Now) {
 		r.count(ReasonFlowUntracked)
@@ -724,7 +716,7 @@ func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now ui
 			holder, ok := r.m.NATConntrack[old.Client]
 			if ok && r.m.flowAlive(&holder, rk.Proto, now) && holder.NatPort == rk.Dport &&
 				holder.BackendId == old.BackendId {
-				spread = flowKeyHash(&p.flow, r.m.HashSeed, false) | 1
+				spread = flowHash(&p.flow, r.m.HashSeed, false) | 1
 				continue
 			}
 			delete(r.m.NATReverse, rk)
@@ -817,9 +809,9 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 	} else if a := r.natHalfOpen(p, svc, key, now); a != modelContinue {
 		return a
 	}
-	id, be, ok := r.lookupTablePick(p, svc)
-	if !ok {
-		return r.verdict(XDPDrop, ReasonDropNoBackend)
+	id, be, a := r.newFlowBackend(p, svc)
+	if a != modelContinue {
+		return a
 	}
 	if !r.newFlowAllowed(now) {
 		return r.verdict(XDPDrop, ReasonDropFlowRate)
@@ -835,7 +827,7 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 	r.count(event)
 	r.countService(svc.Id)
 	r.countBackend(id)
-	a := r.natSend(p, be, id, port)
+	a = r.natSend(p, be, id, port)
 	// Recorded whatever the verdict.
 	r.m.NATHalfOpen[key] = fresh
 	return a
