@@ -30,6 +30,8 @@ import (
 	"syscall"
 
 	"github.com/weir-lb/weir/userspace/agent"
+	"github.com/weir-lb/weir/userspace/agent/admin"
+	"github.com/weir-lb/weir/userspace/agent/xdpplane"
 	"github.com/weir-lb/weir/userspace/config"
 )
 
@@ -139,9 +141,9 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 	}
 	fmt.Fprintf(stdout, "%s: valid, %d services\n", *file, len(cfg.Services))
 	for _, s := range cfg.Services {
-		plane := s.DataPlane
-		if plane != config.DataPlaneProxy {
-			plane += ", xdp mode " + s.Mode
+		plane := string(s.DataPlane)
+		if s.DataPlane != config.DataPlaneProxy {
+			plane += ", xdp mode " + string(s.Mode)
 		}
 		fmt.Fprintf(stdout, "  %s  %s  data plane %s, %s, %d backends\n", s.Name, s.Key(), plane, s.Algorithm, len(s.Backends))
 	}
@@ -215,7 +217,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err != nil {
 		return fmt.Errorf("status: %w", err)
 	}
-	st, err := agent.NewClient(path).Status(ctx)
+	st, err := admin.NewClient(path).Status(ctx)
 	if err != nil {
 		return fmt.Errorf("status: %w", err)
 	}
@@ -242,7 +244,7 @@ func runDrain(ctx context.Context, cmd string, args []string, stdout, stderr io.
 	if err != nil {
 		return fmt.Errorf("%s: %w", cmd, err)
 	}
-	if err := agent.NewClient(path).Drain(ctx, fs.Arg(0), fs.Arg(1), cmd == "drain"); err != nil {
+	if err := admin.NewClient(path).Drain(ctx, fs.Arg(0), fs.Arg(1), cmd == "drain"); err != nil {
 		return fmt.Errorf("%s: %w", cmd, err)
 	}
 	fmt.Fprintf(stdout, "%sed %s of %s (until undone or weir restarts; reloads keep it)\n", cmd, fs.Arg(1), fs.Arg(0))
@@ -267,7 +269,7 @@ func runWeight(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err != nil {
 		return fmt.Errorf("weight: %w", err)
 	}
-	if err := agent.NewClient(path).Weight(ctx, fs.Arg(0), fs.Arg(1), n); err != nil {
+	if err := admin.NewClient(path).Weight(ctx, fs.Arg(0), fs.Arg(1), n); err != nil {
 		return fmt.Errorf("weight: %w", err)
 	}
 	fmt.Fprintf(stdout, "weight of %s of %s set to %d (until weir restarts; reloads keep it)\n", fs.Arg(1), fs.Arg(0), n)
@@ -285,8 +287,8 @@ func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err != nil {
 		return fmt.Errorf("reload: %w", err)
 	}
-	if err := agent.NewClient(path).Reload(ctx); err != nil {
-		var re *agent.RequestError
+	if err := admin.NewClient(path).Reload(ctx); err != nil {
+		var re *admin.RequestError
 		if errors.As(err, &re) {
 			fmt.Fprintln(stderr, "weir: reload rejected; the running config stays in force:")
 			for _, e := range re.Errors {
@@ -315,7 +317,7 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if err != nil {
 		return fmt.Errorf("explain: %w", err)
 	}
-	ex, err := agent.NewClient(path).Explain(ctx, fs.Arg(0), fs.Arg(1))
+	ex, err := admin.NewClient(path).Explain(ctx, fs.Arg(0), fs.Arg(1))
 	if err != nil {
 		return fmt.Errorf("explain: %w", err)
 	}
@@ -363,8 +365,8 @@ func runStop(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return fmt.Errorf("stop: %w", err)
 	}
-	err = agent.NewClient(path).Stop(ctx, *detach)
-	var re *agent.RequestError
+	err = admin.NewClient(path).Stop(ctx, *detach)
+	var re *admin.RequestError
 	switch {
 	case err == nil && *detach:
 		fmt.Fprintln(stdout, "weir is stopping and detaching its XDP program")
@@ -384,7 +386,7 @@ func runStop(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if cerr != nil {
 		return fmt.Errorf("stop: %w", cerr)
 	}
-	if err := agent.RemovePinned(cfg); err != nil {
+	if err := xdpplane.RemovePinned(cfg); err != nil {
 		return fmt.Errorf("stop: no agent answers on %s, and: %w", path, err)
 	}
 	fmt.Fprintf(stdout, "no agent was running; the XDP program pinned in %s is detached and its pins removed\n", cfg.XDP.PinPath)

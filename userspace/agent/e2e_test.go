@@ -23,6 +23,8 @@ import (
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
 	"github.com/weir-lb/weir/userspace/agent"
+	"github.com/weir-lb/weir/userspace/agent/admin"
+	"github.com/weir-lb/weir/userspace/agent/api"
 )
 
 // The agent under test runs as a child process (this test binary, re-executed
@@ -181,7 +183,7 @@ func (k *keepAlive) ask() (string, error) {
 
 type agentProc struct {
 	cmd    *exec.Cmd
-	client *agent.Client
+	client *admin.Client
 	log    *strings.Builder
 	done   chan error
 }
@@ -197,7 +199,7 @@ func startAgent(t *testing.T, tp *topo.Topology, cfgPath, socket string, noXDP b
 	if noXDP {
 		cmd.Env = append(cmd.Env, "WEIR_AGENT_TEST_NOXDP=1")
 	}
-	p := &agentProc{cmd: cmd, client: agent.NewClient(socket), log: &strings.Builder{}, done: make(chan error, 1)}
+	p := &agentProc{cmd: cmd, client: admin.NewClient(socket), log: &strings.Builder{}, done: make(chan error, 1)}
 	pr, pw := io.Pipe()
 	cmd.Stdout, cmd.Stderr = pw, pw
 	var logMu sync.Mutex
@@ -296,7 +298,7 @@ func waitFor(t *testing.T, what string, within time.Duration, cond func() bool) 
 	}
 }
 
-func backendStatus(t *testing.T, c *agent.Client, service, addr string) agent.BackendStatus {
+func backendStatus(t *testing.T, c *admin.Client, service, addr string) api.BackendStatus {
 	t.Helper()
 	st, err := c.Status(context.Background())
 	if err != nil {
@@ -313,7 +315,7 @@ func backendStatus(t *testing.T, c *agent.Client, service, addr string) agent.Ba
 		}
 	}
 	t.Fatalf("status has no backend %s of %s", addr, service)
-	return agent.BackendStatus{}
+	return api.BackendStatus{}
 }
 
 func TestAgentXDP(t *testing.T) {
@@ -333,7 +335,7 @@ func TestAgentXDP(t *testing.T) {
 		xdptest.SkipOrFail(t, fmt.Errorf("agent could not load XDP: %s", st.XDP.Reason))
 	}
 	for _, s := range st.Services {
-		if s.DataPlane != agent.PlaneXDP {
+		if s.DataPlane != api.PlaneXDP {
 			t.Errorf("service %s: got data plane %s (%s); want xdp", s.Name, s.DataPlane, s.Why)
 		}
 		for _, b := range s.Backends {
@@ -573,7 +575,7 @@ func TestAgentProxyFallback(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s := st.Services[0]; s.DataPlane != agent.PlaneProxy {
+	if s := st.Services[0]; s.DataPlane != api.PlaneProxy {
 		t.Fatalf("service web: got data plane %s (%s); want proxy", s.DataPlane, s.Why)
 	}
 	got := spread(t, tp, tp.VIP4, 30)

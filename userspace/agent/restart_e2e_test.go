@@ -21,7 +21,7 @@ import (
 
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
-	"github.com/weir-lb/weir/userspace/agent"
+	"github.com/weir-lb/weir/userspace/agent/api"
 )
 
 const echoPort = 9000
@@ -246,7 +246,7 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 		t.Fatalf("first agent: pinned %t (%s), adopted %t; want pinned, not adopted", st.XDP.Pinned, st.XDP.Reason, st.XDP.Adopted)
 	}
 	for _, s := range st.Services {
-		if s.DataPlane != agent.PlaneXDP {
+		if s.DataPlane != api.PlaneXDP {
 			t.Fatalf("service %s: data plane %s (%s); want xdp", s.Name, s.DataPlane, s.Why)
 		}
 	}

@@ -1,107 +1,42 @@
 package agent
 
 import (
+	"context"
 	"fmt"
-	"io"
-	"strings"
-	"text/tabwriter"
+	"net/netip"
+	"slices"
 	"time"
 
+	"github.com/weir-lb/weir/userspace/agent/api"
+	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/agent/xdpplane"
 	"github.com/weir-lb/weir/userspace/config"
 	"github.com/weir-lb/weir/userspace/proxy"
 )
 
-// Status is what `weir status` shows; the admin API serves it as JSON.
-type Status struct {
-	Config     string            `json:"config"`
-	Started    time.Time         `json:"started"`
-	XDP        XDPStatus         `json:"xdp"`
-	Services   []ServiceStatus   `json:"services"`
-	Reloads    []ReloadStatus    `json:"reloads,omitempty"`
-	XDPReasons map[string]uint64 `json:"xdp_packets_by_reason,omitempty"`
+// snapshot is what the loop publishes after each event. It is never modified once
+// published: the loop replaces its desired state wholesale on every change.
+type snapshot struct {
+	cfg     *config.Config
+	started time.Time
+	running plan.Desired
+	reloads []api.ReloadStatus
 }
 
-// XDPStatus says whether XDP is loaded and where.
-type XDPStatus struct {
-	Loaded     bool              `json:"loaded"`
-	Reason     string            `json:"reason,omitempty"` // why not, or a warning
-	Interfaces []InterfaceStatus `json:"interfaces,omitempty"`
-	// Pinned: the program and maps are pinned at PinPath, so a restart (or a crash)
-	// keeps XDP flows; DetachOnStop says whether stopping removes them anyway.
-	Pinned       bool   `json:"pinned"`
-	PinPath      string `json:"pin_path,omitempty"`
-	Adopted      bool   `json:"adopted,omitempty"` // taken over from the previous run
-	DetachOnStop bool   `json:"detach_on_stop"`
+func (a *Agent) publish(st *state) {
+	a.snap.Store(&snapshot{cfg: st.cfg, started: st.started, running: st.running, reloads: slices.Clone(st.reloads)})
 }
 
-// InterfaceStatus is one configured interface.
-type InterfaceStatus struct {
-	Name      string `json:"name"`
-	Requested string `json:"requested"`
-	Mode      string `json:"mode,omitempty"` // native or generic once attached
-	Error     string `json:"error,omitempty"`
-}
-
-// ReloadStatus is one reload's outcome.
-type ReloadStatus struct {
-	Time   time.Time `json:"time"`
-	OK     bool      `json:"ok"`
-	Errors []string  `json:"errors,omitempty"`
-}
-
-// ServiceStatus is one service.
-type ServiceStatus struct {
-	Name      string `json:"name"`
-	Key       string `json:"key"`
-	DataPlane string `json:"data_plane"`
-	Why       string `json:"why"`
-	Mode      string `json:"mode,omitempty"`
-	Algorithm string `json:"algorithm"`
-	AllDown   bool   `json:"all_down"`
-	Note      string `json:"note,omitempty"`
-	Packets   uint64 `json:"packets"`
-	Bytes     uint64 `json:"bytes"`
-	// XDP nat only: flows open now (opened and not yet seen to close).
-	ActiveFlows uint64 `json:"active_flows"`
-	// Proxy only.
-	Connections int64           `json:"active_connections"`
-	Accepted    uint64          `json:"accepted_connections"`
-	Backends    []BackendStatus `json:"backends"`
-	proxySnap   *proxy.Snapshot // for metrics
-}
-
-// BackendStatus is one backend.
-type BackendStatus struct {
-	Address      string `json:"address"`
-	Health       string `json:"health"`
-	Usable       bool   `json:"usable"`
-	Weight       uint32 `json:"weight"`
-	ConfigWeight uint32 `json:"config_weight"`
-	Drained      bool   `json:"drained"`
-	Override     bool   `json:"runtime_override,omitempty"`
-	MAC          string `json:"mac,omitempty"`
-	MACError     string `json:"mac_error,omitempty"`
-	Packets      uint64 `json:"packets"`
-	Bytes        uint64 `json:"bytes"`
-	ActiveFlows  uint64 `json:"active_flows"` // XDP nat only
-	Connections  int64  `json:"active_connections"`
-	Connects     uint64 `json:"connects"`
-	LastCheck    string `json:"last_check,omitempty"`
-	LastCheckAgo string `json:"last_check_ago,omitempty"`
-}
-
-// Status returns the agent's state now.
-func (a *Agent) Status() (Status, error) {
-	stats, haveStats := a.xdpStats()
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if !a.running {
-		return Status{}, ErrNotRunning
+// Status returns the agent's state as the loop last published it, with the data
+// planes' counters read now.
+func (a *Agent) Status() (api.Status, error) {
+	snap := a.snap.Load()
+	if snap == nil {
+		return api.Status{}, ErrNotRunning
 	}
-	st := Status{Config: a.opts.ConfigPath, Started: a.started, Reloads: append([]ReloadStatus(nil), a.reloads...)}
-	st.XDP = XDPStatus{Loaded: a.xdp.prog != nil, Reason: a.xdp.reason, Interfaces: a.xdp.ifaces,
-		Pinned: a.xdp.prog != nil && a.xdp.pinPath != "", PinPath: a.xdp.pinPath, Adopted: a.xdp.hadPins,
-		DetachOnStop: a.cfg.XDP.DetachOnStop}
+	stats, haveStats := a.xdp.Stats()
+	st := api.Status{Config: a.opts.ConfigPath, Started: snap.started, Reloads: snap.reloads,
+		XDP: a.xdp.Status(snap.cfg.XDP.DetachOnStop)}
 	if haveStats {
 		st.XDPReasons = make(map[string]uint64, len(stats.Reasons))
 		for r, c := range stats.Reasons {
@@ -109,45 +44,46 @@ func (a *Agent) Status() (Status, error) {
 		}
 	}
 	now := time.Now()
-	for _, s := range a.services {
-		ss := ServiceStatus{Name: s.cfg.Name, Key: s.key.String(), DataPlane: s.plane, Why: s.why,
-			Algorithm: s.cfg.Algorithm, AllDown: s.allDown, Note: s.note}
-		if s.plane == PlaneXDP {
-			ss.Mode = s.cfg.Mode
-			c := stats.Services[s.key]
+	for i := range snap.running.Services {
+		s := &snap.running.Services[i]
+		key := xdpplane.Key(&s.Config)
+		ss := api.ServiceStatus{Name: s.Name(), Key: key.String(), DataPlane: string(s.Plane), Why: s.Why,
+			Algorithm: string(s.Config.Algorithm), AllDown: s.AllDown, Note: s.Note}
+		if s.Plane == plan.XDP {
+			ss.Mode = string(s.Config.Mode)
+			c := stats.Services[key]
 			ss.Packets, ss.Bytes = c.Packets, c.Bytes
 		}
-		var backSnap map[string]proxy.BackendSnapshot
-		if s.px != nil {
-			snap := s.px.Snapshot()
-			ss.proxySnap = &snap
-			ss.Connections, ss.Accepted = snap.Active, snap.Accepted
-			ss.Bytes = snap.BytesIn + snap.BytesOut
-			backSnap = make(map[string]proxy.BackendSnapshot, len(snap.Backends))
-			for _, b := range snap.Backends {
-				backSnap[b.Addr] = b
+		var backSnap map[netip.AddrPort]proxy.BackendSnapshot
+		if s.Plane == plan.Proxy {
+			if snap, ok := a.proxy.Snapshot(s.Name()); ok {
+				ss.Connections, ss.Accepted = snap.Active, snap.Accepted
+				ss.Bytes = snap.BytesIn + snap.BytesOut
+				backSnap = make(map[netip.AddrPort]proxy.BackendSnapshot, len(snap.Backends))
+				for _, b := range snap.Backends {
+					backSnap[b.Addr] = b
+				}
 			}
 		}
-		for _, b := range s.backends {
-			bs := BackendStatus{Address: b.cfg.Addr.String(), Health: b.state.String(), Usable: b.usable,
-				Weight: b.weight(), ConfigWeight: uint32(*b.cfg.Weight), Drained: b.drained(),
-				Override: b.weightOverride != nil || b.drainOverride != nil, MACError: b.macErr}
-			if b.mac != nil {
-				bs.MAC = b.mac.String()
+		for _, b := range s.Backends {
+			bs := api.BackendStatus{Address: b.Config.Addr.String(), Health: b.Health.String(), Usable: b.Healthy,
+				Weight: b.Weight, ConfigWeight: b.Config.Weight, Drained: b.Drained, Override: b.Override, MACError: b.MACErr}
+			if b.MAC != nil {
+				bs.MAC = b.MAC.String()
 			}
-			if s.plane == PlaneXDP {
-				c := stats.Backends[s.key][b.cfg.Addr]
+			if s.Plane == plan.XDP {
+				c := stats.Backends[key][b.Config.Addr]
 				bs.Packets, bs.Bytes = c.Packets, c.Bytes
-				if s.cfg.Mode == config.ModeNAT {
-					bs.ActiveFlows = stats.Flows[s.key][b.cfg.Addr].Active()
+				if s.Config.Mode == config.ModeNAT {
+					bs.ActiveFlows = stats.Flows[key][b.Config.Addr].Active()
 					ss.ActiveFlows += bs.ActiveFlows
 				}
 			}
-			if ps, ok := backSnap[bs.Address]; ok {
+			if ps, ok := backSnap[b.Config.Addr]; ok {
 				bs.Connections, bs.Connects = ps.Active, ps.Connects
 				bs.Bytes = ps.BytesIn + ps.BytesOut
 			}
-			if hs, ok := a.checker.Status(b.id); ok && !hs.Last.Start.IsZero() {
+			if hs, ok := a.checker.Status(b.ID); ok && !hs.Last.Start.IsZero() {
 				bs.LastCheck = "ok"
 				if hs.Last.Err != nil {
 					bs.LastCheck = hs.Last.Err.Error()
@@ -161,90 +97,31 @@ func (a *Agent) Status() (Status, error) {
 	return st, nil
 }
 
-// WriteTable writes st as the readable table `weir status` prints.
-func (st Status) WriteTable(w io.Writer) {
-	fmt.Fprintf(w, "config %s, running since %s\n", st.Config, st.Started.Format(time.RFC3339))
-	if st.XDP.Loaded {
-		var ifs []string
-		for _, i := range st.XDP.Interfaces {
-			if i.Error != "" {
-				ifs = append(ifs, fmt.Sprintf("%s (not attached: %s)", i.Name, i.Error))
-			} else {
-				ifs = append(ifs, fmt.Sprintf("%s (%s)", i.Name, i.Mode))
-			}
-		}
-		switch {
-		case !st.XDP.Pinned:
-			fmt.Fprintf(w, "xdp: attached to %s; not pinned (%s): stopping weir detaches it and drops its flows\n", strings.Join(ifs, ", "), st.XDP.Reason)
-		case st.XDP.DetachOnStop:
-			fmt.Fprintf(w, "xdp: attached to %s; pinned at %s; stopping weir detaches it (xdp.detach_on_stop), a crash keeps it\n", strings.Join(ifs, ", "), st.XDP.PinPath)
-		default:
-			fmt.Fprintf(w, "xdp: attached to %s; pinned at %s: it keeps balancing while weir is stopped or restarting (weir stop --detach removes it)\n", strings.Join(ifs, ", "), st.XDP.PinPath)
-		}
-		if st.XDP.Adopted {
-			fmt.Fprintln(w, "xdp: adopted from the previous run with its established flows")
-		}
-	} else {
-		fmt.Fprintf(w, "xdp: not loaded: %s\n", st.XDP.Reason)
+// Explain answers "where does this client go" for an XDP service: the backend a new
+// flow from client (ip:port) would get, and the one an existing flow is pinned to.
+// The proxy picks per connection as they come, so it has nothing to explain.
+func (a *Agent) Explain(_ context.Context, service, client string) (api.Explanation, error) {
+	ap, err := netip.ParseAddrPort(client)
+	if err != nil {
+		return api.Explanation{}, fmt.Errorf("client %q: want ip:port ([v6]:port for IPv6): %w", client, ErrBadRequest)
 	}
-	if n := len(st.Reloads); n > 0 {
-		r := st.Reloads[n-1]
-		if r.OK {
-			fmt.Fprintf(w, "last reload: %s, applied\n", r.Time.Format(time.RFC3339))
-		} else {
-			fmt.Fprintf(w, "last reload: %s, REJECTED (the previous config stays in force):\n", r.Time.Format(time.RFC3339))
-			for _, e := range r.Errors {
-				fmt.Fprintf(w, "  %s\n", e)
-			}
-		}
+	ap = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	snap := a.snap.Load()
+	if snap == nil {
+		return api.Explanation{}, ErrNotRunning
 	}
-	for _, s := range st.Services {
-		fmt.Fprintf(w, "\nservice %s  %s  data plane %s (%s)  algorithm %s\n", s.Name, s.Key, s.DataPlane, s.Why, s.Algorithm)
-		if s.Note != "" {
-			fmt.Fprintf(w, "  %s\n", s.Note)
-		}
-		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		switch {
-		case s.DataPlane == PlaneXDP && s.Mode == config.ModeDSR:
-			fmt.Fprintf(w, "  %s mode: %d packets, %d bytes\n", s.Mode, s.Packets, s.Bytes)
-			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tmac\tpackets\tbytes\tlast check")
-		case s.DataPlane == PlaneXDP:
-			fmt.Fprintf(w, "  %s mode: %d packets, %d bytes", s.Mode, s.Packets, s.Bytes)
-			if s.Mode == config.ModeNAT {
-				fmt.Fprintf(w, ", %d active flows", s.ActiveFlows)
-			}
-			fmt.Fprintln(w)
-			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tflows\tpackets\tbytes\tlast check")
-		default:
-			fmt.Fprintf(w, "  %d active connections, %d accepted, %d bytes\n", s.Connections, s.Accepted, s.Bytes)
-			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tactive\tconnects\tbytes\tlast check")
-		}
-		for _, b := range s.Backends {
-			weight := fmt.Sprint(b.Weight)
-			if b.Override {
-				weight += fmt.Sprintf(" (file %d, runtime)", b.ConfigWeight)
-			}
-			check := b.LastCheck
-			if b.LastCheckAgo != "" {
-				check += " (" + b.LastCheckAgo + " ago)"
-			}
-			switch {
-			case s.DataPlane == PlaneXDP && s.Mode == config.ModeDSR:
-				mac := b.MAC
-				if mac == "" {
-					mac = "unknown: " + b.MACError
-				}
-				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, mac, b.Packets, b.Bytes, check)
-			case s.DataPlane == PlaneXDP:
-				flows := "-" // dsr and tunnel see one direction only: no flow ends to count
-				if s.Mode == config.ModeNAT {
-					flows = fmt.Sprint(b.ActiveFlows)
-				}
-				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, flows, b.Packets, b.Bytes, check)
-			default:
-				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%d\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, b.Connections, b.Connects, b.Bytes, check)
-			}
-		}
-		tw.Flush()
+	s := snap.running.Service(service)
+	switch {
+	case s == nil:
+		return api.Explanation{}, fmt.Errorf("service %q: %w (see weir status)", service, ErrNotFound)
+	case s.Plane != plan.XDP:
+		return api.Explanation{}, fmt.Errorf("service %q is served by the %s, which picks a backend per connection as it comes: nothing to explain", service, s.Plane)
+	case ap.Addr().Is4() != s.Config.VIP.Addr().Is4():
+		return api.Explanation{}, fmt.Errorf("client %s: the VIP %s is of the other address family: %w", ap, s.Config.VIP.Addr(), ErrBadRequest)
 	}
+	ex, err := a.xdp.Explain(s, ap)
+	if err != nil {
+		return api.Explanation{}, fmt.Errorf("explain: %w", err)
+	}
+	return ex, nil
 }

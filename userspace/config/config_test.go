@@ -2,6 +2,9 @@ package config
 
 import (
 	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
 	"os"
 	"strings"
 	"testing"
@@ -18,7 +21,10 @@ func TestExample(t *testing.T) {
 		t.Fatalf("services: got %d; want %d", got, want)
 	}
 	web := cfg.Services[0]
-	for _, c := range []struct{ name, got, want string }{
+	for _, c := range []struct {
+		name      string
+		got, want any
+	}{
 		{"web key", web.Key(), "tcp/10.77.100.1:80"},
 		{"web mode", web.Mode, ModeDSR},
 		{"web data plane", web.DataPlane, DataPlaneAuto},
@@ -45,32 +51,41 @@ func TestDefaults(t *testing.T) {
 		got, want any
 	}{
 		{"admin.socket", cfg.Admin.Socket, DefaultAdminSocket},
-		{"metrics.listen", cfg.Metrics.Listen, DefaultMetricsListen},
-		{"log.format", cfg.Log.Format, "text"},
-		{"xdp.conntrack_size", cfg.XDP.ConntrackSize, uint32(DefaultConntrackSize)},
-		{"xdp.half_open_size", cfg.XDP.HalfOpenSize, uint32(DefaultConntrackSize / 4)},
-		{"xdp.half_open_timeout", cfg.XDP.HalfOpenTimeout.D(), 5 * time.Second},
-		{"xdp.new_flow_rate", *cfg.XDP.NewFlowRate, uint32(125000)},
-		{"xdp.new_flow_burst", cfg.XDP.NewFlowBurst, uint32(12500)},
-		{"protocol", s.Protocol, "tcp"},
+		{"admin.listen", cfg.Admin.Listen, netip.AddrPort{}},
+		{"metrics.listen", cfg.Metrics.Listen.String(), DefaultMetricsListen},
+		{"log.format", cfg.Log.Format, LogText},
+		{"log.level", cfg.Log.Level, slog.LevelInfo},
+		// The program's own defaults apply to what the file leaves at 0.
+		{"xdp.conntrack_size", cfg.XDP.ConntrackSize, uint32(0)},
+		{"xdp.half_open_size", cfg.XDP.HalfOpenSize, uint32(0)},
+		{"xdp.half_open_timeout", cfg.XDP.HalfOpenTimeout, time.Duration(0)},
+		{"xdp.new_flow_rate", cfg.XDP.NewFlowRate, uint32(125000)},
+		{"xdp.new_flow_burst", cfg.XDP.NewFlowBurst, uint32(0)},
+		{"xdp.pin_path", cfg.XDP.PinPath, DefaultPinPath},
+		{"protocol", s.Protocol, TCP},
 		{"data_plane", s.DataPlane, DataPlaneAuto},
 		{"mode", s.Mode, ModeNAT},
 		{"algorithm", s.Algorithm, AlgorithmMaglev},
 		{"hash", s.Hash, HashFiveTuple},
 		{"all_down", s.AllDown, AllDownDrop},
-		{"drain_timeout", s.DrainTimeout.D(), 30 * time.Second},
-		{"health.type", s.Health.Type, "tcp"},
-		{"health.interval", s.Health.Interval.D(), 2 * time.Second},
-		{"health.timeout", s.Health.Timeout.D(), time.Second},
-		{"health.rise", *s.Health.Rise, 2},
-		{"health.fall", *s.Health.Fall, 3},
-		{"health.initial", s.Health.Initial, "up"},
-		{"passive.consecutive", *s.Passive.Consecutive, 5},
-		{"panic_threshold", *s.PanicThreshold, 50},
-		{"proxy.listen", s.Proxy.ListenAddr.String(), "192.0.2.1:443"},
-		{"proxy.retries", *s.Proxy.Retries, 1},
-		{"backends[0].weight", *s.Backends[0].Weight, int64(1)},
-		{"backends[0].check_address", s.Backends[0].CheckAddr.String(), "192.0.2.10:443"},
+		{"drain_timeout", s.DrainTimeout, 30 * time.Second},
+		{"health.type", s.Health.Type, CheckTCP},
+		{"health.interval", s.Health.Interval, 2 * time.Second},
+		{"health.timeout", s.Health.Timeout, time.Second},
+		{"health.rise", s.Health.Rise, 2},
+		{"health.fall", s.Health.Fall, 3},
+		{"health.jitter", s.Health.Jitter, 0.1},
+		{"health.initial", s.Health.Initial, InitialUp},
+		{"passive.consecutive", s.Passive.Consecutive, 5},
+		{"passive.base_ejection", s.Passive.BaseEjection, 30 * time.Second},
+		{"panic_threshold", s.PanicThreshold, 50},
+		{"proxy.listen", s.Proxy.Listen, netip.MustParseAddrPort("192.0.2.1:443")},
+		{"proxy.connect_timeout", s.Proxy.ConnectTimeout, 3 * time.Second},
+		{"proxy.retries", s.Proxy.Retries, 1},
+		{"backends[0].weight", s.Backends[0].Weight, uint32(1)},
+		{"backends[0].check_address", s.Backends[0].CheckAddr, netip.MustParseAddrPort("192.0.2.10:443")},
+		{"backends[0].initial", s.Backends[0].Initial, InitialUp},
+		{"backends[0].mac", s.Backends[0].MAC == nil, true},
 	} {
 		if c.got != c.want {
 			t.Errorf("%s: got %v; want %v", c.name, c.got, c.want)
@@ -178,20 +193,56 @@ func TestLoadMissing(t *testing.T) {
 	}
 }
 
-func TestXDPEqual(t *testing.T) {
-	rate := func(v uint32) *uint32 { return &v }
+// What the file says, resolved: explicit values win over defaults, 0 where 0 means
+// off stays 0, and addresses and MACs arrive parsed.
+func TestResolve(t *testing.T) {
+	cfg, err := Parse([]byte(`xdp: {new_flow_rate: 0, conntrack_size: 4096}
+admin: {listen: 127.0.0.1:9999}
+metrics: {listen: "off"}
+log: {format: json, level: debug}
+addresses: [192.0.2.7, 2001:db8::7]
+services:
+- name: a
+  vip: 192.0.2.1:80
+  mode: dsr
+  algorithm: source_hash
+  drain_timeout: 0s
+  panic_threshold: 0
+  health: {jitter: 0, initial: down, type: http, expect_status: ["200", "300-302"]}
+  passive: {consecutive: 0}
+  backends:
+  - {address: 192.0.2.10:80, weight: 7, mac: "02:00:00:00:00:0a", initial: unknown, check_address: 192.0.2.10:81}
+  - {address: 192.0.2.11:80}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := cfg.Services[0]
 	for _, c := range []struct {
-		name string
-		a, b XDP
-		want bool
+		name      string
+		got, want any
 	}{
-		{"same rate, two pointers", XDP{NewFlowRate: rate(5)}, XDP{NewFlowRate: rate(5)}, true},
-		{"other rate", XDP{NewFlowRate: rate(5)}, XDP{NewFlowRate: rate(6)}, false},
-		{"unset and 0", XDP{}, XDP{NewFlowRate: rate(0)}, false},
-		{"other size", XDP{HalfOpenSize: 1}, XDP{HalfOpenSize: 2}, false},
+		{"xdp.new_flow_rate", cfg.XDP.NewFlowRate, uint32(0)},
+		{"xdp.conntrack_size", cfg.XDP.ConntrackSize, uint32(4096)},
+		{"admin.listen", cfg.Admin.Listen, netip.MustParseAddrPort("127.0.0.1:9999")},
+		{"metrics.listen", cfg.Metrics.Listen.IsValid(), false},
+		{"log.format", cfg.Log.Format, LogJSON},
+		{"log.level", cfg.Log.Level, slog.LevelDebug},
+		{"addresses", fmt.Sprint(cfg.Addresses), "[192.0.2.7 2001:db8::7]"},
+		{"hash", s.Hash, HashSource},
+		{"drain_timeout", s.DrainTimeout, time.Duration(0)},
+		{"panic_threshold", s.PanicThreshold, 0},
+		{"health.jitter", s.Health.Jitter, 0.0},
+		{"health.expect_status", fmt.Sprint(s.Health.ExpectStatus), "[{200 200} {300 302}]"},
+		{"passive.consecutive", s.Passive.Consecutive, 0},
+		{"backends[0].weight", s.Backends[0].Weight, uint32(7)},
+		{"backends[0].mac", s.Backends[0].MAC.String(), "02:00:00:00:00:0a"},
+		{"backends[0].initial", s.Backends[0].Initial, InitialUnknown},
+		{"backends[0].check_address", s.Backends[0].CheckAddr.Port(), uint16(81)},
+		{"backends[1].initial", s.Backends[1].Initial, InitialDown},
 	} {
-		if got := c.a.Equal(c.b); got != c.want {
-			t.Errorf("%s: got %t; want %t", c.name, got, c.want)
+		if c.got != c.want {
+			t.Errorf("%s: got %v; want %v", c.name, c.got, c.want)
 		}
 	}
 }

@@ -75,7 +75,8 @@ func Load(path string) (*Config, error) {
 	return cfg, err
 }
 
-// Parse parses, fills in defaults and validates one file's contents.
+// Parse parses one file's contents, fills in defaults, validates them and resolves
+// them into the model.
 func Parse(data []byte) (*Config, error) {
 	var doc yaml.Node
 	if err := yaml.Unmarshal(data, &doc); err != nil {
@@ -87,9 +88,9 @@ func Parse(data []byte) (*Config, error) {
 	root := doc.Content[0]
 	p := &parser{lines: make(map[string]int), atLine: make(map[int]string)}
 	p.index(root, "")
-	p.checkFields(root, reflect.TypeFor[Config](), "")
+	p.checkFields(root, reflect.TypeFor[file](), "")
 
-	var cfg Config
+	var cfg file
 	if err := root.Decode(&cfg); err != nil {
 		var te *yaml.TypeError
 		if !errors.As(err, &te) {
@@ -113,7 +114,7 @@ func Parse(data []byte) (*Config, error) {
 		sort.SliceStable(p.errs, func(i, j int) bool { return p.errs[i].Line < p.errs[j].Line })
 		return nil, p.errs
 	}
-	return &cfg, nil
+	return cfg.resolve(), nil
 }
 
 var lineRE = regexp.MustCompile(`^(?:yaml: )?line (\d+): (.*)$`)
@@ -212,8 +213,10 @@ func goTypeWords(t string) string {
 	switch {
 	case strings.HasPrefix(t, "[]"):
 		return "a list"
-	case strings.HasPrefix(t, "map["), strings.HasPrefix(t, "config."):
+	case strings.HasPrefix(t, "map["), strings.HasPrefix(t, "config.file"):
 		return "a mapping"
+	case strings.HasPrefix(t, "config."): // the typed names: Protocol, Mode, ...
+		return "a string"
 	case t == "string":
 		return "a string"
 	case t == "bool":
@@ -256,7 +259,7 @@ func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string) {
 	}
 	switch t.Kind() {
 	case reflect.Struct:
-		if n.Kind != yaml.MappingNode || t == reflect.TypeFor[Duration]() {
+		if n.Kind != yaml.MappingNode || t == reflect.TypeFor[duration]() {
 			return // a type error, reported by Decode
 		}
 		fields := yamlFields(t)

@@ -15,26 +15,14 @@ import (
 func ptr[T any](v T) *T { return &v }
 
 // defaults fills in every setting the file left out.
-func (c *Config) defaults() {
+func (c *file) defaults() {
 	for i := range c.Interfaces {
 		if c.Interfaces[i].Attach == "" {
 			c.Interfaces[i].Attach = "auto"
 		}
 	}
-	if c.XDP.ConntrackSize == 0 {
-		c.XDP.ConntrackSize = DefaultConntrackSize
-	}
-	if c.XDP.HalfOpenSize == 0 {
-		c.XDP.HalfOpenSize = max(c.XDP.ConntrackSize/4, MinHalfOpenSize)
-	}
-	if c.XDP.HalfOpenTimeout == 0 {
-		c.XDP.HalfOpenTimeout = Duration(DefaultHalfOpenTimeout)
-	}
 	if c.XDP.NewFlowRate == nil {
 		c.XDP.NewFlowRate = ptr(uint32(DefaultNewFlowRate))
-	}
-	if c.XDP.NewFlowBurst == 0 && *c.XDP.NewFlowRate > 0 {
-		c.XDP.NewFlowBurst = max(*c.XDP.NewFlowRate/10, 1)
 	}
 	if c.XDP.PinPath == "" {
 		c.XDP.PinPath = DefaultPinPath
@@ -49,18 +37,18 @@ func (c *Config) defaults() {
 		c.Log.Format = DefaultLogFormat
 	}
 	if c.Log.Level == "" {
-		c.Log.Level = DefaultLogLevel
+		c.Log.Level = strings.ToLower(DefaultLogLevel.String())
 	}
 	for i := range c.Services {
 		c.Services[i].defaults()
 	}
 }
 
-func (s *Service) defaults() {
+func (s *fileService) defaults() {
 	if s.Protocol == "" {
 		s.Protocol = DefaultProtocol
 	}
-	s.Protocol = strings.ToLower(s.Protocol)
+	s.Protocol = Protocol(strings.ToLower(string(s.Protocol)))
 	if s.DataPlane == "" {
 		s.DataPlane = DefaultDataPlane
 	}
@@ -73,7 +61,7 @@ func (s *Service) defaults() {
 			s.Algorithm = AlgorithmLeastConn
 		}
 	}
-	if s.Hash == "" && XDPAlgorithm(s.Algorithm) {
+	if s.Hash == "" && s.Algorithm.XDP() {
 		s.Hash = HashFiveTuple
 		if s.Algorithm == AlgorithmSourceHash {
 			s.Hash = HashSource
@@ -83,17 +71,17 @@ func (s *Service) defaults() {
 		s.AllDown = DefaultAllDown
 	}
 	if s.DrainTimeout == nil {
-		s.DrainTimeout = ptr(Duration(DefaultDrainTimeout))
+		s.DrainTimeout = ptr(duration(DefaultDrainTimeout))
 	}
 	h := &s.Health
 	if h.Type == "" {
 		h.Type = DefaultHealthType
 	}
 	if h.Interval == 0 {
-		h.Interval = Duration(DefaultInterval)
+		h.Interval = duration(DefaultInterval)
 	}
 	if h.Timeout == 0 {
-		h.Timeout = Duration(min(DefaultTimeout, h.Interval.D()))
+		h.Timeout = duration(min(DefaultTimeout, h.Interval.D()))
 	}
 	if h.Rise == nil {
 		h.Rise = ptr(DefaultRise)
@@ -120,10 +108,10 @@ func (s *Service) defaults() {
 		ps.Consecutive = ptr(DefaultConsecutive)
 	}
 	if ps.BaseEjection == 0 {
-		ps.BaseEjection = Duration(DefaultBaseEjection)
+		ps.BaseEjection = duration(DefaultBaseEjection)
 	}
 	if ps.MaxEjection == 0 {
-		ps.MaxEjection = Duration(max(DefaultMaxEjection, ps.BaseEjection.D()))
+		ps.MaxEjection = duration(max(DefaultMaxEjection, ps.BaseEjection.D()))
 	}
 	if ps.MaxEjectionPercent == nil {
 		ps.MaxEjectionPercent = ptr(DefaultMaxEjectionPct)
@@ -133,10 +121,10 @@ func (s *Service) defaults() {
 	}
 	px := &s.Proxy
 	if px.ConnectTimeout == 0 {
-		px.ConnectTimeout = Duration(DefaultConnectTimeout)
+		px.ConnectTimeout = duration(DefaultConnectTimeout)
 	}
 	if px.IdleTimeout == 0 {
-		px.IdleTimeout = Duration(DefaultIdleTimeout)
+		px.IdleTimeout = duration(DefaultIdleTimeout)
 	}
 	if px.Retries == nil {
 		px.Retries = ptr(DefaultRetries)
@@ -159,7 +147,7 @@ func (c *checker) bad(path, format string, args ...any) {
 	c.errs = append(c.errs, &FieldError{Path: path, Msg: fmt.Sprintf(format, args...)})
 }
 
-func (c *checker) oneOf(path, got string, want ...string) bool {
+func oneOf[T ~string](c *checker, path string, got T, want ...T) bool {
 	if slices.Contains(want, got) {
 		return true
 	}
@@ -167,14 +155,18 @@ func (c *checker) oneOf(path, got string, want ...string) bool {
 	return false
 }
 
-func orList(w []string) string {
-	if len(w) == 1 {
-		return w[0]
+func orList[T ~string](w []T) string {
+	s := make([]string, len(w))
+	for i, v := range w {
+		s[i] = string(v)
 	}
-	return strings.Join(w[:len(w)-1], ", ") + " or " + w[len(w)-1]
+	if len(s) == 1 {
+		return s[0]
+	}
+	return strings.Join(s[:len(s)-1], ", ") + " or " + s[len(s)-1]
 }
 
-func (c *checker) positive(path string, d Duration) {
+func (c *checker) positive(path string, d duration) {
 	if d <= 0 {
 		c.bad(path, "must be positive, got %v", d)
 	}
@@ -234,7 +226,7 @@ func family(a netip.Addr) string {
 
 // validate checks every setting and cross-setting rule and fills in the parsed
 // fields. It assumes defaults have been applied.
-func (cfg *Config) validate() []*FieldError {
+func (cfg *file) validate() []*FieldError {
 	c := &checker{}
 	seenIf := map[string]int{}
 	for i, in := range cfg.Interfaces {
@@ -248,7 +240,7 @@ func (cfg *Config) validate() []*FieldError {
 			c.bad(p+".name", "%q is already listed as interfaces[%d]", in.Name, j)
 		}
 		seenIf[in.Name] = i
-		c.oneOf(p+".attach", in.Attach, "native", "generic", "auto")
+		oneOf(c, p+".attach", in.Attach, "native", "generic", "auto")
 	}
 	if d := cfg.XDP.HalfOpenTimeout.D(); d < 0 || d > 0 && (d < 100*time.Millisecond || d > 10*time.Minute) {
 		c.bad("xdp.half_open_timeout", "must be 100ms..10m, got %s", d)
@@ -281,8 +273,8 @@ func (cfg *Config) validate() []*FieldError {
 	if cfg.Metrics.Listen != "off" {
 		c.hostPort("metrics.listen", cfg.Metrics.Listen)
 	}
-	c.oneOf("log.format", cfg.Log.Format, "text", "json")
-	c.oneOf("log.level", cfg.Log.Level, "debug", "info", "warn", "error")
+	oneOf(c, "log.format", cfg.Log.Format, "text", "json")
+	oneOf(c, "log.level", cfg.Log.Level, "debug", "info", "warn", "error")
 
 	xdpPossible := len(cfg.Interfaces) > 0
 	names := map[string]int{}
@@ -333,7 +325,7 @@ func (c *checker) hostPort(path, s string) {
 	}
 }
 
-func (s *Service) validate(c *checker, p string, xdpPossible bool) {
+func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 	vip, vipOK := c.addrPort(p+".vip", s.VIP)
 	if vipOK && (vip.Addr().IsUnspecified() || vip.Addr().IsMulticast()) {
 		c.bad(p+".vip", "must be a unicast address, got %s", vip.Addr())
@@ -342,15 +334,15 @@ func (s *Service) validate(c *checker, p string, xdpPossible bool) {
 	if vipOK {
 		s.VIPAddr = vip
 	}
-	protoOK := c.oneOf(p+".protocol", s.Protocol, "tcp", "udp")
-	dpOK := c.oneOf(p+".data_plane", s.DataPlane, DataPlaneAuto, DataPlaneXDP, DataPlaneProxy)
-	modeOK := c.oneOf(p+".mode", s.Mode, ModeNAT, ModeDSR, ModeTunnel)
-	algoOK := c.oneOf(p+".algorithm", s.Algorithm, Algorithms()...)
-	c.oneOf(p+".all_down", s.AllDown, AllDownDrop, AllDownPass, AllDownKeepLast)
+	protoOK := oneOf(c, p+".protocol", s.Protocol, "tcp", "udp")
+	dpOK := oneOf(c, p+".data_plane", s.DataPlane, DataPlaneAuto, DataPlaneXDP, DataPlaneProxy)
+	modeOK := oneOf(c, p+".mode", s.Mode, ModeNAT, ModeDSR, ModeTunnel)
+	algoOK := oneOf(c, p+".algorithm", s.Algorithm, Algorithms()...)
+	oneOf(c, p+".all_down", s.AllDown, AllDownDrop, AllDownPass, AllDownKeepLast)
 
 	// Which data planes can serve this service, from the config alone.
 	if dpOK && algoOK && protoOK {
-		hashAlgo := XDPAlgorithm(s.Algorithm)
+		hashAlgo := s.Algorithm.XDP()
 		switch {
 		case s.DataPlane == DataPlaneXDP && !hashAlgo:
 			c.bad(p+".algorithm", "%s needs the proxy data plane (it sees every connection end; XDP serves only maglev and source_hash): use data_plane proxy or auto, or algorithm maglev", s.Algorithm)
@@ -365,7 +357,7 @@ func (s *Service) validate(c *checker, p string, xdpPossible bool) {
 		}
 		if s.Hash != "" && !hashAlgo {
 			c.bad(p+".hash", "only maglev and source_hash hash; %s does not (remove hash)", s.Algorithm)
-		} else if hashAlgo && c.oneOf(p+".hash", s.Hash, HashFiveTuple, HashSource) &&
+		} else if hashAlgo && oneOf(c, p+".hash", s.Hash, HashFiveTuple, HashSource) &&
 			s.Algorithm == AlgorithmSourceHash && s.Hash != HashSource {
 			c.bad(p+".hash", "source_hash always hashes the source address; remove hash or use maglev")
 		}
@@ -436,7 +428,7 @@ func (s *Service) validate(c *checker, p string, xdpPossible bool) {
 			}
 		}
 		if b.Initial != "" {
-			c.oneOf(bp+".initial", b.Initial, "up", "down", "unknown")
+			oneOf(c, bp+".initial", b.Initial, "up", "down", "unknown")
 		}
 		if b.MaxConns < 0 {
 			c.bad(bp+".max_conns", "must be 0 (the service's limit) or positive, got %d", b.MaxConns)
@@ -447,8 +439,8 @@ func (s *Service) validate(c *checker, p string, xdpPossible bool) {
 	}
 }
 
-func (h *Health) validate(c *checker, p string) {
-	typeOK := c.oneOf(p+".type", h.Type, "tcp", "http", "none")
+func (h *fileHealth) validate(c *checker, p string) {
+	typeOK := oneOf(c, p+".type", h.Type, "tcp", "http", "none")
 	c.positive(p+".interval", h.Interval)
 	c.positive(p+".timeout", h.Timeout)
 	if *h.Rise < 1 {
@@ -460,7 +452,7 @@ func (h *Health) validate(c *checker, p string) {
 	if *h.Jitter < 0 || *h.Jitter > 0.5 {
 		c.bad(p+".jitter", "must be 0..0.5, got %g", *h.Jitter)
 	}
-	c.oneOf(p+".initial", h.Initial, "up", "down", "unknown")
+	oneOf(c, p+".initial", h.Initial, "up", "down", "unknown")
 	if !typeOK || h.Type == "http" {
 		if !strings.HasPrefix(h.Path, "/") || strings.ContainsAny(h.Path, " \r\n") {
 			c.bad(p+".path", "must start with / and hold no spaces or line breaks, got %q", h.Path)
@@ -492,7 +484,7 @@ func (h *Health) validate(c *checker, p string) {
 	}
 }
 
-func (ps *Passive) validate(c *checker, p string) {
+func (ps *filePassive) validate(c *checker, p string) {
 	if *ps.Consecutive < 0 {
 		c.bad(p+".consecutive", "must be 0 (off) or positive, got %d", *ps.Consecutive)
 	}
@@ -505,7 +497,7 @@ func (ps *Passive) validate(c *checker, p string) {
 	}
 }
 
-func (px *Proxy) validate(c *checker, p string, vip netip.AddrPort) {
+func (px *fileProxy) validate(c *checker, p string, vip netip.AddrPort) {
 	px.ListenAddr = vip
 	if px.Listen != "" {
 		px.ListenAddr = netip.AddrPort{}

@@ -1,4 +1,14 @@
-package agent
+// Package xdpplane is the agent's XDP data plane: it loads the program through the
+// loader, attaches it, pins it (bpffs, one agent per pin directory by flock), runs
+// the self-test that decides whether a service may be served by XDP, does all the
+// agent's netlink neighbour work (dsr backends' MACs, the balancer's own addresses),
+// and turns the planner's desired services into loader writes.
+//
+// The agent's reconcile loop owns a Plane: Add, Update, SetBackend, Remove and
+// DropUnowned are called from that loop only. Loaded, Status, Stats and Explain read
+// what never changes after Setup, or the loader (which is safe for concurrent use),
+// so status and metrics may call them from any goroutine.
+package xdpplane
 
 import (
 	"bytes"
@@ -13,14 +23,15 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/loader"
+	"github.com/weir-lb/weir/userspace/agent/api"
 	"github.com/weir-lb/weir/userspace/config"
 )
 
-// xdpPlane is the loaded XDP program and where it is attached.
-type xdpPlane struct {
+// Plane is the loaded XDP program and where it is attached.
+type Plane struct {
 	prog   *loader.Program // nil when XDP is unavailable
 	reason string          // why it is unavailable, or how it is attached
-	ifaces []InterfaceStatus
+	ifaces []api.InterfaceStatus
 	links  map[int]string // ifindex -> name of attached interfaces
 	addrs  []netip.Addr   // the balancer's own addresses
 
@@ -37,11 +48,16 @@ type xdpPlane struct {
 	// adoptedMACs are the dsr backend MACs the pinned program held, used while the
 	// neighbour table has no answer so a restart never takes a backend out.
 	adoptedMACs map[netip.Addr]net.HardwareAddr
+
+	// installed are the services this run put in the program, and the name of the
+	// service that owns each (loop only): a renamed service takes its key over
+	// before the old name is removed.
+	installed map[loader.ServiceKey]string
 }
 
 // natAddr is the balancer's own address of a family: nat's source and tunnel's
 // outer source (zero if there is none).
-func (x *xdpPlane) natAddr(v6 bool) netip.Addr {
+func (x *Plane) natAddr(v6 bool) netip.Addr {
 	for _, a := range x.addrs {
 		if a.Is6() == v6 {
 			return a
@@ -53,12 +69,13 @@ func (x *xdpPlane) natAddr(v6 bool) netip.Addr {
 // errInterfaceBusy: another program (another agent?) already holds the interface.
 var errInterfaceBusy = errors.New("interface already has an XDP program")
 
-// setupXDP loads the program and attaches it to every configured interface. It
+// Setup loads the program and attaches it to every configured interface. It
 // returns a plane without program, and the reason, when the host can't run XDP; it
 // returns an error only for what must stop the agent (an interface that another
 // XDP program holds).
-func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
-	x := &xdpPlane{links: make(map[int]string), addrs: cfg.Addrs, hashSeed: cfg.XDP.HashSeed}
+func Setup(cfg *config.Config, disabled bool) (*Plane, error) {
+	x := &Plane{links: make(map[int]string), addrs: cfg.Addresses, hashSeed: cfg.XDP.HashSeed,
+		installed: make(map[loader.ServiceKey]string)}
 	switch {
 	case disabled:
 		x.reason = "XDP disabled (--no-xdp)"
@@ -88,7 +105,7 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 		// that family fall back to the proxy and say why.
 		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name)
 	}
-	opts := loaderOptions(cfg)
+	opts := LoaderOptions(cfg)
 	opts.NAT.Addr4, opts.NAT.Addr6, opts.PinPath = x.natAddr(false), x.natAddr(true), x.pinPath
 	prog, err := loader.Load(opts)
 	if err != nil {
@@ -111,12 +128,12 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 		}
 	}
 	for _, in := range cfg.Interfaces {
-		st := InterfaceStatus{Name: in.Name, Requested: in.Attach}
+		st := api.InterfaceStatus{Name: in.Name, Requested: string(in.Attach)}
 		mode, err := prog.Attach(in.Name, loader.Mode(in.Attach))
 		if err != nil {
 			if errors.Is(err, unix.EBUSY) || errors.Is(err, unix.EEXIST) {
 				x.prog = prog
-				x.stop(!x.hadPins)
+				x.Stop(!x.hadPins)
 				return nil, fmt.Errorf("attach xdp to %s: %w: is another weir agent running? (%w)", in.Name, errInterfaceBusy, err)
 			}
 			st.Error = err.Error()
@@ -130,7 +147,7 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 	}
 	if len(x.links) == 0 {
 		x.prog = prog
-		x.stop(!x.hadPins)
+		x.Stop(!x.hadPins)
 		x.prog = nil
 		x.reason = "could not attach XDP to any interface"
 		return x, nil
@@ -139,9 +156,9 @@ func setupXDP(cfg *config.Config, disabled bool) (*xdpPlane, error) {
 	return x, nil
 }
 
-// stop releases the program: with detach (or without pins) it is detached and its
+// Stop releases the program: with detach (or without pins) it is detached and its
 // pins removed; otherwise it stays attached and balancing, pinned for the next run.
-func (x *xdpPlane) stop(detach bool) error {
+func (x *Plane) Stop(detach bool) error {
 	if x == nil {
 		return nil
 	}
@@ -161,7 +178,7 @@ func (x *xdpPlane) stop(detach bool) error {
 }
 
 // selfTestProgram loads the self-tests' own instance of the program on first use.
-func (x *xdpPlane) selfTestProgram() (*loader.Program, error) {
+func (x *Plane) selfTestProgram() (*loader.Program, error) {
 	if x.selfProg == nil {
 		p, err := loader.Load(loader.Options{HashSeed: x.hashSeed, ConntrackSize: 1024,
 			NAT: loader.NATOptions{Addr4: x.natAddr(false), Addr6: x.natAddr(true)}})
@@ -173,7 +190,7 @@ func (x *xdpPlane) selfTestProgram() (*loader.Program, error) {
 	return x.selfProg, nil
 }
 
-func (x *xdpPlane) unlock() {
+func (x *Plane) unlock() {
 	if x.pinLock != nil {
 		x.pinLock.Close()
 		x.pinLock = nil
@@ -198,21 +215,15 @@ func lockPinPath(dir string) (*os.File, error) {
 	return f, nil
 }
 
-// dropStale removes installed services that no running XDP service owns: after a
-// restart, services the pinned program still had that the config no longer serves
-// through XDP (or self-test services a killed agent left). Called with Agent.mu held.
-func (x *xdpPlane) dropStale(services []*service, log *slog.Logger) {
+// DropUnowned removes the services the program holds that this run did not put
+// there: after a restart, services the pinned program still had that the config no
+// longer serves through XDP (or self-test services a killed agent left).
+func (x *Plane) DropUnowned(log *slog.Logger) {
 	if x.prog == nil {
 		return
 	}
-	owned := make(map[loader.ServiceKey]bool)
-	for _, s := range services {
-		if s.plane == PlaneXDP && s.installed {
-			owned[s.key] = true
-		}
-	}
 	for _, s := range x.prog.Services() {
-		if owned[s.Key] {
+		if _, ok := x.installed[s.Key]; ok {
 			continue
 		}
 		if err := x.prog.DeleteService(s.Key); err != nil {
@@ -223,12 +234,12 @@ func (x *xdpPlane) dropStale(services []*service, log *slog.Logger) {
 	}
 }
 
-// canServe says whether the XDP plane can serve a service, and if not why.
-func (x *xdpPlane) canServe(s *config.Service) error {
+// CanServe says whether the XDP plane can serve a service, and if not why.
+func (x *Plane) CanServe(s *config.Service) error {
 	switch {
 	case x.prog == nil:
 		return fmt.Errorf("XDP unavailable: %s", x.reason)
-	case !config.XDPAlgorithm(s.Algorithm):
+	case !s.Algorithm.XDP():
 		return fmt.Errorf("algorithm %s needs the proxy (XDP serves maglev and source_hash)", s.Algorithm)
 	}
 	if err := x.modeReady(s); err != nil {
@@ -244,13 +255,13 @@ func (x *xdpPlane) canServe(s *config.Service) error {
 // from the balancer's own address of the family they send in, and their next-hop
 // lookups (bpf_fib_lookup) answer only where the kernel would forward: IPv4
 // forwarding on the interface the packets arrive on, IPv6 forwarding for the host.
-func (x *xdpPlane) modeReady(s *config.Service) error {
+func (x *Plane) modeReady(s *config.Service) error {
 	var families []bool // IPv6?
 	switch s.Mode {
 	case config.ModeDSR:
 		return nil
 	case config.ModeNAT:
-		families = []bool{s.VIPAddr.Addr().Is6()}
+		families = []bool{s.VIP.Addr().Is6()}
 	case config.ModeTunnel:
 		seen := map[bool]bool{}
 		for _, b := range s.Backends {
@@ -300,7 +311,7 @@ func RemovePinned(cfg *config.Config) error {
 		return fmt.Errorf("remove pinned xdp program: %w", err)
 	}
 	defer lock.Close()
-	opts := loaderOptions(cfg)
+	opts := LoaderOptions(cfg)
 	opts.PinPath = dir
 	prog, err := loader.Load(opts)
 	if err != nil {
@@ -321,15 +332,15 @@ func RemovePinned(cfg *config.Config) error {
 	return nil
 }
 
-// loaderOptions are the XDP program's load-time settings from cfg: the table sizes
+// LoaderOptions are the XDP program's load-time settings from cfg: the table sizes
 // must be the same at every load that adopts the pinned maps.
-func loaderOptions(cfg *config.Config) loader.Options {
+func LoaderOptions(cfg *config.Config) loader.Options {
 	return loader.Options{
 		HashSeed:      cfg.XDP.HashSeed,
 		ConntrackSize: cfg.XDP.ConntrackSize,
 		HalfOpenSize:  cfg.XDP.HalfOpenSize,
-		NewFlowRate:   *cfg.XDP.NewFlowRate,
+		NewFlowRate:   cfg.XDP.NewFlowRate,
 		NewFlowBurst:  cfg.XDP.NewFlowBurst,
-		NAT:           loader.NATOptions{HalfOpen: cfg.XDP.HalfOpenTimeout.D()},
+		NAT:           loader.NATOptions{HalfOpen: cfg.XDP.HalfOpenTimeout},
 	}
 }

@@ -1,4 +1,4 @@
-package agent
+package xdpplane
 
 import (
 	"errors"
@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"time"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -161,57 +160,4 @@ func interfaceAddrs(ifname string) ([]netip.Addr, error) {
 		}
 	}
 	return out, nil
-}
-
-// socketInUse reports whether something answers on the unix socket at path.
-func socketInUse(path string) bool {
-	c, err := net.DialTimeout("unix", path, 500*time.Millisecond)
-	if err != nil {
-		return false
-	}
-	c.Close()
-	return true
-}
-
-// listenUnix listens on a fresh unix socket at path with mode 0600, refusing if
-// another process answers there and replacing a stale socket file.
-func listenUnix(path string) (net.Listener, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, fmt.Errorf("admin socket %s: %w", path, err)
-	}
-	if socketInUse(path) {
-		return nil, fmt.Errorf("admin socket %s: another weir agent answers there: stop it first, or give this one another admin.socket", path)
-	}
-	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("admin socket %s: remove stale socket: %w", path, err)
-	}
-	old := unix.Umask(0o177)
-	ln, err := net.Listen("unix", path)
-	unix.Umask(old)
-	if err != nil {
-		return nil, fmt.Errorf("admin socket %s: %w", path, err)
-	}
-	if err := os.Chmod(path, 0o600); err != nil {
-		ln.Close()
-		return nil, fmt.Errorf("admin socket %s: %w", path, err)
-	}
-	return ln, nil
-}
-
-// sdNotify tells systemd (Type=notify) about the agent's state, if it runs under
-// systemd; otherwise it does nothing.
-func sdNotify(state string) {
-	path := os.Getenv("NOTIFY_SOCKET")
-	if path == "" {
-		return
-	}
-	if path[0] == '@' {
-		path = "\x00" + path[1:] // abstract socket
-	}
-	c, err := net.DialUnix("unixgram", nil, &net.UnixAddr{Name: path, Net: "unixgram"})
-	if err != nil {
-		return
-	}
-	defer c.Close()
-	c.Write([]byte(state))
 }

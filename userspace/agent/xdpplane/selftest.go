@@ -1,4 +1,4 @@
-package agent
+package xdpplane
 
 import (
 	"bytes"
@@ -167,17 +167,17 @@ func (s *scratchNS) close() {
 
 // selfTest installs a test service shaped like s, checks the program's answer to
 // its golden packets, and removes it again.
-func (x *xdpPlane) selfTest(s *config.Service) error {
-	v6 := s.VIPAddr.Addr().Is6()
+func (x *Plane) selfTest(s *config.Service) error {
+	v6 := s.VIP.Addr().Is6()
 	vip, client := testVIP4, testClient4
 	if v6 {
 		vip, client = testVIP6, testClient6
 	}
 	proto := loader.TCP
-	if s.Protocol == "udp" {
+	if s.Protocol == config.UDP {
 		proto = loader.UDP
 	}
-	port := s.VIPAddr.Port()
+	port := s.VIP.Port()
 	key := loader.ServiceKey{VIP: netip.AddrPortFrom(vip, port), Protocol: proto}
 	svc := loader.Service{Key: key, SourceHash: s.Hash == config.HashSource, Forwarding: forwarding(s.Mode)}
 	var backendFamilies []bool // IPv6? of each backend family to test (tunnel may mix)
@@ -218,17 +218,7 @@ func testBackendAddr(v6 bool) netip.Addr {
 	return testBackend4
 }
 
-func forwarding(mode string) loader.Forwarding {
-	switch mode {
-	case config.ModeDSR:
-		return loader.ForwardDSR
-	case config.ModeTunnel:
-		return loader.ForwardTunnel
-	}
-	return loader.ForwardNAT
-}
-
-func (x *xdpPlane) runSelfTest(svc loader.Service, client netip.Addr) error {
+func (x *Plane) runSelfTest(svc loader.Service, client netip.Addr) error {
 	key := svc.Key
 	prog, err := x.selfTestProgram()
 	if err != nil {
@@ -285,7 +275,7 @@ func (x *xdpPlane) runSelfTest(svc loader.Service, client netip.Addr) error {
 }
 
 // checkRun runs one frame and checks the verdict, then the output with check.
-func (x *xdpPlane) checkRun(in []byte, ifindex int, want loader.Action, check func(out []byte) error) error {
+func (x *Plane) checkRun(in []byte, ifindex int, want loader.Action, check func(out []byte) error) error {
 	prog, err := x.selfTestProgram()
 	if err != nil {
 		return err
@@ -306,7 +296,7 @@ func (x *xdpPlane) checkRun(in []byte, ifindex int, want loader.Action, check fu
 // natSelfTest: the client's packet leaves translated (source: the balancer's address
 // and a port of the nat range; destination: the backend) to the backend's MAC, and
 // the backend's reply comes back translated to the client by the way it came.
-func (x *xdpPlane) natSelfTest(in packet.Frame, be netip.AddrPort, ifindex int) error {
+func (x *Plane) natSelfTest(in packet.Frame, be netip.AddrPort, ifindex int) error {
 	own := x.natAddr(be.Addr().Is6())
 	l4 := 14 + 20
 	if be.Addr().Is6() {
@@ -318,8 +308,8 @@ func (x *xdpPlane) natSelfTest(in packet.Frame, be netip.AddrPort, ifindex int) 
 			return errors.New("frame too short")
 		}
 		natPort = binary.BigEndian.Uint16(out[l4:])
-		if natPort < 10000 || natPort > 32767 {
-			return fmt.Errorf("nat source port %d; want 10000..32767", natPort)
+		if lo, hi := x.selfProg.NATPortRange(); natPort < lo || natPort > hi {
+			return fmt.Errorf("nat source port %d; want %d..%d", natPort, lo, hi)
 		}
 		want := in
 		want.SrcMAC, want.DstMAC = testMACOur, testMACBE
@@ -354,7 +344,7 @@ func (x *xdpPlane) natSelfTest(in packet.Frame, be netip.AddrPort, ifindex int) 
 
 // tunnelSelfTest: the client's packet leaves whole inside an outer IPv4 or IPv6
 // header from the balancer's address to the backend's, to the backend's MAC.
-func (x *xdpPlane) tunnelSelfTest(in packet.Frame, be netip.AddrPort, ifindex int) error {
+func (x *Plane) tunnelSelfTest(in packet.Frame, be netip.AddrPort, ifindex int) error {
 	inner := in.Build()[14:]
 	key := loader.ServiceKey{VIP: in.Dst, Protocol: loader.Protocol(6)}
 	if in.Proto == packet.ProtoUDP {

@@ -1,4 +1,8 @@
-package agent
+// Package admin is the agent's admin API: HTTP+JSON served on a unix socket (and
+// an optional loopback TCP address), and the Client the CLI talks to it with. The
+// server knows the agent only through the Agent interface it declares; both ends
+// speak the values of userspace/agent/api.
+package admin
 
 import (
 	"context"
@@ -12,8 +16,19 @@ import (
 	"strings"
 	"time"
 
+	"github.com/weir-lb/weir/userspace/agent/api"
 	"github.com/weir-lb/weir/userspace/config"
 )
+
+// Agent is what the admin API asks of the agent.
+type Agent interface {
+	Status() (api.Status, error)
+	Reload(ctx context.Context) error
+	SetDrain(ctx context.Context, service, backend string, drain bool) error
+	SetWeight(ctx context.Context, service, backend string, weight uint32) error
+	Explain(ctx context.Context, service, client string) (api.Explanation, error)
+	Stop(detach bool) error
+}
 
 // The admin API, HTTP+JSON:
 //
@@ -27,7 +42,7 @@ import (
 //
 // Errors are {"error": "..."} (or {"errors": [...]} for a rejected reload) with a
 // 4xx or 5xx status.
-func (a *Agent) adminHandler() http.Handler {
+func Handler(a Agent, metrics http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, r *http.Request) {
 		st, err := a.Status()
@@ -39,7 +54,7 @@ func (a *Agent) adminHandler() http.Handler {
 	})
 	mux.HandleFunc("POST /v1/reload", func(w http.ResponseWriter, r *http.Request) {
 		if err := a.Reload(r.Context()); err != nil {
-			writeJSON(w, http.StatusUnprocessableEntity, errorBody{Errors: errorLines(err)})
+			writeJSON(w, http.StatusUnprocessableEntity, errorBody{Errors: ErrorLines(err)})
 			return
 		}
 		writeJSON(w, http.StatusOK, map[string]bool{"ok": true})
@@ -52,7 +67,7 @@ func (a *Agent) adminHandler() http.Handler {
 			writeErr(w, http.StatusBadRequest, errors.New(`body must be {"drain": true} or {"drain": false}`))
 			return
 		}
-		a.answer(w, a.SetDrain(r.PathValue("service"), r.PathValue("addr"), *req.Drain))
+		answer(w, a.SetDrain(r.Context(), r.PathValue("service"), r.PathValue("addr"), *req.Drain))
 	})
 	mux.HandleFunc("POST /v1/services/{service}/backends/{addr}/weight", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {
@@ -66,12 +81,12 @@ func (a *Agent) adminHandler() http.Handler {
 			writeErr(w, http.StatusBadRequest, fmt.Errorf("weight must be 0..%d, got %d", config.MaxWeight, *req.Weight))
 			return
 		}
-		a.answer(w, a.SetWeight(r.PathValue("service"), r.PathValue("addr"), uint32(*req.Weight)))
+		answer(w, a.SetWeight(r.Context(), r.PathValue("service"), r.PathValue("addr"), uint32(*req.Weight)))
 	})
 	mux.HandleFunc("GET /v1/services/{service}/explain", func(w http.ResponseWriter, r *http.Request) {
-		ex, err := a.Explain(r.PathValue("service"), r.URL.Query().Get("client"))
+		ex, err := a.Explain(r.Context(), r.PathValue("service"), r.URL.Query().Get("client"))
 		if err != nil {
-			a.answer(w, err)
+			answer(w, err)
 			return
 		}
 		writeJSON(w, http.StatusOK, ex)
@@ -84,21 +99,21 @@ func (a *Agent) adminHandler() http.Handler {
 			writeErr(w, http.StatusBadRequest, errors.New(`body must be {"detach": true} or {"detach": false}`))
 			return
 		}
-		a.answer(w, a.Stop(req.Detach))
+		answer(w, a.Stop(req.Detach))
 	})
-	mux.Handle("GET /metrics", a.metrics.handler())
+	mux.Handle("GET /metrics", metrics)
 	return mux
 }
 
-func (a *Agent) answer(w http.ResponseWriter, err error) {
+func answer(w http.ResponseWriter, err error) {
 	switch {
 	case err == nil:
 		writeJSON(w, http.StatusOK, map[string]bool{"ok": true})
-	case errors.Is(err, ErrNotFound):
+	case errors.Is(err, api.ErrNotFound):
 		writeErr(w, http.StatusNotFound, err)
-	case errors.Is(err, ErrBadRequest):
+	case errors.Is(err, api.ErrBadRequest):
 		writeErr(w, http.StatusBadRequest, err)
-	case errors.Is(err, ErrNotRunning):
+	case errors.Is(err, api.ErrNotRunning):
 		writeErr(w, http.StatusServiceUnavailable, err)
 	default:
 		writeErr(w, http.StatusConflict, err)
@@ -188,8 +203,8 @@ func (c *Client) do(ctx context.Context, method, path string, body, out any) err
 }
 
 // Status fetches the agent's status.
-func (c *Client) Status(ctx context.Context) (Status, error) {
-	var st Status
+func (c *Client) Status(ctx context.Context) (api.Status, error) {
+	var st api.Status
 	err := c.do(ctx, http.MethodGet, "/v1/status", nil, &st)
 	return st, err
 }
@@ -210,8 +225,8 @@ func (c *Client) Weight(ctx context.Context, service, backend string, weight int
 }
 
 // Explain asks where a client's flow to an XDP service goes.
-func (c *Client) Explain(ctx context.Context, service, client string) (Explanation, error) {
-	var ex Explanation
+func (c *Client) Explain(ctx context.Context, service, client string) (api.Explanation, error) {
+	var ex api.Explanation
 	err := c.do(ctx, http.MethodGet, "/v1/services/"+url.PathEscape(service)+"/explain?client="+url.QueryEscape(client), nil, &ex)
 	return ex, err
 }
@@ -238,4 +253,18 @@ func (c *Client) Metrics(ctx context.Context) (string, error) {
 
 func backendPath(service, backend, op string) string {
 	return "/v1/services/" + url.PathEscape(service) + "/backends/" + url.PathEscape(backend) + "/" + op
+}
+
+// ErrorLines is an error as the lines the API answers with: one per config problem
+// for a rejected file.
+func ErrorLines(err error) []string {
+	var es config.Errors
+	if errors.As(err, &es) {
+		out := make([]string, len(es))
+		for i, e := range es {
+			out[i] = e.Error()
+		}
+		return out
+	}
+	return []string{err.Error()}
 }

@@ -1,0 +1,189 @@
+// Package api is the admin API's vocabulary: the status, explanation and error
+// values the agent serves and the CLI reads, with the table `weir status` prints.
+// It holds data only; the agent fills it in, userspace/agent/admin carries it.
+package api
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/weir-lb/weir/userspace/config"
+)
+
+// Status is what `weir status` shows; the admin API serves it as JSON.
+type Status struct {
+	Config     string            `json:"config"`
+	Started    time.Time         `json:"started"`
+	XDP        XDPStatus         `json:"xdp"`
+	Services   []ServiceStatus   `json:"services"`
+	Reloads    []ReloadStatus    `json:"reloads,omitempty"`
+	XDPReasons map[string]uint64 `json:"xdp_packets_by_reason,omitempty"`
+}
+
+// XDPStatus says whether XDP is loaded and where.
+type XDPStatus struct {
+	Loaded     bool              `json:"loaded"`
+	Reason     string            `json:"reason,omitempty"` // why not, or a warning
+	Interfaces []InterfaceStatus `json:"interfaces,omitempty"`
+	// Pinned: the program and maps are pinned at PinPath, so a restart (or a crash)
+	// keeps XDP flows; DetachOnStop says whether stopping removes them anyway.
+	Pinned       bool   `json:"pinned"`
+	PinPath      string `json:"pin_path,omitempty"`
+	Adopted      bool   `json:"adopted,omitempty"` // taken over from the previous run
+	DetachOnStop bool   `json:"detach_on_stop"`
+	// NextHopError is the last failure to set up the neighbour entries of nat and
+	// tunnel backends' next hops: such backends still work, but their first packets
+	// wait for the kernel's own resolution.
+	NextHopError string `json:"next_hop_error,omitempty"`
+	// NATPorts is the source port range nat flows take, as the program was built.
+	NATPorts [2]uint16 `json:"nat_ports,omitempty"`
+	// ConntrackSize and HalfOpenSize are the flow tables' capacities as loaded.
+	ConntrackSize uint32 `json:"conntrack_size,omitempty"`
+	HalfOpenSize  uint32 `json:"half_open_size,omitempty"`
+}
+
+// InterfaceStatus is one configured interface.
+type InterfaceStatus struct {
+	Name      string `json:"name"`
+	Requested string `json:"requested"`
+	Mode      string `json:"mode,omitempty"` // native or generic once attached
+	Error     string `json:"error,omitempty"`
+}
+
+// ReloadStatus is one reload's outcome.
+type ReloadStatus struct {
+	Time   time.Time `json:"time"`
+	OK     bool      `json:"ok"`
+	Errors []string  `json:"errors,omitempty"`
+}
+
+// ServiceStatus is one service.
+type ServiceStatus struct {
+	Name      string `json:"name"`
+	Key       string `json:"key"`
+	DataPlane string `json:"data_plane"`
+	Why       string `json:"why"`
+	Mode      string `json:"mode,omitempty"`
+	Algorithm string `json:"algorithm"`
+	AllDown   bool   `json:"all_down"`
+	Note      string `json:"note,omitempty"`
+	Packets   uint64 `json:"packets"`
+	Bytes     uint64 `json:"bytes"`
+	// XDP nat only: flows open now (opened and not yet seen to close).
+	ActiveFlows uint64 `json:"active_flows"`
+	// Proxy only.
+	Connections int64           `json:"active_connections"`
+	Accepted    uint64          `json:"accepted_connections"`
+	Backends    []BackendStatus `json:"backends"`
+}
+
+// BackendStatus is one backend.
+type BackendStatus struct {
+	Address      string `json:"address"`
+	Health       string `json:"health"`
+	Usable       bool   `json:"usable"`
+	Weight       uint32 `json:"weight"`
+	ConfigWeight uint32 `json:"config_weight"`
+	Drained      bool   `json:"drained"`
+	Override     bool   `json:"runtime_override,omitempty"`
+	MAC          string `json:"mac,omitempty"`
+	MACError     string `json:"mac_error,omitempty"`
+	Packets      uint64 `json:"packets"`
+	Bytes        uint64 `json:"bytes"`
+	ActiveFlows  uint64 `json:"active_flows"` // XDP nat only
+	Connections  int64  `json:"active_connections"`
+	Connects     uint64 `json:"connects"`
+	LastCheck    string `json:"last_check,omitempty"`
+	LastCheckAgo string `json:"last_check_ago,omitempty"`
+}
+
+// WriteTable writes st as the readable table `weir status` prints.
+func (st Status) WriteTable(w io.Writer) {
+	fmt.Fprintf(w, "config %s, running since %s\n", st.Config, st.Started.Format(time.RFC3339))
+	if st.XDP.Loaded {
+		var ifs []string
+		for _, i := range st.XDP.Interfaces {
+			if i.Error != "" {
+				ifs = append(ifs, fmt.Sprintf("%s (not attached: %s)", i.Name, i.Error))
+			} else {
+				ifs = append(ifs, fmt.Sprintf("%s (%s)", i.Name, i.Mode))
+			}
+		}
+		switch {
+		case !st.XDP.Pinned:
+			fmt.Fprintf(w, "xdp: attached to %s; not pinned (%s): stopping weir detaches it and drops its flows\n", strings.Join(ifs, ", "), st.XDP.Reason)
+		case st.XDP.DetachOnStop:
+			fmt.Fprintf(w, "xdp: attached to %s; pinned at %s; stopping weir detaches it (xdp.detach_on_stop), a crash keeps it\n", strings.Join(ifs, ", "), st.XDP.PinPath)
+		default:
+			fmt.Fprintf(w, "xdp: attached to %s; pinned at %s: it keeps balancing while weir is stopped or restarting (weir stop --detach removes it)\n", strings.Join(ifs, ", "), st.XDP.PinPath)
+		}
+		if st.XDP.Adopted {
+			fmt.Fprintln(w, "xdp: adopted from the previous run with its established flows")
+		}
+	} else {
+		fmt.Fprintf(w, "xdp: not loaded: %s\n", st.XDP.Reason)
+	}
+	if n := len(st.Reloads); n > 0 {
+		r := st.Reloads[n-1]
+		if r.OK {
+			fmt.Fprintf(w, "last reload: %s, applied\n", r.Time.Format(time.RFC3339))
+		} else {
+			fmt.Fprintf(w, "last reload: %s, REJECTED (the previous config stays in force):\n", r.Time.Format(time.RFC3339))
+			for _, e := range r.Errors {
+				fmt.Fprintf(w, "  %s\n", e)
+			}
+		}
+	}
+	for _, s := range st.Services {
+		fmt.Fprintf(w, "\nservice %s  %s  data plane %s (%s)  algorithm %s\n", s.Name, s.Key, s.DataPlane, s.Why, s.Algorithm)
+		if s.Note != "" {
+			fmt.Fprintf(w, "  %s\n", s.Note)
+		}
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		switch {
+		case s.DataPlane == PlaneXDP && s.Mode == string(config.ModeDSR):
+			fmt.Fprintf(w, "  %s mode: %d packets, %d bytes\n", s.Mode, s.Packets, s.Bytes)
+			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tmac\tpackets\tbytes\tlast check")
+		case s.DataPlane == PlaneXDP:
+			fmt.Fprintf(w, "  %s mode: %d packets, %d bytes", s.Mode, s.Packets, s.Bytes)
+			if s.Mode == string(config.ModeNAT) {
+				fmt.Fprintf(w, ", %d active flows", s.ActiveFlows)
+			}
+			fmt.Fprintln(w)
+			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tflows\tpackets\tbytes\tlast check")
+		default:
+			fmt.Fprintf(w, "  %d active connections, %d accepted, %d bytes\n", s.Connections, s.Accepted, s.Bytes)
+			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tactive\tconnects\tbytes\tlast check")
+		}
+		for _, b := range s.Backends {
+			weight := fmt.Sprint(b.Weight)
+			if b.Override {
+				weight += fmt.Sprintf(" (file %d, runtime)", b.ConfigWeight)
+			}
+			check := b.LastCheck
+			if b.LastCheckAgo != "" {
+				check += " (" + b.LastCheckAgo + " ago)"
+			}
+			switch {
+			case s.DataPlane == PlaneXDP && s.Mode == string(config.ModeDSR):
+				mac := b.MAC
+				if mac == "" {
+					mac = "unknown: " + b.MACError
+				}
+				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, mac, b.Packets, b.Bytes, check)
+			case s.DataPlane == PlaneXDP:
+				flows := "-" // dsr and tunnel see one direction only: no flow ends to count
+				if s.Mode == string(config.ModeNAT) {
+					flows = fmt.Sprint(b.ActiveFlows)
+				}
+				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, flows, b.Packets, b.Bytes, check)
+			default:
+				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%d\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, b.Connections, b.Connects, b.Bytes, check)
+			}
+		}
+		tw.Flush()
+	}
+}

@@ -1,0 +1,527 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/userspace/agent/admin"
+	"github.com/weir-lb/weir/userspace/agent/api"
+	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/config"
+)
+
+// state is what the loop owns. Nothing but the loop reads or writes it.
+type state struct {
+	cfg       *config.Config
+	started   time.Time
+	placement map[string]plan.Placement // by service name
+	health    map[string]plan.Health    // by backend ID, as the checker last said
+	overrides map[string]plan.Override  // by backend ID
+	macs      map[netip.Addr]plan.MAC   // dsr backends without a configured MAC
+	running   plan.Desired              // what the planes run now
+	flowIdle  time.Duration             // the XDP program's idle timeout of established TCP flows
+	reloads   []api.ReloadStatus        // most recent last, at most maxReloads
+}
+
+func newState(cfg *config.Config) *state {
+	return &state{cfg: cfg, started: time.Now(), placement: map[string]plan.Placement{},
+		health: map[string]plan.Health{}, overrides: map[string]plan.Override{}, macs: map[netip.Addr]plan.MAC{}}
+}
+
+func (st *state) input(cfg *config.Config, placement map[string]plan.Placement, overrides map[string]plan.Override, now time.Time) plan.Input {
+	return plan.Input{Services: cfg.Services, Placement: placement, Health: st.health, Overrides: overrides, MACs: st.macs,
+		FlowIdle: st.flowIdle, Now: now}
+}
+
+// The events the loop takes.
+type (
+	event any
+
+	// reloadEvent: read the config file again and apply it, or refuse it.
+	reloadEvent struct{ reply chan error }
+	// healthEvent: the checker changed its verdict on a backend.
+	healthEvent struct{ change health.Change }
+	// overrideEvent: a runtime drain or weight for one backend.
+	overrideEvent struct {
+		service, backend string
+		set              func(*plan.Override)
+		reply            chan error
+	}
+	// tickEvent: once a second.
+	tickEvent struct{ now time.Time }
+)
+
+// loop takes events until ctx is done, publishing a snapshot after each.
+func (a *Agent) loop(ctx context.Context, st *state) {
+	defer close(a.loopDone)
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		var ev event
+		select {
+		case <-ctx.Done():
+			return
+		case ev = <-a.events:
+		case now := <-t.C:
+			ev = tickEvent{now}
+		}
+		switch ev := ev.(type) {
+		case reloadEvent:
+			ev.reply <- a.reload(st)
+		case healthEvent:
+			a.onHealth(st, ev.change)
+		case overrideEvent:
+			ev.reply <- a.onOverride(st, ev)
+		case tickEvent:
+			a.tick(st, ev.now)
+		}
+		a.publish(st)
+		a.handled.Add(1)
+	}
+}
+
+// post hands the loop an event that needs no answer.
+func (a *Agent) post(ctx context.Context, ev event) {
+	select {
+	case a.events <- ev:
+	case <-ctx.Done():
+	case <-a.loopDone:
+	}
+}
+
+// request hands the loop an event and waits for its answer.
+func (a *Agent) request(ctx context.Context, ev event, reply chan error) error {
+	if !a.running.Load() {
+		return ErrNotRunning
+	}
+	select {
+	case a.events <- ev:
+	case <-a.loopDone:
+		return ErrNotRunning
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case err := <-reply:
+		return err
+	case <-a.loopDone:
+		select {
+		case err := <-reply:
+			return err
+		default:
+			return ErrNotRunning
+		}
+	}
+}
+
+// Reload reads the config file again and applies it, or, if it is invalid or can't
+// be applied, leaves the running one in force and returns why.
+func (a *Agent) Reload(ctx context.Context) error {
+	reply := make(chan error, 1)
+	if err := a.request(ctx, reloadEvent{reply}, reply); err != nil {
+		if errors.Is(err, ErrNotRunning) {
+			return fmt.Errorf("reload: %w", err)
+		}
+		return err
+	}
+	return nil
+}
+
+// SetDrain drains a backend (no new flows or connections; established ones stay) or
+// ends its drain. The change lasts until undone or the agent restarts; reloads keep
+// it.
+func (a *Agent) SetDrain(ctx context.Context, service, backend string, drain bool) error {
+	reply := make(chan error, 1)
+	return a.request(ctx, overrideEvent{service: service, backend: backend, reply: reply,
+		set: func(o *plan.Override) { o.Drain, o.SetDrain = drain, true }}, reply)
+}
+
+// SetWeight sets a backend's weight (0..65535) at runtime, with the same lifetime as
+// SetDrain.
+func (a *Agent) SetWeight(ctx context.Context, service, backend string, weight uint32) error {
+	if weight > config.MaxWeight {
+		return fmt.Errorf("set weight: must be 0..%d, got %d: %w", config.MaxWeight, weight, ErrBadRequest)
+	}
+	reply := make(chan error, 1)
+	return a.request(ctx, overrideEvent{service: service, backend: backend, reply: reply,
+		set: func(o *plan.Override) { o.Weight, o.SetWeight = weight, true }}, reply)
+}
+
+// start applies the first config to empty planes.
+func (a *Agent) start(st *state) error {
+	placement, err := a.place(nil, st.cfg, st.placement)
+	if err != nil {
+		return err
+	}
+	a.refreshMACs(st, st.cfg, placement)
+	next := plan.Plan(st.input(st.cfg, placement, st.overrides, time.Now()), plan.Desired{})
+	if err := a.reconcile(plan.Desired{}, next); err != nil {
+		return err
+	}
+	st.placement, st.running = placement, next
+	a.register(plan.Desired{}, next)
+	return nil
+}
+
+// reload is the reload event.
+func (a *Agent) reload(st *state) error {
+	start := time.Now()
+	cfg, err := config.Load(a.opts.ConfigPath)
+	if err == nil {
+		err = restartOnly(st.cfg, cfg)
+	}
+	if err == nil {
+		err = a.applyConfig(st, cfg)
+	}
+	rs := api.ReloadStatus{Time: start, OK: err == nil}
+	if err != nil {
+		rs.Errors = admin.ErrorLines(err)
+		a.log.Error("reload rejected: the running config stays in force", "config", a.opts.ConfigPath, "errors", len(rs.Errors))
+		for _, e := range rs.Errors {
+			a.log.Error("reload: " + e)
+		}
+	} else {
+		a.log.Info("reloaded", "config", a.opts.ConfigPath, "services", len(cfg.Services), "took", time.Since(start))
+	}
+	a.metrics.Reload(err == nil)
+	st.reloads = append(st.reloads, rs)
+	if len(st.reloads) > maxReloads {
+		st.reloads = st.reloads[1:]
+	}
+	return err
+}
+
+// restartOnly rejects changes a reload cannot apply.
+func restartOnly(old, next *config.Config) error {
+	var errs []error
+	if !slices.Equal(old.Interfaces, next.Interfaces) {
+		errs = append(errs, errors.New("interfaces: changed; restart weir to apply"))
+	}
+	if old.XDP != next.XDP {
+		errs = append(errs, errors.New("xdp: changed; restart weir to apply"))
+	}
+	if old.Admin != next.Admin || old.Metrics != next.Metrics || old.Log != next.Log {
+		errs = append(errs, errors.New("admin, metrics or log: changed; restart weir to apply"))
+	}
+	if !slices.Equal(old.Addresses, next.Addresses) {
+		errs = append(errs, errors.New("addresses: changed; restart weir to apply"))
+	}
+	return errors.Join(errs...)
+}
+
+// applyConfig makes cfg the running config, or changes nothing and says why.
+func (a *Agent) applyConfig(st *state, cfg *config.Config) error {
+	placement, err := a.place(st.cfg, cfg, st.placement)
+	if err != nil {
+		return err
+	}
+	a.refreshMACs(st, cfg, placement)
+	// Overrides last while their backend does.
+	overrides := make(map[string]plan.Override)
+	for _, s := range cfg.Services {
+		for _, b := range s.Backends {
+			id := plan.ID(s.Name, b.Addr)
+			if o, ok := st.overrides[id]; ok {
+				overrides[id] = o
+			}
+		}
+	}
+	next := plan.Plan(st.input(cfg, placement, overrides, time.Now()), st.running)
+	if err := a.reconcile(st.running, next); err != nil {
+		return err
+	}
+	prev := st.running
+	st.cfg, st.placement, st.overrides, st.running = cfg, placement, overrides, next
+	a.register(prev, next)
+	for id := range st.health {
+		if !hasBackend(next, id) {
+			delete(st.health, id)
+		}
+	}
+	for i := range next.Services {
+		s := &next.Services[i]
+		a.log.Info("service applied", "service", s.Name(), "data_plane", s.Plane, "why", s.Why, "backends", len(s.Backends))
+	}
+	for i := range prev.Services {
+		if next.Service(prev.Services[i].Name()) == nil {
+			a.log.Info("service removed", "service", prev.Services[i].Name())
+		}
+	}
+	return nil
+}
+
+func hasBackend(d plan.Desired, id string) bool {
+	for _, s := range d.Services {
+		for _, b := range s.Backends {
+			if b.ID == id {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// place decides where each service of next runs: where it runs now unless it must
+// be built anew (see plan.Rebuilt), else by asking the XDP plane.
+func (a *Agent) place(old, next *config.Config, running map[string]plan.Placement) (map[string]plan.Placement, error) {
+	prev := map[string]*config.Service{}
+	if old != nil {
+		for i := range old.Services {
+			prev[old.Services[i].Name] = &old.Services[i]
+		}
+	}
+	out := make(map[string]plan.Placement, len(next.Services))
+	var errs []error
+	for i := range next.Services {
+		cs := &next.Services[i]
+		if p, ok := prev[cs.Name]; ok && !plan.Rebuilt(p, cs) {
+			out[cs.Name] = running[cs.Name]
+			continue
+		}
+		pl, err := a.decide(cs)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		out[cs.Name] = pl
+	}
+	return out, errors.Join(errs...)
+}
+
+// decide picks the data plane of a service: see config.DataPlaneAuto.
+func (a *Agent) decide(s *config.Service) (plan.Placement, error) {
+	if s.DataPlane == config.DataPlaneProxy {
+		return plan.Placement{Plane: plan.Proxy, Why: "data_plane: proxy"}, nil
+	}
+	xerr := a.xdp.CanServe(s)
+	switch {
+	case xerr == nil:
+		return plan.Placement{Plane: plan.XDP, Why: fmt.Sprintf("XDP %s mode, self-test passed", s.Mode)}, nil
+	case s.DataPlane == config.DataPlaneXDP:
+		return plan.Placement{}, fmt.Errorf("service %q: data_plane xdp: %w", s.Name, xerr)
+	case s.Protocol == config.UDP:
+		return plan.Placement{}, fmt.Errorf("service %q: udp is served by XDP only: %w", s.Name, xerr)
+	}
+	return plan.Placement{Plane: plan.Proxy, Why: "proxy, because " + xerr.Error()}, nil
+}
+
+// refreshMACs asks the neighbour table for the MAC of every dsr backend without a
+// configured one. An address that resolved before keeps its MAC while the table has
+// no answer.
+func (a *Agent) refreshMACs(st *state, cfg *config.Config, placement map[string]plan.Placement) {
+	for _, s := range cfg.Services {
+		if s.Mode != config.ModeDSR {
+			continue
+		}
+		for _, b := range s.Backends {
+			if b.MAC != nil {
+				continue
+			}
+			ip := b.Addr.Addr()
+			m := a.xdp.ResolveMAC(ip)
+			if m.Addr == nil && st.macs[ip].Addr != nil {
+				continue
+			}
+			st.macs[ip] = m
+		}
+	}
+}
+
+// onHealth is the health event.
+func (a *Agent) onHealth(st *state, ch health.Change) {
+	st.health[ch.ID] = plan.Health{State: ch.To, Usable: ch.Usable}
+	s := st.running.Service(ch.Service)
+	if s == nil {
+		return
+	}
+	var b *plan.Backend
+	for i := range s.Backends {
+		if s.Backends[i].ID == ch.ID {
+			b = &s.Backends[i]
+		}
+	}
+	if b == nil || b.Healthy == ch.Usable && b.Health == ch.To {
+		return
+	}
+	wasDown := s.AllDown
+	err := a.converge(st, time.Now())
+	a.log.Info("backend health", "service", ch.Service, "backend", b.Config.Address, "state", ch.To.String(), "usable", ch.Usable, "reason", ch.Reason)
+	if err != nil {
+		a.log.Error("apply health change", "service", ch.Service, "backend", b.Config.Address, "err", err)
+		return
+	}
+	if now := st.running.Service(ch.Service); now != nil && now.AllDown != wasDown {
+		a.log.Warn("service usable backends changed", "service", ch.Service, "all_down", now.AllDown, "note", now.Note)
+	}
+}
+
+// onOverride is the drain or weight event.
+func (a *Agent) onOverride(st *state, ev overrideEvent) error {
+	s := st.running.Service(ev.service)
+	if s == nil {
+		return fmt.Errorf("service %q: %w (see weir status)", ev.service, ErrNotFound)
+	}
+	ap, _ := netip.ParseAddrPort(ev.backend)
+	ap = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	var b *plan.Backend
+	for i := range s.Backends {
+		if s.Backends[i].Config.Address == ev.backend || s.Backends[i].Config.Addr == ap {
+			b = &s.Backends[i]
+		}
+	}
+	if b == nil {
+		return fmt.Errorf("service %q: backend %q: %w (see weir status)", ev.service, ev.backend, ErrNotFound)
+	}
+	overrides := maps.Clone(st.overrides)
+	o := overrides[b.ID]
+	ev.set(&o)
+	overrides[b.ID] = o
+	next := plan.Plan(st.input(st.cfg, st.placement, overrides, time.Now()), st.running)
+	if err := a.reconcile(st.running, next); err != nil {
+		return err
+	}
+	st.overrides, st.running = overrides, next
+	nb := next.Service(ev.service).Backend(b.Config.Addr)
+	a.log.Info("backend changed at runtime", "service", ev.service, "backend", b.Config.Address, "weight", nb.Weight, "drained", nb.Drained)
+	return nil
+}
+
+// tick resolves the MACs still unknown and lets removed backends whose drain time
+// is up leave XDP.
+func (a *Agent) tick(st *state, now time.Time) {
+	changed := false
+	for _, s := range st.running.Services {
+		if s.Plane != plan.XDP {
+			continue
+		}
+		for _, l := range s.Leaving {
+			changed = changed || !now.Before(l.Until)
+		}
+		if s.Config.Mode != config.ModeDSR {
+			continue
+		}
+		for _, b := range s.Backends {
+			if b.MAC != nil {
+				continue
+			}
+			m := a.xdp.ResolveMAC(b.Config.Addr.Addr())
+			st.macs[b.Config.Addr.Addr()] = m
+			if m.Addr != nil {
+				changed = true
+				a.log.Info("backend mac resolved", "service", s.Name(), "backend", b.Config.Address, "mac", m.Addr.String())
+			}
+		}
+	}
+	if changed {
+		if err := a.converge(st, now); err != nil {
+			a.log.Error("apply resolved macs and drained backends", "err", err)
+		}
+	}
+}
+
+// converge plans with what the loop knows now and applies the difference.
+func (a *Agent) converge(st *state, now time.Time) error {
+	next := plan.Plan(st.input(st.cfg, st.placement, st.overrides, now), st.running)
+	if err := a.reconcile(st.running, next); err != nil {
+		return err
+	}
+	st.running = next
+	return nil
+}
+
+// reconcile applies the operations that take the planes from prev to next. If one
+// fails, every service the operations so far touched is brought back to prev by
+// the same means (a diff from where they are to prev), and the error is returned.
+func (a *Agent) reconcile(prev, next plan.Desired) error {
+	ops := plan.Diff(prev, next)
+	for i, op := range ops {
+		if err := a.do(op); err != nil {
+			if rerr := a.rollBack(prev, next, ops[:i+1]); rerr != nil {
+				a.log.Error("roll back to the running state", "err", rerr)
+				return errors.Join(err, fmt.Errorf("roll back: %w", rerr))
+			}
+			return err
+		}
+	}
+	return nil
+}
+
+func (a *Agent) do(op plan.Op) error {
+	pl := a.planes[op.Plane]
+	switch op.Kind {
+	case plan.Add:
+		return pl.Add(op.Next)
+	case plan.Update:
+		return pl.Update(op.Prev, op.Next)
+	case plan.SetBackend:
+		return pl.SetBackend(op.Prev, op.Next, op.Backend)
+	case plan.Remove:
+		return pl.Remove(op.Prev)
+	}
+	return fmt.Errorf("%s: unknown operation", op)
+}
+
+// rollBack re-applies prev to the services that done touched: from the state they
+// may be in (next's, the failed operation's included), back to prev's.
+func (a *Agent) rollBack(prev, next plan.Desired, done []plan.Op) error {
+	touched := map[string]bool{}
+	for _, op := range done {
+		touched[op.Service()] = true
+	}
+	var mid plan.Desired
+	for _, s := range next.Services {
+		if touched[s.Name()] {
+			mid.Services = append(mid.Services, s)
+		} else if p := prev.Service(s.Name()); p != nil {
+			mid.Services = append(mid.Services, *p)
+		}
+	}
+	for _, s := range prev.Services {
+		if next.Service(s.Name()) == nil && !touched[s.Name()] {
+			mid.Services = append(mid.Services, s)
+		}
+	}
+	var errs []error
+	for _, op := range plan.Diff(mid, prev) {
+		if err := a.do(op); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", op, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// register tells the health checker which services and backends run now.
+func (a *Agent) register(prev, next plan.Desired) {
+	for i := range next.Services {
+		s := &next.Services[i]
+		if err := a.checker.SetService(s.Name(), healthConfig(&s.Config)); err != nil {
+			a.log.Error("health checks", "service", s.Name(), "err", err)
+			continue
+		}
+		for _, b := range s.Backends {
+			init := plan.InitialState(b.Config.Initial)
+			if err := a.checker.Set(health.Backend{ID: b.ID, Service: s.Name(), Addr: b.Config.CheckAddr.String(), Initial: &init}); err != nil {
+				a.log.Error("health checks", "service", s.Name(), "backend", b.Config.Address, "err", err)
+			}
+		}
+	}
+	for i := range prev.Services {
+		p := &prev.Services[i]
+		n := next.Service(p.Name())
+		if n == nil {
+			a.checker.RemoveService(p.Name())
+			continue
+		}
+		for _, b := range p.Backends {
+			if n.Backend(b.Config.Addr) == nil {
+				a.checker.Remove(b.ID)
+			}
+		}
+	}
+}

@@ -1,0 +1,163 @@
+// Package metrics is the agent's Prometheus registry. The data planes' counters and
+// the state of services and backends are read at scrape time from the status the
+// agent publishes (the same one `weir status` shows, so the two never disagree);
+// health-check latencies and reloads are counted as they happen.
+package metrics
+
+import (
+	"net/http"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/userspace/agent/api"
+	"github.com/weir-lb/weir/userspace/config"
+)
+
+// Metrics is the registry.
+type Metrics struct {
+	status  func() (api.Status, error)
+	reg     *prometheus.Registry
+	checks  *prometheus.HistogramVec
+	reloads *prometheus.CounterVec
+	d       descs
+}
+
+// descs are the scrape-time metrics' descriptions.
+type descs struct {
+	serviceDataPlane, serviceDown, servicePackets, serviceBytes, serviceConns, serviceAccepted *prometheus.Desc
+	backendPackets, backendBytes, serviceFlows, backendFlows, backendConns, backendConnects    *prometheus.Desc
+	backendUsable, backendHealth, backendWeight, backendDrained, xdpReason, xdpLoaded          *prometheus.Desc
+}
+
+// New returns the registry; status is read at every scrape.
+func New(status func() (api.Status, error)) *Metrics {
+	m := &Metrics{status: status, reg: prometheus.NewRegistry()}
+	m.checks = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "weir_health_check_duration_seconds",
+		Help:    "Duration of active health checks, by service and result (ok or fail).",
+		Buckets: prometheus.ExponentialBuckets(0.0005, 4, 8),
+	}, []string{"service", "result"})
+	m.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "weir_reloads_total",
+		Help: "Config reloads, by result (ok, or error: the running config stayed in force).",
+	}, []string{"result"})
+	m.reloads.WithLabelValues("ok")
+	m.reloads.WithLabelValues("error")
+	d := func(name, help string, labels ...string) *prometheus.Desc {
+		return prometheus.NewDesc(name, help, labels, nil)
+	}
+	m.d = descs{
+		serviceDataPlane: d("weir_service_data_plane", "1 for the data plane serving the service.", "service", "data_plane"),
+		serviceDown:      d("weir_service_all_backends_down", "1 while no backend of the service is usable (all_down applies).", "service"),
+		servicePackets:   d("weir_service_packets_total", "Packets the XDP program forwarded for the service.", "service"),
+		serviceBytes:     d("weir_service_bytes_total", "Bytes the service moved (XDP: frames; proxy: both directions).", "service", "data_plane"),
+		serviceConns:     d("weir_service_connections_active", "Connections the proxy handles now.", "service"),
+		serviceAccepted:  d("weir_service_connections_total", "Connections the proxy accepted.", "service"),
+		backendPackets:   d("weir_backend_packets_total", "Packets the XDP program sent to the backend.", "service", "backend"),
+		backendBytes:     d("weir_backend_bytes_total", "Bytes to and from the backend.", "service", "backend", "data_plane"),
+		serviceFlows:     d("weir_service_flows_active", "XDP nat flows open now (a flow the connection table forgets without FIN or RST stays counted).", "service"),
+		backendFlows:     d("weir_backend_flows_active", "XDP nat flows to the backend open now.", "service", "backend"),
+		backendConns:     d("weir_backend_connections_active", "Proxy connections to the backend now.", "service", "backend"),
+		backendConnects:  d("weir_backend_connects_total", "Successful proxy connects to the backend.", "service", "backend"),
+		backendUsable:    d("weir_backend_usable", "1 while health says the backend may take new flows.", "service", "backend"),
+		backendHealth:    d("weir_backend_health", "1 for the backend's current health state.", "service", "backend", "state"),
+		backendWeight:    d("weir_backend_weight", "The backend's weight in effect.", "service", "backend"),
+		backendDrained:   d("weir_backend_drained", "1 while the backend is drained.", "service", "backend"),
+		xdpReason:        d("weir_xdp_packets_total", "Packets the XDP program counted, by verdict reason (drop_* are drops).", "reason"),
+		xdpLoaded:        d("weir_xdp_loaded", "1 while the XDP program is loaded and attached."),
+	}
+	m.reg.MustRegister(m.checks, m.reloads, m, prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
+	return m
+}
+
+// ObserveCheck counts one health check's result and latency.
+func (m *Metrics) ObserveCheck(r health.Result) {
+	res := "ok"
+	if r.Err != nil {
+		res = "fail"
+	}
+	m.checks.WithLabelValues(r.Service, res).Observe(r.Duration.Seconds())
+}
+
+// Reload counts a reload: ok, or rejected (the running config stayed in force).
+func (m *Metrics) Reload(ok bool) {
+	if ok {
+		m.reloads.WithLabelValues("ok").Inc()
+	} else {
+		m.reloads.WithLabelValues("error").Inc()
+	}
+}
+
+// Handler serves the exposition.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{})
+}
+
+// Describe sends the descriptions of the scrape-time metrics.
+func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{m.d.serviceDataPlane, m.d.serviceDown, m.d.servicePackets, m.d.serviceBytes,
+		m.d.serviceConns, m.d.serviceAccepted, m.d.backendPackets, m.d.backendBytes, m.d.serviceFlows, m.d.backendFlows,
+		m.d.backendConns, m.d.backendConnects, m.d.backendUsable, m.d.backendHealth, m.d.backendWeight,
+		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded} {
+		ch <- d
+	}
+}
+
+// Collect reads a status snapshot into metrics.
+func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
+	st, err := m.status()
+	if err != nil {
+		return
+	}
+	g := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+	}
+	c := func(d *prometheus.Desc, v uint64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
+	}
+	b2f := func(b bool) float64 {
+		if b {
+			return 1
+		}
+		return 0
+	}
+	g(m.d.xdpLoaded, b2f(st.XDP.Loaded))
+	for r, n := range st.XDPReasons {
+		c(m.d.xdpReason, n, r)
+	}
+	states := []string{health.Unknown.String(), health.Up.String(), health.Down.String(), health.Ejected.String()}
+	for _, s := range st.Services {
+		g(m.d.serviceDataPlane, 1, s.Name, s.DataPlane)
+		g(m.d.serviceDown, b2f(s.AllDown), s.Name)
+		c(m.d.serviceBytes, s.Bytes, s.Name, s.DataPlane)
+		if s.DataPlane == api.PlaneXDP {
+			c(m.d.servicePackets, s.Packets, s.Name)
+			if s.Mode == string(config.ModeNAT) {
+				g(m.d.serviceFlows, float64(s.ActiveFlows), s.Name)
+			}
+		} else {
+			g(m.d.serviceConns, float64(s.Connections), s.Name)
+			c(m.d.serviceAccepted, s.Accepted, s.Name)
+		}
+		for _, b := range s.Backends {
+			c(m.d.backendBytes, b.Bytes, s.Name, b.Address, s.DataPlane)
+			if s.DataPlane == api.PlaneXDP {
+				c(m.d.backendPackets, b.Packets, s.Name, b.Address)
+				if s.Mode == string(config.ModeNAT) {
+					g(m.d.backendFlows, float64(b.ActiveFlows), s.Name, b.Address)
+				}
+			} else {
+				g(m.d.backendConns, float64(b.Connections), s.Name, b.Address)
+				c(m.d.backendConnects, b.Connects, s.Name, b.Address)
+			}
+			g(m.d.backendUsable, b2f(b.Usable), s.Name, b.Address)
+			for _, state := range states {
+				g(m.d.backendHealth, b2f(b.Health == state), s.Name, b.Address, state)
+			}
+			g(m.d.backendWeight, float64(b.Weight), s.Name, b.Address)
+			g(m.d.backendDrained, b2f(b.Drained), s.Name, b.Address)
+		}
+	}
+}

@@ -1,0 +1,229 @@
+package config
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// The file's YAML form: private, decoded and validated here, then resolved into
+// the typed model (see resolve.go). Fields are exported for the decoder only.
+
+// file is one configuration file as written.
+type file struct {
+	// Interfaces the XDP program is attached to. None: no XDP, every service is
+	// served by the proxy.
+	Interfaces []fileInterface `yaml:"interfaces,omitempty"`
+	XDP        fileXDP         `yaml:"xdp,omitempty"`
+	// Addresses are the balancer's own addresses: the source of nat mode's
+	// translated packets and of tunnel mode's outer header. Default: the first
+	// address of each family on the first interface.
+	Addresses []string      `yaml:"addresses,omitempty"`
+	Admin     fileAdmin     `yaml:"admin,omitempty"`
+	Metrics   fileMetrics   `yaml:"metrics,omitempty"`
+	Log       fileLog       `yaml:"log,omitempty"`
+	Services  []fileService `yaml:"services"`
+
+	Addrs []netip.Addr `yaml:"-"` // Addresses, parsed
+}
+
+// Interface is one network interface to attach XDP to.
+type fileInterface struct {
+	Name string `yaml:"name"`
+	// Attach is native, generic or auto (native, else generic). Default auto.
+	Attach Attach `yaml:"attach,omitempty"`
+}
+
+// XDP holds the settings of the XDP program, fixed while it is loaded.
+type fileXDP struct {
+	// HashSeed seeds flow hashing and the Maglev tables; balancers behind one
+	// router's ECMP must share it. Default 0.
+	HashSeed uint32 `yaml:"hash_seed,omitempty"`
+	// ConntrackSize is how many established flows the connection table holds.
+	// Default: the program's (262144).
+	ConntrackSize uint32 `yaml:"conntrack_size,omitempty"`
+	// HalfOpenSize is how many flows the half-open table holds: flows that have
+	// sent only their first packet, the only ones a spoofed flood makes. Default a
+	// quarter of ConntrackSize, at least 1024 (the program's rule).
+	HalfOpenSize uint32 `yaml:"half_open_size,omitempty"`
+	// HalfOpenTimeout is how long a nat flow keeps its port before its client's
+	// second packet. Default 5s.
+	HalfOpenTimeout duration `yaml:"half_open_timeout,omitempty"`
+	// NewFlowRate is how many new flows per second each CPU records; over it new
+	// nat flows are dropped and new dsr/tunnel flows forwarded unrecorded. 0 turns
+	// the limit off. Default 125000.
+	NewFlowRate *uint32 `yaml:"new_flow_rate,omitempty"`
+	// NewFlowBurst is how many new flows may come at once above the rate. Default a
+	// tenth of a second's worth.
+	NewFlowBurst uint32 `yaml:"new_flow_burst,omitempty"`
+	// PinPath is where maps and the link are pinned (bpffs). Default /sys/fs/bpf/weir.
+	PinPath string `yaml:"pin_path,omitempty"`
+	// DetachOnStop removes the program when the agent stops. Default false: the data
+	// plane stays in place so a restart loses no flow.
+	DetachOnStop bool `yaml:"detach_on_stop,omitempty"`
+}
+
+// Admin is the admin API's listeners.
+type fileAdmin struct {
+	// Socket is the unix socket path, mode 0600. Default /run/weir/weir.sock.
+	Socket string `yaml:"socket,omitempty"`
+	// Listen is an optional TCP address (loopback only: the API has no
+	// authentication). Default none.
+	Listen string `yaml:"listen,omitempty"`
+}
+
+// Metrics is the Prometheus endpoint.
+type fileMetrics struct {
+	// Listen is host:port for /metrics. Default 127.0.0.1:9470; "off" turns it off.
+	Listen string `yaml:"listen,omitempty"`
+}
+
+// Log configures log/slog.
+type fileLog struct {
+	Format LogFormat `yaml:"format,omitempty"` // text or json; default text
+	Level  string    `yaml:"level,omitempty"`  // debug, info, warn or error; default info
+}
+
+// Service is one VIP and its backends.
+type fileService struct {
+	// Name identifies the service in the CLI, logs and metrics: [A-Za-z0-9_.-]+.
+	Name string `yaml:"name"`
+	// VIP is address:port ([v6]:port for IPv6).
+	VIP string `yaml:"vip"`
+	// Protocol is tcp or udp. Default tcp.
+	Protocol Protocol `yaml:"protocol,omitempty"`
+	// DataPlane is auto, xdp or proxy. Default auto.
+	DataPlane DataPlane `yaml:"data_plane,omitempty"`
+	// Mode is the XDP forwarding mode: nat, dsr or tunnel. Default nat.
+	Mode Mode `yaml:"mode,omitempty"`
+	// Algorithm is one of Algorithms(). Default maglev, or least_conn when
+	// DataPlane is proxy.
+	Algorithm Algorithm `yaml:"algorithm,omitempty"`
+	// Hash is the hash key of maglev: 5tuple or source. Default 5tuple (source
+	// for source_hash).
+	Hash HashKey `yaml:"hash,omitempty"`
+	// TableSize is the Maglev table size, a prime; 0 picks one from the number
+	// of backends.
+	TableSize uint32 `yaml:"table_size,omitempty"`
+	// AllDown is drop, pass or keep_last. Default drop.
+	AllDown AllDown `yaml:"all_down,omitempty"`
+	// DrainTimeout bounds how long a removed or drained backend keeps its
+	// connections on the proxy. Default 30s; 0 means no limit.
+	DrainTimeout *duration `yaml:"drain_timeout,omitempty"`
+	// SlowStart ramps a backend's weight up after it becomes usable (proxy only).
+	SlowStart duration    `yaml:"slow_start,omitempty"`
+	Health    fileHealth  `yaml:"health,omitempty"`
+	Passive   filePassive `yaml:"passive,omitempty"`
+	// PanicThreshold is a percentage: below this share of usable backends,
+	// every backend is used. Default 50; 0 turns panic mode off.
+	PanicThreshold *int          `yaml:"panic_threshold,omitempty"`
+	Proxy          fileProxy     `yaml:"proxy,omitempty"`
+	Backends       []fileBackend `yaml:"backends"`
+
+	VIPAddr netip.AddrPort `yaml:"-"` // VIP, parsed
+}
+
+// Health is a service's active health check.
+type fileHealth struct {
+	Type     CheckType `yaml:"type,omitempty"` // tcp, http or none; default tcp
+	Interval duration  `yaml:"interval,omitempty"`
+	Timeout  duration  `yaml:"timeout,omitempty"`
+	Rise     *int      `yaml:"rise,omitempty"` // default 2
+	Fall     *int      `yaml:"fall,omitempty"` // default 3
+	// Jitter spreads checks over interval × (1 ± jitter); 0..0.5, default 0.1.
+	Jitter *float64 `yaml:"jitter,omitempty"`
+	// Initial is the state of a new backend: up, down or unknown. Default up,
+	// so a restarted agent keeps sending to its backends.
+	Initial Initial `yaml:"initial,omitempty"`
+	// HTTP checks only.
+	Path         string   `yaml:"path,omitempty"`
+	Host         string   `yaml:"host,omitempty"`
+	ExpectStatus []string `yaml:"expect_status,omitempty"` // "200", "200-399"; default 200-399
+	ExpectBody   string   `yaml:"expect_body,omitempty"`
+
+	Status []StatusRange `yaml:"-"` // ExpectStatus, parsed
+}
+
+// Passive is outlier ejection from what the proxy sees of its connections.
+type filePassive struct {
+	// Consecutive failures that eject a backend. Default 5; 0 turns it off.
+	Consecutive        *int     `yaml:"consecutive,omitempty"`
+	BaseEjection       duration `yaml:"base_ejection,omitempty"`
+	MaxEjection        duration `yaml:"max_ejection,omitempty"`
+	MaxEjectionPercent *int     `yaml:"max_ejection_percent,omitempty"`
+}
+
+// Proxy holds the settings that apply when the proxy serves the service.
+type fileProxy struct {
+	// Listen is the address the proxy binds. Default the VIP.
+	Listen             string   `yaml:"listen,omitempty"`
+	ConnectTimeout     duration `yaml:"connect_timeout,omitempty"`
+	IdleTimeout        duration `yaml:"idle_timeout,omitempty"`
+	Retries            *int     `yaml:"retries,omitempty"`
+	MaxConns           int      `yaml:"max_conns,omitempty"`
+	MaxConnsPerBackend int      `yaml:"max_conns_per_backend,omitempty"`
+	ProxyProtocol      int      `yaml:"proxy_protocol,omitempty"` // 0, 1 or 2
+
+	ListenAddr netip.AddrPort `yaml:"-"` // Listen, parsed
+}
+
+// Backend is one real server.
+type fileBackend struct {
+	// Address is ip:port.
+	Address string `yaml:"address"`
+	// Weight is 0..65535, default 1; 0 takes no new flows.
+	Weight *int64 `yaml:"weight,omitempty"`
+	// CheckAddress is where health checks go. Default Address.
+	CheckAddress string `yaml:"check_address,omitempty"`
+	// MAC is the backend's Ethernet address for dsr. Default: resolved through
+	// the balancer's neighbour table.
+	MAC string `yaml:"mac,omitempty"`
+	// Drain starts the backend drained: no new flows.
+	Drain bool `yaml:"drain,omitempty"`
+	// MaxConns limits the proxy's connections to it; 0 takes the service's.
+	MaxConns int `yaml:"max_conns,omitempty"`
+	// Initial is the backend's health state when it is first added: up, down or
+	// unknown. Default: the service's health.initial.
+	Initial Initial `yaml:"initial,omitempty"`
+
+	Addr      netip.AddrPort `yaml:"-"` // Address, parsed
+	CheckAddr netip.AddrPort `yaml:"-"` // CheckAddress (or Address), parsed
+}
+
+// duration is a time.Duration written as Go writes it: 500ms, 2s, 1m30s.
+type duration time.Duration
+
+// D returns the time.Duration.
+func (d duration) D() time.Duration { return time.Duration(d) }
+
+func (d duration) String() string { return time.Duration(d).String() }
+
+// UnmarshalYAML reads "2s". A malformed value is reported with the other type
+// errors of the file.
+func (d *duration) UnmarshalYAML(n *yaml.Node) error {
+	v, err := time.ParseDuration(strings.TrimSpace(n.Value))
+	if n.Kind != yaml.ScalarNode || err != nil {
+		return &yaml.TypeError{Errors: []string{fmt.Sprintf("line %d: must be a duration such as 500ms, 2s or 1m, got %s", n.Line, describe(n))}}
+	}
+	*d = duration(v)
+	return nil
+}
+
+// MarshalYAML writes "2s".
+func (d duration) MarshalYAML() (any, error) { return time.Duration(d).String(), nil }
+
+func describe(n *yaml.Node) string {
+	switch n.Kind {
+	case yaml.MappingNode:
+		return "a mapping"
+	case yaml.SequenceNode:
+		return "a list"
+	}
+	return fmt.Sprintf("%q", n.Value)
+}
+
+// Key is how the data planes tell services apart: "tcp/10.0.0.1:80".
+func (s *fileService) Key() string { return string(s.Protocol) + "/" + s.VIPAddr.String() }

@@ -1,0 +1,97 @@
+package config
+
+import (
+	"net"
+	"net/netip"
+)
+
+// resolve turns a validated file, defaults applied, into the model.
+func (f *file) resolve() *Config {
+	cfg := &Config{
+		XDP: XDP{
+			HashSeed:        f.XDP.HashSeed,
+			ConntrackSize:   f.XDP.ConntrackSize,
+			HalfOpenSize:    f.XDP.HalfOpenSize,
+			HalfOpenTimeout: f.XDP.HalfOpenTimeout.D(),
+			NewFlowRate:     *f.XDP.NewFlowRate,
+			NewFlowBurst:    f.XDP.NewFlowBurst,
+			PinPath:         f.XDP.PinPath,
+			DetachOnStop:    f.XDP.DetachOnStop,
+		},
+		Addresses: f.Addrs,
+		Admin:     Admin{Socket: f.Admin.Socket},
+		Log:       Log{Format: f.Log.Format},
+	}
+	for _, in := range f.Interfaces {
+		cfg.Interfaces = append(cfg.Interfaces, Interface{Name: in.Name, Attach: in.Attach})
+	}
+	if f.Admin.Listen != "" {
+		cfg.Admin.Listen = netip.MustParseAddrPort(f.Admin.Listen) // validated
+	}
+	if f.Metrics.Listen != "off" {
+		cfg.Metrics.Listen = netip.MustParseAddrPort(f.Metrics.Listen)
+	}
+	cfg.Log.Level.UnmarshalText([]byte(f.Log.Level)) // validated
+	for i := range f.Services {
+		cfg.Services = append(cfg.Services, f.Services[i].resolve())
+	}
+	return cfg
+}
+
+func (s *fileService) resolve() Service {
+	h, ps, px := &s.Health, &s.Passive, &s.Proxy
+	out := Service{
+		Name:         s.Name,
+		VIP:          s.VIPAddr,
+		Protocol:     s.Protocol,
+		DataPlane:    s.DataPlane,
+		Mode:         s.Mode,
+		Algorithm:    s.Algorithm,
+		Hash:         s.Hash,
+		TableSize:    s.TableSize,
+		AllDown:      s.AllDown,
+		DrainTimeout: s.DrainTimeout.D(),
+		SlowStart:    s.SlowStart.D(),
+		Health: Health{
+			Type:         h.Type,
+			Interval:     h.Interval.D(),
+			Timeout:      h.Timeout.D(),
+			Rise:         *h.Rise,
+			Fall:         *h.Fall,
+			Jitter:       *h.Jitter,
+			Initial:      h.Initial,
+			Path:         h.Path,
+			Host:         h.Host,
+			ExpectStatus: h.Status,
+			ExpectBody:   h.ExpectBody,
+		},
+		Passive: Passive{
+			Consecutive:        *ps.Consecutive,
+			BaseEjection:       ps.BaseEjection.D(),
+			MaxEjection:        ps.MaxEjection.D(),
+			MaxEjectionPercent: *ps.MaxEjectionPercent,
+		},
+		PanicThreshold: *s.PanicThreshold,
+		Proxy: Proxy{
+			Listen:             px.ListenAddr,
+			ConnectTimeout:     px.ConnectTimeout.D(),
+			IdleTimeout:        px.IdleTimeout.D(),
+			Retries:            *px.Retries,
+			MaxConns:           px.MaxConns,
+			MaxConnsPerBackend: px.MaxConnsPerBackend,
+			ProxyProtocol:      px.ProxyProtocol,
+		},
+	}
+	for _, b := range s.Backends {
+		rb := Backend{Address: b.Address, Addr: b.Addr, Weight: uint32(*b.Weight), CheckAddr: b.CheckAddr,
+			Drain: b.Drain, MaxConns: b.MaxConns, Initial: b.Initial}
+		if rb.Initial == "" {
+			rb.Initial = h.Initial
+		}
+		if b.MAC != "" {
+			rb.MAC, _ = net.ParseMAC(b.MAC) // validated
+		}
+		out.Backends = append(out.Backends, rb)
+	}
+	return out
+}
