@@ -21,7 +21,7 @@ DEBIAN_PACKAGES := clang-19 llvm-19 libbpf-dev ethtool iproute2 bpftool nftables
 WEIR_REQUIRE_XDP ?=
 export WEIR_REQUIRE_XDP
 
-.PHONY: all deps generate check-generated build test test-short demo bench lint clean
+.PHONY: all deps generate check-generated build test race test-short demo bench lint clean
 
 all: build
 
@@ -51,9 +51,17 @@ lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 
-# The whole suite: stale objects, lint, unit and end-to-end tests (root, XDP kernel).
+# The whole suite: stale objects, lint, unit and end-to-end tests (root, XDP kernel),
+# then the agent's loop and the health checker under the race detector.
 test: deps check-generated lint
 	$(GO) test -count=1 -timeout 20m ./...
+	$(MAKE) race
+
+# The concurrent parts under the race detector: the agent's reconcile loop taking
+# health changes, reloads, drains and status reads at once, and the health checker.
+race:
+	$(GO) test -count=1 -race -run 'TestLoopRace|TestReconcile' ./userspace/agent/
+	$(GO) test -count=1 -race ./userspace/agent/plan/ ./health/
 
 test-short: 
 	$(GO) test -count=1 -short ./...
