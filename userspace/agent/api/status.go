@@ -123,6 +123,9 @@ func (st Status) WriteTable(w io.Writer) {
 		if st.XDP.Adopted {
 			fmt.Fprintln(w, "xdp: adopted from the previous run with its established flows")
 		}
+		if st.XDP.NextHopError != "" {
+			fmt.Fprintf(w, "xdp: next hops not kept resolved (first packets wait for the kernel): %s\n", st.XDP.NextHopError)
+		}
 	} else {
 		fmt.Fprintf(w, "xdp: not loaded: %s\n", st.XDP.Reason)
 	}
