@@ -7,7 +7,6 @@ import (
 	"net/netip"
 	"sync"
 
-	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/bpf"
@@ -117,17 +116,6 @@ func (d *Decap) Stats() (DecapStats, error) {
 		}
 	}
 	return st, nil
-}
-
-// Run runs the program once on a frame (BPF_PROG_TEST_RUN).
-func (d *Decap) Run(frame []byte) (Action, []byte, error) {
-	out := make([]byte, len(frame)+256)
-	opts := ebpf.RunOptions{Data: frame, DataOut: out}
-	ret, err := d.objs.WeirDecap.Run(&opts)
-	if err != nil {
-		return 0, nil, fmt.Errorf("test-run decap program: %w", err)
-	}
-	return Action(ret), opts.DataOut, nil
 }
 
 // Close detaches the program everywhere, then releases it. It is idempotent.

@@ -18,7 +18,7 @@ func ptr[T any](v T) *T { return &v }
 func (c *file) defaults() {
 	for i := range c.Interfaces {
 		if c.Interfaces[i].Attach == "" {
-			c.Interfaces[i].Attach = "auto"
+			c.Interfaces[i].Attach = AttachAuto
 		}
 	}
 	if c.XDP.NewFlowRate == nil {
@@ -95,7 +95,7 @@ func (s *fileService) defaults() {
 	if h.Initial == "" {
 		h.Initial = DefaultHealthInitial
 	}
-	if h.Type == "http" {
+	if h.Type == CheckHTTP {
 		if h.Path == "" {
 			h.Path = DefaultHTTPPath
 		}
@@ -240,7 +240,7 @@ func (cfg *file) validate() []*FieldError {
 			c.bad(p+".name", "%q is already listed as interfaces[%d]", in.Name, j)
 		}
 		seenIf[in.Name] = i
-		oneOf(c, p+".attach", in.Attach, "native", "generic", "auto")
+		oneOf(c, p+".attach", in.Attach, AttachNative, AttachGeneric, AttachAuto)
 	}
 	if d := cfg.XDP.HalfOpenTimeout.D(); d < 0 || d > 0 && (d < 100*time.Millisecond || d > 10*time.Minute) {
 		c.bad("xdp.half_open_timeout", "must be 100ms..10m, got %s", d)
@@ -273,7 +273,7 @@ func (cfg *file) validate() []*FieldError {
 	if cfg.Metrics.Listen != "off" {
 		c.hostPort("metrics.listen", cfg.Metrics.Listen)
 	}
-	oneOf(c, "log.format", cfg.Log.Format, "text", "json")
+	oneOf(c, "log.format", cfg.Log.Format, LogText, LogJSON)
 	oneOf(c, "log.level", cfg.Log.Level, "debug", "info", "warn", "error")
 
 	xdpPossible := len(cfg.Interfaces) > 0
@@ -293,14 +293,14 @@ func (cfg *file) validate() []*FieldError {
 		}
 		names[s.Name] = i
 		s.validate(c, p, xdpPossible)
-		if s.VIPAddr.IsValid() && (s.Protocol == "tcp" || s.Protocol == "udp") {
+		if s.VIPAddr.IsValid() && (s.Protocol == TCP || s.Protocol == UDP) {
 			if j, dup := keys[s.Key()]; dup {
 				c.bad(p+".vip", "%s %s is already served by services[%d] (%q): one VIP, port and protocol per service",
 					s.Protocol, s.VIPAddr, j, cfg.Services[j].Name)
 			}
 			keys[s.Key()] = i
 		}
-		if s.Proxy.ListenAddr.IsValid() && s.Protocol == "tcp" && s.DataPlane != DataPlaneXDP {
+		if s.Proxy.ListenAddr.IsValid() && s.Protocol == TCP && s.DataPlane != DataPlaneXDP {
 			if j, dup := listens[s.Proxy.ListenAddr]; dup && s.Proxy.Listen != "" {
 				c.bad(p+".proxy.listen", "%s is already the proxy address of services[%d]", s.Proxy.ListenAddr, j)
 			}
@@ -334,7 +334,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 	if vipOK {
 		s.VIPAddr = vip
 	}
-	protoOK := oneOf(c, p+".protocol", s.Protocol, "tcp", "udp")
+	protoOK := oneOf(c, p+".protocol", s.Protocol, TCP, UDP)
 	dpOK := oneOf(c, p+".data_plane", s.DataPlane, DataPlaneAuto, DataPlaneXDP, DataPlaneProxy)
 	modeOK := oneOf(c, p+".mode", s.Mode, ModeNAT, ModeDSR, ModeTunnel)
 	algoOK := oneOf(c, p+".algorithm", s.Algorithm, Algorithms()...)
@@ -348,11 +348,11 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 			c.bad(p+".algorithm", "%s needs the proxy data plane (it sees every connection end; XDP serves only maglev and source_hash): use data_plane proxy or auto, or algorithm maglev", s.Algorithm)
 		case s.DataPlane == DataPlaneXDP && !xdpPossible:
 			c.bad(p+".data_plane", "xdp needs at least one entry in interfaces")
-		case s.Protocol == "udp" && s.DataPlane == DataPlaneProxy:
+		case s.Protocol == UDP && s.DataPlane == DataPlaneProxy:
 			c.bad(p+".data_plane", "the proxy serves tcp only: use data_plane xdp or auto for a udp service")
-		case s.Protocol == "udp" && !hashAlgo:
+		case s.Protocol == UDP && !hashAlgo:
 			c.bad(p+".algorithm", "%s is a proxy algorithm and the proxy serves tcp only: use maglev or source_hash for a udp service", s.Algorithm)
-		case s.Protocol == "udp" && !xdpPossible:
+		case s.Protocol == UDP && !xdpPossible:
 			c.bad(p+".protocol", "udp is served by XDP only, and interfaces is empty: list an interface to attach XDP to")
 		}
 		if s.Hash != "" && !hashAlgo {
@@ -428,7 +428,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 			}
 		}
 		if b.Initial != "" {
-			oneOf(c, bp+".initial", b.Initial, "up", "down", "unknown")
+			oneOf(c, bp+".initial", b.Initial, InitialUp, InitialDown, InitialUnknown)
 		}
 		if b.MaxConns < 0 {
 			c.bad(bp+".max_conns", "must be 0 (the service's limit) or positive, got %d", b.MaxConns)
@@ -440,7 +440,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 }
 
 func (h *fileHealth) validate(c *checker, p string) {
-	typeOK := oneOf(c, p+".type", h.Type, "tcp", "http", "none")
+	typeOK := oneOf(c, p+".type", h.Type, CheckTCP, CheckHTTP, CheckNone)
 	c.positive(p+".interval", h.Interval)
 	c.positive(p+".timeout", h.Timeout)
 	if *h.Rise < 1 {
@@ -452,8 +452,8 @@ func (h *fileHealth) validate(c *checker, p string) {
 	if *h.Jitter < 0 || *h.Jitter > 0.5 {
 		c.bad(p+".jitter", "must be 0..0.5, got %g", *h.Jitter)
 	}
-	oneOf(c, p+".initial", h.Initial, "up", "down", "unknown")
-	if !typeOK || h.Type == "http" {
+	oneOf(c, p+".initial", h.Initial, InitialUp, InitialDown, InitialUnknown)
+	if !typeOK || h.Type == CheckHTTP {
 		if !strings.HasPrefix(h.Path, "/") || strings.ContainsAny(h.Path, " \r\n") {
 			c.bad(p+".path", "must start with / and hold no spaces or line breaks, got %q", h.Path)
 		}
