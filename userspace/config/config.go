@@ -239,6 +239,8 @@ type Admin struct {
 type Metrics struct {
 	// Listen is where /metrics is served (port 0 picks one); the zero value: off.
 	Listen netip.AddrPort
+	// Public: Listen may be other than loopback (the file said so).
+	Public bool
 }
 
 // Log configures log/slog.

@@ -79,6 +79,10 @@ type fileAdmin struct {
 type fileMetrics struct {
 	// Listen is host:port for /metrics. Default 127.0.0.1:9470; "off" turns it off.
 	Listen string `yaml:"listen,omitempty"`
+	// Public must be true for a listen address other than loopback: the metrics
+	// name every service and backend, and nobody off the host should read them by
+	// accident.
+	Public bool `yaml:"public,omitempty"`
 }
 
 // Log configures log/slog.

@@ -80,7 +80,7 @@ func Load(path string) (*Config, error) {
 func Parse(data []byte) (*Config, error) {
 	var doc yaml.Node
 	if err := yaml.Unmarshal(data, &doc); err != nil {
-		return nil, Errors{syntaxError(err)}
+		return nil, Errors{syntaxError(data, err)}
 	}
 	if doc.Kind == 0 || len(doc.Content) == 0 || len(bytes.TrimSpace(data)) == 0 {
 		return nil, Errors{{Msg: "the file is empty: a config needs at least a services list"}}
@@ -119,13 +119,35 @@ func Parse(data []byte) (*Config, error) {
 
 var lineRE = regexp.MustCompile(`^(?:yaml: )?line (\d+): (.*)$`)
 
-func syntaxError(err error) *FieldError {
+func syntaxError(data []byte, err error) *FieldError {
 	msg := strings.TrimPrefix(err.Error(), "yaml: ")
+	e := &FieldError{Msg: "invalid YAML: " + msg}
 	if m := lineRE.FindStringSubmatch(msg); m != nil {
-		n, _ := strconv.Atoi(m[1])
-		return &FieldError{Line: n, Msg: "invalid YAML: " + m[2]}
+		e.Line, _ = strconv.Atoi(m[1])
+		e.Msg = "invalid YAML: " + m[2]
 	}
-	return &FieldError{Msg: "invalid YAML: " + msg}
+	// yaml names the line where the enclosing block began, not the line that broke
+	// it (a mis-indented key 17 lines into a service is reported at the service):
+	// the first line whose prefix of the file no longer parses is the wrong one.
+	if l := firstBadLine(data); l > 0 && (e.Line == 0 || l > e.Line) {
+		e.Line = l
+	}
+	return e
+}
+
+// firstBadLine is the first line n such that lines 1..n do not parse, 0 if none.
+func firstBadLine(data []byte) int {
+	lines := bytes.SplitAfter(data, []byte("\n"))
+	if len(lines) > 5000 {
+		return 0 // quadratic below; a config is far shorter
+	}
+	for n := 1; n <= len(lines); n++ {
+		var v yaml.Node
+		if yaml.Unmarshal(bytes.Join(lines[:n], nil), &v) != nil {
+			return n
+		}
+	}
+	return 0
 }
 
 // parser maps between places in the YAML tree (paths) and lines, and collects errors.

@@ -31,6 +31,7 @@ func (f *file) resolve() *Config {
 	if f.Metrics.Listen != "off" {
 		cfg.Metrics.Listen = netip.MustParseAddrPort(f.Metrics.Listen)
 	}
+	cfg.Metrics.Public = f.Metrics.Public
 	cfg.Log.Level.UnmarshalText([]byte(f.Log.Level)) // validated
 	for i := range f.Services {
 		cfg.Services = append(cfg.Services, f.Services[i].resolve())

@@ -271,7 +271,11 @@ func (cfg *file) validate() []*FieldError {
 		}
 	}
 	if cfg.Metrics.Listen != "off" {
-		c.hostPort("metrics.listen", cfg.Metrics.Listen)
+		if c.hostPort("metrics.listen", cfg.Metrics.Listen) && !cfg.Metrics.Public {
+			if ap := netip.MustParseAddrPort(cfg.Metrics.Listen); !ap.Addr().IsLoopback() {
+				c.bad("metrics.listen", "%s is not a loopback address, so every metric would be served to the network: set metrics.public: true if that is meant", ap.Addr())
+			}
+		}
 	}
 	oneOf(c, "log.format", cfg.Log.Format, LogText, LogJSON)
 	oneOf(c, "log.level", cfg.Log.Level, "debug", "info", "warn", "error")
@@ -310,19 +314,24 @@ func (cfg *file) validate() []*FieldError {
 	return c.errs
 }
 
-// hostPort checks host:port where host is an IP literal.
-func (c *checker) hostPort(path, s string) {
+// hostPort checks host:port where host is an IP literal, and reports whether it is
+// one.
+func (c *checker) hostPort(path, s string) bool {
 	host, port, err := net.SplitHostPort(s)
 	if err != nil {
 		c.bad(path, "must be address:port, got %q", s)
-		return
+		return false
 	}
-	if _, err := netip.ParseAddr(host); err != nil {
+	ok := true
+	if a, err := netip.ParseAddr(host); err != nil || a.Zone() != "" {
 		c.bad(path, "must be an IP address and port, got %q", s)
+		ok = false
 	}
 	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
 		c.bad(path, "port must be 0..65535, got %q", port)
+		ok = false
 	}
+	return ok
 }
 
 func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
@@ -393,7 +402,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 		c.bad(p+".backends", "missing: a service needs at least one backend")
 	}
 	seen := map[netip.AddrPort]int{}
-	total := int64(0)
+	total, badWeight := int64(0), false
 	for i := range s.Backends {
 		b := &s.Backends[i]
 		bp := fmt.Sprintf("%s.backends[%d]", p, i)
@@ -419,6 +428,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 		switch w := *b.Weight; {
 		case w < 0 || w > MaxWeight:
 			c.bad(bp+".weight", "must be 0..%d, got %d", MaxWeight, w)
+			badWeight = true // reported; "every weight is 0" would only add noise
 		default:
 			total += w
 		}
@@ -434,7 +444,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 			c.bad(bp+".max_conns", "must be 0 (the service's limit) or positive, got %d", b.MaxConns)
 		}
 	}
-	if len(s.Backends) > 0 && total == 0 {
+	if len(s.Backends) > 0 && total == 0 && !badWeight {
 		c.bad(p+".backends", "every weight is 0, so no backend could take a flow; give at least one a weight > 0")
 	}
 }
