@@ -46,6 +46,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/weir-lb/weir/health"
@@ -143,6 +144,9 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 	}
 	defer os.Remove(cfg.Admin.Socket)
 
+	if cfg.Metrics.Public {
+		a.log.Warn("metrics are served to the network (metrics.public: true): anyone who reaches the address reads every service and backend", "listen", cfg.Metrics.Listen)
+	}
 	x, err := xdpplane.Setup(cfg, a.opts.NoXDP)
 	if err != nil {
 		ls.close()
@@ -263,17 +267,28 @@ func listen(cfg *config.Config) (*listeners, error) {
 		l, err := net.Listen("tcp", cfg.Admin.Listen.String())
 		if err != nil {
 			ls.close()
-			return nil, fmt.Errorf("admin.listen: %w", err)
+			return nil, fmt.Errorf("admin.listen: %w%s", err, addrHint(cfg.Admin.Listen.Addr(), err))
 		}
 		ls.admin = append(ls.admin, l)
 	}
 	if cfg.Metrics.Listen.IsValid() {
 		if ls.metrics, err = net.Listen("tcp", cfg.Metrics.Listen.String()); err != nil {
 			ls.close()
-			return nil, fmt.Errorf("metrics.listen: %w", err)
+			return nil, fmt.Errorf("metrics.listen: %w%s", err, addrHint(cfg.Metrics.Listen.Addr(), err))
 		}
 	}
 	return ls, nil
+}
+
+// addrHint names the likely cause of a bind failing for want of the address.
+func addrHint(a netip.Addr, err error) string {
+	if !errors.Is(err, syscall.EADDRNOTAVAIL) {
+		return ""
+	}
+	if a.IsLoopback() {
+		return " (is the loopback interface up in this network namespace? ip link set lo up)"
+	}
+	return fmt.Sprintf(" (no interface of this host holds %s)", a)
 }
 
 func (ls *listeners) close() {

@@ -7,6 +7,7 @@ import (
 	"maps"
 	"net/netip"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/weir-lb/weir/health"
@@ -351,7 +352,7 @@ func (a *Agent) onHealth(st *state, ch health.Change) {
 	}
 	wasDown := s.AllDown
 	err := a.converge(st, time.Now())
-	a.log.Info("backend health", "service", ch.Service, "backend", b.Config.Address, "state", ch.To.String(), "usable", ch.Usable, "reason", ch.Reason)
+	a.log.Info("backend health", "service", ch.Service, "backend", b.Config.Address, "state", ch.To.String(), "usable", ch.Usable, "panic", ch.Panic, "reason", ch.Reason)
 	if err != nil {
 		a.log.Error("apply health change", "service", ch.Service, "backend", b.Config.Address, "err", err)
 		return
@@ -454,17 +455,27 @@ func (a *Agent) reconcile(prev, next plan.Desired) error {
 
 func (a *Agent) do(op plan.Op) error {
 	pl := a.planes[op.Plane]
+	var err error
 	switch op.Kind {
 	case plan.Add:
-		return pl.Add(op.Next)
+		err = pl.Add(op.Next)
 	case plan.Update:
-		return pl.Update(op.Prev, op.Next)
+		err = pl.Update(op.Prev, op.Next)
 	case plan.SetBackend:
-		return pl.SetBackend(op.Prev, op.Next, op.Backend)
+		err = pl.SetBackend(op.Prev, op.Next, op.Backend)
 	case plan.Remove:
-		return pl.Remove(op.Prev)
+		err = pl.Remove(op.Prev)
+	default:
+		err = fmt.Errorf("%s: unknown operation", op)
 	}
-	return fmt.Errorf("%s: unknown operation", op)
+	// A service that fell back to the proxy fails there for a reason the operator
+	// did not choose: name the fallback's cause too.
+	if err != nil && op.Plane == plan.Proxy && op.Next != nil {
+		if cause, ok := strings.CutPrefix(op.Next.Why, "proxy, because "); ok {
+			err = fmt.Errorf("%w (it fell back to the proxy because %s)", err, cause)
+		}
+	}
+	return err
 }
 
 // rollBack re-applies prev to the services that done touched: from the state they

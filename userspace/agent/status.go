@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/weir-lb/weir/userspace/agent/api"
@@ -66,8 +67,9 @@ func (a *Agent) Status() (api.Status, error) {
 			}
 		}
 		for _, b := range s.Backends {
-			bs := api.BackendStatus{Address: b.Config.Addr.String(), Health: b.Health.String(), Usable: b.Healthy,
-				Weight: b.Weight, ConfigWeight: b.Config.Weight, Drained: b.Drained, Override: b.Override, MACError: b.MACErr}
+			bs := api.BackendStatus{Address: b.Config.Addr.String(), Health: b.Health.String(), Usable: b.Usable, Reason: b.Reason(),
+				Weight: b.Weight, ConfigWeight: b.Config.Weight, Drained: b.Drained, Override: b.Override,
+				WeightOverride: b.WeightOverride, DrainOverride: b.DrainOverride, MACError: b.MACErr}
 			if b.MAC != nil {
 				bs.MAC = b.MAC.String()
 			}
@@ -122,6 +124,18 @@ func (a *Agent) Explain(_ context.Context, service, client string) (api.Explanat
 	ex, err := a.xdp.Explain(s, ap)
 	if err != nil {
 		return api.Explanation{}, fmt.Errorf("explain: %w", err)
+	}
+	if ex.New == "" {
+		var why []string
+		if !s.Installed {
+			why = append(why, "the service is out of XDP: "+s.Note)
+		}
+		for _, b := range s.Backends {
+			if r := b.Reason(); r != "" {
+				why = append(why, b.Config.Addr.String()+" "+r)
+			}
+		}
+		ex.NoBackend = strings.Join(why, "; ")
 	}
 	return ex, nil
 }

@@ -26,6 +26,8 @@ type Explanation struct {
 	// New is the backend a new flow from the client would get now; "" if none is
 	// in the lookup table (every backend down or drained).
 	New string `json:"new"`
+	// NoBackend says why New is "": each backend's reason.
+	NoBackend string `json:"no_backend,omitempty"`
 	// Tracked is the backend the connection table holds for this flow, if any, and
 	// whether it may still carry it (if not, the flow's next packet is re-selected).
 	Tracked       string `json:"tracked,omitempty"`

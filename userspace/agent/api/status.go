@@ -82,22 +82,29 @@ type ServiceStatus struct {
 
 // BackendStatus is one backend.
 type BackendStatus struct {
-	Address      string `json:"address"`
-	Health       string `json:"health"`
+	Address string `json:"address"`
+	Health  string `json:"health"`
+	// Usable: the data plane may give it new flows (health, then all_down, and for
+	// dsr a known MAC); Reason says why not, or why it is usable although down.
 	Usable       bool   `json:"usable"`
+	Reason       string `json:"reason,omitempty"`
 	Weight       uint32 `json:"weight"`
 	ConfigWeight uint32 `json:"config_weight"`
 	Drained      bool   `json:"drained"`
-	Override     bool   `json:"runtime_override,omitempty"`
-	MAC          string `json:"mac,omitempty"`
-	MACError     string `json:"mac_error,omitempty"`
-	Packets      uint64 `json:"packets"`
-	Bytes        uint64 `json:"bytes"`
-	ActiveFlows  uint64 `json:"active_flows"` // XDP nat only
-	Connections  int64  `json:"active_connections"`
-	Connects     uint64 `json:"connects"`
-	LastCheck    string `json:"last_check,omitempty"`
-	LastCheckAgo string `json:"last_check_ago,omitempty"`
+	Override     bool   `json:"runtime_override,omitempty"` // a runtime weight or drain
+	// WeightOverride: Weight was set at runtime (ConfigWeight is the file's);
+	// DrainOverride: Drained was.
+	WeightOverride bool   `json:"weight_override,omitempty"`
+	DrainOverride  bool   `json:"drain_override,omitempty"`
+	MAC            string `json:"mac,omitempty"`
+	MACError       string `json:"mac_error,omitempty"`
+	Packets        uint64 `json:"packets"`
+	Bytes          uint64 `json:"bytes"`
+	ActiveFlows    uint64 `json:"active_flows"` // XDP nat only
+	Connections    int64  `json:"active_connections"`
+	Connects       uint64 `json:"connects"`
+	LastCheck      string `json:"last_check,omitempty"`
+	LastCheckAgo   string `json:"last_check_ago,omitempty"`
 }
 
 // WriteTable writes st as the readable table `weir status` prints.
@@ -163,8 +170,12 @@ func (st Status) WriteTable(w io.Writer) {
 		}
 		for _, b := range s.Backends {
 			weight := fmt.Sprint(b.Weight)
-			if b.Override {
-				weight += fmt.Sprintf(" (file %d, runtime)", b.ConfigWeight)
+			if b.WeightOverride {
+				weight += fmt.Sprintf(" (runtime; file %d)", b.ConfigWeight)
+			}
+			drained := fmt.Sprint(b.Drained)
+			if b.DrainOverride {
+				drained += " (runtime)"
 			}
 			check := b.LastCheck
 			if b.LastCheckAgo != "" {
@@ -174,19 +185,24 @@ func (st Status) WriteTable(w io.Writer) {
 			case s.DataPlane == PlaneXDP && s.Mode == string(config.ModeDSR):
 				mac := b.MAC
 				if mac == "" {
-					mac = "unknown: " + b.MACError
+					mac = "unknown"
 				}
-				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, mac, b.Packets, b.Bytes, check)
+				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%s\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, drained, mac, b.Packets, b.Bytes, check)
 			case s.DataPlane == PlaneXDP:
 				flows := "-" // dsr and tunnel see one direction only: no flow ends to count
 				if s.Mode == string(config.ModeNAT) {
 					flows = fmt.Sprint(b.ActiveFlows)
 				}
-				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, flows, b.Packets, b.Bytes, check)
+				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%s\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, drained, flows, b.Packets, b.Bytes, check)
 			default:
-				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%t\t%d\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, b.Drained, b.Connections, b.Connects, b.Bytes, check)
+				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%s\t%d\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, drained, b.Connections, b.Connects, b.Bytes, check)
 			}
 		}
 		tw.Flush()
+		for _, b := range s.Backends {
+			if b.Reason != "" {
+				fmt.Fprintf(w, "  %s: %s\n", b.Address, b.Reason)
+			}
+		}
 	}
 }

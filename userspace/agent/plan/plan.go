@@ -137,12 +137,34 @@ type Backend struct {
 	Weight   uint32 // in effect: the override's, else the file's
 	Drained  bool   // in effect
 	Override bool   // a runtime weight or drain is in effect
-	MAC      net.HardwareAddr
-	MACErr   string
+	// WeightOverride and DrainOverride say which (status marks that column).
+	WeightOverride, DrainOverride bool
+	MAC                           net.HardwareAddr
+	MACErr                        string
 	// Kept: usable the last time some backend was; all_down: keep_last keeps these.
 	Kept bool
 	// Until is when a leaving backend leaves the program.
 	Until time.Time
+}
+
+// Reason says, in operator words, why a backend takes no new flows ("" if it takes
+// them): health, an unknown MAC, a drain, weight 0; or that all_down keeps it.
+func (b *Backend) Reason() string {
+	switch {
+	case b.Usable && !b.Healthy:
+		return "kept by all_down: keep_last although health says " + b.Health.String()
+	case !b.Healthy:
+		return "health: " + b.Health.String()
+	case !b.Usable && b.MACErr != "":
+		return "mac unknown: " + b.MACErr
+	case !b.Usable:
+		return "mac unknown (dsr needs it; weir resolves it every second)"
+	case b.Drained:
+		return "drained"
+	case b.Weight == 0:
+		return "weight 0"
+	}
+	return ""
 }
 
 // ID is a backend's identity for the health checker and overrides.
@@ -183,10 +205,10 @@ func planService(in Input, cs config.Service, prev *Service) Service {
 		}
 		if o, ok := in.Overrides[b.ID]; ok {
 			if o.SetWeight {
-				b.Weight, b.Override = o.Weight, true
+				b.Weight, b.Override, b.WeightOverride = o.Weight, true, true
 			}
 			if o.SetDrain {
-				b.Drained, b.Override = o.Drain, true
+				b.Drained, b.Override, b.DrainOverride = o.Drain, true, true
 			}
 		}
 		b.Kept = b.Healthy && b.Weight > 0
@@ -238,6 +260,16 @@ func (s *Service) applyAllDown(needMAC bool) {
 			b.Kept = b.Usable && b.Weight > 0
 		}
 		return
+	}
+	// Healthy backends without a MAC make the service unusable, not down: say so.
+	for _, b := range s.Backends {
+		if b.Healthy && b.Weight > 0 && needMAC && b.MAC == nil {
+			s.Note = "no backend is usable: the healthy ones have no known MAC (dsr; see each backend's reason): new flows are dropped"
+			if s.Config.AllDown == config.AllDownPass {
+				s.Note = "no backend is usable: the healthy ones have no known MAC (dsr; see each backend's reason): packets pass to the host's stack (all_down: pass)"
+			}
+			return
+		}
 	}
 	switch s.Config.AllDown {
 	case config.AllDownKeepLast:

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"net"
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
@@ -662,6 +663,46 @@ func TestInitialState(t *testing.T) {
 	} {
 		if got := InitialState(tc.in); got != tc.want {
 			t.Errorf("InitialState(%q): got %v; want %v", tc.in, got, tc.want)
+		}
+	}
+}
+
+// TestPlanTruth: when healthy dsr backends take no flows for want of a MAC, the
+// note says so (not "every backend is down"), and each backend's Reason names the
+// real cause, so status, explain and the note cannot disagree.
+func TestPlanTruth(t *testing.T) {
+	cs := cfgService("web", netip.MustParseAddrPort("10.0.0.1:80"), netip.MustParseAddrPort("10.0.0.2:80"), netip.MustParseAddrPort("10.0.0.3:80"))
+	cs.Mode = config.ModeDSR
+	in := input(XDP, cs)
+	in.MACs[netip.MustParseAddr("10.0.0.2")] = MAC{Err: "10.0.0.2 on eth0: neighbour resolution pending"}
+	in.Health[ID("web", netip.MustParseAddrPort("10.0.0.3:80"))] = Health{State: health.Down}
+	s := planOne(t, in, Desired{})
+	if !s.AllDown || !strings.HasPrefix(s.Note, "no backend is usable: the healthy ones have no known MAC") {
+		t.Errorf("AllDown %t, note %q; want all down, naming the MACs", s.AllDown, s.Note)
+	}
+	for addr, want := range map[string]string{
+		"10.0.0.2:80": "mac unknown: 10.0.0.2 on eth0: neighbour resolution pending",
+		"10.0.0.3:80": "health: down",
+	} {
+		b := mustBackend(t, &s, netip.MustParseAddrPort(addr))
+		if got := b.Reason(); got != want {
+			t.Errorf("%s reason: got %q; want %q", addr, got, want)
+		}
+	}
+	// Drained, weight 0, kept by keep_last.
+	cases := []struct {
+		name string
+		b    Backend
+		want string
+	}{
+		{"usable", Backend{Healthy: true, Usable: true, Weight: 1}, ""},
+		{"drained", Backend{Healthy: true, Usable: true, Weight: 1, Drained: true}, "drained"},
+		{"weight 0", Backend{Healthy: true, Usable: true}, "weight 0"},
+		{"kept", Backend{Usable: true, Weight: 1, Health: health.Down}, "kept by all_down: keep_last although health says down"},
+	}
+	for _, c := range cases {
+		if got := c.b.Reason(); got != c.want {
+			t.Errorf("%s: got %q; want %q", c.name, got, c.want)
 		}
 	}
 }

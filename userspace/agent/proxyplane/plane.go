@@ -17,6 +17,7 @@ import (
 	"net/netip"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/weir-lb/weir/health"
@@ -84,6 +85,9 @@ func (p *Plane) Add(s *plan.Service) error {
 func (p *Plane) start(s *plan.Service) (*service, error) {
 	log := p.log.With("service", s.Name())
 	px, err := proxy.Listen(context.Background(), proxyConfig(&s.Config, observer{p.checker, s.Name()}, log))
+	if errors.Is(err, syscall.EADDRNOTAVAIL) {
+		return nil, fmt.Errorf("%w: the proxy binds %s, which no interface of this host holds (add it to one, or let XDP serve the service)", err, s.Config.Proxy.Listen.Addr())
+	}
 	if err != nil {
 		return nil, err // names the service
 	}

@@ -1,0 +1,46 @@
+package api
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+)
+
+// TestWriteTable: each runtime override is marked on the column it changes, every
+// backend that takes no new flows says why, and the table fits 120 columns.
+func TestWriteTable(t *testing.T) {
+	st := Status{Config: "/etc/weir/weir.yaml", XDP: XDPStatus{Loaded: true, Pinned: true, PinPath: "/sys/fs/bpf/weir",
+		Interfaces: []InterfaceStatus{{Name: "eth0", Mode: "native"}}},
+		Services: []ServiceStatus{{Name: "web", Key: "tcp/10.77.100.1:80", DataPlane: PlaneXDP, Why: "XDP dsr mode, self-test passed",
+			Mode: "dsr", Algorithm: "maglev", Backends: []BackendStatus{
+				{Address: "10.77.0.11:80", Health: "up", Usable: true, Weight: 1, ConfigWeight: 1, Drained: true, Override: true, DrainOverride: true,
+					MAC: "02:77:00:00:00:0b", Reason: "drained", LastCheck: "ok", LastCheckAgo: "120ms"},
+				{Address: "10.77.0.12:80", Health: "up", Usable: true, Weight: 5, ConfigWeight: 1, Override: true, WeightOverride: true,
+					MAC: "02:77:00:00:00:0c", LastCheck: "ok", LastCheckAgo: "80ms"},
+				{Address: "10.77.0.13:80", Health: "up", Usable: false, Weight: 1, ConfigWeight: 1,
+					MACError: "10.77.0.13 on eth0: neighbour resolution pending (the kernel is sending ARP/ND; if this persists the backend is unreachable)",
+					Reason: "mac unknown: 10.77.0.13 on eth0: neighbour resolution pending", LastCheck: "ok", LastCheckAgo: "30ms"},
+			}}}}
+	var b bytes.Buffer
+	st.WriteTable(&b)
+	out := b.String()
+	for _, want := range []string{
+		"10.77.0.11:80  up      true    1                    true (runtime)  02:77",
+		"10.77.0.12:80  up      true    5 (runtime; file 1)  false",
+		"10.77.0.13:80  up      false   1                    false           unknown",
+		"  10.77.0.11:80: drained\n",
+		"  10.77.0.13:80: mac unknown: 10.77.0.13 on eth0: neighbour resolution pending\n",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "file 1)  true") || strings.Contains(out, "(runtime; file 1)  true") {
+		t.Errorf("a drain marked the weight column:\n%s", out)
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if len(line) > 120 && !strings.Contains(line, ": ") {
+			t.Errorf("line of %d columns; want ≤ 120: %q", len(line), line)
+		}
+	}
+}
