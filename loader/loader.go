@@ -162,6 +162,9 @@ func (o *Options) flowLimitNs() (interval, burst uint64) {
 	return interval, interval * uint64(o.NewFlowBurst)
 }
 
+// ObjectHash is the SHA-256 of the XDP object this binary loads (weir version).
+func ObjectHash() string { return bpf.ObjectHash() }
+
 // Program is weir's loaded XDP program with its maps. Its methods are safe for
 // concurrent use.
 type Program struct {

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -41,17 +40,16 @@ func (l *addrList) Set(v string) error {
 // backend until ctx is done (SIGINT, SIGTERM), printing its counters on SIGUSR1,
 // every --interval, and at exit; then detaches it.
 func runDecap(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("weir decap", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("decap", "--interface IFACE", "On a backend of a tunnel-mode service: attach weir's decapsulation program until\nSIGINT or SIGTERM, printing its counters on SIGUSR1, every --interval and at exit.", stdout, stderr)
 	ifname := fs.String("interface", "", "the `interface` tunnel packets arrive on")
 	mode := fs.String("mode", "auto", "XDP attach `mode`: auto, native or generic")
 	var addrs addrList
 	fs.Var(&addrs, "addr", "an `address` whose tunnel packets to decapsulate (repeat; default: the interface's own addresses)")
 	interval := fs.Duration("interval", 0, "print the counters every `duration` (0: only on SIGUSR1 and at exit)")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args, 0, 0); err != nil {
 		return err
 	}
-	if *ifname == "" || fs.NArg() > 0 {
+	if *ifname == "" {
 		return errors.New("decap: usage: weir decap --interface IFACE [--mode auto|native|generic] [--addr A ...] [--interval D]")
 	}
 	m, err := loader.ParseMode(*mode)

@@ -1,8 +1,8 @@
 // Command weir is the load balancer's one binary. Subcommands:
 //
-//	weir run -c FILE [--no-xdp]           run the agent
-//	weir validate -c FILE                 check a config file, print every error
-//	weir status [--json] [-s SOCKET]      what the running agent serves, and how
+//	weir run [-c FILE] [--no-xdp]         run the agent
+//	weir validate [FILE]                  check a config file, print every error
+//	weir status [--json]                  what the running agent serves, and how
 //	weir drain SERVICE BACKEND            no new flows to a backend; established ones stay
 //	weir undrain SERVICE BACKEND
 //	weir weight SERVICE BACKEND N         set a backend's weight at runtime
@@ -10,11 +10,14 @@
 //	weir explain SERVICE CLIENT_IP:PORT   which backend a client's flow gets (XDP)
 //	weir reload                           re-read the config file (or send SIGHUP)
 //	weir decap --interface IFACE          on a tunnel-mode backend: decapsulate weir's tunnel packets
-//	weir demo [-backends N] [-requests N] [-mode auto|native|generic]
+//	weir demo [--keep] | weir demo down   the agent on a namespaced demo topology
+//	weir version                          version, commit, build date, BPF object hash
 //
-// Subcommands parse their flags with the standard flag package: each has a handful
-// of flags, `weir demo` already used it, and a CLI library would add dependencies
-// without adding anything these commands need. Flags come before arguments.
+// Every command that reads a config takes -c/--config FILE (default
+// /etc/weir/weir.yaml); -h prints a command's usage and exits 0; flags may follow
+// the arguments. The standard flag package serves this with two small helpers
+// (cli.go): each command has a handful of flags, and a CLI library would add a
+// dependency tree for what these commands do not need.
 package main
 
 import (
@@ -38,8 +41,8 @@ import (
 const usage = `weir: an L4 load balancer with an XDP data plane
 
 usage:
-  weir run -c FILE [--no-xdp]      run the agent (SIGHUP reloads, SIGTERM stops)
-  weir validate -c FILE            check a config file; prints every error, exit 1 if any
+  weir run [-c FILE] [--no-xdp]    run the agent (SIGHUP reloads, SIGTERM stops)
+  weir validate [FILE]             check a config file; prints every error, exit 1 if any
   weir status [--json]             services, data planes, backends, health, counters
   weir drain SERVICE BACKEND       stop new flows to BACKEND (ip:port); established ones stay
   weir undrain SERVICE BACKEND     end a drain
@@ -52,13 +55,18 @@ usage:
   weir decap --interface IFACE [--mode auto|native|generic] [--addr A ...] [--interval D]
                                    on a backend of a tunnel-mode service: attach weir's
                                    decapsulation program until SIGINT/SIGTERM
-  weir demo [flags]                build a demo topology in network namespaces, balance real
-                                   traffic with XDP, print who answered, remove everything
+  weir demo [--keep]               run the agent on a demo topology in network namespaces
+                                   and show it balancing real traffic; --keep leaves it running
+  weir demo down                   remove what weir demo --keep left
+  weir version                     version, commit, build date and BPF object hash
 
-status, drain, undrain, weight, explain, stop and reload talk to the agent's admin socket
-(-s SOCKET, default ` + config.DefaultAdminSocket + `, or the one in -c FILE).
-run 'weir COMMAND -h' for a command's flags
+FILE is -c/--config FILE, default ` + defaultConfig + `. status, drain, undrain, weight,
+explain, stop and reload talk to the admin socket the config names (or -s SOCKET).
+run 'weir COMMAND -h' for a command's usage and flags
 `
+
+// defaultConfig is where every command looks for the config unless told.
+const defaultConfig = "/etc/weir/weir.yaml"
 
 // errReported: the command has printed its errors itself.
 var errReported = errors.New("errors reported")
@@ -75,7 +83,10 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), sigs...)
 	defer stop()
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
-		if !errors.Is(err, flag.ErrHelp) && !errors.Is(err, errReported) {
+		if errors.Is(err, flag.ErrHelp) {
+			return
+		}
+		if !errors.Is(err, errReported) {
 			fmt.Fprintln(os.Stderr, "weir:", err)
 		}
 		stop()
@@ -94,7 +105,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "validate":
 		return runValidate(args[1:], stdout, stderr)
 	case "run":
-		return runAgent(ctx, args[1:], stderr)
+		return runAgent(ctx, args[1:], stdout, stderr)
 	case "status":
 		return runStatus(ctx, args[1:], stdout, stderr)
 	case "drain", "undrain":
@@ -109,6 +120,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runExplain(ctx, args[1:], stdout, stderr)
 	case "decap":
 		return runDecap(ctx, args[1:], stdout, stderr)
+	case "version", "--version", "-version":
+		return runVersion(args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, usage)
 		return nil
@@ -118,14 +131,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 }
 
 func runValidate(args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("weir validate", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	file := fs.String("c", "", "the config `file` to check")
-	if err := fs.Parse(args); err != nil {
+	fs := newFlagSet("validate", "[FILE]", "Check a config file and print every problem, each with its file:line and field.\nFILE defaults to -c/--config, "+defaultConfig+".", stdout, stderr)
+	file := configFlag(fs)
+	if err := parseFlags(fs, args, 0, 1); err != nil {
 		return err
 	}
-	if *file == "" || fs.NArg() > 0 {
-		return errors.New("validate: usage: weir validate -c FILE")
+	if fs.NArg() == 1 {
+		*file = fs.Arg(0)
 	}
 	cfg, err := config.Load(*file)
 	var es config.Errors
@@ -133,7 +145,11 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 		for _, e := range es {
 			fmt.Fprintln(stderr, e)
 		}
-		fmt.Fprintf(stderr, "%s: %d errors\n", *file, len(es))
+		noun := "errors"
+		if len(es) == 1 {
+			noun = "error"
+		}
+		fmt.Fprintf(stderr, "%s: %d %s\n", *file, len(es), noun)
 		return errReported
 	}
 	if err != nil {
@@ -150,16 +166,20 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 	return nil
 }
 
-func runAgent(ctx context.Context, args []string, stderr io.Writer) error {
-	fs := flag.NewFlagSet("weir run", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	file := fs.String("c", "/etc/weir/weir.yaml", "the config `file`")
+// configFlag adds -c and --config, one setting, default defaultConfig.
+func configFlag(fs *command) *string {
+	file := new(string)
+	fs.StringVar(file, "c", defaultConfig, "the config `file`")
+	fs.StringVar(file, "config", defaultConfig, "the config `file` (same as -c)")
+	return file
+}
+
+func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("run", "", "Run the agent: load the config, attach XDP, serve until SIGTERM or SIGINT; SIGHUP reloads.", stdout, stderr)
+	file := configFlag(fs)
 	noXDP := fs.Bool("no-xdp", false, "serve every service with the proxy (udp services cannot start)")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args, 0, 0); err != nil {
 		return err
-	}
-	if fs.NArg() > 0 {
-		return errors.New("run: usage: weir run -c FILE [--no-xdp]")
 	}
 	a := agent.New(agent.Options{ConfigPath: *file, NoXDP: *noXDP, Log: stderr})
 	hup := make(chan os.Signal, 1)
@@ -186,31 +206,33 @@ func runAgent(ctx context.Context, args []string, stderr io.Writer) error {
 	return err
 }
 
-// adminFlags adds -s and -c to a client command's flags and returns the socket to use.
-func adminFlags(fs *flag.FlagSet) func() (string, error) {
-	sock := fs.String("s", "", "the agent's admin `socket` (default "+config.DefaultAdminSocket+")")
-	file := fs.String("c", "", "read the admin socket from this config `file`")
+// adminFlags adds -s and -c/--config to a client command's flags and returns the
+// socket to use: -s if given, else the one the config names, else the default.
+func adminFlags(fs *command) func() (string, error) {
+	sock := fs.String("s", "", "the agent's admin `socket` (default: the config's admin.socket, else "+config.DefaultAdminSocket+")")
+	file := configFlag(fs)
 	return func() (string, error) {
-		switch {
-		case *sock != "":
+		if *sock != "" {
 			return *sock, nil
-		case *file != "":
-			cfg, err := config.Load(*file)
-			if err != nil {
-				return "", err
-			}
+		}
+		explicit := false
+		fs.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "c" || f.Name == "config" })
+		cfg, err := config.Load(*file)
+		switch {
+		case err == nil:
 			return cfg.Admin.Socket, nil
+		case explicit || !errors.Is(err, os.ErrNotExist):
+			return "", err
 		}
 		return config.DefaultAdminSocket, nil
 	}
 }
 
 func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("weir status", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("status", "", "What the running agent serves and how: data planes and why, backends, health, counters.", stdout, stderr)
 	asJSON := fs.Bool("json", false, "print JSON, for scripts")
 	socket := adminFlags(fs)
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args, 0, 0); err != nil {
 		return err
 	}
 	path, err := socket()
@@ -231,14 +253,14 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 }
 
 func runDrain(ctx context.Context, cmd string, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("weir "+cmd, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	socket := adminFlags(fs)
-	if err := fs.Parse(args); err != nil {
-		return err
+	about := "No new flows or connections to BACKEND (ip:port, see weir status); established ones stay.\nLasts until weir undrain or a restart; reloads keep it."
+	if cmd == "undrain" {
+		about = "End a drain: BACKEND (ip:port) takes new flows again."
 	}
-	if fs.NArg() != 2 {
-		return fmt.Errorf("%s: usage: weir %s SERVICE BACKEND (BACKEND as ip:port; see weir status)", cmd, cmd)
+	fs := newFlagSet(cmd, "SERVICE BACKEND", about, stdout, stderr)
+	socket := adminFlags(fs)
+	if err := parseFlags(fs, args, 2, 2); err != nil {
+		return err
 	}
 	path, err := socket()
 	if err != nil {
@@ -252,14 +274,10 @@ func runDrain(ctx context.Context, cmd string, args []string, stdout, stderr io.
 }
 
 func runWeight(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("weir weight", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("weight", "SERVICE BACKEND N", "Set BACKEND's weight (0..65535) until weir restarts; reloads keep it.", stdout, stderr)
 	socket := adminFlags(fs)
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args, 3, 3); err != nil {
 		return err
-	}
-	if fs.NArg() != 3 {
-		return errors.New("weight: usage: weir weight SERVICE BACKEND N")
 	}
 	n, err := strconv.ParseInt(fs.Arg(2), 10, 64)
 	if err != nil || n < 0 || n > config.MaxWeight {
@@ -277,10 +295,9 @@ func runWeight(ctx context.Context, args []string, stdout, stderr io.Writer) err
 }
 
 func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("weir reload", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("reload", "", "Re-read the config file and apply it; an invalid or unappliable one changes nothing.", stdout, stderr)
 	socket := adminFlags(fs)
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args, 0, 0); err != nil {
 		return err
 	}
 	path, err := socket()
@@ -303,15 +320,11 @@ func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) err
 }
 
 func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("weir explain", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("explain", "SERVICE CLIENT_IP:PORT", "Which backend a new flow from CLIENT_IP:PORT ([v6]:port for IPv6) gets, and the backend\nan existing flow is pinned to (XDP services).", stdout, stderr)
 	asJSON := fs.Bool("json", false, "print JSON, for scripts")
 	socket := adminFlags(fs)
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args, 2, 2); err != nil {
 		return err
-	}
-	if fs.NArg() != 2 {
-		return errors.New("explain: usage: weir explain SERVICE CLIENT_IP:PORT ([v6]:port for IPv6)")
 	}
 	path, err := socket()
 	if err != nil {
@@ -327,7 +340,11 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return enc.Encode(ex)
 	}
 	if ex.New == "" {
-		fmt.Fprintf(stdout, "a new flow from %s to %s: no backend takes new flows (all down or drained)\n", ex.Client, ex.Service)
+		why := ex.NoBackend
+		if why == "" {
+			why = "every backend is down or drained"
+		}
+		fmt.Fprintf(stdout, "a new flow from %s to %s: no backend takes new flows: %s\n", ex.Client, ex.Service, why)
 	} else {
 		fmt.Fprintf(stdout, "a new flow from %s to %s: %s\n", ex.Client, ex.Service, ex.New)
 	}
@@ -351,15 +368,11 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 }
 
 func runStop(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("weir stop", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("stop", "", "Stop the agent. Its pinned XDP program keeps balancing until the next weir run;\n--detach removes it too, also when no agent runs (from the config's settings).", stdout, stderr)
 	detach := fs.Bool("detach", false, "also detach the XDP program and remove its pins (drops every XDP flow)")
 	socket := adminFlags(fs)
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return errors.New("stop: usage: weir stop [--detach] [-s SOCKET | -c FILE]")
+	if err := parseFlags(fs, args, 0, 0); err != nil {
+		return fmt.Errorf("%w\n(usage: weir stop [--detach] [-s SOCKET | -c FILE])", err)
 	}
 	path, err := socket()
 	if err != nil {
@@ -379,12 +392,9 @@ func runStop(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	// No agent answers: remove what the last one left, from the config's settings.
 	file := fs.Lookup("c").Value.String()
-	if file == "" {
-		return fmt.Errorf("stop: %w\n(to remove the XDP program a stopped agent left, give its config: weir stop --detach -c FILE)", err)
-	}
 	cfg, cerr := config.Load(file)
 	if cerr != nil {
-		return fmt.Errorf("stop: %w", cerr)
+		return fmt.Errorf("stop: %w\n(to remove the XDP program a stopped agent left, give its config: weir stop --detach -c FILE)", cerr)
 	}
 	if err := xdpplane.RemovePinned(cfg); err != nil {
 		return fmt.Errorf("stop: no agent answers on %s, and: %w", path, err)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"flag"
 	"os"
 	"strings"
 	"testing"
@@ -134,5 +135,99 @@ func TestDecap(t *testing.T) {
 		if !strings.Contains(stdout.String(), want) {
 			t.Errorf("stdout: got\n%s\nwant a line containing %q", stdout.String(), want)
 		}
+	}
+}
+
+// TestConventions: every command answers -h with its usage (arguments included)
+// and exit status 0, refuses unknown flags and extra arguments with its usage, and
+// takes flags after its arguments.
+func TestConventions(t *testing.T) {
+	commands := []struct {
+		name, usage string
+		extra       []string // arguments that are one too many
+	}{
+		{"run", "usage: weir run [flags]", []string{"x"}},
+		{"validate", "usage: weir validate [FILE] [flags]", []string{"a", "b"}},
+		{"status", "usage: weir status [flags]", []string{"extra"}},
+		{"drain", "usage: weir drain SERVICE BACKEND [flags]", []string{"a", "b", "c"}},
+		{"undrain", "usage: weir undrain SERVICE BACKEND [flags]", []string{"a", "b", "c"}},
+		{"weight", "usage: weir weight SERVICE BACKEND N [flags]", []string{"a", "b", "1", "d"}},
+		{"reload", "usage: weir reload [flags]", []string{"x"}},
+		{"stop", "usage: weir stop [flags]", []string{"now"}},
+		{"explain", "usage: weir explain SERVICE CLIENT_IP:PORT [flags]", []string{"a", "b", "c"}},
+		{"decap", "usage: weir decap --interface IFACE [flags]", []string{"x"}},
+		{"demo", "usage: weir demo [flags]", []string{"x"}},
+		{"version", "usage: weir version", []string{"x"}},
+	}
+	for _, c := range commands {
+		t.Run(c.name+" -h", func(t *testing.T) {
+			for _, h := range []string{"-h", "--help"} {
+				var stdout, stderr bytes.Buffer
+				err := run(context.Background(), []string{c.name, h}, &stdout, &stderr)
+				if !errors.Is(err, flag.ErrHelp) {
+					t.Errorf("%s %s: got %v; want flag.ErrHelp (exit 0)", c.name, h, err)
+				}
+				if !strings.HasPrefix(stdout.String(), c.usage) {
+					t.Errorf("%s %s: stdout %q; want it to start with %q", c.name, h, stdout.String(), c.usage)
+				}
+			}
+		})
+		t.Run(c.name+" bad flag", func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			err := run(context.Background(), []string{c.name, "--no-such-flag"}, &stdout, &stderr)
+			if err == nil || !strings.Contains(err.Error(), "flag provided but not defined: -no-such-flag") || !strings.Contains(err.Error(), "weir "+c.name+" -h") {
+				t.Errorf("got %v; want the unknown flag named and a pointer to -h", err)
+			}
+		})
+		t.Run(c.name+" extra arguments", func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			err := run(context.Background(), append([]string{c.name}, c.extra...), &stdout, &stderr)
+			if err == nil || !strings.Contains(err.Error(), "unexpected argument") {
+				t.Errorf("got %v; want unexpected argument", err)
+			}
+			if strings.Count(err.Error(), c.name+":") > 1 {
+				t.Errorf("got %q; want the command's prefix once", err)
+			}
+		})
+	}
+	t.Run("flags after arguments", func(t *testing.T) {
+		var stdout, stderr bytes.Buffer
+		err := run(context.Background(), []string{"explain", "web", "10.0.0.1:1", "--json", "-s", "/nonexistent/weir.sock"}, &stdout, &stderr)
+		if err == nil || !strings.Contains(err.Error(), "/nonexistent/weir.sock") {
+			t.Errorf("got %v; want the flags after the arguments taken (the socket named)", err)
+		}
+	})
+	t.Run("validate FILE and --config", func(t *testing.T) {
+		for _, args := range [][]string{{"validate", "../../examples/weir.yaml"}, {"validate", "--config", "../../examples/weir.yaml"}, {"validate", "-c", "../../examples/weir.yaml"}} {
+			var stdout, stderr bytes.Buffer
+			if err := run(context.Background(), args, &stdout, &stderr); err != nil {
+				t.Errorf("%v: %v", args, err)
+			}
+		}
+	})
+	t.Run("one error", func(t *testing.T) {
+		p := t.TempDir() + "/one.yaml"
+		os.WriteFile(p, []byte("services:\n- {name: a, vip: 10.0.0.1:80, backends: [{address: 10.0.0.2:80, weight: 70000}]}\n"), 0o644)
+		var stdout, stderr bytes.Buffer
+		run(context.Background(), []string{"validate", p}, &stdout, &stderr)
+		if !strings.Contains(stderr.String(), ": 1 error\n") {
+			t.Errorf("stderr %q; want \"1 error\"", stderr.String())
+		}
+	})
+	for _, v := range []string{"version", "--version"} {
+		t.Run(v, func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			if err := run(context.Background(), []string{v}, &stdout, &stderr); err != nil {
+				t.Fatal(err)
+			}
+			for _, w := range []string{"weir ", "commit ", "built ", "bpf object sha256 "} {
+				if !strings.Contains(stdout.String(), w) {
+					t.Errorf("%s: %q lacks %q", v, stdout.String(), w)
+				}
+			}
+			if len(strings.Fields(strings.SplitAfter(stdout.String(), "sha256 ")[1])[0]) != 64 {
+				t.Errorf("%s: %q: want a 64-hex-digit object hash", v, stdout.String())
+			}
+		})
 	}
 }

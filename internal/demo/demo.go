@@ -1,58 +1,130 @@
-// Package demo is weir's built-in demonstration: a client, a balancer and backends in
-// network namespaces, the XDP program on the balancer's interface, real HTTP over new
-// TCP connections (and UDP) to the VIPs, and a table of who answered beside what the
-// program counted. `weir demo` prints it; the package's test runs the same scenario
-// and checks it, in native and generic mode.
+// Package demo is weir's built-in demonstration of the agent an operator runs: a
+// client, a balancer and backends in network namespaces, the real agent (`weir run`,
+// as a process in the balancer's namespace) with a config written for them, and real
+// traffic. It shows XDP attached and each service's data plane with the reason,
+// requests per backend beside the agent's own counters, a backend whose server dies
+// and comes back (timed against the health checks), a drain that keeps an
+// established connection, reloads (one adding a backend, one with a broken file),
+// and a service on the proxy data plane. `weir demo` prints it; the package's test
+// runs it and checks every step. With Keep the topology and the agent stay for the
+// operator to try things; Down removes them.
 package demo
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"net/netip"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
+	"syscall"
 	"text/tabwriter"
+	"time"
 
 	"github.com/weir-lb/weir/internal/topo"
-	"github.com/weir-lb/weir/loader"
+	"github.com/weir-lb/weir/userspace/agent/admin"
+	"github.com/weir-lb/weir/userspace/agent/api"
 )
 
 // Options of a demo run. Zero values take the defaults.
 type Options struct {
-	Backends int         // default 3
-	Requests int         // new TCP connections per round, default 300
-	Mode     loader.Mode // attach mode, default auto
-	Out      io.Writer   // where the tables go; nil prints nothing
+	Backends int    // backends the config starts with, default 3 (one more is added by a reload)
+	Requests int    // new TCP connections per round, default 300
+	Attach   string // XDP attach mode: auto (default), native or generic
+	Keep     bool   // leave the topology and the agent running (see Down)
+	Out      io.Writer
+	// AgentArgv is the command that runs the agent on a config file (weir run -c
+	// FILE); Env is added to its environment. Keep also runs HoldArgv (weir demo
+	// hold STATE), which serves the backends after Run returns.
+	AgentArgv func(config string) []string
+	HoldArgv  func(state string) []string
+	Env       []string
+	// Dir holds the config, the admin socket, logs and the state Down reads.
+	// Default /run/weir-demo.
+	Dir string
 }
 
 // Round is one batch of requests and what happened to it.
 type Round struct {
 	Title    string
 	Sent     int
-	Answers  map[string]int            // backend name -> requests it answered
-	Failures []error                   // requests that got no answer
-	XDP      map[string]loader.Counter // backend name -> packets the program sent it
+	Answers  map[string]int    // backend name -> requests it answered
+	Failures []error           // requests that got no answer
+	Counted  map[string]uint64 // backend name -> what the agent counted (XDP packets; proxy connects)
+}
+
+// Step is one thing the demo showed, and whether it held.
+type Step struct {
+	Name   string
+	OK     bool
+	Detail string
 }
 
 // Report is what a run saw.
 type Report struct {
-	Mode     loader.Mode // the attach mode the program got
-	Backends []string
+	Attach   string   // the attach mode the agent got
+	Backends []string // names, in address order
 	Rounds   []Round
-	Reasons  map[loader.Reason]loader.Counter
+	Steps    []Step
+	Status   api.Status // the agent's status at the end
 }
+
+// Step names, in order.
+const (
+	StepRunning      = "agent running"
+	StepKill         = "backend killed"
+	StepRevive       = "backend revived"
+	StepDrain        = "drain keeps the established connection"
+	StepReloadAdd    = "reload adds a backend"
+	StepReloadBroken = "broken reload refused"
+	StepProxy        = "proxy data plane"
+)
 
 // NamePrefix prefixes the demo's namespaces; a crashed run's are removed at start.
 const NamePrefix = "wdm"
 
-// NATVIP is the demo's full-nat VIP, routed by the client via the balancer like the
-// others but held by no backend.
+// The demo's addresses beyond topo's: a full-nat VIP no backend holds, and the port
+// of the proxy service on the balancer's own address.
 var NATVIP = netip.MustParseAddr("10.77.100.2")
 
-// Run builds the topology, runs the rounds and removes everything, whatever happens.
+const (
+	httpPort  = topo.HTTPPort
+	udpPort   = topo.UDPPort
+	proxyPort = 8080
+	// Health checks every interval, down after fall failures: a dead backend is
+	// out within interval × fall plus a check's timeout.
+	checkInterval = 200 * time.Millisecond
+	checkTimeout  = 150 * time.Millisecond
+	checkFall     = 2
+	checkRise     = 2
+)
+
+// DefaultDir is where a demo keeps its files.
+const DefaultDir = "/run/weir-demo"
+
+type run struct {
+	opts     Options
+	out      io.Writer
+	t        *topo.Topology
+	srv      *servers
+	backends []backend // all of them, the last added by a reload
+	byIP     map[netip.Addr]string
+	client   *admin.Client
+	cfgPath  string
+	agent    *exec.Cmd
+	agentErr chan error
+	rep      Report
+}
+
+// Run builds the topology, starts the agent, shows each step and, unless Keep,
+// removes everything, whatever happens (also when ctx ends midway).
 func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if opts.Backends == 0 {
 		opts.Backends = 3
@@ -60,195 +132,625 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if opts.Requests == 0 {
 		opts.Requests = 300
 	}
-	if opts.Mode == "" {
-		opts.Mode = loader.ModeAuto
+	if opts.Attach == "" {
+		opts.Attach = "auto"
 	}
-	out := opts.Out
-	if out == nil {
-		out = io.Discard
+	if opts.Dir == "" {
+		opts.Dir = DefaultDir
+	}
+	r := &run{opts: opts, out: opts.Out, srv: newServers(), byIP: map[netip.Addr]string{}}
+	if r.out == nil {
+		r.out = io.Discard
+	}
+	if st, err := readState(opts.Dir); err == nil && alive(st.AgentPID) {
+		return Report{}, fmt.Errorf("demo: a kept demo runs (agent pid %d): remove it first with weir demo down", st.AgentPID)
 	}
 	if err := topo.CleanupStale(NamePrefix); err != nil {
 		return Report{}, fmt.Errorf("demo: remove a crashed run's namespaces: %w", err)
 	}
-	t, err := topo.New(topo.Config{Name: topo.UniqueName(NamePrefix), Backends: opts.Backends})
+	if err := os.MkdirAll(opts.Dir, 0o700); err != nil {
+		return Report{}, fmt.Errorf("demo: %w", err)
+	}
+	t, err := topo.New(topo.Config{Name: topo.UniqueName(NamePrefix), Backends: opts.Backends + 1})
 	if err != nil {
 		return Report{}, fmt.Errorf("demo: build topology: %w", err)
 	}
-	defer func() { err = errors.Join(err, t.Close()) }()
-	if err := t.ServeBackends(ctx); err != nil {
-		return Report{}, fmt.Errorf("demo: %w", err)
+	r.t = t
+	kept := false
+	defer func() {
+		if kept {
+			return
+		}
+		r.srv.close()
+		err = errors.Join(err, r.stopAgent(), t.Close())
+		os.RemoveAll(opts.Dir) // the agent's log is in err when it failed
+	}()
+	vips := []netip.Addr{t.VIP4, t.VIP6}
+	for _, h := range t.Backends {
+		b := backend{Name: h.Name, NS: h.NS.Name(), IP4: h.IP4, IP6: h.IP6}
+		r.backends = append(r.backends, b)
+		r.byIP[h.IP4], r.byIP[h.IP6] = h.Name, h.Name
+		if err := r.srv.serve(h.NS, b, vips); err != nil {
+			return Report{}, fmt.Errorf("demo: %w", err)
+		}
 	}
-
-	// nat needs forwarding on for its route lookups; its source is the balancer's address.
+	for _, b := range r.backends[:opts.Backends] {
+		r.rep.Backends = append(r.rep.Backends, b.Name)
+	}
+	// nat's next-hop lookups answer only where the kernel would forward.
 	if err := t.Balancer.NS.Do(func() error {
 		return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644)
 	}); err != nil {
 		return Report{}, fmt.Errorf("demo: enable forwarding: %w", err)
 	}
-	prog, err := loader.Load(loader.Options{HashSeed: 1, NAT: loader.NATOptions{Addr4: t.Balancer.IP4, Addr6: t.Balancer.IP6}})
-	if err != nil {
-		return Report{}, fmt.Errorf("demo: %w", err)
-	}
-	defer func() { err = errors.Join(err, prog.Close()) }()
-	var mode loader.Mode
-	if err := t.Balancer.NS.Do(func() error {
-		mode, err = prog.Attach(t.Balancer.Link, opts.Mode)
-		return err
-	}); err != nil {
-		return Report{}, fmt.Errorf("demo: %w", err)
-	}
-	rep := Report{Mode: mode}
-	fmt.Fprintf(out, "weir demo: XDP program attached to %s in namespace %s, %s mode\n",
-		t.Balancer.Link, t.Balancer.NS.Name(), mode)
 
-	names := make(map[netip.Addr]string)
-	service := func(vip netip.Addr, port uint16, proto loader.Protocol) loader.Service {
-		s := loader.Service{Key: loader.ServiceKey{VIP: netip.AddrPortFrom(vip, port), Protocol: proto}}
-		for _, h := range t.Backends {
-			ip := h.IP4
-			if vip.Is6() {
-				ip = h.IP6
+	if err := r.startAgent(ctx); err != nil {
+		return r.rep, err
+	}
+	steps := []func(context.Context) error{r.showServices, r.rounds, r.killAndRevive, r.drain, r.reloads, r.proxy}
+	for _, step := range steps {
+		if err := step(ctx); err != nil {
+			return r.rep, fmt.Errorf("demo: %w", err)
+		}
+	}
+	if r.rep.Status, err = r.client.Status(ctx); err != nil {
+		return r.rep, fmt.Errorf("demo: %w", err)
+	}
+	printReasons(r.out, r.rep.Status.XDPReasons)
+	if opts.Keep {
+		if err := r.keep(ctx); err != nil {
+			return r.rep, fmt.Errorf("demo: keep: %w", err)
+		}
+		kept = true
+	}
+	return r.rep, nil
+}
+
+func (r *run) step(name string, ok bool, format string, args ...any) {
+	detail := fmt.Sprintf(format, args...)
+	r.rep.Steps = append(r.rep.Steps, Step{Name: name, OK: ok, Detail: detail})
+	mark := "ok  "
+	if !ok {
+		mark = "FAIL"
+	}
+	fmt.Fprintf(r.out, "\n[%s] %s: %s\n", mark, name, detail)
+}
+
+// writeConfig writes the agent's config with the first n backends, or a broken
+// file.
+func (r *run) writeConfig(n int, broken bool) error {
+	if broken {
+		return os.WriteFile(r.cfgPath, []byte("services:\n- name: web\n  vip: 10.77.100.1:80\n   mode: dsr\n"), 0o644)
+	}
+	var b strings.Builder
+	t := r.t
+	fmt.Fprintf(&b, `# Written by weir demo for its namespaced topology.
+interfaces: [{name: %s, attach: %s}]
+addresses: [%s, %s]
+xdp: {hash_seed: 1, pin_path: /sys/fs/bpf/weir-demo, detach_on_stop: true}
+admin: {socket: %s}
+metrics: {listen: 127.0.0.1:9470}
+services:
+`, t.Balancer.Link, r.opts.Attach, t.Balancer.IP4, t.Balancer.IP6, filepath.Join(r.opts.Dir, "weir.sock"))
+	health := fmt.Sprintf("{type: %%s, interval: %s, timeout: %s, fall: %d, rise: %d}", checkInterval, checkTimeout, checkFall, checkRise)
+	svc := func(name, vip, extra, check string, port uint16, v6 bool) {
+		fmt.Fprintf(&b, "- name: %s\n  vip: %q\n%s  health: %s\n  backends:\n", name, vip, extra, fmt.Sprintf(health, check))
+		for _, be := range r.backends[:n] {
+			ip := be.IP4
+			if v6 {
+				ip = be.IP6
 			}
-			names[ip] = h.Name
-			s.Backends = append(s.Backends, loader.Backend{Addr: netip.AddrPortFrom(ip, port), MAC: h.MAC, Weight: 1, Usable: true})
+			fmt.Fprintf(&b, "  - {address: %q", netip.AddrPortFrom(ip, port).String())
+			if port != httpPort {
+				fmt.Fprintf(&b, ", check_address: %q", netip.AddrPortFrom(ip, httpPort).String())
+			}
+			b.WriteString("}\n")
 		}
-		return s
 	}
-	web4 := service(t.VIP4, topo.HTTPPort, loader.TCP)
-	web6 := service(t.VIP6, topo.HTTPPort, loader.TCP)
-	dns4 := service(t.VIP4, topo.UDPPort, loader.UDP)
-	// A second VIP in full nat mode: the backends hold no VIP for it and answer the
-	// balancer's address; the program translates both directions.
-	natVIP := NATVIP
-	web4nat := service(natVIP, topo.HTTPPort, loader.TCP)
-	web4nat.Forwarding = loader.ForwardNAT
-	for i := range web4nat.Backends {
-		web4nat.Backends[i].MAC = nil
-	}
-	for _, s := range []loader.Service{web4, web6, dns4, web4nat} {
-		if err := prog.AddService(s); err != nil {
-			return rep, fmt.Errorf("demo: %w", err)
-		}
-		fmt.Fprintf(out, "service %s -> %d backends, %s\n", s.Key, len(s.Backends), s.Forwarding)
-	}
-	for _, h := range t.Backends {
-		rep.Backends = append(rep.Backends, h.Name)
-	}
+	svc("web", netip.AddrPortFrom(t.VIP4, httpPort).String(), "  mode: dsr\n", "http", httpPort, false)
+	svc("web6", netip.AddrPortFrom(t.VIP6, httpPort).String(), "  mode: dsr\n", "http", httpPort, true)
+	svc("dns", netip.AddrPortFrom(t.VIP4, udpPort).String(), "  protocol: udp\n  mode: dsr\n  algorithm: source_hash\n", "tcp", udpPort, false)
+	svc("web-nat", netip.AddrPortFrom(NATVIP, httpPort).String(), "  mode: nat\n", "http", httpPort, false)
+	svc("app", netip.AddrPortFrom(t.Balancer.IP4, proxyPort).String(), "  data_plane: proxy\n  algorithm: least_conn\n", "http", httpPort, false)
+	return os.WriteFile(r.cfgPath, []byte(b.String()), 0o644)
+}
 
-	round := func(title string, svc loader.Service, n int, ask func(i int) (string, error)) error {
-		before, err := prog.Stats()
-		if err != nil {
-			return err
+// startAgent writes the config and runs the agent in the balancer's namespace.
+func (r *run) startAgent(ctx context.Context) error {
+	r.cfgPath = filepath.Join(r.opts.Dir, "weir.yaml")
+	if err := r.writeConfig(r.opts.Backends, false); err != nil {
+		return fmt.Errorf("demo: %w", err)
+	}
+	logf, err := os.Create(filepath.Join(r.opts.Dir, "agent.log"))
+	if err != nil {
+		return fmt.Errorf("demo: %w", err)
+	}
+	defer logf.Close()
+	argv := append([]string{"netns", "exec", r.t.Balancer.NS.Name()}, r.opts.AgentArgv(r.cfgPath)...)
+	cmd := exec.Command("ip", argv...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Env = append(os.Environ(), r.opts.Env...)
+	// Its own session: a terminal's ^C reaches the demo, which stops the agent in
+	// order (and --keep leaves it running after the demo exits).
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("demo: start the agent: %w", err)
+	}
+	r.agent, r.agentErr = cmd, make(chan error, 1)
+	// Exits when the agent process does.
+	go func() { r.agentErr <- cmd.Wait() }()
+	r.client = admin.NewClient(filepath.Join(r.opts.Dir, "weir.sock"))
+	fmt.Fprintf(r.out, "weir demo: client, balancer and %d backends in network namespaces (%s...); the agent runs `%s` in %s\n",
+		len(r.t.Backends), r.t.Name, strings.Join(r.opts.AgentArgv(r.cfgPath), " "), r.t.Balancer.NS.Name())
+	start := time.Now()
+	deadline := start.Add(30 * time.Second)
+	for {
+		st, err := r.client.Status(ctx)
+		if err == nil && allChecked(st) {
+			r.rep.Attach = attachMode(st)
+			r.step(StepRunning, st.XDP.Loaded, "XDP %s on %s, %d services up in %s", attachWord(st), r.t.Balancer.Link, len(st.Services), time.Since(start).Round(time.Millisecond))
+			return nil
 		}
-		r := Round{Title: title, Sent: n, Answers: make(map[string]int), XDP: make(map[string]loader.Counter)}
-		var mu sync.Mutex
-		var wg sync.WaitGroup
-		work := make(chan int)
-		const workers = 8
-		for range workers {
-			wg.Add(1)
-			// Exits when work is closed.
-			go func() {
-				defer wg.Done()
-				for i := range work {
-					name, err := ask(i)
-					mu.Lock()
-					if err != nil {
-						r.Failures = append(r.Failures, err)
-					} else {
-						r.Answers[name]++
-					}
-					mu.Unlock()
-				}
-			}()
+		select {
+		case aerr := <-r.agentErr:
+			r.agentErr <- aerr
+			return fmt.Errorf("demo: the agent exited: %v; its log:\n%s", aerr, r.agentLog())
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
 		}
-		for i := range n {
-			work <- i
+		if time.Now().After(deadline) {
+			return fmt.Errorf("demo: the agent did not answer within 30s (last: %v); its log:\n%s", err, r.agentLog())
 		}
-		close(work)
-		wg.Wait()
-		after, err := prog.Stats()
-		if err != nil {
-			return err
+	}
+}
+
+// allChecked reports whether every backend has been checked once (so rounds do not
+// race the first verdicts).
+func allChecked(st api.Status) bool {
+	for _, s := range st.Services {
+		for _, b := range s.Backends {
+			if b.LastCheck == "" {
+				return false
+			}
 		}
-		for addr, c := range after.Backends[svc.Key] {
-			was := before.Backends[svc.Key][addr]
-			r.XDP[names[addr.Addr()]] = loader.Counter{Packets: c.Packets - was.Packets, Bytes: c.Bytes - was.Bytes}
+	}
+	return len(st.Services) > 0
+}
+
+func attachMode(st api.Status) string {
+	for _, i := range st.XDP.Interfaces {
+		if i.Mode != "" {
+			return i.Mode
 		}
-		rep.Rounds = append(rep.Rounds, r)
-		printRound(out, r, rep.Backends)
+	}
+	return ""
+}
+
+func attachWord(st api.Status) string {
+	if !st.XDP.Loaded {
+		return "not loaded (" + st.XDP.Reason + ")"
+	}
+	return "attached (" + attachMode(st) + ")"
+}
+
+func (r *run) agentLog() string {
+	b, _ := os.ReadFile(filepath.Join(r.opts.Dir, "agent.log"))
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if len(lines) > 30 {
+		lines = lines[len(lines)-30:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// stopAgent ends the agent (SIGTERM, as systemd would) and waits for it.
+func (r *run) stopAgent() error {
+	if r.agent == nil {
 		return nil
 	}
+	r.agent.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-r.agentErr:
+		r.agent = nil
+		if err != nil {
+			return fmt.Errorf("demo: the agent: %w; its log:\n%s", err, r.agentLog())
+		}
+		return nil
+	case <-time.After(15 * time.Second):
+		r.agent.Process.Kill()
+		<-r.agentErr
+		r.agent = nil
+		return errors.New("demo: the agent did not stop within 15s of SIGTERM: killed")
+	}
+}
 
-	n := opts.Requests
-	if err := round(fmt.Sprintf("%d HTTP requests to %s, each on a new TCP connection", n, web4.Key),
-		web4, n, func(int) (string, error) { return t.Get(ctx, t.VIP4) }); err != nil {
-		return rep, fmt.Errorf("demo: %w", err)
-	}
-	if err := round(fmt.Sprintf("%d HTTP requests to %s", n/3, web6.Key),
-		web6, n/3, func(int) (string, error) { return t.Get(ctx, t.VIP6) }); err != nil {
-		return rep, fmt.Errorf("demo: %w", err)
-	}
-	if err := round(fmt.Sprintf("%d UDP queries to %s from distinct ports", n/3, dns4.Key),
-		dns4, n/3, func(i int) (string, error) { return t.AskUDP(ctx, dns4.Key.VIP, uint16(30000+i)) }); err != nil {
-		return rep, fmt.Errorf("demo: %w", err)
-	}
-
-	if err := round(fmt.Sprintf("%d HTTP requests to %s (full nat: the backends see the balancer, not the client)", n, web4nat.Key),
-		web4nat, n, func(int) (string, error) { return t.Get(ctx, natVIP) }); err != nil {
-		return rep, fmt.Errorf("demo: %w", err)
-	}
-
-	down := web4.Backends[0]
-	if err := prog.SetBackendUsable(web4.Key, down.Addr, false); err != nil {
-		return rep, fmt.Errorf("demo: %w", err)
-	}
-	fmt.Fprintf(out, "\nmarked %s (%s) unusable\n", names[down.Addr.Addr()], down.Addr)
-	if err := round(fmt.Sprintf("%d HTTP requests to %s with %s unusable", n, web4.Key, names[down.Addr.Addr()]),
-		web4, n, func(int) (string, error) { return t.Get(ctx, t.VIP4) }); err != nil {
-		return rep, fmt.Errorf("demo: %w", err)
-	}
-
-	stats, err := prog.Stats()
+// showServices prints the agent's own status.
+func (r *run) showServices(ctx context.Context) error {
+	st, err := r.client.Status(ctx)
 	if err != nil {
-		return rep, fmt.Errorf("demo: %w", err)
+		return err
 	}
-	rep.Reasons = stats.Reasons
-	printReasons(out, stats.Reasons)
-	return rep, nil
+	fmt.Fprintln(r.out, "\n$ weir status")
+	st.WriteTable(r.out)
+	return nil
 }
 
-func printRound(out io.Writer, r Round, backends []string) {
-	fmt.Fprintf(out, "\n%s\n", r.Title)
-	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "backend\tanswered\tshare\txdp packets\txdp bytes\t")
-	for _, b := range backends {
+// get fetches http://dst/ from the client over a new connection and returns the
+// body (the answering backend's name).
+func (r *run) get(ctx context.Context, dst netip.AddrPort) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+dst.String()+"/", nil)
+	if err != nil {
+		return "", err
+	}
+	resp, err := r.t.HTTPClient().Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return "", err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return "", fmt.Errorf("%s: status %s", dst, resp.Status)
+	}
+	return string(body), nil
+}
+
+// round sends n requests with ask (8 at a time) and reads what the agent counted
+// for service before and after.
+func (r *run) round(ctx context.Context, service, title string, n int, ask func(i int) (string, error)) (Round, error) {
+	before, err := r.client.Status(ctx)
+	if err != nil {
+		return Round{}, err
+	}
+	rd := Round{Title: title, Sent: n, Answers: map[string]int{}, Counted: map[string]uint64{}}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	work := make(chan int)
+	for range 8 {
+		// Exits when work is closed.
+		wg.Go(func() {
+			for i := range work {
+				name, err := ask(i)
+				mu.Lock()
+				if err != nil {
+					rd.Failures = append(rd.Failures, err)
+				} else {
+					rd.Answers[name]++
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	for i := range n {
+		work <- i
+	}
+	close(work)
+	wg.Wait()
+	after, err := r.client.Status(ctx)
+	if err != nil {
+		return Round{}, err
+	}
+	counted := func(st api.Status) map[string]uint64 {
+		m := map[string]uint64{}
+		for _, s := range st.Services {
+			if s.Name != service {
+				continue
+			}
+			for _, b := range s.Backends {
+				ap := netip.MustParseAddrPort(b.Address)
+				v := b.Packets
+				if s.DataPlane == api.PlaneProxy {
+					v = b.Connects
+				}
+				m[r.byIP[ap.Addr()]] = v
+			}
+		}
+		return m
+	}
+	was := counted(before)
+	for name, v := range counted(after) {
+		rd.Counted[name] = v - was[name]
+	}
+	r.rep.Rounds = append(r.rep.Rounds, rd)
+	r.printRound(rd, service)
+	return rd, nil
+}
+
+func (r *run) printRound(rd Round, service string) {
+	fmt.Fprintf(r.out, "\n%s\n", rd.Title)
+	tw := tabwriter.NewWriter(r.out, 0, 0, 2, ' ', tabwriter.AlignRight)
+	what := "xdp packets"
+	if service == "app" {
+		what = "proxy connects"
+	}
+	fmt.Fprintf(tw, "backend\taddress\tanswered\tshare\t%s\t\n", what)
+	names := make([]string, 0, len(rd.Answers)+len(rd.Counted))
+	seen := map[string]bool{}
+	for _, b := range r.backends {
+		if rd.Answers[b.Name] > 0 || rd.Counted[b.Name] > 0 || slicesContains(r.rep.Backends, b.Name) {
+			names = append(names, b.Name)
+			seen[b.Name] = true
+		}
+	}
+	for _, b := range r.backends {
+		if !seen[b.Name] {
+			continue
+		}
 		share := 0.0
-		if r.Sent > 0 {
-			share = 100 * float64(r.Answers[b]) / float64(r.Sent)
+		if rd.Sent > 0 {
+			share = 100 * float64(rd.Answers[b.Name]) / float64(rd.Sent)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%.1f%%\t%d\t%d\t\n", b, r.Answers[b], share, r.XDP[b].Packets, r.XDP[b].Bytes)
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%.1f%%\t%d\t\n", b.Name, b.IP4, rd.Answers[b.Name], share, rd.Counted[b.Name])
 	}
-	fmt.Fprintf(tw, "failed\t%d\t\t\t\t\n", len(r.Failures))
+	fmt.Fprintf(tw, "failed\t\t%d\t\t\t\n", len(rd.Failures))
 	tw.Flush()
-	if len(r.Failures) > 0 {
-		fmt.Fprintf(out, "first failure: %v\n", r.Failures[0])
+	if len(rd.Failures) > 0 {
+		fmt.Fprintf(r.out, "first failure: %v\n", rd.Failures[0])
 	}
 }
 
-func printReasons(out io.Writer, reasons map[loader.Reason]loader.Counter) {
-	fmt.Fprintf(out, "\nXDP program counters\n")
-	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "reason\tpackets\tbytes\t")
-	keys := make([]loader.Reason, 0, len(reasons))
-	for r := range reasons {
-		keys = append(keys, r)
-	}
-	sort.Slice(keys, func(i, j int) bool { return keys[i] < keys[j] })
-	for _, r := range keys {
-		if c := reasons[r]; c.Packets > 0 {
-			fmt.Fprintf(tw, "%s\t%d\t%d\t\n", r, c.Packets, c.Bytes)
+func slicesContains(s []string, v string) bool {
+	for _, x := range s {
+		if x == v {
+			return true
 		}
+	}
+	return false
+}
+
+// rounds: every XDP service with all backends up.
+func (r *run) rounds(ctx context.Context) error {
+	n, t := r.opts.Requests, r.t
+	web := netip.AddrPortFrom(t.VIP4, httpPort)
+	if _, err := r.round(ctx, "web", fmt.Sprintf("%d HTTP requests to web (%s, dsr), each on a new TCP connection", n, web), n,
+		func(int) (string, error) { return r.get(ctx, web) }); err != nil {
+		return err
+	}
+	web6 := netip.AddrPortFrom(t.VIP6, httpPort)
+	if _, err := r.round(ctx, "web6", fmt.Sprintf("%d HTTP requests to web6 (%s, dsr)", n/3, web6), n/3,
+		func(int) (string, error) { return r.get(ctx, web6) }); err != nil {
+		return err
+	}
+	dns := netip.AddrPortFrom(t.VIP4, udpPort)
+	if _, err := r.round(ctx, "dns", fmt.Sprintf("%d UDP queries to dns (%s, dsr) from distinct ports of one client: source_hash sends one client address to one backend", n/3, dns), n/3,
+		func(i int) (string, error) { return t.AskUDP(ctx, dns, uint16(30000+i)) }); err != nil {
+		return err
+	}
+	nat := netip.AddrPortFrom(NATVIP, httpPort)
+	_, err := r.round(ctx, "web-nat", fmt.Sprintf("%d HTTP requests to web-nat (%s, full nat: the backends see the balancer, not the client)", n, nat), n,
+		func(int) (string, error) { return r.get(ctx, nat) })
+	return err
+}
+
+// waitBackend polls the agent until the backend's health is want, and says how
+// long that took.
+func (r *run) waitBackend(ctx context.Context, service string, addr netip.AddrPort, usable bool, within time.Duration) (time.Duration, error) {
+	start := time.Now()
+	for {
+		st, err := r.client.Status(ctx)
+		if err != nil {
+			return 0, err
+		}
+		for _, s := range st.Services {
+			for _, b := range s.Backends {
+				if s.Name == service && b.Address == addr.String() && b.Usable == usable {
+					return time.Since(start), nil
+				}
+			}
+		}
+		if time.Since(start) > within {
+			return time.Since(start), fmt.Errorf("backend %s of %s not usable=%t within %s", addr, service, usable, within)
+		}
+		select {
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// killAndRevive: a backend's server dies; health marks it down, new connections
+// avoid it; it comes back.
+func (r *run) killAndRevive(ctx context.Context) error {
+	victim := r.backends[0]
+	addr := netip.AddrPortFrom(victim.IP4, httpPort)
+	web := netip.AddrPortFrom(r.t.VIP4, httpPort)
+	bound := checkInterval*checkFall + checkTimeout
+	fmt.Fprintf(r.out, "\nkilling %s's HTTP server (%s)\n", victim.Name, addr)
+	r.srv.kill(victim.Name)
+	took, err := r.waitBackend(ctx, "web", addr, false, 10*bound)
+	if err != nil {
+		r.step(StepKill, false, "%v", err)
+		return nil
+	}
+	rd, err := r.round(ctx, "web", fmt.Sprintf("%d HTTP requests to web with %s down", r.opts.Requests, victim.Name), r.opts.Requests,
+		func(int) (string, error) { return r.get(ctx, web) })
+	if err != nil {
+		return err
+	}
+	r.step(StepKill, rd.Answers[victim.Name] == 0 && len(rd.Failures) == 0,
+		"health marked %s down %s after its server died (checks every %s, down after %d failures: at most about %s); %d of %d new connections went to it, %d failed",
+		victim.Name, took.Round(time.Millisecond), checkInterval, checkFall, bound, rd.Answers[victim.Name], rd.Sent, len(rd.Failures))
+
+	if err := r.srv.serveHTTP(victim.Name); err != nil {
+		return err
+	}
+	took, err = r.waitBackend(ctx, "web", addr, true, 10*(checkInterval*checkRise+checkTimeout))
+	if err != nil {
+		r.step(StepRevive, false, "%v", err)
+		return nil
+	}
+	rd, err = r.round(ctx, "web", fmt.Sprintf("%d HTTP requests to web with %s back", r.opts.Requests, victim.Name), r.opts.Requests,
+		func(int) (string, error) { return r.get(ctx, web) })
+	if err != nil {
+		return err
+	}
+	r.step(StepRevive, rd.Answers[victim.Name] > 0 && len(rd.Failures) == 0,
+		"%s back in service %s after its server restarted (up after %d passing checks); it answered %d of %d",
+		victim.Name, took.Round(time.Millisecond), checkRise, rd.Answers[victim.Name], rd.Sent)
+	return nil
+}
+
+// drain: an established keep-alive connection to a backend goes on after the
+// backend is drained; new connections avoid it.
+func (r *run) drain(ctx context.Context) error {
+	target := r.backends[1]
+	addr := netip.AddrPortFrom(target.IP4, httpPort)
+	web := netip.AddrPortFrom(r.t.VIP4, httpPort)
+	// Ask the agent which client port lands on target.
+	port := uint16(0)
+	for p := uint16(41000); p < 42000; p++ {
+		ex, err := r.client.Explain(ctx, "web", netip.AddrPortFrom(r.t.Client.IP4, p).String())
+		if err != nil {
+			return err
+		}
+		if ex.New == addr.String() {
+			port = p
+			break
+		}
+	}
+	if port == 0 {
+		r.step(StepDrain, false, "no client port in 41000..41999 maps to %s", addr)
+		return nil
+	}
+	c, err := r.t.DialTCP(ctx, web, port)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	br := bufio.NewReader(c)
+	ask := func() (string, error) {
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: demo\r\n\r\n"); err != nil {
+			return "", err
+		}
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			return "", err
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		return string(b), err
+	}
+	first, err := ask()
+	if err != nil {
+		return fmt.Errorf("keep-alive request: %w", err)
+	}
+	fmt.Fprintf(r.out, "\n$ weir drain web %s   (a keep-alive connection from %s:%d is open to %s)\n", addr, r.t.Client.IP4, port, first)
+	if err := r.client.Drain(ctx, "web", addr.String(), true); err != nil {
+		return err
+	}
+	second, err := ask()
+	if err != nil {
+		second = "error: " + err.Error()
+	}
+	rd, err := r.round(ctx, "web", fmt.Sprintf("%d HTTP requests to web with %s drained", r.opts.Requests, target.Name), r.opts.Requests,
+		func(int) (string, error) { return r.get(ctx, web) })
+	if err != nil {
+		return err
+	}
+	if err := r.client.Drain(ctx, "web", addr.String(), false); err != nil {
+		return err
+	}
+	r.step(StepDrain, first == target.Name && second == target.Name && rd.Answers[target.Name] == 0 && len(rd.Failures) == 0,
+		"the open connection was answered by %s before and %s after the drain; %d of %d new connections went to %s (undrained again)",
+		first, second, rd.Answers[target.Name], rd.Sent, target.Name)
+	return nil
+}
+
+// reloads: one adds the spare backend, one is a broken file.
+func (r *run) reloads(ctx context.Context) error {
+	added := r.backends[len(r.backends)-1]
+	web := netip.AddrPortFrom(r.t.VIP4, httpPort)
+	if err := r.writeConfig(len(r.backends), false); err != nil {
+		return err
+	}
+	fmt.Fprintf(r.out, "\n$ weir reload   (the config now lists %s too)\n", added.Name)
+	if err := r.client.Reload(ctx); err != nil {
+		r.step(StepReloadAdd, false, "reload: %v", err)
+		return nil
+	}
+	if _, err := r.waitBackend(ctx, "web", netip.AddrPortFrom(added.IP4, httpPort), true, 5*time.Second); err != nil {
+		r.step(StepReloadAdd, false, "%v", err)
+		return nil
+	}
+	r.rep.Backends = append(r.rep.Backends, added.Name)
+	rd, err := r.round(ctx, "web", fmt.Sprintf("%d HTTP requests to web after the reload", r.opts.Requests), r.opts.Requests,
+		func(int) (string, error) { return r.get(ctx, web) })
+	if err != nil {
+		return err
+	}
+	r.step(StepReloadAdd, rd.Answers[added.Name] > 0 && len(rd.Failures) == 0,
+		"%s answered %d of %d new connections", added.Name, rd.Answers[added.Name], rd.Sent)
+
+	if err := r.writeConfig(0, true); err != nil {
+		return err
+	}
+	fmt.Fprintln(r.out, "\n$ weir reload   (the file now has an indentation error)")
+	rerr := r.client.Reload(ctx)
+	var re *admin.RequestError
+	refused := errors.As(rerr, &re)
+	if err := r.writeConfig(len(r.backends), false); err != nil { // the good file back, for --keep
+		return err
+	}
+	rd, err = r.round(ctx, "web", fmt.Sprintf("%d HTTP requests to web after the refused reload", r.opts.Requests/3), r.opts.Requests/3,
+		func(int) (string, error) { return r.get(ctx, web) })
+	if err != nil {
+		return err
+	}
+	msg := fmt.Sprint(rerr)
+	if refused {
+		msg = strings.Join(re.Errors, "; ")
+	}
+	r.step(StepReloadBroken, refused && len(rd.Failures) == 0,
+		"refused with %q; the running config kept serving (%d of %d answered)", msg, rd.Sent-len(rd.Failures), rd.Sent)
+	return nil
+}
+
+// proxy: a service on the proxy data plane with least connections.
+func (r *run) proxy(ctx context.Context) error {
+	dst := netip.AddrPortFrom(r.t.Balancer.IP4, proxyPort)
+	st, err := r.client.Status(ctx)
+	if err != nil {
+		return err
+	}
+	why := ""
+	for _, s := range st.Services {
+		if s.Name == "app" {
+			why = fmt.Sprintf("data plane %s (%s), algorithm %s", s.DataPlane, s.Why, s.Algorithm)
+		}
+	}
+	rd, err := r.round(ctx, "app", fmt.Sprintf("%d HTTP requests to app (%s, the splice proxy, least_conn)", r.opts.Requests, dst), r.opts.Requests,
+		func(int) (string, error) { return r.get(ctx, dst) })
+	if err != nil {
+		return err
+	}
+	served := 0
+	for _, n := range rd.Answers {
+		if n > 0 {
+			served++
+		}
+	}
+	r.step(StepProxy, len(rd.Failures) == 0 && served == len(r.rep.Backends) && strings.Contains(why, "proxy"),
+		"%s; %d backends answered, %d failed", why, served, len(rd.Failures))
+	return nil
+}
+
+func printReasons(out io.Writer, reasons map[string]uint64) {
+	fmt.Fprintf(out, "\nXDP program counters (weir status --json: xdp_packets_by_reason)\n")
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "reason\tpackets\t")
+	keys := make([]string, 0, len(reasons))
+	for k, v := range reasons {
+		if v > 0 {
+			keys = append(keys, k)
+		}
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		fmt.Fprintf(tw, "%s\t%d\t\n", k, reasons[k])
 	}
 	tw.Flush()
 }

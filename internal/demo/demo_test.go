@@ -3,67 +3,202 @@ package demo
 import (
 	"bytes"
 	"context"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/xdptest"
-	"github.com/weir-lb/weir/loader"
+	"github.com/weir-lb/weir/userspace/agent"
 )
 
-// TestDemoDSR is the end-to-end test of the XDP data plane in dsr mode: real
-// namespaces, veth, a bridge, the real program attached natively or generically,
-// real HTTP over new TCP connections and real UDP.
-func TestDemoDSR(t *testing.T) {
-	for _, mode := range []loader.Mode{loader.ModeNative, loader.ModeGeneric} {
-		t.Run(string(mode), func(t *testing.T) {
+// The demo runs the agent and the kept backends as processes: this test binary,
+// re-executed with one of these set, is them.
+const (
+	agentEnv = "WEIR_DEMO_TEST_AGENT"
+	holdEnv  = "WEIR_DEMO_TEST_HOLD"
+)
+
+func TestMain(m *testing.M) {
+	if cfg := os.Getenv(agentEnv); cfg != "" {
+		os.Exit(child(func(ctx context.Context) error { return agent.New(agent.Options{ConfigPath: cfg}).Run(ctx) }))
+	}
+	if st := os.Getenv(holdEnv); st != "" {
+		os.Exit(child(func(ctx context.Context) error { return Hold(ctx, st) }))
+	}
+	os.Exit(m.Run())
+}
+
+func child(run func(context.Context) error) int {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	if err := run(ctx); err != nil {
+		os.Stderr.WriteString(err.Error() + "\n")
+		return 1
+	}
+	return 0
+}
+
+func options(t *testing.T, attach string, out *bytes.Buffer) Options {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return Options{Attach: attach, Requests: 90, Out: out, Dir: filepath.Join(t.TempDir(), "demo"),
+		AgentArgv: func(cfg string) []string { return []string{"env", agentEnv + "=" + cfg, exe} },
+		HoldArgv:  func(state string) []string { return []string{"env", holdEnv + "=" + state, exe} }}
+}
+
+// TestDemo runs the whole demo, natively and generically attached: every step
+// holds, every request is answered, and nothing is left behind.
+func TestDemo(t *testing.T) {
+	for _, attach := range []string{"native", "generic"} {
+		t.Run(attach, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
 			var out bytes.Buffer
-			rep, err := Run(ctx, Options{Mode: mode, Out: &out})
+			opts := options(t, attach, &out)
+			rep, err := Run(ctx, opts)
 			t.Log("\n" + out.String())
 			if err != nil {
 				xdptest.Check(t, err)
 			}
-			if rep.Mode != mode {
-				t.Fatalf("attached in %s mode; want %s", rep.Mode, mode)
+			if rep.Attach != attach {
+				t.Errorf("attached %q; want %q", rep.Attach, attach)
 			}
-			if len(rep.Rounds) != 5 {
-				t.Fatalf("%d rounds; want 5", len(rep.Rounds))
+			want := []string{StepRunning, StepKill, StepRevive, StepDrain, StepReloadAdd, StepReloadBroken, StepProxy}
+			var got []string
+			for _, s := range rep.Steps {
+				got = append(got, s.Name)
+				if !s.OK {
+					t.Errorf("step %q: %s", s.Name, s.Detail)
+				}
+			}
+			if strings.Join(got, ",") != strings.Join(want, ",") {
+				t.Errorf("steps: got %v; want %v", got, want)
 			}
 			for _, r := range rep.Rounds {
 				if len(r.Failures) > 0 {
 					t.Errorf("%s: %d of %d failed, first: %v", r.Title, len(r.Failures), r.Sent, r.Failures[0])
 				}
-				for _, b := range rep.Backends {
-					// Every packet the backend saw from the client came through the
-					// program: a TCP request takes at least 3 packets (SYN, ACK+data,
-					// FIN), a UDP query exactly 1.
-					got, answered := r.XDP[b].Packets, uint64(r.Answers[b])
-					if got < answered || got > 12*answered {
-						t.Errorf("%s: %s answered %d, program sent it %d packets; want between 1 and 12 per answer", r.Title, b, answered, got)
-					}
+			}
+			// The first round spreads new connections over three equal backends.
+			for _, b := range rep.Backends[:3] {
+				share := float64(rep.Rounds[0].Answers[b]) / float64(rep.Rounds[0].Sent)
+				if share < 0.5/3 || share > 1.5/3 {
+					t.Errorf("%s: %s answered %.0f%%; want about a third", rep.Rounds[0].Title, b, 100*share)
+				}
+				if rep.Rounds[0].Counted[b] < uint64(rep.Rounds[0].Answers[b]) {
+					t.Errorf("%s: %s answered %d, the agent counted %d packets to it; want at least one per answer",
+						rep.Rounds[0].Title, b, rep.Rounds[0].Answers[b], rep.Rounds[0].Counted[b])
 				}
 			}
-			// Fair share over three equal backends, dsr and nat: each within ±30 % of a third.
-			for _, r := range []Round{rep.Rounds[0], rep.Rounds[3]} {
-				for _, b := range rep.Backends {
-					share := float64(r.Answers[b]) / float64(r.Sent)
-					if share < 0.7/3 || share > 1.3/3 {
-						t.Errorf("%s: %s answered %.1f%% of new connections; want %.1f%%..%.1f%%", r.Title, b, 100*share, 70.0/3, 130.0/3)
-					}
+			for _, w := range []string{"$ weir status", "data plane xdp (XDP dsr mode, self-test passed)", "data plane proxy (data_plane: proxy)"} {
+				if !strings.Contains(out.String(), w) {
+					t.Errorf("output lacks %q", w)
 				}
 			}
-			last := rep.Rounds[4]
-			if n := last.Answers[rep.Backends[0]]; n != 0 {
-				t.Errorf("unusable %s answered %d new connections; want 0", rep.Backends[0], n)
-			}
-			if last.XDP[rep.Backends[0]].Packets != 0 {
-				t.Errorf("the program sent %d packets to the unusable backend; want 0", last.XDP[rep.Backends[0]].Packets)
-			}
-			if left, _ := netns.List(NamePrefix); len(left) != 0 {
-				t.Errorf("namespaces left behind: %v", left)
-			}
+			checkNothingLeft(t, opts.Dir)
 		})
 	}
+}
+
+func checkNothingLeft(t *testing.T, dir string) {
+	t.Helper()
+	if left, _ := netns.List(NamePrefix); len(left) != 0 {
+		t.Errorf("namespaces left behind: %v", left)
+	}
+	if _, err := os.Stat(dir); err == nil {
+		t.Errorf("%s left behind", dir)
+	}
+}
+
+// TestDemoKeep: --keep leaves the agent and the backends serving; Down removes
+// them all.
+func TestDemoKeep(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	opts := options(t, "auto", &out)
+	opts.Keep = true
+	_, err := Run(ctx, opts)
+	t.Cleanup(func() { Down(opts.Dir) })
+	if err != nil {
+		t.Log("\n" + out.String())
+		xdptest.Check(t, err)
+	}
+	for _, w := range []string{"weir status -c " + filepath.Join(opts.Dir, "weir.yaml"), "weir demo down", "curl -s http://10.77.100.1/"} {
+		if !strings.Contains(out.String(), w) {
+			t.Errorf("output lacks %q", w)
+		}
+	}
+	st, err := readState(opts.Dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !alive(st.AgentPID) || !alive(st.HoldPID) {
+		t.Fatalf("after --keep: agent alive %t, backends alive %t; want both", alive(st.AgentPID), alive(st.HoldPID))
+	}
+	if left, _ := netns.List(NamePrefix); len(left) != len(st.Namespaces) {
+		t.Errorf("after --keep: namespaces %v; want %v", left, st.Namespaces)
+	}
+	// A second demo refuses while this one is kept.
+	again := options(t, "auto", &bytes.Buffer{})
+	again.Dir = opts.Dir
+	if _, err := Run(ctx, again); err == nil || !strings.Contains(err.Error(), "weir demo down") {
+		t.Errorf("a demo while one is kept: got %v; want it refused, naming weir demo down", err)
+	}
+	if err := Down(opts.Dir); err != nil {
+		t.Fatal(err)
+	}
+	for _, pid := range []int{st.AgentPID, st.HoldPID} {
+		if alive(pid) && !isZombie(pid) {
+			t.Errorf("pid %d still runs after Down", pid)
+		}
+	}
+	checkNothingLeft(t, opts.Dir)
+}
+
+// TestDemoInterrupted: a demo stopped midway (^C) removes everything too.
+func TestDemoInterrupted(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	opts := options(t, "auto", &bytes.Buffer{})
+	r, w, _ := os.Pipe()
+	defer r.Close()
+	opts.Out = w
+	done := make(chan error, 1)
+	// Exits when Run returns.
+	go func() { _, err := Run(ctx, opts); w.Close(); done <- err }()
+	// Interrupt once the agent answers and the first round is under way.
+	buf := make([]byte, 4096)
+	var seen strings.Builder
+	for !strings.Contains(seen.String(), "HTTP requests to web (") {
+		n, err := r.Read(buf)
+		if err != nil {
+			t.Fatalf("demo output ended before its first round: %q", seen.String())
+		}
+		seen.Write(buf[:n])
+	}
+	cancel()
+	go func() {
+		for {
+			if _, err := r.Read(buf); err != nil {
+				return
+			}
+		}
+	}()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Error("an interrupted demo returned no error")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the demo did not stop within 30s of its context ending")
+	}
+	checkNothingLeft(t, opts.Dir)
 }

@@ -79,6 +79,22 @@ func New(name string) (*NS, error) {
 	return &NS{name: name, path: path, fd: fd}, nil
 }
 
+// Open returns a handle on an existing namespace mounted at
+// /run/netns/<name>, for example one made by New in another process (weir demo
+// --keep leaves its namespaces to a later process). Closing that handle unmounts
+// and removes the namespace just like one made by New.
+func Open(name string) (*NS, error) {
+	if err := validName(name); err != nil {
+		return nil, err
+	}
+	path := filepath.Join(RunDir, name)
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open netns %s: %w", name, err)
+	}
+	return &NS{name: name, path: path, fd: fd}, nil
+}
+
 func validName(name string) error {
 	if name == "" || name == "." || name == ".." || strings.ContainsAny(name, "/\x00") {
 		return fmt.Errorf("netns name %q: must be a non-empty file name", name)

@@ -1,0 +1,202 @@
+package demo
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/weir-lb/weir/internal/netns"
+)
+
+// state is what a kept demo leaves for Hold and Down.
+type state struct {
+	Dir        string       `json:"dir"`
+	AgentPID   int          `json:"agent_pid"`
+	HoldPID    int          `json:"hold_pid"`
+	Namespaces []string     `json:"namespaces"`
+	Backends   []backend    `json:"backends"`
+	VIPs       []netip.Addr `json:"vips"`
+}
+
+func statePath(dir string) string { return filepath.Join(dir, "state.json") }
+
+func readState(dir string) (state, error) {
+	var st state
+	b, err := os.ReadFile(statePath(dir))
+	if err != nil {
+		return st, err
+	}
+	return st, json.Unmarshal(b, &st)
+}
+
+func alive(pid int) bool {
+	return pid > 0 && syscall.Kill(pid, 0) == nil
+}
+
+// keep hands the backends to a hold process, leaves the agent running and prints
+// what to try.
+func (r *run) keep(ctx context.Context) error {
+	st := state{Dir: r.opts.Dir, AgentPID: r.agent.Process.Pid, Backends: r.backends, VIPs: []netip.Addr{r.t.VIP4, r.t.VIP6}}
+	for _, h := range r.t.Hosts() {
+		st.Namespaces = append(st.Namespaces, h.NS.Name())
+	}
+	st.Namespaces = append(st.Namespaces, r.t.Bridge.Name())
+	// The hold process binds the same ports: this process lets go first.
+	r.srv.close()
+	logf, err := os.Create(filepath.Join(r.opts.Dir, "hold.log"))
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	if err := writeState(st); err != nil {
+		return err
+	}
+	cmd := exec.Command(r.opts.HoldArgv(statePath(r.opts.Dir))[0], r.opts.HoldArgv(statePath(r.opts.Dir))[1:]...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Env = append(os.Environ(), r.opts.Env...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start the backends' process: %w", err)
+	}
+	st.HoldPID = cmd.Process.Pid
+	cmd.Process.Release()
+	if err := writeState(st); err != nil {
+		return err
+	}
+	// Serving again once a request through the VIP is answered.
+	web := netip.AddrPortFrom(r.t.VIP4, httpPort)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := r.get(ctx, web); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			b, _ := os.ReadFile(filepath.Join(r.opts.Dir, "hold.log"))
+			return fmt.Errorf("the backends did not answer again within 10s; hold.log:\n%s", b)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cfg := r.cfgPath
+	fmt.Fprintf(r.out, `
+The topology and the agent keep running. Try (as root):
+  weir status -c %[1]s
+  weir explain -c %[1]s web %[2]s:40000
+  weir drain -c %[1]s web %[3]s:80     (weir undrain ... ends it)
+  ip netns exec %[4]s curl -s http://%[5]s/
+  ip netns exec %[6]s curl -s http://127.0.0.1:9470/metrics | grep ^weir_backend_usable
+  edit %[1]s, then: weir reload -c %[1]s
+The agent logs to %[7]s. Remove everything with: weir demo down
+`, cfg, r.t.Client.IP4, r.backends[0].IP4, r.t.Client.NS.Name(), r.t.VIP4, r.t.Balancer.NS.Name(), filepath.Join(r.opts.Dir, "agent.log"))
+	return nil
+}
+
+func writeState(st state) error {
+	b, err := json.MarshalIndent(st, "", "  ")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(statePath(st.Dir), b, 0o600)
+}
+
+// Hold serves a kept demo's backends until ctx ends (weir demo down sends SIGTERM).
+func Hold(ctx context.Context, path string) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Errorf("demo hold: %w", err)
+	}
+	var st state
+	if err := json.Unmarshal(b, &st); err != nil {
+		return fmt.Errorf("demo hold: %s: %w", path, err)
+	}
+	srv := newServers()
+	defer srv.close()
+	for _, be := range st.Backends {
+		ns, err := netns.Open(be.NS)
+		if err != nil {
+			return fmt.Errorf("demo hold: %w", err)
+		}
+		// Not closed: that would remove the namespace; Down does it.
+		if err := srv.serve(ns, be, st.VIPs); err != nil {
+			return fmt.Errorf("demo hold: %w", err)
+		}
+	}
+	<-ctx.Done()
+	return nil
+}
+
+// Down removes what a kept demo left in dir: it stops the agent and the backends'
+// process, then removes the namespaces.
+func Down(dir string) error {
+	if dir == "" {
+		dir = DefaultDir
+	}
+	st, err := readState(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("demo down: no kept demo (%s does not exist)", statePath(dir))
+	}
+	if err != nil {
+		return fmt.Errorf("demo down: %w", err)
+	}
+	var errs []error
+	for _, pid := range []int{st.AgentPID, st.HoldPID} {
+		if err := stopPID(pid); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, name := range st.Namespaces {
+		ns, err := netns.Open(name)
+		if err != nil {
+			continue // already gone
+		}
+		if err := ns.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("demo down: %w", err)
+	}
+	return os.RemoveAll(dir)
+}
+
+// stopPID sends SIGTERM and waits up to 15 s for the process to go, then kills it.
+func stopPID(pid int) error {
+	if !alive(pid) {
+		return nil
+	}
+	syscall.Kill(pid, syscall.SIGTERM)
+	deadline := time.Now().Add(15 * time.Second)
+	for alive(pid) {
+		if isZombie(pid) {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			syscall.Kill(pid, syscall.SIGKILL)
+			return fmt.Errorf("pid %d did not stop within 15s of SIGTERM: killed", pid)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return nil
+}
+
+// isZombie: a process that has exited but whose parent has not reaped it yet (the
+// test's own children).
+func isZombie(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	// pid (comm) S ...: the state follows the last ')'.
+	for i := len(b) - 1; i >= 0; i-- {
+		if b[i] == ')' {
+			return i+2 < len(b) && b[i+2] == 'Z'
+		}
+	}
+	return false
+}
