@@ -163,6 +163,12 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 		}
 		fmt.Fprintf(stdout, "  %s  %s  data plane %s, %s, %d backends\n", s.Name, s.Key(), plane, s.Algorithm, len(s.Backends))
 	}
+	if problems := xdpplane.Preflight(cfg); len(problems) > 0 {
+		fmt.Fprintln(stdout, "this host (the file is valid; these decide where services run here):")
+		for _, p := range problems {
+			fmt.Fprintln(stdout, "  "+p)
+		}
+	}
 	return nil
 }
 

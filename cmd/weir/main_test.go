@@ -231,3 +231,22 @@ func TestConventions(t *testing.T) {
 		})
 	}
 }
+
+// TestValidateNamesHostPreconditions: in a namespace with forwarding off, weir
+// validate says a nat service would fall back to the proxy, why, and the fix.
+func TestValidateNamesHostPreconditions(t *testing.T) {
+	ns, err := netns.New(topo.UniqueName("wvh"))
+	xdptest.Check(t, err)
+	t.Cleanup(func() { ns.Close() })
+	p := t.TempDir() + "/nat.yaml"
+	os.WriteFile(p, []byte("interfaces: [{name: lo}]\naddresses: [192.0.2.9]\nservices:\n- {name: web, vip: 192.0.2.1:80, backends: [{address: 192.0.2.2:80}]}\n"), 0o644)
+	var stdout, stderr bytes.Buffer
+	if err := ns.Do(func() error { return run(context.Background(), []string{"validate", p}, &stdout, &stderr) }); err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []string{`service "web": nat mode needs IPv4 forwarding`, "sysctl -w net.ipv4.conf.lo.forwarding=1", "falls back to the proxy"} {
+		if !strings.Contains(stdout.String(), w) {
+			t.Errorf("stdout:\n%s\nwant it to contain %q", stdout.String(), w)
+		}
+	}
+}
