@@ -19,7 +19,7 @@ func TestWriteTable(t *testing.T) {
 					MAC: "02:77:00:00:00:0c", LastCheck: "ok", LastCheckAgo: "80ms"},
 				{Address: "10.77.0.13:80", Health: "up", Usable: false, Weight: 1, ConfigWeight: 1,
 					MACError: "10.77.0.13 on eth0: neighbour resolution pending (the kernel is sending ARP/ND; if this persists the backend is unreachable)",
-					Reason: "mac unknown: 10.77.0.13 on eth0: neighbour resolution pending", LastCheck: "ok", LastCheckAgo: "30ms"},
+					Reason:   "mac unknown: 10.77.0.13 on eth0: neighbour resolution pending", LastCheck: "ok", LastCheckAgo: "30ms"},
 			}}}}
 	var b bytes.Buffer
 	st.WriteTable(&b)
