@@ -5,145 +5,521 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"sync"
-	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/userspace/balance"
 )
 
-// conn is one client connection being handled.
+// Connection states.
+const (
+	stateFree        = iota // the slot holds no connection
+	stateConnecting         // accepted; a backend's connect is in progress
+	stateEstablished        // bytes move
+)
+
+// Sides of a connection, and the directions named after their source.
+const (
+	client = 0
+	server = 1
+	up     = client // client to backend
+	down   = server // backend to client
+)
+
+// conn is one client connection, owned by its loop. The slot's conn is reused by the
+// slot's next connection.
 type conn struct {
-	s      *Service
-	client *sock
+	l     *loop
+	slot  int32
+	gen   uint32 // incremented when the slot is freed
+	state int
 
-	mu     sync.Mutex
-	b      *backend // chosen backend, once connected
-	server *sock    // backend connection, once connected
-	killed bool     // closed by a drain or shutdown deadline
+	fd  [2]int // client and server sockets; -1 when not open
+	src netip.AddrPort
 
-	last    atomic.Int64 // monotonic ns of the last byte moved either way
-	idle    atomic.Pointer[time.Timer]
-	idleHit atomic.Bool
+	b       *backend // the backend being dialed or connected to
+	lease   balance.Lease
+	dialed  time.Time     // start of the current dial
+	lat     time.Duration // connect latency, once connected
+	tried   []string      // backends tried, for the balancer's skip
+	tries   [4]string
+	attempt int
+	lastErr error
+	killed  bool // closed by a drain or shutdown deadline
+	reset   bool // the backend broke the connection
+
+	h [2]half // by source side: h[up], h[down]
+
+	deadline     int64 // connecting: monotonic ns of the connect timeout
+	last         int64 // established: monotonic ns of the last byte moved
+	tq           *tlist
+	tprev, tnext *conn
 }
 
-func (c *conn) backend() *backend {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.b
+// half is one direction of a connection, named by its source.
+type half struct {
+	ready   bool // the source may have bytes: an edge not yet drained
+	hup     bool // the source reported a hang-up or an error: read until EOF
+	blocked bool // the destination's buffer is full: wait for EPOLLOUT
+	eof     bool // the source reached EOF
+	done    bool // ended: flushed and half-closed
+	bulk    bool // moves through splice
+
+	buf    *[]byte // unsent bytes: (*buf)[off:n]
+	off, n int
+	p      *pipe // bulk: holding inPipe bytes not yet sent
+	inPipe int
 }
 
-// kill closes both sockets; the copy loops then end with errors.
-func (c *conn) kill() {
-	c.mu.Lock()
-	c.killed = true
-	server := c.server
-	c.mu.Unlock()
-	c.client.close()
-	if server != nil {
-		server.close()
+func (h *half) pending() bool { return h.n > h.off || h.inPipe > 0 }
+
+// release hands back what the half holds. A pipe that still holds bytes is closed.
+func (h *half) release() {
+	if h.buf != nil {
+		bufPool.Put(h.buf)
+		h.buf = nil
 	}
-}
-
-func (c *conn) wasKilled() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.killed
-}
-
-// connected records the backend connection; it reports false if the connection was
-// killed meanwhile (the caller then closes server).
-func (c *conn) connected(b *backend, server *sock) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.killed {
-		return false
-	}
-	c.b, c.server = b, server
-	return true
-}
-
-func (s *Service) track(c *conn) bool {
-	s.connsMu.Lock()
-	defer s.connsMu.Unlock()
-	if s.killAll {
-		return false
-	}
-	s.conns[c] = struct{}{}
-	return true
-}
-
-func (s *Service) untrack(c *conn) {
-	s.connsMu.Lock()
-	delete(s.conns, c)
-	s.connsMu.Unlock()
-}
-
-// handle serves one accepted connection from start to end. It owns fd, the accepted
-// socket; src is the client's address.
-func (s *Service) handle(fd int, src netip.AddrPort) {
-	defer s.wg.Done()
-	if s.sem != nil {
-		defer func() { <-s.sem }()
-	}
-	client, err := newSock(fd)
-	if err != nil {
-		s.noteUnserved(fmt.Errorf("register accepted socket: %w", err))
-		return
-	}
-	defer client.close()
-	s.stats.accepted.Add(1)
-	s.stats.active.Add(1)
-	defer s.stats.active.Add(-1)
-	c := &conn{s: s, client: client}
-	if !s.track(c) {
-		return
-	}
-	defer s.untrack(c)
-
-	server, b, lease, lat, err := s.connect(src)
-	if err != nil {
-		if !c.wasKilled() {
-			s.noteUnserved(err)
+	if h.p != nil {
+		if h.inPipe > 0 {
+			h.p.close()
+		} else {
+			pipes.put(h.p)
 		}
-		return
+		h.p = nil
 	}
-	defer server.close()
-	if !c.connected(b, server) {
-		b.active.Add(-1)
-		lease.Release(balance.Result{Latency: lat})
-		return
-	}
+	*h = half{}
+}
 
-	outcome := OutcomeSuccess
+// newConn starts serving an accepted socket fd from src; a MaxConns slot is held.
+func (l *loop) newConn(fd int, src netip.AddrPort) {
+	s := l.s
+	s.stats.accepted.Add(1)
+	if s.killAll.Load() {
+		unix.Close(fd)
+		s.releaseSlot()
+		return
+	}
+	var c *conn
+	if n := len(l.free); n > 0 {
+		c = l.conns[l.free[n-1]]
+		l.free = l.free[:n-1]
+	} else {
+		c = &conn{l: l, slot: int32(len(l.conns))}
+		l.conns = append(l.conns, c)
+	}
+	c.state = stateConnecting
+	c.fd = [2]int{fd, -1}
+	c.src = src
+	c.tried = c.tries[:0]
+	s.wg.Add(1)
+	s.stats.active.Add(1)
+	if err := l.register(c, client); err != nil {
+		s.noteUnserved(fmt.Errorf("register accepted socket: %w", err))
+		l.close(c, OutcomeSuccess)
+		return
+	}
+	l.connect(c)
+}
+
+// connect picks a backend and starts dialing it; after a failed dial it tries up to
+// Retries other backends. If none can be tried the client is closed.
+func (l *loop) connect(c *conn) {
+	s := l.s
+	now := monotonic()
+	skip := func(id string) bool {
+		for _, t := range c.tried {
+			if t == id {
+				return true
+			}
+		}
+		b := (*s.table.Load())[id]
+		if b == nil || b.ejectedUntil.Load() > now {
+			return true
+		}
+		m := b.maxConns.Load()
+		return m > 0 && b.active.Load() >= m
+	}
+	key := sourceKey(c.src.Addr())
+	for c.attempt <= s.cfg.Retries {
+		lease, err := s.bal.Pick(key, skip)
+		if err != nil {
+			if c.lastErr != nil {
+				err = fmt.Errorf("connect: %d attempts failed: %w", c.attempt, c.lastErr)
+			} else {
+				err = fmt.Errorf("connect: %w", err)
+			}
+			l.unserved(c, err)
+			return
+		}
+		id := lease.Backend()
+		c.tried = append(c.tried, id)
+		b := (*s.table.Load())[id]
+		if b == nil || !b.acquire() {
+			// Removed meanwhile, or filled up by a concurrent pick: not an attempt.
+			lease.Release(balance.Result{})
+			continue
+		}
+		c.attempt++
+		c.b, c.lease = b, lease
+		c.dialed = time.Now()
+		fd, err := startDial(b.sa)
+		if err == nil {
+			c.fd[server] = fd
+			if err = l.register(c, server); err == nil {
+				c.deadline = monotonic() + int64(s.cfg.ConnectTimeout)
+				l.connecting.push(c)
+				return // connected, or still connecting: the event says which
+			}
+			unix.Close(fd)
+			c.fd[server] = -1
+		}
+		l.dialFailed(c, err)
+	}
+	l.unserved(c, fmt.Errorf("connect: %d attempts failed: %w", s.cfg.Retries+1, c.lastErr))
+}
+
+// dialFailed accounts for a failed dial of c.b.
+func (l *loop) dialFailed(c *conn, err error) {
+	b := c.b
+	lat := time.Since(c.dialed)
+	b.active.Add(-1)
+	c.lease.Release(balance.Result{Failed: true, Latency: lat})
+	c.b, c.lease = nil, balance.Lease{}
+	l.s.dialFailed(b, err, lat)
+	c.lastErr = fmt.Errorf("dial %s: %w", b.addr, err)
+}
+
+// connectFailed ends the dial in progress with err and tries the next backend.
+func (l *loop) connectFailed(c *conn, err error) {
+	l.connecting.remove(c)
+	closeRaw(c.fd[server])
+	c.fd[server] = -1
+	l.dialFailed(c, err)
+	l.connect(c)
+}
+
+// unserved closes a client that could not be served.
+func (l *loop) unserved(c *conn, err error) {
+	l.s.noteUnserved(err)
+	l.close(c, OutcomeSuccess)
+}
+
+// event handles the events of one socket of c.
+func (l *loop) event(c *conn, side int, ev uint32) {
+	bad := ev&(unix.EPOLLERR|unix.EPOLLHUP) != 0
+	if ev&(unix.EPOLLIN|unix.EPOLLRDHUP) != 0 || bad {
+		c.h[side].ready = true
+		if ev&unix.EPOLLRDHUP != 0 || bad {
+			c.h[side].hup = true
+		}
+	}
+	if ev&unix.EPOLLOUT != 0 || bad {
+		c.h[1-side].blocked = false
+	}
+	if c.state == stateConnecting {
+		if side == client {
+			return // the client's bytes wait until the backend is connected
+		}
+		if bad {
+			err := error(unix.ECONNREFUSED)
+			if errno, gerr := unix.GetsockoptInt(c.fd[server], unix.SOL_SOCKET, unix.SO_ERROR); gerr == nil && errno != 0 {
+				err = unix.Errno(errno)
+			}
+			c.h[down] = half{}
+			l.connectFailed(c, fmt.Errorf("connect: %w", err))
+			return
+		}
+		if ev&unix.EPOLLOUT == 0 {
+			return
+		}
+		if !l.connected(c) {
+			return
+		}
+	}
+	l.pumpBoth(c)
+}
+
+// connected finishes a successful connect: counters, the idle list, the PROXY
+// protocol header. It reports false if it closed the connection.
+func (l *loop) connected(c *conn) bool {
+	s := l.s
+	c.lat = time.Since(c.dialed)
+	b := c.b
+	b.consecFails.Store(0)
+	b.c.connects.Add(1)
+	b.c.connectNanos.Add(uint64(c.lat))
+	l.connecting.remove(c)
+	c.state = stateEstablished
+	c.last = l.now
+	if s.cfg.IdleTimeout > 0 {
+		l.idle.push(c)
+	}
 	if s.cfg.ProxyProtocol != 0 {
 		// The listener's own address, unless it is a wildcard.
 		dst, err := s.addr, error(nil)
 		if dst.Addr().IsUnspecified() {
-			dst, err = client.localAddr()
-		}
-		if err == nil {
-			hdr := appendProxyHeader(make([]byte, 0, 108), s.cfg.ProxyProtocol, src, dst)
-			err = server.write(hdr)
+			dst, err = getsocknameRaw(c.fd[client])
 		}
 		if err != nil {
-			outcome = OutcomeReset
+			c.reset = true
+			l.close(c, OutcomeReset)
+			return false
+		}
+		h := &c.h[up]
+		h.buf = bufPool.Get().(*[]byte)
+		h.off, h.n = 0, len(appendProxyHeader((*h.buf)[:0], s.cfg.ProxyProtocol, c.src, dst))
+	}
+	return true
+}
+
+// pumpBoth moves what can be moved in both directions.
+func (l *loop) pumpBoth(c *conn) {
+	if l.pump(c, up) {
+		l.pump(c, down)
+	}
+}
+
+// pump moves bytes of direction d (from side d to the other side) until the source
+// has none, the destination is full, or the turn's budget is spent. At the source's
+// EOF it half-closes the destination, unless the other direction has already ended
+// (the close then sends the FIN, one call fewer). It reports false if it closed c.
+func (l *loop) pump(c *conn, d int) bool {
+	h := &c.h[d]
+	src, dst := c.fd[d], c.fd[1-d]
+	budget := spliceBudget
+	for !h.done {
+		if h.pending() {
+			if h.blocked {
+				return true
+			}
+			sent, err := l.flush(c, h, d, dst)
+			if err != nil {
+				return l.fail(c, d, false, err)
+			}
+			if !sent {
+				h.blocked = true
+				return true
+			}
+		}
+		if h.eof {
+			return l.endHalf(c, d)
+		}
+		if !h.ready {
+			return true
+		}
+		if budget <= 0 {
+			l.again = append(l.again, connRef{c, c.gen})
+			return true
+		}
+		var n int
+		var err error
+		if h.bulk {
+			if h.p == nil {
+				if h.p, err = pipes.get(); err != nil {
+					return l.fail(c, d, true, err)
+				}
+			}
+			n, err = spliceRaw(src, h.p.w, pipeSize, spliceFlags)
+		} else {
+			n, err = readRaw(src, l.scratch)
+		}
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err == unix.EAGAIN:
+			h.ready = false
+			if h.p != nil {
+				pipes.put(h.p) // empty: a waiting direction holds no pipe
+				h.p = nil
+			}
+			return true
+		case err != nil:
+			return l.fail(c, d, true, err)
+		case n == 0:
+			h.eof = true
+			continue
+		}
+		budget -= n
+		if h.bulk {
+			spliceCalls.Add(1)
+			splicedIn.Add(uint64(n))
+			h.inPipe = n
+			continue
+		}
+		m, err := writeRaw(dst, l.scratch[:n])
+		for err == unix.EINTR {
+			m, err = writeRaw(dst, l.scratch[:n])
+		}
+		if err == unix.EAGAIN {
+			m, err = 0, nil
+		}
+		if err != nil {
+			return l.fail(c, d, false, err)
+		}
+		l.moved(c, d, m)
+		copiedBytes.Add(uint64(m))
+		if m < n {
+			h.buf = bufPool.Get().(*[]byte)
+			h.off, h.n = 0, copy(*h.buf, l.scratch[m:n])
+			h.blocked = true
+			return true
+		}
+		if n == len(l.scratch) {
+			h.bulk = true
+		} else if !h.hup {
+			h.ready = false // a short read drained the socket; new bytes bring a new edge
+			return true
 		}
 	}
-	if outcome == OutcomeSuccess {
-		outcome = c.proxy(server, b)
+	return true
+}
+
+// flush writes the direction's unsent bytes. It reports whether all were sent.
+func (l *loop) flush(c *conn, h *half, d, dst int) (bool, error) {
+	for h.n > h.off {
+		m, err := writeRaw(dst, (*h.buf)[h.off:h.n])
+		switch err {
+		case nil:
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			return false, nil
+		default:
+			return false, err
+		}
+		h.off += m
+		l.moved(c, d, m)
+		copiedBytes.Add(uint64(m))
 	}
-	b.active.Add(-1)
-	lease.Release(balance.Result{Latency: lat})
-	switch outcome {
-	case OutcomeReset:
-		b.c.resets.Add(1)
-	case OutcomeIdleTimeout:
-		b.c.idleTimeouts.Add(1)
+	if h.buf != nil {
+		bufPool.Put(h.buf)
+		h.buf, h.off, h.n = nil, 0, 0
 	}
-	if o := s.cfg.Observer; o != nil {
-		o.Observe(b.ap, outcome, lat)
+	for h.inPipe > 0 {
+		m, err := spliceOut(h.p.r, dst, h.inPipe, spliceFlags)
+		switch err {
+		case nil:
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			return false, nil
+		default:
+			return false, err
+		}
+		if m == 0 {
+			return false, errors.New("splice wrote 0 bytes")
+		}
+		spliceCalls.Add(1)
+		h.inPipe -= m
+		l.moved(c, d, m)
 	}
+	return true, nil
+}
+
+// moved accounts for n bytes sent in direction d and marks the connection active.
+func (l *loop) moved(c *conn, d, n int) {
+	if n <= 0 {
+		return
+	}
+	if d == up {
+		c.b.c.bytesIn.Add(uint64(n))
+		l.s.stats.bytesIn.Add(uint64(n))
+	} else {
+		c.b.c.bytesOut.Add(uint64(n))
+		l.s.stats.bytesOut.Add(uint64(n))
+	}
+	if c.last != l.now && c.tq != nil {
+		c.last = l.now
+		l.idle.remove(c)
+		l.idle.push(c)
+	}
+}
+
+// endHalf ends direction d after its source's EOF, everything sent.
+func (l *loop) endHalf(c *conn, d int) bool {
+	h := &c.h[d]
+	h.done = true
+	if h.p != nil {
+		pipes.put(h.p)
+		h.p = nil
+	}
+	if c.h[1-d].done {
+		l.close(c, OutcomeSuccess)
+		return false
+	}
+	if err := shutdownRaw(c.fd[1-d], unix.SHUT_WR); err != nil && err != unix.ENOTCONN && d == up {
+		c.reset = true
+	}
+	return true
+}
+
+// fail ends c after an error in direction d, reading its source (read) or writing
+// its destination. The peer that was not at fault gets a reset rather than a clean
+// FIN, so it doesn't take a truncated stream for a complete one.
+func (l *loop) fail(c *conn, d int, read bool, err error) bool {
+	faulty, other := 1-d, d
+	if read {
+		faulty, other = d, 1-d
+	}
+	setLinger0(c.fd[other])
+	outcome := OutcomeSuccess
+	if faulty == server {
+		outcome = OutcomeReset
+	}
+	_ = err // the outcome is what is reported; the errno itself is not
+	l.close(c, outcome)
+	return false
+}
+
+// close ends c: both sockets closed, the lease released (exactly once, here or in
+// dialFailed), counters and the Observer told, the slot freed.
+func (l *loop) close(c *conn, outcome Outcome) {
+	s := l.s
+	if c.tq != nil {
+		c.tq.remove(c)
+	}
+	if c.killed || outcome == OutcomeIdleTimeout {
+		// As the other peer sees it, the proxy closed the connection.
+		c.reset = false
+	}
+	for i, fd := range c.fd {
+		if fd >= 0 {
+			closeRaw(fd)
+			c.fd[i] = -1
+		}
+	}
+	c.h[up].release()
+	c.h[down].release()
+	if b := c.b; b != nil {
+		lat := c.lat
+		if c.state == stateConnecting {
+			lat = time.Since(c.dialed)
+		}
+		b.active.Add(-1)
+		c.lease.Release(balance.Result{Latency: lat})
+		if c.state == stateEstablished {
+			if c.killed {
+				outcome = OutcomeSuccess
+			} else if c.reset && outcome == OutcomeSuccess {
+				outcome = OutcomeReset
+			}
+			switch outcome {
+			case OutcomeReset:
+				b.c.resets.Add(1)
+			case OutcomeIdleTimeout:
+				b.c.idleTimeouts.Add(1)
+			}
+			if o := s.cfg.Observer; o != nil {
+				o.Observe(b.ap, outcome, c.lat)
+			}
+		}
+	}
+	*c = conn{l: l, slot: c.slot, gen: c.gen + 1, fd: [2]int{-1, -1}}
+	l.free = append(l.free, c.slot)
+	s.stats.active.Add(-1)
+	s.releaseSlot()
+	s.wg.Done()
 }
 
 // sourceKey is the balancer's hash key for a client: FNV-1a of its address, so every
@@ -156,61 +532,6 @@ func sourceKey(a netip.Addr) uint64 {
 		h *= 1099511628211
 	}
 	return h
-}
-
-// connect picks a backend and dials it, trying up to Retries other backends after a
-// failed dial. On success the backend's active count holds this connection and the
-// lease is the caller's to release.
-func (s *Service) connect(src netip.AddrPort) (*sock, *backend, balance.Lease, time.Duration, error) {
-	tried := make([]string, 0, 4)
-	now := monotonic()
-	skip := func(id string) bool {
-		for _, t := range tried {
-			if t == id {
-				return true
-			}
-		}
-		b := (*s.table.Load())[id]
-		if b == nil || b.ejectedUntil.Load() > now {
-			return true
-		}
-		m := b.maxConns.Load()
-		return m > 0 && b.active.Load() >= m
-	}
-	key := sourceKey(src.Addr())
-	var lastErr error
-	for attempt := 0; attempt <= s.cfg.Retries; {
-		lease, err := s.bal.Pick(key, skip)
-		if err != nil {
-			if lastErr != nil {
-				return nil, nil, lease, 0, fmt.Errorf("connect: %d attempts failed: %w", attempt, lastErr)
-			}
-			return nil, nil, lease, 0, fmt.Errorf("connect: %w", err)
-		}
-		id := lease.Backend()
-		tried = append(tried, id)
-		b := (*s.table.Load())[id]
-		if b == nil || !b.acquire() {
-			// Removed meanwhile, or filled up by a concurrent pick: not an attempt.
-			lease.Release(balance.Result{})
-			continue
-		}
-		attempt++
-		start := time.Now()
-		server, err := dialBackend(b.ap, s.cfg.ConnectTimeout)
-		lat := time.Since(start)
-		if err == nil {
-			b.consecFails.Store(0)
-			b.c.connects.Add(1)
-			b.c.connectNanos.Add(uint64(lat))
-			return server, b, lease, lat, nil
-		}
-		b.active.Add(-1)
-		lease.Release(balance.Result{Failed: true, Latency: lat})
-		s.dialFailed(b, err, lat)
-		lastErr = fmt.Errorf("dial %s: %w", b.addr, err)
-	}
-	return nil, nil, balance.Lease{}, 0, fmt.Errorf("connect: %d attempts failed: %w", s.cfg.Retries+1, lastErr)
 }
 
 // acquire takes a connection slot on b, or reports false if b is at its limit.
@@ -250,94 +571,5 @@ func (s *Service) dialFailed(b *backend, err error, lat time.Duration) {
 			s.log.Warn("backend ejected after consecutive failed connects",
 				"backend", b.addr, "failures", n, "for", s.cfg.EjectFor, "err", err)
 		}
-	}
-}
-
-// proxy moves bytes both ways until both directions end, one fails, or the connection
-// is closed by the idle timeout, a drain or shutdown.
-func (c *conn) proxy(server *sock, b *backend) Outcome {
-	c.last.Store(monotonic())
-	if d := c.s.cfg.IdleTimeout; d > 0 {
-		t := time.AfterFunc(d, c.checkIdle)
-		c.idle.Store(t)
-		defer t.Stop()
-	}
-	var ended atomic.Int32
-	down := make(chan error, 1)
-	// Exits when the backend-to-client direction ends: EOF from the backend, an error
-	// on either socket, or both sockets closed by the other direction, a timeout or kill.
-	go func() {
-		down <- c.copyDirection(c.client, server, &b.c.bytesOut, &c.s.stats.bytesOut, &ended)
-	}()
-	upErr := c.copyDirection(server, c.client, &b.c.bytesIn, &c.s.stats.bytesIn, &ended)
-	downErr := <-down
-
-	switch {
-	case c.idleHit.Load():
-		return OutcomeIdleTimeout
-	case c.wasKilled():
-		return OutcomeSuccess
-	}
-	// A failure on the backend's socket: writing to it going up, reading it coming down.
-	var ce *copyError
-	if errors.As(upErr, &ce) && !ce.read && !errors.Is(ce, net.ErrClosed) {
-		return OutcomeReset
-	}
-	if errors.As(downErr, &ce) && ce.read && !errors.Is(ce, net.ErrClosed) {
-		return OutcomeReset
-	}
-	return OutcomeSuccess
-}
-
-// copyDirection splices src to dst. At src's EOF it half-closes dst, unless the other
-// direction has already ended (the final close then sends the FIN, one call fewer). On
-// an error it closes both sockets, resetting the other peer, so the other direction
-// ends too.
-func (c *conn) copyDirection(dst, src *sock, bytes, total *atomic.Uint64, ended *atomic.Int32) error {
-	_, err := spliceCopy(dst.rc, src.rc, func(n int) {
-		c.last.Store(monotonic())
-		bytes.Add(uint64(n))
-		total.Add(uint64(n))
-	})
-	if err == nil {
-		if ended.Add(1) == 1 {
-			if err := dst.closeWrite(); err != nil && !errors.Is(err, net.ErrClosed) {
-				return &copyError{err: fmt.Errorf("half-close: %w", err)}
-			}
-		}
-		return nil
-	}
-	ended.Add(1)
-	// Tell the peer that was not at fault with a reset rather than a clean FIN, so
-	// it doesn't take a truncated stream for a complete one.
-	var ce *copyError
-	other := src
-	if errors.As(err, &ce) && ce.read {
-		other = dst
-	}
-	other.setLinger0()
-	src.close()
-	dst.close()
-	return err
-}
-
-// checkIdle runs when the idle timer fires: it closes the connection if nothing moved
-// for IdleTimeout, or sleeps again until that could be the case.
-func (c *conn) checkIdle() {
-	d := int64(c.s.cfg.IdleTimeout)
-	since := monotonic() - c.last.Load()
-	if since < d {
-		if t := c.idle.Load(); t != nil {
-			t.Reset(time.Duration(d - since))
-		}
-		return
-	}
-	c.idleHit.Store(true)
-	c.mu.Lock()
-	server := c.server
-	c.mu.Unlock()
-	c.client.close()
-	if server != nil {
-		server.close()
 	}
 }

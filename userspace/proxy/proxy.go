@@ -8,10 +8,12 @@
 //
 // Per connection it picks a backend, dials it with a connect timeout, on a failed dial
 // tries other backends (never the same one twice), optionally writes a PROXY protocol
-// header, then splices both directions, honouring half-close, until both directions
-// have ended or the connection has been idle for the idle timeout. A connection holds
-// only its two sockets while it waits; pipes are pooled and held only while bytes are in
-// flight.
+// header, then moves bytes both directions, honouring half-close, until both
+// directions have ended or the connection has been idle for the idle timeout. Small
+// messages move with read/write, a direction that shows bulk with splice. One event
+// loop per listener drives every connection accepted from it (see loop_linux.go). A
+// connection holds only its two sockets while it waits; pipes and buffers are pooled
+// and held only while bytes are in flight.
 package proxy
 
 import (
@@ -24,7 +26,6 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -134,7 +135,7 @@ type Config struct {
 type Service struct {
 	cfg  Config
 	log  *slog.Logger
-	lns  []*sock        // listening sockets
+	lns  []*listener    // listening sockets, one per loop
 	addr netip.AddrPort // bound address
 	bal  balance.Balancer
 
@@ -144,11 +145,10 @@ type Service struct {
 	backends []*backend                          // current set, config order; guarded by mu
 	table    atomic.Pointer[map[string]*backend] // current set by address, read lock-free
 
-	connsMu sync.Mutex
-	conns   map[*conn]struct{} // every connection being handled
-	killAll bool               // shutdown deadline passed: close new arrivals at once
+	loops   atomic.Pointer[[]*loop] // while serving
+	killAll atomic.Bool             // shutdown deadline passed: close new arrivals at once
 
-	wg      sync.WaitGroup // connection goroutines
+	wg      sync.WaitGroup // connections being handled
 	serving atomic.Bool
 	closed  atomic.Bool
 
@@ -161,6 +161,7 @@ type Service struct {
 type backend struct {
 	addr     string         // ap.String(): the balancer's and the logs' name for it
 	ap       netip.AddrPort // its identity
+	sa       *rawSockaddr   // ap for connect(2)
 	cfg      Backend        // guarded by Service.mu
 	maxConns atomic.Int64   // 0 = no limit
 
@@ -243,9 +244,8 @@ func newService(cfg Config) (*Service, error) {
 		return nil, fmt.Errorf("%s: %w", name, err)
 	}
 	s := &Service{
-		cfg:   cfg,
-		log:   cfg.Logger.With("service", cfg.Name),
-		conns: map[*conn]struct{}{},
+		cfg: cfg,
+		log: cfg.Logger.With("service", cfg.Name),
 	}
 	if cfg.MaxConns > 0 {
 		s.sem = make(chan struct{}, cfg.MaxConns)
@@ -286,7 +286,8 @@ func checkBackends(in []Backend) ([]Backend, error) {
 }
 
 func (s *Service) newBackend(b Backend) *backend {
-	be := &backend{addr: b.Addr.String(), ap: b.Addr, usable: !b.Down}
+	sa := sockaddrOf(b.Addr)
+	be := &backend{addr: b.Addr.String(), ap: b.Addr, sa: &sa, usable: !b.Down}
 	s.configure(be, b)
 	return be
 }
@@ -325,54 +326,28 @@ func (s *Service) publish() {
 }
 
 func (s *Service) listen(ctx context.Context) error {
-	lc := net.ListenConfig{
-		KeepAlive: -1, // accepted sockets get no keep-alive setsockopts
-		Control: func(_, _ string, c syscall.RawConn) error {
-			var serr error
-			err := c.Control(func(fd uintptr) {
-				serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
-				if serr != nil {
-					serr = fmt.Errorf("set SO_REUSEPORT: %w", serr)
-					return
-				}
-				// Accepted sockets inherit TCP_NODELAY: one setsockopt here instead of
-				// one per connection.
-				if err := unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
-					serr = fmt.Errorf("set TCP_NODELAY: %w", err)
-				}
-			})
-			if err == nil {
-				err = serr
-			}
-			return err
-		},
-	}
-	addr := s.cfg.Listen.String()
+	ap := s.cfg.Listen
 	for range s.cfg.AcceptLoops {
-		l, err := lc.Listen(ctx, "tcp", addr)
+		if err := ctx.Err(); err != nil {
+			s.closeListeners()
+			return err
+		}
+		ln, err := listen(ap)
 		if err != nil {
 			s.closeListeners()
-			return fmt.Errorf("listen %s: %w", addr, err)
+			return fmt.Errorf("listen %s: %w", ap, err)
 		}
-		if len(s.lns) == 0 {
-			s.addr = l.Addr().(*net.TCPAddr).AddrPort()
-			addr = s.addr.String() // the others join the same port, even if it was 0
+		s.lns = append(s.lns, ln)
+		if len(s.lns) == 1 {
+			if s.addr, err = getsocknameRaw(ln.fd); err != nil {
+				s.closeListeners()
+				return fmt.Errorf("listen %s: getsockname: %w", ap, err)
+			}
+			if ap.Addr().Zone() != "" {
+				s.addr = netip.AddrPortFrom(s.addr.Addr().WithZone(ap.Addr().Zone()), s.addr.Port())
+			}
+			ap = netip.AddrPortFrom(ap.Addr(), s.addr.Port()) // the others join the same port, even if it was 0
 		}
-		// Accept with accept4(2) on a poller-registered copy of the descriptor: a
-		// TCPListener's RawConn can't wait for readability.
-		f, err := l.(*net.TCPListener).File()
-		l.Close()
-		if err != nil {
-			s.closeListeners()
-			return fmt.Errorf("listen %s: %w", addr, err)
-		}
-		rc, err := f.SyscallConn()
-		if err != nil {
-			f.Close()
-			s.closeListeners()
-			return fmt.Errorf("listen %s: %w", addr, err)
-		}
-		s.lns = append(s.lns, &sock{f: f, rc: rc})
 	}
 	return nil
 }
@@ -399,7 +374,7 @@ func (s *Service) Close() error {
 // Serve accepts and proxies connections until ctx is done, then shuts down gracefully:
 // it stops accepting, lets connections finish for up to ShutdownTimeout, closes the
 // rest, and returns once every goroutine it started has ended. It returns nil after a
-// shutdown caused by ctx, or the error that stopped an accept loop.
+// shutdown caused by ctx, or the error that stopped an event loop.
 func (s *Service) Serve(ctx context.Context) error {
 	if !s.serving.CompareAndSwap(false, true) {
 		return fmt.Errorf("service %q: serve: %w", s.cfg.Name, ErrServing)
@@ -407,36 +382,49 @@ func (s *Service) Serve(ctx context.Context) error {
 	if s.closed.Load() {
 		return fmt.Errorf("service %q: serve: %w", s.cfg.Name, net.ErrClosed)
 	}
-	// Dials are not cancelled by ctx (the connect timeout bounds them). After the grace,
-	// a connection whose dial completes is closed at once (see conn.connected).
-	acceptCtx, stopAccepting := context.WithCancel(ctx)
-	var loops sync.WaitGroup
-	errc := make(chan error, len(s.lns))
-	for _, ln := range s.lns {
-		loops.Add(1)
-		// Exits when its listener is closed (below, once ctx is done or a loop failed).
+	loops := make([]*loop, 0, len(s.lns))
+	for i, ln := range s.lns {
+		l, err := newLoop(s, ln)
+		if err != nil {
+			for _, l := range loops {
+				l.ln.close()
+				l.ep.Close()
+				unix.Close(l.wake)
+			}
+			for _, ln := range s.lns[i:] {
+				ln.close()
+			}
+			return fmt.Errorf("service %q: serve: %w", s.cfg.Name, err)
+		}
+		loops = append(loops, l)
+	}
+	s.loops.Store(&loops)
+	var running sync.WaitGroup
+	errc := make(chan error, len(loops))
+	for _, l := range loops {
+		running.Add(1)
+		// Exits when the loop is told to quit (below, after the shutdown), or fails.
 		go func() {
-			defer loops.Done()
-			if err := s.acceptLoop(acceptCtx, ln); err != nil {
+			defer running.Done()
+			if err := l.run(); err != nil {
 				errc <- err
-				stopAccepting()
 			}
 		}()
 	}
-	<-acceptCtx.Done()
-	s.closeListeners()
-	loops.Wait()
-	stopAccepting()
 	var err error
 	select {
+	case <-ctx.Done():
 	case err = <-errc:
-	default:
+		err = fmt.Errorf("service %q: %w", s.cfg.Name, err)
+	}
+	for _, l := range loops {
+		l.call(l.stopAccepting)
 	}
 
 	// Grace: let connections end by themselves, then close the rest.
 	done := make(chan struct{})
-	// Exits when every connection goroutine has returned; after the grace they are
-	// all forced closed, so that happens promptly.
+	// Exits when every connection has ended; after the grace they are all forced
+	// closed, so that happens promptly.
 	go func() {
 		s.wg.Wait()
 		close(done)
@@ -454,6 +442,10 @@ func (s *Service) Serve(ctx context.Context) error {
 		s.log.Warn("shutdown grace ended: closed connections still open", "grace", s.cfg.ShutdownTimeout, "closed", n)
 		<-done
 	}
+	for _, l := range loops {
+		l.do(func() { l.quit = true })
+	}
+	running.Wait()
 	s.mu.Lock()
 	for _, b := range s.backends {
 		if b.timer != nil {
@@ -464,47 +456,48 @@ func (s *Service) Serve(ctx context.Context) error {
 	return err
 }
 
-// acceptLoop accepts on ln until it is closed, starting one goroutine per connection.
-func (s *Service) acceptLoop(ctx context.Context, ln *sock) error {
-	var backoff time.Duration
-	for {
-		fd, src, err := accept(ln.rc)
-		if err != nil {
-			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
-				return nil
-			}
-			// Out of descriptors or memory, or a connection aborted before accept:
-			// back off and go on, as a listener must not die of load.
-			if backoff == 0 {
-				backoff = 5 * time.Millisecond
-			} else if backoff *= 2; backoff > time.Second {
-				backoff = time.Second
-			}
-			s.stats.acceptErrors.Add(1)
-			s.log.Warn("accept", "err", err, "retry_in", backoff)
-			select {
-			case <-time.After(backoff):
-			case <-ctx.Done():
-				return nil
-			}
-			continue
+// call runs f on the loop and waits for it; it returns at once if the loop has ended.
+func (l *loop) call(f func()) {
+	done := make(chan struct{})
+	if l.do(func() { f(); close(done) }) {
+		<-done
+	}
+}
+
+// takeSlot takes a MaxConns slot for a connection loop l is about to accept. If there
+// is none it marks l paused and reports false; releaseSlot resumes it.
+func (s *Service) takeSlot(l *loop) bool {
+	if s.sem == nil {
+		return true
+	}
+	select {
+	case s.sem <- struct{}{}:
+		return true
+	default:
+	}
+	l.paused.Store(true)
+	// A slot released before the store above found no paused loop: look again.
+	select {
+	case s.sem <- struct{}{}:
+		l.paused.Store(false)
+		return true
+	default:
+		return false
+	}
+}
+
+// releaseSlot gives a MaxConns slot back and resumes the loops waiting for one.
+func (s *Service) releaseSlot() {
+	if s.sem == nil {
+		return
+	}
+	<-s.sem
+	for _, l := range *s.loops.Load() {
+		if l.paused.CompareAndSwap(true, false) {
+			l.do(func() {
+				l.acceptMore = true
+			})
 		}
-		// At MaxConns this loop waits here holding the one connection it accepted;
-		// the rest wait in the kernel's backlog. (Taking the slot before Accept would
-		// starve: with SO_REUSEPORT the next client may queue on another listener.)
-		if s.sem != nil {
-			select {
-			case s.sem <- struct{}{}:
-			case <-ctx.Done():
-				unix.Close(fd)
-				return nil
-			}
-		}
-		backoff = 0
-		s.wg.Add(1)
-		// Exits when the connection is done: both directions ended, the idle timeout,
-		// a drain or shutdown deadline closed it, or it could not be served.
-		go s.handle(fd, src)
 	}
 }
 
@@ -612,17 +605,16 @@ func (s *Service) startDrain(b *backend) {
 // killConns closes the connections to backend b (every connection if b is nil) and
 // returns how many.
 func (s *Service) killConns(b *backend) int {
-	s.connsMu.Lock()
-	defer s.connsMu.Unlock()
 	if b == nil {
-		s.killAll = true
+		s.killAll.Store(true)
+	}
+	loops := s.loops.Load()
+	if loops == nil {
+		return 0
 	}
 	n := 0
-	for c := range s.conns {
-		if b == nil || c.backend() == b {
-			c.kill()
-			n++
-		}
+	for _, l := range *loops {
+		l.call(func() { n += l.kill(b) })
 	}
 	return n
 }

@@ -116,11 +116,13 @@ func TestTransferBothWaysByteExact(t *testing.T) {
 		t.Errorf("client to backend: got %d bytes crc %x; want %d bytes crc %x", down.n, down.sum, size, up.sum)
 	}
 	after := Splices()
-	if moved := after.Bytes - before.Bytes; moved < uint64(2*size) {
-		t.Errorf("bytes moved by splice: got %d; want >= %d", moved, 2*size)
+	// A direction starts with read/write and turns to splice once it shows bulk.
+	spliced, copied := after.Bytes-before.Bytes, after.Copied-before.Copied
+	if spliced+copied < uint64(2*size) || copied > uint64(size/16) {
+		t.Errorf("bytes moved: got %d by splice, %d by read/write; want >= %d in all, most by splice", spliced, copied, 2*size)
 	}
-	t.Logf("%d MiB each way in %v (%.1f Gbit/s both ways), %d splice calls",
-		size>>20, elapsed, float64(2*size*8)/elapsed.Seconds()/1e9, after.Calls-before.Calls)
+	t.Logf("%d MiB each way in %v (%.1f Gbit/s both ways), %d splice calls, %d bytes copied",
+		size>>20, elapsed, float64(2*size*8)/elapsed.Seconds()/1e9, after.Calls-before.Calls, copied)
 	eventually(t, 2*time.Second, "0 active connections", active(s, 0))
 	snap := s.Snapshot()
 	if snap.BytesIn != uint64(size) || snap.BytesOut != uint64(size) {

@@ -55,6 +55,37 @@ func shutdownRaw(fd, how int) error {
 	return errnoErr(e)
 }
 
+// readRaw is read(2).
+func readRaw(fd int, b []byte) (int, error) {
+	r, _, e := unix.RawSyscall(unix.SYS_READ, uintptr(fd), uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))
+	return int(r), errnoErr(e)
+}
+
+// closeRaw is close(2), through the scheduler: closing a loopback socket runs the
+// peer's side of the FIN inline.
+func closeRaw(fd int) {
+	unix.Syscall(unix.SYS_CLOSE, uintptr(fd), 0, 0)
+}
+
+// epollWaitRaw is epoll_wait(2) with a zero timeout: it never blocks (the loop
+// blocks in the runtime poller instead).
+func epollWaitRaw(epfd int, evs []unix.EpollEvent) (int, error) {
+	r, _, e := unix.RawSyscall6(unix.SYS_EPOLL_PWAIT, uintptr(epfd), uintptr(unsafe.Pointer(&evs[0])), uintptr(len(evs)), 0, 0, 0)
+	return int(r), errnoErr(e)
+}
+
+// epollCtlRaw is epoll_ctl(2).
+func epollCtlRaw(epfd, op, fd int, ev *unix.EpollEvent) error {
+	_, _, e := unix.RawSyscall6(unix.SYS_EPOLL_CTL, uintptr(epfd), uintptr(op), uintptr(fd), uintptr(unsafe.Pointer(ev)), 0, 0)
+	return errnoErr(e)
+}
+
+// bindRaw is bind(2).
+func bindRaw(fd int, sa *rawSockaddr) error {
+	_, _, e := unix.RawSyscall(unix.SYS_BIND, uintptr(fd), uintptr(unsafe.Pointer(&sa.sa)), uintptr(sa.len))
+	return errnoErr(e)
+}
+
 // writeRaw is write(2).
 func writeRaw(fd int, b []byte) (int, error) {
 	if len(b) == 0 {

@@ -5,21 +5,34 @@ import (
 	"errors"
 	"net"
 	"net/netip"
-	"syscall"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 )
 
-func noDelay(t *testing.T, s *sock) int {
+func noDelay(t *testing.T, fd int) int {
 	t.Helper()
-	var v int
-	var serr error
-	if err := s.rc.Control(func(fd uintptr) { v, serr = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY) }); err != nil || serr != nil {
-		t.Fatalf("getsockopt TCP_NODELAY: %v %v", err, serr)
+	v, err := unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY)
+	if err != nil {
+		t.Fatalf("getsockopt TCP_NODELAY: %v", err)
 	}
 	return v
+}
+
+// acceptOne accepts from a non-blocking listener, waiting up to a second.
+func acceptOne(t *testing.T, lfd int) (int, netip.AddrPort) {
+	t.Helper()
+	var fd int
+	var src netip.AddrPort
+	var err error
+	if !poll(time.Second, func() bool {
+		fd, src, err = accept4Raw(lfd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
+		return err != unix.EAGAIN
+	}) || err != nil {
+		t.Fatalf("accept4: %v", err)
+	}
+	return fd, src
 }
 
 // The accepted socket comes from accept4 with the peer's address and inherits
@@ -36,68 +49,79 @@ func TestAcceptReturnsPeerAndInheritsNoDelay(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	fd, src, err := accept(s.lns[0].rc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := newSock(fd)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.close()
+	fd, src := acceptOne(t, s.lns[0].fd)
+	defer unix.Close(fd)
 	if want := c.LocalAddr().(*net.TCPAddr).AddrPort(); src != want {
 		t.Errorf("peer: got %v; want %v", src, want)
 	}
-	if v := noDelay(t, a); v == 0 {
+	if v := noDelay(t, fd); v == 0 {
 		t.Errorf("accepted socket TCP_NODELAY: got %d; want set (inherited)", v)
 	}
-	if la, err := a.localAddr(); err != nil || la != s.Addr() {
+	if la, err := getsocknameRaw(fd); err != nil || la != s.Addr() {
 		t.Errorf("local address: got %v, %v; want %v", la, err, s.Addr())
 	}
 }
 
-func TestDialBackend(t *testing.T) {
+// Every listener of a service shares the port, also when it was 0.
+func TestListenersShareThePort(t *testing.T) {
+	s, err := Listen(context.Background(), Config{Name: "ports", Listen: loopback0, AcceptLoops: 3,
+		Backends: []Backend{{Addr: netip.MustParseAddrPort("127.0.0.1:1")}}, Logger: discardLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	for i, ln := range s.lns {
+		if ap, err := getsocknameRaw(ln.fd); err != nil || ap != s.Addr() {
+			t.Errorf("listener %d: got %v, %v; want %v", i, ap, err, s.Addr())
+		}
+	}
+}
+
+func TestStartDial(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	ap := ln.Addr().(*net.TCPAddr).AddrPort()
-	s, err := dialBackend(ap, time.Second)
+	sa := sockaddrOf(ln.Addr().(*net.TCPAddr).AddrPort())
+	fd, err := startDial(&sa)
 	if err != nil {
 		t.Fatalf("dial listener: %v", err)
 	}
+	defer unix.Close(fd)
 	peer, err := ln.Accept()
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer peer.Close()
-	if v := noDelay(t, s); v == 0 {
+	if v := noDelay(t, fd); v == 0 {
 		t.Errorf("dialed socket TCP_NODELAY: got %d; want set", v)
 	}
-	if err := s.write([]byte("hi")); err != nil {
-		t.Fatal(err)
+	if !poll(time.Second, func() bool { _, err := writeRaw(fd, []byte("hi")); return err == nil }) {
+		t.Fatal("write to the dialed socket never succeeded")
 	}
 	buf := make([]byte, 2)
 	peer.SetReadDeadline(time.Now().Add(time.Second))
 	if _, err := peer.Read(buf); err != nil || string(buf) != "hi" {
 		t.Errorf("peer read: got %q, %v; want hi", buf, err)
 	}
-	s.close()
 
-	dead := closedPort(t)
-	if _, err := dialBackend(dead, time.Second); !errors.Is(err, syscall.ECONNREFUSED) {
-		t.Errorf("dial closed port: got %v; want ECONNREFUSED", err)
+	// A refused connect shows as SO_ERROR once it has failed.
+	dead := sockaddrOf(closedPort(t))
+	fd2, err := startDial(&dead)
+	if err != nil {
+		if !errors.Is(err, unix.ECONNREFUSED) {
+			t.Fatalf("dial closed port: got %v; want ECONNREFUSED", err)
+		}
+		return
 	}
-
-	hole := blackhole(t)
-	start := time.Now()
-	_, err = dialBackend(hole, 100*time.Millisecond)
-	var ne net.Error
-	if !errors.As(err, &ne) || !ne.Timeout() {
-		t.Errorf("dial black hole: got %v; want a timeout", err)
-	}
-	if d := time.Since(start); d < 90*time.Millisecond || d > time.Second {
-		t.Errorf("dial black hole returned after %v; want about 100ms", d)
+	defer unix.Close(fd2)
+	var soErr int
+	poll(time.Second, func() bool {
+		soErr, _ = unix.GetsockoptInt(fd2, unix.SOL_SOCKET, unix.SO_ERROR)
+		return soErr != 0
+	})
+	if unix.Errno(soErr) != unix.ECONNREFUSED {
+		t.Errorf("dial closed port: SO_ERROR %v; want ECONNREFUSED", unix.Errno(soErr))
 	}
 }

@@ -93,15 +93,17 @@ func (s *Service) Snapshot() Snapshot {
 	return snap
 }
 
-// SpliceStats are process-wide counters of the splice path: proof that bytes move
-// through splice(2), and how many pipes are open (pooled plus in use).
+// SpliceStats are process-wide counters of how bytes move: through splice(2) (bulk
+// directions), how many pipes are open (pooled plus in use), and through read/write
+// (small messages, and the start of every direction).
 type SpliceStats struct {
 	Calls     uint64 // splice(2) calls that moved bytes, either half
 	Bytes     uint64 // bytes moved from sockets into pipes
 	PipesOpen int64
+	Copied    uint64 // bytes moved with read(2)/write(2)
 }
 
 // Splices returns the process-wide splice counters.
 func Splices() SpliceStats {
-	return SpliceStats{Calls: spliceCalls.Load(), Bytes: splicedIn.Load(), PipesOpen: pipesOpen.Load()}
+	return SpliceStats{Calls: spliceCalls.Load(), Bytes: splicedIn.Load(), PipesOpen: pipesOpen.Load(), Copied: copiedBytes.Load()}
 }

@@ -1,0 +1,393 @@
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// This file is the proxy's engine: one event loop per listener.
+//
+// A loop owns its listener and every connection accepted from it. It keeps its own
+// edge-triggered epoll set, holding both sockets of each connection, and drives every
+// step of a connection from it: accept, the backend's connect, both directions, the
+// timeouts and the close. It waits in the runtime poller: the epoll descriptor itself
+// is registered there (os.NewFile, once per loop), so the loop parks like any
+// goroutine blocked on a socket and no thread is held while nothing happens. Per
+// connection this costs no goroutine, no channel, no timer and no os.File: two
+// epoll_ctl calls register the sockets, and closing them deregisters them.
+//
+// Bytes move adaptively: a direction starts with read(2)/write(2) through the loop's
+// scratch buffer (small messages: one copy each way, no pipe), and switches to
+// splice(2) through a pooled pipe once a read fills the buffer (bulk). A connection
+// holds memory only while bytes wait for a full socket: the unsent rest of a read
+// (a pooled buffer) or of a splice (its pipe).
+//
+// Timeouts are two ordered lists per loop, one for connects in progress (deadline =
+// start + ConnectTimeout) and one for established connections by their last activity
+// (idle deadline = last + IdleTimeout); each is in deadline order because every entry
+// of a list has the same duration, so a timeout costs a list move, not a timer. The
+// loop checks both heads after each batch of events, and when it parks it sets the
+// epoll file's read deadline to the earlier head, rounded up to timerTick.
+
+const (
+	scratchSize  = 64 << 10 // read buffer; a read that fills it marks the direction bulk
+	maxEvents    = 256      // events taken per epoll_wait
+	acceptBatch  = 64       // connections accepted before other work gets a turn
+	spliceBudget = 2 << 20  // bytes one direction moves per turn before others get one
+	timerTick    = 5 * time.Millisecond
+)
+
+// Values of the epoll event data's first word (Fd) that are not connection slots.
+const (
+	evListener = -1
+	evWake     = -2
+)
+
+// epollFlags is what every connection socket is registered for.
+const epollFlags = unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET
+
+// bufPool holds buffers for the unsent rest of a read.
+var bufPool = sync.Pool{New: func() any { b := make([]byte, scratchSize); return &b }}
+
+// Package-level counter of the copy path (read/write), next to the splice counters.
+var copiedBytes atomic.Uint64
+
+type loop struct {
+	s    *Service
+	ln   *listener // nil once closed
+	epfd int
+	ep   *os.File // epfd registered with the runtime poller
+	eprc syscall.RawConn
+	wake int // eventfd: another goroutine has a command for the loop
+
+	cmdMu  sync.Mutex
+	cmds   []func()
+	woken  bool // the eventfd has been written and not yet read
+	exited bool // run has returned: do refuses commands
+
+	conns []*conn // by slot; a slot's conn is reused by the next connection
+	free  []int32 // free slots
+
+	connecting tlist // connects in progress, by deadline
+	idle       tlist // established connections, by last activity
+	again      []connRef
+	scratch    []byte
+	events     []unix.EpollEvent
+
+	now           int64 // monotonic ns, read once per batch
+	armed         int64 // deadline set on ep; 0 none, -1 unknown
+	acceptMore    bool  // the listener may hold more connections
+	acceptRetryAt int64 // after an accept error, accept again at this time; 0 = now
+	backoff       time.Duration
+	paused        atomic.Bool // waiting for a MaxConns slot
+	quit          bool
+}
+
+// connRef names a connection in a slot, so a stale reference (the slot was reused)
+// is recognised.
+type connRef struct {
+	c   *conn
+	gen uint32
+}
+
+func newLoop(s *Service, ln *listener) (*loop, error) {
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("epoll_create1: %w", err)
+	}
+	// Non-blocking, so os.NewFile registers it with the runtime poller.
+	if err := unix.SetNonblock(epfd, true); err != nil {
+		unix.Close(epfd)
+		return nil, fmt.Errorf("epoll: set non-blocking: %w", err)
+	}
+	wake, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
+	if err != nil {
+		unix.Close(epfd)
+		return nil, fmt.Errorf("eventfd: %w", err)
+	}
+	l := &loop{s: s, ln: ln, epfd: epfd, wake: wake, scratch: make([]byte, scratchSize),
+		events: make([]unix.EpollEvent, maxEvents), armed: -1}
+	l.ep = os.NewFile(uintptr(epfd), "epoll")
+	if l.eprc, err = l.ep.SyscallConn(); err == nil {
+		err = unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wake, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: evWake})
+	}
+	if err == nil {
+		err = unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, ln.fd, &unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLET, Fd: evListener})
+	}
+	if err != nil {
+		l.ep.Close()
+		unix.Close(wake)
+		return nil, fmt.Errorf("event loop: %w", err)
+	}
+	return l, nil
+}
+
+// do runs f on the loop's goroutine, soon. It reports false if the loop has ended
+// (f then never runs).
+func (l *loop) do(f func()) bool {
+	l.cmdMu.Lock()
+	if l.exited {
+		l.cmdMu.Unlock()
+		return false
+	}
+	l.cmds = append(l.cmds, f)
+	wake := !l.woken
+	l.woken = true
+	l.cmdMu.Unlock()
+	if wake {
+		one := [8]byte{1}
+		writeRaw(l.wake, one[:])
+	}
+	return true
+}
+
+func (l *loop) runCommands() {
+	var b [8]byte
+	readRaw(l.wake, b[:])
+	l.cmdMu.Lock()
+	cmds := l.cmds
+	l.cmds = nil
+	l.woken = false
+	l.cmdMu.Unlock()
+	for _, f := range cmds {
+		f()
+	}
+}
+
+// run serves until a command sets quit. On return every connection of the loop is
+// closed, and so are its listener, epoll set and eventfd.
+func (l *loop) run() error {
+	defer l.shutdown()
+	for !l.quit {
+		n, err := l.wait()
+		if err != nil {
+			return err
+		}
+		l.now = monotonic()
+		for i := range n {
+			ev := &l.events[i]
+			switch ev.Fd {
+			case evListener:
+				l.acceptMore = true
+			case evWake:
+				l.runCommands()
+			default:
+				c := l.conns[ev.Fd]
+				if c.gen<<1 != uint32(ev.Pad)&^1 {
+					continue // closed earlier in this batch
+				}
+				l.event(c, int(ev.Pad&1), ev.Events)
+			}
+		}
+		if l.acceptMore && l.acceptRetryAt <= l.now && !l.paused.Load() {
+			l.accept()
+		}
+		if len(l.again) > 0 {
+			again := l.again
+			l.again = nil
+			for _, r := range again {
+				if r.c.gen == r.gen && r.c.state == stateEstablished {
+					l.pumpBoth(r.c)
+				}
+			}
+		}
+		l.expire()
+	}
+	return nil
+}
+
+// wait returns the next batch of events, parking in the runtime poller while there
+// are none and no work is pending. It returns 0 events when a timer is due.
+func (l *loop) wait() (int, error) {
+	l.arm()
+	busy := len(l.again) > 0 || (l.acceptMore && l.acceptRetryAt <= l.now && !l.paused.Load())
+	var n int
+	var werr error
+	err := l.eprc.Read(func(fd uintptr) bool {
+		n, werr = epollWaitRaw(int(fd), l.events)
+		if werr == unix.EINTR {
+			n, werr = 0, nil
+			return true
+		}
+		return n > 0 || werr != nil || busy
+	})
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		l.armed = -1 // an expired deadline fails every wait until it is set again
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("event loop: wait: %w", err)
+	}
+	if werr != nil {
+		return 0, fmt.Errorf("event loop: epoll_wait: %w", werr)
+	}
+	return n, nil
+}
+
+// arm sets the epoll file's read deadline to the next timeout, if it changed.
+func (l *loop) arm() {
+	var next int64
+	if c := l.connecting.head; c != nil {
+		next = c.deadline
+	}
+	if c := l.idle.head; c != nil {
+		if d := c.last + int64(l.s.cfg.IdleTimeout); next == 0 || d < next {
+			next = d
+		}
+	}
+	if l.acceptMore && l.acceptRetryAt > 0 && (next == 0 || l.acceptRetryAt < next) {
+		next = l.acceptRetryAt
+	}
+	if next != 0 {
+		tick := int64(timerTick)
+		next = (next + tick - 1) / tick * tick
+	}
+	if next == l.armed {
+		return
+	}
+	l.armed = next
+	if next == 0 {
+		l.ep.SetReadDeadline(time.Time{})
+		return
+	}
+	l.ep.SetReadDeadline(epoch.Add(time.Duration(next)))
+}
+
+// expire handles the connect and idle timeouts that are due.
+func (l *loop) expire() {
+	now := monotonic()
+	for c := l.connecting.head; c != nil && c.deadline <= now; c = l.connecting.head {
+		l.connectFailed(c, fmt.Errorf("connect: %w", os.ErrDeadlineExceeded))
+	}
+	if d := int64(l.s.cfg.IdleTimeout); d > 0 {
+		for c := l.idle.head; c != nil && c.last+d <= now; c = l.idle.head {
+			l.close(c, OutcomeIdleTimeout)
+		}
+	}
+}
+
+// accept takes connections from the listener until it is empty, the batch is used,
+// the service is at MaxConns, or an error makes it back off.
+func (l *loop) accept() {
+	s := l.s
+	for range acceptBatch {
+		if l.ln == nil {
+			l.acceptMore = false
+			return
+		}
+		if !s.takeSlot(l) {
+			return // resumed by a released slot
+		}
+		fd, src, err := accept4Raw(l.ln.fd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
+		for err == unix.EINTR || err == unix.ECONNABORTED {
+			fd, src, err = accept4Raw(l.ln.fd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
+		}
+		if err != nil {
+			s.releaseSlot()
+			if err == unix.EAGAIN {
+				l.acceptMore = false
+				l.backoff = 0
+				return
+			}
+			// Out of descriptors or memory: back off and go on, as a listener must
+			// not die of load.
+			if l.backoff == 0 {
+				l.backoff = 5 * time.Millisecond
+			} else if l.backoff *= 2; l.backoff > time.Second {
+				l.backoff = time.Second
+			}
+			l.acceptRetryAt = monotonic() + int64(l.backoff)
+			s.stats.acceptErrors.Add(1)
+			s.log.Warn("accept", "err", fmt.Errorf("accept4: %w", err), "retry_in", l.backoff)
+			return
+		}
+		l.acceptRetryAt = 0
+		l.newConn(fd, src)
+	}
+}
+
+// stopAccepting closes the listener; connections already accepted go on.
+func (l *loop) stopAccepting() {
+	if l.ln != nil {
+		l.ln.close()
+		l.ln = nil
+	}
+	l.acceptMore = false
+	l.paused.Store(false)
+}
+
+// kill closes the established connections to b, or every connection if b is nil, and
+// returns how many.
+func (l *loop) kill(b *backend) int {
+	n := 0
+	for _, c := range l.conns {
+		if c.state == stateFree || (b != nil && (c.state != stateEstablished || c.b != b)) {
+			continue
+		}
+		c.killed = true
+		l.close(c, OutcomeSuccess)
+		n++
+	}
+	return n
+}
+
+// shutdown ends the loop: it closes what is left and refuses further commands (those
+// already queued run, seeing no connection).
+func (l *loop) shutdown() {
+	l.kill(nil)
+	l.stopAccepting()
+	l.cmdMu.Lock()
+	l.exited = true
+	cmds := l.cmds
+	l.cmds = nil
+	l.cmdMu.Unlock()
+	for _, f := range cmds {
+		f()
+	}
+	l.ep.Close()
+	unix.Close(l.wake)
+}
+
+// register adds a connection socket to the epoll set.
+func (l *loop) register(c *conn, side int) error {
+	ev := unix.EpollEvent{Events: epollFlags, Fd: c.slot, Pad: int32(c.gen<<1) | int32(side)}
+	if err := epollCtlRaw(l.epfd, unix.EPOLL_CTL_ADD, c.fd[side], &ev); err != nil {
+		return fmt.Errorf("epoll_ctl: %w", err)
+	}
+	return nil
+}
+
+// tlist is a doubly linked list of connections in deadline order.
+type tlist struct{ head, tail *conn }
+
+func (q *tlist) push(c *conn) {
+	c.tq = q
+	c.tprev, c.tnext = q.tail, nil
+	if q.tail != nil {
+		q.tail.tnext = c
+	} else {
+		q.head = c
+	}
+	q.tail = c
+}
+
+func (q *tlist) remove(c *conn) {
+	if c.tprev != nil {
+		c.tprev.tnext = c.tnext
+	} else {
+		q.head = c.tnext
+	}
+	if c.tnext != nil {
+		c.tnext.tprev = c.tprev
+	} else {
+		q.tail = c.tprev
+	}
+	c.tprev, c.tnext, c.tq = nil, nil, nil
+}
