@@ -345,6 +345,10 @@ func (l *loop) pump(c *conn, d int) bool {
 			spliceCalls.Add(1)
 			splicedIn.Add(uint64(n))
 			h.inPipe = n
+			// A direction whose bulk has turned into small messages goes back to
+			// read/write once this chunk is out: splicing a few hundred bytes costs
+			// a pipe round trip for what one copy does.
+			h.bulk = n > smallSplice
 			continue
 		}
 		m, err := writeRaw(dst, l.scratch[:n])
@@ -413,6 +417,10 @@ func (l *loop) flush(c *conn, h *half, d, dst int) (bool, error) {
 		spliceCalls.Add(1)
 		h.inPipe -= m
 		l.moved(c, d, m)
+	}
+	if h.p != nil && !h.bulk {
+		pipes.put(h.p) // back to read/write: the empty pipe is not needed
+		h.p = nil
 	}
 	return true, nil
 }
