@@ -61,10 +61,13 @@ func readRaw(fd int, b []byte) (int, error) {
 	return int(r), errnoErr(e)
 }
 
-// closeRaw is close(2), through the scheduler: closing a loopback socket runs the
-// peer's side of the FIN inline.
+// closeRaw is close(2). Closing a loopback socket runs the peer's side of the FIN
+// inline (~10 µs), long enough for sysmon to hand the P to another thread if the
+// call went through the scheduler; measured, raw saves context switches per short
+// connection (0.05-0.3 -> 0.03-0.06) and ~5 % of new connections/s. No socket here
+// lingers, so close never blocks.
 func closeRaw(fd int) {
-	unix.Syscall(unix.SYS_CLOSE, uintptr(fd), 0, 0)
+	unix.RawSyscall(unix.SYS_CLOSE, uintptr(fd), 0, 0)
 }
 
 // epollWaitRaw is epoll_wait(2) with a zero timeout: it never blocks (the loop
