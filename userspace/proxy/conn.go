@@ -374,6 +374,12 @@ func (l *loop) pump(c *conn, d int) bool {
 		} else if !h.hup {
 			h.ready = false // a short read drained the socket; new bytes bring a new edge
 			return true
+		} else {
+			// The peer's FIN was in before this read, and the read came back short:
+			// it took everything up to the FIN, so this is EOF without a read to
+			// return 0. (Like HAProxy's read0 on a hang-up; TCP urgent data, which
+			// would also stop a read short, is not supported.)
+			h.eof = true
 		}
 	}
 	return true
