@@ -61,6 +61,7 @@ type conn struct {
 type half struct {
 	ready   bool // the source may have bytes: an edge not yet drained
 	hup     bool // the source reported a hang-up or an error: read until EOF
+	fin     bool // the source reported the peer's FIN and no error
 	blocked bool // the destination's buffer is full: wait for EPOLLOUT
 	eof     bool // the source reached EOF
 	done    bool // ended: flushed and half-closed
@@ -213,6 +214,7 @@ func (l *loop) event(c *conn, side int, ev uint32) {
 		if ev&unix.EPOLLRDHUP != 0 || bad {
 			c.h[side].hup = true
 		}
+		c.h[side].fin = ev&unix.EPOLLRDHUP != 0 && ev&unix.EPOLLERR == 0
 	}
 	if ev&unix.EPOLLOUT != 0 || bad {
 		c.h[1-side].blocked = false
@@ -374,11 +376,12 @@ func (l *loop) pump(c *conn, d int) bool {
 		} else if !h.hup {
 			h.ready = false // a short read drained the socket; new bytes bring a new edge
 			return true
-		} else {
+		} else if h.fin {
 			// The peer's FIN was in before this read, and the read came back short:
 			// it took everything up to the FIN, so this is EOF without a read to
 			// return 0. (Like HAProxy's read0 on a hang-up; TCP urgent data, which
-			// would also stop a read short, is not supported.)
+			// would also stop a read short, is not supported.) After an error the
+			// read goes on, to report it.
 			h.eof = true
 		}
 	}
