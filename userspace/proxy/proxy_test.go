@@ -621,3 +621,29 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		}
 	}
 }
+
+// A backend that sends its last bytes and resets at once: the client gets the bytes,
+// then a reset, never a clean EOF (a truncated stream must not look complete).
+func TestBackendResetAfterDataResetsClient(t *testing.T) {
+	be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
+		io.ReadFull(c, make([]byte, 2)) // the proxy is connected by then
+		c.Write([]byte("partial"))
+		c.SetLinger(0)
+		c.Close()
+	})
+	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}})
+	for i := range 20 {
+		c := dial(t, s)
+		c.SetReadDeadline(time.Now().Add(2 * time.Second))
+		c.Write([]byte("go"))
+		got, err := io.ReadAll(c)
+		if err == nil || !strings.Contains(err.Error(), "reset") {
+			t.Fatalf("conn %d: got %q, %v; want the bytes, then a reset", i, got, err)
+		}
+		c.Close()
+	}
+	eventually(t, 2*time.Second, "20 resets", func() (any, bool) {
+		r := s.Snapshot().Backends[0].Resets
+		return r, r == 20
+	})
+}
