@@ -139,13 +139,13 @@ func (l *loop) do(f func()) bool {
 		return false
 	}
 	l.cmds = append(l.cmds, f)
-	wake := !l.woken
-	l.woken = true
-	l.cmdMu.Unlock()
-	if wake {
+	if !l.woken {
+		// Under the lock: shutdown closes the eventfd only after taking it.
 		one := [8]byte{1}
 		writeRaw(l.wake, one[:])
+		l.woken = true
 	}
+	l.cmdMu.Unlock()
 	return true
 }
 
