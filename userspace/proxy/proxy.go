@@ -93,8 +93,9 @@ func (o Outcome) String() string {
 }
 
 // Observer receives the outcome of every connection attempt to a backend, for example
-// to feed a shared health checker's outlier detection. Observe is called on the
-// connection's goroutine: it must be quick and must not block.
+// to feed a shared health checker's outlier detection. Observe is called on the event
+// loop that serves the connection: it must be quick and must not block (it would delay
+// every connection of that loop).
 type Observer interface {
 	Observe(addr netip.AddrPort, out Outcome, connectLatency time.Duration)
 }
