@@ -39,8 +39,8 @@ import (
 const (
 	scratchSize  = 64 << 10 // read buffer; a read that fills it marks the direction bulk
 	smallSplice  = 4 << 10  // a splice this small turns a bulk direction back to read/write
-	maxEvents    = 256      // events taken per epoll_wait
-	acceptBatch  = 64       // connections accepted before other work gets a turn
+	maxEvents    = 32       // events taken per epoll_wait
+	acceptBatch  = 8        // connections accepted before other work gets a turn
 	spliceBudget = 2 << 20  // bytes one direction moves per turn before others get one
 	timerTick    = 5 * time.Millisecond
 )
