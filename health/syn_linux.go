@@ -1,0 +1,416 @@
+package health
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// reservedPortsFile is where the kernel keeps the ports it never hands out as
+// ephemeral ports. It belongs to the network namespace of the thread that
+// opens it, and covers IPv6 as well.
+const reservedPortsFile = "/proc/sys/net/ipv4/ip_local_reserved_ports"
+
+// srcTTL is how long a kernel-chosen source address is reused for a destination
+// before the route is asked again.
+const srcTTL = 30 * time.Second
+
+// synProber sends the SYNs of every syn check through one raw socket per
+// address family and matches the answers, which one kernel socket filter per
+// socket selects from all the host's TCP traffic: SYN-ACKs and RSTs to the
+// reserved port range. A check holds one port of the range from its SYN to its
+// answer or timeout; the free ports are a channel, so the range also bounds the
+// checks in flight.
+type synProber struct {
+	lo, hi uint16
+	free   chan uint16
+	f4, f6 *os.File // raw sockets, non-blocking, on the runtime's poller; f6 nil without IPv6
+	// restore is what ip_local_reserved_ports held before, if open changed it.
+	restore    *string
+	reserveErr error // why the range is not reserved; nil if it is
+	excluded   int   // ports of the range left out because a socket had them
+	wg         sync.WaitGroup
+
+	mu      sync.Mutex
+	pending map[uint16]*synCheck // by source port
+	srcs    map[netip.Addr]srcEntry
+}
+
+type synCheck struct {
+	dst   netip.AddrPort
+	seq   uint32
+	timer *time.Timer
+	done  func(error)
+}
+
+type srcEntry struct {
+	addr netip.Addr
+	at   time.Time
+}
+
+// errSynClosed ends the syn checks still in flight when the prober closes.
+var errSynClosed = errors.New("syn prober closed")
+
+// openSyn opens the raw sockets and reserves the port range, in the network
+// namespace of the calling thread. It fails only if the IPv4 raw socket cannot
+// be opened (no CAP_NET_RAW, say); a range that cannot be reserved is reported
+// in reserveErr.
+func openSyn(ports [2]uint16) (*synProber, error) {
+	p := &synProber{lo: ports[0], hi: ports[1], pending: make(map[uint16]*synCheck), srcs: make(map[netip.Addr]srcEntry)}
+	var err error
+	if p.f4, err = rawSocket(unix.AF_INET, synFilter(false, p.lo, p.hi)); err != nil {
+		return nil, err
+	}
+	if p.f6, err = rawSocket(unix.AF_INET6, synFilter(true, p.lo, p.hi)); err != nil {
+		p.f6 = nil // no IPv6 here: IPv6 checks fail to send
+	}
+	bound := boundPorts(p.lo, p.hi)
+	p.free = make(chan uint16, int(p.hi)-int(p.lo)+1)
+	for port := int(p.lo); port <= int(p.hi); port++ {
+		if bound[uint16(port)] {
+			p.excluded++
+			continue
+		}
+		p.free <- uint16(port)
+	}
+	p.reserve()
+	for _, f := range []*os.File{p.f4, p.f6} {
+		if f == nil {
+			continue
+		}
+		p.wg.Add(1)
+		// Exits when close closes f.
+		go func() {
+			defer p.wg.Done()
+			p.receive(f, f == p.f6)
+		}()
+	}
+	return p, nil
+}
+
+func rawSocket(family int, filter []unix.SockFilter) (*os.File, error) {
+	fd, err := unix.Socket(family, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
+	if err != nil {
+		return nil, os.NewSyscallError("socket", err)
+	}
+	prog := unix.SockFprog{Len: uint16(len(filter)), Filter: &filter[0]}
+	if err := unix.SetsockoptSockFprog(fd, unix.SOL_SOCKET, unix.SO_ATTACH_FILTER, &prog); err != nil {
+		unix.Close(fd)
+		return nil, os.NewSyscallError("setsockopt SO_ATTACH_FILTER", err)
+	}
+	// Room for a burst of answers; FORCE passes rmem_max with CAP_NET_ADMIN.
+	if unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, 4<<20) != nil {
+		unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 4<<20)
+	}
+	unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_SNDBUF, 1<<20)
+	return os.NewFile(uintptr(fd), "weir-health-syn"), nil
+}
+
+// synFilter is the classic BPF program that keeps a raw socket's queue to the
+// answers to its SYNs: TCP segments to a port in lo..hi with RST, or with SYN
+// and ACK, set. An IPv4 raw socket sees the packet from the IP header on (the
+// filter skips it by its IHL); an IPv6 one from the TCP header.
+func synFilter(v6 bool, lo, hi uint16) []unix.SockFilter {
+	skipIP := unix.SockFilter{Code: unix.BPF_LDX | unix.BPF_B | unix.BPF_MSH, K: 0} // x = 4*(ip[0]&0xf)
+	if v6 {
+		skipIP = unix.SockFilter{Code: unix.BPF_LDX | unix.BPF_W | unix.BPF_IMM, K: 0} // x = 0
+	}
+	return []unix.SockFilter{
+		/* 0 */ skipIP,
+		/* 1 */ {Code: unix.BPF_LD | unix.BPF_H | unix.BPF_IND, K: 2}, // destination port
+		/* 2 */ {Code: unix.BPF_JMP | unix.BPF_JGE | unix.BPF_K, Jt: 0, Jf: 6, K: uint32(lo)},
+		/* 3 */ {Code: unix.BPF_JMP | unix.BPF_JGT | unix.BPF_K, Jt: 5, Jf: 0, K: uint32(hi)},
+		/* 4 */ {Code: unix.BPF_LD | unix.BPF_B | unix.BPF_IND, K: 13}, // flags
+		/* 5 */ {Code: unix.BPF_JMP | unix.BPF_JSET | unix.BPF_K, Jt: 2, Jf: 0, K: tcpRST},
+		/* 6 */ {Code: unix.BPF_ALU | unix.BPF_AND | unix.BPF_K, K: tcpSYN | tcpACK},
+		/* 7 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: 1, K: tcpSYN | tcpACK},
+		/* 8 */ {Code: unix.BPF_RET | unix.BPF_K, K: 128}, // IP header, TCP header: all we read
+		/* 9 */ {Code: unix.BPF_RET | unix.BPF_K, K: 0},
+	}
+}
+
+// boundPorts lists the ports of lo..hi that a TCP socket of this namespace
+// holds now (bound before the range was reserved, or bound explicitly: the
+// reservation only keeps the kernel from choosing them). A SYN-ACK to such a
+// port could reach that socket, so checks never use them.
+func boundPorts(lo, hi uint16) map[uint16]bool {
+	bound := make(map[uint16]bool)
+	for _, name := range []string{"/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"} {
+		f, err := os.Open(name)
+		if err != nil {
+			continue
+		}
+		sc := bufio.NewScanner(f)
+		for sc.Scan() {
+			fields := strings.Fields(sc.Text())
+			if len(fields) < 2 {
+				continue
+			}
+			_, hex, ok := strings.Cut(fields[1], ":") // local_address: ADDR:PORT in hex
+			if !ok {
+				continue
+			}
+			if port, err := strconv.ParseUint(hex, 16, 16); err == nil && uint16(port) >= lo && uint16(port) <= hi {
+				bound[uint16(port)] = true
+			}
+		}
+		f.Close()
+	}
+	return bound
+}
+
+// reserve adds the range to ip_local_reserved_ports unless it is there already,
+// remembering what to restore.
+func (p *synProber) reserve() {
+	b, err := os.ReadFile(reservedPortsFile)
+	if err != nil {
+		p.reserveErr = fmt.Errorf("reserve ports %d-%d: %w", p.lo, p.hi, err)
+		return
+	}
+	old := strings.TrimSpace(string(b))
+	next, changed, err := reservedPorts(old, p.lo, p.hi)
+	if err != nil {
+		p.reserveErr = fmt.Errorf("reserve ports %d-%d: %s: %w", p.lo, p.hi, reservedPortsFile, err)
+		return
+	}
+	if !changed {
+		return
+	}
+	if err := os.WriteFile(reservedPortsFile, []byte(next), 0o644); err != nil {
+		p.reserveErr = fmt.Errorf("reserve ports %d-%d: %w", p.lo, p.hi, err)
+		return
+	}
+	p.restore = &old
+}
+
+// close stops the receive loops, ends every check in flight with errSynClosed
+// and restores ip_local_reserved_ports if open changed it. The caller must be
+// on a thread of the namespace open ran in.
+func (p *synProber) close() {
+	p.f4.Close()
+	if p.f6 != nil {
+		p.f6.Close()
+	}
+	p.wg.Wait()
+	p.mu.Lock()
+	var ended []*synCheck
+	for port, sc := range p.pending {
+		delete(p.pending, port)
+		sc.timer.Stop()
+		ended = append(ended, sc)
+	}
+	p.mu.Unlock()
+	for _, sc := range ended {
+		sc.done(errSynClosed)
+	}
+	if p.restore != nil {
+		os.WriteFile(reservedPortsFile, []byte(*p.restore), 0o644)
+	}
+}
+
+// send starts a check of dst from port: it sends the SYN and arranges for done
+// to be called once, with nil for a SYN-ACK, a "connect: connection refused"
+// error for an RST, or a timeout error after timeout. It calls done itself,
+// before it returns, if the SYN cannot be sent. done runs without any lock of
+// the prober held, on the prober's goroutines or a timer's.
+func (p *synProber) send(dst netip.AddrPort, source netip.Addr, port uint16, seq uint32, timeout time.Duration, done func(error)) {
+	daddr := dst.Addr().Unmap()
+	src, err := p.source(daddr, source)
+	if err != nil {
+		p.free <- port
+		done(err)
+		return
+	}
+	sc := &synCheck{dst: netip.AddrPortFrom(daddr, dst.Port()), seq: seq, done: done}
+	p.mu.Lock()
+	p.pending[port] = sc
+	sc.timer = time.AfterFunc(timeout, func() {
+		p.end(port, seq, &timeoutError{op: "connect", after: timeout})
+	})
+	p.mu.Unlock()
+
+	var buf [synLen]byte
+	pkt := buildSYN(buf[:], src, daddr, port, dst.Port(), seq)
+	f, to, oob := p.f4, unix.Sockaddr(nil), []byte(nil)
+	if daddr.Is4() {
+		to = &unix.SockaddrInet4{Addr: daddr.As4()}
+		oob = unix.PktInfo4(&unix.Inet4Pktinfo{Spec_dst: src.As4()})
+	} else {
+		f = p.f6
+		sa := &unix.SockaddrInet6{Addr: daddr.As16()}
+		if z := dst.Addr().Zone(); z != "" {
+			if ifi, err := net.InterfaceByName(z); err == nil {
+				sa.ZoneId = uint32(ifi.Index)
+			}
+		}
+		to = sa
+		oob = unix.PktInfo6(&unix.Inet6Pktinfo{Addr: src.As16()})
+	}
+	if f == nil {
+		p.end(port, seq, &os.SyscallError{Syscall: "connect", Err: syscall.EAFNOSUPPORT})
+		return
+	}
+	rc, err := f.SyscallConn()
+	if err == nil {
+		var serr error
+		err = rc.Write(func(fd uintptr) bool {
+			_, serr = unix.SendmsgN(int(fd), pkt, oob, to, 0)
+			return serr != unix.EAGAIN
+		})
+		if err == nil {
+			err = serr
+		}
+	}
+	if err != nil {
+		p.end(port, seq, &os.SyscallError{Syscall: "connect", Err: err})
+	}
+}
+
+// end finishes the check holding port if it is still the one with seq, frees
+// the port and calls its done with err.
+func (p *synProber) end(port uint16, seq uint32, err error) {
+	if sc := p.take(port, seq); sc != nil {
+		sc.done(err)
+	}
+}
+
+// drop forgets the check holding port, if it is still the one with seq, without
+// calling its done: its backend is gone.
+func (p *synProber) drop(port uint16, seq uint32) { p.take(port, seq) }
+
+func (p *synProber) take(port uint16, seq uint32) *synCheck {
+	p.mu.Lock()
+	sc := p.pending[port]
+	if sc == nil || sc.seq != seq {
+		p.mu.Unlock()
+		return nil
+	}
+	delete(p.pending, port)
+	p.mu.Unlock()
+	sc.timer.Stop()
+	p.free <- port
+	return sc
+}
+
+// source is the address a SYN to dst leaves from: want if valid, else the one
+// the kernel's routing picks (asked with a connected UDP socket, which sends
+// nothing, and remembered for srcTTL). It has to be known before the SYN is
+// sent, for the TCP checksum, and the SYN then carries it in IP_PKTINFO.
+func (p *synProber) source(dst, want netip.Addr) (netip.Addr, error) {
+	if want.IsValid() {
+		if want.Is4() != dst.Is4() {
+			return netip.Addr{}, fmt.Errorf("connect: source %v and backend %v differ in address family", want, dst)
+		}
+		return want, nil
+	}
+	now := time.Now()
+	p.mu.Lock()
+	e, ok := p.srcs[dst]
+	p.mu.Unlock()
+	if ok && now.Sub(e.at) < srcTTL {
+		return e.addr, nil
+	}
+	family, sa := unix.AF_INET, unix.Sockaddr(&unix.SockaddrInet4{Port: 9, Addr: dst.As4()})
+	if !dst.Is4() {
+		family, sa = unix.AF_INET6, &unix.SockaddrInet6{Port: 9, Addr: dst.As16()}
+	}
+	fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return netip.Addr{}, os.NewSyscallError("connect", err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Connect(fd, sa); err != nil {
+		return netip.Addr{}, os.NewSyscallError("connect", err) // "connect: network is unreachable"
+	}
+	local, err := unix.Getsockname(fd)
+	if err != nil {
+		return netip.Addr{}, os.NewSyscallError("getsockname", err)
+	}
+	var src netip.Addr
+	switch a := local.(type) {
+	case *unix.SockaddrInet4:
+		src = netip.AddrFrom4(a.Addr)
+	case *unix.SockaddrInet6:
+		src = netip.AddrFrom16(a.Addr)
+	}
+	p.mu.Lock()
+	p.srcs[dst] = srcEntry{addr: src, at: now}
+	p.mu.Unlock()
+	return src, nil
+}
+
+// receive reads the answers that f's filter lets through until f is closed.
+func (p *synProber) receive(f *os.File, v6 bool) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return
+	}
+	buf := make([]byte, 256)
+	for {
+		err := rc.Read(func(fd uintptr) bool {
+			for {
+				var seg segment
+				var ok bool
+				if v6 {
+					n, from, err := unix.Recvfrom(int(fd), buf, unix.MSG_TRUNC)
+					if err != nil {
+						return err != unix.EAGAIN && err != unix.EINTR
+					}
+					if sa, isV6 := from.(*unix.SockaddrInet6); isV6 {
+						seg, ok = parseTCP(buf[:min(n, len(buf))], netip.AddrFrom16(sa.Addr).Unmap())
+					}
+				} else {
+					n, err := unix.Read(int(fd), buf)
+					if err != nil {
+						return err != unix.EAGAIN && err != unix.EINTR
+					}
+					seg, ok = parseIPv4TCP(buf[:n])
+				}
+				if ok {
+					p.answer(seg)
+				}
+			}
+		})
+		if err != nil {
+			return // f closed
+		}
+	}
+}
+
+// answer ends the check that seg answers, if any.
+func (p *synProber) answer(seg segment) {
+	p.mu.Lock()
+	sc := p.pending[seg.dport]
+	match := sc != nil && sc.dst.Addr() == seg.src && sc.dst.Port() == seg.sport &&
+		seg.flags&tcpACK != 0 && seg.ack == sc.seq+1
+	p.mu.Unlock()
+	if !match {
+		return // another checker's, a late answer to a check that timed out, or noise
+	}
+	var err error
+	switch {
+	case seg.flags&tcpRST != 0:
+		err = &os.SyscallError{Syscall: "connect", Err: syscall.ECONNREFUSED}
+	case seg.flags&(tcpSYN|tcpACK) == tcpSYN|tcpACK:
+	default:
+		return
+	}
+	p.end(seg.dport, sc.seq, err)
+}
+
+// newSeq is the initial sequence number of a check's SYN.
+func newSeq() uint32 { return rand.Uint32() }
+
+func (p *synProber) excludedPorts() int  { return p.excluded }
+func (p *synProber) reserveError() error { return p.reserveErr }
