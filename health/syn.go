@@ -2,6 +2,7 @@ package health
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net/netip"
 	"strconv"
@@ -23,8 +24,10 @@ import (
 // syn checks in flight at once, at 4000.
 var DefaultSynPorts = [2]uint16{61000, 64999}
 
+// errSynClosed ends the syn checks still in flight when the prober closes.
+var errSynClosed = errors.New("syn prober closed")
+
 const (
-	tcpFIN = 0x01
 	tcpSYN = 0x02
 	tcpRST = 0x04
 	tcpACK = 0x10

@@ -2,7 +2,6 @@ package health
 
 import (
 	"bufio"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -58,9 +57,6 @@ type srcEntry struct {
 	addr netip.Addr
 	at   time.Time
 }
-
-// errSynClosed ends the syn checks still in flight when the prober closes.
-var errSynClosed = errors.New("syn prober closed")
 
 // openSyn opens the raw sockets and reserves the port range, in the network
 // namespace of the calling thread. It fails only if the IPv4 raw socket cannot
@@ -215,7 +211,8 @@ func (p *synProber) close() {
 		sc.done(errSynClosed)
 	}
 	if p.restore != nil {
-		os.WriteFile(reservedPortsFile, []byte(*p.restore), 0o644)
+		// With a newline: the kernel ignores an empty write.
+		os.WriteFile(reservedPortsFile, []byte(*p.restore+"\n"), 0o644)
 	}
 }
 
@@ -272,8 +269,13 @@ func (p *synProber) send(dst netip.AddrPort, source netip.Addr, port uint16, seq
 			err = serr
 		}
 	}
-	if err != nil {
-		p.end(port, seq, &os.SyscallError{Syscall: "connect", Err: err})
+	switch {
+	case err == unix.EPERM || err == unix.ENOBUFS:
+		// A local firewall dropped the SYN (netfilter's drop is EPERM to a
+		// raw socket) or a queue was full: TCP would take the SYN as lost
+		// and time out, and so does the check.
+	case err != nil:
+		p.end(port, seq, &os.SyscallError{Syscall: "connect", Err: err}) // "connect: network is unreachable"
 	}
 }
 
@@ -321,9 +323,9 @@ func (p *synProber) source(dst, want netip.Addr) (netip.Addr, error) {
 	if ok && now.Sub(e.at) < srcTTL {
 		return e.addr, nil
 	}
-	family, sa := unix.AF_INET, unix.Sockaddr(&unix.SockaddrInet4{Port: 9, Addr: dst.As4()})
-	if !dst.Is4() {
-		family, sa = unix.AF_INET6, &unix.SockaddrInet6{Port: 9, Addr: dst.As16()}
+	family, sa := unix.AF_INET6, unix.Sockaddr(&unix.SockaddrInet6{Port: 9, Addr: dst.As16()})
+	if dst.Is4() {
+		family, sa = unix.AF_INET, &unix.SockaddrInet4{Port: 9, Addr: dst.As4()}
 	}
 	fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
