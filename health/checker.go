@@ -348,7 +348,12 @@ func (c *Checker) queue(b *backend, at time.Time) {
 	} else {
 		heap.Push(&c.due, b)
 	}
-	c.poke()
+	// The scheduler sleeps until the head of the queue is due: only a new
+	// head can need it sooner. (Waking it for every check that completes
+	// cost a futex wakeup per check.)
+	if b.dueIdx == 0 {
+		c.poke()
+	}
 }
 
 func (c *Checker) unqueue(b *backend) {
