@@ -513,17 +513,25 @@ func (c *Checker) Run(ctx context.Context) error {
 		var next time.Time
 		batch, next = c.takeDue(now, batch[:0])
 
+		var queued *synProber // holds SYNs to flush
 		for i, b := range batch {
 			if syn := c.synFor(b); syn != nil {
 				// A syn check holds a source port, not a slot: no goroutine,
-				// no file.
+				// no file. Its SYN goes out with the batch's.
+				var port uint16
 				select {
-				case port := <-syn.free:
-					c.startSyn(ctx, b, syn, port)
-				case <-ctx.Done():
-					c.requeue(batch[i:], now)
-					return nil
+				case port = <-syn.free:
+				default:
+					syn.flush() // the queued checks hold ports too
+					select {
+					case port = <-syn.free:
+					case <-ctx.Done():
+						c.requeue(batch[i:], now)
+						return nil
+					}
 				}
+				c.startSyn(ctx, b, syn, port)
+				queued = syn
 				continue
 			}
 			select {
@@ -535,6 +543,9 @@ func (c *Checker) Run(ctx context.Context) error {
 			if !c.start(ctx, b, sem, &wg) {
 				<-sem
 			}
+		}
+		if queued != nil {
+			queued.flush()
 		}
 		if len(batch) > 0 {
 			continue
@@ -798,8 +809,8 @@ func (c *Checker) synPorts() [2]uint16 {
 	return c.SynPorts
 }
 
-// startSyn sends the SYN of b's check from port, if the check is still wanted;
-// the prober's answer, or its timeout, completes it.
+// startSyn queues the SYN of b's check from port, if the check is still
+// wanted, for the prober's next flush; the answer, or the timeout, completes it.
 func (c *Checker) startSyn(ctx context.Context, b *backend, syn *synProber, port uint16) {
 	c.mu.Lock()
 	s := b.svc
@@ -814,7 +825,7 @@ func (c *Checker) startSyn(ctx context.Context, b *backend, syn *synProber, port
 	dst := b.ap
 	c.mu.Unlock()
 	start := c.now()
-	syn.send(dst, p.cfg.Source, port, seq, p.cfg.Timeout, func(err error) { c.complete(ctx, b, p, start, err) })
+	syn.queue(dst, p.cfg.Source, port, seq, p.cfg.Timeout, func(err error) { c.complete(ctx, b, p, start, err) })
 }
 
 // closeSyn closes the prober of the Run that ends, which ends its checks in

@@ -7,11 +7,13 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -40,6 +42,12 @@ type synProber struct {
 	reserveErr error // why the range is not reserved; nil if it is
 	excluded   int   // ports of the range left out because a socket had them
 	wg         sync.WaitGroup
+
+	// The SYNs queued for the next flush, and what sendmmsg reads; Run's
+	// goroutine alone touches them.
+	out, spare []*outSYN
+	msgs       []*outSYN
+	hdrs       []unix.Mmsghdr
 
 	mu      sync.Mutex
 	pending map[uint16]*synCheck // by source port
@@ -216,12 +224,14 @@ func (p *synProber) close() {
 	}
 }
 
-// send starts a check of dst from port: it sends the SYN and arranges for done
-// to be called once, with nil for a SYN-ACK, a "connect: connection refused"
-// error for an RST, or a timeout error after timeout. It calls done itself,
-// before it returns, if the SYN cannot be sent. done runs without any lock of
-// the prober held, on the prober's goroutines or a timer's.
-func (p *synProber) send(dst netip.AddrPort, source netip.Addr, port uint16, seq uint32, timeout time.Duration, done func(error)) {
+// queue starts a check of dst from port: it registers the check and adds
+// its SYN to the batch that the next flush sends, and arranges for done to be
+// called once, with nil for a SYN-ACK, a "connect: connection refused" error
+// for an RST, or a timeout error after timeout. It calls done itself, before
+// it returns, if there is no route to dst. done runs without any lock of the
+// prober held, on the prober's goroutines, a timer's, or flush's caller's.
+// Only one goroutine (Run's) calls queue and flush.
+func (p *synProber) queue(dst netip.AddrPort, source netip.Addr, port uint16, seq uint32, timeout time.Duration, done func(error)) {
 	daddr := dst.Addr().Unmap()
 	src, err := p.source(daddr, source)
 	if err != nil {
@@ -237,45 +247,125 @@ func (p *synProber) send(dst netip.AddrPort, source netip.Addr, port uint16, seq
 	})
 	p.mu.Unlock()
 
-	var buf [synLen]byte
-	pkt := buildSYN(buf[:], src, daddr, port, dst.Port(), seq)
-	f, to, oob := p.f4, unix.Sockaddr(nil), []byte(nil)
-	if daddr.Is4() {
-		to = &unix.SockaddrInet4{Addr: daddr.As4()}
-		oob = unix.PktInfo4(&unix.Inet4Pktinfo{Spec_dst: src.As4()})
+	var o *outSYN
+	if n := len(p.spare); n > 0 {
+		o, p.spare = p.spare[n-1], p.spare[:n-1]
 	} else {
-		f = p.f6
-		sa := &unix.SockaddrInet6{Addr: daddr.As16()}
+		o = new(outSYN)
+	}
+	buildSYN(o.pkt[:], src, daddr, port, dst.Port(), seq)
+	o.port, o.seq, o.v6 = port, seq, !daddr.Is4()
+	if daddr.Is4() {
+		o.sa4 = unix.RawSockaddrInet4{Family: unix.AF_INET, Addr: daddr.As4()}
+		o.oob = unix.PktInfo4(&unix.Inet4Pktinfo{Spec_dst: src.As4()})
+	} else {
+		o.sa6 = unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: daddr.As16()}
 		if z := dst.Addr().Zone(); z != "" {
 			if ifi, err := net.InterfaceByName(z); err == nil {
-				sa.ZoneId = uint32(ifi.Index)
+				o.sa6.Scope_id = uint32(ifi.Index)
 			}
 		}
-		to = sa
-		oob = unix.PktInfo6(&unix.Inet6Pktinfo{Addr: src.As16()})
+		o.oob = unix.PktInfo6(&unix.Inet6Pktinfo{Addr: src.As16()})
 	}
-	if f == nil {
-		p.end(port, seq, &os.SyscallError{Syscall: "connect", Err: syscall.EAFNOSUPPORT})
+	p.out = append(p.out, o)
+}
+
+// outSYN is a queued SYN with everything sendmmsg points to.
+type outSYN struct {
+	pkt  [synLen]byte
+	sa4  unix.RawSockaddrInet4
+	sa6  unix.RawSockaddrInet6
+	oob  []byte
+	iov  unix.Iovec
+	port uint16
+	seq  uint32
+	v6   bool
+}
+
+// flush sends the queued SYNs, one sendmmsg per family for a whole batch of
+// checks: one system call, and one wakeup of the device's receive path, for
+// tens of checks.
+func (p *synProber) flush() {
+	if len(p.out) == 0 {
 		return
 	}
-	rc, err := f.SyscallConn()
-	if err == nil {
-		var serr error
-		err = rc.Write(func(fd uintptr) bool {
-			_, serr = unix.SendmsgN(int(fd), pkt, oob, to, 0)
-			return serr != unix.EAGAIN
-		})
-		if err == nil {
-			err = serr
+	var failed []*outSYN
+	var errs []error
+	for _, v6 := range []bool{false, true} {
+		p.hdrs, p.msgs = p.hdrs[:0], p.msgs[:0]
+		for _, o := range p.out {
+			if o.v6 != v6 {
+				continue
+			}
+			var h unix.Mmsghdr
+			o.iov.Base = &o.pkt[0]
+			o.iov.SetLen(synLen)
+			if v6 {
+				h.Hdr.Name = (*byte)(unsafe.Pointer(&o.sa6))
+				h.Hdr.Namelen = unix.SizeofSockaddrInet6
+			} else {
+				h.Hdr.Name = (*byte)(unsafe.Pointer(&o.sa4))
+				h.Hdr.Namelen = unix.SizeofSockaddrInet4
+			}
+			h.Hdr.Iov = &o.iov
+			h.Hdr.SetIovlen(1)
+			h.Hdr.Control = &o.oob[0]
+			h.Hdr.SetControllen(len(o.oob))
+			p.hdrs = append(p.hdrs, h)
+			p.msgs = append(p.msgs, o)
 		}
+		if len(p.hdrs) == 0 {
+			continue
+		}
+		f := p.f4
+		if v6 {
+			f = p.f6
+		}
+		if f == nil {
+			for _, o := range p.msgs {
+				failed, errs = append(failed, o), append(errs, unix.EAFNOSUPPORT)
+			}
+			continue
+		}
+		rc, err := f.SyscallConn()
+		if err != nil {
+			continue // closed: close ends the checks
+		}
+		i := 0
+		rc.Write(func(fd uintptr) bool {
+			for i < len(p.hdrs) {
+				n, _, errno := unix.Syscall6(unix.SYS_SENDMMSG, fd, uintptr(unsafe.Pointer(&p.hdrs[i])), uintptr(len(p.hdrs)-i), 0, 0, 0)
+				switch errno {
+				case 0:
+					i += int(n)
+				case unix.EINTR:
+				case unix.EAGAIN:
+					return false // wait until the socket has room
+				default:
+					// The first message failed; the rest are unsent.
+					failed, errs = append(failed, p.msgs[i]), append(errs, errno)
+					i++
+				}
+			}
+			return true
+		})
+		runtime.KeepAlive(p.msgs)
 	}
-	switch {
-	case err == unix.EPERM || err == unix.ENOBUFS:
-		// A local firewall dropped the SYN (netfilter's drop is EPERM to a
-		// raw socket) or a queue was full: TCP would take the SYN as lost
-		// and time out, and so does the check.
-	case err != nil:
-		p.end(port, seq, &os.SyscallError{Syscall: "connect", Err: err}) // "connect: network is unreachable"
+	for _, o := range p.out {
+		p.spare = append(p.spare, o)
+	}
+	clear(p.out)
+	p.out = p.out[:0]
+	clear(p.msgs)
+	for k, o := range failed {
+		switch errs[k] {
+		case unix.EPERM, unix.ENOBUFS:
+			// A local firewall dropped the SYN (netfilter's drop is EPERM to
+			// a raw socket) or a queue was full: TCP would take the SYN as
+			// lost and time out, and so does the check.
+		default:
+			p.end(o.port, o.seq, &os.SyscallError{Syscall: "connect", Err: errs[k]}) // "connect: network is unreachable"
+		}
 	}
 }
 
