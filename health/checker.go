@@ -77,6 +77,8 @@ type Checker struct {
 	syn     *synProber
 	synErr  error
 	synOpen bool // opening was tried in this Run
+
+	workers *workers // of the running Run
 }
 
 type service struct {
@@ -499,7 +501,17 @@ func (c *Checker) Run(ctx context.Context) error {
 	}
 	sem := make(chan struct{}, limit)
 	var wg sync.WaitGroup
+	c.mu.Lock()
+	c.workers = newWorkers()
+	c.mu.Unlock()
 	defer c.closeKept()
+	defer func() {
+		c.mu.Lock()
+		w := c.workers
+		c.workers = nil
+		c.mu.Unlock()
+		w.close()
+	}()
 	defer wg.Wait()
 	// Before wg.Wait: closing ends the syn checks in flight, whose ends are
 	// not counted in wg.
@@ -625,15 +637,71 @@ func (c *Checker) start(ctx context.Context, b *backend, sem chan struct{}, wg *
 		p.dial = p.dialer.DialContext
 	}
 	wg.Add(1)
-	// Exits when the check ends: its Timeout bounds it, and Remove or the end
+	// Ends when the check ends: its Timeout bounds it, and Remove or the end
 	// of Run cancel it sooner.
-	go func() {
+	c.workers.do(func() {
 		defer wg.Done()
 		defer func() { <-sem }()
 		defer cancel()
 		c.check(cctx, b, p)
-	}()
+	})
 	return true
+}
+
+// workers runs connect and HTTP checks on goroutines that live for the whole
+// Run, so that a check does not pay for a new goroutine and the growth of its
+// stack. The nil *workers starts a goroutine per check (runFake's tests).
+type workers struct {
+	jobs chan func()
+	wg   sync.WaitGroup
+}
+
+func newWorkers() *workers { return &workers{jobs: make(chan func())} }
+
+// do runs f on an idle worker, or a new one if none is idle. The in-flight
+// limit of Run bounds the number of workers.
+func (w *workers) do(f func()) {
+	if w == nil {
+		// Exits when f returns.
+		go f()
+		return
+	}
+	select {
+	case w.jobs <- f:
+		return
+	default:
+	}
+	w.wg.Add(1)
+	// Exits after workerIdle without a job, or when close closes w.jobs at
+	// the end of Run.
+	go func() {
+		defer w.wg.Done()
+		f()
+		idle := time.NewTimer(workerIdle)
+		defer idle.Stop()
+		for {
+			select {
+			case f, ok := <-w.jobs:
+				if !ok {
+					return
+				}
+				f()
+				idle.Reset(workerIdle)
+			case <-idle.C:
+				return
+			}
+		}
+	}()
+}
+
+// workerIdle is how long a worker waits for a job before it exits, so the
+// workers a burst needed (many black-holed backends at once) do not stay.
+const workerIdle = time.Second
+
+// close ends the idle workers and waits for them; every job must be done.
+func (w *workers) close() {
+	close(w.jobs)
+	w.wg.Wait()
 }
 
 // check runs one check of b and applies its result.

@@ -120,10 +120,9 @@ func (p probe) fail(ctx context.Context, op string, err error) error {
 // next check can send its request on it.
 func (p *probe) http(ctx context.Context, k *keptConn) (reuse bool, err error) {
 	conn := k.conn
-	if dl, ok := ctx.Deadline(); ok {
-		conn.SetDeadline(dl)
-	}
-	// Remove and the end of Run cancel ctx; unblock the read then too.
+	// ctx ends at the check's timeout, or sooner when Remove or the end of
+	// Run cancel it: unblock the write or read then. (No deadline is set
+	// otherwise, which spares a timer per check on a kept-alive connection.)
 	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
 	defer func() {
 		if !stop() {

@@ -80,6 +80,8 @@ func (e *phaseEnv) runChecker(ctx context.Context, phase string, check health.Ch
 		measuring     atomic.Bool
 		checks, fails atomic.Int64
 		hist          = new(lagHist)
+		errMu         sync.Mutex
+		errCounts     = map[string]int{}
 	)
 	c := &health.Checker{
 		MaxInFlight: e.o.maxInFlight,
@@ -90,6 +92,11 @@ func (e *phaseEnv) runChecker(ctx context.Context, phase string, check health.Ch
 			checks.Add(1)
 			if r.Err != nil {
 				fails.Add(1)
+				errMu.Lock()
+				if len(errCounts) < 10 {
+					errCounts[r.Err.Error()]++
+				}
+				errMu.Unlock()
 			}
 			hist.add(r.Lag())
 		},
@@ -127,6 +134,11 @@ func (e *phaseEnv) runChecker(ctx context.Context, phase string, check health.Ch
 	if err != nil {
 		return result{}, err
 	}
+	errMu.Lock()
+	for e, n := range errCounts {
+		fmt.Fprintf(os.Stderr, "bench/health: %s: %d checks failed: %s\n", phase, n, e)
+	}
+	errMu.Unlock()
 	goroutines := runtime.NumGoroutine()
 	rss := procRSS()
 	method, merr := c.Method("bench")
