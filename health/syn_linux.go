@@ -257,7 +257,7 @@ func (p *synProber) queue(dst netip.AddrPort, source netip.Addr, port uint16, se
 	o.port, o.seq, o.v6 = port, seq, !daddr.Is4()
 	if daddr.Is4() {
 		o.sa4 = unix.RawSockaddrInet4{Family: unix.AF_INET, Addr: daddr.As4()}
-		o.oob = unix.PktInfo4(&unix.Inet4Pktinfo{Spec_dst: src.As4()})
+		o.oob = pktInfo4(o.oobBuf[:], src.As4())
 	} else {
 		o.sa6 = unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: daddr.As16()}
 		if z := dst.Addr().Zone(); z != "" {
@@ -265,21 +265,23 @@ func (p *synProber) queue(dst netip.AddrPort, source netip.Addr, port uint16, se
 				o.sa6.Scope_id = uint32(ifi.Index)
 			}
 		}
-		o.oob = unix.PktInfo6(&unix.Inet6Pktinfo{Addr: src.As16()})
+		o.oob = pktInfo6(o.oobBuf[:], src.As16())
 	}
 	p.out = append(p.out, o)
 }
 
 // outSYN is a queued SYN with everything sendmmsg points to.
 type outSYN struct {
-	pkt  [synLen]byte
-	sa4  unix.RawSockaddrInet4
-	sa6  unix.RawSockaddrInet6
-	oob  []byte
-	iov  unix.Iovec
-	port uint16
-	seq  uint32
-	v6   bool
+	pkt [synLen]byte
+	sa4 unix.RawSockaddrInet4
+	sa6 unix.RawSockaddrInet6
+	oob []byte // points into oobBuf
+	iov unix.Iovec
+	// room for the IP_PKTINFO or IPV6_PKTINFO control message
+	oobBuf [64]byte
+	port   uint16
+	seq    uint32
+	v6     bool
 }
 
 // flush sends the queued SYNs, one sendmmsg per family for a whole batch of
@@ -442,38 +444,62 @@ func (p *synProber) source(dst, want netip.Addr) (netip.Addr, error) {
 	return src, nil
 }
 
-// receive reads the answers that f's filter lets through until f is closed.
+// recvBatch is how many answers one recvmmsg reads at most.
+const recvBatch = 32
+
+// receive reads the answers that f's filter lets through until f is closed,
+// up to recvBatch per system call.
 func (p *synProber) receive(f *os.File, v6 bool) {
 	rc, err := f.SyscallConn()
 	if err != nil {
 		return
 	}
-	buf := make([]byte, 256)
+	var (
+		bufs  [recvBatch][128]byte // IP header (IPv4 only) and TCP header: all the filter passes
+		names [recvBatch]unix.RawSockaddrInet6
+		iovs  [recvBatch]unix.Iovec
+		hdrs  [recvBatch]unix.Mmsghdr
+	)
 	for {
 		err := rc.Read(func(fd uintptr) bool {
 			for {
-				var seg segment
-				var ok bool
-				if v6 {
-					n, from, err := unix.Recvfrom(int(fd), buf, unix.MSG_TRUNC)
-					if err != nil {
-						return err != unix.EAGAIN && err != unix.EINTR
+				for i := range hdrs {
+					iovs[i].Base = &bufs[i][0]
+					iovs[i].SetLen(len(bufs[i]))
+					hdrs[i] = unix.Mmsghdr{}
+					hdrs[i].Hdr.Iov = &iovs[i]
+					hdrs[i].Hdr.SetIovlen(1)
+					if v6 {
+						hdrs[i].Hdr.Name = (*byte)(unsafe.Pointer(&names[i]))
+						hdrs[i].Hdr.Namelen = unix.SizeofSockaddrInet6
 					}
-					if sa, isV6 := from.(*unix.SockaddrInet6); isV6 {
-						seg, ok = parseTCP(buf[:min(n, len(buf))], netip.AddrFrom16(sa.Addr).Unmap())
-					}
-				} else {
-					n, err := unix.Read(int(fd), buf)
-					if err != nil {
-						return err != unix.EAGAIN && err != unix.EINTR
-					}
-					seg, ok = parseIPv4TCP(buf[:n])
 				}
-				if ok {
-					p.answer(seg)
+				n, _, errno := unix.Syscall6(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&hdrs[0])), recvBatch, unix.MSG_DONTWAIT, 0, 0)
+				switch errno {
+				case 0:
+				case unix.EINTR:
+					continue
+				case unix.EAGAIN:
+					return false // wait for the next answers
+				default:
+					return true
+				}
+				for i := range int(n) {
+					b := bufs[i][:min(int(hdrs[i].Len), len(bufs[i]))]
+					var seg segment
+					var ok bool
+					if v6 {
+						seg, ok = parseTCP(b, netip.AddrFrom16(names[i].Addr).Unmap())
+					} else {
+						seg, ok = parseIPv4TCP(b)
+					}
+					if ok {
+						p.answer(seg)
+					}
 				}
 			}
 		})
+		runtime.KeepAlive(&bufs)
 		if err != nil {
 			return // f closed
 		}
@@ -506,3 +532,28 @@ func newSeq() uint32 { return rand.Uint32() }
 
 func (p *synProber) excludedPorts() int  { return p.excluded }
 func (p *synProber) reserveError() error { return p.reserveErr }
+
+// pktInfo4 writes an IP_PKTINFO control message with source src into b, as
+// unix.PktInfo4 does without allocating.
+func pktInfo4(b []byte, src [4]byte) []byte {
+	b = b[:unix.CmsgSpace(unix.SizeofInet4Pktinfo)]
+	clear(b)
+	h := (*unix.Cmsghdr)(unsafe.Pointer(&b[0]))
+	h.Level, h.Type = unix.IPPROTO_IP, unix.IP_PKTINFO
+	h.SetLen(unix.CmsgLen(unix.SizeofInet4Pktinfo))
+	info := (*unix.Inet4Pktinfo)(unsafe.Pointer(&b[unix.CmsgLen(0)]))
+	info.Spec_dst = src
+	return b
+}
+
+// pktInfo6 writes an IPV6_PKTINFO control message with source src into b.
+func pktInfo6(b []byte, src [16]byte) []byte {
+	b = b[:unix.CmsgSpace(unix.SizeofInet6Pktinfo)]
+	clear(b)
+	h := (*unix.Cmsghdr)(unsafe.Pointer(&b[0]))
+	h.Level, h.Type = unix.IPPROTO_IPV6, unix.IPV6_PKTINFO
+	h.SetLen(unix.CmsgLen(unix.SizeofInet6Pktinfo))
+	info := (*unix.Inet6Pktinfo)(unsafe.Pointer(&b[unix.CmsgLen(0)]))
+	info.Addr = src
+	return b
+}

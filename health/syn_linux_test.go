@@ -1,6 +1,7 @@
 package health
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"net"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 )
 
 func synEnv(t *testing.T) checkEnv {
@@ -216,5 +218,16 @@ func TestSynRemoveInFlight(t *testing.T) {
 	}
 	if n := results.Load(); n != 0 {
 		t.Errorf("results reported: got %d; want 0", n)
+	}
+}
+
+func TestPktInfo(t *testing.T) {
+	src4 := [4]byte{10, 0, 0, 1}
+	if got, want := pktInfo4(make([]byte, 64), src4), unix.PktInfo4(&unix.Inet4Pktinfo{Spec_dst: src4}); !bytes.Equal(got, want) {
+		t.Errorf("pktInfo4: got %x; want %x", got, want)
+	}
+	src6 := netip.MustParseAddr("fd00::1").As16()
+	if got, want := pktInfo6(make([]byte, 64), src6), unix.PktInfo6(&unix.Inet6Pktinfo{Addr: src6}); !bytes.Equal(got, want) {
+		t.Errorf("pktInfo6: got %x; want %x", got, want)
 	}
 }

@@ -171,12 +171,15 @@ type result struct {
 	NAPICPU     float64 `json:"veth_napi_cpu_percent"`
 	SoftirqCPU  float64 `json:"machine_softirq_percent"`
 	MachineCPU  float64 `json:"machine_busy_percent"`
-	LagP50      float64 `json:"lag_p50_ms,omitempty"`
-	LagP99      float64 `json:"lag_p99_ms,omitempty"`
-	LagMax      float64 `json:"lag_max_ms,omitempty"`
-	HeapInuse   float64 `json:"heap_inuse_mib,omitempty"`
-	RSS         float64 `json:"rss_mib,omitempty"`
-	Goroutines  float64 `json:"goroutines,omitempty"`
+	// VethDrops counts the packets the veth pair dropped (its rings hold 256
+	// packets; a NAPI kthread that does not get a CPU in time loses some).
+	VethDrops  float64 `json:"veth_drops"`
+	LagP50     float64 `json:"lag_p50_ms,omitempty"`
+	LagP99     float64 `json:"lag_p99_ms,omitempty"`
+	LagMax     float64 `json:"lag_max_ms,omitempty"`
+	HeapInuse  float64 `json:"heap_inuse_mib,omitempty"`
+	RSS        float64 `json:"rss_mib,omitempty"`
+	Goroutines float64 `json:"goroutines,omitempty"`
 }
 
 // runner sets up the backends' namespace, runs every phase -repeat times and
@@ -235,8 +238,8 @@ func runner(o options) error {
 			if err != nil {
 				return fmt.Errorf("phase %s: %w", ph, err)
 			}
-			fmt.Fprintf(os.Stderr, "bench/health: run %d/%d %-12s checker %5.1f%% of a core, %6.0f checks/s, %5.0f failed, lag p99 %.1fms\n",
-				rep+1, o.repeat, ph, r.CheckerCPU, r.ChecksPerSec, r.Failed, r.LagP99)
+			fmt.Fprintf(os.Stderr, "bench/health: run %d/%d %-12s checker %5.1f%% of a core, %6.0f checks/s, %5.0f failed, %4.0f veth drops, lag p99 %.1fms, machine %3.0f%%\n",
+				rep+1, o.repeat, ph, r.CheckerCPU, r.ChecksPerSec, r.Failed, r.VethDrops, r.LagP99, r.MachineCPU)
 			runs[ph] = append(runs[ph], r)
 			time.Sleep(time.Second) // let the last answers and TIME_WAITs settle
 		}
@@ -268,8 +271,8 @@ func printTable(o options, rs []result) {
 	fmt.Println("CPU in % of one core; checker = the checking process alone (user+sys); listener = the backends' process;")
 	fmt.Println("napi = the veths' receive kthreads; softirq and machine = the whole machine (other users included)")
 	fmt.Println()
-	fmt.Println("| phase | method | checks/s | failed | checker CPU | user | sys | µs/check | listener | napi | softirq | machine | lag p50 | lag p99 | RSS MiB |")
-	fmt.Println("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+	fmt.Println("| phase | method | checks/s | failed | veth drops | checker CPU | user | sys | µs/check | listener | napi | softirq | machine | lag p50 | lag p99 | RSS MiB |")
+	fmt.Println("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 	for _, r := range rs {
 		lag50, lag99, rss := "-", "-", "-"
 		if r.LagP99 > 0 {
@@ -282,8 +285,8 @@ func printTable(o options, rs []result) {
 		if method == "" {
 			method = "-"
 		}
-		fmt.Printf("| %s | %s | %.0f | %.0f | %.1f %% | %.1f | %.1f | %.1f | %.1f %% | %.1f %% | %.1f %% | %.0f %% | %s | %s | %s |\n",
-			phaseNames[r.Phase], method, r.ChecksPerSec, r.Failed, r.CheckerCPU, r.CheckerUser, r.CheckerSys, r.CPUPerCheck,
+		fmt.Printf("| %s | %s | %.0f | %.0f | %.0f | %.1f %% | %.1f | %.1f | %.1f | %.1f %% | %.1f %% | %.1f %% | %.0f %% | %s | %s | %s |\n",
+			phaseNames[r.Phase], method, r.ChecksPerSec, r.Failed, r.VethDrops, r.CheckerCPU, r.CheckerUser, r.CheckerSys, r.CPUPerCheck,
 			r.ListenerCPU, r.NAPICPU, r.SoftirqCPU, r.MachineCPU, lag50, lag99, rss)
 	}
 }
@@ -312,6 +315,7 @@ func medians(rs []result) result {
 		func(r *result) *float64 { return &r.NAPICPU },
 		func(r *result) *float64 { return &r.SoftirqCPU },
 		func(r *result) *float64 { return &r.MachineCPU },
+		func(r *result) *float64 { return &r.VethDrops },
 		func(r *result) *float64 { return &r.LagP50 },
 		func(r *result) *float64 { return &r.LagP99 },
 		func(r *result) *float64 { return &r.LagMax },
@@ -340,6 +344,7 @@ type cpuSample struct {
 	user, sys      uint64 // this process
 	listener, napi uint64
 	softirq, busy  uint64 // the whole machine
+	drops          uint64 // packets the veth pair dropped, both directions
 }
 
 // clkTck is USER_HZ, the unit of /proc's CPU times; 100 on every Linux port
@@ -354,6 +359,13 @@ func sample(listenerPid int, napi []int) cpuSample {
 	for _, pid := range napi {
 		u, sy := procTimes(strconv.Itoa(pid))
 		s.napi += u + sy
+	}
+	for _, f := range []string{"tx_dropped", "rx_dropped"} {
+		// hc0's tx_dropped counts what hc1 could not take, rx_dropped the reverse.
+		if b, err := os.ReadFile("/sys/class/net/hc0/statistics/" + f); err == nil {
+			n, _ := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+			s.drops += n
+		}
 	}
 	if b, err := os.ReadFile("/proc/stat"); err == nil {
 		line, _, _ := strings.Cut(string(b), "\n")
@@ -410,6 +422,7 @@ func (r *result) fill(a, b cpuSample, checks, failed int64) {
 	r.NAPICPU = pct(b.napi - a.napi)
 	r.SoftirqCPU = pct(b.softirq - a.softirq)
 	r.MachineCPU = pct(b.busy - a.busy)
+	r.VethDrops = float64(b.drops - a.drops)
 }
 
 func procRSS() (rss float64) {

@@ -225,7 +225,7 @@ func (e *phaseEnv) runConnectLoop(ctx context.Context) (result, error) {
 // socket and counts the SYN-ACKs that a socket filter lets through: the floor
 // of what a syn check can cost, with no matching, no timeouts, no state.
 func (e *phaseEnv) runSynLoop(ctx context.Context) (result, error) {
-	const lo, hi = 63000, 63999
+	const lo, hi = 65000, 65535 // outside the checker's range
 	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
 	if err != nil {
 		return result{}, fmt.Errorf("raw socket: %w", err)
@@ -236,7 +236,7 @@ func (e *phaseEnv) runSynLoop(ctx context.Context) (result, error) {
 		{Code: unix.BPF_JMP | unix.BPF_JGE | unix.BPF_K, Jt: 0, Jf: 4, K: lo},
 		{Code: unix.BPF_JMP | unix.BPF_JGT | unix.BPF_K, Jt: 3, Jf: 0, K: hi},
 		{Code: unix.BPF_LD | unix.BPF_B | unix.BPF_IND, K: 13},
-		{Code: unix.BPF_JMP | unix.BPF_JSET | unix.BPF_K, Jt: 0, Jf: 1, K: 0x12},
+		{Code: unix.BPF_JMP | unix.BPF_JSET | unix.BPF_K, Jt: 0, Jf: 1, K: 0x16}, // SYN, ACK or RST
 		{Code: unix.BPF_RET | unix.BPF_K, K: 128},
 		{Code: unix.BPF_RET | unix.BPF_K, K: 0},
 	}
