@@ -1,14 +1,12 @@
 package health
 
 import (
-	"bufio"
 	"fmt"
 	"math/rand/v2"
 	"net"
 	"net/netip"
 	"os"
 	"runtime"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -145,31 +143,35 @@ func synFilter(v6 bool, lo, hi uint16) []unix.SockFilter {
 }
 
 // boundPorts lists the ports of lo..hi that a TCP socket of this namespace
-// holds now (bound before the range was reserved, or bound explicitly: the
-// reservation only keeps the kernel from choosing them). A SYN-ACK to such a
-// port could reach that socket, so checks never use them.
+// holds now (bound before the range was reserved, bound explicitly — the
+// reservation only keeps the kernel from choosing them — or in TIME_WAIT). A
+// SYN-ACK to such a port could reach that socket, so checks never use them. It
+// tries to bind a wildcard socket to each port, which fails exactly when some
+// socket holds it: a few milliseconds for the range, where reading
+// /proc/net/tcp would take as long as the host has sockets (hundreds of
+// thousands of TIME_WAITs on a busy balancer).
 func boundPorts(lo, hi uint16) map[uint16]bool {
 	bound := make(map[uint16]bool)
-	for _, name := range []string{"/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"} {
-		f, err := os.Open(name)
+	family, v6 := unix.AF_INET6, true
+	if fd, err := unix.Socket(unix.AF_INET6, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0); err != nil {
+		family, v6 = unix.AF_INET, false // no IPv6: IPv4 alone
+	} else {
+		unix.Close(fd)
+	}
+	for port := int(lo); port <= int(hi); port++ {
+		fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 		if err != nil {
 			continue
 		}
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			fields := strings.Fields(sc.Text())
-			if len(fields) < 2 {
-				continue
-			}
-			_, hex, ok := strings.Cut(fields[1], ":") // local_address: ADDR:PORT in hex
-			if !ok {
-				continue
-			}
-			if port, err := strconv.ParseUint(hex, 16, 16); err == nil && uint16(port) >= lo && uint16(port) <= hi {
-				bound[uint16(port)] = true
-			}
+		var sa unix.Sockaddr = &unix.SockaddrInet4{Port: port}
+		if v6 {
+			unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 0) // [::] covers IPv4 too
+			sa = &unix.SockaddrInet6{Port: port}
 		}
-		f.Close()
+		if err := unix.Bind(fd, sa); err == unix.EADDRINUSE {
+			bound[uint16(port)] = true
+		}
+		unix.Close(fd)
 	}
 	return bound
 }
@@ -284,6 +286,12 @@ type outSYN struct {
 	v6     bool
 }
 
+// sendBatch caps the SYNs of one sendmmsg. After a stall the scheduler may
+// start hundreds of checks at once; sent back to back they would overflow a
+// device queue (a veth ring holds 256 packets) and time out as lost. Between
+// two calls the device's receive path gets a chance to drain.
+const sendBatch = 32
+
 // flush sends the queued SYNs, one sendmmsg per family for a whole batch of
 // checks: one system call, and one wakeup of the device's receive path, for
 // tens of checks.
@@ -336,7 +344,7 @@ func (p *synProber) flush() {
 		i := 0
 		rc.Write(func(fd uintptr) bool {
 			for i < len(p.hdrs) {
-				n, _, errno := unix.Syscall6(unix.SYS_SENDMMSG, fd, uintptr(unsafe.Pointer(&p.hdrs[i])), uintptr(len(p.hdrs)-i), 0, 0, 0)
+				n, _, errno := unix.Syscall6(unix.SYS_SENDMMSG, fd, uintptr(unsafe.Pointer(&p.hdrs[i])), uintptr(min(len(p.hdrs)-i, sendBatch)), 0, 0, 0)
 				switch errno {
 				case 0:
 					i += int(n)

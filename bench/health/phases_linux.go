@@ -10,6 +10,9 @@ import (
 	"os"
 	"runtime"
 	"runtime/pprof"
+	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -137,6 +140,12 @@ func (e *phaseEnv) runChecker(ctx context.Context, phase string, check health.Ch
 	errMu.Lock()
 	for e, n := range errCounts {
 		fmt.Fprintf(os.Stderr, "bench/health: %s: %d checks failed: %s\n", phase, n, e)
+	}
+	if len(errCounts) > 0 {
+		fmt.Fprintf(os.Stderr, "bench/health: %s: backends' kernel: %s\n", phase, tcpCounters(fmt.Sprintf("/proc/%d/net/netstat", e.listenerPid),
+			"ListenOverflows", "ListenDrops", "SyncookiesSent", "TCPReqQFullDrop", "TCPReqQFullDoCookies"))
+		fmt.Fprintf(os.Stderr, "bench/health: %s: checker's kernel: %s, raw socket drops %d\n", phase,
+			tcpCounters("/proc/self/net/snmp", "InErrs", "OutRsts", "InSegs"), rawDrops())
 	}
 	errMu.Unlock()
 	goroutines := runtime.NumGoroutine()
@@ -351,4 +360,36 @@ func (h *lagHist) quantile(q float64) time.Duration {
 		}
 	}
 	return time.Duration(len(h.buckets)) * lagBucket
+}
+
+// tcpCounters picks named counters out of a /proc/net/netstat or snmp file
+// (pairs of a header line and a value line), for diagnosing failed checks.
+func tcpCounters(file string, names ...string) string {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(string(b), "\n")
+	var out []string
+	for i := 0; i+1 < len(lines); i += 2 {
+		keys, vals := strings.Fields(lines[i]), strings.Fields(lines[i+1])
+		for k := range keys {
+			if k < len(vals) && slices.Contains(names, keys[k]) {
+				out = append(out, keys[0]+keys[k]+"="+vals[k])
+			}
+		}
+	}
+	return strings.Join(out, " ")
+}
+
+// rawDrops sums the drops column of this namespace's raw sockets.
+func rawDrops() (n uint64) {
+	b, _ := os.ReadFile("/proc/self/net/raw")
+	for _, line := range strings.Split(string(b), "\n")[1:] {
+		if f := strings.Fields(line); len(f) > 0 {
+			d, _ := strconv.ParseUint(f[len(f)-1], 10, 64)
+			n += d
+		}
+	}
+	return n
 }
