@@ -328,13 +328,19 @@ func medians(rs []result) result {
 	return m
 }
 
-// raiseFileLimit lifts RLIMIT_NOFILE as far as root may: kept-alive HTTP
-// checks hold one connection per backend.
+// raiseFileLimit lifts RLIMIT_NOFILE as far as it may go: kept-alive HTTP
+// checks hold one connection per backend. Without CAP_SYS_RESOURCE (in a
+// container, say) only the soft limit can rise, to the hard one.
 func raiseFileLimit() {
 	for _, n := range []uint64{1 << 20, 1 << 18} {
 		if unix.Setrlimit(unix.RLIMIT_NOFILE, &unix.Rlimit{Cur: n, Max: n}) == nil {
 			return
 		}
+	}
+	var l unix.Rlimit
+	if unix.Getrlimit(unix.RLIMIT_NOFILE, &l) == nil {
+		l.Cur = l.Max
+		unix.Setrlimit(unix.RLIMIT_NOFILE, &l)
 	}
 }
 
