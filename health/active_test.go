@@ -2,6 +2,7 @@ package health
 
 import (
 	"errors"
+	"net"
 	"strings"
 	"sync"
 	"syscall"
@@ -60,14 +61,22 @@ func TestRiseFall(t *testing.T) {
 // TestTCPListenerClosesAndReopens runs real checks against a listener that the
 // test shuts and reopens between checks, following a script: the backend must
 // go down after exactly Fall refused connects, come back after exactly Rise
-// accepted ones, and ignore flapping shorter than either.
+// accepted ones, and ignore flapping shorter than either; with either method,
+// with the same errors.
 func TestTCPListenerClosesAndReopens(t *testing.T) {
+	for _, m := range []Method{MethodConnect, MethodSyn} {
+		t.Run(m.String(), func(t *testing.T) { testListenerClosesAndReopens(t, m) })
+	}
+}
+
+func testListenerClosesAndReopens(t *testing.T, method Method) {
+	env := newCheckEnv(t, method)
 	// The listener's state for each check, and the state wanted after it.
 	const (
 		script = "PPFFPFFPFFFPFPFPPFFP"
 		want   = "uuuuuuuuuudddddduuuu"
 	)
-	ln := newToggleListener(t)
+	ln := newToggleListener(t, env.listen)
 	var (
 		mu     sync.Mutex
 		got    strings.Builder
@@ -81,6 +90,9 @@ func TestTCPListenerClosesAndReopens(t *testing.T) {
 		defer mu.Unlock()
 		if got.Len() == len(script) {
 			return
+		}
+		if r.Method != method {
+			t.Errorf("result method: got %v; want %v", r.Method, method)
 		}
 		st, _ := c.Status(r.ID)
 		got.WriteString(map[State]string{Up: "u", Down: "d", Unknown: "?"}[st.Active])
@@ -98,14 +110,14 @@ func TestTCPListenerClosesAndReopens(t *testing.T) {
 			close(done)
 		}
 	}
-	cfg := Config{Check: Check{Interval: 10 * time.Millisecond, Timeout: time.Second, Rise: 2, Fall: 3, Initial: Up}}
+	cfg := Config{Check: Check{Method: method, Interval: 10 * time.Millisecond, Timeout: time.Second, Rise: 2, Fall: 3, Initial: Up}}
 	if err := c.SetService("web", cfg); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.Set(Backend{ID: ln.addr, Service: "web"}); err != nil {
 		t.Fatal(err)
 	}
-	run(t, c)
+	env.run(t, c)
 	select {
 	case <-done:
 	case <-time.After(10 * time.Second):
@@ -124,6 +136,9 @@ func TestTCPListenerClosesAndReopens(t *testing.T) {
 			t.Errorf("failed check: got %q; want connect: connection refused wrapping ECONNREFUSED", err)
 		}
 	}
+	if m, err := c.Method("web"); m != method || err != nil {
+		t.Errorf("Method: got %v, %v; want %v, nil", m, err, method)
+	}
 	st, _ := c.Status(ln.addr)
 	if st.Last.Err != nil || st.Last.Start.IsZero() {
 		t.Errorf("last result: got %+v; want a passed check", st.Last)
@@ -133,7 +148,7 @@ func TestTCPListenerClosesAndReopens(t *testing.T) {
 // TestChangesCarryReasonAndTime checks what a subscriber sees when a backend
 // goes down and up again.
 func TestChangesCarryReasonAndTime(t *testing.T) {
-	ln := newToggleListener(t)
+	ln := newToggleListener(t, net.Listen)
 	c := &Checker{}
 	if err := c.SetService("web", Config{Check: Check{Interval: 10 * time.Millisecond, Rise: 1, Fall: 1, Initial: Up}}); err != nil {
 		t.Fatal(err)

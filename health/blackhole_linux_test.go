@@ -12,8 +12,15 @@ import (
 
 // TestBlackHoledBackend drops the SYNs to one port inside a namespace: its
 // checks must fail by timeout, and meanwhile the checks of the healthy
-// backends must keep their schedule although few check slots are free.
+// backends must keep their schedule although few check slots are free; with
+// either method, with the same errors.
 func TestBlackHoledBackend(t *testing.T) {
+	for _, m := range []Method{MethodConnect, MethodSyn} {
+		t.Run(m.String(), func(t *testing.T) { testBlackHoledBackend(t, m) })
+	}
+}
+
+func testBlackHoledBackend(t *testing.T, method Method) {
 	ns := newNetNS(t)
 	good := []string{ns.listen(t, "127.0.0.1:0").Addr().String(), ns.listen(t, "127.0.0.1:0").Addr().String()}
 	hole := ns.listen(t, "127.0.0.1:0").Addr().String() // listening, but its SYNs are dropped
@@ -33,7 +40,6 @@ func TestBlackHoledBackend(t *testing.T) {
 		holeRes   []Result
 	)
 	c := &Checker{
-		Dial: ns.dial,
 		// The black holes hold half the slots for their whole timeout.
 		MaxInFlight: 2 * nHoles,
 		OnCheck: func(r Result) {
@@ -49,7 +55,7 @@ func TestBlackHoledBackend(t *testing.T) {
 			}
 		},
 	}
-	cfg := Config{Check: Check{Interval: interval, Timeout: timeout, Rise: 1, Fall: 2, Initial: Up}}
+	cfg := Config{Check: Check{Method: method, Interval: interval, Timeout: timeout, Rise: 1, Fall: 2, Initial: Up}}
 	if err := c.SetService("web", cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -63,7 +69,12 @@ func TestBlackHoledBackend(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	run(t, c)
+	if method == MethodSyn {
+		ns.run(t, c) // the raw sockets are Run's namespace's
+	} else {
+		c.Dial = ns.dial
+		run(t, c)
+	}
 	time.Sleep(runFor)
 
 	for _, st := range c.Snapshot() {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"net/netip"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -43,8 +44,15 @@ type Checker struct {
 	MaxInFlight int
 	// Dial, when set, opens check connections in place of a net.Dialer, e.g.
 	// to check from another network namespace or VRF. Check.Source is then
-	// the dialer's business.
+	// the dialer's business. Syn checks do not use it: their raw sockets
+	// live in the network namespace Run was called in.
 	Dial func(ctx context.Context, network, address string) (net.Conn, error)
+	// SynPorts is the inclusive source port range of syn checks (MethodSyn).
+	// The zero value means DefaultSynPorts. Run adds it to the namespace's
+	// ip_local_reserved_ports, so the kernel never gives one of these ports to
+	// a local connection, and restores the setting when it returns; see
+	// Checker.Syn for what it managed.
+	SynPorts [2]uint16
 	// OnCheck, when set, is called after every completed active check, after
 	// its result is applied and before the backend's next check is scheduled;
 	// keep it fast. It is not called for checks cut short by Remove or by the
@@ -62,6 +70,15 @@ type Checker struct {
 	wake     chan struct{}
 	subs     map[*Subscription]struct{}
 	running  bool
+
+	// The syn prober of the running Run: opened on Run's goroutine (so in its
+	// network namespace) when the first syn check is due, closed when Run
+	// returns. synErr says why it could not be opened; syn checks then connect.
+	syn     *synProber
+	synErr  error
+	synOpen bool // opening was tried in this Run
+
+	workers *workers // of the running Run
 }
 
 type service struct {
@@ -76,6 +93,7 @@ type service struct {
 
 type backend struct {
 	id, addr string
+	ap       netip.AddrPort // addr parsed; invalid for a host name, which syn checks cannot use
 	svc      *service
 	removed  bool
 	// gen changes when the check target or kind changes, so the result of a
@@ -85,6 +103,7 @@ type backend struct {
 	dueAt    time.Time
 	dueIdx   int                // index in Checker.due, -1 when not queued
 	inflight context.CancelFunc // non-nil while a check runs
+	keep     *keptConn          // the idle kept-alive connection of HTTP checks, nil while one runs
 
 	active        State
 	passes, fails int
@@ -216,6 +235,7 @@ func (c *Checker) Set(nb Backend) error {
 	if b, ok := c.backends[nb.ID]; ok {
 		if b.addr != nb.Addr {
 			b.addr = nb.Addr
+			b.ap, _ = netip.ParseAddrPort(nb.Addr)
 			c.retarget(b)
 		}
 		if b.svc != s {
@@ -235,6 +255,7 @@ func (c *Checker) Set(nb Backend) error {
 		return nil
 	}
 	b := &backend{id: nb.ID, addr: nb.Addr, svc: s, dueIdx: -1, ejectIdx: -1}
+	b.ap, _ = netip.ParseAddrPort(nb.Addr)
 	b.active = s.cfg.Check.Initial
 	if nb.Initial != nil {
 		b.active = *nb.Initial
@@ -275,6 +296,7 @@ func (c *Checker) remove(b *backend, now time.Time) {
 	if b.inflight != nil {
 		b.inflight()
 	}
+	b.closeKept()
 	c.leave(b)
 	c.unqueue(b)
 	if b.ejectIdx >= 0 {
@@ -291,6 +313,14 @@ func (c *Checker) remove(b *backend, now time.Time) {
 func (c *Checker) retarget(b *backend) {
 	b.gen++
 	b.passes, b.fails = 0, 0
+	b.closeKept()
+}
+
+func (b *backend) closeKept() {
+	if b.keep != nil {
+		b.keep.conn.Close()
+		b.keep = nil
+	}
 }
 
 func (c *Checker) join(b *backend) {
@@ -320,7 +350,12 @@ func (c *Checker) queue(b *backend, at time.Time) {
 	} else {
 		heap.Push(&c.due, b)
 	}
-	c.poke()
+	// The scheduler sleeps until the head of the queue is due: only a new
+	// head can need it sooner. (Waking it for every check that completes
+	// cost a futex wakeup per check.)
+	if b.dueIdx == 0 {
+		c.poke()
+	}
 }
 
 func (c *Checker) unqueue(b *backend) {
@@ -466,7 +501,21 @@ func (c *Checker) Run(ctx context.Context) error {
 	}
 	sem := make(chan struct{}, limit)
 	var wg sync.WaitGroup
+	c.mu.Lock()
+	c.workers = newWorkers()
+	c.mu.Unlock()
+	defer c.closeKept()
+	defer func() {
+		c.mu.Lock()
+		w := c.workers
+		c.workers = nil
+		c.mu.Unlock()
+		w.close()
+	}()
 	defer wg.Wait()
+	// Before wg.Wait: closing ends the syn checks in flight, whose ends are
+	// not counted in wg.
+	defer c.closeSyn()
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 
@@ -476,7 +525,27 @@ func (c *Checker) Run(ctx context.Context) error {
 		var next time.Time
 		batch, next = c.takeDue(now, batch[:0])
 
+		var queued *synProber // holds SYNs to flush
 		for i, b := range batch {
+			if syn := c.synFor(b); syn != nil {
+				// A syn check holds a source port, not a slot: no goroutine,
+				// no file. Its SYN goes out with the batch's.
+				var port uint16
+				select {
+				case port = <-syn.free:
+				default:
+					syn.flush() // the queued checks hold ports too
+					select {
+					case port = <-syn.free:
+					case <-ctx.Done():
+						c.requeue(batch[i:], now)
+						return nil
+					}
+				}
+				c.startSyn(ctx, b, syn, port)
+				queued = syn
+				continue
+			}
 			select {
 			case sem <- struct{}{}:
 			case <-ctx.Done():
@@ -486,6 +555,9 @@ func (c *Checker) Run(ctx context.Context) error {
 			if !c.start(ctx, b, sem, &wg) {
 				<-sem
 			}
+		}
+		if queued != nil {
+			queued.flush()
 		}
 		if len(batch) > 0 {
 			continue
@@ -557,20 +629,79 @@ func (c *Checker) start(ctx context.Context, b *backend, sem chan struct{}, wg *
 		addr:      b.addr,
 		gen:       b.gen,
 		scheduled: b.dueAt,
+		method:    MethodConnect,
+		keep:      b.keep,
 	}
+	b.keep = nil
 	if p.dial == nil {
 		p.dial = p.dialer.DialContext
 	}
 	wg.Add(1)
-	// Exits when the check ends: its Timeout bounds it, and Remove or the end
+	// Ends when the check ends: its Timeout bounds it, and Remove or the end
 	// of Run cancel it sooner.
-	go func() {
+	c.workers.do(func() {
 		defer wg.Done()
 		defer func() { <-sem }()
 		defer cancel()
 		c.check(cctx, b, p)
-	}()
+	})
 	return true
+}
+
+// workers runs connect and HTTP checks on goroutines that live for the whole
+// Run, so that a check does not pay for a new goroutine and the growth of its
+// stack. The nil *workers starts a goroutine per check (runFake's tests).
+type workers struct {
+	jobs chan func()
+	wg   sync.WaitGroup
+}
+
+func newWorkers() *workers { return &workers{jobs: make(chan func())} }
+
+// do runs f on an idle worker, or a new one if none is idle. The in-flight
+// limit of Run bounds the number of workers.
+func (w *workers) do(f func()) {
+	if w == nil {
+		// Exits when f returns.
+		go f()
+		return
+	}
+	select {
+	case w.jobs <- f:
+		return
+	default:
+	}
+	w.wg.Add(1)
+	// Exits after workerIdle without a job, or when close closes w.jobs at
+	// the end of Run.
+	go func() {
+		defer w.wg.Done()
+		f()
+		idle := time.NewTimer(workerIdle)
+		defer idle.Stop()
+		for {
+			select {
+			case f, ok := <-w.jobs:
+				if !ok {
+					return
+				}
+				f()
+				idle.Reset(workerIdle)
+			case <-idle.C:
+				return
+			}
+		}
+	}()
+}
+
+// workerIdle is how long a worker waits for a job before it exits, so the
+// workers a burst needed (many black-holed backends at once) do not stay.
+const workerIdle = time.Second
+
+// close ends the idle workers and waits for them; every job must be done.
+func (w *workers) close() {
+	close(w.jobs)
+	w.wg.Wait()
 }
 
 // check runs one check of b and applies its result.
@@ -580,14 +711,27 @@ func (c *Checker) check(ctx context.Context, b *backend, p probe) {
 	tctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
 	err := p.run(tctx)
 	cancel()
+	c.complete(ctx, b, &p, start, err)
+}
+
+// complete applies the result of a check of b that started at start and
+// schedules the next one. ctx is the check's own (Remove cancels it) or Run's.
+func (c *Checker) complete(ctx context.Context, b *backend, p *probe, start time.Time, err error) {
 	end := c.now()
-	res := Result{ID: b.id, Service: p.service, Addr: p.addr,
+	res := Result{ID: b.id, Service: p.service, Addr: p.addr, Method: p.method,
 		Scheduled: p.scheduled, Start: start, Duration: end.Sub(start), Err: err}
 
 	c.mu.Lock()
-	stale := b.removed || b.gen != p.gen || ctx.Err() == context.Canceled
+	stale := b.removed || b.gen != p.gen || ctx.Err() == context.Canceled || errors.Is(err, errSynClosed)
 	if !stale {
 		c.record(b, res, end)
+	}
+	if p.keep != nil {
+		if stale || b.keep != nil || b.svc.cfg.Check.Kind != HTTP {
+			p.keep.conn.Close()
+		} else {
+			b.keep = p.keep
+		}
 	}
 	c.mu.Unlock()
 	if !stale && c.OnCheck != nil {
@@ -700,4 +844,121 @@ func (h *backendHeap[F]) Pop() any {
 	*h = old[:len(old)-1]
 	*f.index(b) = -1
 	return b
+}
+
+// synFor returns the syn prober that b's next check goes through, opening it
+// on the first call of a Run, or nil if b is checked otherwise (its method,
+// kind or host-name address) or the prober could not be opened. Only Run's
+// goroutine calls it, so the raw sockets and the port reservation belong to
+// the network namespace Run was called in.
+func (c *Checker) synFor(b *backend) *synProber {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	cfg := b.svc.cfg.Check
+	if b.removed || cfg.Kind != TCP || cfg.Method != MethodSyn || !b.ap.IsValid() {
+		return nil
+	}
+	if !c.synOpen {
+		c.synOpen = true
+		ports := c.synPorts()
+		if ports[0] == 0 || ports[0] > ports[1] {
+			c.syn, c.synErr = nil, fmt.Errorf("syn ports %d-%d: want 1 <= first <= last: %w", ports[0], ports[1], ErrInvalidConfig)
+		} else {
+			c.syn, c.synErr = openSyn(ports)
+		}
+	}
+	return c.syn
+}
+
+func (c *Checker) synPorts() [2]uint16 {
+	if c.SynPorts == ([2]uint16{}) {
+		return DefaultSynPorts
+	}
+	return c.SynPorts
+}
+
+// startSyn queues the SYN of b's check from port, if the check is still
+// wanted, for the prober's next flush; the answer, or the timeout, completes it.
+func (c *Checker) startSyn(ctx context.Context, b *backend, syn *synProber, port uint16) {
+	c.mu.Lock()
+	s := b.svc
+	if b.removed || b.dueIdx >= 0 || b.inflight != nil || s.cfg.Check.Kind == None {
+		c.mu.Unlock()
+		syn.free <- port
+		return
+	}
+	seq := newSeq()
+	b.inflight = func() { syn.drop(port, seq) }
+	p := &probe{service: s.name, cfg: s.cfg.Check, addr: b.addr, gen: b.gen, scheduled: b.dueAt, method: MethodSyn}
+	dst := b.ap
+	c.mu.Unlock()
+	start := c.now()
+	syn.queue(dst, p.cfg.Source, port, seq, p.cfg.Timeout, func(err error) { c.complete(ctx, b, p, start, err) })
+}
+
+// closeSyn closes the prober of the Run that ends, which ends its checks in
+// flight; their backends are queued again for the next Run.
+func (c *Checker) closeSyn() {
+	c.mu.Lock()
+	syn := c.syn
+	c.syn, c.synOpen = nil, false
+	c.mu.Unlock()
+	if syn != nil {
+		syn.close()
+	}
+}
+
+// closeKept closes every idle kept-alive HTTP check connection.
+func (c *Checker) closeKept() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, b := range c.backends {
+		b.closeKept()
+	}
+}
+
+// Method reports how the TCP checks of a service are made: MethodSyn, or
+// MethodConnect, with the reason when syn was asked for and the Checker could
+// not open its raw sockets. HTTP checks, and services with checks off, report
+// MethodConnect.
+func (c *Checker) Method(service string) (Method, error) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	s, ok := c.services[service]
+	if !ok {
+		return MethodConnect, fmt.Errorf("method of service %q: %w", service, ErrUnknownService)
+	}
+	if s.cfg.Check.Kind != TCP || s.cfg.Check.Method != MethodSyn {
+		return MethodConnect, nil
+	}
+	if c.synErr != nil {
+		return MethodConnect, fmt.Errorf("syn checks unavailable, connecting instead: %w", c.synErr)
+	}
+	return MethodSyn, nil
+}
+
+// SynStatus describes the raw sockets of syn checks.
+type SynStatus struct {
+	// Open: the running Run has its raw sockets (it opens them when the
+	// first syn check is due). Err says why they could not be opened.
+	Open bool
+	Err  error
+	// Ports is the source port range; Excluded counts its ports left out
+	// because a local socket held them when Run opened the sockets.
+	Ports    [2]uint16
+	Excluded int
+	// ReserveErr says why the range could not be added to
+	// ip_local_reserved_ports (nil: it is reserved, by Run or before).
+	ReserveErr error
+}
+
+// Syn reports the state of syn checks' raw sockets.
+func (c *Checker) Syn() SynStatus {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	st := SynStatus{Open: c.syn != nil, Err: c.synErr, Ports: c.synPorts()}
+	if c.syn != nil {
+		st.Excluded, st.ReserveErr = c.syn.excludedPorts(), c.syn.reserveError()
+	}
+	return st
 }

@@ -42,6 +42,36 @@ const (
 	None Kind = "none"
 )
 
+// Method is how a TCP check tests a backend.
+type Method uint8
+
+// The methods of a TCP check. HTTP checks always connect.
+const (
+	// MethodConnect opens a full TCP connection and closes it. The zero value.
+	MethodConnect Method = iota
+	// MethodSyn sends a crafted SYN from one raw socket the Checker shares
+	// among all checks and takes a SYN-ACK for up and an RST or a timeout for
+	// down; the checker's kernel resets the half-open connection. No socket,
+	// file descriptor or goroutine per check, and the backend's application
+	// never sees the check: like a connect, it tests the kernel's listening
+	// socket. It needs CAP_NET_RAW; a Checker that cannot open its raw
+	// sockets checks by connect instead (see Checker.Method).
+	MethodSyn
+)
+
+func (m Method) String() string {
+	switch m {
+	case MethodConnect:
+		return "connect"
+	case MethodSyn:
+		return "syn"
+	}
+	return fmt.Sprintf("Method(%d)", uint8(m))
+}
+
+// MarshalText makes methods read as words in JSON and logs.
+func (m Method) MarshalText() ([]byte, error) { return []byte(m.String()), nil }
+
 // Config is what a service says about the health of its backends.
 type Config struct {
 	Check   Check
@@ -59,6 +89,9 @@ type Config struct {
 // Check configures the active checks of a service's backends.
 type Check struct {
 	Kind Kind
+	// Method is how TCP checks are made; HTTP checks connect, and reject
+	// MethodSyn.
+	Method Method
 	// Interval between the starts of two checks of one backend. 0 means DefaultInterval.
 	Interval time.Duration
 	// Timeout bounds one whole check (connect, and for HTTP the response).
@@ -82,8 +115,10 @@ type Check struct {
 	HTTP   HTTPCheck
 }
 
-// HTTPCheck configures HTTP checks. Every check is a fresh connection
-// (Connection: close), so a check tests what a new client would see.
+// HTTPCheck configures HTTP checks. The checker keeps one connection per
+// backend open and sends each check as a request on it, so a check costs a
+// request, not a handshake; a connection that fails (or that the server
+// closed while idle) is replaced by a new one within the same check.
 type HTTPCheck struct {
 	// Path is the request target. "" means DefaultPath.
 	Path string
@@ -159,6 +194,12 @@ func (cfg Config) withDefaults() (Config, error) {
 	case TCP, HTTP, None:
 	default:
 		bad("check.kind", "must be tcp, http or none, got %q", c.Kind)
+	}
+	switch {
+	case c.Method > MethodSyn:
+		bad("check.method", "must be connect or syn, got %v", c.Method)
+	case c.Method == MethodSyn && c.Kind == HTTP:
+		bad("check.method", "syn applies to tcp checks only, got kind %s", c.Kind)
 	}
 	if c.Interval < 0 {
 		bad("check.interval", "must be positive, got %v", c.Interval)

@@ -58,6 +58,8 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		want string
 	}{
 		{"kind", Config{Check: Check{Kind: "icmp"}}, `check.kind: must be tcp, http or none, got "icmp"`},
+		{"method", Config{Check: Check{Method: 7}}, `check.method: must be connect or syn, got Method(7)`},
+		{"method syn for http", Config{Check: Check{Kind: HTTP, Method: MethodSyn}}, `check.method: syn applies to tcp checks only, got kind http`},
 		{"interval", Config{Check: Check{Interval: -time.Second}}, "check.interval: must be positive, got -1s"},
 		{"rise", Config{Check: Check{Rise: -1}}, "check.rise: must be at least 1, got -1"},
 		{"jitter", Config{Check: Check{Jitter: 0.9}}, "check.jitter: must be 0..0.5, got 0.9"},

@@ -1,6 +1,7 @@
 // Package health decides which backends the data planes may send new flows to.
 //
-// A Checker runs active checks (a TCP connect or an HTTP GET) against every
+// A Checker runs active checks (a TCP connect, a half-open SYN through one
+// shared raw socket, or an HTTP GET on a kept-alive connection) against every
 // backend on a shared schedule with a bounded number of checks in flight, applies
 // rise/fall hysteresis, and folds in passive signals that the data planes report
 // with Observe (outlier ejection, as Envoy does it). Each backend belongs to a

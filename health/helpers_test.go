@@ -158,19 +158,20 @@ func waitChange(t *testing.T, sub *Subscription, id string, timeout time.Duratio
 // toggleListener is a TCP listener on a fixed 127.0.0.1 port that can be shut
 // and reopened, accepting and closing every connection while open.
 type toggleListener struct {
-	t    *testing.T
-	addr string
-	mu   sync.Mutex
-	ln   net.Listener
-	wg   sync.WaitGroup
+	t      *testing.T
+	addr   string
+	listen func(network, addr string) (net.Listener, error)
+	mu     sync.Mutex
+	ln     net.Listener
+	wg     sync.WaitGroup
 }
 
-func newToggleListener(t *testing.T) *toggleListener {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+func newToggleListener(t *testing.T, listen func(network, addr string) (net.Listener, error)) *toggleListener {
+	ln, err := listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := &toggleListener{t: t, addr: ln.Addr().String()}
+	l := &toggleListener{t: t, addr: ln.Addr().String(), listen: listen}
 	l.serve(ln)
 	t.Cleanup(func() { l.set(false) })
 	return l
@@ -197,7 +198,7 @@ func (l *toggleListener) set(open bool) {
 	defer l.mu.Unlock()
 	switch {
 	case open && l.ln == nil:
-		ln, err := net.Listen("tcp", l.addr)
+		ln, err := l.listen("tcp", l.addr)
 		if err != nil {
 			l.t.Errorf("reopen %s: %v", l.addr, err)
 			return
@@ -208,6 +209,22 @@ func (l *toggleListener) set(open bool) {
 		l.wg.Wait()
 		l.ln = nil
 	}
+}
+
+// checkEnv is where a test's backends listen and its Checker runs, for a
+// check method: the test's own namespace for connect checks, and for syn
+// checks a namespace of their own (on Linux), whose ip_local_reserved_ports
+// they may change.
+type checkEnv struct {
+	listen func(network, addr string) (net.Listener, error)
+	run    func(t *testing.T, c *Checker)
+}
+
+func newCheckEnv(t *testing.T, m Method) checkEnv {
+	if m == MethodSyn {
+		return synEnv(t)
+	}
+	return checkEnv{listen: net.Listen, run: run}
 }
 
 // isTimeout reports whether err is the Checker's timeout.

@@ -3,9 +3,11 @@ package health
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -28,7 +30,7 @@ func TestHTTPCheck(t *testing.T) {
 		{
 			name: "200 is up",
 			handler: func(w http.ResponseWriter, r *http.Request) {
-				if r.Host != "web.test" || r.URL.Path != "/healthz" || r.Header.Get("Connection") != "close" {
+				if r.Host != "web.test" || r.URL.Path != "/healthz" || r.Header.Get("Connection") != "" {
 					w.WriteHeader(http.StatusBadRequest)
 					fmt.Fprintf(w, "host %q path %q connection %q", r.Host, r.URL.Path, r.Header.Get("Connection"))
 					return
@@ -117,5 +119,48 @@ func TestHTTPCheck(t *testing.T) {
 				t.Errorf("reason: got %q; want %q", ch.Reason, tt.wantReason)
 			}
 		})
+	}
+}
+
+// TestHTTPKeepAlive: checks reuse one connection per backend, and a
+// connection the server closed is replaced within the same check, so no
+// check fails for it.
+func TestHTTPKeepAlive(t *testing.T) {
+	var conns atomic.Int32
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "ok") }))
+	srv.Config.ConnState = func(_ net.Conn, st http.ConnState) {
+		if st == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	defer srv.Close()
+	u, _ := url.Parse(srv.URL)
+
+	var checks, failed atomic.Int32
+	c := &Checker{OnCheck: func(r Result) {
+		checks.Add(1)
+		if r.Err != nil {
+			failed.Add(1)
+			t.Errorf("check: got %v; want a pass", r.Err)
+		}
+	}}
+	cfg := Config{Check: Check{Kind: HTTP, Interval: 20 * time.Millisecond, Timeout: time.Second, Initial: Up}}
+	if err := c.SetService("web", cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(Backend{ID: "b", Addr: u.Host, Service: "web"}); err != nil {
+		t.Fatal(err)
+	}
+	run(t, c)
+	waitUntil(t, 5*time.Second, "10 checks", func() (any, bool) { return checks.Load(), checks.Load() >= 10 })
+	if n := conns.Load(); n != 1 {
+		t.Errorf("connections for %d checks: got %d; want 1", checks.Load(), n)
+	}
+	srv.CloseClientConnections()
+	before := checks.Load()
+	waitUntil(t, 5*time.Second, "10 more checks", func() (any, bool) { return checks.Load(), checks.Load() >= before+10 })
+	if n := conns.Load(); n != 2 {
+		t.Errorf("connections after the server closed the first: got %d; want 2", n)
 	}
 }

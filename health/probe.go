@@ -24,12 +24,23 @@ type probe struct {
 	addr      string
 	gen       uint64
 	scheduled time.Time
+	method    Method
+	// keep is the backend's kept-alive HTTP connection: given to the check
+	// when it starts, handed back (or replaced, or nil) when it ends.
+	keep *keptConn
+}
+
+// keptConn is an HTTP check connection kept open between checks.
+type keptConn struct {
+	conn net.Conn
+	r    *bufio.Reader
 }
 
 func newDialer(cfg Check) *net.Dialer {
 	d := &net.Dialer{
-		// Check connections live for one exchange; keepalive probes would
-		// only cost setsockopt calls.
+		// TCP check connections live for one exchange and kept-alive HTTP
+		// ones see a request every interval: keepalive probes would only
+		// cost setsockopt calls.
 		KeepAlive: -1,
 	}
 	if cfg.Source.IsValid() {
@@ -39,19 +50,49 @@ func newDialer(cfg Check) *net.Dialer {
 }
 
 // run performs the check; nil means passed. ctx carries the check's timeout.
-func (p probe) run(ctx context.Context) error {
+func (p *probe) run(ctx context.Context) error {
+	if p.cfg.Kind == HTTP {
+		return p.runHTTP(ctx)
+	}
 	conn, err := p.dial(ctx, "tcp", p.addr)
 	if err != nil {
 		return p.fail(ctx, "connect", err)
 	}
-	if p.cfg.Kind != HTTP {
-		// Close right away: a FIN, so the backend sees an orderly close and
-		// keeps no half-open socket.
-		conn.Close()
-		return nil
-	}
-	err = p.http(ctx, conn)
+	// Close right away: a FIN, so the backend sees an orderly close and
+	// keeps no half-open socket.
 	conn.Close()
+	return nil
+}
+
+// runHTTP sends the check's request on the kept-alive connection, or on a new
+// one if there is none or the kept one fails before an answer (the server
+// may have closed it while idle), and leaves in p.keep the connection to
+// reuse next time, if any.
+func (p *probe) runHTTP(ctx context.Context) error {
+	if k := p.keep; k != nil {
+		p.keep = nil
+		reuse, err := p.http(ctx, k)
+		if reuse {
+			p.keep = k
+		} else {
+			k.conn.Close()
+		}
+		var te *timeoutError
+		if err == nil || errors.Is(err, ErrStatus) || errors.Is(err, ErrBody) || errors.As(err, &te) || ctx.Err() != nil {
+			return err // an answer, or no time left for a second try
+		}
+	}
+	conn, err := p.dial(ctx, "tcp", p.addr)
+	if err != nil {
+		return p.fail(ctx, "connect", err)
+	}
+	k := &keptConn{conn: conn, r: bufio.NewReaderSize(conn, 4096)}
+	reuse, err := p.http(ctx, k)
+	if reuse {
+		p.keep = k
+	} else {
+		conn.Close()
+	}
 	return err
 }
 
@@ -74,14 +115,20 @@ func (p probe) fail(ctx context.Context, op string, err error) error {
 	return fmt.Errorf("%s: %w", op, err)
 }
 
-// http sends one GET on conn and judges the response.
-func (p probe) http(ctx context.Context, conn net.Conn) error {
-	if dl, ok := ctx.Deadline(); ok {
-		conn.SetDeadline(dl)
-	}
-	// Remove and the end of Run cancel ctx; unblock the read then too.
+// http sends one GET on k and judges the response. reuse reports whether the
+// response was read to its end on a connection the server keeps open, so the
+// next check can send its request on it.
+func (p *probe) http(ctx context.Context, k *keptConn) (reuse bool, err error) {
+	conn := k.conn
+	// ctx ends at the check's timeout, or sooner when Remove or the end of
+	// Run cancel it: unblock the write or read then. (No deadline is set
+	// otherwise, which spares a timer per check on a kept-alive connection.)
 	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
+	defer func() {
+		if !stop() {
+			reuse = false // the deadline is in the past now
+		}
+	}()
 
 	host := p.cfg.HTTP.Host
 	if host == "" {
@@ -91,33 +138,38 @@ func (p probe) http(ctx context.Context, conn net.Conn) error {
 		}
 	}
 	req := "GET " + p.cfg.HTTP.Path + " HTTP/1.1\r\nHost: " + host +
-		"\r\nUser-Agent: weir-health\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+		"\r\nUser-Agent: weir-health\r\nAccept: */*\r\n\r\n"
 	if _, err := io.WriteString(conn, req); err != nil {
-		return p.fail(ctx, "http", err)
+		return false, p.fail(ctx, "http", err)
 	}
-	resp, err := http.ReadResponse(bufio.NewReaderSize(conn, 4096), nil)
+	resp, err := http.ReadResponse(k.r, nil)
 	if err != nil {
-		return p.fail(ctx, "http", err)
+		return false, p.fail(ctx, "http", err)
 	}
 	defer resp.Body.Close()
+	// Read the body to its end (the marker is searched in the first
+	// DefaultMaxBody bytes); one longer than that is not worth reading to
+	// keep the connection.
+	body, err := io.ReadAll(io.LimitReader(resp.Body, DefaultMaxBody+1))
+	if err != nil {
+		return false, p.fail(ctx, "http body", err)
+	}
+	reuse = !resp.Close && len(body) <= DefaultMaxBody && k.r.Buffered() == 0
 	ok := false
 	for _, r := range p.cfg.HTTP.Status {
 		ok = ok || r.contains(resp.StatusCode)
 	}
 	if !ok {
-		return &statusError{code: resp.StatusCode}
+		return reuse, &statusError{code: resp.StatusCode}
 	}
 	if p.cfg.HTTP.Body == "" {
-		return nil
+		return reuse, nil
 	}
-	body, err := io.ReadAll(io.LimitReader(resp.Body, DefaultMaxBody))
-	if err != nil {
-		return p.fail(ctx, "http body", err)
-	}
+	body = body[:min(len(body), DefaultMaxBody)]
 	if !bytes.Contains(body, []byte(p.cfg.HTTP.Body)) {
-		return &bodyError{want: p.cfg.HTTP.Body, read: len(body)}
+		return reuse, &bodyError{want: p.cfg.HTTP.Body, read: len(body)}
 	}
-	return nil
+	return reuse, nil
 }
 
 type timeoutError struct {

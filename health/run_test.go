@@ -296,7 +296,7 @@ func TestSubscriptionCoalesces(t *testing.T) {
 // TestMoveBackendBetweenServices moves a backend from a service without active
 // checks to one with them: it must start being checked.
 func TestMoveBackendBetweenServices(t *testing.T) {
-	ln := newToggleListener(t)
+	ln := newToggleListener(t, net.Listen)
 	ln.set(false) // refused from now on
 	c := &Checker{}
 	if err := c.SetService("passive", Config{Check: Check{Kind: None}}); err != nil {

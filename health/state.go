@@ -102,6 +102,9 @@ type Backend struct {
 // Result is the outcome of one active check.
 type Result struct {
 	ID, Service, Addr string
+	// Method is how the check was made: MethodSyn, or MethodConnect for
+	// connect and HTTP checks.
+	Method Method
 	// Scheduled is when the check was due, Start when it began; the
 	// difference is the scheduling lag.
 	Scheduled, Start time.Time

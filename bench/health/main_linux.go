@@ -1,16 +1,26 @@
-// Command health benchmarks the health checker at scale: N TCP backends (one
-// wildcard listener in a separate process answers N distinct 127.x.y.z
-// addresses) checked every interval for a while, reporting the checker's CPU,
-// memory and the p99 lag between a check's scheduled and actual start, beside a
-// bare dial-and-close loop at the same rate as the baseline.
+// Command health benchmarks the health checker at scale: N backends (one
+// wildcard TCP listener and one HTTP server in a process of their own, in a
+// network namespace of their own, answering N distinct 10.x.y.z addresses
+// routed to them over a veth pair) checked every interval, for each check
+// method, beside two baselines at the same rate: a bare connect-and-close
+// loop, and a bare raw-socket SYN loop.
 //
-//	go run ./bench/health                      # 10,000 backends, 1s, 30s
-//	go run ./bench/health -duration 5s         # a quick run
+//	go run ./bench/health                                    # 10,000 backends, 1s, 3 repeats of 15s
+//	go run ./bench/health -backends 100000 -interval 10s     # 100,000 backends at 10s
+//	go run ./bench/health -phases syn,syn-loop -repeat 1     # a quick look
 //
-// It runs in a network namespace of its own (root needed; -netns=false runs in
-// the current one), so the hundreds of thousands of TIME_WAIT sockets it leaves
-// vanish with it and nothing it does touches the host's network. Every process
-// it starts dies with it.
+// The figure for each phase is the CPU of the checker's process alone (user +
+// system from /proc/self/stat). Beside it, as separate columns: the backend
+// process's CPU, the CPU of the two veth devices' threaded NAPI kthreads (the
+// receive softirq work of both ends, which would otherwise run in whichever
+// process sent the packet and be charged to it, since this kernel has no
+// CONFIG_IRQ_TIME_ACCOUNTING), the machine-wide softirq time and the machine's
+// whole load (to see whether it was oversubscribed). Each figure is the median
+// of -repeat runs, the phases interleaved.
+//
+// Everything runs in network namespaces of its own (root needed), so nothing
+// touches the host's network and the TIME_WAIT sockets vanish with them. Every
+// process it starts dies with it.
 package main
 
 import (
@@ -20,22 +30,18 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"os/signal"
 	"runtime"
-	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/weir-lb/weir/health"
 )
 
 const roleEnv = "WEIR_HEALTHBENCH_ROLE"
@@ -45,30 +51,37 @@ type options struct {
 	interval    time.Duration
 	timeout     time.Duration
 	duration    time.Duration
-	baseline    time.Duration
+	repeat      int
+	phases      []string
 	maxInFlight int
-	netns       bool
 	jsonOut     bool
 	cpuProfile  string
 }
 
+// The phases, in the order they run in each repeat.
+var allPhases = []string{"syn", "connect", "http", "connect-loop", "syn-loop"}
+
 func main() {
 	var o options
-	flag.IntVar(&o.backends, "backends", 10000, "number of backends (distinct 127.x.y.z addresses)")
+	var phases string
+	flag.IntVar(&o.backends, "backends", 10000, "number of backends (distinct 10.x.y.z addresses)")
 	flag.DurationVar(&o.interval, "interval", time.Second, "check interval")
 	flag.DurationVar(&o.timeout, "timeout", time.Second, "check timeout")
-	flag.DurationVar(&o.duration, "duration", envDuration("WEIR_HEALTHBENCH_DURATION", 30*time.Second), "measured run of the checker (env WEIR_HEALTHBENCH_DURATION)")
-	flag.DurationVar(&o.baseline, "baseline", 0, "measured run of the bare dial loop (0: a third of -duration; negative: skip)")
+	flag.DurationVar(&o.duration, "duration", envDuration("WEIR_HEALTHBENCH_DURATION", 15*time.Second), "measured run of each phase (env WEIR_HEALTHBENCH_DURATION)")
+	flag.IntVar(&o.repeat, "repeat", 3, "runs of each phase; figures are medians")
+	flag.StringVar(&phases, "phases", strings.Join(allPhases, ","), "phases to run: "+strings.Join(allPhases, ", "))
 	flag.IntVar(&o.maxInFlight, "max-in-flight", 0, "Checker.MaxInFlight (0: the default)")
-	flag.BoolVar(&o.netns, "netns", true, "run in a network namespace of its own (needs root)")
 	flag.BoolVar(&o.jsonOut, "json", false, "print the report as JSON")
-	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the checker's measured run to this file")
+	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the last checker phase to this file")
 	flag.Parse()
-	if o.baseline == 0 {
-		o.baseline = o.duration / 3
+	for _, p := range strings.Split(phases, ",") {
+		if !slices.Contains(allPhases, p) {
+			fail(fmt.Errorf("-phases: unknown phase %q; want some of %s", p, strings.Join(allPhases, ", ")))
+		}
+		o.phases = append(o.phases, p)
 	}
-	if o.backends < 1 || o.backends > 250*250*200 || o.duration <= 0 || o.interval <= 0 {
-		fail(errors.New("need 1..12,500,000 backends and positive -duration and -interval"))
+	if o.backends < 1 || o.backends > 250*250*250 || o.duration <= 0 || o.interval <= 0 || o.repeat < 1 {
+		fail(errors.New("need 1..15,625,000 backends, positive -duration and -interval, and -repeat >= 1"))
 	}
 
 	var err error
@@ -99,8 +112,9 @@ func envDuration(name string, def time.Duration) time.Duration {
 	return def
 }
 
-// child starts this program again in role, dying with its parent.
-func child(role string, newNet bool) (*exec.Cmd, error) {
+// child starts this program again in role, in a network namespace of its own,
+// dying with its parent.
+func child(role string, flags uintptr) (*exec.Cmd, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, fmt.Errorf("find own executable: %w", err)
@@ -108,25 +122,19 @@ func child(role string, newNet bool) (*exec.Cmd, error) {
 	cmd := exec.Command(exe, os.Args[1:]...)
 	cmd.Env = append(os.Environ(), roleEnv+"="+role)
 	cmd.Stderr = os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if newNet {
-		cmd.SysProcAttr.Cloneflags = syscall.CLONE_NEWNET
-	}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Cloneflags: syscall.CLONE_NEWNET | flags}
 	return cmd, nil
 }
 
-// parent runs the runner, in a fresh network namespace unless told otherwise.
+// parent runs the runner in fresh network and mount namespaces.
 func parent(o options) error {
-	cmd, err := child("runner", o.netns)
+	cmd, err := child("runner", syscall.CLONE_NEWNS)
 	if err != nil {
 		return err
 	}
 	cmd.Stdout = os.Stdout
 	if err := cmd.Start(); err != nil {
-		if o.netns {
-			return fmt.Errorf("start runner in a new network namespace: %w (run as root, or pass -netns=false)", err)
-		}
-		return fmt.Errorf("start runner: %w", err)
+		return fmt.Errorf("start runner in new network namespace: %w (run as root)", err)
 	}
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
@@ -144,68 +152,43 @@ func parent(o options) error {
 	}
 }
 
-// listener accepts and closes connections on a wildcard port until its stdin
-// closes, then reports its CPU use.
-func listener() error {
-	ln, err := net.Listen("tcp4", "0.0.0.0:0")
-	if err != nil {
-		return fmt.Errorf("listen: %w", err)
-	}
-	fmt.Println(ln.Addr().(*net.TCPAddr).Port)
-	var wg sync.WaitGroup
-	for range 2 {
-		wg.Add(1)
-		// Exits when ln is closed below.
-		go func() {
-			defer wg.Done()
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				c.Close()
-			}
-		}()
-	}
-	bufio.NewReader(os.Stdin).ReadString('\n') // EOF when the runner is done
-	ln.Close()
-	wg.Wait()
-	return nil
-}
-
-// report is what one run measured.
-type report struct {
+// result is what one phase measured once, or the medians of its repeats.
+type result struct {
 	Phase        string  `json:"phase"`
+	Method       string  `json:"method,omitempty"` // as the checker reports it in effect
 	Backends     int     `json:"backends"`
 	Interval     string  `json:"interval"`
 	Seconds      float64 `json:"seconds"`
-	Checks       int64   `json:"checks"`
-	Failed       int64   `json:"failed"`
+	Checks       float64 `json:"checks"`
+	Failed       float64 `json:"failed"`
 	ChecksPerSec float64 `json:"checks_per_sec"`
-	CPUPercent   float64 `json:"cpu_percent_of_one_core"`
-	UserPercent  float64 `json:"user_percent"`
-	SysPercent   float64 `json:"sys_percent"`
-	CPUPerCheck  string  `json:"cpu_per_check"`
-	LagP50       string  `json:"lag_p50,omitempty"`
-	LagP99       string  `json:"lag_p99,omitempty"`
-	LagMax       string  `json:"lag_max,omitempty"`
-	HeapInuseMiB float64 `json:"heap_inuse_mib,omitempty"`
-	RSSMiB       float64 `json:"rss_mib,omitempty"`
-	PeakRSSMiB   float64 `json:"peak_rss_mib,omitempty"`
-	Goroutines   int     `json:"goroutines,omitempty"`
+	// Percent of one core over the measured run.
+	CheckerCPU  float64 `json:"checker_cpu_percent"`
+	CheckerUser float64 `json:"checker_user_percent"`
+	CheckerSys  float64 `json:"checker_sys_percent"`
+	CPUPerCheck float64 `json:"checker_cpu_per_check_us"`
+	ListenerCPU float64 `json:"listener_cpu_percent"`
+	NAPICPU     float64 `json:"veth_napi_cpu_percent"`
+	SoftirqCPU  float64 `json:"machine_softirq_percent"`
+	MachineCPU  float64 `json:"machine_busy_percent"`
+	// VethDrops counts the packets the veth pair dropped (its rings hold 256
+	// packets; a NAPI kthread that does not get a CPU in time loses some).
+	VethDrops  float64 `json:"veth_drops"`
+	LagP50     float64 `json:"lag_p50_ms,omitempty"`
+	LagP99     float64 `json:"lag_p99_ms,omitempty"`
+	LagMax     float64 `json:"lag_max_ms,omitempty"`
+	HeapInuse  float64 `json:"heap_inuse_mib,omitempty"`
+	RSS        float64 `json:"rss_mib,omitempty"`
+	Goroutines float64 `json:"goroutines,omitempty"`
 }
 
-// runner starts the listener, runs the checker and then the baseline, and
-// prints the report.
+// runner sets up the backends' namespace, runs every phase -repeat times and
+// prints the medians.
 func runner(o options) error {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*(o.duration+max(o.baseline, 0))+time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(o.repeat*len(o.phases))*(o.duration+2*o.interval+5*time.Second)+time.Minute)
 	defer cancel()
-	if o.netns {
-		if err := setLinkUp("lo"); err != nil {
-			return err
-		}
-	}
-	lcmd, err := child("listener", false)
+	raiseFileLimit()
+	lcmd, err := child("listener", 0)
 	if err != nil {
 		return err
 	}
@@ -227,301 +210,237 @@ func runner(o options) error {
 	defer stopListener()
 	line, err := bufio.NewReader(out).ReadString('\n')
 	if err != nil {
-		return fmt.Errorf("read listener port: %w", err)
+		return fmt.Errorf("read listener ports: %w", err)
 	}
-	port, err := strconv.Atoi(strings.TrimSpace(line))
-	if err != nil {
-		return fmt.Errorf("listener port %q: %w", line, err)
+	var tcpPort, httpPort uint16
+	if _, err := fmt.Sscan(line, &tcpPort, &httpPort); err != nil {
+		return fmt.Errorf("listener ports %q: %w", line, err)
 	}
-
-	addrs := make([]string, o.backends)
-	for i := range addrs {
-		// 127.1.0.1 upwards, never a .0 or .255 octet.
-		addrs[i] = fmt.Sprintf("127.%d.%d.%d:%d", 1+i/(250*250), i/250%250+1, i%250+1, port)
-	}
-
-	var reports []report
-	r, err := runChecker(ctx, o, addrs)
+	topo, err := setupNet(lcmd.Process.Pid)
 	if err != nil {
 		return err
 	}
-	reports = append(reports, r)
-	if o.baseline > 0 {
-		r, err := runBaseline(ctx, o, addrs)
-		if err != nil {
-			return err
-		}
-		reports = append(reports, r)
+
+	addrs := make([]netip.Addr, o.backends)
+	for i := range addrs {
+		// 10.1.1.1 upwards, never a .0 or .255 octet.
+		addrs[i] = netip.AddrFrom4([4]byte{10, byte(1 + i/(250*250)), byte(i/250%250 + 1), byte(i%250 + 1)})
 	}
-	stopListener()
-	if u, ok := lcmd.ProcessState.SysUsage().(*syscall.Rusage); ok {
-		wall := reports[0].Seconds
-		for _, r := range reports[1:] {
-			wall += r.Seconds + o.interval.Seconds()
+	env := &phaseEnv{o: o, addrs: addrs, tcpPort: tcpPort, httpPort: httpPort, topo: topo, listenerPid: lcmd.Process.Pid}
+	runs := map[string][]result{}
+	for rep := range o.repeat {
+		for _, ph := range o.phases {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			env.profile = o.cpuProfile != "" && rep == o.repeat-1
+			r, err := env.run(ctx, ph)
+			if err != nil {
+				return fmt.Errorf("phase %s: %w", ph, err)
+			}
+			fmt.Fprintf(os.Stderr, "bench/health: run %d/%d %-12s checker %5.1f%% of a core, %6.0f checks/s, %5.0f failed, %4.0f veth drops, lag p99 %.1fms, machine %3.0f%%\n",
+				rep+1, o.repeat, ph, r.CheckerCPU, r.ChecksPerSec, r.Failed, r.VethDrops, r.LagP99, r.MachineCPU)
+			runs[ph] = append(runs[ph], r)
+			time.Sleep(time.Second) // let the last answers and TIME_WAITs settle
 		}
-		user, sys := tv(u.Utime), tv(u.Stime)
-		reports = append(reports, report{Phase: "listener (backend side, whole run)", Backends: o.backends,
-			Interval: o.interval.String(), Seconds: wall,
-			CPUPercent: 100 * (user + sys) / wall, UserPercent: 100 * user / wall, SysPercent: 100 * sys / wall,
-			PeakRSSMiB: float64(u.Maxrss) / 1024})
+	}
+	var results []result
+	for _, ph := range o.phases {
+		results = append(results, medians(runs[ph]))
 	}
 	if o.jsonOut {
 		enc := json.NewEncoder(os.Stdout)
 		enc.SetIndent("", "  ")
-		return enc.Encode(reports)
+		return enc.Encode(results)
 	}
-	fmt.Printf("health checker: %d TCP backends, interval %v, timeout %v, %d CPUs, %s\n",
-		o.backends, o.interval, o.timeout, runtime.NumCPU(), runtime.Version())
-	for _, r := range reports {
-		fmt.Printf("\n%s (%.1fs measured)\n", r.Phase, r.Seconds)
-		fmt.Printf("  CPU          %.1f%% of one core (user %.1f%%, sys %.1f%%)\n", r.CPUPercent, r.UserPercent, r.SysPercent)
-		if r.Checks > 0 {
-			fmt.Printf("  checks       %d (%.0f/s), %d failed, %s CPU each\n", r.Checks, r.ChecksPerSec, r.Failed, r.CPUPerCheck)
-		}
-		if r.LagP99 != "" {
-			fmt.Printf("  start lag    p50 %s, p99 %s, max %s\n", r.LagP50, r.LagP99, r.LagMax)
-		}
-		if r.HeapInuseMiB > 0 {
-			fmt.Printf("  memory       heap in use %.1f MiB, RSS %.1f MiB, peak RSS %.1f MiB, %d goroutines\n",
-				r.HeapInuseMiB, r.RSSMiB, r.PeakRSSMiB, r.Goroutines)
-		} else if r.PeakRSSMiB > 0 {
-			fmt.Printf("  memory       peak RSS %.1f MiB\n", r.PeakRSSMiB)
-		}
-	}
+	printTable(o, results)
 	return nil
 }
 
-// lagHist counts scheduling lags in 50µs buckets up to 10s.
-type lagHist struct {
-	buckets [200000]atomic.Uint32
-	max     atomic.Int64
+var phaseNames = map[string]string{
+	"syn":          "checker, tcp, method syn",
+	"connect":      "checker, tcp, method connect",
+	"http":         "checker, http, kept-alive connections",
+	"connect-loop": "baseline: bare connect+close loop",
+	"syn-loop":     "baseline: bare raw SYN loop",
 }
 
-const lagBucket = 50 * time.Microsecond
-
-func (h *lagHist) add(d time.Duration) {
-	d = max(d, 0)
-	i := min(int(d/lagBucket), len(h.buckets)-1)
-	h.buckets[i].Add(1)
-	for m := h.max.Load(); int64(d) > m && !h.max.CompareAndSwap(m, int64(d)); m = h.max.Load() {
+func printTable(o options, rs []result) {
+	fmt.Printf("health checker: %d backends, interval %v, timeout %v, %d CPUs, %s; medians of %d runs of %v\n",
+		o.backends, o.interval, o.timeout, runtime.NumCPU(), runtime.Version(), o.repeat, o.duration)
+	fmt.Println("CPU in % of one core; checker = the checking process alone (user+sys); listener = the backends' process;")
+	fmt.Println("napi = the veths' receive kthreads; softirq and machine = the whole machine (other users included)")
+	fmt.Println()
+	fmt.Println("| phase | method | checks/s | failed | veth drops | checker CPU | user | sys | µs/check | listener | napi | softirq | machine | lag p50 | lag p99 | RSS MiB |")
+	fmt.Println("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+	for _, r := range rs {
+		lag50, lag99, rss := "-", "-", "-"
+		if r.LagP99 > 0 {
+			lag50, lag99 = fmt.Sprintf("%.1f ms", r.LagP50), fmt.Sprintf("%.1f ms", r.LagP99)
+		}
+		if r.RSS > 0 {
+			rss = fmt.Sprintf("%.0f", r.RSS)
+		}
+		method := r.Method
+		if method == "" {
+			method = "-"
+		}
+		fmt.Printf("| %s | %s | %.0f | %.0f | %.0f | %.1f %% | %.1f | %.1f | %.1f | %.1f %% | %.1f %% | %.1f %% | %.0f %% | %s | %s | %s |\n",
+			phaseNames[r.Phase], method, r.ChecksPerSec, r.Failed, r.VethDrops, r.CheckerCPU, r.CheckerUser, r.CheckerSys, r.CPUPerCheck,
+			r.ListenerCPU, r.NAPICPU, r.SoftirqCPU, r.MachineCPU, lag50, lag99, rss)
 	}
 }
 
-// quantile returns the upper edge of the bucket holding quantile q.
-func (h *lagHist) quantile(q float64) time.Duration {
-	var total uint64
-	for i := range h.buckets {
-		total += uint64(h.buckets[i].Load())
+// medians takes the median of every figure over rs independently.
+func medians(rs []result) result {
+	m := rs[0]
+	med := func(get func(r *result) *float64) {
+		var v []float64
+		for i := range rs {
+			v = append(v, *get(&rs[i]))
+		}
+		slices.Sort(v)
+		*get(&m) = v[len(v)/2]
 	}
-	want := uint64(q * float64(total))
-	var seen uint64
-	for i := range h.buckets {
-		seen += uint64(h.buckets[i].Load())
-		if seen > want {
-			return time.Duration(i+1) * lagBucket
+	for _, f := range []func(r *result) *float64{
+		func(r *result) *float64 { return &r.Seconds },
+		func(r *result) *float64 { return &r.Checks },
+		func(r *result) *float64 { return &r.Failed },
+		func(r *result) *float64 { return &r.ChecksPerSec },
+		func(r *result) *float64 { return &r.CheckerCPU },
+		func(r *result) *float64 { return &r.CheckerUser },
+		func(r *result) *float64 { return &r.CheckerSys },
+		func(r *result) *float64 { return &r.CPUPerCheck },
+		func(r *result) *float64 { return &r.ListenerCPU },
+		func(r *result) *float64 { return &r.NAPICPU },
+		func(r *result) *float64 { return &r.SoftirqCPU },
+		func(r *result) *float64 { return &r.MachineCPU },
+		func(r *result) *float64 { return &r.VethDrops },
+		func(r *result) *float64 { return &r.LagP50 },
+		func(r *result) *float64 { return &r.LagP99 },
+		func(r *result) *float64 { return &r.LagMax },
+		func(r *result) *float64 { return &r.HeapInuse },
+		func(r *result) *float64 { return &r.RSS },
+		func(r *result) *float64 { return &r.Goroutines },
+	} {
+		med(f)
+	}
+	return m
+}
+
+// raiseFileLimit lifts RLIMIT_NOFILE as far as it may go: kept-alive HTTP
+// checks hold one connection per backend. Without CAP_SYS_RESOURCE (in a
+// container, say) only the soft limit can rise, to the hard one.
+func raiseFileLimit() {
+	for _, n := range []uint64{1 << 20, 1 << 18} {
+		if unix.Setrlimit(unix.RLIMIT_NOFILE, &unix.Rlimit{Cur: n, Max: n}) == nil {
+			return
 		}
 	}
-	return time.Duration(len(h.buckets)) * lagBucket
+	var l unix.Rlimit
+	if unix.Getrlimit(unix.RLIMIT_NOFILE, &l) == nil {
+		l.Cur = l.Max
+		unix.Setrlimit(unix.RLIMIT_NOFILE, &l)
+	}
 }
 
-func runChecker(ctx context.Context, o options, addrs []string) (report, error) {
-	var (
-		measuring     atomic.Bool
-		checks, fails atomic.Int64
-		hist          = new(lagHist)
-	)
-	c := &health.Checker{
-		MaxInFlight: o.maxInFlight,
-		OnCheck: func(r health.Result) {
-			if !measuring.Load() {
-				return
+// cpuSample is the CPU time, in clock ticks, of what the benchmark charges.
+type cpuSample struct {
+	t              time.Time
+	user, sys      uint64 // this process
+	listener, napi uint64
+	softirq, busy  uint64 // the whole machine
+	drops          uint64 // packets the veth pair dropped, both directions
+}
+
+// clkTck is USER_HZ, the unit of /proc's CPU times; 100 on every Linux port
+// Go supports.
+const clkTck = 100
+
+func sample(listenerPid int, napi []int) cpuSample {
+	s := cpuSample{t: time.Now()}
+	s.user, s.sys = procTimes("self")
+	lu, ls := procTimes(strconv.Itoa(listenerPid))
+	s.listener = lu + ls
+	for _, pid := range napi {
+		u, sy := procTimes(strconv.Itoa(pid))
+		s.napi += u + sy
+	}
+	for _, f := range []string{"tx_dropped", "rx_dropped"} {
+		// hc0's tx_dropped counts what hc1 could not take, rx_dropped the reverse.
+		if b, err := os.ReadFile("/sys/class/net/hc0/statistics/" + f); err == nil {
+			n, _ := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+			s.drops += n
+		}
+	}
+	if b, err := os.ReadFile("/proc/stat"); err == nil {
+		line, _, _ := strings.Cut(string(b), "\n")
+		f := strings.Fields(line) // cpu user nice system idle iowait irq softirq steal ...
+		var total uint64
+		for i, v := range f[1:] {
+			n, _ := strconv.ParseUint(v, 10, 64)
+			if i == 3 || i == 4 || i >= 8 { // idle, iowait; guest time is in user already
+				continue
 			}
-			checks.Add(1)
-			if r.Err != nil {
-				fails.Add(1)
+			total += n
+			if i == 6 {
+				s.softirq = n
 			}
-			hist.add(r.Lag())
-		},
-	}
-	cfg := health.Config{Check: health.Check{Interval: o.interval, Timeout: o.timeout, Jitter: health.DefaultJitter, Initial: health.Up}}
-	if err := c.SetService("bench", cfg); err != nil {
-		return report{}, err
-	}
-	for _, a := range addrs {
-		if err := c.Set(health.Backend{ID: a, Service: "bench"}); err != nil {
-			return report{}, err
 		}
+		s.busy = total
 	}
-	rctx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	// Exits when halt cancels rctx, on every return path.
-	go func() { done <- c.Run(rctx) }()
-	halted := false
-	var runErr error
-	halt := func() error {
-		if !halted {
-			halted = true
-			stop()
-			runErr = <-done
-		}
-		return runErr
-	}
-	defer halt()
-
-	// The first interval spreads the first checks; measure after it.
-	time.Sleep(o.interval)
-	measuring.Store(true)
-	if o.cpuProfile != "" {
-		f, err := os.Create(o.cpuProfile)
-		if err != nil {
-			return report{}, err
-		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return report{}, err
-		}
-		defer pprof.StopCPUProfile()
-	}
-	u0, t0 := rusage(), time.Now()
-	var peakHeap uint64
-	ticker := time.NewTicker(time.Second)
-	for end := t0.Add(o.duration); time.Now().Before(end); {
-		select {
-		case <-ticker.C:
-			var ms runtime.MemStats
-			runtime.ReadMemStats(&ms)
-			peakHeap = max(peakHeap, ms.HeapInuse)
-		case <-ctx.Done():
-			ticker.Stop()
-			return report{}, ctx.Err()
-		}
-	}
-	ticker.Stop()
-	u1, t1 := rusage(), time.Now()
-	measuring.Store(false)
-	goroutines := runtime.NumGoroutine()
-	rss, peak := procRSS()
-	if err := halt(); err != nil {
-		return report{}, err
-	}
-
-	r := cpuReport("health.Checker", o, u0, u1, t1.Sub(t0), checks.Load(), fails.Load())
-	r.LagP50 = hist.quantile(0.50).String()
-	r.LagP99 = hist.quantile(0.99).String()
-	r.LagMax = time.Duration(hist.max.Load()).String()
-	r.HeapInuseMiB = float64(peakHeap) / (1 << 20)
-	r.RSSMiB, r.PeakRSSMiB = rss, peak
-	r.Goroutines = goroutines
-	return r, nil
+	return s
 }
 
-// runBaseline dials and closes every address once per interval with nothing
-// else: no state, no hysteresis, no heap. What the checker spends beyond it is
-// its own overhead; the rest is the kernel's price of a TCP connect.
-func runBaseline(ctx context.Context, o options, addrs []string) (report, error) {
-	time.Sleep(o.interval) // let the checker's connections drain
-	var checks, fails atomic.Int64
-	d := net.Dialer{KeepAlive: -1}
-	sem := make(chan struct{}, 1024)
-	var wg sync.WaitGroup
-	const tick = time.Millisecond
-	perTick := max(1, len(addrs)*int(tick)/int(o.interval))
-	ticker := time.NewTicker(tick)
-	defer ticker.Stop()
-	u0, t0 := rusage(), time.Now()
-	next := 0
-	for end := t0.Add(o.baseline); time.Now().Before(end); {
-		select {
-		case <-ticker.C:
-		case <-ctx.Done():
-			wg.Wait()
-			return report{}, ctx.Err()
-		}
-		for range perTick {
-			a := addrs[next%len(addrs)]
-			next++
-			sem <- struct{}{}
-			wg.Add(1)
-			// Exits when the dial ends, within the timeout.
-			go func() {
-				defer wg.Done()
-				defer func() { <-sem }()
-				cctx, cancel := context.WithTimeout(ctx, o.timeout)
-				defer cancel()
-				checks.Add(1)
-				conn, err := d.DialContext(cctx, "tcp", a)
-				if err != nil {
-					fails.Add(1)
-					return
-				}
-				conn.Close()
-			}()
-		}
-	}
-	wg.Wait()
-	u1, t1 := rusage(), time.Now()
-	return cpuReport("baseline: bare dial+close loop at the same rate", o, u0, u1, t1.Sub(t0), checks.Load(), fails.Load()), nil
-}
-
-func cpuReport(phase string, o options, u0, u1 syscall.Rusage, wall time.Duration, checks, fails int64) report {
-	user := tv(u1.Utime) - tv(u0.Utime)
-	sys := tv(u1.Stime) - tv(u0.Stime)
-	s := wall.Seconds()
-	r := report{Phase: phase, Backends: o.backends, Interval: o.interval.String(), Seconds: s,
-		Checks: checks, Failed: fails, ChecksPerSec: float64(checks) / s,
-		CPUPercent: 100 * (user + sys) / s, UserPercent: 100 * user / s, SysPercent: 100 * sys / s}
-	if checks > 0 {
-		r.CPUPerCheck = time.Duration((user + sys) / float64(checks) * 1e9).Round(100 * time.Nanosecond).String()
-	}
-	return r
-}
-
-func rusage() syscall.Rusage {
-	var u syscall.Rusage
-	syscall.Getrusage(syscall.RUSAGE_SELF, &u)
-	return u
-}
-
-func tv(t syscall.Timeval) float64 { return float64(t.Sec) + float64(t.Usec)/1e6 }
-
-// procRSS returns the current and peak resident set in MiB.
-func procRSS() (rss, peak float64) {
-	b, err := os.ReadFile("/proc/self/status")
+// procTimes reads utime and stime of /proc/<pid>/stat.
+func procTimes(pid string) (user, sys uint64) {
+	b, err := os.ReadFile("/proc/" + pid + "/stat")
 	if err != nil {
 		return 0, 0
 	}
-	for _, line := range strings.Split(string(b), "\n") {
-		f := strings.Fields(line)
-		if len(f) < 2 {
-			continue
-		}
-		kb, _ := strconv.ParseFloat(f[1], 64)
-		switch f[0] {
-		case "VmRSS:":
-			rss = kb / 1024
-		case "VmHWM:":
-			peak = kb / 1024
-		}
+	s := string(b)
+	// The command name is in parentheses and may hold spaces; fields follow.
+	if i := strings.LastIndexByte(s, ')'); i >= 0 {
+		s = s[i+1:]
 	}
-	return rss, peak
+	f := strings.Fields(s) // state is f[0]; utime and stime are fields 14 and 15 of the line
+	if len(f) < 13 {
+		return 0, 0
+	}
+	user, _ = strconv.ParseUint(f[11], 10, 64)
+	sys, _ = strconv.ParseUint(f[12], 10, 64)
+	return user, sys
 }
 
-func setLinkUp(name string) error {
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+// fill sets r's CPU columns from two samples.
+func (r *result) fill(a, b cpuSample, checks, failed int64) {
+	wall := b.t.Sub(a.t).Seconds()
+	pct := func(ticks uint64) float64 { return 100 * float64(ticks) / clkTck / wall }
+	r.Seconds = wall
+	r.Checks, r.Failed = float64(checks), float64(failed)
+	r.ChecksPerSec = float64(checks) / wall
+	r.CheckerUser, r.CheckerSys = pct(b.user-a.user), pct(b.sys-a.sys)
+	r.CheckerCPU = r.CheckerUser + r.CheckerSys
+	if checks > 0 {
+		r.CPUPerCheck = float64(b.user+b.sys-a.user-a.sys) / clkTck / float64(checks) * 1e6
+	}
+	r.ListenerCPU = pct(b.listener - a.listener)
+	r.NAPICPU = pct(b.napi - a.napi)
+	r.SoftirqCPU = pct(b.softirq - a.softirq)
+	r.MachineCPU = pct(b.busy - a.busy)
+	r.VethDrops = float64(b.drops - a.drops)
+}
+
+func procRSS() (rss float64) {
+	b, err := os.ReadFile("/proc/self/status")
 	if err != nil {
-		return fmt.Errorf("set %s up: %w", name, err)
+		return 0
 	}
-	defer unix.Close(fd)
-	ifr, err := unix.NewIfreq(name)
-	if err != nil {
-		return fmt.Errorf("set %s up: %w", name, err)
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) >= 2 && f[0] == "VmRSS:" {
+			kb, _ := strconv.ParseFloat(f[1], 64)
+			return kb / 1024
+		}
 	}
-	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
-		return fmt.Errorf("get %s flags: %w", name, err)
-	}
-	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
-	if err := unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr); err != nil {
-		return fmt.Errorf("set %s up: %w", name, err)
-	}
-	return nil
+	return 0
 }

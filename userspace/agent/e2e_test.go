@@ -349,6 +349,15 @@ func TestAgentXDP(t *testing.T) {
 	if !strings.Contains(table.String(), "service web  tcp/10.77.100.1:80  data plane xdp") {
 		t.Errorf("status table: got\n%s\nwant a line for service web on xdp", table.String())
 	}
+	for _, s := range st.Services {
+		want := "syn" // tcp checks by root, who has CAP_NET_RAW: auto is syn
+		if s.Name == "web" {
+			want = "" // http checks
+		}
+		if s.HealthMethod != want {
+			t.Errorf("service %s: got health method %q; want %q", s.Name, s.HealthMethod, want)
+		}
+	}
 
 	t.Run("balanced", func(t *testing.T) {
 		got := spread(t, tp, tp.VIP4, 60)

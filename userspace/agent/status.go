@@ -50,6 +50,9 @@ func (a *Agent) Status() (api.Status, error) {
 		key := xdpplane.Key(&s.Config)
 		ss := api.ServiceStatus{Name: s.Name(), Key: key.String(), DataPlane: string(s.Plane), Why: s.Why,
 			Algorithm: string(s.Config.Algorithm), AllDown: s.AllDown, Note: s.Note}
+		if s.Config.Health.Type == config.CheckTCP {
+			ss.HealthMethod = a.healthMethodStatus(s.Name())
+		}
 		if s.Plane == plan.XDP {
 			ss.Mode = string(s.Config.Mode)
 			c := stats.Services[key]

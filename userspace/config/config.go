@@ -39,6 +39,7 @@ const (
 	DefaultAllDown        = AllDownDrop
 	DefaultDrainTimeout   = 30 * time.Second
 	DefaultHealthType     = CheckTCP
+	DefaultHealthMethod   = MethodAuto
 	DefaultInterval       = 2 * time.Second
 	DefaultTimeout        = time.Second
 	DefaultRise           = 2
@@ -157,6 +158,17 @@ const (
 	CheckTCP  CheckType = "tcp"
 	CheckHTTP CheckType = "http"
 	CheckNone CheckType = "none"
+)
+
+// CheckMethod is how tcp checks test a backend.
+type CheckMethod string
+
+// Check methods. The agent resolves auto: syn when it has CAP_NET_RAW,
+// connect otherwise.
+const (
+	MethodAuto    CheckMethod = "auto"
+	MethodSyn     CheckMethod = "syn"     // half-open: a SYN from a raw socket, the kernel resets
+	MethodConnect CheckMethod = "connect" // a full TCP connect and close
 )
 
 // Initial is a backend's health state when it is first added.
@@ -285,7 +297,9 @@ func (s *Service) Key() string { return string(s.Protocol) + "/" + s.VIP.String(
 
 // Health is a service's active health check.
 type Health struct {
-	Type     CheckType
+	Type CheckType
+	// Method is how tcp checks are made; http checks always connect.
+	Method   CheckMethod
 	Interval time.Duration
 	Timeout  time.Duration
 	Rise     int

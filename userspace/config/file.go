@@ -132,11 +132,14 @@ type fileService struct {
 
 // Health is a service's active health check.
 type fileHealth struct {
-	Type     CheckType `yaml:"type,omitempty"` // tcp, http or none; default tcp
-	Interval duration  `yaml:"interval,omitempty"`
-	Timeout  duration  `yaml:"timeout,omitempty"`
-	Rise     *int      `yaml:"rise,omitempty"` // default 2
-	Fall     *int      `yaml:"fall,omitempty"` // default 3
+	Type CheckType `yaml:"type,omitempty"` // tcp, http or none; default tcp
+	// Method of tcp checks: syn (half-open, needs CAP_NET_RAW), connect, or
+	// auto (default): syn when the agent has CAP_NET_RAW.
+	Method   CheckMethod `yaml:"method,omitempty"`
+	Interval duration    `yaml:"interval,omitempty"`
+	Timeout  duration    `yaml:"timeout,omitempty"`
+	Rise     *int        `yaml:"rise,omitempty"` // default 2
+	Fall     *int        `yaml:"fall,omitempty"` // default 3
 	// Jitter spreads checks over interval × (1 ± jitter); 0..0.5, default 0.1.
 	Jitter *float64 `yaml:"jitter,omitempty"`
 	// Initial is the state of a new backend: up, down or unknown. Default up,

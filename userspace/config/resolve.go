@@ -55,6 +55,7 @@ func (s *fileService) resolve() Service {
 		SlowStart:    s.SlowStart.D(),
 		Health: Health{
 			Type:         h.Type,
+			Method:       h.Method,
 			Interval:     h.Interval.D(),
 			Timeout:      h.Timeout.D(),
 			Rise:         *h.Rise,

@@ -77,6 +77,9 @@ func (s *fileService) defaults() {
 	if h.Type == "" {
 		h.Type = DefaultHealthType
 	}
+	if h.Method == "" {
+		h.Method = DefaultHealthMethod
+	}
 	if h.Interval == 0 {
 		h.Interval = duration(DefaultInterval)
 	}
@@ -451,6 +454,10 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 
 func (h *fileHealth) validate(c *checker, p string) {
 	typeOK := oneOf(c, p+".type", h.Type, CheckTCP, CheckHTTP, CheckNone)
+	if oneOf(c, p+".method", h.Method, MethodAuto, MethodSyn, MethodConnect) && typeOK &&
+		h.Method == MethodSyn && h.Type != CheckTCP {
+		c.bad(p+".method", "syn applies to tcp checks only, and type is %s", h.Type)
+	}
 	c.positive(p+".interval", h.Interval)
 	c.positive(p+".timeout", h.Timeout)
 	if *h.Rise < 1 {

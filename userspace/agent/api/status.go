@@ -68,10 +68,13 @@ type ServiceStatus struct {
 	Why       string `json:"why"`
 	Mode      string `json:"mode,omitempty"`
 	Algorithm string `json:"algorithm"`
-	AllDown   bool   `json:"all_down"`
-	Note      string `json:"note,omitempty"`
-	Packets   uint64 `json:"packets"`
-	Bytes     uint64 `json:"bytes"`
+	// HealthMethod is how tcp checks are made now: syn or connect, with the
+	// reason when syn was wanted but is not possible; empty for other checks.
+	HealthMethod string `json:"health_method,omitempty"`
+	AllDown      bool   `json:"all_down"`
+	Note         string `json:"note,omitempty"`
+	Packets      uint64 `json:"packets"`
+	Bytes        uint64 `json:"bytes"`
 	// XDP nat only: flows open now (opened and not yet seen to close).
 	ActiveFlows uint64 `json:"active_flows"`
 	// Proxy only.
@@ -148,7 +151,11 @@ func (st Status) WriteTable(w io.Writer) {
 		}
 	}
 	for _, s := range st.Services {
-		fmt.Fprintf(w, "\nservice %s  %s  data plane %s (%s)  algorithm %s\n", s.Name, s.Key, s.DataPlane, s.Why, s.Algorithm)
+		fmt.Fprintf(w, "\nservice %s  %s  data plane %s (%s)  algorithm %s", s.Name, s.Key, s.DataPlane, s.Why, s.Algorithm)
+		if s.HealthMethod != "" {
+			fmt.Fprintf(w, "  tcp checks %s", s.HealthMethod)
+		}
+		fmt.Fprintln(w)
 		if s.Note != "" {
 			fmt.Fprintf(w, "  %s\n", s.Note)
 		}

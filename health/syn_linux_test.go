@@ -1,0 +1,235 @@
+package health
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+)
+
+func synEnv(t *testing.T) checkEnv {
+	ns := newNetNS(t)
+	return checkEnv{
+		listen: func(network, addr string) (ln net.Listener, err error) {
+			err = ns.do(func() error { ln, err = net.Listen(network, addr); return err })
+			return ln, err
+		},
+		run: ns.run,
+	}
+}
+
+// start starts c.Run on a thread inside the namespace, so that its raw
+// sockets and its port reservation are the namespace's; stop ends it and
+// waits for it.
+func (n *netNS) start(t *testing.T, c *Checker) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	// Exits when stop cancels ctx; its thread stays locked, so the runtime
+	// discards it rather than reuse a thread in the namespace.
+	go func() {
+		runtime.LockOSThread()
+		h, err := netns.GetFromName(n.name)
+		if err == nil {
+			err = netns.Set(h)
+			h.Close()
+		}
+		if err != nil {
+			done <- fmt.Errorf("enter %s: %w", n.name, err)
+			return
+		}
+		done <- c.Run(ctx)
+	}()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("Run: got %v; want nil", err)
+			}
+		})
+	}
+}
+
+// run starts c.Run inside the namespace and stops it at the end of the test.
+func (n *netNS) run(t *testing.T, c *Checker) {
+	t.Helper()
+	t.Cleanup(n.start(t, c))
+}
+
+// readNS reads a file as a thread of the namespace sees it (/proc/sys/net
+// belongs to the reader's namespace).
+func (n *netNS) readNS(t *testing.T, name string) string {
+	t.Helper()
+	var b []byte
+	if err := n.do(func() (err error) { b, err = os.ReadFile(name); return err }); err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// TestSynChecks: syn checks of IPv4 and IPv6 backends pass without the
+// backend's application seeing a connection, a closed port fails at once with
+// the connect method's error, and Run reserves the source ports in its
+// namespace while it runs and restores the setting after.
+func TestSynChecks(t *testing.T) {
+	ns := newNetNS(t)
+	var accepted atomic.Int32
+	listen := func(addr string) string {
+		var ln net.Listener
+		if err := ns.do(func() (err error) { ln, err = net.Listen("tcp", addr); return err }); err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		wg.Add(1)
+		// Exits when the cleanup closes ln.
+		go func() {
+			defer wg.Done()
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				accepted.Add(1)
+				c.Close()
+			}
+		}()
+		t.Cleanup(func() { ln.Close(); wg.Wait() })
+		return ln.Addr().String()
+	}
+	up4, up6 := listen("127.0.0.1:0"), listen("[::1]:0")
+	// A port nothing listens on: its SYN is answered with an RST.
+	var closed string
+	if err := ns.do(func() error {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return err
+		}
+		closed = ln.Addr().String()
+		return ln.Close()
+	}); err != nil {
+		t.Fatal(err)
+	}
+	before := ns.readNS(t, reservedPortsFile)
+	// A socket that holds a port of the range before Run: the checks leave it out.
+	listen("127.0.0.1:62050")
+
+	var (
+		mu      sync.Mutex
+		results = map[string][]Result{}
+	)
+	c := &Checker{SynPorts: [2]uint16{62000, 62099}, OnCheck: func(r Result) {
+		mu.Lock()
+		defer mu.Unlock()
+		results[r.ID] = append(results[r.ID], r)
+	}}
+	cfg := Config{Check: Check{Method: MethodSyn, Interval: 20 * time.Millisecond, Timeout: 500 * time.Millisecond, Rise: 1, Fall: 1}}
+	if err := c.SetService("web", cfg); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"up4", "up6", "closed"} {
+		addr := map[string]string{"up4": up4, "up6": up6, "closed": closed}[id]
+		if err := c.Set(Backend{ID: id, Addr: addr, Service: "web"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stop := ns.start(t, c)
+	defer stop()
+	waitUntil(t, 5*time.Second, "5 checks of each backend", func() (any, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		ok := true
+		for _, id := range []string{"up4", "up6", "closed"} {
+			ok = ok && len(results[id]) >= 5
+		}
+		return fmt.Sprint(len(results["up4"]), len(results["up6"]), len(results["closed"])), ok
+	})
+	if got := ns.readNS(t, reservedPortsFile); !strings.Contains(got, "62000-62099") {
+		t.Errorf("ip_local_reserved_ports while running: got %q; want it to hold 62000-62099", got)
+	}
+	if st := c.Syn(); !st.Open || st.Err != nil || st.ReserveErr != nil || st.Excluded != 1 {
+		t.Errorf("Syn: got %+v; want open, reserved, one port excluded", st)
+	}
+	stop()
+	if got := ns.readNS(t, reservedPortsFile); got != before {
+		t.Errorf("ip_local_reserved_ports after Run: got %q; want %q restored", got, before)
+	}
+
+	mu.Lock()
+	defer mu.Unlock()
+	for _, id := range []string{"up4", "up6"} {
+		for _, r := range results[id] {
+			if r.Err != nil || r.Method != MethodSyn {
+				t.Errorf("%s: got %v by %v; want a pass by syn", id, r.Err, r.Method)
+			}
+		}
+	}
+	for _, r := range results["closed"] {
+		// At once: an RST, not a timeout.
+		if r.Err == nil || r.Err.Error() != "connect: connection refused" || r.Duration > 100*time.Millisecond {
+			t.Errorf("closed: got %v after %v; want connect: connection refused at once", r.Err, r.Duration)
+		}
+	}
+	if n := accepted.Load(); n != 0 {
+		t.Errorf("connections the backends accepted: got %d; want 0 (the kernel resets the half-open ones)", n)
+	}
+}
+
+// TestSynRemoveInFlight: removing a backend whose SYN is unanswered frees its
+// source port at once and reports nothing for it.
+func TestSynRemoveInFlight(t *testing.T) {
+	ns := newNetNS(t)
+	hole := ns.listen(t, "127.0.0.1:0").Addr().String()
+	ns.dropSYN(t, netip.MustParseAddrPort(hole).Port())
+	var results atomic.Int32
+	c := &Checker{SynPorts: [2]uint16{62100, 62109}, OnCheck: func(Result) { results.Add(1) }}
+	if err := c.SetService("web", Config{Check: Check{Method: MethodSyn, Interval: 10 * time.Millisecond, Timeout: 5 * time.Second}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 10 {
+		if err := c.Set(Backend{ID: fmt.Sprint("hole", i), Addr: hole, Service: "web"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ns.run(t, c)
+	free := func() int {
+		c.mu.RLock()
+		defer c.mu.RUnlock()
+		if c.syn == nil {
+			return -1
+		}
+		return len(c.syn.free)
+	}
+	waitUntil(t, 5*time.Second, "all 10 ports in use", func() (any, bool) { return free(), free() == 0 })
+	for i := range 10 {
+		c.Remove(fmt.Sprint("hole", i))
+	}
+	if n := free(); n != 10 {
+		t.Errorf("free ports after Remove: got %d; want 10", n)
+	}
+	if n := results.Load(); n != 0 {
+		t.Errorf("results reported: got %d; want 0", n)
+	}
+}
+
+func TestPktInfo(t *testing.T) {
+	src4 := [4]byte{10, 0, 0, 1}
+	if got, want := pktInfo4(make([]byte, 64), src4), unix.PktInfo4(&unix.Inet4Pktinfo{Spec_dst: src4}); !bytes.Equal(got, want) {
+		t.Errorf("pktInfo4: got %x; want %x", got, want)
+	}
+	src6 := netip.MustParseAddr("fd00::1").As16()
+	if got, want := pktInfo6(make([]byte, 64), src6), unix.PktInfo6(&unix.Inet6Pktinfo{Addr: src6}); !bytes.Equal(got, want) {
+		t.Errorf("pktInfo6: got %x; want %x", got, want)
+	}
+}
