@@ -48,33 +48,6 @@ func (f *fakeClock) Set(t time.Time) {
 	f.now = t
 }
 
-// poll calls cond every few milliseconds until it reports true, and reports
-// whether it did before timeout.
-func poll(timeout time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-	return true
-}
-
-// waitUntil polls cond until it reports ok, or fails the test after timeout
-// with the last value cond got and what was wanted.
-func waitUntil(t *testing.T, timeout time.Duration, want string, cond func() (got any, ok bool)) {
-	t.Helper()
-	var got any
-	if !poll(timeout, func() bool {
-		var ok bool
-		got, ok = cond()
-		return ok
-	}) {
-		t.Fatalf("got %v; want %s (gave up after %v)", got, want, timeout)
-	}
-}
-
 // isRunning reports whether c.Run has started.
 func (c *Checker) isRunning() bool {
 	c.mu.RLock()

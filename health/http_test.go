@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 func TestHTTPCheck(t *testing.T) {
@@ -153,13 +155,13 @@ func TestHTTPKeepAlive(t *testing.T) {
 		t.Fatal(err)
 	}
 	run(t, c)
-	waitUntil(t, 5*time.Second, "10 checks", func() (any, bool) { return checks.Load(), checks.Load() >= 10 })
+	waitfor.Value(t, 5*time.Second, "10 checks", func() (any, bool) { return checks.Load(), checks.Load() >= 10 })
 	if n := conns.Load(); n != 1 {
 		t.Errorf("connections for %d checks: got %d; want 1", checks.Load(), n)
 	}
 	srv.CloseClientConnections()
 	before := checks.Load()
-	waitUntil(t, 5*time.Second, "10 more checks", func() (any, bool) { return checks.Load(), checks.Load() >= before+10 })
+	waitfor.Value(t, 5*time.Second, "10 more checks", func() (any, bool) { return checks.Load(), checks.Load() >= before+10 })
 	if n := conns.Load(); n != 2 {
 		t.Errorf("connections after the server closed the first: got %d; want 2", n)
 	}

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // TestRemoveInFlightLeaksNothing removes backends whose HTTP checks wait on a
@@ -41,7 +43,7 @@ func TestRemoveInFlightLeaksNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	run(t, c)
-	waitUntil(t, 5*time.Second, "Run started", func() (any, bool) { r := c.isRunning(); return r, r })
+	waitfor.Value(t, 5*time.Second, "Run started", func() (any, bool) { r := c.isRunning(); return r, r })
 	baseline := runtime.NumGoroutine()
 
 	const n = 50
@@ -68,7 +70,7 @@ func TestRemoveInFlightLeaksNothing(t *testing.T) {
 		}
 	}
 
-	if !poll(5*time.Second, func() bool { return runtime.NumGoroutine() <= baseline }) {
+	if !waitfor.Cond(5*time.Second, func() bool { return runtime.NumGoroutine() <= baseline }) {
 		got := runtime.NumGoroutine()
 		buf := make([]byte, 1<<16)
 		t.Fatalf("goroutines after removing every backend: got %d; want %d\n%s", got, baseline, buf[:runtime.Stack(buf, true)])
@@ -228,7 +230,7 @@ func TestReconfigureWhileRunning(t *testing.T) {
 		defer mu.Unlock()
 		return checks[id]
 	}
-	waitUntil(t, 5*time.Second, "b0 checked twice", func() (any, bool) { return count("b0"), count("b0") >= 2 })
+	waitfor.Value(t, 5*time.Second, "b0 checked twice", func() (any, bool) { return count("b0"), count("b0") >= 2 })
 
 	if err := c.SetService("a", Config{Check: Check{Interval: 10 * time.Millisecond}}); err != nil {
 		t.Fatal(err)
@@ -241,7 +243,7 @@ func TestReconfigureWhileRunning(t *testing.T) {
 	removedAt = time.Now()
 	mu.Unlock()
 	for _, id := range []string{"a1", "a2"} {
-		waitUntil(t, 5*time.Second, id+" checked 3 times", func() (any, bool) { return count(id), count(id) >= 3 })
+		waitfor.Value(t, 5*time.Second, id+" checked 3 times", func() (any, bool) { return count(id), count(id) >= 3 })
 	}
 	mu.Lock()
 	defer mu.Unlock()
@@ -311,7 +313,7 @@ func TestMoveBackendBetweenServices(t *testing.T) {
 	sub := c.Subscribe()
 	defer sub.Close()
 	run(t, c)
-	waitUntil(t, 5*time.Second, "Run started", func() (any, bool) { r := c.isRunning(); return r, r })
+	waitfor.Value(t, 5*time.Second, "Run started", func() (any, bool) { r := c.isRunning(); return r, r })
 	// Not waiting to see that no check comes: a backend without active checks
 	// is in no queue, so Run has nothing to start for it.
 	c.mu.RLock()

@@ -16,6 +16,8 @@ import (
 
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 func synEnv(t *testing.T) checkEnv {
@@ -146,7 +148,7 @@ func TestSynChecks(t *testing.T) {
 	}
 	stop := ns.start(t, c)
 	defer stop()
-	waitUntil(t, 5*time.Second, "5 checks of each backend", func() (any, bool) {
+	waitfor.Value(t, 5*time.Second, "5 checks of each backend", func() (any, bool) {
 		mu.Lock()
 		defer mu.Unlock()
 		ok := true
@@ -211,7 +213,7 @@ func TestSynRemoveInFlight(t *testing.T) {
 		}
 		return len(c.syn.free)
 	}
-	waitUntil(t, 5*time.Second, "all 10 ports in use", func() (any, bool) { return free(), free() == 0 })
+	waitfor.Value(t, 5*time.Second, "all 10 ports in use", func() (any, bool) { return free(), free() == 0 })
 	for i := range 10 {
 		c.Remove(fmt.Sprint("hole", i))
 	}

@@ -21,6 +21,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -466,13 +467,9 @@ func (r *run) printRound(rd Round, service string) {
 		what = "proxy connects"
 	}
 	fmt.Fprintf(tw, "backend\taddress\tanswered\tshare\t%s\t\n", what)
-	names := make([]string, 0, len(rd.Answers)+len(rd.Counted))
 	seen := map[string]bool{}
 	for _, b := range r.backends {
-		if rd.Answers[b.Name] > 0 || rd.Counted[b.Name] > 0 || slicesContains(r.rep.Backends, b.Name) {
-			names = append(names, b.Name)
-			seen[b.Name] = true
-		}
+		seen[b.Name] = rd.Answers[b.Name] > 0 || rd.Counted[b.Name] > 0 || slices.Contains(r.rep.Backends, b.Name)
 	}
 	for _, b := range r.backends {
 		if !seen[b.Name] {
@@ -489,15 +486,6 @@ func (r *run) printRound(rd Round, service string) {
 	if len(rd.Failures) > 0 {
 		fmt.Fprintf(r.out, "first failure: %v\n", rd.Failures[0])
 	}
-}
-
-func slicesContains(s []string, v string) bool {
-	for _, x := range s {
-		if x == v {
-			return true
-		}
-	}
-	return false
 }
 
 // rounds: every XDP service with all backends up.

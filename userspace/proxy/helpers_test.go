@@ -13,6 +13,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // loopback0 is 127.0.0.1 port 0: a listener there gets a free port.
@@ -38,7 +40,7 @@ func startBackend(t *testing.T, name string, ap netip.AddrPort, handle func(name
 	var ln net.Listener
 	var err error
 	// A restarted backend's port may linger briefly.
-	if !poll(time.Second, func() bool { ln, err = net.Listen("tcp", addr); return err == nil }) {
+	if !waitfor.Cond(time.Second, func() bool { ln, err = net.Listen("tcp", addr); return err == nil }) {
 		t.Fatalf("backend %s: %v", name, err)
 	}
 	b := &testBackend{t: t, name: name, ln: ln, handle: handle, conns: map[net.Conn]struct{}{}}
@@ -188,34 +190,7 @@ func countFDs(t *testing.T) int {
 	return len(ents)
 }
 
-// poll calls cond every few milliseconds until it reports true, and reports
-// whether it did before timeout.
-func poll(timeout time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-	return true
-}
-
-// eventually polls cond until it reports ok, or fails the test after timeout
-// with the last value cond got and what was wanted.
-func eventually(t *testing.T, timeout time.Duration, want string, cond func() (got any, ok bool)) {
-	t.Helper()
-	var got any
-	if !poll(timeout, func() bool {
-		var ok bool
-		got, ok = cond()
-		return ok
-	}) {
-		t.Fatalf("got %v; want %s (gave up after %v)", got, want, timeout)
-	}
-}
-
-// active is the number of client connections s is handling, for eventually.
+// active is the number of client connections s is handling, for waitfor.Value.
 func active(s *Service, want int64) func() (any, bool) {
 	return func() (any, bool) {
 		n := s.Snapshot().Active
@@ -226,7 +201,7 @@ func active(s *Service, want int64) func() (any, bool) {
 // settle waits for goroutines to get back to at most base (+slack).
 func settle(t *testing.T, base, slack int) {
 	t.Helper()
-	if !poll(3*time.Second, func() bool { return runtime.NumGoroutine() <= base+slack }) {
+	if !waitfor.Cond(3*time.Second, func() bool { return runtime.NumGoroutine() <= base+slack }) {
 		buf := make([]byte, 1<<16)
 		n := runtime.Stack(buf, true)
 		t.Fatalf("goroutines: got %d; want <= %d\n%s", runtime.NumGoroutine(), base+slack, buf[:n])

@@ -13,6 +13,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 var crcTable = crc32.MakeTable(crc32.Castagnoli)
@@ -123,7 +125,7 @@ func TestTransferBothWaysByteExact(t *testing.T) {
 	}
 	t.Logf("%d MiB each way in %v (%.1f Gbit/s both ways), %d splice calls, %d bytes copied",
 		size>>20, elapsed, float64(2*size*8)/elapsed.Seconds()/1e9, after.Calls-before.Calls, copied)
-	eventually(t, 2*time.Second, "0 active connections", active(s, 0))
+	waitfor.Value(t, 2*time.Second, "0 active connections", active(s, 0))
 	snap := s.Snapshot()
 	if snap.BytesIn != uint64(size) || snap.BytesOut != uint64(size) {
 		t.Errorf("snapshot bytes: got in %d out %d; want %d each", snap.BytesIn, snap.BytesOut, size)
@@ -167,7 +169,7 @@ func TestManySmallTransfersConcurrently(t *testing.T) {
 	for err := range errc {
 		t.Error(err)
 	}
-	eventually(t, 2*time.Second, "0 active connections", active(s, 0))
+	waitfor.Value(t, 2*time.Second, "0 active connections", active(s, 0))
 	for _, ap := range []netip.AddrPort{a.addr(), b.addr()} {
 		if n := s.bal.InFlight(ap.String()); n != 0 {
 			t.Errorf("balancer in-flight for %s after all ended: got %d; want 0", ap, n)
@@ -347,7 +349,7 @@ func TestConnectTimeoutAndRetries(t *testing.T) {
 		}
 		c.Close()
 	}
-	eventually(t, 2*time.Second, "at least 9 outcomes", func() (any, bool) { return rec.list(), len(rec.list()) >= 9 })
+	waitfor.Value(t, 2*time.Second, "at least 9 outcomes", func() (any, bool) { return rec.list(), len(rec.list()) >= 9 })
 	counts := map[string]int{}
 	for _, o := range rec.list() {
 		counts[o]++
@@ -425,7 +427,7 @@ func TestBackendKilledMidStreamIsEjectedAndReturns(t *testing.T) {
 	}
 	// a returns; after the ejection time it gets connections again.
 	startBackend(t, "a", aAddr, hello)
-	eventually(t, 5*time.Second, "a no longer ejected", func() (any, bool) {
+	waitfor.Value(t, 5*time.Second, "a no longer ejected", func() (any, bool) {
 		ba := s.Snapshot().Backends[0]
 		return fmt.Sprintf("ejected %t", ba.Ejected), !ba.Ejected
 	})
@@ -467,14 +469,14 @@ func TestLeastConnAvoidsBackendWithLongConnections(t *testing.T) {
 	if long == 0 {
 		t.Fatal("no connection landed on a")
 	}
-	eventually(t, 2*time.Second, fmt.Sprintf("%d active connections (the long ones)", long), active(s, int64(long)))
+	waitfor.Value(t, 2*time.Second, fmt.Sprintf("%d active connections (the long ones)", long), active(s, int64(long)))
 	got := map[string]int{}
 	for range 60 {
 		c := dial(t, s)
 		name, _ := readLine(c)
 		got[name]++
 		c.Close()
-		eventually(t, time.Second, fmt.Sprintf("%d active connections (the long ones)", long), active(s, int64(long)))
+		waitfor.Value(t, time.Second, fmt.Sprintf("%d active connections (the long ones)", long), active(s, int64(long)))
 	}
 	t.Logf("a holds %d long connections; 60 new connections went %v", long, got)
 	if got["a"] != 0 || got["b"] < 10 || got["c"] < 10 {
@@ -642,7 +644,7 @@ func TestBackendResetAfterDataResetsClient(t *testing.T) {
 		}
 		c.Close()
 	}
-	eventually(t, 2*time.Second, "20 resets", func() (any, bool) {
+	waitfor.Value(t, 2*time.Second, "20 resets", func() (any, bool) {
 		r := s.Snapshot().Backends[0].Resets
 		return r, r == 20
 	})

@@ -15,6 +15,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 const helperEnv = "WEIR_PROXY_TEST_HELPER"
@@ -155,7 +157,7 @@ func TestManyConcurrentConnections(t *testing.T) {
 
 	fmt.Fprintln(stdin, "CLOSE")
 	expect("CLOSED")
-	eventually(t, 10*time.Second, "0 active connections", active(s, 0))
+	waitfor.Value(t, 10*time.Second, "0 active connections", active(s, 0))
 	cancel()
 	if err := <-served; err != nil {
 		t.Fatalf("serve: %v", err)
@@ -194,7 +196,7 @@ func TestGracefulShutdown(t *testing.T) {
 	}
 	cancel()
 	t0 := time.Now()
-	eventually(t, time.Second, "the listener closed", func() (any, bool) {
+	waitfor.Value(t, time.Second, "the listener closed", func() (any, bool) {
 		c, err := net.Dial("tcp", s.Addr().String())
 		if err == nil {
 			c.Close()
@@ -210,7 +212,7 @@ func TestGracefulShutdown(t *testing.T) {
 	}
 	short.Close()
 	// Serve waits on while the long connection is open.
-	eventually(t, 2*time.Second, "1 active connection (the long one)", active(s, 1))
+	waitfor.Value(t, 2*time.Second, "1 active connection (the long one)", active(s, 1))
 	select {
 	case err := <-served:
 		if early() {

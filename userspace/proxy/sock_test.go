@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 func noDelay(t *testing.T, fd int) int {
@@ -26,7 +28,7 @@ func acceptOne(t *testing.T, lfd int) (int, netip.AddrPort) {
 	var fd int
 	var src netip.AddrPort
 	var err error
-	if !poll(time.Second, func() bool {
+	if !waitfor.Cond(time.Second, func() bool {
 		fd, src, err = accept4Raw(lfd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
 		return err != unix.EAGAIN
 	}) || err != nil {
@@ -97,7 +99,7 @@ func TestStartDial(t *testing.T) {
 	if v := noDelay(t, fd); v == 0 {
 		t.Errorf("dialed socket TCP_NODELAY: got %d; want set", v)
 	}
-	if !poll(time.Second, func() bool { _, err := writeRaw(fd, []byte("hi")); return err == nil }) {
+	if !waitfor.Cond(time.Second, func() bool { _, err := writeRaw(fd, []byte("hi")); return err == nil }) {
 		t.Fatal("write to the dialed socket never succeeded")
 	}
 	buf := make([]byte, 2)
@@ -117,7 +119,7 @@ func TestStartDial(t *testing.T) {
 	}
 	defer unix.Close(fd2)
 	var soErr int
-	poll(time.Second, func() bool {
+	waitfor.Cond(time.Second, func() bool {
 		soErr, _ = unix.GetsockoptInt(fd2, unix.SOL_SOCKET, unix.SO_ERROR)
 		return soErr != 0
 	})
