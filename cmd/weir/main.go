@@ -9,6 +9,7 @@
 //	weir stop [--detach]                  stop the agent; --detach also removes its XDP program
 //	weir explain SERVICE CLIENT_IP:PORT   which backend a client's flow gets (XDP)
 //	weir reload                           re-read the config file (or send SIGHUP)
+//	weir node drain [--wait] | undrain    withdraw (or announce again) the node's BGP routes
 //	weir decap --interface IFACE          on a tunnel-mode backend: decapsulate weir's tunnel packets
 //	weir demo [--keep] | weir demo down   the agent on a namespaced demo topology
 //	weir version                          version, commit, build date, BPF object hash
@@ -52,6 +53,8 @@ usage:
   weir explain SERVICE CLIENT      which backend a new flow from CLIENT (ip:port) gets, and the
                                    backend an existing flow is pinned to (XDP services)
   weir reload                      re-read the config file; an invalid one changes nothing
+  weir node drain [--wait]         withdraw every BGP route of this node (flows still arriving
+                                   are served); weir node undrain announces again
   weir decap --interface IFACE [--mode auto|native|generic] [--addr A ...] [--interval D]
                                    on a backend of a tunnel-mode service: attach weir's
                                    decapsulation program until SIGINT/SIGTERM
@@ -61,7 +64,7 @@ usage:
   weir version                     version, commit, build date and BPF object hash
 
 FILE is -c/--config FILE, default ` + defaultConfig + `. status, drain, undrain, weight,
-explain, stop and reload talk to the admin socket the config names (or -s SOCKET).
+explain, stop, reload and node talk to the admin socket the config names (or -s SOCKET).
 run 'weir COMMAND -h' for a command's usage and flags
 `
 
@@ -118,6 +121,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runStop(ctx, args[1:], stdout, stderr)
 	case "explain":
 		return runExplain(ctx, args[1:], stdout, stderr)
+	case "node":
+		return runNode(ctx, args[1:], stdout, stderr)
 	case "decap":
 		return runDecap(ctx, args[1:], stdout, stderr)
 	case "version", "--version", "-version":

@@ -287,7 +287,7 @@ func (r *run) startAgent(ctx context.Context) error {
 	deadline := start.Add(30 * time.Second)
 	for {
 		st, err := r.client.Status(ctx)
-		if err == nil && allChecked(st) {
+		if err == nil && st.AllChecked() {
 			r.rep.Attach = attachMode(st)
 			r.step(StepRunning, st.XDP.Loaded, "XDP %s on %s, %d services up in %s", attachWord(st), r.t.Balancer.Link, len(st.Services), time.Since(start).Round(time.Millisecond))
 			return nil
@@ -304,19 +304,6 @@ func (r *run) startAgent(ctx context.Context) error {
 			return fmt.Errorf("demo: the agent did not answer within 30s (last: %v); its log:\n%s", err, r.agentLog())
 		}
 	}
-}
-
-// allChecked reports whether every backend has been checked once (so rounds do not
-// race the first verdicts).
-func allChecked(st api.Status) bool {
-	for _, s := range st.Services {
-		for _, b := range s.Backends {
-			if b.LastCheck == "" {
-				return false
-			}
-		}
-	}
-	return len(st.Services) > 0
 }
 
 func attachMode(st api.Status) string {

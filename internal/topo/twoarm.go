@@ -168,6 +168,9 @@ func connect(a, b *Host) error {
 			}
 			h.Index = l.Attrs().Index
 			for _, a := range []netip.Addr{h.IP4, h.IP6} {
+				if !a.IsValid() {
+					continue // a bridge port has none
+				}
 				bits := 24
 				if a.Is6() {
 					bits = 64

@@ -52,6 +52,7 @@ import (
 	"github.com/weir-lb/weir/health"
 	"github.com/weir-lb/weir/userspace/agent/admin"
 	"github.com/weir-lb/weir/userspace/agent/api"
+	"github.com/weir-lb/weir/userspace/agent/bgp"
 	"github.com/weir-lb/weir/userspace/agent/metrics"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/agent/proxyplane"
@@ -106,6 +107,7 @@ type Agent struct {
 	xdp    *xdpplane.Plane
 	proxy  *proxyplane.Plane
 	planes map[plan.Plane]Plane
+	bgp    *bgp.Speaker // nil without a bgp section
 
 	stopRun      context.CancelFunc
 	stopMu       sync.Mutex
@@ -171,6 +173,9 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 		return fmt.Errorf("run: %w", errors.Join(err, x.Stop(!x.Adopted())))
 	}
 	x.DropUnowned(a.log)
+	if cfg.BGP.ASN != 0 {
+		a.bgp = bgp.New(cfg.BGP, a.log)
+	}
 	a.publish(st)
 	a.log.Info("weir running", "config", a.opts.ConfigPath, "services", len(cfg.Services), "admin", cfg.Admin.Socket, "metrics", cfg.Metrics.Listen)
 
@@ -192,6 +197,15 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 	wg.Go(func() {
 		a.checker.Watch(runCtx, func(ch health.Change) { a.post(runCtx, healthEvent{ch}) })
 	})
+	if a.bgp != nil {
+		// Exits when runCtx is done, after closing its sessions (which withdraws
+		// the routes before the data planes stop).
+		wg.Go(func() {
+			if err := a.bgp.Run(runCtx); err != nil {
+				a.log.Error("bgp speaker stopped: this node announces nothing", "err", err)
+			}
+		})
+	}
 	servers := ls.serve(&wg, admin.Handler(a, a.metrics.Handler()), a.metrics.Handler())
 
 	sdNotify("READY=1")

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"reflect"
 	"slices"
 	"strings"
 	"time"
@@ -28,6 +29,9 @@ type state struct {
 	running   plan.Desired              // what the planes run now
 	flowIdle  time.Duration             // the XDP program's idle timeout of established TCP flows
 	reloads   []api.ReloadStatus        // most recent last, at most maxReloads
+	// drained: `weir node drain` withdrew the node's BGP routes, at drainedAt.
+	drained   bool
+	drainedAt time.Time
 }
 
 func newState(cfg *config.Config) *state {
@@ -56,6 +60,11 @@ type (
 	}
 	// tickEvent: once a second.
 	tickEvent struct{ now time.Time }
+	// nodeDrainEvent: withdraw every BGP route of the node, or announce again.
+	nodeDrainEvent struct {
+		drain bool
+		reply chan error
+	}
 )
 
 // loop takes events until ctx is done, publishing a snapshot after each.
@@ -81,6 +90,8 @@ func (a *Agent) loop(ctx context.Context, st *state) {
 			ev.reply <- a.onOverride(st, ev)
 		case tickEvent:
 			a.tick(st, ev.now)
+		case nodeDrainEvent:
+			ev.reply <- a.onNodeDrain(st, ev.drain)
 		}
 		a.publish(st)
 		a.handled.Add(1)
@@ -154,6 +165,33 @@ func (a *Agent) SetWeight(ctx context.Context, service, backend string, weight u
 		set: func(o *plan.Override) { o.Weight, o.SetWeight = weight, true }}, reply)
 }
 
+// SetNodeDrain drains the node (its BGP routes are withdrawn, so the routers send
+// it no new flows; the data planes keep serving what still arrives) or ends the
+// drain. It lasts until undone or the agent restarts.
+func (a *Agent) SetNodeDrain(ctx context.Context, drain bool) error {
+	reply := make(chan error, 1)
+	return a.request(ctx, nodeDrainEvent{drain: drain, reply: reply}, reply)
+}
+
+// onNodeDrain is the node drain event.
+func (a *Agent) onNodeDrain(st *state, drain bool) error {
+	if a.bgp == nil {
+		return fmt.Errorf("node drain: the config has no bgp section, so this node announces nothing to withdraw: %w", ErrBadRequest)
+	}
+	if st.drained == drain {
+		return nil
+	}
+	st.drained = drain
+	st.drainedAt = time.Now()
+	a.bgp.SetDrain(drain, st.drainedAt)
+	if drain {
+		a.log.Warn("node drained: every BGP route withdrawn; flows still arriving are served", "drain_timeout", st.cfg.BGP.DrainTimeout)
+	} else {
+		a.log.Info("node undrained: routes announced again")
+	}
+	return nil
+}
+
 // start applies the first config to empty planes.
 func (a *Agent) start(st *state) error {
 	placement, err := a.place(nil, st.cfg, st.placement)
@@ -212,6 +250,9 @@ func restartOnly(old, next *config.Config) error {
 	}
 	if !slices.Equal(old.Addresses, next.Addresses) {
 		errs = append(errs, errors.New("addresses: changed; restart weir to apply"))
+	}
+	if !reflect.DeepEqual(old.BGP, next.BGP) {
+		errs = append(errs, errors.New("bgp: changed; restart weir to apply (services' bgp policies reload)"))
 	}
 	return errors.Join(errs...)
 }

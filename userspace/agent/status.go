@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/weir-lb/weir/userspace/agent/api"
+	"github.com/weir-lb/weir/userspace/agent/bgp"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/agent/xdpplane"
 	"github.com/weir-lb/weir/userspace/config"
@@ -26,6 +27,9 @@ type snapshot struct {
 
 func (a *Agent) publish(st *state) {
 	a.snap.Store(&snapshot{cfg: st.cfg, started: st.started, running: st.running, reloads: slices.Clone(st.reloads)})
+	if a.bgp != nil {
+		a.bgp.Announce(bgp.Routes(&st.running, st.drained))
+	}
 }
 
 // Status returns the agent's state as the loop last published it, with the data
@@ -38,6 +42,9 @@ func (a *Agent) Status() (api.Status, error) {
 	stats, haveStats := a.xdp.Stats()
 	st := api.Status{Config: a.opts.ConfigPath, Started: snap.started, Reloads: snap.reloads,
 		XDP: a.xdp.Status(snap.cfg.XDP.DetachOnStop)}
+	if a.bgp != nil {
+		st.BGP = a.bgp.Status()
+	}
 	if haveStats {
 		st.XDPReasons = make(map[string]uint64, len(stats.Reasons))
 		for r, c := range stats.Reasons {

@@ -203,7 +203,72 @@ type Config struct {
 	Admin     Admin
 	Metrics   Metrics
 	Log       Log
-	Services  []Service
+	// BGP is the node's BGP speaker, which announces the VIPs to the routers; the
+	// zero value (ASN 0): no speaker.
+	BGP      BGP
+	Services []Service
+}
+
+// Defaults of the BGP settings.
+const (
+	DefaultBGPPort      = 179
+	DefaultHoldTime     = 90 * time.Second
+	DefaultBGPDrainTime = 30 * time.Second
+)
+
+// BGP is the node's BGP speaker.
+type BGP struct {
+	// ASN is the node's own AS number; 0: no speaker.
+	ASN      uint32
+	RouterID netip.Addr // IPv4
+	// ListenPort is where the speaker accepts sessions; 0: it only dials its peers.
+	ListenPort uint16
+	// NextHop holds at most one address per family, sent as the routes' next hop;
+	// for a family without one, the session's own local address.
+	NextHop []netip.Addr
+	// DrainTimeout is how long `weir node drain` expects established flows to
+	// keep coming to this node after its routes are withdrawn.
+	DrainTimeout time.Duration
+	Peers        []Peer
+}
+
+// NextHopFor returns the configured next hop of a's family, if any.
+func (b *BGP) NextHopFor(a netip.Addr) (netip.Addr, bool) {
+	for _, n := range b.NextHop {
+		if n.Is4() == a.Is4() {
+			return n, true
+		}
+	}
+	return netip.Addr{}, false
+}
+
+// Peer is one BGP neighbour, a router.
+type Peer struct {
+	Address netip.Addr
+	ASN     uint32
+	// Port is the peer's BGP port (default 179).
+	Port uint16
+	// Password turns on TCP MD5 signatures (RFC 2385); "": none.
+	Password string
+	// HoldTime is proposed to the peer (the session uses the smaller of the two);
+	// Keepalive is how often this side sends keepalives (default a third of it).
+	HoldTime  time.Duration
+	Keepalive time.Duration
+	// Multihop is the TTL of the session's packets for a peer more than one hop
+	// away; 0: directly connected.
+	Multihop uint8
+}
+
+// Announce is how a service's VIP is announced over BGP.
+type Announce struct {
+	// Enabled: the VIP is announced while the service is usable (default true
+	// when bgp is configured).
+	Enabled bool
+	// Communities are standard communities, ASN<<16 | value.
+	Communities []uint32
+	// MED and LocalPref are sent when not 0 (LOCAL_PREF reaches iBGP peers only).
+	MED       uint32
+	LocalPref uint32
 }
 
 // Interface is one network interface to attach XDP to.
@@ -289,7 +354,9 @@ type Service struct {
 	// backend is used. 0: panic mode off.
 	PanicThreshold int
 	Proxy          Proxy
-	Backends       []Backend
+	// BGP is how the VIP is announced when the node runs a BGP speaker.
+	BGP      Announce
+	Backends []Backend
 }
 
 // Key is how the data planes tell services apart: "tcp/10.0.0.1:80".

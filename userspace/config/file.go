@@ -21,11 +21,13 @@ type file struct {
 	// Addresses are the balancer's own addresses: the source of nat mode's
 	// translated packets and of tunnel mode's outer header. Default: the first
 	// address of each family on the first interface.
-	Addresses []string      `yaml:"addresses,omitempty"`
-	Admin     fileAdmin     `yaml:"admin,omitempty"`
-	Metrics   fileMetrics   `yaml:"metrics,omitempty"`
-	Log       fileLog       `yaml:"log,omitempty"`
-	Services  []fileService `yaml:"services"`
+	Addresses []string    `yaml:"addresses,omitempty"`
+	Admin     fileAdmin   `yaml:"admin,omitempty"`
+	Metrics   fileMetrics `yaml:"metrics,omitempty"`
+	Log       fileLog     `yaml:"log,omitempty"`
+	// BGP runs a BGP speaker that announces the VIPs. Default none.
+	BGP      *fileBGP      `yaml:"bgp,omitempty"`
+	Services []fileService `yaml:"services"`
 
 	Addrs []netip.Addr `yaml:"-"` // Addresses, parsed
 }
@@ -123,9 +125,11 @@ type fileService struct {
 	Passive   filePassive `yaml:"passive,omitempty"`
 	// PanicThreshold is a percentage: below this share of usable backends,
 	// every backend is used. Default 50; 0 turns panic mode off.
-	PanicThreshold *int          `yaml:"panic_threshold,omitempty"`
-	Proxy          fileProxy     `yaml:"proxy,omitempty"`
-	Backends       []fileBackend `yaml:"backends"`
+	PanicThreshold *int      `yaml:"panic_threshold,omitempty"`
+	Proxy          fileProxy `yaml:"proxy,omitempty"`
+	// BGP is the VIP's announce policy; it applies when bgp is configured.
+	BGP      fileAnnounce  `yaml:"bgp,omitempty"`
+	Backends []fileBackend `yaml:"backends"`
 
 	VIPAddr netip.AddrPort `yaml:"-"` // VIP, parsed
 }
@@ -198,6 +202,57 @@ type fileBackend struct {
 
 	Addr      netip.AddrPort `yaml:"-"` // Address, parsed
 	CheckAddr netip.AddrPort `yaml:"-"` // CheckAddress (or Address), parsed
+}
+
+// BGP is the node's BGP speaker.
+type fileBGP struct {
+	// ASN is the node's AS number, 1..4294967295.
+	ASN uint32 `yaml:"asn"`
+	// RouterID is an IPv4 address identifying the speaker.
+	RouterID string `yaml:"router_id"`
+	// ListenPort accepts sessions there; 0 (default): no listener, the node
+	// dials its peers.
+	ListenPort int `yaml:"listen_port,omitempty"`
+	// NextHop is at most one address per family. Default: the session's own
+	// local address.
+	NextHop []string `yaml:"next_hop,omitempty"`
+	// DrainTimeout is how long a drained node keeps serving the flows that
+	// still reach it. Default 30s.
+	DrainTimeout *duration  `yaml:"drain_timeout,omitempty"`
+	Peers        []filePeer `yaml:"peers"`
+
+	RouterAddr netip.Addr   `yaml:"-"` // RouterID, parsed
+	NextHops   []netip.Addr `yaml:"-"` // NextHop, parsed
+}
+
+// Peer is one BGP neighbour.
+type filePeer struct {
+	Address string `yaml:"address"`
+	ASN     uint32 `yaml:"asn"`
+	// Port is the peer's BGP port. Default 179.
+	Port     int    `yaml:"port,omitempty"`
+	Password string `yaml:"password,omitempty"`
+	// HoldTime is 0 (no keepalives) or at least 3s. Default 90s.
+	HoldTime *duration `yaml:"hold_time,omitempty"`
+	// Keepalive defaults to a third of HoldTime.
+	Keepalive duration `yaml:"keepalive,omitempty"`
+	// Multihop is the TTL for a peer more than one hop away, 1..255. Default
+	// 0: directly connected.
+	Multihop int `yaml:"multihop,omitempty"`
+
+	Addr netip.Addr `yaml:"-"` // Address, parsed
+}
+
+// Announce is a service's BGP announce policy.
+type fileAnnounce struct {
+	// Announce the VIP while the service is usable. Default true.
+	Announce *bool `yaml:"announce,omitempty"`
+	// Communities are "ASN:value" standard communities.
+	Communities []string `yaml:"communities,omitempty"`
+	MED         uint32   `yaml:"med,omitempty"`
+	LocalPref   uint32   `yaml:"local_pref,omitempty"`
+
+	Comms []uint32 `yaml:"-"` // Communities, parsed
 }
 
 // duration is a time.Duration written as Go writes it: 500ms, 2s, 1m30s.

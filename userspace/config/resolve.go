@@ -33,8 +33,21 @@ func (f *file) resolve() *Config {
 	}
 	cfg.Metrics.Public = f.Metrics.Public
 	cfg.Log.Level.UnmarshalText([]byte(f.Log.Level)) // validated
+	if b := f.BGP; b != nil {
+		cfg.BGP = BGP{ASN: b.ASN, RouterID: b.RouterAddr, ListenPort: uint16(b.ListenPort), NextHop: b.NextHops,
+			DrainTimeout: b.DrainTimeout.D()}
+		for _, p := range b.Peers {
+			cfg.BGP.Peers = append(cfg.BGP.Peers, Peer{Address: p.Addr, ASN: p.ASN, Port: uint16(p.Port), Password: p.Password,
+				HoldTime: p.HoldTime.D(), Keepalive: p.Keepalive.D(), Multihop: uint8(p.Multihop)})
+		}
+	}
 	for i := range f.Services {
-		cfg.Services = append(cfg.Services, f.Services[i].resolve())
+		s := f.Services[i].resolve()
+		if f.BGP != nil {
+			a := &f.Services[i].BGP
+			s.BGP = Announce{Enabled: *a.Announce, Communities: a.Comms, MED: a.MED, LocalPref: a.LocalPref}
+		}
+		cfg.Services = append(cfg.Services, s)
 	}
 	return cfg
 }

@@ -39,8 +39,28 @@ func (c *file) defaults() {
 	if c.Log.Level == "" {
 		c.Log.Level = strings.ToLower(DefaultLogLevel.String())
 	}
+	if b := c.BGP; b != nil {
+		if b.DrainTimeout == nil {
+			b.DrainTimeout = ptr(duration(DefaultBGPDrainTime))
+		}
+		for i := range b.Peers {
+			p := &b.Peers[i]
+			if p.Port == 0 {
+				p.Port = DefaultBGPPort
+			}
+			if p.HoldTime == nil {
+				p.HoldTime = ptr(duration(DefaultHoldTime))
+			}
+			if p.Keepalive == 0 && *p.HoldTime > 0 {
+				p.Keepalive = duration(max(time.Second, (p.HoldTime.D() / 3).Truncate(time.Second)))
+			}
+		}
+	}
 	for i := range c.Services {
 		c.Services[i].defaults()
+		if c.Services[i].BGP.Announce == nil {
+			c.Services[i].BGP.Announce = ptr(true)
+		}
 	}
 }
 
@@ -314,7 +334,129 @@ func (cfg *file) validate() []*FieldError {
 			listens[s.Proxy.ListenAddr] = i
 		}
 	}
+	cfg.validateBGP(c) // after the services: it reads their parsed VIPs
 	return c.errs
+}
+
+// validateBGP checks the speaker's settings and every service's announce policy.
+func (cfg *file) validateBGP(c *checker) {
+	b := cfg.BGP
+	if b == nil {
+		for i, s := range cfg.Services {
+			a := s.BGP
+			if len(a.Communities) > 0 || a.MED != 0 || a.LocalPref != 0 || a.Announce != nil && !*a.Announce {
+				c.bad(fmt.Sprintf("services[%d].bgp", i), "an announce policy needs the top-level bgp section (the node's ASN, router_id and peers)")
+			}
+		}
+		return
+	}
+	if b.ASN == 0 {
+		c.bad("bgp.asn", "missing: the node's AS number, 1..4294967295")
+	}
+	if a, ok := c.addr("bgp.router_id", b.RouterID); ok {
+		if !a.Is4() {
+			c.bad("bgp.router_id", "must be an IPv4 address (BGP identifiers are 32 bits), got %s", a)
+		}
+		b.RouterAddr = a
+	}
+	if b.ListenPort < 0 || b.ListenPort > 65535 {
+		c.bad("bgp.listen_port", "must be 0 (no listener: the node dials its peers) ..65535, got %d", b.ListenPort)
+	}
+	b.NextHops = nil
+	for i, s := range b.NextHop {
+		p := fmt.Sprintf("bgp.next_hop[%d]", i)
+		a, ok := c.addr(p, s)
+		if !ok {
+			continue
+		}
+		if slices.ContainsFunc(b.NextHops, func(n netip.Addr) bool { return n.Is4() == a.Is4() }) {
+			c.bad(p, "one next hop per address family; %s is the second %s one", a, family(a))
+			continue
+		}
+		b.NextHops = append(b.NextHops, a)
+	}
+	if b.DrainTimeout.D() < 0 {
+		c.bad("bgp.drain_timeout", "must be 0 or positive, got %v", *b.DrainTimeout)
+	}
+	if len(b.Peers) == 0 {
+		c.bad("bgp.peers", "missing: list at least one peer (address, asn)")
+	}
+	families := map[bool]bool{} // is IPv4 -> a next hop can be sent
+	for _, n := range b.NextHops {
+		families[n.Is4()] = true
+	}
+	seen := map[netip.Addr]int{}
+	for i := range b.Peers {
+		pr := &b.Peers[i]
+		p := fmt.Sprintf("bgp.peers[%d]", i)
+		if a, ok := c.addr(p+".address", pr.Address); ok {
+			if j, dup := seen[a]; dup {
+				c.bad(p+".address", "%s is already bgp.peers[%d]", a, j)
+			}
+			seen[a] = i
+			pr.Addr = a
+			families[a.Is4()] = true
+		}
+		if pr.ASN == 0 {
+			c.bad(p+".asn", "missing: the peer's AS number, 1..4294967295")
+		}
+		if pr.Port < 1 || pr.Port > 65535 {
+			c.bad(p+".port", "must be 1..65535, got %d", pr.Port)
+		}
+		switch h := pr.HoldTime.D(); {
+		case h < 0 || h > 0 && h < 3*time.Second || h > 65535*time.Second:
+			c.bad(p+".hold_time", "must be 0 (no keepalives) or 3s..65535s (RFC 4271), got %v", h)
+		case h%time.Second != 0:
+			c.bad(p+".hold_time", "must be whole seconds (BGP carries seconds), got %v", h)
+		case h == 0 && pr.Keepalive != 0:
+			c.bad(p+".keepalive", "hold_time 0 sends no keepalives; remove keepalive")
+		case h > 0 && (pr.Keepalive.D() < time.Second || pr.Keepalive.D() >= h || pr.Keepalive.D()%time.Second != 0):
+			c.bad(p+".keepalive", "must be whole seconds, at least 1s and below hold_time (%v), got %v", h, pr.Keepalive)
+		}
+		if len(pr.Password) > 80 {
+			c.bad(p+".password", "must be at most 80 bytes (the TCP MD5 key limit), got %d", len(pr.Password))
+		}
+		if pr.Multihop < 0 || pr.Multihop > 255 {
+			c.bad(p+".multihop", "must be 0 (directly connected) or a TTL of 1..255, got %d", pr.Multihop)
+		}
+	}
+	// Services that share a VIP address share its route, so they must agree on it.
+	policy := map[netip.Addr]int{}
+	for i := range cfg.Services {
+		s := &cfg.Services[i]
+		p := fmt.Sprintf("services[%d].bgp", i)
+		s.BGP.Comms = nil
+		for j, cs := range s.BGP.Communities {
+			v, ok := parseCommunity(cs)
+			if !ok {
+				c.bad(fmt.Sprintf("%s.communities[%d]", p, j), "must be ASN:value, each 0..65535, such as 65000:100, got %q", cs)
+				continue
+			}
+			s.BGP.Comms = append(s.BGP.Comms, v)
+		}
+		if !s.VIPAddr.IsValid() || !*s.BGP.Announce {
+			continue
+		}
+		vip := s.VIPAddr.Addr()
+		if !families[vip.Is4()] {
+			c.bad(p, "the %s VIP %s has no next hop to be announced with: add a %s bgp.next_hop or a %s peer", family(vip), vip, family(vip), family(vip))
+		}
+		if j, ok := policy[vip]; ok {
+			o := &cfg.Services[j].BGP
+			if !slices.Equal(o.Communities, s.BGP.Communities) || o.MED != s.BGP.MED || o.LocalPref != s.BGP.LocalPref {
+				c.bad(p, "services[%d] announces the same address %s with another policy: one route per address, so give both the same bgp settings", j, vip)
+			}
+			continue
+		}
+		policy[vip] = i
+	}
+}
+
+func parseCommunity(s string) (uint32, bool) {
+	hi, lo, ok := strings.Cut(s, ":")
+	a, errA := strconv.ParseUint(strings.TrimSpace(hi), 10, 16)
+	b, errB := strconv.ParseUint(strings.TrimSpace(lo), 10, 16)
+	return uint32(a)<<16 | uint32(b), ok && errA == nil && errB == nil
 }
 
 // hostPort checks host:port where host is an IP literal, and reports whether it is

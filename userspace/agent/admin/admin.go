@@ -28,6 +28,7 @@ type Agent interface {
 	SetWeight(ctx context.Context, service, backend string, weight uint32) error
 	Explain(ctx context.Context, service, client string) (api.Explanation, error)
 	Stop(detach bool) error
+	SetNodeDrain(ctx context.Context, drain bool) error
 }
 
 // The admin API, HTTP+JSON:
@@ -38,6 +39,7 @@ type Agent interface {
 //	POST /v1/services/{service}/backends/{addr}/weight   {"weight": N}
 //	GET  /v1/services/{service}/explain?client=IP:PORT   Explanation
 //	POST /v1/stop                                        {"detach": true|false}: stop the agent
+//	POST /v1/node/drain                                  {"drain": true|false}: withdraw the node's BGP routes, or announce again
 //	GET  /metrics                                        Prometheus exposition
 //
 // Errors are {"error": "..."} (or {"errors": [...]} for a rejected reload) with a
@@ -60,14 +62,9 @@ func Handler(a Agent, metrics http.Handler) http.Handler {
 		writeJSON(w, http.StatusOK, map[string]bool{"ok": true})
 	})
 	mux.HandleFunc("POST /v1/services/{service}/backends/{addr}/drain", func(w http.ResponseWriter, r *http.Request) {
-		var req struct {
-			Drain *bool `json:"drain"`
+		if drain, ok := drainBody(w, r); ok {
+			answer(w, a.SetDrain(r.Context(), r.PathValue("service"), r.PathValue("addr"), drain))
 		}
-		if err := json.NewDecoder(r.Body).Decode(&req); err != nil || req.Drain == nil {
-			writeErr(w, http.StatusBadRequest, errors.New(`body must be {"drain": true} or {"drain": false}`))
-			return
-		}
-		answer(w, a.SetDrain(r.Context(), r.PathValue("service"), r.PathValue("addr"), *req.Drain))
 	})
 	mux.HandleFunc("POST /v1/services/{service}/backends/{addr}/weight", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {
@@ -101,8 +98,25 @@ func Handler(a Agent, metrics http.Handler) http.Handler {
 		}
 		answer(w, a.Stop(req.Detach))
 	})
+	mux.HandleFunc("POST /v1/node/drain", func(w http.ResponseWriter, r *http.Request) {
+		if drain, ok := drainBody(w, r); ok {
+			answer(w, a.SetNodeDrain(r.Context(), drain))
+		}
+	})
 	mux.Handle("GET /metrics", metrics)
 	return mux
+}
+
+// drainBody reads {"drain": true|false}, or answers 400 and returns false.
+func drainBody(w http.ResponseWriter, r *http.Request) (drain, ok bool) {
+	var req struct {
+		Drain *bool `json:"drain"`
+	}
+	if err := json.NewDecoder(r.Body).Decode(&req); err != nil || req.Drain == nil {
+		writeErr(w, http.StatusBadRequest, errors.New(`body must be {"drain": true} or {"drain": false}`))
+		return false, false
+	}
+	return *req.Drain, true
 }
 
 func answer(w http.ResponseWriter, err error) {
@@ -234,6 +248,11 @@ func (c *Client) Explain(ctx context.Context, service, client string) (api.Expla
 // Stop asks the agent to stop; with detach it removes its XDP program too.
 func (c *Client) Stop(ctx context.Context, detach bool) error {
 	return c.do(ctx, http.MethodPost, "/v1/stop", map[string]bool{"detach": detach}, nil)
+}
+
+// NodeDrain withdraws the node's BGP routes (drain) or announces them again.
+func (c *Client) NodeDrain(ctx context.Context, drain bool) error {
+	return c.do(ctx, http.MethodPost, "/v1/node/drain", map[string]bool{"drain": drain}, nil)
 }
 
 // Metrics fetches the Prometheus exposition text.

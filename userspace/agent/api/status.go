@@ -21,6 +21,8 @@ type Status struct {
 	Services   []ServiceStatus   `json:"services"`
 	Reloads    []ReloadStatus    `json:"reloads,omitempty"`
 	XDPReasons map[string]uint64 `json:"xdp_packets_by_reason,omitempty"`
+	// BGP is the node's BGP speaker; nil when the config has none.
+	BGP *BGPStatus `json:"bgp,omitempty"`
 }
 
 // XDPStatus says whether XDP is loaded and where.
@@ -110,6 +112,19 @@ type BackendStatus struct {
 	LastCheckAgo   string `json:"last_check_ago,omitempty"`
 }
 
+// AllChecked reports whether st has services and every backend of them has been
+// checked once, so callers that wait for an agent do not race its first verdicts.
+func (st Status) AllChecked() bool {
+	for _, s := range st.Services {
+		for _, b := range s.Backends {
+			if b.LastCheck == "" {
+				return false
+			}
+		}
+	}
+	return len(st.Services) > 0
+}
+
 // WriteTable writes st as the readable table `weir status` prints.
 func (st Status) WriteTable(w io.Writer) {
 	fmt.Fprintf(w, "config %s, running since %s\n", st.Config, st.Started.Format(time.RFC3339))
@@ -149,6 +164,9 @@ func (st Status) WriteTable(w io.Writer) {
 				fmt.Fprintf(w, "  %s\n", e)
 			}
 		}
+	}
+	if st.BGP != nil {
+		st.BGP.WriteTable(w)
 	}
 	for _, s := range st.Services {
 		fmt.Fprintf(w, "\nservice %s  %s  data plane %s (%s)  algorithm %s", s.Name, s.Key, s.DataPlane, s.Why, s.Algorithm)

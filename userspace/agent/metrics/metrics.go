@@ -6,6 +6,7 @@ package metrics
 
 import (
 	"net/http"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -29,6 +30,7 @@ type descs struct {
 	serviceDataPlane, serviceDown, servicePackets, serviceBytes, serviceConns, serviceAccepted *prometheus.Desc
 	backendPackets, backendBytes, serviceFlows, backendFlows, backendConns, backendConnects    *prometheus.Desc
 	backendUsable, backendHealth, backendWeight, backendDrained, xdpReason, xdpLoaded          *prometheus.Desc
+	bgpPeerUp, bgpPeerUptime, bgpAnnounced, nodeDrained                                        *prometheus.Desc
 }
 
 // New returns the registry; status is read at every scrape.
@@ -67,6 +69,10 @@ func New(status func() (api.Status, error)) *Metrics {
 		backendDrained:   d("weir_backend_drained", "1 while the backend is drained.", "service", "backend"),
 		xdpReason:        d("weir_xdp_packets_total", "Packets the XDP program counted, by verdict reason (drop_* are drops).", "reason"),
 		xdpLoaded:        d("weir_xdp_loaded", "1 while the XDP program is loaded and attached."),
+		bgpPeerUp:        d("weir_bgp_peer_established", "1 while the BGP session with the peer is established.", "peer"),
+		bgpPeerUptime:    d("weir_bgp_peer_uptime_seconds", "How long the BGP session with the peer has been established (0 while it is not).", "peer"),
+		bgpAnnounced:     d("weir_bgp_route_announced", "1 for each VIP route the node announces over BGP.", "prefix"),
+		nodeDrained:      d("weir_node_drained", "1 while the node is drained (weir node drain): every BGP route withdrawn."),
 	}
 	m.reg.MustRegister(m.checks, m.reloads, m, prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
 	return m
@@ -100,7 +106,7 @@ func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{m.d.serviceDataPlane, m.d.serviceDown, m.d.servicePackets, m.d.serviceBytes,
 		m.d.serviceConns, m.d.serviceAccepted, m.d.backendPackets, m.d.backendBytes, m.d.serviceFlows, m.d.backendFlows,
 		m.d.backendConns, m.d.backendConnects, m.d.backendUsable, m.d.backendHealth, m.d.backendWeight,
-		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded} {
+		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded, m.d.bgpPeerUp, m.d.bgpPeerUptime, m.d.bgpAnnounced, m.d.nodeDrained} {
 		ch <- d
 	}
 }
@@ -126,6 +132,20 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	g(m.d.xdpLoaded, b2f(st.XDP.Loaded))
 	for r, n := range st.XDPReasons {
 		c(m.d.xdpReason, n, r)
+	}
+	if b := st.BGP; b != nil {
+		g(m.d.nodeDrained, b2f(b.Drained))
+		for _, p := range b.Peers {
+			g(m.d.bgpPeerUp, b2f(p.State == "established"), p.Address)
+			up := 0.0
+			if !p.Since.IsZero() {
+				up = time.Since(p.Since).Seconds()
+			}
+			g(m.d.bgpPeerUptime, up, p.Address)
+		}
+		for _, r := range b.Announced {
+			g(m.d.bgpAnnounced, 1, r.Prefix)
+		}
 	}
 	states := []string{health.Unknown.String(), health.Up.String(), health.Down.String(), health.Ejected.String()}
 	for _, s := range st.Services {

@@ -1,0 +1,319 @@
+package fleet
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"os/signal"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/xdptest"
+	"github.com/weir-lb/weir/userspace/agent"
+)
+
+// The nodes' agents are this test binary, re-executed with agentEnv set: the real
+// agent (agent.Run, what weir run runs) as a process of its own in each node's
+// namespace, so it can be stopped, killed and frozen by PID like a deployed one.
+const agentEnv = "WEIR_FLEET_TEST_AGENT"
+
+func TestMain(m *testing.M) {
+	if cfg := os.Getenv(agentEnv); cfg != "" {
+		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+		err := agent.New(agent.Options{ConfigPath: cfg}).Run(ctx)
+		stop()
+		if err != nil {
+			os.Stderr.WriteString(err.Error() + "\n")
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+var vip4 = netip.PrefixFrom(topo.FleetVIP4, 32)
+
+// start builds a fleet for t; a missing BIRD fails the test (never skips).
+func start(t *testing.T, o Options) *Fleet {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	o.Dir = t.TempDir()
+	o.AgentArgv = func(cfg string) []string { return []string{"env", agentEnv + "=" + cfg, exe} }
+	f, err := Start(o)
+	if err != nil {
+		if strings.Contains(err.Error(), "BIRD") {
+			t.Fatal(err) // bird2 is in make deps: its absence is a failure
+		}
+		xdptest.Check(t, err)
+	}
+	t.Cleanup(func() {
+		if err := f.Close(); err != nil {
+			t.Errorf("close fleet: %v", err)
+		}
+	})
+	return f
+}
+
+// startAgents starts every node's agent at once.
+func startAgents(t *testing.T, ctx context.Context, f *Fleet) {
+	t.Helper()
+	errs := make(chan error, len(f.Nodes))
+	for i := range f.Nodes {
+		go func() { errs <- f.StartAgent(ctx, i) }()
+	}
+	for range f.Nodes {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestAnnounceWithdraw: three nodes announce the VIP and the router installs one
+// route with three next hops; a service whose backends all fail health is
+// withdrawn within its checks' fall; weir node drain withdraws one node and undrain
+// brings it back; a stopped agent withdraws at once, a killed one as soon as its
+// kernel closes the session, and a frozen one when the router's hold timer runs
+// out.
+func TestAnnounceWithdraw(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	f := start(t, Options{})
+	interval, fall := 200*time.Millisecond, 2
+	if err := f.WriteConfigs(ServiceOptions{Mode: "dsr", VIP: topo.FleetVIP4, Backends: f.T.DSR, Interval: interval, Fall: fall, HashSeed: 7}); err != nil {
+		t.Fatal(err)
+	}
+	startAgents(t, ctx, f)
+	all := f.NodeIPs(0, 1, 2)
+	if _, err := f.WaitNextHops(ctx, vip4, all, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	bird, err := f.BirdNextHops(vip4)
+	if err != nil || !slices.Equal(bird, all) {
+		t.Errorf("birdc: next hops %v (%v); want %v", bird, err, all)
+	}
+	route := f.KernelRoute(vip4)
+	if strings.Count(route, "nexthop via") != 3 || !strings.Contains(route, "proto bird") {
+		t.Errorf("ip route show %s: %q; want one multipath route from bird with 3 next hops", vip4, route)
+	}
+	comm, _ := f.Birdc("show route " + vip4.String() + " all")
+	if !strings.Contains(comm, "(65000,1)") {
+		t.Errorf("birdc show route all: want the service's community (65000,1):\n%s", comm)
+	}
+	st, err := f.Nodes[0].Client.Status(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.BGP == nil || len(st.BGP.Peers) != 1 || st.BGP.Peers[0].State != "established" || st.BGP.Peers[0].Uptime == "" ||
+		len(st.BGP.Announced) != 1 || st.BGP.Announced[0].Prefix != vip4.String() {
+		t.Errorf("status bgp: got %+v; want one established peer with an uptime and %s announced", st.BGP, vip4)
+	}
+	m, err := f.Nodes[0].Client.Metrics(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{`weir_bgp_peer_established{peer="10.80.0.254"} 1`, `weir_bgp_route_announced{prefix="10.80.100.1/32"} 1`, "weir_node_drained 0"} {
+		if !strings.Contains(m, want) {
+			t.Errorf("metrics: no line %q", want)
+		}
+	}
+
+	t.Run("all backends fail health", func(t *testing.T) {
+		for _, b := range f.T.DSR {
+			f.srv.Kill(b.Name)
+		}
+		// Down after fall failed checks, each at most interval (+ jitter) apart and
+		// timing out after 3/4 interval; then the route's withdrawal reaches the
+		// router.
+		hold := time.Duration(fall+1)*interval*11/10 + interval + time.Second
+		took, err := f.WaitNextHops(ctx, vip4, nil, hold)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("withdrawn %s after the backends died (bound %s)", took, hold)
+		st, _ := f.Nodes[1].Client.Status(ctx)
+		if st.BGP == nil || len(st.BGP.Announced) != 0 || len(st.BGP.Withheld) != 1 || !strings.Contains(st.BGP.Withheld[0].Why, "no backend usable and up") {
+			t.Errorf("status bgp: got %+v; want nothing announced and %s withheld for want of a usable backend", st.BGP, vip4)
+		}
+		for _, b := range f.T.DSR {
+			if err := f.srv.Serve(b.NS, b.Name); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if took, err := f.WaitNextHops(ctx, vip4, all, 5*time.Second); err != nil {
+			t.Fatal(err)
+		} else {
+			t.Logf("announced again %s after the backends came back", took)
+		}
+	})
+
+	t.Run("node drain", func(t *testing.T) {
+		if err := f.Nodes[1].Client.NodeDrain(ctx, true); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WaitNextHops(ctx, vip4, f.NodeIPs(0, 2), 5*time.Second); err != nil {
+			t.Fatal(err)
+		}
+		st, _ := f.Nodes[1].Client.Status(ctx)
+		if st.BGP == nil || !st.BGP.Drained || st.BGP.DrainUntil.Sub(st.BGP.DrainedSince) != 2*time.Second {
+			t.Errorf("status bgp: got %+v; want drained with 2s (drain_timeout) to serve what still arrives", st.BGP)
+		}
+		m, _ := f.Nodes[1].Client.Metrics(ctx)
+		if !strings.Contains(m, "weir_node_drained 1") {
+			t.Error("metrics: want weir_node_drained 1")
+		}
+		if err := f.Nodes[1].Client.NodeDrain(ctx, false); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WaitNextHops(ctx, vip4, all, 5*time.Second); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	t.Run("stopped agent", func(t *testing.T) {
+		if err := f.StopAgent(2); err != nil {
+			t.Fatal(err)
+		}
+		took, err := f.WaitNextHops(ctx, vip4, f.NodeIPs(0, 1), time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("withdrawn %s after the agent stopped", took)
+	})
+
+	t.Run("killed agent", func(t *testing.T) {
+		if err := f.Signal(1, syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		f.WaitAgent(1, 5*time.Second)
+		// The kernel closes the dead process's session, and BIRD withdraws on the
+		// close; the hold time bounds it in any case.
+		took, err := f.WaitNextHops(ctx, vip4, f.NodeIPs(0), f.opts.HoldTime+time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("withdrawn %s after SIGKILL", took)
+	})
+
+	t.Run("frozen agent: hold timer", func(t *testing.T) {
+		if err := f.Signal(0, syscall.SIGSTOP); err != nil {
+			t.Fatal(err)
+		}
+		took, err := f.WaitNextHops(ctx, vip4, nil, f.opts.HoldTime+2*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("withdrawn %s after the agent froze (hold time %s)", took, f.opts.HoldTime)
+		if took < f.opts.HoldTime-time.Second {
+			t.Errorf("withdrawn after %s, before the hold time (%s) could have run out: something else closed the session", took, f.opts.HoldTime)
+		}
+		if out := f.BirdLog(); !strings.Contains(out, "Hold timer expired") {
+			t.Errorf("bird log: want a hold timer expiry:\n%s", out)
+		}
+	})
+}
+
+// streamOpts are the node-failure tests' streams: 60 of them, 50 chunks of 4 KiB
+// each way, 100ms apart (5s a stream), so a node dies in the middle of every one.
+var streamOpts = StreamOptions{Streams: 60, Chunks: 50, Chunk: 4096, Interval: 100 * time.Millisecond, Timeout: 40 * time.Second}
+
+// shares counts the streams per node.
+func shares(owners []int, nodes int) []int {
+	n := make([]int, nodes)
+	for _, o := range owners {
+		if o >= 0 {
+			n[o]++
+		}
+	}
+	return n
+}
+
+// TestNodeFailure: 60 long-lived streams spread by the router's ECMP over three
+// nodes, in dsr and in tunnel mode. The node carrying the most dies (its agent
+// SIGKILLed and its link deleted); the router moves its flows to the others, which
+// send them to the same backends (same tables, no shared state), and every stream
+// completes with every byte intact.
+func TestNodeFailure(t *testing.T) {
+	for _, mode := range []string{"dsr", "tunnel"} {
+		t.Run(mode, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+			defer cancel()
+			f := start(t, Options{})
+			so := ServiceOptions{Mode: mode, VIP: topo.FleetVIP4, Backends: f.T.DSR, HashSeed: 7}
+			if mode == "tunnel" {
+				so.VIP, so.Backends = topo.FleetVIP4Tunnel, f.T.Tunnel
+			}
+			prefix := netip.PrefixFrom(so.VIP, 32)
+			if err := f.WriteConfigs(so); err != nil {
+				t.Fatal(err)
+			}
+			startAgents(t, ctx, f)
+			if _, err := f.WaitNextHops(ctx, prefix, f.NodeIPs(0, 1, 2), 10*time.Second); err != nil {
+				t.Fatal(err)
+			}
+			ss := f.StartStreams(ctx, netip.AddrPortFrom(so.VIP, StreamPort), streamOpts)
+			select {
+			case <-ss.Halfway():
+			case <-ctx.Done():
+				t.Fatal(ctx.Err())
+			}
+			owners, err := f.Owners(ctx, "stream", ss.Locals())
+			if err != nil {
+				t.Fatal(err)
+			}
+			share := shares(owners, len(f.Nodes))
+			t.Logf("streams per node before the failure: %v (of %d)", share, len(owners))
+			victim := 0
+			for i, n := range share {
+				if n == 0 {
+					t.Errorf("node %d carries no stream: the router's ECMP did not spread the flows (%v)", i, share)
+				}
+				if n > share[victim] {
+					victim = i
+				}
+			}
+			if err := f.Signal(victim, syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			f.WaitAgent(victim, 5*time.Second)
+			if err := f.T.DeleteNodeLink(victim); err != nil {
+				t.Fatal(err)
+			}
+			var rest []int
+			for i := range f.Nodes {
+				if i != victim {
+					rest = append(rest, i)
+				}
+			}
+			took, err := f.WaitNextHops(ctx, prefix, f.NodeIPs(rest...), f.opts.HoldTime+time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("node %d killed with %d streams; the router withdrew it in %s", victim, share[victim], took)
+			out := ss.Wait()
+			if n, first := Failed(out); n > 0 {
+				t.Errorf("%d of %d streams broke; the first: %v", n, len(out), first)
+			}
+			after, err := f.Owners(ctx, "stream", ss.Locals())
+			if err != nil {
+				t.Fatal(err)
+			}
+			moved := 0
+			for k := range owners {
+				if owners[k] == victim && after[k] >= 0 && after[k] != victim {
+					moved++
+				}
+			}
+			t.Logf("%d of the dead node's %d streams finished on the others (%v)", moved, share[victim], shares(after, len(f.Nodes)))
+			if moved == 0 {
+				t.Errorf("none of the dead node's streams was tracked by another node afterwards")
+			}
+		})
+	}
+}

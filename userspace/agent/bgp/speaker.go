@@ -1,0 +1,350 @@
+package bgp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	gobgpapi "github.com/osrg/gobgp/v4/api"
+	"github.com/osrg/gobgp/v4/pkg/apiutil"
+	"github.com/osrg/gobgp/v4/pkg/packet/bgp"
+	"github.com/osrg/gobgp/v4/pkg/server"
+
+	"github.com/weir-lb/weir/userspace/agent/api"
+	"github.com/weir-lb/weir/userspace/config"
+)
+
+// Speaker runs the node's BGP sessions and announces the routes it is given. Create
+// it with New, Run it once; Announce and Status may be called from any goroutine.
+type Speaker struct {
+	cfg  config.BGP
+	log  *slog.Logger
+	kick chan struct{} // a new want is waiting; buffered 1
+
+	mu        sync.Mutex
+	want      []Route
+	withheld  []Withheld
+	drain     drainState
+	announced map[netip.Prefix]Route // what the speaker's RIB holds now
+	peers     map[netip.Addr]*peerState
+}
+
+type drainState struct {
+	on           bool
+	since, until time.Time
+}
+
+type peerState struct {
+	state   bgp.FSMState
+	since   time.Time // established at
+	lastErr string
+}
+
+// New returns a speaker for cfg (cfg.ASN must not be 0).
+func New(cfg config.BGP, log *slog.Logger) *Speaker {
+	s := &Speaker{cfg: cfg, log: log.With("part", "bgp"), kick: make(chan struct{}, 1),
+		announced: map[netip.Prefix]Route{}, peers: map[netip.Addr]*peerState{}}
+	for _, p := range cfg.Peers {
+		s.peers[p.Address] = &peerState{state: bgp.BGP_FSM_IDLE}
+	}
+	return s
+}
+
+// Announce makes routes what the node announces; withheld says why the other VIPs
+// are not, for status. It never blocks: the speaker applies the latest set it was
+// given.
+func (s *Speaker) Announce(routes []Route, withheld []Withheld) {
+	s.mu.Lock()
+	s.want, s.withheld = routes, withheld
+	s.mu.Unlock()
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
+}
+
+// SetDrain records the node's drain for status (the routes come through Announce).
+func (s *Speaker) SetDrain(on bool, since time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.drain = drainState{on: on, since: since, until: since.Add(s.cfg.DrainTimeout)}
+}
+
+// Run starts the BGP server, dials the peers (and listens if the config says so)
+// and announces what Announce last gave it until ctx is done; then it ends every
+// session with a Cease notification, which withdraws the routes at once.
+func (s *Speaker) Run(ctx context.Context) error {
+	lvl := &slog.LevelVar{}
+	lvl.Set(slog.LevelWarn) // GoBGP's own info lines repeat what this package logs
+	srv := server.NewBgpServer(server.LoggerOption(s.log, lvl))
+	served := make(chan struct{})
+	// Exits when StopBgp ends the server.
+	go func() {
+		defer close(served)
+		srv.Serve()
+	}()
+	listen := int32(-1) // GoBGP's "no listener"
+	if s.cfg.ListenPort != 0 {
+		listen = int32(s.cfg.ListenPort)
+	}
+	if err := srv.StartBgp(ctx, &gobgpapi.StartBgpRequest{Global: &gobgpapi.Global{
+		Asn: s.cfg.ASN, RouterId: s.cfg.RouterID.String(), ListenPort: listen}}); err != nil {
+		return fmt.Errorf("bgp: start: %w", err)
+	}
+	stop := func() {
+		// A fresh context: ctx is done when the agent stops, and the Cease must go out.
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := srv.StopBgp(sctx, &gobgpapi.StopBgpRequest{}); err != nil {
+			s.log.Error("stop bgp", "err", err)
+		}
+		<-served
+	}
+	watchCtx, cancelWatch := context.WithCancel(ctx)
+	defer cancelWatch()
+	if err := srv.WatchEvent(watchCtx, server.WatchEventMessageCallbacks{OnPeerUpdate: s.onPeer}, server.WatchPeer()); err != nil {
+		stop()
+		return fmt.Errorf("bgp: watch peers: %w", err)
+	}
+	for _, p := range s.cfg.Peers {
+		if err := srv.AddPeer(ctx, &gobgpapi.AddPeerRequest{Peer: s.peer(p)}); err != nil {
+			stop()
+			return fmt.Errorf("bgp: peer %s: %w", p.Address, err)
+		}
+	}
+	s.log.Info("bgp speaker running", "asn", s.cfg.ASN, "router_id", s.cfg.RouterID, "peers", len(s.cfg.Peers), "listen_port", s.cfg.ListenPort)
+	for {
+		select {
+		case <-ctx.Done():
+			s.mu.Lock()
+			n := len(s.announced)
+			clear(s.announced)
+			s.mu.Unlock()
+			stop()
+			s.log.Info("bgp speaker stopped: sessions closed, routes withdrawn", "routes", n)
+			return nil
+		case <-s.kick:
+			if err := s.apply(srv); err != nil {
+				s.log.Error("bgp: apply routes", "err", err)
+			}
+		}
+	}
+}
+
+// peer is the GoBGP form of one configured peer.
+func (s *Speaker) peer(p config.Peer) *gobgpapi.Peer {
+	gp := &gobgpapi.Peer{
+		Conf:      &gobgpapi.PeerConf{NeighborAddress: p.Address.String(), PeerAsn: p.ASN, AuthPassword: p.Password},
+		Timers:    &gobgpapi.Timers{Config: &gobgpapi.TimersConfig{HoldTime: uint64(p.HoldTime / time.Second), KeepaliveInterval: uint64(p.Keepalive / time.Second), ConnectRetry: 1}},
+		Transport: &gobgpapi.Transport{RemotePort: uint32(p.Port), PassiveMode: false},
+	}
+	if p.Multihop > 0 {
+		gp.EbgpMultihop = &gobgpapi.EbgpMultihop{Enabled: true, MultihopTtl: uint32(p.Multihop)}
+	}
+	// A family is offered where its routes have a next hop: the session's own
+	// address, or a configured one.
+	for _, v4 := range []bool{true, false} {
+		_, nh := s.cfg.NextHopFor(netip.IPv4Unspecified())
+		if !v4 {
+			_, nh = s.cfg.NextHopFor(netip.IPv6Unspecified())
+		}
+		if p.Address.Is4() != v4 && !nh {
+			continue
+		}
+		afi := gobgpapi.Family_AFI_IP
+		if !v4 {
+			afi = gobgpapi.Family_AFI_IP6
+		}
+		gp.AfiSafis = append(gp.AfiSafis, &gobgpapi.AfiSafi{Config: &gobgpapi.AfiSafiConfig{
+			Family: &gobgpapi.Family{Afi: afi, Safi: gobgpapi.Family_SAFI_UNICAST}, Enabled: true}})
+	}
+	return gp
+}
+
+func (s *Speaker) onPeer(ev *apiutil.WatchEventMessage_PeerEvent, at time.Time) {
+	if ev.Type != apiutil.PEER_EVENT_STATE {
+		return
+	}
+	addr := ev.Peer.State.NeighborAddress
+	if !addr.IsValid() {
+		addr = ev.Peer.Conf.NeighborAddress
+	}
+	s.mu.Lock()
+	p, ok := s.peers[addr.Unmap()]
+	if !ok {
+		s.mu.Unlock()
+		return
+	}
+	was := p.state
+	p.state = ev.Peer.State.SessionState
+	switch {
+	case p.state == bgp.BGP_FSM_ESTABLISHED && was != p.state:
+		p.since = at
+	case p.state != bgp.BGP_FSM_ESTABLISHED:
+		p.since = time.Time{}
+		if m := ev.Peer.State.DisconnectMessage; m != "" {
+			p.lastErr = m
+		}
+	}
+	state, lastErr := p.state, p.lastErr
+	s.mu.Unlock()
+	if was != state {
+		s.log.Info("bgp session", "peer", addr, "state", stateName(state), "was", stateName(was), "last_error", lastErr)
+	}
+}
+
+// apply adds and withdraws the difference between the RIB and the latest want.
+func (s *Speaker) apply(srv *server.BgpServer) error {
+	s.mu.Lock()
+	want := slices.Clone(s.want)
+	have := make(map[netip.Prefix]Route, len(s.announced))
+	for p, r := range s.announced {
+		have[p] = r
+	}
+	s.mu.Unlock()
+	var errs []error
+	keep := map[netip.Prefix]bool{}
+	for _, r := range want {
+		keep[r.Prefix] = true
+		if h, ok := have[r.Prefix]; ok && h.equal(&r) {
+			s.setAnnounced(r.Prefix, &r) // the services keeping it up may differ
+			continue
+		}
+		path, err := s.path(r)
+		if err == nil {
+			_, err = srv.AddPath(apiutil.AddPathRequest{Paths: []*apiutil.Path{path}})
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("announce %s: %w", r.Prefix, err))
+			continue
+		}
+		s.setAnnounced(r.Prefix, &r)
+		s.log.Info("bgp announce", "prefix", r.Prefix, "services", r.Services)
+	}
+	for p, r := range have {
+		if keep[p] {
+			continue
+		}
+		path, err := s.path(r)
+		if err == nil {
+			err = srv.DeletePath(apiutil.DeletePathRequest{Paths: []*apiutil.Path{path}})
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("withdraw %s: %w", p, err))
+			continue
+		}
+		s.setAnnounced(p, nil)
+		s.log.Info("bgp withdraw", "prefix", p)
+	}
+	return errors.Join(errs...)
+}
+
+func (s *Speaker) setAnnounced(p netip.Prefix, r *Route) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if r == nil {
+		delete(s.announced, p)
+		return
+	}
+	s.announced[p] = *r
+}
+
+// path is the GoBGP path of r: origin IGP, the next hop of its family (unspecified:
+// GoBGP puts the session's local address), and the service's policy.
+func (s *Speaker) path(r Route) (*apiutil.Path, error) {
+	nlri, err := bgp.NewIPAddrPrefix(r.Prefix)
+	if err != nil {
+		return nil, err
+	}
+	nh, ok := s.cfg.NextHopFor(r.Prefix.Addr())
+	if !ok {
+		nh = netip.IPv4Unspecified()
+		if r.Prefix.Addr().Is6() {
+			nh = netip.IPv6Unspecified()
+		}
+	}
+	attrs := []bgp.PathAttributeInterface{bgp.NewPathAttributeOrigin(bgp.BGP_ORIGIN_ATTR_TYPE_IGP)}
+	family := bgp.RF_IPv4_UC
+	if r.Prefix.Addr().Is4() {
+		a, err := bgp.NewPathAttributeNextHop(nh)
+		if err != nil {
+			return nil, err
+		}
+		attrs = append(attrs, a)
+	} else {
+		family = bgp.RF_IPv6_UC
+		a, err := bgp.NewPathAttributeMpReachNLRI(family, []bgp.PathNLRI{{NLRI: nlri}}, nh)
+		if err != nil {
+			return nil, err
+		}
+		attrs = append(attrs, a)
+	}
+	if len(r.Communities) > 0 {
+		attrs = append(attrs, bgp.NewPathAttributeCommunities(r.Communities))
+	}
+	if r.MED != 0 {
+		attrs = append(attrs, bgp.NewPathAttributeMultiExitDisc(r.MED))
+	}
+	if r.LocalPref != 0 {
+		attrs = append(attrs, bgp.NewPathAttributeLocalPref(r.LocalPref))
+	}
+	return &apiutil.Path{Family: family, Nlri: nlri, Attrs: attrs}, nil
+}
+
+// Status is the speaker's sessions and routes now.
+func (s *Speaker) Status() *api.BGPStatus {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := &api.BGPStatus{ASN: s.cfg.ASN, RouterID: s.cfg.RouterID.String(), Drained: s.drain.on,
+		Peers: []api.PeerStatus{}, Announced: []api.RouteStatus{}}
+	if s.drain.on {
+		st.DrainedSince, st.DrainUntil = s.drain.since, s.drain.until
+	}
+	now := time.Now()
+	for _, p := range s.cfg.Peers {
+		ps := s.peers[p.Address]
+		out := api.PeerStatus{Address: p.Address.String(), ASN: p.ASN, State: stateName(ps.state), LastError: ps.lastErr}
+		if !ps.since.IsZero() {
+			out.Since, out.Uptime = ps.since, now.Sub(ps.since).Round(time.Second).String()
+		}
+		st.Peers = append(st.Peers, out)
+	}
+	for _, r := range s.want {
+		if _, ok := s.announced[r.Prefix]; !ok {
+			continue
+		}
+		rs := api.RouteStatus{Prefix: r.Prefix.String(), Services: r.Services, MED: r.MED, LocalPref: r.LocalPref}
+		for _, c := range r.Communities {
+			rs.Communities = append(rs.Communities, strconv.Itoa(int(c>>16))+":"+strconv.Itoa(int(c&0xffff)))
+		}
+		st.Announced = append(st.Announced, rs)
+	}
+	for _, w := range s.withheld {
+		st.Withheld = append(st.Withheld, api.WithheldRoute{Prefix: w.Prefix.String(), Why: w.Why})
+	}
+	return st
+}
+
+func stateName(s bgp.FSMState) string {
+	switch s {
+	case bgp.BGP_FSM_IDLE:
+		return "idle"
+	case bgp.BGP_FSM_CONNECT:
+		return "connect"
+	case bgp.BGP_FSM_ACTIVE:
+		return "active"
+	case bgp.BGP_FSM_OPENSENT:
+		return "opensent"
+	case bgp.BGP_FSM_OPENCONFIRM:
+		return "openconfirm"
+	case bgp.BGP_FSM_ESTABLISHED:
+		return "established"
+	}
+	return fmt.Sprintf("state %d", int(s))
+}

@@ -1,0 +1,89 @@
+package config
+
+import (
+	"net/netip"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+)
+
+const bgpBase = `bgp:
+  asn: 65001
+  router_id: 10.80.0.1
+  peers:
+  - {address: 10.80.0.254, asn: 65000%s}
+services:
+- name: web
+  vip: 10.80.100.1:80
+  bgp: {communities: ["65000:100", "65000:7"], med: 20}
+  backends: [{address: 10.80.0.11:80}]
+`
+
+func TestBGPResolved(t *testing.T) {
+	cfg, err := Parse([]byte(strings.Replace(bgpBase, "%s", ", hold_time: 3s, password: s3cret, multihop: 4", 1)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := BGP{ASN: 65001, RouterID: netip.MustParseAddr("10.80.0.1"), DrainTimeout: DefaultBGPDrainTime,
+		Peers: []Peer{{Address: netip.MustParseAddr("10.80.0.254"), ASN: 65000, Port: 179, Password: "s3cret",
+			HoldTime: 3 * time.Second, Keepalive: time.Second, Multihop: 4}}}
+	if !reflect.DeepEqual(cfg.BGP, want) {
+		t.Errorf("bgp: got %+v; want %+v", cfg.BGP, want)
+	}
+	wantA := Announce{Enabled: true, Communities: []uint32{65000<<16 | 100, 65000<<16 | 7}, MED: 20}
+	if got := cfg.Services[0].BGP; !reflect.DeepEqual(got, wantA) {
+		t.Errorf("services[0].bgp: got %+v; want %+v", got, wantA)
+	}
+	cfg, err = Parse([]byte(strings.Replace(bgpBase, "%s", "", 1)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := cfg.BGP.Peers[0]; p.HoldTime != DefaultHoldTime || p.Keepalive != 30*time.Second {
+		t.Errorf("default timers: got hold %v keepalive %v; want 90s and 30s", p.HoldTime, p.Keepalive)
+	}
+	// Without a bgp section nothing is announced, whatever the service says.
+	cfg, err = Parse([]byte("services:\n- name: a\n  vip: 192.0.2.1:443\n  backends: [{address: 192.0.2.10:443}]\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.BGP.ASN != 0 || cfg.Services[0].BGP.Enabled {
+		t.Errorf("no bgp section: got %+v, service %+v; want both zero", cfg.BGP, cfg.Services[0].BGP)
+	}
+}
+
+func TestBGPErrors(t *testing.T) {
+	for _, c := range []struct {
+		name, file, want string
+	}{
+		{"no asn", "bgp: {router_id: 10.0.0.1, peers: [{address: 10.0.0.2, asn: 1}]}\n", "line 1: bgp.asn: missing"},
+		{"v6 router id", "bgp: {asn: 1, router_id: 'fd00::1', peers: [{address: 10.0.0.2, asn: 1}]}\n", "bgp.router_id: must be an IPv4 address"},
+		{"no peers", "bgp: {asn: 1, router_id: 10.0.0.1}\n", "bgp.peers: missing"},
+		{"short hold", "bgp:\n  asn: 1\n  router_id: 10.0.0.1\n  peers:\n  - {address: 10.0.0.2, asn: 2, hold_time: 2s}\n", "line 5: bgp.peers[0].hold_time: must be 0 (no keepalives) or 3s..65535s"},
+		{"keepalive over hold", "bgp:\n  asn: 1\n  router_id: 10.0.0.1\n  peers:\n  - {address: 10.0.0.2, asn: 2, hold_time: 3s, keepalive: 3s}\n", "bgp.peers[0].keepalive: must be whole seconds, at least 1s and below hold_time (3s)"},
+		{"duplicate peer", "bgp:\n  asn: 1\n  router_id: 10.0.0.1\n  peers:\n  - {address: 10.0.0.2, asn: 2}\n  - {address: 10.0.0.2, asn: 3}\n", "line 6: bgp.peers[1].address: 10.0.0.2 is already bgp.peers[0]"},
+		{"bad port", "bgp:\n  asn: 1\n  router_id: 10.0.0.1\n  peers: [{address: 10.0.0.2, asn: 2, port: 70000}]\n", "bgp.peers[0].port: must be 1..65535, got 70000"},
+		{"bad listen port", "bgp: {asn: 1, router_id: 10.0.0.1, listen_port: -1, peers: [{address: 10.0.0.2, asn: 2}]}\n", "bgp.listen_port: must be 0"},
+		{"two v4 next hops", "bgp: {asn: 1, router_id: 10.0.0.1, next_hop: [10.0.0.1, 10.0.0.3], peers: [{address: 10.0.0.2, asn: 2}]}\n", "bgp.next_hop[1]: one next hop per address family"},
+		{"bad multihop", "bgp: {asn: 1, router_id: 10.0.0.1, peers: [{address: 10.0.0.2, asn: 2, multihop: 300}]}\n", "bgp.peers[0].multihop: must be 0"},
+		{"unknown field", "bgp: {asn: 1, router_id: 10.0.0.1, peer: [{address: 10.0.0.2, asn: 2}]}\n", "bgp.peer: unknown field; did you mean \"peers\"?"},
+		{"bad community", "bgp: {asn: 1, router_id: 10.0.0.1, peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n- name: a\n  vip: 10.1.0.1:80\n  bgp: {communities: [65000:70000]}\n  backends: [{address: 10.1.0.2:80}]\n",
+			"line 5: services[0].bgp.communities[0]: must be ASN:value"},
+		{"v6 vip without v6 next hop", "bgp: {asn: 1, router_id: 10.0.0.1, peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n- name: a\n  vip: '[fd00::1]:80'\n  backends: [{address: '[fd00::2]:80'}]\n",
+			"services[0].bgp: the IPv6 VIP fd00::1 has no next hop to be announced with"},
+		{"shared vip, two policies", "bgp: {asn: 1, router_id: 10.0.0.1, peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n- name: a\n  vip: 10.1.0.1:80\n  bgp: {med: 1}\n  backends: [{address: 10.1.0.2:80}]\n- name: b\n  vip: 10.1.0.1:443\n  bgp: {med: 2}\n  backends: [{address: 10.1.0.2:443}]\n",
+			"services[1].bgp: services[0] announces the same address 10.1.0.1 with another policy"},
+		{"policy without bgp", "services:\n- name: a\n  vip: 10.1.0.1:80\n  bgp: {med: 1}\n  backends: [{address: 10.1.0.2:80}]\n", "services[0].bgp: an announce policy needs the top-level bgp section"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			file := c.file
+			if !strings.Contains(file, "services:") {
+				file += "services:\n- name: a\n  vip: 10.1.0.1:80\n  backends: [{address: 10.1.0.2:80}]\n"
+			}
+			_, err := Parse([]byte(file))
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("got %v; want an error containing %q", err, c.want)
+			}
+		})
+	}
+}
