@@ -204,6 +204,15 @@ func (x *Plane) Status(detachOnStop bool) api.XDPStatus {
 	return st
 }
 
+// ExpirePreviousTables ends the fallback of lookup tables replaced longer ago than
+// the window (loader.Options.PreviousTableWindow).
+func (x *Plane) ExpirePreviousTables(now time.Time) error {
+	if x.prog == nil {
+		return nil
+	}
+	return x.prog.ExpirePreviousTables(now)
+}
+
 // FlowIdle is how long the program remembers an idle established TCP flow.
 func (x *Plane) FlowIdle() time.Duration {
 	if x.prog == nil {
