@@ -126,6 +126,9 @@ func (p *Program) ExpirePreviousTables(now time.Time) error {
 	return errors.Join(errs...)
 }
 
+// PreviousTableWindow returns Options.PreviousTableWindow as loaded.
+func (p *Program) PreviousTableWindow() time.Duration { return p.opts.PreviousTableWindow }
+
 // TableInfo describes a service's lookup tables.
 type TableInfo struct {
 	// Fingerprint identifies the current table by its backends' addresses and

@@ -29,6 +29,7 @@ type descs struct {
 	serviceDataPlane, serviceDown, servicePackets, serviceBytes, serviceConns, serviceAccepted *prometheus.Desc
 	backendPackets, backendBytes, serviceFlows, backendFlows, backendConns, backendConnects    *prometheus.Desc
 	backendUsable, backendHealth, backendWeight, backendDrained, xdpReason, xdpLoaded          *prometheus.Desc
+	tableInfo, prevTableInfo, prevTableAge                                                     *prometheus.Desc
 }
 
 // New returns the registry; status is read at every scrape.
@@ -67,6 +68,11 @@ func New(status func() (api.Status, error)) *Metrics {
 		backendDrained:   d("weir_backend_drained", "1 while the backend is drained.", "service", "backend"),
 		xdpReason:        d("weir_xdp_packets_total", "Packets the XDP program counted, by verdict reason (drop_* are drops).", "reason"),
 		xdpLoaded:        d("weir_xdp_loaded", "1 while the XDP program is loaded and attached."),
+		tableInfo: d("weir_service_table_info", "1, labelled with the fingerprint of the service's XDP lookup table: nodes with equal fingerprints "+
+			"give every new flow the same backend (alert when they differ; \"\" is no table).", "service", "fingerprint"),
+		prevTableInfo: d("weir_service_previous_table_info", "1, labelled with the fingerprint of the lookup table the current one replaced, "+
+			"while the previous-table fallback may use it.", "service", "fingerprint"),
+		prevTableAge: d("weir_service_previous_table_age_seconds", "Seconds since the service's previous lookup table was replaced, while the fallback may use it.", "service"),
 	}
 	m.reg.MustRegister(m.checks, m.reloads, m, prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
 	return m
@@ -100,7 +106,7 @@ func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{m.d.serviceDataPlane, m.d.serviceDown, m.d.servicePackets, m.d.serviceBytes,
 		m.d.serviceConns, m.d.serviceAccepted, m.d.backendPackets, m.d.backendBytes, m.d.serviceFlows, m.d.backendFlows,
 		m.d.backendConns, m.d.backendConnects, m.d.backendUsable, m.d.backendHealth, m.d.backendWeight,
-		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded} {
+		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded, m.d.tableInfo, m.d.prevTableInfo, m.d.prevTableAge} {
 		ch <- d
 	}
 }
@@ -132,6 +138,13 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		g(m.d.serviceDataPlane, 1, s.Name, s.DataPlane)
 		g(m.d.serviceDown, b2f(s.AllDown), s.Name)
 		c(m.d.serviceBytes, s.Bytes, s.Name, s.DataPlane)
+		if t := s.Table; t != nil {
+			g(m.d.tableInfo, 1, s.Name, t.Fingerprint)
+			if t.Previous != "" {
+				g(m.d.prevTableInfo, 1, s.Name, t.Previous)
+				g(m.d.prevTableAge, t.PreviousAgeSeconds, s.Name)
+			}
+		}
 		if s.DataPlane == api.PlaneXDP {
 			c(m.d.servicePackets, s.Packets, s.Name)
 			if s.Mode == string(config.ModeNAT) {
