@@ -110,6 +110,7 @@ enum stat_reason {
 	STAT_FLOW_UNTRACKED,       // dsr/tunnel: over the new-flow rate, sent by the lookup table, not recorded
 	STAT_DROP_FLOW_RATE,       // nat: over the new-flow rate, dropped
 	STAT_DROP_HALF_OPEN_FULL,  // nat: the half-open table refused a new flow's port claim
+	STAT_FLOW_FALLBACK,        // TCP, not a SYN, unknown here: sent by the previous lookup table, which disagrees with the current one
 	STAT_MAX,
 };
 

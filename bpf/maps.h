@@ -142,3 +142,14 @@ struct {
 	__type(key, __u32);
 	__type(value, __u32);
 } tx_ports SEC(".maps");
+
+// Service id -> the lookup table its current one replaced, while that generation is
+// younger than the loader's previous-table window (the loader deletes it then; it
+// is never filled with the window 0). Same inner maps as lookup_tables: the loader
+// moves the replaced table here as it swaps the new one in (select.h miss_backend).
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, MAX_SERVICES);
+	__type(key, __u32);
+	__array(values, struct lookup_table);
+} prev_lookup_tables SEC(".maps");

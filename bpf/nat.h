@@ -462,7 +462,7 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 			return action;
 	}
 
-	action = new_flow_backend(p, svc, &be, &id);
+	action = miss_backend(p, svc, &be, &id, &event);
 	if (action != CONTINUE)
 		return action;
 	if (!new_flow_allowed(now))

@@ -63,6 +63,60 @@ static __always_inline int is_syn(const struct packet *p)
 	       (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
 }
 
+// table_slot is the backend slot a lookup table (an inner map) holds for hash h, or
+// -1 if the table is empty or cannot be read.
+static __always_inline __s64 table_slot(void *table, __u32 h)
+{
+	__u32 zero = 0, index, *size, *slot;
+
+	size = bpf_map_lookup_elem(table, &zero);
+	if (!size || *size == 0)
+		return -1;
+	index = 1 + h % *size;
+	slot = bpf_map_lookup_elem(table, &index);
+	if (!slot)
+		return -1;
+	return *slot;
+}
+
+// miss_backend sets *be and *id to the backend of a packet whose flow the connection
+// table does not hold (*event is still flow_new), or of one it starts again
+// (flow_reselect), or returns a verdict. A TCP packet that is not a SYN belongs to a
+// connection opened before it: here before this node forgot it, or on another node
+// whose flows the network moved here (a balancer failed, ECMP rehashed). If the
+// service's lookup table changed since, the connection's backend is the one the
+// previous generation gives, as long as that backend is usable: it takes it, and
+// *event becomes flow_fallback when the current table would have sent it elsewhere.
+// Everything else (SYNs, UDP, a flow re-selected because its backend became
+// unusable, no previous generation) is a new flow: new_flow_backend. The hash is
+// computed once for both tables.
+static __always_inline int miss_backend(struct packet *p, struct service *svc, struct backend **be,
+					__u32 *id, enum stat_reason *event)
+{
+	void *prev, *table;
+	struct backend *old;
+	__s64 slot, cur;
+	__u32 h;
+
+	if (*event != STAT_FLOW_NEW || p->flow.proto != IPPROTO_TCP || is_syn(p))
+		return new_flow_backend(p, svc, be, id);
+	prev = bpf_map_lookup_elem(&prev_lookup_tables, &svc->id);
+	if (!prev)
+		return new_flow_backend(p, svc, be, id);
+	h = flow_hash(&p->flow, svc->flags & SERVICE_F_SOURCE_HASH);
+	slot = table_slot(prev, h);
+	old = slot < 0 ? 0 : usable_backend((__u32)slot, svc->id);
+	if (!old)
+		return new_flow_backend(p, svc, be, id);
+	table = bpf_map_lookup_elem(&lookup_tables, &svc->id);
+	cur = table ? table_slot(table, h) : -1;
+	*be = old;
+	*id = (__u32)slot;
+	if (cur != slot)
+		*event = STAT_FLOW_FALLBACK;
+	return CONTINUE;
+}
+
 // new_flow_allowed reports whether this CPU may record one more new flow now: a
 // generic cell rate algorithm (one word per CPU, no division on the packet path).
 static __always_inline int new_flow_allowed(__u64 now)
@@ -136,7 +190,7 @@ static __always_inline int select_backend(struct packet *p, struct service *svc,
 		}
 	}
 
-	action = new_flow_backend(p, svc, be, id);
+	action = miss_backend(p, svc, be, id, &event);
 	if (action != CONTINUE)
 		return action;
 	now = bpf_ktime_get_coarse_ns();

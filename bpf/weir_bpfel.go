@@ -165,7 +165,8 @@ const (
 	WeirStatReasonSTAT_FLOW_UNTRACKED      WeirStatReason = 21
 	WeirStatReasonSTAT_DROP_FLOW_RATE      WeirStatReason = 22
 	WeirStatReasonSTAT_DROP_HALF_OPEN_FULL WeirStatReason = 23
-	WeirStatReasonSTAT_MAX                 WeirStatReason = 24
+	WeirStatReasonSTAT_FLOW_FALLBACK       WeirStatReason = 24
+	WeirStatReasonSTAT_MAX                 WeirStatReason = 25
 )
 
 type WeirVipKey struct {
@@ -199,6 +200,7 @@ const (
 	WeirMapNatReverse4       = "nat_reverse4"
 	WeirMapNatReverse6       = "nat_reverse6"
 	WeirMapNewFlowLimit      = "new_flow_limit"
+	WeirMapPrevLookupTables  = "prev_lookup_tables"
 	WeirMapServiceStats      = "service_stats"
 	WeirMapServices          = "services"
 	WeirMapTxPorts           = "tx_ports"
@@ -266,28 +268,29 @@ type WeirProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type WeirMapSpecs struct {
-	BackendFlows    *ebpf.MapSpec `ebpf:"backend_flows"`
-	BackendStats    *ebpf.MapSpec `ebpf:"backend_stats"`
-	Backends        *ebpf.MapSpec `ebpf:"backends"`
-	GlobalStats     *ebpf.MapSpec `ebpf:"global_stats"`
-	LbConntrack4    *ebpf.MapSpec `ebpf:"lb_conntrack4"`
-	LbConntrack6    *ebpf.MapSpec `ebpf:"lb_conntrack6"`
-	LbHalfOpen4     *ebpf.MapSpec `ebpf:"lb_half_open4"`
-	LbHalfOpen6     *ebpf.MapSpec `ebpf:"lb_half_open6"`
-	LookupTables    *ebpf.MapSpec `ebpf:"lookup_tables"`
-	NatConntrack4   *ebpf.MapSpec `ebpf:"nat_conntrack4"`
-	NatConntrack6   *ebpf.MapSpec `ebpf:"nat_conntrack6"`
-	NatCursor       *ebpf.MapSpec `ebpf:"nat_cursor"`
-	NatHalfOpen4    *ebpf.MapSpec `ebpf:"nat_half_open4"`
-	NatHalfOpen6    *ebpf.MapSpec `ebpf:"nat_half_open6"`
-	NatHalfReverse4 *ebpf.MapSpec `ebpf:"nat_half_reverse4"`
-	NatHalfReverse6 *ebpf.MapSpec `ebpf:"nat_half_reverse6"`
-	NatReverse4     *ebpf.MapSpec `ebpf:"nat_reverse4"`
-	NatReverse6     *ebpf.MapSpec `ebpf:"nat_reverse6"`
-	NewFlowLimit    *ebpf.MapSpec `ebpf:"new_flow_limit"`
-	ServiceStats    *ebpf.MapSpec `ebpf:"service_stats"`
-	Services        *ebpf.MapSpec `ebpf:"services"`
-	TxPorts         *ebpf.MapSpec `ebpf:"tx_ports"`
+	BackendFlows     *ebpf.MapSpec `ebpf:"backend_flows"`
+	BackendStats     *ebpf.MapSpec `ebpf:"backend_stats"`
+	Backends         *ebpf.MapSpec `ebpf:"backends"`
+	GlobalStats      *ebpf.MapSpec `ebpf:"global_stats"`
+	LbConntrack4     *ebpf.MapSpec `ebpf:"lb_conntrack4"`
+	LbConntrack6     *ebpf.MapSpec `ebpf:"lb_conntrack6"`
+	LbHalfOpen4      *ebpf.MapSpec `ebpf:"lb_half_open4"`
+	LbHalfOpen6      *ebpf.MapSpec `ebpf:"lb_half_open6"`
+	LookupTables     *ebpf.MapSpec `ebpf:"lookup_tables"`
+	NatConntrack4    *ebpf.MapSpec `ebpf:"nat_conntrack4"`
+	NatConntrack6    *ebpf.MapSpec `ebpf:"nat_conntrack6"`
+	NatCursor        *ebpf.MapSpec `ebpf:"nat_cursor"`
+	NatHalfOpen4     *ebpf.MapSpec `ebpf:"nat_half_open4"`
+	NatHalfOpen6     *ebpf.MapSpec `ebpf:"nat_half_open6"`
+	NatHalfReverse4  *ebpf.MapSpec `ebpf:"nat_half_reverse4"`
+	NatHalfReverse6  *ebpf.MapSpec `ebpf:"nat_half_reverse6"`
+	NatReverse4      *ebpf.MapSpec `ebpf:"nat_reverse4"`
+	NatReverse6      *ebpf.MapSpec `ebpf:"nat_reverse6"`
+	NewFlowLimit     *ebpf.MapSpec `ebpf:"new_flow_limit"`
+	PrevLookupTables *ebpf.MapSpec `ebpf:"prev_lookup_tables"`
+	ServiceStats     *ebpf.MapSpec `ebpf:"service_stats"`
+	Services         *ebpf.MapSpec `ebpf:"services"`
+	TxPorts          *ebpf.MapSpec `ebpf:"tx_ports"`
 }
 
 // WeirVariableSpecs contains global variables before they are loaded into the kernel.
@@ -328,28 +331,29 @@ func (o *WeirObjects) Close() error {
 //
 // It can be passed to LoadWeirObjects or ebpf.CollectionSpec.LoadAndAssign.
 type WeirMaps struct {
-	BackendFlows    *ebpf.Map `ebpf:"backend_flows"`
-	BackendStats    *ebpf.Map `ebpf:"backend_stats"`
-	Backends        *ebpf.Map `ebpf:"backends"`
-	GlobalStats     *ebpf.Map `ebpf:"global_stats"`
-	LbConntrack4    *ebpf.Map `ebpf:"lb_conntrack4"`
-	LbConntrack6    *ebpf.Map `ebpf:"lb_conntrack6"`
-	LbHalfOpen4     *ebpf.Map `ebpf:"lb_half_open4"`
-	LbHalfOpen6     *ebpf.Map `ebpf:"lb_half_open6"`
-	LookupTables    *ebpf.Map `ebpf:"lookup_tables"`
-	NatConntrack4   *ebpf.Map `ebpf:"nat_conntrack4"`
-	NatConntrack6   *ebpf.Map `ebpf:"nat_conntrack6"`
-	NatCursor       *ebpf.Map `ebpf:"nat_cursor"`
-	NatHalfOpen4    *ebpf.Map `ebpf:"nat_half_open4"`
-	NatHalfOpen6    *ebpf.Map `ebpf:"nat_half_open6"`
-	NatHalfReverse4 *ebpf.Map `ebpf:"nat_half_reverse4"`
-	NatHalfReverse6 *ebpf.Map `ebpf:"nat_half_reverse6"`
-	NatReverse4     *ebpf.Map `ebpf:"nat_reverse4"`
-	NatReverse6     *ebpf.Map `ebpf:"nat_reverse6"`
-	NewFlowLimit    *ebpf.Map `ebpf:"new_flow_limit"`
-	ServiceStats    *ebpf.Map `ebpf:"service_stats"`
-	Services        *ebpf.Map `ebpf:"services"`
-	TxPorts         *ebpf.Map `ebpf:"tx_ports"`
+	BackendFlows     *ebpf.Map `ebpf:"backend_flows"`
+	BackendStats     *ebpf.Map `ebpf:"backend_stats"`
+	Backends         *ebpf.Map `ebpf:"backends"`
+	GlobalStats      *ebpf.Map `ebpf:"global_stats"`
+	LbConntrack4     *ebpf.Map `ebpf:"lb_conntrack4"`
+	LbConntrack6     *ebpf.Map `ebpf:"lb_conntrack6"`
+	LbHalfOpen4      *ebpf.Map `ebpf:"lb_half_open4"`
+	LbHalfOpen6      *ebpf.Map `ebpf:"lb_half_open6"`
+	LookupTables     *ebpf.Map `ebpf:"lookup_tables"`
+	NatConntrack4    *ebpf.Map `ebpf:"nat_conntrack4"`
+	NatConntrack6    *ebpf.Map `ebpf:"nat_conntrack6"`
+	NatCursor        *ebpf.Map `ebpf:"nat_cursor"`
+	NatHalfOpen4     *ebpf.Map `ebpf:"nat_half_open4"`
+	NatHalfOpen6     *ebpf.Map `ebpf:"nat_half_open6"`
+	NatHalfReverse4  *ebpf.Map `ebpf:"nat_half_reverse4"`
+	NatHalfReverse6  *ebpf.Map `ebpf:"nat_half_reverse6"`
+	NatReverse4      *ebpf.Map `ebpf:"nat_reverse4"`
+	NatReverse6      *ebpf.Map `ebpf:"nat_reverse6"`
+	NewFlowLimit     *ebpf.Map `ebpf:"new_flow_limit"`
+	PrevLookupTables *ebpf.Map `ebpf:"prev_lookup_tables"`
+	ServiceStats     *ebpf.Map `ebpf:"service_stats"`
+	Services         *ebpf.Map `ebpf:"services"`
+	TxPorts          *ebpf.Map `ebpf:"tx_ports"`
 }
 
 func (m *WeirMaps) Close() error {
@@ -373,6 +377,7 @@ func (m *WeirMaps) Close() error {
 		m.NatReverse4,
 		m.NatReverse6,
 		m.NewFlowLimit,
+		m.PrevLookupTables,
 		m.ServiceStats,
 		m.Services,
 		m.TxPorts,

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"net/netip"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/weir-lb/weir/bpf"
 )
 
@@ -22,6 +24,13 @@ type Explanation struct {
 	TrackedUsable bool
 	// NATPort is the flow's source port towards its backend (nat mode).
 	NATPort uint16
+	// Previous is the backend the previous generation of the lookup table gives,
+	// while the fallback may use it (zero otherwise): where a TCP packet that is not
+	// a SYN goes when no flow table here knows its flow, if that backend is usable.
+	Previous netip.AddrPort
+	// Fingerprint identifies the current lookup table (TableInfo.Fingerprint):
+	// nodes with equal fingerprints give every new flow the same backend.
+	Fingerprint string
 }
 
 // Explain answers "where does this client go": the backend the lookup table gives a
@@ -45,16 +54,23 @@ func (p *Program) Explain(key ServiceKey, client netip.AddrPort) (Explanation, e
 	for _, b := range st.spec.Backends {
 		bySlot[st.slots[b.Addr]] = b
 	}
-	if st.table != nil {
+	ex.Fingerprint = st.fingerprint
+	h := flowHash(&fk, p.opts.HashSeed, st.spec.SourceHash)
+	for _, t := range []struct {
+		table *ebpf.Map
+		pick  *netip.AddrPort
+	}{{st.table, &ex.New}, {st.previous, &ex.Previous}} {
+		if t.table == nil || t.pick == &ex.Previous && st.prevSince.IsZero() {
+			continue
+		}
 		var size, slot uint32
-		if err := st.table.Lookup(uint32(0), &size); err != nil {
+		if err := t.table.Lookup(uint32(0), &size); err != nil {
 			return Explanation{}, fmt.Errorf("explain %s: read table: %w", key, err)
 		}
-		h := flowHash(&fk, p.opts.HashSeed, st.spec.SourceHash)
-		if err := st.table.Lookup(1+h%size, &slot); err != nil {
+		if err := t.table.Lookup(1+h%size, &slot); err != nil {
 			return Explanation{}, fmt.Errorf("explain %s: read table: %w", key, err)
 		}
-		ex.New = bySlot[slot].Addr
+		*t.pick = bySlot[slot].Addr
 	}
 	var found bool
 	var slot uint32

@@ -35,6 +35,7 @@ func (p *Program) Model() (*Model, error) {
 		MaxBackends:  p.objs.BackendStats.MaxEntries(),
 		Services:     make(map[bpf.WeirVipKey]bpf.WeirService),
 		Tables:       make(map[uint32][]uint32),
+		PrevTables:   make(map[uint32][]uint32),
 		TxPorts:      make(map[uint32]bool),
 	}
 	m.NewFlowIntervalNs, m.NewFlowBurstNs = p.opts.flowLimitNs()
@@ -69,22 +70,39 @@ func (p *Program) Model() (*Model, error) {
 		if _, done := m.Tables[svc.Id]; done {
 			continue
 		}
-		var inner *ebpf.Map
-		err := p.objs.LookupTables.Lookup(svc.Id, &inner)
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			continue
+		for _, t := range []struct {
+			outer *ebpf.Map
+			into  map[uint32][]uint32
+		}{{p.objs.LookupTables, m.Tables}, {p.objs.PrevLookupTables, m.PrevTables}} {
+			table, err := readTable(t.outer, svc.Id)
+			if err != nil {
+				return nil, err
+			}
+			if table != nil {
+				t.into[svc.Id] = table
+			}
 		}
-		if err != nil {
-			return nil, fmt.Errorf("read lookup table of service id %d: %w", svc.Id, err)
-		}
-		table, err := readArray[uint32](inner, inner.MaxEntries())
-		inner.Close()
-		if err != nil {
-			return nil, fmt.Errorf("read lookup table of service id %d: %w", svc.Id, err)
-		}
-		m.Tables[svc.Id] = table
 	}
 	return m, nil
+}
+
+// readTable reads the inner map an outer map of lookup tables holds for a service
+// (nil if none).
+func readTable(outer *ebpf.Map, id uint32) ([]uint32, error) {
+	var inner *ebpf.Map
+	err := outer.Lookup(id, &inner)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read %s of service id %d: %w", outer, id, err)
+	}
+	defer inner.Close()
+	table, err := readArray[uint32](inner, inner.MaxEntries())
+	if err != nil {
+		return nil, fmt.Errorf("read %s of service id %d: %w", outer, id, err)
+	}
+	return table, nil
 }
 
 // readAll copies a hash map into out.

@@ -3,6 +3,7 @@
 package loader
 
 import (
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"net"
@@ -56,6 +57,14 @@ type Options struct {
 	// sent by the lookup table without being recorded (flow_untracked). NewFlowBurst
 	// is how many flows may come at once above the rate (0: a tenth of a second's).
 	NewFlowRate, NewFlowBurst uint32
+	// PreviousTableWindow is how long a service's replaced lookup table stays
+	// addressable after a change: a TCP packet that is not a SYN and that the
+	// connection table does not know (a connection opened on another node that the
+	// network moved here, or forgotten here) is sent by the previous generation's
+	// pick while its backend is usable (flow_fallback). 0: no fallback. The
+	// generation expires when ExpirePreviousTables runs past the window (the agent
+	// calls it every second) or when the next change replaces it.
+	PreviousTableWindow time.Duration
 	// NAT is the source side of nat-mode services.
 	NAT NATOptions
 	// PinPath, a directory on a bpf filesystem (e.g. /sys/fs/bpf/weir), pins the maps
@@ -193,7 +202,13 @@ type serviceState struct {
 	spec     Service
 	slots    map[netip.AddrPort]uint32
 	table    *ebpf.Map // the table packets use now
-	previous *ebpf.Map // the generation it replaced, kept readable for a later fallback
+	previous *ebpf.Map // the generation it replaced; in prev_lookup_tables while prevSince is set
+	// What each generation holds (tableSum: its slots, fingerprint: its backends'
+	// identities; see fingerprint.go), and when the previous one was replaced (zero:
+	// not addressable, or none).
+	tableSum, prevSum      [sha256.Size]byte
+	fingerprint, prevPrint string
+	prevSince              time.Time
 }
 
 // Load loads the program and creates its maps. It needs CAP_BPF and CAP_NET_ADMIN
@@ -649,32 +664,44 @@ func (p *Program) apply(st *serviceState, s Service) error {
 		slots[b.Addr] = id
 	}
 
-	table, err := p.buildTable(s, slots)
+	gen, err := p.tableEntries(s, slots)
 	if err != nil {
 		undo()
 		return err
 	}
+	// An unchanged table is not a new generation: swapping in a copy would push the
+	// real previous one out of the fallback.
+	same := gen.sum == st.tableSum && (gen.values == nil) == (st.table == nil)
+	var table *ebpf.Map
+	if !same && gen.values != nil {
+		if table, err = p.newTable(gen.values); err != nil {
+			undo()
+			return err
+		}
+	}
 	for _, b := range s.Backends {
 		if err := p.objs.Backends.Put(slots[b.Addr], backendValue(b, st.id)); err != nil {
-			table.Close()
+			if table != nil {
+				table.Close()
+			}
 			undo()
 			return fmt.Errorf("backend %s: %w", b.Addr, err)
 		}
 	}
-	if table != nil {
-		if err := p.objs.LookupTables.Put(st.id, table); err != nil {
-			table.Close()
+	if !same {
+		if table != nil {
+			if err := p.objs.LookupTables.Put(st.id, table); err != nil {
+				table.Close()
+				undo()
+				return fmt.Errorf("swap lookup table: %w", err)
+			}
+		} else if err := p.objs.LookupTables.Delete(st.id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			undo()
-			return fmt.Errorf("swap lookup table: %w", err)
+			return fmt.Errorf("clear lookup table: %w", err)
 		}
-	} else if err := p.objs.LookupTables.Delete(st.id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		undo()
-		return fmt.Errorf("clear lookup table: %w", err)
+		p.keepPrevious(st, gen.sum)
+		st.table, st.tableSum, st.fingerprint = table, gen.sum, gen.fingerprint
 	}
-	if st.previous != nil {
-		st.previous.Close()
-	}
-	st.previous, st.table = st.table, table
 
 	for addr, id := range st.slots {
 		if _, kept := slots[addr]; !kept {
@@ -687,10 +714,18 @@ func (p *Program) apply(st *serviceState, s Service) error {
 	return nil
 }
 
-// buildTable fills a new inner map with the service's Maglev table. It returns nil,
-// without error, when no backend is usable: the service then drops new flows and
-// counts them as having no backend.
-func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32) (*ebpf.Map, error) {
+// generation is one lookup table as apply builds it: the values of its inner map
+// (nil when no backend is usable: the service then drops new flows and counts them
+// as having no backend), what it holds by slot (sum) and by backend identity
+// (fingerprint).
+type generation struct {
+	values      []uint32
+	sum         [sha256.Size]byte
+	fingerprint string
+}
+
+// tableEntries computes the service's Maglev table.
+func (p *Program) tableEntries(s Service, slots map[netip.AddrPort]uint32) (generation, error) {
 	members := make([]balance.Backend, len(s.Backends))
 	usable := 0
 	for i, b := range s.Backends {
@@ -702,7 +737,7 @@ func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32) (*ebpf.
 		}
 	}
 	if usable == 0 {
-		return nil, nil
+		return generation{sum: tableSum("", nil, nil)}, nil
 	}
 	size := s.TableSize
 	if size == 0 {
@@ -710,7 +745,7 @@ func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32) (*ebpf.
 	}
 	entries, err := balance.BuildMaglev(members, size, uint64(p.opts.HashSeed))
 	if err != nil {
-		return nil, fmt.Errorf("build lookup table: %w", err)
+		return generation{}, fmt.Errorf("build lookup table: %w", err)
 	}
 	// Entry 0 holds the size: it travels with the table, so one swap changes both.
 	values := make([]uint32, len(entries)+1)
@@ -718,6 +753,12 @@ func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32) (*ebpf.
 	for i, e := range entries {
 		values[i+1] = slots[s.Backends[e].Addr]
 	}
+	print, ids := fingerprint(s, p.opts.HashSeed, entries)
+	return generation{values: values, sum: tableSum(print, ids, slots), fingerprint: print}, nil
+}
+
+// newTable creates and fills an inner map holding values.
+func (p *Program) newTable(values []uint32) (*ebpf.Map, error) {
 	spec := p.innerSpec.Copy()
 	spec.MaxEntries = uint32(len(values))
 	spec.Name = "weir_lut"
@@ -745,6 +786,7 @@ func (p *Program) clearBackend(id uint32) {
 
 func (p *Program) releaseService(st *serviceState) {
 	_ = p.objs.LookupTables.Delete(st.id)
+	_ = p.objs.PrevLookupTables.Delete(st.id)
 	st.closeTables()
 	for _, id := range st.slots {
 		p.clearBackend(id)

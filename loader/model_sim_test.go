@@ -47,6 +47,7 @@ type Model struct {
 	Services                          map[bpf.WeirVipKey]bpf.WeirService
 	Backends                          []bpf.WeirBackend                  // the whole array, index = slot; Run writes tunnel next hops in place
 	Tables                            map[uint32][]uint32                // service id -> lookup table: entry 0 the size M, 1..M slots
+	PrevTables                        map[uint32][]uint32                // prev_lookup_tables, likewise
 	LBConntrack, LBHalfOpen           map[bpf.WeirFlowKey]bpf.WeirLbFlow // dsr and tunnel
 	NATConntrack, NATHalfOpen         map[bpf.WeirFlowKey]bpf.WeirNatFlow
 	NATReverse, NATHalfReverse        map[bpf.WeirFlowKey]bpf.WeirNatEntry
@@ -413,6 +414,44 @@ func (r *run) lookupTablePick(p *modelPacket, svc bpf.WeirService) (uint32, bpf.
 	return id, be, ok
 }
 
+// tableSlot is select.h's table_slot: the slot a table holds for hash h, or -1.
+func tableSlot(table []uint32, h uint32) int64 {
+	if len(table) == 0 || table[0] == 0 {
+		return -1
+	}
+	index := 1 + h%table[0]
+	if uint64(index) >= uint64(len(table)) {
+		return -1
+	}
+	return int64(table[index])
+}
+
+// missBackend is select.h's miss_backend: the previous generation's pick for a TCP
+// packet that is not a SYN and that the connection table does not know.
+func (r *run) missBackend(p *modelPacket, svc bpf.WeirService, event *Reason) (uint32, bpf.WeirBackend, int) {
+	prev, ok := r.m.PrevTables[svc.Id]
+	if *event != ReasonFlowNew || p.flow.Proto != protoTCP || isSYN(p) || !ok || svc.Id >= r.m.MaxServices {
+		return r.newFlowBackend(p, svc)
+	}
+	h := flowHash(&p.flow, r.m.HashSeed, svc.Flags&serviceFlagSourceHash != 0)
+	slot := tableSlot(prev, h)
+	var old bpf.WeirBackend
+	if slot >= 0 {
+		old, ok = r.usableBackend(uint32(slot), svc.Id)
+	}
+	if slot < 0 || !ok {
+		return r.newFlowBackend(p, svc)
+	}
+	cur := int64(-1)
+	if table, ok := r.m.Tables[svc.Id]; ok {
+		cur = tableSlot(table, h)
+	}
+	if cur != slot {
+		*event = ReasonFlowFallback
+	}
+	return uint32(slot), old, modelContinue
+}
+
 // newFlowBackend is select.h's new_flow_backend: the backend every mode gives a new
 // flow, or a verdict.
 func (r *run) newFlowBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.WeirBackend, int) {
@@ -461,7 +500,7 @@ func (r *run) selectBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.We
 		}
 		event = ReasonFlowReselect
 	}
-	id, be, a := r.newFlowBackend(p, svc)
+	id, be, a := r.missBackend(p, svc, &event)
 	if a != modelContinue {
 		return 0, be, a
 	}
@@ -809,7 +848,7 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 	} else if a := r.natHalfOpen(p, svc, key, now); a != modelContinue {
 		return a
 	}
-	id, be, a := r.newFlowBackend(p, svc)
+	id, be, a := r.missBackend(p, svc, &event)
 	if a != modelContinue {
 		return a
 	}

@@ -85,6 +85,18 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"nat known flow refreshed, backend's next hop stale", ReasonDropNoRoute},
 		{"icmp from backend quoting a half-open flow", ReasonICMPTranslated},
 		{"icmp from client side quoting a half-open flow", ReasonICMPTranslated},
+		{"fallback dsr ack unknown, previous table disagrees", ReasonFlowFallback},
+		{"fallback dsr syn takes the current table", ReasonFlowNew},
+		{"fallback dsr previous pick unusable", ReasonFlowNew},
+		{"fallback dsr known flow keeps its backend", ReasonFlowHit},
+		{"fallback dsr over the rate limit, untracked", ReasonFlowUntracked},
+		{"fallback nat ack unknown, previous table disagrees", ReasonFlowFallback},
+		{"fallback nat previous pick unusable", ReasonFlowNew},
+		{"fallback nat half-open flow expired", ReasonFlowFallback},
+		{"fallback tunnel ack unknown, previous table disagrees", ReasonFlowFallback},
+		{"fallback tunnel previous pick unusable", ReasonFlowNew},
+		{"fallback no current table, draining backend keeps the flow", ReasonFlowFallback},
+		{"fallback no current table, syn dropped", ReasonDropNoBackend},
 	} {
 		t.Run(tc.seed, func(t *testing.T) {
 			i := slices.IndexFunc(fuzzSeeds, func(s struct {
@@ -264,6 +276,21 @@ var fuzzSeeds = []struct {
 	{"tunnel new flow over the rate limit, untracked", []byte{1, 24, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
 	{"icmp from backend quoting a half-open flow", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 255, 0, 2 | 0x10}},
 	{"icmp from client side quoting a half-open flow", []byte{0, 17, 0, 0, 1, 0, 0, 255, 0, 1 | 8, 0, 1}},
+	// The previous-table fallback: targets 27-30 (services 11-14) changed their tables
+	// once (fuzzFirstGenerations). The source ports are ones whose previous pick
+	// differs from the current one, or names the backend made unusable since.
+	{"fallback dsr ack unknown, previous table disagrees", []byte{0, 27, 0, 128, packet.ACK}},
+	{"fallback dsr syn takes the current table", []byte{0, 27, 0, 128, packet.SYN}},
+	{"fallback dsr previous pick unusable", []byte{0, 27, 0, 2, packet.ACK}},
+	{"fallback dsr known flow keeps its backend", []byte{0, 27, 0, 128, packet.ACK, 0, 0, 0, 0, 1, 0}},
+	{"fallback dsr over the rate limit, untracked", []byte{1, 27, 0, 128, packet.ACK, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
+	{"fallback nat ack unknown, previous table disagrees", []byte{0, 28, 0, 3, packet.ACK}},
+	{"fallback nat previous pick unusable", []byte{0, 28, 0, 0, packet.ACK}},
+	{"fallback nat half-open flow expired", []byte{0, 28, 0, 3, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 0, 1, 1, 0, 0}},
+	{"fallback tunnel ack unknown, previous table disagrees", []byte{0, 29, 0, 3, packet.ACK}},
+	{"fallback tunnel previous pick unusable", []byte{0, 29, 0, 128, packet.ACK}},
+	{"fallback no current table, draining backend keeps the flow", []byte{0, 30, 0, 0, packet.ACK}},
+	{"fallback no current table, syn dropped", []byte{0, 30, 0, 0, packet.SYN}},
 	{"raw bytes", []byte{0x0e, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}},
 	{"raw ipv4 after ethernet", []byte{0x0c, 0, 0x45, 0, 0, 40, 0, 0, 0, 0, 64, 6, 0, 0, 10, 77, 0, 1, 10, 77, 100, 1}},
 	{"raw ipv6 after vlan", []byte{0x0c, 3, 0x60, 0, 0, 0, 0, 0, 6, 64}},
@@ -329,7 +356,43 @@ func fuzzServices() []Service {
 	)
 	s[10].SourceHash = true
 	s[10].Backends[2].Usable = false
+	// Services whose table changed once (fuzzFirstGenerations holds what they had
+	// before), so the previous generation is there for the fallback: one backend
+	// added and one made unusable since (its old entries fall back to nothing), and
+	// one service whose backends all drain, so it has no current table at all.
+	s = append(s,
+		svc(fuzzVIPD4, 82, TCP, ForwardDSR, fuzzBackends(false, 82, 3, 4)),
+		svc(fuzzVIPN4, 81, TCP, ForwardNAT, fuzzBackends(false, 8081, 4, 4)),
+		svc(fuzzVIPT6, 81, TCP, ForwardTunnel, tunnel(81, "fd78::11", "10.78.0.12", "fd78::13", "10.78.0.11")),
+		svc(fuzzVIPD6, 81, TCP, ForwardDSR, fuzzBackends(true, 81, 3, 2)),
+	)
+	for _, i := range []int{11, 12, 13} {
+		s[i].Backends[1].Usable = false
+	}
+	s[14].SourceHash = true
+	s[14].Backends[0].Draining, s[14].Backends[1].Draining = true, true
 	return s
+}
+
+// fuzzFirstGenerations are the services (by index into fuzzServices) the rig
+// installs first and then changes to fuzzServices' version, keeping this one as
+// the previous generation.
+func fuzzFirstGenerations() map[int]Service {
+	first := map[int]Service{}
+	for i, s := range fuzzServices() {
+		switch i {
+		case 11, 12, 13:
+			s.Backends = slices.Clone(s.Backends[:3])
+			s.Backends[1].Usable = true
+		case 14:
+			s.Backends = slices.Clone(s.Backends)
+			s.Backends[0].Draining, s.Backends[1].Draining = false, false
+		default:
+			continue
+		}
+		first[i] = s
+	}
+	return first
 }
 
 // The fuzz namespace's network (fuzzNet): the tunnel backends' prefixes on a veth
@@ -460,6 +523,10 @@ var fuzzTargets = []fuzzTarget{
 	{toVIP, 8, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPT4, 80)},
 	{toVIP, 9, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPT6, 80)},
 	{toVIP, 10, false, packet.ProtoUDP, netip.AddrPortFrom(fuzzVIPT4, 53)},
+	{toVIP, 11, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPD4, 82)},
+	{toVIP, 12, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPN4, 81)},
+	{toVIP, 13, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPT6, 81)},
+	{toVIP, 14, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPD6, 81)},
 }
 
 var (
@@ -536,7 +603,7 @@ func newFuzzRig(tb testing.TB) *fuzzRig {
 	for i := range rig.progs {
 		nat := NATOptions{Addr4: fuzzNAT4, Addr6: fuzzNAT6, TCPIdle: 100 * time.Second, TCPClosing: 10 * time.Second,
 			UDPIdle: 30 * time.Second, HalfOpen: 2 * time.Second}
-		opts := Options{HashSeed: testSeed, ConntrackSize: 4096, NAT: nat}
+		opts := Options{HashSeed: testSeed, ConntrackSize: 4096, NAT: nat, PreviousTableWindow: time.Hour}
 		if i == 1 {
 			opts.NAT.PortMin, opts.NAT.PortMax = fuzzSinglePort, fuzzSinglePort
 			// One new flow a second, two ahead: fuzzTATs straddle the limit.
@@ -545,8 +612,14 @@ func newFuzzRig(tb testing.TB) *fuzzRig {
 		p, err := Load(opts)
 		xdptest.Check(tb, err)
 		tb.Cleanup(func() { p.Close() })
-		for _, s := range rig.services {
-			if err := p.AddService(s); err != nil {
+		first := fuzzFirstGenerations()
+		for j, s := range rig.services {
+			if f, ok := first[j]; ok {
+				if err := p.AddService(f); err != nil {
+					tb.Fatal(err)
+				}
+			}
+			if err := p.SetService(s); err != nil {
 				tb.Fatal(err)
 			}
 		}

@@ -203,7 +203,7 @@ func (p *Program) unpinAll() error {
 			errs = append(errs, fmt.Errorf("unpin link of %s: %w", name, err))
 		}
 	}
-	maps := []*ebpf.Map{p.objs.Services, p.objs.Backends, p.objs.LookupTables, p.objs.NewFlowLimit, p.objs.NatCursor,
+	maps := []*ebpf.Map{p.objs.Services, p.objs.Backends, p.objs.LookupTables, p.objs.PrevLookupTables, p.objs.NewFlowLimit, p.objs.NatCursor,
 		p.objs.ServiceStats, p.objs.BackendStats, p.objs.GlobalStats, p.objs.BackendFlows, p.objs.TxPorts}
 	for _, fp := range p.flowPairs() {
 		maps = append(maps, fp.v4, fp.v6)

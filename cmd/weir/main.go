@@ -375,6 +375,12 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if ex.NATPort != 0 {
 		fmt.Fprintf(stdout, "nat source port towards the backend: %d\n", ex.NATPort)
 	}
+	if ex.Previous != "" {
+		fmt.Fprintf(stdout, "previous lookup table: %s (where this flow goes if it arrives mid-connection and no flow table here knows it)\n", ex.Previous)
+	}
+	if ex.Fingerprint != "" {
+		fmt.Fprintf(stdout, "lookup table fingerprint: %s (nodes showing the same one give every new flow the same backend)\n", ex.Fingerprint)
+	}
 	return nil
 }
 

@@ -598,16 +598,7 @@ func (r *run) drain(ctx context.Context) error {
 	br := bufio.NewReader(c)
 	ask := func() (string, error) {
 		c.SetDeadline(time.Now().Add(5 * time.Second))
-		if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: demo\r\n\r\n"); err != nil {
-			return "", err
-		}
-		resp, err := http.ReadResponse(br, nil)
-		if err != nil {
-			return "", err
-		}
-		defer resp.Body.Close()
-		b, err := io.ReadAll(resp.Body)
-		return string(b), err
+		return topo.Ask(c, br)
 	}
 	first, err := ask()
 	if err != nil {

@@ -1,6 +1,7 @@
 package topo
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -209,6 +210,22 @@ func (t *Topology) Get(ctx context.Context, ip netip.Addr) (string, error) {
 		return "", fmt.Errorf("get %s: status %s", URL(ip), resp.Status)
 	}
 	return string(body), nil
+}
+
+// Ask sends one HTTP/1.1 request for / on a keep-alive connection to a VIP (br
+// reads c) and returns the body: the name of the backend that holds the
+// connection's flow. The caller sets c's deadline.
+func Ask(c net.Conn, br *bufio.Reader) (string, error) {
+	if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: vip\r\n\r\n"); err != nil {
+		return "", err
+	}
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return string(b), err
 }
 
 // DialTCP opens a new TCP connection from the client namespace to dst, from

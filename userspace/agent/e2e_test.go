@@ -169,16 +169,7 @@ func dialKeepAlive(t *testing.T, tp *topo.Topology, vip netip.Addr) *keepAlive {
 
 func (k *keepAlive) ask() (string, error) {
 	k.conn.SetDeadline(time.Now().Add(3 * time.Second))
-	if _, err := io.WriteString(k.conn, "GET / HTTP/1.1\r\nHost: vip\r\n\r\n"); err != nil {
-		return "", err
-	}
-	resp, err := http.ReadResponse(k.br, nil)
-	if err != nil {
-		return "", err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	return string(b), err
+	return topo.Ask(k.conn, k.br)
 }
 
 type agentProc struct {

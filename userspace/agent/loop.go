@@ -434,9 +434,13 @@ func (a *Agent) onOverride(st *state, ev overrideEvent) error {
 	return nil
 }
 
-// tick resolves the MACs still unknown and lets removed backends whose drain time
-// is up leave XDP.
+// tick resolves the MACs still unknown, lets removed backends whose drain time
+// is up leave XDP and ends the fallback of lookup tables replaced longer ago than
+// xdp.previous_table_window.
 func (a *Agent) tick(st *state, now time.Time) {
+	if err := a.xdp.ExpirePreviousTables(now); err != nil {
+		a.log.Error("expire previous lookup tables", "err", err)
+	}
 	changed := false
 	for _, s := range st.running.Services {
 		if s.Plane != plan.XDP {

@@ -324,18 +324,7 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 	}
 
 	// weir stop --detach removes the program and the pins.
-	if err := second.client.Stop(ctx, true); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case err := <-second.done:
-		second.done <- err
-		if err != nil {
-			t.Errorf("agent stopped with --detach: %v", err)
-		}
-	case <-time.After(15 * time.Second):
-		t.Fatal("agent did not stop within 15s of weir stop --detach")
-	}
+	stopAgent(t, second)
 	if entries, _ := os.ReadDir(pinPath); len(entries) != 0 {
 		t.Errorf("pins left after weir stop --detach: %d entries in %s", len(entries), pinPath)
 	}

@@ -52,6 +52,7 @@ func (a *Agent) Status() (api.Status, error) {
 		}
 	}
 	now := time.Now()
+	tables := a.xdp.Tables()
 	for i := range snap.running.Services {
 		s := &snap.running.Services[i]
 		key := xdpplane.Key(&s.Config)
@@ -64,6 +65,12 @@ func (a *Agent) Status() (api.Status, error) {
 			ss.Mode = string(s.Config.Mode)
 			c := stats.Services[key]
 			ss.Packets, ss.Bytes = c.Packets, c.Bytes
+			if ti, ok := tables[key]; ok && s.Installed {
+				ss.Table = &api.TableStatus{Fingerprint: ti.Fingerprint, Size: ti.Size, Previous: ti.Previous}
+				if ti.Previous != "" {
+					ss.Table.PreviousAgeSeconds = now.Sub(ti.PreviousSince).Round(time.Second).Seconds()
+				}
+			}
 		}
 		var backSnap map[netip.AddrPort]proxy.BackendSnapshot
 		if s.Plane == plan.Proxy {

@@ -27,36 +27,41 @@ import (
 
 // Defaults applied to settings the file leaves out.
 const (
-	DefaultAdminSocket    = "/run/weir/weir.sock"
-	DefaultMetricsListen  = "127.0.0.1:9470"
-	DefaultPinPath        = "/sys/fs/bpf/weir"
-	DefaultNewFlowRate    = 125000 // per CPU per second, as Katran's MAX_CONN_RATE
-	DefaultLogFormat      = LogText
-	DefaultLogLevel       = slog.LevelInfo
-	DefaultProtocol       = TCP
-	DefaultDataPlane      = DataPlaneAuto
-	DefaultMode           = ModeNAT
-	DefaultAllDown        = AllDownDrop
-	DefaultDrainTimeout   = 30 * time.Second
-	DefaultHealthType     = CheckTCP
-	DefaultHealthMethod   = MethodAuto
-	DefaultInterval       = 2 * time.Second
-	DefaultTimeout        = time.Second
-	DefaultRise           = 2
-	DefaultFall           = 3
-	DefaultJitter         = 0.1
-	DefaultHealthInitial  = InitialUp
-	DefaultHTTPPath       = "/"
-	DefaultConsecutive    = 5
-	DefaultBaseEjection   = 30 * time.Second
-	DefaultMaxEjection    = 300 * time.Second
-	DefaultMaxEjectionPct = 10
-	DefaultPanicThreshold = 50
-	DefaultConnectTimeout = 3 * time.Second
-	DefaultIdleTimeout    = 10 * time.Minute
-	DefaultRetries        = 1
-	DefaultWeight         = 1
-	MaxWeight             = 65535
+	DefaultAdminSocket   = "/run/weir/weir.sock"
+	DefaultMetricsListen = "127.0.0.1:9470"
+	DefaultPinPath       = "/sys/fs/bpf/weir"
+	DefaultNewFlowRate   = 125000 // per CPU per second, as Katran's MAX_CONN_RATE
+	// DefaultPreviousTableWindow is how long a replaced lookup table serves
+	// connections no flow table knows (docs/datapath.md: the previous-table
+	// fallback): about the age of the oldest connections worth keeping across a
+	// node failure, since open connections are mostly long-lived ones.
+	DefaultPreviousTableWindow = time.Hour
+	DefaultLogFormat           = LogText
+	DefaultLogLevel            = slog.LevelInfo
+	DefaultProtocol            = TCP
+	DefaultDataPlane           = DataPlaneAuto
+	DefaultMode                = ModeNAT
+	DefaultAllDown             = AllDownDrop
+	DefaultDrainTimeout        = 30 * time.Second
+	DefaultHealthType          = CheckTCP
+	DefaultHealthMethod        = MethodAuto
+	DefaultInterval            = 2 * time.Second
+	DefaultTimeout             = time.Second
+	DefaultRise                = 2
+	DefaultFall                = 3
+	DefaultJitter              = 0.1
+	DefaultHealthInitial       = InitialUp
+	DefaultHTTPPath            = "/"
+	DefaultConsecutive         = 5
+	DefaultBaseEjection        = 30 * time.Second
+	DefaultMaxEjection         = 300 * time.Second
+	DefaultMaxEjectionPct      = 10
+	DefaultPanicThreshold      = 50
+	DefaultConnectTimeout      = 3 * time.Second
+	DefaultIdleTimeout         = 10 * time.Minute
+	DefaultRetries             = 1
+	DefaultWeight              = 1
+	MaxWeight                  = 65535
 )
 
 // Protocol is a service's transport protocol.
@@ -296,6 +301,10 @@ type XDP struct {
 	NewFlowRate uint32
 	// NewFlowBurst is how many new flows may come at once above the rate.
 	NewFlowBurst uint32
+	// PreviousTableWindow is how long a service's replaced lookup table still
+	// sends TCP packets whose connection no flow table knows (opened on another
+	// node, or before this one forgot it); 0: no fallback.
+	PreviousTableWindow time.Duration
 	// PinPath is where maps and the link are pinned (bpffs).
 	PinPath string
 	// DetachOnStop removes the program when the agent stops; otherwise it stays in

@@ -61,6 +61,7 @@ func TestDefaults(t *testing.T) {
 		{"xdp.half_open_timeout", cfg.XDP.HalfOpenTimeout, time.Duration(0)},
 		{"xdp.new_flow_rate", cfg.XDP.NewFlowRate, uint32(125000)},
 		{"xdp.new_flow_burst", cfg.XDP.NewFlowBurst, uint32(0)},
+		{"xdp.previous_table_window", cfg.XDP.PreviousTableWindow, time.Hour},
 		{"xdp.pin_path", cfg.XDP.PinPath, DefaultPinPath},
 		{"protocol", s.Protocol, TCP},
 		{"data_plane", s.DataPlane, DataPlaneAuto},
@@ -176,6 +177,8 @@ func TestErrors(t *testing.T) {
 		{"half-open timeout", "xdp: {half_open_timeout: 1ms}\nservices: []\n", "xdp.half_open_timeout: must be 100ms..10m, got 1ms"},
 		{"new-flow rate", "xdp: {new_flow_rate: 2000000000}\nservices: []\n", "xdp.new_flow_rate: must be 0 (no limit) ..1000000000"},
 		{"new-flow rate off", "xdp: {new_flow_rate: 0}\nservices: []\n", ""},
+		{"previous table window", "xdp: {previous_table_window: -1s}\nservices: []\n", "xdp.previous_table_window: must be 0 (no fallback) ..24h, got -1s"},
+		{"previous table window type", "xdp:\n  previous_table_window: 10\nservices: []\n", "line 2: xdp.previous_table_window: must be a duration"},
 		{"duplicate key", "services: []\nservices: []\n", `line 2: services: mapping key "services" already defined at line 1`},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -205,7 +208,7 @@ func TestLoadMissing(t *testing.T) {
 // What the file says, resolved: explicit values win over defaults, 0 where 0 means
 // off stays 0, and addresses and MACs arrive parsed.
 func TestResolve(t *testing.T) {
-	cfg, err := Parse([]byte(`xdp: {new_flow_rate: 0, conntrack_size: 4096}
+	cfg, err := Parse([]byte(`xdp: {new_flow_rate: 0, conntrack_size: 4096, previous_table_window: 0s}
 admin: {listen: 127.0.0.1:9999}
 metrics: {listen: "off"}
 log: {format: json, level: debug}
@@ -232,6 +235,7 @@ services:
 		got, want any
 	}{
 		{"xdp.new_flow_rate", cfg.XDP.NewFlowRate, uint32(0)},
+		{"xdp.previous_table_window", cfg.XDP.PreviousTableWindow, time.Duration(0)},
 		{"xdp.conntrack_size", cfg.XDP.ConntrackSize, uint32(4096)},
 		{"admin.listen", cfg.Admin.Listen, netip.MustParseAddrPort("127.0.0.1:9999")},
 		{"metrics.listen", cfg.Metrics.Listen.IsValid(), false},

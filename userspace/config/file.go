@@ -61,6 +61,11 @@ type fileXDP struct {
 	// NewFlowBurst is how many new flows may come at once above the rate. Default a
 	// tenth of a second's worth.
 	NewFlowBurst uint32 `yaml:"new_flow_burst,omitempty"`
+	// PreviousTableWindow is how long a service's replaced lookup table still
+	// sends TCP packets (not SYNs) whose connection no flow table knows: opened on
+	// another node whose flows the router moved here, or before this node forgot
+	// it. 0 turns the fallback off. Default 1h.
+	PreviousTableWindow *duration `yaml:"previous_table_window,omitempty"`
 	// PinPath is where maps and the link are pinned (bpffs). Default /sys/fs/bpf/weir.
 	PinPath string `yaml:"pin_path,omitempty"`
 	// DetachOnStop removes the program when the agent stops. Default false: the data

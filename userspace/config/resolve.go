@@ -9,14 +9,15 @@ import (
 func (f *file) resolve() *Config {
 	cfg := &Config{
 		XDP: XDP{
-			HashSeed:        f.XDP.HashSeed,
-			ConntrackSize:   f.XDP.ConntrackSize,
-			HalfOpenSize:    f.XDP.HalfOpenSize,
-			HalfOpenTimeout: f.XDP.HalfOpenTimeout.D(),
-			NewFlowRate:     *f.XDP.NewFlowRate,
-			NewFlowBurst:    f.XDP.NewFlowBurst,
-			PinPath:         f.XDP.PinPath,
-			DetachOnStop:    f.XDP.DetachOnStop,
+			HashSeed:            f.XDP.HashSeed,
+			ConntrackSize:       f.XDP.ConntrackSize,
+			HalfOpenSize:        f.XDP.HalfOpenSize,
+			HalfOpenTimeout:     f.XDP.HalfOpenTimeout.D(),
+			NewFlowRate:         *f.XDP.NewFlowRate,
+			NewFlowBurst:        f.XDP.NewFlowBurst,
+			PreviousTableWindow: f.XDP.PreviousTableWindow.D(),
+			PinPath:             f.XDP.PinPath,
+			DetachOnStop:        f.XDP.DetachOnStop,
 		},
 		Addresses: f.Addrs,
 		Admin:     Admin{Socket: f.Admin.Socket},

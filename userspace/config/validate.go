@@ -24,6 +24,9 @@ func (c *file) defaults() {
 	if c.XDP.NewFlowRate == nil {
 		c.XDP.NewFlowRate = ptr(uint32(DefaultNewFlowRate))
 	}
+	if c.XDP.PreviousTableWindow == nil {
+		c.XDP.PreviousTableWindow = ptr(duration(DefaultPreviousTableWindow))
+	}
 	if c.XDP.PinPath == "" {
 		c.XDP.PinPath = DefaultPinPath
 	}
@@ -270,6 +273,9 @@ func (cfg *file) validate() []*FieldError {
 	}
 	if cfg.XDP.NewFlowRate != nil && *cfg.XDP.NewFlowRate > 1_000_000_000 {
 		c.bad("xdp.new_flow_rate", "must be 0 (no limit) ..1000000000 flows per second per CPU, got %d", *cfg.XDP.NewFlowRate)
+	}
+	if w := cfg.XDP.PreviousTableWindow; w != nil && (w.D() < 0 || w.D() > 24*time.Hour) {
+		c.bad("xdp.previous_table_window", "must be 0 (no fallback) ..24h, got %s", w.D())
 	}
 	if cfg.XDP.PinPath != "" && !filepath.IsAbs(cfg.XDP.PinPath) {
 		c.bad("xdp.pin_path", "must be an absolute path under a bpffs mount, got %q", cfg.XDP.PinPath)

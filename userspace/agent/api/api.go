@@ -37,4 +37,11 @@ type Explanation struct {
 	HalfOpen bool `json:"half_open,omitempty"`
 	// NATPort is the flow's source port towards its backend (nat mode).
 	NATPort uint16 `json:"nat_port,omitempty"`
+	// Previous is the backend the previous lookup table gives, while the fallback
+	// may use it: where a TCP packet of this flow that is not a SYN goes if no
+	// flow table on this node knows the flow (it was opened on another node), as
+	// long as that backend is usable.
+	Previous string `json:"previous,omitempty"`
+	// Fingerprint identifies the lookup table New comes from (TableStatus).
+	Fingerprint string `json:"table_fingerprint,omitempty"`
 }

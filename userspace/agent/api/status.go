@@ -45,6 +45,22 @@ type XDPStatus struct {
 	// ConntrackSize and HalfOpenSize are the flow tables' capacities as loaded.
 	ConntrackSize uint32 `json:"conntrack_size,omitempty"`
 	HalfOpenSize  uint32 `json:"half_open_size,omitempty"`
+	// PreviousTableWindow is how long a replaced lookup table stays addressable by
+	// the fallback ("0s": no fallback).
+	PreviousTableWindow string `json:"previous_table_window,omitempty"`
+}
+
+// TableStatus is an XDP service's lookup table. Nodes showing the same Fingerprint
+// for a service give every new flow of it the same backend.
+type TableStatus struct {
+	// Fingerprint identifies the table by its backends' addresses, the hash seed
+	// and hashing; "" when no backend takes new flows (no table).
+	Fingerprint string `json:"fingerprint"`
+	Size        uint32 `json:"size"`
+	// Previous is the fingerprint of the table this one replaced while the
+	// fallback may still use it, replaced PreviousAgeSeconds ago.
+	Previous           string  `json:"previous,omitempty"`
+	PreviousAgeSeconds float64 `json:"previous_age_seconds,omitempty"`
 }
 
 // InterfaceStatus is one configured interface.
@@ -83,6 +99,8 @@ type ServiceStatus struct {
 	Connections int64           `json:"active_connections"`
 	Accepted    uint64          `json:"accepted_connections"`
 	Backends    []BackendStatus `json:"backends"`
+	// XDP only, while the service is installed.
+	Table *TableStatus `json:"table,omitempty"`
 }
 
 // BackendStatus is one backend.
@@ -176,6 +194,17 @@ func (st Status) WriteTable(w io.Writer) {
 		fmt.Fprintln(w)
 		if s.Note != "" {
 			fmt.Fprintf(w, "  %s\n", s.Note)
+		}
+		if t := s.Table; t != nil {
+			fp := t.Fingerprint
+			if fp == "" {
+				fp = "none (no backend takes new flows)"
+			}
+			fmt.Fprintf(w, "  lookup table %s, %d entries", fp, t.Size)
+			if t.Previous != "" {
+				fmt.Fprintf(w, "; previous %s, replaced %s ago", t.Previous, (time.Duration(t.PreviousAgeSeconds) * time.Second).String())
+			}
+			fmt.Fprintln(w)
 		}
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 		switch {

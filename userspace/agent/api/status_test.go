@@ -12,7 +12,8 @@ func TestWriteTable(t *testing.T) {
 	st := Status{Config: "/etc/weir/weir.yaml", XDP: XDPStatus{Loaded: true, Pinned: true, PinPath: "/sys/fs/bpf/weir",
 		Interfaces: []InterfaceStatus{{Name: "eth0", Mode: "native"}}},
 		Services: []ServiceStatus{{Name: "web", Key: "tcp/10.77.100.1:80", DataPlane: PlaneXDP, Why: "XDP dsr mode, self-test passed",
-			Mode: "dsr", Algorithm: "maglev", Backends: []BackendStatus{
+			Mode: "dsr", Algorithm: "maglev", Table: &TableStatus{Fingerprint: "5e1f0c2a9b7d3e41", Size: 65537,
+				Previous: "0a1b2c3d4e5f6071", PreviousAgeSeconds: 190}, Backends: []BackendStatus{
 				{Address: "10.77.0.11:80", Health: "up", Usable: true, Weight: 1, ConfigWeight: 1, Drained: true, Override: true, DrainOverride: true,
 					MAC: "02:77:00:00:00:0b", Reason: "drained", LastCheck: "ok", LastCheckAgo: "120ms"},
 				{Address: "10.77.0.12:80", Health: "up", Usable: true, Weight: 5, ConfigWeight: 1, Override: true, WeightOverride: true,
@@ -30,6 +31,7 @@ func TestWriteTable(t *testing.T) {
 		"10.77.0.13:80  up      false   1                    false           unknown",
 		"  10.77.0.11:80: drained\n",
 		"  10.77.0.13:80: mac unknown: 10.77.0.13 on eth0: neighbour resolution pending\n",
+		"  lookup table 5e1f0c2a9b7d3e41, 65537 entries; previous 0a1b2c3d4e5f6071, replaced 3m10s ago\n",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)

@@ -31,6 +31,7 @@ type descs struct {
 	backendPackets, backendBytes, serviceFlows, backendFlows, backendConns, backendConnects    *prometheus.Desc
 	backendUsable, backendHealth, backendWeight, backendDrained, xdpReason, xdpLoaded          *prometheus.Desc
 	bgpPeerUp, bgpPeerUptime, bgpAnnounced, nodeDrained                                        *prometheus.Desc
+	tableInfo, prevTableInfo, prevTableAge                                                     *prometheus.Desc
 }
 
 // New returns the registry; status is read at every scrape.
@@ -73,6 +74,11 @@ func New(status func() (api.Status, error)) *Metrics {
 		bgpPeerUptime:    d("weir_bgp_peer_uptime_seconds", "How long the BGP session with the peer has been established (0 while it is not).", "peer"),
 		bgpAnnounced:     d("weir_bgp_route_announced", "1 for each VIP route the node announces over BGP.", "prefix"),
 		nodeDrained:      d("weir_node_drained", "1 while the node is drained (weir node drain): every BGP route withdrawn."),
+		tableInfo: d("weir_service_table_info", "1, labelled with the fingerprint of the service's XDP lookup table: nodes with equal fingerprints "+
+			"give every new flow the same backend (alert when they differ; \"\" is no table).", "service", "fingerprint"),
+		prevTableInfo: d("weir_service_previous_table_info", "1, labelled with the fingerprint of the lookup table the current one replaced, "+
+			"while the previous-table fallback may use it.", "service", "fingerprint"),
+		prevTableAge: d("weir_service_previous_table_age_seconds", "Seconds since the service's previous lookup table was replaced, while the fallback may use it.", "service"),
 	}
 	m.reg.MustRegister(m.checks, m.reloads, m, prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
 	return m
@@ -106,7 +112,8 @@ func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{m.d.serviceDataPlane, m.d.serviceDown, m.d.servicePackets, m.d.serviceBytes,
 		m.d.serviceConns, m.d.serviceAccepted, m.d.backendPackets, m.d.backendBytes, m.d.serviceFlows, m.d.backendFlows,
 		m.d.backendConns, m.d.backendConnects, m.d.backendUsable, m.d.backendHealth, m.d.backendWeight,
-		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded, m.d.bgpPeerUp, m.d.bgpPeerUptime, m.d.bgpAnnounced, m.d.nodeDrained} {
+		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded, m.d.bgpPeerUp, m.d.bgpPeerUptime, m.d.bgpAnnounced, m.d.nodeDrained,
+		m.d.tableInfo, m.d.prevTableInfo, m.d.prevTableAge} {
 		ch <- d
 	}
 }
@@ -152,6 +159,13 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		g(m.d.serviceDataPlane, 1, s.Name, s.DataPlane)
 		g(m.d.serviceDown, b2f(s.AllDown), s.Name)
 		c(m.d.serviceBytes, s.Bytes, s.Name, s.DataPlane)
+		if t := s.Table; t != nil {
+			g(m.d.tableInfo, 1, s.Name, t.Fingerprint)
+			if t.Previous != "" {
+				g(m.d.prevTableInfo, 1, s.Name, t.Previous)
+				g(m.d.prevTableAge, t.PreviousAgeSeconds, s.Name)
+			}
+		}
 		if s.DataPlane == api.PlaneXDP {
 			c(m.d.servicePackets, s.Packets, s.Name)
 			if s.Mode == string(config.ModeNAT) {

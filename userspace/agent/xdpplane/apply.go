@@ -201,7 +201,26 @@ func (x *Plane) Status(detachOnStop bool) api.XDPStatus {
 	}
 	st.NATPorts[0], st.NATPorts[1] = x.prog.NATPortRange()
 	st.ConntrackSize, st.HalfOpenSize = x.prog.Sizes()
+	st.PreviousTableWindow = x.prog.PreviousTableWindow().String()
 	return st
+}
+
+// Tables returns every installed service's lookup-table fingerprints (none without
+// a program).
+func (x *Plane) Tables() map[loader.ServiceKey]loader.TableInfo {
+	if x.prog == nil {
+		return nil
+	}
+	return x.prog.Tables()
+}
+
+// ExpirePreviousTables ends the fallback of lookup tables replaced longer ago than
+// the window (loader.Options.PreviousTableWindow).
+func (x *Plane) ExpirePreviousTables(now time.Time) error {
+	if x.prog == nil {
+		return nil
+	}
+	return x.prog.ExpirePreviousTables(now)
 }
 
 // FlowIdle is how long the program remembers an idle established TCP flow.
@@ -235,6 +254,10 @@ func (x *Plane) Explain(s *plan.Service, client netip.AddrPort) (api.Explanation
 	if le.New.IsValid() {
 		ex.New = le.New.String()
 	}
+	if le.Previous.IsValid() {
+		ex.Previous = le.Previous.String()
+	}
+	ex.Fingerprint = le.Fingerprint
 	if le.Tracked.IsValid() {
 		ex.Tracked, ex.TrackedUsable, ex.NATPort = le.Tracked.String(), le.TrackedUsable, le.NATPort
 		ex.HalfOpen = le.HalfOpen

@@ -342,5 +342,7 @@ func LoaderOptions(cfg *config.Config) loader.Options {
 		NewFlowRate:   cfg.XDP.NewFlowRate,
 		NewFlowBurst:  cfg.XDP.NewFlowBurst,
 		NAT:           loader.NATOptions{HalfOpen: cfg.XDP.HalfOpenTimeout},
+
+		PreviousTableWindow: cfg.XDP.PreviousTableWindow,
 	}
 }

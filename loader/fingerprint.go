@@ -1,0 +1,167 @@
+package loader
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/cilium/ebpf"
+)
+
+// A fleet of balancers behind one router shares no state: each node must compute the
+// same backend for the same new flow. A service's fingerprint says what its lookup
+// table sends where, in terms every node agrees on — backends by address:port, not
+// by the node-local slots the program's maps hold — together with what decides which
+// entry a flow takes (the hash seed, source-only hashing). Nodes with the same
+// configuration and the same view of backend health show the same fingerprint; an
+// operator alerts when they differ.
+
+// fingerprint returns a service's table fingerprint (16 hex digits) and the backends
+// the table holds, sorted, which its entries (indexes into s.Backends) name.
+func fingerprint(s Service, seed uint32, entries []uint32) (string, []netip.AddrPort) {
+	var ids []netip.AddrPort
+	for _, e := range entries {
+		ids = append(ids, s.Backends[e].Addr)
+	}
+	slices.SortFunc(ids, func(a, b netip.AddrPort) int { return a.Compare(b) })
+	ids = slices.Compact(ids)
+	h := sha256.New()
+	var w [18]byte
+	word := func(v uint32) {
+		binary.BigEndian.PutUint32(w[:4], v)
+		h.Write(w[:4])
+	}
+	h.Write([]byte("weir maglev table v1"))
+	word(seed)
+	word(map[bool]uint32{false: 0, true: 1}[s.SourceHash])
+	word(uint32(len(entries)))
+	word(uint32(len(ids)))
+	for _, id := range ids {
+		a := id.Addr().As16()
+		copy(w[:16], a[:])
+		binary.BigEndian.PutUint16(w[16:], id.Port())
+		h.Write(w[:])
+	}
+	// Entries by their backend's rank among ids: 4 bytes each, not 18.
+	rank := make(map[netip.AddrPort]uint32, len(ids))
+	for i, id := range ids {
+		rank[id] = uint32(i)
+	}
+	buf := make([]byte, 4*len(entries))
+	for i, e := range entries {
+		binary.BigEndian.PutUint32(buf[4*i:], rank[s.Backends[e].Addr])
+	}
+	h.Write(buf)
+	return hex.EncodeToString(h.Sum(nil)[:8]), ids
+}
+
+// tableSum identifies a table by what the program reads: its fingerprint and the
+// slot of each backend it names. Two tables with one sum have the same values.
+func tableSum(print string, ids []netip.AddrPort, slots map[netip.AddrPort]uint32) [sha256.Size]byte {
+	h := sha256.New()
+	h.Write([]byte(print))
+	var w [4]byte
+	for _, id := range ids {
+		binary.BigEndian.PutUint32(w[:], slots[id])
+		h.Write(w[:])
+	}
+	return [sha256.Size]byte(h.Sum(nil))
+}
+
+// keepPrevious makes the table apply is replacing (st.table) with one of sum next
+// the previous generation: addressable by the fallback (prev_lookup_tables) when
+// the window is on, and remembered for status either way. The one before it is let
+// go. A change back to the table before (a backend's health flapped down and up)
+// keeps no previous generation: the connections the flap interrupted on other
+// nodes belong to the table that is current again, and the one in between would
+// send them elsewhere.
+func (p *Program) keepPrevious(st *serviceState, next [sha256.Size]byte) {
+	if st.previous != nil {
+		st.previous.Close()
+	}
+	revert := st.previous != nil && st.prevSum == next
+	st.previous, st.prevSum, st.prevPrint, st.prevSince = st.table, st.tableSum, st.fingerprint, time.Time{}
+	if revert {
+		if st.previous != nil {
+			st.previous.Close()
+		}
+		st.previous, st.prevSum, st.prevPrint = nil, [sha256.Size]byte{}, ""
+	}
+	if st.previous != nil && p.opts.PreviousTableWindow > 0 {
+		// An outer map holds a valid inner map of the right spec without fail; if it
+		// did fail, the fallback is off for this generation, no more.
+		if err := p.objs.PrevLookupTables.Put(st.id, st.previous); err == nil {
+			st.prevSince = time.Now()
+			return
+		}
+	}
+	_ = p.objs.PrevLookupTables.Delete(st.id)
+}
+
+// ExpirePreviousTables ends the fallback for every service whose previous lookup
+// table was replaced more than Options.PreviousTableWindow before now. The agent
+// calls it once a second.
+func (p *Program) ExpirePreviousTables(now time.Time) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.usable(); err != nil {
+		return err
+	}
+	var errs []error
+	for key, st := range p.services {
+		if st.prevSince.IsZero() || now.Sub(st.prevSince) <= p.opts.PreviousTableWindow {
+			continue
+		}
+		if err := p.objs.PrevLookupTables.Delete(st.id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			errs = append(errs, fmt.Errorf("expire previous table of %s: %w", key, err))
+			continue
+		}
+		st.prevSince = time.Time{}
+	}
+	return errors.Join(errs...)
+}
+
+// PreviousTableWindow returns Options.PreviousTableWindow as loaded.
+func (p *Program) PreviousTableWindow() time.Duration { return p.opts.PreviousTableWindow }
+
+// TableInfo describes a service's lookup tables.
+type TableInfo struct {
+	// Fingerprint identifies the current table by its backends' addresses and
+	// what picks an entry (see fingerprint.go): equal on every node that computes
+	// the same table. Empty when no backend is usable (no table).
+	Fingerprint string
+	// Size is the table's number of entries (0: no table).
+	Size uint32
+	// Previous is the fingerprint of the generation the current table replaced,
+	// while the fallback may still use it (empty otherwise); PreviousSince is when
+	// it was replaced.
+	Previous      string
+	PreviousSince time.Time
+}
+
+// Tables returns every service's TableInfo.
+func (p *Program) Tables() map[ServiceKey]TableInfo {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make(map[ServiceKey]TableInfo, len(p.services))
+	for key, st := range p.services {
+		out[key] = st.info()
+	}
+	return out
+}
+
+func (st *serviceState) info() TableInfo {
+	ti := TableInfo{Fingerprint: st.fingerprint}
+	if st.table != nil {
+		ti.Size = st.table.MaxEntries() - 1
+	}
+	if !st.prevSince.IsZero() {
+		ti.Previous, ti.PreviousSince = st.prevPrint, st.prevSince
+	}
+	return ti
+}
