@@ -28,6 +28,7 @@ import (
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/loader"
 	"github.com/weir-lb/weir/userspace/agent/admin"
+	"github.com/weir-lb/weir/userspace/agent/api"
 )
 
 // AS numbers of the fleet: the router's, and the one every node shares.
@@ -510,3 +511,47 @@ func tail(path string, n int) string {
 
 // BirdLog is the tail of BIRD's log.
 func (f *Fleet) BirdLog() string { return tail(filepath.Join(f.opts.Dir, "bird.log"), 30) }
+
+// Reload writes every node's config for so and reloads every running agent, then
+// waits until each has every backend of so checked and usable.
+func (f *Fleet) Reload(ctx context.Context, so ServiceOptions, within time.Duration) error {
+	if err := f.WriteConfigs(so); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(within)
+	for i, n := range f.Nodes {
+		if n.cmd == nil {
+			continue
+		}
+		if err := n.Client.Reload(ctx); err != nil {
+			return fmt.Errorf("fleet: node %d: reload: %w", i, err)
+		}
+		for {
+			st, err := n.Client.Status(ctx)
+			if err == nil && st.AllChecked() && usableCount(st) == len(so.Backends) {
+				break
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("fleet: node %d: not every backend usable within %s (%v)", i, within, err)
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}
+	return nil
+}
+
+func usableCount(st api.Status) int {
+	n := 0
+	for _, s := range st.Services {
+		for _, b := range s.Backends {
+			if b.Usable {
+				n++
+			}
+		}
+	}
+	return n
+}

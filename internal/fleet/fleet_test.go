@@ -317,3 +317,94 @@ func TestNodeFailure(t *testing.T) {
 		})
 	}
 }
+
+// TestNodeFailureWithBackendChange: the streams run, one backend is added on every
+// node, then the busiest node dies. The flows the router moves reach nodes that
+// never saw them, whose lookup tables now differ from the ones that placed them:
+// with the previous-table fallback they keep their backend, without it those whose
+// slot moved to the new backend are reset by it. The shares that survive are
+// logged for both.
+func TestNodeFailureWithBackendChange(t *testing.T) {
+	for _, c := range []struct {
+		mode     string
+		fallback bool
+	}{{"dsr", true}, {"dsr", false}, {"tunnel", true}, {"tunnel", false}} {
+		name := c.mode + "/fallback"
+		if !c.fallback {
+			name = c.mode + "/no_fallback"
+		}
+		t.Run(name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+			defer cancel()
+			f := start(t, Options{DSRBackends: 3, TunnelBackends: 3})
+			so := ServiceOptions{Mode: c.mode, VIP: topo.FleetVIP4, Backends: f.T.DSR[:2], HashSeed: 7}
+			if c.mode == "tunnel" {
+				so.VIP, so.Backends = topo.FleetVIP4Tunnel, f.T.Tunnel[:2]
+			}
+			if !c.fallback {
+				so.ExtraXDP = "previous_table_window: 0s"
+			}
+			prefix := netip.PrefixFrom(so.VIP, 32)
+			if err := f.WriteConfigs(so); err != nil {
+				t.Fatal(err)
+			}
+			startAgents(t, ctx, f)
+			if _, err := f.WaitNextHops(ctx, prefix, f.NodeIPs(0, 1, 2), 10*time.Second); err != nil {
+				t.Fatal(err)
+			}
+			ss := f.StartStreams(ctx, netip.AddrPortFrom(so.VIP, StreamPort), streamOpts)
+			all := f.T.DSR
+			if c.mode == "tunnel" {
+				all = f.T.Tunnel
+			}
+			so.Backends = all[:3]
+			if err := f.Reload(ctx, so, 5*time.Second); err != nil {
+				t.Fatal(err)
+			}
+			owners, err := f.Owners(ctx, "stream", ss.Locals())
+			if err != nil {
+				t.Fatal(err)
+			}
+			share := shares(owners, len(f.Nodes))
+			victim := 0
+			for i, n := range share {
+				if n > share[victim] {
+					victim = i
+				}
+			}
+			select {
+			case <-ss.Halfway():
+			case <-ctx.Done():
+				t.Fatal(ctx.Err())
+			}
+			if err := f.Signal(victim, syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			f.WaitAgent(victim, 5*time.Second)
+			if err := f.T.DeleteNodeLink(victim); err != nil {
+				t.Fatal(err)
+			}
+			out := ss.Wait()
+			broken, first := Failed(out)
+			var fallbacks uint64
+			for i, n := range f.Nodes {
+				if i == victim {
+					continue
+				}
+				if st, err := n.Client.Status(ctx); err == nil {
+					fallbacks += st.XDPReasons["flow_fallback"]
+				}
+			}
+			t.Logf("%s, fallback %t: %d of %d streams survived a backend added and node %d (%d streams) killed; %d packets took the previous table (per node before: %v)",
+				c.mode, c.fallback, len(out)-broken, len(out), victim, share[victim], fallbacks, share)
+			switch {
+			case c.fallback && broken > 0:
+				t.Errorf("with the fallback, %d streams broke; the first: %v", broken, first)
+			case c.fallback && fallbacks == 0:
+				t.Error("with the fallback, no packet took the previous table: the test did not move a flow whose slot changed")
+			case !c.fallback && broken == 0:
+				t.Error("without the fallback every stream survived: the test moved no flow whose slot went to the new backend")
+			}
+		})
+	}
+}
