@@ -8,11 +8,15 @@ import (
 	"os"
 
 	"github.com/weir-lb/weir/internal/demo"
+	"github.com/weir-lb/weir/internal/fleet"
 )
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 && (args[0] == "down" || args[0] == "hold") {
 		return runDemoSub(ctx, args[0], args[1:], stdout, stderr)
+	}
+	if len(args) > 0 && args[0] == "fleet" {
+		return runDemoFleet(ctx, args[1:], stdout, stderr)
 	}
 	fs := newFlagSet("demo", "",
 		"Build a client, a balancer and backends in network namespaces, run the agent on them\n"+
@@ -60,6 +64,38 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	if failed > 0 {
 		return fmt.Errorf("demo: %d of %d steps did not go as expected (see FAIL above)", failed, len(rep.Steps))
+	}
+	return nil
+}
+
+func runDemoFleet(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("demo fleet", "",
+		"Build a router running BIRD 2, three weir nodes and dsr backends in network namespaces,\n"+
+			"run the agent on each node (weir run) announcing the VIP over BGP, and show the router's\n"+
+			"ECMP route, the streams per node, and one node killed while the streams go on.\n"+
+			"Needs bird2 (apt-get install bird2). Removes everything when done.", stdout, stderr)
+	streams := fs.Int("streams", 60, "long-lived TCP streams to run (1..150)")
+	if err := parseFlags(fs, args, 0, 0); err != nil {
+		return err
+	}
+	if *streams < 1 || *streams > 150 {
+		return fmt.Errorf("demo fleet: --streams must be 1..150, got %d", *streams)
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("demo fleet: needs root to create network namespaces and load XDP (run it as root, or with sudo)")
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("demo fleet: %w", err)
+	}
+	rep, err := fleet.Demo(ctx, fleet.DemoOptions{Out: stdout, Streams: *streams,
+		AgentArgv: func(cfg string) []string { return []string{exe, "run", "-c", cfg} }})
+	if err != nil {
+		return err
+	}
+	fmt.Fprintln(stdout, "\ndemo done: agents and BIRD stopped; namespaces, links and XDP programs removed")
+	if rep.Broken > 0 {
+		return fmt.Errorf("demo fleet: %d of %d streams broke", rep.Broken, rep.Streams)
 	}
 	return nil
 }

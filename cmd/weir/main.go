@@ -12,6 +12,7 @@
 //	weir node drain [--wait] | undrain    withdraw (or announce again) the node's BGP routes
 //	weir decap --interface IFACE          on a tunnel-mode backend: decapsulate weir's tunnel packets
 //	weir demo [--keep] | weir demo down   the agent on a namespaced demo topology
+//	weir demo fleet                       three nodes behind a BIRD router's ECMP, one killed
 //	weir version                          version, commit, build date, BPF object hash
 //
 // Every command that reads a config takes -c/--config FILE (default
@@ -61,6 +62,8 @@ usage:
   weir demo [--keep]               run the agent on a demo topology in network namespaces
                                    and show it balancing real traffic; --keep leaves it running
   weir demo down                   remove what weir demo --keep left
+  weir demo fleet                  three nodes announcing a VIP over BGP to a BIRD router; one dies,
+                                   the streams go on
   weir version                     version, commit, build date and BPF object hash
 
 FILE is -c/--config FILE, default ` + defaultConfig + `. status, drain, undrain, weight,

@@ -219,21 +219,6 @@ func TestAnnounceWithdraw(t *testing.T) {
 	})
 }
 
-// streamOpts are the node-failure tests' streams: 60 of them, 50 chunks of 4 KiB
-// each way, 100ms apart (5s a stream), so a node dies in the middle of every one.
-var streamOpts = StreamOptions{Streams: 60, Chunks: 50, Chunk: 4096, Interval: 100 * time.Millisecond, Timeout: 40 * time.Second}
-
-// shares counts the streams per node.
-func shares(owners []int, nodes int) []int {
-	n := make([]int, nodes)
-	for _, o := range owners {
-		if o >= 0 {
-			n[o]++
-		}
-	}
-	return n
-}
-
 // TestNodeFailure: 60 long-lived streams spread by the router's ECMP over three
 // nodes, in dsr, tunnel and nat mode. The node carrying the most dies (its agent
 // SIGKILLed and its link deleted); the router moves its flows to the others. In dsr
@@ -258,7 +243,7 @@ func TestNodeFailure(t *testing.T) {
 			if _, err := f.WaitNextHops(ctx, prefix, f.NodeIPs(0, 1, 2), 10*time.Second); err != nil {
 				t.Fatal(err)
 			}
-			ss := f.StartStreams(ctx, netip.AddrPortFrom(so.VIP, StreamPort), streamOpts)
+			ss := f.StartStreams(ctx, netip.AddrPortFrom(so.VIP, StreamPort), streamOpts(60))
 			select {
 			case <-ss.Halfway():
 			case <-ctx.Done():
@@ -268,7 +253,7 @@ func TestNodeFailure(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			share := shares(owners, len(f.Nodes))
+			share := shareOf(owners, len(f.Nodes))
 			t.Logf("streams per node before the failure: %v (of %d)", share, len(owners))
 			victim := 0
 			for i, n := range share {
@@ -324,7 +309,7 @@ func TestNodeFailure(t *testing.T) {
 					moved++
 				}
 			}
-			t.Logf("%d of the dead node's %d streams finished on the others (%v)", moved, share[victim], shares(after, len(f.Nodes)))
+			t.Logf("%d of the dead node's %d streams finished on the others (%v)", moved, share[victim], shareOf(after, len(f.Nodes)))
 			if moved == 0 {
 				t.Errorf("none of the dead node's streams was tracked by another node afterwards")
 			}
@@ -366,7 +351,7 @@ func TestNodeFailureWithBackendChange(t *testing.T) {
 			if _, err := f.WaitNextHops(ctx, prefix, f.NodeIPs(0, 1, 2), 10*time.Second); err != nil {
 				t.Fatal(err)
 			}
-			ss := f.StartStreams(ctx, netip.AddrPortFrom(so.VIP, StreamPort), streamOpts)
+			ss := f.StartStreams(ctx, netip.AddrPortFrom(so.VIP, StreamPort), streamOpts(60))
 			all := f.T.DSR
 			if c.mode == "tunnel" {
 				all = f.T.Tunnel
@@ -379,7 +364,7 @@ func TestNodeFailureWithBackendChange(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			share := shares(owners, len(f.Nodes))
+			share := shareOf(owners, len(f.Nodes))
 			victim := 0
 			for i, n := range share {
 				if n > share[victim] {
@@ -420,5 +405,33 @@ func TestNodeFailureWithBackendChange(t *testing.T) {
 				t.Error("without the fallback every stream survived: the test moved no flow whose slot went to the new backend")
 			}
 		})
+	}
+}
+
+// TestDemo runs `weir demo fleet` as the CLI does and checks what it reports.
+func TestDemo(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	rep, err := Demo(ctx, DemoOptions{Out: &out, Dir: t.TempDir(), Streams: 30,
+		AgentArgv: func(cfg string) []string { return []string{"env", agentEnv + "=" + cfg, exe} }})
+	t.Log("\n" + out.String())
+	if err != nil {
+		xdptest.Check(t, err)
+	}
+	if len(rep.NextHops) != 3 || len(rep.After) != 2 || slices.Contains(rep.After, rep.NextHops[rep.Killed]) {
+		t.Errorf("next hops: %v, then %v after node %d died; want 3, then the other 2", rep.NextHops, rep.After, rep.Killed)
+	}
+	if rep.Streams != 30 || rep.Broken != 0 {
+		t.Errorf("streams: %d, %d broken (%v); want 30 intact", rep.Streams, rep.Broken, rep.FirstError)
+	}
+	for _, want := range []string{"nexthop via 10.80.0.1", "established", "announced 10.80.100.1/32", "streams finished: 30 of 30 intact"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("demo output: no %q", want)
+		}
 	}
 }

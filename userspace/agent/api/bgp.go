@@ -31,9 +31,11 @@ type PeerStatus struct {
 	// openconfirm or established.
 	State string `json:"state"`
 	// Since is when the session was established (zero unless it is).
-	Since    time.Time `json:"since,omitzero"`
-	Uptime   string    `json:"uptime,omitempty"`
-	HoldTime uint64    `json:"hold_time_seconds,omitempty"` // negotiated
+	Since  time.Time `json:"since,omitzero"`
+	Uptime string    `json:"uptime,omitempty"`
+	// HoldTime is what this side proposes; the session runs on the smaller of it
+	// and the peer's.
+	HoldTime uint64 `json:"hold_time_seconds,omitempty"`
 	// LastError is why the session last went down, if it has.
 	LastError string `json:"last_error,omitempty"`
 }

@@ -188,7 +188,9 @@ func (s *Speaker) onPeer(ev *apiutil.WatchEventMessage_PeerEvent, at time.Time) 
 		p.since = at
 	case p.state != bgp.BGP_FSM_ESTABLISHED:
 		p.since = time.Time{}
-		if m := ev.Peer.State.DisconnectMessage; m != "" {
+		// GoBGP says why for every transition; only a fall back to idle or from
+		// established is an error worth showing.
+		if m := ev.Peer.State.DisconnectMessage; m != "" && (p.state == bgp.BGP_FSM_IDLE || was == bgp.BGP_FSM_ESTABLISHED) {
 			p.lastErr = m
 		}
 	}
@@ -309,7 +311,8 @@ func (s *Speaker) Status() *api.BGPStatus {
 	now := time.Now()
 	for _, p := range s.cfg.Peers {
 		ps := s.peers[p.Address]
-		out := api.PeerStatus{Address: p.Address.String(), ASN: p.ASN, State: stateName(ps.state), LastError: ps.lastErr}
+		out := api.PeerStatus{Address: p.Address.String(), ASN: p.ASN, State: stateName(ps.state), LastError: ps.lastErr,
+			HoldTime: uint64(p.HoldTime / time.Second)}
 		if !ps.since.IsZero() {
 			out.Since, out.Uptime = ps.since, now.Sub(ps.since).Round(time.Second).String()
 		}
