@@ -555,3 +555,26 @@ func usableCount(st api.Status) int {
 	}
 	return n
 }
+
+// Servers are the backends' stream servers (kill one to fail its health checks).
+func (f *Fleet) Servers() *Servers { return f.srv }
+
+// WaitAnnounced polls the node's status until it announces n routes, and returns
+// how long that took.
+func (n *Node) WaitAnnounced(ctx context.Context, routes int, within time.Duration) (time.Duration, error) {
+	start := time.Now()
+	for {
+		st, err := n.Client.Status(ctx)
+		if err == nil && st.BGP != nil && len(st.BGP.Announced) == routes {
+			return time.Since(start), nil
+		}
+		if time.Since(start) > within {
+			return time.Since(start), fmt.Errorf("fleet: node %d: not %d routes announced within %s (%v)", n.Index, routes, within, err)
+		}
+		select {
+		case <-ctx.Done():
+			return time.Since(start), ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
