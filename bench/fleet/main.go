@@ -5,12 +5,13 @@
 //     connections from 65 client addresses, each flow's node found with weir
 //     explain on every node, against the spread of a uniform random choice (the
 //     binomial standard deviation of a node's count);
+//
 //   - how long a VIP takes to leave, and come back to, the router's kernel table:
 //     from every backend failing its health checks (interval 200ms, fall 2), from
 //     weir node drain, and back from the backends' return and from undrain.
 //
-//	sudo flock /tmp/weir-bench.lock go run ./bench/fleet              # 3 runs
-//	sudo flock /tmp/weir-bench.lock go run ./bench/fleet -runs 5 -flows 3000
+//     sudo flock /tmp/weir-bench.lock go run ./bench/fleet              # 3 runs
+//     sudo flock /tmp/weir-bench.lock go run ./bench/fleet -runs 5 -flows 3000
 //
 // Each figure is the median over -runs runs, each on a fresh fleet. The agents are
 // this program re-executed (the agent package's Run, what weir run runs).
