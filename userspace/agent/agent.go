@@ -8,6 +8,7 @@
 //   - reload: Reload, from SIGHUP (cmd/weir) or the admin API's POST /v1/reload;
 //   - health: every change the health checker publishes (health.Checker.Watch);
 //   - override: a drain or weight set through the admin API (SetDrain, SetWeight);
+//   - node drain: SetNodeDrain, the node's BGP routes withdrawn or announced again;
 //   - tick: once a second, from the loop's own ticker: MACs still unknown are
 //     resolved again, and backends a reload removed leave XDP when their drain
 //     time is up.
@@ -29,9 +30,13 @@
 // Explain, the admin API (userspace/agent/admin) and the Prometheus metrics
 // (userspace/agent/metrics) read only that, plus the data planes' live counters.
 //
-// Imports point one way: agent -> {plan, xdpplane, proxyplane, admin, metrics,
-// api}; xdpplane and proxyplane -> plan -> config; admin and metrics -> api.
-// Nothing below imports agent.
+// With a bgp section, each snapshot also becomes the routes the BGP speaker
+// (userspace/agent/bgp) announces: bgp.Routes(desired, drained), applied on the
+// speaker's own goroutine.
+//
+// Imports point one way: agent -> {plan, xdpplane, proxyplane, bgp, admin,
+// metrics, api}; xdpplane, proxyplane and bgp -> plan -> config; admin and metrics
+// -> api. Nothing below imports agent.
 package agent
 
 import (
