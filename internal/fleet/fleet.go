@@ -311,6 +311,9 @@ type ServiceOptions struct {
 	HashSeed uint32
 	// Extra is more YAML for the xdp section, e.g. "previous_table_window: 30s".
 	ExtraXDP string
+	// V6 adds the service stream6 on FleetVIP6 with the backends' IPv6 addresses,
+	// announced over the IPv4 sessions with the node's IPv6 address as next hop.
+	V6 bool
 }
 
 // WriteConfigs writes every node's config with the one service so.
@@ -336,6 +339,10 @@ func (f *Fleet) config(n *Node, so ServiceOptions) string {
 		extra = ", " + so.ExtraXDP
 	}
 	hold := f.opts.HoldTime
+	nextHop := ""
+	if so.V6 {
+		nextHop = fmt.Sprintf("  next_hop: [%q]\n", n.Host.IP6.String())
+	}
 	fmt.Fprintf(&b, `# Written by weir's fleet harness for node %d.
 interfaces: [{name: %s, attach: native}]
 addresses: [%s, %s]
@@ -346,7 +353,7 @@ bgp:
   asn: %d
   router_id: %s
   drain_timeout: 2s
-  peers:
+%s  peers:
   - {address: %s, asn: %d, hold_time: %s, keepalive: %s}
 services:
 - name: stream
@@ -356,10 +363,17 @@ services:
   bgp: {communities: ["%d:1"]}
   backends:
 `, n.Index, n.Host.Link, n.Host.IP4, n.Host.IP6, so.HashSeed, f.T.Name, n.Index, extra, n.Socket,
-		NodeASN, n.Host.IP4, f.T.Router.IP4, RouterASN, hold, max(time.Second, (hold/3).Truncate(time.Second)),
+		NodeASN, n.Host.IP4, nextHop, f.T.Router.IP4, RouterASN, hold, max(time.Second, (hold/3).Truncate(time.Second)),
 		netip.AddrPortFrom(so.VIP, StreamPort), so.Mode, so.Interval, so.Interval*3/4, so.Fall, RouterASN)
 	for _, be := range so.Backends {
 		fmt.Fprintf(&b, "  - {address: %q}\n", netip.AddrPortFrom(be.IP4, StreamPort).String())
+	}
+	if so.V6 {
+		fmt.Fprintf(&b, "- name: stream6\n  vip: %q\n  mode: %s\n  health: {type: tcp, interval: %s, timeout: %s, fall: %d, rise: 1}\n  backends:\n",
+			netip.AddrPortFrom(topo.FleetVIP6, StreamPort).String(), so.Mode, so.Interval, so.Interval*3/4, so.Fall)
+		for _, be := range so.Backends {
+			fmt.Fprintf(&b, "  - {address: %q}\n", netip.AddrPortFrom(be.IP6, StreamPort).String())
+		}
 	}
 	return b.String()
 }
