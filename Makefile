@@ -61,7 +61,7 @@ test: deps check-generated lint
 # health changes, reloads, drains and status reads at once, and the health checker.
 race:
 	$(GO) test -count=1 -race -run 'TestLoopRace|TestReconcile' ./userspace/agent/
-	$(GO) test -count=1 -race ./userspace/agent/plan/ ./health/
+	$(GO) test -count=1 -race ./userspace/agent/plan/ ./userspace/agent/bgp/ ./health/
 
 test-short: 
 	$(GO) test -count=1 -short ./...
