@@ -79,7 +79,7 @@ func TestSpeaker(t *testing.T) {
 	r, port := router(t)
 	cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"), DrainTimeout: time.Second,
 		NextHop: []netip.Addr{netip.MustParseAddr("fd00::1")},
-		Peers: []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: 65000, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
+		Peers:   []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: 65000, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
 	s := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
