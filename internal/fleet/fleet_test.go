@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/netip"
 	"os"
+	"os/exec"
 	"os/signal"
 	"slices"
 	"strings"
@@ -134,6 +135,38 @@ func TestAnnounceWithdraw(t *testing.T) {
 			t.Errorf("metrics: no line %q", want)
 		}
 	}
+
+	t.Run("one node's checks fail", func(t *testing.T) {
+		// Node 0 alone loses its way to the backends (a more specific unreachable
+		// route beats the fabric's), so its checks fail while the others' pass: the
+		// router keeps the VIP through the other two.
+		n0 := f.T.Nodes[0].NS.Name()
+		var added [][]string
+		for _, b := range f.T.DSR {
+			for _, a := range []netip.Addr{b.IP4, b.IP6} {
+				args := []string{"-n", n0, "route", "add", "unreachable", netip.PrefixFrom(a, a.BitLen()).String()}
+				if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+					t.Fatalf("ip %v: %v: %s", args, err, out)
+				}
+				added = append(added, args)
+			}
+		}
+		hold := time.Duration(fall+1)*interval*11/10 + interval + time.Second
+		took, err := f.WaitNextHops(ctx, vip4, f.NodeIPs(1, 2), hold)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("node 0 withdrawn %s after its checks began to fail (bound %s)", took, hold)
+		for _, args := range added {
+			args[3] = "del"
+			if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+				t.Fatalf("ip %v: %v: %s", args, err, out)
+			}
+		}
+		if _, err := f.WaitNextHops(ctx, vip4, all, 5*time.Second); err != nil {
+			t.Fatal(err)
+		}
+	})
 
 	t.Run("all backends fail health", func(t *testing.T) {
 		for _, b := range f.T.DSR {
