@@ -157,10 +157,10 @@ func Demo(ctx context.Context, o DemoOptions) (rep DemoReport, err error) {
 	return rep, nil
 }
 
-// streamOpts are the demo's and tests' streams: n of them, 50 chunks of 4 KiB each
-// way, 100ms apart (5s a stream), so a node dies in the middle of every one.
+// streamOpts are the demo's and tests' streams: n of them, 40 chunks of 4 KiB each
+// way, 100ms apart (4s a stream), so a node dies in the middle of every one.
 func streamOpts(n int) StreamOptions {
-	return StreamOptions{Streams: n, Chunks: 50, Chunk: 4096, Interval: 100 * time.Millisecond, Timeout: 40 * time.Second}
+	return StreamOptions{Streams: n, Chunks: 40, Chunk: 4096, Interval: 100 * time.Millisecond, Timeout: 40 * time.Second}
 }
 
 // shareOf counts the streams per node.

@@ -300,9 +300,11 @@ func All(n int) []int {
 	return out
 }
 
-// ServiceOptions are what the services of a fleet config say.
+// ServiceOptions are what one service of a fleet config says. The node-wide
+// settings (HashSeed, ExtraXDP) are the first service's.
 type ServiceOptions struct {
-	Mode     string // dsr or tunnel
+	Name     string // default "stream"
+	Mode     string // dsr, tunnel or nat
 	VIP      netip.Addr
 	Backends []topo.Host // the backends of the service
 	// Interval and Fall of the health checks (default 200ms and 2).
@@ -311,36 +313,31 @@ type ServiceOptions struct {
 	HashSeed uint32
 	// Extra is more YAML for the xdp section, e.g. "previous_table_window: 30s".
 	ExtraXDP string
-	// V6 adds the service stream6 on FleetVIP6 with the backends' IPv6 addresses,
+	// V6 adds the service <Name>6 on FleetVIP6 with the backends' IPv6 addresses,
 	// announced over the IPv4 sessions with the node's IPv6 address as next hop.
 	V6 bool
 }
 
-// WriteConfigs writes every node's config with the one service so.
-func (f *Fleet) WriteConfigs(so ServiceOptions) error {
+// WriteConfigs writes every node's config with the services svcs.
+func (f *Fleet) WriteConfigs(svcs ...ServiceOptions) error {
 	for _, n := range f.Nodes {
-		if err := os.WriteFile(n.Config, []byte(f.config(n, so)), 0o644); err != nil {
+		if err := os.WriteFile(n.Config, []byte(f.config(n, svcs)), 0o644); err != nil {
 			return fmt.Errorf("fleet: %w", err)
 		}
 	}
 	return nil
 }
 
-func (f *Fleet) config(n *Node, so ServiceOptions) string {
-	if so.Interval == 0 {
-		so.Interval = 200 * time.Millisecond
-	}
-	if so.Fall == 0 {
-		so.Fall = 2
-	}
+func (f *Fleet) config(n *Node, svcs []ServiceOptions) string {
 	var b strings.Builder
+	first := svcs[0]
 	extra := ""
-	if so.ExtraXDP != "" {
-		extra = ", " + so.ExtraXDP
+	if first.ExtraXDP != "" {
+		extra = ", " + first.ExtraXDP
 	}
 	hold := f.opts.HoldTime
 	nextHop := ""
-	if so.V6 {
+	if slices.ContainsFunc(svcs, func(so ServiceOptions) bool { return so.V6 }) {
 		nextHop = fmt.Sprintf("  next_hop: [%q]\n", n.Host.IP6.String())
 	}
 	fmt.Fprintf(&b, `# Written by weir's fleet harness for node %d.
@@ -356,23 +353,32 @@ bgp:
 %s  peers:
   - {address: %s, asn: %d, hold_time: %s, keepalive: %s}
 services:
-- name: stream
-  vip: %s
-  mode: %s
-  health: {type: tcp, interval: %s, timeout: %s, fall: %d, rise: 1}
-  bgp: {communities: ["%d:1"]}
-  backends:
-`, n.Index, n.Host.Link, n.Host.IP4, n.Host.IP6, so.HashSeed, f.T.Name, n.Index, extra, n.Socket,
-		NodeASN, n.Host.IP4, nextHop, f.T.Router.IP4, RouterASN, hold, max(time.Second, (hold/3).Truncate(time.Second)),
-		netip.AddrPortFrom(so.VIP, StreamPort), so.Mode, so.Interval, so.Interval*3/4, so.Fall, RouterASN)
-	for _, be := range so.Backends {
-		fmt.Fprintf(&b, "  - {address: %q}\n", netip.AddrPortFrom(be.IP4, StreamPort).String())
-	}
-	if so.V6 {
-		fmt.Fprintf(&b, "- name: stream6\n  vip: %q\n  mode: %s\n  health: {type: tcp, interval: %s, timeout: %s, fall: %d, rise: 1}\n  backends:\n",
-			netip.AddrPortFrom(topo.FleetVIP6, StreamPort).String(), so.Mode, so.Interval, so.Interval*3/4, so.Fall)
+`, n.Index, n.Host.Link, n.Host.IP4, n.Host.IP6, first.HashSeed, f.T.Name, n.Index, extra, n.Socket,
+		NodeASN, n.Host.IP4, nextHop, f.T.Router.IP4, RouterASN, hold, max(time.Second, (hold/3).Truncate(time.Second)))
+	service := func(so ServiceOptions, name string, vip netip.Addr, v6 bool) {
+		fmt.Fprintf(&b, "- name: %s\n  vip: %q\n  mode: %s\n  health: {type: tcp, interval: %s, timeout: %s, fall: %d, rise: 1}\n  bgp: {communities: [\"%d:1\"]}\n  backends:\n",
+			name, netip.AddrPortFrom(vip, StreamPort).String(), so.Mode, so.Interval, so.Interval*3/4, so.Fall, RouterASN)
 		for _, be := range so.Backends {
-			fmt.Fprintf(&b, "  - {address: %q}\n", netip.AddrPortFrom(be.IP6, StreamPort).String())
+			ip := be.IP4
+			if v6 {
+				ip = be.IP6
+			}
+			fmt.Fprintf(&b, "  - {address: %q}\n", netip.AddrPortFrom(ip, StreamPort).String())
+		}
+	}
+	for _, so := range svcs {
+		if so.Name == "" {
+			so.Name = "stream"
+		}
+		if so.Interval == 0 {
+			so.Interval = 200 * time.Millisecond
+		}
+		if so.Fall == 0 {
+			so.Fall = 2
+		}
+		service(so, so.Name, so.VIP, false)
+		if so.V6 {
+			service(so, so.Name+"6", topo.FleetVIP6, true)
 		}
 	}
 	return b.String()
@@ -526,11 +532,15 @@ func tail(path string, n int) string {
 // BirdLog is the tail of BIRD's log.
 func (f *Fleet) BirdLog() string { return tail(filepath.Join(f.opts.Dir, "bird.log"), 30) }
 
-// Reload writes every node's config for so and reloads every running agent, then
-// waits until each has every backend of so checked and usable.
-func (f *Fleet) Reload(ctx context.Context, so ServiceOptions, within time.Duration) error {
-	if err := f.WriteConfigs(so); err != nil {
+// Reload writes every node's config for svcs and reloads every running agent,
+// then waits until each has every backend of svcs checked and usable.
+func (f *Fleet) Reload(ctx context.Context, within time.Duration, svcs ...ServiceOptions) error {
+	if err := f.WriteConfigs(svcs...); err != nil {
 		return err
+	}
+	backends := 0
+	for _, so := range svcs {
+		backends += len(so.Backends)
 	}
 	deadline := time.Now().Add(within)
 	for i, n := range f.Nodes {
@@ -542,7 +552,7 @@ func (f *Fleet) Reload(ctx context.Context, so ServiceOptions, within time.Durat
 		}
 		for {
 			st, err := n.Client.Status(ctx)
-			if err == nil && st.AllChecked() && usableCount(st) == len(so.Backends) {
+			if err == nil && st.AllChecked() && usableCount(st) == backends {
 				break
 			}
 			if time.Now().After(deadline) {

@@ -268,172 +268,192 @@ func TestAnnounceWithdraw(t *testing.T) {
 	})
 }
 
-// TestNodeFailure: 60 long-lived streams spread by the router's ECMP over three
-// nodes, in dsr, tunnel and nat mode. The node carrying the most dies (its agent
-// SIGKILLed and its link deleted); the router moves its flows to the others. In dsr
-// and tunnel mode they send them to the same backends (same tables, no shared
-// state), and every stream completes with every byte intact. In nat mode the
-// backends answer the dead node's own address, so every stream it carried is lost.
-func TestNodeFailure(t *testing.T) {
-	for _, mode := range []string{"dsr", "tunnel", "nat"} {
-		t.Run(mode, func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-			defer cancel()
-			f := start(t, Options{})
-			so := ServiceOptions{Mode: mode, VIP: topo.FleetVIP4, Backends: f.T.DSR, HashSeed: 7}
-			if mode == "tunnel" {
-				so.VIP, so.Backends = topo.FleetVIP4Tunnel, f.T.Tunnel
-			}
-			prefix := netip.PrefixFrom(so.VIP, 32)
-			if err := f.WriteConfigs(so); err != nil {
-				t.Fatal(err)
-			}
-			startAgents(t, ctx, f)
-			if _, err := f.WaitNextHops(ctx, prefix, f.NodeIPs(0, 1, 2), 10*time.Second); err != nil {
-				t.Fatal(err)
-			}
-			ss := f.StartStreams(ctx, netip.AddrPortFrom(so.VIP, StreamPort), streamOpts(60))
-			select {
-			case <-ss.Halfway():
-			case <-ctx.Done():
-				t.Fatal(ctx.Err())
-			}
-			owners, err := f.Owners(ctx, "stream", ss.Locals())
-			if err != nil {
-				t.Fatal(err)
-			}
-			share := shareOf(owners, len(f.Nodes))
-			t.Logf("streams per node before the failure: %v (of %d)", share, len(owners))
-			victim := 0
-			for i, n := range share {
-				if n == 0 {
-					t.Errorf("node %d carries no stream: the router's ECMP did not spread the flows (%v)", i, share)
-				}
-				if n > share[victim] {
-					victim = i
-				}
-			}
-			if err := f.Signal(victim, syscall.SIGKILL); err != nil {
-				t.Fatal(err)
-			}
-			f.WaitAgent(victim, 5*time.Second)
-			if err := f.T.DeleteNodeLink(victim); err != nil {
-				t.Fatal(err)
-			}
-			var rest []int
-			for i := range f.Nodes {
-				if i != victim {
-					rest = append(rest, i)
-				}
-			}
-			took, err := f.WaitNextHops(ctx, prefix, f.NodeIPs(rest...), f.opts.HoldTime+time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Logf("node %d killed with %d streams; the router withdrew it in %s", victim, share[victim], took)
-			out := ss.Wait()
-			if mode == "nat" {
-				lost := 0
-				for k, s := range out {
-					if owners[k] == victim && s.Err == nil {
-						t.Errorf("nat stream %s carried by the dead node survived: its backend answers that node's address", s.Local)
-					}
-					if s.Err != nil {
-						lost++
-					}
-				}
-				t.Logf("nat: %d of %d streams lost (the dead node carried %d; flows the router moved between live nodes are lost too)", lost, len(out), share[victim])
-				return
-			}
-			if n, first := Failed(out); n > 0 {
-				t.Errorf("%d of %d streams broke; the first: %v", n, len(out), first)
-			}
-			after, err := f.Owners(ctx, "stream", ss.Locals())
-			if err != nil {
-				t.Fatal(err)
-			}
-			moved := 0
-			for k := range owners {
-				if owners[k] == victim && after[k] >= 0 && after[k] != victim {
-					moved++
-				}
-			}
-			t.Logf("%d of the dead node's %d streams finished on the others (%v)", moved, share[victim], shareOf(after, len(f.Nodes)))
-			if moved == 0 {
-				t.Errorf("none of the dead node's streams was tracked by another node afterwards")
-			}
-		})
+// run is one service's streams in a node-failure test.
+type run struct {
+	so     ServiceOptions
+	ss     *Streams
+	owners []int // node per stream before the failure
+}
+
+// startRuns starts 60 streams to each service and waits until all are halfway,
+// calling mid first (after they dialled) if it is not nil.
+func startRuns(t *testing.T, ctx context.Context, f *Fleet, svcs []ServiceOptions, mid func()) []*run {
+	t.Helper()
+	var runs []*run
+	for _, so := range svcs {
+		runs = append(runs, &run{so: so, ss: f.StartStreams(ctx, netip.AddrPortFrom(so.VIP, StreamPort), streamOpts(60))})
+	}
+	if mid != nil {
+		mid()
+	}
+	for _, r := range runs {
+		var err error
+		if r.owners, err = f.Owners(ctx, r.so.Name, r.ss.Locals()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, r := range runs {
+		select {
+		case <-r.ss.Halfway():
+		case <-ctx.Done():
+			t.Fatal(ctx.Err())
+		}
+	}
+	return runs
+}
+
+// killBusiest kills the node that carries the most streams (its agent SIGKILLed,
+// its link deleted) and waits until the router has dropped it from every VIP.
+func killBusiest(t *testing.T, ctx context.Context, f *Fleet, runs []*run) int {
+	t.Helper()
+	total := make([]int, len(f.Nodes))
+	for _, r := range runs {
+		for i, n := range shareOf(r.owners, len(f.Nodes)) {
+			total[i] += n
+		}
+	}
+	victim := 0
+	for i, n := range total {
+		if n > total[victim] {
+			victim = i
+		}
+	}
+	if err := f.Signal(victim, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	f.WaitAgent(victim, 5*time.Second)
+	if err := f.T.DeleteNodeLink(victim); err != nil {
+		t.Fatal(err)
+	}
+	var rest []int
+	for i := range f.Nodes {
+		if i != victim {
+			rest = append(rest, i)
+		}
+	}
+	for _, r := range runs {
+		took, err := f.WaitNextHops(ctx, netip.PrefixFrom(r.so.VIP, 32), f.NodeIPs(rest...), f.opts.HoldTime+time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("%s: node %d killed with %d of its streams; the router withdrew it in %s", r.so.Name, victim, shareOf(r.owners, len(f.Nodes))[victim], took)
+	}
+	return victim
+}
+
+// announced waits until the router has every service's VIP through every node.
+func announced(t *testing.T, ctx context.Context, f *Fleet, svcs []ServiceOptions) {
+	t.Helper()
+	for _, so := range svcs {
+		if _, err := f.WaitNextHops(ctx, netip.PrefixFrom(so.VIP, 32), f.NodeIPs(All(len(f.Nodes))...), 10*time.Second); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 
-// TestNodeFailureWithBackendChange: the streams run, one backend is added on every
-// node, then the busiest node dies. The flows the router moves reach nodes that
-// never saw them, whose lookup tables now differ from the ones that placed them:
-// with the previous-table fallback they keep their backend, without it those whose
-// slot moved to the new backend are reset by it. The shares that survive are
-// logged for both.
+// TestNodeFailure: 60 long-lived streams to each of a dsr, a tunnel and a nat
+// service, spread by the router's ECMP over three nodes. The node carrying the most
+// dies (its agent SIGKILLed and its link deleted); the router moves its flows to
+// the others. In dsr and tunnel mode they send them to the same backends (same
+// tables, no shared state), and every stream completes with every byte intact. In
+// nat mode the backends answer the dead node's own address, so every stream it
+// carried is lost.
+func TestNodeFailure(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	f := start(t, Options{})
+	svcs := []ServiceOptions{
+		{Name: "dsr", Mode: "dsr", VIP: topo.FleetVIP4, Backends: f.T.DSR, HashSeed: 7},
+		{Name: "tunnel", Mode: "tunnel", VIP: topo.FleetVIP4Tunnel, Backends: f.T.Tunnel},
+		{Name: "nat", Mode: "nat", VIP: topo.FleetVIP4NAT, Backends: f.T.DSR},
+	}
+	if err := f.WriteConfigs(svcs...); err != nil {
+		t.Fatal(err)
+	}
+	startAgents(t, ctx, f)
+	announced(t, ctx, f, svcs)
+	runs := startRuns(t, ctx, f, svcs, nil)
+	for _, r := range runs {
+		share := shareOf(r.owners, len(f.Nodes))
+		t.Logf("%s: streams per node before the failure: %v", r.so.Name, share)
+		for i, n := range share {
+			if n == 0 {
+				t.Errorf("%s: node %d carries no stream: the router's ECMP did not spread the flows (%v)", r.so.Name, i, share)
+			}
+		}
+	}
+	victim := killBusiest(t, ctx, f, runs)
+	for _, r := range runs {
+		out := r.ss.Wait()
+		dead := shareOf(r.owners, len(f.Nodes))[victim]
+		if r.so.Mode == "nat" {
+			lost := 0
+			for k, s := range out {
+				if r.owners[k] == victim && s.Err == nil {
+					t.Errorf("nat stream %s carried by the dead node survived: its backend answers that node's address", s.Local)
+				}
+				if s.Err != nil {
+					lost++
+				}
+			}
+			t.Logf("nat: %d of %d streams lost (the dead node carried %d; flows the router moved between live nodes are lost too)", lost, len(out), dead)
+			continue
+		}
+		if n, first := Failed(out); n > 0 {
+			t.Errorf("%s: %d of %d streams broke; the first: %v", r.so.Name, n, len(out), first)
+		}
+		after, err := f.Owners(ctx, r.so.Name, r.ss.Locals())
+		if err != nil {
+			t.Fatal(err)
+		}
+		moved := 0
+		for k := range r.owners {
+			if r.owners[k] == victim && after[k] >= 0 && after[k] != victim {
+				moved++
+			}
+		}
+		t.Logf("%s: %d of the dead node's %d streams finished on the others (%v)", r.so.Name, moved, dead, shareOf(after, len(f.Nodes)))
+		if moved == 0 {
+			t.Errorf("%s: none of the dead node's streams was tracked by another node afterwards", r.so.Name)
+		}
+	}
+}
+
+// TestNodeFailureWithBackendChange: streams to a dsr and a tunnel service run, one
+// backend is added to each on every node, then the busiest node dies. The flows the
+// router moves reach nodes that never saw them, whose lookup tables now differ from
+// the ones that placed them: with the previous-table fallback they keep their
+// backend, without it those whose slot moved to the new backend are reset by it.
+// The shares that survive are logged for both.
 func TestNodeFailureWithBackendChange(t *testing.T) {
-	for _, c := range []struct {
-		mode     string
-		fallback bool
-	}{{"dsr", true}, {"dsr", false}, {"tunnel", true}, {"tunnel", false}} {
-		name := c.mode + "/fallback"
-		if !c.fallback {
-			name = c.mode + "/no_fallback"
+	for _, fallback := range []bool{true, false} {
+		name := "fallback"
+		if !fallback {
+			name = "no_fallback"
 		}
 		t.Run(name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 			defer cancel()
 			f := start(t, Options{DSRBackends: 3, TunnelBackends: 3})
-			so := ServiceOptions{Mode: c.mode, VIP: topo.FleetVIP4, Backends: f.T.DSR[:2], HashSeed: 7}
-			if c.mode == "tunnel" {
-				so.VIP, so.Backends = topo.FleetVIP4Tunnel, f.T.Tunnel[:2]
+			svcs := []ServiceOptions{
+				{Name: "dsr", Mode: "dsr", VIP: topo.FleetVIP4, Backends: f.T.DSR[:2], HashSeed: 7},
+				{Name: "tunnel", Mode: "tunnel", VIP: topo.FleetVIP4Tunnel, Backends: f.T.Tunnel[:2]},
 			}
-			if !c.fallback {
-				so.ExtraXDP = "previous_table_window: 0s"
+			if !fallback {
+				svcs[0].ExtraXDP = "previous_table_window: 0s"
 			}
-			prefix := netip.PrefixFrom(so.VIP, 32)
-			if err := f.WriteConfigs(so); err != nil {
+			if err := f.WriteConfigs(svcs...); err != nil {
 				t.Fatal(err)
 			}
 			startAgents(t, ctx, f)
-			if _, err := f.WaitNextHops(ctx, prefix, f.NodeIPs(0, 1, 2), 10*time.Second); err != nil {
-				t.Fatal(err)
-			}
-			ss := f.StartStreams(ctx, netip.AddrPortFrom(so.VIP, StreamPort), streamOpts(60))
-			all := f.T.DSR
-			if c.mode == "tunnel" {
-				all = f.T.Tunnel
-			}
-			so.Backends = all[:3]
-			if err := f.Reload(ctx, so, 5*time.Second); err != nil {
-				t.Fatal(err)
-			}
-			owners, err := f.Owners(ctx, "stream", ss.Locals())
-			if err != nil {
-				t.Fatal(err)
-			}
-			share := shareOf(owners, len(f.Nodes))
-			victim := 0
-			for i, n := range share {
-				if n > share[victim] {
-					victim = i
+			announced(t, ctx, f, svcs)
+			runs := startRuns(t, ctx, f, svcs, func() {
+				svcs[0].Backends, svcs[1].Backends = f.T.DSR, f.T.Tunnel
+				if err := f.Reload(ctx, 5*time.Second, svcs...); err != nil {
+					t.Fatal(err)
 				}
-			}
-			select {
-			case <-ss.Halfway():
-			case <-ctx.Done():
-				t.Fatal(ctx.Err())
-			}
-			if err := f.Signal(victim, syscall.SIGKILL); err != nil {
-				t.Fatal(err)
-			}
-			f.WaitAgent(victim, 5*time.Second)
-			if err := f.T.DeleteNodeLink(victim); err != nil {
-				t.Fatal(err)
-			}
-			out := ss.Wait()
-			broken, first := Failed(out)
+			})
+			victim := killBusiest(t, ctx, f, runs)
 			var fallbacks uint64
 			for i, n := range f.Nodes {
 				if i == victim {
@@ -443,15 +463,21 @@ func TestNodeFailureWithBackendChange(t *testing.T) {
 					fallbacks += st.XDPReasons["flow_fallback"]
 				}
 			}
-			t.Logf("%s, fallback %t: %d of %d streams survived a backend added and node %d (%d streams) killed; %d packets took the previous table (per node before: %v)",
-				c.mode, c.fallback, len(out)-broken, len(out), victim, share[victim], fallbacks, share)
-			switch {
-			case c.fallback && broken > 0:
-				t.Errorf("with the fallback, %d streams broke; the first: %v", broken, first)
-			case c.fallback && fallbacks == 0:
+			for _, r := range runs {
+				out := r.ss.Wait()
+				broken, first := Failed(out)
+				t.Logf("%s, fallback %t: %d of %d streams survived a backend added and node %d (%d streams) killed",
+					r.so.Name, fallback, len(out)-broken, len(out), victim, shareOf(r.owners, len(f.Nodes))[victim])
+				switch {
+				case fallback && broken > 0:
+					t.Errorf("%s: with the fallback, %d streams broke; the first: %v", r.so.Name, broken, first)
+				case !fallback && broken == 0:
+					t.Errorf("%s: without the fallback every stream survived: the test moved no flow whose slot went to the new backend", r.so.Name)
+				}
+			}
+			t.Logf("%d packets took the previous table on the surviving nodes", fallbacks)
+			if fallback && fallbacks == 0 {
 				t.Error("with the fallback, no packet took the previous table: the test did not move a flow whose slot changed")
-			case !c.fallback && broken == 0:
-				t.Error("without the fallback every stream survived: the test moved no flow whose slot went to the new backend")
 			}
 		})
 	}

@@ -60,6 +60,7 @@ type FleetConfig struct {
 var (
 	FleetVIP4       = netip.MustParseAddr("10.80.100.1")
 	FleetVIP4Tunnel = netip.MustParseAddr("10.80.100.2")
+	FleetVIP4NAT    = netip.MustParseAddr("10.80.100.3") // on no backend: nat translates it
 	FleetVIP6       = netip.MustParseAddr("fd80:100::1")
 	FleetNet        = netip.MustParsePrefix("10.80.0.0/16")
 	FleetNet6       = netip.MustParsePrefix("fd80::/16")
