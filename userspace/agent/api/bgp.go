@@ -13,6 +13,8 @@ import (
 type BGPStatus struct {
 	ASN      uint32 `json:"asn"`
 	RouterID string `json:"router_id"`
+	// Error is why the speaker is not running (then nothing is announced).
+	Error string `json:"error,omitempty"`
 	// Drained: `weir node drain` withdrew every route; DrainedSince is when, and
 	// DrainUntil when the flows still reaching the node have had drain_timeout.
 	Drained      bool            `json:"drained"`
@@ -63,6 +65,9 @@ func (b *BGPStatus) WriteTable(w io.Writer) {
 			b.DrainedSince.Format(time.RFC3339), b.DrainUntil.Format(time.RFC3339))
 	}
 	fmt.Fprintln(w)
+	if b.Error != "" {
+		fmt.Fprintf(w, "  NOT RUNNING, nothing is announced: %s\n", b.Error)
+	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "  peer\tasn\tstate\tuptime\thold\tlast error")
 	for _, p := range b.Peers {

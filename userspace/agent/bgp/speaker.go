@@ -33,6 +33,7 @@ type Speaker struct {
 	drain     drainState
 	announced map[netip.Prefix]Route // what the speaker's RIB holds now
 	peers     map[netip.Addr]*peerState
+	runErr    error // why Run gave up, if it did
 }
 
 type drainState struct {
@@ -93,29 +94,32 @@ func (s *Speaker) Run(ctx context.Context) error {
 	if s.cfg.ListenPort != 0 {
 		listen = int32(s.cfg.ListenPort)
 	}
-	if err := srv.StartBgp(ctx, &gobgpapi.StartBgpRequest{Global: &gobgpapi.Global{
-		Asn: s.cfg.ASN, RouterId: s.cfg.RouterID.String(), ListenPort: listen}}); err != nil {
-		return fmt.Errorf("bgp: start: %w", err)
-	}
 	stop := func() {
 		// A fresh context: ctx is done when the agent stops, and the Cease must go out.
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		if err := srv.StopBgp(sctx, &gobgpapi.StopBgpRequest{}); err != nil {
+			// Not serving (yet): nothing to wait for.
 			s.log.Error("stop bgp", "err", err)
+			return
 		}
 		<-served
+	}
+	if err := srv.StartBgp(ctx, &gobgpapi.StartBgpRequest{Global: &gobgpapi.Global{
+		Asn: s.cfg.ASN, RouterId: s.cfg.RouterID.String(), ListenPort: listen}}); err != nil {
+		stop()
+		return s.failed(fmt.Errorf("bgp: start: %w", err))
 	}
 	watchCtx, cancelWatch := context.WithCancel(ctx)
 	defer cancelWatch()
 	if err := srv.WatchEvent(watchCtx, server.WatchEventMessageCallbacks{OnPeerUpdate: s.onPeer}, server.WatchPeer()); err != nil {
 		stop()
-		return fmt.Errorf("bgp: watch peers: %w", err)
+		return s.failed(fmt.Errorf("bgp: watch peers: %w", err))
 	}
 	for _, p := range s.cfg.Peers {
 		if err := srv.AddPeer(ctx, &gobgpapi.AddPeerRequest{Peer: s.peer(p)}); err != nil {
 			stop()
-			return fmt.Errorf("bgp: peer %s: %w", p.Address, err)
+			return s.failed(fmt.Errorf("bgp: peer %s: %w", p.Address, err))
 		}
 	}
 	s.log.Info("bgp speaker running", "asn", s.cfg.ASN, "router_id", s.cfg.RouterID, "peers", len(s.cfg.Peers), "listen_port", s.cfg.ListenPort)
@@ -135,6 +139,14 @@ func (s *Speaker) Run(ctx context.Context) error {
 			}
 		}
 	}
+}
+
+// failed records why Run gave up, for status, and returns it.
+func (s *Speaker) failed(err error) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.runErr = err
+	return err
 }
 
 // peer is the GoBGP form of one configured peer.
@@ -307,6 +319,9 @@ func (s *Speaker) Status() *api.BGPStatus {
 		Peers: []api.PeerStatus{}, Announced: []api.RouteStatus{}}
 	if s.drain.on {
 		st.DrainedSince, st.DrainUntil = s.drain.since, s.drain.until
+	}
+	if s.runErr != nil {
+		st.Error = s.runErr.Error()
 	}
 	now := time.Now()
 	for _, p := range s.cfg.Peers {

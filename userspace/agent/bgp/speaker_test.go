@@ -126,3 +126,24 @@ func TestSpeaker(t *testing.T) {
 	done <- nil
 	want("stopped", map[netip.Prefix]uint32{})
 }
+
+// TestSpeakerListenTaken: a listen port another process holds stops the speaker
+// with an error that status shows.
+func TestSpeakerListenTaken(t *testing.T) {
+	l, err := net.Listen("tcp", ":0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"), ListenPort: uint16(l.Addr().(*net.TCPAddr).Port),
+		Peers: []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: 65000, Port: 179, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
+	s := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.Run(ctx); err == nil {
+		t.Fatal("Run: got nil; want the listen port's error")
+	}
+	if st := s.Status(); st.Error == "" {
+		t.Errorf("status: %+v; want the error", st)
+	}
+}
