@@ -107,6 +107,10 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"decap", "--interface", "lo", "--mode", "fast"}, `attach mode "fast"`},
 		{[]string{"decap", "--interface", "lo", "--addr", "not-an-ip"}, "not-an-ip"},
 		{[]string{"explain", "-s", "/nonexistent/weir.sock", "web", "10.0.0.1:1"}, "is weir running?"},
+		{[]string{"node"}, "weir node drain [--wait]"},
+		{[]string{"node", "stop"}, "node: want drain or undrain"},
+		{[]string{"node", "drain", "-s", "/nonexistent/weir.sock"}, "is weir running?"},
+		{[]string{"demo", "fleet", "--streams", "0"}, "--streams must be 1..150"},
 	} {
 		t.Run(strings.Join(c.args, " "), func(t *testing.T) {
 			var stdout, stderr bytes.Buffer
@@ -157,13 +161,16 @@ func TestConventions(t *testing.T) {
 		{"explain", "usage: weir explain SERVICE CLIENT_IP:PORT [flags]", []string{"a", "b", "c"}},
 		{"decap", "usage: weir decap --interface IFACE [flags]", []string{"x"}},
 		{"demo", "usage: weir demo [flags]", []string{"x"}},
+		{"demo fleet", "usage: weir demo fleet [flags]", []string{"x"}},
+		{"node drain", "usage: weir node drain [flags]", []string{"x"}},
+		{"node undrain", "usage: weir node undrain [flags]", []string{"x"}},
 		{"version", "usage: weir version", []string{"x"}},
 	}
 	for _, c := range commands {
 		t.Run(c.name+" -h", func(t *testing.T) {
 			for _, h := range []string{"-h", "--help"} {
 				var stdout, stderr bytes.Buffer
-				err := run(context.Background(), []string{c.name, h}, &stdout, &stderr)
+				err := run(context.Background(), append(strings.Fields(c.name), h), &stdout, &stderr)
 				if !errors.Is(err, flag.ErrHelp) {
 					t.Errorf("%s %s: got %v; want flag.ErrHelp (exit 0)", c.name, h, err)
 				}
@@ -174,14 +181,14 @@ func TestConventions(t *testing.T) {
 		})
 		t.Run(c.name+" bad flag", func(t *testing.T) {
 			var stdout, stderr bytes.Buffer
-			err := run(context.Background(), []string{c.name, "--no-such-flag"}, &stdout, &stderr)
+			err := run(context.Background(), append(strings.Fields(c.name), "--no-such-flag"), &stdout, &stderr)
 			if err == nil || !strings.Contains(err.Error(), "flag provided but not defined: -no-such-flag") || !strings.Contains(err.Error(), "weir "+c.name+" -h") {
 				t.Errorf("got %v; want the unknown flag named and a pointer to -h", err)
 			}
 		})
 		t.Run(c.name+" extra arguments", func(t *testing.T) {
 			var stdout, stderr bytes.Buffer
-			err := run(context.Background(), append([]string{c.name}, c.extra...), &stdout, &stderr)
+			err := run(context.Background(), append(strings.Fields(c.name), c.extra...), &stdout, &stderr)
 			if err == nil || !strings.Contains(err.Error(), "unexpected argument") {
 				t.Errorf("got %v; want unexpected argument", err)
 			}
