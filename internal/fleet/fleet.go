@@ -61,6 +61,8 @@ type Fleet struct {
 	opts   Options
 	T      *topo.Fleet
 	Nodes  []*Node
+	bird   string // the daemon's and its client's paths
+	birdc  string
 	birdC  *exec.Cmd
 	birdCh chan error
 	sock   string
@@ -98,7 +100,12 @@ func Start(opts Options) (_ *Fleet, err error) {
 	if opts.HoldTime == 0 {
 		opts.HoldTime = 3 * time.Second
 	}
-	if _, err := exec.LookPath("bird"); err != nil {
+	bird, err := sbin("bird")
+	if err != nil {
+		return nil, fmt.Errorf("fleet: the router runs BIRD 2: %w (apt-get install bird2, or make deps)", err)
+	}
+	birdc, err := sbin("birdc")
+	if err != nil {
 		return nil, fmt.Errorf("fleet: the router runs BIRD 2: %w (apt-get install bird2, or make deps)", err)
 	}
 	t, err := topo.NewFleet(topo.FleetConfig{Name: opts.Name, Nodes: opts.Nodes, DSRBackends: opts.DSRBackends,
@@ -106,7 +113,7 @@ func Start(opts Options) (_ *Fleet, err error) {
 	if err != nil {
 		return nil, err
 	}
-	f := &Fleet{opts: opts, T: t, srv: NewServers()}
+	f := &Fleet{opts: opts, T: t, srv: NewServers(), bird: bird, birdc: birdc}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, f.Close())
@@ -137,6 +144,15 @@ func Start(opts Options) (_ *Fleet, err error) {
 		return nil, err
 	}
 	return f, nil
+}
+
+// sbin finds a daemon's binary on PATH or in /usr/sbin, where Debian puts BIRD
+// (and which a non-login root PATH may lack).
+func sbin(name string) (string, error) {
+	if p, err := exec.LookPath(name); err == nil {
+		return p, nil
+	}
+	return exec.LookPath("/usr/sbin/" + name)
 }
 
 // birdConf is the router's BIRD config: an eBGP session to every node (the nodes
@@ -178,7 +194,7 @@ func (f *Fleet) startBird() error {
 		return fmt.Errorf("fleet: %w", err)
 	}
 	defer out.Close()
-	cmd := exec.Command("ip", "netns", "exec", f.T.RouterNS.Name(), "bird", "-f", "-c", conf, "-s", f.sock)
+	cmd := exec.Command("ip", "netns", "exec", f.T.RouterNS.Name(), f.bird, "-f", "-c", conf, "-s", f.sock)
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
@@ -207,7 +223,7 @@ func (f *Fleet) startBird() error {
 
 // Birdc runs one birdc command on the router's control socket.
 func (f *Fleet) Birdc(command string) (string, error) {
-	out, err := exec.Command("birdc", append([]string{"-s", f.sock}, strings.Fields(command)...)...).CombinedOutput()
+	out, err := exec.Command(f.birdc, append([]string{"-s", f.sock}, strings.Fields(command)...)...).CombinedOutput()
 	if err != nil {
 		return string(out), fmt.Errorf("birdc %s: %w: %s", command, err, out)
 	}
