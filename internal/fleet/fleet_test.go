@@ -2,12 +2,15 @@ package fleet
 
 import (
 	"context"
+	"fmt"
 	"net/netip"
 	"os"
 	"os/exec"
 	"os/signal"
+	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -33,7 +36,36 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	os.RemoveAll(binDir)
+	os.Exit(code)
+}
+
+var (
+	binDir   string
+	binOnce  sync.Once
+	binPath  string
+	binError error
+)
+
+// weirBinary builds the weir command once per test process, for the tests that
+// drive the real CLI. go test puts its own toolchain first on PATH.
+func weirBinary(t *testing.T) string {
+	t.Helper()
+	binOnce.Do(func() {
+		if binDir, binError = os.MkdirTemp("", "weir-fleet-bin-"); binError != nil {
+			return
+		}
+		binPath = filepath.Join(binDir, "weir")
+		out, err := exec.Command("go", "build", "-o", binPath, "github.com/weir-lb/weir/cmd/weir").CombinedOutput()
+		if err != nil {
+			binError = fmt.Errorf("go build ./cmd/weir: %v: %s", err, out)
+		}
+	})
+	if binError != nil {
+		t.Fatal(binError)
+	}
+	return binPath
 }
 
 var (
@@ -201,7 +233,15 @@ func TestAnnounceWithdraw(t *testing.T) {
 	})
 
 	t.Run("node drain", func(t *testing.T) {
-		if err := f.Nodes[1].Client.NodeDrain(ctx, true); err != nil {
+		// Through the real CLI: weir node drain --wait returns once drain_timeout
+		// (2s here) has passed, the routes withdrawn all along.
+		weir := weirBinary(t)
+		sock := f.Nodes[1].Socket
+		start := time.Now()
+		drain := exec.CommandContext(ctx, weir, "node", "drain", "--wait", "-s", sock)
+		var out strings.Builder
+		drain.Stdout, drain.Stderr = &out, &out
+		if err := drain.Start(); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := f.WaitNextHops(ctx, vip4, f.NodeIPs(0, 2), 5*time.Second); err != nil {
@@ -215,8 +255,18 @@ func TestAnnounceWithdraw(t *testing.T) {
 		if !strings.Contains(m, "weir_node_drained 1") {
 			t.Error("metrics: want weir_node_drained 1")
 		}
-		if err := f.Nodes[1].Client.NodeDrain(ctx, false); err != nil {
-			t.Fatal(err)
+		if err := drain.Wait(); err != nil {
+			t.Fatalf("weir node drain --wait: %v: %s", err, out.String())
+		}
+		if took := time.Since(start); took < 2*time.Second || !strings.Contains(out.String(), "drain_timeout has passed") {
+			t.Errorf("weir node drain --wait returned after %s with %q; want after drain_timeout (2s), saying so", took, out.String())
+		}
+		status, err := exec.CommandContext(ctx, weir, "status", "-s", sock).CombinedOutput()
+		if err != nil || !strings.Contains(string(status), "node DRAINED since") || !strings.Contains(string(status), "withdrawn 10.80.100.1/32: the node is drained") {
+			t.Errorf("weir status: %v:\n%s\nwant the drain and the withdrawn VIP", err, status)
+		}
+		if out, err := exec.CommandContext(ctx, weir, "node", "undrain", "-s", sock).CombinedOutput(); err != nil {
+			t.Fatalf("weir node undrain: %v: %s", err, out)
 		}
 		if _, err := f.WaitNextHops(ctx, vip4, all, 5*time.Second); err != nil {
 			t.Fatal(err)
