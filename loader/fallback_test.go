@@ -11,6 +11,7 @@ import (
 
 	"github.com/weir-lb/weir/internal/packet"
 	"github.com/weir-lb/weir/internal/xdptest"
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // loadFleetNode loads a program as one node of a fleet: every node of a test loads
@@ -220,5 +221,28 @@ func TestFingerprint(t *testing.T) {
 	}
 	if ti := a.Tables()[svc.Key]; ti.Fingerprint != "" || ti.Size != 0 {
 		t.Errorf("no usable backend: %+v; want no fingerprint and size 0", ti)
+	}
+}
+
+// TestFingerprintGolden pins the fingerprint of one table: nodes running different
+// weir versions must agree on it, so a change to what it covers is a new version
+// of its prefix, and this value changes on purpose only.
+func TestFingerprintGolden(t *testing.T) {
+	s := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, TableSize: 31, Backends: testBackends(3, false, 80)}
+	members := make([]balance.Backend, len(s.Backends))
+	for i, b := range s.Backends {
+		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: true}
+	}
+	entries, err := balance.BuildMaglev(members, s.TableSize, testSeed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, ids := fingerprint(s, testSeed, entries)
+	if want := "d5bf3d9c09a4f9d3"; got != want || len(ids) != 3 {
+		t.Errorf("fingerprint %s of %v; want %s of the 3 backends", got, ids, want)
+	}
+	s.SourceHash = true
+	if other, _ := fingerprint(s, testSeed, entries); other == got {
+		t.Errorf("source-only hashing gives the same fingerprint %s", got)
 	}
 }

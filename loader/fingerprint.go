@@ -38,7 +38,11 @@ func fingerprint(s Service, seed uint32, entries []uint32) (string, []netip.Addr
 	}
 	h.Write([]byte("weir maglev table v1"))
 	word(seed)
-	word(map[bool]uint32{false: 0, true: 1}[s.SourceHash])
+	sourceOnly := uint32(0)
+	if s.SourceHash {
+		sourceOnly = 1
+	}
+	word(sourceOnly)
 	word(uint32(len(entries)))
 	word(uint32(len(ids)))
 	for _, id := range ids {
