@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 
@@ -325,4 +326,50 @@ func median(v []float64) float64 {
 		return s[len(s)/2]
 	}
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+// BenchmarkFallback measures what the previous-table fallback adds to a TCP packet
+// that is not a SYN and misses the connection table (a new 5-tuple every
+// iteration, recorded half-open as any such packet is), beside the same miss with
+// no previous table. fallback: the previous table names other backends than the
+// current one (the old ones drain), so every packet is sent by it (flow_fallback);
+// previous-unusable: its backends were removed, so every packet pays both tables'
+// lookups and takes the current one. syn-new-flow is the same new flow as a SYN,
+// which never looks at the previous table.
+//
+//	go test -run '^$' -bench 'Fallback$' -benchtime 1x -count 3 ./loader/
+func BenchmarkFallback(b *testing.B) {
+	p, err := Load(Options{HashSeed: testSeed, ConntrackSize: 4096, PreviousTableWindow: time.Hour})
+	xdptest.Check(b, err)
+	b.Cleanup(func() { p.Close() })
+	rig := loadRig(b)
+	old, now := testBackends(100, false, 80)[:50], testBackends(100, false, 80)[50:]
+	vips := []netip.Addr{vip4, netip.MustParseAddr("10.77.100.2"), netip.MustParseAddr("10.77.100.3")}
+	for i, vip := range vips {
+		s := Service{Key: ServiceKey{netip.AddrPortFrom(vip, 80), TCP}, Backends: slices.Clone(old)}
+		if err := p.AddService(s); err != nil {
+			b.Fatal(err)
+		}
+		switch i {
+		case 1: // the old backends drain: still usable, out of the current table
+			for j := range s.Backends {
+				s.Backends[j].Draining = true
+			}
+			s.Backends = append(s.Backends, now...)
+		case 2: // the old backends are gone
+			s.Backends = slices.Clone(now)
+		}
+		if i > 0 {
+			if err := p.UpdateService(s); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	tx := []Action{XDPTX}
+	benchPaths(b, nil, p, rig, []pathCase{
+		{name: "ack-miss", frame: dsrFrame(client4, vips[0], packet.ACK), newFlows: true, actions: tx, count: ReasonFlowNew},
+		{name: "ack-miss-fallback", frame: dsrFrame(client4, vips[1], packet.ACK), newFlows: true, actions: tx, count: ReasonFlowFallback},
+		{name: "ack-miss-previous-unusable", frame: dsrFrame(client4, vips[2], packet.ACK), newFlows: true, actions: tx, count: ReasonFlowNew},
+		{name: "syn-new-flow", frame: dsrFrame(client4, vips[1], packet.SYN), newFlows: true, actions: tx, count: ReasonFlowNew},
+	})
 }

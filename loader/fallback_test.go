@@ -3,6 +3,7 @@ package loader
 import (
 	"bytes"
 	"net/netip"
+	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/weir-lb/weir/internal/packet"
 	"github.com/weir-lb/weir/internal/xdptest"
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // loadFleetNode loads a program as one node of a fleet: every node of a test loads
@@ -221,4 +223,84 @@ func TestFingerprint(t *testing.T) {
 	if ti := a.Tables()[svc.Key]; ti.Fingerprint != "" || ti.Size != 0 {
 		t.Errorf("no usable backend: %+v; want no fingerprint and size 0", ti)
 	}
+}
+
+// TestFingerprintGolden pins the fingerprint of one table: nodes running different
+// weir versions must agree on it, so a change to what it covers is a new version
+// of its prefix, and this value changes on purpose only.
+func TestFingerprintGolden(t *testing.T) {
+	s := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, TableSize: 31, Backends: testBackends(3, false, 80)}
+	members := make([]balance.Backend, len(s.Backends))
+	for i, b := range s.Backends {
+		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: true}
+	}
+	entries, err := balance.BuildMaglev(members, s.TableSize, testSeed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addrs := make([]netip.AddrPort, len(entries))
+	for i, e := range entries {
+		addrs[i] = s.Backends[e].Addr
+	}
+	got, ids := fingerprint(testSeed, false, addrs)
+	if want := "d5bf3d9c09a4f9d3"; got != want || len(ids) != 3 {
+		t.Errorf("fingerprint %s of %v; want %s of the 3 backends", got, ids, want)
+	}
+	if other, _ := fingerprint(testSeed, true, addrs); other == got {
+		t.Errorf("source-only hashing gives the same fingerprint %s", got)
+	}
+}
+
+// TestPinnedRestartKeepsTables: a program loaded over pinned maps adopts the
+// services' lookup tables, current and previous, so the same configuration set
+// again swaps nothing, the fallback goes on across the restart and status shows the
+// fingerprints it showed before.
+func TestPinnedRestartKeepsTables(t *testing.T) {
+	opts := Options{HashSeed: testSeed, ConntrackSize: 4096, PreviousTableWindow: time.Hour,
+		PinPath: filepath.Join(bpffsT(t), "weir")}
+	all := testBackends(4, false, 80)
+	first := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, TableSize: 251, Backends: all[:3]}
+	grown := first
+	grown.Backends = all
+	p1, err := Load(opts)
+	xdptest.Check(t, err)
+	for _, s := range []Service{first, grown} {
+		if err := p1.SetService(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := p1.Tables()[first.Key]
+	if err := p1.Release(); err != nil {
+		t.Fatal(err)
+	}
+
+	p2, err := Load(opts)
+	xdptest.Check(t, err)
+	t.Cleanup(func() { p2.Close() })
+	adopted := p2.Tables()[first.Key]
+	if adopted.Fingerprint != before.Fingerprint || adopted.Previous != before.Previous || adopted.Previous == "" {
+		t.Errorf("adopted tables %+v; before the restart %+v", adopted, before)
+	}
+	if err := p2.SetService(grown); err != nil {
+		t.Fatal(err)
+	}
+	if got := p2.Tables()[first.Key]; got.Fingerprint != before.Fingerprint || got.Previous != before.Previous {
+		t.Errorf("after setting the same configuration again: %+v; want %+v", got, before)
+	}
+	// A flow the previous table gives another backend than the current one: the
+	// fallback still sends it there.
+	for port := uint16(20000); port < 21000; port++ {
+		f := Flow{Src: netip.AddrPortFrom(client4, port), Dst: first.Key.VIP, Protocol: TCP}
+		was, now := wantBackend(t, first, f), wantBackend(t, grown, f)
+		if was.Addr == now.Addr {
+			continue
+		}
+		in := packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Src: f.Src, Dst: f.Dst, TCPFlags: packet.ACK}.Build()
+		action, out, err := p2.Run(in)
+		if err != nil || action != XDPTX || !bytes.Equal(out, dsrOut(in, was.MAC)) {
+			t.Fatalf("flow %d after the restart: %s, %v, %x; want XDP_TX to %s", port, action, err, out, was.Addr)
+		}
+		return
+	}
+	t.Fatal("no flow of 1000 moved with the change: the test proves nothing")
 }

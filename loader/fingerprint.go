@@ -21,13 +21,10 @@ import (
 // configuration and the same view of backend health show the same fingerprint; an
 // operator alerts when they differ.
 
-// fingerprint returns a service's table fingerprint (16 hex digits) and the backends
-// the table holds, sorted, which its entries (indexes into s.Backends) name.
-func fingerprint(s Service, seed uint32, entries []uint32) (string, []netip.AddrPort) {
-	var ids []netip.AddrPort
-	for _, e := range entries {
-		ids = append(ids, s.Backends[e].Addr)
-	}
+// fingerprint returns the fingerprint (16 hex digits) of a table whose entry i sends
+// flows to entries[i], and the backends it names, sorted.
+func fingerprint(seed uint32, sourceHash bool, entries []netip.AddrPort) (string, []netip.AddrPort) {
+	ids := slices.Clone(entries)
 	slices.SortFunc(ids, func(a, b netip.AddrPort) int { return a.Compare(b) })
 	ids = slices.Compact(ids)
 	h := sha256.New()
@@ -38,7 +35,11 @@ func fingerprint(s Service, seed uint32, entries []uint32) (string, []netip.Addr
 	}
 	h.Write([]byte("weir maglev table v1"))
 	word(seed)
-	word(map[bool]uint32{false: 0, true: 1}[s.SourceHash])
+	sourceOnly := uint32(0)
+	if sourceHash {
+		sourceOnly = 1
+	}
+	word(sourceOnly)
 	word(uint32(len(entries)))
 	word(uint32(len(ids)))
 	for _, id := range ids {
@@ -54,7 +55,7 @@ func fingerprint(s Service, seed uint32, entries []uint32) (string, []netip.Addr
 	}
 	buf := make([]byte, 4*len(entries))
 	for i, e := range entries {
-		binary.BigEndian.PutUint32(buf[4*i:], rank[s.Backends[e].Addr])
+		binary.BigEndian.PutUint32(buf[4*i:], rank[e])
 	}
 	h.Write(buf)
 	return hex.EncodeToString(h.Sum(nil)[:8]), ids
@@ -164,4 +165,90 @@ func (st *serviceState) info() TableInfo {
 		ti.Previous, ti.PreviousSince = st.prevPrint, st.prevSince
 	}
 	return ti
+}
+
+// adoptTables takes over the lookup tables an earlier run pinned for an adopted
+// service (its slots known): the current one, so that setting the same configuration
+// again swaps nothing, and the previous one, so that the fallback outlives a restart.
+// An adopted previous generation's window starts again now (its age is not kept);
+// its fingerprint names only the backends the service still has.
+func (p *Program) adoptTables(st *serviceState) error {
+	bySlot := make(map[uint32]netip.AddrPort, len(st.slots))
+	for addr, slot := range st.slots {
+		bySlot[slot] = addr
+	}
+	for _, t := range []struct {
+		outer *ebpf.Map
+		table **ebpf.Map
+		sum   *[sha256.Size]byte
+		print *string
+	}{
+		{p.objs.LookupTables, &st.table, &st.tableSum, &st.fingerprint},
+		{p.objs.PrevLookupTables, &st.previous, &st.prevSum, &st.prevPrint},
+	} {
+		inner, values, err := lookupTable(t.outer, st.id)
+		if err != nil {
+			return err
+		}
+		if inner == nil {
+			continue
+		}
+		if len(values) < 2 || values[0] != uint32(len(values)-1) {
+			inner.Close()
+			return fmt.Errorf("adopt %s of service id %d: %d values, not a table's size and its entries", t.outer, st.id, len(values))
+		}
+		entries := make([]netip.AddrPort, len(values)-1)
+		for i, slot := range values[1:] {
+			entries[i] = bySlot[slot]
+		}
+		fp, ids := fingerprint(p.opts.HashSeed, st.spec.SourceHash, entries)
+		*t.table, *t.sum, *t.print = inner, tableSum(fp, ids, st.slots), fp
+	}
+	if st.previous != nil {
+		st.prevSince = time.Now()
+	}
+	return nil
+}
+
+// lookupTable opens the inner map an outer map of lookup tables holds for a
+// service and reads it (nil, nil if it holds none).
+func lookupTable(outer *ebpf.Map, id uint32) (*ebpf.Map, []uint32, error) {
+	var inner *ebpf.Map
+	err := outer.Lookup(id, &inner)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return nil, nil, nil
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("read %s of service id %d: %w", outer, id, err)
+	}
+	values, err := readArray[uint32](inner, inner.MaxEntries())
+	if err != nil {
+		inner.Close()
+		return nil, nil, fmt.Errorf("read %s of service id %d: %w", outer, id, err)
+	}
+	return inner, values, nil
+}
+
+// readArray reads the first n entries of an array map.
+func readArray[V any](m *ebpf.Map, n uint32) ([]V, error) {
+	values := make([]V, n)
+	if err := batchLookup(m, n, values); err != nil {
+		return nil, err
+	}
+	return values, nil
+}
+
+// batchLookup reads the first n entries of an array map into values (n of them, or
+// n times the CPUs for a per-CPU map).
+func batchLookup[V any](m *ebpf.Map, n uint32, values []V) error {
+	keys := make([]uint32, n)
+	var cursor ebpf.MapBatchCursor
+	got, err := m.BatchLookup(&cursor, keys, values, nil)
+	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return err
+	}
+	if got != int(n) {
+		return fmt.Errorf("batch lookup: %d of %d entries", got, n)
+	}
+	return nil
 }

@@ -89,20 +89,11 @@ func (p *Program) Model() (*Model, error) {
 // readTable reads the inner map an outer map of lookup tables holds for a service
 // (nil if none).
 func readTable(outer *ebpf.Map, id uint32) ([]uint32, error) {
-	var inner *ebpf.Map
-	err := outer.Lookup(id, &inner)
-	if errors.Is(err, ebpf.ErrKeyNotExist) {
-		return nil, nil
+	inner, table, err := lookupTable(outer, id)
+	if inner != nil {
+		inner.Close()
 	}
-	if err != nil {
-		return nil, fmt.Errorf("read %s of service id %d: %w", outer, id, err)
-	}
-	defer inner.Close()
-	table, err := readArray[uint32](inner, inner.MaxEntries())
-	if err != nil {
-		return nil, fmt.Errorf("read %s of service id %d: %w", outer, id, err)
-	}
-	return table, nil
+	return table, err
 }
 
 // readAll copies a hash map into out.
@@ -116,21 +107,6 @@ func readAll[K comparable, V any](m *ebpf.Map, out map[K]V) error {
 	return it.Err()
 }
 
-// readArray reads the first n entries of an array map.
-func readArray[V any](m *ebpf.Map, n uint32) ([]V, error) {
-	keys := make([]uint32, n)
-	values := make([]V, n)
-	var cursor ebpf.MapBatchCursor
-	got, err := m.BatchLookup(&cursor, keys, values, nil)
-	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return nil, err
-	}
-	if got != int(n) {
-		return nil, fmt.Errorf("batch lookup: %d of %d entries", got, n)
-	}
-	return values, nil
-}
-
 // readPerCPU reads the first n entries of a per-CPU array map summed over CPUs, as
 // counters (both counter and flow_count are two uint64).
 func readPerCPU(m *ebpf.Map, n uint32) ([]Counter, error) {
@@ -138,15 +114,9 @@ func readPerCPU(m *ebpf.Map, n uint32) ([]Counter, error) {
 	if err != nil {
 		return nil, err
 	}
-	keys := make([]uint32, n)
 	values := make([]bpf.WeirCounter, int(n)*cpus)
-	var cursor ebpf.MapBatchCursor
-	got, err := m.BatchLookup(&cursor, keys, values, nil)
-	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+	if err := batchLookup(m, n, values); err != nil {
 		return nil, err
-	}
-	if got != int(n) {
-		return nil, fmt.Errorf("batch lookup: %d of %d entries", got, n)
 	}
 	out := make([]Counter, n)
 	for i := range out {

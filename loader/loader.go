@@ -753,8 +753,12 @@ func (p *Program) tableEntries(s Service, slots map[netip.AddrPort]uint32) (gene
 	for i, e := range entries {
 		values[i+1] = slots[s.Backends[e].Addr]
 	}
-	print, ids := fingerprint(s, p.opts.HashSeed, entries)
-	return generation{values: values, sum: tableSum(print, ids, slots), fingerprint: print}, nil
+	addrs := make([]netip.AddrPort, len(entries))
+	for i, e := range entries {
+		addrs[i] = s.Backends[e].Addr
+	}
+	fp, ids := fingerprint(p.opts.HashSeed, s.SourceHash, addrs)
+	return generation{values: values, sum: tableSum(fp, ids, slots), fingerprint: fp}, nil
 }
 
 // newTable creates and fills an inner map holding values.

@@ -104,6 +104,14 @@ func (p *Program) adopt() error {
 	if err := bit.Err(); err != nil {
 		return fmt.Errorf("adopt backends: %w", err)
 	}
+	for _, st := range byID {
+		if err := p.adoptTables(st); err != nil {
+			for _, st := range byID {
+				st.closeTables()
+			}
+			return fmt.Errorf("adopt lookup tables: %w", err)
+		}
+	}
 	p.serviceIDs.remove(usedServices)
 	p.backendIDs.remove(usedSlots)
 	return nil

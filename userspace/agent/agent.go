@@ -10,8 +10,9 @@
 //   - override: a drain or weight set through the admin API (SetDrain, SetWeight);
 //   - node drain: SetNodeDrain, the node's BGP routes withdrawn or announced again;
 //   - tick: once a second, from the loop's own ticker: MACs still unknown are
-//     resolved again, and backends a reload removed leave XDP when their drain
-//     time is up.
+//     resolved again, backends a reload removed leave XDP when their drain
+//     time is up, and previous lookup tables past xdp.previous_table_window
+//     stop serving the fallback.
 //
 // A caller that needs an answer (reload, override) gets it on the reply channel its
 // event carries. For every event the loop updates what it knows, then

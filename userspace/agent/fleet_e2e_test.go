@@ -24,13 +24,13 @@ type fleetNode struct {
 	started int // agents started so far, for fresh socket names
 }
 
-func (n *fleetNode) start(t *testing.T, seed int) {
+func (n *fleetNode) start(t *testing.T, seed int, window string) {
 	t.Helper()
 	n.started++
 	cfg := filepath.Join(n.dir, fmt.Sprintf("weir-%d.yaml", n.started))
 	socket := filepath.Join(n.dir, fmt.Sprintf("weir-%d.sock", n.started))
 	writeConfig(t, cfg, n.tp, socket, func(s string) string {
-		return strings.Replace(s, "  hash_seed: 1 ", fmt.Sprintf("  hash_seed: %d\n  detach_on_stop: true ", seed), 1)
+		return strings.Replace(s, "  hash_seed: 1 ", fmt.Sprintf("  hash_seed: %d\n  detach_on_stop: true\n  previous_table_window: %s ", seed, window), 1)
 	})
 	n.agent = startAgent(t, n.tp, cfg, socket, false)
 }
@@ -83,7 +83,7 @@ func TestFleetConsistency(t *testing.T) {
 		tp := topo.NewT(t, topo.Config{Name: topo.UniqueName(fmt.Sprintf("wfc%d", i)), Backends: 3})
 		serveBackends(t, tp)
 		nodes[i] = &fleetNode{tp: tp, dir: t.TempDir()}
-		nodes[i].start(t, 1)
+		nodes[i].start(t, 1, "1h")
 	}
 	statuses := make([]api.Status, len(nodes))
 	for i, n := range nodes {
@@ -151,10 +151,11 @@ func TestFleetConsistency(t *testing.T) {
 		t.Errorf("the flows went to %d backends (%v); want all 9 of the three services", len(used), used)
 	}
 
-	// Node 2 comes back with another seed: its tables differ, and it says so.
+	// Node 2 comes back with another seed (and a short fallback window): its tables
+	// differ, and it says so.
 	odd := nodes[2]
 	stopAgent(t, odd.agent)
-	odd.start(t, 7)
+	odd.start(t, 7, "2s")
 	st := odd.ready(t)
 	got := fingerprints(st)
 	for svc, fp := range want {
@@ -193,6 +194,33 @@ func TestFleetConsistency(t *testing.T) {
 		t.Errorf("with another hash_seed %d of %d flows go elsewhere; want at least a third", differ, len(flows))
 	}
 	t.Logf("hash_seed 7: %d of %d flows picked differently", differ, len(flows))
+
+	// A drain changes web's table: status shows the previous generation until the
+	// agent's tick expires it at the end of the window.
+	if err := odd.agent.client.Drain(context.Background(), "web", "10.77.0.11:80", true); err != nil {
+		t.Fatal(err)
+	}
+	web := func() *api.TableStatus {
+		st, err := odd.agent.client.Status(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, s := range st.Services {
+			if s.Name == "web" {
+				return s.Table
+			}
+		}
+		t.Fatal("status has no service web")
+		return nil
+	}
+	if tb := web(); tb == nil || tb.Previous != got["web"] || tb.Fingerprint == got["web"] {
+		t.Errorf("after a drain, web's table %+v; want a new fingerprint and previous %s", tb, got["web"])
+	}
+	drained := time.Now()
+	waitFor(t, "previous table expired", 5*time.Second, func() bool { return web().Previous == "" })
+	if d := time.Since(drained); d < 2*time.Second {
+		t.Errorf("the previous table expired %v after the change; want the 2s window first", d)
+	}
 }
 
 // stopAgent stops an agent with weir stop --detach and waits until it has exited.
