@@ -32,6 +32,7 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 
 	"github.com/weir-lb/weir/userspace/agent"
@@ -170,6 +171,13 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 			plane += ", xdp mode " + string(s.Mode)
 		}
 		fmt.Fprintf(stdout, "  %s  %s  data plane %s, %s, %d backends\n", s.Name, s.Key(), plane, s.Algorithm, len(s.Backends))
+	}
+	if b := cfg.BGP; b.ASN != 0 {
+		var peers []string
+		for _, p := range b.Peers {
+			peers = append(peers, fmt.Sprintf("%s (AS %d)", p.Address, p.ASN))
+		}
+		fmt.Fprintf(stdout, "  bgp: AS %d, router id %s, peers %s\n", b.ASN, b.RouterID, strings.Join(peers, ", "))
 	}
 	if problems := xdpplane.Preflight(cfg); len(problems) > 0 {
 		fmt.Fprintln(stdout, "this host (the file is valid; these decide where services run here):")
