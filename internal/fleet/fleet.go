@@ -46,6 +46,8 @@ type Options struct {
 	// HoldTime is the BGP hold time both sides propose (default 3s, the least BGP
 	// allows), so a silent node is withdrawn quickly.
 	HoldTime time.Duration
+	// Password, if set, signs every session with TCP MD5 (both sides).
+	Password string
 	// AgentArgv is the command that runs an agent on a config file (weir run -c
 	// FILE); Env is added to its environment.
 	AgentArgv func(config string) []string
@@ -161,6 +163,10 @@ func sbin(name string) (string, error) {
 func (f *Fleet) birdConf() string {
 	var b strings.Builder
 	hold := int(f.opts.HoldTime / time.Second)
+	password := ""
+	if f.opts.Password != "" {
+		password = fmt.Sprintf("  password %q;\n", f.opts.Password)
+	}
 	fmt.Fprintf(&b, `# Written by weir's fleet harness.
 router id %s;
 log "%s" all;
@@ -173,10 +179,10 @@ template bgp node {
   hold time %d;
   keepalive time %d;
   connect retry time 1;
-  ipv4 { import all; export none; };
+%s  ipv4 { import all; export none; };
   ipv6 { import all; export none; };
 }
-`, f.T.Router.IP4, filepath.Join(f.opts.Dir, "bird.log"), f.T.Router.IP4, RouterASN, hold, max(1, hold/3))
+`, f.T.Router.IP4, filepath.Join(f.opts.Dir, "bird.log"), f.T.Router.IP4, RouterASN, hold, max(1, hold/3), password)
 	for i, n := range f.T.Nodes {
 		fmt.Fprintf(&b, "protocol bgp node%d from node { neighbor %s as %d; }\n", i, n.IP4, NodeASN)
 	}
@@ -352,6 +358,10 @@ func (f *Fleet) config(n *Node, svcs []ServiceOptions) string {
 		extra = ", " + first.ExtraXDP
 	}
 	hold := f.opts.HoldTime
+	pw := ""
+	if f.opts.Password != "" {
+		pw = fmt.Sprintf(", password: %q", f.opts.Password)
+	}
 	nextHop := ""
 	if slices.ContainsFunc(svcs, func(so ServiceOptions) bool { return so.V6 }) {
 		nextHop = fmt.Sprintf("  next_hop: [%q]\n", n.Host.IP6.String())
@@ -367,10 +377,10 @@ bgp:
   router_id: %s
   drain_timeout: 2s
 %s  peers:
-  - {address: %s, asn: %d, hold_time: %s, keepalive: %s}
+  - {address: %s, asn: %d, hold_time: %s, keepalive: %s%s}
 services:
 `, n.Index, n.Host.Link, n.Host.IP4, n.Host.IP6, first.HashSeed, f.T.Name, n.Index, extra, n.Socket,
-		NodeASN, n.Host.IP4, nextHop, f.T.Router.IP4, RouterASN, hold, max(time.Second, (hold/3).Truncate(time.Second)))
+		NodeASN, n.Host.IP4, nextHop, f.T.Router.IP4, RouterASN, hold, max(time.Second, (hold/3).Truncate(time.Second)), pw)
 	service := func(so ServiceOptions, name string, vip netip.Addr, v6 bool) {
 		fmt.Fprintf(&b, "- name: %s\n  vip: %q\n  mode: %s\n  health: {type: tcp, interval: %s, timeout: %s, fall: %d, rise: 1}\n  bgp: {communities: [\"%d:1\"]}\n  backends:\n",
 			name, netip.AddrPortFrom(vip, StreamPort).String(), so.Mode, so.Interval, so.Interval*3/4, so.Fall, RouterASN)

@@ -120,7 +120,8 @@ func startAgents(t *testing.T, ctx context.Context, f *Fleet) {
 func TestAnnounceWithdraw(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
-	f := start(t, Options{})
+	// Every session is signed (TCP MD5), as routers commonly require.
+	f := start(t, Options{Password: "weir-fleet"})
 	interval, fall := 200*time.Millisecond, 2
 	if err := f.WriteConfigs(ServiceOptions{Mode: "dsr", VIP: topo.FleetVIP4, Backends: f.T.DSR, Interval: interval, Fall: fall, HashSeed: 7, V6: true}); err != nil {
 		t.Fatal(err)
