@@ -4,7 +4,8 @@
 //   - how the router's ECMP spreads flows over the nodes: -flows short TCP
 //     connections from 65 client addresses, each flow's node found with weir
 //     explain on every node, against the spread of a uniform random choice (the
-//     binomial standard deviation of a node's count);
+//     binomial standard deviation of a node's count), and the router's own
+//     counters (nftables, per next hop) of the packets it sent each node;
 //
 //   - how long a VIP takes to leave, and come back to, the router's kernel table:
 //     from every backend failing its health checks (interval 200ms, fall 2), from
@@ -74,6 +75,7 @@ func main() {
 
 type result struct {
 	shares                        []float64 // per node, of all flows
+	routerShares                  []float64 // per node, of the packets the router sent to the VIP
 	maxSigma                      float64   // the largest |count - n/3| in binomial σ
 	withdrawHealth, withdrawDrain time.Duration
 	announceHealth, announceDrain time.Duration
@@ -115,6 +117,9 @@ func run(ctx context.Context) (x result, err error) {
 		return x, err
 	}
 
+	if err := f.CountNextHops(so.VIP); err != nil {
+		return x, err
+	}
 	// ECMP share: short flows, in batches the client's ports and the nodes' flow
 	// tables take in their stride.
 	counts := make([]int, len(f.Nodes))
@@ -137,6 +142,17 @@ func run(ctx context.Context) (x result, err error) {
 			counts[o]++
 		}
 		done += n
+	}
+	routed, err := f.NextHopPackets()
+	if err != nil {
+		return x, err
+	}
+	var total uint64
+	for _, n := range routed {
+		total += n
+	}
+	for _, n := range routed {
+		x.routerShares = append(x.routerShares, float64(n)/float64(total))
 	}
 	p := 1 / float64(len(f.Nodes))
 	sigma := math.Sqrt(float64(*flows) * p * (1 - p))
@@ -209,14 +225,15 @@ func report(res []result) {
 		return median(v)
 	}
 	fmt.Printf("\n%d runs, %d flows each, %d cycles per cause; medians\n\n", len(res), *flows, *repeats)
-	fmt.Println("| node | share of flows (median of runs) | runs |")
-	fmt.Println("|---|---|---|")
+	fmt.Println("| node | share of flows (median of runs) | runs | share of the router's packets (median) | runs |")
+	fmt.Println("|---|---:|---|---:|---|")
 	for i := range res[0].shares {
-		var v []float64
+		var v, w []float64
 		for _, r := range res {
 			v = append(v, r.shares[i])
+			w = append(w, r.routerShares[i])
 		}
-		fmt.Printf("| node-%d | %.1f %% | %v |\n", i, 100*median(v), pct(v))
+		fmt.Printf("| node-%d | %.1f %% | %v | %.1f %% | %v |\n", i, 100*median(v), pct(v), 100*median(w), pct(w))
 	}
 	var sig []float64
 	for _, r := range res {

@@ -27,14 +27,16 @@ type DemoOptions struct {
 
 // DemoReport is what the demo saw.
 type DemoReport struct {
-	NextHops   []netip.Addr // the router's, with every node up
-	Shares     []int        // streams per node before the failure
-	Killed     int          // the node that died
-	Withdrawn  time.Duration
-	Streams    int
-	Broken     int
-	After      []netip.Addr // the router's next hops after the failure
-	FirstError error
+	NextHops []netip.Addr // the router's, with every node up
+	Shares   []int        // streams per node before the failure
+	// RouterPackets are the packets to the VIP the router sent each node, by then.
+	RouterPackets []uint64
+	Killed        int // the node that died
+	Withdrawn     time.Duration
+	Streams       int
+	Broken        int
+	After         []netip.Addr // the router's next hops after the failure
+	FirstError    error
 }
 
 // Demo runs the fleet demo: three nodes announce a dsr VIP to BIRD, the router's
@@ -80,6 +82,9 @@ func Demo(ctx context.Context, o DemoOptions) (rep DemoReport, err error) {
 	if _, err := f.WaitNextHops(ctx, prefix, f.NodeIPs(All(len(f.Nodes))...), 10*time.Second); err != nil {
 		return rep, err
 	}
+	if err := f.CountNextHops(so.VIP); err != nil {
+		return rep, err
+	}
 	rep.NextHops, _ = f.KernelNextHops(prefix)
 	fmt.Fprintf(out, "\n$ ip -n %s route show %s      # the router's ECMP route, installed by BIRD\n%s\n", f.T.RouterNS.Name(), prefix, f.KernelRoute(prefix))
 	if b, err := f.Birdc("show protocols"); err == nil {
@@ -107,14 +112,20 @@ func Demo(ctx context.Context, o DemoOptions) (rep DemoReport, err error) {
 		return rep, err
 	}
 	rep.Shares = shareOf(owners, len(f.Nodes))
-	fmt.Fprintln(out, "streams per node (weir explain on each node: whose flow table tracks the stream), and XDP packets per node:")
+	fmt.Fprintln(out, "per node: the streams its flow table tracks (weir explain on each node), the packets the router's ECMP")
+	fmt.Fprintln(out, "sent it (an nftables counter per next hop in the router), and the packets its XDP program forwarded:")
+	routed, err := f.NextHopPackets()
+	if err != nil {
+		return rep, err
+	}
+	rep.RouterPackets = routed
 	for i, n := range f.Nodes {
 		st, _ := n.Client.Status(ctx)
 		var pk uint64
 		for _, s := range st.Services {
 			pk += s.Packets
 		}
-		fmt.Fprintf(out, "  node-%d  %-3d streams (%2.0f%%)  %d packets\n", i, rep.Shares[i], 100*float64(rep.Shares[i])/float64(o.Streams), pk)
+		fmt.Fprintf(out, "  node-%d  %-3d streams (%2.0f%%)  router %d packets  xdp %d packets\n", i, rep.Shares[i], 100*float64(rep.Shares[i])/float64(o.Streams), routed[i], pk)
 	}
 	victim := 0
 	for i, n := range rep.Shares {

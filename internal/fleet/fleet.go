@@ -21,6 +21,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -65,6 +66,7 @@ type Fleet struct {
 	Nodes  []*Node
 	bird   string // the daemon's and its client's paths
 	birdc  string
+	nft    string
 	birdC  *exec.Cmd
 	birdCh chan error
 	sock   string
@@ -110,12 +112,16 @@ func Start(opts Options) (_ *Fleet, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("fleet: the router runs BIRD 2: %w (apt-get install bird2, or make deps)", err)
 	}
+	nft, err := sbin("nft")
+	if err != nil {
+		return nil, fmt.Errorf("fleet: the router counts packets per next hop with nftables: %w (make deps)", err)
+	}
 	t, err := topo.NewFleet(topo.FleetConfig{Name: opts.Name, Nodes: opts.Nodes, DSRBackends: opts.DSRBackends,
 		TunnelBackends: opts.TunnelBackends, ClientAddrs: opts.ClientAddrs})
 	if err != nil {
 		return nil, err
 	}
-	f := &Fleet{opts: opts, T: t, srv: NewServers(), bird: bird, birdc: birdc}
+	f := &Fleet{opts: opts, T: t, srv: NewServers(), bird: bird, birdc: birdc, nft: nft}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, f.Close())
@@ -627,4 +633,40 @@ func (n *Node) WaitAnnounced(ctx context.Context, routes int, within time.Durati
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
+}
+
+// CountNextHops adds an nftables counter in the router for each node: the packets
+// to vip that the router's ECMP sent to that node's next hop (rt ip nexthop).
+func (f *Fleet) CountNextHops(vip netip.Addr) error {
+	var b strings.Builder
+	b.WriteString("table ip wfleet {\n  chain forward {\n    type filter hook forward priority 0; policy accept;\n")
+	for _, n := range f.T.Nodes {
+		fmt.Fprintf(&b, "    ip daddr %s rt ip nexthop %s counter\n", vip, n.IP4)
+	}
+	b.WriteString("  }\n}\n")
+	cmd := exec.Command("ip", "netns", "exec", f.T.RouterNS.Name(), f.nft, "-f", "-")
+	cmd.Stdin = strings.NewReader(b.String())
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("fleet: router counters: nft: %w: %s", err, out)
+	}
+	return nil
+}
+
+var counterRE = regexp.MustCompile(`nexthop (\S+) counter packets (\d+)`)
+
+// NextHopPackets reads the counters CountNextHops made, by node.
+func (f *Fleet) NextHopPackets() ([]uint64, error) {
+	out, err := exec.Command("ip", "netns", "exec", f.T.RouterNS.Name(), f.nft, "list", "chain", "ip", "wfleet", "forward").CombinedOutput()
+	if err != nil {
+		return nil, fmt.Errorf("fleet: router counters: nft: %w: %s", err, out)
+	}
+	counts := make([]uint64, len(f.T.Nodes))
+	for _, m := range counterRE.FindAllStringSubmatch(string(out), -1) {
+		for i, n := range f.T.Nodes {
+			if m[1] == n.IP4.String() {
+				counts[i], _ = strconv.ParseUint(m[2], 10, 64)
+			}
+		}
+	}
+	return counts, nil
 }

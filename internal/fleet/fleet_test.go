@@ -552,6 +552,11 @@ func TestDemo(t *testing.T) {
 	if len(rep.NextHops) != 3 || len(rep.After) != 2 || slices.Contains(rep.After, rep.NextHops[rep.Killed]) {
 		t.Errorf("next hops: %v, then %v after node %d died; want 3, then the other 2", rep.NextHops, rep.After, rep.Killed)
 	}
+	for i, n := range rep.RouterPackets {
+		if n == 0 {
+			t.Errorf("the router's counters show no packet to node %d: %v", i, rep.RouterPackets)
+		}
+	}
 	if rep.Streams != 30 || rep.Broken != 0 {
 		t.Errorf("streams: %d, %d broken (%v); want 30 intact", rep.Streams, rep.Broken, rep.FirstError)
 	}
