@@ -514,17 +514,22 @@ func TestNodeFailureWithBackendChange(t *testing.T) {
 					fallbacks += st.XDPReasons["flow_fallback"]
 				}
 			}
+			allBroken := 0
 			for _, r := range runs {
 				out := r.ss.Wait()
 				broken, first := Failed(out)
+				allBroken += broken
 				t.Logf("%s, fallback %t: %d of %d streams survived a backend added and node %d (%d streams) killed",
 					r.so.Name, fallback, len(out)-broken, len(out), victim, shareOf(r.owners, len(f.Nodes))[victim])
-				switch {
-				case fallback && broken > 0:
+				if fallback && broken > 0 {
 					t.Errorf("%s: with the fallback, %d streams broke; the first: %v", r.so.Name, broken, first)
-				case !fallback && broken == 0:
-					t.Errorf("%s: without the fallback every stream survived: the test moved no flow whose slot went to the new backend", r.so.Name)
 				}
+			}
+			// Each moved stream lands in a slot that went to the new backend with
+			// odds of about a third; over both services' moved streams, that none
+			// does is too rare to happen by chance (below 10^-6).
+			if !fallback && allBroken == 0 {
+				t.Error("without the fallback every stream survived: the test moved no flow whose slot went to the new backend")
 			}
 			t.Logf("%d packets took the previous table on the surviving nodes", fallbacks)
 			if fallback && fallbacks == 0 {
