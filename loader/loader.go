@@ -16,7 +16,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/bpf"
-	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // Defaults of Options, as bpf/consts.h (enum defaults) holds them: the committed
@@ -691,26 +690,9 @@ func (p *Program) apply(st *serviceState, s Service) error {
 // without error, when no backend is usable: the service then drops new flows and
 // counts them as having no backend.
 func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32) (*ebpf.Map, error) {
-	members := make([]balance.Backend, len(s.Backends))
-	usable := 0
-	for i, b := range s.Backends {
-		// A draining backend keeps its flows (its slot stays usable) but takes no new ones.
-		inTable := b.Usable && !b.Draining
-		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: inTable}
-		if inTable && b.Weight > 0 {
-			usable++
-		}
-	}
-	if usable == 0 {
-		return nil, nil
-	}
-	size := s.TableSize
-	if size == 0 {
-		size = balance.MaglevSize(len(s.Backends))
-	}
-	entries, err := balance.BuildMaglev(members, size, uint64(p.opts.HashSeed))
-	if err != nil {
-		return nil, fmt.Errorf("build lookup table: %w", err)
+	entries, err := maglevEntries(s, p.opts.HashSeed)
+	if err != nil || entries == nil {
+		return nil, err
 	}
 	// Entry 0 holds the size: it travels with the table, so one swap changes both.
 	values := make([]uint32, len(entries)+1)

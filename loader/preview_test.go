@@ -1,0 +1,101 @@
+package loader
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"testing"
+
+	"github.com/weir-lb/weir/internal/packet"
+)
+
+// TestPreview: the table LookupTable predicts is the one the program holds (read
+// back by Table), and Flows counts each backend's established flows, as the
+// program's own forwarding decisions say, for both families; then, through the
+// steps of a slow start (a backend added at a tenth of its weight, rebuilt up to all
+// of it), no established flow moves and each step's table is the predicted one.
+func TestPreview(t *testing.T) {
+	for _, v6 := range []bool{false, true} {
+		t.Run(fmt.Sprintf("v6=%v", v6), func(t *testing.T) {
+			p := loadT(t)
+			vip, client := vip4, client4
+			if v6 {
+				vip, client = vip6, client6
+			}
+			all := testBackends(4, v6, 80)
+			svc := Service{Key: ServiceKey{netip.AddrPortFrom(vip, 80), TCP}, Backends: all[:3]}
+			if err := p.AddService(svc); err != nil {
+				t.Fatal(err)
+			}
+			checkTable := func(s Service) {
+				t.Helper()
+				want, err := LookupTable(s, testSeed)
+				if err != nil {
+					t.Fatal(err)
+				}
+				got, err := p.Table(s.Key)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(got) != len(want) || !slices.Equal(got, want) {
+					t.Fatalf("table: the program's (%d entries) differs from LookupTable's (%d entries)", len(got), len(want))
+				}
+			}
+			checkTable(svc)
+			byMAC := map[string]netip.AddrPort{}
+			for _, b := range all {
+				byMAC[b.MAC.String()] = b.Addr
+			}
+			send := func(sport uint16, flags uint8) netip.AddrPort {
+				t.Helper()
+				in := packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Src: netip.AddrPortFrom(client, sport),
+					Dst: netip.AddrPortFrom(vip, 80), TCPFlags: flags}.Build()
+				action, out, err := p.Run(in)
+				if err != nil || action != XDPTX {
+					t.Fatalf("flow %d: action %s, err %v; want XDP_TX", sport, action, err)
+				}
+				return byMAC[net.HardwareAddr(out[0:6]).String()]
+			}
+			want := map[netip.AddrPort]uint64{}
+			first := map[uint16]netip.AddrPort{}
+			for port := uint16(20000); port < 20300; port++ {
+				send(port, packet.SYN)
+				first[port] = send(port, packet.ACK) // established: in the connection table
+				want[first[port]]++
+			}
+			for port := uint16(40000); port < 40020; port++ {
+				send(port, packet.SYN) // half-open: not counted
+			}
+			got, err := p.Flows(svc.Key)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Errorf("flows per backend: got %v; want %v", got, want)
+			}
+
+			// Slow start of backend 3, scaled weights as the planner steps them.
+			for _, w := range []uint32{10, 40, 70, 100} {
+				step := svc
+				step.Backends = slices.Clone(all)
+				for i := range step.Backends {
+					step.Backends[i].Weight = 100
+				}
+				step.Backends[3].Weight = w
+				if err := p.UpdateService(step); err != nil {
+					t.Fatal(err)
+				}
+				checkTable(step)
+				for port, was := range first {
+					if got := send(port, packet.ACK); got != was {
+						t.Fatalf("step weight %d: established flow %d moved from %s to %s", w, port, was, got)
+					}
+				}
+			}
+			if got, _ := p.Flows(svc.Key); fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Errorf("flows per backend after the steps: got %v; want %v", got, want)
+			}
+		})
+	}
+}
