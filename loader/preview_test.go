@@ -99,3 +99,44 @@ func TestPreview(t *testing.T) {
 		})
 	}
 }
+
+// TestFlowsNAT: nat flows are counted once established, and no longer once their
+// client has sent a FIN (the flow is closing: its next SYN is a new flow).
+func TestFlowsNAT(t *testing.T) {
+	nt := newNATTopology(t, ModeGeneric)
+	web := nt.web[false]
+	send := func(sport uint16, flags uint8) netip.AddrPort {
+		t.Helper()
+		in := packet.Frame{SrcMAC: nt.Client.MAC, DstMAC: nt.Balancer.MAC, Src: netip.AddrPortFrom(nt.Client.IP4, sport),
+			Dst: web.Key.VIP, TCPFlags: flags}
+		var action Action
+		var out []byte
+		err := nt.Balancer.NS.Do(func() error {
+			var err error
+			action, out, err = nt.prog.RunOn(in.Build(), nt.Balancer.Index)
+			return err
+		})
+		if err != nil || action != XDPTX {
+			t.Fatalf("flow %d: action %s, err %v; want XDP_TX", sport, action, err)
+		}
+		dst := netip.AddrFrom4([4]byte(out[14+16 : 14+20]))
+		return netip.AddrPortFrom(dst, web.Key.VIP.Port())
+	}
+	want := map[netip.AddrPort]uint64{}
+	for port := uint16(30000); port < 30060; port++ {
+		send(port, packet.SYN)
+		b := send(port, packet.ACK)
+		if port%3 == 0 {
+			send(port, packet.FIN|packet.ACK)
+			continue
+		}
+		want[b]++
+	}
+	got, err := nt.prog.Flows(web.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("flows per backend: got %v; want %v (40 established, 20 closing not counted)", got, want)
+	}
+}
