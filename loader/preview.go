@@ -95,24 +95,40 @@ func (p *Program) Table(key ServiceKey) ([]netip.AddrPort, error) {
 	return out, nil
 }
 
-// Flows counts a service's established flows per backend, as the connection table
+// FlowSet is a service's established flows as the connection table holds them.
+type FlowSet struct {
+	PerBackend map[netip.AddrPort]uint64
+	// Hashes are the flows' hashes as the service's lookup table is indexed by them
+	// (the 5-tuple's, or the source address's with SourceHash), up to MaxFlowHashes:
+	// a sample of the service's own traffic, to tell how a new table would treat
+	// flows like today's.
+	Hashes []uint32
+}
+
+// MaxFlowHashes bounds FlowSet.Hashes (4 MiB).
+const MaxFlowHashes = 1 << 20
+
+// Flows reads a service's established flows per backend, as the connection table
 // holds them now: the flows a change that removes, drains or takes down a backend
 // acts on. nat flows that have seen a FIN or RST, or whose idle timeout has passed
 // (the program would treat their next packet as a new flow), are not counted; dsr
 // and tunnel flows are counted while the table holds them. Flows not yet past their
 // first packet (the half-open table) are not counted either.
-func (p *Program) Flows(key ServiceKey) (map[netip.AddrPort]uint64, error) {
+func (p *Program) Flows(key ServiceKey) (FlowSet, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	st, err := p.serviceLocked(key, "count flows of")
 	if err != nil {
-		return nil, err
+		return FlowSet{}, err
 	}
 	bySlot := st.addrsBySlot()
-	out := make(map[netip.AddrPort]uint64)
-	count := func(backendID uint32) {
+	out := FlowSet{PerBackend: make(map[netip.AddrPort]uint64)}
+	count := func(k *bpf.WeirFlowKey, backendID uint32) {
 		if addr, ok := bySlot[backendID]; ok {
-			out[addr]++
+			out.PerBackend[addr]++
+			if len(out.Hashes) < MaxFlowHashes {
+				out.Hashes = append(out.Hashes, flowHash(k, p.opts.HashSeed, st.spec.SourceHash))
+			}
 		}
 	}
 	nat := st.spec.Forwarding == ForwardNAT
@@ -125,7 +141,7 @@ func (p *Program) Flows(key ServiceKey) (map[netip.AddrPort]uint64, error) {
 		var ts unix.Timespec
 		// The program stamps flows with bpf_ktime_get_coarse_ns, this clock.
 		if err := unix.ClockGettime(unix.CLOCK_MONOTONIC_COARSE, &ts); err != nil {
-			return nil, fmt.Errorf("count flows of %s: read the clock: %w", key, err)
+			return FlowSet{}, fmt.Errorf("count flows of %s: read the clock: %w", key, err)
 		}
 		now = uint64(time.Duration(ts.Nano()))
 	}
@@ -150,7 +166,7 @@ func (p *Program) Flows(key ServiceKey) (map[netip.AddrPort]uint64, error) {
 		err = countFlows(fp.v6, keyOf6, toService, func(f *bpf.WeirLbFlow) (uint32, bool) { return f.BackendId, true }, count)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("count flows of %s: %w", key, err)
+		return FlowSet{}, fmt.Errorf("count flows of %s: %w", key, err)
 	}
 	return out, nil
 }
@@ -179,13 +195,15 @@ func (st *serviceState) addrsBySlot() map[uint32]netip.AddrPort {
 // countFlows calls count with the backend of every entry of m that belongs to the
 // service (toService, on the key widened by wide) and is counted (of).
 func countFlows[K, V any](m *ebpf.Map, wide func(K) bpf.WeirFlowKey, toService func(bpf.WeirFlowKey) bool,
-	of func(*V) (uint32, bool), count func(uint32)) error {
+	of func(*V) (uint32, bool), count func(*bpf.WeirFlowKey, uint32)) error {
 	var k K
 	var v V
 	it := m.Iterate()
 	for it.Next(&k, &v) {
-		if id, ok := of(&v); ok && toService(wide(k)) {
-			count(id)
+		if id, ok := of(&v); ok {
+			if w := wide(k); toService(w) {
+				count(&w, id)
+			}
 		}
 	}
 	return it.Err()

@@ -71,8 +71,17 @@ func TestPreview(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if fmt.Sprint(got) != fmt.Sprint(want) {
-				t.Errorf("flows per backend: got %v; want %v", got, want)
+			if fmt.Sprint(got.PerBackend) != fmt.Sprint(want) {
+				t.Errorf("flows per backend: got %v; want %v", got.PerBackend, want)
+			}
+			// Each flow's hash indexes the table to the backend it holds.
+			table, _ := p.Table(svc.Key)
+			onHash := map[netip.AddrPort]uint64{}
+			for _, h := range got.Hashes {
+				onHash[table[h%uint32(len(table))]]++
+			}
+			if fmt.Sprint(onHash) != fmt.Sprint(want) {
+				t.Errorf("the flows' hashes index the table to %v; want %v", onHash, want)
 			}
 
 			// Slow start of backend 3, scaled weights as the planner steps them.
@@ -93,8 +102,8 @@ func TestPreview(t *testing.T) {
 					}
 				}
 			}
-			if got, _ := p.Flows(svc.Key); fmt.Sprint(got) != fmt.Sprint(want) {
-				t.Errorf("flows per backend after the steps: got %v; want %v", got, want)
+			if got, _ := p.Flows(svc.Key); fmt.Sprint(got.PerBackend) != fmt.Sprint(want) {
+				t.Errorf("flows per backend after the steps: got %v; want %v", got.PerBackend, want)
 			}
 		})
 	}
@@ -136,7 +145,7 @@ func TestFlowsNAT(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if fmt.Sprint(got) != fmt.Sprint(want) {
-		t.Errorf("flows per backend: got %v; want %v (40 established, 20 closing not counted)", got, want)
+	if fmt.Sprint(got.PerBackend) != fmt.Sprint(want) {
+		t.Errorf("flows per backend: got %v; want %v (40 established, 20 closing not counted)", got.PerBackend, want)
 	}
 }

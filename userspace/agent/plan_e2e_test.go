@@ -123,6 +123,11 @@ func TestPlanPredictsReload(t *testing.T) {
 	if math.Abs(keep.Moved-0.5) > 0.01 || keep.Table.Size != keep.Table.NextSize {
 		t.Errorf("plan of keep: moved %.3f of %d -> %d slots; want 0.5 ± 0.01, same size", keep.Moved, keep.Table.Size, keep.Table.NextSize)
 	}
+	// On keep's own flows: the drained backend's all move, and each of the others'
+	// moves or not: a whole number of the 12, at least backend-2's.
+	if tm := keep.TrafficMoved; tm == nil || *tm*12 < float64(on["backend-2"])-1e-9 || math.Abs(*tm*12-math.Round(*tm*12)) > 1e-9 {
+		t.Errorf("plan of keep: traffic moved %v; want k/12 with k >= %d", tm, on["backend-2"])
+	}
 	for _, m := range keep.Table.Moves {
 		if m.To == addrOf("backend-2") || m.From == addrOf("backend-3") {
 			t.Errorf("plan of keep: move %+v; want nothing to the drained backend-2 or from the new backend-3", m)

@@ -23,7 +23,7 @@ import (
 type previewer interface {
 	Table(s *plan.Service) ([]netip.AddrPort, error)
 	LiveTable(s *plan.Service) ([]netip.AddrPort, error)
-	Flows(s *plan.Service) (map[netip.AddrPort]uint64, error)
+	Flows(s *plan.Service) (plan.Flows, error)
 }
 
 // ErrOverBudget: a change would move more than --max-move allows.
@@ -167,12 +167,18 @@ func (a *Agent) serviceImpact(p, n *plan.Service, changed bool) api.ServicePlan 
 		}
 		sp.NewDataPlane = plan.NewDataPlane(p, n)
 		sp.Moved = plan.ShareChange(p, n)
-		if prevT, nextT, ok := a.tables(p, n); ok {
-			tc := plan.CompareTables(prevT, nextT)
-			sp.Table, sp.Moved = tablePlan(tc), tc.Share
+	}
+	flows := a.flowImpact(&sp, p, n)
+	if n == nil {
+		return sp
+	}
+	if prevT, nextT, ok := a.tables(p, n); ok {
+		tc := plan.CompareTables(prevT, nextT)
+		sp.Table, sp.Moved = tablePlan(tc), tc.Share
+		if share, ok := plan.TrafficShare(prevT, nextT, flows.Hashes); ok {
+			sp.TrafficMoved = &share
 		}
 	}
-	a.flowImpact(&sp, p, n)
 	return sp
 }
 
@@ -210,8 +216,9 @@ func addrString(a netip.AddrPort) string {
 	return a.String()
 }
 
-// flowImpact fills in what the change does to p's established flows.
-func (a *Agent) flowImpact(sp *api.ServicePlan, p, n *plan.Service) {
+// flowImpact fills in what the change does to p's established flows, and returns
+// them.
+func (a *Agent) flowImpact(sp *api.ServicePlan, p, n *plan.Service) plan.Flows {
 	sp.FlowKind = string(p.Plane) + " connections"
 	if p.Plane == plan.XDP {
 		sp.FlowKind = "xdp flows"
@@ -219,17 +226,17 @@ func (a *Agent) flowImpact(sp *api.ServicePlan, p, n *plan.Service) {
 	pv, ok := a.planes[p.Plane].(previewer)
 	if !ok {
 		sp.FlowsError = "the " + string(p.Plane) + " plane does not count them"
-		return
+		return plan.Flows{}
 	}
 	flows, err := pv.Flows(p)
 	if err != nil {
 		sp.FlowsError = err.Error()
-		return
+		return plan.Flows{}
 	}
 	fates := plan.FlowFates(p, n)
 	add := func(b *plan.Backend) {
 		addr := b.Config.Addr
-		bp := api.BackendPlan{Backend: addr.String(), Flows: flows[addr], Fate: string(fates[addr])}
+		bp := api.BackendPlan{Backend: addr.String(), Flows: flows.PerBackend[addr], Fate: string(fates[addr])}
 		switch fates[addr] {
 		case plan.Reset:
 			sp.Reset += bp.Flows
@@ -244,6 +251,7 @@ func (a *Agent) flowImpact(sp *api.ServicePlan, p, n *plan.Service) {
 	for i := range p.Leaving {
 		add(&p.Leaving[i])
 	}
+	return flows
 }
 
 // ramping reports whether a backend of d is in a slow start the planner steps.

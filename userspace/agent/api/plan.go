@@ -46,6 +46,11 @@ type ServicePlan struct {
 	// backends' shares of the weights (the least any weighted choice must move). A
 	// removed service moves all of them; an added one none. MaxMove gates on it.
 	Moved float64 `json:"moved"`
+	// TrafficMoved is the share of the service's established flows whose hash the next
+	// table gives another backend than today's (XDP): the change measured on this
+	// service's own traffic, where Moved counts every hash alike (they differ when
+	// clients cluster, as with source hashing). nil without flows or tables.
+	TrafficMoved *float64 `json:"traffic_moved,omitempty"`
 	// Flows are the established flows (XDP: connection-table entries; proxy: open
 	// connections) per backend and what the change does to them.
 	FlowKind string        `json:"flow_kind,omitempty"` // "xdp flows" or "proxy connections"
@@ -92,7 +97,11 @@ func (p *Plan) WriteTable(w io.Writer) {
 		} else if planes == "" {
 			planes = s.DataPlane
 		}
-		fmt.Fprintf(w, "\nservice %s  %s  %s  new flows moved %s\n", s.Service, s.Change, planes, percent(s.Moved))
+		traffic := ""
+		if s.TrafficMoved != nil {
+			traffic = fmt.Sprintf(" (%s of today's flows' hashes)", percent(*s.TrafficMoved))
+		}
+		fmt.Fprintf(w, "\nservice %s  %s  %s  new flows moved %s%s\n", s.Service, s.Change, planes, percent(s.Moved), traffic)
 		if s.NewDataPlane != "" {
 			fmt.Fprintf(w, "  new data plane: %s\n", s.NewDataPlane)
 		}

@@ -86,6 +86,37 @@ func CompareTables(prev, next []netip.AddrPort) TableChange {
 	return tc
 }
 
+// Flows is what a data plane holds of a service's established flows (XDP) or
+// connections (proxy).
+type Flows struct {
+	PerBackend map[netip.AddrPort]uint64
+	// Hashes are the flows' hashes as the service's lookup table is indexed by them
+	// (XDP), a sample of its traffic; nil where the plane has no table.
+	Hashes []uint32
+}
+
+// TrafficShare is the share of hashes (a sample of a service's flows) that next
+// sends to another backend than prev: how a change would treat new flows like
+// today's, where CompareTables assumes every hash alike. ok is false without hashes.
+func TrafficShare(prev, next []netip.AddrPort, hashes []uint32) (share float64, ok bool) {
+	if len(hashes) == 0 {
+		return 0, false
+	}
+	owner := func(t []netip.AddrPort, h uint32) netip.AddrPort {
+		if len(t) == 0 {
+			return netip.AddrPort{}
+		}
+		return t[h%uint32(len(t))]
+	}
+	moved := 0
+	for _, h := range hashes {
+		if owner(prev, h) != owner(next, h) {
+			moved++
+		}
+	}
+	return float64(moved) / float64(len(hashes)), true
+}
+
 // ShareChange is, for a plane that picks without a table (round robin, least
 // connections...), the least share of new flows that must go elsewhere when the
 // backends' shares change from prev's to next's: half the sum of the differences of

@@ -169,3 +169,28 @@ func TestFlowFatesLeaving(t *testing.T) {
 		t.Errorf("a leaving backend whose time is up: got %s; want reset", got)
 	}
 }
+
+func TestTrafficShare(t *testing.T) {
+	prev := []netip.AddrPort{addrA, addrB, addrA, addrB}
+	next := []netip.AddrPort{addrA, addrB, addrC, addrB}
+	tests := []struct {
+		name   string
+		hashes []uint32
+		want   float64
+		wantOK bool
+	}{
+		{"no flows", nil, 0, false},
+		{"clustered on the moved entry", []uint32{2, 6, 10}, 1, true},
+		{"clustered elsewhere", []uint32{0, 1, 3, 5}, 0, true},
+		{"spread", []uint32{0, 1, 2, 3}, 0.25, true},
+	}
+	for _, tt := range tests {
+		got, ok := TrafficShare(prev, next, tt.hashes)
+		if got != tt.want || ok != tt.wantOK {
+			t.Errorf("%s: got %v, %v; want %v, %v", tt.name, got, ok, tt.want, tt.wantOK)
+		}
+	}
+	if got, _ := TrafficShare(prev, nil, []uint32{1}); got != 1 {
+		t.Errorf("to no table: got %v; want 1", got)
+	}
+}

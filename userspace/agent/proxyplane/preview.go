@@ -14,15 +14,15 @@ func (p *Plane) Table(*plan.Service) ([]netip.AddrPort, error) { return nil, nil
 func (p *Plane) LiveTable(*plan.Service) ([]netip.AddrPort, error) { return nil, nil }
 
 // Flows counts s's open connections per backend.
-func (p *Plane) Flows(s *plan.Service) (map[netip.AddrPort]uint64, error) {
+func (p *Plane) Flows(s *plan.Service) (plan.Flows, error) {
 	snap, ok := p.Snapshot(s.Name())
 	if !ok {
-		return nil, nil
+		return plan.Flows{}, nil
 	}
-	out := make(map[netip.AddrPort]uint64, len(snap.Backends))
+	out := plan.Flows{PerBackend: make(map[netip.AddrPort]uint64, len(snap.Backends))}
 	for _, b := range snap.Backends {
 		if b.Active > 0 {
-			out[b.Addr] = uint64(b.Active)
+			out.PerBackend[b.Addr] = uint64(b.Active)
 		}
 	}
 	return out, nil

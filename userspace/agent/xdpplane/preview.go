@@ -28,13 +28,15 @@ func (x *Plane) LiveTable(s *plan.Service) ([]netip.AddrPort, error) {
 	return x.prog.Table(Key(&s.Config))
 }
 
-// Flows counts s's established flows per backend, as the connection table holds them.
-func (x *Plane) Flows(s *plan.Service) (map[netip.AddrPort]uint64, error) {
+// Flows counts s's established flows per backend, as the connection table holds
+// them, with their hashes.
+func (x *Plane) Flows(s *plan.Service) (plan.Flows, error) {
 	if err := x.available(); err != nil {
-		return nil, err
+		return plan.Flows{}, err
 	}
 	if x.installed[Key(&s.Config)] != s.Name() {
-		return nil, nil
+		return plan.Flows{}, nil
 	}
-	return x.prog.Flows(Key(&s.Config))
+	fs, err := x.prog.Flows(Key(&s.Config))
+	return plan.Flows{PerBackend: fs.PerBackend, Hashes: fs.Hashes}, err
 }
