@@ -235,4 +235,3 @@ func TestSlowStartSteppedDiff(t *testing.T) {
 		t.Errorf("operations per step: got %s; want %s", got, want)
 	}
 }
-
