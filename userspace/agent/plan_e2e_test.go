@@ -235,6 +235,9 @@ func TestPlanPredictsReload(t *testing.T) {
 		if err := p.client.Reload(ctx); err != nil {
 			t.Fatalf("reload: %v", err)
 		}
+		if b := backendStatus(t, p.client, "keep", addrOf("backend-2")); !strings.HasSuffix(b.SlowStart, "to go") {
+			t.Errorf("status of backend-2 at the start of its slow start: %q; want how far it is", b.SlowStart)
+		}
 		var shares []float64
 		for time.Since(start) < 8*time.Second {
 			shares = append(shares, newFlowShare(t, p.client, "keep", addrOf("backend-2")))
@@ -251,6 +254,9 @@ func TestPlanPredictsReload(t *testing.T) {
 		}
 		if last := shares[len(shares)-1]; math.Abs(last-0.25) > 0.05 {
 			t.Errorf("share after the ramp: %.3f; want 0.25 ± 0.05", last)
+		}
+		if b := backendStatus(t, p.client, "keep", addrOf("backend-2")); b.SlowStart != "" {
+			t.Errorf("status of backend-2 after its slow start: %q; want none", b.SlowStart)
 		}
 		steps := 0
 		for i := 1; i < len(shares); i++ {

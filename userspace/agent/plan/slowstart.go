@@ -44,12 +44,23 @@ func (b *Backend) TableWeight() uint32 {
 // Ramping reports whether the backend is in its slow start.
 func (b *Backend) Ramping() bool { return !b.RampStart.IsZero() }
 
+// SlowStartFactor is the share of its weight's share the backend gets at now: below 1
+// while it ramps (see balance.SlowStartFactor).
+func (b *Backend) SlowStartFactor(window time.Duration, now time.Time) float64 {
+	if !b.Ramping() {
+		return 1
+	}
+	return balance.SlowStartFactor(now.Sub(b.RampStart), window)
+}
+
 // applySlowStart starts, steps and ends the ramps of s's backends. A backend ramps
 // when it begins to take new flows in a service that ran before on the same plane
 // (added by a reload, back up, undrained, weight raised from 0); a new or rebuilt
-// service starts at full weight, as the proxy's balancers start theirs.
+// service starts at full weight, as the proxy's balancers start theirs. Ramps are
+// tracked on every plane (status shows them); table weights are stepped only where
+// SteppedSlowStart, the proxy's other balancers ramping by themselves.
 func (s *Service) applySlowStart(prev *Service, now time.Time) {
-	if !s.SteppedSlowStart() || prev == nil || prev.Plane != s.Plane || Rebuilt(&prev.Config, &s.Config) {
+	if s.Config.SlowStart <= 0 || prev == nil || prev.Plane != s.Plane || Rebuilt(&prev.Config, &s.Config) {
 		return
 	}
 	window := s.Config.SlowStart
@@ -72,7 +83,7 @@ func (s *Service) applySlowStart(prev *Service, now time.Time) {
 		}
 		ramping = ramping || b.Ramping()
 	}
-	if !ramping {
+	if !ramping || !s.SteppedSlowStart() {
 		return
 	}
 	scale := SlowStartScale(maxWeight)
