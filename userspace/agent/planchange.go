@@ -167,6 +167,9 @@ func (a *Agent) serviceImpact(p, n *plan.Service, changed bool) api.ServicePlan 
 		}
 		sp.NewDataPlane = plan.NewDataPlane(p, n)
 		sp.Moved = plan.ShareChange(p, n)
+		if p.Plane != n.Plane {
+			sp.Moved = plan.IndependentChange(p, n)
+		}
 	}
 	flows := a.flowImpact(&sp, p, n)
 	if n == nil {

@@ -122,24 +122,6 @@ func TrafficShare(prev, next []netip.AddrPort, hashes []uint32) (share float64, 
 // backends' shares change from prev's to next's: half the sum of the differences of
 // each backend's share of the table weights of the backends that take new flows.
 func ShareChange(prev, next *Service) float64 {
-	shares := func(s *Service) map[netip.AddrPort]float64 {
-		out := map[netip.AddrPort]float64{}
-		if s == nil {
-			return out
-		}
-		sum := 0.0
-		for i := range s.Backends {
-			if b := &s.Backends[i]; b.takesNew() {
-				sum += float64(b.TableWeight())
-			}
-		}
-		for i := range s.Backends {
-			if b := &s.Backends[i]; b.takesNew() && sum > 0 {
-				out[b.Config.Addr] = float64(b.TableWeight()) / sum
-			}
-		}
-		return out
-	}
 	p, n := shares(prev), shares(next)
 	if len(p) == 0 && len(n) == 0 {
 		return 0
@@ -152,6 +134,43 @@ func ShareChange(prev, next *Service) float64 {
 		d += max(0, x-n[a])
 	}
 	return d
+}
+
+// IndependentChange is the share of new flows that go to another backend when the
+// service moves to a data plane that chooses independently of the one it leaves (XDP
+// and the proxy): one minus the chance that two independent picks by the two planes'
+// shares agree.
+func IndependentChange(prev, next *Service) float64 {
+	p, n := shares(prev), shares(next)
+	if len(p) == 0 && len(n) == 0 {
+		return 0
+	}
+	same := 0.0
+	for a, x := range p {
+		same += x * n[a]
+	}
+	return 1 - same
+}
+
+// shares is each backend's share of the table weights of s's backends that take new
+// flows.
+func shares(s *Service) map[netip.AddrPort]float64 {
+	out := map[netip.AddrPort]float64{}
+	if s == nil {
+		return out
+	}
+	sum := 0.0
+	for i := range s.Backends {
+		if b := &s.Backends[i]; b.takesNew() {
+			sum += float64(b.TableWeight())
+		}
+	}
+	for i := range s.Backends {
+		if b := &s.Backends[i]; b.takesNew() && sum > 0 {
+			out[b.Config.Addr] = float64(b.TableWeight()) / sum
+		}
+	}
+	return out
 }
 
 // Fate is what a change does to a backend's established flows or connections.

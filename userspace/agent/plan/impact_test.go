@@ -95,6 +95,20 @@ func TestShareChange(t *testing.T) {
 			t.Errorf("%s: got %v; want %v", tt.name, got, tt.want)
 		}
 	}
+	for _, tt := range []struct {
+		name       string
+		prev, next *Service
+		want       float64
+	}{
+		{"two alike", svc(1, 1), svc(1, 1), 0.5},
+		{"three alike", svc(1, 1, 1), svc(1, 1, 1), 2.0 / 3},
+		{"one backend", svc(1), svc(1), 0},
+		{"weighted", svc(3, 1), svc(3, 1), 1 - (0.75*0.75 + 0.25*0.25)},
+	} {
+		if got := IndependentChange(tt.prev, tt.next); math.Abs(got-tt.want) > 1e-9 {
+			t.Errorf("independent, %s: got %v; want %v", tt.name, got, tt.want)
+		}
+	}
 }
 
 func TestFlowFates(t *testing.T) {
