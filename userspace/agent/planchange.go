@@ -119,8 +119,8 @@ func (a *Agent) withinBudget(prev, next plan.Desired, maxMove *float64) error {
 }
 
 func overBudget(s *api.ServicePlan, maxMove float64) bool {
-	// A hundredth of a percent of slack: shares are ratios of table entries, and
-	// --max-move 5 must let exactly 5% through.
+	// Slack for rounding only: shares are ratios of table entries, and --max-move 5
+	// must let exactly 5% through.
 	return 100*s.Moved > maxMove+1e-9
 }
 
