@@ -17,7 +17,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/bpf"
-	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // Defaults of Options, as bpf/consts.h (enum defaults) holds them: the committed
@@ -726,26 +725,12 @@ type generation struct {
 
 // tableEntries computes the service's Maglev table.
 func (p *Program) tableEntries(s Service, slots map[netip.AddrPort]uint32) (generation, error) {
-	members := make([]balance.Backend, len(s.Backends))
-	usable := 0
-	for i, b := range s.Backends {
-		// A draining backend keeps its flows (its slot stays usable) but takes no new ones.
-		inTable := b.Usable && !b.Draining
-		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: inTable}
-		if inTable && b.Weight > 0 {
-			usable++
-		}
-	}
-	if usable == 0 {
-		return generation{sum: tableSum("", nil, nil)}, nil
-	}
-	size := s.TableSize
-	if size == 0 {
-		size = balance.MaglevSize(len(s.Backends))
-	}
-	entries, err := balance.BuildMaglev(members, size, uint64(p.opts.HashSeed))
+	entries, err := maglevEntries(s, p.opts.HashSeed)
 	if err != nil {
-		return generation{}, fmt.Errorf("build lookup table: %w", err)
+		return generation{}, err
+	}
+	if entries == nil {
+		return generation{sum: tableSum("", nil, nil)}, nil
 	}
 	// Entry 0 holds the size: it travels with the table, so one swap changes both.
 	values := make([]uint32, len(entries)+1)
