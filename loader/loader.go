@@ -203,11 +203,11 @@ type serviceState struct {
 	table    *ebpf.Map // the table packets use now
 	previous *ebpf.Map // the generation it replaced; in prev_lookup_tables while prevSince is set
 	// What each generation holds (tableSum: its slots, fingerprint: its backends'
-	// identities; see fingerprint.go), and when the previous one was replaced (zero:
-	// not addressable, or none).
+	// identities; see fingerprint.go), when the current one was installed, and when
+	// the previous one was replaced (zero: not addressable, or none).
 	tableSum, prevSum      [sha256.Size]byte
 	fingerprint, prevPrint string
-	prevSince              time.Time
+	tableSince, prevSince  time.Time
 }
 
 // Load loads the program and creates its maps. It needs CAP_BPF and CAP_NET_ADMIN
@@ -698,8 +698,9 @@ func (p *Program) apply(st *serviceState, s Service) error {
 			undo()
 			return fmt.Errorf("clear lookup table: %w", err)
 		}
-		p.keepPrevious(st, gen.sum)
-		st.table, st.tableSum, st.fingerprint = table, gen.sum, gen.fingerprint
+		now := time.Now()
+		p.keepPrevious(st, gen.sum, now)
+		st.table, st.tableSum, st.fingerprint, st.tableSince = table, gen.sum, gen.fingerprint, now
 	}
 
 	for addr, id := range st.slots {
