@@ -304,3 +304,65 @@ func TestPinnedRestartKeepsTables(t *testing.T) {
 	}
 	t.Fatal("no flow of 1000 moved with the change: the test proves nothing")
 }
+
+// TestBriefGenerations: tables that serve only briefly (slow-start steps one a
+// second, a flap, changes pushed in a row) do not push out the previous
+// generation, which holds the connections worth falling back to; a table that
+// served longer does.
+func TestBriefGenerations(t *testing.T) {
+	p := loadFleetNode(t, Options{HashSeed: testSeed, ConntrackSize: 4096, PreviousTableWindow: time.Hour})
+	all := testBackends(4, false, 80)
+	first := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, TableSize: 251, Backends: all[:3]}
+	if err := p.AddService(first); err != nil {
+		t.Fatal(err)
+	}
+	before := p.Tables()[first.Key].Fingerprint
+	// A new backend ramping up: its weight in steps, as slow start's table weights.
+	steps := []uint32{10, 40, 70, 100}
+	ramp := first
+	ramp.Backends = slices.Clone(all)
+	for i := range ramp.Backends {
+		ramp.Backends[i].Weight = 100
+	}
+	var prints []string
+	for _, w := range steps {
+		ramp.Backends[3].Weight = w
+		if err := p.SetService(ramp); err != nil {
+			t.Fatal(err)
+		}
+		ti := p.Tables()[first.Key]
+		prints = append(prints, ti.Fingerprint)
+		if ti.Previous != before {
+			t.Fatalf("at ramp weight %d the previous generation is %q; want the table before the ramp, %s", w, ti.Previous, before)
+		}
+	}
+	// A connection opened before the ramp, in an entry the ramp gave the new backend:
+	// the fallback still sends it to the backend it had.
+	moved := false
+	for port := uint16(20000); port < 21000 && !moved; port++ {
+		f := Flow{Src: netip.AddrPortFrom(client4, port), Dst: first.Key.VIP, Protocol: TCP}
+		was, now := wantBackend(t, first, f), wantBackend(t, ramp, f)
+		if was.Addr == now.Addr {
+			continue
+		}
+		moved = true
+		in := packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Src: f.Src, Dst: f.Dst, TCPFlags: packet.ACK}.Build()
+		if action, out, err := p.Run(in); err != nil || action != XDPTX || !bytes.Equal(out, dsrOut(in, was.MAC)) {
+			t.Fatalf("flow %d after the ramp: %s, %v; want XDP_TX to %s, its backend before the ramp", port, action, err, was.Addr)
+		}
+	}
+	if !moved {
+		t.Fatal("no flow of 1000 moved with the ramp: the test proves nothing")
+	}
+
+	// Once the last table has served a while, the next change makes it the previous.
+	p.mu.Lock()
+	p.services[first.Key].tableSince = time.Now().Add(-2 * maxBriefGeneration)
+	p.mu.Unlock()
+	if err := p.SetBackendDraining(first.Key, all[0].Addr, true); err != nil {
+		t.Fatal(err)
+	}
+	if ti := p.Tables()[first.Key]; ti.Previous != prints[len(prints)-1] {
+		t.Errorf("after a table that served %v: previous %q; want it, %s", 2*maxBriefGeneration, ti.Previous, prints[len(prints)-1])
+	}
+}

@@ -74,18 +74,32 @@ func tableSum(print string, ids []netip.AddrPort, slots map[netip.AddrPort]uint3
 	return [sha256.Size]byte(h.Sum(nil))
 }
 
+// maxBriefGeneration is how long a table may serve and still be too brief to replace
+// the previous generation (capped by the window): slow-start steps (one a second), a
+// health flap, changes pushed one after another. Such a table collected few
+// connections; the one before it holds the connections worth falling back to.
+const maxBriefGeneration = time.Minute
+
 // keepPrevious makes the table apply is replacing (st.table) with one of sum next
 // the previous generation: addressable by the fallback (prev_lookup_tables) when
-// the window is on, and remembered for status either way. The one before it is let
-// go. A change back to the table before (a backend's health flapped down and up)
-// keeps no previous generation: the connections the flap interrupted on other
-// nodes belong to the table that is current again, and the one in between would
-// send them elsewhere.
-func (p *Program) keepPrevious(st *serviceState, next [sha256.Size]byte) {
+// the window is on, and remembered for status either way; the one before it is let
+// go. Two exceptions keep the connections the fallback is for. A table that served
+// briefly (maxBriefGeneration) while a previous generation is addressable leaves
+// that one in place, its window running on. A change back to the table before (a
+// backend's health flapped down and up) keeps no previous generation: the
+// connections the flap interrupted belong to the table that is current again.
+func (p *Program) keepPrevious(st *serviceState, next [sha256.Size]byte, now time.Time) {
+	revert := st.previous != nil && st.prevSum == next
+	brief := !st.prevSince.IsZero() && now.Sub(st.tableSince) < min(maxBriefGeneration, p.opts.PreviousTableWindow)
+	if brief && !revert {
+		if st.table != nil {
+			st.table.Close()
+		}
+		return
+	}
 	if st.previous != nil {
 		st.previous.Close()
 	}
-	revert := st.previous != nil && st.prevSum == next
 	st.previous, st.prevSum, st.prevPrint, st.prevSince = st.table, st.tableSum, st.fingerprint, time.Time{}
 	if revert {
 		if st.previous != nil {
@@ -97,7 +111,7 @@ func (p *Program) keepPrevious(st *serviceState, next [sha256.Size]byte) {
 		// An outer map holds a valid inner map of the right spec without fail; if it
 		// did fail, the fallback is off for this generation, no more.
 		if err := p.objs.PrevLookupTables.Put(st.id, st.previous); err == nil {
-			st.prevSince = time.Now()
+			st.prevSince = now
 			return
 		}
 	}
@@ -204,8 +218,9 @@ func (p *Program) adoptTables(st *serviceState) error {
 		fp, ids := fingerprint(p.opts.HashSeed, st.spec.SourceHash, entries)
 		*t.table, *t.sum, *t.print = inner, tableSum(fp, ids, st.slots), fp
 	}
+	st.tableSince = time.Now()
 	if st.previous != nil {
-		st.prevSince = time.Now()
+		st.prevSince = st.tableSince
 	}
 	return nil
 }

@@ -152,12 +152,6 @@ func (p *Program) readCounters(services, backends uint32) (dataPlaneCounters, er
 	return c, nil
 }
 
-// keyOf4 is key4 the other way.
-func keyOf4(k bpf.WeirFlowKey4) bpf.WeirFlowKey {
-	return bpf.WeirFlowKey{Src: [4]uint32{k.Src}, Dst: [4]uint32{k.Dst}, Sport: k.Sport, Dport: k.Dport,
-		Proto: k.Proto, Family: familyIPv4}
-}
-
 func putPair[V any](fp flowPair, k bpf.WeirFlowKey, v V) error {
 	if k.Family == familyIPv4 {
 		return fp.v4.Put(key4(k), v)

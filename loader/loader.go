@@ -17,7 +17,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/bpf"
-	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // Defaults of Options, as bpf/consts.h (enum defaults) holds them: the committed
@@ -204,11 +203,11 @@ type serviceState struct {
 	table    *ebpf.Map // the table packets use now
 	previous *ebpf.Map // the generation it replaced; in prev_lookup_tables while prevSince is set
 	// What each generation holds (tableSum: its slots, fingerprint: its backends'
-	// identities; see fingerprint.go), and when the previous one was replaced (zero:
-	// not addressable, or none).
+	// identities; see fingerprint.go), when the current one was installed, and when
+	// the previous one was replaced (zero: not addressable, or none).
 	tableSum, prevSum      [sha256.Size]byte
 	fingerprint, prevPrint string
-	prevSince              time.Time
+	tableSince, prevSince  time.Time
 }
 
 // Load loads the program and creates its maps. It needs CAP_BPF and CAP_NET_ADMIN
@@ -699,8 +698,9 @@ func (p *Program) apply(st *serviceState, s Service) error {
 			undo()
 			return fmt.Errorf("clear lookup table: %w", err)
 		}
-		p.keepPrevious(st, gen.sum)
-		st.table, st.tableSum, st.fingerprint = table, gen.sum, gen.fingerprint
+		now := time.Now()
+		p.keepPrevious(st, gen.sum, now)
+		st.table, st.tableSum, st.fingerprint, st.tableSince = table, gen.sum, gen.fingerprint, now
 	}
 
 	for addr, id := range st.slots {
@@ -726,26 +726,12 @@ type generation struct {
 
 // tableEntries computes the service's Maglev table.
 func (p *Program) tableEntries(s Service, slots map[netip.AddrPort]uint32) (generation, error) {
-	members := make([]balance.Backend, len(s.Backends))
-	usable := 0
-	for i, b := range s.Backends {
-		// A draining backend keeps its flows (its slot stays usable) but takes no new ones.
-		inTable := b.Usable && !b.Draining
-		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: inTable}
-		if inTable && b.Weight > 0 {
-			usable++
-		}
-	}
-	if usable == 0 {
-		return generation{sum: tableSum("", nil, nil)}, nil
-	}
-	size := s.TableSize
-	if size == 0 {
-		size = balance.MaglevSize(len(s.Backends))
-	}
-	entries, err := balance.BuildMaglev(members, size, uint64(p.opts.HashSeed))
+	entries, err := maglevEntries(s, p.opts.HashSeed)
 	if err != nil {
-		return generation{}, fmt.Errorf("build lookup table: %w", err)
+		return generation{}, err
+	}
+	if entries == nil {
+		return generation{sum: tableSum("", nil, nil)}, nil
 	}
 	// Entry 0 holds the size: it travels with the table, so one swap changes both.
 	values := make([]uint32, len(entries)+1)

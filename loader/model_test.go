@@ -97,6 +97,7 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"fallback tunnel previous pick unusable", ReasonFlowNew},
 		{"fallback no current table, draining backend keeps the flow", ReasonFlowFallback},
 		{"fallback no current table, syn dropped", ReasonDropNoBackend},
+		{"fallback never for udp, previous table disagrees", ReasonFlowNew},
 	} {
 		t.Run(tc.seed, func(t *testing.T) {
 			i := slices.IndexFunc(fuzzSeeds, func(s struct {
@@ -276,7 +277,7 @@ var fuzzSeeds = []struct {
 	{"tunnel new flow over the rate limit, untracked", []byte{1, 24, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
 	{"icmp from backend quoting a half-open flow", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 255, 0, 2 | 0x10}},
 	{"icmp from client side quoting a half-open flow", []byte{0, 17, 0, 0, 1, 0, 0, 255, 0, 1 | 8, 0, 1}},
-	// The previous-table fallback: targets 27-30 (services 11-14) changed their tables
+	// The previous-table fallback: targets 27-31 (services 11-15) changed their tables
 	// once (fuzzFirstGenerations). The source ports are ones whose previous pick
 	// differs from the current one, or names the backend made unusable since.
 	{"fallback dsr ack unknown, previous table disagrees", []byte{0, 27, 0, 128, packet.ACK}},
@@ -291,6 +292,7 @@ var fuzzSeeds = []struct {
 	{"fallback tunnel previous pick unusable", []byte{0, 29, 0, 128, packet.ACK}},
 	{"fallback no current table, draining backend keeps the flow", []byte{0, 30, 0, 0, packet.ACK}},
 	{"fallback no current table, syn dropped", []byte{0, 30, 0, 0, packet.SYN}},
+	{"fallback never for udp, previous table disagrees", []byte{0, 31, 0, 0, 0}},
 	{"raw bytes", []byte{0x0e, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}},
 	{"raw ipv4 after ethernet", []byte{0x0c, 0, 0x45, 0, 0, 40, 0, 0, 0, 0, 64, 6, 0, 0, 10, 77, 0, 1, 10, 77, 100, 1}},
 	{"raw ipv6 after vlan", []byte{0x0c, 3, 0x60, 0, 0, 0, 0, 0, 6, 64}},
@@ -359,12 +361,14 @@ func fuzzServices() []Service {
 	// Services whose table changed once (fuzzFirstGenerations holds what they had
 	// before), so the previous generation is there for the fallback: one backend
 	// added and one made unusable since (its old entries fall back to nothing), and
-	// one service whose backends all drain, so it has no current table at all.
+	// one service whose backends all drain, so it has no current table at all; and a
+	// UDP service, which never falls back.
 	s = append(s,
 		svc(fuzzVIPD4, 82, TCP, ForwardDSR, fuzzBackends(false, 82, 3, 4)),
 		svc(fuzzVIPN4, 81, TCP, ForwardNAT, fuzzBackends(false, 8081, 4, 4)),
 		svc(fuzzVIPT6, 81, TCP, ForwardTunnel, tunnel(81, "fd78::11", "10.78.0.12", "fd78::13", "10.78.0.11")),
 		svc(fuzzVIPD6, 81, TCP, ForwardDSR, fuzzBackends(true, 81, 3, 2)),
+		svc(fuzzVIPD4, 54, UDP, ForwardDSR, fuzzBackends(false, 54, 3, 3)),
 	)
 	for _, i := range []int{11, 12, 13} {
 		s[i].Backends[1].Usable = false
@@ -387,6 +391,8 @@ func fuzzFirstGenerations() map[int]Service {
 		case 14:
 			s.Backends = slices.Clone(s.Backends)
 			s.Backends[0].Draining, s.Backends[1].Draining = false, false
+		case 15:
+			s.Backends = slices.Clone(s.Backends[:2])
 		default:
 			continue
 		}
@@ -527,6 +533,7 @@ var fuzzTargets = []fuzzTarget{
 	{toVIP, 12, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPN4, 81)},
 	{toVIP, 13, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPT6, 81)},
 	{toVIP, 14, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPD6, 81)},
+	{toVIP, 15, false, packet.ProtoUDP, netip.AddrPortFrom(fuzzVIPD4, 54)},
 }
 
 var (

@@ -8,7 +8,8 @@
 //	weir weight SERVICE BACKEND N         set a backend's weight at runtime
 //	weir stop [--detach]                  stop the agent; --detach also removes its XDP program
 //	weir explain SERVICE CLIENT_IP:PORT   which backend a client's flow gets (XDP)
-//	weir reload                           re-read the config file (or send SIGHUP)
+//	weir reload [--max-move PCT]          re-read the config file (or send SIGHUP)
+//	weir plan [-c FILE] [--json] [--max-move PCT]  what a config change would move
 //	weir node drain [--wait] | undrain    withdraw (or announce again) the node's BGP routes
 //	weir decap --interface IFACE          on a tunnel-mode backend: decapsulate weir's tunnel packets
 //	weir demo [--keep] | weir demo down   the agent on a namespaced demo topology
@@ -54,7 +55,12 @@ usage:
                                    --detach removes it too, even with the agent stopped (-c FILE)
   weir explain SERVICE CLIENT      which backend a new flow from CLIENT (ip:port) gets, and the
                                    backend an existing flow is pinned to (XDP services)
-  weir reload                      re-read the config file; an invalid one changes nothing
+  weir reload [--max-move PCT]     re-read the config file; an invalid one changes nothing,
+                                   nor one that moves more than PCT% of a service's new flows
+  weir plan [-c FILE] [--json] [--max-move PCT]
+                                   what applying FILE (default: the agent's own) would move:
+                                   table slots, established flows, proxy connections; exit 1
+                                   if a service moves more than PCT% of its new flows
   weir node drain [--wait]         withdraw every BGP route of this node (flows still arriving
                                    are served); weir node undrain announces again
   weir decap --interface IFACE [--mode auto|native|generic] [--addr A ...] [--interval D]
@@ -68,7 +74,7 @@ usage:
   weir version                     version, commit, build date and BPF object hash
 
 FILE is -c/--config FILE, default ` + defaultConfig + `. status, drain, undrain, weight,
-explain, stop, reload and node talk to the admin socket the config names (or -s SOCKET).
+explain, stop, reload, plan and node talk to the admin socket the config names (or -s SOCKET).
 run 'weir COMMAND -h' for a command's usage and flags
 `
 
@@ -121,6 +127,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runWeight(ctx, args[1:], stdout, stderr)
 	case "reload":
 		return runReload(ctx, args[1:], stdout, stderr)
+	case "plan":
+		return runPlan(ctx, args[1:], stdout, stderr)
 	case "stop":
 		return runStop(ctx, args[1:], stdout, stderr)
 	case "explain":
@@ -317,8 +325,9 @@ func runWeight(ctx context.Context, args []string, stdout, stderr io.Writer) err
 }
 
 func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("reload", "", "Re-read the config file and apply it; an invalid or unappliable one changes nothing.", stdout, stderr)
+	fs := newFlagSet("reload", "", "Re-read the config file and apply it; an invalid or unappliable one changes nothing.\nWith --max-move, neither does one that would move more than PCT% of a service's new flows (see weir plan).", stdout, stderr)
 	socket := adminFlags(fs)
+	maxMove := maxMoveFlag(fs)
 	if err := parseFlags(fs, args, 0, 0); err != nil {
 		return err
 	}
@@ -326,16 +335,14 @@ func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err != nil {
 		return fmt.Errorf("reload: %w", err)
 	}
-	if err := admin.NewClient(path).Reload(ctx); err != nil {
-		var re *admin.RequestError
-		if errors.As(err, &re) {
-			fmt.Fprintln(stderr, "weir: reload rejected; the running config stays in force:")
-			for _, e := range re.Errors {
-				fmt.Fprintln(stderr, "  "+e)
-			}
-			return errReported
-		}
-		return fmt.Errorf("reload: %w", err)
+	c := admin.NewClient(path)
+	if maxMove.set {
+		err = c.ReloadWithin(ctx, maxMove.pct)
+	} else {
+		err = c.Reload(ctx)
+	}
+	if err != nil {
+		return reportRejected(stderr, "reload", "reload rejected; the running config stays in force", err)
 	}
 	fmt.Fprintln(stdout, "reloaded")
 	return nil

@@ -157,6 +157,7 @@ func TestConventions(t *testing.T) {
 		{"undrain", "usage: weir undrain SERVICE BACKEND [flags]", []string{"a", "b", "c"}},
 		{"weight", "usage: weir weight SERVICE BACKEND N [flags]", []string{"a", "b", "1", "d"}},
 		{"reload", "usage: weir reload [flags]", []string{"x"}},
+		{"plan", "usage: weir plan [flags]", []string{"x"}},
 		{"stop", "usage: weir stop [flags]", []string{"now"}},
 		{"explain", "usage: weir explain SERVICE CLIENT_IP:PORT [flags]", []string{"a", "b", "c"}},
 		{"decap", "usage: weir decap --interface IFACE [flags]", []string{"x"}},

@@ -318,17 +318,8 @@ func TestAgentXDP(t *testing.T) {
 	p := startAgent(t, tp, cfgPath, socket, false)
 	ctx := context.Background()
 
-	st, err := p.client.Status(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !st.XDP.Loaded {
-		xdptest.SkipOrFail(t, fmt.Errorf("agent could not load XDP: %s", st.XDP.Reason))
-	}
+	st := xdpStatus(t, p.client)
 	for _, s := range st.Services {
-		if s.DataPlane != api.PlaneXDP {
-			t.Errorf("service %s: got data plane %s (%s); want xdp", s.Name, s.DataPlane, s.Why)
-		}
 		for _, b := range s.Backends {
 			if b.MAC == "" {
 				t.Errorf("service %s backend %s: no MAC: %s", s.Name, b.Address, b.MACError)

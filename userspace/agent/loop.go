@@ -48,8 +48,12 @@ func (st *state) input(cfg *config.Config, placement map[string]plan.Placement, 
 type (
 	event any
 
-	// reloadEvent: read the config file again and apply it, or refuse it.
-	reloadEvent struct{ reply chan error }
+	// reloadEvent: read the config file again and apply it, or refuse it (also when
+	// it would move more than maxMove percent of a service's new flows).
+	reloadEvent struct {
+		reply   chan error
+		maxMove *float64
+	}
 	// healthEvent: the checker changed its verdict on a backend.
 	healthEvent struct{ change health.Change }
 	// overrideEvent: a runtime drain or weight for one backend.
@@ -83,7 +87,9 @@ func (a *Agent) loop(ctx context.Context, st *state) {
 		}
 		switch ev := ev.(type) {
 		case reloadEvent:
-			ev.reply <- a.reload(st)
+			ev.reply <- a.reload(st, ev.maxMove)
+		case planEvent:
+			ev.reply <- a.onPlan(st, ev)
 		case healthEvent:
 			a.onHealth(st, ev.change)
 		case overrideEvent:
@@ -136,7 +142,7 @@ func (a *Agent) request(ctx context.Context, ev event, reply chan error) error {
 // be applied, leaves the running one in force and returns why.
 func (a *Agent) Reload(ctx context.Context) error {
 	reply := make(chan error, 1)
-	if err := a.request(ctx, reloadEvent{reply}, reply); err != nil {
+	if err := a.request(ctx, reloadEvent{reply: reply}, reply); err != nil {
 		if errors.Is(err, ErrNotRunning) {
 			return fmt.Errorf("reload: %w", err)
 		}
@@ -209,14 +215,14 @@ func (a *Agent) start(st *state) error {
 }
 
 // reload is the reload event.
-func (a *Agent) reload(st *state) error {
+func (a *Agent) reload(st *state, maxMove *float64) error {
 	start := time.Now()
 	cfg, err := config.Load(a.opts.ConfigPath)
 	if err == nil {
 		err = restartOnly(st.cfg, cfg)
 	}
 	if err == nil {
-		err = a.applyConfig(st, cfg)
+		err = a.applyConfig(st, cfg, maxMove)
 	}
 	rs := api.ReloadStatus{Time: start, OK: err == nil}
 	if err != nil {
@@ -257,24 +263,16 @@ func restartOnly(old, next *config.Config) error {
 	return errors.Join(errs...)
 }
 
-// applyConfig makes cfg the running config, or changes nothing and says why.
-func (a *Agent) applyConfig(st *state, cfg *config.Config) error {
-	placement, err := a.place(st.cfg, cfg, st.placement)
+// applyConfig makes cfg the running config, or changes nothing and says why (also
+// when the change would move more than maxMove percent of a service's new flows).
+func (a *Agent) applyConfig(st *state, cfg *config.Config, maxMove *float64) error {
+	next, placement, overrides, err := a.prepare(st, cfg)
 	if err != nil {
 		return err
 	}
-	a.refreshMACs(st, cfg, placement)
-	// Overrides last while their backend does.
-	overrides := make(map[string]plan.Override)
-	for _, s := range cfg.Services {
-		for _, b := range s.Backends {
-			id := plan.ID(s.Name, b.Addr)
-			if o, ok := st.overrides[id]; ok {
-				overrides[id] = o
-			}
-		}
+	if err := a.withinBudget(st.running, next, maxMove); err != nil {
+		return err
 	}
-	next := plan.Plan(st.input(cfg, placement, overrides, time.Now()), st.running)
 	if err := a.reconcile(st.running, next); err != nil {
 		return err
 	}
@@ -296,6 +294,26 @@ func (a *Agent) applyConfig(st *state, cfg *config.Config) error {
 		}
 	}
 	return nil
+}
+
+// prepare plans cfg against the running state: what applyConfig would apply.
+func (a *Agent) prepare(st *state, cfg *config.Config) (plan.Desired, map[string]plan.Placement, map[string]plan.Override, error) {
+	placement, err := a.place(st.cfg, cfg, st.placement)
+	if err != nil {
+		return plan.Desired{}, nil, nil, err
+	}
+	a.refreshMACs(st, cfg, placement)
+	// Overrides last while their backend does.
+	overrides := make(map[string]plan.Override)
+	for _, s := range cfg.Services {
+		for _, b := range s.Backends {
+			id := plan.ID(s.Name, b.Addr)
+			if o, ok := st.overrides[id]; ok {
+				overrides[id] = o
+			}
+		}
+	}
+	return plan.Plan(st.input(cfg, placement, overrides, time.Now()), st.running), placement, overrides, nil
 }
 
 func hasBackend(d plan.Desired, id string) bool {
@@ -434,14 +452,14 @@ func (a *Agent) onOverride(st *state, ev overrideEvent) error {
 	return nil
 }
 
-// tick resolves the MACs still unknown, lets removed backends whose drain time
-// is up leave XDP and ends the fallback of lookup tables replaced longer ago than
-// xdp.previous_table_window.
+// tick resolves the MACs still unknown, lets removed backends whose drain time is
+// up leave XDP, steps slow starts and ends the fallback of lookup tables replaced
+// longer ago than xdp.previous_table_window.
 func (a *Agent) tick(st *state, now time.Time) {
 	if err := a.xdp.ExpirePreviousTables(now); err != nil {
 		a.log.Error("expire previous lookup tables", "err", err)
 	}
-	changed := false
+	changed := ramping(st.running)
 	for _, s := range st.running.Services {
 		if s.Plane != plan.XDP {
 			continue

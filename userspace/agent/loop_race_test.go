@@ -50,7 +50,7 @@ func (s *syncBuffer) count(msg string, attrs map[string]string) int {
 	return n
 }
 
-// TestLoopRace fires health changes, reloads, drains and status reads at a running
+// TestLoopRace fires health changes, reloads, drains, plans and status reads at a running
 // agent at once for a couple of seconds (run it with -race), then checks that every
 // event took effect: the final state is what the last event of each kind said, and
 // the log holds one line per applied event. The agent serves two proxy services on
@@ -187,6 +187,26 @@ func TestLoopRace(t *testing.T) {
 				return
 			}
 			reloads, lastWeight = reloads+1, w
+		}
+	})
+	// Plans of the first config (sent, not read: the reloads rewrite the file):
+	// answered in the loop, between the other events, never about a half-applied
+	// state (the running services are always a and b).
+	first, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wg.Go(func() {
+		for time.Now().Before(stop) {
+			p, err := a.Plan(ctx, first, "first.yaml", nil)
+			if err != nil {
+				fail(fmt.Errorf("plan: %w", err))
+				return
+			}
+			if len(p.Services) != 2 || p.Services[0].Change == "added" || p.Services[1].Change == "added" {
+				fail(fmt.Errorf("plan: got %+v; want the running services a and b", p.Services))
+				return
+			}
 		}
 	})
 	// Status reads: always whole.

@@ -21,7 +21,6 @@ import (
 
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
-	"github.com/weir-lb/weir/userspace/agent/api"
 )
 
 const echoPort = 9000
@@ -212,15 +211,7 @@ services:
 // connections work while no agent runs and after the new one has adopted the pinned
 // program. weir stop --detach then removes the program and its pins.
 func TestAgentRestartKeepsFlows(t *testing.T) {
-	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("war"), Backends: 3})
-	serveEcho(t, tp)
-	// nat's next-hop lookups answer only where the kernel would forward.
-	err := tp.Balancer.NS.Do(func() error {
-		return os.WriteFile("/proc/sys/net/ipv4/conf/all/forwarding", []byte("1"), 0o644)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	tp := echoTopology(t, "war", 3)
 	// A bpffs of the test's own: `ip netns exec` gives the agent a private /sys, so
 	// pins under /sys/fs/bpf would die with each agent process.
 	bpffs := t.TempDir()
@@ -235,20 +226,9 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 	}
 	ctx := context.Background()
 	first := startAgent(t, tp, cfgPath, socket, false)
-	st, err := first.client.Status(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !st.XDP.Loaded {
-		xdptest.SkipOrFail(t, fmt.Errorf("agent could not load XDP: %s", st.XDP.Reason))
-	}
+	st := xdpStatus(t, first.client)
 	if !st.XDP.Pinned || st.XDP.Adopted {
 		t.Fatalf("first agent: pinned %t (%s), adopted %t; want pinned, not adopted", st.XDP.Pinned, st.XDP.Reason, st.XDP.Adopted)
-	}
-	for _, s := range st.Services {
-		if s.DataPlane != api.PlaneXDP {
-			t.Fatalf("service %s: data plane %s (%s); want xdp", s.Name, s.DataPlane, s.Why)
-		}
 	}
 
 	dsrVIP := netip.AddrPortFrom(tp.VIP4, 9000)

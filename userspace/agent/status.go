@@ -98,6 +98,10 @@ func (a *Agent) Status() (api.Status, error) {
 					ss.ActiveFlows += bs.ActiveFlows
 				}
 			}
+			if b.Ramping() {
+				bs.SlowStart = fmt.Sprintf("%.0f%% of its weight, %s to go", 100*b.SlowStartFactor(s.Config.SlowStart, now),
+					b.RampStart.Add(s.Config.SlowStart).Sub(now).Round(time.Second))
+			}
 			if ps, ok := backSnap[b.Config.Addr]; ok {
 				bs.Connections, bs.Connects = ps.Active, ps.Connects
 				bs.Bytes = ps.BytesIn + ps.BytesOut

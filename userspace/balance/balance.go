@@ -200,24 +200,29 @@ type entry struct {
 	rampLen   int64
 }
 
-// slowStartFloor is the share of its weight a backend gets the moment it becomes usable;
+// SlowStartFloor is the share of its weight a backend gets the moment it becomes usable;
 // it rises linearly to 1 over its SlowStart window. Envoy's default minimum is 10% too:
 // starting at 0 would send the backend nothing at all for the first instants.
-const slowStartFloor = 0.1
+const SlowStartFloor = 0.1
 
-// factor returns the slow start multiplier in [slowStartFloor, 1] at time now.
+// SlowStartFactor is the slow start multiplier in [SlowStartFloor, 1] of a backend
+// that became usable elapsed ago, with a window of window (0: no slow start). Every
+// data plane ramps by it: the proxy's balancers on each pick, the XDP lookup tables
+// (and the proxy's Maglev tables) in steps the agent rebuilds.
+func SlowStartFactor(elapsed, window time.Duration) float64 {
+	if window <= 0 || elapsed >= window {
+		return 1
+	}
+	elapsed = max(elapsed, 0)
+	return SlowStartFloor + (1-SlowStartFloor)*float64(elapsed)/float64(window)
+}
+
+// factor returns the slow start multiplier at time now.
 func (e *entry) factor(now int64) float64 {
 	if e.rampLen == 0 {
 		return 1
 	}
-	d := now - e.rampStart
-	if d >= e.rampLen {
-		return 1
-	}
-	if d < 0 {
-		d = 0
-	}
-	return slowStartFloor + (1-slowStartFloor)*float64(d)/float64(e.rampLen)
+	return SlowStartFactor(time.Duration(now-e.rampStart), time.Duration(e.rampLen))
 }
 
 // snapshot is an immutable view of the usable backends, swapped whole by SetBackends.

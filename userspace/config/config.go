@@ -354,8 +354,9 @@ type Service struct {
 	// DrainTimeout bounds how long a removed or drained backend keeps its
 	// connections; 0: no limit.
 	DrainTimeout time.Duration
-	// SlowStart ramps a backend's weight up after it becomes usable (proxy only);
-	// 0: off.
+	// SlowStart ramps a backend's share up from a tenth of its weight's to all of it
+	// after it is added or becomes usable again (every data plane; see
+	// docs/algorithms.md); 0: off.
 	SlowStart time.Duration
 	Health    Health
 	Passive   Passive

@@ -150,7 +150,6 @@ func TestErrors(t *testing.T) {
 		{"udp without interfaces", svc + "  protocol: udp\n" + be, "services[0].protocol: udp is served by XDP only"},
 		{"hash on proxy algorithm", svc + "  algorithm: round_robin\n  hash: source\n" + be, "services[0].hash: only maglev and source_hash hash"},
 		{"source_hash with 5tuple", svc + "  algorithm: source_hash\n  hash: 5tuple\n" + be, "source_hash always hashes the source address"},
-		{"slow start on xdp", "interfaces: [{name: eth0}]\n" + svc + "  data_plane: xdp\n  slow_start: 10s\n" + be, "services[0].slow_start: only the proxy ramps weights"},
 		{"pass on proxy", svc + "  data_plane: proxy\n  all_down: pass\n" + be, "services[0].all_down: pass hands packets"},
 		{"table size not prime", svc + "  table_size: 1000\n" + be, "services[0].table_size: must be a prime"},
 		{"http fields on tcp", svc + "  health: {path: /x}\n" + be, "services[0].health.path: only http checks use it"},

@@ -124,7 +124,7 @@ type fileService struct {
 	// DrainTimeout bounds how long a removed or drained backend keeps its
 	// connections on the proxy. Default 30s; 0 means no limit.
 	DrainTimeout *duration `yaml:"drain_timeout,omitempty"`
-	// SlowStart ramps a backend's weight up after it becomes usable (proxy only).
+	// SlowStart ramps a backend's weight up after it is added or becomes usable again.
 	SlowStart duration    `yaml:"slow_start,omitempty"`
 	Health    fileHealth  `yaml:"health,omitempty"`
 	Passive   filePassive `yaml:"passive,omitempty"`

@@ -521,9 +521,6 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 			s.Algorithm == AlgorithmSourceHash && s.Hash != HashSource {
 			c.bad(p+".hash", "source_hash always hashes the source address; remove hash or use maglev")
 		}
-		if s.DataPlane == DataPlaneXDP && s.SlowStart > 0 {
-			c.bad(p+".slow_start", "only the proxy ramps weights; remove it or use data_plane proxy or auto")
-		}
 		if s.DataPlane == DataPlaneProxy && s.AllDown == AllDownPass {
 			c.bad(p+".all_down", "pass hands packets to the host's stack, which only XDP can do; use drop or keep_last")
 		}

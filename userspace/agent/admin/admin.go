@@ -24,6 +24,8 @@ import (
 type Agent interface {
 	Status() (api.Status, error)
 	Reload(ctx context.Context) error
+	ReloadWithin(ctx context.Context, maxMove float64) error
+	Plan(ctx context.Context, data []byte, name string, maxMove *float64) (api.Plan, error)
 	SetDrain(ctx context.Context, service, backend string, drain bool) error
 	SetWeight(ctx context.Context, service, backend string, weight uint32) error
 	Explain(ctx context.Context, service, client string) (api.Explanation, error)
@@ -34,7 +36,10 @@ type Agent interface {
 // The admin API, HTTP+JSON:
 //
 //	GET  /v1/status                                      Status
-//	POST /v1/reload                                      {"ok":true} or 422 {"errors":[...]}
+//	POST /v1/reload                                      {"ok":true} or 422 {"errors":[...]};
+//	                                                     body {"max_move": PCT} gates it
+//	POST /v1/plan                                        Plan of {"config": YAML, "name": N,
+//	                                                     "max_move": PCT} (no config: the agent's file)
 //	POST /v1/services/{service}/backends/{addr}/drain    {"drain": true|false}
 //	POST /v1/services/{service}/backends/{addr}/weight   {"weight": N}
 //	GET  /v1/services/{service}/explain?client=IP:PORT   Explanation
@@ -55,11 +60,45 @@ func Handler(a Agent, metrics http.Handler) http.Handler {
 		writeJSON(w, http.StatusOK, st)
 	})
 	mux.HandleFunc("POST /v1/reload", func(w http.ResponseWriter, r *http.Request) {
-		if err := a.Reload(r.Context()); err != nil {
+		var req struct {
+			MaxMove *float64 `json:"max_move"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&req); err != nil && !errors.Is(err, io.EOF) {
+			writeErr(w, http.StatusBadRequest, errors.New(`body must be empty or {"max_move": PCT}`))
+			return
+		}
+		var err error
+		if req.MaxMove != nil {
+			err = a.ReloadWithin(r.Context(), *req.MaxMove)
+		} else {
+			err = a.Reload(r.Context())
+		}
+		if err != nil {
 			writeJSON(w, http.StatusUnprocessableEntity, errorBody{Errors: ErrorLines(err)})
 			return
 		}
 		writeJSON(w, http.StatusOK, map[string]bool{"ok": true})
+	})
+	mux.HandleFunc("POST /v1/plan", func(w http.ResponseWriter, r *http.Request) {
+		var req planRequest
+		if err := json.NewDecoder(r.Body).Decode(&req); err != nil && !errors.Is(err, io.EOF) {
+			writeErr(w, http.StatusBadRequest, errors.New(`body must be {"config": YAML, "name": NAME, "max_move": PCT}, each optional`))
+			return
+		}
+		var data []byte
+		if req.Config != nil {
+			data = []byte(*req.Config)
+		}
+		p, err := a.Plan(r.Context(), data, req.Name, req.MaxMove)
+		if err != nil {
+			if errors.Is(err, api.ErrNotRunning) {
+				writeErr(w, http.StatusServiceUnavailable, err)
+				return
+			}
+			writeJSON(w, http.StatusUnprocessableEntity, errorBody{Errors: ErrorLines(err)})
+			return
+		}
+		writeJSON(w, http.StatusOK, p)
 	})
 	mux.HandleFunc("POST /v1/services/{service}/backends/{addr}/drain", func(w http.ResponseWriter, r *http.Request) {
 		if drain, ok := drainBody(w, r); ok {
@@ -132,6 +171,13 @@ func answer(w http.ResponseWriter, err error) {
 	default:
 		writeErr(w, http.StatusConflict, err)
 	}
+}
+
+// planRequest is POST /v1/plan's body.
+type planRequest struct {
+	Config  *string  `json:"config,omitempty"`
+	Name    string   `json:"name,omitempty"`
+	MaxMove *float64 `json:"max_move,omitempty"`
 }
 
 type errorBody struct {
@@ -226,6 +272,26 @@ func (c *Client) Status(ctx context.Context) (api.Status, error) {
 // Reload asks the agent to reload its config file.
 func (c *Client) Reload(ctx context.Context) error {
 	return c.do(ctx, http.MethodPost, "/v1/reload", nil, nil)
+}
+
+// ReloadWithin asks the agent to reload its config file unless the change would
+// move more than maxMove percent of a service's new flows.
+func (c *Client) ReloadWithin(ctx context.Context, maxMove float64) error {
+	return c.do(ctx, http.MethodPost, "/v1/reload", map[string]float64{"max_move": maxMove}, nil)
+}
+
+// Plan asks what applying a config would change: data is the file's contents (nil:
+// the agent's own file), name what to call it; maxMove (nil: none) is checked
+// against each service's moved share.
+func (c *Client) Plan(ctx context.Context, data []byte, name string, maxMove *float64) (api.Plan, error) {
+	req := planRequest{Name: name, MaxMove: maxMove}
+	if data != nil {
+		s := string(data)
+		req.Config = &s
+	}
+	var p api.Plan
+	err := c.do(ctx, http.MethodPost, "/v1/plan", req, &p)
+	return p, err
 }
 
 // Drain drains a backend, or ends its drain.

@@ -128,6 +128,9 @@ type BackendStatus struct {
 	Connects       uint64 `json:"connects"`
 	LastCheck      string `json:"last_check,omitempty"`
 	LastCheckAgo   string `json:"last_check_ago,omitempty"`
+	// SlowStart says where the backend's slow start is: "40% of its weight, 3s to
+	// go" ("" when it is not ramping).
+	SlowStart string `json:"slow_start,omitempty"`
 }
 
 // AllChecked reports whether st has services and every backend of them has been
@@ -256,6 +259,9 @@ func (st Status) WriteTable(w io.Writer) {
 		for _, b := range s.Backends {
 			if b.Reason != "" {
 				fmt.Fprintf(w, "  %s: %s\n", b.Address, b.Reason)
+			}
+			if b.SlowStart != "" {
+				fmt.Fprintf(w, "  %s: slow start: %s\n", b.Address, b.SlowStart)
 			}
 		}
 	}

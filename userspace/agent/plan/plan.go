@@ -145,6 +145,11 @@ type Backend struct {
 	Kept bool
 	// Until is when a leaving backend leaves the program.
 	Until time.Time
+	// RampStart is when the backend began its slow start (zero: not ramping), and
+	// RampWeight the weight its lookup table is built with while a backend of its
+	// service ramps (0: Weight); see slowstart.go and TableWeight.
+	RampStart  time.Time
+	RampWeight uint32
 }
 
 // Reason says, in operator words, why a backend takes no new flows ("" if it takes
@@ -227,6 +232,7 @@ func planService(in Input, cs config.Service, prev *Service) Service {
 		s.Backends = append(s.Backends, b)
 	}
 	s.applyAllDown(needMAC)
+	s.applySlowStart(prev, in.Now)
 	if xdp {
 		s.Installed = !(s.AllDown && cs.AllDown == config.AllDownPass)
 		if prev != nil && prev.Plane == XDP && prev.Config.VIP == cs.VIP && prev.Config.Protocol == cs.Protocol {

@@ -174,7 +174,7 @@ func (p *Plane) Close() {
 func push(px *proxy.Service, s *plan.Service) error {
 	bs := make([]proxy.Backend, 0, len(s.Backends))
 	for _, b := range s.Backends {
-		bs = append(bs, proxy.Backend{Addr: b.Config.Addr, Weight: max(b.Weight, 1), MaxConns: b.Config.MaxConns,
+		bs = append(bs, proxy.Backend{Addr: b.Config.Addr, Weight: max(b.TableWeight(), 1), MaxConns: b.Config.MaxConns,
 			SlowStart: s.Config.SlowStart, Down: !b.Usable})
 	}
 	if err := px.SetBackends(bs); err != nil {

@@ -1,0 +1,206 @@
+package loader
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"testing"
+
+	"github.com/weir-lb/weir/bpf"
+	"github.com/weir-lb/weir/internal/packet"
+	"github.com/weir-lb/weir/internal/xdptest"
+)
+
+// TestPreview: the table LookupTable predicts is the one the program holds (read
+// back by Table), and Flows counts each backend's established flows, as the
+// program's own forwarding decisions say, for both families; then, through the
+// steps of a slow start (a backend added at a tenth of its weight, rebuilt up to all
+// of it), no established flow moves and each step's table is the predicted one.
+func TestPreview(t *testing.T) {
+	for _, v6 := range []bool{false, true} {
+		t.Run(fmt.Sprintf("v6=%v", v6), func(t *testing.T) {
+			p := loadT(t)
+			vip, client := vip4, client4
+			if v6 {
+				vip, client = vip6, client6
+			}
+			all := testBackends(4, v6, 80)
+			svc := Service{Key: ServiceKey{netip.AddrPortFrom(vip, 80), TCP}, Backends: all[:3]}
+			if err := p.AddService(svc); err != nil {
+				t.Fatal(err)
+			}
+			checkTable := func(s Service) {
+				t.Helper()
+				want, err := LookupTable(s, testSeed)
+				if err != nil {
+					t.Fatal(err)
+				}
+				got, err := p.Table(s.Key)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(got) != len(want) || !slices.Equal(got, want) {
+					t.Fatalf("table: the program's (%d entries) differs from LookupTable's (%d entries)", len(got), len(want))
+				}
+			}
+			checkTable(svc)
+			byMAC := map[string]netip.AddrPort{}
+			for _, b := range all {
+				byMAC[b.MAC.String()] = b.Addr
+			}
+			send := func(sport uint16, flags uint8) netip.AddrPort {
+				t.Helper()
+				in := packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Src: netip.AddrPortFrom(client, sport),
+					Dst: netip.AddrPortFrom(vip, 80), TCPFlags: flags}.Build()
+				action, out, err := p.Run(in)
+				if err != nil || action != XDPTX {
+					t.Fatalf("flow %d: action %s, err %v; want XDP_TX", sport, action, err)
+				}
+				return byMAC[net.HardwareAddr(out[0:6]).String()]
+			}
+			want := map[netip.AddrPort]uint64{}
+			first := map[uint16]netip.AddrPort{}
+			for port := uint16(20000); port < 20300; port++ {
+				send(port, packet.SYN)
+				first[port] = send(port, packet.ACK) // established: in the connection table
+				want[first[port]]++
+			}
+			for port := uint16(40000); port < 40020; port++ {
+				send(port, packet.SYN) // half-open: not counted
+			}
+			got, err := p.Flows(svc.Key)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if fmt.Sprint(got.PerBackend) != fmt.Sprint(want) {
+				t.Errorf("flows per backend: got %v; want %v", got.PerBackend, want)
+			}
+			// Each flow's hash indexes the table to the backend it holds.
+			table, _ := p.Table(svc.Key)
+			onHash := map[netip.AddrPort]uint64{}
+			for _, h := range got.Hashes {
+				onHash[table[h%uint32(len(table))]]++
+			}
+			if fmt.Sprint(onHash) != fmt.Sprint(want) {
+				t.Errorf("the flows' hashes index the table to %v; want %v", onHash, want)
+			}
+
+			// Slow start of backend 3, scaled weights as the planner steps them.
+			for _, w := range []uint32{10, 40, 70, 100} {
+				step := svc
+				step.Backends = slices.Clone(all)
+				for i := range step.Backends {
+					step.Backends[i].Weight = 100
+				}
+				step.Backends[3].Weight = w
+				if err := p.UpdateService(step); err != nil {
+					t.Fatal(err)
+				}
+				checkTable(step)
+				for port, was := range first {
+					if got := send(port, packet.ACK); got != was {
+						t.Fatalf("step weight %d: established flow %d moved from %s to %s", w, port, was, got)
+					}
+				}
+			}
+			if got, _ := p.Flows(svc.Key); fmt.Sprint(got.PerBackend) != fmt.Sprint(want) {
+				t.Errorf("flows per backend after the steps: got %v; want %v", got.PerBackend, want)
+			}
+		})
+	}
+}
+
+// TestFlowsNAT: nat flows are counted once established, and no longer once their
+// client has sent a FIN (the flow is closing: its next SYN is a new flow).
+func TestFlowsNAT(t *testing.T) {
+	nt := newNATTopology(t, ModeGeneric)
+	web := nt.web[false]
+	send := func(sport uint16, flags uint8) netip.AddrPort {
+		t.Helper()
+		in := packet.Frame{SrcMAC: nt.Client.MAC, DstMAC: nt.Balancer.MAC, Src: netip.AddrPortFrom(nt.Client.IP4, sport),
+			Dst: web.Key.VIP, TCPFlags: flags}
+		var action Action
+		var out []byte
+		err := nt.Balancer.NS.Do(func() error {
+			var err error
+			action, out, err = nt.prog.RunOn(in.Build(), nt.Balancer.Index)
+			return err
+		})
+		if err != nil || action != XDPTX {
+			t.Fatalf("flow %d: action %s, err %v; want XDP_TX", sport, action, err)
+		}
+		dst := netip.AddrFrom4([4]byte(out[14+16 : 14+20]))
+		return netip.AddrPortFrom(dst, web.Key.VIP.Port())
+	}
+	want := map[netip.AddrPort]uint64{}
+	for port := uint16(30000); port < 30060; port++ {
+		send(port, packet.SYN)
+		b := send(port, packet.ACK)
+		if port%3 == 0 {
+			send(port, packet.FIN|packet.ACK)
+			continue
+		}
+		want[b]++
+	}
+	got, err := nt.prog.Flows(web.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(got.PerBackend) != fmt.Sprint(want) {
+		t.Errorf("flows per backend: got %v; want %v (40 established, 20 closing not counted)", got.PerBackend, want)
+	}
+}
+
+// BenchmarkFlows: what weir plan's read of a busy service costs per entry of the
+// connection table (40,000 dsr flows of one service among 40,000 of another), against
+// reading the same table entry by entry with Map.Iterate (two system calls an entry)
+// in the same run: Flows reads it in batches.
+func BenchmarkFlows(b *testing.B) {
+	p, err := Load(Options{HashSeed: testSeed, ConntrackSize: 262144})
+	xdptest.Check(b, err)
+	b.Cleanup(func() { p.Close() })
+	svc := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, Backends: testBackends(4, false, 80)}
+	other := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 81), TCP}, Backends: testBackends(4, false, 81)}
+	for _, s := range []Service{svc, other} {
+		if err := p.AddService(s); err != nil {
+			b.Fatal(err)
+		}
+	}
+	fp := p.flowPairs()[lbConntrack]
+	const n = 40_000
+	for i := range 2 * n {
+		port := uint16(80 + i%2)
+		k := flowKey(Flow{Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 1, byte(i >> 16), byte(i >> 8)}), uint16(i)),
+			Dst: netip.AddrPortFrom(vip4, port), Protocol: TCP})
+		st := p.services[svc.Key]
+		if port == 81 {
+			st = p.services[other.Key]
+		}
+		if err := putPair(fp, k, bpf.WeirLbFlow{BackendId: st.slots[netip.AddrPortFrom(svc.Backends[i%4].Addr.Addr(), port)]}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.Run("iterate", func(b *testing.B) {
+		for b.Loop() {
+			var k bpf.WeirFlowKey4
+			var v bpf.WeirLbFlow
+			it := fp.v4.Iterate()
+			for it.Next(&k, &v) {
+			}
+			if err := it.Err(); err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/(2*n), "ns/entry")
+	})
+	b.Run("flows", func(b *testing.B) {
+		for b.Loop() {
+			fs, err := p.Flows(svc.Key)
+			if err != nil || len(fs.Hashes) != n {
+				b.Fatalf("flows: %d hashes, %v; want %d", len(fs.Hashes), err, n)
+			}
+		}
+		b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/(2*n), "ns/entry")
+	})
+}

@@ -1,0 +1,149 @@
+package api
+
+import (
+	"fmt"
+	"io"
+	"strings"
+)
+
+// Plan is what `weir plan` shows: what a config change would move, computed by the
+// running agent against what it serves, without applying anything.
+type Plan struct {
+	// Config is the file planned: the agent's own when the request sent none.
+	Config   string        `json:"config"`
+	Services []ServicePlan `json:"services"`
+	// MaxMove is the budget asked for, in percent of a service's new flows (nil: none),
+	// and OverBudget the services whose change moves more.
+	MaxMove    *float64 `json:"max_move,omitempty"`
+	OverBudget []string `json:"over_budget,omitempty"`
+}
+
+// Service changes.
+const (
+	ChangeAdded     = "added"
+	ChangeRemoved   = "removed"
+	ChangeUpdated   = "updated"
+	ChangeUnchanged = "unchanged"
+)
+
+// ServicePlan is one service's part of a plan.
+type ServicePlan struct {
+	Service string `json:"service"`
+	Change  string `json:"change"` // added, removed, updated or unchanged
+	// DataPlane is where the service runs now and NextDataPlane where it would
+	// (either "" when the service is added or removed).
+	DataPlane     string `json:"data_plane,omitempty"`
+	NextDataPlane string `json:"next_data_plane,omitempty"`
+	// NewDataPlane says why the change needs a new data plane for the service (a
+	// placement change, a new XDP entry or proxy listener); "" when it is updated in
+	// place.
+	NewDataPlane string `json:"new_data_plane,omitempty"`
+	// Table compares the lookup tables (XDP services): the one packets use now and
+	// the one the change builds; nil when neither side has a table.
+	Table *TablePlan `json:"table,omitempty"`
+	// Moved is the share (0..1) of the service's new flows that would go to another
+	// backend than today: from the tables where there are tables, else from the
+	// backends' shares of the weights (the least any weighted choice must move). A
+	// removed service moves all of them; an added one none. MaxMove gates on it.
+	Moved float64 `json:"moved"`
+	// TrafficMoved is the share of the service's established flows whose hash the next
+	// table gives another backend than today's (XDP): the change measured on this
+	// service's own traffic, where Moved counts every hash alike (they differ when
+	// clients cluster, as with source hashing). nil without flows or tables.
+	TrafficMoved *float64 `json:"traffic_moved,omitempty"`
+	// Flows are the established flows (XDP: connection-table entries; proxy: open
+	// connections) per backend and what the change does to them.
+	FlowKind string        `json:"flow_kind,omitempty"` // "xdp flows" or "proxy connections"
+	Flows    []BackendPlan `json:"flows,omitempty"`
+	// Reset and Drained sum Flows by fate.
+	Reset   uint64 `json:"reset"`
+	Drained uint64 `json:"drained"`
+	// FlowsError says why the flows could not be read (the rest of the plan stands).
+	FlowsError string `json:"flows_error,omitempty"`
+}
+
+// TablePlan is the lookup-table part of a service's plan.
+type TablePlan struct {
+	Size     int        `json:"size"`      // entries of the table packets use now (0: none)
+	NextSize int        `json:"next_size"` // entries of the one the change builds (0: none)
+	Moved    int        `json:"moved"`     // entries of the next table whose owner changes
+	Moves    []SlotMove `json:"moves,omitempty"`
+}
+
+// SlotMove is the part of the table that goes from one backend to another ("" : no
+// backend, new flows refused).
+type SlotMove struct {
+	From  string  `json:"from"`
+	To    string  `json:"to"`
+	Slots int     `json:"slots"`
+	Share float64 `json:"share"`
+}
+
+// BackendPlan is one backend's established flows and their fate: stay, drain or
+// reset.
+type BackendPlan struct {
+	Backend string `json:"backend"`
+	Flows   uint64 `json:"flows"`
+	Fate    string `json:"fate"`
+}
+
+// WriteTable prints the plan for people.
+func (p *Plan) WriteTable(w io.Writer) {
+	fmt.Fprintf(w, "plan for %s (nothing applied)\n", p.Config)
+	for _, s := range p.Services {
+		planes := s.NextDataPlane
+		if s.DataPlane != "" && s.NextDataPlane != "" && s.DataPlane != s.NextDataPlane {
+			planes = s.DataPlane + " -> " + s.NextDataPlane
+		} else if planes == "" {
+			planes = s.DataPlane
+		}
+		traffic := ""
+		if s.TrafficMoved != nil {
+			traffic = fmt.Sprintf(" (%s of today's flows' hashes)", percent(*s.TrafficMoved))
+		}
+		fmt.Fprintf(w, "\nservice %s  %s  %s  new flows moved %s%s\n", s.Service, s.Change, planes, percent(s.Moved), traffic)
+		if s.NewDataPlane != "" {
+			fmt.Fprintf(w, "  new data plane: %s\n", s.NewDataPlane)
+		}
+		if t := s.Table; t != nil {
+			size := fmt.Sprint(t.NextSize)
+			if t.Size != t.NextSize {
+				size = fmt.Sprintf("%d -> %d", t.Size, t.NextSize)
+			}
+			fmt.Fprintf(w, "  lookup table: %d of %s slots change owner\n", t.Moved, size)
+			for _, m := range t.Moves {
+				fmt.Fprintf(w, "    %-24s -> %-24s %7d slots  %s\n", orNone(m.From), orNone(m.To), m.Slots, percent(m.Share))
+			}
+		}
+		if s.FlowsError != "" {
+			fmt.Fprintf(w, "  %s: unknown: %s\n", s.FlowKind, s.FlowsError)
+		} else if s.FlowKind != "" {
+			var total uint64
+			for _, f := range s.Flows {
+				total += f.Flows
+			}
+			fmt.Fprintf(w, "  %s: %d established, %d reset, %d drained\n", s.FlowKind, total, s.Reset, s.Drained)
+			for _, f := range s.Flows {
+				if f.Flows > 0 || f.Fate != "stay" {
+					fmt.Fprintf(w, "    %-24s %7d  %s\n", f.Backend, f.Flows, f.Fate)
+				}
+			}
+		}
+	}
+	if p.MaxMove != nil {
+		if len(p.OverBudget) > 0 {
+			fmt.Fprintf(w, "\nover --max-move %g%%: %s\n", *p.MaxMove, strings.Join(p.OverBudget, ", "))
+		} else {
+			fmt.Fprintf(w, "\nwithin --max-move %g%%\n", *p.MaxMove)
+		}
+	}
+}
+
+func percent(f float64) string { return fmt.Sprintf("%.2f%%", 100*f) }
+
+func orNone(s string) string {
+	if s == "" {
+		return "(none)"
+	}
+	return s
+}

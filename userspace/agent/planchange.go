@@ -1,0 +1,270 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"strings"
+
+	"github.com/weir-lb/weir/userspace/agent/api"
+	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/config"
+)
+
+// planchange.go: `weir plan` (what a change would move, applying nothing) and the
+// disruption budget of `weir reload --max-move`. Both run in the loop, against the
+// running state, so what a plan predicts is what a reload right after it does, and
+// a gated reload checks the very state it then applies.
+
+// previewer is what weir plan asks of a data plane about a service: the lookup table
+// it holds now and the one it would build for a desired state (nil: it picks without
+// a table), and the established flows or connections per backend.
+type previewer interface {
+	Table(s *plan.Service) ([]netip.AddrPort, error)
+	LiveTable(s *plan.Service) ([]netip.AddrPort, error)
+	Flows(s *plan.Service) (plan.Flows, error)
+}
+
+// ErrOverBudget: a change would move more than --max-move allows.
+var ErrOverBudget = errors.New("over the disruption budget")
+
+// planEvent: compute what a config would change, and apply nothing.
+type planEvent struct {
+	data    []byte // the config; nil: the agent's config file
+	name    string // what to call it in the answer
+	maxMove *float64
+	out     *api.Plan
+	reply   chan error
+}
+
+// Plan computes what applying a config would change: data is the file's contents
+// (nil: the agent's own config file, as a reload would read it), name what to call
+// it, maxMove a budget in percent of each service's new flows (nil: none) that the
+// answer's OverBudget is checked against. Nothing is applied.
+func (a *Agent) Plan(ctx context.Context, data []byte, name string, maxMove *float64) (api.Plan, error) {
+	var out api.Plan
+	reply := make(chan error, 1)
+	if err := a.request(ctx, planEvent{data: data, name: name, maxMove: maxMove, out: &out, reply: reply}, reply); err != nil {
+		return api.Plan{}, err
+	}
+	return out, nil
+}
+
+// ReloadWithin is Reload with a disruption budget: the change is refused, and the
+// running config stays in force, if it would move more than maxMove percent of any
+// service's new flows (see api.ServicePlan.Moved).
+func (a *Agent) ReloadWithin(ctx context.Context, maxMove float64) error {
+	reply := make(chan error, 1)
+	if err := a.request(ctx, reloadEvent{reply: reply, maxMove: &maxMove}, reply); err != nil {
+		if errors.Is(err, ErrNotRunning) {
+			return fmt.Errorf("reload: %w", err)
+		}
+		return err
+	}
+	return nil
+}
+
+func (a *Agent) onPlan(st *state, ev planEvent) error {
+	cfg, err := a.planConfig(ev)
+	if err == nil {
+		err = restartOnly(st.cfg, cfg)
+	}
+	if err != nil {
+		return err
+	}
+	next, _, _, err := a.prepare(st, cfg)
+	if err != nil {
+		return err
+	}
+	*ev.out = a.impact(st.running, next, ev.maxMove)
+	ev.out.Config = ev.name
+	if ev.data == nil {
+		ev.out.Config = a.opts.ConfigPath
+	}
+	return nil
+}
+
+func (a *Agent) planConfig(ev planEvent) (*config.Config, error) {
+	if ev.data == nil {
+		return config.Load(a.opts.ConfigPath)
+	}
+	cfg, err := config.Parse(ev.data)
+	var es config.Errors
+	if errors.As(err, &es) {
+		for _, e := range es {
+			e.File = ev.name
+		}
+	}
+	return cfg, err
+}
+
+// withinBudget refuses a change from prev to next that moves more than maxMove
+// percent of a service's new flows.
+func (a *Agent) withinBudget(prev, next plan.Desired, maxMove *float64) error {
+	if maxMove == nil {
+		return nil
+	}
+	p := a.impact(prev, next, maxMove)
+	if len(p.OverBudget) == 0 {
+		return nil
+	}
+	var over []string
+	for _, s := range p.Services {
+		if overBudget(&s, *maxMove) {
+			over = append(over, fmt.Sprintf("service %q would move %.2f%% of its new flows", s.Service, 100*s.Moved))
+		}
+	}
+	return fmt.Errorf("%s, more than --max-move %g%%: %w (see weir plan)", strings.Join(over, "; "), *maxMove, ErrOverBudget)
+}
+
+func overBudget(s *api.ServicePlan, maxMove float64) bool {
+	// Slack for rounding only: shares are ratios of table entries, and --max-move 5
+	// must let exactly 5% through.
+	return 100*s.Moved > maxMove+1e-9
+}
+
+// impact is what going from prev to next does to each service: the services of next
+// in config order, then those prev has and next does not.
+func (a *Agent) impact(prev, next plan.Desired, maxMove *float64) api.Plan {
+	out := api.Plan{MaxMove: maxMove}
+	changed := map[string]bool{}
+	for _, op := range plan.Diff(prev, next) {
+		changed[op.Service()] = true
+	}
+	for i := range next.Services {
+		n := &next.Services[i]
+		out.Services = append(out.Services, a.serviceImpact(prev.Service(n.Name()), n, changed[n.Name()]))
+	}
+	for i := range prev.Services {
+		if p := &prev.Services[i]; next.Service(p.Name()) == nil {
+			out.Services = append(out.Services, a.serviceImpact(p, nil, true))
+		}
+	}
+	if maxMove != nil {
+		for i := range out.Services {
+			if overBudget(&out.Services[i], *maxMove) {
+				out.OverBudget = append(out.OverBudget, out.Services[i].Service)
+			}
+		}
+	}
+	return out
+}
+
+func (a *Agent) serviceImpact(p, n *plan.Service, changed bool) api.ServicePlan {
+	var sp api.ServicePlan
+	switch {
+	case p == nil:
+		sp.Service, sp.Change, sp.NextDataPlane = n.Name(), api.ChangeAdded, string(n.Plane)
+		return sp // no traffic yet: nothing moves
+	case n == nil:
+		sp.Service, sp.Change, sp.DataPlane, sp.Moved = p.Name(), api.ChangeRemoved, string(p.Plane), 1
+	default:
+		sp.Service, sp.DataPlane, sp.NextDataPlane = n.Name(), string(p.Plane), string(n.Plane)
+		sp.Change = api.ChangeUnchanged
+		if changed {
+			sp.Change = api.ChangeUpdated
+		}
+		sp.NewDataPlane = plan.NewDataPlane(p, n)
+		sp.Moved = plan.ShareChange(p, n)
+		if p.Plane != n.Plane {
+			sp.Moved = plan.IndependentChange(p, n)
+		}
+	}
+	flows := a.flowImpact(&sp, p, n)
+	if n == nil {
+		return sp
+	}
+	if prevT, nextT, ok := a.tables(p, n); ok {
+		tc := plan.CompareTables(prevT, nextT)
+		sp.Table, sp.Moved = tablePlan(tc), tc.Share
+		if share, ok := plan.TrafficShare(prevT, nextT, flows.Hashes); ok {
+			sp.TrafficMoved = &share
+		}
+	}
+	return sp
+}
+
+// tables are the lookup table p runs with now and the one n would get, when both run
+// on one plane that picks by a table (ok false otherwise, or if either is unknown).
+func (a *Agent) tables(p, n *plan.Service) (prevT, nextT []netip.AddrPort, ok bool) {
+	pv, isPV := a.planes[p.Plane].(previewer)
+	if !isPV || p.Plane != n.Plane {
+		return nil, nil, false
+	}
+	prevT, err := pv.LiveTable(p)
+	if err != nil {
+		a.log.Warn("plan: read the lookup table", "service", p.Name(), "err", err)
+		return nil, nil, false
+	}
+	if nextT, err = pv.Table(n); err != nil {
+		a.log.Warn("plan: build the lookup table", "service", n.Name(), "err", err)
+		return nil, nil, false
+	}
+	return prevT, nextT, prevT != nil || nextT != nil
+}
+
+func tablePlan(tc plan.TableChange) *api.TablePlan {
+	t := &api.TablePlan{Size: tc.PrevSize, NextSize: tc.NextSize, Moved: tc.Moved}
+	for _, m := range tc.Moves {
+		t.Moves = append(t.Moves, api.SlotMove{From: addrString(m.From), To: addrString(m.To), Slots: m.Slots, Share: m.Share})
+	}
+	return t
+}
+
+func addrString(a netip.AddrPort) string {
+	if !a.IsValid() {
+		return ""
+	}
+	return a.String()
+}
+
+// flowImpact fills in what the change does to p's established flows, and returns
+// them.
+func (a *Agent) flowImpact(sp *api.ServicePlan, p, n *plan.Service) plan.Flows {
+	sp.FlowKind = string(p.Plane) + " connections"
+	if p.Plane == plan.XDP {
+		sp.FlowKind = "xdp flows"
+	}
+	pv, ok := a.planes[p.Plane].(previewer)
+	if !ok {
+		sp.FlowsError = "the " + string(p.Plane) + " plane does not count them"
+		return plan.Flows{}
+	}
+	flows, err := pv.Flows(p)
+	if err != nil {
+		sp.FlowsError = err.Error()
+		return plan.Flows{}
+	}
+	fates := plan.FlowFates(p, n)
+	add := func(b *plan.Backend) {
+		addr := b.Config.Addr
+		bp := api.BackendPlan{Backend: addr.String(), Flows: flows.PerBackend[addr], Fate: string(fates[addr])}
+		switch fates[addr] {
+		case plan.Reset:
+			sp.Reset += bp.Flows
+		case plan.Drain:
+			sp.Drained += bp.Flows
+		}
+		sp.Flows = append(sp.Flows, bp)
+	}
+	for i := range p.Backends {
+		add(&p.Backends[i])
+	}
+	for i := range p.Leaving {
+		add(&p.Leaving[i])
+	}
+	return flows
+}
+
+// ramping reports whether a backend of d is in a slow start the planner steps.
+func ramping(d plan.Desired) bool {
+	for _, s := range d.Services {
+		for _, b := range s.Backends {
+			if b.Ramping() {
+				return true
+			}
+		}
+	}
+	return false
+}
