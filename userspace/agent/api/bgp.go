@@ -61,8 +61,12 @@ type WithheldRoute struct {
 func (b *BGPStatus) WriteTable(w io.Writer) {
 	fmt.Fprintf(w, "bgp: AS %d, router id %s", b.ASN, b.RouterID)
 	if b.Drained {
-		fmt.Fprintf(w, "; node DRAINED since %s (every route withdrawn; flows still arriving are served until %s)",
+		fmt.Fprintf(w, "; node DRAINED since %s (every route withdrawn; flows still arriving are served until %s",
 			b.DrainedSince.Format(time.RFC3339), b.DrainUntil.Format(time.RFC3339))
+		if time.Now().After(b.DrainUntil) {
+			fmt.Fprint(w, "; drain_timeout has passed: the node can be stopped")
+		}
+		fmt.Fprint(w, ")")
 	}
 	fmt.Fprintln(w)
 	if b.Error != "" {

@@ -21,7 +21,7 @@ func TestBGPWriteTable(t *testing.T) {
 	out := b.String()
 	for _, want := range []string{
 		"bgp: AS 65001, router id 10.80.0.1; node DRAINED since 2026-01-02T03:04:05Z",
-		"until 2026-01-02T03:04:35Z",
+		"until 2026-01-02T03:04:35Z; drain_timeout has passed: the node can be stopped)",
 		"10.80.0.254  65000  established  2m10s   9s    \n",
 		"10.80.0.253  65000  active       -       -     hold timer expired\n",
 		"  announced 10.80.100.1/32 (web, tls) communities 65000:1 med 10\n",
