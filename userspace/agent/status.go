@@ -12,6 +12,7 @@ import (
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/agent/xdpplane"
 	"github.com/weir-lb/weir/userspace/config"
+	"github.com/weir-lb/weir/userspace/httplb"
 	"github.com/weir-lb/weir/userspace/proxy"
 )
 
@@ -69,6 +70,16 @@ func (a *Agent) Status() (api.Status, error) {
 				}
 			}
 		}
+		var httpSnap map[netip.AddrPort]httplb.BackendSnapshot
+		if s.Plane == plan.HTTP {
+			if snap, ok := a.http.Snapshot(s.Name()); ok {
+				ss.Connections, ss.Accepted, ss.InFlight, ss.Requests = snap.Connections, snap.Accepted, snap.InFlight, snap.Requests
+				httpSnap = make(map[netip.AddrPort]httplb.BackendSnapshot, len(snap.Backends))
+				for _, b := range snap.Backends {
+					httpSnap[b.Addr] = b
+				}
+			}
+		}
 		for _, b := range s.Backends {
 			bs := api.BackendStatus{Address: b.Config.Addr.String(), Health: b.Health.String(), Usable: b.Usable, Reason: b.Reason(),
 				Weight: b.Weight, ConfigWeight: b.Config.Weight, Drained: b.Drained, Override: b.Override,
@@ -88,6 +99,9 @@ func (a *Agent) Status() (api.Status, error) {
 				bs.Connections, bs.Connects = ps.Active, ps.Connects
 				bs.Bytes = ps.BytesIn + ps.BytesOut
 			}
+			if hb, ok := httpSnap[b.Config.Addr]; ok {
+				httpBackendStatus(&bs, hb)
+			}
 			if hs, ok := a.checker.Status(b.ID); ok && !hs.Last.Start.IsZero() {
 				bs.LastCheck = "ok"
 				if hs.Last.Err != nil {
@@ -100,6 +114,23 @@ func (a *Agent) Status() (api.Status, error) {
 		st.Services = append(st.Services, ss)
 	}
 	return st, nil
+}
+
+func httpBackendStatus(bs *api.BackendStatus, hb httplb.BackendSnapshot) {
+	bs.InFlight, bs.Requests, bs.Retries = hb.InFlight, hb.Requests, hb.Retries
+	bs.Classes = map[string]uint64{}
+	for i, n := range hb.Classes {
+		name := "none"
+		if i > 0 {
+			name = fmt.Sprintf("%dxx", i)
+		}
+		if n > 0 {
+			bs.Classes[name] = n
+		}
+	}
+	if hb.HasLatency {
+		bs.Latency = hb.Latency.Round(10 * time.Microsecond).String()
+	}
 }
 
 // Explain answers "where does this client go" for an XDP service: the backend a new

@@ -1,0 +1,223 @@
+package httplb
+
+import (
+	"context"
+	"crypto/tls"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/netip"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	testpb "google.golang.org/grpc/interop/grpc_testing"
+
+	"github.com/weir-lb/weir/internal/httpbackend"
+)
+
+func backendSet(bs []*httpbackend.Backend) []Backend {
+	var out []Backend
+	for _, b := range bs {
+		out = append(out, Backend{Addr: b.Addr, Weight: 1, Usable: true})
+	}
+	return out
+}
+
+// serve starts a service over bs with cfg (Listen defaults to a free loopback
+// port) and stops it, drained, at cleanup.
+func serve(t *testing.T, cfg Config, bs []*httpbackend.Backend) *Service {
+	t.Helper()
+	if !cfg.Listen.IsValid() {
+		cfg.Listen = netip.MustParseAddrPort("127.0.0.1:0")
+	}
+	if cfg.Name == "" {
+		cfg.Name = "test"
+	}
+	if testing.Verbose() {
+		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
+	}
+	s, err := Listen(cfg, backendSet(bs))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	// Exits when cancel is called at cleanup.
+	go func() { done <- s.Serve(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	return s
+}
+
+func h2cClient() *http.Client {
+	var p http.Protocols
+	p.SetUnencryptedHTTP2(true)
+	return &http.Client{Transport: &http.Transport{Protocols: &p}, Timeout: 10 * time.Second}
+}
+
+func h1Client() *http.Client {
+	return &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 8}, Timeout: 10 * time.Second}
+}
+
+func get(t *testing.T, c *http.Client, url string, hdr ...string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequest("GET", url, nil)
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatalf("GET %s: body: %v", url, err)
+	}
+	return resp, string(body)
+}
+
+// TestForward: HTTP/1.1 and HTTP/2 cleartext requests reach the backends, are
+// spread per request (one HTTP/2 connection reaches every backend), and carry
+// the forwarding headers; hop-by-hop headers stay behind.
+func TestForward(t *testing.T) {
+	bs := httpbackend.StartN(t, 3)
+	s := serve(t, Config{Algorithm: "round_robin", XForwardedFor: true, XForwardedProto: true, Forwarded: true}, bs)
+	url := "http://" + s.Addr().String() + "/"
+	for _, c := range []struct {
+		name   string
+		client *http.Client
+		proto  string
+	}{
+		{"http1", h1Client(), "HTTP/1.1"},
+		{"h2c", h2cClient(), "HTTP/2.0"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			seen := map[string]int{}
+			for range 30 {
+				resp, body := get(t, c.client, url, "X-Forwarded-For", "192.0.2.1", "X-Private", "secret")
+				if resp.StatusCode != 200 || resp.Proto != c.proto {
+					t.Fatalf("got %s %s; want 200 over %s", resp.Proto, resp.Status, c.proto)
+				}
+				if got := resp.Header.Get("X-Seen-Forwarded-For"); got != "192.0.2.1, 127.0.0.1" {
+					t.Errorf("X-Forwarded-For at the backend: got %q; want %q", got, "192.0.2.1, 127.0.0.1")
+				}
+				if got := resp.Header.Get("X-Seen-Forwarded"); got != `for=127.0.0.1;proto=http;host="`+s.Addr().String()+`"` {
+					t.Errorf("Forwarded at the backend: got %q", got)
+				}
+				// auto: the backend is spoken to as the client spoke.
+				if got, want := resp.Header.Get("X-Seen-Forwarded-Proto")+" "+resp.Header.Get("X-Seen-Proto"), "http "+c.proto; got != want {
+					t.Errorf("X-Forwarded-Proto and protocol at the backend: got %q; want %q", got, want)
+				}
+				seen[body]++
+			}
+			for _, b := range bs {
+				if seen[b.Name] != 10 {
+					t.Errorf("round robin over 30 requests: got %v; want 10 each", seen)
+					break
+				}
+			}
+			c.client.CloseIdleConnections()
+		})
+	}
+	sn := s.Snapshot()
+	if sn.Requests != 60 || len(sn.Backends) != 3 || sn.Backends[0].Classes[2] != 20 {
+		t.Errorf("snapshot: got %+v; want 60 requests, 20 2xx on each of 3 backends", sn)
+	}
+}
+
+// TestTLS: with a certificate, clients negotiate h2 or http/1.1 by ALPN.
+func TestTLS(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	cert, err := tls.X509KeyPair(testCert, testKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := serve(t, Config{XForwardedProto: true, TLS: &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}}}, bs)
+	for _, c := range []struct {
+		name  string
+		h2    bool
+		proto string
+	}{{"h2", true, "HTTP/2.0"}, {"http1", false, "HTTP/1.1"}} {
+		t.Run(c.name, func(t *testing.T) {
+			tr := &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, ForceAttemptHTTP2: c.h2}
+			if !c.h2 {
+				tr.TLSNextProto = map[string]func(string, *tls.Conn) http.RoundTripper{}
+			}
+			resp, body := get(t, &http.Client{Transport: tr}, "https://"+s.Addr().String()+"/")
+			if resp.Proto != c.proto || body != "a" || resp.Header.Get("X-Seen-Forwarded-Proto") != "https" {
+				t.Errorf("got %s %q, backend saw %q; want %s from a, https", resp.Proto, body, resp.Header.Get("X-Seen-Forwarded-Proto"), c.proto)
+			}
+		})
+	}
+}
+
+// TestGRPC: unary calls on one channel are spread over the backends, and a
+// bidirectional stream passes messages both ways and ends with its status.
+func TestGRPC(t *testing.T) {
+	bs := httpbackend.StartN(t, 3)
+	s := serve(t, Config{Algorithm: "round_robin"}, bs)
+	cc, err := grpc.NewClient(s.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	c := testpb.NewTestServiceClient(cc)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	seen := map[string]int{}
+	for range 30 {
+		r, err := c.UnaryCall(ctx, &testpb.SimpleRequest{Payload: &testpb.Payload{Body: []byte("x")}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		seen[r.GetHostname()]++
+	}
+	if seen["a"] != 10 || seen["b"] != 10 || seen["c"] != 10 {
+		t.Errorf("30 unary calls on one channel: got %v; want 10 each", seen)
+	}
+	st, err := c.FullDuplexCall(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for i := range 100 {
+			if err := st.Send(&testpb.StreamingOutputCallRequest{Payload: &testpb.Payload{Body: []byte{byte(i)}}}); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+		st.CloseSend()
+	})
+	var backend string
+	for i := 0; ; i++ {
+		r, err := st.Recv()
+		if err == io.EOF {
+			if i != 100 {
+				t.Errorf("bidi stream: got %d answers; want 100", i)
+			}
+			break
+		}
+		if err != nil {
+			t.Fatalf("bidi stream, answer %d: %v", i, err)
+		}
+		name, b, _ := strings.Cut(string(r.GetPayload().GetBody()), ":")
+		if backend == "" {
+			backend = name
+		}
+		if name != backend || len(b) != 1 || b[0] != byte(i) {
+			t.Fatalf("bidi answer %d: got %q; want %s:%d (one stream, one backend)", i, r.GetPayload().GetBody(), backend, i)
+		}
+	}
+	wg.Wait()
+}
