@@ -26,21 +26,22 @@ var errTryTimeout = errors.New("no response headers within try_timeout")
 // backend's: a failure after that resets the client's stream.
 func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
+	l := s.live.Load()
 	s.stats.inflight.Add(1)
 	defer s.stats.inflight.Add(-1)
-	s.budget.deposit()
+	l.budget.deposit()
 	ctx := r.Context()
-	if s.cfg.Timeout > 0 {
+	if l.cfg.Timeout > 0 {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, s.cfg.Timeout)
+		ctx, cancel = context.WithTimeout(ctx, l.cfg.Timeout)
 		defer cancel()
 	}
-	hdr := s.outHeader(r)
-	key := s.hashKey(r)
-	retryable := idempotent(r.Method) || s.grpcRetryable(r)
+	hdr := l.outHeader(r)
+	key := l.hashKey(r)
+	retryable := idempotent(r.Method) || l.grpcRetryable(r)
 	var body *replayBody
-	if r.Body != nil && r.Body != http.NoBody {
-		body = &replayBody{src: r.Body, keep: retryable && s.cfg.Retries > 0}
+	if r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 {
+		body = &replayBody{src: r.Body, keep: retryable && l.cfg.Retries > 0}
 	}
 	var tried []string
 	skip := func(id string) bool {
@@ -53,15 +54,15 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	var fail failure
 	for try := 0; ; try++ {
-		if try > 0 && (try > s.cfg.Retries || !fail.retry || !body.replayable(fail.dial) || !s.budget.withdraw()) {
+		if try > 0 && (try > l.cfg.Retries || !fail.retry || !body.replayable(fail.dial) || !l.budget.withdraw()) {
 			break
 		}
 		var lease balance.Lease
 		var err error
 		if try == 0 {
-			lease, err = s.bal.Pick(key, nil)
+			lease, err = l.bal.Pick(key, nil)
 		} else {
-			lease, err = s.bal.Pick(key, skip)
+			lease, err = l.bal.Pick(key, skip)
 		}
 		if err != nil {
 			if try == 0 {
@@ -80,7 +81,7 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if try > 0 {
 			be.stats.retries.Add(1)
 		}
-		done, f := s.try(ctx, w, r, be, &lease, hdr, body, retryable, try < s.cfg.Retries, start)
+		done, f := s.try(ctx, l, w, r, be, &lease, hdr, body, retryable, try < l.cfg.Retries, start)
 		if done {
 			return
 		}
@@ -89,7 +90,7 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if r.Context().Err() != nil {
 		return // the client went away: nobody to answer
 	}
-	s.answerFailure(w, r, fail, len(tried), start)
+	s.answerFailure(l, w, r, fail, len(tried), start)
 }
 
 // failure is what a try that did not answer the client came to.
@@ -103,14 +104,14 @@ type failure struct {
 
 // try sends the request to one backend. done reports that the client has its
 // answer (or is gone); otherwise f says why not and whether a retry may follow.
-func (s *Service) try(ctx context.Context, w http.ResponseWriter, r *http.Request, be *backend, lease *balance.Lease,
+func (s *Service) try(ctx context.Context, l *live, w http.ResponseWriter, r *http.Request, be *backend, lease *balance.Lease,
 	hdr http.Header, body *replayBody, retryable, more bool, start time.Time) (done bool, f failure) {
 	tryStart := time.Now()
 	tctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	var timer *time.Timer
-	if s.cfg.TryTimeout > 0 {
-		timer = time.AfterFunc(s.cfg.TryTimeout, func() { cancel(errTryTimeout) })
+	if l.cfg.TryTimeout > 0 {
+		timer = time.AfterFunc(l.cfg.TryTimeout, func() { cancel(errTryTimeout) })
 	}
 	out := (&http.Request{
 		Method:        r.Method,
@@ -126,7 +127,7 @@ func (s *Service) try(ctx context.Context, w http.ResponseWriter, r *http.Reques
 	if body != nil {
 		out.Body = body.next()
 	}
-	resp, err := be.transport(s.cfg.Upstream, r).RoundTrip(out)
+	resp, err := be.transport(l.cfg.Upstream, r).RoundTrip(out)
 	if timer != nil {
 		timer.Stop()
 	}
@@ -148,15 +149,15 @@ func (s *Service) try(ctx context.Context, w http.ResponseWriter, r *http.Reques
 			o, status = Timeout, http.StatusGatewayTimeout
 		}
 		lease.Release(balance.Result{Failed: true, Latency: headerLatency})
-		s.observeTry(be, o)
+		l.observeTry(be, o)
 		be.stats.count(0)
 		overall := ctx.Err() != nil
 		return false, failure{retry: !overall && (retryable || o == ConnectFailure), dial: o == ConnectFailure, status: status, err: err}
 	}
 	if resp.StatusCode >= 500 {
-		s.observeTry(be, ServerError)
+		l.observeTry(be, ServerError)
 	} else {
-		s.observeTry(be, Success)
+		l.observeTry(be, Success)
 	}
 	if more && retryable && retryStatus(resp.StatusCode) && body.replayable(false) {
 		// Worth another backend: leave this answer unread.
@@ -165,19 +166,38 @@ func (s *Service) try(ctx context.Context, w http.ResponseWriter, r *http.Reques
 		be.stats.count(resp.StatusCode)
 		return false, failure{retry: true, status: resp.StatusCode, resp: resp.Status, err: fmt.Errorf("backend answered %s", resp.Status)}
 	}
-	n, copyErr := s.respond(w, resp)
+	bp := bufPool.Get().(*[]byte)
+	defer bufPool.Put(bp)
+	var first []byte
+	var firstErr error
+	if more && retryable && resp.ContentLength > 0 {
+		// A body of known length (not a stream): read its first bytes before
+		// answering, so a backend that dies between its headers and its body is
+		// still retried elsewhere.
+		var k int
+		k, firstErr = resp.Body.Read(*bp)
+		first = (*bp)[:k]
+		if firstErr != nil && firstErr != io.EOF && body.replayable(false) {
+			resp.Body.Close()
+			lease.Release(balance.Result{Failed: true, Latency: headerLatency})
+			l.observeTry(be, Reset)
+			be.stats.count(0)
+			return false, failure{retry: true, status: http.StatusBadGateway, err: firstErr}
+		}
+	}
+	n, copyErr := s.respond(w, resp, first, firstErr, *bp)
 	lastByte := time.Since(tryStart)
 	latency := headerLatency
-	if s.cfg.LastByte {
+	if l.cfg.LastByte {
 		latency = lastByte
 	}
 	lease.Release(balance.Result{Latency: latency})
 	be.stats.count(resp.StatusCode)
 	s.stats.requests.Add(1)
-	if s.cfg.Observer != nil {
-		s.cfg.Observer.Request(be.addr, resp.StatusCode, time.Since(start))
+	if l.cfg.Observer != nil {
+		l.cfg.Observer.Request(be.addr, resp.StatusCode, time.Since(start))
 	}
-	if s.cfg.AccessLog {
+	if l.cfg.AccessLog {
 		s.log.Info("request", "method", r.Method, "path", r.URL.Path, "proto", r.Proto, "client", r.RemoteAddr,
 			"backend", be.id, "status", resp.StatusCode, "bytes", n, "headers", headerLatency, "duration", time.Since(start), "err", copyErr)
 	}
@@ -185,7 +205,7 @@ func (s *Service) try(ctx context.Context, w http.ResponseWriter, r *http.Reques
 		// The backend broke off mid-body. The status line is gone; the client must
 		// see the answer is incomplete: a stream reset (HTTP/2) or a closed
 		// connection (HTTP/1.1).
-		s.observeTry(be, Reset)
+		l.observeTry(be, Reset)
 		panic(http.ErrAbortHandler)
 	}
 	return true, failure{}
@@ -200,9 +220,9 @@ func retryStatus(code int) bool {
 	return code == http.StatusBadGateway || code == http.StatusServiceUnavailable || code == http.StatusGatewayTimeout
 }
 
-func (s *Service) observeTry(be *backend, o Outcome) {
-	if s.cfg.Observer != nil {
-		s.cfg.Observer.Try(be.addr, o)
+func (l *live) observeTry(be *backend, o Outcome) {
+	if l.cfg.Observer != nil {
+		l.cfg.Observer.Try(be.addr, o)
 	}
 }
 
@@ -220,7 +240,7 @@ var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }
 // respond writes the backend's answer to the client: headers, the body as it
 // comes (flushed at once when its length is unknown, as gRPC's and event
 // streams' are), then trailers.
-func (s *Service) respond(w http.ResponseWriter, resp *http.Response) (int64, error) {
+func (s *Service) respond(w http.ResponseWriter, resp *http.Response, first []byte, firstErr error, buf []byte) (int64, error) {
 	defer resp.Body.Close()
 	h := w.Header()
 	for k, vv := range resp.Header {
@@ -230,9 +250,24 @@ func (s *Service) respond(w http.ResponseWriter, resp *http.Response) (int64, er
 	}
 	removeConnectionHeaders(h, resp.Header)
 	w.WriteHeader(resp.StatusCode)
-	bp := bufPool.Get().(*[]byte)
-	defer bufPool.Put(bp)
-	n, err := copyBody(w, resp.Body, *bp, resp.ContentLength < 0)
+	var n int64
+	var err error
+	if len(first) > 0 {
+		k, werr := w.Write(first)
+		n = int64(k)
+		if werr != nil {
+			return n, nil // the client went away
+		}
+	}
+	switch {
+	case firstErr == io.EOF:
+	case firstErr != nil:
+		err = firstErr
+	default:
+		var m int64
+		m, err = copyBody(w, resp.Body, buf, resp.ContentLength < 0)
+		n += m
+	}
 	for k, vv := range resp.Trailer {
 		h[http.TrailerPrefix+k] = vv
 	}
@@ -267,13 +302,13 @@ func copyBody(w http.ResponseWriter, src io.Reader, buf []byte, flush bool) (int
 	}
 }
 
-func (s *Service) answerFailure(w http.ResponseWriter, r *http.Request, f failure, tries int, start time.Time) {
+func (s *Service) answerFailure(l *live, w http.ResponseWriter, r *http.Request, f failure, tries int, start time.Time) {
 	msg := fmt.Sprintf("service %q: %d tries failed, the last: %v", s.cfg.Name, tries, f.err)
 	if f.status == 0 {
 		f.status = http.StatusBadGateway
 	}
 	s.stats.requests.Add(1)
-	if s.cfg.AccessLog {
+	if l.cfg.AccessLog {
 		s.log.Info("request", "method", r.Method, "path", r.URL.Path, "proto", r.Proto, "client", r.RemoteAddr,
 			"status", f.status, "tries", tries, "duration", time.Since(start), "err", f.err)
 	}
@@ -314,11 +349,11 @@ func idempotent(method string) bool {
 
 // grpcRetryable reports whether the request is a gRPC call the config marks safe
 // to retry.
-func (s *Service) grpcRetryable(r *http.Request) bool {
-	if len(s.cfg.RetryGRPC) == 0 || !isGRPC(r) {
+func (l *live) grpcRetryable(r *http.Request) bool {
+	if len(l.cfg.RetryGRPC) == 0 || !isGRPC(r) {
 		return false
 	}
-	for _, m := range s.cfg.RetryGRPC {
+	for _, m := range l.cfg.RetryGRPC {
 		if m == "*" || m == r.URL.Path || strings.HasSuffix(m, "/*") && strings.HasPrefix(r.URL.Path, m[:len(m)-1]) {
 			return true
 		}
@@ -351,7 +386,7 @@ func removeConnectionHeaders(h, from http.Header) {
 
 // outHeader is the request's header as the backend gets it: hop-by-hop headers
 // dropped (TE: trailers kept, gRPC needs it), forwarding headers added.
-func (s *Service) outHeader(r *http.Request) http.Header {
+func (l *live) outHeader(r *http.Request) http.Header {
 	h := make(http.Header, len(r.Header)+3)
 	for k, vv := range r.Header {
 		if !hopByHop(k) {
@@ -376,17 +411,17 @@ func (s *Service) outHeader(r *http.Request) http.Header {
 	if err != nil {
 		client = r.RemoteAddr
 	}
-	if s.cfg.XForwardedFor {
+	if l.cfg.XForwardedFor {
 		xff := client
 		if prior := h["X-Forwarded-For"]; len(prior) > 0 {
 			xff = strings.Join(prior, ", ") + ", " + client
 		}
 		h["X-Forwarded-For"] = []string{xff}
 	}
-	if s.cfg.XForwardedProto {
+	if l.cfg.XForwardedProto {
 		h["X-Forwarded-Proto"] = []string{proto}
 	}
-	if s.cfg.Forwarded {
+	if l.cfg.Forwarded {
 		node := client
 		if a, err := netip.ParseAddr(client); err == nil && a.Is6() {
 			node = `"[` + client + `]"`
@@ -403,16 +438,16 @@ func (s *Service) outHeader(r *http.Request) http.Header {
 // hashKey is the request's key for maglev and source_hash: FNV-1a of the
 // client's address, a header's or a cookie's value, so every balancer node
 // computes the same key for a request.
-func (s *Service) hashKey(r *http.Request) uint64 {
-	if s.cfg.Algorithm != balance.Maglev && s.cfg.Algorithm != balance.SourceHash {
+func (l *live) hashKey(r *http.Request) uint64 {
+	if l.cfg.Algorithm != balance.Maglev && l.cfg.Algorithm != balance.SourceHash {
 		return 0
 	}
 	var v string
-	switch s.cfg.Hash {
+	switch l.cfg.Hash {
 	case HashHeader:
-		v = r.Header.Get(s.cfg.HashName)
+		v = r.Header.Get(l.cfg.HashName)
 	case HashCookie:
-		if c, err := r.Cookie(s.cfg.HashName); err == nil {
+		if c, err := r.Cookie(l.cfg.HashName); err == nil {
 			v = c.Value
 		}
 	}

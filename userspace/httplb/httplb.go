@@ -26,6 +26,7 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -135,17 +136,24 @@ type Backend struct {
 
 // Service is one listening http service.
 type Service struct {
-	cfg      Config
+	cfg      Config // as Listen had it: the settings fixed while it listens
 	log      *slog.Logger
-	bal      balance.Balancer
+	live     atomic.Pointer[live] // the settings Reconfigure may change
 	ln       net.Listener
 	srv      *http.Server
 	upgraded *http.Server // shuts the h2c-upgraded connections down (see Listen)
-	budget   *retryBudget
 	stats    stats
 
 	mu       sync.Mutex
 	backends map[string]*backend // by address; removed ones until idle
+}
+
+// live is what a request reads once at its start: the settings that may change
+// while the service listens, the balancer and the retry budget.
+type live struct {
+	cfg    Config
+	bal    balance.Balancer
+	budget *retryBudget
 }
 
 // Errors.
@@ -158,13 +166,8 @@ var (
 // it while this one drains) and prepares its server; Serve starts answering.
 func Listen(cfg Config, backends []Backend) (*Service, error) {
 	cfg.defaults()
-	bal, err := balance.New(cfg.Algorithm, nil, cfg.Seed)
-	if err != nil {
-		return nil, fmt.Errorf("service %q: %w", cfg.Name, err)
-	}
-	s := &Service{cfg: cfg, log: cfg.Logger, bal: bal, backends: map[string]*backend{},
-		budget: newRetryBudget(cfg.RetryBudget)}
-	if err := s.SetBackends(backends); err != nil {
+	s := &Service{cfg: cfg, log: cfg.Logger, backends: map[string]*backend{}}
+	if err := s.Reconfigure(cfg, backends); err != nil {
 		return nil, err
 	}
 	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
@@ -299,7 +302,6 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 			MaxIdleConnsPerHost:    1024,
 			IdleConnTimeout:        90 * time.Second,
 			DisableCompression:     true,
-			ResponseHeaderTimeout:  s.cfg.TryTimeout,
 			MaxResponseHeaderBytes: int64(max(s.cfg.MaxHeaderBytes, 64<<10)),
 			WriteBufferSize:        32 << 10,
 			ReadBufferSize:         32 << 10,
@@ -325,11 +327,61 @@ type dialError struct{ err error }
 func (e *dialError) Error() string { return "connect: " + e.err.Error() }
 func (e *dialError) Unwrap() error { return e.err }
 
+// ErrRebuild is returned by Reconfigure for a change that needs a new listener.
+var ErrRebuild = errors.New("the change needs a new listener")
+
+// Fixed reports whether two configs differ in a setting fixed while the service
+// listens (address, TLS, the server's and the pools' limits and timeouts), which
+// Reconfigure cannot change.
+func Fixed(a, b Config) bool {
+	return a.Name != b.Name || a.Listen != b.Listen || a.TLS != b.TLS || a.ConnectTimeout != b.ConnectTimeout ||
+		a.IdleTimeout != b.IdleTimeout || a.ReadHeaderTimeout != b.ReadHeaderTimeout ||
+		a.MaxHeaderBytes != b.MaxHeaderBytes || a.DrainTimeout != b.DrainTimeout
+}
+
+// Reconfigure applies new settings and backends in place: client connections
+// stay open (no GOAWAY), requests in flight finish with the settings they
+// started with, and later ones take the new. The balancer is kept, with its
+// latency estimates, unless the algorithm changed. A change Fixed reports is
+// refused with ErrRebuild.
+func (s *Service) Reconfigure(cfg Config, backends []Backend) error {
+	cfg.defaults()
+	cfg.TLS = s.cfg.TLS // compared by the caller; the certificate is loaded once
+	if Fixed(s.cfg, cfg) {
+		return fmt.Errorf("service %q: %w", cfg.Name, ErrRebuild)
+	}
+	prev := s.live.Load()
+	l := &live{cfg: cfg}
+	if prev != nil && prev.cfg.Algorithm == cfg.Algorithm && prev.cfg.Seed == cfg.Seed {
+		l.bal = prev.bal
+	} else {
+		bal, err := balance.New(cfg.Algorithm, nil, cfg.Seed)
+		if err != nil {
+			return fmt.Errorf("service %q: %w", cfg.Name, err)
+		}
+		l.bal = bal
+	}
+	if prev != nil && prev.cfg.RetryBudget == cfg.RetryBudget {
+		l.budget = prev.budget
+	} else {
+		l.budget = newRetryBudget(cfg.RetryBudget)
+	}
+	if err := s.setBackends(l.bal, backends); err != nil {
+		return err
+	}
+	s.live.Store(l)
+	return nil
+}
+
 // SetBackends replaces the backend set. Backends that stay keep their pooled
 // connections, in-flight counts and latency estimates; a backend that is no
 // longer usable (drained, ejected, removed) gets no new requests, and its
 // in-flight ones finish. Safe for concurrent use with requests.
 func (s *Service) SetBackends(bs []Backend) error {
+	return s.setBackends(s.live.Load().bal, bs)
+}
+
+func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 	seen := map[netip.AddrPort]bool{}
 	in := make([]balance.Backend, 0, len(bs))
 	s.mu.Lock()
@@ -347,7 +399,7 @@ func (s *Service) SetBackends(bs []Backend) error {
 		be.removed = false
 		in = append(in, balance.Backend{ID: be.id, Weight: b.Weight, Usable: b.Usable && b.Weight > 0, SlowStart: b.SlowStart})
 	}
-	s.bal.SetBackends(in)
+	bal.SetBackends(in)
 	for id, be := range s.backends {
 		if !seen[be.addr] {
 			// In-flight requests keep their connections; idle ones close now, and
@@ -355,7 +407,7 @@ func (s *Service) SetBackends(bs []Backend) error {
 			be.removed = true
 			be.h1.CloseIdleConnections()
 			be.h2.CloseIdleConnections()
-			if s.bal.InFlight(id) == 0 {
+			if bal.InFlight(id) == 0 {
 				delete(s.backends, id)
 			}
 		}
@@ -416,10 +468,11 @@ func (s *Service) Snapshot() Snapshot {
 	}
 	s.mu.Unlock()
 	slices.SortFunc(bs, func(a, b *backend) int { return a.addr.Compare(b.addr) })
+	bal := s.live.Load().bal
 	for _, b := range bs {
-		bsn := BackendSnapshot{Addr: b.addr, InFlight: s.bal.InFlight(b.id), Requests: b.stats.requests.Load(),
+		bsn := BackendSnapshot{Addr: b.addr, InFlight: bal.InFlight(b.id), Requests: b.stats.requests.Load(),
 			Retries: b.stats.retries.Load()}
-		bsn.Latency, bsn.HasLatency = s.bal.Estimate(b.id)
+		bsn.Latency, bsn.HasLatency = bal.Estimate(b.id)
 		for i := range bsn.Classes {
 			bsn.Classes[i] = b.stats.classes[i].Load()
 		}

@@ -44,8 +44,8 @@ type Plane struct {
 func New(checker *health.Checker, log *slog.Logger, observe RequestObserver) *Plane {
 	p := &Plane{checker: checker, log: log, observe: observe}
 	p.Set = served.Set[*httplb.Service]{Start: p.start, Push: func(lb *httplb.Service, s *plan.Service) error {
-		return lb.SetBackends(backends(s))
-	}, Log: log, What: "http plane"}
+		return lb.Reconfigure(p.lbConfig(&s.Config), backends(s))
+	}, Rebuilt: rebuilt, Log: log, What: "http plane"}
 	return p
 }
 
@@ -60,9 +60,13 @@ func (p *Plane) Snapshot(name string) (httplb.Snapshot, bool) {
 
 // start binds a service's listener with its backends; the set starts serving.
 func (p *Plane) start(s *plan.Service) (*httplb.Service, error) {
-	cfg, err := lbConfig(&s.Config, observer{p, s.Name()}, p.log.With("service", s.Name()))
-	if err != nil {
-		return nil, fmt.Errorf("service %q: %w", s.Name(), err)
+	cfg := p.lbConfig(&s.Config)
+	if h := s.Config.HTTP; h.TLSCert != "" {
+		cert, err := tls.LoadX509KeyPair(h.TLSCert, h.TLSKey)
+		if err != nil {
+			return nil, fmt.Errorf("service %q: http.tls: %w", s.Name(), err)
+		}
+		cfg.TLS = &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12}
 	}
 	lb, err := httplb.Listen(cfg, backends(s))
 	if errors.Is(err, syscall.EADDRNOTAVAIL) {
@@ -82,8 +86,23 @@ func backends(s *plan.Service) []httplb.Backend {
 	return bs
 }
 
-// lbConfig translates a service's settings for httplb.
-func lbConfig(s *config.Service, obs httplb.Observer, log *slog.Logger) (httplb.Config, error) {
+// rebuilt says whether a change needs a new listener: the address or TLS
+// changed, or a setting the server or its pools fix while they run. Anything
+// else (algorithm, retries, timeouts, headers, backends) is applied in place,
+// so a reload does not send the clients GOAWAY.
+func rebuilt(a, b *config.Service) bool {
+	return a.VIP != b.VIP || a.Protocol != b.Protocol || a.DataPlane != b.DataPlane ||
+		a.HTTP.TLSCert != b.HTTP.TLSCert || a.HTTP.TLSKey != b.HTTP.TLSKey ||
+		httplb.Fixed(lbConfig(a, nil, nil), lbConfig(b, nil, nil))
+}
+
+func (p *Plane) lbConfig(s *config.Service) httplb.Config {
+	return lbConfig(s, observer{p, s.Name}, p.log.With("service", s.Name))
+}
+
+// lbConfig translates a service's settings for httplb (TLS aside: its
+// certificate is loaded when the service starts).
+func lbConfig(s *config.Service, obs httplb.Observer, log *slog.Logger) httplb.Config {
 	h := s.HTTP
 	c := httplb.Config{
 		Name:              s.Name,
@@ -120,14 +139,7 @@ func lbConfig(s *config.Service, obs httplb.Observer, log *slog.Logger) (httplb.
 	case config.UpstreamH2C:
 		c.Upstream = httplb.UpstreamH2C
 	}
-	if h.TLSCert != "" {
-		cert, err := tls.LoadX509KeyPair(h.TLSCert, h.TLSKey)
-		if err != nil {
-			return c, fmt.Errorf("http.tls: %w", err)
-		}
-		c.TLS = &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12}
-	}
-	return c, nil
+	return c
 }
 
 // observer feeds what the service's requests see to the health checker and the

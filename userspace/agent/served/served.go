@@ -29,9 +29,12 @@ type Server interface {
 type Set[S Server] struct {
 	// Start binds a server for s with its backends set; Serve is called after.
 	Start func(s *plan.Service) (S, error)
-	// Push gives a running server s's backends.
+	// Push gives a running server s's backends (and whatever else it can
+	// change in place).
 	Push func(srv S, s *plan.Service) error
-	Log  *slog.Logger
+	// Rebuilt says whether a change needs a new server; nil: plan.Rebuilt.
+	Rebuilt func(a, b *config.Service) bool
+	Log     *slog.Logger
 	// What names the plane in logs: "proxy", "http plane".
 	What string
 
@@ -108,7 +111,11 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 	if !ok {
 		return p.Add(next)
 	}
-	if !plan.Rebuilt(&e.cfg, &next.Config) {
+	rebuilt := p.Rebuilt
+	if rebuilt == nil {
+		rebuilt = plan.Rebuilt
+	}
+	if !rebuilt(&e.cfg, &next.Config) {
 		if err := p.Push(e.srv, next); err != nil {
 			return err
 		}
