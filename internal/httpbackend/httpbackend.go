@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 )
 
@@ -32,7 +33,8 @@ type Backend struct {
 	Hits atomic.Int64
 	// Delay is added before every answer (ns).
 	Delay atomic.Int64
-	// Status, when not 0, is answered to every plain HTTP request.
+	// Status, when not 0, is answered to every request (gRPC calls get it as
+	// their HTTP status, with no gRPC status).
 	Status atomic.Int32
 
 	mu   sync.Mutex
@@ -55,6 +57,18 @@ func StartN(tb testing.TB, n int) []*Backend {
 		bs = append(bs, b)
 	}
 	return bs
+}
+
+// Client is a gRPC TestService client on one channel to addr (plaintext, h2c),
+// closed at the test's cleanup.
+func Client(tb testing.TB, addr string) testpb.TestServiceClient {
+	tb.Helper()
+	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { cc.Close() })
+	return testpb.NewTestServiceClient(cc)
 }
 
 // Start serves on addr ("127.0.0.1:0" picks a port).
@@ -100,6 +114,10 @@ func (b *Backend) wait() {
 func (b *Backend) handler(gs *grpc.Server) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.ProtoMajor == 2 && r.Header.Get("Content-Type") == "application/grpc" {
+			if st := b.Status.Load(); st != 0 {
+				w.WriteHeader(int(st))
+				return
+			}
 			gs.ServeHTTP(w, r)
 			return
 		}

@@ -3,6 +3,7 @@ package httplb
 import (
 	"context"
 	"crypto/tls"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -13,11 +14,12 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/codes"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
+	"google.golang.org/grpc/status"
 
 	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 func backendSet(bs []*httpbackend.Backend) []Backend {
@@ -166,12 +168,7 @@ func TestTLS(t *testing.T) {
 func TestGRPC(t *testing.T) {
 	bs := httpbackend.StartN(t, 3)
 	s := serve(t, Config{Algorithm: "round_robin"}, bs)
-	cc, err := grpc.NewClient(s.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
-	c := testpb.NewTestServiceClient(cc)
+	c := httpbackend.Client(t, s.Addr().String())
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	seen := map[string]int{}
@@ -220,4 +217,129 @@ func TestGRPC(t *testing.T) {
 		}
 	}
 	wg.Wait()
+}
+
+// TestAffinity: maglev over a header, a cookie or the client address keeps
+// each key on one backend, and spreads different keys.
+func TestAffinity(t *testing.T) {
+	bs := httpbackend.StartN(t, 3)
+	for _, c := range []struct {
+		name string
+		cfg  Config
+		key  func(i int) []string // request headers for user i
+	}{
+		{"header", Config{Algorithm: "maglev", Hash: HashHeader, HashName: "X-User"}, func(i int) []string { return []string{"X-User", fmt.Sprint("user", i)} }},
+		{"cookie", Config{Algorithm: "maglev", Hash: HashCookie, HashName: "session"}, func(i int) []string { return []string{"Cookie", fmt.Sprintf("a=1; session=s%d", i)} }},
+		{"source", Config{Algorithm: "source_hash"}, func(int) []string { return nil }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := serve(t, c.cfg, bs)
+			client := h2cClient()
+			defer client.CloseIdleConnections()
+			owners := map[string]bool{}
+			for i := range 30 {
+				var first string
+				for range 5 {
+					_, body := get(t, client, "http://"+s.Addr().String()+"/", c.key(i)...)
+					if first == "" {
+						first = body
+					}
+					if body != first {
+						t.Fatalf("key %d: answered by %s, then %s; want one backend", i, first, body)
+					}
+				}
+				owners[first] = true
+			}
+			if want := map[string]int{"source": 1}[c.name]; want == 1 && len(owners) != 1 || want == 0 && len(owners) < 3 {
+				t.Errorf("30 keys went to %d backends; want %s", len(owners), map[bool]string{true: "1 (one client address)", false: "all 3"}[want == 1])
+			}
+		})
+	}
+}
+
+// TestDrain: a backend taken out of use finishes the requests it has and gets
+// no new ones.
+func TestDrain(t *testing.T) {
+	bs := httpbackend.StartN(t, 2)
+	bs[0].Delay.Store(int64(300 * time.Millisecond))
+	s := serve(t, Config{Algorithm: "round_robin"}, bs)
+	client := h2cClient()
+	defer client.CloseIdleConnections()
+	url := "http://" + s.Addr().String() + "/"
+	var wg sync.WaitGroup
+	answers := make(chan string, 10)
+	for range 10 {
+		wg.Go(func() {
+			resp, body := get(t, client, url)
+			if resp.StatusCode != 200 {
+				t.Errorf("in flight across the drain: got %s", resp.Status)
+			}
+			answers <- body
+		})
+	}
+	waitfor.Value(t, 5*time.Second, "requests in flight on a", func() (any, bool) {
+		for _, b := range s.Snapshot().Backends {
+			if b.Addr == bs[0].Addr && b.InFlight > 0 {
+				return b.InFlight, true
+			}
+		}
+		return 0, false
+	})
+	s.SetBackends([]Backend{{Addr: bs[0].Addr, Weight: 1, Usable: false}, {Addr: bs[1].Addr, Weight: 1, Usable: true}})
+	hitsA := bs[0].Hits.Load()
+	for range 20 {
+		if _, body := get(t, client, url); body != "b" {
+			t.Fatalf("after the drain: answered by %s; want b", body)
+		}
+	}
+	wg.Wait()
+	close(answers)
+	var fromA int
+	for a := range answers {
+		if a == "a" {
+			fromA++
+		}
+	}
+	if fromA == 0 || bs[0].Hits.Load() != hitsA {
+		t.Errorf("a answered %d of the 10 in flight and %d new; want some in flight, none new", fromA, bs[0].Hits.Load()-hitsA)
+	}
+}
+
+// TestRetryGRPC: a gRPC call the config marks retryable, refused by one
+// backend (503), is answered by another, its request body sent again; a call
+// not marked gets the refusal.
+func TestRetryGRPC(t *testing.T) {
+	bs := httpbackend.StartN(t, 2)
+	bs[0].Status.Store(http.StatusServiceUnavailable)
+	for _, c := range []struct {
+		name  string
+		retry []string
+		want  string // "b", or the error
+	}{
+		{"marked", []string{"/grpc.testing.TestService/UnaryCall"}, "b"},
+		{"service marked", []string{"/grpc.testing.TestService/*"}, "b"},
+		{"not marked", []string{"/grpc.testing.TestService/EmptyCall"}, "Unavailable"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := serve(t, Config{Algorithm: "round_robin", Retries: 1, RetryBudget: 1, RetryGRPC: c.retry}, bs)
+			client := httpbackend.Client(t, s.Addr().String())
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			var unavailable int
+			for i := range 10 {
+				r, err := client.UnaryCall(ctx, &testpb.SimpleRequest{Payload: &testpb.Payload{Body: make([]byte, 1000)}})
+				switch {
+				case err != nil && status.Code(err) == codes.Unavailable && c.want == "Unavailable":
+					unavailable++
+				case err != nil:
+					t.Fatalf("call %d: %v", i, err)
+				case r.GetHostname() != "b" || len(r.GetPayload().GetBody()) != 1000:
+					t.Fatalf("call %d: answered by %s with %d bytes; want b with the 1000 sent", i, r.GetHostname(), len(r.GetPayload().GetBody()))
+				}
+			}
+			if c.want == "Unavailable" && unavailable != 5 {
+				t.Errorf("not retryable: %d of 10 calls Unavailable; want a's 5", unavailable)
+			}
+		})
+	}
 }

@@ -9,8 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 
 	"github.com/weir-lb/weir/internal/httpbackend"
@@ -45,12 +43,7 @@ func TestMultiplexSkew(t *testing.T) {
 		})
 		t.Run("grpc/"+c.name, func(t *testing.T) {
 			before := hits(bs)
-			cc, err := grpc.NewClient(fmt.Sprintf("127.0.0.1:%d", c.port), grpc.WithTransportCredentials(insecure.NewCredentials()))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer cc.Close()
-			client := testpb.NewTestServiceClient(cc)
+			client := httpbackend.Client(t, fmt.Sprintf("127.0.0.1:%d", c.port))
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			const calls, workers = 10000, 50
