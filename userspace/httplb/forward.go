@@ -107,10 +107,15 @@ type failure struct {
 func (s *Service) try(ctx context.Context, l *live, w http.ResponseWriter, r *http.Request, be *backend, lease *balance.Lease,
 	hdr http.Header, body *replayBody, retryable, more bool, start time.Time) (done bool, f failure) {
 	tryStart := time.Now()
-	tctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
+	tctx := ctx
 	var timer *time.Timer
 	if l.cfg.TryTimeout > 0 {
+		// A context of its own only when there is a try timeout: the
+		// cancellation it registers with the request's context costs a lock
+		// and an allocation per request.
+		var cancel context.CancelCauseFunc
+		tctx, cancel = context.WithCancelCause(ctx)
+		defer cancel(nil)
 		timer = time.AfterFunc(l.cfg.TryTimeout, func() { cancel(errTryTimeout) })
 	}
 	out := (&http.Request{

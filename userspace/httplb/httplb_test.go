@@ -343,3 +343,26 @@ func TestRetryGRPC(t *testing.T) {
 		})
 	}
 }
+
+// TestRetryBudget: the budget lets a share of the requests retry, and no more.
+func TestRetryBudget(t *testing.T) {
+	b := newRetryBudget(0.2)
+	b.balance.Store(0)
+	for range 100 {
+		b.deposit()
+	}
+	got := 0
+	for b.withdraw() {
+		got++
+	}
+	// 20 from the deposits, plus the floor's refill in the microseconds this took.
+	if got < 20 || got > 21 {
+		t.Errorf("100 requests at 0.2: %d retries allowed; want 20", got)
+	}
+	for range 1_000_000 {
+		b.deposit()
+	}
+	if v := b.balance.Load(); v > budgetCap+1000 {
+		t.Errorf("balance %d after a long run; want capped at %d", v, budgetCap)
+	}
+}

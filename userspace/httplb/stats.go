@@ -3,7 +3,6 @@ package httplb
 import (
 	"net"
 	"net/http"
-	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -46,43 +45,55 @@ func (b *backendStats) count(status int) {
 
 // retryBudget bounds retries to a share of requests, as Finagle's budget does:
 // every request deposits ratio, every retry withdraws one, and a floor of
-// minPerSecond lets a quiet service retry too. The balance is capped, so a
-// long quiet spell does not save up a burst.
+// budgetMinPerSecond lets a quiet service retry too. The balance is capped, so
+// a long quiet spell does not save up a burst. Tokens are counted in
+// thousandths in one atomic word, so the deposit every request makes takes no
+// lock.
 type retryBudget struct {
-	ratio float64
-
-	mu      sync.Mutex
-	balance float64
-	last    time.Time
+	ratio   int64 // thousandths of a token per request
+	balance atomic.Int64
+	last    atomic.Int64 // monotonic ns of the last floor refill
 }
 
 const (
-	budgetCap          = 100
+	budgetCap          = 100 * 1000
 	budgetMinPerSecond = 10
 )
 
 func newRetryBudget(ratio float64) *retryBudget {
-	return &retryBudget{ratio: ratio, balance: budgetMinPerSecond, last: time.Now()}
+	b := &retryBudget{ratio: int64(ratio * 1000)}
+	b.balance.Store(budgetMinPerSecond * 1000)
+	b.last.Store(nanotime())
+	return b
 }
 
+// epoch anchors nanotime to the monotonic clock.
+var epoch = time.Now()
+
+func nanotime() int64 { return int64(time.Since(epoch)) }
+
 func (b *retryBudget) deposit() {
-	if b.ratio == 0 {
-		return
+	if b.ratio == 0 || b.balance.Load() >= budgetCap {
+		return // over the cap by at most the deposits racing this one
 	}
-	b.mu.Lock()
-	b.balance = min(budgetCap, b.balance+b.ratio)
-	b.mu.Unlock()
+	b.balance.Add(b.ratio)
 }
 
 func (b *retryBudget) withdraw() bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	now := time.Now()
-	b.balance = min(budgetCap, b.balance+now.Sub(b.last).Seconds()*budgetMinPerSecond)
-	b.last = now
-	if b.balance < 1 {
-		return false
+	now := nanotime()
+	if last := b.last.Load(); now > last && b.last.CompareAndSwap(last, now) {
+		refill := (now - last) * budgetMinPerSecond * 1000 / int64(time.Second)
+		if v := b.balance.Add(refill); v > budgetCap {
+			b.balance.Add(budgetCap - v)
+		}
 	}
-	b.balance--
-	return true
+	for {
+		v := b.balance.Load()
+		if v < 1000 {
+			return false
+		}
+		if b.balance.CompareAndSwap(v, v-1000) {
+			return true
+		}
+	}
 }
