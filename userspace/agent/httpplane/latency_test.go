@@ -35,7 +35,7 @@ func TestLatencyAware(t *testing.T) {
 		fmt.Fprintf(&svc, "  - {name: %s, vip: 127.0.0.1:%d, data_plane: http, %s, health: {method: connect}, backends: %s}\n",
 			a.name, ports[a.name], a.yaml, backendList(bs))
 	}
-	startAgent(t, svc.String())
+	r := startAgent(t, svc.String())
 	type result struct {
 		slowAll, slowLate float64
 		p50, p99          time.Duration
@@ -56,6 +56,24 @@ func TestLatencyAware(t *testing.T) {
 		p50, p99 := percentiles(t, log)
 		results[a.name] = result{all[2], late[2], p50, p99}
 		t.Logf("%-22s slow backend's share %.3f overall, %.3f later; p50 %v, p99 %v", a.name, all[2], late[2], p50, p99)
+	}
+	// weir status shows the estimates the latency-aware algorithms pick by.
+	for _, name := range []string{"ewma", "least_time_header"} {
+		var est []time.Duration
+		for _, b := range r.service(t, name).Backends {
+			d, err := time.ParseDuration(b.Latency)
+			if err != nil {
+				t.Fatalf("%s: backend %s latency estimate %q: %v", name, b.Address, b.Latency, err)
+			}
+			est = append(est, d)
+		}
+		t.Logf("%s: latency estimates in status %v", name, est)
+		if est[2] < 10*time.Millisecond || est[0] >= est[2] || est[1] >= est[2] {
+			t.Errorf("%s: estimates %v; want the slow backend's above 10ms and above the others'", name, est)
+		}
+	}
+	if l := r.service(t, "round_robin").Backends[0].Latency; l != "" {
+		t.Errorf("round_robin: latency estimate %q; want none (it keeps none)", l)
 	}
 	rr := results["round_robin"]
 	if rr.slowAll < 0.3 {
