@@ -47,18 +47,23 @@ func backendList(bs []*httpbackend.Backend) string {
 }
 
 type running struct {
-	a      *agent.Agent
-	config string
-	done   chan error
+	a       *agent.Agent
+	config  string
+	metrics string
+	done    chan error
 }
 
 // startAgent writes services (YAML list items, indented two spaces) into a
-// config and runs the agent on it until cleanup.
-func startAgent(t *testing.T, services string) *running {
+// config and runs the agent on it until cleanup. metrics, if given, is the
+// metrics.listen address (default off).
+func startAgent(t *testing.T, services string, metrics ...string) *running {
 	t.Helper()
 	dir := t.TempDir()
-	r := &running{config: filepath.Join(dir, "weir.yaml"), done: make(chan error, 1)}
-	writeConfig(t, r.config, services)
+	r := &running{config: filepath.Join(dir, "weir.yaml"), done: make(chan error, 1), metrics: "off"}
+	if len(metrics) > 0 {
+		r.metrics = metrics[0]
+	}
+	r.writeConfig(t, services)
 	var logw io.Writer = io.Discard
 	if testing.Verbose() {
 		logw = os.Stderr
@@ -90,10 +95,11 @@ func startAgent(t *testing.T, services string) *running {
 	return r
 }
 
-func writeConfig(t *testing.T, path, services string) {
+// writeConfig (re)writes the agent's config file with services.
+func (r *running) writeConfig(t *testing.T, services string) {
 	t.Helper()
-	cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n%s", filepath.Join(filepath.Dir(path), "weir.sock"), services)
-	if err := os.WriteFile(path, []byte(cfg), 0o600); err != nil {
+	cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: %q}\nservices:\n%s", filepath.Join(filepath.Dir(r.config), "weir.sock"), r.metrics, services)
+	if err := os.WriteFile(r.config, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
 	}
 }

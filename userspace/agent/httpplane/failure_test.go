@@ -145,7 +145,7 @@ func TestReloadInPlace(t *testing.T) {
 	wait := startH2load(t, "-n", "20000", "-c", "4", "-m", "25", fmt.Sprintf("http://127.0.0.1:%d/", port))
 	waitfor.Value(t, 20*time.Second, "load under way", func() (any, bool) { n := bs[0].Hits.Load(); return n, n > 1000 })
 	for i, algo := range []string{"ewma", "least_conn", "p2c"} {
-		writeConfig(t, r.config, fmt.Sprintf(svc, port, algo, 3+i, backendList(bs)))
+		r.writeConfig(t, fmt.Sprintf(svc, port, algo, 3+i, backendList(bs)))
 		if err := r.a.Reload(context.Background()); err != nil {
 			t.Fatal(err)
 		}
@@ -207,7 +207,7 @@ func TestGOAWAYOnRebuild(t *testing.T) {
 		})
 	}
 	waitfor.Value(t, 10*time.Second, "load under way", func() (any, bool) { n := ok.Load(); return n, n > 200 })
-	writeConfig(t, r.config, fmt.Sprintf(svc, port, 11, backendList(bs)))
+	r.writeConfig(t, fmt.Sprintf(svc, port, 11, backendList(bs)))
 	if err := r.a.Reload(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -222,5 +222,29 @@ func TestGOAWAYOnRebuild(t *testing.T) {
 	wg.Wait()
 	if n := failed.Load(); n > 0 {
 		t.Errorf("%d requests failed across the rebuild (first: %v); want none (%d succeeded)", n, <-errs, ok.Load())
+	}
+}
+
+// TestMetrics: the http plane's requests are counted per backend and status
+// class, and timed, in the agent's Prometheus exposition.
+func TestMetrics(t *testing.T) {
+	bs := httpbackend.StartN(t, 2)
+	bs[1].Status.Store(http.StatusInternalServerError)
+	port, mport := freePort(t), freePort(t)
+	startAgent(t, fmt.Sprintf("  - {name: web, vip: 127.0.0.1:%d, data_plane: http, algorithm: round_robin, health: {method: connect}, passive: {consecutive: 0}, backends: %s}\n",
+		port, backendList(bs)), fmt.Sprintf("127.0.0.1:%d", mport))
+	for range 10 {
+		get(t, http.DefaultClient, fmt.Sprintf("http://127.0.0.1:%d/x", port)) // b's 500s are answered as they are: only 502, 503 and 504 are retried
+	}
+	_, body := get(t, http.DefaultClient, fmt.Sprintf("http://127.0.0.1:%d/metrics", mport))
+	for _, want := range []string{
+		fmt.Sprintf(`weir_http_requests_total{backend="%s",class="2xx",service="web"}`, bs[0].Addr),
+		fmt.Sprintf(`weir_http_requests_total{backend="%s",class="5xx",service="web"}`, bs[1].Addr),
+		fmt.Sprintf(`weir_http_request_duration_seconds_count{backend="%s",service="web"}`, bs[0].Addr),
+		`weir_service_connections_total{service="web"}`,
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("metrics lack %s", want)
+		}
 	}
 }
