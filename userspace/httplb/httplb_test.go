@@ -1,14 +1,17 @@
 package httplb
 
 import (
+	"bufio"
 	"context"
 	"crypto/tls"
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/netip"
 	"os"
+	"os/exec"
 	"strings"
 	"sync"
 	"testing"
@@ -17,6 +20,8 @@ import (
 	"google.golang.org/grpc/codes"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 	"google.golang.org/grpc/status"
+
+	"golang.org/x/net/http2"
 
 	"github.com/weir-lb/weir/internal/httpbackend"
 	"github.com/weir-lb/weir/internal/waitfor"
@@ -277,13 +282,11 @@ func TestDrain(t *testing.T) {
 			answers <- body
 		})
 	}
-	waitfor.Value(t, 5*time.Second, "requests in flight on a", func() (any, bool) {
-		for _, b := range s.Snapshot().Backends {
-			if b.Addr == bs[0].Addr && b.InFlight > 0 {
-				return b.InFlight, true
-			}
-		}
-		return 0, false
+	// Round robin sends a 5 of the 10; all of them there (a answers slowly)
+	// before the drain.
+	waitfor.Value(t, 5*time.Second, "5 requests at a", func() (any, bool) {
+		n := bs[0].Hits.Load()
+		return n, n == 5
 	})
 	s.SetBackends([]Backend{{Addr: bs[0].Addr, Weight: 1, Usable: false}, {Addr: bs[1].Addr, Weight: 1, Usable: true}})
 	hitsA := bs[0].Hits.Load()
@@ -364,5 +367,82 @@ func TestRetryBudget(t *testing.T) {
 	}
 	if v := b.balance.Load(); v > budgetCap+1000 {
 		t.Errorf("balance %d after a long run; want capped at %d", v, budgetCap)
+	}
+}
+
+// TestH2CUpgrade: an HTTP/1.1 client that asks to upgrade to h2c (curl
+// --http2 on an http:// URL does) gets HTTP/2, its first request answered on
+// stream 1; when the service shuts down the upgraded connection gets GOAWAY
+// like any other HTTP/2 connection.
+func TestH2CUpgrade(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	s, err := Listen(Config{Name: "up", Listen: netip.MustParseAddrPort("127.0.0.1:0")}, backendSet(bs))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	// Exits when cancel is called below.
+	go func() { done <- s.Serve(ctx) }()
+	defer func() {
+		cancel()
+		<-done
+	}()
+	t.Run("curl", func(t *testing.T) {
+		curl, err := exec.LookPath("curl")
+		if err != nil {
+			t.Fatalf("curl not found (make deps installs it): %v", err)
+		}
+		out, err := exec.Command(curl, "-sS", "--http2", "-o", "/dev/null", "-w", "%{http_version} %{http_code}", "http://"+s.Addr().String()+"/").CombinedOutput()
+		if err != nil || string(out) != "2 200" {
+			t.Errorf("curl --http2: got %q (%v); want HTTP/2 200 after the upgrade", out, err)
+		}
+	})
+	conn, err := net.Dial("tcp", s.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(5 * time.Second))
+	io.WriteString(conn, "GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: \r\n\r\n")
+	br := bufio.NewReader(conn)
+	line, _ := br.ReadString('\n')
+	if !strings.HasPrefix(line, "HTTP/1.1 101") {
+		t.Fatalf("upgrade answer %q; want 101 Switching Protocols", line)
+	}
+	for {
+		l, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l == "\r\n" {
+			break
+		}
+	}
+	io.WriteString(conn, http2.ClientPreface)
+	fr := http2.NewFramer(conn, br)
+	fr.WriteSettings()
+	var answered, goaway bool
+	for !goaway {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read: %v (answered %t); want stream 1's answer, then GOAWAY", err, answered)
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				fr.WriteSettingsAck()
+			}
+		case *http2.DataFrame:
+			if f.StreamID == 1 && string(f.Data()) == "a" {
+				answered = true
+				cancel() // shut down: the upgraded connection must get GOAWAY
+			}
+		case *http2.GoAwayFrame:
+			goaway = true
+		}
+	}
+	if !answered {
+		t.Errorf("GOAWAY before stream 1's answer")
 	}
 }
