@@ -271,3 +271,54 @@ services:
 		}
 	}
 }
+
+// TestResolveHTTP: an http service's section resolves with its defaults, what
+// the file says wins, and hash_by arrives split; no hash is set for its maglev.
+func TestResolveHTTP(t *testing.T) {
+	cfg, err := Parse([]byte(`services:
+- name: a
+  vip: 192.0.2.1:80
+  data_plane: http
+  backends: [{address: 192.0.2.10:80}]
+- name: b
+  vip: 192.0.2.1:81
+  data_plane: http
+  algorithm: maglev
+  http: {listen: 127.0.0.1:8081, hash_by: "cookie:sid", retries: 0, x_forwarded_for: false, forwarded: true, retry_grpc: ["*"], upstream: h2c, try_timeout: 1s}
+  backends: [{address: 192.0.2.10:80}]
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := cfg.Services[0].HTTP, cfg.Services[1].HTTP
+	for _, c := range []struct {
+		name      string
+		got, want any
+	}{
+		{"a.algorithm", cfg.Services[0].Algorithm, AlgorithmLeastConn},
+		{"a.listen", a.Listen, netip.MustParseAddrPort("192.0.2.1:80")},
+		{"a.upstream", a.Upstream, UpstreamAuto},
+		{"a.least_time", a.LeastTime, LeastTimeHeader},
+		{"a.hash_by", a.HashBy, HashBy{Kind: HashBySource}},
+		{"a.retries", a.Retries, DefaultHTTPRetries},
+		{"a.retry_budget", a.RetryBudget, DefaultRetryBudget},
+		{"a.x_forwarded_for", a.XForwardedFor, true},
+		{"a.x_forwarded_proto", a.XForwardedProto, true},
+		{"a.max_header_bytes", a.MaxHeaderBytes, DefaultMaxHeaderBytes},
+		{"a.read_header_timeout", a.ReadHeaderTimeout, DefaultHeaderTimeout},
+		{"a.connect_timeout", a.ConnectTimeout, DefaultConnectTimeout},
+		{"b.hash", cfg.Services[1].Hash, HashKey("")},
+		{"b.listen", b.Listen, netip.MustParseAddrPort("127.0.0.1:8081")},
+		{"b.hash_by", b.HashBy, HashBy{Kind: HashByCookie, Name: "sid"}},
+		{"b.retries", b.Retries, 0},
+		{"b.x_forwarded_for", b.XForwardedFor, false},
+		{"b.forwarded", b.Forwarded, true},
+		{"b.retry_grpc", fmt.Sprint(b.RetryGRPC), "[*]"},
+		{"b.upstream", b.Upstream, UpstreamH2C},
+		{"b.try_timeout", b.TryTimeout, time.Second},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s: got %v; want %v", c.name, c.got, c.want)
+		}
+	}
+}

@@ -248,3 +248,33 @@ func TestMetrics(t *testing.T) {
 		}
 	}
 }
+
+// TestDrainThroughAgent: weir drain takes a backend out of the http plane's
+// choice while h2load runs: it finishes what it has and gets nothing new;
+// undrained, it takes its share again.
+func TestDrainThroughAgent(t *testing.T) {
+	bs := httpbackend.StartN(t, 3)
+	port := freePort(t)
+	r := startAgent(t, fmt.Sprintf("  - {name: web, vip: 127.0.0.1:%d, data_plane: http, algorithm: round_robin, health: {method: connect}, backends: %s}\n",
+		port, backendList(bs)))
+	url := fmt.Sprintf("http://127.0.0.1:%d/", port)
+	ctx := context.Background()
+	if err := r.a.SetDrain(ctx, "web", bs[2].Addr.String(), true); err != nil {
+		t.Fatal(err)
+	}
+	before := hits(bs)
+	if res := h2load(t, "-n", "3000", "-c", "1", "-m", "30", url); res.succeeded != 3000 {
+		t.Fatalf("h2load: %d of 3000 succeeded\n%s", res.succeeded, res.out)
+	}
+	if sh, _ := shares(bs, before); sh[2] != 0 {
+		t.Errorf("drained backend: share %.3f; want 0", sh[2])
+	}
+	if err := r.a.SetDrain(ctx, "web", bs[2].Addr.String(), false); err != nil {
+		t.Fatal(err)
+	}
+	before = hits(bs)
+	h2load(t, "-n", "3000", "-c", "1", "-m", "30", url)
+	if sh, _ := shares(bs, before); sh[2] < 0.3 {
+		t.Errorf("undrained backend: share %.3f; want a third", sh[2])
+	}
+}
