@@ -29,6 +29,12 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	l := s.live.Load()
 	s.stats.inflight.Add(1)
 	defer s.stats.inflight.Add(-1)
+	if r.Method == http.MethodConnect {
+		// A reverse proxy answers requests; it does not open tunnels.
+		s.stats.requests.Add(1)
+		plainError(w, r, http.StatusMethodNotAllowed, fmt.Sprintf("service %q: CONNECT is not proxied", s.cfg.Name))
+		return
+	}
 	l.budget.deposit()
 	ctx := r.Context()
 	if l.cfg.Timeout > 0 {
