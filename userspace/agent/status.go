@@ -150,6 +150,8 @@ func (a *Agent) Explain(_ context.Context, service, client string) (api.Explanat
 	switch {
 	case s == nil:
 		return api.Explanation{}, fmt.Errorf("service %q: %w (see weir status)", service, ErrNotFound)
+	case s.Plane == plan.HTTP:
+		return api.Explanation{}, fmt.Errorf("service %q is served by the http plane, which picks a backend for every request as it comes: nothing to explain", service)
 	case s.Plane != plan.XDP:
 		return api.Explanation{}, fmt.Errorf("service %q is served by the %s, which picks a backend per connection as it comes: nothing to explain", service, s.Plane)
 	case ap.Addr().Is4() != s.Config.VIP.Addr().Is4():
