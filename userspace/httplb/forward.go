@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/netip"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -50,14 +51,6 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		body = &replayBody{src: r.Body, keep: retryable && l.cfg.Retries > 0}
 	}
 	var tried []string
-	skip := func(id string) bool {
-		for _, t := range tried {
-			if t == id {
-				return true
-			}
-		}
-		return false
-	}
 	var fail failure
 	for try := 0; ; try++ {
 		if try > 0 && (try > l.cfg.Retries || !fail.retry || !body.replayable(fail.dial) || !l.budget.withdraw()) {
@@ -68,7 +61,7 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if try == 0 {
 			lease, err = l.bal.Pick(key, nil)
 		} else {
-			lease, err = l.bal.Pick(key, skip)
+			lease, err = l.bal.Pick(key, func(id string) bool { return slices.Contains(tried, id) })
 		}
 		if err != nil {
 			if try == 0 {

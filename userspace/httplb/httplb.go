@@ -21,6 +21,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"net/netip"
@@ -145,7 +146,8 @@ type Service struct {
 	stats    stats
 
 	mu       sync.Mutex
-	backends map[string]*backend // by address; removed ones until idle
+	backends map[string]*backend                 // by address; removed ones until idle
+	byID     atomic.Pointer[map[string]*backend] // backends as last published, read by requests
 }
 
 // live is what a request reads once at its start: the settings that may change
@@ -412,13 +414,15 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 			}
 		}
 	}
+	byID := maps.Clone(s.backends)
+	s.byID.Store(&byID)
 	return nil
 }
 
+// backend returns the backend a pick named, from the copy the last SetBackends
+// published: requests look it up without a lock.
 func (s *Service) backend(id string) *backend {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.backends[id]
+	return (*s.byID.Load())[id]
 }
 
 func (s *Service) closeBackends() {
