@@ -446,3 +446,48 @@ func TestH2CUpgrade(t *testing.T) {
 		t.Errorf("GOAWAY before stream 1's answer")
 	}
 }
+
+// TestAccessLog: with AccessLog each request is one slog line naming the
+// backend, the status and the durations.
+func TestAccessLog(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	var buf syncBuffer
+	s, err := Listen(Config{Name: "log", Listen: netip.MustParseAddrPort("127.0.0.1:0"), AccessLog: true,
+		Logger: slog.New(slog.NewTextHandler(&buf, nil))}, backendSet(bs))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	// Exits when cancel is called below.
+	go func() { done <- s.Serve(ctx) }()
+	c := h1Client()
+	get(t, c, "http://"+s.Addr().String()+"/path?q=1")
+	c.CloseIdleConnections()
+	cancel()
+	<-done
+	line := buf.String()
+	for _, want := range []string{"msg=request", "method=GET", "path=/path", "proto=HTTP/1.1", "backend=" + bs[0].Addr.String(), "status=200", "headers=", "duration="} {
+		if !strings.Contains(line, want) {
+			t.Errorf("access log %q lacks %q", line, want)
+		}
+	}
+}
+
+// syncBuffer is a strings.Builder safe for the server's goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
