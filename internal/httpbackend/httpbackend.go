@@ -122,9 +122,10 @@ func (b *Backend) handler(gs *grpc.Server) http.Handler {
 			return
 		}
 		b.Hits.Add(1)
-		io.Copy(io.Discard, r.Body)
+		got, _ := io.Copy(io.Discard, r.Body)
 		b.wait()
 		w.Header().Set("X-Backend", b.Name)
+		w.Header().Set("X-Seen-Body-Bytes", strconv.FormatInt(got, 10))
 		// Only what came: nghttp2 refuses empty or space-led header values.
 		for k, v := range map[string]string{"X-Seen-Forwarded-For": r.Header.Get("X-Forwarded-For"),
 			"X-Seen-Forwarded": r.Header.Get("Forwarded"), "X-Seen-Forwarded-Proto": r.Header.Get("X-Forwarded-Proto")} {
