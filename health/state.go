@@ -66,6 +66,9 @@ const (
 	Reset
 	// Timeout: the connect or the first response took too long.
 	Timeout
+	// ServerError: the backend answered a request with a 5xx status (the http
+	// data plane).
+	ServerError
 )
 
 func (o Outcome) String() string {
@@ -78,6 +81,8 @@ func (o Outcome) String() string {
 		return "reset"
 	case Timeout:
 		return "timeout"
+	case ServerError:
+		return "5xx"
 	}
 	return fmt.Sprintf("Outcome(%d)", uint8(o))
 }

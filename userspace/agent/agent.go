@@ -59,6 +59,7 @@ import (
 	"github.com/weir-lb/weir/userspace/agent/admin"
 	"github.com/weir-lb/weir/userspace/agent/api"
 	"github.com/weir-lb/weir/userspace/agent/bgp"
+	"github.com/weir-lb/weir/userspace/agent/httpplane"
 	"github.com/weir-lb/weir/userspace/agent/metrics"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/agent/proxyplane"
@@ -112,6 +113,7 @@ type Agent struct {
 	// Set by Run before the loop starts; read-only after.
 	xdp    *xdpplane.Plane
 	proxy  *proxyplane.Plane
+	http   *httpplane.Plane
 	planes map[plan.Plane]Plane
 	bgp    *bgp.Speaker // nil without a bgp section
 
@@ -166,13 +168,15 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 		a.log.Warn("xdp unavailable: services are served by the proxy where they can be", "reason", x.Reason())
 	}
 	a.xdp, a.proxy = x, proxyplane.New(a.checker, a.log)
-	a.planes = map[plan.Plane]Plane{plan.XDP: x, plan.Proxy: a.proxy}
+	a.http = httpplane.New(a.checker, a.log, a.metrics.ObserveRequest)
+	a.planes = map[plan.Plane]Plane{plan.XDP: x, plan.Proxy: a.proxy, plan.HTTP: a.http}
 
 	st := newState(cfg)
 	st.flowIdle = x.FlowIdle()
 	if err := a.start(st); err != nil {
 		ls.close()
 		a.proxy.Close()
+		a.http.Close()
 		// A pinned program adopted from the last run keeps serving as it was (the
 		// rollback re-applied the empty state to what this run wrote); one this run
 		// made is removed.
@@ -228,6 +232,7 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 	wg.Wait()
 	a.snap.Store(nil)
 	a.proxy.Close()
+	a.http.Close()
 	detach := cfg.XDP.DetachOnStop || a.detachOnStop.Load()
 	if err := x.Stop(detach); err != nil {
 		return fmt.Errorf("run: stop: %w", err)

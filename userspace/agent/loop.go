@@ -359,6 +359,9 @@ func (a *Agent) decide(s *config.Service) (plan.Placement, error) {
 	if s.DataPlane == config.DataPlaneProxy {
 		return plan.Placement{Plane: plan.Proxy, Why: "data_plane: proxy"}, nil
 	}
+	if s.DataPlane == config.DataPlaneHTTP {
+		return plan.Placement{Plane: plan.HTTP, Why: "data_plane: http"}, nil
+	}
 	xerr := a.xdp.CanServe(s)
 	switch {
 	case xerr == nil:

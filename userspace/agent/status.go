@@ -13,6 +13,7 @@ import (
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/agent/xdpplane"
 	"github.com/weir-lb/weir/userspace/config"
+	"github.com/weir-lb/weir/userspace/httplb"
 	"github.com/weir-lb/weir/userspace/proxy"
 )
 
@@ -83,6 +84,16 @@ func (a *Agent) Status() (api.Status, error) {
 				}
 			}
 		}
+		var httpSnap map[netip.AddrPort]httplb.BackendSnapshot
+		if s.Plane == plan.HTTP {
+			if snap, ok := a.http.Snapshot(s.Name()); ok {
+				ss.Connections, ss.Accepted, ss.InFlight, ss.Requests = snap.Connections, snap.Accepted, snap.InFlight, snap.Requests
+				httpSnap = make(map[netip.AddrPort]httplb.BackendSnapshot, len(snap.Backends))
+				for _, b := range snap.Backends {
+					httpSnap[b.Addr] = b
+				}
+			}
+		}
 		for _, b := range s.Backends {
 			bs := api.BackendStatus{Address: b.Config.Addr.String(), Health: b.Health.String(), Usable: b.Usable, Reason: b.Reason(),
 				Weight: b.Weight, ConfigWeight: b.Config.Weight, Drained: b.Drained, Override: b.Override,
@@ -106,6 +117,9 @@ func (a *Agent) Status() (api.Status, error) {
 				bs.Connections, bs.Connects = ps.Active, ps.Connects
 				bs.Bytes = ps.BytesIn + ps.BytesOut
 			}
+			if hb, ok := httpSnap[b.Config.Addr]; ok {
+				httpBackendStatus(&bs, hb)
+			}
 			if hs, ok := a.checker.Status(b.ID); ok && !hs.Last.Start.IsZero() {
 				bs.LastCheck = "ok"
 				if hs.Last.Err != nil {
@@ -118,6 +132,23 @@ func (a *Agent) Status() (api.Status, error) {
 		st.Services = append(st.Services, ss)
 	}
 	return st, nil
+}
+
+func httpBackendStatus(bs *api.BackendStatus, hb httplb.BackendSnapshot) {
+	bs.InFlight, bs.Requests, bs.Retries = hb.InFlight, hb.Requests, hb.Retries
+	bs.Classes = map[string]uint64{}
+	for i, n := range hb.Classes {
+		name := "none"
+		if i > 0 {
+			name = fmt.Sprintf("%dxx", i)
+		}
+		if n > 0 {
+			bs.Classes[name] = n
+		}
+	}
+	if hb.HasLatency {
+		bs.Latency = hb.Latency.Round(10 * time.Microsecond).String()
+	}
 }
 
 // Explain answers "where does this client go" for an XDP service: the backend a new
@@ -137,6 +168,8 @@ func (a *Agent) Explain(_ context.Context, service, client string) (api.Explanat
 	switch {
 	case s == nil:
 		return api.Explanation{}, fmt.Errorf("service %q: %w (see weir status)", service, ErrNotFound)
+	case s.Plane == plan.HTTP:
+		return api.Explanation{}, fmt.Errorf("service %q is served by the http plane, which picks a backend for every request as it comes: nothing to explain", service)
 	case s.Plane != plan.XDP:
 		return api.Explanation{}, fmt.Errorf("service %q is served by the %s, which picks a backend per connection as it comes: nothing to explain", service, s.Plane)
 	case ap.Addr().Is4() != s.Config.VIP.Addr().Is4():

@@ -79,6 +79,10 @@ type Balancer interface {
 	SetBackends(backends []Backend)
 	// InFlight returns the in-flight count for metrics (0 if unknown ID).
 	InFlight(id string) int
+	// Estimate returns the latency estimate a latency-aware algorithm (ewma,
+	// least_time) would use for the backend now; false for other algorithms, an
+	// unknown ID or a backend with no sample yet.
+	Estimate(id string) (time.Duration, bool)
 }
 
 // Algorithm names, as the configuration spells them.
@@ -90,13 +94,14 @@ const (
 	Weighted          = "weighted"
 	P2C               = "p2c"
 	EWMA              = "ewma"
+	LeastTime         = "least_time"
 	SourceHash        = "source_hash"
 	Maglev            = "maglev"
 )
 
 // Algorithms lists the names New accepts.
 func Algorithms() []string {
-	return []string{RoundRobin, Random, LeastConn, WeightedLeastConn, Weighted, P2C, EWMA, SourceHash, Maglev}
+	return []string{RoundRobin, Random, LeastConn, WeightedLeastConn, Weighted, P2C, EWMA, LeastTime, SourceHash, Maglev}
 }
 
 // New builds a balancer. algorithm is one of Algorithms(). seed makes random choices and
@@ -138,6 +143,10 @@ func newBalancer(algorithm string, backends []Backend, seed uint64, now func() i
 		b = &p2c{core: c}
 	case EWMA:
 		c.ewma = newEWMAShared(now)
+		b = &peakEWMA{core: c}
+	case LeastTime:
+		c.ewma = newEWMAShared(now)
+		c.average = true
 		b = &peakEWMA{core: c}
 	case SourceHash, Maglev:
 		c.maglev = true
@@ -260,8 +269,11 @@ type core struct {
 	// round robin under slow start would advance by two and visit every other backend.
 	rctr atomic.Uint64
 
-	ewma   *ewmaShared // ewma only
-	maglev bool        // build a lookup table with each snapshot
+	ewma *ewmaShared // ewma and least_time only
+	// average: least_time's plain decaying average, where ewma takes a slower
+	// sample at once (peak).
+	average bool
+	maglev  bool // build a lookup table with each snapshot
 
 	mu sync.Mutex // serialises SetBackends and guards known
 	// known holds every current backend and removed ones still in flight, so a backend
@@ -286,7 +298,7 @@ func (c *core) set(backends []Backend, initial bool) {
 		if b == nil {
 			b = &backend{id: cfg.ID}
 			if c.ewma != nil {
-				b.ewma = &ewmaState{shared: c.ewma}
+				b.ewma = &ewmaState{shared: c.ewma, average: c.average}
 			}
 			c.known[cfg.ID] = b
 		}
@@ -349,6 +361,21 @@ func (c *core) InFlight(id string) int {
 		return 0
 	}
 	return int(b.inflight.Load())
+}
+
+// Estimate returns the backend's latency estimate as Pick would read it now.
+func (c *core) Estimate(id string) (time.Duration, bool) {
+	if c.ewma == nil {
+		return 0, false
+	}
+	c.mu.Lock()
+	b := c.known[id]
+	c.mu.Unlock()
+	if b == nil {
+		return 0, false
+	}
+	est, seen := b.ewma.read(c.now(), c.ewma.neutral())
+	return time.Duration(est), seen
 }
 
 // rand returns a source for one Pick. Seeded balancers draw from a counter-based stream

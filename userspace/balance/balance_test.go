@@ -499,3 +499,46 @@ func TestMaglevPick(t *testing.T) {
 		t.Errorf("%d of %d keys of staying backends moved; want <= 2%%", others, len(before))
 	}
 }
+
+// TestLeastTime: least_time averages its samples (no peak), so one slow answer
+// does not exclude a backend, but a steadily slower one loses most of its share,
+// and Estimate reports the averages Pick uses.
+func TestLeastTime(t *testing.T) {
+	c := &clock{}
+	b := mustNewClock(t, LeastTime, abc(1, 1, 1), 7, c)
+	latency := map[string]time.Duration{"A": time.Millisecond, "B": time.Millisecond, "C": 20 * time.Millisecond}
+	got := map[string]int{}
+	for i := range 600 {
+		l, err := b.Pick(0, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i >= 300 {
+			got[l.Backend()]++
+		}
+		c.advance(time.Millisecond)
+		l.Release(Result{Latency: latency[l.Backend()]})
+	}
+	if got["C"] > 30 {
+		t.Errorf("C 20x slower: got %d of the last 300 picks; want <= 30", got["C"])
+	}
+	if got["A"] < 100 || got["B"] < 100 {
+		t.Errorf("A and B equally fast: got %v; want >= 100 each", got)
+	}
+	for id, want := range map[string][2]time.Duration{"A": {500 * time.Microsecond, 3 * time.Millisecond}, "C": {5 * time.Millisecond, 21 * time.Millisecond}} {
+		est, ok := b.Estimate(id)
+		if !ok || est < want[0] || est > want[1] {
+			t.Errorf("Estimate(%s): got %v, %v; want %v..%v, true", id, est, ok, want[0], want[1])
+		}
+	}
+	// One slow answer from A moves its average a little, not to the sample.
+	l, _ := b.Pick(0, func(id string) bool { return id != "A" })
+	l.Release(Result{Latency: 100 * time.Millisecond})
+	if est, _ := b.Estimate("A"); est > 10*time.Millisecond {
+		t.Errorf("A after one 100ms answer: estimate %v; want an average well below the sample", est)
+	}
+	rr := mustNew(t, RoundRobin, abc(1, 1), 0)
+	if _, ok := rr.Estimate("A"); ok {
+		t.Errorf("round_robin Estimate: got ok; want false (it keeps no latency)")
+	}
+}

@@ -13,6 +13,11 @@ import (
 // many samples don't wash out a slow one's few.
 const ewmaDecay = 10 * time.Second
 
+// averageStep is the least weight a least_time sample carries, as if this much
+// time had passed since the last: 1-exp(-0.1s/10s), about 1 %, so a hundred
+// samples move the average most of the way.
+const averageStep = 100 * time.Millisecond
+
 // failPenaltyFactor: a failed connect counts as a sample this many times the
 // balancer-wide average latency, so a backend that refuses connections quickly doesn't
 // look fast (the black-hole effect of least-loaded algorithms).
@@ -57,7 +62,8 @@ func decayToward(old, target float64, elapsed int64) float64 {
 
 // ewmaState is one backend's peak-EWMA latency estimate.
 type ewmaState struct {
-	shared *ewmaShared
+	shared  *ewmaShared
+	average bool // least_time: no peak, every sample decays in
 
 	mu    sync.Mutex
 	est   float64 // ns
@@ -69,12 +75,18 @@ type ewmaState struct {
 // toward the balancer-wide average by the time since its last observation, so a backend
 // nobody has tried for a while (because it was slow once) gets tried again.
 func (s *ewmaState) estimate(now int64, neutral float64) float64 {
+	est, _ := s.read(now, neutral)
+	return est
+}
+
+// read is estimate, and whether the backend has had a sample of its own.
+func (s *ewmaState) read(now int64, neutral float64) (float64, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.seen {
-		return neutral
+		return neutral, false
 	}
-	return decayToward(s.est, neutral, now-s.stamp)
+	return decayToward(s.est, neutral, now-s.stamp), true
 }
 
 func (s *ewmaState) observe(r Result) {
@@ -88,10 +100,17 @@ func (s *ewmaState) observe(r Result) {
 	now := s.shared.now()
 	s.mu.Lock()
 	switch {
-	case !s.seen || sample > s.est:
+	case !s.seen:
+		s.est = sample
+	case !s.average && sample > s.est:
 		// Peak: a slower sample replaces the estimate at once, so load moves off a
 		// slowing backend on its first slow answer rather than after many.
 		s.est = sample
+	case s.average:
+		// Decay by time as ewma does, but with a floor per sample: a busy
+		// backend's samples come microseconds apart, and by time alone each
+		// would barely move the average.
+		s.est = decayToward(s.est, sample, max(now-s.stamp, int64(averageStep)))
 	default:
 		s.est = decayToward(s.est, sample, now-s.stamp)
 	}

@@ -61,6 +61,12 @@ const (
 	DefaultIdleTimeout         = 10 * time.Minute
 	DefaultRetries             = 1
 	DefaultWeight              = 1
+	DefaultHTTPUpstream        = UpstreamAuto
+	DefaultHTTPRetries         = 2
+	DefaultRetryBudget         = 0.2
+	DefaultHTTPIdle            = 5 * time.Minute
+	DefaultHeaderTimeout       = 10 * time.Second
+	DefaultMaxHeaderBytes      = 64 << 10
 	MaxWeight                  = 65535
 )
 
@@ -83,6 +89,9 @@ const (
 	DataPlaneAuto  DataPlane = "auto"
 	DataPlaneXDP   DataPlane = "xdp"
 	DataPlaneProxy DataPlane = "proxy"
+	// DataPlaneHTTP: the http data plane, which terminates HTTP/1.1, HTTP/2 and
+	// gRPC and balances every request, not every connection.
+	DataPlaneHTTP DataPlane = "http"
 )
 
 // Mode is an XDP forwarding mode.
@@ -131,6 +140,7 @@ const (
 	AlgorithmWeighted          Algorithm = "weighted"
 	AlgorithmP2C               Algorithm = "p2c"
 	AlgorithmEWMA              Algorithm = "ewma"
+	AlgorithmLeastTime         Algorithm = "least_time"
 	AlgorithmSourceHash        Algorithm = "source_hash"
 	AlgorithmMaglev            Algorithm = "maglev"
 )
@@ -138,7 +148,7 @@ const (
 // Algorithms lists every algorithm a service may name.
 func Algorithms() []Algorithm {
 	return []Algorithm{AlgorithmRoundRobin, AlgorithmRandom, AlgorithmLeastConn, AlgorithmWeightedLeastConn,
-		AlgorithmWeighted, AlgorithmP2C, AlgorithmEWMA, AlgorithmSourceHash, AlgorithmMaglev}
+		AlgorithmWeighted, AlgorithmP2C, AlgorithmEWMA, AlgorithmLeastTime, AlgorithmSourceHash, AlgorithmMaglev}
 }
 
 // XDP reports whether the XDP data plane can serve the algorithm: only the
@@ -365,7 +375,9 @@ type Service struct {
 	PanicThreshold int
 	Proxy          Proxy
 	// BGP is how the VIP is announced when the node runs a BGP speaker.
-	BGP      Announce
+	BGP Announce
+	// HTTP holds the http data plane's settings (data_plane: http only).
+	HTTP     HTTP
 	Backends []Backend
 }
 
@@ -414,6 +426,76 @@ type Proxy struct {
 	MaxConns           int // 0: no limit
 	MaxConnsPerBackend int // 0: no limit
 	ProxyProtocol      int // 0 off, 1 or 2
+}
+
+// Upstream is the protocol the http data plane speaks to backends.
+type Upstream string
+
+// Upstream protocols.
+const (
+	// UpstreamAuto: HTTP/2 (cleartext) for requests that came over HTTP/2, HTTP/1.1
+	// for those that came over HTTP/1.1.
+	UpstreamAuto  Upstream = "auto"
+	UpstreamHTTP1 Upstream = "http1"
+	UpstreamH2C   Upstream = "h2c"
+)
+
+// LeastTime is what algorithm least_time measures.
+type LeastTime string
+
+// Least-time measures, as NGINX Plus names them.
+const (
+	LeastTimeHeader   LeastTime = "header"    // until the response headers
+	LeastTimeLastByte LeastTime = "last_byte" // until the response's last byte
+)
+
+// HashBy is what the http data plane's maglev and source_hash hash.
+type HashBy struct {
+	Kind HashByKind
+	Name string // the header or cookie name
+}
+
+// HashByKind is the kind of an HTTP hash key.
+type HashByKind string
+
+// HTTP hash keys.
+const (
+	HashBySource HashByKind = "source" // the client's address
+	HashByHeader HashByKind = "header"
+	HashByCookie HashByKind = "cookie"
+)
+
+// HTTP holds the settings of the http data plane. Zero timeouts are off.
+type HTTP struct {
+	// Listen is the address the http plane binds: the VIP unless the file names
+	// another.
+	Listen netip.AddrPort
+	// TLSCert and TLSKey are PEM files; with them clients speak TLS and HTTP/2 by
+	// ALPN. Empty: cleartext, HTTP/1.1 and HTTP/2 (prior knowledge and h2c upgrade).
+	TLSCert, TLSKey string
+	Upstream        Upstream
+	// LeastTime is algorithm least_time's measure; ewma measures until headers.
+	LeastTime LeastTime
+	// HashBy is the key of maglev and source_hash.
+	HashBy            HashBy
+	ConnectTimeout    time.Duration
+	TryTimeout        time.Duration // one try at one backend, until its response headers
+	Timeout           time.Duration // the whole request, every try
+	IdleTimeout       time.Duration // a client connection with no request
+	ReadHeaderTimeout time.Duration // a request's headers, against slow clients
+	MaxHeaderBytes    int
+	// Retries is how many other backends a request may be tried on.
+	Retries int
+	// RetryBudget is the share of requests that may be retries (over the last
+	// seconds), so retries cannot multiply an overload.
+	RetryBudget float64
+	// RetryGRPC lists gRPC methods safe to retry: "/pkg.Service/Method",
+	// "/pkg.Service/*" or "*".
+	RetryGRPC       []string
+	XForwardedFor   bool
+	Forwarded       bool
+	XForwardedProto bool
+	AccessLog       bool
 }
 
 // Backend is one real server.

@@ -141,7 +141,7 @@ func TestErrors(t *testing.T) {
 		{"nat family", "interfaces: [{name: eth0}]\n" + svc + "  backends: [{address: '[fd00::1]:80'}]\n", "services[0].backends[0].address: nat mode keeps the VIP's family (IPv4)"},
 		{"dsr any family", "interfaces: [{name: eth0}]\n" + svc + "  mode: dsr\n  backends: [{address: '[fd00::1]:80'}]\n", ""},
 		{"proxy any family", svc + "  data_plane: proxy\n  backends: [{address: '[fd00::1]:80'}]\n", ""},
-		{"unknown algorithm", svc + "  algorithm: fastest\n" + be, `services[0].algorithm: must be round_robin, random, least_conn, weighted_least_conn, weighted, p2c, ewma, source_hash or maglev, got "fastest"`},
+		{"unknown algorithm", svc + "  algorithm: fastest\n" + be, `services[0].algorithm: must be round_robin, random, least_conn, weighted_least_conn, weighted, p2c, ewma, least_time, source_hash or maglev, got "fastest"`},
 		{"proxy algorithm on xdp", "interfaces: [{name: eth0}]\n" + svc + "  data_plane: xdp\n  algorithm: ewma\n" + be, "services[0].algorithm: ewma needs the proxy data plane"},
 		{"proxy algorithm on auto", svc + "  algorithm: ewma\n" + be, ""},
 		{"xdp without interfaces", svc + "  data_plane: xdp\n" + be, "services[0].data_plane: xdp needs at least one entry in interfaces"},
@@ -178,6 +178,22 @@ func TestErrors(t *testing.T) {
 		{"new-flow rate off", "xdp: {new_flow_rate: 0}\nservices: []\n", ""},
 		{"previous table window", "xdp: {previous_table_window: -1s}\nservices: []\n", "xdp.previous_table_window: must be 0 (no fallback) ..24h, got -1s"},
 		{"previous table window type", "xdp:\n  previous_table_window: 10\nservices: []\n", "line 2: xdp.previous_table_window: must be a duration"},
+		{"http plane", svc + "  data_plane: http\n" + be, ""},
+		{"http section on proxy", svc + "  data_plane: proxy\n  http: {retries: 1}\n" + be, "line 5: services[0].http: only data_plane http uses it, and data_plane is proxy"},
+		{"http udp", svc + "  protocol: udp\n  data_plane: http\n" + be, "the http data plane serves tcp only"},
+		{"http hash", svc + "  data_plane: http\n  algorithm: maglev\n  hash: source\n" + be, "services[0].hash: the http data plane hashes by http.hash_by"},
+		{"http hash_by", svc + "  data_plane: http\n  algorithm: maglev\n  http: {hash_by: 'header:X-User'}\n" + be, ""},
+		{"http hash_by kind", svc + "  data_plane: http\n  algorithm: maglev\n  http:\n    hash_by: path\n" + be, `line 7: services[0].http.hash_by: must be source, header or cookie, got "path"`},
+		{"http hash_by name", svc + "  data_plane: http\n  algorithm: maglev\n  http: {hash_by: 'cookie:'}\n" + be, `services[0].http.hash_by: write cookie:NAME with a cookie name, got "cookie:"`},
+		{"http hash_by algorithm", svc + "  data_plane: http\n  http: {hash_by: 'header:X'}\n" + be, "services[0].http.hash_by: only maglev and source_hash hash, and algorithm is least_conn"},
+		{"http least_time", svc + "  data_plane: http\n  algorithm: least_time\n  http: {least_time: last_byte}\n" + be, ""},
+		{"http least_time algorithm", svc + "  data_plane: http\n  http: {least_time: last_byte}\n" + be, "services[0].http.least_time: only algorithm least_time uses it"},
+		{"http tls half", svc + "  data_plane: http\n  http: {tls: {cert: /c.pem}}\n" + be, "services[0].http.tls: name both cert and key"},
+		{"http upstream", svc + "  data_plane: http\n  http: {upstream: h3}\n" + be, `services[0].http.upstream: must be auto, http1 or h2c, got "h3"`},
+		{"http retries", svc + "  data_plane: http\n  http: {retries: 11, retry_budget: 2}\n" + be, "services[0].http.retries: must be 0..10, got 11"},
+		{"http retry_grpc", svc + "  data_plane: http\n  http: {retry_grpc: ['Svc.Method']}\n" + be, `services[0].http.retry_grpc[0]: must be /package.Service/Method`},
+		{"http header bytes", svc + "  data_plane: http\n  http: {max_header_bytes: 10}\n" + be, "services[0].http.max_header_bytes: must be 1024..16777216, got 10"},
+		{"http listen twice", "services:\n- {name: a, vip: 10.0.0.1:80, data_plane: http, http: {listen: 127.0.0.1:8080}, backends: [{address: 10.0.0.11:80}]}\n- {name: b, vip: 10.0.0.2:80, data_plane: http, http: {listen: 127.0.0.1:8080}, backends: [{address: 10.0.0.11:80}]}\n", "services[1].http.listen: 127.0.0.1:8080 is already the listen address of services[0]"},
 		{"duplicate key", "services: []\nservices: []\n", `line 2: services: mapping key "services" already defined at line 1`},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -252,6 +268,57 @@ services:
 		{"backends[0].initial", s.Backends[0].Initial, InitialUnknown},
 		{"backends[0].check_address", s.Backends[0].CheckAddr.Port(), uint16(81)},
 		{"backends[1].initial", s.Backends[1].Initial, InitialDown},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s: got %v; want %v", c.name, c.got, c.want)
+		}
+	}
+}
+
+// TestResolveHTTP: an http service's section resolves with its defaults, what
+// the file says wins, and hash_by arrives split; no hash is set for its maglev.
+func TestResolveHTTP(t *testing.T) {
+	cfg, err := Parse([]byte(`services:
+- name: a
+  vip: 192.0.2.1:80
+  data_plane: http
+  backends: [{address: 192.0.2.10:80}]
+- name: b
+  vip: 192.0.2.1:81
+  data_plane: http
+  algorithm: maglev
+  http: {listen: 127.0.0.1:8081, hash_by: "cookie:sid", retries: 0, x_forwarded_for: false, forwarded: true, retry_grpc: ["*"], upstream: h2c, try_timeout: 1s}
+  backends: [{address: 192.0.2.10:80}]
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := cfg.Services[0].HTTP, cfg.Services[1].HTTP
+	for _, c := range []struct {
+		name      string
+		got, want any
+	}{
+		{"a.algorithm", cfg.Services[0].Algorithm, AlgorithmLeastConn},
+		{"a.listen", a.Listen, netip.MustParseAddrPort("192.0.2.1:80")},
+		{"a.upstream", a.Upstream, UpstreamAuto},
+		{"a.least_time", a.LeastTime, LeastTimeHeader},
+		{"a.hash_by", a.HashBy, HashBy{Kind: HashBySource}},
+		{"a.retries", a.Retries, DefaultHTTPRetries},
+		{"a.retry_budget", a.RetryBudget, DefaultRetryBudget},
+		{"a.x_forwarded_for", a.XForwardedFor, true},
+		{"a.x_forwarded_proto", a.XForwardedProto, true},
+		{"a.max_header_bytes", a.MaxHeaderBytes, DefaultMaxHeaderBytes},
+		{"a.read_header_timeout", a.ReadHeaderTimeout, DefaultHeaderTimeout},
+		{"a.connect_timeout", a.ConnectTimeout, DefaultConnectTimeout},
+		{"b.hash", cfg.Services[1].Hash, HashKey("")},
+		{"b.listen", b.Listen, netip.MustParseAddrPort("127.0.0.1:8081")},
+		{"b.hash_by", b.HashBy, HashBy{Kind: HashByCookie, Name: "sid"}},
+		{"b.retries", b.Retries, 0},
+		{"b.x_forwarded_for", b.XForwardedFor, false},
+		{"b.forwarded", b.Forwarded, true},
+		{"b.retry_grpc", fmt.Sprint(b.RetryGRPC), "[*]"},
+		{"b.upstream", b.Upstream, UpstreamH2C},
+		{"b.try_timeout", b.TryTimeout, time.Second},
 	} {
 		if c.got != c.want {
 			t.Errorf("%s: got %v; want %v", c.name, c.got, c.want)

@@ -132,6 +132,7 @@ type fileService struct {
 	// every backend is used. Default 50; 0 turns panic mode off.
 	PanicThreshold *int      `yaml:"panic_threshold,omitempty"`
 	Proxy          fileProxy `yaml:"proxy,omitempty"`
+	HTTP           *fileHTTP `yaml:"http,omitempty"`
 	// BGP is the VIP's announce policy; it applies when bgp is configured.
 	BGP      fileAnnounce  `yaml:"bgp,omitempty"`
 	Backends []fileBackend `yaml:"backends"`
@@ -184,6 +185,40 @@ type fileProxy struct {
 	ProxyProtocol      int      `yaml:"proxy_protocol,omitempty"` // 0, 1 or 2
 
 	ListenAddr netip.AddrPort `yaml:"-"` // Listen, parsed
+}
+
+// HTTP holds the settings of the http data plane (data_plane: http).
+type fileHTTP struct {
+	// Listen is the address the http plane binds. Default the VIP.
+	Listen string `yaml:"listen,omitempty"`
+	// TLS: certificate and key files (PEM); with them, TLS with HTTP/2 by ALPN.
+	TLS struct {
+		Cert string `yaml:"cert,omitempty"`
+		Key  string `yaml:"key,omitempty"`
+	} `yaml:"tls,omitempty"`
+	// Upstream is auto (default: as the client spoke), http1 or h2c.
+	Upstream Upstream `yaml:"upstream,omitempty"`
+	// LeastTime is header (default) or last_byte, for algorithm least_time.
+	LeastTime LeastTime `yaml:"least_time,omitempty"`
+	// HashBy is source (default), header:NAME or cookie:NAME, for maglev and
+	// source_hash.
+	HashBy            string   `yaml:"hash_by,omitempty"`
+	ConnectTimeout    duration `yaml:"connect_timeout,omitempty"`     // default 3s
+	TryTimeout        duration `yaml:"try_timeout,omitempty"`         // default none
+	Timeout           duration `yaml:"timeout,omitempty"`             // default none
+	IdleTimeout       duration `yaml:"idle_timeout,omitempty"`        // default 5m
+	ReadHeaderTimeout duration `yaml:"read_header_timeout,omitempty"` // default 10s
+	MaxHeaderBytes    int      `yaml:"max_header_bytes,omitempty"`    // default 65536
+	Retries           *int     `yaml:"retries,omitempty"`             // default 2
+	RetryBudget       *float64 `yaml:"retry_budget,omitempty"`        // default 0.2
+	RetryGRPC         []string `yaml:"retry_grpc,omitempty"`
+	XForwardedFor     *bool    `yaml:"x_forwarded_for,omitempty"`   // default true
+	Forwarded         bool     `yaml:"forwarded,omitempty"`         // default false
+	XForwardedProto   *bool    `yaml:"x_forwarded_proto,omitempty"` // default true
+	AccessLog         bool     `yaml:"access_log,omitempty"`
+
+	ListenAddr netip.AddrPort `yaml:"-"` // Listen, parsed
+	Hash       HashBy         `yaml:"-"` // HashBy, parsed
 }
 
 // Backend is one real server.

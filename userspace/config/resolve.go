@@ -98,6 +98,17 @@ func (s *fileService) resolve() Service {
 			ProxyProtocol:      px.ProxyProtocol,
 		},
 	}
+	if h := s.HTTP; h != nil {
+		out.HTTP = HTTP{
+			Listen: h.ListenAddr, TLSCert: h.TLS.Cert, TLSKey: h.TLS.Key, Upstream: h.Upstream,
+			LeastTime: h.LeastTime, HashBy: h.Hash, ConnectTimeout: h.ConnectTimeout.D(),
+			TryTimeout: h.TryTimeout.D(), Timeout: h.Timeout.D(), IdleTimeout: h.IdleTimeout.D(),
+			ReadHeaderTimeout: h.ReadHeaderTimeout.D(), MaxHeaderBytes: h.MaxHeaderBytes,
+			Retries: *h.Retries, RetryBudget: *h.RetryBudget, RetryGRPC: h.RetryGRPC,
+			XForwardedFor: *h.XForwardedFor, Forwarded: h.Forwarded, XForwardedProto: *h.XForwardedProto,
+			AccessLog: h.AccessLog,
+		}
+	}
 	for _, b := range s.Backends {
 		rb := Backend{Address: b.Address, Addr: b.Addr, Weight: uint32(*b.Weight), CheckAddr: b.CheckAddr,
 			Drain: b.Drain, MaxConns: b.MaxConns, Initial: b.Initial}

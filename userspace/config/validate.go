@@ -80,11 +80,11 @@ func (s *fileService) defaults() {
 	}
 	if s.Algorithm == "" {
 		s.Algorithm = AlgorithmMaglev
-		if s.DataPlane == DataPlaneProxy {
+		if s.DataPlane == DataPlaneProxy || s.DataPlane == DataPlaneHTTP {
 			s.Algorithm = AlgorithmLeastConn
 		}
 	}
-	if s.Hash == "" && s.Algorithm.XDP() {
+	if s.Hash == "" && s.Algorithm.XDP() && s.DataPlane != DataPlaneHTTP {
 		s.Hash = HashFiveTuple
 		if s.Algorithm == AlgorithmSourceHash {
 			s.Hash = HashSource
@@ -154,6 +154,12 @@ func (s *fileService) defaults() {
 	}
 	if px.Retries == nil {
 		px.Retries = ptr(DefaultRetries)
+	}
+	if s.DataPlane == DataPlaneHTTP {
+		if s.HTTP == nil {
+			s.HTTP = &fileHTTP{}
+		}
+		s.HTTP.defaults()
 	}
 	for i := range s.Backends {
 		b := &s.Backends[i]
@@ -333,11 +339,17 @@ func (cfg *file) validate() []*FieldError {
 			}
 			keys[s.Key()] = i
 		}
-		if s.Proxy.ListenAddr.IsValid() && s.Protocol == TCP && s.DataPlane != DataPlaneXDP {
+		if s.Proxy.ListenAddr.IsValid() && s.Protocol == TCP && s.DataPlane != DataPlaneXDP && s.DataPlane != DataPlaneHTTP {
 			if j, dup := listens[s.Proxy.ListenAddr]; dup && s.Proxy.Listen != "" {
 				c.bad(p+".proxy.listen", "%s is already the proxy address of services[%d]", s.Proxy.ListenAddr, j)
 			}
 			listens[s.Proxy.ListenAddr] = i
+		}
+		if h := s.HTTP; h != nil && h.ListenAddr.IsValid() && s.DataPlane == DataPlaneHTTP {
+			if j, dup := listens[h.ListenAddr]; dup && h.Listen != "" {
+				c.bad(p+".http.listen", "%s is already the listen address of services[%d]", h.ListenAddr, j)
+			}
+			listens[h.ListenAddr] = i
 		}
 	}
 	cfg.validateBGP(c) // after the services: it reads their parsed VIPs
@@ -495,7 +507,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 		s.VIPAddr = vip
 	}
 	protoOK := oneOf(c, p+".protocol", s.Protocol, TCP, UDP)
-	dpOK := oneOf(c, p+".data_plane", s.DataPlane, DataPlaneAuto, DataPlaneXDP, DataPlaneProxy)
+	dpOK := oneOf(c, p+".data_plane", s.DataPlane, DataPlaneAuto, DataPlaneXDP, DataPlaneProxy, DataPlaneHTTP)
 	modeOK := oneOf(c, p+".mode", s.Mode, ModeNAT, ModeDSR, ModeTunnel)
 	algoOK := oneOf(c, p+".algorithm", s.Algorithm, Algorithms()...)
 	oneOf(c, p+".all_down", s.AllDown, AllDownDrop, AllDownPass, AllDownKeepLast)
@@ -508,20 +520,31 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 			c.bad(p+".algorithm", "%s needs the proxy data plane (it sees every connection end; XDP serves only maglev and source_hash): use data_plane proxy or auto, or algorithm maglev", s.Algorithm)
 		case s.DataPlane == DataPlaneXDP && !xdpPossible:
 			c.bad(p+".data_plane", "xdp needs at least one entry in interfaces")
-		case s.Protocol == UDP && s.DataPlane == DataPlaneProxy:
-			c.bad(p+".data_plane", "the proxy serves tcp only: use data_plane xdp or auto for a udp service")
+		case s.Protocol == UDP && (s.DataPlane == DataPlaneProxy || s.DataPlane == DataPlaneHTTP):
+			who := "the proxy"
+			if s.DataPlane == DataPlaneHTTP {
+				who = "the http data plane"
+			}
+			c.bad(p+".data_plane", "%s serves tcp only: use data_plane xdp or auto for a udp service", who)
+		case s.DataPlane == DataPlaneHTTP:
+			// Every algorithm serves http; its hash key is http.hash_by.
 		case s.Protocol == UDP && !hashAlgo:
 			c.bad(p+".algorithm", "%s is a proxy algorithm and the proxy serves tcp only: use maglev or source_hash for a udp service", s.Algorithm)
 		case s.Protocol == UDP && !xdpPossible:
 			c.bad(p+".protocol", "udp is served by XDP only, and interfaces is empty: list an interface to attach XDP to")
 		}
-		if s.Hash != "" && !hashAlgo {
+		switch {
+		case s.DataPlane == DataPlaneHTTP:
+			if s.Hash != "" {
+				c.bad(p+".hash", "the http data plane hashes by http.hash_by (source, header:NAME or cookie:NAME); remove hash")
+			}
+		case s.Hash != "" && !hashAlgo:
 			c.bad(p+".hash", "only maglev and source_hash hash; %s does not (remove hash)", s.Algorithm)
-		} else if hashAlgo && oneOf(c, p+".hash", s.Hash, HashFiveTuple, HashSource) &&
-			s.Algorithm == AlgorithmSourceHash && s.Hash != HashSource {
+		case hashAlgo && oneOf(c, p+".hash", s.Hash, HashFiveTuple, HashSource) &&
+			s.Algorithm == AlgorithmSourceHash && s.Hash != HashSource:
 			c.bad(p+".hash", "source_hash always hashes the source address; remove hash or use maglev")
 		}
-		if s.DataPlane == DataPlaneProxy && s.AllDown == AllDownPass {
+		if (s.DataPlane == DataPlaneProxy || s.DataPlane == DataPlaneHTTP) && s.AllDown == AllDownPass {
 			c.bad(p+".all_down", "pass hands packets to the host's stack, which only XDP can do; use drop or keep_last")
 		}
 	}
@@ -540,6 +563,11 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 	s.Health.validate(c, p+".health")
 	s.Passive.validate(c, p+".passive")
 	s.Proxy.validate(c, p+".proxy", s.VIPAddr)
+	if s.HTTP != nil && s.DataPlane != DataPlaneHTTP {
+		c.bad(p+".http", "only data_plane http uses it, and data_plane is %s", s.DataPlane)
+	} else if s.HTTP != nil {
+		s.HTTP.validate(c, p+".http", s.VIPAddr, s.Algorithm)
+	}
 
 	// The XDP mode's needs, unless the proxy serves the service whatever happens.
 	// (The balancer's own addresses that nat and tunnel send from are checked when
@@ -680,6 +708,97 @@ func (px *fileProxy) validate(c *checker, p string, vip netip.AddrPort) {
 	}
 	if px.ProxyProtocol < 0 || px.ProxyProtocol > 2 {
 		c.bad(p+".proxy_protocol", "must be 0 (off), 1 or 2, got %d", px.ProxyProtocol)
+	}
+}
+
+func (h *fileHTTP) defaults() {
+	if h.Upstream == "" {
+		h.Upstream = DefaultHTTPUpstream
+	}
+	if h.LeastTime == "" {
+		h.LeastTime = LeastTimeHeader
+	}
+	if h.HashBy == "" {
+		h.HashBy = string(HashBySource)
+	}
+	if h.ConnectTimeout == 0 {
+		h.ConnectTimeout = duration(DefaultConnectTimeout)
+	}
+	if h.IdleTimeout == 0 {
+		h.IdleTimeout = duration(DefaultHTTPIdle)
+	}
+	if h.ReadHeaderTimeout == 0 {
+		h.ReadHeaderTimeout = duration(DefaultHeaderTimeout)
+	}
+	if h.MaxHeaderBytes == 0 {
+		h.MaxHeaderBytes = DefaultMaxHeaderBytes
+	}
+	if h.Retries == nil {
+		h.Retries = ptr(DefaultHTTPRetries)
+	}
+	if h.RetryBudget == nil {
+		h.RetryBudget = ptr(DefaultRetryBudget)
+	}
+	if h.XForwardedFor == nil {
+		h.XForwardedFor = ptr(true)
+	}
+	if h.XForwardedProto == nil {
+		h.XForwardedProto = ptr(true)
+	}
+}
+
+var headerNameRE = regexp.MustCompile("^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+
+func (h *fileHTTP) validate(c *checker, p string, vip netip.AddrPort, algo Algorithm) {
+	h.ListenAddr = vip
+	if h.Listen != "" {
+		h.ListenAddr = netip.AddrPort{}
+		if ap, ok := c.addrPort(p+".listen", h.Listen); ok {
+			h.ListenAddr = ap
+		}
+	}
+	if (h.TLS.Cert == "") != (h.TLS.Key == "") {
+		c.bad(p+".tls", "name both cert and key, or neither (cleartext)")
+	}
+	oneOf(c, p+".upstream", h.Upstream, UpstreamAuto, UpstreamHTTP1, UpstreamH2C)
+	if oneOf(c, p+".least_time", h.LeastTime, LeastTimeHeader, LeastTimeLastByte) &&
+		h.LeastTime != LeastTimeHeader && algo != AlgorithmLeastTime {
+		c.bad(p+".least_time", "only algorithm least_time uses it, and algorithm is %s", algo)
+	}
+	kind, name, _ := strings.Cut(h.HashBy, ":")
+	h.Hash = HashBy{Kind: HashByKind(kind), Name: name}
+	switch {
+	case !oneOf(c, p+".hash_by", h.Hash.Kind, HashBySource, HashByHeader, HashByCookie):
+	case h.Hash.Kind == HashBySource && name != "":
+		c.bad(p+".hash_by", "source takes no name, got %q", h.HashBy)
+	case h.Hash.Kind != HashBySource && !headerNameRE.MatchString(name):
+		c.bad(p+".hash_by", "write %s:NAME with a %s name, got %q", kind, kind, h.HashBy)
+	case h.Hash.Kind != HashBySource && !algo.XDP():
+		c.bad(p+".hash_by", "only maglev and source_hash hash, and algorithm is %s", algo)
+	}
+	c.positive(p+".connect_timeout", h.ConnectTimeout)
+	c.positive(p+".idle_timeout", h.IdleTimeout)
+	c.positive(p+".read_header_timeout", h.ReadHeaderTimeout)
+	if h.TryTimeout < 0 {
+		c.bad(p+".try_timeout", "must be 0 (none) or positive, got %v", h.TryTimeout)
+	}
+	if h.Timeout < 0 {
+		c.bad(p+".timeout", "must be 0 (none) or positive, got %v", h.Timeout)
+	}
+	if h.MaxHeaderBytes < 1024 || h.MaxHeaderBytes > 16<<20 {
+		c.bad(p+".max_header_bytes", "must be 1024..16777216, got %d", h.MaxHeaderBytes)
+	}
+	if *h.Retries < 0 || *h.Retries > 10 {
+		c.bad(p+".retries", "must be 0..10, got %d", *h.Retries)
+	}
+	if *h.RetryBudget < 0 || *h.RetryBudget > 1 {
+		c.bad(p+".retry_budget", "must be 0..1 (a share of requests), got %g", *h.RetryBudget)
+	}
+	for i, m := range h.RetryGRPC {
+		svc, method, ok := strings.Cut(strings.TrimPrefix(m, "/"), "/")
+		if m != "*" && (!strings.HasPrefix(m, "/") || !ok || svc == "" || method == "" || strings.Contains(method, "/")) {
+			c.bad(fmt.Sprintf("%s.retry_grpc[%d]", p, i), "must be /package.Service/Method, /package.Service/* or *, got %q", m)
+		}
 	}
 }
 

@@ -6,6 +6,7 @@ import "errors"
 const (
 	PlaneXDP   = "xdp"
 	PlaneProxy = "proxy"
+	PlaneHTTP  = "http"
 )
 
 // Errors the agent answers with; the admin API maps them to HTTP statuses and the

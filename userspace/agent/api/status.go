@@ -96,9 +96,12 @@ type ServiceStatus struct {
 	// XDP nat only: flows open now (opened and not yet seen to close).
 	ActiveFlows uint64 `json:"active_flows"`
 	// Proxy only.
-	Connections int64           `json:"active_connections"`
-	Accepted    uint64          `json:"accepted_connections"`
-	Backends    []BackendStatus `json:"backends"`
+	Connections int64  `json:"active_connections"`
+	Accepted    uint64 `json:"accepted_connections"`
+	// The http plane only: requests in flight now, and answered.
+	InFlight int64           `json:"inflight_requests,omitempty"`
+	Requests uint64          `json:"requests,omitempty"`
+	Backends []BackendStatus `json:"backends"`
 	// XDP only, while the service is installed.
 	Table *TableStatus `json:"table,omitempty"`
 }
@@ -128,6 +131,14 @@ type BackendStatus struct {
 	Connects       uint64 `json:"connects"`
 	LastCheck      string `json:"last_check,omitempty"`
 	LastCheckAgo   string `json:"last_check_ago,omitempty"`
+	// The http plane only: requests in flight, answered (by status class, "1xx"
+	// to "5xx", "none" for no answer), retries sent to it, and the latency
+	// estimate the algorithm picks by (ewma, least_time; empty for the others).
+	InFlight int               `json:"inflight_requests,omitempty"`
+	Requests uint64            `json:"requests,omitempty"`
+	Classes  map[string]uint64 `json:"status_classes,omitempty"`
+	Retries  uint64            `json:"retries,omitempty"`
+	Latency  string            `json:"latency_estimate,omitempty"`
 	// SlowStart says where the backend's slow start is: "40% of its weight, 3s to
 	// go" ("" when it is not ramping).
 	SlowStart string `json:"slow_start,omitempty"`
@@ -221,6 +232,9 @@ func (st Status) WriteTable(w io.Writer) {
 			}
 			fmt.Fprintln(w)
 			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tflows\tpackets\tbytes\tlast check")
+		case s.DataPlane == PlaneHTTP:
+			fmt.Fprintf(w, "  %d connections, %d accepted, %d requests in flight, %d answered\n", s.Connections, s.Accepted, s.InFlight, s.Requests)
+			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tin flight\trequests\t5xx\tlatency\tlast check")
 		default:
 			fmt.Fprintf(w, "  %d active connections, %d accepted, %d bytes\n", s.Connections, s.Accepted, s.Bytes)
 			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tactive\tconnects\tbytes\tlast check")
@@ -251,6 +265,12 @@ func (st Status) WriteTable(w io.Writer) {
 					flows = fmt.Sprint(b.ActiveFlows)
 				}
 				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%s\t%s\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, drained, flows, b.Packets, b.Bytes, check)
+			case s.DataPlane == PlaneHTTP:
+				latency := b.Latency
+				if latency == "" {
+					latency = "-"
+				}
+				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%s\t%d\t%d\t%d\t%s\t%s\n", b.Address, b.Health, b.Usable, weight, drained, b.InFlight, b.Requests, b.Classes["5xx"], latency, check)
 			default:
 				fmt.Fprintf(tw, "  %s\t%s\t%t\t%s\t%s\t%d\t%d\t%d\t%s\n", b.Address, b.Health, b.Usable, weight, drained, b.Connections, b.Connects, b.Bytes, check)
 			}

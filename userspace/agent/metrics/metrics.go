@@ -22,7 +22,10 @@ type Metrics struct {
 	reg     *prometheus.Registry
 	checks  *prometheus.HistogramVec
 	reloads *prometheus.CounterVec
-	d       descs
+	// The http plane's requests, by backend and status class, and their latency.
+	requests *prometheus.CounterVec
+	latency  *prometheus.HistogramVec
+	d        descs
 }
 
 // descs are the scrape-time metrics' descriptions.
@@ -46,6 +49,15 @@ func New(status func() (api.Status, error)) *Metrics {
 		Name: "weir_reloads_total",
 		Help: "Config reloads, by result (ok, or error: the running config stayed in force).",
 	}, []string{"result"})
+	m.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "weir_http_requests_total",
+		Help: "Requests the http data plane answered from a backend, by service, backend and status class (2xx, ..., 5xx).",
+	}, []string{"service", "backend", "class"})
+	m.latency = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "weir_http_request_duration_seconds",
+		Help:    "Duration of the http data plane's requests, from their arrival to the last byte of the answer, by service and backend.",
+		Buckets: prometheus.ExponentialBuckets(0.0001, 2.5, 14),
+	}, []string{"service", "backend"})
 	m.reloads.WithLabelValues("ok")
 	m.reloads.WithLabelValues("error")
 	d := func(name, help string, labels ...string) *prometheus.Desc {
@@ -80,7 +92,7 @@ func New(status func() (api.Status, error)) *Metrics {
 			"while the previous-table fallback may use it.", "service", "fingerprint"),
 		prevTableAge: d("weir_service_previous_table_age_seconds", "Seconds since the service's previous lookup table was replaced, while the fallback may use it.", "service"),
 	}
-	m.reg.MustRegister(m.checks, m.reloads, m, prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
+	m.reg.MustRegister(m.checks, m.reloads, m.requests, m.latency, m, prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
 	return m
 }
 
@@ -91,6 +103,18 @@ func (m *Metrics) ObserveCheck(r health.Result) {
 		res = "fail"
 	}
 	m.checks.WithLabelValues(r.Service, res).Observe(r.Duration.Seconds())
+}
+
+var classes = [...]string{"other", "1xx", "2xx", "3xx", "4xx", "5xx"}
+
+// ObserveRequest counts one request the http data plane answered from backend.
+func (m *Metrics) ObserveRequest(service, backend string, status int, d time.Duration) {
+	c := status / 100
+	if c < 1 || c > 5 {
+		c = 0
+	}
+	m.requests.WithLabelValues(service, backend, classes[c]).Inc()
+	m.latency.WithLabelValues(service, backend).Observe(d.Seconds())
 }
 
 // Reload counts a reload: ok, or rejected (the running config stayed in force).

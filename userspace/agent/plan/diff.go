@@ -72,7 +72,7 @@ func (op Op) String() string {
 func Diff(prev, next Desired) []Op {
 	var proxyOps, xdpOps, removes []Op
 	add := func(op Op) {
-		if op.Plane == Proxy {
+		if op.Plane != XDP { // the proxy and the http plane bind listeners
 			proxyOps = append(proxyOps, op)
 		} else {
 			xdpOps = append(xdpOps, op)

@@ -15,6 +15,7 @@ package plan
 import (
 	"net"
 	"net/netip"
+	"reflect"
 	"time"
 
 	"github.com/weir-lb/weir/health"
@@ -28,6 +29,7 @@ type Plane string
 const (
 	XDP   Plane = "xdp"
 	Proxy Plane = "proxy"
+	HTTP  Plane = "http"
 )
 
 // Placement is where a service runs and why. The agent decides it (XDP self-tests
@@ -177,11 +179,12 @@ func ID(service string, addr netip.AddrPort) string { return service + "/" + add
 
 // Rebuilt says whether a changed service must be built anew rather than updated in
 // place: its VIP, protocol, requested data plane, mode, algorithm, drain timeout or
-// a proxy setting (fixed when the proxy listens) changed. The agent decides its
+// a proxy or http setting (fixed when the proxy or the http plane listens) changed. The agent decides its
 // placement again; the proxy gives it a new listener.
 func Rebuilt(a, b *config.Service) bool {
 	return a.VIP != b.VIP || a.Protocol != b.Protocol || a.DataPlane != b.DataPlane || a.Mode != b.Mode ||
-		a.Algorithm != b.Algorithm || a.Proxy != b.Proxy || a.DrainTimeout != b.DrainTimeout
+		a.Algorithm != b.Algorithm || a.Proxy != b.Proxy || a.DrainTimeout != b.DrainTimeout ||
+		!reflect.DeepEqual(a.HTTP, b.HTTP)
 }
 
 // Plan computes the desired state.

@@ -15,74 +15,48 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/weir-lb/weir/health"
 	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/agent/served"
 	"github.com/weir-lb/weir/userspace/config"
 	"github.com/weir-lb/weir/userspace/proxy"
 )
 
 // Plane is the proxy data plane.
 type Plane struct {
-	checker  *health.Checker
-	log      *slog.Logger
-	services map[string]*service // by name (loop only)
-	served   atomic.Pointer[map[string]*proxy.Service]
-	retiring sync.WaitGroup // services removed or replaced, draining
-}
-
-// service is one running proxy service.
-type service struct {
-	cfg  config.Service
-	px   *proxy.Service
-	stop context.CancelFunc
-	done chan struct{} // closed when Serve has returned
+	checker *health.Checker
+	log     *slog.Logger
+	// Set serves Add, Update, SetBackend, Remove and Close.
+	served.Set[*proxy.Service]
 }
 
 // New returns a proxy plane that reports what its connections see to checker.
 func New(checker *health.Checker, log *slog.Logger) *Plane {
-	p := &Plane{checker: checker, log: log, services: make(map[string]*service)}
-	p.publish()
+	p := &Plane{checker: checker, log: log}
+	p.Set = served.Set[*proxy.Service]{Start: p.start, Push: func(px *proxy.Service, s *plan.Service) error {
+		if err := push(px, s); err != nil {
+			return fmt.Errorf("service %q: %w", s.Name(), err)
+		}
+		return nil
+	}, Log: log, What: "proxy"}
 	return p
-}
-
-func (p *Plane) publish() {
-	m := make(map[string]*proxy.Service, len(p.services))
-	for name, s := range p.services {
-		m[name] = s.px
-	}
-	p.served.Store(&m)
 }
 
 // Snapshot returns the named service's connection counters.
 func (p *Plane) Snapshot(name string) (proxy.Snapshot, bool) {
-	px, ok := (*p.served.Load())[name]
+	px, ok := p.Get(name)
 	if !ok {
 		return proxy.Snapshot{}, false
 	}
 	return px.Snapshot(), true
 }
 
-// Add starts serving a service: it binds the listener, sets the backends and
-// starts accepting.
-func (p *Plane) Add(s *plan.Service) error {
-	if _, ok := p.services[s.Name()]; ok {
-		return p.Update(&plan.Service{Config: p.services[s.Name()].cfg}, s)
-	}
-	ps, err := p.start(s)
-	if err != nil {
-		return err
-	}
-	p.services[s.Name()] = ps
-	p.publish()
-	return nil
-}
-
-func (p *Plane) start(s *plan.Service) (*service, error) {
+// start binds a service's listener and sets its backends; the set starts
+// accepting.
+func (p *Plane) start(s *plan.Service) (*proxy.Service, error) {
 	log := p.log.With("service", s.Name())
 	px, err := proxy.Listen(context.Background(), proxyConfig(&s.Config, observer{p.checker, s.Name()}, log))
 	if errors.Is(err, syscall.EADDRNOTAVAIL) {
@@ -95,79 +69,7 @@ func (p *Plane) start(s *plan.Service) (*service, error) {
 		px.Close()
 		return nil, fmt.Errorf("service %q: %w", s.Name(), err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	ps := &service{cfg: s.Config, px: px, stop: cancel, done: make(chan struct{})}
-	// Exits when ps.stop is called (service removed or replaced, or the plane closes).
-	go func() {
-		defer close(ps.done)
-		if err := px.Serve(ctx); err != nil {
-			log.Error("proxy stopped", "err", err)
-		}
-	}()
-	return ps, nil
-}
-
-// Update brings a service from prev to next: a new listener when a setting fixed at
-// listen time changed (the old one drains), else new backends in place.
-func (p *Plane) Update(prev, next *plan.Service) error {
-	ps, ok := p.services[next.Name()]
-	if !ok {
-		return p.Add(next)
-	}
-	if !plan.Rebuilt(&ps.cfg, &next.Config) {
-		if err := push(ps.px, next); err != nil {
-			return fmt.Errorf("service %q: %w", next.Name(), err)
-		}
-		ps.cfg = next.Config
-		return nil
-	}
-	fresh, err := p.start(next)
-	if err != nil {
-		return err
-	}
-	p.services[next.Name()] = fresh
-	p.publish()
-	p.retire(ps)
-	return nil
-}
-
-// SetBackend applies one backend's change; the proxy takes the whole set at once.
-func (p *Plane) SetBackend(prev, next *plan.Service, _ netip.AddrPort) error {
-	return p.Update(prev, next)
-}
-
-// Remove stops accepting for a service; its connections drain in the background.
-// Removing a service the plane does not serve is no error.
-func (p *Plane) Remove(s *plan.Service) error {
-	ps, ok := p.services[s.Name()]
-	if !ok {
-		return nil
-	}
-	delete(p.services, s.Name())
-	p.publish()
-	p.retire(ps)
-	return nil
-}
-
-func (p *Plane) retire(ps *service) {
-	ps.stop()
-	// Exits when the old proxy has finished its connections (up to its drain
-	// timeout); Close waits for it.
-	p.retiring.Go(func() { <-ps.done })
-}
-
-// Close stops every service, letting each drain up to its timeout, and waits for
-// all of them, including those retired before.
-func (p *Plane) Close() {
-	for _, ps := range p.services {
-		ps.stop()
-	}
-	for _, ps := range p.services {
-		<-ps.done
-	}
-	clear(p.services)
-	p.publish()
-	p.retiring.Wait()
+	return px, nil
 }
 
 // push sets the proxy's backends to the desired ones.

@@ -1,0 +1,718 @@
+// Command http benchmarks weir's http data plane side by side with HAProxy (mode
+// http, h2 to clients and backends), nginx (http2, grpc_pass) and Caddy
+// (reverse_proxy), all in front of the same two backends on loopback.
+//
+//	flock /tmp/weir-bench.lock go run ./bench/http              # 3 interleaved runs
+//	go run ./bench/http -runs 5 -d 5s -only weir,haproxy
+//
+// Per target it measures HTTP/1.1 keep-alive requests/s (h2load --h1, 50
+// connections, -n requests), HTTP/2 multiplexed requests/s (h2load, 4
+// connections × 64 streams, -n requests), gRPC unary calls/s (grpc-go, 4 channels × 32 calls in flight), the
+// p50 and p99 of each (from h2load's per-request log and the gRPC client's own
+// timings), the target's CPU time per request (from /proc), and its RSS with
+// 1,000 idle HTTP/2 client connections open (and so the memory per idle
+// connection). Targets are interleaved in every run, the order rotated; results
+// are medians over the runs, printed as a markdown table with every figure also
+// as a ratio to HAProxy's, and written as JSON under -out.
+//
+// The backends run in a child process of their own (internal/httpbackend: HTTP/1.1,
+// h2c and gRPC on one port each), and so does weir (-serve weir), so no target
+// shares a Go runtime with the load generators. It installs haproxy, nginx, caddy
+// and nghttp2-client with apt-get if missing, bounds every step in time, and
+// stops only the processes it started.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"net"
+	"net/http"
+	_ "net/http/pprof"
+	"net/netip"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	testpb "google.golang.org/grpc/interop/grpc_testing"
+
+	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/userspace/httplb"
+)
+
+var (
+	runs     = flag.Int("runs", 3, "interleaved runs; results are medians")
+	duration = flag.Duration("d", 4*time.Second, "length of the gRPC load")
+	requests = flag.Int("n", 60000, "requests of each h2load load")
+	idle     = flag.Int("idle", 1000, "idle HTTP/2 client connections held for the RSS measure")
+	outDir   = flag.String("out", "bench/results/http", "results directory")
+	only     = flag.String("only", "", "comma-separated targets (default all)")
+	install  = flag.Bool("install", true, "apt-get install missing tools")
+	timeout  = flag.Duration("timeout", 30*time.Minute, "bound on the whole run")
+	serve    = flag.String("serve", "", "internal: run backends or weir (child process)")
+	threads  = flag.Int("threads", 2, "threads or workers of every target (GOMAXPROCS for weir)")
+	pprof    = flag.String("pprof", "", "serve weir's net/http/pprof on this address (for a profile: go tool pprof http://ADDR/debug/pprof/profile)")
+)
+
+// Loopback ports.
+const (
+	backendA, backendB = "127.0.0.1:18181", "127.0.0.1:18182"
+	frontH1            = "127.0.0.1:19180" // HTTP/1.1 clients
+	frontH2            = "127.0.0.1:19181" // h2c clients, plain HTTP
+	frontGRPC          = "127.0.0.1:19182" // gRPC clients
+)
+
+func main() {
+	flag.Parse()
+	if *serve != "" {
+		if err := serveChild(*serve); err != nil {
+			log.Fatal(err)
+		}
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
+	defer cancel()
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx); err != nil {
+		log.Fatal(err)
+	}
+}
+
+// serveChild runs the backends or weir's http plane until SIGTERM.
+func serveChild(what string) error {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	switch what {
+	case "backends":
+		for _, a := range []struct{ name, addr string }{{"a", backendA}, {"b", backendB}} {
+			b, err := httpbackend.Start(a.name, a.addr)
+			if err != nil {
+				return err
+			}
+			defer b.Close()
+		}
+		<-ctx.Done()
+		return nil
+	case "weir":
+		if *pprof != "" {
+			// Exits with the process.
+			go func() { log.Print(http.ListenAndServe(*pprof, nil)) }()
+		}
+		var bs []httplb.Backend
+		for _, a := range []string{backendA, backendB} {
+			bs = append(bs, httplb.Backend{Addr: netip.MustParseAddrPort(a), Weight: 1, Usable: true})
+		}
+		var wg sync.WaitGroup
+		for _, l := range []string{frontH1, frontH2, frontGRPC} {
+			s, err := httplb.Listen(httplb.Config{Name: l, Listen: netip.MustParseAddrPort(l), Algorithm: "round_robin",
+				Retries: 2, RetryBudget: 0.2, XForwardedFor: true, XForwardedProto: true,
+				Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))}, bs)
+			if err != nil {
+				return err
+			}
+			// Exits when ctx is done and the service has drained.
+			wg.Go(func() {
+				if err := s.Serve(ctx); err != nil {
+					log.Print(err)
+				}
+			})
+		}
+		wg.Wait()
+		return nil
+	}
+	return fmt.Errorf("-serve %q: want backends or weir", what)
+}
+
+type target struct {
+	name  string
+	start func(ctx context.Context, dir string) (*proc, error)
+}
+
+// result is one target's measures in one run.
+type result struct {
+	H1RPS, H1P50, H1P99       float64 // /s, ms, ms
+	H2RPS, H2P50, H2P99       float64
+	GRPCRPS, GRPCP50, GRPCP99 float64
+	H1CPU, H2CPU, GRPCCPU     float64 // µs of the target's CPU per request
+	IdleRSS                   float64 // MB with -idle h2 connections open
+	IdleConnKB                float64 // KB per idle h2 connection
+}
+
+func run(ctx context.Context) error {
+	if *install {
+		if err := ensureTools(ctx); err != nil {
+			return err
+		}
+	}
+	dir, err := os.MkdirTemp("", "weir-httpbench-")
+	if err != nil {
+		return fmt.Errorf("temp dir: %w", err)
+	}
+	defer os.RemoveAll(dir)
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	be, err := startProc(dir, "backends", nil, self, "-serve", "backends")
+	if err != nil {
+		return err
+	}
+	defer be.stop()
+	if err := waitPorts(ctx, backendA, backendB); err != nil {
+		return err
+	}
+	targets := []target{
+		{"weir", func(ctx context.Context, dir string) (*proc, error) {
+			return startProc(dir, "weir", []string{"GOMAXPROCS=" + strconv.Itoa(*threads)}, self, "-serve", "weir", "-pprof", *pprof)
+		}},
+		{"haproxy", startHAProxy},
+		{"nginx", startNginx},
+		{"caddy", startCaddy},
+	}
+	if *only != "" {
+		keep := strings.Split(*only, ",")
+		targets = slices.DeleteFunc(targets, func(t target) bool { return !slices.Contains(keep, t.name) })
+	}
+	results := map[string][]result{}
+	for r := range *runs {
+		order := append(slices.Clone(targets[r%len(targets):]), targets[:r%len(targets)]...)
+		for _, t := range order {
+			log.Printf("run %d/%d: %s", r+1, *runs, t.name)
+			res, err := measure(ctx, dir, t)
+			if err != nil {
+				return fmt.Errorf("run %d: %s: %w", r+1, t.name, err)
+			}
+			results[t.name] = append(results[t.name], res)
+			log.Printf("  %+v", res)
+		}
+	}
+	return report(targets, results)
+}
+
+func measure(ctx context.Context, dir string, t target) (result, error) {
+	var res result
+	p, err := t.start(ctx, dir)
+	if err != nil {
+		return res, err
+	}
+	defer p.stop()
+	if err := waitPorts(ctx, frontH1, frontH2, frontGRPC); err != nil {
+		return res, err
+	}
+	// Warm up: pools to the backends, the runtime's heap.
+	if _, err := h2load(ctx, dir, "-n", "2000", "-c", "4", "-m", "16", "http://"+frontH2+"/"); err != nil {
+		return res, err
+	}
+	cpu0 := p.cpu()
+	h1, err := h2load(ctx, dir, "--h1", "-c", "50", "-n", strconv.Itoa(*requests), "http://"+frontH1+"/")
+	if err != nil {
+		return res, err
+	}
+	cpu1 := p.cpu()
+	res.H1RPS, res.H1P50, res.H1P99, res.H1CPU = h1.rps, h1.p50, h1.p99, perReq(cpu1-cpu0, h1.n)
+	h2, err := h2load(ctx, dir, "-c", "4", "-m", "64", "-n", strconv.Itoa(*requests), "http://"+frontH2+"/")
+	if err != nil {
+		return res, err
+	}
+	cpu2 := p.cpu()
+	res.H2RPS, res.H2P50, res.H2P99, res.H2CPU = h2.rps, h2.p50, h2.p99, perReq(cpu2-cpu1, h2.n)
+	g, err := grpcLoad(ctx, frontGRPC, 4, 32, *duration)
+	if err != nil {
+		return res, err
+	}
+	res.GRPCRPS, res.GRPCP50, res.GRPCP99, res.GRPCCPU = g.rps, g.p50, g.p99, perReq(p.cpu()-cpu2, g.n)
+	rss0 := p.mem("VmRSS")
+	rss, err := holdIdle(ctx, frontH2, p)
+	if err != nil {
+		return res, err
+	}
+	res.IdleRSS, res.IdleConnKB = rss, (rss-rss0)*1024/float64(*idle)
+	return res, nil
+}
+
+func perReq(cpuSeconds float64, n int) float64 {
+	if n == 0 {
+		return 0
+	}
+	return cpuSeconds * 1e6 / float64(n)
+}
+
+// load is one workload's outcome.
+type load struct {
+	n             int     // requests answered
+	rps, p50, p99 float64 // /s, ms, ms
+}
+
+var (
+	h2loadDone = regexp.MustCompile(`requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded`)
+	h2loadRate = regexp.MustCompile(`finished in [^,]+, ([\d.]+) req/s`)
+)
+
+// h2load runs nghttp2's h2load with a per-request log, from which p50 and p99
+// come.
+func h2load(ctx context.Context, dir string, args ...string) (load, error) {
+	logPath := filepath.Join(dir, "h2load.log")
+	os.Remove(logPath)
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "h2load", append([]string{"--log-file", logPath}, args...)...).CombinedOutput()
+	if err != nil {
+		return load{}, fmt.Errorf("h2load %v: %w\n%s", args, err, out)
+	}
+	m := h2loadDone.FindSubmatch(out)
+	rate := h2loadRate.FindSubmatch(out)
+	if m == nil || rate == nil {
+		return load{}, fmt.Errorf("h2load %v: output not understood:\n%s", args, out)
+	}
+	done, _ := strconv.Atoi(string(m[1]))
+	ok, _ := strconv.Atoi(string(m[2]))
+	if ok < done {
+		return load{}, fmt.Errorf("h2load %v: %d of %d requests failed\n%s", args, done-ok, done, out)
+	}
+	data, err := os.ReadFile(logPath)
+	if err != nil {
+		return load{}, err
+	}
+	var lat []float64
+	for line := range strings.Lines(string(data)) {
+		if f := strings.Fields(line); len(f) >= 3 {
+			us, _ := strconv.ParseFloat(f[2], 64)
+			lat = append(lat, us/1000)
+		}
+	}
+	l := load{n: ok}
+	l.rps, _ = strconv.ParseFloat(string(rate[1]), 64)
+	l.p50, l.p99 = pct(lat, 0.5), pct(lat, 0.99)
+	return l, nil
+}
+
+func pct(v []float64, q float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	sort.Float64s(v)
+	return v[min(len(v)-1, int(float64(len(v))*q))]
+}
+
+// grpcLoad makes unary calls on channels channels, inflight at a time on each,
+// for d.
+func grpcLoad(ctx context.Context, addr string, channels, inflight int, d time.Duration) (load, error) {
+	end := time.Now().Add(d)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var lat []float64
+	var errs atomic.Int64
+	var firstErr atomic.Value
+	for range channels {
+		cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			return load{}, err
+		}
+		defer cc.Close()
+		c := testpb.NewTestServiceClient(cc)
+		for range inflight {
+			// Exits after d (or when ctx is done).
+			wg.Go(func() {
+				var mine []float64
+				req := &testpb.SimpleRequest{Payload: &testpb.Payload{Body: make([]byte, 64)}}
+				for ctx.Err() == nil && time.Now().Before(end) {
+					t0 := time.Now()
+					if _, err := c.UnaryCall(ctx, req); err != nil {
+						if ctx.Err() == nil {
+							errs.Add(1)
+							firstErr.CompareAndSwap(nil, err)
+						}
+						continue
+					}
+					mine = append(mine, float64(time.Since(t0).Microseconds())/1000)
+				}
+				mu.Lock()
+				lat = append(lat, mine...)
+				mu.Unlock()
+			})
+		}
+	}
+	wg.Wait()
+	if n := errs.Load(); n > 0 {
+		return load{}, fmt.Errorf("grpc: %d calls failed, first: %v", n, firstErr.Load())
+	}
+	return load{n: len(lat), rps: float64(len(lat)) / d.Seconds(), p50: pct(lat, 0.5), p99: pct(lat, 0.99)}, nil
+}
+
+// holdIdle opens -idle HTTP/2 connections to addr, each having answered one
+// request, and returns p's RSS (MB) while they are held.
+func holdIdle(ctx context.Context, addr string, p *proc) (float64, error) {
+	var cs []net.Conn
+	defer func() {
+		for _, c := range cs {
+			c.Close()
+		}
+	}()
+	var hdr strings.Builder
+	enc := hpack.NewEncoder(&hdr)
+	for _, f := range [][2]string{{":method", "GET"}, {":scheme", "http"}, {":authority", addr}, {":path", "/"}} {
+		enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+	}
+	block := []byte(hdr.String())
+	for range *idle {
+		if ctx.Err() != nil {
+			return 0, ctx.Err()
+		}
+		c, err := net.DialTimeout("tcp", addr, 3*time.Second)
+		if err != nil {
+			return 0, fmt.Errorf("idle connections: %w", err)
+		}
+		cs = append(cs, c)
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		io.WriteString(c, http2.ClientPreface)
+		fr := http2.NewFramer(c, c)
+		fr.WriteSettings()
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: block, EndHeaders: true, EndStream: true})
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				return 0, fmt.Errorf("idle connections: %w", err)
+			}
+			if s, ok := f.(*http2.SettingsFrame); ok && !s.IsAck() {
+				fr.WriteSettingsAck()
+			}
+			if f.Header().StreamID == 1 && f.Header().Flags.Has(http2.FlagDataEndStream) {
+				break
+			}
+		}
+		c.SetDeadline(time.Time{})
+	}
+	time.Sleep(time.Second)
+	return p.mem("VmRSS"), nil
+}
+
+// --- the other targets ---
+
+func startHAProxy(_ context.Context, dir string) (*proc, error) {
+	cfg := fmt.Sprintf(`global
+  nbthread %d
+  maxconn 9000
+defaults
+  mode http
+  timeout connect 3s
+  timeout client 60s
+  timeout server 60s
+  option http-keep-alive
+frontend h1
+  bind %s
+  default_backend be_h1
+frontend h2
+  bind %s proto h2
+  default_backend be_h2
+frontend grpc
+  bind %s proto h2
+  default_backend be_h2
+backend be_h1
+  balance roundrobin
+  http-reuse always
+  server a %s
+  server b %s
+backend be_h2
+  balance roundrobin
+  http-reuse always
+  server a %s proto h2
+  server b %s proto h2
+`, *threads, frontH1, frontH2, frontGRPC, backendA, backendB, backendA, backendB)
+	path := filepath.Join(dir, "haproxy.cfg")
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		return nil, err
+	}
+	return startProc(dir, "haproxy", nil, "haproxy", "-db", "-f", path)
+}
+
+func startNginx(_ context.Context, dir string) (*proc, error) {
+	cfg := fmt.Sprintf(`worker_processes %d;
+pid %s/nginx.pid;
+error_log %s/nginx-error.log;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  keepalive_requests 100000000;
+  client_body_temp_path %s;
+  proxy_temp_path %s;
+  upstream h1 { server %s; server %s; keepalive 64; keepalive_requests 100000000; }
+  upstream g { server %s; server %s; keepalive 64; keepalive_requests 100000000; }
+  server { listen %s; location / { proxy_pass http://h1; proxy_http_version 1.1; proxy_set_header Connection ""; } }
+  server { listen %s http2; location / { proxy_pass http://h1; proxy_http_version 1.1; proxy_set_header Connection ""; } }
+  server { listen %s http2; location / { grpc_pass grpc://g; } }
+}
+`, *threads, dir, dir, dir, dir, backendA, backendB, backendA, backendB, frontH1, frontH2, frontGRPC)
+	path := filepath.Join(dir, "nginx.conf")
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		return nil, err
+	}
+	return startProc(dir, "nginx", nil, "nginx", "-c", path, "-p", dir, "-g", "daemon off;")
+}
+
+func startCaddy(_ context.Context, dir string) (*proc, error) {
+	cfg := fmt.Sprintf(`{
+  admin off
+  auto_https off
+  servers {
+    protocols h1 h2c
+  }
+}
+http://%s {
+  reverse_proxy %s %s {
+    lb_policy round_robin
+  }
+}
+http://%s {
+  reverse_proxy %s %s {
+    lb_policy round_robin
+  }
+}
+http://%s {
+  reverse_proxy %s %s {
+    lb_policy round_robin
+    transport http {
+      versions h2c 2
+    }
+  }
+}
+`, frontH1, backendA, backendB, frontH2, backendA, backendB, frontGRPC, backendA, backendB)
+	path := filepath.Join(dir, "Caddyfile")
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		return nil, err
+	}
+	return startProc(dir, "caddy", []string{"XDG_DATA_HOME=" + dir, "XDG_CONFIG_HOME=" + dir, "GOMAXPROCS=" + strconv.Itoa(*threads)},
+		"caddy", "run", "--config", path, "--adapter", "caddyfile")
+}
+
+// --- processes ---
+
+// proc is a process this program started, in a process group of its own, with
+// the workers it forked.
+type proc struct {
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+func startProc(dir, name string, env []string, argv ...string) (*proc, error) {
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Env = append(os.Environ(), env...)
+	logf, err := os.Create(filepath.Join(dir, name+".log"))
+	if err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	p := &proc{cmd: cmd, done: make(chan struct{})}
+	// Exits when the process has exited (stop makes sure it does).
+	go func() {
+		cmd.Wait()
+		logf.Close()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// stop ends the process group this program created (SIGTERM, then SIGKILL).
+func (p *proc) stop() {
+	pid := p.cmd.Process.Pid
+	syscall.Kill(-pid, syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(3 * time.Second):
+		syscall.Kill(-pid, syscall.SIGKILL)
+		<-p.done
+	}
+	syscall.Kill(-pid, syscall.SIGKILL)
+	time.Sleep(200 * time.Millisecond) // let the ports be released
+}
+
+func (p *proc) pids() []int {
+	pid := p.cmd.Process.Pid
+	out := []int{pid}
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
+	for _, f := range strings.Fields(string(b)) {
+		if n, err := strconv.Atoi(f); err == nil {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// cpu is user+system seconds of the process and its workers.
+func (p *proc) cpu() float64 {
+	var total float64
+	for _, pid := range p.pids() {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		s := string(b)
+		f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+		ut, _ := strconv.ParseFloat(f[11], 64)
+		st, _ := strconv.ParseFloat(f[12], 64)
+		total += (ut + st) / 100 // USER_HZ
+	}
+	return total
+}
+
+// mem is a /proc/PID/status field summed over the processes, in MB.
+func (p *proc) mem(field string) float64 {
+	var kb float64
+	for _, pid := range p.pids() {
+		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+		for l := range strings.Lines(string(b)) {
+			if strings.HasPrefix(l, field+":") {
+				v, _ := strconv.ParseFloat(strings.Fields(l)[1], 64)
+				kb += v
+			}
+		}
+	}
+	return kb / 1024
+}
+
+func waitPorts(ctx context.Context, addrs ...string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for _, a := range addrs {
+		for {
+			c, err := net.DialTimeout("tcp", a, time.Second)
+			if err == nil {
+				c.Close()
+				break
+			}
+			if time.Now().After(deadline) || ctx.Err() != nil {
+				return fmt.Errorf("wait for %s: %w", a, err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return nil
+}
+
+func ensureTools(ctx context.Context) error {
+	need := map[string]string{"haproxy": "haproxy", "nginx": "nginx", "caddy": "caddy", "h2load": "nghttp2-client"}
+	var pkgs []string
+	for bin, pkg := range need {
+		if _, err := exec.LookPath(bin); err != nil {
+			pkgs = append(pkgs, pkg)
+		}
+	}
+	if len(pkgs) == 0 {
+		return nil
+	}
+	sort.Strings(pkgs)
+	log.Printf("apt-get install %v", pkgs)
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
+	defer cancel()
+	for _, argv := range [][]string{{"apt-get", "update"}, append([]string{"apt-get", "install", "-y"}, pkgs...)} {
+		cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+		cmd.Env = append(os.Environ(), "DEBIAN_FRONTEND=noninteractive")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("%s: %w\n%s", strings.Join(argv, " "), err, out)
+		}
+	}
+	return nil
+}
+
+// --- report ---
+
+func median(rs []result, f func(result) float64) float64 {
+	var v []float64
+	for _, r := range rs {
+		v = append(v, f(r))
+	}
+	sort.Float64s(v)
+	if len(v) == 0 {
+		return 0
+	}
+	if len(v)%2 == 0 {
+		return (v[len(v)/2-1] + v[len(v)/2]) / 2
+	}
+	return v[len(v)/2]
+}
+
+func report(targets []target, results map[string][]result) error {
+	cols := []struct {
+		name string
+		f    func(result) float64
+	}{
+		{"h1 req/s", func(r result) float64 { return r.H1RPS }},
+		{"h1 p50 ms", func(r result) float64 { return r.H1P50 }},
+		{"h1 p99 ms", func(r result) float64 { return r.H1P99 }},
+		{"h1 CPU µs/req", func(r result) float64 { return r.H1CPU }},
+		{"h2 req/s", func(r result) float64 { return r.H2RPS }},
+		{"h2 p50 ms", func(r result) float64 { return r.H2P50 }},
+		{"h2 p99 ms", func(r result) float64 { return r.H2P99 }},
+		{"h2 CPU µs/req", func(r result) float64 { return r.H2CPU }},
+		{"gRPC calls/s", func(r result) float64 { return r.GRPCRPS }},
+		{"gRPC p50 ms", func(r result) float64 { return r.GRPCP50 }},
+		{"gRPC p99 ms", func(r result) float64 { return r.GRPCP99 }},
+		{"gRPC CPU µs/call", func(r result) float64 { return r.GRPCCPU }},
+		{"RSS MB, idle h2 conns", func(r result) float64 { return r.IdleRSS }},
+		{"KB per idle h2 conn", func(r result) float64 { return r.IdleConnKB }},
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "medians of %d interleaved runs, %v per load, %d threads or workers each; (×) is the ratio to HAProxy's\n\n", *runs, *duration, *threads)
+	fmt.Fprint(&b, "| measure |")
+	for _, t := range targets {
+		fmt.Fprintf(&b, " %s |", t.name)
+	}
+	fmt.Fprint(&b, "\n|---|")
+	for range targets {
+		fmt.Fprint(&b, "---|")
+	}
+	fmt.Fprintln(&b)
+	medians := map[string]map[string]float64{}
+	for _, c := range cols {
+		fmt.Fprintf(&b, "| %s |", c.name)
+		base := median(results["haproxy"], c.f)
+		for _, t := range targets {
+			m := median(results[t.name], c.f)
+			if medians[t.name] == nil {
+				medians[t.name] = map[string]float64{}
+			}
+			medians[t.name][c.name] = m
+			if base > 0 && t.name != "haproxy" {
+				fmt.Fprintf(&b, " %.4g (%.2f×) |", m, m/base)
+			} else {
+				fmt.Fprintf(&b, " %.4g |", m)
+			}
+		}
+		fmt.Fprintln(&b)
+	}
+	fmt.Print(b.String())
+	if err := os.MkdirAll(*outDir, 0o755); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(*outDir, "results.md"), []byte(b.String()), 0o644); err != nil {
+		return err
+	}
+	js, err := json.MarshalIndent(map[string]any{"runs": results, "medians": medians}, "", "  ")
+	if err != nil {
+		return err
+	}
+	return errors.Join(os.WriteFile(filepath.Join(*outDir, "results.json"), js, 0o644))
+}

@@ -1,0 +1,175 @@
+// Package httpplane is the agent's http data plane: one userspace/httplb service
+// (listener, HTTP/1.1, HTTP/2 and gRPC termination, per-request balancing) per
+// service the config gives data_plane http, kept in step with the desired
+// backends, and what its requests see of each backend fed to the health checker
+// as passive signals.
+//
+// The agent's reconcile loop owns a Plane: Add, Update, SetBackend and Remove are
+// called from that loop only. Snapshot may be called from any goroutine. A
+// removed or replaced service shuts down gracefully in the background (GOAWAY,
+// in-flight requests finish, up to its drain timeout); Close stops every service
+// and waits for all of them.
+package httpplane
+
+import (
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"syscall"
+	"time"
+
+	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/agent/served"
+	"github.com/weir-lb/weir/userspace/config"
+	"github.com/weir-lb/weir/userspace/httplb"
+)
+
+// RequestObserver is told of every finished request (the agent's metrics).
+type RequestObserver func(service, backend string, status int, d time.Duration)
+
+// Plane is the http data plane.
+type Plane struct {
+	checker *health.Checker
+	log     *slog.Logger
+	observe RequestObserver
+	// Set serves Add, Update, SetBackend, Remove and Close.
+	served.Set[*httplb.Service]
+}
+
+// New returns an http plane that reports what its requests see to checker, and
+// every finished request to observe (nil: nobody).
+func New(checker *health.Checker, log *slog.Logger, observe RequestObserver) *Plane {
+	p := &Plane{checker: checker, log: log, observe: observe}
+	p.Set = served.Set[*httplb.Service]{Start: p.start, Push: func(lb *httplb.Service, s *plan.Service) error {
+		return lb.Reconfigure(p.lbConfig(&s.Config), backends(s))
+	}, Rebuilt: rebuilt, Log: log, What: "http plane"}
+	return p
+}
+
+// Snapshot returns the named service's counters.
+func (p *Plane) Snapshot(name string) (httplb.Snapshot, bool) {
+	lb, ok := p.Get(name)
+	if !ok {
+		return httplb.Snapshot{}, false
+	}
+	return lb.Snapshot(), true
+}
+
+// start binds a service's listener with its backends; the set starts serving.
+func (p *Plane) start(s *plan.Service) (*httplb.Service, error) {
+	cfg := p.lbConfig(&s.Config)
+	if h := s.Config.HTTP; h.TLSCert != "" {
+		cert, err := tls.LoadX509KeyPair(h.TLSCert, h.TLSKey)
+		if err != nil {
+			return nil, fmt.Errorf("service %q: http.tls: %w", s.Name(), err)
+		}
+		cfg.TLS = &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12}
+	}
+	lb, err := httplb.Listen(cfg, backends(s))
+	if errors.Is(err, syscall.EADDRNOTAVAIL) {
+		return nil, fmt.Errorf("%w: the http plane binds %s, which no interface of this host holds", err, cfg.Listen.Addr())
+	}
+	return lb, err // names the service
+}
+
+// backends is the desired backend set as the balancer takes it: a drained or
+// weight-0 backend is unusable, so it gets no new requests.
+func backends(s *plan.Service) []httplb.Backend {
+	bs := make([]httplb.Backend, 0, len(s.Backends))
+	for _, b := range s.Backends {
+		bs = append(bs, httplb.Backend{Addr: b.Config.Addr, Weight: max(b.Weight, 1), SlowStart: s.Config.SlowStart,
+			Usable: b.Usable && !b.Drained && b.Weight > 0})
+	}
+	return bs
+}
+
+// rebuilt says whether a change needs a new listener: the address or TLS
+// changed, or a setting the server or its pools fix while they run. Anything
+// else (algorithm, retries, timeouts, headers, backends) is applied in place,
+// so a reload does not send the clients GOAWAY.
+func rebuilt(a, b *config.Service) bool {
+	return a.VIP != b.VIP || a.Protocol != b.Protocol || a.DataPlane != b.DataPlane ||
+		a.HTTP.TLSCert != b.HTTP.TLSCert || a.HTTP.TLSKey != b.HTTP.TLSKey ||
+		httplb.Fixed(lbConfig(a, nil, nil), lbConfig(b, nil, nil))
+}
+
+func (p *Plane) lbConfig(s *config.Service) httplb.Config {
+	return lbConfig(s, observer{p, s.Name}, p.log.With("service", s.Name))
+}
+
+// lbConfig translates a service's settings for httplb (TLS aside: its
+// certificate is loaded when the service starts).
+func lbConfig(s *config.Service, obs httplb.Observer, log *slog.Logger) httplb.Config {
+	h := s.HTTP
+	c := httplb.Config{
+		Name:              s.Name,
+		Listen:            h.Listen,
+		Algorithm:         string(s.Algorithm),
+		LastByte:          h.LeastTime == config.LeastTimeLastByte,
+		HashName:          h.HashBy.Name,
+		ConnectTimeout:    h.ConnectTimeout,
+		TryTimeout:        h.TryTimeout,
+		Timeout:           h.Timeout,
+		IdleTimeout:       h.IdleTimeout,
+		ReadHeaderTimeout: h.ReadHeaderTimeout,
+		MaxHeaderBytes:    h.MaxHeaderBytes,
+		Retries:           h.Retries,
+		RetryBudget:       h.RetryBudget,
+		RetryGRPC:         h.RetryGRPC,
+		XForwardedFor:     h.XForwardedFor,
+		Forwarded:         h.Forwarded,
+		XForwardedProto:   h.XForwardedProto,
+		AccessLog:         h.AccessLog,
+		DrainTimeout:      s.DrainTimeout,
+		Observer:          obs,
+		Logger:            log,
+	}
+	switch h.HashBy.Kind {
+	case config.HashByHeader:
+		c.Hash = httplb.HashHeader
+	case config.HashByCookie:
+		c.Hash = httplb.HashCookie
+	}
+	switch h.Upstream {
+	case config.UpstreamHTTP1:
+		c.Upstream = httplb.UpstreamHTTP1
+	case config.UpstreamH2C:
+		c.Upstream = httplb.UpstreamH2C
+	}
+	return c
+}
+
+// observer feeds what the service's requests see to the health checker and the
+// agent's metrics.
+type observer struct {
+	p       *Plane
+	service string
+}
+
+func (o observer) Try(addr netip.AddrPort, out httplb.Outcome) {
+	var ho health.Outcome
+	switch out {
+	case httplb.Success:
+		ho = health.Success
+	case httplb.ConnectFailure:
+		ho = health.ConnectFailure
+	case httplb.Timeout:
+		ho = health.Timeout
+	case httplb.Reset:
+		ho = health.Reset
+	case httplb.ServerError:
+		ho = health.ServerError
+	default:
+		return
+	}
+	o.p.checker.Observe(plan.ID(o.service, addr), ho)
+}
+
+func (o observer) Request(addr netip.AddrPort, status int, d time.Duration) {
+	if o.p.observe != nil {
+		o.p.observe(o.service, addr.String(), status, d)
+	}
+}

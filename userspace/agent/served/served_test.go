@@ -1,0 +1,109 @@
+package served
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/config"
+)
+
+// server stands in for a listening data plane's server: it serves until its
+// context is done, then drains for drain.
+type server struct {
+	name    string
+	pushes  atomic.Int32
+	stopped atomic.Bool
+	drain   time.Duration
+}
+
+func (s *server) Serve(ctx context.Context) error {
+	<-ctx.Done()
+	time.Sleep(s.drain)
+	s.stopped.Store(true)
+	return nil
+}
+
+func svc(name string, algo config.Algorithm) *plan.Service {
+	return &plan.Service{Config: config.Service{Name: name, Algorithm: algo, DataPlane: config.DataPlaneHTTP}}
+}
+
+// TestSet: a change plan.Rebuilt (or the set's own rule) calls for gets a new
+// server while the old one drains; any other is pushed to the running one;
+// Remove and Close stop what they should, and Close waits for every drain.
+func TestSet(t *testing.T) {
+	var started []*server
+	failNext := false
+	s := &Set[*server]{
+		Start: func(p *plan.Service) (*server, error) {
+			if failNext {
+				return nil, errors.New("bind: address in use")
+			}
+			srv := &server{name: p.Name(), drain: 50 * time.Millisecond}
+			started = append(started, srv)
+			return srv, nil
+		},
+		Push: func(srv *server, _ *plan.Service) error { srv.pushes.Add(1); return nil },
+		Log:  slog.New(slog.DiscardHandler),
+		What: "test",
+	}
+	if err := s.Add(svc("a", config.AlgorithmRoundRobin)); err != nil {
+		t.Fatal(err)
+	}
+	first, _ := s.Get("a")
+	// Same settings but the backends: pushed in place.
+	if err := s.Update(nil, svc("a", config.AlgorithmRoundRobin)); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.Get("a"); got != first || first.pushes.Load() != 1 {
+		t.Fatalf("in-place update: server replaced or not pushed (pushes %d)", first.pushes.Load())
+	}
+	// The algorithm is fixed for plan.Rebuilt: a new server, the old one drains.
+	if err := s.Update(nil, svc("a", config.AlgorithmEWMA)); err != nil {
+		t.Fatal(err)
+	}
+	second, _ := s.Get("a")
+	if second == first || len(started) != 2 {
+		t.Fatalf("rebuild: got the same server; want a new one")
+	}
+	// A set with its own rule keeps the server for the same change.
+	s.Rebuilt = func(a, b *config.Service) bool { return a.Name != b.Name }
+	if err := s.Update(nil, svc("a", config.AlgorithmRoundRobin)); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.Get("a"); got != second || second.pushes.Load() != 1 {
+		t.Errorf("own rule: server replaced or not pushed")
+	}
+	// A failed start leaves the running server in place.
+	s.Rebuilt = nil
+	failNext = true
+	if err := s.Update(nil, svc("a", config.AlgorithmP2C)); err == nil {
+		t.Errorf("update with a failing start: got no error")
+	}
+	failNext = false
+	if got, _ := s.Get("a"); got != second || second.stopped.Load() {
+		t.Errorf("after a failed rebuild: the running server was replaced or stopped")
+	}
+	if err := s.Remove(svc("a", config.AlgorithmP2C)); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := s.Get("a"); ok {
+		t.Errorf("removed service still served")
+	}
+	if err := s.Remove(svc("a", config.AlgorithmP2C)); err != nil {
+		t.Errorf("removing twice: %v; want no error", err)
+	}
+	if err := s.Add(svc("b", config.AlgorithmP2C)); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	for _, srv := range started {
+		if !srv.stopped.Load() {
+			t.Errorf("server %s still running after Close; want every one drained", srv.name)
+		}
+	}
+}

@@ -1,0 +1,146 @@
+package httplb
+
+import (
+	"errors"
+	"io"
+	"sync"
+	"time"
+)
+
+// replayLimit is how much of a retryable request's body is kept for a retry. A
+// longer body streams on; a try that fails after sending more than this is not
+// retried.
+const replayLimit = 64 << 10
+
+// fillWait bounds how long a retry waits for the rest of a body the failed try
+// had not read yet (a gRPC call refused before its message was all sent).
+const fillWait = 100 * time.Millisecond
+
+var errStaleTry = errors.New("request body: read by a try that has been given up")
+
+// replayBody streams a client's request body to the backend, keeping its first
+// bytes so a retry can send them again. Each try reads through its own tryBody;
+// a given-up try's late reads (a transport may still be writing when RoundTrip
+// has returned) get an error, never the next try's bytes, and what they had
+// already pulled from the client stays kept.
+type replayBody struct {
+	src  io.ReadCloser
+	keep bool // keep bytes for a retry
+
+	srcMu sync.Mutex // one reader of src at a time
+
+	mu   sync.Mutex
+	gen  int
+	buf  []byte
+	read bool // any byte read from src
+	over bool // more read than buf keeps
+	eof  bool
+}
+
+// next starts a try: a reader that replays what was kept, then reads on.
+func (rb *replayBody) next() io.ReadCloser {
+	rb.mu.Lock()
+	defer rb.mu.Unlock()
+	rb.gen++
+	return &tryBody{rb: rb, gen: rb.gen}
+}
+
+// pull reads from the client, keeping what it reads while within the limit;
+// srcMu must be held.
+func (rb *replayBody) pull(p []byte) (n int, kept bool, err error) {
+	n, err = rb.src.Read(p)
+	rb.mu.Lock()
+	defer rb.mu.Unlock()
+	if n > 0 {
+		rb.read = true
+		if rb.keep && !rb.over && len(rb.buf)+n <= replayLimit {
+			rb.buf = append(rb.buf, p[:n]...)
+			kept = true
+		} else {
+			rb.over = true
+		}
+	}
+	if err == io.EOF {
+		rb.eof = true
+	}
+	return n, kept, err
+}
+
+// replayable says whether a new try can send the whole body again: nothing of it
+// was read (dial: and no try is reading now), or all of it is kept. A body the
+// failed try had not read to its end is read on, within the limit, for a
+// moment. A nil body always can.
+func (rb *replayBody) replayable(dial bool) bool {
+	if rb == nil {
+		return true
+	}
+	rb.mu.Lock()
+	read, eof, over := rb.read, rb.eof, rb.over
+	rb.mu.Unlock()
+	switch {
+	case dial && !read:
+		return true
+	case eof || over || !rb.keep:
+		return eof && !over
+	}
+	done := make(chan struct{})
+	// Exits at the body's end, the limit, or a read error (at the latest when
+	// the server closes the body as the request ends).
+	go func() {
+		defer close(done)
+		var tmp [4096]byte
+		rb.srcMu.Lock()
+		defer rb.srcMu.Unlock()
+		for {
+			if _, kept, err := rb.pull(tmp[:]); err != nil || !kept {
+				return
+			}
+		}
+	}()
+	select {
+	case <-done:
+	case <-time.After(fillWait):
+		return false
+	}
+	rb.mu.Lock()
+	defer rb.mu.Unlock()
+	return rb.eof && !rb.over
+}
+
+type tryBody struct {
+	rb  *replayBody
+	gen int
+	off int
+}
+
+func (t *tryBody) Read(p []byte) (int, error) {
+	rb := t.rb
+	// Held from the check to the read's end, so bytes another try pulls in the
+	// meantime are replayed first, in order.
+	rb.srcMu.Lock()
+	defer rb.srcMu.Unlock()
+	rb.mu.Lock()
+	switch {
+	case t.gen != rb.gen:
+		rb.mu.Unlock()
+		return 0, errStaleTry
+	case t.off < len(rb.buf):
+		n := copy(p, rb.buf[t.off:])
+		t.off += n
+		rb.mu.Unlock()
+		return n, nil
+	case rb.eof:
+		rb.mu.Unlock()
+		return 0, io.EOF
+	}
+	rb.mu.Unlock()
+	n, kept, err := rb.pull(p)
+	if kept {
+		t.off += n
+	}
+	return n, err
+}
+
+// Close leaves the client's body open: the server closes it when the request
+// ends, and a transport closing it on a failed try must not end the retry's.
+func (t *tryBody) Close() error { return nil }

@@ -1,0 +1,469 @@
+package httplb
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/weir-lb/weir/userspace/balance"
+)
+
+// errTryTimeout is the cause a try's context is cancelled with when the backend
+// has not answered with headers within TryTimeout.
+var errTryTimeout = errors.New("no response headers within try_timeout")
+
+// ServeHTTP forwards one request: pick a backend, send, and on a failure that is
+// safe to retry pick another (never one already tried), within Retries and the
+// retry budget. Once the response headers are written the request is the
+// backend's: a failure after that resets the client's stream.
+func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	l := s.live.Load()
+	s.stats.inflight.Add(1)
+	defer s.stats.inflight.Add(-1)
+	if r.Method == http.MethodConnect {
+		// A reverse proxy answers requests; it does not open tunnels.
+		s.stats.requests.Add(1)
+		plainError(w, r, http.StatusMethodNotAllowed, fmt.Sprintf("service %q: CONNECT is not proxied", s.cfg.Name))
+		return
+	}
+	l.budget.deposit()
+	ctx := r.Context()
+	if l.cfg.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, l.cfg.Timeout)
+		defer cancel()
+	}
+	hdr := l.outHeader(r)
+	key := l.hashKey(r)
+	retryable := idempotent(r.Method) || l.grpcRetryable(r)
+	var body *replayBody
+	if r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 {
+		body = &replayBody{src: r.Body, keep: retryable && l.cfg.Retries > 0}
+	}
+	var tried []string
+	var fail failure
+	for try := 0; ; try++ {
+		if try > 0 && (try > l.cfg.Retries || !fail.retry || !body.replayable(fail.dial) || !l.budget.withdraw()) {
+			break
+		}
+		var lease balance.Lease
+		var err error
+		if try == 0 {
+			lease, err = l.bal.Pick(key, nil)
+		} else {
+			lease, err = l.bal.Pick(key, func(id string) bool { return slices.Contains(tried, id) })
+		}
+		if err != nil {
+			if try == 0 {
+				s.noBackend(w, r, "every backend is down, drained or ejected")
+				return
+			}
+			break // every usable backend has been tried: answer with the last failure
+		}
+		be := s.backend(lease.Backend())
+		if be == nil { // removed between the pick and now
+			lease.Release(balance.Result{})
+			fail = failure{retry: true, dial: true, status: http.StatusBadGateway, err: ErrNoBackend}
+			continue
+		}
+		tried = append(tried, be.id)
+		if try > 0 {
+			be.stats.retries.Add(1)
+		}
+		done, f := s.try(ctx, l, w, r, be, &lease, hdr, body, retryable, try < l.cfg.Retries, start)
+		if done {
+			return
+		}
+		fail = f
+	}
+	if r.Context().Err() != nil {
+		return // the client went away: nobody to answer
+	}
+	s.answerFailure(l, w, r, fail, len(tried), start)
+}
+
+// failure is what a try that did not answer the client came to.
+type failure struct {
+	retry  bool // another backend may take the request
+	dial   bool // the request never left: safe whatever the method
+	status int  // what to answer if no other try succeeds
+	err    error
+	resp   string // the backend's status line, for 5xx answers
+}
+
+// try sends the request to one backend. done reports that the client has its
+// answer (or is gone); otherwise f says why not and whether a retry may follow.
+func (s *Service) try(ctx context.Context, l *live, w http.ResponseWriter, r *http.Request, be *backend, lease *balance.Lease,
+	hdr http.Header, body *replayBody, retryable, more bool, start time.Time) (done bool, f failure) {
+	tryStart := time.Now()
+	tctx := ctx
+	var timer *time.Timer
+	if l.cfg.TryTimeout > 0 {
+		// A context of its own only when there is a try timeout: the
+		// cancellation it registers with the request's context costs a lock
+		// and an allocation per request.
+		var cancel context.CancelCauseFunc
+		tctx, cancel = context.WithCancelCause(ctx)
+		defer cancel(nil)
+		timer = time.AfterFunc(l.cfg.TryTimeout, func() { cancel(errTryTimeout) })
+	}
+	out := (&http.Request{
+		Method:        r.Method,
+		URL:           &url.URL{Scheme: "http", Host: be.id, Path: r.URL.Path, RawPath: r.URL.RawPath, RawQuery: r.URL.RawQuery},
+		Proto:         "HTTP/1.1",
+		ProtoMajor:    1,
+		ProtoMinor:    1,
+		Header:        hdr,
+		Host:          r.Host,
+		ContentLength: r.ContentLength,
+		Trailer:       r.Trailer,
+	}).WithContext(tctx)
+	if body != nil {
+		out.Body = body.next()
+	}
+	resp, err := be.transport(l.cfg.Upstream, r).RoundTrip(out)
+	if timer != nil {
+		timer.Stop()
+	}
+	headerLatency := time.Since(tryStart)
+	if err != nil {
+		if r.Context().Err() != nil {
+			// The client gave up; the backend is not to blame.
+			lease.Release(balance.Result{})
+			return true, failure{}
+		}
+		o, status := Reset, http.StatusBadGateway
+		var de *dialError
+		switch {
+		case errors.As(err, &de):
+			o = ConnectFailure
+		case errors.Is(context.Cause(tctx), errTryTimeout), isTimeout(err):
+			o, status = Timeout, http.StatusGatewayTimeout
+		case ctx.Err() != nil: // the overall timeout
+			o, status = Timeout, http.StatusGatewayTimeout
+		}
+		lease.Release(balance.Result{Failed: true, Latency: headerLatency})
+		l.observeTry(be, o)
+		be.stats.count(0)
+		overall := ctx.Err() != nil
+		return false, failure{retry: !overall && (retryable || o == ConnectFailure), dial: o == ConnectFailure, status: status, err: err}
+	}
+	if resp.StatusCode >= 500 {
+		l.observeTry(be, ServerError)
+	} else {
+		l.observeTry(be, Success)
+	}
+	if more && retryable && retryStatus(resp.StatusCode) && body.replayable(false) {
+		// Worth another backend: leave this answer unread.
+		resp.Body.Close()
+		lease.Release(balance.Result{Latency: headerLatency})
+		be.stats.count(resp.StatusCode)
+		return false, failure{retry: true, status: resp.StatusCode, resp: resp.Status, err: fmt.Errorf("backend answered %s", resp.Status)}
+	}
+	bp := bufPool.Get().(*[]byte)
+	defer bufPool.Put(bp)
+	var first []byte
+	var firstErr error
+	if more && retryable && resp.ContentLength > 0 {
+		// A body of known length (not a stream): read its first bytes before
+		// answering, so a backend that dies between its headers and its body is
+		// still retried elsewhere.
+		var k int
+		k, firstErr = resp.Body.Read(*bp)
+		first = (*bp)[:k]
+		if firstErr != nil && firstErr != io.EOF && body.replayable(false) {
+			resp.Body.Close()
+			lease.Release(balance.Result{Failed: true, Latency: headerLatency})
+			l.observeTry(be, Reset)
+			be.stats.count(0)
+			return false, failure{retry: true, status: http.StatusBadGateway, err: firstErr}
+		}
+	}
+	n, copyErr := s.respond(w, resp, first, firstErr, *bp)
+	lastByte := time.Since(tryStart)
+	latency := headerLatency
+	if l.cfg.LastByte {
+		latency = lastByte
+	}
+	lease.Release(balance.Result{Latency: latency})
+	be.stats.count(resp.StatusCode)
+	s.stats.requests.Add(1)
+	if l.cfg.Observer != nil {
+		l.cfg.Observer.Request(be.addr, resp.StatusCode, time.Since(start))
+	}
+	if l.cfg.AccessLog {
+		s.log.Info("request", "method", r.Method, "path", r.URL.Path, "proto", r.Proto, "client", r.RemoteAddr,
+			"backend", be.id, "status", resp.StatusCode, "bytes", n, "headers", headerLatency, "duration", time.Since(start), "err", copyErr)
+	}
+	if copyErr != nil && r.Context().Err() == nil {
+		// The backend broke off mid-body. The status line is gone; the client must
+		// see the answer is incomplete: a stream reset (HTTP/2) or a closed
+		// connection (HTTP/1.1).
+		l.observeTry(be, Reset)
+		panic(http.ErrAbortHandler)
+	}
+	return true, failure{}
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+func retryStatus(code int) bool {
+	return code == http.StatusBadGateway || code == http.StatusServiceUnavailable || code == http.StatusGatewayTimeout
+}
+
+func (l *live) observeTry(be *backend, o Outcome) {
+	if l.cfg.Observer != nil {
+		l.cfg.Observer.Try(be.addr, o)
+	}
+}
+
+// transport is the pool for the request's upstream protocol.
+func (b *backend) transport(u Upstream, r *http.Request) *http.Transport {
+	switch {
+	case u == UpstreamH2C, u == UpstreamAuto && r.ProtoMajor == 2:
+		return b.h2
+	}
+	return b.h1
+}
+
+var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+
+// respond writes the backend's answer to the client: headers, the body as it
+// comes (flushed at once when its length is unknown, as gRPC's and event
+// streams' are), then trailers.
+func (s *Service) respond(w http.ResponseWriter, resp *http.Response, first []byte, firstErr error, buf []byte) (int64, error) {
+	defer resp.Body.Close()
+	h := w.Header()
+	for k, vv := range resp.Header {
+		if !hopByHop(k) {
+			h[k] = vv
+		}
+	}
+	removeConnectionHeaders(h, resp.Header)
+	w.WriteHeader(resp.StatusCode)
+	var n int64
+	var err error
+	if len(first) > 0 {
+		k, werr := w.Write(first)
+		n = int64(k)
+		if werr != nil {
+			return n, nil // the client went away
+		}
+	}
+	switch {
+	case firstErr == io.EOF:
+	case firstErr != nil:
+		err = firstErr
+	default:
+		var m int64
+		m, err = copyBody(w, resp.Body, buf, resp.ContentLength < 0)
+		n += m
+	}
+	for k, vv := range resp.Trailer {
+		h[http.TrailerPrefix+k] = vv
+	}
+	return n, err
+}
+
+// copyBody copies the backend's body to the client; flush sends each piece at
+// once instead of when the buffer fills.
+func copyBody(w http.ResponseWriter, src io.Reader, buf []byte, flush bool) (int64, error) {
+	var n int64
+	rc := http.NewResponseController(w)
+	for {
+		nr, rerr := src.Read(buf)
+		if nr > 0 {
+			nw, werr := w.Write(buf[:nr])
+			n += int64(nw)
+			if werr != nil {
+				return n, nil // the client went away; nothing to blame the backend for
+			}
+			if flush {
+				if err := rc.Flush(); err != nil {
+					return n, nil
+				}
+			}
+		}
+		if rerr == io.EOF {
+			return n, nil
+		}
+		if rerr != nil {
+			return n, rerr
+		}
+	}
+}
+
+func (s *Service) answerFailure(l *live, w http.ResponseWriter, r *http.Request, f failure, tries int, start time.Time) {
+	msg := fmt.Sprintf("service %q: %d tries failed, the last: %v", s.cfg.Name, tries, f.err)
+	if f.status == 0 {
+		f.status = http.StatusBadGateway
+	}
+	s.stats.requests.Add(1)
+	if l.cfg.AccessLog {
+		s.log.Info("request", "method", r.Method, "path", r.URL.Path, "proto", r.Proto, "client", r.RemoteAddr,
+			"status", f.status, "tries", tries, "duration", time.Since(start), "err", f.err)
+	}
+	plainError(w, r, f.status, msg)
+}
+
+// noBackend answers 503 with the reason; gRPC clients read it from grpc-status
+// 14 (UNAVAILABLE) and grpc-message as well.
+func (s *Service) noBackend(w http.ResponseWriter, r *http.Request, why string) {
+	s.stats.noBackend.Add(1)
+	s.stats.requests.Add(1)
+	plainError(w, r, http.StatusServiceUnavailable, fmt.Sprintf("service %q: no usable backend: %s", s.cfg.Name, why))
+}
+
+func plainError(w http.ResponseWriter, r *http.Request, status int, msg string) {
+	h := w.Header()
+	if isGRPC(r) {
+		h.Set("Grpc-Status", "14")
+		h.Set("Grpc-Message", url.PathEscape(msg))
+	}
+	h.Set("Content-Type", "text/plain; charset=utf-8")
+	h.Set("X-Content-Type-Options", "nosniff")
+	w.WriteHeader(status)
+	io.WriteString(w, msg+"\n")
+}
+
+func isGRPC(r *http.Request) bool {
+	return r.ProtoMajor == 2 && strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc")
+}
+
+func idempotent(method string) bool {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace, http.MethodPut, http.MethodDelete:
+		return true
+	}
+	return false
+}
+
+// grpcRetryable reports whether the request is a gRPC call the config marks safe
+// to retry.
+func (l *live) grpcRetryable(r *http.Request) bool {
+	if len(l.cfg.RetryGRPC) == 0 || !isGRPC(r) {
+		return false
+	}
+	for _, m := range l.cfg.RetryGRPC {
+		if m == "*" || m == r.URL.Path || strings.HasSuffix(m, "/*") && strings.HasPrefix(r.URL.Path, m[:len(m)-1]) {
+			return true
+		}
+	}
+	return false
+}
+
+// hopByHop lists the headers that belong to one connection (RFC 9110 7.6.1),
+// which a proxy does not forward.
+func hopByHop(k string) bool {
+	switch k {
+	case "Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization",
+		"Te", "Trailer", "Transfer-Encoding", "Upgrade":
+		return true
+	}
+	return false
+}
+
+// removeConnectionHeaders drops from h the headers that from's Connection
+// header names as the connection's own.
+func removeConnectionHeaders(h, from http.Header) {
+	for _, v := range from["Connection"] {
+		for f := range strings.SplitSeq(v, ",") {
+			if f = strings.TrimSpace(f); f != "" {
+				h.Del(f)
+			}
+		}
+	}
+}
+
+// outHeader is the request's header as the backend gets it: hop-by-hop headers
+// dropped (TE: trailers kept, gRPC needs it), forwarding headers added.
+func (l *live) outHeader(r *http.Request) http.Header {
+	h := make(http.Header, len(r.Header)+3)
+	for k, vv := range r.Header {
+		if !hopByHop(k) {
+			h[k] = vv
+		}
+	}
+	removeConnectionHeaders(h, r.Header)
+	for _, v := range r.Header["Te"] {
+		if strings.Contains(strings.ToLower(v), "trailers") {
+			h["Te"] = []string{"trailers"}
+			break
+		}
+	}
+	if _, ok := h["User-Agent"]; !ok {
+		h["User-Agent"] = []string{""} // not Go's default
+	}
+	proto := "http"
+	if r.TLS != nil {
+		proto = "https"
+	}
+	client, _, err := net.SplitHostPort(r.RemoteAddr)
+	if err != nil {
+		client = r.RemoteAddr
+	}
+	if l.cfg.XForwardedFor {
+		xff := client
+		if prior := h["X-Forwarded-For"]; len(prior) > 0 {
+			xff = strings.Join(prior, ", ") + ", " + client
+		}
+		h["X-Forwarded-For"] = []string{xff}
+	}
+	if l.cfg.XForwardedProto {
+		h["X-Forwarded-Proto"] = []string{proto}
+	}
+	if l.cfg.Forwarded {
+		node := client
+		if a, err := netip.ParseAddr(client); err == nil && a.Is6() {
+			node = `"[` + client + `]"`
+		}
+		el := "for=" + node + ";proto=" + proto
+		if r.Host != "" {
+			el += `;host="` + strings.ReplaceAll(r.Host, `"`, "") + `"`
+		}
+		h["Forwarded"] = append(h["Forwarded"], el)
+	}
+	return h
+}
+
+// hashKey is the request's key for maglev and source_hash: FNV-1a of the
+// client's address, a header's or a cookie's value, so every balancer node
+// computes the same key for a request.
+func (l *live) hashKey(r *http.Request) uint64 {
+	if l.cfg.Algorithm != balance.Maglev && l.cfg.Algorithm != balance.SourceHash {
+		return 0
+	}
+	var v string
+	switch l.cfg.Hash {
+	case HashHeader:
+		v = r.Header.Get(l.cfg.HashName)
+	case HashCookie:
+		if c, err := r.Cookie(l.cfg.HashName); err == nil {
+			v = c.Value
+		}
+	}
+	if v == "" {
+		// No such header or cookie: the client's address keeps the client on one
+		// backend all the same.
+		v, _, _ = net.SplitHostPort(r.RemoteAddr)
+	}
+	h := uint64(14695981039346656037)
+	for i := 0; i < len(v); i++ {
+		h ^= uint64(v[i])
+		h *= 1099511628211
+	}
+	return h
+}

@@ -1,0 +1,486 @@
+// Package httplb is weir's http data plane: it terminates HTTP/1.1, HTTP/2 (over
+// TLS with ALPN, and cleartext by prior knowledge or the h2c upgrade) and gRPC, and
+// picks a backend for every request, not every connection, through
+// userspace/balance. One client connection carrying many HTTP/2 streams is so
+// spread over every backend.
+//
+// Requests are forwarded over pooled upstream connections (http.Transport, one
+// per backend; HTTP/2 cleartext to backends that speak it, so many client streams
+// become streams over few connections). Bodies stream both ways and are flushed
+// as they come; trailers (gRPC's grpc-status) pass through. Nothing here parses
+// HTTP: net/http and golang.org/x/net/http2 do.
+//
+// A Service is made by Listen, served by Serve(ctx) until ctx is done, then shut
+// down gracefully: HTTP/2 clients get GOAWAY and in-flight requests finish, up
+// to the drain timeout.
+package httplb
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net"
+	"net/http"
+	"net/netip"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/h2c"
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/userspace/balance"
+)
+
+// Upstream is the protocol spoken to backends.
+type Upstream int
+
+// Upstream protocols.
+const (
+	// UpstreamAuto speaks HTTP/2 cleartext for requests that came over HTTP/2 and
+	// HTTP/1.1 for the others.
+	UpstreamAuto Upstream = iota
+	UpstreamHTTP1
+	UpstreamH2C
+)
+
+// HashKind is what the hash algorithms (maglev, source_hash) hash.
+type HashKind int
+
+// Hash keys.
+const (
+	HashSource HashKind = iota // the client's address
+	HashHeader                 // a request header's value
+	HashCookie                 // a cookie's value
+)
+
+// Outcome is what one try at a backend came to, for passive health.
+type Outcome int
+
+// Outcomes.
+const (
+	Success        Outcome = iota // an answer below 500
+	ServerError                   // a 5xx answer
+	ConnectFailure                // no connection to the backend
+	Reset                         // the connection or stream broke
+	Timeout                       // no answer in time
+)
+
+func (o Outcome) String() string {
+	return [...]string{"success", "5xx", "connect failure", "reset", "timeout"}[o]
+}
+
+// Observer is told of every try's outcome (passive health) and of every
+// finished request (metrics). It is called from request goroutines and must be
+// quick and safe for concurrent use.
+type Observer interface {
+	Try(backend netip.AddrPort, o Outcome)
+	Request(backend netip.AddrPort, status int, d time.Duration)
+}
+
+// Config is one service's settings.
+type Config struct {
+	Name   string
+	Listen netip.AddrPort
+	// TLS, when set, serves TLS with HTTP/2 and HTTP/1.1 by ALPN; nil: cleartext.
+	TLS *tls.Config
+	// Algorithm is one of balance.Algorithms(); default least_conn.
+	Algorithm string
+	// LastByte: least_time measures until the response's last byte, not its
+	// headers.
+	LastByte bool
+	// Hash and HashName: the hash key of maglev and source_hash.
+	Hash     HashKind
+	HashName string
+	Upstream Upstream
+
+	ConnectTimeout    time.Duration // default 3s
+	TryTimeout        time.Duration // until one try's response headers; 0: none
+	Timeout           time.Duration // the whole request; 0: none
+	IdleTimeout       time.Duration // a client connection with no request; default 5m
+	ReadHeaderTimeout time.Duration // a request's headers; default 10s
+	MaxHeaderBytes    int           // default 64 KiB
+	// Retries is how many other backends a failed request may be tried on.
+	Retries int
+	// RetryBudget is the share of requests that may be retries; 0 with Retries > 0
+	// allows only the budget's floor (a few a second).
+	RetryBudget float64
+	// RetryGRPC are gRPC methods safe to retry ("/pkg.Svc/Method", "/pkg.Svc/*",
+	// "*").
+	RetryGRPC []string
+
+	XForwardedFor, Forwarded, XForwardedProto bool
+	AccessLog                                 bool
+
+	// DrainTimeout bounds how long Serve waits for in-flight requests at shutdown;
+	// 0: no limit.
+	DrainTimeout time.Duration
+	Observer     Observer
+	Logger       *slog.Logger
+	// Seed makes the balancer's random choices reproducible (tests); 0: random.
+	Seed uint64
+}
+
+// Backend is one backend as the agent sees it.
+type Backend struct {
+	Addr      netip.AddrPort
+	Weight    uint32
+	Usable    bool // healthy, not drained, weight > 0
+	SlowStart time.Duration
+}
+
+// Service is one listening http service.
+type Service struct {
+	cfg      Config // as Listen had it: the settings fixed while it listens
+	log      *slog.Logger
+	live     atomic.Pointer[live] // the settings Reconfigure may change
+	ln       net.Listener
+	srv      *http.Server
+	upgraded *http.Server // shuts the h2c-upgraded connections down (see Listen)
+	stats    stats
+
+	mu       sync.Mutex
+	backends map[string]*backend                 // by address; removed ones until idle
+	byID     atomic.Pointer[map[string]*backend] // backends as last published, read by requests
+}
+
+// live is what a request reads once at its start: the settings that may change
+// while the service listens, the balancer and the retry budget.
+type live struct {
+	cfg    Config
+	bal    balance.Balancer
+	budget *retryBudget
+}
+
+// Errors.
+var (
+	// ErrNoBackend is answered as 503 when no backend is usable.
+	ErrNoBackend = balance.ErrNoBackend
+)
+
+// Listen binds the service's address (SO_REUSEPORT, so a replacement can bind
+// it while this one drains) and prepares its server; Serve starts answering.
+func Listen(cfg Config, backends []Backend) (*Service, error) {
+	cfg.defaults()
+	s := &Service{cfg: cfg, log: cfg.Logger, backends: map[string]*backend{}}
+	if err := s.Reconfigure(cfg, backends); err != nil {
+		return nil, err
+	}
+	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1) })
+		return errors.Join(err, serr)
+	}}
+	ln, err := lc.Listen(context.Background(), "tcp", cfg.Listen.String())
+	if err != nil {
+		return nil, fmt.Errorf("service %q: listen %s: %w", cfg.Name, cfg.Listen, err)
+	}
+	s.ln = ln
+	var protos http.Protocols
+	protos.SetHTTP1(true)
+	protos.SetHTTP2(true)
+	protos.SetUnencryptedHTTP2(cfg.TLS == nil)
+	h2 := &http2.Server{MaxConcurrentStreams: 250, IdleTimeout: cfg.IdleTimeout}
+	// Connections upgraded from HTTP/1.1 (h2c upgrade) are served by x/net's
+	// server, outside net/http's: its shutdown hook, registered on an http.Server
+	// of its own, sends them GOAWAY when this one shuts down.
+	s.upgraded = &http.Server{}
+	if err := http2.ConfigureServer(s.upgraded, h2); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("service %q: %w", cfg.Name, err)
+	}
+	s.srv = &http.Server{
+		Handler:           h2c.NewHandler(s, h2),
+		Protocols:         &protos,
+		TLSConfig:         cfg.TLS,
+		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
+		IdleTimeout:       cfg.IdleTimeout,
+		MaxHeaderBytes:    cfg.MaxHeaderBytes,
+		HTTP2:             &http.HTTP2Config{MaxConcurrentStreams: 250, MaxDecoderHeaderTableSize: 4096, MaxEncoderHeaderTableSize: 4096},
+		ErrorLog:          slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelDebug),
+		ConnState:         s.stats.connState,
+	}
+	return s, nil
+}
+
+func (c *Config) defaults() {
+	if c.Algorithm == "" {
+		c.Algorithm = balance.LeastConn
+	}
+	if c.ConnectTimeout == 0 {
+		c.ConnectTimeout = 3 * time.Second
+	}
+	if c.IdleTimeout == 0 {
+		c.IdleTimeout = 5 * time.Minute
+	}
+	if c.ReadHeaderTimeout == 0 {
+		c.ReadHeaderTimeout = 10 * time.Second
+	}
+	if c.MaxHeaderBytes == 0 {
+		c.MaxHeaderBytes = 64 << 10
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+}
+
+// Addr is the address the service listens on.
+func (s *Service) Addr() net.Addr { return s.ln.Addr() }
+
+// Serve answers until ctx is done, then shuts down gracefully: the listener
+// closes, HTTP/2 connections get GOAWAY, idle HTTP/1.1 connections close, and
+// in-flight requests finish (up to DrainTimeout, then their connections close).
+func (s *Service) Serve(ctx context.Context) error {
+	ln := s.ln
+	if s.cfg.TLS != nil {
+		ln = tls.NewListener(ln, s.cfg.TLS)
+	}
+	errc := make(chan error, 1)
+	// Exits when the server is shut down below (or the listener fails).
+	go func() { errc <- s.srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		s.closeBackends()
+		return fmt.Errorf("service %q: serve: %w", s.cfg.Name, err)
+	case <-ctx.Done():
+	}
+	shutCtx, cancel := context.Background(), context.CancelFunc(func() {})
+	if s.cfg.DrainTimeout > 0 {
+		shutCtx, cancel = context.WithTimeout(shutCtx, s.cfg.DrainTimeout)
+	}
+	defer cancel()
+	// Both at once: each waits for its own connections.
+	var wg sync.WaitGroup
+	wg.Go(func() { s.upgraded.Shutdown(shutCtx) })
+	err := s.srv.Shutdown(shutCtx)
+	wg.Wait()
+	if err != nil {
+		s.srv.Close() // the drain time is up: close what is left
+	}
+	<-errc
+	s.closeBackends()
+	return nil
+}
+
+// Close stops the service at once, without draining (for a Listen whose Serve
+// never ran).
+func (s *Service) Close() error {
+	err := s.srv.Close()
+	s.ln.Close()
+	s.closeBackends()
+	return err
+}
+
+// backend is one backend's transport and counters.
+type backend struct {
+	addr   netip.AddrPort
+	id     string
+	h1, h2 *http.Transport
+	stats  backendStats
+	// removed: no longer configured; its idle connections are closed.
+	removed bool
+}
+
+func (s *Service) newBackend(addr netip.AddrPort) *backend {
+	b := &backend{addr: addr, id: addr.String()}
+	dialer := &net.Dialer{Timeout: s.cfg.ConnectTimeout, KeepAlive: 30 * time.Second}
+	dial := func(ctx context.Context, network, _ string) (net.Conn, error) {
+		c, err := dialer.DialContext(ctx, network, b.id)
+		if err != nil {
+			return nil, &dialError{err}
+		}
+		return c, nil
+	}
+	mk := func(h2c bool) *http.Transport {
+		t := &http.Transport{
+			DialContext:            dial,
+			MaxIdleConns:           0,
+			MaxIdleConnsPerHost:    1024,
+			IdleConnTimeout:        90 * time.Second,
+			DisableCompression:     true,
+			MaxResponseHeaderBytes: int64(max(s.cfg.MaxHeaderBytes, 64<<10)),
+			WriteBufferSize:        32 << 10,
+			ReadBufferSize:         32 << 10,
+		}
+		var p http.Protocols
+		if h2c {
+			p.SetUnencryptedHTTP2(true)
+			t.HTTP2 = &http.HTTP2Config{MaxReceiveBufferPerStream: 1 << 20, MaxReceiveBufferPerConnection: 4 << 20}
+		} else {
+			p.SetHTTP1(true)
+		}
+		t.Protocols = &p
+		return t
+	}
+	b.h1, b.h2 = mk(false), mk(true)
+	return b
+}
+
+// dialError marks a failure to connect: the request was never sent, so any
+// request may be retried elsewhere.
+type dialError struct{ err error }
+
+func (e *dialError) Error() string { return "connect: " + e.err.Error() }
+func (e *dialError) Unwrap() error { return e.err }
+
+// ErrRebuild is returned by Reconfigure for a change that needs a new listener.
+var ErrRebuild = errors.New("the change needs a new listener")
+
+// Fixed reports whether two configs differ in a setting fixed while the service
+// listens (address, TLS, the server's and the pools' limits and timeouts), which
+// Reconfigure cannot change.
+func Fixed(a, b Config) bool {
+	return a.Name != b.Name || a.Listen != b.Listen || a.TLS != b.TLS || a.ConnectTimeout != b.ConnectTimeout ||
+		a.IdleTimeout != b.IdleTimeout || a.ReadHeaderTimeout != b.ReadHeaderTimeout ||
+		a.MaxHeaderBytes != b.MaxHeaderBytes || a.DrainTimeout != b.DrainTimeout
+}
+
+// Reconfigure applies new settings and backends in place: client connections
+// stay open (no GOAWAY), requests in flight finish with the settings they
+// started with, and later ones take the new. The balancer is kept, with its
+// latency estimates, unless the algorithm changed. A change Fixed reports is
+// refused with ErrRebuild.
+func (s *Service) Reconfigure(cfg Config, backends []Backend) error {
+	cfg.defaults()
+	cfg.TLS = s.cfg.TLS // compared by the caller; the certificate is loaded once
+	if Fixed(s.cfg, cfg) {
+		return fmt.Errorf("service %q: %w", cfg.Name, ErrRebuild)
+	}
+	prev := s.live.Load()
+	l := &live{cfg: cfg}
+	if prev != nil && prev.cfg.Algorithm == cfg.Algorithm && prev.cfg.Seed == cfg.Seed {
+		l.bal = prev.bal
+	} else {
+		bal, err := balance.New(cfg.Algorithm, nil, cfg.Seed)
+		if err != nil {
+			return fmt.Errorf("service %q: %w", cfg.Name, err)
+		}
+		l.bal = bal
+	}
+	if prev != nil && prev.cfg.RetryBudget == cfg.RetryBudget {
+		l.budget = prev.budget
+	} else {
+		l.budget = newRetryBudget(cfg.RetryBudget)
+	}
+	if err := s.setBackends(l.bal, backends); err != nil {
+		return err
+	}
+	s.live.Store(l)
+	return nil
+}
+
+// SetBackends replaces the backend set. Backends that stay keep their pooled
+// connections, in-flight counts and latency estimates; a backend that is no
+// longer usable (drained, ejected, removed) gets no new requests, and its
+// in-flight ones finish. Safe for concurrent use with requests.
+func (s *Service) SetBackends(bs []Backend) error {
+	return s.setBackends(s.live.Load().bal, bs)
+}
+
+func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
+	seen := map[netip.AddrPort]bool{}
+	in := make([]balance.Backend, 0, len(bs))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, b := range bs {
+		if seen[b.Addr] {
+			return fmt.Errorf("service %q: backend %s: listed twice", s.cfg.Name, b.Addr)
+		}
+		seen[b.Addr] = true
+		be := s.backends[b.Addr.String()]
+		if be == nil {
+			be = s.newBackend(b.Addr)
+			s.backends[be.id] = be
+		}
+		be.removed = false
+		in = append(in, balance.Backend{ID: be.id, Weight: b.Weight, Usable: b.Usable && b.Weight > 0, SlowStart: b.SlowStart})
+	}
+	bal.SetBackends(in)
+	for id, be := range s.backends {
+		if !seen[be.addr] {
+			// In-flight requests keep their connections; idle ones close now, and
+			// the entry goes once nothing is in flight on it.
+			be.removed = true
+			be.h1.CloseIdleConnections()
+			be.h2.CloseIdleConnections()
+			if bal.InFlight(id) == 0 {
+				delete(s.backends, id)
+			}
+		}
+	}
+	byID := maps.Clone(s.backends)
+	s.byID.Store(&byID)
+	return nil
+}
+
+// backend returns the backend a pick named, from the copy the last SetBackends
+// published: requests look it up without a lock.
+func (s *Service) backend(id string) *backend {
+	return (*s.byID.Load())[id]
+}
+
+func (s *Service) closeBackends() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, b := range s.backends {
+		b.h1.CloseIdleConnections()
+		b.h2.CloseIdleConnections()
+	}
+}
+
+// BackendSnapshot is one backend's counters.
+type BackendSnapshot struct {
+	Addr     netip.AddrPort
+	InFlight int
+	// Latency is the estimate the algorithm picks by (ewma, least_time); 0 with
+	// HasLatency false for the others, or before any sample.
+	Latency    time.Duration
+	HasLatency bool
+	Requests   uint64
+	Retries    uint64
+	// Classes counts answers by status class: 1xx..5xx at 1..5; at 0 requests
+	// that got no answer from the backend (the plane answered 502/504 itself).
+	Classes [6]uint64
+}
+
+// Snapshot is the service's counters.
+type Snapshot struct {
+	Connections int64  // client connections open now
+	Accepted    uint64 // client connections accepted
+	InFlight    int64  // requests in flight now
+	Requests    uint64 // requests answered
+	NoBackend   uint64 // answered 503: no backend usable
+	Backends    []BackendSnapshot
+}
+
+// Snapshot returns the service's counters now.
+func (s *Service) Snapshot() Snapshot {
+	sn := Snapshot{Connections: s.stats.conns.Load(), Accepted: s.stats.accepted.Load(),
+		InFlight: s.stats.inflight.Load(), Requests: s.stats.requests.Load(), NoBackend: s.stats.noBackend.Load()}
+	s.mu.Lock()
+	bs := make([]*backend, 0, len(s.backends))
+	for _, b := range s.backends {
+		if !b.removed {
+			bs = append(bs, b)
+		}
+	}
+	s.mu.Unlock()
+	slices.SortFunc(bs, func(a, b *backend) int { return a.addr.Compare(b.addr) })
+	bal := s.live.Load().bal
+	for _, b := range bs {
+		bsn := BackendSnapshot{Addr: b.addr, InFlight: bal.InFlight(b.id), Requests: b.stats.requests.Load(),
+			Retries: b.stats.retries.Load()}
+		bsn.Latency, bsn.HasLatency = bal.Estimate(b.id)
+		for i := range bsn.Classes {
+			bsn.Classes[i] = b.stats.classes[i].Load()
+		}
+		sn.Backends = append(sn.Backends, bsn)
+	}
+	return sn
+}

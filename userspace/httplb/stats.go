@@ -1,0 +1,99 @@
+package httplb
+
+import (
+	"net"
+	"net/http"
+	"sync/atomic"
+	"time"
+)
+
+// stats are a service's counters.
+type stats struct {
+	conns     atomic.Int64
+	accepted  atomic.Uint64
+	inflight  atomic.Int64
+	requests  atomic.Uint64
+	noBackend atomic.Uint64
+}
+
+func (s *stats) connState(_ net.Conn, st http.ConnState) {
+	switch st {
+	case http.StateNew:
+		s.conns.Add(1)
+		s.accepted.Add(1)
+	case http.StateClosed, http.StateHijacked:
+		s.conns.Add(-1)
+	}
+}
+
+// backendStats are one backend's counters.
+type backendStats struct {
+	requests atomic.Uint64
+	retries  atomic.Uint64
+	classes  [6]atomic.Uint64
+}
+
+// count counts one try's answer by status class; 0: no answer.
+func (b *backendStats) count(status int) {
+	b.requests.Add(1)
+	c := status / 100
+	if c < 1 || c > 5 {
+		c = 0
+	}
+	b.classes[c].Add(1)
+}
+
+// retryBudget bounds retries to a share of requests, as Finagle's budget does:
+// every request deposits ratio, every retry withdraws one, and a floor of
+// budgetMinPerSecond lets a quiet service retry too. The balance is capped, so
+// a long quiet spell does not save up a burst. Tokens are counted in
+// thousandths in one atomic word, so the deposit every request makes takes no
+// lock.
+type retryBudget struct {
+	ratio   int64 // thousandths of a token per request
+	balance atomic.Int64
+	last    atomic.Int64 // monotonic ns of the last floor refill
+}
+
+const (
+	budgetCap          = 100 * 1000
+	budgetMinPerSecond = 10
+)
+
+func newRetryBudget(ratio float64) *retryBudget {
+	b := &retryBudget{ratio: int64(ratio * 1000)}
+	b.balance.Store(budgetMinPerSecond * 1000)
+	b.last.Store(nanotime())
+	return b
+}
+
+// epoch anchors nanotime to the monotonic clock.
+var epoch = time.Now()
+
+func nanotime() int64 { return int64(time.Since(epoch)) }
+
+func (b *retryBudget) deposit() {
+	if b.ratio == 0 || b.balance.Load() >= budgetCap {
+		return // over the cap by at most the deposits racing this one
+	}
+	b.balance.Add(b.ratio)
+}
+
+func (b *retryBudget) withdraw() bool {
+	now := nanotime()
+	if last := b.last.Load(); now > last && b.last.CompareAndSwap(last, now) {
+		refill := (now - last) * budgetMinPerSecond * 1000 / int64(time.Second)
+		if v := b.balance.Add(refill); v > budgetCap {
+			b.balance.Add(budgetCap - v)
+		}
+	}
+	for {
+		v := b.balance.Load()
+		if v < 1000 {
+			return false
+		}
+		if b.balance.CompareAndSwap(v, v-1000) {
+			return true
+		}
+	}
+}
