@@ -45,6 +45,29 @@ struct {
 	__array(values, struct lookup_table);
 } lookup_tables SEC(".maps");
 
+// Service id -> its second lookup table (maglev_p2c only): the same backends and size
+// as its lookup_tables entry, built from a seed derived from hash_seed
+// (userspace/balance P2CSeed), so a slot's two owners are independent draws.
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, MAX_SERVICES);
+	__type(key, __u32);
+	__array(values, struct lookup_table);
+} p2c_tables SEC(".maps");
+
+// Backend slot -> its active flows as this node sees them: +1 when a flow is
+// established, -1 when it is counted closed (nat: as backend_flows; dsr and tunnel: the
+// client's first FIN or RST, a reselection, or a SYN reusing its 5-tuple). One word
+// shared by all CPUs (atomic add), so maglev_p2c reads it with one lookup; the loader
+// zeroes it when it gives the slot to a backend. A negative value (flows of the slot's
+// previous backend closing) counts as unknown.
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_BACKENDS);
+	__type(key, __u32);
+	__type(value, __s64);
+} backend_load SEC(".maps");
+
 // The flow tables. Each kind comes twice: an IPv4 table keyed by flow_key4 and an
 // IPv6 one keyed by flow_key (flows.h picks). A flow is recorded half-open on its first
 // packet and established with its client's next packet that is not a SYN (select.h,

@@ -17,19 +17,27 @@ static __always_inline struct backend *usable_backend(__u32 id, __u32 service_id
 	return be;
 }
 
-static __always_inline struct backend *lookup_table_pick(struct packet *p, struct service *svc,
+// is_syn: a TCP SYN without ACK, the first packet of a connection.
+static __always_inline int is_syn(const struct packet *p)
+{
+	return p->flow.proto == IPPROTO_TCP &&
+	       (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
+}
+
+// lookup_table_pick sets *id to the slot svc's table in tables (lookup_tables or
+// p2c_tables) gives flow hash h and returns its backend if usable.
+static __always_inline struct backend *lookup_table_pick(void *tables, struct service *svc, __u32 h,
 							 __u32 *id)
 {
-	__u32 zero = 0, h, index, *size, *slot;
+	__u32 zero = 0, index, *size, *slot;
 	void *table;
 
-	table = bpf_map_lookup_elem(&lookup_tables, &svc->id);
+	table = bpf_map_lookup_elem(tables, &svc->id);
 	if (!table)
 		return 0;
 	size = bpf_map_lookup_elem(table, &zero);
 	if (!size || *size == 0)
 		return 0;
-	h = flow_hash(&p->flow, svc->flags & SERVICE_F_SOURCE_HASH);
 	index = 1 + h % *size;
 	slot = bpf_map_lookup_elem(table, &index);
 	if (!slot)
@@ -38,15 +46,66 @@ static __always_inline struct backend *lookup_table_pick(struct packet *p, struc
 	return usable_backend(*id, svc->id);
 }
 
+// load_add counts a flow of backend slot id opened (+1) or closed (-1) in backend_load.
+static __always_inline void load_add(__u32 id, __s64 delta)
+{
+	__s64 *active = bpf_map_lookup_elem(&backend_load, &id);
+
+	if (active)
+		__sync_fetch_and_add(active, delta);
+}
+
+// p2c_second reports whether a new flow should take its second candidate b (slot
+// idb) over its first a (slot ida): only when a's active flows per unit of weight
+// exceed b's by more than an eighth. Equal loads, loads within the margin, and a
+// missing, negative or weightless count keep the first candidate, which is what
+// plain maglev and every other node would choose; the margin keeps flows on it
+// while the backends are balanced, so the two choices differ only where load does.
+static __always_inline int p2c_second(const struct backend *a, __u32 ida, const struct backend *b,
+				      __u32 idb)
+{
+	__s64 *la, *lb;
+	__u64 ca, cb;
+
+	if (ida == idb || !a->weight || !b->weight)
+		return 0;
+	la = bpf_map_lookup_elem(&backend_load, &ida);
+	lb = bpf_map_lookup_elem(&backend_load, &idb);
+	if (!la || !lb || *la < 0 || *lb < 0)
+		return 0;
+	// la/wa > lb/wb * 9/8, cross-multiplied: below 2^40 flows and 2^16 weights each
+	// product fits in 64 bits.
+	ca = (__u64)*la * b->weight * 8;
+	cb = (__u64)*lb * a->weight * 9;
+	return ca > cb;
+}
+
 // new_flow_backend sets *be and *id to the backend a new flow of svc gets, or returns
 // a verdict: drop_no_backend when the table gives none that is usable. Every mode
-// asks here, so a flow's backend does not depend on its service's mode.
+// asks here, so a flow's backend does not depend on its service's mode. A maglev_p2c
+// service compares the first candidate with the slot its second table gives the same
+// hash, for a TCP SYN or any first UDP datagram; a TCP packet that is not a SYN
+// started elsewhere (another node, before a restart) and takes the first candidate,
+// the one a node that knows nothing of load chooses too.
 static __always_inline int new_flow_backend(struct packet *p, struct service *svc,
 					    struct backend **be, __u32 *id)
 {
-	*be = lookup_table_pick(p, svc, id);
+	__u32 h = flow_hash(&p->flow, svc->flags & SERVICE_F_SOURCE_HASH), id2 = 0;
+	struct backend *be2;
+
+	*be = lookup_table_pick(&lookup_tables, svc, h, id);
 	if (!*be)
 		return verdict(XDP_DROP, STAT_DROP_NO_BACKEND, p->len);
+	if (!(svc->flags & SERVICE_F_P2C))
+		return CONTINUE;
+	if (p->flow.proto == IPPROTO_TCP && !is_syn(p))
+		return CONTINUE;
+	be2 = lookup_table_pick(&p2c_tables, svc, h, &id2);
+	if (be2 && p2c_second(*be, *id, be2, id2)) {
+		*be = be2;
+		*id = id2;
+		count(&global_stats, STAT_FLOW_SECOND_CHOICE, p->len);
+	}
 	return CONTINUE;
 }
 
@@ -55,13 +114,6 @@ static __always_inline int new_flow_backend(struct packet *p, struct service *sv
 // credit may be drawn ahead; 0 turns the limit off.
 volatile const __u64 new_flow_interval_ns = 0;
 volatile const __u64 new_flow_burst_ns = 0;
-
-// is_syn: a TCP SYN without ACK, the first packet of a connection.
-static __always_inline int is_syn(const struct packet *p)
-{
-	return p->flow.proto == IPPROTO_TCP &&
-	       (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
-}
 
 // new_flow_allowed reports whether this CPU may record one more new flow now: a
 // generic cell rate algorithm (one word per CPU, no division on the packet path).
@@ -82,13 +134,33 @@ static __always_inline int new_flow_allowed(__u64 now)
 	return 1;
 }
 
+// tcp_fin_or_rst: the client is ending its TCP connection.
+static __always_inline int tcp_fin_or_rst(const struct packet *p)
+{
+	return p->flow.proto == IPPROTO_TCP && (p->tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST));
+}
+
+// lb_flow_closed counts an established dsr or tunnel flow closed in backend_load,
+// once: the bit it sets in the entry is set by one CPU only.
+static __always_inline void lb_flow_closed(struct lb_flow *f)
+{
+	__u32 old = __sync_fetch_and_or(&f->created_s, LB_FLOW_CLOSED);
+
+	if (!(old & LB_FLOW_CLOSED))
+		load_add(f->backend_id, -1);
+}
+
 // forget_reused drops the connection-table entry of a SYN's 5-tuple, if any: a SYN
 // starts a new connection, which takes the lookup table (as Katran does), and the
 // entry of an earlier connection on the same 5-tuple must not shadow it.
 static __always_inline void forget_reused(struct packet *p)
 {
-	if (flow_lookup(LB_CONNTRACK, &p->flow))
+	struct lb_flow *old = flow_lookup(LB_CONNTRACK, &p->flow);
+
+	if (old) {
+		lb_flow_closed(old);
 		flow_delete(LB_CONNTRACK, &p->flow);
+	}
 }
 
 // select_backend sets *be to the flow's backend or returns a verdict (dsr and tunnel).
@@ -107,8 +179,9 @@ static __always_inline int select_backend(struct packet *p, struct service *svc,
 
 	if (is_syn(p)) {
 		forget_reused(p);
-	} else {
-		known = flow_lookup(LB_CONNTRACK, &p->flow);
+		// A SYN sent again keeps the backend its first one got (as nat does): with
+		// maglev_p2c the loads, and so the choice, may have changed since.
+		known = flow_lookup(LB_HALF_OPEN, &p->flow);
 		if (known) {
 			*id = known->backend_id;
 			*be = usable_backend(*id, svc->id);
@@ -116,7 +189,23 @@ static __always_inline int select_backend(struct packet *p, struct service *svc,
 				count(&global_stats, STAT_FLOW_HIT, p->len);
 				return CONTINUE;
 			}
+			event = STAT_FLOW_RESELECT;
+		}
+	} else {
+		known = flow_lookup(LB_CONNTRACK, &p->flow);
+		if (known) {
+			*id = known->backend_id;
+			*be = usable_backend(*id, svc->id);
+			if (*be) {
+				// The client's FIN or RST: the best sign of a flow's end dsr and
+				// tunnel see (the backend's replies bypass the balancer).
+				if (tcp_fin_or_rst(p))
+					lb_flow_closed(known);
+				count(&global_stats, STAT_FLOW_HIT, p->len);
+				return CONTINUE;
+			}
 			// Its backend became unusable: it starts again as a new flow.
+			lb_flow_closed(known);
 			flow_delete(LB_CONNTRACK, &p->flow);
 			event = STAT_FLOW_RESELECT;
 		} else {
@@ -126,6 +215,11 @@ static __always_inline int select_backend(struct packet *p, struct service *svc,
 				*be = usable_backend(*id, svc->id);
 				if (*be) {
 					fresh = *known;
+					load_add(*id, 1);
+					if (tcp_fin_or_rst(p)) {
+						fresh.created_s |= LB_FLOW_CLOSED;
+						load_add(*id, -1);
+					}
 					flow_update(LB_CONNTRACK, &p->flow, &fresh);
 					flow_delete(LB_HALF_OPEN, &p->flow);
 					count(&global_stats, STAT_FLOW_ESTABLISHED, p->len);
@@ -145,7 +239,7 @@ static __always_inline int select_backend(struct packet *p, struct service *svc,
 		return CONTINUE;
 	}
 	fresh.backend_id = *id;
-	fresh.created_s = now / NSEC_PER_SEC;
+	fresh.created_s = (now / NSEC_PER_SEC) & ~LB_FLOW_CLOSED;
 	// A failed insert (map full of entries being updated) only costs stickiness: the
 	// next packet of the flow takes the same table slot while the table is unchanged.
 	flow_update(LB_HALF_OPEN, &p->flow, &fresh);

@@ -35,6 +35,7 @@ func (p *Program) Model() (*Model, error) {
 		MaxBackends:  p.objs.BackendStats.MaxEntries(),
 		Services:     make(map[bpf.WeirVipKey]bpf.WeirService),
 		Tables:       make(map[uint32][]uint32),
+		Tables2:      make(map[uint32][]uint32),
 		TxPorts:      make(map[uint32]bool),
 	}
 	m.NewFlowIntervalNs, m.NewFlowBurstNs = p.opts.flowLimitNs()
@@ -66,25 +67,38 @@ func (p *Program) Model() (*Model, error) {
 		return nil, fmt.Errorf("read nat_cursor: %w", err)
 	}
 	for _, svc := range m.Services {
-		if _, done := m.Tables[svc.Id]; done {
-			continue
+		for _, t := range []struct {
+			outer *ebpf.Map
+			into  map[uint32][]uint32
+		}{{p.objs.LookupTables, m.Tables}, {p.objs.P2cTables, m.Tables2}} {
+			if err := readInner(t.outer, svc.Id, t.into); err != nil {
+				return nil, err
+			}
 		}
-		var inner *ebpf.Map
-		err := p.objs.LookupTables.Lookup(svc.Id, &inner)
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			continue
-		}
-		if err != nil {
-			return nil, fmt.Errorf("read lookup table of service id %d: %w", svc.Id, err)
-		}
-		table, err := readArray[uint32](inner, inner.MaxEntries())
-		inner.Close()
-		if err != nil {
-			return nil, fmt.Errorf("read lookup table of service id %d: %w", svc.Id, err)
-		}
-		m.Tables[svc.Id] = table
 	}
 	return m, nil
+}
+
+// readInner copies the table outer holds for service id into into[id], if any.
+func readInner(outer *ebpf.Map, id uint32, into map[uint32][]uint32) error {
+	if _, done := into[id]; done {
+		return nil
+	}
+	var inner *ebpf.Map
+	err := outer.Lookup(id, &inner)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read lookup table of service id %d: %w", id, err)
+	}
+	table, err := readArray[uint32](inner, inner.MaxEntries())
+	inner.Close()
+	if err != nil {
+		return fmt.Errorf("read lookup table of service id %d: %w", id, err)
+	}
+	into[id] = table
+	return nil
 }
 
 // readAll copies a hash map into out.
@@ -275,14 +289,36 @@ func (p *Program) flows() (flowTables, error) {
 
 // setNATCursors writes the first len(cursors) entries of nat_cursor.
 func (p *Program) setNATCursors(cursors []uint32) error {
-	keys := make([]uint32, len(cursors))
-	for i := range keys {
-		keys[i] = uint32(i)
-	}
-	if _, err := p.objs.NatCursor.BatchUpdate(keys, cursors, nil); err != nil {
+	if err := writeArray(p.objs.NatCursor, cursors); err != nil {
 		return fmt.Errorf("seed nat_cursor: %w", err)
 	}
 	return nil
+}
+
+// writeArray writes the first len(values) entries of an array map.
+func writeArray[V any](m *ebpf.Map, values []V) error {
+	keys := make([]uint32, len(values))
+	for i := range keys {
+		keys[i] = uint32(i)
+	}
+	_, err := m.BatchUpdate(keys, values, nil)
+	return err
+}
+
+// setLoads writes the first len(loads) entries of backend_load; loads reads them.
+func (p *Program) setLoads(loads []int64) error {
+	if err := writeArray(p.objs.BackendLoad, loads); err != nil {
+		return fmt.Errorf("seed backend_load: %w", err)
+	}
+	return nil
+}
+
+func (p *Program) loads(n uint32) ([]int64, error) {
+	l, err := readArray[int64](p.objs.BackendLoad, n)
+	if err != nil {
+		return nil, fmt.Errorf("read backend_load: %w", err)
+	}
+	return l, nil
 }
 
 // natCursors reads the first n entries of nat_cursor.

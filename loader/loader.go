@@ -194,6 +194,7 @@ type serviceState struct {
 	slots    map[netip.AddrPort]uint32
 	table    *ebpf.Map // the table packets use now
 	previous *ebpf.Map // the generation it replaced, kept readable for a later fallback
+	second   *ebpf.Map // maglev_p2c: the second table packets use now (p2c_tables)
 }
 
 // Load loads the program and creates its maps. It needs CAP_BPF and CAP_NET_ADMIN
@@ -645,25 +646,41 @@ func (p *Program) apply(st *serviceState, s Service) error {
 				undo()
 				return err
 			}
+			if err := p.objs.BackendLoad.Put(id, int64(0)); err != nil {
+				undo()
+				return fmt.Errorf("reset load of backend %s: %w", b.Addr, err)
+			}
 		}
 		slots[b.Addr] = id
 	}
 
-	table, err := p.buildTable(s, slots)
+	table, err := p.buildTable(s, slots, uint64(p.opts.HashSeed))
 	if err != nil {
 		undo()
 		return err
 	}
+	var second *ebpf.Map
+	if s.P2C && table != nil {
+		if second, err = p.buildTable(s, slots, balance.P2CSeed(uint64(p.opts.HashSeed))); err != nil {
+			table.Close()
+			undo()
+			return err
+		}
+	}
+	closeNew := func() {
+		table.Close()
+		second.Close()
+	}
 	for _, b := range s.Backends {
 		if err := p.objs.Backends.Put(slots[b.Addr], backendValue(b, st.id)); err != nil {
-			table.Close()
+			closeNew()
 			undo()
 			return fmt.Errorf("backend %s: %w", b.Addr, err)
 		}
 	}
 	if table != nil {
 		if err := p.objs.LookupTables.Put(st.id, table); err != nil {
-			table.Close()
+			closeNew()
 			undo()
 			return fmt.Errorf("swap lookup table: %w", err)
 		}
@@ -671,9 +688,25 @@ func (p *Program) apply(st *serviceState, s Service) error {
 		undo()
 		return fmt.Errorf("clear lookup table: %w", err)
 	}
+	// The second table goes in after the first: a packet that meets the new first
+	// and the old second compares two candidates that are both usable backends.
+	if second != nil {
+		if err := p.objs.P2cTables.Put(st.id, second); err != nil {
+			second.Close()
+			undo()
+			return fmt.Errorf("swap second lookup table: %w", err)
+		}
+	} else if err := p.objs.P2cTables.Delete(st.id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		undo()
+		return fmt.Errorf("clear second lookup table: %w", err)
+	}
 	if st.previous != nil {
 		st.previous.Close()
 	}
+	if st.second != nil {
+		st.second.Close()
+	}
+	st.second = second
 	st.previous, st.table = st.table, table
 
 	for addr, id := range st.slots {
@@ -690,7 +723,7 @@ func (p *Program) apply(st *serviceState, s Service) error {
 // buildTable fills a new inner map with the service's Maglev table. It returns nil,
 // without error, when no backend is usable: the service then drops new flows and
 // counts them as having no backend.
-func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32) (*ebpf.Map, error) {
+func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32, seed uint64) (*ebpf.Map, error) {
 	members := make([]balance.Backend, len(s.Backends))
 	usable := 0
 	for i, b := range s.Backends {
@@ -708,7 +741,7 @@ func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32) (*ebpf.
 	if size == 0 {
 		size = balance.MaglevSize(len(s.Backends))
 	}
-	entries, err := balance.BuildMaglev(members, size, uint64(p.opts.HashSeed))
+	entries, err := balance.BuildMaglev(members, size, seed)
 	if err != nil {
 		return nil, fmt.Errorf("build lookup table: %w", err)
 	}
@@ -745,6 +778,7 @@ func (p *Program) clearBackend(id uint32) {
 
 func (p *Program) releaseService(st *serviceState) {
 	_ = p.objs.LookupTables.Delete(st.id)
+	_ = p.objs.P2cTables.Delete(st.id)
 	st.closeTables()
 	for _, id := range st.slots {
 		p.clearBackend(id)
@@ -761,6 +795,10 @@ func (st *serviceState) closeTables() {
 	if st.previous != nil {
 		st.previous.Close()
 		st.previous = nil
+	}
+	if st.second != nil {
+		st.second.Close()
+		st.second = nil
 	}
 }
 
@@ -801,6 +839,9 @@ func serviceValue(s Service, id uint32) bpf.WeirService {
 	if s.SourceHash {
 		v.Flags |= serviceFlagSourceHash
 	}
+	if s.P2C {
+		v.Flags |= serviceFlagP2C
+	}
 	return v
 }
 
@@ -810,6 +851,7 @@ func backendValue(b Backend, serviceID uint32) bpf.WeirBackend {
 		Port:      portWord(b.Addr.Port()),
 		Family:    family(b.Addr.Addr()),
 		ServiceId: serviceID,
+		Weight:    uint16(b.Weight), // validate bounds it by MaxWeight
 	}
 	copy(v.Mac[:], b.MAC)
 	if b.Usable {
@@ -821,6 +863,7 @@ func backendValue(b Backend, serviceID uint32) bpf.WeirBackend {
 // Flag bits of bpf/consts.h.
 const (
 	serviceFlagSourceHash = bpf.WeirServiceFlagsSERVICE_F_SOURCE_HASH
+	serviceFlagP2C        = bpf.WeirServiceFlagsSERVICE_F_P2C
 	backendFlagUsable     = bpf.WeirBackendFlagsBACKEND_F_USABLE
 )
 

@@ -85,6 +85,14 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"nat known flow refreshed, backend's next hop stale", ReasonDropNoRoute},
 		{"icmp from backend quoting a half-open flow", ReasonICMPTranslated},
 		{"icmp from client side quoting a half-open flow", ReasonICMPTranslated},
+		{"dsr tcp syn v4, p2c second candidate less loaded", ReasonFlowSecondChoice},
+		{"nat tcp syn v4, p2c second candidate less loaded", ReasonFlowSecondChoice},
+		{"nat udp v6, p2c second candidate less loaded", ReasonFlowSecondChoice},
+		{"tunnel v6 syn, p2c second candidate less loaded", ReasonFlowSecondChoice},
+		{"dsr tcp ack v4 of an unknown flow, p2c keeps the first candidate", ReasonFlowNew},
+		{"dsr tcp syn again, half-open flow", ReasonFlowHit},
+		{"dsr tcp fin, known flow counted closed", ReasonFlowHit},
+		{"dsr tcp fin, half-open flow established closing", ReasonFlowEstablished},
 	} {
 		t.Run(tc.seed, func(t *testing.T) {
 			i := slices.IndexFunc(fuzzSeeds, func(s struct {
@@ -264,6 +272,20 @@ var fuzzSeeds = []struct {
 	{"tunnel new flow over the rate limit, untracked", []byte{1, 24, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
 	{"icmp from backend quoting a half-open flow", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 255, 0, 2 | 0x10}},
 	{"icmp from client side quoting a half-open flow", []byte{0, 17, 0, 0, 1, 0, 0, 255, 0, 1 | 8, 0, 1}},
+	// maglev_p2c (services 0, 4, 7, 9): bytes 17-18 give backend slots their loads
+	// (fuzzLoads, three bits a slot); each of these makes the flow's first candidate
+	// busier than its second.
+	{"dsr tcp syn v4, p2c second candidate less loaded", []byte{0, 0, 0, 2, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3}},
+	{"nat tcp syn v4, p2c second candidate less loaded", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3}},
+	{"nat udp v6, p2c second candidate less loaded", []byte{0, 7, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x18}},
+	{"tunnel v6 syn, p2c second candidate less loaded", []byte{0, 25, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3}},
+	{"dsr tcp ack v4 of an unknown flow, p2c keeps the first candidate", []byte{0, 0, 0, 2, packet.ACK, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3}},
+	{"dsr tcp syn v4, p2c loads tie", []byte{0, 0, 0, 2, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2 | 1<<3}},
+	{"dsr tcp syn v4, p2c load unknown", []byte{0, 0, 0, 2, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3 | 4<<3}},
+	{"dsr tcp syn again, half-open flow", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 0, 1 | 8, 0}},
+	{"dsr tcp fin, known flow counted closed", []byte{0, 0, 0, 0, packet.FIN | packet.ACK, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1}},
+	{"dsr tcp fin, half-open flow established closing", []byte{0, 0, 0, 0, packet.FIN | packet.ACK, 0, 0, 0, 0, 1 | 8, 0}},
+	{"tunnel rst, known flow on an unusable slot", []byte{0, 25, 0, 0, packet.RST, 0, 0, 0, 0, 1, 3, 0, 0, 0, 0, 0, 0, 0x12, 0x34}},
 	{"raw bytes", []byte{0x0e, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}},
 	{"raw ipv4 after ethernet", []byte{0x0c, 0, 0x45, 0, 0, 40, 0, 0, 0, 0, 64, 6, 0, 0, 10, 77, 0, 1, 10, 77, 100, 1}},
 	{"raw ipv6 after vlan", []byte{0x0c, 3, 0x60, 0, 0, 0, 0, 0, 6, 64}},
@@ -329,6 +351,10 @@ func fuzzServices() []Service {
 	)
 	s[10].SourceHash = true
 	s[10].Backends[2].Usable = false
+	// maglev_p2c in every mode, both families and protocols.
+	for _, i := range []int{0, 4, 7, 9} {
+		s[i].P2C = true
+	}
 	return s
 }
 
@@ -597,6 +623,7 @@ type fuzzCase struct {
 	cursor   uint32 // every backend's nat_cursor
 	tat      uint64 // every CPU's new_flow_limit
 	backends map[uint32]bpf.WeirBackend
+	loads    []int64 // backend_load of the slots the rig reads
 }
 
 // check runs one input through the program and the model and fails on any
@@ -628,6 +655,9 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 		t.Fatal(err)
 	}
 	if err := p.setNewFlowTAT(c.tat); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.setLoads(c.loads); err != nil {
 		t.Fatal(err)
 	}
 	nSvc := uint32(len(rig.services))
@@ -670,6 +700,10 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 	if err != nil {
 		t.Fatal(err)
 	}
+	gotLoads, err := p.loads(rig.nBackend)
+	if err != nil {
+		t.Fatal(err)
+	}
 	rig.last[c.prog] = &got
 
 	deltas := func(a, b []Counter) []Counter {
@@ -689,6 +723,7 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 	})
 	m.NATCursor = cursors
 	m.NewFlowTAT = c.tat
+	m.Load = slices.Clone(c.loads)
 	m.IngressIfindex = rig.ingress
 	// The backends array is shared with the rig's model (a copy per input would cost
 	// more than the run): only tunnel slots change, and every input resets them all.
@@ -777,6 +812,9 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 	}
 	if !maps.Equal(got.HalfReverse, m.NATHalfReverse) {
 		report("nat_half_reverse\n got %+v\nwant %+v", got.HalfReverse, m.NATHalfReverse)
+	}
+	if !slices.Equal(gotLoads, m.Load) {
+		report("backend_load = %v (seeded %v); want %v", gotLoads, c.loads, m.Load)
 	}
 	if !slices.Equal(gotCursors, m.NATCursor[:rig.nBackend]) {
 		report("nat_cursor = %v; want %v", gotCursors, m.NATCursor[:rig.nBackend])
@@ -880,6 +918,22 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 //	   its length (4096, 0, this packet's outer length - 1, its outer length), bit 6
 //	   set DF on an IPv4 frame, bit 7 the first backend only
 //	16 the new-flow limit's word on every CPU (fuzzTATs)
+//	17-18 backend_load of every slot (fuzzLoads, three bits a slot)
+//
+// fuzzLoads are the backend_load values an input gives slots: none, either side of
+// maglev_p2c's margin (9 against 8 ties, 10 wins), unknown, huge.
+var fuzzLoads = []int64{0, 8, 9, 10, -1, 1, 1 << 40, 3}
+
+// loads gives slot i fuzzLoads[sel >> 3(i mod 5) & 7], so the slots of one service
+// (at most 3, in a row) take independent values.
+func (rig *fuzzRig) loads(sel uint16) []int64 {
+	out := make([]int64, rig.nBackend)
+	for i := range out {
+		out[i] = fuzzLoads[sel>>(3*(i%5))&7]
+	}
+	return out
+}
+
 func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	r := &fuzzReader{in}
 	b0 := r.u8()
@@ -900,6 +954,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 			frame = append(frame, types[int(r.u8())%len(types)]...)
 		}
 		c.frame = fitFrame(append(frame, r.b...))
+		c.loads = rig.loads(0)
 		return c
 	}
 
@@ -1136,6 +1191,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	if tat := fuzzTATs[int(r.u8())%len(fuzzTATs)]; tat != 0 {
 		c.tat = now + uint64(tat)
 	}
+	c.loads = rig.loads(r.u16())
 	if tg.svc >= 0 && (svc.Forwarding == ForwardTunnel || svc.Forwarding == ForwardNAT) {
 		ifindex := []uint32{0, rig.ingress, rig.veth, 9}[tun&3]
 		at := now - uint64([]time.Duration{100 * time.Millisecond, 3 * time.Second, -50 * time.Second, 0}[tun>>2&3])

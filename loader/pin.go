@@ -69,7 +69,8 @@ func (p *Program) adopt() error {
 		}
 		sk := ServiceKey{VIP: netip.AddrPortFrom(addr, portWord(key.Port)), Protocol: Protocol(key.Proto)}
 		st := &serviceState{id: val.Id, slots: make(map[netip.AddrPort]uint32)}
-		st.spec = Service{Key: sk, Forwarding: Forwarding(val.Mode), SourceHash: val.Flags&serviceFlagSourceHash != 0}
+		st.spec = Service{Key: sk, Forwarding: Forwarding(val.Mode), SourceHash: val.Flags&serviceFlagSourceHash != 0,
+			P2C: val.Flags&serviceFlagP2C != 0}
 		p.services[sk] = st
 		byID[val.Id] = st
 		usedServices[val.Id] = true
@@ -204,7 +205,8 @@ func (p *Program) unpinAll() error {
 		}
 	}
 	maps := []*ebpf.Map{p.objs.Services, p.objs.Backends, p.objs.LookupTables, p.objs.NewFlowLimit, p.objs.NatCursor,
-		p.objs.ServiceStats, p.objs.BackendStats, p.objs.GlobalStats, p.objs.BackendFlows, p.objs.TxPorts}
+		p.objs.ServiceStats, p.objs.BackendStats, p.objs.GlobalStats, p.objs.BackendFlows, p.objs.TxPorts,
+		p.objs.P2cTables, p.objs.BackendLoad}
 	for _, fp := range p.flowPairs() {
 		maps = append(maps, fp.v4, fp.v6)
 	}

@@ -229,3 +229,21 @@ func mix64(z uint64) uint64 {
 	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
 	return z ^ (z >> 31)
 }
+
+// P2CSeed is the seed of a maglev_p2c service's second table, derived from the seed
+// of its first: a fixed function, so every balancer node builds the same pair, and a
+// strong mix, so a slot's owners in the two tables are independent draws.
+func P2CSeed(seed uint64) uint64 { return mix64(seed ^ 0x6d61676c65763263) }
+
+// PreferSecond is maglev_p2c's choice between a flow's two candidates: the second
+// (loadB active flows at weight weightB) only when the first's load per unit of weight
+// exceeds it by more than an eighth. Ties and loads within the margin keep the first
+// candidate, the one plain Maglev gives, so balancer nodes that see different loads
+// still agree on most flows; a negative load (unknown) or a zero weight keeps the
+// first too. The XDP program (bpf/select.h p2c_second) computes the same in 64 bits.
+func PreferSecond(loadA int64, weightA uint32, loadB int64, weightB uint32) bool {
+	if loadA < 0 || loadB < 0 || weightA == 0 || weightB == 0 {
+		return false
+	}
+	return uint64(loadA)*uint64(weightB)*8 > uint64(loadB)*uint64(weightA)*9
+}

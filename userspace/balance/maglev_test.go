@@ -226,4 +226,38 @@ func TestMaglevDisruption(t *testing.T) {
 			t.Logf("N=%d M=%d (MaglevSize): moved/(1/N) mean %.2f, worst %.2f", n, m, mean, worst)
 		}
 	}
+	if !testing.Short() {
+		// The fill's disruption grows with N at a fixed M/N: 10,000 backends at
+		// MaglevSize (M = 100 N) move about 9.3 times their share.
+		mean, worst := disruption(t, 10000, MaglevSize(10000), 3)
+		t.Logf("N=10000 M=%d (MaglevSize): moved/(1/N) mean %.2f, worst %.2f over 3 removals", MaglevSize(10000), mean, worst)
+	}
+}
+
+// BenchmarkBuildMaglev measures one table build at the default size for N equal
+// backends (MaglevSize), and one of maglev_p2c's pair. x_n100 is ns/op divided by
+// the 100-backend build measured first in the same run.
+func BenchmarkBuildMaglev(b *testing.B) {
+	var base float64
+	build := func(b *testing.B, n int, tables int) float64 {
+		bs := backendsN(n, one)
+		size := MaglevSize(n)
+		b.ReportAllocs()
+		for b.Loop() {
+			for i := range tables {
+				if _, err := BuildMaglev(bs, size, uint64(i)); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		ns := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
+		b.ReportMetric(ns/1e6, "ms/op")
+		b.ReportMetric(float64(size)*4*float64(tables)/(1<<10), "KiB")
+		return ns
+	}
+	b.Run("n=100", func(b *testing.B) { base = build(b, 100, 1) })
+	for _, n := range []int{1000, 10000} {
+		b.Run(fmt.Sprintf("n=%d", n), func(b *testing.B) { b.ReportMetric(build(b, n, 1)/base, "x_n100") })
+	}
+	b.Run("p2c-pair/n=1000", func(b *testing.B) { b.ReportMetric(build(b, 1000, 2)/base, "x_n100") })
 }

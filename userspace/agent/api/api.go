@@ -37,4 +37,16 @@ type Explanation struct {
 	HalfOpen bool `json:"half_open,omitempty"`
 	// NATPort is the flow's source port towards its backend (nat mode).
 	NATPort uint16 `json:"nat_port,omitempty"`
+	// P2C, for a maglev_p2c service, the two candidates New was chosen from.
+	P2C *Candidates `json:"p2c,omitempty"`
+}
+
+// Candidates are a maglev_p2c flow's two candidates, the active flows this node
+// counts on each (negative: unknown), and which one a new flow takes.
+type Candidates struct {
+	First      string `json:"first"`
+	Second     string `json:"second"`
+	FirstLoad  int64  `json:"first_load"`
+	SecondLoad int64  `json:"second_load"`
+	SecondWins bool   `json:"second_wins,omitempty"`
 }
