@@ -158,6 +158,34 @@ func TestMaglevDeterministic(t *testing.T) {
 	}
 }
 
+// TestMaglevRoundRobinFill: with equal weights the round-robin fill builds the very
+// table the weighted heap fill builds, so the shortcut changes no node's table.
+func TestMaglevRoundRobinFill(t *testing.T) {
+	for _, tc := range []struct {
+		n    int
+		size uint32
+		w    uint32
+	}{{1, 13, 1}, {3, 31, 1}, {7, 4099, 3}, {100, 65537, 1}, {1000, 100003, 7}} {
+		bs := backendsN(tc.n, func(int) uint32 { return tc.w })
+		if tc.n > 3 {
+			bs[1].Usable = false
+		}
+		for _, seed := range []uint64{0, 42, P2CSeed(42)} {
+			fast, err := buildMaglev(bs, tc.size, seed, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			slow, err := buildMaglev(bs, tc.size, seed, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(fast, slow) {
+				t.Errorf("N=%d M=%d seed %d: round-robin fill differs from the heap fill; want identical", tc.n, tc.size, seed)
+			}
+		}
+	}
+}
+
 // TestMaglevHashPinned pins hashID's output: every balancer node, in every version that
 // shares a table, must compute the same hash. Changing these values is a breaking change.
 func TestMaglevHashPinned(t *testing.T) {
