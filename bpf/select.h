@@ -179,9 +179,10 @@ static __always_inline int select_backend(struct packet *p, struct service *svc,
 
 	if (is_syn(p)) {
 		forget_reused(p);
-		// A SYN sent again keeps the backend its first one got (as nat does): with
-		// maglev_p2c the loads, and so the choice, may have changed since.
-		known = flow_lookup(LB_HALF_OPEN, &p->flow);
+		// With maglev_p2c a SYN sent again keeps the backend its first one got (as
+		// nat does): the loads, and so the choice, may have changed since. Plain
+		// maglev's choice changes only with the table, which a SYN always takes.
+		known = (svc->flags & SERVICE_F_P2C) ? flow_lookup(LB_HALF_OPEN, &p->flow) : 0;
 		if (known) {
 			*id = known->backend_id;
 			*be = usable_backend(*id, svc->id);

@@ -502,7 +502,7 @@ func (r *run) selectBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.We
 			r.lbFlowClosed(r.m.LBConntrack, p.flow)
 			delete(r.m.LBConntrack, p.flow)
 		}
-		if known, ok := r.m.LBHalfOpen[p.flow]; ok {
+		if known, ok := r.m.LBHalfOpen[p.flow]; ok && svc.Flags&serviceFlagP2C != 0 {
 			if be, ok := r.usableBackend(known.BackendId, svc.Id); ok {
 				r.count(ReasonFlowHit)
 				return known.BackendId, be, modelContinue

@@ -115,7 +115,15 @@ func buildMaglev(backends []Backend, size uint32, seed uint64, fast bool) ([]uin
 		fillRoundRobin(table, order, quota, pos, skip)
 		return table, nil
 	}
-	heap.Init(t)
+	// The reference fill (fast false, for tests) runs container/heap; the same
+	// operations on the concrete type skip its interface calls.
+	initHeap, pop, fix := t.init, t.popTop, t.fixTop
+	if !fast {
+		initHeap = func() { heap.Init(t) }
+		pop = func() { heap.Pop(t) }
+		fix = func() { heap.Fix(t, 0) }
+	}
+	initHeap()
 	for filled := uint64(0); filled < m; filled++ {
 		k := t.idx[0]
 		for table[pos[k]] != empty {
@@ -127,9 +135,9 @@ func buildMaglev(backends []Backend, size uint32, seed uint64, fast bool) ([]uin
 		table[pos[k]] = uint32(order[k])
 		t.taken[k]++
 		if t.taken[k] == quota[k] {
-			heap.Pop(t)
+			pop()
 		} else {
-			heap.Fix(t, 0)
+			fix()
 		}
 	}
 	return table, nil
@@ -236,7 +244,42 @@ func (t *turns) Less(a, b int) bool {
 	return i < j
 }
 func (t *turns) Swap(a, b int) { t.idx[a], t.idx[b] = t.idx[b], t.idx[a] }
-func (t *turns) Push(x any)    { t.idx = append(t.idx, x.(int)) }
+
+// init, fixTop and popTop are container/heap's Init, Fix(0) and Pop, step for step
+// (so the order of turns is the same), on the concrete type.
+func (t *turns) init() {
+	n := len(t.idx)
+	for i := n/2 - 1; i >= 0; i-- {
+		t.down(i, n)
+	}
+}
+
+func (t *turns) fixTop() { t.down(0, len(t.idx)) }
+
+func (t *turns) popTop() {
+	n := len(t.idx) - 1
+	t.Swap(0, n)
+	t.down(0, n)
+	t.idx = t.idx[:n]
+}
+
+func (t *turns) down(i, n int) {
+	for {
+		j := 2*i + 1
+		if j >= n || j < 0 {
+			return
+		}
+		if j2 := j + 1; j2 < n && t.Less(j2, j) {
+			j = j2
+		}
+		if !t.Less(j, i) {
+			return
+		}
+		t.Swap(i, j)
+		i = j
+	}
+}
+func (t *turns) Push(x any) { t.idx = append(t.idx, x.(int)) }
 func (t *turns) Pop() any {
 	x := t.idx[len(t.idx)-1]
 	t.idx = t.idx[:len(t.idx)-1]

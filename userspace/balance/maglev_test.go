@@ -158,15 +158,22 @@ func TestMaglevDeterministic(t *testing.T) {
 	}
 }
 
-// TestMaglevRoundRobinFill: with equal weights the round-robin fill builds the very
-// table the weighted heap fill builds, so the shortcut changes no node's table.
-func TestMaglevRoundRobinFill(t *testing.T) {
+// TestMaglevFastFill: the round-robin fill (equal weights) and the concrete heap
+// (other weights) build the very table container/heap's fill builds, so neither
+// shortcut changes any node's table.
+func TestMaglevFastFill(t *testing.T) {
 	for _, tc := range []struct {
 		n    int
 		size uint32
-		w    uint32
-	}{{1, 13, 1}, {3, 31, 1}, {7, 4099, 3}, {100, 65537, 1}, {1000, 100003, 7}} {
-		bs := backendsN(tc.n, func(int) uint32 { return tc.w })
+		w    func(int) uint32
+	}{
+		{1, 13, one}, {3, 31, one}, {7, 4099, func(int) uint32 { return 3 }}, {100, 65537, one},
+		{1000, 100003, func(int) uint32 { return 7 }},
+		{3, 31, func(i int) uint32 { return []uint32{5, 1, 1}[i] }},
+		{100, 65537, func(i int) uint32 { return uint32(1 + i%4) }},
+		{1000, 100003, func(i int) uint32 { return uint32(1 + i*i%65535) }},
+	} {
+		bs := backendsN(tc.n, tc.w)
 		if tc.n > 3 {
 			bs[1].Usable = false
 		}
@@ -180,7 +187,7 @@ func TestMaglevRoundRobinFill(t *testing.T) {
 				t.Fatal(err)
 			}
 			if !slices.Equal(fast, slow) {
-				t.Errorf("N=%d M=%d seed %d: round-robin fill differs from the heap fill; want identical", tc.n, tc.size, seed)
+				t.Errorf("N=%d M=%d seed %d: the fast fill differs from container/heap's; want identical", tc.n, tc.size, seed)
 			}
 		}
 	}
@@ -203,7 +210,7 @@ func TestMaglevHashPinned(t *testing.T) {
 // disruption removes one of n backends at a time (removals of them, spread over the
 // ID order) and returns the mean and the worst of moved ÷ (1/n): 1 is the minimum, where
 // only the removed backend's own slots move.
-func disruption(t *testing.T, n int, size uint32, removals int) (mean, worst float64) {
+func disruption(t testing.TB, n int, size uint32, removals int) (mean, worst float64) {
 	t.Helper()
 	bs := backendsN(n, one)
 	before, err := BuildMaglev(bs, size, 0)
@@ -263,12 +270,13 @@ func TestMaglevDisruption(t *testing.T) {
 }
 
 // BenchmarkBuildMaglev measures one table build at the default size for N equal
-// backends (MaglevSize), and one of maglev_p2c's pair. x_n100 is ns/op divided by
-// the 100-backend build measured first in the same run.
+// backends (MaglevSize), one of N weighted 1..4 (the heap's order of turns), and
+// one of maglev_p2c's pair. x_n100 is ns/op divided by the 100-backend build
+// measured first in the same run.
 func BenchmarkBuildMaglev(b *testing.B) {
 	var base float64
-	build := func(b *testing.B, n int, tables int) float64 {
-		bs := backendsN(n, one)
+	build := func(b *testing.B, n int, tables int, weight func(int) uint32) float64 {
+		bs := backendsN(n, weight)
 		size := MaglevSize(n)
 		b.ReportAllocs()
 		for b.Loop() {
@@ -283,9 +291,35 @@ func BenchmarkBuildMaglev(b *testing.B) {
 		b.ReportMetric(float64(size)*4*float64(tables)/(1<<10), "KiB")
 		return ns
 	}
-	b.Run("n=100", func(b *testing.B) { base = build(b, 100, 1) })
+	b.Run("n=100", func(b *testing.B) { base = build(b, 100, 1, one) })
 	for _, n := range []int{1000, 10000} {
-		b.Run(fmt.Sprintf("n=%d", n), func(b *testing.B) { b.ReportMetric(build(b, n, 1)/base, "x_n100") })
+		b.Run(fmt.Sprintf("n=%d", n), func(b *testing.B) { b.ReportMetric(build(b, n, 1, one)/base, "x_n100") })
 	}
-	b.Run("p2c-pair/n=1000", func(b *testing.B) { b.ReportMetric(build(b, 1000, 2)/base, "x_n100") })
+	b.Run("weighted/n=1000", func(b *testing.B) {
+		b.ReportMetric(build(b, 1000, 1, func(i int) uint32 { return uint32(1 + i%4) })/base, "x_n100")
+	})
+	b.Run("p2c-pair/n=1000", func(b *testing.B) { b.ReportMetric(build(b, 1000, 2, one)/base, "x_n100") })
+}
+
+// BenchmarkMaglevDisruption reports moved ÷ (1/N) when one of N equal backends
+// leaves (mean over three removals) for table sizes past the default: what
+// table_size buys. Run with -benchtime 1x: each size is a handful of builds.
+func BenchmarkMaglevDisruption(b *testing.B) {
+	for _, c := range []struct {
+		n int
+		m uint32
+	}{
+		{100, 32771}, {100, 65537}, {200, 65537}, {300, 65537}, {500, 65537},
+		{1000, 100003}, {1000, 262147}, {1000, 524287}, {1000, 1000003}, {1000, 2000003}, {1000, 4000037},
+		{10000, 1000003},
+	} {
+		b.Run(fmt.Sprintf("n=%d/m=%d", c.n, c.m), func(b *testing.B) {
+			var mean float64
+			for b.Loop() {
+				mean, _ = disruption(b, c.n, c.m, 3)
+			}
+			b.ReportMetric(mean, "moved/share")
+			b.ReportMetric(float64(c.m)*4/(1<<20), "MiB")
+		})
+	}
 }
