@@ -60,7 +60,7 @@ static __always_inline void load_add(__u32 id, __s64 delta)
 // exceed b's by more than an eighth. Equal loads, loads within the margin, and a
 // missing, negative or weightless count keep the first candidate, which is what
 // plain maglev and every other node would choose; the margin keeps flows on it
-// while the backends are balanced, so the two choices differ only where load does.
+// while the two loads are within an eighth of each other.
 static __always_inline int p2c_second(const struct backend *a, __u32 ida, const struct backend *b,
 				      __u32 idb)
 {

@@ -678,27 +678,21 @@ func (p *Program) apply(st *serviceState, s Service) error {
 			return fmt.Errorf("backend %s: %w", b.Addr, err)
 		}
 	}
-	if table != nil {
-		if err := p.objs.LookupTables.Put(st.id, table); err != nil {
-			closeNew()
-			undo()
-			return fmt.Errorf("swap lookup table: %w", err)
-		}
-	} else if err := p.objs.LookupTables.Delete(st.id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+	// maglev_p2c's second table goes in first, so that a failure of either swap
+	// leaves the old first table in place: a packet that meets one new table and one
+	// old one compares two backends that are both written (removed ones are cleared
+	// only below), and with no second table at all it takes the first candidate.
+	if err := p.swapTable(p.objs.P2cTables, st.id, second); err != nil {
+		closeNew()
 		undo()
-		return fmt.Errorf("clear lookup table: %w", err)
+		return fmt.Errorf("swap second lookup table: %w", err)
 	}
-	// The second table goes in after the first: a packet that meets the new first
-	// and the old second compares two candidates that are both usable backends.
-	if second != nil {
-		if err := p.objs.P2cTables.Put(st.id, second); err != nil {
-			second.Close()
-			undo()
-			return fmt.Errorf("swap second lookup table: %w", err)
-		}
-	} else if err := p.objs.P2cTables.Delete(st.id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+	if err := p.swapTable(p.objs.LookupTables, st.id, table); err != nil {
+		// Back to the old second table (or none), which refers to old slots only.
+		_ = p.swapTable(p.objs.P2cTables, st.id, st.second)
+		closeNew()
 		undo()
-		return fmt.Errorf("clear second lookup table: %w", err)
+		return fmt.Errorf("swap lookup table: %w", err)
 	}
 	if st.previous != nil {
 		st.previous.Close()
@@ -717,6 +711,17 @@ func (p *Program) apply(st *serviceState, s Service) error {
 	st.slots = slots
 	st.spec = s
 	st.spec.Backends = append([]Backend(nil), s.Backends...)
+	return nil
+}
+
+// swapTable makes table service id's entry in outer, or removes the entry for nil.
+func (p *Program) swapTable(outer *ebpf.Map, id uint32, table *ebpf.Map) error {
+	if table != nil {
+		return outer.Put(id, table)
+	}
+	if err := outer.Delete(id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return err
+	}
 	return nil
 }
 
