@@ -107,7 +107,57 @@ func (p *Program) adopt() error {
 	}
 	p.serviceIDs.remove(usedServices)
 	p.backendIDs.remove(usedSlots)
+	if err := p.recountLoads(usedSlots); err != nil {
+		return fmt.Errorf("adopt: %w", err)
+	}
 	return nil
+}
+
+// recountLoads sets backend_load of the slots in use to what the connection tables
+// hold: the established flows the program has not counted closed yet (nat: not
+// closing; dsr and tunnel: no LB_FLOW_CLOSED), which are the ones it will uncount
+// later. A restart so corrects the drift of flows the LRU forgot and starts true
+// counts where maps of a version without backend_load were adopted. The program
+// runs meanwhile: a flow that opens or closes during the walk may be missed, once.
+func (p *Program) recountLoads(used map[uint32]bool) error {
+	counts := make(map[uint32]int64, len(used))
+	fp := p.flowPairs()
+	lbOpen := func(f bpf.WeirLbFlow) (uint32, bool) {
+		return f.BackendId, f.CreatedS&uint32(bpf.WeirLbFlowBitsLB_FLOW_CLOSED) == 0
+	}
+	natOpen := func(f bpf.WeirNatFlow) (uint32, bool) {
+		return f.BackendId, f.Flags&bpf.WeirFlowFlagsFLOW_F_CLOSING == 0
+	}
+	for _, err := range []error{
+		countOpen[bpf.WeirFlowKey4](fp[lbConntrack].v4, lbOpen, counts),
+		countOpen[bpf.WeirFlowKey](fp[lbConntrack].v6, lbOpen, counts),
+		countOpen[bpf.WeirFlowKey4](fp[natConntrack].v4, natOpen, counts),
+		countOpen[bpf.WeirFlowKey](fp[natConntrack].v6, natOpen, counts),
+	} {
+		if err != nil {
+			return fmt.Errorf("recount flows: %w", err)
+		}
+	}
+	for slot := range used {
+		if err := p.objs.BackendLoad.Put(slot, counts[slot]); err != nil {
+			return fmt.Errorf("recount flows: backend slot %d: %w", slot, err)
+		}
+	}
+	return nil
+}
+
+// countOpen adds, for every entry of a flow table that open says is open, one to
+// counts of its backend slot.
+func countOpen[K, V any](m *ebpf.Map, open func(V) (uint32, bool), counts map[uint32]int64) error {
+	var k K
+	var v V
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		if id, ok := open(v); ok {
+			counts[id]++
+		}
+	}
+	return it.Err()
 }
 
 func addrFromWords(w [4]uint32, fam uint8) netip.Addr {
