@@ -26,9 +26,12 @@ struct {
 } backends SEC(".maps");
 
 // One Maglev lookup table: entry 0 holds the table size M (a prime), entries 1..M the
-// backend slots. Its size travels inside the table, so swapping the whole inner map
-// is the one atomic step of a table update: a packet sees the old table or the new one.
-// BPF_F_INNER_MAP lets tables of different sizes share the outer map.
+// backend slots; a maglev_p2c service's holds its second table (built from a seed
+// derived from hash_seed, userspace/balance P2CSeed) in entries M+1..2M, so a slot's
+// two owners are independent draws. Its size travels inside the table, so swapping
+// the whole inner map is the one atomic step of a table update: a packet sees the old
+// table (or pair) or the new one. BPF_F_INNER_MAP lets tables of different sizes share
+// the outer map.
 struct lookup_table {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
@@ -44,16 +47,6 @@ struct {
 	__type(key, __u32);
 	__array(values, struct lookup_table);
 } lookup_tables SEC(".maps");
-
-// Service id -> its second lookup table (maglev_p2c only): the same backends and size
-// as its lookup_tables entry, built from a seed derived from hash_seed
-// (userspace/balance P2CSeed), so a slot's two owners are independent draws.
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
-	__uint(max_entries, MAX_SERVICES);
-	__type(key, __u32);
-	__array(values, struct lookup_table);
-} p2c_tables SEC(".maps");
 
 // Backend slot -> its active flows as this node sees them: +1 when a flow is
 // established, -1 when it is counted closed (nat: as backend_flows; dsr and tunnel: the

@@ -24,10 +24,11 @@ static __always_inline int is_syn(const struct packet *p)
 	       (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
 }
 
-// lookup_table_pick sets *id to the slot svc's table in tables (lookup_tables or
-// p2c_tables) gives flow hash h and returns its backend if usable.
+// lookup_table_pick sets *id to the slot svc's table in tables gives flow hash h
+// (which 0: the table, 1: a maglev_p2c table's second) and returns its backend if
+// usable. A table without a second half has no entry there: no backend.
 static __always_inline struct backend *lookup_table_pick(void *tables, struct service *svc, __u32 h,
-							 __u32 *id)
+							 __u32 which, __u32 *id)
 {
 	__u32 zero = 0, index, *size, *slot;
 	void *table;
@@ -38,7 +39,7 @@ static __always_inline struct backend *lookup_table_pick(void *tables, struct se
 	size = bpf_map_lookup_elem(table, &zero);
 	if (!size || *size == 0)
 		return 0;
-	index = 1 + h % *size;
+	index = 1 + h % *size + (which ? *size : 0);
 	slot = bpf_map_lookup_elem(table, &index);
 	if (!slot)
 		return 0;
@@ -83,8 +84,8 @@ static __always_inline int p2c_second(const struct backend *a, __u32 ida, const 
 // new_flow_backend sets *be and *id to the backend a new flow of svc gets, or returns
 // a verdict: drop_no_backend when the table gives none that is usable. Every mode
 // asks here, so a flow's backend does not depend on its service's mode. A maglev_p2c
-// service compares the first candidate with the slot its second table gives the same
-// hash, for a TCP SYN or any first UDP datagram; a TCP packet that is not a SYN
+// service compares the first candidate with the slot its table's second half gives
+// the same hash, for a TCP SYN or any first UDP datagram; a TCP packet that is not a SYN
 // started elsewhere (another node, before a restart) and takes the first candidate,
 // the one a node that knows nothing of load chooses too.
 static __always_inline int new_flow_backend(struct packet *p, struct service *svc,
@@ -93,14 +94,14 @@ static __always_inline int new_flow_backend(struct packet *p, struct service *sv
 	__u32 h = flow_hash(&p->flow, svc->flags & SERVICE_F_SOURCE_HASH), id2 = 0;
 	struct backend *be2;
 
-	*be = lookup_table_pick(&lookup_tables, svc, h, id);
+	*be = lookup_table_pick(&lookup_tables, svc, h, 0, id);
 	if (!*be)
 		return verdict(XDP_DROP, STAT_DROP_NO_BACKEND, p->len);
 	if (!(svc->flags & SERVICE_F_P2C))
 		return CONTINUE;
 	if (p->flow.proto == IPPROTO_TCP && !is_syn(p))
 		return CONTINUE;
-	be2 = lookup_table_pick(&p2c_tables, svc, h, &id2);
+	be2 = lookup_table_pick(&lookup_tables, svc, h, 1, &id2);
 	if (be2 && p2c_second(*be, *id, be2, id2)) {
 		*be = be2;
 		*id = id2;

@@ -208,7 +208,6 @@ const (
 	WeirMapNatReverse4         = "nat_reverse4"
 	WeirMapNatReverse6         = "nat_reverse6"
 	WeirMapNewFlowLimit        = "new_flow_limit"
-	WeirMapP2cTables           = "p2c_tables"
 	WeirMapServiceStats        = "service_stats"
 	WeirMapServices            = "services"
 	WeirMapTxPorts             = "tx_ports"
@@ -297,7 +296,6 @@ type WeirMapSpecs struct {
 	NatReverse4     *ebpf.MapSpec `ebpf:"nat_reverse4"`
 	NatReverse6     *ebpf.MapSpec `ebpf:"nat_reverse6"`
 	NewFlowLimit    *ebpf.MapSpec `ebpf:"new_flow_limit"`
-	P2cTables       *ebpf.MapSpec `ebpf:"p2c_tables"`
 	ServiceStats    *ebpf.MapSpec `ebpf:"service_stats"`
 	Services        *ebpf.MapSpec `ebpf:"services"`
 	TxPorts         *ebpf.MapSpec `ebpf:"tx_ports"`
@@ -362,7 +360,6 @@ type WeirMaps struct {
 	NatReverse4     *ebpf.Map `ebpf:"nat_reverse4"`
 	NatReverse6     *ebpf.Map `ebpf:"nat_reverse6"`
 	NewFlowLimit    *ebpf.Map `ebpf:"new_flow_limit"`
-	P2cTables       *ebpf.Map `ebpf:"p2c_tables"`
 	ServiceStats    *ebpf.Map `ebpf:"service_stats"`
 	Services        *ebpf.Map `ebpf:"services"`
 	TxPorts         *ebpf.Map `ebpf:"tx_ports"`
@@ -390,7 +387,6 @@ func (m *WeirMaps) Close() error {
 		m.NatReverse4,
 		m.NatReverse6,
 		m.NewFlowLimit,
-		m.P2cTables,
 		m.ServiceStats,
 		m.Services,
 		m.TxPorts,

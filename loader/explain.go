@@ -63,12 +63,12 @@ func (p *Program) Explain(key ServiceKey, client netip.AddrPort) (Explanation, e
 	}
 	h := flowHash(&fk, p.opts.HashSeed, st.spec.SourceHash)
 	if st.table != nil {
-		slot, err := tableSlot(st.table, h)
+		slot, err := tableSlot(st.table, h, 0)
 		if err != nil {
 			return Explanation{}, fmt.Errorf("explain %s: read table: %w", key, err)
 		}
 		ex.New = bySlot[slot].Addr
-		if st.second != nil {
+		if st.spec.P2C {
 			if ex.P2C, err = p.candidates(st, bySlot, slot, h); err != nil {
 				return Explanation{}, fmt.Errorf("explain %s: %w", key, err)
 			}
@@ -110,8 +110,9 @@ func (p *Program) Explain(key ServiceKey, client netip.AddrPort) (Explanation, e
 	return ex, nil
 }
 
-// tableSlot is the backend slot a lookup table gives flow hash h.
-func tableSlot(table *ebpf.Map, h uint32) (uint32, error) {
+// tableSlot is the backend slot a lookup table gives flow hash h (which 1: from a
+// maglev_p2c table's second half), as bpf/select.h lookup_table_pick reads it.
+func tableSlot(table *ebpf.Map, h uint32, which uint32) (uint32, error) {
 	var size, slot uint32
 	if err := table.Lookup(uint32(0), &size); err != nil {
 		return 0, err
@@ -119,14 +120,14 @@ func tableSlot(table *ebpf.Map, h uint32) (uint32, error) {
 	if size == 0 {
 		return 0, fmt.Errorf("table of size 0")
 	}
-	err := table.Lookup(1+h%size, &slot)
+	err := table.Lookup(1+h%size+which*size, &slot)
 	return slot, err
 }
 
 // candidates reads a maglev_p2c flow's second candidate and both loads, and decides
 // as bpf/select.h new_flow_backend does for a SYN.
 func (p *Program) candidates(st *serviceState, bySlot map[uint32]Backend, first, h uint32) (*Candidates, error) {
-	second, err := tableSlot(st.second, h)
+	second, err := tableSlot(st.table, h, 1)
 	if err != nil {
 		return nil, fmt.Errorf("read second table: %w", err)
 	}

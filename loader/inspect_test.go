@@ -35,7 +35,6 @@ func (p *Program) Model() (*Model, error) {
 		MaxBackends:  p.objs.BackendStats.MaxEntries(),
 		Services:     make(map[bpf.WeirVipKey]bpf.WeirService),
 		Tables:       make(map[uint32][]uint32),
-		Tables2:      make(map[uint32][]uint32),
 		TxPorts:      make(map[uint32]bool),
 	}
 	m.NewFlowIntervalNs, m.NewFlowBurstNs = p.opts.flowLimitNs()
@@ -67,38 +66,25 @@ func (p *Program) Model() (*Model, error) {
 		return nil, fmt.Errorf("read nat_cursor: %w", err)
 	}
 	for _, svc := range m.Services {
-		for _, t := range []struct {
-			outer *ebpf.Map
-			into  map[uint32][]uint32
-		}{{p.objs.LookupTables, m.Tables}, {p.objs.P2cTables, m.Tables2}} {
-			if err := readInner(t.outer, svc.Id, t.into); err != nil {
-				return nil, err
-			}
+		if _, done := m.Tables[svc.Id]; done {
+			continue
 		}
+		var inner *ebpf.Map
+		err := p.objs.LookupTables.Lookup(svc.Id, &inner)
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read lookup table of service id %d: %w", svc.Id, err)
+		}
+		table, err := readArray[uint32](inner, inner.MaxEntries())
+		inner.Close()
+		if err != nil {
+			return nil, fmt.Errorf("read lookup table of service id %d: %w", svc.Id, err)
+		}
+		m.Tables[svc.Id] = table
 	}
 	return m, nil
-}
-
-// readInner copies the table outer holds for service id into into[id], if any.
-func readInner(outer *ebpf.Map, id uint32, into map[uint32][]uint32) error {
-	if _, done := into[id]; done {
-		return nil
-	}
-	var inner *ebpf.Map
-	err := outer.Lookup(id, &inner)
-	if errors.Is(err, ebpf.ErrKeyNotExist) {
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("read lookup table of service id %d: %w", id, err)
-	}
-	table, err := readArray[uint32](inner, inner.MaxEntries())
-	inner.Close()
-	if err != nil {
-		return fmt.Errorf("read lookup table of service id %d: %w", id, err)
-	}
-	into[id] = table
-	return nil
 }
 
 // readAll copies a hash map into out.

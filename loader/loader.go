@@ -194,7 +194,6 @@ type serviceState struct {
 	slots    map[netip.AddrPort]uint32
 	table    *ebpf.Map // the table packets use now
 	previous *ebpf.Map // the generation it replaced, kept readable for a later fallback
-	second   *ebpf.Map // maglev_p2c: the second table packets use now (p2c_tables)
 }
 
 // Load loads the program and creates its maps. It needs CAP_BPF and CAP_NET_ADMIN
@@ -654,53 +653,31 @@ func (p *Program) apply(st *serviceState, s Service) error {
 		slots[b.Addr] = id
 	}
 
-	table, err := p.buildTable(s, slots, uint64(p.opts.HashSeed))
+	table, err := p.buildTable(s, slots)
 	if err != nil {
 		undo()
 		return err
 	}
-	var second *ebpf.Map
-	if s.P2C && table != nil {
-		if second, err = p.buildTable(s, slots, balance.P2CSeed(uint64(p.opts.HashSeed))); err != nil {
-			table.Close()
-			undo()
-			return err
-		}
-	}
-	closeNew := func() {
-		table.Close()
-		second.Close()
-	}
 	for _, b := range s.Backends {
 		if err := p.objs.Backends.Put(slots[b.Addr], backendValue(b, st.id)); err != nil {
-			closeNew()
+			table.Close()
 			undo()
 			return fmt.Errorf("backend %s: %w", b.Addr, err)
 		}
 	}
-	// maglev_p2c's second table goes in first, so that a failure of either swap
-	// leaves the old first table in place: a packet that meets one new table and one
-	// old one compares two backends that are both written (removed ones are cleared
-	// only below), and with no second table at all it takes the first candidate.
-	if err := p.swapTable(p.objs.P2cTables, st.id, second); err != nil {
-		closeNew()
+	if table != nil {
+		if err := p.objs.LookupTables.Put(st.id, table); err != nil {
+			table.Close()
+			undo()
+			return fmt.Errorf("swap lookup table: %w", err)
+		}
+	} else if err := p.objs.LookupTables.Delete(st.id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		undo()
-		return fmt.Errorf("swap second lookup table: %w", err)
-	}
-	if err := p.swapTable(p.objs.LookupTables, st.id, table); err != nil {
-		// Back to the old second table (or none), which refers to old slots only.
-		_ = p.swapTable(p.objs.P2cTables, st.id, st.second)
-		closeNew()
-		undo()
-		return fmt.Errorf("swap lookup table: %w", err)
+		return fmt.Errorf("clear lookup table: %w", err)
 	}
 	if st.previous != nil {
 		st.previous.Close()
 	}
-	if st.second != nil {
-		st.second.Close()
-	}
-	st.second = second
 	st.previous, st.table = st.table, table
 
 	for addr, id := range st.slots {
@@ -714,21 +691,11 @@ func (p *Program) apply(st *serviceState, s Service) error {
 	return nil
 }
 
-// swapTable makes table service id's entry in outer, or removes the entry for nil.
-func (p *Program) swapTable(outer *ebpf.Map, id uint32, table *ebpf.Map) error {
-	if table != nil {
-		return outer.Put(id, table)
-	}
-	if err := outer.Delete(id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return err
-	}
-	return nil
-}
-
-// buildTable fills a new inner map with the service's Maglev table. It returns nil,
-// without error, when no backend is usable: the service then drops new flows and
-// counts them as having no backend.
-func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32, seed uint64) (*ebpf.Map, error) {
+// buildTable fills a new inner map with the service's Maglev table, and for
+// maglev_p2c its second table (from balance.P2CSeed) after it, so one swap changes
+// both. It returns nil, without error, when no backend is usable: the service then
+// drops new flows and counts them as having no backend.
+func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32) (*ebpf.Map, error) {
 	members := make([]balance.Backend, len(s.Backends))
 	usable := 0
 	for i, b := range s.Backends {
@@ -746,15 +713,21 @@ func (p *Program) buildTable(s Service, slots map[netip.AddrPort]uint32, seed ui
 	if size == 0 {
 		size = balance.MaglevSize(len(s.Backends))
 	}
-	entries, err := balance.BuildMaglev(members, size, seed)
-	if err != nil {
-		return nil, fmt.Errorf("build lookup table: %w", err)
+	seeds := []uint64{uint64(p.opts.HashSeed)}
+	if s.P2C {
+		seeds = append(seeds, balance.P2CSeed(uint64(p.opts.HashSeed)))
 	}
-	// Entry 0 holds the size: it travels with the table, so one swap changes both.
-	values := make([]uint32, len(entries)+1)
-	values[0] = uint32(len(entries))
-	for i, e := range entries {
-		values[i+1] = slots[s.Backends[e].Addr]
+	// Entry 0 holds the size: it travels with the slots, so one swap changes all.
+	values := make([]uint32, 1, 1+len(seeds)*int(size))
+	values[0] = size
+	for _, seed := range seeds {
+		entries, err := balance.BuildMaglev(members, size, seed)
+		if err != nil {
+			return nil, fmt.Errorf("build lookup table: %w", err)
+		}
+		for _, e := range entries {
+			values = append(values, slots[s.Backends[e].Addr])
+		}
 	}
 	spec := p.innerSpec.Copy()
 	spec.MaxEntries = uint32(len(values))
@@ -783,7 +756,6 @@ func (p *Program) clearBackend(id uint32) {
 
 func (p *Program) releaseService(st *serviceState) {
 	_ = p.objs.LookupTables.Delete(st.id)
-	_ = p.objs.P2cTables.Delete(st.id)
 	st.closeTables()
 	for _, id := range st.slots {
 		p.clearBackend(id)
@@ -800,10 +772,6 @@ func (st *serviceState) closeTables() {
 	if st.previous != nil {
 		st.previous.Close()
 		st.previous = nil
-	}
-	if st.second != nil {
-		st.second.Close()
-		st.second = nil
 	}
 }
 

@@ -48,8 +48,7 @@ type Model struct {
 	MaxBackends                       uint32 // entries of backend_stats, backend_flows and nat_cursor
 	Services                          map[bpf.WeirVipKey]bpf.WeirService
 	Backends                          []bpf.WeirBackend   // the whole array, index = slot; Run writes tunnel next hops in place
-	Tables                            map[uint32][]uint32 // service id -> lookup table: entry 0 the size M, 1..M slots
-	Tables2                           map[uint32][]uint32 // p2c_tables: a maglev_p2c service's second table, laid out alike
+	Tables                            map[uint32][]uint32 // service id -> lookup table: entry 0 the size M, 1..M slots (maglev_p2c: M+1..2M its second)
 	// Load is backend_load by slot; Run adds to it as the program does. Slots past its
 	// end (but inside the array) are not modelled: the rig seeds and reads only these.
 	Load                       []int64
@@ -408,14 +407,15 @@ func (r *run) usableBackend(id, serviceID uint32) (bpf.WeirBackend, bool) {
 	return be, true
 }
 
-// lookupTablePick returns the slot tables (Tables or Tables2) give flow hash h (set
-// even when its backend is unusable, as the C sets *id) and the backend if usable.
-func (r *run) lookupTablePick(tables map[uint32][]uint32, svc bpf.WeirService, h uint32) (uint32, bpf.WeirBackend, bool) {
-	table, ok := tables[svc.Id]
+// lookupTablePick returns the slot the service's table gives flow hash h (which 1:
+// its second half; set even when its backend is unusable, as the C sets *id) and the
+// backend if usable.
+func (r *run) lookupTablePick(svc bpf.WeirService, h, which uint32) (uint32, bpf.WeirBackend, bool) {
+	table, ok := r.m.Tables[svc.Id]
 	if !ok || svc.Id >= r.m.MaxServices || len(table) == 0 || table[0] == 0 {
 		return 0, bpf.WeirBackend{}, false
 	}
-	index := 1 + h%table[0]
+	index := 1 + h%table[0] + which*table[0]
 	if uint64(index) >= uint64(len(table)) {
 		return 0, bpf.WeirBackend{}, false
 	}
@@ -428,14 +428,14 @@ func (r *run) lookupTablePick(tables map[uint32][]uint32, svc bpf.WeirService, h
 // flow, or a verdict.
 func (r *run) newFlowBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.WeirBackend, int) {
 	h := flowHash(&p.flow, r.m.HashSeed, svc.Flags&serviceFlagSourceHash != 0)
-	id, be, ok := r.lookupTablePick(r.m.Tables, svc, h)
+	id, be, ok := r.lookupTablePick(svc, h, 0)
 	if !ok {
 		return 0, be, r.verdict(XDPDrop, ReasonDropNoBackend)
 	}
 	if svc.Flags&serviceFlagP2C == 0 || p.flow.Proto == protoTCP && !isSYN(p) {
 		return id, be, modelContinue
 	}
-	id2, be2, ok := r.lookupTablePick(r.m.Tables2, svc, h)
+	id2, be2, ok := r.lookupTablePick(svc, h, 1)
 	if !ok || id2 == id {
 		return id, be, modelContinue
 	}

@@ -220,3 +220,30 @@ func TestP2CCountsFlows(t *testing.T) {
 		t.Errorf("after its flow was re-selected, %s: load %d; want 0", first.Addr, got)
 	}
 }
+
+// BenchmarkUpdateService measures one table change of a 1,000-backend service as the
+// agent makes it (one backend's weight): build the table(s), write them into new
+// inner maps, swap. The build alone is userspace/balance's BenchmarkBuildMaglev;
+// the rest is the kernel's batch update, about 250 ns an entry.
+func BenchmarkUpdateService(b *testing.B) {
+	for _, p2c := range []bool{false, true} {
+		b.Run(map[bool]string{false: "maglev/n=1000", true: "maglev_p2c/n=1000"}[p2c], func(b *testing.B) {
+			p := loadT(b)
+			s := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, P2C: p2c}
+			for i := range 1000 {
+				s.Backends = append(s.Backends, Backend{Addr: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 78, byte(i >> 8), byte(i)}), 80),
+					MAC: backendMAC(i), Weight: 1, Usable: true})
+			}
+			if err := p.AddService(s); err != nil {
+				b.Fatal(err)
+			}
+			for i := 0; b.Loop(); i++ {
+				s.Backends[0].Weight = uint32(1 + i%2)
+				if err := p.UpdateService(s); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/1000/float64(b.N), "ms/op")
+		})
+	}
+}

@@ -256,7 +256,7 @@ func (p *Program) unpinAll() error {
 	}
 	maps := []*ebpf.Map{p.objs.Services, p.objs.Backends, p.objs.LookupTables, p.objs.NewFlowLimit, p.objs.NatCursor,
 		p.objs.ServiceStats, p.objs.BackendStats, p.objs.GlobalStats, p.objs.BackendFlows, p.objs.TxPorts,
-		p.objs.P2cTables, p.objs.BackendLoad}
+		p.objs.BackendLoad}
 	for _, fp := range p.flowPairs() {
 		maps = append(maps, fp.v4, fp.v6)
 	}

@@ -133,9 +133,10 @@ const (
 	AlgorithmMaglevP2C Algorithm = "maglev_p2c"
 )
 
-// MaxTableSize is the largest table_size, the largest prime below 2^24: 64 MiB of
-// table, built in seconds, and far past where a larger table stops paying for itself.
-const MaxTableSize = 16777213
+// MaxTableSize is the largest table_size, the largest prime below 2^22: 16 MiB a
+// table (32 MiB with maglev_p2c's second), about a second to build and write, and
+// past where a larger table stops paying for itself (docs/algorithms.md).
+const MaxTableSize = 4194301
 
 // Algorithms lists every algorithm a service may name.
 func Algorithms() []Algorithm {
