@@ -67,7 +67,16 @@ enum mode {
 // Flag bits of service.flags.
 enum service_flags {
 	SERVICE_F_SOURCE_HASH = 1u << 0, // hash the source address only (client affinity)
+	SERVICE_F_P2C = 1u << 1,         // maglev_p2c: a new flow takes the less loaded of two candidates
 };
+
+// Bits of lb_flow.created_s above its seconds (which fit in 31 bits for 68 years of uptime).
+enum lb_flow_bits {
+	LB_FLOW_CLOSED = 1u << 31, // the client sent a FIN or RST: counted closed in backend_load once
+};
+
+// Its one use, so that clang puts it in BTF and bpf2go (-type) gives it to Go.
+const enum lb_flow_bits lb_flow_bits_btf_anchor __attribute__((used)) = LB_FLOW_CLOSED;
 
 // Flag bits of backend.flags, one byte like the field (packed).
 enum __attribute__((packed)) backend_flags {
@@ -110,6 +119,7 @@ enum stat_reason {
 	STAT_FLOW_UNTRACKED,       // dsr/tunnel: over the new-flow rate, sent by the lookup table, not recorded
 	STAT_DROP_FLOW_RATE,       // nat: over the new-flow rate, dropped
 	STAT_DROP_HALF_OPEN_FULL,  // nat: the half-open table refused a new flow's port claim
+	STAT_FLOW_SECOND_CHOICE,   // maglev_p2c: a new flow took its second candidate, the less loaded
 	STAT_FLOW_FALLBACK,        // TCP, not a SYN, unknown here: sent by the previous lookup table, which disagrees with the current one
 	STAT_MAX,
 };

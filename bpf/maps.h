@@ -26,9 +26,12 @@ struct {
 } backends SEC(".maps");
 
 // One Maglev lookup table: entry 0 holds the table size M (a prime), entries 1..M the
-// backend slots. Its size travels inside the table, so swapping the whole inner map
-// is the one atomic step of a table update: a packet sees the old table or the new one.
-// BPF_F_INNER_MAP lets tables of different sizes share the outer map.
+// backend slots; a maglev_p2c service's holds its second table (built from a seed
+// derived from hash_seed, userspace/balance P2CSeed) in entries M+1..2M, so a slot's
+// two owners are independent draws. Its size travels inside the table, so swapping
+// the whole inner map is the one atomic step of a table update: a packet sees the old
+// table (or pair) or the new one. BPF_F_INNER_MAP lets tables of different sizes share
+// the outer map.
 struct lookup_table {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
@@ -44,6 +47,19 @@ struct {
 	__type(key, __u32);
 	__array(values, struct lookup_table);
 } lookup_tables SEC(".maps");
+
+// Backend slot -> its active flows as this node sees them: +1 when a flow is
+// established, -1 when it is counted closed (nat: as backend_flows; dsr and tunnel: the
+// client's first FIN or RST, a reselection, or a SYN reusing its 5-tuple). One word
+// shared by all CPUs (atomic add), so maglev_p2c reads it with one lookup; the loader
+// zeroes it when it gives the slot to a backend. A negative value (flows of the slot's
+// previous backend closing) counts as unknown.
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_BACKENDS);
+	__type(key, __u32);
+	__type(value, __s64);
+} backend_load SEC(".maps");
 
 // The flow tables. Each kind comes twice: an IPv4 table keyed by flow_key4 and an
 // IPv6 one keyed by flow_key (flows.h picks). A flow is recorded half-open on its first

@@ -71,6 +71,7 @@ static __always_inline void count_flow(__u32 backend_id, int opened)
 		c->opened++;
 	else
 		c->closed++;
+	load_add(backend_id, opened ? 1 : -1);
 }
 
 // mark_closing starts a flow's short timeout and counts it closed, once.

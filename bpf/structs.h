@@ -39,7 +39,7 @@ struct backend {
 	__u8 family;
 	enum backend_flags flags; // BACKEND_F_* bits (1 byte)
 	__u8 mac[6];    // next hop for dsr
-	__u8 pad[2];
+	__u16 weight;   // its configured weight (1..65535 in a table): maglev_p2c compares load per weight
 	__u32 service_id; // owning service: a flow whose slot was reused elsewhere is re-selected
 	// nat and tunnel: the next hop towards the backend as bpf_fib_lookup found it,
 	// reused for a second (hop_ns) for packets no longer than hop_len, the longest it
@@ -77,7 +77,7 @@ struct flow_key4 {
 // Value of the dsr and tunnel flow tables: all a flow needs to keep its backend.
 struct lb_flow {
 	__u32 backend_id;
-	__u32 created_s; // bpf_ktime_get_coarse_ns at insertion, in seconds
+	__u32 created_s; // bpf_ktime_get_coarse_ns at insertion, in seconds; bit 31 is LB_FLOW_CLOSED
 };
 
 // Value of the nat flow tables.

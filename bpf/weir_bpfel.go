@@ -20,7 +20,7 @@ type WeirBackend struct {
 	Family    uint8
 	Flags     WeirBackendFlags
 	Mac       [6]uint8
-	Pad       [2]uint8
+	Weight    uint16
 	ServiceId uint32
 	Hop       WeirNextHop
 	HopNs     uint64
@@ -93,6 +93,12 @@ type WeirLbFlow struct {
 	CreatedS  uint32
 }
 
+type WeirLbFlowBits uint32
+
+const (
+	WeirLbFlowBitsLB_FLOW_CLOSED WeirLbFlowBits = 2147483648
+)
+
 type WeirMode uint32
 
 const (
@@ -136,6 +142,7 @@ type WeirServiceFlags uint32
 
 const (
 	WeirServiceFlagsSERVICE_F_SOURCE_HASH WeirServiceFlags = 1
+	WeirServiceFlagsSERVICE_F_P2C         WeirServiceFlags = 2
 )
 
 type WeirStatReason uint32
@@ -165,8 +172,9 @@ const (
 	WeirStatReasonSTAT_FLOW_UNTRACKED      WeirStatReason = 21
 	WeirStatReasonSTAT_DROP_FLOW_RATE      WeirStatReason = 22
 	WeirStatReasonSTAT_DROP_HALF_OPEN_FULL WeirStatReason = 23
-	WeirStatReasonSTAT_FLOW_FALLBACK       WeirStatReason = 24
-	WeirStatReasonSTAT_MAX                 WeirStatReason = 25
+	WeirStatReasonSTAT_FLOW_SECOND_CHOICE  WeirStatReason = 24
+	WeirStatReasonSTAT_FLOW_FALLBACK       WeirStatReason = 25
+	WeirStatReasonSTAT_MAX                 WeirStatReason = 26
 )
 
 type WeirVipKey struct {
@@ -181,42 +189,44 @@ type WeirVipKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	WeirMapBackendFlows      = "backend_flows"
-	WeirMapBackendStats      = "backend_stats"
-	WeirMapBackends          = "backends"
-	WeirMapGlobalStats       = "global_stats"
-	WeirMapLbConntrack4      = "lb_conntrack4"
-	WeirMapLbConntrack6      = "lb_conntrack6"
-	WeirMapLbHalfOpen4       = "lb_half_open4"
-	WeirMapLbHalfOpen6       = "lb_half_open6"
-	WeirMapLookupTables      = "lookup_tables"
-	WeirMapNatConntrack4     = "nat_conntrack4"
-	WeirMapNatConntrack6     = "nat_conntrack6"
-	WeirMapNatCursor         = "nat_cursor"
-	WeirMapNatHalfOpen4      = "nat_half_open4"
-	WeirMapNatHalfOpen6      = "nat_half_open6"
-	WeirMapNatHalfReverse4   = "nat_half_reverse4"
-	WeirMapNatHalfReverse6   = "nat_half_reverse6"
-	WeirMapNatReverse4       = "nat_reverse4"
-	WeirMapNatReverse6       = "nat_reverse6"
-	WeirMapNewFlowLimit      = "new_flow_limit"
-	WeirMapPrevLookupTables  = "prev_lookup_tables"
-	WeirMapServiceStats      = "service_stats"
-	WeirMapServices          = "services"
-	WeirMapTxPorts           = "tx_ports"
-	WeirProgWeirXdp          = "weir_xdp"
-	WeirVarDefaultsBtfAnchor = "defaults_btf_anchor"
-	WeirVarHalfOpenNs        = "half_open_ns"
-	WeirVarHashSeed          = "hash_seed"
-	WeirVarNatAddr4          = "nat_addr4"
-	WeirVarNatAddr6          = "nat_addr6"
-	WeirVarNatPortMax        = "nat_port_max"
-	WeirVarNatPortMin        = "nat_port_min"
-	WeirVarNewFlowBurstNs    = "new_flow_burst_ns"
-	WeirVarNewFlowIntervalNs = "new_flow_interval_ns"
-	WeirVarTcpClosingNs      = "tcp_closing_ns"
-	WeirVarTcpIdleNs         = "tcp_idle_ns"
-	WeirVarUdpIdleNs         = "udp_idle_ns"
+	WeirMapBackendFlows        = "backend_flows"
+	WeirMapBackendLoad         = "backend_load"
+	WeirMapBackendStats        = "backend_stats"
+	WeirMapBackends            = "backends"
+	WeirMapGlobalStats         = "global_stats"
+	WeirMapLbConntrack4        = "lb_conntrack4"
+	WeirMapLbConntrack6        = "lb_conntrack6"
+	WeirMapLbHalfOpen4         = "lb_half_open4"
+	WeirMapLbHalfOpen6         = "lb_half_open6"
+	WeirMapLookupTables        = "lookup_tables"
+	WeirMapNatConntrack4       = "nat_conntrack4"
+	WeirMapNatConntrack6       = "nat_conntrack6"
+	WeirMapNatCursor           = "nat_cursor"
+	WeirMapNatHalfOpen4        = "nat_half_open4"
+	WeirMapNatHalfOpen6        = "nat_half_open6"
+	WeirMapNatHalfReverse4     = "nat_half_reverse4"
+	WeirMapNatHalfReverse6     = "nat_half_reverse6"
+	WeirMapNatReverse4         = "nat_reverse4"
+	WeirMapNatReverse6         = "nat_reverse6"
+	WeirMapNewFlowLimit        = "new_flow_limit"
+	WeirMapPrevLookupTables    = "prev_lookup_tables"
+	WeirMapServiceStats        = "service_stats"
+	WeirMapServices            = "services"
+	WeirMapTxPorts             = "tx_ports"
+	WeirProgWeirXdp            = "weir_xdp"
+	WeirVarDefaultsBtfAnchor   = "defaults_btf_anchor"
+	WeirVarHalfOpenNs          = "half_open_ns"
+	WeirVarHashSeed            = "hash_seed"
+	WeirVarLbFlowBitsBtfAnchor = "lb_flow_bits_btf_anchor"
+	WeirVarNatAddr4            = "nat_addr4"
+	WeirVarNatAddr6            = "nat_addr6"
+	WeirVarNatPortMax          = "nat_port_max"
+	WeirVarNatPortMin          = "nat_port_min"
+	WeirVarNewFlowBurstNs      = "new_flow_burst_ns"
+	WeirVarNewFlowIntervalNs   = "new_flow_interval_ns"
+	WeirVarTcpClosingNs        = "tcp_closing_ns"
+	WeirVarTcpIdleNs           = "tcp_idle_ns"
+	WeirVarUdpIdleNs           = "udp_idle_ns"
 )
 
 // LoadWeir returns the embedded CollectionSpec for Weir.
@@ -269,6 +279,7 @@ type WeirProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type WeirMapSpecs struct {
 	BackendFlows     *ebpf.MapSpec `ebpf:"backend_flows"`
+	BackendLoad      *ebpf.MapSpec `ebpf:"backend_load"`
 	BackendStats     *ebpf.MapSpec `ebpf:"backend_stats"`
 	Backends         *ebpf.MapSpec `ebpf:"backends"`
 	GlobalStats      *ebpf.MapSpec `ebpf:"global_stats"`
@@ -297,18 +308,19 @@ type WeirMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type WeirVariableSpecs struct {
-	DefaultsBtfAnchor *ebpf.VariableSpec `ebpf:"defaults_btf_anchor"`
-	HalfOpenNs        *ebpf.VariableSpec `ebpf:"half_open_ns"`
-	HashSeed          *ebpf.VariableSpec `ebpf:"hash_seed"`
-	NatAddr4          *ebpf.VariableSpec `ebpf:"nat_addr4"`
-	NatAddr6          *ebpf.VariableSpec `ebpf:"nat_addr6"`
-	NatPortMax        *ebpf.VariableSpec `ebpf:"nat_port_max"`
-	NatPortMin        *ebpf.VariableSpec `ebpf:"nat_port_min"`
-	NewFlowBurstNs    *ebpf.VariableSpec `ebpf:"new_flow_burst_ns"`
-	NewFlowIntervalNs *ebpf.VariableSpec `ebpf:"new_flow_interval_ns"`
-	TcpClosingNs      *ebpf.VariableSpec `ebpf:"tcp_closing_ns"`
-	TcpIdleNs         *ebpf.VariableSpec `ebpf:"tcp_idle_ns"`
-	UdpIdleNs         *ebpf.VariableSpec `ebpf:"udp_idle_ns"`
+	DefaultsBtfAnchor   *ebpf.VariableSpec `ebpf:"defaults_btf_anchor"`
+	HalfOpenNs          *ebpf.VariableSpec `ebpf:"half_open_ns"`
+	HashSeed            *ebpf.VariableSpec `ebpf:"hash_seed"`
+	LbFlowBitsBtfAnchor *ebpf.VariableSpec `ebpf:"lb_flow_bits_btf_anchor"`
+	NatAddr4            *ebpf.VariableSpec `ebpf:"nat_addr4"`
+	NatAddr6            *ebpf.VariableSpec `ebpf:"nat_addr6"`
+	NatPortMax          *ebpf.VariableSpec `ebpf:"nat_port_max"`
+	NatPortMin          *ebpf.VariableSpec `ebpf:"nat_port_min"`
+	NewFlowBurstNs      *ebpf.VariableSpec `ebpf:"new_flow_burst_ns"`
+	NewFlowIntervalNs   *ebpf.VariableSpec `ebpf:"new_flow_interval_ns"`
+	TcpClosingNs        *ebpf.VariableSpec `ebpf:"tcp_closing_ns"`
+	TcpIdleNs           *ebpf.VariableSpec `ebpf:"tcp_idle_ns"`
+	UdpIdleNs           *ebpf.VariableSpec `ebpf:"udp_idle_ns"`
 }
 
 // WeirObjects contains all objects after they have been loaded into the kernel.
@@ -332,6 +344,7 @@ func (o *WeirObjects) Close() error {
 // It can be passed to LoadWeirObjects or ebpf.CollectionSpec.LoadAndAssign.
 type WeirMaps struct {
 	BackendFlows     *ebpf.Map `ebpf:"backend_flows"`
+	BackendLoad      *ebpf.Map `ebpf:"backend_load"`
 	BackendStats     *ebpf.Map `ebpf:"backend_stats"`
 	Backends         *ebpf.Map `ebpf:"backends"`
 	GlobalStats      *ebpf.Map `ebpf:"global_stats"`
@@ -359,6 +372,7 @@ type WeirMaps struct {
 func (m *WeirMaps) Close() error {
 	return _WeirClose(
 		m.BackendFlows,
+		m.BackendLoad,
 		m.BackendStats,
 		m.Backends,
 		m.GlobalStats,
@@ -388,18 +402,19 @@ func (m *WeirMaps) Close() error {
 //
 // It can be passed to LoadWeirObjects or ebpf.CollectionSpec.LoadAndAssign.
 type WeirVariables struct {
-	DefaultsBtfAnchor *ebpf.Variable `ebpf:"defaults_btf_anchor"`
-	HalfOpenNs        *ebpf.Variable `ebpf:"half_open_ns"`
-	HashSeed          *ebpf.Variable `ebpf:"hash_seed"`
-	NatAddr4          *ebpf.Variable `ebpf:"nat_addr4"`
-	NatAddr6          *ebpf.Variable `ebpf:"nat_addr6"`
-	NatPortMax        *ebpf.Variable `ebpf:"nat_port_max"`
-	NatPortMin        *ebpf.Variable `ebpf:"nat_port_min"`
-	NewFlowBurstNs    *ebpf.Variable `ebpf:"new_flow_burst_ns"`
-	NewFlowIntervalNs *ebpf.Variable `ebpf:"new_flow_interval_ns"`
-	TcpClosingNs      *ebpf.Variable `ebpf:"tcp_closing_ns"`
-	TcpIdleNs         *ebpf.Variable `ebpf:"tcp_idle_ns"`
-	UdpIdleNs         *ebpf.Variable `ebpf:"udp_idle_ns"`
+	DefaultsBtfAnchor   *ebpf.Variable `ebpf:"defaults_btf_anchor"`
+	HalfOpenNs          *ebpf.Variable `ebpf:"half_open_ns"`
+	HashSeed            *ebpf.Variable `ebpf:"hash_seed"`
+	LbFlowBitsBtfAnchor *ebpf.Variable `ebpf:"lb_flow_bits_btf_anchor"`
+	NatAddr4            *ebpf.Variable `ebpf:"nat_addr4"`
+	NatAddr6            *ebpf.Variable `ebpf:"nat_addr6"`
+	NatPortMax          *ebpf.Variable `ebpf:"nat_port_max"`
+	NatPortMin          *ebpf.Variable `ebpf:"nat_port_min"`
+	NewFlowBurstNs      *ebpf.Variable `ebpf:"new_flow_burst_ns"`
+	NewFlowIntervalNs   *ebpf.Variable `ebpf:"new_flow_interval_ns"`
+	TcpClosingNs        *ebpf.Variable `ebpf:"tcp_closing_ns"`
+	TcpIdleNs           *ebpf.Variable `ebpf:"tcp_idle_ns"`
+	UdpIdleNs           *ebpf.Variable `ebpf:"udp_idle_ns"`
 }
 
 // WeirPrograms contains all programs after they have been loaded into the kernel.

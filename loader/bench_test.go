@@ -223,7 +223,9 @@ func reportPath(b *testing.B, lb, fl, plainFl, plainLB []float64) {
 // wrapper: plain-ns/pkt should match net-ns/pkt. A SYN always takes the lookup
 // table and rewrites its connection table entry (as Katran does), so syn-v4 pays
 // selection and insertion on every iteration for one 5-tuple; new-flow-v4 is a new
-// 5-tuple every iteration (an LRU insert, evicting once the table is full).
+// 5-tuple every iteration (an LRU insert, evicting once the table is full);
+// new-flow-v4-p2c the same to a maglev_p2c service (both tables and both loads read;
+// every load 0, so the first candidate wins: the comparison is paid in full).
 //
 //	go test -run '^$' -bench 'Packet$' -benchtime 1x -count 3 ./loader/
 func BenchmarkPacket(b *testing.B) {
@@ -231,7 +233,8 @@ func BenchmarkPacket(b *testing.B) {
 	rig := loadRig(b)
 	svc4 := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, Backends: testBackends(100, false, 80)}
 	svc6 := Service{Key: ServiceKey{netip.AddrPortFrom(vip6, 80), TCP}, Backends: testBackends(100, true, 80)}
-	for _, s := range []Service{svc4, svc6} {
+	p2c := Service{Key: ServiceKey{netip.AddrPortFrom(vipP2C, 80), TCP}, P2C: true, Backends: testBackends(100, false, 80)}
+	for _, s := range []Service{svc4, svc6, p2c} {
 		if err := p.AddService(s); err != nil {
 			b.Fatal(err)
 		}
@@ -243,8 +246,12 @@ func BenchmarkPacket(b *testing.B) {
 		{name: "established-v6", frame: dsrFrame(client6, vip6, packet.ACK), actions: tx, count: ReasonFlowHit, same: true},
 		{name: "syn-v4", frame: dsrFrame(client4, vip4, packet.SYN), actions: tx, count: ReasonFlowNew, same: true},
 		{name: "new-flow-v4", frame: dsrFrame(client4, vip4, packet.SYN), newFlows: true, actions: tx, count: ReasonFlowNew},
+		{name: "new-flow-v4-p2c", frame: dsrFrame(client4, vipP2C, packet.SYN), newFlows: true, actions: tx, count: ReasonFlowNew},
 	})
 }
+
+// vipP2C is the benchmarks' maglev_p2c service address.
+var vipP2C = netip.MustParseAddr("10.77.100.9")
 
 // dsrFrame is a TCP segment with 64 bytes of payload from src:fixedSport to dst:80.
 func dsrFrame(src, dst netip.Addr, flags uint8) []byte {

@@ -7,6 +7,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/weir-lb/weir/bpf"
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // Explanation says where the program sends a client's flow to a service.
@@ -31,6 +32,19 @@ type Explanation struct {
 	// Fingerprint identifies the current lookup table (TableInfo.Fingerprint):
 	// nodes with equal fingerprints give every new flow the same backend.
 	Fingerprint string
+	// P2C, for a maglev_p2c service, holds the two candidates New was chosen from.
+	P2C *Candidates
+}
+
+// Candidates are a maglev_p2c flow's two candidates and the active flows the program
+// counts for each (backend_load; negative: unknown). A TCP SYN or a UDP flow's first
+// datagram takes Second when balance.PreferSecond says so; any other packet that
+// misses the connection table takes First.
+type Candidates struct {
+	First, Second         netip.AddrPort
+	FirstLoad, SecondLoad int64
+	// SecondWins says New is Second.
+	SecondWins bool
 }
 
 // Explain answers "where does this client go": the backend the lookup table gives a
@@ -56,21 +70,27 @@ func (p *Program) Explain(key ServiceKey, client netip.AddrPort) (Explanation, e
 	}
 	ex.Fingerprint = st.fingerprint
 	h := flowHash(&fk, p.opts.HashSeed, st.spec.SourceHash)
-	for _, t := range []struct {
-		table *ebpf.Map
-		pick  *netip.AddrPort
-	}{{st.table, &ex.New}, {st.previous, &ex.Previous}} {
-		if t.table == nil || t.pick == &ex.Previous && st.prevSince.IsZero() {
-			continue
-		}
-		var size, slot uint32
-		if err := t.table.Lookup(uint32(0), &size); err != nil {
+	if st.table != nil {
+		slot, err := tableSlot(st.table, h, 0)
+		if err != nil {
 			return Explanation{}, fmt.Errorf("explain %s: read table: %w", key, err)
 		}
-		if err := t.table.Lookup(1+h%size, &slot); err != nil {
-			return Explanation{}, fmt.Errorf("explain %s: read table: %w", key, err)
+		ex.New = bySlot[slot].Addr
+		if st.spec.P2C {
+			if ex.P2C, err = p.candidates(st, bySlot, slot, h); err != nil {
+				return Explanation{}, fmt.Errorf("explain %s: %w", key, err)
+			}
+			if ex.P2C.SecondWins {
+				ex.New = ex.P2C.Second
+			}
 		}
-		*t.pick = bySlot[slot].Addr
+	}
+	if st.previous != nil && !st.prevSince.IsZero() {
+		slot, err := tableSlot(st.previous, h, 0)
+		if err != nil {
+			return Explanation{}, fmt.Errorf("explain %s: read previous table: %w", key, err)
+		}
+		ex.Previous = bySlot[slot].Addr
 	}
 	var found bool
 	var slot uint32
@@ -103,4 +123,38 @@ func (p *Program) Explain(key ServiceKey, client netip.AddrPort) (Explanation, e
 		ex.HalfOpen = false
 	}
 	return ex, nil
+}
+
+// tableSlot is the backend slot a lookup table gives flow hash h (which 1: from a
+// maglev_p2c table's second half), as bpf/select.h lookup_table_pick reads it.
+func tableSlot(table *ebpf.Map, h uint32, which uint32) (uint32, error) {
+	var size, slot uint32
+	if err := table.Lookup(uint32(0), &size); err != nil {
+		return 0, err
+	}
+	if size == 0 {
+		return 0, fmt.Errorf("table of size 0")
+	}
+	err := table.Lookup(1+h%size+which*size, &slot)
+	return slot, err
+}
+
+// candidates reads a maglev_p2c flow's second candidate and both loads, and decides
+// as bpf/select.h new_flow_backend does for a SYN.
+func (p *Program) candidates(st *serviceState, bySlot map[uint32]Backend, first, h uint32) (*Candidates, error) {
+	second, err := tableSlot(st.table, h, 1)
+	if err != nil {
+		return nil, fmt.Errorf("read second table: %w", err)
+	}
+	c := &Candidates{First: bySlot[first].Addr, Second: bySlot[second].Addr}
+	if err := p.objs.BackendLoad.Lookup(first, &c.FirstLoad); err != nil {
+		return nil, fmt.Errorf("read load of %s: %w", c.First, err)
+	}
+	if err := p.objs.BackendLoad.Lookup(second, &c.SecondLoad); err != nil {
+		return nil, fmt.Errorf("read load of %s: %w", c.Second, err)
+	}
+	a, b := bySlot[first], bySlot[second]
+	c.SecondWins = first != second && b.Usable && !b.Draining &&
+		balance.PreferSecond(c.FirstLoad, a.Weight, c.SecondLoad, b.Weight)
+	return c, nil
 }

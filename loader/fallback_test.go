@@ -2,6 +2,7 @@ package loader
 
 import (
 	"bytes"
+	"fmt"
 	"net/netip"
 	"path/filepath"
 	"slices"
@@ -256,10 +257,16 @@ func TestFingerprintGolden(t *testing.T) {
 // again swaps nothing, the fallback goes on across the restart and status shows the
 // fingerprints it showed before.
 func TestPinnedRestartKeepsTables(t *testing.T) {
+	for _, p2c := range []bool{false, true} {
+		t.Run(fmt.Sprintf("maglev_p2c=%t", p2c), func(t *testing.T) { pinnedRestartKeepsTables(t, p2c) })
+	}
+}
+
+func pinnedRestartKeepsTables(t *testing.T, p2c bool) {
 	opts := Options{HashSeed: testSeed, ConntrackSize: 4096, PreviousTableWindow: time.Hour,
 		PinPath: filepath.Join(bpffsT(t), "weir")}
 	all := testBackends(4, false, 80)
-	first := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, TableSize: 251, Backends: all[:3]}
+	first := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, TableSize: 251, Backends: all[:3], P2C: p2c}
 	grown := first
 	grown.Backends = all
 	p1, err := Load(opts)

@@ -80,6 +80,14 @@ func tableSum(print string, ids []netip.AddrPort, slots map[netip.AddrPort]uint3
 // connections; the one before it holds the connections worth falling back to.
 const maxBriefGeneration = time.Minute
 
+// withSecond folds maglev_p2c's second table into a generation's sum and
+// fingerprint: the service's picks depend on both.
+func (g *generation) withSecond(second generation) {
+	sum := sha256.Sum256(append(g.sum[:], second.sum[:]...))
+	fp := sha256.Sum256([]byte(g.fingerprint + " " + second.fingerprint))
+	g.sum, g.fingerprint = sum, hex.EncodeToString(fp[:8])
+}
+
 // keepPrevious makes the table apply is replacing (st.table) with one of sum next
 // the previous generation: addressable by the fallback (prev_lookup_tables) when
 // the window is on, and remembered for status either way; the one before it is let
@@ -150,7 +158,7 @@ type TableInfo struct {
 	// what picks an entry (see fingerprint.go): equal on every node that computes
 	// the same table. Empty when no backend is usable (no table).
 	Fingerprint string
-	// Size is the table's number of entries (0: no table).
+	// Size is the table's number of entries (0: no table; maglev_p2c: each of its two).
 	Size uint32
 	// Previous is the fingerprint of the generation the current table replaced,
 	// while the fallback may still use it (empty otherwise); PreviousSince is when
@@ -174,6 +182,9 @@ func (st *serviceState) info() TableInfo {
 	ti := TableInfo{Fingerprint: st.fingerprint}
 	if st.table != nil {
 		ti.Size = st.table.MaxEntries() - 1
+		if st.spec.P2C {
+			ti.Size /= 2 // the second table follows the first in the same map
+		}
 	}
 	if !st.prevSince.IsZero() {
 		ti.Previous, ti.PreviousSince = st.prevPrint, st.prevSince
@@ -183,7 +194,8 @@ func (st *serviceState) info() TableInfo {
 
 // adoptTables takes over the lookup tables an earlier run pinned for an adopted
 // service (its slots known): the current one, so that setting the same configuration
-// again swaps nothing, and the previous one, so that the fallback outlives a restart.
+// again swaps nothing (maglev_p2c's second table with it), and the previous one, so
+// that the fallback outlives a restart.
 // An adopted previous generation's window starts again now (its age is not kept);
 // its fingerprint names only the backends the service still has.
 func (p *Program) adoptTables(st *serviceState) error {
@@ -207,16 +219,26 @@ func (p *Program) adoptTables(st *serviceState) error {
 		if inner == nil {
 			continue
 		}
-		if len(values) < 2 || values[0] != uint32(len(values)-1) {
+		// Entry 0 is the size M; one table of M entries follows, or two (maglev_p2c).
+		if len(values) < 2 || values[0] == 0 || (len(values)-1)%int(values[0]) != 0 || (len(values)-1)/int(values[0]) > 2 {
 			inner.Close()
 			return fmt.Errorf("adopt %s of service id %d: %d values, not a table's size and its entries", t.outer, st.id, len(values))
 		}
-		entries := make([]netip.AddrPort, len(values)-1)
-		for i, slot := range values[1:] {
-			entries[i] = bySlot[slot]
+		var gen generation
+		for half := 0; half < (len(values)-1)/int(values[0]); half++ {
+			entries := make([]netip.AddrPort, values[0])
+			for j, slot := range values[1+half*int(values[0]) : 1+(half+1)*int(values[0])] {
+				entries[j] = bySlot[slot]
+			}
+			fp, ids := fingerprint(p.opts.HashSeed, st.spec.SourceHash, entries)
+			g := generation{sum: tableSum(fp, ids, st.slots), fingerprint: fp}
+			if half == 0 {
+				gen = g
+			} else {
+				gen.withSecond(g)
+			}
 		}
-		fp, ids := fingerprint(p.opts.HashSeed, st.spec.SourceHash, entries)
-		*t.table, *t.sum, *t.print = inner, tableSum(fp, ids, st.slots), fp
+		*t.table, *t.sum, *t.print = inner, gen.sum, gen.fingerprint
 	}
 	st.tableSince = time.Now()
 	if st.previous != nil {

@@ -257,14 +257,36 @@ func (p *Program) flows() (flowTables, error) {
 
 // setNATCursors writes the first len(cursors) entries of nat_cursor.
 func (p *Program) setNATCursors(cursors []uint32) error {
-	keys := make([]uint32, len(cursors))
-	for i := range keys {
-		keys[i] = uint32(i)
-	}
-	if _, err := p.objs.NatCursor.BatchUpdate(keys, cursors, nil); err != nil {
+	if err := writeArray(p.objs.NatCursor, cursors); err != nil {
 		return fmt.Errorf("seed nat_cursor: %w", err)
 	}
 	return nil
+}
+
+// writeArray writes the first len(values) entries of an array map.
+func writeArray[V any](m *ebpf.Map, values []V) error {
+	keys := make([]uint32, len(values))
+	for i := range keys {
+		keys[i] = uint32(i)
+	}
+	_, err := m.BatchUpdate(keys, values, nil)
+	return err
+}
+
+// setLoads writes the first len(loads) entries of backend_load; loads reads them.
+func (p *Program) setLoads(loads []int64) error {
+	if err := writeArray(p.objs.BackendLoad, loads); err != nil {
+		return fmt.Errorf("seed backend_load: %w", err)
+	}
+	return nil
+}
+
+func (p *Program) loads(n uint32) ([]int64, error) {
+	l, err := readArray[int64](p.objs.BackendLoad, n)
+	if err != nil {
+		return nil, fmt.Errorf("read backend_load: %w", err)
+	}
+	return l, nil
 }
 
 // natCursors reads the first n entries of nat_cursor.

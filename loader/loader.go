@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/bpf"
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // Defaults of Options, as bpf/consts.h (enum defaults) holds them: the committed
@@ -659,6 +660,10 @@ func (p *Program) apply(st *serviceState, s Service) error {
 				undo()
 				return err
 			}
+			if err := p.objs.BackendLoad.Put(id, int64(0)); err != nil {
+				undo()
+				return fmt.Errorf("reset load of backend %s: %w", b.Addr, err)
+			}
 		}
 		slots[b.Addr] = id
 	}
@@ -724,27 +729,42 @@ type generation struct {
 	fingerprint string
 }
 
-// tableEntries computes the service's Maglev table.
+// tableEntries computes the service's Maglev table, and for maglev_p2c its second
+// table (from balance.P2CSeed) after it in the same values, so one swap changes
+// both; the second folds into the sum and fingerprint.
 func (p *Program) tableEntries(s Service, slots map[netip.AddrPort]uint32) (generation, error) {
-	entries, err := maglevEntries(s, p.opts.HashSeed)
-	if err != nil {
-		return generation{}, err
+	seeds := []uint64{uint64(p.opts.HashSeed)}
+	if s.P2C {
+		seeds = append(seeds, balance.P2CSeed(uint64(p.opts.HashSeed)))
 	}
-	if entries == nil {
-		return generation{sum: tableSum("", nil, nil)}, nil
+	var gen generation
+	for i, seed := range seeds {
+		entries, err := maglevEntries(s, seed)
+		if err != nil {
+			return generation{}, err
+		}
+		if entries == nil {
+			return generation{sum: tableSum("", nil, nil)}, nil
+		}
+		if i == 0 {
+			// Entry 0 holds the size: it travels with the slots, so one swap changes all.
+			gen.values = make([]uint32, 1, 1+len(seeds)*len(entries))
+			gen.values[0] = uint32(len(entries))
+		}
+		addrs := make([]netip.AddrPort, len(entries))
+		for j, e := range entries {
+			gen.values = append(gen.values, slots[s.Backends[e].Addr])
+			addrs[j] = s.Backends[e].Addr
+		}
+		fp, ids := fingerprint(p.opts.HashSeed, s.SourceHash, addrs)
+		half := generation{sum: tableSum(fp, ids, slots), fingerprint: fp}
+		if i == 0 {
+			gen.sum, gen.fingerprint = half.sum, half.fingerprint
+		} else {
+			gen.withSecond(half)
+		}
 	}
-	// Entry 0 holds the size: it travels with the table, so one swap changes both.
-	values := make([]uint32, len(entries)+1)
-	values[0] = uint32(len(entries))
-	for i, e := range entries {
-		values[i+1] = slots[s.Backends[e].Addr]
-	}
-	addrs := make([]netip.AddrPort, len(entries))
-	for i, e := range entries {
-		addrs[i] = s.Backends[e].Addr
-	}
-	fp, ids := fingerprint(p.opts.HashSeed, s.SourceHash, addrs)
-	return generation{values: values, sum: tableSum(fp, ids, slots), fingerprint: fp}, nil
+	return gen, nil
 }
 
 // newTable creates and fills an inner map holding values.
@@ -833,6 +853,9 @@ func serviceValue(s Service, id uint32) bpf.WeirService {
 	if s.SourceHash {
 		v.Flags |= serviceFlagSourceHash
 	}
+	if s.P2C {
+		v.Flags |= serviceFlagP2C
+	}
 	return v
 }
 
@@ -842,6 +865,7 @@ func backendValue(b Backend, serviceID uint32) bpf.WeirBackend {
 		Port:      portWord(b.Addr.Port()),
 		Family:    family(b.Addr.Addr()),
 		ServiceId: serviceID,
+		Weight:    uint16(b.Weight), // validate bounds it by MaxWeight
 	}
 	copy(v.Mac[:], b.MAC)
 	if b.Usable {
@@ -853,6 +877,7 @@ func backendValue(b Backend, serviceID uint32) bpf.WeirBackend {
 // Flag bits of bpf/consts.h.
 const (
 	serviceFlagSourceHash = bpf.WeirServiceFlagsSERVICE_F_SOURCE_HASH
+	serviceFlagP2C        = bpf.WeirServiceFlagsSERVICE_F_P2C
 	backendFlagUsable     = bpf.WeirBackendFlagsBACKEND_F_USABLE
 )
 

@@ -59,6 +59,16 @@ func loadT(t testing.TB) *Program {
 // program must pick for a new flow.
 func wantBackend(t *testing.T, s Service, f Flow) Backend {
 	t.Helper()
+	table := testTable(t, s, testSeed)
+	k := flowKey(f)
+	h := flowHash(&k, testSeed, s.SourceHash)
+	return s.Backends[table[h%uint32(len(table))]]
+}
+
+// testTable builds the Maglev table the loader builds for s with seed, its entries
+// indexes into s.Backends.
+func testTable(t *testing.T, s Service, seed uint64) []uint32 {
+	t.Helper()
 	members := make([]balance.Backend, len(s.Backends))
 	for i, b := range s.Backends {
 		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: b.Usable}
@@ -67,13 +77,11 @@ func wantBackend(t *testing.T, s Service, f Flow) Backend {
 	if size == 0 {
 		size = balance.MaglevSize(len(s.Backends))
 	}
-	table, err := balance.BuildMaglev(members, size, testSeed)
+	table, err := balance.BuildMaglev(members, size, seed)
 	if err != nil {
 		t.Fatalf("build table: %v", err)
 	}
-	k := flowKey(f)
-	h := flowHash(&k, testSeed, s.SourceHash)
-	return s.Backends[table[h%uint32(len(table))]]
+	return table
 }
 
 // dsrOut is what dsr must make of a frame: source MAC ours, destination the backend's.

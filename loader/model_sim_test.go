@@ -2,8 +2,10 @@ package loader
 
 import (
 	"encoding/binary"
+	"fmt"
 
 	"github.com/weir-lb/weir/bpf"
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // model_sim_test.go: a pure-Go model of the XDP program's decision (bpf/weir.c and its
@@ -45,15 +47,18 @@ type Model struct {
 	MaxServices                       uint32 // entries of lookup_tables and service_stats
 	MaxBackends                       uint32 // entries of backend_stats, backend_flows and nat_cursor
 	Services                          map[bpf.WeirVipKey]bpf.WeirService
-	Backends                          []bpf.WeirBackend                  // the whole array, index = slot; Run writes tunnel next hops in place
-	Tables                            map[uint32][]uint32                // service id -> lookup table: entry 0 the size M, 1..M slots
-	PrevTables                        map[uint32][]uint32                // prev_lookup_tables, likewise
-	LBConntrack, LBHalfOpen           map[bpf.WeirFlowKey]bpf.WeirLbFlow // dsr and tunnel
-	NATConntrack, NATHalfOpen         map[bpf.WeirFlowKey]bpf.WeirNatFlow
-	NATReverse, NATHalfReverse        map[bpf.WeirFlowKey]bpf.WeirNatEntry
-	NATCursor                         []uint32        // by backend slot (MaxBackends entries)
-	TxPorts                           map[uint32]bool // tx_ports keys
-	IngressIfindex                    uint32          // ctx->ingress_ifindex of every Run
+	Backends                          []bpf.WeirBackend   // the whole array, index = slot; Run writes tunnel next hops in place
+	Tables                            map[uint32][]uint32 // service id -> lookup table: entry 0 the size M, 1..M slots (maglev_p2c: M+1..2M its second)
+	PrevTables                        map[uint32][]uint32 // prev_lookup_tables, likewise
+	// Load is backend_load by slot; Run adds to it as the program does. Slots past its
+	// end (but inside the array) are not modelled: the rig seeds and reads only these.
+	Load                       []int64
+	LBConntrack, LBHalfOpen    map[bpf.WeirFlowKey]bpf.WeirLbFlow // dsr and tunnel
+	NATConntrack, NATHalfOpen  map[bpf.WeirFlowKey]bpf.WeirNatFlow
+	NATReverse, NATHalfReverse map[bpf.WeirFlowKey]bpf.WeirNatEntry
+	NATCursor                  []uint32        // by backend slot (MaxBackends entries)
+	TxPorts                    map[uint32]bool // tx_ports keys
+	IngressIfindex             uint32          // ctx->ingress_ifindex of every Run
 }
 
 // ModelEnv is what the model cannot know.
@@ -116,6 +121,7 @@ const (
 	maxIPv6ExtHeaders   = 4
 	natPortTries        = 8 // NAT_PORT_TRIES
 	flowFlagClosing     = bpf.WeirFlowFlagsFLOW_F_CLOSING
+	lbFlowClosed        = uint32(bpf.WeirLbFlowBitsLB_FLOW_CLOSED)
 	nsecPerSec          = 1_000_000_000
 	protoHopOpts        = 0
 	protoICMP           = 1
@@ -207,6 +213,11 @@ func (r *run) countBackend(id uint32) {
 func (r *run) countFlow(id uint32, opened bool) {
 	if id >= r.m.MaxBackends {
 		return
+	}
+	if opened {
+		r.loadAdd(id, 1)
+	} else {
+		r.loadAdd(id, -1)
 	}
 	if opened {
 		r.out.FlowsOpened = append(r.out.FlowsOpened, id)
@@ -397,15 +408,15 @@ func (r *run) usableBackend(id, serviceID uint32) (bpf.WeirBackend, bool) {
 	return be, true
 }
 
-// lookupTablePick returns the slot the table gives (set even when its backend is
-// unusable, as the C sets *id) and the backend if usable.
-func (r *run) lookupTablePick(p *modelPacket, svc bpf.WeirService) (uint32, bpf.WeirBackend, bool) {
+// lookupTablePick returns the slot the service's table gives flow hash h (which 1:
+// its second half; set even when its backend is unusable, as the C sets *id) and the
+// backend if usable.
+func (r *run) lookupTablePick(svc bpf.WeirService, h, which uint32) (uint32, bpf.WeirBackend, bool) {
 	table, ok := r.m.Tables[svc.Id]
 	if !ok || svc.Id >= r.m.MaxServices || len(table) == 0 || table[0] == 0 {
 		return 0, bpf.WeirBackend{}, false
 	}
-	h := flowHash(&p.flow, r.m.HashSeed, svc.Flags&serviceFlagSourceHash != 0)
-	index := 1 + h%table[0]
+	index := 1 + h%table[0] + which*table[0]
 	if uint64(index) >= uint64(len(table)) {
 		return 0, bpf.WeirBackend{}, false
 	}
@@ -414,8 +425,9 @@ func (r *run) lookupTablePick(p *modelPacket, svc bpf.WeirService) (uint32, bpf.
 	return id, be, ok
 }
 
-// tableSlot is select.h's table_slot: the slot a table holds for hash h, or -1.
-func tableSlot(table []uint32, h uint32) int64 {
+// sliceSlot is the slot a table's first half holds for hash h, or -1 where
+// select.h's lookup_table_pick sets none.
+func sliceSlot(table []uint32, h uint32) int64 {
 	if len(table) == 0 || table[0] == 0 {
 		return -1
 	}
@@ -434,7 +446,7 @@ func (r *run) missBackend(p *modelPacket, svc bpf.WeirService, event *Reason) (u
 		return r.newFlowBackend(p, svc)
 	}
 	h := flowHash(&p.flow, r.m.HashSeed, svc.Flags&serviceFlagSourceHash != 0)
-	slot := tableSlot(prev, h)
+	slot := sliceSlot(prev, h)
 	var old bpf.WeirBackend
 	if slot >= 0 {
 		old, ok = r.usableBackend(uint32(slot), svc.Id)
@@ -444,7 +456,7 @@ func (r *run) missBackend(p *modelPacket, svc bpf.WeirService, event *Reason) (u
 	}
 	cur := int64(-1)
 	if table, ok := r.m.Tables[svc.Id]; ok {
-		cur = tableSlot(table, h)
+		cur = sliceSlot(table, h)
 	}
 	if cur != slot {
 		*event = ReasonFlowFallback
@@ -455,11 +467,54 @@ func (r *run) missBackend(p *modelPacket, svc bpf.WeirService, event *Reason) (u
 // newFlowBackend is select.h's new_flow_backend: the backend every mode gives a new
 // flow, or a verdict.
 func (r *run) newFlowBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.WeirBackend, int) {
-	id, be, ok := r.lookupTablePick(p, svc)
+	h := flowHash(&p.flow, r.m.HashSeed, svc.Flags&serviceFlagSourceHash != 0)
+	id, be, ok := r.lookupTablePick(svc, h, 0)
 	if !ok {
 		return 0, be, r.verdict(XDPDrop, ReasonDropNoBackend)
 	}
+	if svc.Flags&serviceFlagP2C == 0 || p.flow.Proto == protoTCP && !isSYN(p) {
+		return id, be, modelContinue
+	}
+	id2, be2, ok := r.lookupTablePick(svc, h, 1)
+	if !ok || id2 == id {
+		return id, be, modelContinue
+	}
+	la, oka := r.load(id)
+	lb, okb := r.load(id2)
+	if oka && okb && balance.PreferSecond(la, uint32(be.Weight), lb, uint32(be2.Weight)) {
+		r.count(ReasonFlowSecondChoice)
+		return id2, be2, modelContinue
+	}
 	return id, be, modelContinue
+}
+
+// load is backend_load[id]; false if the program's lookup would fail.
+func (r *run) load(id uint32) (int64, bool) {
+	if id >= r.m.MaxBackends {
+		return 0, false
+	}
+	if int(id) >= len(r.m.Load) {
+		panic(fmt.Sprintf("model: backend_load[%d] read; the rig seeds %d entries", id, len(r.m.Load)))
+	}
+	return r.m.Load[id], true
+}
+
+// loadAdd is select.h's load_add.
+func (r *run) loadAdd(id uint32, delta int64) {
+	if _, ok := r.load(id); ok {
+		r.m.Load[id] += delta
+	}
+}
+
+// lbFlowClosed is select.h's lb_flow_closed on the entry under key in table.
+func (r *run) lbFlowClosed(table map[bpf.WeirFlowKey]bpf.WeirLbFlow, key bpf.WeirFlowKey) {
+	f := table[key]
+	if f.CreatedS&lbFlowClosed != 0 {
+		return
+	}
+	f.CreatedS |= lbFlowClosed
+	table[key] = f
+	r.loadAdd(f.BackendId, -1)
 }
 
 func isSYN(p *modelPacket) bool {
@@ -483,16 +538,35 @@ func (r *run) newFlowAllowed(now uint64) bool {
 func (r *run) selectBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.WeirBackend, int) {
 	event := ReasonFlowNew
 	if isSYN(p) {
-		delete(r.m.LBConntrack, p.flow)
+		if _, ok := r.m.LBConntrack[p.flow]; ok {
+			r.lbFlowClosed(r.m.LBConntrack, p.flow)
+			delete(r.m.LBConntrack, p.flow)
+		}
+		if known, ok := r.m.LBHalfOpen[p.flow]; ok && svc.Flags&serviceFlagP2C != 0 {
+			if be, ok := r.usableBackend(known.BackendId, svc.Id); ok {
+				r.count(ReasonFlowHit)
+				return known.BackendId, be, modelContinue
+			}
+			event = ReasonFlowReselect
+		}
 	} else if known, ok := r.m.LBConntrack[p.flow]; ok {
 		if be, ok := r.usableBackend(known.BackendId, svc.Id); ok {
+			if tcpCloses(p) {
+				r.lbFlowClosed(r.m.LBConntrack, p.flow)
+			}
 			r.count(ReasonFlowHit)
 			return known.BackendId, be, modelContinue
 		}
+		r.lbFlowClosed(r.m.LBConntrack, p.flow)
 		delete(r.m.LBConntrack, p.flow)
 		event = ReasonFlowReselect
 	} else if known, ok := r.m.LBHalfOpen[p.flow]; ok {
 		if be, ok := r.usableBackend(known.BackendId, svc.Id); ok {
+			r.loadAdd(known.BackendId, 1)
+			if tcpCloses(p) {
+				known.CreatedS |= lbFlowClosed
+				r.loadAdd(known.BackendId, -1)
+			}
 			r.m.LBConntrack[p.flow] = known
 			delete(r.m.LBHalfOpen, p.flow)
 			r.count(ReasonFlowEstablished)
@@ -508,7 +582,7 @@ func (r *run) selectBackend(p *modelPacket, svc bpf.WeirService) (uint32, bpf.We
 		r.count(ReasonFlowUntracked)
 		return id, be, modelContinue
 	}
-	r.m.LBHalfOpen[p.flow] = bpf.WeirLbFlow{BackendId: id, CreatedS: uint32(r.env.Now / nsecPerSec)}
+	r.m.LBHalfOpen[p.flow] = bpf.WeirLbFlow{BackendId: id, CreatedS: uint32(r.env.Now/nsecPerSec) &^ lbFlowClosed}
 	r.count(event)
 	return id, be, modelContinue
 }

@@ -85,6 +85,14 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"nat known flow refreshed, backend's next hop stale", ReasonDropNoRoute},
 		{"icmp from backend quoting a half-open flow", ReasonICMPTranslated},
 		{"icmp from client side quoting a half-open flow", ReasonICMPTranslated},
+		{"dsr tcp syn v4, p2c second candidate less loaded", ReasonFlowSecondChoice},
+		{"nat tcp syn v4, p2c second candidate less loaded", ReasonFlowSecondChoice},
+		{"nat udp v6, p2c second candidate less loaded", ReasonFlowSecondChoice},
+		{"tunnel v6 syn, p2c second candidate less loaded", ReasonFlowSecondChoice},
+		{"dsr tcp ack v4 of an unknown flow, p2c keeps the first candidate", ReasonFlowNew},
+		{"dsr tcp syn again, half-open flow", ReasonFlowHit},
+		{"dsr tcp fin, known flow counted closed", ReasonFlowHit},
+		{"dsr tcp fin, half-open flow established closing", ReasonFlowEstablished},
 		{"fallback dsr ack unknown, previous table disagrees", ReasonFlowFallback},
 		{"fallback dsr syn takes the current table", ReasonFlowNew},
 		{"fallback dsr previous pick unusable", ReasonFlowNew},
@@ -277,6 +285,20 @@ var fuzzSeeds = []struct {
 	{"tunnel new flow over the rate limit, untracked", []byte{1, 24, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
 	{"icmp from backend quoting a half-open flow", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 255, 0, 2 | 0x10}},
 	{"icmp from client side quoting a half-open flow", []byte{0, 17, 0, 0, 1, 0, 0, 255, 0, 1 | 8, 0, 1}},
+	// maglev_p2c (services 0, 4, 7, 9): bytes 17-18 give backend slots their loads
+	// (fuzzLoads, three bits a slot); each of these makes the flow's first candidate
+	// busier than its second.
+	{"dsr tcp syn v4, p2c second candidate less loaded", []byte{0, 0, 0, 2, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3}},
+	{"nat tcp syn v4, p2c second candidate less loaded", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3}},
+	{"nat udp v6, p2c second candidate less loaded", []byte{0, 7, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x18}},
+	{"tunnel v6 syn, p2c second candidate less loaded", []byte{0, 25, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3}},
+	{"dsr tcp ack v4 of an unknown flow, p2c keeps the first candidate", []byte{0, 0, 0, 2, packet.ACK, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3}},
+	{"dsr tcp syn v4, p2c loads tie", []byte{0, 0, 0, 2, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2 | 1<<3}},
+	{"dsr tcp syn v4, p2c load unknown", []byte{0, 0, 0, 2, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3 | 4<<3}},
+	{"dsr tcp syn again, half-open flow", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 0, 1 | 8, 0}},
+	{"dsr tcp fin, known flow counted closed", []byte{0, 0, 0, 0, packet.FIN | packet.ACK, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1}},
+	{"dsr tcp fin, half-open flow established closing", []byte{0, 0, 0, 0, packet.FIN | packet.ACK, 0, 0, 0, 0, 1 | 8, 0}},
+	{"tunnel rst, known flow on an unusable slot", []byte{0, 25, 0, 0, packet.RST, 0, 0, 0, 0, 1, 3, 0, 0, 0, 0, 0, 0, 0x12, 0x34}},
 	// The previous-table fallback: targets 27-31 (services 11-15) changed their tables
 	// once (fuzzFirstGenerations). The source ports are ones whose previous pick
 	// differs from the current one, or names the backend made unusable since.
@@ -358,6 +380,10 @@ func fuzzServices() []Service {
 	)
 	s[10].SourceHash = true
 	s[10].Backends[2].Usable = false
+	// maglev_p2c in every mode, both families and protocols.
+	for _, i := range []int{0, 4, 7, 9} {
+		s[i].P2C = true
+	}
 	// Services whose table changed once (fuzzFirstGenerations holds what they had
 	// before), so the previous generation is there for the fallback: one backend
 	// added and one made unusable since (its old entries fall back to nothing), and
@@ -677,6 +703,7 @@ type fuzzCase struct {
 	cursor   uint32 // every backend's nat_cursor
 	tat      uint64 // every CPU's new_flow_limit
 	backends map[uint32]bpf.WeirBackend
+	loads    []int64 // backend_load of the slots the rig reads
 }
 
 // check runs one input through the program and the model and fails on any
@@ -708,6 +735,9 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 		t.Fatal(err)
 	}
 	if err := p.setNewFlowTAT(c.tat); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.setLoads(c.loads); err != nil {
 		t.Fatal(err)
 	}
 	nSvc := uint32(len(rig.services))
@@ -750,6 +780,10 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 	if err != nil {
 		t.Fatal(err)
 	}
+	gotLoads, err := p.loads(rig.nBackend)
+	if err != nil {
+		t.Fatal(err)
+	}
 	rig.last[c.prog] = &got
 
 	deltas := func(a, b []Counter) []Counter {
@@ -769,6 +803,7 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 	})
 	m.NATCursor = cursors
 	m.NewFlowTAT = c.tat
+	m.Load = slices.Clone(c.loads)
 	m.IngressIfindex = rig.ingress
 	// The backends array is shared with the rig's model (a copy per input would cost
 	// more than the run): only tunnel slots change, and every input resets them all.
@@ -857,6 +892,9 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 	}
 	if !maps.Equal(got.HalfReverse, m.NATHalfReverse) {
 		report("nat_half_reverse\n got %+v\nwant %+v", got.HalfReverse, m.NATHalfReverse)
+	}
+	if !slices.Equal(gotLoads, m.Load) {
+		report("backend_load = %v (seeded %v); want %v", gotLoads, c.loads, m.Load)
 	}
 	if !slices.Equal(gotCursors, m.NATCursor[:rig.nBackend]) {
 		report("nat_cursor = %v; want %v", gotCursors, m.NATCursor[:rig.nBackend])
@@ -960,6 +998,22 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 //	   its length (4096, 0, this packet's outer length - 1, its outer length), bit 6
 //	   set DF on an IPv4 frame, bit 7 the first backend only
 //	16 the new-flow limit's word on every CPU (fuzzTATs)
+//	17-18 backend_load of every slot (fuzzLoads, three bits a slot)
+//
+// fuzzLoads are the backend_load values an input gives slots: none, either side of
+// maglev_p2c's margin (9 against 8 ties, 10 wins), unknown, huge.
+var fuzzLoads = []int64{0, 8, 9, 10, -1, 1, 1 << 40, 3}
+
+// loads gives slot i fuzzLoads[sel >> 3(i mod 5) & 7], so the slots of one service
+// (at most 3, in a row) take independent values.
+func (rig *fuzzRig) loads(sel uint16) []int64 {
+	out := make([]int64, rig.nBackend)
+	for i := range out {
+		out[i] = fuzzLoads[sel>>(3*(i%5))&7]
+	}
+	return out
+}
+
 func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	r := &fuzzReader{in}
 	b0 := r.u8()
@@ -980,6 +1034,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 			frame = append(frame, types[int(r.u8())%len(types)]...)
 		}
 		c.frame = fitFrame(append(frame, r.b...))
+		c.loads = rig.loads(0)
 		return c
 	}
 
@@ -1216,6 +1271,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	if tat := fuzzTATs[int(r.u8())%len(fuzzTATs)]; tat != 0 {
 		c.tat = now + uint64(tat)
 	}
+	c.loads = rig.loads(r.u16())
 	if tg.svc >= 0 && (svc.Forwarding == ForwardTunnel || svc.Forwarding == ForwardNAT) {
 		ifindex := []uint32{0, rig.ingress, rig.veth, 9}[tun&3]
 		at := now - uint64([]time.Duration{100 * time.Millisecond, 3 * time.Second, -50 * time.Second, 0}[tun>>2&3])

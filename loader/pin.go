@@ -69,7 +69,8 @@ func (p *Program) adopt() error {
 		}
 		sk := ServiceKey{VIP: netip.AddrPortFrom(addr, portWord(key.Port)), Protocol: Protocol(key.Proto)}
 		st := &serviceState{id: val.Id, slots: make(map[netip.AddrPort]uint32)}
-		st.spec = Service{Key: sk, Forwarding: Forwarding(val.Mode), SourceHash: val.Flags&serviceFlagSourceHash != 0}
+		st.spec = Service{Key: sk, Forwarding: Forwarding(val.Mode), SourceHash: val.Flags&serviceFlagSourceHash != 0,
+			P2C: val.Flags&serviceFlagP2C != 0}
 		p.services[sk] = st
 		byID[val.Id] = st
 		usedServices[val.Id] = true
@@ -114,7 +115,57 @@ func (p *Program) adopt() error {
 	}
 	p.serviceIDs.remove(usedServices)
 	p.backendIDs.remove(usedSlots)
+	if err := p.recountLoads(usedSlots); err != nil {
+		return fmt.Errorf("adopt: %w", err)
+	}
 	return nil
+}
+
+// recountLoads sets backend_load of the slots in use to what the connection tables
+// hold: the established flows the program has not counted closed yet (nat: not
+// closing; dsr and tunnel: no LB_FLOW_CLOSED), which are the ones it will uncount
+// later. A restart so corrects the drift of flows the LRU forgot and starts true
+// counts where maps of a version without backend_load were adopted. The program
+// runs meanwhile: a flow that opens or closes during the walk may be missed, once.
+func (p *Program) recountLoads(used map[uint32]bool) error {
+	counts := make(map[uint32]int64, len(used))
+	fp := p.flowPairs()
+	lbOpen := func(f bpf.WeirLbFlow) (uint32, bool) {
+		return f.BackendId, f.CreatedS&uint32(bpf.WeirLbFlowBitsLB_FLOW_CLOSED) == 0
+	}
+	natOpen := func(f bpf.WeirNatFlow) (uint32, bool) {
+		return f.BackendId, f.Flags&bpf.WeirFlowFlagsFLOW_F_CLOSING == 0
+	}
+	for _, err := range []error{
+		countOpen[bpf.WeirFlowKey4](fp[lbConntrack].v4, lbOpen, counts),
+		countOpen[bpf.WeirFlowKey](fp[lbConntrack].v6, lbOpen, counts),
+		countOpen[bpf.WeirFlowKey4](fp[natConntrack].v4, natOpen, counts),
+		countOpen[bpf.WeirFlowKey](fp[natConntrack].v6, natOpen, counts),
+	} {
+		if err != nil {
+			return fmt.Errorf("recount flows: %w", err)
+		}
+	}
+	for slot := range used {
+		if err := p.objs.BackendLoad.Put(slot, counts[slot]); err != nil {
+			return fmt.Errorf("recount flows: backend slot %d: %w", slot, err)
+		}
+	}
+	return nil
+}
+
+// countOpen adds, for every entry of a flow table that open says is open, one to
+// counts of its backend slot.
+func countOpen[K, V any](m *ebpf.Map, open func(V) (uint32, bool), counts map[uint32]int64) error {
+	var k K
+	var v V
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		if id, ok := open(v); ok {
+			counts[id]++
+		}
+	}
+	return it.Err()
 }
 
 func addrFromWords(w [4]uint32, fam uint8) netip.Addr {
@@ -212,7 +263,8 @@ func (p *Program) unpinAll() error {
 		}
 	}
 	maps := []*ebpf.Map{p.objs.Services, p.objs.Backends, p.objs.LookupTables, p.objs.PrevLookupTables, p.objs.NewFlowLimit, p.objs.NatCursor,
-		p.objs.ServiceStats, p.objs.BackendStats, p.objs.GlobalStats, p.objs.BackendFlows, p.objs.TxPorts}
+		p.objs.ServiceStats, p.objs.BackendStats, p.objs.GlobalStats, p.objs.BackendFlows, p.objs.TxPorts,
+		p.objs.BackendLoad}
 	for _, fp := range p.flowPairs() {
 		maps = append(maps, fp.v4, fp.v6)
 	}

@@ -90,6 +90,16 @@ func TestPinnedRestart(t *testing.T) {
 		}
 	}
 	echo("before the restart")
+	// Each service's one connection is counted on backend-0. Counts gone astray (as
+	// after the LRU forgets flows, or an upgrade from maps without backend_load) are
+	// set right by the next Load from the connection tables.
+	be0 := map[ServiceKey]netip.AddrPort{natEcho.Key: natEcho.Backends[0].Addr, dsrEcho.Key: dsrEcho.Backends[0].Addr}
+	for key, addr := range be0 {
+		if got := p1.load(t, key, addr); got != 1 {
+			t.Errorf("service %s: backend_load of %s %d with one connection open; want 1", key, addr, got)
+		}
+		p1.setLoad(t, key, map[netip.AddrPort]int64{addr: 42})
+	}
 
 	if err := p1.Release(); err != nil {
 		t.Fatal(err)
@@ -107,6 +117,11 @@ func TestPinnedRestart(t *testing.T) {
 	}
 	if adopted[natEcho.Key] != 3 || adopted[dsrEcho.Key] != 3 {
 		t.Fatalf("adopted %v; want both services with 3 backends", adopted)
+	}
+	for key, addr := range be0 {
+		if got := p2.load(t, key, addr); got != 1 {
+			t.Errorf("service %s after the restart: backend_load of %s %d; want 1, recounted from the connection table", key, addr, got)
+		}
 	}
 	configure(p2)
 	echo("after the restart")

@@ -19,7 +19,7 @@ import (
 
 // maglevEntries is a service's Maglev table as indexes into s.Backends, or nil when no
 // backend may take new flows.
-func maglevEntries(s Service, seed uint32) ([]uint32, error) {
+func maglevEntries(s Service, seed uint64) ([]uint32, error) {
 	members := make([]balance.Backend, len(s.Backends))
 	usable := 0
 	for i, b := range s.Backends {
@@ -37,7 +37,7 @@ func maglevEntries(s Service, seed uint32) ([]uint32, error) {
 	if size == 0 {
 		size = balance.MaglevSize(len(s.Backends))
 	}
-	entries, err := balance.BuildMaglev(members, size, uint64(seed))
+	entries, err := balance.BuildMaglev(members, size, seed)
 	if err != nil {
 		return nil, fmt.Errorf("build lookup table: %w", err)
 	}
@@ -51,7 +51,7 @@ func LookupTable(s Service, seed uint32) ([]netip.AddrPort, error) {
 	if err := s.validate(); err != nil {
 		return nil, err
 	}
-	entries, err := maglevEntries(s, seed)
+	entries, err := maglevEntries(s, uint64(seed))
 	if err != nil || entries == nil {
 		return nil, err
 	}

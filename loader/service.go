@@ -73,7 +73,12 @@ type Service struct {
 	SourceHash bool
 	// TableSize is the Maglev lookup table size, a prime; 0 picks balance.MaglevSize.
 	TableSize uint32
-	Backends  []Backend
+	// P2C (maglev_p2c) gives a new flow the less loaded of two candidates: its slot
+	// in the lookup table and in a second table of the same size, built from
+	// balance.P2CSeed(HashSeed) and held after the first in the same inner map,
+	// compared by active flows per weight (bpf/select.h).
+	P2C      bool
+	Backends []Backend
 }
 
 // Backend is one real server of a service.

@@ -37,6 +37,7 @@ const (
 	ReasonFlowUntracked     = Reason(bpf.WeirStatReasonSTAT_FLOW_UNTRACKED)
 	ReasonDropFlowRate      = Reason(bpf.WeirStatReasonSTAT_DROP_FLOW_RATE)
 	ReasonDropHalfOpenFull  = Reason(bpf.WeirStatReasonSTAT_DROP_HALF_OPEN_FULL)
+	ReasonFlowSecondChoice  = Reason(bpf.WeirStatReasonSTAT_FLOW_SECOND_CHOICE)
 	ReasonFlowFallback      = Reason(bpf.WeirStatReasonSTAT_FLOW_FALLBACK)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
@@ -66,6 +67,7 @@ var reasonNames = [...]string{
 	ReasonFlowUntracked:     "flow_untracked",
 	ReasonDropFlowRate:      "drop_flow_rate",
 	ReasonDropHalfOpenFull:  "drop_half_open_full",
+	ReasonFlowSecondChoice:  "flow_second_choice",
 	ReasonFlowFallback:      "flow_fallback",
 }
 

@@ -112,7 +112,7 @@ func maxLoad(sc scale, seed uint64) []maxLoadRow {
 
 // --- Claim 2: herd behaviour with many independent balancers ---------------------------
 
-var herdPolicies = []string{"random", "round_robin", "least_conn", "p2c"}
+var herdPolicies = []string{"random", "round_robin", "least_conn", "p2c", "maglev", "maglev_p2c"}
 var herdKs = []int{1, 4, 16}
 
 const (
@@ -296,6 +296,59 @@ func utilSweep(sc scale, seed uint64) []utilRow {
 		r := rows[i]
 		return run(config{
 			backends: specs[r.scenario], balancers: 1, policy: r.policy, util: r.util,
+			jobs: sc.jobs, warmup: sc.jobs / 10, seed: seed + uint64(i),
+		})
+	})
+	for i := range rows {
+		rows[i].res = res[i]
+	}
+	return rows
+}
+
+// --- Claim 5: maglev_p2c against long connections on one backend -------------------
+
+// Three backends hold connections open (no queueing: M/G/∞), backend 2 three times
+// as long as the others; the balancer nodes count their own open connections, as XDP
+// does. connFlows is the mean number of connections open at once under maglev.
+var connPolicies = []string{"maglev", "maglev_p2c", "p2c", "least_conn"}
+var connKs = []int{1, 16}
+var connFlows = []float64{10, 100, 1000}
+
+const connSlow = 2
+
+type connRow struct {
+	policy string
+	k      int
+	flows  float64
+	res    result
+}
+
+func connBackends() []backendSpec {
+	bs := uniform(3)
+	bs[connSlow].mean = 3
+	return bs
+}
+
+func connections(sc scale, seed uint64) []connRow {
+	var rows []connRow
+	for _, f := range connFlows {
+		for _, k := range connKs {
+			for _, p := range connPolicies {
+				rows = append(rows, connRow{policy: p, k: k, flows: f})
+			}
+		}
+	}
+	bs := connBackends()
+	var meanDur float64
+	for _, b := range bs {
+		meanDur += b.mean / float64(len(bs))
+	}
+	res := parallel(len(rows), func(i int) result {
+		r := rows[i]
+		// Little's law under maglev's even split: flows = rate × mean duration.
+		perBackend := r.flows / meanDur / float64(len(bs))
+		return run(config{
+			backends: bs, balancers: r.k, policy: r.policy, util: perBackend, infinite: true,
 			jobs: sc.jobs, warmup: sc.jobs / 10, seed: seed + uint64(i),
 		})
 	})

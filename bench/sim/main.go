@@ -49,6 +49,7 @@ func simulate(dir string, sc scale, seed uint64) (string, error) {
 	hd := herd(sc, seed)
 	sd := slowdown(sc, seed)
 	us := utilSweep(sc, seed)
+	cs := connections(sc, seed)
 	for _, f := range []func() error{
 		func() error { return plotMaxLoad(dir, ml) },
 		func() error { return plotHerd(dir, hd) },
@@ -85,6 +86,12 @@ func simulate(dir string, sc scale, seed uint64) (string, error) {
 		r := hd[i : i+len(herdKs)]
 		b.WriteString(row(r[0].policy, r[0].view.String(), fmtMs(r[0].res.p99), fmtMs(r[1].res.p99), fmtMs(r[2].res.p99), fmtMs(r[2].res.p999),
 			fmt.Sprint(r[0].res.maxQueue), fmt.Sprint(r[1].res.maxQueue), fmt.Sprint(r[2].res.maxQueue)))
+	}
+	b.WriteString("\n")
+	for _, r := range hd {
+		if r.policy == "maglev_p2c" && r.view == viewOwn {
+			fmt.Fprintf(&b, "maglev_p2c, K=%d: %.1f%% of new flows took their second candidate.\n", r.k, 100*r.res.second)
+		}
 	}
 	b.WriteString("\n![herd](herd-p99.png)\n\n")
 
@@ -133,5 +140,19 @@ func simulate(dir string, sc scale, seed uint64) (string, error) {
 		}
 		fmt.Fprintf(&b, "\n![%s](util-p99-%s.png)\n\n", sc.name, sc.name)
 	}
+
+	b.WriteString("## 5. maglev_p2c against long connections on one backend\n\n")
+	fmt.Fprintf(&b, "3 backends hold connections open for an exponential time (no queueing), backend %d three times as long (mean 3 ms against 1 ms). K balancer nodes behind ECMP each count only their own open connections, as XDP does, and maglev_p2c takes its second candidate when the first has more than an eighth more; p2c and least_conn (the proxy's, own view) for comparison. *flows* is the mean number open at once under maglev; *max/mean* the busiest backend's open connections over the mean, averaged over arrivals; *second* the share of new flows that took their second candidate (the flows a node that knows nothing of load would send elsewhere).\n\n", connSlow)
+	b.WriteString(row("flows", "K", "policy", "max/mean open", "share to the slow backend", "p99 connection time (ms)", "second"))
+	b.WriteString(row("---:", "---:", "---", "---:", "---:", "---:", "---:"))
+	for _, r := range cs {
+		second := "–"
+		if r.policy == "maglev_p2c" {
+			second = fmt.Sprintf("%.1f%%", 100*r.res.second)
+		}
+		b.WriteString(row(fmt.Sprint(r.flows), fmt.Sprint(r.k), r.policy, fmt.Sprintf("%.2f", r.res.maxOverMean),
+			fmt.Sprintf("%.1f%%", 100*r.res.share[connSlow]), fmtMs(r.res.p99), second))
+	}
+	b.WriteString("\n")
 	return b.String(), nil
 }

@@ -6,6 +6,8 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // Time is in milliseconds throughout; a nominal backend serves a request in 1 ms on
@@ -85,6 +87,10 @@ type config struct {
 	// Trace: count picks in bins of traceBin ms, for backend 0 and in total.
 	traceBin float64
 	traceEnd float64 // stop the run at this time (0: run jobs arrivals)
+	// infinite: a backend serves every request at once for its whole duration (an
+	// M/G/∞ server: connections held open, not queued), so the "queue" is its active
+	// connections and response time is connection time.
+	infinite bool
 }
 
 // result is what one run measured.
@@ -94,6 +100,12 @@ type result struct {
 	finalQueue     int     // largest backend queue at the end: grows with run length if unstable
 	// Trace bins (traceBin wide from 0): picks of backend 0, and all picks.
 	tracePicks0, tracePicks []int
+	// After warmup, sampled at every arrival: the mean of (busiest backend's count ÷
+	// the mean count), each backend's share of picks, and the share of picks that
+	// took maglev_p2c's second candidate.
+	maxOverMean float64
+	share       []float64
+	second      float64
 }
 
 // departure is a request finishing at a backend.
@@ -170,6 +182,8 @@ type sim struct {
 	published float64   // when board was published
 	bals      []balancer
 	deps      departures
+	tables    [2][]uint32 // maglev and maglev_p2c: the first and second Maglev tables
+	seconds   int         // picks that took the second candidate
 }
 
 func run(cfg config) result {
@@ -189,13 +203,21 @@ func run(cfg config) result {
 			est: make([]float64, n), stamp: make([]float64, n),
 		}
 	}
+	if cfg.policy == "maglev" || cfg.policy == "maglev_p2c" {
+		s.tables = maglevTables(n)
+	}
 	var capacity float64
 	for _, b := range cfg.backends {
 		capacity += b.capacity()
 	}
+	if cfg.infinite {
+		capacity = float64(n) // util is then arrivals per ms per backend
+	}
 	rate := cfg.util * capacity
 
 	var res result
+	var samples, picked, arrivals int
+	res.share = make([]float64, n)
 	var lat []float64
 	if cfg.traceBin > 0 {
 		bins := int(cfg.traceEnd/cfg.traceBin) + 1
@@ -210,15 +232,30 @@ func run(cfg config) result {
 		s.departUntil(now)
 		k := s.rng.IntN(cfg.balancers) // ECMP spreads arrivals over balancers
 		i := s.pick(k, now)
+		arrivals++
 		bal := &s.bals[k]
 		bal.inflight[i]++
 		bal.sent[i]++
 		s.queue[i]++
 		res.maxQueue = max(res.maxQueue, s.queue[i])
 
+		if j >= cfg.warmup {
+			total, top := 0, 0
+			for _, q := range s.queue {
+				total += q
+				top = max(top, q)
+			}
+			res.maxOverMean += float64(top) * float64(n) / float64(total)
+			samples++
+			res.share[i]++
+			picked++
+		}
 		spec := cfg.backends[i]
 		work := s.rng.ExpFloat64() * spec.mean
 		start := max(now, s.lastDep[i])
+		if cfg.infinite {
+			start = now
+		}
 		if i == 0 && cfg.slowFactor > 0 && start >= cfg.slowAt {
 			work *= cfg.slowFactor
 		}
@@ -237,6 +274,13 @@ func run(cfg config) result {
 		}
 	}
 	res.finalQueue = slices.Max(s.queue)
+	if samples > 0 {
+		res.maxOverMean /= float64(samples)
+		for i := range res.share {
+			res.share[i] /= float64(picked)
+		}
+		res.second = float64(s.seconds) / float64(arrivals)
+	}
 	slices.Sort(lat)
 	res.p50, res.p99, res.p999 = quantile(lat, 0.5), quantile(lat, 0.99), quantile(lat, 0.999)
 	return res
@@ -311,6 +355,17 @@ func (s *sim) pick(k int, now float64) int {
 			return b
 		}
 		return a
+	case "maglev", "maglev_p2c":
+		// A new flow's hash picks its slot in both tables, as the XDP program does;
+		// the node compares the loads it sees (its own flows: viewOwn).
+		h := s.rng.Uint32()
+		a := int(s.tables[0][h%uint32(len(s.tables[0]))])
+		b := int(s.tables[1][h%uint32(len(s.tables[1]))])
+		if s.cfg.policy == "maglev_p2c" && a != b && balance.PreferSecond(int64(s.load(k, a)), 1, int64(s.load(k, b)), 1) {
+			s.seconds++
+			return b
+		}
+		return a
 	case "ewma":
 		a, b := s.two(n)
 		bal := &s.bals[k]
@@ -356,4 +411,21 @@ func ballsIntoBins(n, d int, rng *rand.Rand) int {
 		top = max(top, bins[best])
 	}
 	return int(top)
+}
+
+// maglevTables builds the two tables of n equal backends the loader builds for a
+// maglev_p2c service (hash seed 0): the first is plain maglev's.
+func maglevTables(n int) [2][]uint32 {
+	bs := make([]balance.Backend, n)
+	for i := range bs {
+		bs[i] = balance.Backend{ID: fmt.Sprintf("10.0.%d.%d:80", i/256, i%256), Weight: 1, Usable: true}
+	}
+	var t [2][]uint32
+	for i, seed := range []uint64{0, balance.P2CSeed(0)} {
+		var err error
+		if t[i], err = balance.BuildMaglev(bs, balance.MaglevSize(n), seed); err != nil {
+			panic(fmt.Sprintf("sim: build maglev table: %v", err))
+		}
+	}
+	return t
 }

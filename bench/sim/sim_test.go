@@ -67,3 +67,23 @@ func TestQuickRun(t *testing.T) {
 		}
 	}
 }
+
+// TestMaglevP2CLongConnections: with one backend holding connections three times as
+// long, maglev_p2c sends it less than maglev's third and evens out open connections;
+// plain maglev never takes a second candidate.
+func TestMaglevP2CLongConnections(t *testing.T) {
+	for _, k := range []int{1, 16} {
+		cfg := config{backends: connBackends(), balancers: k, util: 100.0 / 5 / 3, infinite: true, jobs: 20000, warmup: 2000, seed: 3}
+		cfg.policy = "maglev"
+		mg := run(cfg)
+		cfg.policy = "maglev_p2c"
+		p2 := run(cfg)
+		if p2.maxOverMean >= mg.maxOverMean || p2.share[connSlow] >= mg.share[connSlow] {
+			t.Errorf("K=%d: maglev_p2c max/mean %.2f, slow share %.3f; want both below maglev's %.2f, %.3f",
+				k, p2.maxOverMean, p2.share[connSlow], mg.maxOverMean, mg.share[connSlow])
+		}
+		if mg.second != 0 || p2.second == 0 {
+			t.Errorf("K=%d: second-candidate share maglev %.3f, maglev_p2c %.3f; want 0 and > 0", k, mg.second, p2.second)
+		}
+	}
+}

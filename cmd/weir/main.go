@@ -377,6 +377,20 @@ func runExplain(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	} else {
 		fmt.Fprintf(stdout, "a new flow from %s to %s: %s\n", ex.Client, ex.Service, ex.New)
 	}
+	if c := ex.P2C; c != nil {
+		why := "the first: the second is not less loaded by more than an eighth"
+		switch {
+		case c.First == c.Second:
+			why = "both candidates are the same backend"
+		case c.SecondWins:
+			why = "the second: the first has more than an eighth more active flows per weight"
+		case c.FirstLoad < 0 || c.SecondLoad < 0:
+			why = "the first: a load is unknown"
+		}
+		fmt.Fprintf(stdout, "maglev_p2c candidates: first %s (%d active flows), second %s (%d); a new connection takes %s\n",
+			c.First, c.FirstLoad, c.Second, c.SecondLoad, why)
+		fmt.Fprintln(stdout, "a packet that is not a SYN and misses the connection table takes the first")
+	}
 	switch {
 	case ex.Tracked == "":
 		fmt.Fprintln(stdout, "no flow from this client address and port is tracked")

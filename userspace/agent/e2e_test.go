@@ -525,6 +525,39 @@ func TestAgentXDP(t *testing.T) {
 		}
 	})
 
+	t.Run("reload to maglev_p2c", func(t *testing.T) {
+		writeConfig(t, cfgPath, tp, socket, func(s string) string {
+			return strings.Replace(s, "algorithm: maglev\n    hash: 5tuple\n", "algorithm: maglev_p2c\n    hash: 5tuple\n", 1)
+		})
+		if err := p.client.Reload(ctx); err != nil {
+			t.Fatalf("reload: %v", err)
+		}
+		st, err := p.client.Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s := st.Services[0]; s.DataPlane != api.PlaneXDP {
+			t.Fatalf("service web with maglev_p2c: data plane %s (%s); want xdp", s.DataPlane, s.Why)
+		}
+		if got := spread(t, tp, tp.VIP4, 30); got["backend-1"]+got["backend-2"] != 30 {
+			t.Errorf("new connections with maglev_p2c: got %v; want all answered by backend-1 and backend-2", got)
+		}
+		ex, err := p.client.Explain(ctx, "web", "10.77.0.1:40000")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c := ex.P2C; c == nil || (ex.New != c.First && ex.New != c.Second) || c.SecondWins != (ex.New == c.Second && c.First != c.Second) {
+			t.Errorf("explain with maglev_p2c: %+v, candidates %+v; want two candidates and new one of them", ex, c)
+		}
+		writeConfig(t, cfgPath, tp, socket, nil)
+		if err := p.client.Reload(ctx); err != nil {
+			t.Fatalf("reload back to maglev: %v", err)
+		}
+		if ex, err := p.client.Explain(ctx, "web", "10.77.0.1:40000"); err != nil || ex.P2C != nil {
+			t.Errorf("explain with maglev again: %+v, %v; want no candidates", ex, err)
+		}
+	})
+
 	t.Run("killed backend comes back", func(t *testing.T) {
 		bs.revive(t, "backend-0")
 		start := time.Now()

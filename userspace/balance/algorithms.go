@@ -365,3 +365,24 @@ func (m *maglevHash) Pick(key uint64, skip func(id string) bool) (Lease, error) 
 	}
 	return firstNotSkipped(s, int(h%uint64(len(s.entries))), skip)
 }
+
+// maglevP2C is maglev_p2c: the flow's slot in two Maglev tables names two candidates,
+// and PreferSecond picks by in-flight counts, as the XDP program does by active flows.
+type maglevP2C struct{ maglevHash }
+
+func (m *maglevP2C) Pick(key uint64, skip func(id string) bool) (Lease, error) {
+	s := m.snap.Load()
+	size := uint64(len(s.table))
+	if size == 0 {
+		return Lease{}, ErrNoBackend
+	}
+	h := mix64(key)
+	a, b := &s.entries[s.table[h%size]], &s.entries[s.table2[h%size]]
+	if skip != nil && (skip(a.b.id) || skip(b.b.id)) {
+		return m.maglevHash.Pick(key, skip)
+	}
+	if a != b && PreferSecond(a.b.inflight.Load(), a.weight, b.b.inflight.Load(), b.weight) {
+		a = b
+	}
+	return lease(a.b), nil
+}

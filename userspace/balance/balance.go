@@ -97,11 +97,14 @@ const (
 	LeastTime         = "least_time"
 	SourceHash        = "source_hash"
 	Maglev            = "maglev"
+	// MaglevP2C draws two candidates from two Maglev tables (the second built from
+	// P2CSeed) and takes the less loaded one by PreferSecond.
+	MaglevP2C = "maglev_p2c"
 )
 
 // Algorithms lists the names New accepts.
 func Algorithms() []string {
-	return []string{RoundRobin, Random, LeastConn, WeightedLeastConn, Weighted, P2C, EWMA, LeastTime, SourceHash, Maglev}
+	return []string{RoundRobin, Random, LeastConn, WeightedLeastConn, Weighted, P2C, EWMA, LeastTime, SourceHash, Maglev, MaglevP2C}
 }
 
 // New builds a balancer. algorithm is one of Algorithms(). seed makes random choices and
@@ -151,6 +154,9 @@ func newBalancer(algorithm string, backends []Backend, seed uint64, now func() i
 	case SourceHash, Maglev:
 		c.maglev = true
 		b = &maglevHash{core: c}
+	case MaglevP2C:
+		c.maglev, c.second = true, true
+		b = &maglevP2C{maglevHash{core: c}}
 	default:
 		return nil, fmt.Errorf("new balancer: %q: %w (want one of %v)", algorithm, ErrUnknownAlgorithm, Algorithms())
 	}
@@ -242,6 +248,7 @@ type snapshot struct {
 	rampEnd  int64
 	rampDone atomic.Bool
 	table    []uint32 // Maglev lookup table, indexes into entries (maglev/source_hash)
+	table2   []uint32 // maglev_p2c's second table, from P2CSeed
 }
 
 // ramping reports whether any entry may still be in its slow start window; only then
@@ -274,6 +281,7 @@ type core struct {
 	// sample at once (peak).
 	average bool
 	maglev  bool // build a lookup table with each snapshot
+	second  bool // and a second one (maglev_p2c)
 
 	mu sync.Mutex // serialises SetBackends and guards known
 	// known holds every current backend and removed ones still in flight, so a backend
@@ -334,6 +342,9 @@ func (c *core) set(backends []Backend, initial bool) {
 	}
 	if c.maglev && len(s.entries) > 0 {
 		s.table = buildTable(s.entries, c.seed)
+		if c.second {
+			s.table2 = buildTable(s.entries, P2CSeed(c.seed))
+		}
 	}
 	c.snap.Store(s)
 }

@@ -158,6 +158,41 @@ func TestMaglevDeterministic(t *testing.T) {
 	}
 }
 
+// TestMaglevFastFill: the round-robin fill (equal weights) and the concrete heap
+// (other weights) build the very table container/heap's fill builds, so neither
+// shortcut changes any node's table.
+func TestMaglevFastFill(t *testing.T) {
+	for _, tc := range []struct {
+		n    int
+		size uint32
+		w    func(int) uint32
+	}{
+		{1, 13, one}, {3, 31, one}, {7, 4099, func(int) uint32 { return 3 }}, {100, 65537, one},
+		{1000, 100003, func(int) uint32 { return 7 }},
+		{3, 31, func(i int) uint32 { return []uint32{5, 1, 1}[i] }},
+		{100, 65537, func(i int) uint32 { return uint32(1 + i%4) }},
+		{1000, 100003, func(i int) uint32 { return uint32(1 + i*i%65535) }},
+	} {
+		bs := backendsN(tc.n, tc.w)
+		if tc.n > 3 {
+			bs[1].Usable = false
+		}
+		for _, seed := range []uint64{0, 42, P2CSeed(42)} {
+			fast, err := buildMaglev(bs, tc.size, seed, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			slow, err := buildMaglev(bs, tc.size, seed, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(fast, slow) {
+				t.Errorf("N=%d M=%d seed %d: the fast fill differs from container/heap's; want identical", tc.n, tc.size, seed)
+			}
+		}
+	}
+}
+
 // TestMaglevHashPinned pins hashID's output: every balancer node, in every version that
 // shares a table, must compute the same hash. Changing these values is a breaking change.
 func TestMaglevHashPinned(t *testing.T) {
@@ -175,7 +210,7 @@ func TestMaglevHashPinned(t *testing.T) {
 // disruption removes one of n backends at a time (removals of them, spread over the
 // ID order) and returns the mean and the worst of moved ÷ (1/n): 1 is the minimum, where
 // only the removed backend's own slots move.
-func disruption(t *testing.T, n int, size uint32, removals int) (mean, worst float64) {
+func disruption(t testing.TB, n int, size uint32, removals int) (mean, worst float64) {
 	t.Helper()
 	bs := backendsN(n, one)
 	before, err := BuildMaglev(bs, size, 0)
@@ -225,5 +260,66 @@ func TestMaglevDisruption(t *testing.T) {
 			mean, worst := disruption(t, n, m, min(n, removals))
 			t.Logf("N=%d M=%d (MaglevSize): moved/(1/N) mean %.2f, worst %.2f", n, m, mean, worst)
 		}
+	}
+	if !testing.Short() {
+		// The fill's disruption grows with N at a fixed M/N: 10,000 backends at
+		// MaglevSize (M = 100 N) move about 9.3 times their share.
+		mean, worst := disruption(t, 10000, MaglevSize(10000), 3)
+		t.Logf("N=10000 M=%d (MaglevSize): moved/(1/N) mean %.2f, worst %.2f over 3 removals", MaglevSize(10000), mean, worst)
+	}
+}
+
+// BenchmarkBuildMaglev measures one table build at the default size for N equal
+// backends (MaglevSize), one of N weighted 1..4 (the heap's order of turns), and
+// one of maglev_p2c's pair. x_n100 is ns/op divided by the 100-backend build
+// measured first in the same run.
+func BenchmarkBuildMaglev(b *testing.B) {
+	var base float64
+	build := func(b *testing.B, n int, tables int, weight func(int) uint32) float64 {
+		bs := backendsN(n, weight)
+		size := MaglevSize(n)
+		b.ReportAllocs()
+		for b.Loop() {
+			for i := range tables {
+				if _, err := BuildMaglev(bs, size, uint64(i)); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		ns := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
+		b.ReportMetric(ns/1e6, "ms/op")
+		b.ReportMetric(float64(size)*4*float64(tables)/(1<<10), "KiB")
+		return ns
+	}
+	b.Run("n=100", func(b *testing.B) { base = build(b, 100, 1, one) })
+	for _, n := range []int{1000, 10000} {
+		b.Run(fmt.Sprintf("n=%d", n), func(b *testing.B) { b.ReportMetric(build(b, n, 1, one)/base, "x_n100") })
+	}
+	b.Run("weighted/n=1000", func(b *testing.B) {
+		b.ReportMetric(build(b, 1000, 1, func(i int) uint32 { return uint32(1 + i%4) })/base, "x_n100")
+	})
+	b.Run("p2c-pair/n=1000", func(b *testing.B) { b.ReportMetric(build(b, 1000, 2, one)/base, "x_n100") })
+}
+
+// BenchmarkMaglevDisruption reports moved ÷ (1/N) when one of N equal backends
+// leaves (mean over three removals) for table sizes past the default: what
+// table_size buys. Run with -benchtime 1x: each size is a handful of builds.
+func BenchmarkMaglevDisruption(b *testing.B) {
+	for _, c := range []struct {
+		n int
+		m uint32
+	}{
+		{100, 32771}, {100, 65537}, {200, 65537}, {300, 65537}, {500, 65537},
+		{1000, 100003}, {1000, 262147}, {1000, 524287}, {1000, 1000003}, {1000, 2000003}, {1000, 4000037},
+		{10000, 1000003},
+	} {
+		b.Run(fmt.Sprintf("n=%d/m=%d", c.n, c.m), func(b *testing.B) {
+			var mean float64
+			for b.Loop() {
+				mean, _ = disruption(b, c.n, c.m, 3)
+			}
+			b.ReportMetric(mean, "moved/share")
+			b.ReportMetric(float64(c.m)*4/(1<<20), "MiB")
+		})
 	}
 }

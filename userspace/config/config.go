@@ -143,17 +143,27 @@ const (
 	AlgorithmLeastTime         Algorithm = "least_time"
 	AlgorithmSourceHash        Algorithm = "source_hash"
 	AlgorithmMaglev            Algorithm = "maglev"
+	// AlgorithmMaglevP2C gives a new flow the less loaded of two Maglev candidates
+	// (docs/algorithms.md).
+	AlgorithmMaglevP2C Algorithm = "maglev_p2c"
 )
+
+// MaxTableSize is the largest table_size, the largest prime below 2^22: 16 MiB a
+// table (32 MiB with maglev_p2c's second), about a second to build and write, and
+// past where a larger table stops paying for itself (docs/algorithms.md).
+const MaxTableSize = 4194301
 
 // Algorithms lists every algorithm a service may name.
 func Algorithms() []Algorithm {
 	return []Algorithm{AlgorithmRoundRobin, AlgorithmRandom, AlgorithmLeastConn, AlgorithmWeightedLeastConn,
-		AlgorithmWeighted, AlgorithmP2C, AlgorithmEWMA, AlgorithmLeastTime, AlgorithmSourceHash, AlgorithmMaglev}
+		AlgorithmWeighted, AlgorithmP2C, AlgorithmEWMA, AlgorithmLeastTime, AlgorithmSourceHash, AlgorithmMaglev, AlgorithmMaglevP2C}
 }
 
 // XDP reports whether the XDP data plane can serve the algorithm: only the
 // hash-based ones, which need no per-connection state beyond the flow table.
-func (a Algorithm) XDP() bool { return a == AlgorithmMaglev || a == AlgorithmSourceHash }
+func (a Algorithm) XDP() bool {
+	return a == AlgorithmMaglev || a == AlgorithmSourceHash || a == AlgorithmMaglevP2C
+}
 
 // Attach is how the XDP program is attached to an interface.
 type Attach string
@@ -357,8 +367,8 @@ type Service struct {
 	Algorithm Algorithm
 	// Hash is the hash key of maglev and source_hash; zero for other algorithms.
 	Hash HashKey
-	// TableSize is the Maglev table size, a prime; 0 picks one from the number of
-	// backends.
+	// TableSize is the Maglev table size, a prime up to MaxTableSize; 0 picks one
+	// from the number of backends (docs/algorithms.md).
 	TableSize uint32
 	AllDown   AllDown
 	// DrainTimeout bounds how long a removed or drained backend keeps its

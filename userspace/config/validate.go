@@ -517,7 +517,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 		hashAlgo := s.Algorithm.XDP()
 		switch {
 		case s.DataPlane == DataPlaneXDP && !hashAlgo:
-			c.bad(p+".algorithm", "%s needs the proxy data plane (it sees every connection end; XDP serves only maglev and source_hash): use data_plane proxy or auto, or algorithm maglev", s.Algorithm)
+			c.bad(p+".algorithm", "%s needs the proxy data plane (it sees every connection end; XDP serves only maglev, maglev_p2c and source_hash): use data_plane proxy or auto, or algorithm maglev", s.Algorithm)
 		case s.DataPlane == DataPlaneXDP && !xdpPossible:
 			c.bad(p+".data_plane", "xdp needs at least one entry in interfaces")
 		case s.Protocol == UDP && (s.DataPlane == DataPlaneProxy || s.DataPlane == DataPlaneHTTP):
@@ -529,7 +529,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 		case s.DataPlane == DataPlaneHTTP:
 			// Every algorithm serves http; its hash key is http.hash_by.
 		case s.Protocol == UDP && !hashAlgo:
-			c.bad(p+".algorithm", "%s is a proxy algorithm and the proxy serves tcp only: use maglev or source_hash for a udp service", s.Algorithm)
+			c.bad(p+".algorithm", "%s is a proxy algorithm and the proxy serves tcp only: use maglev, maglev_p2c or source_hash for a udp service", s.Algorithm)
 		case s.Protocol == UDP && !xdpPossible:
 			c.bad(p+".protocol", "udp is served by XDP only, and interfaces is empty: list an interface to attach XDP to")
 		}
@@ -543,6 +543,8 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 		case hashAlgo && oneOf(c, p+".hash", s.Hash, HashFiveTuple, HashSource) &&
 			s.Algorithm == AlgorithmSourceHash && s.Hash != HashSource:
 			c.bad(p+".hash", "source_hash always hashes the source address; remove hash or use maglev")
+		case s.Algorithm == AlgorithmMaglevP2C && s.Hash == HashSource:
+			c.bad(p+".hash", "maglev_p2c may send one client's flows to either of two backends, which breaks source affinity; use hash 5tuple, or algorithm maglev or source_hash")
 		}
 		if (s.DataPlane == DataPlaneProxy || s.DataPlane == DataPlaneHTTP) && s.AllDown == AllDownPass {
 			c.bad(p+".all_down", "pass hands packets to the host's stack, which only XDP can do; use drop or keep_last")
@@ -554,8 +556,8 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 	if s.DrainTimeout.D() < 0 {
 		c.bad(p+".drain_timeout", "must be 0 (no limit) or positive, got %v", *s.DrainTimeout)
 	}
-	if s.TableSize != 0 && (!isPrime(s.TableSize) || int(s.TableSize) < len(s.Backends)) {
-		c.bad(p+".table_size", "must be a prime at least the number of backends (%d), got %d; leave it out to pick one", len(s.Backends), s.TableSize)
+	if s.TableSize != 0 && (!isPrime(s.TableSize) || int(s.TableSize) < len(s.Backends) || s.TableSize > MaxTableSize) {
+		c.bad(p+".table_size", "must be a prime from the number of backends (%d) to %d, got %d; leave it out to pick one", len(s.Backends), MaxTableSize, s.TableSize)
 	}
 	if *s.PanicThreshold < 0 || *s.PanicThreshold > 100 {
 		c.bad(p+".panic_threshold", "must be 0..100 (percent; 0 turns panic mode off), got %d", *s.PanicThreshold)

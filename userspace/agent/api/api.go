@@ -45,4 +45,16 @@ type Explanation struct {
 	Previous string `json:"previous,omitempty"`
 	// Fingerprint identifies the lookup table New comes from (TableStatus).
 	Fingerprint string `json:"table_fingerprint,omitempty"`
+	// P2C, for a maglev_p2c service, the two candidates New was chosen from.
+	P2C *Candidates `json:"p2c,omitempty"`
+}
+
+// Candidates are a maglev_p2c flow's two candidates, the active flows this node
+// counts on each (negative: unknown), and which one a new flow takes.
+type Candidates struct {
+	First      string `json:"first"`
+	Second     string `json:"second"`
+	FirstLoad  int64  `json:"first_load"`
+	SecondLoad int64  `json:"second_load"`
+	SecondWins bool   `json:"second_wins,omitempty"`
 }

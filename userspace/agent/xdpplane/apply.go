@@ -37,7 +37,8 @@ func forwarding(mode config.Mode) loader.Forwarding {
 // spec is the loader's view of a desired service.
 func spec(s *plan.Service) loader.Service {
 	ls := loader.Service{Key: Key(&s.Config), Forwarding: forwarding(s.Config.Mode),
-		SourceHash: s.Config.Hash == config.HashSource, TableSize: s.Config.TableSize}
+		SourceHash: s.Config.Hash == config.HashSource, TableSize: s.Config.TableSize,
+		P2C: s.Config.Algorithm == config.AlgorithmMaglevP2C}
 	mac := func(b *plan.Backend) net.HardwareAddr {
 		if ls.Forwarding != loader.ForwardDSR {
 			return nil
@@ -258,6 +259,10 @@ func (x *Plane) Explain(s *plan.Service, client netip.AddrPort) (api.Explanation
 		ex.Previous = le.Previous.String()
 	}
 	ex.Fingerprint = le.Fingerprint
+	if c := le.P2C; c != nil {
+		ex.P2C = &api.Candidates{First: c.First.String(), Second: c.Second.String(),
+			FirstLoad: c.FirstLoad, SecondLoad: c.SecondLoad, SecondWins: c.SecondWins}
+	}
 	if le.Tracked.IsValid() {
 		ex.Tracked, ex.TrackedUsable, ex.NATPort = le.Tracked.String(), le.TrackedUsable, le.NATPort
 		ex.HalfOpen = le.HalfOpen

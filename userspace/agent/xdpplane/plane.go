@@ -240,7 +240,7 @@ func (x *Plane) CanServe(s *config.Service) error {
 	case x.prog == nil:
 		return fmt.Errorf("XDP unavailable: %s", x.reason)
 	case !s.Algorithm.XDP():
-		return fmt.Errorf("algorithm %s needs the proxy (XDP serves maglev and source_hash)", s.Algorithm)
+		return fmt.Errorf("algorithm %s needs the proxy (XDP serves maglev, maglev_p2c and source_hash)", s.Algorithm)
 	}
 	if err := x.modeReady(s); err != nil {
 		return err

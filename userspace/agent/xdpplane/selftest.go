@@ -179,7 +179,8 @@ func (x *Plane) selfTest(s *config.Service) error {
 	}
 	port := s.VIP.Port()
 	key := loader.ServiceKey{VIP: netip.AddrPortFrom(vip, port), Protocol: proto}
-	svc := loader.Service{Key: key, SourceHash: s.Hash == config.HashSource, Forwarding: forwarding(s.Mode)}
+	svc := loader.Service{Key: key, SourceHash: s.Hash == config.HashSource, Forwarding: forwarding(s.Mode),
+		P2C: s.Algorithm == config.AlgorithmMaglevP2C}
 	var backendFamilies []bool // IPv6? of each backend family to test (tunnel may mix)
 	switch s.Mode {
 	case config.ModeDSR:
