@@ -162,6 +162,7 @@ func TestErrors(t *testing.T) {
 		{"ejection order", svc + "  passive: {base_ejection: 1m, max_ejection: 10s}\n" + be, "services[0].passive.max_ejection: must be at least base_ejection (1m0s), got 10s"},
 		{"panic", svc + "  panic_threshold: 101\n" + be, "services[0].panic_threshold: must be 0..100"},
 		{"proxy protocol", svc + "  proxy: {proxy_protocol: 3}\n" + be, "services[0].proxy.proxy_protocol: must be 0 (off), 1 or 2, got 3"},
+		{"sockmap", svc + "  proxy: {sockmap: always}\n" + be, "services[0].proxy.sockmap: must be auto, on or off, got \"always\""},
 		{"mac", svc + "  mode: dsr\n  backends: [{address: 10.0.0.11:80, mac: zz}]\n", `services[0].backends[0].mac: must be a 6-byte Ethernet address`},
 		{"bad name", "services:\n- {name: 'a b', vip: 10.0.0.1:80, backends: [{address: 10.0.0.11:80}]}\n", `services[0].name: must be 1-64 letters`},
 		{"duplicate interface", "interfaces: [{name: eth0}, {name: eth0}]\nservices: []\n", `interfaces[1].name: "eth0" is already listed as interfaces[0]`},

@@ -82,6 +82,7 @@ func (s *fileService) resolve() Service {
 			MaxConns:           px.MaxConns,
 			MaxConnsPerBackend: px.MaxConnsPerBackend,
 			ProxyProtocol:      px.ProxyProtocol,
+			SockMap:            px.SockMap,
 		},
 	}
 	for _, b := range s.Backends {

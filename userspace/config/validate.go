@@ -132,6 +132,9 @@ func (s *fileService) defaults() {
 	if px.Retries == nil {
 		px.Retries = ptr(DefaultRetries)
 	}
+	if px.SockMap == "" {
+		px.SockMap = SockMapAuto
+	}
 	for i := range s.Backends {
 		b := &s.Backends[i]
 		if b.Weight == nil {
@@ -536,6 +539,7 @@ func (px *fileProxy) validate(c *checker, p string, vip netip.AddrPort) {
 	if px.ProxyProtocol < 0 || px.ProxyProtocol > 2 {
 		c.bad(p+".proxy_protocol", "must be 0 (off), 1 or 2, got %d", px.ProxyProtocol)
 	}
+	oneOf(c, p+".sockmap", px.SockMap, SockMapAuto, SockMapOn, SockMapOff)
 }
 
 func isPrime(n uint32) bool {

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/loader"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/config"
 	"github.com/weir-lb/weir/userspace/proxy"
@@ -33,6 +34,9 @@ type Plane struct {
 	services map[string]*service // by name (loop only)
 	served   atomic.Pointer[map[string]*proxy.Service]
 	retiring sync.WaitGroup // services removed or replaced, draining
+
+	sockmap    *loader.SockMap // in-kernel forwarding, loaded for the first service that uses it
+	sockmapErr error           // why it could not be loaded; then every service uses the copy path
 }
 
 // service is one running proxy service.
@@ -84,7 +88,13 @@ func (p *Plane) Add(s *plan.Service) error {
 
 func (p *Plane) start(s *plan.Service) (*service, error) {
 	log := p.log.With("service", s.Name())
-	px, err := proxy.Listen(context.Background(), proxyConfig(&s.Config, observer{p.checker, s.Name()}, log))
+	cfg := proxyConfig(&s.Config, observer{p.checker, s.Name()}, log)
+	if useSockMap(s.Config.Proxy.SockMap) {
+		if r := p.redirector(); r != nil {
+			cfg.Redirector = r
+		}
+	}
+	px, err := proxy.Listen(context.Background(), cfg)
 	if errors.Is(err, syscall.EADDRNOTAVAIL) {
 		return nil, fmt.Errorf("%w: the proxy binds %s, which no interface of this host holds (add it to one, or let XDP serve the service)", err, s.Config.Proxy.Listen.Addr())
 	}
@@ -168,6 +178,36 @@ func (p *Plane) Close() {
 	clear(p.services)
 	p.publish()
 	p.retiring.Wait()
+	if p.sockmap != nil {
+		if err := p.sockmap.Close(); err != nil {
+			p.log.Warn("close sockmap", "err", err)
+		}
+		p.sockmap = nil
+	}
+}
+
+// autoSockMap is what sockmap: auto means: the copy and splice path measured faster
+// than in-kernel forwarding on every workload of bench/proxy (docs/proxy.md), so auto
+// keeps the proxy's own path.
+const autoSockMap = false
+
+func useSockMap(m config.SockMap) bool {
+	return m == config.SockMapOn || (m == config.SockMapAuto && autoSockMap)
+}
+
+// redirector returns the sockmap, loading it the first time. On a host that can't
+// load it, it logs why once and returns nil: services then use the copy path.
+func (p *Plane) redirector() proxy.Redirector {
+	if p.sockmap == nil && p.sockmapErr == nil {
+		p.sockmap, p.sockmapErr = loader.LoadSockMap()
+		if p.sockmapErr != nil {
+			p.log.Warn("in-kernel forwarding unavailable; the proxy copies and splices", "err", p.sockmapErr)
+		}
+	}
+	if p.sockmap == nil {
+		return nil
+	}
+	return p.sockmap
 }
 
 // push sets the proxy's backends to the desired ones.
