@@ -83,6 +83,7 @@ func TestDefaults(t *testing.T) {
 		{"proxy.listen", s.Proxy.Listen, netip.MustParseAddrPort("192.0.2.1:443")},
 		{"proxy.connect_timeout", s.Proxy.ConnectTimeout, 3 * time.Second},
 		{"proxy.retries", s.Proxy.Retries, 1},
+		{"proxy.sockmap", s.Proxy.SockMap, SockMapAuto},
 		{"backends[0].weight", s.Backends[0].Weight, uint32(1)},
 		{"backends[0].check_address", s.Backends[0].CheckAddr, netip.MustParseAddrPort("192.0.2.10:443")},
 		{"backends[0].initial", s.Backends[0].Initial, InitialUp},
@@ -99,6 +100,18 @@ func TestDefaults(t *testing.T) {
 	}
 	if got := proxy.Services[0].Algorithm; got != AlgorithmLeastConn {
 		t.Errorf("proxy service algorithm: got %q; want %q", got, AlgorithmLeastConn)
+	}
+
+	// YAML 1.1 would read an unquoted on/off as a boolean; this parser keeps the word.
+	for _, want := range []SockMap{SockMapOn, SockMapOff, SockMapAuto} {
+		f := "services:\n- {name: a, vip: 192.0.2.1:443, data_plane: proxy, proxy: {sockmap: " + string(want) + "}, backends: [{address: 192.0.2.10:443}]}\n"
+		cfg, err := Parse([]byte(f))
+		if err != nil {
+			t.Fatalf("sockmap: %s: %v", want, err)
+		}
+		if got := cfg.Services[0].Proxy.SockMap; got != want {
+			t.Errorf("proxy.sockmap: got %q; want %q", got, want)
+		}
 	}
 }
 
