@@ -15,7 +15,7 @@ export BPF2GO_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3 -I$(ARCH_INCLUDE)
 
 # nftables and netsniff-ng (trafgen) are for bench/pktbench's tests, which would
 # otherwise skip their nftables and trafgen cases on a fresh machine.
-DEBIAN_PACKAGES := clang-19 llvm-19 libbpf-dev ethtool iproute2 bpftool nftables netsniff-ng
+DEBIAN_PACKAGES := clang-19 llvm-19 libbpf-dev ethtool iproute2 bpftool nftables netsniff-ng util-linux
 
 # Tests that need XDP fail instead of skipping when this is 1 (CI sets it).
 WEIR_REQUIRE_XDP ?=
