@@ -52,8 +52,10 @@ type conn struct {
 	killed  bool // closed by a drain or shutdown deadline
 	reset   bool // the backend broke the connection
 
-	redirected bool   // the kernel forwards (Config.Redirector)
-	seen       uint64 // redirected: bytes received by both sockets at the last idle check
+	redirected  bool   // the kernel forwards (Config.Redirector)
+	seen        uint64 // redirected: bytes received by both sockets at the last idle check
+	flushQueued bool   // redirected: in the loop's flushing list
+	flushWaited bool   // redirected: an EOF has waited for the kernel to forward the rest
 
 	h [2]half // by source side: h[up], h[down]
 

@@ -37,8 +37,9 @@ type Redirector interface {
 	Forget(fd int) error
 }
 
-// Flush rechecks of a connection whose kernel forwarding lags its FIN: the first
-// after flushFirst, then twice as long each time up to timerTick.
+// Flush rechecks of connections whose kernel forwarding lags a FIN: the first after
+// flushFirst, then twice as long each time up to timerTick while some are still
+// waiting; a connection that starts waiting brings the next check back to flushFirst.
 const flushFirst = 20_000 // ns
 
 var (
@@ -139,10 +140,17 @@ func (l *loop) kernelMoved(c *conn, d int) (uint64, bool) {
 
 // flushLater checks c again soon: its kernel forwarding has not caught up with an EOF.
 func (l *loop) flushLater(c *conn) {
-	flushWaits.Add(1)
-	if len(l.flushing) == 0 {
+	if c.flushQueued {
+		return
+	}
+	c.flushQueued = true
+	if !c.flushWaited {
+		c.flushWaited = true
+		flushWaits.Add(1)
+		if at := l.now + flushFirst; len(l.flushing) == 0 || at < l.flushAt {
+			l.flushAt = at
+		}
 		l.flushDelay = flushFirst
-		l.flushAt = l.now + l.flushDelay
 	}
 	l.flushing = append(l.flushing, connRef{c, c.gen})
 }
@@ -156,6 +164,7 @@ func (l *loop) recheck() {
 	l.flushing = nil
 	for _, r := range list {
 		if r.c.gen == r.gen && r.c.state == stateEstablished {
+			r.c.flushQueued = false
 			l.pumpBoth(r.c)
 		}
 	}
