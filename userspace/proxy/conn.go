@@ -579,10 +579,10 @@ func (l *loop) close(c *conn, outcome Outcome) {
 
 // sample is the latency the connection reports to the balancer (ewma and the other
 // latency-aware algorithms): the time to the backend's first byte after the client's
-// first bytes went to it. A backend that never answered reports how long it was
-// waited for (a lower bound, so a backend that hangs looks slow, not unknown); a
-// connection whose client sent nothing, or whose bytes the kernel forwarded (the
-// proxy doesn't see them), reports its connect time.
+// first bytes went to it. A connection the backend never answered reports none (0):
+// an upload is not a slow answer, and a backend that hangs is held off by its
+// connections in flight. A connection whose client sent nothing, or whose bytes the
+// kernel forwarded (the proxy doesn't see them), reports its connect time.
 func (c *conn) sample() time.Duration {
 	switch {
 	case c.state == stateConnecting:
@@ -590,7 +590,7 @@ func (c *conn) sample() time.Duration {
 	case c.ttfb > 0:
 		return c.ttfb
 	case c.asked != 0:
-		return time.Duration(monotonic() - c.asked)
+		return 0
 	}
 	return c.lat
 }

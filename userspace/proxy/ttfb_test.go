@@ -82,8 +82,8 @@ func TestSample(t *testing.T) {
 	}{
 		{"answered: time to first byte", conn{state: stateEstablished, lat: time.Millisecond, asked: now - int64(time.Second), ttfb: 20 * time.Millisecond},
 			func(d time.Duration) bool { return d == 20*time.Millisecond }},
-		{"not answered: waited so far", conn{state: stateEstablished, lat: time.Millisecond, asked: now - int64(time.Second)},
-			func(d time.Duration) bool { return d >= time.Second }},
+		{"not answered: none", conn{state: stateEstablished, lat: time.Millisecond, asked: now - int64(time.Second)},
+			func(d time.Duration) bool { return d == 0 }},
 		{"nothing asked: connect time", conn{state: stateEstablished, lat: time.Millisecond},
 			func(d time.Duration) bool { return d == time.Millisecond }},
 		{"still connecting: time dialing", conn{state: stateConnecting, dialed: time.Now().Add(-time.Second)},
