@@ -15,8 +15,9 @@ export BPF2GO_CFLAGS := -O2 -g -Wall -Werror -mcpu=v3 -I$(ARCH_INCLUDE)
 
 # nftables and netsniff-ng (trafgen) are for bench/pktbench's tests, which would
 # otherwise skip their nftables and trafgen cases on a fresh machine; bird2 for the
-# fleet tests; nghttp2-client (h2load) and curl for the http data plane's tests.
-DEBIAN_PACKAGES := clang-19 llvm-19 libbpf-dev ethtool iproute2 bpftool nftables netsniff-ng bird2 nghttp2-client curl
+# fleet tests; nghttp2-client (h2load) and curl for the http data plane's tests;
+# util-linux (setpriv) for the proxy's no-capability fallback test.
+DEBIAN_PACKAGES := clang-19 llvm-19 libbpf-dev ethtool iproute2 bpftool nftables netsniff-ng bird2 nghttp2-client curl util-linux
 
 # Tests that need XDP fail instead of skipping when this is 1 (CI sets it).
 WEIR_REQUIRE_XDP ?=

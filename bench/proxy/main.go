@@ -158,9 +158,13 @@ func allTargets() []target {
 	for _, procs := range []int{1, 2} {
 		ts = append(ts, target{
 			name: fmt.Sprintf("weir-%dp", procs), http: proxyHTTP, bulk: proxyBulk,
-			start: func(ctx context.Context, dir string) (*proc, error) { return startWeir(ctx, dir, procs) },
+			start: func(ctx context.Context, dir string) (*proc, error) { return startWeir(ctx, dir, procs, false) },
 		})
 	}
+	ts = append(ts, target{
+		name: "weir-1p-sockmap", http: proxyHTTP, bulk: proxyBulk,
+		start: func(ctx context.Context, dir string) (*proc, error) { return startWeir(ctx, dir, 1, true) },
+	})
 	for _, threads := range []int{1, 2} {
 		for _, splice := range []string{"auto", "splice"} {
 			ts = append(ts, target{
@@ -390,13 +394,18 @@ func (p *proc) fds() int {
 }
 
 // startWeir runs weir's proxy in a child process with GOMAXPROCS procs (the analogue
-// of HAProxy's nbthread and nginx's worker_processes).
-func startWeir(ctx context.Context, dir string, procs int) (*proc, error) {
+// of HAProxy's nbthread and nginx's worker_processes), forwarding in the kernel
+// (loader.SockMap) if sockmap is set.
+func startWeir(ctx context.Context, dir string, procs int, sockmap bool) (*proc, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
-	return startProc(ctx, dir, "weir", []string{"GOMAXPROCS=" + strconv.Itoa(procs)}, self, "-serve")
+	env := []string{"GOMAXPROCS=" + strconv.Itoa(procs)}
+	if sockmap {
+		env = append(env, sockmapEnv+"=1")
+	}
+	return startProc(ctx, dir, "weir", env, self, "-serve")
 }
 
 func startHAProxy(ctx context.Context, dir string, threads int, splice string) (*proc, error) {

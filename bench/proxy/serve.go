@@ -12,8 +12,12 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/weir-lb/weir/loader"
 	"github.com/weir-lb/weir/userspace/proxy"
 )
+
+// sockmapEnv set to 1 makes the -serve child forward in the kernel (loader.SockMap).
+const sockmapEnv = "WEIR_BENCH_SOCKMAP"
 
 func numCPU() int { return runtime.NumCPU() }
 
@@ -38,6 +42,16 @@ func serveWeir() error {
 			IdleTimeout: time.Minute, ShutdownTimeout: time.Second, Logger: logger,
 			DrainTimeout: proxy.DefaultDrainTimeout, EjectAfter: proxy.DefaultEjectAfter,
 		},
+	}
+	if os.Getenv(sockmapEnv) == "1" {
+		sm, err := loader.LoadSockMap()
+		if err != nil {
+			return err
+		}
+		defer sm.Close()
+		for i := range cfgs {
+			cfgs[i].Redirector = sm
+		}
 	}
 	var wg sync.WaitGroup
 	errc := make(chan error, len(cfgs))

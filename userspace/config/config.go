@@ -436,6 +436,9 @@ type Proxy struct {
 	MaxConns           int // 0: no limit
 	MaxConnsPerBackend int // 0: no limit
 	ProxyProtocol      int // 0 off, 1 or 2
+	// SockMap says when the kernel forwards a connection's bytes (a socket map and a
+	// BPF stream verdict program) instead of the proxy copying or splicing them.
+	SockMap SockMap
 }
 
 // Upstream is the protocol the http data plane speaks to backends.
@@ -507,6 +510,19 @@ type HTTP struct {
 	XForwardedProto bool
 	AccessLog       bool
 }
+
+// SockMap is the proxy's choice of in-kernel forwarding.
+type SockMap string
+
+// In-kernel forwarding settings.
+const (
+	// SockMapAuto forwards in the kernel where that measured faster than the proxy's
+	// own copy and splice path (see docs/proxy.md), and falls back to the proxy on a
+	// host without sockmap support. Default.
+	SockMapAuto SockMap = "auto"
+	SockMapOn   SockMap = "on"  // in the kernel where the host supports it, else the proxy
+	SockMapOff  SockMap = "off" // the proxy copies and splices
+)
 
 // Backend is one real server.
 type Backend struct {

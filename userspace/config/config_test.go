@@ -84,6 +84,7 @@ func TestDefaults(t *testing.T) {
 		{"proxy.listen", s.Proxy.Listen, netip.MustParseAddrPort("192.0.2.1:443")},
 		{"proxy.connect_timeout", s.Proxy.ConnectTimeout, 3 * time.Second},
 		{"proxy.retries", s.Proxy.Retries, 1},
+		{"proxy.sockmap", s.Proxy.SockMap, SockMapAuto},
 		{"backends[0].weight", s.Backends[0].Weight, uint32(1)},
 		{"backends[0].check_address", s.Backends[0].CheckAddr, netip.MustParseAddrPort("192.0.2.10:443")},
 		{"backends[0].initial", s.Backends[0].Initial, InitialUp},
@@ -100,6 +101,18 @@ func TestDefaults(t *testing.T) {
 	}
 	if got := proxy.Services[0].Algorithm; got != AlgorithmLeastConn {
 		t.Errorf("proxy service algorithm: got %q; want %q", got, AlgorithmLeastConn)
+	}
+
+	// YAML 1.1 would read an unquoted on/off as a boolean; this parser keeps the word.
+	for _, want := range []SockMap{SockMapOn, SockMapOff, SockMapAuto} {
+		f := "services:\n- {name: a, vip: 192.0.2.1:443, data_plane: proxy, proxy: {sockmap: " + string(want) + "}, backends: [{address: 192.0.2.10:443}]}\n"
+		cfg, err := Parse([]byte(f))
+		if err != nil {
+			t.Fatalf("sockmap: %s: %v", want, err)
+		}
+		if got := cfg.Services[0].Proxy.SockMap; got != want {
+			t.Errorf("proxy.sockmap: got %q; want %q", got, want)
+		}
 	}
 }
 
@@ -167,6 +180,7 @@ func TestErrors(t *testing.T) {
 		{"ejection order", svc + "  passive: {base_ejection: 1m, max_ejection: 10s}\n" + be, "services[0].passive.max_ejection: must be at least base_ejection (1m0s), got 10s"},
 		{"panic", svc + "  panic_threshold: 101\n" + be, "services[0].panic_threshold: must be 0..100"},
 		{"proxy protocol", svc + "  proxy: {proxy_protocol: 3}\n" + be, "services[0].proxy.proxy_protocol: must be 0 (off), 1 or 2, got 3"},
+		{"sockmap", svc + "  proxy: {sockmap: always}\n" + be, "services[0].proxy.sockmap: must be auto, on or off, got \"always\""},
 		{"mac", svc + "  mode: dsr\n  backends: [{address: 10.0.0.11:80, mac: zz}]\n", `services[0].backends[0].mac: must be a 6-byte Ethernet address`},
 		{"bad name", "services:\n- {name: 'a b', vip: 10.0.0.1:80, backends: [{address: 10.0.0.11:80}]}\n", `services[0].name: must be 1-64 letters`},
 		{"duplicate interface", "interfaces: [{name: eth0}, {name: eth0}]\nservices: []\n", `interfaces[1].name: "eth0" is already listed as interfaces[0]`},

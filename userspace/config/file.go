@@ -183,6 +183,7 @@ type fileProxy struct {
 	MaxConns           int      `yaml:"max_conns,omitempty"`
 	MaxConnsPerBackend int      `yaml:"max_conns_per_backend,omitempty"`
 	ProxyProtocol      int      `yaml:"proxy_protocol,omitempty"` // 0, 1 or 2
+	SockMap            SockMap  `yaml:"sockmap,omitempty"`        // auto (default), on, off
 
 	ListenAddr netip.AddrPort `yaml:"-"` // Listen, parsed
 }

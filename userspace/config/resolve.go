@@ -96,6 +96,7 @@ func (s *fileService) resolve() Service {
 			MaxConns:           px.MaxConns,
 			MaxConnsPerBackend: px.MaxConnsPerBackend,
 			ProxyProtocol:      px.ProxyProtocol,
+			SockMap:            px.SockMap,
 		},
 	}
 	if h := s.HTTP; h != nil {

@@ -155,6 +155,9 @@ func (s *fileService) defaults() {
 	if px.Retries == nil {
 		px.Retries = ptr(DefaultRetries)
 	}
+	if px.SockMap == "" {
+		px.SockMap = SockMapAuto
+	}
 	if s.DataPlane == DataPlaneHTTP {
 		if s.HTTP == nil {
 			s.HTTP = &fileHTTP{}
@@ -711,6 +714,7 @@ func (px *fileProxy) validate(c *checker, p string, vip netip.AddrPort) {
 	if px.ProxyProtocol < 0 || px.ProxyProtocol > 2 {
 		c.bad(p+".proxy_protocol", "must be 0 (off), 1 or 2, got %d", px.ProxyProtocol)
 	}
+	oneOf(c, p+".sockmap", px.SockMap, SockMapAuto, SockMapOn, SockMapOff)
 }
 
 func (h *fileHTTP) defaults() {

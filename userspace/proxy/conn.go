@@ -42,12 +42,20 @@ type conn struct {
 	lease   balance.Lease
 	dialed  time.Time     // start of the current dial
 	lat     time.Duration // connect latency, once connected
+	asked   int64         // monotonic ns when the first client bytes went to the backend; 0 before
+	ttfb    time.Duration // time from asked to the backend's first bytes; 0 until they come
+	header  int           // length of the PROXY protocol header, which is not the client's
 	tried   []string      // backends tried, for the balancer's skip
 	tries   [4]string
 	attempt int
 	lastErr error
 	killed  bool // closed by a drain or shutdown deadline
 	reset   bool // the backend broke the connection
+
+	redirected  bool   // the kernel forwards (Config.Redirector)
+	seen        uint64 // redirected: bytes received by both sockets at the last idle check
+	flushQueued bool   // redirected: in the loop's flushing list
+	flushWaited bool   // redirected: an EOF has waited for the kernel to forward the rest
 
 	h [2]half // by source side: h[up], h[down]
 
@@ -71,6 +79,10 @@ type half struct {
 	off, n int
 	p      *pipe // bulk: holding inPipe bytes not yet sent
 	inPipe int
+
+	read, wrote uint64 // bytes the proxy read from the source and wrote to the destination
+	kernel      uint64 // redirected: bytes the kernel forwarded, known once done
+	passed      bool   // redirected: the proxy read some of the source's bytes itself
 }
 
 func (h *half) pending() bool { return h.n > h.off || h.inPipe > 0 }
@@ -271,8 +283,9 @@ func (l *loop) connected(c *conn) bool {
 		h := &c.h[up]
 		h.buf = bufPool.Get().(*[]byte)
 		h.off, h.n = 0, len(appendProxyHeader((*h.buf)[:0], s.cfg.ProxyProtocol, c.src, dst))
+		c.header = h.n
 	}
-	return true
+	return l.redirect(c)
 }
 
 // pumpBoth moves what can be moved in both directions.
@@ -305,6 +318,14 @@ func (l *loop) pump(c *conn, d int) bool {
 			}
 		}
 		if h.eof {
+			if c.redirected {
+				n, all := l.kernelMoved(c, d)
+				if !all {
+					l.flushLater(c)
+					return true
+				}
+				h.kernel = n
+			}
 			return l.endHalf(c, d)
 		}
 		if !h.ready {
@@ -343,6 +364,11 @@ func (l *loop) pump(c *conn, d int) bool {
 			continue
 		}
 		budget -= n
+		if d == down && c.asked != 0 && c.ttfb == 0 {
+			c.ttfb = time.Duration(max(monotonic()-c.asked, 1))
+		}
+		h.read += uint64(n)
+		h.passed = h.passed || c.redirected
 		if h.bulk {
 			spliceCalls.Add(1)
 			splicedIn.Add(uint64(n))
@@ -376,12 +402,13 @@ func (l *loop) pump(c *conn, d int) bool {
 		} else if !h.hup {
 			h.ready = false // a short read drained the socket; new bytes bring a new edge
 			return true
-		} else if h.fin {
+		} else if h.fin && !c.redirected {
 			// The peer's FIN was in before this read, and the read came back short:
 			// it took everything up to the FIN, so this is EOF without a read to
 			// return 0. (Like HAProxy's read0 on a hang-up; TCP urgent data, which
 			// would also stop a read short, is not supported.) After an error the
-			// read goes on, to report it.
+			// read goes on, to report it; so it does when the kernel forwards, as
+			// bytes it hands to the proxy may still be on their way to the socket.
 			h.eof = true
 		}
 	}
@@ -439,17 +466,29 @@ func (l *loop) moved(c *conn, d, n int) {
 	if n <= 0 {
 		return
 	}
+	c.h[d].wrote += uint64(n)
+	if d == up && c.asked == 0 && c.h[d].wrote > uint64(c.header) {
+		c.asked = monotonic()
+	}
+	l.count(c, d, n)
+	if c.last != l.now && c.tq != nil {
+		c.last = l.now
+		l.idle.remove(c)
+		l.idle.push(c)
+	}
+}
+
+// count adds n bytes of direction d to the byte counters.
+func (l *loop) count(c *conn, d, n int) {
+	if n <= 0 {
+		return
+	}
 	if d == up {
 		c.b.c.bytesIn.Add(uint64(n))
 		l.s.stats.bytesIn.Add(uint64(n))
 	} else {
 		c.b.c.bytesOut.Add(uint64(n))
 		l.s.stats.bytesOut.Add(uint64(n))
-	}
-	if c.last != l.now && c.tq != nil {
-		c.last = l.now
-		l.idle.remove(c)
-		l.idle.push(c)
 	}
 }
 
@@ -500,6 +539,9 @@ func (l *loop) close(c *conn, outcome Outcome) {
 		// As the other peer sees it, the proxy closed the connection.
 		c.reset = false
 	}
+	if c.redirected {
+		l.accountKernel(c)
+	}
 	for i, fd := range c.fd {
 		if fd >= 0 {
 			closeRaw(fd)
@@ -509,12 +551,8 @@ func (l *loop) close(c *conn, outcome Outcome) {
 	c.h[up].release()
 	c.h[down].release()
 	if b := c.b; b != nil {
-		lat := c.lat
-		if c.state == stateConnecting {
-			lat = time.Since(c.dialed)
-		}
 		b.active.Add(-1)
-		c.lease.Release(balance.Result{Latency: lat})
+		c.lease.Release(balance.Result{Latency: c.sample()})
 		if c.state == stateEstablished {
 			if c.killed {
 				outcome = OutcomeSuccess
@@ -537,6 +575,24 @@ func (l *loop) close(c *conn, outcome Outcome) {
 	s.stats.active.Add(-1)
 	s.releaseSlot()
 	s.wg.Done()
+}
+
+// sample is the latency the connection reports to the balancer (ewma and the other
+// latency-aware algorithms): the time to the backend's first byte after the client's
+// first bytes went to it. A connection the backend never answered reports none (0):
+// an upload is not a slow answer, and a backend that hangs is held off by its
+// connections in flight. A connection whose client sent nothing, or whose bytes the
+// kernel forwarded (the proxy doesn't see them), reports its connect time.
+func (c *conn) sample() time.Duration {
+	switch {
+	case c.state == stateConnecting:
+		return time.Since(c.dialed)
+	case c.ttfb > 0:
+		return c.ttfb
+	case c.asked != 0:
+		return 0
+	}
+	return c.lat
 }
 
 // sourceKey is the balancer's hash key for a client: FNV-1a of its address, so every

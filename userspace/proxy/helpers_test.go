@@ -115,6 +115,9 @@ func startProxy(t *testing.T, cfg Config) *Service {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, nil))
 	}
+	if cfg.Redirector == nil {
+		cfg.Redirector = testRedirector
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s, err := Listen(ctx, cfg)
 	if err != nil {

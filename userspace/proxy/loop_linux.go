@@ -79,6 +79,9 @@ type loop struct {
 	connecting tlist // connects in progress, by deadline
 	idle       tlist // established connections, by last activity
 	again      []connRef
+	flushing   []connRef // redirected connections at EOF, waiting for the kernel to forward the rest
+	flushAt    int64     // when to check them next
+	flushDelay int64
 	scratch    []byte
 	events     []unix.EpollEvent
 
@@ -199,6 +202,7 @@ func (l *loop) run() error {
 				}
 			}
 		}
+		l.recheck()
 		l.expire()
 	}
 	return nil
@@ -250,6 +254,9 @@ func (l *loop) arm() {
 		tick := int64(timerTick)
 		next = (next + tick - 1) / tick * tick
 	}
+	if len(l.flushing) > 0 && (next == 0 || l.flushAt < next) {
+		next = l.flushAt // not rounded: a FIN waits for it
+	}
 	if next == l.armed {
 		return
 	}
@@ -269,6 +276,12 @@ func (l *loop) expire() {
 	}
 	if d := int64(l.s.cfg.IdleTimeout); d > 0 {
 		for c := l.idle.head; c != nil && c.last+d <= now; c = l.idle.head {
+			if c.redirected && l.kernelActive(c) {
+				c.last = now
+				l.idle.remove(c)
+				l.idle.push(c)
+				continue
+			}
 			l.close(c, OutcomeIdleTimeout)
 		}
 	}

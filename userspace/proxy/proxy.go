@@ -126,6 +126,11 @@ type Config struct {
 	EjectAfter int           // consecutive failed dials that eject a backend; 0 = never (passive health off)
 	EjectFor   time.Duration // how long an ejected backend gets no new connection; default 10s
 
+	// Redirector, if set, forwards each connection's bytes in the kernel once its
+	// backend is connected (loader.SockMap); a connection it fails to pair stays on
+	// the copy path. nil: bytes move through the proxy.
+	Redirector Redirector
+
 	Observer Observer     // optional
 	Logger   *slog.Logger // default slog.Default()
 }
@@ -156,6 +161,8 @@ type Service struct {
 	stats   serviceCounters
 	lastLog atomic.Int64 // monotonic ns of the last "cannot serve" log line
 	dropped atomic.Int64 // "cannot serve" events since that line
+
+	lastRedirectLog atomic.Int64 // monotonic ns of the last "redirect failed" log line
 }
 
 // backend is a backend's live state; removed backends live on while connections hold them.
@@ -632,6 +639,17 @@ func (s *Service) noteUnserved(err error) {
 	}
 	s.dropped.Add(-n)
 	s.log.Warn("closed client connections that could not be served", "count", n, "err", err)
+}
+
+// noteRedirectFailed logs, at most once a second, that a connection could not be
+// paired for in-kernel forwarding (it is served by the copy path).
+func (s *Service) noteRedirectFailed(err error) {
+	now := monotonic()
+	last := s.lastRedirectLog.Load()
+	if now-last < int64(time.Second) || !s.lastRedirectLog.CompareAndSwap(last, now) {
+		return
+	}
+	s.log.Warn("in-kernel forwarding failed; connections use the copy path", "err", err)
 }
 
 var epoch = time.Now()

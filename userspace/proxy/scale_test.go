@@ -29,6 +29,9 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if os.Getenv(pathEnv) == "sockmap" {
+		os.Exit(runOnSockmap(m))
+	}
 	os.Exit(m.Run())
 }
 

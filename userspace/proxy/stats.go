@@ -101,9 +101,15 @@ type SpliceStats struct {
 	Bytes     uint64 // bytes moved from sockets into pipes
 	PipesOpen int64
 	Copied    uint64 // bytes moved with read(2)/write(2)
+
+	Redirected   uint64 // connections forwarded in the kernel (Config.Redirector)
+	RedirectErrs uint64 // connections that could not be paired and used the copy path
+	Kernel       uint64 // bytes the kernel forwarded, counted as their connections end
+	FlushWaits   uint64 // EOFs that waited for the kernel to forward the last bytes
 }
 
 // Splices returns the process-wide splice counters.
 func Splices() SpliceStats {
-	return SpliceStats{Calls: spliceCalls.Load(), Bytes: splicedIn.Load(), PipesOpen: pipesOpen.Load(), Copied: copiedBytes.Load()}
+	return SpliceStats{Calls: spliceCalls.Load(), Bytes: splicedIn.Load(), PipesOpen: pipesOpen.Load(), Copied: copiedBytes.Load(),
+		Redirected: redirected.Load(), RedirectErrs: redirectErrs.Load(), Kernel: kernelBytes.Load(), FlushWaits: flushWaits.Load()}
 }

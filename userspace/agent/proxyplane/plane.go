@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/loader"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/agent/served"
 	"github.com/weir-lb/weir/userspace/config"
@@ -29,8 +30,11 @@ import (
 type Plane struct {
 	checker *health.Checker
 	log     *slog.Logger
-	// Set serves Add, Update, SetBackend, Remove and Close.
+	// Set serves Add, Update, SetBackend and Remove.
 	served.Set[*proxy.Service]
+
+	sockmap    *loader.SockMap // in-kernel forwarding, loaded for the first service that uses it
+	sockmapErr error           // why it could not be loaded; then every service uses the copy path
 }
 
 // New returns a proxy plane that reports what its connections see to checker.
@@ -58,7 +62,13 @@ func (p *Plane) Snapshot(name string) (proxy.Snapshot, bool) {
 // accepting.
 func (p *Plane) start(s *plan.Service) (*proxy.Service, error) {
 	log := p.log.With("service", s.Name())
-	px, err := proxy.Listen(context.Background(), proxyConfig(&s.Config, observer{p.checker, s.Name()}, log))
+	cfg := proxyConfig(&s.Config, observer{p.checker, s.Name()}, log)
+	if useSockMap(s.Config.Proxy.SockMap) {
+		if r := p.redirector(); r != nil {
+			cfg.Redirector = r
+		}
+	}
+	px, err := proxy.Listen(context.Background(), cfg)
 	if errors.Is(err, syscall.EADDRNOTAVAIL) {
 		return nil, fmt.Errorf("%w: the proxy binds %s, which no interface of this host holds (add it to one, or let XDP serve the service)", err, s.Config.Proxy.Listen.Addr())
 	}
@@ -70,6 +80,42 @@ func (p *Plane) start(s *plan.Service) (*proxy.Service, error) {
 		return nil, fmt.Errorf("service %q: %w", s.Name(), err)
 	}
 	return px, nil
+}
+
+// Close stops every service, letting each drain up to its timeout, waits for all of
+// them, and then unloads the sockmap they may have used.
+func (p *Plane) Close() {
+	p.Set.Close()
+	if p.sockmap != nil {
+		if err := p.sockmap.Close(); err != nil {
+			p.log.Warn("close sockmap", "err", err)
+		}
+		p.sockmap = nil
+	}
+}
+
+// autoSockMap is what sockmap: auto means: the copy and splice path measured faster
+// than in-kernel forwarding on every workload of bench/proxy (docs/proxy.md), so auto
+// keeps the proxy's own path.
+const autoSockMap = false
+
+func useSockMap(m config.SockMap) bool {
+	return m == config.SockMapOn || (m == config.SockMapAuto && autoSockMap)
+}
+
+// redirector returns the sockmap, loading it the first time. On a host that can't
+// load it, it logs why once and returns nil: services then use the copy path.
+func (p *Plane) redirector() proxy.Redirector {
+	if p.sockmap == nil && p.sockmapErr == nil {
+		p.sockmap, p.sockmapErr = loader.LoadSockMap()
+		if p.sockmapErr != nil {
+			p.log.Warn("in-kernel forwarding unavailable; the proxy copies and splices", "err", p.sockmapErr)
+		}
+	}
+	if p.sockmap == nil {
+		return nil
+	}
+	return p.sockmap
 }
 
 // push sets the proxy's backends to the desired ones.

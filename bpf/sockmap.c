@@ -1,0 +1,58 @@
+//go:build ignore
+
+// sockmap.c: the proxy's in-kernel forwarding. Once the proxy has accepted a client and
+// connected to a backend, it puts both sockets into splice_peers, each under the other's
+// socket cookie; the stream verdict program then sends every byte a socket receives
+// out of its peer, without waking the proxy. The proxy keeps everything else: the
+// choice of backend, the connection's accounting, half-close and close.
+
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+
+char LICENSE[] SEC("license") = "Dual MIT/GPL";
+
+#ifndef MAX_SPLICE_SOCKS
+#define MAX_SPLICE_SOCKS 65536 // sockets forwarded at once (two per connection)
+#endif
+
+// splice_peers: key = socket cookie (host byte order) of a socket the proxy forwards
+// from; value = the socket its bytes go out of (its peer in the same connection).
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(max_entries, MAX_SPLICE_SOCKS);
+	__type(key, __u64);
+	__type(value, __u64);
+} splice_peers SEC(".maps");
+
+// splice_passed: key = socket cookie of a socket whose bytes went to the proxy
+// instead of its peer (the peer was not in splice_peers yet, or no more); value
+// unused. Once a socket is here, all its later bytes go to the proxy as well, so the
+// proxy, which forwards those itself, never sees a later byte overtake an earlier one.
+// LRU: the proxy deletes its entries when it closes the connection; a leak ages out.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_SPLICE_SOCKS);
+	__type(key, __u64);
+	__type(value, __u8);
+} splice_passed SEC(".maps");
+
+SEC("sk_skb/stream_verdict")
+int splice_verdict(struct __sk_buff *skb)
+{
+	__u64 cookie = bpf_get_socket_cookie(skb);
+	__u8 one = 1;
+
+	// A bare FIN comes here as a segment of no bytes. Redirected, the peer's kernel
+	// worker sends 0 bytes, takes that for a broken pipe and stops forwarding
+	// (sk_psock_backlog, Linux 6.18). The proxy sees the hang-up on the socket
+	// itself, so the empty segment is dropped.
+	if (skb->len == 0)
+		return SK_DROP;
+	if (bpf_map_lookup_elem(&splice_passed, &cookie))
+		return SK_PASS;
+	if (bpf_sk_redirect_hash(skb, &splice_peers, &cookie, 0) == SK_PASS)
+		return SK_PASS; // redirected: out of the peer's send side
+	// No peer: hand the bytes to the proxy's socket, and every later byte too.
+	bpf_map_update_elem(&splice_passed, &cookie, &one, BPF_ANY);
+	return SK_PASS;
+}

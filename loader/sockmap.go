@@ -1,0 +1,140 @@
+package loader
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/bpf"
+)
+
+// SockMap is the proxy's in-kernel forwarding (bpf/sockmap.c): a socket map whose
+// stream verdict program sends the bytes each socket receives out of its peer. The
+// proxy pairs a connection's two sockets once the backend is connected; closing a
+// socket takes it out of the map (the kernel does that), so there is no unpairing.
+// Safe for concurrent use.
+type SockMap struct {
+	mu     sync.RWMutex
+	objs   bpf.SockmapObjects
+	closed bool
+}
+
+// LoadSockMap loads the program and its maps and attaches the program to the map.
+// On a kernel or host without sockmap support it returns an error; the proxy then
+// forwards in user space.
+func LoadSockMap() (*SockMap, error) {
+	m := &SockMap{}
+	if err := bpf.LoadSockmapObjects(&m.objs, nil); err != nil {
+		if errors.Is(err, unix.EPERM) {
+			return nil, fmt.Errorf("load sockmap program: %w (run as root, or grant CAP_BPF and CAP_NET_ADMIN)", err)
+		}
+		return nil, fmt.Errorf("load sockmap program: %w", err)
+	}
+	err := link.RawAttachProgram(link.RawAttachProgramOptions{
+		Target:  m.objs.SplicePeers.FD(),
+		Program: m.objs.SpliceVerdict,
+		Attach:  ebpf.AttachSkSKBStreamVerdict,
+	})
+	if err != nil {
+		m.objs.Close()
+		return nil, fmt.Errorf("attach sockmap stream verdict: %w", err)
+	}
+	return m, nil
+}
+
+// PairError is Pair's error. Lost reports that the client's socket was in the map
+// for a moment and some of its bytes reached it there, so they can be neither
+// forwarded nor read: the caller must reset the connection rather than copy it.
+type PairError struct {
+	Err  error
+	lost bool
+}
+
+func (e *PairError) Error() string { return e.Err.Error() }
+func (e *PairError) Unwrap() error { return e.Err }
+func (e *PairError) Lost() bool    { return e.lost }
+
+// Pair starts forwarding between the two sockets of one connection (descriptors of
+// TCP sockets): each one's bytes go out of the other. The kernel takes only
+// established sockets, so a client that has already sent its FIN (or a backend) is
+// refused, and the caller copies that connection itself.
+//
+// The client's socket goes in first: a client that half-closed early is refused
+// before anything is in the map. Until the backend's socket is in, the client's
+// bytes find no peer and go to the proxy, which then forwards that direction itself
+// (splice_passed). If the backend's socket is refused, the client's leaves the map
+// again. Bytes already queued on a socket are forwarded when the kernel next runs the
+// socket's data-ready path; the caller kicks it (SO_RCVLOWAT).
+func (m *SockMap) Pair(client, server int) error {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if m.closed {
+		return fmt.Errorf("sockmap: %w", net.ErrClosed)
+	}
+	cc, err := unix.GetsockoptUint64(client, unix.SOL_SOCKET, unix.SO_COOKIE)
+	if err != nil {
+		return fmt.Errorf("sockmap: client socket cookie: %w", err)
+	}
+	sc, err := unix.GetsockoptUint64(server, unix.SOL_SOCKET, unix.SO_COOKIE)
+	if err != nil {
+		return fmt.Errorf("sockmap: backend socket cookie: %w", err)
+	}
+	if err := m.objs.SplicePeers.Update(sc, uint64(client), ebpf.UpdateAny); err != nil {
+		return &PairError{Err: fmt.Errorf("sockmap: add client socket: %w", err)}
+	}
+	if err := m.objs.SplicePeers.Update(cc, uint64(server), ebpf.UpdateAny); err != nil {
+		// A socket in the map without its peer can't be read (Linux 6.18): take the
+		// client's out, and find out whether bytes reached it meanwhile.
+		derr := m.objs.SplicePeers.Delete(sc)
+		var v uint8
+		lost := derr != nil || m.objs.SplicePassed.Lookup(cc, &v) == nil
+		if lost {
+			m.objs.SplicePassed.Delete(cc)
+		}
+		return &PairError{Err: fmt.Errorf("sockmap: add backend socket: %w", errors.Join(err, derr)), lost: lost}
+	}
+	return nil
+}
+
+// Forget drops fd's mark in splice_passed (its bytes went to the proxy); the proxy
+// calls it before it closes such a socket.
+func (m *SockMap) Forget(fd int) error {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if m.closed {
+		return nil
+	}
+	c, err := unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_COOKIE)
+	if err != nil {
+		return fmt.Errorf("sockmap: socket cookie: %w", err)
+	}
+	if err := m.objs.SplicePassed.Delete(c); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("sockmap: forget socket: %w", err)
+	}
+	return nil
+}
+
+// Close detaches the program and releases the maps. Sockets still paired go on
+// receiving as plain sockets. It is idempotent.
+func (m *SockMap) Close() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return nil
+	}
+	m.closed = true
+	err := link.RawDetachProgram(link.RawDetachProgramOptions{
+		Target:  m.objs.SplicePeers.FD(),
+		Program: m.objs.SpliceVerdict,
+		Attach:  ebpf.AttachSkSKBStreamVerdict,
+	})
+	if err != nil {
+		err = fmt.Errorf("detach sockmap stream verdict: %w", err)
+	}
+	return errors.Join(err, m.objs.Close())
+}

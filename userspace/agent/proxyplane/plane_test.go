@@ -1,0 +1,123 @@
+package proxyplane
+
+import (
+	"bytes"
+	"io"
+	"log/slog"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/config"
+	"github.com/weir-lb/weir/userspace/proxy"
+)
+
+// noBPFEnv marks the child of TestSockMapOn that runs without the capabilities BPF
+// needs.
+const noBPFEnv = "WEIR_PROXYPLANE_NO_BPF"
+
+// TestSockMapOn: a service with sockmap: on forwards in the kernel where the host
+// lets the agent load BPF, and where it doesn't (a child process whose capability
+// bounding set lacks CAP_BPF, CAP_SYS_ADMIN and CAP_PERFMON, as in a container that
+// was not granted them) it serves the same through the copy path.
+func TestSockMapOn(t *testing.T) {
+	if os.Getenv(noBPFEnv) == "1" {
+		serveOne(t, false)
+		return
+	}
+	t.Run("with bpf", func(t *testing.T) { serveOne(t, true) })
+	t.Run("without bpf", func(t *testing.T) {
+		setpriv, err := exec.LookPath("setpriv")
+		if err != nil {
+			t.Fatalf("setpriv (util-linux, make deps): %v", err)
+		}
+		exe, err := os.Executable()
+		if err != nil {
+			t.Fatal(err)
+		}
+		cmd := exec.Command(setpriv, "--bounding-set", "-bpf,-sys_admin,-perfmon", "--",
+			exe, "-test.run=^TestSockMapOn$", "-test.count=1", "-test.v")
+		cmd.Env = append(os.Environ(), noBPFEnv+"=1")
+		var out bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &out
+		if err := cmd.Run(); err != nil {
+			t.Fatalf("child without bpf: %v\n%s", err, out.String())
+		}
+		t.Logf("child:\n%s", out.String())
+	})
+}
+
+// serveOne runs one proxy service with sockmap: on and checks a round trip through
+// it, and which path carried it.
+func serveOne(t *testing.T, wantKernel bool) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	// Exits when ln is closed at return.
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			// Exits when the proxy closes the connection.
+			go func() { io.Copy(c, c); c.Close() }()
+		}
+	}()
+	p := New(&health.Checker{}, slog.New(slog.NewTextHandler(testWriter{t}, nil)))
+	defer p.Close()
+	be := ln.Addr().(*net.TCPAddr).AddrPort()
+	s := &plan.Service{
+		Config: config.Service{Name: "web", Algorithm: config.AlgorithmLeastConn,
+			Proxy: config.Proxy{Listen: netip.MustParseAddrPort("127.0.0.1:0"), ConnectTimeout: time.Second, SockMap: config.SockMapOn}},
+		Backends: []plan.Backend{{ID: plan.ID("web", be), Config: config.Backend{Addr: be}, Usable: true, Weight: 1}},
+	}
+	if err := p.Add(s); err != nil {
+		t.Fatalf("add: %v", err)
+	}
+	before := proxy.Splices()
+	c, err := net.Dial("tcp", mustGet(t, p, "web").Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	msg := []byte("through the proxy")
+	if _, err := c.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, msg) {
+		t.Fatalf("echo: got %q, %v; want %q", got, err, msg)
+	}
+	paired := proxy.Splices().Redirected - before.Redirected
+	if wantKernel && (paired != 1 || p.sockmapErr != nil) {
+		t.Errorf("with bpf: got %d connections paired, load error %v; want 1, none", paired, p.sockmapErr)
+	}
+	if !wantKernel && (paired != 0 || p.sockmapErr == nil) {
+		t.Errorf("without bpf: got %d connections paired, load error %v; want 0 and the error", paired, p.sockmapErr)
+	}
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(b []byte) (int, error) {
+	w.t.Logf("%s", b)
+	return len(b), nil
+}
+
+func mustGet(t *testing.T, p *Plane, name string) *proxy.Service {
+	t.Helper()
+	px, ok := p.Get(name)
+	if !ok {
+		t.Fatalf("service %q is not served", name)
+	}
+	return px
+}

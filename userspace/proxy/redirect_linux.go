@@ -1,0 +1,213 @@
+package proxy
+
+import (
+	"errors"
+	"sync/atomic"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// This file is the in-kernel forwarding path (Config.Redirector): once a connection's
+// backend is connected, its two sockets are paired in a socket map and a BPF stream
+// verdict program sends the bytes each receives out of the other, without waking the
+// loop. The loop keeps the rest as on the copy path — the choice of backend, the
+// accounting, limits, draining and timeouts — and still reads both sockets: a read
+// returns only what the program handed to the proxy (the bytes that found no peer,
+// see bpf/sockmap.c, which the copy path then forwards, in order) and, at the end,
+// the EOF.
+//
+// The one thing the kernel does not forward is the FIN. At a source's EOF the loop
+// half-closes the destination only once every byte the source received is in the
+// destination's send queue: the redirect runs in a kernel worker, so the FIN can be
+// seen before the last bytes have moved. The test compares two TCP counters:
+// bytes received by the source (tcpi_bytes_received, which counts the FIN) against
+// bytes queued on the destination (tcpi_bytes_acked + SIOCOUTQ, which on an actively
+// opened socket counts its SYN), less what the proxy itself read and wrote. Until
+// they agree the connection is checked again after a short wait.
+
+// Redirector pairs the two sockets of a connection for in-kernel forwarding
+// (loader.SockMap). Pair is called on the event loop, once per connection; an error
+// leaves the connection to the copy path, unless it has a method Lost() bool that
+// reports true (bytes were lost on the way in: the connection is reset). Forget is
+// called once per socket some of whose bytes the proxy forwarded itself, before it
+// is closed.
+type Redirector interface {
+	Pair(client, server int) error
+	Forget(fd int) error
+}
+
+// Flush rechecks of connections whose kernel forwarding lags a FIN: the first after
+// flushFirst, then twice as long each time up to timerTick while some are still
+// waiting; a connection that starts waiting brings the next check back to flushFirst.
+const flushFirst = 20_000 // ns
+
+var (
+	redirected   atomic.Uint64 // connections paired
+	redirectErrs atomic.Uint64 // pairings that failed (the connection stayed on the copy path)
+	flushWaits   atomic.Uint64 // EOFs that had to wait for the kernel to forward the rest
+	kernelBytes  atomic.Uint64 // bytes the kernel forwarded
+)
+
+// tcpInfoRaw is getsockopt(TCP_INFO).
+func tcpInfoRaw(fd int) (unix.TCPInfo, error) {
+	var ti unix.TCPInfo
+	l := uint32(unsafe.Sizeof(ti))
+	_, _, e := unix.RawSyscall6(unix.SYS_GETSOCKOPT, uintptr(fd), unix.IPPROTO_TCP, unix.TCP_INFO,
+		uintptr(unsafe.Pointer(&ti)), uintptr(unsafe.Pointer(&l)), 0)
+	return ti, errnoErr(e)
+}
+
+// outqRaw is ioctl(SIOCOUTQ): bytes in the send queue not yet acknowledged.
+func outqRaw(fd int) (int, error) {
+	var n int32
+	_, _, e := unix.RawSyscall(unix.SYS_IOCTL, uintptr(fd), unix.SIOCOUTQ, uintptr(unsafe.Pointer(&n)))
+	return int(n), errnoErr(e)
+}
+
+// kickRaw makes the kernel run a socket's data-ready path now (tcp_set_rcvlowat does),
+// so bytes that were queued before the socket was paired are forwarded.
+func kickRaw(fd int) error {
+	one := int32(1)
+	_, _, e := unix.RawSyscall6(unix.SYS_SETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_RCVLOWAT,
+		uintptr(unsafe.Pointer(&one)), 4, 0)
+	return errnoErr(e)
+}
+
+// redirect pairs c's sockets, once the PROXY protocol header (if any) is out; if it
+// can't, c stays on the copy path. It reports false if it closed c.
+func (l *loop) redirect(c *conn) bool {
+	r := l.s.cfg.Redirector
+	if r == nil {
+		return true
+	}
+	if h := &c.h[up]; h.pending() {
+		// The header goes first; a socket that can't take ~100 bytes at once is
+		// served by the copy path.
+		if _, err := l.flush(c, h, up, c.fd[server]); err != nil || h.pending() {
+			return true
+		}
+	}
+	if err := r.Pair(c.fd[client], c.fd[server]); err != nil {
+		redirectErrs.Add(1)
+		l.s.noteRedirectFailed(err)
+		var lost interface{ Lost() bool }
+		if errors.As(err, &lost) && lost.Lost() {
+			// Client bytes are stuck where nobody can read them: the connection
+			// can't go on intact.
+			setLinger0(c.fd[client])
+			setLinger0(c.fd[server])
+			c.reset = true
+			l.close(c, OutcomeReset)
+			return false
+		}
+		return true
+	}
+	redirected.Add(1)
+	c.redirected = true
+	kickRaw(c.fd[server])
+	kickRaw(c.fd[client])
+	return true
+}
+
+// kernelMoved returns how many bytes of direction d the kernel has forwarded and
+// whether it has forwarded all that the source received (valid once the source is
+// at EOF). On an error it reports true: the connection is then ended by the error
+// path, with nothing more to wait for.
+func (l *loop) kernelMoved(c *conn, d int) (uint64, bool) {
+	h := &c.h[d]
+	in, err := tcpInfoRaw(c.fd[d])
+	if err != nil {
+		return 0, true
+	}
+	out, err := tcpInfoRaw(c.fd[1-d])
+	if err != nil {
+		return 0, true
+	}
+	outq, err := outqRaw(c.fd[1-d])
+	if err != nil {
+		return 0, true
+	}
+	queued := out.Bytes_acked + uint64(outq)
+	if 1-d == server && queued > 0 {
+		queued-- // the SYN of the socket the proxy opened
+	}
+	queued -= min(queued, h.wrote)
+	received := in.Bytes_received - min(in.Bytes_received, h.read)
+	// received counts the FIN once it is in; queued never does.
+	return queued, queued+1 >= received
+}
+
+// flushLater checks c again soon: its kernel forwarding has not caught up with an EOF.
+func (l *loop) flushLater(c *conn) {
+	if c.flushQueued {
+		return
+	}
+	c.flushQueued = true
+	if !c.flushWaited {
+		c.flushWaited = true
+		flushWaits.Add(1)
+		if at := l.now + flushFirst; len(l.flushing) == 0 || at < l.flushAt {
+			l.flushAt = at
+		}
+		l.flushDelay = flushFirst
+	}
+	l.flushing = append(l.flushing, connRef{c, c.gen})
+}
+
+// recheck runs the connections waiting for kernel forwarding, if it is time.
+func (l *loop) recheck() {
+	if len(l.flushing) == 0 || monotonic() < l.flushAt {
+		return
+	}
+	list := l.flushing
+	l.flushing = nil
+	for _, r := range list {
+		if r.c.gen == r.gen && r.c.state == stateEstablished {
+			r.c.flushQueued = false
+			l.pumpBoth(r.c)
+		}
+	}
+	if len(l.flushing) > 0 {
+		l.flushDelay = min(2*l.flushDelay, int64(timerTick))
+		l.flushAt = monotonic() + l.flushDelay
+	}
+}
+
+// accountKernel adds the bytes the kernel forwarded for c to the byte counters, at
+// close.
+func (l *loop) accountKernel(c *conn) {
+	for d := range c.h {
+		n := c.h[d].kernel
+		if !c.h[d].done {
+			n, _ = l.kernelMoved(c, d)
+		}
+		l.count(c, d, int(n))
+		kernelBytes.Add(n)
+	}
+	if r := l.s.cfg.Redirector; r != nil {
+		for side := range c.fd {
+			if c.h[side].passed {
+				r.Forget(c.fd[side])
+			}
+		}
+	}
+}
+
+// kernelActive reports whether c's sockets received bytes since the last check, for
+// the idle timeout of a connection whose bytes the loop does not see.
+func (l *loop) kernelActive(c *conn) bool {
+	var total uint64
+	for _, fd := range c.fd {
+		ti, err := tcpInfoRaw(fd)
+		if err != nil {
+			return false
+		}
+		total += ti.Bytes_received
+	}
+	if total == c.seen {
+		return false
+	}
+	c.seen = total
+	return true
+}

@@ -1,0 +1,121 @@
+package proxy
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
+	"github.com/weir-lb/weir/loader"
+)
+
+// pathEnv set to "sockmap" runs this package's tests with every proxy forwarding in
+// the kernel (TestEveryTestOnSockmap sets it for a child process).
+const pathEnv = "WEIR_PROXY_TEST_PATH"
+
+// testRedirector is what startProxy gives a service that names none: nil (the copy
+// path), or the sockmap in the child of TestEveryTestOnSockmap.
+var testRedirector Redirector
+
+// runOnSockmap runs the tests with the sockmap loaded; it fails if none of them
+// forwarded a connection in the kernel.
+func runOnSockmap(m *testing.M) int {
+	sm, err := loader.LoadSockMap()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "sockmap path:", err)
+		return 1
+	}
+	defer sm.Close()
+	testRedirector = sm
+	code := m.Run()
+	if code == 0 && redirected.Load() == 0 {
+		fmt.Fprintln(os.Stderr, "sockmap path: no connection was forwarded in the kernel")
+		return 1
+	}
+	return code
+}
+
+// TestEveryTestOnSockmap runs the behaviour tests of this package again — half-close,
+// exactly-once release, retries, limits, PROXY protocol, draining, idle timeout,
+// resets, 5,000 connections, shutdown — with the kernel forwarding every connection
+// (loader.SockMap), in a child process.
+func TestEveryTestOnSockmap(t *testing.T) {
+	if os.Getenv(pathEnv) != "" {
+		t.Skip("already on the sockmap path") // the child runs the others
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"-test.count=1", "-test.skip=^(TestEveryTestOnSockmap|TestRedirectFallsBack|TestSlowFirstByteGetsSmallerShare)$"}
+	if testing.Verbose() {
+		args = append(args, "-test.v")
+	}
+	if testing.Short() {
+		args = append(args, "-test.short")
+	}
+	cmd := exec.Command(exe, args...)
+	cmd.Env = append(os.Environ(), pathEnv+"=sockmap")
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err = cmd.Run()
+	if testing.Verbose() || err != nil {
+		t.Logf("child:\n%s", out.String())
+	}
+	if err != nil {
+		t.Fatalf("tests on the sockmap path: %v", err)
+	}
+}
+
+// failingRedirector pairs nothing: the sockmap of a host without one.
+type failingRedirector struct{ err error }
+
+func (f failingRedirector) Pair(int, int) error { return f.err }
+func (f failingRedirector) Forget(int) error    { return nil }
+
+// TestRedirectFallsBack checks that a connection the kernel can't take on is served by
+// the copy path: with a sockmap that has been closed (its Pair fails as a kernel
+// without sockmap support would) and with one that refuses every pair.
+func TestRedirectFallsBack(t *testing.T) {
+	closed, err := loader.LoadSockMap()
+	if err != nil {
+		t.Fatalf("load sockmap: %v", err)
+	}
+	closed.Close()
+	for _, tc := range []struct {
+		name string
+		r    Redirector
+	}{
+		{"closed sockmap", closed},
+		{"pair refused", failingRedirector{errors.New("sockmap: not supported")}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			be := startBackend(t, "a", netip.AddrPort{}, hello)
+			s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Redirector: tc.r})
+			errs := redirectErrs.Load()
+			c := dial(t, s)
+			c.SetDeadline(time.Now().Add(5 * time.Second))
+			if line, err := readLine(c); err != nil || line != "a" {
+				t.Fatalf("greeting: got %q, %v; want \"a\"", line, err)
+			}
+			if err := roundTrip(c, strings.Repeat("x", 300<<10)); err != nil {
+				t.Fatalf("echo: %v", err)
+			}
+			c.CloseWrite()
+			if rest, err := io.ReadAll(c); err != nil || len(rest) != 0 {
+				t.Fatalf("after half-close: got %d bytes, %v; want EOF", len(rest), err)
+			}
+			if got := redirectErrs.Load() - errs; got != 1 {
+				t.Errorf("failed pairings: got %d; want 1", got)
+			}
+			waitfor.Value(t, 3*time.Second, "0 active connections", active(s, 0))
+		})
+	}
+}

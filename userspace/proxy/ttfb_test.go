@@ -1,0 +1,98 @@
+package proxy
+
+import (
+	"bufio"
+	"net"
+	"net/netip"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
+	"github.com/weir-lb/weir/userspace/balance"
+)
+
+// answerAfter is a request/response backend: per line read, it waits delay and
+// answers with its name.
+func answerAfter(delay time.Duration) func(string, *net.TCPConn) {
+	return func(name string, c *net.TCPConn) {
+		r := bufio.NewReader(c)
+		for {
+			if _, err := r.ReadString('\n'); err != nil {
+				return
+			}
+			time.Sleep(delay)
+			if _, err := c.Write([]byte(name + "\n")); err != nil {
+				return
+			}
+		}
+	}
+}
+
+// latencyAlgorithms are the algorithms that choose by the latency sample; least_time
+// is one of them wherever the balance package has it.
+func latencyAlgorithms() []string {
+	algos := []string{balance.EWMA}
+	if slices.Contains(balance.Algorithms(), "least_time") {
+		algos = append(algos, "least_time")
+	}
+	return algos
+}
+
+// TestSlowFirstByteGetsSmallerShare: two backends that accept connections equally
+// fast, one of which answers each request 20 ms late. The time-to-first-byte sample
+// moves new connections off it; connect time alone would split them evenly.
+func TestSlowFirstByteGetsSmallerShare(t *testing.T) {
+	for _, algo := range latencyAlgorithms() {
+		t.Run(algo, func(t *testing.T) {
+			fast := startBackend(t, "fast", netip.AddrPort{}, answerAfter(0))
+			slow := startBackend(t, "slow", netip.AddrPort{}, answerAfter(20*time.Millisecond))
+			s := startProxy(t, Config{Algorithm: algo, Backends: []Backend{{Addr: fast.addr()}, {Addr: slow.addr()}}})
+			const n = 100
+			got := map[string]int{}
+			for range n {
+				c := dial(t, s)
+				c.SetDeadline(time.Now().Add(5 * time.Second))
+				if _, err := c.Write([]byte("q\n")); err != nil {
+					t.Fatal(err)
+				}
+				name, err := readLine(c)
+				if err != nil {
+					t.Fatalf("answer: %v", err)
+				}
+				got[name]++
+				c.Close()
+				// The lease, and its sample, is back before the next pick.
+				waitfor.Value(t, 2*time.Second, "0 active connections", active(s, 0))
+			}
+			t.Logf("%d connections: %v", n, got)
+			if got["slow"] > n/5 {
+				t.Errorf("slow backend's share: got %d of %d; want <= %d", got["slow"], n, n/5)
+			}
+		})
+	}
+}
+
+func TestSample(t *testing.T) {
+	now := monotonic()
+	for _, tc := range []struct {
+		name string
+		c    conn
+		want func(time.Duration) bool
+	}{
+		{"answered: time to first byte", conn{state: stateEstablished, lat: time.Millisecond, asked: now - int64(time.Second), ttfb: 20 * time.Millisecond},
+			func(d time.Duration) bool { return d == 20*time.Millisecond }},
+		{"not answered: none", conn{state: stateEstablished, lat: time.Millisecond, asked: now - int64(time.Second)},
+			func(d time.Duration) bool { return d == 0 }},
+		{"nothing asked: connect time", conn{state: stateEstablished, lat: time.Millisecond},
+			func(d time.Duration) bool { return d == time.Millisecond }},
+		{"still connecting: time dialing", conn{state: stateConnecting, dialed: time.Now().Add(-time.Second)},
+			func(d time.Duration) bool { return d >= time.Second }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := tc.c.sample(); !tc.want(got) {
+				t.Errorf("sample: got %v", got)
+			}
+		})
+	}
+}
