@@ -120,7 +120,11 @@ func (p *Plan) WriteTable(w io.Writer) {
 		if s.TrafficMoved != nil {
 			traffic = fmt.Sprintf(" (%s of today's flows' hashes)", percent(*s.TrafficMoved))
 		}
-		fmt.Fprintf(w, "\nservice %s  %s  %s  new flows moved %s%s\n", s.Service, s.Change, planes, percent(s.Moved), traffic)
+		what := "flows"
+		if s.DataPlane == PlaneHTTP || s.DataPlane == "" && s.NextDataPlane == PlaneHTTP {
+			what = "requests"
+		}
+		fmt.Fprintf(w, "\nservice %s  %s  %s  new %s moved %s%s\n", s.Service, s.Change, planes, what, percent(s.Moved), traffic)
 		if s.NewDataPlane != "" {
 			fmt.Fprintf(w, "  new data plane: %s\n", s.NewDataPlane)
 		}
