@@ -109,3 +109,25 @@ func TestTableOnlyForHashes(t *testing.T) {
 		}
 	}
 }
+
+// TestTableRamps: while a backend of a maglev service ramps, the plane gives the
+// balancer the planner's table weights, so its share of the table is the step's.
+func TestTableRamps(t *testing.T) {
+	s := service(config.AlgorithmMaglev, 1, 1, 1)
+	for i, w := range []uint32{100, 100, 10} { // the third at a tenth of its share
+		s.Backends[i].RampWeight = w
+	}
+	tab, err := (&Plane{}).Table(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, a := range tab {
+		if a == s.Backends[2].Config.Addr {
+			n++
+		}
+	}
+	if got, want := float64(n)/float64(len(tab)), 10.0/210; math.Abs(got-want) > 0.001 {
+		t.Errorf("the ramping backend holds %.4f of the table; want %.4f", got, want)
+	}
+}
