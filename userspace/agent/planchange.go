@@ -258,14 +258,17 @@ func (a *Agent) flowImpact(sp *api.ServicePlan, p, n *plan.Service) plan.Flows {
 		sp.FlowsError = err.Error()
 		return plan.Flows{}
 	}
-	fates := plan.FlowFates(p, n)
+	var fates map[netip.AddrPort]plan.Fate
 	if p.Plane == plan.HTTP {
+		// Client connections are no backend's: only a new listener closes them.
 		replaced := plan.Replaced(p, n, a.rebuilt(p.Plane))
 		fates = plan.ServedFates(p, n, replaced)
 		sp.Clients = &api.ClientPlan{Open: flows.Clients}
 		if replaced {
 			sp.Clients.Closed = flows.Clients
 		}
+	} else {
+		fates = plan.FlowFates(p, n)
 	}
 	add := func(b *plan.Backend) {
 		addr := b.Config.Addr

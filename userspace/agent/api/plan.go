@@ -38,8 +38,9 @@ type ServicePlan struct {
 	// placement change, a new XDP entry or proxy listener); "" when it is updated in
 	// place.
 	NewDataPlane string `json:"new_data_plane,omitempty"`
-	// Table compares the lookup tables (XDP services): the one packets use now and
-	// the one the change builds; nil when neither side has a table.
+	// Table compares the lookup tables (XDP services; maglev and source_hash on the
+	// http plane): the one in use now and the one the change builds; nil when
+	// neither side has a table.
 	Table *TablePlan `json:"table,omitempty"`
 	// Moved is the share (0..1) of the service's new flows (http: new requests)
 	// that would go to another backend than today: from the lookup tables where
