@@ -16,11 +16,23 @@ import (
 	"github.com/weir-lb/weir/userspace/agent/admin"
 )
 
-// TestPlanAndReloadMaxMove runs the agent (proxy only, on loopback: the XDP side is
-// userspace/agent's TestPlanPredictsReload) and drives weir plan and weir reload
-// against it as an operator would: what a change moves, proxy connections included,
-// and --max-move refusing it with exit status 1 while the running config stays.
+// TestPlanAndReloadMaxMove runs the agent (proxy and http planes, on loopback: the
+// XDP side is userspace/agent's TestPlanPredictsReload, the http plane's requests in
+// flight userspace/agent/httpplane's) and drives weir plan and weir reload against it
+// as an operator would: what a change moves, connections included, and --max-move
+// refusing it with exit status 1 while the running config stays.
 func TestPlanAndReloadMaxMove(t *testing.T) {
+	// What each plane prints of the 2 client connections the test holds: the
+	// proxy's are on a backend each; the http plane's are no backend's.
+	for _, tc := range []struct{ plane, held, removedDrained string }{
+		{"proxy", "proxy connections: 2 established, 0 reset, 0 drained", `"drained": 1`},
+		{"http", "http client connections: 2 open, 0 closed gracefully", `"drained": 0`},
+	} {
+		t.Run(tc.plane, func(t *testing.T) { testPlanAndReloadMaxMove(t, tc.plane, tc.held, tc.removedDrained) })
+	}
+}
+
+func testPlanAndReloadMaxMove(t *testing.T, plane, held, removedDrained string) {
 	var backends []string
 	for range 3 {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -50,7 +62,7 @@ func TestPlanAndReloadMaxMove(t *testing.T) {
 	dir := t.TempDir()
 	socket := filepath.Join(dir, "weir.sock")
 	cfg := func(bs ...string) string {
-		s := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n  - name: web\n    vip: %s\n    data_plane: proxy\n    algorithm: round_robin\n    health: {type: tcp, interval: 1s}\n    backends:\n", socket, vip)
+		s := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n  - name: web\n    vip: %s\n    data_plane: %s\n    algorithm: round_robin\n    health: {type: tcp, interval: 1s}\n    backends:\n", socket, vip, plane)
 		for _, b := range bs {
 			s += "      - address: " + b + "\n"
 		}
@@ -89,7 +101,7 @@ func TestPlanAndReloadMaxMove(t *testing.T) {
 	}) {
 		t.Fatalf("agent not serving with both backends up:\n%s", agentLog.String())
 	}
-	// Two connections through the proxy, one on each backend (round robin).
+	// Two client connections: through the proxy, one on each backend (round robin).
 	for range 2 {
 		c, err := net.Dial("tcp", vip)
 		if err != nil {
@@ -101,7 +113,7 @@ func TestPlanAndReloadMaxMove(t *testing.T) {
 		st, err := client.Status(context.Background())
 		return err == nil && st.Services[0].Connections == 2
 	}) {
-		t.Fatal("the proxy does not hold the 2 connections")
+		t.Fatal("the service does not hold the 2 connections")
 	}
 
 	cli := func(args ...string) (string, string, error) {
@@ -117,13 +129,13 @@ func TestPlanAndReloadMaxMove(t *testing.T) {
 		wantStderr string
 	}{
 		{"plan an added backend", []string{"plan", "-c", added}, false,
-			[]string{"service web  updated  proxy  new flows moved 33.33%", "proxy connections: 2 established, 0 reset, 0 drained"}, ""},
+			[]string{"service web  updated  " + plane + "  new " + map[string]string{"proxy": "flows", "http": "requests"}[plane] + " moved 33.33%", held}, ""},
 		{"plan within --max-move", []string{"plan", "-c", added, "--max-move", "34"}, false, []string{"within --max-move 34%"}, ""},
 		{"plan over --max-move", []string{"plan", "-c", added, "--max-move", "10"}, true,
 			[]string{"over --max-move 10%: web"}, "web would move more than --max-move 10%"},
 		{"plan a removed backend: its connection drains", []string{"plan", "-c", removed, "--json"}, false,
-			[]string{`"fate": "drain"`, `"drained": 1`, `"moved": 0.5`}, ""},
-		{"plan the running config", []string{"plan", "-s", socket}, false, []string{"service web  unchanged  proxy  new flows moved 0.00%"}, ""},
+			[]string{`"fate": "drain"`, removedDrained, `"moved": 0.5`}, ""},
+		{"plan the running config", []string{"plan", "-s", socket}, false, []string{"service web  unchanged  " + plane + "  new"}, ""},
 		{"bad --max-move", []string{"plan", "-c", added, "--max-move", "150"}, true, nil, "percentage 0..100"},
 	}
 	for _, tt := range tests {

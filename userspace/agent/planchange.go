@@ -26,6 +26,20 @@ type previewer interface {
 	Flows(s *plan.Service) (plan.Flows, error)
 }
 
+// rebuilder is a plane that decides itself which changes need a new server (the
+// http plane applies more in place than plan.Rebuilt allows for).
+type rebuilder interface {
+	Rebuilds(a, b *config.Service) bool
+}
+
+// rebuilt is plane's notion of a change that needs a new server.
+func (a *Agent) rebuilt(plane plan.Plane) func(x, y *config.Service) bool {
+	if r, ok := a.planes[plane].(rebuilder); ok {
+		return r.Rebuilds
+	}
+	return plan.Rebuilt
+}
+
 // ErrOverBudget: a change would move more than --max-move allows.
 var ErrOverBudget = errors.New("over the disruption budget")
 
@@ -165,9 +179,9 @@ func (a *Agent) serviceImpact(p, n *plan.Service, changed bool) api.ServicePlan 
 		if changed {
 			sp.Change = api.ChangeUpdated
 		}
-		sp.NewDataPlane = plan.NewDataPlane(p, n)
+		sp.NewDataPlane = plan.NewDataPlane(p, n, a.rebuilt(p.Plane))
 		sp.Moved = plan.ShareChange(p, n)
-		if p.Plane != n.Plane {
+		if p.Plane != n.Plane || hashes(p) != hashes(n) {
 			sp.Moved = plan.IndependentChange(p, n)
 		}
 	}
@@ -189,7 +203,7 @@ func (a *Agent) serviceImpact(p, n *plan.Service, changed bool) api.ServicePlan 
 // on one plane that picks by a table (ok false otherwise, or if either is unknown).
 func (a *Agent) tables(p, n *plan.Service) (prevT, nextT []netip.AddrPort, ok bool) {
 	pv, isPV := a.planes[p.Plane].(previewer)
-	if !isPV || p.Plane != n.Plane {
+	if !isPV || p.Plane != n.Plane || !hashes(p) || !hashes(n) {
 		return nil, nil, false
 	}
 	prevT, err := pv.LiveTable(p)
@@ -203,6 +217,11 @@ func (a *Agent) tables(p, n *plan.Service) (prevT, nextT []netip.AddrPort, ok bo
 	}
 	return prevT, nextT, prevT != nil || nextT != nil
 }
+
+// hashes reports whether s picks by a lookup table (a nil one then meaning no
+// backend): always on XDP, with maglev and source_hash elsewhere. A change between
+// a table and a pick without one moves new flows as independent picks would.
+func hashes(s *plan.Service) bool { return s.Plane == plan.XDP || s.Config.Algorithm.XDP() }
 
 func tablePlan(tc plan.TableChange) *api.TablePlan {
 	t := &api.TablePlan{Size: tc.PrevSize, NextSize: tc.NextSize, Moved: tc.Moved}
@@ -223,8 +242,11 @@ func addrString(a netip.AddrPort) string {
 // them.
 func (a *Agent) flowImpact(sp *api.ServicePlan, p, n *plan.Service) plan.Flows {
 	sp.FlowKind = string(p.Plane) + " connections"
-	if p.Plane == plan.XDP {
+	switch p.Plane {
+	case plan.XDP:
 		sp.FlowKind = "xdp flows"
+	case plan.HTTP:
+		sp.FlowKind = "http requests in flight"
 	}
 	pv, ok := a.planes[p.Plane].(previewer)
 	if !ok {
@@ -236,7 +258,18 @@ func (a *Agent) flowImpact(sp *api.ServicePlan, p, n *plan.Service) plan.Flows {
 		sp.FlowsError = err.Error()
 		return plan.Flows{}
 	}
-	fates := plan.FlowFates(p, n)
+	var fates map[netip.AddrPort]plan.Fate
+	if p.Plane == plan.HTTP {
+		// Client connections are no backend's: only a new listener closes them.
+		replaced := plan.Replaced(p, n, a.rebuilt(p.Plane))
+		fates = plan.ServedFates(p, n, replaced)
+		sp.Clients = &api.ClientPlan{Open: flows.Clients}
+		if replaced {
+			sp.Clients.Closed = flows.Clients
+		}
+	} else {
+		fates = plan.FlowFates(p, n)
+	}
 	add := func(b *plan.Backend) {
 		addr := b.Config.Addr
 		bp := api.BackendPlan{Backend: addr.String(), Flows: flows.PerBackend[addr], Fate: string(fates[addr])}

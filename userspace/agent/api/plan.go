@@ -38,13 +38,16 @@ type ServicePlan struct {
 	// placement change, a new XDP entry or proxy listener); "" when it is updated in
 	// place.
 	NewDataPlane string `json:"new_data_plane,omitempty"`
-	// Table compares the lookup tables (XDP services): the one packets use now and
-	// the one the change builds; nil when neither side has a table.
+	// Table compares the lookup tables (XDP services; maglev and source_hash on the
+	// http plane): the one in use now and the one the change builds; nil when
+	// neither side has a table.
 	Table *TablePlan `json:"table,omitempty"`
-	// Moved is the share (0..1) of the service's new flows that would go to another
-	// backend than today: from the tables where there are tables, else from the
-	// backends' shares of the weights (the least any weighted choice must move). A
-	// removed service moves all of them; an added one none. MaxMove gates on it.
+	// Moved is the share (0..1) of the service's new flows (http: new requests)
+	// that would go to another backend than today: from the lookup tables where
+	// there are tables (XDP; maglev and source_hash on the http plane), else from
+	// the backends' shares (of the weights where the algorithm honours them, else
+	// equal): the least any choice by those shares must move. A removed service
+	// moves all of them; an added one none. MaxMove gates on it.
 	Moved float64 `json:"moved"`
 	// TrafficMoved is the share of the service's established flows whose hash the next
 	// table gives another backend than today's (XDP): the change measured on this
@@ -52,14 +55,31 @@ type ServicePlan struct {
 	// clients cluster, as with source hashing). nil without flows or tables.
 	TrafficMoved *float64 `json:"traffic_moved,omitempty"`
 	// Flows are the established flows (XDP: connection-table entries; proxy: open
-	// connections) per backend and what the change does to them.
-	FlowKind string        `json:"flow_kind,omitempty"` // "xdp flows" or "proxy connections"
+	// connections; http: requests in flight) per backend and what the change does
+	// to them.
+	FlowKind string        `json:"flow_kind,omitempty"` // "xdp flows", "proxy connections" or "http requests in flight"
 	Flows    []BackendPlan `json:"flows,omitempty"`
-	// Reset and Drained sum Flows by fate.
+	// Reset and Drained sum Flows by fate. On the http plane nothing is reset: a
+	// drained request finishes on its backend (removed, drained, weight 0, or the
+	// service's old listener), within the request timeouts and, for an old
+	// listener, the drain timeout.
 	Reset   uint64 `json:"reset"`
 	Drained uint64 `json:"drained"`
+	// Clients are the http plane's client connections (nil on the others).
+	Clients *ClientPlan `json:"clients,omitempty"`
 	// FlowsError says why the flows could not be read (the rest of the plan stands).
 	FlowsError string `json:"flows_error,omitempty"`
+}
+
+// ClientPlan is what a change does to an http service's client connections. A
+// client connection belongs to no backend (each request on it is balanced by
+// itself), so only a new listener, a move to another plane or the service's
+// removal closes them; a change applied in place closes none.
+type ClientPlan struct {
+	Open uint64 `json:"open"` // open now
+	// Closed is how many the change closes, gracefully: HTTP/2 clients get GOAWAY
+	// and finish their streams, HTTP/1.1 ones are closed once idle.
+	Closed uint64 `json:"closed"`
 }
 
 // TablePlan is the lookup-table part of a service's plan.
@@ -101,7 +121,11 @@ func (p *Plan) WriteTable(w io.Writer) {
 		if s.TrafficMoved != nil {
 			traffic = fmt.Sprintf(" (%s of today's flows' hashes)", percent(*s.TrafficMoved))
 		}
-		fmt.Fprintf(w, "\nservice %s  %s  %s  new flows moved %s%s\n", s.Service, s.Change, planes, percent(s.Moved), traffic)
+		what := "flows"
+		if s.DataPlane == PlaneHTTP || s.DataPlane == "" && s.NextDataPlane == PlaneHTTP {
+			what = "requests"
+		}
+		fmt.Fprintf(w, "\nservice %s  %s  %s  new %s moved %s%s\n", s.Service, s.Change, planes, what, percent(s.Moved), traffic)
 		if s.NewDataPlane != "" {
 			fmt.Fprintf(w, "  new data plane: %s\n", s.NewDataPlane)
 		}
@@ -122,7 +146,12 @@ func (p *Plan) WriteTable(w io.Writer) {
 			for _, f := range s.Flows {
 				total += f.Flows
 			}
-			fmt.Fprintf(w, "  %s: %d established, %d reset, %d drained\n", s.FlowKind, total, s.Reset, s.Drained)
+			if c := s.Clients; c != nil {
+				fmt.Fprintf(w, "  http client connections: %d open, %d closed gracefully\n", c.Open, c.Closed)
+				fmt.Fprintf(w, "  %s: %d, %d drained (they finish on their backend)\n", s.FlowKind, total, s.Drained)
+			} else {
+				fmt.Fprintf(w, "  %s: %d established, %d reset, %d drained\n", s.FlowKind, total, s.Reset, s.Drained)
+			}
 			for _, f := range s.Flows {
 				if f.Flows > 0 || f.Fate != "stay" {
 					fmt.Fprintf(w, "    %-24s %7d  %s\n", f.Backend, f.Flows, f.Fate)

@@ -76,11 +76,13 @@ func (p *Plane) start(s *plan.Service) (*httplb.Service, error) {
 }
 
 // backends is the desired backend set as the balancer takes it: a drained or
-// weight-0 backend is unusable, so it gets no new requests.
+// weight-0 backend is unusable, so it gets no new requests. Weights are table
+// weights: a maglev or source_hash table cannot ramp per pick, so the planner
+// steps a ramping backend's (plan.SteppedSlowStart), as for the proxy.
 func backends(s *plan.Service) []httplb.Backend {
 	bs := make([]httplb.Backend, 0, len(s.Backends))
 	for _, b := range s.Backends {
-		bs = append(bs, httplb.Backend{Addr: b.Config.Addr, Weight: max(b.Weight, 1), SlowStart: s.Config.SlowStart,
+		bs = append(bs, httplb.Backend{Addr: b.Config.Addr, Weight: max(b.TableWeight(), 1), SlowStart: s.Config.SlowStart,
 			Usable: b.Usable && !b.Drained && b.Weight > 0})
 	}
 	return bs

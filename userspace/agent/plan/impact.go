@@ -86,10 +86,13 @@ func CompareTables(prev, next []netip.AddrPort) TableChange {
 	return tc
 }
 
-// Flows is what a data plane holds of a service's established flows (XDP) or
-// connections (proxy).
+// Flows is what a data plane holds of a service's established flows (XDP),
+// connections (proxy) or requests in flight (the http plane).
 type Flows struct {
 	PerBackend map[netip.AddrPort]uint64
+	// Clients are the http plane's client connections open now: none is a
+	// backend's, as every request on one is balanced by itself.
+	Clients uint64
 	// Hashes are the flows' hashes as the service's lookup table is indexed by them
 	// (XDP), a sample of its traffic; nil where the plane has no table.
 	Hashes []uint32
@@ -119,8 +122,11 @@ func TrafficShare(prev, next []netip.AddrPort, hashes []uint32) (share float64, 
 
 // ShareChange is, for a plane that picks without a table (round robin, least
 // connections...), the least share of new flows that must go elsewhere when the
-// backends' shares change from prev's to next's: half the sum of the differences of
-// each backend's share of the table weights of the backends that take new flows.
+// backends' shares change from prev's to next's: the sum of the shares backends
+// lose. A backend's share is its part of the table weights of the backends that
+// take new flows where the algorithm honours weights (see WeighsBackends), else
+// an equal part: what round robin and random give, and what the load-aware
+// algorithms give backends alike.
 func ShareChange(prev, next *Service) float64 {
 	p, n := shares(prev), shares(next)
 	if len(p) == 0 && len(n) == 0 {
@@ -152,25 +158,44 @@ func IndependentChange(prev, next *Service) float64 {
 	return 1 - same
 }
 
-// shares is each backend's share of the table weights of s's backends that take new
-// flows.
+// shares is each backend's share of s's new flows: of the table weights of its
+// backends that take new flows, or equal where its algorithm ignores weights.
 func shares(s *Service) map[netip.AddrPort]float64 {
 	out := map[netip.AddrPort]float64{}
 	if s == nil {
 		return out
 	}
+	weight := func(b *Backend) float64 {
+		if !WeighsBackends(s) {
+			return 1
+		}
+		return float64(b.TableWeight())
+	}
 	sum := 0.0
 	for i := range s.Backends {
 		if b := &s.Backends[i]; b.takesNew() {
-			sum += float64(b.TableWeight())
+			sum += weight(b)
 		}
 	}
 	for i := range s.Backends {
 		if b := &s.Backends[i]; b.takesNew() && sum > 0 {
-			out[b.Config.Addr] = float64(b.TableWeight()) / sum
+			out[b.Config.Addr] = weight(b) / sum
 		}
 	}
 	return out
+}
+
+// WeighsBackends reports whether s's data plane gives backends new flows by their
+// weights: XDP always (a weighted Maglev table), the proxy and the http plane for
+// weighted, weighted_least_conn, maglev and source_hash. Their other algorithms
+// treat every backend that takes new flows alike (userspace/balance), weight 0
+// only keeping one out.
+func WeighsBackends(s *Service) bool {
+	switch s.Config.Algorithm {
+	case config.AlgorithmWeighted, config.AlgorithmWeightedLeastConn, config.AlgorithmMaglev, config.AlgorithmSourceHash:
+		return true
+	}
+	return s.Plane == XDP
 }
 
 // Fate is what a change does to a backend's established flows or connections.
@@ -189,18 +214,21 @@ const (
 )
 
 // NewDataPlane says whether next needs a new data plane for prev's service rather
-// than an update of the one it has: a placement change, or one Rebuilt names. It
-// returns why, in operator words ("" when not).
-func NewDataPlane(prev, next *Service) string {
+// than an update of the one it has: a placement change, or one rebuilt names
+// (Rebuilt; the http plane's own, which applies more in place). It returns why, in
+// operator words ("" when not).
+func NewDataPlane(prev, next *Service, rebuilt func(a, b *config.Service) bool) string {
 	switch {
 	case prev == nil || next == nil:
 		return ""
 	case prev.Plane != next.Plane:
 		return "moves from " + string(prev.Plane) + " to " + string(next.Plane) + ": " + next.Why
-	case Rebuilt(&prev.Config, &next.Config):
-		return "built anew on " + string(next.Plane) + ": its vip, protocol, data_plane, mode, algorithm, drain_timeout or proxy settings changed"
+	case !rebuilt(&prev.Config, &next.Config):
+		return ""
+	case next.Plane == HTTP:
+		return "a new listener on http: its vip, http.listen, TLS certificate, drain_timeout, connect, idle or read-header timeout or header size limit changed"
 	}
-	return ""
+	return "built anew on " + string(next.Plane) + ": its vip, protocol, data_plane, mode, algorithm, drain_timeout or proxy settings changed"
 }
 
 // FlowFates says what going from prev to next (nil: the service is removed) does to
@@ -208,24 +236,13 @@ func NewDataPlane(prev, next *Service) string {
 // flow while its backend is in the service's entry and usable; its connection
 // table is keyed by VIP and protocol, one per forwarding kind (nat, or dsr and
 // tunnel). The proxy never cuts a connection on a change: removed, drained and
-// rebuilt services' connections drain.
+// rebuilt services' connections drain (see ServedFates).
 func FlowFates(prev, next *Service) map[netip.AddrPort]Fate {
+	if prev.Plane != XDP {
+		return ServedFates(prev, next, Replaced(prev, next, Rebuilt))
+	}
 	out := map[netip.AddrPort]Fate{}
 	all := append(slices.Clone(prev.Backends), prev.Leaving...)
-	if prev.Plane != XDP {
-		for _, b := range all {
-			nb := findBackend(next, b.Config.Addr)
-			switch {
-			case next == nil || next.Plane != prev.Plane || Rebuilt(&prev.Config, &next.Config) || nb == nil:
-				out[b.Config.Addr] = Drain
-			case b.takesNew() && (nb.Drained || nb.Weight == 0):
-				out[b.Config.Addr] = Drain
-			default:
-				out[b.Config.Addr] = Stay
-			}
-		}
-		return out
-	}
 	gone := next == nil || next.Plane != XDP || !next.Installed || !prev.Installed ||
 		next.Config.VIP != prev.Config.VIP || next.Config.Protocol != prev.Config.Protocol ||
 		(next.Config.Mode == config.ModeNAT) != (prev.Config.Mode == config.ModeNAT)
@@ -244,6 +261,35 @@ func FlowFates(prev, next *Service) map[netip.AddrPort]Fate {
 		}
 	}
 	return out
+}
+
+// ServedFates is FlowFates for a plane that serves connections itself (the proxy:
+// connections; the http plane: requests in flight), where replaced says whether
+// the change gives the service a new server (see Replaced). Nothing is cut: the
+// old server drains whatever it holds, a removed backend's connections or
+// requests finish where they are, and so do a drained or weight-0 one's.
+func ServedFates(prev, next *Service, replaced bool) map[netip.AddrPort]Fate {
+	out := map[netip.AddrPort]Fate{}
+	for _, b := range append(slices.Clone(prev.Backends), prev.Leaving...) {
+		nb := findBackend(next, b.Config.Addr)
+		switch {
+		case replaced || nb == nil:
+			out[b.Config.Addr] = Drain
+		case b.takesNew() && (nb.Drained || nb.Weight == 0):
+			out[b.Config.Addr] = Drain
+		default:
+			out[b.Config.Addr] = Stay
+		}
+	}
+	return out
+}
+
+// Replaced says whether going from prev to next (nil: removed) retires prev's
+// server on a plane that serves connections itself: the service is removed,
+// moves plane, or changes a setting rebuilt says the server fixes while it
+// listens (plan.Rebuilt for the proxy; the http plane applies more in place).
+func Replaced(prev, next *Service, rebuilt func(a, b *config.Service) bool) bool {
+	return next == nil || next.Plane != prev.Plane || rebuilt(&prev.Config, &next.Config)
 }
 
 // findBackend is s's backend, or its leaving one, at addr (nil if neither).

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
@@ -206,5 +207,90 @@ func TestTrafficShare(t *testing.T) {
 	}
 	if got, _ := TrafficShare(prev, nil, []uint32{1}); got != 1 {
 		t.Errorf("to no table: got %v; want 1", got)
+	}
+}
+
+// TestServedFates: on a plane that serves connections itself, only what the
+// plane rebuilds drains everything; the http plane rebuilds less than Rebuilt
+// names (here: only for a new drain_timeout), so a retries change stays in place.
+func TestServedFates(t *testing.T) {
+	httpRebuilt := func(a, b *config.Service) bool { return a.DrainTimeout != b.DrainTimeout }
+	tests := []struct {
+		name         string
+		edit         func(cs *config.Service, in *Input) // nil: removed
+		wantReplaced bool
+		want         string // fates of A, B, C
+		wantNew      string // NewDataPlane's start
+	}{
+		{"retries: in place", func(cs *config.Service, _ *Input) { cs.HTTP.Retries = 3 }, false, "stay stay stay", ""},
+		{"C removed: its requests finish", func(cs *config.Service, _ *Input) { cs.Backends = cs.Backends[:2] }, false, "stay stay drain", ""},
+		{"C drained", func(cs *config.Service, _ *Input) { cs.Backends[2].Drain = true }, false, "stay stay drain", ""},
+		{"C weight 0", func(cs *config.Service, _ *Input) { cs.Backends[2].Weight = 0 }, false, "stay stay drain", ""},
+		{"C down: in flight finish", func(_ *config.Service, in *Input) { in.Health[ID("web", addrC)] = down }, false, "stay stay stay", ""},
+		{"new listener", func(cs *config.Service, _ *Input) { cs.DrainTimeout = time.Hour }, true, "drain drain drain", "a new listener on http"},
+		{"moved to the proxy", func(_ *config.Service, in *Input) {
+			in.Placement["web"] = Placement{Plane: Proxy, Why: "data_plane: proxy"}
+		}, true, "drain drain drain", "moves from http to proxy: data_plane: proxy"},
+		{"moved to xdp", func(_ *config.Service, in *Input) { in.Placement["web"] = Placement{Plane: XDP, Why: "xdp"} }, true, "drain drain drain", "moves from http to xdp"},
+		{"removed", nil, true, "drain drain drain", ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cs := cfgService("web", vip1, addrA, addrB, addrC)
+			cs.DataPlane, cs.Algorithm = config.DataPlaneHTTP, config.AlgorithmRoundRobin
+			prev := Plan(input(HTTP, cs), Desired{})
+			var next *Service
+			if tt.edit != nil {
+				in := input(HTTP, cs)
+				tt.edit(&in.Services[0], &in)
+				d := Plan(in, prev)
+				next = &d.Services[0]
+			}
+			p := &prev.Services[0]
+			replaced := Replaced(p, next, httpRebuilt)
+			fates := ServedFates(p, next, replaced)
+			got := fmt.Sprintf("%s %s %s", fates[addrA], fates[addrB], fates[addrC])
+			if replaced != tt.wantReplaced || got != tt.want {
+				t.Errorf("replaced %t, fates of A B C %s; want %t, %s", replaced, got, tt.wantReplaced, tt.want)
+			}
+			if nd := NewDataPlane(p, next, httpRebuilt); !strings.HasPrefix(nd, tt.wantNew) || (tt.wantNew == "") != (nd == "") {
+				t.Errorf("new data plane: %q; want %q...", nd, tt.wantNew)
+			}
+		})
+	}
+}
+
+// TestShareChangeByAlgorithm: an algorithm that ignores weights moves nothing when
+// only a weight changes (weight 0 aside), one that honours them moves the shares
+// the weights move.
+func TestShareChangeByAlgorithm(t *testing.T) {
+	svc := func(algo config.Algorithm, weights ...uint32) *Service {
+		cs := cfgService("web", vip1, addrA, addrB, addrC)
+		cs.DataPlane, cs.Algorithm = config.DataPlaneHTTP, algo
+		for i, w := range weights {
+			cs.Backends[i].Weight = w
+		}
+		cs.Backends = cs.Backends[:len(weights)]
+		s := planOne(t, input(HTTP, cs), Desired{})
+		return &s
+	}
+	tests := []struct {
+		algo       config.Algorithm
+		prev, next []uint32
+		want       float64
+	}{
+		{config.AlgorithmRoundRobin, []uint32{1, 1, 1}, []uint32{3, 1, 1}, 0},
+		{config.AlgorithmLeastConn, []uint32{1, 1, 1}, []uint32{3, 1, 1}, 0},
+		{config.AlgorithmP2C, []uint32{1, 1, 1}, []uint32{1, 1, 0}, 1.0 / 3},
+		{config.AlgorithmEWMA, []uint32{1, 1}, []uint32{1, 1, 1}, 1.0 / 3},
+		{config.AlgorithmWeighted, []uint32{1, 1, 1}, []uint32{3, 1, 1}, 2 * (1.0/3 - 0.2)},
+		{config.AlgorithmWeightedLeastConn, []uint32{1, 1}, []uint32{3, 1}, 0.25},
+		{config.AlgorithmMaglev, []uint32{1, 1}, []uint32{3, 1}, 0.25},
+	}
+	for _, tt := range tests {
+		got := ShareChange(svc(tt.algo, tt.prev...), svc(tt.algo, tt.next...))
+		if math.Abs(got-tt.want) > 1e-9 {
+			t.Errorf("%s, weights %v -> %v: moved %v; want %v", tt.algo, tt.prev, tt.next, got, tt.want)
+		}
 	}
 }
