@@ -65,7 +65,7 @@ type Checker struct {
 	mu       sync.RWMutex
 	services map[string]*service
 	backends map[string]*backend
-	due      dueHeap   // backends waiting for their next check
+	due      dueQueue  // backends waiting for their next check
 	ejected  ejectHeap // ejected backends by end of ejection
 	wake     chan struct{}
 	subs     map[*Subscription]struct{}
@@ -101,9 +101,17 @@ type backend struct {
 	gen uint64
 
 	dueAt    time.Time
-	dueIdx   int                // index in Checker.due, -1 when not queued
+	queued   bool               // in Checker.due
+	dueSeq   uint32             // tells b's live entry in Checker.due from stale ones
 	inflight context.CancelFunc // non-nil while a check runs
 	keep     *keptConn          // the idle kept-alive connection of HTTP checks, nil while one runs
+	// The syn check in flight, if any (synPort 0 otherwise): its source
+	// port and sequence number in the prober, and its own probe, kept here
+	// so that starting one allocates nothing.
+	synPort  uint16
+	synSeq   uint32
+	synProbe probe
+	synStart time.Time
 
 	active        State
 	passes, fails int
@@ -183,9 +191,8 @@ func (c *Checker) SetService(name string, cfg Config) error {
 				c.queue(b, now.Add(randDuration(cfg.Check.Interval)))
 			}
 		}
-		if b.dueIdx >= 0 && b.dueAt.Sub(now) > cfg.Check.Interval {
-			b.dueAt = now.Add(randDuration(cfg.Check.Interval))
-			heap.Fix(&c.due, b.dueIdx)
+		if b.queued && b.dueAt.Sub(now) > cfg.Check.Interval {
+			c.queue(b, now.Add(randDuration(cfg.Check.Interval)))
 		}
 		if !cfg.Outlier.passive() && b.ejectIdx >= 0 {
 			c.unEject(b)
@@ -245,7 +252,7 @@ func (c *Checker) Set(nb Backend) error {
 			if s.cfg.Check.Kind == None {
 				b.active = Up
 				c.unqueue(b)
-			} else if b.dueIdx < 0 && b.inflight == nil {
+			} else if !b.queued && b.inflight == nil {
 				c.queue(b, now.Add(randDuration(s.cfg.Check.Interval)))
 			}
 			c.join(b)
@@ -254,7 +261,7 @@ func (c *Checker) Set(nb Backend) error {
 		}
 		return nil
 	}
-	b := &backend{id: nb.ID, addr: nb.Addr, svc: s, dueIdx: -1, ejectIdx: -1}
+	b := &backend{id: nb.ID, addr: nb.Addr, svc: s, ejectIdx: -1}
 	b.ap, _ = netip.ParseAddrPort(nb.Addr)
 	b.active = s.cfg.Check.Initial
 	if nb.Initial != nil {
@@ -295,6 +302,9 @@ func (c *Checker) remove(b *backend, now time.Time) {
 	b.removed = true
 	if b.inflight != nil {
 		b.inflight()
+	}
+	if b.synPort != 0 && c.syn != nil {
+		c.syn.drop(b.synPort, b.synSeq)
 	}
 	b.closeKept()
 	c.leave(b)
@@ -344,25 +354,15 @@ func (c *Checker) leave(b *backend) {
 }
 
 func (c *Checker) queue(b *backend, at time.Time) {
-	b.dueAt = at
-	if b.dueIdx >= 0 {
-		heap.Fix(&c.due, b.dueIdx)
-	} else {
-		heap.Push(&c.due, b)
-	}
 	// The scheduler sleeps until the head of the queue is due: only a new
 	// head can need it sooner. (Waking it for every check that completes
 	// cost a futex wakeup per check.)
-	if b.dueIdx == 0 {
+	if c.due.push(b, at) {
 		c.poke()
 	}
 }
 
-func (c *Checker) unqueue(b *backend) {
-	if b.dueIdx >= 0 {
-		heap.Remove(&c.due, b.dueIdx)
-	}
-}
+func (c *Checker) unqueue(b *backend) { c.due.remove(b) }
 
 func (b *backend) effective() State {
 	switch {
@@ -522,27 +522,26 @@ func (c *Checker) Run(ctx context.Context) error {
 	var batch []*backend
 	for {
 		now := c.now()
+		if c.syn != nil { // Run's goroutine alone sets c.syn: no lock to read it
+			c.syn.poll(now)
+		}
 		var next time.Time
 		batch, next = c.takeDue(now, batch[:0])
 
 		var queued *synProber // holds SYNs to flush
 		for i, b := range batch {
-			if syn := c.synFor(b); syn != nil {
+			if syn := c.synFor(ctx, b); syn != nil {
 				// A syn check holds a source port, not a slot: no goroutine,
 				// no file. Its SYN goes out with the batch's.
-				var port uint16
-				select {
-				case port = <-syn.free:
-				default:
-					syn.flush() // the queued checks hold ports too
-					select {
-					case port = <-syn.free:
-					case <-ctx.Done():
+				port, ok := syn.takePort()
+				if !ok {
+					syn.flush(now) // the queued checks hold ports too
+					if port, ok = c.waitPort(ctx, syn); !ok {
 						c.requeue(batch[i:], now)
 						return nil
 					}
 				}
-				c.startSyn(ctx, b, syn, port)
+				c.startSyn(b, syn, port, now)
 				queued = syn
 				continue
 			}
@@ -557,15 +556,20 @@ func (c *Checker) Run(ctx context.Context) error {
 			}
 		}
 		if queued != nil {
-			queued.flush()
+			queued.flush(now)
 		}
 		if len(batch) > 0 {
 			continue
 		}
+		if c.syn != nil {
+			if w, ok := c.syn.wakeAt(); ok && (next.IsZero() || w.Before(next)) {
+				next = w
+			}
+		}
 
 		var tick <-chan time.Time
 		if !next.IsZero() {
-			timer.Reset(next.Sub(now))
+			timer.Reset(max(0, next.Sub(now)))
 			tick = timer.C
 		}
 		select {
@@ -585,12 +589,17 @@ func (c *Checker) takeDue(now time.Time, batch []*backend) ([]*backend, time.Tim
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.expire(now)
-	for len(c.due) > 0 && !c.due[0].dueAt.After(now.Add(slackFor(c.due[0].svc.cfg.Check.Interval))) {
-		batch = append(batch, heap.Pop(&c.due).(*backend))
-	}
 	next := time.Time{}
-	if len(c.due) > 0 {
-		next = c.due[0].dueAt
+	for {
+		h := c.due.head()
+		if h == nil {
+			break
+		}
+		if h.dueAt.After(now.Add(slackFor(h.svc.cfg.Check.Interval))) {
+			next = h.dueAt
+			break
+		}
+		batch = append(batch, c.due.take())
 	}
 	if len(c.ejected) > 0 && (next.IsZero() || c.ejected[0].ejectedUntil.Before(next)) {
 		next = c.ejected[0].ejectedUntil
@@ -604,7 +613,7 @@ func (c *Checker) requeue(bs []*backend, now time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, b := range bs {
-		if !b.removed && b.dueIdx < 0 && b.inflight == nil && b.svc.cfg.Check.Kind != None {
+		if !b.removed && !b.queued && b.inflight == nil && b.svc.cfg.Check.Kind != None {
 			c.queue(b, now)
 		}
 	}
@@ -616,7 +625,7 @@ func (c *Checker) start(ctx context.Context, b *backend, sem chan struct{}, wg *
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	s := b.svc
-	if b.removed || b.dueIdx >= 0 || b.inflight != nil || s.cfg.Check.Kind == None {
+	if b.removed || b.queued || b.inflight != nil || s.cfg.Check.Kind == None {
 		return false
 	}
 	cctx, cancel := context.WithCancel(ctx)
@@ -711,13 +720,12 @@ func (c *Checker) check(ctx context.Context, b *backend, p probe) {
 	tctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
 	err := p.run(tctx)
 	cancel()
-	c.complete(ctx, b, &p, start, err)
+	c.complete(ctx, b, &p, start, c.now(), err)
 }
 
-// complete applies the result of a check of b that started at start and
+// complete applies the result of a check of b that ran from start to end and
 // schedules the next one. ctx is the check's own (Remove cancels it) or Run's.
-func (c *Checker) complete(ctx context.Context, b *backend, p *probe, start time.Time, err error) {
-	end := c.now()
+func (c *Checker) complete(ctx context.Context, b *backend, p *probe, start, end time.Time, err error) {
 	res := Result{ID: b.id, Service: p.service, Addr: p.addr, Method: p.method,
 		Scheduled: p.scheduled, Start: start, Duration: end.Sub(start), Err: err}
 
@@ -741,6 +749,7 @@ func (c *Checker) complete(ctx context.Context, b *backend, p *probe, start time
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	b.inflight = nil
+	b.synPort = 0
 	if b.removed || b.svc.cfg.Check.Kind == None {
 		return
 	}
@@ -791,13 +800,9 @@ func randDuration(d time.Duration) time.Duration {
 	return rand.N(d)
 }
 
-// dueHeap orders backends by their next check; ejectHeap orders ejected backends by
-// the end of their ejection. Both keep each backend's position in it, so a backend
-// can be re-keyed or removed in O(log n).
-type (
-	dueHeap   = backendHeap[byDue]
-	ejectHeap = backendHeap[byEjectionEnd]
-)
+// ejectHeap orders ejected backends by the end of their ejection. It keeps each
+// backend's position in it, so a backend can be removed in O(log n).
+type ejectHeap = backendHeap[byEjectionEnd]
 
 // heapField says which time a backendHeap orders by and where a backend keeps its
 // position in that heap.
@@ -805,11 +810,6 @@ type heapField interface {
 	at(b *backend) time.Time
 	index(b *backend) *int
 }
-
-type byDue struct{}
-
-func (byDue) at(b *backend) time.Time { return b.dueAt }
-func (byDue) index(b *backend) *int   { return &b.dueIdx }
 
 type byEjectionEnd struct{}
 
@@ -851,7 +851,7 @@ func (h *backendHeap[F]) Pop() any {
 // kind or host-name address) or the prober could not be opened. Only Run's
 // goroutine calls it, so the raw sockets and the port reservation belong to
 // the network namespace Run was called in.
-func (c *Checker) synFor(b *backend) *synProber {
+func (c *Checker) synFor(ctx context.Context, b *backend) *synProber {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	cfg := b.svc.cfg.Check
@@ -864,7 +864,9 @@ func (c *Checker) synFor(b *backend) *synProber {
 		if ports[0] == 0 || ports[0] > ports[1] {
 			c.syn, c.synErr = nil, fmt.Errorf("syn ports %d-%d: want 1 <= first <= last: %w", ports[0], ports[1], ErrInvalidConfig)
 		} else {
-			c.syn, c.synErr = openSyn(ports)
+			c.syn, c.synErr = openSyn(ports, func(b *backend, err error, at time.Time) {
+				c.complete(ctx, b, &b.synProbe, b.synStart, at, err)
+			})
 		}
 	}
 	return c.syn
@@ -879,21 +881,47 @@ func (c *Checker) synPorts() [2]uint16 {
 
 // startSyn queues the SYN of b's check from port, if the check is still
 // wanted, for the prober's next flush; the answer, or the timeout, completes it.
-func (c *Checker) startSyn(ctx context.Context, b *backend, syn *synProber, port uint16) {
+func (c *Checker) startSyn(b *backend, syn *synProber, port uint16, now time.Time) {
 	c.mu.Lock()
 	s := b.svc
-	if b.removed || b.dueIdx >= 0 || b.inflight != nil || s.cfg.Check.Kind == None {
+	if b.removed || b.queued || b.inflight != nil || s.cfg.Check.Kind == None {
 		c.mu.Unlock()
-		syn.free <- port
+		syn.putPort(port)
 		return
 	}
 	seq := newSeq()
-	b.inflight = func() { syn.drop(port, seq) }
-	p := &probe{service: s.name, cfg: s.cfg.Check, addr: b.addr, gen: b.gen, scheduled: b.dueAt, method: MethodSyn}
-	dst := b.ap
+	b.inflight, b.synPort, b.synSeq = synInFlight, port, seq
+	b.synProbe = probe{service: s.name, cfg: s.cfg.Check, addr: b.addr, gen: b.gen, scheduled: b.dueAt, method: MethodSyn}
+	b.synStart = now
+	dst, source, timeout := b.ap, s.cfg.Check.Source, s.cfg.Check.Timeout
 	c.mu.Unlock()
-	start := c.now()
-	syn.queue(dst, p.cfg.Source, port, seq, p.cfg.Timeout, func(err error) { c.complete(ctx, b, p, start, err) })
+	syn.queue(now, b, dst, source, port, seq, timeout)
+}
+
+// synInFlight marks a backend's syn check in flight; Remove drops the check
+// from the prober by its port (remove), so there is nothing to cancel.
+func synInFlight() {}
+
+// waitPort waits, reading answers, until a syn check ends and frees its port,
+// or ctx is done (ok false). All of the range is in flight: the checks wait
+// for their answers or timeouts rather than fail.
+func (c *Checker) waitPort(ctx context.Context, syn *synProber) (port uint16, ok bool) {
+	t := time.NewTimer(time.Hour)
+	defer t.Stop()
+	for {
+		now := c.now()
+		syn.poll(now)
+		if port, ok := syn.takePort(); ok {
+			return port, true
+		}
+		w, _ := syn.wakeAt()
+		t.Reset(max(synMinPoll, w.Sub(now)))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return 0, false
+		}
+	}
 }
 
 // closeSyn closes the prober of the Run that ends, which ends its checks in

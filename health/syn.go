@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // The half-open (syn) method's packets, and the source ports they come from.
@@ -23,6 +24,18 @@ import (
 // (32768–60999) and clear of weir's NAT range (10000–32767). It also bounds the
 // syn checks in flight at once, at 4000.
 var DefaultSynPorts = [2]uint16{61000, 64999}
+
+// synPoll is how often Run reads the raw sockets while syn checks are in
+// flight. The answers wait in the socket's queue until then: one read of tens
+// of answers every few milliseconds costs far less than a wakeup per answer,
+// and at scale the reads fall on the scheduler's own wakeups (its slack is
+// the same 5 ms). It bounds how late an answer is seen, so a syn check's
+// Duration is exact to within it.
+const synPoll = maxSlack
+
+// synMinPoll is the least time between two reads: Run wakes for due checks
+// as well, and a read right after another finds nothing.
+const synMinPoll = time.Millisecond
 
 // errSynClosed ends the syn checks still in flight when the prober closes.
 var errSynClosed = errors.New("syn prober closed")

@@ -3,6 +3,7 @@ package health
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -211,7 +212,7 @@ func TestSynRemoveInFlight(t *testing.T) {
 		if c.syn == nil {
 			return -1
 		}
-		return len(c.syn.free)
+		return c.syn.freePorts()
 	}
 	waitfor.Value(t, 5*time.Second, "all 10 ports in use", func() (any, bool) { return free(), free() == 0 })
 	for i := range 10 {
@@ -233,5 +234,86 @@ func TestPktInfo(t *testing.T) {
 	src6 := netip.MustParseAddr("fd00::1").As16()
 	if got, want := pktInfo6(make([]byte, 64), src6), unix.PktInfo6(&unix.Inet6Pktinfo{Addr: src6}); !bytes.Equal(got, want) {
 		t.Errorf("pktInfo6: got %x; want %x", got, want)
+	}
+}
+
+// TestSynTimeoutsAndFewPorts: black-holed syn checks of services with
+// different timeouts each time out after their own (the prober keeps one
+// deadline queue per timeout), while healthy backends, many more than the
+// source ports, wait for a free port and keep passing.
+func TestSynTimeoutsAndFewPorts(t *testing.T) {
+	ns := newNetNS(t)
+	good := ns.listen(t, "127.0.0.1:0").Addr().String()
+	hole := ns.listen(t, "127.0.0.1:0").Addr().String()
+	ns.dropSYN(t, netip.MustParseAddrPort(hole).Port())
+	const (
+		short, long = 100 * time.Millisecond, 400 * time.Millisecond
+		nGood       = 20
+	)
+	var (
+		mu      sync.Mutex
+		passes  = map[string]int{}
+		timeout = map[string][]Result{}
+		others  []Result
+	)
+	c := &Checker{SynPorts: [2]uint16{62200, 62209}, OnCheck: func(r Result) {
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case r.Err == nil && r.Addr == good:
+			passes[r.ID]++
+		case errors.Is(r.Err, ErrTimeout) && r.Addr == hole:
+			timeout[r.Service] = append(timeout[r.Service], r)
+		default:
+			others = append(others, r)
+		}
+	}}
+	for name, to := range map[string]time.Duration{"short": short, "long": long, "good": short} {
+		if err := c.SetService(name, Config{Check: Check{Method: MethodSyn, Interval: 50 * time.Millisecond, Timeout: to}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range 2 {
+		for _, svc := range []string{"short", "long"} {
+			if err := c.Set(Backend{ID: fmt.Sprint(svc, i), Addr: hole, Service: svc}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for i := range nGood {
+		if err := c.Set(Backend{ID: fmt.Sprint("good", i), Addr: good, Service: "good"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ns.run(t, c)
+	waitfor.Value(t, 10*time.Second, "3 timeouts of each black hole service and 10 passes of each good backend", func() (any, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		ok := len(timeout["short"]) >= 6 && len(timeout["long"]) >= 6
+		least := -1
+		for i := range nGood {
+			n := passes[fmt.Sprint("good", i)]
+			if least < 0 || n < least {
+				least = n
+			}
+		}
+		return fmt.Sprintf("timeouts %d short, %d long; least passes %d", len(timeout["short"]), len(timeout["long"]), least), ok && least >= 10
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for svc, to := range map[string]time.Duration{"short": short, "long": long} {
+		for _, r := range timeout[svc] {
+			// Not before the timeout; the upper bound only says "its own
+			// timeout, not the other's", with room for a loaded machine.
+			if r.Duration < to || r.Duration > to+250*time.Millisecond {
+				t.Errorf("%s: timed out after %v; want about %v", r.ID, r.Duration, to)
+			}
+			if want := fmt.Sprintf("connect: timeout after %v", to); r.Err.Error() != want {
+				t.Errorf("%s: got %q; want %q", r.ID, r.Err, want)
+			}
+		}
+	}
+	for _, r := range others {
+		t.Errorf("%s: unexpected result %v", r.ID, r.Err)
 	}
 }
