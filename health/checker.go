@@ -112,6 +112,7 @@ type backend struct {
 	synSeq   uint32
 	synProbe probe
 	synStart time.Time
+	synSrc   srcEntry // the source address of its syn checks, as routing picked it
 
 	active        State
 	passes, fails int

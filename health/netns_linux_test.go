@@ -178,8 +178,22 @@ func (n *netNS) dial(ctx context.Context, network, address string) (net.Conn, er
 // It speaks nf_tables netlink directly, since the nft command may be missing.
 func (n *netNS) dropSYN(t *testing.T, port uint16) {
 	t.Helper()
-	if err := n.do(func() error { return nftDropSYN(port) }); err != nil {
+	drop := nftExpr("immediate", nlAttr(1 /* DREG */, nlBE32(nftRegVerdict)),
+		nlNest(2 /* DATA */, nlNest(2 /* NFTA_DATA_VERDICT */, nlAttr(1 /* CODE */, nlBE32(nfDrop)))))
+	if err := n.do(func() error { return nftSYNRule(port, drop) }); err != nil {
 		requirePrivilege(t, fmt.Sprintf("cannot install an nftables drop rule in %s: %v", n.name, err))
+	}
+}
+
+// rejectSYN installs an nftables rule in the namespace that answers TCP SYNs
+// to port with an ICMP destination unreachable of the given code, as a
+// firewall's reject does, instead of letting them through.
+func (n *netNS) rejectSYN(t *testing.T, port uint16, code byte) {
+	t.Helper()
+	reject := nftExpr("reject", nlAttr(1 /* NFTA_REJECT_TYPE */, nlBE32(0 /* NFT_REJECT_ICMP_UNREACH */)),
+		nlAttr(2 /* NFTA_REJECT_ICMP_CODE */, []byte{code}))
+	if err := n.do(func() error { return nftSYNRule(port, reject) }); err != nil {
+		requirePrivilege(t, fmt.Sprintf("cannot install an nftables reject rule in %s: %v", n.name, err))
 	}
 }
 
@@ -253,9 +267,10 @@ func nftCmp(value []byte) []byte {
 		nlNest(3 /* DATA */, nlAttr(1 /* NFTA_DATA_VALUE */, value)))
 }
 
-// nftDropSYN adds: table ip whc { chain out { type filter hook output
-// priority 0; ip protocol tcp tcp dport PORT tcp flags & (syn|ack) == syn drop } }
-func nftDropSYN(port uint16) error {
+// nftSYNRule adds: table ip whc { chain out { type filter hook output
+// priority 0; ip protocol tcp tcp dport PORT tcp flags & (syn|ack) == syn VERDICT } },
+// where verdict is the rule's last expression.
+func nftSYNRule(port uint16, verdict []byte) error {
 	const table, chain = "whc", "out"
 	req := uint16(unix.NLM_F_REQUEST | unix.NLM_F_ACK | unix.NLM_F_CREATE)
 	mt := func(cmd uint16) uint16 { return nfnlSubsysNFTables<<8 | cmd }
@@ -282,8 +297,7 @@ func nftDropSYN(port uint16) error {
 				nlAttr(3 /* LEN */, nlBE32(1)),
 				nlNest(4 /* MASK */, nlAttr(1, []byte{0x12})), nlNest(5 /* XOR */, nlAttr(1, []byte{0}))),
 			nftCmp([]byte{0x02}),
-			nftExpr("immediate", nlAttr(1 /* DREG */, nlBE32(nftRegVerdict)),
-				nlNest(2 /* DATA */, nlNest(2 /* NFTA_DATA_VERDICT */, nlAttr(1 /* CODE */, nlBE32(nfDrop))))),
+			verdict,
 		),
 	))...)
 	batch = append(batch, nlMsg(nfnlMsgBatchEnd, unix.NLM_F_REQUEST, 5, nil)...)

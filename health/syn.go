@@ -37,6 +37,12 @@ const synPoll = maxSlack
 // as well, and a read right after another finds nothing.
 const synMinPoll = time.Millisecond
 
+// srcEntry remembers the source address the kernel picked for a destination.
+type srcEntry struct {
+	dst, addr netip.Addr
+	at        time.Time
+}
+
 // errSynClosed ends the syn checks still in flight when the prober closes.
 var errSynClosed = errors.New("syn prober closed")
 
@@ -66,6 +72,27 @@ func buildSYN(b []byte, src, dst netip.Addr, sport, dport uint16, seq uint32) []
 	binary.BigEndian.PutUint16(b[22:], 1220)  // fits any IPv6 path
 	binary.BigEndian.PutUint16(b[16:], tcpChecksum(src, dst, b))
 	return b
+}
+
+// ipv4Len is the length of the IPv4 header of a SYN: no options.
+const ipv4Len = 20
+
+// buildIPv4 writes the IPv4 header of a SYN from src to dst into b (at least
+// ipv4Len bytes). The kernel fills in the total length and the checksum of a
+// raw socket's IP_HDRINCL packet; id must not be zero, or it picks one
+// itself, at a cost. DF is set, so the id identifies no fragments (RFC 6864).
+func buildIPv4(b []byte, src, dst [4]byte, id uint16) {
+	b = b[:ipv4Len]
+	b[0] = 4<<4 | ipv4Len/4
+	b[1] = 0
+	binary.BigEndian.PutUint16(b[2:], ipv4Len+synLen)
+	binary.BigEndian.PutUint16(b[4:], id)
+	binary.BigEndian.PutUint16(b[6:], 0x4000) // DF
+	b[8] = 64                                 // TTL
+	b[9] = 6                                  // TCP
+	binary.BigEndian.PutUint16(b[10:], 0)
+	copy(b[12:16], src[:])
+	copy(b[16:20], dst[:])
 }
 
 // tcpChecksum is the TCP checksum of seg (with its checksum field zero) over

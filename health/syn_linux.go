@@ -1,6 +1,7 @@
 package health
 
 import (
+	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -38,6 +39,10 @@ const srcTTL = 30 * time.Second
 type synProber struct {
 	lo, hi   uint16
 	fd4, fd6 int // raw sockets, non-blocking; fd6 -1 without IPv6
+	// Raw ICMP and ICMPv6 sockets for the destination unreachables that
+	// answer a SYN (a firewall's reject, a router with no route); -1 if they
+	// could not be opened, and the checks time out instead.
+	icmp4, icmp6 int
 	// done ends a check of b (err nil: up) at the time at; it runs on Run's
 	// goroutine without mu held.
 	done func(b *backend, err error, at time.Time)
@@ -53,16 +58,16 @@ type synProber struct {
 
 	// Run's goroutine alone touches the rest.
 	epoch     time.Time // deadlines count from it
+	ipID      uint16    // of the last IPv4 SYN
 	lastPoll  time.Time
 	deadlines []*deadlineQueue
-	srcs      map[netip.Addr]srcEntry
 	ended     []endedCheck
 	// The SYNs queued for the next flush, and what sendmmsg reads.
 	out, spare []*outSYN
 	msgs       []*outSYN
 	hdrs       []unix.Mmsghdr
 	// recvmmsg's buffers.
-	bufs  [recvBatch][128]byte // IP header (IPv4 only) and TCP header: all the filter passes
+	bufs  [recvBatch][128]byte // all the filters pass: headers, and an ICMP error's quote
 	names [recvBatch]unix.RawSockaddrInet6
 	iovs  [recvBatch]unix.Iovec
 	rhdrs [recvBatch]unix.Mmsghdr
@@ -96,11 +101,6 @@ type deadline struct {
 	seq  uint32
 }
 
-type srcEntry struct {
-	addr netip.Addr
-	at   time.Time
-}
-
 // errRefused is the result of a check answered with an RST: the connect
 // method's error.
 var errRefused error = &os.SyscallError{Syscall: "connect", Err: syscall.ECONNREFUSED}
@@ -110,13 +110,26 @@ var errRefused error = &os.SyscallError{Syscall: "connect", Err: syscall.ECONNRE
 // be opened (no CAP_NET_RAW, say); a range that cannot be reserved is reported
 // in reserveErr. done is called for every check that ends (see synProber).
 func openSyn(ports [2]uint16, done func(b *backend, err error, at time.Time)) (*synProber, error) {
-	p := &synProber{lo: ports[0], hi: ports[1], fd6: -1, done: done, srcs: make(map[netip.Addr]srcEntry), epoch: time.Now()}
+	p := &synProber{lo: ports[0], hi: ports[1], fd6: -1, icmp4: -1, icmp6: -1, done: done, epoch: time.Now()}
 	var err error
-	if p.fd4, err = rawSocket(unix.AF_INET, synFilter(false, p.lo, p.hi)); err != nil {
+	if p.fd4, err = rawSocket(unix.AF_INET, unix.IPPROTO_TCP, synFilter(false, p.lo, p.hi)); err != nil {
 		return nil, err
 	}
-	if p.fd6, err = rawSocket(unix.AF_INET6, synFilter(true, p.lo, p.hi)); err != nil {
+	// IPv4 SYNs carry their own IP header: the kernel then only checks it
+	// and routes it, instead of building it through its append path and
+	// picking an IP id. IPv6 has no such shortcut.
+	if err := unix.SetsockoptInt(p.fd4, unix.IPPROTO_IP, unix.IP_HDRINCL, 1); err != nil {
+		unix.Close(p.fd4)
+		return nil, os.NewSyscallError("setsockopt IP_HDRINCL", err)
+	}
+	if p.fd6, err = rawSocket(unix.AF_INET6, unix.IPPROTO_TCP, synFilter(true, p.lo, p.hi)); err != nil {
 		p.fd6 = -1 // no IPv6 here: IPv6 checks fail to send
+	}
+	if p.icmp4, err = rawSocket(unix.AF_INET, unix.IPPROTO_ICMP, unreachFilter(false, p.lo, p.hi)); err != nil {
+		p.icmp4 = -1
+	}
+	if p.icmp6, err = rawSocket(unix.AF_INET6, unix.IPPROTO_ICMPV6, unreachFilter(true, p.lo, p.hi)); err != nil {
+		p.icmp6 = -1
 	}
 	bound := boundPorts(p.lo, p.hi)
 	p.checks = make([]synCheck, int(p.hi)-int(p.lo)+1)
@@ -136,8 +149,8 @@ func openSyn(ports [2]uint16, done func(b *backend, err error, at time.Time)) (*
 	return p, nil
 }
 
-func rawSocket(family int, filter []unix.SockFilter) (int, error) {
-	fd, err := unix.Socket(family, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
+func rawSocket(family, proto int, filter []unix.SockFilter) (int, error) {
+	fd, err := unix.Socket(family, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, proto)
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
 	}
@@ -175,6 +188,45 @@ func synFilter(v6 bool, lo, hi uint16) []unix.SockFilter {
 		/* 7 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: 1, K: tcpSYN | tcpACK},
 		/* 8 */ {Code: unix.BPF_RET | unix.BPF_K, K: 128}, // IP header, TCP header: all we read
 		/* 9 */ {Code: unix.BPF_RET | unix.BPF_K, K: 0},
+	}
+}
+
+// unreachFilter is the classic BPF program that keeps a raw ICMP (ICMPv6)
+// socket's queue to the destination unreachables about our SYNs: type 3 (1),
+// quoting a TCP segment from a port in lo..hi. An IPv4 raw socket sees the
+// packet from the outer IP header on, and the quoted IP header has a length
+// of its own; an ICMPv6 one from the ICMPv6 header, and the quoted IPv6
+// header is 40 bytes (a SYN of ours has no extension headers).
+func unreachFilter(v6 bool, lo, hi uint16) []unix.SockFilter {
+	if v6 {
+		return []unix.SockFilter{
+			/* 0 */ {Code: unix.BPF_LD | unix.BPF_B | unix.BPF_ABS, K: 0}, // type
+			/* 1 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: 6, K: 1},
+			/* 2 */ {Code: unix.BPF_LD | unix.BPF_B | unix.BPF_ABS, K: 8 + 6}, // quoted next header
+			/* 3 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: 4, K: unix.IPPROTO_TCP},
+			/* 4 */ {Code: unix.BPF_LD | unix.BPF_H | unix.BPF_ABS, K: 8 + 40}, // quoted source port
+			/* 5 */ {Code: unix.BPF_JMP | unix.BPF_JGE | unix.BPF_K, Jt: 0, Jf: 2, K: uint32(lo)},
+			/* 6 */ {Code: unix.BPF_JMP | unix.BPF_JGT | unix.BPF_K, Jt: 1, Jf: 0, K: uint32(hi)},
+			/* 7 */ {Code: unix.BPF_RET | unix.BPF_K, K: 128},
+			/* 8 */ {Code: unix.BPF_RET | unix.BPF_K, K: 0},
+		}
+	}
+	return []unix.SockFilter{
+		/* 0 */ {Code: unix.BPF_LDX | unix.BPF_B | unix.BPF_MSH, K: 0}, // x = outer IP header length
+		/* 1 */ {Code: unix.BPF_LD | unix.BPF_B | unix.BPF_IND, K: 0}, // type
+		/* 2 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: 11, K: 3},
+		/* 3 */ {Code: unix.BPF_LD | unix.BPF_B | unix.BPF_IND, K: 8 + 9}, // quoted protocol
+		/* 4 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: 9, K: unix.IPPROTO_TCP},
+		/* 5 */ {Code: unix.BPF_LD | unix.BPF_B | unix.BPF_IND, K: 8}, // quoted version and IHL
+		/* 6 */ {Code: unix.BPF_ALU | unix.BPF_AND | unix.BPF_K, K: 0x0f},
+		/* 7 */ {Code: unix.BPF_ALU | unix.BPF_LSH | unix.BPF_K, K: 2},
+		/* 8 */ {Code: unix.BPF_ALU | unix.BPF_ADD | unix.BPF_X},
+		/* 9 */ {Code: unix.BPF_MISC | unix.BPF_TAX}, // x = both headers' lengths
+		/* 10 */ {Code: unix.BPF_LD | unix.BPF_H | unix.BPF_IND, K: 8}, // quoted source port
+		/* 11 */ {Code: unix.BPF_JMP | unix.BPF_JGE | unix.BPF_K, Jt: 0, Jf: 2, K: uint32(lo)},
+		/* 12 */ {Code: unix.BPF_JMP | unix.BPF_JGT | unix.BPF_K, Jt: 1, Jf: 0, K: uint32(hi)},
+		/* 13 */ {Code: unix.BPF_RET | unix.BPF_K, K: 128},
+		/* 14 */ {Code: unix.BPF_RET | unix.BPF_K, K: 0},
 	}
 }
 
@@ -250,9 +302,10 @@ func (p *synProber) close() {
 	}
 	p.mu.Unlock()
 	p.finish(time.Now())
-	unix.Close(p.fd4)
-	if p.fd6 >= 0 {
-		unix.Close(p.fd6)
+	for _, fd := range []int{p.fd4, p.fd6, p.icmp4, p.icmp6} {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
 	}
 	if p.restore != nil {
 		// With a newline: the kernel ignores an empty write.
@@ -295,7 +348,7 @@ func (p *synProber) freePorts() int {
 // returns, if there is no route to dst.
 func (p *synProber) queue(now time.Time, b *backend, dst netip.AddrPort, source netip.Addr, port uint16, seq uint32, timeout time.Duration) {
 	daddr := dst.Addr().Unmap()
-	src, err := p.source(daddr, source, now)
+	src, err := p.source(daddr, source, now, &b.synSrc)
 	if err != nil {
 		p.putPort(port)
 		p.done(b, err, now)
@@ -318,12 +371,17 @@ func (p *synProber) queue(now time.Time, b *backend, dst netip.AddrPort, source 
 	} else {
 		o = new(outSYN)
 	}
-	buildSYN(o.pkt[:], src, daddr, port, dst.Port(), seq)
 	o.port, o.seq, o.v6 = port, seq, v6
 	if !v6 {
+		p.ipID++
+		buildIPv4(o.pkt[:], src.As4(), daddr.As4(), p.ipID|1)
+		buildSYN(o.pkt[ipv4Len:], src, daddr, port, dst.Port(), seq)
+		o.n = ipv4Len + synLen
 		o.sa4 = unix.RawSockaddrInet4{Family: unix.AF_INET, Addr: daddr.As4()}
 		o.oob = pktInfo4(o.oobBuf[:], src.As4())
 	} else {
+		buildSYN(o.pkt[:], src, daddr, port, dst.Port(), seq)
+		o.n = synLen
 		o.sa6 = unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: daddr.As16()}
 		if z := dst.Addr().Zone(); z != "" {
 			if ifi, err := net.InterfaceByName(z); err == nil {
@@ -358,7 +416,8 @@ func (d *deadlineQueue) push(e deadline) {
 
 // outSYN is a queued SYN with everything sendmmsg points to.
 type outSYN struct {
-	pkt [synLen]byte
+	pkt [ipv4Len + synLen]byte // IPv4: the IP header too (IP_HDRINCL)
+	n   int
 	sa4 unix.RawSockaddrInet4
 	sa6 unix.RawSockaddrInet6
 	oob []byte // points into oobBuf
@@ -395,7 +454,7 @@ func (p *synProber) flush(now time.Time) {
 			}
 			var h unix.Mmsghdr
 			o.iov.Base = &o.pkt[0]
-			o.iov.SetLen(synLen)
+			o.iov.SetLen(o.n)
 			if v6 {
 				h.Hdr.Name = (*byte)(unsafe.Pointer(&o.sa6))
 				h.Hdr.Namelen = unix.SizeofSockaddrInet6
@@ -502,17 +561,18 @@ func (p *synProber) drop(port uint16, seq uint32) {
 
 // source is the address a SYN to dst leaves from: want if valid, else the one
 // the kernel's routing picks (asked with a connected UDP socket, which sends
-// nothing, and remembered for srcTTL). It has to be known before the SYN is
-// sent, for the TCP checksum, and the SYN then carries it in IP_PKTINFO.
-func (p *synProber) source(dst, want netip.Addr, now time.Time) (netip.Addr, error) {
+// nothing, and remembered in cache, the backend's, for srcTTL). It has to be
+// known before the SYN is sent, for the TCP checksum, and the SYN then carries
+// it in IP_PKTINFO.
+func (p *synProber) source(dst, want netip.Addr, now time.Time, cache *srcEntry) (netip.Addr, error) {
 	if want.IsValid() {
 		if want.Is4() != dst.Is4() {
 			return netip.Addr{}, fmt.Errorf("connect: source %v and backend %v differ in address family", want, dst)
 		}
 		return want, nil
 	}
-	if e, ok := p.srcs[dst]; ok && now.Sub(e.at) < srcTTL {
-		return e.addr, nil
+	if cache.dst == dst && now.Sub(cache.at) < srcTTL {
+		return cache.addr, nil
 	}
 	family, sa := unix.AF_INET6, unix.Sockaddr(&unix.SockaddrInet6{Port: 9, Addr: dst.As16()})
 	if dst.Is4() {
@@ -537,7 +597,7 @@ func (p *synProber) source(dst, want netip.Addr, now time.Time) (netip.Addr, err
 	case *unix.SockaddrInet6:
 		src = netip.AddrFrom16(a.Addr)
 	}
-	p.srcs[dst] = srcEntry{addr: src, at: now}
+	*cache = srcEntry{dst: dst, addr: src, at: now}
 	return src, nil
 }
 
@@ -560,17 +620,24 @@ func (p *synProber) poll(now time.Time) {
 	// A socket with no check of its family in flight holds only late or
 	// foreign answers: not worth a system call.
 	if n4 > 0 {
-		p.read(p.fd4, false)
+		p.read(p.fd4, false, false)
+		if p.icmp4 >= 0 {
+			p.read(p.icmp4, false, true)
+		}
 	}
 	if n6 > 0 && p.fd6 >= 0 {
-		p.read(p.fd6, true)
+		p.read(p.fd6, true, false)
+		if p.icmp6 >= 0 {
+			p.read(p.icmp6, true, true)
+		}
 	}
 	p.expire(now)
 	p.finish(now)
 }
 
-// read drains fd, collecting the checks its answers end in p.ended.
-func (p *synProber) read(fd int, v6 bool) {
+// read drains fd, a TCP or an ICMP socket, collecting the checks its answers
+// end in p.ended.
+func (p *synProber) read(fd int, v6, icmp bool) {
 	for {
 		for i := range p.rhdrs {
 			p.rhdrs[i] = unix.Mmsghdr{}
@@ -592,6 +659,12 @@ func (p *synProber) read(fd int, v6 bool) {
 		p.mu.Lock()
 		for i := range int(n) {
 			b := p.bufs[i][:min(int(p.rhdrs[i].Len), len(p.bufs[i]))]
+			if icmp {
+				if u, ok := parseUnreachable(b, v6); ok {
+					p.unreachable(u)
+				}
+				continue
+			}
 			var seg segment
 			var ok bool
 			if v6 {
@@ -629,6 +702,79 @@ func (p *synProber) answer(seg segment) {
 	}
 	p.ended = append(p.ended, endedCheck{b: sc.b, err: err})
 	p.release(seg.dport, sc)
+}
+
+// unreachable ends the check whose SYN u quotes, if any; p.mu must be held.
+func (p *synProber) unreachable(u unreach) {
+	if u.sport < p.lo || u.sport > p.hi || u.err == 0 {
+		return
+	}
+	sc := &p.checks[u.sport-p.lo]
+	if !sc.live || sc.dst.Addr() != u.dst || sc.dst.Port() != u.dport || u.seq != sc.seq {
+		return
+	}
+	p.ended = append(p.ended, endedCheck{b: sc.b, err: &os.SyscallError{Syscall: "connect", Err: u.err}})
+	p.release(u.sport, sc)
+}
+
+// unreach is what the receive path reads of a destination unreachable: the
+// SYN it quotes and the error a connect would return for it, which is zero
+// for "fragmentation needed", no verdict on the backend.
+type unreach struct {
+	dst          netip.Addr
+	sport, dport uint16
+	seq          uint32
+	err          syscall.Errno
+}
+
+// The errors of connect for the codes of ICMP and ICMPv6 destination
+// unreachables, as Linux's icmp_err_convert and icmpv6_err_convert give them.
+var (
+	unreachErrs4 = [...]syscall.Errno{unix.ENETUNREACH, unix.EHOSTUNREACH, unix.ENOPROTOOPT, unix.ECONNREFUSED, 0,
+		unix.EOPNOTSUPP, unix.ENETUNREACH, unix.EHOSTDOWN, unix.ENONET, unix.ENETUNREACH, unix.EHOSTUNREACH,
+		unix.ENETUNREACH, unix.EHOSTUNREACH, unix.EHOSTUNREACH, unix.EHOSTUNREACH, unix.EHOSTUNREACH}
+	unreachErrs6 = [...]syscall.Errno{unix.ENETUNREACH, unix.EACCES, unix.EHOSTUNREACH, unix.EHOSTUNREACH,
+		unix.ECONNREFUSED, unix.EACCES, unix.EACCES}
+)
+
+// parseUnreachable reads a destination unreachable as a raw ICMP socket
+// returns it (from the IP header on) or an ICMPv6 one does (from the ICMPv6
+// header on).
+func parseUnreachable(b []byte, v6 bool) (unreach, bool) {
+	var u unreach
+	var tcp []byte
+	if v6 {
+		if len(b) < 8+40+8 || b[0] != 1 || b[8+6] != unix.IPPROTO_TCP {
+			return u, false
+		}
+		if int(b[1]) < len(unreachErrs6) {
+			u.err = unreachErrs6[b[1]]
+		}
+		u.dst = netip.AddrFrom16([16]byte(b[8+24 : 8+40])).Unmap()
+		tcp = b[8+40:]
+	} else {
+		if len(b) < 20 || b[0]>>4 != 4 {
+			return u, false
+		}
+		icmp := b[int(b[0]&0x0f)*4:]
+		if len(icmp) < 8+20 || icmp[0] != 3 || icmp[8]>>4 != 4 || icmp[8+9] != unix.IPPROTO_TCP {
+			return u, false
+		}
+		if int(icmp[1]) < len(unreachErrs4) {
+			u.err = unreachErrs4[icmp[1]]
+		}
+		inner := icmp[8:]
+		u.dst = netip.AddrFrom4([4]byte(inner[16:20]))
+		if ihl := int(inner[0]&0x0f) * 4; ihl >= 20 && len(inner) >= ihl {
+			tcp = inner[ihl:]
+		}
+	}
+	if len(tcp) < 8 {
+		return u, false // RFC 792 quotes 8 bytes: the ports and the sequence number
+	}
+	u.sport, u.dport = binary.BigEndian.Uint16(tcp[0:]), binary.BigEndian.Uint16(tcp[2:])
+	u.seq = binary.BigEndian.Uint32(tcp[4:])
+	return u, true
 }
 
 // expire collects in p.ended the checks whose deadline passed by now.

@@ -317,3 +317,98 @@ func TestSynTimeoutsAndFewPorts(t *testing.T) {
 		t.Errorf("%s: unexpected result %v", r.ID, r.Err)
 	}
 }
+
+// TestSynUnreachable: a SYN that a firewall rejects with an ICMP destination
+// unreachable fails at once, with the error a connect gets for it, for
+// either method.
+func TestSynUnreachable(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		code byte
+		want string
+	}{
+		{"port unreachable", 3, "connect: connection refused"},
+		{"host unreachable", 1, "connect: no route to host"},
+		{"administratively prohibited", 13, "connect: no route to host"},
+	} {
+		for _, m := range []Method{MethodConnect, MethodSyn} {
+			t.Run(tt.name+"/"+m.String(), func(t *testing.T) {
+				ns := newNetNS(t)
+				addr := ns.listen(t, "127.0.0.1:0").Addr().String()
+				ns.rejectSYN(t, netip.MustParseAddrPort(addr).Port(), tt.code)
+				got := make(chan Result, 1)
+				c := &Checker{SynPorts: [2]uint16{62300, 62309}, OnCheck: func(r Result) {
+					select {
+					case got <- r:
+					default:
+					}
+				}}
+				if err := c.SetService("web", Config{Check: Check{Method: m, Interval: 50 * time.Millisecond, Timeout: 2 * time.Second}}); err != nil {
+					t.Fatal(err)
+				}
+				if err := c.Set(Backend{ID: addr, Service: "web"}); err != nil {
+					t.Fatal(err)
+				}
+				if m == MethodSyn {
+					ns.run(t, c)
+				} else {
+					c.Dial = ns.dial
+					run(t, c)
+				}
+				select {
+				case r := <-got:
+					// At once: well within the 2 s timeout.
+					if r.Err == nil || r.Err.Error() != tt.want || r.Duration > time.Second || r.Method != m {
+						t.Errorf("got %v after %v by %v; want %s at once by %v", r.Err, r.Duration, r.Method, tt.want, m)
+					}
+				case <-time.After(5 * time.Second):
+					t.Fatal("no check result in 5s")
+				}
+			})
+		}
+	}
+}
+
+func TestParseUnreachable(t *testing.T) {
+	src, dst := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
+	syn := make([]byte, ipv4Len+synLen)
+	buildIPv4(syn, src.As4(), dst.As4(), 1)
+	buildSYN(syn[ipv4Len:], src, dst, 61000, 80, 42)
+	icmp4 := func(typ, code byte) []byte {
+		b := make([]byte, 20, 20+8+28)
+		b[0], b[9] = 0x45, unix.IPPROTO_ICMP
+		b = append(b, typ, code, 0, 0, 0, 0, 0, 0)
+		return append(b, syn[:28]...) // the IP header and 8 bytes of TCP
+	}
+	src6, dst6 := netip.MustParseAddr("fd00::1"), netip.MustParseAddr("fd00::2")
+	icmp6 := func(typ, code byte) []byte {
+		b := []byte{typ, code, 0, 0, 0, 0, 0, 0}
+		ip := make([]byte, 40)
+		ip[0], ip[6] = 0x60, unix.IPPROTO_TCP
+		copy(ip[8:], src6.AsSlice())
+		copy(ip[24:], dst6.AsSlice())
+		return append(append(b, ip...), buildSYN(make([]byte, synLen), src6, dst6, 61000, 80, 42)...)
+	}
+	for _, tt := range []struct {
+		name string
+		b    []byte
+		v6   bool
+		ok   bool
+		dst  netip.Addr
+		err  unix.Errno
+	}{
+		{"port unreachable", icmp4(3, 3), false, true, dst, unix.ECONNREFUSED},
+		{"host unreachable", icmp4(3, 1), false, true, dst, unix.EHOSTUNREACH},
+		{"fragmentation needed: no verdict", icmp4(3, 4), false, true, dst, 0},
+		{"not an unreachable", icmp4(11, 0), false, false, netip.Addr{}, 0},
+		{"quote cut short", icmp4(3, 3)[:20+8+24], false, false, netip.Addr{}, 0},
+		{"IPv6 port unreachable", icmp6(1, 4), true, true, dst6, unix.ECONNREFUSED},
+		{"IPv6 no route", icmp6(1, 0), true, true, dst6, unix.ENETUNREACH},
+		{"IPv6 packet too big", icmp6(2, 0), true, false, netip.Addr{}, 0},
+	} {
+		u, ok := parseUnreachable(tt.b, tt.v6)
+		if ok != tt.ok || (ok && (u.dst != tt.dst || u.sport != 61000 || u.dport != 80 || u.seq != 42 || u.err != tt.err)) {
+			t.Errorf("%s: got %+v, %t; want %v:80 from 61000, seq 42, %v, %t", tt.name, u, ok, tt.dst, tt.err, tt.ok)
+		}
+	}
+}
