@@ -42,6 +42,12 @@ type Checker struct {
 	// MaxInFlight bounds the number of checks running at once. 0 means
 	// DefaultMaxInFlight.
 	MaxInFlight int
+	// MaxKept bounds the idle kept-alive connections of HTTP checks, one per
+	// backend, each a file descriptor. Past it, an HTTP check closes its
+	// connection after the response, so the next one connects again. 0 means
+	// half of the process's open-file limit when Run starts (all of them
+	// where the OS has no such limit).
+	MaxKept int
 	// Dial, when set, opens check connections in place of a net.Dialer, e.g.
 	// to check from another network namespace or VRF. Check.Source is then
 	// the dialer's business. Syn checks do not use it: their raw sockets
@@ -79,6 +85,8 @@ type Checker struct {
 	synOpen bool // opening was tried in this Run
 
 	workers *workers // of the running Run
+	kept    int      // backends with an idle kept-alive connection
+	maxKept int      // of the running Run
 }
 
 type service struct {
@@ -307,7 +315,7 @@ func (c *Checker) remove(b *backend, now time.Time) {
 	if b.synPort != 0 && c.syn != nil {
 		c.syn.drop(b.synPort, b.synSeq)
 	}
-	b.closeKept()
+	c.closeKeptOf(b)
 	c.leave(b)
 	c.unqueue(b)
 	if b.ejectIdx >= 0 {
@@ -324,13 +332,15 @@ func (c *Checker) remove(b *backend, now time.Time) {
 func (c *Checker) retarget(b *backend) {
 	b.gen++
 	b.passes, b.fails = 0, 0
-	b.closeKept()
+	c.closeKeptOf(b)
 }
 
-func (b *backend) closeKept() {
+// closeKeptOf closes b's idle kept-alive connection, if any; c.mu must be held.
+func (c *Checker) closeKeptOf(b *backend) {
 	if b.keep != nil {
 		b.keep.conn.Close()
 		b.keep = nil
+		c.kept--
 	}
 }
 
@@ -500,6 +510,12 @@ func (c *Checker) Run(ctx context.Context) error {
 	if limit <= 0 {
 		limit = DefaultMaxInFlight
 	}
+	c.mu.Lock()
+	c.maxKept = c.MaxKept
+	if c.maxKept <= 0 {
+		c.maxKept = max(1, openFileLimit()/2)
+	}
+	c.mu.Unlock()
 	sem := make(chan struct{}, limit)
 	var wg sync.WaitGroup
 	c.mu.Lock()
@@ -642,7 +658,10 @@ func (c *Checker) start(ctx context.Context, b *backend, sem chan struct{}, wg *
 		method:    MethodConnect,
 		keep:      b.keep,
 	}
-	b.keep = nil
+	if b.keep != nil {
+		b.keep = nil
+		c.kept--
+	}
 	if p.dial == nil {
 		p.dial = p.dialer.DialContext
 	}
@@ -736,10 +755,11 @@ func (c *Checker) complete(ctx context.Context, b *backend, p *probe, start, end
 		c.record(b, res, end)
 	}
 	if p.keep != nil {
-		if stale || b.keep != nil || b.svc.cfg.Check.Kind != HTTP {
+		if stale || b.keep != nil || b.svc.cfg.Check.Kind != HTTP || c.kept >= c.maxKept {
 			p.keep.conn.Close()
 		} else {
 			b.keep = p.keep
+			c.kept++
 		}
 	}
 	c.mu.Unlock()
@@ -942,7 +962,7 @@ func (c *Checker) closeKept() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, b := range c.backends {
-		b.closeKept()
+		c.closeKeptOf(b)
 	}
 }
 

@@ -166,3 +166,48 @@ func TestHTTPKeepAlive(t *testing.T) {
 		t.Errorf("connections after the server closed the first: got %d; want 2", n)
 	}
 }
+
+// TestHTTPMaxKept: past Checker.MaxKept idle connections, HTTP checks close
+// theirs after the response and connect anew, and still pass; the backends
+// within the bound keep one connection each.
+func TestHTTPMaxKept(t *testing.T) {
+	const nBackends, maxKept = 5, 2
+	var conns atomic.Int32
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "ok") }))
+	srv.Config.ConnState = func(_ net.Conn, st http.ConnState) {
+		if st == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	defer srv.Close()
+	u, _ := url.Parse(srv.URL)
+
+	var checks atomic.Int32
+	c := &Checker{MaxKept: maxKept, OnCheck: func(r Result) {
+		checks.Add(1)
+		if r.Err != nil {
+			t.Errorf("check: got %v; want a pass", r.Err)
+		}
+	}}
+	if err := c.SetService("web", Config{Check: Check{Kind: HTTP, Interval: 20 * time.Millisecond, Timeout: time.Second, Initial: Up}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range nBackends {
+		if err := c.Set(Backend{ID: fmt.Sprint("b", i), Addr: u.Host, Service: "web"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	run(t, c)
+	const want = 10 * nBackends
+	waitfor.Value(t, 10*time.Second, "10 checks per backend", func() (any, bool) { return checks.Load(), checks.Load() >= want })
+	c.mu.RLock()
+	kept := c.kept
+	c.mu.RUnlock()
+	n, got := int(conns.Load()), int(checks.Load())
+	// The kept ones connect once; the others once per check.
+	if kept > maxKept || n < got*(nBackends-maxKept)/nBackends || n > got*(nBackends-maxKept)/nBackends+2*nBackends {
+		t.Errorf("%d checks: %d connections, %d kept; want about %d connections, at most %d kept",
+			got, n, kept, got*(nBackends-maxKept)/nBackends+maxKept, maxKept)
+	}
+}

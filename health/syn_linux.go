@@ -141,6 +141,10 @@ func openSyn(ports [2]uint16, done func(b *backend, err error, at time.Time)) (*
 		}
 		p.free = append(p.free, uint16(port))
 	}
+	if len(p.free) == 0 {
+		p.closeSockets()
+		return nil, fmt.Errorf("syn ports %d-%d: every one is held by a local socket", p.lo, p.hi)
+	}
 	p.reserve()
 	for i := range p.rhdrs {
 		p.iovs[i].Base = &p.bufs[i][0]
@@ -302,14 +306,18 @@ func (p *synProber) close() {
 	}
 	p.mu.Unlock()
 	p.finish(time.Now())
+	p.closeSockets()
+	if p.restore != nil {
+		// With a newline: the kernel ignores an empty write.
+		os.WriteFile(reservedPortsFile, []byte(*p.restore+"\n"), 0o644)
+	}
+}
+
+func (p *synProber) closeSockets() {
 	for _, fd := range []int{p.fd4, p.fd6, p.icmp4, p.icmp6} {
 		if fd >= 0 {
 			unix.Close(fd)
 		}
-	}
-	if p.restore != nil {
-		// With a newline: the kernel ignores an empty write.
-		os.WriteFile(reservedPortsFile, []byte(*p.restore+"\n"), 0o644)
 	}
 }
 

@@ -412,3 +412,38 @@ func TestParseUnreachable(t *testing.T) {
 		}
 	}
 }
+
+// TestSynAllPortsHeld: when local sockets hold every port of the range, syn
+// checks cannot be told apart from those sockets' traffic, so they connect
+// instead and Method says why.
+func TestSynAllPortsHeld(t *testing.T) {
+	ns := newNetNS(t)
+	up := ns.listen(t, "127.0.0.1:0").Addr().String()
+	ns.listen(t, "127.0.0.1:62400")
+	checked := make(chan Result, 1)
+	// Dial: the connects of the fallback run on other threads than Run's.
+	c := &Checker{SynPorts: [2]uint16{62400, 62400}, Dial: ns.dial, OnCheck: func(r Result) {
+		select {
+		case checked <- r:
+		default:
+		}
+	}}
+	if err := c.SetService("web", Config{Check: Check{Method: MethodSyn, Interval: 20 * time.Millisecond}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(Backend{ID: up, Service: "web"}); err != nil {
+		t.Fatal(err)
+	}
+	ns.run(t, c)
+	select {
+	case r := <-checked:
+		if r.Err != nil || r.Method != MethodConnect {
+			t.Errorf("check: got %v by %v; want a pass by connect", r.Err, r.Method)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no check in 5s")
+	}
+	if m, err := c.Method("web"); m != MethodConnect || err == nil || !strings.Contains(err.Error(), "held by a local socket") {
+		t.Errorf("Method: got %v, %v; want connect, every port held by a local socket", m, err)
+	}
+}
