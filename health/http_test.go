@@ -124,11 +124,10 @@ func TestHTTPCheck(t *testing.T) {
 	}
 }
 
-// TestHTTPKeepAlive: checks reuse one connection per backend, and a
-// connection the server closed is replaced within the same check, so no
-// check fails for it.
-func TestHTTPKeepAlive(t *testing.T) {
-	var conns atomic.Int32
+// countingServer is an HTTP server answering "ok" that counts the
+// connections it accepts; it closes at the end of the test.
+func countingServer(t *testing.T) (*httptest.Server, *atomic.Int32) {
+	conns := new(atomic.Int32)
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "ok") }))
 	srv.Config.ConnState = func(_ net.Conn, st http.ConnState) {
 		if st == http.StateNew {
@@ -136,7 +135,15 @@ func TestHTTPKeepAlive(t *testing.T) {
 		}
 	}
 	srv.Start()
-	defer srv.Close()
+	t.Cleanup(srv.Close)
+	return srv, conns
+}
+
+// TestHTTPKeepAlive: checks reuse one connection per backend, and a
+// connection the server closed is replaced within the same check, so no
+// check fails for it.
+func TestHTTPKeepAlive(t *testing.T) {
+	srv, conns := countingServer(t)
 	u, _ := url.Parse(srv.URL)
 
 	var checks, failed atomic.Int32
@@ -172,15 +179,7 @@ func TestHTTPKeepAlive(t *testing.T) {
 // within the bound keep one connection each.
 func TestHTTPMaxKept(t *testing.T) {
 	const nBackends, maxKept = 5, 2
-	var conns atomic.Int32
-	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "ok") }))
-	srv.Config.ConnState = func(_ net.Conn, st http.ConnState) {
-		if st == http.StateNew {
-			conns.Add(1)
-		}
-	}
-	srv.Start()
-	defer srv.Close()
+	srv, conns := countingServer(t)
 	u, _ := url.Parse(srv.URL)
 
 	var checks atomic.Int32
