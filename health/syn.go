@@ -41,6 +41,7 @@ const synMinPoll = time.Millisecond
 type srcEntry struct {
 	dst, addr netip.Addr
 	at        time.Time
+	gen       uint32 // synProber.srcGen when asked
 }
 
 // errSynClosed ends the syn checks still in flight when the prober closes.

@@ -22,9 +22,17 @@ import (
 // opens it, and covers IPv6 as well.
 const reservedPortsFile = "/proc/sys/net/ipv4/ip_local_reserved_ports"
 
-// srcTTL is how long a kernel-chosen source address is reused for a destination
-// before the route is asked again.
-const srcTTL = 30 * time.Second
+// srcTTL is how long a kernel-chosen source address is reused for a
+// destination before the route is asked again. A change of addresses, routes
+// or rules that netlink reports drops every remembered one at once; the TTL
+// covers the changes it does not report (Linux flushes the IPv4 routes of a
+// link that goes down without a message), and is shorter when netlink cannot
+// be watched. Each ask costs four system calls, and at 100,000 backends a
+// 30 s TTL was a third of them asked every second.
+const (
+	srcTTL          = 5 * time.Minute
+	srcTTLUnwatched = 30 * time.Second
+)
 
 // synProber sends the SYNs of every syn check through one raw socket per
 // address family and matches the answers, which one kernel socket filter per
@@ -43,6 +51,12 @@ type synProber struct {
 	// answer a SYN (a firewall's reject, a router with no route); -1 if they
 	// could not be opened, and the checks time out instead.
 	icmp4, icmp6 int
+	// A netlink socket on the groups of address, route and rule changes;
+	// -1 if it could not be opened. Any message bumps srcGen, which drops
+	// the source addresses remembered before.
+	routes     int
+	srcGen     uint32
+	lastRoutes time.Time
 	// done ends a check of b (err nil: up) at the time at; it runs on Run's
 	// goroutine without mu held.
 	done func(b *backend, err error, at time.Time)
@@ -110,7 +124,7 @@ var errRefused error = &os.SyscallError{Syscall: "connect", Err: syscall.ECONNRE
 // be opened (no CAP_NET_RAW, say); a range that cannot be reserved is reported
 // in reserveErr. done is called for every check that ends (see synProber).
 func openSyn(ports [2]uint16, done func(b *backend, err error, at time.Time)) (*synProber, error) {
-	p := &synProber{lo: ports[0], hi: ports[1], fd6: -1, icmp4: -1, icmp6: -1, done: done, epoch: time.Now()}
+	p := &synProber{lo: ports[0], hi: ports[1], fd6: -1, icmp4: -1, icmp6: -1, routes: -1, done: done, epoch: time.Now()}
 	var err error
 	if p.fd4, err = rawSocket(unix.AF_INET, unix.IPPROTO_TCP, synFilter(false, p.lo, p.hi)); err != nil {
 		return nil, err
@@ -131,6 +145,7 @@ func openSyn(ports [2]uint16, done func(b *backend, err error, at time.Time)) (*
 	if p.icmp6, err = rawSocket(unix.AF_INET6, unix.IPPROTO_ICMPV6, unreachFilter(true, p.lo, p.hi)); err != nil {
 		p.icmp6 = -1
 	}
+	p.routes = watchRoutes()
 	bound := boundPorts(p.lo, p.hi)
 	p.checks = make([]synCheck, int(p.hi)-int(p.lo)+1)
 	// Highest first, so that the stack hands out the lowest port first.
@@ -314,7 +329,7 @@ func (p *synProber) close() {
 }
 
 func (p *synProber) closeSockets() {
-	for _, fd := range []int{p.fd4, p.fd6, p.icmp4, p.icmp6} {
+	for _, fd := range []int{p.fd4, p.fd6, p.icmp4, p.icmp6, p.routes} {
 		if fd >= 0 {
 			unix.Close(fd)
 		}
@@ -579,7 +594,11 @@ func (p *synProber) source(dst, want netip.Addr, now time.Time, cache *srcEntry)
 		}
 		return want, nil
 	}
-	if cache.dst == dst && now.Sub(cache.at) < srcTTL {
+	ttl := srcTTL
+	if p.routes < 0 {
+		ttl = srcTTLUnwatched
+	}
+	if cache.dst == dst && cache.gen == p.srcGen && now.Sub(cache.at) < ttl {
 		return cache.addr, nil
 	}
 	family, sa := unix.AF_INET6, unix.Sockaddr(&unix.SockaddrInet6{Port: 9, Addr: dst.As16()})
@@ -605,7 +624,7 @@ func (p *synProber) source(dst, want netip.Addr, now time.Time, cache *srcEntry)
 	case *unix.SockaddrInet6:
 		src = netip.AddrFrom16(a.Addr)
 	}
-	*cache = srcEntry{dst: dst, addr: src, at: now}
+	*cache = srcEntry{dst: dst, addr: src, at: now, gen: p.srcGen}
 	return src, nil
 }
 
@@ -617,6 +636,7 @@ const recvBatch = 64
 // it wakes, and wakes for it at wakeAt; a call within synMinPoll of the last
 // one reads nothing unless a deadline is due.
 func (p *synProber) poll(now time.Time) {
+	p.readRoutes(now)
 	if now.Sub(p.lastPoll) < synMinPoll && !p.deadlineDue(now) {
 		return
 	}
@@ -710,6 +730,51 @@ func (p *synProber) answer(seg segment) {
 	}
 	p.ended = append(p.ended, endedCheck{b: sc.b, err: err})
 	p.release(seg.dport, sc)
+}
+
+// watchRoutes opens a netlink socket that receives the kernel's messages
+// about IPv4 and IPv6 addresses, routes and rules of this namespace, or
+// returns -1.
+func watchRoutes() int {
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+	if err != nil {
+		return -1
+	}
+	groups := uint32(unix.RTMGRP_IPV4_IFADDR | unix.RTMGRP_IPV4_ROUTE | unix.RTMGRP_IPV4_RULE | unix.RTMGRP_IPV6_IFADDR | unix.RTMGRP_IPV6_ROUTE)
+	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK, Groups: groups}); err != nil {
+		unix.Close(fd)
+		return -1
+	}
+	unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_ADD_MEMBERSHIP, unix.RTNLGRP_IPV6_RULE)
+	return fd
+}
+
+// readRoutes drains the netlink socket, at most once per synMinPoll, and
+// drops the remembered source addresses if anything changed (or if messages
+// were lost: ENOBUFS).
+func (p *synProber) readRoutes(now time.Time) {
+	if p.routes < 0 || now.Sub(p.lastRoutes) < synMinPoll {
+		return
+	}
+	p.lastRoutes = now
+	var buf [4096]byte // a message longer than this is cut short: only its arrival counts
+	changed := false
+	for {
+		_, err := unix.Read(p.routes, buf[:])
+		if err == unix.EINTR {
+			continue
+		}
+		if err == unix.EAGAIN {
+			break
+		}
+		changed = true
+		if err != nil && err != unix.ENOBUFS {
+			break
+		}
+	}
+	if changed {
+		p.srcGen++
+	}
 }
 
 // unreachable ends the check whose SYN u quotes, if any; p.mu must be held.

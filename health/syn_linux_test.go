@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
@@ -445,5 +446,65 @@ func TestSynAllPortsHeld(t *testing.T) {
 	}
 	if m, err := c.Method("web"); m != MethodConnect || err == nil || !strings.Contains(err.Error(), "held by a local socket") {
 		t.Errorf("Method: got %v, %v; want connect, every port held by a local socket", m, err)
+	}
+}
+
+// TestSynSourceCache: the source address the kernel picks for a destination
+// is asked once and remembered, until netlink reports a change of addresses
+// (or routes, or rules) or the TTL runs out.
+func TestSynSourceCache(t *testing.T) {
+	ns := newNetNS(t)
+	var p *synProber
+	if err := ns.do(func() (err error) {
+		p, err = openSyn([2]uint16{62500, 62509}, func(*backend, error, time.Time) {})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ns.do(func() error { p.close(); return nil }) })
+	if p.routes < 0 {
+		t.Fatal("no netlink socket to watch routes")
+	}
+	dst := netip.MustParseAddr("127.0.0.1")
+	var cache srcEntry
+	ask := func(at time.Time) (asked bool) {
+		t.Helper()
+		before := cache.at
+		if err := ns.do(func() error {
+			p.readRoutes(at)
+			src, err := p.source(dst, netip.Addr{}, at, &cache)
+			if err == nil && src != dst {
+				err = fmt.Errorf("source: got %v; want %v", src, dst)
+			}
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return !cache.at.Equal(before)
+	}
+	t0 := time.Now()
+	if !ask(t0) {
+		t.Fatal("first use: not asked")
+	}
+	if ask(t0.Add(time.Second)) {
+		t.Error("a second later, nothing changed: asked again; want the remembered one")
+	}
+	if err := ns.do(func() error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.AddrAdd(lo, &netlink.Addr{IPNet: &net.IPNet{IP: net.IPv4(10, 9, 9, 9), Mask: net.CIDRMask(32, 32)}})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if !ask(t0.Add(2 * time.Second)) {
+		t.Error("after an address was added: not asked again")
+	}
+	if ask(t0.Add(3 * time.Second)) {
+		t.Error("after it was asked again: asked once more; want the remembered one")
+	}
+	if !ask(t0.Add(3*time.Second + srcTTL)) {
+		t.Error("after the TTL: not asked again")
 	}
 }
