@@ -114,11 +114,11 @@ type backend struct {
 	inflight context.CancelFunc // non-nil while a check runs
 	keep     *keptConn          // the idle kept-alive connection of HTTP checks, nil while one runs
 	// The syn check in flight, if any (synPort 0 otherwise): its source
-	// port and sequence number in the prober, and its own probe, kept here
-	// so that starting one allocates nothing.
+	// port and sequence number in the prober, and what its result needs,
+	// kept here so that starting one allocates nothing.
 	synPort  uint16
 	synSeq   uint32
-	synProbe probe
+	synRun   checkRun
 	synStart time.Time
 	synSrc   srcEntry // the source address of its syn checks, as routing picked it
 
@@ -648,15 +648,11 @@ func (c *Checker) start(ctx context.Context, b *backend, sem chan struct{}, wg *
 	cctx, cancel := context.WithCancel(ctx)
 	b.inflight = cancel
 	p := probe{
-		service:   s.name,
-		cfg:       s.cfg.Check,
-		dial:      c.Dial,
-		dialer:    s.dialer,
-		addr:      b.addr,
-		gen:       b.gen,
-		scheduled: b.dueAt,
-		method:    MethodConnect,
-		keep:      b.keep,
+		checkRun: checkRun{service: s.name, addr: b.addr, gen: b.gen, scheduled: b.dueAt, method: MethodConnect},
+		cfg:      s.cfg.Check,
+		dial:     c.Dial,
+		dialer:   s.dialer,
+		keep:     b.keep,
 	}
 	if b.keep != nil {
 		b.keep = nil
@@ -740,12 +736,13 @@ func (c *Checker) check(ctx context.Context, b *backend, p probe) {
 	tctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
 	err := p.run(tctx)
 	cancel()
-	c.complete(ctx, b, &p, start, c.now(), err)
+	c.complete(ctx, b, &p.checkRun, p.keep, start, c.now(), err)
 }
 
-// complete applies the result of a check of b that ran from start to end and
-// schedules the next one. ctx is the check's own (Remove cancels it) or Run's.
-func (c *Checker) complete(ctx context.Context, b *backend, p *probe, start, end time.Time, err error) {
+// complete applies the result of a check p of b that ran from start to end and
+// schedules the next one; keep is the connection an HTTP check leaves to
+// reuse, if any. ctx is the check's own (Remove cancels it) or Run's.
+func (c *Checker) complete(ctx context.Context, b *backend, p *checkRun, keep *keptConn, start, end time.Time, err error) {
 	res := Result{ID: b.id, Service: p.service, Addr: p.addr, Method: p.method,
 		Scheduled: p.scheduled, Start: start, Duration: end.Sub(start), Err: err}
 
@@ -754,11 +751,11 @@ func (c *Checker) complete(ctx context.Context, b *backend, p *probe, start, end
 	if !stale {
 		c.record(b, res, end)
 	}
-	if p.keep != nil {
+	if keep != nil {
 		if stale || b.keep != nil || b.svc.cfg.Check.Kind != HTTP || c.kept >= c.maxKept {
-			p.keep.conn.Close()
+			keep.conn.Close()
 		} else {
-			b.keep = p.keep
+			b.keep = keep
 			c.kept++
 		}
 	}
@@ -886,7 +883,7 @@ func (c *Checker) synFor(ctx context.Context, b *backend) *synProber {
 			c.syn, c.synErr = nil, fmt.Errorf("syn ports %d-%d: want 1 <= first <= last: %w", ports[0], ports[1], ErrInvalidConfig)
 		} else {
 			c.syn, c.synErr = openSyn(ports, func(b *backend, err error, at time.Time) {
-				c.complete(ctx, b, &b.synProbe, b.synStart, at, err)
+				c.complete(ctx, b, &b.synRun, nil, b.synStart, at, err)
 			})
 		}
 	}
@@ -912,7 +909,7 @@ func (c *Checker) startSyn(b *backend, syn *synProber, port uint16, now time.Tim
 	}
 	seq := newSeq()
 	b.inflight, b.synPort, b.synSeq = synInFlight, port, seq
-	b.synProbe = probe{service: s.name, cfg: s.cfg.Check, addr: b.addr, gen: b.gen, scheduled: b.dueAt, method: MethodSyn}
+	b.synRun = checkRun{service: s.name, addr: b.addr, gen: b.gen, scheduled: b.dueAt, method: MethodSyn}
 	b.synStart = now
 	dst, source, timeout := b.ap, s.cfg.Check.Source, s.cfg.Check.Timeout
 	c.mu.Unlock()
