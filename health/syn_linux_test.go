@@ -325,18 +325,21 @@ func TestSynTimeoutsAndFewPorts(t *testing.T) {
 func TestSynUnreachable(t *testing.T) {
 	for _, tt := range []struct {
 		name string
+		v6   bool
 		code byte
 		want string
 	}{
-		{"port unreachable", 3, "connect: connection refused"},
-		{"host unreachable", 1, "connect: no route to host"},
-		{"administratively prohibited", 13, "connect: no route to host"},
+		{"port unreachable", false, 3, "connect: connection refused"},
+		{"host unreachable", false, 1, "connect: no route to host"},
+		{"administratively prohibited", false, 13, "connect: no route to host"},
+		{"IPv6 port unreachable", true, 4, "connect: connection refused"},
+		{"IPv6 administratively prohibited", true, 1, "connect: permission denied"},
 	} {
 		for _, m := range []Method{MethodConnect, MethodSyn} {
 			t.Run(tt.name+"/"+m.String(), func(t *testing.T) {
 				ns := newNetNS(t)
-				addr := ns.listen(t, "127.0.0.1:0").Addr().String()
-				ns.rejectSYN(t, netip.MustParseAddrPort(addr).Port(), tt.code)
+				addr := ns.listen(t, map[bool]string{false: "127.0.0.1:0", true: "[::1]:0"}[tt.v6]).Addr().String()
+				ns.rejectSYN(t, tt.v6, netip.MustParseAddrPort(addr).Port(), tt.code)
 				got := make(chan Result, 1)
 				c := &Checker{SynPorts: [2]uint16{62300, 62309}, OnCheck: func(r Result) {
 					select {
