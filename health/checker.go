@@ -85,7 +85,7 @@ type Checker struct {
 	synOpen bool // opening was tried in this Run
 
 	workers *workers // of the running Run
-	kept    int      // backends with an idle kept-alive connection
+	kept    int      // backends holding a kept-alive slot (b.slot)
 	maxKept int      // of the running Run
 }
 
@@ -113,6 +113,10 @@ type backend struct {
 	dueSeq   uint32             // tells b's live entry in Checker.due from stale ones
 	inflight context.CancelFunc // non-nil while a check runs
 	keep     *keptConn          // the idle kept-alive connection of HTTP checks, nil while one runs
+	// slot: b counts against MaxKept, with its connection idle in keep or in
+	// use by its check. A slot stays with its backend while the connection
+	// lives, so that one backend's check in flight does not hand it to another.
+	slot bool
 	// The syn check in flight, if any (synPort 0 otherwise): its source
 	// port and sequence number in the prober, and what its result needs,
 	// kept here so that starting one allocates nothing.
@@ -335,11 +339,16 @@ func (c *Checker) retarget(b *backend) {
 	c.closeKeptOf(b)
 }
 
-// closeKeptOf closes b's idle kept-alive connection, if any; c.mu must be held.
+// closeKeptOf closes b's idle kept-alive connection, if any, and frees its
+// slot; a connection in use by a check is closed when the check ends. c.mu
+// must be held.
 func (c *Checker) closeKeptOf(b *backend) {
 	if b.keep != nil {
 		b.keep.conn.Close()
 		b.keep = nil
+	}
+	if b.slot {
+		b.slot = false
 		c.kept--
 	}
 }
@@ -654,10 +663,7 @@ func (c *Checker) start(ctx context.Context, b *backend, sem chan struct{}, wg *
 		dialer:   s.dialer,
 		keep:     b.keep,
 	}
-	if b.keep != nil {
-		b.keep = nil
-		c.kept--
-	}
+	b.keep = nil
 	if p.dial == nil {
 		p.dial = p.dialer.DialContext
 	}
@@ -751,12 +757,22 @@ func (c *Checker) complete(ctx context.Context, b *backend, p *checkRun, keep *k
 	if !stale {
 		c.record(b, res, end)
 	}
-	if keep != nil {
-		if stale || b.keep != nil || b.svc.cfg.Check.Kind != HTTP || c.kept >= c.maxKept {
-			keep.conn.Close()
-		} else {
-			b.keep = keep
+	switch {
+	case keep != nil && !stale && b.keep == nil && b.svc.cfg.Check.Kind == HTTP && (b.slot || c.kept < c.maxKept):
+		b.keep = keep
+		if !b.slot {
+			b.slot = true
 			c.kept++
+		}
+	case keep != nil:
+		keep.conn.Close()
+		fallthrough
+	default:
+		if b.slot && b.keep == nil && !stale {
+			// The check ended without a connection to keep: the slot is
+			// free for another backend.
+			b.slot = false
+			c.kept--
 		}
 	}
 	c.mu.Unlock()

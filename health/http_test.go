@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -174,17 +175,23 @@ func TestHTTPKeepAlive(t *testing.T) {
 	}
 }
 
-// TestHTTPMaxKept: past Checker.MaxKept idle connections, HTTP checks close
-// theirs after the response and connect anew, and still pass; the backends
-// within the bound keep one connection each.
+// TestHTTPMaxKept: past Checker.MaxKept kept-alive connections, HTTP checks
+// close theirs after the response and connect anew, and still pass; the
+// backends holding the bound's slots keep one connection each, and keep their
+// slots while their checks are in flight.
 func TestHTTPMaxKept(t *testing.T) {
 	const nBackends, maxKept = 5, 2
 	srv, conns := countingServer(t)
 	u, _ := url.Parse(srv.URL)
 
-	var checks atomic.Int32
+	var (
+		mu     sync.Mutex
+		checks = map[string]int{}
+	)
 	c := &Checker{MaxKept: maxKept, OnCheck: func(r Result) {
-		checks.Add(1)
+		mu.Lock()
+		checks[r.ID]++
+		mu.Unlock()
 		if r.Err != nil {
 			t.Errorf("check: got %v; want a pass", r.Err)
 		}
@@ -198,15 +205,34 @@ func TestHTTPMaxKept(t *testing.T) {
 		}
 	}
 	run(t, c)
-	const want = 10 * nBackends
-	waitfor.Value(t, 10*time.Second, "10 checks per backend", func() (any, bool) { return checks.Load(), checks.Load() >= want })
+	waitfor.Value(t, 10*time.Second, "10 checks per backend", func() (any, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		least := -1
+		for i := range nBackends {
+			if n := checks[fmt.Sprint("b", i)]; least < 0 || n < least {
+				least = n
+			}
+		}
+		return least, least >= 10
+	})
+	n := int(conns.Load())
 	c.mu.RLock()
-	kept := c.kept
+	mu.Lock()
+	kept, slots, want := c.kept, 0, 0
+	for id, b := range c.backends {
+		if b.slot {
+			slots++
+			want++ // one connection, reused
+		} else {
+			want += checks[id] // one connection per check
+		}
+	}
+	mu.Unlock()
 	c.mu.RUnlock()
-	n, got := int(conns.Load()), int(checks.Load())
-	// The kept ones connect once; the others once per check.
-	if kept > maxKept || n < got*(nBackends-maxKept)/nBackends || n > got*(nBackends-maxKept)/nBackends+2*nBackends {
-		t.Errorf("%d checks: %d connections, %d kept; want about %d connections, at most %d kept",
-			got, n, kept, got*(nBackends-maxKept)/nBackends+maxKept, maxKept)
+	// The connections and the checks are read a moment apart: the checks in
+	// flight, at most one per backend, make up the difference either way.
+	if kept != maxKept || slots != maxKept || n > want+nBackends || n < want-nBackends {
+		t.Errorf("%d connections, %d slots held (count %d); want %d±%d connections and %d slots", n, slots, kept, want, nBackends, maxKept)
 	}
 }

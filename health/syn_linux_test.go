@@ -304,9 +304,10 @@ func TestSynTimeoutsAndFewPorts(t *testing.T) {
 	defer mu.Unlock()
 	for svc, to := range map[string]time.Duration{"short": short, "long": long} {
 		for _, r := range timeout[svc] {
-			// Not before the timeout; the upper bound only says "its own
-			// timeout, not the other's", with room for a loaded machine.
-			if r.Duration < to || r.Duration > to+250*time.Millisecond {
+			// Not before the timeout; the upper bound only says "not stuck",
+			// with room for a loaded machine, as in the black-hole test (the
+			// error's text tells the timeouts apart).
+			if r.Duration < to || r.Duration > to+700*time.Millisecond {
 				t.Errorf("%s: timed out after %v; want about %v", r.ID, r.Duration, to)
 			}
 			if want := fmt.Sprintf("connect: timeout after %v", to); r.Err.Error() != want {
@@ -489,8 +490,17 @@ func TestSynSourceCache(t *testing.T) {
 	if !ask(t0) {
 		t.Fatal("first use: not asked")
 	}
-	if ask(t0.Add(time.Second)) {
-		t.Error("a second later, nothing changed: asked again; want the remembered one")
+	// The namespace's own setup (lo's addresses) may still be reported:
+	// a few asks to let it pass, then the remembered one must be used.
+	settled := false
+	for k := range 5 {
+		if !ask(t0.Add(time.Duration(k+1) * 100 * time.Millisecond)) {
+			settled = true
+			break
+		}
+	}
+	if !settled {
+		t.Error("nothing changed: asked every time; want the remembered one")
 	}
 	if err := ns.do(func() error {
 		lo, err := netlink.LinkByName("lo")
