@@ -42,9 +42,10 @@ type Checker struct {
 	// MaxInFlight bounds the number of checks running at once. 0 means
 	// DefaultMaxInFlight.
 	MaxInFlight int
-	// MaxKept bounds the idle kept-alive connections of HTTP checks, one per
-	// backend, each a file descriptor. Past it, an HTTP check closes its
-	// connection after the response, so the next one connects again. 0 means
+	// MaxKept bounds the backends whose HTTP checks keep their connection
+	// alive between checks, one file descriptor each. The others' checks
+	// close their connection after the response, so the next one connects
+	// again. 0 means
 	// half of the process's open-file limit when Run starts (all of them
 	// where the OS has no such limit).
 	MaxKept int
