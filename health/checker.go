@@ -42,6 +42,13 @@ type Checker struct {
 	// MaxInFlight bounds the number of checks running at once. 0 means
 	// DefaultMaxInFlight.
 	MaxInFlight int
+	// MaxKept bounds the backends whose HTTP checks keep their connection
+	// alive between checks, one file descriptor each. The others' checks
+	// close their connection after the response, so the next one connects
+	// again. 0 means
+	// half of the process's open-file limit when Run starts (all of them
+	// where the OS has no such limit).
+	MaxKept int
 	// Dial, when set, opens check connections in place of a net.Dialer, e.g.
 	// to check from another network namespace or VRF. Check.Source is then
 	// the dialer's business. Syn checks do not use it: their raw sockets
@@ -65,7 +72,7 @@ type Checker struct {
 	mu       sync.RWMutex
 	services map[string]*service
 	backends map[string]*backend
-	due      dueHeap   // backends waiting for their next check
+	due      dueQueue  // backends waiting for their next check
 	ejected  ejectHeap // ejected backends by end of ejection
 	wake     chan struct{}
 	subs     map[*Subscription]struct{}
@@ -79,6 +86,8 @@ type Checker struct {
 	synOpen bool // opening was tried in this Run
 
 	workers *workers // of the running Run
+	kept    int      // backends holding a kept-alive slot (b.slot)
+	maxKept int      // of the running Run
 }
 
 type service struct {
@@ -101,9 +110,22 @@ type backend struct {
 	gen uint64
 
 	dueAt    time.Time
-	dueIdx   int                // index in Checker.due, -1 when not queued
+	queued   bool               // in Checker.due
+	dueSeq   uint32             // tells b's live entry in Checker.due from stale ones
 	inflight context.CancelFunc // non-nil while a check runs
 	keep     *keptConn          // the idle kept-alive connection of HTTP checks, nil while one runs
+	// slot: b counts against MaxKept, with its connection idle in keep or in
+	// use by its check. A slot stays with its backend while the connection
+	// lives, so that one backend's check in flight does not hand it to another.
+	slot bool
+	// The syn check in flight, if any (synPort 0 otherwise): its source
+	// port and sequence number in the prober, and what its result needs,
+	// kept here so that starting one allocates nothing.
+	synPort  uint16
+	synSeq   uint32
+	synRun   checkRun
+	synStart time.Time
+	synSrc   srcEntry // the source address of its syn checks, as routing picked it
 
 	active        State
 	passes, fails int
@@ -183,9 +205,8 @@ func (c *Checker) SetService(name string, cfg Config) error {
 				c.queue(b, now.Add(randDuration(cfg.Check.Interval)))
 			}
 		}
-		if b.dueIdx >= 0 && b.dueAt.Sub(now) > cfg.Check.Interval {
-			b.dueAt = now.Add(randDuration(cfg.Check.Interval))
-			heap.Fix(&c.due, b.dueIdx)
+		if b.queued && b.dueAt.Sub(now) > cfg.Check.Interval {
+			c.queue(b, now.Add(randDuration(cfg.Check.Interval)))
 		}
 		if !cfg.Outlier.passive() && b.ejectIdx >= 0 {
 			c.unEject(b)
@@ -245,7 +266,7 @@ func (c *Checker) Set(nb Backend) error {
 			if s.cfg.Check.Kind == None {
 				b.active = Up
 				c.unqueue(b)
-			} else if b.dueIdx < 0 && b.inflight == nil {
+			} else if !b.queued && b.inflight == nil {
 				c.queue(b, now.Add(randDuration(s.cfg.Check.Interval)))
 			}
 			c.join(b)
@@ -254,7 +275,7 @@ func (c *Checker) Set(nb Backend) error {
 		}
 		return nil
 	}
-	b := &backend{id: nb.ID, addr: nb.Addr, svc: s, dueIdx: -1, ejectIdx: -1}
+	b := &backend{id: nb.ID, addr: nb.Addr, svc: s, ejectIdx: -1}
 	b.ap, _ = netip.ParseAddrPort(nb.Addr)
 	b.active = s.cfg.Check.Initial
 	if nb.Initial != nil {
@@ -296,7 +317,10 @@ func (c *Checker) remove(b *backend, now time.Time) {
 	if b.inflight != nil {
 		b.inflight()
 	}
-	b.closeKept()
+	if b.synPort != 0 && c.syn != nil {
+		c.syn.drop(b.synPort, b.synSeq)
+	}
+	c.closeKeptOf(b)
 	c.leave(b)
 	c.unqueue(b)
 	if b.ejectIdx >= 0 {
@@ -313,13 +337,20 @@ func (c *Checker) remove(b *backend, now time.Time) {
 func (c *Checker) retarget(b *backend) {
 	b.gen++
 	b.passes, b.fails = 0, 0
-	b.closeKept()
+	c.closeKeptOf(b)
 }
 
-func (b *backend) closeKept() {
+// closeKeptOf closes b's idle kept-alive connection, if any, and frees its
+// slot; a connection in use by a check is closed when the check ends. c.mu
+// must be held.
+func (c *Checker) closeKeptOf(b *backend) {
 	if b.keep != nil {
 		b.keep.conn.Close()
 		b.keep = nil
+	}
+	if b.slot {
+		b.slot = false
+		c.kept--
 	}
 }
 
@@ -344,25 +375,15 @@ func (c *Checker) leave(b *backend) {
 }
 
 func (c *Checker) queue(b *backend, at time.Time) {
-	b.dueAt = at
-	if b.dueIdx >= 0 {
-		heap.Fix(&c.due, b.dueIdx)
-	} else {
-		heap.Push(&c.due, b)
-	}
 	// The scheduler sleeps until the head of the queue is due: only a new
 	// head can need it sooner. (Waking it for every check that completes
 	// cost a futex wakeup per check.)
-	if b.dueIdx == 0 {
+	if c.due.push(b, at) {
 		c.poke()
 	}
 }
 
-func (c *Checker) unqueue(b *backend) {
-	if b.dueIdx >= 0 {
-		heap.Remove(&c.due, b.dueIdx)
-	}
-}
+func (c *Checker) unqueue(b *backend) { c.due.remove(b) }
 
 func (b *backend) effective() State {
 	switch {
@@ -499,6 +520,12 @@ func (c *Checker) Run(ctx context.Context) error {
 	if limit <= 0 {
 		limit = DefaultMaxInFlight
 	}
+	c.mu.Lock()
+	c.maxKept = c.MaxKept
+	if c.maxKept <= 0 {
+		c.maxKept = max(1, openFileLimit()/2)
+	}
+	c.mu.Unlock()
 	sem := make(chan struct{}, limit)
 	var wg sync.WaitGroup
 	c.mu.Lock()
@@ -522,27 +549,26 @@ func (c *Checker) Run(ctx context.Context) error {
 	var batch []*backend
 	for {
 		now := c.now()
+		if c.syn != nil { // Run's goroutine alone sets c.syn: no lock to read it
+			c.syn.poll(now)
+		}
 		var next time.Time
 		batch, next = c.takeDue(now, batch[:0])
 
 		var queued *synProber // holds SYNs to flush
 		for i, b := range batch {
-			if syn := c.synFor(b); syn != nil {
+			if syn := c.synFor(ctx, b); syn != nil {
 				// A syn check holds a source port, not a slot: no goroutine,
 				// no file. Its SYN goes out with the batch's.
-				var port uint16
-				select {
-				case port = <-syn.free:
-				default:
-					syn.flush() // the queued checks hold ports too
-					select {
-					case port = <-syn.free:
-					case <-ctx.Done():
+				port, ok := syn.takePort()
+				if !ok {
+					syn.flush(now) // the queued checks hold ports too
+					if port, ok = c.waitPort(ctx, syn); !ok {
 						c.requeue(batch[i:], now)
 						return nil
 					}
 				}
-				c.startSyn(ctx, b, syn, port)
+				c.startSyn(b, syn, port, now)
 				queued = syn
 				continue
 			}
@@ -557,15 +583,20 @@ func (c *Checker) Run(ctx context.Context) error {
 			}
 		}
 		if queued != nil {
-			queued.flush()
+			queued.flush(now)
 		}
 		if len(batch) > 0 {
 			continue
 		}
+		if c.syn != nil {
+			if w, ok := c.syn.wakeAt(); ok && (next.IsZero() || w.Before(next)) {
+				next = w
+			}
+		}
 
 		var tick <-chan time.Time
 		if !next.IsZero() {
-			timer.Reset(next.Sub(now))
+			timer.Reset(max(0, next.Sub(now)))
 			tick = timer.C
 		}
 		select {
@@ -585,12 +616,17 @@ func (c *Checker) takeDue(now time.Time, batch []*backend) ([]*backend, time.Tim
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.expire(now)
-	for len(c.due) > 0 && !c.due[0].dueAt.After(now.Add(slackFor(c.due[0].svc.cfg.Check.Interval))) {
-		batch = append(batch, heap.Pop(&c.due).(*backend))
-	}
 	next := time.Time{}
-	if len(c.due) > 0 {
-		next = c.due[0].dueAt
+	for {
+		h := c.due.head()
+		if h == nil {
+			break
+		}
+		if h.dueAt.After(now.Add(slackFor(h.svc.cfg.Check.Interval))) {
+			next = h.dueAt
+			break
+		}
+		batch = append(batch, c.due.take())
 	}
 	if len(c.ejected) > 0 && (next.IsZero() || c.ejected[0].ejectedUntil.Before(next)) {
 		next = c.ejected[0].ejectedUntil
@@ -604,7 +640,7 @@ func (c *Checker) requeue(bs []*backend, now time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, b := range bs {
-		if !b.removed && b.dueIdx < 0 && b.inflight == nil && b.svc.cfg.Check.Kind != None {
+		if !b.removed && !b.queued && b.inflight == nil && b.svc.cfg.Check.Kind != None {
 			c.queue(b, now)
 		}
 	}
@@ -616,21 +652,17 @@ func (c *Checker) start(ctx context.Context, b *backend, sem chan struct{}, wg *
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	s := b.svc
-	if b.removed || b.dueIdx >= 0 || b.inflight != nil || s.cfg.Check.Kind == None {
+	if b.removed || b.queued || b.inflight != nil || s.cfg.Check.Kind == None {
 		return false
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	b.inflight = cancel
 	p := probe{
-		service:   s.name,
-		cfg:       s.cfg.Check,
-		dial:      c.Dial,
-		dialer:    s.dialer,
-		addr:      b.addr,
-		gen:       b.gen,
-		scheduled: b.dueAt,
-		method:    MethodConnect,
-		keep:      b.keep,
+		checkRun: checkRun{service: s.name, addr: b.addr, gen: b.gen, scheduled: b.dueAt, method: MethodConnect},
+		cfg:      s.cfg.Check,
+		dial:     c.Dial,
+		dialer:   s.dialer,
+		keep:     b.keep,
 	}
 	b.keep = nil
 	if p.dial == nil {
@@ -711,13 +743,13 @@ func (c *Checker) check(ctx context.Context, b *backend, p probe) {
 	tctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
 	err := p.run(tctx)
 	cancel()
-	c.complete(ctx, b, &p, start, err)
+	c.complete(ctx, b, &p.checkRun, p.keep, start, c.now(), err)
 }
 
-// complete applies the result of a check of b that started at start and
-// schedules the next one. ctx is the check's own (Remove cancels it) or Run's.
-func (c *Checker) complete(ctx context.Context, b *backend, p *probe, start time.Time, err error) {
-	end := c.now()
+// complete applies the result of a check p of b that ran from start to end and
+// schedules the next one; keep is the connection an HTTP check leaves to
+// reuse, if any. ctx is the check's own (Remove cancels it) or Run's.
+func (c *Checker) complete(ctx context.Context, b *backend, p *checkRun, keep *keptConn, start, end time.Time, err error) {
 	res := Result{ID: b.id, Service: p.service, Addr: p.addr, Method: p.method,
 		Scheduled: p.scheduled, Start: start, Duration: end.Sub(start), Err: err}
 
@@ -726,11 +758,22 @@ func (c *Checker) complete(ctx context.Context, b *backend, p *probe, start time
 	if !stale {
 		c.record(b, res, end)
 	}
-	if p.keep != nil {
-		if stale || b.keep != nil || b.svc.cfg.Check.Kind != HTTP {
-			p.keep.conn.Close()
-		} else {
-			b.keep = p.keep
+	switch {
+	case keep != nil && !stale && b.keep == nil && b.svc.cfg.Check.Kind == HTTP && (b.slot || c.kept < c.maxKept):
+		b.keep = keep
+		if !b.slot {
+			b.slot = true
+			c.kept++
+		}
+	case keep != nil:
+		keep.conn.Close()
+		fallthrough
+	default:
+		if b.slot && b.keep == nil && !stale {
+			// The check ended without a connection to keep: the slot is
+			// free for another backend.
+			b.slot = false
+			c.kept--
 		}
 	}
 	c.mu.Unlock()
@@ -741,6 +784,7 @@ func (c *Checker) complete(ctx context.Context, b *backend, p *probe, start time
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	b.inflight = nil
+	b.synPort = 0
 	if b.removed || b.svc.cfg.Check.Kind == None {
 		return
 	}
@@ -791,13 +835,9 @@ func randDuration(d time.Duration) time.Duration {
 	return rand.N(d)
 }
 
-// dueHeap orders backends by their next check; ejectHeap orders ejected backends by
-// the end of their ejection. Both keep each backend's position in it, so a backend
-// can be re-keyed or removed in O(log n).
-type (
-	dueHeap   = backendHeap[byDue]
-	ejectHeap = backendHeap[byEjectionEnd]
-)
+// ejectHeap orders ejected backends by the end of their ejection. It keeps each
+// backend's position in it, so a backend can be removed in O(log n).
+type ejectHeap = backendHeap[byEjectionEnd]
 
 // heapField says which time a backendHeap orders by and where a backend keeps its
 // position in that heap.
@@ -805,11 +845,6 @@ type heapField interface {
 	at(b *backend) time.Time
 	index(b *backend) *int
 }
-
-type byDue struct{}
-
-func (byDue) at(b *backend) time.Time { return b.dueAt }
-func (byDue) index(b *backend) *int   { return &b.dueIdx }
 
 type byEjectionEnd struct{}
 
@@ -851,7 +886,7 @@ func (h *backendHeap[F]) Pop() any {
 // kind or host-name address) or the prober could not be opened. Only Run's
 // goroutine calls it, so the raw sockets and the port reservation belong to
 // the network namespace Run was called in.
-func (c *Checker) synFor(b *backend) *synProber {
+func (c *Checker) synFor(ctx context.Context, b *backend) *synProber {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	cfg := b.svc.cfg.Check
@@ -864,7 +899,9 @@ func (c *Checker) synFor(b *backend) *synProber {
 		if ports[0] == 0 || ports[0] > ports[1] {
 			c.syn, c.synErr = nil, fmt.Errorf("syn ports %d-%d: want 1 <= first <= last: %w", ports[0], ports[1], ErrInvalidConfig)
 		} else {
-			c.syn, c.synErr = openSyn(ports)
+			c.syn, c.synErr = openSyn(ports, func(b *backend, err error, at time.Time) {
+				c.complete(ctx, b, &b.synRun, nil, b.synStart, at, err)
+			})
 		}
 	}
 	return c.syn
@@ -879,21 +916,47 @@ func (c *Checker) synPorts() [2]uint16 {
 
 // startSyn queues the SYN of b's check from port, if the check is still
 // wanted, for the prober's next flush; the answer, or the timeout, completes it.
-func (c *Checker) startSyn(ctx context.Context, b *backend, syn *synProber, port uint16) {
+func (c *Checker) startSyn(b *backend, syn *synProber, port uint16, now time.Time) {
 	c.mu.Lock()
 	s := b.svc
-	if b.removed || b.dueIdx >= 0 || b.inflight != nil || s.cfg.Check.Kind == None {
+	if b.removed || b.queued || b.inflight != nil || s.cfg.Check.Kind == None {
 		c.mu.Unlock()
-		syn.free <- port
+		syn.putPort(port)
 		return
 	}
 	seq := newSeq()
-	b.inflight = func() { syn.drop(port, seq) }
-	p := &probe{service: s.name, cfg: s.cfg.Check, addr: b.addr, gen: b.gen, scheduled: b.dueAt, method: MethodSyn}
-	dst := b.ap
+	b.inflight, b.synPort, b.synSeq = synInFlight, port, seq
+	b.synRun = checkRun{service: s.name, addr: b.addr, gen: b.gen, scheduled: b.dueAt, method: MethodSyn}
+	b.synStart = now
+	dst, source, timeout := b.ap, s.cfg.Check.Source, s.cfg.Check.Timeout
 	c.mu.Unlock()
-	start := c.now()
-	syn.queue(dst, p.cfg.Source, port, seq, p.cfg.Timeout, func(err error) { c.complete(ctx, b, p, start, err) })
+	syn.queue(now, b, dst, source, port, seq, timeout)
+}
+
+// synInFlight marks a backend's syn check in flight; Remove drops the check
+// from the prober by its port (remove), so there is nothing to cancel.
+func synInFlight() {}
+
+// waitPort waits, reading answers, until a syn check ends and frees its port,
+// or ctx is done (ok false). All of the range is in flight: the checks wait
+// for their answers or timeouts rather than fail.
+func (c *Checker) waitPort(ctx context.Context, syn *synProber) (port uint16, ok bool) {
+	t := time.NewTimer(time.Hour)
+	defer t.Stop()
+	for {
+		now := c.now()
+		syn.poll(now)
+		if port, ok := syn.takePort(); ok {
+			return port, true
+		}
+		w, _ := syn.wakeAt()
+		t.Reset(max(synMinPoll, w.Sub(now)))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return 0, false
+		}
+	}
 }
 
 // closeSyn closes the prober of the Run that ends, which ends its checks in
@@ -913,7 +976,7 @@ func (c *Checker) closeKept() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, b := range c.backends {
-		b.closeKept()
+		c.closeKeptOf(b)
 	}
 }
 

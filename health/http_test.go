@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -124,11 +125,10 @@ func TestHTTPCheck(t *testing.T) {
 	}
 }
 
-// TestHTTPKeepAlive: checks reuse one connection per backend, and a
-// connection the server closed is replaced within the same check, so no
-// check fails for it.
-func TestHTTPKeepAlive(t *testing.T) {
-	var conns atomic.Int32
+// countingServer is an HTTP server answering "ok" that counts the
+// connections it accepts; it closes at the end of the test.
+func countingServer(t *testing.T) (*httptest.Server, *atomic.Int32) {
+	conns := new(atomic.Int32)
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "ok") }))
 	srv.Config.ConnState = func(_ net.Conn, st http.ConnState) {
 		if st == http.StateNew {
@@ -136,7 +136,15 @@ func TestHTTPKeepAlive(t *testing.T) {
 		}
 	}
 	srv.Start()
-	defer srv.Close()
+	t.Cleanup(srv.Close)
+	return srv, conns
+}
+
+// TestHTTPKeepAlive: checks reuse one connection per backend, and a
+// connection the server closed is replaced within the same check, so no
+// check fails for it.
+func TestHTTPKeepAlive(t *testing.T) {
+	srv, conns := countingServer(t)
 	u, _ := url.Parse(srv.URL)
 
 	var checks, failed atomic.Int32
@@ -164,5 +172,67 @@ func TestHTTPKeepAlive(t *testing.T) {
 	waitfor.Value(t, 5*time.Second, "10 more checks", func() (any, bool) { return checks.Load(), checks.Load() >= before+10 })
 	if n := conns.Load(); n != 2 {
 		t.Errorf("connections after the server closed the first: got %d; want 2", n)
+	}
+}
+
+// TestHTTPMaxKept: past Checker.MaxKept kept-alive connections, HTTP checks
+// close theirs after the response and connect anew, and still pass; the
+// backends holding the bound's slots keep one connection each, and keep their
+// slots while their checks are in flight.
+func TestHTTPMaxKept(t *testing.T) {
+	const nBackends, maxKept = 5, 2
+	srv, conns := countingServer(t)
+	u, _ := url.Parse(srv.URL)
+
+	var (
+		mu     sync.Mutex
+		checks = map[string]int{}
+	)
+	c := &Checker{MaxKept: maxKept, OnCheck: func(r Result) {
+		mu.Lock()
+		checks[r.ID]++
+		mu.Unlock()
+		if r.Err != nil {
+			t.Errorf("check: got %v; want a pass", r.Err)
+		}
+	}}
+	if err := c.SetService("web", Config{Check: Check{Kind: HTTP, Interval: 20 * time.Millisecond, Timeout: time.Second, Initial: Up}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range nBackends {
+		if err := c.Set(Backend{ID: fmt.Sprint("b", i), Addr: u.Host, Service: "web"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	run(t, c)
+	waitfor.Value(t, 10*time.Second, "10 checks per backend", func() (any, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		least := -1
+		for i := range nBackends {
+			if n := checks[fmt.Sprint("b", i)]; least < 0 || n < least {
+				least = n
+			}
+		}
+		return least, least >= 10
+	})
+	n := int(conns.Load())
+	c.mu.RLock()
+	mu.Lock()
+	kept, slots, want := c.kept, 0, 0
+	for id, b := range c.backends {
+		if b.slot {
+			slots++
+			want++ // one connection, reused
+		} else {
+			want += checks[id] // one connection per check
+		}
+	}
+	mu.Unlock()
+	c.mu.RUnlock()
+	// The connections and the checks are read a moment apart: the checks in
+	// flight, at most one per backend, make up the difference either way.
+	if kept != maxKept || slots != maxKept || n > want+nBackends || n < want-nBackends {
+		t.Errorf("%d connections, %d slots held (count %d); want %d±%d connections and %d slots", n, slots, kept, want, nBackends, maxKept)
 	}
 }

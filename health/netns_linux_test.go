@@ -120,22 +120,26 @@ func (n *netNS) listen(t *testing.T, addr string) net.Listener {
 	return ln
 }
 
-// dial connects to an IPv4 address inside the namespace. Only the socket is
+// dial connects to an IP address inside the namespace. Only the socket is
 // made on the namespace's thread; the connect waits in the caller's goroutine
 // on the runtime's poller, so a black-holed connect blocks no other dial.
 func (n *netNS) dial(ctx context.Context, network, address string) (net.Conn, error) {
 	ap, err := netip.ParseAddrPort(address)
-	if err != nil || !ap.Addr().Is4() {
-		return nil, fmt.Errorf("dial %s: want an IPv4 address and port: %v", address, err)
+	if err != nil {
+		return nil, fmt.Errorf("dial %s: want an IP address and port: %v", address, err)
+	}
+	family, sa := unix.AF_INET6, unix.Sockaddr(&unix.SockaddrInet6{Port: int(ap.Port()), Addr: ap.Addr().As16()})
+	if ap.Addr().Is4() {
+		family, sa = unix.AF_INET, &unix.SockaddrInet4{Port: int(ap.Port()), Addr: ap.Addr().As4()}
 	}
 	var fd int
 	if err := n.do(func() (err error) {
-		fd, err = unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+		fd, err = unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 		return err
 	}); err != nil {
 		return nil, os.NewSyscallError("socket", err)
 	}
-	err = unix.Connect(fd, &unix.SockaddrInet4{Port: int(ap.Port()), Addr: ap.Addr().As4()})
+	err = unix.Connect(fd, sa)
 	if err != nil && err != unix.EINPROGRESS {
 		unix.Close(fd)
 		return nil, &net.OpError{Op: "dial", Net: network, Err: os.NewSyscallError("connect", err)}
@@ -178,8 +182,22 @@ func (n *netNS) dial(ctx context.Context, network, address string) (net.Conn, er
 // It speaks nf_tables netlink directly, since the nft command may be missing.
 func (n *netNS) dropSYN(t *testing.T, port uint16) {
 	t.Helper()
-	if err := n.do(func() error { return nftDropSYN(port) }); err != nil {
+	drop := nftExpr("immediate", nlAttr(1 /* DREG */, nlBE32(nftRegVerdict)),
+		nlNest(2 /* DATA */, nlNest(2 /* NFTA_DATA_VERDICT */, nlAttr(1 /* CODE */, nlBE32(nfDrop)))))
+	if err := n.do(func() error { return nftSYNRule(false, port, drop) }); err != nil {
 		requirePrivilege(t, fmt.Sprintf("cannot install an nftables drop rule in %s: %v", n.name, err))
+	}
+}
+
+// rejectSYN installs an nftables rule in the namespace that answers TCP SYNs
+// to port with an ICMP (v6: ICMPv6) destination unreachable of the given
+// code, as a firewall's reject does, instead of letting them through.
+func (n *netNS) rejectSYN(t *testing.T, v6 bool, port uint16, code byte) {
+	t.Helper()
+	reject := nftExpr("reject", nlAttr(1 /* NFTA_REJECT_TYPE */, nlBE32(0 /* NFT_REJECT_ICMP_UNREACH */)),
+		nlAttr(2 /* NFTA_REJECT_ICMP_CODE */, []byte{code}))
+	if err := n.do(func() error { return nftSYNRule(v6, port, reject) }); err != nil {
+		requirePrivilege(t, fmt.Sprintf("cannot install an nftables reject rule in %s: %v", n.name, err))
 	}
 }
 
@@ -192,6 +210,7 @@ const (
 	nftMsgNewChain     = 3
 	nftMsgNewRule      = 6
 	nfprotoIPv4        = 2
+	nfprotoIPv6        = 10
 	nlaFNested         = 1 << 15
 	nfInetLocalOut     = 3
 	nfAccept           = 1
@@ -223,13 +242,12 @@ func nlStr(s string) []byte { return append([]byte(s), 0) }
 
 func nlBE32(v uint32) []byte { return binary.BigEndian.AppendUint32(nil, v) }
 
-func nlMsg(typ, flags uint16, seq uint32, payload []byte) []byte {
+func nlMsg(family byte, typ, flags uint16, seq uint32, payload []byte) []byte {
 	b := make([]byte, 16, 20+len(payload))
 	binary.NativeEndian.PutUint32(b[0:], uint32(20+len(payload)))
 	binary.NativeEndian.PutUint16(b[4:], typ)
 	binary.NativeEndian.PutUint16(b[6:], flags)
 	binary.NativeEndian.PutUint32(b[8:], seq)
-	family := byte(nfprotoIPv4)
 	if typ == nfnlMsgBatchBegin || typ == nfnlMsgBatchEnd {
 		family = unix.AF_UNSPEC
 	}
@@ -253,16 +271,22 @@ func nftCmp(value []byte) []byte {
 		nlNest(3 /* DATA */, nlAttr(1 /* NFTA_DATA_VALUE */, value)))
 }
 
-// nftDropSYN adds: table ip whc { chain out { type filter hook output
-// priority 0; ip protocol tcp tcp dport PORT tcp flags & (syn|ack) == syn drop } }
-func nftDropSYN(port uint16) error {
+// nftSYNRule adds: table ip whc { chain out { type filter hook output
+// priority 0; ip protocol tcp tcp dport PORT tcp flags & (syn|ack) == syn VERDICT } },
+// where verdict is the rule's last expression; with v6, the same in table ip6
+// whc, matching ip6 nexthdr tcp.
+func nftSYNRule(v6 bool, port uint16, verdict []byte) error {
+	family, protoOff := byte(nfprotoIPv4), uint32(9)
+	if v6 {
+		family, protoOff = nfprotoIPv6, 6
+	}
 	const table, chain = "whc", "out"
 	req := uint16(unix.NLM_F_REQUEST | unix.NLM_F_ACK | unix.NLM_F_CREATE)
 	mt := func(cmd uint16) uint16 { return nfnlSubsysNFTables<<8 | cmd }
 	var batch []byte
-	batch = append(batch, nlMsg(nfnlMsgBatchBegin, unix.NLM_F_REQUEST, 1, nil)...)
-	batch = append(batch, nlMsg(mt(nftMsgNewTable), req, 2, nlAttr(1 /* NAME */, nlStr(table)))...)
-	batch = append(batch, nlMsg(mt(nftMsgNewChain), req, 3, concat(
+	batch = append(batch, nlMsg(family, nfnlMsgBatchBegin, unix.NLM_F_REQUEST, 1, nil)...)
+	batch = append(batch, nlMsg(family, mt(nftMsgNewTable), req, 2, nlAttr(1 /* NAME */, nlStr(table)))...)
+	batch = append(batch, nlMsg(family, mt(nftMsgNewChain), req, 3, concat(
 		nlAttr(1 /* TABLE */, nlStr(table)),
 		nlAttr(3 /* NAME */, nlStr(chain)),
 		nlNest(4 /* HOOK */, nlAttr(1 /* HOOKNUM */, nlBE32(nfInetLocalOut)), nlAttr(2 /* PRIORITY */, nlBE32(0))),
@@ -270,11 +294,11 @@ func nftDropSYN(port uint16) error {
 		nlAttr(7 /* TYPE */, nlStr("filter")),
 	))...)
 	portBE := binary.BigEndian.AppendUint16(nil, port)
-	batch = append(batch, nlMsg(mt(nftMsgNewRule), req|unix.NLM_F_APPEND, 4, concat(
+	batch = append(batch, nlMsg(family, mt(nftMsgNewRule), req|unix.NLM_F_APPEND, 4, concat(
 		nlAttr(1 /* TABLE */, nlStr(table)),
 		nlAttr(2 /* CHAIN */, nlStr(chain)),
 		nlNest(4, /* EXPRESSIONS */
-			nftPayload(nftPayloadNetwork, 9, 1), nftCmp([]byte{unix.IPPROTO_TCP}),
+			nftPayload(nftPayloadNetwork, protoOff, 1), nftCmp([]byte{unix.IPPROTO_TCP}),
 			nftPayload(nftPayloadTranspo, 2, 2), nftCmp(portBE),
 			nftPayload(nftPayloadTranspo, 13, 1),
 			nftExpr("bitwise",
@@ -282,11 +306,10 @@ func nftDropSYN(port uint16) error {
 				nlAttr(3 /* LEN */, nlBE32(1)),
 				nlNest(4 /* MASK */, nlAttr(1, []byte{0x12})), nlNest(5 /* XOR */, nlAttr(1, []byte{0}))),
 			nftCmp([]byte{0x02}),
-			nftExpr("immediate", nlAttr(1 /* DREG */, nlBE32(nftRegVerdict)),
-				nlNest(2 /* DATA */, nlNest(2 /* NFTA_DATA_VERDICT */, nlAttr(1 /* CODE */, nlBE32(nfDrop))))),
+			verdict,
 		),
 	))...)
-	batch = append(batch, nlMsg(nfnlMsgBatchEnd, unix.NLM_F_REQUEST, 5, nil)...)
+	batch = append(batch, nlMsg(family, nfnlMsgBatchEnd, unix.NLM_F_REQUEST, 5, nil)...)
 
 	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
 	if err != nil {

@@ -17,17 +17,23 @@ import (
 // probe is one check, with everything it needs copied out of the Checker so it
 // runs without the lock.
 type probe struct {
+	checkRun
+	cfg    Check
+	dial   func(ctx context.Context, network, address string) (net.Conn, error)
+	dialer *net.Dialer
+	// keep is the backend's kept-alive HTTP connection: given to the check
+	// when it starts, handed back (or replaced, or nil) when it ends.
+	keep *keptConn
+}
+
+// checkRun is what the result of a check needs to know of it: for the
+// Result, and to tell a stale one (gen) and schedule the next (scheduled).
+type checkRun struct {
 	service   string
-	cfg       Check
-	dial      func(ctx context.Context, network, address string) (net.Conn, error)
-	dialer    *net.Dialer
 	addr      string
 	gen       uint64
 	scheduled time.Time
 	method    Method
-	// keep is the backend's kept-alive HTTP connection: given to the check
-	// when it starts, handed back (or replaced, or nil) when it ends.
-	keep *keptConn
 }
 
 // keptConn is an HTTP check connection kept open between checks.

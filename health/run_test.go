@@ -317,7 +317,7 @@ func TestMoveBackendBetweenServices(t *testing.T) {
 	// Not waiting to see that no check comes: a backend without active checks
 	// is in no queue, so Run has nothing to start for it.
 	c.mu.RLock()
-	queued, inflight := c.backends["b"].dueIdx >= 0, c.backends["b"].inflight != nil
+	queued, inflight := c.backends["b"].queued, c.backends["b"].inflight != nil
 	c.mu.RUnlock()
 	if st, _ := c.Status("b"); st.State != Up || !st.Last.Start.IsZero() || queued || inflight {
 		t.Fatalf("without active checks: got %v, last check at %v, queued %t, in flight %t; want up, never checked, not queued",

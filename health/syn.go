@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // The half-open (syn) method's packets, and the source ports they come from.
@@ -23,6 +24,25 @@ import (
 // (32768–60999) and clear of weir's NAT range (10000–32767). It also bounds the
 // syn checks in flight at once, at 4000.
 var DefaultSynPorts = [2]uint16{61000, 64999}
+
+// synPoll is how often Run reads the raw sockets while syn checks are in
+// flight. The answers wait in the socket's queue until then: one read of tens
+// of answers every few milliseconds costs far less than a wakeup per answer,
+// and at scale the reads fall on the scheduler's own wakeups (its slack is
+// the same 5 ms). It bounds how late an answer is seen, so a syn check's
+// Duration is exact to within it.
+const synPoll = maxSlack
+
+// synMinPoll is the least time between two reads: Run wakes for due checks
+// as well, and a read right after another finds nothing.
+const synMinPoll = time.Millisecond
+
+// srcEntry remembers the source address the kernel picked for a destination.
+type srcEntry struct {
+	dst, addr netip.Addr
+	at        time.Time
+	gen       uint32 // synProber.srcGen when asked
+}
 
 // errSynClosed ends the syn checks still in flight when the prober closes.
 var errSynClosed = errors.New("syn prober closed")
@@ -53,6 +73,27 @@ func buildSYN(b []byte, src, dst netip.Addr, sport, dport uint16, seq uint32) []
 	binary.BigEndian.PutUint16(b[22:], 1220)  // fits any IPv6 path
 	binary.BigEndian.PutUint16(b[16:], tcpChecksum(src, dst, b))
 	return b
+}
+
+// ipv4Len is the length of the IPv4 header of a SYN: no options.
+const ipv4Len = 20
+
+// buildIPv4 writes the IPv4 header of a SYN from src to dst into b (at least
+// ipv4Len bytes). The kernel fills in the total length and the checksum of a
+// raw socket's IP_HDRINCL packet; id must not be zero, or it picks one
+// itself, at a cost. DF is set, so the id identifies no fragments (RFC 6864).
+func buildIPv4(b []byte, src, dst [4]byte, id uint16) {
+	b = b[:ipv4Len]
+	b[0] = 4<<4 | ipv4Len/4
+	b[1] = 0
+	binary.BigEndian.PutUint16(b[2:], ipv4Len+synLen)
+	binary.BigEndian.PutUint16(b[4:], id)
+	binary.BigEndian.PutUint16(b[6:], 0x4000) // DF
+	b[8] = 64                                 // TTL
+	b[9] = 6                                  // TCP
+	binary.BigEndian.PutUint16(b[10:], 0)
+	copy(b[12:16], src[:])
+	copy(b[16:20], dst[:])
 }
 
 // tcpChecksum is the TCP checksum of seg (with its checksum field zero) over

@@ -3,6 +3,7 @@ package health
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -14,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
@@ -211,7 +213,7 @@ func TestSynRemoveInFlight(t *testing.T) {
 		if c.syn == nil {
 			return -1
 		}
-		return len(c.syn.free)
+		return c.syn.freePorts()
 	}
 	waitfor.Value(t, 5*time.Second, "all 10 ports in use", func() (any, bool) { return free(), free() == 0 })
 	for i := range 10 {
@@ -233,5 +235,289 @@ func TestPktInfo(t *testing.T) {
 	src6 := netip.MustParseAddr("fd00::1").As16()
 	if got, want := pktInfo6(make([]byte, 64), src6), unix.PktInfo6(&unix.Inet6Pktinfo{Addr: src6}); !bytes.Equal(got, want) {
 		t.Errorf("pktInfo6: got %x; want %x", got, want)
+	}
+}
+
+// TestSynTimeoutsAndFewPorts: black-holed syn checks of services with
+// different timeouts each time out after their own (the prober keeps one
+// deadline queue per timeout), while healthy backends, many more than the
+// source ports, wait for a free port and keep passing.
+func TestSynTimeoutsAndFewPorts(t *testing.T) {
+	ns := newNetNS(t)
+	good := ns.listen(t, "127.0.0.1:0").Addr().String()
+	hole := ns.listen(t, "127.0.0.1:0").Addr().String()
+	ns.dropSYN(t, netip.MustParseAddrPort(hole).Port())
+	const (
+		short, long = 100 * time.Millisecond, 400 * time.Millisecond
+		nGood       = 20
+	)
+	var (
+		mu      sync.Mutex
+		passes  = map[string]int{}
+		timeout = map[string][]Result{}
+		others  []Result
+	)
+	c := &Checker{SynPorts: [2]uint16{62200, 62209}, OnCheck: func(r Result) {
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case r.Err == nil && r.Addr == good:
+			passes[r.ID]++
+		case errors.Is(r.Err, ErrTimeout) && r.Addr == hole:
+			timeout[r.Service] = append(timeout[r.Service], r)
+		default:
+			others = append(others, r)
+		}
+	}}
+	for name, to := range map[string]time.Duration{"short": short, "long": long, "good": short} {
+		if err := c.SetService(name, Config{Check: Check{Method: MethodSyn, Interval: 50 * time.Millisecond, Timeout: to}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range 2 {
+		for _, svc := range []string{"short", "long"} {
+			if err := c.Set(Backend{ID: fmt.Sprint(svc, i), Addr: hole, Service: svc}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for i := range nGood {
+		if err := c.Set(Backend{ID: fmt.Sprint("good", i), Addr: good, Service: "good"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ns.run(t, c)
+	waitfor.Value(t, 10*time.Second, "3 timeouts of each black hole service and 10 passes of each good backend", func() (any, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		ok := len(timeout["short"]) >= 6 && len(timeout["long"]) >= 6
+		least := -1
+		for i := range nGood {
+			n := passes[fmt.Sprint("good", i)]
+			if least < 0 || n < least {
+				least = n
+			}
+		}
+		return fmt.Sprintf("timeouts %d short, %d long; least passes %d", len(timeout["short"]), len(timeout["long"]), least), ok && least >= 10
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for svc, to := range map[string]time.Duration{"short": short, "long": long} {
+		for _, r := range timeout[svc] {
+			// Not before the timeout; the upper bound only says "not stuck",
+			// with room for a loaded machine, as in the black-hole test (the
+			// error's text tells the timeouts apart).
+			if r.Duration < to || r.Duration > to+700*time.Millisecond {
+				t.Errorf("%s: timed out after %v; want about %v", r.ID, r.Duration, to)
+			}
+			if want := fmt.Sprintf("connect: timeout after %v", to); r.Err.Error() != want {
+				t.Errorf("%s: got %q; want %q", r.ID, r.Err, want)
+			}
+		}
+	}
+	for _, r := range others {
+		t.Errorf("%s: unexpected result %v", r.ID, r.Err)
+	}
+}
+
+// TestSynUnreachable: a SYN that a firewall rejects with an ICMP destination
+// unreachable fails at once, with the error a connect gets for it, for
+// either method.
+func TestSynUnreachable(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		v6   bool
+		code byte
+		want string
+	}{
+		{"port unreachable", false, 3, "connect: connection refused"},
+		{"host unreachable", false, 1, "connect: no route to host"},
+		{"administratively prohibited", false, 13, "connect: no route to host"},
+		{"IPv6 port unreachable", true, 4, "connect: connection refused"},
+		{"IPv6 administratively prohibited", true, 1, "connect: permission denied"},
+	} {
+		for _, m := range []Method{MethodConnect, MethodSyn} {
+			t.Run(tt.name+"/"+m.String(), func(t *testing.T) {
+				ns := newNetNS(t)
+				addr := ns.listen(t, map[bool]string{false: "127.0.0.1:0", true: "[::1]:0"}[tt.v6]).Addr().String()
+				ns.rejectSYN(t, tt.v6, netip.MustParseAddrPort(addr).Port(), tt.code)
+				got := make(chan Result, 1)
+				c := &Checker{SynPorts: [2]uint16{62300, 62309}, OnCheck: func(r Result) {
+					select {
+					case got <- r:
+					default:
+					}
+				}}
+				if err := c.SetService("web", Config{Check: Check{Method: m, Interval: 50 * time.Millisecond, Timeout: 2 * time.Second}}); err != nil {
+					t.Fatal(err)
+				}
+				if err := c.Set(Backend{ID: addr, Service: "web"}); err != nil {
+					t.Fatal(err)
+				}
+				if m == MethodSyn {
+					ns.run(t, c)
+				} else {
+					c.Dial = ns.dial
+					run(t, c)
+				}
+				select {
+				case r := <-got:
+					// At once: well within the 2 s timeout.
+					if r.Err == nil || r.Err.Error() != tt.want || r.Duration > time.Second || r.Method != m {
+						t.Errorf("got %v after %v by %v; want %s at once by %v", r.Err, r.Duration, r.Method, tt.want, m)
+					}
+				case <-time.After(5 * time.Second):
+					t.Fatal("no check result in 5s")
+				}
+			})
+		}
+	}
+}
+
+func TestParseUnreachable(t *testing.T) {
+	src, dst := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
+	syn := make([]byte, ipv4Len+synLen)
+	buildIPv4(syn, src.As4(), dst.As4(), 1)
+	buildSYN(syn[ipv4Len:], src, dst, 61000, 80, 42)
+	icmp4 := func(typ, code byte) []byte {
+		b := make([]byte, 20, 20+8+28)
+		b[0], b[9] = 0x45, unix.IPPROTO_ICMP
+		b = append(b, typ, code, 0, 0, 0, 0, 0, 0)
+		return append(b, syn[:28]...) // the IP header and 8 bytes of TCP
+	}
+	src6, dst6 := netip.MustParseAddr("fd00::1"), netip.MustParseAddr("fd00::2")
+	icmp6 := func(typ, code byte) []byte {
+		b := []byte{typ, code, 0, 0, 0, 0, 0, 0}
+		ip := make([]byte, 40)
+		ip[0], ip[6] = 0x60, unix.IPPROTO_TCP
+		copy(ip[8:], src6.AsSlice())
+		copy(ip[24:], dst6.AsSlice())
+		return append(append(b, ip...), buildSYN(make([]byte, synLen), src6, dst6, 61000, 80, 42)...)
+	}
+	for _, tt := range []struct {
+		name string
+		b    []byte
+		v6   bool
+		ok   bool
+		dst  netip.Addr
+		err  unix.Errno
+	}{
+		{"port unreachable", icmp4(3, 3), false, true, dst, unix.ECONNREFUSED},
+		{"host unreachable", icmp4(3, 1), false, true, dst, unix.EHOSTUNREACH},
+		{"fragmentation needed: no verdict", icmp4(3, 4), false, true, dst, 0},
+		{"not an unreachable", icmp4(11, 0), false, false, netip.Addr{}, 0},
+		{"quote cut short", icmp4(3, 3)[:20+8+24], false, false, netip.Addr{}, 0},
+		{"IPv6 port unreachable", icmp6(1, 4), true, true, dst6, unix.ECONNREFUSED},
+		{"IPv6 no route", icmp6(1, 0), true, true, dst6, unix.ENETUNREACH},
+		{"IPv6 packet too big", icmp6(2, 0), true, false, netip.Addr{}, 0},
+	} {
+		u, ok := parseUnreachable(tt.b, tt.v6)
+		if ok != tt.ok || (ok && (u.dst != tt.dst || u.sport != 61000 || u.dport != 80 || u.seq != 42 || u.err != tt.err)) {
+			t.Errorf("%s: got %+v, %t; want %v:80 from 61000, seq 42, %v, %t", tt.name, u, ok, tt.dst, tt.err, tt.ok)
+		}
+	}
+}
+
+// TestSynAllPortsHeld: when local sockets hold every port of the range, syn
+// checks cannot be told apart from those sockets' traffic, so they connect
+// instead and Method says why.
+func TestSynAllPortsHeld(t *testing.T) {
+	ns := newNetNS(t)
+	up := ns.listen(t, "127.0.0.1:0").Addr().String()
+	ns.listen(t, "127.0.0.1:62400")
+	checked := make(chan Result, 1)
+	// Dial: the connects of the fallback run on other threads than Run's.
+	c := &Checker{SynPorts: [2]uint16{62400, 62400}, Dial: ns.dial, OnCheck: func(r Result) {
+		select {
+		case checked <- r:
+		default:
+		}
+	}}
+	if err := c.SetService("web", Config{Check: Check{Method: MethodSyn, Interval: 20 * time.Millisecond}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(Backend{ID: up, Service: "web"}); err != nil {
+		t.Fatal(err)
+	}
+	ns.run(t, c)
+	select {
+	case r := <-checked:
+		if r.Err != nil || r.Method != MethodConnect {
+			t.Errorf("check: got %v by %v; want a pass by connect", r.Err, r.Method)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no check in 5s")
+	}
+	if m, err := c.Method("web"); m != MethodConnect || err == nil || !strings.Contains(err.Error(), "held by a local socket") {
+		t.Errorf("Method: got %v, %v; want connect, every port held by a local socket", m, err)
+	}
+}
+
+// TestSynSourceCache: the source address the kernel picks for a destination
+// is asked once and remembered, until netlink reports a change of addresses
+// (or routes, or rules) or the TTL runs out.
+func TestSynSourceCache(t *testing.T) {
+	ns := newNetNS(t)
+	var p *synProber
+	if err := ns.do(func() (err error) {
+		p, err = openSyn([2]uint16{62500, 62509}, func(*backend, error, time.Time) {})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ns.do(func() error { p.close(); return nil }) })
+	if p.routes < 0 {
+		t.Fatal("no netlink socket to watch routes")
+	}
+	dst := netip.MustParseAddr("127.0.0.1")
+	var cache srcEntry
+	ask := func(at time.Time) (asked bool) {
+		t.Helper()
+		before := cache.at
+		if err := ns.do(func() error {
+			p.readRoutes(at)
+			src, err := p.source(dst, netip.Addr{}, at, &cache)
+			if err == nil && src != dst {
+				err = fmt.Errorf("source: got %v; want %v", src, dst)
+			}
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return !cache.at.Equal(before)
+	}
+	t0 := time.Now()
+	if !ask(t0) {
+		t.Fatal("first use: not asked")
+	}
+	// The namespace's own setup (lo's addresses) may still be reported:
+	// a few asks to let it pass, then the remembered one must be used.
+	settled := false
+	for k := range 5 {
+		if !ask(t0.Add(time.Duration(k+1) * 100 * time.Millisecond)) {
+			settled = true
+			break
+		}
+	}
+	if !settled {
+		t.Error("nothing changed: asked every time; want the remembered one")
+	}
+	if err := ns.do(func() error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.AddrAdd(lo, &netlink.Addr{IPNet: &net.IPNet{IP: net.IPv4(10, 9, 9, 9), Mask: net.CIDRMask(32, 32)}})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if !ask(t0.Add(2 * time.Second)) {
+		t.Error("after an address was added: not asked again")
+	}
+	if ask(t0.Add(3 * time.Second)) {
+		t.Error("after it was asked again: asked once more; want the remembered one")
+	}
+	if !ask(t0.Add(3*time.Second + srcTTL)) {
+		t.Error("after the TTL: not asked again")
 	}
 }

@@ -79,3 +79,19 @@ func TestSynFallsBackToConnect(t *testing.T) {
 	}
 	t.Logf("Method: %v, %v", m, err)
 }
+
+// TestBuildIPv4: an IPv4 SYN as the raw socket sends it parses back as the
+// receive path reads one, with DF set and a nonzero id.
+func TestBuildIPv4(t *testing.T) {
+	src, dst := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
+	b := make([]byte, ipv4Len+synLen)
+	buildIPv4(b, src.As4(), dst.As4(), 7)
+	buildSYN(b[ipv4Len:], src, dst, 61000, 80, 42)
+	got, ok := parseIPv4TCP(b)
+	if !ok || got.src != src || got.sport != 61000 || got.dport != 80 || got.seq != 42 || got.flags != tcpSYN {
+		t.Errorf("parsed back: got %+v, %t; want from %v, 61000 -> 80, seq 42, SYN", got, ok, src)
+	}
+	if id, frag, d := binary.BigEndian.Uint16(b[4:]), binary.BigEndian.Uint16(b[6:]), netip.AddrFrom4([4]byte(b[16:20])); id != 7 || frag != 0x4000 || d != dst || b[8] == 0 {
+		t.Errorf("header: id %d, flags/offset %#x, dst %v, ttl %d; want 7, DF, %v, nonzero", id, frag, d, b[8], dst)
+	}
+}
