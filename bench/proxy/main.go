@@ -38,6 +38,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/weir-lb/weir/bench/internal/benchproc"
 )
 
 var (
@@ -82,7 +84,7 @@ type target struct {
 	name  string
 	http  string // address wrk uses
 	bulk  string // address iperf3 uses
-	start func(ctx context.Context, dir string) (*proc, error)
+	start func(ctx context.Context, dir string) (*benchproc.Proc, error)
 }
 
 // result is one target's measures in one run.
@@ -109,10 +111,10 @@ func run(ctx context.Context) error {
 		return fmt.Errorf("temp dir: %w", err)
 	}
 	defer os.RemoveAll(dir)
-	var procs []*proc
+	var procs []*benchproc.Proc
 	defer func() {
 		for _, p := range procs {
-			p.stop()
+			p.Stop()
 		}
 	}()
 	be, err := startNginxBackend(ctx, dir)
@@ -120,7 +122,7 @@ func run(ctx context.Context) error {
 		return err
 	}
 	procs = append(procs, be)
-	ip, err := startProc(ctx, dir, "iperf3-server", nil, "iperf3", "-s", "-p", port(iperfAddr))
+	ip, err := benchproc.Start(dir, "iperf3-server", nil, "iperf3", "-s", "-p", port(iperfAddr))
 	if err != nil {
 		return err
 	}
@@ -158,25 +160,31 @@ func allTargets() []target {
 	for _, procs := range []int{1, 2} {
 		ts = append(ts, target{
 			name: fmt.Sprintf("weir-%dp", procs), http: proxyHTTP, bulk: proxyBulk,
-			start: func(ctx context.Context, dir string) (*proc, error) { return startWeir(ctx, dir, procs, false) },
+			start: func(ctx context.Context, dir string) (*benchproc.Proc, error) {
+				return startWeir(ctx, dir, procs, false)
+			},
 		})
 	}
 	ts = append(ts, target{
 		name: "weir-1p-sockmap", http: proxyHTTP, bulk: proxyBulk,
-		start: func(ctx context.Context, dir string) (*proc, error) { return startWeir(ctx, dir, 1, true) },
+		start: func(ctx context.Context, dir string) (*benchproc.Proc, error) { return startWeir(ctx, dir, 1, true) },
 	})
 	for _, threads := range []int{1, 2} {
 		for _, splice := range []string{"auto", "splice"} {
 			ts = append(ts, target{
 				name: fmt.Sprintf("haproxy-%dt-%s", threads, splice), http: proxyHTTP, bulk: proxyBulk,
-				start: func(ctx context.Context, dir string) (*proc, error) { return startHAProxy(ctx, dir, threads, splice) },
+				start: func(ctx context.Context, dir string) (*benchproc.Proc, error) {
+					return startHAProxy(ctx, dir, threads, splice)
+				},
 			})
 		}
 	}
 	for _, workers := range []int{1, 2} {
 		ts = append(ts, target{
 			name: fmt.Sprintf("nginx-%dw", workers), http: proxyHTTP, bulk: proxyBulk,
-			start: func(ctx context.Context, dir string) (*proc, error) { return startNginxStream(ctx, dir, workers) },
+			start: func(ctx context.Context, dir string) (*benchproc.Proc, error) {
+				return startNginxStream(ctx, dir, workers)
+			},
 		})
 	}
 	return ts
@@ -185,13 +193,13 @@ func allTargets() []target {
 // measure starts t, runs every case against it and stops it.
 func measure(ctx context.Context, dir string, t target) (result, error) {
 	var res result
-	var p *proc
+	var p *benchproc.Proc
 	if t.start != nil {
 		var err error
 		if p, err = t.start(ctx, dir); err != nil {
 			return res, err
 		}
-		defer p.stop()
+		defer p.Stop()
 		if err := waitPorts(ctx, t.http, t.bulk); err != nil {
 			return res, err
 		}
@@ -200,9 +208,9 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 
 	// Short connections: one request each.
 	var perf *perfStat
-	cpu0 := p.cpu()
+	cpu0 := p.CPU()
 	if p != nil {
-		perf = startPerf(ctx, p.pids())
+		perf = startPerf(ctx, p.PIDs())
 	}
 	w, err := runWrk(ctx, url, true)
 	if err != nil {
@@ -211,7 +219,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	sys, _ := perf.stop()
 	res.ConnRPS, res.ConnP50, res.ConnP99 = w.rps, w.p50, w.p99
 	if p != nil && w.requests > 0 {
-		res.CPUPerConn = (p.cpu() - cpu0) * 1e6 / float64(w.requests)
+		res.CPUPerConn = (p.CPU() - cpu0) * 1e6 / float64(w.requests)
 		res.SyscallsPerConn = float64(sys.syscalls) / float64(w.requests)
 	}
 
@@ -223,7 +231,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 
 	// Bulk.
 	if p != nil {
-		perf = startPerf(ctx, p.pids())
+		perf = startPerf(ctx, p.PIDs())
 	}
 	if res.Bulk1, err = runIperf(ctx, t.bulk, 1); err != nil {
 		return res, err
@@ -235,7 +243,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	}
 
 	if p != nil {
-		res.PeakRSS = p.mem("VmHWM")
+		res.PeakRSS = p.Mem("VmHWM")
 		rss, fds, err := holdIdle(ctx, t.http, p)
 		if err != nil {
 			return res, err
@@ -247,8 +255,8 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 
 // holdIdle opens -idle connections through p, each having done one request, and
 // returns p's RSS (MB) and descriptors per connection while they are held.
-func holdIdle(ctx context.Context, addr string, p *proc) (float64, float64, error) {
-	fd0 := p.fds()
+func holdIdle(ctx context.Context, addr string, p *benchproc.Proc) (float64, float64, error) {
+	fd0 := p.FDs()
 	var cs []net.Conn
 	defer func() {
 		for _, c := range cs {
@@ -275,128 +283,17 @@ func holdIdle(ctx context.Context, addr string, p *proc) (float64, float64, erro
 		}
 	}
 	time.Sleep(500 * time.Millisecond)
-	rss := p.mem("VmRSS")
-	fds := float64(p.fds()-fd0) / float64(*idle)
+	rss := p.Mem("VmRSS")
+	fds := float64(p.FDs()-fd0) / float64(*idle)
 	return rss, fds, nil
 }
 
 // --- processes ---
 
-// proc is a process this program started (with its own process group), plus the
-// worker processes it forked, found through /proc.
-type proc struct {
-	name string
-	cmd  *exec.Cmd
-	done chan struct{}
-}
-
-func startProc(ctx context.Context, dir, name string, env []string, argv ...string) (*proc, error) {
-	cmd := exec.Command(argv[0], argv[1:]...)
-	cmd.Env = append(os.Environ(), env...)
-	logf, err := os.Create(filepath.Join(dir, name+".log"))
-	if err != nil {
-		return nil, fmt.Errorf("start %s: %w", name, err)
-	}
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		logf.Close()
-		return nil, fmt.Errorf("start %s: %w", name, err)
-	}
-	p := &proc{name: name, cmd: cmd, done: make(chan struct{})}
-	// Exits when the process has exited (stop makes sure it does).
-	go func() {
-		cmd.Wait()
-		logf.Close()
-		close(p.done)
-	}()
-	return p, nil
-}
-
-// stop ends the process (SIGTERM, then SIGKILL after 3 s) and its process group, which
-// it created: workers of nginx or HAProxy go with it.
-func (p *proc) stop() {
-	if p == nil {
-		return
-	}
-	pid := p.cmd.Process.Pid
-	syscall.Kill(-pid, syscall.SIGTERM)
-	select {
-	case <-p.done:
-	case <-time.After(3 * time.Second):
-		syscall.Kill(-pid, syscall.SIGKILL)
-		<-p.done
-	}
-	// Workers that outlived their master in our group.
-	syscall.Kill(-pid, syscall.SIGKILL)
-	time.Sleep(100 * time.Millisecond) // let the ports be released
-}
-
-// pids is the process and its children (nginx workers).
-func (p *proc) pids() []int {
-	if p == nil {
-		return nil
-	}
-	pid := p.cmd.Process.Pid
-	out := []int{pid}
-	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
-	for _, f := range strings.Fields(string(b)) {
-		if n, err := strconv.Atoi(f); err == nil {
-			out = append(out, n)
-		}
-	}
-	return out
-}
-
-// cpu is user+system seconds of the process and its workers.
-func (p *proc) cpu() float64 {
-	if p == nil {
-		return 0
-	}
-	var total float64
-	for _, pid := range p.pids() {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			continue
-		}
-		s := string(b)
-		f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
-		ut, _ := strconv.ParseFloat(f[11], 64)
-		st, _ := strconv.ParseFloat(f[12], 64)
-		total += (ut + st) / 100 // USER_HZ
-	}
-	return total
-}
-
-// mem is a /proc/PID/status field (VmRSS, VmHWM) summed over the processes, in MB.
-func (p *proc) mem(field string) float64 {
-	var kb float64
-	for _, pid := range p.pids() {
-		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-		for _, l := range strings.Split(string(b), "\n") {
-			if strings.HasPrefix(l, field+":") {
-				f := strings.Fields(l)
-				v, _ := strconv.ParseFloat(f[1], 64)
-				kb += v
-			}
-		}
-	}
-	return kb / 1024
-}
-
-func (p *proc) fds() int {
-	n := 0
-	for _, pid := range p.pids() {
-		ents, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
-		n += len(ents)
-	}
-	return n
-}
-
 // startWeir runs weir's proxy in a child process with GOMAXPROCS procs (the analogue
 // of HAProxy's nbthread and nginx's worker_processes), forwarding in the kernel
 // (loader.SockMap) if sockmap is set.
-func startWeir(ctx context.Context, dir string, procs int, sockmap bool) (*proc, error) {
+func startWeir(ctx context.Context, dir string, procs int, sockmap bool) (*benchproc.Proc, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -405,10 +302,10 @@ func startWeir(ctx context.Context, dir string, procs int, sockmap bool) (*proc,
 	if sockmap {
 		env = append(env, sockmapEnv+"=1")
 	}
-	return startProc(ctx, dir, "weir", env, self, "-serve")
+	return benchproc.Start(dir, "weir", env, self, "-serve")
 }
 
-func startHAProxy(ctx context.Context, dir string, threads int, splice string) (*proc, error) {
+func startHAProxy(ctx context.Context, dir string, threads int, splice string) (*benchproc.Proc, error) {
 	opt := "option splice-auto"
 	if splice == "splice" {
 		opt = "option splice-request\n  option splice-response"
@@ -434,10 +331,10 @@ listen bulk
 	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 		return nil, err
 	}
-	return startProc(ctx, dir, "haproxy", nil, "haproxy", "-db", "-f", path)
+	return benchproc.Start(dir, "haproxy", nil, "haproxy", "-db", "-f", path)
 }
 
-func startNginxStream(ctx context.Context, dir string, workers int) (*proc, error) {
+func startNginxStream(ctx context.Context, dir string, workers int) (*benchproc.Proc, error) {
 	prefix := filepath.Join(dir, "nginx-stream")
 	os.MkdirAll(prefix, 0o755)
 	cfg := fmt.Sprintf(`load_module /usr/lib/nginx/modules/ngx_stream_module.so;
@@ -456,10 +353,10 @@ stream {
 	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 		return nil, err
 	}
-	return startProc(ctx, dir, "nginx-stream", nil, "nginx", "-p", prefix, "-c", path, "-e", prefix+"/error.log", "-g", "daemon off;")
+	return benchproc.Start(dir, "nginx-stream", nil, "nginx", "-p", prefix, "-c", path, "-e", prefix+"/error.log", "-g", "daemon off;")
 }
 
-func startNginxBackend(ctx context.Context, dir string) (*proc, error) {
+func startNginxBackend(ctx context.Context, dir string) (*benchproc.Proc, error) {
 	prefix := filepath.Join(dir, "nginx-backend")
 	os.MkdirAll(prefix, 0o755)
 	cfg := fmt.Sprintf(`worker_processes 1;
@@ -481,7 +378,7 @@ http {
 	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 		return nil, err
 	}
-	return startProc(ctx, dir, "nginx-backend", nil, "nginx", "-p", prefix, "-c", path, "-e", prefix+"/error.log", "-g", "daemon off;")
+	return benchproc.Start(dir, "nginx-backend", nil, "nginx", "-p", prefix, "-c", path, "-e", prefix+"/error.log", "-g", "daemon off;")
 }
 
 func waitPorts(ctx context.Context, addrs ...string) error {

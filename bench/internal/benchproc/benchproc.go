@@ -1,0 +1,127 @@
+// Package benchproc runs the programs a benchmark compares (weir, HAProxy, nginx,
+// Caddy, their backends) as child processes and reads what they cost from /proc: CPU,
+// memory and descriptors, summed over the process and the workers it forked.
+package benchproc
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Proc is a process a benchmark started in a process group of its own, with the
+// workers it forked. A nil *Proc reads as an empty one and stops as a no-op, so a
+// benchmark can measure a target that has no process of its own (direct).
+type Proc struct {
+	Cmd  *exec.Cmd
+	done chan struct{}
+}
+
+// Start runs argv with env added to the environment; its output goes to
+// dir/name.log. The child is killed if the benchmark dies (Pdeathsig).
+func Start(dir, name string, env []string, argv ...string) (*Proc, error) {
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Env = append(os.Environ(), env...)
+	logf, err := os.Create(filepath.Join(dir, name+".log"))
+	if err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	p := &Proc{Cmd: cmd, done: make(chan struct{})}
+	// Exits when the process has exited (Stop makes sure it does).
+	go func() {
+		cmd.Wait()
+		logf.Close()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// Stop ends the process (SIGTERM, then SIGKILL after 3 s) and the process group it
+// was started in, so workers of nginx or HAProxy go with it, then gives the kernel a
+// moment to release their ports.
+func (p *Proc) Stop() {
+	if p == nil {
+		return
+	}
+	pid := p.Cmd.Process.Pid
+	syscall.Kill(-pid, syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(3 * time.Second):
+		syscall.Kill(-pid, syscall.SIGKILL)
+		<-p.done
+	}
+	// Workers that outlived their master in the group.
+	syscall.Kill(-pid, syscall.SIGKILL)
+	time.Sleep(200 * time.Millisecond)
+}
+
+// PIDs is the process and its children (nginx's and HAProxy's workers).
+func (p *Proc) PIDs() []int {
+	if p == nil {
+		return nil
+	}
+	pid := p.Cmd.Process.Pid
+	out := []int{pid}
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
+	for _, f := range strings.Fields(string(b)) {
+		if n, err := strconv.Atoi(f); err == nil {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// CPU is the user+system seconds of the process and its workers.
+func (p *Proc) CPU() float64 {
+	var total float64
+	for _, pid := range p.PIDs() {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		s := string(b)
+		f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+		ut, _ := strconv.ParseFloat(f[11], 64)
+		st, _ := strconv.ParseFloat(f[12], 64)
+		total += (ut + st) / 100 // USER_HZ
+	}
+	return total
+}
+
+// Mem is a /proc/PID/status field in kB (VmRSS, VmHWM) summed over the processes,
+// in MB.
+func (p *Proc) Mem(field string) float64 {
+	var kb float64
+	for _, pid := range p.PIDs() {
+		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+		for l := range strings.Lines(string(b)) {
+			if strings.HasPrefix(l, field+":") {
+				v, _ := strconv.ParseFloat(strings.Fields(l)[1], 64)
+				kb += v
+			}
+		}
+	}
+	return kb / 1024
+}
+
+// FDs is the number of open descriptors of the process and its workers.
+func (p *Proc) FDs() int {
+	n := 0
+	for _, pid := range p.PIDs() {
+		ents, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+		n += len(ents)
+	}
+	return n
+}
