@@ -98,8 +98,12 @@ func (c *coalescingConn) flush() {
 		}
 		c.cond.Broadcast()
 	}
+	// A burst's buffers are not kept for an idle connection.
 	if cap(c.spare) > 64<<10 {
-		c.spare = nil // a burst's buffer is not kept for an idle connection
+		c.spare = nil
+	}
+	if len(c.buf) == 0 && cap(c.buf) > 64<<10 {
+		c.buf = nil
 	}
 	c.writing = false
 	c.cond.Broadcast()

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/net/http2"
 )
 
 // tcpPair is a real loopback TCP connection: the client end wrapped, the
@@ -124,5 +126,38 @@ func TestCoalescingConnPeerNotReading(t *testing.T) {
 	case <-blocked:
 	case <-time.After(5 * time.Second):
 		t.Fatal("the writer still blocked after Close")
+	}
+}
+
+// A served connection queues its writes only once its first read shows the
+// HTTP/2 preface, in as short a read as net/http makes.
+func TestCoalescingConnSniff(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		send  string
+		read  int
+		async bool
+	}{
+		{"h2 preface, net/http's first short read", http2.ClientPreface, len("PRI * HTTP/2.0"), true},
+		{"h2 preface whole", http2.ClientPreface, 4096, true},
+		{"HTTP/1.1", "GET / HTTP/1.1\r\nHost: x\r\n\r\n", 4096, false},
+		{"a method that starts like it", "PUT / HTTP/1.1\r\nHost: x\r\n\r\n", 4096, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			client, raw := tcpPair(t)
+			served := newCoalescingConn(raw, false)
+			if _, err := client.Write([]byte(c.send)); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadAtLeast(served, make([]byte, c.read), min(c.read, len(c.send))); err != nil {
+				t.Fatal(err)
+			}
+			served.mu.Lock()
+			async := served.async
+			served.mu.Unlock()
+			if async != c.async {
+				t.Errorf("queues writes: %v; want %v", async, c.async)
+			}
+		})
 	}
 }
