@@ -19,7 +19,8 @@ const coalesceLimit = 256 << 10
 // queues its bytes and returns; one goroutine, started when the queue was
 // empty, writes the queue out until it stays empty, so what comes while it is
 // in the kernel goes out in its next write. A failed write fails the Writes
-// after it. Close and CloseWrite send what is queued first.
+// after it. Close returns at once and the queue still goes out before the
+// socket closes (for at most drainWait); CloseWrite waits for it.
 //
 // HTTP/1.1 gains nothing (a connection has one answer at a time) and would pay
 // a goroutine per answer, so a served connection queues only once it has been
@@ -36,6 +37,7 @@ type coalescingConn struct {
 	buf     []byte    // queued, not yet handed to the kernel
 	spare   []byte
 	writing bool // the flusher goroutine runs
+	closed  bool // Close was called: the flusher closes the socket when done
 	err     error
 }
 
@@ -67,10 +69,13 @@ func (c *coalescingConn) Write(p []byte) (int, error) {
 		return c.Conn.Write(p)
 	}
 	defer c.mu.Unlock()
-	for c.err == nil && len(c.buf) > 0 && len(c.buf)+len(p) > coalesceLimit {
+	for c.err == nil && !c.closed && len(c.buf) > 0 && len(c.buf)+len(p) > coalesceLimit {
 		c.cond.Wait()
 	}
-	if c.err != nil {
+	switch {
+	case c.closed:
+		return 0, net.ErrClosed
+	case c.err != nil:
 		return 0, c.err
 	}
 	c.buf = append(c.buf, p...)
@@ -107,10 +112,33 @@ func (c *coalescingConn) flush() {
 	}
 	c.writing = false
 	c.cond.Broadcast()
+	if c.closed {
+		c.Conn.Close()
+	}
 }
 
-// drainWait bounds how long Close waits for queued bytes a peer does not read.
+// drainWait bounds how long a closed connection's queue may take to go out to a
+// peer that does not read.
 const drainWait = time.Second
+
+// Close does not wait for the queue: net/http's server closes its connections
+// one after another, and a peer that does not read must not hold up the rest.
+// The flusher closes the socket once the queue is out, or once its write has
+// failed on the deadline set here.
+func (c *coalescingConn) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return net.ErrClosed
+	}
+	c.closed = true
+	c.cond.Broadcast() // writers waiting for room fail now
+	if c.writing {
+		c.Conn.SetWriteDeadline(time.Now().Add(drainWait))
+		return nil
+	}
+	return c.Conn.Close()
+}
 
 // drain waits until every queued byte is written, a write has failed, or
 // drainWait has passed (then the write under way fails on its deadline).
@@ -123,11 +151,6 @@ func (c *coalescingConn) drain() {
 	for c.writing {
 		c.cond.Wait()
 	}
-}
-
-func (c *coalescingConn) Close() error {
-	c.drain()
-	return c.Conn.Close()
 }
 
 // CloseWrite half-closes a TCP connection, as net/http's server does before it

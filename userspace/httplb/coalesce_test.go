@@ -91,10 +91,10 @@ func TestCoalescingConn(t *testing.T) {
 	}
 }
 
-// A peer that reads nothing: Writes stop at the limit (back-pressure), and
-// Close gives up on the queue after drainWait instead of hanging.
+// A peer that reads nothing: Writes stop at the limit (back-pressure), Close
+// returns at once and the socket closes within about drainWait.
 func TestCoalescingConnPeerNotReading(t *testing.T) {
-	cc, _ := tcpPair(t)
+	cc, peer := tcpPair(t)
 	blocked := make(chan struct{})
 	// Exits when Close fails its write.
 	go func() {
@@ -126,6 +126,11 @@ func TestCoalescingConnPeerNotReading(t *testing.T) {
 	case <-blocked:
 	case <-time.After(5 * time.Second):
 		t.Fatal("the writer still blocked after Close")
+	}
+	// Whether the queue went out or its write timed out, the socket closes.
+	peer.SetReadDeadline(time.Now().Add(drainWait + 5*time.Second))
+	if _, err := io.Copy(io.Discard, peer); isTimeout(err) {
+		t.Errorf("the socket is still open %v after Close: %v", drainWait+5*time.Second, err)
 	}
 }
 
