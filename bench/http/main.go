@@ -70,6 +70,7 @@ var (
 	timeout  = flag.Duration("timeout", 30*time.Minute, "bound on the whole run")
 	serve    = flag.String("serve", "", "internal: run backends or weir (child process)")
 	threads  = flag.Int("threads", 2, "threads or workers of every target (GOMAXPROCS for weir)")
+	variants = flag.String("variants", "", `more weir targets, each with settings of its own, interleaved with the rest: "name:KEY=V,KEY=V;name2:..." with keys GOGC, GOMEMLIMIT (the runtime's), H2CONNS (upstream HTTP/2 connections per backend), UPSTREAM (auto, http1, h2c; of the HTTP/1.1 and h2 fronts, not gRPC's) and BIN (another build of this program to run weir from, e.g. main's, for a before/after)`)
 	pprof    = flag.String("pprof", "", "serve weir's net/http/pprof on this address (for a profile: go tool pprof http://ADDR/debug/pprof/profile)")
 )
 
@@ -118,14 +119,24 @@ func serveChild(what string) error {
 			// Exits with the process.
 			go func() { log.Print(http.ListenAndServe(*pprof, nil)) }()
 		}
+		h2conns, _ := strconv.Atoi(os.Getenv("H2CONNS"))
+		upstream, ok := map[string]httplb.Upstream{"": httplb.UpstreamAuto, "auto": httplb.UpstreamAuto,
+			"http1": httplb.UpstreamHTTP1, "h2c": httplb.UpstreamH2C}[os.Getenv("UPSTREAM")]
+		if !ok {
+			return fmt.Errorf("UPSTREAM=%q: want auto, http1 or h2c", os.Getenv("UPSTREAM"))
+		}
 		var bs []httplb.Backend
 		for _, a := range []string{backendA, backendB} {
 			bs = append(bs, httplb.Backend{Addr: netip.MustParseAddrPort(a), Weight: 1, Usable: true})
 		}
 		var wg sync.WaitGroup
 		for _, l := range []string{frontH1, frontH2, frontGRPC} {
+			up := upstream
+			if l == frontGRPC {
+				up = httplb.UpstreamAuto // gRPC needs HTTP/2 end to end
+			}
 			s, err := httplb.Listen(httplb.Config{Name: l, Listen: netip.MustParseAddrPort(l), Algorithm: "round_robin",
-				Retries: 2, RetryBudget: 0.2, XForwardedFor: true, XForwardedProto: true,
+				Retries: 2, RetryBudget: 0.2, XForwardedFor: true, XForwardedProto: true, H2Conns: h2conns, Upstream: up,
 				Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))}, bs)
 			if err != nil {
 				return err
@@ -185,13 +196,26 @@ func run(ctx context.Context) error {
 		{"weir", func(ctx context.Context, dir string) (*proc, error) {
 			return startProc(dir, "weir", []string{"GOMAXPROCS=" + strconv.Itoa(*threads)}, self, "-serve", "weir", "-pprof", *pprof)
 		}},
+	}
+	vs, err := parseVariants(*variants, self)
+	if err != nil {
+		return err
+	}
+	for _, v := range vs {
+		targets = append(targets, target{"weir-" + v.name, func(ctx context.Context, dir string) (*proc, error) {
+			env := append([]string{"GOMAXPROCS=" + strconv.Itoa(*threads)}, v.env...)
+			return startProc(dir, "weir-"+v.name, env, v.bin, "-serve", "weir")
+		}})
+	}
+	targets = append(targets, []target{
 		{"haproxy", startHAProxy},
 		{"nginx", startNginx},
 		{"caddy", startCaddy},
-	}
+	}...)
 	if *only != "" {
 		keep := strings.Split(*only, ",")
-		targets = slices.DeleteFunc(targets, func(t target) bool { return !slices.Contains(keep, t.name) })
+		// -variants are kept: they were asked for by name.
+		targets = slices.DeleteFunc(targets, func(t target) bool { return !slices.Contains(keep, t.name) && !strings.HasPrefix(t.name, "weir-") })
 	}
 	results := map[string][]result{}
 	for r := range *runs {
@@ -207,6 +231,40 @@ func run(ctx context.Context) error {
 		}
 	}
 	return report(targets, results)
+}
+
+type variant struct {
+	name string
+	env  []string
+	bin  string
+}
+
+// parseVariants reads -variants.
+func parseVariants(s, self string) ([]variant, error) {
+	var vs []variant
+	for spec := range strings.SplitSeq(s, ";") {
+		if spec = strings.TrimSpace(spec); spec == "" {
+			continue
+		}
+		name, kvs, ok := strings.Cut(spec, ":")
+		if !ok || name == "" {
+			return nil, fmt.Errorf("-variants %q: want name:KEY=V,...", spec)
+		}
+		v := variant{name: name, bin: self}
+		for kv := range strings.SplitSeq(kvs, ",") {
+			k, _, ok := strings.Cut(kv, "=")
+			if !ok || !slices.Contains([]string{"GOGC", "GOMEMLIMIT", "H2CONNS", "UPSTREAM", "BIN"}, k) {
+				return nil, fmt.Errorf("-variants %q: %q: want GOGC, GOMEMLIMIT, H2CONNS, UPSTREAM or BIN=value", spec, kv)
+			}
+			if k == "BIN" {
+				v.bin = kv[len("BIN="):]
+				continue
+			}
+			v.env = append(v.env, kv)
+		}
+		vs = append(vs, v)
+	}
+	return vs, nil
 }
 
 func measure(ctx context.Context, dir string, t target) (result, error) {

@@ -36,10 +36,12 @@ func TestBadInput(t *testing.T) {
 	bs := httpbackend.StartN(t, 1)
 	s := serve(t, Config{MaxHeaderBytes: 4096, ReadHeaderTimeout: 300 * time.Millisecond}, bs)
 	addr := s.Addr().String()
-	// One good request first, so the pools and the backend's goroutines exist
-	// before the count.
+	// Good requests first, so the pools (every one of the H2Conns upstream h2
+	// connections) and the backend's goroutines exist before the count.
 	for _, c := range []*http.Client{h1Client(), h2cClient()} {
-		get(t, c, "http://"+addr+"/")
+		for range s.cfg.H2Conns {
+			get(t, c, "http://"+addr+"/")
+		}
 		c.CloseIdleConnections()
 	}
 	waitfor.Value(t, 5*time.Second, "no client connection", func() (any, bool) {

@@ -234,7 +234,7 @@ func (l *live) observeTry(be *backend, o Outcome) {
 func (b *backend) transport(u Upstream, r *http.Request) *http.Transport {
 	switch {
 	case u == UpstreamH2C, u == UpstreamAuto && r.ProtoMajor == 2:
-		return b.h2
+		return b.h2[int(b.next.Add(1))%len(b.h2)]
 	}
 	return b.h1
 }

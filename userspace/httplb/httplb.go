@@ -106,6 +106,11 @@ type Config struct {
 	IdleTimeout       time.Duration // a client connection with no request; default 5m
 	ReadHeaderTimeout time.Duration // a request's headers; default 10s
 	MaxHeaderBytes    int           // default 64 KiB
+	// H2Conns is how many HTTP/2 connections each backend's pool spreads its
+	// streams over; default 1. More give the streams more read loops and write
+	// locks but split the batches the connections coalesce their writes into,
+	// which costs more (bench/README.md). Read once, by Listen.
+	H2Conns int
 	// Retries is how many other backends a failed request may be tried on.
 	Retries int
 	// RetryBudget is the share of requests that may be retries; 0 with Retries > 0
@@ -181,7 +186,7 @@ func Listen(cfg Config, backends []Backend) (*Service, error) {
 	if err != nil {
 		return nil, fmt.Errorf("service %q: listen %s: %w", cfg.Name, cfg.Listen, err)
 	}
-	s.ln = ln
+	s.ln = coalescingListener{ln}
 	var protos http.Protocols
 	protos.SetHTTP1(true)
 	protos.SetHTTP2(true)
@@ -224,6 +229,9 @@ func (c *Config) defaults() {
 	}
 	if c.MaxHeaderBytes == 0 {
 		c.MaxHeaderBytes = 64 << 10
+	}
+	if c.H2Conns <= 0 {
+		c.H2Conns = 1
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
@@ -279,10 +287,12 @@ func (s *Service) Close() error {
 
 // backend is one backend's transport and counters.
 type backend struct {
-	addr   netip.AddrPort
-	id     string
-	h1, h2 *http.Transport
-	stats  backendStats
+	addr  netip.AddrPort
+	id    string
+	h1    *http.Transport
+	h2    []*http.Transport // requests go round them (H2Conns)
+	next  atomic.Uint32
+	stats backendStats
 	// removed: no longer configured; its idle connections are closed.
 	removed bool
 }
@@ -296,6 +306,13 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 			return nil, &dialError{err}
 		}
 		return c, nil
+	}
+	dialH2 := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return newCoalescingConn(c, true), nil
 	}
 	mk := func(h2c bool) *http.Transport {
 		t := &http.Transport{
@@ -311,6 +328,7 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 		var p http.Protocols
 		if h2c {
 			p.SetUnencryptedHTTP2(true)
+			t.DialContext = dialH2
 			t.HTTP2 = &http.HTTP2Config{MaxReceiveBufferPerStream: 1 << 20, MaxReceiveBufferPerConnection: 4 << 20}
 		} else {
 			p.SetHTTP1(true)
@@ -318,8 +336,18 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 		t.Protocols = &p
 		return t
 	}
-	b.h1, b.h2 = mk(false), mk(true)
+	b.h1 = mk(false)
+	for range s.cfg.H2Conns {
+		b.h2 = append(b.h2, mk(true))
+	}
 	return b
+}
+
+func (b *backend) closeIdle() {
+	b.h1.CloseIdleConnections()
+	for _, t := range b.h2 {
+		t.CloseIdleConnections()
+	}
 }
 
 // dialError marks a failure to connect: the request was never sent, so any
@@ -407,8 +435,7 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 			// In-flight requests keep their connections; idle ones close now, and
 			// the entry goes once nothing is in flight on it.
 			be.removed = true
-			be.h1.CloseIdleConnections()
-			be.h2.CloseIdleConnections()
+			be.closeIdle()
 			if bal.InFlight(id) == 0 {
 				delete(s.backends, id)
 			}
@@ -429,8 +456,7 @@ func (s *Service) closeBackends() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, b := range s.backends {
-		b.h1.CloseIdleConnections()
-		b.h2.CloseIdleConnections()
+		b.closeIdle()
 	}
 }
 

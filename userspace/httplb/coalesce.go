@@ -1,0 +1,175 @@
+package httplb
+
+import (
+	"net"
+	"sync"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// coalesceLimit bounds the bytes a coalescing connection holds for writing;
+// past it a Write waits, so a peer that does not read still pushes back.
+const coalesceLimit = 256 << 10
+
+// coalescingConn gathers the writes that come while one is in the kernel into
+// the next system call. Go's HTTP/2 server and client each flush their buffer
+// after every frame or request they queue, one flush at a time, so at many
+// streams a connection makes a write(2) per response or request. Here a Write
+// queues its bytes and returns; one goroutine, started when the queue was
+// empty, writes the queue out until it stays empty, so what comes while it is
+// in the kernel goes out in its next write. A failed write fails the Writes
+// after it. Close returns at once and the queue still goes out before the
+// socket closes (for at most drainWait); CloseWrite waits for it.
+//
+// HTTP/1.1 gains nothing (a connection has one answer at a time) and would pay
+// a goroutine per answer, so a served connection queues only once it has been
+// seen to speak HTTP/2 by prior knowledge; until then, and under TLS, Write
+// writes directly.
+type coalescingConn struct {
+	net.Conn
+
+	sniffed bool // the first read was looked at (read by one goroutine at a time)
+
+	mu      sync.Mutex
+	cond    sync.Cond // signalled when a write finishes
+	async   bool      // writes queue
+	buf     []byte    // queued, not yet handed to the kernel
+	spare   []byte
+	writing bool // the flusher goroutine runs
+	closed  bool // Close was called: the flusher closes the socket when done
+	err     error
+}
+
+func newCoalescingConn(c net.Conn, async bool) *coalescingConn {
+	cc := &coalescingConn{Conn: c, async: async, sniffed: async}
+	cc.cond.L = &cc.mu
+	return cc
+}
+
+func (c *coalescingConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if !c.sniffed && n > 0 {
+		c.sniffed = true
+		// net/http reads the preface in two short reads ("PRI * HTTP/2.0", then the
+		// rest); no HTTP/1.1 request starts with "PRI ".
+		if m := min(n, len(http2.ClientPreface)); m >= 4 && string(p[:m]) == http2.ClientPreface[:m] {
+			c.mu.Lock()
+			c.async = true
+			c.mu.Unlock()
+		}
+	}
+	return n, err
+}
+
+func (c *coalescingConn) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	if !c.async {
+		c.mu.Unlock()
+		return c.Conn.Write(p)
+	}
+	defer c.mu.Unlock()
+	for c.err == nil && !c.closed && len(c.buf) > 0 && len(c.buf)+len(p) > coalesceLimit {
+		c.cond.Wait()
+	}
+	switch {
+	case c.closed:
+		return 0, net.ErrClosed
+	case c.err != nil:
+		return 0, c.err
+	}
+	c.buf = append(c.buf, p...)
+	if !c.writing {
+		c.writing = true
+		// Exits when the queue is empty (or a write fails).
+		go c.flush()
+	}
+	return len(p), nil
+}
+
+// flush writes what was queued while a write was under way, until nothing is.
+func (c *coalescingConn) flush() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for len(c.buf) > 0 && c.err == nil {
+		out := c.buf
+		c.buf = c.spare[:0]
+		c.mu.Unlock()
+		_, err := c.Conn.Write(out)
+		c.mu.Lock()
+		c.spare = out[:0]
+		if err != nil {
+			c.err = err
+		}
+		c.cond.Broadcast()
+	}
+	// A burst's buffers are not kept for an idle connection.
+	if cap(c.spare) > 64<<10 {
+		c.spare = nil
+	}
+	if len(c.buf) == 0 && cap(c.buf) > 64<<10 {
+		c.buf = nil
+	}
+	c.writing = false
+	c.cond.Broadcast()
+	if c.closed {
+		c.Conn.Close()
+	}
+}
+
+// drainWait bounds how long a closed connection's queue may take to go out to a
+// peer that does not read.
+const drainWait = time.Second
+
+// Close does not wait for the queue: net/http's server closes its connections
+// one after another, and a peer that does not read must not hold up the rest.
+// The flusher closes the socket once the queue is out, or once its write has
+// failed on the deadline set here.
+func (c *coalescingConn) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return net.ErrClosed
+	}
+	c.closed = true
+	c.cond.Broadcast() // writers waiting for room fail now
+	if c.writing {
+		c.Conn.SetWriteDeadline(time.Now().Add(drainWait))
+		return nil
+	}
+	return c.Conn.Close()
+}
+
+// drain waits until every queued byte is written, a write has failed, or
+// drainWait has passed (then the write under way fails on its deadline).
+func (c *coalescingConn) drain() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.writing {
+		c.Conn.SetWriteDeadline(time.Now().Add(drainWait))
+	}
+	for c.writing {
+		c.cond.Wait()
+	}
+}
+
+// CloseWrite half-closes a TCP connection, as net/http's server does before it
+// closes one it answered an error on.
+func (c *coalescingConn) CloseWrite() error {
+	c.drain()
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
+// coalescingListener makes every accepted connection a coalescingConn.
+type coalescingListener struct{ net.Listener }
+
+func (l coalescingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return newCoalescingConn(c, false), nil
+}
