@@ -55,6 +55,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 
+	"github.com/weir-lb/weir/bench/internal/benchproc"
 	"github.com/weir-lb/weir/internal/httpbackend"
 	"github.com/weir-lb/weir/userspace/httplb"
 )
@@ -156,7 +157,7 @@ func serveChild(what string) error {
 
 type target struct {
 	name  string
-	start func(ctx context.Context, dir string) (*proc, error)
+	start func(ctx context.Context, dir string) (*benchproc.Proc, error)
 }
 
 // result is one target's measures in one run.
@@ -184,17 +185,17 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	be, err := startProc(dir, "backends", nil, self, "-serve", "backends")
+	be, err := benchproc.Start(dir, "backends", nil, self, "-serve", "backends")
 	if err != nil {
 		return err
 	}
-	defer be.stop()
+	defer be.Stop()
 	if err := waitPorts(ctx, backendA, backendB); err != nil {
 		return err
 	}
 	targets := []target{
-		{"weir", func(ctx context.Context, dir string) (*proc, error) {
-			return startProc(dir, "weir", []string{"GOMAXPROCS=" + strconv.Itoa(*threads)}, self, "-serve", "weir", "-pprof", *pprof)
+		{"weir", func(ctx context.Context, dir string) (*benchproc.Proc, error) {
+			return benchproc.Start(dir, "weir", []string{"GOMAXPROCS=" + strconv.Itoa(*threads)}, self, "-serve", "weir", "-pprof", *pprof)
 		}},
 	}
 	vs, err := parseVariants(*variants, self)
@@ -202,9 +203,9 @@ func run(ctx context.Context) error {
 		return err
 	}
 	for _, v := range vs {
-		targets = append(targets, target{"weir-" + v.name, func(ctx context.Context, dir string) (*proc, error) {
+		targets = append(targets, target{"weir-" + v.name, func(ctx context.Context, dir string) (*benchproc.Proc, error) {
 			env := append([]string{"GOMAXPROCS=" + strconv.Itoa(*threads)}, v.env...)
-			return startProc(dir, "weir-"+v.name, env, v.bin, "-serve", "weir")
+			return benchproc.Start(dir, "weir-"+v.name, env, v.bin, "-serve", "weir")
 		}})
 	}
 	targets = append(targets, []target{
@@ -273,7 +274,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	if err != nil {
 		return res, err
 	}
-	defer p.stop()
+	defer p.Stop()
 	if err := waitPorts(ctx, frontH1, frontH2, frontGRPC); err != nil {
 		return res, err
 	}
@@ -281,25 +282,25 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	if _, err := h2load(ctx, dir, "-n", "2000", "-c", "4", "-m", "16", "http://"+frontH2+"/"); err != nil {
 		return res, err
 	}
-	cpu0 := p.cpu()
+	cpu0 := p.CPU()
 	h1, err := h2load(ctx, dir, "--h1", "-c", "50", "-n", strconv.Itoa(*requests), "http://"+frontH1+"/")
 	if err != nil {
 		return res, err
 	}
-	cpu1 := p.cpu()
+	cpu1 := p.CPU()
 	res.H1RPS, res.H1P50, res.H1P99, res.H1CPU = h1.rps, h1.p50, h1.p99, perReq(cpu1-cpu0, h1.n)
 	h2, err := h2load(ctx, dir, "-c", "4", "-m", "64", "-n", strconv.Itoa(*requests), "http://"+frontH2+"/")
 	if err != nil {
 		return res, err
 	}
-	cpu2 := p.cpu()
+	cpu2 := p.CPU()
 	res.H2RPS, res.H2P50, res.H2P99, res.H2CPU = h2.rps, h2.p50, h2.p99, perReq(cpu2-cpu1, h2.n)
 	g, err := grpcLoad(ctx, frontGRPC, 4, 32, *duration)
 	if err != nil {
 		return res, err
 	}
-	res.GRPCRPS, res.GRPCP50, res.GRPCP99, res.GRPCCPU = g.rps, g.p50, g.p99, perReq(p.cpu()-cpu2, g.n)
-	rss0 := p.mem("VmRSS")
+	res.GRPCRPS, res.GRPCP50, res.GRPCP99, res.GRPCCPU = g.rps, g.p50, g.p99, perReq(p.CPU()-cpu2, g.n)
+	rss0 := p.Mem("VmRSS")
 	rss, err := holdIdle(ctx, frontH2, p)
 	if err != nil {
 		return res, err
@@ -419,7 +420,7 @@ func grpcLoad(ctx context.Context, addr string, channels, inflight int, d time.D
 
 // holdIdle opens -idle HTTP/2 connections to addr, each having answered one
 // request, and returns p's RSS (MB) while they are held.
-func holdIdle(ctx context.Context, addr string, p *proc) (float64, error) {
+func holdIdle(ctx context.Context, addr string, p *benchproc.Proc) (float64, error) {
 	var cs []net.Conn
 	defer func() {
 		for _, c := range cs {
@@ -461,12 +462,12 @@ func holdIdle(ctx context.Context, addr string, p *proc) (float64, error) {
 		c.SetDeadline(time.Time{})
 	}
 	time.Sleep(time.Second)
-	return p.mem("VmRSS"), nil
+	return p.Mem("VmRSS"), nil
 }
 
 // --- the other targets ---
 
-func startHAProxy(_ context.Context, dir string) (*proc, error) {
+func startHAProxy(_ context.Context, dir string) (*benchproc.Proc, error) {
 	cfg := fmt.Sprintf(`global
   nbthread %d
   maxconn 9000
@@ -500,10 +501,10 @@ backend be_h2
 	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 		return nil, err
 	}
-	return startProc(dir, "haproxy", nil, "haproxy", "-db", "-f", path)
+	return benchproc.Start(dir, "haproxy", nil, "haproxy", "-db", "-f", path)
 }
 
-func startNginx(_ context.Context, dir string) (*proc, error) {
+func startNginx(_ context.Context, dir string) (*benchproc.Proc, error) {
 	cfg := fmt.Sprintf(`worker_processes %d;
 pid %s/nginx.pid;
 error_log %s/nginx-error.log;
@@ -524,10 +525,10 @@ http {
 	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 		return nil, err
 	}
-	return startProc(dir, "nginx", nil, "nginx", "-c", path, "-p", dir, "-g", "daemon off;")
+	return benchproc.Start(dir, "nginx", nil, "nginx", "-c", path, "-p", dir, "-g", "daemon off;")
 }
 
-func startCaddy(_ context.Context, dir string) (*proc, error) {
+func startCaddy(_ context.Context, dir string) (*benchproc.Proc, error) {
 	cfg := fmt.Sprintf(`{
   admin off
   auto_https off
@@ -558,98 +559,8 @@ http://%s {
 	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 		return nil, err
 	}
-	return startProc(dir, "caddy", []string{"XDG_DATA_HOME=" + dir, "XDG_CONFIG_HOME=" + dir, "GOMAXPROCS=" + strconv.Itoa(*threads)},
+	return benchproc.Start(dir, "caddy", []string{"XDG_DATA_HOME=" + dir, "XDG_CONFIG_HOME=" + dir, "GOMAXPROCS=" + strconv.Itoa(*threads)},
 		"caddy", "run", "--config", path, "--adapter", "caddyfile")
-}
-
-// --- processes ---
-
-// proc is a process this program started, in a process group of its own, with
-// the workers it forked.
-type proc struct {
-	cmd  *exec.Cmd
-	done chan struct{}
-}
-
-func startProc(dir, name string, env []string, argv ...string) (*proc, error) {
-	cmd := exec.Command(argv[0], argv[1:]...)
-	cmd.Env = append(os.Environ(), env...)
-	logf, err := os.Create(filepath.Join(dir, name+".log"))
-	if err != nil {
-		return nil, fmt.Errorf("start %s: %w", name, err)
-	}
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		logf.Close()
-		return nil, fmt.Errorf("start %s: %w", name, err)
-	}
-	p := &proc{cmd: cmd, done: make(chan struct{})}
-	// Exits when the process has exited (stop makes sure it does).
-	go func() {
-		cmd.Wait()
-		logf.Close()
-		close(p.done)
-	}()
-	return p, nil
-}
-
-// stop ends the process group this program created (SIGTERM, then SIGKILL).
-func (p *proc) stop() {
-	pid := p.cmd.Process.Pid
-	syscall.Kill(-pid, syscall.SIGTERM)
-	select {
-	case <-p.done:
-	case <-time.After(3 * time.Second):
-		syscall.Kill(-pid, syscall.SIGKILL)
-		<-p.done
-	}
-	syscall.Kill(-pid, syscall.SIGKILL)
-	time.Sleep(200 * time.Millisecond) // let the ports be released
-}
-
-func (p *proc) pids() []int {
-	pid := p.cmd.Process.Pid
-	out := []int{pid}
-	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
-	for _, f := range strings.Fields(string(b)) {
-		if n, err := strconv.Atoi(f); err == nil {
-			out = append(out, n)
-		}
-	}
-	return out
-}
-
-// cpu is user+system seconds of the process and its workers.
-func (p *proc) cpu() float64 {
-	var total float64
-	for _, pid := range p.pids() {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			continue
-		}
-		s := string(b)
-		f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
-		ut, _ := strconv.ParseFloat(f[11], 64)
-		st, _ := strconv.ParseFloat(f[12], 64)
-		total += (ut + st) / 100 // USER_HZ
-	}
-	return total
-}
-
-// mem is a /proc/PID/status field summed over the processes, in MB.
-func (p *proc) mem(field string) float64 {
-	var kb float64
-	for _, pid := range p.pids() {
-		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-		for l := range strings.Lines(string(b)) {
-			if strings.HasPrefix(l, field+":") {
-				v, _ := strconv.ParseFloat(strings.Fields(l)[1], 64)
-				kb += v
-			}
-		}
-	}
-	return kb / 1024
 }
 
 func waitPorts(ctx context.Context, addrs ...string) error {
