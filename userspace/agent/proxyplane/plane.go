@@ -95,8 +95,9 @@ func (p *Plane) Close() {
 }
 
 // autoSockMap is what sockmap: auto means: the copy and splice path measured faster
-// than in-kernel forwarding on every workload of bench/proxy (docs/proxy.md), so auto
-// keeps the proxy's own path.
+// than in-kernel forwarding on short connections, and in-kernel forwarding won only
+// on bulk, on a quiet machine (docs/proxy.md); a service's workload is not known when
+// it starts, so auto keeps the proxy's own path.
 const autoSockMap = false
 
 func useSockMap(m config.SockMap) bool {
