@@ -190,7 +190,7 @@ func run(ctx context.Context) error {
 		return err
 	}
 	defer be.Stop()
-	if err := waitPorts(ctx, backendA, backendB); err != nil {
+	if err := benchproc.WaitPorts(ctx, backendA, backendB); err != nil {
 		return err
 	}
 	targets := []target{
@@ -275,7 +275,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 		return res, err
 	}
 	defer p.Stop()
-	if err := waitPorts(ctx, frontH1, frontH2, frontGRPC); err != nil {
+	if err := benchproc.WaitPorts(ctx, frontH1, frontH2, frontGRPC); err != nil {
 		return res, err
 	}
 	// Warm up: pools to the backends, the runtime's heap.
@@ -561,24 +561,6 @@ http://%s {
 	}
 	return benchproc.Start(dir, "caddy", []string{"XDG_DATA_HOME=" + dir, "XDG_CONFIG_HOME=" + dir, "GOMAXPROCS=" + strconv.Itoa(*threads)},
 		"caddy", "run", "--config", path, "--adapter", "caddyfile")
-}
-
-func waitPorts(ctx context.Context, addrs ...string) error {
-	deadline := time.Now().Add(10 * time.Second)
-	for _, a := range addrs {
-		for {
-			c, err := net.DialTimeout("tcp", a, time.Second)
-			if err == nil {
-				c.Close()
-				break
-			}
-			if time.Now().After(deadline) || ctx.Err() != nil {
-				return fmt.Errorf("wait for %s: %w", a, err)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-	}
-	return nil
 }
 
 func ensureTools(ctx context.Context) error {

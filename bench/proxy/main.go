@@ -127,7 +127,7 @@ func run(ctx context.Context) error {
 		return err
 	}
 	procs = append(procs, ip)
-	if err := waitPorts(ctx, httpA, httpB, iperfAddr); err != nil {
+	if err := benchproc.WaitPorts(ctx, httpA, httpB, iperfAddr); err != nil {
 		return err
 	}
 
@@ -200,7 +200,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 			return res, err
 		}
 		defer p.Stop()
-		if err := waitPorts(ctx, t.http, t.bulk); err != nil {
+		if err := benchproc.WaitPorts(ctx, t.http, t.bulk); err != nil {
 			return res, err
 		}
 	}
@@ -379,24 +379,6 @@ http {
 		return nil, err
 	}
 	return benchproc.Start(dir, "nginx-backend", nil, "nginx", "-p", prefix, "-c", path, "-e", prefix+"/error.log", "-g", "daemon off;")
-}
-
-func waitPorts(ctx context.Context, addrs ...string) error {
-	deadline := time.Now().Add(10 * time.Second)
-	for _, a := range addrs {
-		for {
-			c, err := net.DialTimeout("tcp", a, time.Second)
-			if err == nil {
-				c.Close()
-				break
-			}
-			if time.Now().After(deadline) || ctx.Err() != nil {
-				return fmt.Errorf("wait for %s: %w", a, err)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-	}
-	return nil
 }
 
 func port(addr string) string {

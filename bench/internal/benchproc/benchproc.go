@@ -4,7 +4,9 @@
 package benchproc
 
 import (
+	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -124,4 +126,25 @@ func (p *Proc) FDs() int {
 		n += len(ents)
 	}
 	return n
+}
+
+// WaitPorts polls until every address accepts a TCP connection: the programs a
+// benchmark starts are ready when they listen. It gives up after 10 s or when ctx
+// ends.
+func WaitPorts(ctx context.Context, addrs ...string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for _, a := range addrs {
+		for {
+			c, err := net.DialTimeout("tcp", a, time.Second)
+			if err == nil {
+				c.Close()
+				break
+			}
+			if time.Now().After(deadline) || ctx.Err() != nil {
+				return fmt.Errorf("wait for %s: %w", a, err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return nil
 }
