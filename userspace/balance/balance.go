@@ -296,6 +296,7 @@ func (c *core) set(backends []Backend, initial bool) {
 	defer c.mu.Unlock()
 	now := c.now()
 	s := &snapshot{entries: make([]entry, 0, len(backends))}
+	var down []Backend // weighted but not usable: their table slots are spilled, not rebuilt
 	live := make(map[string]bool, len(backends))
 	for _, cfg := range backends {
 		if live[cfg.ID] {
@@ -320,6 +321,9 @@ func (c *core) set(backends []Backend, initial bool) {
 		}
 		b.wasUsable = usable
 		if !usable {
+			if cfg.Weight > 0 {
+				down = append(down, Backend{ID: cfg.ID, Weight: cfg.Weight})
+			}
 			continue
 		}
 		e := entry{b: b, weight: cfg.Weight}
@@ -341,23 +345,27 @@ func (c *core) set(backends []Backend, initial bool) {
 		}
 	}
 	if c.maglev && len(s.entries) > 0 {
-		s.table = buildTable(s.entries, c.seed)
+		s.table = buildTable(s.entries, down, c.seed)
 		if c.second {
-			s.table2 = buildTable(s.entries, P2CSeed(c.seed))
+			s.table2 = buildTable(s.entries, down, P2CSeed(c.seed))
 		}
 	}
 	c.snap.Store(s)
 }
 
-func buildTable(entries []entry, seed uint64) []uint32 {
-	bs := make([]Backend, len(entries))
+// buildTable builds the lookup table over the usable entries and the weighted
+// backends that are down (after them, so every table index names an entry: BuildMaglev
+// gives the down ones no slot), so that a backend going down moves only its own keys.
+func buildTable(entries []entry, down []Backend, seed uint64) []uint32 {
+	bs := make([]Backend, len(entries), len(entries)+len(down))
 	for i, e := range entries {
 		bs[i] = Backend{ID: e.b.id, Weight: e.weight, Usable: true}
 	}
+	bs = append(bs, down...)
 	t, err := BuildMaglev(bs, MaglevSize(len(bs)), seed)
 	if err != nil {
-		// Unreachable: IDs are unique, every entry is usable and MaglevSize is a
-		// prime >= len(bs). A panic here means BuildMaglev's contract changed.
+		// Unreachable: IDs are unique, an entry is usable and MaglevSize is a prime
+		// >= len(bs). A panic here means BuildMaglev's contract changed.
 		panic(fmt.Sprintf("balance: build maglev table: %v", err))
 	}
 	return t

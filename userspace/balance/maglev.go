@@ -4,6 +4,7 @@ import (
 	"container/heap"
 	"errors"
 	"fmt"
+	"math"
 	"math/bits"
 	"slices"
 	"strings"
@@ -54,22 +55,35 @@ func isPrime(n uint32) bool {
 }
 
 // BuildMaglev fills a Maglev lookup table of the given prime size. Entry i is an index into
-// backends. Backends with Weight 0 or !Usable get no entries. It is a pure function of
-// (IDs, weights, usable flags, size, seed) — never of slice order (sort by ID internally) or
-// map iteration — so every balancer node computes the same table.
+// backends. It is a pure function of (IDs, weights, usable flags, size, seed) — never of
+// slice order (sort by ID internally) or map iteration — so every balancer node computes
+// the same table.
 //
-// The fill is the paper's: each backend walks its own permutation of the slots
-// (offset + j×skip mod size, from two hashes of its ID and the seed) and takes the next
-// free slot on its turn. Weights decide the turns: each backend's entry count is fixed
-// up front at its weighted share of the table (largest remainder, ties to the smaller
-// ID), and turns go in order of (turns taken + 1) ÷ weight, ties to the smaller ID. With
-// equal weights that is exactly the paper's round robin over backends sorted by ID.
+// The table is built in two steps, so that a backend leaving for a while (down, draining)
+// moves its own slots and no other:
+//
+//   - The base is Maglev's fill over every backend with a weight, usable or not: each
+//     walks its own permutation of the slots (offset + j×skip mod size, from two hashes
+//     of its ID and the seed) and takes the next free slot on its turn. Weights decide
+//     the turns: each backend's entry count is fixed up front at its weighted share of
+//     the table (largest remainder, ties to the smaller ID), and turns go in order of
+//     (turns taken + 1) ÷ weight, ties to the smaller ID. With equal weights that is
+//     exactly the paper's round robin over backends sorted by ID.
+//   - The slots of backends that are not usable are then handed out again (see spill):
+//     each goes to the usable backend that reaches it first along a second permutation
+//     of its own, turns again by weight, and no usable backend takes much more than its
+//     share of a table rebuilt without the unusable ones.
+//
+// When every backend with a weight is usable the table is the base alone. Adding or
+// removing a backend, or changing a weight, rebuilds the base and moves what Maglev
+// moves (see TestMaglevDisruption); a backend going down or coming back moves exactly
+// its own slots. Backends with Weight 0 get no entries and are not part of the base.
 func BuildMaglev(backends []Backend, size uint32, seed uint64) ([]uint32, error) {
 	return buildMaglev(backends, size, seed, true)
 }
 
-// buildMaglev is BuildMaglev; fast allows the round-robin fill for equal weights
-// (tests compare it with the heap's).
+// buildMaglev is BuildMaglev; fast allows the round-robin fills for equal weights
+// (tests compare them with the heap's).
 func buildMaglev(backends []Backend, size uint32, seed uint64, fast bool) ([]uint32, error) {
 	if !isPrime(size) {
 		return nil, fmt.Errorf("build maglev table: size %d: %w", size, ErrSizeNotPrime)
@@ -77,22 +91,34 @@ func buildMaglev(backends []Backend, size uint32, seed uint64, fast bool) ([]uin
 	if err := checkUnique(backends); err != nil {
 		return nil, fmt.Errorf("build maglev table: %w", err)
 	}
-	var order []int // indexes of usable backends, sorted by ID
+	var base, up []int // indexes of weighted backends, and of the usable ones among them
 	for i, b := range backends {
-		if b.Usable && b.Weight > 0 {
-			order = append(order, i)
+		if b.Weight > 0 {
+			base = append(base, i)
+			if b.Usable {
+				up = append(up, i)
+			}
 		}
 	}
-	if len(order) == 0 {
+	if len(up) == 0 {
 		return nil, fmt.Errorf("build maglev table: %w", ErrNoBackend)
 	}
-	if uint64(len(order)) > uint64(size) {
-		return nil, fmt.Errorf("build maglev table: size %d for %d usable backends: %w", size, len(order), ErrSizeTooSmall)
+	if uint64(len(base)) > uint64(size) {
+		return nil, fmt.Errorf("build maglev table: size %d for %d weighted backends: %w", size, len(base), ErrSizeTooSmall)
 	}
-	slices.SortFunc(order, func(a, b int) int { return strings.Compare(backends[a].ID, backends[b].ID) })
+	byID := func(a, b int) int { return strings.Compare(backends[a].ID, backends[b].ID) }
+	slices.SortFunc(base, byID)
+	slices.SortFunc(up, byID)
+	table := fillBase(backends, base, uint64(size), seed, fast)
+	if len(up) < len(base) {
+		spill(table, backends, up, seed, fast)
+	}
+	return table, nil
+}
 
+// fillBase is Maglev's fill of a table of size m over the backends in order (sorted by ID).
+func fillBase(backends []Backend, order []int, m uint64, seed uint64, fast bool) []uint32 {
 	n := len(order)
-	m := uint64(size)
 	quota := apportion(backends, order, m)
 	t := &turns{w: make([]uint64, n), taken: make([]uint64, n)}
 	pos := make([]uint64, n)
@@ -106,27 +132,19 @@ func buildMaglev(backends []Backend, size uint32, seed uint64, fast bool) ([]uin
 			t.idx = append(t.idx, k)
 		}
 	}
-	const empty = ^uint32(0)
-	table := make([]uint32, size)
+	table := make([]uint32, m)
 	for i := range table {
-		table[i] = empty
+		table[i] = emptySlot
 	}
 	if fast && equalWeights(t.w) {
 		fillRoundRobin(table, order, quota, pos, skip)
-		return table, nil
+		return table
 	}
-	// The reference fill (fast false, for tests) runs container/heap; the same
-	// operations on the concrete type skip its interface calls.
-	initHeap, pop, fix := t.init, t.popTop, t.fixTop
-	if !fast {
-		initHeap = func() { heap.Init(t) }
-		pop = func() { heap.Pop(t) }
-		fix = func() { heap.Fix(t, 0) }
-	}
+	initHeap, pop, fix := t.heapOps(fast)
 	initHeap()
 	for filled := uint64(0); filled < m; filled++ {
 		k := t.idx[0]
-		for table[pos[k]] != empty {
+		for table[pos[k]] != emptySlot {
 			pos[k] += skip[k]
 			if pos[k] >= m {
 				pos[k] -= m
@@ -140,7 +158,114 @@ func buildMaglev(backends []Backend, size uint32, seed uint64, fast bool) ([]uin
 			fix()
 		}
 	}
-	return table, nil
+	return table
+}
+
+// emptySlot marks a slot no backend holds yet while a table is filled.
+const emptySlot = ^uint32(0)
+
+// spill hands the slots of the base's unusable backends to the usable ones in up
+// (sorted by ID). It is rendezvous hashing over a second permutation per backend: a
+// freed slot goes to the usable backend whose permutation reaches it at the earliest
+// turn, so the owner of a freed slot depends only on the usable set, and a backend
+// going down frees its own slots and moves nothing else. A cap keeps large spills
+// even: no backend ends above its share of the whole table among the usable ones
+// plus a slack; a capped backend stops taking slots and the next one along gets them.
+//
+// Balance after a spill: every usable backend holds at most its share, rounded up,
+// plus 1 + 2√(freed slots ÷ usable backends) slots; one backend down of 100 at the
+// default size leaves every other within 1 % of its share (see TestMaglevSpillBalance).
+func spill(table []uint32, backends []Backend, up []int, seed uint64, fast bool) {
+	m := uint64(len(table))
+	n := len(up)
+	position := make([]int32, len(backends)) // backend index → position in up, or -1
+	for i := range position {
+		position[i] = -1
+	}
+	for k, i := range up {
+		position[i] = int32(k)
+	}
+	count := make([]uint64, n)
+	freed := uint64(0)
+	for i, owner := range table {
+		if k := position[owner]; k >= 0 {
+			count[k]++
+		} else {
+			table[i] = emptySlot
+			freed++
+		}
+	}
+	var total uint64
+	for _, i := range up {
+		total += uint64(backends[i].Weight)
+	}
+	// The cap is a backend's exact weighted share among the usable ones, rounded up
+	// (not apportioned: which backends get a remainder slot shifts with every change),
+	// plus a slack of twice the spread of what rendezvous hands each one: a cap that
+	// rarely binds, so a further backend going down moves little of what the others
+	// freed (with caps at the share a second one of 1,000 would move 1.6 × its slots).
+	slack := 1 + uint64(2*math.Sqrt(float64(freed)/float64(n)))
+	capOf := make([]uint64, n)
+	t := &turns{w: make([]uint64, n), taken: make([]uint64, n)}
+	pos := make([]uint64, n)
+	skip := make([]uint64, n)
+	for k, i := range up {
+		id := backends[i].ID
+		pos[k] = hashID(id, seed^0x3c6ef372fe94f82b) % m
+		skip[k] = hashID(id, seed^0xa54ff53a5f1d36f1)%(m-1) + 1
+		t.w[k] = uint64(backends[i].Weight)
+		hi, lo := bits.Mul64(m, uint64(backends[i].Weight))
+		share, rem := bits.Div64(hi, lo, total)
+		if rem > 0 {
+			share++
+		}
+		capOf[k] = share + slack
+		if count[k] < capOf[k] {
+			t.idx = append(t.idx, k)
+		}
+	}
+	// The caps leave room for every freed slot: they add up to at least the table
+	// plus one slot per usable backend, so while a slot is free some backend is
+	// below its cap, and its permutation visits every slot (skip and m are coprime).
+	probe := func(k int) {
+		p := pos[k]
+		if pos[k] += skip[k]; pos[k] >= m {
+			pos[k] -= m
+		}
+		if table[p] == emptySlot {
+			table[p] = uint32(up[k])
+			count[k]++
+			freed--
+		}
+	}
+	if fast && equalWeights(t.w) {
+		active := t.idx
+		for freed > 0 {
+			kept := active[:0]
+			for _, k := range active {
+				if freed > 0 {
+					probe(k)
+				}
+				if count[k] < capOf[k] {
+					kept = append(kept, k)
+				}
+			}
+			active = kept
+		}
+		return
+	}
+	initHeap, pop, fix := t.heapOps(fast)
+	initHeap()
+	for freed > 0 {
+		k := t.idx[0]
+		probe(k)
+		t.taken[k]++
+		if count[k] == capOf[k] {
+			pop()
+		} else {
+			fix()
+		}
+	}
 }
 
 func equalWeights(w []uint64) bool {
@@ -157,7 +282,7 @@ func equalWeights(w []uint64) bool {
 // table, without a heap operation per slot (a 1,000-backend table builds about twice
 // as fast).
 func fillRoundRobin(table []uint32, order []int, quota, pos, skip []uint64) {
-	const empty = ^uint32(0)
+	const empty = emptySlot
 	m := uint64(len(table))
 	active := make([]int, 0, len(order))
 	for k := range order {
@@ -244,6 +369,16 @@ func (t *turns) Less(a, b int) bool {
 	return i < j
 }
 func (t *turns) Swap(a, b int) { t.idx[a], t.idx[b] = t.idx[b], t.idx[a] }
+
+// heapOps returns init, pop and fix of the heap: container/heap's for the reference
+// fill (fast false, for tests), else the same operations on the concrete type, which
+// skip its interface calls.
+func (t *turns) heapOps(fast bool) (initHeap, pop, fix func()) {
+	if !fast {
+		return func() { heap.Init(t) }, func() { heap.Pop(t) }, func() { heap.Fix(t, 0) }
+	}
+	return t.init, t.popTop, t.fixTop
+}
 
 // init, fixTop and popTop are container/heap's Init, Fix(0) and Pop, step for step
 // (so the order of turns is the same), on the concrete type.
@@ -342,3 +477,5 @@ func PreferSecond(loadA int64, weightA uint32, loadB int64, weightB uint32) bool
 	}
 	return uint64(loadA)*uint64(weightB)*8 > uint64(loadB)*uint64(weightA)*9
 }
+
+var SlackK = 3.0

@@ -22,18 +22,23 @@ func (p *Plane) Table(s *plan.Service) ([]netip.AddrPort, error) {
 	if !s.Config.Algorithm.XDP() {
 		return nil, nil
 	}
-	var members []balance.Backend
+	var members, down []balance.Backend
 	var addrs []netip.AddrPort
 	for _, b := range backends(s) {
-		// As the balancer's snapshot has them: usable, with a weight.
-		if b.Usable && b.Weight > 0 {
+		// As the balancer's snapshot has them: usable, with a weight, and after them
+		// those with a weight that are down, whose slots the table spills.
+		switch {
+		case b.Usable && b.Weight > 0:
 			members = append(members, balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: true})
 			addrs = append(addrs, b.Addr)
+		case b.Weight > 0:
+			down = append(down, balance.Backend{ID: b.Addr.String(), Weight: b.Weight})
 		}
 	}
 	if len(members) == 0 {
 		return nil, nil
 	}
+	members = append(members, down...)
 	// The agent gives httplb no seed: its balancers hash with seed 0.
 	idx, err := balance.BuildMaglev(members, balance.MaglevSize(len(members)), 0)
 	if err != nil {
