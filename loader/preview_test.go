@@ -111,6 +111,49 @@ func TestPreview(t *testing.T) {
 	}
 }
 
+// TestDownMovesOwnEntries: a backend of 100 going down changes, in the program's
+// table, only the entries it held (a rebuild of Maglev's fill would move about half
+// as many again of the others'), and coming back restores the table entry for entry.
+func TestDownMovesOwnEntries(t *testing.T) {
+	p := loadT(t)
+	all := testBackends(100, false, 80)
+	svc := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, Backends: all}
+	if err := p.AddService(svc); err != nil {
+		t.Fatal(err)
+	}
+	before, err := p.Table(svc.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := all[37].Addr
+	if err := p.SetBackendUsable(svc.Key, gone, false); err != nil {
+		t.Fatal(err)
+	}
+	after, err := p.Table(svc.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	moved := 0
+	for i := range before {
+		if before[i] == after[i] {
+			continue
+		}
+		if before[i] != gone {
+			t.Fatalf("entry %d of %s, which stayed up, moved to %s", i, before[i], after[i])
+		}
+		moved++
+	}
+	if share := len(before) / len(all); moved < share*9/10 {
+		t.Errorf("%d entries moved; want the down backend's, about %d", moved, share)
+	}
+	if err := p.SetBackendUsable(svc.Key, gone, true); err != nil {
+		t.Fatal(err)
+	}
+	if back, _ := p.Table(svc.Key); !slices.Equal(back, before) {
+		t.Errorf("%s back up: the table differs from the one before it went down; want identical", gone)
+	}
+}
+
 // TestFlowsNAT: nat flows are counted once established, and no longer once their
 // client has sent a FIN (the flow is closing: its next SYN is a new flow).
 func TestFlowsNAT(t *testing.T) {
