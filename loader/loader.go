@@ -568,6 +568,12 @@ func (p *Program) SetBackendWeight(key ServiceKey, backend netip.AddrPort, weigh
 	return p.changeBackend(key, backend, fmt.Sprintf("weight=%d", weight), func(b *Backend) { b.Weight = weight })
 }
 
+// SetBackendRamp sets the part of its share the lookup table gives a slow-starting
+// backend (Backend.Ramp; 0 ends the ramp).
+func (p *Program) SetBackendRamp(key ServiceKey, backend netip.AddrPort, ramp uint32) error {
+	return p.changeBackend(key, backend, fmt.Sprintf("ramp=%d", ramp), func(b *Backend) { b.Ramp = ramp })
+}
+
 // changeBackend applies change to one backend of a service, validating the result
 // like UpdateService: a failure leaves the service as it was.
 func (p *Program) changeBackend(key ServiceKey, backend netip.AddrPort, what string, change func(*Backend)) error {

@@ -25,7 +25,7 @@ func maglevEntries(s Service, seed uint64) ([]uint32, error) {
 	for i, b := range s.Backends {
 		// A draining backend keeps its flows (its slot stays usable) but takes no new ones.
 		inTable := b.Usable && !b.Draining
-		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: inTable}
+		members[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: inTable, Ramp: b.Ramp}
 		if inTable && b.Weight > 0 {
 			usable++
 		}

@@ -10,6 +10,7 @@ import (
 	"github.com/weir-lb/weir/bpf"
 	"github.com/weir-lb/weir/internal/packet"
 	"github.com/weir-lb/weir/internal/xdptest"
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // TestPreview: the table LookupTable predicts is the one the program holds (read
@@ -86,21 +87,18 @@ func TestPreview(t *testing.T) {
 				t.Errorf("the flows' hashes index the table to %v; want %v", onHash, want)
 			}
 
-			// Slow start of backend 3, scaled weights as the planner steps them.
-			for _, w := range []uint32{10, 40, 70, 100} {
+			// Slow start of backend 3, in the planner's ramp steps (a tenth to all).
+			for _, ramp := range []uint32{balance.RampFull / 10, balance.RampFull * 4 / 10, balance.RampFull * 7 / 10, 0} {
 				step := svc
 				step.Backends = slices.Clone(all)
-				for i := range step.Backends {
-					step.Backends[i].Weight = 100
-				}
-				step.Backends[3].Weight = w
+				step.Backends[3].Ramp = ramp
 				if err := p.UpdateService(step); err != nil {
 					t.Fatal(err)
 				}
 				checkTable(step)
 				for port, was := range first {
 					if got := send(port, packet.ACK); got != was {
-						t.Fatalf("step weight %d: established flow %d moved from %s to %s", w, port, was, got)
+						t.Fatalf("step ramp %d: established flow %d moved from %s to %s", ramp, port, was, got)
 					}
 				}
 			}

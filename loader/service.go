@@ -7,6 +7,7 @@ import (
 	"net/netip"
 
 	"github.com/weir-lb/weir/bpf"
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // Protocol is the L4 protocol of a service, numbered as in IP headers.
@@ -97,6 +98,10 @@ type Backend struct {
 	// Draining takes the backend out of the lookup table while its established flows
 	// stay with it (maintenance, removal with a grace period).
 	Draining bool
+	// Ramp is the part of its weight's share the lookup table gives the backend while
+	// it slow-starts, in units of balance.RampFull (0: all of it); see
+	// balance.Backend.Ramp.
+	Ramp uint32
 }
 
 // Errors a caller can test for with errors.Is.
@@ -151,6 +156,8 @@ func (s *Service) validate() error {
 			return fail("%s: nat mode needs the backend's port", where)
 		case b.Weight > MaxWeight:
 			return fail("%s: weight must be 0..%d, got %d", where, MaxWeight, b.Weight)
+		case b.Ramp > balance.RampFull:
+			return fail("%s: ramp must be 0..%d, got %d", where, balance.RampFull, b.Ramp)
 		}
 		seen[b.Addr] = true
 		weights += uint64(b.Weight)

@@ -30,7 +30,19 @@ type Backend struct {
 	Weight    uint32        // 0 = never picked
 	Usable    bool          // healthy and not draining
 	SlowStart time.Duration // 0 = off; ramp effective weight after becoming usable
+	// Ramp is the part of its share a backend takes in a lookup table while it slow
+	// starts in table steps, out of RampFull; 0 (or RampFull) is all of it. The table
+	// keeps the backend's full weight in its base and hands the other slots to the
+	// rest (BuildMaglev), so a step moves only the ramping backend's slots. Balancers
+	// that pick without a table ignore it: they ramp by SlowStart.
+	Ramp uint32
 }
+
+// RampFull is Backend.Ramp for all of a backend's share.
+const RampFull = 1 << 16
+
+// ramping reports whether b takes only part of its share (see Backend.Ramp).
+func (b *Backend) ramping() bool { return b.Ramp > 0 && b.Ramp < RampFull }
 
 // Result is the outcome of a connection, reported when its lease is released.
 type Result struct {
@@ -210,6 +222,7 @@ func (b *backend) release() {
 type entry struct {
 	b      *backend
 	weight uint32
+	ramp   uint32 // Backend.Ramp: for the lookup table only
 	// Slow start window [rampStart, rampStart+rampLen); rampLen 0 means full weight.
 	rampStart int64
 	rampLen   int64
@@ -326,7 +339,7 @@ func (c *core) set(backends []Backend, initial bool) {
 			}
 			continue
 		}
-		e := entry{b: b, weight: cfg.Weight}
+		e := entry{b: b, weight: cfg.Weight, ramp: cfg.Ramp}
 		if cfg.SlowStart > 0 && now < b.rampStart+int64(cfg.SlowStart) {
 			e.rampStart, e.rampLen = b.rampStart, int64(cfg.SlowStart)
 			s.rampEnd = max(s.rampEnd, e.rampStart+e.rampLen)
@@ -359,7 +372,7 @@ func (c *core) set(backends []Backend, initial bool) {
 func buildTable(entries []entry, down []Backend, seed uint64) []uint32 {
 	bs := make([]Backend, len(entries), len(entries)+len(down))
 	for i, e := range entries {
-		bs[i] = Backend{ID: e.b.id, Weight: e.weight, Usable: true}
+		bs[i] = Backend{ID: e.b.id, Weight: e.weight, Usable: true, Ramp: e.ramp}
 	}
 	bs = append(bs, down...)
 	t, err := BuildMaglev(bs, MaglevSize(len(bs)), seed)

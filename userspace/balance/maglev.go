@@ -1,6 +1,7 @@
 package balance
 
 import (
+	"cmp"
 	"container/heap"
 	"errors"
 	"fmt"
@@ -69,15 +70,23 @@ func isPrime(n uint32) bool {
 //     the table (largest remainder, ties to the smaller ID), and turns go in order of
 //     (turns taken + 1) ÷ weight, ties to the smaller ID. With equal weights that is
 //     exactly the paper's round robin over backends sorted by ID.
+//
 //   - The slots of backends that are not usable are then handed out again (see spill):
 //     each goes to the usable backend that reaches it first along a second permutation
 //     of its own, turns again by weight, and no usable backend takes much more than its
 //     share of a table rebuilt without the unusable ones.
 //
-// When every backend with a weight is usable the table is the base alone. Adding or
-// removing a backend, or changing a weight, rebuilds the base and moves what Maglev
-// moves (see TestMaglevDisruption); a backend going down or coming back moves exactly
-// its own slots. Backends with Weight 0 get no entries and are not part of the base.
+//   - A backend that ramps (Ramp) keeps as many of its base slots as its share with
+//     its weight scaled by Ramp asks for, first in an order by a hash of slot and
+//     backend, and hands the others out with the unusable ones'. Its kept set only
+//     grows as Ramp does, so a slow-start step moves its own slots and the few that
+//     caps shift.
+//
+// When every backend with a weight is usable and none ramps the table is the base
+// alone. Adding or removing a backend, or changing a weight, rebuilds the base and
+// moves what Maglev moves (see TestMaglevDisruption); a backend going down or coming
+// back moves exactly its own slots. Backends with Weight 0 get no entries and are not
+// part of the base.
 func BuildMaglev(backends []Backend, size uint32, seed uint64) ([]uint32, error) {
 	return buildMaglev(backends, size, seed, true)
 }
@@ -92,11 +101,13 @@ func buildMaglev(backends []Backend, size uint32, seed uint64, fast bool) ([]uin
 		return nil, fmt.Errorf("build maglev table: %w", err)
 	}
 	var base, up []int // indexes of weighted backends, and of the usable ones among them
+	ramping := false
 	for i, b := range backends {
 		if b.Weight > 0 {
 			base = append(base, i)
 			if b.Usable {
 				up = append(up, i)
+				ramping = ramping || b.ramping()
 			}
 		}
 	}
@@ -110,8 +121,8 @@ func buildMaglev(backends []Backend, size uint32, seed uint64, fast bool) ([]uin
 	slices.SortFunc(base, byID)
 	slices.SortFunc(up, byID)
 	table := fillBase(backends, base, uint64(size), seed, fast)
-	if len(up) < len(base) {
-		spill(table, backends, up, seed, fast)
+	if len(up) < len(base) || ramping {
+		spill(table, backends, up, seed, fast, ramping)
 	}
 	return table, nil
 }
@@ -161,6 +172,31 @@ func fillBase(backends []Backend, order []int, m uint64, seed uint64, fast bool)
 	return table
 }
 
+// keepRamped frees the base slots a ramping backend does not keep. It keeps its share
+// by turn weight (or all its base slots, if fewer), the first of them in an order by a
+// hash of slot and backend: so the count is exact, and a larger share keeps a
+// superset of the slots a smaller one kept.
+func keepRamped(table []uint32, backends []Backend, up []int, position []int32, seed uint64, share func(k int) uint64) {
+	slotsOf := map[int32][]uint64{} // position in up → its base slots
+	for i, owner := range table {
+		if k := position[owner]; k >= 0 && backends[owner].ramping() {
+			slotsOf[k] = append(slotsOf[k], uint64(i))
+		}
+	}
+	for k, slots := range slotsOf { // each backend on its own: the order of keys is moot
+		keepSeed := hashID(backends[up[k]].ID, seed^0x510e527fade682d1)
+		slices.SortFunc(slots, func(a, b uint64) int {
+			if ha, hb := mix64(a^keepSeed), mix64(b^keepSeed); ha != hb {
+				return cmp.Compare(ha, hb)
+			}
+			return cmp.Compare(a, b)
+		})
+		for _, i := range slots[min(uint64(len(slots)), share(int(k))):] {
+			table[i] = emptySlot
+		}
+	}
+}
+
 // emptySlot marks a slot no backend holds yet while a table is filled.
 const emptySlot = ^uint32(0)
 
@@ -175,7 +211,7 @@ const emptySlot = ^uint32(0)
 // Balance after a spill: every usable backend holds at most its share, rounded up,
 // plus 1 + 2√(freed slots ÷ usable backends) slots; one backend down of 100 at the
 // default size leaves every other within 1 % of its share (see TestMaglevSpillBalance).
-func spill(table []uint32, backends []Backend, up []int, seed uint64, fast bool) {
+func spill(table []uint32, backends []Backend, up []int, seed uint64, fast, ramping bool) {
 	m := uint64(len(table))
 	n := len(up)
 	position := make([]int32, len(backends)) // backend index → position in up, or -1
@@ -185,25 +221,53 @@ func spill(table []uint32, backends []Backend, up []int, seed uint64, fast bool)
 	for k, i := range up {
 		position[i] = int32(k)
 	}
+	// Turn weights: the backends' weights, or while one ramps, each scaled by its
+	// Ramp (RampFull for the others).
+	weight := make([]uint64, n)
+	var total uint64
+	allRamp := true
+	for k, i := range up {
+		b := &backends[i]
+		weight[k] = uint64(b.Weight)
+		if ramping {
+			weight[k] *= RampFull
+			if b.ramping() {
+				weight[k] = uint64(b.Weight) * uint64(b.Ramp)
+			}
+		}
+		allRamp = allRamp && b.ramping()
+		total += weight[k]
+	}
+	// share is a backend's exact share of the table by turn weight, rounded up (not
+	// apportioned: which backends get a remainder slot shifts with every change).
+	share := func(k int) uint64 {
+		hi, lo := bits.Mul64(m, weight[k])
+		q, rem := bits.Div64(hi, lo, total)
+		if rem > 0 {
+			q++
+		}
+		return q
+	}
+	if ramping {
+		keepRamped(table, backends, up, position, seed, share)
+	}
 	count := make([]uint64, n)
 	freed := uint64(0)
 	for i, owner := range table {
-		if k := position[owner]; k >= 0 {
-			count[k]++
-		} else {
+		if owner != emptySlot {
+			if k := position[owner]; k >= 0 {
+				count[k]++
+				continue
+			}
 			table[i] = emptySlot
-			freed++
 		}
+		freed++
 	}
-	var total uint64
-	for _, i := range up {
-		total += uint64(backends[i].Weight)
-	}
-	// The cap is a backend's exact weighted share among the usable ones, rounded up
-	// (not apportioned: which backends get a remainder slot shifts with every change),
-	// plus a slack of twice the spread of what rendezvous hands each one: a cap that
-	// rarely binds, so a further backend going down moves little of what the others
-	// freed (with caps at the share a second one of 1,000 would move 1.6 × its slots).
+	// The cap is a backend's share plus a slack of twice the spread of what
+	// rendezvous hands each one: a cap that rarely binds, so a further backend going
+	// down moves little of what the others freed (with caps at the share a second
+	// one of 1,000 would move 1.6 × its slots). A ramping backend gets no slack (it
+	// is at its share from its own slots), unless every usable backend ramps.
 	slack := 1 + uint64(2*math.Sqrt(float64(freed)/float64(n)))
 	capOf := make([]uint64, n)
 	t := &turns{w: make([]uint64, n), taken: make([]uint64, n)}
@@ -213,13 +277,11 @@ func spill(table []uint32, backends []Backend, up []int, seed uint64, fast bool)
 		id := backends[i].ID
 		pos[k] = hashID(id, seed^0x3c6ef372fe94f82b) % m
 		skip[k] = hashID(id, seed^0xa54ff53a5f1d36f1)%(m-1) + 1
-		t.w[k] = uint64(backends[i].Weight)
-		hi, lo := bits.Mul64(m, uint64(backends[i].Weight))
-		share, rem := bits.Div64(hi, lo, total)
-		if rem > 0 {
-			share++
+		t.w[k] = weight[k]
+		capOf[k] = share(k)
+		if !backends[i].ramping() || allRamp {
+			capOf[k] += slack
 		}
-		capOf[k] = share + slack
 		if count[k] < capOf[k] {
 			t.idx = append(t.idx, k)
 		}

@@ -176,19 +176,24 @@ func TestMaglevFastFill(t *testing.T) {
 	} {
 		bs := backendsN(tc.n, tc.w)
 		if tc.n > 3 {
-			bs[1].Usable = false
+			bs[1].Usable = false // the spill's fills too
 		}
-		for _, seed := range []uint64{0, 42, P2CSeed(42)} {
-			fast, err := buildMaglev(bs, tc.size, seed, true)
-			if err != nil {
-				t.Fatal(err)
+		for _, ramp := range []uint32{0, 20000} {
+			if tc.n > 3 {
+				bs[2].Ramp = ramp // and with one ramping, weighted turns
 			}
-			slow, err := buildMaglev(bs, tc.size, seed, false)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !slices.Equal(fast, slow) {
-				t.Errorf("N=%d M=%d seed %d: the fast fill differs from container/heap's; want identical", tc.n, tc.size, seed)
+			for _, seed := range []uint64{0, 42, P2CSeed(42)} {
+				fast, err := buildMaglev(bs, tc.size, seed, true)
+				if err != nil {
+					t.Fatal(err)
+				}
+				slow, err := buildMaglev(bs, tc.size, seed, false)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !slices.Equal(fast, slow) {
+					t.Errorf("N=%d M=%d ramp %d seed %d: the fast fill differs from container/heap's; want identical", tc.n, tc.size, ramp, seed)
+				}
 			}
 		}
 	}
@@ -397,6 +402,86 @@ func TestMaglevSpill(t *testing.T) {
 			}
 			if worstRatio > 1.6 {
 				t.Errorf("a step moved %.2f × the changing backend's own slots; want <= 1.6", worstRatio)
+			}
+		})
+	}
+}
+
+// TestMaglevRamp follows a backend's slow start in table steps (Ramp from a tenth
+// to all): its share of the table follows the ramp, no other backend's base slot
+// ever moves, a step moves little more than the ramping backend gains, the ramp as a
+// whole about its share, and its end is the base entry for entry.
+func TestMaglevRamp(t *testing.T) {
+	for _, tc := range []struct {
+		n    int
+		w    func(int) uint32
+		size uint32
+	}{
+		{3, one, DefaultMaglevSize},
+		{100, one, DefaultMaglevSize},
+		{100, func(i int) uint32 { return uint32(1 + i%4) }, DefaultMaglevSize},
+		{1000, one, MaglevSize(1000)},
+	} {
+		t.Run(fmt.Sprintf("N=%d/M=%d/weights=%d..%d", tc.n, tc.size, tc.w(0), tc.w(tc.n-1)), func(t *testing.T) {
+			bs := backendsN(tc.n, tc.w)
+			base, err := BuildMaglev(bs, tc.size, 11)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := tc.n / 2 // the ramping backend
+			var weights float64
+			for _, b := range bs {
+				weights += float64(b.Weight)
+			}
+			prev := base
+			prevCount := 0
+			total := 0
+			worstDev := 0.0
+			for step := 1; step <= 11; step++ {
+				f := SlowStartFloor + (1-SlowStartFloor)*float64(step-1)/10
+				bs[r].Ramp = uint32(math.Round(f * RampFull))
+				if step == 11 {
+					bs[r].Ramp, f = 0, 1 // the ramp is over
+				}
+				table, err := BuildMaglev(bs, tc.size, 11)
+				if err != nil {
+					t.Fatal(err)
+				}
+				count, moved := 0, 0
+				for i := range table {
+					if table[i] == uint32(r) {
+						count++
+					}
+					if table[i] != prev[i] {
+						moved++
+					}
+					if base[i] != uint32(r) && table[i] != base[i] {
+						t.Fatalf("step %d: slot %d of %s moved to %s; want only the ramping backend's slots to move", step, i, bs[base[i]].ID, bs[table[i]].ID)
+					}
+				}
+				wr := float64(bs[r].Weight) * f
+				want := wr / (weights - float64(bs[r].Weight) + wr)
+				// Within 3 % of its share at the step, or 3 slots: the kept slots are
+				// drawn by hash, so their count spreads by about its square root.
+				if got := float64(count) / float64(tc.size); math.Abs(got-want) > max(0.03*want, 3/float64(tc.size)) {
+					t.Errorf("step %d (ramp %.2f): share %.5f; want %.5f", step, f, got, want)
+				}
+				worstDev = max(worstDev, math.Abs(float64(count)/float64(tc.size)-want)/want)
+				if step > 1 {
+					total += moved
+					if gain := count - prevCount; gain > 0 && float64(moved) > 1.6*float64(gain)+2 {
+						t.Errorf("step %d: %d slots moved for a gain of %d; want <= 1.6 ×", step, moved, gain)
+					}
+				}
+				prev, prevCount = table, count
+			}
+			if !slices.Equal(prev, base) {
+				t.Errorf("the ramp over: the table differs from the base; want identical")
+			}
+			share := float64(tc.size) * float64(bs[r].Weight) / weights
+			t.Logf("the ramp moved %.2f × the backend's share in all (from a tenth of it); share off the curve by %.2f %% at worst", float64(total)/share, 100*worstDev)
+			if float64(total) > 1.3*share {
+				t.Errorf("the ramp moved %d slots; want <= 1.3 × the backend's share %.0f", total, share)
 			}
 		})
 	}

@@ -138,6 +138,7 @@ type Backend struct {
 	Weight    uint32
 	Usable    bool // healthy, not drained, weight > 0
 	SlowStart time.Duration
+	Ramp      uint32 // the part of its share a lookup table gives it (balance.Backend.Ramp)
 }
 
 // Service is one listening http service.
@@ -427,7 +428,7 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 			s.backends[be.id] = be
 		}
 		be.removed = false
-		in = append(in, balance.Backend{ID: be.id, Weight: b.Weight, Usable: b.Usable && b.Weight > 0, SlowStart: b.SlowStart})
+		in = append(in, balance.Backend{ID: be.id, Weight: b.Weight, Usable: b.Usable && b.Weight > 0, SlowStart: b.SlowStart, Ramp: b.Ramp})
 	}
 	bal.SetBackends(in)
 	for id, be := range s.backends {

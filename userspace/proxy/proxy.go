@@ -63,6 +63,9 @@ type Backend struct {
 	MaxConns  int            // connection limit; 0 takes Config.MaxConnsPerBackend
 	SlowStart time.Duration  // ramp the weight up over this long after becoming usable; 0 = off
 	Down      bool           // initially not usable, until SetBackendUsable(addr, true)
+	// Ramp is the part of its share maglev and source_hash's lookup table gives the
+	// backend while its slow start is stepped from outside (balance.Backend.Ramp).
+	Ramp uint32
 }
 
 // Outcome is how a connection to a backend ended, as reported to an Observer.
@@ -319,6 +322,7 @@ func (s *Service) balanceSet() []balance.Backend {
 			Weight:    b.cfg.Weight,
 			Usable:    b.usable && !b.draining,
 			SlowStart: b.cfg.SlowStart,
+			Ramp:      b.cfg.Ramp,
 		}
 	}
 	return out

@@ -29,7 +29,7 @@ func (p *Plane) Table(s *plan.Service) ([]netip.AddrPort, error) {
 		// those with a weight that are down, whose slots the table spills.
 		switch {
 		case b.Usable && b.Weight > 0:
-			members = append(members, balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: true})
+			members = append(members, balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: true, Ramp: b.Ramp})
 			addrs = append(addrs, b.Addr)
 		case b.Weight > 0:
 			down = append(down, balance.Backend{ID: b.Addr.String(), Weight: b.Weight})

@@ -111,12 +111,10 @@ func TestTableOnlyForHashes(t *testing.T) {
 }
 
 // TestTableRamps: while a backend of a maglev service ramps, the plane gives the
-// balancer the planner's table weights, so its share of the table is the step's.
+// balancer the planner's table ramps, so its share of the table is the step's.
 func TestTableRamps(t *testing.T) {
 	s := service(config.AlgorithmMaglev, 1, 1, 1)
-	for i, w := range []uint32{100, 100, 10} { // the third at a tenth of its share
-		s.Backends[i].RampWeight = w
-	}
+	s.Backends[2].Ramp = balance.RampFull / 10 // the third at a tenth of its share
 	tab, err := (&Plane{}).Table(s)
 	if err != nil {
 		t.Fatal(err)
@@ -127,7 +125,7 @@ func TestTableRamps(t *testing.T) {
 			n++
 		}
 	}
-	if got, want := float64(n)/float64(len(tab)), 10.0/210; math.Abs(got-want) > 0.001 {
+	if got, want := float64(n)/float64(len(tab)), 0.1/2.1; math.Abs(got-want) > 0.001 {
 		t.Errorf("the ramping backend holds %.4f of the table; want %.4f", got, want)
 	}
 }

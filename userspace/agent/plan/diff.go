@@ -127,7 +127,7 @@ func change(p, n *Service) (Op, bool) {
 // samePlaneView reports whether a data plane would see no difference between two
 // states of a backend.
 func samePlaneView(a, b *Backend) bool {
-	return a.Config.Addr == b.Config.Addr && a.Usable == b.Usable && a.TableWeight() == b.TableWeight() &&
+	return a.Config.Addr == b.Config.Addr && a.Usable == b.Usable && a.Weight == b.Weight && a.Ramp == b.Ramp &&
 		a.Drained == b.Drained && bytes.Equal(a.MAC, b.MAC)
 }
 

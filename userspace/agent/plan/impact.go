@@ -169,7 +169,7 @@ func shares(s *Service) map[netip.AddrPort]float64 {
 		if !WeighsBackends(s) {
 			return 1
 		}
-		return float64(b.TableWeight())
+		return float64(b.Weight) * b.TableShare()
 	}
 	sum := 0.0
 	for i := range s.Backends {

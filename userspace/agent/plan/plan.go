@@ -148,10 +148,10 @@ type Backend struct {
 	// Until is when a leaving backend leaves the program.
 	Until time.Time
 	// RampStart is when the backend began its slow start (zero: not ramping), and
-	// RampWeight the weight its lookup table is built with while a backend of its
-	// service ramps (0: Weight); see slowstart.go and TableWeight.
-	RampStart  time.Time
-	RampWeight uint32
+	// Ramp the part of its share its lookup table gives it meanwhile, in units of
+	// balance.RampFull (0: all); see slowstart.go and TableShare.
+	RampStart time.Time
+	Ramp      uint32
 }
 
 // Reason says, in operator words, why a backend takes no new flows ("" if it takes

@@ -12,20 +12,13 @@ import (
 )
 
 // tableShares builds the Maglev table the XDP loader would build from the service's
-// table weights and returns each backend's share of it.
+// weights and ramps and returns each backend's share of it.
 func tableShares(t *testing.T, s *Service) map[string]float64 {
 	t.Helper()
-	var members []balance.Backend
-	for _, b := range s.Backends {
-		members = append(members, balance.Backend{ID: b.Config.Addr.String(), Weight: b.TableWeight(), Usable: b.takesNew()})
-	}
-	table, err := balance.BuildMaglev(members, balance.DefaultMaglevSize, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
+	table := stepTable(t, s)
 	out := map[string]float64{}
-	for _, e := range table {
-		out[members[e].ID] += 1 / float64(len(table))
+	for _, id := range table {
+		out[id] += 1 / float64(len(table))
 	}
 	return out
 }
@@ -33,7 +26,8 @@ func tableShares(t *testing.T, s *Service) map[string]float64 {
 // TestSlowStartSteps: a backend added to a running service ramps from a tenth of
 // its share to all of it over slow_start, one step per plan, each step's share of
 // the real Maglev table within half a percent of the curve the proxy's balancers
-// follow, and the last step's table is the full-weight table, entry for entry.
+// follow; the others' slots of the full-weight table never move, and once the ramp
+// is over the table is the full-weight table, entry for entry.
 func TestSlowStartSteps(t *testing.T) {
 	const window = 10 * time.Second
 	tests := []struct {
@@ -54,6 +48,7 @@ func TestSlowStartSteps(t *testing.T) {
 			prev := Plan(input(XDP, cs), Desired{})
 			cs.Backends = append(cs.Backends, cfgBackend(addrC))
 			cs.Backends[2].Weight = tt.weights[2]
+			full := fullTable(t, cs)
 			for step := 0; step <= 11; step++ {
 				in := input(XDP, cs)
 				in.Now = t0.Add(time.Duration(step) * time.Second)
@@ -72,11 +67,20 @@ func TestSlowStartSteps(t *testing.T) {
 				if step == 0 && !c.RampStart.Equal(t0) {
 					t.Errorf("RampStart: got %v; want %v", c.RampStart, t0)
 				}
+				table := stepTable(t, s)
+				for i, id := range full {
+					if id != addrC.String() && table[i] != id {
+						t.Fatalf("step %d: slot %d of %s moved to %s; want only C's slots to move", step, i, id, table[i])
+					}
+				}
 				if step >= 10 {
 					for _, b := range s.Backends {
-						if b.RampWeight != 0 || b.TableWeight() != b.Weight {
-							t.Errorf("step %d: backend %s: table weight %d (ramp %d); want its weight %d", step, b.Config.Addr, b.TableWeight(), b.RampWeight, b.Weight)
+						if b.Ramp != 0 {
+							t.Errorf("step %d: backend %s: ramp %d; want 0 (the ramp is over)", step, b.Config.Addr, b.Ramp)
 						}
+					}
+					if !slices.Equal(table, full) {
+						t.Errorf("step %d: the table differs from the full-weight one; want identical", step)
 					}
 				}
 				prev = next
@@ -85,55 +89,55 @@ func TestSlowStartSteps(t *testing.T) {
 	}
 }
 
-// TestSlowStartLastStepIsFullTable: scaling every weight by one number gives the
-// same Maglev table, which is what lets the ramp scale weights while it lasts.
-func TestSlowStartLastStepIsFullTable(t *testing.T) {
-	for _, weights := range [][]uint32{{1, 1, 1}, {1, 2, 3}, {7, 1, 650}} {
-		var plain, scaled []balance.Backend
-		scale := SlowStartScale(slices.Max(weights))
-		for i, w := range weights {
-			id := []string{"a", "b", "c"}[i]
-			plain = append(plain, balance.Backend{ID: id, Weight: w, Usable: true})
-			scaled = append(scaled, balance.Backend{ID: id, Weight: RampWeight(w, scale, time.Hour, time.Second, true), Usable: true})
-		}
-		a, err := balance.BuildMaglev(plain, balance.DefaultMaglevSize, 7)
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, err := balance.BuildMaglev(scaled, balance.DefaultMaglevSize, 7)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !slices.Equal(a, b) {
-			t.Errorf("weights %v scaled by %d: the table differs from the unscaled one", weights, scale)
-		}
+// stepTable is the table (as backend IDs) the XDP loader would build from the
+// service's weights and ramps.
+func stepTable(t *testing.T, s *Service) []string {
+	t.Helper()
+	var members []balance.Backend
+	for _, b := range s.Backends {
+		members = append(members, balance.Backend{ID: b.Config.Addr.String(), Weight: b.Weight, Usable: b.takesNew(), Ramp: b.Ramp})
 	}
+	return buildIDs(t, members)
 }
 
-func TestRampWeight(t *testing.T) {
-	tests := []struct {
-		weight, scale   uint32
-		elapsed, window time.Duration
-		ramping         bool
-		want            uint32
+// fullTable is the table of cs's backends at their full weights.
+func fullTable(t *testing.T, cs config.Service) []string {
+	t.Helper()
+	var members []balance.Backend
+	for _, b := range cs.Backends {
+		members = append(members, balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: true})
+	}
+	return buildIDs(t, members)
+}
+
+func buildIDs(t *testing.T, members []balance.Backend) []string {
+	t.Helper()
+	table, err := balance.BuildMaglev(members, balance.DefaultMaglevSize, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := make([]string, len(table))
+	for i, e := range table {
+		out[i] = members[e].ID
+	}
+	return out
+}
+
+func TestRamp(t *testing.T) {
+	const window = 10 * time.Second
+	for _, tt := range []struct {
+		elapsed time.Duration
+		want    uint32
 	}{
-		{1, 100, 0, 10 * time.Second, true, 10},
-		{1, 100, 5 * time.Second, 10 * time.Second, true, 55},
-		{1, 100, 10 * time.Second, 10 * time.Second, true, 100},
-		{1, 100, -time.Second, 10 * time.Second, true, 10}, // a clock step back: the floor
-		{1, 100, 0, 10 * time.Second, false, 100},
-		{0, 100, 0, 10 * time.Second, true, 0},
-		{65535, 1, 0, 10 * time.Second, true, 6554},
-		{3, 1, 0, 10 * time.Second, true, 1}, // never 0 while it takes flows
-	}
-	for _, tt := range tests {
-		if got := RampWeight(tt.weight, tt.scale, tt.elapsed, tt.window, tt.ramping); got != tt.want {
-			t.Errorf("RampWeight(%d, %d, %v, %v, %v): got %d; want %d", tt.weight, tt.scale, tt.elapsed, tt.window, tt.ramping, got, tt.want)
-		}
-	}
-	for _, tt := range []struct{ max, want uint32 }{{0, 100}, {1, 100}, {655, 100}, {656, 99}, {65535, 1}} {
-		if got := SlowStartScale(tt.max); got != tt.want {
-			t.Errorf("SlowStartScale(%d): got %d; want %d", tt.max, got, tt.want)
+		{0, 6554},
+		{5 * time.Second, 36045},
+		{-time.Second, 6554}, // a clock step back: the floor
+		{10 * time.Second, balance.RampFull - 1},
+		{9999 * time.Millisecond, 65530},
+		{time.Hour, balance.RampFull - 1}, // short of RampFull, which would end it
+	} {
+		if got := Ramp(tt.elapsed, window); got != tt.want {
+			t.Errorf("Ramp(%v, %v): got %d; want %d", tt.elapsed, window, got, tt.want)
 		}
 	}
 }
@@ -149,7 +153,7 @@ func TestSlowStartTriggers(t *testing.T) {
 		// second plan is the first.
 		prev, next func(cs *config.Service, in *Input)
 		want       bool // C ramps in the second plan
-		unstepped  bool // and its table weights stay the weights
+		unstepped  bool // and its table ramp stays 0
 	}{
 		{name: "added by a reload", plane: XDP, window: time.Minute,
 			prev: func(cs *config.Service, in *Input) { cs.Backends = cs.Backends[:2] }, want: true},
@@ -202,8 +206,8 @@ func TestSlowStartTriggers(t *testing.T) {
 			}
 			if !tt.want || tt.unstepped {
 				for _, b := range s.Backends {
-					if b.TableWeight() != b.Weight {
-						t.Errorf("backend %s: table weight %d; want its weight %d (nothing ramps)", b.Config.Addr, b.TableWeight(), b.Weight)
+					if b.Ramp != 0 {
+						t.Errorf("backend %s: ramp %d; want 0 (nothing ramps in table steps)", b.Config.Addr, b.Ramp)
 					}
 				}
 			}
@@ -211,7 +215,7 @@ func TestSlowStartTriggers(t *testing.T) {
 	}
 }
 
-// TestSlowStartSteppedDiff: a step changes only table weights, which Diff turns into
+// TestSlowStartSteppedDiff: a step changes only table ramps, which Diff turns into
 // an operation, so the agent's tick rebuilds the table; once the ramp is over,
 // planning again changes nothing.
 func TestSlowStartSteppedDiff(t *testing.T) {
@@ -231,7 +235,8 @@ func TestSlowStartSteppedDiff(t *testing.T) {
 		kinds = append(kinds, "["+strings.Join(ops, " ")+"]")
 		prev = next
 	}
-	want := "[update] [set-backend] [update] []"
+	// The ramp's end too changes C alone: one backend's operation, not a service update.
+	want := "[update] [set-backend] [set-backend] []"
 	if got := strings.Join(kinds, " "); got != want {
 		t.Errorf("operations per step: got %s; want %s", got, want)
 	}

@@ -123,8 +123,8 @@ func (p *Plane) redirector() proxy.Redirector {
 func push(px *proxy.Service, s *plan.Service) error {
 	bs := make([]proxy.Backend, 0, len(s.Backends))
 	for _, b := range s.Backends {
-		bs = append(bs, proxy.Backend{Addr: b.Config.Addr, Weight: max(b.TableWeight(), 1), MaxConns: b.Config.MaxConns,
-			SlowStart: s.Config.SlowStart, Down: !b.Usable})
+		bs = append(bs, proxy.Backend{Addr: b.Config.Addr, Weight: max(b.Weight, 1), MaxConns: b.Config.MaxConns,
+			SlowStart: s.Config.SlowStart, Down: !b.Usable, Ramp: b.Ramp})
 	}
 	if err := px.SetBackends(bs); err != nil {
 		return err

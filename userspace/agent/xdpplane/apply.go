@@ -50,8 +50,8 @@ func spec(s *plan.Service) loader.Service {
 	}
 	for i := range s.Backends {
 		b := &s.Backends[i]
-		ls.Backends = append(ls.Backends, loader.Backend{Addr: b.Config.Addr, Weight: b.TableWeight(), Usable: b.Usable,
-			Draining: b.Drained, MAC: mac(b)})
+		ls.Backends = append(ls.Backends, loader.Backend{Addr: b.Config.Addr, Weight: b.Weight, Usable: b.Usable,
+			Draining: b.Drained, MAC: mac(b), Ramp: b.Ramp})
 	}
 	for i := range s.Leaving {
 		l := &s.Leaving[i]
@@ -145,8 +145,11 @@ func (x *Plane) SetBackend(prev, next *plan.Service, addr netip.AddrPort) error 
 	if b.Drained != pb.Drained {
 		errs = append(errs, x.prog.SetBackendDraining(key, addr, b.Drained))
 	}
-	if b.TableWeight() != pb.TableWeight() {
-		errs = append(errs, x.prog.SetBackendWeight(key, addr, b.TableWeight()))
+	if b.Weight != pb.Weight {
+		errs = append(errs, x.prog.SetBackendWeight(key, addr, b.Weight))
+	}
+	if b.Ramp != pb.Ramp {
+		errs = append(errs, x.prog.SetBackendRamp(key, addr, b.Ramp))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("service %q: backend %s: %w", next.Name(), addr, err)
