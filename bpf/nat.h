@@ -439,7 +439,12 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 
 	fs = flow_lookup(NAT_CONNTRACK, &key);
 	if (fs) {
-		if (flow_alive(fs, p->flow.proto, now))
+		// A SYN on the 5-tuple of a closing flow is a new connection (the client
+		// reused its port): it takes the lookup table and a port of its own, and is
+		// counted opened when it is established.
+		int reused = is_syn(p) && (fs->flags & FLOW_F_CLOSING);
+
+		if (!reused && flow_alive(fs, p->flow.proto, now))
 			be = usable_backend(fs->backend_id, svc->id);
 		if (be) {
 			id = fs->backend_id;
@@ -452,11 +457,12 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 			count(&backend_stats, id, p->len);
 			return nat_send(ctx, p, be, fs->nat_port, now);
 		}
-		// Expired, or its backend became unusable: the old flow ends here, and this
-		// packet starts a new one.
+		// Expired, reused, or its backend became unusable: the old flow ends here,
+		// and this packet starts a new one.
 		mark_closing(fs);
 		flow_delete(NAT_CONNTRACK, &key);
-		event = STAT_FLOW_RESELECT;
+		if (!reused)
+			event = STAT_FLOW_RESELECT;
 	} else {
 		action = nat_half_open(ctx, p, svc, &key, now);
 		if (action != CONTINUE)

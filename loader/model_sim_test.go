@@ -899,7 +899,9 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 			be bpf.WeirBackend
 			ok bool
 		)
-		if r.m.flowAlive(&fs, p.flow.Proto, now) {
+		// A SYN on a closing flow's 5-tuple is a new connection (nat.h).
+		reused := isSYN(p) && fs.Flags&flowFlagClosing != 0
+		if !reused && r.m.flowAlive(&fs, p.flow.Proto, now) {
 			be, ok = r.usableBackend(fs.BackendId, svc.Id)
 		}
 		if ok {
@@ -915,10 +917,12 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 			r.countBackend(id)
 			return r.natSend(p, be, id, r.m.NATConntrack[key].NatPort)
 		}
-		// Expired, or its backend became unusable: the old flow ends here.
+		// Expired, reused, or its backend became unusable: the old flow ends here.
 		r.markClosing(key)
 		delete(r.m.NATConntrack, key)
-		event = ReasonFlowReselect
+		if !reused {
+			event = ReasonFlowReselect
+		}
 	} else if a := r.natHalfOpen(p, svc, key, now); a != modelContinue {
 		return a
 	}

@@ -138,6 +138,7 @@ func TestNATEndToEnd(t *testing.T) {
 					t.Run("bulk transfer", func(t *testing.T) { natBulk(t, nt, vip, 100<<20) })
 					t.Run("backend's icmp error reaches the client", func(t *testing.T) { natPortUnreachable(t, nt, vip) })
 					t.Run("same source port from two clients", func(t *testing.T) { natSamePort(t, nt, vip) })
+					t.Run("source port reused after a reset", func(t *testing.T) { natPortReuse(t, nt, vip) })
 				})
 			}
 			st, err := nt.prog.Stats()
@@ -256,6 +257,53 @@ func (p *pattern) Read(b []byte) (int, error) {
 // natSamePort connects from two client addresses with the same source port to
 // the single-backend echo service: both must be served, so the balancer must give
 // them different source ports towards the backend.
+// natPortReuse: a client resets a connection and opens the next one from the same
+// source port while the balancer still holds the first one's closing entry. The new
+// connection is a new flow: it works, and the backends' counters open it.
+func natPortReuse(t *testing.T, nt *natTopology, vip netip.Addr) {
+	const port = 45999
+	svc := nt.echo[vip.Is6()]
+	opened := func() (n uint64) {
+		t.Helper()
+		st, err := nt.prog.Stats()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, fc := range st.Flows[svc.Key] {
+			n += fc.Opened
+		}
+		return n
+	}
+	echo := func(c *net.TCPConn, msg string) {
+		t.Helper()
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := c.Write([]byte(msg)); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(c, got); err != nil || string(got) != msg {
+			t.Fatalf("echo: got %q, %v; want %q", got, err, msg)
+		}
+	}
+	before := opened()
+	first, err := nt.DialTCP(context.Background(), svc.Key.VIP, port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	echo(first, "first")
+	first.SetLinger(0) // close with a reset: no TIME_WAIT holds the port
+	first.Close()
+	second, err := nt.DialTCP(context.Background(), svc.Key.VIP, port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Close()
+	echo(second, "second")
+	if got := opened() - before; got != 2 {
+		t.Errorf("backends' counters opened %d flows for two connections from one source port; want 2", got)
+	}
+}
+
 func natSamePort(t *testing.T, nt *natTopology, vip netip.Addr) {
 	second := netip.MustParseAddr("10.77.0.3")
 	bits := 24
