@@ -16,8 +16,10 @@ import (
 // TestLatencyAware: one of three backends answers 20 ms slower. Round robin
 // keeps sending it a third of the requests; ewma and least_time (by time to
 // headers and to the last byte) see real request latencies and move load off
-// it within the run, so their p99 is lower. The shares and p99 of each
-// algorithm are logged side by side.
+// it within the run, so their p90 is lower: round robin's is the slow backend's
+// 20 ms. The shares, p50, p90 and p99 of each algorithm are logged side by side;
+// the test holds p90, not p99, because on a busy machine one request in a hundred
+// can wait on the scheduler as long as the slow backend takes.
 func TestLatencyAware(t *testing.T) {
 	bs := httpbackend.StartN(t, 3)
 	bs[2].Delay.Store(int64(20 * time.Millisecond))
@@ -38,7 +40,7 @@ func TestLatencyAware(t *testing.T) {
 	r := startAgent(t, svc.String())
 	type result struct {
 		slowAll, slowLate float64
-		p50, p99          time.Duration
+		p50, p90, p99     time.Duration
 	}
 	results := map[string]result{}
 	for _, a := range algos {
@@ -53,9 +55,9 @@ func TestLatencyAware(t *testing.T) {
 		h2load(t, "-n", "1500", "-c", "2", "-m", "10", fmt.Sprintf("http://127.0.0.1:%d/", ports[a.name]))
 		all, _ := shares(bs, before)
 		late, _ := shares(bs, mid)
-		p50, p99 := percentiles(t, log)
-		results[a.name] = result{all[2], late[2], p50, p99}
-		t.Logf("%-22s slow backend's share %.3f overall, %.3f later; p50 %v, p99 %v", a.name, all[2], late[2], p50, p99)
+		p50, p90, p99 := percentiles(t, log)
+		results[a.name] = result{all[2], late[2], p50, p90, p99}
+		t.Logf("%-22s slow backend's share %.3f overall, %.3f later; p50 %v, p90 %v, p99 %v", a.name, all[2], late[2], p50, p90, p99)
 	}
 	// weir status shows the estimates the latency-aware algorithms pick by.
 	for _, name := range []string{"ewma", "least_time_header"} {
@@ -84,14 +86,14 @@ func TestLatencyAware(t *testing.T) {
 		if r.slowLate > 0.1 {
 			t.Errorf("%s: the slow backend still gets %.3f of the requests after the first 3000; want <= 0.1", name, r.slowLate)
 		}
-		if r.p99 >= rr.p99 {
-			t.Errorf("%s: p99 %v; want below round robin's %v", name, r.p99, rr.p99)
+		if r.p90 >= rr.p90 {
+			t.Errorf("%s: p90 %v; want below round robin's %v", name, r.p90, rr.p90)
 		}
 	}
 }
 
 // percentiles reads h2load's per-request log (start µs, status, duration µs).
-func percentiles(t *testing.T, path string) (p50, p99 time.Duration) {
+func percentiles(t *testing.T, path string) (p50, p90, p99 time.Duration) {
 	t.Helper()
 	data, err := os.ReadFile(path)
 	if err != nil {
@@ -113,5 +115,5 @@ func percentiles(t *testing.T, path string) (p50, p99 time.Duration) {
 		t.Fatalf("h2load log %s is empty", path)
 	}
 	slices.Sort(ds)
-	return ds[len(ds)/2], ds[len(ds)*99/100]
+	return ds[len(ds)/2], ds[len(ds)*9/10], ds[len(ds)*99/100]
 }
