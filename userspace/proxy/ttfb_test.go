@@ -40,13 +40,14 @@ func latencyAlgorithms() []string {
 }
 
 // TestSlowFirstByteGetsSmallerShare: two backends that accept connections equally
-// fast, one of which answers each request 20 ms late. The time-to-first-byte sample
+// fast, one of which answers each request 50 ms late (well above what a loaded
+// machine's scheduler adds to the fast one's answers). The time-to-first-byte sample
 // moves new connections off it; connect time alone would split them evenly.
 func TestSlowFirstByteGetsSmallerShare(t *testing.T) {
 	for _, algo := range latencyAlgorithms() {
 		t.Run(algo, func(t *testing.T) {
 			fast := startBackend(t, "fast", netip.AddrPort{}, answerAfter(0))
-			slow := startBackend(t, "slow", netip.AddrPort{}, answerAfter(20*time.Millisecond))
+			slow := startBackend(t, "slow", netip.AddrPort{}, answerAfter(50*time.Millisecond))
 			s := startProxy(t, Config{Algorithm: algo, Backends: []Backend{{Addr: fast.addr()}, {Addr: slow.addr()}}})
 			const n = 100
 			got := map[string]int{}
