@@ -88,12 +88,21 @@ func isPrime(n uint32) bool {
 // back moves exactly its own slots. Backends with Weight 0 get no entries and are not
 // part of the base.
 func BuildMaglev(backends []Backend, size uint32, seed uint64) ([]uint32, error) {
-	return buildMaglev(backends, size, seed, true)
+	return buildMaglev(backends, size, seed, fillFast)
 }
 
-// buildMaglev is BuildMaglev; fast allows the round-robin fills for equal weights
-// (tests compare them with the heap's).
-func buildMaglev(backends []Backend, size uint32, seed uint64, fast bool) ([]uint32, error) {
+// fillMode says how buildMaglev fills: every mode builds the same table (tested).
+type fillMode int
+
+const (
+	fillReference fillMode = iota // every turn through container/heap
+	fillFast                      // the cheapest way for the case (BuildMaglev's)
+	fillProbe                     // the spill's slots by probing turns, as the reference
+	fillEvents                    // the spill's slots by each one's earliest taker
+)
+
+// buildMaglev is BuildMaglev with the fill's mode.
+func buildMaglev(backends []Backend, size uint32, seed uint64, mode fillMode) ([]uint32, error) {
 	if !isPrime(size) {
 		return nil, fmt.Errorf("build maglev table: size %d: %w", size, ErrSizeNotPrime)
 	}
@@ -120,9 +129,9 @@ func buildMaglev(backends []Backend, size uint32, seed uint64, fast bool) ([]uin
 	byID := func(a, b int) int { return strings.Compare(backends[a].ID, backends[b].ID) }
 	slices.SortFunc(base, byID)
 	slices.SortFunc(up, byID)
-	table := fillBase(backends, base, uint64(size), seed, fast)
+	table := fillBase(backends, base, uint64(size), seed, mode != fillReference)
 	if len(up) < len(base) || ramping {
-		spill(table, backends, up, seed, fast, ramping)
+		spill(table, backends, up, seed, mode, ramping)
 	}
 	return table, nil
 }
@@ -211,7 +220,7 @@ const emptySlot = ^uint32(0)
 // Balance after a spill: every usable backend holds at most its share, rounded up,
 // plus 1 + 2√(freed slots ÷ usable backends) slots; one backend down of 100 at the
 // default size leaves every other within 1 % of its share (see TestMaglevSpillBalance).
-func spill(table []uint32, backends []Backend, up []int, seed uint64, fast, ramping bool) {
+func spill(table []uint32, backends []Backend, up []int, seed uint64, mode fillMode, ramping bool) {
 	m := uint64(len(table))
 	n := len(up)
 	position := make([]int32, len(backends)) // backend index → position in up, or -1
@@ -289,6 +298,17 @@ func spill(table []uint32, backends []Backend, up []int, seed uint64, fast, ramp
 	// The caps leave room for every freed slot: they add up to at least the table
 	// plus one slot per usable backend, so while a slot is free some backend is
 	// below its cap, and its permutation visits every slot (skip and m are coprime).
+	//
+	// Probing walks every turn, most of them onto slots that are taken: about
+	// m × ln(freed) turns, each through a heap with weights. Computing each freed
+	// slot's earliest taker directly costs freed × backends: less when little is
+	// spilled, as when a backend is down or ramps, and with weights at any spill
+	// measured (a round-robin probe is cheaper than a heap's).
+	events := !equalWeights(t.w) || freed*uint64(n) <= 8*m
+	if mode == fillEvents || mode == fillFast && events {
+		spillByEvents(table, up, t, pos, skip, count, capOf)
+		return
+	}
 	probe := func(k int) {
 		p := pos[k]
 		if pos[k] += skip[k]; pos[k] >= m {
@@ -300,7 +320,7 @@ func spill(table []uint32, backends []Backend, up []int, seed uint64, fast, ramp
 			freed--
 		}
 	}
-	if fast && equalWeights(t.w) {
+	if mode != fillReference && equalWeights(t.w) {
 		active := t.idx
 		for freed > 0 {
 			kept := active[:0]
@@ -316,7 +336,7 @@ func spill(table []uint32, backends []Backend, up []int, seed uint64, fast, ramp
 		}
 		return
 	}
-	initHeap, pop, fix := t.heapOps(fast)
+	initHeap, pop, fix := t.heapOps(mode != fillReference)
 	initHeap()
 	for freed > 0 {
 		k := t.idx[0]
@@ -328,6 +348,120 @@ func spill(table []uint32, backends []Backend, up []int, seed uint64, fast, ramp
 			fix()
 		}
 	}
+}
+
+// spillByEvents gives each free slot of table to the backend whose turns reach it
+// first, as the probing fill does, without walking the turns: backend k's j-th turn
+// (probing pos + j×skip) comes at (j+1) ÷ w, ties to the smaller k, so a slot's taker
+// is the backend below its cap with the least (rank + 1) ÷ w, where rank is the slot's
+// place in its permutation. Slots are settled in the order of their takers' turns; one
+// whose taker reached its cap first goes to its next taker among those below theirs.
+// t.idx holds the backends below their caps.
+func spillByEvents(table []uint32, up []int, t *turns, pos, skip, count, capOf []uint64) {
+	m := uint64(len(table))
+	inverse := make([]uint64, len(up)) // of skip modulo m: rank = (slot - pos) × inverse
+	for _, k := range t.idx {
+		inverse[k] = modInverse(skip[k], m)
+	}
+	// (slot - pos) × inverse modulo m, by Barrett reduction: the product is below
+	// 2^46, and mInv's quotient is at most one short.
+	mInv := ^uint64(0) / m
+	rank := func(k int, slot uint64) uint64 {
+		d := slot + m - pos[k]
+		if d >= m {
+			d -= m
+		}
+		a := d * inverse[k]
+		q, _ := bits.Mul64(a, mInv)
+		if r := a - q*m; r < m {
+			return r
+		} else {
+			return r - m
+		}
+	}
+	// (r+1)/w of one backend against another's: ranks are below 2^23 and turn
+	// weights below 2^32, so the products fit in 64 bits.
+	earlier := func(ra uint64, ka int, rb uint64, kb int) bool {
+		x, y := (ra+1)*t.w[kb], (rb+1)*t.w[ka]
+		return x < y || x == y && ka < kb
+	}
+	taker := func(slot uint64) (event, bool) {
+		best := event{k: -1}
+		for _, k := range t.idx {
+			if count[k] >= capOf[k] {
+				continue
+			}
+			if r := rank(k, slot); best.k < 0 || earlier(r, k, best.rank, best.k) {
+				best = event{slot: slot, k: k, rank: r}
+			}
+		}
+		return best, best.k >= 0
+	}
+	var q events
+	q.earlier = earlier
+	for i, owner := range table {
+		if owner == emptySlot {
+			if e, ok := taker(uint64(i)); ok {
+				q.list = append(q.list, e)
+			}
+		}
+	}
+	heap.Init(&q)
+	for len(q.list) > 0 {
+		e := q.list[0]
+		if count[e.k] < capOf[e.k] {
+			table[e.slot] = uint32(up[e.k])
+			count[e.k]++
+			heap.Pop(&q)
+			continue
+		}
+		// Its taker is capped: the next one along, whose turn comes later.
+		if next, ok := taker(e.slot); ok {
+			q.list[0] = next
+			heap.Fix(&q, 0)
+		} else {
+			heap.Pop(&q) // unreachable: the caps leave room for every freed slot
+		}
+	}
+}
+
+// event is a free slot and the backend whose turn takes it.
+type event struct {
+	slot, rank uint64
+	k          int
+}
+
+// events is a min-heap of events by their turn.
+type events struct {
+	list    []event
+	earlier func(ra uint64, ka int, rb uint64, kb int) bool
+}
+
+func (q *events) Len() int { return len(q.list) }
+func (q *events) Less(a, b int) bool {
+	return q.earlier(q.list[a].rank, q.list[a].k, q.list[b].rank, q.list[b].k)
+}
+func (q *events) Swap(a, b int) { q.list[a], q.list[b] = q.list[b], q.list[a] }
+func (q *events) Push(x any)    { q.list = append(q.list, x.(event)) }
+func (q *events) Pop() any {
+	x := q.list[len(q.list)-1]
+	q.list = q.list[:len(q.list)-1]
+	return x
+}
+
+// modInverse is a's inverse modulo the prime m (extended Euclid).
+func modInverse(a, m uint64) uint64 {
+	r0, r1 := int64(m), int64(a%m)
+	t0, t1 := int64(0), int64(1)
+	for r1 != 0 {
+		q := r0 / r1
+		r0, r1 = r1, r0-q*r1
+		t0, t1 = t1, t0-q*t1
+	}
+	if t0 < 0 {
+		t0 += int64(m)
+	}
+	return uint64(t0)
 }
 
 func equalWeights(w []uint64) bool {

@@ -159,9 +159,9 @@ func TestMaglevDeterministic(t *testing.T) {
 	}
 }
 
-// TestMaglevFastFill: the round-robin fill (equal weights) and the concrete heap
-// (other weights) build the very table container/heap's fill builds, so neither
-// shortcut changes any node's table.
+// TestMaglevFastFill: the round-robin fill (equal weights), the concrete heap (other
+// weights) and the spill by each slot's earliest taker build the very table
+// container/heap's fill builds, so no shortcut changes any node's table.
 func TestMaglevFastFill(t *testing.T) {
 	for _, tc := range []struct {
 		n    int
@@ -183,17 +183,54 @@ func TestMaglevFastFill(t *testing.T) {
 				bs[2].Ramp = ramp // and with one ramping, weighted turns
 			}
 			for _, seed := range []uint64{0, 42, P2CSeed(42)} {
-				fast, err := buildMaglev(bs, tc.size, seed, true)
+				slow, err := buildMaglev(bs, tc.size, seed, fillReference)
 				if err != nil {
 					t.Fatal(err)
 				}
-				slow, err := buildMaglev(bs, tc.size, seed, false)
-				if err != nil {
-					t.Fatal(err)
+				for _, mode := range []fillMode{fillFast, fillProbe, fillEvents} {
+					fast, err := buildMaglev(bs, tc.size, seed, mode)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if !slices.Equal(fast, slow) {
+						t.Errorf("N=%d M=%d ramp %d seed %d: fill mode %d differs from container/heap's; want identical", tc.n, tc.size, ramp, seed, mode)
+					}
 				}
-				if !slices.Equal(fast, slow) {
-					t.Errorf("N=%d M=%d ramp %d seed %d: the fast fill differs from container/heap's; want identical", tc.n, tc.size, ramp, seed)
-				}
+			}
+		}
+	}
+}
+
+// TestMaglevSpillFills: with many backends down in a small table the caps bind
+// often, so the spill by earliest taker must hand slots on to later takers exactly as
+// probing turns do.
+func TestMaglevSpillFills(t *testing.T) {
+	for _, tc := range []struct {
+		n, down int
+		size    uint32
+		w       func(int) uint32
+	}{
+		{50, 20, 4099, one},
+		{50, 20, 4099, func(i int) uint32 { return uint32(1 + i%4) }},
+		{200, 150, 1031, func(i int) uint32 { return uint32(1 + i*7%13) }},
+		{3, 2, 13, one},
+	} {
+		bs := backendsN(tc.n, tc.w)
+		for i := range tc.down {
+			bs[i*tc.n/tc.down].Usable = false
+		}
+		bs[tc.n-1].Ramp = RampFull / 3
+		want, err := buildMaglev(bs, tc.size, 5, fillReference)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mode := range []fillMode{fillFast, fillProbe, fillEvents} {
+			got, err := buildMaglev(bs, tc.size, 5, mode)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(got, want) {
+				t.Errorf("N=%d, %d down, M=%d: fill mode %d differs from container/heap's; want identical", tc.n, tc.down, tc.size, mode)
 			}
 		}
 	}
@@ -538,11 +575,12 @@ func TestMaglevSpillBalance(t *testing.T) {
 // measured first in the same run.
 func BenchmarkBuildMaglev(b *testing.B) {
 	var base float64
-	buildWith := func(b *testing.B, n int, tables int, weight func(int) uint32, down int) float64 {
+	buildWith := func(b *testing.B, n int, tables int, weight func(int) uint32, down int, ramp uint32) float64 {
 		bs := backendsN(n, weight)
 		for i := range down {
 			bs[i*n/down].Usable = false
 		}
+		bs[n-1].Ramp = ramp
 		size := MaglevSize(n)
 		b.ReportAllocs()
 		for b.Loop() {
@@ -558,7 +596,7 @@ func BenchmarkBuildMaglev(b *testing.B) {
 		return ns
 	}
 	build := func(b *testing.B, n int, tables int, weight func(int) uint32) float64 {
-		return buildWith(b, n, tables, weight, 0)
+		return buildWith(b, n, tables, weight, 0, 0)
 	}
 	b.Run("n=100", func(b *testing.B) { base = build(b, 100, 1, one) })
 	for _, n := range []int{1000, 10000} {
@@ -568,10 +606,21 @@ func BenchmarkBuildMaglev(b *testing.B) {
 		b.ReportMetric(build(b, 1000, 1, func(i int) uint32 { return uint32(1 + i%4) })/base, "x_n100")
 	})
 	b.Run("p2c-pair/n=1000", func(b *testing.B) { b.ReportMetric(build(b, 1000, 2, one)/base, "x_n100") })
-	// With backends down the base is built and their slots spilled on top.
-	for _, down := range []int{1, 100} {
-		b.Run(fmt.Sprintf("down=%d/n=1000", down), func(b *testing.B) {
-			b.ReportMetric(buildWith(b, 1000, 1, one, down)/base, "x_n100")
+	// With backends down (or one ramping) the base is built and their slots spilled
+	// on top.
+	weighted := func(i int) uint32 { return uint32(1 + i%4) }
+	for _, c := range []struct {
+		name   string
+		weight func(int) uint32
+		down   int
+		ramp   uint32
+	}{
+		{"down=1/n=1000", one, 1, 0}, {"down=100/n=1000", one, 100, 0},
+		{"weighted/down=1/n=1000", weighted, 1, 0}, {"weighted/down=100/n=1000", weighted, 100, 0},
+		{"ramp/n=1000", one, 0, RampFull / 2},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportMetric(buildWith(b, 1000, 1, c.weight, c.down, c.ramp)/base, "x_n100")
 		})
 	}
 }
