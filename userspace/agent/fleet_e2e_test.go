@@ -151,6 +151,51 @@ func TestFleetConsistency(t *testing.T) {
 		t.Errorf("the flows went to %d backends (%v); want all 9 of the three services", len(used), used)
 	}
 
+	// Node 1 alone drains a web backend: it moves that backend's flows and no
+	// other, so the nodes still agree on every flow the others send elsewhere.
+	ctx := context.Background()
+	gone := "10.77.0.11:80"
+	webPrint := func(n *fleetNode) string {
+		st, err := n.agent.client.Status(ctx)
+		if err != nil {
+			return ""
+		}
+		return fingerprints(st)["web"]
+	}
+	if err := nodes[1].agent.client.Drain(ctx, "web", gone, true); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "node 1's web table without "+gone, 10*time.Second, func() bool {
+		fp := webPrint(nodes[1])
+		return fp != "" && fp != want["web"]
+	})
+	moved, others := 0, 0
+	for j, f := range flows {
+		if f.service != "web" {
+			continue
+		}
+		ex, err := nodes[1].agent.client.Explain(ctx, f.service, f.client)
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch {
+		case ex.New == gone:
+			t.Fatalf("flow %s: node 1 still picks %s, which it drained", f.client, gone)
+		case picks[0][j] == gone:
+			moved++
+		case ex.New != picks[0][j]:
+			others++
+		}
+	}
+	t.Logf("node 1 drained %s: %d web flows moved off it, %d others picked differently", gone, moved, others)
+	if moved == 0 || others != 0 {
+		t.Errorf("node 1 drained %s: %d of its flows moved and %d flows of other backends; want some and none", gone, moved, others)
+	}
+	if err := nodes[1].agent.client.Drain(ctx, "web", gone, false); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "node 1's web table back", 10*time.Second, func() bool { return webPrint(nodes[1]) == want["web"] })
+
 	// Node 2 comes back with another seed (and a short fallback window): its tables
 	// differ, and it says so.
 	odd := nodes[2]
