@@ -236,6 +236,67 @@ func TestMaglevSpillFills(t *testing.T) {
 	}
 }
 
+// TestMaglevFillsAgreeRandomly builds tables for random services (sizes, weights,
+// backends down, ramps, small primes where caps bind) every way and holds each to
+// the reference heap's table, and every table to the spill's rules: no slot for a
+// backend down, none of an up, unramped backend's base slots moved.
+func TestMaglevFillsAgreeRandomly(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 8))
+	primes := []uint32{7, 13, 101, 1031, 4099, 65537}
+	for i := range 200 {
+		n := 1 + r.IntN(60)
+		size := primes[r.IntN(len(primes))]
+		if uint32(n) > size {
+			continue
+		}
+		bs := backendsN(n, func(int) uint32 { return uint32(1 + r.IntN(5)) })
+		for k := range bs {
+			switch r.IntN(6) {
+			case 0:
+				bs[k].Usable = false
+			case 1:
+				bs[k].Ramp = uint32(1 + r.IntN(RampFull))
+			case 2:
+				bs[k].Weight = 0
+			}
+		}
+		seed := r.Uint64()
+		want, err := buildMaglev(bs, size, seed, fillReference)
+		if errors.Is(err, ErrNoBackend) {
+			continue
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mode := range []fillMode{fillFast, fillProbe, fillEvents} {
+			got, err := buildMaglev(bs, size, seed, mode)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(got, want) {
+				t.Fatalf("case %d (N=%d M=%d): fill mode %d differs from container/heap's", i, n, size, mode)
+			}
+		}
+		base := make([]Backend, len(bs))
+		for k, b := range bs {
+			base[k] = Backend{ID: b.ID, Weight: b.Weight, Usable: true}
+		}
+		full, err := BuildMaglev(base, size, seed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for slot, e := range want {
+			b := bs[e]
+			if !b.Usable || b.Weight == 0 {
+				t.Fatalf("case %d: slot %d goes to %s, which takes no new flows", i, slot, b.ID)
+			}
+			if o := bs[full[slot]]; o.Usable && !o.ramping() && e != full[slot] {
+				t.Fatalf("case %d: slot %d of %s, up and not ramping, went to %s", i, slot, o.ID, b.ID)
+			}
+		}
+	}
+}
+
 // TestMaglevHashPinned pins hashID's output: every balancer node, in every version that
 // shares a table, must compute the same hash. Changing these values is a breaking change.
 func TestMaglevHashPinned(t *testing.T) {
