@@ -296,8 +296,9 @@ func spill(table []uint32, backends []Backend, up []int, seed uint64, mode fillM
 		}
 	}
 	// The caps leave room for every freed slot: they add up to at least the table
-	// plus one slot per usable backend, so while a slot is free some backend is
-	// below its cap, and its permutation visits every slot (skip and m are coprime).
+	// plus one slot per usable backend that does not ramp (per usable backend, if
+	// all do), so while a slot is free some backend is below its cap, and its
+	// permutation visits every slot (skip and m are coprime).
 	//
 	// Probing walks every turn, most of them onto slots that are taken: about
 	// m × ln(freed) turns, each through a heap with weights. Computing each freed
