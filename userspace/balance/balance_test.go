@@ -515,6 +515,36 @@ func TestMaglevPick(t *testing.T) {
 	}
 }
 
+// TestMaglevBalancerRamp: the maglev balancer builds its table with each backend's
+// Ramp, as the XDP loader does: a backend at a tenth holds about a tenth of its share
+// of the keys, and the others' keys stay where the full table has them.
+func TestMaglevBalancerRamp(t *testing.T) {
+	bs := backendsN(3, one)
+	full := mustNew(t, Maglev, bs, 9)
+	bs[2].Ramp = RampFull / 10
+	ramped := mustNew(t, Maglev, bs, 9)
+	const keys = 20000
+	held, others := 0, 0
+	for k := range uint64(keys) {
+		a, _ := full.Pick(k, nil)
+		b, _ := ramped.Pick(k, nil)
+		if b.Backend() == bs[2].ID {
+			held++
+		}
+		if a.Backend() != bs[2].ID && b.Backend() != a.Backend() {
+			others++
+		}
+		a.Release(Result{})
+		b.Release(Result{})
+	}
+	if got, want := float64(held)/keys, 0.1/2.1; math.Abs(got-want) > 0.01 {
+		t.Errorf("the ramping backend holds %.3f of the keys; want %.3f", got, want)
+	}
+	if others != 0 {
+		t.Errorf("%d keys of the other backends moved; want 0", others)
+	}
+}
+
 // TestLeastTime: least_time averages its samples (no peak), so one slow answer
 // does not exclude a backend, but a steadily slower one loses most of its share,
 // and Estimate reports the averages Pick uses.
