@@ -571,21 +571,7 @@ func ensureTools(ctx context.Context) error {
 			pkgs = append(pkgs, pkg)
 		}
 	}
-	if len(pkgs) == 0 {
-		return nil
-	}
-	sort.Strings(pkgs)
-	log.Printf("apt-get install %v", pkgs)
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
-	defer cancel()
-	for _, argv := range [][]string{{"apt-get", "update"}, append([]string{"apt-get", "install", "-y"}, pkgs...)} {
-		cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
-		cmd.Env = append(os.Environ(), "DEBIAN_FRONTEND=noninteractive")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("%s: %w\n%s", strings.Join(argv, " "), err, out)
-		}
-	}
-	return nil
+	return benchproc.AptInstall(ctx, pkgs)
 }
 
 // --- report ---

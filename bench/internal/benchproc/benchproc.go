@@ -6,10 +6,12 @@ package benchproc
 import (
 	"context"
 	"fmt"
+	"log"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -144,6 +146,27 @@ func WaitPorts(ctx context.Context, addrs ...string) error {
 				return fmt.Errorf("wait for %s: %w", a, err)
 			}
 			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return nil
+}
+
+// AptInstall installs the Debian packages pkgs (sorted first, for the log), with
+// apt-get update before; nothing when pkgs is empty. A benchmark lists what it
+// found missing.
+func AptInstall(ctx context.Context, pkgs []string) error {
+	if len(pkgs) == 0 {
+		return nil
+	}
+	slices.Sort(pkgs)
+	log.Printf("apt-get install %v", pkgs)
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
+	defer cancel()
+	for _, argv := range [][]string{{"apt-get", "update"}, append([]string{"apt-get", "install", "-y"}, pkgs...)} {
+		cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+		cmd.Env = append(os.Environ(), "DEBIAN_FRONTEND=noninteractive")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("%s: %w\n%s", strings.Join(argv, " "), err, out)
 		}
 	}
 	return nil

@@ -22,23 +22,22 @@ func (p *Plane) Table(s *plan.Service) ([]netip.AddrPort, error) {
 	if !s.Config.Algorithm.XDP() {
 		return nil, nil
 	}
-	var members, down []balance.Backend
+	// As the balancer's snapshot has them: every backend with a weight, up or down
+	// (the table spills a down one's slots); the table's order of them is by ID.
+	var members []balance.Backend
 	var addrs []netip.AddrPort
+	usable := false
 	for _, b := range backends(s) {
-		// As the balancer's snapshot has them: usable, with a weight, and after them
-		// those with a weight that are down, whose slots the table spills.
-		switch {
-		case b.Usable && b.Weight > 0:
-			members = append(members, balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: true, Ramp: b.Ramp})
-			addrs = append(addrs, b.Addr)
-		case b.Weight > 0:
-			down = append(down, balance.Backend{ID: b.Addr.String(), Weight: b.Weight})
+		if b.Weight == 0 {
+			continue
 		}
+		usable = usable || b.Usable
+		members = append(members, balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: b.Usable, Ramp: b.Ramp})
+		addrs = append(addrs, b.Addr)
 	}
-	if len(members) == 0 {
+	if !usable {
 		return nil, nil
 	}
-	members = append(members, down...)
 	// The agent gives httplb no seed: its balancers hash with seed 0.
 	idx, err := balance.BuildMaglev(members, balance.MaglevSize(len(members)), 0)
 	if err != nil {
