@@ -574,6 +574,14 @@ func (p *Program) SetBackendRamp(key ServiceKey, backend netip.AddrPort, ramp ui
 	return p.changeBackend(key, backend, fmt.Sprintf("ramp=%d", ramp), func(b *Backend) { b.Ramp = ramp })
 }
 
+// SetBackendState sets what SetBackendUsable, SetBackendDraining, SetBackendWeight
+// and SetBackendRamp set, in one change: the lookup table is built and installed once.
+func (p *Program) SetBackendState(key ServiceKey, backend netip.AddrPort, usable, draining bool, weight, ramp uint32) error {
+	return p.changeBackend(key, backend, fmt.Sprintf("usable=%t draining=%t weight=%d ramp=%d", usable, draining, weight, ramp), func(b *Backend) {
+		b.Usable, b.Draining, b.Weight, b.Ramp = usable, draining, weight, ramp
+	})
+}
+
 // changeBackend applies change to one backend of a service, validating the result
 // like UpdateService: a failure leaves the service as it was.
 func (p *Program) changeBackend(key ServiceKey, backend netip.AddrPort, what string, change func(*Backend)) error {

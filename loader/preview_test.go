@@ -150,6 +150,20 @@ func TestDownMovesOwnEntries(t *testing.T) {
 	if back, _ := p.Table(svc.Key); !slices.Equal(back, before) {
 		t.Errorf("%s back up: the table differs from the one before it went down; want identical", gone)
 	}
+	// Its whole state in one change, as the agent writes a slow-start step.
+	if err := p.SetBackendState(svc.Key, gone, true, false, 1, balance.RampFull/10); err != nil {
+		t.Fatal(err)
+	}
+	ramped := svc
+	ramped.Backends = slices.Clone(all)
+	ramped.Backends[37].Ramp = balance.RampFull / 10
+	want, err := LookupTable(ramped, testSeed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := p.Table(svc.Key); !slices.Equal(got, want) {
+		t.Errorf("after SetBackendState with a ramp: the program's table differs from LookupTable's")
+	}
 }
 
 // TestFlowsNAT: nat flows are counted once established, and no longer once their

@@ -1,7 +1,6 @@
 package xdpplane
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -124,8 +123,8 @@ func (x *Plane) Update(prev, next *plan.Service) error {
 	return nil
 }
 
-// SetBackend writes one backend's usability, drain and weight, which moves only
-// that backend's share of the lookup table.
+// SetBackend writes one backend's usability, drain, weight and ramp in one change of
+// the program, which moves only that backend's share of the lookup table.
 func (x *Plane) SetBackend(prev, next *plan.Service, addr netip.AddrPort) error {
 	if err := x.available(); err != nil {
 		return err
@@ -138,20 +137,10 @@ func (x *Plane) SetBackend(prev, next *plan.Service, addr netip.AddrPort) error 
 	if !next.Installed || x.installed[key] != next.Name() || b == nil || pb == nil {
 		return x.Update(prev, next)
 	}
-	var errs []error
-	if b.Usable != pb.Usable {
-		errs = append(errs, x.prog.SetBackendUsable(key, addr, b.Usable))
+	if b.Usable == pb.Usable && b.Drained == pb.Drained && b.Weight == pb.Weight && b.Ramp == pb.Ramp {
+		return nil
 	}
-	if b.Drained != pb.Drained {
-		errs = append(errs, x.prog.SetBackendDraining(key, addr, b.Drained))
-	}
-	if b.Weight != pb.Weight {
-		errs = append(errs, x.prog.SetBackendWeight(key, addr, b.Weight))
-	}
-	if b.Ramp != pb.Ramp {
-		errs = append(errs, x.prog.SetBackendRamp(key, addr, b.Ramp))
-	}
-	if err := errors.Join(errs...); err != nil {
+	if err := x.prog.SetBackendState(key, addr, b.Usable, b.Drained, b.Weight, b.Ramp); err != nil {
 		return fmt.Errorf("service %q: backend %s: %w", next.Name(), addr, err)
 	}
 	return nil
