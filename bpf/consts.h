@@ -86,6 +86,9 @@ enum __attribute__((packed)) backend_flags {
 // Flag bits of nat_flow.flags, one byte like the field (packed).
 enum __attribute__((packed)) flow_flags {
 	FLOW_F_CLOSING = 1u << 0, // a FIN or RST was seen: short timeout; counted closed once established
+	// nat, half-open flows only (cleared when the flow is established):
+	FLOW_F_STALE = 1u << 1,   // the backend answered on the flow's port with another connection's numbers
+	FLOW_F_KEPT = 1u << 2,    // a SYN sent again kept the port once after a stale answer
 };
 
 // Address families as stored in keys (values of AF_INET / AF_INET6).
@@ -121,6 +124,8 @@ enum stat_reason {
 	STAT_DROP_HALF_OPEN_FULL,  // nat: the half-open table refused a new flow's port claim
 	STAT_FLOW_SECOND_CHOICE,   // maglev_p2c: a new flow took its second candidate, the less loaded
 	STAT_FLOW_FALLBACK,        // TCP, not a SYN, unknown here: sent by the previous lookup table, which disagrees with the current one
+	STAT_PASS_NAT_STALE,       // nat: a backend's packet to a half-open flow's port that does not answer its SYN: passed to the host, which resets it
+	STAT_NAT_NEW_PORT,         // nat: a SYN sent again that the backend had not answered, moved to a new source port
 	STAT_MAX,
 };
 

@@ -10,6 +10,14 @@
 // then moves to NAT_CONNTRACK / NAT_REVERSE. A spoofed source never answers, so its flows
 // never leave the half-open tables, never evict an established flow, and give their
 // ports back to the next new flow that comes round the backend's port ring.
+//
+// A port handed on that way may still be in use on the backend: the backend answered
+// the earlier flow's SYN and keeps its half-open connection (SYN_RECV) for up to a
+// minute. Its answers on that port acknowledge the earlier SYN, not the new flow's, so
+// they are not the new client's: they go to the host, whose stack resets them, which
+// ends the backend's stale connection. The new client's SYN, which the backend met with
+// the stale connection, is sent again a second later; it keeps the port, now clear, or
+// takes a new one if the backend said nothing (nat_syn_again).
 #pragma once
 
 #include "csum.h"
@@ -50,6 +58,15 @@ static __always_inline void nat_source(__u8 family, __be32 *addr)
 static __always_inline int tcp_closes(struct packet *p)
 {
 	return p->flow.proto == IPPROTO_TCP && (p->tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST));
+}
+
+// syn_answer is the acknowledgement number that answers p if it is a SYN (its
+// sequence number + 1, network order), else 0.
+static __always_inline __be32 syn_answer(const struct packet *p)
+{
+	if (!is_syn(p))
+		return 0;
+	return bpf_htonl(bpf_ntohl(p->tcp_seq) + 1);
 }
 
 static __always_inline int flow_alive(struct nat_flow *fs, __u8 proto, __u64 now)
@@ -310,6 +327,7 @@ static __always_inline int nat_alloc_port(struct xdp_md *ctx, struct packet *p, 
 	reply_key(&rk, p, be, 0);
 	entry.client = p->flow;
 	entry.backend_id = backend_id;
+	entry.syn_ack = syn_answer(p);
 	if (came_from(ctx, &entry.to_client))
 		return 0;
 	cursor = bpf_map_lookup_elem(&nat_cursor, &backend_id);
@@ -378,10 +396,29 @@ static __always_inline int nat_send(struct xdp_md *ctx, struct packet *p, struct
 	return fib_forward(ctx, p, be, now);
 }
 
+// nat_syn_again decides for a SYN sent again on a half-open flow that began with a
+// SYN and whose backend has not answered it with a SYN-ACK (rev->syn_ack is still
+// set): 1 if the flow should start over with a new port. If what came back on the port was another connection's (FLOW_F_STALE), the
+// host has been handed it to reset, and the port is kept, once. Otherwise the flow
+// starts over: the backend may hold a stale connection on this port and not say so (it
+// rate-limits such answers), and a SYN or SYN-ACK lost on the way costs nothing but a
+// port.
+static __always_inline int nat_syn_again(struct packet *p, struct nat_flow *hs, struct nat_entry *rev)
+{
+	rev->syn_ack = syn_answer(p);
+	if ((hs->flags & (FLOW_F_STALE | FLOW_F_KEPT)) == FLOW_F_STALE) {
+		hs->flags = (hs->flags & ~FLOW_F_STALE) | FLOW_F_KEPT;
+		return 0;
+	}
+	return 1;
+}
+
 // nat_half_open handles a packet of a half-open flow: a SYN sent again goes the
-// same way; any other packet is the client's answer, and the flow and its port move to
-// the established tables. CONTINUE if the flow is not (or no longer) half-open: it
-// expired, its backend became unusable, or a newer flow took its port.
+// same way, unless nat_syn_again says it starts over; any other packet is the client's
+// answer, and the flow and its port move to the established tables. CONTINUE if the
+// flow is not (or no longer) half-open: it expired, its backend became unusable, a
+// newer flow took its port, or it starts over (its port given up; the caller takes the
+// packet as a new flow's).
 static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, struct service *svc,
 					 const struct flow_key *key, __u64 now)
 {
@@ -405,6 +442,11 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 		return CONTINUE;
 	if (tcp_closes(p))
 		hs->flags |= FLOW_F_CLOSING;
+	if (is_syn(p) && rev->syn_ack && nat_syn_again(p, hs, rev)) {
+		flow_delete(NAT_HALF_REVERSE, &rk);
+		count(&global_stats, STAT_NAT_NEW_PORT, p->len);
+		return CONTINUE;
+	}
 	count(&service_stats, svc->id, p->len);
 	count(&backend_stats, id, p->len);
 	if (is_syn(p)) {
@@ -417,6 +459,8 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 	if (hs->flags & FLOW_F_CLOSING)
 		count_flow(id, 0);
 	hs->last_seen_ns = now;
+	hs->flags &= FLOW_F_CLOSING;
+	rev->syn_ack = 0;
 	action = nat_send(ctx, p, be, hs->nat_port, now);
 	// The entries move as they are (map values are copied in place: no stack copy).
 	flow_update(NAT_CONNTRACK, key, hs);
@@ -496,11 +540,15 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 
 // nat_reply translates a backend's reply back to the client, or returns CONTINUE for
 // a packet to the nat address that is not a tracked reply (the host's own traffic).
+// A packet to a half-open flow's port that acknowledges something other than the
+// flow's SYN belongs to a connection an earlier flow on that port left on the backend:
+// it is passed to the host, whose stack resets that connection (see the top of this
+// file).
 static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 {
 	struct nat_entry *rev;
 	struct flow_key client;
-	int action, established = 1;
+	int action, established = 1, stale;
 
 	rev = flow_lookup(NAT_REVERSE, &p->flow);
 	if (!rev) {
@@ -510,7 +558,8 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 	if (!rev)
 		return CONTINUE;
 	client = rev->client;
-	if (tcp_closes(p)) {
+	stale = !established && rev->syn_ack && (p->tcp_flags & TCP_FLAG_ACK) && p->tcp_ack != rev->syn_ack;
+	if (tcp_closes(p) || stale) {
 		struct nat_flow *fs;
 
 		if (established)
@@ -520,12 +569,20 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 		// Only if the flow still goes to this backend by this port: a late FIN or
 		// RST from a backend the flow has left must not close its new entry.
 		if (fs && fs->backend_id == rev->backend_id && fs->nat_port == p->flow.dport) {
-			if (established)
+			if (stale)
+				fs->flags |= FLOW_F_STALE;
+			else if (established)
 				mark_closing(fs);
 			else
 				fs->flags |= FLOW_F_CLOSING;
 		}
 	}
+	if (stale)
+		return verdict(XDP_PASS, STAT_PASS_NAT_STALE, p->len);
+	// The backend's SYN-ACK to the flow's SYN: a SYN sent again now means the
+	// SYN-ACK was lost on the way to the client, and keeps the port.
+	if (!established && (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == (TCP_FLAG_SYN | TCP_FLAG_ACK))
+		rev->syn_ack = 0;
 	count(&global_stats, STAT_NAT_REPLY, p->len);
 	action = nat_rewrite(ctx, p, client.dst, client.dport, client.src, client.sport);
 	if (action != CONTINUE)

@@ -43,6 +43,8 @@ struct packet {
 	__u16 l3_len;    // the IP packet's length as its header says (frames may be padded)
 	__u8 tcp_flags;  // flags byte of the TCP header; 0 for UDP
 	__u8 icmp_error; // an ICMP/ICMPv6 error; l4_off points at its header
+	__be32 tcp_seq;  // the TCP sequence and acknowledgement numbers; 0 for UDP
+	__be32 tcp_ack;
 };
 
 // The first 8 bytes of every ICMP and ICMPv6 message.
@@ -95,6 +97,8 @@ static __always_inline int parse_l4(void *data, void *data_end, __u32 off, struc
 		p->flow.dport = tcp->dest;
 		// Byte 13 of the TCP header holds the flags.
 		p->tcp_flags = ((__u8 *)tcp)[13];
+		p->tcp_seq = tcp->seq;
+		p->tcp_ack = tcp->ack_seq;
 		return CONTINUE;
 	}
 	if (p->flow.proto == IPPROTO_UDP) {

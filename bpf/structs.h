@@ -95,7 +95,11 @@ struct nat_flow {
 struct nat_entry {
 	struct flow_key client; // the client's flow as received: client -> VIP
 	__u32 backend_id;
-	__u32 pad;
+	// Half-open TCP flows begun by a SYN, until the backend's SYN-ACK: the
+	// acknowledgement number that answers the SYN (the client's initial sequence number
+	// + 1, network order). 0 otherwise, and for the one SYN in 2^32 whose answer is 0,
+	// which then goes unchecked.
+	__be32 syn_ack;
 	// Replies go back to where the client's packets come from: the MAC they came from
 	// (the client or its router) and the interface they came in on, refreshed with
 	// the flow once a second, so no reply needs a route lookup.

@@ -64,6 +64,8 @@ type WeirFlowFlags uint8
 
 const (
 	WeirFlowFlagsFLOW_F_CLOSING WeirFlowFlags = 1
+	WeirFlowFlagsFLOW_F_STALE   WeirFlowFlags = 2
+	WeirFlowFlagsFLOW_F_KEPT    WeirFlowFlags = 4
 )
 
 type WeirFlowKey struct {
@@ -111,7 +113,7 @@ type WeirNatEntry struct {
 	_         structs.HostLayout
 	Client    WeirFlowKey
 	BackendId uint32
-	Pad       uint32
+	SynAck    uint32
 	ToClient  WeirNextHop
 }
 
@@ -174,7 +176,9 @@ const (
 	WeirStatReasonSTAT_DROP_HALF_OPEN_FULL WeirStatReason = 23
 	WeirStatReasonSTAT_FLOW_SECOND_CHOICE  WeirStatReason = 24
 	WeirStatReasonSTAT_FLOW_FALLBACK       WeirStatReason = 25
-	WeirStatReasonSTAT_MAX                 WeirStatReason = 26
+	WeirStatReasonSTAT_PASS_NAT_STALE      WeirStatReason = 26
+	WeirStatReasonSTAT_NAT_NEW_PORT        WeirStatReason = 27
+	WeirStatReasonSTAT_MAX                 WeirStatReason = 28
 )
 
 type WeirVipKey struct {

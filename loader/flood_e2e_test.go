@@ -245,7 +245,7 @@ func synFlood(t *testing.T, conntrack uint32) {
 		waiting := false
 		for i, s := range services {
 			if settled[i] == 0 {
-				if newConnection(tp, s.vip, time.Second) == nil {
+				if _, err := newConnection(tp, s.vip, time.Second); err == nil {
 					settled[i] = time.Since(floodEnd)
 				} else {
 					waiting = true
@@ -540,16 +540,20 @@ func (s *floodStream) verdict(floodStart, floodEnd time.Time) string {
 	return ""
 }
 
-// probeCount counts new connections tried and succeeded.
+// probeCount counts new connections tried and succeeded, and those of them
+// whose handshake needed the client to send its SYN again.
 type probeCount struct {
-	tried, ok int
-	firstErr  error
+	tried, ok, resent int
+	firstErr          error
 }
 
-func (c *probeCount) add(err error) {
+func (c *probeCount) add(retransmits uint32, err error) {
 	c.tried++
 	if err == nil {
 		c.ok++
+		if retransmits > 0 {
+			c.resent++
+		}
 	} else if c.firstErr == nil {
 		c.firstErr = err
 	}
@@ -559,7 +563,7 @@ func (c probeCount) String() string {
 	if c.tried == 0 {
 		return "none tried"
 	}
-	s := fmt.Sprintf("%d of %d succeeded (%.0f%%)", c.ok, c.tried, 100*float64(c.ok)/float64(c.tried))
+	s := fmt.Sprintf("%d of %d succeeded (%.0f%%), %d of them after sending their SYN again", c.ok, c.tried, 100*float64(c.ok)/float64(c.tried), c.resent)
 	if c.firstErr != nil {
 		s += fmt.Sprintf(", first error: %v", c.firstErr)
 	}
@@ -595,9 +599,9 @@ func probeWhile(ctx context.Context, tp *topo.Topology, dst netip.AddrPort) prob
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
-			err := newConnection(tp, dst, 2*time.Second)
+			retrans, err := newConnection(tp, dst, 2*time.Second)
 			mu.Lock()
-			c.add(err)
+			c.add(retrans, err)
 			mu.Unlock()
 		}()
 	}
@@ -620,11 +624,12 @@ func probeN(tp *topo.Topology, dst netip.AddrPort, n int) probeCount {
 			defer wg.Done()
 			for range work {
 				err := errors.New("not tried: out of time")
+				var retrans uint32
 				if time.Now().Before(deadline) {
-					err = newConnection(tp, dst, 3*time.Second)
+					retrans, err = newConnection(tp, dst, 3*time.Second)
 				}
 				mu.Lock()
-				c.add(err)
+				c.add(retrans, err)
 				mu.Unlock()
 			}
 		}()
@@ -638,29 +643,54 @@ func probeN(tp *topo.Topology, dst netip.AddrPort, n int) probeCount {
 }
 
 // newConnection opens a connection to dst from the client namespace, echoes one
-// message through it and closes it, all within timeout.
-func newConnection(tp *topo.Topology, dst netip.AddrPort, timeout time.Duration) error {
+// message through it and closes it, all within timeout. It returns how many
+// times the client sent its SYN again.
+func newConnection(tp *topo.Topology, dst netip.AddrPort, timeout time.Duration) (uint32, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	c, err := tp.DialTCP(ctx, dst, 0)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer c.Close()
+	retransmits, err := handshakeRetransmits(c)
+	if err != nil {
+		return 0, err
+	}
 	deadline, _ := ctx.Deadline()
 	c.SetDeadline(deadline)
 	msg := []byte("new connection through the flood")
 	if _, err := c.Write(msg); err != nil {
-		return fmt.Errorf("%s: write: %w", dst, err)
+		return retransmits, fmt.Errorf("%s: write: %w", dst, err)
 	}
 	buf := make([]byte, len(msg))
 	if _, err := io.ReadFull(c, buf); err != nil {
-		return fmt.Errorf("%s: read the echo: %w", dst, err)
+		return retransmits, fmt.Errorf("%s: read the echo: %w", dst, err)
 	}
 	if string(buf) != string(msg) {
-		return fmt.Errorf("%s: echoed %q; want %q", dst, buf, msg)
+		return retransmits, fmt.Errorf("%s: echoed %q; want %q", dst, buf, msg)
 	}
-	return nil
+	return retransmits, nil
+}
+
+// handshakeRetransmits is how many segments c has sent again, read right after
+// its handshake: its SYN retransmissions.
+func handshakeRetransmits(c *net.TCPConn) (uint32, error) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var info *unix.TCPInfo
+	var infoErr error
+	if err := raw.Control(func(fd uintptr) {
+		info, infoErr = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+	}); err != nil {
+		return 0, err
+	}
+	if infoErr != nil {
+		return 0, fmt.Errorf("TCP_INFO: %w", infoErr)
+	}
+	return info.Total_retrans, nil
 }
 
 // logFloodCounters logs the program's counters that moved between before and

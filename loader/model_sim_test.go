@@ -3,6 +3,7 @@ package loader
 import (
 	"encoding/binary"
 	"fmt"
+	"math/bits"
 
 	"github.com/weir-lb/weir/bpf"
 	"github.com/weir-lb/weir/userspace/balance"
@@ -121,6 +122,8 @@ const (
 	maxIPv6ExtHeaders   = 4
 	natPortTries        = 8 // NAT_PORT_TRIES
 	flowFlagClosing     = bpf.WeirFlowFlagsFLOW_F_CLOSING
+	flowFlagStale       = bpf.WeirFlowFlagsFLOW_F_STALE
+	flowFlagKept        = bpf.WeirFlowFlagsFLOW_F_KEPT
 	lbFlowClosed        = uint32(bpf.WeirLbFlowBitsLB_FLOW_CLOSED)
 	nsecPerSec          = 1_000_000_000
 	protoHopOpts        = 0
@@ -162,6 +165,9 @@ type modelPacket struct {
 	l3Len     uint32 // the IP packet's length as its header says
 	tcpFlags  uint8
 	icmpError bool
+	// The TCP sequence and acknowledgement numbers as the program loads them: network
+	// order bytes read as a native (little-endian) word.
+	tcpSeq, tcpAck uint32
 }
 
 // run is one packet through the model: the frame being rewritten and what was counted.
@@ -361,6 +367,7 @@ func (r *run) parseL4(off uint32, p *modelPacket) int {
 		}
 		p.flow.Sport, p.flow.Dport = r.ld16(off), r.ld16(off+2)
 		p.tcpFlags = r.b[off+13]
+		p.tcpSeq, p.tcpAck = r.ld32(off+4), r.ld32(off+8)
 		return modelContinue
 	case protoUDP:
 		if !r.fits(off, udpHeaderLen) || !withinIP(p, off, udpHeaderLen) {
@@ -806,6 +813,14 @@ func (r *run) replyKey(p *modelPacket, be bpf.WeirBackend, natPort uint16) bpf.W
 		Proto: p.flow.Proto, Family: p.flow.Family}
 }
 
+// synAnswer is nat.h's syn_answer.
+func synAnswer(p *modelPacket) uint32 {
+	if !isSYN(p) {
+		return 0
+	}
+	return bits.ReverseBytes32(bits.ReverseBytes32(p.tcpSeq) + 1)
+}
+
 // natAllocPort is nat.h's nat_alloc_port. It returns the port in network order (as
 // a native word), 0 for none.
 func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now uint64) uint16 {
@@ -834,7 +849,7 @@ func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now ui
 			}
 			delete(r.m.NATReverse, rk)
 		}
-		r.m.NATHalfReverse[rk] = bpf.WeirNatEntry{Client: p.flow, BackendId: id, ToClient: toClient}
+		r.m.NATHalfReverse[rk] = bpf.WeirNatEntry{Client: p.flow, BackendId: id, SynAck: synAnswer(p), ToClient: toClient}
 		return rk.Dport
 	}
 	return 0
@@ -846,6 +861,19 @@ func (r *run) natSend(p *modelPacket, be bpf.WeirBackend, id uint32, port uint16
 		return a
 	}
 	return r.fibForward(p, id)
+}
+
+// natSynAgain is nat.h's nat_syn_again, on the half-open entry hs (which the caller
+// stores) and the reverse entry under rk.
+func (r *run) natSynAgain(p *modelPacket, hs *bpf.WeirNatFlow, rk bpf.WeirFlowKey) bool {
+	rev := r.m.NATHalfReverse[rk]
+	rev.SynAck = synAnswer(p)
+	r.m.NATHalfReverse[rk] = rev
+	if hs.Flags&(flowFlagStale|flowFlagKept) == flowFlagStale {
+		hs.Flags = hs.Flags&^flowFlagStale | flowFlagKept
+		return false
+	}
+	return true
 }
 
 // natHalfOpen is nat.h's nat_half_open.
@@ -867,13 +895,21 @@ func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowK
 	if tcpCloses(p) {
 		hs.Flags |= flowFlagClosing
 	}
+	if isSYN(p) && rev.SynAck != 0 {
+		again := r.natSynAgain(p, &hs, rk)
+		r.m.NATHalfOpen[key] = hs
+		if again {
+			delete(r.m.NATHalfReverse, rk)
+			r.count(ReasonNATNewPort)
+			return modelContinue
+		}
+	}
 	r.countService(svc.Id)
 	r.countBackend(id)
 	if isSYN(p) {
 		r.count(ReasonFlowHit)
-		a := r.natSend(p, be, id, hs.NatPort)
 		r.m.NATHalfOpen[key] = hs
-		return a
+		return r.natSend(p, be, id, hs.NatPort)
 	}
 	r.count(ReasonFlowEstablished)
 	r.countFlow(id, true)
@@ -881,6 +917,8 @@ func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowK
 		r.countFlow(id, false)
 	}
 	hs.LastSeenNs = now
+	hs.Flags &= flowFlagClosing
+	rev.SynAck = 0
 	a := r.natSend(p, be, id, hs.NatPort)
 	r.m.NATConntrack[key] = hs
 	r.m.NATReverse[rk] = rev
@@ -976,15 +1014,27 @@ func (r *run) natReply(p *modelPacket) int {
 		return modelContinue
 	}
 	client := rev.Client
-	if tcpCloses(p) {
+	stale := !established && rev.SynAck != 0 && p.tcpFlags&tcpFlagACK != 0 && p.tcpAck != rev.SynAck
+	if tcpCloses(p) || stale {
 		if established {
 			if fs, ok := r.m.NATConntrack[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
 				r.markClosing(client)
 			}
 		} else if fs, ok := r.m.NATHalfOpen[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
-			fs.Flags |= flowFlagClosing
+			if stale {
+				fs.Flags |= flowFlagStale
+			} else {
+				fs.Flags |= flowFlagClosing
+			}
 			r.m.NATHalfOpen[client] = fs
 		}
+	}
+	if stale {
+		return r.verdict(XDPPass, ReasonPassNATStale)
+	}
+	if !established && p.tcpFlags&(tcpFlagSYN|tcpFlagACK) == tcpFlagSYN|tcpFlagACK {
+		rev.SynAck = 0
+		r.m.NATHalfReverse[p.flow] = rev
 	}
 	r.count(ReasonNATReply)
 	if a := r.natRewrite(p, client.Dst, client.Dport, client.Src, client.Sport); a != modelContinue {

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"maps"
+	"math/bits"
 	"net"
 	"net/netip"
 	"os"
@@ -60,6 +61,8 @@ func FuzzDataPath(f *testing.F) {
 // something else.
 func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 	rig := newFuzzRig(t)
+	// Seeds that must also not count a reason.
+	never := map[string]Reason{"nat tcp syn again after a stale answer keeps its port": ReasonNATNewPort}
 	for _, tc := range []struct {
 		seed string
 		want Reason
@@ -75,6 +78,11 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"nat syn on an established flow", ReasonFlowHit},
 		{"nat half-open flow whose port a newer flow took", ReasonFlowNew},
 		{"nat reply to a half-open flow", ReasonNATReply},
+		{"nat reply to a half-open flow answering its syn", ReasonNATReply},
+		{"nat reply to a half-open flow, another connection's answer", ReasonPassNATStale},
+		{"nat tcp syn again, backend silent: a new port", ReasonNATNewPort},
+		{"nat tcp syn again after a stale answer keeps its port", ReasonFlowHit},
+		{"nat tcp syn again after a kept stale answer: a new port", ReasonNATNewPort},
 		{"nat ring's first port held by a live established flow", ReasonFlowNew},
 		{"nat single port held by a live established flow, ring", ReasonDropNATPorts},
 		{"nat new flow over the rate limit", ReasonDropFlowRate},
@@ -119,8 +127,12 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 			if i < 0 {
 				t.Fatalf("no seed %q", tc.seed)
 			}
-			if got := rig.check(t, fuzzSeeds[i].in); !slices.Contains(got.Reasons, tc.want) {
+			got := rig.check(t, fuzzSeeds[i].in)
+			if !slices.Contains(got.Reasons, tc.want) {
 				t.Errorf("counted %v; want %s among them", got.Reasons, tc.want)
+			}
+			if not, ok := never[tc.seed]; ok && slices.Contains(got.Reasons, not) {
+				t.Errorf("counted %v; want no %s", got.Reasons, not)
 			}
 		})
 	}
@@ -273,6 +285,12 @@ var fuzzSeeds = []struct {
 	{"nat half-open flow on an unusable backend", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8 | 0x10, 1, 1, 0, 0, 0}},
 	{"nat half-open flow, reverse entry established elsewhere", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1 | 2 | 8, 0, 1, 0, 0, 0}},
 	{"nat reply to a half-open flow", []byte{0, 11, 0, 0, packet.SYN | packet.ACK, 0, 0, 0, 0, 2 | 0x10, 0, 0, 0, 0, 0}},
+	// ... tun, tat, loads, handshake (the half-open flows' expected answer and flags).
+	{"nat reply to a half-open flow answering its syn", []byte{0, 11, 0, 0, packet.SYN | packet.ACK, 0, 0, 0, 0, 2 | 4 | 0x10 | 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1}},
+	{"nat reply to a half-open flow, another connection's answer", []byte{0, 11, 0, 0, packet.SYN | packet.ACK, 0, 0, 0, 0, 2 | 4 | 0x10 | 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
+	{"nat tcp syn again, backend silent: a new port", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1 | 2 | 8 | 0x10 | 0x40, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2}},
+	{"nat tcp syn again after a stale answer keeps its port", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1 | 2 | 8 | 0x10 | 0x40, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2 | 1<<2}},
+	{"nat tcp syn again after a kept stale answer: a new port", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1 | 2 | 8 | 0x10 | 0x40, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2 | 3<<2}},
 	{"nat reply rst to a half-open flow", []byte{0, 11, 0, 0, packet.RST, 0, 0, 0, 0, 2 | 4 | 0x10 | 0x20, 0, 0, 0, 0, 0}},
 	{"nat reply v6 udp to a half-open flow", []byte{1, 14, 0, 0, 0, 0, 0, 0, 0, 2 | 0x10}},
 	{"nat ring's first port held by a live established flow", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 2 | 4, 0, 0, 0, 1, 0}},
@@ -1294,6 +1312,22 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 			v.HopNs = at
 			v.HopLen = []uint32{4096, 0, l3Len + outer - 1, l3Len + outer}[tun>>4&3]
 			c.backends[slots[i]] = v
+		}
+	}
+	// The handshake of the seeded half-open nat flows: the acknowledgement their
+	// reverse entries expect from the backend (none, the frame's, the answer to the
+	// frame's SYN, another number; frames carry seq 1000 and ack 2000), and what
+	// earlier answers left in their flags (stale, kept).
+	if sel := r.u8(); sel != 0 {
+		synAck := bits.ReverseBytes32([]uint32{0, 2000, 1001, 7}[sel&3])
+		for k, e := range c.flows.HalfReverse {
+			e.SynAck = synAck
+			c.flows.HalfReverse[k] = e
+		}
+		extra := []bpf.WeirFlowFlags{0, flowFlagStale, flowFlagKept, flowFlagStale | flowFlagKept}[sel>>2&3]
+		for k, fs := range c.flows.NATHalfOpen {
+			fs.Flags |= extra
+			c.flows.NATHalfOpen[k] = fs
 		}
 	}
 	return c

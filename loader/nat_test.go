@@ -89,10 +89,30 @@ func TestNATFixtures(t *testing.T) {
 				t.Fatalf("forward frame\n got %x\nwant %x", out, w)
 			}
 
-			// The backend's reply, translated back to the client.
+			// The backend's reply, translated back to the client. A TCP reply must
+			// acknowledge the client's SYN (sequence number 1000): one that
+			// acknowledges anything else is another connection's, left on the
+			// backend by an earlier flow on the port, and goes to the host untouched.
 			reply := packet.Frame{SrcMAC: chosen.MAC, DstMAC: nt.Balancer.MAC, Proto: tc.proto,
 				Src: netip.AddrPortFrom(backend, port), Dst: netip.AddrPortFrom(lb, natPort),
 				TCPFlags: tc.replyFlags, Payload: []byte("world!")}
+			if tc.proto == packet.ProtoTCP {
+				stale := reply
+				stale.Ack = 7777
+				var got []byte
+				err = nt.Balancer.NS.Do(func() error {
+					var err error
+					action, got, err = nt.prog.RunOn(stale.Build(), nt.Balancer.Index)
+					return err
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if w := stale.Build(); action != XDPPass || !bytes.Equal(got, w) {
+					t.Fatalf("another connection's reply: action %s, frame\n got %x\nwant %s, %x", action, got, XDPPass, w)
+				}
+				reply.Ack = 1001
+			}
 			err = nt.Balancer.NS.Do(func() error {
 				var err error
 				action, out, err = nt.prog.RunOn(reply.Build(), nt.Balancer.Index)

@@ -39,6 +39,8 @@ const (
 	ReasonDropHalfOpenFull  = Reason(bpf.WeirStatReasonSTAT_DROP_HALF_OPEN_FULL)
 	ReasonFlowSecondChoice  = Reason(bpf.WeirStatReasonSTAT_FLOW_SECOND_CHOICE)
 	ReasonFlowFallback      = Reason(bpf.WeirStatReasonSTAT_FLOW_FALLBACK)
+	ReasonPassNATStale      = Reason(bpf.WeirStatReasonSTAT_PASS_NAT_STALE)
+	ReasonNATNewPort        = Reason(bpf.WeirStatReasonSTAT_NAT_NEW_PORT)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
 
@@ -69,6 +71,8 @@ var reasonNames = [...]string{
 	ReasonDropHalfOpenFull:  "drop_half_open_full",
 	ReasonFlowSecondChoice:  "flow_second_choice",
 	ReasonFlowFallback:      "flow_fallback",
+	ReasonPassNATStale:      "pass_nat_stale",
+	ReasonNATNewPort:        "nat_new_port",
 }
 
 func (r Reason) String() string {

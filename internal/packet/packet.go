@@ -37,8 +37,11 @@ type Frame struct {
 	Src, Dst       netip.AddrPort
 	Proto          uint8 // ProtoTCP (default) or ProtoUDP, or any other number: no L4 header is written
 	TCPFlags       uint8
-	Payload        []byte
-	TTL            uint8 // default 64
+	// Seq and Ack are the TCP sequence number (0: 1000) and, with ACK set, the
+	// acknowledgement number (0: 2000).
+	Seq, Ack uint32
+	Payload  []byte
+	TTL      uint8 // default 64
 
 	IPv4Options []byte // multiple of 4 bytes
 	FragOffset  uint16 // in 8-byte units
@@ -115,9 +118,16 @@ func (f Frame) l4(proto uint8) []byte {
 		h := make([]byte, 20, 20+len(f.Payload))
 		binary.BigEndian.PutUint16(h[0:], f.Src.Port())
 		binary.BigEndian.PutUint16(h[2:], f.Dst.Port())
-		binary.BigEndian.PutUint32(h[4:], 1000)
+		seq, ack := f.Seq, f.Ack
+		if seq == 0 {
+			seq = 1000
+		}
+		if ack == 0 {
+			ack = 2000
+		}
+		binary.BigEndian.PutUint32(h[4:], seq)
 		if f.TCPFlags&ACK != 0 {
-			binary.BigEndian.PutUint32(h[8:], 2000)
+			binary.BigEndian.PutUint32(h[8:], ack)
 		}
 		h[12] = 5 << 4
 		h[13] = f.TCPFlags
