@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/weir-lb/weir/bpf"
@@ -481,5 +482,48 @@ func TestServiceErrors(t *testing.T) {
 	}
 	if err := p.AddService(good); !errors.Is(err, net.ErrClosed) {
 		t.Errorf("add after close: %v; want net.ErrClosed", err)
+	}
+}
+
+// verifierBudget is the most instructions the verifier may process for the XDP
+// program in any configuration TestVerifierHeadroom loads: nine tenths of the
+// kernel's limit (BPF_COMPLEXITY_LIMIT_INSNS, 1,000,000), so that a change which
+// brings the program near the limit fails here, by name, before some
+// configuration stops loading at all.
+const verifierBudget = 900_000
+
+// TestVerifierHeadroom loads the program with the load-time settings that change
+// which paths the verifier walks (the nat source addresses, the new-flow rate,
+// the previous-table fallback) and logs what each cost the verifier.
+func TestVerifierHeadroom(t *testing.T) {
+	a4, a6 := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("fd00::1")
+	for _, tc := range []struct {
+		name string
+		opts Options
+	}{
+		{"no nat address", Options{}},
+		{"nat ipv4", Options{NAT: NATOptions{Addr4: a4}}},
+		{"nat ipv6", Options{NAT: NATOptions{Addr6: a6}}},
+		{"nat both", Options{NAT: NATOptions{Addr4: a4, Addr6: a6}}},
+		{"nat ipv4, rate, fallback", Options{NewFlowRate: 1000, PreviousTableWindow: time.Minute, NAT: NATOptions{Addr4: a4}}},
+		{"nat both, rate, fallback", Options{NewFlowRate: 1000, PreviousTableWindow: time.Minute, NAT: NATOptions{Addr4: a4, Addr6: a6}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := Load(tc.opts)
+			xdptest.Check(t, err)
+			defer p.Close()
+			info, err := p.objs.WeirXdp.Info()
+			if err != nil {
+				t.Fatal(err)
+			}
+			n, ok := info.VerifiedInstructions()
+			if !ok {
+				t.Fatal("the kernel does not report verified instructions (Linux 5.16+)")
+			}
+			t.Logf("verifier processed %d instructions (%.0f%% of the limit)", n, float64(n)/1e4)
+			if n > verifierBudget {
+				t.Errorf("verifier processed %d instructions; want at most %d", n, verifierBudget)
+			}
+		})
 	}
 }
