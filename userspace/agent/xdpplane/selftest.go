@@ -235,7 +235,7 @@ func (x *Plane) runSelfTest(svc loader.Service, client netip.Addr) error {
 	if key.Protocol == loader.UDP {
 		frame.Proto = packet.ProtoUDP
 	} else {
-		frame.TCPFlags = packet.SYN
+		frame.TCPFlags, frame.Seq = packet.SYN, 1000
 	}
 	in := frame.Build()
 	be := svc.Backends[0].Addr
@@ -326,7 +326,9 @@ func (x *Plane) natSelfTest(in packet.Frame, be netip.AddrPort, ifindex int) err
 	reply := packet.Frame{SrcMAC: testMACBE, DstMAC: testMACOur, Proto: in.Proto,
 		Src: be, Dst: netip.AddrPortFrom(own, natPort), Payload: []byte("weir self-test reply")}
 	if in.Proto != packet.ProtoUDP {
-		reply.TCPFlags = packet.SYN | packet.ACK
+		// The SYN-ACK must answer the client's SYN: anything else is another
+		// connection's, which nat passes to the host.
+		reply.TCPFlags, reply.Ack = packet.SYN|packet.ACK, in.Seq+1
 	}
 	want := reply
 	want.SrcMAC, want.DstMAC = in.DstMAC, in.SrcMAC
