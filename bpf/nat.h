@@ -60,6 +60,11 @@ static __always_inline int tcp_closes(struct packet *p)
 	return p->flow.proto == IPPROTO_TCP && (p->tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST));
 }
 
+// An answer to a SYN may acknowledge the data the SYN carried (TCP Fast Open) as well:
+// up to this many bytes past syn_answer are the flow's own. Another connection's
+// numbers fall in that window once in 65,536.
+#define SYN_DATA_MAX 0xffff
+
 // syn_answer is the acknowledgement number that answers p if it is a SYN (its
 // sequence number + 1, network order), else 0.
 static __always_inline __be32 syn_answer(const struct packet *p)
@@ -541,7 +546,8 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 // nat_reply translates a backend's reply back to the client, or returns CONTINUE for
 // a packet to the nat address that is not a tracked reply (the host's own traffic).
 // A packet to a half-open flow's port that acknowledges something other than the
-// flow's SYN belongs to a connection an earlier flow on that port left on the backend:
+// flow's SYN (and the data it may carry) belongs to a connection an earlier flow on
+// that port left on the backend:
 // it is passed to the host, whose stack resets that connection (see the top of this
 // file).
 static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
@@ -558,7 +564,8 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 	if (!rev)
 		return CONTINUE;
 	client = rev->client;
-	stale = !established && rev->syn_ack && (p->tcp_flags & TCP_FLAG_ACK) && p->tcp_ack != rev->syn_ack;
+	stale = !established && rev->syn_ack && (p->tcp_flags & TCP_FLAG_ACK) &&
+		bpf_ntohl(p->tcp_ack) - bpf_ntohl(rev->syn_ack) > SYN_DATA_MAX;
 	if (tcp_closes(p) || stale) {
 		struct nat_flow *fs;
 

@@ -124,6 +124,7 @@ const (
 	flowFlagClosing     = bpf.WeirFlowFlagsFLOW_F_CLOSING
 	flowFlagStale       = bpf.WeirFlowFlagsFLOW_F_STALE
 	flowFlagKept        = bpf.WeirFlowFlagsFLOW_F_KEPT
+	synDataMax          = 0xffff // SYN_DATA_MAX
 	lbFlowClosed        = uint32(bpf.WeirLbFlowBitsLB_FLOW_CLOSED)
 	nsecPerSec          = 1_000_000_000
 	protoHopOpts        = 0
@@ -1014,7 +1015,8 @@ func (r *run) natReply(p *modelPacket) int {
 		return modelContinue
 	}
 	client := rev.Client
-	stale := !established && rev.SynAck != 0 && p.tcpFlags&tcpFlagACK != 0 && p.tcpAck != rev.SynAck
+	stale := !established && rev.SynAck != 0 && p.tcpFlags&tcpFlagACK != 0 &&
+		bits.ReverseBytes32(p.tcpAck)-bits.ReverseBytes32(rev.SynAck) > synDataMax
 	if tcpCloses(p) || stale {
 		if established {
 			if fs, ok := r.m.NATConntrack[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {

@@ -79,6 +79,7 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"nat half-open flow whose port a newer flow took", ReasonFlowNew},
 		{"nat reply to a half-open flow", ReasonNATReply},
 		{"nat reply to a half-open flow answering its syn", ReasonNATReply},
+		{"nat reply to a half-open flow acknowledging its syn's data", ReasonNATReply},
 		{"nat reply to a half-open flow, another connection's answer", ReasonPassNATStale},
 		{"nat tcp syn again, backend silent: a new port", ReasonNATNewPort},
 		{"nat tcp syn again after a stale answer keeps its port", ReasonFlowHit},
@@ -287,7 +288,8 @@ var fuzzSeeds = []struct {
 	{"nat reply to a half-open flow", []byte{0, 11, 0, 0, packet.SYN | packet.ACK, 0, 0, 0, 0, 2 | 0x10, 0, 0, 0, 0, 0}},
 	// ... tun, tat, loads, handshake (the half-open flows' expected answer and flags).
 	{"nat reply to a half-open flow answering its syn", []byte{0, 11, 0, 0, packet.SYN | packet.ACK, 0, 0, 0, 0, 2 | 4 | 0x10 | 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1}},
-	{"nat reply to a half-open flow, another connection's answer", []byte{0, 11, 0, 0, packet.SYN | packet.ACK, 0, 0, 0, 0, 2 | 4 | 0x10 | 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
+	{"nat reply to a half-open flow acknowledging its syn's data", []byte{0, 11, 0, 0, packet.SYN | packet.ACK, 0, 0, 0, 0, 2 | 4 | 0x10 | 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
+	{"nat reply to a half-open flow, another connection's answer", []byte{0, 11, 0, 0, packet.SYN | packet.ACK, 0, 0, 0, 0, 2 | 4 | 0x10 | 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3}},
 	{"nat tcp syn again, backend silent: a new port", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1 | 2 | 8 | 0x10 | 0x40, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2}},
 	{"nat tcp syn again after a stale answer keeps its port", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1 | 2 | 8 | 0x10 | 0x40, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2 | 1<<2}},
 	{"nat tcp syn again after a kept stale answer: a new port", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1 | 2 | 8 | 0x10 | 0x40, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2 | 3<<2}},
@@ -1315,11 +1317,12 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 		}
 	}
 	// The handshake of the seeded half-open nat flows: the acknowledgement their
-	// reverse entries expect from the backend (none, the frame's, the answer to the
-	// frame's SYN, another number; frames carry seq 1000 and ack 2000), and what
-	// earlier answers left in their flags (stale, kept).
+	// reverse entries expect from the backend (none; the frame's; the answer to the
+	// frame's SYN, which the frame's ack passes by less than SYN_DATA_MAX, as an
+	// answer to a SYN with data would; another connection's; frames carry seq 1000
+	// and ack 2000), and what earlier answers left in their flags (stale, kept).
 	if sel := r.u8(); sel != 0 {
-		synAck := bits.ReverseBytes32([]uint32{0, 2000, 1001, 7}[sel&3])
+		synAck := bits.ReverseBytes32([]uint32{0, 2000, 1001, 0x12345678}[sel&3])
 		for k, e := range c.flows.HalfReverse {
 			e.SynAck = synAck
 			c.flows.HalfReverse[k] = e

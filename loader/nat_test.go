@@ -91,14 +91,15 @@ func TestNATFixtures(t *testing.T) {
 
 			// The backend's reply, translated back to the client. A TCP reply must
 			// acknowledge the client's SYN (sequence number 1000): one that
-			// acknowledges anything else is another connection's, left on the
-			// backend by an earlier flow on the port, and goes to the host untouched.
+			// acknowledges anything else (beyond what data the SYN may carry) is
+			// another connection's, left on the backend by an earlier flow on the
+			// port, and goes to the host untouched.
 			reply := packet.Frame{SrcMAC: chosen.MAC, DstMAC: nt.Balancer.MAC, Proto: tc.proto,
 				Src: netip.AddrPortFrom(backend, port), Dst: netip.AddrPortFrom(lb, natPort),
 				TCPFlags: tc.replyFlags, Payload: []byte("world!")}
 			if tc.proto == packet.ProtoTCP {
 				stale := reply
-				stale.Ack = 7777
+				stale.Ack = 1001 + 1<<28
 				var got []byte
 				err = nt.Balancer.NS.Do(func() error {
 					var err error
