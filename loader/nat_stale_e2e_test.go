@@ -3,14 +3,17 @@ package loader
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -42,6 +45,10 @@ const (
 // ring's first port (nftables), as a backend does whose stale connection
 // rate-limits its answers; the client's SYN sent again must start over on
 // another port instead of waiting on that one until the half-open flow expires.
+//
+// In "tcp fast open", the client's second connection carries its first bytes in
+// its SYN and the backend's SYN-ACK acknowledges them too: that answer is the
+// flow's own, and the connection must need no retransmission.
 func TestNATPortMeetsBackendState(t *testing.T) {
 	for _, v6 := range []bool{false, true} {
 		family := "ipv4"
@@ -51,6 +58,7 @@ func TestNATPortMeetsBackendState(t *testing.T) {
 		t.Run(family, func(t *testing.T) {
 			t.Run("stale connections on every port", func(t *testing.T) { staleOnEveryPort(t, v6) })
 			t.Run("backend silent on the first port", func(t *testing.T) { silentFirstPort(t, v6) })
+			t.Run("tcp fast open", func(t *testing.T) { fastOpen(t, v6) })
 		})
 	}
 }
@@ -65,10 +73,16 @@ type staleTopology struct {
 	backend topo.Host
 }
 
-func newStaleTopology(t *testing.T, v6 bool) *staleTopology {
+// newStaleTopology builds it; with fastOpen the echo server and the client's
+// namespace have TCP Fast Open on.
+func newStaleTopology(t *testing.T, v6, fastOpen bool) *staleTopology {
 	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("wst"), Backends: 1})
 	be := tp.Backends[0]
-	serveEcho(t, be.NS, echoPort)
+	if fastOpen {
+		serveFastOpenEcho(t, tp, be, echoPort)
+	} else {
+		serveEcho(t, be.NS, echoPort)
+	}
 	p := attachBalancer(t, tp, ModeNative, Options{HashSeed: 7, NAT: NATOptions{
 		Addr4: tp.Balancer.IP4, Addr6: tp.Balancer.IP6,
 		PortMin: staleRingMin, PortMax: staleRingMin + staleRingSize - 1,
@@ -87,7 +101,7 @@ func newStaleTopology(t *testing.T, v6 bool) *staleTopology {
 }
 
 func staleOnEveryPort(t *testing.T, v6 bool) {
-	st := newStaleTopology(t, v6)
+	st := newStaleTopology(t, v6, false)
 	st.spoofSYNs(t, staleRingSize)
 	// Every spoofed SYN took a port of the ring and left a half-open connection on
 	// the backend, which keeps answering it for a minute.
@@ -107,7 +121,7 @@ func staleOnEveryPort(t *testing.T, v6 bool) {
 }
 
 func silentFirstPort(t *testing.T, v6 bool) {
-	st := newStaleTopology(t, v6)
+	st := newStaleTopology(t, v6, false)
 	ip := "ip"
 	if v6 {
 		ip = "ip6"
@@ -128,6 +142,113 @@ func silentFirstPort(t *testing.T, v6 bool) {
 	}
 }
 
+func fastOpen(t *testing.T, v6 bool) {
+	st := newStaleTopology(t, v6, true)
+	// The first connection fetches the backend's cookie; the second sends its
+	// message in its SYN.
+	for i, what := range []string{"cookie", "data in the SYN"} {
+		before := fastOpenPassive(t, st.backend)
+		retrans, err := st.echoOnce(fmt.Sprintf("fast open connection %d", i), fastOpenConnect)
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		passive := fastOpenPassive(t, st.backend) - before
+		t.Logf("%s: %d retransmissions, TCPFastOpenPassive +%d", what, retrans, passive)
+		if retrans != 0 {
+			t.Errorf("%s: %d retransmissions; want 0", what, retrans)
+		}
+		if i == 1 && passive != 1 {
+			t.Errorf("%s: the backend's TCPFastOpenPassive rose by %d; want 1 (the SYN's data accepted)", what, passive)
+		}
+	}
+}
+
+// fastOpenConnect is a dialer Control that turns TCP_FASTOPEN_CONNECT on: connect
+// returns at once and the first write goes out in the SYN (with a cookie cached).
+func fastOpenConnect(_, _ string, c syscall.RawConn) error {
+	var err error
+	if cerr := c.Control(func(fd uintptr) {
+		err = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_FASTOPEN_CONNECT, 1)
+	}); cerr != nil {
+		return cerr
+	}
+	return err
+}
+
+// serveFastOpenEcho turns TCP Fast Open on in the client's and h's namespaces
+// and serves echo on port in h with a Fast Open listener.
+func serveFastOpenEcho(t *testing.T, tp *topo.Topology, h topo.Host, port int) {
+	t.Helper()
+	for _, host := range []topo.Host{tp.Client, h} {
+		err := host.NS.Do(func() error {
+			return os.WriteFile("/proc/sys/net/ipv4/tcp_fastopen", []byte("3"), 0o644) // client and server
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+		var err error
+		if cerr := c.Control(func(fd uintptr) {
+			err = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_FASTOPEN, 16)
+		}); cerr != nil {
+			return cerr
+		}
+		return err
+	}}
+	var ln net.Listener
+	err := h.NS.Do(func() (err error) {
+		ln, err = lc.Listen(context.Background(), "tcp", fmt.Sprintf(":%d", port))
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	// Exits when the listener is closed at cleanup.
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			// Exits when the client closes its side.
+			go func() {
+				defer c.Close()
+				io.Copy(c, c)
+			}()
+		}
+	}()
+}
+
+// fastOpenPassive is h's count of Fast Open SYNs whose data it accepted
+// (TcpExt TCPFastOpenPassive).
+func fastOpenPassive(t *testing.T, h topo.Host) uint64 {
+	t.Helper()
+	var n uint64
+	err := h.NS.Do(func() error {
+		b, err := os.ReadFile("/proc/thread-self/net/netstat")
+		if err != nil {
+			return err
+		}
+		lines := strings.Split(string(b), "\n")
+		for i := 0; i+1 < len(lines); i += 2 {
+			names, values := strings.Fields(lines[i]), strings.Fields(lines[i+1])
+			for j, name := range names {
+				if name == "TCPFastOpenPassive" && j < len(values) {
+					_, err := fmt.Sscan(values[j], &n)
+					return err
+				}
+			}
+		}
+		return errors.New("no TCPFastOpenPassive in /proc/net/netstat")
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
 // connectAll opens n connections to the service at once, each echoing a message;
 // every one must succeed after one SYN retransmission at most. It returns each
 // connection's count of retransmissions.
@@ -141,7 +262,7 @@ func (st *staleTopology) connectAll(t *testing.T, n int) []uint32 {
 		// Exits when its connection is done, within its deadline.
 		go func() {
 			defer wg.Done()
-			retrans[i], errs[i] = st.echoOnce(fmt.Sprintf("connection %d", i))
+			retrans[i], errs[i] = st.echoOnce(fmt.Sprintf("connection %d", i), nil)
 		}()
 	}
 	wg.Wait()
@@ -155,31 +276,31 @@ func (st *staleTopology) connectAll(t *testing.T, n int) []uint32 {
 	return retrans
 }
 
-// echoOnce connects (topo's dialer gives up after 3 s: two SYN retransmissions'
-// worth), echoes msg and closes, and returns the retransmissions the handshake
-// needed.
-func (st *staleTopology) echoOnce(msg string) (uint32, error) {
+// echoOnce connects (giving up after 3 s: two SYN retransmissions' worth, as
+// topo's dialer does), echoes msg and closes, and returns the retransmissions the
+// connection needed. control, if not nil, is the dialer's Control.
+func (st *staleTopology) echoOnce(msg string, control func(network, address string, c syscall.RawConn) error) (uint32, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	c, err := st.DialTCP(ctx, st.vip, 0)
+	d := &net.Dialer{Timeout: 3 * time.Second, Control: control}
+	conn, err := st.Client.NS.DialWith(ctx, d, "tcp", st.vip.String())
 	if err != nil {
 		return 0, err
 	}
+	c := conn.(*net.TCPConn)
 	defer c.Close()
-	retrans, err := handshakeRetransmits(c)
-	if err != nil {
-		return 0, err
-	}
 	deadline, _ := ctx.Deadline()
 	c.SetDeadline(deadline)
 	if _, err := c.Write([]byte(msg)); err != nil {
-		return retrans, err
+		return 0, err
 	}
 	got := make([]byte, len(msg))
 	if _, err := io.ReadFull(c, got); err != nil || string(got) != msg {
-		return retrans, fmt.Errorf("echo: got %q, %v; want %q", got, err, msg)
+		return 0, fmt.Errorf("echo: got %q, %v; want %q", got, err, msg)
 	}
-	return retrans, nil
+	// Read after the echo: with Fast Open the handshake completes with the first
+	// write, and its retransmissions are known only then.
+	return handshakeRetransmits(c)
 }
 
 // spoofSYNs sends n SYNs to the service from the client's link, each from its
