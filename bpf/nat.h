@@ -403,11 +403,11 @@ static __always_inline int nat_send(struct xdp_md *ctx, struct packet *p, struct
 
 // nat_syn_again decides for a SYN sent again on a half-open flow that began with a
 // SYN and whose backend has not answered it with a SYN-ACK (rev->syn_ack is still
-// set): 1 if the flow should start over with a new port. If what came back on the port was another connection's (FLOW_F_STALE), the
-// host has been handed it to reset, and the port is kept, once. Otherwise the flow
-// starts over: the backend may hold a stale connection on this port and not say so (it
-// rate-limits such answers), and a SYN or SYN-ACK lost on the way costs nothing but a
-// port.
+// set): 1 if the flow should start over with a new port. If what came back on the port
+// was another connection's (FLOW_F_STALE), the host has been handed it to reset, and
+// the port is kept, once. Otherwise the flow starts over: the backend may hold a stale
+// connection on this port and not say so (it rate-limits such answers), and a SYN lost
+// on the way costs nothing but a port.
 static __always_inline int nat_syn_again(struct packet *p, struct nat_flow *hs, struct nat_entry *rev)
 {
 	rev->syn_ack = syn_answer(p);
@@ -547,9 +547,8 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 // a packet to the nat address that is not a tracked reply (the host's own traffic).
 // A packet to a half-open flow's port that acknowledges something other than the
 // flow's SYN (and the data it may carry) belongs to a connection an earlier flow on
-// that port left on the backend:
-// it is passed to the host, whose stack resets that connection (see the top of this
-// file).
+// that port left on the backend: it is passed to the host, whose stack resets that
+// connection (see the top of this file).
 static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 {
 	struct nat_entry *rev;
