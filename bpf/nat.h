@@ -410,9 +410,9 @@ static __always_inline int nat_send(struct xdp_md *ctx, struct packet *p, struct
 // on the way costs nothing but a port.
 static __always_inline int nat_syn_again(struct packet *p, struct nat_flow *hs, struct nat_entry *rev)
 {
-	rev->syn_ack = syn_answer(p);
 	if ((hs->flags & (FLOW_F_STALE | FLOW_F_KEPT)) == FLOW_F_STALE) {
 		hs->flags = (hs->flags & ~FLOW_F_STALE) | FLOW_F_KEPT;
+		rev->syn_ack = syn_answer(p);
 		return 0;
 	}
 	return 1;
@@ -587,7 +587,8 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 		return verdict(XDP_PASS, STAT_PASS_NAT_STALE, p->len);
 	// The backend's SYN-ACK to the flow's SYN: a SYN sent again now means the
 	// SYN-ACK was lost on the way to the client, and keeps the port.
-	if (!established && (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == (TCP_FLAG_SYN | TCP_FLAG_ACK))
+	if (!established && rev->syn_ack &&
+	    (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == (TCP_FLAG_SYN | TCP_FLAG_ACK))
 		rev->syn_ack = 0;
 	count(&global_stats, STAT_NAT_REPLY, p->len);
 	action = nat_rewrite(ctx, p, client.dst, client.dport, client.src, client.sport);

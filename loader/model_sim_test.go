@@ -867,11 +867,11 @@ func (r *run) natSend(p *modelPacket, be bpf.WeirBackend, id uint32, port uint16
 // natSynAgain is nat.h's nat_syn_again, on the half-open entry hs (which the caller
 // stores) and the reverse entry under rk.
 func (r *run) natSynAgain(p *modelPacket, hs *bpf.WeirNatFlow, rk bpf.WeirFlowKey) bool {
-	rev := r.m.NATHalfReverse[rk]
-	rev.SynAck = synAnswer(p)
-	r.m.NATHalfReverse[rk] = rev
 	if hs.Flags&(flowFlagStale|flowFlagKept) == flowFlagStale {
 		hs.Flags = hs.Flags&^flowFlagStale | flowFlagKept
+		rev := r.m.NATHalfReverse[rk]
+		rev.SynAck = synAnswer(p)
+		r.m.NATHalfReverse[rk] = rev
 		return false
 	}
 	return true
@@ -1034,7 +1034,7 @@ func (r *run) natReply(p *modelPacket) int {
 	if stale {
 		return r.verdict(XDPPass, ReasonPassNATStale)
 	}
-	if !established && p.tcpFlags&(tcpFlagSYN|tcpFlagACK) == tcpFlagSYN|tcpFlagACK {
+	if !established && rev.SynAck != 0 && p.tcpFlags&(tcpFlagSYN|tcpFlagACK) == tcpFlagSYN|tcpFlagACK {
 		rev.SynAck = 0
 		r.m.NATHalfReverse[p.flow] = rev
 	}

@@ -405,6 +405,11 @@ func serveEcho(t testing.TB, ns *netns.NS, port int) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	echoOn(t, ln)
+}
+
+// echoOn echoes every connection ln accepts until the test's cleanup closes ln.
+func echoOn(t testing.TB, ln net.Listener) {
 	t.Cleanup(func() { ln.Close() })
 	// Exits when the listener is closed at cleanup.
 	go func() {

@@ -204,21 +204,7 @@ func serveFastOpenEcho(t *testing.T, tp *topo.Topology, h topo.Host, port int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { ln.Close() })
-	// Exits when the listener is closed at cleanup.
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			// Exits when the client closes its side.
-			go func() {
-				defer c.Close()
-				io.Copy(c, c)
-			}()
-		}
-	}()
+	echoOn(t, ln)
 }
 
 // fastOpenPassive is h's count of Fast Open SYNs whose data it accepted
