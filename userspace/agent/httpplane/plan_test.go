@@ -121,6 +121,7 @@ func TestPlanPredictsReload(t *testing.T) {
 	// Requests held on b: every request it takes now waits 10s.
 	bs[1].Delay.Store(int64(10 * time.Second))
 	heldBefore := bs[1].Hits.Load()
+	othersBefore := bs[0].Hits.Load() + bs[2].Hits.Load()
 	const nConns = 24
 	conns := make([]*clientConn, nConns)
 	first := make(chan answer, nConns) // the first answer on each connection
@@ -139,9 +140,12 @@ func TestPlanPredictsReload(t *testing.T) {
 	var held uint64
 	waitfor.Value(t, 10*time.Second, "the requests on b held, the others answered", func() (any, bool) {
 		held = uint64(bs[1].Hits.Load() - heldBefore)
+		// Every request has reached a backend: one still on its way to b would
+		// be neither held nor answered yet.
+		others := uint64(bs[0].Hits.Load() + bs[2].Hits.Load() - othersBefore)
 		st := r.service(t, "web")
-		return fmt.Sprintf("held %d, in flight %d, connections %d", held, st.InFlight, st.Connections),
-			held > 0 && st.InFlight == int64(held) && st.Connections == nConns
+		return fmt.Sprintf("held %d, answered by the others %d, in flight %d, connections %d", held, others, st.InFlight, st.Connections),
+			held > 0 && held+others == nConns && st.InFlight == int64(held) && st.Connections == nConns
 	})
 	for range nConns - int(held) {
 		if a := <-first; a.err != nil || a.backend == "b" {
