@@ -131,7 +131,13 @@ func (s *Service) try(ctx context.Context, l *live, w http.ResponseWriter, r *ht
 	if body != nil {
 		out.Body = body.next()
 	}
-	resp, err := be.transport(l.cfg.Upstream, r).RoundTrip(out)
+	var resp *http.Response
+	var err error
+	if t := be.transport(l.cfg.Upstream, r); t == be.h1 && body == nil && r.Header["Upgrade"] == nil {
+		resp, err = be.h1s.roundTrip(out)
+	} else {
+		resp, err = t.RoundTrip(out)
+	}
 	if timer != nil {
 		timer.Stop()
 	}

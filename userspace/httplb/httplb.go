@@ -292,6 +292,7 @@ type backend struct {
 	id    string
 	h1    *http.Transport
 	h2    []*http.Transport // requests go round them (H2Conns)
+	h1s   *h1Pool           // HTTP/1.1 requests without a body
 	next  atomic.Uint32
 	stats backendStats
 	// removed: no longer configured; its idle connections are closed.
@@ -338,14 +339,19 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 		return t
 	}
 	b.h1 = mk(false)
+	b.h1s = newH1Pool(func(ctx context.Context) (net.Conn, error) { return dial(ctx, "tcp", "") },
+		1024, 90*time.Second, int64(max(s.cfg.MaxHeaderBytes, 64<<10)))
 	for range s.cfg.H2Conns {
 		b.h2 = append(b.h2, mk(true))
 	}
 	return b
 }
 
-func (b *backend) closeIdle() {
+// closeIdle closes the backend's idle upstream connections; removed, it keeps
+// none from then on (until it is configured again).
+func (b *backend) closeIdle(removed bool) {
 	b.h1.CloseIdleConnections()
+	b.h1s.closeIdle(removed)
 	for _, t := range b.h2 {
 		t.CloseIdleConnections()
 	}
@@ -427,6 +433,9 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 			be = s.newBackend(b.Addr)
 			s.backends[be.id] = be
 		}
+		if be.removed {
+			be.h1s.reopen()
+		}
 		be.removed = false
 		in = append(in, balance.Backend{ID: be.id, Weight: b.Weight, Usable: b.Usable && b.Weight > 0, SlowStart: b.SlowStart, Ramp: b.Ramp})
 	}
@@ -436,7 +445,7 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 			// In-flight requests keep their connections; idle ones close now, and
 			// the entry goes once nothing is in flight on it.
 			be.removed = true
-			be.closeIdle()
+			be.closeIdle(true)
 			if bal.InFlight(id) == 0 {
 				delete(s.backends, id)
 			}
@@ -457,7 +466,7 @@ func (s *Service) closeBackends() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, b := range s.backends {
-		b.closeIdle()
+		b.closeIdle(true)
 	}
 }
 

@@ -39,6 +39,12 @@ func backendSet(bs []*httpbackend.Backend) []Backend {
 // port) and stops it, drained, at cleanup.
 func serve(t *testing.T, cfg Config, bs []*httpbackend.Backend) *Service {
 	t.Helper()
+	return serveOn(t, cfg, backendSet(bs))
+}
+
+// serveOn is serve over backends given by address.
+func serveOn(t *testing.T, cfg Config, bs []Backend) *Service {
+	t.Helper()
 	if !cfg.Listen.IsValid() {
 		cfg.Listen = netip.MustParseAddrPort("127.0.0.1:0")
 	}
@@ -48,7 +54,7 @@ func serve(t *testing.T, cfg Config, bs []*httpbackend.Backend) *Service {
 	if testing.Verbose() {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
-	s, err := Listen(cfg, backendSet(bs))
+	s, err := Listen(cfg, bs)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,314 @@
+package httplb
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// This file is the upstream side of HTTP/1.1 requests without a body (GET, HEAD
+// and the like: most of what a balancer carries), done on the handler's own
+// goroutine. http.Transport writes each request from a goroutine of its own and
+// reads each response on another, so a request costs two goroutine hand-offs
+// besides the wait for the answer, and its idle connections each hold a reader
+// parked in the poller. Here the handler writes the request (Request.Write), reads
+// the answer (http.ReadResponse: the standard library's parser, not one of weir's)
+// and streams the body, and an idle connection is a socket in a list. Requests
+// with a body stay with http.Transport, which writes the body while it reads the
+// answer (a backend may answer before the body is all sent), and so do upgrades.
+
+// h1Pool is one backend's idle HTTP/1.1 connections for the synchronous path.
+type h1Pool struct {
+	dial      func(ctx context.Context) (net.Conn, error)
+	maxIdle   int
+	idleFor   time.Duration
+	maxHeader int64
+
+	mu     sync.Mutex
+	idle   []*h1Conn // most recently used last
+	closed bool
+	reaper *time.Timer
+}
+
+// h1Conn is an upstream connection with its buffers.
+type h1Conn struct {
+	pool   *h1Pool
+	c      net.Conn
+	raw    syscall.RawConn // for the check that the backend has not closed it
+	lim    limitReader
+	br     *bufio.Reader
+	bw     *bufio.Writer
+	used   bool // has carried a request: the backend may have closed it meanwhile
+	idleAt time.Time
+}
+
+// limitReader caps what the response's header may take (MaxResponseHeaderBytes,
+// as http.Transport does); the body reads with no cap.
+type limitReader struct {
+	r io.Reader
+	n int64
+}
+
+func (l *limitReader) Read(p []byte) (int, error) {
+	if l.n <= 0 {
+		return 0, errHeaderTooLong
+	}
+	if int64(len(p)) > l.n {
+		p = p[:l.n]
+	}
+	n, err := l.r.Read(p)
+	l.n -= int64(n)
+	return n, err
+}
+
+var errHeaderTooLong = errors.New("backend's response header is too long")
+
+func newH1Pool(dial func(ctx context.Context) (net.Conn, error), maxIdle int, idleFor time.Duration, maxHeader int64) *h1Pool {
+	return &h1Pool{dial: dial, maxIdle: maxIdle, idleFor: idleFor, maxHeader: maxHeader}
+}
+
+// get returns an idle connection the backend still holds open, or a new one.
+func (p *h1Pool) get(ctx context.Context) (*h1Conn, error) {
+	for {
+		p.mu.Lock()
+		n := len(p.idle)
+		if n == 0 {
+			p.mu.Unlock()
+			break
+		}
+		hc := p.idle[n-1]
+		p.idle[n-1] = nil
+		p.idle = p.idle[:n-1]
+		p.mu.Unlock()
+		if hc.alive() {
+			return hc, nil
+		}
+		hc.c.Close()
+	}
+	c, err := p.dial(ctx)
+	if err != nil {
+		return nil, err
+	}
+	hc := &h1Conn{pool: p, c: c}
+	if sc, ok := c.(syscall.Conn); ok {
+		hc.raw, _ = sc.SyscallConn()
+	}
+	hc.lim.r = c
+	hc.br = bufio.NewReaderSize(&hc.lim, 32<<10)
+	hc.bw = bufio.NewWriterSize(c, 4<<10)
+	return hc, nil
+}
+
+// alive reports whether an idle connection can take a request: the backend has
+// neither closed it nor sent anything unasked (a peek that finds nothing). Without
+// the check, a backend's idle timeout would meet the next request, which for a
+// method that is not idempotent could not be sent again.
+func (hc *h1Conn) alive() bool {
+	if hc.br.Buffered() > 0 {
+		return false
+	}
+	if hc.raw == nil {
+		return true
+	}
+	ok := false
+	var b [1]byte
+	hc.raw.Read(func(fd uintptr) bool {
+		n, _, err := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+		ok = n < 0 && (err == syscall.EAGAIN || err == syscall.EWOULDBLOCK)
+		return true
+	})
+	return ok
+}
+
+// put returns a connection whose last answer has been read whole.
+func (p *h1Pool) put(hc *h1Conn) {
+	hc.used = true
+	hc.idleAt = time.Now()
+	p.mu.Lock()
+	if p.closed || len(p.idle) >= p.maxIdle {
+		p.mu.Unlock()
+		hc.c.Close()
+		return
+	}
+	p.idle = append(p.idle, hc)
+	if p.reaper == nil && p.idleFor > 0 {
+		p.reaper = time.AfterFunc(p.idleFor, p.reap)
+	}
+	p.mu.Unlock()
+}
+
+// reap closes the connections idle for longer than idleFor, and runs again while
+// any are left.
+func (p *h1Pool) reap() {
+	now := time.Now()
+	p.mu.Lock()
+	var old []*h1Conn
+	k := 0
+	for k < len(p.idle) && now.Sub(p.idle[k].idleAt) >= p.idleFor {
+		k++
+	}
+	old = append(old, p.idle[:k]...)
+	p.idle = append(p.idle[:0], p.idle[k:]...)
+	p.reaper = nil
+	if len(p.idle) > 0 && !p.closed {
+		next := p.idle[0].idleAt.Add(p.idleFor).Sub(now)
+		p.reaper = time.AfterFunc(max(next, time.Second), p.reap)
+	}
+	p.mu.Unlock()
+	for _, hc := range old {
+		hc.c.Close()
+	}
+}
+
+// reopen lets the pool keep idle connections again.
+func (p *h1Pool) reopen() {
+	p.mu.Lock()
+	p.closed = false
+	p.mu.Unlock()
+}
+
+// closeIdle closes every idle connection; closing stops the pool keeping any.
+func (p *h1Pool) closeIdle(closing bool) {
+	p.mu.Lock()
+	idle := p.idle
+	p.idle = nil
+	p.closed = p.closed || closing
+	p.mu.Unlock()
+	for _, hc := range idle {
+		hc.c.Close()
+	}
+}
+
+// errUpstreamReused marks a failure on a reused connection before any of the
+// answer came: the backend may have closed it just as the request went out.
+type errUpstreamReused struct{ err error }
+
+func (e *errUpstreamReused) Error() string { return e.err.Error() }
+func (e *errUpstreamReused) Unwrap() error { return e.err }
+
+// roundTrip sends req (no body) and returns the answer. Its body must be read to
+// the end or closed; the connection goes back to the pool when it has been read
+// whole. On a reused connection that fails before any answer comes, a request
+// that may be sent twice is sent once more on a new connection, as http.Transport
+// does.
+func (p *h1Pool) roundTrip(req *http.Request) (*http.Response, error) {
+	ctx := req.Context()
+	for attempt := 0; ; attempt++ {
+		hc, err := p.get(ctx)
+		if err != nil {
+			return nil, err
+		}
+		resp, err := hc.exchange(req)
+		if err == nil {
+			return resp, nil
+		}
+		var reused *errUpstreamReused
+		if attempt == 0 && errors.As(err, &reused) && ctx.Err() == nil && replayable(req) {
+			continue
+		}
+		return nil, err
+	}
+}
+
+// replayable is http.Transport's rule for sending a request again after a reused
+// connection failed: a method that is safe to repeat, or an Idempotency-Key.
+func replayable(req *http.Request) bool {
+	switch req.Method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		return true
+	}
+	_, a := req.Header["Idempotency-Key"]
+	_, b := req.Header["X-Idempotency-Key"]
+	return a || b
+}
+
+func (hc *h1Conn) exchange(req *http.Request) (*http.Response, error) {
+	ctx := req.Context()
+	// A cancelled context (the client gone, a timeout) breaks off the wait and the
+	// body: the deadline fails the blocked read.
+	stop := context.AfterFunc(ctx, func() { hc.c.SetDeadline(time.Unix(1, 0)) })
+	fail := func(err error, answered bool) (*http.Response, error) {
+		stop()
+		hc.c.Close()
+		if ctx.Err() != nil {
+			return nil, context.Cause(ctx)
+		}
+		if hc.used && !answered {
+			return nil, &errUpstreamReused{err}
+		}
+		return nil, err
+	}
+	if err := req.Write(hc.bw); err != nil {
+		return fail(err, false)
+	}
+	if err := hc.bw.Flush(); err != nil {
+		return fail(err, false)
+	}
+	var resp *http.Response
+	for {
+		hc.lim.n = hc.pool.maxHeader
+		var err error
+		resp, err = http.ReadResponse(hc.br, req)
+		hc.lim.n = math.MaxInt64
+		if err != nil {
+			return fail(err, hc.br.Buffered() > 0)
+		}
+		// 1xx answers (103 Early Hints and the like) come before the answer; a 101
+		// cannot, as upgrades do not come here.
+		if resp.StatusCode >= 200 || resp.StatusCode == http.StatusSwitchingProtocols {
+			break
+		}
+		resp.Body.Close()
+	}
+	resp.Body = &h1Body{hc: hc, body: resp.Body, resp: resp, stop: stop}
+	return resp, nil
+}
+
+// h1Body is an answer's body; the connection goes back to the pool once it has
+// been read to its end, and is closed if the body is closed before that.
+type h1Body struct {
+	hc   *h1Conn
+	body io.ReadCloser
+	resp *http.Response
+	stop func() bool
+	done bool
+}
+
+func (b *h1Body) Read(p []byte) (int, error) {
+	if b.done {
+		return 0, io.EOF
+	}
+	n, err := b.body.Read(p)
+	if err == io.EOF {
+		b.finish(true)
+	} else if err != nil {
+		b.finish(false)
+	}
+	return n, err
+}
+
+func (b *h1Body) Close() error {
+	if !b.done {
+		b.finish(false)
+	}
+	return nil
+}
+
+// finish ends the exchange: the connection is kept if the answer was read whole,
+// the backend keeps it open and the cancellation had not fired.
+func (b *h1Body) finish(whole bool) {
+	b.done = true
+	hc := b.hc
+	if !b.stop() || !whole || b.resp.Close || b.resp.Request.Close {
+		hc.c.Close()
+		return
+	}
+	hc.pool.put(hc)
+}

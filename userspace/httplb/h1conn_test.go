@@ -1,0 +1,199 @@
+package httplb
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
+)
+
+// countingBackend is an HTTP/1.1 server on loopback that counts the connections
+// it accepts and has open.
+type countingBackend struct {
+	addr           netip.AddrPort
+	accepted, open atomic.Int64
+	srv            *http.Server
+}
+
+func startCountingBackend(t *testing.T, h http.HandlerFunc, idle time.Duration) *countingBackend {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &countingBackend{addr: netip.MustParseAddrPort(ln.Addr().String())}
+	b.srv = &http.Server{Handler: h, IdleTimeout: idle, ConnState: func(_ net.Conn, st http.ConnState) {
+		switch st {
+		case http.StateNew:
+			b.accepted.Add(1)
+			b.open.Add(1)
+		case http.StateClosed, http.StateHijacked:
+			b.open.Add(-1)
+		}
+	}}
+	// Exits when the server is closed at cleanup.
+	go b.srv.Serve(ln)
+	t.Cleanup(func() { b.srv.Close() })
+	return b
+}
+
+// TestH1UpstreamConnections: requests without a body go to HTTP/1.1 backends over
+// pooled connections the handler drives itself. Each case sends its requests one
+// after another through the plane and checks what reached the backend and how
+// many connections it took.
+func TestH1UpstreamConnections(t *testing.T) {
+	big := strings.Repeat("x", 100<<10)
+	cases := []struct {
+		name    string
+		handler http.HandlerFunc
+		idle    time.Duration // the backend's keep-alive timeout
+		pause   time.Duration // between requests
+		method  string
+		// what each request must get, and how many connections the backend
+		// must have accepted for all of them
+		status, requests int
+		body             string
+		conns            int64
+	}{
+		{name: "kept alive", method: "GET", requests: 20, status: 200, body: "ok", conns: 1,
+			handler: func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }},
+		{name: "chunked answers", method: "GET", requests: 5, status: 200, body: "chunk chunk", conns: 1,
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				io.WriteString(w, "chunk ")
+				w.(http.Flusher).Flush()
+				io.WriteString(w, "chunk")
+			}},
+		{name: "HEAD", method: "HEAD", requests: 5, status: 200, body: "", conns: 1,
+			handler: func(w http.ResponseWriter, r *http.Request) { w.Header().Set("Content-Length", "10") }},
+		{name: "backend closes after each answer", method: "GET", requests: 5, status: 200, body: "ok", conns: 5,
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Connection", "close")
+				io.WriteString(w, "ok")
+			}},
+		// The backend's keep-alive timeout closes each connection between two
+		// requests: the next one sees that and dials, even for a POST, which could
+		// not be sent twice.
+		{name: "backend closed the idle connection, GET", method: "GET", requests: 3, status: 200, body: "ok", conns: 3,
+			idle: 50 * time.Millisecond, pause: 300 * time.Millisecond,
+			handler: func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }},
+		{name: "backend closed the idle connection, POST", method: "POST", requests: 3, status: 200, body: "ok", conns: 3,
+			idle: 50 * time.Millisecond, pause: 300 * time.Millisecond,
+			handler: func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }},
+		{name: "early hints before the answer", method: "GET", requests: 3, status: 200, body: "ok", conns: 1,
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Link", "</a.css>; rel=preload")
+				w.WriteHeader(http.StatusEarlyHints)
+				io.WriteString(w, "ok")
+			}},
+		{name: "answer header too long", method: "GET", requests: 2, status: http.StatusBadGateway, conns: 2,
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("X-Big", big)
+				io.WriteString(w, "ok")
+			}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			b := startCountingBackend(t, tc.handler, tc.idle)
+			s := serveOn(t, Config{}, []Backend{{Addr: b.addr, Weight: 1, Usable: true}})
+			c := h1Client()
+			for i := range tc.requests {
+				if i > 0 {
+					time.Sleep(tc.pause)
+				}
+				req, _ := http.NewRequest(tc.method, "http://"+s.Addr().String()+"/", nil)
+				resp, err := c.Do(req)
+				if err != nil {
+					t.Fatalf("request %d: %v", i, err)
+				}
+				body, err := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if err != nil {
+					t.Fatalf("request %d: body: %v", i, err)
+				}
+				if resp.StatusCode != tc.status || (tc.status == 200 && string(body) != tc.body) {
+					t.Fatalf("request %d: %d %q, want %d %q", i, resp.StatusCode, body, tc.status, tc.body)
+				}
+			}
+			if got := b.accepted.Load(); got != tc.conns {
+				t.Errorf("backend accepted %d connections for %d requests, want %d", got, tc.requests, tc.conns)
+			}
+		})
+	}
+}
+
+// TestH1UpstreamBrokenOff: a client that goes away in the middle of a long answer
+// takes the upstream connection with it (its rest can't be read), and the next
+// request gets a connection of its own and its whole answer.
+func TestH1UpstreamBrokenOff(t *testing.T) {
+	b := startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/short" {
+			io.WriteString(w, "ok")
+			return
+		}
+		chunk := strings.Repeat("y", 64<<10)
+		for range 1000 { // 64 MB, far more than socket buffers hold
+			if _, err := io.WriteString(w, chunk); err != nil {
+				return
+			}
+		}
+	}, 0)
+	s := serveOn(t, Config{}, []Backend{{Addr: b.addr, Weight: 1, Usable: true}})
+	conn, err := net.Dial("tcp", s.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(conn, "GET /long HTTP/1.1\r\nHost: x\r\n\r\n")
+	buf := make([]byte, 256<<10)
+	if _, err := io.ReadFull(conn, buf); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close()
+	waitfor.Value(t, 5*time.Second, "0 open backend connections after the client broke off",
+		func() (any, bool) { n := b.open.Load(); return n, n == 0 })
+	_, body := get(t, h1Client(), "http://"+s.Addr().String()+"/short")
+	if body != "ok" {
+		t.Fatalf("next request: %q", body)
+	}
+	if got := b.accepted.Load(); got != 2 {
+		t.Errorf("backend accepted %d connections, want 2", got)
+	}
+}
+
+// TestH1PoolReap: connections idle for longer than the pool keeps them are
+// closed without a request coming.
+func TestH1PoolReap(t *testing.T) {
+	b := startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }, 0)
+	dial := func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "tcp", b.addr.String())
+	}
+	p := newH1Pool(dial, 8, 100*time.Millisecond, 64<<10)
+	for range 3 {
+		req, _ := http.NewRequest("GET", "http://"+b.addr.String()+"/", nil)
+		resp, err := p.roundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	if got := b.accepted.Load(); got != 1 {
+		t.Fatalf("backend accepted %d connections for 3 requests, want 1", got)
+	}
+	waitfor.Value(t, 5*time.Second, "0 open backend connections after the reap",
+		func() (any, bool) { n := b.open.Load(); return n, n == 0 })
+	p.mu.Lock()
+	n := len(p.idle)
+	p.mu.Unlock()
+	if n != 0 {
+		t.Errorf("pool holds %d idle connections after the reap, want 0", n)
+	}
+}
