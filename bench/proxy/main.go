@@ -94,6 +94,7 @@ type result struct {
 	Bulk1, Bulk4              float64 // Gbit/s
 	CPUPerConn                float64 // µs of proxy CPU per short connection
 	SyscallsPerConn           float64
+	SegmentsPerConn           float64 // TCP segments sent on the machine per short connection, every socket counted
 	SplicesBulk               float64 // splice calls during the 1-stream bulk
 	PeakRSS                   float64 // MB
 	IdleRSS                   float64 // MB at -idle connections
@@ -165,6 +166,16 @@ func allTargets() []target {
 			},
 		})
 	}
+	for _, procs := range []int{1, 2} {
+		ts = append(ts, target{
+			name: fmt.Sprintf("weir-%dp-noyield", procs), http: proxyHTTP, bulk: proxyBulk,
+			start: func(ctx context.Context, dir string) (*benchproc.Proc, error) {
+				os.Setenv("WEIR_NOYIELD", "1")
+				defer os.Unsetenv("WEIR_NOYIELD")
+				return startWeir(ctx, dir, procs, false)
+			},
+		})
+	}
 	ts = append(ts, target{
 		name: "weir-1p-sockmap", http: proxyHTTP, bulk: proxyBulk,
 		start: func(ctx context.Context, dir string) (*benchproc.Proc, error) { return startWeir(ctx, dir, 1, true) },
@@ -212,11 +223,15 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	if p != nil {
 		perf = startPerf(ctx, p.PIDs())
 	}
+	segs0, _ := tcpOutSegs()
 	w, err := runWrk(ctx, url, true)
 	if err != nil {
 		return res, err
 	}
 	sys, _ := perf.stop()
+	if segs1, err := tcpOutSegs(); err == nil && w.requests > 0 {
+		res.SegmentsPerConn = float64(segs1-segs0) / float64(w.requests)
+	}
 	res.ConnRPS, res.ConnP50, res.ConnP99 = w.rps, w.p50, w.p99
 	if p != nil && w.requests > 0 {
 		res.CPUPerConn = (p.CPU() - cpu0) * 1e6 / float64(w.requests)
@@ -251,6 +266,33 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 		res.IdleRSS, res.FDsPerConn = rss, fds
 	}
 	return res, nil
+}
+
+// tcpOutSegs is the machine's count of TCP segments sent (Tcp OutSegs in
+// /proc/net/snmp). On loopback every segment is received too, so it measures the
+// kernel's packet work: the client's, the proxy's both sides and the backend's.
+func tcpOutSegs() (uint64, error) {
+	raw, err := os.ReadFile("/proc/net/snmp")
+	if err != nil {
+		return 0, err
+	}
+	var names []string
+	for _, line := range strings.Split(string(raw), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 0 || f[0] != "Tcp:" {
+			continue
+		}
+		if names == nil {
+			names = f
+			continue
+		}
+		for i, n := range names {
+			if n == "OutSegs" && i < len(f) {
+				return strconv.ParseUint(f[i], 10, 64)
+			}
+		}
+	}
+	return 0, errors.New("no Tcp OutSegs in /proc/net/snmp")
 }
 
 // holdIdle opens -idle connections through p, each having done one request, and
@@ -575,6 +617,7 @@ var metrics = []metric{
 	{"bulk4", "bulk, 4 streams", "Gbit/s", func(r result) float64 { return r.Bulk4 }, true, true},
 	{"cpu_per_conn", "proxy CPU per short connection", "µs", func(r result) float64 { return r.CPUPerConn }, false, false},
 	{"syscalls_per_conn", "proxy system calls per short connection", "calls", func(r result) float64 { return r.SyscallsPerConn }, false, false},
+	{"segments_per_conn", "TCP segments sent per short connection (all sockets)", "segments", func(r result) float64 { return r.SegmentsPerConn }, false, false},
 	{"splices_bulk", "splice calls during 1-stream bulk", "calls", func(r result) float64 { return r.SplicesBulk }, false, false},
 	{"peak_rss", "peak RSS", "MB", func(r result) float64 { return r.PeakRSS }, false, false},
 	{"idle_rss", "RSS at idle connections", "MB", func(r result) float64 { return r.IdleRSS }, false, false},
@@ -596,8 +639,8 @@ func report(ctx context.Context, targets []target, results map[string][]result) 
 		"ratios are to direct in the same runs. HAProxy `auto` = `option splice-auto`, `splice` = `option splice-request` + "+
 		"`splice-response`; the splice column says whether it spliced at all.\n\n",
 		*runs, *duration, *conns, host, numCPU(), time.Now().UTC().Format("2006-01-02"), *runs)
-	fmt.Fprintf(&b, "| target | new conn/s | ratio | p50 ms | p99 ms | keep-alive req/s | ratio | p99 ms | bulk 1 Gbit/s | ratio | bulk 4 Gbit/s | ratio | CPU µs/conn | syscalls/conn | splice calls (bulk) | peak RSS MB | RSS MB @%d idle | fds/conn |\n", *idle)
-	fmt.Fprintf(&b, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	fmt.Fprintf(&b, "| target | new conn/s | ratio | p50 ms | p99 ms | keep-alive req/s | ratio | p99 ms | bulk 1 Gbit/s | ratio | bulk 4 Gbit/s | ratio | CPU µs/conn | syscalls/conn | segments/conn | splice calls (bulk) | peak RSS MB | RSS MB @%d idle | fds/conn |\n", *idle)
+	fmt.Fprintf(&b, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	direct := results["direct"]
 	ratio := func(rs []result, f func(result) float64) string {
 		d, _, _ := median(direct, f)
@@ -616,11 +659,11 @@ func report(ctx context.Context, targets []target, results map[string][]result) 
 			}
 			return strconv.FormatFloat(m, 'f', prec, 64)
 		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", t.name,
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", t.name,
 			cell(metrics[0].f, 0), ratio(rs, metrics[0].f), cell(metrics[1].f, 2), cell(metrics[2].f, 2),
 			cell(metrics[3].f, 0), ratio(rs, metrics[3].f), cell(metrics[4].f, 2),
 			cell(metrics[5].f, 1), ratio(rs, metrics[5].f), cell(metrics[6].f, 1), ratio(rs, metrics[6].f),
-			cell(metrics[7].f, 0), cell(metrics[8].f, 1), cell(metrics[9].f, 0), cell(metrics[10].f, 1), cell(metrics[11].f, 1), cell(metrics[12].f, 2))
+			cell(metrics[7].f, 0), cell(metrics[8].f, 1), cell(metrics[9].f, 1), cell(metrics[10].f, 0), cell(metrics[11].f, 1), cell(metrics[12].f, 1), cell(metrics[13].f, 2))
 	}
 	b.WriteString(targetsVsHAProxy(targets, results))
 	if err := os.WriteFile(filepath.Join(*outDir, "results.md"), []byte(b.String()), 0o644); err != nil {
@@ -680,9 +723,9 @@ func targetsVsHAProxy(targets []target, results map[string][]result) string {
 	row("p99 new connections", metrics[2].f, false, false, 1.0)
 	row("p99 keep-alive", metrics[4].f, false, false, 1.0)
 	row("CPU per connection", metrics[7].f, false, false, 1.0)
-	w, _, _ := median(results[weir], metrics[12].f)
+	w, _, _ := median(results[weir], metrics[13].f)
 	fmt.Fprintf(&b, "| descriptors per connection | %.2f | | | <= 3 | %v |\n", w, w <= 3)
-	w, _, _ = median(results[weir], metrics[11].f)
+	w, _, _ = median(results[weir], metrics[12].f)
 	fmt.Fprintf(&b, "| RSS MB at %d connections | %.1f | | | <= 40 | %v |\n", *idle, w, w <= 40)
 	return b.String()
 }

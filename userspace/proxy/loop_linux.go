@@ -4,10 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -35,6 +37,11 @@ import (
 // of a list has the same duration, so a timeout costs a list move, not a timer. The
 // loop checks both heads after each batch of events, and when it parks it sets the
 // epoll file's read deadline to the earlier head, rounded up to timerTick.
+//
+// A loop that has not run dry for yieldAfter, while another loop of the process has
+// events waiting, parks briefly (yield): loops wait in the runtime poller, which
+// looks for ready ones only when a goroutine parks, so a loop that never runs dry
+// would keep the others' connections waiting for as long as it stays busy.
 
 const (
 	scratchSize  = 64 << 10 // read buffer; a read that fills it marks the direction bulk
@@ -92,6 +99,7 @@ type loop struct {
 	backoff       time.Duration
 	paused        atomic.Bool // waiting for a MaxConns slot
 	quit          bool
+	resumed       int64 // monotonic ns when the loop last came back from parking or yielding
 }
 
 // connRef names a connection in a slot, so a stale reference (the slot was reused)
@@ -169,6 +177,8 @@ func (l *loop) runCommands() {
 // closed, and so are its listener, epoll set and eventfd.
 func (l *loop) run() error {
 	defer l.shutdown()
+	defer l.running()()
+	l.resumed = monotonic()
 	for !l.quit {
 		n, err := l.wait()
 		if err != nil {
@@ -204,8 +214,72 @@ func (l *loop) run() error {
 		}
 		l.recheck()
 		l.expire()
+		if yieldOn && l.now-l.resumed > int64(yieldAfter) && l.siblingsWaiting() {
+			l.yield()
+		}
 	}
 	return nil
+}
+
+var yieldOn = os.Getenv("WEIR_NOYIELD") == ""
+
+// yieldAfter is how long a loop runs without parking before it lets a sibling loop
+// waiting for the same P have a turn.
+const yieldAfter = 200 * time.Microsecond
+
+// siblingsWaiting reports whether another loop of the service has events while
+// this one holds the P: with fewer Ps than loops, a loop that never runs dry keeps
+// the others' connections waiting, because the runtime polls for them only when
+// a goroutine parks.
+func (l *loop) siblingsWaiting() bool {
+	epfds := runningLoops.epfds.Load()
+	if epfds == nil || len(*epfds) < 2 {
+		return false
+	}
+	var fds [64]unix.PollFd
+	n := 0
+	for _, fd := range *epfds {
+		if fd != l.epfd && n < len(fds) {
+			fds[n] = unix.PollFd{Fd: int32(fd), Events: unix.POLLIN}
+			n++
+		}
+	}
+	r, _, e := unix.RawSyscall(unix.SYS_POLL, uintptr(unsafe.Pointer(&fds[0])), uintptr(n), 0)
+	return e == 0 && r > 0
+}
+
+// runningLoops is the epoll sets of every loop running in the process, of every
+// service: they all share the Ps.
+var runningLoops struct {
+	mu    sync.Mutex
+	epfds atomic.Pointer[[]int] // replaced, never changed in place
+}
+
+// running adds the loop's epoll set to runningLoops until the returned func is
+// called, which must be before the set is closed.
+func (l *loop) running() func() {
+	edit := func(f func([]int) []int) {
+		runningLoops.mu.Lock()
+		defer runningLoops.mu.Unlock()
+		var cur []int
+		if p := runningLoops.epfds.Load(); p != nil {
+			cur = *p
+		}
+		next := f(slices.Clone(cur))
+		runningLoops.epfds.Store(&next)
+	}
+	edit(func(fds []int) []int { return append(fds, l.epfd) })
+	return func() {
+		edit(func(fds []int) []int { return slices.DeleteFunc(fds, func(fd int) bool { return fd == l.epfd }) })
+	}
+}
+
+// yield parks the loop briefly on a timer, so the scheduler polls the network and
+// runs the sibling loops that have events (runtime.Gosched would put this loop
+// straight back: the run queue is looked at before the poller).
+func (l *loop) yield() {
+	time.Sleep(20 * time.Microsecond)
+	l.resumed = monotonic()
 }
 
 // wait returns the next batch of events, parking in the runtime poller while there
@@ -215,14 +289,20 @@ func (l *loop) wait() (int, error) {
 	busy := len(l.again) > 0 || (l.acceptMore && l.acceptRetryAt <= l.now && !l.paused.Load())
 	var n int
 	var werr error
+	parked := false
 	err := l.eprc.Read(func(fd uintptr) bool {
 		n, werr = epollWaitRaw(int(fd), l.events)
 		if werr == unix.EINTR {
 			n, werr = 0, nil
 			return true
 		}
-		return n > 0 || werr != nil || busy
+		done := n > 0 || werr != nil || busy
+		parked = parked || !done
+		return done
 	})
+	if parked {
+		l.resumed = monotonic()
+	}
 	if errors.Is(err, os.ErrDeadlineExceeded) {
 		l.armed = -1 // an expired deadline fails every wait until it is set again
 		return 0, nil
