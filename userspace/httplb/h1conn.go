@@ -174,12 +174,16 @@ func (p *h1Pool) reopen() {
 	p.mu.Unlock()
 }
 
-// closeIdle closes every idle connection; closing stops the pool keeping any.
-func (p *h1Pool) closeIdle(closing bool) {
+// close closes every idle connection and keeps none from then on, until reopen.
+func (p *h1Pool) close() {
 	p.mu.Lock()
 	idle := p.idle
 	p.idle = nil
-	p.closed = p.closed || closing
+	p.closed = true
+	if p.reaper != nil {
+		p.reaper.Stop()
+		p.reaper = nil
+	}
 	p.mu.Unlock()
 	for _, hc := range idle {
 		hc.c.Close()

@@ -197,3 +197,61 @@ func TestH1PoolReap(t *testing.T) {
 		t.Errorf("pool holds %d idle connections after the reap, want 0", n)
 	}
 }
+
+// TestH1UpstreamBackendRemoved: a backend taken out of the service has its idle
+// connections closed, and one a request was on when it went is closed when the
+// request ends, not kept; configured again, it pools them again.
+func TestH1UpstreamBackendRemoved(t *testing.T) {
+	release := make(chan struct{})
+	slow := startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/slow" {
+			<-release
+		}
+		io.WriteString(w, "ok")
+	}, 0)
+	other := startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }, 0)
+	first := []Backend{{Addr: slow.addr, Weight: 1, Usable: true}}
+	s := serveOn(t, Config{}, first)
+	url := "http://" + s.Addr().String()
+	get(t, h1Client(), url+"/")
+	if n := slow.open.Load(); n != 1 {
+		t.Fatalf("after one request the backend has %d connections open, want 1 (pooled)", n)
+	}
+
+	done := make(chan string, 1)
+	// Exits when the held request is answered (release is closed below).
+	go func() {
+		resp, err := h1Client().Get(url + "/slow")
+		if err != nil {
+			done <- err.Error()
+			return
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		done <- string(b)
+	}()
+	waitfor.Value(t, 5*time.Second, "the slow request in flight", func() (any, bool) {
+		n := s.stats.inflight.Load()
+		return n, n == 1
+	})
+	if err := s.SetBackends([]Backend{{Addr: other.addr, Weight: 1, Usable: true}}); err != nil {
+		t.Fatal(err)
+	}
+	close(release)
+	if got := <-done; got != "ok" {
+		t.Fatalf("the request in flight on the removed backend: %q", got)
+	}
+	waitfor.Value(t, 5*time.Second, "no connection left open to the removed backend", func() (any, bool) {
+		n := slow.open.Load()
+		return n, n == 0
+	})
+
+	if err := s.SetBackends(first); err != nil {
+		t.Fatal(err)
+	}
+	get(t, h1Client(), url+"/")
+	waitfor.Value(t, 5*time.Second, "configured again, its connection is pooled (1 open)", func() (any, bool) {
+		n := slow.open.Load()
+		return n, n == 1
+	})
+}

@@ -347,11 +347,13 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 	return b
 }
 
-// closeIdle closes the backend's idle upstream connections; removed, it keeps
-// none from then on (until it is configured again).
-func (b *backend) closeIdle(removed bool) {
+// closeIdle closes the backend's idle upstream connections. The pool of the
+// requests without a body keeps none from then on, until the backend is
+// configured again (http.Transport's pools still keep the connections of requests
+// in flight).
+func (b *backend) closeIdle() {
 	b.h1.CloseIdleConnections()
-	b.h1s.closeIdle(removed)
+	b.h1s.close()
 	for _, t := range b.h2 {
 		t.CloseIdleConnections()
 	}
@@ -445,7 +447,7 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 			// In-flight requests keep their connections; idle ones close now, and
 			// the entry goes once nothing is in flight on it.
 			be.removed = true
-			be.closeIdle(true)
+			be.closeIdle()
 			if bal.InFlight(id) == 0 {
 				delete(s.backends, id)
 			}
@@ -466,7 +468,7 @@ func (s *Service) closeBackends() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, b := range s.backends {
-		b.closeIdle(true)
+		b.closeIdle()
 	}
 }
 
