@@ -300,12 +300,25 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 		return res, err
 	}
 	res.GRPCRPS, res.GRPCP50, res.GRPCP99, res.GRPCCPU = g.rps, g.p50, g.p99, perReq(p.CPU()-cpu2, g.n)
-	rss0 := p.Mem("VmRSS")
-	rss, err := holdIdle(ctx, frontH2, p)
+	// RSS with -idle connections open, then with twice as many: the second batch's
+	// growth is what an idle connection costs. Against the RSS right after the
+	// loads, a Go proxy's garbage (collected and handed back meanwhile) can outweigh
+	// the connections and make the difference negative.
+	var cs []net.Conn
+	defer func() {
+		for _, c := range cs {
+			c.Close()
+		}
+	}()
+	rss, err := holdIdle(ctx, frontH2, p, &cs)
 	if err != nil {
 		return res, err
 	}
-	res.IdleRSS, res.IdleConnKB = rss, (rss-rss0)*1024/float64(*idle)
+	rss2, err := holdIdle(ctx, frontH2, p, &cs)
+	if err != nil {
+		return res, err
+	}
+	res.IdleRSS, res.IdleConnKB = rss, (rss2-rss)*1024/float64(*idle)
 	return res, nil
 }
 
@@ -418,15 +431,9 @@ func grpcLoad(ctx context.Context, addr string, channels, inflight int, d time.D
 	return load{n: len(lat), rps: float64(len(lat)) / d.Seconds(), p50: pct(lat, 0.5), p99: pct(lat, 0.99)}, nil
 }
 
-// holdIdle opens -idle HTTP/2 connections to addr, each having answered one
-// request, and returns p's RSS (MB) while they are held.
-func holdIdle(ctx context.Context, addr string, p *benchproc.Proc) (float64, error) {
-	var cs []net.Conn
-	defer func() {
-		for _, c := range cs {
-			c.Close()
-		}
-	}()
+// holdIdle opens -idle more HTTP/2 connections to addr, each having answered one
+// request, adds them to cs, and returns p's RSS (MB) a second later.
+func holdIdle(ctx context.Context, addr string, p *benchproc.Proc, cs *[]net.Conn) (float64, error) {
 	var hdr strings.Builder
 	enc := hpack.NewEncoder(&hdr)
 	for _, f := range [][2]string{{":method", "GET"}, {":scheme", "http"}, {":authority", addr}, {":path", "/"}} {
@@ -441,7 +448,7 @@ func holdIdle(ctx context.Context, addr string, p *benchproc.Proc) (float64, err
 		if err != nil {
 			return 0, fmt.Errorf("idle connections: %w", err)
 		}
-		cs = append(cs, c)
+		*cs = append(*cs, c)
 		c.SetDeadline(time.Now().Add(5 * time.Second))
 		io.WriteString(c, http2.ClientPreface)
 		fr := http2.NewFramer(c, c)
