@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -127,12 +128,51 @@ func (l *loop) newConn(fd int, src netip.AddrPort) {
 	c.tried = c.tries[:0]
 	s.wg.Add(1)
 	s.stats.active.Add(1)
+	if !l.readEarly(c) {
+		l.close(c, OutcomeSuccess)
+		return
+	}
 	if err := l.register(c, client); err != nil {
 		s.noteUnserved(fmt.Errorf("register accepted socket: %w", err))
 		l.close(c, OutcomeSuccess)
 		return
 	}
 	l.connect(c)
+}
+
+var smartConnect = os.Getenv("WEIR_NOSMART") == ""
+
+// readEarly reads what the client has already sent, before the backend is dialed:
+// with bytes to send at once, the dial holds back the handshake's last ACK, which
+// then goes out with them (one segment fewer per connection, and the backend
+// finds its first bytes with the connection). A client that has sent nothing yet
+// (or a protocol where the server speaks first) gets the plain dial. With the PROXY
+// protocol the header must go first, so the bytes wait in the socket as before.
+// When the kernel forwards, the proxy sends the early bytes before it pairs the
+// sockets, as it does the header. It reports false if the client's socket failed.
+func (l *loop) readEarly(c *conn) bool {
+	if !smartConnect || l.s.cfg.ProxyProtocol != 0 {
+		return true
+	}
+	h := &c.h[up]
+	n, err := readRaw(c.fd[client], l.scratch)
+	switch {
+	case err == unix.EAGAIN || err == unix.EINTR:
+		return true
+	case err != nil:
+		return false
+	case n == 0:
+		h.eof = true
+		return true
+	}
+	earlyReads.Add(1)
+	h.read += uint64(n)
+	h.buf = bufPool.Get().(*[]byte)
+	h.off, h.n = 0, copy(*h.buf, l.scratch[:n])
+	if n == len(l.scratch) {
+		h.bulk = true
+	}
+	return true
 }
 
 // connect picks a backend and starts dialing it; after a failed dial it tries up to
@@ -176,7 +216,7 @@ func (l *loop) connect(c *conn) {
 		c.attempt++
 		c.b, c.lease = b, lease
 		c.dialed = time.Now()
-		fd, err := startDial(b.sa)
+		fd, err := startDial(b.sa, c.h[up].pending())
 		if err == nil {
 			c.fd[server] = fd
 			if err = l.register(c, server); err == nil {

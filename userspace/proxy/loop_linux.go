@@ -64,8 +64,9 @@ const epollFlags = unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET
 // bufPool holds buffers for the unsent rest of a read.
 var bufPool = sync.Pool{New: func() any { b := make([]byte, scratchSize); return &b }}
 
-// Package-level counter of the copy path (read/write), next to the splice counters.
-var copiedBytes atomic.Uint64
+// Package-level counters of the copy path (read/write), next to the splice
+// counters, and of the connections whose first bytes were read before the dial.
+var copiedBytes, earlyReads atomic.Uint64
 
 type loop struct {
 	s    *Service

@@ -69,8 +69,11 @@ func listen(ap netip.AddrPort) (*listener, error) {
 
 // startDial opens a non-blocking socket to sa and starts its connect. The connect
 // completes (or fails) later, reported by the event loop's epoll set; a connect that
-// fails at once is returned as an error.
-func startDial(sa *rawSockaddr) (int, error) {
+// fails at once is returned as an error. With data (bytes wait to be sent as soon
+// as it is connected) the handshake's last ACK is held back to go with them
+// (TCP_QUICKACK off before the connect: the kernel then delays that ACK for up to
+// 200 ms, so only a caller with bytes in hand may ask).
+func startDial(sa *rawSockaddr, data bool) (int, error) {
 	fd, err := unix.Socket(sa.family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, fmt.Errorf("socket: %w", err)
@@ -78,6 +81,12 @@ func startDial(sa *rawSockaddr) (int, error) {
 	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
 		unix.Close(fd)
 		return -1, fmt.Errorf("set TCP_NODELAY: %w", err)
+	}
+	if data {
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_QUICKACK, 0); err != nil {
+			unix.Close(fd)
+			return -1, fmt.Errorf("clear TCP_QUICKACK: %w", err)
+		}
 	}
 	err = connectRaw(fd, sa)
 	for err == unix.EINTR {

@@ -86,7 +86,7 @@ func TestStartDial(t *testing.T) {
 	}
 	defer ln.Close()
 	sa := sockaddrOf(ln.Addr().(*net.TCPAddr).AddrPort())
-	fd, err := startDial(&sa)
+	fd, err := startDial(&sa, false)
 	if err != nil {
 		t.Fatalf("dial listener: %v", err)
 	}
@@ -110,7 +110,7 @@ func TestStartDial(t *testing.T) {
 
 	// A refused connect shows as SO_ERROR once it has failed.
 	dead := sockaddrOf(closedPort(t))
-	fd2, err := startDial(&dead)
+	fd2, err := startDial(&dead, false)
 	if err != nil {
 		if !errors.Is(err, unix.ECONNREFUSED) {
 			t.Fatalf("dial closed port: got %v; want ECONNREFUSED", err)
