@@ -166,16 +166,6 @@ func allTargets() []target {
 			},
 		})
 	}
-	for _, procs := range []int{1, 2} {
-		ts = append(ts, target{
-			name: fmt.Sprintf("weir-%dp-nosmart", procs), http: proxyHTTP, bulk: proxyBulk,
-			start: func(ctx context.Context, dir string) (*benchproc.Proc, error) {
-				os.Setenv("WEIR_NOSMART", "1")
-				defer os.Unsetenv("WEIR_NOSMART")
-				return startWeir(ctx, dir, procs, false)
-			},
-		})
-	}
 	ts = append(ts, target{
 		name: "weir-1p-sockmap", http: proxyHTTP, bulk: proxyBulk,
 		start: func(ctx context.Context, dir string) (*benchproc.Proc, error) { return startWeir(ctx, dir, 1, true) },

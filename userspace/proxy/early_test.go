@@ -10,7 +10,8 @@ import (
 
 // TestEarlyBytesGoWithTheDial: a client whose bytes are in before the proxy accepts
 // it (here held in the backlog while the service is at MaxConns) has them read
-// before the backend is dialed, and they reach the backend intact and first.
+// before the backend is dialed (on the copy path; the kernel-forwarding run of the
+// tests leaves them in the socket), and they reach the backend intact and first.
 func TestEarlyBytesGoWithTheDial(t *testing.T) {
 	b := startBackend(t, "b", netip.AddrPort{}, echo)
 	s := startProxy(t, Config{Backends: []Backend{{Addr: b.addr()}}, MaxConns: 1})
@@ -32,7 +33,7 @@ func TestEarlyBytesGoWithTheDial(t *testing.T) {
 	if err := roundTrip(waiting, "and then more\n"); err != nil {
 		t.Fatalf("after the early bytes: %v", err)
 	}
-	if earlyReads.Load() == before {
+	if testRedirector == nil && earlyReads.Load() == before {
 		t.Error("the waiting client's bytes were not read before the dial")
 	}
 }
