@@ -43,35 +43,54 @@ func latencyAlgorithms() []string {
 // fast, one of which answers each request 50 ms late (well above what a loaded
 // machine's scheduler adds to the fast one's answers). The time-to-first-byte sample
 // moves new connections off it; connect time alone would split them evenly.
+//
+// A stall of the fast backend's first answer (this machine is shared) gives it a
+// worse estimate than the slow one's, and with one connection at a time it is not
+// tried again within the test: the lock-out a latency estimate without exploration
+// has. So a share over the bound is measured once more, on new backends and a new
+// service; with connect time as the sample, both rounds split about evenly.
 func TestSlowFirstByteGetsSmallerShare(t *testing.T) {
 	for _, algo := range latencyAlgorithms() {
 		t.Run(algo, func(t *testing.T) {
-			fast := startBackend(t, "fast", netip.AddrPort{}, answerAfter(0))
-			slow := startBackend(t, "slow", netip.AddrPort{}, answerAfter(50*time.Millisecond))
-			s := startProxy(t, Config{Algorithm: algo, Backends: []Backend{{Addr: fast.addr()}, {Addr: slow.addr()}}})
 			const n = 100
-			got := map[string]int{}
-			for range n {
-				c := dial(t, s)
-				c.SetDeadline(time.Now().Add(5 * time.Second))
-				if _, err := c.Write([]byte("q\n")); err != nil {
-					t.Fatal(err)
+			var got map[string]int
+			for round := range 2 {
+				got = slowShare(t, algo, n)
+				t.Logf("round %d, %d connections: %v", round+1, n, got)
+				if got["slow"] <= n/5 {
+					return
 				}
-				name, err := readLine(c)
-				if err != nil {
-					t.Fatalf("answer: %v", err)
-				}
-				got[name]++
-				c.Close()
-				// The lease, and its sample, is back before the next pick.
-				waitfor.Value(t, 2*time.Second, "0 active connections", active(s, 0))
 			}
-			t.Logf("%d connections: %v", n, got)
-			if got["slow"] > n/5 {
-				t.Errorf("slow backend's share: got %d of %d; want <= %d", got["slow"], n, n/5)
-			}
+			t.Errorf("slow backend's share: got %d of %d in each of 2 rounds; want <= %d", got["slow"], n, n/5)
 		})
 	}
+}
+
+// slowShare sends n one-request connections, one at a time, through a service of
+// algo over a fast backend and one that answers 50 ms late, and counts where they
+// went.
+func slowShare(t *testing.T, algo string, n int) map[string]int {
+	t.Helper()
+	fast := startBackend(t, "fast", netip.AddrPort{}, answerAfter(0))
+	slow := startBackend(t, "slow", netip.AddrPort{}, answerAfter(50*time.Millisecond))
+	s := startProxy(t, Config{Algorithm: algo, Backends: []Backend{{Addr: fast.addr()}, {Addr: slow.addr()}}})
+	got := map[string]int{}
+	for range n {
+		c := dial(t, s)
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := c.Write([]byte("q\n")); err != nil {
+			t.Fatal(err)
+		}
+		name, err := readLine(c)
+		if err != nil {
+			t.Fatalf("answer: %v", err)
+		}
+		got[name]++
+		c.Close()
+		// The lease, and its sample, is back before the next pick.
+		waitfor.Value(t, 2*time.Second, "0 active connections", active(s, 0))
+	}
+	return got
 }
 
 func TestSample(t *testing.T) {
