@@ -74,19 +74,20 @@ func kickRaw(fd int) error {
 	return errnoErr(e)
 }
 
-// redirect pairs c's sockets, once the PROXY protocol header (if any) is out; if it
-// can't, c stays on the copy path. It reports false if it closed c.
+// redirect pairs c's sockets; if it can't, or the proxy has bytes of its own to send
+// first, c stays on the copy path. It reports false if it closed c.
 func (l *loop) redirect(c *conn) bool {
 	r := l.s.cfg.Redirector
 	if r == nil {
 		return true
 	}
-	if h := &c.h[up]; h.pending() {
-		// The header goes first; a socket that can't take ~100 bytes at once is
-		// served by the copy path.
-		if _, err := l.flush(c, h, up, c.fd[server]); err != nil || h.pending() {
-			return true
-		}
+	if c.header > 0 || c.h[up].pending() {
+		// Bytes the proxy writes to the backend just before the pairing (the PROXY
+		// protocol header) left a long upload stalled now and then, about 1 run in
+		// 16 of 256 MiB (TestProxyHeaderThenBulk on the sockmap path), with bytes
+		// stuck between the two sockets; the cause is not found. Such connections
+		// stay on the copy path.
+		return true
 	}
 	if err := r.Pair(c.fd[client], c.fd[server]); err != nil {
 		redirectErrs.Add(1)
