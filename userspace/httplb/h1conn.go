@@ -8,6 +8,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -149,12 +150,11 @@ func (p *h1Pool) put(hc *h1Conn) {
 func (p *h1Pool) reap() {
 	now := time.Now()
 	p.mu.Lock()
-	var old []*h1Conn
 	k := 0
 	for k < len(p.idle) && now.Sub(p.idle[k].idleAt) >= p.idleFor {
 		k++
 	}
-	old = append(old, p.idle[:k]...)
+	old := slices.Clone(p.idle[:k])
 	p.idle = append(p.idle[:0], p.idle[k:]...)
 	p.reaper = nil
 	if len(p.idle) > 0 && !p.closed {

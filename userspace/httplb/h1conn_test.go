@@ -108,17 +108,8 @@ func TestH1UpstreamConnections(t *testing.T) {
 				if i > 0 {
 					time.Sleep(tc.pause)
 				}
-				req, _ := http.NewRequest(tc.method, "http://"+s.Addr().String()+"/", nil)
-				resp, err := c.Do(req)
-				if err != nil {
-					t.Fatalf("request %d: %v", i, err)
-				}
-				body, err := io.ReadAll(resp.Body)
-				resp.Body.Close()
-				if err != nil {
-					t.Fatalf("request %d: body: %v", i, err)
-				}
-				if resp.StatusCode != tc.status || (tc.status == 200 && string(body) != tc.body) {
+				resp, body := do(t, c, tc.method, "http://"+s.Addr().String()+"/")
+				if resp.StatusCode != tc.status || (tc.status == 200 && body != tc.body) {
 					t.Fatalf("request %d: %d %q, want %d %q", i, resp.StatusCode, body, tc.status, tc.body)
 				}
 			}

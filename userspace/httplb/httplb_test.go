@@ -83,18 +83,24 @@ func h1Client() *http.Client {
 
 func get(t *testing.T, c *http.Client, url string, hdr ...string) (*http.Response, string) {
 	t.Helper()
-	req, _ := http.NewRequest("GET", url, nil)
+	return do(t, c, "GET", url, hdr...)
+}
+
+// do sends a request without a body and returns the answer with its whole body.
+func do(t *testing.T, c *http.Client, method, url string, hdr ...string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequest(method, url, nil)
 	for i := 0; i+1 < len(hdr); i += 2 {
 		req.Header.Set(hdr[i], hdr[i+1])
 	}
 	resp, err := c.Do(req)
 	if err != nil {
-		t.Fatalf("GET %s: %v", url, err)
+		t.Fatalf("%s %s: %v", method, url, err)
 	}
 	body, err := io.ReadAll(resp.Body)
 	resp.Body.Close()
 	if err != nil {
-		t.Fatalf("GET %s: body: %v", url, err)
+		t.Fatalf("%s %s: body: %v", method, url, err)
 	}
 	return resp, string(body)
 }

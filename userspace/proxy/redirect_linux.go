@@ -81,9 +81,9 @@ func (l *loop) redirect(c *conn) bool {
 	if r == nil {
 		return true
 	}
-	if c.header > 0 || c.h[up].pending() {
+	if c.h[up].pending() {
 		// Bytes the proxy writes to the backend just before the pairing (the PROXY
-		// protocol header) left a long upload stalled now and then, about 1 run in
+		// protocol header, pending here until the copy path sends it) left a long upload stalled now and then, about 1 run in
 		// 16 of 256 MiB (TestProxyHeaderThenBulk on the sockmap path), with bytes
 		// stuck between the two sockets; the cause is not found. Such connections
 		// stay on the copy path.
