@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/bench/pktgen"
+	"github.com/weir-lb/weir/internal/heavy"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
@@ -87,6 +88,7 @@ func TestSYNFlood(t *testing.T) {
 	if testing.Short() {
 		t.Skip("two 10 s SYN floods against 400 streams; skipped with -short")
 	}
+	heavy.Alone(t)
 	for _, tc := range []struct {
 		name      string
 		conntrack uint32

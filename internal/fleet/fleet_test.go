@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/weir-lb/weir/internal/heavy"
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
 	"github.com/weir-lb/weir/userspace/agent"
@@ -118,6 +119,7 @@ func startAgents(t *testing.T, ctx context.Context, f *Fleet) {
 // kernel closes the session, and a frozen one when the router's hold timer runs
 // out.
 func TestAnnounceWithdraw(t *testing.T) {
+	heavy.Alone(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
 	// Every session is signed (TCP MD5), as routers commonly require.
@@ -410,6 +412,7 @@ func announced(t *testing.T, ctx context.Context, f *Fleet, svcs []ServiceOption
 // nat mode the backends answer the dead node's own address, so every stream it
 // carried is lost.
 func TestNodeFailure(t *testing.T) {
+	heavy.Alone(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
 	f := start(t, Options{})
@@ -477,6 +480,7 @@ func TestNodeFailure(t *testing.T) {
 // backend, without it those whose slot moved to the new backend are reset by it.
 // The shares that survive are logged for both.
 func TestNodeFailureWithBackendChange(t *testing.T) {
+	heavy.Alone(t)
 	for _, fallback := range []bool{true, false} {
 		name := "fallback"
 		if !fallback {
@@ -541,6 +545,7 @@ func TestNodeFailureWithBackendChange(t *testing.T) {
 
 // TestDemo runs `weir demo fleet` as the CLI does and checks what it reports.
 func TestDemo(t *testing.T) {
+	heavy.Alone(t)
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
