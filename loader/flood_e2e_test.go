@@ -10,6 +10,8 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -63,6 +65,53 @@ const (
 	floodAfterFor      = 10 * time.Second
 )
 
+// The endpoints' TCP settings. Each stream has to come through with its bytes
+// intact, which after a flood that drops a good share of every stream's packets
+// also depends on how the endpoints' TCP recovers, and that is not the
+// balancer's to decide:
+//   - Congestion control cubic, Linux's built-in default, on the streams' sockets
+//     (the backends' listeners pass it to what they accept). This machine's
+//     default is bbr (v1), which takes the flood's loss for a policer and paces
+//     at the rate it measured then for 48 round trips: seen at 17 to 42 kbit/s
+//     with 60 to 250 KiB of echo waiting, unfinished 15 s after the flood.
+//   - Retransmission timeout at most 1 s (net.ipv4.tcp_rto_max_ms, Linux 6.15)
+//     in the client's and the backends' namespaces: a segment lost again and
+//     again in the flood backed its timer off to 12 s and more, and its stream
+//     sat waiting with the path long clear.
+//
+// A flow the balancer forgot still fails: nat sends its next packet from another
+// port, which the backend resets.
+const (
+	floodCC       = "cubic"
+	floodRTOMaxMS = "1000"
+)
+
+// floodSocket sets c's congestion control to floodCC.
+func floodSocket(c syscall.Conn) error {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var serr error
+	if err := raw.Control(func(fd uintptr) {
+		serr = unix.SetsockoptString(int(fd), unix.IPPROTO_TCP, unix.TCP_CONGESTION, floodCC)
+	}); err != nil {
+		return err
+	}
+	if serr != nil {
+		return fmt.Errorf("TCP_CONGESTION %s: %w", floodCC, serr)
+	}
+	return nil
+}
+
+// floodRTOMax caps the retransmission timeout of ns's new sockets at
+// floodRTOMaxMS.
+func floodRTOMax(ns *netns.NS) error {
+	return ns.Do(func() error {
+		return os.WriteFile("/proc/sys/net/ipv4/tcp_rto_max_ms", []byte(floodRTOMaxMS), 0)
+	})
+}
+
 // floodDSRVIP is the dsr service's VIP; the nat service has topo.VIP4.
 var floodDSRVIP = netip.MustParseAddr("10.77.100.2")
 
@@ -108,11 +157,24 @@ func synFlood(t *testing.T, conntrack uint32) {
 	// The generator sends out of the client's link with XDP_TX, which a veth
 	// delivers only to a peer with a native XDP program (see package topo).
 	xdptest.Check(t, tp.AttachPeerPass(tp.Client))
+	for _, h := range append([]topo.Host{tp.Client}, tp.Backends...) {
+		if err := floodRTOMax(h.NS); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if err := tp.AddBackendVIP(floodDSRVIP); err != nil {
 		t.Fatal(err)
 	}
 	for _, b := range tp.Backends {
-		serveEcho(t, b.NS, echoPort)
+		ln, err := b.NS.Listen("tcp", fmt.Sprintf(":%d", echoPort))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := floodSocket(ln.(*net.TCPListener)); err != nil {
+			ln.Close()
+			t.Fatal(err)
+		}
+		echoOn(t, ln)
 	}
 	p := attachBalancer(t, tp, ModeNative, Options{HashSeed: 7, ConntrackSize: conntrack, NAT: NATOptions{Addr4: tp.Balancer.IP4}})
 	nat := Service{Key: ServiceKey{netip.AddrPortFrom(tp.VIP4, echoPort), TCP}, Forwarding: ForwardNAT}
@@ -311,7 +373,7 @@ func synFlood(t *testing.T, conntrack uint32) {
 		var failed []string
 		for _, st := range streams[i] {
 			if msg := st.verdict(floodStart, floodEnd); msg != "" {
-				failed = append(failed, msg)
+				failed = append(failed, msg+"; "+st.whereStuck(tp, p, s.vip == nat.Key.VIP))
 			}
 		}
 		for j, msg := range failed {
@@ -410,6 +472,11 @@ func openStreams(t *testing.T, tp *topo.Topology, s floodService, n int, seed ui
 			defer func() { <-sem }()
 			c, err := tp.DialTCP(context.Background(), s.vip, 0)
 			if err != nil {
+				errs[i] = err
+				return
+			}
+			if err := floodSocket(c); err != nil {
+				c.Close()
 				errs[i] = err
 				return
 			}
@@ -541,6 +608,51 @@ func (s *floodStream) verdict(floodStart, floodEnd time.Time) string {
 	}
 	return ""
 }
+
+// whereStuck describes a failed stream's state for its failure message: the
+// client socket's TCP_INFO, the balancer's flow for it and the backend's socket
+// as ss sees it (its congestion control and pacing rate among the rest).
+func (s *floodStream) whereStuck(tp *topo.Topology, p *Program, isNAT bool) string {
+	client := netip.MustParseAddrPort(s.c.LocalAddr().String())
+	out := "client: "
+	if info, err := tcpInfo(s.c); err != nil {
+		out += err.Error()
+	} else {
+		out += fmt.Sprintf("state %d ca_state %d rto %d ms unacked %d lost %d last sent %d ms ago, last received %d ms ago, cwnd %d, rtt %d us",
+			info.State, info.Ca_state, info.Rto/1000, info.Unacked, info.Lost, info.Last_data_sent, info.Last_data_recv, info.Snd_cwnd, info.Rtt)
+	}
+	// The backend sees the client's port (dsr) or the flow's nat port.
+	port := client.Port()
+	flows, err := p.flows()
+	if err != nil {
+		return out + "; " + err.Error()
+	}
+	flow := "no flow"
+	for k, f := range flows.LB {
+		if k.Sport == htons(client.Port()) {
+			flow = fmt.Sprintf("flow to backend %d", f.BackendId)
+		}
+	}
+	for k, f := range flows.NAT {
+		if k.Sport == htons(client.Port()) {
+			flow, port = fmt.Sprintf("nat flow to backend %d from port %d", f.BackendId, htons(f.NatPort)), htons(f.NatPort)
+		}
+	}
+	out += "; balancer: " + flow
+	if isNAT && port == client.Port() {
+		return out
+	}
+	for _, b := range tp.Backends {
+		ss, _ := exec.Command("ss", "-N", b.NS.Name(), "-tnoiH", "state", "all", fmt.Sprintf("( dport = :%d )", port)).CombinedOutput()
+		if line := strings.Join(strings.Fields(string(ss)), " "); line != "" {
+			out += fmt.Sprintf("; %s: %s", b.Name, line)
+		}
+	}
+	return out
+}
+
+// htons swaps a port between host and network order.
+func htons(port uint16) uint16 { return port>>8 | port<<8 }
 
 // probeCount counts new connections tried and succeeded, and those of them
 // whose handshake needed the client to send its SYN again.
@@ -678,21 +790,30 @@ func newConnection(tp *topo.Topology, dst netip.AddrPort, timeout time.Duration)
 // handshakeRetransmits is how many segments c has sent again, read right after
 // its handshake: its SYN retransmissions.
 func handshakeRetransmits(c *net.TCPConn) (uint32, error) {
-	raw, err := c.SyscallConn()
+	info, err := tcpInfo(c)
 	if err != nil {
 		return 0, err
+	}
+	return info.Total_retrans, nil
+}
+
+// tcpInfo reads c's TCP_INFO.
+func tcpInfo(c *net.TCPConn) (*unix.TCPInfo, error) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return nil, err
 	}
 	var info *unix.TCPInfo
 	var infoErr error
 	if err := raw.Control(func(fd uintptr) {
 		info, infoErr = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
 	}); err != nil {
-		return 0, err
+		return nil, err
 	}
 	if infoErr != nil {
-		return 0, fmt.Errorf("TCP_INFO: %w", infoErr)
+		return nil, fmt.Errorf("TCP_INFO: %w", infoErr)
 	}
-	return info.Total_retrans, nil
+	return info, nil
 }
 
 // logFloodCounters logs the program's counters that moved between before and
