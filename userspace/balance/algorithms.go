@@ -325,18 +325,27 @@ func (p *peakEWMA) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	}
 	now := p.now()
 	neutral := p.ewma.neutral()
-	if p.cost(eb, now, neutral) < p.cost(ea, now, neutral) {
+	ca, probeA := p.cost(ea, now, neutral)
+	cb, probeB := p.cost(eb, now, neutral)
+	// A backend due a probe wins the draw (ewmaState.dueProbe).
+	switch {
+	case probeA && ea.b.ewma.claimProbe(now):
+	case probeB && eb.b.ewma.claimProbe(now):
+		ea = eb
+	case cb < ca:
 		ea = eb
 	}
 	return lease(ea.b), nil
 }
 
-func (p *peakEWMA) cost(e *entry, now int64, neutral float64) float64 {
-	est := e.b.ewma.estimate(now, neutral)
+// cost is e's latency estimate × (in flight + 1), and whether e is due a probe.
+func (p *peakEWMA) cost(e *entry, now int64, neutral float64) (float64, bool) {
+	est, _, idle := e.b.ewma.look(now, neutral)
+	inflight := e.b.inflight.Load()
 	if est <= 0 {
 		est = 1 // nothing observed anywhere yet: plain P2C on in-flight counts
 	}
-	return est * float64(e.b.inflight.Load()+1) / e.factor(now)
+	return est * float64(inflight+1) / e.factor(now), e.b.ewma.dueProbe(now, idle, inflight)
 }
 
 // maglevHash serves source_hash and maglev: both look the key up in a weighted Maglev

@@ -341,6 +341,64 @@ func TestEWMA(t *testing.T) {
 	}
 }
 
+// TestSlowOnceTriedAgain: at light load, where every connection finds every backend
+// idle, a backend whose first answer was slow is tried again and its estimate comes
+// back once it is fast, while one that stays slow is held to a probe per ewmaDecay.
+func TestSlowOnceTriedAgain(t *testing.T) {
+	for _, alg := range []string{EWMA, LeastTime} {
+		for _, tc := range []struct {
+			name     string
+			slowA    func(i int) bool // whether A's ith answer takes 50 ms
+			from, to time.Duration    // the part of the run judged
+			minConns int              // A's connections in it at least
+			maxShare float64          // and at most this share of them
+			est      [2]time.Duration // A's estimate at the end
+		}{
+			{"slow once", func(i int) bool { return i == 0 }, 12 * time.Second, 30 * time.Second, 10, 1,
+				[2]time.Duration{800 * time.Microsecond, 1500 * time.Microsecond}},
+			{"slow always", func(int) bool { return true }, 0, 60 * time.Second, 0, 0.01,
+				[2]time.Duration{10 * time.Millisecond, 50 * time.Millisecond}},
+		} {
+			t.Run(alg+"/"+tc.name, func(t *testing.T) {
+				c := &clock{}
+				b := mustNewClock(t, alg, abc(1, 1, 1), 7, c)
+				jitter := splitmix(3)
+				answersA, judged, toA := 0, 0, 0
+				// 100 connections/s, one at a time, each answered in 0.8 to 1.2 ms
+				// unless it is A's and slow.
+				for at := time.Duration(0); at < tc.to; at += 10 * time.Millisecond {
+					l, err := b.Pick(0, nil)
+					if err != nil {
+						t.Fatal(err)
+					}
+					latency := time.Duration(800+jitter.intn(400)) * time.Microsecond
+					if l.Backend() == "A" {
+						if tc.slowA(answersA) {
+							latency = 50 * time.Millisecond
+						}
+						answersA++
+					}
+					if at >= tc.from {
+						judged++
+						if l.Backend() == "A" {
+							toA++
+						}
+					}
+					c.advance(10 * time.Millisecond)
+					l.Release(Result{Latency: latency})
+				}
+				if share := float64(toA) / float64(judged); toA < tc.minConns || share > tc.maxShare {
+					t.Errorf("A got %d of %d connections from %v to %v (%.3f); want at least %d, a share of at most %.2f",
+						toA, judged, tc.from, tc.to, share, tc.minConns, tc.maxShare)
+				}
+				if est, _ := b.Estimate("A"); est < tc.est[0] || est > tc.est[1] {
+					t.Errorf("A's estimate at %v: %v; want %v to %v", tc.to, est, tc.est[0], tc.est[1])
+				}
+			})
+		}
+	}
+}
+
 // TestEWMAFailure: failed connects count as slow, so a quickly refusing backend doesn't
 // attract traffic.
 func TestEWMAFailure(t *testing.T) {

@@ -69,6 +69,28 @@ type ewmaState struct {
 	est   float64 // ns
 	stamp int64   // monotonic ns of the last observation
 	seen  bool
+
+	// probed is when Pick last sent the backend a probe (see probe), monotonic ns.
+	probed atomic.Int64
+}
+
+// dueProbe reports whether a backend whose last sample was idle ns ago, with
+// inflight connections, is due a probe at now: it has nothing in flight, and
+// neither a sample nor a probe for ewmaDecay. At light load every connection finds
+// every backend idle, and P2C then always prefers the lower estimate: a backend
+// that was slow once would get no connection, so no sample to show it is fast
+// again, until its estimate had decayed to the others' (measured: one 50 ms first
+// answer among 1 ms ones kept a backend out for 50 s under ewma, 80 s under
+// least_time, at 100 connections/s). A probe costs a slow backend one connection
+// per ewmaDecay.
+func (s *ewmaState) dueProbe(now, idle, inflight int64) bool {
+	return inflight == 0 && idle >= int64(ewmaDecay) && now-s.probed.Load() >= int64(ewmaDecay)
+}
+
+// claimProbe records a probe sent at now; false if another Pick sent it first.
+func (s *ewmaState) claimProbe(now int64) bool {
+	last := s.probed.Load()
+	return now-last >= int64(ewmaDecay) && s.probed.CompareAndSwap(last, now)
 }
 
 // estimate returns the backend's latency estimate at now: the last estimate, decayed
@@ -81,12 +103,18 @@ func (s *ewmaState) estimate(now int64, neutral float64) float64 {
 
 // read is estimate, and whether the backend has had a sample of its own.
 func (s *ewmaState) read(now int64, neutral float64) (float64, bool) {
+	est, seen, _ := s.look(now, neutral)
+	return est, seen
+}
+
+// look is read, and how long ago the last sample came (0 if none has).
+func (s *ewmaState) look(now int64, neutral float64) (est float64, seen bool, idle int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.seen {
-		return neutral, false
+		return neutral, false, 0
 	}
-	return decayToward(s.est, neutral, now-s.stamp), true
+	return decayToward(s.est, neutral, now-s.stamp), true, now - s.stamp
 }
 
 func (s *ewmaState) observe(r Result) {
@@ -100,7 +128,9 @@ func (s *ewmaState) observe(r Result) {
 	now := s.shared.now()
 	s.mu.Lock()
 	switch {
-	case !s.seen:
+	case !s.seen, now-s.stamp >= int64(ewmaDecay):
+		// A first sample, or the first after ewmaDecay without one (a probe's):
+		// what the estimate said then is too old to weigh against it.
 		s.est = sample
 	case !s.average && sample > s.est:
 		// Peak: a slower sample replaces the estimate at once, so load moves off a
