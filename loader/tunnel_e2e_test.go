@@ -8,9 +8,12 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/vishvananda/netlink"
 
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
@@ -102,11 +105,15 @@ func TestTunnelEndToEnd(t *testing.T) {
 				decapsulated += ds.Decapsulated.Packets
 			}
 			sent := st.Reasons[ReasonRedirect].Packets + st.Reasons[ReasonPassNoNeighbour].Packets
-			t.Logf("balancer: redirect %d, pass_no_neighbour %d, tunnel_too_big %d, pass_not_service %d, pass_not_ip %d; backends decapsulated %d",
+			dropped := routerDrops(t, tp)
+			t.Logf("balancer: redirect %d, pass_no_neighbour %d, tunnel_too_big %d, pass_not_service %d, pass_not_ip %d; backends decapsulated %d; the router's links to them dropped %d",
 				st.Reasons[ReasonRedirect].Packets, st.Reasons[ReasonPassNoNeighbour].Packets, st.Reasons[ReasonTunnelTooBig].Packets,
-				st.Reasons[ReasonPassNotService].Packets, st.Reasons[ReasonPassNotIP].Packets, decapsulated)
-			if decapsulated != sent {
-				t.Errorf("backends decapsulated %d packets; the balancer encapsulated %d", decapsulated, sent)
+				st.Reasons[ReasonPassNotService].Packets, st.Reasons[ReasonPassNotIP].Packets, decapsulated, dropped)
+			// Every packet the balancer encapsulated was decapsulated, but for those the
+			// router's veth dropped on their way (its peer's XDP ring was full: the
+			// backend's program ran behind the bulk transfer on this 2-CPU machine).
+			if decapsulated+dropped != sent {
+				t.Errorf("backends decapsulated %d packets and the router dropped %d on the way; the balancer encapsulated %d", decapsulated, dropped, sent)
 			}
 			if st.Reasons[ReasonTunnelTooBig].Packets == 0 {
 				t.Error("no packet was answered as too big; the bulk transfer should have needed path-MTU discovery")
@@ -204,4 +211,27 @@ func tunnelBulk(t *testing.T, client topo.Host, dst netip.AddrPort, size int64) 
 	if n != size || string(got.Sum(nil)) != string(sent.Sum(nil)) {
 		t.Fatalf("%s: echoed %d bytes, sha256 %x; want %d bytes, %x", dst, n, got.Sum(nil), size, sent.Sum(nil))
 	}
+}
+
+// routerDrops is what the router's links to the backends dropped sending, all
+// told: a veth drops a frame when its peer's XDP ring is full.
+func routerDrops(t *testing.T, tp *topo.Routed) uint64 {
+	t.Helper()
+	var dropped uint64
+	err := tp.Router.Do(func() error {
+		links, err := netlink.LinkList()
+		if err != nil {
+			return err
+		}
+		for _, l := range links {
+			if a := l.Attrs(); strings.HasPrefix(a.Name, "rb") && a.Statistics != nil {
+				dropped += a.Statistics.TxDropped
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dropped
 }
