@@ -85,10 +85,14 @@ enum __attribute__((packed)) backend_flags {
 
 // Flag bits of nat_flow.flags, one byte like the field (packed).
 enum __attribute__((packed)) flow_flags {
-	FLOW_F_CLOSING = 1u << 0, // a FIN or RST was seen: short timeout; counted closed once established
+	FLOW_F_CLOSING = 1u << 0, // an RST, or a FIN each way, was seen: short timeout; counted closed once established
 	// nat, half-open flows only (cleared when the flow is established):
 	FLOW_F_STALE = 1u << 1,   // the backend answered on the flow's port with another connection's numbers
 	FLOW_F_KEPT = 1u << 2,    // a SYN sent again kept the port once after a stale answer
+	// A FIN one way half-closes the flow; its other direction may go on for as long as
+	// the idle timeout allows.
+	FLOW_F_FIN_CLIENT = 1u << 3,  // the client's FIN was seen
+	FLOW_F_FIN_BACKEND = 1u << 4, // the backend's FIN was seen
 };
 
 // Address families as stored in keys (values of AF_INET / AF_INET6).

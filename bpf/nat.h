@@ -60,6 +60,21 @@ static __always_inline int tcp_closes(struct packet *p)
 	return p->flow.proto == IPPROTO_TCP && (p->tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST));
 }
 
+#define FLOW_F_FINS (FLOW_F_FIN_CLIENT | FLOW_F_FIN_BACKEND)
+
+// closes_flow notes in *flags a FIN or RST (tcp_closes) from the backend if
+// from_backend, else from the client, and returns whether the flow is closed now: by
+// an RST, or by a FIN when the other side's came before. A FIN alone half-closes
+// the flow, which keeps its idle timeout: the other side may send for minutes yet
+// (a request sent and half-closed, answered after a long think).
+static __always_inline int closes_flow(const struct packet *p, enum flow_flags *flags, int from_backend)
+{
+	if (p->tcp_flags & TCP_FLAG_RST)
+		return 1;
+	*flags |= from_backend ? FLOW_F_FIN_BACKEND : FLOW_F_FIN_CLIENT;
+	return (*flags & FLOW_F_FINS) == FLOW_F_FINS;
+}
+
 // An answer to a SYN may acknowledge the data the SYN carried (TCP Fast Open) as well:
 // up to this many bytes past syn_answer are the flow's own. Another connection's
 // numbers fall in that window once in 65,536.
@@ -445,7 +460,7 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 	rev = flow_lookup(NAT_HALF_REVERSE, &rk);
 	if (!rev || rev->backend_id != id || !flow_key_equal(&rev->client, key))
 		return CONTINUE;
-	if (tcp_closes(p))
+	if (tcp_closes(p) && closes_flow(p, &hs->flags, 0))
 		hs->flags |= FLOW_F_CLOSING;
 	if (is_syn(p) && rev->syn_ack && nat_syn_again(p, hs, rev)) {
 		flow_delete(NAT_HALF_REVERSE, &rk);
@@ -464,7 +479,7 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 	if (hs->flags & FLOW_F_CLOSING)
 		count_flow(id, 0);
 	hs->last_seen_ns = now;
-	hs->flags &= FLOW_F_CLOSING;
+	hs->flags &= FLOW_F_CLOSING | FLOW_F_FINS;
 	rev->syn_ack = 0;
 	action = nat_send(ctx, p, be, hs->nat_port, now);
 	// The entries move as they are (map values are copied in place: no stack copy).
@@ -488,10 +503,10 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 
 	fs = flow_lookup(NAT_CONNTRACK, &key);
 	if (fs) {
-		// A SYN on the 5-tuple of a closing flow is a new connection (the client
-		// reused its port): it takes the lookup table and a port of its own, and is
-		// counted opened when it is established.
-		int reused = is_syn(p) && (fs->flags & FLOW_F_CLOSING);
+		// A SYN on the 5-tuple of a flow that began to close is a new connection (the
+		// client reused its port): it takes the lookup table and a port of its own,
+		// and is counted opened when it is established.
+		int reused = is_syn(p) && (fs->flags & (FLOW_F_CLOSING | FLOW_F_FINS));
 
 		if (!reused && flow_alive(fs, p->flow.proto, now))
 			be = usable_backend(fs->backend_id, svc->id);
@@ -499,7 +514,7 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 			id = fs->backend_id;
 			if (now - fs->last_seen_ns > NSEC_PER_SEC)
 				refresh_flow(ctx, p, fs, be, now);
-			if (tcp_closes(p))
+			if (tcp_closes(p) && closes_flow(p, &fs->flags, 0))
 				mark_closing(fs);
 			count(&global_stats, STAT_FLOW_HIT, p->len);
 			count(&service_stats, svc->id, p->len);
@@ -531,8 +546,8 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 	fresh.backend_id = id;
 	fresh.nat_port = port;
 	fresh.last_seen_ns = now;
-	if (tcp_closes(p))
-		fresh.flags = FLOW_F_CLOSING;
+	if (tcp_closes(p) && closes_flow(p, &fresh.flags, 0))
+		fresh.flags |= FLOW_F_CLOSING;
 	count(&global_stats, event, p->len);
 	count(&service_stats, svc->id, p->len);
 	count(&backend_stats, id, p->len);
@@ -577,10 +592,12 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 		if (fs && fs->backend_id == rev->backend_id && fs->nat_port == p->flow.dport) {
 			if (stale)
 				fs->flags |= FLOW_F_STALE;
-			else if (established)
-				mark_closing(fs);
-			else
-				fs->flags |= FLOW_F_CLOSING;
+			else if (closes_flow(p, &fs->flags, 1)) {
+				if (established)
+					mark_closing(fs);
+				else
+					fs->flags |= FLOW_F_CLOSING;
+			}
 		}
 	}
 	if (stale)

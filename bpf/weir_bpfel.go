@@ -63,9 +63,11 @@ type WeirFlowCount struct {
 type WeirFlowFlags uint8
 
 const (
-	WeirFlowFlagsFLOW_F_CLOSING WeirFlowFlags = 1
-	WeirFlowFlagsFLOW_F_STALE   WeirFlowFlags = 2
-	WeirFlowFlagsFLOW_F_KEPT    WeirFlowFlags = 4
+	WeirFlowFlagsFLOW_F_CLOSING     WeirFlowFlags = 1
+	WeirFlowFlagsFLOW_F_STALE       WeirFlowFlags = 2
+	WeirFlowFlagsFLOW_F_KEPT        WeirFlowFlags = 4
+	WeirFlowFlagsFLOW_F_FIN_CLIENT  WeirFlowFlags = 8
+	WeirFlowFlagsFLOW_F_FIN_BACKEND WeirFlowFlags = 16
 )
 
 type WeirFlowKey struct {

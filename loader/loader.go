@@ -83,9 +83,10 @@ type NATOptions struct {
 	// ip_local_port_range (32768..60999), so the host's own connections to backends
 	// (health checks) never collide.
 	PortMin, PortMax uint16
-	// Idle timeouts: established TCP (default DefaultTCPIdle, 15 min), TCP after FIN
-	// or RST (DefaultTCPClosing, 10 s), UDP (DefaultUDPIdle, 30 s). An expired flow's
-	// port may be reused.
+	// Idle timeouts: established TCP (default DefaultTCPIdle, 15 min), TCP after an
+	// RST or a FIN each way (DefaultTCPClosing, 10 s), UDP (DefaultUDPIdle, 30 s). A
+	// FIN one way half-closes a flow, which keeps TCPIdle. An expired flow's port may
+	// be reused.
 	TCPIdle, TCPClosing, UDPIdle time.Duration
 	// HalfOpen is how long a flow whose client has sent only its first packet keeps
 	// its port and backend (default DefaultHalfOpen, 5 s); sooner if the backend's

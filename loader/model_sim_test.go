@@ -124,7 +124,10 @@ const (
 	flowFlagClosing     = bpf.WeirFlowFlagsFLOW_F_CLOSING
 	flowFlagStale       = bpf.WeirFlowFlagsFLOW_F_STALE
 	flowFlagKept        = bpf.WeirFlowFlagsFLOW_F_KEPT
-	synDataMax          = 0xffff // SYN_DATA_MAX
+	flowFlagFinClient   = bpf.WeirFlowFlagsFLOW_F_FIN_CLIENT
+	flowFlagFinBackend  = bpf.WeirFlowFlagsFLOW_F_FIN_BACKEND
+	flowFlagFins        = flowFlagFinClient | flowFlagFinBackend // FLOW_F_FINS
+	synDataMax          = 0xffff                                 // SYN_DATA_MAX
 	lbFlowClosed        = uint32(bpf.WeirLbFlowBitsLB_FLOW_CLOSED)
 	nsecPerSec          = 1_000_000_000
 	protoHopOpts        = 0
@@ -616,6 +619,19 @@ func tcpCloses(p *modelPacket) bool {
 	return p.flow.Proto == protoTCP && p.tcpFlags&(tcpFlagFIN|tcpFlagRST) != 0
 }
 
+// closesFlow is nat.h's closes_flow.
+func closesFlow(p *modelPacket, flags *bpf.WeirFlowFlags, fromBackend bool) bool {
+	if p.tcpFlags&tcpFlagRST != 0 {
+		return true
+	}
+	if fromBackend {
+		*flags |= flowFlagFinBackend
+	} else {
+		*flags |= flowFlagFinClient
+	}
+	return *flags&flowFlagFins == flowFlagFins
+}
+
 func (m *Model) flowAlive(fs *bpf.WeirNatFlow, proto uint8, now uint64) bool {
 	idle := m.UDPIdleNs
 	if proto == protoTCP {
@@ -893,7 +909,7 @@ func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowK
 	if !ok || rev.BackendId != id || rev.Client != key {
 		return modelContinue
 	}
-	if tcpCloses(p) {
+	if tcpCloses(p) && closesFlow(p, &hs.Flags, false) {
 		hs.Flags |= flowFlagClosing
 	}
 	if isSYN(p) && rev.SynAck != 0 {
@@ -918,7 +934,7 @@ func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowK
 		r.countFlow(id, false)
 	}
 	hs.LastSeenNs = now
-	hs.Flags &= flowFlagClosing
+	hs.Flags &= flowFlagClosing | flowFlagFins
 	rev.SynAck = 0
 	a := r.natSend(p, be, id, hs.NatPort)
 	r.m.NATConntrack[key] = hs
@@ -938,8 +954,8 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 			be bpf.WeirBackend
 			ok bool
 		)
-		// A SYN on a closing flow's 5-tuple is a new connection (nat.h).
-		reused := isSYN(p) && fs.Flags&flowFlagClosing != 0
+		// A SYN on the 5-tuple of a flow that began to close is a new connection (nat.h).
+		reused := isSYN(p) && fs.Flags&(flowFlagClosing|flowFlagFins) != 0
 		if !reused && r.m.flowAlive(&fs, p.flow.Proto, now) {
 			be, ok = r.usableBackend(fs.BackendId, svc.Id)
 		}
@@ -949,7 +965,12 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 				r.refreshFlow(p, key, be, now)
 			}
 			if tcpCloses(p) {
-				r.markClosing(key)
+				fs := r.m.NATConntrack[key]
+				closed := closesFlow(p, &fs.Flags, false)
+				r.m.NATConntrack[key] = fs
+				if closed {
+					r.markClosing(key)
+				}
 			}
 			r.count(ReasonFlowHit)
 			r.countService(svc.Id)
@@ -977,8 +998,8 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 		return r.verdict(XDPDrop, ReasonDropNATPorts)
 	}
 	fresh := bpf.WeirNatFlow{BackendId: id, NatPort: port, LastSeenNs: now}
-	if tcpCloses(p) {
-		fresh.Flags = flowFlagClosing
+	if tcpCloses(p) && closesFlow(p, &fresh.Flags, false) {
+		fresh.Flags |= flowFlagClosing
 	}
 	r.count(event)
 	r.countService(svc.Id)
@@ -1020,12 +1041,16 @@ func (r *run) natReply(p *modelPacket) int {
 	if tcpCloses(p) || stale {
 		if established {
 			if fs, ok := r.m.NATConntrack[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
-				r.markClosing(client)
+				closed := closesFlow(p, &fs.Flags, true)
+				r.m.NATConntrack[client] = fs
+				if closed {
+					r.markClosing(client)
+				}
 			}
 		} else if fs, ok := r.m.NATHalfOpen[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
 			if stale {
 				fs.Flags |= flowFlagStale
-			} else {
+			} else if closesFlow(p, &fs.Flags, true) {
 				fs.Flags |= flowFlagClosing
 			}
 			r.m.NATHalfOpen[client] = fs

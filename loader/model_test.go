@@ -1213,7 +1213,10 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	seeds := r.u8()
 	beSel, portSel, stateSel, holderSel, holderAge := r.u8(), r.u8(), r.u8(), r.u8(), r.u8()
 	age := func(sel uint8) uint64 { return now - uint64(fuzzAges[int(sel&0xf)%len(fuzzAges)]) }
-	flowFlags := func(sel uint8) bpf.WeirFlowFlags { return bpf.WeirFlowFlags(sel>>4) & flowFlagClosing }
+	// Bits 4-6: closing, the client's FIN seen, the backend's FIN seen.
+	flowFlags := func(sel uint8) bpf.WeirFlowFlags {
+		return bpf.WeirFlowFlags(sel>>4)&flowFlagClosing | bpf.WeirFlowFlags(sel>>2)&flowFlagFins
+	}
 	// A cached next hop: none, out of the interface frames come in on, another one
 	// (not in tx_ports), wf0 (in tx_ports).
 	hop := func(sel uint8, dmac net.HardwareAddr) bpf.WeirNextHop {

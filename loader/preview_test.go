@@ -1,6 +1,7 @@
 package loader
 
 import (
+	"encoding/binary"
 	"fmt"
 	"net"
 	"net/netip"
@@ -166,15 +167,14 @@ func TestDownMovesOwnEntries(t *testing.T) {
 	}
 }
 
-// TestFlowsNAT: nat flows are counted once established, and no longer once their
-// client has sent a FIN (the flow is closing: its next SYN is a new flow).
+// TestFlowsNAT: nat flows are counted once established, and no longer once they are
+// closing: after an RST, or a FIN each way. A FIN one way half-closes a flow, which
+// the other side may go on using, so it still counts.
 func TestFlowsNAT(t *testing.T) {
 	nt := newNATTopology(t, ModeGeneric)
 	web := nt.web[false]
-	send := func(sport uint16, flags uint8) netip.AddrPort {
+	run := func(in packet.Frame) []byte {
 		t.Helper()
-		in := packet.Frame{SrcMAC: nt.Client.MAC, DstMAC: nt.Balancer.MAC, Src: netip.AddrPortFrom(nt.Client.IP4, sport),
-			Dst: web.Key.VIP, TCPFlags: flags}
 		var action Action
 		var out []byte
 		err := nt.Balancer.NS.Do(func() error {
@@ -183,27 +183,57 @@ func TestFlowsNAT(t *testing.T) {
 			return err
 		})
 		if err != nil || action != XDPTX {
-			t.Fatalf("flow %d: action %s, err %v; want XDP_TX", sport, action, err)
+			t.Fatalf("%v: action %s, err %v; want XDP_TX", in.Src, action, err)
 		}
+		return out
+	}
+	// send sends the client's packet; it returns the backend it went to and the nat
+	// port it went from.
+	send := func(sport uint16, flags uint8) (netip.AddrPort, uint16) {
+		t.Helper()
+		out := run(packet.Frame{SrcMAC: nt.Client.MAC, DstMAC: nt.Balancer.MAC, Src: netip.AddrPortFrom(nt.Client.IP4, sport),
+			Dst: web.Key.VIP, TCPFlags: flags})
 		dst := netip.AddrFrom4([4]byte(out[14+16 : 14+20]))
-		return netip.AddrPortFrom(dst, web.Key.VIP.Port())
+		return netip.AddrPortFrom(dst, web.Key.VIP.Port()), binary.BigEndian.Uint16(out[14+20:])
+	}
+	// reply sends the backend's packet to the nat port.
+	reply := func(from netip.AddrPort, natPort uint16, flags uint8) {
+		t.Helper()
+		var mac net.HardwareAddr
+		for _, b := range nt.Backends {
+			if b.IP4 == from.Addr() {
+				mac = b.MAC
+			}
+		}
+		run(packet.Frame{SrcMAC: mac, DstMAC: nt.Balancer.MAC, Src: from,
+			Dst: netip.AddrPortFrom(nt.Balancer.IP4, natPort), TCPFlags: flags})
 	}
 	want := map[netip.AddrPort]uint64{}
 	for port := uint16(30000); port < 30060; port++ {
 		send(port, packet.SYN)
-		b := send(port, packet.ACK)
-		if port%3 == 0 {
+		b, natPort := send(port, packet.ACK)
+		switch port % 5 {
+		case 0: // the client's RST
+			send(port, packet.RST|packet.ACK)
+		case 1: // the client's FIN, then the backend's
 			send(port, packet.FIN|packet.ACK)
-			continue
+			reply(b, natPort, packet.FIN|packet.ACK)
+		case 2: // the backend's FIN, then the client's
+			reply(b, natPort, packet.FIN|packet.ACK)
+			send(port, packet.FIN|packet.ACK)
+		case 3: // the client's FIN alone: half-closed
+			send(port, packet.FIN|packet.ACK)
+			want[b]++
+		default:
+			want[b]++
 		}
-		want[b]++
 	}
 	got, err := nt.prog.Flows(web.Key)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if fmt.Sprint(got.PerBackend) != fmt.Sprint(want) {
-		t.Errorf("flows per backend: got %v; want %v (40 established, 20 closing not counted)", got.PerBackend, want)
+		t.Errorf("flows per backend: got %v; want %v (24 established, 12 of them half-closed; 36 closed not counted)", got.PerBackend, want)
 	}
 }
 
