@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash"
 	"io"
+	"io/fs"
 	"net"
 	"net/netip"
 	"os"
@@ -157,8 +158,15 @@ func synFlood(t *testing.T, conntrack uint32) {
 	// The generator sends out of the client's link with XDP_TX, which a veth
 	// delivers only to a peer with a native XDP program (see package topo).
 	xdptest.Check(t, tp.AttachPeerPass(tp.Client))
-	for _, h := range append([]topo.Host{tp.Client}, tp.Backends...) {
-		if err := floodRTOMax(h.NS); err != nil {
+	for i, h := range append([]topo.Host{tp.Client}, tp.Backends...) {
+		err := floodRTOMax(h.NS)
+		if errors.Is(err, fs.ErrNotExist) {
+			if i == 0 {
+				t.Logf("this kernel has no net.ipv4.tcp_rto_max_ms (Linux 6.15): a stream the flood hits hard may back off past its wind-down")
+			}
+			continue
+		}
+		if err != nil {
 			t.Fatal(err)
 		}
 	}
