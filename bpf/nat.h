@@ -503,10 +503,10 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 
 	fs = flow_lookup(NAT_CONNTRACK, &key);
 	if (fs) {
-		// A SYN on the 5-tuple of a flow that began to close is a new connection (the
-		// client reused its port): it takes the lookup table and a port of its own,
-		// and is counted opened when it is established.
-		int reused = is_syn(p) && (fs->flags & (FLOW_F_CLOSING | FLOW_F_FINS));
+		// A SYN on the 5-tuple of a flow that is closed or whose client has sent its
+		// FIN is a new connection (the client reused its port): it takes the lookup
+		// table and a port of its own, and is counted opened when it is established.
+		int reused = is_syn(p) && (fs->flags & (FLOW_F_CLOSING | FLOW_F_FIN_CLIENT));
 
 		if (!reused && flow_alive(fs, p->flow.proto, now))
 			be = usable_backend(fs->backend_id, svc->id);

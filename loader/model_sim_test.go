@@ -954,8 +954,9 @@ func (r *run) natForward(p *modelPacket, svc bpf.WeirService) int {
 			be bpf.WeirBackend
 			ok bool
 		)
-		// A SYN on the 5-tuple of a flow that began to close is a new connection (nat.h).
-		reused := isSYN(p) && fs.Flags&(flowFlagClosing|flowFlagFins) != 0
+		// A SYN on the 5-tuple of a closed flow, or one whose client sent its FIN, is
+		// a new connection (nat.h).
+		reused := isSYN(p) && fs.Flags&(flowFlagClosing|flowFlagFinClient) != 0
 		if !reused && r.m.flowAlive(&fs, p.flow.Proto, now) {
 			be, ok = r.usableBackend(fs.BackendId, svc.Id)
 		}
