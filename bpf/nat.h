@@ -558,6 +558,24 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 	return action;
 }
 
+// nat_reply_refresh keeps a flow alive by its backend's packets, as its client's
+// keep it (at most once a second): a UDP client that only listens (a stream it
+// asked for once) would otherwise see its flow expire under the stream, and the
+// ring could hand the flow's port to another client of that backend while the
+// stream still comes. A TCP client acknowledges what it gets, so TCP needs none.
+static __always_inline void nat_reply_refresh(const struct packet *p, const struct nat_entry *rev,
+					      const struct flow_key *client)
+{
+	struct nat_flow *fs = flow_lookup(NAT_CONNTRACK, client);
+	__u64 now;
+
+	if (!fs || fs->backend_id != rev->backend_id || fs->nat_port != p->flow.dport)
+		return;
+	now = bpf_ktime_get_coarse_ns();
+	if (now - fs->last_seen_ns > NSEC_PER_SEC)
+		fs->last_seen_ns = now;
+}
+
 // nat_reply translates a backend's reply back to the client, or returns CONTINUE for
 // a packet to the nat address that is not a tracked reply (the host's own traffic).
 // A packet to a half-open flow's port that acknowledges something other than the
@@ -607,6 +625,8 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 	if (!established && rev->syn_ack &&
 	    (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == (TCP_FLAG_SYN | TCP_FLAG_ACK))
 		rev->syn_ack = 0;
+	if (established && p->flow.proto == IPPROTO_UDP)
+		nat_reply_refresh(p, rev, &client);
 	count(&global_stats, STAT_NAT_REPLY, p->len);
 	action = nat_rewrite(ctx, p, client.dst, client.dport, client.src, client.sport);
 	if (action != CONTINUE)

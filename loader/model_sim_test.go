@@ -1025,6 +1025,18 @@ func (r *run) refreshFlow(p *modelPacket, key bpf.WeirFlowKey, be bpf.WeirBacken
 	}
 }
 
+// natReplyRefresh is nat.h's nat_reply_refresh.
+func (r *run) natReplyRefresh(p *modelPacket, rev bpf.WeirNatEntry, client bpf.WeirFlowKey) {
+	fs, ok := r.m.NATConntrack[client]
+	if !ok || fs.BackendId != rev.BackendId || fs.NatPort != p.flow.Dport {
+		return
+	}
+	if now := r.env.Now; now-fs.LastSeenNs > nsecPerSec {
+		fs.LastSeenNs = now
+		r.m.NATConntrack[client] = fs
+	}
+}
+
 // natReply is nat.h's nat_reply.
 func (r *run) natReply(p *modelPacket) int {
 	established := true
@@ -1063,6 +1075,9 @@ func (r *run) natReply(p *modelPacket) int {
 	if !established && rev.SynAck != 0 && p.tcpFlags&(tcpFlagSYN|tcpFlagACK) == tcpFlagSYN|tcpFlagACK {
 		rev.SynAck = 0
 		r.m.NATHalfReverse[p.flow] = rev
+	}
+	if established && p.flow.Proto == protoUDP {
+		r.natReplyRefresh(p, rev, client)
 	}
 	r.count(ReasonNATReply)
 	if a := r.natRewrite(p, client.Dst, client.Dport, client.Src, client.Sport); a != modelContinue {
