@@ -35,6 +35,10 @@
 #define MAX_ICMP_QUOTE 200      // bytes of the offending packet an ICMPv6 "too big" quotes
 
 #define NSEC_PER_SEC 1000000000ull
+// nat_reply_refresh's clock: ticks of 2^20 ns (about 1.05 ms), a refresh every
+// 954 of them (about 1 s).
+#define REPLY_TICK_SHIFT 20
+#define REPLY_TICKS_PER_REFRESH 954u
 
 // Defaults the program, the loader and the agent share (Go: bpf.WeirDefaults*). The
 // loader sets the nat settings (nat.h) and table sizes before load, these when its

@@ -563,16 +563,20 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 // asked for once) would otherwise see its flow expire under the stream, and the
 // ring could hand the flow's port to another client of that backend while the
 // stream still comes. A TCP client acknowledges what it gets, so TCP needs none.
-static __always_inline void nat_reply_refresh(const struct packet *p, const struct nat_entry *rev,
+// The reverse entry remembers when it last did, so a stream costs the connection
+// table one lookup a second, not one a packet.
+static __always_inline void nat_reply_refresh(const struct packet *p, struct nat_entry *rev,
 					      const struct flow_key *client)
 {
-	struct nat_flow *fs = flow_lookup(NAT_CONNTRACK, client);
-	__u64 now;
+	__u64 now = bpf_ktime_get_coarse_ns();
+	__u32 tick = now >> REPLY_TICK_SHIFT; // a shift, not a division, on every reply
+	struct nat_flow *fs;
 
-	if (!fs || fs->backend_id != rev->backend_id || fs->nat_port != p->flow.dport)
+	if (tick - rev->syn_ack < REPLY_TICKS_PER_REFRESH)
 		return;
-	now = bpf_ktime_get_coarse_ns();
-	if (now - fs->last_seen_ns > NSEC_PER_SEC)
+	rev->syn_ack = tick;
+	fs = flow_lookup(NAT_CONNTRACK, client);
+	if (fs && fs->backend_id == rev->backend_id && fs->nat_port == p->flow.dport)
 		fs->last_seen_ns = now;
 }
 

@@ -98,7 +98,8 @@ struct nat_entry {
 	// Half-open TCP flows begun by a SYN, until the backend's SYN-ACK: the
 	// acknowledgement number that answers the SYN (the client's initial sequence number
 	// + 1, network order). 0 otherwise, and for the one SYN in 2^32 whose answer is 0,
-	// which then goes unchecked.
+	// which then goes unchecked. Established UDP flows: the tick (coarse clock >> 20,
+	// wrapping) the backend's packets last refreshed the flow (nat_reply_refresh).
 	__be32 syn_ack;
 	// Replies go back to where the client's packets come from: the MAC they came from
 	// (the client or its router) and the interface they came in on, refreshed with

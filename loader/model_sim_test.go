@@ -116,49 +116,51 @@ type Outcome struct {
 
 // Constants of bpf/consts.h and the kernel's headers.
 const (
-	modelContinue       = -1
-	maxL3Offset         = 64
-	maxL4Offset         = 512
-	maxIPv6ExtHeaders   = 4
-	natPortTries        = 8 // NAT_PORT_TRIES
-	flowFlagClosing     = bpf.WeirFlowFlagsFLOW_F_CLOSING
-	flowFlagStale       = bpf.WeirFlowFlagsFLOW_F_STALE
-	flowFlagKept        = bpf.WeirFlowFlagsFLOW_F_KEPT
-	flowFlagFinClient   = bpf.WeirFlowFlagsFLOW_F_FIN_CLIENT
-	flowFlagFinBackend  = bpf.WeirFlowFlagsFLOW_F_FIN_BACKEND
-	flowFlagFins        = flowFlagFinClient | flowFlagFinBackend // FLOW_F_FINS
-	synDataMax          = 0xffff                                 // SYN_DATA_MAX
-	lbFlowClosed        = uint32(bpf.WeirLbFlowBitsLB_FLOW_CLOSED)
-	nsecPerSec          = 1_000_000_000
-	protoHopOpts        = 0
-	protoICMP           = 1
-	protoTCP            = 6
-	protoUDP            = 17
-	protoRouting        = 43
-	protoFragment       = 44
-	protoESP            = 50
-	protoAH             = 51
-	protoICMPv6         = 58
-	protoDstOpts        = 60
-	tcpFlagFIN          = 0x01
-	tcpFlagSYN          = 0x02
-	tcpFlagRST          = 0x04
-	tcpFlagACK          = 0x10
-	etherTypeIPv4       = 0x0800
-	etherTypeIPv6       = 0x86dd
-	etherTypeVLAN       = 0x8100
-	ipv4HeaderLen       = 20
-	ipv6HeaderLen       = 40
-	icmpHeaderLen       = 8
-	ethHeaderLen        = 14
-	vlanHeaderLen       = 4
-	tcpHeaderLen        = 20
-	udpHeaderLen        = 8
-	ipv6OptHeaderMinLen = 2
-	maxICMPQuote        = 200
-	protoIPIP           = 4  // IPv4 inside (tunnel.h IPPROTO_IPIP_)
-	protoIPv6           = 41 // IPv6 inside
-	ipFlagDF            = 0x4000
+	modelContinue        = -1
+	maxL3Offset          = 64
+	maxL4Offset          = 512
+	maxIPv6ExtHeaders    = 4
+	natPortTries         = 8 // NAT_PORT_TRIES
+	flowFlagClosing      = bpf.WeirFlowFlagsFLOW_F_CLOSING
+	flowFlagStale        = bpf.WeirFlowFlagsFLOW_F_STALE
+	flowFlagKept         = bpf.WeirFlowFlagsFLOW_F_KEPT
+	flowFlagFinClient    = bpf.WeirFlowFlagsFLOW_F_FIN_CLIENT
+	flowFlagFinBackend   = bpf.WeirFlowFlagsFLOW_F_FIN_BACKEND
+	flowFlagFins         = flowFlagFinClient | flowFlagFinBackend // FLOW_F_FINS
+	synDataMax           = 0xffff                                 // SYN_DATA_MAX
+	lbFlowClosed         = uint32(bpf.WeirLbFlowBitsLB_FLOW_CLOSED)
+	nsecPerSec           = 1_000_000_000
+	replyTickShift       = 20  // REPLY_TICK_SHIFT
+	replyTicksPerRefresh = 954 // REPLY_TICKS_PER_REFRESH
+	protoHopOpts         = 0
+	protoICMP            = 1
+	protoTCP             = 6
+	protoUDP             = 17
+	protoRouting         = 43
+	protoFragment        = 44
+	protoESP             = 50
+	protoAH              = 51
+	protoICMPv6          = 58
+	protoDstOpts         = 60
+	tcpFlagFIN           = 0x01
+	tcpFlagSYN           = 0x02
+	tcpFlagRST           = 0x04
+	tcpFlagACK           = 0x10
+	etherTypeIPv4        = 0x0800
+	etherTypeIPv6        = 0x86dd
+	etherTypeVLAN        = 0x8100
+	ipv4HeaderLen        = 20
+	ipv6HeaderLen        = 40
+	icmpHeaderLen        = 8
+	ethHeaderLen         = 14
+	vlanHeaderLen        = 4
+	tcpHeaderLen         = 20
+	udpHeaderLen         = 8
+	ipv6OptHeaderMinLen  = 2
+	maxICMPQuote         = 200
+	protoIPIP            = 4  // IPv4 inside (tunnel.h IPPROTO_IPIP_)
+	protoIPv6            = 41 // IPv6 inside
+	ipFlagDF             = 0x4000
 )
 
 // modelPacket is struct packet of bpf/parse.h.
@@ -1025,13 +1027,16 @@ func (r *run) refreshFlow(p *modelPacket, key bpf.WeirFlowKey, be bpf.WeirBacken
 	}
 }
 
-// natReplyRefresh is nat.h's nat_reply_refresh.
-func (r *run) natReplyRefresh(p *modelPacket, rev bpf.WeirNatEntry, client bpf.WeirFlowKey) {
-	fs, ok := r.m.NATConntrack[client]
-	if !ok || fs.BackendId != rev.BackendId || fs.NatPort != p.flow.Dport {
+// natReplyRefresh is nat.h's nat_reply_refresh; key is rev's in the reverse table.
+func (r *run) natReplyRefresh(p *modelPacket, key bpf.WeirFlowKey, rev bpf.WeirNatEntry, client bpf.WeirFlowKey) {
+	now := r.env.Now
+	tick := uint32(now >> replyTickShift)
+	if tick-rev.SynAck < replyTicksPerRefresh {
 		return
 	}
-	if now := r.env.Now; now-fs.LastSeenNs > nsecPerSec {
+	rev.SynAck = tick
+	r.m.NATReverse[key] = rev
+	if fs, ok := r.m.NATConntrack[client]; ok && fs.BackendId == rev.BackendId && fs.NatPort == p.flow.Dport {
 		fs.LastSeenNs = now
 		r.m.NATConntrack[client] = fs
 	}
@@ -1077,7 +1082,7 @@ func (r *run) natReply(p *modelPacket) int {
 		r.m.NATHalfReverse[p.flow] = rev
 	}
 	if established && p.flow.Proto == protoUDP {
-		r.natReplyRefresh(p, rev, client)
+		r.natReplyRefresh(p, p.flow, rev, client)
 	}
 	r.count(ReasonNATReply)
 	if a := r.natRewrite(p, client.Dst, client.Dport, client.Src, client.Sport); a != modelContinue {

@@ -16,7 +16,7 @@ import (
 // natBench is a nat balancer for the benchmarks: the nat topology (client, balancer
 // and three backends on one segment, permanent neighbours), and the program attached
 // in generic mode to the balancer's link, serving the three backends on
-// topo.HTTPPort for both families.
+// topo.HTTPPort (TCP) and topo.UDPPort (UDP) for both families.
 type natBench struct {
 	*topo.Topology
 	prog *Program
@@ -27,16 +27,21 @@ func newNATBench(b *testing.B) *natBench {
 	tp := topo.NewT(b, topo.Config{Name: topo.UniqueName("wnb"), Backends: 3})
 	p := attachBalancer(b, tp, ModeGeneric, Options{HashSeed: 7, NAT: NATOptions{Addr4: tp.Balancer.IP4, Addr6: tp.Balancer.IP6}})
 	for _, vip := range []netip.Addr{tp.VIP4, tp.VIP6} {
-		s := Service{Key: ServiceKey{netip.AddrPortFrom(vip, topo.HTTPPort), TCP}, Forwarding: ForwardNAT}
-		for _, h := range tp.Backends {
-			ip := h.IP4
-			if vip.Is6() {
-				ip = h.IP6
+		for _, l4 := range []struct {
+			proto Protocol
+			port  uint16
+		}{{TCP, topo.HTTPPort}, {UDP, topo.UDPPort}} {
+			s := Service{Key: ServiceKey{netip.AddrPortFrom(vip, l4.port), l4.proto}, Forwarding: ForwardNAT}
+			for _, h := range tp.Backends {
+				ip := h.IP4
+				if vip.Is6() {
+					ip = h.IP6
+				}
+				s.Backends = append(s.Backends, Backend{Addr: netip.AddrPortFrom(ip, l4.port), Weight: 1, Usable: true})
 			}
-			s.Backends = append(s.Backends, Backend{Addr: netip.AddrPortFrom(ip, topo.HTTPPort), Weight: 1, Usable: true})
-		}
-		if err := p.AddService(s); err != nil {
-			b.Fatal(err)
+			if err := p.AddService(s); err != nil {
+				b.Fatal(err)
+			}
 		}
 	}
 	return &natBench{Topology: tp, prog: p}
@@ -50,6 +55,16 @@ func (nb *natBench) forward(v6 bool, sport uint16, flags uint8) []byte {
 	}
 	return packet.Frame{SrcMAC: nb.Client.MAC, DstMAC: nb.Balancer.MAC, Src: netip.AddrPortFrom(client, sport),
 		Dst: netip.AddrPortFrom(vip, topo.HTTPPort), TCPFlags: flags, Payload: make([]byte, 64)}.Build()
+}
+
+// forwardUDP is a client's datagram with 64 bytes of payload to the VIP's UDP port.
+func (nb *natBench) forwardUDP(v6 bool, sport uint16) []byte {
+	client, vip := nb.Client.IP4, nb.VIP4
+	if v6 {
+		client, vip = nb.Client.IP6, nb.VIP6
+	}
+	return packet.Frame{SrcMAC: nb.Client.MAC, DstMAC: nb.Balancer.MAC, Src: netip.AddrPortFrom(client, sport),
+		Dst: netip.AddrPortFrom(vip, topo.UDPPort), Proto: packet.ProtoUDP, Payload: make([]byte, 64)}.Build()
 }
 
 // reply is the backend's reply to the established flow of fwd, a forward frame: it
@@ -77,14 +92,22 @@ func (nb *natBench) reply(fwd []byte) ([]byte, error) {
 	v6 := binary.BigEndian.Uint16(fwd[12:]) == 0x86dd
 	l4, lb := 14+20, nb.Balancer.IP4
 	backend := netip.AddrFrom4([4]byte(out[14+16 : 14+20]))
+	proto := out[14+9]
 	if v6 {
 		l4, lb = 14+40, nb.Balancer.IP6
 		backend = netip.AddrFrom16([16]byte(out[14+24 : 14+40]))
+		proto = out[14+6]
 	}
+	// The backend answers from the port the frame went to.
+	sport := binary.BigEndian.Uint16(out[l4+2:])
 	for _, h := range nb.Backends {
 		if h.IP4 == backend || h.IP6 == backend {
-			return packet.Frame{SrcMAC: h.MAC, DstMAC: nb.Balancer.MAC, Src: netip.AddrPortFrom(backend, topo.HTTPPort),
-				Dst: netip.AddrPortFrom(lb, binary.BigEndian.Uint16(out[l4:])), TCPFlags: packet.ACK, Payload: make([]byte, 64)}.Build(), nil
+			f := packet.Frame{SrcMAC: h.MAC, DstMAC: nb.Balancer.MAC, Src: netip.AddrPortFrom(backend, sport),
+				Dst: netip.AddrPortFrom(lb, binary.BigEndian.Uint16(out[l4:])), TCPFlags: packet.ACK, Payload: make([]byte, 64)}
+			if proto == packet.ProtoUDP {
+				f.Proto, f.TCPFlags = packet.ProtoUDP, 0
+			}
+			return f.Build(), nil
 		}
 	}
 	return nil, fmt.Errorf("nat forward went to %s, no backend of the topology", backend)
@@ -118,9 +141,16 @@ func BenchmarkNAT(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
+		udp := nb.forwardUDP(v6, fixedSport)
+		udpReply, err := nb.reply(udp)
+		if err != nil {
+			b.Fatal(err)
+		}
 		cases = append(cases,
 			pathCase{name: "established-" + family + "-forward", frame: in, actions: fwd, count: ReasonFlowHit},
-			pathCase{name: "established-" + family + "-reply", frame: reply, actions: fwd, count: ReasonNATReply})
+			pathCase{name: "established-" + family + "-reply", frame: reply, actions: fwd, count: ReasonNATReply},
+			// A UDP reply also refreshes its flow, at most once a second.
+			pathCase{name: "established-udp-" + family + "-reply", frame: udpReply, actions: fwd, count: ReasonNATReply})
 	}
 	cases = append(cases,
 		pathCase{name: "new-flow-v4", frame: nb.forward(false, fixedSport, packet.SYN), newFlows: true, actions: fwd, count: ReasonFlowNew},

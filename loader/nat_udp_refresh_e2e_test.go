@@ -26,8 +26,10 @@ func TestNATRepliesKeepUDPFlow(t *testing.T) {
 
 func natRepliesKeepUDPFlow(t *testing.T, v6 bool) {
 	const (
-		idle   = time.Second
-		stream = idle * 5 / 2 // how long the backend streams before the client speaks again
+		// The backend's packets refresh the flow once a second at most: the idle
+		// timeout leaves room for that.
+		idle   = 1500 * time.Millisecond
+		stream = idle * 7 / 3 // how long the backend streams before the client speaks again
 		every  = 100 * time.Millisecond
 	)
 	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("wur"), Backends: 1})
