@@ -637,13 +637,13 @@ func (s *floodStream) whereStuck(tp *topo.Topology, p *Program, isNAT bool) stri
 	}
 	flow := "no flow"
 	for k, f := range flows.LB {
-		if k.Sport == htons(client.Port()) {
+		if k.Sport == portWord(client.Port()) {
 			flow = fmt.Sprintf("flow to backend %d", f.BackendId)
 		}
 	}
 	for k, f := range flows.NAT {
-		if k.Sport == htons(client.Port()) {
-			flow, port = fmt.Sprintf("nat flow to backend %d from port %d", f.BackendId, htons(f.NatPort)), htons(f.NatPort)
+		if k.Sport == portWord(client.Port()) {
+			flow, port = fmt.Sprintf("nat flow to backend %d from port %d", f.BackendId, portWord(f.NatPort)), portWord(f.NatPort)
 		}
 	}
 	out += "; balancer: " + flow
@@ -658,9 +658,6 @@ func (s *floodStream) whereStuck(tp *topo.Topology, p *Program, isNAT bool) stri
 	}
 	return out
 }
-
-// htons swaps a port between host and network order.
-func htons(port uint16) uint16 { return port>>8 | port<<8 }
 
 // probeCount counts new connections tried and succeeded, and those of them
 // whose handshake needed the client to send its SYN again.

@@ -18,6 +18,7 @@ import (
 
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/internal/xdptest"
 )
 
@@ -193,7 +194,7 @@ func natManyConnections(t *testing.T, nt *natTopology, vip netip.Addr, n int) {
 	// what a load-aware choice would read. A flow is counted closed at its second FIN,
 	// which may still be on its way when the client's last request is done: poll.
 	var opened, active uint64
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+	waitfor.Cond(5*time.Second, func() bool {
 		st, err := nt.prog.Stats()
 		if err != nil {
 			t.Fatal(err)
@@ -203,10 +204,8 @@ func natManyConnections(t *testing.T, nt *natTopology, vip netip.Addr, n int) {
 			opened += fc.Opened
 			active += fc.Active()
 		}
-		if active == 0 || time.Now().After(deadline) {
-			break
-		}
-	}
+		return active == 0
+	})
 	if opened < uint64(n) {
 		t.Errorf("backends' flow counters opened %d; want at least %d", opened, n)
 	}

@@ -4,12 +4,12 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/netip"
 	"testing"
 	"time"
 
 	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // TestNATHalfClose: a client sends its request and half-closes, and the backend
@@ -30,9 +30,8 @@ func natHalfClose(t *testing.T, v6 bool) {
 		closing = time.Second
 		think   = closing * 5 / 2 // the backend's wait between the request's end and its answer
 	)
-	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("whc"), Backends: 1})
-	be := tp.Backends[0]
-	ln, err := be.NS.Listen("tcp", fmt.Sprintf(":%d", echoPort))
+	tp, p, vip := newOneBackendNAT(t, "whc", v6, TCP, NATOptions{TCPClosing: closing})
+	ln, err := tp.Backends[0].NS.Listen("tcp", fmt.Sprintf(":%d", echoPort))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,19 +54,6 @@ func natHalfClose(t *testing.T, v6 bool) {
 		_, err = c.Write(append([]byte("answer to "), req...))
 		served <- err
 	}()
-	p := attachBalancer(t, tp, ModeNative, Options{HashSeed: 7, NAT: NATOptions{
-		Addr4: tp.Balancer.IP4, Addr6: tp.Balancer.IP6, TCPClosing: closing,
-	}})
-	vip, ip := netip.AddrPortFrom(tp.VIP4, echoPort), be.IP4
-	if v6 {
-		vip, ip = netip.AddrPortFrom(tp.VIP6, echoPort), be.IP6
-	}
-	svc := Service{Key: ServiceKey{vip, TCP}, Forwarding: ForwardNAT,
-		Backends: []Backend{{Addr: netip.AddrPortFrom(ip, echoPort), Weight: 1, Usable: true}}}
-	if err := p.AddService(svc); err != nil {
-		t.Fatal(err)
-	}
-
 	c, err := tp.DialTCP(context.Background(), vip, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -92,22 +78,32 @@ func natHalfClose(t *testing.T, v6 bool) {
 		t.Fatalf("the answer came %v after the half-close; want the backend's %v think first", d, think)
 	}
 	// Both FINs have passed: the flow is closed and no longer counted.
-	waitNoFlows(t, p, svc.Key, c)
-}
-
-// waitNoFlows polls until the service counts no established flow, up to 5 s.
-func waitNoFlows(t *testing.T, p *Program, key ServiceKey, c net.Conn) {
-	t.Helper()
-	var last map[netip.AddrPort]uint64
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+	key := ServiceKey{vip, TCP}
+	waitfor.Value(t, 5*time.Second, fmt.Sprintf("no flow of %v counted after a FIN each way", key), func() (any, bool) {
 		f, err := p.Flows(key)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(f.PerBackend) == 0 {
-			return
-		}
-		last = f.PerBackend
+		return f.PerBackend, len(f.PerBackend) == 0
+	})
+}
+
+// newOneBackendNAT is a topology with one backend behind a nat service of proto on
+// echoPort (IPv6 if v6), the balancer attached natively with nat options (its
+// addresses filled in). It returns the service's VIP:port.
+func newOneBackendNAT(t *testing.T, name string, v6 bool, proto Protocol, nat NATOptions) (*topo.Topology, *Program, netip.AddrPort) {
+	t.Helper()
+	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName(name), Backends: 1})
+	nat.Addr4, nat.Addr6 = tp.Balancer.IP4, tp.Balancer.IP6
+	p := attachBalancer(t, tp, ModeNative, Options{HashSeed: 7, NAT: nat})
+	vip, ip := netip.AddrPortFrom(tp.VIP4, echoPort), tp.Backends[0].IP4
+	if v6 {
+		vip, ip = netip.AddrPortFrom(tp.VIP6, echoPort), tp.Backends[0].IP6
 	}
-	t.Fatalf("flows of %v after a FIN each way (%v): %v; want none counted", key, c.LocalAddr(), last)
+	svc := Service{Key: ServiceKey{vip, proto}, Forwarding: ForwardNAT,
+		Backends: []Backend{{Addr: netip.AddrPortFrom(ip, echoPort), Weight: 1, Usable: true}}}
+	if err := p.AddService(svc); err != nil {
+		t.Fatal(err)
+	}
+	return tp, p, vip
 }

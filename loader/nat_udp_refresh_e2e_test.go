@@ -4,11 +4,8 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"net/netip"
 	"testing"
 	"time"
-
-	"github.com/weir-lb/weir/internal/topo"
 )
 
 // TestNATRepliesKeepUDPFlow: a UDP client sends twice (its second datagram
@@ -32,9 +29,8 @@ func natRepliesKeepUDPFlow(t *testing.T, v6 bool) {
 		stream = idle * 7 / 3 // how long the backend streams before the client speaks again
 		every  = 100 * time.Millisecond
 	)
-	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("wur"), Backends: 1})
-	be := tp.Backends[0]
-	pc, err := be.NS.ListenPacket("udp", fmt.Sprintf(":%d", echoPort))
+	tp, _, vip := newOneBackendNAT(t, "wur", v6, UDP, NATOptions{UDPIdle: idle})
+	pc, err := tp.Backends[0].NS.ListenPacket("udp", fmt.Sprintf(":%d", echoPort))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,19 +69,6 @@ func natRepliesKeepUDPFlow(t *testing.T, v6 bool) {
 			sources <- from
 		}
 	}()
-	p := attachBalancer(t, tp, ModeNative, Options{HashSeed: 7, NAT: NATOptions{
-		Addr4: tp.Balancer.IP4, Addr6: tp.Balancer.IP6, UDPIdle: idle,
-	}})
-	vip, ip := netip.AddrPortFrom(tp.VIP4, echoPort), be.IP4
-	if v6 {
-		vip, ip = netip.AddrPortFrom(tp.VIP6, echoPort), be.IP6
-	}
-	svc := Service{Key: ServiceKey{vip, UDP}, Forwarding: ForwardNAT,
-		Backends: []Backend{{Addr: netip.AddrPortFrom(ip, echoPort), Weight: 1, Usable: true}}}
-	if err := p.AddService(svc); err != nil {
-		t.Fatal(err)
-	}
-
 	c, err := tp.DialUDP(context.Background(), vip, 0)
 	if err != nil {
 		t.Fatal(err)
