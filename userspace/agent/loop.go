@@ -85,22 +85,29 @@ func (a *Agent) loop(ctx context.Context, st *state) {
 		case now := <-t.C:
 			ev = tickEvent{now}
 		}
+		// A request is answered after the snapshot is published, so a caller that
+		// reads Status after its change returns sees the change.
+		var reply chan error
+		var err error
 		switch ev := ev.(type) {
 		case reloadEvent:
-			ev.reply <- a.reload(st, ev.maxMove)
+			reply, err = ev.reply, a.reload(st, ev.maxMove)
 		case planEvent:
-			ev.reply <- a.onPlan(st, ev)
+			reply, err = ev.reply, a.onPlan(st, ev)
 		case healthEvent:
 			a.onHealth(st, ev.change)
 		case overrideEvent:
-			ev.reply <- a.onOverride(st, ev)
+			reply, err = ev.reply, a.onOverride(st, ev)
 		case tickEvent:
 			a.tick(st, ev.now)
 		case nodeDrainEvent:
-			ev.reply <- a.onNodeDrain(st, ev.drain)
+			reply, err = ev.reply, a.onNodeDrain(st, ev.drain)
 		}
 		a.publish(st)
 		a.handled.Add(1)
+		if reply != nil {
+			reply <- err
+		}
 	}
 }
 
