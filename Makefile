@@ -60,10 +60,11 @@ test: deps check-generated lint
 	$(MAKE) race
 
 # The concurrent parts under the race detector: the agent's reconcile loop taking
-# health changes, reloads, drains and status reads at once, and the health checker.
+# health changes, reloads, drains and status reads at once, the health checker, and
+# the http plane (its frame engine shares streams between connections' goroutines).
 race:
 	$(GO) test -count=1 -race -run 'TestLoopRace|TestReconcile' ./userspace/agent/
-	$(GO) test -count=1 -race ./userspace/agent/plan/ ./userspace/agent/bgp/ ./health/
+	$(GO) test -count=1 -race ./userspace/agent/plan/ ./userspace/agent/bgp/ ./health/ ./userspace/httplb/
 
 test-short: 
 	$(GO) test -count=1 -short ./...

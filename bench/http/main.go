@@ -71,7 +71,7 @@ var (
 	timeout  = flag.Duration("timeout", 30*time.Minute, "bound on the whole run")
 	serve    = flag.String("serve", "", "internal: run backends or weir (child process)")
 	threads  = flag.Int("threads", 2, "threads or workers of every target (GOMAXPROCS for weir)")
-	variants = flag.String("variants", "", `more weir targets, each with settings of its own, interleaved with the rest: "name:KEY=V,KEY=V;name2:..." with keys GOGC, GOMEMLIMIT (the runtime's), H2CONNS (upstream HTTP/2 connections per backend), UPSTREAM (auto, http1, h2c; of the HTTP/1.1 and h2 fronts, not gRPC's) and BIN (another build of this program to run weir from, e.g. main's, for a before/after)`)
+	variants = flag.String("variants", "", `more weir targets, each with settings of its own, interleaved with the rest: "name:KEY=V,KEY=V;name2:..." with keys GOGC, GOMEMLIMIT (the runtime's), H2CONNS (upstream HTTP/2 connections per backend), UPSTREAM (auto, http1, h2c; of the HTTP/1.1 and h2 fronts, not gRPC's), NETHTTP2 (1: HTTP/2 clients through net/http's server and transport, not the frame engine) and BIN (another build of this program to run weir from, e.g. main's, for a before/after)`)
 	pprof    = flag.String("pprof", "", "serve weir's net/http/pprof on this address (for a profile: go tool pprof http://ADDR/debug/pprof/profile)")
 )
 
@@ -137,7 +137,7 @@ func serveChild(what string) error {
 				up = httplb.UpstreamAuto // gRPC needs HTTP/2 end to end
 			}
 			s, err := httplb.Listen(httplb.Config{Name: l, Listen: netip.MustParseAddrPort(l), Algorithm: "round_robin",
-				Retries: 2, RetryBudget: 0.2, XForwardedFor: true, XForwardedProto: true, H2Conns: h2conns, Upstream: up,
+				Retries: 2, RetryBudget: 0.2, XForwardedFor: true, XForwardedProto: true, H2Conns: h2conns, Upstream: up, NetHTTP2: os.Getenv("NETHTTP2") == "1",
 				Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))}, bs)
 			if err != nil {
 				return err
@@ -254,8 +254,8 @@ func parseVariants(s, self string) ([]variant, error) {
 		v := variant{name: name, bin: self}
 		for kv := range strings.SplitSeq(kvs, ",") {
 			k, _, ok := strings.Cut(kv, "=")
-			if !ok || !slices.Contains([]string{"GOGC", "GOMEMLIMIT", "H2CONNS", "UPSTREAM", "BIN"}, k) {
-				return nil, fmt.Errorf("-variants %q: %q: want GOGC, GOMEMLIMIT, H2CONNS, UPSTREAM or BIN=value", spec, kv)
+			if !ok || !slices.Contains([]string{"GOGC", "GOMEMLIMIT", "H2CONNS", "UPSTREAM", "NETHTTP2", "BIN"}, k) {
+				return nil, fmt.Errorf("-variants %q: %q: want GOGC, GOMEMLIMIT, H2CONNS, UPSTREAM, NETHTTP2 or BIN=value", spec, kv)
 			}
 			if k == "BIN" {
 				v.bin = kv[len("BIN="):]

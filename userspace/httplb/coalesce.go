@@ -1,6 +1,7 @@
 package httplb
 
 import (
+	"errors"
 	"net"
 	"sync"
 	"time"
@@ -39,6 +40,10 @@ type coalescingConn struct {
 	writing bool // the flusher goroutine runs
 	closed  bool // Close was called: the flusher closes the socket when done
 	err     error
+	// onDrain, when set, is called (without mu) once the queue has gone out
+	// after room reported it full; the frame engine sets it.
+	onDrain   func()
+	wantDrain bool
 }
 
 func newCoalescingConn(c net.Conn, async bool) *coalescingConn {
@@ -72,6 +77,12 @@ func (c *coalescingConn) Write(p []byte) (int, error) {
 	for c.err == nil && !c.closed && len(c.buf) > 0 && len(c.buf)+len(p) > coalesceLimit {
 		c.cond.Wait()
 	}
+	return c.appendLocked(p)
+}
+
+// appendLocked queues p and starts the flusher if it is not running; mu is
+// held.
+func (c *coalescingConn) appendLocked(p []byte) (int, error) {
 	switch {
 	case c.closed:
 		return 0, net.ErrClosed
@@ -86,6 +97,43 @@ func (c *coalescingConn) Write(p []byte) (int, error) {
 	}
 	return len(p), nil
 }
+
+// queueHardLimit bounds what queue takes from a peer that stopped reading:
+// past it the connection is failed.
+const queueHardLimit = 8 << 20
+
+var errQueueFull = errors.New("peer not reading: write queue full")
+
+// queue is Write that never waits for room: the frame engine holds its locks
+// while it writes, and checks room before each DATA frame instead.
+func (c *coalescingConn) queue(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil && len(c.buf)+len(p) > queueHardLimit {
+		// The peer takes nothing: its reader fails on the closed socket, and
+		// the frame engine ends the connection.
+		c.err = errQueueFull
+		c.Conn.Close()
+	}
+	return c.appendLocked(p)
+}
+
+// room reports whether the queue has room for more DATA; if not, onDrain is
+// called once it has gone out.
+func (c *coalescingConn) room() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.buf) < coalesceLimit {
+		return true
+	}
+	c.wantDrain = true
+	return false
+}
+
+// queueWriter is a coalescingConn whose writes queue (for a Framer).
+type queueWriter struct{ c *coalescingConn }
+
+func (w queueWriter) Write(p []byte) (int, error) { return w.c.queue(p) }
 
 // flush writes what was queued while a write was under way, until nothing is.
 func (c *coalescingConn) flush() {
@@ -114,6 +162,13 @@ func (c *coalescingConn) flush() {
 	c.cond.Broadcast()
 	if c.closed {
 		c.Conn.Close()
+	}
+	if c.wantDrain && c.onDrain != nil {
+		c.wantDrain = false
+		fn := c.onDrain
+		c.mu.Unlock()
+		fn()
+		c.mu.Lock()
 	}
 }
 

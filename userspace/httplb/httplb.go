@@ -111,6 +111,12 @@ type Config struct {
 	// locks but split the batches the connections coalesce their writes into,
 	// which costs more (bench/README.md). Read once, by Listen.
 	H2Conns int
+	// NetHTTP2 serves HTTP/2 clients through net/http's server and transport
+	// only. Without it, cleartext clients that speak HTTP/2 by prior knowledge
+	// go to the frame engine (frames.go) when the upstream is HTTP/2 (Upstream
+	// auto or h2c); TLS and h2c-upgraded connections are net/http's either way.
+	// Kept to compare the two (bench/http). Read once, by Listen.
+	NetHTTP2 bool
 	// Retries is how many other backends a failed request may be tried on.
 	Retries int
 	// RetryBudget is the share of requests that may be retries; 0 with Retries > 0
@@ -148,8 +154,13 @@ type Service struct {
 	live     atomic.Pointer[live] // the settings Reconfigure may change
 	ln       net.Listener
 	srv      *http.Server
-	upgraded *http.Server // shuts the h2c-upgraded connections down (see Listen)
+	upgraded *http.Server   // shuts the h2c-upgraded connections down (see Listen)
+	split    *splitListener // with Frames: hands HTTP/2 clients to the frame engine
 	stats    stats
+
+	fmu       sync.Mutex
+	fsessions map[*fsess]bool // the frame engine's client connections
+	fshut     bool
 
 	mu       sync.Mutex
 	backends map[string]*backend                 // by address; removed ones until idle
@@ -188,6 +199,10 @@ func Listen(cfg Config, backends []Backend) (*Service, error) {
 		return nil, fmt.Errorf("service %q: listen %s: %w", cfg.Name, cfg.Listen, err)
 	}
 	s.ln = coalescingListener{ln}
+	if !cfg.NetHTTP2 && cfg.TLS == nil && cfg.Upstream != UpstreamHTTP1 {
+		s.split = newSplitListener(s.ln, s)
+		s.ln = s.split
+	}
 	var protos http.Protocols
 	protos.SetHTTP1(true)
 	protos.SetHTTP2(true)
@@ -251,6 +266,10 @@ func (s *Service) Serve(ctx context.Context) error {
 		ln = tls.NewListener(ln, s.cfg.TLS)
 	}
 	errc := make(chan error, 1)
+	if s.split != nil {
+		// Exits when the listener closes.
+		go s.split.run()
+	}
 	// Exits when the server is shut down below (or the listener fails).
 	go func() { errc <- s.srv.Serve(ln) }()
 	select {
@@ -267,6 +286,7 @@ func (s *Service) Serve(ctx context.Context) error {
 	// Both at once: each waits for its own connections.
 	var wg sync.WaitGroup
 	wg.Go(func() { s.upgraded.Shutdown(shutCtx) })
+	wg.Go(func() { s.shutdownFrames(shutCtx.Done()) })
 	err := s.srv.Shutdown(shutCtx)
 	wg.Wait()
 	if err != nil {
@@ -282,17 +302,20 @@ func (s *Service) Serve(ctx context.Context) error {
 func (s *Service) Close() error {
 	err := s.srv.Close()
 	s.ln.Close()
+	s.closeFrames()
 	s.closeBackends()
 	return err
 }
 
 // backend is one backend's transport and counters.
 type backend struct {
-	addr  netip.AddrPort
-	id    string
-	h1    *http.Transport
-	h2    []*http.Transport // requests go round them (H2Conns)
-	h1s   *h1Pool           // HTTP/1.1 requests without a body
+	addr netip.AddrPort
+	id   string
+	h1   *http.Transport
+	h2   []*http.Transport // requests go round them (H2Conns)
+	h1s  *h1Pool           // HTTP/1.1 requests without a body
+	// fpool is the frame engine's HTTP/2 connections, made on first use.
+	fpool atomic.Pointer[upPool]
 	next  atomic.Uint32
 	stats backendStats
 	// removed: no longer configured; its idle connections are closed.
@@ -356,6 +379,9 @@ func (b *backend) closeIdle() {
 	b.h1s.close()
 	for _, t := range b.h2 {
 		t.CloseIdleConnections()
+	}
+	if p := b.fpool.Load(); p != nil {
+		p.closeIdle()
 	}
 }
 

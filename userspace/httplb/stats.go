@@ -16,14 +16,23 @@ type stats struct {
 	noBackend atomic.Uint64
 }
 
-func (s *stats) connState(_ net.Conn, st http.ConnState) {
+func (s *stats) connState(c net.Conn, st http.ConnState) {
 	switch st {
 	case http.StateNew:
+		if _, ok := c.(*prefixConn); ok {
+			return // counted when the split listener accepted it
+		}
 		s.conns.Add(1)
 		s.accepted.Add(1)
 	case http.StateClosed, http.StateHijacked:
 		s.conns.Add(-1)
 	}
+}
+
+// accept counts a connection the split listener accepted.
+func (s *stats) accept() {
+	s.conns.Add(1)
+	s.accepted.Add(1)
 }
 
 // backendStats are one backend's counters.

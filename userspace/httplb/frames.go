@@ -1,0 +1,1043 @@
+package httplb
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"net/netip"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+
+	"github.com/weir-lb/weir/userspace/balance"
+)
+
+// The frame engine serves HTTP/2 clients frame by frame: one goroutine reads a
+// client connection's frames, another each upstream connection's, and a
+// request's HEADERS and DATA frames are re-encoded onto a backend's connection
+// as they arrive, its answer's frames back onto the client's. No goroutine is
+// started per request and no frame crosses a channel; what would wait for flow
+// control waits in the stream, bounded by the window weir gave its sender.
+// Framing and HPACK are x/net/http2's (Framer, hpack); the engine only moves
+// frames and keeps the two sides' flow-control windows.
+//
+// Flow control: weir gives each client and each backend connection recvConnWin
+// and each stream recvStreamWin, and returns credit for a DATA frame only once
+// the frame has been written to the other side (or dropped with its stream), so
+// a sender can never have more in weir than the windows weir gave it.
+
+const (
+	// maxRefused bounds how often a stream the backend refused goes again.
+	maxRefused    = 3
+	recvStreamWin = 1 << 20
+	recvConnWin   = 4 << 20
+	// Credit is returned in batches: one WINDOW_UPDATE per this much.
+	creditBatch = 64 << 10
+	// maxClientStreams is the concurrent streams a client may open
+	// (SETTINGS_MAX_CONCURRENT_STREAMS), as net/http's server allows.
+	maxClientStreams = 250
+)
+
+// fsess is one client connection served by the frame engine. Its mutex guards
+// the connection's and its streams' state and its framer's writes.
+type fsess struct {
+	s      *Service
+	conn   *coalescingConn
+	fr     *http2.Framer
+	client string // the client's address, without the port
+	remote string // with it, for the access log
+
+	mu       sync.Mutex
+	enc      *hpack.Encoder
+	encBuf   bytes.Buffer
+	streams  map[uint32]*fstream
+	maxID    uint32 // the highest stream ID the client opened
+	away     bool   // GOAWAY sent: no new streams
+	closed   bool
+	sendWin  int64 // the client's connection window for our DATA
+	initWin  int64 // the client's SETTINGS_INITIAL_WINDOW_SIZE
+	maxFrame uint32
+	credit   int64 // connection credit owed to the client
+	idle     *time.Timer
+	done     chan struct{} // closed when the session's reader exits
+}
+
+// fstream is one request. The client session's mutex guards it.
+type fstream struct {
+	sess *fsess
+	id   uint32
+	live *live
+
+	method, path, authority string
+	hdrs                    []hpack.HeaderField // to the backend, pseudo-headers first
+	hashKey                 uint64
+	grpc                    bool
+	retryable               bool
+	start                   time.Time
+
+	reqEnded   bool                // the client's END_STREAM came
+	reqEndSent bool                // and went to the backend
+	reqTr      []hpack.HeaderField // the request's trailers
+	recvWin    int64
+	credit     int64 // stream credit owed to the client
+
+	// The request's body frames not yet sent upstream; once sent, kept for a
+	// retry while replay allows.
+	reqQ     [][]byte
+	replay   [][]byte
+	replayN  int
+	replayOK bool // every byte sent so far is in replay
+	sentBody bool
+
+	tries   int
+	refused int // sent again because the backend refused the stream
+	tried   []string
+	fail    failure
+	be      *backend
+	lease   balance.Lease
+	up      *upconn
+	upID    uint32
+	upSend  int64 // the backend's stream window for our DATA
+	upRecv  int64 // our window on the backend's answer
+	upOwed  int64 // stream credit owed to the backend
+	tryT    time.Time
+	tryTmr  *time.Timer
+	allTmr  *time.Timer
+	headerL time.Duration
+
+	status    int                 // the answer's status, once final headers came
+	held      []hpack.HeaderField // those headers while they wait for the first DATA (see respHeaders)
+	respQ     [][]byte
+	respEnd   bool                // END_STREAM with the last of respQ
+	trailers  []hpack.HeaderField // to send after respQ
+	cliSend   int64               // the client's stream window for our DATA
+	bytes     int64
+	finished  bool
+	upDone    bool // the backend's side of the stream is over
+	respBytes int64
+}
+
+// serveFrames serves one client connection whose preface has been read, until
+// it closes.
+func (s *Service) serveFrames(c *coalescingConn) {
+	defer s.stats.conns.Add(-1) // counted by the split listener
+	ss := &fsess{s: s, conn: c, streams: map[uint32]*fstream{}, sendWin: 65535, initWin: 65535, maxFrame: 16384,
+		remote: c.RemoteAddr().String(), done: make(chan struct{})}
+	ss.client, _, _ = net.SplitHostPort(ss.remote)
+	ss.fr = http2.NewFramer(queueWriter{c}, c)
+	c.onDrain = ss.drained
+	ss.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	ss.fr.MaxHeaderListSize = uint32(s.cfg.MaxHeaderBytes)
+	ss.enc = hpack.NewEncoder(&ss.encBuf)
+	if !s.registerSession(ss) {
+		c.Close()
+		return
+	}
+	defer func() {
+		s.fmu.Lock()
+		delete(s.fsessions, ss)
+		s.fmu.Unlock()
+	}()
+	ss.mu.Lock()
+	ss.fr.WriteSettings(http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: maxClientStreams},
+		http2.Setting{ID: http2.SettingInitialWindowSize, Val: recvStreamWin},
+		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: uint32(s.cfg.MaxHeaderBytes)})
+	ss.fr.WriteWindowUpdate(0, recvConnWin-65535)
+	ss.idle = time.AfterFunc(s.cfg.IdleTimeout, ss.idleExpired)
+	ss.mu.Unlock()
+	err := ss.read()
+	ss.mu.Lock()
+	ss.closeLocked(err)
+	ss.mu.Unlock()
+	close(ss.done)
+}
+
+// read is the session's reader: it runs until the connection fails or closes.
+func (ss *fsess) read() error {
+	for {
+		f, err := ss.fr.ReadFrame()
+		if err != nil {
+			if se, ok := err.(http2.StreamError); ok {
+				ss.mu.Lock()
+				ss.resetLocked(se.StreamID, se.Code)
+				ss.mu.Unlock()
+				continue
+			}
+			if ce, ok := err.(http2.ConnectionError); ok {
+				ss.mu.Lock()
+				ss.fr.WriteGoAway(ss.maxID, http2.ErrCode(ce), nil)
+				ss.mu.Unlock()
+			}
+			return err
+		}
+		ss.mu.Lock()
+		err = ss.handle(f)
+		ss.mu.Unlock()
+		if err != nil {
+			return err
+		}
+	}
+}
+
+func (ss *fsess) protocolError(msg string) error {
+	ss.fr.WriteGoAway(ss.maxID, http2.ErrCodeProtocol, []byte(msg))
+	return fmt.Errorf("http2 protocol error: %s", msg)
+}
+
+// handle acts on one frame from the client; mu is held.
+func (ss *fsess) handle(f http2.Frame) error {
+	switch f := f.(type) {
+	case *http2.MetaHeadersFrame:
+		return ss.headers(f)
+	case *http2.DataFrame:
+		return ss.data(f)
+	case *http2.WindowUpdateFrame:
+		if f.StreamID == 0 {
+			ss.sendWin += int64(f.Increment)
+			if ss.sendWin > 1<<31-1 {
+				ss.fr.WriteGoAway(ss.maxID, http2.ErrCodeFlowControl, nil)
+				return fmt.Errorf("http2: the client's connection window overflowed")
+			}
+			for _, st := range ss.streams {
+				st.flushResp()
+			}
+			return nil
+		}
+		if st := ss.streams[f.StreamID]; st != nil {
+			st.cliSend += int64(f.Increment)
+			if st.cliSend > 1<<31-1 {
+				st.reset(http2.ErrCodeFlowControl)
+				return nil
+			}
+			st.flushResp()
+		}
+	case *http2.SettingsFrame:
+		if f.IsAck() {
+			return nil
+		}
+		var err error
+		f.ForeachSetting(func(s http2.Setting) error {
+			if e := s.Valid(); e != nil {
+				err = e
+				return e
+			}
+			switch s.ID {
+			case http2.SettingInitialWindowSize:
+				d := int64(s.Val) - ss.initWin
+				ss.initWin = int64(s.Val)
+				for _, st := range ss.streams {
+					st.cliSend += d
+				}
+			case http2.SettingMaxFrameSize:
+				ss.maxFrame = s.Val
+			case http2.SettingHeaderTableSize:
+				ss.enc.SetMaxDynamicTableSizeLimit(s.Val)
+			}
+			return nil
+		})
+		if err != nil {
+			ss.fr.WriteGoAway(ss.maxID, http2.ErrCodeProtocol, nil)
+			return err
+		}
+		ss.fr.WriteSettingsAck()
+		for _, st := range ss.streams {
+			st.flushResp()
+		}
+	case *http2.PingFrame:
+		if !f.IsAck() {
+			ss.fr.WritePing(true, f.Data)
+		}
+	case *http2.RSTStreamFrame:
+		if st := ss.streams[f.StreamID]; st != nil {
+			st.clientGone()
+		}
+	case *http2.GoAwayFrame:
+		// The client opens no more streams; those open finish.
+		ss.away = true
+		ss.maybeCloseLocked()
+	case *http2.PushPromiseFrame:
+		return ss.protocolError("PUSH_PROMISE from a client")
+	}
+	// PRIORITY, PRIORITY_UPDATE and unknown frames are ignored.
+	return nil
+}
+
+// connectionSpecific lists the headers HTTP/2 forbids (RFC 9113 8.2.2).
+func connectionSpecific(name string) bool {
+	switch name {
+	case "connection", "proxy-connection", "keep-alive", "transfer-encoding", "upgrade":
+		return true
+	}
+	return false
+}
+
+// headers opens a stream (or takes a stream's trailers).
+func (ss *fsess) headers(f *http2.MetaHeadersFrame) error {
+	id := f.StreamID
+	if st := ss.streams[id]; st != nil {
+		// Trailers: they end the request.
+		if !f.StreamEnded() || st.reqEnded {
+			return ss.protocolError("HEADERS in the middle of a request")
+		}
+		st.reqEnded = true
+		var tr []hpack.HeaderField
+		for _, hf := range f.RegularFields() {
+			if !connectionSpecific(hf.Name) {
+				tr = append(tr, hf)
+			}
+		}
+		st.reqTrailers(tr)
+		return nil
+	}
+	if id%2 == 0 || id <= ss.maxID {
+		return ss.protocolError("HEADERS on a stream the client cannot open")
+	}
+	ss.maxID = id
+	if ss.away || ss.closed {
+		ss.fr.WriteRSTStream(id, http2.ErrCodeRefusedStream)
+		return nil
+	}
+	if len(ss.streams) >= maxClientStreams {
+		ss.fr.WriteRSTStream(id, http2.ErrCodeRefusedStream)
+		return nil
+	}
+	s := ss.s
+	l := s.live.Load()
+	st := &fstream{sess: ss, id: id, live: l, start: time.Now(), recvWin: recvStreamWin, cliSend: ss.initWin,
+		reqEnded: f.StreamEnded()}
+	ss.streams[id] = st
+	if len(ss.streams) == 1 {
+		ss.idle.Stop()
+	}
+	s.stats.inflight.Add(1)
+	if f.Truncated {
+		st.answer(http.StatusRequestHeaderFieldsTooLarge, "request headers too large", false)
+		return nil
+	}
+	st.method, st.path, st.authority = f.PseudoValue("method"), f.PseudoValue("path"), f.PseudoValue("authority")
+	scheme := f.PseudoValue("scheme")
+	if st.method == http.MethodConnect {
+		st.answer(http.StatusMethodNotAllowed, fmt.Sprintf("service %q: CONNECT is not proxied", s.cfg.Name), false)
+		return nil
+	}
+	if st.method == "" || st.path == "" || scheme == "" || f.PseudoValue("status") != "" || f.PseudoValue("protocol") != "" {
+		st.reset(http2.ErrCodeProtocol)
+		return nil
+	}
+	regular := f.RegularFields()
+	st.hdrs = make([]hpack.HeaderField, 0, len(regular)+8)
+	if st.authority == "" {
+		for _, hf := range regular {
+			if hf.Name == "host" {
+				st.authority = hf.Value
+			}
+		}
+	}
+	st.hdrs = append(st.hdrs, hpack.HeaderField{Name: ":method", Value: st.method}, hpack.HeaderField{Name: ":scheme", Value: "http"},
+		hpack.HeaderField{Name: ":authority", Value: st.authority}, hpack.HeaderField{Name: ":path", Value: st.path})
+	var xff, cookies []string
+	for _, hf := range regular {
+		switch {
+		case connectionSpecific(hf.Name):
+			st.reset(http2.ErrCodeProtocol)
+			return nil
+		case hf.Name == "te":
+			if hf.Value != "trailers" {
+				st.reset(http2.ErrCodeProtocol)
+				return nil
+			}
+		case hf.Name == "host":
+			continue // in :authority
+		case hf.Name == "x-forwarded-for" && l.cfg.XForwardedFor:
+			xff = append(xff, hf.Value)
+			continue
+		case hf.Name == "x-forwarded-proto" && l.cfg.XForwardedProto:
+			continue
+		case hf.Name == "content-type":
+			st.grpc = strings.HasPrefix(hf.Value, "application/grpc")
+		case hf.Name == "cookie":
+			cookies = append(cookies, hf.Value)
+		}
+		st.hdrs = append(st.hdrs, hf)
+	}
+	st.addForwarding(xff)
+	st.hashKey = st.key(regular, cookies)
+	st.retryable = idempotent(st.method) || l.grpcRetryableName(st.grpc, st.path)
+	st.replayOK = st.retryable && l.cfg.Retries > 0
+	l.budget.deposit()
+	if l.cfg.Timeout > 0 {
+		st.allTmr = time.AfterFunc(l.cfg.Timeout, func() { ss.timerFired(st, false) })
+	}
+	st.nextTry()
+	return nil
+}
+
+// addForwarding appends the forwarding headers the service adds.
+func (st *fstream) addForwarding(xff []string) {
+	cfg := &st.live.cfg
+	client := st.sess.client
+	if cfg.XForwardedFor {
+		v := client
+		if len(xff) > 0 {
+			v = strings.Join(xff, ", ") + ", " + client
+		}
+		st.hdrs = append(st.hdrs, hpack.HeaderField{Name: "x-forwarded-for", Value: v})
+	}
+	if cfg.XForwardedProto {
+		st.hdrs = append(st.hdrs, hpack.HeaderField{Name: "x-forwarded-proto", Value: "http"})
+	}
+	if cfg.Forwarded {
+		node := client
+		if a, err := netip.ParseAddr(client); err == nil && a.Is6() {
+			node = `"[` + client + `]"`
+		}
+		el := "for=" + node + ";proto=http"
+		if st.authority != "" {
+			el += `;host="` + strings.ReplaceAll(st.authority, `"`, "") + `"`
+		}
+		st.hdrs = append(st.hdrs, hpack.HeaderField{Name: "forwarded", Value: el})
+	}
+}
+
+// key is the request's hash key, as hashKey computes it for net/http's requests.
+func (st *fstream) key(regular []hpack.HeaderField, cookies []string) uint64 {
+	cfg := &st.live.cfg
+	if cfg.Algorithm != balance.Maglev && cfg.Algorithm != balance.SourceHash {
+		return 0
+	}
+	var v string
+	switch cfg.Hash {
+	case HashHeader:
+		name := strings.ToLower(cfg.HashName)
+		for _, hf := range regular {
+			if hf.Name == name {
+				v = hf.Value
+				break
+			}
+		}
+	case HashCookie:
+		h := http.Header{"Cookie": cookies}
+		if c, err := (&http.Request{Header: h}).Cookie(cfg.HashName); err == nil {
+			v = c.Value
+		}
+	}
+	if v == "" {
+		v = st.sess.client
+	}
+	return fnv1a(v)
+}
+
+func fnv1a(v string) uint64 {
+	h := uint64(14695981039346656037)
+	for i := 0; i < len(v); i++ {
+		h ^= uint64(v[i])
+		h *= 1099511628211
+	}
+	return h
+}
+
+// grpcRetryableName is grpcRetryable for a request known by its path.
+func (l *live) grpcRetryableName(grpc bool, path string) bool {
+	if len(l.cfg.RetryGRPC) == 0 || !grpc {
+		return false
+	}
+	if i := strings.IndexByte(path, '?'); i >= 0 {
+		path = path[:i]
+	}
+	for _, m := range l.cfg.RetryGRPC {
+		if m == "*" || m == path || strings.HasSuffix(m, "/*") && strings.HasPrefix(path, m[:len(m)-1]) {
+			return true
+		}
+	}
+	return false
+}
+
+// data takes a DATA frame of the client's.
+func (ss *fsess) data(f *http2.DataFrame) error {
+	n := int64(f.Length)
+	st := ss.streams[f.StreamID]
+	if st == nil || st.reqEnded || st.finished {
+		// A stream reset or finished: its bytes still count against the
+		// connection's window.
+		ss.owe(nil, n)
+		if f.StreamID > ss.maxID || f.StreamID == 0 {
+			return ss.protocolError("DATA on a stream not open")
+		}
+		return nil
+	}
+	st.recvWin -= n
+	if st.recvWin < 0 {
+		st.reset(http2.ErrCodeFlowControl)
+		ss.owe(nil, n)
+		return nil
+	}
+	// Padding is never forwarded: its credit is owed at once.
+	if pad := n - int64(len(f.Data())); pad > 0 {
+		ss.owe(st, pad)
+	}
+	if len(f.Data()) > 0 {
+		st.reqQ = append(st.reqQ, bytes.Clone(f.Data()))
+	}
+	if f.StreamEnded() {
+		st.reqEnded = true
+	}
+	st.flushReq()
+	return nil
+}
+
+// owe returns credit for n bytes the client sent (st nil: the connection's
+// only), in batches.
+func (ss *fsess) owe(st *fstream, n int64) {
+	grant(ss.fr, 0, &ss.credit, nil, n)
+	if st != nil && !st.reqEnded {
+		grant(ss.fr, st.id, &st.credit, &st.recvWin, n)
+	}
+}
+
+// grant adds n to the credit owed on stream id (0: the connection) and sends
+// it once it reaches creditBatch, adding it to win (if not nil), the window
+// the peer now has.
+func grant(fr *http2.Framer, id uint32, owed, win *int64, n int64) {
+	*owed += n
+	if *owed < creditBatch {
+		return
+	}
+	fr.WriteWindowUpdate(id, uint32(*owed))
+	if win != nil {
+		*win += *owed
+	}
+	*owed = 0
+}
+
+// writeHeaders encodes and writes a header block, in CONTINUATION frames past
+// the peer's frame size. buf is the encoder's buffer.
+func writeHeaders(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, maxFrame uint32, id uint32, end bool, fields []hpack.HeaderField) error {
+	buf.Reset()
+	for _, hf := range fields {
+		enc.WriteField(hf)
+	}
+	block := buf.Bytes()
+	first := block
+	if uint32(len(first)) > maxFrame {
+		first = block[:maxFrame]
+	}
+	rest := block[len(first):]
+	err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: first, EndStream: end, EndHeaders: len(rest) == 0})
+	for len(rest) > 0 && err == nil {
+		chunk := rest
+		if uint32(len(chunk)) > maxFrame {
+			chunk = rest[:maxFrame]
+		}
+		rest = rest[len(chunk):]
+		err = fr.WriteContinuation(id, len(rest) == 0, chunk)
+	}
+	return err
+}
+
+// reset resets the client's stream and ends it; mu is held.
+func (st *fstream) reset(code http2.ErrCode) {
+	if st.finished {
+		return
+	}
+	st.sess.fr.WriteRSTStream(st.id, code)
+	st.cancelUpstream()
+	st.finish(nil)
+}
+
+func (ss *fsess) resetLocked(id uint32, code http2.ErrCode) {
+	if st := ss.streams[id]; st != nil {
+		st.reset(code)
+		return
+	}
+	ss.fr.WriteRSTStream(id, code)
+}
+
+// clientGone ends a stream the client reset.
+func (st *fstream) clientGone() {
+	st.cancelUpstream()
+	st.lease.Release(balance.Result{})
+	st.finish(nil)
+}
+
+// answer answers the client from weir itself (an error).
+func (st *fstream) answer(status int, msg string, noBackend bool) {
+	ss := st.sess
+	s := ss.s
+	if noBackend {
+		s.stats.noBackend.Add(1)
+	}
+	h := []hpack.HeaderField{{Name: ":status", Value: strconv.Itoa(status)},
+		{Name: "content-type", Value: "text/plain; charset=utf-8"}, {Name: "x-content-type-options", Value: "nosniff"},
+		{Name: "content-length", Value: strconv.Itoa(len(msg) + 1)}}
+	if st.grpc {
+		h = append(h, hpack.HeaderField{Name: "grpc-status", Value: "14"}, hpack.HeaderField{Name: "grpc-message", Value: url.PathEscape(msg)})
+	}
+	writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, st.method == http.MethodHead, h)
+	if st.method != http.MethodHead {
+		ss.fr.WriteData(st.id, true, []byte(msg+"\n"))
+	}
+	st.status = status
+	if st.live.cfg.AccessLog {
+		s.log.Info("request", "method", st.method, "path", st.path, "proto", "HTTP/2.0", "client", ss.remote,
+			"status", status, "tries", st.tries, "duration", time.Since(st.start), "err", st.fail.err)
+	}
+	s.stats.requests.Add(1)
+	if !st.reqEnded {
+		// The body is not wanted: stop the client sending it.
+		ss.fr.WriteRSTStream(st.id, http2.ErrCodeNo)
+	}
+	st.finish(nil)
+}
+
+// nextTry picks a backend and sends the request, or answers the client when no
+// try is left; mu is held.
+func (st *fstream) nextTry() {
+	l := st.live
+	s := st.sess.s
+	for {
+		if st.tries > 0 && (st.tries > l.cfg.Retries || !st.fail.retry || !st.replayable() || !l.budget.withdraw()) {
+			st.answerFailure()
+			return
+		}
+		var lease balance.Lease
+		var err error
+		if st.tries == 0 {
+			lease, err = l.bal.Pick(st.hashKey, nil)
+		} else {
+			lease, err = l.bal.Pick(st.hashKey, func(id string) bool { return slices.Contains(st.tried, id) })
+		}
+		if err != nil {
+			if st.tries == 0 {
+				st.answer(http.StatusServiceUnavailable, fmt.Sprintf("service %q: no usable backend: every backend is down, drained or ejected", s.cfg.Name), true)
+				return
+			}
+			st.answerFailure()
+			return
+		}
+		st.tries++
+		be := s.backend(lease.Backend())
+		if be == nil {
+			lease.Release(balance.Result{})
+			st.fail = failure{retry: true, dial: true, status: http.StatusBadGateway, err: ErrNoBackend}
+			continue
+		}
+		st.tried = append(st.tried, be.id)
+		if st.tries > 1 {
+			be.stats.retries.Add(1)
+		}
+		st.be, st.lease = be, lease
+		st.requeueBody()
+		st.tryT = time.Now()
+		st.status = 0
+		if l.cfg.TryTimeout > 0 {
+			st.tryTmr = time.AfterFunc(l.cfg.TryTimeout, func() { st.sess.timerFired(st, true) })
+		}
+		be.frames(s).open(st)
+		return
+	}
+}
+
+// requeueBody puts what the last try sent back in front of what it had not.
+func (st *fstream) requeueBody() {
+	if len(st.replay) > 0 {
+		st.reqQ = append(st.replay, st.reqQ...)
+		st.replay, st.replayN = nil, 0
+	}
+	st.sentBody = false
+	st.reqEndSent = false
+}
+
+// replayable reports whether the request can be sent again: no body sent, or
+// all of it kept.
+func (st *fstream) replayable() bool {
+	return !st.sentBody || st.replayOK || st.fail.dial
+}
+
+func (st *fstream) answerFailure() {
+	f := st.fail
+	if f.status == 0 {
+		f.status = http.StatusBadGateway
+	}
+	st.answer(f.status, fmt.Sprintf("service %q: %d tries failed, the last: %v", st.sess.s.cfg.Name, len(st.tried), f.err), false)
+}
+
+// timerFired is a try's (try) or the request's timeout.
+func (ss *fsess) timerFired(st *fstream, try bool) {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if st.finished {
+		return
+	}
+	if try && (st.status != 0 || st.up == nil && st.be == nil) {
+		return // answered in time
+	}
+	if st.answered() {
+		// The whole request's time ran out mid-answer.
+		st.tryFailed(Timeout, false)
+		st.reset(http2.ErrCodeCancel)
+		return
+	}
+	st.cancelUpstream()
+	st.lease.Release(balance.Result{Failed: true, Latency: time.Since(st.tryT)})
+	st.live.observeTry(st.be, Timeout)
+	st.be.stats.count(0)
+	st.be = nil
+	st.fail = failure{retry: try && st.retryable, status: http.StatusGatewayTimeout, err: errTryTimeout}
+	if !try {
+		st.fail.err = context.DeadlineExceeded
+		st.answerFailure()
+		return
+	}
+	st.nextTry()
+}
+
+// tryFailed settles a try the backend broke off; retry says whether it may
+// be tried elsewhere (the backend never processed it).
+func (st *fstream) tryFailed(o Outcome, unprocessed bool) {
+	if st.tryTmr != nil {
+		st.tryTmr.Stop()
+	}
+	st.up, st.upID = nil, 0
+	// An answer held back (respHeaders) is dropped with its try.
+	st.status, st.held, st.respQ, st.respEnd, st.trailers = 0, nil, nil, false, nil
+	if st.be == nil {
+		return
+	}
+	st.lease.Release(balance.Result{Failed: true, Latency: time.Since(st.tryT)})
+	st.live.observeTry(st.be, o)
+	st.be.stats.count(0)
+	st.be = nil
+	status := http.StatusBadGateway
+	st.fail = failure{retry: st.retryable || unprocessed, dial: unprocessed, status: status, err: fmt.Errorf("backend: %s", o)}
+}
+
+// upstreamReset is the backend's RST_STREAM or its connection's failure.
+func (st *fstream) upstreamReset(code http2.ErrCode, connErr error, unprocessed bool) {
+	if st.finished {
+		return
+	}
+	o := Reset
+	if connErr != nil {
+		if _, ok := connErr.(*dialError); ok {
+			o = ConnectFailure
+			unprocessed = true
+		}
+	}
+	if code == http2.ErrCodeRefusedStream {
+		unprocessed = true
+	}
+	if unprocessed && o == Reset && st.refused < maxRefused && (!st.sentBody || st.replayOK) && !st.answered() {
+		// The backend did not take the stream (over its stream limit, or going
+		// away): it goes again to the same backend, on another connection,
+		// without counting as a try, as net/http's transport does.
+		st.refused++
+		st.status, st.held, st.respQ, st.respEnd, st.trailers = 0, nil, nil, false, nil
+		st.requeueBody()
+		st.be.frames(st.sess.s).open(st)
+		return
+	}
+	if st.answered() {
+		// Mid-answer: the client must see it is incomplete.
+		st.upDone = true
+		st.tryFailed(o, false)
+		st.reset(http2.ErrCodeInternal)
+		return
+	}
+	st.tryFailed(o, unprocessed)
+	if connErr != nil {
+		st.fail.err = connErr
+	} else {
+		st.fail.err = fmt.Errorf("backend reset the stream: %v", code)
+	}
+	st.nextTry()
+}
+
+// cancelUpstream resets the backend's stream, if there is one.
+func (st *fstream) cancelUpstream() {
+	if st.tryTmr != nil {
+		st.tryTmr.Stop()
+	}
+	if st.up != nil && !st.upDone {
+		st.up.cancel(st)
+	}
+	st.up, st.upID = nil, 0
+	st.upDone = true
+}
+
+// finish ends a stream on the client's side; mu is held.
+func (st *fstream) finish(err error) {
+	if st.finished {
+		return
+	}
+	st.finished = true
+	ss := st.sess
+	if st.allTmr != nil {
+		st.allTmr.Stop()
+	}
+	if st.tryTmr != nil {
+		st.tryTmr.Stop()
+	}
+	delete(ss.streams, st.id)
+	ss.s.stats.inflight.Add(-1)
+	// Body bytes still queued are dropped: their credit is the connection's.
+	for _, b := range st.reqQ {
+		ss.owe(nil, int64(len(b)))
+	}
+	st.reqQ, st.replay, st.respQ = nil, nil, nil
+	if len(ss.streams) == 0 {
+		if ss.away {
+			ss.maybeCloseLocked()
+		} else if !ss.closed {
+			ss.idle.Reset(ss.s.cfg.IdleTimeout)
+		}
+	}
+}
+
+// delivered settles a request whose answer went out whole.
+func (st *fstream) delivered() {
+	l := st.live
+	s := st.sess.s
+	lastByte := time.Since(st.tryT)
+	lat := st.headerL
+	if l.cfg.LastByte {
+		lat = lastByte
+	}
+	st.lease.Release(balance.Result{Latency: lat})
+	be := st.be
+	be.stats.count(st.status)
+	s.stats.requests.Add(1)
+	if l.cfg.Observer != nil {
+		l.cfg.Observer.Request(be.addr, st.status, time.Since(st.start))
+	}
+	if l.cfg.AccessLog {
+		s.log.Info("request", "method", st.method, "path", st.path, "proto", "HTTP/2.0", "client", st.sess.remote,
+			"backend", be.id, "status", st.status, "bytes", st.respBytes, "headers", st.headerL, "duration", time.Since(st.start), "err", nil)
+	}
+	st.finish(nil)
+}
+
+// respHeaders takes the backend's response headers (or informational ones).
+func (st *fstream) respHeaders(f *http2.MetaHeadersFrame, fields []hpack.HeaderField) {
+	ss := st.sess
+	if st.status != 0 {
+		// Trailers.
+		var tr []hpack.HeaderField
+		for _, hf := range fields {
+			if !strings.HasPrefix(hf.Name, ":") && !connectionSpecific(hf.Name) {
+				tr = append(tr, hf)
+			}
+		}
+		st.trailers = tr
+		st.respEnd = true
+		st.flushResp()
+		return
+	}
+	code, err := strconv.Atoi(f.PseudoValue("status"))
+	if err != nil || code < 100 || code > 999 {
+		st.up.cancel(st)
+		st.upstreamReset(http2.ErrCodeProtocol, nil, false)
+		return
+	}
+	out := make([]hpack.HeaderField, 0, len(fields))
+	for _, hf := range fields {
+		if !connectionSpecific(hf.Name) {
+			out = append(out, hf)
+		}
+	}
+	if code < 200 {
+		writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, false, out)
+		return
+	}
+	if st.tryTmr != nil {
+		st.tryTmr.Stop()
+	}
+	st.headerL = time.Since(st.tryT)
+	l := st.live
+	if code >= 500 {
+		l.observeTry(st.be, ServerError)
+	} else {
+		l.observeTry(st.be, Success)
+	}
+	if st.tries <= l.cfg.Retries && st.retryable && retryStatus(code) && st.replayable() {
+		// Worth another backend: this answer is dropped.
+		st.up.cancel(st)
+		st.up, st.upID = nil, 0
+		st.lease.Release(balance.Result{Latency: st.headerL})
+		st.be.stats.count(code)
+		st.be = nil
+		st.fail = failure{retry: true, status: code, err: fmt.Errorf("backend answered %d", code)}
+		st.nextTry()
+		return
+	}
+	st.status = code
+	if f.StreamEnded() {
+		st.upDone = true
+		st.up.forget(st)
+	} else if st.tries <= l.cfg.Retries && st.retryable && st.replayable() && hasBodyLength(out) {
+		// A body of known length (not a stream): its headers wait for its first
+		// bytes, so a backend that dies between the two is still retried
+		// elsewhere.
+		st.held = out
+		return
+	}
+	writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, f.StreamEnded(), out)
+	if f.StreamEnded() {
+		st.delivered()
+	}
+}
+
+// answered reports whether the answer's headers went to the client.
+func (st *fstream) answered() bool { return st.status != 0 && st.held == nil }
+
+// hasBodyLength reports whether response headers announce a body of known,
+// non-zero length.
+func hasBodyLength(h []hpack.HeaderField) bool {
+	for _, hf := range h {
+		if hf.Name == "content-length" {
+			n, err := strconv.ParseInt(hf.Value, 10, 64)
+			return err == nil && n > 0
+		}
+	}
+	return false
+}
+
+// respData queues a DATA frame of the backend's for the client.
+func (st *fstream) respData(p []byte, end bool) {
+	if len(p) > 0 {
+		st.respQ = append(st.respQ, p)
+	}
+	if end {
+		st.respEnd = true
+	}
+	st.flushResp()
+}
+
+// flushResp sends what of the answer the client's windows allow; mu is held.
+func (st *fstream) flushResp() {
+	ss := st.sess
+	if st.finished || st.status == 0 {
+		return
+	}
+	if st.held != nil {
+		if len(st.respQ) == 0 && !st.respEnd {
+			return
+		}
+		writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, false, st.held)
+		st.held = nil
+	}
+	for len(st.respQ) > 0 {
+		b := st.respQ[0]
+		n := min(int64(len(b)), st.cliSend, ss.sendWin, int64(ss.maxFrame))
+		if n <= 0 || !ss.conn.room() {
+			// The client's window is shut or its socket is not taking what was
+			// written: the rest waits, and the backend's credit with it.
+			return
+		}
+		last := n == int64(len(b)) && len(st.respQ) == 1 && st.respEnd && st.trailers == nil
+		ss.fr.WriteData(st.id, last, b[:n])
+		st.cliSend -= n
+		ss.sendWin -= n
+		st.respBytes += n
+		if n == int64(len(b)) {
+			st.respQ = st.respQ[1:]
+		} else {
+			st.respQ[0] = b[n:]
+		}
+		if st.up != nil {
+			st.up.owe(st, n)
+		}
+		if last {
+			st.delivered()
+			return
+		}
+	}
+	if st.respEnd {
+		if st.trailers != nil {
+			writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, true, st.trailers)
+		} else {
+			ss.fr.WriteData(st.id, true, nil)
+		}
+		st.delivered()
+	}
+}
+
+// flushReq sends the request's queued body upstream as the backend's windows
+// allow; mu is held.
+func (st *fstream) flushReq() {
+	if st.up == nil || st.upID == 0 || st.finished {
+		return
+	}
+	st.up.sendBody(st)
+}
+
+// reqTrailers forwards the request's trailers after its body.
+func (st *fstream) reqTrailers(tr []hpack.HeaderField) {
+	st.reqTr = tr
+	st.flushReq()
+}
+
+// drained resumes the answers that waited for the client's socket.
+func (ss *fsess) drained() {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	for _, st := range ss.streams {
+		st.flushResp()
+	}
+}
+
+// idleExpired closes a session that had no stream for the idle timeout.
+func (ss *fsess) idleExpired() {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if len(ss.streams) == 0 && !ss.closed {
+		ss.goAwayLocked(http2.ErrCodeNo)
+	}
+}
+
+// goAway tells the client to open no more streams; the session closes once
+// those open have finished.
+func (ss *fsess) goAway(code http2.ErrCode) {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	ss.goAwayLocked(code)
+}
+
+func (ss *fsess) goAwayLocked(code http2.ErrCode) {
+	if ss.closed {
+		return
+	}
+	if !ss.away {
+		ss.away = true
+		ss.fr.WriteGoAway(ss.maxID, code, nil)
+	}
+	ss.maybeCloseLocked()
+}
+
+func (ss *fsess) maybeCloseLocked() {
+	if ss.away && len(ss.streams) == 0 && !ss.closed {
+		ss.closed = true
+		ss.idle.Stop()
+		ss.conn.CloseWrite()
+		ss.conn.Close()
+	}
+}
+
+// closeLocked ends every stream of a session whose connection is gone.
+func (ss *fsess) closeLocked(err error) {
+	for _, st := range ss.streams {
+		st.clientGone()
+	}
+	if !ss.closed {
+		ss.closed = true
+		ss.idle.Stop()
+		ss.conn.Close()
+	}
+}

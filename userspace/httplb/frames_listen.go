@@ -1,0 +1,161 @@
+package httplb
+
+import (
+	"maps"
+	"net"
+	"slices"
+	"sync"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// splitListener hands connections that open with the HTTP/2 preface to the
+// frame engine and the others to net/http's server, which reads them through
+// Accept. Each connection's first bytes are read on a goroutine of its own, so
+// a slow client holds up no other.
+type splitListener struct {
+	net.Listener
+	s     *Service
+	conns chan net.Conn
+	done  chan struct{}
+	once  sync.Once
+	err   error
+}
+
+func newSplitListener(ln net.Listener, s *Service) *splitListener {
+	return &splitListener{Listener: ln, s: s, conns: make(chan net.Conn), done: make(chan struct{})}
+}
+
+// run accepts until the listener closes.
+func (l *splitListener) run() {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			l.closeWith(err)
+			return
+		}
+		l.s.stats.accept()
+		// Exits once the connection's first bytes are read or its header time is up.
+		go l.sniff(c.(*coalescingConn))
+	}
+}
+
+func (l *splitListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.done:
+		if l.err != nil {
+			return nil, l.err
+		}
+		return nil, net.ErrClosed
+	}
+}
+
+func (l *splitListener) Close() error { return l.closeWith(nil) }
+
+// closeWith closes the listener; Accept returns cause (nil: net.ErrClosed).
+func (l *splitListener) closeWith(cause error) error {
+	var err error
+	l.once.Do(func() {
+		l.err = cause
+		close(l.done)
+		err = l.Listener.Close()
+	})
+	return err
+}
+
+// sniff reads as much of the preface as the client has sent, until it is
+// whole or differs.
+func (l *splitListener) sniff(c *coalescingConn) {
+	c.SetReadDeadline(time.Now().Add(l.s.cfg.ReadHeaderTimeout))
+	buf := make([]byte, len(http2.ClientPreface))
+	n := 0
+	for n < len(buf) {
+		k, err := c.Conn.Read(buf[n:])
+		n += k
+		if string(buf[:n]) != http2.ClientPreface[:n] || err != nil {
+			break
+		}
+	}
+	c.SetReadDeadline(time.Time{})
+	if string(buf[:n]) == http2.ClientPreface {
+		c.sniffed = true
+		c.mu.Lock()
+		c.async = true
+		c.mu.Unlock()
+		l.s.serveFrames(c)
+		return
+	}
+	c.sniffed = false
+	pc := &prefixConn{coalescingConn: c, prefix: buf[:n]}
+	select {
+	case l.conns <- pc:
+	case <-l.done:
+		c.Close()
+		l.s.stats.conns.Add(-1)
+	}
+}
+
+// prefixConn gives back the bytes sniff read before the rest.
+type prefixConn struct {
+	*coalescingConn
+	prefix []byte
+}
+
+func (c *prefixConn) Read(p []byte) (int, error) {
+	if len(c.prefix) > 0 {
+		n := copy(p, c.prefix)
+		c.prefix = c.prefix[n:]
+		return n, nil
+	}
+	return c.coalescingConn.Read(p)
+}
+
+// registerSession adds a session for shutdown to find; false: the service is
+// shutting down and the session is not to be served.
+func (s *Service) registerSession(ss *fsess) bool {
+	s.fmu.Lock()
+	defer s.fmu.Unlock()
+	if s.fshut {
+		return false
+	}
+	if s.fsessions == nil {
+		s.fsessions = map[*fsess]bool{}
+	}
+	s.fsessions[ss] = true
+	return true
+}
+
+// shutdownFrames sends every session GOAWAY and waits until they have
+// closed, or until deadline (zero: none), then closes what is left.
+func (s *Service) shutdownFrames(deadline <-chan struct{}) {
+	sessions := s.stopSessions()
+	for _, ss := range sessions {
+		ss.goAway(http2.ErrCodeNo)
+	}
+	for _, ss := range sessions {
+		select {
+		case <-ss.done:
+		case <-deadline:
+			ss.conn.Close()
+			<-ss.done
+		}
+	}
+}
+
+// closeFrames closes every session at once.
+func (s *Service) closeFrames() {
+	for _, ss := range s.stopSessions() {
+		ss.conn.Close()
+	}
+}
+
+// stopSessions takes no more sessions and returns those open.
+func (s *Service) stopSessions() []*fsess {
+	s.fmu.Lock()
+	defer s.fmu.Unlock()
+	s.fshut = true
+	return slices.Collect(maps.Keys(s.fsessions))
+}

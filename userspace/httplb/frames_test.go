@@ -1,0 +1,229 @@
+package httplb
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+
+	"github.com/weir-lb/weir/internal/httpbackend"
+)
+
+// h2cBackend serves h on loopback over HTTP/2 cleartext (and HTTP/1.1), with
+// at most maxStreams streams per connection (0: net/http's default); conns
+// counts the connections it accepted.
+func h2cBackend(t *testing.T, maxStreams int, h http.HandlerFunc) (Backend, *atomic.Int64) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var p http.Protocols
+	p.SetHTTP1(true)
+	p.SetUnencryptedHTTP2(true)
+	conns := new(atomic.Int64)
+	srv := &http.Server{Handler: h, Protocols: &p, HTTP2: &http.HTTP2Config{MaxConcurrentStreams: maxStreams},
+		ConnState: func(_ net.Conn, st http.ConnState) {
+			if st == http.StateNew {
+				conns.Add(1)
+			}
+		}}
+	done := make(chan struct{})
+	// Exits when srv closes at cleanup.
+	go func() { defer close(done); srv.Serve(ln) }()
+	t.Cleanup(func() { srv.Close(); <-done })
+	return Backend{Addr: netip.MustParseAddrPort(ln.Addr().String()), Weight: 1, Usable: true}, conns
+}
+
+// TestFramesFlowControl: an answer much larger than the client's windows
+// arrives whole, and never more of it than the client's windows allowed.
+func TestFramesFlowControl(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	s := serve(t, Config{Algorithm: "round_robin"}, bs)
+	addr := s.Addr().String()
+	const size, win = 300_000, 8192
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: win})
+	var buf bytes.Buffer
+	enc := hpack.NewEncoder(&buf)
+	for _, f := range [][2]string{{":method", "GET"}, {":scheme", "http"}, {":authority", addr}, {":path", "/?size=" + strconv.Itoa(size)}} {
+		enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+	}
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: buf.Bytes(), EndHeaders: true, EndStream: true})
+	streamWin, connWin := int64(win), int64(65535)
+	got := 0
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read after %d of %d bytes: %v", got, size, err)
+		}
+		d, ok := f.(*http2.DataFrame)
+		if !ok || d.StreamID != 1 {
+			if r, ok := f.(*http2.RSTStreamFrame); ok {
+				t.Fatalf("stream reset (%v) after %d bytes", r.ErrCode, got)
+			}
+			continue
+		}
+		n := int64(d.Length)
+		streamWin -= n
+		connWin -= n
+		if streamWin < 0 || connWin < 0 {
+			t.Fatalf("after %d bytes: %d more than the stream window allowed, %d more than the connection's", got, -min(streamWin, 0), -min(connWin, 0))
+		}
+		got += len(d.Data())
+		if d.StreamEnded() {
+			break
+		}
+		// Consumed: give it all back, a frame at a time.
+		fr.WriteWindowUpdate(1, uint32(n))
+		fr.WriteWindowUpdate(0, uint32(n))
+		streamWin += n
+		connWin += n
+	}
+	if got != size {
+		t.Errorf("got %d bytes; want %d", got, size)
+	}
+}
+
+// TestFramesStalledClient: a client that stops reading its socket holds up
+// only its own answer, not other clients' answers from the same backend
+// connection.
+func TestFramesStalledClient(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	s := serve(t, Config{Algorithm: "round_robin"}, bs)
+	addr := s.Addr().String()
+	stalled, fr := h2Conn(t, addr)
+	defer stalled.Close()
+	fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1<<31 - 1})
+	fr.WriteWindowUpdate(0, 1<<31-1-65535)
+	var buf bytes.Buffer
+	enc := hpack.NewEncoder(&buf)
+	for _, f := range [][2]string{{":method", "GET"}, {":scheme", "http"}, {":authority", addr}, {":path", "/?size=" + strconv.Itoa(64<<20)}} {
+		enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+	}
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: buf.Bytes(), EndHeaders: true, EndStream: true})
+	// The stalled client reads nothing from here on. Once its socket buffers
+	// are full, the answer piles up in weir.
+	time.Sleep(300 * time.Millisecond)
+	client := h2cClient()
+	client.Timeout = 5 * time.Second
+	for i := range 20 {
+		resp, body := get(t, client, "http://"+addr+"/?size=100")
+		if resp.StatusCode != 200 || len(body) != 100 {
+			t.Fatalf("request %d: %d, %d bytes", i, resp.StatusCode, len(body))
+		}
+	}
+}
+
+// TestFramesHeaders: header blocks past one frame (CONTINUATION) both ways,
+// request trailers and answer trailers pass through.
+func TestFramesHeaders(t *testing.T) {
+	be, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Trailer", "X-Answer-Trailer")
+		w.Header().Set("X-Seen-Big", strconv.Itoa(len(r.Header.Get("X-Big"))))
+		w.Header().Set("X-Seen-Trailer", r.Trailer.Get("X-Req-Trailer"))
+		w.Header().Set("X-Big-Answer", strings.Repeat("b", 40<<10))
+		io.WriteString(w, "body")
+		w.Header().Set("X-Answer-Trailer", "done")
+	})
+	s := serveOn(t, Config{Algorithm: "round_robin"}, []Backend{be})
+	req, _ := http.NewRequest("POST", "http://"+s.Addr().String()+"/", io.MultiReader(strings.NewReader("payload")))
+	req.Header.Set("X-Big", strings.Repeat("a", 30<<10))
+	req.Trailer = http.Header{"X-Req-Trailer": nil}
+	req.ContentLength = -1
+	pr, pw := io.Pipe()
+	req.Body = pr
+	go func() {
+		io.WriteString(pw, "payload")
+		req.Trailer.Set("X-Req-Trailer", "sent")
+		pw.Close()
+	}()
+	resp, err := h2cClient().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil || string(body) != "body" {
+		t.Fatalf("body %q, %v", body, err)
+	}
+	for _, c := range []struct{ what, got, want string }{
+		{"the backend's X-Big length", resp.Header.Get("X-Seen-Big"), strconv.Itoa(30 << 10)},
+		{"the request trailer at the backend", resp.Header.Get("X-Seen-Trailer"), "sent"},
+		{"X-Big-Answer length", strconv.Itoa(len(resp.Header.Get("X-Big-Answer"))), strconv.Itoa(40 << 10)},
+		{"the answer's trailer", resp.Trailer.Get("X-Answer-Trailer"), "done"},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s: %q; want %q", c.what, c.got, c.want)
+		}
+	}
+}
+
+// TestFramesBackendStreamLimit: a backend that allows 2 streams per connection
+// gets more connections, and every request succeeds.
+func TestFramesBackendStreamLimit(t *testing.T) {
+	be, conns := h2cBackend(t, 2, func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(50 * time.Millisecond)
+		io.WriteString(w, "ok")
+	})
+	s := serveOn(t, Config{Algorithm: "round_robin"}, []Backend{be})
+	client := h2cClient()
+	var wg sync.WaitGroup
+	errs := make(chan error, 16)
+	for range 16 {
+		wg.Go(func() {
+			resp, err := client.Get("http://" + s.Addr().String() + "/")
+			if err != nil {
+				errs <- err
+				return
+			}
+			b, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err != nil || resp.StatusCode != 200 || string(b) != "ok" {
+				errs <- fmt.Errorf("%d %q %v", resp.StatusCode, b, err)
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if n := conns.Load(); n < 2 {
+		t.Errorf("the backend got %d connections; want more than 1 for 16 concurrent streams at 2 each", n)
+	}
+}
+
+// TestFramesBackendResetMidAnswer: a backend that breaks off its answer after
+// the headers went out: the client sees its stream reset, not a clean end.
+func TestFramesBackendResetMidAnswer(t *testing.T) {
+	be, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "partial")
+		w.(http.Flusher).Flush()
+		time.Sleep(20 * time.Millisecond)
+		panic(http.ErrAbortHandler)
+	})
+	s := serveOn(t, Config{Algorithm: "round_robin", Retries: 2}, []Backend{be})
+	resp, err := h2cClient().Get("http://" + s.Addr().String() + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err == nil {
+		t.Errorf("read %q and a clean end; want the stream reset", b)
+	}
+}

@@ -1,0 +1,518 @@
+package httplb
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"sync"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// upPool is a backend's HTTP/2 connections for the frame engine: a request
+// goes on the first connection with a free stream, and a new connection is
+// dialled when none has one.
+type upPool struct {
+	s  *Service
+	be *backend
+
+	mu    sync.Mutex
+	conns []*upconn
+	// limit is the streams per connection the backend last allowed: what a new
+	// connection is taken to allow until its SETTINGS come.
+	limit int
+}
+
+// frames returns the backend's pool for the frame engine, made on first use.
+func (b *backend) frames(s *Service) *upPool {
+	if p := b.fpool.Load(); p != nil {
+		return p
+	}
+	b.fpool.CompareAndSwap(nil, &upPool{s: s, be: b})
+	return b.fpool.Load()
+}
+
+// upconn is one HTTP/2 connection to a backend. Its mutex guards its state,
+// its framer's writes, and the upstream-side windows of its streams (upSend,
+// upOwed); a stream's other state is its client session's.
+type upconn struct {
+	pool *upPool
+	conn *coalescingConn
+	fr   *http2.Framer
+
+	mu         sync.Mutex
+	enc        *hpack.Encoder
+	encBuf     bytes.Buffer
+	ready      bool // connected; the preface is out
+	waiting    []*fstream
+	streams    map[uint32]*fstream
+	nextID     uint32
+	maxStreams int
+	sendWin    int64
+	initWin    int64
+	maxFrame   uint32
+	credit     int64
+	blocked    []*fstream // waiting for the connection's window
+	away       bool       // no new streams (GOAWAY, failure, pool closed)
+	dead       bool
+}
+
+// open sends st's request over one of the pool's connections; st's session
+// mutex is held.
+func (p *upPool) open(st *fstream) {
+	p.mu.Lock()
+	var uc *upconn
+	for _, c := range p.conns {
+		c.mu.Lock()
+		free := !c.away && len(c.streams)+len(c.waiting) < c.maxStreams
+		c.mu.Unlock()
+		if free {
+			uc = c
+			break
+		}
+	}
+	if uc == nil {
+		if p.limit == 0 {
+			p.limit = 100 // as net/http's transport assumes
+		}
+		uc = &upconn{pool: p, streams: map[uint32]*fstream{}, nextID: 1, maxStreams: p.limit, sendWin: 65535, initWin: 65535, maxFrame: 16384}
+		uc.enc = hpack.NewEncoder(&uc.encBuf)
+		p.conns = append(p.conns, uc)
+		// Exits when the connection fails or closes.
+		go uc.dial()
+	}
+	p.mu.Unlock()
+	st.up, st.upID = uc, 0
+	st.upDone = false
+	uc.mu.Lock()
+	if !uc.ready {
+		uc.waiting = append(uc.waiting, st)
+		uc.mu.Unlock()
+		return
+	}
+	uc.mu.Unlock()
+	uc.start(st)
+}
+
+// start writes st's request headers (and what of its body the windows allow);
+// st's session mutex is held.
+func (uc *upconn) start(st *fstream) {
+	uc.mu.Lock()
+	if uc.dead || uc.away {
+		uc.mu.Unlock()
+		st.upDone = true
+		st.upstreamReset(http2.ErrCodeRefusedStream, nil, true)
+		return
+	}
+	id := uc.nextID
+	uc.nextID += 2
+	uc.streams[id] = st
+	st.upID = id
+	st.upSend = int64(uc.initWin)
+	st.upRecv = recvStreamWin
+	st.upOwed = 0
+	end := st.reqEnded && len(st.reqQ) == 0 && st.reqTr == nil
+	st.reqEndSent = end
+	err := writeHeaders(uc.fr, uc.enc, &uc.encBuf, uc.maxFrame, id, end, st.hdrs)
+	uc.mu.Unlock()
+	if err != nil {
+		return // the reader fails the stream with the connection
+	}
+	if !end {
+		uc.sendBody(st)
+	}
+}
+
+// sendBody writes st's queued body as the windows allow; st's session mutex
+// is held.
+func (uc *upconn) sendBody(st *fstream) {
+	ss := st.sess
+	uc.mu.Lock()
+	defer uc.mu.Unlock()
+	if uc.streams[st.upID] != st {
+		return
+	}
+	for len(st.reqQ) > 0 {
+		b := st.reqQ[0]
+		n := min(int64(len(b)), st.upSend, uc.sendWin, int64(uc.maxFrame))
+		if n <= 0 || !uc.conn.room() {
+			if (n > 0 || uc.sendWin <= 0) && slices.Index(uc.blocked, st) < 0 {
+				// Woken by the connection's window or its socket.
+				uc.blocked = append(uc.blocked, st)
+			}
+			return
+		}
+		last := n == int64(len(b)) && len(st.reqQ) == 1 && st.reqEnded && st.reqTr == nil
+		uc.fr.WriteData(st.upID, last, b[:n])
+		st.upSend -= n
+		uc.sendWin -= n
+		st.sentBody = true
+		if st.replayOK && st.replayN+int(n) <= replayLimit {
+			st.replay = append(st.replay, b[:n])
+			st.replayN += int(n)
+		} else {
+			st.replayOK = false
+		}
+		if n == int64(len(b)) {
+			st.reqQ = st.reqQ[1:]
+		} else {
+			st.reqQ[0] = b[n:]
+		}
+		ss.owe(st, n)
+		if last {
+			st.reqEndSent = true
+			return
+		}
+	}
+	if st.reqEnded && !st.reqEndSent {
+		st.reqEndSent = true
+		if st.reqTr != nil {
+			writeHeaders(uc.fr, uc.enc, &uc.encBuf, uc.maxFrame, st.upID, true, st.reqTr)
+		} else {
+			uc.fr.WriteData(st.upID, true, nil)
+		}
+	}
+}
+
+// owe returns credit for n bytes of st's answer that went to the client; st's
+// session mutex is held.
+func (uc *upconn) owe(st *fstream, n int64) {
+	uc.mu.Lock()
+	defer uc.mu.Unlock()
+	uc.oweLocked(n)
+	if uc.streams[st.upID] != st {
+		return
+	}
+	grant(uc.fr, st.upID, &st.upOwed, &st.upRecv, n)
+}
+
+func (uc *upconn) oweLocked(n int64) { grant(uc.fr, 0, &uc.credit, nil, n) }
+
+// cancel resets st's stream on the backend; st's session mutex is held.
+func (uc *upconn) cancel(st *fstream) {
+	uc.mu.Lock()
+	defer uc.mu.Unlock()
+	if i := slices.Index(uc.waiting, st); i >= 0 {
+		uc.waiting = append(uc.waiting[:i], uc.waiting[i+1:]...)
+		return
+	}
+	if st.upID != 0 && uc.streams[st.upID] == st {
+		delete(uc.streams, st.upID)
+		uc.fr.WriteRSTStream(st.upID, http2.ErrCodeCancel)
+		uc.idleCheckLocked()
+	}
+}
+
+// forget drops st, whose answer the backend has sent whole.
+func (uc *upconn) forget(st *fstream) {
+	uc.mu.Lock()
+	defer uc.mu.Unlock()
+	if st.upID != 0 && uc.streams[st.upID] == st {
+		delete(uc.streams, st.upID)
+		uc.idleCheckLocked()
+	}
+}
+
+// idleCheckLocked closes a connection that may take no more streams once its
+// last has ended.
+func (uc *upconn) idleCheckLocked() {
+	if uc.away && len(uc.streams) == 0 && len(uc.waiting) == 0 && uc.conn != nil && !uc.dead {
+		uc.conn.Close()
+	}
+}
+
+// dial connects, then reads the backend's frames until the connection fails.
+func (uc *upconn) dial() {
+	s := uc.pool.s
+	be := uc.pool.be
+	d := net.Dialer{Timeout: s.cfg.ConnectTimeout}
+	c, err := d.DialContext(context.Background(), "tcp", be.id)
+	if err != nil {
+		uc.fail(&dialError{err})
+		return
+	}
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.SetNoDelay(true)
+	}
+	cc := newCoalescingConn(c, true)
+	uc.mu.Lock()
+	uc.conn = cc
+	uc.fr = http2.NewFramer(queueWriter{cc}, cc)
+	cc.onDrain = uc.drained
+	uc.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	uc.fr.MaxHeaderListSize = uint32(max(s.cfg.MaxHeaderBytes, 64<<10))
+	cc.queue([]byte(http2.ClientPreface))
+	uc.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 0},
+		http2.Setting{ID: http2.SettingInitialWindowSize, Val: recvStreamWin},
+		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: uc.fr.MaxHeaderListSize})
+	uc.fr.WriteWindowUpdate(0, recvConnWin-65535)
+	uc.ready = true
+	waiting := uc.waiting
+	uc.waiting = nil
+	closed := uc.away
+	uc.mu.Unlock()
+	for _, st := range waiting {
+		st.sess.mu.Lock()
+		if st.up == uc && !st.finished {
+			uc.start(st)
+		}
+		st.sess.mu.Unlock()
+	}
+	if closed {
+		uc.mu.Lock()
+		uc.idleCheckLocked()
+		uc.mu.Unlock()
+	}
+	uc.fail(uc.read())
+}
+
+// read handles the backend's frames until the connection fails.
+func (uc *upconn) read() error {
+	for {
+		f, err := uc.fr.ReadFrame()
+		if err != nil {
+			var se http2.StreamError
+			if errors.As(err, &se) {
+				if st := uc.take(se.StreamID); st != nil {
+					uc.mu.Lock()
+					uc.fr.WriteRSTStream(se.StreamID, se.Code)
+					uc.mu.Unlock()
+					uc.withStream(st, func() { st.upDone = true; st.upstreamReset(se.Code, nil, false) })
+				}
+				continue
+			}
+			return err
+		}
+		switch f := f.(type) {
+		case *http2.MetaHeadersFrame:
+			st := uc.lookup(f.StreamID)
+			if st == nil {
+				continue
+			}
+			if f.StreamEnded() {
+				uc.forget(st)
+			}
+			uc.withStream(st, func() { st.respHeaders(f, f.Fields) })
+		case *http2.DataFrame:
+			n := int64(f.Length)
+			st := uc.lookup(f.StreamID)
+			if st == nil {
+				uc.mu.Lock()
+				uc.oweLocked(n)
+				uc.mu.Unlock()
+				continue
+			}
+			data := bytes.Clone(f.Data())
+			end := f.StreamEnded()
+			if end {
+				uc.forget(st)
+			}
+			if !uc.withStream(st, func() {
+				if st.status == 0 {
+					// DATA before the final headers.
+					uc.cancel(st)
+					st.upstreamReset(http2.ErrCodeProtocol, nil, false)
+					return
+				}
+				if pad := n - int64(len(data)); pad > 0 {
+					uc.mu.Lock()
+					uc.oweLocked(pad)
+					uc.mu.Unlock()
+				}
+				if end {
+					st.upDone = true
+				}
+				st.respData(data, end)
+			}) {
+				uc.mu.Lock()
+				uc.oweLocked(n)
+				uc.mu.Unlock()
+			}
+		case *http2.WindowUpdateFrame:
+			var wake []*fstream
+			uc.mu.Lock()
+			if f.StreamID == 0 {
+				uc.sendWin += int64(f.Increment)
+				wake, uc.blocked = uc.blocked, nil
+			} else if st := uc.streams[f.StreamID]; st != nil {
+				st.upSend += int64(f.Increment)
+				wake = []*fstream{st}
+			}
+			uc.mu.Unlock()
+			for _, st := range wake {
+				uc.withStream(st, st.flushReq)
+			}
+		case *http2.SettingsFrame:
+			if f.IsAck() {
+				continue
+			}
+			uc.mu.Lock()
+			var wake []*fstream
+			limit := -1
+			f.ForeachSetting(func(s http2.Setting) error {
+				switch s.ID {
+				case http2.SettingMaxConcurrentStreams:
+					uc.maxStreams = int(s.Val)
+					limit = int(s.Val)
+				case http2.SettingInitialWindowSize:
+					d := int64(s.Val) - uc.initWin
+					uc.initWin = int64(s.Val)
+					for _, st := range uc.streams {
+						st.upSend += d
+						wake = append(wake, st)
+					}
+				case http2.SettingMaxFrameSize:
+					uc.maxFrame = s.Val
+				case http2.SettingHeaderTableSize:
+					uc.enc.SetMaxDynamicTableSizeLimit(s.Val)
+				}
+				return nil
+			})
+			uc.fr.WriteSettingsAck()
+			uc.mu.Unlock()
+			if limit >= 0 {
+				uc.pool.setLimit(limit) // not under uc.mu: the pool's lock comes first
+			}
+			for _, st := range wake {
+				uc.withStream(st, st.flushReq)
+			}
+		case *http2.PingFrame:
+			if !f.IsAck() {
+				uc.mu.Lock()
+				uc.fr.WritePing(true, f.Data)
+				uc.mu.Unlock()
+			}
+		case *http2.RSTStreamFrame:
+			if st := uc.take(f.StreamID); st != nil {
+				uc.withStream(st, func() { st.upDone = true; st.upstreamReset(f.ErrCode, nil, false) })
+			}
+		case *http2.GoAwayFrame:
+			uc.pool.drop(uc)
+			var unprocessed []*fstream
+			uc.mu.Lock()
+			uc.away = true
+			for id, st := range uc.streams {
+				if id > f.LastStreamID {
+					delete(uc.streams, id)
+					unprocessed = append(unprocessed, st)
+				}
+			}
+			uc.idleCheckLocked()
+			uc.mu.Unlock()
+			for _, st := range unprocessed {
+				uc.withStream(st, func() {
+					st.upDone = true
+					st.upstreamReset(http2.ErrCodeRefusedStream, nil, true)
+				})
+			}
+		}
+	}
+}
+
+// drained resumes the requests that waited for the backend's socket.
+func (uc *upconn) drained() {
+	uc.mu.Lock()
+	wake := uc.blocked
+	uc.blocked = nil
+	uc.mu.Unlock()
+	for _, st := range wake {
+		uc.withStream(st, st.flushReq)
+	}
+}
+
+// withStream runs fn under st's session mutex if st is still this connection's
+// stream; it reports whether fn ran.
+func (uc *upconn) withStream(st *fstream, fn func()) bool {
+	st.sess.mu.Lock()
+	defer st.sess.mu.Unlock()
+	if st.up != uc || st.finished {
+		return false
+	}
+	fn()
+	return true
+}
+
+func (uc *upconn) lookup(id uint32) *fstream {
+	uc.mu.Lock()
+	defer uc.mu.Unlock()
+	return uc.streams[id]
+}
+
+func (uc *upconn) take(id uint32) *fstream {
+	uc.mu.Lock()
+	defer uc.mu.Unlock()
+	st := uc.streams[id]
+	delete(uc.streams, id)
+	return st
+}
+
+// fail ends the connection and the streams on it: those the backend never saw
+// may be retried anywhere.
+func (uc *upconn) fail(err error) {
+	uc.pool.drop(uc)
+	uc.mu.Lock()
+	uc.dead = true
+	uc.away = true
+	var sts []*fstream
+	for _, st := range uc.streams {
+		sts = append(sts, st)
+	}
+	unseen := uc.waiting
+	uc.streams, uc.waiting = map[uint32]*fstream{}, nil
+	if uc.conn != nil {
+		uc.conn.Close()
+	}
+	uc.mu.Unlock()
+	if err == nil {
+		err = errors.New("connection closed")
+	}
+	cerr := err
+	if _, ok := err.(*dialError); !ok {
+		cerr = fmt.Errorf("backend connection: %w", err)
+	}
+	derr := err
+	if _, ok := err.(*dialError); !ok {
+		derr = &dialError{err}
+	}
+	for _, st := range unseen {
+		uc.withStream(st, func() { st.upDone = true; st.upstreamReset(0, derr, true) })
+	}
+	for _, st := range sts {
+		uc.withStream(st, func() { st.upDone = true; st.upstreamReset(0, cerr, false) })
+	}
+}
+
+func (p *upPool) setLimit(n int) {
+	p.mu.Lock()
+	p.limit = max(n, 1)
+	p.mu.Unlock()
+}
+
+// drop takes uc out of the pool: it gets no new streams.
+func (p *upPool) drop(uc *upconn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if i := slices.Index(p.conns, uc); i >= 0 {
+		p.conns = append(p.conns[:i], p.conns[i+1:]...)
+	}
+}
+
+// closeIdle closes the pool's connections once their streams have ended.
+func (p *upPool) closeIdle() {
+	p.mu.Lock()
+	conns := p.conns
+	p.conns = nil
+	p.mu.Unlock()
+	for _, uc := range conns {
+		uc.mu.Lock()
+		uc.away = true
+		if uc.ready {
+			uc.idleCheckLocked()
+		}
+		uc.mu.Unlock()
+	}
+}
