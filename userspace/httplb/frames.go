@@ -1,6 +1,7 @@
 package httplb
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
@@ -35,6 +36,11 @@ import (
 // a sender can never have more in weir than the windows weir gave it.
 
 const (
+	// frameReadBuf is each connection's read buffer: the framer reads a
+	// frame's header and payload separately, so without it every frame costs
+	// two read(2)s; with it a batch of small frames costs one. Larger payloads
+	// bypass it.
+	frameReadBuf = 4 << 10
 	// maxRefused bounds how often a stream the backend refused goes again.
 	maxRefused    = 3
 	recvStreamWin = 1 << 20
@@ -53,6 +59,7 @@ type fsess struct {
 	conn   *coalescingConn
 	fr     *http2.Framer
 	client string // the client's address, without the port
+	tls    bool   // the client came over TLS
 	remote string // with it, for the access log
 
 	mu       sync.Mutex
@@ -127,12 +134,12 @@ type fstream struct {
 
 // serveFrames serves one client connection whose preface has been read, until
 // it closes.
-func (s *Service) serveFrames(c *coalescingConn) {
+func (s *Service) serveFrames(c *coalescingConn, overTLS bool) {
 	defer s.stats.conns.Add(-1) // counted by the split listener
-	ss := &fsess{s: s, conn: c, streams: map[uint32]*fstream{}, sendWin: 65535, initWin: 65535, maxFrame: 16384,
+	ss := &fsess{s: s, conn: c, tls: overTLS, streams: map[uint32]*fstream{}, sendWin: 65535, initWin: 65535, maxFrame: 16384,
 		remote: c.RemoteAddr().String(), done: make(chan struct{})}
 	ss.client, _, _ = net.SplitHostPort(ss.remote)
-	ss.fr = http2.NewFramer(queueWriter{c}, c)
+	ss.fr = http2.NewFramer(queueWriter{c}, bufio.NewReaderSize(c, frameReadBuf))
 	c.onDrain = ss.drained
 	ss.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	ss.fr.MaxHeaderListSize = uint32(s.cfg.MaxHeaderBytes)
@@ -384,6 +391,10 @@ func (ss *fsess) headers(f *http2.MetaHeadersFrame) error {
 func (st *fstream) addForwarding(xff []string) {
 	cfg := &st.live.cfg
 	client := st.sess.client
+	proto := "http"
+	if st.sess.tls {
+		proto = "https"
+	}
 	if cfg.XForwardedFor {
 		v := client
 		if len(xff) > 0 {
@@ -392,14 +403,14 @@ func (st *fstream) addForwarding(xff []string) {
 		st.hdrs = append(st.hdrs, hpack.HeaderField{Name: "x-forwarded-for", Value: v})
 	}
 	if cfg.XForwardedProto {
-		st.hdrs = append(st.hdrs, hpack.HeaderField{Name: "x-forwarded-proto", Value: "http"})
+		st.hdrs = append(st.hdrs, hpack.HeaderField{Name: "x-forwarded-proto", Value: proto})
 	}
 	if cfg.Forwarded {
 		node := client
 		if a, err := netip.ParseAddr(client); err == nil && a.Is6() {
 			node = `"[` + client + `]"`
 		}
-		el := "for=" + node + ";proto=http"
+		el := "for=" + node + ";proto=" + proto
 		if st.authority != "" {
 			el += `;host="` + strings.ReplaceAll(st.authority, `"`, "") + `"`
 		}
@@ -563,7 +574,6 @@ func (ss *fsess) resetLocked(id uint32, code http2.ErrCode) {
 // clientGone ends a stream the client reset.
 func (st *fstream) clientGone() {
 	st.cancelUpstream()
-	st.lease.Release(balance.Result{})
 	st.finish(nil)
 }
 
@@ -681,6 +691,7 @@ func (ss *fsess) timerFired(st *fstream, try bool) {
 	}
 	if st.answered() {
 		// The whole request's time ran out mid-answer.
+		st.cancelUpstream()
 		st.tryFailed(Timeout, false)
 		st.reset(http2.ErrCodeCancel)
 		return
@@ -779,6 +790,9 @@ func (st *fstream) finish(err error) {
 	}
 	st.finished = true
 	ss := st.sess
+	// Ended by the client or by a protocol error: the backend is not to blame
+	// (every other end has released the lease already).
+	st.lease.Release(balance.Result{})
 	if st.allTmr != nil {
 		st.allTmr.Stop()
 	}

@@ -1,6 +1,9 @@
 package httplb
 
 import (
+	"context"
+	"crypto/tls"
+	"io"
 	"maps"
 	"net"
 	"slices"
@@ -69,6 +72,10 @@ func (l *splitListener) closeWith(cause error) error {
 // sniff reads as much of the preface as the client has sent, until it is
 // whole or differs.
 func (l *splitListener) sniff(c *coalescingConn) {
+	if l.s.cfg.TLS != nil {
+		l.sniffTLS(c)
+		return
+	}
 	c.SetReadDeadline(time.Now().Add(l.s.cfg.ReadHeaderTimeout))
 	buf := make([]byte, len(http2.ClientPreface))
 	n := 0
@@ -85,17 +92,50 @@ func (l *splitListener) sniff(c *coalescingConn) {
 		c.mu.Lock()
 		c.async = true
 		c.mu.Unlock()
-		l.s.serveFrames(c)
+		l.s.serveFrames(c, false)
 		return
 	}
 	c.sniffed = false
-	pc := &prefixConn{coalescingConn: c, prefix: buf[:n]}
+	l.handOver(&prefixConn{coalescingConn: c, prefix: buf[:n]})
+}
+
+// handOver gives net/http's server a connection that is not the engine's.
+func (l *splitListener) handOver(c net.Conn) {
 	select {
-	case l.conns <- pc:
+	case l.conns <- c:
 	case <-l.done:
 		c.Close()
 		l.s.stats.conns.Add(-1)
 	}
+}
+
+// sniffTLS does the TLS handshake: a client that chose h2 by ALPN goes to the
+// frame engine once its preface is in; the others to net/http's server,
+// which finds the handshake done.
+func (l *splitListener) sniffTLS(c *coalescingConn) {
+	deadline := time.Now().Add(l.s.cfg.ReadHeaderTimeout)
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	tc := tls.Server(c, l.s.cfg.TLS)
+	if err := tc.HandshakeContext(ctx); err != nil {
+		l.s.log.Debug("TLS handshake", "client", c.RemoteAddr(), "err", err)
+		c.Close()
+		l.s.stats.conns.Add(-1)
+		return
+	}
+	if tc.ConnectionState().NegotiatedProtocol != http2.NextProtoTLS {
+		l.handOver(tc)
+		return
+	}
+	tc.SetReadDeadline(deadline)
+	buf := make([]byte, len(http2.ClientPreface))
+	if _, err := io.ReadFull(tc, buf); err != nil || string(buf) != http2.ClientPreface {
+		tc.Close()
+		l.s.stats.conns.Add(-1)
+		return
+	}
+	tc.SetReadDeadline(time.Time{})
+	l.s.serveFrames(newCoalescingConn(tc, true), true)
 }
 
 // prefixConn gives back the bytes sniff read before the rest.

@@ -2,6 +2,7 @@ package httplb
 
 import (
 	"bytes"
+	"crypto/tls"
 	"fmt"
 	"io"
 	"net"
@@ -18,6 +19,7 @@ import (
 	"golang.org/x/net/http2/hpack"
 
 	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // h2cBackend serves h on loopback over HTTP/2 cleartext (and HTTP/1.1), with
@@ -225,5 +227,56 @@ func TestFramesBackendResetMidAnswer(t *testing.T) {
 	resp.Body.Close()
 	if err == nil {
 		t.Errorf("read %q and a clean end; want the stream reset", b)
+	}
+}
+
+// TestFramesInFlightSettles: streams the client resets, or that weir resets
+// for the client's protocol error, while the backend is still working give
+// their backend back: nothing stays counted in flight.
+func TestFramesInFlightSettles(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	bs[0].Delay.Store(int64(2 * time.Second))
+	s := serve(t, Config{Algorithm: "least_conn"}, bs)
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true})
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true})
+	waitfor.Value(t, 2*time.Second, "both requests at the backend", func() (any, bool) {
+		n := s.Snapshot().Backends[0].InFlight
+		return n, n == 2
+	})
+	fr.WriteRSTStream(1, http2.ErrCodeCancel)
+	// Stream 3's window overflows: weir resets it with FLOW_CONTROL_ERROR.
+	fr.WriteWindowUpdate(3, 1<<31-1)
+	fr.WriteWindowUpdate(3, 1<<31-1)
+	waitfor.Value(t, time.Second, "in flight, service and backend", func() (any, bool) {
+		sn := s.Snapshot()
+		return [2]int64{sn.InFlight, int64(sn.Backends[0].InFlight)}, sn.InFlight == 0 && sn.Backends[0].InFlight == 0
+	})
+}
+
+// TestFramesServesTLS: a TLS client that chose h2 by ALPN is served by the
+// frame engine, and the backend hears it came over https.
+func TestFramesServesTLS(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	cert, err := tls.X509KeyPair(testCert, testKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := serve(t, Config{XForwardedProto: true, Forwarded: true, TLS: &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}}}, bs)
+	tr := &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, ForceAttemptHTTP2: true}
+	defer tr.CloseIdleConnections()
+	resp, body := get(t, &http.Client{Transport: tr}, "https://"+s.Addr().String()+"/")
+	if resp.Proto != "HTTP/2.0" || body != "a" || resp.Header.Get("X-Seen-Forwarded-Proto") != "https" ||
+		!strings.Contains(resp.Header.Get("X-Seen-Forwarded"), "proto=https") {
+		t.Errorf("got %s %q, backend saw %q and %q; want HTTP/2.0 from a, https", resp.Proto, body,
+			resp.Header.Get("X-Seen-Forwarded-Proto"), resp.Header.Get("X-Seen-Forwarded"))
+	}
+	s.fmu.Lock()
+	n := len(s.fsessions)
+	s.fmu.Unlock()
+	if n != 1 {
+		t.Errorf("%d frame engine sessions; want the client's 1", n)
 	}
 }

@@ -1,6 +1,7 @@
 package httplb
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -241,7 +242,7 @@ func (uc *upconn) dial() {
 	cc := newCoalescingConn(c, true)
 	uc.mu.Lock()
 	uc.conn = cc
-	uc.fr = http2.NewFramer(queueWriter{cc}, cc)
+	uc.fr = http2.NewFramer(queueWriter{cc}, bufio.NewReaderSize(cc, frameReadBuf))
 	cc.onDrain = uc.drained
 	uc.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	uc.fr.MaxHeaderListSize = uint32(max(s.cfg.MaxHeaderBytes, 64<<10))

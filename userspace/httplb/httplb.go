@@ -199,9 +199,10 @@ func Listen(cfg Config, backends []Backend) (*Service, error) {
 		return nil, fmt.Errorf("service %q: listen %s: %w", cfg.Name, cfg.Listen, err)
 	}
 	s.ln = coalescingListener{ln}
-	if !cfg.NetHTTP2 && cfg.TLS == nil && cfg.Upstream != UpstreamHTTP1 {
+	if !cfg.NetHTTP2 && cfg.Upstream != UpstreamHTTP1 {
 		s.split = newSplitListener(s.ln, s)
 		s.ln = s.split
+		s.stats.countedAtAccept = true
 	}
 	var protos http.Protocols
 	protos.SetHTTP1(true)
@@ -262,8 +263,8 @@ func (s *Service) Addr() net.Addr { return s.ln.Addr() }
 // in-flight requests finish (up to DrainTimeout, then their connections close).
 func (s *Service) Serve(ctx context.Context) error {
 	ln := s.ln
-	if s.cfg.TLS != nil {
-		ln = tls.NewListener(ln, s.cfg.TLS)
+	if s.cfg.TLS != nil && s.split == nil {
+		ln = tls.NewListener(ln, s.cfg.TLS) // else the split listener does the handshake
 	}
 	errc := make(chan error, 1)
 	if s.split != nil {

@@ -9,18 +9,21 @@ import (
 
 // stats are a service's counters.
 type stats struct {
-	conns     atomic.Int64
-	accepted  atomic.Uint64
-	inflight  atomic.Int64
-	requests  atomic.Uint64
-	noBackend atomic.Uint64
+	// countedAtAccept: the split listener counts connections as it accepts
+	// them, so net/http's StateNew is not counted again.
+	countedAtAccept bool
+	conns           atomic.Int64
+	accepted        atomic.Uint64
+	inflight        atomic.Int64
+	requests        atomic.Uint64
+	noBackend       atomic.Uint64
 }
 
-func (s *stats) connState(c net.Conn, st http.ConnState) {
+func (s *stats) connState(_ net.Conn, st http.ConnState) {
 	switch st {
 	case http.StateNew:
-		if _, ok := c.(*prefixConn); ok {
-			return // counted when the split listener accepted it
+		if s.countedAtAccept {
+			return
 		}
 		s.conns.Add(1)
 		s.accepted.Add(1)
