@@ -58,6 +58,7 @@ type fsess struct {
 	s      *Service
 	conn   *coalescingConn
 	fr     *http2.Framer
+	br     *blockReader
 	client string // the client's address, without the port
 	tls    bool   // the client came over TLS
 	remote string // with it, for the access log
@@ -141,8 +142,7 @@ func (s *Service) serveFrames(c *coalescingConn, overTLS bool) {
 	ss.client, _, _ = net.SplitHostPort(ss.remote)
 	ss.fr = http2.NewFramer(queueWriter{c}, bufio.NewReaderSize(c, frameReadBuf))
 	c.onDrain = ss.drained
-	ss.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-	ss.fr.MaxHeaderListSize = uint32(s.cfg.MaxHeaderBytes)
+	ss.br = newBlockReader(ss.fr, uint32(s.cfg.MaxHeaderBytes))
 	ss.enc = hpack.NewEncoder(&ss.encBuf)
 	if !s.registerSession(ss) {
 		c.Close()
@@ -170,7 +170,7 @@ func (s *Service) serveFrames(c *coalescingConn, overTLS bool) {
 // read is the session's reader: it runs until the connection fails or closes.
 func (ss *fsess) read() error {
 	for {
-		f, err := ss.fr.ReadFrame()
+		f, hb, err := ss.br.read()
 		if err != nil {
 			if se, ok := err.(http2.StreamError); ok {
 				ss.mu.Lock()
@@ -186,7 +186,11 @@ func (ss *fsess) read() error {
 			return err
 		}
 		ss.mu.Lock()
-		err = ss.handle(f)
+		if hb != nil {
+			err = ss.headers(hb)
+		} else {
+			err = ss.handle(f)
+		}
 		ss.mu.Unlock()
 		if err != nil {
 			return err
@@ -202,8 +206,6 @@ func (ss *fsess) protocolError(msg string) error {
 // handle acts on one frame from the client; mu is held.
 func (ss *fsess) handle(f http2.Frame) error {
 	switch f := f.(type) {
-	case *http2.MetaHeadersFrame:
-		return ss.headers(f)
 	case *http2.DataFrame:
 		return ss.data(f)
 	case *http2.WindowUpdateFrame:
@@ -287,16 +289,16 @@ func connectionSpecific(name string) bool {
 }
 
 // headers opens a stream (or takes a stream's trailers).
-func (ss *fsess) headers(f *http2.MetaHeadersFrame) error {
-	id := f.StreamID
+func (ss *fsess) headers(f *hblock) error {
+	id := f.id
 	if st := ss.streams[id]; st != nil {
 		// Trailers: they end the request.
-		if !f.StreamEnded() || st.reqEnded {
+		if !f.end || st.reqEnded {
 			return ss.protocolError("HEADERS in the middle of a request")
 		}
 		st.reqEnded = true
 		var tr []hpack.HeaderField
-		for _, hf := range f.RegularFields() {
+		for _, hf := range f.regular() {
 			if !connectionSpecific(hf.Name) {
 				tr = append(tr, hf)
 			}
@@ -319,27 +321,27 @@ func (ss *fsess) headers(f *http2.MetaHeadersFrame) error {
 	s := ss.s
 	l := s.live.Load()
 	st := &fstream{sess: ss, id: id, live: l, start: time.Now(), recvWin: recvStreamWin, cliSend: ss.initWin,
-		reqEnded: f.StreamEnded()}
+		reqEnded: f.end}
 	ss.streams[id] = st
 	if len(ss.streams) == 1 {
 		ss.idle.Stop()
 	}
 	s.stats.inflight.Add(1)
-	if f.Truncated {
+	if f.truncated {
 		st.answer(http.StatusRequestHeaderFieldsTooLarge, "request headers too large", false)
 		return nil
 	}
-	st.method, st.path, st.authority = f.PseudoValue("method"), f.PseudoValue("path"), f.PseudoValue("authority")
-	scheme := f.PseudoValue("scheme")
+	st.method, st.path, st.authority = f.pseudo("method"), f.pseudo("path"), f.pseudo("authority")
+	scheme := f.pseudo("scheme")
 	if st.method == http.MethodConnect {
 		st.answer(http.StatusMethodNotAllowed, fmt.Sprintf("service %q: CONNECT is not proxied", s.cfg.Name), false)
 		return nil
 	}
-	if st.method == "" || st.path == "" || scheme == "" || f.PseudoValue("status") != "" || f.PseudoValue("protocol") != "" {
+	if st.method == "" || st.path == "" || scheme == "" || f.pseudo("status") != "" || f.pseudo("protocol") != "" {
 		st.reset(http2.ErrCodeProtocol)
 		return nil
 	}
-	regular := f.RegularFields()
+	regular := f.regular()
 	st.hdrs = make([]hpack.HeaderField, 0, len(regular)+8)
 	if st.authority == "" {
 		for _, hf := range regular {
@@ -839,7 +841,8 @@ func (st *fstream) delivered() {
 }
 
 // respHeaders takes the backend's response headers (or informational ones).
-func (st *fstream) respHeaders(f *http2.MetaHeadersFrame, fields []hpack.HeaderField) {
+func (st *fstream) respHeaders(f *hblock) {
+	fields := f.fields
 	ss := st.sess
 	if st.status != 0 {
 		// Trailers.
@@ -854,7 +857,7 @@ func (st *fstream) respHeaders(f *http2.MetaHeadersFrame, fields []hpack.HeaderF
 		st.flushResp()
 		return
 	}
-	code, err := strconv.Atoi(f.PseudoValue("status"))
+	code, err := strconv.Atoi(f.pseudo("status"))
 	if err != nil || code < 100 || code > 999 {
 		st.up.cancel(st)
 		st.upstreamReset(http2.ErrCodeProtocol, nil, false)
@@ -892,7 +895,7 @@ func (st *fstream) respHeaders(f *http2.MetaHeadersFrame, fields []hpack.HeaderF
 		return
 	}
 	st.status = code
-	if f.StreamEnded() {
+	if f.end {
 		st.upDone = true
 		st.up.forget(st)
 	} else if st.tries <= l.cfg.Retries && st.retryable && st.replayable() && hasBodyLength(out) {
@@ -902,8 +905,8 @@ func (st *fstream) respHeaders(f *http2.MetaHeadersFrame, fields []hpack.HeaderF
 		st.held = out
 		return
 	}
-	writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, f.StreamEnded(), out)
-	if f.StreamEnded() {
+	writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, f.end, out)
+	if f.end {
 		st.delivered()
 	}
 }

@@ -44,6 +44,7 @@ type upconn struct {
 	pool *upPool
 	conn *coalescingConn
 	fr   *http2.Framer
+	br   *blockReader
 
 	mu         sync.Mutex
 	enc        *hpack.Encoder
@@ -244,12 +245,11 @@ func (uc *upconn) dial() {
 	uc.conn = cc
 	uc.fr = http2.NewFramer(queueWriter{cc}, bufio.NewReaderSize(cc, frameReadBuf))
 	cc.onDrain = uc.drained
-	uc.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-	uc.fr.MaxHeaderListSize = uint32(max(s.cfg.MaxHeaderBytes, 64<<10))
+	uc.br = newBlockReader(uc.fr, uint32(max(s.cfg.MaxHeaderBytes, 64<<10)))
 	cc.queue([]byte(http2.ClientPreface))
 	uc.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 0},
 		http2.Setting{ID: http2.SettingInitialWindowSize, Val: recvStreamWin},
-		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: uc.fr.MaxHeaderListSize})
+		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: uc.br.max})
 	uc.fr.WriteWindowUpdate(0, recvConnWin-65535)
 	uc.ready = true
 	waiting := uc.waiting
@@ -274,7 +274,18 @@ func (uc *upconn) dial() {
 // read handles the backend's frames until the connection fails.
 func (uc *upconn) read() error {
 	for {
-		f, err := uc.fr.ReadFrame()
+		f, hb, err := uc.br.read()
+		if hb != nil {
+			st := uc.lookup(hb.id)
+			if st == nil {
+				continue
+			}
+			if hb.end {
+				uc.forget(st)
+			}
+			uc.withStream(st, func() { st.respHeaders(hb) })
+			continue
+		}
 		if err != nil {
 			var se http2.StreamError
 			if errors.As(err, &se) {
@@ -289,15 +300,6 @@ func (uc *upconn) read() error {
 			return err
 		}
 		switch f := f.(type) {
-		case *http2.MetaHeadersFrame:
-			st := uc.lookup(f.StreamID)
-			if st == nil {
-				continue
-			}
-			if f.StreamEnded() {
-				uc.forget(st)
-			}
-			uc.withStream(st, func() { st.respHeaders(f, f.Fields) })
 		case *http2.DataFrame:
 			n := int64(f.Length)
 			st := uc.lookup(f.StreamID)

@@ -1,0 +1,183 @@
+package httplb
+
+import (
+	"errors"
+	"strings"
+
+	"golang.org/x/net/http/httpguts"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// hblock is one decoded header block (a HEADERS frame and its CONTINUATIONs).
+// Its fields are valid until the connection's next block is read.
+type hblock struct {
+	id        uint32
+	end       bool // END_STREAM
+	fields    []hpack.HeaderField
+	truncated bool // past the header list size: the fields are incomplete
+}
+
+// pseudo returns a pseudo-header's value (name without the colon).
+func (b *hblock) pseudo(name string) string {
+	for _, hf := range b.fields {
+		if !strings.HasPrefix(hf.Name, ":") {
+			break
+		}
+		if hf.Name[1:] == name {
+			return hf.Value
+		}
+	}
+	return ""
+}
+
+// regular returns the fields after the pseudo-headers.
+func (b *hblock) regular() []hpack.HeaderField {
+	for i, hf := range b.fields {
+		if !strings.HasPrefix(hf.Name, ":") {
+			return b.fields[i:]
+		}
+	}
+	return nil
+}
+
+// blockReader reads a connection's frames, decoding header blocks into one
+// slice it reuses: the framer's own decoding (ReadMetaHeaders) builds a new
+// field slice for every block, growing it field by field, which was a tenth of
+// the frame engine's CPU. The checks are the framer's: field names and values
+// valid on the wire, pseudo-headers first, known and not repeated, the header
+// list size (past it the block is truncated; a block far past it fails the
+// connection).
+type blockReader struct {
+	fr      *http2.Framer
+	dec     *hpack.Decoder
+	max     uint32
+	remain  uint32
+	regular bool
+	invalid error
+	b       hblock
+}
+
+func newBlockReader(fr *http2.Framer, maxList uint32) *blockReader {
+	r := &blockReader{fr: fr, max: maxList}
+	r.dec = hpack.NewDecoder(4096, r.emit)
+	r.dec.SetMaxStringLength(int(maxList))
+	return r
+}
+
+var errPseudoAfterRegular = errors.New("pseudo-header after a regular header")
+
+func (r *blockReader) emit(hf hpack.HeaderField) {
+	if !httpguts.ValidHeaderFieldValue(hf.Value) {
+		r.invalid = errors.New("invalid header field value for " + hf.Name)
+	} else if strings.HasPrefix(hf.Name, ":") {
+		if r.regular {
+			r.invalid = errPseudoAfterRegular
+		}
+	} else {
+		r.regular = true
+		if !validWireName(hf.Name) {
+			r.invalid = errors.New("invalid header field name")
+		}
+	}
+	if r.invalid != nil {
+		r.dec.SetEmitEnabled(false)
+		return
+	}
+	if size := hf.Size(); size > r.remain {
+		r.dec.SetEmitEnabled(false)
+		r.b.truncated = true
+		r.remain = 0
+		return
+	} else {
+		r.remain -= size
+	}
+	r.b.fields = append(r.b.fields, hf)
+}
+
+// validWireName: a token, in lower case (RFC 9113 8.2.1).
+func validWireName(v string) bool {
+	if v == "" {
+		return false
+	}
+	for _, c := range v {
+		if !httpguts.IsTokenRune(c) || 'A' <= c && c <= 'Z' {
+			return false
+		}
+	}
+	return true
+}
+
+// read returns the next frame, or, for a HEADERS frame, the whole decoded
+// block (frame nil). Errors are the framer's: a StreamError leaves the
+// connection usable.
+func (r *blockReader) read() (http2.Frame, *hblock, error) {
+	f, err := r.fr.ReadFrame()
+	if err != nil {
+		return nil, nil, err
+	}
+	hf, ok := f.(*http2.HeadersFrame)
+	if !ok {
+		return f, nil, nil
+	}
+	r.b = hblock{id: hf.StreamID, end: hf.StreamEnded(), fields: r.b.fields[:0]}
+	r.remain, r.regular, r.invalid = r.max, false, nil
+	r.dec.SetEmitEnabled(true)
+	frag, ended := hf.HeaderBlockFragment(), hf.HeadersEnded()
+	for {
+		// A block far past the limit is not decoded at all.
+		if int64(len(frag)) > 2*int64(r.remain) || r.invalid != nil {
+			return nil, nil, http2.ConnectionError(http2.ErrCodeProtocol)
+		}
+		if _, err := r.dec.Write(frag); err != nil {
+			return nil, nil, http2.ConnectionError(http2.ErrCodeCompression)
+		}
+		if ended {
+			break
+		}
+		f, err := r.fr.ReadFrame()
+		if err != nil {
+			return nil, nil, err
+		}
+		c := f.(*http2.ContinuationFrame) // the framer allows nothing else here
+		frag, ended = c.HeaderBlockFragment(), c.HeadersEnded()
+	}
+	if err := r.dec.Close(); err != nil {
+		return nil, nil, http2.ConnectionError(http2.ErrCodeCompression)
+	}
+	if r.invalid != nil {
+		return nil, nil, http2.StreamError{StreamID: r.b.id, Code: http2.ErrCodeProtocol, Cause: r.invalid}
+	}
+	if err := checkPseudos(r.b.fields); err != nil {
+		return nil, nil, http2.StreamError{StreamID: r.b.id, Code: http2.ErrCodeProtocol, Cause: err}
+	}
+	return nil, &r.b, nil
+}
+
+// checkPseudos: only known pseudo-headers, each once, of a request or of a
+// response, not both.
+func checkPseudos(fields []hpack.HeaderField) error {
+	var request, response bool
+	for i, hf := range fields {
+		if !strings.HasPrefix(hf.Name, ":") {
+			break
+		}
+		switch hf.Name {
+		case ":method", ":path", ":scheme", ":authority", ":protocol":
+			request = true
+		case ":status":
+			response = true
+		default:
+			return errors.New("unknown pseudo-header " + hf.Name)
+		}
+		for _, prev := range fields[:i] {
+			if prev.Name == hf.Name {
+				return errors.New("repeated pseudo-header " + hf.Name)
+			}
+		}
+	}
+	if request && response {
+		return errors.New("request and response pseudo-headers mixed")
+	}
+	return nil
+}
