@@ -74,8 +74,12 @@ type fsess struct {
 	initWin  int64 // the client's SETTINGS_INITIAL_WINDOW_SIZE
 	maxFrame uint32
 	credit   int64 // connection credit owed to the client
-	idle     *time.Timer
-	done     chan struct{} // closed when the session's reader exits
+	// resets counts the streams the client reset before their answer in the
+	// second from resetsFrom.
+	resets     int
+	resetsFrom time.Time
+	idle       *time.Timer
+	done       chan struct{} // closed when the session's reader exits
 }
 
 // fstream is one request. The client session's mutex guards it.
@@ -266,7 +270,14 @@ func (ss *fsess) handle(f http2.Frame) error {
 		}
 	case *http2.RSTStreamFrame:
 		if st := ss.streams[f.StreamID]; st != nil {
+			unanswered := !st.answered()
 			st.clientGone()
+			if unanswered && ss.tooManyResets() {
+				// Streams opened and reset at once cost each backend a request
+				// and the client nothing ("rapid reset", CVE-2023-44487).
+				ss.fr.WriteGoAway(ss.maxID, http2.ErrCodeEnhanceYourCalm, []byte("too many streams reset"))
+				return fmt.Errorf("http2: more than %d streams a second reset before their answer", maxResetsPerSecond)
+			}
 		}
 	case *http2.GoAwayFrame:
 		// The client opens no more streams; those open finish.
@@ -483,6 +494,9 @@ func (ss *fsess) data(f *http2.DataFrame) error {
 		ss.owe(nil, n)
 		if f.StreamID > ss.maxID || f.StreamID == 0 {
 			return ss.protocolError("DATA on a stream not open")
+		}
+		if st != nil {
+			st.reset(http2.ErrCodeStreamClosed) // DATA after the request's END_STREAM
 		}
 		return nil
 	}
@@ -999,6 +1013,19 @@ func (st *fstream) flushReq() {
 func (st *fstream) reqTrailers(tr []hpack.HeaderField) {
 	st.reqTr = tr
 	st.flushReq()
+}
+
+// maxResetsPerSecond bounds the streams a client may reset before their
+// answer, per connection and second; past it the connection is closed.
+const maxResetsPerSecond = 1000
+
+func (ss *fsess) tooManyResets() bool {
+	now := time.Now()
+	if now.Sub(ss.resetsFrom) > time.Second {
+		ss.resets, ss.resetsFrom = 0, now
+	}
+	ss.resets++
+	return ss.resets > maxResetsPerSecond
 }
 
 // drained resumes the answers that waited for the client's socket.

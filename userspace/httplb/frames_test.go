@@ -280,3 +280,43 @@ func TestFramesServesTLS(t *testing.T) {
 		t.Errorf("%d frame engine sessions; want the client's 1", n)
 	}
 }
+
+// TestFramesRapidReset: a client that opens streams and resets them at once,
+// faster than maxResetsPerSecond, gets GOAWAY ENHANCE_YOUR_CALM, and the
+// backend does not get a request for every stream it opened.
+func TestFramesRapidReset(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	bs[0].Delay.Store(int64(50 * time.Millisecond))
+	s := serve(t, Config{Algorithm: "round_robin"}, bs)
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	const streams = 5000
+	// Written from a goroutine: weir answers while the client writes.
+	go func() {
+		for i := range streams {
+			id := uint32(2*i + 1)
+			if fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true}) != nil ||
+				fr.WriteRSTStream(id, http2.ErrCodeCancel) != nil {
+				return
+			}
+		}
+	}()
+	rfr := http2.NewFramer(nil, conn)
+	for {
+		f, err := rfr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read: %v; want GOAWAY ENHANCE_YOUR_CALM", err)
+		}
+		if g, ok := f.(*http2.GoAwayFrame); ok {
+			if g.ErrCode != http2.ErrCodeEnhanceYourCalm {
+				t.Fatalf("GOAWAY %v; want ENHANCE_YOUR_CALM", g.ErrCode)
+			}
+			break
+		}
+	}
+	time.Sleep(100 * time.Millisecond) // the backend's requests in flight reach its handler
+	if n := bs[0].Hits.Load(); n > 2*maxResetsPerSecond {
+		t.Errorf("the backend got %d requests for %d streams reset at once; want at most %d", n, streams, 2*maxResetsPerSecond)
+	}
+}
