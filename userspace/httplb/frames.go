@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -31,9 +32,11 @@ import (
 // frames and keeps the two sides' flow-control windows.
 //
 // Flow control: weir gives each client and each backend connection recvConnWin
-// and each stream recvStreamWin, and returns credit for a DATA frame only once
-// the frame has been written to the other side (or dropped with its stream), so
-// a sender can never have more in weir than the windows weir gave it.
+// and each stream recvStreamWin. A DATA frame's connection credit goes back when
+// it arrives, its stream credit only once it has been written to the other side
+// (or dropped with its stream): so a sender never has more than recvStreamWin
+// per stream in weir, and a stream that cannot move on (its reader not reading)
+// holds up only itself, never the connection the other streams share.
 
 const (
 	// frameReadBuf is each connection's read buffer: the framer reads a
@@ -43,7 +46,7 @@ const (
 	frameReadBuf = 4 << 10
 	// maxRefused bounds how often a stream the backend refused goes again.
 	maxRefused    = 3
-	recvStreamWin = 1 << 20
+	recvStreamWin = 256 << 10
 	recvConnWin   = 4 << 20
 	// Credit is returned in batches: one WINDOW_UPDATE per this much.
 	creditBatch = 64 << 10
@@ -74,6 +77,7 @@ type fsess struct {
 	initWin  int64 // the client's SETTINGS_INITIAL_WINDOW_SIZE
 	maxFrame uint32
 	credit   int64 // connection credit owed to the client
+	recvWin  int64 // the client's connection window for its DATA
 	// resets counts the streams the client reset before their answer in the
 	// second from resetsFrom.
 	resets     int
@@ -89,6 +93,7 @@ type fstream struct {
 	live *live
 
 	method, path, authority string
+	logPath                 string              // path without the query, for the access log
 	hdrs                    []hpack.HeaderField // to the backend, pseudo-headers first
 	hashKey                 uint64
 	grpc                    bool
@@ -104,6 +109,7 @@ type fstream struct {
 	// The request's body frames not yet sent upstream; once sent, kept for a
 	// retry while replay allows.
 	reqQ     [][]byte
+	resend   [][]byte // what a failed try sent, to go again first (credited already)
 	replay   [][]byte
 	replayN  int
 	replayOK bool // every byte sent so far is in replay
@@ -141,7 +147,7 @@ type fstream struct {
 // it closes.
 func (s *Service) serveFrames(c *coalescingConn, overTLS bool) {
 	defer s.stats.conns.Add(-1) // counted by the split listener
-	ss := &fsess{s: s, conn: c, tls: overTLS, streams: map[uint32]*fstream{}, sendWin: 65535, initWin: 65535, maxFrame: 16384,
+	ss := &fsess{s: s, conn: c, tls: overTLS, streams: map[uint32]*fstream{}, sendWin: 65535, initWin: 65535, maxFrame: 16384, recvWin: recvConnWin,
 		remote: c.RemoteAddr().String(), done: make(chan struct{})}
 	ss.client, _, _ = net.SplitHostPort(ss.remote)
 	ss.fr = http2.NewFramer(queueWriter{c}, bufio.NewReaderSize(c, frameReadBuf))
@@ -299,6 +305,14 @@ func connectionSpecific(name string) bool {
 	return false
 }
 
+// hopOnly lists the headers HTTP/2 allows that belong to one hop all the same
+// (hopByHop's others), which weir does not pass on. Trailer is passed: it
+// announces the trailers weir passes too, and Go's server reads only the
+// trailers it announced.
+func hopOnly(name string) bool {
+	return name == "proxy-authorization" || name == "proxy-authenticate"
+}
+
 // headers opens a stream (or takes a stream's trailers).
 func (ss *fsess) headers(f *hblock) error {
 	id := f.id
@@ -310,7 +324,7 @@ func (ss *fsess) headers(f *hblock) error {
 		st.reqEnded = true
 		var tr []hpack.HeaderField
 		for _, hf := range f.regular() {
-			if !connectionSpecific(hf.Name) {
+			if !connectionSpecific(hf.Name) && !hopOnly(hf.Name) {
 				tr = append(tr, hf)
 			}
 		}
@@ -343,6 +357,7 @@ func (ss *fsess) headers(f *hblock) error {
 		return nil
 	}
 	st.method, st.path, st.authority = f.pseudo("method"), f.pseudo("path"), f.pseudo("authority")
+	st.logPath, _, _ = strings.Cut(st.path, "?")
 	scheme := f.pseudo("scheme")
 	if st.method == http.MethodConnect {
 		st.answer(http.StatusMethodNotAllowed, fmt.Sprintf("service %q: CONNECT is not proxied", s.cfg.Name), false)
@@ -374,8 +389,8 @@ func (ss *fsess) headers(f *hblock) error {
 				st.reset(http2.ErrCodeProtocol)
 				return nil
 			}
-		case hf.Name == "host":
-			continue // in :authority
+		case hf.Name == "host", hopOnly(hf.Name):
+			continue // host is in :authority
 		case hf.Name == "x-forwarded-for" && l.cfg.XForwardedFor:
 			xff = append(xff, hf.Value)
 			continue
@@ -487,11 +502,14 @@ func (l *live) grpcRetryableName(grpc bool, path string) bool {
 // data takes a DATA frame of the client's.
 func (ss *fsess) data(f *http2.DataFrame) error {
 	n := int64(f.Length)
+	ss.recvWin -= n
+	if ss.recvWin < 0 {
+		ss.fr.WriteGoAway(ss.maxID, http2.ErrCodeFlowControl, nil)
+		return fmt.Errorf("http2: the client overran its connection window")
+	}
+	ss.oweConn(n)
 	st := ss.streams[f.StreamID]
 	if st == nil || st.reqEnded || st.finished {
-		// A stream reset or finished: its bytes still count against the
-		// connection's window.
-		ss.owe(nil, n)
 		if f.StreamID > ss.maxID || f.StreamID == 0 {
 			return ss.protocolError("DATA on a stream not open")
 		}
@@ -503,28 +521,29 @@ func (ss *fsess) data(f *http2.DataFrame) error {
 	st.recvWin -= n
 	if st.recvWin < 0 {
 		st.reset(http2.ErrCodeFlowControl)
-		ss.owe(nil, n)
 		return nil
 	}
 	// Padding is never forwarded: its credit is owed at once.
 	if pad := n - int64(len(f.Data())); pad > 0 {
-		ss.owe(st, pad)
+		ss.oweStream(st, pad)
 	}
 	if len(f.Data()) > 0 {
-		st.reqQ = append(st.reqQ, bytes.Clone(f.Data()))
+		st.reqQ = append(st.reqQ, f.Data())
 	}
 	if f.StreamEnded() {
 		st.reqEnded = true
 	}
 	st.flushReq()
+	keepUnsent(st.reqQ, len(f.Data()) > 0)
 	return nil
 }
 
-// owe returns credit for n bytes the client sent (st nil: the connection's
-// only), in batches.
-func (ss *fsess) owe(st *fstream, n int64) {
-	grant(ss.fr, 0, &ss.credit, nil, n)
-	if st != nil && !st.reqEnded {
+// oweConn returns connection credit for n bytes the client sent, in batches.
+func (ss *fsess) oweConn(n int64) { grant(ss.fr, 0, &ss.credit, &ss.recvWin, n) }
+
+// oweStream returns st's credit for n bytes of its body that went on.
+func (ss *fsess) oweStream(st *fstream, n int64) {
+	if !st.reqEnded {
 		grant(ss.fr, st.id, &st.credit, &st.recvWin, n)
 	}
 }
@@ -590,7 +609,52 @@ func (ss *fsess) resetLocked(id uint32, code http2.ErrCode) {
 // clientGone ends a stream the client reset.
 func (st *fstream) clientGone() {
 	st.cancelUpstream()
+	if st.answered() && st.be != nil {
+		// Counted and logged as the net/http path does; not the backend's fault.
+		be := st.be
+		st.settle(errors.New("the client reset the stream"))
+		st.live.observeTry(be, Success)
+	}
 	st.finish(nil)
+}
+
+// brokenOff settles a try that failed after its answer's headers went to the
+// client: counted with its status, logged with err, and an outcome o for the
+// backend.
+func (st *fstream) brokenOff(o Outcome, err error) {
+	if st.tryTmr != nil {
+		st.tryTmr.Stop()
+	}
+	be := st.be
+	if be == nil {
+		return
+	}
+	st.settle(err)
+	st.live.observeTry(be, o)
+	st.up, st.upID = nil, 0
+}
+
+// settle releases the lease of an answered try and counts and logs the
+// request; err is why it ended short (nil: it did not).
+func (st *fstream) settle(err error) {
+	l := st.live
+	s := st.sess.s
+	lat := st.headerL
+	if l.cfg.LastByte {
+		lat = time.Since(st.tryT)
+	}
+	st.lease.Release(balance.Result{Latency: lat})
+	be := st.be
+	st.be = nil
+	be.stats.count(st.status)
+	s.stats.requests.Add(1)
+	if l.cfg.Observer != nil {
+		l.cfg.Observer.Request(be.addr, st.status, time.Since(st.start))
+	}
+	if l.cfg.AccessLog {
+		s.log.Info("request", "method", st.method, "path", st.logPath, "proto", "HTTP/2.0", "client", st.sess.remote,
+			"backend", be.id, "status", st.status, "bytes", st.respBytes, "headers", st.headerL, "duration", time.Since(st.start), "err", err)
+	}
 }
 
 // answer answers the client from weir itself (an error).
@@ -612,7 +676,7 @@ func (st *fstream) answer(status int, msg string, noBackend bool) {
 	}
 	st.status = status
 	if st.live.cfg.AccessLog {
-		s.log.Info("request", "method", st.method, "path", st.path, "proto", "HTTP/2.0", "client", ss.remote,
+		s.log.Info("request", "method", st.method, "path", st.logPath, "proto", "HTTP/2.0", "client", ss.remote,
 			"status", status, "tries", st.tries, "duration", time.Since(st.start), "err", st.fail.err)
 	}
 	s.stats.requests.Add(1)
@@ -671,20 +735,19 @@ func (st *fstream) nextTry() {
 	}
 }
 
-// requeueBody puts what the last try sent back in front of what it had not.
+// requeueBody has what the last try sent go again before what it had not.
 func (st *fstream) requeueBody() {
 	if len(st.replay) > 0 {
-		st.reqQ = append(st.replay, st.reqQ...)
-		st.replay, st.replayN = nil, 0
+		st.resend, st.replay, st.replayN = st.replay, nil, 0
 	}
 	st.sentBody = false
 	st.reqEndSent = false
 }
 
 // replayable reports whether the request can be sent again: no body sent, or
-// all of it kept.
+// all that was sent kept.
 func (st *fstream) replayable() bool {
-	return !st.sentBody || st.replayOK || st.fail.dial
+	return !st.sentBody || st.replayOK
 }
 
 func (st *fstream) answerFailure() {
@@ -708,7 +771,7 @@ func (ss *fsess) timerFired(st *fstream, try bool) {
 	if st.answered() {
 		// The whole request's time ran out mid-answer.
 		st.cancelUpstream()
-		st.tryFailed(Timeout, false)
+		st.brokenOff(Timeout, context.DeadlineExceeded)
 		st.reset(http2.ErrCodeCancel)
 		return
 	}
@@ -774,7 +837,11 @@ func (st *fstream) upstreamReset(code http2.ErrCode, connErr error, unprocessed 
 	if st.answered() {
 		// Mid-answer: the client must see it is incomplete.
 		st.upDone = true
-		st.tryFailed(o, false)
+		err := connErr
+		if err == nil {
+			err = fmt.Errorf("backend reset the stream: %v", code)
+		}
+		st.brokenOff(o, err)
 		st.reset(http2.ErrCodeInternal)
 		return
 	}
@@ -817,11 +884,12 @@ func (st *fstream) finish(err error) {
 	}
 	delete(ss.streams, st.id)
 	ss.s.stats.inflight.Add(-1)
-	// Body bytes still queued are dropped: their credit is the connection's.
-	for _, b := range st.reqQ {
-		ss.owe(nil, int64(len(b)))
+	if st.up != nil && st.upDone && !st.reqEndSent && st.upID != 0 {
+		// The backend answered whole before the request's end: its half of
+		// the stream closes here.
+		st.up.resetStream(st.upID)
 	}
-	st.reqQ, st.replay, st.respQ = nil, nil, nil
+	st.reqQ, st.resend, st.replay, st.respQ = nil, nil, nil, nil
 	if len(ss.streams) == 0 {
 		if ss.away {
 			ss.maybeCloseLocked()
@@ -833,23 +901,11 @@ func (st *fstream) finish(err error) {
 
 // delivered settles a request whose answer went out whole.
 func (st *fstream) delivered() {
-	l := st.live
-	s := st.sess.s
-	lastByte := time.Since(st.tryT)
-	lat := st.headerL
-	if l.cfg.LastByte {
-		lat = lastByte
-	}
-	st.lease.Release(balance.Result{Latency: lat})
-	be := st.be
-	be.stats.count(st.status)
-	s.stats.requests.Add(1)
-	if l.cfg.Observer != nil {
-		l.cfg.Observer.Request(be.addr, st.status, time.Since(st.start))
-	}
-	if l.cfg.AccessLog {
-		s.log.Info("request", "method", st.method, "path", st.path, "proto", "HTTP/2.0", "client", st.sess.remote,
-			"backend", be.id, "status", st.status, "bytes", st.respBytes, "headers", st.headerL, "duration", time.Since(st.start), "err", nil)
+	st.settle(nil)
+	if !st.reqEnded {
+		// The answer is whole before the request: the client may stop sending
+		// it (RFC 9113 8.1).
+		st.sess.fr.WriteRSTStream(st.id, http2.ErrCodeNo)
 	}
 	st.finish(nil)
 }
@@ -862,7 +918,7 @@ func (st *fstream) respHeaders(f *hblock) {
 		// Trailers.
 		var tr []hpack.HeaderField
 		for _, hf := range fields {
-			if !strings.HasPrefix(hf.Name, ":") && !connectionSpecific(hf.Name) {
+			if !strings.HasPrefix(hf.Name, ":") && !connectionSpecific(hf.Name) && !hopOnly(hf.Name) {
 				tr = append(tr, hf)
 			}
 		}
@@ -872,6 +928,13 @@ func (st *fstream) respHeaders(f *hblock) {
 		return
 	}
 	code, err := strconv.Atoi(f.pseudo("status"))
+	if f.truncated {
+		// Headers past the limit: passing on what fits would drop some
+		// silently (a Set-Cookie, say).
+		st.up.cancel(st)
+		st.upstreamReset(0, errors.New("the backend's response headers are over the limit"), false)
+		return
+	}
 	if err != nil || code < 100 || code > 999 {
 		st.up.cancel(st)
 		st.upstreamReset(http2.ErrCodeProtocol, nil, false)
@@ -879,7 +942,7 @@ func (st *fstream) respHeaders(f *hblock) {
 	}
 	out := make([]hpack.HeaderField, 0, len(fields))
 	for _, hf := range fields {
-		if !connectionSpecific(hf.Name) {
+		if !connectionSpecific(hf.Name) && !hopOnly(hf.Name) {
 			out = append(out, hf)
 		}
 	}
@@ -940,7 +1003,8 @@ func hasBodyLength(h []hpack.HeaderField) bool {
 	return false
 }
 
-// respData queues a DATA frame of the backend's for the client.
+// respData sends a DATA frame of the backend's to the client, or queues what
+// the windows do not let through yet. p is the framer's buffer.
 func (st *fstream) respData(p []byte, end bool) {
 	if len(p) > 0 {
 		st.respQ = append(st.respQ, p)
@@ -949,6 +1013,16 @@ func (st *fstream) respData(p []byte, end bool) {
 		st.respEnd = true
 	}
 	st.flushResp()
+	keepUnsent(st.respQ, len(p) > 0)
+}
+
+// keepUnsent copies what is left of a frame's data that was queued last (q's
+// last element, if it was appended): the framer reuses its buffer for the next
+// frame. The frames queued before it were copied when they were left over.
+func keepUnsent(q [][]byte, appended bool) {
+	if appended && len(q) > 0 {
+		q[len(q)-1] = bytes.Clone(q[len(q)-1])
+	}
 }
 
 // flushResp sends what of the answer the client's windows allow; mu is held.
@@ -983,7 +1057,7 @@ func (st *fstream) flushResp() {
 			st.respQ[0] = b[n:]
 		}
 		if st.up != nil {
-			st.up.owe(st, n)
+			st.up.oweStream(st, n)
 		}
 		if last {
 			st.delivered()
@@ -1069,8 +1143,13 @@ func (ss *fsess) maybeCloseLocked() {
 	if ss.away && len(ss.streams) == 0 && !ss.closed {
 		ss.closed = true
 		ss.idle.Stop()
-		ss.conn.CloseWrite()
-		ss.conn.Close()
+		// Not under mu, which a backend connection's reader may be waiting
+		// for: CloseWrite waits (up to drainWait) for the GOAWAY to go out.
+		// Exits once the connection is closed.
+		go func() {
+			ss.conn.CloseWrite()
+			ss.conn.Close()
+		}()
 	}
 }
 

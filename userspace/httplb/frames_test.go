@@ -58,12 +58,7 @@ func TestFramesFlowControl(t *testing.T) {
 	conn, fr := h2Conn(t, addr)
 	defer conn.Close()
 	fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: win})
-	var buf bytes.Buffer
-	enc := hpack.NewEncoder(&buf)
-	for _, f := range [][2]string{{":method", "GET"}, {":scheme", "http"}, {":authority", addr}, {":path", "/?size=" + strconv.Itoa(size)}} {
-		enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
-	}
-	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: buf.Bytes(), EndHeaders: true, EndStream: true})
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: reqBlock("GET", addr, "/?size="+strconv.Itoa(size)), EndHeaders: true, EndStream: true})
 	streamWin, connWin := int64(win), int64(65535)
 	got := 0
 	for {
@@ -100,8 +95,8 @@ func TestFramesFlowControl(t *testing.T) {
 }
 
 // TestFramesStalledClient: a client that stops reading its socket holds up
-// only its own answer, not other clients' answers from the same backend
-// connection.
+// only its own answers, not other clients' answers from the same backend
+// connection, even with more of them waiting than that connection's window.
 func TestFramesStalledClient(t *testing.T) {
 	bs := httpbackend.StartN(t, 1)
 	s := serve(t, Config{Algorithm: "round_robin"}, bs)
@@ -110,15 +105,14 @@ func TestFramesStalledClient(t *testing.T) {
 	defer stalled.Close()
 	fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1<<31 - 1})
 	fr.WriteWindowUpdate(0, 1<<31-1-65535)
-	var buf bytes.Buffer
-	enc := hpack.NewEncoder(&buf)
-	for _, f := range [][2]string{{":method", "GET"}, {":scheme", "http"}, {":authority", addr}, {":path", "/?size=" + strconv.Itoa(64<<20)}} {
-		enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+	block := reqBlock("GET", addr, "/?size="+strconv.Itoa(64<<20))
+	// Five large answers: together more than the backend connection's window.
+	for i := range 5 {
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: uint32(2*i + 1), BlockFragment: block, EndHeaders: true, EndStream: true})
 	}
-	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: buf.Bytes(), EndHeaders: true, EndStream: true})
 	// The stalled client reads nothing from here on. Once its socket buffers
-	// are full, the answer piles up in weir.
-	time.Sleep(300 * time.Millisecond)
+	// are full, the answers pile up in weir.
+	time.Sleep(500 * time.Millisecond)
 	client := h2cClient()
 	client.Timeout = 5 * time.Second
 	for i := range 20 {
@@ -318,5 +312,192 @@ func TestFramesRapidReset(t *testing.T) {
 	time.Sleep(100 * time.Millisecond) // the backend's requests in flight reach its handler
 	if n := bs[0].Hits.Load(); n > 2*maxResetsPerSecond {
 		t.Errorf("the backend got %d requests for %d streams reset at once; want at most %d", n, streams, 2*maxResetsPerSecond)
+	}
+}
+
+// reqBlock is an HPACK block for a request (method, path) on addr.
+func reqBlock(method, addr, path string) []byte {
+	var buf bytes.Buffer
+	enc := hpack.NewEncoder(&buf)
+	for _, f := range [][2]string{{":method", method}, {":scheme", "http"}, {":authority", addr}, {":path", path}} {
+		enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+	}
+	return buf.Bytes()
+}
+
+// TestFramesResetQueuedAnswers: streams the client resets while their answers
+// wait in weir for the client's window give the backend connection's window
+// back, so the connection's later streams still get their bytes.
+func TestFramesResetQueuedAnswers(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	s := serve(t, Config{Algorithm: "round_robin"}, bs)
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(20 * time.Second))
+	// Exits when conn closes: reads what weir sends, gives no window back.
+	go func() {
+		rfr := http2.NewFramer(nil, conn)
+		for {
+			if _, err := rfr.ReadFrame(); err != nil {
+				return
+			}
+		}
+	}()
+	for i := range 6 {
+		id := uint32(2*i + 1)
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: reqBlock("GET", addr, "/?size="+strconv.Itoa(8<<20)), EndHeaders: true, EndStream: true})
+		time.Sleep(200 * time.Millisecond)
+		fr.WriteRSTStream(id, http2.ErrCodeCancel)
+	}
+	client := h2cClient()
+	client.Timeout = 3 * time.Second
+	resp, body := get(t, client, "http://"+addr+"/?size=100000")
+	if resp.StatusCode != 200 || len(body) != 100000 {
+		t.Fatalf("a request after 6 streams reset mid-answer: %d, %d bytes", resp.StatusCode, len(body))
+	}
+}
+
+// TestFramesReplayCreditedOnce: a request body sent again to another backend
+// (the first answered 503) is credited to the client once, not per try.
+func TestFramesReplayCreditedOnce(t *testing.T) {
+	be1, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.WriteHeader(503)
+	})
+	be2, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) { io.Copy(io.Discard, r.Body) })
+	s := serveOn(t, Config{Algorithm: "round_robin", Retries: 1, RetryBudget: 1}, []Backend{be1, be2})
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	const streams, bodyLen, chunk = 4, 60000, 15000
+	for i := range streams {
+		id := uint32(2*i + 1)
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: reqBlock("PUT", addr, "/"), EndHeaders: true})
+		for off := 0; off < bodyLen; off += chunk {
+			fr.WriteData(id, off+chunk >= bodyLen, make([]byte, chunk))
+		}
+	}
+	rfr := http2.NewFramer(nil, conn)
+	var credit int64
+	first := true
+	for ended := 0; ended < streams; {
+		f, err := rfr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read: %v", err)
+		}
+		switch f := f.(type) {
+		case *http2.WindowUpdateFrame:
+			if f.StreamID == 0 && !first {
+				credit += int64(f.Increment)
+			}
+			first = first && f.StreamID != 0 // the first is weir's initial window
+		case *http2.HeadersFrame:
+			if f.StreamEnded() {
+				ended++
+			}
+		case *http2.DataFrame:
+			if f.StreamEnded() {
+				ended++
+			}
+		case *http2.RSTStreamFrame:
+			ended++
+		}
+	}
+	if sent := int64(streams * bodyLen); credit > sent {
+		t.Errorf("weir gave back %d bytes of connection window for %d sent", credit, sent)
+	}
+}
+
+// refusingBackend is an HTTP/2 backend that refuses each stream (RST_STREAM
+// REFUSED_STREAM) once 32 KiB of its body came.
+func refusingBackend(t *testing.T) Backend {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	// Exits when the listener closes at cleanup.
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			// Exits when weir closes the connection.
+			go func() {
+				defer c.Close()
+				if _, err := io.ReadFull(c, make([]byte, len(http2.ClientPreface))); err != nil {
+					return
+				}
+				fr := http2.NewFramer(c, c)
+				fr.WriteSettings()
+				got := map[uint32]int{}
+				for {
+					f, err := fr.ReadFrame()
+					if err != nil {
+						return
+					}
+					switch f := f.(type) {
+					case *http2.SettingsFrame:
+						if !f.IsAck() {
+							fr.WriteSettingsAck()
+						}
+					case *http2.DataFrame:
+						if n := len(f.Data()); n > 0 {
+							fr.WriteWindowUpdate(0, uint32(n))
+						}
+						if got[f.StreamID] >= 0 {
+							if got[f.StreamID] += len(f.Data()); got[f.StreamID] >= 32<<10 {
+								got[f.StreamID] = -1
+								fr.WriteRSTStream(f.StreamID, http2.ErrCodeRefusedStream)
+							}
+						}
+					}
+				}
+			}()
+		}
+	}()
+	return Backend{Addr: netip.MustParseAddrPort(ln.Addr().String()), Weight: 1, Usable: true}
+}
+
+// TestFramesRefusedAfterBody: a POST whose body was partly sent before the
+// backend refused the stream is not sent elsewhere with its start missing:
+// whatever answers 200 got the whole body.
+func TestFramesRefusedAfterBody(t *testing.T) {
+	var got atomic.Int64
+	good, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) {
+		n, _ := io.Copy(io.Discard, r.Body)
+		got.Store(n)
+		w.Header().Set("X-Got", strconv.FormatInt(n, 10))
+	})
+	s := serveOn(t, Config{Algorithm: "round_robin", Retries: 1, RetryBudget: 1}, []Backend{refusingBackend(t), good})
+	client := h2cClient()
+	const size = 304 << 10
+	for i := range 4 {
+		pr, pw := io.Pipe()
+		// Exits once the body is written or the request has failed.
+		go func() {
+			buf := make([]byte, 16<<10)
+			for n := 0; n < size; n += len(buf) {
+				if _, err := pw.Write(buf); err != nil {
+					return
+				}
+				time.Sleep(time.Millisecond)
+			}
+			pw.Close()
+		}()
+		req, _ := http.NewRequest("POST", "http://"+s.Addr().String()+"/", pr)
+		req.ContentLength = -1
+		resp, err := client.Do(req)
+		pr.CloseWithError(io.ErrClosedPipe)
+		if err != nil {
+			continue // refused, and not retried: right
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if g := resp.Header.Get("X-Got"); resp.StatusCode == 200 && g != strconv.Itoa(size) {
+			t.Errorf("request %d: answered 200, but the backend got %s of %d body bytes", i, g, size)
+		}
 	}
 }

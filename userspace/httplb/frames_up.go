@@ -9,6 +9,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"time"
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
@@ -58,6 +59,8 @@ type upconn struct {
 	initWin    int64
 	maxFrame   uint32
 	credit     int64
+	recvWin    int64 // the backend's connection window for its DATA
+	idle       *time.Timer
 	blocked    []*fstream // waiting for the connection's window
 	away       bool       // no new streams (GOAWAY, failure, pool closed)
 	dead       bool
@@ -81,16 +84,19 @@ func (p *upPool) open(st *fstream) {
 		if p.limit == 0 {
 			p.limit = 100 // as net/http's transport assumes
 		}
-		uc = &upconn{pool: p, streams: map[uint32]*fstream{}, nextID: 1, maxStreams: p.limit, sendWin: 65535, initWin: 65535, maxFrame: 16384}
+		uc = &upconn{pool: p, streams: map[uint32]*fstream{}, nextID: 1, maxStreams: p.limit, sendWin: 65535, initWin: 65535,
+			maxFrame: 16384, recvWin: recvConnWin}
 		uc.enc = hpack.NewEncoder(&uc.encBuf)
 		p.conns = append(p.conns, uc)
 		// Exits when the connection fails or closes.
 		go uc.dial()
 	}
-	p.mu.Unlock()
 	st.up, st.upID = uc, 0
 	st.upDone = false
+	// Still under the pool's lock, so fail (which drops uc from the pool
+	// first) cannot come between the choice and the queueing.
 	uc.mu.Lock()
+	p.mu.Unlock()
 	if !uc.ready {
 		uc.waiting = append(uc.waiting, st)
 		uc.mu.Unlock()
@@ -117,7 +123,7 @@ func (uc *upconn) start(st *fstream) {
 	st.upSend = int64(uc.initWin)
 	st.upRecv = recvStreamWin
 	st.upOwed = 0
-	end := st.reqEnded && len(st.reqQ) == 0 && st.reqTr == nil
+	end := st.reqEnded && len(st.reqQ) == 0 && len(st.resend) == 0 && st.reqTr == nil
 	st.reqEndSent = end
 	err := writeHeaders(uc.fr, uc.enc, &uc.encBuf, uc.maxFrame, id, end, st.hdrs)
 	uc.mu.Unlock()
@@ -129,46 +135,17 @@ func (uc *upconn) start(st *fstream) {
 	}
 }
 
-// sendBody writes st's queued body as the windows allow; st's session mutex
-// is held.
+// sendBody writes st's queued body as the windows allow: first what a failed
+// try had sent (credited to the client then), then what came since; st's
+// session mutex is held.
 func (uc *upconn) sendBody(st *fstream) {
-	ss := st.sess
 	uc.mu.Lock()
 	defer uc.mu.Unlock()
 	if uc.streams[st.upID] != st {
 		return
 	}
-	for len(st.reqQ) > 0 {
-		b := st.reqQ[0]
-		n := min(int64(len(b)), st.upSend, uc.sendWin, int64(uc.maxFrame))
-		if n <= 0 || !uc.conn.room() {
-			if (n > 0 || uc.sendWin <= 0) && slices.Index(uc.blocked, st) < 0 {
-				// Woken by the connection's window or its socket.
-				uc.blocked = append(uc.blocked, st)
-			}
-			return
-		}
-		last := n == int64(len(b)) && len(st.reqQ) == 1 && st.reqEnded && st.reqTr == nil
-		uc.fr.WriteData(st.upID, last, b[:n])
-		st.upSend -= n
-		uc.sendWin -= n
-		st.sentBody = true
-		if st.replayOK && st.replayN+int(n) <= replayLimit {
-			st.replay = append(st.replay, b[:n])
-			st.replayN += int(n)
-		} else {
-			st.replayOK = false
-		}
-		if n == int64(len(b)) {
-			st.reqQ = st.reqQ[1:]
-		} else {
-			st.reqQ[0] = b[n:]
-		}
-		ss.owe(st, n)
-		if last {
-			st.reqEndSent = true
-			return
-		}
+	if !uc.sendQueue(st, &st.resend, false) || !uc.sendQueue(st, &st.reqQ, true) {
+		return
 	}
 	if st.reqEnded && !st.reqEndSent {
 		st.reqEndSent = true
@@ -180,19 +157,69 @@ func (uc *upconn) sendBody(st *fstream) {
 	}
 }
 
-// owe returns credit for n bytes of st's answer that went to the client; st's
-// session mutex is held.
-func (uc *upconn) owe(st *fstream, n int64) {
+// sendQueue writes q's chunks as the windows allow, crediting the client for
+// them if credit; it reports whether q went out whole. The request's END_STREAM
+// goes with its last chunk.
+func (uc *upconn) sendQueue(st *fstream, q *[][]byte, credit bool) bool {
+	for len(*q) > 0 {
+		b := (*q)[0]
+		n := min(int64(len(b)), st.upSend, uc.sendWin, int64(uc.maxFrame))
+		if n <= 0 || !uc.conn.room() {
+			if (n > 0 || uc.sendWin <= 0) && slices.Index(uc.blocked, st) < 0 {
+				// Woken by the connection's window or its socket.
+				uc.blocked = append(uc.blocked, st)
+			}
+			return false
+		}
+		last := n == int64(len(b)) && len(*q) == 1 && credit && st.reqEnded && st.reqTr == nil
+		uc.fr.WriteData(st.upID, last, b[:n])
+		st.upSend -= n
+		uc.sendWin -= n
+		st.sentBody = true
+		if st.replayOK && st.replayN+int(n) <= replayLimit {
+			st.replay = append(st.replay, bytes.Clone(b[:n])) // b may be the framer's buffer
+			st.replayN += int(n)
+		} else {
+			st.replayOK = false
+		}
+		if n == int64(len(b)) {
+			*q = (*q)[1:]
+		} else {
+			(*q)[0] = b[n:]
+		}
+		if credit {
+			st.sess.oweStream(st, n)
+		}
+		if last {
+			st.reqEndSent = true
+		}
+	}
+	return true
+}
+
+// oweStream returns st's credit for n bytes of its answer that went to the
+// client (the connection's went back when they came); st's session mutex is
+// held.
+func (uc *upconn) oweStream(st *fstream, n int64) {
 	uc.mu.Lock()
 	defer uc.mu.Unlock()
-	uc.oweLocked(n)
 	if uc.streams[st.upID] != st {
 		return
 	}
 	grant(uc.fr, st.upID, &st.upOwed, &st.upRecv, n)
 }
 
-func (uc *upconn) oweLocked(n int64) { grant(uc.fr, 0, &uc.credit, nil, n) }
+func (uc *upconn) oweLocked(n int64) { grant(uc.fr, 0, &uc.credit, &uc.recvWin, n) }
+
+// resetStream closes a stream the backend has answered whole but whose
+// request had not ended.
+func (uc *upconn) resetStream(id uint32) {
+	uc.mu.Lock()
+	defer uc.mu.Unlock()
+	if !uc.dead {
+		uc.fr.WriteRSTStream(id, http2.ErrCodeCancel)
+	}
+}
 
 // cancel resets st's stream on the backend; st's session mutex is held.
 func (uc *upconn) cancel(st *fstream) {
@@ -222,9 +249,37 @@ func (uc *upconn) forget(st *fstream) {
 // idleCheckLocked closes a connection that may take no more streams once its
 // last has ended.
 func (uc *upconn) idleCheckLocked() {
-	if uc.away && len(uc.streams) == 0 && len(uc.waiting) == 0 && uc.conn != nil && !uc.dead {
+	if len(uc.streams) > 0 || len(uc.waiting) > 0 || uc.conn == nil || uc.dead {
+		return
+	}
+	if uc.away {
+		uc.conn.Close()
+		return
+	}
+	if uc.idle == nil {
+		uc.idle = time.AfterFunc(upIdleTimeout, uc.idleExpired)
+	} else {
+		uc.idle.Reset(upIdleTimeout)
+	}
+}
+
+// upIdleTimeout closes a backend connection that carried no stream this long,
+// as http.Transport's IdleConnTimeout does.
+const upIdleTimeout = 90 * time.Second
+
+func (uc *upconn) idleExpired() {
+	uc.pool.mu.Lock() // the pool's lock comes first
+	uc.mu.Lock()
+	idle := len(uc.streams) == 0 && len(uc.waiting) == 0 && !uc.away
+	if idle {
+		uc.away = true
+		if i := slices.Index(uc.pool.conns, uc); i >= 0 {
+			uc.pool.conns = append(uc.pool.conns[:i], uc.pool.conns[i+1:]...)
+		}
 		uc.conn.Close()
 	}
+	uc.mu.Unlock()
+	uc.pool.mu.Unlock()
 }
 
 // dial connects, then reads the backend's frames until the connection fails.
@@ -302,19 +357,24 @@ func (uc *upconn) read() error {
 		switch f := f.(type) {
 		case *http2.DataFrame:
 			n := int64(f.Length)
+			uc.mu.Lock()
+			uc.recvWin -= n
+			overrun := uc.recvWin < 0
+			uc.oweLocked(n) // the connection's credit goes back at once (see frames.go)
+			uc.mu.Unlock()
+			if overrun {
+				return errors.New("the backend overran its connection window")
+			}
 			st := uc.lookup(f.StreamID)
 			if st == nil {
-				uc.mu.Lock()
-				uc.oweLocked(n)
-				uc.mu.Unlock()
 				continue
 			}
-			data := bytes.Clone(f.Data())
+			data := f.Data() // copied by respData if it must wait
 			end := f.StreamEnded()
 			if end {
 				uc.forget(st)
 			}
-			if !uc.withStream(st, func() {
+			uc.withStream(st, func() {
 				if st.status == 0 {
 					// DATA before the final headers.
 					uc.cancel(st)
@@ -322,19 +382,13 @@ func (uc *upconn) read() error {
 					return
 				}
 				if pad := n - int64(len(data)); pad > 0 {
-					uc.mu.Lock()
-					uc.oweLocked(pad)
-					uc.mu.Unlock()
+					uc.oweStream(st, pad)
 				}
 				if end {
 					st.upDone = true
 				}
 				st.respData(data, end)
-			}) {
-				uc.mu.Lock()
-				uc.oweLocked(n)
-				uc.mu.Unlock()
-			}
+			})
 		case *http2.WindowUpdateFrame:
 			var wake []*fstream
 			uc.mu.Lock()
