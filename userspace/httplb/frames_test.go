@@ -501,3 +501,29 @@ func TestFramesRefusedAfterBody(t *testing.T) {
 		}
 	}
 }
+
+// TestFramesBackendConnIdle: a backend connection that carried no stream for
+// upIdleTimeout is closed, and the next request opens another.
+func TestFramesBackendConnIdle(t *testing.T) {
+	// Restored after the service has stopped (cleanups run last-first).
+	t.Cleanup(func(d time.Duration) func() { return func() { upIdleTimeout = d } }(upIdleTimeout))
+	upIdleTimeout = 300 * time.Millisecond
+	be, conns := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
+	s := serveOn(t, Config{Algorithm: "round_robin"}, []Backend{be})
+	client := h2cClient()
+	url := "http://" + s.Addr().String() + "/"
+	get(t, client, url)
+	// Kept while requests keep coming within the timeout.
+	for range 4 {
+		time.Sleep(100 * time.Millisecond)
+		get(t, client, url)
+	}
+	if n := conns.Load(); n != 1 {
+		t.Fatalf("%d backend connections for requests 100 ms apart; want 1", n)
+	}
+	time.Sleep(700 * time.Millisecond)
+	get(t, client, url)
+	if n := conns.Load(); n != 2 {
+		t.Errorf("%d backend connections after an idle spell past the timeout; want a second one", n)
+	}
+}

@@ -22,6 +22,8 @@ type upPool struct {
 	s  *Service
 	be *backend
 
+	idleFor time.Duration // upIdleTimeout when the pool was made
+
 	mu    sync.Mutex
 	conns []*upconn
 	// limit is the streams per connection the backend last allowed: what a new
@@ -34,7 +36,7 @@ func (b *backend) frames(s *Service) *upPool {
 	if p := b.fpool.Load(); p != nil {
 		return p
 	}
-	b.fpool.CompareAndSwap(nil, &upPool{s: s, be: b})
+	b.fpool.CompareAndSwap(nil, &upPool{s: s, be: b, idleFor: upIdleTimeout})
 	return b.fpool.Load()
 }
 
@@ -61,6 +63,7 @@ type upconn struct {
 	credit     int64
 	recvWin    int64 // the backend's connection window for its DATA
 	idle       *time.Timer
+	idleSince  int64      // nanotime when the last stream ended
 	blocked    []*fstream // waiting for the connection's window
 	away       bool       // no new streams (GOAWAY, failure, pool closed)
 	dead       bool
@@ -256,21 +259,28 @@ func (uc *upconn) idleCheckLocked() {
 		uc.conn.Close()
 		return
 	}
+	// A clock read, not a timer reset, each time the connection goes idle: one
+	// timer per connection checks (idleExpired).
+	uc.idleSince = nanotime()
 	if uc.idle == nil {
-		uc.idle = time.AfterFunc(upIdleTimeout, uc.idleExpired)
-	} else {
-		uc.idle.Reset(upIdleTimeout)
+		uc.idle = time.AfterFunc(uc.pool.idleFor, uc.idleExpired)
 	}
 }
 
 // upIdleTimeout closes a backend connection that carried no stream this long,
-// as http.Transport's IdleConnTimeout does.
-const upIdleTimeout = 90 * time.Second
+// as http.Transport's IdleConnTimeout does (a variable for the tests).
+var upIdleTimeout = 90 * time.Second
 
 func (uc *upconn) idleExpired() {
 	uc.pool.mu.Lock() // the pool's lock comes first
 	uc.mu.Lock()
 	idle := len(uc.streams) == 0 && len(uc.waiting) == 0 && !uc.away
+	if left := uc.pool.idleFor - time.Duration(nanotime()-uc.idleSince); idle && left > 0 {
+		idle = false
+		uc.idle.Reset(left)
+	} else if !idle && !uc.away {
+		uc.idle.Reset(uc.pool.idleFor)
+	}
 	if idle {
 		uc.away = true
 		if i := slices.Index(uc.pool.conns, uc); i >= 0 {
@@ -331,14 +341,12 @@ func (uc *upconn) read() error {
 	for {
 		f, hb, err := uc.br.read()
 		if hb != nil {
-			st := uc.lookup(hb.id)
-			if st == nil {
-				continue
+			uc.mu.Lock()
+			st := uc.lookupLocked(hb.id, hb.end)
+			uc.mu.Unlock()
+			if st != nil {
+				uc.withStream(st, func() { st.respHeaders(hb) })
 			}
-			if hb.end {
-				uc.forget(st)
-			}
-			uc.withStream(st, func() { st.respHeaders(hb) })
 			continue
 		}
 		if err != nil {
@@ -357,23 +365,20 @@ func (uc *upconn) read() error {
 		switch f := f.(type) {
 		case *http2.DataFrame:
 			n := int64(f.Length)
+			end := f.StreamEnded()
 			uc.mu.Lock()
 			uc.recvWin -= n
 			overrun := uc.recvWin < 0
 			uc.oweLocked(n) // the connection's credit goes back at once (see frames.go)
+			st := uc.lookupLocked(f.StreamID, end)
 			uc.mu.Unlock()
 			if overrun {
 				return errors.New("the backend overran its connection window")
 			}
-			st := uc.lookup(f.StreamID)
 			if st == nil {
 				continue
 			}
 			data := f.Data() // copied by respData if it must wait
-			end := f.StreamEnded()
-			if end {
-				uc.forget(st)
-			}
 			uc.withStream(st, func() {
 				if st.status == 0 {
 					// DATA before the final headers.
@@ -493,10 +498,15 @@ func (uc *upconn) withStream(st *fstream, fn func()) bool {
 	return true
 }
 
-func (uc *upconn) lookup(id uint32) *fstream {
-	uc.mu.Lock()
-	defer uc.mu.Unlock()
-	return uc.streams[id]
+// lookupLocked returns stream id's fstream; ended: the backend's side is over,
+// and the stream is dropped.
+func (uc *upconn) lookupLocked(id uint32, ended bool) *fstream {
+	st := uc.streams[id]
+	if st != nil && ended {
+		delete(uc.streams, id)
+		uc.idleCheckLocked()
+	}
+	return st
 }
 
 func (uc *upconn) take(id uint32) *fstream {
@@ -514,6 +524,9 @@ func (uc *upconn) fail(err error) {
 	uc.mu.Lock()
 	uc.dead = true
 	uc.away = true
+	if uc.idle != nil {
+		uc.idle.Stop()
+	}
 	var sts []*fstream
 	for _, st := range uc.streams {
 		sts = append(sts, st)
