@@ -10,10 +10,12 @@ import (
 	"net/http"
 	"net/netip"
 	"net/url"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -170,7 +172,7 @@ func (s *Service) serveFrames(c *coalescingConn, overTLS bool) {
 	ss.fr.WriteWindowUpdate(0, recvConnWin-65535)
 	ss.idle = time.AfterFunc(s.cfg.IdleTimeout, ss.idleExpired)
 	ss.mu.Unlock()
-	err := ss.read()
+	err := ss.readSafely()
 	ss.mu.Lock()
 	ss.closeLocked(err)
 	ss.mu.Unlock()
@@ -195,17 +197,38 @@ func (ss *fsess) read() error {
 			}
 			return err
 		}
-		ss.mu.Lock()
-		if hb != nil {
-			err = ss.headers(hb)
-		} else {
-			err = ss.handle(f)
-		}
-		ss.mu.Unlock()
-		if err != nil {
+		if err := ss.handleFrame(f, hb); err != nil {
 			return err
 		}
 	}
+}
+
+// handleFrame acts on a frame or a header block under mu, released however
+// the handling ends (see readSafely).
+func (ss *fsess) handleFrame(f http2.Frame, hb *hblock) error {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if hb != nil {
+		return ss.headers(hb)
+	}
+	return ss.handle(f)
+}
+
+// enginePanics counts the frame engine's connections ended by a panic (the
+// tests hold it at 0).
+var enginePanics atomic.Int64
+
+// readSafely is read, with a panic in the engine ending this connection, as
+// net/http's server ends a request whose handler panicked, not the agent.
+func (ss *fsess) readSafely() (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			enginePanics.Add(1)
+			ss.s.log.Error("http2 connection ended by an internal error", "client", ss.remote, "panic", r, "stack", string(debug.Stack()))
+			err = fmt.Errorf("internal error: %v", r)
+		}
+	}()
+	return ss.read()
 }
 
 func (ss *fsess) protocolError(msg string) error {
