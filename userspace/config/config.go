@@ -62,6 +62,7 @@ const (
 	DefaultRetries             = 1
 	DefaultWeight              = 1
 	DefaultHTTPUpstream        = UpstreamAuto
+	DefaultH2Engine            = H2EngineFrames
 	DefaultHTTPRetries         = 2
 	DefaultRetryBudget         = 0.2
 	DefaultHTTPIdle            = 5 * time.Minute
@@ -453,6 +454,18 @@ const (
 	UpstreamH2C   Upstream = "h2c"
 )
 
+// H2Engine is what serves the http data plane's HTTP/2 clients.
+type H2Engine string
+
+// HTTP/2 engines.
+const (
+	// H2EngineFrames: weir's frame engine (docs/http.md), for clients whose
+	// requests go to backends over HTTP/2; the others are net/http's.
+	H2EngineFrames H2Engine = "frames"
+	// H2EngineNetHTTP: net/http's HTTP/2 server and transport for every client.
+	H2EngineNetHTTP H2Engine = "net_http"
+)
+
 // LeastTime is what algorithm least_time measures.
 type LeastTime string
 
@@ -487,6 +500,8 @@ type HTTP struct {
 	// ALPN. Empty: cleartext, HTTP/1.1 and HTTP/2 (prior knowledge and h2c upgrade).
 	TLSCert, TLSKey string
 	Upstream        Upstream
+	// H2Engine serves the HTTP/2 clients.
+	H2Engine H2Engine
 	// LeastTime is algorithm least_time's measure; ewma measures until headers.
 	LeastTime LeastTime
 	// HashBy is the key of maglev and source_hash.

@@ -209,6 +209,7 @@ func TestErrors(t *testing.T) {
 		{"http least_time algorithm", svc + "  data_plane: http\n  http: {least_time: last_byte}\n" + be, "services[0].http.least_time: only algorithm least_time uses it"},
 		{"http tls half", svc + "  data_plane: http\n  http: {tls: {cert: /c.pem}}\n" + be, "services[0].http.tls: name both cert and key"},
 		{"http upstream", svc + "  data_plane: http\n  http: {upstream: h3}\n" + be, `services[0].http.upstream: must be auto, http1 or h2c, got "h3"`},
+		{"http h2 engine", svc + "  data_plane: http\n  http: {h2_engine: nghttp2}\n" + be, `services[0].http.h2_engine: must be frames or net_http, got "nghttp2"`},
 		{"http retries", svc + "  data_plane: http\n  http: {retries: 11, retry_budget: 2}\n" + be, "services[0].http.retries: must be 0..10, got 11"},
 		{"http retry_grpc", svc + "  data_plane: http\n  http: {retry_grpc: ['Svc.Method']}\n" + be, `services[0].http.retry_grpc[0]: must be /package.Service/Method`},
 		{"http header bytes", svc + "  data_plane: http\n  http: {max_header_bytes: 10}\n" + be, "services[0].http.max_header_bytes: must be 1024..16777216, got 10"},
@@ -306,7 +307,7 @@ func TestResolveHTTP(t *testing.T) {
   vip: 192.0.2.1:81
   data_plane: http
   algorithm: maglev
-  http: {listen: 127.0.0.1:8081, hash_by: "cookie:sid", retries: 0, x_forwarded_for: false, forwarded: true, retry_grpc: ["*"], upstream: h2c, try_timeout: 1s}
+  http: {listen: 127.0.0.1:8081, hash_by: "cookie:sid", retries: 0, x_forwarded_for: false, forwarded: true, retry_grpc: ["*"], upstream: h2c, try_timeout: 1s, h2_engine: net_http}
   backends: [{address: 192.0.2.10:80}]
 `))
 	if err != nil {
@@ -320,6 +321,7 @@ func TestResolveHTTP(t *testing.T) {
 		{"a.algorithm", cfg.Services[0].Algorithm, AlgorithmLeastConn},
 		{"a.listen", a.Listen, netip.MustParseAddrPort("192.0.2.1:80")},
 		{"a.upstream", a.Upstream, UpstreamAuto},
+		{"a.h2_engine", a.H2Engine, H2EngineFrames},
 		{"a.least_time", a.LeastTime, LeastTimeHeader},
 		{"a.hash_by", a.HashBy, HashBy{Kind: HashBySource}},
 		{"a.retries", a.Retries, DefaultHTTPRetries},
@@ -337,6 +339,7 @@ func TestResolveHTTP(t *testing.T) {
 		{"b.forwarded", b.Forwarded, true},
 		{"b.retry_grpc", fmt.Sprint(b.RetryGRPC), "[*]"},
 		{"b.upstream", b.Upstream, UpstreamH2C},
+		{"b.h2_engine", b.H2Engine, H2EngineNetHTTP},
 		{"b.try_timeout", b.TryTimeout, time.Second},
 	} {
 		if c.got != c.want {

@@ -199,6 +199,8 @@ type fileHTTP struct {
 	} `yaml:"tls,omitempty"`
 	// Upstream is auto (default: as the client spoke), http1 or h2c.
 	Upstream Upstream `yaml:"upstream,omitempty"`
+	// H2Engine is frames (default) or net_http: what serves HTTP/2 clients.
+	H2Engine H2Engine `yaml:"h2_engine,omitempty"`
 	// LeastTime is header (default) or last_byte, for algorithm least_time.
 	LeastTime LeastTime `yaml:"least_time,omitempty"`
 	// HashBy is source (default), header:NAME or cookie:NAME, for maglev and

@@ -721,6 +721,9 @@ func (h *fileHTTP) defaults() {
 	if h.Upstream == "" {
 		h.Upstream = DefaultHTTPUpstream
 	}
+	if h.H2Engine == "" {
+		h.H2Engine = DefaultH2Engine
+	}
 	if h.LeastTime == "" {
 		h.LeastTime = LeastTimeHeader
 	}
@@ -767,6 +770,7 @@ func (h *fileHTTP) validate(c *checker, p string, vip netip.AddrPort, algo Algor
 		c.bad(p+".tls", "name both cert and key, or neither (cleartext)")
 	}
 	oneOf(c, p+".upstream", h.Upstream, UpstreamAuto, UpstreamHTTP1, UpstreamH2C)
+	oneOf(c, p+".h2_engine", h.H2Engine, H2EngineFrames, H2EngineNetHTTP)
 	if oneOf(c, p+".least_time", h.LeastTime, LeastTimeHeader, LeastTimeLastByte) &&
 		h.LeastTime != LeastTimeHeader && algo != AlgorithmLeastTime {
 		c.bad(p+".least_time", "only algorithm least_time uses it, and algorithm is %s", algo)

@@ -400,7 +400,7 @@ var ErrRebuild = errors.New("the change needs a new listener")
 // listens (address, TLS, the server's and the pools' limits and timeouts), which
 // Reconfigure cannot change.
 func Fixed(a, b Config) bool {
-	return a.Name != b.Name || a.Listen != b.Listen || a.TLS != b.TLS || a.ConnectTimeout != b.ConnectTimeout ||
+	return a.Name != b.Name || a.Listen != b.Listen || a.TLS != b.TLS || a.NetHTTP2 != b.NetHTTP2 || a.ConnectTimeout != b.ConnectTimeout ||
 		a.IdleTimeout != b.IdleTimeout || a.ReadHeaderTimeout != b.ReadHeaderTimeout ||
 		a.MaxHeaderBytes != b.MaxHeaderBytes || a.DrainTimeout != b.DrainTimeout
 }

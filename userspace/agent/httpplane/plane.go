@@ -135,6 +135,7 @@ func lbConfig(s *config.Service, obs httplb.Observer, log *slog.Logger) httplb.C
 	case config.HashByCookie:
 		c.Hash = httplb.HashCookie
 	}
+	c.NetHTTP2 = h.H2Engine == config.H2EngineNetHTTP
 	switch h.Upstream {
 	case config.UpstreamHTTP1:
 		c.Upstream = httplb.UpstreamHTTP1
