@@ -574,9 +574,12 @@ func (r *run) drain(ctx context.Context) error {
 	target := r.backends[1]
 	addr := netip.AddrPortFrom(target.IP4, httpPort)
 	web := netip.AddrPortFrom(r.t.VIP4, httpPort)
-	// Ask the agent which client port lands on target.
+	// Ask the agent which client port lands on target. The ports are above
+	// the kernel's ephemeral range (32768-60999 in the client's namespace): in
+	// it, an earlier round's connection in TIME_WAIT could hold the port, and
+	// the bind fail.
 	port := uint16(0)
-	for p := uint16(41000); p < 42000; p++ {
+	for p := uint16(61000); p < 62000; p++ {
 		ex, err := r.client.Explain(ctx, "web", netip.AddrPortFrom(r.t.Client.IP4, p).String())
 		if err != nil {
 			return err
@@ -587,7 +590,7 @@ func (r *run) drain(ctx context.Context) error {
 		}
 	}
 	if port == 0 {
-		r.step(StepDrain, false, "no client port in 41000..41999 maps to %s", addr)
+		r.step(StepDrain, false, "no client port in 61000..61999 maps to %s", addr)
 		return nil
 	}
 	c, err := r.t.DialTCP(ctx, web, port)
