@@ -360,11 +360,19 @@ func idempotent(method string) bool {
 // grpcRetryable reports whether the request is a gRPC call the config marks safe
 // to retry.
 func (l *live) grpcRetryable(r *http.Request) bool {
-	if len(l.cfg.RetryGRPC) == 0 || !isGRPC(r) {
+	return l.grpcRetryableName(isGRPC(r), r.URL.Path)
+}
+
+// grpcRetryableName is grpcRetryable for a request known by its path.
+func (l *live) grpcRetryableName(grpc bool, path string) bool {
+	if len(l.cfg.RetryGRPC) == 0 || !grpc {
 		return false
 	}
+	if i := strings.IndexByte(path, '?'); i >= 0 {
+		path = path[:i]
+	}
 	for _, m := range l.cfg.RetryGRPC {
-		if m == "*" || m == r.URL.Path || strings.HasSuffix(m, "/*") && strings.HasPrefix(r.URL.Path, m[:len(m)-1]) {
+		if m == "*" || m == path || strings.HasSuffix(m, "/*") && strings.HasPrefix(path, m[:len(m)-1]) {
 			return true
 		}
 	}
@@ -422,27 +430,36 @@ func (l *live) outHeader(r *http.Request) http.Header {
 		client = r.RemoteAddr
 	}
 	if l.cfg.XForwardedFor {
-		xff := client
-		if prior := h["X-Forwarded-For"]; len(prior) > 0 {
-			xff = strings.Join(prior, ", ") + ", " + client
-		}
-		h["X-Forwarded-For"] = []string{xff}
+		h["X-Forwarded-For"] = []string{forwardedFor(h["X-Forwarded-For"], client)}
 	}
 	if l.cfg.XForwardedProto {
 		h["X-Forwarded-Proto"] = []string{proto}
 	}
 	if l.cfg.Forwarded {
-		node := client
-		if a, err := netip.ParseAddr(client); err == nil && a.Is6() {
-			node = `"[` + client + `]"`
-		}
-		el := "for=" + node + ";proto=" + proto
-		if r.Host != "" {
-			el += `;host="` + strings.ReplaceAll(r.Host, `"`, "") + `"`
-		}
-		h["Forwarded"] = append(h["Forwarded"], el)
+		h["Forwarded"] = append(h["Forwarded"], forwardedElement(client, proto, r.Host))
 	}
 	return h
+}
+
+// forwardedFor is X-Forwarded-For with client appended to what came (prior).
+func forwardedFor(prior []string, client string) string {
+	if len(prior) == 0 {
+		return client
+	}
+	return strings.Join(prior, ", ") + ", " + client
+}
+
+// forwardedElement is this hop's RFC 7239 Forwarded element.
+func forwardedElement(client, proto, host string) string {
+	node := client
+	if a, err := netip.ParseAddr(client); err == nil && a.Is6() {
+		node = `"[` + client + `]"`
+	}
+	el := "for=" + node + ";proto=" + proto
+	if host != "" {
+		el += `;host="` + strings.ReplaceAll(host, `"`, "") + `"`
+	}
+	return el
 }
 
 // hashKey is the request's key for maglev and source_hash: FNV-1a of the
@@ -466,6 +483,11 @@ func (l *live) hashKey(r *http.Request) uint64 {
 		// backend all the same.
 		v, _, _ = net.SplitHostPort(r.RemoteAddr)
 	}
+	return fnv1a(v)
+}
+
+// fnv1a is the 64-bit FNV-1a hash of v.
+func fnv1a(v string) uint64 {
 	h := uint64(14695981039346656037)
 	for i := 0; i < len(v); i++ {
 		h ^= uint64(v[i])

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"net/netip"
 	"net/url"
 	"runtime/debug"
 	"slices"
@@ -95,7 +94,6 @@ type fstream struct {
 	live *live
 
 	method, path, authority string
-	logPath                 string              // path without the query, for the access log
 	hdrs                    []hpack.HeaderField // to the backend, pseudo-headers first
 	hashKey                 uint64
 	grpc                    bool
@@ -126,7 +124,6 @@ type fstream struct {
 	up      *upconn
 	upID    uint32
 	upSend  int64 // the backend's stream window for our DATA
-	upRecv  int64 // our window on the backend's answer
 	upOwed  int64 // stream credit owed to the backend
 	tryT    time.Time
 	tryTmr  *time.Timer
@@ -139,7 +136,6 @@ type fstream struct {
 	respEnd   bool                // END_STREAM with the last of respQ
 	trailers  []hpack.HeaderField // to send after respQ
 	cliSend   int64               // the client's stream window for our DATA
-	bytes     int64
 	finished  bool
 	upDone    bool // the backend's side of the stream is over
 	respBytes int64
@@ -380,7 +376,6 @@ func (ss *fsess) headers(f *hblock) error {
 		return nil
 	}
 	st.method, st.path, st.authority = f.pseudo("method"), f.pseudo("path"), f.pseudo("authority")
-	st.logPath, _, _ = strings.Cut(st.path, "?")
 	scheme := f.pseudo("scheme")
 	if st.method == http.MethodConnect {
 		st.answer(http.StatusMethodNotAllowed, fmt.Sprintf("service %q: CONNECT is not proxied", s.cfg.Name), false)
@@ -447,26 +442,20 @@ func (st *fstream) addForwarding(xff []string) {
 		proto = "https"
 	}
 	if cfg.XForwardedFor {
-		v := client
-		if len(xff) > 0 {
-			v = strings.Join(xff, ", ") + ", " + client
-		}
-		st.hdrs = append(st.hdrs, hpack.HeaderField{Name: "x-forwarded-for", Value: v})
+		st.hdrs = append(st.hdrs, hpack.HeaderField{Name: "x-forwarded-for", Value: forwardedFor(xff, client)})
 	}
 	if cfg.XForwardedProto {
 		st.hdrs = append(st.hdrs, hpack.HeaderField{Name: "x-forwarded-proto", Value: proto})
 	}
 	if cfg.Forwarded {
-		node := client
-		if a, err := netip.ParseAddr(client); err == nil && a.Is6() {
-			node = `"[` + client + `]"`
-		}
-		el := "for=" + node + ";proto=" + proto
-		if st.authority != "" {
-			el += `;host="` + strings.ReplaceAll(st.authority, `"`, "") + `"`
-		}
-		st.hdrs = append(st.hdrs, hpack.HeaderField{Name: "forwarded", Value: el})
+		st.hdrs = append(st.hdrs, hpack.HeaderField{Name: "forwarded", Value: forwardedElement(client, proto, st.authority)})
 	}
+}
+
+// logPath is the request's path without its query, for the access log.
+func (st *fstream) logPath() string {
+	p, _, _ := strings.Cut(st.path, "?")
+	return p
 }
 
 // key is the request's hash key, as hashKey computes it for net/http's requests.
@@ -495,31 +484,6 @@ func (st *fstream) key(regular []hpack.HeaderField, cookies []string) uint64 {
 		v = st.sess.client
 	}
 	return fnv1a(v)
-}
-
-func fnv1a(v string) uint64 {
-	h := uint64(14695981039346656037)
-	for i := 0; i < len(v); i++ {
-		h ^= uint64(v[i])
-		h *= 1099511628211
-	}
-	return h
-}
-
-// grpcRetryableName is grpcRetryable for a request known by its path.
-func (l *live) grpcRetryableName(grpc bool, path string) bool {
-	if len(l.cfg.RetryGRPC) == 0 || !grpc {
-		return false
-	}
-	if i := strings.IndexByte(path, '?'); i >= 0 {
-		path = path[:i]
-	}
-	for _, m := range l.cfg.RetryGRPC {
-		if m == "*" || m == path || strings.HasSuffix(m, "/*") && strings.HasPrefix(path, m[:len(m)-1]) {
-			return true
-		}
-	}
-	return false
 }
 
 // data takes a DATA frame of the client's.
@@ -618,7 +582,7 @@ func (st *fstream) reset(code http2.ErrCode) {
 	}
 	st.sess.fr.WriteRSTStream(st.id, code)
 	st.cancelUpstream()
-	st.finish(nil)
+	st.finish()
 }
 
 func (ss *fsess) resetLocked(id uint32, code http2.ErrCode) {
@@ -638,7 +602,7 @@ func (st *fstream) clientGone() {
 		st.settle(errors.New("the client reset the stream"))
 		st.live.observeTry(be, Success)
 	}
-	st.finish(nil)
+	st.finish()
 }
 
 // brokenOff settles a try that failed after its answer's headers went to the
@@ -675,7 +639,7 @@ func (st *fstream) settle(err error) {
 		l.cfg.Observer.Request(be.addr, st.status, time.Since(st.start))
 	}
 	if l.cfg.AccessLog {
-		s.log.Info("request", "method", st.method, "path", st.logPath, "proto", "HTTP/2.0", "client", st.sess.remote,
+		s.log.Info("request", "method", st.method, "path", st.logPath(), "proto", "HTTP/2.0", "client", st.sess.remote,
 			"backend", be.id, "status", st.status, "bytes", st.respBytes, "headers", st.headerL, "duration", time.Since(st.start), "err", err)
 	}
 }
@@ -699,7 +663,7 @@ func (st *fstream) answer(status int, msg string, noBackend bool) {
 	}
 	st.status = status
 	if st.live.cfg.AccessLog {
-		s.log.Info("request", "method", st.method, "path", st.logPath, "proto", "HTTP/2.0", "client", ss.remote,
+		s.log.Info("request", "method", st.method, "path", st.logPath(), "proto", "HTTP/2.0", "client", ss.remote,
 			"status", status, "tries", st.tries, "duration", time.Since(st.start), "err", st.fail.err)
 	}
 	s.stats.requests.Add(1)
@@ -707,7 +671,7 @@ func (st *fstream) answer(status int, msg string, noBackend bool) {
 		// The body is not wanted: stop the client sending it.
 		ss.fr.WriteRSTStream(st.id, http2.ErrCodeNo)
 	}
-	st.finish(nil)
+	st.finish()
 }
 
 // nextTry picks a backend and sends the request, or answers the client when no
@@ -819,8 +783,7 @@ func (st *fstream) tryFailed(o Outcome, unprocessed bool) {
 		st.tryTmr.Stop()
 	}
 	st.up, st.upID = nil, 0
-	// An answer held back (respHeaders) is dropped with its try.
-	st.status, st.held, st.respQ, st.respEnd, st.trailers = 0, nil, nil, false, nil
+	st.dropAnswer()
 	if st.be == nil {
 		return
 	}
@@ -852,7 +815,7 @@ func (st *fstream) upstreamReset(code http2.ErrCode, connErr error, unprocessed 
 		// away): it goes again to the same backend, on another connection,
 		// without counting as a try, as net/http's transport does.
 		st.refused++
-		st.status, st.held, st.respQ, st.respEnd, st.trailers = 0, nil, nil, false, nil
+		st.dropAnswer()
 		st.requeueBody()
 		st.be.frames(st.sess.s).open(st)
 		return
@@ -890,7 +853,7 @@ func (st *fstream) cancelUpstream() {
 }
 
 // finish ends a stream on the client's side; mu is held.
-func (st *fstream) finish(err error) {
+func (st *fstream) finish() {
 	if st.finished {
 		return
 	}
@@ -930,7 +893,7 @@ func (st *fstream) delivered() {
 		// it (RFC 9113 8.1).
 		st.sess.fr.WriteRSTStream(st.id, http2.ErrCodeNo)
 	}
-	st.finish(nil)
+	st.finish()
 }
 
 // respHeaders takes the backend's response headers (or informational ones).
@@ -1009,6 +972,12 @@ func (st *fstream) respHeaders(f *hblock) {
 	if f.end {
 		st.delivered()
 	}
+}
+
+// dropAnswer forgets what a try had of its answer (held headers, queued
+// bytes), for the next try.
+func (st *fstream) dropAnswer() {
+	st.status, st.held, st.respQ, st.respEnd, st.trailers = 0, nil, nil, false, nil
 }
 
 // answered reports whether the answer's headers went to the client.

@@ -124,7 +124,6 @@ func (uc *upconn) start(st *fstream) {
 	uc.streams[id] = st
 	st.upID = id
 	st.upSend = int64(uc.initWin)
-	st.upRecv = recvStreamWin
 	st.upOwed = 0
 	end := st.reqEnded && len(st.reqQ) == 0 && len(st.resend) == 0 && st.reqTr == nil
 	st.reqEndSent = end
@@ -209,7 +208,7 @@ func (uc *upconn) oweStream(st *fstream, n int64) {
 	if uc.streams[st.upID] != st {
 		return
 	}
-	grant(uc.fr, st.upID, &st.upOwed, &st.upRecv, n)
+	grant(uc.fr, st.upID, &st.upOwed, nil, n)
 }
 
 func (uc *upconn) oweLocked(n int64) { grant(uc.fr, 0, &uc.credit, &uc.recvWin, n) }
