@@ -71,8 +71,9 @@ var (
 	timeout  = flag.Duration("timeout", 30*time.Minute, "bound on the whole run")
 	serve    = flag.String("serve", "", "internal: run backends or weir (child process)")
 	threads  = flag.Int("threads", 2, "threads or workers of every target (GOMAXPROCS for weir)")
-	variants = flag.String("variants", "", `more weir targets, each with settings of its own, interleaved with the rest: "name:KEY=V,KEY=V;name2:..." with keys GOGC, GOMEMLIMIT (the runtime's), H2CONNS (upstream HTTP/2 connections per backend), UPSTREAM (auto, http1, h2c; of the HTTP/1.1 and h2 fronts, not gRPC's), NETHTTP2 (1: HTTP/2 clients through net/http's server and transport, not the frame engine) and BIN (another build of this program to run weir from, e.g. main's, for a before/after)`)
+	variants = flag.String("variants", "", `more weir targets, each with settings of its own, interleaved with the rest: "name:KEY=V,KEY=V;name2:..." with keys GOGC, GOMEMLIMIT, GOMAXPROCS (the runtime's; GOMAXPROCS overrides -threads), H2CONNS (upstream HTTP/2 connections per backend), UPSTREAM (auto, http1, h2c; of the HTTP/1.1 and h2 fronts, not gRPC's), NETHTTP2 (1: HTTP/2 clients through net/http's server and transport, not the frame engine), NETHTTP1 (1: HTTP/1.1 clients through net/http's server, not weir's connection loop) and BIN (another build of this program to run weir from, e.g. main's, for a before/after)`)
 	pprof    = flag.String("pprof", "", "serve weir's net/http/pprof on this address (for a profile: go tool pprof http://ADDR/debug/pprof/profile)")
+	loads    = flag.String("loads", "h1,h2,grpc,idle", "the loads to run, of h1, h2, grpc and idle (an A/B of one path runs only its load, and so more rounds in the same time)")
 )
 
 // Loopback ports.
@@ -137,7 +138,7 @@ func serveChild(what string) error {
 				up = httplb.UpstreamAuto // gRPC needs HTTP/2 end to end
 			}
 			s, err := httplb.Listen(httplb.Config{Name: l, Listen: netip.MustParseAddrPort(l), Algorithm: "round_robin",
-				Retries: 2, RetryBudget: 0.2, XForwardedFor: true, XForwardedProto: true, H2Conns: h2conns, Upstream: up, NetHTTP2: os.Getenv("NETHTTP2") == "1",
+				Retries: 2, RetryBudget: 0.2, XForwardedFor: true, XForwardedProto: true, H2Conns: h2conns, Upstream: up, NetHTTP2: os.Getenv("NETHTTP2") == "1", NetHTTP1: os.Getenv("NETHTTP1") == "1",
 				Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))}, bs)
 			if err != nil {
 				return err
@@ -254,8 +255,8 @@ func parseVariants(s, self string) ([]variant, error) {
 		v := variant{name: name, bin: self}
 		for kv := range strings.SplitSeq(kvs, ",") {
 			k, _, ok := strings.Cut(kv, "=")
-			if !ok || !slices.Contains([]string{"GOGC", "GOMEMLIMIT", "H2CONNS", "UPSTREAM", "NETHTTP2", "BIN"}, k) {
-				return nil, fmt.Errorf("-variants %q: %q: want GOGC, GOMEMLIMIT, H2CONNS, UPSTREAM, NETHTTP2 or BIN=value", spec, kv)
+			if !ok || !slices.Contains([]string{"GOGC", "GOMEMLIMIT", "GOMAXPROCS", "H2CONNS", "UPSTREAM", "NETHTTP2", "NETHTTP1", "BIN"}, k) {
+				return nil, fmt.Errorf("-variants %q: %q: want GOGC, GOMEMLIMIT, GOMAXPROCS, H2CONNS, UPSTREAM, NETHTTP2, NETHTTP1 or BIN=value", spec, kv)
 			}
 			if k == "BIN" {
 				v.bin = kv[len("BIN="):]
@@ -282,24 +283,34 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	if _, err := h2load(ctx, dir, "-n", "2000", "-c", "4", "-m", "16", "http://"+frontH2+"/"); err != nil {
 		return res, err
 	}
-	cpu0 := p.CPU()
-	h1, err := h2load(ctx, dir, "--h1", "-c", "50", "-n", strconv.Itoa(*requests), "http://"+frontH1+"/")
-	if err != nil {
-		return res, err
+	want := strings.Split(*loads, ",")
+	if slices.Contains(want, "h1") {
+		cpu := p.CPU()
+		h1, err := h2load(ctx, dir, "--h1", "-c", "50", "-n", strconv.Itoa(*requests), "http://"+frontH1+"/")
+		if err != nil {
+			return res, err
+		}
+		res.H1RPS, res.H1P50, res.H1P99, res.H1CPU = h1.rps, h1.p50, h1.p99, perReq(p.CPU()-cpu, h1.n)
 	}
-	cpu1 := p.CPU()
-	res.H1RPS, res.H1P50, res.H1P99, res.H1CPU = h1.rps, h1.p50, h1.p99, perReq(cpu1-cpu0, h1.n)
-	h2, err := h2load(ctx, dir, "-c", "4", "-m", "64", "-n", strconv.Itoa(*requests), "http://"+frontH2+"/")
-	if err != nil {
-		return res, err
+	if slices.Contains(want, "h2") {
+		cpu := p.CPU()
+		h2, err := h2load(ctx, dir, "-c", "4", "-m", "64", "-n", strconv.Itoa(*requests), "http://"+frontH2+"/")
+		if err != nil {
+			return res, err
+		}
+		res.H2RPS, res.H2P50, res.H2P99, res.H2CPU = h2.rps, h2.p50, h2.p99, perReq(p.CPU()-cpu, h2.n)
 	}
-	cpu2 := p.CPU()
-	res.H2RPS, res.H2P50, res.H2P99, res.H2CPU = h2.rps, h2.p50, h2.p99, perReq(cpu2-cpu1, h2.n)
-	g, err := grpcLoad(ctx, frontGRPC, 4, 32, *duration)
-	if err != nil {
-		return res, err
+	if slices.Contains(want, "grpc") {
+		cpu := p.CPU()
+		g, err := grpcLoad(ctx, frontGRPC, 4, 32, *duration)
+		if err != nil {
+			return res, err
+		}
+		res.GRPCRPS, res.GRPCP50, res.GRPCP99, res.GRPCCPU = g.rps, g.p50, g.p99, perReq(p.CPU()-cpu, g.n)
 	}
-	res.GRPCRPS, res.GRPCP50, res.GRPCP99, res.GRPCCPU = g.rps, g.p50, g.p99, perReq(p.CPU()-cpu2, g.n)
+	if !slices.Contains(want, "idle") {
+		return res, nil
+	}
 	// RSS with -idle connections open, then with twice as many: the second batch's
 	// growth is what an idle connection costs. Against the RSS right after the
 	// loads, a Go proxy's garbage (collected and handed back meanwhile) can outweigh
@@ -588,6 +599,10 @@ func median(rs []result, f func(result) float64) float64 {
 	for _, r := range rs {
 		v = append(v, f(r))
 	}
+	return medianOf(v)
+}
+
+func medianOf(v []float64) float64 {
 	sort.Float64s(v)
 	if len(v) == 0 {
 		return 0
@@ -630,7 +645,11 @@ func report(targets []target, results map[string][]result) error {
 	}
 	fmt.Fprintln(&b)
 	medians := map[string]map[string]float64{}
+	ratios := map[string]map[string]float64{}
 	for _, c := range cols {
+		if allZero(results, c.f) {
+			continue // a load not run (-loads)
+		}
 		fmt.Fprintf(&b, "| %s |", c.name)
 		base := median(results["haproxy"], c.f)
 		for _, t := range targets {
@@ -644,8 +663,43 @@ func report(targets []target, results map[string][]result) error {
 			} else {
 				fmt.Fprintf(&b, " %.4g |", m)
 			}
+			if r, ok := pairedRatio(results[t.name], results["haproxy"], c.f); ok && t.name != "haproxy" {
+				if ratios[t.name] == nil {
+					ratios[t.name] = map[string]float64{}
+				}
+				ratios[t.name][c.name] = r
+			}
 		}
 		fmt.Fprintln(&b)
+	}
+	if len(ratios) > 0 {
+		// Each run's figure over HAProxy's in the same run, then the median: on a
+		// machine whose speed drifts between runs, steadier than a ratio of medians.
+		fmt.Fprint(&b, "\nmedian of each run's ratio to HAProxy's in that run\n\n| measure |")
+		for _, t := range targets {
+			if ratios[t.name] != nil {
+				fmt.Fprintf(&b, " %s |", t.name)
+			}
+		}
+		fmt.Fprint(&b, "\n|---|")
+		for _, t := range targets {
+			if ratios[t.name] != nil {
+				fmt.Fprint(&b, "---|")
+			}
+		}
+		fmt.Fprintln(&b)
+		for _, c := range cols {
+			if allZero(results, c.f) {
+				continue
+			}
+			fmt.Fprintf(&b, "| %s |", c.name)
+			for _, t := range targets {
+				if ratios[t.name] != nil {
+					fmt.Fprintf(&b, " %.2f× |", ratios[t.name][c.name])
+				}
+			}
+			fmt.Fprintln(&b)
+		}
 	}
 	fmt.Print(b.String())
 	if err := os.MkdirAll(*outDir, 0o755); err != nil {
@@ -654,9 +708,34 @@ func report(targets []target, results map[string][]result) error {
 	if err := os.WriteFile(filepath.Join(*outDir, "results.md"), []byte(b.String()), 0o644); err != nil {
 		return err
 	}
-	js, err := json.MarshalIndent(map[string]any{"runs": results, "medians": medians}, "", "  ")
+	js, err := json.MarshalIndent(map[string]any{"runs": results, "medians": medians, "paired_ratios": ratios}, "", "  ")
 	if err != nil {
 		return err
 	}
 	return errors.Join(os.WriteFile(filepath.Join(*outDir, "results.json"), js, 0o644))
+}
+
+func allZero(results map[string][]result, f func(result) float64) bool {
+	for _, rs := range results {
+		for _, r := range rs {
+			if f(r) != 0 {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// pairedRatio is the median over runs of a's figure over b's in the same run.
+func pairedRatio(a, b []result, f func(result) float64) (float64, bool) {
+	var v []float64
+	for i := range min(len(a), len(b)) {
+		if d := f(b[i]); d > 0 {
+			v = append(v, f(a[i])/d)
+		}
+	}
+	if len(v) == 0 {
+		return 0, false
+	}
+	return medianOf(v), true
 }
