@@ -63,6 +63,7 @@ const (
 	DefaultWeight              = 1
 	DefaultHTTPUpstream        = UpstreamAuto
 	DefaultH2Engine            = H2EngineFrames
+	DefaultH1Engine            = H1EngineLoop
 	DefaultHTTPRetries         = 2
 	DefaultRetryBudget         = 0.2
 	DefaultHTTPIdle            = 5 * time.Minute
@@ -466,6 +467,18 @@ const (
 	H2EngineNetHTTP H2Engine = "net_http"
 )
 
+// H1Engine is what serves the http data plane's HTTP/1.1 clients.
+type H1Engine string
+
+// HTTP/1.1 engines.
+const (
+	// H1EngineLoop: weir's loop per connection (docs/http.md), reading requests
+	// with the standard library's parser and writing answers itself.
+	H1EngineLoop H1Engine = "loop"
+	// H1EngineNetHTTP: net/http's server.
+	H1EngineNetHTTP H1Engine = "net_http"
+)
+
 // LeastTime is what algorithm least_time measures.
 type LeastTime string
 
@@ -502,6 +515,8 @@ type HTTP struct {
 	Upstream        Upstream
 	// H2Engine serves the HTTP/2 clients.
 	H2Engine H2Engine
+	// H1Engine serves the HTTP/1.1 clients.
+	H1Engine H1Engine
 	// LeastTime is algorithm least_time's measure; ewma measures until headers.
 	LeastTime LeastTime
 	// HashBy is the key of maglev and source_hash.

@@ -210,6 +210,7 @@ func TestErrors(t *testing.T) {
 		{"http tls half", svc + "  data_plane: http\n  http: {tls: {cert: /c.pem}}\n" + be, "services[0].http.tls: name both cert and key"},
 		{"http upstream", svc + "  data_plane: http\n  http: {upstream: h3}\n" + be, `services[0].http.upstream: must be auto, http1 or h2c, got "h3"`},
 		{"http h2 engine", svc + "  data_plane: http\n  http: {h2_engine: nghttp2}\n" + be, `services[0].http.h2_engine: must be frames or net_http, got "nghttp2"`},
+		{"http h1 engine", svc + "  data_plane: http\n  http: {h1_engine: frames}\n" + be, `services[0].http.h1_engine: must be loop or net_http, got "frames"`},
 		{"http retries", svc + "  data_plane: http\n  http: {retries: 11, retry_budget: 2}\n" + be, "services[0].http.retries: must be 0..10, got 11"},
 		{"http retry_grpc", svc + "  data_plane: http\n  http: {retry_grpc: ['Svc.Method']}\n" + be, `services[0].http.retry_grpc[0]: must be /package.Service/Method`},
 		{"http header bytes", svc + "  data_plane: http\n  http: {max_header_bytes: 10}\n" + be, "services[0].http.max_header_bytes: must be 1024..16777216, got 10"},
@@ -307,7 +308,7 @@ func TestResolveHTTP(t *testing.T) {
   vip: 192.0.2.1:81
   data_plane: http
   algorithm: maglev
-  http: {listen: 127.0.0.1:8081, hash_by: "cookie:sid", retries: 0, x_forwarded_for: false, forwarded: true, retry_grpc: ["*"], upstream: h2c, try_timeout: 1s, h2_engine: net_http}
+  http: {listen: 127.0.0.1:8081, hash_by: "cookie:sid", retries: 0, x_forwarded_for: false, forwarded: true, retry_grpc: ["*"], upstream: h2c, try_timeout: 1s, h2_engine: net_http, h1_engine: net_http}
   backends: [{address: 192.0.2.10:80}]
 `))
 	if err != nil {
@@ -322,6 +323,7 @@ func TestResolveHTTP(t *testing.T) {
 		{"a.listen", a.Listen, netip.MustParseAddrPort("192.0.2.1:80")},
 		{"a.upstream", a.Upstream, UpstreamAuto},
 		{"a.h2_engine", a.H2Engine, H2EngineFrames},
+		{"a.h1_engine", a.H1Engine, H1EngineLoop},
 		{"a.least_time", a.LeastTime, LeastTimeHeader},
 		{"a.hash_by", a.HashBy, HashBy{Kind: HashBySource}},
 		{"a.retries", a.Retries, DefaultHTTPRetries},
@@ -340,6 +342,7 @@ func TestResolveHTTP(t *testing.T) {
 		{"b.retry_grpc", fmt.Sprint(b.RetryGRPC), "[*]"},
 		{"b.upstream", b.Upstream, UpstreamH2C},
 		{"b.h2_engine", b.H2Engine, H2EngineNetHTTP},
+		{"b.h1_engine", b.H1Engine, H1EngineNetHTTP},
 		{"b.try_timeout", b.TryTimeout, time.Second},
 	} {
 		if c.got != c.want {

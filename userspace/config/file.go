@@ -201,6 +201,8 @@ type fileHTTP struct {
 	Upstream Upstream `yaml:"upstream,omitempty"`
 	// H2Engine is frames (default) or net_http: what serves HTTP/2 clients.
 	H2Engine H2Engine `yaml:"h2_engine,omitempty"`
+	// H1Engine is loop (default) or net_http: what serves HTTP/1.1 clients.
+	H1Engine H1Engine `yaml:"h1_engine,omitempty"`
 	// LeastTime is header (default) or last_byte, for algorithm least_time.
 	LeastTime LeastTime `yaml:"least_time,omitempty"`
 	// HashBy is source (default), header:NAME or cookie:NAME, for maglev and

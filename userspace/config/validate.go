@@ -724,6 +724,9 @@ func (h *fileHTTP) defaults() {
 	if h.H2Engine == "" {
 		h.H2Engine = DefaultH2Engine
 	}
+	if h.H1Engine == "" {
+		h.H1Engine = DefaultH1Engine
+	}
 	if h.LeastTime == "" {
 		h.LeastTime = LeastTimeHeader
 	}
@@ -771,6 +774,7 @@ func (h *fileHTTP) validate(c *checker, p string, vip netip.AddrPort, algo Algor
 	}
 	oneOf(c, p+".upstream", h.Upstream, UpstreamAuto, UpstreamHTTP1, UpstreamH2C)
 	oneOf(c, p+".h2_engine", h.H2Engine, H2EngineFrames, H2EngineNetHTTP)
+	oneOf(c, p+".h1_engine", h.H1Engine, H1EngineLoop, H1EngineNetHTTP)
 	if oneOf(c, p+".least_time", h.LeastTime, LeastTimeHeader, LeastTimeLastByte) &&
 		h.LeastTime != LeastTimeHeader && algo != AlgorithmLeastTime {
 		c.bad(p+".least_time", "only algorithm least_time uses it, and algorithm is %s", algo)

@@ -14,9 +14,10 @@ import (
 )
 
 // splitListener hands connections that open with the HTTP/2 preface to the
-// frame engine and the others to net/http's server, which reads them through
-// Accept. Each connection's first bytes are read on a goroutine of its own, so
-// a slow client holds up no other.
+// frame engine, HTTP/1.1 connections to the connection loop (h1serve.go), and
+// whatever the service's settings keep on net/http to its server, which reads
+// them through Accept. Each connection's first bytes are read on a goroutine of
+// its own, so a slow client holds up no other.
 type splitListener struct {
 	net.Listener
 	s     *Service
@@ -87,12 +88,17 @@ func (l *splitListener) sniff(c *coalescingConn) {
 		}
 	}
 	c.SetReadDeadline(time.Time{})
-	if string(buf[:n]) == http2.ClientPreface {
+	if string(buf[:n]) == http2.ClientPreface && l.s.framesServe() {
 		c.sniffed = true
 		c.mu.Lock()
 		c.async = true
 		c.mu.Unlock()
 		l.s.serveFrames(c, false)
+		return
+	}
+	if string(buf[:n]) != http2.ClientPreface && !l.s.cfg.NetHTTP1 {
+		// The loop writes whole answers itself: no coalescing wrapper.
+		l.s.serveH1(c.Conn, buf[:n], nil)
 		return
 	}
 	c.sniffed = false
@@ -124,6 +130,16 @@ func (l *splitListener) sniffTLS(c *coalescingConn) {
 		return
 	}
 	if tc.ConnectionState().NegotiatedProtocol != http2.NextProtoTLS {
+		if !l.s.cfg.NetHTTP1 {
+			st := tc.ConnectionState()
+			tc.SetReadDeadline(time.Time{})
+			l.s.serveH1(tc, nil, &st)
+			return
+		}
+		l.handOver(tc)
+		return
+	}
+	if !l.s.framesServe() {
 		l.handOver(tc)
 		return
 	}

@@ -412,53 +412,37 @@ func TestFramesReplayCreditedOnce(t *testing.T) {
 // refusingBackend is an HTTP/2 backend that refuses each stream (RST_STREAM
 // REFUSED_STREAM) once 32 KiB of its body came.
 func refusingBackend(t *testing.T) Backend {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	// Exits when the listener closes at cleanup.
-	go func() {
+	addr := rawBackend(t, func(c net.Conn) {
+		if _, err := io.ReadFull(c, make([]byte, len(http2.ClientPreface))); err != nil {
+			return
+		}
+		fr := http2.NewFramer(c, c)
+		fr.WriteSettings()
+		got := map[uint32]int{}
 		for {
-			c, err := ln.Accept()
+			f, err := fr.ReadFrame()
 			if err != nil {
 				return
 			}
-			// Exits when weir closes the connection.
-			go func() {
-				defer c.Close()
-				if _, err := io.ReadFull(c, make([]byte, len(http2.ClientPreface))); err != nil {
-					return
+			switch f := f.(type) {
+			case *http2.SettingsFrame:
+				if !f.IsAck() {
+					fr.WriteSettingsAck()
 				}
-				fr := http2.NewFramer(c, c)
-				fr.WriteSettings()
-				got := map[uint32]int{}
-				for {
-					f, err := fr.ReadFrame()
-					if err != nil {
-						return
-					}
-					switch f := f.(type) {
-					case *http2.SettingsFrame:
-						if !f.IsAck() {
-							fr.WriteSettingsAck()
-						}
-					case *http2.DataFrame:
-						if n := len(f.Data()); n > 0 {
-							fr.WriteWindowUpdate(0, uint32(n))
-						}
-						if got[f.StreamID] >= 0 {
-							if got[f.StreamID] += len(f.Data()); got[f.StreamID] >= 32<<10 {
-								got[f.StreamID] = -1
-								fr.WriteRSTStream(f.StreamID, http2.ErrCodeRefusedStream)
-							}
-						}
+			case *http2.DataFrame:
+				if n := len(f.Data()); n > 0 {
+					fr.WriteWindowUpdate(0, uint32(n))
+				}
+				if got[f.StreamID] >= 0 {
+					if got[f.StreamID] += len(f.Data()); got[f.StreamID] >= 32<<10 {
+						got[f.StreamID] = -1
+						fr.WriteRSTStream(f.StreamID, http2.ErrCodeRefusedStream)
 					}
 				}
-			}()
+			}
 		}
-	}()
-	return Backend{Addr: netip.MustParseAddrPort(ln.Addr().String()), Weight: 1, Usable: true}
+	})
+	return Backend{Addr: addr, Weight: 1, Usable: true}
 }
 
 // TestFramesRefusedAfterBody: a POST whose body was partly sent before the

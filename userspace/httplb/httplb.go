@@ -117,6 +117,10 @@ type Config struct {
 	// auto or h2c); TLS and h2c-upgraded connections are net/http's either way.
 	// Kept to compare the two (bench/http). Read once, by Listen.
 	NetHTTP2 bool
+	// NetHTTP1 serves HTTP/1.1 clients through net/http's server. Without it,
+	// they are served by weir's own loop per connection (h1serve.go). Read
+	// once, by Listen.
+	NetHTTP1 bool
 	// Retries is how many other backends a failed request may be tried on.
 	Retries int
 	// RetryBudget is the share of requests that may be retries; 0 with Retries > 0
@@ -155,8 +159,13 @@ type Service struct {
 	ln       net.Listener
 	srv      *http.Server
 	upgraded *http.Server   // shuts the h2c-upgraded connections down (see Listen)
-	split    *splitListener // with Frames: hands HTTP/2 clients to the frame engine
+	h2       *http2.Server  // serves h2c-upgraded connections
+	split    *splitListener // hands clients to the frame engine and the HTTP/1.1 loop
 	stats    stats
+
+	h1mu       sync.Mutex
+	h1conns    map[*h1Session]struct{} // HTTP/1.1 connections the loop serves
+	h1Shutdown atomic.Bool
 
 	fmu       sync.Mutex
 	fsessions map[*fsess]bool // the frame engine's client connections
@@ -199,7 +208,7 @@ func Listen(cfg Config, backends []Backend) (*Service, error) {
 		return nil, fmt.Errorf("service %q: listen %s: %w", cfg.Name, cfg.Listen, err)
 	}
 	s.ln = coalescingListener{ln}
-	if !cfg.NetHTTP2 && cfg.Upstream != UpstreamHTTP1 {
+	if s.framesServe() || !cfg.NetHTTP1 {
 		s.split = newSplitListener(s.ln, s)
 		s.ln = s.split
 		s.stats.countedAtAccept = true
@@ -213,6 +222,7 @@ func Listen(cfg Config, backends []Backend) (*Service, error) {
 	// server, outside net/http's: its shutdown hook, registered on an http.Server
 	// of its own, sends them GOAWAY when this one shuts down.
 	s.upgraded = &http.Server{}
+	s.h2 = h2
 	if err := http2.ConfigureServer(s.upgraded, h2); err != nil {
 		ln.Close()
 		return nil, fmt.Errorf("service %q: %w", cfg.Name, err)
@@ -229,6 +239,12 @@ func Listen(cfg Config, backends []Backend) (*Service, error) {
 		ConnState:         s.stats.connState,
 	}
 	return s, nil
+}
+
+// framesServe reports whether the frame engine serves HTTP/2 clients: their
+// requests go to backends over HTTP/2, and net/http's path was not asked for.
+func (s *Service) framesServe() bool {
+	return !s.cfg.NetHTTP2 && s.cfg.Upstream != UpstreamHTTP1
 }
 
 func (c *Config) defaults() {
@@ -288,6 +304,7 @@ func (s *Service) Serve(ctx context.Context) error {
 	var wg sync.WaitGroup
 	wg.Go(func() { s.upgraded.Shutdown(shutCtx) })
 	wg.Go(func() { s.shutdownFrames(shutCtx.Done()) })
+	wg.Go(func() { s.shutdownH1(shutCtx.Done()) })
 	err := s.srv.Shutdown(shutCtx)
 	wg.Wait()
 	if err != nil {
@@ -304,6 +321,7 @@ func (s *Service) Close() error {
 	err := s.srv.Close()
 	s.ln.Close()
 	s.closeFrames()
+	s.closeH1()
 	s.closeBackends()
 	return err
 }
@@ -400,7 +418,7 @@ var ErrRebuild = errors.New("the change needs a new listener")
 // listens (address, TLS, the server's and the pools' limits and timeouts), which
 // Reconfigure cannot change.
 func Fixed(a, b Config) bool {
-	return a.Name != b.Name || a.Listen != b.Listen || a.TLS != b.TLS || a.NetHTTP2 != b.NetHTTP2 || a.ConnectTimeout != b.ConnectTimeout ||
+	return a.Name != b.Name || a.Listen != b.Listen || a.TLS != b.TLS || a.NetHTTP2 != b.NetHTTP2 || a.NetHTTP1 != b.NetHTTP1 || a.ConnectTimeout != b.ConnectTimeout ||
 		a.IdleTimeout != b.IdleTimeout || a.ReadHeaderTimeout != b.ReadHeaderTimeout ||
 		a.MaxHeaderBytes != b.MaxHeaderBytes || a.DrainTimeout != b.DrainTimeout
 }

@@ -37,13 +37,13 @@ func backendSet(bs []*httpbackend.Backend) []Backend {
 
 // serve starts a service over bs with cfg (Listen defaults to a free loopback
 // port) and stops it, drained, at cleanup.
-func serve(t *testing.T, cfg Config, bs []*httpbackend.Backend) *Service {
+func serve(t testing.TB, cfg Config, bs []*httpbackend.Backend) *Service {
 	t.Helper()
 	return serveOn(t, cfg, backendSet(bs))
 }
 
 // serveOn is serve over backends given by address.
-func serveOn(t *testing.T, cfg Config, bs []Backend) *Service {
+func serveOn(t testing.TB, cfg Config, bs []Backend) *Service {
 	t.Helper()
 	if !cfg.Listen.IsValid() {
 		cfg.Listen = netip.MustParseAddrPort("127.0.0.1:0")

@@ -6,14 +6,15 @@ import (
 	"github.com/weir-lb/weir/userspace/config"
 )
 
-// TestH2EngineSetting: http.h2_engine reaches the plane (net_http: net/http's
-// HTTP/2 path), and changing it needs a new listener.
-func TestH2EngineSetting(t *testing.T) {
-	parse := func(engine string) *config.Service {
+// TestEngineSettings: http.h2_engine and http.h1_engine reach the plane
+// (net_http: net/http's server for those clients), and changing either needs a
+// new listener.
+func TestEngineSettings(t *testing.T) {
+	parse := func(settings string) *config.Service {
 		t.Helper()
 		http := ""
-		if engine != "" {
-			http = "  http: {h2_engine: " + engine + "}\n"
+		if settings != "" {
+			http = "  http: {" + settings + "}\n"
 		}
 		cfg, err := config.Parse([]byte("services:\n- name: a\n  vip: 127.0.0.1:8080\n  data_plane: http\n" + http +
 			"  backends: [{address: 127.0.0.1:9000}]\n"))
@@ -22,16 +23,24 @@ func TestH2EngineSetting(t *testing.T) {
 		}
 		return &cfg.Services[0]
 	}
-	def, frames, nethttp := parse(""), parse("frames"), parse("net_http")
+	def := parse("")
+	frames, h2NetHTTP := parse("h2_engine: frames"), parse("h2_engine: net_http")
+	loop, h1NetHTTP := parse("h1_engine: loop"), parse("h1_engine: net_http")
 	for _, c := range []struct {
 		name      string
 		got, want bool
 	}{
 		{"default: the frame engine", lbConfig(def, nil, nil).NetHTTP2, false},
 		{"frames", lbConfig(frames, nil, nil).NetHTTP2, false},
-		{"net_http", lbConfig(nethttp, nil, nil).NetHTTP2, true},
-		{"frames to net_http rebuilds", rebuilt(frames, nethttp), true},
+		{"h2 net_http", lbConfig(h2NetHTTP, nil, nil).NetHTTP2, true},
+		{"frames to net_http rebuilds", rebuilt(frames, h2NetHTTP), true},
 		{"default to frames does not", rebuilt(def, frames), false},
+		{"default: the connection loop", lbConfig(def, nil, nil).NetHTTP1, false},
+		{"loop", lbConfig(loop, nil, nil).NetHTTP1, false},
+		{"h1 net_http", lbConfig(h1NetHTTP, nil, nil).NetHTTP1, true},
+		{"h1 net_http leaves HTTP/2 on frames", lbConfig(h1NetHTTP, nil, nil).NetHTTP2, false},
+		{"loop to net_http rebuilds", rebuilt(loop, h1NetHTTP), true},
+		{"default to loop does not", rebuilt(def, loop), false},
 	} {
 		if c.got != c.want {
 			t.Errorf("%s: got %v; want %v", c.name, c.got, c.want)

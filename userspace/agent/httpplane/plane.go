@@ -136,6 +136,7 @@ func lbConfig(s *config.Service, obs httplb.Observer, log *slog.Logger) httplb.C
 		c.Hash = httplb.HashCookie
 	}
 	c.NetHTTP2 = h.H2Engine == config.H2EngineNetHTTP
+	c.NetHTTP1 = h.H1Engine == config.H1EngineNetHTTP
 	switch h.Upstream {
 	case config.UpstreamHTTP1:
 		c.Upstream = httplb.UpstreamHTTP1

@@ -1,0 +1,139 @@
+package httplb
+
+import (
+	"bytes"
+	"net"
+	"net/netip"
+	"strconv"
+	"testing"
+)
+
+// cannedBackend answers every HTTP/1.1 request on its connections with the same
+// bytes (what Go's net/http server sends for a one-byte body), and allocates
+// nothing per request, so a benchmark's allocations are the plane's alone.
+func cannedBackend(tb testing.TB) netip.AddrPort {
+	answer := []byte("HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Type: text/plain; charset=utf-8\r\n" +
+		"Date: Wed, 02 Dec 2026 04:00:00 GMT\r\n\r\na")
+	return rawBackend(tb, func(c net.Conn) {
+		buf := make([]byte, 8192)
+		have := 0
+		for {
+			n, err := c.Read(buf[have:])
+			if err != nil {
+				return
+			}
+			have += n
+			// A request without a body ends at its blank line; more than one
+			// may have come.
+			for {
+				i := bytes.Index(buf[:have], []byte("\r\n\r\n"))
+				if i < 0 {
+					break
+				}
+				if _, err := c.Write(answer); err != nil {
+					return
+				}
+				have = copy(buf, buf[i+4:have])
+			}
+		}
+	})
+}
+
+// rawBackend listens on loopback and runs serve on each connection it accepts,
+// on a goroutine of its own, closing the connection when serve returns; the
+// listener closes at cleanup.
+func rawBackend(tb testing.TB, serve func(net.Conn)) netip.AddrPort {
+	tb.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { ln.Close() })
+	// Exits when the listener closes at cleanup.
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			// Exits when serve does: the plane closed the connection, or the
+			// backend is done with it.
+			go func() {
+				defer c.Close()
+				serve(c)
+			}()
+		}
+	}()
+	return netip.MustParseAddrPort(ln.Addr().String())
+}
+
+// BenchmarkH1KeepAlive: one keep-alive HTTP/1.1 client sends requests one after
+// another through the plane to one backend. ns/op is a request's round trip
+// (client, plane and backend on one machine); allocs/op and B/op are the
+// plane's alone, as neither end allocates per request: compare them across
+// builds (benchstat) when a change claims to take work off the request path.
+func BenchmarkH1KeepAlive(b *testing.B) {
+	for _, c := range []struct {
+		name string
+		cfg  Config
+	}{
+		{"loop", Config{XForwardedFor: true, XForwardedProto: true}},
+		{"net_http", Config{XForwardedFor: true, XForwardedProto: true, NetHTTP1: true}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			s := serveOn(b, c.cfg, []Backend{{Addr: cannedBackend(b), Weight: 1, Usable: true}})
+			conn, err := net.Dial("tcp", s.Addr().String())
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer conn.Close()
+			req := []byte("GET /index.html HTTP/1.1\r\nHost: " + s.Addr().String() + "\r\nUser-Agent: bench\r\nAccept: */*\r\n\r\n")
+			buf := make([]byte, 4096)
+			// The answer's length is learned from the first one; every answer
+			// is the same but for its Date, whose length is fixed.
+			want := 0
+			roundTrip := func() {
+				if _, err := conn.Write(req); err != nil {
+					b.Fatal(err)
+				}
+				have := 0
+				for want == 0 || have < want {
+					n, err := conn.Read(buf[have:])
+					if err != nil {
+						b.Fatal(err)
+					}
+					have += n
+					if want == 0 {
+						want = answerLength(buf[:have])
+					}
+				}
+			}
+			roundTrip()
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				roundTrip()
+			}
+		})
+	}
+}
+
+// answerLength is the length of a whole answer whose start is in p (its header
+// and its Content-Length), or 0 if its header has not all come.
+func answerLength(p []byte) int {
+	end := bytes.Index(p, []byte("\r\n\r\n"))
+	if end < 0 {
+		return 0
+	}
+	const field = "\r\nContent-Length: "
+	i := bytes.Index(p[:end], []byte(field))
+	if i < 0 {
+		panic("answer without Content-Length:\n" + string(p))
+	}
+	j := bytes.IndexByte(p[i+len(field):], '\r')
+	n, err := strconv.Atoi(string(p[i+len(field) : i+len(field)+j]))
+	if err != nil {
+		panic(err)
+	}
+	return end + 4 + n
+}

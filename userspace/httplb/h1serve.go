@@ -1,0 +1,874 @@
+package httplb
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/base64"
+	"errors"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"runtime/debug"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/net/http/httpguts"
+	"golang.org/x/net/http2"
+)
+
+// This file serves HTTP/1.1 clients: one goroutine per connection reads a
+// request (http.ReadRequest: the standard library's parser), forwards it through
+// ServeHTTP with a ResponseWriter of its own that frames the answer straight into
+// the connection's buffer, and reads the next. It replaces net/http's server for
+// these connections because that server pays, per request, for a goroutine that
+// reads ahead to notice a client that has gone (a read that finds nothing, and
+// two deadline changes to stop it), a cancellable context and a response object
+// with buffers from pools; on loopback those were a third of weir's time per
+// request. What it keeps from net/http's server: the same checks of a request
+// (header limit, Host, header names and values, Expect), the same answers to bad
+// ones, keep-alive and HTTP/1.0 rules, 100-continue, trailers, the h2c upgrade
+// (handed to x/net's HTTP/2 server), and graceful shutdown.
+//
+// A client that goes away mid-request is still noticed, lazily: only a request
+// still unanswered after h1WatchAfter gets a read that watches the connection,
+// and its ending cancels the request's context, which breaks off the backend's
+// request as net/http's would.
+
+// h1WatchAfter is how long a request runs before its connection is watched for
+// the client going away. Most answers come sooner and never pay for the watch.
+const h1WatchAfter = 20 * time.Millisecond
+
+// h1MaxDiscard is how much of a request body nobody read is read and dropped to
+// keep the connection (net/http's maxPostHandlerReadBytes); past it the
+// connection closes.
+const h1MaxDiscard = 256 << 10
+
+// h1MaxUpgradeBody bounds the body of an h2c upgrade request, which must be read
+// whole before the connection switches.
+const h1MaxUpgradeBody = 1 << 20
+
+var errClientGone = errors.New("client closed the connection")
+
+// Client connection states; shutdown closes only idle ones.
+const (
+	h1Idle int32 = iota
+	h1Active
+	h1Closed
+)
+
+// h1Session is one HTTP/1.1 client connection.
+type h1Session struct {
+	s      *Service
+	conn   net.Conn
+	in     h1Input
+	br     *bufio.Reader
+	bw     *bufio.Writer
+	remote string
+	tls    *tls.ConnectionState
+	ctx    context.Context // cancelled when the client is seen to go away
+	cancel context.CancelCauseFunc
+	state  atomic.Int32
+	done   chan struct{} // closed when serve returns
+	w      h1Writer
+
+	// The watch for a client that goes away while its request is forwarded.
+	watch    *time.Timer
+	wmu      sync.Mutex
+	watching int32 // watchOff, watchArmed, watchReading
+	aborting bool  // the loop ended the watch's read
+	watchWG  sync.WaitGroup
+	body     *h1ReqBody // the request's body; nil without one
+}
+
+const (
+	watchOff int32 = iota
+	watchArmed
+	watchReading
+)
+
+// h1Input is what the connection's reader reads: bytes the watch read ahead
+// first, then the connection, with the header limit while a header is read.
+type h1Input struct {
+	pending []byte
+	lim     limitReader
+}
+
+func (in *h1Input) Read(p []byte) (int, error) {
+	if len(in.pending) > 0 {
+		n := copy(p, in.pending)
+		in.pending = in.pending[n:]
+		return n, nil
+	}
+	return in.lim.Read(p)
+}
+
+// serveH1 serves an HTTP/1.1 client connection until it closes. prefix is what
+// the listener read of it first; tlsState is set for TLS connections.
+func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.ConnectionState) {
+	c := &h1Session{s: s, conn: conn, remote: conn.RemoteAddr().String(), tls: tlsState, done: make(chan struct{})}
+	c.in = h1Input{pending: prefix, lim: limitReader{r: conn, n: math.MaxInt64}}
+	c.br = bufio.NewReaderSize(&c.in, 4<<10)
+	c.bw = bufio.NewWriterSize(conn, 4<<10)
+	c.ctx, c.cancel = context.WithCancelCause(context.Background())
+	c.w.c = c
+	c.w.own = make(http.Header, 16)
+	c.w.header = c.w.own
+	c.watch = time.AfterFunc(time.Hour, c.startWatch)
+	c.watch.Stop()
+	defer s.stats.conns.Add(-1)
+	defer close(c.done)
+	defer c.cancel(nil)
+	if !s.registerH1(c) {
+		conn.Close()
+		return
+	}
+	defer s.unregisterH1(c)
+	if c.serve() {
+		conn.Close()
+	}
+}
+
+// serve reads and answers requests until the connection is to close; false: it
+// was handed to the HTTP/2 server, which closes it.
+func (c *h1Session) serve() bool {
+	s := c.s
+	for {
+		if c.br.Buffered() == 0 && len(c.in.pending) == 0 {
+			c.conn.SetReadDeadline(time.Now().Add(s.cfg.IdleTimeout))
+			if _, err := c.br.Peek(1); err != nil {
+				return true
+			}
+		}
+		if !c.state.CompareAndSwap(h1Idle, h1Active) {
+			return true // shutdown closed it
+		}
+		if !c.headerBuffered() {
+			c.conn.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
+		}
+		c.in.lim.n = int64(s.cfg.MaxHeaderBytes) + 4096
+		req, err := http.ReadRequest(c.br)
+		tooLong := c.in.lim.n <= 0
+		c.in.lim.n = math.MaxInt64
+		if err != nil {
+			c.badRequest(err, tooLong)
+			return true
+		}
+		if status, why := checkRequest(req); status != 0 {
+			c.reject(status, why)
+			return true
+		}
+		if isH2CUpgrade(req.Header) && c.tls == nil {
+			return c.upgrade(req)
+		}
+		if !c.forward(req) || s.h1Shutdown.Load() {
+			return true
+		}
+		c.state.Store(h1Idle)
+		if s.h1Shutdown.Load() {
+			return true // shutdown may have passed this connection by while it was active
+		}
+	}
+}
+
+// headerBuffered reports whether the reader holds a whole request header: then
+// the idle deadline can stay, as no byte more is awaited for the header.
+func (c *h1Session) headerBuffered() bool {
+	b, _ := c.br.Peek(c.br.Buffered())
+	return bytes.Contains(b, crlf2)
+}
+
+// forward answers one request; false: the connection is to close after it.
+func (c *h1Session) forward(req *http.Request) (keep bool) {
+	s := c.s
+	req.RemoteAddr = c.remote
+	req.TLS = c.tls
+	req = req.WithContext(c.ctx)
+	keep = !req.Close
+	var body *h1ReqBody
+	if req.Body != nil && req.Body != http.NoBody {
+		// A body's reads are not bounded by the idle deadline (net/http without
+		// a ReadTimeout bounds them by nothing either).
+		c.conn.SetReadDeadline(time.Time{})
+		body = &h1ReqBody{c: c, rc: req.Body}
+		if ex := req.Header["Expect"]; ex != nil {
+			if len(ex) != 1 || !strings.EqualFold(ex[0], "100-continue") {
+				c.reject(http.StatusExpectationFailed, "")
+				return false
+			}
+			body.wantContinue = req.ProtoAtLeast(1, 1)
+		}
+		req.Body = body
+	} else if req.Header["Expect"] != nil && !isContinue(req.Header["Expect"]) {
+		c.reject(http.StatusExpectationFailed, "")
+		return false
+	}
+	c.body = body
+	w := &c.w
+	w.reset(req)
+	c.armWatch()
+	ok := c.serveHTTP(w, req)
+	c.endWatch()
+	c.body = nil
+	if !ok {
+		return false
+	}
+	if body != nil && !body.finish(s.cfg.ReadHeaderTimeout) {
+		w.closeAfter = true
+	}
+	if err := w.finish(); err != nil || w.closeAfter || c.ctx.Err() != nil {
+		return false
+	}
+	return keep
+}
+
+func isContinue(ex []string) bool {
+	return len(ex) == 1 && strings.EqualFold(ex[0], "100-continue")
+}
+
+// serveHTTP runs the handler; false: it panicked, and the connection is to
+// close without more being written (http.ErrAbortHandler: the answer broke off).
+func (c *h1Session) serveHTTP(w *h1Writer, req *http.Request) (ok bool) {
+	defer func() {
+		if v := recover(); v != nil {
+			ok = false
+			if v != http.ErrAbortHandler {
+				c.s.log.Error("http: panic serving a request", "client", c.remote, "panic", v, "stack", string(debug.Stack()))
+			}
+			// What was framed so far goes out, so the client sees the answer
+			// end early rather than nothing.
+			c.bw.Flush()
+		}
+	}()
+	c.s.ServeHTTP(w, req)
+	return true
+}
+
+// checkRequest is net/http's server's check of a request http.ReadRequest has
+// read: a version it serves, a Host, and header names and values without bytes
+// that do not belong there.
+func checkRequest(req *http.Request) (int, string) {
+	if req.ProtoMajor != 1 {
+		return http.StatusHTTPVersionNotSupported, "unsupported protocol version"
+	}
+	if req.ProtoAtLeast(1, 1) && req.Host == "" && req.Method != http.MethodConnect {
+		return http.StatusBadRequest, "missing required Host header"
+	}
+	if req.Host != "" && !httpguts.ValidHostHeader(req.Host) {
+		return http.StatusBadRequest, "malformed Host header"
+	}
+	for k, vv := range req.Header {
+		if !httpguts.ValidHeaderFieldName(k) {
+			return http.StatusBadRequest, "invalid header name"
+		}
+		for _, v := range vv {
+			if !httpguts.ValidHeaderFieldValue(v) {
+				return http.StatusBadRequest, "invalid header value"
+			}
+		}
+	}
+	return 0, ""
+}
+
+// badRequest answers a request http.ReadRequest could not read, as net/http's
+// server does; a connection that closed or timed out gets no answer.
+func (c *h1Session) badRequest(err error, tooLong bool) {
+	switch {
+	case tooLong || errors.Is(err, errHeaderTooLong):
+		c.reject(http.StatusRequestHeaderFieldsTooLarge, "")
+	case strings.Contains(err.Error(), "unsupported transfer encoding"):
+		c.reject(http.StatusNotImplemented, "Unsupported transfer encoding")
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), isTimeout(err), isReadError(err):
+		// Nothing to answer: the client closed, or was too slow.
+	default:
+		c.s.log.Debug("bad request", "client", c.remote, "err", err)
+		c.reject(http.StatusBadRequest, "")
+	}
+}
+
+func isReadError(err error) bool {
+	var oe *net.OpError
+	return errors.As(err, &oe) && oe.Op == "read"
+}
+
+// reject answers status and closes: the connection's state is not known to be
+// at a request's start any more.
+func (c *h1Session) reject(status int, why string) {
+	text := strconv.Itoa(status) + " " + http.StatusText(status)
+	if why != "" {
+		text += ": " + why
+	}
+	c.conn.SetWriteDeadline(time.Now().Add(time.Second))
+	if status == http.StatusExpectationFailed {
+		// net/http's answer to an Expect it does not know: no body.
+		c.bw.WriteString("HTTP/1.1 " + text + "\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+	} else {
+		c.bw.WriteString("HTTP/1.1 " + text + "\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n\r\n" + text)
+	}
+	c.bw.Flush()
+	if tc, ok := c.conn.(interface{ CloseWrite() error }); ok {
+		// The client may still be sending; a close with unread bytes would reset
+		// the connection and could lose the answer. net/http waits a moment too.
+		tc.CloseWrite()
+		c.conn.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		io.Copy(io.Discard, io.LimitReader(c.conn, 256<<10))
+	}
+}
+
+// upgrade switches the connection to HTTP/2 (an h2c upgrade: RFC 7540 3.2) and
+// hands it to x/net's HTTP/2 server, which answers the upgrading request as its
+// stream 1, as net/http's h2c handler does.
+func (c *h1Session) upgrade(req *http.Request) bool {
+	vals := req.Header["Http2-Settings"]
+	if len(vals) != 1 {
+		c.reject(http.StatusBadRequest, "want one HTTP2-Settings header")
+		return true
+	}
+	settings, err := base64.RawURLEncoding.DecodeString(vals[0])
+	if err != nil {
+		c.reject(http.StatusBadRequest, "malformed HTTP2-Settings header")
+		return true
+	}
+	c.conn.SetReadDeadline(time.Now().Add(c.s.cfg.ReadHeaderTimeout))
+	body, err := io.ReadAll(io.LimitReader(req.Body, h1MaxUpgradeBody+1))
+	if err != nil {
+		return true
+	}
+	if len(body) > h1MaxUpgradeBody {
+		c.reject(http.StatusRequestEntityTooLarge, "")
+		return true
+	}
+	c.conn.SetReadDeadline(time.Time{})
+	req.Body = io.NopCloser(strings.NewReader(string(body)))
+	req.RemoteAddr = c.remote
+	c.bw.WriteString("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
+	if c.bw.Flush() != nil {
+		return true
+	}
+	// No longer an HTTP/1.1 connection: the HTTP/2 server's shutdown (through
+	// s.upgraded) sends it GOAWAY.
+	c.s.unregisterH1(c)
+	c.s.h2.ServeConn(&h1Upgraded{Conn: c.conn, in: &c.in, br: c.br}, &http2.ServeConnOpts{
+		BaseConfig: c.s.upgraded, Handler: c.s, UpgradeRequest: req, Settings: settings,
+	})
+	return false
+}
+
+// h1Upgraded is an upgraded connection: what the HTTP/1.1 reader had read ahead
+// comes first.
+type h1Upgraded struct {
+	net.Conn
+	in *h1Input
+	br *bufio.Reader
+}
+
+func (u *h1Upgraded) Read(p []byte) (int, error) {
+	if u.br != nil {
+		if u.br.Buffered() > 0 {
+			return u.br.Read(p)
+		}
+		u.br = nil
+	}
+	if len(u.in.pending) > 0 {
+		return u.in.Read(p)
+	}
+	return u.Conn.Read(p)
+}
+
+// armWatch starts the countdown to watching the connection for the request.
+func (c *h1Session) armWatch() {
+	c.wmu.Lock()
+	c.watching = watchArmed
+	c.wmu.Unlock()
+	c.watch.Reset(h1WatchAfter)
+}
+
+// startWatch runs when a request has taken h1WatchAfter: a read on the
+// connection that ends when the client closes it (the request's context is
+// cancelled), sends more (a pipelined request: kept for the reader), or the
+// request ends (the loop stops the read with a deadline).
+func (c *h1Session) startWatch() {
+	c.wmu.Lock()
+	if c.watching != watchArmed {
+		c.wmu.Unlock()
+		return
+	}
+	if b := c.body; b != nil && !b.eof.Load() {
+		// The body is still being read from the connection: try later.
+		c.wmu.Unlock()
+		c.watch.Reset(h1WatchAfter)
+		return
+	}
+	c.watching = watchReading
+	c.watchWG.Add(1)
+	c.wmu.Unlock()
+	defer c.watchWG.Done()
+	var b [1]byte
+	n, err := c.conn.Read(b[:])
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	switch {
+	case n > 0:
+		c.in.pending = append(c.in.pending, b[0])
+	case c.aborting:
+	case err != nil && !isTimeout(err):
+		c.cancel(errClientGone)
+	}
+}
+
+// endWatch stops the watch when the request has been answered, and waits for
+// its read to end.
+func (c *h1Session) endWatch() {
+	c.watch.Stop()
+	c.wmu.Lock()
+	reading := c.watching == watchReading
+	c.watching = watchOff
+	if reading {
+		c.aborting = true
+		c.conn.SetReadDeadline(aLongTimeAgo)
+	}
+	c.wmu.Unlock()
+	if reading {
+		c.watchWG.Wait()
+		c.aborting = false
+	}
+}
+
+var (
+	aLongTimeAgo = time.Unix(1, 0)
+	crlf2        = []byte("\r\n\r\n")
+)
+
+// h1ReqBody is a request's body as the handler and the transports read it.
+// Close is the loop's (finish): a transport closing it must not read the rest,
+// as net/http's body would, on the transport's goroutine while the loop reads the
+// next request.
+type h1ReqBody struct {
+	c            *h1Session
+	rc           io.ReadCloser
+	wantContinue bool // the client waits for 100 Continue before it sends
+	eof          atomic.Bool
+
+	mu     sync.Mutex // one reader at a time; held through a read
+	closed bool
+	sent   bool // 100 Continue
+}
+
+func (b *h1ReqBody) Read(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return 0, http.ErrBodyReadAfterClose
+	}
+	if b.wantContinue && !b.sent {
+		b.sent = true
+		if !b.c.w.writeContinue() {
+			return 0, errors.New("100 Continue not sent: the answer has begun")
+		}
+	}
+	n, err := b.rc.Read(p)
+	if err == io.EOF {
+		b.eof.Store(true)
+	}
+	return n, err
+}
+
+func (b *h1ReqBody) Close() error { return nil }
+
+// finish ends the body once the request is answered: what nobody read is read
+// and dropped, up to h1MaxDiscard and for at most wait; false: the connection
+// cannot carry another request.
+func (b *h1ReqBody) finish(wait time.Duration) bool {
+	if b.eof.Load() {
+		return true
+	}
+	// Bounds a read a transport may still be blocked in, and the discard.
+	b.c.conn.SetReadDeadline(time.Now().Add(wait))
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.closed = true
+	if b.wantContinue && !b.sent {
+		return false // the client never sent it; it may yet, or not
+	}
+	n, err := io.CopyN(io.Discard, b.rc, h1MaxDiscard)
+	return err == io.EOF && n < h1MaxDiscard
+}
+
+// h1Writer frames a request's answer into the connection's buffer: headers when
+// the first body bytes or the end come, then the body with a Content-Length
+// (the backend's, or counted when the answer is short and ends before the
+// buffer fills), chunked when the length is not known, or up to a close for an
+// HTTP/1.0 client.
+type h1Writer struct {
+	c      *h1Session
+	req    *http.Request
+	header http.Header // the answer's: own, or the backend's answer's (respond)
+	own    http.Header // kept from request to request
+
+	mu          sync.Mutex // the status line, against a 100 Continue from a transport's goroutine
+	status      int
+	committed   bool // the status line and headers are in the buffer
+	chunked     bool
+	closeAfter  bool
+	head        bool  // a HEAD request: no body goes out
+	noBody      bool  // a status without a body (1xx, 204, 304)
+	length      int64 // the Content-Length sent; -1 none
+	written     int64
+	pending     []byte // body written before the length was known
+	pendingSpan [2048]byte
+	err         error
+}
+
+func (w *h1Writer) reset(req *http.Request) {
+	clear(w.own)
+	w.header = w.own
+	w.req = req
+	w.status = 0
+	w.committed, w.chunked, w.closeAfter = false, false, false
+	w.head = req.Method == http.MethodHead
+	w.noBody = false
+	w.length = -1
+	w.written = 0
+	w.pending = w.pendingSpan[:0]
+	w.err = nil
+}
+
+func (w *h1Writer) Header() http.Header { return w.header }
+
+func (w *h1Writer) WriteHeader(code int) {
+	if w.status != 0 {
+		return
+	}
+	if code >= 100 && code < 200 && code != http.StatusSwitchingProtocols {
+		// An interim answer (103 Early Hints): sent now, with the headers so
+		// far, as net/http does.
+		w.mu.Lock()
+		if !w.committed {
+			w.writeHead(code, false)
+			w.err = w.c.bw.Flush()
+		}
+		w.mu.Unlock()
+		return
+	}
+	w.status = code
+	w.noBody = code == http.StatusNoContent || code == http.StatusNotModified || code < 200
+}
+
+func (w *h1Writer) Write(p []byte) (int, error) {
+	if w.status == 0 {
+		w.WriteHeader(http.StatusOK)
+	}
+	if w.err != nil {
+		return 0, w.err
+	}
+	if w.noBody {
+		return 0, http.ErrBodyNotAllowed
+	}
+	if w.head {
+		return len(p), nil
+	}
+	if !w.committed {
+		if w.header["Content-Length"] == nil && len(w.pending)+len(p) <= cap(w.pending) {
+			w.pending = append(w.pending, p...)
+			return len(p), nil
+		}
+		if err := w.commitPending(false); err != nil {
+			return 0, err
+		}
+	}
+	return w.writeBody(p)
+}
+
+// commitPending puts the headers in the buffer, and after them what was
+// written before they were; ending: as commit's.
+func (w *h1Writer) commitPending(ending bool) error {
+	w.commit(ending)
+	if len(w.pending) == 0 {
+		return nil
+	}
+	pending := w.pending
+	w.pending = w.pending[:0]
+	_, err := w.writeBody(pending)
+	return err
+}
+
+func (w *h1Writer) writeBody(p []byte) (int, error) {
+	if w.length >= 0 && w.written+int64(len(p)) > w.length {
+		return 0, http.ErrContentLength
+	}
+	bw := w.c.bw
+	if w.chunked {
+		if len(p) == 0 {
+			return 0, nil
+		}
+		bw.WriteString(strconv.FormatInt(int64(len(p)), 16))
+		bw.WriteString("\r\n")
+	}
+	n, err := bw.Write(p)
+	if w.chunked && err == nil {
+		_, err = bw.WriteString("\r\n")
+	}
+	w.written += int64(n)
+	if err != nil {
+		w.err = err
+	}
+	return n, err
+}
+
+// FlushError sends what is buffered; an answer of unknown length goes chunked
+// from here (http.ResponseController finds it).
+func (w *h1Writer) FlushError() error {
+	if w.status == 0 {
+		w.WriteHeader(http.StatusOK)
+	}
+	if w.err != nil {
+		return w.err
+	}
+	if !w.committed {
+		if err := w.commitPending(false); err != nil {
+			return err
+		}
+	}
+	if err := w.c.bw.Flush(); err != nil {
+		w.err = err
+	}
+	return w.err
+}
+
+// Flush is FlushError for callers that know only http.Flusher.
+func (w *h1Writer) Flush() { w.FlushError() }
+
+// finish ends the answer: headers if not yet sent (with the length of what was
+// written), the last chunk and trailers, and the buffer flushed.
+func (w *h1Writer) finish() error {
+	if w.status == 0 {
+		w.WriteHeader(http.StatusOK)
+	}
+	if w.err != nil {
+		return w.err
+	}
+	if !w.committed {
+		if err := w.commitPending(true); err != nil {
+			return err
+		}
+	}
+	bw := w.c.bw
+	if w.chunked {
+		bw.WriteString("0\r\n")
+		for k, vv := range w.header {
+			name, ok := strings.CutPrefix(k, http.TrailerPrefix)
+			if !ok || !httpguts.ValidHeaderFieldName(name) {
+				continue
+			}
+			for _, v := range vv {
+				writeField(bw, name, v)
+			}
+		}
+		bw.WriteString("\r\n")
+	}
+	if w.length >= 0 && w.written != w.length && !w.head && !w.noBody {
+		w.closeAfter = true // the framing promised more than came
+	}
+	if err := bw.Flush(); err != nil {
+		w.err = err
+	}
+	return w.err
+}
+
+// commit puts the status line and headers in the buffer; ending: the handler has
+// returned, so what is pending is the whole body.
+func (w *h1Writer) commit(ending bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	h := w.header
+	delete(h, "Transfer-Encoding")
+	if cl := h["Content-Length"]; cl != nil {
+		if n, err := strconv.ParseInt(cl[0], 10, 64); err == nil && n >= 0 && len(cl) == 1 {
+			w.length = n
+		} else {
+			delete(h, "Content-Length")
+		}
+	}
+	if w.head {
+		w.length = -1 // whatever it says, no body follows
+	}
+	req := w.req
+	switch {
+	case w.noBody || w.head:
+	case w.length >= 0:
+	case ending:
+		w.length = int64(len(w.pending))
+		h["Content-Length"] = []string{strconv.Itoa(len(w.pending))}
+	case req.ProtoAtLeast(1, 1):
+		w.chunked = true
+	default:
+		w.closeAfter = true // an HTTP/1.0 client reads to the close
+	}
+	if req.Close || w.c.s.h1Shutdown.Load() || w.c.ctx.Err() != nil {
+		w.closeAfter = true
+	}
+	w.writeHead(w.status, true)
+	w.committed = true
+}
+
+// writeHead writes a status line and the header; final adds the framing and
+// connection fields.
+func (w *h1Writer) writeHead(code int, final bool) {
+	bw := w.c.bw
+	if w.req.ProtoAtLeast(1, 1) {
+		bw.WriteString("HTTP/1.1 ")
+	} else {
+		bw.WriteString("HTTP/1.0 ")
+	}
+	var num [3]byte
+	bw.Write(strconv.AppendInt(num[:0], int64(code), 10))
+	bw.WriteByte(' ')
+	if text := http.StatusText(code); text != "" {
+		bw.WriteString(text)
+	} else {
+		bw.WriteString("status code " + strconv.Itoa(code))
+	}
+	bw.WriteString("\r\n")
+	for k, vv := range w.header {
+		if !final && (k == "Content-Length" || k == "Transfer-Encoding") {
+			continue
+		}
+		if strings.HasPrefix(k, http.TrailerPrefix) || k == "Connection" || !httpguts.ValidHeaderFieldName(k) {
+			continue
+		}
+		for _, v := range vv {
+			writeField(bw, k, v)
+		}
+	}
+	if final {
+		if w.header["Date"] == nil {
+			bw.WriteString("Date: ")
+			bw.Write(httpDate())
+			bw.WriteString("\r\n")
+		}
+		if w.chunked {
+			bw.WriteString("Transfer-Encoding: chunked\r\n")
+		}
+		switch {
+		case w.closeAfter:
+			bw.WriteString("Connection: close\r\n")
+		case !w.req.ProtoAtLeast(1, 1):
+			bw.WriteString("Connection: keep-alive\r\n")
+		}
+	}
+	bw.WriteString("\r\n")
+}
+
+// writeContinue sends 100 Continue unless the answer has begun; false: it has.
+func (w *h1Writer) writeContinue() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.committed {
+		return false
+	}
+	w.c.bw.WriteString("HTTP/1.1 100 Continue\r\n\r\n")
+	return w.c.bw.Flush() == nil
+}
+
+// writeField writes one header field; a line break in a value (which no parser
+// of weir's inputs lets through, but a value is checked where it is written)
+// becomes a space, as net/http does.
+func writeField(bw *bufio.Writer, k, v string) {
+	bw.WriteString(k)
+	bw.WriteString(": ")
+	if strings.ContainsAny(v, "\r\n") {
+		v = strings.NewReplacer("\r", " ", "\n", " ").Replace(v)
+	}
+	bw.WriteString(v)
+	bw.WriteString("\r\n")
+}
+
+// dateCache is the Date header's value, formatted once a second.
+var dateCache atomic.Pointer[struct {
+	sec int64
+	b   []byte
+}]
+
+func httpDate() []byte {
+	now := time.Now()
+	if d := dateCache.Load(); d != nil && d.sec == now.Unix() {
+		return d.b
+	}
+	d := &struct {
+		sec int64
+		b   []byte
+	}{now.Unix(), now.UTC().AppendFormat(nil, http.TimeFormat)}
+	dateCache.Store(d)
+	return d.b
+}
+
+// registerH1 adds a connection for shutdown to find; false: the service is
+// shutting down.
+func (s *Service) registerH1(c *h1Session) bool {
+	s.h1mu.Lock()
+	defer s.h1mu.Unlock()
+	if s.h1Shutdown.Load() {
+		return false
+	}
+	if s.h1conns == nil {
+		s.h1conns = map[*h1Session]struct{}{}
+	}
+	s.h1conns[c] = struct{}{}
+	return true
+}
+
+func (s *Service) unregisterH1(c *h1Session) {
+	s.h1mu.Lock()
+	delete(s.h1conns, c)
+	s.h1mu.Unlock()
+}
+
+// shutdownH1 closes the idle HTTP/1.1 connections, lets the others finish the
+// request they carry (answered with Connection: close), and waits for them
+// until deadline, then closes what is left.
+func (s *Service) shutdownH1(deadline <-chan struct{}) {
+	conns := s.stopH1()
+	for _, c := range conns {
+		if c.state.CompareAndSwap(h1Idle, h1Closed) {
+			c.conn.Close()
+		}
+	}
+	for _, c := range conns {
+		select {
+		case <-c.done:
+		case <-deadline:
+			c.conn.Close()
+			<-c.done
+		}
+	}
+}
+
+// closeH1 closes every HTTP/1.1 connection at once.
+func (s *Service) closeH1() {
+	for _, c := range s.stopH1() {
+		c.conn.Close()
+	}
+}
+
+func (s *Service) stopH1() []*h1Session {
+	s.h1mu.Lock()
+	defer s.h1mu.Unlock()
+	s.h1Shutdown.Store(true)
+	conns := make([]*h1Session, 0, len(s.h1conns))
+	for c := range s.h1conns {
+		conns = append(conns, c)
+	}
+	return conns
+}
+
+// isH2CUpgrade is RFC 7540 3.2's upgrade request: Upgrade names h2c and
+// Connection names HTTP2-Settings.
+func isH2CUpgrade(h http.Header) bool {
+	return httpguts.HeaderValuesContainsToken(h["Upgrade"], "h2c") &&
+		httpguts.HeaderValuesContainsToken(h["Connection"], "HTTP2-Settings")
+}

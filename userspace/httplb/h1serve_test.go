@@ -1,0 +1,322 @@
+package httplb
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
+)
+
+// h1TestBackend is an HTTP/1.1 backend with one handler per behaviour the
+// connection loop must pass on; gone receives how long /slow waited before its
+// request's context ended.
+func h1TestBackend(t *testing.T) (netip.AddrPort, chan time.Duration) {
+	t.Helper()
+	gone := make(chan time.Duration, 4)
+	mux := http.NewServeMux()
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("X-Backend", "b")
+		io.WriteString(w, "ok")
+	})
+	mux.HandleFunc("/echo", func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		w.Write(b)
+	})
+	mux.HandleFunc("/chunked", func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "a")
+		w.(http.Flusher).Flush()
+		io.WriteString(w, "b")
+	})
+	mux.HandleFunc("/trailers", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Trailer", "X-Sum")
+		io.WriteString(w, "body")
+		w.(http.Flusher).Flush()
+		w.Header().Set("X-Sum", "42")
+	})
+	mux.HandleFunc("/nocontent", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusNoContent) })
+	mux.HandleFunc("/noread", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
+	mux.HandleFunc("/slow", func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
+		ms, err := strconv.Atoi(r.URL.Query().Get("ms"))
+		if err != nil {
+			ms = 5000
+		}
+		select {
+		case <-r.Context().Done():
+			gone <- time.Since(start)
+		case <-time.After(time.Duration(ms) * time.Millisecond):
+			io.WriteString(w, "slow")
+		}
+	})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mux}
+	// Exits when the server is closed at cleanup.
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return netip.MustParseAddrPort(ln.Addr().String()), gone
+}
+
+// wantAnswer is what one answer read off a raw client connection must be.
+type wantAnswer struct {
+	method  string // of the request it answers (HEAD has no body)
+	proto   string // default HTTP/1.1
+	status  int
+	body    string
+	chunked bool
+	close   bool              // Connection: close
+	header  map[string]string // fields that must be there
+	trailer map[string]string
+}
+
+// TestH1Loop: the connection loop frames answers as HTTP/1.1 clients expect:
+// keep-alive and pipelining, HTTP/1.0 with and without keep-alive, Connection:
+// close, chunked answers and trailers, HEAD and 204, request bodies of known and
+// unknown length, a body the backend leaves unread, and Expect.
+//
+// net/http's server, which serves HTTP/1.1 clients with http.h1_engine:
+// net_http, must pass the same table: the loop is a drop-in for it.
+func TestH1Loop(t *testing.T) {
+	be, _ := h1TestBackend(t)
+	for _, engine := range []string{"loop", "net_http"} {
+		t.Run(engine, func(t *testing.T) {
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http"}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			testH1Loop(t, s)
+		})
+	}
+}
+
+func testH1Loop(t *testing.T, s *Service) {
+	get := func(path string) string { return "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n" }
+	ok := wantAnswer{status: 200, body: "ok", header: map[string]string{"X-Backend": "b"}}
+	type step struct {
+		send    string
+		answers []wantAnswer
+	}
+	for _, c := range []struct {
+		name   string
+		steps  []step
+		closed bool // the plane closes the connection after the last answer
+	}{
+		{name: "keep-alive", steps: []step{{get("/"), []wantAnswer{ok}}, {get("/"), []wantAnswer{ok}}}},
+		{name: "pipelined", steps: []step{{get("/") + get("/chunked") + get("/"),
+			[]wantAnswer{ok, {status: 200, body: "ab", chunked: true}, ok}}}},
+		{name: "HTTP/1.0", closed: true, steps: []step{{"GET / HTTP/1.0\r\n\r\n",
+			[]wantAnswer{{proto: "HTTP/1.0", status: 200, body: "ok", close: true}}}}},
+		{name: "HTTP/1.0 keep-alive", steps: []step{
+			{"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", []wantAnswer{{proto: "HTTP/1.0", status: 200, body: "ok", header: map[string]string{"Connection": "keep-alive"}}}},
+			{"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", []wantAnswer{{proto: "HTTP/1.0", status: 200, body: "ok"}}},
+		}},
+		{name: "HTTP/1.0, length unknown", closed: true, steps: []step{{"GET /chunked HTTP/1.0\r\n\r\n",
+			[]wantAnswer{{proto: "HTTP/1.0", status: 200, body: "ab", close: true}}}}},
+		{name: "Connection: close", closed: true, steps: []step{{"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+			[]wantAnswer{{status: 200, body: "ok", close: true}}}}},
+		{name: "trailers", steps: []step{{get("/trailers"),
+			[]wantAnswer{{status: 200, body: "body", chunked: true, trailer: map[string]string{"X-Sum": "42"}}}}}},
+		{name: "HEAD", steps: []step{{"HEAD / HTTP/1.1\r\nHost: x\r\n\r\n",
+			[]wantAnswer{{method: "HEAD", status: 200, header: map[string]string{"Content-Length": "2"}}}}, {get("/"), []wantAnswer{ok}}}},
+		{name: "204", steps: []step{{get("/nocontent"), []wantAnswer{{status: 204}}}, {get("/"), []wantAnswer{ok}}}},
+		{name: "body of known length", steps: []step{{"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello",
+			[]wantAnswer{{status: 200, body: "hello"}}}, {get("/"), []wantAnswer{ok}}}},
+		{name: "chunked body", steps: []step{{"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
+			[]wantAnswer{{status: 200, body: "abcde"}}}, {get("/"), []wantAnswer{ok}}}},
+		{name: "body the backend leaves unread", steps: []step{{"POST /noread HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789",
+			[]wantAnswer{{status: 200, body: "ok"}}}, {get("/"), []wantAnswer{ok}}}},
+		{name: "Expect other than 100-continue", closed: true, steps: []step{{"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: tea\r\nContent-Length: 1\r\n\r\nx",
+			[]wantAnswer{{status: http.StatusExpectationFailed, close: true}}}}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			conn, br := rawConn(t, s.Addr().String())
+			for _, st := range c.steps {
+				if _, err := io.WriteString(conn, st.send); err != nil {
+					t.Fatal(err)
+				}
+				for _, want := range st.answers {
+					checkAnswer(t, br, want)
+				}
+			}
+			if c.closed {
+				if n, err := br.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+					t.Errorf("after the last answer: read %d bytes (%v); want the connection closed", n, err)
+				}
+			}
+		})
+	}
+	t.Run("100-continue", func(t *testing.T) {
+		// The client sends its body only once told to: the plane says so when
+		// the request's body is first read on its way to the backend.
+		conn, br := rawConn(t, s.Addr().String())
+		io.WriteString(conn, "POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+		line, err := br.ReadString('\n')
+		if line != "HTTP/1.1 100 Continue\r\n" {
+			t.Fatalf("got %q (%v); want 100 Continue before the body is sent", line, err)
+		}
+		if blank, _ := br.ReadString('\n'); blank != "\r\n" {
+			t.Fatalf("100 Continue followed by %q; want its blank line", blank)
+		}
+		io.WriteString(conn, "hello")
+		checkAnswer(t, br, wantAnswer{status: 200, body: "hello"})
+	})
+}
+
+// rawConn dials the plane; the connection closes at cleanup.
+func rawConn(t *testing.T, addr string) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	return conn, bufio.NewReader(conn)
+}
+
+func checkAnswer(t *testing.T, br *bufio.Reader, want wantAnswer) {
+	t.Helper()
+	method := want.method
+	if method == "" {
+		method = "GET"
+	}
+	resp, err := http.ReadResponse(br, &http.Request{Method: method})
+	if err != nil {
+		t.Fatalf("reading the answer: %v", err)
+	}
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("reading the answer's body: %v", err)
+	}
+	proto := want.proto
+	if proto == "" {
+		proto = "HTTP/1.1"
+	}
+	chunked := len(resp.TransferEncoding) > 0 && resp.TransferEncoding[0] == "chunked"
+	if resp.Proto != proto || resp.StatusCode != want.status || string(body) != want.body || chunked != want.chunked || resp.Close != want.close {
+		t.Errorf("got %s %d %q chunked=%v close=%v; want %s %d %q chunked=%v close=%v",
+			resp.Proto, resp.StatusCode, body, chunked, resp.Close, proto, want.status, want.body, want.chunked, want.close)
+	}
+	if resp.Header.Get("Date") == "" && resp.StatusCode < 400 {
+		t.Errorf("answer without Date")
+	}
+	for k, v := range want.header {
+		if got := resp.Header.Get(k); got != v {
+			t.Errorf("header %s: got %q; want %q", k, got, v)
+		}
+	}
+	for k, v := range want.trailer {
+		if got := resp.Trailer.Get(k); got != v {
+			t.Errorf("trailer %s: got %q; want %q", k, got, v)
+		}
+	}
+}
+
+// TestH1ClientGone: a client that closes its connection while its request waits
+// for a slow backend has the backend's request cancelled, as net/http's server
+// would, and the plane blames the backend for nothing.
+func TestH1ClientGone(t *testing.T) {
+	be, gone := h1TestBackend(t)
+	obs := &recordingObserver{}
+	s := serveOn(t, Config{Observer: obs}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	conn, _ := rawConn(t, s.Addr().String())
+	io.WriteString(conn, "GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+	waitfor.Value(t, 5*time.Second, "the request in flight", func() (any, bool) {
+		n := s.Snapshot().InFlight
+		return n, n == 1
+	})
+	closed := time.Now()
+	conn.Close()
+	select {
+	case d := <-gone:
+		t.Logf("the backend's request ended %v after it began, %v after the client closed", d, time.Since(closed))
+	case <-time.After(3 * time.Second):
+		t.Fatalf("the backend's request still runs 3 s after its client closed; want it cancelled")
+	}
+	waitfor.Value(t, 5*time.Second, "no request in flight", func() (any, bool) {
+		n := s.Snapshot().InFlight
+		return n, n == 0
+	})
+	if f := obs.failures(); f != 0 {
+		t.Errorf("%d failed tries counted against the backend; want none: the client left", f)
+	}
+}
+
+// TestH1Shutdown: at shutdown an idle HTTP/1.1 connection is closed at once, and
+// one whose request is in flight gets its answer, with Connection: close, before
+// it is closed.
+func TestH1Shutdown(t *testing.T) {
+	be, _ := h1TestBackend(t)
+	s, err := Listen(Config{Name: "shutdown", Listen: netip.MustParseAddrPort("127.0.0.1:0")}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	var serveErr error
+	// Exits when cancel is called below.
+	go func() {
+		serveErr = s.Serve(ctx)
+		close(done)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+	idle, idleR := rawConn(t, s.Addr().String())
+	io.WriteString(idle, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	checkAnswer(t, idleR, wantAnswer{status: 200, body: "ok", header: map[string]string{"X-Backend": "b"}})
+	busy, busyR := rawConn(t, s.Addr().String())
+	io.WriteString(busy, "GET /chunked HTTP/1.1\r\nHost: x\r\n\r\nGET /slow?ms=500 HTTP/1.1\r\nHost: x\r\n\r\n")
+	checkAnswer(t, busyR, wantAnswer{status: 200, body: "ab", chunked: true})
+	waitfor.Value(t, 5*time.Second, "the slow request in flight", func() (any, bool) {
+		n := s.Snapshot().InFlight
+		return n, n == 1
+	})
+	start := time.Now()
+	cancel()
+	if n, err := idleR.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Errorf("idle connection at shutdown: read %d bytes (%v); want it closed", n, err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("idle connection closed %v after shutdown began; want at once", d)
+	}
+	checkAnswer(t, busyR, wantAnswer{status: 200, body: "slow", close: true})
+	<-done
+	if serveErr != nil {
+		t.Errorf("Serve: %v", serveErr)
+	}
+	if _, err := net.Dial("tcp", s.Addr().String()); err == nil {
+		t.Errorf("a new connection was accepted after shutdown")
+	}
+}
+
+// recordingObserver counts the tries that failed.
+type recordingObserver struct {
+	mu     sync.Mutex
+	failed int
+}
+
+func (o *recordingObserver) Try(_ netip.AddrPort, out Outcome) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if out != Success {
+		o.failed++
+	}
+}
+
+func (o *recordingObserver) Request(netip.AddrPort, int, time.Duration) {}
+
+func (o *recordingObserver) failures() int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.failed
+}
