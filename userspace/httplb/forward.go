@@ -50,7 +50,11 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 {
 		body = &replayBody{src: r.Body, keep: retryable && l.cfg.Retries > 0}
 	}
+	// The backends tried: the first kept apart, so a request that is not retried
+	// allocates no list (a closure that reads the list makes it escape).
+	var first string
 	var tried []string
+	ntried := 0
 	var fail failure
 	for try := 0; ; try++ {
 		if try > 0 && (try > l.cfg.Retries || !fail.retry || !body.replayable(fail.dial) || !l.budget.withdraw()) {
@@ -61,7 +65,8 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if try == 0 {
 			lease, err = l.bal.Pick(key, nil)
 		} else {
-			lease, err = l.bal.Pick(key, func(id string) bool { return slices.Contains(tried, id) })
+			seen := append([]string{first}, tried...)
+			lease, err = l.bal.Pick(key, func(id string) bool { return slices.Contains(seen, id) })
 		}
 		if err != nil {
 			if try == 0 {
@@ -76,7 +81,12 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			fail = failure{retry: true, dial: true, status: http.StatusBadGateway, err: ErrNoBackend}
 			continue
 		}
-		tried = append(tried, be.id)
+		if ntried == 0 {
+			first = be.id
+		} else {
+			tried = append(tried, be.id)
+		}
+		ntried++
 		if try > 0 {
 			be.stats.retries.Add(1)
 		}
@@ -89,7 +99,7 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if r.Context().Err() != nil {
 		return // the client went away: nobody to answer
 	}
-	s.answerFailure(l, w, r, fail, len(tried), start)
+	s.answerFailure(l, w, r, fail, ntried, start)
 }
 
 // failure is what a try that did not answer the client came to.
@@ -117,7 +127,7 @@ func (s *Service) try(ctx context.Context, l *live, w http.ResponseWriter, r *ht
 		defer cancel(nil)
 		timer = time.AfterFunc(l.cfg.TryTimeout, func() { cancel(errTryTimeout) })
 	}
-	out := (&http.Request{
+	out := &http.Request{
 		Method:        r.Method,
 		URL:           &url.URL{Scheme: "http", Host: be.id, Path: r.URL.Path, RawPath: r.URL.RawPath, RawQuery: r.URL.RawQuery},
 		Proto:         "HTTP/1.1",
@@ -127,16 +137,16 @@ func (s *Service) try(ctx context.Context, l *live, w http.ResponseWriter, r *ht
 		Host:          r.Host,
 		ContentLength: r.ContentLength,
 		Trailer:       r.Trailer,
-	}).WithContext(tctx)
+	}
 	if body != nil {
 		out.Body = body.next()
 	}
 	var resp *http.Response
 	var err error
 	if t := be.transport(l.cfg.Upstream, r); t == be.h1 && body == nil && r.Header["Upgrade"] == nil {
-		resp, err = be.h1s.roundTrip(out)
+		resp, err = be.h1s.roundTrip(tctx, out)
 	} else {
-		resp, err = t.RoundTrip(out)
+		resp, err = t.RoundTrip(out.WithContext(tctx))
 	}
 	if timer != nil {
 		timer.Stop()
@@ -252,13 +262,27 @@ var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }
 // streams' are), then trailers.
 func (s *Service) respond(w http.ResponseWriter, resp *http.Response, first []byte, firstErr error, buf []byte) (int64, error) {
 	defer resp.Body.Close()
-	h := w.Header()
-	for k, vv := range resp.Header {
-		if !hopByHop(k) {
-			h[k] = vv
+	var h http.Header
+	if hw, ok := w.(*h1Writer); ok && len(hw.header) == 0 {
+		// The answer's header is the plane's own: the connection loop writes
+		// it as it is, less its hop-by-hop fields, rather than a copy of it.
+		h = resp.Header
+		removeConnectionHeaders(h, h)
+		for k := range h {
+			if hopByHop(k) {
+				delete(h, k)
+			}
 		}
+		hw.header = h
+	} else {
+		h = w.Header()
+		for k, vv := range resp.Header {
+			if !hopByHop(k) {
+				h[k] = vv
+			}
+		}
+		removeConnectionHeaders(h, resp.Header)
 	}
-	removeConnectionHeaders(h, resp.Header)
 	w.WriteHeader(resp.StatusCode)
 	var n int64
 	var err error
@@ -433,13 +457,17 @@ func (l *live) outHeader(r *http.Request) http.Header {
 		h["X-Forwarded-For"] = []string{forwardedFor(h["X-Forwarded-For"], client)}
 	}
 	if l.cfg.XForwardedProto {
-		h["X-Forwarded-Proto"] = []string{proto}
+		h["X-Forwarded-Proto"] = protoValue[proto]
 	}
 	if l.cfg.Forwarded {
 		h["Forwarded"] = append(h["Forwarded"], forwardedElement(client, proto, r.Host))
 	}
 	return h
 }
+
+// protoValue are X-Forwarded-Proto's values, shared by every request's header
+// (nothing writes to a header's value slices once set).
+var protoValue = map[string][]string{"http": {"http"}, "https": {"https"}}
 
 // forwardedFor is X-Forwarded-For with client appended to what came (prior).
 func forwardedFor(prior []string, client string) string {

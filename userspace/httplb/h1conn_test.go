@@ -1,12 +1,16 @@
 package httplb
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/netip"
+	"net/url"
+	"reflect"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -169,7 +173,7 @@ func TestH1PoolReap(t *testing.T) {
 	p := newH1Pool(dial, 8, 100*time.Millisecond, 64<<10)
 	for range 3 {
 		req, _ := http.NewRequest("GET", "http://"+b.addr.String()+"/", nil)
-		resp, err := p.roundTrip(req)
+		resp, err := p.roundTrip(req.Context(), req)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -245,4 +249,60 @@ func TestH1UpstreamBackendRemoved(t *testing.T) {
 		n := slow.open.Load()
 		return n, n == 1
 	})
+}
+
+// TestWriteRequestHead: the synchronous path's request writer sends what
+// http.Request.Write sends for a request without a body, as a server reads it:
+// the same method, target, Host, header fields and Content-Length.
+func TestWriteRequestHead(t *testing.T) {
+	for _, c := range []struct {
+		name, method, target, host string
+		header                     http.Header
+	}{
+		{"GET with a query", "GET", "/a/b?x=1&y=%20", "example.com", http.Header{"Accept": {"*/*"}, "X-Forwarded-For": {"10.0.0.1"}}},
+		{"escaped path", "GET", "/a%2Fb/c%20d", "example.com:8080", http.Header{}},
+		{"DELETE", "DELETE", "/item/1", "h", http.Header{"X-Two": {"1", "2"}}},
+		{"POST without a body gets a length", "POST", "/", "h", http.Header{}},
+		{"HEAD", "HEAD", "/", "h", http.Header{}},
+		{"OPTIONS *", "OPTIONS", "*", "h", http.Header{}},
+		{"empty User-Agent is none", "GET", "/", "h", http.Header{"User-Agent": {""}}},
+		{"User-Agent kept", "GET", "/", "h", http.Header{"User-Agent": {"curl/8"}}},
+		{"IPv6 zone dropped", "GET", "/", "[fe80::1%25eth0]:80", http.Header{}},
+		{"invalid Host sent empty", "GET", "/", "bad host", http.Header{}},
+		{"hop fields the writer owns", "GET", "/", "h", http.Header{"Content-Length": {"5"}, "Transfer-Encoding": {"chunked"}, "Trailer": {"X"}, "Host": {"other"}}},
+		{"invalid field name skipped", "GET", "/", "h", http.Header{"Bad Name": {"v"}, "Good": {"v"}}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			u, err := url.ParseRequestURI(c.target)
+			if c.target == "*" {
+				u, err = &url.URL{Path: "*"}, nil
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, ok := c.header["User-Agent"]; !ok {
+				c.header["User-Agent"] = []string{""} // as outHeader leaves it: Go's own is not sent
+			}
+			req := &http.Request{Method: c.method, URL: u, Host: c.host, Header: c.header, Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: 1}
+			var std, ours bytes.Buffer
+			if err := req.Write(&std); err != nil {
+				t.Fatal(err)
+			}
+			bw := bufio.NewWriter(&ours)
+			if err := writeRequestHead(bw, req); err != nil {
+				t.Fatal(err)
+			}
+			bw.Flush()
+			stdText, oursText := std.String(), ours.String()
+			a, errA := http.ReadRequest(bufio.NewReader(&std))
+			b, errB := http.ReadRequest(bufio.NewReader(&ours))
+			if errA != nil || errB != nil {
+				t.Fatalf("reading them back: Request.Write's %v, ours %v\n%s", errA, errB, oursText)
+			}
+			if a.Method != b.Method || a.RequestURI != b.RequestURI || a.Host != b.Host || a.ContentLength != b.ContentLength ||
+				!reflect.DeepEqual(a.Header, b.Header) {
+				t.Errorf("ours:\n%s\nRequest.Write's:\n%s", oursText, stdText)
+			}
+		})
+	}
 }
