@@ -20,6 +20,36 @@ import (
 	"github.com/weir-lb/weir/internal/waitfor"
 )
 
+// leakBaseline is the process's goroutines and descriptors with no client
+// connected to a service.
+type leakBaseline struct{ goroutines, fds int }
+
+// takeBaseline waits until no client is connected to s, then counts.
+func takeBaseline(t *testing.T, s *Service) leakBaseline {
+	t.Helper()
+	waitNoClients(t, s)
+	return leakBaseline{runtime.NumGoroutine(), openFDs(t)}
+}
+
+// waitBack waits until no client is connected to s and the goroutines and
+// descriptors are back where the baseline counted them.
+func (b leakBaseline) waitBack(t *testing.T, s *Service) {
+	t.Helper()
+	waitNoClients(t, s)
+	waitfor.Value(t, 5*time.Second, "goroutines and fds back where they were", func() (any, bool) {
+		g, f := runtime.NumGoroutine(), openFDs(t)
+		return [2]int{g, f}, g <= b.goroutines && f <= b.fds
+	})
+}
+
+func waitNoClients(t *testing.T, s *Service) {
+	t.Helper()
+	waitfor.Value(t, 5*time.Second, "no client connection", func() (any, bool) {
+		n := s.Snapshot().Connections
+		return n, n == 0
+	})
+}
+
 func openFDs(t *testing.T) int {
 	t.Helper()
 	es, err := os.ReadDir("/proc/self/fd")
@@ -44,11 +74,7 @@ func TestBadInput(t *testing.T) {
 		}
 		c.CloseIdleConnections()
 	}
-	waitfor.Value(t, 5*time.Second, "no client connection", func() (any, bool) {
-		n := s.Snapshot().Connections
-		return n, n == 0
-	})
-	goroutines, fds := runtime.NumGoroutine(), openFDs(t)
+	base := takeBaseline(t, s)
 	hitsBefore := bs[0].Hits.Load()
 
 	big := strings.Repeat("x", 8192)
@@ -197,14 +223,7 @@ func TestBadInput(t *testing.T) {
 	if n := bs[0].Hits.Load() - hitsBefore; n > 2 {
 		t.Errorf("the backend got %d requests from bad input; want at most the 2 well-formed h2 streams", n)
 	}
-	waitfor.Value(t, 5*time.Second, "client connections closed", func() (any, bool) {
-		n := s.Snapshot().Connections
-		return n, n == 0
-	})
-	waitfor.Value(t, 5*time.Second, "goroutines and fds back where they were", func() (any, bool) {
-		g, f := runtime.NumGoroutine(), openFDs(t)
-		return [2]int{g, f}, g <= goroutines && f <= fds
-	})
+	base.waitBack(t, s)
 }
 
 func isReset(err error) bool {

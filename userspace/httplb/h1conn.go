@@ -29,12 +29,6 @@ import (
 // with a body stay with http.Transport, which writes the body while it reads the
 // answer (a backend may answer before the body is all sent), and so do upgrades.
 
-// h1FreshIdle is how long a connection is taken back without the check that the
-// backend has not closed it: a backend's keep-alive timeout is longer, and a
-// close that comes sooner (a backend stopping) meets the retry of a reused
-// connection's request, as it would just after the check too.
-const h1FreshIdle = 5 * time.Millisecond
-
 // h1Pool is one backend's idle HTTP/1.1 connections for the synchronous path.
 type h1Pool struct {
 	dial      func(ctx context.Context) (net.Conn, error)
@@ -101,7 +95,7 @@ func (p *h1Pool) get(ctx context.Context) (*h1Conn, error) {
 		p.idle[n-1] = nil
 		p.idle = p.idle[:n-1]
 		p.mu.Unlock()
-		if time.Since(hc.idleAt) < h1FreshIdle || hc.alive() {
+		if hc.alive() {
 			return hc, nil
 		}
 		hc.c.Close()
@@ -341,6 +335,10 @@ func writeRequestHead(bw *bufio.Writer, req *http.Request) error {
 	if host == "" {
 		host = req.URL.Host
 	}
+	host, err := httpguts.PunycodeHostPort(host)
+	if err != nil {
+		return err
+	}
 	if !httpguts.ValidHostHeader(host) {
 		host = "" // what Request.Write sends for a host it cannot
 	}
@@ -380,7 +378,7 @@ func writeRequestHead(bw *bufio.Writer, req *http.Request) error {
 	case http.MethodPost, http.MethodPut, http.MethodPatch:
 		bw.WriteString("Content-Length: 0\r\n") // servers expect a length with these
 	}
-	_, err := bw.WriteString("\r\n")
+	_, err = bw.WriteString("\r\n")
 	return err
 }
 

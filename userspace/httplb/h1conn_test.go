@@ -268,6 +268,7 @@ func TestWriteRequestHead(t *testing.T) {
 		{"empty User-Agent is none", "GET", "/", "h", http.Header{"User-Agent": {""}}},
 		{"User-Agent kept", "GET", "/", "h", http.Header{"User-Agent": {"curl/8"}}},
 		{"IPv6 zone dropped", "GET", "/", "[fe80::1%25eth0]:80", http.Header{}},
+		{"host name not ASCII goes as IDNA", "GET", "/", "bücher.example", http.Header{}},
 		{"invalid Host sent empty", "GET", "/", "bad host", http.Header{}},
 		{"hop fields the writer owns", "GET", "/", "h", http.Header{"Content-Length": {"5"}, "Transfer-Encoding": {"chunked"}, "Trailer": {"X"}, "Host": {"other"}}},
 		{"invalid field name skipped", "GET", "/", "h", http.Header{"Bad Name": {"v"}, "Good": {"v"}}},

@@ -53,7 +53,10 @@ const h1MaxDiscard = 256 << 10
 // whole before the connection switches.
 const h1MaxUpgradeBody = 1 << 20
 
-var errClientGone = errors.New("client closed the connection")
+var (
+	errClientGone = errors.New("client closed the connection")
+	errShutdown   = errors.New("service shut down: drain_timeout passed")
+)
 
 // Client connection states; shutdown closes only idle ones.
 const (
@@ -138,15 +141,27 @@ func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.Connection
 // was handed to the HTTP/2 server, which closes it.
 func (c *h1Session) serve() bool {
 	s := c.s
+	// The first request is due within the header timeout, as net/http has it
+	// (a connection that sends nothing is not kept for the idle timeout); the
+	// later ones may keep the client waiting up to the idle timeout.
+	wait := s.cfg.ReadHeaderTimeout
+	lastMethod := ""
 	for {
 		if c.br.Buffered() == 0 && len(c.in.pending) == 0 {
-			c.conn.SetReadDeadline(time.Now().Add(s.cfg.IdleTimeout))
+			c.conn.SetReadDeadline(time.Now().Add(wait))
 			if _, err := c.br.Peek(1); err != nil {
 				return true
 			}
 		}
+		wait = s.cfg.IdleTimeout
 		if !c.state.CompareAndSwap(h1Idle, h1Active) {
 			return true // shutdown closed it
+		}
+		if lastMethod == http.MethodPost {
+			// Some clients end a POST's body with a CRLF more; net/http's
+			// server skips it too (RFC 9112 2.2).
+			peek, _ := c.br.Peek(4)
+			c.br.Discard(leadingCRLF(peek))
 		}
 		if !c.headerBuffered() {
 			c.conn.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
@@ -159,6 +174,7 @@ func (c *h1Session) serve() bool {
 			c.badRequest(err, tooLong)
 			return true
 		}
+		lastMethod = req.Method
 		if status, why := checkRequest(req); status != 0 {
 			c.reject(status, why)
 			return true
@@ -176,6 +192,14 @@ func (c *h1Session) serve() bool {
 	}
 }
 
+func leadingCRLF(b []byte) int {
+	n := 0
+	for n < len(b) && (b[n] == '\r' || b[n] == '\n') {
+		n++
+	}
+	return n
+}
+
 // headerBuffered reports whether the reader holds a whole request header: then
 // the idle deadline can stay, as no byte more is awaited for the header.
 func (c *h1Session) headerBuffered() bool {
@@ -190,36 +214,22 @@ func (c *h1Session) forward(req *http.Request) (keep bool) {
 	req.TLS = c.tls
 	req = req.WithContext(c.ctx)
 	keep = !req.Close
-	var body *h1ReqBody
-	if req.Body != nil && req.Body != http.NoBody {
-		// A body's reads are not bounded by the idle deadline (net/http without
-		// a ReadTimeout bounds them by nothing either).
-		c.conn.SetReadDeadline(time.Time{})
-		body = &h1ReqBody{c: c, rc: req.Body}
-		if ex := req.Header["Expect"]; ex != nil {
-			if len(ex) != 1 || !strings.EqualFold(ex[0], "100-continue") {
-				c.reject(http.StatusExpectationFailed, "")
-				return false
-			}
-			body.wantContinue = req.ProtoAtLeast(1, 1)
-		}
-		req.Body = body
-	} else if req.Header["Expect"] != nil && !isContinue(req.Header["Expect"]) {
-		c.reject(http.StatusExpectationFailed, "")
+	w := &c.w
+	w.reset(req)
+	body, ok := c.requestBody(req)
+	if !ok {
 		return false
 	}
 	c.body = body
-	w := &c.w
-	w.reset(req)
 	c.armWatch()
-	ok := c.serveHTTP(w, req)
+	ok = c.serveHTTP(w, req)
 	c.endWatch()
 	c.body = nil
 	if !ok {
 		return false
 	}
 	if body != nil && !body.finish(s.cfg.ReadHeaderTimeout) {
-		w.closeAfter = true
+		w.closeAfter = true // not yet framed if the handler wrote nothing
 	}
 	if err := w.finish(); err != nil || w.closeAfter || c.ctx.Err() != nil {
 		return false
@@ -227,8 +237,24 @@ func (c *h1Session) forward(req *http.Request) (keep bool) {
 	return keep
 }
 
-func isContinue(ex []string) bool {
-	return len(ex) == 1 && strings.EqualFold(ex[0], "100-continue")
+// requestBody wraps req's body for the loop (100 Continue, the end of the
+// request) and checks Expect, answering 417 to one it does not know; false:
+// the connection is to close.
+func (c *h1Session) requestBody(req *http.Request) (*h1ReqBody, bool) {
+	ex := req.Header["Expect"]
+	if ex != nil && (len(ex) != 1 || !strings.EqualFold(ex[0], "100-continue")) {
+		c.reject(http.StatusExpectationFailed, "")
+		return nil, false
+	}
+	if req.Body == nil || req.Body == http.NoBody {
+		return nil, true
+	}
+	// A body's reads are not bounded by the idle or header deadline (net/http
+	// without a ReadTimeout bounds them by nothing either).
+	c.conn.SetReadDeadline(time.Time{})
+	body := &h1ReqBody{c: c, rc: req.Body, wantContinue: ex != nil && req.ProtoAtLeast(1, 1)}
+	req.Body = body
+	return body, true
 }
 
 // serveHTTP runs the handler; false: it panicked, and the connection is to
@@ -334,10 +360,19 @@ func (c *h1Session) upgrade(req *http.Request) bool {
 		c.reject(http.StatusBadRequest, "malformed HTTP2-Settings header")
 		return true
 	}
-	c.conn.SetReadDeadline(time.Now().Add(c.s.cfg.ReadHeaderTimeout))
-	body, err := io.ReadAll(io.LimitReader(req.Body, h1MaxUpgradeBody+1))
-	if err != nil {
+	c.w.reset(req)
+	rb, ok := c.requestBody(req)
+	if !ok {
 		return true
+	}
+	var body []byte
+	if rb != nil {
+		c.conn.SetReadDeadline(time.Now().Add(c.s.cfg.ReadHeaderTimeout))
+		var err error
+		body, err = io.ReadAll(io.LimitReader(rb, h1MaxUpgradeBody+1))
+		if err != nil {
+			return true
+		}
 	}
 	if len(body) > h1MaxUpgradeBody {
 		c.reject(http.StatusRequestEntityTooLarge, "")
@@ -409,15 +444,25 @@ func (c *h1Session) startWatch() {
 	c.wmu.Unlock()
 	defer c.watchWG.Done()
 	var b [1]byte
-	n, err := c.conn.Read(b[:])
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	switch {
-	case n > 0:
-		c.in.pending = append(c.in.pending, b[0])
-	case c.aborting:
-	case err != nil && !isTimeout(err):
-		c.cancel(errClientGone)
+	for {
+		n, err := c.conn.Read(b[:])
+		c.wmu.Lock()
+		switch {
+		case n > 0:
+			c.in.pending = append(c.in.pending, b[0])
+		case c.aborting:
+		case isTimeout(err):
+			// A deadline the request's header or the idle wait left: the
+			// request goes on, and so does the watch. Under wmu, so the loop's
+			// stop (aborting, then its own deadline) cannot come in between.
+			c.conn.SetReadDeadline(time.Time{})
+			c.wmu.Unlock()
+			continue
+		case err != nil:
+			c.cancel(errClientGone)
+		}
+		c.wmu.Unlock()
+		return
 	}
 }
 
@@ -436,6 +481,8 @@ func (c *h1Session) endWatch() {
 	if reading {
 		c.watchWG.Wait()
 		c.aborting = false
+		// The stop's deadline must not meet the next request's reads.
+		c.conn.SetReadDeadline(time.Time{})
 	}
 }
 
@@ -452,10 +499,13 @@ type h1ReqBody struct {
 	c            *h1Session
 	rc           io.ReadCloser
 	wantContinue bool // the client waits for 100 Continue before it sends
-	eof          atomic.Bool
+	// eof: no more of the body will be read from the connection (its end was
+	// read, or finish closed it), so the watch may read there.
+	eof atomic.Bool
 
 	mu     sync.Mutex // one reader at a time; held through a read
 	closed bool
+	kept   bool // closed with the body read to its end: the connection can go on
 	sent   bool // 100 Continue
 }
 
@@ -483,20 +533,31 @@ func (b *h1ReqBody) Close() error { return nil }
 // finish ends the body once the request is answered: what nobody read is read
 // and dropped, up to h1MaxDiscard and for at most wait; false: the connection
 // cannot carry another request.
+//
+// The connection's writer calls it before it frames the answer, as net/http's
+// server does, so an answer after which the connection closes says so; a
+// second call returns what the first found.
 func (b *h1ReqBody) finish(wait time.Duration) bool {
 	if b.eof.Load() {
 		return true
 	}
-	// Bounds a read a transport may still be blocked in, and the discard.
-	b.c.conn.SetReadDeadline(time.Now().Add(wait))
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if b.closed {
+		return b.kept
+	}
+	// Bounds the discard (a read a transport is blocked in holds mu, and ends
+	// with its bytes or at this deadline too).
+	b.c.conn.SetReadDeadline(time.Now().Add(wait))
 	b.closed = true
 	if b.wantContinue && !b.sent {
+		b.eof.Store(true)
 		return false // the client never sent it; it may yet, or not
 	}
 	n, err := io.CopyN(io.Discard, b.rc, h1MaxDiscard)
-	return err == io.EOF && n < h1MaxDiscard
+	b.kept = err == io.EOF && n < h1MaxDiscard
+	b.eof.Store(true)
+	return b.kept
 }
 
 // h1Writer frames a request's answer into the connection's buffer: headers when
@@ -683,10 +744,16 @@ func (w *h1Writer) finish() error {
 // commit puts the status line and headers in the buffer; ending: the handler has
 // returned, so what is pending is the whole body.
 func (w *h1Writer) commit(ending bool) {
+	if b := w.c.body; b != nil && !b.finish(w.c.s.cfg.ReadHeaderTimeout) {
+		w.closeAfter = true // before w.mu: a body read may be sending 100 Continue
+	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	h := w.header
 	delete(h, "Transfer-Encoding")
+	if w.status == http.StatusNoContent {
+		delete(h, "Content-Length") // RFC 9110 8.6: never on a 204
+	}
 	if cl := h["Content-Length"]; cl != nil {
 		if n, err := strconv.ParseInt(cl[0], 10, 64); err == nil && n >= 0 && len(cl) == 1 {
 			w.length = n
@@ -842,8 +909,7 @@ func (s *Service) shutdownH1(deadline <-chan struct{}) {
 		select {
 		case <-c.done:
 		case <-deadline:
-			c.conn.Close()
-			<-c.done
+			c.abort()
 		}
 	}
 }
@@ -851,8 +917,17 @@ func (s *Service) shutdownH1(deadline <-chan struct{}) {
 // closeH1 closes every HTTP/1.1 connection at once.
 func (s *Service) closeH1() {
 	for _, c := range s.stopH1() {
-		c.conn.Close()
+		c.abort()
 	}
+}
+
+// abort ends the connection now: its request's context is cancelled, which
+// breaks off a wait for the backend, and the socket is closed; it returns once
+// the connection's goroutine has.
+func (c *h1Session) abort() {
+	c.cancel(errShutdown)
+	c.conn.Close()
+	<-c.done
 }
 
 func (s *Service) stopH1() []*h1Session {

@@ -2,7 +2,6 @@ package httplb
 
 import (
 	"bufio"
-	"context"
 	"errors"
 	"io"
 	"net"
@@ -57,15 +56,21 @@ func h1TestBackend(t *testing.T) (netip.AddrPort, chan time.Duration) {
 			io.WriteString(w, "slow")
 		}
 	})
+	return muxBackend(t, mux), gone
+}
+
+// muxBackend serves h with net/http's server on loopback until cleanup.
+func muxBackend(t *testing.T, h http.Handler) netip.AddrPort {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := &http.Server{Handler: mux}
+	srv := &http.Server{Handler: h}
 	// Exits when the server is closed at cleanup.
 	go srv.Serve(ln)
 	t.Cleanup(func() { srv.Close() })
-	return netip.MustParseAddrPort(ln.Addr().String()), gone
+	return netip.MustParseAddrPort(ln.Addr().String())
 }
 
 // wantAnswer is what one answer read off a raw client connection must be.
@@ -255,22 +260,7 @@ func TestH1ClientGone(t *testing.T) {
 // it is closed.
 func TestH1Shutdown(t *testing.T) {
 	be, _ := h1TestBackend(t)
-	s, err := Listen(Config{Name: "shutdown", Listen: netip.MustParseAddrPort("127.0.0.1:0")}, []Backend{{Addr: be, Weight: 1, Usable: true}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	var serveErr error
-	// Exits when cancel is called below.
-	go func() {
-		serveErr = s.Serve(ctx)
-		close(done)
-	}()
-	t.Cleanup(func() {
-		cancel()
-		<-done
-	})
+	s := serveStoppable(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 	idle, idleR := rawConn(t, s.Addr().String())
 	io.WriteString(idle, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
 	checkAnswer(t, idleR, wantAnswer{status: 200, body: "ok", header: map[string]string{"X-Backend": "b"}})
@@ -282,7 +272,7 @@ func TestH1Shutdown(t *testing.T) {
 		return n, n == 1
 	})
 	start := time.Now()
-	cancel()
+	s.stop()
 	if n, err := idleR.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
 		t.Errorf("idle connection at shutdown: read %d bytes (%v); want it closed", n, err)
 	}
@@ -290,10 +280,7 @@ func TestH1Shutdown(t *testing.T) {
 		t.Errorf("idle connection closed %v after shutdown began; want at once", d)
 	}
 	checkAnswer(t, busyR, wantAnswer{status: 200, body: "slow", close: true})
-	<-done
-	if serveErr != nil {
-		t.Errorf("Serve: %v", serveErr)
-	}
+	<-s.done
 	if _, err := net.Dial("tcp", s.Addr().String()); err == nil {
 		t.Errorf("a new connection was accepted after shutdown")
 	}

@@ -45,6 +45,22 @@ func serve(t testing.TB, cfg Config, bs []*httpbackend.Backend) *Service {
 // serveOn is serve over backends given by address.
 func serveOn(t testing.TB, cfg Config, bs []Backend) *Service {
 	t.Helper()
+	return serveStoppable(t, cfg, bs).Service
+}
+
+// served is a service whose Serve runs until stop (or cleanup) cancels it.
+type served struct {
+	*Service
+	stop context.CancelFunc
+	done chan struct{} // closed when Serve has returned, with its error in err
+	err  error
+}
+
+// serveStoppable is serveOn for a test that stops the service itself (and sees
+// how long Serve takes to return); an error from Serve fails the test at
+// cleanup.
+func serveStoppable(t testing.TB, cfg Config, bs []Backend) *served {
+	t.Helper()
 	if !cfg.Listen.IsValid() {
 		cfg.Listen = netip.MustParseAddrPort("127.0.0.1:0")
 	}
@@ -59,16 +75,20 @@ func serveOn(t testing.TB, cfg Config, bs []Backend) *Service {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	// Exits when cancel is called at cleanup.
-	go func() { done <- s.Serve(ctx) }()
+	sv := &served{Service: s, stop: cancel, done: make(chan struct{})}
+	// Exits when stop is called, by the test or at cleanup.
+	go func() {
+		sv.err = s.Serve(ctx)
+		close(sv.done)
+	}()
 	t.Cleanup(func() {
 		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
+		<-sv.done
+		if sv.err != nil {
+			t.Error(sv.err)
 		}
 	})
-	return s
+	return sv
 }
 
 func h2cClient() *http.Client {
