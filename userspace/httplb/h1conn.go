@@ -55,6 +55,10 @@ type h1Conn struct {
 	// breakOff fails a blocked read or write: made once, not per request, as
 	// exchange hands it to context.AfterFunc.
 	breakOff func()
+	// peek is alive's look at the socket, made once too; it leaves its
+	// finding in peekIdle.
+	peek     func(fd uintptr) bool
+	peekIdle bool
 }
 
 // limitReader caps what the response's header may take (MaxResponseHeaderBytes,
@@ -106,6 +110,12 @@ func (p *h1Pool) get(ctx context.Context) (*h1Conn, error) {
 	}
 	hc := &h1Conn{pool: p, c: c}
 	hc.breakOff = func() { hc.c.SetDeadline(aLongTimeAgo) }
+	hc.peek = func(fd uintptr) bool {
+		var b [1]byte
+		n, _, err := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+		hc.peekIdle = n < 0 && (err == syscall.EAGAIN || err == syscall.EWOULDBLOCK)
+		return true
+	}
 	if sc, ok := c.(syscall.Conn); ok {
 		hc.raw, _ = sc.SyscallConn()
 	}
@@ -126,14 +136,8 @@ func (hc *h1Conn) alive() bool {
 	if hc.raw == nil {
 		return true
 	}
-	ok := false
-	var b [1]byte
-	hc.raw.Read(func(fd uintptr) bool {
-		n, _, err := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		ok = n < 0 && (err == syscall.EAGAIN || err == syscall.EWOULDBLOCK)
-		return true
-	})
-	return ok
+	hc.raw.Read(hc.peek)
+	return hc.peekIdle
 }
 
 // put returns a connection whose last answer has been read whole.
