@@ -495,14 +495,21 @@ defaults
   timeout client 60s
   timeout server 60s
   option http-keep-alive
+  # The forwarding headers weir adds by default (x_forwarded_for,
+  # x_forwarded_proto; X-Forwarded-Proto is set per frontend, as an anonymous
+  # defaults section takes no http-request rule), so both do the same work.
+  option forwardfor
 frontend h1
   bind %s
+  http-request set-header X-Forwarded-Proto http
   default_backend be_h1
 frontend h2
   bind %s proto h2
+  http-request set-header X-Forwarded-Proto http
   default_backend be_h2
 frontend grpc
   bind %s proto h2
+  http-request set-header X-Forwarded-Proto http
   default_backend be_h2
 backend be_h1
   balance roundrobin
@@ -534,8 +541,12 @@ http {
   proxy_temp_path %s;
   upstream h1 { server %s; server %s; keepalive 64; keepalive_requests 100000000; }
   upstream g { server %s; server %s; keepalive 64; keepalive_requests 100000000; }
-  server { listen %s; location / { proxy_pass http://h1; proxy_http_version 1.1; proxy_set_header Connection ""; } }
-  server { listen %s http2; location / { proxy_pass http://h1; proxy_http_version 1.1; proxy_set_header Connection ""; } }
+  # The forwarding headers weir adds by default, as HAProxy's config does too (the
+  # proxy_pass locations set theirs: one proxy_set_header there drops the inherited).
+  grpc_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+  grpc_set_header X-Forwarded-Proto $scheme;
+  server { listen %s; location / { proxy_pass http://h1; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for; proxy_set_header X-Forwarded-Proto $scheme; } }
+  server { listen %s http2; location / { proxy_pass http://h1; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for; proxy_set_header X-Forwarded-Proto $scheme; } }
   server { listen %s http2; location / { grpc_pass grpc://g; } }
 }
 `, *threads, dir, dir, dir, dir, backendA, backendB, backendA, backendB, frontH1, frontH2, frontGRPC)
