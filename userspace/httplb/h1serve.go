@@ -645,6 +645,22 @@ func (w *h1Writer) Write(p []byte) (int, error) {
 	return w.writeBody(p)
 }
 
+// framed makes sure the status line and headers are in the buffer (200 if the
+// handler set no status), and what was written before them; ending: as
+// commit's. It returns the error of an earlier write, if any.
+func (w *h1Writer) framed(ending bool) error {
+	if w.status == 0 {
+		w.WriteHeader(http.StatusOK)
+	}
+	if w.err != nil {
+		return w.err
+	}
+	if !w.committed {
+		return w.commitPending(ending)
+	}
+	return nil
+}
+
 // commitPending puts the headers in the buffer, and after them what was
 // written before they were; ending: as commit's.
 func (w *h1Writer) commitPending(ending bool) error {
@@ -684,16 +700,8 @@ func (w *h1Writer) writeBody(p []byte) (int, error) {
 // FlushError sends what is buffered; an answer of unknown length goes chunked
 // from here (http.ResponseController finds it).
 func (w *h1Writer) FlushError() error {
-	if w.status == 0 {
-		w.WriteHeader(http.StatusOK)
-	}
-	if w.err != nil {
-		return w.err
-	}
-	if !w.committed {
-		if err := w.commitPending(false); err != nil {
-			return err
-		}
+	if err := w.framed(false); err != nil {
+		return err
 	}
 	if err := w.c.bw.Flush(); err != nil {
 		w.err = err
@@ -707,16 +715,8 @@ func (w *h1Writer) Flush() { w.FlushError() }
 // finish ends the answer: headers if not yet sent (with the length of what was
 // written), the last chunk and trailers, and the buffer flushed.
 func (w *h1Writer) finish() error {
-	if w.status == 0 {
-		w.WriteHeader(http.StatusOK)
-	}
-	if w.err != nil {
-		return w.err
-	}
-	if !w.committed {
-		if err := w.commitPending(true); err != nil {
-			return err
-		}
+	if err := w.framed(true); err != nil {
+		return err
 	}
 	bw := w.c.bw
 	if w.chunked {
