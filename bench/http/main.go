@@ -10,8 +10,8 @@
 // connections × 64 streams, -n requests), gRPC unary calls/s (grpc-go, 4 channels × 32 calls in flight), the
 // p50 and p99 of each (from h2load's per-request log and the gRPC client's own
 // timings), the target's CPU time per request (from /proc), and its RSS with
-// 1,000 idle HTTP/2 client connections open (and so the memory per idle
-// connection). Targets are interleaved in every run, the order rotated; results
+// 1,000 idle HTTP/2 client connections open, and with 1,000 idle HTTP/1.1
+// keep-alive ones (and so the memory per idle connection of each). Targets are interleaved in every run, the order rotated; results
 // are medians over the runs, printed as a markdown table with every figure also
 // as a ratio to HAProxy's, and written as JSON under -out.
 //
@@ -23,6 +23,7 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -73,7 +74,7 @@ var (
 	threads  = flag.Int("threads", 2, "threads or workers of every target (GOMAXPROCS for weir)")
 	variants = flag.String("variants", "", `more weir targets, each with settings of its own, interleaved with the rest: "name:KEY=V,KEY=V;name2:..." with keys GOGC, GOMEMLIMIT, GOMAXPROCS (the runtime's; GOMAXPROCS overrides -threads), H2CONNS (upstream HTTP/2 connections per backend), UPSTREAM (auto, http1, h2c; of the HTTP/1.1 and h2 fronts, not gRPC's), NETHTTP2 (1: HTTP/2 clients through net/http's server and transport, not the frame engine), NETHTTP1 (1: HTTP/1.1 clients through net/http's server, not weir's connection loop) and BIN (another build of this program to run weir from, e.g. main's, for a before/after)`)
 	pprof    = flag.String("pprof", "", "serve weir's net/http/pprof on this address (for a profile: go tool pprof http://ADDR/debug/pprof/profile)")
-	loads    = flag.String("loads", "h1,h2,grpc,idle", "the loads to run, of h1, h2, grpc and idle (an A/B of one path runs only its load, and so more rounds in the same time)")
+	loads    = flag.String("loads", "h1,h2,grpc,idle,idle1", "the loads to run, of h1, h2, grpc, idle (HTTP/2 connections held) and idle1 (HTTP/1.1 connections held); an A/B of one path runs only its load, and so more rounds in the same time")
 )
 
 // Loopback ports.
@@ -169,6 +170,7 @@ type result struct {
 	H1CPU, H2CPU, GRPCCPU     float64 // µs of the target's CPU per request
 	IdleRSS                   float64 // MB with -idle h2 connections open
 	IdleConnKB                float64 // KB per idle h2 connection
+	Idle1RSS, Idle1ConnKB     float64 // the same for HTTP/1.1 keep-alive connections
 }
 
 func run(ctx context.Context) error {
@@ -308,28 +310,40 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 		}
 		res.GRPCRPS, res.GRPCP50, res.GRPCP99, res.GRPCCPU = g.rps, g.p50, g.p99, perReq(p.CPU()-cpu, g.n)
 	}
-	if !slices.Contains(want, "idle") {
-		return res, nil
-	}
 	// RSS with -idle connections open, then with twice as many: the second batch's
 	// growth is what an idle connection costs. Against the RSS right after the
 	// loads, a Go proxy's garbage (collected and handed back meanwhile) can outweigh
-	// the connections and make the difference negative.
+	// the connections and make the difference negative. The HTTP/1.1 connections
+	// come after the HTTP/2 ones, which stay open, so neither measure reuses what
+	// the other's connections freed.
 	var cs []net.Conn
 	defer func() {
 		for _, c := range cs {
 			c.Close()
 		}
 	}()
-	rss, err := holdIdle(ctx, frontH2, p, &cs)
-	if err != nil {
-		return res, err
+	for _, m := range []struct {
+		load        string
+		addr        string
+		oneRequest  func(net.Conn, string) error
+		rssMB, kbPC *float64
+	}{
+		{"idle", frontH2, idleH2, &res.IdleRSS, &res.IdleConnKB},
+		{"idle1", frontH1, idleH1, &res.Idle1RSS, &res.Idle1ConnKB},
+	} {
+		if !slices.Contains(want, m.load) {
+			continue
+		}
+		rss, err := holdIdle(ctx, m.addr, p, &cs, m.oneRequest)
+		if err != nil {
+			return res, err
+		}
+		rss2, err := holdIdle(ctx, m.addr, p, &cs, m.oneRequest)
+		if err != nil {
+			return res, err
+		}
+		*m.rssMB, *m.kbPC = rss, (rss2-rss)*1024/float64(*idle)
 	}
-	rss2, err := holdIdle(ctx, frontH2, p, &cs)
-	if err != nil {
-		return res, err
-	}
-	res.IdleRSS, res.IdleConnKB = rss, (rss2-rss)*1024/float64(*idle)
 	return res, nil
 }
 
@@ -444,13 +458,9 @@ func grpcLoad(ctx context.Context, addr string, channels, inflight int, d time.D
 
 // holdIdle opens -idle more HTTP/2 connections to addr, each having answered one
 // request, adds them to cs, and returns p's RSS (MB) a second later.
-func holdIdle(ctx context.Context, addr string, p *benchproc.Proc, cs *[]net.Conn) (float64, error) {
-	var hdr strings.Builder
-	enc := hpack.NewEncoder(&hdr)
-	for _, f := range [][2]string{{":method", "GET"}, {":scheme", "http"}, {":authority", addr}, {":path", "/"}} {
-		enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
-	}
-	block := []byte(hdr.String())
+// holdIdle opens -idle connections to addr, each making one request with
+// oneRequest and then left open, and returns the target's RSS in MB.
+func holdIdle(ctx context.Context, addr string, p *benchproc.Proc, cs *[]net.Conn, oneRequest func(c net.Conn, addr string) error) (float64, error) {
 	for range *idle {
 		if ctx.Err() != nil {
 			return 0, ctx.Err()
@@ -461,26 +471,51 @@ func holdIdle(ctx context.Context, addr string, p *benchproc.Proc, cs *[]net.Con
 		}
 		*cs = append(*cs, c)
 		c.SetDeadline(time.Now().Add(5 * time.Second))
-		io.WriteString(c, http2.ClientPreface)
-		fr := http2.NewFramer(c, c)
-		fr.WriteSettings()
-		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: block, EndHeaders: true, EndStream: true})
-		for {
-			f, err := fr.ReadFrame()
-			if err != nil {
-				return 0, fmt.Errorf("idle connections: %w", err)
-			}
-			if s, ok := f.(*http2.SettingsFrame); ok && !s.IsAck() {
-				fr.WriteSettingsAck()
-			}
-			if f.Header().StreamID == 1 && f.Header().Flags.Has(http2.FlagDataEndStream) {
-				break
-			}
+		if err := oneRequest(c, addr); err != nil {
+			return 0, fmt.Errorf("idle connections: %w", err)
 		}
 		c.SetDeadline(time.Time{})
 	}
 	time.Sleep(time.Second)
 	return p.Mem("VmRSS"), nil
+}
+
+// idleH2 makes one HTTP/2 request (prior knowledge) and reads its answer.
+func idleH2(c net.Conn, addr string) error {
+	var hdr strings.Builder
+	enc := hpack.NewEncoder(&hdr)
+	for _, f := range [][2]string{{":method", "GET"}, {":scheme", "http"}, {":authority", addr}, {":path", "/"}} {
+		enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+	}
+	io.WriteString(c, http2.ClientPreface)
+	fr := http2.NewFramer(c, c)
+	fr.WriteSettings()
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: []byte(hdr.String()), EndHeaders: true, EndStream: true})
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			return err
+		}
+		if s, ok := f.(*http2.SettingsFrame); ok && !s.IsAck() {
+			fr.WriteSettingsAck()
+		}
+		if f.Header().StreamID == 1 && f.Header().Flags.Has(http2.FlagDataEndStream) {
+			return nil
+		}
+	}
+}
+
+// idleH1 makes one HTTP/1.1 keep-alive request and reads its answer whole.
+func idleH1(c net.Conn, addr string) error {
+	if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: "+addr+"\r\n\r\n"); err != nil {
+		return err
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(io.Discard, resp.Body)
+	return err
 }
 
 // --- the other targets ---
@@ -643,6 +678,8 @@ func report(targets []target, results map[string][]result) error {
 		{"gRPC CPU µs/call", func(r result) float64 { return r.GRPCCPU }},
 		{"RSS MB, idle h2 conns", func(r result) float64 { return r.IdleRSS }},
 		{"KB per idle h2 conn", func(r result) float64 { return r.IdleConnKB }},
+		{"RSS MB, idle h1 conns", func(r result) float64 { return r.Idle1RSS }},
+		{"KB per idle h1 conn", func(r result) float64 { return r.Idle1ConnKB }},
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "medians of %d interleaved runs, %v per load, %d threads or workers each; (×) is the ratio to HAProxy's\n\n", *runs, *duration, *threads)

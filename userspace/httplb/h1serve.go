@@ -117,10 +117,9 @@ func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.Connection
 	c := &h1Session{s: s, conn: conn, remote: conn.RemoteAddr().String(), tls: tlsState, done: make(chan struct{})}
 	c.in = h1Input{pending: prefix, lim: limitReader{r: conn, n: math.MaxInt64}}
 	c.br = bufio.NewReaderSize(&c.in, 4<<10)
-	c.bw = bufio.NewWriterSize(conn, 4<<10)
 	c.ctx, c.cancel = context.WithCancelCause(context.Background())
 	c.w.c = c
-	c.w.own = make(http.Header, 16)
+	c.w.own = http.Header{} // no room until a field goes in: most answers bring their own
 	c.w.header = c.w.own
 	c.watch = time.AfterFunc(time.Hour, c.startWatch)
 	c.watch.Stop()
@@ -185,6 +184,7 @@ func (c *h1Session) serve() bool {
 		if !c.forward(req) || s.h1Shutdown.Load() {
 			return true
 		}
+		c.dropWriter()
 		c.state.Store(h1Idle)
 		if s.h1Shutdown.Load() {
 			return true // shutdown may have passed this connection by while it was active
@@ -210,6 +210,8 @@ func (c *h1Session) headerBuffered() bool {
 // forward answers one request; false: the connection is to close after it.
 func (c *h1Session) forward(req *http.Request) (keep bool) {
 	s := c.s
+	c.takeWriter()
+	defer c.w.dropPending()
 	req.RemoteAddr = c.remote
 	req.TLS = c.tls
 	req = req.WithContext(c.ctx)
@@ -322,9 +324,40 @@ func isReadError(err error) bool {
 	return errors.As(err, &oe) && oe.Op == "read"
 }
 
+// takeWriter gives the connection a write buffer for an answer. An idle
+// connection holds none (h1WriterPool keeps them): 4 KiB less per idle client.
+// Taken on the connection's goroutine before a handler runs, so a transport's
+// goroutine sending 100 Continue finds it there.
+func (c *h1Session) takeWriter() {
+	if c.bw == nil {
+		c.bw = h1WriterPool.Get().(*bufio.Writer)
+		c.bw.Reset(c.conn)
+	}
+}
+
+// dropWriter gives the write buffer back once an answer has gone out.
+func (c *h1Session) dropWriter() {
+	if c.bw != nil && c.bw.Buffered() == 0 {
+		c.bw.Reset(nil)
+		h1WriterPool.Put(c.bw)
+		c.bw = nil
+	}
+}
+
+var (
+	h1WriterPool  = sync.Pool{New: func() any { return bufio.NewWriterSize(nil, 4<<10) }}
+	h1PendingPool = sync.Pool{New: func() any { return new([h1PendingMax]byte) }}
+)
+
+// h1PendingMax is how much of an answer of unknown length the writer holds back,
+// to send it with a Content-Length if it ends within that (net/http holds 2 KiB
+// too), rather than chunked.
+const h1PendingMax = 2 << 10
+
 // reject answers status and closes: the connection's state is not known to be
 // at a request's start any more.
 func (c *h1Session) reject(status int, why string) {
+	c.takeWriter()
 	text := strconv.Itoa(status) + " " + http.StatusText(status)
 	if why != "" {
 		text += ": " + why
@@ -360,6 +393,7 @@ func (c *h1Session) upgrade(req *http.Request) bool {
 		c.reject(http.StatusBadRequest, "malformed HTTP2-Settings header")
 		return true
 	}
+	c.takeWriter() // before the body's read, which may send 100 Continue
 	c.w.reset(req)
 	rb, ok := c.requestBody(req)
 	if !ok {
@@ -571,18 +605,18 @@ type h1Writer struct {
 	header http.Header // the answer's: own, or the backend's answer's (respond)
 	own    http.Header // kept from request to request
 
-	mu          sync.Mutex // the status line, against a 100 Continue from a transport's goroutine
-	status      int
-	committed   bool // the status line and headers are in the buffer
-	chunked     bool
-	closeAfter  bool
-	head        bool  // a HEAD request: no body goes out
-	noBody      bool  // a status without a body (1xx, 204, 304)
-	length      int64 // the Content-Length sent; -1 none
-	written     int64
-	pending     []byte // body written before the length was known
-	pendingSpan [2048]byte
-	err         error
+	mu         sync.Mutex // the status line, against a 100 Continue from a transport's goroutine
+	status     int
+	committed  bool // the status line and headers are in the buffer
+	chunked    bool
+	closeAfter bool
+	head       bool  // a HEAD request: no body goes out
+	noBody     bool  // a status without a body (1xx, 204, 304)
+	length     int64 // the Content-Length sent; -1 none
+	written    int64
+	pending    []byte              // body written before the length was known, in pendingBuf
+	pendingBuf *[h1PendingMax]byte // from h1PendingPool while an answer needs it
+	err        error
 }
 
 func (w *h1Writer) reset(req *http.Request) {
@@ -595,8 +629,17 @@ func (w *h1Writer) reset(req *http.Request) {
 	w.noBody = false
 	w.length = -1
 	w.written = 0
-	w.pending = w.pendingSpan[:0]
+	w.dropPending()
 	w.err = nil
+}
+
+// dropPending gives the held-back body's buffer back.
+func (w *h1Writer) dropPending() {
+	if w.pendingBuf != nil {
+		h1PendingPool.Put(w.pendingBuf)
+		w.pendingBuf = nil
+	}
+	w.pending = nil
 }
 
 func (w *h1Writer) Header() http.Header { return w.header }
@@ -634,7 +677,11 @@ func (w *h1Writer) Write(p []byte) (int, error) {
 		return len(p), nil
 	}
 	if !w.committed {
-		if w.header["Content-Length"] == nil && len(w.pending)+len(p) <= cap(w.pending) {
+		if w.header["Content-Length"] == nil && len(w.pending)+len(p) <= h1PendingMax {
+			if w.pendingBuf == nil {
+				w.pendingBuf = h1PendingPool.Get().(*[h1PendingMax]byte)
+				w.pending = w.pendingBuf[:0]
+			}
 			w.pending = append(w.pending, p...)
 			return len(p), nil
 		}
