@@ -87,7 +87,11 @@ func newH1Pool(dial func(ctx context.Context) (net.Conn, error), maxIdle int, id
 }
 
 // get returns an idle connection the backend still holds open, or a new one.
-func (p *h1Pool) get(ctx context.Context) (*h1Conn, error) {
+//
+// check: look first, without blocking, that the backend has not closed an idle
+// connection (a system call). roundTrip leaves it out for a request it may send
+// twice, whose failure on a closed connection it sends again, checked.
+func (p *h1Pool) get(ctx context.Context, check bool) (*h1Conn, error) {
 	for {
 		p.mu.Lock()
 		n := len(p.idle)
@@ -99,7 +103,7 @@ func (p *h1Pool) get(ctx context.Context) (*h1Conn, error) {
 		p.idle[n-1] = nil
 		p.idle = p.idle[:n-1]
 		p.mu.Unlock()
-		if hc.alive() {
+		if !check || hc.alive() {
 			return hc, nil
 		}
 		hc.c.Close()
@@ -216,8 +220,13 @@ func (e *errUpstreamReused) Unwrap() error { return e.err }
 // before any answer comes, a request that may be sent twice is sent once more on
 // a new connection, as http.Transport does.
 func (p *h1Pool) roundTrip(ctx context.Context, req *http.Request) (*http.Response, error) {
+	again := replayable(req)
 	for attempt := 0; ; attempt++ {
-		hc, err := p.get(ctx)
+		// A request that may go twice takes an idle connection unchecked: one
+		// the backend has closed fails before any answer, and the request goes
+		// once more on a checked one. The others (a POST without a body) are
+		// checked first, as they cannot be sent again.
+		hc, err := p.get(ctx, !again || attempt > 0)
 		if err != nil {
 			return nil, err
 		}
@@ -226,7 +235,7 @@ func (p *h1Pool) roundTrip(ctx context.Context, req *http.Request) (*http.Respon
 			return resp, nil
 		}
 		var reused *errUpstreamReused
-		if attempt == 0 && errors.As(err, &reused) && ctx.Err() == nil && replayable(req) {
+		if attempt == 0 && errors.As(err, &reused) && ctx.Err() == nil && again {
 			continue
 		}
 		return nil, err

@@ -367,7 +367,7 @@ func TestH1UpgradeExpectContinue(t *testing.T) {
 // once (shutting down) fails no GET: the pool checks each before reuse and
 // dials when all are gone.
 func TestH1UpstreamManyClosed(t *testing.T) {
-	var closes atomic.Int64
+	var heldClosed atomic.Int64
 	var mu sync.Mutex
 	var held []chan struct{}
 	be := rawBackend(t, func(c net.Conn) {
@@ -384,11 +384,13 @@ func TestH1UpstreamManyClosed(t *testing.T) {
 			<-ch
 		}
 		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-		// One answer per connection: the backend closes it, and counts the
-		// close, which the test's next request waits for (on loopback the FIN
-		// is in the plane's socket once close returns).
+		// One answer per connection: the backend closes it, and counts the held
+		// ones' closes, which the test's next request waits for (on loopback
+		// the FIN is in the plane's socket once close returns).
 		c.Close()
-		closes.Add(1)
+		if req.URL.Path == "/hold" {
+			heldClosed.Add(1)
+		}
 	})
 	nheld := func() int {
 		mu.Lock()
@@ -398,7 +400,7 @@ func TestH1UpstreamManyClosed(t *testing.T) {
 	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 	failed := 0
 	const rounds = 10
-	for range rounds {
+	for round := range rounds {
 		mu.Lock()
 		held = nil
 		mu.Unlock()
@@ -420,8 +422,8 @@ func TestH1UpstreamManyClosed(t *testing.T) {
 			io.Copy(io.Discard, resp.Body)
 		}
 		waitfor.Value(t, 5*time.Second, "both held connections closed by the backend", func() (any, bool) {
-			n := closes.Load()
-			return n, n%3 == 2 // two per round held, one answered
+			n := heldClosed.Load()
+			return n, n == int64(2*(round+1))
 		})
 		io.WriteString(a, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
 		resp, err := http.ReadResponse(abr, nil)
