@@ -181,7 +181,7 @@ func (c *h1Session) serve() bool {
 		if isH2CUpgrade(req.Header) && c.tls == nil {
 			return c.upgrade(req)
 		}
-		if !c.forward(req) || s.h1Shutdown.Load() {
+		if !c.forward(req) {
 			return true
 		}
 		c.dropWriter()
@@ -278,8 +278,9 @@ func (c *h1Session) serveHTTP(w *h1Writer, req *http.Request) (ok bool) {
 }
 
 // checkRequest is net/http's server's check of a request http.ReadRequest has
-// read: a version it serves, a Host, and header names and values without bytes
-// that do not belong there.
+// read: a version it serves and a Host. Header names and values need no second
+// look (net/http's server gives them one): textproto's reader already refused
+// any with a byte RFC 9110 does not allow there.
 func checkRequest(req *http.Request) (int, string) {
 	if req.ProtoMajor != 1 {
 		return http.StatusHTTPVersionNotSupported, "unsupported protocol version"
@@ -290,16 +291,6 @@ func checkRequest(req *http.Request) (int, string) {
 	if req.Host != "" && !httpguts.ValidHostHeader(req.Host) {
 		return http.StatusBadRequest, "malformed Host header"
 	}
-	for k, vv := range req.Header {
-		if !httpguts.ValidHeaderFieldName(k) {
-			return http.StatusBadRequest, "invalid header name"
-		}
-		for _, v := range vv {
-			if !httpguts.ValidHeaderFieldValue(v) {
-				return http.StatusBadRequest, "invalid header value"
-			}
-		}
-	}
 	return 0, ""
 }
 
@@ -307,7 +298,7 @@ func checkRequest(req *http.Request) (int, string) {
 // server does; a connection that closed or timed out gets no answer.
 func (c *h1Session) badRequest(err error, tooLong bool) {
 	switch {
-	case tooLong || errors.Is(err, errHeaderTooLong):
+	case tooLong:
 		c.reject(http.StatusRequestHeaderFieldsTooLarge, "")
 	case strings.Contains(err.Error(), "unsupported transfer encoding"):
 		c.reject(http.StatusNotImplemented, "Unsupported transfer encoding")
@@ -422,32 +413,20 @@ func (c *h1Session) upgrade(req *http.Request) bool {
 	// No longer an HTTP/1.1 connection: the HTTP/2 server's shutdown (through
 	// s.upgraded) sends it GOAWAY.
 	c.s.unregisterH1(c)
-	c.s.h2.ServeConn(&h1Upgraded{Conn: c.conn, in: &c.in, br: c.br}, &http2.ServeConnOpts{
+	c.s.h2.ServeConn(&h1Upgraded{Conn: c.conn, r: c.br}, &http2.ServeConnOpts{
 		BaseConfig: c.s.upgraded, Handler: c.s, UpgradeRequest: req, Settings: settings,
 	})
 	return false
 }
 
-// h1Upgraded is an upgraded connection: what the HTTP/1.1 reader had read ahead
-// comes first.
+// h1Upgraded is an upgraded connection, read on through the HTTP/1.1 reader, so
+// what it had read ahead (and the watch's byte under it) comes first.
 type h1Upgraded struct {
 	net.Conn
-	in *h1Input
-	br *bufio.Reader
+	r io.Reader
 }
 
-func (u *h1Upgraded) Read(p []byte) (int, error) {
-	if u.br != nil {
-		if u.br.Buffered() > 0 {
-			return u.br.Read(p)
-		}
-		u.br = nil
-	}
-	if len(u.in.pending) > 0 {
-		return u.in.Read(p)
-	}
-	return u.Conn.Read(p)
-}
+func (u *h1Upgraded) Read(p []byte) (int, error) { return u.r.Read(p) }
 
 // armWatch starts the countdown to watching the connection for the request.
 func (c *h1Session) armWatch() {
@@ -896,27 +875,29 @@ func writeField(bw *bufio.Writer, k, v string) {
 	bw.WriteString(k)
 	bw.WriteString(": ")
 	if strings.ContainsAny(v, "\r\n") {
-		v = strings.NewReplacer("\r", " ", "\n", " ").Replace(v)
+		v = lineBreakToSpace.Replace(v)
 	}
 	bw.WriteString(v)
 	bw.WriteString("\r\n")
 }
 
-// dateCache is the Date header's value, formatted once a second.
-var dateCache atomic.Pointer[struct {
+var lineBreakToSpace = strings.NewReplacer("\r", " ", "\n", " ")
+
+// dateStamp is the Date header's value for one second.
+type dateStamp struct {
 	sec int64
 	b   []byte
-}]
+}
+
+// dateCache is formatted once a second.
+var dateCache atomic.Pointer[dateStamp]
 
 func httpDate() []byte {
 	now := time.Now()
 	if d := dateCache.Load(); d != nil && d.sec == now.Unix() {
 		return d.b
 	}
-	d := &struct {
-		sec int64
-		b   []byte
-	}{now.Unix(), now.UTC().AppendFormat(nil, http.TimeFormat)}
+	d := &dateStamp{now.Unix(), now.UTC().AppendFormat(nil, http.TimeFormat)}
 	dateCache.Store(d)
 	return d.b
 }
