@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime"
+	"strconv"
 	"sync"
 	"syscall"
 	"time"
@@ -18,6 +19,10 @@ import (
 
 // sockmapEnv set to 1 makes the -serve child forward in the kernel (loader.SockMap).
 const sockmapEnv = "WEIR_BENCH_SOCKMAP"
+
+// loopsEnv, if set, is the -serve child's event loops per service (proxy.Config's
+// AcceptLoops), for an A/B of the default (one per CPU).
+const loopsEnv = "WEIR_BENCH_LOOPS"
 
 func numCPU() int { return runtime.NumCPU() }
 
@@ -42,6 +47,11 @@ func serveWeir() error {
 			IdleTimeout: time.Minute, ShutdownTimeout: time.Second, Logger: logger,
 			DrainTimeout: proxy.DefaultDrainTimeout, EjectAfter: proxy.DefaultEjectAfter,
 		},
+	}
+	if n, err := strconv.Atoi(os.Getenv(loopsEnv)); err == nil {
+		for i := range cfgs {
+			cfgs[i].AcceptLoops = n
+		}
 	}
 	if os.Getenv(sockmapEnv) == "1" {
 		sm, err := loader.LoadSockMap()
