@@ -26,6 +26,12 @@ var errTryTimeout = errors.New("no response headers within try_timeout")
 // retry budget. Once the response headers are written the request is the
 // backend's: a failure after that resets the client's stream.
 func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	s.serveRequest(r.Context(), w, r)
+}
+
+// serveRequest is ServeHTTP with the client's context given apart from r, so
+// the HTTP/1.1 connection loop need not copy each request to attach its own.
+func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
 	l := s.live.Load()
 	s.stats.inflight.Add(1)
@@ -37,7 +43,7 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	l.budget.deposit()
-	ctx := r.Context()
+	ctx := client
 	if l.cfg.Timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, l.cfg.Timeout)
@@ -90,13 +96,13 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if try > 0 {
 			be.stats.retries.Add(1)
 		}
-		done, f := s.try(ctx, l, w, r, be, &lease, hdr, body, retryable, try < l.cfg.Retries, start)
+		done, f := s.try(client, ctx, l, w, r, be, &lease, hdr, body, retryable, try < l.cfg.Retries, start)
 		if done {
 			return
 		}
 		fail = f
 	}
-	if r.Context().Err() != nil {
+	if client.Err() != nil {
 		return // the client went away: nobody to answer
 	}
 	s.answerFailure(l, w, r, fail, ntried, start)
@@ -113,7 +119,7 @@ type failure struct {
 
 // try sends the request to one backend. done reports that the client has its
 // answer (or is gone); otherwise f says why not and whether a retry may follow.
-func (s *Service) try(ctx context.Context, l *live, w http.ResponseWriter, r *http.Request, be *backend, lease *balance.Lease,
+func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWriter, r *http.Request, be *backend, lease *balance.Lease,
 	hdr http.Header, body *replayBody, retryable, more bool, start time.Time) (done bool, f failure) {
 	tryStart := time.Now()
 	tctx := ctx
@@ -153,7 +159,7 @@ func (s *Service) try(ctx context.Context, l *live, w http.ResponseWriter, r *ht
 	}
 	headerLatency := time.Since(tryStart)
 	if err != nil {
-		if r.Context().Err() != nil {
+		if client.Err() != nil {
 			// The client gave up; the backend is not to blame.
 			lease.Release(balance.Result{})
 			return true, failure{}
@@ -221,7 +227,7 @@ func (s *Service) try(ctx context.Context, l *live, w http.ResponseWriter, r *ht
 		s.log.Info("request", "method", r.Method, "path", r.URL.Path, "proto", r.Proto, "client", r.RemoteAddr,
 			"backend", be.id, "status", resp.StatusCode, "bytes", n, "headers", headerLatency, "duration", time.Since(start), "err", copyErr)
 	}
-	if copyErr != nil && r.Context().Err() == nil {
+	if copyErr != nil && client.Err() == nil {
 		// The backend broke off mid-body. The status line is gone; the client must
 		// see the answer is incomplete: a stream reset (HTTP/2) or a closed
 		// connection (HTTP/1.1).

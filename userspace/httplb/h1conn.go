@@ -53,7 +53,7 @@ type h1Conn struct {
 	used   bool // has carried a request: the backend may have closed it meanwhile
 	idleAt time.Time
 	// breakOff fails a blocked read or write: made once, not per request, as
-	// exchange hands it to context.AfterFunc.
+	// exchange hands it to onCancel.
 	breakOff func()
 	// peek is alive's look at the socket, made once too; it leaves its
 	// finding in peekIdle.
@@ -257,9 +257,9 @@ func replayable(req *http.Request) bool {
 func (hc *h1Conn) exchange(ctx context.Context, req *http.Request) (*http.Response, error) {
 	// A cancelled context (the client gone, a timeout) breaks off the wait and the
 	// body: the deadline fails the blocked read.
-	stop := context.AfterFunc(ctx, hc.breakOff)
+	stop := onCancel(ctx, hc.breakOff)
 	fail := func(err error, answered bool) (*http.Response, error) {
-		stop()
+		stop.end()
 		hc.c.Close()
 		if ctx.Err() != nil {
 			return nil, context.Cause(ctx)
@@ -303,8 +303,32 @@ type h1Body struct {
 	hc   *h1Conn
 	body io.ReadCloser
 	resp *http.Response
-	stop func() bool
+	stop cancelHook
 	done bool
+}
+
+// cancelHook is a function run when a context is cancelled, until end.
+type cancelHook struct {
+	sess *sessionCtx // the HTTP/1.1 connection's own context holds it
+	stop func() bool // or context.AfterFunc's
+}
+
+// onCancel runs f when ctx is cancelled, until the hook's end. An HTTP/1.1
+// connection's context holds it without allocating; any other context (one with
+// a timeout of its own) goes through context.AfterFunc.
+func onCancel(ctx context.Context, f func()) cancelHook {
+	if x, ok := ctx.(*sessionCtx); ok && x.hold(f) {
+		return cancelHook{sess: x}
+	}
+	return cancelHook{stop: context.AfterFunc(ctx, f)}
+}
+
+// end stops the hook; it reports whether f had not run.
+func (h cancelHook) end() bool {
+	if h.sess != nil {
+		return h.sess.release()
+	}
+	return h.stop()
 }
 
 func (b *h1Body) Read(p []byte) (int, error) {
@@ -332,7 +356,7 @@ func (b *h1Body) Close() error {
 func (b *h1Body) finish(whole bool) {
 	b.done = true
 	hc := b.hc
-	if !b.stop() || !whole || b.resp.Close || b.resp.Request.Close {
+	if !b.stop.end() || !whole || b.resp.Close || b.resp.Request.Close {
 		hc.c.Close()
 		return
 	}

@@ -74,8 +74,7 @@ type h1Session struct {
 	bw     *bufio.Writer
 	remote string
 	tls    *tls.ConnectionState
-	ctx    context.Context // cancelled when the client is seen to go away
-	cancel context.CancelCauseFunc
+	ctx    *sessionCtx // cancelled when the client is seen to go away
 	state  atomic.Int32
 	done   chan struct{} // closed when serve returns
 	w      h1Writer
@@ -117,7 +116,7 @@ func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.Connection
 	c := &h1Session{s: s, conn: conn, remote: conn.RemoteAddr().String(), tls: tlsState, done: make(chan struct{})}
 	c.in = h1Input{pending: prefix, lim: limitReader{r: conn, n: math.MaxInt64}}
 	c.br = bufio.NewReaderSize(&c.in, 4<<10)
-	c.ctx, c.cancel = context.WithCancelCause(context.Background())
+	c.ctx = newSessionCtx()
 	c.w.c = c
 	c.w.own = http.Header{} // no room until a field goes in: most answers bring their own
 	c.w.header = c.w.own
@@ -125,7 +124,7 @@ func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.Connection
 	c.watch.Stop()
 	defer s.stats.conns.Add(-1)
 	defer close(c.done)
-	defer c.cancel(nil)
+	defer c.ctx.cancelWith(nil)
 	if !s.registerH1(c) {
 		conn.Close()
 		return
@@ -214,7 +213,6 @@ func (c *h1Session) forward(req *http.Request) (keep bool) {
 	defer c.w.dropPending()
 	req.RemoteAddr = c.remote
 	req.TLS = c.tls
-	req = req.WithContext(c.ctx)
 	keep = !req.Close
 	w := &c.w
 	w.reset(req)
@@ -273,7 +271,7 @@ func (c *h1Session) serveHTTP(w *h1Writer, req *http.Request) (ok bool) {
 			c.bw.Flush()
 		}
 	}()
-	c.s.ServeHTTP(w, req)
+	c.s.serveRequest(c.ctx, w, req)
 	return true
 }
 
@@ -472,7 +470,7 @@ func (c *h1Session) startWatch() {
 			c.wmu.Unlock()
 			continue
 		case err != nil:
-			c.cancel(errClientGone)
+			c.ctx.cancelWith(errClientGone)
 		}
 		c.wmu.Unlock()
 		return
@@ -953,7 +951,7 @@ func (s *Service) closeH1() {
 // breaks off a wait for the backend, and the socket is closed; it returns once
 // the connection's goroutine has.
 func (c *h1Session) abort() {
-	c.cancel(errShutdown)
+	c.ctx.cancelWith(errShutdown)
 	c.conn.Close()
 	<-c.done
 }
@@ -974,4 +972,66 @@ func (s *Service) stopH1() []*h1Session {
 func isH2CUpgrade(h http.Header) bool {
 	return httpguts.HeaderValuesContainsToken(h["Upgrade"], "h2c") &&
 		httpguts.HeaderValuesContainsToken(h["Connection"], "HTTP2-Settings")
+}
+
+// sessionCtx is an HTTP/1.1 connection's context, cancelled when the client is
+// seen to go away and at shutdown's drain timeout. Besides that it holds one
+// hook, the break-off of the upstream exchange in progress (a connection has
+// one at a time): setting it allocates nothing, where context.AfterFunc
+// allocates twice per request.
+type sessionCtx struct {
+	context.Context
+	cancel context.CancelCauseFunc
+
+	mu        sync.Mutex
+	hook      func()
+	cancelled bool
+}
+
+func newSessionCtx() *sessionCtx {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	return &sessionCtx{Context: ctx, cancel: cancel}
+}
+
+// cancelWith cancels the context with cause err and runs the hook, if one is set.
+func (x *sessionCtx) cancelWith(err error) {
+	x.mu.Lock()
+	x.cancel(err)
+	x.cancelled = true
+	hook := x.hook
+	x.hook = nil
+	x.mu.Unlock()
+	if hook != nil {
+		hook()
+	}
+}
+
+// hold makes f the hook; if the context is cancelled already, f runs now. It
+// reports false if another hook is set (f is then not held).
+func (x *sessionCtx) hold(f func()) bool {
+	x.mu.Lock()
+	if x.hook != nil {
+		x.mu.Unlock()
+		return false
+	}
+	if x.cancelled {
+		x.mu.Unlock()
+		f()
+		return true
+	}
+	x.hook = f
+	x.mu.Unlock()
+	return true
+}
+
+// release drops the hook; it reports whether the hook had not run (as the stop
+// function context.AfterFunc returns does).
+func (x *sessionCtx) release() bool {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.cancelled {
+		return false
+	}
+	x.hook = nil
+	return true
 }

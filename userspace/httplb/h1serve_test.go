@@ -227,31 +227,43 @@ func checkAnswer(t *testing.T, br *bufio.Reader, want wantAnswer) {
 
 // TestH1ClientGone: a client that closes its connection while its request waits
 // for a slow backend has the backend's request cancelled, as net/http's server
-// would, and the plane blames the backend for nothing.
+// would, and the plane blames the backend for nothing. Without an overall
+// timeout the connection's own context breaks the exchange off; with one, the
+// timeout's context does, through context.AfterFunc.
 func TestH1ClientGone(t *testing.T) {
-	be, gone := h1TestBackend(t)
-	obs := &recordingObserver{}
-	s := serveOn(t, Config{Observer: obs}, []Backend{{Addr: be, Weight: 1, Usable: true}})
-	conn, _ := rawConn(t, s.Addr().String())
-	io.WriteString(conn, "GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-	waitfor.Value(t, 5*time.Second, "the request in flight", func() (any, bool) {
-		n := s.Snapshot().InFlight
-		return n, n == 1
-	})
-	closed := time.Now()
-	conn.Close()
-	select {
-	case d := <-gone:
-		t.Logf("the backend's request ended %v after it began, %v after the client closed", d, time.Since(closed))
-	case <-time.After(3 * time.Second):
-		t.Fatalf("the backend's request still runs 3 s after its client closed; want it cancelled")
-	}
-	waitfor.Value(t, 5*time.Second, "no request in flight", func() (any, bool) {
-		n := s.Snapshot().InFlight
-		return n, n == 0
-	})
-	if f := obs.failures(); f != 0 {
-		t.Errorf("%d failed tries counted against the backend; want none: the client left", f)
+	for _, tc := range []struct {
+		name    string
+		timeout time.Duration
+	}{
+		{"connection context", 0},
+		{"with timeout", 30 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			be, gone := h1TestBackend(t)
+			obs := &recordingObserver{}
+			s := serveOn(t, Config{Observer: obs, Timeout: tc.timeout}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			conn, _ := rawConn(t, s.Addr().String())
+			io.WriteString(conn, "GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+			waitfor.Value(t, 5*time.Second, "the request in flight", func() (any, bool) {
+				n := s.Snapshot().InFlight
+				return n, n == 1
+			})
+			closed := time.Now()
+			conn.Close()
+			select {
+			case d := <-gone:
+				t.Logf("the backend's request ended %v after it began, %v after the client closed", d, time.Since(closed))
+			case <-time.After(3 * time.Second):
+				t.Fatalf("the backend's request still runs 3 s after its client closed; want it cancelled")
+			}
+			waitfor.Value(t, 5*time.Second, "no request in flight", func() (any, bool) {
+				n := s.Snapshot().InFlight
+				return n, n == 0
+			})
+			if f := obs.failures(); f != 0 {
+				t.Errorf("%d failed tries counted against the backend; want none: the client left", f)
+			}
+		})
 	}
 }
 
