@@ -49,13 +49,18 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		ctx, cancel = context.WithTimeout(ctx, l.cfg.Timeout)
 		defer cancel()
 	}
-	hdr := l.outHeader(r)
 	key := l.hashKey(r)
 	retryable := idempotent(r.Method) || l.grpcRetryable(r)
 	var body *replayBody
 	if r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 {
 		body = &replayBody{src: r.Body, keep: retryable && l.cfg.Retries > 0}
 	}
+	var sc *outScratch
+	if body == nil && ownPath(l.cfg.Upstream, r) {
+		sc = outScratchPool.Get().(*outScratch)
+		defer sc.put()
+	}
+	hdr := l.outHeader(r, sc)
 	// The backends tried: the first kept apart, so a request that is not retried
 	// allocates no list (a closure that reads the list makes it escape).
 	var first string
@@ -96,7 +101,7 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		if try > 0 {
 			be.stats.retries.Add(1)
 		}
-		done, f := s.try(client, ctx, l, w, r, be, &lease, hdr, body, retryable, try < l.cfg.Retries, start)
+		done, f := s.try(client, ctx, l, w, r, be, &lease, hdr, sc, body, retryable, try < l.cfg.Retries, start)
 		if done {
 			return
 		}
@@ -120,7 +125,7 @@ type failure struct {
 // try sends the request to one backend. done reports that the client has its
 // answer (or is gone); otherwise f says why not and whether a retry may follow.
 func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWriter, r *http.Request, be *backend, lease *balance.Lease,
-	hdr http.Header, body *replayBody, retryable, more bool, start time.Time) (done bool, f failure) {
+	hdr http.Header, sc *outScratch, body *replayBody, retryable, more bool, start time.Time) (done bool, f failure) {
 	tryStart := time.Now()
 	tctx := ctx
 	var timer *time.Timer
@@ -133,9 +138,17 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 		defer cancel(nil)
 		timer = time.AfterFunc(l.cfg.TryTimeout, func() { cancel(errTryTimeout) })
 	}
-	out := &http.Request{
+	var out *http.Request
+	var u *url.URL
+	if sc != nil {
+		out, u = &sc.req, &sc.url
+	} else {
+		out, u = new(http.Request), new(url.URL)
+	}
+	*u = url.URL{Scheme: "http", Host: be.id, Path: r.URL.Path, RawPath: r.URL.RawPath, RawQuery: r.URL.RawQuery}
+	*out = http.Request{
 		Method:        r.Method,
-		URL:           &url.URL{Scheme: "http", Host: be.id, Path: r.URL.Path, RawPath: r.URL.RawPath, RawQuery: r.URL.RawQuery},
+		URL:           u,
 		Proto:         "HTTP/1.1",
 		ProtoMajor:    1,
 		ProtoMinor:    1,
@@ -149,10 +162,10 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	}
 	var resp *http.Response
 	var err error
-	if t := be.transport(l.cfg.Upstream, r); t == be.h1 && body == nil && r.Header["Upgrade"] == nil {
+	if sc != nil || ownPath(l.cfg.Upstream, r) && body == nil {
 		resp, err = be.h1s.roundTrip(tctx, out)
 	} else {
-		resp, err = t.RoundTrip(out.WithContext(tctx))
+		resp, err = be.transport(l.cfg.Upstream, r).RoundTrip(out.WithContext(tctx))
 	}
 	if timer != nil {
 		timer.Stop()
@@ -253,6 +266,38 @@ func (l *live) observeTry(be *backend, o Outcome) {
 }
 
 // transport is the pool for the request's upstream protocol.
+// ownPath reports whether a request without a body goes to its backend
+// through weir's own HTTP/1.1 exchange (h1Pool.roundTrip) rather than through
+// an http.Transport: HTTP/1.1 upstream and no upgrade.
+func ownPath(u Upstream, r *http.Request) bool {
+	return (u == UpstreamHTTP1 || u == UpstreamAuto && r.ProtoMajor != 2) && r.Header["Upgrade"] == nil
+}
+
+// outScratch is the memory one request needs on its way upstream when it goes
+// through weir's own exchange, taken from a pool and given back when the
+// request is done: that exchange writes the header before it returns and keeps
+// nothing of the request after the answer's body is read or closed, which an
+// http.Transport (a goroutine may still write the request) does not promise.
+type outScratch struct {
+	hdr http.Header
+	req http.Request
+	url url.URL
+}
+
+var outScratchPool = sync.Pool{New: func() any { return &outScratch{hdr: make(http.Header, 8)} }}
+
+// put gives sc back, emptied; a header grown large for one request is dropped
+// rather than kept for every later one.
+func (sc *outScratch) put() {
+	if len(sc.hdr) > 32 {
+		sc.hdr = make(http.Header, 8)
+	} else {
+		clear(sc.hdr)
+	}
+	sc.req, sc.url = http.Request{}, url.URL{}
+	outScratchPool.Put(sc)
+}
+
 func (b *backend) transport(u Upstream, r *http.Request) *http.Transport {
 	switch {
 	case u == UpstreamH2C, u == UpstreamAuto && r.ProtoMajor == 2:
@@ -434,8 +479,13 @@ func removeConnectionHeaders(h, from http.Header) {
 
 // outHeader is the request's header as the backend gets it: hop-by-hop headers
 // dropped (TE: trailers kept, gRPC needs it), forwarding headers added.
-func (l *live) outHeader(r *http.Request) http.Header {
-	h := make(http.Header, len(r.Header)+3)
+func (l *live) outHeader(r *http.Request, sc *outScratch) http.Header {
+	var h http.Header
+	if sc != nil {
+		h = sc.hdr
+	} else {
+		h = make(http.Header, len(r.Header)+3)
+	}
 	for k, vv := range r.Header {
 		if !hopByHop(k) {
 			h[k] = vv

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -654,6 +655,82 @@ func TestH1UnreadBodyCloseAnnounced(t *testing.T) {
 			t.Logf("answer's Connection: close %v; connection closed after it: %v (%v)", resp.Close, closed, err)
 			if closed && !resp.Close {
 				t.Errorf("the answer said keep-alive (no Connection: close) and the connection then closed (%v); want Connection: close on an answer after which the connection closes", err)
+			}
+		})
+	}
+}
+
+// TestH1ConcurrentRequestsKeepTheirOwn: requests forwarded at once from many
+// connections each reach the backend with their own path, query, header fields
+// and forwarding fields, also when a request goes a second time (the first
+// backend answers 503). The memory a request takes on its way upstream is
+// reused across requests; a request that saw another's would fail here.
+func TestH1ConcurrentRequestsKeepTheirOwn(t *testing.T) {
+	echo := func(name string) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if name == "flaky" && strings.HasPrefix(r.URL.Path, "/retry") {
+				w.WriteHeader(http.StatusServiceUnavailable)
+				return
+			}
+			fmt.Fprintf(w, "%s?%s tag=%s xff=%s n=%d even=%q", r.URL.Path, r.URL.RawQuery, r.Header.Get("X-Tag"),
+				r.Header.Get("X-Forwarded-For"), len(r.Header["X-Tag"]), r.Header.Get("X-Even"))
+		})
+	}
+	bes := []Backend{
+		{Addr: muxBackend(t, echo("flaky")), Weight: 1, Usable: true},
+		{Addr: muxBackend(t, echo("good")), Weight: 1, Usable: true},
+	}
+	for _, engine := range h1Engines {
+		t.Run(engine, func(t *testing.T) {
+			s := serveOn(t, Config{Algorithm: "round_robin", XForwardedFor: true, Retries: 1, RetryBudget: 1,
+				NetHTTP1: engine == "net_http"}, bes)
+			var wg sync.WaitGroup
+			errs := make(chan string, 32)
+			for i := range 16 {
+				// Exits when its connection's requests are done.
+				wg.Go(func() {
+					conn, err := net.Dial("tcp", s.Addr().String())
+					if err != nil {
+						errs <- err.Error()
+						return
+					}
+					defer conn.Close()
+					conn.SetDeadline(time.Now().Add(10 * time.Second))
+					br := bufio.NewReader(conn)
+					for j := range 50 {
+						path := fmt.Sprintf("/c%d/r%d", i, j)
+						if j%7 == 0 {
+							path = fmt.Sprintf("/retry%d/r%d", i, j)
+						}
+						tag := fmt.Sprintf("t%d-%d", i, j)
+						// Every other request has a field the next one lacks.
+						even := ""
+						if j%2 == 0 {
+							even = "yes"
+						}
+						fmt.Fprintf(conn, "GET %s?q=%d HTTP/1.1\r\nHost: h%d\r\nX-Tag: %s\r\nX-Forwarded-For: 192.0.2.%d\r\n", path, j, i, tag, i)
+						if even != "" {
+							fmt.Fprintf(conn, "X-Even: %s\r\n", even)
+						}
+						io.WriteString(conn, "\r\n")
+						resp, err := http.ReadResponse(br, &http.Request{Method: "GET"})
+						if err != nil {
+							errs <- fmt.Sprintf("%s: %v", path, err)
+							return
+						}
+						b, _ := io.ReadAll(resp.Body)
+						want := fmt.Sprintf("%s?q=%d tag=%s xff=192.0.2.%d, 127.0.0.1 n=1 even=%q", path, j, tag, i, even)
+						if resp.StatusCode != http.StatusOK || string(b) != want {
+							errs <- fmt.Sprintf("got %d %q; want 200 %q", resp.StatusCode, b, want)
+							return
+						}
+					}
+				})
+			}
+			wg.Wait()
+			close(errs)
+			for e := range errs {
+				t.Error(e)
 			}
 		})
 	}
