@@ -483,92 +483,74 @@ func mixBackend(t *testing.T) netip.AddrPort {
 func TestH1Stress(t *testing.T) {
 	be := mixBackend(t)
 	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
-	var wg sync.WaitGroup
-	errs := make(chan string, 64)
-	for i := range 24 {
-		// Exits when its connection's exchanges are done.
-		wg.Go(func() {
-			conn, err := net.Dial("tcp", s.Addr().String())
+	onConns(t, s.Addr().String(), 24, func(i int, conn net.Conn, br *bufio.Reader, errs chan<- string) {
+		j := 0
+		read := func(method, want string) bool {
+			resp, err := http.ReadResponse(br, &http.Request{Method: method})
 			if err != nil {
-				errs <- err.Error()
-				return
+				errs <- "reading: " + err.Error()
+				return false
 			}
-			defer conn.Close()
-			conn.SetDeadline(time.Now().Add(10 * time.Second))
-			br := bufio.NewReader(conn)
-			j := 0
-			read := func(method, want string) bool {
-				resp, err := http.ReadResponse(br, &http.Request{Method: method})
-				if err != nil {
-					errs <- "reading: " + err.Error()
-					return false
-				}
-				b, err := io.ReadAll(resp.Body)
-				if err != nil || string(b) != want {
-					errs <- fmt.Sprintf("case %d: %s %d %q (%v); want %q", (i+j)%5, method, resp.StatusCode, b, err, want)
-					return false
-				}
-				return true
+			b, err := io.ReadAll(resp.Body)
+			if err != nil || string(b) != want {
+				errs <- fmt.Sprintf("case %d: %s %d %q (%v); want %q", (i+j)%5, method, resp.StatusCode, b, err, want)
+				return false
 			}
-			for j = range 6 {
-				switch (i + j) % 5 {
-				case 0: // 100-continue, slow answer, a pipelined GET behind it
-					io.WriteString(conn, "POST /echo?ms=40 HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
-					line, _ := br.ReadString('\n')
-					br.ReadString('\n')
-					if line != "HTTP/1.1 100 Continue\r\n" {
-						errs <- "want 100 Continue, got " + line
-						return
-					}
-					io.WriteString(conn, "hello")
-					// Past h1WatchAfter: the watch is reading when the
-					// pipelined request comes.
-					time.Sleep(25 * time.Millisecond)
-					io.WriteString(conn, "GET /noread HTTP/1.1\r\nHost: x\r\n\r\n")
-					if !read("POST", "hello") || !read("GET", "ok") {
-						return
-					}
-				case 1: // a body the backend leaves unread, slow answer
-					io.WriteString(conn, "POST /noread?ms=30 HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789")
-					if !read("POST", "ok") {
-						return
-					}
-				case 2: // chunked body, streamed answer, pipelined HEAD
-					io.WriteString(conn, "POST /stream?ms=15 HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\nHEAD /noread HTTP/1.1\r\nHost: x\r\n\r\n")
-					if !read("POST", "xxx") || !read("HEAD", "") {
-						return
-					}
-				case 3: // 100-continue the backend never reads (the transport still sends the body)
-					io.WriteString(conn, "POST /noread?ms=30 HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
-					if line, _ := br.ReadString('\n'); line != "HTTP/1.1 100 Continue\r\n" {
-						errs <- "want 100 Continue, got " + line
-						return
-					}
-					br.ReadString('\n')
-					io.WriteString(conn, "hello")
-					if !read("POST", "ok") {
-						return
-					}
-				case 4:
-					if j == 5 { // leave mid-request
-						io.WriteString(conn, "GET /noread?ms=200 HTTP/1.1\r\nHost: x\r\n\r\n")
-						time.Sleep(30 * time.Millisecond) // past h1WatchAfter: the watch sees it go
+			return true
+		}
+		for j = range 6 {
+			switch (i + j) % 5 {
+			case 0: // 100-continue, slow answer, a pipelined GET behind it
+				io.WriteString(conn, "POST /echo?ms=40 HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+				line, _ := br.ReadString('\n')
+				br.ReadString('\n')
+				if line != "HTTP/1.1 100 Continue\r\n" {
+					errs <- "want 100 Continue, got " + line
+					return
+				}
+				io.WriteString(conn, "hello")
+				// Past h1WatchAfter: the watch is reading when the
+				// pipelined request comes.
+				time.Sleep(25 * time.Millisecond)
+				io.WriteString(conn, "GET /noread HTTP/1.1\r\nHost: x\r\n\r\n")
+				if !read("POST", "hello") || !read("GET", "ok") {
+					return
+				}
+			case 1: // a body the backend leaves unread, slow answer
+				io.WriteString(conn, "POST /noread?ms=30 HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789")
+				if !read("POST", "ok") {
+					return
+				}
+			case 2: // chunked body, streamed answer, pipelined HEAD
+				io.WriteString(conn, "POST /stream?ms=15 HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\nHEAD /noread HTTP/1.1\r\nHost: x\r\n\r\n")
+				if !read("POST", "xxx") || !read("HEAD", "") {
+					return
+				}
+			case 3: // 100-continue the backend never reads (the transport still sends the body)
+				io.WriteString(conn, "POST /noread?ms=30 HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+				if line, _ := br.ReadString('\n'); line != "HTTP/1.1 100 Continue\r\n" {
+					errs <- "want 100 Continue, got " + line
+					return
+				}
+				br.ReadString('\n')
+				io.WriteString(conn, "hello")
+				if !read("POST", "ok") {
+					return
+				}
+			case 4:
+				if j == 5 { // leave mid-request
+					io.WriteString(conn, "GET /noread?ms=200 HTTP/1.1\r\nHost: x\r\n\r\n")
+					time.Sleep(30 * time.Millisecond) // past h1WatchAfter: the watch sees it go
 
-						return
-					}
-					io.WriteString(conn, "GET /noread?ms=25 HTTP/1.1\r\nHost: x\r\n\r\nGET /noread HTTP/1.1\r\nHost: x\r\n\r\n")
-					if !read("GET", "ok") || !read("GET", "ok") {
-						return
-					}
+					return
+				}
+				io.WriteString(conn, "GET /noread?ms=25 HTTP/1.1\r\nHost: x\r\n\r\nGET /noread HTTP/1.1\r\nHost: x\r\n\r\n")
+				if !read("GET", "ok") || !read("GET", "ok") {
+					return
 				}
 			}
-		})
-	}
-	wg.Wait()
-	close(errs)
-	for e := range errs {
-		t.Error(e)
-	}
+		}
+	})
 	waitfor.Value(t, 5*time.Second, "no request in flight", func() (any, bool) {
 		n := s.Snapshot().InFlight
 		return n, n == 0
@@ -684,54 +666,62 @@ func TestH1ConcurrentRequestsKeepTheirOwn(t *testing.T) {
 		t.Run(engine, func(t *testing.T) {
 			s := serveOn(t, Config{Algorithm: "round_robin", XForwardedFor: true, Retries: 1, RetryBudget: 1,
 				NetHTTP1: engine == "net_http"}, bes)
-			var wg sync.WaitGroup
-			errs := make(chan string, 32)
-			for i := range 16 {
-				// Exits when its connection's requests are done.
-				wg.Go(func() {
-					conn, err := net.Dial("tcp", s.Addr().String())
+			onConns(t, s.Addr().String(), 16, func(i int, conn net.Conn, br *bufio.Reader, errs chan<- string) {
+				for j := range 50 {
+					path := fmt.Sprintf("/c%d/r%d", i, j)
+					if j%7 == 0 {
+						path = fmt.Sprintf("/retry%d/r%d", i, j)
+					}
+					tag := fmt.Sprintf("t%d-%d", i, j)
+					// Every other request has a field the next one lacks.
+					even := ""
+					if j%2 == 0 {
+						even = "yes"
+					}
+					fmt.Fprintf(conn, "GET %s?q=%d HTTP/1.1\r\nHost: h%d\r\nX-Tag: %s\r\nX-Forwarded-For: 192.0.2.%d\r\n", path, j, i, tag, i)
+					if even != "" {
+						fmt.Fprintf(conn, "X-Even: %s\r\n", even)
+					}
+					io.WriteString(conn, "\r\n")
+					resp, err := http.ReadResponse(br, &http.Request{Method: "GET"})
 					if err != nil {
-						errs <- err.Error()
+						errs <- fmt.Sprintf("%s: %v", path, err)
 						return
 					}
-					defer conn.Close()
-					conn.SetDeadline(time.Now().Add(10 * time.Second))
-					br := bufio.NewReader(conn)
-					for j := range 50 {
-						path := fmt.Sprintf("/c%d/r%d", i, j)
-						if j%7 == 0 {
-							path = fmt.Sprintf("/retry%d/r%d", i, j)
-						}
-						tag := fmt.Sprintf("t%d-%d", i, j)
-						// Every other request has a field the next one lacks.
-						even := ""
-						if j%2 == 0 {
-							even = "yes"
-						}
-						fmt.Fprintf(conn, "GET %s?q=%d HTTP/1.1\r\nHost: h%d\r\nX-Tag: %s\r\nX-Forwarded-For: 192.0.2.%d\r\n", path, j, i, tag, i)
-						if even != "" {
-							fmt.Fprintf(conn, "X-Even: %s\r\n", even)
-						}
-						io.WriteString(conn, "\r\n")
-						resp, err := http.ReadResponse(br, &http.Request{Method: "GET"})
-						if err != nil {
-							errs <- fmt.Sprintf("%s: %v", path, err)
-							return
-						}
-						b, _ := io.ReadAll(resp.Body)
-						want := fmt.Sprintf("%s?q=%d tag=%s xff=192.0.2.%d, 127.0.0.1 n=1 even=%q", path, j, tag, i, even)
-						if resp.StatusCode != http.StatusOK || string(b) != want {
-							errs <- fmt.Sprintf("got %d %q; want 200 %q", resp.StatusCode, b, want)
-							return
-						}
+					b, _ := io.ReadAll(resp.Body)
+					want := fmt.Sprintf("%s?q=%d tag=%s xff=192.0.2.%d, 127.0.0.1 n=1 even=%q", path, j, tag, i, even)
+					if resp.StatusCode != http.StatusOK || string(b) != want {
+						errs <- fmt.Sprintf("got %d %q; want 200 %q", resp.StatusCode, b, want)
+						return
 					}
-				})
-			}
-			wg.Wait()
-			close(errs)
-			for e := range errs {
-				t.Error(e)
-			}
+				}
+			})
 		})
+	}
+}
+
+// onConns runs f on n client connections to addr at once, each with a 10 s
+// deadline, and reports what they sent to errs once all are done.
+func onConns(t *testing.T, addr string, n int, f func(i int, conn net.Conn, br *bufio.Reader, errs chan<- string)) {
+	t.Helper()
+	var wg sync.WaitGroup
+	errs := make(chan string, n*4)
+	for i := range n {
+		// Exits when f is done with its connection.
+		wg.Go(func() {
+			conn, err := net.Dial("tcp", addr)
+			if err != nil {
+				errs <- err.Error()
+				return
+			}
+			defer conn.Close()
+			conn.SetDeadline(time.Now().Add(10 * time.Second))
+			f(i, conn, bufio.NewReader(conn), errs)
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Error(e)
 	}
 }
