@@ -282,6 +282,7 @@ type outScratch struct {
 	hdr http.Header
 	req http.Request
 	url url.URL
+	xff [1]string // X-Forwarded-For's value
 }
 
 var outScratchPool = sync.Pool{New: func() any { return &outScratch{hdr: make(http.Header, 8)} }}
@@ -294,7 +295,7 @@ func (sc *outScratch) put() {
 	} else {
 		clear(sc.hdr)
 	}
-	sc.req, sc.url = http.Request{}, url.URL{}
+	sc.req, sc.url, sc.xff[0] = http.Request{}, url.URL{}, ""
 	outScratchPool.Put(sc)
 }
 
@@ -510,7 +511,13 @@ func (l *live) outHeader(r *http.Request, sc *outScratch) http.Header {
 		client = r.RemoteAddr
 	}
 	if l.cfg.XForwardedFor {
-		h["X-Forwarded-For"] = []string{forwardedFor(h["X-Forwarded-For"], client)}
+		v := forwardedFor(h["X-Forwarded-For"], client)
+		if sc != nil {
+			sc.xff[0] = v
+			h["X-Forwarded-For"] = sc.xff[:]
+		} else {
+			h["X-Forwarded-For"] = []string{v}
+		}
 	}
 	if l.cfg.XForwardedProto {
 		h["X-Forwarded-Proto"] = protoValue[proto]
