@@ -109,6 +109,9 @@ type Agent struct {
 	running  atomic.Bool   // the loop takes events
 	snap     atomic.Pointer[snapshot]
 	handled  atomic.Uint64 // events the loop has handled, for tests
+	// healthTaken counts the health changes the loop has taken (the checker's
+	// replay of every backend's state when the agent starts comes first), for tests.
+	healthTaken atomic.Uint64
 
 	// Set by Run before the loop starts; read-only after.
 	xdp    *xdpplane.Plane

@@ -96,6 +96,7 @@ func (a *Agent) loop(ctx context.Context, st *state) {
 			reply, err = ev.reply, a.onPlan(st, ev)
 		case healthEvent:
 			a.onHealth(st, ev.change)
+			a.healthTaken.Add(1)
 		case overrideEvent:
 			reply, err = ev.reply, a.onOverride(st, ev)
 		case tickEvent:

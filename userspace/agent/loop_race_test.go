@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -27,6 +28,20 @@ func (s *syncBuffer) Write(p []byte) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.Write(p)
+}
+
+// levels returns the log lines at any of the given levels.
+func (s *syncBuffer) levels(want ...string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out strings.Builder
+	for _, line := range strings.Split(s.b.String(), "\n") {
+		var m map[string]any
+		if json.Unmarshal([]byte(line), &m) == nil && slices.Contains(want, fmt.Sprint(m["level"])) {
+			out.WriteString(line + "\n")
+		}
+	}
+	return out.String()
 }
 
 // count returns how many JSON log lines have msg and every attribute of attrs.
@@ -113,9 +128,13 @@ func TestLoopRace(t *testing.T) {
 			t.Errorf("Run: %v", err)
 		}
 	})
+	// Running, and the checker's replay of its six backends' state (sent to the
+	// loop when the agent starts, from a goroutine of its own) taken: the test's
+	// changes must not race with it, or one of them lands on a state the replay
+	// set and changes nothing.
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if _, err := a.Status(); err == nil && a.running.Load() {
+		if _, err := a.Status(); err == nil && a.running.Load() && a.healthTaken.Load() >= uint64(len(backends)) {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -281,6 +300,9 @@ func TestLoopRace(t *testing.T) {
 		t.Errorf("%d reloads applied; want %d made", got, reloads)
 	}
 	t.Logf("sent %v health changes, %v drains, %d reloads", sentHealth, sentDrains, reloads)
+	if t.Failed() {
+		t.Logf("the agent's errors and warnings:\n%s", logs.levels("ERROR", "WARN"))
+	}
 }
 
 // freePort returns a loopback address whose port was free a moment ago.
