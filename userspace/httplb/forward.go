@@ -30,7 +30,8 @@ func (s *Service) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // serveRequest is ServeHTTP with the client's context given apart from r, so
-// the HTTP/1.1 connection loop need not copy each request to attach its own.
+// the HTTP/1.1 connection loop need not copy each request to attach its own:
+// r.Context() is not the client's there; use client.
 func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
 	l := s.live.Load()
@@ -145,24 +146,20 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	} else {
 		out, u = new(http.Request), new(url.URL)
 	}
-	*u = url.URL{Scheme: "http", Host: be.id, Path: r.URL.Path, RawPath: r.URL.RawPath, RawQuery: r.URL.RawQuery}
-	*out = http.Request{
-		Method:        r.Method,
-		URL:           u,
-		Proto:         "HTTP/1.1",
-		ProtoMajor:    1,
-		ProtoMinor:    1,
-		Header:        hdr,
-		Host:          r.Host,
-		ContentLength: r.ContentLength,
-		Trailer:       r.Trailer,
-	}
+	// Zeroed, then set field by field: composite literals here would each be
+	// built in a temporary on this frame first, and the deeper stack costs every
+	// idle HTTP/1.1 connection, whose goroutine keeps the stack it grew.
+	*u = url.URL{}
+	u.Scheme, u.Host, u.Path, u.RawPath, u.RawQuery = "http", be.id, r.URL.Path, r.URL.RawPath, r.URL.RawQuery
+	*out = http.Request{}
+	out.Method, out.URL, out.Proto, out.ProtoMajor, out.ProtoMinor = r.Method, u, "HTTP/1.1", 1, 1
+	out.Header, out.Host, out.ContentLength, out.Trailer = hdr, r.Host, r.ContentLength, r.Trailer
 	if body != nil {
 		out.Body = body.next()
 	}
 	var resp *http.Response
 	var err error
-	if sc != nil || ownPath(l.cfg.Upstream, r) && body == nil {
+	if sc != nil { // set exactly for the requests weir's own exchange carries
 		resp, err = be.h1s.roundTrip(tctx, out)
 	} else {
 		resp, err = be.transport(l.cfg.Upstream, r).RoundTrip(out.WithContext(tctx))
@@ -237,8 +234,7 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 		l.cfg.Observer.Request(be.addr, resp.StatusCode, time.Since(start))
 	}
 	if l.cfg.AccessLog {
-		s.log.Info("request", "method", r.Method, "path", r.URL.Path, "proto", r.Proto, "client", r.RemoteAddr,
-			"backend", be.id, "status", resp.StatusCode, "bytes", n, "headers", headerLatency, "duration", time.Since(start), "err", copyErr)
+		s.logAnswered(r, be, resp.StatusCode, n, headerLatency, start, copyErr)
 	}
 	if copyErr != nil && client.Err() == nil {
 		// The backend broke off mid-body. The status line is gone; the client must
@@ -248,6 +244,14 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 		panic(http.ErrAbortHandler)
 	}
 	return true, failure{}
+}
+
+// logAnswered writes a forwarded request's access log line. A function of its
+// own, so the line's arguments take no room in try's frame: every HTTP/1.1
+// connection's goroutine keeps the stack its deepest request grew.
+func (s *Service) logAnswered(r *http.Request, be *backend, status int, n int64, headers time.Duration, start time.Time, err error) {
+	s.log.Info("request", "method", r.Method, "path", r.URL.Path, "proto", r.Proto, "client", r.RemoteAddr,
+		"backend", be.id, "status", status, "bytes", n, "headers", headers, "duration", time.Since(start), "err", err)
 }
 
 func isTimeout(err error) bool {
@@ -265,7 +269,6 @@ func (l *live) observeTry(be *backend, o Outcome) {
 	}
 }
 
-// transport is the pool for the request's upstream protocol.
 // ownPath reports whether a request without a body goes to its backend
 // through weir's own HTTP/1.1 exchange (h1Pool.roundTrip) rather than through
 // an http.Transport: HTTP/1.1 upstream and no upgrade.
@@ -299,6 +302,7 @@ func (sc *outScratch) put() {
 	outScratchPool.Put(sc)
 }
 
+// transport is the pool for the request's upstream protocol.
 func (b *backend) transport(u Upstream, r *http.Request) *http.Transport {
 	switch {
 	case u == UpstreamH2C, u == UpstreamAuto && r.ProtoMajor == 2:

@@ -113,15 +113,7 @@ func (in *h1Input) Read(p []byte) (int, error) {
 // serveH1 serves an HTTP/1.1 client connection until it closes. prefix is what
 // the listener read of it first; tlsState is set for TLS connections.
 func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.ConnectionState) {
-	c := &h1Session{s: s, conn: conn, remote: conn.RemoteAddr().String(), tls: tlsState, done: make(chan struct{})}
-	c.in = h1Input{pending: prefix, lim: limitReader{r: conn, n: math.MaxInt64}}
-	c.br = bufio.NewReaderSize(&c.in, 4<<10)
-	c.ctx = newSessionCtx()
-	c.w.c = c
-	c.w.own = http.Header{} // no room until a field goes in: most answers bring their own
-	c.w.header = c.w.own
-	c.watch = time.AfterFunc(time.Hour, c.startWatch)
-	c.watch.Stop()
+	c := s.newH1Session(conn, prefix, tlsState)
 	defer s.stats.conns.Add(-1)
 	defer close(c.done)
 	defer c.ctx.cancelWith(nil)
@@ -133,6 +125,26 @@ func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.Connection
 	if c.serve() {
 		conn.Close()
 	}
+}
+
+// newH1Session sets up a connection's session. Not inlined into serveH1: its
+// temporaries would widen serveH1's frame, which stays under every idle
+// connection's parked read, and a parked goroutine whose stack is a quarter
+// used or more keeps its whole stack through garbage collection (it is not
+// shrunk), which each idle connection pays for.
+//
+//go:noinline
+func (s *Service) newH1Session(conn net.Conn, prefix []byte, tlsState *tls.ConnectionState) *h1Session {
+	c := &h1Session{s: s, conn: conn, remote: conn.RemoteAddr().String(), tls: tlsState, done: make(chan struct{})}
+	c.in = h1Input{pending: prefix, lim: limitReader{r: conn, n: math.MaxInt64}}
+	c.br = bufio.NewReaderSize(&c.in, 4<<10)
+	c.ctx = newSessionCtx()
+	c.w.c = c
+	c.w.own = http.Header{} // no room until a field goes in: most answers bring their own
+	c.w.header = c.w.own
+	c.watch = time.AfterFunc(time.Hour, c.startWatch)
+	c.watch.Stop()
+	return c
 }
 
 // serve reads and answers requests until the connection is to close; false: it
