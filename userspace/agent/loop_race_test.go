@@ -138,7 +138,8 @@ func TestLoopRace(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("agent not running after 10s; log:\n%s", logs.b.String())
+			t.Fatalf("agent not ready after 10s (running %t, %d of the checker's %d replayed changes taken); log:\n%s",
+				a.running.Load(), a.healthTaken.Load(), len(backends), logs.b.String())
 		}
 		time.Sleep(5 * time.Millisecond)
 	}

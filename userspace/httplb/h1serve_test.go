@@ -3,6 +3,7 @@ package httplb
 import (
 	"bufio"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -318,4 +319,80 @@ func (o *recordingObserver) failures() int {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	return o.failed
+}
+
+// TestSessionCtx holds the connection context's hook to what context.AfterFunc
+// promises: run once on cancellation, never after a release that reported it had
+// not run, and nothing left held after a release, so the next exchange can hold
+// its own.
+func TestSessionCtx(t *testing.T) {
+	for _, tc := range []struct {
+		name            string
+		steps           string // h: hold, r: release, c: cancel
+		runs            int    // times the hook ran
+		lastRelease     bool   // what the last release reported
+		heldAfter, fall bool   // a hook still held at the end; a hold refused
+	}{
+		{"hold, release, hold, release", "hrhr", 0, true, false, false},
+		{"hold, cancel, release", "hcr", 1, false, false, false},
+		{"cancel, hold runs at once", "chr", 1, false, false, false},
+		{"hold twice: the second is refused", "hh", 0, false, true, true},
+		{"cancel twice runs once", "hccr", 1, false, false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			x := newSessionCtx()
+			runs, lastRelease, fall := 0, false, false
+			for _, step := range tc.steps {
+				switch step {
+				case 'h':
+					if !x.hold(func() { runs++ }) {
+						fall = true
+					}
+				case 'r':
+					lastRelease = x.release()
+				case 'c':
+					x.cancelWith(errClientGone)
+				}
+			}
+			x.mu.Lock()
+			held := x.hook != nil
+			x.mu.Unlock()
+			if runs != tc.runs || lastRelease != tc.lastRelease || held != tc.heldAfter || fall != tc.fall {
+				t.Errorf("ran %d, last release %t, held after %t, a hold refused %t; want %d, %t, %t, %t",
+					runs, lastRelease, held, fall, tc.runs, tc.lastRelease, tc.heldAfter, tc.fall)
+			}
+		})
+	}
+}
+
+// TestH1SessionHookPerRequest: on a keep-alive connection each request's
+// exchange holds the connection context's hook while it waits for the backend
+// and leaves none behind once answered, request after request.
+func TestH1SessionHookPerRequest(t *testing.T) {
+	be, _ := h1TestBackend(t)
+	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	conn, br := rawConn(t, s.Addr().String())
+	held := func() (n int) {
+		s.h1mu.Lock()
+		defer s.h1mu.Unlock()
+		for c := range s.h1conns {
+			c.ctx.mu.Lock()
+			if c.ctx.hook != nil {
+				n++
+			}
+			c.ctx.mu.Unlock()
+		}
+		return n
+	}
+	for i := range 3 {
+		io.WriteString(conn, "GET /slow?ms=300 HTTP/1.1\r\nHost: x\r\n\r\n")
+		waitfor.Value(t, 5*time.Second, fmt.Sprintf("request %d: a hook held while it waits", i), func() (any, bool) {
+			n := held()
+			return n, n == 1
+		})
+		checkAnswer(t, br, wantAnswer{status: 200, body: "slow"})
+		if n := held(); n != 0 {
+			t.Fatalf("request %d answered: %d hooks held; want none", i, n)
+		}
+	}
 }
