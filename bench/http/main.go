@@ -57,6 +57,7 @@ import (
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 
 	"github.com/weir-lb/weir/bench/internal/benchproc"
+	"github.com/weir-lb/weir/bench/internal/benchstat"
 	"github.com/weir-lb/weir/internal/httpbackend"
 	"github.com/weir-lb/weir/userspace/httplb"
 )
@@ -640,24 +641,7 @@ func ensureTools(ctx context.Context) error {
 
 // --- report ---
 
-func median(rs []result, f func(result) float64) float64 {
-	var v []float64
-	for _, r := range rs {
-		v = append(v, f(r))
-	}
-	return medianOf(v)
-}
-
-func medianOf(v []float64) float64 {
-	sort.Float64s(v)
-	if len(v) == 0 {
-		return 0
-	}
-	if len(v)%2 == 0 {
-		return (v[len(v)/2-1] + v[len(v)/2]) / 2
-	}
-	return v[len(v)/2]
-}
+func median(rs []result, f func(result) float64) float64 { return benchstat.Of(rs, f) }
 
 func report(targets []target, results map[string][]result) error {
 	cols := []struct {
@@ -711,7 +695,7 @@ func report(targets []target, results map[string][]result) error {
 			} else {
 				fmt.Fprintf(&b, " %.4g |", m)
 			}
-			if r, ok := pairedRatio(results[t.name], results["haproxy"], c.f); ok && t.name != "haproxy" {
+			if r, ok := benchstat.PairedRatio(results[t.name], results["haproxy"], c.f); ok && t.name != "haproxy" {
 				if ratios[t.name] == nil {
 					ratios[t.name] = map[string]float64{}
 				}
@@ -772,18 +756,4 @@ func allZero(results map[string][]result, f func(result) float64) bool {
 		}
 	}
 	return true
-}
-
-// pairedRatio is the median over runs of a's figure over b's in the same run.
-func pairedRatio(a, b []result, f func(result) float64) (float64, bool) {
-	var v []float64
-	for i := range min(len(a), len(b)) {
-		if d := f(b[i]); d > 0 {
-			v = append(v, f(a[i])/d)
-		}
-	}
-	if len(v) == 0 {
-		return 0, false
-	}
-	return medianOf(v), true
 }

@@ -33,13 +33,13 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
-	"sort"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
 	"github.com/weir-lb/weir/bench/internal/benchproc"
+	"github.com/weir-lb/weir/bench/internal/benchstat"
 )
 
 var (
@@ -584,25 +584,17 @@ func (ps *perfStat) stop() (sysCounts, error) {
 
 // --- report ---
 
+// median is the median of f over rs, with the least and the greatest value.
 func median(rs []result, f func(result) float64) (med, lo, hi float64) {
-	var v []float64
+	if len(rs) == 0 {
+		return 0, 0, 0
+	}
+	v := make([]float64, 0, len(rs))
 	for _, r := range rs {
 		v = append(v, f(r))
 	}
-	return medianOf(v)
-}
-
-func medianOf(v []float64) (med, lo, hi float64) {
-	sort.Float64s(v)
-	n := len(v)
-	if n == 0 {
-		return 0, 0, 0
-	}
-	med = v[n/2]
-	if n%2 == 0 {
-		med = (v[n/2-1] + v[n/2]) / 2
-	}
-	return med, v[0], v[n-1]
+	med = benchstat.Median(v) // sorts v
+	return med, v[0], v[len(v)-1]
 }
 
 type metric struct {
@@ -732,7 +724,7 @@ func targetsVsHAProxy(targets []target, results map[string][]result) string {
 			return
 		}
 		w, _, _ := median(results[weir], f)
-		paired := pairedRatio(results[weir], results[name], f)
+		paired, _ := benchstat.PairedRatio(results[weir], results[name], f)
 		met := (higher && paired >= want) || (!higher && paired <= want)
 		op := ">="
 		if !higher {
@@ -753,19 +745,6 @@ func targetsVsHAProxy(targets []target, results map[string][]result) string {
 	w, _, _ = median(results[weir], metricOf("idle_rss"))
 	fmt.Fprintf(&b, "| RSS MB at %d connections | %.1f | | | | <= 40 | %v |\n", *idle, w, w <= 40)
 	return b.String()
-}
-
-// pairedRatio is the median over runs of a's value over b's in the same run (the
-// runs are interleaved, so run i of each target was measured in the same round).
-func pairedRatio(a, b []result, f func(result) float64) float64 {
-	var v []float64
-	for i := range min(len(a), len(b)) {
-		if d := f(b[i]); d != 0 {
-			v = append(v, f(a[i])/d)
-		}
-	}
-	m, _, _ := medianOf(v)
-	return m
 }
 
 func plot(ctx context.Context, targets []target, results map[string][]result) error {

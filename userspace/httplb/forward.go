@@ -146,12 +146,11 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	} else {
 		out, u = new(http.Request), new(url.URL)
 	}
-	// Zeroed, then set field by field: composite literals here would each be
-	// built in a temporary on this frame first, and the deeper stack costs every
-	// idle HTTP/1.1 connection, whose goroutine keeps the stack it grew.
-	*u = url.URL{}
+	// Both are zero here (new, or emptied by put; a retry sets the same fields
+	// again), and are set field by field: composite literals would each be built
+	// in a temporary on this frame first, and the deeper stack costs every idle
+	// HTTP/1.1 connection, whose goroutine keeps the stack it grew.
 	u.Scheme, u.Host, u.Path, u.RawPath, u.RawQuery = "http", be.id, r.URL.Path, r.URL.RawPath, r.URL.RawQuery
-	*out = http.Request{}
 	out.Method, out.URL, out.Proto, out.ProtoMajor, out.ProtoMinor = r.Method, u, "HTTP/1.1", 1, 1
 	out.Header, out.Host, out.ContentLength, out.Trailer = hdr, r.Host, r.ContentLength, r.Trailer
 	if body != nil {

@@ -995,9 +995,8 @@ type sessionCtx struct {
 	context.Context
 	cancel context.CancelCauseFunc
 
-	mu        sync.Mutex
-	hook      func()
-	cancelled bool
+	mu   sync.Mutex // over cancel and hook, so a hook never runs after a release that said it had not
+	hook func()
 }
 
 func newSessionCtx() *sessionCtx {
@@ -1009,7 +1008,6 @@ func newSessionCtx() *sessionCtx {
 func (x *sessionCtx) cancelWith(err error) {
 	x.mu.Lock()
 	x.cancel(err)
-	x.cancelled = true
 	hook := x.hook
 	x.hook = nil
 	x.mu.Unlock()
@@ -1026,7 +1024,7 @@ func (x *sessionCtx) hold(f func()) bool {
 		x.mu.Unlock()
 		return false
 	}
-	if x.cancelled {
+	if x.Err() != nil {
 		x.mu.Unlock()
 		f()
 		return true
@@ -1041,7 +1039,7 @@ func (x *sessionCtx) hold(f func()) bool {
 func (x *sessionCtx) release() bool {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	if x.cancelled {
+	if x.Err() != nil {
 		return false
 	}
 	x.hook = nil
