@@ -202,14 +202,14 @@ func run(ctx context.Context) error {
 			return benchproc.Start(dir, "weir", []string{"GOMAXPROCS=" + strconv.Itoa(*threads)}, self, "-serve", "weir", "-pprof", *pprof)
 		}},
 	}
-	vs, err := parseVariants(*variants, self)
+	vs, err := benchproc.ParseVariants(*variants, self, []string{"GOGC", "GOMEMLIMIT", "GOMAXPROCS", "H2CONNS", "UPSTREAM", "NETHTTP2", "NETHTTP1"})
 	if err != nil {
 		return err
 	}
 	for _, v := range vs {
-		targets = append(targets, target{"weir-" + v.name, func(ctx context.Context, dir string) (*benchproc.Proc, error) {
-			env := append([]string{"GOMAXPROCS=" + strconv.Itoa(*threads)}, v.env...)
-			return benchproc.Start(dir, "weir-"+v.name, env, v.bin, "-serve", "weir")
+		targets = append(targets, target{"weir-" + v.Name, func(ctx context.Context, dir string) (*benchproc.Proc, error) {
+			env := append([]string{"GOMAXPROCS=" + strconv.Itoa(*threads)}, v.Env...)
+			return benchproc.Start(dir, "weir-"+v.Name, env, v.Bin, "-serve", "weir")
 		}})
 	}
 	targets = append(targets, []target{
@@ -236,40 +236,6 @@ func run(ctx context.Context) error {
 		}
 	}
 	return report(targets, results)
-}
-
-type variant struct {
-	name string
-	env  []string
-	bin  string
-}
-
-// parseVariants reads -variants.
-func parseVariants(s, self string) ([]variant, error) {
-	var vs []variant
-	for spec := range strings.SplitSeq(s, ";") {
-		if spec = strings.TrimSpace(spec); spec == "" {
-			continue
-		}
-		name, kvs, ok := strings.Cut(spec, ":")
-		if !ok || name == "" {
-			return nil, fmt.Errorf("-variants %q: want name:KEY=V,...", spec)
-		}
-		v := variant{name: name, bin: self}
-		for kv := range strings.SplitSeq(kvs, ",") {
-			k, _, ok := strings.Cut(kv, "=")
-			if !ok || !slices.Contains([]string{"GOGC", "GOMEMLIMIT", "GOMAXPROCS", "H2CONNS", "UPSTREAM", "NETHTTP2", "NETHTTP1", "BIN"}, k) {
-				return nil, fmt.Errorf("-variants %q: %q: want GOGC, GOMEMLIMIT, GOMAXPROCS, H2CONNS, UPSTREAM, NETHTTP2, NETHTTP1 or BIN=value", spec, kv)
-			}
-			if k == "BIN" {
-				v.bin = kv[len("BIN="):]
-				continue
-			}
-			v.env = append(v.env, kv)
-		}
-		vs = append(vs, v)
-	}
-	return vs, nil
 }
 
 func measure(ctx context.Context, dir string, t target) (result, error) {

@@ -52,6 +52,7 @@ var (
 	install  = flag.Bool("install", true, "apt-get install missing tools")
 	timeout  = flag.Duration("timeout", 40*time.Minute, "bound on the whole run")
 	serve    = flag.Bool("serve", false, "internal: run weir's proxy (child process)")
+	variants = flag.String("variants", "", `more weir targets, interleaved with the rest, each "weir-NAME": "name:KEY=V,KEY=V;name2:..." with keys GOMAXPROCS (default 2), LOOPS (event loops per service; default one per CPU) and BIN (another build of this program to run weir from, e.g. main's, for a before/after in one run); they are measured and shown, not judged against the goals`)
 )
 
 // Loopback ports used by the bench.
@@ -85,6 +86,9 @@ type target struct {
 	http  string // address wrk uses
 	bulk  string // address iperf3 uses
 	start func(ctx context.Context, dir string) (*benchproc.Proc, error)
+	// variant: a -variants target, measured beside weir's own but not judged
+	// against the goals.
+	variant bool
 }
 
 // result is one target's measures in one run.
@@ -139,6 +143,11 @@ func run(ctx context.Context) error {
 		keep := strings.Split(*only, ",")
 		targets = slices.DeleteFunc(targets, func(t target) bool { return !slices.Contains(keep, t.name) && t.name != "direct" })
 	}
+	vts, err := variantTargets()
+	if err != nil {
+		return err
+	}
+	targets = append(targets, vts...)
 	results := map[string][]result{}
 	for r := range *runs {
 		// Rotate the order so no target always runs first or last.
@@ -332,6 +341,36 @@ func holdIdle(ctx context.Context, addr string, p *benchproc.Proc) (float64, flo
 }
 
 // --- processes ---
+
+// variantTargets are the -variants targets (kept whatever -only says: they were
+// asked for by name).
+func variantTargets() ([]target, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	vs, err := benchproc.ParseVariants(*variants, self, []string{"GOMAXPROCS", "LOOPS"})
+	if err != nil {
+		return nil, err
+	}
+	var ts []target
+	for _, v := range vs {
+		env := []string{"GOMAXPROCS=2"}
+		for _, kv := range v.Env {
+			if n, ok := strings.CutPrefix(kv, "LOOPS="); ok {
+				kv = loopsEnv + "=" + n
+			}
+			env = append(env, kv) // a later GOMAXPROCS wins
+		}
+		ts = append(ts, target{
+			name: "weir-" + v.Name, http: proxyHTTP, bulk: proxyBulk, variant: true,
+			start: func(ctx context.Context, dir string) (*benchproc.Proc, error) {
+				return benchproc.Start(dir, "weir-"+v.Name, env, v.Bin, "-serve")
+			},
+		})
+	}
+	return ts, nil
+}
 
 // startWeir runs weir's proxy in a child process with GOMAXPROCS procs (the analogue
 // of HAProxy's nbthread and nginx's worker_processes), forwarding in the kernel
@@ -692,7 +731,7 @@ func report(ctx context.Context, targets []target, results map[string][]result) 
 func targetsVsHAProxy(targets []target, results map[string][]result) string {
 	weir, wbest := "", math.Inf(-1)
 	for _, t := range targets {
-		if strings.HasPrefix(t.name, "weir") && !strings.HasSuffix(t.name, "sockmap") {
+		if strings.HasPrefix(t.name, "weir") && !strings.HasSuffix(t.name, "sockmap") && !t.variant {
 			if m, _, _ := median(results[t.name], metricOf("conn_rps")); m > wbest {
 				weir, wbest = t.name, m
 			}

@@ -171,3 +171,40 @@ func AptInstall(ctx context.Context, pkgs []string) error {
 	}
 	return nil
 }
+
+// Variant is one more weir target of a benchmark's -variants flag: its own name,
+// environment and, for a before/after in one run, binary.
+type Variant struct {
+	Name string
+	Env  []string // KEY=V
+	Bin  string   // the program to run weir from
+}
+
+// ParseVariants reads a -variants flag, "name:KEY=V,KEY=V;name2:...", where each
+// KEY is one of keys or BIN (another build of the benchmark; self by default).
+func ParseVariants(s, self string, keys []string) ([]Variant, error) {
+	var vs []Variant
+	for spec := range strings.SplitSeq(s, ";") {
+		if spec = strings.TrimSpace(spec); spec == "" {
+			continue
+		}
+		name, kvs, ok := strings.Cut(spec, ":")
+		if !ok || name == "" {
+			return nil, fmt.Errorf("-variants %q: want name:KEY=V,...", spec)
+		}
+		v := Variant{Name: name, Bin: self}
+		for kv := range strings.SplitSeq(kvs, ",") {
+			k, val, ok := strings.Cut(kv, "=")
+			switch {
+			case ok && k == "BIN":
+				v.Bin = val
+			case ok && slices.Contains(keys, k):
+				v.Env = append(v.Env, kv)
+			default:
+				return nil, fmt.Errorf("-variants %q: %q: want %s or BIN=value", spec, kv, strings.Join(keys, ", "))
+			}
+		}
+		vs = append(vs, v)
+	}
+	return vs, nil
+}
