@@ -43,16 +43,17 @@ import (
 )
 
 var (
-	runs     = flag.Int("runs", 3, "interleaved runs; results are medians")
-	duration = flag.Duration("d", 3*time.Second, "length of each load")
-	conns    = flag.Int("c", 50, "wrk connections")
-	idle     = flag.Int("idle", 1000, "idle connections held for the RSS/descriptor measure")
-	outDir   = flag.String("out", "bench/results/proxy", "results directory")
-	only     = flag.String("only", "", "comma-separated targets (default all)")
-	install  = flag.Bool("install", true, "apt-get install missing tools")
-	timeout  = flag.Duration("timeout", 40*time.Minute, "bound on the whole run")
-	serve    = flag.Bool("serve", false, "internal: run weir's proxy (child process)")
-	variants = flag.String("variants", "", `more weir targets, interleaved with the rest, each "weir-NAME": "name:KEY=V,KEY=V;name2:..." with keys GOMAXPROCS (default 2), LOOPS (event loops per service; default one per CPU) and BIN (another build of this program to run weir from, e.g. main's, for a before/after in one run); they are measured and shown, not judged against the goals`)
+	runs      = flag.Int("runs", 3, "interleaved runs; results are medians")
+	duration  = flag.Duration("d", 3*time.Second, "length of each load")
+	conns     = flag.Int("c", 50, "wrk connections")
+	idle      = flag.Int("idle", 1000, "idle connections held for the RSS/descriptor measure")
+	outDir    = flag.String("out", "bench/results/proxy", "results directory")
+	only      = flag.String("only", "", "comma-separated targets (default all)")
+	install   = flag.Bool("install", true, "apt-get install missing tools")
+	timeout   = flag.Duration("timeout", 40*time.Minute, "bound on the whole run")
+	serve     = flag.Bool("serve", false, "internal: run weir's proxy (child process)")
+	pprofAddr = flag.String("pprof", "", "with -serve: serve net/http/pprof on this address, for profiles of a proxy run by hand")
+	variants  = flag.String("variants", "", `more weir targets, interleaved with the rest, each "weir-NAME": "name:KEY=V,KEY=V;name2:..." with keys GOMAXPROCS (default 2), LOOPS (event loops per service; default one per CPU) and BIN (another build of this program to run weir from, e.g. main's, for a before/after in one run); they are measured and shown, not judged against the goals`)
 )
 
 // Loopback ports used by the bench.

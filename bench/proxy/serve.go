@@ -3,7 +3,10 @@ package main
 import (
 	"context"
 	"fmt"
+	"log"
 	"log/slog"
+	"net/http"
+	_ "net/http/pprof" // -pprof
 	"net/netip"
 	"os"
 	"os/signal"
@@ -31,6 +34,10 @@ func numCPU() int { return runtime.NumCPU() }
 func serveWeir() error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
+	if *pprofAddr != "" {
+		// Exits with the process.
+		go func() { log.Print(http.ListenAndServe(*pprofAddr, nil)) }()
+	}
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	cfgs := []proxy.Config{
 		{
