@@ -416,17 +416,9 @@ func (l *loop) pump(c *conn, d int) bool {
 			h.bulk = n > smallSplice
 			continue
 		}
-		// A short read after the peer's FIN is the direction's last (below): its
-		// bytes wait in the kernel for the FIN that follows in this turn, and go
-		// out with it in one segment, which the peer acknowledges once.
-		last := n < len(l.scratch) && h.fin && !c.redirected
-		write := writeRaw
-		if last {
-			write = sendMoreRaw
-		}
-		m, err := write(dst, l.scratch[:n])
+		m, err := writeRaw(dst, l.scratch[:n])
 		for err == unix.EINTR {
-			m, err = write(dst, l.scratch[:n])
+			m, err = writeRaw(dst, l.scratch[:n])
 		}
 		if err == unix.EAGAIN {
 			m, err = 0, nil
@@ -447,7 +439,7 @@ func (l *loop) pump(c *conn, d int) bool {
 		} else if !h.hup {
 			h.ready = false // a short read drained the socket; new bytes bring a new edge
 			return true
-		} else if last {
+		} else if h.fin && !c.redirected {
 			// The peer's FIN was in before this read, and the read came back short:
 			// it took everything up to the FIN, so this is EOF without a read to
 			// return 0. (Like HAProxy's read0 on a hang-up; TCP urgent data, which

@@ -98,13 +98,6 @@ func writeRaw(fd int, b []byte) (int, error) {
 	return int(r), errnoErr(e)
 }
 
-// sendMoreRaw is send(2) with MSG_MORE: the kernel holds the bytes for what
-// follows at once (the FIN of a shutdown or close), so both leave in one segment.
-func sendMoreRaw(fd int, b []byte) (int, error) {
-	r, _, e := unix.RawSyscall6(unix.SYS_SENDTO, uintptr(fd), uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), unix.MSG_MORE, 0, 0)
-	return int(r), errnoErr(e)
-}
-
 // accept4Raw is accept4(2) returning the peer's address.
 func accept4Raw(fd, flags int) (int, netip.AddrPort, error) {
 	var rsa unix.RawSockaddrAny
