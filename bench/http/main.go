@@ -9,7 +9,8 @@
 // connections, -n requests), HTTP/2 multiplexed requests/s (h2load, 4
 // connections × 64 streams, -n requests), gRPC unary calls/s (grpc-go, 4 channels × 32 calls in flight), the
 // p50 and p99 of each (from h2load's per-request log and the gRPC client's own
-// timings), the target's CPU time per request (from /proc), and its RSS with
+// timings), the target's CPU time per request (from /proc; for HTTP/1.1 also its
+// kernel share, and its system calls per request from perf stat), and its RSS with
 // 1,000 idle HTTP/2 client connections open, and with 1,000 idle HTTP/1.1
 // keep-alive ones (and so the memory per idle connection of each). Targets are interleaved in every run, the order rotated; results
 // are medians over the runs, printed as a markdown table with every figure also
@@ -17,7 +18,7 @@
 //
 // The backends run in a child process of their own (internal/httpbackend: HTTP/1.1,
 // h2c and gRPC on one port each), and so does weir (-serve weir), so no target
-// shares a Go runtime with the load generators. It installs haproxy, nginx, caddy
+// shares a Go runtime with the load generators. It installs haproxy, nginx, caddy, perf
 // and nghttp2-client with apt-get if missing, bounds every step in time, and
 // stops only the processes it started.
 package main
@@ -169,6 +170,8 @@ type result struct {
 	H2RPS, H2P50, H2P99       float64
 	GRPCRPS, GRPCP50, GRPCP99 float64
 	H1CPU, H2CPU, GRPCCPU     float64 // µs of the target's CPU per request
+	H1SysCPU                  float64 // of H1CPU, µs in the kernel
+	H1Syscalls                float64 // system calls per HTTP/1.1 request
 	IdleRSS                   float64 // MB with -idle h2 connections open
 	IdleConnKB                float64 // KB per idle h2 connection
 	Idle1RSS, Idle1ConnKB     float64 // the same for HTTP/1.1 keep-alive connections
@@ -254,12 +257,19 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	}
 	want := strings.Split(*loads, ",")
 	if slices.Contains(want, "h1") {
-		cpu := p.CPU()
+		user, sys := p.CPUSplit()
+		count := benchproc.CountSyscalls(p.PIDs(), "raw_syscalls:sys_enter")
 		h1, err := h2load(ctx, dir, "--h1", "-c", "50", "-n", strconv.Itoa(*requests), "http://"+frontH1+"/")
+		calls, cerr := count.Stop()
 		if err != nil {
 			return res, err
 		}
-		res.H1RPS, res.H1P50, res.H1P99, res.H1CPU = h1.rps, h1.p50, h1.p99, perReq(p.CPU()-cpu, h1.n)
+		user2, sys2 := p.CPUSplit()
+		res.H1RPS, res.H1P50, res.H1P99 = h1.rps, h1.p50, h1.p99
+		res.H1CPU, res.H1SysCPU = perReq(user2+sys2-user-sys, h1.n), perReq(sys2-sys, h1.n)
+		if cerr == nil && h1.n > 0 {
+			res.H1Syscalls = float64(calls["raw_syscalls:sys_enter"]) / float64(h1.n)
+		}
 	}
 	if slices.Contains(want, "h2") {
 		cpu := p.CPU()
@@ -595,7 +605,7 @@ http://%s {
 }
 
 func ensureTools(ctx context.Context) error {
-	need := map[string]string{"haproxy": "haproxy", "nginx": "nginx", "caddy": "caddy", "h2load": "nghttp2-client"}
+	need := map[string]string{"haproxy": "haproxy", "nginx": "nginx", "caddy": "caddy", "h2load": "nghttp2-client", "perf": "linux-perf"}
 	var pkgs []string
 	for bin, pkg := range need {
 		if _, err := exec.LookPath(bin); err != nil {
@@ -618,6 +628,8 @@ func report(targets []target, results map[string][]result) error {
 		{"h1 p50 ms", func(r result) float64 { return r.H1P50 }},
 		{"h1 p99 ms", func(r result) float64 { return r.H1P99 }},
 		{"h1 CPU µs/req", func(r result) float64 { return r.H1CPU }},
+		{"h1 kernel CPU µs/req", func(r result) float64 { return r.H1SysCPU }},
+		{"h1 system calls/req", func(r result) float64 { return r.H1Syscalls }},
 		{"h2 req/s", func(r result) float64 { return r.H2RPS }},
 		{"h2 p50 ms", func(r result) float64 { return r.H2P50 }},
 		{"h2 p99 ms", func(r result) float64 { return r.H2P99 }},

@@ -18,7 +18,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -230,7 +229,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	if err != nil {
 		return res, err
 	}
-	sys, _ := perf.stop()
+	sys, _ := stopPerf(perf)
 	if segs1, err := tcpOutSegs(); err == nil && w.requests > 0 {
 		res.SegmentsPerConn = float64(segs1-segs0) / float64(w.requests)
 	}
@@ -248,7 +247,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	if w, err = runWrk(ctx, url, false); err != nil {
 		return res, err
 	}
-	sys, _ = perf.stop()
+	sys, _ = stopPerf(perf)
 	res.KARPS, res.KAP50, res.KAP99 = w.rps, w.p50, w.p99
 	if p != nil && w.requests > 0 {
 		res.CPUPerKAReq = (p.CPU() - cpu0) * 1e6 / float64(w.requests)
@@ -262,7 +261,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	if res.Bulk1, err = runIperf(ctx, t.bulk, 1); err != nil {
 		return res, err
 	}
-	sys, _ = perf.stop()
+	sys, _ = stopPerf(perf)
 	res.SplicesBulk = float64(sys.splices)
 	if res.Bulk4, err = runIperf(ctx, t.bulk, 4); err != nil {
 		return res, err
@@ -562,64 +561,18 @@ func runIperf(ctx context.Context, addr string, streams int) (float64, error) {
 	return r.End.SumReceived.BitsPerSecond / 1e9, nil
 }
 
-// perfStat counts system calls of some processes with perf stat on the syscall
-// tracepoints (no ptrace, so the processes run at full speed).
-type perfStat struct {
-	cmd *exec.Cmd
-	out string
-}
+// perfStat counts a proxy's system calls and, of them, its splices.
+type perfStat = benchproc.SyscallCount
 
 type sysCounts struct{ syscalls, splices int64 }
 
-func startPerf(ctx context.Context, pids []int) *perfStat {
-	if _, err := exec.LookPath("perf"); err != nil || len(pids) == 0 {
-		return nil
-	}
-	var ps []string
-	for _, p := range pids {
-		ps = append(ps, strconv.Itoa(p))
-	}
-	f, err := os.CreateTemp("", "perf-*.csv")
-	if err != nil {
-		return nil
-	}
-	f.Close()
-	cmd := exec.Command("perf", "stat", "-x,", "-o", f.Name(), "-e", "raw_syscalls:sys_enter,syscalls:sys_enter_splice", "-p", strings.Join(ps, ","))
-	if err := cmd.Start(); err != nil {
-		return nil
-	}
-	time.Sleep(200 * time.Millisecond) // attached
-	return &perfStat{cmd: cmd, out: f.Name()}
+func startPerf(_ context.Context, pids []int) *perfStat {
+	return benchproc.CountSyscalls(pids, "raw_syscalls:sys_enter", "syscalls:sys_enter_splice")
 }
 
-func (ps *perfStat) stop() (sysCounts, error) {
-	var c sysCounts
-	if ps == nil {
-		return c, errors.New("no perf")
-	}
-	defer os.Remove(ps.out)
-	ps.cmd.Process.Signal(os.Interrupt)
-	ps.cmd.Wait()
-	f, err := os.Open(ps.out)
-	if err != nil {
-		return c, err
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fs := strings.Split(sc.Text(), ",")
-		if len(fs) < 3 {
-			continue
-		}
-		v, _ := strconv.ParseInt(fs[0], 10, 64)
-		switch fs[2] {
-		case "raw_syscalls:sys_enter":
-			c.syscalls = v
-		case "syscalls:sys_enter_splice":
-			c.splices = v
-		}
-	}
-	return c, nil
+func stopPerf(ps *perfStat) (sysCounts, error) {
+	m, err := ps.Stop()
+	return sysCounts{syscalls: m["raw_syscalls:sys_enter"], splices: m["syscalls:sys_enter_splice"]}, err
 }
 
 // --- report ---

@@ -5,6 +5,7 @@ package benchproc
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
 	"net"
@@ -89,7 +90,13 @@ func (p *Proc) PIDs() []int {
 
 // CPU is the user+system seconds of the process and its workers.
 func (p *Proc) CPU() float64 {
-	var total float64
+	user, sys := p.CPUSplit()
+	return user + sys
+}
+
+// CPUSplit is the user and the system (kernel) seconds of the process and its
+// workers.
+func (p *Proc) CPUSplit() (user, sys float64) {
 	for _, pid := range p.PIDs() {
 		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 		if err != nil {
@@ -99,9 +106,10 @@ func (p *Proc) CPU() float64 {
 		f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
 		ut, _ := strconv.ParseFloat(f[11], 64)
 		st, _ := strconv.ParseFloat(f[12], 64)
-		total += (ut + st) / 100 // USER_HZ
+		user += ut / 100 // USER_HZ
+		sys += st / 100
 	}
-	return total
+	return user, sys
 }
 
 // Mem is a /proc/PID/status field in kB (VmRSS, VmHWM) summed over the processes,
@@ -207,4 +215,61 @@ func ParseVariants(s, self string, keys []string) ([]Variant, error) {
 		vs = append(vs, v)
 	}
 	return vs, nil
+}
+
+// SyscallCount counts tracepoint events (system calls) of some processes with perf
+// stat: no ptrace, so the processes run at full speed.
+type SyscallCount struct {
+	cmd *exec.Cmd
+	out string
+}
+
+// CountSyscalls starts counting events (such as "raw_syscalls:sys_enter", every
+// system call) of pids. It returns nil, whose Stop reports an error, where perf is
+// missing or cannot start.
+func CountSyscalls(pids []int, events ...string) *SyscallCount {
+	if _, err := exec.LookPath("perf"); err != nil || len(pids) == 0 {
+		return nil
+	}
+	var ps []string
+	for _, p := range pids {
+		ps = append(ps, strconv.Itoa(p))
+	}
+	f, err := os.CreateTemp("", "perf-*.csv")
+	if err != nil {
+		return nil
+	}
+	f.Close()
+	cmd := exec.Command("perf", "stat", "-x,", "-o", f.Name(), "-e", strings.Join(events, ","), "-p", strings.Join(ps, ","))
+	if err := cmd.Start(); err != nil {
+		os.Remove(f.Name())
+		return nil
+	}
+	time.Sleep(200 * time.Millisecond) // attached
+	return &SyscallCount{cmd: cmd, out: f.Name()}
+}
+
+// Stop ends the count and returns each event's total.
+func (sc *SyscallCount) Stop() (map[string]int64, error) {
+	if sc == nil {
+		return nil, errors.New("no perf")
+	}
+	defer os.Remove(sc.out)
+	sc.cmd.Process.Signal(os.Interrupt)
+	sc.cmd.Wait()
+	b, err := os.ReadFile(sc.out)
+	if err != nil {
+		return nil, err
+	}
+	counts := map[string]int64{}
+	for line := range strings.SplitSeq(string(b), "\n") {
+		fs := strings.Split(line, ",")
+		if len(fs) < 3 {
+			continue
+		}
+		if v, err := strconv.ParseInt(fs[0], 10, 64); err == nil {
+			counts[fs[2]] = v
+		}
+	}
+	return counts, nil
 }
