@@ -637,10 +637,17 @@ func report(ctx context.Context, targets []target, results map[string][]result) 
 	var b strings.Builder
 	host, _ := os.Hostname()
 	fmt.Fprintf(&b, "# weir proxy vs HAProxy vs nginx (loopback)\n\n")
-	fmt.Fprintf(&b, "`go run ./bench/proxy -runs %d -d %s -c %d` on %s, %d CPUs (shared), %s. Medians of %d interleaved runs; "+
+	cmd := fmt.Sprintf("go run ./bench/proxy -runs %d -d %s -c %d", *runs, *duration, *conns)
+	if *only != "" {
+		cmd += " -only " + *only
+	}
+	if *variants != "" {
+		cmd += fmt.Sprintf(" -variants %q", *variants)
+	}
+	fmt.Fprintf(&b, "`%s` on %s, %d CPUs (shared), %s. Medians of %d interleaved runs; "+
 		"ratios are to direct in the same runs. HAProxy `auto` = `option splice-auto`, `splice` = `option splice-request` + "+
 		"`splice-response`; the splice column says whether it spliced at all.\n\n",
-		*runs, *duration, *conns, host, numCPU(), time.Now().UTC().Format("2006-01-02"), *runs)
+		cmd, host, numCPU(), time.Now().UTC().Format("2006-01-02"), *runs)
 	fmt.Fprintf(&b, "| target | new conn/s | ratio | p50 ms | p99 ms | keep-alive req/s | ratio | p99 ms | bulk 1 Gbit/s | ratio | bulk 4 Gbit/s | ratio | CPU µs/conn | syscalls/conn | CPU µs/keep-alive req | syscalls/keep-alive req | segments/conn | splice calls (bulk) | peak RSS MB | RSS MB @%d idle | fds/conn |\n", *idle)
 	fmt.Fprintf(&b, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	direct := results["direct"]

@@ -124,7 +124,7 @@ type Config struct {
 	DrainTimeout    time.Duration // a draining or removed backend's connections are closed after this; 0 = no limit
 	ShutdownTimeout time.Duration // Serve's grace after ctx is done; 0 takes DrainTimeout (and with it, no limit)
 
-	AcceptLoops int // listeners (SO_REUSEPORT), one accept loop each; default runtime.NumCPU()
+	AcceptLoops int // listeners (SO_REUSEPORT), one event loop each; default runtime.GOMAXPROCS(0)
 
 	EjectAfter int           // consecutive failed dials that eject a backend; 0 = never (passive health off)
 	EjectFor   time.Duration // how long an ejected backend gets no new connection; default 10s
@@ -227,7 +227,9 @@ func newService(cfg Config) (*Service, error) {
 		cfg.ShutdownTimeout = cfg.DrainTimeout
 	}
 	if cfg.AcceptLoops == 0 {
-		cfg.AcceptLoops = runtime.NumCPU()
+		// One loop per P: more loops than Ps only take turns on them. And
+		// GOMAXPROCS follows a container's CPU limit where NumCPU does not.
+		cfg.AcceptLoops = runtime.GOMAXPROCS(0)
 	}
 	if cfg.EjectFor == 0 {
 		cfg.EjectFor = DefaultEjectFor
