@@ -24,7 +24,7 @@ import (
 const sockmapEnv = "WEIR_BENCH_SOCKMAP"
 
 // loopsEnv, if set, is the -serve child's event loops per service (proxy.Config's
-// AcceptLoops), for an A/B of the default (one per CPU).
+// AcceptLoops), for an A/B of the default (one per P).
 const loopsEnv = "WEIR_BENCH_LOOPS"
 
 func numCPU() int { return runtime.NumCPU() }
