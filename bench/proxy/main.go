@@ -52,7 +52,7 @@ var (
 	timeout   = flag.Duration("timeout", 40*time.Minute, "bound on the whole run")
 	serve     = flag.Bool("serve", false, "internal: run weir's proxy (child process)")
 	pprofAddr = flag.String("pprof", "", "with -serve: serve net/http/pprof on this address, for profiles of a proxy run by hand")
-	variants  = flag.String("variants", "", `more weir targets, interleaved with the rest, each "weir-NAME": "name:KEY=V,KEY=V;name2:..." with keys GOMAXPROCS (default 2), LOOPS (event loops per service; default one per CPU) and BIN (another build of this program to run weir from, e.g. main's, for a before/after in one run); they are measured and shown, not judged against the goals`)
+	variants  = flag.String("variants", "", `more weir targets, interleaved with the rest, each "weir-NAME": "name:KEY=V,KEY=V;name2:..." with keys GOMAXPROCS (default 2), LOOPS (event loops per service; default one per P) and BIN (another build of this program to run weir from, e.g. main's, for a before/after in one run); they are measured and shown, not judged against the goals`)
 )
 
 // Loopback ports used by the bench.
@@ -222,7 +222,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	var perf *perfStat
 	cpu0 := p.CPU()
 	if p != nil {
-		perf = startPerf(ctx, p.PIDs())
+		perf = startPerf(p.PIDs())
 	}
 	segs0, _ := tcpOutSegs()
 	w, err := runWrk(ctx, url, true)
@@ -242,7 +242,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	// Keep-alive.
 	cpu0 = p.CPU()
 	if p != nil {
-		perf = startPerf(ctx, p.PIDs())
+		perf = startPerf(p.PIDs())
 	}
 	if w, err = runWrk(ctx, url, false); err != nil {
 		return res, err
@@ -256,7 +256,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 
 	// Bulk.
 	if p != nil {
-		perf = startPerf(ctx, p.PIDs())
+		perf = startPerf(p.PIDs())
 	}
 	if res.Bulk1, err = runIperf(ctx, t.bulk, 1); err != nil {
 		return res, err
@@ -566,7 +566,7 @@ type perfStat = benchproc.SyscallCount
 
 type sysCounts struct{ syscalls, splices int64 }
 
-func startPerf(_ context.Context, pids []int) *perfStat {
+func startPerf(pids []int) *perfStat {
 	return benchproc.CountSyscalls(pids, "raw_syscalls:sys_enter", "syscalls:sys_enter_splice")
 }
 
