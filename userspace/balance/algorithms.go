@@ -325,10 +325,21 @@ func (p *peakEWMA) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	}
 	now := p.now()
 	neutral := p.ewma.neutral()
-	ca, probeA := p.cost(ea, now, neutral)
-	cb, probeB := p.cost(eb, now, neutral)
-	// A backend due a probe wins the draw (ewmaState.dueProbe).
+	ca, untriedA, probeA := p.cost(ea, now, neutral)
+	cb, untriedB, probeB := p.cost(eb, now, neutral)
 	switch {
+	case untriedA != untriedB:
+		// An untried backend with nothing in flight wins against a tried one. Its
+		// estimate is the balancer-wide average, which, while one backend has
+		// answered, is that backend's own average give or take a rounding: the
+		// two then compare on noise, and if the tried one came out a hair lower
+		// each time it kept every connection (TestSlowFirstByteGetsSmallerShare:
+		// all 100 to the slow backend, 1 run in 6). One connection at a time at
+		// most, until its first sample comes.
+		if untriedB {
+			ea = eb
+		}
+	// A backend due a probe wins the draw (ewmaState.dueProbe).
 	case probeA && ea.b.ewma.claimProbe(now):
 	case probeB && eb.b.ewma.claimProbe(now):
 		ea = eb
@@ -338,14 +349,15 @@ func (p *peakEWMA) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	return lease(ea.b), nil
 }
 
-// cost is e's latency estimate × (in flight + 1), and whether e is due a probe.
-func (p *peakEWMA) cost(e *entry, now int64, neutral float64) (float64, bool) {
-	est, _, idle := e.b.ewma.look(now, neutral)
+// cost is e's latency estimate × (in flight + 1); whether e has had no sample of
+// its own and has nothing in flight; and whether e is due a probe.
+func (p *peakEWMA) cost(e *entry, now int64, neutral float64) (cost float64, untried, probe bool) {
+	est, seen, idle := e.b.ewma.look(now, neutral)
 	inflight := e.b.inflight.Load()
 	if est <= 0 {
 		est = 1 // nothing observed anywhere yet: plain P2C on in-flight counts
 	}
-	return est * float64(inflight+1) / e.factor(now), e.b.ewma.dueProbe(now, idle, inflight)
+	return est * float64(inflight+1) / e.factor(now), !seen && inflight == 0, e.b.ewma.dueProbe(now, idle, inflight)
 }
 
 // maglevHash serves source_hash and maglev: both look the key up in a weighted Maglev

@@ -399,6 +399,42 @@ func TestSlowOnceTriedAgain(t *testing.T) {
 	}
 }
 
+// TestUntriedBackendTried: one connection at a time, the first to a backend that
+// answers in 50 ms (a little faster each time, as a backend warming up does), the
+// others to whichever the balancer picks, which answers in 1 ms. The untried one's
+// estimate is the balancer-wide average, which then is the slow one's own give or
+// take a rounding; it must still get its connection and, with its first sample,
+// all but a few of the rest, whatever those roundings say.
+func TestUntriedBackendTried(t *testing.T) {
+	for _, alg := range []string{EWMA, LeastTime} {
+		for seed := uint64(1); seed <= 8; seed++ {
+			c := &clock{}
+			b := mustNewClock(t, alg, abc(1, 1), seed, c)
+			slow := ""
+			got := map[string]int{}
+			for i := range 100 {
+				l, err := b.Pick(0, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if slow == "" {
+					slow = l.Backend()
+				}
+				got[l.Backend()]++
+				latency := time.Millisecond
+				if l.Backend() == slow {
+					latency = 50*time.Millisecond - time.Duration(i)*10*time.Microsecond
+				}
+				c.advance(latency)
+				l.Release(Result{Latency: latency})
+			}
+			if got[slow] > 3 {
+				t.Errorf("%s, seed %d: the slow backend got %d of 100 connections (%v); want at most 3", alg, seed, got[slow], got)
+			}
+		}
+	}
+}
+
 // TestEWMAFailure: failed connects count as slow, so a quickly refusing backend doesn't
 // attract traffic.
 func TestEWMAFailure(t *testing.T) {
