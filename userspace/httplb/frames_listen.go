@@ -98,7 +98,7 @@ func (l *splitListener) sniff(c *coalescingConn) {
 	}
 	if string(buf[:n]) != http2.ClientPreface && !l.s.cfg.NetHTTP1 {
 		// The loop writes whole answers itself: no coalescing wrapper.
-		l.s.serveH1(c.Conn, buf[:n], nil)
+		l.s.serveH1(rawConnOf(c.Conn), buf[:n], nil)
 		return
 	}
 	c.sniffed = false

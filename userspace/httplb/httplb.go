@@ -381,7 +381,13 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 		return t
 	}
 	b.h1 = mk(false)
-	b.h1s = newH1Pool(func(ctx context.Context) (net.Conn, error) { return dial(ctx, "tcp", "") },
+	b.h1s = newH1Pool(func(ctx context.Context) (net.Conn, error) {
+		c, err := dial(ctx, "tcp", "")
+		if err != nil {
+			return nil, err
+		}
+		return rawConnOf(c), nil
+	},
 		1024, 90*time.Second, int64(max(s.cfg.MaxHeaderBytes, 64<<10)))
 	for range s.cfg.H2Conns {
 		b.h2 = append(b.h2, mk(true))
