@@ -328,17 +328,15 @@ func (p *peakEWMA) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	ca, untriedA, probeA := p.cost(ea, now, neutral)
 	cb, untriedB, probeB := p.cost(eb, now, neutral)
 	switch {
-	case untriedA != untriedB:
-		// An untried backend with nothing in flight wins against a tried one. Its
-		// estimate is the balancer-wide average, which, while one backend has
-		// answered, is that backend's own average give or take a rounding: the
-		// two then compare on noise, and if the tried one came out a hair lower
-		// each time it kept every connection (TestSlowFirstByteGetsSmallerShare:
-		// all 100 to the slow backend, 1 run in 6). One connection at a time at
-		// most, until its first sample comes.
-		if untriedB {
-			ea = eb
-		}
+	// An untried backend with nothing in flight wins against a tried one, once
+	// per ewmaDecay (ewmaState.claimUntried). Its estimate is the balancer-wide
+	// average, which, while one backend has answered, is that backend's own
+	// average give or take a rounding: the two then compare on noise, and if
+	// the tried one came out a hair lower each time it kept every connection
+	// (TestSlowFirstByteGetsSmallerShare: all 100 to the slow backend, 1 run in 6).
+	case untriedA && !untriedB && ea.b.ewma.claimUntried(now):
+	case untriedB && !untriedA && eb.b.ewma.claimUntried(now):
+		ea = eb
 	// A backend due a probe wins the draw (ewmaState.dueProbe).
 	case probeA && ea.b.ewma.claimProbe(now):
 	case probeB && eb.b.ewma.claimProbe(now):

@@ -435,6 +435,39 @@ func TestUntriedBackendTried(t *testing.T) {
 	}
 }
 
+// TestUntriedWinsOncePerDecay: a backend whose connections never bring a sample
+// (one whose clients give up before it answers, say) stays untried; its win for
+// being untried comes once per ewmaDecay, not in every draw it is in while nothing
+// is in flight. With A answering in 1 ms and C in 50 ms, B's estimate (the average)
+// loses to A's and beats C's, so B should get about the draws it shares with C, a
+// third; winning every draw it is in would give it two thirds.
+func TestUntriedWinsOncePerDecay(t *testing.T) {
+	for _, alg := range []string{EWMA, LeastTime} {
+		c := &clock{}
+		b := mustNewClock(t, alg, abc(1, 1, 1), 7, c)
+		got := map[string]int{}
+		for range 600 {
+			l, err := b.Pick(0, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got[l.Backend()]++
+			c.advance(10 * time.Millisecond)
+			switch l.Backend() {
+			case "A":
+				l.Release(Result{Latency: time.Millisecond})
+			case "B":
+				l.Release(Result{}) // no sample
+			default:
+				l.Release(Result{Latency: 50 * time.Millisecond})
+			}
+		}
+		if got["B"] > 300 {
+			t.Errorf("%s: the backend that never brings a sample got %d of 600 connections (%v); want about a third", alg, got["B"], got)
+		}
+	}
+}
+
 // TestEWMAFailure: failed connects count as slow, so a quickly refusing backend doesn't
 // attract traffic.
 func TestEWMAFailure(t *testing.T) {

@@ -72,6 +72,9 @@ type ewmaState struct {
 
 	// probed is when Pick last sent the backend a probe (see probe), monotonic ns.
 	probed atomic.Int64
+	// untriedWon is 1 + when the backend last won a draw for having no sample
+	// (see claimUntried); 0: never.
+	untriedWon atomic.Int64
 }
 
 // dueProbe reports whether a backend whose last sample was idle ns ago, with
@@ -91,6 +94,19 @@ func (s *ewmaState) dueProbe(now, idle, inflight int64) bool {
 func (s *ewmaState) claimProbe(now int64) bool {
 	last := s.probed.Load()
 	return now-last >= int64(ewmaDecay) && s.probed.CompareAndSwap(last, now)
+}
+
+// claimUntried records that a backend with no sample of its own wins a draw at
+// now; false if it has won one in the last ewmaDecay (a backend whose connections
+// never bring a sample, one that accepts and never answers, say, would otherwise
+// win every draw it is in while nothing is in flight) or another Pick won it
+// first (so concurrent Picks send a new backend one connection, not a burst).
+func (s *ewmaState) claimUntried(now int64) bool {
+	last := s.untriedWon.Load()
+	if last != 0 && now-(last-1) < int64(ewmaDecay) {
+		return false
+	}
+	return s.untriedWon.CompareAndSwap(last, now+1)
 }
 
 // estimate returns the backend's latency estimate at now: the last estimate, decayed
