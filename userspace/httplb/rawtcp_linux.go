@@ -1,3 +1,5 @@
+//go:build !race
+
 package httplb
 
 import (
@@ -29,7 +31,9 @@ import (
 // The cost: the goroutine cannot be preempted, and the P runs nothing else, for
 // as long as the call lasts. Non-blocking calls on a socket last microseconds;
 // writes larger than rawWriteMax (which run the receiver's stack for all their
-// bytes) go through the scheduler as before.
+// bytes) go through the scheduler as before. Under the race detector the
+// connection is left as it is (rawtcp_other.go): raw calls would hide the
+// buffers they read and write from it.
 type rawTCP struct {
 	*net.TCPConn
 	rc syscall.RawConn
@@ -122,15 +126,20 @@ func (c *rawTCP) Write(p []byte) (int, error) {
 	return n, nil
 }
 
-// writeSome is c.wr: sends until all of wbuf is gone or the socket is full
-// (false: wait in the poller, then go on). MSG_NOSIGNAL: a peer that has gone
-// fails the call with EPIPE and raises no SIGPIPE.
+// writeSome is c.wr: writes until all of wbuf is gone or the socket is full
+// (false: wait in the poller, then go on). A peer that has gone fails the call
+// with EPIPE; the SIGPIPE that comes with it is ignored by the Go runtime for
+// any descriptor but standard output and error.
 func (c *rawTCP) writeSome(fd uintptr) bool {
 	for c.wn < len(c.wbuf) {
 		b := c.wbuf[c.wn:]
-		r, _, e := syscall.RawSyscall6(syscall.SYS_SENDTO, fd, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), syscall.MSG_NOSIGNAL, 0, 0)
+		r, _, e := syscall.RawSyscall(syscall.SYS_WRITE, fd, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))
 		switch e {
 		case 0:
+			if r == 0 {
+				c.werr = syscall.EIO // a write that moves nothing would loop forever
+				return true
+			}
 			c.wn += int(r)
 			continue
 		case syscall.EINTR:
