@@ -130,6 +130,22 @@ func TestRawTCPErrors(t *testing.T) {
 				var oe *net.OpError
 				return errors.As(err, &oe) && oe.Op == "write"
 			}},
+		{"closed while a read waits: net.ErrClosed",
+			func(r *rawTCP, peer *net.TCPConn) { time.AfterFunc(20*time.Millisecond, func() { r.Close() }) },
+			func(r *rawTCP) error { _, err := r.Read(make([]byte, 10)); return err },
+			func(err error) bool { return errors.Is(err, net.ErrClosed) }},
+		{"closed while a write waits on a full socket: net.ErrClosed",
+			func(r *rawTCP, peer *net.TCPConn) { time.AfterFunc(50*time.Millisecond, func() { r.Close() }) },
+			func(r *rawTCP) error {
+				b := make([]byte, rawWriteMax)
+				for range 1 << 12 {
+					if _, err := r.Write(b); err != nil {
+						return err
+					}
+				}
+				return nil
+			},
+			func(err error) bool { return errors.Is(err, net.ErrClosed) }},
 		{"closed here: net.ErrClosed",
 			func(r *rawTCP, peer *net.TCPConn) { r.Close() },
 			func(r *rawTCP) error { _, err := r.Read(make([]byte, 10)); return err },
@@ -142,6 +158,39 @@ func TestRawTCPErrors(t *testing.T) {
 				t.Errorf("got %v (%T)", err, err)
 			}
 		})
+	}
+}
+
+// TestRawTCPReadWhileWriting: a read waits in the poller while writes go out
+// on the same connection, and each sees its own bytes.
+func TestRawTCPReadWhileWriting(t *testing.T) {
+	r, peer := rawPair(t)
+	read := make(chan error, 1)
+	go func() {
+		b := make([]byte, 5)
+		_, err := io.ReadFull(r, b)
+		if err == nil && string(b) != "reply" {
+			err = errors.New("read " + string(b))
+		}
+		read <- err
+	}()
+	for range 100 {
+		if _, err := r.Write([]byte("ping\n")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := make([]byte, 500)
+	if _, err := io.ReadFull(peer, got); err != nil || !bytes.Equal(got, bytes.Repeat([]byte("ping\n"), 100)) {
+		t.Fatalf("peer read %q, %v", got, err)
+	}
+	peer.Write([]byte("reply"))
+	select {
+	case err := <-read:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the read never returned")
 	}
 }
 
