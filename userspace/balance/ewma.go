@@ -70,12 +70,29 @@ type ewmaState struct {
 	stamp int64   // monotonic ns of the last observation
 	seen  bool
 
-	// probed is when Pick last sent the backend a probe (see probe), monotonic ns.
-	probed atomic.Int64
-	// untriedWon is 1 + when the backend last won a draw for having no sample
-	// (see claimUntried); 0: never.
-	untriedWon atomic.Int64
+	// probed: when Pick last sent the backend a probe (see dueProbe).
+	probed perDecay
+	// untriedWon: when the backend last won a draw for having no sample (see
+	// claimUntried).
+	untriedWon perDecay
 }
+
+// perDecay is the time of the last of something allowed once per ewmaDecay,
+// taken by one Pick among concurrent ones.
+type perDecay struct {
+	last atomic.Int64 // 1 + monotonic ns; 0: never
+}
+
+// due reports whether ewmaDecay has passed since the last one (or there was none).
+func (d *perDecay) due(now int64) bool { return decayedSince(d.last.Load(), now) }
+
+// claim records one at now; false if it is not due or another Pick took it first.
+func (d *perDecay) claim(now int64) bool {
+	last := d.last.Load()
+	return decayedSince(last, now) && d.last.CompareAndSwap(last, now+1)
+}
+
+func decayedSince(last, now int64) bool { return last == 0 || now-(last-1) >= int64(ewmaDecay) }
 
 // dueProbe reports whether a backend whose last sample was idle ns ago, with
 // inflight connections, is due a probe at now: it has nothing in flight, and
@@ -87,27 +104,18 @@ type ewmaState struct {
 // least_time, at 100 connections/s). A probe costs a slow backend one connection
 // per ewmaDecay.
 func (s *ewmaState) dueProbe(now, idle, inflight int64) bool {
-	return inflight == 0 && idle >= int64(ewmaDecay) && now-s.probed.Load() >= int64(ewmaDecay)
+	return inflight == 0 && idle >= int64(ewmaDecay) && s.probed.due(now)
 }
 
 // claimProbe records a probe sent at now; false if another Pick sent it first.
-func (s *ewmaState) claimProbe(now int64) bool {
-	last := s.probed.Load()
-	return now-last >= int64(ewmaDecay) && s.probed.CompareAndSwap(last, now)
-}
+func (s *ewmaState) claimProbe(now int64) bool { return s.probed.claim(now) }
 
 // claimUntried records that a backend with no sample of its own wins a draw at
 // now; false if it has won one in the last ewmaDecay (a backend whose connections
 // never bring a sample, one that accepts and never answers, say, would otherwise
 // win every draw it is in while nothing is in flight) or another Pick won it
 // first (so concurrent Picks send a new backend one connection, not a burst).
-func (s *ewmaState) claimUntried(now int64) bool {
-	last := s.untriedWon.Load()
-	if last != 0 && now-(last-1) < int64(ewmaDecay) {
-		return false
-	}
-	return s.untriedWon.CompareAndSwap(last, now+1)
-}
+func (s *ewmaState) claimUntried(now int64) bool { return s.untriedWon.claim(now) }
 
 // estimate returns the backend's latency estimate at now: the last estimate, decayed
 // toward the balancer-wide average by the time since its last observation, so a backend

@@ -79,12 +79,10 @@ func (c *rawTCP) Read(p []byte) (int, error) {
 	n, errno := c.rn, c.rerr
 	c.rbuf = nil
 	c.busyR.Store(false)
-	switch {
-	case err != nil:
-		return 0, c.opError("read", err)
-	case errno != 0:
-		return 0, c.opError("read", os.NewSyscallError("read", errno))
-	case n == 0:
+	if err := c.failure("read", err, errno); err != nil {
+		return 0, err
+	}
+	if n == 0 {
 		return 0, io.EOF
 	}
 	return n, nil
@@ -117,13 +115,7 @@ func (c *rawTCP) Write(p []byte) (int, error) {
 	n, errno := c.wn, c.werr
 	c.wbuf = nil
 	c.busyW.Store(false)
-	switch {
-	case err != nil:
-		return n, c.opError("write", err)
-	case errno != 0:
-		return n, c.opError("write", os.NewSyscallError("write", errno))
-	}
-	return n, nil
+	return n, c.failure("write", err, errno)
 }
 
 // writeSome is c.wr: writes until all of wbuf is gone or the socket is full
@@ -153,11 +145,20 @@ func (c *rawTCP) writeSome(fd uintptr) bool {
 	return true
 }
 
-// opError wraps err as net.Conn's methods do, so callers' checks (timeouts,
-// net.ErrClosed) see what they would see from the connection itself.
-func (c *rawTCP) opError(op string, err error) error {
-	if oe, ok := err.(*net.OpError); ok { // the raw connection's own ("raw-read")
-		err = oe.Err
+// failure is op's error, from the poller (err) or the system call (errno),
+// wrapped as net.Conn's methods wrap theirs, so callers' checks (timeouts,
+// net.ErrClosed) see what they would see from the connection itself; nil if
+// neither failed.
+func (c *rawTCP) failure(op string, err error, errno syscall.Errno) error {
+	switch {
+	case err != nil:
+		if oe, ok := err.(*net.OpError); ok { // the raw connection's own ("raw-read")
+			err = oe.Err
+		}
+	case errno != 0:
+		err = os.NewSyscallError(op, errno)
+	default:
+		return nil
 	}
 	return &net.OpError{Op: op, Net: "tcp", Source: c.LocalAddr(), Addr: c.RemoteAddr(), Err: err}
 }

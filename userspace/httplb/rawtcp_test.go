@@ -79,6 +79,19 @@ func TestRawTCPMovesBytes(t *testing.T) {
 	}
 }
 
+// fillSocket writes until a write fails, which it returns; the peer reads
+// nothing, so the socket fills and the last write waits in the poller. Bounded:
+// 256 MiB, far more than a socket holds.
+func fillSocket(r *rawTCP) error {
+	b := make([]byte, rawWriteMax)
+	for range 1 << 12 {
+		if _, err := r.Write(b); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // TestRawTCPErrors: the raw end reports what net.Conn's methods report, so the
 // HTTP/1.1 path's checks of them hold: EOF, a deadline's timeout, a reset peer,
 // and its own close.
@@ -102,15 +115,7 @@ func TestRawTCPErrors(t *testing.T) {
 			}},
 		{"write deadline on a full socket: a timeout",
 			func(r *rawTCP, peer *net.TCPConn) { r.SetWriteDeadline(time.Now().Add(50 * time.Millisecond)) },
-			func(r *rawTCP) error {
-				b := make([]byte, rawWriteMax)
-				for range 1 << 12 { // the peer reads nothing: the socket fills
-					if _, err := r.Write(b); err != nil {
-						return err
-					}
-				}
-				return nil
-			},
+			fillSocket,
 			func(err error) bool { return errors.Is(err, os.ErrDeadlineExceeded) }},
 		{"peer reset: the write fails",
 			func(r *rawTCP, peer *net.TCPConn) {
@@ -136,15 +141,7 @@ func TestRawTCPErrors(t *testing.T) {
 			func(err error) bool { return errors.Is(err, net.ErrClosed) }},
 		{"closed while a write waits on a full socket: net.ErrClosed",
 			func(r *rawTCP, peer *net.TCPConn) { time.AfterFunc(50*time.Millisecond, func() { r.Close() }) },
-			func(r *rawTCP) error {
-				b := make([]byte, rawWriteMax)
-				for range 1 << 12 {
-					if _, err := r.Write(b); err != nil {
-						return err
-					}
-				}
-				return nil
-			},
+			fillSocket,
 			func(err error) bool { return errors.Is(err, net.ErrClosed) }},
 		{"closed here: net.ErrClosed",
 			func(r *rawTCP, peer *net.TCPConn) { r.Close() },
