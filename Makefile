@@ -59,12 +59,13 @@ test: deps check-generated lint
 	$(GO) test -count=1 -timeout 20m ./...
 	$(MAKE) race
 
-# The concurrent parts under the race detector: the agent's reconcile loop taking
-# health changes, reloads, drains and status reads at once, the health checker, and
+# The concurrent parts under the race detector: the agent and its planes (the
+# reconcile loop taking health changes, reloads, drains and status reads at once, and
+# the end-to-end tests, whose own goroutines watch live streams), the health checker,
+# the splice proxy (its loops share counters and the drain state with the agent), and
 # the http plane (its frame engine shares streams between connections' goroutines).
 race:
-	$(GO) test -count=1 -race -run 'TestLoopRace|TestReconcile' ./userspace/agent/
-	$(GO) test -count=1 -race ./userspace/agent/plan/ ./userspace/agent/bgp/ ./health/ ./userspace/httplb/
+	$(GO) test -count=1 -race ./userspace/agent/... ./health/ ./userspace/proxy/ ./userspace/httplb/
 
 test-short: 
 	$(GO) test -count=1 -short ./...

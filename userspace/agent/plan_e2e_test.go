@@ -275,8 +275,8 @@ func TestPlanPredictsReload(t *testing.T) {
 			t.Errorf("the share rose %d times over the ramp; want at least 3 steps", steps)
 		}
 		for _, s := range keepStreams {
-			if s.err != nil {
-				t.Errorf("stream on %s: %v", s.backend, s.err)
+			if err := s.broken(); err != nil {
+				t.Errorf("stream on %s: %v", s.backend, err)
 			}
 		}
 	})

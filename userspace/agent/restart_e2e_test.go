@@ -82,9 +82,26 @@ type stream struct {
 	conn    *net.TCPConn
 	backend string
 	echoed  atomic.Int64
-	err     error
 	done    chan struct{}
 	stop    chan struct{}
+
+	// A test checks for a broken stream while the stream may still run (and
+	// break on a later step of the test), so the error is guarded.
+	mu  sync.Mutex
+	err error
+}
+
+func (s *stream) fail(err error) {
+	s.mu.Lock()
+	s.err = err
+	s.mu.Unlock()
+}
+
+// broken is why the stream stopped, or nil while it runs or if it was stopped.
+func (s *stream) broken() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.err
 }
 
 func startStream(t *testing.T, tp *topo.Topology, vip netip.AddrPort) *stream {
@@ -117,15 +134,15 @@ func startStream(t *testing.T, tp *topo.Topology, vip netip.AddrPort) *stream {
 			}
 			conn.SetDeadline(time.Now().Add(5 * time.Second))
 			if _, err := conn.Write(buf); err != nil {
-				s.err = fmt.Errorf("write after %d bytes echoed: %w", s.echoed.Load(), err)
+				s.fail(fmt.Errorf("write after %d bytes echoed: %w", s.echoed.Load(), err))
 				return
 			}
 			if _, err := io.ReadFull(br, got); err != nil {
-				s.err = fmt.Errorf("read after %d bytes echoed: %w", s.echoed.Load(), err)
+				s.fail(fmt.Errorf("read after %d bytes echoed: %w", s.echoed.Load(), err))
 				return
 			}
 			if !bytes.Equal(got, buf) {
-				s.err = fmt.Errorf("echo differs after %d bytes", s.echoed.Load())
+				s.fail(fmt.Errorf("echo differs after %d bytes", s.echoed.Load()))
 				return
 			}
 			s.echoed.Add(int64(len(buf)))
@@ -142,7 +159,7 @@ func (s *stream) progress(t *testing.T, what string) {
 	for s.echoed.Load() < from+10*1024 {
 		select {
 		case <-s.done:
-			t.Fatalf("%s: stream to %s broke: %v", what, s.backend, s.err)
+			t.Fatalf("%s: stream to %s broke: %v", what, s.backend, s.broken())
 		default:
 		}
 		if time.Now().After(deadline) {
@@ -298,8 +315,8 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 		}
 	}
 	for _, s := range streams {
-		if s.err != nil {
-			t.Errorf("stream to %s: %v", s.backend, s.err)
+		if err := s.broken(); err != nil {
+			t.Errorf("stream to %s: %v", s.backend, err)
 		}
 	}
 
