@@ -48,7 +48,9 @@ func natRepliesKeepUDPFlow(t *testing.T, v6 bool) {
 			}
 		}
 		sources <- from
-		// Stream to the client until it speaks again.
+		// Stream to the client until it speaks again. The streamer has its own
+		// copy of the address: the read below sets from again.
+		to := from
 		stop := make(chan struct{})
 		go func() { // exits when stop is closed or a write fails
 			tick := time.NewTicker(every)
@@ -59,14 +61,15 @@ func natRepliesKeepUDPFlow(t *testing.T, v6 bool) {
 					return
 				case <-tick.C:
 				}
-				if _, err := pc.WriteTo([]byte("stream"), from); err != nil {
+				if _, err := pc.WriteTo([]byte("stream"), to); err != nil {
 					return
 				}
 			}
 		}()
 		defer close(stop)
-		if _, from, err = pc.ReadFrom(buf); err == nil {
-			sources <- from
+		// Its own err: the test's goroutine sets the outer one meanwhile.
+		if _, again, err := pc.ReadFrom(buf); err == nil {
+			sources <- again
 		}
 	}()
 	c, err := tp.DialUDP(context.Background(), vip, 0)
