@@ -62,10 +62,14 @@ test: deps check-generated lint
 # The concurrent parts under the race detector: the agent and its planes (the
 # reconcile loop taking health changes, reloads, drains and status reads at once, and
 # the end-to-end tests, whose own goroutines watch live streams), the health checker,
-# the splice proxy (its loops share counters and the drain state with the agent), and
-# the http plane (its frame engine shares streams between connections' goroutines).
+# the splice proxy (its loops share counters and the drain state with the agent), the
+# http plane (its frame engine shares streams between connections' goroutines), and
+# every balancing algorithm picked, released and given new backends from 16
+# goroutines at once (balance's other tests run on one goroutine, and its property
+# tests take minutes under the detector).
 race:
 	$(GO) test -count=1 -race ./userspace/agent/... ./health/ ./userspace/proxy/ ./userspace/httplb/
+	$(GO) test -count=1 -race -run 'TestConcurrent' ./userspace/balance/
 
 test-short: 
 	$(GO) test -count=1 -short ./...
