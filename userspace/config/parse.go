@@ -87,8 +87,8 @@ func Parse(data []byte) (*Config, error) {
 	}
 	root := doc.Content[0]
 	p := &parser{lines: make(map[string]int), atLine: make(map[int]string)}
-	p.index(root, "")
-	p.checkFields(root, reflect.TypeFor[file](), "")
+	p.index(root, "", false)
+	p.checkFields(root, reflect.TypeFor[file](), "", false)
 
 	var cfg file
 	if err := root.Decode(&cfg); err != nil {
@@ -155,11 +155,40 @@ type parser struct {
 	lines  map[string]int // path -> line of its key or item
 	atLine map[int]string // line -> the path of what starts there (common prefix if several)
 	errs   Errors
+
+	aliased int // nodes visited through aliases, against maxAliasedNodes
 }
 
-func (p *parser) index(n *yaml.Node, path string) {
+// maxAliasedNodes bounds the nodes index and checkFields visit through aliases. A
+// file's own nodes are visited once each, but an alias of a list of aliases of
+// lists of ... expands a few lines into billions of nodes ("billion laughs"), which
+// a walk that follows aliases would take minutes and gigabytes over. Past the bound
+// the walks stop following aliases: an error under one is reported at the alias, and
+// yaml's decoder refuses the file for its excessive aliasing. A config's own anchors
+// (a health block or backend defaults shared by every service) stay far below it.
+const maxAliasedNodes = 200_000
+
+// follow resolves an alias, and counts the visit of a node reached through one;
+// false: the bound is reached, and n is not to be walked.
+func (p *parser) follow(n *yaml.Node, viaAlias bool) (*yaml.Node, bool, bool) {
 	if n.Kind == yaml.AliasNode && n.Alias != nil {
-		n = n.Alias
+		n, viaAlias = n.Alias, true
+	}
+	if viaAlias {
+		if p.aliased >= maxAliasedNodes {
+			return n, viaAlias, false
+		}
+		p.aliased++
+	}
+	return n, viaAlias, true
+}
+
+// index records the line of every path under n; viaAlias: n was reached through an
+// alias.
+func (p *parser) index(n *yaml.Node, path string, viaAlias bool) {
+	n, viaAlias, ok := p.follow(n, viaAlias)
+	if !ok {
+		return
 	}
 	switch n.Kind {
 	case yaml.MappingNode:
@@ -167,13 +196,13 @@ func (p *parser) index(n *yaml.Node, path string) {
 			k, v := n.Content[i], n.Content[i+1]
 			sub := join(path, k.Value)
 			p.mark(sub, k.Line)
-			p.index(v, sub)
+			p.index(v, sub, viaAlias)
 		}
 	case yaml.SequenceNode:
 		for i, item := range n.Content {
 			sub := fmt.Sprintf("%s[%d]", path, i)
 			p.mark(sub, item.Line)
-			p.index(item, sub)
+			p.index(item, sub, viaAlias)
 		}
 	}
 }
@@ -272,9 +301,10 @@ func yamlKindWords(k string) string {
 // checkFields reports every mapping key that names no field of t, so a misspelt
 // setting is an error rather than silently its default. (yaml's KnownFields stops at
 // the first; this names them all, with the fields that would fit.)
-func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string) {
-	if n.Kind == yaml.AliasNode && n.Alias != nil {
-		n = n.Alias
+func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string, viaAlias bool) {
+	n, viaAlias, ok := p.follow(n, viaAlias)
+	if !ok {
+		return
 	}
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
@@ -293,14 +323,14 @@ func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string) {
 				p.errs = append(p.errs, &FieldError{Line: k.Line, Path: sub, Msg: unknownField(k.Value, fields)})
 				continue
 			}
-			p.checkFields(v, f.Type, sub)
+			p.checkFields(v, f.Type, sub, viaAlias)
 		}
 	case reflect.Slice:
 		if n.Kind != yaml.SequenceNode {
 			return
 		}
 		for i, item := range n.Content {
-			p.checkFields(item, t.Elem(), fmt.Sprintf("%s[%d]", path, i))
+			p.checkFields(item, t.Elem(), fmt.Sprintf("%s[%d]", path, i), viaAlias)
 		}
 	}
 }
