@@ -83,3 +83,29 @@ func TestAliasesStillIndexed(t *testing.T) {
 	}
 	t.Fatalf("got %v; want the weight's error at line 7", err)
 }
+
+// TestSyntaxErrorInLongFile: a syntax error at the end of a long file (4,900 lines:
+// 1,600 backends) is still named at its line, and finding it does not parse every
+// prefix of the file (which allocated gigabytes and took 25 s, on the agent's loop
+// when it reloads). The measure is the bytes Parse allocates.
+func TestSyntaxErrorInLongFile(t *testing.T) {
+	var b strings.Builder
+	b.WriteString("services:\n  - name: web\n    vip: 192.0.2.1:80\n    backends:\n")
+	for i := range 1600 {
+		fmt.Fprintf(&b, "      - address: 10.0.%d.%d:80\n        weight: 2\n        # backend %d\n", i/250, i%250+1, i)
+	}
+	b.WriteString("    health: {type: tcp\n  oops: [\n")
+	want := strings.Count(b.String(), "\n") - 1 // the unclosed health mapping
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	_, err := Parse([]byte(b.String()))
+	runtime.ReadMemStats(&after)
+	var es Errors
+	if !errors.As(err, &es) || len(es) != 1 || es[0].Line != want {
+		t.Fatalf("got %v; want one error at line %d", err, want)
+	}
+	const limit = 512 << 20
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > limit {
+		t.Errorf("Parse allocated %d MB; want at most %d MB: it parsed every prefix of the file", alloc>>20, limit>>20)
+	}
+}
