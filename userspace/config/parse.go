@@ -7,6 +7,7 @@ import (
 	"os"
 	"reflect"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -182,7 +183,8 @@ type parser struct {
 	atLine map[int]string // line -> the path of what starts there (common prefix if several)
 	errs   Errors
 
-	aliased int // nodes visited through aliases, against maxAliasedNodes
+	aliased int          // nodes visited through aliases, against maxAliasedNodes
+	open    []*yaml.Node // the anchored nodes being walked through an alias, outermost first
 }
 
 // maxAliasedNodes bounds the nodes index and checkFields visit through aliases. A
@@ -194,27 +196,43 @@ type parser struct {
 // (a health block or backend defaults shared by every service) stay far below it.
 const maxAliasedNodes = 200_000
 
-// follow resolves an alias, and counts the visit of a node reached through one;
-// false: the bound is reached, and n is not to be walked.
-func (p *parser) follow(n *yaml.Node, viaAlias bool) (*yaml.Node, bool, bool) {
+// follow resolves an alias, and counts the visit of a node reached through one.
+// ok false: n is not to be walked, as the bound is reached or the alias names a
+// node it is inside of (an anchor whose value holds an alias of itself: yaml parses
+// it, its decoder refuses it, and a walk would go round forever, its path growing).
+// Once the walk of n is done, the caller calls leave if it is set.
+func (p *parser) follow(n *yaml.Node, viaAlias bool) (_ *yaml.Node, _ bool, leave func(), ok bool) {
 	if n.Kind == yaml.AliasNode && n.Alias != nil {
+		if slices.Contains(p.open, n.Alias) {
+			return n, viaAlias, nil, false
+		}
+		p.open = append(p.open, n.Alias)
+		leave = p.leaveAlias
 		n, viaAlias = n.Alias, true
 	}
 	if viaAlias {
 		if p.aliased >= maxAliasedNodes {
-			return n, viaAlias, false
+			if leave != nil {
+				leave()
+			}
+			return n, viaAlias, nil, false
 		}
 		p.aliased++
 	}
-	return n, viaAlias, true
+	return n, viaAlias, leave, true
 }
+
+func (p *parser) leaveAlias() { p.open = p.open[:len(p.open)-1] }
 
 // index records the line of every path under n; viaAlias: n was reached through an
 // alias.
 func (p *parser) index(n *yaml.Node, path string, viaAlias bool) {
-	n, viaAlias, ok := p.follow(n, viaAlias)
+	n, viaAlias, leave, ok := p.follow(n, viaAlias)
 	if !ok {
 		return
+	}
+	if leave != nil {
+		defer leave()
 	}
 	switch n.Kind {
 	case yaml.MappingNode:
@@ -328,9 +346,12 @@ func yamlKindWords(k string) string {
 // setting is an error rather than silently its default. (yaml's KnownFields stops at
 // the first; this names them all, with the fields that would fit.)
 func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string, viaAlias bool) {
-	n, viaAlias, ok := p.follow(n, viaAlias)
+	n, viaAlias, leave, ok := p.follow(n, viaAlias)
 	if !ok {
 		return
+	}
+	if leave != nil {
+		defer leave()
 	}
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()

@@ -9,7 +9,7 @@ import (
 )
 
 // TestAliasExpansionBounded: a short file whose aliases expand to millions of
-// nodes is refused without Parse walking them all. Before the bound, the typed
+// nodes, or without end, is refused without Parse walking the expansion. Before the bound, the typed
 // file below (a service aliased 3,000 times, each with 3,000 aliased backends:
 // 9 million nodes from 6,000 lines) took Parse seconds and gigabytes, and at
 // 20,000 × 20,000 (220 KB) more than 4 GB in a minute; an agent reloading such a
@@ -41,6 +41,9 @@ func TestAliasExpansionBounded(t *testing.T) {
 		{"billion laughs, 9^7 nodes", laughs(7), "unknown field"},
 		// Under services: yaml's decoder refuses it.
 		{"services × backends, 3000 × 3000", typed(3000, 3000), "excessive aliasing"},
+		// An anchor whose value holds an alias of itself: a walk following aliases
+		// never ended (the agent's reload would have hung, its stack growing).
+		{"an anchor holding itself", "services:\n  - &a {name: web, vip: \"192.0.2.1:80\", backends: [{address: \"10.0.0.1:80\"}, *a]}\n", "unknown field"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			var before, after runtime.MemStats
