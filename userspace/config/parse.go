@@ -144,9 +144,13 @@ func syntaxError(data []byte, err error) *FieldError {
 // parses. Both find the same line unless a flow collection or quoted string
 // spanning lines comes before the error (a prefix that ends inside one does not
 // parse either); the scan then names that line, the bisection that line or the
-// error's.
+// error's. Files over bisectMax lines are not searched (yaml's own line stands):
+// each of a bisection's parses would take tens of milliseconds there.
 func firstBadLine(data []byte) int {
 	lines := bytes.SplitAfter(data, []byte("\n"))
+	if len(lines) > bisectMax {
+		return 0
+	}
 	parses := func(n int) bool {
 		var v yaml.Node
 		return yaml.Unmarshal(bytes.Join(lines[:n], nil), &v) == nil
@@ -174,8 +178,13 @@ func firstBadLine(data []byte) int {
 	return bad
 }
 
-// linearScanMax is the longest file firstBadLine tries prefix by prefix.
-const linearScanMax = 300
+// linearScanMax is the longest file firstBadLine tries prefix by prefix, and
+// bisectMax the longest it bisects (about 15 parses of up to 20,000 lines: under a
+// second).
+const (
+	linearScanMax = 300
+	bisectMax     = 20_000
+)
 
 // parser maps between places in the YAML tree (paths) and lines, and collects errors.
 type parser struct {
