@@ -37,16 +37,37 @@ import (
 type rawTCP struct {
 	*net.TCPConn
 	rc syscall.RawConn
+	r  rawOp // reads: readOnce
+	w  rawOp // writes: writeSome
+}
 
-	// The callbacks handed to rc, made once (a closure made per call would
-	// escape and allocate), with their inputs and results here. busyR and
-	// busyW guard them: a second reader or writer at the same time (net.Conn
-	// allows it; weir's HTTP/1.1 path does not do it) takes net.Conn's path.
-	rd, wr       func(fd uintptr) bool
-	rbuf, wbuf   []byte
-	rn, wn       int
-	rerr, werr   syscall.Errno
-	busyR, busyW atomic.Bool
+// rawOp is one direction's raw call: the callback handed to the RawConn, made
+// once (a closure made per call would escape and allocate), with its input and
+// results. busy guards it: a second reader or writer at the same time (net.Conn
+// allows it; weir's HTTP/1.1 path does not do it) takes net.Conn's path.
+type rawOp struct {
+	call  func(fd uintptr) bool
+	buf   []byte
+	n     int
+	errno syscall.Errno
+	busy  atomic.Bool
+}
+
+// run hands p to the callback through rc's Write (write) or Read, and returns
+// what the callback did and the poller's error; the caller has claimed busy, and
+// run gives it back.
+func (o *rawOp) run(rc syscall.RawConn, write bool, p []byte) (int, syscall.Errno, error) {
+	o.buf, o.n, o.errno = p, 0, 0
+	var err error
+	if write {
+		err = rc.Write(o.call)
+	} else {
+		err = rc.Read(o.call)
+	}
+	n, errno := o.n, o.errno
+	o.buf = nil
+	o.busy.Store(false)
+	return n, errno, err
 }
 
 // rawWriteMax is the largest write issued raw.
@@ -63,7 +84,7 @@ func rawConnOf(c net.Conn) net.Conn {
 		return c
 	}
 	r := &rawTCP{TCPConn: tc, rc: rc}
-	r.rd, r.wr = r.readOnce, r.writeSome
+	r.r.call, r.w.call = r.readOnce, r.writeSome
 	return r
 }
 
@@ -71,14 +92,10 @@ func (c *rawTCP) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
-	if !c.busyR.CompareAndSwap(false, true) {
+	if !c.r.busy.CompareAndSwap(false, true) {
 		return c.TCPConn.Read(p)
 	}
-	c.rbuf, c.rn, c.rerr = p, 0, 0
-	err := c.rc.Read(c.rd)
-	n, errno := c.rn, c.rerr
-	c.rbuf = nil
-	c.busyR.Store(false)
+	n, errno, err := c.r.run(c.rc, false, p)
 	if err := c.failure("read", err, errno); err != nil {
 		return 0, err
 	}
@@ -88,58 +105,55 @@ func (c *rawTCP) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// readOnce is c.rd: one read(2); false (wait in the poller) if nothing is there.
+// readOnce is c.r's call: one read(2); false (wait in the poller) if nothing is
+// there.
 func (c *rawTCP) readOnce(fd uintptr) bool {
 	for {
-		r, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&c.rbuf[0])), uintptr(len(c.rbuf)))
+		r, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&c.r.buf[0])), uintptr(len(c.r.buf)))
 		switch e {
 		case 0:
-			c.rn = int(r)
+			c.r.n = int(r)
 			return true
 		case syscall.EINTR:
 			continue
 		case syscall.EAGAIN:
 			return false
 		}
-		c.rerr = e
+		c.r.errno = e
 		return true
 	}
 }
 
 func (c *rawTCP) Write(p []byte) (int, error) {
-	if len(p) == 0 || len(p) > rawWriteMax || !c.busyW.CompareAndSwap(false, true) {
+	if len(p) == 0 || len(p) > rawWriteMax || !c.w.busy.CompareAndSwap(false, true) {
 		return c.TCPConn.Write(p)
 	}
-	c.wbuf, c.wn, c.werr = p, 0, 0
-	err := c.rc.Write(c.wr)
-	n, errno := c.wn, c.werr
-	c.wbuf = nil
-	c.busyW.Store(false)
+	n, errno, err := c.w.run(c.rc, true, p)
 	return n, c.failure("write", err, errno)
 }
 
-// writeSome is c.wr: writes until all of wbuf is gone or the socket is full
+// writeSome is c.w's call: writes until all of its buffer is gone or the socket is full
 // (false: wait in the poller, then go on). A peer that has gone fails the call
 // with EPIPE; the SIGPIPE that comes with it is ignored by the Go runtime for
 // any descriptor but standard output and error.
 func (c *rawTCP) writeSome(fd uintptr) bool {
-	for c.wn < len(c.wbuf) {
-		b := c.wbuf[c.wn:]
+	for c.w.n < len(c.w.buf) {
+		b := c.w.buf[c.w.n:]
 		r, _, e := syscall.RawSyscall(syscall.SYS_WRITE, fd, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))
 		switch e {
 		case 0:
 			if r == 0 {
-				c.werr = syscall.EIO // a write that moves nothing would loop forever
+				c.w.errno = syscall.EIO // a write that moves nothing would loop forever
 				return true
 			}
-			c.wn += int(r)
+			c.w.n += int(r)
 			continue
 		case syscall.EINTR:
 			continue
 		case syscall.EAGAIN:
 			return false
 		}
-		c.werr = e
+		c.w.errno = e
 		return true
 	}
 	return true

@@ -181,13 +181,19 @@ func TestRawTCPReadWhileWriting(t *testing.T) {
 		t.Fatalf("peer read %q, %v", got, err)
 	}
 	peer.Write([]byte("reply"))
+	readDone(t, read)
+}
+
+// readDone waits up to 5 s for a read's result on done, and fails on an error.
+func readDone(t *testing.T, done <-chan error) {
+	t.Helper()
 	select {
-	case err := <-read:
+	case err := <-done:
 		if err != nil {
 			t.Fatal(err)
 		}
 	case <-time.After(5 * time.Second):
-		t.Fatal("the read never returned")
+		t.Fatal("a read never returned")
 	}
 }
 
@@ -206,13 +212,6 @@ func TestRawTCPConcurrentReaders(t *testing.T) {
 	time.Sleep(20 * time.Millisecond) // both parked, as far as a test can tell
 	peer.Write([]byte("ab"))
 	for range 2 {
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Fatal(err)
-			}
-		case <-time.After(5 * time.Second):
-			t.Fatal("a read never returned")
-		}
+		readDone(t, done)
 	}
 }
