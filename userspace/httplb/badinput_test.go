@@ -90,6 +90,9 @@ func TestBadInput(t *testing.T) {
 		{"two content lengths", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", "HTTP/1.1 400"},
 		{"no host", "GET / HTTP/1.1\r\n\r\n", "HTTP/1.1 400"},
 		{"control character", "GET / HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", "HTTP/1.1 400"},
+		// Go's request reader lets a space in a field name through.
+		{"space in a field name", "GET / HTTP/1.1\r\nHost: x\r\nX A: 1\r\n\r\n", "HTTP/1.1 400"},
+		{"space in a field name, with a body", "POST / HTTP/1.1\r\nHost: x\r\nX A: 1\r\nContent-Length: 1\r\n\r\nx", "HTTP/1.1 400"},
 		{"CONNECT", "CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n", "HTTP/1.1 405"},
 		// Slow headers: a byte every 100 ms never finishes within
 		// read_header_timeout (300 ms), and the connection is closed.

@@ -288,9 +288,11 @@ func (c *h1Session) serveHTTP(w *h1Writer, req *http.Request) (ok bool) {
 }
 
 // checkRequest is net/http's server's check of a request http.ReadRequest has
-// read: a version it serves and a Host. Header names and values need no second
-// look (net/http's server gives them one): textproto's reader already refused
-// any with a byte RFC 9110 does not allow there.
+// read (which refuses a second Host itself): a version it serves, a valid
+// Host, and field names and values RFC 9110 allows. textproto's reader lets
+// through a field name with a space in it ("X Y: 1"), which a backend would
+// read otherwise or refuse (http.Transport refuses to send it; weir's own
+// writer would drop it).
 func checkRequest(req *http.Request) (int, string) {
 	if req.ProtoMajor != 1 {
 		return http.StatusHTTPVersionNotSupported, "unsupported protocol version"
@@ -298,8 +300,18 @@ func checkRequest(req *http.Request) (int, string) {
 	if req.ProtoAtLeast(1, 1) && req.Host == "" && req.Method != http.MethodConnect {
 		return http.StatusBadRequest, "missing required Host header"
 	}
-	if req.Host != "" && !httpguts.ValidHostHeader(req.Host) {
+	if !httpguts.ValidHostHeader(req.Host) {
 		return http.StatusBadRequest, "malformed Host header"
+	}
+	for k, vv := range req.Header {
+		if !httpguts.ValidHeaderFieldName(k) {
+			return http.StatusBadRequest, "invalid header name"
+		}
+		for _, v := range vv {
+			if !httpguts.ValidHeaderFieldValue(v) {
+				return http.StatusBadRequest, "invalid header value"
+			}
+		}
 	}
 	return 0, ""
 }
