@@ -86,12 +86,14 @@ func newH1Pool(dial func(ctx context.Context) (net.Conn, error), maxIdle int, id
 	return &h1Pool{dial: dial, maxIdle: maxIdle, idleFor: idleFor, maxHeader: maxHeader}
 }
 
-// get returns an idle connection the backend still holds open, or a new one.
+// get returns an idle connection the backend still holds open and has sent
+// nothing on since its last answer, or a new one.
 //
-// check: look first, without blocking, that the backend has not closed an idle
-// connection (a system call). roundTrip leaves it out for a request it may send
-// twice, whose failure on a closed connection it sends again, checked.
-func (p *h1Pool) get(ctx context.Context, check bool) (*h1Conn, error) {
+// Every idle connection is looked at first (a system call), whatever the
+// request: bytes a backend sent past an answer's end (a HEAD answer's body is
+// the common case) would otherwise be read as the answer to the next request,
+// which may be another client's.
+func (p *h1Pool) get(ctx context.Context) (*h1Conn, error) {
 	for {
 		p.mu.Lock()
 		n := len(p.idle)
@@ -103,7 +105,7 @@ func (p *h1Pool) get(ctx context.Context, check bool) (*h1Conn, error) {
 		p.idle[n-1] = nil
 		p.idle = p.idle[:n-1]
 		p.mu.Unlock()
-		if !check || hc.alive() {
+		if hc.alive() {
 			return hc, nil
 		}
 		hc.c.Close()
@@ -222,11 +224,9 @@ func (e *errUpstreamReused) Unwrap() error { return e.err }
 func (p *h1Pool) roundTrip(ctx context.Context, req *http.Request) (*http.Response, error) {
 	again := replayable(req)
 	for attempt := 0; ; attempt++ {
-		// A request that may go twice takes an idle connection unchecked: one
-		// the backend has closed fails before any answer, and the request goes
-		// once more on a checked one. The others (a POST without a body) are
-		// checked first, as they cannot be sent again.
-		hc, err := p.get(ctx, !again || attempt > 0)
+		// A backend can still close a connection the check found open, just
+		// as the request goes out.
+		hc, err := p.get(ctx)
 		if err != nil {
 			return nil, err
 		}
@@ -356,7 +356,8 @@ func (b *h1Body) Close() error {
 func (b *h1Body) finish(whole bool) {
 	b.done = true
 	hc := b.hc
-	if !b.stop.end() || !whole || b.resp.Close || b.resp.Request.Close {
+	// Bytes already read past the answer's end are not the next answer (get).
+	if !b.stop.end() || !whole || b.resp.Close || b.resp.Request.Close || hc.br.Buffered() > 0 {
 		hc.c.Close()
 		return
 	}

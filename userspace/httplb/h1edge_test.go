@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"golang.org/x/net/http2"
+	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/internal/waitfor"
 )
@@ -724,4 +725,89 @@ func onConns(t *testing.T, addr string, n int, f func(i int, conn net.Conn, br *
 	for e := range errs {
 		t.Error(e)
 	}
+}
+
+// TestH1UnsolicitedBytesNoAnswer: bytes a backend sends past its answer's end
+// (here a HEAD answer's body, a common backend bug, holding an answer of its
+// own) are no answer to the next request on that connection, which another
+// client sent: the connection is closed instead of reused, whether the bytes
+// came with the answer or while it sat in the pool.
+func TestH1UnsolicitedBytesNoAnswer(t *testing.T) {
+	const evil = "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil"
+	for _, c := range []struct {
+		name      string
+		sameWrite bool
+	}{
+		{"with the answer", true},
+		{"while idle", false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			answered := make(chan struct{})
+			delivered := make(chan struct{})
+			be := rawBackend(t, func(conn net.Conn) {
+				br := bufio.NewReader(conn)
+				for {
+					req, err := http.ReadRequest(br)
+					if err != nil {
+						return
+					}
+					if req.Method != http.MethodHead {
+						io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\ngood")
+						continue
+					}
+					head := fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n", len(evil))
+					if c.sameWrite {
+						io.WriteString(conn, head+evil)
+						close(delivered)
+						continue
+					}
+					io.WriteString(conn, head)
+					<-answered
+					io.WriteString(conn, evil)
+					// In weir's socket once the backend's has nothing left unacked.
+					waitfor.Value(t, 5*time.Second, "the bytes acked", func() (any, bool) {
+						n := outq(t, conn)
+						return n, n == 0
+					})
+					close(delivered)
+				}
+			})
+			s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			first, br1 := rawConn(t, s.Addr().String())
+			io.WriteString(first, "HEAD / HTTP/1.1\r\nHost: x\r\n\r\n")
+			resp, err := http.ReadResponse(br1, &http.Request{Method: http.MethodHead})
+			if err != nil || resp.StatusCode != 200 {
+				t.Fatalf("HEAD: %v %v", resp, err)
+			}
+			close(answered)
+			<-delivered
+			for _, method := range []string{http.MethodGet, http.MethodPost} {
+				other, br2 := rawConn(t, s.Addr().String())
+				io.WriteString(other, method+" / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+				resp, err = http.ReadResponse(br2, nil)
+				if err != nil {
+					t.Fatalf("%s: %v", method, err)
+				}
+				body, _ := io.ReadAll(resp.Body)
+				if resp.StatusCode != 200 || string(body) != "good" {
+					t.Errorf("%s from another client: %s %q; want 200 \"good\", the backend's answer to it", method, resp.Status, body)
+				}
+			}
+		})
+	}
+}
+
+// outq is the bytes conn has sent that its peer has not acknowledged.
+func outq(t *testing.T, conn net.Conn) int {
+	t.Helper()
+	rc, err := conn.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n int
+	rc.Control(func(fd uintptr) { n, err = unix.IoctlGetInt(int(fd), unix.SIOCOUTQ) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
 }
