@@ -109,9 +109,17 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		fail = f
 	}
 	if client.Err() != nil {
-		return // the client went away: nobody to answer
+		abandoned()
 	}
 	s.answerFailure(l, w, r, fail, ntried, start)
+}
+
+// abandoned ends a request whose client went away (closed, or ended its
+// sending side, which net/http's server takes as gone too) before any answer:
+// without a word, where a handler that returned having written nothing would
+// have its server send an empty 200 OK, which a half-closed client still reads.
+func abandoned() {
+	panic(http.ErrAbortHandler)
 }
 
 // failure is what a try that did not answer the client came to.
@@ -171,7 +179,7 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 		if client.Err() != nil {
 			// The client gave up; the backend is not to blame.
 			lease.Release(balance.Result{})
-			return true, failure{}
+			abandoned()
 		}
 		o, status := Reset, http.StatusBadGateway
 		var de *dialError

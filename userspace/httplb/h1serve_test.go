@@ -230,14 +230,19 @@ func checkAnswer(t *testing.T, br *bufio.Reader, want wantAnswer) {
 // for a slow backend has the backend's request cancelled, as net/http's server
 // would, and the plane blames the backend for nothing. Without an overall
 // timeout the connection's own context breaks the exchange off; with one, the
-// timeout's context does, through context.AfterFunc.
+// timeout's context does, through context.AfterFunc. A client that only ends
+// its sending side is gone as well (net/http's server has it so), and gets no
+// answer, never one the plane makes up (the empty 200 a handler that writes
+// nothing would leave).
 func TestH1ClientGone(t *testing.T) {
 	for _, tc := range []struct {
-		name    string
-		timeout time.Duration
+		name      string
+		timeout   time.Duration
+		halfClose bool
 	}{
-		{"connection context", 0},
-		{"with timeout", 30 * time.Second},
+		{"connection context", 0, false},
+		{"with timeout", 30 * time.Second, false},
+		{"half-closed", 0, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			be, gone := h1TestBackend(t)
@@ -250,7 +255,11 @@ func TestH1ClientGone(t *testing.T) {
 				return n, n == 1
 			})
 			closed := time.Now()
-			conn.Close()
+			if tc.halfClose {
+				conn.(*net.TCPConn).CloseWrite()
+			} else {
+				conn.Close()
+			}
 			select {
 			case d := <-gone:
 				t.Logf("the backend's request ended %v after it began, %v after the client closed", d, time.Since(closed))
@@ -263,6 +272,11 @@ func TestH1ClientGone(t *testing.T) {
 			})
 			if f := obs.failures(); f != 0 {
 				t.Errorf("%d failed tries counted against the backend; want none: the client left", f)
+			}
+			if tc.halfClose {
+				if got, err := io.ReadAll(conn); len(got) > 0 || err != nil {
+					t.Errorf("the half-closed client got %q (%v); want the connection closed without an answer", got, err)
+				}
 			}
 		})
 	}
