@@ -210,6 +210,9 @@ func (ss *fsess) handleFrame(f http2.Frame, hb *hblock) error {
 	return ss.handle(f)
 }
 
+// maxWindow is the largest flow-control window HTTP/2 allows (RFC 9113 6.9.1).
+const maxWindow = 1<<31 - 1
+
 // enginePanics counts the frame engine's connections ended by a panic (the
 // tests hold it at 0).
 var enginePanics atomic.Int64
@@ -240,7 +243,7 @@ func (ss *fsess) handle(f http2.Frame) error {
 	case *http2.WindowUpdateFrame:
 		if f.StreamID == 0 {
 			ss.sendWin += int64(f.Increment)
-			if ss.sendWin > 1<<31-1 {
+			if ss.sendWin > maxWindow {
 				ss.fr.WriteGoAway(ss.maxID, http2.ErrCodeFlowControl, nil)
 				return fmt.Errorf("http2: the client's connection window overflowed")
 			}
@@ -251,7 +254,7 @@ func (ss *fsess) handle(f http2.Frame) error {
 		}
 		if st := ss.streams[f.StreamID]; st != nil {
 			st.cliSend += int64(f.Increment)
-			if st.cliSend > 1<<31-1 {
+			if st.cliSend > maxWindow {
 				st.reset(http2.ErrCodeFlowControl)
 				return nil
 			}
@@ -273,6 +276,11 @@ func (ss *fsess) handle(f http2.Frame) error {
 				ss.initWin = int64(s.Val)
 				for _, st := range ss.streams {
 					st.cliSend += d
+					if st.cliSend > maxWindow {
+						// RFC 9113 6.9.2: a connection error.
+						err = http2.ConnectionError(http2.ErrCodeFlowControl)
+						return err
+					}
 				}
 			case http2.SettingMaxFrameSize:
 				ss.maxFrame = s.Val
@@ -282,7 +290,11 @@ func (ss *fsess) handle(f http2.Frame) error {
 			return nil
 		})
 		if err != nil {
-			ss.fr.WriteGoAway(ss.maxID, http2.ErrCodeProtocol, nil)
+			code := http2.ErrCodeProtocol
+			if ce, ok := err.(http2.ConnectionError); ok {
+				code = http2.ErrCode(ce)
+			}
+			ss.fr.WriteGoAway(ss.maxID, code, nil)
 			return err
 		}
 		ss.fr.WriteSettingsAck()

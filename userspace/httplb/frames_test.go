@@ -511,3 +511,110 @@ func TestFramesBackendConnIdle(t *testing.T) {
 		t.Errorf("%d backend connections after an idle spell past the timeout; want a second one", n)
 	}
 }
+
+// TestFramesBackendBadSettings: a backend that sends a setting out of range
+// (a frame size of 0 or past 2^24-1, a window past 2^31-1) or pushes the
+// connection's window past 2^31-1 has its connection ended with GOAWAY and the
+// error's code, and the requests on it fail with 502 at once. Before, weir took
+// such settings as they came and went on; a frame size of 0 reaching
+// writeHeaders, which splits a header block into frames of at most the peer's
+// frame size, would write empty frames without end.
+func TestFramesBackendBadSettings(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		first func(fr *http2.Framer)
+		code  http2.ErrCode
+	}{
+		{"frame size 0", func(fr *http2.Framer) { fr.WriteSettings(http2.Setting{ID: http2.SettingMaxFrameSize, Val: 0}) }, http2.ErrCodeProtocol},
+		{"frame size 2^24", func(fr *http2.Framer) { fr.WriteSettings(http2.Setting{ID: http2.SettingMaxFrameSize, Val: 1 << 24}) }, http2.ErrCodeProtocol},
+		{"window 2^31", func(fr *http2.Framer) {
+			fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1 << 31})
+		}, http2.ErrCodeFlowControl},
+		// Twice: past the limit however much of the window a body has used.
+		{"connection window past 2^31-1", func(fr *http2.Framer) {
+			fr.WriteSettings()
+			fr.WriteWindowUpdate(0, 1<<31-1)
+			fr.WriteWindowUpdate(0, 1<<31-1)
+		}, http2.ErrCodeFlowControl},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			goaway := make(chan http2.ErrCode, 16)
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { ln.Close() })
+			// Exits when the listener closes at cleanup; each connection's
+			// goroutine when weir closes it.
+			go func() {
+				for {
+					conn, err := ln.Accept()
+					if err != nil {
+						return
+					}
+					go badSettingsBackend(conn, c.first, goaway)
+				}
+			}()
+			s := serveOn(t, Config{}, []Backend{{Addr: ln.Addr().(*net.TCPAddr).AddrPort(), Weight: 1, Usable: true}})
+			client := h2cClient()
+			client.Timeout = 5 * time.Second
+			url := "http://" + s.Addr().String() + "/"
+			for i := range 3 {
+				var resp *http.Response
+				var err error
+				if i == 2 {
+					resp, err = client.Post(url, "text/plain", bytes.NewReader(make([]byte, 100000)))
+				} else {
+					resp, err = client.Get(url)
+				}
+				if err != nil {
+					t.Fatalf("request %d: %v; want 502", i, err)
+				}
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != http.StatusBadGateway {
+					t.Errorf("request %d: %s; want 502", i, resp.Status)
+				}
+			}
+			select {
+			case code := <-goaway:
+				if code != c.code {
+					t.Errorf("GOAWAY %v; want %v", code, c.code)
+				}
+			case <-time.After(5 * time.Second):
+				t.Errorf("no GOAWAY; want %v", c.code)
+			}
+		})
+	}
+}
+
+// badSettingsBackend speaks HTTP/2 on conn: first sends what first writes, then
+// answers every request 200 "ok", and reports a GOAWAY's code.
+func badSettingsBackend(conn net.Conn, first func(*http2.Framer), goaway chan<- http2.ErrCode) {
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	preface := make([]byte, len(http2.ClientPreface))
+	if _, err := io.ReadFull(conn, preface); err != nil {
+		return
+	}
+	fr := http2.NewFramer(conn, conn)
+	first(fr)
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			return
+		}
+		switch f := f.(type) {
+		case *http2.GoAwayFrame:
+			goaway <- f.ErrCode
+			return
+		case *http2.HeadersFrame:
+			hb.Reset()
+			enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: hb.Bytes(), EndHeaders: true})
+			fr.WriteData(f.StreamID, true, []byte("ok"))
+		}
+	}
+}

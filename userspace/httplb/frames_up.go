@@ -359,6 +359,10 @@ func (uc *upconn) read() error {
 				}
 				continue
 			}
+			var ce http2.ConnectionError
+			if errors.As(err, &ce) {
+				return uc.goAway(http2.ErrCode(ce), "the backend broke the protocol")
+			}
 			return err
 		}
 		switch f := f.(type) {
@@ -395,15 +399,27 @@ func (uc *upconn) read() error {
 			})
 		case *http2.WindowUpdateFrame:
 			var wake []*fstream
+			var overflow *fstream
 			uc.mu.Lock()
 			if f.StreamID == 0 {
 				uc.sendWin += int64(f.Increment)
+				if uc.sendWin > maxWindow {
+					uc.mu.Unlock()
+					return uc.goAway(http2.ErrCodeFlowControl, "the backend's connection window overflowed")
+				}
 				wake, uc.blocked = uc.blocked, nil
 			} else if st := uc.streams[f.StreamID]; st != nil {
 				st.upSend += int64(f.Increment)
-				wake = []*fstream{st}
+				if st.upSend > maxWindow {
+					overflow = st
+				} else {
+					wake = []*fstream{st}
+				}
 			}
 			uc.mu.Unlock()
+			if overflow != nil {
+				uc.resetOverflow(overflow, f.StreamID)
+			}
 			for _, st := range wake {
 				uc.withStream(st, st.flushReq)
 			}
@@ -411,9 +427,19 @@ func (uc *upconn) read() error {
 			if f.IsAck() {
 				continue
 			}
+			// A frame size or window out of range would have the writers
+			// below loop on empty frames or overrun the backend's window.
+			if err := f.ForeachSetting(func(s http2.Setting) error { return s.Valid() }); err != nil {
+				code := http2.ErrCodeProtocol
+				if ce, ok := err.(http2.ConnectionError); ok {
+					code = http2.ErrCode(ce)
+				}
+				return uc.goAway(code, "the backend sent an invalid setting: "+err.Error())
+			}
 			uc.mu.Lock()
 			var wake []*fstream
 			limit := -1
+			var overflow bool
 			f.ForeachSetting(func(s http2.Setting) error {
 				switch s.ID {
 				case http2.SettingMaxConcurrentStreams:
@@ -424,6 +450,7 @@ func (uc *upconn) read() error {
 					uc.initWin = int64(s.Val)
 					for _, st := range uc.streams {
 						st.upSend += d
+						overflow = overflow || st.upSend > maxWindow
 						wake = append(wake, st)
 					}
 				case http2.SettingMaxFrameSize:
@@ -433,6 +460,10 @@ func (uc *upconn) read() error {
 				}
 				return nil
 			})
+			if overflow {
+				uc.mu.Unlock()
+				return uc.goAway(http2.ErrCodeFlowControl, "a stream's window overflowed with the backend's initial window size")
+			}
 			uc.fr.WriteSettingsAck()
 			uc.mu.Unlock()
 			if limit >= 0 {
@@ -472,6 +503,28 @@ func (uc *upconn) read() error {
 			}
 		}
 	}
+}
+
+// goAway tells the backend the connection ends for a protocol error of its own
+// and returns the error that ends the reader.
+func (uc *upconn) goAway(code http2.ErrCode, why string) error {
+	uc.mu.Lock()
+	uc.fr.WriteGoAway(0, code, []byte(why))
+	uc.mu.Unlock()
+	return fmt.Errorf("http2: %s (%v)", why, code)
+}
+
+// resetOverflow resets a stream whose window the backend pushed past the
+// limit (a stream error, RFC 9113 6.9.1): the request fails, the connection
+// goes on.
+func (uc *upconn) resetOverflow(st *fstream, id uint32) {
+	if uc.take(id) == nil {
+		return
+	}
+	uc.mu.Lock()
+	uc.fr.WriteRSTStream(id, http2.ErrCodeFlowControl)
+	uc.mu.Unlock()
+	uc.withStream(st, func() { st.upDone = true; st.upstreamReset(http2.ErrCodeFlowControl, nil, false) })
 }
 
 // drained resumes the requests that waited for the backend's socket.
