@@ -3,9 +3,13 @@ package httplb
 import (
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
+	"os"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,6 +17,7 @@ import (
 	"golang.org/x/net/http2/hpack"
 
 	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // FuzzClientFrames sends arbitrary bytes after the HTTP/2 preface to the
@@ -98,4 +103,136 @@ func trailerBlock() []byte {
 	var b bytes.Buffer
 	hpack.NewEncoder(&b).WriteField(hpack.HeaderField{Name: "x-trailer", Value: "1"})
 	return b.Bytes()
+}
+
+// FuzzBackendFrames has a backend answer the frame engine's upstream HTTP/2
+// connection with arbitrary bytes after its SETTINGS, then end its side of the
+// connection: whatever it sends, the engine must not panic or spin, the
+// client's request must end (answered or failed) within the client's timeout,
+// and nothing may stay in flight. The first byte of the input picks the
+// request (odd: a POST with a body, which the upstream windows and frame size
+// pace); the seeds are answers to stream 1, the first on a new connection.
+//
+//	go test -run '^$' -fuzz FuzzBackendFrames -fuzztime 2m ./userspace/httplb/
+func FuzzBackendFrames(f *testing.F) {
+	seed := func(post bool, build func(fr *http2.Framer, block func(fields ...string) []byte)) []byte {
+		var wire, hb bytes.Buffer
+		enc := hpack.NewEncoder(&hb)
+		block := func(fields ...string) []byte {
+			hb.Reset()
+			for i := 0; i+1 < len(fields); i += 2 {
+				enc.WriteField(hpack.HeaderField{Name: fields[i], Value: fields[i+1]})
+			}
+			return bytes.Clone(hb.Bytes())
+		}
+		fr := http2.NewFramer(&wire, nil)
+		fr.AllowIllegalWrites = true
+		build(fr, block)
+		first := byte(0)
+		if post {
+			first = 1
+		}
+		return append([]byte{first}, wire.Bytes()...)
+	}
+	ok := func(fr *http2.Framer, b func(...string) []byte) {
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: b(":status", "200", "x-a", "1"), EndHeaders: true})
+		fr.WriteData(1, true, []byte("ok"))
+	}
+	f.Add(seed(false, ok))
+	f.Add(seed(true, func(fr *http2.Framer, b func(...string) []byte) {
+		fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 10}, http2.Setting{ID: http2.SettingMaxFrameSize, Val: 16384})
+		fr.WriteWindowUpdate(1, 100)
+		fr.WriteWindowUpdate(0, 100)
+		ok(fr, b)
+	}))
+	f.Add(seed(false, func(fr *http2.Framer, b func(...string) []byte) {
+		blk := b(":status", "200", "x-long", string(bytes.Repeat([]byte("v"), 100)))
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: blk[:10]})
+		fr.WriteContinuation(1, true, blk[10:])
+		fr.WriteData(1, false, []byte("part"))
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: trailerBlock(), EndHeaders: true, EndStream: true})
+	}))
+	f.Add(seed(false, func(fr *http2.Framer, b func(...string) []byte) {
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: b(":status", "103", "link", "</a>"), EndHeaders: true})
+		fr.WritePing(false, [8]byte{1})
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: b(":status", "204"), EndHeaders: true, EndStream: true})
+	}))
+	f.Add(seed(true, func(fr *http2.Framer, b func(...string) []byte) {
+		fr.WriteRSTStream(1, http2.ErrCodeRefusedStream)
+		fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+	}))
+	f.Add(seed(true, func(fr *http2.Framer, b func(...string) []byte) {
+		fr.WriteSettings(http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: 1}, http2.Setting{ID: http2.SettingHeaderTableSize, Val: 0})
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: b(":status", "200"), EndHeaders: true, Priority: http2.PriorityParam{Weight: 1}})
+		fr.WriteData(1, false, make([]byte, 1000))
+		fr.WriteRSTStream(1, http2.ErrCodeCancel)
+	}))
+
+	var answer atomic.Pointer[[]byte]
+	var open atomic.Int64 // the backend's connections weir has not closed yet
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Cleanup(func() { ln.Close() })
+	// Exits when the listener closes at cleanup.
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			open.Add(1)
+			go func() {
+				defer open.Add(-1)
+				defer c.Close()
+				preface := make([]byte, len(http2.ClientPreface))
+				if _, err := io.ReadFull(c, preface); err != nil {
+					return
+				}
+				http2.NewFramer(c, nil).WriteSettings()
+				c.Write(*answer.Load())
+				c.(*net.TCPConn).CloseWrite()
+				c.SetReadDeadline(time.Now().Add(10 * time.Second))
+				io.Copy(io.Discard, c) // until weir closes its side
+			}()
+		}
+	}()
+	be := Backend{Addr: ln.Addr().(*net.TCPAddr).AddrPort(), Weight: 1, Usable: true}
+	s := serveOn(f, Config{}, []Backend{be})
+	client := h2cClient()
+	client.Timeout = 5 * time.Second
+	url := "http://" + s.Addr().String() + "/"
+	f.Fuzz(func(t *testing.T, in []byte) {
+		if len(in) == 0 {
+			return
+		}
+		frames := in[1:]
+		answer.Store(&frames)
+		var resp *http.Response
+		var err error
+		if in[0]&1 == 1 {
+			resp, err = client.Post(url, "text/plain", bytes.NewReader(make([]byte, 40000)))
+		} else {
+			resp, err = client.Get(url)
+		}
+		if err == nil {
+			var n int64
+			n, err = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			t.Logf("%s, %d bytes, %v", resp.Status, n, err)
+		} else {
+			t.Logf("%v", err)
+		}
+		if errors.Is(err, context.DeadlineExceeded) || os.IsTimeout(err) {
+			t.Fatalf("no answer within the client's timeout (%v): the backend sent %q", err, frames)
+		}
+		waitfor.Value(t, 5*time.Second, "nothing in flight, the backend's connection closed", func() (any, bool) {
+			sn := s.Snapshot()
+			return [2]int64{sn.InFlight, open.Load()}, sn.InFlight == 0 && open.Load() == 0
+		})
+		if n := enginePanics.Load(); n != 0 {
+			t.Fatalf("the frame engine panicked (%d connections)", n)
+		}
+	})
 }
