@@ -29,6 +29,9 @@ const (
 	// DefaultMaxBody is how much of an HTTP response body is searched for
 	// HTTPCheck.Body; a health endpoint that hides its marker deeper is misconfigured.
 	DefaultMaxBody = 64 << 10
+	// DefaultMaxHeader bounds an HTTP check response's status line and header:
+	// a backend that sends more fails the check.
+	DefaultMaxHeader = 64 << 10
 )
 
 // Kind is the type of active check.

@@ -1,12 +1,15 @@
 package health
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -234,5 +237,62 @@ func TestHTTPMaxKept(t *testing.T) {
 	// flight, at most one per backend, make up the difference either way.
 	if kept != maxKept || slots != maxKept || n > want+nBackends || n < want-nBackends {
 		t.Errorf("%d connections, %d slots held (count %d); want %d±%d connections and %d slots", n, slots, kept, want, nBackends, maxKept)
+	}
+}
+
+// TestHTTPHeaderBounded: a backend that answers a check with a header that
+// never ends (here a field value streamed until the check hangs up) fails the
+// check as soon as the header passes DefaultMaxHeader, with that reason, and
+// costs the checker a bounded buffer: the bytes it allocates meanwhile, which
+// do not depend on the machine's speed, stay under 16 MiB. Before the bound,
+// Go's header reader kept every byte until the check's timeout.
+func TestHTTPHeaderBounded(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	// Exits when the listener closes at the end of the test; each
+	// connection's goroutine when the checker closes it, or after 256 MiB.
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				c.Read(make([]byte, 4096)) // the request
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nX-Endless: ")
+				chunk := bytes.Repeat([]byte("a"), 64<<10)
+				for range 4096 {
+					if _, err := c.Write(chunk); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	c := &Checker{}
+	cfg := Config{Check: Check{Kind: HTTP, Interval: time.Second, Timeout: 5 * time.Second}}
+	if err := c.SetService("web", cfg); err != nil {
+		t.Fatal(err)
+	}
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	if err := c.Set(Backend{ID: "b", Addr: ln.Addr().String(), Service: "web"}); err != nil {
+		t.Fatal(err)
+	}
+	sub := c.Subscribe()
+	defer sub.Close()
+	run(t, c)
+	ch := waitChange(t, sub, "b", 10*time.Second, func(ch Change) bool { return ch.To != Unknown })
+	runtime.ReadMemStats(&after)
+	want := fmt.Sprintf("http: response header over %d KiB", DefaultMaxHeader>>10)
+	if ch.To != Down || ch.Reason != want {
+		t.Errorf("got %v (%q); want down (%q)", ch.To, ch.Reason, want)
+	}
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 16<<20 {
+		t.Errorf("the check allocated %d MiB; want under 16", alloc>>20)
 	}
 }

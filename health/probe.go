@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -39,7 +40,37 @@ type checkRun struct {
 // keptConn is an HTTP check connection kept open between checks.
 type keptConn struct {
 	conn net.Conn
-	r    *bufio.Reader
+	lim  headerLimit
+	r    *bufio.Reader // reads through lim
+}
+
+func newKeptConn(conn net.Conn) *keptConn {
+	k := &keptConn{conn: conn, lim: headerLimit{conn: conn, n: math.MaxInt64}}
+	k.r = bufio.NewReaderSize(&k.lim, 4096)
+	return k
+}
+
+// headerLimit is the connection as a check reads it: while a response's head
+// is read, n bounds the bytes still to come, so a backend that sends a header
+// without end fails its check at DefaultMaxHeader instead of having Go's
+// header reader keep every byte until the timeout (2 GB in 5 s here).
+type headerLimit struct {
+	conn net.Conn
+	n    int64
+}
+
+var errHeaderTooLarge = fmt.Errorf("response header over %d KiB", DefaultMaxHeader>>10)
+
+func (l *headerLimit) Read(p []byte) (int, error) {
+	if l.n <= 0 {
+		return 0, errHeaderTooLarge
+	}
+	if int64(len(p)) > l.n {
+		p = p[:l.n]
+	}
+	n, err := l.conn.Read(p)
+	l.n -= int64(n)
+	return n, err
 }
 
 func newDialer(cfg Check) *net.Dialer {
@@ -84,7 +115,8 @@ func (p *probe) runHTTP(ctx context.Context) error {
 			k.conn.Close()
 		}
 		var te *timeoutError
-		if err == nil || errors.Is(err, ErrStatus) || errors.Is(err, ErrBody) || errors.As(err, &te) || ctx.Err() != nil {
+		if err == nil || errors.Is(err, ErrStatus) || errors.Is(err, ErrBody) || errors.Is(err, errHeaderTooLarge) ||
+			errors.As(err, &te) || ctx.Err() != nil {
 			return err // an answer, or no time left for a second try
 		}
 	}
@@ -92,7 +124,7 @@ func (p *probe) runHTTP(ctx context.Context) error {
 	if err != nil {
 		return p.fail(ctx, "connect", err)
 	}
-	k := &keptConn{conn: conn, r: bufio.NewReaderSize(conn, 4096)}
+	k := newKeptConn(conn)
 	reuse, err := p.http(ctx, k)
 	if reuse {
 		p.keep = k
@@ -148,7 +180,9 @@ func (p *probe) http(ctx context.Context, k *keptConn) (reuse bool, err error) {
 	if _, err := io.WriteString(conn, req); err != nil {
 		return false, p.fail(ctx, "http", err)
 	}
+	k.lim.n = DefaultMaxHeader
 	resp, err := http.ReadResponse(k.r, nil)
+	k.lim.n = math.MaxInt64 // the body has a bound of its own
 	if err != nil {
 		return false, p.fail(ctx, "http", err)
 	}
