@@ -829,7 +829,13 @@ func parseUnreachable(b []byte, v6 bool) (unreach, bool) {
 		if len(b) < 20 || b[0]>>4 != 4 {
 			return u, false
 		}
-		icmp := b[int(b[0]&0x0f)*4:]
+		// The kernel checks the header's length before a raw socket gets
+		// the packet; a buffer shorter than the packet would still cut it.
+		ihl := int(b[0]&0x0f) * 4
+		if ihl < 20 || len(b) < ihl {
+			return u, false
+		}
+		icmp := b[ihl:]
 		if len(icmp) < 8+20 || icmp[0] != 3 || icmp[8]>>4 != 4 || icmp[8+9] != unix.IPPROTO_TCP {
 			return u, false
 		}
