@@ -513,9 +513,10 @@ func TestFramesBackendConnIdle(t *testing.T) {
 }
 
 // TestFramesBackendBadSettings: a backend that sends a setting out of range
-// (a frame size of 0 or past 2^24-1, a window past 2^31-1) or pushes the
-// connection's window past 2^31-1 has its connection ended with GOAWAY and the
-// error's code, and the requests on it fail with 502 at once. Before, weir took
+// (a frame size of 0 or past 2^24-1, a window past 2^31-1), pushes the
+// connection's window past 2^31-1 or sends PUSH_PROMISE (push is off) has its
+// connection ended with GOAWAY and the error's code, and the requests on it
+// fail with 502 at once. Before, weir took
 // such settings as they came and went on; a frame size of 0 reaching
 // writeHeaders, which splits a header block into frames of at most the peer's
 // frame size, would write empty frames without end.
@@ -536,6 +537,12 @@ func TestFramesBackendBadSettings(t *testing.T) {
 			fr.WriteWindowUpdate(0, 1<<31-1)
 			fr.WriteWindowUpdate(0, 1<<31-1)
 		}, http2.ErrCodeFlowControl},
+		{"PUSH_PROMISE with push off", func(fr *http2.Framer) {
+			fr.WriteSettings()
+			var hb bytes.Buffer
+			hpack.NewEncoder(&hb).WriteField(hpack.HeaderField{Name: ":method", Value: "GET"})
+			fr.WritePushPromise(http2.PushPromiseParam{StreamID: 1, PromiseID: 2, BlockFragment: hb.Bytes(), EndHeaders: true})
+		}, http2.ErrCodeProtocol},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			goaway := make(chan http2.ErrCode, 16)

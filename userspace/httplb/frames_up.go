@@ -482,6 +482,12 @@ func (uc *upconn) read() error {
 			if st := uc.take(f.StreamID); st != nil {
 				uc.withStream(st, func() { st.upDone = true; st.upstreamReset(f.ErrCode, nil, false) })
 			}
+		case *http2.PushPromiseFrame:
+			// weir's SETTINGS turned push off (RFC 9113 8.4), and a promise's
+			// header block, left undecoded, would put the connection's HPACK
+			// table out of step: later answers' fields decoded wrong, some
+			// perhaps from other clients' answers.
+			return uc.goAway(http2.ErrCodeProtocol, "the backend sent PUSH_PROMISE with push off")
 		case *http2.GoAwayFrame:
 			uc.pool.drop(uc)
 			var unprocessed []*fstream
