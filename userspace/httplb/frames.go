@@ -210,6 +210,10 @@ func (ss *fsess) handleFrame(f http2.Frame, hb *hblock) error {
 	return ss.handle(f)
 }
 
+// goAwayLinger bounds how long a session that sent GOAWAY and has no stream
+// left reads on after its FIN, waiting for the client to close (maybeCloseLocked).
+const goAwayLinger = time.Second
+
 // maxWindow is the largest flow-control window HTTP/2 allows (RFC 9113 6.9.1).
 const maxWindow = 1<<31 - 1
 
@@ -1149,9 +1153,16 @@ func (ss *fsess) maybeCloseLocked() {
 		ss.idle.Stop()
 		// Not under mu, which a backend connection's reader may be waiting
 		// for: CloseWrite waits (up to drainWait) for the GOAWAY to go out.
+		// The reader then reads on (refusing any new stream) until the client
+		// closes too or goAwayLinger passes: a socket closed with the client's
+		// late frames unread answers them with a reset, and a client whose
+		// write fails on it (Go's does) fails every request it has in flight
+		// on that connection, even those the GOAWAY told it to send again.
 		// Exits once the connection is closed.
 		go func() {
 			ss.conn.CloseWrite()
+			ss.conn.SetReadDeadline(time.Now().Add(goAwayLinger))
+			<-ss.done
 			ss.conn.Close()
 		}()
 	}

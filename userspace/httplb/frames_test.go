@@ -625,3 +625,66 @@ func badSettingsBackend(conn net.Conn, first func(*http2.Framer), goaway chan<- 
 		}
 	}
 }
+
+// TestFramesGoAwayLingers: at shutdown an HTTP/2 client gets GOAWAY, its
+// stream in flight its answer, a stream it opened late (before it had read the
+// GOAWAY) REFUSED_STREAM, then weir's FIN; and frames the client still sends
+// after that are read and dropped, not answered with a reset, which would fail
+// a client's write and with it (Go's client) every request it had in flight on
+// the connection. The session ends when the client closes.
+func TestFramesGoAwayLingers(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	bs[0].Delay.Store(int64(100 * time.Millisecond))
+	sv := serveStoppable(t, Config{}, backendSet(bs))
+	addr := sv.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true})
+	waitfor.Value(t, 5*time.Second, "the request in flight", func() (any, bool) {
+		n := sv.Snapshot().InFlight
+		return n, n == 1
+	})
+	sv.stop()
+	lateSent, refused, answered := false, false, false
+	for {
+		f, err := fr.ReadFrame()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatalf("read: %v; want the answer, then EOF", err)
+		}
+		switch f := f.(type) {
+		case *http2.GoAwayFrame:
+			if f.LastStreamID != 1 || f.ErrCode != http2.ErrCodeNo {
+				t.Errorf("GOAWAY last stream %d %v; want 1 NO_ERROR", f.LastStreamID, f.ErrCode)
+			}
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true})
+			lateSent = true
+		case *http2.RSTStreamFrame:
+			refused = f.StreamID == 3 && f.ErrCode == http2.ErrCodeRefusedStream
+		case *http2.DataFrame:
+			answered = answered || f.StreamID == 1 && f.StreamEnded()
+		case *http2.HeadersFrame:
+			answered = answered || f.StreamID == 1 && f.StreamEnded()
+		}
+	}
+	if !lateSent || !refused || !answered {
+		t.Fatalf("GOAWAY seen %v, stream 3 refused %v, stream 1 answered %v; want all", lateSent, refused, answered)
+	}
+	// Past weir's FIN: a client that has not seen it yet still writes. With
+	// the socket closed under them the first write would draw a reset and a
+	// later one fail.
+	for i := range 20 {
+		if err := fr.WritePing(false, [8]byte{byte(i)}); err != nil {
+			t.Fatalf("write %d after weir's FIN: %v; want the frames read and dropped", i, err)
+		}
+		time.Sleep(5 * time.Millisecond) // each write its own segment, and time for a reset to come back
+	}
+	conn.Close()
+	select {
+	case <-sv.done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Serve still running 5 s after the client closed")
+	}
+}
