@@ -157,6 +157,13 @@ type Service struct {
 	loops   atomic.Pointer[[]*loop] // while serving
 	killAll atomic.Bool             // shutdown deadline passed: close new arrivals at once
 
+	// drainMu is held (read) by a drain timer while it runs, and taken by
+	// Serve at its end to set served: a timer that has fired cannot be stopped,
+	// and one running after Serve has returned would close and log for a
+	// service that is gone.
+	drainMu sync.RWMutex
+	served  bool
+
 	wg      sync.WaitGroup // connections being handled
 	serving atomic.Bool
 	closed  atomic.Bool
@@ -467,6 +474,9 @@ func (s *Service) Serve(ctx context.Context) error {
 		}
 	}
 	s.mu.Unlock()
+	s.drainMu.Lock()
+	s.served = true
+	s.drainMu.Unlock()
 	return err
 }
 
@@ -610,6 +620,11 @@ func (s *Service) startDrain(b *backend) {
 		return
 	}
 	b.timer = time.AfterFunc(s.cfg.DrainTimeout, func() {
+		s.drainMu.RLock()
+		defer s.drainMu.RUnlock()
+		if s.served {
+			return
+		}
 		if n := s.killConns(b); n > 0 {
 			s.log.Info("drain timeout: closed connections", "backend", b.addr, "closed", n)
 		}
