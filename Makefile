@@ -68,10 +68,13 @@ test: deps check-generated lint
 # from 16 goroutines at once. The agent's other end-to-end tests stay out: one samples
 # a slow-start ramp by the clock, and under the detector's slowdown it took too few
 # samples to see the steps (balance's other tests run on one goroutine; its property
-# tests take minutes under the detector).
+# tests take minutes under the detector). The http plane's TestLatencyAware stays out
+# too: it holds shares and p90s to bounds that the detector's slowdown, added to every
+# backend's latency alike, blurs (ewma gave the slow backend 0.105 and 0.113 of the
+# requests against its 0.1 in two CI runs); the plain run above holds it.
 race:
 	$(GO) test -count=1 -race -run 'TestLoopRace|TestReconcile|TestAgentRestartKeepsFlows' ./userspace/agent/
-	$(GO) test -count=1 -race ./userspace/agent/api/ ./userspace/agent/bgp/ ./userspace/agent/httpplane/ \
+	$(GO) test -count=1 -race -skip '^TestLatencyAware$$' ./userspace/agent/api/ ./userspace/agent/bgp/ ./userspace/agent/httpplane/ \
 		./userspace/agent/plan/ ./userspace/agent/proxyplane/ ./userspace/agent/served/ ./userspace/agent/xdpplane/ \
 		./health/ ./userspace/proxy/ ./userspace/httplb/
 	$(GO) test -count=1 -race -run 'TestConcurrent' ./userspace/balance/
