@@ -29,20 +29,11 @@ import (
 //	go test -run '^$' -fuzz FuzzClientFrames -fuzztime 2m ./userspace/httplb/
 func FuzzClientFrames(f *testing.F) {
 	seed := func(build func(fr *http2.Framer, block func(method, path string, extra ...string) []byte)) []byte {
-		var wire, hb bytes.Buffer
-		enc := hpack.NewEncoder(&hb)
-		block := func(method, path string, extra ...string) []byte {
-			hb.Reset()
-			fields := append([]string{":method", method, ":scheme", "http", ":authority", "x", ":path", path}, extra...)
-			for i := 0; i+1 < len(fields); i += 2 {
-				enc.WriteField(hpack.HeaderField{Name: fields[i], Value: fields[i+1]})
-			}
-			return bytes.Clone(hb.Bytes())
-		}
-		fr := http2.NewFramer(&wire, nil)
-		fr.AllowIllegalWrites = true
-		build(fr, block)
-		return wire.Bytes()
+		return frameSeed(func(fr *http2.Framer, fields func(...string) []byte) {
+			build(fr, func(method, path string, extra ...string) []byte {
+				return fields(append([]string{":method", method, ":scheme", "http", ":authority", "x", ":path", path}, extra...)...)
+			})
+		})
 	}
 	f.Add(seed(func(fr *http2.Framer, b func(string, string, ...string) []byte) {
 		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: b("GET", "/?size=1000"), EndHeaders: true, EndStream: true})
@@ -116,23 +107,11 @@ func trailerBlock() []byte {
 //	go test -run '^$' -fuzz FuzzBackendFrames -fuzztime 2m ./userspace/httplb/
 func FuzzBackendFrames(f *testing.F) {
 	seed := func(post bool, build func(fr *http2.Framer, block func(fields ...string) []byte)) []byte {
-		var wire, hb bytes.Buffer
-		enc := hpack.NewEncoder(&hb)
-		block := func(fields ...string) []byte {
-			hb.Reset()
-			for i := 0; i+1 < len(fields); i += 2 {
-				enc.WriteField(hpack.HeaderField{Name: fields[i], Value: fields[i+1]})
-			}
-			return bytes.Clone(hb.Bytes())
-		}
-		fr := http2.NewFramer(&wire, nil)
-		fr.AllowIllegalWrites = true
-		build(fr, block)
 		first := byte(0)
 		if post {
 			first = 1
 		}
-		return append([]byte{first}, wire.Bytes()...)
+		return append([]byte{first}, frameSeed(build)...)
 	}
 	ok := func(fr *http2.Framer, b func(...string) []byte) {
 		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: b(":status", "200", "x-a", "1"), EndHeaders: true})
@@ -170,35 +149,20 @@ func FuzzBackendFrames(f *testing.F) {
 
 	var answer atomic.Pointer[[]byte]
 	var open atomic.Int64 // the backend's connections weir has not closed yet
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		f.Fatal(err)
-	}
-	f.Cleanup(func() { ln.Close() })
-	// Exits when the listener closes at cleanup.
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			open.Add(1)
-			go func() {
-				defer open.Add(-1)
-				defer c.Close()
-				preface := make([]byte, len(http2.ClientPreface))
-				if _, err := io.ReadFull(c, preface); err != nil {
-					return
-				}
-				http2.NewFramer(c, nil).WriteSettings()
-				c.Write(*answer.Load())
-				c.(*net.TCPConn).CloseWrite()
-				c.SetReadDeadline(time.Now().Add(10 * time.Second))
-				io.Copy(io.Discard, c) // until weir closes its side
-			}()
+	addr := rawBackend(f, func(c net.Conn) {
+		open.Add(1)
+		defer open.Add(-1)
+		preface := make([]byte, len(http2.ClientPreface))
+		if _, err := io.ReadFull(c, preface); err != nil {
+			return
 		}
-	}()
-	be := Backend{Addr: ln.Addr().(*net.TCPAddr).AddrPort(), Weight: 1, Usable: true}
+		http2.NewFramer(c, nil).WriteSettings()
+		c.Write(*answer.Load())
+		c.(*net.TCPConn).CloseWrite()
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		io.Copy(io.Discard, c) // until weir closes its side
+	})
+	be := Backend{Addr: addr, Weight: 1, Usable: true}
 	s := serveOn(f, Config{}, []Backend{be})
 	client := h2cClient()
 	client.Timeout = 5 * time.Second
@@ -235,4 +199,23 @@ func FuzzBackendFrames(f *testing.F) {
 			t.Fatalf("the frame engine panicked (%d connections)", n)
 		}
 	})
+}
+
+// frameSeed is the frames build writes, with block giving the HPACK block of
+// name, value, ... from one encoder (its dynamic table shared, as on a
+// connection).
+func frameSeed(build func(fr *http2.Framer, block func(fields ...string) []byte)) []byte {
+	var wire, hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	block := func(fields ...string) []byte {
+		hb.Reset()
+		for i := 0; i+1 < len(fields); i += 2 {
+			enc.WriteField(hpack.HeaderField{Name: fields[i], Value: fields[i+1]})
+		}
+		return bytes.Clone(hb.Bytes())
+	}
+	fr := http2.NewFramer(&wire, nil)
+	fr.AllowIllegalWrites = true
+	build(fr, block)
+	return wire.Bytes()
 }

@@ -546,23 +546,8 @@ func TestFramesBackendBadSettings(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			goaway := make(chan http2.ErrCode, 16)
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { ln.Close() })
-			// Exits when the listener closes at cleanup; each connection's
-			// goroutine when weir closes it.
-			go func() {
-				for {
-					conn, err := ln.Accept()
-					if err != nil {
-						return
-					}
-					go badSettingsBackend(conn, c.first, goaway)
-				}
-			}()
-			s := serveOn(t, Config{}, []Backend{{Addr: ln.Addr().(*net.TCPAddr).AddrPort(), Weight: 1, Usable: true}})
+			be := rawBackend(t, func(conn net.Conn) { badSettingsBackend(conn, c.first, goaway) })
+			s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 			client := h2cClient()
 			client.Timeout = 5 * time.Second
 			url := "http://" + s.Addr().String() + "/"
@@ -598,7 +583,6 @@ func TestFramesBackendBadSettings(t *testing.T) {
 // badSettingsBackend speaks HTTP/2 on conn: first sends what first writes, then
 // answers every request 200 "ok", and reports a GOAWAY's code.
 func badSettingsBackend(conn net.Conn, first func(*http2.Framer), goaway chan<- http2.ErrCode) {
-	defer conn.Close()
 	conn.SetDeadline(time.Now().Add(10 * time.Second))
 	preface := make([]byte, len(http2.ClientPreface))
 	if _, err := io.ReadFull(conn, preface); err != nil {
