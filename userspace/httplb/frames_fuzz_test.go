@@ -21,10 +21,14 @@ import (
 )
 
 // FuzzClientFrames sends arbitrary bytes after the HTTP/2 preface to the
-// frame engine, over a real socket, with a real backend behind it: whatever
-// comes, the engine must not panic (enginePanics stays 0). The seeds are
-// well-formed exchanges; the fuzzer's mutations make them malformed in every
-// way the framer lets through.
+// frame engine, over a real socket, with a real backend behind it. Whatever
+// comes, the engine must not panic (enginePanics stays 0), and once the client
+// has closed its connection nothing of it may be left: no session, no request
+// in flight, no backend lease held (a lease left behind would count against
+// its backend under least_request for good). A well-formed request on a new
+// connection must then still be answered. The seeds are well-formed
+// exchanges; the fuzzer's mutations make them malformed in every way the
+// framer lets through.
 //
 //	go test -run '^$' -fuzz FuzzClientFrames -fuzztime 2m ./userspace/httplb/
 func FuzzClientFrames(f *testing.F) {
@@ -72,6 +76,9 @@ func FuzzClientFrames(f *testing.F) {
 	go func() { done <- s.Serve(ctx) }()
 	f.Cleanup(func() { cancel(); <-done })
 	addr := s.Addr().String()
+	client := h2cClient()
+	client.Timeout = 5 * time.Second
+	url := "http://" + addr + "/"
 	f.Fuzz(func(t *testing.T, data []byte) {
 		conn, err := net.Dial("tcp", addr)
 		if err != nil {
@@ -84,9 +91,28 @@ func FuzzClientFrames(f *testing.F) {
 		// What weir answers, until it closes or it has had its time.
 		conn.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
 		io.Copy(io.Discard, conn)
+		conn.Close()
 		if n := enginePanics.Load(); n != 0 {
 			t.Fatalf("the frame engine panicked (%d connections)", n)
 		}
+		waitfor.Value(t, 5*time.Second, "no session, request or lease left of the closed connection", func() (any, bool) {
+			sn := s.Snapshot()
+			leases := int64(0)
+			for _, b := range sn.Backends {
+				leases += int64(b.InFlight)
+			}
+			return [3]int64{sn.Connections, sn.InFlight, leases}, sn.Connections == 0 && sn.InFlight == 0 && leases == 0
+		})
+		resp, err := client.Get(url)
+		if err != nil {
+			t.Fatalf("a well-formed request after the input: %v", err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("a well-formed request after the input: %s", resp.Status)
+		}
+		client.CloseIdleConnections()
 	})
 }
 
