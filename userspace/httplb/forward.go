@@ -102,7 +102,13 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		if try > 0 {
 			be.stats.retries.Add(1)
 		}
-		done, f := s.try(client, ctx, l, w, r, be, &lease, hdr, sc, body, retryable, try < l.cfg.Retries, start)
+		var done bool
+		var f failure
+		if sc == nil && r.Header["Upgrade"] != nil && l.cfg.Upstream != UpstreamH2C && upgradeProtocols(r) != nil {
+			done, f = s.tunnelTry(client, ctx, l, w, r, be, &lease, hdr, upgradeProtocols(r), retryable, start)
+		} else {
+			done, f = s.try(client, ctx, l, w, r, be, &lease, hdr, sc, body, retryable, try < l.cfg.Retries, start)
+		}
 		if done {
 			return
 		}
@@ -234,15 +240,7 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	if l.cfg.LastByte {
 		latency = lastByte
 	}
-	lease.Release(balance.Result{Latency: latency})
-	be.stats.count(resp.StatusCode)
-	s.stats.requests.Add(1)
-	if l.cfg.Observer != nil {
-		l.cfg.Observer.Request(be.addr, resp.StatusCode, time.Since(start))
-	}
-	if l.cfg.AccessLog {
-		s.logAnswered(r, be, resp.StatusCode, n, headerLatency, start, copyErr)
-	}
+	s.answered(l, r, be, lease, resp.StatusCode, n, latency, headerLatency, start, copyErr)
 	if copyErr != nil && client.Err() == nil {
 		// The backend broke off mid-body. The status line is gone; the client must
 		// see the answer is incomplete: a stream reset (HTTP/2) or a closed
@@ -251,6 +249,22 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 		panic(http.ErrAbortHandler)
 	}
 	return true, failure{}
+}
+
+// answered is the bookkeeping of a try whose answer has gone to the client:
+// the lease released with the latency sample, the counters, the Observer and
+// the access log line.
+func (s *Service) answered(l *live, r *http.Request, be *backend, lease *balance.Lease, status int, n int64, latency, headers time.Duration,
+	start time.Time, copyErr error) {
+	lease.Release(balance.Result{Latency: latency})
+	be.stats.count(status)
+	s.stats.requests.Add(1)
+	if l.cfg.Observer != nil {
+		l.cfg.Observer.Request(be.addr, status, time.Since(start))
+	}
+	if l.cfg.AccessLog {
+		s.logAnswered(r, be, status, n, headers, start, copyErr)
+	}
 }
 
 // logAnswered writes a forwarded request's access log line. A function of its

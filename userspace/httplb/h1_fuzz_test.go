@@ -51,6 +51,7 @@ func FuzzH1Requests(f *testing.F) {
 		"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nshort",
 		"CONNECT a:443 HTTP/1.1\r\nHost: a:443\r\n\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",
 		"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n\r\nGET / HTTP/1.1\r\nHost: [fe80::1%25eth0]:80\r\n\r\n",
+		"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: keep-alive, Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: k\r\n\r\nGET /after HTTP/1.1\r\nHost: a\r\n\r\n",
 	} {
 		f.Add([]byte(s))
 	}
@@ -279,6 +280,14 @@ func sameRequest(w wantReq, g recorded, backend string) string {
 	if w.complete && g.broken {
 		return "its body broke off"
 	}
+	// An upgrade (RFC 9110 7.8: HTTP/1.1, Connection naming upgrade, no body;
+	// h2c is weir's own) goes on with both fields, for the backend to switch.
+	up := r.Header["Upgrade"]
+	upgrade := r.ProtoAtLeast(1, 1) && len(up) > 0 && httpguts.HeaderValuesContainsToken(r.Header["Connection"], "upgrade") &&
+		!httpguts.HeaderValuesContainsToken(up, "h2c") && r.ContentLength == 0 && len(r.TransferEncoding) == 0
+	if upgrade && (!slices.Equal(g.header["Connection"], []string{"Upgrade"}) || !slices.Equal(g.header["Upgrade"], up)) {
+		return fmt.Sprintf("an upgrade to %q came with Connection %q and Upgrade %q", up, g.header["Connection"], g.header["Upgrade"])
+	}
 	want := endToEnd(r.Header)
 	for k, vv := range want {
 		if !slices.Equal(g.header[k], vv) {
@@ -304,6 +313,10 @@ func sameRequest(w wantReq, g recorded, backend string) string {
 				return fmt.Sprintf("Te %q from the client's %q", vv, r.Header["Te"])
 			}
 		case "Content-Length": // the writers' own framing, checked by the body
+		case "Connection", "Upgrade":
+			if !upgrade {
+				return fmt.Sprintf("header %s: %q, which the client did not send", k, vv)
+			}
 		default:
 			return fmt.Sprintf("header %s: %q, which the client did not send", k, vv)
 		}

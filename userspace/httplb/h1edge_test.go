@@ -127,41 +127,47 @@ func TestH1DrainTimeout(t *testing.T) {
 // gets read_header_timeout for its first request, as net/http's server gives it,
 // not the idle timeout, over cleartext and after a TLS handshake.
 func TestH1FirstRequestHeaderTimeout(t *testing.T) {
+	eachH1Front(t, func(t *testing.T, cfg Config) {
+		be, _, _ := heldBackend(t)
+		cfg.ReadHeaderTimeout, cfg.IdleTimeout = 100*time.Millisecond, 20*time.Second
+		withTLS := cfg.TLS != nil
+		s := serveOn(t, cfg, []Backend{{Addr: be, Weight: 1, Usable: true}})
+		var conn net.Conn
+		raw, _ := rawConn(t, s.Addr().String())
+		conn = raw
+		if withTLS {
+			tc := tls.Client(raw, &tls.Config{InsecureSkipVerify: true, NextProtos: []string{"http/1.1"}})
+			if err := tc.Handshake(); err != nil {
+				t.Fatal(err)
+			}
+			conn = tc
+		}
+		conn.SetReadDeadline(time.Now().Add(2 * time.Second))
+		start := time.Now()
+		n, err := conn.Read(make([]byte, 1))
+		if n != 0 || isTimeout(err) {
+			t.Errorf("connection with no request: read %d bytes (%v) after %v; want it closed within ReadHeaderTimeout (twice, with the sniff)",
+				n, err, time.Since(start).Round(time.Millisecond))
+		}
+	})
+}
+
+// eachH1Front runs f as a subtest for each HTTP/1.1 engine, over cleartext and
+// over TLS (cfg.TLS set, h2 and http/1.1 offered by ALPN).
+func eachH1Front(t *testing.T, f func(t *testing.T, cfg Config)) {
 	cert, err := tls.X509KeyPair(testCert, testKey)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, engine := range h1Engines {
 		for _, withTLS := range []bool{false, true} {
+			cfg := Config{NetHTTP1: engine == "net_http"}
 			name := engine + "/cleartext"
 			if withTLS {
 				name = engine + "/TLS"
+				cfg.TLS = &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}}
 			}
-			t.Run(name, func(t *testing.T) {
-				be, _, _ := heldBackend(t)
-				cfg := Config{NetHTTP1: engine == "net_http", ReadHeaderTimeout: 100 * time.Millisecond, IdleTimeout: 20 * time.Second}
-				if withTLS {
-					cfg.TLS = &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}}
-				}
-				s := serveOn(t, cfg, []Backend{{Addr: be, Weight: 1, Usable: true}})
-				var conn net.Conn
-				raw, _ := rawConn(t, s.Addr().String())
-				conn = raw
-				if withTLS {
-					tc := tls.Client(raw, &tls.Config{InsecureSkipVerify: true, NextProtos: []string{"http/1.1"}})
-					if err := tc.Handshake(); err != nil {
-						t.Fatal(err)
-					}
-					conn = tc
-				}
-				conn.SetReadDeadline(time.Now().Add(2 * time.Second))
-				start := time.Now()
-				n, err := conn.Read(make([]byte, 1))
-				if n != 0 || isTimeout(err) {
-					t.Errorf("connection with no request: read %d bytes (%v) after %v; want it closed within ReadHeaderTimeout (twice, with the sniff)",
-						n, err, time.Since(start).Round(time.Millisecond))
-				}
-			})
+			t.Run(name, func(t *testing.T) { f(t, cfg) })
 		}
 	}
 }

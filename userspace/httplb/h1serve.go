@@ -237,7 +237,7 @@ func (c *h1Session) forward(req *http.Request) (keep bool) {
 	ok = c.serveHTTP(w, req)
 	c.endWatch()
 	c.body = nil
-	if !ok {
+	if !ok || w.hijacked {
 		return false
 	}
 	if body != nil && !body.finish(s.cfg.ReadHeaderTimeout) {
@@ -611,6 +611,7 @@ type h1Writer struct {
 	committed  bool // the status line and headers are in the buffer
 	chunked    bool
 	closeAfter bool
+	hijacked   bool  // the connection went to a tunnel (tunnel.go)
 	head       bool  // a HEAD request: no body goes out
 	noBody     bool  // a status without a body (1xx, 204, 304)
 	length     int64 // the Content-Length sent; -1 none
@@ -625,7 +626,7 @@ func (w *h1Writer) reset(req *http.Request) {
 	w.header = w.own
 	w.req = req
 	w.status = 0
-	w.committed, w.chunked, w.closeAfter = false, false, false
+	w.committed, w.chunked, w.closeAfter, w.hijacked = false, false, false, false
 	w.head = req.Method == http.MethodHead
 	w.noBody = false
 	w.length = -1
@@ -888,6 +889,25 @@ func (w *h1Writer) writeContinue() bool {
 	}
 	w.c.bw.WriteString("HTTP/1.1 100 Continue\r\n\r\n")
 	return w.c.bw.Flush() == nil
+}
+
+// Hijack hands the connection to a tunnel (an upgrade its backend accepted),
+// from inside the handler: the watch stops, the reader keeps what it has read
+// ahead, and nothing more of the answer is framed. The handler owns the
+// connection until it returns; the loop then closes it.
+func (w *h1Writer) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	c := w.c
+	if w.committed {
+		return nil, nil, errors.New("httplb: an answer has begun on this connection")
+	}
+	c.endWatch()
+	w.hijacked = true
+	if n := len(c.in.pending); n > 0 {
+		// The watch's byte goes into the reader, whose buffered bytes are all
+		// the caller looks at before reading the connection.
+		c.br.Peek(c.br.Buffered() + n)
+	}
+	return c.conn, bufio.NewReadWriter(c.br, c.bw), nil
 }
 
 // writeField writes one header field; a line break in a value (which no parser

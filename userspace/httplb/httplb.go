@@ -171,6 +171,10 @@ type Service struct {
 	fsessions map[*fsess]bool // the frame engine's client connections
 	fshut     bool
 
+	tunMu      sync.Mutex
+	tunnels    map[*tunnel]struct{} // upgraded connections joined to a backend (tunnel.go)
+	tunClosing bool
+
 	mu       sync.Mutex
 	backends map[string]*backend                 // by address; removed ones until idle
 	byID     atomic.Pointer[map[string]*backend] // backends as last published, read by requests
@@ -305,6 +309,7 @@ func (s *Service) Serve(ctx context.Context) error {
 	wg.Go(func() { s.upgraded.Shutdown(shutCtx) })
 	wg.Go(func() { s.shutdownFrames(shutCtx.Done()) })
 	wg.Go(func() { s.shutdownH1(shutCtx.Done()) })
+	wg.Go(func() { s.shutdownTunnels(shutCtx.Done()) })
 	err := s.srv.Shutdown(shutCtx)
 	wg.Wait()
 	if err != nil {
@@ -322,6 +327,7 @@ func (s *Service) Close() error {
 	s.ln.Close()
 	s.closeFrames()
 	s.closeH1()
+	s.shutdownTunnels(closedChan)
 	s.closeBackends()
 	return err
 }

@@ -1,0 +1,342 @@
+package httplb
+
+import (
+	"bufio"
+	"crypto/tls"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/net/websocket"
+
+	"github.com/weir-lb/weir/internal/waitfor"
+)
+
+// wsBackend is a WebSocket echo server (x/net/websocket, a real
+// implementation of RFC 6455) at /ws; it records the X-Forwarded-For its
+// handshakes carried, and answers plain requests elsewhere.
+func wsBackend(t *testing.T) (netip.AddrPort, *atomic.Value) {
+	t.Helper()
+	var xff atomic.Value
+	xff.Store("")
+	mux := http.NewServeMux()
+	mux.Handle("/ws", websocket.Handler(func(ws *websocket.Conn) {
+		xff.Store(ws.Request().Header.Get("X-Forwarded-For"))
+		io.Copy(ws, ws)
+	}))
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "plain") })
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mux}
+	// Exits when the server closes at cleanup.
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return netip.MustParseAddrPort(ln.Addr().String()), &xff
+}
+
+// TestUpgradeWebSocket: a WebSocket client (x/net/websocket) reaches a
+// WebSocket backend through the plane, over cleartext and TLS, through both
+// HTTP/1.1 engines: messages echo both ways, the tunnel counts as a request in
+// flight on its backend while it lasts, and when the client closes nothing is
+// left (goroutines, descriptors, leases).
+func TestUpgradeWebSocket(t *testing.T) {
+	eachH1Front(t, func(t *testing.T, cfg Config) {
+		be, xff := wsBackend(t)
+		cfg.XForwardedFor = true
+		scheme := "ws"
+		wcfg := &tls.Config{InsecureSkipVerify: true, NextProtos: []string{"http/1.1"}}
+		if cfg.TLS != nil {
+			scheme = "wss"
+		}
+		s := serveOn(t, cfg, []Backend{{Addr: be, Weight: 1, Usable: true}})
+		// A plain request first: the service's goroutines and its pooled
+		// upstream connection are then in the baseline.
+		plain := &http.Client{Transport: &http.Transport{TLSClientConfig: wcfg, DisableKeepAlives: true}, Timeout: 10 * time.Second}
+		url := strings.Replace(scheme, "ws", "http", 1) + "://" + s.Addr().String() + "/x"
+		if resp, body := get(t, plain, url); resp.StatusCode != 200 || body != "plain" {
+			t.Fatalf("plain request: %d %q", resp.StatusCode, body)
+		}
+		base := takeBaseline(t, s)
+
+		wc, err := websocket.NewConfig(scheme+"://"+s.Addr().String()+"/ws", "http://127.0.0.1/")
+		if err != nil {
+			t.Fatal(err)
+		}
+		wc.TlsConfig = wcfg
+		ws, err := websocket.DialConfig(wc)
+		if err != nil {
+			t.Fatalf("WebSocket handshake through the plane: %v", err)
+		}
+		for i := range 3 {
+			msg := fmt.Sprintf("message %d", i)
+			if err := websocket.Message.Send(ws, msg); err != nil {
+				t.Fatal(err)
+			}
+			var got string
+			ws.SetReadDeadline(time.Now().Add(5 * time.Second))
+			if err := websocket.Message.Receive(ws, &got); err != nil || got != msg {
+				t.Fatalf("echo %d: %q, %v; want %q", i, got, err, msg)
+			}
+		}
+		if got := xff.Load().(string); got != "127.0.0.1" {
+			t.Errorf("the backend's handshake carried X-Forwarded-For %q, want 127.0.0.1", got)
+		}
+		sn := s.Snapshot()
+		if sn.InFlight != 1 || sn.Backends[0].InFlight != 1 {
+			t.Errorf("with the tunnel open: %d requests in flight, %d on the backend; want 1 and 1", sn.InFlight, sn.Backends[0].InFlight)
+		}
+		ws.Close()
+		waitfor.Value(t, 5*time.Second, "the tunnel gone: nothing in flight", func() (any, bool) {
+			sn := s.Snapshot()
+			return [2]int64{sn.InFlight, int64(sn.Backends[0].InFlight)}, sn.InFlight == 0 && sn.Backends[0].InFlight == 0
+		})
+		base.waitBack(t, s)
+		if resp, body := get(t, plain, url); resp.StatusCode != 200 || body != "plain" {
+			t.Errorf("plain request after the tunnel: %d %q", resp.StatusCode, body)
+		}
+	})
+}
+
+// sendUpgrade connects to addr and asks to switch to proto, with ahead sent
+// right behind the request; it returns the connection and the answer.
+func sendUpgrade(t *testing.T, addr, proto, ahead string) (*net.TCPConn, *bufio.Reader, *http.Response) {
+	t.Helper()
+	conn, br := rawConn(t, addr)
+	io.WriteString(conn, "GET /t HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: "+proto+"\r\n\r\n"+ahead)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("answer to an upgrade to %s: %v", proto, err)
+	}
+	return conn.(*net.TCPConn), br, resp
+}
+
+// mustSwitch is sendUpgrade for an upgrade that must be accepted.
+func mustSwitch(t *testing.T, addr, proto, ahead string) (*net.TCPConn, *bufio.Reader, *http.Response) {
+	t.Helper()
+	conn, br, resp := sendUpgrade(t, addr, proto, ahead)
+	if resp.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("upgrade to %s answered %s", proto, resp.Status)
+	}
+	return conn, br, resp
+}
+
+// switchingBackend answers an upgrade to proto with 101 and hello right behind
+// it, then reads the client's bytes to their end and answers "got:" and them
+// before it closes. Any other request (or an upgrade to another protocol)
+// gets answer, as it is.
+func switchingBackend(t *testing.T, proto, hello, answer string) netip.AddrPort {
+	return rawBackend(t, func(c net.Conn) {
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		br := bufio.NewReader(c)
+		req, err := http.ReadRequest(br)
+		if err != nil {
+			return
+		}
+		if req.Header.Get("Upgrade") != proto || !strings.EqualFold(req.Header.Get("Connection"), "upgrade") {
+			io.WriteString(c, answer)
+			return
+		}
+		io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: "+proto+"\r\nX-B: 1\r\n\r\n"+hello)
+		got, _ := io.ReadAll(br)
+		io.WriteString(c, "got:"+string(got))
+	})
+}
+
+// TestUpgradeRaw: the tunnel's edges, on a protocol of the test's own through
+// both HTTP/1.1 engines. Bytes the client sends right behind its request and
+// bytes the backend sends right behind its 101 both arrive; the client's
+// half-close reaches the backend, whose answer after it still comes back; a
+// backend that declines answers the client as any answer; one that switches
+// to a protocol the client did not ask for gets a 502.
+func TestUpgradeRaw(t *testing.T) {
+	const declined = "HTTP/1.1 426 Upgrade Required\r\nContent-Length: 4\r\nConnection: close\r\n\r\nnope"
+	for _, engine := range h1Engines {
+		t.Run(engine+"/half-close and bytes ahead", func(t *testing.T) {
+			be := switchingBackend(t, "echo", "hello", declined)
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http"}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			conn, br, resp := mustSwitch(t, s.Addr().String(), "echo", "early,")
+			if resp.Header.Get("Upgrade") != "echo" || resp.Header.Get("X-B") != "1" || !strings.EqualFold(resp.Header.Get("Connection"), "upgrade") {
+				t.Errorf("101's header: %v", resp.Header)
+			}
+			hello := make([]byte, 5)
+			if _, err := io.ReadFull(br, hello); err != nil || string(hello) != "hello" {
+				t.Fatalf("the backend's bytes behind its 101: %q, %v", hello, err)
+			}
+			io.WriteString(conn, "late")
+			conn.CloseWrite()
+			rest, err := io.ReadAll(br)
+			if err != nil || string(rest) != "got:early,late" {
+				t.Errorf("after the client's half-close: %q, %v; want %q and EOF", rest, err, "got:early,late")
+			}
+			waitNoClients(t, s)
+		})
+		t.Run(engine+"/first backend refuses: the next one takes it", func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			dead := netip.MustParseAddrPort(ln.Addr().String())
+			ln.Close() // nothing listens there now: connections are refused
+			be := switchingBackend(t, "echo", "", declined)
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http", Algorithm: "round_robin", Retries: 1},
+				[]Backend{{Addr: dead, Weight: 1, Usable: true}, {Addr: be, Weight: 1, Usable: true}})
+			for i := range 2 { // one of the two picks starts at the dead backend
+				conn, br, _ := mustSwitch(t, s.Addr().String(), "echo", "x")
+				conn.CloseWrite()
+				if rest, err := io.ReadAll(br); err != nil || string(rest) != "got:x" {
+					t.Errorf("upgrade %d: %q, %v", i, rest, err)
+				}
+			}
+		})
+		t.Run(engine+"/declined", func(t *testing.T) {
+			be := switchingBackend(t, "echo", "", declined)
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http"}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			_, _, resp := sendUpgrade(t, s.Addr().String(), "other", "")
+			body, _ := io.ReadAll(resp.Body)
+			if resp.StatusCode != http.StatusUpgradeRequired || string(body) != "nope" {
+				t.Errorf("a declined upgrade: %d %q; want the backend's 426 %q", resp.StatusCode, body, "nope")
+			}
+		})
+		t.Run(engine+"/switched to another protocol", func(t *testing.T) {
+			be := rawBackend(t, func(c net.Conn) {
+				if _, err := http.ReadRequest(bufio.NewReader(c)); err == nil {
+					io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: other\r\n\r\n")
+				}
+			})
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http"}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			if _, _, resp := sendUpgrade(t, s.Addr().String(), "echo", ""); resp.StatusCode != http.StatusBadGateway {
+				t.Errorf("a switch to a protocol not asked for: %s; want 502", resp.Status)
+			}
+		})
+	}
+}
+
+// TestUpgradeIdleAndShutdown: a tunnel that moves no byte either way for the
+// idle timeout closes, one that moves bytes one way only does not; a service
+// that shuts down closes its tunnels once the drain time is up and returns.
+func TestUpgradeIdleAndShutdown(t *testing.T) {
+	const idle = 300 * time.Millisecond
+	ticks := make(chan int, 1)
+	be := rawBackend(t, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		req, err := http.ReadRequest(br)
+		if err != nil {
+			return
+		}
+		io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: "+req.Header.Get("Upgrade")+"\r\n\r\n")
+		if req.Header.Get("Upgrade") == "ticker" {
+			// One byte every idle/3, for three idle timeouts: the tunnel moves
+			// bytes one way only and must stay up.
+			for i := range 9 {
+				time.Sleep(idle / 3)
+				if _, err := c.Write([]byte{'0' + byte(i)}); err != nil {
+					ticks <- i
+					return
+				}
+			}
+			ticks <- 9
+		}
+		io.Copy(io.Discard, br) // until the plane closes the connection
+	})
+	for _, engine := range h1Engines {
+		t.Run(engine, func(t *testing.T) {
+			sv := serveStoppable(t, Config{NetHTTP1: engine == "net_http", IdleTimeout: idle, DrainTimeout: 200 * time.Millisecond},
+				[]Backend{{Addr: be, Weight: 1, Usable: true}})
+			// Silent: closed after about the idle timeout.
+			_, br, _ := mustSwitch(t, sv.Addr().String(), "silent", "")
+			start := time.Now()
+			if n, err := io.Copy(io.Discard, br); n != 0 || err != nil {
+				t.Errorf("silent tunnel: read %d bytes, %v; want EOF", n, err)
+			}
+			if d := time.Since(start); d < idle || d > 10*idle {
+				t.Errorf("silent tunnel closed after %v; want about %v", d, idle)
+			}
+			// Bytes one way only: up for all nine.
+			_, br, _ = mustSwitch(t, sv.Addr().String(), "ticker", "")
+			got, _ := io.ReadAll(br)
+			if string(got) != "012345678" {
+				t.Errorf("one-way tunnel delivered %q before it closed; want all of 012345678", got)
+			}
+			if i := <-ticks; i != 9 {
+				t.Errorf("the one-way tunnel closed after %d of 9 bytes", i)
+			}
+			// Shutdown with a tunnel open: closed when the drain time is up.
+			conn, br, _ := mustSwitch(t, sv.Addr().String(), "held", "")
+			conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+			go func() {
+				// Keeps the tunnel busy, so only the shutdown can end it.
+				for range 50 {
+					if _, err := conn.Write([]byte("x")); err != nil {
+						return
+					}
+					time.Sleep(idle / 4)
+				}
+			}()
+			start = time.Now()
+			sv.stop()
+			select {
+			case <-sv.done:
+			case <-time.After(5 * time.Second):
+				t.Fatal("Serve did not return with a tunnel open")
+			}
+			if _, err := io.Copy(io.Discard, br); err != nil && !isTimeout(err) {
+				t.Logf("tunnel at shutdown: %v", err)
+			}
+			if d := time.Since(start); d > 4*time.Second {
+				t.Errorf("the tunnel outlived the shutdown by %v", d)
+			}
+		})
+	}
+}
+
+// TestUpgradeBackendDies: a backend that dies under one tunnel ends that
+// tunnel only; another tunnel on another backend carries on.
+func TestUpgradeBackendDies(t *testing.T) {
+	kill := make(chan struct{})
+	dying := rawBackend(t, func(c net.Conn) {
+		if _, err := http.ReadRequest(bufio.NewReader(c)); err != nil {
+			return
+		}
+		io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+		<-kill
+		c.(*net.TCPConn).SetLinger(0) // a reset, as from a process that died
+	})
+	live := switchingBackend(t, "echo", "", "")
+	s := serveOn(t, Config{Algorithm: "round_robin"}, []Backend{{Addr: dying, Weight: 1, Usable: true}, {Addr: live, Weight: 1, Usable: true}})
+	var conns [2]*net.TCPConn
+	var readers [2]*bufio.Reader
+	for i := range conns {
+		conns[i], readers[i], _ = mustSwitch(t, s.Addr().String(), "echo", "")
+	}
+	close(kill)
+	// One of the two is on the dying backend: it ends; the other answers.
+	var ended, alive int
+	for i, c := range conns {
+		c.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		if _, err := readers[i].ReadByte(); err == nil {
+			t.Fatalf("tunnel %d: a byte from nowhere", i)
+		} else if isTimeout(err) {
+			alive++
+			c.SetReadDeadline(time.Now().Add(5 * time.Second))
+			io.WriteString(c, "still here")
+			c.CloseWrite()
+			if rest, err := io.ReadAll(readers[i]); err != nil || string(rest) != "got:still here" {
+				t.Errorf("the other tunnel after the backend died: %q, %v", rest, err)
+			}
+		} else {
+			ended++
+		}
+	}
+	if ended != 1 || alive != 1 {
+		t.Errorf("%d tunnels ended and %d lived on; want 1 and 1", ended, alive)
+	}
+	waitNoClients(t, s)
+}
