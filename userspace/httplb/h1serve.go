@@ -902,6 +902,9 @@ func (w *h1Writer) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 	}
 	c.endWatch()
 	w.hijacked = true
+	// The request's header deadline is still on the connection: the caller
+	// sets its own, as net/http's Hijack leaves it to do.
+	c.conn.SetDeadline(time.Time{})
 	if n := len(c.in.pending); n > 0 {
 		// The watch's byte goes into the reader, whose buffered bytes are all
 		// the caller looks at before reading the connection.

@@ -81,6 +81,8 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 		}
 		return failed(ConnectFailure, &dialError{err})
 	}
+	bc = rawConnOf(bc) // raw reads and writes, as the HTTP/1.1 loop's sockets
+
 	// The request and the wait for its answer end with the try's context.
 	stop := context.AfterFunc(tctx, func() { bc.SetDeadline(aLongTimeAgo) })
 	out := &http.Request{Method: r.Method, URL: r.URL, Host: r.Host, Header: hdr, Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: 1}
@@ -209,17 +211,26 @@ var errTunnelIdle = errors.New("tunnel idle")
 // tunnel is a client connection joined to a backend's after a switch of
 // protocols.
 type tunnel struct {
-	c, b  net.Conn
-	idle  time.Duration
-	last  atomic.Int64 // unix nanoseconds of the last bytes moved
-	once  sync.Once
-	ended atomic.Bool
-	done  chan struct{}
+	c, b   net.Conn
+	idle   time.Duration
+	moved  atomic.Bool // bytes moved since the idle timer last looked
+	misses int         // looks in a row that found none (the timer's own)
+	timer  *time.Timer
+	once   sync.Once
+	ended  atomic.Bool
+	idled  atomic.Bool // ended by the idle timer
+	done   chan struct{}
 }
 
 func (s *Service) newTunnel(c, b net.Conn, idle time.Duration) *tunnel {
 	t := &tunnel{c: c, b: b, idle: idle, done: make(chan struct{})}
-	t.last.Store(time.Now().UnixNano())
+	if idle > 0 {
+		// One timer for both directions, looking every idle/2 whether bytes
+		// moved (a deadline per read would reset a runtime timer per message);
+		// two looks in a row that find none end the tunnel: idle to 1.5×idle
+		// after its last byte.
+		t.timer = time.AfterFunc(idle/2, t.checkIdle)
+	}
 	s.tunMu.Lock()
 	if s.tunnels == nil {
 		s.tunnels = map[*tunnel]struct{}{}
@@ -268,10 +279,28 @@ func (s *Service) shutdownTunnels(deadline <-chan struct{}) {
 // closedChan is a deadline already past.
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
+// checkIdle ends the tunnel if no byte moved since it last looked.
+func (t *tunnel) checkIdle() {
+	if t.ended.Load() {
+		return
+	}
+	if t.moved.Swap(false) {
+		t.misses = 0
+	} else if t.misses++; t.misses == 2 {
+		t.idled.Store(true)
+		t.abort()
+		return
+	}
+	t.timer.Reset(t.idle / 2)
+}
+
 // abort ends the tunnel now: both connections close.
 func (t *tunnel) abort() {
 	t.once.Do(func() {
 		t.ended.Store(true)
+		if t.timer != nil {
+			t.timer.Stop()
+		}
 		t.c.Close()
 		t.b.Close()
 	})
@@ -304,20 +333,19 @@ func (t *tunnel) run(ahead []byte) (up, down int64, err error) {
 	return up, down, err
 }
 
-// pipe copies from src to dst until src ends. A clean
-// end half-closes dst; an error or the idle timeout aborts the tunnel.
+// pipe copies from src to dst until src ends. A clean end half-closes dst; an
+// error aborts the tunnel.
 func (t *tunnel) pipe(dst, src net.Conn) (int64, error) {
 	bp := bufPool.Get().(*[]byte)
 	defer bufPool.Put(bp)
 	buf := *bp
 	var n int64
 	for {
-		if t.idle > 0 {
-			src.SetReadDeadline(time.Now().Add(t.idle))
-		}
 		k, err := src.Read(buf)
 		if k > 0 {
-			t.last.Store(time.Now().UnixNano())
+			if !t.moved.Load() {
+				t.moved.Store(true) // a load first: no cache line written per message
+			}
 			if _, werr := dst.Write(buf[:k]); werr != nil {
 				t.abort()
 				return n, werr
@@ -333,15 +361,13 @@ func (t *tunnel) pipe(dst, src net.Conn) (int64, error) {
 			}
 			t.abort()
 			return n, nil
-		case isTimeout(err) && !t.ended.Load():
-			if time.Since(time.Unix(0, t.last.Load())) < t.idle {
-				continue // the other direction moved bytes meanwhile
-			}
-			t.abort()
-			return n, errTunnelIdle
 		}
+		ended := t.ended.Load()
 		t.abort()
-		if t.ended.Load() {
+		switch {
+		case t.idled.Load():
+			return n, errTunnelIdle
+		case ended:
 			return n, nil
 		}
 		return n, err

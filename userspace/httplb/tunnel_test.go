@@ -248,7 +248,9 @@ func TestUpgradeIdleAndShutdown(t *testing.T) {
 	})
 	for _, engine := range h1Engines {
 		t.Run(engine, func(t *testing.T) {
-			sv := serveStoppable(t, Config{NetHTTP1: engine == "net_http", IdleTimeout: idle, DrainTimeout: 200 * time.Millisecond},
+			// A header timeout shorter than the tunnels: the request's deadline
+			// must not outlive the switch.
+			sv := serveStoppable(t, Config{NetHTTP1: engine == "net_http", IdleTimeout: idle, ReadHeaderTimeout: idle / 2, DrainTimeout: 200 * time.Millisecond},
 				[]Backend{{Addr: be, Weight: 1, Usable: true}})
 			// Silent: closed after about the idle timeout.
 			_, br, _ := mustSwitch(t, sv.Addr().String(), "silent", "")
