@@ -7,8 +7,9 @@
 //
 // Per target it measures HTTP/1.1 keep-alive requests/s (h2load --h1, 50
 // connections, -n requests), HTTP/2 multiplexed requests/s (h2load, 4
-// connections × 64 streams, -n requests), gRPC unary calls/s (grpc-go, 4 channels × 32 calls in flight), the
-// p50 and p99 of each (from h2load's per-request log and the gRPC client's own
+// connections × 64 streams, -n requests), gRPC unary calls/s (grpc-go, 4 channels × 32 calls in flight),
+// WebSocket messages echoed/s (x/net/websocket, 50 connections, one 64-byte
+// message at a time on each, for -d), the p50 and p99 of each (from h2load's per-request log and the gRPC client's own
 // timings), the target's CPU time per request (from /proc; for HTTP/1.1 also its
 // kernel share, and its system calls per request from perf stat), and its RSS with
 // 1,000 idle HTTP/2 client connections open, and with 1,000 idle HTTP/1.1
@@ -53,6 +54,7 @@ import (
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
+	"golang.org/x/net/websocket"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
@@ -76,7 +78,7 @@ var (
 	threads  = flag.Int("threads", 2, "threads or workers of every target (GOMAXPROCS for weir)")
 	variants = flag.String("variants", "", `more weir targets, each with settings of its own, interleaved with the rest: "name:KEY=V,KEY=V;name2:..." with keys GOGC, GOMEMLIMIT, GOMAXPROCS (the runtime's; GOMAXPROCS overrides -threads), H2CONNS (upstream HTTP/2 connections per backend), UPSTREAM (auto, http1, h2c; of the HTTP/1.1 and h2 fronts, not gRPC's), NETHTTP2 (1: HTTP/2 clients through net/http's server and transport, not the frame engine), NETHTTP1 (1: HTTP/1.1 clients through net/http's server, not weir's connection loop) and BIN (another build of this program to run weir from, e.g. main's, for a before/after)`)
 	pprof    = flag.String("pprof", "", "serve weir's net/http/pprof on this address (for a profile: go tool pprof http://ADDR/debug/pprof/profile)")
-	loads    = flag.String("loads", "h1,h2,grpc,idle,idle1", "the loads to run, of h1, h2, grpc, idle (HTTP/2 connections held) and idle1 (HTTP/1.1 connections held); an A/B of one path runs only its load, and so more rounds in the same time")
+	loads    = flag.String("loads", "h1,h2,grpc,ws,idle,idle1", "the loads to run, of h1, h2, grpc, ws (WebSocket echoes), idle (HTTP/2 connections held) and idle1 (HTTP/1.1 connections held); an A/B of one path runs only its load, and so more rounds in the same time")
 )
 
 // Loopback ports.
@@ -172,6 +174,8 @@ type result struct {
 	H1CPU, H2CPU, GRPCCPU     float64 // µs of the target's CPU per request
 	H1SysCPU                  float64 // of H1CPU, µs in the kernel
 	H1Syscalls                float64 // system calls per HTTP/1.1 request
+	WSRPS, WSP50, WSP99       float64 // WebSocket messages echoed /s, round trip ms
+	WSCPU                     float64 // µs of the target's CPU per message echoed
 	IdleRSS                   float64 // MB with -idle h2 connections open
 	IdleConnKB                float64 // KB per idle h2 connection
 	Idle1RSS, Idle1ConnKB     float64 // the same for HTTP/1.1 keep-alive connections
@@ -293,6 +297,14 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 			return res, err
 		}
 		res.GRPCRPS, res.GRPCP50, res.GRPCP99, res.GRPCCPU = g.rps, g.p50, g.p99, perReq(p.CPU()-cpu, g.n)
+	}
+	if slices.Contains(want, "ws") {
+		cpu := p.CPU()
+		w, err := wsLoad(ctx, frontH1, 50, *duration)
+		if err != nil {
+			return res, err
+		}
+		res.WSRPS, res.WSP50, res.WSP99, res.WSCPU = w.rps, w.p50, w.p99, perReq(p.CPU()-cpu, w.n)
 	}
 	// RSS with -idle connections open, then with twice as many: the second batch's
 	// growth is what an idle connection costs. Against the RSS right after the
@@ -440,6 +452,59 @@ func grpcLoad(ctx context.Context, addr string, channels, inflight int, d time.D
 	return load{n: len(lat), rps: float64(len(lat)) / d.Seconds(), p50: pct(lat, 0.5), p99: pct(lat, 0.99)}, nil
 }
 
+// wsLoad opens conns WebSocket connections to addr's /ws (x/net/websocket, the
+// backends echo) and on each sends a 64-byte message and waits for its echo, over
+// and over, for d; it returns messages echoed per second and their round trips.
+func wsLoad(ctx context.Context, addr string, conns int, d time.Duration) (load, error) {
+	var wss []*websocket.Conn
+	defer func() {
+		for _, ws := range wss {
+			ws.Close()
+		}
+	}()
+	for range conns {
+		ws, err := websocket.Dial("ws://"+addr+"/ws", "", "http://"+addr+"/")
+		if err != nil {
+			return load{}, fmt.Errorf("websocket: %w", err)
+		}
+		wss = append(wss, ws)
+	}
+	end := time.Now().Add(d)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var lat []float64
+	var firstErr atomic.Value
+	msg := strings.Repeat("m", 64)
+	for _, ws := range wss {
+		// Exits after d, when ctx is done, or on the connection's first error.
+		wg.Go(func() {
+			var mine []float64
+			var got string
+			for ctx.Err() == nil && time.Now().Before(end) {
+				t0 := time.Now()
+				ws.SetDeadline(t0.Add(10 * time.Second))
+				if err := websocket.Message.Send(ws, msg); err != nil {
+					firstErr.CompareAndSwap(nil, err)
+					break
+				}
+				if err := websocket.Message.Receive(ws, &got); err != nil || got != msg {
+					firstErr.CompareAndSwap(nil, fmt.Errorf("echo %q: %v", got, err))
+					break
+				}
+				mine = append(mine, float64(time.Since(t0).Microseconds())/1000)
+			}
+			mu.Lock()
+			lat = append(lat, mine...)
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	if err := firstErr.Load(); err != nil && ctx.Err() == nil {
+		return load{}, fmt.Errorf("websocket: %v", err)
+	}
+	return load{n: len(lat), rps: float64(len(lat)) / d.Seconds(), p50: pct(lat, 0.5), p99: pct(lat, 0.99)}, nil
+}
+
 // holdIdle opens -idle more HTTP/2 connections to addr, each having answered one
 // request, adds them to cs, and returns p's RSS (MB) a second later.
 // holdIdle opens -idle connections to addr, each making one request with
@@ -564,7 +629,11 @@ http {
   # proxy_pass locations set theirs: one proxy_set_header there drops the inherited).
   grpc_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
   grpc_set_header X-Forwarded-Proto $scheme;
-  server { listen %s; location / { proxy_pass http://h1; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for; proxy_set_header X-Forwarded-Proto $scheme; } }
+  server { listen %s;
+    location / { proxy_pass http://h1; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for; proxy_set_header X-Forwarded-Proto $scheme; }
+    # nginx passes an upgrade on only when told to (HAProxy, Caddy and weir do it by default).
+    location /ws { proxy_pass http://h1; proxy_http_version 1.1; proxy_set_header Upgrade $http_upgrade; proxy_set_header Connection "upgrade"; proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for; proxy_set_header X-Forwarded-Proto $scheme; proxy_read_timeout 60s; }
+  }
   server { listen %s http2; location / { proxy_pass http://h1; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for; proxy_set_header X-Forwarded-Proto $scheme; } }
   server { listen %s http2; location / { grpc_pass grpc://g; } }
 }
@@ -645,6 +714,10 @@ func report(targets []target, results map[string][]result) error {
 		{"gRPC p50 ms", func(r result) float64 { return r.GRPCP50 }},
 		{"gRPC p99 ms", func(r result) float64 { return r.GRPCP99 }},
 		{"gRPC CPU µs/call", func(r result) float64 { return r.GRPCCPU }},
+		{"WebSocket msgs/s", func(r result) float64 { return r.WSRPS }},
+		{"WebSocket p50 ms", func(r result) float64 { return r.WSP50 }},
+		{"WebSocket p99 ms", func(r result) float64 { return r.WSP99 }},
+		{"WebSocket CPU µs/msg", func(r result) float64 { return r.WSCPU }},
 		{"RSS MB, idle h2 conns", func(r result) float64 { return r.IdleRSS }},
 		{"KB per idle h2 conn", func(r result) float64 { return r.IdleConnKB }},
 		{"RSS MB, idle h1 conns", func(r result) float64 { return r.Idle1RSS }},

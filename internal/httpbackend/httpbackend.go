@@ -1,8 +1,9 @@
 // Package httpbackend is a real HTTP/1.1, HTTP/2 cleartext and gRPC backend for
-// the http data plane's tests and benchmark: it answers with its own name, so a
-// test can tell which backend served a request, can be made slower or to answer
-// an error status, and can be killed (every connection closed at once) and
-// started again on the same address. Tests and bench only.
+// the http data plane's tests and benchmark, with a WebSocket echo at /ws: it
+// answers with its own name, so a test can tell which backend served a
+// request, can be made slower or to answer an error status, and can be killed
+// (every connection closed at once) and started again on the same address.
+// Tests and bench only.
 package httpbackend
 
 import (
@@ -19,10 +20,14 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/net/websocket"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 )
+
+// wsEcho echoes every WebSocket message back (x/net/websocket: RFC 6455).
+var wsEcho = websocket.Handler(func(ws *websocket.Conn) { io.Copy(ws, ws) })
 
 // Backend is one running backend.
 type Backend struct {
@@ -122,6 +127,10 @@ func (b *Backend) handler(gs *grpc.Server) http.Handler {
 			return
 		}
 		b.Hits.Add(1)
+		if r.URL.Path == "/ws" && r.Header.Get("Upgrade") != "" {
+			wsEcho.ServeHTTP(w, r)
+			return
+		}
 		got, _ := io.Copy(io.Discard, r.Body)
 		b.wait()
 		w.Header().Set("X-Backend", b.Name)
