@@ -95,8 +95,13 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 		err = bw.Flush()
 	}
 	var resp *http.Response
-	if err == nil {
+	for err == nil {
+		// Interim answers (100 Continue, 103 Early Hints) before the switch or
+		// the final answer are dropped, as http.Transport drops them.
 		resp, err = http.ReadResponse(br, out)
+		if err != nil || resp.StatusCode >= 200 || resp.StatusCode == http.StatusSwitchingProtocols {
+			break
+		}
 	}
 	headerLatency := time.Since(tryStart)
 	if !stop() || err != nil {

@@ -128,8 +128,8 @@ func mustSwitch(t *testing.T, addr, proto, ahead string) (*net.TCPConn, *bufio.R
 	return conn, br, resp
 }
 
-// switchingBackend answers an upgrade to proto with 101 and hello right behind
-// it, then reads the client's bytes to their end and answers "got:" and them
+// switchingBackend answers an upgrade to proto with 100 Continue, then 101
+// and hello right behind it, then reads the client's bytes to their end and answers "got:" and them
 // before it closes. Any other request (or an upgrade to another protocol)
 // gets answer, as it is.
 func switchingBackend(t *testing.T, proto, hello, answer string) netip.AddrPort {
@@ -144,7 +144,8 @@ func switchingBackend(t *testing.T, proto, hello, answer string) netip.AddrPort 
 			io.WriteString(c, answer)
 			return
 		}
-		io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: "+proto+"\r\nX-B: 1\r\n\r\n"+hello)
+		// An interim answer first, which the plane must not take for the switch.
+		io.WriteString(c, "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: "+proto+"\r\nX-B: 1\r\n\r\n"+hello)
 		got, _ := io.ReadAll(br)
 		io.WriteString(c, "got:"+string(got))
 	})
