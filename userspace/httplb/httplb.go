@@ -549,6 +549,7 @@ type Snapshot struct {
 	Connections int64  // client connections open now
 	Accepted    uint64 // client connections accepted
 	InFlight    int64  // requests in flight now
+	Tunnels     int64  // upgraded connections joined to a backend now (WebSocket; counted in InFlight too)
 	Requests    uint64 // requests answered
 	NoBackend   uint64 // answered 503: no backend usable
 	Backends    []BackendSnapshot
@@ -558,6 +559,9 @@ type Snapshot struct {
 func (s *Service) Snapshot() Snapshot {
 	sn := Snapshot{Connections: s.stats.conns.Load(), Accepted: s.stats.accepted.Load(),
 		InFlight: s.stats.inflight.Load(), Requests: s.stats.requests.Load(), NoBackend: s.stats.noBackend.Load()}
+	s.tunMu.Lock()
+	sn.Tunnels = int64(len(s.tunnels))
+	s.tunMu.Unlock()
 	s.mu.Lock()
 	bs := make([]*backend, 0, len(s.backends))
 	for _, b := range s.backends {

@@ -100,6 +100,7 @@ type ServiceStatus struct {
 	Accepted    uint64 `json:"accepted_connections"`
 	// The http plane only: requests in flight now, and answered.
 	InFlight int64           `json:"inflight_requests,omitempty"`
+	Tunnels  int64           `json:"tunnels,omitempty"` // of InFlight, WebSocket and other upgrades
 	Requests uint64          `json:"requests,omitempty"`
 	Backends []BackendStatus `json:"backends"`
 	// XDP only, while the service is installed.
@@ -233,7 +234,11 @@ func (st Status) WriteTable(w io.Writer) {
 			fmt.Fprintln(w)
 			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tflows\tpackets\tbytes\tlast check")
 		case s.DataPlane == PlaneHTTP:
-			fmt.Fprintf(w, "  %d connections, %d accepted, %d requests in flight, %d answered\n", s.Connections, s.Accepted, s.InFlight, s.Requests)
+			fmt.Fprintf(w, "  %d connections, %d accepted, %d requests in flight", s.Connections, s.Accepted, s.InFlight)
+			if s.Tunnels > 0 {
+				fmt.Fprintf(w, " (%d of them tunnels)", s.Tunnels)
+			}
+			fmt.Fprintf(w, ", %d answered\n", s.Requests)
 			fmt.Fprintln(tw, "  backend\thealth\tusable\tweight\tdrained\tin flight\trequests\t5xx\tlatency\tlast check")
 		default:
 			fmt.Fprintf(w, "  %d active connections, %d accepted, %d bytes\n", s.Connections, s.Accepted, s.Bytes)

@@ -52,7 +52,7 @@ func TestWriteTable(t *testing.T) {
 // estimate its algorithm picks by ("-" where it keeps none).
 func TestWriteTableHTTP(t *testing.T) {
 	st := Status{Services: []ServiceStatus{{Name: "api", Key: "tcp/10.77.100.2:80", DataPlane: PlaneHTTP, Why: "data_plane: http",
-		Algorithm: "ewma", Connections: 3, Accepted: 7, InFlight: 12, Requests: 20000, Backends: []BackendStatus{
+		Algorithm: "ewma", Connections: 3, Accepted: 7, InFlight: 12, Tunnels: 2, Requests: 20000, Backends: []BackendStatus{
 			{Address: "10.77.0.11:80", Health: "up", Usable: true, Weight: 1, InFlight: 5, Requests: 10000, Classes: map[string]uint64{"2xx": 10000}, Latency: "1.2ms"},
 			{Address: "10.77.0.12:80", Health: "ejected", Usable: false, Weight: 1, InFlight: 0, Requests: 10000, Classes: map[string]uint64{"5xx": 7}},
 		}}}}
@@ -60,7 +60,7 @@ func TestWriteTableHTTP(t *testing.T) {
 	st.WriteTable(&b)
 	out := b.String()
 	for _, want := range []string{
-		"3 connections, 7 accepted, 12 requests in flight, 20000 answered",
+		"3 connections, 7 accepted, 12 requests in flight (2 of them tunnels), 20000 answered",
 		"in flight  requests  5xx  latency",
 		"10.77.0.11:80  up       true    1       false    5          10000     0    1.2ms",
 		"10.77.0.12:80  ejected  false   1       false    0          10000     7    -",

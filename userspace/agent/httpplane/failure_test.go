@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/net/websocket"
+
 	"github.com/weir-lb/weir/internal/httpbackend"
 	"github.com/weir-lb/weir/internal/waitfor"
 )
@@ -287,4 +289,41 @@ func TestDrainThroughAgent(t *testing.T) {
 	if sh, _ := shares(bs, before); sh[2] < 0.3 {
 		t.Errorf("undrained backend: share %.3f; want a third", sh[2])
 	}
+}
+
+// TestWebSocketThroughAgent: a WebSocket client (x/net/websocket) reaches the
+// backends' echo through a configured http service, and while its tunnel is
+// open the agent's status and metrics count it; closed, it is gone from both.
+func TestWebSocketThroughAgent(t *testing.T) {
+	bs := httpbackend.StartN(t, 2)
+	port, mport := freePort(t), freePort(t)
+	r := startAgent(t, fmt.Sprintf("  - {name: web, vip: 127.0.0.1:%d, data_plane: http, algorithm: least_conn, health: {method: connect}, backends: %s}\n",
+		port, backendList(bs)), fmt.Sprintf("127.0.0.1:%d", mport))
+	ws, err := websocket.Dial(fmt.Sprintf("ws://127.0.0.1:%d/ws", port), "", "http://127.0.0.1/")
+	if err != nil {
+		t.Fatalf("WebSocket handshake through the agent's http service: %v", err)
+	}
+	defer ws.Close()
+	var got string
+	ws.SetDeadline(time.Now().Add(5 * time.Second))
+	if err := websocket.Message.Send(ws, "ping"); err != nil {
+		t.Fatal(err)
+	}
+	if err := websocket.Message.Receive(ws, &got); err != nil || got != "ping" {
+		t.Fatalf("echo: %q, %v", got, err)
+	}
+	if st := r.service(t, "web"); st.Tunnels != 1 || st.InFlight != 1 {
+		t.Errorf("status with a tunnel open: %d tunnels, %d in flight; want 1 and 1", st.Tunnels, st.InFlight)
+	}
+	_, body := get(t, http.DefaultClient, fmt.Sprintf("http://127.0.0.1:%d/metrics", mport))
+	for _, want := range []string{`weir_http_tunnels_open{service="web"} 1`, `weir_http_requests_in_flight{service="web"} 1`} {
+		if !strings.Contains(body, want) {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+	ws.Close()
+	waitfor.Value(t, 5*time.Second, "no tunnel in the status", func() (any, bool) {
+		st := r.service(t, "web")
+		return [2]int64{st.Tunnels, st.InFlight}, st.Tunnels == 0 && st.InFlight == 0
+	})
 }

@@ -35,6 +35,7 @@ type descs struct {
 	backendUsable, backendHealth, backendWeight, backendDrained, xdpReason, xdpLoaded          *prometheus.Desc
 	bgpPeerUp, bgpPeerUptime, bgpAnnounced, nodeDrained                                        *prometheus.Desc
 	tableInfo, prevTableInfo, prevTableAge                                                     *prometheus.Desc
+	httpInFlight, httpTunnels                                                                  *prometheus.Desc
 }
 
 // New returns the registry; status is read at every scrape.
@@ -90,6 +91,8 @@ func New(status func() (api.Status, error)) *Metrics {
 			"give every new flow the same backend (alert when they differ; \"\" is no table).", "service", "fingerprint"),
 		prevTableInfo: d("weir_service_previous_table_info", "1, labelled with the fingerprint of the lookup table the current one replaced, "+
 			"while the previous-table fallback may use it.", "service", "fingerprint"),
+		httpInFlight: d("weir_http_requests_in_flight", "Requests the http data plane is forwarding now, tunnels included.", "service"),
+		httpTunnels:  d("weir_http_tunnels_open", "Upgraded connections (WebSocket and others) the http data plane joins to a backend now.", "service"),
 		prevTableAge: d("weir_service_previous_table_age_seconds", "Seconds since the service's previous lookup table was replaced, while the fallback may use it.", "service"),
 	}
 	m.reg.MustRegister(m.checks, m.reloads, m.requests, m.latency, m, prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
@@ -198,6 +201,10 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		} else {
 			g(m.d.serviceConns, float64(s.Connections), s.Name)
 			c(m.d.serviceAccepted, s.Accepted, s.Name)
+		}
+		if s.DataPlane == api.PlaneHTTP {
+			g(m.d.httpInFlight, float64(s.InFlight), s.Name)
+			g(m.d.httpTunnels, float64(s.Tunnels), s.Name)
 		}
 		for _, b := range s.Backends {
 			c(m.d.backendBytes, b.Bytes, s.Name, b.Address, s.DataPlane)
