@@ -122,7 +122,8 @@ type fileService struct {
 	// AllDown is drop, pass or keep_last. Default drop.
 	AllDown AllDown `yaml:"all_down,omitempty"`
 	// DrainTimeout bounds how long a removed or drained backend keeps its
-	// connections on the proxy. Default 30s; 0 means no limit.
+	// connections on the proxy and its tunnels on the http plane. Default 30s;
+	// 0 means no limit.
 	DrainTimeout *duration `yaml:"drain_timeout,omitempty"`
 	// SlowStart ramps a backend's weight up after it is added or becomes usable again.
 	SlowStart duration    `yaml:"slow_start,omitempty"`

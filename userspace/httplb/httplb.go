@@ -133,7 +133,8 @@ type Config struct {
 	XForwardedFor, Forwarded, XForwardedProto bool
 	AccessLog                                 bool
 
-	// DrainTimeout bounds how long Serve waits for in-flight requests at shutdown;
+	// DrainTimeout bounds how long Serve waits for in-flight requests at
+	// shutdown, and how long a draining or removed backend keeps its tunnels;
 	// 0: no limit.
 	DrainTimeout time.Duration
 	Observer     Observer
@@ -144,9 +145,13 @@ type Config struct {
 
 // Backend is one backend as the agent sees it.
 type Backend struct {
-	Addr      netip.AddrPort
-	Weight    uint32
-	Usable    bool // healthy, not drained, weight > 0
+	Addr   netip.AddrPort
+	Weight uint32
+	Usable bool // healthy, not drained, weight > 0
+	// Draining: drained or weight 0. Besides taking no new requests, its
+	// tunnels (WebSocket) are closed after DrainTimeout, as the proxy closes a
+	// draining backend's connections; a backend that is only down keeps them.
+	Draining  bool
 	SlowStart time.Duration
 	Ramp      uint32 // the part of its share a lookup table gives it (balance.Backend.Ramp)
 }
@@ -345,6 +350,9 @@ type backend struct {
 	stats backendStats
 	// removed: no longer configured; its idle connections are closed.
 	removed bool
+	// drainTimer closes the backend's tunnels DrainTimeout after it began to
+	// drain or was removed; nil while it serves. Guarded by Service.mu.
+	drainTimer *time.Timer
 }
 
 func (s *Service) newBackend(addr netip.AddrPort) *backend {
@@ -496,6 +504,7 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 			be.h1s.reopen()
 		}
 		be.removed = false
+		s.drainTunnels(be, b.Draining)
 		in = append(in, balance.Backend{ID: be.id, Weight: b.Weight, Usable: b.Usable && b.Weight > 0, SlowStart: b.SlowStart, Ramp: b.Ramp})
 	}
 	bal.SetBackends(in)
@@ -505,6 +514,7 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 			// the entry goes once nothing is in flight on it.
 			be.removed = true
 			be.closeIdle()
+			s.drainTunnels(be, true)
 			if bal.InFlight(id) == 0 {
 				delete(s.backends, id)
 			}
@@ -526,6 +536,7 @@ func (s *Service) closeBackends() {
 	defer s.mu.Unlock()
 	for _, b := range s.backends {
 		b.closeIdle()
+		s.drainTunnels(b, false)
 	}
 }
 

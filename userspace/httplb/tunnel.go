@@ -195,7 +195,7 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 	}
 	var up, down int64
 	if err == nil {
-		t := s.newTunnel(cc, bc, s.cfg.IdleTimeout)
+		t := s.newTunnel(be, cc, bc, s.cfg.IdleTimeout)
 		up, down, err = t.run(ahead)
 		s.dropTunnel(t)
 	}
@@ -216,6 +216,7 @@ var errTunnelIdle = errors.New("tunnel idle")
 // tunnel is a client connection joined to a backend's after a switch of
 // protocols.
 type tunnel struct {
+	be     *backend
 	c, b   net.Conn
 	idle   time.Duration
 	moved  atomic.Bool // bytes moved since the idle timer last looked
@@ -227,8 +228,8 @@ type tunnel struct {
 	done   chan struct{}
 }
 
-func (s *Service) newTunnel(c, b net.Conn, idle time.Duration) *tunnel {
-	t := &tunnel{c: c, b: b, idle: idle, done: make(chan struct{})}
+func (s *Service) newTunnel(be *backend, c, b net.Conn, idle time.Duration) *tunnel {
+	t := &tunnel{be: be, c: c, b: b, idle: idle, done: make(chan struct{})}
 	if idle > 0 {
 		// One timer for both directions, looking every idle/2 whether bytes
 		// moved (a deadline per read would reset a runtime timer per message);
@@ -279,6 +280,50 @@ func (s *Service) shutdownTunnels(deadline <-chan struct{}) {
 		t.abort()
 	}
 	s.tunMu.Unlock()
+}
+
+// drainTunnels arms be's drain timer (draining: the backend was drained, set
+// to weight 0 or removed) or stops it: DrainTimeout after a backend began to
+// drain, its tunnels are closed, as the proxy closes a draining backend's
+// connections; its clients reconnect through the service to another backend.
+// Called with s.mu held.
+func (s *Service) drainTunnels(be *backend, draining bool) {
+	switch {
+	case !draining:
+		if be.drainTimer != nil {
+			be.drainTimer.Stop()
+			be.drainTimer = nil
+		}
+	case be.drainTimer == nil && s.cfg.DrainTimeout > 0:
+		var timer *time.Timer
+		timer = time.AfterFunc(s.cfg.DrainTimeout, func() {
+			s.mu.Lock()
+			current := be.drainTimer == timer // not stopped while it fired
+			s.mu.Unlock()
+			if current {
+				s.closeTunnelsOf(be)
+			}
+		})
+		be.drainTimer = timer
+	}
+}
+
+// closeTunnelsOf closes the tunnels to be.
+func (s *Service) closeTunnelsOf(be *backend) {
+	s.tunMu.Lock()
+	var ts []*tunnel
+	for t := range s.tunnels {
+		if t.be == be {
+			ts = append(ts, t)
+		}
+	}
+	s.tunMu.Unlock()
+	for _, t := range ts {
+		t.abort()
+	}
+	if len(ts) > 0 {
+		s.log.Info("drain timeout: closed tunnels", "service", s.cfg.Name, "backend", be.id, "closed", len(ts))
+	}
 }
 
 // closedChan is a deadline already past.

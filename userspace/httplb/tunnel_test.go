@@ -343,3 +343,57 @@ func TestUpgradeBackendDies(t *testing.T) {
 	}
 	waitNoClients(t, s)
 }
+
+// TestUpgradeDrain: a drained (or weight-0) or removed backend's tunnels are
+// closed drain_timeout after it began to drain, as the proxy closes a draining
+// backend's connections; a backend that is only down keeps them, and so does
+// one undrained before the time is up.
+func TestUpgradeDrain(t *testing.T) {
+	const drain = 300 * time.Millisecond
+	for _, tc := range []struct {
+		name   string
+		change func(b Backend) []Backend // the backend set after the tunnel opened
+		undo   bool                      // the change is undone after drain/3
+		closed bool
+	}{
+		{"drained", func(b Backend) []Backend { b.Usable, b.Draining = false, true; return []Backend{b} }, false, true},
+		{"removed", func(b Backend) []Backend { return nil }, false, true},
+		{"down only", func(b Backend) []Backend { b.Usable = false; return []Backend{b} }, false, false},
+		{"drained, then undrained in time", func(b Backend) []Backend { b.Usable, b.Draining = false, true; return []Backend{b} }, true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			be := Backend{Addr: switchingBackend(t, "echo", "", ""), Weight: 1, Usable: true}
+			s := serveOn(t, Config{DrainTimeout: drain}, []Backend{be})
+			conn, br, _ := mustSwitch(t, s.Addr().String(), "echo", "")
+			start := time.Now()
+			if err := s.SetBackends(tc.change(be)); err != nil {
+				t.Fatal(err)
+			}
+			if tc.undo {
+				time.Sleep(drain / 3)
+				if err := s.SetBackends([]Backend{be}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			conn.SetReadDeadline(time.Now().Add(3 * drain))
+			_, err := br.ReadByte()
+			switch {
+			case tc.closed && isTimeout(err):
+				t.Errorf("the tunnel was still open %v after its backend began to drain (drain_timeout %v)", time.Since(start), drain)
+			case tc.closed && time.Since(start) < drain:
+				t.Errorf("the tunnel closed %v after its backend began to drain; want drain_timeout (%v) first", time.Since(start), drain)
+			case !tc.closed && !isTimeout(err):
+				t.Errorf("the tunnel ended (%v) after %v; want it kept", err, time.Since(start))
+			}
+			if !tc.closed {
+				// Still a working tunnel.
+				conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+				io.WriteString(conn, "x")
+				conn.CloseWrite()
+				if rest, err := io.ReadAll(br); err != nil || string(rest) != "got:x" {
+					t.Errorf("the kept tunnel: %q, %v", rest, err)
+				}
+			}
+		})
+	}
+}

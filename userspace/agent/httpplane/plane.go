@@ -83,7 +83,7 @@ func backends(s *plan.Service) []httplb.Backend {
 	bs := make([]httplb.Backend, 0, len(s.Backends))
 	for _, b := range s.Backends {
 		bs = append(bs, httplb.Backend{Addr: b.Config.Addr, Weight: max(b.Weight, 1), SlowStart: s.Config.SlowStart,
-			Usable: b.Usable && !b.Drained && b.Weight > 0, Ramp: b.Ramp})
+			Usable: b.Usable && !b.Drained && b.Weight > 0, Draining: b.Drained || b.Weight == 0, Ramp: b.Ramp})
 	}
 	return bs
 }
