@@ -224,7 +224,7 @@ func TestUpgradeRaw(t *testing.T) {
 // idle timeout closes, one that moves bytes one way only does not; a service
 // that shuts down closes its tunnels once the drain time is up and returns.
 func TestUpgradeIdleAndShutdown(t *testing.T) {
-	const idle = 300 * time.Millisecond
+	const idle = 600 * time.Millisecond
 	ticks := make(chan int, 1)
 	be := rawBackend(t, func(c net.Conn) {
 		br := bufio.NewReader(c)
@@ -234,10 +234,10 @@ func TestUpgradeIdleAndShutdown(t *testing.T) {
 		}
 		io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: "+req.Header.Get("Upgrade")+"\r\n\r\n")
 		if req.Header.Get("Upgrade") == "ticker" {
-			// One byte every idle/3, for three idle timeouts: the tunnel moves
+			// One byte every idle/6, for 1.5 idle timeouts: the tunnel moves
 			// bytes one way only and must stay up.
 			for i := range 9 {
-				time.Sleep(idle / 3)
+				time.Sleep(idle / 6)
 				if _, err := c.Write([]byte{'0' + byte(i)}); err != nil {
 					ticks <- i
 					return
