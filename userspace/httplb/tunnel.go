@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"strings"
@@ -235,7 +236,9 @@ func (s *Service) newTunnel(be *backend, c, b net.Conn, idle time.Duration) *tun
 		// moved (a deadline per read would reset a runtime timer per message);
 		// two looks in a row that find none end the tunnel: idle to 1.5×idle
 		// after its last byte.
-		t.timer = time.AfterFunc(idle/2, t.checkIdle)
+		// Armed once the field is set: checkIdle reads it.
+		t.timer = time.AfterFunc(time.Duration(math.MaxInt64), t.checkIdle)
+		t.timer.Reset(idle / 2)
 	}
 	s.tunMu.Lock()
 	if s.tunnels == nil {
