@@ -667,7 +667,9 @@ func (s *Service) noteUnserved(err error) {
 func (s *Service) noteRedirectFailed(err error) {
 	now := monotonic()
 	last := s.lastRedirectLog.Load()
-	if now-last < int64(time.Second) || !s.lastRedirectLog.CompareAndSwap(last, now) {
+	// last is 0 until the first line: that one is never held back, even in the
+	// process's first second (the clock counts from the package's start).
+	if last != 0 && now-last < int64(time.Second) || !s.lastRedirectLog.CompareAndSwap(last, now) {
 		return
 	}
 	s.log.Warn("in-kernel forwarding failed; connections use the copy path", "err", err)

@@ -83,23 +83,41 @@ func serveOne(t *testing.T, wantKernel bool) {
 		t.Fatalf("add: %v", err)
 	}
 	before := proxy.Splices()
-	c, err := net.Dial("tcp", mustGet(t, p, "web").Addr().String())
-	if err != nil {
-		t.Fatal(err)
+	// With bpf, a connection whose pairing the kernel refuses is served by the
+	// copy path, by design; one in CI's race run under load was. Up to three
+	// connections, then, and at least one must have been forwarded in the kernel.
+	tries := 1
+	if wantKernel {
+		tries = 3
 	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	msg := []byte("through the proxy")
-	if _, err := c.Write(msg); err != nil {
-		t.Fatal(err)
+	var paired uint64
+	for range tries {
+		c, err := net.Dial("tcp", mustGet(t, p, "web").Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		msg := []byte("through the proxy")
+		if _, err := c.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, len(msg))
+		_, err = io.ReadFull(c, got)
+		c.Close()
+		if err != nil || !bytes.Equal(got, msg) {
+			t.Fatalf("echo: got %q, %v; want %q", got, err, msg)
+		}
+		if paired = proxy.Splices().Redirected - before.Redirected; paired > 0 {
+			break
+		}
 	}
-	got := make([]byte, len(msg))
-	if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, msg) {
-		t.Fatalf("echo: got %q, %v; want %q", got, err, msg)
+	after := proxy.Splices()
+	if failed := after.RedirectErrs - before.RedirectErrs; failed > 0 {
+		t.Logf("%d pairings refused (logged above); those connections took the copy path", failed)
 	}
-	paired := proxy.Splices().Redirected - before.Redirected
 	if wantKernel && (paired != 1 || p.sockmapErr != nil) {
-		t.Errorf("with bpf: got %d connections paired, load error %v; want 1, none", paired, p.sockmapErr)
+		t.Errorf("with bpf: got %d of %d connections paired, load error %v; want one, none",
+			paired, tries, p.sockmapErr)
 	}
 	if !wantKernel && (paired != 0 || p.sockmapErr == nil) {
 		t.Errorf("without bpf: got %d connections paired, load error %v; want 0 and the error", paired, p.sockmapErr)
