@@ -120,6 +120,13 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 	s.answerFailure(l, w, r, fail, ntried, start)
 }
 
+// errStatusUnder100 is a backend's answer with a status under 100, which Go's
+// response reader takes (any three digits) but no client may be sent: it is
+// treated as an answer that could not be read (a 502).
+func errStatusUnder100(code int) error {
+	return fmt.Errorf("malformed answer: status %03d", code)
+}
+
 // abandoned ends a request whose client went away (closed, or ended its
 // sending side, which net/http's server takes as gone too) before any answer:
 // without a word, where a handler that returned having written nothing would
@@ -179,6 +186,10 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	}
 	if timer != nil {
 		timer.Stop()
+	}
+	if err == nil && resp.StatusCode < 100 {
+		resp.Body.Close()
+		resp, err = nil, errStatusUnder100(resp.StatusCode)
 	}
 	headerLatency := time.Since(tryStart)
 	if err != nil {

@@ -646,6 +646,9 @@ func backendAnswer(raw []byte, req *http.Request) (resp *http.Response, body []b
 	br := bufio.NewReader(bytes.NewReader(raw))
 	for {
 		resp, err = http.ReadResponse(br, req)
+		if err == nil && resp.StatusCode < 100 {
+			err = errors.New("status under 100") // Go reads any three digits; no client may get it
+		}
 		if err != nil {
 			return nil, nil, err
 		}

@@ -281,6 +281,9 @@ func (hc *h1Conn) exchange(ctx context.Context, req *http.Request) (*http.Respon
 		var err error
 		resp, err = http.ReadResponse(hc.br, req)
 		hc.lim.n = math.MaxInt64
+		if err == nil && resp.StatusCode < 100 {
+			err = errStatusUnder100(resp.StatusCode)
+		}
 		if err != nil {
 			return fail(err, hc.br.Buffered() > 0)
 		}

@@ -817,3 +817,40 @@ func outq(t *testing.T, conn net.Conn) int {
 	}
 	return n
 }
+
+// TestBackendStatusUnder100: Go's response reader takes any three digits as a
+// status, "099" too, but no client may be sent one under 100: the plane answers
+// 502 instead, whether weir's own exchange (GET) or http.Transport (POST with a
+// body) read it, through both HTTP/1.1 engines. The frame engine checks
+// :status itself.
+func TestBackendStatusUnder100(t *testing.T) {
+	be := rawBackend(t, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		for {
+			req, err := http.ReadRequest(br)
+			if err != nil {
+				return
+			}
+			io.Copy(io.Discard, req.Body)
+			io.WriteString(c, "HTTP/1.1 099 Odd\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	for _, engine := range h1Engines {
+		s := serveOn(t, Config{NetHTTP1: engine == "net_http", Retries: 0}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+		for _, method := range []string{http.MethodGet, http.MethodPost} {
+			req, _ := http.NewRequest(method, "http://"+s.Addr().String()+"/", strings.NewReader("body"))
+			if method == http.MethodGet {
+				req.Body, req.ContentLength = nil, 0
+			}
+			resp, err := h1Client().Do(req)
+			if err != nil {
+				t.Errorf("%s, %s: %v; want a 502", engine, method, err)
+				continue
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusBadGateway {
+				t.Errorf("%s, %s: %s for a backend's status 099; want 502", engine, method, resp.Status)
+			}
+		}
+	}
+}

@@ -100,7 +100,10 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 		// Interim answers (100 Continue, 103 Early Hints) before the switch or
 		// the final answer are dropped, as http.Transport drops them.
 		resp, err = http.ReadResponse(br, out)
-		if err != nil || resp.StatusCode >= 200 || resp.StatusCode == http.StatusSwitchingProtocols {
+		if err == nil && resp.StatusCode < 100 {
+			err = errStatusUnder100(resp.StatusCode)
+		}
+		if err != nil || !is1xx(resp.StatusCode) || resp.StatusCode == http.StatusSwitchingProtocols {
 			break
 		}
 	}
@@ -210,6 +213,9 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 	}
 	return true, failure{}
 }
+
+// is1xx: an interim status, as http.Transport reads them.
+func is1xx(code int) bool { return 100 <= code && code <= 199 }
 
 // errTunnelIdle ends a tunnel that moved no byte either way for the idle timeout.
 var errTunnelIdle = errors.New("tunnel idle")
