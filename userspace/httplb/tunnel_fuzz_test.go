@@ -55,7 +55,7 @@ func FuzzUpgradeAnswers(f *testing.F) {
 	f.Fuzz(func(t *testing.T, raw []byte) {
 		answer.Store(&raw)
 		req := &http.Request{Method: http.MethodGet}
-		want, rest, wantErr := upgradeAnswer(raw, req)
+		want, rest, broken, wantErr := upgradeAnswer(raw, req)
 		conn, err := net.Dial("tcp", addr)
 		if err != nil {
 			t.Fatal(err)
@@ -66,12 +66,16 @@ func FuzzUpgradeAnswers(f *testing.F) {
 		br := bufio.NewReader(conn)
 		resp, err := http.ReadResponse(br, req)
 		if err != nil {
+			if broken {
+				return // a final answer whose body broke off: the client gets it broken, or nothing
+			}
 			t.Fatalf("the client could not read its answer: %v\nbackend sent %q", err, raw)
 		}
 		switched := wantErr == nil && want.StatusCode == http.StatusSwitchingProtocols
 		switch {
-		case switched && len(want.Header["Upgrade"]) == 1 && strings.TrimSpace(want.Header["Upgrade"][0]) == "echo":
-			if resp.StatusCode != http.StatusSwitchingProtocols || resp.Header.Get("Upgrade") != "echo" {
+		case switched && len(want.Header["Upgrade"]) == 1 && strings.EqualFold(strings.TrimSpace(want.Header["Upgrade"][0]), "echo"):
+			// Protocol names are compared without case, as WebSocket's is (RFC 6455 4.1).
+			if resp.StatusCode != http.StatusSwitchingProtocols || !strings.EqualFold(resp.Header.Get("Upgrade"), "echo") {
 				t.Fatalf("%s, Upgrade %q for a switch to echo\nbackend sent %q", resp.Status, resp.Header["Upgrade"], raw)
 			}
 			conn.(*net.TCPConn).CloseWrite()
@@ -98,9 +102,10 @@ func FuzzUpgradeAnswers(f *testing.F) {
 }
 
 // upgradeAnswer is what Go's response reader makes of a backend's bytes
-// answering an upgrade, interim answers skipped as http.Transport skips them,
-// and for a 101 the bytes behind it.
-func upgradeAnswer(raw []byte, req *http.Request) (resp *http.Response, rest []byte, err error) {
+// answering an upgrade, interim answers skipped as http.Transport skips them:
+// for a 101 the bytes behind it, for another final answer whether its body
+// broke off.
+func upgradeAnswer(raw []byte, req *http.Request) (resp *http.Response, rest []byte, broken bool, err error) {
 	br := bufio.NewReader(bytes.NewReader(raw))
 	for {
 		resp, err = http.ReadResponse(br, req)
@@ -111,8 +116,13 @@ func upgradeAnswer(raw []byte, req *http.Request) (resp *http.Response, rest []b
 			break
 		}
 	}
-	if err == nil && resp.StatusCode == http.StatusSwitchingProtocols {
+	switch {
+	case err != nil:
+	case resp.StatusCode == http.StatusSwitchingProtocols:
 		rest, _ = io.ReadAll(br)
+	default:
+		_, berr := io.ReadAll(resp.Body)
+		broken = berr != nil
 	}
-	return resp, rest, err
+	return resp, rest, broken, err
 }
