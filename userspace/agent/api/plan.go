@@ -62,7 +62,8 @@ type ServicePlan struct {
 	// Reset and Drained sum Flows by fate. On the http plane nothing is reset: a
 	// drained request finishes on its backend (removed, drained, weight 0, or the
 	// service's old listener), within the request timeouts and, for an old
-	// listener, the drain timeout.
+	// listener, the drain timeout; a tunnel (WebSocket) ends within the drain
+	// timeout.
 	Reset   uint64 `json:"reset"`
 	Drained uint64 `json:"drained"`
 	// Clients are the http plane's client connections (nil on the others).
