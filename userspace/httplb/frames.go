@@ -937,7 +937,10 @@ func (st *fstream) respHeaders(f *hblock) {
 		st.upstreamReset(0, errors.New("the backend's response headers are over the limit"), false)
 		return
 	}
-	if err != nil || code < 100 || code > 999 {
+	// Malformed (RFC 9113 8.1, 8.6): an interim answer that ends the stream,
+	// which left the client's stream waiting for a final answer that could no
+	// longer come, and 101, which HTTP/2 does not have.
+	if err != nil || code < 100 || code > 999 || code < 200 && f.end || code == http.StatusSwitchingProtocols {
 		st.up.cancel(st)
 		st.upstreamReset(http2.ErrCodeProtocol, nil, false)
 		return

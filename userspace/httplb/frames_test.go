@@ -537,6 +537,29 @@ func TestFramesBackendBadSettings(t *testing.T) {
 			fr.WriteWindowUpdate(0, 1<<31-1)
 			fr.WriteWindowUpdate(0, 1<<31-1)
 		}, http2.ErrCodeFlowControl},
+		// RFC 9113 5.1: frames on a stream never opened.
+		{"DATA on a stream never opened", func(fr *http2.Framer) {
+			fr.WriteSettings()
+			fr.WriteData(99, false, []byte("x"))
+		}, http2.ErrCodeProtocol},
+		{"DATA on an even stream", func(fr *http2.Framer) {
+			fr.WriteSettings()
+			fr.WriteData(2, false, []byte("x"))
+		}, http2.ErrCodeProtocol},
+		{"HEADERS on a stream never opened", func(fr *http2.Framer) {
+			fr.WriteSettings()
+			var hb bytes.Buffer
+			hpack.NewEncoder(&hb).WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 99, BlockFragment: hb.Bytes(), EndHeaders: true})
+		}, http2.ErrCodeProtocol},
+		{"RST_STREAM on a stream never opened", func(fr *http2.Framer) {
+			fr.WriteSettings()
+			fr.WriteRSTStream(99, http2.ErrCodeCancel)
+		}, http2.ErrCodeProtocol},
+		{"WINDOW_UPDATE on a stream never opened", func(fr *http2.Framer) {
+			fr.WriteSettings()
+			fr.WriteWindowUpdate(99, 10)
+		}, http2.ErrCodeProtocol},
 		{"PUSH_PROMISE with push off", func(fr *http2.Framer) {
 			fr.WriteSettings()
 			var hb bytes.Buffer
@@ -670,5 +693,57 @@ func TestFramesGoAwayLingers(t *testing.T) {
 	case <-sv.done:
 	case <-time.After(5 * time.Second):
 		t.Fatal("Serve still running 5 s after the client closed")
+	}
+}
+
+// TestFramesBackendMalformedStatus: an HTTP/2 backend's answer that is
+// malformed by its status (RFC 9113 8.1, 8.6) gets the client a 502 at once:
+// an interim status on a HEADERS frame that ends the stream (which had left
+// the client waiting for a final answer until its timeout) and 101, which
+// HTTP/2 does not have.
+func TestFramesBackendMalformedStatus(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		status string
+		end    bool
+	}{
+		{"103 ending the stream", "103", true},
+		{"101", "101", false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			be := rawBackend(t, func(conn net.Conn) {
+				conn.SetDeadline(time.Now().Add(10 * time.Second))
+				preface := make([]byte, len(http2.ClientPreface))
+				if _, err := io.ReadFull(conn, preface); err != nil {
+					return
+				}
+				fr := http2.NewFramer(conn, conn)
+				fr.WriteSettings()
+				var hb bytes.Buffer
+				enc := hpack.NewEncoder(&hb)
+				for {
+					f, err := fr.ReadFrame()
+					if err != nil {
+						return
+					}
+					if h, ok := f.(*http2.HeadersFrame); ok {
+						hb.Reset()
+						enc.WriteField(hpack.HeaderField{Name: ":status", Value: c.status})
+						fr.WriteHeaders(http2.HeadersFrameParam{StreamID: h.StreamID, BlockFragment: hb.Bytes(), EndHeaders: true, EndStream: c.end})
+					}
+				}
+			})
+			s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			client := h2cClient()
+			client.Timeout = 5 * time.Second
+			resp, err := client.Get("http://" + s.Addr().String() + "/")
+			if err != nil {
+				t.Fatalf("%v; want a 502", err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusBadGateway {
+				t.Errorf("%s; want 502", resp.Status)
+			}
+		})
 	}
 }

@@ -341,8 +341,12 @@ func (uc *upconn) read() error {
 		f, hb, err := uc.br.read()
 		if hb != nil {
 			uc.mu.Lock()
+			idle := uc.idleLocked(hb.id)
 			st := uc.lookupLocked(hb.id, hb.end)
 			uc.mu.Unlock()
+			if idle {
+				return uc.goAway(http2.ErrCodeProtocol, "the backend sent HEADERS on a stream weir never opened")
+			}
 			if st != nil {
 				uc.withStream(st, func() { st.respHeaders(hb) })
 			}
@@ -373,10 +377,14 @@ func (uc *upconn) read() error {
 			uc.recvWin -= n
 			overrun := uc.recvWin < 0
 			uc.oweLocked(n) // the connection's credit goes back at once (see frames.go)
+			idle := uc.idleLocked(f.StreamID)
 			st := uc.lookupLocked(f.StreamID, end)
 			uc.mu.Unlock()
 			if overrun {
 				return errors.New("the backend overran its connection window")
+			}
+			if idle {
+				return uc.goAway(http2.ErrCodeProtocol, "the backend sent DATA on a stream weir never opened")
 			}
 			if st == nil {
 				continue
@@ -408,6 +416,9 @@ func (uc *upconn) read() error {
 					return uc.goAway(http2.ErrCodeFlowControl, "the backend's connection window overflowed")
 				}
 				wake, uc.blocked = uc.blocked, nil
+			} else if uc.idleLocked(f.StreamID) {
+				uc.mu.Unlock()
+				return uc.goAway(http2.ErrCodeProtocol, "the backend sent WINDOW_UPDATE on a stream weir never opened")
 			} else if st := uc.streams[f.StreamID]; st != nil {
 				st.upSend += int64(f.Increment)
 				if st.upSend > maxWindow {
@@ -479,6 +490,12 @@ func (uc *upconn) read() error {
 				uc.mu.Unlock()
 			}
 		case *http2.RSTStreamFrame:
+			uc.mu.Lock()
+			idle := uc.idleLocked(f.StreamID)
+			uc.mu.Unlock()
+			if idle {
+				return uc.goAway(http2.ErrCodeProtocol, "the backend sent RST_STREAM on a stream weir never opened")
+			}
 			if st := uc.take(f.StreamID); st != nil {
 				uc.withStream(st, func() { st.upDone = true; st.upstreamReset(f.ErrCode, nil, false) })
 			}
@@ -554,6 +571,15 @@ func (uc *upconn) withStream(st *fstream, fn func()) bool {
 	}
 	fn()
 	return true
+}
+
+// idleLocked reports whether stream id is one weir never opened on this
+// connection ("idle", RFC 9113 5.1: weir opens the odd ones in order, and a
+// server opens none, push being off): a frame other than PRIORITY on it is a
+// connection error. Streams weir opened and has since closed are not idle:
+// their late frames are dropped.
+func (uc *upconn) idleLocked(id uint32) bool {
+	return id != 0 && (id%2 == 0 || id >= uc.nextID)
 }
 
 // lookupLocked returns stream id's fstream; ended: the backend's side is over,
