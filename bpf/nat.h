@@ -62,6 +62,34 @@ static __always_inline int tcp_closes(struct packet *p)
 
 #define FLOW_F_FINS (FLOW_F_FIN_CLIENT | FLOW_F_FIN_BACKEND)
 
+// A nat flow's flags are written by both of its directions, on different CPUs at
+// once (a FIN each way, crossing): with a plain read-modify-write one side's bit
+// could be lost, and the flow then stay counted open for good (its close is counted
+// at the second FIN), or be counted closed twice. So every write to a table entry's
+// flags is atomic. BPF's atomics work on 32 and 64 bits: flags is the third byte of
+// the little-endian word nat_port opens (bpf2go builds bpfel only), whose other bytes
+// an OR or AND with them masked out leaves as they are.
+_Static_assert(__builtin_offsetof(struct nat_flow, nat_port) % 4 == 0 &&
+		       __builtin_offsetof(struct nat_flow, flags) == __builtin_offsetof(struct nat_flow, nat_port) + 2,
+	       "nat_flow.flags must be byte 2 of an aligned 32-bit word");
+
+static __always_inline __u32 *flow_flags_word(struct nat_flow *fs)
+{
+	return (__u32 *)&fs->nat_port;
+}
+
+// flow_flags_or sets bits in fs->flags and returns the flags from before.
+static __always_inline __u8 flow_flags_or(struct nat_flow *fs, __u8 bits)
+{
+	return (__u8)(__sync_fetch_and_or(flow_flags_word(fs), (__u32)bits << 16) >> 16);
+}
+
+// flow_flags_clear clears bits in fs->flags.
+static __always_inline void flow_flags_clear(struct nat_flow *fs, __u8 bits)
+{
+	__sync_fetch_and_and(flow_flags_word(fs), ~((__u32)bits << 16));
+}
+
 // closes_flow notes in *flags a FIN or RST (tcp_closes) from the backend if
 // from_backend, else from the client, and returns whether the flow is closed now: by
 // an RST, or by a FIN when the other side's came before. A FIN alone half-closes
@@ -73,6 +101,17 @@ static __always_inline int closes_flow(const struct packet *p, enum flow_flags *
 		return 1;
 	*flags |= from_backend ? FLOW_F_FIN_BACKEND : FLOW_F_FIN_CLIENT;
 	return (*flags & FLOW_F_FINS) == FLOW_F_FINS;
+}
+
+// closes_nat_flow is closes_flow for a table entry: exactly one of two FINs that
+// cross sees the other's.
+static __always_inline int closes_nat_flow(const struct packet *p, struct nat_flow *fs, int from_backend)
+{
+	__u8 bit = from_backend ? FLOW_F_FIN_BACKEND : FLOW_F_FIN_CLIENT;
+
+	if (p->tcp_flags & TCP_FLAG_RST)
+		return 1;
+	return ((flow_flags_or(fs, bit) | bit) & FLOW_F_FINS) == FLOW_F_FINS;
 }
 
 // An answer to a SYN may acknowledge the data the SYN carried (TCP Fast Open) as well:
@@ -114,9 +153,8 @@ static __always_inline void count_flow(__u32 backend_id, int opened)
 // mark_closing starts a flow's short timeout and counts it closed, once.
 static __always_inline void mark_closing(struct nat_flow *fs)
 {
-	if (fs->flags & FLOW_F_CLOSING)
+	if (flow_flags_or(fs, FLOW_F_CLOSING) & FLOW_F_CLOSING)
 		return;
-	fs->flags |= FLOW_F_CLOSING;
 	count_flow(fs->backend_id, 0);
 }
 
@@ -426,7 +464,8 @@ static __always_inline int nat_send(struct xdp_md *ctx, struct packet *p, struct
 static __always_inline int nat_syn_again(struct packet *p, struct nat_flow *hs, struct nat_entry *rev)
 {
 	if ((hs->flags & (FLOW_F_STALE | FLOW_F_KEPT)) == FLOW_F_STALE) {
-		hs->flags = (hs->flags & ~FLOW_F_STALE) | FLOW_F_KEPT;
+		flow_flags_or(hs, FLOW_F_KEPT);
+		flow_flags_clear(hs, FLOW_F_STALE);
 		rev->syn_ack = syn_answer(p);
 		return 0;
 	}
@@ -460,8 +499,8 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 	rev = flow_lookup(NAT_HALF_REVERSE, &rk);
 	if (!rev || rev->backend_id != id || !flow_key_equal(&rev->client, key))
 		return CONTINUE;
-	if (tcp_closes(p) && closes_flow(p, &hs->flags, 0))
-		hs->flags |= FLOW_F_CLOSING;
+	if (tcp_closes(p) && closes_nat_flow(p, hs, 0))
+		flow_flags_or(hs, FLOW_F_CLOSING);
 	if (is_syn(p) && rev->syn_ack && nat_syn_again(p, hs, rev)) {
 		flow_delete(NAT_HALF_REVERSE, &rk);
 		count(&global_stats, STAT_NAT_NEW_PORT, p->len);
@@ -479,7 +518,7 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 	if (hs->flags & FLOW_F_CLOSING)
 		count_flow(id, 0);
 	hs->last_seen_ns = now;
-	hs->flags &= FLOW_F_CLOSING | FLOW_F_FINS;
+	flow_flags_clear(hs, (__u8) ~(FLOW_F_CLOSING | FLOW_F_FINS));
 	rev->syn_ack = 0;
 	action = nat_send(ctx, p, be, hs->nat_port, now);
 	// The entries move as they are (map values are copied in place: no stack copy).
@@ -514,7 +553,7 @@ static __always_inline int nat_forward(struct xdp_md *ctx, struct packet *p, str
 			id = fs->backend_id;
 			if (now - fs->last_seen_ns > NSEC_PER_SEC)
 				refresh_flow(ctx, p, fs, be, now);
-			if (tcp_closes(p) && closes_flow(p, &fs->flags, 0))
+			if (tcp_closes(p) && closes_nat_flow(p, fs, 0))
 				mark_closing(fs);
 			count(&global_stats, STAT_FLOW_HIT, p->len);
 			count(&service_stats, svc->id, p->len);
@@ -613,12 +652,12 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 		// RST from a backend the flow has left must not close its new entry.
 		if (fs && fs->backend_id == rev->backend_id && fs->nat_port == p->flow.dport) {
 			if (stale)
-				fs->flags |= FLOW_F_STALE;
-			else if (closes_flow(p, &fs->flags, 1)) {
+				flow_flags_or(fs, FLOW_F_STALE);
+			else if (closes_nat_flow(p, fs, 1)) {
 				if (established)
 					mark_closing(fs);
 				else
-					fs->flags |= FLOW_F_CLOSING;
+					flow_flags_or(fs, FLOW_F_CLOSING);
 			}
 		}
 	}
