@@ -931,6 +931,14 @@ func (c *Checker) startSyn(b *backend, syn *synProber, port uint16, now time.Tim
 	dst, source, timeout := b.ap, s.cfg.Check.Source, s.cfg.Check.Timeout
 	c.mu.Unlock()
 	syn.queue(now, b, dst, source, port, seq, timeout)
+	// A Remove between the unlock and queue found no check on the port to drop;
+	// without this the port stayed taken until the check's timeout.
+	c.mu.Lock()
+	removed := b.removed
+	c.mu.Unlock()
+	if removed {
+		syn.drop(port, seq)
+	}
 }
 
 // synInFlight marks a backend's syn check in flight; Remove drops the check
