@@ -214,8 +214,13 @@ func TestGracefulShutdown(t *testing.T) {
 		t.Fatalf("connection cut during the grace (%v): %v", time.Since(t0), err)
 	}
 	short.Close()
-	// Serve waits on while the long connection is open.
-	waitfor.Value(t, 2*time.Second, "1 active connection (the long one)", active(s, 1))
+	// Serve waits on while the long connection is open: one active connection,
+	// unless a loaded machine let the grace end first (then none, which the
+	// checks below hold to their own rules).
+	waitfor.Value(t, 2*time.Second, "1 active connection (the long one), or the grace over", func() (any, bool) {
+		n := s.Snapshot().Active
+		return fmt.Sprintf("%d active connections after %v", n, time.Since(t0)), n == 1 || n == 0 && !early()
+	})
 	select {
 	case err := <-served:
 		if early() {
