@@ -78,7 +78,7 @@ var (
 	threads  = flag.Int("threads", 2, "threads or workers of every target (GOMAXPROCS for weir)")
 	variants = flag.String("variants", "", `more weir targets, each with settings of its own, interleaved with the rest: "name:KEY=V,KEY=V;name2:..." with keys GOGC, GOMEMLIMIT, GOMAXPROCS (the runtime's; GOMAXPROCS overrides -threads), H2CONNS (upstream HTTP/2 connections per backend), UPSTREAM (auto, http1, h2c; of the HTTP/1.1 and h2 fronts, not gRPC's), NETHTTP2 (1: HTTP/2 clients through net/http's server and transport, not the frame engine), NETHTTP1 (1: HTTP/1.1 clients through net/http's server, not weir's connection loop) and BIN (another build of this program to run weir from, e.g. main's, for a before/after)`)
 	pprof    = flag.String("pprof", "", "serve weir's net/http/pprof on this address (for a profile: go tool pprof http://ADDR/debug/pprof/profile)")
-	loads    = flag.String("loads", "h1,h2,grpc,ws,idle,idle1", "the loads to run, of h1, h2, grpc, ws (WebSocket echoes), idle (HTTP/2 connections held) and idle1 (HTTP/1.1 connections held); an A/B of one path runs only its load, and so more rounds in the same time")
+	loads    = flag.String("loads", "h1,h2,grpc,ws,idle,idle1,idlews", "the loads to run, of h1, h2, grpc, ws (WebSocket echoes), idle (HTTP/2 connections held), idle1 (HTTP/1.1 connections held) and idlews (WebSockets held); an A/B of one path runs only its load, and so more rounds in the same time")
 )
 
 // Loopback ports.
@@ -179,6 +179,7 @@ type result struct {
 	IdleRSS                   float64 // MB with -idle h2 connections open
 	IdleConnKB                float64 // KB per idle h2 connection
 	Idle1RSS, Idle1ConnKB     float64 // the same for HTTP/1.1 keep-alive connections
+	IdleWSRSS, IdleWSConnKB   float64 // the same for WebSockets, each having echoed one message
 }
 
 func run(ctx context.Context) error {
@@ -326,6 +327,7 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	}{
 		{"idle", frontH2, idleH2, &res.IdleRSS, &res.IdleConnKB},
 		{"idle1", frontH1, idleH1, &res.Idle1RSS, &res.Idle1ConnKB},
+		{"idlews", frontH1, idleWS, &res.IdleWSRSS, &res.IdleWSConnKB},
 	} {
 		if !slices.Contains(want, m.load) {
 			continue
@@ -567,6 +569,29 @@ func idleH1(c net.Conn, addr string) error {
 	return err
 }
 
+// idleWS opens a WebSocket over c (the backends echo at /ws) and has one
+// 64-byte message echoed, so the proxy has moved bytes both ways through the
+// tunnel before it sits idle.
+func idleWS(c net.Conn, addr string) error {
+	cfg, err := websocket.NewConfig("ws://"+addr+"/ws", "http://"+addr+"/")
+	if err != nil {
+		return err
+	}
+	ws, err := websocket.NewClient(cfg, c)
+	if err != nil {
+		return err
+	}
+	msg := strings.Repeat("m", 64)
+	if err := websocket.Message.Send(ws, msg); err != nil {
+		return err
+	}
+	var got string
+	if err := websocket.Message.Receive(ws, &got); err != nil || got != msg {
+		return fmt.Errorf("echo %q: %v", got, err)
+	}
+	return nil
+}
+
 // --- the other targets ---
 
 func startHAProxy(_ context.Context, dir string) (*benchproc.Proc, error) {
@@ -722,6 +747,8 @@ func report(targets []target, results map[string][]result) error {
 		{"KB per idle h2 conn", func(r result) float64 { return r.IdleConnKB }},
 		{"RSS MB, idle h1 conns", func(r result) float64 { return r.Idle1RSS }},
 		{"KB per idle h1 conn", func(r result) float64 { return r.Idle1ConnKB }},
+		{"RSS MB, idle WebSockets", func(r result) float64 { return r.IdleWSRSS }},
+		{"KB per idle WebSocket", func(r result) float64 { return r.IdleWSConnKB }},
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "medians of %d interleaved runs, %v per load, %d threads or workers each; (×) is the ratio to HAProxy's\n\n", *runs, *duration, *threads)

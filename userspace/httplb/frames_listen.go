@@ -8,6 +8,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -167,6 +168,21 @@ func (c *prefixConn) Read(p []byte) (int, error) {
 		return n, nil
 	}
 	return c.coalescingConn.Read(p)
+}
+
+// tunnelRawConn is the socket's RawConn for a tunnel's reads once the
+// connection has nothing of its own left to give first (the sniffed prefix,
+// long read by the server when a request turns into a tunnel); nil otherwise.
+func (c *prefixConn) tunnelRawConn() syscall.RawConn {
+	sc, ok := c.Conn.(syscall.Conn)
+	if len(c.prefix) > 0 || !c.sniffed || !ok {
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return rc
 }
 
 // registerSession adds a session for shutdown to find; false: the service is

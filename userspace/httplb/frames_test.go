@@ -606,6 +606,14 @@ func TestFramesBackendBadSettings(t *testing.T) {
 // badSettingsBackend speaks HTTP/2 on conn: first sends what first writes, then
 // answers every request 200 "ok", and reports a GOAWAY's code.
 func badSettingsBackend(conn net.Conn, first func(*http2.Framer), goaway chan<- http2.ErrCode) {
+	h2StatusBackend(conn, first, "200", false, goaway)
+}
+
+// h2StatusBackend speaks HTTP/2 on conn: first sends what first writes, then
+// answers every request's HEADERS with HEADERS of status, ending the stream
+// there if endStream, else with a DATA "ok" after a 200 (and nothing after
+// another status); it reports a GOAWAY's code on goaway, if not nil.
+func h2StatusBackend(conn net.Conn, first func(*http2.Framer), status string, endStream bool, goaway chan<- http2.ErrCode) {
 	conn.SetDeadline(time.Now().Add(10 * time.Second))
 	preface := make([]byte, len(http2.ClientPreface))
 	if _, err := io.ReadFull(conn, preface); err != nil {
@@ -622,13 +630,17 @@ func badSettingsBackend(conn net.Conn, first func(*http2.Framer), goaway chan<- 
 		}
 		switch f := f.(type) {
 		case *http2.GoAwayFrame:
-			goaway <- f.ErrCode
+			if goaway != nil {
+				goaway <- f.ErrCode
+			}
 			return
 		case *http2.HeadersFrame:
 			hb.Reset()
-			enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
-			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: hb.Bytes(), EndHeaders: true})
-			fr.WriteData(f.StreamID, true, []byte("ok"))
+			enc.WriteField(hpack.HeaderField{Name: ":status", Value: status})
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: hb.Bytes(), EndHeaders: true, EndStream: endStream})
+			if !endStream && status == "200" {
+				fr.WriteData(f.StreamID, true, []byte("ok"))
+			}
 		}
 	}
 }
@@ -712,26 +724,7 @@ func TestFramesBackendMalformedStatus(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			be := rawBackend(t, func(conn net.Conn) {
-				conn.SetDeadline(time.Now().Add(10 * time.Second))
-				preface := make([]byte, len(http2.ClientPreface))
-				if _, err := io.ReadFull(conn, preface); err != nil {
-					return
-				}
-				fr := http2.NewFramer(conn, conn)
-				fr.WriteSettings()
-				var hb bytes.Buffer
-				enc := hpack.NewEncoder(&hb)
-				for {
-					f, err := fr.ReadFrame()
-					if err != nil {
-						return
-					}
-					if h, ok := f.(*http2.HeadersFrame); ok {
-						hb.Reset()
-						enc.WriteField(hpack.HeaderField{Name: ":status", Value: c.status})
-						fr.WriteHeaders(http2.HeadersFrameParam{StreamID: h.StreamID, BlockFragment: hb.Bytes(), EndHeaders: true, EndStream: c.end})
-					}
-				}
+				h2StatusBackend(conn, func(fr *http2.Framer) { fr.WriteSettings() }, c.status, c.end, nil)
 			})
 			s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 			client := h2cClient()

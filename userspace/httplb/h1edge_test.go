@@ -223,11 +223,10 @@ func TestH1CRLFAfterPOST(t *testing.T) {
 	}
 }
 
-// TestH1NoContentLengthOn204: a 204 carries no Content-Length (RFC 9110 8.6),
-// whatever the backend sent; a client that framed by it would wait for a body
-// that never comes.
-func TestH1NoContentLengthOn204(t *testing.T) {
-	be := rawBackend(t, func(c net.Conn) {
+// answeringBackend answers every request on a kept-alive connection with answer,
+// as it is, after reading the request's body.
+func answeringBackend(t *testing.T, answer string) netip.AddrPort {
+	return rawBackend(t, func(c net.Conn) {
 		br := bufio.NewReader(c)
 		for {
 			req, err := http.ReadRequest(br)
@@ -235,9 +234,16 @@ func TestH1NoContentLengthOn204(t *testing.T) {
 				return
 			}
 			io.Copy(io.Discard, req.Body)
-			io.WriteString(c, "HTTP/1.1 204 No Content\r\nContent-Length: 7\r\n\r\n")
+			io.WriteString(c, answer)
 		}
 	})
+}
+
+// TestH1NoContentLengthOn204: a 204 carries no Content-Length (RFC 9110 8.6),
+// whatever the backend sent; a client that framed by it would wait for a body
+// that never comes.
+func TestH1NoContentLengthOn204(t *testing.T) {
+	be := answeringBackend(t, "HTTP/1.1 204 No Content\r\nContent-Length: 7\r\n\r\n")
 	for _, engine := range h1Engines {
 		t.Run(engine, func(t *testing.T) {
 			s := serveOn(t, Config{NetHTTP1: engine == "net_http"}, []Backend{{Addr: be, Weight: 1, Usable: true}})
@@ -824,17 +830,7 @@ func outq(t *testing.T, conn net.Conn) int {
 // body) read it, through both HTTP/1.1 engines. The frame engine checks
 // :status itself.
 func TestBackendStatusUnder100(t *testing.T) {
-	be := rawBackend(t, func(c net.Conn) {
-		br := bufio.NewReader(c)
-		for {
-			req, err := http.ReadRequest(br)
-			if err != nil {
-				return
-			}
-			io.Copy(io.Discard, req.Body)
-			io.WriteString(c, "HTTP/1.1 099 Odd\r\nContent-Length: 2\r\n\r\nok")
-		}
-	})
+	be := answeringBackend(t, "HTTP/1.1 099 Odd\r\nContent-Length: 2\r\n\r\nok")
 	for _, engine := range h1Engines {
 		s := serveOn(t, Config{NetHTTP1: engine == "net_http", Retries: 0}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 		for _, method := range []string{http.MethodGet, http.MethodPost} {

@@ -279,8 +279,11 @@ func (c *h1Session) serveHTTP(w *h1Writer, req *http.Request) (ok bool) {
 				c.s.log.Error("http: panic serving a request", "client", c.remote, "panic", v, "stack", string(debug.Stack()))
 			}
 			// What was framed so far goes out, so the client sees the answer
-			// end early rather than nothing.
-			c.bw.Flush()
+			// end early rather than nothing (none after a hijack: the
+			// connection was handed over).
+			if c.bw != nil {
+				c.bw.Flush()
+			}
 		}
 	}()
 	c.s.serveRequest(c.ctx, w, req)
@@ -910,7 +913,12 @@ func (w *h1Writer) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 		// the caller looks at before reading the connection.
 		c.br.Peek(c.br.Buffered() + n)
 	}
-	return c.conn, bufio.NewReadWriter(c.br, c.bw), nil
+	rw := bufio.NewReadWriter(c.br, c.bw)
+	// The session reads and writes no more: the caller holds the buffers only
+	// until its first bytes are out and what was read ahead is taken, so a
+	// long-lived tunnel does not keep them.
+	c.br, c.bw = nil, nil
+	return c.conn, rw, nil
 }
 
 // writeField writes one header field; a line break in a value (which no parser

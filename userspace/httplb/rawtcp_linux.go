@@ -109,10 +109,10 @@ func (c *rawTCP) Read(p []byte) (int, error) {
 // there.
 func (c *rawTCP) readOnce(fd uintptr) bool {
 	for {
-		r, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&c.r.buf[0])), uintptr(len(c.r.buf)))
+		n, e := sysRead(fd, c.r.buf)
 		switch e {
 		case 0:
-			c.r.n = int(r)
+			c.r.n = n
 			return true
 		case syscall.EINTR:
 			continue
@@ -130,6 +130,13 @@ func (c *rawTCP) Write(p []byte) (int, error) {
 	}
 	n, errno, err := c.w.run(c.rc, true, p)
 	return n, c.failure("write", err, errno)
+}
+
+// sysRead is one read(2), raw (sysread_race_linux.go has the one the race
+// detector sees).
+func sysRead(fd uintptr, p []byte) (int, syscall.Errno) {
+	r, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+	return int(r), e
 }
 
 // writeSome is c.w's call: writes until all of its buffer is gone or the socket is full

@@ -395,21 +395,20 @@ func (t *tunnel) run(ahead []byte) (up, down int64, err error) {
 // pipe copies from src to dst until src ends. A clean end half-closes dst; an
 // error aborts the tunnel.
 func (t *tunnel) pipe(dst, src net.Conn) (int64, error) {
-	bp := bufPool.Get().(*[]byte)
-	defer bufPool.Put(bp)
-	buf := *bp
+	r := newTunnelReader(src)
+	defer r.release()
 	var n int64
 	for {
-		k, err := src.Read(buf)
-		if k > 0 {
+		b, err := r.read()
+		if len(b) > 0 {
 			if !t.moved.Load() {
 				t.moved.Store(true) // a load first: no cache line written per message
 			}
-			if _, werr := dst.Write(buf[:k]); werr != nil {
+			if _, werr := dst.Write(b); werr != nil {
 				t.abort()
 				return n, werr
 			}
-			n += int64(k)
+			n += int64(len(b))
 		}
 		switch {
 		case err == nil:

@@ -1,0 +1,5 @@
+//go:build !race
+
+package httplb
+
+const raceDetector = false

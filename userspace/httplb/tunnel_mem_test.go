@@ -1,0 +1,157 @@
+package httplb
+
+import (
+	"bytes"
+	"io"
+	"net"
+	"net/netip"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+)
+
+// tunnelEnds is a backend that switches every upgrade to "echo" without a
+// goroutine per connection (one accepts, reads each request head and answers
+// it in turn) and keeps its side of each tunnel for the test to drive, so the
+// memory a test measures in this process is the plane's, not the backend's.
+type tunnelEnds struct {
+	addr netip.AddrPort
+	mu   sync.Mutex
+	cs   []net.Conn
+}
+
+func newTunnelEnds(t *testing.T) *tunnelEnds {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &tunnelEnds{addr: netip.MustParseAddrPort(ln.Addr().String())}
+	done := make(chan struct{})
+	t.Cleanup(func() {
+		ln.Close()
+		<-done
+		e.closeAll()
+	})
+	// Exits when the listener closes at cleanup.
+	go func() {
+		defer close(done)
+		var head [1024]byte
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.SetDeadline(time.Now().Add(5 * time.Second))
+			n := 0
+			for n < len(head) && !bytes.Contains(head[:n], []byte("\r\n\r\n")) {
+				k, err := c.Read(head[n:])
+				if err != nil {
+					break
+				}
+				n += k
+			}
+			c.SetDeadline(time.Time{})
+			// Kept before the 101 goes: the client takes last() once it has it.
+			e.mu.Lock()
+			e.cs = append(e.cs, c)
+			e.mu.Unlock()
+			io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+		}
+	}()
+	return e
+}
+
+// closeAll closes the backend's side of every tunnel, which ends them.
+func (e *tunnelEnds) closeAll() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, c := range e.cs {
+		c.Close()
+	}
+}
+
+// last is the backend's side of the tunnel opened last.
+func (e *tunnelEnds) last() net.Conn {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.cs[len(e.cs)-1]
+}
+
+// roundTrip moves a message each way through a tunnel: client to backend,
+// then backend to client.
+func roundTrip(t *testing.T, client, backend net.Conn) {
+	t.Helper()
+	buf := make([]byte, 4)
+	for _, dir := range []struct{ from, to net.Conn }{{client, backend}, {backend, client}} {
+		dir.to.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := dir.from.Write([]byte("ping")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(dir.to, buf); err != nil || string(buf) != "ping" {
+			t.Fatalf("through the tunnel: %q, %v", buf, err)
+		}
+	}
+}
+
+// inUse is the process's heap and goroutine stacks in use, after the
+// collector has run, pools included (twice: a pool's objects survive one
+// collection in its victim cache).
+func inUse() uint64 {
+	var ms runtime.MemStats
+	runtime.GC()
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	return ms.HeapInuse + ms.StackInuse
+}
+
+// TestIdleTunnelMemory: an open tunnel that has moved bytes both ways and
+// waits for more holds no copy buffer, through either HTTP/1.1 engine. A
+// WebSocket service keeps most of its connections idle most of the time, and
+// two 32 KiB buffers per tunnel would be most of what it costs.
+func TestIdleTunnelMemory(t *testing.T) {
+	const tunnels = 200
+	// What an idle tunnel may cost the plane: its two goroutines' stacks,
+	// both connections' state and the tunnel's bookkeeping, with room for the
+	// runtime's rounding: about 18 KB through the loop. Under net/http's
+	// server the connection's own read and write buffers (8 KB), which the
+	// plane cannot free, and its deeper stacks come on top: about 36 KB. A
+	// 32 KiB copy buffer held through the wait would exceed either bound.
+	maxPerTunnel := map[string]int64{"loop": 24 << 10, "net_http": 48 << 10}
+	if raceDetector {
+		// Under the race detector both come to about 10 KB more.
+		maxPerTunnel["loop"] += 12 << 10
+		maxPerTunnel["net_http"] += 12 << 10
+	}
+	for _, engine := range h1Engines {
+		t.Run(engine, func(t *testing.T) {
+			ends := newTunnelEnds(t)
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http"}, []Backend{{Addr: ends.addr, Weight: 1, Usable: true}})
+			// Before the service shuts down, which waits for its tunnels.
+			t.Cleanup(ends.closeAll)
+			open := func() {
+				conn, br, _ := mustSwitch(t, s.Addr().String(), "echo", "")
+				if br.Buffered() > 0 {
+					t.Fatalf("bytes behind the 101: %d", br.Buffered())
+				}
+				roundTrip(t, conn, ends.last())
+			}
+			// One first, so the pools and the service's own goroutines are in
+			// the baseline.
+			open()
+			before := inUse()
+			for range tunnels {
+				open()
+			}
+			after := inUse()
+			per := int64(after-before) / tunnels
+			t.Logf("%d idle tunnels: %d bytes of heap and stacks each", tunnels, per)
+			if per > maxPerTunnel[engine] {
+				t.Errorf("an idle tunnel holds %d bytes of heap and stacks; want at most %d", per, maxPerTunnel[engine])
+			}
+			if got := s.Snapshot().Tunnels; got != tunnels+1 {
+				t.Errorf("%d tunnels open; want %d", got, tunnels+1)
+			}
+		})
+	}
+}
