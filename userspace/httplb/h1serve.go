@@ -70,8 +70,9 @@ type h1Session struct {
 	s      *Service
 	conn   net.Conn
 	in     h1Input
-	br     *bufio.Reader
+	br     *bufio.Reader // nil only while awaitRequest waits
 	bw     *bufio.Writer
+	idle   *pooledReader // awaitRequest's, made at its first wait
 	remote string
 	tls    *tls.ConnectionState
 	ctx    *sessionCtx // cancelled when the client is seen to go away
@@ -94,10 +95,12 @@ const (
 	watchReading
 )
 
-// h1Input is what the connection's reader reads: bytes the watch read ahead
-// first, then the connection, with the header limit while a header is read.
+// h1Input is what the connection's reader reads: bytes read ahead first (the
+// listener's sniff, the idle wait's read, the watch's byte), then the
+// connection, with the header limit while a header is read.
 type h1Input struct {
 	pending []byte
+	held    *pooledReader // owns pending's buffer until pending is read; nil if none does
 	lim     limitReader
 }
 
@@ -105,6 +108,13 @@ func (in *h1Input) Read(p []byte) (int, error) {
 	if len(in.pending) > 0 {
 		n := copy(p, in.pending)
 		in.pending = in.pending[n:]
+		if len(in.pending) == 0 && in.held != nil {
+			// Nil too: the watch appends its byte to pending, which must not
+			// land in a buffer back in the pool.
+			in.pending = nil
+			in.held.release()
+			in.held = nil
+		}
 		return n, nil
 	}
 	return in.lim.Read(p)
@@ -137,7 +147,8 @@ func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.Connection
 func (s *Service) newH1Session(conn net.Conn, prefix []byte, tlsState *tls.ConnectionState) *h1Session {
 	c := &h1Session{s: s, conn: conn, remote: conn.RemoteAddr().String(), tls: tlsState, done: make(chan struct{})}
 	c.in = h1Input{pending: prefix, lim: limitReader{r: conn, n: math.MaxInt64}}
-	c.br = bufio.NewReaderSize(&c.in, 4<<10)
+	c.br = h1ReaderPool.Get().(*bufio.Reader)
+	c.br.Reset(&c.in)
 	c.ctx = newSessionCtx()
 	c.w.c = c
 	c.w.own = http.Header{} // no room until a field goes in: most answers bring their own
@@ -159,7 +170,7 @@ func (c *h1Session) serve() bool {
 	for {
 		if c.br.Buffered() == 0 && len(c.in.pending) == 0 {
 			c.conn.SetReadDeadline(time.Now().Add(wait))
-			if _, err := c.br.Peek(1); err != nil {
+			if !c.awaitRequest() {
 				return true
 			}
 		}
@@ -196,11 +207,44 @@ func (c *h1Session) serve() bool {
 			return true
 		}
 		c.dropWriter()
+		// The answered request and the backend's answer header are garbage
+		// now; an idle connection does not keep them.
+		c.w.req, c.w.header = nil, c.w.own
 		c.state.Store(h1Idle)
 		if s.h1Shutdown.Load() {
 			return true // shutdown may have passed this connection by while it was active
 		}
 	}
+}
+
+// awaitRequest waits for the client's next bytes, with the connection's read
+// deadline; false: none will come (closed, failed or timed out). A connection
+// the runtime poller can be asked about waits holding no read buffer: its
+// reader goes back to h1ReaderPool for the wait, and the bytes come in a
+// buffer from h1ReadPool, which the reader takes them from (4 KiB less per
+// idle keep-alive connection).
+func (c *h1Session) awaitRequest() bool {
+	if c.idle == nil {
+		c.idle = newPooledReader(c.conn, &h1ReadPool)
+	}
+	if !c.idle.raw() {
+		_, err := c.br.Peek(1)
+		return err == nil
+	}
+	c.br.Reset(nil)
+	h1ReaderPool.Put(c.br)
+	c.br = nil
+	b, err := c.idle.read()
+	c.br = h1ReaderPool.Get().(*bufio.Reader)
+	c.br.Reset(&c.in)
+	if err != nil {
+		return false
+	}
+	c.in.pending, c.in.held = b, c.idle
+	// Into the reader at once, as a wait on the reader would have put them
+	// (headerBuffered looks there), and the read buffer back to the pool.
+	c.br.Peek(1)
+	return true
 }
 
 func leadingCRLF(b []byte) int {
@@ -362,6 +406,8 @@ func (c *h1Session) dropWriter() {
 
 var (
 	h1WriterPool  = sync.Pool{New: func() any { return bufio.NewWriterSize(nil, 4<<10) }}
+	h1ReaderPool  = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4<<10) }}
+	h1ReadPool    = sync.Pool{New: func() any { b := make([]byte, 4<<10); return &b }}
 	h1PendingPool = sync.Pool{New: func() any { return new([h1PendingMax]byte) }}
 )
 

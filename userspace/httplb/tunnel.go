@@ -395,7 +395,7 @@ func (t *tunnel) run(ahead []byte) (up, down int64, err error) {
 // pipe copies from src to dst until src ends. A clean end half-closes dst; an
 // error aborts the tunnel.
 func (t *tunnel) pipe(dst, src net.Conn) (int64, error) {
-	r := newTunnelReader(src)
+	r := newPooledReader(src, &bufPool)
 	defer r.release()
 	var n int64
 	for {

@@ -4,21 +4,25 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync"
 	"syscall"
 )
 
-// tunnelReader reads one direction of a tunnel into copy buffers taken from
-// bufPool only while bytes are there: a direction waiting for its next
-// message holds no buffer. Most tunnels (WebSockets) are idle most of the
-// time, and two 32 KiB buffers held through every wait were most of what an
-// idle tunnel cost (TestIdleTunnelMemory).
+// pooledReader reads a connection into buffers taken from a pool only while
+// bytes are there: a connection waiting for its next bytes holds no buffer.
+// A tunnel's directions (WebSockets are idle most of the time) and the
+// HTTP/1.1 loop's wait for a client's next request read through one; two
+// 32 KiB buffers held through every wait were most of what an idle tunnel cost
+// (TestIdleTunnelMemory).
 //
-// The wait is the runtime poller's, through the socket's RawConn: the read
-// is tried first, and when it finds nothing the buffer goes back to the pool
-// before the goroutine parks. A connection that is not a socket (TLS) is read
-// with its own Read into a buffer held throughout, as before.
-type tunnelReader struct {
+// The wait is the runtime poller's, through the socket's RawConn, so the
+// connection's read deadline holds as for its Read: the read is tried first,
+// and when it finds nothing the buffer goes back to the pool before the
+// goroutine parks. A connection that is not a socket (TLS) is read with its
+// own Read into a buffer held throughout (raw is false).
+type pooledReader struct {
 	src   net.Conn
+	pool  *sync.Pool      // of *[]byte
 	rc    syscall.RawConn // nil: src.Read
 	call  func(fd uintptr) bool
 	bp    *[]byte // the buffer in hand, nil while none is
@@ -26,8 +30,8 @@ type tunnelReader struct {
 	errno syscall.Errno
 }
 
-func newTunnelReader(src net.Conn) *tunnelReader {
-	r := &tunnelReader{src: src}
+func newPooledReader(src net.Conn, pool *sync.Pool) *pooledReader {
+	r := &pooledReader{src: src, pool: pool}
 	switch c := src.(type) {
 	case interface{ tunnelRawConn() syscall.RawConn }:
 		r.rc = c.tunnelRawConn()
@@ -40,12 +44,15 @@ func newTunnelReader(src net.Conn) *tunnelReader {
 	return r
 }
 
+// raw reports whether a wait holds no buffer.
+func (r *pooledReader) raw() bool { return r.rc != nil }
+
 // read returns the next bytes from src, in a pooled buffer that stays the
 // reader's until release; io.EOF at src's end.
-func (r *tunnelReader) read() ([]byte, error) {
+func (r *pooledReader) read() ([]byte, error) {
 	if r.rc == nil {
 		if r.bp == nil {
-			r.bp = bufPool.Get().(*[]byte)
+			r.bp = r.pool.Get().(*[]byte)
 		}
 		n, err := r.src.Read(*r.bp)
 		return (*r.bp)[:n], err
@@ -71,9 +78,9 @@ func (r *tunnelReader) read() ([]byte, error) {
 
 // readOnce is the RawConn's callback: one read into a buffer taken for it;
 // false (wait in the poller) if nothing is there, with the buffer given back.
-func (r *tunnelReader) readOnce(fd uintptr) bool {
+func (r *pooledReader) readOnce(fd uintptr) bool {
 	if r.bp == nil {
-		r.bp = bufPool.Get().(*[]byte)
+		r.bp = r.pool.Get().(*[]byte)
 	}
 	for {
 		n, errno := sysRead(fd, *r.bp)
@@ -93,9 +100,9 @@ func (r *tunnelReader) readOnce(fd uintptr) bool {
 }
 
 // release gives the buffer in hand back to the pool.
-func (r *tunnelReader) release() {
+func (r *pooledReader) release() {
 	if r.bp != nil {
-		bufPool.Put(r.bp)
+		r.pool.Put(r.bp)
 		r.bp = nil
 	}
 }
