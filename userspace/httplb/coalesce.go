@@ -1,6 +1,7 @@
 package httplb
 
 import (
+	"encoding/binary"
 	"errors"
 	"net"
 	"sync"
@@ -32,14 +33,18 @@ type coalescingConn struct {
 
 	sniffed bool // the first read was looked at (read by one goroutine at a time)
 
-	mu      sync.Mutex
-	cond    sync.Cond // signalled when a write finishes
-	async   bool      // writes queue
-	buf     []byte    // queued, not yet handed to the kernel
-	spare   []byte
-	writing bool // the flusher goroutine runs
-	closed  bool // Close was called: the flusher closes the socket when done
-	err     error
+	mu    sync.Mutex
+	cond  sync.Cond // signalled when a write finishes
+	async bool      // writes queue
+	buf   []byte    // queued, not yet handed to the kernel
+	spare []byte
+	// The pool's holders of buf and spare (nil while a slice has none):
+	// both go back to writeBufPool when the queue runs dry, so an idle
+	// connection holds no write buffer.
+	bufH, spareH *[]byte
+	writing      bool // the flusher goroutine runs
+	closed       bool // Close was called: the flusher closes the socket when done
+	err          error
 	// onDrain, when set, is called (without mu) once the queue has gone out
 	// after room reported it full; the frame engine sets it.
 	onDrain   func()
@@ -89,6 +94,10 @@ func (c *coalescingConn) appendLocked(p []byte) (int, error) {
 	case c.err != nil:
 		return 0, c.err
 	}
+	if c.bufH == nil {
+		c.bufH = writeBufPool.Get().(*[]byte)
+		c.buf = (*c.bufH)[:0]
+	}
 	c.buf = append(c.buf, p...)
 	if !c.writing {
 		c.writing = true
@@ -107,15 +116,40 @@ var errQueueFull = errors.New("peer not reading: write queue full")
 // queue is Write that never waits for room: the frame engine holds its locks
 // while it writes, and checks room before each DATA frame instead.
 func (c *coalescingConn) queue(p []byte) (int, error) {
+	return c.queue2(p, nil)
+}
+
+// queue2 queues a and b, one behind the other, as queue does.
+func (c *coalescingConn) queue2(a, b []byte) (int, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.err == nil && len(c.buf)+len(p) > queueHardLimit {
+	if c.err == nil && len(c.buf)+len(a)+len(b) > queueHardLimit {
 		// The peer takes nothing: its reader fails on the closed socket, and
 		// the frame engine ends the connection.
 		c.err = errQueueFull
 		c.Conn.Close()
 	}
-	return c.appendLocked(p)
+	if n, err := c.appendLocked(a); err != nil || len(b) == 0 {
+		return n, err
+	}
+	c.buf = append(c.buf, b...)
+	return len(a) + len(b), nil
+}
+
+// queueData queues an HTTP/2 DATA frame (RFC 9113 6.1, no padding) for
+// streamID, with END_STREAM if end. The payload goes straight into the queue:
+// http2.Framer's WriteData copies it into a buffer of its own first, one copy
+// more per byte, and keeps that buffer at the largest frame's size for as long
+// as the connection lives, idle or not (TestIdleH2Memory).
+func (c *coalescingConn) queueData(streamID uint32, end bool, p []byte) {
+	var h [9]byte
+	h[0], h[1], h[2] = byte(len(p)>>16), byte(len(p)>>8), byte(len(p))
+	h[3] = byte(http2.FrameData)
+	if end {
+		h[4] = byte(http2.FlagDataEndStream)
+	}
+	binary.BigEndian.PutUint32(h[5:], streamID&(1<<31-1))
+	c.queue2(h[:], p)
 }
 
 // room reports whether the queue has room for more DATA; if not, onDrain is
@@ -140,23 +174,29 @@ func (c *coalescingConn) flush() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for len(c.buf) > 0 && c.err == nil {
-		out := c.buf
-		c.buf = c.spare[:0]
+		out, outH := c.buf, c.bufH
+		if c.spareH == nil {
+			c.spareH = writeBufPool.Get().(*[]byte)
+			c.spare = *c.spareH
+		}
+		c.buf, c.bufH = c.spare[:0], c.spareH
 		c.mu.Unlock()
 		_, err := c.Conn.Write(out)
 		c.mu.Lock()
-		c.spare = out[:0]
+		c.spare, c.spareH = out[:0], outH
 		if err != nil {
 			c.err = err
 		}
 		c.cond.Broadcast()
 	}
-	// A burst's buffers are not kept for an idle connection.
-	if cap(c.spare) > 64<<10 {
-		c.spare = nil
-	}
-	if len(c.buf) == 0 && cap(c.buf) > 64<<10 {
-		c.buf = nil
+	// The burst is out: its buffers go back to the pool rather than stay
+	// with a connection that may now idle for minutes (after a large answer
+	// they had grown to its size).
+	putWriteBuf(c.spareH, c.spare)
+	c.spare, c.spareH = nil, nil
+	if len(c.buf) == 0 {
+		putWriteBuf(c.bufH, c.buf)
+		c.buf, c.bufH = nil, nil
 	}
 	c.writing = false
 	c.cond.Broadcast()
@@ -170,6 +210,26 @@ func (c *coalescingConn) flush() {
 		fn()
 		c.mu.Lock()
 	}
+}
+
+// writeBufPool holds the queues' buffers between bursts (*[]byte, grown by
+// the bursts that used them, up to writeBufKeep).
+var writeBufPool = sync.Pool{New: func() any { return new([]byte) }}
+
+// writeBufKeep is the largest buffer the pool keeps; a larger one (a burst of
+// a large answer) is left to the collector.
+const writeBufKeep = 64 << 10
+
+// putWriteBuf gives b, held by h, back to writeBufPool.
+func putWriteBuf(h *[]byte, b []byte) {
+	if h == nil {
+		return
+	}
+	if cap(b) > writeBufKeep {
+		b = nil
+	}
+	*h = b[:0]
+	writeBufPool.Put(h)
 }
 
 // drainWait bounds how long a closed connection's queue may take to go out to a

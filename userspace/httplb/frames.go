@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/url"
@@ -40,10 +41,11 @@ import (
 // holds up only itself, never the connection the other streams share.
 
 const (
-	// frameReadBuf is each connection's read buffer: the framer reads a
-	// frame's header and payload separately, so without it every frame costs
-	// two read(2)s; with it a batch of small frames costs one. Larger payloads
-	// bypass it.
+	// frameReadBuf is the read buffer of a connection that cannot be read
+	// through frameReader's pooled buffer (TLS clients, backends): the framer
+	// reads a frame's header and payload separately, so without it every
+	// frame costs two read(2)s; with it a batch of small frames costs one.
+	// Larger payloads bypass it.
 	frameReadBuf = 4 << 10
 	// maxRefused bounds how often a stream the backend refused goes again.
 	maxRefused    = 3
@@ -148,7 +150,7 @@ func (s *Service) serveFrames(c *coalescingConn, overTLS bool) {
 	ss := &fsess{s: s, conn: c, tls: overTLS, streams: map[uint32]*fstream{}, sendWin: 65535, initWin: 65535, maxFrame: 16384, recvWin: recvConnWin,
 		remote: c.RemoteAddr().String(), done: make(chan struct{})}
 	ss.client, _, _ = net.SplitHostPort(ss.remote)
-	ss.fr = http2.NewFramer(queueWriter{c}, bufio.NewReaderSize(c, frameReadBuf))
+	ss.fr = http2.NewFramer(queueWriter{c}, frameReader(c))
 	c.onDrain = ss.drained
 	ss.br = newBlockReader(ss.fr, uint32(s.cfg.MaxHeaderBytes))
 	ss.enc = hpack.NewEncoder(&ss.encBuf)
@@ -173,6 +175,17 @@ func (s *Service) serveFrames(c *coalescingConn, overTLS bool) {
 	ss.closeLocked(err)
 	ss.mu.Unlock()
 	close(ss.done)
+}
+
+// frameReader is what a client connection's framer reads: on a socket, a
+// buffer held only while it has bytes the framer has not taken, so an idle
+// connection holds none; over TLS (which cannot be waited on without reading)
+// a buffer of its own.
+func frameReader(c *coalescingConn) io.Reader {
+	if r := newPoolBufReader(c.Conn, &bufPool); r.pr.raw() {
+		return r
+	}
+	return bufio.NewReaderSize(c, frameReadBuf)
 }
 
 // read is the session's reader: it runs until the connection fails or closes.
@@ -675,7 +688,7 @@ func (st *fstream) answer(status int, msg string, noBackend bool) {
 	}
 	writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, st.method == http.MethodHead, h)
 	if st.method != http.MethodHead {
-		ss.fr.WriteData(st.id, true, []byte(msg+"\n"))
+		ss.conn.queueData(st.id, true, []byte(msg+"\n"))
 	}
 	st.status = status
 	if st.live.cfg.AccessLog {
@@ -1058,7 +1071,7 @@ func (st *fstream) flushResp() {
 			return
 		}
 		last := n == int64(len(b)) && len(st.respQ) == 1 && st.respEnd && st.trailers == nil
-		ss.fr.WriteData(st.id, last, b[:n])
+		ss.conn.queueData(st.id, last, b[:n])
 		st.cliSend -= n
 		ss.sendWin -= n
 		st.respBytes += n
@@ -1079,7 +1092,7 @@ func (st *fstream) flushResp() {
 		if st.trailers != nil {
 			writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, true, st.trailers)
 		} else {
-			ss.fr.WriteData(st.id, true, nil)
+			ss.conn.queueData(st.id, true, nil)
 		}
 		st.delivered()
 	}

@@ -154,7 +154,7 @@ func (uc *upconn) sendBody(st *fstream) {
 		if st.reqTr != nil {
 			writeHeaders(uc.fr, uc.enc, &uc.encBuf, uc.maxFrame, st.upID, true, st.reqTr)
 		} else {
-			uc.fr.WriteData(st.upID, true, nil)
+			uc.conn.queueData(st.upID, true, nil)
 		}
 	}
 }
@@ -174,7 +174,7 @@ func (uc *upconn) sendQueue(st *fstream, q *[][]byte, credit bool) bool {
 			return false
 		}
 		last := n == int64(len(b)) && len(*q) == 1 && credit && st.reqEnded && st.reqTr == nil
-		uc.fr.WriteData(st.upID, last, b[:n])
+		uc.conn.queueData(st.upID, last, b[:n])
 		st.upSend -= n
 		uc.sendWin -= n
 		st.sentBody = true
