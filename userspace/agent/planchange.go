@@ -272,12 +272,13 @@ func (a *Agent) flowImpact(sp *api.ServicePlan, p, n *plan.Service) plan.Flows {
 	}
 	add := func(b *plan.Backend) {
 		addr := b.Config.Addr
-		bp := api.BackendPlan{Backend: addr.String(), Flows: flows.PerBackend[addr], Fate: string(fates[addr])}
+		bp := api.BackendPlan{Backend: addr.String(), Flows: flows.PerBackend[addr], Tunnels: flows.Tunnels[addr], Fate: string(fates[addr])}
 		switch fates[addr] {
 		case plan.Reset:
 			sp.Reset += bp.Flows
 		case plan.Drain:
 			sp.Drained += bp.Flows
+			sp.DrainedTunnels += bp.Tunnels
 		}
 		sp.Flows = append(sp.Flows, bp)
 	}

@@ -544,6 +544,7 @@ func (s *Service) closeBackends() {
 type BackendSnapshot struct {
 	Addr     netip.AddrPort
 	InFlight int
+	Tunnels  int // of InFlight, upgraded connections joined to it (WebSocket)
 	// Latency is the estimate the algorithm picks by (ewma, least_time); 0 with
 	// HasLatency false for the others, or before any sample.
 	Latency    time.Duration
@@ -572,6 +573,13 @@ func (s *Service) Snapshot() Snapshot {
 		InFlight: s.stats.inflight.Load(), Requests: s.stats.requests.Load(), NoBackend: s.stats.noBackend.Load()}
 	s.tunMu.Lock()
 	sn.Tunnels = int64(len(s.tunnels))
+	var tunnelsOf map[*backend]int
+	if len(s.tunnels) > 0 {
+		tunnelsOf = map[*backend]int{}
+		for t := range s.tunnels {
+			tunnelsOf[t.be]++
+		}
+	}
 	s.tunMu.Unlock()
 	s.mu.Lock()
 	bs := make([]*backend, 0, len(s.backends))
@@ -584,7 +592,7 @@ func (s *Service) Snapshot() Snapshot {
 	slices.SortFunc(bs, func(a, b *backend) int { return a.addr.Compare(b.addr) })
 	bal := s.live.Load().bal
 	for _, b := range bs {
-		bsn := BackendSnapshot{Addr: b.addr, InFlight: bal.InFlight(b.id), Requests: b.stats.requests.Load(),
+		bsn := BackendSnapshot{Addr: b.addr, InFlight: bal.InFlight(b.id), Tunnels: tunnelsOf[b], Requests: b.stats.requests.Load(),
 			Retries: b.stats.retries.Load()}
 		bsn.Latency, bsn.HasLatency = bal.Estimate(b.id)
 		for i := range bsn.Classes {

@@ -331,7 +331,7 @@ func (s *Service) closeTunnelsOf(be *backend) {
 		t.abort()
 	}
 	if len(ts) > 0 {
-		s.log.Info("drain timeout: closed tunnels", "service", s.cfg.Name, "backend", be.id, "closed", len(ts))
+		s.log.Info("drain timeout: closed tunnels", "backend", be.id, "closed", len(ts))
 	}
 }
 

@@ -66,6 +66,9 @@ type ServicePlan struct {
 	// timeout.
 	Reset   uint64 `json:"reset"`
 	Drained uint64 `json:"drained"`
+	// DrainedTunnels are the http plane's drained tunnels, of Drained: they
+	// are closed once the drain timeout is up, as they do not end by themselves.
+	DrainedTunnels uint64 `json:"drained_tunnels,omitempty"`
 	// Clients are the http plane's client connections (nil on the others).
 	Clients *ClientPlan `json:"clients,omitempty"`
 	// FlowsError says why the flows could not be read (the rest of the plan stands).
@@ -105,6 +108,7 @@ type SlotMove struct {
 type BackendPlan struct {
 	Backend string `json:"backend"`
 	Flows   uint64 `json:"flows"`
+	Tunnels uint64 `json:"tunnels,omitempty"` // of Flows, the http plane's tunnels (WebSocket)
 	Fate    string `json:"fate"`
 }
 
@@ -150,12 +154,19 @@ func (p *Plan) WriteTable(w io.Writer) {
 			if c := s.Clients; c != nil {
 				fmt.Fprintf(w, "  http client connections: %d open, %d closed gracefully\n", c.Open, c.Closed)
 				fmt.Fprintf(w, "  %s: %d, %d drained (they finish on their backend)\n", s.FlowKind, total, s.Drained)
+				if s.DrainedTunnels > 0 {
+					fmt.Fprintf(w, "    of them %d tunnels (WebSocket), closed when the drain timeout is up\n", s.DrainedTunnels)
+				}
 			} else {
 				fmt.Fprintf(w, "  %s: %d established, %d reset, %d drained\n", s.FlowKind, total, s.Reset, s.Drained)
 			}
 			for _, f := range s.Flows {
 				if f.Flows > 0 || f.Fate != "stay" {
-					fmt.Fprintf(w, "    %-24s %7d  %s\n", f.Backend, f.Flows, f.Fate)
+					tunnels := ""
+					if f.Tunnels > 0 {
+						tunnels = fmt.Sprintf("  (%d tunnels)", f.Tunnels)
+					}
+					fmt.Fprintf(w, "    %-24s %7d  %s%s\n", f.Backend, f.Flows, f.Fate, tunnels)
 				}
 			}
 		}

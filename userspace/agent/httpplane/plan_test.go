@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"golang.org/x/net/websocket"
 	"io"
 	"math"
 	"net"
@@ -262,4 +263,103 @@ func TestPlanPredictsReload(t *testing.T) {
 			t.Errorf("%d client connections closed by the new listener's reload; %d were planned", closed, sp.Clients.Closed)
 		}
 	})
+}
+
+// TestPlanCountsTunnels: weir plan counts an http service's tunnels
+// (WebSocket) apart from its other requests in flight, as they do not end by
+// themselves: removing the backend that holds one plans it drained, and the
+// reload closes it once the drain timeout is up, while a tunnel on the backend
+// that stays lives on.
+func TestPlanCountsTunnels(t *testing.T) {
+	bs := httpbackend.StartN(t, 2)
+	port := freePort(t)
+	svc := func(bs ...*httpbackend.Backend) string {
+		return fmt.Sprintf("  - {name: web, vip: 127.0.0.1:%d, data_plane: http, algorithm: least_conn, drain_timeout: 1s, health: {type: none}, backends: %s}\n",
+			port, backendList(bs))
+	}
+	r := startAgent(t, svc(bs...))
+	// least_conn puts the second tunnel on the other backend.
+	var wss []*websocket.Conn
+	for range 2 {
+		ws, err := websocket.Dial(fmt.Sprintf("ws://127.0.0.1:%d/ws", port), "", "http://127.0.0.1/")
+		if err != nil {
+			t.Fatalf("WebSocket handshake: %v", err)
+		}
+		t.Cleanup(func() { ws.Close() })
+		echo(t, ws)
+		wss = append(wss, ws)
+	}
+	sp := httpPlan(t, r.a, nil)
+	for _, f := range sp.Flows {
+		if f.Flows != 1 || f.Tunnels != 1 || f.Fate != "stay" {
+			t.Errorf("plan of the running config, backend %s: %d in flight, %d tunnels, %s; want 1, 1, stay", f.Backend, f.Flows, f.Tunnels, f.Fate)
+		}
+	}
+
+	r.writeConfig(t, svc(bs[0]))
+	sp = httpPlan(t, r.a, nil)
+	for _, f := range sp.Flows {
+		want := "stay"
+		if f.Backend == bs[1].Addr.String() {
+			want = "drain"
+		}
+		if f.Flows != 1 || f.Tunnels != 1 || f.Fate != want {
+			t.Errorf("plan without %s, backend %s: %d in flight, %d tunnels, %s; want 1, 1, %s", bs[1].Addr, f.Backend, f.Flows, f.Tunnels, f.Fate, want)
+		}
+	}
+	if sp.Drained != 1 || sp.DrainedTunnels != 1 {
+		t.Errorf("plan without %s: %d drained, %d of them tunnels; want 1 and 1", bs[1].Addr, sp.Drained, sp.DrainedTunnels)
+	}
+	var table strings.Builder
+	(&api.Plan{Services: []api.ServicePlan{sp}}).WriteTable(&table)
+	if !strings.Contains(table.String(), "of them 1 tunnels (WebSocket), closed when the drain timeout is up") {
+		t.Errorf("weir plan's table does not name the drained tunnel:\n%s", table.String())
+	}
+
+	if err := r.a.Reload(context.Background()); err != nil {
+		t.Fatalf("reload: %v", err)
+	}
+	// The backends echo alike, so the test cannot tell which tunnel is on the
+	// removed one: one of the two must close, and only one.
+	closed := make(chan int, 2)
+	for i, ws := range wss {
+		// Exits at the tunnel's end or its deadline.
+		go func() {
+			ws.SetReadDeadline(time.Now().Add(5 * time.Second))
+			var got string
+			if err := websocket.Message.Receive(ws, &got); err != nil && !isTimeout(err) {
+				closed <- i
+				return
+			}
+			closed <- -1
+		}()
+	}
+	gone := 0
+	for range 2 {
+		if <-closed >= 0 {
+			gone++
+		}
+	}
+	if gone != 1 {
+		t.Errorf("%d tunnels closed within 5 s of the reload (drain timeout 1s); want the 1 planned", gone)
+	}
+}
+
+// echo has ws's backend echo a message.
+func echo(t *testing.T, ws *websocket.Conn) {
+	t.Helper()
+	ws.SetDeadline(time.Now().Add(5 * time.Second))
+	if err := websocket.Message.Send(ws, "ping"); err != nil {
+		t.Fatal(err)
+	}
+	var got string
+	if err := websocket.Message.Receive(ws, &got); err != nil || got != "ping" {
+		t.Fatalf("echo: %q, %v", got, err)
+	}
+	ws.SetDeadline(time.Time{})
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
 }

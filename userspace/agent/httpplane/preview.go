@@ -61,7 +61,8 @@ func (p *Plane) LiveTable(s *plan.Service) ([]netip.AddrPort, error) {
 	return p.Table(s)
 }
 
-// Flows counts s's requests in flight per backend and its client connections.
+// Flows counts s's requests in flight per backend (and of them, tunnels) and its
+// client connections.
 func (p *Plane) Flows(s *plan.Service) (plan.Flows, error) {
 	snap, ok := p.Snapshot(s.Name())
 	if !ok {
@@ -71,6 +72,12 @@ func (p *Plane) Flows(s *plan.Service) (plan.Flows, error) {
 	for _, b := range snap.Backends {
 		if b.InFlight > 0 {
 			out.PerBackend[b.Addr] = uint64(b.InFlight)
+		}
+		if b.Tunnels > 0 {
+			if out.Tunnels == nil {
+				out.Tunnels = map[netip.AddrPort]uint64{}
+			}
+			out.Tunnels[b.Addr] = uint64(b.Tunnels)
 		}
 	}
 	return out, nil

@@ -93,6 +93,10 @@ type Flows struct {
 	// Clients are the http plane's client connections open now: none is a
 	// backend's, as every request on one is balanced by itself.
 	Clients uint64
+	// Tunnels are the http plane's upgraded connections (WebSocket) per
+	// backend, counted in PerBackend too: a drained one does not finish by
+	// itself, it is closed once the drain timeout is up.
+	Tunnels map[netip.AddrPort]uint64
 	// Hashes are the flows' hashes as the service's lookup table is indexed by them
 	// (XDP), a sample of its traffic; nil where the plane has no table.
 	Hashes []uint32
