@@ -136,7 +136,7 @@ func (a *Agent) Status() (api.Status, error) {
 }
 
 func httpBackendStatus(bs *api.BackendStatus, hb httplb.BackendSnapshot) {
-	bs.InFlight, bs.Requests, bs.Retries = hb.InFlight, hb.Requests, hb.Retries
+	bs.InFlight, bs.Tunnels, bs.Requests, bs.Retries = hb.InFlight, hb.Tunnels, hb.Requests, hb.Retries
 	bs.Classes = map[string]uint64{}
 	for i, n := range hb.Classes {
 		name := "none"

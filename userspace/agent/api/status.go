@@ -132,10 +132,12 @@ type BackendStatus struct {
 	Connects       uint64 `json:"connects"`
 	LastCheck      string `json:"last_check,omitempty"`
 	LastCheckAgo   string `json:"last_check_ago,omitempty"`
-	// The http plane only: requests in flight, answered (by status class, "1xx"
-	// to "5xx", "none" for no answer), retries sent to it, and the latency
-	// estimate the algorithm picks by (ewma, least_time; empty for the others).
+	// The http plane only: requests in flight (of them, tunnels: WebSocket and
+	// other upgrades), answered (by status class, "1xx" to "5xx", "none" for no
+	// answer), retries sent to it, and the latency estimate the algorithm picks
+	// by (ewma, least_time; empty for the others).
 	InFlight int               `json:"inflight_requests,omitempty"`
+	Tunnels  int               `json:"tunnels,omitempty"`
 	Requests uint64            `json:"requests,omitempty"`
 	Classes  map[string]uint64 `json:"status_classes,omitempty"`
 	Retries  uint64            `json:"retries,omitempty"`

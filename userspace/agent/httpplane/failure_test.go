@@ -312,8 +312,19 @@ func TestWebSocketThroughAgent(t *testing.T) {
 	if err := websocket.Message.Receive(ws, &got); err != nil || got != "ping" {
 		t.Fatalf("echo: %q, %v", got, err)
 	}
-	if st := r.service(t, "web"); st.Tunnels != 1 || st.InFlight != 1 {
+	st := r.service(t, "web")
+	if st.Tunnels != 1 || st.InFlight != 1 {
 		t.Errorf("status with a tunnel open: %d tunnels, %d in flight; want 1 and 1", st.Tunnels, st.InFlight)
+	}
+	var perBackend int
+	for _, b := range st.Backends {
+		if b.Tunnels != 0 && (b.Tunnels != 1 || b.InFlight != 1) {
+			t.Errorf("status of backend %s: %d tunnels, %d in flight; want 1 and 1 or none", b.Address, b.Tunnels, b.InFlight)
+		}
+		perBackend += b.Tunnels
+	}
+	if perBackend != 1 {
+		t.Errorf("the backends' statuses count %d tunnels; want 1", perBackend)
 	}
 	_, body := get(t, http.DefaultClient, fmt.Sprintf("http://127.0.0.1:%d/metrics", mport))
 	for _, want := range []string{`weir_http_tunnels_open{service="web"} 1`, `weir_http_requests_in_flight{service="web"} 1`} {
