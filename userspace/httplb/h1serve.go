@@ -204,7 +204,8 @@ func (c *h1Session) serve() bool {
 			return c.upgrade(req)
 		}
 		if !c.forward(req) {
-			return true
+			// A hijacked connection is the tunnel's now, to close.
+			return !c.w.hijacked
 		}
 		c.dropWriter()
 		// The answered request and the backend's answer header are garbage

@@ -197,20 +197,37 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 		// a tunnel open for hours would not swamp in the latency histograms.
 		l.cfg.Observer.Request(be.addr, resp.StatusCode, time.Since(start))
 	}
-	var up, down int64
-	if err == nil {
-		t := s.newTunnel(be, cc, bc, s.cfg.IdleTimeout)
-		up, down, err = t.run(ahead)
+	if err != nil {
+		cc.Close()
+		bc.Close()
+		lease.Release(balance.Result{Latency: headerLatency})
+		return true, failure{}
+	}
+	// The tunnel runs on goroutines of its own and the request returns: the
+	// client connection's goroutine, deep in the request's frames, and its
+	// session would otherwise be held for the tunnel's life (TestIdleTunnelMemory).
+	// The tunnel stays a request in flight, and keeps the lease, until it ends.
+	t := s.newTunnel(be, cc, bc, s.cfg.IdleTimeout)
+	held := *lease
+	*lease = balance.Lease{}
+	s.stats.inflight.Add(1)
+	method, path, remote := r.Method, r.URL.Path, r.RemoteAddr
+	accessLog := l.cfg.AccessLog
+	// Exits when both directions have ended (or the tunnel is aborted:
+	// idle, drain or shutdown).
+	go func() {
+		up, down, err := t.run(ahead)
 		s.dropTunnel(t)
-	}
-	cc.Close()
-	bc.Close()
-	lease.Release(balance.Result{Latency: headerLatency})
-	if l.cfg.AccessLog {
-		s.log.Info("tunnel", "method", r.Method, "path", r.URL.Path, "client", r.RemoteAddr, "backend", be.id,
-			"upgrade", proto, "bytes_in", up, "bytes_out", down, "headers", headerLatency,
-			"duration", time.Since(start), "err", err)
-	}
+		cc.Close()
+		bc.Close()
+		held.Release(balance.Result{Latency: headerLatency})
+		s.stats.inflight.Add(-1)
+		if accessLog {
+			s.log.Info("tunnel", "method", method, "path", path, "client", remote, "backend", be.id,
+				"upgrade", proto, "bytes_in", up, "bytes_out", down, "headers", headerLatency,
+				"duration", time.Since(start), "err", err)
+		}
+	}()
 	return true, failure{}
 }
 
