@@ -36,7 +36,12 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 	start := time.Now()
 	l := s.live.Load()
 	s.stats.inflight.Add(1)
-	defer s.stats.inflight.Add(-1)
+	tunnel := false // then the tunnel ends the request's count, when it ends
+	defer func() {
+		if !tunnel {
+			s.stats.inflight.Add(-1)
+		}
+	}()
 	if r.Method == http.MethodConnect {
 		// A reverse proxy answers requests; it does not open tunnels.
 		s.stats.requests.Add(1)
@@ -110,6 +115,7 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 			done, f = s.try(client, ctx, l, w, r, be, &lease, hdr, sc, body, retryable, try < l.cfg.Retries, start)
 		}
 		if done {
+			tunnel = f.tunnel
 			return
 		}
 		fail = f
@@ -142,6 +148,9 @@ type failure struct {
 	status int  // what to answer if no other try succeeds
 	err    error
 	resp   string // the backend's status line, for 5xx answers
+	// tunnel: the request became a tunnel, which counts itself in flight
+	// until it ends (with done).
+	tunnel bool
 }
 
 // try sends the request to one backend. done reports that the client has its

@@ -206,11 +206,11 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 	// The tunnel runs on goroutines of its own and the request returns: the
 	// client connection's goroutine, deep in the request's frames, and its
 	// session would otherwise be held for the tunnel's life (TestIdleTunnelMemory).
-	// The tunnel stays a request in flight, and keeps the lease, until it ends.
+	// The tunnel stays a request in flight (the request's count is its to
+	// end), and keeps the lease, until it ends.
 	t := s.newTunnel(be, cc, bc, s.cfg.IdleTimeout)
 	held := *lease
 	*lease = balance.Lease{}
-	s.stats.inflight.Add(1)
 	method, path, remote := r.Method, r.URL.Path, r.RemoteAddr
 	accessLog := l.cfg.AccessLog
 	// Exits when both directions have ended (or the tunnel is aborted:
@@ -228,7 +228,7 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 				"duration", time.Since(start), "err", err)
 		}
 	}()
-	return true, failure{}
+	return true, failure{tunnel: true}
 }
 
 // is1xx: an interim status, as http.Transport reads them.
