@@ -259,7 +259,10 @@ func TestUpgradeIdleAndShutdown(t *testing.T) {
 			if n, err := io.Copy(io.Discard, br); n != 0 || err != nil {
 				t.Errorf("silent tunnel: read %d bytes, %v; want EOF", n, err)
 			}
-			if d := time.Since(start); d < idle || d > 10*idle {
+			// The plane's idle time runs from when it sent the 101, which a
+			// loaded machine can have the client read a few milliseconds later
+			// (a CI run of mine: closed 596.6 ms after the client had it).
+			if d := time.Since(start); d < idle*9/10 || d > 10*idle {
 				t.Errorf("silent tunnel closed after %v; want about %v", d, idle)
 			}
 			// Bytes one way only: up for all nine.
