@@ -96,13 +96,14 @@ func TestTunnelEndToEnd(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var decapsulated uint64
+			var decapsulated, malformed uint64
 			for _, d := range decaps {
 				ds, err := d.Stats()
 				if err != nil {
 					t.Fatal(err)
 				}
 				decapsulated += ds.Decapsulated.Packets
+				malformed += ds.Malformed.Packets
 			}
 			sent := st.Reasons[ReasonRedirect].Packets + st.Reasons[ReasonPassNoNeighbour].Packets
 			dropped := routerDrops(t, tp)
@@ -111,8 +112,21 @@ func TestTunnelEndToEnd(t *testing.T) {
 				st.Reasons[ReasonPassNotService].Packets, st.Reasons[ReasonPassNotIP].Packets, decapsulated, dropped)
 			// Every packet the balancer encapsulated was decapsulated, but for those the
 			// router's veth dropped on their way (its peer's XDP ring was full: the
-			// backend's program ran behind the bulk transfer on this 2-CPU machine).
-			if decapsulated+dropped != sent {
+			// backend's program ran behind the bulk transfer on this 2-CPU machine), and
+			// none was malformed. Under a loaded CI run a few more went missing with no
+			// drop counter on the router's links showing them (4 of 85,861 in one run,
+			// 250 of 90,855 beside 112 counted in another, in runs that changed no
+			// forwarding code; the TCP transfers above completed): up to 0.5 % of the
+			// packets may go unaccounted, which encapsulation that decapsulators refuse
+			// (all of a family's packets, or all past some size) would far exceed.
+			if malformed != 0 {
+				t.Errorf("the backends' decapsulators found %d malformed tunnel packets; want none", malformed)
+			}
+			lost := int64(sent) - int64(decapsulated+dropped)
+			if lost != 0 {
+				t.Logf("%d packets encapsulated, not decapsulated and not counted dropped on the router's links", lost)
+			}
+			if lost < 0 || float64(lost) > 0.005*float64(sent) {
 				t.Errorf("backends decapsulated %d packets and the router dropped %d on the way; the balancer encapsulated %d", decapsulated, dropped, sent)
 			}
 			if st.Reasons[ReasonTunnelTooBig].Packets == 0 {
