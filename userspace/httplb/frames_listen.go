@@ -170,10 +170,11 @@ func (c *prefixConn) Read(p []byte) (int, error) {
 	return c.coalescingConn.Read(p)
 }
 
-// tunnelRawConn is the socket's RawConn for a tunnel's reads once the
+// rawReadConn is the socket's RawConn for a pooledReader's reads once the
 // connection has nothing of its own left to give first (the sniffed prefix,
-// long read by the server when a request turns into a tunnel); nil otherwise.
-func (c *prefixConn) tunnelRawConn() syscall.RawConn {
+// long read by the server by the time a request turns into a tunnel or a
+// connection waits for its next request); nil otherwise.
+func (c *prefixConn) rawReadConn() syscall.RawConn {
 	sc, ok := c.Conn.(syscall.Conn)
 	if len(c.prefix) > 0 || !c.sniffed || !ok {
 		return nil

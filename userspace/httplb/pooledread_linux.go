@@ -3,7 +3,6 @@ package httplb
 import (
 	"io"
 	"net"
-	"os"
 	"sync"
 	"syscall"
 )
@@ -21,20 +20,19 @@ import (
 // goroutine parks. A connection that is not a socket (TLS) is read with its
 // own Read into a buffer held throughout (raw is false).
 type pooledReader struct {
+	heldBuffer
 	src   net.Conn
-	pool  *sync.Pool      // of *[]byte
 	rc    syscall.RawConn // nil: src.Read
 	call  func(fd uintptr) bool
-	bp    *[]byte // the buffer in hand, nil while none is
 	n     int
 	errno syscall.Errno
 }
 
 func newPooledReader(src net.Conn, pool *sync.Pool) *pooledReader {
-	r := &pooledReader{src: src, pool: pool}
+	r := &pooledReader{heldBuffer: heldBuffer{pool: pool}, src: src}
 	switch c := src.(type) {
-	case interface{ tunnelRawConn() syscall.RawConn }:
-		r.rc = c.tunnelRawConn()
+	case interface{ rawReadConn() syscall.RawConn }:
+		r.rc = c.rawReadConn()
 	case syscall.Conn:
 		r.rc, _ = c.SyscallConn()
 	}
@@ -51,25 +49,15 @@ func (r *pooledReader) raw() bool { return r.rc != nil }
 // reader's until release; io.EOF at src's end.
 func (r *pooledReader) read() ([]byte, error) {
 	if r.rc == nil {
-		if r.bp == nil {
-			r.bp = r.pool.Get().(*[]byte)
-		}
-		n, err := r.src.Read(*r.bp)
-		return (*r.bp)[:n], err
+		return r.readFrom(r.src)
 	}
 	r.n, r.errno = 0, 0
-	if err := r.rc.Read(r.call); err != nil {
+	err := r.rc.Read(r.call) // sets r.errno, so it goes first
+	if err := sockFailure(r.src, "read", err, r.errno); err != nil {
 		r.release()
-		if oe, ok := err.(*net.OpError); ok { // the raw connection's own ("raw-read")
-			err = oe.Err
-		}
-		return nil, &net.OpError{Op: "read", Net: "tcp", Source: r.src.LocalAddr(), Addr: r.src.RemoteAddr(), Err: err}
+		return nil, err
 	}
-	switch {
-	case r.errno != 0:
-		r.release()
-		return nil, &net.OpError{Op: "read", Net: "tcp", Source: r.src.LocalAddr(), Addr: r.src.RemoteAddr(), Err: os.NewSyscallError("read", r.errno)}
-	case r.n == 0:
+	if r.n == 0 {
 		r.release()
 		return nil, io.EOF
 	}
@@ -79,11 +67,9 @@ func (r *pooledReader) read() ([]byte, error) {
 // readOnce is the RawConn's callback: one read into a buffer taken for it;
 // false (wait in the poller) if nothing is there, with the buffer given back.
 func (r *pooledReader) readOnce(fd uintptr) bool {
-	if r.bp == nil {
-		r.bp = r.pool.Get().(*[]byte)
-	}
+	b := r.take()
 	for {
-		n, errno := sysRead(fd, *r.bp)
+		n, errno := sysRead(fd, b)
 		switch errno {
 		case 0:
 			r.n = n
@@ -96,13 +82,5 @@ func (r *pooledReader) readOnce(fd uintptr) bool {
 		}
 		r.errno = errno
 		return true
-	}
-}
-
-// release gives the buffer in hand back to the pool.
-func (r *pooledReader) release() {
-	if r.bp != nil {
-		r.pool.Put(r.bp)
-		r.bp = nil
 	}
 }

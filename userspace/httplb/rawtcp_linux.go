@@ -5,7 +5,6 @@ package httplb
 import (
 	"io"
 	"net"
-	"os"
 	"sync/atomic"
 	"syscall"
 	"unsafe"
@@ -96,7 +95,7 @@ func (c *rawTCP) Read(p []byte) (int, error) {
 		return c.TCPConn.Read(p)
 	}
 	n, errno, err := c.r.run(c.rc, false, p)
-	if err := c.failure("read", err, errno); err != nil {
+	if err := sockFailure(c, "read", err, errno); err != nil {
 		return 0, err
 	}
 	if n == 0 {
@@ -129,7 +128,7 @@ func (c *rawTCP) Write(p []byte) (int, error) {
 		return c.TCPConn.Write(p)
 	}
 	n, errno, err := c.w.run(c.rc, true, p)
-	return n, c.failure("write", err, errno)
+	return n, sockFailure(c, "write", err, errno)
 }
 
 // sysRead is one read(2), raw (sysread_race_linux.go has the one the race
@@ -164,22 +163,4 @@ func (c *rawTCP) writeSome(fd uintptr) bool {
 		return true
 	}
 	return true
-}
-
-// failure is op's error, from the poller (err) or the system call (errno),
-// wrapped as net.Conn's methods wrap theirs, so callers' checks (timeouts,
-// net.ErrClosed) see what they would see from the connection itself; nil if
-// neither failed.
-func (c *rawTCP) failure(op string, err error, errno syscall.Errno) error {
-	switch {
-	case err != nil:
-		if oe, ok := err.(*net.OpError); ok { // the raw connection's own ("raw-read")
-			err = oe.Err
-		}
-	case errno != 0:
-		err = os.NewSyscallError(op, errno)
-	default:
-		return nil
-	}
-	return &net.OpError{Op: op, Net: "tcp", Source: c.LocalAddr(), Addr: c.RemoteAddr(), Err: err}
 }
