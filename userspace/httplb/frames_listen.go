@@ -74,7 +74,7 @@ func (l *splitListener) closeWith(cause error) error {
 // sniff reads as much of the preface as the client has sent, until it is
 // whole or differs.
 func (l *splitListener) sniff(c *coalescingConn) {
-	if l.s.cfg.TLS != nil {
+	if l.s.tls != nil {
 		l.sniffTLS(c)
 		return
 	}
@@ -123,7 +123,7 @@ func (l *splitListener) sniffTLS(c *coalescingConn) {
 	deadline := time.Now().Add(l.s.cfg.ReadHeaderTimeout)
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	tc := tls.Server(c, l.s.cfg.TLS)
+	tc := tls.Server(c, l.s.tls)
 	if err := tc.HandshakeContext(ctx); err != nil {
 		l.s.log.Debug("TLS handshake", "client", c.RemoteAddr(), "err", err)
 		c.Close()

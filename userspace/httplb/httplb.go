@@ -158,7 +158,8 @@ type Backend struct {
 
 // Service is one listening http service.
 type Service struct {
-	cfg      Config // as Listen had it: the settings fixed while it listens
+	cfg      Config      // as Listen had it: the settings fixed while it listens
+	tls      *tls.Config // a copy of cfg.TLS, which net/http's server amends (ALPN) as it starts
 	log      *slog.Logger
 	live     atomic.Pointer[live] // the settings Reconfigure may change
 	ln       net.Listener
@@ -203,7 +204,7 @@ var (
 // it while this one drains) and prepares its server; Serve starts answering.
 func Listen(cfg Config, backends []Backend) (*Service, error) {
 	cfg.defaults()
-	s := &Service{cfg: cfg, log: cfg.Logger, backends: map[string]*backend{}}
+	s := &Service{cfg: cfg, tls: cfg.TLS.Clone(), log: cfg.Logger, backends: map[string]*backend{}}
 	if err := s.Reconfigure(cfg, backends); err != nil {
 		return nil, err
 	}
@@ -239,7 +240,7 @@ func Listen(cfg Config, backends []Backend) (*Service, error) {
 	s.srv = &http.Server{
 		Handler:           h2c.NewHandler(s, h2),
 		Protocols:         &protos,
-		TLSConfig:         cfg.TLS,
+		TLSConfig:         s.tls,
 		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
 		IdleTimeout:       cfg.IdleTimeout,
 		MaxHeaderBytes:    cfg.MaxHeaderBytes,
@@ -288,8 +289,8 @@ func (s *Service) Addr() net.Addr { return s.ln.Addr() }
 // in-flight requests finish (up to DrainTimeout, then their connections close).
 func (s *Service) Serve(ctx context.Context) error {
 	ln := s.ln
-	if s.cfg.TLS != nil && s.split == nil {
-		ln = tls.NewListener(ln, s.cfg.TLS) // else the split listener does the handshake
+	if s.tls != nil && s.split == nil {
+		ln = tls.NewListener(ln, s.tls) // else the split listener does the handshake
 	}
 	errc := make(chan error, 1)
 	if s.split != nil {
