@@ -109,7 +109,10 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		}
 		var done bool
 		var f failure
-		if sc == nil && r.Header["Upgrade"] != nil && l.cfg.Upstream != UpstreamH2C && upgradeProtocols(r) != nil {
+		// An upgrade goes over HTTP/1.1 whatever the upstream protocol: HTTP/2
+		// has no Upgrade (RFC 9113 8.6), and a tunnel gains nothing from sharing
+		// a connection.
+		if sc == nil && r.Header["Upgrade"] != nil && upgradeProtocols(r) != nil {
 			done, f = s.tunnelTry(client, ctx, l, w, r, be, &lease, hdr, upgradeProtocols(r), retryable, start)
 		} else {
 			done, f = s.try(client, ctx, l, w, r, be, &lease, hdr, sc, body, retryable, try < l.cfg.Retries, start)

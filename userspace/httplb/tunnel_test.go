@@ -303,6 +303,98 @@ func TestUpgradeIdleAndShutdown(t *testing.T) {
 	}
 }
 
+// TestUpgradeH2CUpstream: with the upstream fixed to HTTP/2 cleartext, plain
+// requests go to the backend over HTTP/2 while an upgrade goes over HTTP/1.1
+// on a connection of its own (HTTP/2 has no Upgrade), to a backend that
+// speaks both on one port, as Go's server does; a backend that speaks HTTP/2
+// only cannot switch, and the client gets an error answer, not a tunnel.
+func TestUpgradeH2CUpstream(t *testing.T) {
+	ws := websocket.Handler(func(c *websocket.Conn) { io.Copy(c, c) })
+	both, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/ws" {
+			ws.ServeHTTP(w, r)
+			return
+		}
+		io.WriteString(w, r.Proto)
+	})
+	h2only := h2OnlyBackend(t)
+	eachH1Front(t, func(t *testing.T, cfg Config) {
+		cfg.Upstream = UpstreamH2C
+		scheme := "ws"
+		wcfg := &tls.Config{InsecureSkipVerify: true, NextProtos: []string{"http/1.1"}}
+		if cfg.TLS != nil {
+			scheme = "wss"
+		}
+		plain := &http.Client{Transport: &http.Transport{TLSClientConfig: wcfg, DisableKeepAlives: true}, Timeout: 10 * time.Second}
+		httpScheme := strings.Replace(scheme, "ws", "http", 1)
+
+		s := serveOn(t, cfg, []Backend{both})
+		if resp, body := get(t, plain, httpScheme+"://"+s.Addr().String()+"/x"); resp.StatusCode != 200 || body != "HTTP/2.0" {
+			t.Fatalf("plain request: %d %q; want it forwarded over HTTP/2", resp.StatusCode, body)
+		}
+		c, err := websocket.DialConfig(wsConfig(t, scheme, s.Addr().String(), wcfg))
+		if err != nil {
+			t.Fatalf("WebSocket handshake through the plane with an h2c upstream: %v", err)
+		}
+		if err := websocket.Message.Send(c, "over h2c's port"); err != nil {
+			t.Fatal(err)
+		}
+		var got string
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if err := websocket.Message.Receive(c, &got); err != nil || got != "over h2c's port" {
+			t.Fatalf("echo: %q, %v", got, err)
+		}
+		c.Close()
+		waitNoClients(t, s)
+
+		s2 := serveOn(t, cfg, []Backend{{Addr: h2only, Weight: 1, Usable: true}})
+		if resp, body := get(t, plain, httpScheme+"://"+s2.Addr().String()+"/x"); resp.StatusCode != 200 || body != "HTTP/2.0" {
+			t.Fatalf("plain request to the HTTP/2-only backend: %d %q", resp.StatusCode, body)
+		}
+		if _, err := websocket.DialConfig(wsConfig(t, scheme, s2.Addr().String(), wcfg)); err == nil {
+			t.Fatal("a WebSocket to a backend that speaks HTTP/2 only was switched")
+		}
+		if cfg.TLS == nil {
+			conn, _, resp := sendUpgrade(t, s2.Addr().String(), "websocket", "")
+			conn.Close()
+			t.Logf("an upgrade to the HTTP/2-only backend: %s", resp.Status)
+			if resp.StatusCode < 500 {
+				t.Errorf("an upgrade to a backend that speaks HTTP/2 only was answered %s; want an error of the plane or the backend", resp.Status)
+			}
+		}
+		waitNoClients(t, s2)
+	})
+}
+
+// wsConfig is a WebSocket client's configuration for /ws at addr.
+func wsConfig(t *testing.T, scheme, addr string, tc *tls.Config) *websocket.Config {
+	t.Helper()
+	wc, err := websocket.NewConfig(scheme+"://"+addr+"/ws", "http://127.0.0.1/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	wc.TlsConfig = tc
+	return wc
+}
+
+// h2OnlyBackend speaks HTTP/2 cleartext by prior knowledge only, as a gRPC
+// server does, and answers the protocol a request came in.
+func h2OnlyBackend(t *testing.T) netip.AddrPort {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var p http.Protocols
+	p.SetUnencryptedHTTP2(true)
+	srv := &http.Server{Protocols: &p, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, r.Proto) })}
+	done := make(chan struct{})
+	// Exits when srv closes at cleanup.
+	go func() { defer close(done); srv.Serve(ln) }()
+	t.Cleanup(func() { srv.Close(); <-done })
+	return netip.MustParseAddrPort(ln.Addr().String())
+}
+
 // TestUpgradeBackendDies: a backend that dies under one tunnel ends that
 // tunnel only; another tunnel on another backend carries on.
 func TestUpgradeBackendDies(t *testing.T) {
