@@ -88,13 +88,18 @@ func main() {
 	// A closed stdout (weir demo | head) must not kill the process before it removes
 	// its namespaces: with SIGPIPE ignored the write fails and teardown still runs.
 	signal.Ignore(syscall.SIGPIPE)
-	sigs := []os.Signal{os.Interrupt, syscall.SIGTERM}
-	if len(os.Args) < 2 || os.Args[1] != "run" {
-		// weir run reloads on SIGHUP; every other command stops on it.
-		sigs = append(sigs, syscall.SIGHUP)
+	ctx, stop := context.Background(), func() {}
+	// validate does not watch a context: a signal keeps its default action and
+	// ends it, even while it reads a config that is slow to come (a pipe).
+	if len(os.Args) < 2 || os.Args[1] != "validate" {
+		sigs := []os.Signal{os.Interrupt, syscall.SIGTERM}
+		if len(os.Args) < 2 || os.Args[1] != "run" {
+			// weir run reloads on SIGHUP; every other command stops on it.
+			sigs = append(sigs, syscall.SIGHUP)
+		}
+		ctx, stop = signal.NotifyContext(ctx, sigs...)
+		defer stop()
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), sigs...)
-	defer stop()
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return

@@ -5,13 +5,18 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/internal/xdptest"
 )
 
@@ -256,5 +261,61 @@ func TestValidateNamesHostPreconditions(t *testing.T) {
 		if !strings.Contains(stdout.String(), w) {
 			t.Errorf("stdout:\n%s\nwant it to contain %q", stdout.String(), w)
 		}
+	}
+}
+
+// TestValidateEndsOnInterrupt: weir validate, reading a config that does not
+// come (a pipe held open), ends at Ctrl-C as a command that watches no
+// context must: by the signal's default action. It runs main in a copy of the
+// test binary, since that action ends the process.
+func TestValidateEndsOnInterrupt(t *testing.T) {
+	if os.Getenv("WEIR_TEST_VALIDATE_MAIN") == "1" {
+		os.Args = []string{"weir", "validate", "/dev/stdin"}
+		main()
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run", "^TestValidateEndsOnInterrupt$")
+	cmd.Env = append(os.Environ(), "WEIR_TEST_VALIDATE_MAIN=1")
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { stdin.Close() })
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	// Exits when the process does; the cleanup kills it if the test gives up.
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() { cmd.Process.Kill() })
+	// Interrupt once it reads: it has opened /dev/stdin, a descriptor of its
+	// own on the pipe beside its standard input.
+	fds := fmt.Sprintf("/proc/%d/fd/", cmd.Process.Pid)
+	waitfor.Value(t, 10*time.Second, "weir validate reading its config from the pipe", func() (any, bool) {
+		pipe, err := os.Readlink(fds + "0")
+		if err != nil {
+			return err, false
+		}
+		links, _ := filepath.Glob(fds + "*")
+		var got []string
+		for _, l := range links {
+			if target, err := os.Readlink(l); err == nil && target == pipe && filepath.Base(l) != "0" {
+				got = append(got, l)
+			}
+		}
+		return got, len(got) > 0
+	})
+	cmd.Process.Signal(os.Interrupt)
+	select {
+	case err := <-exited:
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) {
+			t.Fatalf("weir validate after SIGINT: %v; want it ended by the signal", err)
+		}
+		if ws, ok := ee.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() || ws.Signal() != syscall.SIGINT {
+			t.Errorf("weir validate after SIGINT: %v; want it ended by the signal", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("weir validate was still reading 5 s after SIGINT")
 	}
 }
