@@ -86,11 +86,11 @@ func FuzzClientFrames(f *testing.F) {
 		}
 		defer conn.Close()
 		conn.Write([]byte(http2.ClientPreface))
-		http2.NewFramer(conn, nil).WriteSettings()
+		fr := http2.NewFramer(conn, conn)
+		fr.WriteSettings()
 		conn.Write(data)
-		// What weir answers, until it closes or it has had its time.
-		conn.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
-		io.Copy(io.Discard, conn)
+		fr.WritePing(false, fuzzFence)
+		readAnswers(conn, fr, s, 20*time.Millisecond)
 		conn.Close()
 		if n := enginePanics.Load(); n != 0 {
 			t.Fatalf("the frame engine panicked (%d connections)", n)
@@ -114,6 +114,44 @@ func FuzzClientFrames(f *testing.F) {
 		}
 		client.CloseIdleConnections()
 	})
+}
+
+// fuzzFence is the payload of the PING FuzzClientFrames sends behind its
+// input: the engine answers a PING in order, so its ACK says every frame
+// before it has been taken.
+var fuzzFence = [8]byte{0xfe, 'w', 'e', 'i', 'r', 'f', 'z', 0xff}
+
+// readAnswers reads what the engine sends on conn until it closes, or it has
+// taken the whole input (the fence's ACK) and has no request left in flight
+// (every answer sent), or limit is up: most inputs are done in well under the
+// limit, which is what bounds an execution otherwise. An input that leaves
+// the fence unparsed (a frame it began and did not finish) waits out the limit.
+func readAnswers(conn net.Conn, fr *http2.Framer, s *Service, limit time.Duration) {
+	end := time.Now().Add(limit)
+	fr.SetMaxReadFrameSize(1 << 24) // the input's SETTINGS may let the engine send large frames
+	fenced := false
+	for time.Now().Before(end) {
+		if fenced && s.Snapshot().InFlight == 0 {
+			return
+		}
+		step := end
+		if fenced {
+			step = time.Now().Add(time.Millisecond) // look at the requests in flight again soon
+		}
+		conn.SetReadDeadline(step)
+		f, err := fr.ReadFrame()
+		switch {
+		case err == nil:
+			if p, ok := f.(*http2.PingFrame); ok && p.IsAck() && p.Data == fuzzFence {
+				fenced = true
+			}
+		case os.IsTimeout(err) && fenced:
+		default: // closed, or frames the framer refuses: read the rest as bytes
+			conn.SetReadDeadline(end)
+			io.Copy(io.Discard, conn)
+			return
+		}
+	}
 }
 
 func trailerBlock() []byte {
