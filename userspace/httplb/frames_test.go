@@ -27,12 +27,19 @@ import (
 // counts the connections it accepted.
 func h2cBackend(t *testing.T, maxStreams int, h http.HandlerFunc) (Backend, *atomic.Int64) {
 	t.Helper()
+	return protoBackend(t, true, maxStreams, h)
+}
+
+// protoBackend is h2cBackend, with HTTP/1.1 served beside HTTP/2 cleartext
+// only if http1 (without it, as a gRPC server: HTTP/2 by prior knowledge).
+func protoBackend(t *testing.T, http1 bool, maxStreams int, h http.HandlerFunc) (Backend, *atomic.Int64) {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var p http.Protocols
-	p.SetHTTP1(true)
+	p.SetHTTP1(http1)
 	p.SetUnencryptedHTTP2(true)
 	conns := new(atomic.Int64)
 	srv := &http.Server{Handler: h, Protocols: &p, HTTP2: &http.HTTP2Config{MaxConcurrentStreams: maxStreams},

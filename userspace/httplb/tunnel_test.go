@@ -66,12 +66,7 @@ func TestUpgradeWebSocket(t *testing.T) {
 		}
 		base := takeBaseline(t, s)
 
-		wc, err := websocket.NewConfig(scheme+"://"+s.Addr().String()+"/ws", "http://127.0.0.1/")
-		if err != nil {
-			t.Fatal(err)
-		}
-		wc.TlsConfig = wcfg
-		ws, err := websocket.DialConfig(wc)
+		ws, err := websocket.DialConfig(wsConfig(t, scheme, s.Addr().String(), wcfg))
 		if err != nil {
 			t.Fatalf("WebSocket handshake through the plane: %v", err)
 		}
@@ -317,7 +312,7 @@ func TestUpgradeH2CUpstream(t *testing.T) {
 		}
 		io.WriteString(w, r.Proto)
 	})
-	h2only := h2OnlyBackend(t)
+	h2only, _ := protoBackend(t, false, 0, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, r.Proto) })
 	eachH1Front(t, func(t *testing.T, cfg Config) {
 		cfg.Upstream = UpstreamH2C
 		scheme := "ws"
@@ -347,7 +342,7 @@ func TestUpgradeH2CUpstream(t *testing.T) {
 		c.Close()
 		waitNoClients(t, s)
 
-		s2 := serveOn(t, cfg, []Backend{{Addr: h2only, Weight: 1, Usable: true}})
+		s2 := serveOn(t, cfg, []Backend{h2only})
 		if resp, body := get(t, plain, httpScheme+"://"+s2.Addr().String()+"/x"); resp.StatusCode != 200 || body != "HTTP/2.0" {
 			t.Fatalf("plain request to the HTTP/2-only backend: %d %q", resp.StatusCode, body)
 		}
@@ -375,24 +370,6 @@ func wsConfig(t *testing.T, scheme, addr string, tc *tls.Config) *websocket.Conf
 	}
 	wc.TlsConfig = tc
 	return wc
-}
-
-// h2OnlyBackend speaks HTTP/2 cleartext by prior knowledge only, as a gRPC
-// server does, and answers the protocol a request came in.
-func h2OnlyBackend(t *testing.T) netip.AddrPort {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var p http.Protocols
-	p.SetUnencryptedHTTP2(true)
-	srv := &http.Server{Protocols: &p, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, r.Proto) })}
-	done := make(chan struct{})
-	// Exits when srv closes at cleanup.
-	go func() { defer close(done); srv.Serve(ln) }()
-	t.Cleanup(func() { srv.Close(); <-done })
-	return netip.MustParseAddrPort(ln.Addr().String())
 }
 
 // TestUpgradeBackendDies: a backend that dies under one tunnel ends that
