@@ -184,7 +184,36 @@ func TestErrors(t *testing.T) {
 		{"mac", svc + "  mode: dsr\n  backends: [{address: 10.0.0.11:80, mac: zz}]\n", `services[0].backends[0].mac: must be a 6-byte Ethernet address`},
 		{"bad name", "services:\n- {name: 'a b', vip: 10.0.0.1:80, backends: [{address: 10.0.0.11:80}]}\n", `services[0].name: must be 1-64 letters`},
 		{"duplicate interface", "interfaces: [{name: eth0}, {name: eth0}]\nservices: []\n", `interfaces[1].name: "eth0" is already listed as interfaces[0]`},
-		{"metrics", "metrics: {listen: localhost}\nservices: []\n", `metrics.listen: must be address:port, got "localhost"`},
+		{"metrics", "metrics: {listen: localhost}\nservices: []\n", `metrics.listen: must be address:port ([address]:port for IPv6), got "localhost"`},
+		{"metrics in brackets", "metrics: {listen: \"[127.0.0.1]:9470\"}\nservices: []\n", `line 1: metrics.listen: must be address:port`},
+		{"metrics port sign", "metrics: {listen: \"127.0.0.1:+9470\"}\nservices: []\n", `line 1: metrics.listen: must be address:port`},
+		{"metrics public in brackets", "metrics: {listen: \"[127.0.0.1]:9470\", public: true}\nservices: []\n", `line 1: metrics.listen: must be address:port`},
+		{"jitter NaN", svc + "  health: {jitter: .nan}\n" + be, "services[0].health.jitter: must be 0..0.5, got NaN"},
+		{"retry_budget NaN", svc + "  data_plane: http\n  http: {retry_budget: .nan}\n" + be, "services[0].http.retry_budget: must be 0..1"},
+		{"weight fraction", svc + "  backends: [{address: 10.0.0.11:80, weight: 2.5}]\n", "line 4: services[0].backends[0].weight: must be a whole number, got 2.5"},
+		{"proxy_protocol fraction", svc + "  proxy: {proxy_protocol: 1.9}\n" + be, "services[0].proxy.proxy_protocol: must be a whole number, got 1.9"},
+		{"hash_seed fraction", "xdp: {hash_seed: 1.9}\nservices: []\n", "line 1: xdp.hash_seed: must be a whole number, got 1.9"},
+		{"rise fraction", svc + "  health:\n    rise: 0.5\n" + be, "line 5: services[0].health.rise: must be a whole number, got 0.5"},
+		{"whole float", svc + "  backends: [{address: 10.0.0.11:80, weight: 2.0}]\n", "services[0].backends[0].weight: must be a whole number, got 2.0"},
+		{"proxy listen on an earlier listen", "services:\n- {name: a, vip: 10.0.0.1:443, data_plane: proxy, proxy: {listen: 127.0.0.1:8080}, backends: [{address: 10.0.0.11:80}]}\n- {name: b, vip: 127.0.0.1:8080, data_plane: proxy, backends: [{address: 10.0.0.11:80}]}\n",
+			`line 3: services[1].vip: 127.0.0.1:8080 is already the proxy address of services[0] ("a"), and this service listens on its VIP: set proxy.listen`},
+		{"proxy listen on a later listen", "services:\n- {name: b, vip: 127.0.0.1:8080, data_plane: proxy, backends: [{address: 10.0.0.11:80}]}\n- {name: a, vip: 10.0.0.1:443, data_plane: proxy, proxy: {listen: 127.0.0.1:8080}, backends: [{address: 10.0.0.11:80}]}\n",
+			`services[1].proxy.listen: 127.0.0.1:8080 is already the proxy address of services[0] ("b")`},
+		{"http listen on a proxy VIP", "services:\n- {name: a, vip: 127.0.0.1:8080, data_plane: proxy, backends: [{address: 10.0.0.11:80}]}\n- {name: b, vip: 10.0.0.2:80, data_plane: http, http: {listen: 127.0.0.1:8080}, backends: [{address: 10.0.0.11:80}]}\n",
+			`services[1].http.listen: 127.0.0.1:8080 is already the proxy address of services[0] ("a")`},
+		{"same VIP, one error", "services:\n- {name: a, vip: 127.0.0.1:8080, data_plane: proxy, backends: [{address: 10.0.0.11:80}]}\n- {name: b, vip: 127.0.0.1:8080, data_plane: proxy, backends: [{address: 10.0.0.11:80}]}\n",
+			`line 3: services[1].vip: tcp 127.0.0.1:8080 is already served by services[0] ("a"): one VIP, port and protocol per service`},
+		{"second document", svc + be + "---\nbogus: 1\n", "line 6: a second YAML document"},
+		{"trailing document marker", svc + be + "---\n", ""},
+		{"document end", svc + be + "...\n", ""},
+		{"null file", "~\n", "the file is empty"},
+		{"type error in a flow mapping", "xdp: {hash_seed: -1}\nservices: []\n", "line 1: xdp.hash_seed: must be a whole number ≥ 0"},
+		{"type error in a flow list", svc + "  backends: [{address: 10.0.0.11:80, weight: x}]\n", `line 4: services[0].backends[0].weight: must be a whole number, got the string "x"`},
+		{"type error at an item's first key", svc + "  backends:\n  - weight: x\n    address: 10.0.0.11:80\n", `line 5: services[0].backends[0].weight: must be a whole number, got the string "x"`},
+		{"type error in a long value", svc + "  backends: [{address: 10.0.0.11:80, weight: abcdefghijkl}]\n", `line 4: services[0].backends[0].weight: must be a whole number, got the string "abcdefg..."`},
+		{"merge key", "services:\n- &s\n  name: a\n  vip: 10.0.0.1:80\n" + be + "- <<: *s\n  name: b\n  vip: 10.0.0.2:80\n", ""},
+		{"merge key list", "services:\n- &s\n  name: a\n  vip: 10.0.0.1:80\n  drain_timeout: 5s\n" + be + "- &h\n  name: c\n  vip: 10.0.0.3:80\n  health: {rise: 3}\n" + be + "- <<: [*s, *h]\n  name: b\n  vip: 10.0.0.2:80\n", ""},
+		{"unknown field through a merge", "services:\n- &s\n  name: a\n  vip: 10.0.0.1:80\n  bogus: 1\n" + be + "- <<: *s\n  name: b\n  vip: 10.0.0.2:80\n", "line 5: services[0].bogus: unknown field"},
 		{"metrics off", "metrics: {listen: \"off\"}\nservices: []\n", ""},
 		{"metrics to the network", "metrics: {listen: 0.0.0.0:9470}\nservices: []\n", "metrics.listen: 0.0.0.0 is not a loopback address, so every metric would be served to the network: set metrics.public: true"},
 		{"metrics public", "metrics: {listen: 0.0.0.0:9470, public: true}\nservices: []\n", ""},
@@ -231,6 +260,69 @@ func TestErrors(t *testing.T) {
 				t.Fatalf("got %v; want it to wrap ErrInvalid", err)
 			}
 		})
+	}
+}
+
+// TestErrorPlaces: each error is at the value that is wrong, also when an anchor
+// shares it, and none is reported about what follows from it.
+func TestErrorPlaces(t *testing.T) {
+	const be = "  backends: [{address: 10.0.0.11:80}]\n"
+	for _, c := range []struct {
+		name, yaml    string
+		want, wantNot []string
+	}{
+		{
+			name: "type error in an anchor",
+			yaml: "services:\n- name: a\n  vip: 10.0.0.1:80\n  health: &h {rise: x}\n" + be +
+				"- name: b\n  vip: 10.0.0.2:80\n  health: *h\n" + be +
+				"- name: c\n  vip: 10.0.0.3:80\n  backends: [{address: 0.0.0.0:80}]\n",
+			// once, at the anchor; and the third service's own error is not lost
+			want:    []string{`line 4: services[0].health.rise: must be a whole number, got the string "x"`, "line 12: services[2].backends[0].address"},
+			wantNot: []string{"services[1]", "line 4: services:"},
+		},
+		{
+			name:    "a weight that did not decode",
+			yaml:    "services:\n- name: a\n  vip: 10.0.0.1:80\n  backends:\n  - weight: x\n    address: 10.0.0.11:80\n",
+			want:    []string{"line 5: services[0].backends[0].weight"},
+			wantNot: []string{"every weight is 0"},
+		},
+		{
+			name:    "a negative interval",
+			yaml:    "services:\n- name: a\n  vip: 10.0.0.1:80\n  health:\n    interval: -1s\n" + be,
+			want:    []string{"line 5: services[0].health.interval"},
+			wantNot: []string{"health.timeout"},
+		},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := Parse([]byte(c.yaml))
+			if err == nil {
+				t.Fatalf("got no error; want %q", c.want)
+			}
+			for _, w := range c.want {
+				if strings.Count(err.Error(), w) != 1 {
+					t.Errorf("got\n%v\nwant %q once", err, w)
+				}
+			}
+			for _, w := range c.wantNot {
+				if strings.Contains(err.Error(), w) {
+					t.Errorf("got\n%v\nwant nothing with %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+// TestMergeKey: a service built with YAML's merge key has the merged settings, and
+// its own keys win over them.
+func TestMergeKey(t *testing.T) {
+	cfg, err := Parse([]byte("services:\n- &s\n  name: a\n  vip: 10.0.0.1:80\n  drain_timeout: 5s\n  health: {rise: 3}\n" +
+		"  backends: [{address: 10.0.0.11:80}]\n- <<: *s\n  name: b\n  vip: 10.0.0.2:80\n  drain_timeout: 7s\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := cfg.Services[1]
+	if b.Name != "b" || b.DrainTimeout != 7*time.Second || b.Health.Rise != 3 || len(b.Backends) != 1 {
+		t.Errorf("merged service: name %q, drain_timeout %v, rise %d, %d backends; want b, 7s, 3, 1", b.Name, b.DrainTimeout, b.Health.Rise, len(b.Backends))
 	}
 }
 

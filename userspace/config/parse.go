@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"reflect"
 	"regexp"
@@ -78,16 +79,41 @@ func Load(path string) (*Config, error) {
 
 // Parse parses one file's contents, fills in defaults, validates them and resolves
 // them into the model.
-func Parse(data []byte) (*Config, error) {
+func Parse(data []byte) (cfg *Config, err error) {
+	// A panic here would take the agent down with it on a reload, and a file is
+	// refused rather than that: the running config stays in force.
+	defer func() {
+		if r := recover(); r != nil {
+			cfg, err = nil, Errors{{Msg: fmt.Sprintf("%s: %v", parserBug, r)}}
+		}
+	}()
+	return parse(data)
+}
+
+// parserBug begins the error of a file the parser failed on (a panic): a bug in
+// weir, not in the file.
+const parserBug = "weir's config parser failed on this file (a bug in weir; please report it)"
+
+func parse(data []byte) (*Config, error) {
+	dec := yaml.NewDecoder(bytes.NewReader(data))
 	var doc yaml.Node
-	if err := yaml.Unmarshal(data, &doc); err != nil {
+	if err := dec.Decode(&doc); err != nil && err != io.EOF {
 		return nil, Errors{syntaxError(data, err)}
 	}
-	if doc.Kind == 0 || len(doc.Content) == 0 || len(bytes.TrimSpace(data)) == 0 {
+	if doc.Kind == 0 || len(doc.Content) == 0 || len(bytes.TrimSpace(data)) == 0 || isNull(doc.Content[0]) {
 		return nil, Errors{{Msg: "the file is empty: a config needs at least a services list"}}
 	}
+	// One document: what follows a "---" would otherwise be ignored, unread.
+	var more yaml.Node
+	switch err := dec.Decode(&more); {
+	case err == io.EOF:
+	case err != nil:
+		return nil, Errors{syntaxError(data, err)}
+	case len(more.Content) > 0 && !isNull(more.Content[0]):
+		return nil, Errors{{Line: more.Content[0].Line, Msg: "a second YAML document: a config is one document (no \"---\" after its start)"}}
+	}
 	root := doc.Content[0]
-	p := &parser{lines: make(map[string]int), atLine: make(map[int]string)}
+	p := &parser{lines: make(map[string]int), atLine: make(map[int]string), values: make(map[int][]valueAt), fractional: make(map[*yaml.Node]bool)}
 	p.index(root, "", false)
 	p.checkFields(root, reflect.TypeFor[file](), "", false)
 
@@ -101,6 +127,7 @@ func Parse(data []byte) (*Config, error) {
 			p.typeError(msg)
 		}
 	}
+	p.errs = slices.CompactFunc(p.errs, func(a, b *FieldError) bool { return *a == *b }) // a value reached through several aliases is reported once
 	decodeErrs := len(p.errs)
 	cfg.defaults()
 	for _, e := range cfg.validate() {
@@ -188,9 +215,13 @@ const (
 
 // parser maps between places in the YAML tree (paths) and lines, and collects errors.
 type parser struct {
-	lines  map[string]int // path -> line of its key or item
-	atLine map[int]string // line -> the path of what starts there (common prefix if several)
-	errs   Errors
+	lines  map[string]int    // path -> line of its key or item
+	atLine map[int]string    // line -> the path of what starts there (common prefix if several), aliases aside
+	values map[int][]valueAt // line -> the values on it, by path (through aliases too)
+	failed []string          // paths whose values did not decode: errors about them, or about what holds them, would only add noise
+	// fractional: the fractions found in integer fields, each reported once
+	fractional map[*yaml.Node]bool
+	errs       Errors
 
 	aliased int          // nodes visited through aliases, against maxAliasedNodes
 	open    []*yaml.Node // the anchored nodes being walked through an alias, outermost first
@@ -243,26 +274,52 @@ func (p *parser) index(n *yaml.Node, path string, viaAlias bool) {
 	if leave != nil {
 		defer leave()
 	}
+	if path != "" {
+		p.values[n.Line] = append(p.values[n.Line], valueAt{path: path, tag: n.ShortTag(), value: n.Value, viaAlias: viaAlias})
+	}
 	switch n.Kind {
 	case yaml.MappingNode:
 		for i := 0; i+1 < len(n.Content); i += 2 {
 			k, v := n.Content[i], n.Content[i+1]
+			if isMerge(k) {
+				continue // below, so that the mapping's own keys claim their lines first
+			}
 			sub := join(path, k.Value)
-			p.mark(sub, k.Line)
+			p.mark(sub, k.Line, viaAlias)
 			p.index(v, sub, viaAlias)
+		}
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			if isMerge(n.Content[i]) {
+				for _, m := range mergedMappings(n.Content[i+1]) {
+					p.index(m, path, viaAlias)
+				}
+			}
 		}
 	case yaml.SequenceNode:
 		for i, item := range n.Content {
 			sub := fmt.Sprintf("%s[%d]", path, i)
-			p.mark(sub, item.Line)
+			p.mark(sub, item.Line, viaAlias)
 			p.index(item, sub, viaAlias)
 		}
 	}
 }
 
-func (p *parser) mark(path string, line int) {
+// valueAt is a value node of the file: where it goes, and what yaml's decoder
+// names it by in a type error.
+type valueAt struct {
+	path, tag, value string
+	viaAlias         bool
+}
+
+// mark records that path starts at line. A line reached through an alias keeps the
+// path of its anchor's own place: an anchor's line is under every path that uses
+// it, and their common prefix (often just "services") names none of them.
+func (p *parser) mark(path string, line int, viaAlias bool) {
 	if _, ok := p.lines[path]; !ok {
 		p.lines[path] = line
+	}
+	if viaAlias {
+		return
 	}
 	if prev, ok := p.atLine[line]; ok {
 		p.atLine[line] = commonPath(prev, path)
@@ -270,6 +327,20 @@ func (p *parser) mark(path string, line int) {
 		p.atLine[line] = path
 	}
 }
+
+// isMerge reports whether k is YAML's merge key ("<<: *defaults").
+func isMerge(k *yaml.Node) bool { return k.Kind == yaml.ScalarNode && k.ShortTag() == "!!merge" }
+
+// mergedMappings is what a merge key's value merges in: a mapping (or an alias of
+// one) or a list of them.
+func mergedMappings(v *yaml.Node) []*yaml.Node {
+	if v.Kind == yaml.SequenceNode {
+		return v.Content
+	}
+	return []*yaml.Node{v}
+}
+
+func isNull(n *yaml.Node) bool { return n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null" }
 
 // lineOf returns the line of path, or of its nearest ancestor the file has.
 func (p *parser) lineOf(path string) int {
@@ -282,10 +353,19 @@ func (p *parser) lineOf(path string) int {
 	return 0
 }
 
-// reported reports whether one of the first n errors is about path or a parent of it.
+// reported reports whether one of the first n errors is about path or a parent of
+// it, or path holds a value that did not decode (its zero stands in for it).
 func (p *parser) reported(path string, n int) bool {
+	under := func(path, parent string) bool {
+		return path == parent || strings.HasPrefix(path, parent+".") || strings.HasPrefix(path, parent+"[")
+	}
 	for _, e := range p.errs[:n] {
-		if e.Path == path || strings.HasPrefix(path, e.Path+".") || strings.HasPrefix(path, e.Path+"[") {
+		if under(path, e.Path) {
+			return true
+		}
+	}
+	for _, f := range p.failed {
+		if under(f, path) {
 			return true
 		}
 	}
@@ -295,7 +375,8 @@ func (p *parser) reported(path string, n int) bool {
 var unmarshalRE = regexp.MustCompile("^cannot unmarshal !!(\\w+)(?: `(.*)`)? into (\\S+)$")
 
 // typeError turns one of yaml's "line N: cannot unmarshal ..." messages into a
-// FieldError at the path on that line.
+// FieldError at the path of the value it names: the value on that line with the
+// message's tag and (for a scalar) text, or, failing that, what starts on the line.
 func (p *parser) typeError(msg string) {
 	e := &FieldError{Msg: msg}
 	if m := lineRE.FindStringSubmatch(msg); m != nil {
@@ -304,6 +385,9 @@ func (p *parser) typeError(msg string) {
 		e.Path = p.atLine[e.Line]
 	}
 	if m := unmarshalRE.FindStringSubmatch(e.Msg); m != nil {
+		if path, ok := p.valuePath(e.Line, "!!"+m[1], m[2]); ok {
+			e.Path = path
+		}
 		got := yamlKindWords(m[1])
 		if m[1] != "seq" && m[1] != "map" {
 			got += fmt.Sprintf(" %q", m[2])
@@ -311,6 +395,40 @@ func (p *parser) typeError(msg string) {
 		e.Msg = fmt.Sprintf("must be %s, got %s", goTypeWords(m[3]), got)
 	}
 	p.errs = append(p.errs, e)
+}
+
+// valuePath finds the value a type error names: on line, tagged tag, and for a
+// scalar reading text (which yaml cuts to its first 7 characters and "..." past
+// 10). Every path holding it counts as failed (an anchor's value fails for each of
+// its aliases); the one returned is the anchor's own, or the common prefix if the
+// line has several such values.
+func (p *parser) valuePath(line int, tag, text string) (string, bool) {
+	matches := func(v valueAt) bool {
+		switch {
+		case v.tag != tag:
+			return false
+		case tag == "!!seq" || tag == "!!map":
+			return true
+		case len(text) == 10 && strings.HasSuffix(text, "...") && len(v.value) > 10:
+			return strings.HasPrefix(v.value, text[:7])
+		}
+		return v.value == text
+	}
+	path, found := "", false
+	for _, v := range p.values[line] {
+		if !matches(v) {
+			continue
+		}
+		p.failed = append(p.failed, v.path)
+		switch {
+		case v.viaAlias:
+		case !found:
+			path, found = v.path, true
+		default:
+			path = commonPath(path, v.path)
+		}
+	}
+	return path, found
 }
 
 func goTypeWords(t string) string {
@@ -373,6 +491,12 @@ func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string, viaAlias
 		fields := yamlFields(t)
 		for i := 0; i+1 < len(n.Content); i += 2 {
 			k, v := n.Content[i], n.Content[i+1]
+			if isMerge(k) {
+				for _, m := range mergedMappings(v) {
+					p.checkFields(m, t, path, viaAlias)
+				}
+				continue
+			}
 			sub := join(path, k.Value)
 			f, ok := fields[k.Value]
 			if !ok {
@@ -387,6 +511,17 @@ func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string, viaAlias
 		}
 		for i, item := range n.Content {
 			p.checkFields(item, t.Elem(), fmt.Sprintf("%s[%d]", path, i), viaAlias)
+		}
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		// yaml's decoder cuts 2.5 to 2 for an integer field, silently.
+		if n.Kind == yaml.ScalarNode && n.ShortTag() == "!!float" {
+			// Once per value, at the first path to it: an anchor's own.
+			if !p.fractional[n] {
+				p.errs = append(p.errs, &FieldError{Line: n.Line, Path: path, Msg: fmt.Sprintf("must be a whole number, got %s", n.Value)})
+			}
+			p.fractional[n] = true
+			p.failed = append(p.failed, path)
 		}
 	}
 }

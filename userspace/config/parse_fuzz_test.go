@@ -9,7 +9,7 @@ import (
 )
 
 // FuzzParse: whatever the file holds, Parse returns a config or errors, never
-// both, never neither, and never panics; every error wraps ErrInvalid, says
+// both, never neither, and never panics (nor turns a panic into an error); every error wraps ErrInvalid, says
 // something, and names a line inside the file (or none), in file order.
 // `go test -fuzz FuzzParse ./userspace/config/` explores further; go test runs the
 // seeds.
@@ -54,6 +54,9 @@ func FuzzParse(f *testing.F) {
 		for i, e := range es {
 			if e.Msg == "" {
 				t.Errorf("error %d (%+v) says nothing", i, e)
+			}
+			if strings.HasPrefix(e.Msg, parserBug) {
+				t.Errorf("the parser panicked: %v", e)
 			}
 			if e.Line < 0 || e.Line > lines {
 				t.Errorf("error %d (%v) at line %d; the file has %d", i, e, e.Line, lines)

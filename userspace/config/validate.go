@@ -107,7 +107,11 @@ func (s *fileService) defaults() {
 		h.Interval = duration(DefaultInterval)
 	}
 	if h.Timeout == 0 {
-		h.Timeout = duration(min(DefaultTimeout, h.Interval.D()))
+		// From a wrong interval, no timeout: the interval's error is the one to read.
+		h.Timeout = duration(DefaultTimeout)
+		if h.Interval > 0 {
+			h.Timeout = duration(min(DefaultTimeout, h.Interval.D()))
+		}
 	}
 	if h.Rise == nil {
 		h.Rise = ptr(DefaultRise)
@@ -231,20 +235,12 @@ func (c *checker) addrPort(path, s string) (netip.AddrPort, bool) {
 		c.bad(path, "missing: write address:port ([address]:port for IPv6)")
 		return netip.AddrPort{}, false
 	}
-	ap, err := netip.ParseAddrPort(s)
-	switch {
-	case err != nil:
-		c.bad(path, "must be address:port ([address]:port for IPv6), got %q", s)
-	case ap.Addr().Zone() != "":
-		c.bad(path, "must be an address without a zone, got %q", s)
-	case ap.Addr().Is4In6():
-		c.bad(path, "write IPv4 addresses in dotted form, got %q", s)
-	case ap.Port() == 0:
+	ap, ok := c.hostPort(path, s)
+	if ok && ap.Port() == 0 {
 		c.bad(path, "port must be 1..65535, got 0")
-	default:
-		return ap, true
+		return netip.AddrPort{}, false
 	}
-	return netip.AddrPort{}, false
+	return ap, ok
 }
 
 var (
@@ -309,8 +305,8 @@ func (cfg *file) validate() []*FieldError {
 		}
 	}
 	if cfg.Metrics.Listen != "off" {
-		if c.hostPort("metrics.listen", cfg.Metrics.Listen) && !cfg.Metrics.Public {
-			if ap := netip.MustParseAddrPort(cfg.Metrics.Listen); !ap.Addr().IsLoopback() {
+		if ap, ok := c.hostPort("metrics.listen", cfg.Metrics.Listen); ok && !cfg.Metrics.Public {
+			if !ap.Addr().IsLoopback() {
 				c.bad("metrics.listen", "%s is not a loopback address, so every metric would be served to the network: set metrics.public: true if that is meant", ap.Addr())
 			}
 		}
@@ -321,7 +317,11 @@ func (cfg *file) validate() []*FieldError {
 	xdpPossible := len(cfg.Interfaces) > 0
 	names := map[string]int{}
 	keys := map[string]int{}
-	listens := map[netip.AddrPort]int{}
+	type listenUse struct {
+		service int
+		what    string
+	}
+	listens := map[netip.AddrPort]listenUse{}
 	for i := range cfg.Services {
 		s := &cfg.Services[i]
 		p := fmt.Sprintf("services[%d]", i)
@@ -335,24 +335,33 @@ func (cfg *file) validate() []*FieldError {
 		}
 		names[s.Name] = i
 		s.validate(c, p, xdpPossible)
+		vipTaken := false
 		if s.VIPAddr.IsValid() && (s.Protocol == TCP || s.Protocol == UDP) {
 			if j, dup := keys[s.Key()]; dup {
+				vipTaken = true
 				c.bad(p+".vip", "%s %s is already served by services[%d] (%q): one VIP, port and protocol per service",
 					s.Protocol, s.VIPAddr, j, cfg.Services[j].Name)
 			}
 			keys[s.Key()] = i
 		}
-		if s.Proxy.ListenAddr.IsValid() && s.Protocol == TCP && s.DataPlane != DataPlaneXDP && s.DataPlane != DataPlaneHTTP {
-			if j, dup := listens[s.Proxy.ListenAddr]; dup && s.Proxy.Listen != "" {
-				c.bad(p+".proxy.listen", "%s is already the proxy address of services[%d]", s.Proxy.ListenAddr, j)
+		// Two listeners on one address would both bind it (SO_REUSEPORT) and share
+		// its connections, whichever service names it and whichever defaults to its VIP.
+		listenOnce := func(field, explicit string, a netip.AddrPort, what string) {
+			u, dup := listens[a]
+			switch {
+			case dup && explicit != "":
+				c.bad(p+"."+field, "%s is already the %s of services[%d] (%q)", a, u.what, u.service, cfg.Services[u.service].Name)
+			case dup && !vipTaken:
+				c.bad(p+".vip", "%s is already the %s of services[%d] (%q), and this service listens on its VIP: set %s",
+					a, u.what, u.service, cfg.Services[u.service].Name, field)
 			}
-			listens[s.Proxy.ListenAddr] = i
+			listens[a] = listenUse{i, what}
+		}
+		if s.Proxy.ListenAddr.IsValid() && s.Protocol == TCP && s.DataPlane != DataPlaneXDP && s.DataPlane != DataPlaneHTTP {
+			listenOnce("proxy.listen", s.Proxy.Listen, s.Proxy.ListenAddr, "proxy address")
 		}
 		if h := s.HTTP; h != nil && h.ListenAddr.IsValid() && s.DataPlane == DataPlaneHTTP {
-			if j, dup := listens[h.ListenAddr]; dup && h.Listen != "" {
-				c.bad(p+".http.listen", "%s is already the listen address of services[%d]", h.ListenAddr, j)
-			}
-			listens[h.ListenAddr] = i
+			listenOnce("http.listen", h.Listen, h.ListenAddr, "listen address")
 		}
 	}
 	cfg.validateBGP(c) // after the services: it reads their parsed VIPs
@@ -480,24 +489,21 @@ func parseCommunity(s string) (uint32, bool) {
 	return uint32(a)<<16 | uint32(b), ok && errA == nil && errB == nil
 }
 
-// hostPort checks host:port where host is an IP literal, and reports whether it is
-// one.
-func (c *checker) hostPort(path, s string) bool {
-	host, port, err := net.SplitHostPort(s)
-	if err != nil {
-		c.bad(path, "must be address:port, got %q", s)
-		return false
+// hostPort parses address:port with a port in 0..65535 (0: any free one), as
+// resolve parses it, so what passes here resolves.
+func (c *checker) hostPort(path, s string) (netip.AddrPort, bool) {
+	ap, err := netip.ParseAddrPort(s)
+	switch {
+	case err != nil:
+		c.bad(path, "must be address:port ([address]:port for IPv6), got %q", s)
+	case ap.Addr().Zone() != "":
+		c.bad(path, "must be an address without a zone, got %q", s)
+	case ap.Addr().Is4In6():
+		c.bad(path, "write IPv4 addresses in dotted form, got %q", s)
+	default:
+		return ap, true
 	}
-	ok := true
-	if a, err := netip.ParseAddr(host); err != nil || a.Zone() != "" {
-		c.bad(path, "must be an IP address and port, got %q", s)
-		ok = false
-	}
-	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
-		c.bad(path, "port must be 0..65535, got %q", port)
-		ok = false
-	}
-	return ok
+	return netip.AddrPort{}, false
 }
 
 func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
@@ -644,7 +650,7 @@ func (h *fileHealth) validate(c *checker, p string) {
 	if *h.Fall < 1 {
 		c.bad(p+".fall", "must be at least 1, got %d", *h.Fall)
 	}
-	if *h.Jitter < 0 || *h.Jitter > 0.5 {
+	if !(*h.Jitter >= 0 && *h.Jitter <= 0.5) { // NaN too
 		c.bad(p+".jitter", "must be 0..0.5, got %g", *h.Jitter)
 	}
 	oneOf(c, p+".initial", h.Initial, InitialUp, InitialDown, InitialUnknown)
@@ -805,7 +811,7 @@ func (h *fileHTTP) validate(c *checker, p string, vip netip.AddrPort, algo Algor
 	if *h.Retries < 0 || *h.Retries > 10 {
 		c.bad(p+".retries", "must be 0..10, got %d", *h.Retries)
 	}
-	if *h.RetryBudget < 0 || *h.RetryBudget > 1 {
+	if !(*h.RetryBudget >= 0 && *h.RetryBudget <= 1) { // NaN too
 		c.bad(p+".retry_budget", "must be 0..1 (a share of requests), got %g", *h.RetryBudget)
 	}
 	for i, m := range h.RetryGRPC {
