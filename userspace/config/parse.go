@@ -174,6 +174,9 @@ func syntaxError(data []byte, err error) *FieldError {
 // error's. Files over bisectMax lines are not searched (yaml's own line stands):
 // each of a bisection's parses would take tens of milliseconds there.
 func firstBadLine(data []byte) int {
+	if bytes.HasPrefix(data, []byte{0xfe, 0xff}) || bytes.HasPrefix(data, []byte{0xff, 0xfe}) {
+		return 0 // UTF-16: its lines are not split at a byte '\n' (yaml's own line stands)
+	}
 	lines := bytes.SplitAfter(data, []byte("\n"))
 	if len(lines) > bisectMax {
 		return 0
