@@ -221,8 +221,15 @@ func (l *loop) connect(c *conn) {
 				l.connecting.push(c)
 				return // connected, or still connecting: the event says which
 			}
+			err = &localError{err}
 			unix.Close(fd)
 			c.fd[server] = -1
+		}
+		if local := (*localError)(nil); errors.As(err, &local) {
+			err = fmt.Errorf("dial %s: %w", b.addr, err)
+			l.dialAborted(c)
+			l.unserved(c, err)
+			return
 		}
 		l.dialFailed(c, err)
 	}
@@ -238,6 +245,14 @@ func (l *loop) dialFailed(c *conn, err error) {
 	c.b, c.lease = nil, balance.Lease{}
 	l.s.dialFailed(b, err, lat)
 	c.lastErr = fmt.Errorf("dial %s: %w", b.addr, err)
+}
+
+// dialAborted gives up c's dial of c.b for a failure of this host's, which
+// counts against no backend.
+func (l *loop) dialAborted(c *conn) {
+	c.b.active.Add(-1)
+	c.lease.Release(balance.Result{})
+	c.b, c.lease = nil, balance.Lease{}
 }
 
 // connectFailed ends the dial in progress with err and tries the next backend.
@@ -343,6 +358,13 @@ func (l *loop) pump(c *conn, d int) bool {
 	for !h.done {
 		if h.pending() {
 			if h.blocked {
+				if h.hup && !h.fin {
+					// The source failed (a reset) while its bytes waited for a
+					// destination that does not read: they will never go, and
+					// nothing else would end c, as the destination may never
+					// drain. The destination gets a reset too.
+					return l.fail(c, d, true, unix.ECONNRESET)
+				}
 				return true
 			}
 			sent, err := l.flush(c, h, d, dst)
@@ -377,7 +399,12 @@ func (l *loop) pump(c *conn, d int) bool {
 		if h.bulk {
 			if h.p == nil {
 				if h.p, err = pipes.get(); err != nil {
-					return l.fail(c, d, true, err)
+					// Out of descriptors or pipe memory here: neither peer is at
+					// fault, and both get a reset, as the stream is cut.
+					setLinger0(c.fd[client])
+					setLinger0(c.fd[server])
+					l.close(c, OutcomeSuccess)
+					return false
 				}
 			}
 			n, err = spliceRaw(src, h.p.w, pipeSize, spliceFlags)

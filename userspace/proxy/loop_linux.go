@@ -342,7 +342,9 @@ func (l *loop) arm() {
 			next = d
 		}
 	}
-	if l.acceptMore && l.acceptRetryAt > 0 && (next == 0 || l.acceptRetryAt < next) {
+	// A paused loop accepts nothing until a slot frees, which wakes it: a
+	// back-off's time, past by then, would wake it at once, over and over.
+	if l.acceptMore && l.acceptRetryAt > 0 && !l.paused.Load() && (next == 0 || l.acceptRetryAt < next) {
 		next = l.acceptRetryAt
 	}
 	if next != 0 {
@@ -403,6 +405,7 @@ func (l *loop) accept() {
 			if err == unix.EAGAIN {
 				l.acceptMore = false
 				l.backoff = 0
+				l.acceptRetryAt = 0
 				return
 			}
 			// Out of descriptors or memory: back off and go on, as a listener must
@@ -432,12 +435,13 @@ func (l *loop) stopAccepting() {
 	l.paused.Store(false)
 }
 
-// kill closes the established connections to b, or every connection if b is nil, and
-// returns how many.
+// kill closes the connections to b, established or still connecting (a dial the
+// drain's deadline finds unfinished would otherwise outlive it), or every
+// connection if b is nil, and returns how many.
 func (l *loop) kill(b *backend) int {
 	n := 0
 	for _, c := range l.conns {
-		if c.state == stateFree || (b != nil && (c.state != stateEstablished || c.b != b)) {
+		if c.state == stateFree || (b != nil && c.b != b) {
 			continue
 		}
 		c.killed = true

@@ -152,6 +152,7 @@ type Service struct {
 
 	mu       sync.Mutex                          // serialises backend set changes
 	backends []*backend                          // current set, config order; guarded by mu
+	leaving  map[netip.AddrPort]*backend         // removed, connections may remain; guarded by mu
 	table    atomic.Pointer[map[string]*backend] // current set by address, read lock-free
 
 	loops   atomic.Pointer[[]*loop] // while serving
@@ -473,6 +474,11 @@ func (s *Service) Serve(ctx context.Context) error {
 			b.timer.Stop()
 		}
 	}
+	for _, b := range s.leaving {
+		if b.timer != nil {
+			b.timer.Stop()
+		}
+	}
 	s.mu.Unlock()
 	s.drainMu.Lock()
 	s.served = true
@@ -539,6 +545,9 @@ func (s *Service) SetBackends(bs []Backend) error {
 	for _, b := range s.backends {
 		old[b.ap] = b
 	}
+	if s.leaving == nil {
+		s.leaving = make(map[netip.AddrPort]*backend)
+	}
 	next := make([]*backend, 0, len(bs))
 	for _, nb := range bs {
 		if b, ok := old[nb.Addr]; ok {
@@ -547,11 +556,31 @@ func (s *Service) SetBackends(bs []Backend) error {
 			next = append(next, b)
 			continue
 		}
+		if b, ok := s.leaving[nb.Addr]; ok {
+			// Back while connections of its removal last: the same backend again,
+			// so they count against its limits, and its drain is called off.
+			delete(s.leaving, nb.Addr)
+			s.stopDrain(b)
+			b.removed = false
+			b.usable = !nb.Down
+			b.ejectedUntil.Store(0)
+			b.consecFails.Store(0)
+			s.configure(b, nb)
+			next = append(next, b)
+			continue
+		}
 		next = append(next, s.newBackend(nb))
+	}
+	for ap, b := range s.leaving {
+		if b.active.Load() == 0 {
+			s.stopDrain(b)
+			delete(s.leaving, ap)
+		}
 	}
 	for _, b := range old {
 		b.removed = true
 		s.startDrain(b)
+		s.leaving[b.ap] = b
 	}
 	s.backends = next
 	s.bal.SetBackends(s.balanceSet())
@@ -571,12 +600,10 @@ func (s *Service) SetDraining(addr netip.AddrPort, draining bool) error {
 	if b.draining == draining {
 		return nil
 	}
-	b.draining = draining
 	if draining {
 		s.startDrain(b)
-	} else if b.timer != nil {
-		b.timer.Stop()
-		b.timer = nil
+	} else {
+		s.stopDrain(b)
 	}
 	s.bal.SetBackends(s.balanceSet())
 	return nil
@@ -622,13 +649,25 @@ func (s *Service) startDrain(b *backend) {
 	b.timer = time.AfterFunc(s.cfg.DrainTimeout, func() {
 		s.drainMu.RLock()
 		defer s.drainMu.RUnlock()
-		if s.served {
+		s.mu.Lock()
+		called := !b.draining // off while this waited to run
+		s.mu.Unlock()
+		if s.served || called {
 			return
 		}
 		if n := s.killConns(b); n > 0 {
 			s.log.Info("drain timeout: closed connections", "backend", b.addr, "closed", n)
 		}
 	})
+}
+
+// stopDrain ends b's drain, and calls off its deadline. Called with s.mu held.
+func (s *Service) stopDrain(b *backend) {
+	b.draining = false
+	if b.timer != nil {
+		b.timer.Stop()
+		b.timer = nil
+	}
 }
 
 // killConns closes the connections to backend b (every connection if b is nil) and

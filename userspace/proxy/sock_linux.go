@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -76,16 +77,16 @@ func listen(ap netip.AddrPort) (*listener, error) {
 func startDial(sa *rawSockaddr, data bool) (int, error) {
 	fd, err := unix.Socket(sa.family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return -1, fmt.Errorf("socket: %w", err)
+		return -1, &localError{fmt.Errorf("socket: %w", err)}
 	}
 	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
 		unix.Close(fd)
-		return -1, fmt.Errorf("set TCP_NODELAY: %w", err)
+		return -1, &localError{fmt.Errorf("set TCP_NODELAY: %w", err)}
 	}
 	if data {
 		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_QUICKACK, 0); err != nil {
 			unix.Close(fd)
-			return -1, fmt.Errorf("clear TCP_QUICKACK: %w", err)
+			return -1, &localError{fmt.Errorf("clear TCP_QUICKACK: %w", err)}
 		}
 	}
 	err = connectRaw(fd, sa)
@@ -94,10 +95,23 @@ func startDial(sa *rawSockaddr, data bool) (int, error) {
 	}
 	if err != nil && err != unix.EINPROGRESS {
 		unix.Close(fd)
-		return -1, fmt.Errorf("connect: %w", err)
+		err = fmt.Errorf("connect: %w", err)
+		switch {
+		case errors.Is(err, unix.EADDRNOTAVAIL), errors.Is(err, unix.EAGAIN), errors.Is(err, unix.ENOBUFS), errors.Is(err, unix.ENOMEM):
+			err = &localError{err} // no local port or memory left
+		}
+		return -1, err
 	}
 	return fd, nil
 }
+
+// localError is a dial that failed on this host (out of descriptors, ports or
+// memory), not at the backend: it counts against no backend's health, and
+// another backend would fare no better.
+type localError struct{ err error }
+
+func (e *localError) Error() string { return e.err.Error() }
+func (e *localError) Unwrap() error { return e.err }
 
 // setLinger0 makes the close of fd send a reset instead of a FIN.
 func setLinger0(fd int) {
