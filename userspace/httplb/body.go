@@ -66,6 +66,17 @@ func (rb *replayBody) pull(p []byte) (n int, kept bool, err error) {
 	return n, kept, err
 }
 
+// ended reports whether the client's body has been read to its end; a nil body
+// has.
+func (rb *replayBody) ended() bool {
+	if rb == nil {
+		return true
+	}
+	rb.mu.Lock()
+	defer rb.mu.Unlock()
+	return rb.eof
+}
+
 // replayable says whether a new try can send the whole body again: nothing of it
 // was read (dial: and no try is reading now), or all of it is kept. A body the
 // failed try had not read to its end is read on, within the limit, for a

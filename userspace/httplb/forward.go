@@ -136,6 +136,35 @@ func errStatusUnder100(code int) error {
 	return fmt.Errorf("malformed answer: status %03d", code)
 }
 
+// rawTargetPath is the path of a request's target as the client wrote it, to be
+// sent on as it is, as nginx and HAProxy send it: rebuilt from the parsed URL, a
+// target's encoding changes (/a{b} goes as /a%7Bb%7D, /x? as /x), and with it
+// what a signed URL's signature or a backend's routing covers. A URL whose
+// Opaque is set writes it as its request target's path. "" where the parsed
+// URL serves: no target in origin or absolute form, no path, or a path
+// starting "//", which Opaque would write as a scheme-relative URL.
+func rawTargetPath(target string) string {
+	if q := strings.IndexByte(target, '?'); q >= 0 {
+		target = target[:q] // before the authority's end: "http://x?q/a" has none
+	}
+	if i := strings.Index(target, "://"); i > 0 && !strings.HasPrefix(target, "/") {
+		rest := target[i+len("://"):]
+		j := strings.IndexByte(rest, '/')
+		if j < 0 {
+			return ""
+		}
+		target = rest[j:]
+	}
+	if !strings.HasPrefix(target, "/") || strings.HasPrefix(target, "//") {
+		return ""
+	}
+	return target
+}
+
+// errUnaskedSwitch is a 101 to a request that asked for no upgrade: an answer
+// that cannot be forwarded (a 502).
+var errUnaskedSwitch = errors.New("malformed answer: 101 Switching Protocols to a request without an upgrade")
+
 // abandoned ends a request whose client went away (closed, or ended its
 // sending side, which net/http's server takes as gone too) before any answer:
 // without a word, where a handler that returned having written nothing would
@@ -183,7 +212,8 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	// again), and are set field by field: composite literals would each be built
 	// in a temporary on this frame first, and the deeper stack costs every idle
 	// HTTP/1.1 connection, whose goroutine keeps the stack it grew.
-	u.Scheme, u.Host, u.Path, u.RawPath, u.RawQuery = "http", be.id, r.URL.Path, r.URL.RawPath, r.URL.RawQuery
+	u.Scheme, u.Host, u.Path, u.RawPath, u.RawQuery, u.ForceQuery = "http", be.id, r.URL.Path, r.URL.RawPath, r.URL.RawQuery, r.URL.ForceQuery
+	u.Opaque = rawTargetPath(r.RequestURI)
 	out.Method, out.URL, out.Proto, out.ProtoMajor, out.ProtoMinor = r.Method, u, "HTTP/1.1", 1, 1
 	out.Header, out.Host, out.ContentLength, out.Trailer = hdr, r.Host, r.ContentLength, r.Trailer
 	if body != nil {
@@ -199,9 +229,17 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	if timer != nil {
 		timer.Stop()
 	}
-	if err == nil && resp.StatusCode < 100 {
+	switch {
+	case err != nil:
+	case resp.StatusCode < 100:
 		resp.Body.Close()
 		resp, err = nil, errStatusUnder100(resp.StatusCode)
+	case resp.StatusCode == http.StatusSwitchingProtocols:
+		// Upgrades go through tunnelTry: this request asked for none, and its
+		// client would take the bytes after the 101 for another protocol's.
+		// Closing the body closes the connection, which has switched.
+		resp.Body.Close()
+		resp, err = nil, errUnaskedSwitch
 	}
 	headerLatency := time.Since(tryStart)
 	if err != nil {
@@ -256,6 +294,13 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 			be.stats.count(0)
 			return false, failure{retry: true, status: http.StatusBadGateway, err: firstErr}
 		}
+	}
+	if _, own := w.(*h1Writer); !own && r.ProtoMajor == 1 && !body.ended() {
+		// net/http's server frames an answer after taking the request body's
+		// lock, which a transport's read of a client that paused its upload
+		// holds, for ever; closing after the answer is framed without it (the
+		// connection loop bounds that read instead, in h1ReqBody.finish).
+		w.Header().Set("Connection", "close")
 	}
 	n, copyErr := s.respond(w, resp, first, firstErr, *bp)
 	lastByte := time.Since(tryStart)

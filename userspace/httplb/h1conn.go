@@ -287,8 +287,8 @@ func (hc *h1Conn) exchange(ctx context.Context, req *http.Request) (*http.Respon
 		if err != nil {
 			return fail(err, hc.br.Buffered() > 0)
 		}
-		// 1xx answers (103 Early Hints and the like) come before the answer; a 101
-		// cannot, as upgrades do not come here.
+		// 1xx answers (103 Early Hints and the like) come before the answer. A
+		// 101 ends the wait: upgrades do not come here, and try refuses it.
 		if resp.StatusCode >= 200 || resp.StatusCode == http.StatusSwitchingProtocols {
 			break
 		}
@@ -360,7 +360,11 @@ func (b *h1Body) finish(whole bool) {
 	b.done = true
 	hc := b.hc
 	// Bytes already read past the answer's end are not the next answer (get).
-	if !b.stop.end() || !whole || b.resp.Close || b.resp.Request.Close || hc.br.Buffered() > 0 {
+	// Nor are those still on their way: a backend that sends a body with its
+	// answer to a HEAD may send it a moment later, past any look before reuse,
+	// so a HEAD's connection is not reused.
+	if !b.stop.end() || !whole || b.resp.Close || b.resp.Request.Close || hc.br.Buffered() > 0 ||
+		b.resp.Request.Method == http.MethodHead {
 		hc.c.Close()
 		return
 	}

@@ -740,10 +740,11 @@ func onConns(t *testing.T, addr string, n int, f func(i int, conn net.Conn, br *
 }
 
 // TestH1UnsolicitedBytesNoAnswer: bytes a backend sends past its answer's end
-// (here a HEAD answer's body, a common backend bug, holding an answer of its
-// own) are no answer to the next request on that connection, which another
-// client sent: the connection is closed instead of reused, whether the bytes
-// came with the answer or while it sat in the pool.
+// (here a second answer to one request) are no answer to the next request on
+// that connection, which another client sent: the connection is closed instead
+// of reused, whether the bytes came with the answer or while it sat in the
+// pool. (A HEAD answer's body, the common case of this backend bug, may come
+// later still: a HEAD's connection is never reused, TestH1HEADConnectionNotReused.)
 func TestH1UnsolicitedBytesNoAnswer(t *testing.T) {
 	const evil = "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil"
 	for _, c := range []struct {
@@ -763,11 +764,11 @@ func TestH1UnsolicitedBytesNoAnswer(t *testing.T) {
 					if err != nil {
 						return
 					}
-					if req.Method != http.MethodHead {
+					if req.URL.Path != "/twice" {
 						io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\ngood")
 						continue
 					}
-					head := fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n", len(evil))
+					head := "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"
 					if c.sameWrite {
 						io.WriteString(conn, head+evil)
 						close(delivered)
@@ -778,7 +779,7 @@ func TestH1UnsolicitedBytesNoAnswer(t *testing.T) {
 					io.WriteString(conn, evil)
 					// In weir's socket once the backend's has nothing left unacked.
 					waitfor.Value(t, 5*time.Second, "the bytes acked", func() (any, bool) {
-						n := outq(t, conn)
+						n := outq(conn)
 						return n, n == 0
 					})
 					close(delivered)
@@ -786,10 +787,13 @@ func TestH1UnsolicitedBytesNoAnswer(t *testing.T) {
 			})
 			s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 			first, br1 := rawConn(t, s.Addr().String())
-			io.WriteString(first, "HEAD / HTTP/1.1\r\nHost: x\r\n\r\n")
-			resp, err := http.ReadResponse(br1, &http.Request{Method: http.MethodHead})
+			io.WriteString(first, "GET /twice HTTP/1.1\r\nHost: x\r\n\r\n")
+			resp, err := http.ReadResponse(br1, nil)
 			if err != nil || resp.StatusCode != 200 {
-				t.Fatalf("HEAD: %v %v", resp, err)
+				t.Fatalf("GET /twice: %v %v", resp, err)
+			}
+			if body, _ := io.ReadAll(resp.Body); string(body) != "first" {
+				t.Fatalf("GET /twice: %q; want the first answer's \"first\"", body)
 			}
 			close(answered)
 			<-delivered
@@ -809,17 +813,17 @@ func TestH1UnsolicitedBytesNoAnswer(t *testing.T) {
 	}
 }
 
-// outq is the bytes conn has sent that its peer has not acknowledged.
-func outq(t *testing.T, conn net.Conn) int {
-	t.Helper()
+// outq is the bytes conn has sent that its peer has not acknowledged, 0 if it
+// cannot be told (the connection is gone).
+func outq(conn net.Conn) int {
 	rc, err := conn.(*net.TCPConn).SyscallConn()
 	if err != nil {
-		t.Fatal(err)
+		return 0
 	}
 	var n int
 	rc.Control(func(fd uintptr) { n, err = unix.IoctlGetInt(int(fd), unix.SIOCOUTQ) })
 	if err != nil {
-		t.Fatal(err)
+		return 0
 	}
 	return n
 }

@@ -184,10 +184,15 @@ func (c *h1Session) serve() bool {
 			peek, _ := c.br.Peek(4)
 			c.br.Discard(leadingCRLF(peek))
 		}
-		if !c.headerBuffered() {
-			c.conn.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
-		}
 		c.in.lim.n = int64(s.cfg.MaxHeaderBytes) + 4096
+		// The head as it came, for ambiguousFraming: read whole into the reader
+		// (if it fits), from which http.ReadRequest then parses it without
+		// reading more, so the bytes stay put.
+		head := c.bufferedHead()
+		if head == nil {
+			c.conn.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
+			head = c.readHead()
+		}
 		req, err := http.ReadRequest(c.br)
 		tooLong := c.in.lim.n <= 0
 		c.in.lim.n = math.MaxInt64
@@ -195,12 +200,15 @@ func (c *h1Session) serve() bool {
 			c.badRequest(err, tooLong)
 			return true
 		}
+		if ambiguousFraming(req, head) {
+			req.Close = true
+		}
 		lastMethod = req.Method
 		if status, why := checkRequest(req); status != 0 {
 			c.reject(status, why)
 			return true
 		}
-		if isH2CUpgrade(req.Header) && c.tls == nil {
+		if isH2CUpgrade(req) && c.tls == nil {
 			return c.upgrade(req)
 		}
 		if !c.forward(req) {
@@ -243,7 +251,7 @@ func (c *h1Session) awaitRequest() bool {
 	}
 	c.in.pending, c.in.held = b, c.idle
 	// Into the reader at once, as a wait on the reader would have put them
-	// (headerBuffered looks there), and the read buffer back to the pool.
+	// (bufferedHead looks there), and the read buffer back to the pool.
 	c.br.Peek(1)
 	return true
 }
@@ -256,11 +264,97 @@ func leadingCRLF(b []byte) int {
 	return n
 }
 
-// headerBuffered reports whether the reader holds a whole request header: then
-// the idle deadline can stay, as no byte more is awaited for the header.
-func (c *h1Session) headerBuffered() bool {
+// bufferedHead returns the request head the reader holds, through its empty
+// line, or nil if it holds less than a whole head. With a whole head held, the
+// idle deadline can stay, as no byte more is awaited for it.
+func (c *h1Session) bufferedHead() []byte {
 	b, _ := c.br.Peek(c.br.Buffered())
-	return bytes.Contains(b, crlf2)
+	if n := headLen(b); n > 0 {
+		return b[:n]
+	}
+	return nil
+}
+
+// headLen is the length of the message head at b's start, through the empty
+// line that ends it (CRLF, or a bare LF, which http.ReadRequest takes too), or
+// 0 if b does not hold all of it.
+func headLen(b []byte) int {
+	for i := 0; ; {
+		j := bytes.IndexByte(b[i:], '\n')
+		if j < 0 {
+			return 0
+		}
+		i += j + 1
+		switch {
+		case i < len(b) && b[i] == '\n':
+			return i + 1
+		case i+1 < len(b) && b[i] == '\r' && b[i+1] == '\n':
+			return i + 2
+		}
+	}
+}
+
+// readHead reads until the reader holds the whole request head and returns it,
+// or nil if it does not fit the reader or the read fails (http.ReadRequest then
+// meets the failure, or reads the long head on).
+func (c *h1Session) readHead() []byte {
+	for {
+		if head := c.bufferedHead(); head != nil {
+			return head
+		}
+		n := c.br.Buffered()
+		if n >= c.br.Size() {
+			return nil
+		}
+		if _, err := c.br.Peek(n + 1); err != nil {
+			return nil
+		}
+	}
+}
+
+// ambiguousFraming reports whether a request's framing may have been read
+// otherwise by a proxy in front: Transfer-Encoding beside Content-Length, or
+// Transfer-Encoding in HTTP/1.0, which http.ReadRequest drops (RFC 9112 6.1 and
+// 6.3). Such a request is answered, and its connection then closed, as RFC 9112
+// 6.1 has it: bytes that proxy took for the next request are not served as one.
+// head is the request's head as it came, nil if it was not read whole at once:
+// then both framings count as ambiguous.
+func ambiguousFraming(req *http.Request, head []byte) bool {
+	switch {
+	case !req.ProtoAtLeast(1, 1):
+		return head == nil || hasField(head, "transfer-encoding")
+	case len(req.TransferEncoding) > 0:
+		return head == nil || hasField(head, "content-length")
+	}
+	return false
+}
+
+// hasField reports whether a message head has a field of the given lower-case
+// name (its first line, the request or status line, aside).
+func hasField(head []byte, name string) bool {
+	for {
+		i := bytes.IndexByte(head, '\n')
+		if i < 0 {
+			return false
+		}
+		head = head[i+1:]
+		if len(head) > len(name) && head[len(name)] == ':' && asciiEqualFold(head[:len(name)], name) {
+			return true
+		}
+	}
+}
+
+func asciiEqualFold(b []byte, lower string) bool {
+	for i := range len(lower) {
+		c := b[i]
+		if 'A' <= c && c <= 'Z' {
+			c += 'a' - 'A'
+		}
+		if c != lower[i] {
+			return false
+		}
+	}
+	return true
 }
 
 // forward answers one request; false: the connection is to close after it.
@@ -571,10 +665,7 @@ func (c *h1Session) endWatch() {
 	}
 }
 
-var (
-	aLongTimeAgo = time.Unix(1, 0)
-	crlf2        = []byte("\r\n\r\n")
-)
+var aLongTimeAgo = time.Unix(1, 0)
 
 // h1ReqBody is a request's body as the handler and the transports read it.
 // Close is the loop's (finish): a transport closing it must not read the rest,
@@ -626,14 +717,16 @@ func (b *h1ReqBody) finish(wait time.Duration) bool {
 	if b.eof.Load() {
 		return true
 	}
+	// Bounds the discard, and a read a transport is blocked in: that read holds
+	// mu, so the deadline goes on first. Set under mu, it would wait for a client
+	// that has paused its upload (the backend answered before the body's end)
+	// for ever, and the answer with it.
+	b.c.conn.SetReadDeadline(time.Now().Add(wait))
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
 		return b.kept
 	}
-	// Bounds the discard (a read a transport is blocked in holds mu, and ends
-	// with its bytes or at this deadline too).
-	b.c.conn.SetReadDeadline(time.Now().Add(wait))
 	b.closed = true
 	if b.wantContinue && !b.sent {
 		b.eof.Store(true)
@@ -1069,10 +1162,13 @@ func (s *Service) stopH1() []*h1Session {
 	return conns
 }
 
-// isH2CUpgrade is RFC 7540 3.2's upgrade request: Upgrade names h2c and
-// Connection names HTTP2-Settings.
-func isH2CUpgrade(h http.Header) bool {
-	return httpguts.HeaderValuesContainsToken(h["Upgrade"], "h2c") &&
+// isH2CUpgrade is RFC 7540 3.2's upgrade request: an HTTP/1.1 request (1.0 has
+// no upgrade, RFC 9110 7.8) whose Upgrade names h2c and whose Connection names
+// both Upgrade and HTTP2-Settings. Anything less is a plain request.
+func isH2CUpgrade(r *http.Request) bool {
+	h := r.Header
+	return r.ProtoAtLeast(1, 1) && httpguts.HeaderValuesContainsToken(h["Upgrade"], "h2c") &&
+		httpguts.HeaderValuesContainsToken(h["Connection"], "upgrade") &&
 		httpguts.HeaderValuesContainsToken(h["Connection"], "HTTP2-Settings")
 }
 

@@ -86,7 +86,9 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 
 	// The request and the wait for its answer end with the try's context.
 	stop := context.AfterFunc(tctx, func() { bc.SetDeadline(aLongTimeAgo) })
-	out := &http.Request{Method: r.Method, URL: r.URL, Host: r.Host, Header: hdr, Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: 1}
+	target := *r.URL
+	target.Opaque = rawTargetPath(r.RequestURI) // the target as the client wrote it
+	out := &http.Request{Method: r.Method, URL: &target, Host: r.Host, Header: hdr, Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: 1}
 	out.Header["Connection"] = []string{"Upgrade"}
 	out.Header["Upgrade"] = protos
 	bw := bufio.NewWriterSize(bc, 4<<10)

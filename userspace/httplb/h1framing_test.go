@@ -1,0 +1,275 @@
+package httplb
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// Framing at the edges of HTTP/1.1: answers that come before the request's
+// body has, requests whose framing a proxy in front may read otherwise, and
+// answers a request did not ask for.
+
+// TestH1EarlyAnswerPausedUpload: a backend that answers before it has read the
+// body (a 403 to an upload) gets its answer to a client that has paused its
+// upload, within the header timeout, and the connection closes after it. The
+// transport's body read, blocked on the client, held the lock the answer's
+// writer waited on: the answer never went out.
+func TestH1EarlyAnswerPausedUpload(t *testing.T) {
+	be := rawBackend(t, func(c net.Conn) {
+		if _, err := http.ReadRequest(bufio.NewReader(c)); err != nil {
+			return
+		}
+		io.WriteString(c, "HTTP/1.1 403 Forbidden\r\nContent-Length: 6\r\nConnection: close\r\n\r\ndenied")
+	})
+	for _, engine := range h1Engines {
+		t.Run(engine, func(t *testing.T) {
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http", ReadHeaderTimeout: 300 * time.Millisecond},
+				[]Backend{{Addr: be, Weight: 1, Usable: true}})
+			conn, br := rawConn(t, s.Addr().String())
+			conn.SetDeadline(time.Now().Add(5 * time.Second))
+			io.WriteString(conn, "PUT /up HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n0123456789")
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatalf("no answer within 5 s while the upload is paused: %v", err)
+			}
+			body, _ := io.ReadAll(resp.Body)
+			if resp.StatusCode != 403 || string(body) != "denied" || !resp.Close {
+				t.Errorf("got %d %q close=%v; want the backend's 403 \"denied\" and the connection closed after it", resp.StatusCode, body, resp.Close)
+			}
+		})
+	}
+}
+
+// pathsBackend answers every request 200 "ok" on a kept-alive connection, after
+// reading its body, and records each request's target in order.
+func pathsBackend(t *testing.T) (addr netip.AddrPort, paths func() []string) {
+	var mu sync.Mutex
+	var seen []string
+	ap := rawBackend(t, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		for {
+			req, err := http.ReadRequest(br)
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			seen = append(seen, req.RequestURI)
+			mu.Unlock()
+			io.Copy(io.Discard, req.Body)
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	return ap, func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), seen...)
+	}
+}
+
+// TestH1AmbiguousFramingCloses: a request with both Transfer-Encoding and
+// Content-Length, or an HTTP/1.0 request with Transfer-Encoding, is answered
+// and its connection closed (RFC 9112 6.1, 6.3): a proxy in front that framed
+// it by the other field took what follows for another request's bytes, and
+// serving them as a request of their own is request smuggling. Requests framed
+// one way only keep their connection.
+func TestH1AmbiguousFramingCloses(t *testing.T) {
+	const smuggled = "GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+	for _, c := range []struct {
+		name, req string
+		close     bool
+	}{
+		{"chunked and Content-Length", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", true},
+		{"Content-Length first in lower case", "POST / HTTP/1.1\r\nHost: x\r\ncontent-length: 4\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n", true},
+		{"HTTP/1.0 with Transfer-Encoding", "POST / HTTP/1.0\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n5c\r\n", true},
+		{"chunked alone", "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", false},
+		{"Content-Length alone", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nabcd", false},
+		{"HTTP/1.0 keep-alive", "POST / HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 4\r\n\r\nabcd", false},
+		{"bare LF, both", "POST / HTTP/1.1\nHost: x\nContent-Length: 4\nTransfer-Encoding: chunked\n\n0\r\n\r\n", true},
+		{"bare LF, chunked alone", "POST / HTTP/1.1\nHost: x\nTransfer-Encoding: chunked\n\n0\r\n\r\n", false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			be, paths := pathsBackend(t)
+			s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			conn, br := rawConn(t, s.Addr().String())
+			io.WriteString(conn, c.req+smuggled)
+			resp, err := http.ReadResponse(br, &http.Request{Method: "POST"})
+			if err != nil {
+				t.Fatalf("reading the answer: %v", err)
+			}
+			io.Copy(io.Discard, resp.Body)
+			if resp.StatusCode != 200 || resp.Close != c.close {
+				t.Errorf("got %d close=%v; want 200 close=%v", resp.StatusCode, resp.Close, c.close)
+			}
+			next, err := http.ReadResponse(br, nil)
+			switch {
+			case c.close && err == nil:
+				t.Errorf("the bytes after the request were answered (%d) as a request of their own", next.StatusCode)
+			case !c.close && err != nil:
+				t.Errorf("the next request on the connection: %v", err)
+			}
+			if got := paths(); c.close && len(got) != 1 {
+				t.Errorf("the backend was sent %q; want only the first request", got)
+			}
+		})
+	}
+}
+
+// TestH1UnaskedSwitch: a 101 to a request that asked for no upgrade is a
+// backend's malformed answer (502), not relayed: the client would read what
+// follows as another protocol's bytes while weir still spoke HTTP to it.
+func TestH1UnaskedSwitch(t *testing.T) {
+	be := answeringBackend(t, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: foo\r\nConnection: Upgrade\r\n\r\n")
+	for _, engine := range h1Engines {
+		t.Run(engine, func(t *testing.T) {
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http"}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			for _, req := range []string{
+				"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+				"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc",
+			} {
+				conn, br := rawConn(t, s.Addr().String())
+				io.WriteString(conn, req)
+				resp, err := http.ReadResponse(br, nil)
+				if err != nil {
+					t.Fatalf("%q: reading the answer: %v", req, err)
+				}
+				if resp.StatusCode != http.StatusBadGateway {
+					t.Errorf("%q: got %d; want 502", req, resp.StatusCode)
+				}
+			}
+		})
+	}
+}
+
+// TestH1H2CUpgradeNeedsHTTP11: the h2c upgrade is an HTTP/1.1 request's, whose
+// Connection names Upgrade and HTTP2-Settings (RFC 9110 7.8, RFC 7540 3.2); a
+// request with less is answered over HTTP/1.x as a plain one.
+func TestH1H2CUpgradeNeedsHTTP11(t *testing.T) {
+	be, _ := h1TestBackend(t)
+	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	for _, c := range []struct {
+		name, req string
+		status    int
+	}{
+		{"HTTP/1.0", "GET / HTTP/1.0\r\nUpgrade: h2c\r\nConnection: Upgrade, HTTP2-Settings\r\nHTTP2-Settings: \r\n\r\n", 200},
+		{"no Upgrade in Connection", "GET / HTTP/1.1\r\nHost: x\r\nUpgrade: h2c\r\nConnection: HTTP2-Settings\r\nHTTP2-Settings: \r\n\r\n", 200},
+		{"the upgrade", "GET / HTTP/1.1\r\nHost: x\r\nUpgrade: h2c\r\nConnection: Upgrade, HTTP2-Settings\r\nHTTP2-Settings: \r\n\r\n", 101},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			conn, br := rawConn(t, s.Addr().String())
+			io.WriteString(conn, c.req)
+			line, err := br.ReadString('\n')
+			if err != nil {
+				t.Fatal(err)
+			}
+			if f := strings.Fields(line); len(f) < 2 || f[1] != strconv.Itoa(c.status) {
+				t.Errorf("got %q; want status %d", strings.TrimSpace(line), c.status)
+			}
+		})
+	}
+}
+
+// TestH1HEADConnectionNotReused: a backend that sends a body with its answer to
+// a HEAD, a moment after the answer, has that body taken for no one's answer:
+// the next request, another client's, gets its own.
+func TestH1HEADConnectionNotReused(t *testing.T) {
+	// The late "body" is itself an answer, as a desynchronised connection
+	// would show it: 38 bytes, the length the HEAD's answer declared.
+	const late = "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+	be := rawBackend(t, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		for {
+			req, err := http.ReadRequest(br)
+			if err != nil {
+				return
+			}
+			if req.Method == http.MethodHead {
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 38\r\n\r\n")
+				time.Sleep(5 * time.Millisecond)
+				io.WriteString(c, late)
+				continue
+			}
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nreal")
+		}
+	})
+	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	for i := range 10 {
+		head, hbr := rawConn(t, s.Addr().String())
+		io.WriteString(head, "HEAD / HTTP/1.1\r\nHost: x\r\n\r\n")
+		if resp, err := http.ReadResponse(hbr, &http.Request{Method: "HEAD"}); err != nil || resp.StatusCode != 200 {
+			t.Fatalf("round %d: HEAD: %v", i, err)
+		}
+		get, gbr := rawConn(t, s.Addr().String())
+		io.WriteString(get, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+		resp, err := http.ReadResponse(gbr, nil)
+		if err != nil {
+			t.Fatalf("round %d: GET: %v", i, err)
+		}
+		if body, _ := io.ReadAll(resp.Body); string(body) != "real" {
+			t.Fatalf("round %d: the GET was answered %d %q, the HEAD's late body; want its own \"real\"", i, resp.StatusCode, body)
+		}
+	}
+}
+
+func TestHeadLen(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		want int
+	}{
+		{"GET / HTTP/1.1\r\nHost: x\r\n\r\nbody", 27},
+		{"GET / HTTP/1.1\nHost: x\n\nbody", 24},
+		{"GET / HTTP/1.1\r\nHost: x\n\r\n", 26},
+		{"GET / HTTP/1.1\r\nHost: x\r\n", 0},
+		{"GET / HTTP/1.1\r\nHost: x\r\n\r", 0},
+		{"", 0},
+	} {
+		if got := headLen([]byte(c.in)); got != c.want {
+			t.Errorf("headLen(%q) = %d; want %d", c.in, got, c.want)
+		}
+	}
+}
+
+// TestH1TargetAsWritten: the request target goes to the backend as the client
+// wrote it (as nginx and HAProxy send it): a signed URL's signature, a cache
+// key or a backend's routing may cover its exact bytes. Rebuilt from the
+// parsed URL, /a{b} went as /a%7Bb%7D and /x? as /x. Absolute form sends its
+// path; a path starting "//" and the asterisk form go as they came too.
+func TestH1TargetAsWritten(t *testing.T) {
+	be, paths := pathsBackend(t)
+	for _, engine := range h1Engines {
+		t.Run(engine, func(t *testing.T) {
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http"}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			for _, c := range []struct{ target, want string }{
+				{"/a{b}", "/a{b}"},
+				{"/a|b^c\"d", "/a|b^c\"d"},
+				{"/x?", "/x?"},
+				{"/p%2Fq?r=%20s&t", "/p%2Fq?r=%20s&t"},
+				{"/caf%C3%A9/%7e", "/caf%C3%A9/%7e"},
+				{"//double/slash?q", "//double/slash?q"},
+				{"http://x/abs{1}?y", "/abs{1}?y"},
+				{"http://x", "/"},
+				{"http://x?q/a", "/?q/a"},
+			} {
+				before := len(paths())
+				conn, br := rawConn(t, s.Addr().String())
+				io.WriteString(conn, "GET "+c.target+" HTTP/1.1\r\nHost: x\r\n\r\n")
+				resp, err := http.ReadResponse(br, nil)
+				if err != nil {
+					t.Fatalf("%s: %v", c.target, err)
+				}
+				resp.Body.Close()
+				got := paths()
+				if resp.StatusCode != 200 || len(got) != before+1 || got[before] != c.want {
+					t.Errorf("%s: answered %d, the backend saw %q; want %q", c.target, resp.StatusCode, got[before:], c.want)
+				}
+			}
+		})
+	}
+}
