@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"net/textproto"
 	"net/url"
 	"slices"
 	"strconv"
@@ -673,16 +674,34 @@ func FuzzH1Answers(f *testing.F) {
 // backendAnswer reads raw as weir's exchange must: 1xx answers skipped, then
 // the answer and its body. nil: not an answer; bodyErr: the body broke off.
 func backendAnswer(raw []byte, req *http.Request) (resp *http.Response, body []byte, err error) {
-	br := bufio.NewReader(bytes.NewReader(raw))
+	src := bytes.NewReader(raw)
+	br := bufio.NewReader(src)
 	for {
+		at := len(raw) - src.Len() - br.Buffered()
 		resp, err = http.ReadResponse(br, req)
-		if err == nil && resp.StatusCode < 100 {
+		switch {
+		case err != nil:
+		case resp.StatusCode < 100:
 			err = errors.New("status under 100") // Go reads any three digits; no client may get it
+		case resp.StatusCode == http.StatusSwitchingProtocols:
+			err = errors.New("101 to a request without an upgrade")
 		}
 		if err != nil {
 			return nil, nil, err
 		}
-		if resp.StatusCode >= 200 || resp.StatusCode == http.StatusSwitchingProtocols {
+		if resp.StatusCode >= 200 {
+			// The fields a Connection field names are hop-by-hop, also when
+			// it says close, which Go's reader drops it for, names and all;
+			// weir finds them in a head that fits its 32 KiB reader.
+			tp := textproto.NewReader(bufio.NewReader(bytes.NewReader(raw[at:])))
+			tp.ReadLine()
+			if h, herr := tp.ReadMIMEHeader(); herr == nil && headLen(raw[at:]) <= 32<<10 {
+				for _, v := range h["Connection"] {
+					for _, name := range strings.Split(v, ",") {
+						resp.Header.Del(strings.TrimSpace(name))
+					}
+				}
+			}
 			break
 		}
 	}

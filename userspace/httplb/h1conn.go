@@ -279,6 +279,7 @@ func (hc *h1Conn) exchange(ctx context.Context, req *http.Request) (*http.Respon
 	for {
 		hc.lim.n = hc.pool.maxHeader
 		var err error
+		head := readHead(hc.br)
 		resp, err = http.ReadResponse(hc.br, req)
 		hc.lim.n = math.MaxInt64
 		if err == nil && resp.StatusCode < 100 {
@@ -286,6 +287,11 @@ func (hc *h1Conn) exchange(ctx context.Context, req *http.Request) (*http.Respon
 		}
 		if err != nil {
 			return fail(err, hc.br.Buffered() > 0)
+		}
+		if resp.Close && resp.ProtoAtLeast(1, 1) && head != nil {
+			// The parser dropped a Connection field that says close, and with
+			// it the names of the fields it lists, which are hop-by-hop too.
+			dropConnectionListed(resp.Header, head)
 		}
 		// 1xx answers (103 Early Hints and the like) come before the answer. A
 		// 101 ends the wait: upgrades do not come here, and try refuses it.

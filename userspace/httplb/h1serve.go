@@ -2,7 +2,6 @@ package httplb
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/base64"
@@ -188,10 +187,10 @@ func (c *h1Session) serve() bool {
 		// The head as it came, for ambiguousFraming: read whole into the reader
 		// (if it fits), from which http.ReadRequest then parses it without
 		// reading more, so the bytes stay put.
-		head := c.bufferedHead()
+		head := bufferedHead(c.br)
 		if head == nil {
 			c.conn.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
-			head = c.readHead()
+			head = readHead(c.br)
 		}
 		req, err := http.ReadRequest(c.br)
 		tooLong := c.in.lim.n <= 0
@@ -262,99 +261,6 @@ func leadingCRLF(b []byte) int {
 		n++
 	}
 	return n
-}
-
-// bufferedHead returns the request head the reader holds, through its empty
-// line, or nil if it holds less than a whole head. With a whole head held, the
-// idle deadline can stay, as no byte more is awaited for it.
-func (c *h1Session) bufferedHead() []byte {
-	b, _ := c.br.Peek(c.br.Buffered())
-	if n := headLen(b); n > 0 {
-		return b[:n]
-	}
-	return nil
-}
-
-// headLen is the length of the message head at b's start, through the empty
-// line that ends it (CRLF, or a bare LF, which http.ReadRequest takes too), or
-// 0 if b does not hold all of it.
-func headLen(b []byte) int {
-	for i := 0; ; {
-		j := bytes.IndexByte(b[i:], '\n')
-		if j < 0 {
-			return 0
-		}
-		i += j + 1
-		switch {
-		case i < len(b) && b[i] == '\n':
-			return i + 1
-		case i+1 < len(b) && b[i] == '\r' && b[i+1] == '\n':
-			return i + 2
-		}
-	}
-}
-
-// readHead reads until the reader holds the whole request head and returns it,
-// or nil if it does not fit the reader or the read fails (http.ReadRequest then
-// meets the failure, or reads the long head on).
-func (c *h1Session) readHead() []byte {
-	for {
-		if head := c.bufferedHead(); head != nil {
-			return head
-		}
-		n := c.br.Buffered()
-		if n >= c.br.Size() {
-			return nil
-		}
-		if _, err := c.br.Peek(n + 1); err != nil {
-			return nil
-		}
-	}
-}
-
-// ambiguousFraming reports whether a request's framing may have been read
-// otherwise by a proxy in front: Transfer-Encoding beside Content-Length, or
-// Transfer-Encoding in HTTP/1.0, which http.ReadRequest drops (RFC 9112 6.1 and
-// 6.3). Such a request is answered, and its connection then closed, as RFC 9112
-// 6.1 has it: bytes that proxy took for the next request are not served as one.
-// head is the request's head as it came, nil if it was not read whole at once:
-// then both framings count as ambiguous.
-func ambiguousFraming(req *http.Request, head []byte) bool {
-	switch {
-	case !req.ProtoAtLeast(1, 1):
-		return head == nil || hasField(head, "transfer-encoding")
-	case len(req.TransferEncoding) > 0:
-		return head == nil || hasField(head, "content-length")
-	}
-	return false
-}
-
-// hasField reports whether a message head has a field of the given lower-case
-// name (its first line, the request or status line, aside).
-func hasField(head []byte, name string) bool {
-	for {
-		i := bytes.IndexByte(head, '\n')
-		if i < 0 {
-			return false
-		}
-		head = head[i+1:]
-		if len(head) > len(name) && head[len(name)] == ':' && asciiEqualFold(head[:len(name)], name) {
-			return true
-		}
-	}
-}
-
-func asciiEqualFold(b []byte, lower string) bool {
-	for i := range len(lower) {
-		c := b[i]
-		if 'A' <= c && c <= 'Z' {
-			c += 'a' - 'A'
-		}
-		if c != lower[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // forward answers one request; false: the connection is to close after it.

@@ -1,0 +1,135 @@
+package httplb
+
+import (
+	"bufio"
+	"bytes"
+	"net/http"
+	"strings"
+)
+
+// A message head as it came, read whole into a bufio.Reader before the standard
+// library parses it there: the parser drops fields whose presence matters to a
+// proxy (Transfer-Encoding beside Content-Length, a Connection field that says
+// close and names others), and the raw head still has them.
+
+// bufferedHead returns the message head br holds, through its empty line, or
+// nil if it holds less than a whole head. (The connection loop then knows no
+// byte more is awaited for a request's head, and its idle deadline can stay.)
+func bufferedHead(br *bufio.Reader) []byte {
+	b, _ := br.Peek(br.Buffered())
+	if n := headLen(b); n > 0 {
+		return b[:n]
+	}
+	return nil
+}
+
+// headLen is the length of the message head at b's start, through the empty
+// line that ends it (CRLF, or a bare LF, which http.ReadRequest takes too), or
+// 0 if b does not hold all of it.
+func headLen(b []byte) int {
+	for i := 0; ; {
+		j := bytes.IndexByte(b[i:], '\n')
+		if j < 0 {
+			return 0
+		}
+		i += j + 1
+		switch {
+		case i < len(b) && b[i] == '\n':
+			return i + 1
+		case i+1 < len(b) && b[i] == '\r' && b[i+1] == '\n':
+			return i + 2
+		}
+	}
+}
+
+// readHead reads until br holds a whole message head and returns it, or nil if
+// it does not fit br or the read fails (http.ReadRequest or ReadResponse then
+// meets the failure, or reads the long head on). Parsed from br then, the head
+// needs no read more, so the returned bytes stay put through the parse.
+func readHead(br *bufio.Reader) []byte {
+	for {
+		if head := bufferedHead(br); head != nil {
+			return head
+		}
+		n := br.Buffered()
+		if n >= br.Size() {
+			return nil
+		}
+		if _, err := br.Peek(n + 1); err != nil {
+			return nil
+		}
+	}
+}
+
+// ambiguousFraming reports whether a request's framing may have been read
+// otherwise by a proxy in front: Transfer-Encoding beside Content-Length, or
+// Transfer-Encoding in HTTP/1.0, which http.ReadRequest drops (RFC 9112 6.1 and
+// 6.3). Such a request is answered, and its connection then closed, as RFC 9112
+// 6.1 has it: bytes that proxy took for the next request are not served as one.
+// head is the request's head as it came, nil if it was not read whole at once:
+// then both framings count as ambiguous.
+func ambiguousFraming(req *http.Request, head []byte) bool {
+	switch {
+	case !req.ProtoAtLeast(1, 1):
+		return head == nil || hasField(head, "transfer-encoding")
+	case len(req.TransferEncoding) > 0:
+		return head == nil || hasField(head, "content-length")
+	}
+	return false
+}
+
+// hasField reports whether a message head has a field of the given lower-case
+// name (its first line, the request or status line, aside).
+func hasField(head []byte, name string) bool {
+	found := false
+	eachField(head, name, func([]byte) bool { found = true; return false })
+	return found
+}
+
+// eachField calls f with the value of each field of head named name (lower
+// case), in order, until f returns false.
+func eachField(head []byte, name string, f func(value []byte) bool) {
+	for {
+		i := bytes.IndexByte(head, '\n')
+		if i < 0 {
+			return
+		}
+		head = head[i+1:]
+		if len(head) > len(name) && head[len(name)] == ':' && asciiEqualFold(head[:len(name)], name) {
+			v := head[len(name)+1:]
+			if e := bytes.IndexByte(v, '\n'); e >= 0 {
+				v = v[:e]
+			}
+			if !f(bytes.TrimSpace(v)) {
+				return
+			}
+		}
+	}
+}
+
+// dropConnectionListed removes from h the fields a head's Connection names
+// (RFC 9110 7.6.1), for an answer whose Connection field the response parser
+// has dropped: it does when the field says close, names and all.
+func dropConnectionListed(h http.Header, head []byte) {
+	eachField(head, "connection", func(v []byte) bool {
+		for _, name := range strings.Split(string(v), ",") {
+			if name = strings.TrimSpace(name); name != "" {
+				h.Del(name)
+			}
+		}
+		return true
+	})
+}
+
+func asciiEqualFold(b []byte, lower string) bool {
+	for i := range len(lower) {
+		c := b[i]
+		if 'A' <= c && c <= 'Z' {
+			c += 'a' - 'A'
+		}
+		if c != lower[i] {
+			return false
+		}
+	}
+	return true
+}
