@@ -124,11 +124,14 @@ func TestTunnelEndToEnd(t *testing.T) {
 			if malformed != 0 {
 				t.Errorf("the backends' decapsulators found %d malformed tunnel packets; want none", malformed)
 			}
+			// The links' counters count every packet they drop, a neighbour
+			// discovery or ICMP packet too, so they may exceed what went missing
+			// (one drop beside 0 missing in a CI run).
 			lost := int64(sent) - int64(decapsulated+dropped)
-			if lost != 0 {
+			if lost > 0 {
 				t.Logf("%d packets encapsulated, not decapsulated and not counted dropped on the router's links", lost)
 			}
-			if lost < 0 || float64(lost) > 0.005*float64(sent) {
+			if decapsulated > sent || float64(lost) > 0.005*float64(sent) {
 				t.Errorf("backends decapsulated %d packets and the links on the way dropped %d; the balancer encapsulated %d", decapsulated, dropped, sent)
 			}
 			if st.Reasons[ReasonTunnelTooBig].Packets == 0 {
