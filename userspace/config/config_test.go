@@ -195,6 +195,7 @@ func TestErrors(t *testing.T) {
 		{"hash_seed fraction", "xdp: {hash_seed: 1.9}\nservices: []\n", "line 1: xdp.hash_seed: must be a whole number, got 1.9"},
 		{"rise fraction", svc + "  health:\n    rise: 0.5\n" + be, "line 5: services[0].health.rise: must be a whole number, got 0.5"},
 		{"whole float", svc + "  backends: [{address: 10.0.0.11:80, weight: 2.0}]\n", "services[0].backends[0].weight: must be a whole number, got 2.0"},
+		{"duration fraction", svc + "  drain_timeout: 1.5\n" + be, `line 4: services[0].drain_timeout: must be a duration such as 500ms, 2s or 1m, got "1.5"`},
 		{"proxy listen on an earlier listen", "services:\n- {name: a, vip: 10.0.0.1:443, data_plane: proxy, proxy: {listen: 127.0.0.1:8080}, backends: [{address: 10.0.0.11:80}]}\n- {name: b, vip: 127.0.0.1:8080, data_plane: proxy, backends: [{address: 10.0.0.11:80}]}\n",
 			`line 3: services[1].vip: 127.0.0.1:8080 is already the proxy address of services[0] ("a"), and this service listens on its VIP: set proxy.listen`},
 		{"proxy listen on a later listen", "services:\n- {name: b, vip: 127.0.0.1:8080, data_plane: proxy, backends: [{address: 10.0.0.11:80}]}\n- {name: a, vip: 10.0.0.1:443, data_plane: proxy, proxy: {listen: 127.0.0.1:8080}, backends: [{address: 10.0.0.11:80}]}\n",
@@ -205,6 +206,7 @@ func TestErrors(t *testing.T) {
 			`line 3: services[1].vip: tcp 127.0.0.1:8080 is already served by services[0] ("a"): one VIP, port and protocol per service`},
 		{"second document", svc + be + "---\nbogus: 1\n", "line 6: a second YAML document"},
 		{"trailing document marker", svc + be + "---\n", ""},
+		{"document after an empty one", svc + be + "---\n---\nbogus: 1\n", "line 7: a second YAML document"},
 		{"document end", svc + be + "...\n", ""},
 		{"null file", "~\n", "the file is empty"},
 		{"type error in a flow mapping", "xdp: {hash_seed: -1}\nservices: []\n", "line 1: xdp.hash_seed: must be a whole number ≥ 0"},
@@ -285,6 +287,19 @@ func TestErrorPlaces(t *testing.T) {
 			yaml:    "services:\n- name: a\n  vip: 10.0.0.1:80\n  backends:\n  - weight: x\n    address: 10.0.0.11:80\n",
 			want:    []string{"line 5: services[0].backends[0].weight"},
 			wantNot: []string{"every weight is 0"},
+		},
+		{
+			name:    "a fraction for a duration",
+			yaml:    "services:\n- name: a\n  vip: 10.0.0.1:80\n  drain_timeout: 1.5\n" + be,
+			want:    []string{"line 4: services[0].drain_timeout: must be a duration"},
+			wantNot: []string{"whole number"},
+		},
+		{
+			name: "an anchor's type error, another between its aliases",
+			yaml: "services:\n- name: a\n  vip: 10.0.0.1:80\n  health: &h {rise: x}\n" + be +
+				"- name: b\n  vip: 10.0.0.2:80\n  panic_threshold: y\n  health: *h\n" + be +
+				"- name: c\n  vip: 10.0.0.3:80\n  health: *h\n" + be,
+			want: []string{`line 4: services[0].health.rise: must be a whole number, got the string "x"`, "line 8: services[1].panic_threshold"},
 		},
 		{
 			name:    "a negative interval",

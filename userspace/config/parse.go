@@ -104,13 +104,19 @@ func parse(data []byte) (*Config, error) {
 		return nil, Errors{{Msg: "the file is empty: a config needs at least a services list"}}
 	}
 	// One document: what follows a "---" would otherwise be ignored, unread.
-	var more yaml.Node
-	switch err := dec.Decode(&more); {
-	case err == io.EOF:
-	case err != nil:
-		return nil, Errors{syntaxError(data, err)}
-	case len(more.Content) > 0 && !isNull(more.Content[0]):
-		return nil, Errors{{Line: more.Content[0].Line, Msg: "a second YAML document: a config is one document (no \"---\" after its start)"}}
+	// Empty ones after it are let be.
+	for {
+		var more yaml.Node
+		err := dec.Decode(&more)
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, Errors{syntaxError(data, err)}
+		}
+		if len(more.Content) > 0 && !isNull(more.Content[0]) {
+			return nil, Errors{{Line: more.Content[0].Line, Msg: "a second YAML document: a config is one document (no \"---\" after its start)"}}
+		}
 	}
 	root := doc.Content[0]
 	p := &parser{lines: make(map[string]int), atLine: make(map[int]string), values: make(map[int][]valueAt), fractional: make(map[*yaml.Node]bool)}
@@ -127,7 +133,7 @@ func parse(data []byte) (*Config, error) {
 			p.typeError(msg)
 		}
 	}
-	p.errs = slices.CompactFunc(p.errs, func(a, b *FieldError) bool { return *a == *b }) // a value reached through several aliases is reported once
+	p.errs = uniqueErrors(p.errs) // a value reached through several aliases is reported once per alias
 	decodeErrs := len(p.errs)
 	cfg.defaults()
 	for _, e := range cfg.validate() {
@@ -143,6 +149,18 @@ func parse(data []byte) (*Config, error) {
 		return nil, p.errs
 	}
 	return cfg.resolve(), nil
+}
+
+// uniqueErrors drops repeats of an error, keeping the first of each.
+func uniqueErrors(es Errors) Errors {
+	seen := make(map[FieldError]bool, len(es))
+	return slices.DeleteFunc(es, func(e *FieldError) bool {
+		if seen[*e] {
+			return true
+		}
+		seen[*e] = true
+		return false
+	})
 }
 
 var lineRE = regexp.MustCompile(`^(?:yaml: )?line (\d+): (.*)$`)
@@ -486,9 +504,12 @@ func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string, viaAlias
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
 	}
+	if reflect.PointerTo(t).Implements(reflect.TypeFor[yaml.Unmarshaler]()) {
+		return // it reads its own node (a duration), and says what is wrong with it
+	}
 	switch t.Kind() {
 	case reflect.Struct:
-		if n.Kind != yaml.MappingNode || t == reflect.TypeFor[duration]() {
+		if n.Kind != yaml.MappingNode {
 			return // a type error, reported by Decode
 		}
 		fields := yamlFields(t)
