@@ -399,12 +399,7 @@ func (l *loop) pump(c *conn, d int) bool {
 		if h.bulk {
 			if h.p == nil {
 				if h.p, err = pipes.get(); err != nil {
-					// Out of descriptors or pipe memory here: neither peer is at
-					// fault, and both get a reset, as the stream is cut.
-					setLinger0(c.fd[client])
-					setLinger0(c.fd[server])
-					l.close(c, OutcomeSuccess)
-					return false
+					return l.cut(c, fmt.Errorf("splice pipe: %w", err))
 				}
 			}
 			n, err = spliceRaw(src, h.p.w, pipeSize, spliceFlags)
@@ -589,6 +584,17 @@ func (l *loop) fail(c *conn, d int, read bool, err error) bool {
 	}
 	_ = err // the outcome is what is reported; the errno itself is not
 	l.close(c, outcome)
+	return false
+}
+
+// cut ends c for a failure of this host's (no descriptor or memory for a
+// pipe): neither peer is at fault, and both get a reset, as the stream is cut.
+// It is counted and logged with the connections that could not be served.
+func (l *loop) cut(c *conn, err error) bool {
+	l.s.noteUnserved(err)
+	setLinger0(c.fd[client])
+	setLinger0(c.fd[server])
+	l.close(c, OutcomeSuccess)
 	return false
 }
 

@@ -646,19 +646,25 @@ func (s *Service) startDrain(b *backend) {
 	if b.timer != nil || s.cfg.DrainTimeout == 0 {
 		return
 	}
-	b.timer = time.AfterFunc(s.cfg.DrainTimeout, func() {
+	// Assigned to b.timer under s.mu before the timer's function can read it
+	// (that takes s.mu too).
+	var t *time.Timer
+	t = time.AfterFunc(s.cfg.DrainTimeout, func() {
 		s.drainMu.RLock()
 		defer s.drainMu.RUnlock()
+		// Called off while this waited to run (Stop came too late), perhaps with
+		// a drain of its own begun since: that one's timer is b's now.
 		s.mu.Lock()
-		called := !b.draining // off while this waited to run
+		stale := b.timer != t
 		s.mu.Unlock()
-		if s.served || called {
+		if s.served || stale {
 			return
 		}
 		if n := s.killConns(b); n > 0 {
 			s.log.Info("drain timeout: closed connections", "backend", b.addr, "closed", n)
 		}
 	})
+	b.timer = t
 }
 
 // stopDrain ends b's drain, and calls off its deadline. Called with s.mu held.

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -94,20 +93,19 @@ func startDial(sa *rawSockaddr, data bool) (int, error) {
 		err = connectRaw(fd, sa)
 	}
 	if err != nil && err != unix.EINPROGRESS {
+		// Not local even when the host has no port or source address left for
+		// it (EADDRNOTAVAIL): that is per destination, and another backend
+		// may still be reached.
 		unix.Close(fd)
-		err = fmt.Errorf("connect: %w", err)
-		switch {
-		case errors.Is(err, unix.EADDRNOTAVAIL), errors.Is(err, unix.EAGAIN), errors.Is(err, unix.ENOBUFS), errors.Is(err, unix.ENOMEM):
-			err = &localError{err} // no local port or memory left
-		}
-		return -1, err
+		return -1, fmt.Errorf("connect: %w", err)
 	}
 	return fd, nil
 }
 
-// localError is a dial that failed on this host (out of descriptors, ports or
-// memory), not at the backend: it counts against no backend's health, and
-// another backend would fare no better.
+// localError is a dial that failed on this host before it reached for the
+// backend (no descriptor or memory for a socket, no room in the epoll set): it
+// counts against no backend's health, and another backend would fare no
+// better.
 type localError struct{ err error }
 
 func (e *localError) Error() string { return e.err.Error() }

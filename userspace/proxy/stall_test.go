@@ -88,14 +88,17 @@ func writeUntilFull(conn net.Conn) {
 func TestPausedLoopIdlesAfterAcceptError(t *testing.T) {
 	a := startBackend(t, "a", netip.AddrPort{}, hello)
 	s := startProxy(t, Config{Backends: []Backend{{Addr: a.addr()}}, MaxConns: 1, AcceptLoops: 2, Logger: discardLogger()})
-	for range 4 { // both loops have run
+	for range 4 { // the service serves (its loops are up)
 		c := dial(t, s)
 		readLine(c)
 		c.Close()
 	}
 	waitfor.Value(t, 5*time.Second, "no connection", active(s, 0))
 
-	// Out of descriptors: the queued clients' accepts fail with EMFILE.
+	// Out of descriptors: the queued clients' accepts fail with EMFILE. The
+	// listeners' SO_REUSEPORT hash spreads 8 clients over both loops (all on
+	// one: 1 time in 128), so both back off, and the one that does not take
+	// the single slot afterwards waits paused with its back-off's time past.
 	fds := fillFDs(t)
 	for range 8 {
 		// A descriptor for the client's own socket; the proxy's accept has none.
