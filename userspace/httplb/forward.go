@@ -295,14 +295,26 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 			return false, failure{retry: true, status: http.StatusBadGateway, err: firstErr}
 		}
 	}
-	if _, own := w.(*h1Writer); !own && r.ProtoMajor == 1 && !body.ended() {
-		// net/http's server frames an answer after taking the request body's
-		// lock, which a transport's read of a client that paused its upload
-		// holds, for ever; closing after the answer is framed without it (the
-		// connection loop bounds that read instead, in h1ReqBody.finish).
+	// net/http's server frames an answer after taking the request body's lock,
+	// which a transport's read of a client that paused its upload holds, for
+	// ever; an answer that closes the connection is framed without it. (The
+	// connection loop bounds that read instead, in h1ReqBody.finish.)
+	_, own := w.(*h1Writer)
+	paused := !own && r.ProtoMajor == 1 && !body.ended()
+	if paused {
 		w.Header().Set("Connection", "close")
 	}
 	n, copyErr := s.respond(w, resp, first, firstErr, *bp)
+	if paused {
+		// Once the handler returns, the server clears the read deadline and
+		// reads what is left of the body (up to 256 KiB) to close it: with no
+		// deadline, for as long as the client holds the connection. Closed
+		// here, under a deadline, that read is done.
+		if d, ok := w.(interface{ SetReadDeadline(time.Time) error }); ok {
+			d.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
+		}
+		r.Body.Close()
+	}
 	lastByte := time.Since(tryStart)
 	latency := headerLatency
 	if l.cfg.LastByte {

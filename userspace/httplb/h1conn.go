@@ -278,9 +278,10 @@ func (hc *h1Conn) exchange(ctx context.Context, req *http.Request) (*http.Respon
 	var resp *http.Response
 	for {
 		hc.lim.n = hc.pool.maxHeader
-		var err error
-		head := readHead(hc.br)
-		resp, err = http.ReadResponse(hc.br, req)
+		head, err := readHead(hc.br)
+		if err == nil {
+			resp, err = http.ReadResponse(hc.br, req)
+		}
 		hc.lim.n = math.MaxInt64
 		if err == nil && resp.StatusCode < 100 {
 			err = errStatusUnder100(resp.StatusCode)
@@ -366,11 +367,7 @@ func (b *h1Body) finish(whole bool) {
 	b.done = true
 	hc := b.hc
 	// Bytes already read past the answer's end are not the next answer (get).
-	// Nor are those still on their way: a backend that sends a body with its
-	// answer to a HEAD may send it a moment later, past any look before reuse,
-	// so a HEAD's connection is not reused.
-	if !b.stop.end() || !whole || b.resp.Close || b.resp.Request.Close || hc.br.Buffered() > 0 ||
-		b.resp.Request.Method == http.MethodHead {
+	if !b.stop.end() || !whole || b.resp.Close || b.resp.Request.Close || hc.br.Buffered() > 0 {
 		hc.c.Close()
 		return
 	}

@@ -188,11 +188,15 @@ func (c *h1Session) serve() bool {
 		// (if it fits), from which http.ReadRequest then parses it without
 		// reading more, so the bytes stay put.
 		head := bufferedHead(c.br)
+		var err error
 		if head == nil {
 			c.conn.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
-			head = readHead(c.br)
+			head, err = readHead(c.br)
 		}
-		req, err := http.ReadRequest(c.br)
+		var req *http.Request
+		if err == nil {
+			req, err = http.ReadRequest(c.br)
+		}
 		tooLong := c.in.lim.n <= 0
 		c.in.lim.n = math.MaxInt64
 		if err != nil {

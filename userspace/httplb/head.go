@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"net/http"
-	"strings"
 )
 
 // A message head as it came, read whole into a bufio.Reader before the standard
@@ -42,21 +41,23 @@ func headLen(b []byte) int {
 	}
 }
 
-// readHead reads until br holds a whole message head and returns it, or nil if
-// it does not fit br or the read fails (http.ReadRequest or ReadResponse then
-// meets the failure, or reads the long head on). Parsed from br then, the head
-// needs no read more, so the returned bytes stay put through the parse.
-func readHead(br *bufio.Reader) []byte {
+// readHead reads until br holds a whole message head and returns it; nil and
+// no error if the head does not fit br (http.ReadRequest or ReadResponse then
+// reads it on). Parsed from br, a head it holds needs no read more, so the
+// returned bytes stay put through the parse. A read's error is returned as it
+// came: br hands it over once, and a read again would find another (a reset
+// reads as an end).
+func readHead(br *bufio.Reader) ([]byte, error) {
 	for {
 		if head := bufferedHead(br); head != nil {
-			return head
+			return head, nil
 		}
 		n := br.Buffered()
 		if n >= br.Size() {
-			return nil
+			return nil, nil
 		}
 		if _, err := br.Peek(n + 1); err != nil {
-			return nil
+			return nil, err
 		}
 	}
 }
@@ -111,14 +112,12 @@ func eachField(head []byte, name string, f func(value []byte) bool) {
 // (RFC 9110 7.6.1), for an answer whose Connection field the response parser
 // has dropped: it does when the field says close, names and all.
 func dropConnectionListed(h http.Header, head []byte) {
+	var listed []string
 	eachField(head, "connection", func(v []byte) bool {
-		for _, name := range strings.Split(string(v), ",") {
-			if name = strings.TrimSpace(name); name != "" {
-				h.Del(name)
-			}
-		}
+		listed = append(listed, string(v))
 		return true
 	})
+	removeConnectionHeaders(h, http.Header{"Connection": listed})
 }
 
 func asciiEqualFold(b []byte, lower string) bool {
