@@ -30,10 +30,13 @@ func (r *roundRobin) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	if ramping {
 		rnd = r.rand()
 	}
+	j := start
 	for i := range n {
-		j := start + i
-		if j >= n {
-			j -= n
+		if i > 0 {
+			// A turn refused (slow start) or skipped (a limit) goes on with the
+			// cycle's next turn, not with the next backend in the list, which
+			// would take every turn the other gives up on top of its own.
+			j = int(uint32(r.ctr.Add(1)-1) % uint32(n))
 		}
 		e := &s.entries[j]
 		if skip != nil && skip(e.b.id) {
@@ -44,11 +47,9 @@ func (r *roundRobin) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 		}
 		return lease(e.b), nil
 	}
-	if ramping {
-		// Every candidate was ramping and refused: give it to the first one not skipped.
-		return firstNotSkipped(s, start, skip)
-	}
-	return Lease{}, ErrNoBackend
+	// Every turn was refused or skipped (other picks take turns meanwhile, so
+	// not every backend need have had one): the first one not skipped.
+	return firstNotSkipped(s, start, skip)
 }
 
 // accept lets a ramping backend through with probability equal to its slow start factor.
@@ -78,17 +79,19 @@ func (r *random) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	}
 	rnd := r.rand()
 	now, ramping := s.ramping(r.core)
+	var i int
 	for range 4 {
-		i := pickRandom(s, &rnd, skip, -1)
+		i = pickRandom(s, &rnd, skip, -1)
 		if i < 0 {
 			return Lease{}, ErrNoBackend
 		}
 		if !ramping || accept(&s.entries[i], now, &rnd) {
-			return lease(s.entries[i].b), nil
+			break
 		}
 	}
-	// Refused four times by slow start: take the next candidate as it comes.
-	i := pickRandom(s, &rnd, skip, -1)
+	// Accepted, or refused four times by slow start: the last candidate drawn.
+	// (Not another draw: skip reads live state, such as a limit other
+	// connections reach meanwhile, and may refuse every backend by now.)
 	return lease(s.entries[i].b), nil
 }
 

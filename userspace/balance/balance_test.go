@@ -714,3 +714,81 @@ func TestLeastTime(t *testing.T) {
 		t.Errorf("round_robin Estimate: got ok; want false (it keeps no latency)")
 	}
 }
+
+// Under round_robin, a turn a backend gives up (refused while it ramps, or
+// skipped at a limit) goes on with the cycle, so the backends that take it
+// share it alike; before, the next one in the list took all of them.
+func TestRoundRobinGivenUpTurnsShared(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		skip func(id string) bool
+	}{
+		{"B ramping", nil},
+		{"B at its limit", func(id string) bool { return id == "B" }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := &clock{}
+			bs := abc(1, 1, 1, 1)
+			for i := range bs {
+				bs[i].SlowStart = 10 * time.Second
+			}
+			bs[1].Usable = false
+			b := mustNewClock(t, RoundRobin, bs, 1, c)
+			if tc.skip == nil {
+				bs[1].Usable = true // back: B ramps from slowStartFloor
+			}
+			b.SetBackends(bs)
+			got := map[string]int{}
+			for range 40000 {
+				l, err := b.Pick(0, tc.skip)
+				if err != nil {
+					t.Fatal(err)
+				}
+				got[l.Backend()]++
+				l.Release(Result{})
+			}
+			for _, id := range []string{"A", "D"} {
+				if r := float64(got["C"]) / float64(got[id]); r > 1.1 || r < 0.9 {
+					t.Errorf("picks %v: C, after B in the list, has %.2f× %s's; want them alike", got, r, id)
+				}
+			}
+		})
+	}
+}
+
+// random under slow start, with a skip that refuses more as picks go on (a
+// limit other connections reach meanwhile), leases a backend it drew or
+// answers ErrNoBackend; it never indexes past its set.
+func TestRandomSlowStartLiveSkip(t *testing.T) {
+	for seed := uint64(1); seed <= 50; seed++ {
+		c := &clock{}
+		bs := abc(1, 1)
+		bs[1].SlowStart = 10 * time.Second
+		bs[1].Usable = false
+		b := mustNewClock(t, Random, bs, seed, c)
+		bs[1].Usable = true
+		b.SetBackends(bs) // B ramps from slowStartFloor
+		asked := 0
+		skip := func(id string) bool {
+			if id == "A" {
+				return true // at its limit
+			}
+			asked++
+			return asked > 4 // B reaches its limit after four draws
+		}
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					t.Fatalf("seed %d: Pick panicked: %v", seed, r)
+				}
+			}()
+			l, err := b.Pick(0, skip)
+			if err == nil {
+				if l.Backend() != "B" {
+					t.Errorf("seed %d: leased %s, which skip refused throughout", seed, l.Backend())
+				}
+				l.Release(Result{})
+			}
+		}()
+	}
+}
