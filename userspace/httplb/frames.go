@@ -69,12 +69,18 @@ type fsess struct {
 	tls    bool   // the client came over TLS
 	remote string // with it, for the access log
 
-	mu       sync.Mutex
-	enc      *hpack.Encoder
-	encBuf   bytes.Buffer
-	streams  map[uint32]*fstream
-	maxID    uint32 // the highest stream ID the client opened
-	away     bool   // GOAWAY sent: no new streams
+	mu      sync.Mutex
+	enc     *hpack.Encoder
+	encBuf  bytes.Buffer
+	streams map[uint32]*fstream
+	maxID   uint32 // the highest stream ID the client opened
+	// cutShort holds the last streams weir closed before the client had sent
+	// the request's end, so frames still under way on them are ignored
+	// (RFC 9113 5.1) while HEADERS on any other lower ID is an error; a
+	// ring of cutShortN, made on first use.
+	cutShort []uint32
+	cutNext  int
+	away     bool // GOAWAY sent: no new streams
 	closed   bool
 	sendWin  int64 // the client's connection window for our DATA
 	initWin  int64 // the client's SETTINGS_INITIAL_WINDOW_SIZE
@@ -105,6 +111,7 @@ type fstream struct {
 	reqEnded   bool                // the client's END_STREAM came
 	reqEndSent bool                // and went to the backend
 	reqTr      []hpack.HeaderField // the request's trailers
+	reqLeft    int64               // the body's bytes its content-length has yet to see; -1: none given
 	recvWin    int64
 	credit     int64 // stream credit owed to the client
 
@@ -127,6 +134,7 @@ type fstream struct {
 	upID    uint32
 	upSend  int64 // the backend's stream window for our DATA
 	upOwed  int64 // stream credit owed to the backend
+	upRecv  int64 // the backend's stream window for its DATA, as weir gave it
 	tryT    time.Time
 	tryTmr  *time.Timer
 	allTmr  *time.Timer
@@ -138,6 +146,7 @@ type fstream struct {
 	respEnd   bool                // END_STREAM with the last of respQ
 	trailers  []hpack.HeaderField // to send after respQ
 	cliSend   int64               // the client's stream window for our DATA
+	own       bool                // the answer is weir's own (answer), counted already
 	finished  bool
 	upDone    bool // the backend's side of the stream is over
 	respBytes int64
@@ -147,10 +156,14 @@ type fstream struct {
 // it closes.
 func (s *Service) serveFrames(c *coalescingConn, overTLS bool) {
 	defer s.stats.conns.Add(-1) // counted by the split listener
-	ss := &fsess{s: s, conn: c, tls: overTLS, streams: map[uint32]*fstream{}, sendWin: 65535, initWin: 65535, maxFrame: 16384, recvWin: recvConnWin,
+	ss := &fsess{s: s, conn: c, tls: overTLS, streams: map[uint32]*fstream{}, sendWin: 65535, initWin: 65535, maxFrame: defaultMaxFrame, recvWin: recvConnWin,
 		remote: c.RemoteAddr().String(), done: make(chan struct{})}
 	ss.client, _, _ = net.SplitHostPort(ss.remote)
 	ss.fr = http2.NewFramer(queueWriter{c}, frameReader(c))
+	// weir advertises no SETTINGS_MAX_FRAME_SIZE, so the client may send no
+	// more than the default; the framer would otherwise take (and keep a
+	// buffer of) frames up to 16 MiB.
+	ss.fr.SetMaxReadFrameSize(defaultMaxFrame)
 	c.onDrain = ss.drained
 	ss.br = newBlockReader(ss.fr, uint32(s.cfg.MaxHeaderBytes))
 	ss.enc = hpack.NewEncoder(&ss.encBuf)
@@ -195,21 +208,95 @@ func (ss *fsess) read() error {
 		if err != nil {
 			if se, ok := err.(http2.StreamError); ok {
 				ss.mu.Lock()
-				ss.resetLocked(se.StreamID, se.Code)
+				err = ss.streamError(se, hb)
 				ss.mu.Unlock()
+				if err != nil {
+					return err
+				}
 				continue
 			}
-			if ce, ok := err.(http2.ConnectionError); ok {
-				ss.mu.Lock()
-				ss.fr.WriteGoAway(ss.maxID, http2.ErrCode(ce), nil)
-				ss.mu.Unlock()
+			code := http2.ErrCodeProtocol
+			switch ce, ok := err.(http2.ConnectionError); {
+			case ok:
+				code = http2.ErrCode(ce)
+			case err == http2.ErrFrameTooLarge:
+				code = http2.ErrCodeFrameSize
+			default:
+				return err // the connection failed or closed
 			}
+			ss.mu.Lock()
+			ss.fr.WriteGoAway(ss.maxID, code, nil)
+			ss.mu.Unlock()
 			return err
 		}
 		if err := ss.handleFrame(f, hb); err != nil {
 			return err
 		}
 	}
+}
+
+// streamError resets the stream of a frame or header block the client got
+// wrong; mu is held. A malformed header block opens its stream all the same
+// (RFC 9113 5.1.1), so it is held to the rules of any HEADERS and uses up its
+// stream ID.
+func (ss *fsess) streamError(se http2.StreamError, hb *hblock) error {
+	if hb != nil && ss.streams[hb.id] == nil {
+		if hb.id%2 == 0 {
+			return ss.protocolError("HEADERS on a stream the client cannot open")
+		}
+		if hb.id <= ss.maxID {
+			if ss.wasCutShort(hb.id) {
+				return nil // see headers
+			}
+			return ss.protocolError("HEADERS on a stream the client cannot open")
+		}
+		ss.maxID = hb.id
+		if !hb.end {
+			ss.noteCutShort(hb.id)
+		}
+	}
+	return ss.refuse(ss.streams[se.StreamID], se.StreamID, se.Code)
+}
+
+// cutShortN bounds the streams remembered as closed before the request's end:
+// as many as a client may have open.
+const cutShortN = maxClientStreams
+
+func (ss *fsess) noteCutShort(id uint32) {
+	if len(ss.cutShort) < cutShortN {
+		ss.cutShort = append(ss.cutShort, id)
+		return
+	}
+	ss.cutShort[ss.cutNext] = id
+	ss.cutNext = (ss.cutNext + 1) % cutShortN
+}
+
+func (ss *fsess) wasCutShort(id uint32) bool {
+	return slices.Contains(ss.cutShort, id)
+}
+
+// refuse resets a stream for the client's fault; mu is held. These resets
+// count with the client's own: a client that opens streams weir must reset
+// (a WINDOW_UPDATE of 0, DATA past the window) costs each backend a request
+// as cheaply as one that resets them itself. st may be nil (no such stream).
+func (ss *fsess) refuse(st *fstream, id uint32, code http2.ErrCode) error {
+	if st != nil {
+		st.reset(code)
+	} else {
+		ss.fr.WriteRSTStream(id, code)
+	}
+	if ss.tooManyResets() {
+		return ss.calm()
+	}
+	return nil
+}
+
+// calm ends a connection that resets (or has weir reset) too many streams.
+func (ss *fsess) calm() error {
+	// Streams opened and reset at once cost each backend a request and the
+	// client nothing ("rapid reset", CVE-2023-44487).
+	ss.fr.WriteGoAway(ss.maxID, http2.ErrCodeEnhanceYourCalm, []byte("too many streams reset"))
+	return fmt.Errorf("http2: more than %d streams a second reset before their answer", maxResetsPerSecond)
 }
 
 // handleFrame acts on a frame or a header block under mu, released however
@@ -226,6 +313,10 @@ func (ss *fsess) handleFrame(f http2.Frame, hb *hblock) error {
 // goAwayLinger bounds how long a session that sent GOAWAY and has no stream
 // left reads on after its FIN, waiting for the client to close (maybeCloseLocked).
 const goAwayLinger = time.Second
+
+// defaultMaxFrame is the largest frame payload a peer may send before it
+// says otherwise (SETTINGS_MAX_FRAME_SIZE, RFC 9113 6.5.2).
+const defaultMaxFrame = 16384
 
 // maxWindow is the largest flow-control window HTTP/2 allows (RFC 9113 6.9.1).
 const maxWindow = 1<<31 - 1
@@ -272,8 +363,7 @@ func (ss *fsess) handle(f http2.Frame) error {
 		if st := ss.streams[f.StreamID]; st != nil {
 			st.cliSend += int64(f.Increment)
 			if st.cliSend > maxWindow {
-				st.reset(http2.ErrCodeFlowControl)
-				return nil
+				return ss.refuse(st, st.id, http2.ErrCodeFlowControl)
 			}
 			st.flushResp()
 		}
@@ -327,10 +417,7 @@ func (ss *fsess) handle(f http2.Frame) error {
 			unanswered := !st.answered()
 			st.clientGone()
 			if unanswered && ss.tooManyResets() {
-				// Streams opened and reset at once cost each backend a request
-				// and the client nothing ("rapid reset", CVE-2023-44487).
-				ss.fr.WriteGoAway(ss.maxID, http2.ErrCodeEnhanceYourCalm, []byte("too many streams reset"))
-				return fmt.Errorf("http2: more than %d streams a second reset before their answer", maxResetsPerSecond)
+				return ss.calm()
 			}
 		}
 	case *http2.GoAwayFrame:
@@ -369,6 +456,9 @@ func (ss *fsess) headers(f *hblock) error {
 		if !f.end || st.reqEnded {
 			return ss.protocolError("HEADERS in the middle of a request")
 		}
+		if st.reqLeft > 0 {
+			return ss.refuse(st, id, http2.ErrCodeProtocol) // a body shorter than its content-length
+		}
 		st.reqEnded = true
 		var tr []hpack.HeaderField
 		for _, hf := range f.regular() {
@@ -379,7 +469,17 @@ func (ss *fsess) headers(f *hblock) error {
 		st.reqTrailers(tr)
 		return nil
 	}
-	if id%2 == 0 || id <= ss.maxID {
+	if id%2 == 0 {
+		return ss.protocolError("HEADERS on a stream the client cannot open")
+	}
+	if id <= ss.maxID {
+		if ss.wasCutShort(id) {
+			// Trailers sent while weir closed the stream (an answer before
+			// the request's end, a malformed request): frames after a
+			// RST_STREAM are ignored (RFC 9113 5.1). The block is decoded
+			// already, so HPACK's state holds.
+			return nil
+		}
 		return ss.protocolError("HEADERS on a stream the client cannot open")
 	}
 	ss.maxID = id
@@ -394,7 +494,7 @@ func (ss *fsess) headers(f *hblock) error {
 	s := ss.s
 	l := s.live.Load()
 	st := &fstream{sess: ss, id: id, live: l, start: time.Now(), recvWin: recvStreamWin, cliSend: ss.initWin,
-		reqEnded: f.end}
+		reqEnded: f.end, reqLeft: -1}
 	ss.streams[id] = st
 	if len(ss.streams) == 1 {
 		ss.idle.Stop()
@@ -411,8 +511,7 @@ func (ss *fsess) headers(f *hblock) error {
 		return nil
 	}
 	if st.method == "" || st.path == "" || scheme == "" || f.pseudo("status") != "" || f.pseudo("protocol") != "" {
-		st.reset(http2.ErrCodeProtocol)
-		return nil
+		return ss.refuse(st, id, http2.ErrCodeProtocol)
 	}
 	regular := f.regular()
 	st.hdrs = make([]hpack.HeaderField, 0, len(regular)+8)
@@ -429,12 +528,10 @@ func (ss *fsess) headers(f *hblock) error {
 	for _, hf := range regular {
 		switch {
 		case connectionSpecific(hf.Name):
-			st.reset(http2.ErrCodeProtocol)
-			return nil
+			return ss.refuse(st, id, http2.ErrCodeProtocol)
 		case hf.Name == "te":
 			if hf.Value != "trailers" {
-				st.reset(http2.ErrCodeProtocol)
-				return nil
+				return ss.refuse(st, id, http2.ErrCodeProtocol)
 			}
 		case hf.Name == "host", hopOnly(hf.Name):
 			continue // host is in :authority
@@ -447,8 +544,22 @@ func (ss *fsess) headers(f *hblock) error {
 			st.grpc = strings.HasPrefix(hf.Value, "application/grpc")
 		case hf.Name == "cookie":
 			cookies = append(cookies, hf.Value)
+		case hf.Name == "content-length":
+			// A request whose DATA does not add up to its content-length is
+			// malformed, and is not to be forwarded (RFC 9113 8.1.1).
+			n, ok := parseLength(hf.Value)
+			if !ok || st.reqLeft >= 0 && n != st.reqLeft {
+				return ss.refuse(st, id, http2.ErrCodeProtocol)
+			}
+			if st.reqLeft >= 0 {
+				continue // the same value again: once is enough
+			}
+			st.reqLeft = n
 		}
 		st.hdrs = append(st.hdrs, hf)
+	}
+	if f.end && st.reqLeft > 0 {
+		return ss.refuse(st, id, http2.ErrCodeProtocol)
 	}
 	st.addForwarding(xff)
 	st.hashKey = st.key(regular, cookies)
@@ -530,13 +641,24 @@ func (ss *fsess) data(f *http2.DataFrame) error {
 			return ss.protocolError("DATA on a stream not open")
 		}
 		if st != nil {
-			st.reset(http2.ErrCodeStreamClosed) // DATA after the request's END_STREAM
+			return ss.refuse(st, st.id, http2.ErrCodeStreamClosed) // DATA after the request's END_STREAM
 		}
 		return nil
 	}
 	st.recvWin -= n
 	if st.recvWin < 0 {
-		st.reset(http2.ErrCodeFlowControl)
+		return ss.refuse(st, st.id, http2.ErrCodeFlowControl)
+	}
+	if st.reqLeft >= 0 {
+		st.reqLeft -= int64(len(f.Data()))
+		if st.reqLeft < 0 || st.reqLeft > 0 && f.StreamEnded() {
+			return ss.refuse(st, st.id, http2.ErrCodeProtocol) // the body and its content-length disagree
+		}
+	}
+	if st.own {
+		// weir has answered; the body has nowhere to go, and no credit is
+		// given for more of it.
+		st.reqEnded = f.StreamEnded()
 		return nil
 	}
 	// Padding is never forwarded: its credit is owed at once.
@@ -686,21 +808,24 @@ func (st *fstream) answer(status int, msg string, noBackend bool) {
 	if st.grpc {
 		h = append(h, hpack.HeaderField{Name: "grpc-status", Value: "14"}, hpack.HeaderField{Name: "grpc-message", Value: url.PathEscape(msg)})
 	}
-	writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, st.method == http.MethodHead, h)
-	if st.method != http.MethodHead {
-		ss.conn.queueData(st.id, true, []byte(msg+"\n"))
-	}
+	head := st.method == http.MethodHead
+	writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, head, h)
 	st.status = status
 	if st.live.cfg.AccessLog {
 		s.log.Info("request", "method", st.method, "path", st.logPath(), "proto", "HTTP/2.0", "client", ss.remote,
 			"status", status, "tries", st.tries, "duration", time.Since(st.start), "err", st.fail.err)
 	}
 	s.stats.requests.Add(1)
-	if !st.reqEnded {
-		// The body is not wanted: stop the client sending it.
-		ss.fr.WriteRSTStream(st.id, http2.ErrCodeNo)
+	if head {
+		st.delivered()
+		return
 	}
-	st.finish()
+	// The message goes as a backend's body does, within the client's windows:
+	// past them, the client would fail the whole connection.
+	st.own = true
+	st.held, st.trailers = nil, nil // nothing of a failed try's answer goes out
+	st.respQ, st.respEnd = [][]byte{[]byte(msg + "\n")}, true
+	st.flushResp()
 }
 
 // nextTry picks a backend and sends the request, or answers the client when no
@@ -898,6 +1023,9 @@ func (st *fstream) finish() {
 		st.tryTmr.Stop()
 	}
 	delete(ss.streams, st.id)
+	if !st.reqEnded {
+		ss.noteCutShort(st.id)
+	}
 	ss.s.stats.inflight.Add(-1)
 	if st.up != nil && st.upDone && !st.reqEndSent && st.upID != 0 {
 		// The backend answered whole before the request's end: its half of
@@ -916,7 +1044,9 @@ func (st *fstream) finish() {
 
 // delivered settles a request whose answer went out whole.
 func (st *fstream) delivered() {
-	st.settle(nil)
+	if !st.own {
+		st.settle(nil)
+	}
 	if !st.reqEnded {
 		// The answer is whole before the request: the client may stop sending
 		// it (RFC 9113 8.1).
@@ -1014,6 +1144,22 @@ func (st *fstream) dropAnswer() {
 
 // answered reports whether the answer's headers went to the client.
 func (st *fstream) answered() bool { return st.status != 0 && st.held == nil }
+
+// parseLength parses a content-length: digits only (no sign, no space).
+func parseLength(v string) (int64, bool) {
+	if v == "" || len(v) > 18 {
+		return 0, false
+	}
+	var n int64
+	for i := 0; i < len(v); i++ {
+		c := v[i]
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		n = n*10 + int64(c-'0')
+	}
+	return n, true
+}
 
 // hasBodyLength reports whether response headers announce a body of known,
 // non-zero length.

@@ -88,7 +88,7 @@ func (p *upPool) open(st *fstream) {
 			p.limit = 100 // as net/http's transport assumes
 		}
 		uc = &upconn{pool: p, streams: map[uint32]*fstream{}, nextID: 1, maxStreams: p.limit, sendWin: 65535, initWin: 65535,
-			maxFrame: 16384, recvWin: recvConnWin}
+			maxFrame: defaultMaxFrame, recvWin: recvConnWin}
 		uc.enc = hpack.NewEncoder(&uc.encBuf)
 		p.conns = append(p.conns, uc)
 		// Exits when the connection fails or closes.
@@ -125,6 +125,7 @@ func (uc *upconn) start(st *fstream) {
 	st.upID = id
 	st.upSend = int64(uc.initWin)
 	st.upOwed = 0
+	st.upRecv = recvStreamWin
 	end := st.reqEnded && len(st.reqQ) == 0 && len(st.resend) == 0 && st.reqTr == nil
 	st.reqEndSent = end
 	err := writeHeaders(uc.fr, uc.enc, &uc.encBuf, uc.maxFrame, id, end, st.hdrs)
@@ -208,7 +209,7 @@ func (uc *upconn) oweStream(st *fstream, n int64) {
 	if uc.streams[st.upID] != st {
 		return
 	}
-	grant(uc.fr, st.upID, &st.upOwed, nil, n)
+	grant(uc.fr, st.upID, &st.upOwed, &st.upRecv, n)
 }
 
 func (uc *upconn) oweLocked(n int64) { grant(uc.fr, 0, &uc.credit, &uc.recvWin, n) }
@@ -308,6 +309,7 @@ func (uc *upconn) dial() {
 	uc.mu.Lock()
 	uc.conn = cc
 	uc.fr = http2.NewFramer(queueWriter{cc}, bufio.NewReaderSize(cc, frameReadBuf))
+	uc.fr.SetMaxReadFrameSize(defaultMaxFrame) // as the client's (see serveFrames)
 	cc.onDrain = uc.drained
 	uc.br = newBlockReader(uc.fr, uint32(max(s.cfg.MaxHeaderBytes, 64<<10)))
 	cc.queue([]byte(http2.ClientPreface))
@@ -339,7 +341,7 @@ func (uc *upconn) dial() {
 func (uc *upconn) read() error {
 	for {
 		f, hb, err := uc.br.read()
-		if hb != nil {
+		if hb != nil && err == nil {
 			uc.mu.Lock()
 			idle := uc.idleLocked(hb.id)
 			st := uc.lookupLocked(hb.id, hb.end)
@@ -367,6 +369,9 @@ func (uc *upconn) read() error {
 			if errors.As(err, &ce) {
 				return uc.goAway(http2.ErrCode(ce), "the backend broke the protocol")
 			}
+			if err == http2.ErrFrameTooLarge {
+				return uc.goAway(http2.ErrCodeFrameSize, "the backend sent a frame larger than weir allows")
+			}
 			return err
 		}
 		switch f := f.(type) {
@@ -379,6 +384,17 @@ func (uc *upconn) read() error {
 			uc.oweLocked(n) // the connection's credit goes back at once (see frames.go)
 			idle := uc.idleLocked(f.StreamID)
 			st := uc.lookupLocked(f.StreamID, end)
+			streamOverrun := false
+			if st != nil {
+				st.upRecv -= n
+				streamOverrun = st.upRecv < 0
+				if streamOverrun {
+					// Past the window weir gave: what it sent would queue
+					// without bound for a client that reads slowly.
+					delete(uc.streams, f.StreamID)
+					uc.fr.WriteRSTStream(f.StreamID, http2.ErrCodeFlowControl)
+				}
+			}
 			uc.mu.Unlock()
 			if overrun {
 				return errors.New("the backend overran its connection window")
@@ -387,6 +403,10 @@ func (uc *upconn) read() error {
 				return uc.goAway(http2.ErrCodeProtocol, "the backend sent DATA on a stream weir never opened")
 			}
 			if st == nil {
+				continue
+			}
+			if streamOverrun {
+				uc.withStream(st, func() { st.upDone = true; st.upstreamReset(http2.ErrCodeFlowControl, nil, false) })
 				continue
 			}
 			data := f.Data() // copied by respData if it must wait

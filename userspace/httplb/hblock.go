@@ -110,7 +110,8 @@ func validWireName(v string) bool {
 
 // read returns the next frame, or, for a HEADERS frame, the whole decoded
 // block (frame nil). Errors are the framer's: a StreamError leaves the
-// connection usable.
+// connection usable. A malformed block comes with its StreamError, so the
+// reader can hold its stream ID to the rules of a HEADERS frame.
 func (r *blockReader) read() (http2.Frame, *hblock, error) {
 	f, err := r.fr.ReadFrame()
 	if err != nil {
@@ -124,11 +125,15 @@ func (r *blockReader) read() (http2.Frame, *hblock, error) {
 	r.remain, r.regular, r.invalid = r.max, false, nil
 	r.dec.SetEmitEnabled(true)
 	frag, ended := hf.HeaderBlockFragment(), hf.HeadersEnded()
+	// Frames bound a block as bytes do: empty CONTINUATIONs cost nothing to
+	// send and a read each (the CONTINUATION flood, CVE-2024-27316).
+	frames := 16 + r.max/512
 	for {
 		// A block far past the limit is not decoded at all.
-		if int64(len(frag)) > 2*int64(r.remain) || r.invalid != nil {
+		if int64(len(frag)) > 2*int64(r.remain) || r.invalid != nil || frames == 0 {
 			return nil, nil, http2.ConnectionError(http2.ErrCodeProtocol)
 		}
+		frames--
 		if _, err := r.dec.Write(frag); err != nil {
 			return nil, nil, http2.ConnectionError(http2.ErrCodeCompression)
 		}
@@ -146,10 +151,10 @@ func (r *blockReader) read() (http2.Frame, *hblock, error) {
 		return nil, nil, http2.ConnectionError(http2.ErrCodeCompression)
 	}
 	if r.invalid != nil {
-		return nil, nil, http2.StreamError{StreamID: r.b.id, Code: http2.ErrCodeProtocol, Cause: r.invalid}
+		return nil, &r.b, http2.StreamError{StreamID: r.b.id, Code: http2.ErrCodeProtocol, Cause: r.invalid}
 	}
 	if err := checkPseudos(r.b.fields); err != nil {
-		return nil, nil, http2.StreamError{StreamID: r.b.id, Code: http2.ErrCodeProtocol, Cause: err}
+		return nil, &r.b, http2.StreamError{StreamID: r.b.id, Code: http2.ErrCodeProtocol, Cause: err}
 	}
 	return nil, &r.b, nil
 }

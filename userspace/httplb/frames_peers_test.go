@@ -1,0 +1,539 @@
+package httplb
+
+// Clients and backends that break HTTP/2's rules on sizes, windows, stream IDs
+// and lengths: each is held to them without harm to the rest of the
+// connection, or loses its connection when the rule says so.
+
+import (
+	"bytes"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+
+	"github.com/weir-lb/weir/internal/httpbackend"
+)
+
+// A client's stream that weir must reset for the client's fault (here a
+// WINDOW_UPDATE of 0) costs a backend a request as one the client resets
+// does ("rapid reset", CVE-2023-44487), so it counts against the same limit.
+func TestResetsWeirSendsCountAsRapidReset(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	bs[0].Delay.Store(int64(50 * time.Millisecond))
+	s := serve(t, Config{Algorithm: "round_robin"}, bs)
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	const streams = 20000
+	wrote := make(chan time.Duration, 1)
+	// Written from a goroutine: weir answers while the client writes. Exits
+	// when the writes end or fail.
+	go func() {
+		start := time.Now()
+		for i := range streams {
+			id := uint32(2*i + 1)
+			if fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true}) != nil ||
+				fr.WriteWindowUpdate(id, 0) != nil {
+				break
+			}
+		}
+		wrote <- time.Since(start)
+	}()
+	rfr := http2.NewFramer(nil, conn)
+	rsts := 0
+	deadline := time.Now().Add(8 * time.Second)
+	for rsts < streams && time.Now().Before(deadline) {
+		f, err := rfr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read after %d resets: %v", rsts, err)
+		}
+		switch f := f.(type) {
+		case *http2.GoAwayFrame:
+			if f.ErrCode != http2.ErrCodeEnhanceYourCalm {
+				t.Errorf("GOAWAY %v after %d resets; want ENHANCE_YOUR_CALM", f.ErrCode, rsts)
+			}
+			if rsts > 2*maxResetsPerSecond {
+				t.Errorf("GOAWAY after %d resets; want it past %d a second", rsts, maxResetsPerSecond)
+			}
+			return
+		case *http2.RSTStreamFrame:
+			rsts++
+		}
+	}
+	took := <-wrote
+	time.Sleep(200 * time.Millisecond) // the backend's requests in flight reach its handler
+	hits := bs[0].Hits.Load()
+	t.Errorf("%d streams opened and reset within %v with no GOAWAY, the backend got %d requests; want GOAWAY ENHANCE_YOUR_CALM past %d a second, as for RST_STREAM",
+		rsts, took, hits, maxResetsPerSecond)
+}
+
+// weir advertises no SETTINGS_MAX_FRAME_SIZE, so a frame longer than 16,384
+// bytes, from a client or a backend, is a FRAME_SIZE_ERROR for the connection
+// (RFC 9113 4.2), not read (and held) whole.
+func TestFrameOverMaxFrameSizeEndsConnection(t *testing.T) {
+	oversized := func(w io.Writer) {
+		var h [9]byte
+		h[1], h[2] = 0x40, 0x01 // 16,385 bytes
+		h[3] = 0x20             // of a type no one knows
+		w.Write(h[:])
+		w.Write(make([]byte, 16385))
+	}
+	t.Run("client", func(t *testing.T) {
+		bs := httpbackend.StartN(t, 1)
+		s := serve(t, Config{}, bs)
+		conn, fr := h2Conn(t, s.Addr().String())
+		defer conn.Close()
+		conn.SetDeadline(time.Now().Add(5 * time.Second))
+		oversized(conn)
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				t.Fatalf("read: %v; want GOAWAY FRAME_SIZE_ERROR", err)
+			}
+			if g, ok := f.(*http2.GoAwayFrame); ok {
+				if g.ErrCode != http2.ErrCodeFrameSize {
+					t.Errorf("GOAWAY %v; want FRAME_SIZE_ERROR", g.ErrCode)
+				}
+				return
+			}
+		}
+	})
+	t.Run("backend", func(t *testing.T) {
+		away := make(chan http2.ErrCode, 1)
+		be := rawBackend(t, func(conn net.Conn) {
+			conn.SetDeadline(time.Now().Add(5 * time.Second))
+			preface := make([]byte, len(http2.ClientPreface))
+			if _, err := io.ReadFull(conn, preface); err != nil {
+				return
+			}
+			fr := http2.NewFramer(conn, conn)
+			fr.WriteSettings()
+			oversized(conn)
+			for {
+				f, err := fr.ReadFrame()
+				if err != nil {
+					return
+				}
+				if g, ok := f.(*http2.GoAwayFrame); ok {
+					away <- g.ErrCode
+					return
+				}
+			}
+		})
+		s := serveOn(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+		conn, fr := h2Conn(t, s.Addr().String())
+		defer conn.Close()
+		conn.SetDeadline(time.Now().Add(5 * time.Second))
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(s.Addr().String()), EndHeaders: true, EndStream: true})
+		select {
+		case code := <-away:
+			if code != http2.ErrCodeFrameSize {
+				t.Errorf("weir's GOAWAY to the backend: %v; want FRAME_SIZE_ERROR", code)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("no GOAWAY to a backend that sent a frame of 16,385 bytes")
+		}
+	})
+}
+
+// A backend's stream gets a window of recvStreamWin: a backend that sends
+// past it has its stream reset, not its bytes queued without bound for a
+// client that reads slowly.
+func TestBackendPastItsStreamWindowIsReset(t *testing.T) {
+	const total = 32 << 20
+	rst := make(chan http2.ErrCode, 4)
+	sent := make(chan int, 1)
+	be := rawBackend(t, func(conn net.Conn) {
+		conn.SetDeadline(time.Now().Add(15 * time.Second))
+		preface := make([]byte, len(http2.ClientPreface))
+		if _, err := io.ReadFull(conn, preface); err != nil {
+			return
+		}
+		fr := http2.NewFramer(conn, conn)
+		fr.WriteSettings()
+		var wmu sync.Mutex
+		var hb bytes.Buffer
+		enc := hpack.NewEncoder(&hb)
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			switch f := f.(type) {
+			case *http2.RSTStreamFrame:
+				rst <- f.ErrCode
+			case *http2.SettingsFrame:
+				if !f.IsAck() {
+					wmu.Lock()
+					fr.WriteSettingsAck()
+					wmu.Unlock()
+				}
+			case *http2.HeadersFrame:
+				id := f.StreamID
+				wmu.Lock()
+				hb.Reset()
+				enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+				fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndHeaders: true})
+				wmu.Unlock()
+				// Exits once the body is written or the connection fails.
+				go func() {
+					chunk := make([]byte, 16384)
+					n := 0
+					for n < total {
+						wmu.Lock()
+						err := fr.WriteData(id, false, chunk)
+						wmu.Unlock()
+						if err != nil {
+							break
+						}
+						n += len(chunk)
+					}
+					sent <- n
+				}()
+			}
+		}
+	})
+	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(15 * time.Second))
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true}); err != nil {
+		t.Fatal(err)
+	}
+	// The client reads what its 65,535-byte window lets through and never
+	// grants more. Exits when the connection closes.
+	go func() {
+		for {
+			if _, err := fr.ReadFrame(); err != nil {
+				return
+			}
+		}
+	}()
+	var n int
+	select {
+	case code := <-rst:
+		if code != http2.ErrCodeFlowControl {
+			t.Errorf("weir reset the backend's stream with %v; want FLOW_CONTROL_ERROR", code)
+		}
+		return
+	case n = <-sent:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the backend's body neither went out nor was reset in 10s")
+	}
+	select {
+	case code := <-rst:
+		if code != http2.ErrCodeFlowControl {
+			t.Errorf("weir reset the backend's stream with %v; want FLOW_CONTROL_ERROR", code)
+		}
+		return
+	case <-time.After(300 * time.Millisecond):
+	}
+	// What weir holds for the client, queued in its stream.
+	queued := 0
+	s.fmu.Lock()
+	for ss := range s.fsessions {
+		ss.mu.Lock()
+		for _, st := range ss.streams {
+			for _, b := range st.respQ {
+				queued += len(b)
+			}
+		}
+		ss.mu.Unlock()
+	}
+	s.fmu.Unlock()
+	t.Errorf("the backend sent %d MiB on a stream whose window weir set at %d KiB, without a reset; weir holds %d MiB of it queued for a client that takes none",
+		n>>20, recvStreamWin>>10, queued>>20)
+}
+
+// weir's own answers (503 when no backend is usable, 502 and 504 after failed
+// tries, 405, 431) send their body within the client's windows, as a
+// backend's answer goes: DATA past them would fail the whole connection.
+func TestOwnAnswerWaitsForTheWindow(t *testing.T) {
+	s := serveOn(t, Config{}, []Backend{{Addr: netip.MustParseAddrPort("127.0.0.1:1"), Weight: 1, Usable: false}})
+	addr := s.Addr().String()
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(5 * time.Second))
+	io.WriteString(conn, http2.ClientPreface)
+	fr := http2.NewFramer(conn, conn)
+	fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true})
+	var body []byte
+	opened := false
+	for {
+		if !opened {
+			conn.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+		}
+		f, err := fr.ReadFrame()
+		if ne, ok := err.(net.Error); ok && ne.Timeout() && !opened {
+			// Nothing more while the window is shut: open it.
+			conn.SetDeadline(time.Now().Add(5 * time.Second))
+			fr.WriteWindowUpdate(1, 1000)
+			opened = true
+			continue
+		}
+		if err != nil {
+			t.Fatalf("read: %v; want the 503's body once the window opened", err)
+		}
+		switch f := f.(type) {
+		case *http2.HeadersFrame:
+			if got := headerValue(decodeFields(t, f.HeaderBlockFragment()), ":status"); got != "503" {
+				t.Errorf("status %s; want 503", got)
+			}
+		case *http2.DataFrame:
+			if !opened && len(f.Data()) > 0 {
+				t.Fatalf("%d bytes of DATA on a stream whose window the client set at 0: %q", len(f.Data()), f.Data())
+			}
+			body = append(body, f.Data()...)
+			if f.StreamEnded() {
+				if !bytes.Contains(body, []byte("no usable backend")) {
+					t.Errorf("body %q; want weir's reason", body)
+				}
+				return
+			}
+		}
+	}
+}
+
+func decodeFields(t *testing.T, block []byte) []hpack.HeaderField {
+	t.Helper()
+	fields, err := hpack.NewDecoder(4096, nil).DecodeFull(block)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fields
+}
+
+func headerValue(fields []hpack.HeaderField, name string) string {
+	for _, f := range fields {
+		if f.Name == name {
+			return f.Value
+		}
+	}
+	return ""
+}
+
+// Trailers a client sent while weir answered and reset its stream (an answer
+// before the request's end) are ignored, as frames on a stream weir reset are
+// (RFC 9113 5.1); the connection goes on.
+func TestTrailersAfterEarlyAnswerIgnored(t *testing.T) {
+	be, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/upload" {
+			w.WriteHeader(http.StatusUnauthorized) // without reading the body
+			return
+		}
+		io.WriteString(w, "ok")
+	})
+	s := serveOn(t, Config{}, []Backend{be})
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	for _, f := range [][2]string{{":method", "POST"}, {":scheme", "http"}, {":authority", addr}, {":path", "/upload"}, {"te", "trailers"}} {
+		enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+	}
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true})
+	fr.WriteData(1, false, []byte("part of the upload"))
+	// Wait for the answer to stream 1 and weir's RST_STREAM of it.
+	for rst := false; !rst; {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read: %v", err)
+		}
+		switch f := f.(type) {
+		case *http2.HeadersFrame:
+			t.Logf("stream %d answered (END_STREAM %v)", f.StreamID, f.StreamEnded())
+		case *http2.RSTStreamFrame:
+			t.Logf("weir reset stream %d: %v", f.StreamID, f.ErrCode)
+			rst = true
+		case *http2.GoAwayFrame:
+			t.Fatalf("GOAWAY %v before the trailers", f.ErrCode)
+		}
+	}
+	// The client's trailers (sent before it read the reset), then a new request.
+	hb.Reset()
+	enc.WriteField(hpack.HeaderField{Name: "x-checksum", Value: "abc"})
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true, EndStream: true})
+	hb.Reset()
+	for _, f := range [][2]string{{":method", "GET"}, {":scheme", "http"}, {":authority", addr}, {":path", "/"}} {
+		enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+	}
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, BlockFragment: hb.Bytes(), EndHeaders: true, EndStream: true})
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read: %v; want the answer to stream 3", err)
+		}
+		switch f := f.(type) {
+		case *http2.HeadersFrame:
+			if f.StreamID == 3 {
+				return
+			}
+		case *http2.GoAwayFrame:
+			t.Fatalf("GOAWAY %v %q after trailers on a stream weir had reset; want them ignored and stream 3 answered", f.ErrCode, f.DebugData())
+		}
+	}
+}
+
+// A HEADERS frame whose block is malformed opens its stream all the same (RFC
+// 9113 5.1.1): a lower stream ID after it is a connection error.
+func TestMalformedHeadersUseTheirStreamID(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	s := serve(t, Config{}, bs)
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 7, BlockFragment: h2Get(addr, "X-Upper", "1"), EndHeaders: true, EndStream: true})
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true})
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 7, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true})
+	answered := 0
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read: %v", err)
+		}
+		switch f := f.(type) {
+		case *http2.RSTStreamFrame:
+			t.Logf("RST_STREAM %d %v", f.StreamID, f.ErrCode)
+		case *http2.GoAwayFrame:
+			if f.ErrCode != http2.ErrCodeProtocol || f.LastStreamID != 7 {
+				t.Errorf("GOAWAY %v, last stream %d; want PROTOCOL_ERROR, 7", f.ErrCode, f.LastStreamID)
+			}
+			return
+		case *http2.HeadersFrame:
+			t.Errorf("stream %d answered after stream 7 was opened (malformed); want GOAWAY PROTOCOL_ERROR", f.StreamID)
+			if answered++; answered == 2 {
+				return
+			}
+		}
+	}
+}
+
+// A request whose DATA does not add up to its content-length is malformed and
+// is not forwarded (RFC 9113 8.1.1): its stream is reset, the rest of the
+// connection served.
+func TestContentLengthMismatchNotForwarded(t *testing.T) {
+	var mu sync.Mutex
+	got := map[string]int{} // path: body bytes the backend got
+	be, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) {
+		n, _ := io.Copy(io.Discard, r.Body)
+		mu.Lock()
+		got[r.URL.Path] = int(n)
+		mu.Unlock()
+	})
+	s := serveOn(t, Config{}, []Backend{be})
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(5 * time.Second))
+	cases := []struct {
+		path, cl string
+		body     int // -1: END_STREAM on the HEADERS
+		ok       bool
+	}{
+		{"/longer", "5", 100, false},
+		{"/shorter", "5", 3, false},
+		{"/signed", "+5", 5, false},
+		{"/none-sent", "5", -1, false},
+		{"/twice", "5, 6", 5, false},
+		{"/exact", "5", 5, true},
+		{"/empty", "0", -1, true},
+	}
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	for i, c := range cases {
+		hb.Reset()
+		for _, f := range [][2]string{{":method", "POST"}, {":scheme", "http"}, {":authority", addr}, {":path", c.path}, {"content-length", c.cl}} {
+			enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+		}
+		id := uint32(2*i + 1)
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndHeaders: true, EndStream: c.body < 0})
+		if c.body >= 0 {
+			fr.WriteData(id, true, bytes.Repeat([]byte("A"), c.body))
+		}
+	}
+	outcome := map[uint32]string{}
+	for len(outcome) < len(cases) {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read: %v (outcomes so far %v)", err, outcome)
+		}
+		switch f := f.(type) {
+		case *http2.RSTStreamFrame:
+			if _, done := outcome[f.StreamID]; !done {
+				outcome[f.StreamID] = f.ErrCode.String()
+			}
+		case *http2.HeadersFrame:
+			outcome[f.StreamID] = "answered"
+		case *http2.GoAwayFrame:
+			t.Fatalf("GOAWAY %v; want only the malformed streams reset", f.ErrCode)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for i, c := range cases {
+		want := "PROTOCOL_ERROR"
+		if c.ok {
+			want = "answered"
+		}
+		if o := outcome[uint32(2*i+1)]; o != want {
+			t.Errorf("%s (content-length %q, %d bytes): %s; want %s", c.path, c.cl, c.body, o, want)
+		}
+		if n, seen := got[c.path]; seen && !c.ok {
+			t.Errorf("%s (content-length %q): the backend got the request, %d bytes of body; want nothing forwarded", c.path, c.cl, n)
+		}
+	}
+}
+
+// Empty CONTINUATION frames cost nothing to send and a read each: a header
+// block may span only so many frames (the CONTINUATION flood, CVE-2024-27316).
+func TestContinuationFloodEndsConnection(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	s := serve(t, Config{}, bs)
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	const empties = 50000
+	// Exits when the writes end or fail.
+	go func() {
+		if fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndStream: true}) != nil {
+			return
+		}
+		for range empties {
+			if fr.WriteContinuation(1, false, nil) != nil {
+				return
+			}
+		}
+		fr.WriteContinuation(1, true, nil)
+	}()
+	rfr := http2.NewFramer(nil, conn)
+	for {
+		f, err := rfr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read: %v", err)
+		}
+		switch f := f.(type) {
+		case *http2.GoAwayFrame:
+			if f.ErrCode != http2.ErrCodeProtocol {
+				t.Errorf("GOAWAY %v; want PROTOCOL_ERROR", f.ErrCode)
+			}
+			return
+		case *http2.HeadersFrame:
+			t.Errorf("a header block of 1 HEADERS and %d empty CONTINUATION frames was read whole and answered (stream %d); want the connection closed", empties+1, f.StreamID)
+			return
+		}
+	}
+}
