@@ -573,6 +573,9 @@ func (f *Fleet) Reload(ctx context.Context, within time.Duration, svcs ...Servic
 	backends := 0
 	for _, so := range svcs {
 		backends += len(so.Backends)
+		if so.V6 {
+			backends += len(so.Backends) // WriteConfigs writes its IPv6 twin with every backend too
+		}
 	}
 	deadline := time.Now().Add(within)
 	for i, n := range f.Nodes {

@@ -147,7 +147,10 @@ func (f *Fleet) StartStreams(ctx context.Context, dst netip.AddrPort, o StreamOp
 		// Exits when the stream ends (or its timeout does).
 		go func() {
 			defer ss.wg.Done()
-			ss.out[k] = f.stream(ctx, src, dst, uint64(k), o, ss)
+			st := f.stream(ctx, src, dst, uint64(k), o, ss)
+			ss.mu.Lock() // Locals reads ss.out while streams run
+			ss.out[k] = st
+			ss.mu.Unlock()
 		}()
 	}
 	ss.up.Wait()

@@ -278,7 +278,7 @@ type filePeer struct {
 	// Port is the peer's BGP port. Default 179.
 	Port     int    `yaml:"port,omitempty"`
 	Password string `yaml:"password,omitempty"`
-	// HoldTime is 0 (no keepalives) or at least 3s. Default 90s.
+	// HoldTime is 3s..65535s. Default 90s.
 	HoldTime *duration `yaml:"hold_time,omitempty"`
 	// Keepalive defaults to a third of HoldTime.
 	Keepalive duration `yaml:"keepalive,omitempty"`

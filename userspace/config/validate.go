@@ -434,13 +434,15 @@ func (cfg *file) validateBGP(c *checker) {
 			c.bad(p+".port", "must be 1..65535, got %d", pr.Port)
 		}
 		switch h := pr.HoldTime.D(); {
-		case h < 0 || h > 0 && h < 3*time.Second || h > 65535*time.Second:
-			c.bad(p+".hold_time", "must be 0 (no keepalives) or 3s..65535s (RFC 4271), got %v", h)
+		case h == 0:
+			// RFC 4271 allows 0 (no keepalives), but weir's BGP speaker
+			// (GoBGP) takes 0 for "unset" and proposes 90s instead.
+			c.bad(p+".hold_time", "must be 3s..65535s: weir's BGP speaker cannot propose 0 (no keepalives)")
+		case h < 3*time.Second || h > 65535*time.Second:
+			c.bad(p+".hold_time", "must be 3s..65535s (RFC 4271), got %v", h)
 		case h%time.Second != 0:
 			c.bad(p+".hold_time", "must be whole seconds (BGP carries seconds), got %v", h)
-		case h == 0 && pr.Keepalive != 0:
-			c.bad(p+".keepalive", "hold_time 0 sends no keepalives; remove keepalive")
-		case h > 0 && (pr.Keepalive.D() < time.Second || pr.Keepalive.D() >= h || pr.Keepalive.D()%time.Second != 0):
+		case pr.Keepalive.D() < time.Second || pr.Keepalive.D() >= h || pr.Keepalive.D()%time.Second != 0:
 			c.bad(p+".keepalive", "must be whole seconds, at least 1s and below hold_time (%v), got %v", h, pr.Keepalive)
 		}
 		if len(pr.Password) > 80 {
