@@ -166,6 +166,7 @@ func (s *Service) serveFrames(c *coalescingConn, overTLS bool) {
 	ss.fr.SetMaxReadFrameSize(defaultMaxFrame)
 	c.onDrain = ss.drained
 	ss.br = newBlockReader(ss.fr, uint32(s.cfg.MaxHeaderBytes))
+	ss.br.partial = ss.headerDeadline
 	ss.enc = hpack.NewEncoder(&ss.encBuf)
 	if !s.registerSession(ss) {
 		c.Close()
@@ -232,6 +233,23 @@ func (ss *fsess) read() error {
 		if err := ss.handleFrame(f, hb); err != nil {
 			return err
 		}
+	}
+}
+
+// headerDeadline bounds a header block's CONTINUATION frames by the header
+// timeout, as HTTP/1.1 bounds a request's head: a client that sends part of a
+// block and stalls (slowloris) holds no connection for longer, even one with
+// other streams open, which keep the idle timeout from running.
+func (ss *fsess) headerDeadline(on bool) {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if ss.closed {
+		return // the GOAWAY's linger sets the deadline now
+	}
+	if on {
+		ss.conn.SetReadDeadline(time.Now().Add(ss.s.cfg.ReadHeaderTimeout))
+	} else {
+		ss.conn.SetReadDeadline(time.Time{})
 	}
 }
 

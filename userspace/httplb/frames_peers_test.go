@@ -537,3 +537,34 @@ func TestContinuationFloodEndsConnection(t *testing.T) {
 		}
 	}
 }
+
+// A header block whose CONTINUATION frames stop coming (slowloris over
+// HTTP/2) ends its connection after the header timeout, even while another
+// stream is open (which stops the idle timeout).
+func TestStalledHeaderBlockTimesOut(t *testing.T) {
+	be, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		<-r.Context().Done() // a long answer keeps stream 1 open
+	})
+	s := serveOn(t, Config{ReadHeaderTimeout: 300 * time.Millisecond}, []Backend{be})
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true})
+	block := h2Get(addr)
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, BlockFragment: block[:2], EndStream: true}) // the rest never comes
+	start := time.Now()
+	conn.SetReadDeadline(start.Add(5 * time.Second))
+	for {
+		if _, err := fr.ReadFrame(); err != nil {
+			if ne, ok := err.(net.Error); ok && ne.Timeout() {
+				t.Fatalf("the connection was still open after 5s with a header block stalled; want it closed after the header timeout (300ms)")
+			}
+			if d := time.Since(start); d < 250*time.Millisecond {
+				t.Errorf("closed after %v; want the header timeout (300ms) first", d)
+			}
+			return
+		}
+	}
+}

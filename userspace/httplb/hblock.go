@@ -56,6 +56,10 @@ type blockReader struct {
 	regular bool
 	invalid error
 	b       hblock
+	// partial, if set, is told when a block starts that needs CONTINUATION
+	// frames (true) and when it is whole (false): the reader bounds the
+	// wait for the rest, which otherwise holds the connection's decoder.
+	partial func(on bool)
 }
 
 func newBlockReader(fr *http2.Framer, maxList uint32) *blockReader {
@@ -125,6 +129,10 @@ func (r *blockReader) read() (http2.Frame, *hblock, error) {
 	r.remain, r.regular, r.invalid = r.max, false, nil
 	r.dec.SetEmitEnabled(true)
 	frag, ended := hf.HeaderBlockFragment(), hf.HeadersEnded()
+	if !ended && r.partial != nil {
+		r.partial(true)
+		defer r.partial(false)
+	}
 	// Frames bound a block as bytes do: empty CONTINUATIONs cost nothing to
 	// send and a read each (the CONTINUATION flood, CVE-2024-27316).
 	frames := 16 + r.max/512
