@@ -261,6 +261,10 @@ func (c *Checker) Set(nb Backend) error {
 		}
 		if b.svc != s {
 			old := b.svc
+			// The old service's check in flight and its kept connection
+			// are not the new one's: its result is dropped, as after an
+			// address change.
+			c.retarget(b)
 			c.leave(b)
 			b.svc = s
 			if s.cfg.Check.Kind == None {
@@ -547,6 +551,11 @@ func (c *Checker) Run(ctx context.Context) error {
 	defer timer.Stop()
 
 	var batch []*backend
+	// pending holds connect and HTTP checks that are due but wait for a
+	// slot in sem. Run does not block on sem: while every slot is held (by
+	// black-holed backends, each until its timeout), SYNs still go out on
+	// time, their answers are read and ejections end.
+	var pending []*backend
 	for {
 		now := c.now()
 		if c.syn != nil { // Run's goroutine alone sets c.syn: no lock to read it
@@ -564,27 +573,36 @@ func (c *Checker) Run(ctx context.Context) error {
 				if !ok {
 					syn.flush(now) // the queued checks hold ports too
 					if port, ok = c.waitPort(ctx, syn); !ok {
-						c.requeue(batch[i:], now)
+						c.requeue(append(pending, batch[i:]...), now)
 						return nil
 					}
+					// The check's time starts when its SYN can go, not
+					// when the batch began: the wait would eat its timeout.
+					now = c.now()
 				}
 				c.startSyn(b, syn, port, now)
 				queued = syn
 				continue
 			}
-			select {
-			case sem <- struct{}{}:
-			case <-ctx.Done():
-				c.requeue(batch[i:], now)
-				return nil
-			}
-			if !c.start(ctx, b, sem, &wg) {
-				<-sem
-			}
+			pending = append(pending, b)
 		}
 		if queued != nil {
 			queued.flush(now)
 		}
+		started := 0
+	slots:
+		for _, b := range pending {
+			select {
+			case sem <- struct{}{}:
+			default:
+				break slots
+			}
+			if !c.start(ctx, b, sem, &wg) {
+				<-sem
+			}
+			started++
+		}
+		pending = append(pending[:0], pending[started:]...)
 		if len(batch) > 0 {
 			continue
 		}
@@ -599,11 +617,21 @@ func (c *Checker) Run(ctx context.Context) error {
 			timer.Reset(max(0, next.Sub(now)))
 			tick = timer.C
 		}
+		var slot chan<- struct{} // nil (never ready) unless a check waits for one
+		if len(pending) > 0 {
+			slot = sem
+		}
 		select {
 		case <-ctx.Done():
+			c.requeue(pending, now)
 			return nil
 		case <-tick:
 		case <-c.wake:
+		case slot <- struct{}{}:
+			if !c.start(ctx, pending[0], sem, &wg) {
+				<-sem
+			}
+			pending = append(pending[:0], pending[1:]...)
 		}
 	}
 }

@@ -115,8 +115,14 @@ func (p *probe) runHTTP(ctx context.Context) error {
 			k.conn.Close()
 		}
 		var te *timeoutError
-		if err == nil || errors.Is(err, ErrStatus) || errors.Is(err, ErrBody) || errors.Is(err, errHeaderTooLarge) ||
-			errors.As(err, &te) || ctx.Err() != nil {
+		var se *statusError
+		switch {
+		case errors.As(err, &se) && se.code == http.StatusRequestTimeout && ctx.Err() == nil:
+			// Some servers close an idle connection with a 408 of their own
+			// (Google's front ends do), which the request then reads: the
+			// connection was closed while idle, as Go's transport takes it.
+		case err == nil || errors.Is(err, ErrStatus) || errors.Is(err, ErrBody) || errors.Is(err, errHeaderTooLarge) ||
+			errors.As(err, &te) || ctx.Err() != nil:
 			return err // an answer, or no time left for a second try
 		}
 	}
@@ -180,11 +186,19 @@ func (p *probe) http(ctx context.Context, k *keptConn) (reuse bool, err error) {
 	if _, err := io.WriteString(conn, req); err != nil {
 		return false, p.fail(ctx, "http", err)
 	}
-	k.lim.n = DefaultMaxHeader
-	resp, err := http.ReadResponse(k.r, nil)
-	k.lim.n = math.MaxInt64 // the body has a bound of its own
-	if err != nil {
-		return false, p.fail(ctx, "http", err)
+	var resp *http.Response
+	for interim := 0; ; interim++ {
+		k.lim.n = DefaultMaxHeader
+		resp, err = http.ReadResponse(k.r, nil)
+		k.lim.n = math.MaxInt64 // the body has a bound of its own
+		if err != nil {
+			return false, p.fail(ctx, "http", err)
+		}
+		// Interim answers (103 Early Hints, 100 Continue) come before the
+		// answer (RFC 9110 15.2); as many as net/http's client reads.
+		if resp.StatusCode >= 200 || resp.StatusCode < 100 || resp.StatusCode == http.StatusSwitchingProtocols || interim == maxInterim {
+			break
+		}
 	}
 	defer resp.Body.Close()
 	// Read the body to its end (the marker is searched in the first
@@ -211,6 +225,9 @@ func (p *probe) http(ctx context.Context, k *keptConn) (reuse bool, err error) {
 	}
 	return reuse, nil
 }
+
+// maxInterim bounds the interim (1xx) answers read before the answer.
+const maxInterim = 5
 
 type timeoutError struct {
 	op    string
