@@ -131,10 +131,11 @@ struct {
 	__type(value, struct counter);
 } global_stats SEC(".maps");
 
-// nat: backend slot -> where that backend's ring of source ports goes on: a new flow
-// takes port nat_port_min + (cursor++ % range), skipping ports that established flows
-// hold. Ports come round oldest first, so the port a new flow looks at is the one
-// most likely to be free. Shared by all CPUs (atomic add); host byte order.
+// nat: port ring (backend.nat_ring: one per backend address, port and protocol,
+// whichever slots hold it) -> where that backend's ring of source ports goes on: a new
+// flow takes port nat_port_min + (cursor++ % range), skipping ports that established
+// flows hold. Ports come round oldest first, so the port a new flow looks at is the
+// one most likely to be free. Shared by all CPUs (atomic add); host byte order.
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, MAX_BACKENDS);

@@ -363,7 +363,8 @@ static __always_inline int flow_key_equal(const struct flow_key *a, const struct
 }
 
 // nat_alloc_port claims a source port towards the backend for a new (half-open) flow:
-// the next port of the backend's ring (nat_cursor) unless a live established flow
+// the next port of the backend's ring (nat_cursor[be->nat_ring], shared by every slot
+// holding that backend address, port and protocol) unless a live established flow
 // holds it. A port held by a half-open flow, or by one that has ended (expired, moved
 // elsewhere), is taken over: the ring reaches it only after every other port of the
 // backend was handed out since, so it is the oldest. Long-lived flows sit together
@@ -380,7 +381,7 @@ static __always_inline int nat_alloc_port(struct xdp_md *ctx, struct packet *p, 
 	struct flow_key rk = {};
 	struct nat_entry entry = {};
 	__u32 range = (__u32)nat_port_max - nat_port_min + 1;
-	__u32 *cursor, spread = 0;
+	__u32 *cursor, ring, spread = 0;
 
 	reply_key(&rk, p, be, 0);
 	entry.client = p->flow;
@@ -388,7 +389,10 @@ static __always_inline int nat_alloc_port(struct xdp_md *ctx, struct packet *p, 
 	entry.syn_ack = syn_answer(p);
 	if (came_from(ctx, &entry.to_client))
 		return 0;
-	cursor = bpf_map_lookup_elem(&nat_cursor, &backend_id);
+	// The ring is the backend's, not the slot's: two services with the same backend
+	// claim its ports under the same keys, so they must take them from one ring.
+	ring = be->nat_ring;
+	cursor = bpf_map_lookup_elem(&nat_cursor, &ring);
 	if (!cursor)
 		return 0;
 

@@ -48,7 +48,11 @@ struct backend {
 	struct next_hop hop;
 	__u64 hop_ns;
 	__u32 hop_len;
-	__u32 pad2;
+	// nat: the port ring (index of nat_cursor) this backend's source ports come from,
+	// one per backend address, port and protocol: every slot holding the same backend
+	// (two services on it) shares it, as they share its port claims
+	// (nat_half_reverse's key has no slot). The loader sets it.
+	__u32 nat_ring;
 };
 
 // A flow's 5-tuple as received, as the program holds it, and the key of the IPv6

@@ -25,7 +25,7 @@ type WeirBackend struct {
 	Hop       WeirNextHop
 	HopNs     uint64
 	HopLen    uint32
-	Pad2      uint32
+	NatRing   uint32
 }
 
 type WeirBackendFlags uint8

@@ -187,6 +187,7 @@ type Program struct {
 	vipRefs     map[netip.Addr]int
 	serviceIDs  *slotQueue
 	backendIDs  *slotQueue
+	rings       *natRings       // each slot's nat port ring, one per backend and protocol
 	ns          *netns.NsHandle // namespace of the first Attach, for neighbour entries
 	nextHopErr  error           // the last keepNextHops failure, for NextHopError
 	closed      bool
@@ -260,6 +261,7 @@ func Load(opts Options) (_ *Program, err error) {
 		vipRefs:     make(map[netip.Addr]int),
 		serviceIDs:  newSlotQueue(lookupTables.MaxEntries),
 		backendIDs:  newSlotQueue(spec.Maps[bpf.WeirMapBackends].MaxEntries),
+		rings:       newNATRings(spec.Maps[bpf.WeirMapNatCursor].MaxEntries),
 	}
 	if err := spec.LoadAndAssign(&p.objs, loadOpts); err != nil {
 		switch {
@@ -654,9 +656,13 @@ func (p *Program) usable() error {
 func (p *Program) apply(st *serviceState, s Service) error {
 	slots := make(map[netip.AddrPort]uint32, len(s.Backends))
 	var fresh []uint32
+	var freshRings []ringKey
 	undo := func() {
 		for _, id := range fresh {
 			p.backendIDs.give(id)
+		}
+		for _, k := range freshRings {
+			p.rings.give(k)
 		}
 	}
 	for _, b := range s.Backends {
@@ -667,6 +673,9 @@ func (p *Program) apply(st *serviceState, s Service) error {
 				return fmt.Errorf("backend %s: all %d backend slots in use: %w", b.Addr, p.backendIDs.capacity, ErrCapacity)
 			}
 			fresh = append(fresh, id)
+			k := ringKey{b.Addr, s.Key.Protocol}
+			p.rings.take(k, id)
+			freshRings = append(freshRings, k)
 			if err := p.zeroCounters(p.objs.BackendStats, id); err != nil {
 				undo()
 				return err
@@ -699,7 +708,8 @@ func (p *Program) apply(st *serviceState, s Service) error {
 		}
 	}
 	for _, b := range s.Backends {
-		if err := p.objs.Backends.Put(slots[b.Addr], backendValue(b, st.id)); err != nil {
+		ring, _ := p.rings.ring(ringKey{b.Addr, s.Key.Protocol})
+		if err := p.objs.Backends.Put(slots[b.Addr], backendValue(b, st.id, ring)); err != nil {
 			if table != nil {
 				table.Close()
 			}
@@ -726,6 +736,7 @@ func (p *Program) apply(st *serviceState, s Service) error {
 	for addr, id := range st.slots {
 		if _, kept := slots[addr]; !kept {
 			p.clearBackend(id)
+			p.rings.give(ringKey{addr, st.spec.Key.Protocol})
 		}
 	}
 	st.slots = slots
@@ -813,8 +824,9 @@ func (p *Program) releaseService(st *serviceState) {
 	_ = p.objs.LookupTables.Delete(st.id)
 	_ = p.objs.PrevLookupTables.Delete(st.id)
 	st.closeTables()
-	for _, id := range st.slots {
+	for addr, id := range st.slots {
 		p.clearBackend(id)
+		p.rings.give(ringKey{addr, st.spec.Key.Protocol})
 	}
 	st.slots = nil
 	p.serviceIDs.give(st.id)
@@ -874,13 +886,14 @@ func serviceValue(s Service, id uint32) bpf.WeirService {
 	return v
 }
 
-func backendValue(b Backend, serviceID uint32) bpf.WeirBackend {
+func backendValue(b Backend, serviceID, natRing uint32) bpf.WeirBackend {
 	v := bpf.WeirBackend{
 		Addr:      addrWords(b.Addr.Addr()),
 		Port:      portWord(b.Addr.Port()),
 		Family:    family(b.Addr.Addr()),
 		ServiceId: serviceID,
 		Weight:    uint16(b.Weight), // validate bounds it by MaxWeight
+		NatRing:   natRing,
 	}
 	copy(v.Mac[:], b.MAC)
 	if b.Usable {

@@ -57,7 +57,7 @@ type Model struct {
 	LBConntrack, LBHalfOpen    map[bpf.WeirFlowKey]bpf.WeirLbFlow // dsr and tunnel
 	NATConntrack, NATHalfOpen  map[bpf.WeirFlowKey]bpf.WeirNatFlow
 	NATReverse, NATHalfReverse map[bpf.WeirFlowKey]bpf.WeirNatEntry
-	NATCursor                  []uint32        // by backend slot (MaxBackends entries)
+	NATCursor                  []uint32        // by nat port ring, backend.nat_ring (MaxBackends entries)
 	TxPorts                    map[uint32]bool // tx_ports keys
 	IngressIfindex             uint32          // ctx->ingress_ifindex of every Run
 }
@@ -845,7 +845,8 @@ func synAnswer(p *modelPacket) uint32 {
 func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now uint64) uint16 {
 	rk := r.replyKey(p, be, 0)
 	toClient, ok := r.cameFrom()
-	if !ok || id >= uint32(len(r.m.NATCursor)) {
+	ring := be.NatRing // the backend's ring, shared by the slots holding it
+	if !ok || ring >= uint32(len(r.m.NATCursor)) {
 		return 0
 	}
 	span := uint32(r.m.PortMax) - uint32(r.m.PortMin) + 1
@@ -853,8 +854,8 @@ func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now ui
 	for i := range uint32(natPortTries) {
 		var port uint32
 		if spread == 0 {
-			port = r.m.NATCursor[id] % span
-			r.m.NATCursor[id]++
+			port = r.m.NATCursor[ring] % span
+			r.m.NATCursor[ring]++
 		} else {
 			port = hashFinal(hashWord(spread, i)) % span
 		}

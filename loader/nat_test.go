@@ -3,11 +3,15 @@ package loader
 import (
 	"bytes"
 	"encoding/binary"
+	"maps"
 	"net/netip"
+	"path/filepath"
 	"testing"
 
+	"github.com/weir-lb/weir/bpf"
 	"github.com/weir-lb/weir/internal/packet"
 	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/xdptest"
 )
 
 // TestNATFixtures runs frames through the program inside the topology's balancer
@@ -194,4 +198,205 @@ func TestNATFixtures(t *testing.T) {
 			t.Fatalf("action %s, err %v, changed %t; want XDP_PASS unchanged", action, err, !bytes.Equal(out, in))
 		}
 	})
+}
+
+// natRig is a topology without servers and a program attached to its balancer in
+// generic mode, nat addresses set: frames go through BPF_PROG_TEST_RUN in the
+// balancer's namespace, whose routes and neighbours the fib lookups use.
+func natRig(t *testing.T, backends int) (*topo.Topology, *Program) {
+	t.Helper()
+	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("wn"), Backends: backends})
+	p := attachBalancer(t, tp, ModeGeneric, Options{HashSeed: 7, NAT: NATOptions{Addr4: tp.Balancer.IP4, Addr6: tp.Balancer.IP6}})
+	return tp, p
+}
+
+// runIn runs frame through p as if it came in on the balancer's link.
+func runIn(t *testing.T, tp *topo.Topology, p *Program, frame []byte) (Action, []byte) {
+	t.Helper()
+	var action Action
+	var out []byte
+	err := tp.Balancer.NS.Do(func() error {
+		var err error
+		action, out, err = p.RunOn(frame, tp.Balancer.Index)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return action, out
+}
+
+// reasonCount is the packets counted under r so far.
+func reasonCount(t *testing.T, p *Program, r Reason) uint64 {
+	t.Helper()
+	st, err := p.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st.Reasons[r].Packets
+}
+
+// TestNATServicesSharingABackend: two nat services (one app on two ports) with the
+// same backend address and port claim that backend's source ports under the same
+// keys, so they take them from one ring: their half-open flows get different ports,
+// and the first flow's handshake completes on the port its SYN used.
+func TestNATServicesSharingABackend(t *testing.T) {
+	tp, p := natRig(t, 1)
+	be := tp.Backends[0]
+	for _, v6 := range []bool{false, true} {
+		t.Run(map[bool]string{false: "v4", true: "v6"}[v6], func(t *testing.T) {
+			client, vip, lb, backendIP, l4 := tp.Client.IP4, tp.VIP4, tp.Balancer.IP4, be.IP4, 14+20
+			if v6 {
+				client, vip, lb, backendIP, l4 = tp.Client.IP6, tp.VIP6, tp.Balancer.IP6, be.IP6, 14+40
+			}
+			backend := netip.AddrPortFrom(backendIP, 7000)
+			var svcs [2]Service
+			for i := range svcs {
+				svcs[i] = Service{Key: ServiceKey{netip.AddrPortFrom(vip, 7000+uint16(i)), TCP}, Forwarding: ForwardNAT,
+					Backends: []Backend{{Addr: backend, Weight: 1, Usable: true}}}
+				if err := p.AddService(svcs[i]); err != nil {
+					t.Fatal(err)
+				}
+			}
+			natPort := func(out []byte) uint16 { return binary.BigEndian.Uint16(out[l4:]) }
+			send := func(what string, f packet.Frame) uint16 {
+				t.Helper()
+				action, out := runIn(t, tp, p, f.Build())
+				if action != XDPTX {
+					t.Fatalf("%s: action %s; want XDP_TX", what, action)
+				}
+				return natPort(out)
+			}
+			synA := packet.Frame{SrcMAC: tp.Client.MAC, DstMAC: tp.Balancer.MAC,
+				Src: netip.AddrPortFrom(client, 41000), Dst: svcs[0].Key.VIP, TCPFlags: packet.SYN, Seq: 1000}
+			synB := packet.Frame{SrcMAC: tp.Client.MAC, DstMAC: tp.Balancer.MAC,
+				Src: netip.AddrPortFrom(client, 41001), Dst: svcs[1].Key.VIP, TCPFlags: packet.SYN, Seq: 5000}
+			portA := send("SYN to the first service", synA)
+			portB := send("SYN to the second service", synB)
+			if portA == portB {
+				t.Fatalf("both services' flows to backend %s from nat port %d; want distinct ports", backend, portA)
+			}
+
+			synAck := packet.Frame{SrcMAC: be.MAC, DstMAC: tp.Balancer.MAC,
+				Src: backend, Dst: netip.AddrPortFrom(lb, portA), TCPFlags: packet.SYN | packet.ACK, Seq: 9000, Ack: 1001}
+			if action, _ := runIn(t, tp, p, synAck.Build()); action != XDPTX {
+				t.Fatalf("the backend's SYN-ACK to the first flow: action %s; want XDP_TX", action)
+			}
+			ackA := synA
+			ackA.TCPFlags, ackA.Seq, ackA.Ack = packet.ACK, 1001, 9001
+			if got := send("the first flow's ACK", ackA); got != portA {
+				t.Errorf("the first flow's ACK left from nat port %d; want %d, its SYN's", got, portA)
+			}
+			for _, s := range svcs {
+				if err := p.DeleteService(s.Key); err != nil {
+					t.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// TestNATRings: the slots holding one backend (address, port and protocol) share a
+// nat port ring, any other backend has its own, a ring outlives the service that
+// made it while another slot holds its backend, and a Load that adopts pinned maps
+// keeps the rings, or gives each backend its own where the pinned backends named
+// none (every slot ring 0).
+func TestNATRings(t *testing.T) {
+	pinPath := filepath.Join(bpffsT(t), "weir")
+	opts := Options{HashSeed: 7, NAT: NATOptions{Addr4: netip.MustParseAddr("10.77.0.2")}, PinPath: pinPath}
+	p, err := Load(opts)
+	xdptest.Check(t, err)
+	t.Cleanup(func() { p.Close() })
+
+	x := netip.MustParseAddrPort("10.77.0.11:80")
+	y := netip.MustParseAddrPort("10.77.0.12:80")
+	svc := func(port uint16, proto Protocol, backends ...netip.AddrPort) Service {
+		s := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, port), proto}, Forwarding: ForwardNAT}
+		for _, b := range backends {
+			s.Backends = append(s.Backends, Backend{Addr: b, Weight: 1, Usable: true})
+		}
+		return s
+	}
+	a, b, c := svc(80, TCP, x, y), svc(81, TCP, y, x), svc(80, UDP, x)
+	for _, s := range []Service{a, b, c} {
+		if err := p.SetService(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rings := func(p *Program) map[ServiceKey]map[netip.AddrPort]uint32 {
+		t.Helper()
+		out := make(map[ServiceKey]map[netip.AddrPort]uint32)
+		for k, st := range p.services {
+			out[k] = make(map[netip.AddrPort]uint32)
+			for addr, slot := range st.slots {
+				var be bpf.WeirBackend
+				if err := p.objs.Backends.Lookup(slot, &be); err != nil {
+					t.Fatal(err)
+				}
+				out[k][addr] = be.NatRing
+			}
+		}
+		return out
+	}
+	check := func(when string, got map[ServiceKey]map[netip.AddrPort]uint32) {
+		t.Helper()
+		ax, ay, bx, by, cx := got[a.Key][x], got[a.Key][y], got[b.Key][x], got[b.Key][y], got[c.Key][x]
+		if ax != bx || ay != by {
+			t.Errorf("%s: rings of %s %d and %d, of %s %d and %d; want one each, shared by both TCP services", when, x, ax, bx, y, ay, by)
+		}
+		if ax == ay || cx == ax || cx == ay {
+			t.Errorf("%s: rings tcp %s %d, tcp %s %d, udp %s %d; want three", when, x, ax, y, ay, x, cx)
+		}
+	}
+	before := rings(p)
+	check("set", before)
+
+	if err := p.Release(); err != nil {
+		t.Fatal(err)
+	}
+	p, err = Load(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	if got := rings(p); !maps.EqualFunc(got, before, maps.Equal) {
+		t.Errorf("adopted rings %v; want %v as pinned", got, before)
+	}
+
+	// Pinned by a weir without shared rings: every slot names ring 0.
+	for _, st := range p.services {
+		for _, slot := range st.slots {
+			var be bpf.WeirBackend
+			if err := p.objs.Backends.Lookup(slot, &be); err != nil {
+				t.Fatal(err)
+			}
+			be.NatRing = 0
+			if err := p.objs.Backends.Put(slot, be); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := p.Release(); err != nil {
+		t.Fatal(err)
+	}
+	p, err = Load(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	check("adopted from ring 0", rings(p))
+
+	// The service that made x's TCP ring goes; b's slot keeps it, and a service
+	// on x made after takes it too.
+	kept := rings(p)[b.Key][x]
+	if err := p.DeleteService(a.Key); err != nil {
+		t.Fatal(err)
+	}
+	d := svc(82, TCP, x)
+	if err := p.SetService(d); err != nil {
+		t.Fatal(err)
+	}
+	if got := rings(p); got[b.Key][x] != kept || got[d.Key][x] != kept {
+		t.Errorf("after the first service on %s went: rings %d and %d; want %d, the one it shared", x, got[b.Key][x], got[d.Key][x], kept)
+	}
 }

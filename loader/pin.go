@@ -1,12 +1,15 @@
 package loader
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/cilium/ebpf"
@@ -87,6 +90,7 @@ func (p *Program) adopt() error {
 	}
 
 	usedSlots := make(map[uint32]bool)
+	adopted := make(map[uint32]bpf.WeirBackend)
 	var slot uint32
 	var be bpf.WeirBackend
 	bit := p.objs.Backends.Iterate()
@@ -101,8 +105,12 @@ func (p *Program) adopt() error {
 			Addr: addr, MAC: append(net.HardwareAddr(nil), be.Mac[:]...), Usable: be.Flags&backendFlagUsable != 0,
 		})
 		usedSlots[slot] = true
+		adopted[slot] = be
 	}
 	if err := bit.Err(); err != nil {
+		return fmt.Errorf("adopt backends: %w", err)
+	}
+	if err := p.adoptRings(adopted, byID); err != nil {
 		return fmt.Errorf("adopt backends: %w", err)
 	}
 	for _, st := range byID {
@@ -117,6 +125,73 @@ func (p *Program) adopt() error {
 	p.backendIDs.remove(usedSlots)
 	if err := p.recountLoads(usedSlots); err != nil {
 		return fmt.Errorf("adopt: %w", err)
+	}
+	return nil
+}
+
+// adoptRings rebuilds the nat port rings of the adopted backends (by slot): the slots
+// of one backend and protocol keep the ring they share, and get one (their first
+// slot's number where free) where they do not share one, as from a weir that kept a
+// ring per slot, whose entries all name ring 0. The program runs meanwhile; a slot
+// whose ring changes may hand out a few ports its new ring handed out recently.
+func (p *Program) adoptRings(adopted map[uint32]bpf.WeirBackend, byID map[uint32]*serviceState) error {
+	groups := make(map[ringKey][]uint32)
+	for slot, be := range adopted {
+		st := byID[be.ServiceId]
+		k := ringKey{netip.AddrPortFrom(addrFromWords(be.Addr, be.Family), portWord(be.Port)), st.spec.Key.Protocol}
+		groups[k] = append(groups[k], slot)
+	}
+	keys := slices.SortedFunc(maps.Keys(groups), func(a, b ringKey) int {
+		return cmp.Compare(slices.Min(groups[a]), slices.Min(groups[b]))
+	})
+	// agreed is the ring all of a group's slots name, if they name one.
+	agreed := func(slots []uint32) (uint32, bool) {
+		ring := adopted[slots[0]].NatRing
+		for _, s := range slots {
+			if adopted[s].NatRing != ring {
+				return 0, false
+			}
+		}
+		return ring, ring < p.rings.capacity
+	}
+	// Rings named after one of their own slots first (most rings; and from an older
+	// weir only slot 0's names its own), then other agreed ones, then the rest.
+	var rest []ringKey
+	for pass := range 2 {
+		for _, k := range keys {
+			slots := groups[k]
+			ring, ok := agreed(slots)
+			if !ok {
+				if pass == 0 {
+					rest = append(rest, k)
+				}
+				continue
+			}
+			if slices.Contains(slots, ring) != (pass == 0) {
+				continue
+			}
+			if p.rings.used[ring] {
+				rest = append(rest, k)
+				continue
+			}
+			for range slots {
+				p.rings.take(k, ring)
+			}
+		}
+	}
+	for _, k := range rest {
+		slots := groups[k]
+		for _, s := range slots {
+			ring := p.rings.take(k, slices.Min(slots))
+			be := adopted[s]
+			if be.NatRing == ring {
+				continue
+			}
+			be.NatRing = ring
+			if err := p.objs.Backends.Put(s, be); err != nil {
+				return fmt.Errorf("nat ring of slot %d: %w", s, err)
+			}
+		}
 	}
 	return nil
 }
