@@ -113,7 +113,7 @@ enum stat_reason {
 	STAT_TX,                   // forwarded by XDP_TX
 	STAT_DROP_NO_BACKEND,      // service has no usable backend
 	STAT_DROP_FRAGMENT,        // IP fragment to a VIP address (no ports to balance by)
-	STAT_DROP_MALFORMED_L4,    // truncated TCP/UDP header to a VIP address
+	STAT_DROP_MALFORMED_L4,    // truncated TCP/UDP header (or its length past the packet) to a VIP address
 	STAT_DROP_IPV6_EXT,        // IPv6 extension header chain we do not walk, to a VIP address
 	STAT_FLOW_NEW,             // flow selected from the lookup table
 	STAT_FLOW_HIT,             // flow found in the connection table

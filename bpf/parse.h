@@ -3,8 +3,9 @@
 //
 // The rule for malformed input: a packet whose IP header is truncated or inconsistent
 // is passed untouched (the kernel's own checks drop it); a packet to a VIP address
-// that cannot be balanced (fragment, truncated L4 header, unwalkable IPv6 extension
-// chain) is dropped and counted; anything else not to a service is passed untouched.
+// that cannot be balanced (fragment, truncated or inconsistent L4 header: a TCP data
+// offset or UDP length short of the header or past the IP packet; unwalkable IPv6
+// extension chain) is dropped and counted; anything else not to a service is passed untouched.
 // Nothing that fails a check is ever forwarded.
 #pragma once
 
@@ -91,7 +92,10 @@ static __always_inline int parse_l4(void *data, void *data_end, __u32 off, struc
 	if (p->flow.proto == IPPROTO_TCP) {
 		struct tcphdr *tcp = data + off;
 
-		if ((void *)(tcp + 1) > data_end || !within_ip(p, off, sizeof(*tcp)))
+		// A data offset below the header's 5 words, or past the IP packet, is no
+		// TCP header the backend would take either.
+		if ((void *)(tcp + 1) > data_end || !within_ip(p, off, sizeof(*tcp)) || tcp->doff < 5 ||
+		    !within_ip(p, off, tcp->doff * 4))
 			return vip_address_verdict(p, STAT_DROP_MALFORMED_L4);
 		p->flow.sport = tcp->source;
 		p->flow.dport = tcp->dest;
@@ -104,7 +108,9 @@ static __always_inline int parse_l4(void *data, void *data_end, __u32 off, struc
 	if (p->flow.proto == IPPROTO_UDP) {
 		struct udphdr *udp = data + off;
 
-		if ((void *)(udp + 1) > data_end || !within_ip(p, off, sizeof(*udp)))
+		// A length below the header's 8 bytes or past the IP packet: the same.
+		if ((void *)(udp + 1) > data_end || !within_ip(p, off, sizeof(*udp)) ||
+		    bpf_ntohs(udp->len) < sizeof(*udp) || !within_ip(p, off, bpf_ntohs(udp->len)))
 			return vip_address_verdict(p, STAT_DROP_MALFORMED_L4);
 		p->flow.sport = udp->source;
 		p->flow.dport = udp->dest;

@@ -178,6 +178,10 @@ func TestFixtures(t *testing.T) {
 		}
 		return Flow{Src: f.Src, Dst: f.Dst, Protocol: proto}
 	}
+	udp4Frame := func(sport uint16, payload []byte) packet.Frame {
+		return packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Proto: packet.ProtoUDP,
+			Src: netip.AddrPortFrom(client4, sport), Dst: netip.AddrPortFrom(vip4, 53), Payload: payload}
+	}
 	with := func(f packet.Frame, change func(*packet.Frame)) packet.Frame { change(&f); return f }
 
 	type fixture struct {
@@ -239,6 +243,49 @@ func TestFixtures(t *testing.T) {
 			binary.BigEndian.PutUint16(b[14+10:], packet.Checksum(b[14:34]))
 			return b
 		}(), ReasonDropMalformedL4),
+		drop("tcp data offset past the packet to vip", func() []byte {
+			b := tcp4(40022, packet.SYN).Build()
+			b[14+20+12] = 15 << 4 // 60 bytes of header in a 20-byte segment
+			return b
+		}(), ReasonDropMalformedL4),
+		drop("tcp data offset below 5 to vip", func() []byte {
+			b := tcp4(40023, packet.SYN).Build()
+			b[14+20+12] = 2 << 4
+			return b
+		}(), ReasonDropMalformedL4),
+		drop("tcp data offset past the packet v6 to vip", func() []byte {
+			b := with(tcp6(40024, packet.SYN), func(f *packet.Frame) { f.Payload = []byte("abcd") }).Build()
+			b[14+40+12] = 7 << 4 // 28 bytes of header in a 24-byte segment
+			return b
+		}(), ReasonDropMalformedL4),
+		drop("tcp data offset into the ethernet padding to vip", func() []byte {
+			b := append(tcp4(40025, packet.SYN).Build(), make([]byte, 8)...)
+			b[14+20+12] = 6 << 4 // the options would be the padding
+			return b
+		}(), ReasonDropMalformedL4),
+		pass("tcp data offset past the packet not to vip", func() []byte {
+			b := with(tcp4(40026, packet.SYN), func(f *packet.Frame) { f.Dst = netip.AddrPortFrom(other4, 80) }).Build()
+			b[14+20+12] = 15 << 4
+			return b
+		}(), ReasonPassNotVIPL4),
+		drop("udp length below 8 to vip", func() []byte {
+			b := udp4Frame(5354, []byte("query")).Build()
+			binary.BigEndian.PutUint16(b[14+20+4:], 4)
+			return b
+		}(), ReasonDropMalformedL4),
+		drop("udp length past the packet to vip", func() []byte {
+			b := udp4Frame(5355, []byte("query")).Build()
+			binary.BigEndian.PutUint16(b[14+20+4:], 8+5+1)
+			return b
+		}(), ReasonDropMalformedL4),
+		func() fixture {
+			// Shorter than the IP payload is a datagram with trailing bytes, which
+			// the backend's stack trims.
+			f := udp4Frame(5356, []byte("query"))
+			in := f.Build()
+			binary.BigEndian.PutUint16(in[14+20+4:], 8+2)
+			return fixture{"udp length short of the ip payload", in, XDPTX, dsrOut(in, wantBackend(t, udp4, flowOf(f)).MAC), ReasonTX}
+		}(),
 		pass("truncated tcp not to vip", func() []byte {
 			b := with(tcp4(40012, packet.SYN), func(f *packet.Frame) { f.Dst = netip.AddrPortFrom(other4, 80) }).Build()[:14+20+10]
 			b[14+3] = 30

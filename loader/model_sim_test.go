@@ -371,12 +371,20 @@ func (r *run) parseL4(off uint32, p *modelPacket) int {
 		if !r.fits(off, tcpHeaderLen) || !withinIP(p, off, tcpHeaderLen) {
 			return r.vipAddressVerdict(p, ReasonDropMalformedL4)
 		}
+		// The data offset: at least the header's 5 words, within the IP packet.
+		if doff := uint32(r.b[off+12] >> 4); doff < 5 || !withinIP(p, off, doff*4) {
+			return r.vipAddressVerdict(p, ReasonDropMalformedL4)
+		}
 		p.flow.Sport, p.flow.Dport = r.ld16(off), r.ld16(off+2)
 		p.tcpFlags = r.b[off+13]
 		p.tcpSeq, p.tcpAck = r.ld32(off+4), r.ld32(off+8)
 		return modelContinue
 	case protoUDP:
 		if !r.fits(off, udpHeaderLen) || !withinIP(p, off, udpHeaderLen) {
+			return r.vipAddressVerdict(p, ReasonDropMalformedL4)
+		}
+		// The length: at least the header's 8 bytes, within the IP packet.
+		if n := uint32(binary.BigEndian.Uint16(r.b[off+4:])); n < udpHeaderLen || !withinIP(p, off, n) {
 			return r.vipAddressVerdict(p, ReasonDropMalformedL4)
 		}
 		p.flow.Sport, p.flow.Dport = r.ld16(off), r.ld16(off+2)
