@@ -134,6 +134,7 @@ enum stat_reason {
 	STAT_FLOW_FALLBACK,        // TCP, not a SYN, unknown here: sent by the previous lookup table, which disagrees with the current one
 	STAT_PASS_NAT_STALE,       // nat: a backend's packet to a half-open flow's port that does not answer its SYN: passed to the host, which resets it
 	STAT_NAT_NEW_PORT,         // nat: a SYN sent again that the backend had not answered, moved to a new source port
+	STAT_DROP_NO_TX_PORT,      // nat/tunnel: the next hop is on an interface the program is not attached to (not in tx_ports)
 	STAT_MAX,
 };
 

@@ -239,12 +239,17 @@ static __always_inline int nat_rewrite(struct xdp_md *ctx, struct packet *p,
 }
 
 // send_to writes the next hop's MACs and sends the frame: XDP_TX out of the interface
-// it came in on, XDP_REDIRECT through tx_ports to another.
+// it came in on, XDP_REDIRECT through tx_ports to another. An interface the program
+// is not attached to has no tx_ports entry: the packet is dropped and counted so.
+// Passing it to the kernel instead would not serve the flow: the backend's answers
+// come back on that interface, where no program translates them (and the kernel
+// forwards no IPv6 packet from its own address).
 static __always_inline int send_to(struct xdp_md *ctx, struct packet *p, const struct next_hop *hop)
 {
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
 	struct ethhdr *eth = data;
+	long action;
 
 	if ((void *)(eth + 1) > data_end)
 		return XDP_ABORTED;
@@ -252,7 +257,10 @@ static __always_inline int send_to(struct xdp_md *ctx, struct packet *p, const s
 	__builtin_memcpy(eth->h_source, hop->smac, ETH_ALEN);
 	if (hop->ifindex == ctx->ingress_ifindex)
 		return verdict(XDP_TX, STAT_TX, p->len);
-	return verdict(bpf_redirect_map(&tx_ports, hop->ifindex, XDP_DROP), STAT_REDIRECT, p->len);
+	action = bpf_redirect_map(&tx_ports, hop->ifindex, XDP_DROP);
+	if (action != XDP_REDIRECT)
+		return verdict(XDP_DROP, STAT_DROP_NO_TX_PORT, p->len);
+	return verdict(XDP_REDIRECT, STAT_REDIRECT, p->len);
 }
 
 // hop_cached sets *hop to be's cached next hop if it may carry a packet of tot_len

@@ -180,7 +180,8 @@ const (
 	WeirStatReasonSTAT_FLOW_FALLBACK       WeirStatReason = 25
 	WeirStatReasonSTAT_PASS_NAT_STALE      WeirStatReason = 26
 	WeirStatReasonSTAT_NAT_NEW_PORT        WeirStatReason = 27
-	WeirStatReasonSTAT_MAX                 WeirStatReason = 28
+	WeirStatReasonSTAT_DROP_NO_TX_PORT     WeirStatReason = 28
+	WeirStatReasonSTAT_MAX                 WeirStatReason = 29
 )
 
 type WeirVipKey struct {

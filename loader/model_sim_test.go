@@ -756,7 +756,7 @@ func (r *run) sendTo(p *modelPacket, hop bpf.WeirNextHop) int {
 	if r.m.TxPorts[hop.Ifindex] {
 		return r.verdict(XDPRedirect, ReasonRedirect)
 	}
-	return r.verdict(XDPDrop, ReasonRedirect)
+	return r.verdict(XDPDrop, ReasonDropNoTXPort)
 }
 
 // hopCached is nat.h's hop_cached.

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"maps"
 	"net/netip"
+	"os/exec"
 	"path/filepath"
 	"testing"
 
@@ -398,5 +399,48 @@ func TestNATRings(t *testing.T) {
 	}
 	if got := rings(p); got[b.Key][x] != kept || got[d.Key][x] != kept {
 		t.Errorf("after the first service on %s went: rings %d and %d; want %d, the one it shared", x, got[b.Key][x], got[d.Key][x], kept)
+	}
+}
+
+// TestNATNextHopOutsideTxPorts: the route to a nat backend leaves by an interface
+// the program is not attached to (a VLAN device over the attached link, or any link
+// without weir), which tx_ports does not hold. The packet is dropped and counted
+// drop_no_tx_port, not counted as redirected.
+func TestNATNextHopOutsideTxPorts(t *testing.T) {
+	tp, p := natRig(t, 1)
+	be := tp.Backends[0]
+	backend := netip.AddrPortFrom(be.IP4, 7000)
+	svc := Service{Key: ServiceKey{netip.AddrPortFrom(tp.VIP4, 7000), TCP}, Forwarding: ForwardNAT,
+		Backends: []Backend{{Addr: backend, Weight: 1, Usable: true}}}
+	if err := p.AddService(svc); err != nil {
+		t.Fatal(err)
+	}
+	// A link of the balancer's without weir, and the backend's route over it.
+	ns := tp.Name + "-lb"
+	for _, args := range [][]string{
+		{"link", "add", "wno0", "type", "veth", "peer", "name", "wno1"},
+		{"link", "set", "wno1", "up"},
+		{"link", "set", "wno0", "up"},
+		{"addr", "add", "10.99.0.1/24", "dev", "wno0"},
+		{"neigh", "add", "10.99.0.2", "lladdr", "02:99:00:00:00:02", "dev", "wno0", "nud", "permanent"},
+		{"route", "add", be.IP4.String() + "/32", "via", "10.99.0.2", "dev", "wno0"},
+	} {
+		cmd := exec.Command("ip", append([]string{"netns", "exec", ns, "ip"}, args...)...)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("%v: %v: %s", cmd, err, out)
+		}
+	}
+	in := packet.Frame{SrcMAC: tp.Client.MAC, DstMAC: tp.Balancer.MAC,
+		Src: netip.AddrPortFrom(tp.Client.IP4, 41000), Dst: svc.Key.VIP, TCPFlags: packet.SYN}
+	redirect, noTXPort := reasonCount(t, p, ReasonRedirect), reasonCount(t, p, ReasonDropNoTXPort)
+	action, _ := runIn(t, tp, p, in.Build())
+	if action != XDPDrop {
+		t.Errorf("action %s; want XDP_DROP", action)
+	}
+	if got := reasonCount(t, p, ReasonRedirect) - redirect; got != 0 {
+		t.Errorf("redirect went up by %d; want 0", got)
+	}
+	if got := reasonCount(t, p, ReasonDropNoTXPort) - noTXPort; got != 1 {
+		t.Errorf("drop_no_tx_port went up by %d; want 1", got)
 	}
 }

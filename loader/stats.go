@@ -41,6 +41,7 @@ const (
 	ReasonFlowFallback      = Reason(bpf.WeirStatReasonSTAT_FLOW_FALLBACK)
 	ReasonPassNATStale      = Reason(bpf.WeirStatReasonSTAT_PASS_NAT_STALE)
 	ReasonNATNewPort        = Reason(bpf.WeirStatReasonSTAT_NAT_NEW_PORT)
+	ReasonDropNoTXPort      = Reason(bpf.WeirStatReasonSTAT_DROP_NO_TX_PORT)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
 
@@ -73,6 +74,7 @@ var reasonNames = [...]string{
 	ReasonFlowFallback:      "flow_fallback",
 	ReasonPassNATStale:      "pass_nat_stale",
 	ReasonNATNewPort:        "nat_new_port",
+	ReasonDropNoTXPort:      "drop_no_tx_port",
 }
 
 func (r Reason) String() string {
