@@ -125,7 +125,7 @@ enum stat_reason {
 	STAT_DROP_NAT_PORTS,       // nat: no free source port for a new flow
 	STAT_ICMP_TRANSLATED,      // nat: an ICMP error quoting a nat flow, translated
 	STAT_TUNNEL_TOO_BIG,       // tunnel: too big once encapsulated; ICMP error sent back
-	STAT_DROP_TOO_BIG,         // tunnel: too big, and no ICMP error could be made (no DF, odd quote)
+	STAT_DROP_TOO_BIG,         // tunnel/nat: too big, and no ICMP error could be made (no DF, odd quote)
 	STAT_FLOW_ESTABLISHED,     // a half-open flow's client answered: moved to the connection table
 	STAT_FLOW_UNTRACKED,       // dsr/tunnel: over the new-flow rate, sent by the lookup table, not recorded
 	STAT_DROP_FLOW_RATE,       // nat: over the new-flow rate, dropped
@@ -135,6 +135,7 @@ enum stat_reason {
 	STAT_PASS_NAT_STALE,       // nat: a backend's packet to a half-open flow's port that does not answer its SYN: passed to the host, which resets it
 	STAT_NAT_NEW_PORT,         // nat: a SYN sent again that the backend had not answered, moved to a new source port
 	STAT_DROP_NO_TX_PORT,      // nat/tunnel: the next hop is on an interface the program is not attached to (not in tx_ports)
+	STAT_NAT_TOO_BIG,          // nat: too big for the route to the backend; ICMP error sent back
 	STAT_MAX,
 };
 

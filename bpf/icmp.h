@@ -224,5 +224,5 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 	action = icmp_apply(ctx, p, &inner, in3, in4, &rw);
 	if (action != CONTINUE)
 		return action;
-	return fib_forward(ctx, p, 0, 0);
+	return fib_forward(ctx, p);
 }

@@ -22,6 +22,7 @@
 
 #include "csum.h"
 #include "select.h"
+#include "toobig.h"
 
 // Runtime switches set by the loader before load.
 volatile const __be32 nat_addr4 = 0;         // the balancer's IPv4 source for nat
@@ -291,44 +292,68 @@ static __always_inline void hop_remember(struct backend *be, const struct next_h
 	}
 }
 
-// fib_forward sends the (rewritten) packet to its next hop: be's cached one (be may
-// be 0: no cache), else the one bpf_fib_lookup finds, which it then caches in be.
-static __always_inline int fib_forward(struct xdp_md *ctx, struct packet *p, struct backend *be, __u64 now)
+// fib_hop finds the next hop for a packet of tot_len bytes with the addresses and
+// ports of f (as it will leave): be's cached one (be may be 0: no cache), else the
+// one bpf_fib_lookup finds, which it then caches in be. It returns bpf_fib_lookup's
+// answer (BPF_FIB_LKUP_RET_SUCCESS for a cached hop), *hop set on success and *mtu,
+// the route's MTU, on BPF_FIB_LKUP_RET_FRAG_NEEDED.
+static __always_inline long fib_hop(struct xdp_md *ctx, const struct flow_key *f, __u32 tot_len,
+				    struct backend *be, __u64 now, struct next_hop *hop, __u32 *mtu)
 {
-	__u32 tot_len = p->len - p->l3_off;
-	struct next_hop hop;
 	long rc;
 
-	if (be && hop_cached(be, tot_len, now, &hop))
-		return send_to(ctx, p, &hop);
+	if (be && hop_cached(be, tot_len, now, hop))
+		return BPF_FIB_LKUP_RET_SUCCESS;
 	// Zeroed only here: 64 bytes of stores the cached path need not pay.
 	struct bpf_fib_lookup fib = {};
 
-	fib.family = p->flow.family;
+	fib.family = f->family;
 	fib.ifindex = ctx->ingress_ifindex;
-	fib.l4_protocol = p->flow.proto;
-	fib.sport = p->flow.sport;
-	fib.dport = p->flow.dport;
+	fib.l4_protocol = f->proto;
+	fib.sport = f->sport;
+	fib.dport = f->dport;
 	fib.tot_len = tot_len;
-	if (p->flow.family == FAMILY_IPV4) {
-		fib.ipv4_src = p->flow.src[0];
-		fib.ipv4_dst = p->flow.dst[0];
+	if (f->family == FAMILY_IPV4) {
+		fib.ipv4_src = f->src[0];
+		fib.ipv4_dst = f->dst[0];
 	} else {
-		__builtin_memcpy(fib.ipv6_src, p->flow.src, 16);
-		__builtin_memcpy(fib.ipv6_dst, p->flow.dst, 16);
+		__builtin_memcpy(fib.ipv6_src, f->src, 16);
+		__builtin_memcpy(fib.ipv6_dst, f->dst, 16);
 	}
 	rc = bpf_fib_lookup(ctx, &fib, sizeof(fib), 0);
+	if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
+		*mtu = fib.mtu_result;
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS)
+		return rc;
+	__builtin_memcpy(hop->dmac, fib.dmac, ETH_ALEN);
+	__builtin_memcpy(hop->smac, fib.smac, ETH_ALEN);
+	hop->ifindex = fib.ifindex;
+	if (be)
+		hop_remember(be, hop, tot_len, now);
+	return rc;
+}
+
+// hop_send sends the (rewritten) packet by what fib_hop answered: to the next hop; to
+// the kernel when its neighbour is not resolved yet; dropped without a route.
+static __always_inline int hop_send(struct xdp_md *ctx, struct packet *p, long rc, const struct next_hop *hop)
+{
 	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH)
 		// The kernel forwards this one and resolves the neighbour for the next.
 		return verdict(XDP_PASS, STAT_PASS_NO_NEIGH, p->len);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS)
 		return verdict(XDP_DROP, STAT_DROP_NO_ROUTE, p->len);
-	__builtin_memcpy(hop.dmac, fib.dmac, ETH_ALEN);
-	__builtin_memcpy(hop.smac, fib.smac, ETH_ALEN);
-	hop.ifindex = fib.ifindex;
-	if (be)
-		hop_remember(be, &hop, tot_len, now);
-	return send_to(ctx, p, &hop);
+	return send_to(ctx, p, hop);
+}
+
+// fib_forward sends the (rewritten) packet to its next hop, without a cache: an ICMP
+// error translated for the other side of a nat flow. One too big for the route is
+// dropped like one without: no ICMP error answers an ICMP error.
+static __always_inline int fib_forward(struct xdp_md *ctx, struct packet *p)
+{
+	struct next_hop hop;
+	__u32 mtu;
+
+	return hop_send(ctx, p, fib_hop(ctx, &p->flow, p->len - p->l3_off, 0, 0, &hop, &mtu), &hop);
 }
 
 // came_from is the next hop back to where the frame came from.
@@ -452,18 +477,34 @@ static __always_inline void refresh_flow(struct xdp_md *ctx, struct packet *p, s
 }
 
 // nat_send forwards a packet of a flow with a port towards be: rewritten to go from
-// the nat address and that port to the backend, to be's next hop (fib_forward).
+// the nat address and that port to the backend, to be's next hop (fib_hop, looked up
+// for the packet as it will leave). A packet too big for the route is answered with
+// ICMP "fragmentation needed" / "packet too big" carrying the route's MTU, quoting the
+// packet as the client sent it, so it is not rewritten; without DF it is dropped (XDP
+// cannot fragment). A packet without a route is dropped after the rewrite.
 static __always_inline int nat_send(struct xdp_md *ctx, struct packet *p, struct backend *be,
 				    __be16 port, __u64 now)
 {
-	__be32 src[4] = {};
+	struct flow_key out = p->flow;
+	// Initialised, though read only once set: otherwise clang (19) may spill an
+	// undefined register for it on the paths that do not set it, which the
+	// verifier (Linux 6.18) refuses.
+	struct next_hop hop = {};
+	__u32 mtu = 0;
 	int action;
+	long rc;
 
-	nat_source(p->flow.family, src);
-	action = nat_rewrite(ctx, p, src, port, be->addr, be->port);
+	nat_source(p->flow.family, out.src);
+	out.sport = port;
+	__builtin_memcpy(out.dst, be->addr, sizeof(out.dst));
+	out.dport = be->port;
+	rc = fib_hop(ctx, &out, p->len - p->l3_off, be, now, &hop, &mtu);
+	if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
+		return icmp_too_big(ctx, p, mtu, STAT_NAT_TOO_BIG);
+	action = nat_rewrite(ctx, p, out.src, port, be->addr, be->port);
 	if (action != CONTINUE)
 		return action;
-	return fib_forward(ctx, p, be, now);
+	return hop_send(ctx, p, rc, &hop);
 }
 
 // nat_syn_again decides for a SYN sent again on a half-open flow that began with a

@@ -181,7 +181,8 @@ const (
 	WeirStatReasonSTAT_PASS_NAT_STALE      WeirStatReason = 26
 	WeirStatReasonSTAT_NAT_NEW_PORT        WeirStatReason = 27
 	WeirStatReasonSTAT_DROP_NO_TX_PORT     WeirStatReason = 28
-	WeirStatReasonSTAT_MAX                 WeirStatReason = 29
+	WeirStatReasonSTAT_NAT_TOO_BIG         WeirStatReason = 29
+	WeirStatReasonSTAT_MAX                 WeirStatReason = 30
 )
 
 type WeirVipKey struct {

@@ -778,37 +778,52 @@ func hopRemember(be *bpf.WeirBackend, hop bpf.WeirNextHop, totLen uint32, now ui
 	}
 }
 
-// fibForward is nat.h's fib_forward: the next hop cached in the backend in slot id
-// (none if id is noSlot), else the one bpf_fib_lookup finds, which it then caches there.
-func (r *run) fibForward(p *modelPacket, id uint32) int {
+// fibHop is nat.h's fib_hop for a packet of totLen bytes with f's addresses and
+// ports: the next hop cached in the backend in slot id (none if id is noSlot), else
+// the one bpf_fib_lookup finds, which it then caches there. It returns the lookup's
+// result (FIBSuccess for a cached hop), the hop on success and the route's MTU on
+// FIBFragNeeded.
+func (r *run) fibHop(f bpf.WeirFlowKey, totLen, id uint32) (bpf.WeirNextHop, FIBResult, uint32) {
 	var be *bpf.WeirBackend
 	if uint64(id) < uint64(len(r.m.Backends)) {
 		be = &r.m.Backends[id]
 	}
-	totLen := p.len - p.l3
 	if be != nil {
 		if hop, ok := hopCached(be, totLen, r.env.Now); ok {
-			return r.sendTo(p, hop)
+			return hop, FIBSuccess, 0
 		}
 	}
-	q := FIBQuery{Family: p.flow.Family, Proto: p.flow.Proto, Src: p.flow.Src, Dst: p.flow.Dst,
-		Sport: p.flow.Sport, Dport: p.flow.Dport, TotLen: uint16(totLen), Ifindex: r.m.IngressIfindex}
+	q := FIBQuery{Family: f.Family, Proto: f.Proto, Src: f.Src, Dst: f.Dst,
+		Sport: f.Sport, Dport: f.Dport, TotLen: uint16(totLen), Ifindex: r.m.IngressIfindex}
 	if q.Family == familyIPv4 {
 		q.Src, q.Dst = [4]uint32{q.Src[0]}, [4]uint32{q.Dst[0]}
 	}
 	ans := r.fib(q)
-	switch ans.Result {
-	case FIBNoNeighbour:
-		return r.verdict(XDPPass, ReasonPassNoNeighbour)
-	case FIBSuccess:
-	default:
-		return r.verdict(XDPDrop, ReasonDropNoRoute)
+	if ans.Result != FIBSuccess {
+		return bpf.WeirNextHop{}, ans.Result, uint32(ans.MTU)
 	}
 	hop := bpf.WeirNextHop{Dmac: ans.DstMAC, Smac: ans.SrcMAC, Ifindex: ans.Ifindex}
 	if be != nil {
 		hopRemember(be, hop, totLen, r.env.Now)
 	}
-	return r.sendTo(p, hop)
+	return hop, FIBSuccess, 0
+}
+
+// hopSend is nat.h's hop_send.
+func (r *run) hopSend(p *modelPacket, res FIBResult, hop bpf.WeirNextHop) int {
+	switch res {
+	case FIBNoNeighbour:
+		return r.verdict(XDPPass, ReasonPassNoNeighbour)
+	case FIBSuccess:
+		return r.sendTo(p, hop)
+	}
+	return r.verdict(XDPDrop, ReasonDropNoRoute)
+}
+
+// fibForward is nat.h's fib_forward: the packet as it is, no cache.
+func (r *run) fibForward(p *modelPacket) int {
+	hop, res, _ := r.fibHop(p.flow, p.len-p.l3, noSlot)
+	return r.hopSend(p, res, hop)
 }
 
 // noSlot is a backend slot no array has: fib_forward without a cache.
@@ -885,10 +900,17 @@ func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now ui
 
 // natSend is nat.h's nat_send, to the backend be in slot id.
 func (r *run) natSend(p *modelPacket, be bpf.WeirBackend, id uint32, port uint16) int {
-	if a := r.natRewrite(p, r.natSource(p.flow.Family), port, be.Addr, be.Port); a != modelContinue {
+	out := p.flow
+	out.Src, out.Sport, out.Dst, out.Dport = r.natSource(p.flow.Family), port, be.Addr, be.Port
+	hop, res, mtu := r.fibHop(out, p.len-p.l3, id)
+	if res == FIBFragNeeded {
+		// Answered with the client's packet as it came, not rewritten.
+		return r.icmpTooBig(p, mtu, ReasonNATTooBig)
+	}
+	if a := r.natRewrite(p, out.Src, port, be.Addr, be.Port); a != modelContinue {
 		return a
 	}
-	return r.fibForward(p, id)
+	return r.hopSend(p, res, hop)
 }
 
 // natSynAgain is nat.h's nat_syn_again, on the half-open entry hs (which the caller
@@ -1180,7 +1202,7 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 	if a := r.icmpApply(p, &inner, in3, in4, &rw); a != modelContinue {
 		return a
 	}
-	return r.fibForward(p, noSlot)
+	return r.fibForward(p)
 }
 
 // icmpApply is icmp.h's icmp_apply.
@@ -1312,10 +1334,10 @@ func (r *run) ipv4HeaderChecksum(off uint32) uint16 {
 	return csumFinish(sum)
 }
 
-// icmpTooBig is tunnel.h's icmp_too_big: the frame becomes an ICMP "fragmentation
+// icmpTooBig is toobig.h's icmp_too_big: the frame becomes an ICMP "fragmentation
 // needed" (IPv4 with DF only) or ICMPv6 "packet too big" back to the client, from
 // the VIP, quoting the IP header(s) and 8 bytes of TCP/UDP.
-func (r *run) icmpTooBig(p *modelPacket, mtu uint32) int {
+func (r *run) icmpTooBig(p *modelPacket, mtu uint32, sent Reason) int {
 	l3, l4 := p.l3&0x1f, p.l4&0x3ff
 	v4 := p.flow.Family == familyIPv4
 	tagged := l3 == ethHeaderLen+4
@@ -1407,7 +1429,7 @@ func (r *run) icmpTooBig(p *modelPacket, mtu uint32) int {
 		sum += uint32(r.ld16(icmp + 2*i))
 	}
 	r.st16(icmp+2, csumFinish(sum))
-	return r.verdict(XDPTX, ReasonTunnelTooBig)
+	return r.verdict(XDPTX, sent)
 }
 
 // tunnelHop is tunnel.h's tunnel_hop: the next hop for an outer packet of totLen
@@ -1436,7 +1458,7 @@ func (r *run) tunnelHop(p *modelPacket, id, totLen, outerLen uint32) (bpf.WeirNe
 		if uint32(ans.MTU) > outerLen {
 			mtu = uint32(ans.MTU) - outerLen
 		}
-		return bpf.WeirNextHop{}, r.icmpTooBig(p, mtu)
+		return bpf.WeirNextHop{}, r.icmpTooBig(p, mtu, ReasonTunnelTooBig)
 	case FIBNoNeighbour:
 		return bpf.WeirNextHop{}, modelContinue
 	case FIBSuccess:

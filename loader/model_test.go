@@ -37,8 +37,9 @@ import (
 // backends' prefixes over a veth with an MTU of 1280, some of them with resolved
 // neighbours; the model's FIB answers as that namespace does (fuzzRig.fib): a
 // next hop, an unresolved neighbour, or "fragmentation needed" for a packet above the
-// MTU, and no route for everything else, so nat flows end in drop_no_route after the
-// rewrite, which BPF_PROG_TEST_RUN returns and the test compares byte for byte. The
+// MTU (for tunnel packets and for the nat services with backends in those prefixes),
+// and no route for everything else, so the other nat flows end in drop_no_route after
+// the rewrite, which BPF_PROG_TEST_RUN returns and the test compares byte for byte. The
 // backends' tunnel next-hop cache is seeded per input (fresh, stale, too short, on
 // the receiving interface, on the veth in tx_ports, on one not in it) and compared
 // afterwards with what the model wrote. Of two loaded programs one hands out
@@ -117,6 +118,17 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"fallback no current table, draining backend keeps the flow", ReasonFlowFallback},
 		{"fallback no current table, syn dropped", ReasonDropNoBackend},
 		{"fallback never for udp, previous table disagrees", ReasonFlowNew},
+		{"tcp data offset past the packet to vip", ReasonDropMalformedL4},
+		{"tcp data offset below 5 to vip, v6", ReasonDropMalformedL4},
+		{"udp length below 8 to vip", ReasonDropMalformedL4},
+		{"udp length past the packet to vip, nat v6", ReasonDropMalformedL4},
+		{"nat new flow, backend's next hop cached on an interface not in tx_ports", ReasonDropNoTXPort},
+		{"nat udp v4 too big for the route, df", ReasonNATTooBig},
+		{"nat udp v4 too big for the route, no df", ReasonDropTooBig},
+		{"nat tcp v6 too big for the route", ReasonNATTooBig},
+		{"nat tcp v6 too big, vlan tagged", ReasonNATTooBig},
+		{"nat tcp v4 on a backend another service shares", ReasonFlowNew},
+		{"nat udp v4 routed backend's reply", ReasonNATReply},
 	} {
 		t.Run(tc.seed, func(t *testing.T) {
 			i := slices.IndexFunc(fuzzSeeds, func(s struct {
@@ -202,6 +214,13 @@ var fuzzSeeds = []struct {
 	{"nat new flow, backend's next hop cached on an interface not in tx_ports", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x03}},
 	{"nat known flow, fin", []byte{0, 4, 0, 0, packet.FIN | packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0}},
 	{"nat known flow expired", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 4}},
+	{"nat udp v4 routed", []byte{0, 32, 0, 0, 0, 0, 0, 5}},
+	{"nat udp v4 too big for the route, df", []byte{0, 32, 0, 0, 0, 0xa0, 0, 255, 0, 0, 0, 0, 0, 0, 0, 0x40}},
+	{"nat udp v4 too big for the route, no df", []byte{0, 32, 0, 0, 0, 0xa0, 0, 255}},
+	{"nat tcp v6 too big for the route", []byte{0, 33, 0, 0, packet.ACK, 0, 0, 255}},
+	{"nat tcp v6 too big, vlan tagged", []byte{0, 33, 0, 0, packet.ACK, 0x01, 0, 255}},
+	{"nat tcp v4 on a backend another service shares", []byte{0, 34, 0, 0, packet.SYN}},
+	{"nat udp v4 routed backend's reply", []byte{0, 35, 0, 0, 0, 0, 0, 5, 0, 2}},
 	{"nat closing flow expired", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0x12}},
 	{"nat syn on a closing flow's 5-tuple", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1, 0, 1, 0x10}},
 	{"nat syn on an established flow", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1, 0, 1, 0}},
@@ -429,6 +448,15 @@ func fuzzServices() []Service {
 	}
 	s[14].SourceHash = true
 	s[14].Backends[0].Draining, s[14].Backends[1].Draining = true, true
+	// nat services whose backends the fuzz namespace routes (the tunnel prefixes, MTU
+	// fuzzMTU, one backend each with a resolved neighbour and one without): new flows
+	// leave by wf0, wait for a neighbour, or are too big for the route. And one whose
+	// backend is also service 4's first, whose port ring they share.
+	s = append(s,
+		svc(fuzzVIPN4, 54, UDP, ForwardNAT, tunnel(5354, "10.78.0.11", "10.78.0.12")),
+		svc(fuzzVIPN6, 444, TCP, ForwardNAT, tunnel(8444, "fd78::11", "fd78::12")),
+		svc(fuzzVIPN4, 82, TCP, ForwardNAT, fuzzBackends(false, 8080, 1, 1)),
+	)
 	return s
 }
 
@@ -588,6 +616,10 @@ var fuzzTargets = []fuzzTarget{
 	{toVIP, 13, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPT6, 81)},
 	{toVIP, 14, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPD6, 81)},
 	{toVIP, 15, false, packet.ProtoUDP, netip.AddrPortFrom(fuzzVIPD4, 54)},
+	{toVIP, 16, false, packet.ProtoUDP, netip.AddrPortFrom(fuzzVIPN4, 54)},
+	{toVIP, 17, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPN6, 444)},
+	{toVIP, 18, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPN4, 82)},
+	{natReply, 16, false, packet.ProtoUDP, netip.AddrPort{}},
 }
 
 var (

@@ -3,6 +3,7 @@ package loader
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"maps"
 	"net/netip"
 	"os/exec"
@@ -442,5 +443,105 @@ func TestNATNextHopOutsideTxPorts(t *testing.T) {
 	}
 	if got := reasonCount(t, p, ReasonDropNoTXPort) - noTXPort; got != 1 {
 		t.Errorf("drop_no_tx_port went up by %d; want 1", got)
+	}
+}
+
+// TestNATTooBig: the route to a nat backend has a smaller MTU (1300) than the
+// client's packets (1400 bytes). As the kernel would when forwarding, weir answers
+// with ICMP "fragmentation needed" (IPv4 with DF) or ICMPv6 "packet too big"
+// carrying the route's MTU, from the VIP, quoting the client's packet as it sent it;
+// back the way it came (its VLAN tag kept). An IPv4 packet without DF is dropped:
+// XDP cannot fragment. The flow stays, and packets that fit go on to the backend.
+func TestNATTooBig(t *testing.T) {
+	tp, p := natRig(t, 1)
+	be := tp.Backends[0]
+	const mtu = 1300
+	// A narrower path to the backend (a tunnel, a router's smaller link).
+	for _, dst := range []string{be.IP4.String() + "/32", be.IP6.String() + "/128"} {
+		cmd := exec.Command("ip", "netns", "exec", tp.Name+"-lb", "ip", "route", "add", dst,
+			"dev", tp.Balancer.Link, "mtu", "lock", fmt.Sprint(mtu))
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("%v: %v: %s", cmd, err, out)
+		}
+	}
+	for i, tc := range []struct {
+		name       string
+		v6         bool
+		proto      uint8
+		vlan       uint16
+		noDF       bool
+		wantAction Action
+		wantReason Reason
+	}{
+		{"udp v4 with df", false, packet.ProtoUDP, 0, false, XDPTX, ReasonNATTooBig},
+		{"tcp v4 with df, vlan tagged", false, packet.ProtoTCP, 7, false, XDPTX, ReasonNATTooBig},
+		{"udp v4 without df", false, packet.ProtoUDP, 0, true, XDPDrop, ReasonDropTooBig},
+		{"tcp v6", true, packet.ProtoTCP, 0, false, XDPTX, ReasonNATTooBig},
+		{"udp v6, vlan tagged", true, packet.ProtoUDP, 7, false, XDPTX, ReasonNATTooBig},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			client, vip, backendIP, ipLen := tp.Client.IP4, tp.VIP4, be.IP4, 20
+			icmpProto, icmpType, icmpCode := uint8(packet.ProtoICMP), uint8(3), uint8(4)
+			if tc.v6 {
+				client, vip, backendIP, ipLen = tp.Client.IP6, tp.VIP6, be.IP6, 40
+				icmpProto, icmpType, icmpCode = packet.ProtoICMPv6, 2, 0
+			}
+			proto := TCP
+			if tc.proto == packet.ProtoUDP {
+				proto = UDP
+			}
+			svc := Service{Key: ServiceKey{netip.AddrPortFrom(vip, 7000), proto}, Forwarding: ForwardNAT,
+				Backends: []Backend{{Addr: netip.AddrPortFrom(backendIP, 7000), Weight: 1, Usable: true}}}
+			if err := p.AddService(svc); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { p.DeleteService(svc.Key) })
+			l4Len := 8
+			if tc.proto == packet.ProtoTCP {
+				l4Len = 20
+			}
+			in := packet.Frame{SrcMAC: tp.Client.MAC, DstMAC: tp.Balancer.MAC, VLAN: tc.vlan, Proto: tc.proto,
+				Src: netip.AddrPortFrom(client, 41000+uint16(i)), Dst: svc.Key.VIP, TCPFlags: packet.ACK,
+				Payload: make([]byte, 1400-ipLen-l4Len)}
+			frame := in.Build()
+			l3 := len(frame) - 1400
+			if !tc.v6 && !tc.noDF {
+				ip := frame[l3 : l3+20]
+				binary.BigEndian.PutUint16(ip[6:], 0x4000)
+				binary.BigEndian.PutUint16(ip[10:], 0)
+				binary.BigEndian.PutUint16(ip[10:], packet.Checksum(ip))
+			}
+			before := reasonCount(t, p, tc.wantReason)
+			action, out := runIn(t, tp, p, frame)
+			if action != tc.wantAction {
+				t.Fatalf("1400-byte packet: action %s; want %s", action, tc.wantAction)
+			}
+			if got := reasonCount(t, p, tc.wantReason) - before; got != 1 {
+				t.Errorf("%s went up by %d; want 1", tc.wantReason, got)
+			}
+			if tc.wantAction == XDPTX {
+				want := packet.Frame{SrcMAC: tp.Balancer.MAC, DstMAC: tp.Client.MAC, VLAN: tc.vlan, Proto: icmpProto,
+					Src: netip.AddrPortFrom(vip, 0), Dst: netip.AddrPortFrom(client, 0),
+					ICMP: &packet.ICMP{Type: icmpType, Code: icmpCode, Rest: mtu, Quote: frame[l3 : l3+ipLen+8]}}
+				w := want.Build()
+				if !tc.v6 {
+					// weir's IPv4 header has ID 0, packet.Frame's 0x1234.
+					ip := w[l3 : l3+20]
+					binary.BigEndian.PutUint16(ip[4:], 0)
+					binary.BigEndian.PutUint16(ip[10:], 0)
+					binary.BigEndian.PutUint16(ip[10:], packet.Checksum(ip))
+				}
+				if !bytes.Equal(out, w) {
+					t.Errorf("answer to the client\n got %x\nwant %x", out, w)
+				}
+			}
+
+			// The flow's packets that fit the route still reach the backend.
+			small := in
+			small.Payload = []byte("hi")
+			if action, _ := runIn(t, tp, p, small.Build()); action != XDPTX {
+				t.Errorf("a small packet of the flow: action %s; want XDP_TX to the backend", action)
+			}
+		})
 	}
 }

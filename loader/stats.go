@@ -42,6 +42,7 @@ const (
 	ReasonPassNATStale      = Reason(bpf.WeirStatReasonSTAT_PASS_NAT_STALE)
 	ReasonNATNewPort        = Reason(bpf.WeirStatReasonSTAT_NAT_NEW_PORT)
 	ReasonDropNoTXPort      = Reason(bpf.WeirStatReasonSTAT_DROP_NO_TX_PORT)
+	ReasonNATTooBig         = Reason(bpf.WeirStatReasonSTAT_NAT_TOO_BIG)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
 
@@ -75,6 +76,7 @@ var reasonNames = [...]string{
 	ReasonPassNATStale:      "pass_nat_stale",
 	ReasonNATNewPort:        "nat_new_port",
 	ReasonDropNoTXPort:      "drop_no_tx_port",
+	ReasonNATTooBig:         "nat_too_big",
 }
 
 func (r Reason) String() string {
