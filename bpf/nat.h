@@ -239,6 +239,53 @@ static __always_inline int nat_rewrite(struct xdp_md *ctx, struct packet *p,
 	return CONTINUE;
 }
 
+// set_vlan gives the frame the 802.1Q tag tci (0: none), whether it carries one now
+// or not, and keeps p's offsets in step (p->len stays the frame's length as it came,
+// which the counters count). The MACs move by the tag's 4 bytes; the EtherType stays
+// where it lies, after the tag if there is one.
+static __always_inline int set_vlan(struct xdp_md *ctx, struct packet *p, __be16 tci)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	int tagged = p->l3_off == sizeof(struct ethhdr) + sizeof(struct vlan_hdr);
+	struct vlan_hdr *vlan;
+	struct ethhdr *eth;
+	__u8 macs[2 * ETH_ALEN];
+	int delta;
+
+	if (!tagged && !tci)
+		return CONTINUE;
+	if (tagged && tci) {
+		vlan = data + sizeof(struct ethhdr);
+		if ((void *)(vlan + 1) > data_end)
+			return XDP_ABORTED;
+		vlan->tci = tci;
+		p->vlan_tci = tci;
+		return CONTINUE;
+	}
+	if (data + sizeof(macs) > data_end)
+		return XDP_ABORTED;
+	__builtin_memcpy(macs, data, sizeof(macs));
+	delta = tagged ? (int)sizeof(struct vlan_hdr) : -(int)sizeof(struct vlan_hdr);
+	if (bpf_xdp_adjust_head(ctx, delta))
+		return XDP_ABORTED;
+	p->l3_off -= delta;
+	p->l4_off -= delta;
+	p->vlan_tci = tci;
+	data = (void *)(long)ctx->data;
+	data_end = (void *)(long)ctx->data_end;
+	eth = data;
+	vlan = (void *)(eth + 1);
+	if ((void *)(vlan + 1) > data_end)
+		return XDP_ABORTED;
+	__builtin_memcpy(eth, macs, sizeof(macs));
+	if (tci) {
+		eth->h_proto = ETH_P_8021Q_BE;
+		vlan->tci = tci;
+	}
+	return CONTINUE;
+}
+
 // send_to writes the next hop's MACs and sends the frame: XDP_TX out of the interface
 // it came in on, XDP_REDIRECT through tx_ports to another. An interface the program
 // is not attached to has no tx_ports entry: the packet is dropped and counted so.
@@ -334,9 +381,15 @@ static __always_inline long fib_hop(struct xdp_md *ctx, const struct flow_key *f
 }
 
 // hop_send sends the (rewritten) packet by what fib_hop answered: to the next hop; to
-// the kernel when its neighbour is not resolved yet; dropped without a route.
+// the kernel when its neighbour is not resolved yet; dropped without a route. The
+// route's interface is one weir is attached to, not a VLAN on it, so a client's tag
+// is taken off (the backend's replies get it back from the flow's nat_entry).
 static __always_inline int hop_send(struct xdp_md *ctx, struct packet *p, long rc, const struct next_hop *hop)
 {
+	int action = set_vlan(ctx, p, 0);
+
+	if (action != CONTINUE)
+		return action;
 	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH)
 		// The kernel forwards this one and resolves the neighbour for the next.
 		return verdict(XDP_PASS, STAT_PASS_NO_NEIGH, p->len);
@@ -369,6 +422,13 @@ static __always_inline int came_from(struct xdp_md *ctx, struct next_hop *hop)
 	__builtin_memcpy(hop->smac, eth->h_dest, ETH_ALEN);
 	hop->ifindex = ctx->ingress_ifindex;
 	return 0;
+}
+
+// client_key is the key of the client's flow in a nat_entry (its tag left out).
+static __always_inline void client_key(struct flow_key *k, const struct nat_client *c)
+{
+	__builtin_memcpy(k, c, sizeof(*k));
+	k->pad[0] = k->pad[1] = 0;
 }
 
 // reply_key is the key under which the backend's replies to a nat flow are found.
@@ -411,13 +471,14 @@ static __always_inline int flow_key_equal(const struct flow_key *a, const struct
 static __always_inline int nat_alloc_port(struct xdp_md *ctx, struct packet *p, struct backend *be,
 					     __u32 backend_id, __u64 now)
 {
-	struct flow_key rk = {};
+	struct flow_key rk = {}, holder_key;
 	struct nat_entry entry = {};
 	__u32 range = (__u32)nat_port_max - nat_port_min + 1;
 	__u32 *cursor, ring, spread = 0;
 
 	reply_key(&rk, p, be, 0);
-	entry.client = p->flow;
+	__builtin_memcpy(&entry.client, &p->flow, sizeof(entry.client));
+	entry.client.vlan_tci = p->vlan_tci;
 	entry.backend_id = backend_id;
 	entry.syn_ack = syn_answer(p);
 	if (came_from(ctx, &entry.to_client))
@@ -445,7 +506,8 @@ static __always_inline int nat_alloc_port(struct xdp_md *ctx, struct packet *p, 
 		rk.dport = bpf_htons(nat_port_min + port);
 		old = flow_lookup(NAT_REVERSE, &rk);
 		if (old) {
-			holder = flow_lookup(NAT_CONNTRACK, &old->client);
+			client_key(&holder_key, &old->client);
+			holder = flow_lookup(NAT_CONNTRACK, &holder_key);
 			if (holder && flow_alive(holder, rk.proto, now) && holder->nat_port == rk.dport &&
 			    holder->backend_id == old->backend_id) {
 				spread = flow_hash(&p->flow, 0) | 1;
@@ -472,8 +534,10 @@ static __always_inline void refresh_flow(struct xdp_md *ctx, struct packet *p, s
 	fs->last_seen_ns = now;
 	reply_key(&rk, p, be, fs->nat_port);
 	rev = flow_lookup(NAT_REVERSE, &rk);
-	if (rev)
+	if (rev) {
 		came_from(ctx, &rev->to_client);
+		rev->client.vlan_tci = p->vlan_tci;
+	}
 }
 
 // nat_send forwards a packet of a flow with a port towards be: rewritten to go from
@@ -536,7 +600,7 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 {
 	struct nat_flow *hs;
 	struct nat_entry *rev;
-	struct flow_key rk = {};
+	struct flow_key rk = {}, claimed;
 	struct backend *be;
 	__u32 id;
 	int action;
@@ -550,7 +614,10 @@ static __always_inline int nat_half_open(struct xdp_md *ctx, struct packet *p, s
 		return CONTINUE;
 	reply_key(&rk, p, be, hs->nat_port);
 	rev = flow_lookup(NAT_HALF_REVERSE, &rk);
-	if (!rev || rev->backend_id != id || !flow_key_equal(&rev->client, key))
+	if (!rev || rev->backend_id != id)
+		return CONTINUE;
+	client_key(&claimed, &rev->client);
+	if (!flow_key_equal(&claimed, key))
 		return CONTINUE;
 	if (tcp_closes(p) && closes_nat_flow(p, hs, 0))
 		flow_flags_or(hs, FLOW_F_CLOSING);
@@ -682,6 +749,7 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 {
 	struct nat_entry *rev;
 	struct flow_key client;
+	__be16 vlan_tci;
 	int action, established = 1, stale;
 
 	rev = flow_lookup(NAT_REVERSE, &p->flow);
@@ -691,7 +759,8 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 	}
 	if (!rev)
 		return CONTINUE;
-	client = rev->client;
+	client_key(&client, &rev->client);
+	vlan_tci = rev->client.vlan_tci;
 	stale = !established && rev->syn_ack && (p->tcp_flags & TCP_FLAG_ACK) &&
 		bpf_ntohl(p->tcp_ack) - bpf_ntohl(rev->syn_ack) > SYN_DATA_MAX;
 	if (tcp_closes(p) || stale) {
@@ -725,6 +794,10 @@ static __always_inline int nat_reply(struct xdp_md *ctx, struct packet *p)
 		nat_reply_refresh(p, rev, &client);
 	count(&global_stats, STAT_NAT_REPLY, p->len);
 	action = nat_rewrite(ctx, p, client.dst, client.dport, client.src, client.sport);
+	if (action != CONTINUE)
+		return action;
+	// Back with the tag the client's packets came with (or none).
+	action = set_vlan(ctx, p, vlan_tci);
 	if (action != CONTINUE)
 		return action;
 	return send_to(ctx, p, &rev->to_client);

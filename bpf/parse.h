@@ -46,6 +46,7 @@ struct packet {
 	__u8 icmp_error; // an ICMP/ICMPv6 error; l4_off points at its header
 	__be32 tcp_seq;  // the TCP sequence and acknowledgement numbers; 0 for UDP
 	__be32 tcp_ack;
+	__be16 vlan_tci; // the 802.1Q tag's TCI as it came (network order); 0: untagged
 };
 
 // The first 8 bytes of every ICMP and ICMPv6 message.
@@ -213,6 +214,7 @@ static __always_inline int parse(struct xdp_md *ctx, struct packet *p)
 		if ((void *)(vlan + 1) > data_end)
 			return verdict(XDP_PASS, STAT_PASS_NOT_IP, p->len);
 		proto = vlan->proto;
+		p->vlan_tci = vlan->tci;
 		off += sizeof(*vlan);
 	}
 	p->l3_off = off;

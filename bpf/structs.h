@@ -94,10 +94,28 @@ struct nat_flow {
 			    // most once a second once established
 };
 
+// The client's side of a nat flow in a nat_entry: its flow as received (client ->
+// VIP), laid out as a flow_key (nat.h client_key makes the key of it), and the 802.1Q
+// tag its packets came with, which the backend's replies get back. The tag sits where
+// a flow_key has padding, so entries an older weir wrote read as untagged.
+struct nat_client {
+	__be32 src[4];
+	__be32 dst[4];
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	__u8 family;
+	__be16 vlan_tci; // the tag's TCI, network order; 0: untagged (a tag of TCI 0 says nothing)
+};
+
+_Static_assert(sizeof(struct nat_client) == sizeof(struct flow_key) &&
+		       __builtin_offsetof(struct nat_client, vlan_tci) == __builtin_offsetof(struct flow_key, pad),
+	       "nat_client must be a flow_key with its padding named");
+
 // Value of the nat reverse tables, whose key is the backend's reply 5-tuple
 // (backend -> nat address:port).
 struct nat_entry {
-	struct flow_key client; // the client's flow as received: client -> VIP
+	struct nat_client client; // the client's flow as received (client -> VIP) and its VLAN tag
 	__u32 backend_id;
 	// Half-open TCP flows begun by a SYN, until the backend's SYN-ACK: the
 	// acknowledgement number that answers the SYN (the client's initial sequence number
@@ -106,8 +124,9 @@ struct nat_entry {
 	// wrapping) the backend's packets last refreshed the flow (nat_reply_refresh).
 	__be32 syn_ack;
 	// Replies go back to where the client's packets come from: the MAC they came from
-	// (the client or its router) and the interface they came in on, refreshed with
-	// the flow once a second, so no reply needs a route lookup.
+	// (the client or its router), the interface they came in on and their VLAN tag
+	// (client.vlan_tci), refreshed with the flow once a second, so no reply needs a
+	// route lookup.
 	struct next_hop to_client;
 };
 

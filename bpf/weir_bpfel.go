@@ -111,9 +111,20 @@ const (
 	WeirModeMODE_TUNNEL WeirMode = 2
 )
 
+type WeirNatClient struct {
+	_       structs.HostLayout
+	Src     [4]uint32
+	Dst     [4]uint32
+	Sport   uint16
+	Dport   uint16
+	Proto   uint8
+	Family  uint8
+	VlanTci uint16
+}
+
 type WeirNatEntry struct {
 	_         structs.HostLayout
-	Client    WeirFlowKey
+	Client    WeirNatClient
 	BackendId uint32
 	SynAck    uint32
 	ToClient  WeirNextHop

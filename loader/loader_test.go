@@ -131,6 +131,7 @@ func TestStructSizesMatchC(t *testing.T) {
 		{"lb_flow", unsafe.Sizeof(bpf.WeirLbFlow{}), 8},
 		{"nat_flow", unsafe.Sizeof(bpf.WeirNatFlow{}), 16},
 		{"nat_entry", unsafe.Sizeof(bpf.WeirNatEntry{}), 64},
+		{"nat_client", unsafe.Sizeof(bpf.WeirNatClient{}), 40}, // a flow_key, its padding the VLAN tag
 	} {
 		if c.got != c.want {
 			t.Errorf("%s is %d bytes; want %d", c.what, c.got, c.want)

@@ -174,6 +174,7 @@ type modelPacket struct {
 	// The TCP sequence and acknowledgement numbers as the program loads them: network
 	// order bytes read as a native (little-endian) word.
 	tcpSeq, tcpAck uint32
+	vlanTCI        uint16 // the 802.1Q tag's TCI as loaded (network order bytes as a native word); 0: none
 }
 
 // run is one packet through the model: the frame being rewritten and what was counted.
@@ -292,6 +293,7 @@ func (r *run) parse(p *modelPacket) int {
 			return r.verdict(XDPPass, ReasonPassNotIP)
 		}
 		proto = binary.BigEndian.Uint16(r.b[off+2:])
+		p.vlanTCI = r.ld16(off)
 		off += vlanHeaderLen
 	}
 	p.l3 = off
@@ -811,6 +813,7 @@ func (r *run) fibHop(f bpf.WeirFlowKey, totLen, id uint32) (bpf.WeirNextHop, FIB
 
 // hopSend is nat.h's hop_send.
 func (r *run) hopSend(p *modelPacket, res FIBResult, hop bpf.WeirNextHop) int {
+	r.setVLAN(p, 0)
 	switch res {
 	case FIBNoNeighbour:
 		return r.verdict(XDPPass, ReasonPassNoNeighbour)
@@ -884,7 +887,7 @@ func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now ui
 		}
 		rk.Dport = ntohs(r.m.PortMin + uint16(port))
 		if old, ok := r.m.NATReverse[rk]; ok {
-			holder, ok := r.m.NATConntrack[old.Client]
+			holder, ok := r.m.NATConntrack[clientKey(old.Client)]
 			if ok && r.m.flowAlive(&holder, rk.Proto, now) && holder.NatPort == rk.Dport &&
 				holder.BackendId == old.BackendId {
 				spread = flowHash(&p.flow, r.m.HashSeed, false) | 1
@@ -892,7 +895,7 @@ func (r *run) natAllocPort(p *modelPacket, be bpf.WeirBackend, id uint32, now ui
 			}
 			delete(r.m.NATReverse, rk)
 		}
-		r.m.NATHalfReverse[rk] = bpf.WeirNatEntry{Client: p.flow, BackendId: id, SynAck: synAnswer(p), ToClient: toClient}
+		r.m.NATHalfReverse[rk] = bpf.WeirNatEntry{Client: natClient(p.flow, p.vlanTCI), BackendId: id, SynAck: synAnswer(p), ToClient: toClient}
 		return rk.Dport
 	}
 	return 0
@@ -939,7 +942,7 @@ func (r *run) natHalfOpen(p *modelPacket, svc bpf.WeirService, key bpf.WeirFlowK
 	}
 	rk := r.replyKey(p, be, hs.NatPort)
 	rev, ok := r.m.NATHalfReverse[rk]
-	if !ok || rev.BackendId != id || rev.Client != key {
+	if !ok || rev.BackendId != id || clientKey(rev.Client) != key {
 		return modelContinue
 	}
 	if tcpCloses(p) && closesFlow(p, &hs.Flags, false) {
@@ -1053,8 +1056,9 @@ func (r *run) refreshFlow(p *modelPacket, key bpf.WeirFlowKey, be bpf.WeirBacken
 	if rev, ok := r.m.NATReverse[rk]; ok {
 		if hop, ok := r.cameFrom(); ok {
 			rev.ToClient = hop
-			r.m.NATReverse[rk] = rev
 		}
+		rev.Client.VlanTci = p.vlanTCI
+		r.m.NATReverse[rk] = rev
 	}
 }
 
@@ -1084,7 +1088,7 @@ func (r *run) natReply(p *modelPacket) int {
 	if !ok {
 		return modelContinue
 	}
-	client := rev.Client
+	client := clientKey(rev.Client)
 	stale := !established && rev.SynAck != 0 && p.tcpFlags&tcpFlagACK != 0 &&
 		bits.ReverseBytes32(p.tcpAck)-bits.ReverseBytes32(rev.SynAck) > synDataMax
 	if tcpCloses(p) || stale {
@@ -1119,7 +1123,47 @@ func (r *run) natReply(p *modelPacket) int {
 	if a := r.natRewrite(p, client.Dst, client.Dport, client.Src, client.Sport); a != modelContinue {
 		return a
 	}
+	r.setVLAN(p, rev.Client.VlanTci)
 	return r.sendTo(p, rev.ToClient)
+}
+
+// clientKey is nat.h's client_key: the key of a nat_entry's client flow.
+func clientKey(c bpf.WeirNatClient) bpf.WeirFlowKey {
+	return bpf.WeirFlowKey{Src: c.Src, Dst: c.Dst, Sport: c.Sport, Dport: c.Dport, Proto: c.Proto, Family: c.Family}
+}
+
+// natClient is a nat_entry's client: the flow f as received and its tag tci.
+func natClient(f bpf.WeirFlowKey, tci uint16) bpf.WeirNatClient {
+	return bpf.WeirNatClient{Src: f.Src, Dst: f.Dst, Sport: f.Sport, Dport: f.Dport, Proto: f.Proto, Family: f.Family, VlanTci: tci}
+}
+
+// setVLAN is nat.h's set_vlan: the frame gets the tag tci (0: none). The model
+// assumes bpf_xdp_adjust_head succeeds (the frame holds the headers parse read).
+func (r *run) setVLAN(p *modelPacket, tci uint16) {
+	tagged := p.l3 == ethHeaderLen+vlanHeaderLen
+	switch {
+	case !tagged && tci == 0:
+		return
+	case tagged && tci != 0:
+		r.st16(ethHeaderLen, tci)
+		p.vlanTCI = tci
+		return
+	}
+	var macs [12]byte
+	copy(macs[:], r.b[:12])
+	delta := -vlanHeaderLen
+	if tagged {
+		delta = vlanHeaderLen
+	}
+	r.adjustHead(delta)
+	p.l3 = uint32(int(p.l3) - delta)
+	p.l4 = uint32(int(p.l4) - delta)
+	p.vlanTCI = tci
+	copy(r.b[:12], macs[:])
+	if tci != 0 {
+		binary.BigEndian.PutUint16(r.b[12:], etherTypeVLAN)
+		r.st16(ethHeaderLen, tci)
+	}
 }
 
 // ICMP errors (bpf/icmp.h).

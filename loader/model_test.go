@@ -129,6 +129,9 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"nat tcp v6 too big, vlan tagged", ReasonNATTooBig},
 		{"nat tcp v4 on a backend another service shares", ReasonFlowNew},
 		{"nat udp v4 routed backend's reply", ReasonNATReply},
+		{"nat reply to a client on vlan 7", ReasonNATReply},
+		{"nat tagged reply to an untagged client", ReasonNATReply},
+		{"nat tagged reply to a client on vlan 7", ReasonNATReply},
 	} {
 		t.Run(tc.seed, func(t *testing.T) {
 			i := slices.IndexFunc(fuzzSeeds, func(s struct {
@@ -221,6 +224,11 @@ var fuzzSeeds = []struct {
 	{"nat tcp v6 too big, vlan tagged", []byte{0, 33, 0, 0, packet.ACK, 0x01, 0, 255}},
 	{"nat tcp v4 on a backend another service shares", []byte{0, 34, 0, 0, packet.SYN}},
 	{"nat udp v4 routed backend's reply", []byte{0, 35, 0, 0, 0, 0, 0, 5, 0, 2}},
+	{"nat tcp syn v4, vlan tagged: untagged to the backend", []byte{0, 4, 0, 0, packet.SYN, 0x01}},
+	{"nat udp v4 routed, vlan tagged: untagged to the backend", []byte{0, 32, 0, 0, 0, 0x01, 0, 5}},
+	{"nat reply to a client on vlan 7", []byte{0, 35, 0, 0, 0, 0, 0, 5, 0, 2, 0, 0, 0, 0, 0xa0}},
+	{"nat tagged reply to an untagged client", []byte{0, 35, 0, 0, 0, 0x01, 0, 5, 0, 2, 0, 0, 0, 0, 0x20}},
+	{"nat tagged reply to a client on vlan 7", []byte{0, 13, 0, 0, packet.ACK, 0x01, 0, 5, 0, 2, 0, 0, 0, 0, 0xa0}},
 	{"nat closing flow expired", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0x12}},
 	{"nat syn on a closing flow's 5-tuple", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1, 0, 1, 0x10}},
 	{"nat syn on an established flow", []byte{0, 4, 0, 0, packet.SYN, 0, 0, 0, 0, 1, 0, 1, 0}},
@@ -1059,7 +1067,8 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 //	   or 3 short of wrapping; then bytes: backend, nat port, and age (low 4
 //	   bits) and closing (bit 4) of the known flow; holder; the holder's age and
 //	   closing, and in bits 5-6 the reverse entries' next hop back to the client
-//	   (none, the receiving interface, one not in tx_ports, wf0)
+//	   (none, the receiving interface, one not in tx_ports, wf0), bit 7 their
+//	   client's VLAN tag (none, 7)
 //	15 nat, tunnel: the cached next hop of the target service's backends: bits 0-1
 //	   its interface (none, the receiving one, wf0 in tx_ports, one not in
 //	   tx_ports), bits 2-3 its age (100 ms, 3 s, 50 s in the future, now), bits 4-5
@@ -1323,7 +1332,11 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 			if holderSel&2 != 0 {
 				holderID = candidates[int(holderSel>>2)%len(candidates)]
 			}
-			reverseTable[rk] = bpf.WeirNatEntry{Client: holder, BackendId: holderID, ToClient: hop(holderAge, clientMAC)}
+			var tci uint16
+			if holderAge&0x80 != 0 {
+				tci = portWord(7) // the client's packets come tagged, VLAN 7
+			}
+			reverseTable[rk] = bpf.WeirNatEntry{Client: natClient(holder, tci), BackendId: holderID, ToClient: hop(holderAge, clientMAC)}
 			if seeds&4 != 0 {
 				port := portWord(natPort)
 				if holderSel&0x80 != 0 {

@@ -545,3 +545,66 @@ func TestNATTooBig(t *testing.T) {
 		})
 	}
 }
+
+// TestNATVLAN: a nat flow from a client on VLAN 7. Its packets leave for the
+// backend untagged, by the route's interface (bpf_fib_lookup's next hop is the
+// attached link, not a VLAN on it), as tunnel mode's do; the backend's replies go
+// back to the client with the tag its packets came with.
+func TestNATVLAN(t *testing.T) {
+	tp, p := natRig(t, 1)
+	be := tp.Backends[0]
+	for i, v6 := range []bool{false, true} {
+		t.Run(map[bool]string{false: "v4", true: "v6"}[v6], func(t *testing.T) {
+			client, vip, lb, backendIP, l4 := tp.Client.IP4, tp.VIP4, tp.Balancer.IP4, be.IP4, 14+20
+			if v6 {
+				client, vip, lb, backendIP, l4 = tp.Client.IP6, tp.VIP6, tp.Balancer.IP6, be.IP6, 14+40
+			}
+			backend := netip.AddrPortFrom(backendIP, 7000)
+			svc := Service{Key: ServiceKey{netip.AddrPortFrom(vip, 7000+uint16(i)), TCP}, Forwarding: ForwardNAT,
+				Backends: []Backend{{Addr: backend, Weight: 1, Usable: true}}}
+			if err := p.AddService(svc); err != nil {
+				t.Fatal(err)
+			}
+			syn := packet.Frame{SrcMAC: tp.Client.MAC, DstMAC: tp.Balancer.MAC, VLAN: 7,
+				Src: netip.AddrPortFrom(client, 41000), Dst: svc.Key.VIP, TCPFlags: packet.SYN, Seq: 1000}
+			action, out := runIn(t, tp, p, syn.Build())
+			if action != XDPTX {
+				t.Fatalf("SYN: action %s; want XDP_TX", action)
+			}
+			natPort := binary.BigEndian.Uint16(out[l4:])
+			want := syn
+			want.VLAN = 0
+			want.SrcMAC, want.DstMAC = tp.Balancer.MAC, be.MAC
+			want.Src, want.Dst = netip.AddrPortFrom(lb, natPort), backend
+			if w := want.Build(); !bytes.Equal(out, w) {
+				t.Errorf("SYN to the backend, untagged\n got %x\nwant %x", out, w)
+			}
+
+			reply := packet.Frame{SrcMAC: be.MAC, DstMAC: tp.Balancer.MAC, Src: backend,
+				Dst: netip.AddrPortFrom(lb, natPort), TCPFlags: packet.SYN | packet.ACK, Seq: 9000, Ack: 1001}
+			action, out = runIn(t, tp, p, reply.Build())
+			wantReply := reply
+			wantReply.VLAN = 7
+			wantReply.SrcMAC, wantReply.DstMAC = tp.Balancer.MAC, tp.Client.MAC
+			wantReply.Src, wantReply.Dst = svc.Key.VIP, syn.Src
+			if w := wantReply.Build(); action != XDPTX || !bytes.Equal(out, w) {
+				t.Errorf("SYN-ACK to the client on VLAN 7: action %s\n got %x\nwant %x", action, out, w)
+			}
+
+			// The handshake's ACK establishes the flow, whose replies keep the tag.
+			ack := syn
+			ack.TCPFlags, ack.Seq, ack.Ack = packet.ACK, 1001, 9001
+			if action, out = runIn(t, tp, p, ack.Build()); action != XDPTX || binary.BigEndian.Uint16(out[l4:]) != natPort {
+				t.Fatalf("ACK: action %s; want XDP_TX from nat port %d", action, natPort)
+			}
+			data := reply
+			data.TCPFlags, data.Seq, data.Payload = packet.ACK|packet.PSH, 9001, []byte("hello")
+			action, out = runIn(t, tp, p, data.Build())
+			wantData := wantReply
+			wantData.TCPFlags, wantData.Seq, wantData.Payload = data.TCPFlags, data.Seq, data.Payload
+			if w := wantData.Build(); action != XDPTX || !bytes.Equal(out, w) {
+				t.Errorf("established reply to the client on VLAN 7: action %s\n got %x\nwant %x", action, out, w)
+			}
+		})
+	}
+}
