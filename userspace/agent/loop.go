@@ -15,6 +15,7 @@ import (
 	"github.com/weir-lb/weir/userspace/agent/admin"
 	"github.com/weir-lb/weir/userspace/agent/api"
 	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/agent/xdpplane"
 	"github.com/weir-lb/weir/userspace/config"
 )
 
@@ -559,6 +560,17 @@ func (a *Agent) rollBack(prev, next plan.Desired, done []plan.Op) error {
 	for _, op := range done {
 		touched[op.Service()] = true
 	}
+	// A service of next that took over the XDP entry of another name (a rename
+	// keeps the VIP's entry and its flows) touched that one too: it is given its
+	// entry back before the new name leaves.
+	for i := range prev.Services {
+		p := &prev.Services[i]
+		for j := range next.Services {
+			if n := &next.Services[j]; touched[n.Name()] && n.Name() != p.Name() && sameXDPEntry(p, n) {
+				touched[p.Name()] = true
+			}
+		}
+	}
 	var mid plan.Desired
 	for _, s := range next.Services {
 		if touched[s.Name()] {
@@ -579,6 +591,11 @@ func (a *Agent) rollBack(prev, next plan.Desired, done []plan.Op) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// sameXDPEntry reports whether a and b would be the same entry of the XDP program.
+func sameXDPEntry(a, b *plan.Service) bool {
+	return a.Plane == plan.XDP && b.Plane == plan.XDP && xdpplane.Key(&a.Config) == xdpplane.Key(&b.Config)
 }
 
 // register tells the health checker which services and backends run now.

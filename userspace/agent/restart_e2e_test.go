@@ -390,3 +390,77 @@ func TestSecondAgentRefused(t *testing.T) {
 		})
 	}
 }
+
+const rejectedConfig = `interfaces:
+  - name: %s
+xdp:
+  hash_seed: 5
+addresses: [10.77.0.2]
+admin:
+  socket: %s
+metrics:
+  listen: "off"
+services:
+  - name: %s
+    vip: 10.77.100.1:%d
+    mode: nat
+    health: {type: tcp, interval: 1s}
+    backends:
+      - address: 10.77.0.11:9000
+      - address: 10.77.0.12:9000
+  - name: z
+    vip: 10.77.100.1:9002
+    mode: nat
+    health: {type: tcp, interval: 1s}
+    backends:
+      - address: 10.77.0.11:9000%s
+`
+
+// TestRejectedReloadKeepsXDPFlows: a reload that renames an XDP service and then
+// fails on a later service (z would keep only a backend whose runtime weight is 0)
+// is refused, and the service's established flows and new connections go on as
+// before: the rollback gives a renamed entry back to its old owner.
+func TestRejectedReloadKeepsXDPFlows(t *testing.T) {
+	tp := echoTopology(t, "wrr", 2)
+	dir := t.TempDir()
+	cfgPath, socket := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "weir.sock")
+	write := func(name string, port int, zExtra string) {
+		t.Helper()
+		b := fmt.Sprintf(rejectedConfig, tp.Balancer.Link, socket, name, port, zExtra)
+		if err := os.WriteFile(cfgPath, []byte(b), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("a", 9001, "\n      - address: 10.77.0.12:9000")
+	ctx := context.Background()
+	p := startAgent(t, tp, cfgPath, socket, false)
+	xdpStatus(t, p.client)
+	if err := p.client.Weight(ctx, "z", "10.77.0.11:9000", 0); err != nil {
+		t.Fatalf("weight: %v", err)
+	}
+	vip := netip.AddrPortFrom(tp.VIP4, 9001)
+	var streams []*stream
+	for range 3 {
+		s := startStream(t, tp, vip)
+		t.Cleanup(func() { close(s.stop); <-s.done; s.conn.Close() })
+		streams = append(streams, s)
+	}
+	for _, c := range []struct {
+		what string
+		name string
+		port int
+	}{
+		{"renamed", "b", 9001},
+	} {
+		write(c.name, c.port, "")
+		if err := p.client.Reload(ctx); err == nil {
+			t.Fatalf("a %s and z's last backend at weight 0: reload got no error; want it refused", c.what)
+		}
+		for _, s := range streams {
+			s.progress(t, "after a refused reload of a "+c.what)
+		}
+		if _, err := echoOnce(tp, vip); err != nil {
+			t.Errorf("new connection to a after a refused reload of a %s: %v", c.what, err)
+		}
+	}
+}
