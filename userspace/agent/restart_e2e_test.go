@@ -416,10 +416,12 @@ services:
       - address: 10.77.0.11:9000%s
 `
 
-// TestRejectedReloadKeepsXDPFlows: a reload that renames an XDP service and then
-// fails on a later service (z would keep only a backend whose runtime weight is 0)
-// is refused, and the service's established flows and new connections go on as
-// before: the rollback gives a renamed entry back to its old owner.
+// TestRejectedReloadKeepsXDPFlows: a reload that renames an XDP service, or moves
+// it to another VIP, and then fails on a later service (z would keep only a
+// backend whose runtime weight is 0) is refused, and the service's established
+// flows and new connections go on as before: the rollback gives a renamed entry
+// back to its old owner, and the old VIP's entry is left alone until every write
+// that may fail has succeeded.
 func TestRejectedReloadKeepsXDPFlows(t *testing.T) {
 	tp := echoTopology(t, "wrr", 2)
 	dir := t.TempDir()
@@ -450,6 +452,7 @@ func TestRejectedReloadKeepsXDPFlows(t *testing.T) {
 		name string
 		port int
 	}{
+		{"moved to another VIP", "a", 9003},
 		{"renamed", "b", 9001},
 	} {
 		write(c.name, c.port, "")

@@ -15,13 +15,16 @@ const (
 	// Add starts serving Next.
 	Add OpKind = iota
 	// Update changes a service the plane serves from Prev to Next. The plane
-	// decides what that takes (XDP: a new key is a new entry; proxy: changed
-	// listener settings are a new listener, the old one drains).
+	// decides what that takes (XDP: a new key is a new entry, and the old one
+	// stays until a Remove of Prev; proxy: changed listener settings are a new
+	// listener, the old one drains).
 	Update
 	// SetBackend changes one backend's usability, weight or drain and nothing else,
 	// so XDP moves only that backend's share of the lookup table.
 	SetBackend
-	// Remove stops serving Prev.
+	// Remove stops serving Prev. On XDP it also follows an Update that moved a
+	// service to another VIP or protocol: Prev is then the old entry, which
+	// leaves last.
 	Remove
 )
 
@@ -67,7 +70,9 @@ func (op Op) String() string {
 // Diff returns the operations that take the planes from prev to next. Their order
 // puts what is most likely to fail first and what cannot be taken back last: adds
 // and updates on the proxy (they bind listeners), then on XDP, then removals. A
-// service that changes plane is added to the new one before it leaves the old.
+// service that changes plane is added to the new one before it leaves the old; an
+// XDP service whose VIP or protocol changes gets its new entry in the update, and
+// its old entry, with the flows on it, goes with the removals.
 // Changes that only status shows (health state names, notes) give no operation.
 func Diff(prev, next Desired) []Op {
 	var proxyOps, xdpOps, removes []Op
@@ -90,6 +95,9 @@ func Diff(prev, next Desired) []Op {
 		default:
 			if op, ok := change(p, n); ok {
 				add(op)
+			}
+			if n.Plane == XDP && (p.Config.VIP != n.Config.VIP || p.Config.Protocol != n.Config.Protocol) {
+				removes = append(removes, Op{Kind: Remove, Plane: XDP, Prev: p})
 			}
 		}
 	}

@@ -85,8 +85,10 @@ func TestDiff(t *testing.T) {
 
 		{"mode changed", desired(web), desired(with(web, func(s *Service) { s.Config.Mode = config.ModeTunnel })),
 			[]op{{Update, XDP, "web", netip.AddrPort{}}}},
+		// The new entry is written with the updates; the old one, with its flows,
+		// leaves with the removals, after every write that may fail.
 		{"VIP changed", desired(web), desired(with(web, func(s *Service) { s.Config.VIP = vip2 })),
-			[]op{{Update, XDP, "web", netip.AddrPort{}}}},
+			[]op{{Update, XDP, "web", netip.AddrPort{}}, {Remove, XDP, "web", netip.AddrPort{}}}},
 		{"proxy setting changed", desired(api), desired(with(api, func(s *Service) { s.Config.Proxy.Retries = 3 })),
 			[]op{{Update, Proxy, "api", netip.AddrPort{}}}},
 		{"moved xdp to proxy", desired(web), desired(webProxy),

@@ -95,7 +95,9 @@ func (x *Plane) Add(s *plan.Service) error {
 }
 
 // Update brings a service from prev to next: in place when its key stays (a mode
-// change too), else a new entry and the old one removed.
+// change too), else a new entry. The old entry keeps serving its flows until a
+// Remove of prev, which plan.Diff puts with the removals, after every write that
+// may fail.
 func (x *Plane) Update(prev, next *plan.Service) error {
 	if err := x.available(); err != nil {
 		return err
@@ -103,7 +105,7 @@ func (x *Plane) Update(prev, next *plan.Service) error {
 	if err := checkWeights(next); err != nil {
 		return err
 	}
-	ls, old := spec(next), Key(&prev.Config)
+	ls := spec(next)
 	switch {
 	case !next.Installed:
 		return x.remove(next.Name(), ls.Key)
@@ -116,9 +118,6 @@ func (x *Plane) Update(prev, next *plan.Service) error {
 		if err := x.prog.UpdateService(ls); err != nil {
 			return fmt.Errorf("service %q: %w", next.Name(), err)
 		}
-	}
-	if old != ls.Key {
-		return x.remove(prev.Name(), old)
 	}
 	return nil
 }
