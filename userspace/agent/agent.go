@@ -180,8 +180,9 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 		ls.close()
 		a.proxy.Close()
 		a.http.Close()
-		// A pinned program adopted from the last run keeps serving as it was (the
-		// rollback re-applied the empty state to what this run wrote); one this run
+		// A pinned program adopted from the last run keeps serving: the rollback
+		// removed what this run added and left the entries the program held (as
+		// this run wrote them, so an unchanged service is as it was); one this run
 		// made is removed.
 		return fmt.Errorf("run: %w", errors.Join(err, x.Stop(!x.Adopted())))
 	}

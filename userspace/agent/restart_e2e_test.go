@@ -224,9 +224,10 @@ services:
 `
 
 // TestAgentRestartKeepsFlows: long-lived TCP connections through the XDP path, in
-// dsr and nat mode, survive kill -9 of the agent and its restart byte-exact; new
-// connections work while no agent runs and after the new one has adopted the pinned
-// program. weir stop --detach then removes the program and its pins.
+// dsr and nat mode, survive kill -9 of the agent, a restart that fails, and a
+// restart byte-exact; new connections work while no agent runs, after the failed
+// start and after the new one has adopted the pinned program. weir stop --detach
+// then removes the program and its pins.
 func TestAgentRestartKeepsFlows(t *testing.T) {
 	tp := echoTopology(t, "war", 3)
 	// A bpffs of the test's own: `ip netns exec` gives the agent a private /sys, so
@@ -284,6 +285,41 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 				t.Errorf("new connection %d to %s with the agent killed: %v", i, vip, err)
 			}
 		}
+	}
+
+	// A start that fails (one service more than the program has backend slots
+	// for; the self-test uses one backend, so only the real write fails) leaves
+	// the adopted program serving the services it held.
+	var big strings.Builder
+	big.WriteString(fmt.Sprintf(restartConfig, tp.Balancer.Link, pinPath, socket))
+	big.WriteString("  - name: big\n    vip: 10.77.100.1:9005\n    mode: nat\n    health: {type: none}\n    backends:\n")
+	for i := range 16400 {
+		fmt.Fprintf(&big, "      - address: 10.88.%d.%d:80\n", i/250, 1+i%250)
+	}
+	if err := os.WriteFile(cfgPath, []byte(big.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	failCtx, cancel := context.WithTimeout(ctx, 90*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(failCtx, "ip", "netns", "exec", tp.Balancer.NS.Name(), exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"=1", "WEIR_AGENT_TEST_CONFIG="+cfgPath)
+	if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), `service "big"`) {
+		t.Fatalf("agent with a service too big for the program: %v, output:\n%s\nwant it to fail on service big", err, out)
+	}
+	for _, s := range streams {
+		s.progress(t, "after a failed start")
+	}
+	for _, vip := range []netip.AddrPort{dsrVIP, natVIP} {
+		if _, err := echoOnce(tp, vip); err != nil {
+			t.Errorf("new connection to %s after a failed start: %v", vip, err)
+		}
+	}
+	if err := os.WriteFile(cfgPath, []byte(fmt.Sprintf(restartConfig, tp.Balancer.Link, pinPath, socket)), 0o644); err != nil {
+		t.Fatal(err)
 	}
 
 	second := startAgent(t, tp, cfgPath, socket, false)

@@ -158,6 +158,12 @@ func (x *Plane) remove(name string, key loader.ServiceKey) error {
 	if x.installed[key] != name {
 		return nil // not there, or a renamed service took the key over
 	}
+	if x.adopted[key] {
+		// The rollback of a start that failed: the pinned program served this
+		// entry before, and goes on serving it.
+		delete(x.installed, key)
+		return nil
+	}
 	if err := x.prog.DeleteService(key); err != nil {
 		return fmt.Errorf("service %q: remove from xdp: %w", name, err)
 	}

@@ -53,6 +53,10 @@ type Plane struct {
 	// service that owns each (loop only): a renamed service takes its key over
 	// before the old name is removed.
 	installed map[loader.ServiceKey]string
+	// adopted are the services the pinned program held when this run adopted it,
+	// until the agent's start succeeds (DropUnowned): the rollback of a failed
+	// start leaves their entries, and the flows on them, in place.
+	adopted map[loader.ServiceKey]bool
 }
 
 // natAddr is the balancer's own address of a family: nat's source and tunnel's
@@ -120,7 +124,9 @@ func Setup(cfg *config.Config, disabled bool) (*Plane, error) {
 		return x, nil
 	}
 	x.adoptedMACs = make(map[netip.Addr]net.HardwareAddr)
+	x.adopted = make(map[loader.ServiceKey]bool)
 	for _, s := range prog.Services() {
+		x.adopted[s.Key] = true
 		for _, b := range s.Backends {
 			if s.Forwarding == loader.ForwardDSR && len(b.MAC) == 6 && !bytes.Equal(b.MAC, zeroMAC) {
 				x.adoptedMACs[b.Addr.Addr()] = b.MAC
@@ -215,10 +221,13 @@ func lockPinPath(dir string) (*os.File, error) {
 	return f, nil
 }
 
-// DropUnowned removes the services the program holds that this run did not put
-// there: after a restart, services the pinned program still had that the config no
-// longer serves through XDP (or self-test services a killed agent left).
+// DropUnowned is called once the agent's start has succeeded. It removes the
+// services the program holds that this run did not put there: after a restart,
+// services the pinned program still had that the config no longer serves through
+// XDP (or self-test services a killed agent left). From then on removing a
+// service the pinned program held deletes its entry.
 func (x *Plane) DropUnowned(log *slog.Logger) {
+	x.adopted = nil
 	if x.prog == nil {
 		return
 	}
