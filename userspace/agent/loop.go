@@ -511,21 +511,43 @@ func (a *Agent) converge(st *state, now time.Time) error {
 	return nil
 }
 
+// staged is a plane that keeps what a change would end (a listening server
+// replaced or removed) until the loop commits the change, and on Abort gives it
+// back untouched.
+type staged interface {
+	Commit()
+	Abort()
+}
+
 // reconcile applies the operations that take the planes from prev to next. If one
-// fails, every service the operations so far touched is brought back to prev by
-// the same means (a diff from where they are to prev), and the error is returned.
+// fails, the staged planes abort, every service the operations so far touched is
+// brought back to prev by the same means (a diff from where they are to prev), and
+// the error is returned.
 func (a *Agent) reconcile(prev, next plan.Desired) error {
 	ops := plan.Diff(prev, next)
 	for i, op := range ops {
 		if err := a.do(op); err != nil {
-			if rerr := a.rollBack(prev, next, ops[:i+1]); rerr != nil {
+			a.stage(staged.Abort)
+			rerr := a.rollBack(prev, next, ops[:i+1])
+			a.stage(staged.Commit)
+			if rerr != nil {
 				a.log.Error("roll back to the running state", "err", rerr)
 				return errors.Join(err, fmt.Errorf("roll back: %w", rerr))
 			}
 			return err
 		}
 	}
+	a.stage(staged.Commit)
 	return nil
+}
+
+// stage calls f on every staged plane.
+func (a *Agent) stage(f func(staged)) {
+	for _, pl := range a.planes {
+		if s, ok := pl.(staged); ok {
+			f(s)
+		}
+	}
 }
 
 func (a *Agent) do(op plan.Op) error {

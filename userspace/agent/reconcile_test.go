@@ -1,15 +1,21 @@
 package agent
 
 import (
+	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"maps"
+	"net"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"reflect"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/config"
@@ -144,4 +150,122 @@ func TestReconcileRollsBack(t *testing.T) {
 			}
 		}
 	})
+}
+
+// runAgent runs an agent without XDP on the config at path until the test ends,
+// and returns it once it takes events.
+func runAgent(t *testing.T, path string) *Agent {
+	t.Helper()
+	a := New(Options{ConfigPath: path, NoXDP: true, Logger: slog.New(slog.DiscardHandler)})
+	ctx, cancel := context.WithCancel(context.Background())
+	runErr := make(chan error, 1)
+	// Exits when ctx is cancelled at cleanup.
+	go func() { runErr <- a.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-runErr; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
+	for deadline := time.Now().Add(10 * time.Second); !a.running.Load(); time.Sleep(10 * time.Millisecond) {
+		select {
+		case err := <-runErr:
+			t.Fatalf("Run: %v", err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("agent not running after 10s")
+		}
+	}
+	return a
+}
+
+// echoBackend serves a line echo on loopback and returns its address.
+func echoBackend(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	// Exits when ln is closed at cleanup; each copy when its client closes.
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() { defer c.Close(); io.Copy(c, c) }()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// echoConn is a connection to an echo service through a proxy.
+type echoConn struct {
+	net.Conn
+	br *bufio.Reader
+}
+
+func dialEcho(t *testing.T, addr string) *echoConn {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return &echoConn{c, bufio.NewReader(c)}
+}
+
+// ask sends a line and waits for its echo.
+func (c *echoConn) ask(line string) error {
+	c.SetDeadline(time.Now().Add(2 * time.Second))
+	if _, err := io.WriteString(c, line+"\n"); err != nil {
+		return err
+	}
+	got, err := c.br.ReadString('\n')
+	if err == nil && got != line+"\n" {
+		err = fmt.Errorf("echo: got %q; want %q", got, line)
+	}
+	return err
+}
+
+// TestRejectedReloadKeepsProxyConnections: a reload that gives a proxy service a
+// new listener (a proxy setting changed) and then fails on another service is
+// refused, and the service keeps the listener it had: its counters, and its
+// established connection past the drain timeout.
+func TestRejectedReloadKeepsProxyConnections(t *testing.T) {
+	backend, vip := echoBackend(t), freePort(t)
+	dir := t.TempDir()
+	path := filepath.Join(dir, "weir.yaml")
+	head := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(dir, "weir.sock"))
+	svcA := func(connectTimeout string) string {
+		return fmt.Sprintf("- name: a\n  vip: %s\n  data_plane: proxy\n  drain_timeout: 1s\n  proxy: {connect_timeout: %s}\n  health: {type: none}\n  backends:\n  - {address: %s}\n", vip, connectTimeout, backend)
+	}
+	// b binds an address no interface holds: its add fails after a's update.
+	svcB := fmt.Sprintf("- name: b\n  vip: 192.0.2.77:80\n  data_plane: proxy\n  health: {type: none}\n  backends:\n  - {address: %s}\n", backend)
+	if err := os.WriteFile(path, []byte(head+svcA("1s")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a := runAgent(t, path)
+	c := dialEcho(t, vip)
+	if err := c.ask("before"); err != nil {
+		t.Fatal(err)
+	}
+	before, _ := a.Status()
+
+	if err := os.WriteFile(path, []byte(head+svcA("2s")+svcB), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Reload(context.Background()); err == nil {
+		t.Fatal("reload: got no error; want b's bind to fail")
+	}
+	after, _ := a.Status()
+	if got, want := after.Services[0].Accepted, before.Services[0].Accepted; got != want {
+		t.Errorf("service a's accepted connections after a refused reload: got %d; want %d", got, want)
+	}
+	time.Sleep(1500 * time.Millisecond) // past a's drain_timeout
+	if err := c.ask("after"); err != nil {
+		t.Errorf("a's connection after a refused reload: %v; want it served", err)
+	}
 }

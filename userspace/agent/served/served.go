@@ -4,8 +4,13 @@
 // (plan.Rebuilt); replaced and removed servers finish their work in the
 // background.
 //
-// Add, Update and Remove are called from the agent's reconcile loop only; Get
-// may be called from any goroutine (status and metrics read it).
+// A change is two-phase: a server that Update replaces or Remove removes goes on
+// serving until Commit retires it, and Abort closes what the change started and
+// gives every service back the server it had, untouched (its connections and
+// counters too), so a change the agent refuses loses nothing.
+//
+// Add, Update, Remove, Commit and Abort are called from the agent's reconcile
+// loop only; Get may be called from any goroutine (status and metrics read it).
 package served
 
 import (
@@ -39,8 +44,17 @@ type Set[S Server] struct {
 	What string
 
 	services map[string]*entry[S] // loop only
+	// before is what each service the change in progress touched had when it
+	// began (a nil entry: nothing), until Commit or Abort (loop only).
+	before   map[string]held[S]
 	served   atomic.Pointer[map[string]S]
 	retiring sync.WaitGroup // servers removed or replaced, draining
+}
+
+// held is a service's server and its settings as a change found them.
+type held[S Server] struct {
+	e   *entry[S]
+	cfg config.Service
 }
 
 type entry[S Server] struct {
@@ -69,11 +83,35 @@ func (p *Set[S]) publish() {
 	p.served.Store(&m)
 }
 
+// hold remembers what name has before the change in progress first touches it.
+func (p *Set[S]) hold(name string) {
+	if _, ok := p.before[name]; ok {
+		return
+	}
+	if p.before == nil {
+		p.before = make(map[string]held[S])
+	}
+	var h held[S]
+	if e := p.services[name]; e != nil {
+		h = held[S]{e: e, cfg: e.cfg}
+	}
+	p.before[name] = h
+}
+
+// drop ends a server the change no longer serves: at once if the change
+// started it, else when the change is committed.
+func (p *Set[S]) drop(name string, e *entry[S]) {
+	if p.before[name].e != e {
+		p.retire(e)
+	}
+}
+
 // Add starts serving a service.
 func (p *Set[S]) Add(s *plan.Service) error {
 	if e, ok := p.services[s.Name()]; ok {
 		return p.Update(&plan.Service{Config: e.cfg}, s)
 	}
+	p.hold(s.Name())
 	e, err := p.start(s)
 	if err != nil {
 		return err
@@ -111,6 +149,7 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 	if !ok {
 		return p.Add(next)
 	}
+	p.hold(next.Name())
 	rebuilt := p.Rebuilt
 	if rebuilt == nil {
 		rebuilt = plan.Rebuilt
@@ -128,7 +167,7 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 	}
 	p.services[next.Name()] = fresh
 	p.publish()
-	p.retire(e)
+	p.drop(next.Name(), e)
 	return nil
 }
 
@@ -137,17 +176,49 @@ func (p *Set[S]) SetBackend(prev, next *plan.Service, _ netip.AddrPort) error {
 	return p.Update(prev, next)
 }
 
-// Remove stops a service's server; it drains in the background. Removing a
-// service the set does not serve is no error.
+// Remove stops a service's server; once the change is committed it drains in
+// the background. Removing a service the set does not serve is no error.
 func (p *Set[S]) Remove(s *plan.Service) error {
 	e, ok := p.services[s.Name()]
 	if !ok {
 		return nil
 	}
+	p.hold(s.Name())
 	delete(p.services, s.Name())
 	p.publish()
-	p.retire(e)
+	p.drop(s.Name(), e)
 	return nil
+}
+
+// Commit ends the change in progress: the servers it replaced or removed drain
+// in the background.
+func (p *Set[S]) Commit() {
+	for name, h := range p.before {
+		if h.e != nil && p.services[name] != h.e {
+			p.retire(h.e)
+		}
+	}
+	clear(p.before)
+}
+
+// Abort undoes the change in progress: the servers it started are closed (they
+// drain what they accepted), and each service it touched has the server and
+// settings it had before again. A server pushed new backends in place keeps
+// them until the caller pushes the old ones (the agent's rollback does).
+func (p *Set[S]) Abort() {
+	for name, h := range p.before {
+		if cur := p.services[name]; cur != nil && cur != h.e {
+			p.retire(cur)
+		}
+		if h.e == nil {
+			delete(p.services, name)
+			continue
+		}
+		h.e.cfg = h.cfg
+		p.services[name] = h.e
+	}
+	clear(p.before)
+	p.publish()
 }
 
 func (p *Set[S]) retire(e *entry[S]) {
@@ -157,8 +228,9 @@ func (p *Set[S]) retire(e *entry[S]) {
 }
 
 // Close stops every server, letting each drain, and waits for all of them,
-// including those retired before.
+// including those retired before. A change in progress is committed first.
 func (p *Set[S]) Close() {
+	p.Commit()
 	for _, e := range p.services {
 		e.stop()
 	}

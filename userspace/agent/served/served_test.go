@@ -107,3 +107,70 @@ func TestSet(t *testing.T) {
 		}
 	}
 }
+
+// TestSetAbort: a replaced or removed server serves on until Commit retires it;
+// Abort closes what the change started and gives each service its server back.
+func TestSetAbort(t *testing.T) {
+	var started []*server
+	s := &Set[*server]{
+		Start: func(p *plan.Service) (*server, error) {
+			srv := &server{name: p.Name()}
+			started = append(started, srv)
+			return srv, nil
+		},
+		Push: func(*server, *plan.Service) error { return nil },
+		Log:  slog.New(slog.DiscardHandler),
+		What: "test",
+	}
+	defer s.Close()
+	for _, name := range []string{"a", "b"} {
+		if err := s.Add(svc(name, config.AlgorithmRoundRobin)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s.Commit()
+	a, _ := s.Get("a")
+	b, _ := s.Get("b")
+	change := func() {
+		t.Helper()
+		for _, err := range []error{s.Update(nil, svc("a", config.AlgorithmEWMA)), s.Update(nil, svc("a", config.AlgorithmP2C)),
+			s.Remove(svc("b", config.AlgorithmRoundRobin)), s.Add(svc("c", config.AlgorithmRoundRobin))} {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	change()
+	s.Abort()
+	if got, _ := s.Get("a"); got != a {
+		t.Errorf("a after Abort: got server %p; want the one it had, %p", got, a)
+	}
+	if got, _ := s.Get("b"); got != b {
+		t.Errorf("b after Abort: got server %p; want the one it had, %p", got, b)
+	}
+	if _, ok := s.Get("c"); ok {
+		t.Errorf("c after Abort: served; want gone")
+	}
+	waitStopped := func(srv *server, want bool) {
+		t.Helper()
+		for deadline := time.Now().Add(time.Second); srv.stopped.Load() != want && time.Now().Before(deadline); {
+			time.Sleep(time.Millisecond)
+		}
+		if srv.stopped.Load() != want {
+			t.Errorf("server %s (%p): stopped %t; want %t", srv.name, srv, !want, want)
+		}
+	}
+	for _, srv := range started[2:] {
+		waitStopped(srv, true)
+	}
+	waitStopped(a, false)
+	waitStopped(b, false)
+
+	change()
+	s.Commit()
+	waitStopped(a, true)
+	waitStopped(b, true)
+	if got, _ := s.Get("a"); got != started[len(started)-2] {
+		t.Errorf("a after Commit: got %p; want the last server started for it", got)
+	}
+}
