@@ -57,6 +57,11 @@ type planEvent struct {
 // it, maxMove a budget in percent of each service's new flows (nil: none) that the
 // answer's OverBudget is checked against. Nothing is applied.
 func (a *Agent) Plan(ctx context.Context, data []byte, name string, maxMove *float64) (api.Plan, error) {
+	if maxMove != nil {
+		if err := checkMaxMove(*maxMove); err != nil {
+			return api.Plan{}, fmt.Errorf("plan: %w", err)
+		}
+	}
 	var out api.Plan
 	reply := make(chan error, 1)
 	if err := a.request(ctx, planEvent{data: data, name: name, maxMove: maxMove, out: &out, reply: reply}, reply); err != nil {
@@ -69,12 +74,23 @@ func (a *Agent) Plan(ctx context.Context, data []byte, name string, maxMove *flo
 // running config stays in force, if it would move more than maxMove percent of any
 // service's new flows (see api.ServicePlan.Moved).
 func (a *Agent) ReloadWithin(ctx context.Context, maxMove float64) error {
+	if err := checkMaxMove(maxMove); err != nil {
+		return fmt.Errorf("reload: %w", err)
+	}
 	reply := make(chan error, 1)
 	if err := a.request(ctx, reloadEvent{reply: reply, maxMove: &maxMove}, reply); err != nil {
 		if errors.Is(err, ErrNotRunning) {
 			return fmt.Errorf("reload: %w", err)
 		}
 		return err
+	}
+	return nil
+}
+
+// checkMaxMove refuses a budget that is no percentage (NaN too).
+func checkMaxMove(pct float64) error {
+	if !(pct >= 0 && pct <= 100) {
+		return fmt.Errorf("max_move: must be a percentage 0..100, got %g: %w", pct, ErrBadRequest)
 	}
 	return nil
 }

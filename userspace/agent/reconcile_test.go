@@ -269,3 +269,28 @@ func TestRejectedReloadKeepsProxyConnections(t *testing.T) {
 		t.Errorf("a's connection after a refused reload: %v; want it served", err)
 	}
 }
+
+// TestMaxMoveOutOfRange: a budget that is no percentage is a bad request, for a
+// reload and a plan alike (the admin API answers 400), not a change over budget.
+func TestMaxMoveOutOfRange(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "weir.yaml")
+	cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(dir, "weir.sock")) +
+		fmt.Sprintf("- name: a\n  vip: %s\n  data_plane: proxy\n  health: {type: none}\n  backends:\n  - {address: %s}\n", freePort(t), echoBackend(t))
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a := runAgent(t, path)
+	ctx := context.Background()
+	for _, pct := range []float64{-5, 100.5} {
+		if err := a.ReloadWithin(ctx, pct); !errors.Is(err, ErrBadRequest) {
+			t.Errorf("reload with max_move %g: got %v; want a bad request", pct, err)
+		}
+		if _, err := a.Plan(ctx, nil, "", &pct); !errors.Is(err, ErrBadRequest) {
+			t.Errorf("plan with max_move %g: got %v; want a bad request", pct, err)
+		}
+	}
+	if err := a.ReloadWithin(ctx, 0); err != nil {
+		t.Errorf("reload of the same config with max_move 0: %v; want it applied", err)
+	}
+}
