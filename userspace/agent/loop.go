@@ -282,6 +282,9 @@ func (a *Agent) applyConfig(st *state, cfg *config.Config, maxMove *float64) err
 	if err := a.withinBudget(st.running, next, maxMove); err != nil {
 		return err
 	}
+	if err := a.http.ReadCertificates(next); err != nil {
+		return err
+	}
 	if err := a.reconcile(st.running, next); err != nil {
 		return err
 	}

@@ -17,6 +17,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"os"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -37,16 +39,106 @@ type Plane struct {
 	observe RequestObserver
 	// Set serves Add, Update, SetBackend, Remove and Close.
 	served.Set[*httplb.Service]
+
+	// certs are the certificates the services' servers hand out, by service
+	// name (loop only; the servers read the pointers).
+	certs map[string]*atomic.Pointer[tls.Certificate]
+	// certsBefore are the certificates the change in progress replaced, until
+	// Commit or Abort.
+	certsBefore map[string]*tls.Certificate
 }
 
 // New returns an http plane that reports what its requests see to checker, and
 // every finished request to observe (nil: nobody).
 func New(checker *health.Checker, log *slog.Logger, observe RequestObserver) *Plane {
-	p := &Plane{checker: checker, log: log, observe: observe}
+	p := &Plane{checker: checker, log: log, observe: observe,
+		certs: map[string]*atomic.Pointer[tls.Certificate]{}, certsBefore: map[string]*tls.Certificate{}}
 	p.Set = served.Set[*httplb.Service]{Start: p.start, Push: func(lb *httplb.Service, s *plan.Service) error {
 		return lb.Reconfigure(p.lbConfig(&s.Config), backends(s))
 	}, Rebuilt: rebuilt, Log: log, What: "http plane"}
 	return p
+}
+
+// ReadCertificates reads the certificate and key files of every TLS service of d
+// the plane serves now, so a reload serves renewed files at the same paths (a
+// new or rebuilt service reads its own when it starts). If a pair does not
+// load, it changes nothing and says which; else the certificates are served at
+// once, and Abort puts the ones before back.
+func (p *Plane) ReadCertificates(d plan.Desired) error {
+	read := map[string]*tls.Certificate{}
+	var errs []error
+	for i := range d.Services {
+		s := &d.Services[i]
+		if s.Plane != plan.HTTP || s.Config.HTTP.TLSCert == "" || p.certs[s.Name()] == nil {
+			continue
+		}
+		cert, err := readCert(s)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		read[s.Name()] = cert
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	for name, cert := range read {
+		p.setCert(name, cert)
+	}
+	return nil
+}
+
+// readCert reads s's certificate and key files.
+func readCert(s *plan.Service) (*tls.Certificate, error) {
+	h := s.Config.HTTP
+	certPEM, err := os.ReadFile(h.TLSCert)
+	if err != nil {
+		return nil, fmt.Errorf("service %q: http.tls.cert: %w", s.Name(), err)
+	}
+	keyPEM, err := os.ReadFile(h.TLSKey)
+	if err != nil {
+		return nil, fmt.Errorf("service %q: http.tls.key: %w", s.Name(), err)
+	}
+	cert, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		return nil, fmt.Errorf("service %q: http.tls: %s and %s: %w", s.Name(), h.TLSCert, h.TLSKey, err)
+	}
+	return &cert, nil
+}
+
+// setCert makes cert the one the named service's servers hand out.
+func (p *Plane) setCert(name string, cert *tls.Certificate) {
+	ptr := p.certs[name]
+	if ptr == nil {
+		ptr = new(atomic.Pointer[tls.Certificate])
+		p.certs[name] = ptr
+	}
+	if _, ok := p.certsBefore[name]; !ok {
+		p.certsBefore[name] = ptr.Load()
+	}
+	ptr.Store(cert)
+}
+
+// Commit ends the change in progress (see served.Set.Commit): the certificates
+// it read stay.
+func (p *Plane) Commit() {
+	p.Set.Commit()
+	clear(p.certsBefore)
+	for name := range p.certs {
+		if _, ok := p.Get(name); !ok {
+			delete(p.certs, name)
+		}
+	}
+}
+
+// Abort undoes the change in progress (see served.Set.Abort), the certificates
+// it read too.
+func (p *Plane) Abort() {
+	for name, c := range p.certsBefore {
+		p.certs[name].Store(c)
+	}
+	clear(p.certsBefore)
+	p.Set.Abort()
 }
 
 // Snapshot returns the named service's counters.
@@ -61,12 +153,15 @@ func (p *Plane) Snapshot(name string) (httplb.Snapshot, bool) {
 // start binds a service's listener with its backends; the set starts serving.
 func (p *Plane) start(s *plan.Service) (*httplb.Service, error) {
 	cfg := p.lbConfig(&s.Config)
-	if h := s.Config.HTTP; h.TLSCert != "" {
-		cert, err := tls.LoadX509KeyPair(h.TLSCert, h.TLSKey)
+	if s.Config.HTTP.TLSCert != "" {
+		c, err := readCert(s)
 		if err != nil {
-			return nil, fmt.Errorf("service %q: http.tls: %w", s.Name(), err)
+			return nil, err
 		}
-		cfg.TLS = &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12}
+		p.setCert(s.Name(), c)
+		cert := p.certs[s.Name()]
+		cfg.TLS = &tls.Config{NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12,
+			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return cert.Load(), nil }}
 	}
 	lb, err := httplb.Listen(cfg, backends(s))
 	if errors.Is(err, syscall.EADDRNOTAVAIL) {
@@ -103,7 +198,7 @@ func (p *Plane) lbConfig(s *config.Service) httplb.Config {
 }
 
 // lbConfig translates a service's settings for httplb (TLS aside: its
-// certificate is loaded when the service starts).
+// certificate is read when the service starts and at every reload).
 func lbConfig(s *config.Service, obs httplb.Observer, log *slog.Logger) httplb.Config {
 	h := s.HTTP
 	c := httplb.Config{
