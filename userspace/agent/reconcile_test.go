@@ -230,11 +230,13 @@ func (c *echoConn) ask(line string) error {
 	return err
 }
 
-// TestRejectedReloadKeepsProxyConnections: a reload that gives a proxy service a
-// new listener (a proxy setting changed) and then fails on another service is
+// TestReloadKeepsProxyConnections: a reload that gives a proxy service a new
+// listener (a proxy setting changed) and then fails on another service is
 // refused, and the service keeps the listener it had: its counters, and its
-// established connection past the drain timeout.
-func TestRejectedReloadKeepsProxyConnections(t *testing.T) {
+// established connection past the drain timeout. When such a reload succeeds,
+// status and weir plan go on counting the connection the old listener serves
+// as it drains.
+func TestReloadKeepsProxyConnections(t *testing.T) {
 	backend, vip := echoBackend(t), freePort(t)
 	dir := t.TempDir()
 	path := filepath.Join(dir, "weir.yaml")
@@ -267,6 +269,24 @@ func TestRejectedReloadKeepsProxyConnections(t *testing.T) {
 	time.Sleep(1500 * time.Millisecond) // past a's drain_timeout
 	if err := c.ask("after"); err != nil {
 		t.Errorf("a's connection after a refused reload: %v; want it served", err)
+	}
+
+	if err := os.WriteFile(path, []byte(head+svcA("2s")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	st, _ := a.Status()
+	pl, err := a.Plan(context.Background(), nil, "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, planned := st.Services[0].Connections, pl.Services[0].Flows[0].Flows; got != 1 || planned != 1 {
+		t.Errorf("a's connections while its old listener drains: status %d, weir plan %d; want 1", got, planned)
+	}
+	if err := c.ask("drained"); err != nil {
+		t.Errorf("a's connection on the old listener: %v; want it served until drain_timeout", err)
 	}
 }
 

@@ -18,6 +18,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"slices"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -141,13 +142,34 @@ func (p *Plane) Abort() {
 	p.Set.Abort()
 }
 
-// Snapshot returns the named service's counters.
+// Snapshot returns the named service's counters. The client connections and
+// requests that servers it had before (replaced by a reload) still serve as
+// they drain are counted in its open ones, per backend too.
 func (p *Plane) Snapshot(name string) (httplb.Snapshot, bool) {
 	lb, ok := p.Get(name)
 	if !ok {
 		return httplb.Snapshot{}, false
 	}
-	return lb.Snapshot(), true
+	snap := lb.Snapshot()
+	for _, old := range p.Draining(name) {
+		was := old.Snapshot()
+		snap.Connections += was.Connections
+		snap.InFlight += was.InFlight
+		snap.Tunnels += was.Tunnels
+		for _, ob := range was.Backends {
+			if ob.InFlight == 0 && ob.Tunnels == 0 {
+				continue
+			}
+			i := slices.IndexFunc(snap.Backends, func(b httplb.BackendSnapshot) bool { return b.Addr == ob.Addr })
+			if i < 0 {
+				snap.Backends = append(snap.Backends, httplb.BackendSnapshot{Addr: ob.Addr})
+				i = len(snap.Backends) - 1
+			}
+			snap.Backends[i].InFlight += ob.InFlight
+			snap.Backends[i].Tunnels += ob.Tunnels
+		}
+	}
+	return snap, true
 }
 
 // start binds a service's listener with its backends; the set starts serving.

@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"slices"
 	"syscall"
 	"time"
 
@@ -49,13 +50,31 @@ func New(checker *health.Checker, log *slog.Logger) *Plane {
 	return p
 }
 
-// Snapshot returns the named service's connection counters.
+// Snapshot returns the named service's connection counters. The connections
+// that listeners it had before (replaced by a reload) still serve as they drain
+// are counted in its active ones, per backend too.
 func (p *Plane) Snapshot(name string) (proxy.Snapshot, bool) {
 	px, ok := p.Get(name)
 	if !ok {
 		return proxy.Snapshot{}, false
 	}
-	return px.Snapshot(), true
+	snap := px.Snapshot()
+	for _, old := range p.Draining(name) {
+		was := old.Snapshot()
+		snap.Active += was.Active
+		for _, ob := range was.Backends {
+			if ob.Active == 0 {
+				continue
+			}
+			i := slices.IndexFunc(snap.Backends, func(b proxy.BackendSnapshot) bool { return b.Addr == ob.Addr })
+			if i < 0 {
+				snap.Backends = append(snap.Backends, proxy.BackendSnapshot{Addr: ob.Addr})
+				i = len(snap.Backends) - 1
+			}
+			snap.Backends[i].Active += ob.Active
+		}
+	}
+	return snap, true
 }
 
 // start binds a service's listener and sets its backends; the set starts

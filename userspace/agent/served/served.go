@@ -17,6 +17,7 @@ import (
 	"context"
 	"log/slog"
 	"net/netip"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -49,6 +50,9 @@ type Set[S Server] struct {
 	before   map[string]held[S]
 	served   atomic.Pointer[map[string]S]
 	retiring sync.WaitGroup // servers removed or replaced, draining
+
+	mu       sync.Mutex
+	draining map[string][]S // the servers retiring waits for, by service name
 }
 
 // held is a service's server and its settings as a change found them.
@@ -62,6 +66,14 @@ type entry[S Server] struct {
 	srv  S
 	stop context.CancelFunc
 	done chan struct{} // closed when Serve has returned
+}
+
+// Draining returns the named service's servers that were replaced or removed
+// and still finish their work (connections, requests).
+func (p *Set[S]) Draining(name string) []S {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.draining[name])
 }
 
 // Get returns the named service's server.
@@ -223,8 +235,23 @@ func (p *Set[S]) Abort() {
 
 func (p *Set[S]) retire(e *entry[S]) {
 	e.stop()
+	name := e.cfg.Name
+	p.mu.Lock()
+	if p.draining == nil {
+		p.draining = make(map[string][]S)
+	}
+	p.draining[name] = append(p.draining[name], e.srv)
+	p.mu.Unlock()
 	// Exits when the old server has drained; Close waits for it.
-	p.retiring.Go(func() { <-e.done })
+	p.retiring.Go(func() {
+		<-e.done
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		p.draining[name] = slices.DeleteFunc(p.draining[name], func(s S) bool { return any(s) == any(e.srv) })
+		if len(p.draining[name]) == 0 {
+			delete(p.draining, name)
+		}
+	})
 }
 
 // Close stops every server, letting each drain, and waits for all of them,

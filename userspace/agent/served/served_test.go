@@ -33,8 +33,9 @@ func svc(name string, algo config.Algorithm) *plan.Service {
 }
 
 // TestSet: a change plan.Rebuilt (or the set's own rule) calls for gets a new
-// server while the old one drains; any other is pushed to the running one;
-// Remove and Close stop what they should, and Close waits for every drain.
+// server while the old one drains (and Draining shows it); any other is pushed
+// to the running one; Remove and Close stop what they should, and Close waits
+// for every drain.
 func TestSet(t *testing.T) {
 	var started []*server
 	failNext := false
@@ -70,6 +71,11 @@ func TestSet(t *testing.T) {
 	if second == first || len(started) != 2 {
 		t.Fatalf("rebuild: got the same server; want a new one")
 	}
+	// Committed, the old one drains, and is seen draining until it is done.
+	s.Commit()
+	if d := s.Draining("a"); len(d) != 1 || d[0] != first {
+		t.Errorf("draining after the rebuild: got %v; want the first server", d)
+	}
 	// A set with its own rule keeps the server for the same change.
 	s.Rebuilt = func(a, b *config.Service) bool { return a.Name != b.Name }
 	if err := s.Update(nil, svc("a", config.AlgorithmRoundRobin)); err != nil {
@@ -101,6 +107,9 @@ func TestSet(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.Close()
+	if d := s.Draining("a"); len(d) != 0 {
+		t.Errorf("draining after Close: got %v; want none", d)
+	}
 	for _, srv := range started {
 		if !srv.stopped.Load() {
 			t.Errorf("server %s still running after Close; want every one drained", srv.name)
