@@ -218,21 +218,27 @@ const (
 )
 
 // NewDataPlane says whether next needs a new data plane for prev's service rather
-// than an update of the one it has: a placement change, or one rebuilt names
-// (Rebuilt; the http plane's own, which applies more in place). It returns why, in
-// operator words ("" when not).
+// than an update of the one it has: a placement change, a new XDP entry (a new VIP
+// or protocol; any other change updates the entry in place), or a change rebuilt
+// names on a plane that listens (Rebuilt; the http plane's own, which applies more
+// in place). It returns why, in operator words ("" when not).
 func NewDataPlane(prev, next *Service, rebuilt func(a, b *config.Service) bool) string {
 	switch {
 	case prev == nil || next == nil:
 		return ""
 	case prev.Plane != next.Plane:
 		return "moves from " + string(prev.Plane) + " to " + string(next.Plane) + ": " + next.Why
+	case next.Plane == XDP:
+		if prev.Config.VIP != next.Config.VIP || prev.Config.Protocol != next.Config.Protocol {
+			return "a new entry in the XDP program: its vip or protocol changed"
+		}
+		return ""
 	case !rebuilt(&prev.Config, &next.Config):
 		return ""
 	case next.Plane == HTTP:
 		return "a new listener on http: its vip, http.listen, TLS certificate, drain_timeout, connect, idle or read-header timeout or header size limit changed"
 	}
-	return "built anew on " + string(next.Plane) + ": its vip, protocol, data_plane, mode, algorithm, drain_timeout or proxy settings changed"
+	return "a new listener on " + string(next.Plane) + ": its vip, protocol, data_plane, mode, algorithm, drain_timeout or proxy settings changed"
 }
 
 // FlowFates says what going from prev to next (nil: the service is removed) does to

@@ -124,28 +124,32 @@ func TestFlowFates(t *testing.T) {
 		plane Plane
 		edit  func(cs *config.Service, in *Input) // nil: the service is removed
 		want  string                              // fates of A, B, C
+		new   string                              // NewDataPlane's start
 	}{
-		{"unchanged", XDP, func(*config.Service, *Input) {}, "stay stay stay"},
-		{"C removed: it drains", XDP, func(cs *config.Service, _ *Input) { cs.Backends = cs.Backends[:2] }, "stay stay drain"},
+		{"unchanged", XDP, func(*config.Service, *Input) {}, "stay stay stay", ""},
+		{"C removed: it drains", XDP, func(cs *config.Service, _ *Input) { cs.Backends = cs.Backends[:2] }, "stay stay drain", ""},
 		{"C drained", XDP, func(_ *config.Service, in *Input) {
 			in.Overrides[ID("web", addrC)] = Override{Drain: true, SetDrain: true}
-		}, "stay stay drain"},
-		{"C weight 0", XDP, func(cs *config.Service, _ *Input) { cs.Backends[2].Weight = 0 }, "stay stay drain"},
-		{"C down: reset", XDP, func(_ *config.Service, in *Input) { in.Health[ID("web", addrC)] = down }, "stay stay reset"},
-		{"service removed", XDP, nil, "reset reset reset"},
-		{"mode nat to dsr: another connection table", XDP, func(cs *config.Service, _ *Input) { cs.Mode = config.ModeDSR }, "reset reset reset"},
-		{"vip changed", XDP, func(cs *config.Service, _ *Input) { cs.VIP = vip2 }, "reset reset reset"},
-		{"moved to the proxy", XDP, func(_ *config.Service, in *Input) { in.Placement["web"] = Placement{Plane: Proxy} }, "reset reset reset"},
+		}, "stay stay drain", ""},
+		{"C weight 0", XDP, func(cs *config.Service, _ *Input) { cs.Backends[2].Weight = 0 }, "stay stay drain", ""},
+		{"C down: reset", XDP, func(_ *config.Service, in *Input) { in.Health[ID("web", addrC)] = down }, "stay stay reset", ""},
+		{"service removed", XDP, nil, "reset reset reset", ""},
+		{"mode nat to dsr: another connection table", XDP, func(cs *config.Service, _ *Input) { cs.Mode = config.ModeDSR }, "reset reset reset", ""},
+		{"vip changed", XDP, func(cs *config.Service, _ *Input) { cs.VIP = vip2 }, "reset reset reset", "a new entry in the XDP program"},
+		// Settings XDP does not use: the entry is updated in place.
+		{"drain_timeout changed", XDP, func(cs *config.Service, _ *Input) { cs.DrainTimeout = time.Hour }, "stay stay stay", ""},
+		{"proxy setting changed", XDP, func(cs *config.Service, _ *Input) { cs.Proxy.ConnectTimeout = 9 * time.Second }, "stay stay stay", ""},
+		{"moved to the proxy", XDP, func(_ *config.Service, in *Input) { in.Placement["web"] = Placement{Plane: Proxy} }, "reset reset reset", "moves from xdp to proxy"},
 		{"all_down pass takes it out", XDP, func(cs *config.Service, in *Input) {
 			cs.AllDown = config.AllDownPass
 			for _, a := range []netip.AddrPort{addrA, addrB, addrC} {
 				in.Health[ID("web", a)] = down
 			}
-		}, "reset reset reset"},
-		{"proxy: C removed drains", Proxy, func(cs *config.Service, _ *Input) { cs.Backends = cs.Backends[:2] }, "stay stay drain"},
-		{"proxy: C down keeps its connections", Proxy, func(_ *config.Service, in *Input) { in.Health[ID("web", addrC)] = down }, "stay stay stay"},
-		{"proxy: rebuilt drains all", Proxy, func(cs *config.Service, _ *Input) { cs.DrainTimeout = time.Hour }, "drain drain drain"},
-		{"proxy: removed drains all", Proxy, nil, "drain drain drain"},
+		}, "reset reset reset", ""},
+		{"proxy: C removed drains", Proxy, func(cs *config.Service, _ *Input) { cs.Backends = cs.Backends[:2] }, "stay stay drain", ""},
+		{"proxy: C down keeps its connections", Proxy, func(_ *config.Service, in *Input) { in.Health[ID("web", addrC)] = down }, "stay stay stay", ""},
+		{"proxy: rebuilt drains all", Proxy, func(cs *config.Service, _ *Input) { cs.DrainTimeout = time.Hour }, "drain drain drain", "a new listener on proxy"},
+		{"proxy: removed drains all", Proxy, nil, "drain drain drain", ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -161,6 +165,9 @@ func TestFlowFates(t *testing.T) {
 			got := fmt.Sprintf("%s %s %s", fates[addrA], fates[addrB], fates[addrC])
 			if got != tt.want {
 				t.Errorf("fates of A B C: got %s; want %s", got, tt.want)
+			}
+			if nd := NewDataPlane(&prev.Services[0], next, Rebuilt); !strings.HasPrefix(nd, tt.new) || (tt.new == "") != (nd == "") {
+				t.Errorf("new data plane: %q; want %q...", nd, tt.new)
 			}
 		})
 	}
