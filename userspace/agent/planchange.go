@@ -155,19 +155,30 @@ func overBudget(s *api.ServicePlan, maxMove float64) bool {
 }
 
 // impact is what going from prev to next does to each service: the services of next
-// in config order, then those prev has and next does not.
+// in config order, then those prev has and next does not. An XDP service renamed
+// with its VIP and protocol kept is one service updated: its new name takes the
+// program's entry over in place.
 func (a *Agent) impact(prev, next plan.Desired, maxMove *float64) api.Plan {
 	out := api.Plan{MaxMove: maxMove}
 	changed := map[string]bool{}
 	for _, op := range plan.Diff(prev, next) {
 		changed[op.Service()] = true
 	}
+	renamed := map[string]bool{} // prev's names
 	for i := range next.Services {
 		n := &next.Services[i]
-		out.Services = append(out.Services, a.serviceImpact(prev.Service(n.Name()), n, changed[n.Name()]))
+		p := prev.Service(n.Name())
+		if p == nil {
+			p = renamedFrom(prev, next, n)
+		}
+		sp := a.serviceImpact(p, n, changed[n.Name()])
+		if p != nil && p.Name() != n.Name() {
+			renamed[p.Name()], sp.RenamedFrom = true, p.Name()
+		}
+		out.Services = append(out.Services, sp)
 	}
 	for i := range prev.Services {
-		if p := &prev.Services[i]; next.Service(p.Name()) == nil {
+		if p := &prev.Services[i]; next.Service(p.Name()) == nil && !renamed[p.Name()] {
 			out.Services = append(out.Services, a.serviceImpact(p, nil, true))
 		}
 	}
@@ -179,6 +190,17 @@ func (a *Agent) impact(prev, next plan.Desired, maxMove *float64) api.Plan {
 		}
 	}
 	return out
+}
+
+// renamedFrom is the service of prev, gone from next, whose XDP entry n (new in
+// next) takes over; nil if none.
+func renamedFrom(prev, next plan.Desired, n *plan.Service) *plan.Service {
+	for i := range prev.Services {
+		if p := &prev.Services[i]; next.Service(p.Name()) == nil && sameXDPEntry(p, n) {
+			return p
+		}
+	}
+	return nil
 }
 
 func (a *Agent) serviceImpact(p, n *plan.Service, changed bool) api.ServicePlan {

@@ -21,6 +21,7 @@ import (
 
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
+	"github.com/weir-lb/weir/userspace/agent/api"
 )
 
 const echoPort = 9000
@@ -452,13 +453,14 @@ services:
       - address: 10.77.0.11:9000%s
 `
 
-// TestRejectedReloadKeepsXDPFlows: a reload that renames an XDP service, or moves
-// it to another VIP, and then fails on a later service (z would keep only a
-// backend whose runtime weight is 0) is refused, and the service's established
-// flows and new connections go on as before: the rollback gives a renamed entry
-// back to its old owner, and the old VIP's entry is left alone until every write
-// that may fail has succeeded.
-func TestRejectedReloadKeepsXDPFlows(t *testing.T) {
+// TestReloadKeepsXDPFlows: a reload that renames an XDP service, or moves it to
+// another VIP, and then fails on a later service (z would keep only a backend
+// whose runtime weight is 0) is refused, and the service's established flows and
+// new connections go on as before: the rollback gives a renamed entry back to its
+// old owner, and the old VIP's entry is left alone until every write that may
+// fail has succeeded. A rename alone is planned as the in-place update it is
+// (nothing moves, no flow is reset), so --max-move 0 lets it through.
+func TestReloadKeepsXDPFlows(t *testing.T) {
 	tp := echoTopology(t, "wrr", 2)
 	dir := t.TempDir()
 	cfgPath, socket := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "weir.sock")
@@ -501,5 +503,24 @@ func TestRejectedReloadKeepsXDPFlows(t *testing.T) {
 		if _, err := echoOnce(tp, vip); err != nil {
 			t.Errorf("new connection to a after a refused reload of a %s: %v", c.what, err)
 		}
+	}
+
+	write("b", 9001, "\n      - address: 10.77.0.12:9000")
+	pl, err := p.client.Plan(ctx, nil, "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(pl.Services) != 2 {
+		t.Errorf("plan of a rename: %d services; want b and z", len(pl.Services))
+	}
+	if b := servicePlan(t, pl, "b"); b.Change != api.ChangeUpdated || b.RenamedFrom != "a" || b.NewDataPlane != "" || b.Moved != 0 || b.Reset != 0 {
+		t.Errorf("plan of a rename: b %s (renamed from %q), new data plane %q, %.0f%% moved, %d flows reset; want updated from a in place, nothing moved or reset",
+			b.Change, b.RenamedFrom, b.NewDataPlane, 100*b.Moved, b.Reset)
+	}
+	if err := p.client.ReloadWithin(ctx, 0); err != nil {
+		t.Fatalf("reload --max-move 0 of a rename: %v", err)
+	}
+	for _, s := range streams {
+		s.progress(t, "after the rename")
 	}
 }

@@ -30,6 +30,10 @@ const (
 type ServicePlan struct {
 	Service string `json:"service"`
 	Change  string `json:"change"` // added, removed, updated or unchanged
+	// RenamedFrom is the service's name now, when the change renames an XDP
+	// service and keeps its VIP and protocol: its entry in the program is updated
+	// in place, so it is planned as an update.
+	RenamedFrom string `json:"renamed_from,omitempty"`
 	// DataPlane is where the service runs now and NextDataPlane where it would
 	// (either "" when the service is added or removed).
 	DataPlane     string `json:"data_plane,omitempty"`
@@ -130,7 +134,11 @@ func (p *Plan) WriteTable(w io.Writer) {
 		if s.DataPlane == PlaneHTTP || s.DataPlane == "" && s.NextDataPlane == PlaneHTTP {
 			what = "requests"
 		}
-		fmt.Fprintf(w, "\nservice %s  %s  %s  new %s moved %s%s\n", s.Service, s.Change, planes, what, percent(s.Moved), traffic)
+		change := s.Change
+		if s.RenamedFrom != "" {
+			change += " (renamed from " + s.RenamedFrom + ")"
+		}
+		fmt.Fprintf(w, "\nservice %s  %s  %s  new %s moved %s%s\n", s.Service, change, planes, what, percent(s.Moved), traffic)
 		if s.NewDataPlane != "" {
 			fmt.Fprintf(w, "  new data plane: %s\n", s.NewDataPlane)
 		}
