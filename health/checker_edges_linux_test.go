@@ -302,31 +302,7 @@ func TestSynChecksGoOnWhileSlotsAreFull(t *testing.T) {
 	// the next rack), far within its 100 ms timeout.
 	newTunPeer(t, ns, map[uint16]time.Duration{80: 20 * time.Millisecond})
 	good := "10.77.0.2:80"
-	// Accepts and never answers: each HTTP check holds its slot until its timeout.
-	silent, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var held sync.WaitGroup
-	held.Add(1)
-	// Exits when the cleanup closes silent.
-	go func() {
-		defer held.Done()
-		var conns []net.Conn
-		defer func() {
-			for _, c := range conns {
-				c.Close()
-			}
-		}()
-		for {
-			c, err := silent.Accept()
-			if err != nil {
-				return
-			}
-			conns = append(conns, c)
-		}
-	}()
-	t.Cleanup(func() { silent.Close(); held.Wait() })
+	silent := silentServer(t)
 
 	var (
 		mu      sync.Mutex
@@ -347,7 +323,7 @@ func TestSynChecksGoOnWhileSlotsAreFull(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := range 6 {
-		if err := c.Set(Backend{ID: fmt.Sprint("silent", i), Addr: silent.Addr().String(), Service: "http"}); err != nil {
+		if err := c.Set(Backend{ID: fmt.Sprint("silent", i), Addr: silent, Service: "http"}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -384,37 +360,14 @@ func TestSynChecksGoOnWhileSlotsAreFull(t *testing.T) {
 // While every in-flight slot is held by HTTP checks that run to their
 // timeout, an ejection still ends on time.
 func TestEjectionEndsWhileSlotsAreFull(t *testing.T) {
-	silent, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var held sync.WaitGroup
-	held.Add(1)
-	// Exits when the cleanup closes silent.
-	go func() {
-		defer held.Done()
-		var conns []net.Conn
-		defer func() {
-			for _, c := range conns {
-				c.Close()
-			}
-		}()
-		for {
-			c, err := silent.Accept()
-			if err != nil {
-				return
-			}
-			conns = append(conns, c)
-		}
-	}()
-	t.Cleanup(func() { silent.Close(); held.Wait() })
+	silent := silentServer(t)
 
 	c := &Checker{MaxInFlight: 1}
 	if err := c.SetService("http", Config{Check: Check{Kind: HTTP, Interval: 1500 * time.Millisecond, Timeout: 1500 * time.Millisecond}}); err != nil {
 		t.Fatal(err)
 	}
 	for i := range 3 {
-		if err := c.Set(Backend{ID: fmt.Sprint("silent", i), Addr: silent.Addr().String(), Service: "http"}); err != nil {
+		if err := c.Set(Backend{ID: fmt.Sprint("silent", i), Addr: silent, Service: "http"}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -596,4 +549,35 @@ func TestHTTPIdle408RetriedOnNewConnection(t *testing.T) {
 	if failed > 0 || st.State != Up {
 		t.Errorf("backend answering every request with 200 (rise 2): %d of %d checks failed, state %v; want 0 failed, up", failed, len(results), st.State)
 	}
+}
+
+// silentServer accepts connections and never answers: each HTTP check of it
+// holds its in-flight slot until its timeout. It returns its address.
+func silentServer(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var held sync.WaitGroup
+	held.Add(1)
+	// Exits when the cleanup closes ln.
+	go func() {
+		defer held.Done()
+		var conns []net.Conn
+		defer func() {
+			for _, c := range conns {
+				c.Close()
+			}
+		}()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			conns = append(conns, c)
+		}
+	}()
+	t.Cleanup(func() { ln.Close(); held.Wait() })
+	return ln.Addr().String()
 }
