@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -14,6 +15,7 @@ import (
 	"net/netip"
 	"net/url"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -580,4 +582,153 @@ func silentServer(t *testing.T) string {
 	}()
 	t.Cleanup(func() { ln.Close(); held.Wait() })
 	return ln.Addr().String()
+}
+
+type closeRecorder struct {
+	net.Conn
+	closed atomic.Bool
+}
+
+func (c *closeRecorder) Close() error { c.closed.Store(true); return c.Conn.Close() }
+
+// A kept connection whose server answers 408 without Connection: close is
+// closed when the check goes again on a new one, not left to the collector.
+func TestHTTP408KeptConnClosed(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var accepted atomic.Int32
+	// Exits when ln closes; each connection's goroutine with its connection.
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			n := accepted.Add(1)
+			go func() {
+				defer conn.Close()
+				buf := make([]byte, 0, 4096)
+				tmp := make([]byte, 4096)
+				reqs := 0
+				for {
+					m, err := conn.Read(tmp)
+					if err != nil {
+						return
+					}
+					buf = append(buf, tmp[:m]...)
+					for {
+						i := bytes.Index(buf, []byte("\r\n\r\n"))
+						if i < 0 {
+							break
+						}
+						buf = buf[i+4:]
+						reqs++
+						if n == 1 && reqs == 2 {
+							// The first connection's second request: a 408 with no
+							// Connection: close (the server then keeps the socket).
+							io.WriteString(conn, "HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+							continue
+						}
+						io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+					}
+				}
+			}()
+		}
+	}()
+	var mu sync.Mutex
+	var conns []*closeRecorder
+	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		r := &closeRecorder{Conn: c}
+		mu.Lock()
+		conns = append(conns, r)
+		mu.Unlock()
+		return r, nil
+	}
+	cfg, err := Config{Check: Check{Kind: HTTP, Interval: time.Second, Timeout: time.Second}}.withDefaults()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := probe{checkRun: checkRun{addr: ln.Addr().String()}, cfg: cfg.Check, dial: dial}
+	for i := range 2 {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		err := p.runHTTP(ctx)
+		cancel()
+		if err != nil {
+			t.Fatalf("check %d: %v", i, err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(conns) != 2 {
+		t.Fatalf("dialled %d connections; want 2", len(conns))
+	}
+	kept := p.keep != nil && p.keep.conn == net.Conn(conns[1])
+	t.Logf("first connection closed: %v; second kept: %v", conns[0].closed.Load(), kept)
+	if !conns[0].closed.Load() {
+		t.Errorf("the connection that answered 408 was neither closed nor kept")
+	}
+}
+
+// Past maxInterim interim answers, or after a 101, the check fails and its
+// connection is not kept: the answer that may follow is unread, and the next
+// check would take it for its own.
+func TestHTTPInterimPastLimitNotKept(t *testing.T) {
+	for _, tc := range []struct {
+		name, head string
+	}{
+		{"six 103s", strings.Repeat("HTTP/1.1 103 Early Hints\r\n\r\n", maxInterim+1)},
+		{"101", "HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			// Exits when ln closes; the connection's goroutine with it.
+			go func() {
+				for {
+					conn, err := ln.Accept()
+					if err != nil {
+						return
+					}
+					go func() {
+						defer conn.Close()
+						buf := make([]byte, 4096)
+						if _, err := conn.Read(buf); err != nil {
+							return
+						}
+						io.WriteString(conn, tc.head)
+						// The answer comes later, so the checker has read
+						// all there was when it decides on the connection.
+						time.Sleep(100 * time.Millisecond)
+						io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+						conn.Read(buf) // until the checker closes
+					}()
+				}
+			}()
+			cfg, err := Config{Check: Check{Kind: HTTP, Interval: time.Second, Timeout: time.Second}}.withDefaults()
+			if err != nil {
+				t.Fatal(err)
+			}
+			p := probe{checkRun: checkRun{addr: ln.Addr().String()}, cfg: cfg.Check, dial: (&net.Dialer{}).DialContext}
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			defer cancel()
+			err = p.runHTTP(ctx)
+			if !errors.Is(err, ErrStatus) {
+				t.Errorf("check: %v; want a status error", err)
+			}
+			if p.keep != nil {
+				p.keep.conn.Close()
+				t.Errorf("the connection was kept with an answer unread")
+			}
+		})
+	}
 }

@@ -121,6 +121,10 @@ func (p *probe) runHTTP(ctx context.Context) error {
 			// Some servers close an idle connection with a 408 of their own
 			// (Google's front ends do), which the request then reads: the
 			// connection was closed while idle, as Go's transport takes it.
+			if p.keep == k {
+				p.keep = nil
+				k.conn.Close()
+			}
 		case err == nil || errors.Is(err, ErrStatus) || errors.Is(err, ErrBody) || errors.Is(err, errHeaderTooLarge) ||
 			errors.As(err, &te) || ctx.Err() != nil:
 			return err // an answer, or no time left for a second try
@@ -196,8 +200,14 @@ func (p *probe) http(ctx context.Context, k *keptConn) (reuse bool, err error) {
 		}
 		// Interim answers (103 Early Hints, 100 Continue) come before the
 		// answer (RFC 9110 15.2); as many as net/http's client reads.
-		if resp.StatusCode >= 200 || resp.StatusCode < 100 || resp.StatusCode == http.StatusSwitchingProtocols || interim == maxInterim {
+		if resp.StatusCode >= 200 || resp.StatusCode < 100 {
 			break
+		}
+		if resp.StatusCode == http.StatusSwitchingProtocols || interim == maxInterim {
+			// No answer of HTTP's follows a 101, and past the interim
+			// answers allowed the rest is not read: the connection is not
+			// kept, or the next check would read this one's answer.
+			return false, &statusError{code: resp.StatusCode}
 		}
 	}
 	defer resp.Body.Close()

@@ -501,12 +501,11 @@ func (ss *fsess) headers(f *hblock) error {
 		return ss.protocolError("HEADERS on a stream the client cannot open")
 	}
 	ss.maxID = id
-	if ss.away || ss.closed {
+	if ss.away || ss.closed || len(ss.streams) >= maxClientStreams {
 		ss.fr.WriteRSTStream(id, http2.ErrCodeRefusedStream)
-		return nil
-	}
-	if len(ss.streams) >= maxClientStreams {
-		ss.fr.WriteRSTStream(id, http2.ErrCodeRefusedStream)
+		if !f.end {
+			ss.noteCutShort(id) // its body and trailers may be on their way
+		}
 		return nil
 	}
 	s := ss.s
@@ -834,13 +833,13 @@ func (st *fstream) answer(status int, msg string, noBackend bool) {
 			"status", status, "tries", st.tries, "duration", time.Since(st.start), "err", st.fail.err)
 	}
 	s.stats.requests.Add(1)
+	st.own = true // counted here, and there is no backend to settle with
 	if head {
 		st.delivered()
 		return
 	}
 	// The message goes as a backend's body does, within the client's windows:
 	// past them, the client would fail the whole connection.
-	st.own = true
 	st.held, st.trailers = nil, nil // nothing of a failed try's answer goes out
 	st.respQ, st.respEnd = [][]byte{[]byte(msg + "\n")}, true
 	st.flushResp()

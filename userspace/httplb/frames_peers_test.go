@@ -18,6 +18,7 @@ import (
 	"golang.org/x/net/http2/hpack"
 
 	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // A client's stream that weir must reset for the client's fault (here a
@@ -565,6 +566,106 @@ func TestStalledHeaderBlockTimesOut(t *testing.T) {
 				t.Errorf("closed after %v; want the header timeout (300ms) first", d)
 			}
 			return
+		}
+	}
+}
+
+// fieldBlock encodes name, value pairs with enc into a header block of its own.
+func fieldBlock(enc *hpack.Encoder, buf *bytes.Buffer, fields ...string) []byte {
+	buf.Reset()
+	for i := 0; i+1 < len(fields); i += 2 {
+		enc.WriteField(hpack.HeaderField{Name: fields[i], Value: fields[i+1]})
+	}
+	return bytes.Clone(buf.Bytes())
+}
+
+// weir's own answer to a HEAD request (no usable backend; a backend that
+// refuses connections, answered from the backend connection's goroutine) is
+// its headers alone, and the connection goes on.
+func TestOwnAnswerToHEAD(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		usable bool
+	}{
+		{"no usable backend", false},
+		{"backend refuses connections", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			panics := enginePanics.Load()
+			s := serveOn(t, Config{}, []Backend{{Addr: netip.MustParseAddrPort("127.0.0.1:1"), Weight: 1, Usable: tc.usable}})
+			addr := s.Addr().String()
+			conn, fr := h2Conn(t, addr)
+			defer conn.Close()
+			var buf bytes.Buffer
+			enc := hpack.NewEncoder(&buf)
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, EndHeaders: true, EndStream: true,
+				BlockFragment: fieldBlock(enc, &buf, ":method", "HEAD", ":scheme", "http", ":authority", addr, ":path", "/")})
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, EndHeaders: true, EndStream: true,
+				BlockFragment: fieldBlock(enc, &buf, ":method", "GET", ":scheme", "http", ":authority", addr, ":path", "/")})
+			conn.SetDeadline(time.Now().Add(5 * time.Second))
+			head, get := false, false
+			for !head || !get {
+				f, err := fr.ReadFrame()
+				if err != nil {
+					t.Fatalf("read: %v (HEAD answered %v, GET answered %v)", err, head, get)
+				}
+				switch f := f.(type) {
+				case *http2.HeadersFrame:
+					head = head || f.StreamID == 1 && f.StreamEnded()
+				case *http2.DataFrame:
+					if f.StreamID == 1 {
+						t.Errorf("DATA on the HEAD's stream: %q", f.Data())
+					}
+					get = get || f.StreamID == 3 && f.StreamEnded()
+				}
+			}
+			if n := enginePanics.Load() - panics; n != 0 {
+				t.Errorf("%d connections ended by a panic", n)
+			}
+		})
+	}
+}
+
+// A request weir refuses (REFUSED_STREAM, here after its GOAWAY) whose body
+// and trailers were already on their way: they are ignored, and the streams
+// the GOAWAY let finish are answered.
+func TestTrailersOnRefusedStreamIgnored(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	bs[0].Delay.Store(int64(300 * time.Millisecond))
+	sv := serveStoppable(t, Config{}, backendSet(bs))
+	addr := sv.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	defer conn.Close()
+	var buf bytes.Buffer
+	enc := hpack.NewEncoder(&buf)
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, EndHeaders: true, EndStream: true,
+		BlockFragment: fieldBlock(enc, &buf, ":method", "GET", ":scheme", "http", ":authority", addr, ":path", "/")})
+	// Stream 1 is open (its answer 300 ms away) when the shutdown's GOAWAY goes.
+	if !waitfor.Cond(5*time.Second, func() bool { return sv.stats.inflight.Load() > 0 }) {
+		t.Fatal("stream 1 not open after 5s")
+	}
+	sv.stop()
+	conn.SetDeadline(time.Now().Add(5 * time.Second))
+	answered, refused := false, false
+	for !answered || !refused {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read: %v; want stream 1 answered (%v), stream 3 refused (%v)", err, answered, refused)
+		}
+		switch f := f.(type) {
+		case *http2.RSTStreamFrame:
+			refused = refused || f.StreamID == 3 && f.ErrCode == http2.ErrCodeRefusedStream
+		case *http2.GoAwayFrame:
+			if f.ErrCode != http2.ErrCodeNo {
+				t.Fatalf("GOAWAY %v %q; want the shutdown's only", f.ErrCode, f.DebugData())
+			}
+			// A client that had not read it yet sends a whole upload.
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, EndHeaders: true,
+				BlockFragment: fieldBlock(enc, &buf, ":method", "POST", ":scheme", "http", ":authority", addr, ":path", "/")})
+			fr.WriteData(3, false, []byte("hello"))
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, EndHeaders: true, EndStream: true, BlockFragment: fieldBlock(enc, &buf, "x-trailer", "1")})
+		case *http2.DataFrame:
+			answered = answered || f.StreamID == 1 && f.StreamEnded()
 		}
 	}
 }
