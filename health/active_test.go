@@ -176,6 +176,22 @@ func TestChangesCarryReasonAndTime(t *testing.T) {
 	}
 }
 
+// A backend's own initial state is an active verdict: up, down or unknown.
+func TestBackendInitialMustBeVerdict(t *testing.T) {
+	c := &Checker{}
+	if err := c.SetService("web", Config{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, st := range []State{Ejected, State(99)} {
+		if err := c.Set(Backend{ID: "127.0.0.1:1", Service: "web", Initial: &st}); !errors.Is(err, ErrInvalidBackend) {
+			t.Errorf("initial %v: %v; want ErrInvalidBackend", st, err)
+		}
+	}
+	if _, ok := c.Status("127.0.0.1:1"); ok {
+		t.Errorf("a backend refused for its initial state was added")
+	}
+}
+
 // TestBackendInitialOverridesService: a backend's own initial state wins over its
 // service's, only when it is first added, and the usual rise/fall apply from it.
 func TestBackendInitialOverridesService(t *testing.T) {

@@ -245,6 +245,13 @@ func (c *Checker) Set(nb Backend) error {
 	if _, _, err := net.SplitHostPort(nb.Addr); err != nil {
 		return fmt.Errorf("set backend %q: address: %w: %w", nb.ID, err, ErrInvalidBackend)
 	}
+	if nb.Initial != nil {
+		switch *nb.Initial {
+		case Unknown, Up, Down:
+		default: // an active check's verdict is one of these; Ejected is passive
+			return fmt.Errorf("set backend %q: initial must be up, down or unknown, got %v: %w", nb.ID, *nb.Initial, ErrInvalidBackend)
+		}
+	}
 	now := c.now()
 	c.mu.Lock()
 	defer c.mu.Unlock()

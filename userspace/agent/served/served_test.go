@@ -172,8 +172,13 @@ func TestSetAbort(t *testing.T) {
 	for _, srv := range started[2:] {
 		waitStopped(srv, true)
 	}
-	waitStopped(a, false)
-	waitStopped(b, false)
+	// Abort must not stop a and b: the servers it stopped have stopped, and
+	// a and b stay up for a while longer (a stop is asynchronous).
+	for deadline := time.Now().Add(100 * time.Millisecond); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		if a.stopped.Load() || b.stopped.Load() {
+			t.Fatalf("after Abort: a stopped %t, b stopped %t; want both serving", a.stopped.Load(), b.stopped.Load())
+		}
+	}
 
 	change()
 	s.Commit()
