@@ -427,9 +427,15 @@ func TestMalformedHeadersUseTheirStreamID(t *testing.T) {
 // connection served.
 func TestContentLengthMismatchNotForwarded(t *testing.T) {
 	var mu sync.Mutex
-	got := map[string]int{} // path: body bytes the backend got
+	got := map[string]int{} // path: body bytes of the whole requests the backend got
 	be, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) {
-		n, _ := io.Copy(io.Discard, r.Body)
+		// weir streams a request: its headers may reach the backend before
+		// the DATA that makes it malformed, and the backend then sees the
+		// stream reset, never the request's end.
+		n, err := io.Copy(io.Discard, r.Body)
+		if err != nil {
+			return
+		}
 		mu.Lock()
 		got[r.URL.Path] = int(n)
 		mu.Unlock()
@@ -493,7 +499,10 @@ func TestContentLengthMismatchNotForwarded(t *testing.T) {
 			t.Errorf("%s (content-length %q, %d bytes): %s; want %s", c.path, c.cl, c.body, o, want)
 		}
 		if n, seen := got[c.path]; seen && !c.ok {
-			t.Errorf("%s (content-length %q): the backend got the request, %d bytes of body; want nothing forwarded", c.path, c.cl, n)
+			t.Errorf("%s (content-length %q): the backend got the whole request, %d bytes of body; want it reset", c.path, c.cl, n)
+		}
+		if n := got[c.path]; c.ok && c.body > 0 && n != c.body {
+			t.Errorf("%s (content-length %q): the backend got %d bytes of body; want %d", c.path, c.cl, n, c.body)
 		}
 	}
 }
