@@ -99,15 +99,21 @@ func TestPausedLoopIdlesAfterAcceptError(t *testing.T) {
 	// listeners' SO_REUSEPORT hash spreads 8 clients over both loops (all on
 	// one: 1 time in 128), so both back off, and the one that does not take
 	// the single slot afterwards waits paused with its back-off's time past.
+	// The backend's sides of those connections close on goroutines of its
+	// own: a descriptor they free after the filling would let the proxy's
+	// accept through, and the loops would pause with no error.
+	waitIdle(t, a)
 	fds := fillFDs(t)
-	for range 8 {
+	for clients, tries := 0, 0; clients < 8 && tries < 16; tries++ {
 		// A descriptor for the client's own socket; the proxy's accept has none.
 		fds.free(1)
 		c, err := net.Dial("tcp", s.Addr().String())
 		if err != nil {
-			break
+			continue // something of the process's took the descriptor first
 		}
+		clients++
 		t.Cleanup(func() { c.Close() })
+		fds.fill() // any descriptor freed meanwhile
 	}
 	waitfor.Value(t, 5*time.Second, "an accept error", func() (any, bool) {
 		n := s.Snapshot().AcceptErrors
@@ -149,15 +155,30 @@ func fillFDs(t *testing.T) *fdFiller {
 	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
 		t.Fatal(err)
 	}
+	f.fill()
+	t.Cleanup(f.restore)
+	return f
+}
+
+// fill takes every descriptor the limit leaves.
+func (f *fdFiller) fill() {
 	for {
 		fd, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		if err != nil {
-			break
+			return
 		}
 		f.fds = append(f.fds, fd)
 	}
-	t.Cleanup(f.restore)
-	return f
+}
+
+// waitIdle waits until b holds no connection.
+func waitIdle(t *testing.T, b *testBackend) {
+	t.Helper()
+	waitfor.Value(t, 5*time.Second, "the backend's connections closed", func() (any, bool) {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		return len(b.conns), len(b.conns) == 0
+	})
 }
 
 // free closes n of the held descriptors.
@@ -190,6 +211,7 @@ func TestOutOfDescriptorsBlamesNoBackend(t *testing.T) {
 	rec.mu.Lock()
 	rec.got = nil
 	rec.mu.Unlock()
+	waitIdle(t, a)
 	fds := fillFDs(t)
 	fds.free(2) // the client's socket and the accepted one; the dial's socket fails
 	c, err := net.Dial("tcp", s.Addr().String())
