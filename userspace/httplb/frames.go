@@ -74,11 +74,10 @@ type fsess struct {
 	encBuf  bytes.Buffer
 	streams map[uint32]*fstream
 	maxID   uint32 // the highest stream ID the client opened
-	// cutShort holds the last streams weir closed before the client had sent
-	// the request's end, so frames still under way on them are ignored
-	// (RFC 9113 5.1) while HEADERS on any other lower ID is an error; a
-	// ring of cutShortN, made on first use.
-	cutShort []uint32
+	// cutShort holds the last streams closed before the client had sent the
+	// request's end, by weir or by the client's own RST_STREAM (see
+	// earlyClose); a ring of cutShortN, made on first use.
+	cutShort []earlyClose
 	cutNext  int
 	away     bool // GOAWAY sent: no new streams
 	closed   bool
@@ -108,12 +107,13 @@ type fstream struct {
 	retryable               bool
 	start                   time.Time
 
-	reqEnded   bool                // the client's END_STREAM came
-	reqEndSent bool                // and went to the backend
-	reqTr      []hpack.HeaderField // the request's trailers
-	reqLeft    int64               // the body's bytes its content-length has yet to see; -1: none given
-	recvWin    int64
-	credit     int64 // stream credit owed to the client
+	reqEnded      bool                // the client's END_STREAM came
+	resetByClient bool                // the client's RST_STREAM ended it
+	reqEndSent    bool                // and went to the backend
+	reqTr         []hpack.HeaderField // the request's trailers
+	reqLeft       int64               // the body's bytes its content-length has yet to see; -1: none given
+	recvWin       int64
+	credit        int64 // stream credit owed to the client
 
 	// The request's body frames not yet sent upstream; once sent, kept for a
 	// retry while replay allows.
@@ -263,14 +263,11 @@ func (ss *fsess) streamError(se http2.StreamError, hb *hblock) error {
 			return ss.protocolError("HEADERS on a stream the client cannot open")
 		}
 		if hb.id <= ss.maxID {
-			if ss.wasCutShort(hb.id) {
-				return nil // see headers
-			}
-			return ss.protocolError("HEADERS on a stream the client cannot open")
+			return ss.closedHeaders(hb.id) // see headers
 		}
 		ss.maxID = hb.id
 		if !hb.end {
-			ss.noteCutShort(hb.id)
+			ss.noteCutShort(hb.id, false)
 		}
 	}
 	return ss.refuse(ss.streams[se.StreamID], se.StreamID, se.Code)
@@ -280,17 +277,50 @@ func (ss *fsess) streamError(se http2.StreamError, hb *hblock) error {
 // as many as a client may have open.
 const cutShortN = maxClientStreams
 
-func (ss *fsess) noteCutShort(id uint32) {
+// earlyClose is a stream closed before the client sent its request's end.
+// Closed by weir, frames still under way on it are ignored (RFC 9113 5.1:
+// the client may have sent them before it saw weir's RST_STREAM). Closed by
+// the client's own RST_STREAM, any frame but PRIORITY on it is the client's
+// error, a stream error of type STREAM_CLOSED (RFC 9113 5.1).
+type earlyClose struct {
+	id       uint32
+	byClient bool
+}
+
+func (ss *fsess) noteCutShort(id uint32, byClient bool) {
+	e := earlyClose{id: id, byClient: byClient}
 	if len(ss.cutShort) < cutShortN {
-		ss.cutShort = append(ss.cutShort, id)
+		ss.cutShort = append(ss.cutShort, e)
 		return
 	}
-	ss.cutShort[ss.cutNext] = id
+	ss.cutShort[ss.cutNext] = e
 	ss.cutNext = (ss.cutNext + 1) % cutShortN
 }
 
+// wasCutShort reports whether weir closed stream id before the request's
+// end, and it is still remembered.
 func (ss *fsess) wasCutShort(id uint32) bool {
-	return slices.Contains(ss.cutShort, id)
+	return slices.Contains(ss.cutShort, earlyClose{id: id})
+}
+
+// idleStream: a stream the client has not opened, nor could have: above the
+// highest it opened, or even-numbered (weir pushes nothing). A frame other
+// than HEADERS or PRIORITY on it is a connection error (RFC 9113 5.1).
+func (ss *fsess) idleStream(id uint32) bool {
+	return id > ss.maxID || id%2 == 0
+}
+
+// closedHeaders takes a header block on a closed stream (an odd ID at or below
+// the highest the client opened, not open); mu is held. Its block is decoded
+// already, so HPACK's state holds whatever the answer.
+func (ss *fsess) closedHeaders(id uint32) error {
+	switch {
+	case ss.wasCutShort(id):
+		return nil // trailers sent before the client saw weir's RST_STREAM
+	case slices.Contains(ss.cutShort, earlyClose{id: id, byClient: true}):
+		return ss.refuse(nil, id, http2.ErrCodeStreamClosed)
+	}
+	return ss.protocolError("HEADERS on a stream the client cannot open")
 }
 
 // refuse resets a stream for the client's fault; mu is held. These resets
@@ -378,13 +408,20 @@ func (ss *fsess) handle(f http2.Frame) error {
 			}
 			return nil
 		}
-		if st := ss.streams[f.StreamID]; st != nil {
-			st.cliSend += int64(f.Increment)
-			if st.cliSend > maxWindow {
-				return ss.refuse(st, st.id, http2.ErrCodeFlowControl)
+		st := ss.streams[f.StreamID]
+		if st == nil {
+			if ss.idleStream(f.StreamID) {
+				return ss.protocolError("WINDOW_UPDATE on an idle stream")
 			}
-			st.flushResp()
+			// A closed stream's: it may have been sent before the client
+			// saw the stream's end (RFC 9113 5.1).
+			return nil
 		}
+		st.cliSend += int64(f.Increment)
+		if st.cliSend > maxWindow {
+			return ss.refuse(st, st.id, http2.ErrCodeFlowControl)
+		}
+		st.flushResp()
 	case *http2.SettingsFrame:
 		if f.IsAck() {
 			return nil
@@ -431,12 +468,29 @@ func (ss *fsess) handle(f http2.Frame) error {
 			ss.fr.WritePing(true, f.Data)
 		}
 	case *http2.RSTStreamFrame:
-		if st := ss.streams[f.StreamID]; st != nil {
-			unanswered := !st.answered()
-			st.clientGone()
-			if unanswered && ss.tooManyResets() {
-				return ss.calm()
+		st := ss.streams[f.StreamID]
+		if st == nil {
+			if ss.idleStream(f.StreamID) {
+				return ss.protocolError("RST_STREAM on an idle stream")
 			}
+			return nil // a closed stream's; never answered with a reset (RFC 9113 5.4.2)
+		}
+		unanswered := !st.answered()
+		st.resetByClient = true
+		st.clientGone()
+		if unanswered && ss.tooManyResets() {
+			return ss.calm()
+		}
+	case *http2.PriorityFrame:
+		// Priorities are not acted on (RFC 9113 5.3.2), but a stream that
+		// depends on itself is an error all the same (RFC 9113 5.3.1):
+		// the open stream's reset, or, on a stream not open, where no
+		// RST_STREAM may go, the connection's.
+		if f.StreamDep == f.StreamID {
+			if st := ss.streams[f.StreamID]; st != nil {
+				return ss.refuse(st, st.id, http2.ErrCodeProtocol)
+			}
+			return ss.protocolError("PRIORITY: a stream depends on itself")
 		}
 	case *http2.GoAwayFrame:
 		// The client opens no more streams; those open finish.
@@ -445,7 +499,7 @@ func (ss *fsess) handle(f http2.Frame) error {
 	case *http2.PushPromiseFrame:
 		return ss.protocolError("PUSH_PROMISE from a client")
 	}
-	// PRIORITY, PRIORITY_UPDATE and unknown frames are ignored.
+	// Other PRIORITY, PRIORITY_UPDATE and unknown frames are ignored.
 	return nil
 }
 
@@ -491,20 +545,15 @@ func (ss *fsess) headers(f *hblock) error {
 		return ss.protocolError("HEADERS on a stream the client cannot open")
 	}
 	if id <= ss.maxID {
-		if ss.wasCutShort(id) {
-			// Trailers sent while weir closed the stream (an answer before
-			// the request's end, a malformed request): frames after a
-			// RST_STREAM are ignored (RFC 9113 5.1). The block is decoded
-			// already, so HPACK's state holds.
-			return nil
-		}
-		return ss.protocolError("HEADERS on a stream the client cannot open")
+		// Trailers sent while weir closed the stream (an answer before the
+		// request's end, a malformed request) are ignored; see closedHeaders.
+		return ss.closedHeaders(id)
 	}
 	ss.maxID = id
 	if ss.away || ss.closed || len(ss.streams) >= maxClientStreams {
 		ss.fr.WriteRSTStream(id, http2.ErrCodeRefusedStream)
 		if !f.end {
-			ss.noteCutShort(id) // its body and trailers may be on their way
+			ss.noteCutShort(id, false) // its body and trailers may be on their way
 		}
 		return nil
 	}
@@ -654,13 +703,16 @@ func (ss *fsess) data(f *http2.DataFrame) error {
 	ss.oweConn(n)
 	st := ss.streams[f.StreamID]
 	if st == nil || st.reqEnded || st.finished {
-		if f.StreamID > ss.maxID || f.StreamID == 0 {
+		if f.StreamID == 0 || ss.idleStream(f.StreamID) {
 			return ss.protocolError("DATA on a stream not open")
 		}
-		if st != nil {
-			return ss.refuse(st, st.id, http2.ErrCodeStreamClosed) // DATA after the request's END_STREAM
+		if st == nil && ss.wasCutShort(f.StreamID) {
+			return nil // sent before the client saw weir's RST_STREAM
 		}
-		return nil
+		// DATA after the request's END_STREAM, or on a stream closed or
+		// reset by the client (RFC 9113 6.1); its bytes have counted
+		// against the connection's window above.
+		return ss.refuse(st, f.StreamID, http2.ErrCodeStreamClosed)
 	}
 	st.recvWin -= n
 	if st.recvWin < 0 {
@@ -1041,7 +1093,7 @@ func (st *fstream) finish() {
 	}
 	delete(ss.streams, st.id)
 	if !st.reqEnded {
-		ss.noteCutShort(st.id)
+		ss.noteCutShort(st.id, st.resetByClient)
 	}
 	ss.s.stats.inflight.Add(-1)
 	if st.up != nil && st.upDone && !st.reqEndSent && st.upID != 0 {

@@ -70,6 +70,7 @@ func newBlockReader(fr *http2.Framer, maxList uint32) *blockReader {
 }
 
 var errPseudoAfterRegular = errors.New("pseudo-header after a regular header")
+var errSelfDependency = errors.New("the stream depends on itself")
 
 func (r *blockReader) emit(hf hpack.HeaderField) {
 	if !httpguts.ValidHeaderFieldValue(hf.Value) {
@@ -126,6 +127,9 @@ func (r *blockReader) read() (http2.Frame, *hblock, error) {
 		return f, nil, nil
 	}
 	r.b = hblock{id: hf.StreamID, end: hf.StreamEnded(), fields: r.b.fields[:0]}
+	// A stream cannot depend on itself (RFC 9113 5.3.1): a stream error,
+	// known before the block is read, reported once it is decoded.
+	selfDep := hf.HasPriority() && hf.Priority.StreamDep == hf.StreamID
 	r.remain, r.regular, r.invalid = r.max, false, nil
 	r.dec.SetEmitEnabled(true)
 	frag, ended := hf.HeaderBlockFragment(), hf.HeadersEnded()
@@ -160,6 +164,9 @@ func (r *blockReader) read() (http2.Frame, *hblock, error) {
 	}
 	if r.invalid != nil {
 		return nil, &r.b, http2.StreamError{StreamID: r.b.id, Code: http2.ErrCodeProtocol, Cause: r.invalid}
+	}
+	if selfDep {
+		return nil, &r.b, http2.StreamError{StreamID: r.b.id, Code: http2.ErrCodeProtocol, Cause: errSelfDependency}
 	}
 	if err := checkPseudos(r.b.fields); err != nil {
 		return nil, &r.b, http2.StreamError{StreamID: r.b.id, Code: http2.ErrCodeProtocol, Cause: err}
