@@ -246,7 +246,7 @@ func TestErrors(t *testing.T) {
 		{"http retry_grpc", svc + "  data_plane: http\n  http: {retry_grpc: ['Svc.Method']}\n" + be, `services[0].http.retry_grpc[0]: must be /package.Service/Method`},
 		{"http header bytes", svc + "  data_plane: http\n  http: {max_header_bytes: 10}\n" + be, "services[0].http.max_header_bytes: must be 1024..16777216, got 10"},
 		{"http listen twice", "services:\n- {name: a, vip: 10.0.0.1:80, data_plane: http, http: {listen: 127.0.0.1:8080}, backends: [{address: 10.0.0.11:80}]}\n- {name: b, vip: 10.0.0.2:80, data_plane: http, http: {listen: 127.0.0.1:8080}, backends: [{address: 10.0.0.11:80}]}\n", "services[1].http.listen: 127.0.0.1:8080 is already the listen address of services[0]"},
-		{"duplicate key", "services: []\nservices: []\n", `line 2: services: mapping key "services" already defined at line 1`},
+		{"duplicate key", "services: []\nservices: []\n", `line 2: services: already set at line 1`},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := Parse([]byte(c.yaml))
@@ -300,6 +300,45 @@ func TestErrorPlaces(t *testing.T) {
 				"- name: b\n  vip: 10.0.0.2:80\n  panic_threshold: y\n  health: *h\n" + be +
 				"- name: c\n  vip: 10.0.0.3:80\n  health: *h\n" + be,
 			want: []string{`line 4: services[0].health.rise: must be a whole number, got the string "x"`, "line 8: services[1].panic_threshold"},
+		},
+		// yaml's decoder drops a list item it cannot decode (a duplicate key, a
+		// string for a mapping, an empty item), which moved every later item up one
+		// place: their errors named the wrong item and line, or were lost.
+		{
+			name: "a duplicate key in a service",
+			yaml: "services:\n- name: a\n  name: a2\n  vip: 10.0.0.1:80\n" + be +
+				"- name: b\n  vip: 10.0.0.2:80\n  backends:\n  - address: 10.0.0.3:80\n    weight: 70000\n",
+			want:    []string{`line 3: services[0].name: already set at line 2`, "line 10: services[1].backends[0].weight: must be 0..65535"},
+			wantNot: []string{"services[0].backends[0].weight"},
+		},
+		{
+			name:    "a duplicate key in a backend",
+			yaml:    "services:\n- name: a\n  vip: 10.0.0.1:80\n  backends:\n  - address: 10.0.0.2:80\n    address: 10.0.0.3:80\n",
+			want:    []string{`line 6: services[0].backends[0].address: already set at line 5`},
+			wantNot: []string{"backends: missing"},
+		},
+		{
+			name:    "a string for a backend",
+			yaml:    "services:\n- name: a\n  vip: 10.0.0.1:80\n  backends:\n  - 10.0.0.2:80\n  - address: 10.0.0.3:80\n    weight: 70000\n",
+			want:    []string{`line 5: services[0].backends[0]: must be a mapping, got the string "10.0.0.2:80"`, "line 7: services[0].backends[1].weight: must be 0..65535"},
+			wantNot: []string{"services[0].backends[0].address"},
+		},
+		{
+			name:    "a string for a service",
+			yaml:    "services:\n- web\n- name: b\n  vip: 10.0.0.1:80\n  backends:\n  - address: 10.0.0.3:80\n    weight: 70000\n",
+			want:    []string{`line 2: services[0]: must be a mapping, got the string "web"`, "line 7: services[1].backends[0].weight: must be 0..65535"},
+			wantNot: []string{"services[0].name"},
+		},
+		{
+			name:    "an empty backend",
+			yaml:    "services:\n- name: a\n  vip: 10.0.0.1:80\n  backends:\n  -\n  - address: 10.0.0.3:80\n    weight: 70000\n",
+			want:    []string{"line 5: services[0].backends[0].address: missing", "line 7: services[0].backends[1].weight: must be 0..65535"},
+			wantNot: []string{"backends: missing"},
+		},
+		{
+			name: "a list among addresses",
+			yaml: "addresses:\n- [10.0.0.1]\n- 10.0.0.300\nservices: []\n",
+			want: []string{"line 2: addresses[0]: must be a string, got a list", `line 3: addresses[1]: must be an IP address, got "10.0.0.300"`},
 		},
 		{
 			name:    "a negative interval",

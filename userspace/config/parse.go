@@ -512,6 +512,7 @@ func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string, viaAlias
 		if n.Kind != yaml.MappingNode {
 			return // a type error, reported by Decode
 		}
+		p.dropDuplicateKeys(n, path)
 		fields := yamlFields(t)
 		for i := 0; i+1 < len(n.Content); i += 2 {
 			k, v := n.Content[i], n.Content[i+1]
@@ -533,8 +534,10 @@ func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string, viaAlias
 		if n.Kind != yaml.SequenceNode {
 			return
 		}
-		for i, item := range n.Content {
-			p.checkFields(item, t.Elem(), fmt.Sprintf("%s[%d]", path, i), viaAlias)
+		for i := range n.Content {
+			sub := fmt.Sprintf("%s[%d]", path, i)
+			p.keepItem(n, i, t.Elem(), sub)
+			p.checkFields(n.Content[i], t.Elem(), sub, viaAlias)
 		}
 	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
 		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
@@ -548,6 +551,81 @@ func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string, viaAlias
 			p.failed = append(p.failed, path)
 		}
 	}
+}
+
+// dropDuplicateKeys reports every key the mapping n repeats, at the repeat, and
+// removes the repeat with its value. yaml's decoder refuses such a mapping
+// whole, and a list then drops the item that holds it: every later item moved up
+// one place, and its errors named the wrong item and line, or were lost.
+func (p *parser) dropDuplicateKeys(n *yaml.Node, path string) {
+	type key struct {
+		kind  yaml.Kind
+		value string
+	}
+	first := make(map[key]int) // key -> its line
+	kept := n.Content[:0:0]
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k := n.Content[i]
+		if line, dup := first[key{k.Kind, k.Value}]; dup {
+			p.errs = append(p.errs, &FieldError{Line: k.Line, Path: join(path, k.Value),
+				Msg: fmt.Sprintf("already set at line %d; a key appears once in a mapping", line)})
+			continue
+		}
+		first[key{k.Kind, k.Value}] = k.Line
+		kept = append(kept, k, n.Content[i+1])
+	}
+	if len(kept) < len(n.Content) {
+		n.Content = kept
+	}
+}
+
+// keepItem makes item i of the list seq one yaml's decoder keeps in its place, as
+// a value of type t: the decoder drops an item it cannot decode (a string where a
+// mapping belongs, an empty item), which would move every later one up a place.
+// A wrong item is reported here and decoded as t's zero value; an empty one
+// decodes as an empty mapping or string, whose missing fields validation names.
+func (p *parser) keepItem(seq *yaml.Node, i int, t reflect.Type, path string) {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	item := seq.Content[i]
+	n := item
+	if n.Kind == yaml.AliasNode && n.Alias != nil {
+		n = n.Alias
+	}
+	var want yaml.Kind
+	switch {
+	case reflect.PointerTo(t).Implements(reflect.TypeFor[yaml.Unmarshaler]()):
+		return // it reads its own node
+	case t.Kind() == reflect.Struct:
+		want = yaml.MappingNode
+	case t.Kind() == reflect.String:
+		want = yaml.ScalarNode
+	default:
+		return
+	}
+	empty := &yaml.Node{Kind: want, Tag: "!!map", Line: item.Line, Column: item.Column}
+	if want == yaml.ScalarNode {
+		empty.Tag = "!!str"
+	}
+	switch {
+	case n.Kind == want && !isNull(n):
+		return
+	case isNull(n):
+		seq.Content[i] = empty
+		return
+	}
+	got := yamlKindWords(strings.TrimPrefix(n.ShortTag(), "!!"))
+	if n.Kind == yaml.ScalarNode {
+		v := n.Value
+		if len(v) > 40 {
+			v = v[:37] + "..."
+		}
+		got += fmt.Sprintf(" %q", v)
+	}
+	p.errs = append(p.errs, &FieldError{Line: item.Line, Path: path, Msg: fmt.Sprintf("must be %s, got %s", goTypeWords(t.String()), got)})
+	p.failed = append(p.failed, path)
+	seq.Content[i] = empty
 }
 
 func yamlFields(t reflect.Type) map[string]reflect.StructField {
