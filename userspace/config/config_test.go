@@ -154,6 +154,10 @@ func TestErrors(t *testing.T) {
 		{"nat family", "interfaces: [{name: eth0}]\n" + svc + "  backends: [{address: '[fd00::1]:80'}]\n", "services[0].backends[0].address: nat mode keeps the VIP's family (IPv4)"},
 		{"dsr any family", "interfaces: [{name: eth0}]\n" + svc + "  mode: dsr\n  backends: [{address: '[fd00::1]:80'}]\n", ""},
 		{"proxy any family", svc + "  data_plane: proxy\n  backends: [{address: '[fd00::1]:80'}]\n", ""},
+		// XDP's needs bind only services XDP may serve, also when interfaces are listed.
+		{"http any family", "interfaces: [{name: eth0}]\n" + svc + "  data_plane: http\n  backends: [{address: '[fd00::1]:80'}]\n", ""},
+		{"proxy algorithm any family", "interfaces: [{name: eth0}]\n" + svc + "  algorithm: least_conn\n  backends: [{address: '[fd00::1]:80'}]\n", ""},
+		{"http any port", "interfaces: [{name: eth0}]\n" + svc + "  data_plane: http\n  mode: dsr\n  backends: [{address: 10.0.0.11:8080}]\n", ""},
 		{"unknown algorithm", svc + "  algorithm: fastest\n" + be, `services[0].algorithm: must be round_robin, random, least_conn, weighted_least_conn, weighted, p2c, ewma, least_time, source_hash, maglev or maglev_p2c, got "fastest"`},
 		{"proxy algorithm on xdp", "interfaces: [{name: eth0}]\n" + svc + "  data_plane: xdp\n  algorithm: ewma\n" + be, "services[0].algorithm: ewma needs the proxy data plane"},
 		{"proxy algorithm on auto", svc + "  algorithm: ewma\n" + be, ""},

@@ -582,10 +582,13 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 		s.HTTP.validate(c, p+".http", s.VIPAddr, s.Algorithm)
 	}
 
-	// The XDP mode's needs, unless the proxy serves the service whatever happens.
-	// (The balancer's own addresses that nat and tunnel send from are checked when
-	// the agent starts: they default to the interface's.)
-	usesXDP := s.DataPlane != DataPlaneProxy && xdpPossible && modeOK && vipOK
+	// The XDP mode's needs, for a service XDP may serve: not one the proxy or the
+	// http plane serves whatever happens (data_plane proxy or http, or auto with an
+	// algorithm XDP does not serve). (The balancer's own addresses that nat and
+	// tunnel send from are checked when the agent starts: they default to the
+	// interface's.)
+	mayUseXDP := s.DataPlane == DataPlaneXDP || s.DataPlane == DataPlaneAuto && s.Algorithm.XDP()
+	usesXDP := mayUseXDP && xdpPossible && modeOK && vipOK
 
 	if len(s.Backends) == 0 {
 		c.bad(p+".backends", "missing: a service needs at least one backend")
