@@ -610,8 +610,10 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 			if usesXDP && s.Mode == ModeNAT && ap.Addr().Is4() != vip.Addr().Is4() {
 				c.bad(bp+".address", "nat mode keeps the VIP's family (%s), got %s", family(vip.Addr()), ap.Addr())
 			}
-			if usesXDP && s.Mode == ModeDSR && ap.Port() != vip.Port() {
-				c.bad(bp+".address", "dsr mode cannot change the port: the backend must listen on the VIP's port %d, got %d", vip.Port(), ap.Port())
+			// dsr rewrites only MACs and tunnel carries the client's packet unchanged
+			// inside its outer header: either way it reaches the backend's VIP:port.
+			if usesXDP && (s.Mode == ModeDSR || s.Mode == ModeTunnel) && ap.Port() != vip.Port() {
+				c.bad(bp+".address", "%s mode cannot change the port: the backend must listen on the VIP's port %d, got %d", s.Mode, vip.Port(), ap.Port())
 			}
 		}
 		if ap, ok := c.addrPort(bp+".check_address", b.CheckAddress); ok {
