@@ -348,6 +348,17 @@ func TestErrorPlaces(t *testing.T) {
 			want: []string{"line 2: addresses[0]: must be a string, got a list", `line 3: addresses[1]: must be an IP address, got "10.0.0.300"`},
 		},
 		{
+			name:    "a backend address without a port",
+			yaml:    "services:\n- name: a\n  vip: 10.0.0.1:80\n  backends:\n  - address: 10.0.0.2\n  - weight: 2\n",
+			want:    []string{`line 5: services[0].backends[0].address: must be address:port`, "line 6: services[0].backends[1].address: missing"},
+			wantNot: []string{"check_address"}, // the file names none: it is the address
+		},
+		{
+			name: "a bad check address",
+			yaml: "services:\n- name: a\n  vip: 10.0.0.1:80\n  backends:\n  - address: 10.0.0.2:80\n    check_address: 10.0.0.2\n",
+			want: []string{`line 6: services[0].backends[0].check_address: must be address:port`},
+		},
+		{
 			name:    "a negative interval",
 			yaml:    "services:\n- name: a\n  vip: 10.0.0.1:80\n  health:\n    interval: -1s\n" + be,
 			want:    []string{"line 5: services[0].health.interval"},

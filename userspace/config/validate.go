@@ -173,9 +173,6 @@ func (s *fileService) defaults() {
 		if b.Weight == nil {
 			b.Weight = ptr(int64(DefaultWeight))
 		}
-		if b.CheckAddress == "" {
-			b.CheckAddress = b.Address
-		}
 	}
 }
 
@@ -616,8 +613,14 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 				c.bad(bp+".address", "%s mode cannot change the port: the backend must listen on the VIP's port %d, got %d", s.Mode, vip.Port(), ap.Port())
 			}
 		}
-		if ap, ok := c.addrPort(bp+".check_address", b.CheckAddress); ok {
-			b.CheckAddr = ap
+		// Checks go to the address unless the file names another: a wrong address is
+		// reported once, as address.
+		b.CheckAddr = b.Addr
+		if b.CheckAddress != "" {
+			b.CheckAddr = netip.AddrPort{}
+			if ap, ok := c.addrPort(bp+".check_address", b.CheckAddress); ok {
+				b.CheckAddr = ap
+			}
 		}
 		switch w := *b.Weight; {
 		case w < 0 || w > MaxWeight:
