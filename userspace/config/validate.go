@@ -354,6 +354,15 @@ func (cfg *file) validate() []*FieldError {
 			}
 			listens[a] = listenUse{i, what}
 		}
+		// XDP takes every tcp packet to an xdp service's VIP before the host's stack
+		// sees it, so a listener on that address would get none.
+		if s.VIPAddr.IsValid() && s.Protocol == TCP && s.DataPlane == DataPlaneXDP && !vipTaken {
+			if u, dup := listens[s.VIPAddr]; dup {
+				c.bad(p+".vip", "%s is already the %s of services[%d] (%q), and XDP would take every tcp packet to it: give one of them another address",
+					s.VIPAddr, u.what, u.service, cfg.Services[u.service].Name)
+			}
+			listens[s.VIPAddr] = listenUse{i, "VIP (served by XDP)"}
+		}
 		if s.Proxy.ListenAddr.IsValid() && s.Protocol == TCP && s.DataPlane != DataPlaneXDP && s.DataPlane != DataPlaneHTTP {
 			listenOnce("proxy.listen", s.Proxy.Listen, s.Proxy.ListenAddr, "proxy address")
 		}
