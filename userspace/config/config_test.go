@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -520,5 +521,37 @@ func TestResolveHTTP(t *testing.T) {
 		if c.got != c.want {
 			t.Errorf("%s: got %v; want %v", c.name, c.got, c.want)
 		}
+	}
+}
+
+// TestDocExamples: every YAML example in README.md and docs/ is a config this
+// parser takes, so an operator can start from any of them.
+func TestDocExamples(t *testing.T) {
+	files, err := filepath.Glob("../../docs/*.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, f := range append([]string{"../../README.md"}, files...) {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines := strings.Split(string(data), "\n")
+		for i := 0; i < len(lines); i++ {
+			if strings.TrimSpace(lines[i]) != "```yaml" {
+				continue
+			}
+			start := i + 1
+			for i++; i < len(lines) && strings.TrimSpace(lines[i]) != "```"; i++ {
+			}
+			n++
+			if _, err := Parse([]byte(strings.Join(lines[start:i], "\n"))); err != nil {
+				t.Errorf("%s: the example at line %d: %v", filepath.Base(f), start, err)
+			}
+		}
+	}
+	if n == 0 {
+		t.Fatal("found no YAML examples")
 	}
 }
