@@ -27,15 +27,22 @@ func TestValidate(t *testing.T) {
 		wantErr    bool
 		wantStdout string
 		wantStderr []string
+		notStdout  []string
 	}{
 		{"example", []string{"validate", "-c", "../../examples/weir.yaml"}, false,
-			"../../examples/weir.yaml: valid, 3 services", nil},
+			"../../examples/weir.yaml: valid, 3 services", nil, nil},
 		{"every error", []string{"validate", "-c", "../../userspace/config/testdata/bad.yaml"}, true, "",
 			[]string{"bad.yaml:26: services[1].backends[3].weight: must be 0..65535, got 70000",
 				`bad.yaml:20: services[1].protcol: unknown field; did you mean "protocol"?`,
-				"bad.yaml: 15 errors"}},
-		{"missing file", []string{"validate", "-c", "testdata/none.yaml"}, true, "", nil},
-		{"no file", []string{"validate"}, true, "", nil},
+				"bad.yaml: 15 errors"}, nil},
+		{"missing file", []string{"validate", "-c", "testdata/none.yaml"}, true, "", nil, nil},
+		{"no file", []string{"validate"}, true, "", nil, nil},
+		// Only services XDP may serve have an XDP mode.
+		{"planes", []string{"validate", "testdata/planes.yaml"}, false,
+			"  api  tcp/10.0.0.1:80  data plane http, least_conn, 1 backends\n" +
+				"  app  tcp/10.0.0.1:81  data plane proxy (auto: XDP does not serve least_conn), least_conn, 1 backends\n" +
+				"  web  tcp/10.0.0.1:82  data plane auto, xdp mode dsr, maglev, 1 backends\n", nil,
+			[]string{"http, xdp mode", "least_conn), xdp mode"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			var stdout, stderr bytes.Buffer
@@ -51,6 +58,11 @@ func TestValidate(t *testing.T) {
 			}
 			if !strings.Contains(stdout.String(), c.wantStdout) {
 				t.Errorf("stdout: got %q; want it to contain %q", stdout.String(), c.wantStdout)
+			}
+			for _, w := range c.notStdout {
+				if strings.Contains(stdout.String(), w) {
+					t.Errorf("stdout: got\n%s\nwant nothing with %q", stdout.String(), w)
+				}
 			}
 			for _, w := range c.wantStderr {
 				if !strings.Contains(stderr.String(), w) {
