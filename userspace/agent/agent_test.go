@@ -2,6 +2,7 @@ package agent
 
 import (
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/weir-lb/weir/userspace/balance"
@@ -20,5 +21,60 @@ func TestAlgorithmsAgree(t *testing.T) {
 	slices.Sort(want)
 	if !slices.Equal(got, want) {
 		t.Errorf("config.Algorithms(): got %v; want balance.Algorithms() %v", got, want)
+	}
+}
+
+// TestRestartOnlyNamesTheField: a reload that changes a setting fixed until
+// restart is refused naming that setting, as a config error names its field.
+func TestRestartOnlyNamesTheField(t *testing.T) {
+	const svc = "services:\n- {name: a, vip: 10.0.0.1:80, backends: [{address: 10.0.0.2:80}]}\n"
+	const bgp = "bgp: {asn: 65001, router_id: 10.0.0.1, peers: [{address: 10.0.0.254, asn: 65000, password: s3cret}]}\n"
+	parse := func(y string) *config.Config {
+		t.Helper()
+		cfg, err := config.Parse([]byte(y))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cfg
+	}
+	for _, c := range []struct {
+		name, old, next string
+		want            []string
+	}{
+		{"nothing", svc, svc + "  # a comment\n", nil},
+		{"services only", svc, "services:\n- {name: b, vip: 10.0.0.1:81, backends: [{address: 10.0.0.3:80}]}\n", nil},
+		{"xdp", svc, "xdp: {conntrack_size: 4096}\n" + svc, []string{"xdp.conntrack_size: changed from 0 to 4096; restart weir to apply"}},
+		{"two xdp settings", svc, "xdp: {hash_seed: 7, previous_table_window: 0s}\n" + svc,
+			[]string{"xdp.hash_seed: changed from 0 to 7", "xdp.previous_table_window: changed from 1h0m0s to 0s"}},
+		{"log level", svc, "log: {level: debug}\n" + svc, []string{"log.level: changed from INFO to DEBUG"}},
+		{"metrics", svc, "metrics: {listen: \"off\"}\n" + svc, []string{"metrics.listen: changed from 127.0.0.1:9470 to none"}},
+		{"admin", svc, "admin: {listen: 127.0.0.1:9999}\n" + svc, []string{"admin.listen: changed from none to 127.0.0.1:9999"}},
+		{"interfaces", svc, "interfaces: [{name: eth0}]\n" + svc, []string{"interfaces: changed from none to eth0 (auto)"}},
+		{"addresses", svc, "addresses: [192.0.2.7]\n" + svc, []string{"addresses: changed from none to 192.0.2.7"}},
+		{"bgp", bgp + svc, strings.Replace(bgp, "65001", "65002", 1) + svc, []string{"bgp.asn: changed from 65001 to 65002"}},
+		{"bgp added", svc, bgp + svc, []string{"bgp: added; restart weir to apply"}},
+		{"bgp removed", bgp + svc, svc, []string{"bgp: removed; restart weir to apply"}},
+		{"bgp peer", bgp + svc, strings.Replace(bgp, "s3cret", "other", 1) + svc, []string{"bgp.peers: changed; restart weir to apply"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			err := restartOnly(parse(c.old), parse(c.next))
+			if c.want == nil {
+				if err != nil {
+					t.Fatalf("got %v; want none", err)
+				}
+				return
+			}
+			if err == nil {
+				t.Fatalf("got no error; want %q", c.want)
+			}
+			for _, w := range c.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("got\n%v\nwant a line containing %q", err, w)
+				}
+			}
+			if strings.Contains(err.Error(), "s3cret") || strings.Contains(err.Error(), "other") {
+				t.Errorf("got %v; want no peer password in it", err)
+			}
+		})
 	}
 }

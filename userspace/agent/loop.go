@@ -7,7 +7,6 @@ import (
 	"maps"
 	"net/netip"
 	"reflect"
-	"slices"
 	"strings"
 	"time"
 
@@ -251,25 +250,86 @@ func (a *Agent) reload(st *state, maxMove *float64) error {
 	return err
 }
 
-// restartOnly rejects changes a reload cannot apply.
+// restartOnly rejects changes a reload cannot apply, each naming its setting and
+// both values (a peer's, which holds its password, only by name).
 func restartOnly(old, next *config.Config) error {
 	var errs []error
-	if !slices.Equal(old.Interfaces, next.Interfaces) {
-		errs = append(errs, errors.New("interfaces: changed; restart weir to apply"))
+	fixed := func(field string, a, b any) {
+		if !reflect.DeepEqual(a, b) {
+			errs = append(errs, fmt.Errorf("%s: changed from %s to %s; restart weir to apply", field, showSetting(a), showSetting(b)))
+		}
 	}
-	if old.XDP != next.XDP {
-		errs = append(errs, errors.New("xdp: changed; restart weir to apply"))
+	fixed("interfaces", old.Interfaces, next.Interfaces)
+	x, y := old.XDP, next.XDP
+	fixed("xdp.hash_seed", x.HashSeed, y.HashSeed)
+	fixed("xdp.conntrack_size", x.ConntrackSize, y.ConntrackSize)
+	fixed("xdp.half_open_size", x.HalfOpenSize, y.HalfOpenSize)
+	fixed("xdp.half_open_timeout", x.HalfOpenTimeout, y.HalfOpenTimeout)
+	fixed("xdp.new_flow_rate", x.NewFlowRate, y.NewFlowRate)
+	fixed("xdp.new_flow_burst", x.NewFlowBurst, y.NewFlowBurst)
+	fixed("xdp.previous_table_window", x.PreviousTableWindow, y.PreviousTableWindow)
+	fixed("xdp.pin_path", x.PinPath, y.PinPath)
+	fixed("xdp.detach_on_stop", x.DetachOnStop, y.DetachOnStop)
+	fixed("addresses", old.Addresses, next.Addresses)
+	fixed("admin.socket", old.Admin.Socket, next.Admin.Socket)
+	fixed("admin.listen", old.Admin.Listen, next.Admin.Listen)
+	fixed("metrics.listen", old.Metrics.Listen, next.Metrics.Listen)
+	fixed("metrics.public", old.Metrics.Public, next.Metrics.Public)
+	fixed("log.format", old.Log.Format, next.Log.Format)
+	fixed("log.level", old.Log.Level, next.Log.Level)
+	b, c := old.BGP, next.BGP
+	switch {
+	case b.ASN == 0 && c.ASN != 0:
+		errs = append(errs, errors.New("bgp: added; restart weir to apply"))
+		b = c // the rest of the section is new, not changed
+	case b.ASN != 0 && c.ASN == 0:
+		errs = append(errs, errors.New("bgp: removed; restart weir to apply"))
+		b = c
 	}
-	if old.Admin != next.Admin || old.Metrics != next.Metrics || old.Log != next.Log {
-		errs = append(errs, errors.New("admin, metrics or log: changed; restart weir to apply"))
+	fixed("bgp.asn", b.ASN, c.ASN)
+	fixed("bgp.router_id", b.RouterID, c.RouterID)
+	fixed("bgp.listen_port", b.ListenPort, c.ListenPort)
+	fixed("bgp.next_hop", b.NextHop, c.NextHop)
+	fixed("bgp.drain_timeout", b.DrainTimeout, c.DrainTimeout)
+	if !reflect.DeepEqual(b.Peers, c.Peers) {
+		errs = append(errs, errors.New("bgp.peers: changed; restart weir to apply (services' bgp policies reload)"))
 	}
-	if !slices.Equal(old.Addresses, next.Addresses) {
-		errs = append(errs, errors.New("addresses: changed; restart weir to apply"))
-	}
-	if !reflect.DeepEqual(old.BGP, next.BGP) {
-		errs = append(errs, errors.New("bgp: changed; restart weir to apply (services' bgp policies reload)"))
+	// A setting not named above still holds a reload back.
+	if len(errs) == 0 && (old.XDP != next.XDP || old.Admin != next.Admin || old.Metrics != next.Metrics ||
+		old.Log != next.Log || !reflect.DeepEqual(old.BGP, next.BGP)) {
+		errs = append(errs, errors.New("xdp, admin, metrics, log or bgp: changed; restart weir to apply"))
 	}
 	return errors.Join(errs...)
+}
+
+// showSetting writes a restart-only setting's value for an operator: "none" for
+// an empty list or an unset address.
+func showSetting(v any) string {
+	var s []string
+	switch v := v.(type) {
+	case []config.Interface:
+		for _, in := range v {
+			s = append(s, fmt.Sprintf("%s (%s)", in.Name, in.Attach))
+		}
+	case []netip.Addr:
+		for _, a := range v {
+			s = append(s, a.String())
+		}
+	case netip.AddrPort:
+		if v.IsValid() {
+			s = append(s, v.String())
+		}
+	case netip.Addr:
+		if v.IsValid() {
+			s = append(s, v.String())
+		}
+	default:
+		return fmt.Sprint(v)
+	}
+	if len(s) == 0 {
+		return "none"
+	}
+	return strings.Join(s, ", ")
 }
 
 // applyConfig makes cfg the running config, or changes nothing and says why (also
