@@ -296,16 +296,27 @@ func (cfg *file) validate() []*FieldError {
 	if !filepath.IsAbs(cfg.Admin.Socket) {
 		c.bad("admin.socket", "must be an absolute path, got %q", cfg.Admin.Socket)
 	}
-	if cfg.Admin.Listen != "" {
-		if ap, ok := c.addrPort("admin.listen", cfg.Admin.Listen); ok && !ap.Addr().IsLoopback() {
-			c.bad("admin.listen", "must be a loopback address (the admin API has no authentication), got %s", ap)
-		}
-	}
+	// The agent's own listeners, which nothing else may bind: see clashes.
+	var own []ownListener
 	if cfg.Metrics.Listen != "off" {
-		if ap, ok := c.hostPort("metrics.listen", cfg.Metrics.Listen); ok && !cfg.Metrics.Public {
-			if !ap.Addr().IsLoopback() {
+		if ap, ok := c.hostPort("metrics.listen", cfg.Metrics.Listen); ok {
+			if !cfg.Metrics.Public && !ap.Addr().IsLoopback() {
 				c.bad("metrics.listen", "%s is not a loopback address, so every metric would be served to the network: set metrics.public: true if that is meant", ap.Addr())
 			}
+			own = append(own, ownListener{"metrics.listen", ap})
+		}
+	}
+	if cfg.Admin.Listen != "" {
+		if ap, ok := c.addrPort("admin.listen", cfg.Admin.Listen); ok {
+			if !ap.Addr().IsLoopback() {
+				c.bad("admin.listen", "must be a loopback address (the admin API has no authentication), got %s", ap)
+			}
+			for _, o := range own {
+				if clashes(o.addr, ap) {
+					c.bad("admin.listen", "%s is also %s (%s): give one of them another address", ap, o.field, o.addr)
+				}
+			}
+			own = append(own, ownListener{"admin.listen", ap})
 		}
 	}
 	oneOf(c, "log.format", cfg.Log.Format, LogText, LogJSON)
@@ -344,6 +355,15 @@ func (cfg *file) validate() []*FieldError {
 		// Two listeners on one address would both bind it (SO_REUSEPORT) and share
 		// its connections, whichever service names it and whichever defaults to its VIP.
 		listenOnce := func(field, explicit string, a netip.AddrPort, what string) {
+			for _, o := range own {
+				if clashes(o.addr, a) {
+					where := p + "." + field
+					if explicit == "" {
+						where = p + ".vip"
+					}
+					c.bad(where, "%s is also %s (%s), where the agent listens itself: give one of them another address", a, o.field, o.addr)
+				}
+			}
 			u, dup := listens[a]
 			switch {
 			case dup && explicit != "":
@@ -372,6 +392,22 @@ func (cfg *file) validate() []*FieldError {
 	}
 	cfg.validateBGP(c) // after the services: it reads their parsed VIPs
 	return c.errs
+}
+
+// ownListener is one of the agent's own TCP listeners (admin.listen,
+// metrics.listen).
+type ownListener struct {
+	field string
+	addr  netip.AddrPort
+}
+
+// clashes reports whether a listener on b cannot bind beside the agent's own
+// listener on own: the agent binds its own without SO_REUSEPORT, so they clash
+// on one port at one address, or when either is a wildcard (Go listens on
+// both families for 0.0.0.0 as for [::]). Port 0 picks a free port.
+func clashes(own, b netip.AddrPort) bool {
+	return own.Port() != 0 && own.Port() == b.Port() &&
+		(own.Addr() == b.Addr() || own.Addr().IsUnspecified() || b.Addr().IsUnspecified())
 }
 
 // validateBGP checks the speaker's settings and every service's announce policy.
