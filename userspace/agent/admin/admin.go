@@ -341,8 +341,15 @@ func backendPath(service, backend, op string) string {
 }
 
 // ErrorLines is an error as the lines the API answers with: one per config problem
-// for a rejected file.
+// for a rejected file, one per error of a join (errors.Join).
 func ErrorLines(err error) []string {
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		var out []string
+		for _, e := range j.Unwrap() {
+			out = append(out, ErrorLines(e)...)
+		}
+		return out
+	}
 	var es config.Errors
 	if errors.As(err, &es) {
 		out := make([]string, len(es))
