@@ -59,6 +59,11 @@ func TestBGPErrors(t *testing.T) {
 		{"no asn", "bgp: {router_id: 10.0.0.1, peers: [{address: 10.0.0.2, asn: 1}]}\n", "line 1: bgp.asn: missing"},
 		{"v6 router id", "bgp: {asn: 1, router_id: 'fd00::1', peers: [{address: 10.0.0.2, asn: 1}]}\n", "bgp.router_id: must be an IPv4 address"},
 		{"no peers", "bgp: {asn: 1, router_id: 10.0.0.1}\n", "bgp.peers: missing"},
+		// A BGP identifier is never 0 (RFC 6286); routes and sessions need an address to go to.
+		{"zero router id", "bgp: {asn: 1, router_id: 0.0.0.0, peers: [{address: 10.0.0.2, asn: 1}]}\n", "line 1: bgp.router_id: must not be 0.0.0.0"},
+		{"unspecified peer", "bgp: {asn: 1, router_id: 10.0.0.1, peers: [{address: 0.0.0.0, asn: 1}]}\n", "line 1: bgp.peers[0].address: must be a unicast address, got 0.0.0.0"},
+		{"multicast peer", "bgp: {asn: 1, router_id: 10.0.0.1, peers: [{address: 'ff02::5', asn: 1}]}\n", "line 1: bgp.peers[0].address: must be a unicast address, got ff02::5"},
+		{"unspecified next hop", "bgp: {asn: 1, router_id: 10.0.0.1, next_hop: ['::'], peers: [{address: 10.0.0.2, asn: 1}]}\n", "line 1: bgp.next_hop[0]: must be a unicast address, got ::"},
 		{"short hold", "bgp:\n  asn: 1\n  router_id: 10.0.0.1\n  peers:\n  - {address: 10.0.0.2, asn: 2, hold_time: 2s}\n", "line 5: bgp.peers[0].hold_time: must be 3s..65535s"},
 		{"hold 0", "bgp:\n  asn: 1\n  router_id: 10.0.0.1\n  peers:\n  - {address: 10.0.0.2, asn: 2, hold_time: 0s}\n", "line 5: bgp.peers[0].hold_time: must be 3s..65535s: weir's BGP speaker cannot propose 0"},
 		{"keepalive over hold", "bgp:\n  asn: 1\n  router_id: 10.0.0.1\n  peers:\n  - {address: 10.0.0.2, asn: 2, hold_time: 3s, keepalive: 3s}\n", "bgp.peers[0].keepalive: must be whole seconds, at least 1s and below hold_time (3s)"},

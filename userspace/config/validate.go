@@ -226,6 +226,17 @@ func (c *checker) addr(path, s string) (netip.Addr, bool) {
 	return netip.Addr{}, false
 }
 
+// unicast parses an IP literal as addr does, and refuses the unspecified and
+// multicast addresses, which no session or route can go to.
+func (c *checker) unicast(path, s string) (netip.Addr, bool) {
+	a, ok := c.addr(path, s)
+	if ok && (a.IsUnspecified() || a.IsMulticast()) {
+		c.bad(path, "must be a unicast address, got %s", a)
+		return netip.Addr{}, false
+	}
+	return a, ok
+}
+
 // addrPort parses ip:port with a port in 1..65535.
 func (c *checker) addrPort(path, s string) (netip.AddrPort, bool) {
 	if s == "" {
@@ -426,8 +437,11 @@ func (cfg *file) validateBGP(c *checker) {
 		c.bad("bgp.asn", "missing: the node's AS number, 1..4294967295")
 	}
 	if a, ok := c.addr("bgp.router_id", b.RouterID); ok {
-		if !a.Is4() {
+		switch {
+		case !a.Is4():
 			c.bad("bgp.router_id", "must be an IPv4 address (BGP identifiers are 32 bits), got %s", a)
+		case a.IsUnspecified():
+			c.bad("bgp.router_id", "must not be 0.0.0.0: a BGP identifier is not 0 (RFC 6286), and peers refuse it; use the node's own IPv4 address")
 		}
 		b.RouterAddr = a
 	}
@@ -437,7 +451,7 @@ func (cfg *file) validateBGP(c *checker) {
 	b.NextHops = nil
 	for i, s := range b.NextHop {
 		p := fmt.Sprintf("bgp.next_hop[%d]", i)
-		a, ok := c.addr(p, s)
+		a, ok := c.unicast(p, s)
 		if !ok {
 			continue
 		}
@@ -461,7 +475,7 @@ func (cfg *file) validateBGP(c *checker) {
 	for i := range b.Peers {
 		pr := &b.Peers[i]
 		p := fmt.Sprintf("bgp.peers[%d]", i)
-		if a, ok := c.addr(p+".address", pr.Address); ok {
+		if a, ok := c.unicast(p+".address", pr.Address); ok {
 			if j, dup := seen[a]; dup {
 				c.bad(p+".address", "%s is already bgp.peers[%d]", a, j)
 			}
@@ -513,7 +527,7 @@ func (cfg *file) validateBGP(c *checker) {
 		}
 		vip := s.VIPAddr.Addr()
 		if !families[vip.Is4()] {
-			c.bad(p, "the %s VIP %s has no next hop to be announced with: add a %s bgp.next_hop or a %s peer", family(vip), vip, family(vip), family(vip))
+			c.bad(p, "the %s VIP %s has no next hop to be announced with: add an %s bgp.next_hop or an %s peer", family(vip), vip, family(vip), family(vip))
 		}
 		if j, ok := policy[vip]; ok {
 			o := &cfg.Services[j].BGP
