@@ -179,6 +179,11 @@ func TestErrors(t *testing.T) {
 		{"maglev_p2c on udp", "interfaces: [{name: eth0}]\n" + svc + "  protocol: udp\n  algorithm: maglev_p2c\n" + be, ""},
 		{"maglev_p2c with source hash", "interfaces: [{name: eth0}]\n" + svc + "  algorithm: maglev_p2c\n  hash: source\n" + be, "services[0].hash: maglev_p2c may send one client's flows to either of two backends"},
 		{"http fields on tcp", svc + "  health: {path: /x}\n" + be, "services[0].health.path: only http checks use it"},
+		// The check's request is written as the file says: a control character makes it one no server takes.
+		{"http path with a tab", svc + "  health: {type: http, path: \"/a\\tb\"}\n" + be, `services[0].health.path: must start with / and hold no spaces or control characters, got "/a\tb"`},
+		{"http path with DEL", svc + "  health: {type: http, path: \"/a\\x7f\"}\n" + be, `services[0].health.path: must start with /`},
+		{"http host with a tab", svc + "  health: {type: http, host: \"a\\tb\"}\n" + be, `services[0].health.host: must be a host name, got "a\tb"`},
+		{"http path with a query", svc + "  health: {type: http, path: \"/healthz?full=1\", host: \"api.example:8080\"}\n" + be, ""},
 		{"bad status", svc + "  health: {type: http, expect_status: ['600']}\n" + be, "services[0].health.expect_status[0]: must be a status code"},
 		{"jitter", svc + "  health: {jitter: 0.9}\n" + be, "services[0].health.jitter: must be 0..0.5, got 0.9"},
 		{"method", svc + "  health: {method: icmp}\n" + be, `services[0].health.method: must be auto, syn or connect, got "icmp"`},

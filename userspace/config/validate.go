@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 )
 
 func ptr[T any](v T) *T { return &v }
@@ -724,10 +725,12 @@ func (h *fileHealth) validate(c *checker, p string) {
 	}
 	oneOf(c, p+".initial", h.Initial, InitialUp, InitialDown, InitialUnknown)
 	if !typeOK || h.Type == CheckHTTP {
-		if !strings.HasPrefix(h.Path, "/") || strings.ContainsAny(h.Path, " \r\n") {
-			c.bad(p+".path", "must start with / and hold no spaces or line breaks, got %q", h.Path)
+		// Both go into the check's request as written, where a space or a control
+		// character would make a request no server takes.
+		if !strings.HasPrefix(h.Path, "/") || strings.IndexFunc(h.Path, spaceOrControl) >= 0 {
+			c.bad(p+".path", "must start with / and hold no spaces or control characters, got %q", h.Path)
 		}
-		if strings.ContainsAny(h.Host, " \r\n/") {
+		if strings.IndexFunc(h.Host, spaceOrControl) >= 0 || strings.Contains(h.Host, "/") {
 			c.bad(p+".host", "must be a host name, got %q", h.Host)
 		}
 		h.Status = nil
@@ -753,6 +756,10 @@ func (h *fileHealth) validate(c *checker, p string) {
 		}
 	}
 }
+
+// spaceOrControl reports a byte a request line or header value may not hold as
+// weir writes them: space, tab, line breaks and other control characters.
+func spaceOrControl(r rune) bool { return r == ' ' || unicode.IsControl(r) }
 
 func (ps *filePassive) validate(c *checker, p string) {
 	if *ps.Consecutive < 0 {
