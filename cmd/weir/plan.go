@@ -29,7 +29,7 @@ func (m *maxMove) String() string {
 
 func (m *maxMove) Set(s string) error {
 	v, err := strconv.ParseFloat(strings.TrimSuffix(s, "%"), 64)
-	if err != nil || v < 0 || v > 100 {
+	if err != nil || !(v >= 0 && v <= 100) { // NaN too
 		return fmt.Errorf("must be a percentage 0..100, got %q", s)
 	}
 	m.pct, m.set = v, true
