@@ -172,6 +172,8 @@ func TestErrors(t *testing.T) {
 		{"hash on proxy algorithm", svc + "  algorithm: round_robin\n  hash: source\n" + be, "services[0].hash: only maglev and source_hash hash"},
 		{"source_hash with 5tuple", svc + "  algorithm: source_hash\n  hash: 5tuple\n" + be, "source_hash always hashes the source address"},
 		{"pass on proxy", svc + "  data_plane: proxy\n  all_down: pass\n" + be, "services[0].all_down: pass hands packets"},
+		{"pass with a proxy algorithm", svc + "  algorithm: least_conn\n  all_down: pass\n" + be, "services[0].all_down: pass hands packets"},
+		{"pass with maglev", "interfaces: [{name: eth0}]\n" + svc + "  all_down: pass\n" + be, ""},
 		{"table size not prime", svc + "  table_size: 1000\n" + be, "services[0].table_size: must be a prime"},
 		{"table size too large", svc + "  table_size: 4194319\n" + be, "services[0].table_size: must be a prime from the number of backends (1) to 4194301, got 4194319"},
 		{"table size largest", svc + "  table_size: 4194301\n" + be, ""},

@@ -614,8 +614,14 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 		case s.Algorithm == AlgorithmMaglevP2C && s.Hash == HashSource:
 			c.bad(p+".hash", "maglev_p2c may send one client's flows to either of two backends, which breaks source affinity; use hash 5tuple, or algorithm maglev or source_hash")
 		}
-		if (s.DataPlane == DataPlaneProxy || s.DataPlane == DataPlaneHTTP) && s.AllDown == AllDownPass {
+		// Only a service XDP may serve: not data_plane proxy or http, nor auto with an
+		// algorithm XDP does not serve.
+		switch {
+		case s.AllDown != AllDownPass:
+		case s.DataPlane == DataPlaneProxy || s.DataPlane == DataPlaneHTTP:
 			c.bad(p+".all_down", "pass hands packets to the host's stack, which only XDP can do; use drop or keep_last")
+		case !hashAlgo:
+			c.bad(p+".all_down", "pass hands packets to the host's stack, which only XDP can do, and XDP does not serve %s; use drop or keep_last", s.Algorithm)
 		}
 	}
 	if s.SlowStart < 0 {
