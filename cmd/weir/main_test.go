@@ -267,7 +267,9 @@ func TestValidateNamesHostPreconditions(t *testing.T) {
 	xdptest.Check(t, err)
 	t.Cleanup(func() { ns.Close() })
 	p := t.TempDir() + "/nat.yaml"
-	os.WriteFile(p, []byte("interfaces: [{name: lo}]\naddresses: [192.0.2.9]\nservices:\n- {name: web, vip: 192.0.2.1:80, backends: [{address: 192.0.2.2:80}]}\n"), 0o644)
+	// api is served by the http plane, whatever its algorithm: XDP's needs are not its.
+	os.WriteFile(p, []byte("interfaces: [{name: lo}]\naddresses: [192.0.2.9]\nservices:\n- {name: web, vip: 192.0.2.1:80, backends: [{address: 192.0.2.2:80}]}\n"+
+		"- {name: api, vip: 192.0.2.1:81, data_plane: http, algorithm: maglev, backends: [{address: 192.0.2.2:81}]}\n"), 0o644)
 	var stdout, stderr bytes.Buffer
 	if err := ns.Do(func() error { return run(context.Background(), []string{"validate", p}, &stdout, &stderr) }); err != nil {
 		t.Fatal(err)
@@ -276,6 +278,9 @@ func TestValidateNamesHostPreconditions(t *testing.T) {
 		if !strings.Contains(stdout.String(), w) {
 			t.Errorf("stdout:\n%s\nwant it to contain %q", stdout.String(), w)
 		}
+	}
+	if strings.Contains(stdout.String(), `service "api"`) {
+		t.Errorf("stdout:\n%s\nwant nothing about the http service api", stdout.String())
 	}
 }
 

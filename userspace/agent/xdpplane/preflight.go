@@ -34,7 +34,7 @@ func Preflight(cfg *config.Config) []string {
 	}
 	for i := range cfg.Services {
 		s := &cfg.Services[i]
-		if s.DataPlane == config.DataPlaneProxy || !s.Algorithm.XDP() {
+		if s.DataPlane == config.DataPlaneProxy || s.DataPlane == config.DataPlaneHTTP || !s.Algorithm.XDP() {
 			continue
 		}
 		if err := x.modeReady(s); err != nil {
