@@ -147,10 +147,10 @@ type fileHealth struct {
 	// Method of tcp checks: syn (half-open, needs CAP_NET_RAW), connect, or
 	// auto (default): syn when the agent has CAP_NET_RAW.
 	Method   CheckMethod `yaml:"method,omitempty"`
-	Interval duration    `yaml:"interval,omitempty"`
-	Timeout  duration    `yaml:"timeout,omitempty"`
-	Rise     *int        `yaml:"rise,omitempty"` // default 2
-	Fall     *int        `yaml:"fall,omitempty"` // default 3
+	Interval *duration   `yaml:"interval,omitempty"` // default 2s
+	Timeout  *duration   `yaml:"timeout,omitempty"`  // default 1s, at most Interval
+	Rise     *int        `yaml:"rise,omitempty"`     // default 2
+	Fall     *int        `yaml:"fall,omitempty"`     // default 3
 	// Jitter spreads checks over interval × (1 ± jitter); 0..0.5, default 0.1.
 	Jitter *float64 `yaml:"jitter,omitempty"`
 	// Initial is the state of a new backend: up, down or unknown. Default up,
@@ -168,23 +168,23 @@ type fileHealth struct {
 // Passive is outlier ejection from what the proxy sees of its connections.
 type filePassive struct {
 	// Consecutive failures that eject a backend. Default 5; 0 turns it off.
-	Consecutive        *int     `yaml:"consecutive,omitempty"`
-	BaseEjection       duration `yaml:"base_ejection,omitempty"`
-	MaxEjection        duration `yaml:"max_ejection,omitempty"`
-	MaxEjectionPercent *int     `yaml:"max_ejection_percent,omitempty"`
+	Consecutive        *int      `yaml:"consecutive,omitempty"`
+	BaseEjection       *duration `yaml:"base_ejection,omitempty"` // default 30s
+	MaxEjection        *duration `yaml:"max_ejection,omitempty"`  // default 300s, at least BaseEjection
+	MaxEjectionPercent *int      `yaml:"max_ejection_percent,omitempty"`
 }
 
 // Proxy holds the settings that apply when the proxy serves the service.
 type fileProxy struct {
 	// Listen is the address the proxy binds. Default the VIP.
-	Listen             string   `yaml:"listen,omitempty"`
-	ConnectTimeout     duration `yaml:"connect_timeout,omitempty"`
-	IdleTimeout        duration `yaml:"idle_timeout,omitempty"`
-	Retries            *int     `yaml:"retries,omitempty"`
-	MaxConns           int      `yaml:"max_conns,omitempty"`
-	MaxConnsPerBackend int      `yaml:"max_conns_per_backend,omitempty"`
-	ProxyProtocol      int      `yaml:"proxy_protocol,omitempty"` // 0, 1 or 2
-	SockMap            SockMap  `yaml:"sockmap,omitempty"`        // auto (default), on, off
+	Listen             string    `yaml:"listen,omitempty"`
+	ConnectTimeout     *duration `yaml:"connect_timeout,omitempty"` // default 3s
+	IdleTimeout        *duration `yaml:"idle_timeout,omitempty"`    // default 10m
+	Retries            *int      `yaml:"retries,omitempty"`
+	MaxConns           int       `yaml:"max_conns,omitempty"`
+	MaxConnsPerBackend int       `yaml:"max_conns_per_backend,omitempty"`
+	ProxyProtocol      int       `yaml:"proxy_protocol,omitempty"` // 0, 1 or 2
+	SockMap            SockMap   `yaml:"sockmap,omitempty"`        // auto (default), on, off
 
 	ListenAddr netip.AddrPort `yaml:"-"` // Listen, parsed
 }
@@ -208,20 +208,20 @@ type fileHTTP struct {
 	LeastTime LeastTime `yaml:"least_time,omitempty"`
 	// HashBy is source (default), header:NAME or cookie:NAME, for maglev and
 	// source_hash.
-	HashBy            string   `yaml:"hash_by,omitempty"`
-	ConnectTimeout    duration `yaml:"connect_timeout,omitempty"`     // default 3s
-	TryTimeout        duration `yaml:"try_timeout,omitempty"`         // default none
-	Timeout           duration `yaml:"timeout,omitempty"`             // default none
-	IdleTimeout       duration `yaml:"idle_timeout,omitempty"`        // default 5m
-	ReadHeaderTimeout duration `yaml:"read_header_timeout,omitempty"` // default 10s
-	MaxHeaderBytes    int      `yaml:"max_header_bytes,omitempty"`    // default 65536
-	Retries           *int     `yaml:"retries,omitempty"`             // default 2
-	RetryBudget       *float64 `yaml:"retry_budget,omitempty"`        // default 0.2
-	RetryGRPC         []string `yaml:"retry_grpc,omitempty"`
-	XForwardedFor     *bool    `yaml:"x_forwarded_for,omitempty"`   // default true
-	Forwarded         bool     `yaml:"forwarded,omitempty"`         // default false
-	XForwardedProto   *bool    `yaml:"x_forwarded_proto,omitempty"` // default true
-	AccessLog         bool     `yaml:"access_log,omitempty"`
+	HashBy            string    `yaml:"hash_by,omitempty"`
+	ConnectTimeout    *duration `yaml:"connect_timeout,omitempty"`     // default 3s
+	TryTimeout        duration  `yaml:"try_timeout,omitempty"`         // default none
+	Timeout           duration  `yaml:"timeout,omitempty"`             // default none
+	IdleTimeout       *duration `yaml:"idle_timeout,omitempty"`        // default 5m
+	ReadHeaderTimeout *duration `yaml:"read_header_timeout,omitempty"` // default 10s
+	MaxHeaderBytes    *int      `yaml:"max_header_bytes,omitempty"`    // default 65536
+	Retries           *int      `yaml:"retries,omitempty"`             // default 2
+	RetryBudget       *float64  `yaml:"retry_budget,omitempty"`        // default 0.2
+	RetryGRPC         []string  `yaml:"retry_grpc,omitempty"`
+	XForwardedFor     *bool     `yaml:"x_forwarded_for,omitempty"`   // default true
+	Forwarded         bool      `yaml:"forwarded,omitempty"`         // default false
+	XForwardedProto   *bool     `yaml:"x_forwarded_proto,omitempty"` // default true
+	AccessLog         bool      `yaml:"access_log,omitempty"`
 
 	ListenAddr netip.AddrPort `yaml:"-"` // Listen, parsed
 	Hash       HashBy         `yaml:"-"` // HashBy, parsed

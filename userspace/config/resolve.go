@@ -104,7 +104,7 @@ func (s *fileService) resolve() Service {
 			Listen: h.ListenAddr, TLSCert: h.TLS.Cert, TLSKey: h.TLS.Key, Upstream: h.Upstream, H2Engine: h.H2Engine, H1Engine: h.H1Engine,
 			LeastTime: h.LeastTime, HashBy: h.Hash, ConnectTimeout: h.ConnectTimeout.D(),
 			TryTimeout: h.TryTimeout.D(), Timeout: h.Timeout.D(), IdleTimeout: h.IdleTimeout.D(),
-			ReadHeaderTimeout: h.ReadHeaderTimeout.D(), MaxHeaderBytes: h.MaxHeaderBytes,
+			ReadHeaderTimeout: h.ReadHeaderTimeout.D(), MaxHeaderBytes: *h.MaxHeaderBytes,
 			Retries: *h.Retries, RetryBudget: *h.RetryBudget, RetryGRPC: h.RetryGRPC,
 			XForwardedFor: *h.XForwardedFor, Forwarded: h.Forwarded, XForwardedProto: *h.XForwardedProto,
 			AccessLog: h.AccessLog,

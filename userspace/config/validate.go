@@ -104,14 +104,16 @@ func (s *fileService) defaults() {
 	if h.Method == "" {
 		h.Method = DefaultHealthMethod
 	}
-	if h.Interval == 0 {
-		h.Interval = duration(DefaultInterval)
+	// A setting left out takes its default; one written 0 is refused by validate
+	// (it must be positive), not taken for the default.
+	if h.Interval == nil {
+		h.Interval = ptr(duration(DefaultInterval))
 	}
-	if h.Timeout == 0 {
+	if h.Timeout == nil {
 		// From a wrong interval, no timeout: the interval's error is the one to read.
-		h.Timeout = duration(DefaultTimeout)
-		if h.Interval > 0 {
-			h.Timeout = duration(min(DefaultTimeout, h.Interval.D()))
+		h.Timeout = ptr(duration(DefaultTimeout))
+		if *h.Interval > 0 {
+			h.Timeout = ptr(duration(min(DefaultTimeout, h.Interval.D())))
 		}
 	}
 	if h.Rise == nil {
@@ -138,11 +140,11 @@ func (s *fileService) defaults() {
 	if ps.Consecutive == nil {
 		ps.Consecutive = ptr(DefaultConsecutive)
 	}
-	if ps.BaseEjection == 0 {
-		ps.BaseEjection = duration(DefaultBaseEjection)
+	if ps.BaseEjection == nil {
+		ps.BaseEjection = ptr(duration(DefaultBaseEjection))
 	}
-	if ps.MaxEjection == 0 {
-		ps.MaxEjection = duration(max(DefaultMaxEjection, ps.BaseEjection.D()))
+	if ps.MaxEjection == nil {
+		ps.MaxEjection = ptr(duration(max(DefaultMaxEjection, ps.BaseEjection.D())))
 	}
 	if ps.MaxEjectionPercent == nil {
 		ps.MaxEjectionPercent = ptr(DefaultMaxEjectionPct)
@@ -151,11 +153,11 @@ func (s *fileService) defaults() {
 		s.PanicThreshold = ptr(DefaultPanicThreshold)
 	}
 	px := &s.Proxy
-	if px.ConnectTimeout == 0 {
-		px.ConnectTimeout = duration(DefaultConnectTimeout)
+	if px.ConnectTimeout == nil {
+		px.ConnectTimeout = ptr(duration(DefaultConnectTimeout))
 	}
-	if px.IdleTimeout == 0 {
-		px.IdleTimeout = duration(DefaultIdleTimeout)
+	if px.IdleTimeout == nil {
+		px.IdleTimeout = ptr(duration(DefaultIdleTimeout))
 	}
 	if px.Retries == nil {
 		px.Retries = ptr(DefaultRetries)
@@ -718,8 +720,8 @@ func (h *fileHealth) validate(c *checker, p string) {
 		h.Method == MethodSyn && h.Type != CheckTCP {
 		c.bad(p+".method", "syn applies to tcp checks only, and type is %s", h.Type)
 	}
-	c.positive(p+".interval", h.Interval)
-	c.positive(p+".timeout", h.Timeout)
+	c.positive(p+".interval", *h.Interval)
+	c.positive(p+".timeout", *h.Timeout)
 	if *h.Rise < 1 {
 		c.bad(p+".rise", "must be at least 1, got %d", *h.Rise)
 	}
@@ -771,9 +773,9 @@ func (ps *filePassive) validate(c *checker, p string) {
 	if *ps.Consecutive < 0 {
 		c.bad(p+".consecutive", "must be 0 (off) or positive, got %d", *ps.Consecutive)
 	}
-	c.positive(p+".base_ejection", ps.BaseEjection)
-	if ps.MaxEjection < ps.BaseEjection {
-		c.bad(p+".max_ejection", "must be at least base_ejection (%v), got %v", ps.BaseEjection, ps.MaxEjection)
+	c.positive(p+".base_ejection", *ps.BaseEjection)
+	if *ps.MaxEjection < *ps.BaseEjection {
+		c.bad(p+".max_ejection", "must be at least base_ejection (%v), got %v", *ps.BaseEjection, *ps.MaxEjection)
 	}
 	if *ps.MaxEjectionPercent < 0 || *ps.MaxEjectionPercent > 100 {
 		c.bad(p+".max_ejection_percent", "must be 0..100, got %d", *ps.MaxEjectionPercent)
@@ -788,8 +790,8 @@ func (px *fileProxy) validate(c *checker, p string, vip netip.AddrPort) {
 			px.ListenAddr = ap
 		}
 	}
-	c.positive(p+".connect_timeout", px.ConnectTimeout)
-	c.positive(p+".idle_timeout", px.IdleTimeout)
+	c.positive(p+".connect_timeout", *px.ConnectTimeout)
+	c.positive(p+".idle_timeout", *px.IdleTimeout)
 	if *px.Retries < 0 {
 		c.bad(p+".retries", "must be 0 or more, got %d", *px.Retries)
 	}
@@ -821,17 +823,17 @@ func (h *fileHTTP) defaults() {
 	if h.HashBy == "" {
 		h.HashBy = string(HashBySource)
 	}
-	if h.ConnectTimeout == 0 {
-		h.ConnectTimeout = duration(DefaultConnectTimeout)
+	if h.ConnectTimeout == nil {
+		h.ConnectTimeout = ptr(duration(DefaultConnectTimeout))
 	}
-	if h.IdleTimeout == 0 {
-		h.IdleTimeout = duration(DefaultHTTPIdle)
+	if h.IdleTimeout == nil {
+		h.IdleTimeout = ptr(duration(DefaultHTTPIdle))
 	}
-	if h.ReadHeaderTimeout == 0 {
-		h.ReadHeaderTimeout = duration(DefaultHeaderTimeout)
+	if h.ReadHeaderTimeout == nil {
+		h.ReadHeaderTimeout = ptr(duration(DefaultHeaderTimeout))
 	}
-	if h.MaxHeaderBytes == 0 {
-		h.MaxHeaderBytes = DefaultMaxHeaderBytes
+	if h.MaxHeaderBytes == nil {
+		h.MaxHeaderBytes = ptr(DefaultMaxHeaderBytes)
 	}
 	if h.Retries == nil {
 		h.Retries = ptr(DefaultHTTPRetries)
@@ -878,17 +880,17 @@ func (h *fileHTTP) validate(c *checker, p string, vip netip.AddrPort, algo Algor
 	case h.Hash.Kind != HashBySource && !algo.XDP():
 		c.bad(p+".hash_by", "only maglev and source_hash hash, and algorithm is %s", algo)
 	}
-	c.positive(p+".connect_timeout", h.ConnectTimeout)
-	c.positive(p+".idle_timeout", h.IdleTimeout)
-	c.positive(p+".read_header_timeout", h.ReadHeaderTimeout)
+	c.positive(p+".connect_timeout", *h.ConnectTimeout)
+	c.positive(p+".idle_timeout", *h.IdleTimeout)
+	c.positive(p+".read_header_timeout", *h.ReadHeaderTimeout)
 	if h.TryTimeout < 0 {
 		c.bad(p+".try_timeout", "must be 0 (none) or positive, got %v", h.TryTimeout)
 	}
 	if h.Timeout < 0 {
 		c.bad(p+".timeout", "must be 0 (none) or positive, got %v", h.Timeout)
 	}
-	if h.MaxHeaderBytes < 1024 || h.MaxHeaderBytes > 16<<20 {
-		c.bad(p+".max_header_bytes", "must be 1024..16777216, got %d", h.MaxHeaderBytes)
+	if *h.MaxHeaderBytes < 1024 || *h.MaxHeaderBytes > 16<<20 {
+		c.bad(p+".max_header_bytes", "must be 1024..16777216, got %d", *h.MaxHeaderBytes)
 	}
 	if *h.Retries < 0 || *h.Retries > 10 {
 		c.bad(p+".retries", "must be 0..10, got %d", *h.Retries)
