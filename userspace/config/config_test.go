@@ -204,6 +204,11 @@ func TestErrors(t *testing.T) {
 		{"zero http header timeout", svc + "  data_plane: http\n  http: {read_header_timeout: 0s}\n" + be, "line 5: services[0].http.read_header_timeout: must be positive, got 0s"},
 		{"zero http header bytes", svc + "  data_plane: http\n  http: {max_header_bytes: 0}\n" + be, "line 5: services[0].http.max_header_bytes: must be 1024..16777216, got 0"},
 		{"zero http timeouts that mean none", svc + "  data_plane: http\n  http: {try_timeout: 0s, timeout: 0s}\n" + be, ""},
+		// A service that is its own backend sends every connection round to itself.
+		{"backend is the VIP", svc + "  data_plane: proxy\n  backends: [{address: 10.0.0.1:80}]\n", "line 5: services[0].backends[0].address: 10.0.0.1:80 is this service's own VIP"},
+		{"backend is the proxy listen", svc + "  data_plane: proxy\n  proxy: {listen: 127.0.0.1:8080}\n  backends: [{address: 127.0.0.1:8080}]\n", "line 6: services[0].backends[0].address: 127.0.0.1:8080 is this service's own proxy.listen"},
+		{"backend is the http listen", svc + "  data_plane: http\n  http: {listen: 127.0.0.1:8080}\n  backends: [{address: 127.0.0.1:8080}]\n", "line 6: services[0].backends[0].address: 127.0.0.1:8080 is this service's own http.listen"},
+		{"backend is another service's VIP", "services:\n- {name: a, vip: 10.0.0.1:80, data_plane: proxy, backends: [{address: 10.0.0.2:80}]}\n- {name: b, vip: 10.0.0.2:80, data_plane: proxy, backends: [{address: 10.0.0.11:80}]}\n", ""},
 		{"ejection order", svc + "  passive: {base_ejection: 1m, max_ejection: 10s}\n" + be, "services[0].passive.max_ejection: must be at least base_ejection (1m0s), got 10s"},
 		{"panic", svc + "  panic_threshold: 101\n" + be, "services[0].panic_threshold: must be 0..100"},
 		{"proxy protocol", svc + "  proxy: {proxy_protocol: 3}\n" + be, "services[0].proxy.proxy_protocol: must be 0 (off), 1 or 2, got 3"},

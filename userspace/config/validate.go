@@ -658,6 +658,22 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 	if len(s.Backends) == 0 {
 		c.bad(p+".backends", "missing: a service needs at least one backend")
 	}
+	// Where the service itself takes connections: a backend there would send every
+	// connection round to the service again.
+	self := map[netip.AddrPort]string{}
+	if vipOK && mayUseXDP {
+		self[vip] = "VIP"
+	}
+	if vipOK && s.Protocol == TCP {
+		switch {
+		case s.DataPlane == DataPlaneHTTP && s.HTTP != nil && s.HTTP.Listen != "":
+			self[s.HTTP.ListenAddr] = "http.listen"
+		case s.DataPlane != DataPlaneHTTP && s.DataPlane != DataPlaneXDP && s.Proxy.Listen != "":
+			self[s.Proxy.ListenAddr] = "proxy.listen"
+		case s.DataPlane != DataPlaneXDP:
+			self[vip] = "VIP" // the listener's address by default
+		}
+	}
 	seen := map[netip.AddrPort]int{}
 	total, badWeight := int64(0), false
 	for i := range s.Backends {
@@ -665,6 +681,9 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 		bp := fmt.Sprintf("%s.backends[%d]", p, i)
 		if ap, ok := c.addrPort(bp+".address", b.Address); ok {
 			b.Addr = ap
+			if what, ok := self[ap]; ok && ap.IsValid() {
+				c.bad(bp+".address", "%s is this service's own %s: every connection would come back to the service", ap, what)
+			}
 			if j, dup := seen[ap]; dup {
 				c.bad(bp+".address", "%s is already backends[%d]; merge the entries", ap, j)
 			}
