@@ -405,6 +405,17 @@ func TestErrorPlaces(t *testing.T) {
 			want: []string{`line 6: services[0].backends[0].check_address: must be address:port`},
 		},
 		{
+			name:    "a misspelt check type",
+			yaml:    "services:\n- name: a\n  vip: 10.0.0.1:80\n  health: {type: htp}\n" + be,
+			want:    []string{`line 4: services[0].health.type: must be tcp, http or none, got "htp"`},
+			wantNot: []string{"health.path"}, // the file names no path
+		},
+		{
+			name: "a misspelt check type and a bad path",
+			yaml: "services:\n- name: a\n  vip: 10.0.0.1:80\n  health:\n    type: htp\n    path: x\n" + be,
+			want: []string{"line 5: services[0].health.type", `line 6: services[0].health.path: must start with /`},
+		},
+		{
 			name:    "a negative interval",
 			yaml:    "services:\n- name: a\n  vip: 10.0.0.1:80\n  health:\n    interval: -1s\n" + be,
 			want:    []string{"line 5: services[0].health.interval"},

@@ -754,7 +754,9 @@ func (h *fileHealth) validate(c *checker, p string) {
 	if !typeOK || h.Type == CheckHTTP {
 		// Both go into the check's request as written, where a space or a control
 		// character would make a request no server takes.
-		if !strings.HasPrefix(h.Path, "/") || strings.IndexFunc(h.Path, spaceOrControl) >= 0 {
+		// (With a misspelt type the path has no default: only one the file names is
+		// checked.)
+		if (h.Path != "" || h.Type == CheckHTTP) && (!strings.HasPrefix(h.Path, "/") || strings.IndexFunc(h.Path, spaceOrControl) >= 0) {
 			c.bad(p+".path", "must start with / and hold no spaces or control characters, got %q", h.Path)
 		}
 		if strings.IndexFunc(h.Host, spaceOrControl) >= 0 || strings.Contains(h.Host, "/") {
