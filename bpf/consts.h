@@ -136,6 +136,7 @@ enum stat_reason {
 	STAT_NAT_NEW_PORT,         // nat: a SYN sent again that the backend had not answered, moved to a new source port
 	STAT_DROP_NO_TX_PORT,      // nat/tunnel: the next hop is on an interface the program is not attached to (not in tx_ports)
 	STAT_NAT_TOO_BIG,          // nat: too big for the route to the backend; ICMP error sent back
+	STAT_ICMP_TO_BACKEND,      // dsr/tunnel: an ICMP error quoting a flow's reply, sent on to its backend
 	STAT_MAX,
 };
 

@@ -2,10 +2,14 @@
 // so path-MTU discovery and "port unreachable" work through the balancer. An error
 // from the backend's side comes to the nat address and quotes the packet we sent the
 // backend; one from the client's side comes to the VIP and quotes our reply. The
-// flow is the quoted packet reversed. Anything else is passed untouched.
+// flow is the quoted packet reversed. An error from the client's side about a dsr or
+// tunnel flow goes to the flow's backend unchanged (icmp_to_lb_backend). Anything
+// else is passed untouched.
 #pragma once
 
+#include "dsr.h"
 #include "nat.h"
+#include "tunnel.h"
 
 struct icmp_rewrite {
 	__be32 outer_src[4], outer_dst[4]; // new outer addresses
@@ -135,6 +139,60 @@ static __always_inline int icmp_apply(struct xdp_md *ctx, struct packet *p, cons
 	return CONTINUE;
 }
 
+// icmp_to_lb_backend sends an ICMP error from the client's side about a dsr or tunnel
+// flow (flow: client -> VIP) to the flow's backend, unchanged, in the service's mode.
+// The backend answered the client from the VIP, so a router on the way that could
+// not pass an answer on (too big, unreachable) tells the VIP, whose packets come
+// here; the backend's stack finds its socket by the quote, so path-MTU discovery
+// works through the balancer in these modes too. The backend is the one the flow's
+// next packet would get: its connection-table (or half-open) entry's while usable,
+// else the lookup table's, as for a packet of a connection opened elsewhere;
+// nothing is recorded. Errors quoting any other service are passed.
+static __always_inline int icmp_to_lb_backend(struct xdp_md *ctx, struct packet *p,
+					      const struct flow_key *flow)
+{
+	enum stat_reason event = STAT_FLOW_NEW;
+	struct backend *be = 0;
+	struct vip_key key = {};
+	struct packet q = {};
+	struct service *svc;
+	struct lb_flow *known;
+	__u32 id = 0;
+	int action;
+
+	__builtin_memcpy(key.addr, flow->dst, sizeof(key.addr));
+	key.port = flow->dport;
+	key.proto = flow->proto;
+	key.family = flow->family;
+	svc = bpf_map_lookup_elem(&services, &key);
+	if (!svc || (svc->mode != MODE_DSR && svc->mode != MODE_TUNNEL))
+		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	known = flow_lookup(LB_CONNTRACK, flow);
+	if (!known)
+		known = flow_lookup(LB_HALF_OPEN, flow);
+	if (known) {
+		id = known->backend_id;
+		be = usable_backend(id, svc->id);
+		if (!be)
+			event = STAT_FLOW_RESELECT;
+	}
+	if (!be) {
+		// The flow's next packet: for TCP one past the handshake.
+		q.flow = *flow;
+		q.len = p->len;
+		q.tcp_flags = flow->proto == IPPROTO_TCP ? TCP_FLAG_ACK : 0;
+		action = miss_backend(&q, svc, &be, &id, &event);
+		if (action != CONTINUE)
+			return action;
+	}
+	count(&global_stats, STAT_ICMP_TO_BACKEND, p->len);
+	if (svc->mode == MODE_TUNNEL)
+		return tunnel_send(ctx, p, svc, be, id);
+	count(&service_stats, svc->id, p->len);
+	count(&backend_stats, id, p->len);
+	return verdict(forward_dsr(ctx, be), STAT_TX, p->len);
+}
+
 // icmp_error_translate handles an ICMP error (p->icmp_error set by parse).
 static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packet *p)
 {
@@ -208,7 +266,7 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 		if (!fs)
 			fs = flow_lookup(NAT_HALF_OPEN, &flow);
 		if (!fs || !fs->nat_port)
-			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+			return icmp_to_lb_backend(ctx, p, &flow);
 		id = fs->backend_id;
 		be = bpf_map_lookup_elem(&backends, &id);
 		if (!be)

@@ -45,6 +45,9 @@ static __always_inline int tunnel_hop(struct xdp_md *ctx, struct packet *p, stru
 		__builtin_memcpy(fib.ipv6_dst, be->addr, 16);
 	}
 	rc = bpf_fib_lookup(ctx, &fib, sizeof(fib), 0);
+	// No ICMP error answers an ICMP error (RFC 1122 3.2.2, RFC 4443 2.4).
+	if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED && p->icmp_error)
+		return verdict(XDP_DROP, STAT_DROP_TOO_BIG, p->len);
 	if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
 		return icmp_too_big(ctx, p, fib.mtu_result > outer_len ? fib.mtu_result - outer_len : 0,
 				    STAT_TUNNEL_TOO_BIG);
@@ -61,19 +64,17 @@ static __always_inline int tunnel_hop(struct xdp_md *ctx, struct packet *p, stru
 	return CONTINUE;
 }
 
-// tunnel_forward handles a packet to a tunnel-mode service.
-static __always_inline int tunnel_forward(struct xdp_md *ctx, struct packet *p, struct service *svc)
+// tunnel_send puts the packet in an outer header to backend be (slot id) of svc and
+// sends it.
+static __always_inline int tunnel_send(struct xdp_md *ctx, struct packet *p, struct service *svc,
+				       struct backend *be, __u32 id)
 {
 	struct next_hop hop = {};
-	struct backend *be;
-	__u32 id, outer_len, tot_len, hash;
+	__u32 outer_len, tot_len, hash;
 	int action, delta;
 	void *data, *data_end;
 	struct ethhdr *eth;
 
-	action = select_backend(p, svc, &be, &id);
-	if (action != CONTINUE)
-		return action;
 	outer_len = be->family == FAMILY_IPV4 ? sizeof(struct iphdr) : sizeof(struct ipv6hdr);
 	tot_len = p->l3_len + outer_len;
 	action = tunnel_hop(ctx, p, be, tot_len, outer_len, &hop);
@@ -140,4 +141,17 @@ static __always_inline int tunnel_forward(struct xdp_md *ctx, struct packet *p, 
 	if (!hop.ifindex)
 		return verdict(XDP_PASS, STAT_PASS_NO_NEIGH, p->len);
 	return send_to(ctx, p, &hop);
+}
+
+// tunnel_forward handles a packet to a tunnel-mode service.
+static __always_inline int tunnel_forward(struct xdp_md *ctx, struct packet *p, struct service *svc)
+{
+	struct backend *be;
+	__u32 id;
+	int action;
+
+	action = select_backend(p, svc, &be, &id);
+	if (action != CONTINUE)
+		return action;
+	return tunnel_send(ctx, p, svc, be, id);
 }

@@ -193,7 +193,8 @@ const (
 	WeirStatReasonSTAT_NAT_NEW_PORT        WeirStatReason = 27
 	WeirStatReasonSTAT_DROP_NO_TX_PORT     WeirStatReason = 28
 	WeirStatReasonSTAT_NAT_TOO_BIG         WeirStatReason = 29
-	WeirStatReasonSTAT_MAX                 WeirStatReason = 30
+	WeirStatReasonSTAT_ICMP_TO_BACKEND     WeirStatReason = 30
+	WeirStatReasonSTAT_MAX                 WeirStatReason = 31
 )
 
 type WeirVipKey struct {

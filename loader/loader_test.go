@@ -197,6 +197,23 @@ func TestFixtures(t *testing.T) {
 		return fixture{name, in, XDPTX, dsrOut(in, wantBackend(t, s, flowOf(f)).MAC), ReasonTX}
 	}
 	pass := func(name string, in []byte, r Reason) fixture { return fixture{name, in, XDPPass, nil, r} }
+	// icmpAbout is a router's ICMP error (code: fragmentation needed 4, port
+	// unreachable 3; ICMPv6 sends packet too big) about the answer to f, which the
+	// backend sent from the VIP.
+	icmpAbout := func(f packet.Frame, code uint8) packet.Frame {
+		answer := packet.Frame{Proto: f.Proto, Src: f.Dst, Dst: f.Src, TCPFlags: packet.ACK}
+		icmp := &packet.ICMP{Type: 3, Code: code, Rest: 1400, Quote: answer.IPPacket()}
+		proto, router := uint8(packet.ProtoICMP), netip.MustParseAddr("10.99.0.1")
+		if f.Src.Addr().Is6() {
+			icmp.Type, icmp.Code, proto, router = 2, 0, packet.ProtoICMPv6, netip.MustParseAddr("fd99::1")
+		}
+		return packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Proto: proto, ICMP: icmp,
+			Src: netip.AddrPortFrom(router, 0), Dst: netip.AddrPortFrom(f.Dst.Addr(), 0)}
+	}
+	icmpToBackend := func(name string, s Service, f packet.Frame, code uint8) fixture {
+		in := icmpAbout(f, code).Build()
+		return fixture{name, in, XDPTX, dsrOut(in, wantBackend(t, s, flowOf(f)).MAC), ReasonICMPToBackend}
+	}
 	drop := func(name string, in []byte, r Reason) fixture { return fixture{name, in, XDPDrop, nil, r} }
 
 	fixtures := []fixture{
@@ -303,6 +320,15 @@ func TestFixtures(t *testing.T) {
 			f.IPv6ExtHeaders = []uint8{packet.ProtoHopOpts, packet.ProtoDstOpts, packet.ProtoRouting, packet.ProtoDstOpts, packet.ProtoDstOpts}
 		}).Build(), ReasonDropIPv6Extension),
 		pass("truncated ipv6 header", tcp6(40018, packet.SYN).Build()[:14+30], ReasonPassMalformedL3),
+		// A router on the way back to the client could not pass on the backend's
+		// answer (VIP -> client): its error, to the VIP, goes to the flow's backend
+		// as it came, so the backend's socket lowers its path MTU.
+		icmpToBackend("icmp frag needed about a dsr flow's answer", svc4, tcp4(40000, packet.ACK), 4),
+		icmpToBackend("icmpv6 packet too big about a dsr flow's answer", svc6, tcp6(40001, packet.ACK), 0),
+		icmpToBackend("icmp port unreachable about a dsr udp flow's answer", udp4, udp4Frame(5353, nil), 3),
+		pass("icmp frag needed about no service's answer", icmpAbout(with(tcp4(40000, packet.ACK), func(f *packet.Frame) {
+			f.Dst = netip.AddrPortFrom(vip4, 81)
+		}), 4).Build(), ReasonPassNotService),
 	}
 	for _, fx := range fixtures {
 		t.Run(fx.name, func(t *testing.T) {

@@ -270,8 +270,12 @@ func (r *run) program() int {
 	}
 	r.countService(svc.Id)
 	r.countBackend(id)
-	// forward_dsr: the frame came to us, so its destination MAC is our source MAC.
-	// weir.c counts tx whatever forward_dsr returns.
+	return r.forwardDSR(be)
+}
+
+// forwardDSR is dsr.h's forward_dsr: the frame came to us, so its destination MAC
+// is our source MAC. Its callers count tx whatever it returns.
+func (r *run) forwardDSR(be bpf.WeirBackend) int {
 	if !r.fits(0, ethHeaderLen) {
 		return r.verdict(XDPAborted, ReasonTX)
 	}
@@ -1230,7 +1234,7 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 			fs, ok = r.m.NATHalfOpen[flow]
 		}
 		if !ok || fs.NatPort == 0 {
-			return r.verdict(XDPPass, ReasonPassNotService)
+			return r.icmpToLBBackend(p, flow)
 		}
 		if uint64(fs.BackendId) >= uint64(len(r.m.Backends)) {
 			return r.verdict(XDPPass, ReasonPassNotService)
@@ -1247,6 +1251,48 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 		return a
 	}
 	return r.fibForward(p)
+}
+
+// icmpToLBBackend is icmp.h's icmp_to_lb_backend: an error from the client's side
+// about a dsr or tunnel flow goes on unchanged to the backend the flow's next packet
+// would get, recording nothing.
+func (r *run) icmpToLBBackend(p *modelPacket, flow bpf.WeirFlowKey) int {
+	key := bpf.WeirVipKey{Addr: flow.Dst, Port: flow.Dport, Proto: flow.Proto, Family: flow.Family}
+	svc, ok := r.m.Services[key]
+	if !ok || svc.Mode != bpf.WeirModeMODE_DSR && svc.Mode != bpf.WeirModeMODE_TUNNEL {
+		return r.verdict(XDPPass, ReasonPassNotService)
+	}
+	event := ReasonFlowNew
+	var id uint32
+	var be bpf.WeirBackend
+	usable := false
+	known, ok := r.m.LBConntrack[flow]
+	if !ok {
+		known, ok = r.m.LBHalfOpen[flow]
+	}
+	if ok {
+		id = known.BackendId
+		if be, usable = r.usableBackend(id, svc.Id); !usable {
+			event = ReasonFlowReselect
+		}
+	}
+	if !usable {
+		q := modelPacket{flow: flow, len: p.len}
+		if flow.Proto == protoTCP {
+			q.tcpFlags = tcpFlagACK
+		}
+		var a int
+		if id, be, a = r.missBackend(&q, svc, &event); a != modelContinue {
+			return a
+		}
+	}
+	r.count(ReasonICMPToBackend)
+	if svc.Mode == bpf.WeirModeMODE_TUNNEL {
+		return r.tunnelSend(p, svc, id, be)
+	}
+	r.countService(svc.Id)
+	r.countBackend(id)
+	return r.forwardDSR(be)
 }
 
 // icmpApply is icmp.h's icmp_apply.
@@ -1498,6 +1544,9 @@ func (r *run) tunnelHop(p *modelPacket, id, totLen, outerLen uint32) (bpf.WeirNe
 	ans := r.fib(q)
 	switch ans.Result {
 	case FIBFragNeeded:
+		if p.icmpError {
+			return bpf.WeirNextHop{}, r.verdict(XDPDrop, ReasonDropTooBig)
+		}
 		mtu := uint32(0)
 		if uint32(ans.MTU) > outerLen {
 			mtu = uint32(ans.MTU) - outerLen
@@ -1519,13 +1568,21 @@ func (r *run) tunnelHop(p *modelPacket, id, totLen, outerLen uint32) (bpf.WeirNe
 // the flow hash in the IPv4 ID or IPv6 flow label) between the Ethernet header and
 // the client's packet, and send it.
 func (r *run) tunnelForward(p *modelPacket, svc bpf.WeirService) int {
-	back, ok := r.cameFrom()
-	if !ok {
+	if _, ok := r.cameFrom(); !ok {
 		return int(XDPAborted)
 	}
 	id, be, a := r.selectBackend(p, svc)
 	if a != modelContinue {
 		return a
+	}
+	return r.tunnelSend(p, svc, id, be)
+}
+
+// tunnelSend is tunnel.h's tunnel_send.
+func (r *run) tunnelSend(p *modelPacket, svc bpf.WeirService, id uint32, be bpf.WeirBackend) int {
+	back, ok := r.cameFrom()
+	if !ok {
+		return int(XDPAborted)
 	}
 	outerLen := uint32(ipv6HeaderLen)
 	if be.Family == familyIPv4 {

@@ -43,6 +43,7 @@ const (
 	ReasonNATNewPort        = Reason(bpf.WeirStatReasonSTAT_NAT_NEW_PORT)
 	ReasonDropNoTXPort      = Reason(bpf.WeirStatReasonSTAT_DROP_NO_TX_PORT)
 	ReasonNATTooBig         = Reason(bpf.WeirStatReasonSTAT_NAT_TOO_BIG)
+	ReasonICMPToBackend     = Reason(bpf.WeirStatReasonSTAT_ICMP_TO_BACKEND)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
 
@@ -77,6 +78,7 @@ var reasonNames = [...]string{
 	ReasonNATNewPort:        "nat_new_port",
 	ReasonDropNoTXPort:      "drop_no_tx_port",
 	ReasonNATTooBig:         "nat_too_big",
+	ReasonICMPToBackend:     "icmp_to_backend",
 }
 
 func (r Reason) String() string {

@@ -278,3 +278,80 @@ func pathDrops(t *testing.T, tp *topo.Routed) (uint64, string) {
 	}
 	return total, strings.Join(each, ", ")
 }
+
+// TestTunnelReplyPathMTU narrows the link from the router to the client, on the
+// backends' way back only, so the router answers their large replies (from the VIP)
+// with ICMP "fragmentation needed" / "packet too big", which it routes to the VIP,
+// and so to the balancer. The balancer sends each error on to the flow's backend in
+// the tunnel; without that the backend never lowers its path MTU and the echoed
+// bulk transfer stalls.
+func TestTunnelReplyPathMTU(t *testing.T) {
+	tp := topo.NewRoutedT(t, 2)
+	for i, b := range tp.Backends {
+		serveBackend(t, b, fmt.Sprintf("backend-%d", i))
+		d, err := LoadDecap([]netip.Addr{b.IP4, b.IP6})
+		xdptest.Check(t, err)
+		t.Cleanup(func() { d.Close() })
+		err = b.NS.Do(func() error { _, err := d.Attach(b.Link, ModeNative); return err })
+		xdptest.Check(t, err)
+	}
+	p, err := Load(Options{HashSeed: 5, NAT: NATOptions{Addr4: tp.BalancerUp.IP4, Addr6: tp.BalancerUp.IP6}})
+	xdptest.Check(t, err)
+	t.Cleanup(func() { p.Close() })
+	err = tp.Balancer.NS.Do(func() error {
+		for _, link := range []string{tp.Balancer.Link, tp.BalancerUp.Link} {
+			if _, err := p.Attach(link, ModeNative); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	xdptest.Check(t, err)
+	for _, vip := range []netip.Addr{tp.VIP4, tp.VIP6} {
+		echo := Service{Key: ServiceKey{netip.AddrPortFrom(vip, echoPort), TCP}, Forwarding: ForwardTunnel}
+		for _, b := range tp.Backends {
+			ip := b.IP4
+			if vip.Is6() {
+				ip = b.IP6
+			}
+			echo.Backends = append(echo.Backends, Backend{Addr: netip.AddrPortFrom(ip, echoPort), Weight: 1, Usable: true})
+		}
+		if err := p.AddService(echo); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The router routes the VIPs to the balancer, as a network that announces them
+	// does, and its link towards the client's return side carries 1,280 bytes.
+	err = tp.Router.Do(func() error {
+		for _, r := range []struct{ vip, via netip.Addr }{{tp.VIP4, tp.BalancerUp.IP4}, {tp.VIP6, tp.BalancerUp.IP6}} {
+			dst := &net.IPNet{IP: r.vip.AsSlice(), Mask: net.CIDRMask(r.vip.BitLen(), r.vip.BitLen())}
+			if err := netlink.RouteAdd(&netlink.Route{Dst: dst, Gw: r.via.AsSlice()}); err != nil {
+				return fmt.Errorf("route %s via %s: %w", r.vip, r.via, err)
+			}
+		}
+		l, err := netlink.LinkByName("rc")
+		if err != nil {
+			return err
+		}
+		return netlink.LinkSetMTU(l, 1280)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, vip := range []netip.Addr{tp.VIP4, tp.VIP6} {
+		before, err := p.Stats()
+		if err != nil {
+			t.Fatal(err)
+		}
+		tunnelBulk(t, tp.Client, netip.AddrPortFrom(vip, echoPort), 8<<20)
+		after, err := p.Stats()
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := after.Reasons[ReasonICMPToBackend].Packets - before.Reasons[ReasonICMPToBackend].Packets
+		t.Logf("%s: %d ICMP errors sent on to the backend", vip, n)
+		if n == 0 {
+			t.Errorf("%s: no ICMP error went on to the backend; the transfer should have needed one", vip)
+		}
+	}
+}
