@@ -854,3 +854,36 @@ func TestBackendStatusUnder100(t *testing.T) {
 		}
 	}
 }
+
+// TestH1HeaderTimeoutAfterPOST: the start of a next request that comes right
+// behind a POST's body, and no more of it, does not hold the connection open:
+// the loop gives it read_header_timeout, as any request's head, and net/http's
+// server the idle timeout. The loop looked for the CRLF some clients send after
+// a POST's body (RFC 9112 2.2) with a read of 4 bytes under no deadline at all
+// (the body's reads have none), and waited for ever.
+func TestH1HeaderTimeoutAfterPOST(t *testing.T) {
+	be, _ := h1TestBackend(t)
+	for _, engine := range h1Engines {
+		for _, c := range []struct{ name, after string }{
+			{"one byte", "G"},
+			{"three bytes", "GET"},
+			{"a CR", "\r"},
+		} {
+			t.Run(engine+"/"+c.name, func(t *testing.T) {
+				s := serveOn(t, Config{NetHTTP1: engine == "net_http", ReadHeaderTimeout: 200 * time.Millisecond, IdleTimeout: time.Second},
+					[]Backend{{Addr: be, Weight: 1, Usable: true}})
+				conn, br := rawConn(t, s.Addr().String())
+				io.WriteString(conn, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"+c.after)
+				checkAnswer(t, br, wantAnswer{status: 200, body: "hello"})
+				conn.SetReadDeadline(time.Now().Add(3 * time.Second))
+				start := time.Now()
+				n, err := io.Copy(io.Discard, br)
+				if isTimeout(err) {
+					t.Errorf("connection still open 3 s after the answer, with %q of a request's head sent; want it closed within the idle timeout (1 s) at the most", c.after)
+				} else {
+					t.Logf("closed %v after the answer (%d bytes more, %v)", time.Since(start).Round(time.Millisecond), n, err)
+				}
+			})
+		}
+	}
+}

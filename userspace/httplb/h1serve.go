@@ -179,8 +179,16 @@ func (c *h1Session) serve() bool {
 		}
 		if lastMethod == http.MethodPost {
 			// Some clients end a POST's body with a CRLF more; net/http's
-			// server skips it too (RFC 9112 2.2).
-			peek, _ := c.br.Peek(4)
+			// server skips it too (RFC 9112 2.2). A look that must read is
+			// a read of the next request's head, under its deadline: the
+			// body's reads left none. Less than 4 bytes is no request.
+			if c.br.Buffered() < 4 {
+				c.conn.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
+			}
+			peek, err := c.br.Peek(4)
+			if err != nil {
+				return true
+			}
 			c.br.Discard(leadingCRLF(peek))
 		}
 		c.in.lim.n = int64(s.cfg.MaxHeaderBytes) + 4096
