@@ -35,6 +35,10 @@ type replayBody struct {
 	read bool // any byte read from src
 	over bool // more read than buf keeps
 	eof  bool
+	// srcErr is how reading the client's body failed (it went away, or sent
+	// a body its framing does not allow): the request's fault, never a
+	// backend's.
+	srcErr error
 }
 
 // next starts a try: a reader that replays what was kept, then reads on.
@@ -60,10 +64,24 @@ func (rb *replayBody) pull(p []byte) (n int, kept bool, err error) {
 			rb.over = true
 		}
 	}
-	if err == io.EOF {
+	switch {
+	case err == io.EOF:
 		rb.eof = true
+	case err != nil && rb.srcErr == nil:
+		rb.srcErr = err
 	}
 	return n, kept, err
+}
+
+// failed returns the error a read of the client's body met, nil if none did
+// (or there is no body).
+func (rb *replayBody) failed() error {
+	if rb == nil {
+		return nil
+	}
+	rb.mu.Lock()
+	defer rb.mu.Unlock()
+	return rb.srcErr
 }
 
 // ended reports whether the client's body has been read to its end; a nil body

@@ -183,6 +183,8 @@ type failure struct {
 	// tunnel: the request became a tunnel, which counts itself in flight
 	// until it ends (with done).
 	tunnel bool
+	// client: the request itself failed (its body), not the backend.
+	client bool
 }
 
 // try sends the request to one backend. done reports that the client has its
@@ -247,6 +249,14 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 			// The client gave up; the backend is not to blame.
 			lease.Release(balance.Result{})
 			abandoned()
+		}
+		if berr := body.failed(); berr != nil {
+			// The client's body broke off or was malformed, and the
+			// transport gave up for it: nor is the backend to blame, and
+			// no other backend can have the rest.
+			lease.Release(balance.Result{})
+			be.stats.count(0)
+			return false, failure{status: http.StatusBadRequest, err: fmt.Errorf("request body: %w", berr), client: true}
 		}
 		o, status := Reset, http.StatusBadGateway
 		var de *dialError
@@ -495,6 +505,9 @@ func copyBody(w http.ResponseWriter, src io.Reader, buf []byte, flush bool) (int
 
 func (s *Service) answerFailure(l *live, w http.ResponseWriter, r *http.Request, f failure, tries int, start time.Time) {
 	msg := fmt.Sprintf("service %q: %d tries failed, the last: %v", s.cfg.Name, tries, f.err)
+	if f.client {
+		msg = fmt.Sprintf("service %q: %v", s.cfg.Name, f.err)
+	}
 	if f.status == 0 {
 		f.status = http.StatusBadGateway
 	}
