@@ -274,14 +274,18 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 		overall := ctx.Err() != nil
 		return false, failure{retry: !overall && (retryable || o == ConnectFailure), dial: o == ConnectFailure, status: status, err: err}
 	}
+	// The answer's outcome is told once its body has come whole: a body
+	// that breaks off makes the try a Reset, and one try must not be told as
+	// a Success and a Reset, since the Success would end the run of failures
+	// the checker counts towards an ejection.
+	answerOutcome := Success
 	if resp.StatusCode >= 500 {
-		l.observeTry(be, ServerError)
-	} else {
-		l.observeTry(be, Success)
+		answerOutcome = ServerError
 	}
 	if more && retryable && retryStatus(resp.StatusCode) && body.replayable(false) {
 		// Worth another backend: leave this answer unread.
 		resp.Body.Close()
+		l.observeTry(be, answerOutcome)
 		lease.Release(balance.Result{Latency: headerLatency})
 		be.stats.count(resp.StatusCode)
 		return false, failure{retry: true, status: resp.StatusCode, resp: resp.Status, err: fmt.Errorf("backend answered %s", resp.Status)}
@@ -338,6 +342,7 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 		l.observeTry(be, Reset)
 		panic(http.ErrAbortHandler)
 	}
+	l.observeTry(be, answerOutcome)
 	return true, failure{}
 }
 

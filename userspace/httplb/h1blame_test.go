@@ -1,8 +1,10 @@
 package httplb
 
 import (
+	"bufio"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"sync"
 	"testing"
@@ -82,6 +84,79 @@ func TestH1ClientBodyFailureNotBlamed(t *testing.T) {
 					// backend failed.
 					checkAnswer(t, br, wantAnswer{method: "POST", status: 400,
 						body: "service \"test\": request body: invalid byte in chunk length\n", close: true})
+				}
+			})
+		}
+	}
+}
+
+// TestH1BrokenAnswerOneOutcome: a backend that sends an answer's headers and
+// then breaks off its body is told to the health checker as one Reset per try,
+// so that such failures in a row add up to an ejection. Each was told as a
+// Success when the headers came and a Reset when the body broke: the Success
+// ended the run of failures every time, and a backend that broke off every
+// answer was never ejected. Through both engines, over weir's own exchange
+// (no retries), with the first body bytes read before answering (retries on:
+// the try is retried elsewhere), and a declined upgrade's answer.
+func TestH1BrokenAnswerOneOutcome(t *testing.T) {
+	be := rawBackend(t, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		req, err := http.ReadRequest(br)
+		if err != nil {
+			return
+		}
+		io.Copy(io.Discard, req.Body)
+		body := "0123456789"
+		if req.URL.Path == "/none" {
+			body = ""
+		}
+		status := "200 OK"
+		if req.Header.Get("Upgrade") != "" {
+			status = "403 Forbidden"
+		}
+		// 100 bytes promised, fewer sent, and the connection closed.
+		io.WriteString(c, "HTTP/1.1 "+status+"\r\nContent-Length: 100\r\n\r\n"+body)
+	})
+	const n = 3
+	for _, engine := range h1Engines {
+		for _, c := range []struct {
+			name    string
+			retries int
+			req     string
+		}{
+			{"answer broken off", 0, "GET / HTTP/1.1\r\nHost: x\r\n\r\n"},
+			{"body with a length, retries on", 2, "GET /none HTTP/1.1\r\nHost: x\r\n\r\n"},
+			{"declined upgrade", 0, "GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"},
+		} {
+			t.Run(engine+"/"+c.name, func(t *testing.T) {
+				obs := &outcomeLog{}
+				s := serveOn(t, Config{NetHTTP1: engine == "net_http", Observer: obs, Retries: c.retries},
+					[]Backend{{Addr: be, Weight: 1, Usable: true}})
+				for range n {
+					conn, br := rawConn(t, s.Addr().String())
+					io.WriteString(conn, c.req)
+					// A cut answer (the connection closed short of it), or
+					// a 502 when the try could be retried.
+					if resp, err := http.ReadResponse(br, nil); err == nil {
+						io.Copy(io.Discard, resp.Body)
+					}
+					conn.Close()
+				}
+				waitfor.Value(t, 5*time.Second, "no request in flight", func() (any, bool) {
+					n := s.Snapshot().InFlight
+					return n, n == 0
+				})
+				got := obs.get()
+				run := 0
+				for _, o := range got {
+					if o == Success {
+						run = 0
+					} else {
+						run++
+					}
+				}
+				if len(got) != n || run != n {
+					t.Errorf("outcomes told to the health checker for %d broken answers: %v (%d failures in a row); want %d Resets", n, got, run, n)
 				}
 			})
 		}

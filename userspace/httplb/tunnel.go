@@ -121,19 +121,22 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 	bc.SetDeadline(time.Time{})
 	if resp.StatusCode != http.StatusSwitchingProtocols {
 		// The backend declined (or answered otherwise): the answer goes to the
-		// client as any other, and the connection goes with it.
-		if resp.StatusCode >= 500 {
-			l.observeTry(be, ServerError)
-		} else {
-			l.observeTry(be, Success)
-		}
+		// client as any other, and the connection goes with it. Its outcome
+		// is told once, when its body has come whole or broken off (try's
+		// rule).
 		bp := bufPool.Get().(*[]byte)
 		n, copyErr := s.respond(w, resp, nil, nil, *bp)
 		bufPool.Put(bp)
 		bc.Close()
 		s.answered(l, r, be, lease, resp.StatusCode, n, headerLatency, headerLatency, start, copyErr)
 		if copyErr != nil && client.Err() == nil {
+			l.observeTry(be, Reset)
 			panic(http.ErrAbortHandler)
+		}
+		if resp.StatusCode >= 500 {
+			l.observeTry(be, ServerError)
+		} else {
+			l.observeTry(be, Success)
 		}
 		return true, failure{}
 	}
