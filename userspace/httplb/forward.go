@@ -318,7 +318,7 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	if paused {
 		w.Header().Set("Connection", "close")
 	}
-	n, copyErr := s.respond(w, resp, first, firstErr, *bp)
+	n, copyErr := s.respond(ctx, w, resp, first, firstErr, *bp)
 	if paused {
 		// Once the handler returns, the server clears the read deadline and
 		// reads what is left of the body (up to 256 KiB) to close it: with no
@@ -431,9 +431,22 @@ var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }
 
 // respond writes the backend's answer to the client: headers, the body as it
 // comes (flushed at once when its length is unknown, as gRPC's and event
-// streams' are), then trailers.
-func (s *Service) respond(w http.ResponseWriter, resp *http.Response, first []byte, firstErr error, buf []byte) (int64, error) {
+// streams' are), then trailers. ctx's deadline (http.timeout), if it has one,
+// bounds the writes to the client too.
+func (s *Service) respond(ctx context.Context, w http.ResponseWriter, resp *http.Response, first []byte, firstErr error, buf []byte) (int64, error) {
 	defer resp.Body.Close()
+	if deadline, ok := ctx.Deadline(); ok {
+		// A client that does not read its answer would otherwise hold the
+		// request, and the backend's connection, past the timeout for as
+		// long as it likes: its writes break off at the deadline as the
+		// reads from the backend do. The connection loop's writer keeps the
+		// deadline until the answer's last flush, then lifts it.
+		rc := http.NewResponseController(w)
+		rc.SetWriteDeadline(deadline)
+		if _, own := w.(*h1Writer); !own {
+			defer rc.SetWriteDeadline(time.Time{})
+		}
+	}
 	var h http.Header
 	if hw, ok := w.(*h1Writer); ok && len(hw.header) == 0 {
 		// The answer's header is the plane's own: the connection loop writes

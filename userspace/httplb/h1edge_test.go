@@ -887,3 +887,64 @@ func TestH1HeaderTimeoutAfterPOST(t *testing.T) {
 		}
 	}
 }
+
+// TestH1TimeoutClientNotReading: http.timeout bounds the whole request also
+// when it is the client that holds it up: an answer that cannot be written
+// because the client does not read is broken off at the timeout, the backend's
+// request ended and its in-flight count given back, through both engines. The
+// write waited for the client for ever, and the timeout broke off only waits
+// for the backend. The bound is the request's: a kept-alive connection's
+// next request, later than the first one's deadline, is answered.
+func TestH1TimeoutClientNotReading(t *testing.T) {
+	ended := make(chan struct{}, 4)
+	mux := http.NewServeMux()
+	mux.HandleFunc("/small", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		defer func() { ended <- struct{}{} }()
+		chunk := make([]byte, 32<<10)
+		for range 2048 { // 64 MiB, more than any socket buffers
+			if _, err := w.Write(chunk); err != nil {
+				return
+			}
+		}
+	})
+	be := muxBackend(t, mux)
+	for _, engine := range h1Engines {
+		t.Run(engine, func(t *testing.T) {
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http", Timeout: 300 * time.Millisecond},
+				[]Backend{{Addr: be, Weight: 1, Usable: true}})
+			conn, br := rawConn(t, s.Addr().String())
+			conn.(*net.TCPConn).SetReadBuffer(4 << 10)
+			io.WriteString(conn, "GET /small HTTP/1.1\r\nHost: x\r\n\r\n")
+			checkAnswer(t, br, wantAnswer{status: 200, body: "ok"})
+			// What is under test is time passing: the first request's
+			// deadline is behind when the next one is answered, by weir
+			// itself (no backend's answer sets a deadline of its own).
+			time.Sleep(400 * time.Millisecond)
+			io.WriteString(conn, "CONNECT x:443 HTTP/1.1\r\nHost: x:443\r\n\r\n")
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatalf("the request after the first one's deadline: %v; want its answer", err)
+			}
+			io.Copy(io.Discard, resp.Body)
+			if resp.StatusCode != http.StatusMethodNotAllowed {
+				t.Fatalf("the request after the first one's deadline: %d; want 405", resp.StatusCode)
+			}
+			io.WriteString(conn, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+			waitfor.Value(t, 5*time.Second, "the request in flight", func() (any, bool) {
+				n := s.Snapshot().InFlight
+				return n, n == 1
+			})
+			// The client reads nothing.
+			waitfor.Value(t, 5*time.Second, "no request in flight within 5 s (timeout 300ms), the client reading nothing", func() (any, bool) {
+				n := s.Snapshot().InFlight
+				return n, n == 0
+			})
+			select {
+			case <-ended:
+			case <-time.After(5 * time.Second):
+				t.Errorf("the backend's request still runs 5 s after the timeout; want it ended")
+			}
+		})
+	}
+}

@@ -300,7 +300,11 @@ func (c *h1Session) forward(req *http.Request) (keep bool) {
 	if body != nil && !body.finish(s.cfg.ReadHeaderTimeout) {
 		w.closeAfter = true // not yet framed if the handler wrote nothing
 	}
-	if err := w.finish(); err != nil || w.closeAfter || c.ctx.Err() != nil {
+	err := w.finish()
+	if w.writeDeadline {
+		c.conn.SetWriteDeadline(time.Time{}) // the request's, not the next one's
+	}
+	if err != nil || w.closeAfter || c.ctx.Err() != nil {
 		return false
 	}
 	return keep
@@ -672,14 +676,17 @@ type h1Writer struct {
 	committed  bool // the status line and headers are in the buffer
 	chunked    bool
 	closeAfter bool
-	hijacked   bool  // the connection went to a tunnel (tunnel.go)
-	head       bool  // a HEAD request: no body goes out
-	noBody     bool  // a status without a body (1xx, 204, 304)
-	length     int64 // the Content-Length sent; -1 none
-	written    int64
-	pending    []byte              // body written before the length was known, in pendingBuf
-	pendingBuf *[h1PendingMax]byte // from h1PendingPool while an answer needs it
-	err        error
+	hijacked   bool // the connection went to a tunnel (tunnel.go)
+	// writeDeadline: the handler bounded the answer's writes (SetWriteDeadline);
+	// lifted once the answer is out.
+	writeDeadline bool
+	head          bool  // a HEAD request: no body goes out
+	noBody        bool  // a status without a body (1xx, 204, 304)
+	length        int64 // the Content-Length sent; -1 none
+	written       int64
+	pending       []byte              // body written before the length was known, in pendingBuf
+	pendingBuf    *[h1PendingMax]byte // from h1PendingPool while an answer needs it
+	err           error
 }
 
 func (w *h1Writer) reset(req *http.Request) {
@@ -687,7 +694,7 @@ func (w *h1Writer) reset(req *http.Request) {
 	w.header = w.own
 	w.req = req
 	w.status = 0
-	w.committed, w.chunked, w.closeAfter, w.hijacked = false, false, false, false
+	w.committed, w.chunked, w.closeAfter, w.hijacked, w.writeDeadline = false, false, false, false, false
 	w.head = req.Method == http.MethodHead
 	w.noBody = false
 	w.length = -1
@@ -817,6 +824,14 @@ func (w *h1Writer) FlushError() error {
 		w.err = err
 	}
 	return w.err
+}
+
+// SetWriteDeadline bounds the answer's writes to the client
+// (http.ResponseController finds it); the deadline is lifted once the answer
+// is out, before the connection's next request.
+func (w *h1Writer) SetWriteDeadline(t time.Time) error {
+	w.writeDeadline = true
+	return w.c.conn.SetWriteDeadline(t)
 }
 
 // Flush is FlushError for callers that know only http.Flusher.

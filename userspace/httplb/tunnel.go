@@ -125,7 +125,7 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 		// is told once, when its body has come whole or broken off (try's
 		// rule).
 		bp := bufPool.Get().(*[]byte)
-		n, copyErr := s.respond(w, resp, nil, nil, *bp)
+		n, copyErr := s.respond(ctx, w, resp, nil, nil, *bp)
 		bufPool.Put(bp)
 		bc.Close()
 		s.answered(l, r, be, lease, resp.StatusCode, n, headerLatency, headerLatency, start, copyErr)
