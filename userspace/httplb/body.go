@@ -3,6 +3,7 @@ package httplb
 import (
 	"errors"
 	"io"
+	"net/http"
 	"sync"
 	"time"
 )
@@ -39,6 +40,9 @@ type replayBody struct {
 	// a body its framing does not allow): the request's fault, never a
 	// backend's.
 	srcErr error
+	// broken: a try's time ran out and breakRead broke off the read; its
+	// error is not the client's.
+	broken bool
 }
 
 // next starts a try: a reader that replays what was kept, then reads on.
@@ -67,10 +71,26 @@ func (rb *replayBody) pull(p []byte) (n int, kept bool, err error) {
 	switch {
 	case err == io.EOF:
 		rb.eof = true
-	case err != nil && rb.srcErr == nil:
+	case err != nil && rb.srcErr == nil && !rb.broken:
 		rb.srcErr = err
 	}
 	return n, kept, err
+}
+
+// breakRead breaks off a read of the client's body, through w's connection
+// (or stream), if the body has not ended: Go's transport returns from a try
+// that failed or ran out of time only once its read of the body has, and a
+// client that paused its upload would hold that read, and the request, for
+// as long as it likes.
+func (rb *replayBody) breakRead(w http.ResponseWriter) {
+	rb.mu.Lock()
+	if rb.eof {
+		rb.mu.Unlock()
+		return
+	}
+	rb.broken = true
+	rb.mu.Unlock()
+	http.NewResponseController(w).SetReadDeadline(aLongTimeAgo)
 }
 
 // failed returns the error a read of the client's body met, nil if none did

@@ -87,7 +87,11 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		}
 		if err != nil {
 			if try == 0 {
+				paused := pausedUpload(w, r, body)
 				s.noBackend(w, r, "every backend is down, drained or ejected")
+				if paused {
+					s.closeUpload(w, r)
+				}
 				return
 			}
 			break // every usable backend has been tried: answer with the last failure
@@ -126,7 +130,11 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 	if client.Err() != nil {
 		abandoned()
 	}
+	paused := pausedUpload(w, r, body)
 	s.answerFailure(l, w, r, fail, ntried, start)
+	if paused {
+		s.closeUpload(w, r)
+	}
 }
 
 // errStatusUnder100 is a backend's answer with a status under 100, which Go's
@@ -220,6 +228,13 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	out.Header, out.Host, out.ContentLength, out.Trailer = hdr, r.Host, r.ContentLength, r.Trailer
 	if body != nil {
 		out.Body = body.next()
+		if !body.ended() {
+			// When the try's time is up (try_timeout, timeout), a read of
+			// the body the transport is blocked in is broken off:
+			// RoundTrip waits for it.
+			stop := context.AfterFunc(tctx, func() { body.breakRead(w) })
+			defer stop()
+		}
 	}
 	var resp *http.Response
 	var err error
@@ -309,25 +324,10 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 			return false, failure{retry: true, status: http.StatusBadGateway, err: firstErr}
 		}
 	}
-	// net/http's server frames an answer after taking the request body's lock,
-	// which a transport's read of a client that paused its upload holds, for
-	// ever; an answer that closes the connection is framed without it. (The
-	// connection loop bounds that read instead, in h1ReqBody.finish.)
-	_, own := w.(*h1Writer)
-	paused := !own && r.ProtoMajor == 1 && !body.ended()
-	if paused {
-		w.Header().Set("Connection", "close")
-	}
+	paused := pausedUpload(w, r, body)
 	n, copyErr := s.respond(ctx, w, resp, first, firstErr, *bp)
 	if paused {
-		// Once the handler returns, the server clears the read deadline and
-		// reads what is left of the body (up to 256 KiB) to close it: with no
-		// deadline, for as long as the client holds the connection. Closed
-		// here, under a deadline, that read is done.
-		if d, ok := w.(interface{ SetReadDeadline(time.Time) error }); ok {
-			d.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
-		}
-		r.Body.Close()
+		s.closeUpload(w, r)
 	}
 	lastByte := time.Since(tryStart)
 	latency := headerLatency
@@ -344,6 +344,34 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	}
 	l.observeTry(be, answerOutcome)
 	return true, failure{}
+}
+
+// pausedUpload readies the answer to an HTTP/1.1 request whose body has not
+// all been read (its client may have paused its upload) for net/http's
+// server, and reports whether it did: that server frames an answer after
+// taking the request body's lock, which a transport's read of a client that
+// paused its upload holds, for ever, and reads what is left of the body (up
+// to 256 KiB) first; an answer that closes the connection is framed without
+// either. closeUpload is then due once the answer is written. (The connection
+// loop bounds that read instead, in h1ReqBody.finish.)
+func pausedUpload(w http.ResponseWriter, r *http.Request, body *replayBody) bool {
+	if _, own := w.(*h1Writer); own || r.ProtoMajor != 1 || body.ended() {
+		return false
+	}
+	w.Header().Set("Connection", "close")
+	return true
+}
+
+// closeUpload closes a body pausedUpload found unread. Once the handler
+// returns, the server clears the read deadline and reads what is left of the
+// body (up to 256 KiB) to close it: with no deadline, for as long as the
+// client holds the connection. Closed here, under a deadline, that read is
+// done.
+func (s *Service) closeUpload(w http.ResponseWriter, r *http.Request) {
+	if d, ok := w.(interface{ SetReadDeadline(time.Time) error }); ok {
+		d.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
+	}
+	r.Body.Close()
 }
 
 // answered is the bookkeeping of a try whose answer has gone to the client:

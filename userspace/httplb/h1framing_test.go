@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // Framing at the edges of HTTP/1.1: answers that come before the request's
@@ -254,6 +256,93 @@ func TestH1ConnectionListedWithClose(t *testing.T) {
 			}
 			if v := resp.Header.Get("X-Internal"); v != "" || resp.Header.Get("X-Kept") != "1" {
 				t.Errorf("X-Internal %q, X-Kept %q; want the first dropped, the second kept", v, resp.Header.Get("X-Kept"))
+			}
+		})
+	}
+}
+
+// TestH1TimeoutPausedUpload: http.timeout and try_timeout bound a request
+// whose client has paused its upload while its backend is silent or has
+// failed: the client gets its 504 (or the 502 of the reset, when the transport
+// saw it as it wrote; or, through net/http's server, which takes the
+// broken-off body read for the client's going, its connection closed) within
+// the timeout and the header timeout, and the request ends. Go's transport
+// returns from a failed or timed-out request only once its body read has, and
+// that read waited for the client for ever; and net/http's server framed a
+// 502 only once it had read the rest of the body, which never came.
+func TestH1TimeoutPausedUpload(t *testing.T) {
+	silent := rawBackend(t, func(c net.Conn) {
+		if _, err := http.ReadRequest(bufio.NewReader(c)); err != nil {
+			return
+		}
+		io.Copy(io.Discard, c) // until the plane closes the connection
+	})
+	failing := rawBackend(t, func(c net.Conn) {
+		if _, err := http.ReadRequest(bufio.NewReader(c)); err != nil {
+			return
+		}
+		c.(*net.TCPConn).SetLinger(0) // a reset, not an answer
+	})
+	for _, engine := range h1Engines {
+		for _, c := range []struct {
+			name   string
+			be     netip.AddrPort
+			cfg    Config
+			method string
+		}{
+			{"timeout/silent", silent, Config{Timeout: 300 * time.Millisecond}, "POST"},
+			{"timeout/reset", failing, Config{Timeout: 300 * time.Millisecond}, "POST"},
+			{"try_timeout/silent", silent, Config{TryTimeout: 300 * time.Millisecond}, "PUT"},
+		} {
+			t.Run(engine+"/"+c.name, func(t *testing.T) {
+				cfg := c.cfg
+				cfg.NetHTTP1, cfg.ReadHeaderTimeout = engine == "net_http", 300*time.Millisecond
+				s := serveOn(t, cfg, []Backend{{Addr: c.be, Weight: 1, Usable: true}})
+				conn, br := rawConn(t, s.Addr().String())
+				conn.SetDeadline(time.Now().Add(5 * time.Second))
+				io.WriteString(conn, c.method+" /up HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n0123456789")
+				resp, err := http.ReadResponse(br, nil)
+				switch {
+				case isTimeout(err):
+					t.Fatalf("neither an answer nor the connection closed within 5 s while the upload is paused")
+				case err != nil && engine == "loop":
+					t.Fatalf("reading the answer: %v; want a 504", err)
+				case err == nil:
+					io.Copy(io.Discard, resp.Body)
+					reset := c.be == failing && resp.StatusCode == http.StatusBadGateway
+					if resp.StatusCode != http.StatusGatewayTimeout && !reset || !resp.Close {
+						t.Errorf("got %d close=%v; want 504 (502 for a reset) and the connection closed after it", resp.StatusCode, resp.Close)
+					}
+				}
+				waitfor.Value(t, 5*time.Second, "no request in flight", func() (any, bool) {
+					n := s.Snapshot().InFlight
+					return n, n == 0
+				})
+			})
+		}
+	}
+}
+
+// TestH1PausedUploadAnswered: an answer weir makes itself (503: no usable
+// backend) to a client that has paused its upload goes out within the header
+// timeout, and the connection closes after it. net/http's server framed it
+// only once it had read the rest of the body, which never came.
+func TestH1PausedUploadAnswered(t *testing.T) {
+	be, _ := h1TestBackend(t)
+	for _, engine := range h1Engines {
+		t.Run(engine, func(t *testing.T) {
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http", ReadHeaderTimeout: 300 * time.Millisecond},
+				[]Backend{{Addr: be, Weight: 1, Usable: false}})
+			conn, br := rawConn(t, s.Addr().String())
+			conn.SetDeadline(time.Now().Add(5 * time.Second))
+			io.WriteString(conn, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n0123456789")
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatalf("no answer within 5 s while the upload is paused: %v", err)
+			}
+			io.Copy(io.Discard, resp.Body)
+			if resp.StatusCode != http.StatusServiceUnavailable || !resp.Close {
+				t.Errorf("got %d close=%v; want 503 and the connection closed after it", resp.StatusCode, resp.Close)
 			}
 		})
 	}

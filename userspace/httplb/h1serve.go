@@ -834,6 +834,13 @@ func (w *h1Writer) SetWriteDeadline(t time.Time) error {
 	return w.c.conn.SetWriteDeadline(t)
 }
 
+// SetReadDeadline bounds the reads of the request's body from the client
+// (http.ResponseController finds it): how a try whose time is up breaks off a
+// transport's read of a body the client has paused.
+func (w *h1Writer) SetReadDeadline(t time.Time) error {
+	return w.c.conn.SetReadDeadline(t)
+}
+
 // Flush is FlushError for callers that know only http.Flusher.
 func (w *h1Writer) Flush() { w.FlushError() }
 
