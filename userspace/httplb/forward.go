@@ -496,6 +496,16 @@ func (s *Service) respond(ctx context.Context, w http.ResponseWriter, resp *http
 		}
 		removeConnectionHeaders(h, resp.Header)
 	}
+	if len(resp.Trailer) > 0 {
+		// The trailers the backend declared are declared to the client: the
+		// writer then frames the answer so they can follow it (chunked), also
+		// when no body byte comes, where it would count a Content-Length.
+		names := make([]string, 0, len(resp.Trailer))
+		for k := range resp.Trailer {
+			names = append(names, k)
+		}
+		h["Trailer"] = []string{strings.Join(names, ", ")}
+	}
 	w.WriteHeader(resp.StatusCode)
 	var n int64
 	var err error

@@ -347,3 +347,19 @@ func TestH1PausedUploadAnswered(t *testing.T) {
 		})
 	}
 }
+
+// TestH1TrailersOfAnEmptyBody: a backend's trailers reach the client when its
+// chunked answer has no body bytes (a trailers-only answer, as gRPC-Web and
+// digest fields have them): the answer goes chunked, not with a Content-Length
+// of 0, which has no room for trailers.
+func TestH1TrailersOfAnEmptyBody(t *testing.T) {
+	be := answeringBackend(t, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Sum\r\n\r\n0\r\nX-Sum: 42\r\n\r\n")
+	for _, engine := range h1Engines {
+		t.Run(engine, func(t *testing.T) {
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http"}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			conn, br := rawConn(t, s.Addr().String())
+			io.WriteString(conn, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+			checkAnswer(t, br, wantAnswer{status: 200, chunked: true, trailer: map[string]string{"X-Sum": "42"}})
+		})
+	}
+}

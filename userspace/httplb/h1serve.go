@@ -900,7 +900,9 @@ func (w *h1Writer) commit(ending bool) {
 	switch {
 	case w.noBody || w.head:
 	case w.length >= 0:
-	case ending:
+	case ending && (w.header["Trailer"] == nil || !req.ProtoAtLeast(1, 1)):
+		// A short answer that has ended gets its length, unless trailers
+		// are to follow it, which only chunked framing has room for.
 		w.length = int64(len(w.pending))
 		h["Content-Length"] = []string{strconv.Itoa(len(w.pending))}
 	case req.ProtoAtLeast(1, 1):
