@@ -353,6 +353,20 @@ func (l *loop) pumpBoth(c *conn) {
 // (the close then sends the FIN, one call fewer). It reports false if it closed c.
 func (l *loop) pump(c *conn, d int) bool {
 	h := &c.h[d]
+	if h.done {
+		if d == up && h.hup && !h.fin {
+			// The client reset after its FIN: it has gone, and nothing
+			// queued for it can reach it. The backend learns it as it would
+			// from the client, by a reset; else the connection, its lease and
+			// its slot would last until the backend wrote, which one waiting
+			// for an event may never do. (A backend's reset after its FIN is
+			// left for the client's next write to meet: the client may still
+			// be reading the answer the proxy holds for it, which a reset
+			// would throw away.)
+			return l.fail(c, d, true, unix.ECONNRESET)
+		}
+		return true
+	}
 	src, dst := c.fd[d], c.fd[1-d]
 	budget := spliceBudget
 	for !h.done {
