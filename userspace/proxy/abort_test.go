@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -74,4 +75,33 @@ func pollErr(c *net.TCPConn, timeout time.Duration) int16 {
 		}
 	})
 	return got
+}
+
+// TestClientResetWhileDialing: a client that resets while the proxy is still
+// dialing its backend has gone: the dial is given up at once, and with it the
+// service's MaxConns slot, the backend's connection slot and its
+// least-connections count; the dial is not the backend's failure. The proxy
+// dialed on to the connect timeout (and then the other backends, and reset the
+// one that answered), holding the slot meanwhile: with MaxConns 1 the next
+// client waited for it.
+func TestClientResetWhileDialing(t *testing.T) {
+	slow := blackhole(t) // a connect to it hangs
+	rec := &recorder{}
+	s := startProxy(t, Config{Backends: []Backend{{Addr: slow}}, MaxConns: 1, ConnectTimeout: time.Minute,
+		Observer: rec, Logger: discardLogger()})
+	c := dial(t, s)
+	waitfor.Value(t, 5*time.Second, "the dial in progress", func() (any, bool) {
+		n := s.Snapshot().Backends[0].Active
+		return fmt.Sprintf("%d connections on the backend", n), n == 1
+	})
+	c.SetLinger(0)
+	c.Close() // a reset
+	waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
+	b := s.Snapshot().Backends[0]
+	if b.Active != 0 || b.ConnectFailures != 0 {
+		t.Errorf("backend: %d active, %d connect failures; want 0 and 0", b.Active, b.ConnectFailures)
+	}
+	if got := rec.list(); len(got) != 0 {
+		t.Errorf("outcomes reported for the backend: %q; want none (the client gave up)", got)
+	}
 }

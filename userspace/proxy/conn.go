@@ -285,6 +285,13 @@ func (l *loop) event(c *conn, side int, ev uint32) {
 	}
 	if c.state == stateConnecting {
 		if side == client {
+			if ev&unix.EPOLLERR != 0 && c.b != nil {
+				// The client reset while its backend is dialed: it has gone.
+				// The dial is given up, counted against no backend, and the
+				// slots it held are freed now, not at the connect timeout.
+				l.dialAborted(c)
+				l.close(c, OutcomeSuccess)
+			}
 			return // the client's bytes wait until the backend is connected
 		}
 		if bad {
