@@ -306,6 +306,11 @@ func (l *loop) event(c *conn, side int, ev uint32) {
 		if ev&unix.EPOLLOUT == 0 {
 			return
 		}
+		if self := c.b.self; self.IsValid() && selfConnected(c.fd[server], self) {
+			c.h[down] = half{}
+			l.connectFailed(c, errSelfConnect)
+			return
+		}
 		if !l.connected(c) {
 			return
 		}

@@ -181,6 +181,7 @@ type backend struct {
 	addr     string         // ap.String(): the balancer's and the logs' name for it
 	ap       netip.AddrPort // its identity
 	sa       *rawSockaddr   // ap for connect(2)
+	self     netip.AddrPort // ap as getsockname(2) spells it, if a dial may connect to itself there (selfConnectRisk); else invalid
 	cfg      Backend        // guarded by Service.mu
 	maxConns atomic.Int64   // 0 = no limit
 
@@ -309,6 +310,9 @@ func checkBackends(in []Backend) ([]Backend, error) {
 func (s *Service) newBackend(b Backend) *backend {
 	sa := sockaddrOf(b.Addr)
 	be := &backend{addr: b.Addr.String(), ap: b.Addr, sa: &sa, usable: !b.Down}
+	if selfConnectRisk(b.Addr.Port()) {
+		be.self = netip.AddrPortFrom(b.Addr.Addr().Unmap().WithZone(""), b.Addr.Port())
+	}
 	s.configure(be, b)
 	return be
 }

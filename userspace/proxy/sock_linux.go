@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
@@ -100,6 +102,42 @@ func startDial(sa *rawSockaddr, data bool) (int, error) {
 		return -1, fmt.Errorf("connect: %w", err)
 	}
 	return fd, nil
+}
+
+// errSelfConnect is a dial that the kernel connected to itself.
+var errSelfConnect = fmt.Errorf("connect: %w (the socket was connected to itself: nothing listens there)", unix.ECONNREFUSED)
+
+// localPorts is the kernel's range of local ports for connect(2)
+// (net.ipv4.ip_local_port_range, which IPv6 uses too), read once; if it can't
+// be read, every port.
+var localPorts = sync.OnceValues(func() (lo, hi int) {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err == nil {
+		if _, err = fmt.Sscan(string(b), &lo, &hi); err == nil && lo <= hi {
+			return lo, hi
+		}
+	}
+	return 1, 65535
+})
+
+// selfConnectRisk reports whether a dial of a backend on this port may end up
+// connected to itself. A dial whose source port the kernel picks equal to its
+// destination port, on an address of this host that nothing listens on there,
+// meets itself in TCP's simultaneous open and connects: the backend is down, and
+// the dial must say so. Only a port in the range the kernel picks source ports
+// from can be met that way, so the check (a getsockname per connection) is
+// made for those alone. The range is read once: one narrowed later, which the
+// kernel would still pick from, is checked no more widely.
+func selfConnectRisk(port uint16) bool {
+	lo, hi := localPorts()
+	return int(port) >= lo && int(port) <= hi
+}
+
+// selfConnected reports whether the connected socket fd is connected to itself,
+// self being its peer's address (backend.self).
+func selfConnected(fd int, self netip.AddrPort) bool {
+	la, err := getsocknameRaw(fd)
+	return err == nil && la == self
 }
 
 // localError is a dial that failed on this host before it reached for the
