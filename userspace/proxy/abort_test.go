@@ -1,10 +1,12 @@
 package proxy
 
 import (
+	"bytes"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"slices"
 	"testing"
 	"time"
 
@@ -103,5 +105,81 @@ func TestClientResetWhileDialing(t *testing.T) {
 	}
 	if got := rec.list(); len(got) != 0 {
 		t.Errorf("outcomes reported for the backend: %q; want none (the client gave up)", got)
+	}
+}
+
+// TestClientTalksAfterBackendClosed: a backend that answers and closes has
+// ended its stream cleanly; a client that goes on sending after the EOF meets
+// the reset the backend's host answers such bytes with, but that is the
+// client's doing, not a reset of the backend's: nothing counts against it. It
+// was counted as the backend breaking the connection (a reset in its counters
+// and to the Observer, which passive health counts as a failure).
+func TestClientTalksAfterBackendClosed(t *testing.T) {
+	be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
+		readLine(c)
+		c.Write([]byte("bye\n"))
+		// Closes with the client's later bytes unread: its host answers
+		// them with a reset.
+	})
+	rec := &recorder{}
+	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Observer: rec, Logger: discardLogger()})
+	c := dial(t, s)
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	c.Write([]byte("hi\n"))
+	if line, err := readLine(c); err != nil || line != "bye" {
+		t.Fatalf("answer: %q, %v; want \"bye\"", line, err)
+	}
+	if n, err := c.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("after the answer: read %d, %v; want EOF", n, err)
+	}
+	// Talks on until the proxy gives up on the connection.
+	waitfor.Value(t, 5*time.Second, "the client's writes failing", func() (any, bool) {
+		_, err := c.Write([]byte("more\n"))
+		return err, err != nil
+	})
+	waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
+	if b := s.Snapshot().Backends[0]; b.Resets != 0 {
+		t.Errorf("backend resets: got %d; want 0", b.Resets)
+	}
+	if got, want := rec.list(), []string{be.addr().String() + " success"}; !slices.Equal(got, want) {
+		t.Errorf("outcomes: got %q; want %q", got, want)
+	}
+}
+
+// TestBackendResetAfterItsFIN: a backend that sends its whole answer, half-closes
+// and then resets (an abortive close, which some servers make to leave no
+// TIME_WAIT behind) has ended the connection: once its answer is the client's,
+// the proxy closes, and the client, which has everything, meets the reset only
+// if it sends more. The proxy took no notice of the reset after the backend's
+// FIN and held the connection until the client wrote or closed; with the kernel
+// forwarding, a client that wrote had its bytes vanish and the connection never
+// ended.
+func TestBackendResetAfterItsFIN(t *testing.T) {
+	answer := bytes.Repeat([]byte("a"), 256<<10)
+	read := make(chan struct{})
+	be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
+		readLine(c)
+		c.Write(answer)
+		c.CloseWrite()
+		<-read
+		c.SetLinger(0)
+		c.Close()
+	})
+	rec := &recorder{}
+	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Observer: rec, Logger: discardLogger()})
+	c := dial(t, s)
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	c.Write([]byte("hi\n"))
+	got, err := io.ReadAll(c)
+	close(read)
+	if err != nil || !bytes.Equal(got, answer) {
+		t.Fatalf("answer: got %d bytes, %v; want %d bytes, then EOF", len(got), err, len(answer))
+	}
+	waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
+	if b := s.Snapshot().Backends[0]; b.Resets != 0 {
+		t.Errorf("backend resets: got %d; want 0 (its answer was whole)", b.Resets)
+	}
+	if got, want := rec.list(), []string{be.addr().String() + " success"}; !slices.Equal(got, want) {
+		t.Errorf("outcomes: got %q; want %q", got, want)
 	}
 }

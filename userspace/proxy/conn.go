@@ -366,16 +366,25 @@ func (l *loop) pumpBoth(c *conn) {
 func (l *loop) pump(c *conn, d int) bool {
 	h := &c.h[d]
 	if h.done {
-		if d == up && h.hup && !h.fin {
-			// The client reset after its FIN: it has gone, and nothing
-			// queued for it can reach it. The backend learns it as it would
-			// from the client, by a reset; else the connection, its lease and
-			// its slot would last until the backend wrote, which one waiting
-			// for an event may never do. (A backend's reset after its FIN is
-			// left for the client's next write to meet: the client may still
-			// be reading the answer the proxy holds for it, which a reset
-			// would throw away.)
-			return l.fail(c, d, true, unix.ECONNRESET)
+		if h.hup && !h.fin {
+			if d == up {
+				// The client reset after its FIN: it has gone, and nothing
+				// queued for it can reach it. The backend learns it as it
+				// would from the client, by a reset; else the connection,
+				// its lease and its slot would last until the backend
+				// wrote, which one waiting for an event may never do.
+				return l.fail(c, d, true, unix.ECONNRESET)
+			}
+			// The backend reset after its FIN (a close with the client's
+			// later bytes unread, or an abortive close): its whole answer
+			// is in the client's socket, which a plain close lets the kernel
+			// deliver, and the client's further bytes meet the reset of the
+			// closed socket, as they would the backend's. Else the
+			// connection lasted until the client wrote or closed, and with
+			// the kernel forwarding, the client's bytes vanished into the
+			// backend's dead socket and it never ended.
+			l.close(c, OutcomeSuccess)
+			return false
 		}
 		return true
 	}
@@ -605,7 +614,10 @@ func (l *loop) fail(c *conn, d int, read bool, err error) bool {
 	}
 	setLinger0(c.fd[other])
 	outcome := OutcomeSuccess
-	if faulty == server {
+	if faulty == server && !c.h[down].eof {
+		// A backend whose stream has ended (its FIN read) broke nothing:
+		// the reset its host answers later bytes with, once it has closed,
+		// is met by a client that talked on after the end.
 		outcome = OutcomeReset
 	}
 	_ = err // the outcome is what is reported; the errno itself is not
