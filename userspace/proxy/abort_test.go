@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"syscall"
 	"testing"
 	"time"
 
@@ -182,4 +183,88 @@ func TestBackendResetAfterItsFIN(t *testing.T) {
 	if got, want := rec.list(), []string{be.addr().String() + " success"}; !slices.Equal(got, want) {
 		t.Errorf("outcomes: got %q; want %q", got, want)
 	}
+}
+
+// TestSlowClientGetsWholeAnswer: a backend that sends its whole answer and its
+// FIN, and resets once the proxy has taken it all, has delivered a whole
+// stream; a client slow to read it gets all of it, then the EOF. The proxy,
+// which held part of the answer for the client when the reset came, took the
+// reset for a broken stream, threw away what it held and reset the client:
+// megabytes lost that the backend had sent, and the proxy acknowledged, whole.
+//
+// In a network namespace of its own, for buffer sizes of its own: send buffers
+// of 16 KiB, so the proxy holds the answer's rest while the client does not
+// read, and receive buffers of 4 MiB, so the whole answer and its FIN reach
+// the proxy's host before the reset.
+func TestSlowClientGetsWholeAnswer(t *testing.T) {
+	if !inOwnNetns(t, map[string]string{
+		"net.ipv4.tcp_wmem": "4096 16384 16384",
+		"net.ipv4.tcp_rmem": "4096 4194304 4194304",
+	}) {
+		return
+	}
+	answer := bytes.Repeat([]byte("a"), 1<<20)
+	reset := make(chan struct{})
+	client := make(chan *net.TCPConn, 1)
+	be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
+		defer close(reset)
+		readLine(c)
+		c.Write(answer)
+		c.CloseWrite()
+		// Once the proxy's host has acknowledged it all, FIN included, and the
+		// proxy has filled the client's buffer (it holds the rest).
+		waitfor.Value(t, 5*time.Second, "the answer acknowledged", func() (any, bool) {
+			n := sendQueue(c)
+			return fmt.Sprintf("%d bytes unacknowledged", n), n == 0
+		})
+		cc := <-client
+		waitfor.Value(t, 5*time.Second, "bytes for the client", func() (any, bool) {
+			n := recvQueue(cc)
+			return fmt.Sprintf("%d bytes in the client's buffer", n), n > 0
+		})
+		c.SetLinger(0)
+		c.Close()
+	})
+	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Logger: discardLogger()})
+	// A client that reads slowly: a receive buffer of 4 KiB.
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		var err error
+		rc.Control(func(fd uintptr) { err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
+		return err
+	}}
+	conn, err := d.Dial("tcp", s.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	c := conn.(*net.TCPConn)
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	c.Write([]byte("hi\n"))
+	client <- c
+	<-reset
+	got, err := io.ReadAll(c)
+	if err != nil || !bytes.Equal(got, answer) {
+		t.Fatalf("answer: got %d bytes, %v; want %d bytes, then EOF", len(got), err, len(answer))
+	}
+	waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
+}
+
+// sendQueue is the bytes c has sent and its peer has not acknowledged (SIOCOUTQ).
+func sendQueue(c *net.TCPConn) int { return ioctlInt(c, unix.SIOCOUTQ) }
+
+// recvQueue is the bytes c has received and not read (SIOCINQ).
+func recvQueue(c *net.TCPConn) int { return ioctlInt(c, unix.SIOCINQ) }
+
+func ioctlInt(c *net.TCPConn, req uint) int {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return -1
+	}
+	n := -1
+	rc.Control(func(fd uintptr) {
+		if v, err := unix.IoctlGetInt(int(fd), req); err == nil {
+			n = v
+		}
+	})
+	return n
 }

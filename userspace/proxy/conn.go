@@ -72,6 +72,7 @@ type half struct {
 	fin     bool // the source reported the peer's FIN and no error
 	blocked bool // the destination's buffer is full: wait for EPOLLOUT
 	eof     bool // the source reached EOF
+	whole   bool // the source failed after its FIN: the bytes before it are whole, and go on
 	done    bool // ended: flushed and half-closed
 	bulk    bool // moves through splice
 
@@ -296,8 +297,8 @@ func (l *loop) event(c *conn, side int, ev uint32) {
 		}
 		if bad {
 			err := error(unix.ECONNREFUSED)
-			if errno, gerr := unix.GetsockoptInt(c.fd[server], unix.SOL_SOCKET, unix.SO_ERROR); gerr == nil && errno != 0 {
-				err = unix.Errno(errno)
+			if errno := sockErr(c.fd[server]); errno != 0 {
+				err = errno
 			}
 			c.h[down] = half{}
 			l.connectFailed(c, fmt.Errorf("connect: %w", err))
@@ -393,7 +394,16 @@ func (l *loop) pump(c *conn, d int) bool {
 	for !h.done {
 		if h.pending() {
 			if h.blocked {
-				if h.hup && !h.fin {
+				if h.hup && !h.fin && !h.whole {
+					if d == down && sockErr(src) == unix.EPIPE {
+						// The backend reset after its FIN (the kernel's
+						// EPIPE for a reset in CLOSE_WAIT): its answer is
+						// whole, and what the proxy holds of it goes on to
+						// the client, as the kernel still delivers what is
+						// in the socket. The end is a plain close (endHalf).
+						h.whole = true
+						return true
+					}
 					// The source failed (a reset) while its bytes waited for a
 					// destination that does not read: they will never go, and
 					// nothing else would end c, as the destination may never
@@ -594,7 +604,10 @@ func (l *loop) endHalf(c *conn, d int) bool {
 		pipes.put(h.p)
 		h.p = nil
 	}
-	if c.h[1-d].done {
+	if c.h[1-d].done || d == down && h.hup && !h.fin {
+		// Both directions ended; or the backend's, and the backend failed
+		// after its FIN, so the client's bytes have nowhere to go: a plain
+		// close delivers the answer's rest and the FIN.
 		l.close(c, OutcomeSuccess)
 		return false
 	}
@@ -602,6 +615,15 @@ func (l *loop) endHalf(c *conn, d int) bool {
 		c.reset = true
 	}
 	return true
+}
+
+// sockErr returns and clears fd's pending error (SO_ERROR), or 0.
+func sockErr(fd int) unix.Errno {
+	n, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ERROR)
+	if err != nil {
+		return 0
+	}
+	return unix.Errno(n)
 }
 
 // fail ends c after an error in direction d, reading its source (read) or writing

@@ -14,9 +14,48 @@ import (
 	"github.com/weir-lb/weir/internal/waitfor"
 )
 
-// netnsEnv set to "1" marks the child of TestSelfConnectIsRefused, which runs in a
-// network namespace of its own.
+// netnsEnv set to a test's name marks the child process inOwnNetns starts for it,
+// which runs in a network namespace of its own.
 const netnsEnv = "WEIR_PROXY_TEST_NETNS"
+
+// inOwnNetns runs the calling test again in a child process in a network
+// namespace of its own (loopback up, and the sysctls given, which are the
+// namespace's own), on the copy path, and reports false: the caller returns,
+// the child's result being the test's. In the child it reports true: the caller
+// goes on with the test.
+func inOwnNetns(t *testing.T, sysctls map[string]string) bool {
+	t.Helper()
+	if os.Getenv(netnsEnv) == t.Name() {
+		if out, err := exec.Command("ip", "link", "set", "lo", "up").CombinedOutput(); err != nil {
+			t.Fatalf("ip link set lo up: %v: %s", err, out)
+		}
+		for k, v := range sysctls {
+			if err := os.WriteFile("/proc/sys/"+strings.ReplaceAll(k, ".", "/"), []byte(v), 0); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return true
+	}
+	cmd := exec.Command(os.Args[0], "-test.count=1", "-test.v", "-test.run=^"+t.Name()+"$")
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, pathEnv+"=") { // the copy path: no sockmap in there
+			env = append(env, kv)
+		}
+	}
+	cmd.Env = append(env, netnsEnv+"="+t.Name())
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET}
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err := cmd.Run()
+	if err != nil || !strings.Contains(out.String(), "--- PASS: "+t.Name()) {
+		t.Fatalf("in a network namespace of its own: %v\n%s", err, out.String())
+	}
+	if testing.Verbose() {
+		t.Logf("child:\n%s", out.String())
+	}
+	return false
+}
 
 // TestSelfConnectIsRefused: a dial of a backend on this host whose port nothing
 // listens on, and which lies in the kernel's range of local ports, can be
@@ -29,33 +68,9 @@ const netnsEnv = "WEIR_PROXY_TEST_NETNS"
 // in a network namespace of its own whose local port range is one port, the
 // backend's.
 func TestSelfConnectIsRefused(t *testing.T) {
-	if os.Getenv(netnsEnv) != "1" {
-		cmd := exec.Command(os.Args[0], "-test.count=1", "-test.v", "-test.run=^TestSelfConnectIsRefused$")
-		var env []string
-		for _, kv := range os.Environ() {
-			if !strings.HasPrefix(kv, pathEnv+"=") { // the copy path: no sockmap in there
-				env = append(env, kv)
-			}
-		}
-		cmd.Env = append(env, netnsEnv+"=1")
-		cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET}
-		var out bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &out
-		err := cmd.Run()
-		if err != nil || !strings.Contains(out.String(), "--- PASS: TestSelfConnectIsRefused") {
-			t.Fatalf("in a network namespace of its own: %v\n%s", err, out.String())
-		}
-		if testing.Verbose() {
-			t.Logf("child:\n%s", out.String())
-		}
-		return
-	}
-	if out, err := exec.Command("ip", "link", "set", "lo", "up").CombinedOutput(); err != nil {
-		t.Fatalf("ip link set lo up: %v: %s", err, out)
-	}
 	// One local port, the backend's (nothing listens there).
-	if err := os.WriteFile("/proc/sys/net/ipv4/ip_local_port_range", []byte("40000 40000"), 0); err != nil {
-		t.Fatal(err)
+	if !inOwnNetns(t, map[string]string{"net.ipv4.ip_local_port_range": "40000 40000"}) {
+		return
 	}
 	dead := netip.MustParseAddrPort("127.0.0.1:40000")
 	rec := &recorder{}
