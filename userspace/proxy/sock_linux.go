@@ -126,8 +126,8 @@ var localPorts = sync.OnceValues(func() (lo, hi int) {
 // meets itself in TCP's simultaneous open and connects: the backend is down, and
 // the dial must say so. Only a port in the range the kernel picks source ports
 // from can be met that way, so the check (a getsockname per connection) is
-// made for those alone. The range is read once: one narrowed later, which the
-// kernel would still pick from, is checked no more widely.
+// made for those alone. The range is read once, when the first backend is
+// made: ports that a range widened later adds are not checked.
 func selfConnectRisk(port uint16) bool {
 	lo, hi := localPorts()
 	return int(port) >= lo && int(port) <= hi
