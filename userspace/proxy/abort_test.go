@@ -213,18 +213,18 @@ func TestSlowClientGetsWholeAnswer(t *testing.T) {
 		c.CloseWrite()
 		// Once the proxy's host has acknowledged it all, FIN included, and the
 		// proxy has filled the client's buffer (it holds the rest).
-		waitfor.Value(t, 5*time.Second, "the answer acknowledged", func() (any, bool) {
-			n := sendQueue(c)
-			return fmt.Sprintf("%d bytes unacknowledged", n), n == 0
-		})
-		cc := <-client
-		waitfor.Value(t, 5*time.Second, "bytes for the client", func() (any, bool) {
-			n := recvQueue(cc)
-			return fmt.Sprintf("%d bytes in the client's buffer", n), n > 0
-		})
+		// (Cond, not Value: this is the backend's goroutine, not the test's.)
+		if !waitfor.Cond(5*time.Second, func() bool { return sendQueue(c) == 0 }) {
+			t.Errorf("the backend's answer: %d bytes unacknowledged after 5 s; want 0", sendQueue(c))
+		}
+		cc, ok := <-client
+		if ok && !waitfor.Cond(5*time.Second, func() bool { return recvQueue(cc) > 0 }) {
+			t.Errorf("the client's buffer: no bytes after 5 s")
+		}
 		c.SetLinger(0)
 		c.Close()
 	})
+	t.Cleanup(func() { close(client) }) // before the backend's stop, if the test ends early
 	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Logger: discardLogger()})
 	// A client that reads slowly: a receive buffer of 4 KiB.
 	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
