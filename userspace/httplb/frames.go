@@ -820,7 +820,7 @@ func (st *fstream) clientGone() {
 		// Counted and logged as the net/http path does; not the backend's fault.
 		be := st.be
 		st.settle(errors.New("the client reset the stream"))
-		st.live.observeTry(be, Success)
+		st.live.observeTry(be, statusOutcome(st.status))
 	}
 	st.finish()
 }
@@ -1113,8 +1113,10 @@ func (st *fstream) finish() {
 
 // delivered settles a request whose answer went out whole.
 func (st *fstream) delivered() {
-	if !st.own {
+	if !st.own && st.be != nil {
+		be := st.be
 		st.settle(nil)
+		st.live.observeTry(be, statusOutcome(st.status))
 	}
 	if !st.reqEnded {
 		// The answer is whole before the request: the client may stop sending
@@ -1172,13 +1174,13 @@ func (st *fstream) respHeaders(f *hblock) {
 	}
 	st.headerL = time.Since(st.tryT)
 	l := st.live
-	if code >= 500 {
-		l.observeTry(st.be, ServerError)
-	} else {
-		l.observeTry(st.be, Success)
-	}
+	// The answer's outcome is told when it has gone whole (delivered), or as
+	// the failure that broke it off (brokenOff), never both: a Success told
+	// at its headers would end the run of failures the health checker counts
+	// towards an ejection, for a backend that breaks off every answer.
 	if st.tries <= l.cfg.Retries && st.retryable && retryStatus(code) && st.replayable() {
 		// Worth another backend: this answer is dropped.
+		l.observeTry(st.be, statusOutcome(code))
 		st.up.cancel(st)
 		st.up, st.upID = nil, 0
 		st.lease.Release(balance.Result{Latency: st.headerL})
@@ -1213,6 +1215,14 @@ func (st *fstream) dropAnswer() {
 
 // answered reports whether the answer's headers went to the client.
 func (st *fstream) answered() bool { return st.status != 0 && st.held == nil }
+
+// statusOutcome is the outcome of an answer with status code for passive health.
+func statusOutcome(code int) Outcome {
+	if code >= 500 {
+		return ServerError
+	}
+	return Success
+}
 
 // parseLength parses a content-length: digits only (no sign, no space).
 func parseLength(v string) (int64, bool) {

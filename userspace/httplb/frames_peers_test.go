@@ -6,10 +6,12 @@ package httplb
 
 import (
 	"bytes"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/netip"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -677,4 +679,43 @@ func TestTrailersOnRefusedStreamIgnored(t *testing.T) {
 			answered = answered || f.StreamID == 1 && f.StreamEnded()
 		}
 	}
+}
+
+// TestFramesBrokenAnswerOneOutcome: an HTTP/2 backend that breaks off every
+// answer after its headers is told to passive health as one Reset per try,
+// not as a Success (at the headers) and a Reset, whose Success would end the
+// run of failures an ejection counts; a whole answer is one Success.
+func TestFramesBrokenAnswerOneOutcome(t *testing.T) {
+	be, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/whole" {
+			io.WriteString(w, "whole")
+			return
+		}
+		w.Header().Set("Content-Length", "100")
+		io.WriteString(w, "part")
+		w.(http.Flusher).Flush()
+		panic(http.ErrAbortHandler) // the stream reset mid-answer
+	})
+	obs := &outcomeLog{}
+	s := serveOn(t, Config{Observer: obs}, []Backend{be})
+	c := h2cClient()
+	for range 3 {
+		resp, err := c.Get("http://" + s.Addr().String() + "/broken")
+		if err == nil {
+			_, err = io.ReadAll(resp.Body)
+			resp.Body.Close()
+		}
+		if err == nil {
+			t.Fatal("a broken-off answer read whole")
+		}
+	}
+	resp, body := get(t, c, "http://"+s.Addr().String()+"/whole")
+	if resp.StatusCode != 200 || body != "whole" {
+		t.Fatalf("got %d %q; want 200 whole", resp.StatusCode, body)
+	}
+	want := []Outcome{Reset, Reset, Reset, Success}
+	waitfor.Value(t, 5*time.Second, fmt.Sprint("outcomes ", want), func() (any, bool) {
+		got := obs.get()
+		return got, slices.Equal(got, want)
+	})
 }
