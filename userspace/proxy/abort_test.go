@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -267,4 +268,31 @@ func ioctlInt(c *net.TCPConn, req uint) int {
 		}
 	})
 	return n
+}
+
+// TestCutStreamResetsItsReader: a connection the proxy closes while it holds
+// bytes for a peer that stopped reading (here by the idle timeout; a drain's
+// deadline closes the same way) sends that peer a reset, so it cannot take
+// the bytes it got for the whole stream, as a FIN would have it.
+func TestCutStreamResetsItsReader(t *testing.T) {
+	be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
+		buf := make([]byte, 64<<10)
+		for range 1024 { // at most 64 MiB: ends when the proxy closes
+			if _, err := c.Write(buf); err != nil {
+				return
+			}
+		}
+	})
+	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, IdleTimeout: 300 * time.Millisecond})
+	c := dial(t, s)
+	// Nothing read until the proxy has given up on the connection.
+	waitfor.Value(t, 10*time.Second, "the idle timeout", func() (any, bool) {
+		n := s.Snapshot().Backends[0].IdleTimeouts
+		return n, n == 1
+	})
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	n, err := io.Copy(io.Discard, c)
+	if err == nil || !strings.Contains(err.Error(), "reset") {
+		t.Fatalf("read %d bytes, then %v; want a reset", n, err)
+	}
 }

@@ -672,6 +672,15 @@ func (l *loop) close(c *conn, outcome Outcome) {
 	if c.redirected {
 		l.accountKernel(c)
 	}
+	// Bytes the proxy holds for a peer are lost with the close (an idle
+	// timeout on a peer that stopped reading, a drain's deadline): that peer
+	// gets a reset, not a FIN it would take for the whole stream's end.
+	if c.h[up].pending() && c.fd[server] >= 0 {
+		setLinger0(c.fd[server])
+	}
+	if c.h[down].pending() && c.fd[client] >= 0 {
+		setLinger0(c.fd[client])
+	}
 	for i, fd := range c.fd {
 		if fd >= 0 {
 			closeRaw(fd)
