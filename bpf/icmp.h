@@ -147,14 +147,16 @@ static __always_inline int icmp_apply(struct xdp_md *ctx, struct packet *p, cons
 // works through the balancer in these modes too. The backend is the one the flow's
 // next packet would get: its connection-table (or half-open) entry's while usable,
 // else the lookup table's, as for a packet of a connection opened elsewhere;
-// nothing is recorded. Errors quoting any other service are passed.
+// nothing is recorded. Errors quoting any other service are passed. From the service
+// on, p carries the flow (and, for TCP, an ACK) in place of the error's own 5-tuple,
+// so the selection takes the flow's and the tunnel's flow hash is the flow's; p keeps
+// its lengths and icmp_error.
 static __always_inline int icmp_to_lb_backend(struct xdp_md *ctx, struct packet *p,
 					      const struct flow_key *flow)
 {
 	enum stat_reason event = STAT_FLOW_NEW;
 	struct backend *be = 0;
 	struct vip_key key = {};
-	struct packet q = {};
 	struct service *svc;
 	struct lb_flow *known;
 	__u32 id = 0;
@@ -167,6 +169,9 @@ static __always_inline int icmp_to_lb_backend(struct xdp_md *ctx, struct packet 
 	svc = bpf_map_lookup_elem(&services, &key);
 	if (!svc || (svc->mode != MODE_DSR && svc->mode != MODE_TUNNEL))
 		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	p->flow = *flow;
+	// The flow's next packet: for TCP one past the handshake.
+	p->tcp_flags = flow->proto == IPPROTO_TCP ? TCP_FLAG_ACK : 0;
 	known = flow_lookup(LB_CONNTRACK, flow);
 	if (!known)
 		known = flow_lookup(LB_HALF_OPEN, flow);
@@ -177,11 +182,7 @@ static __always_inline int icmp_to_lb_backend(struct xdp_md *ctx, struct packet 
 			event = STAT_FLOW_RESELECT;
 	}
 	if (!be) {
-		// The flow's next packet: for TCP one past the handshake.
-		q.flow = *flow;
-		q.len = p->len;
-		q.tcp_flags = flow->proto == IPPROTO_TCP ? TCP_FLAG_ACK : 0;
-		action = miss_backend(&q, svc, &be, &id, &event);
+		action = miss_backend(p, svc, &be, &id, &event);
 		if (action != CONTINUE)
 			return action;
 	}

@@ -1262,6 +1262,11 @@ func (r *run) icmpToLBBackend(p *modelPacket, flow bpf.WeirFlowKey) int {
 	if !ok || svc.Mode != bpf.WeirModeMODE_DSR && svc.Mode != bpf.WeirModeMODE_TUNNEL {
 		return r.verdict(XDPPass, ReasonPassNotService)
 	}
+	p.flow = flow
+	p.tcpFlags = 0
+	if flow.Proto == protoTCP {
+		p.tcpFlags = tcpFlagACK
+	}
 	event := ReasonFlowNew
 	var id uint32
 	var be bpf.WeirBackend
@@ -1277,12 +1282,8 @@ func (r *run) icmpToLBBackend(p *modelPacket, flow bpf.WeirFlowKey) int {
 		}
 	}
 	if !usable {
-		q := modelPacket{flow: flow, len: p.len}
-		if flow.Proto == protoTCP {
-			q.tcpFlags = tcpFlagACK
-		}
 		var a int
-		if id, be, a = r.missBackend(&q, svc, &event); a != modelContinue {
+		if id, be, a = r.missBackend(p, svc, &event); a != modelContinue {
 			return a
 		}
 	}
