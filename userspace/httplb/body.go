@@ -40,25 +40,46 @@ type replayBody struct {
 	// a body its framing does not allow): the request's fault, never a
 	// backend's.
 	srcErr error
+	// reading: a read of src is under way (pull), which breakRead may break.
+	reading bool
+	// trying: the generation of the try under way, whose breakRead may act;
+	// 0 between tries (endTry).
+	trying int
 	// broken: a try's time ran out and breakRead broke off the read; its
 	// error is not the client's.
 	broken bool
 }
 
 // next starts a try: a reader that replays what was kept, then reads on.
-func (rb *replayBody) next() io.ReadCloser {
+func (rb *replayBody) next() *tryBody {
 	rb.mu.Lock()
 	defer rb.mu.Unlock()
 	rb.gen++
+	rb.trying = rb.gen
 	return &tryBody{rb: rb, gen: rb.gen}
+}
+
+// endTry ends the try next started, before the try returns: its breakRead,
+// which runs on a goroutine of its own when the try's time is up and may
+// come late, does nothing from now on. (A late one would break the read of a
+// retry, or of the wait for the rest of the body, or reach a ResponseWriter
+// whose handler has returned.)
+func (rb *replayBody) endTry() {
+	rb.mu.Lock()
+	rb.trying = 0
+	rb.mu.Unlock()
 }
 
 // pull reads from the client, keeping what it reads while within the limit;
 // srcMu must be held.
 func (rb *replayBody) pull(p []byte) (n int, kept bool, err error) {
+	rb.mu.Lock()
+	rb.reading = true
+	rb.mu.Unlock()
 	n, err = rb.src.Read(p)
 	rb.mu.Lock()
 	defer rb.mu.Unlock()
+	rb.reading = false
 	if n > 0 {
 		rb.read = true
 		if rb.keep && !rb.over && len(rb.buf)+n <= replayLimit {
@@ -77,20 +98,39 @@ func (rb *replayBody) pull(p []byte) (n int, kept bool, err error) {
 	return n, kept, err
 }
 
-// breakRead breaks off a read of the client's body, through w's connection
-// (or stream), if the body has not ended: Go's transport returns from a try
-// that failed or ran out of time only once its read of the body has, and a
-// client that paused its upload would hold that read, and the request, for
-// as long as it likes.
-func (rb *replayBody) breakRead(w http.ResponseWriter) {
+// breakRead breaks off try gen's read of the client's body, through w's
+// connection (or stream), if the transport is blocked in it: Go's transport
+// returns from a try that failed or ran out of time only once its read of the
+// body has, and a client that paused its upload would hold that read, and the
+// request, for as long as it likes. Nothing else is touched: a body no read
+// waits for (a try whose dial hung has read none) is retried whole, and a
+// deadline set then would fail the retry's reads of a client that sent
+// everything; nor is a try that has ended (endTry).
+func (rb *replayBody) breakRead(w http.ResponseWriter, gen int) {
 	rb.mu.Lock()
-	if rb.eof {
-		rb.mu.Unlock()
+	defer rb.mu.Unlock()
+	if rb.trying != gen || rb.eof || !rb.reading {
 		return
 	}
 	rb.broken = true
-	rb.mu.Unlock()
+	// Under mu: endTry, and so mend, come after the deadline is set.
 	http.NewResponseController(w).SetReadDeadline(aLongTimeAgo)
+}
+
+// mend undoes breakRead before a retry: the read deadline it set is lifted (a
+// body's reads have none), so the retry, and the wait for what the broken
+// read left of the body, read under their own time.
+func (rb *replayBody) mend(w http.ResponseWriter) {
+	if rb == nil {
+		return
+	}
+	rb.mu.Lock()
+	defer rb.mu.Unlock()
+	if !rb.broken {
+		return
+	}
+	rb.broken = false
+	http.NewResponseController(w).SetReadDeadline(time.Time{})
 }
 
 // failed returns the error a read of the client's body met, nil if none did

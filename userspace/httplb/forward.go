@@ -74,8 +74,14 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 	ntried := 0
 	var fail failure
 	for try := 0; ; try++ {
-		if try > 0 && (try > l.cfg.Retries || !fail.retry || !body.replayable(fail.dial) || !l.budget.withdraw()) {
-			break
+		if try > 0 {
+			if try > l.cfg.Retries || !fail.retry {
+				break
+			}
+			body.mend(w)
+			if !body.replayable(fail.dial) || !l.budget.withdraw() {
+				break
+			}
 		}
 		var lease balance.Lease
 		var err error
@@ -227,12 +233,14 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	out.Method, out.URL, out.Proto, out.ProtoMajor, out.ProtoMinor = r.Method, u, "HTTP/1.1", 1, 1
 	out.Header, out.Host, out.ContentLength, out.Trailer = hdr, r.Host, r.ContentLength, r.Trailer
 	if body != nil {
-		out.Body = body.next()
+		tb := body.next()
+		out.Body = tb
+		defer body.endTry()
 		if !body.ended() {
 			// When the try's time is up (try_timeout, timeout), a read of
 			// the body the transport is blocked in is broken off:
 			// RoundTrip waits for it.
-			stop := context.AfterFunc(tctx, func() { body.breakRead(w) })
+			stop := context.AfterFunc(tctx, func() { body.breakRead(w, tb.gen) })
 			defer stop()
 		}
 	}

@@ -1,0 +1,79 @@
+package httplb
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// hungBackend is an address whose accept queue is full: a connect to it hangs
+// (the SYNs are dropped), as to a host that is down behind a firewall.
+func hungBackend(t *testing.T) netip.AddrPort {
+	t.Helper()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	sa, _ := syscall.Getsockname(fd)
+	addr := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sa.(*syscall.SockaddrInet4).Port))
+	for i := 0; ; i++ { // fill the accept queue until a connect hangs
+		c, err := net.DialTimeout("tcp", addr.String(), 200*time.Millisecond)
+		if err != nil {
+			break
+		}
+		t.Cleanup(func() { c.Close() })
+		if i > 16 {
+			t.Fatal("cannot fill the accept queue: a connect to it does not hang")
+		}
+	}
+	return addr
+}
+
+// TestH1RetryAfterTryTimeoutInDial: a PUT whose client sent its whole
+// body at once; the first backend's connect hangs past try_timeout, so the
+// request is retried on the second, healthy backend. It must succeed there.
+func TestH1RetryAfterTryTimeoutInDial(t *testing.T) {
+	hung := hungBackend(t)
+	good, _ := h1TestBackend(t)
+	body := strings.Repeat("x", 20000) // more than the reader's buffer holds
+	for _, engine := range h1Engines {
+		t.Run(engine, func(t *testing.T) {
+			obs := &outcomeLog{}
+			s := serveOn(t, Config{NetHTTP1: engine == "net_http", TryTimeout: 300 * time.Millisecond, Retries: 1, Observer: obs},
+				[]Backend{{Addr: hung, Weight: 1000, Usable: true}, {Addr: good, Weight: 1, Usable: true}})
+			failed, tries := 0, 12
+			for i := 0; i < tries; i++ {
+				conn, br := rawConn(t, s.Addr().String())
+				fmt.Fprintf(conn, "PUT /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+				resp, err := http.ReadResponse(br, nil)
+				if err != nil {
+					t.Logf("request %d: %v", i, err)
+					failed++
+					continue
+				}
+				io.Copy(io.Discard, resp.Body)
+				if resp.StatusCode != 200 {
+					t.Logf("request %d: status %d", i, resp.StatusCode)
+					failed++
+				}
+				conn.Close()
+			}
+			if failed > 0 {
+				t.Errorf("%d of %d PUTs failed; want all answered by the healthy backend after the hung one's try_timeout (outcomes %v)", failed, tries, obs.get())
+			}
+		})
+	}
+}
