@@ -858,9 +858,10 @@ func TestBackendStatusUnder100(t *testing.T) {
 // TestH1HeaderTimeoutAfterPOST: the start of a next request that comes right
 // behind a POST's body, and no more of it, does not hold the connection open:
 // the loop gives it read_header_timeout, as any request's head, and net/http's
-// server the idle timeout. The loop looked for the CRLF some clients send after
-// a POST's body (RFC 9112 2.2) with a read of 4 bytes under no deadline at all
-// (the body's reads have none), and waited for ever.
+// server the idle timeout (a CR alone is the CRLF some clients send after a
+// POST's body, RFC 9112 2.2, and no request's start: the idle timeout on
+// both). The loop looked for that CRLF with a read of 4 bytes under no
+// deadline at all (the body's reads have none), and waited for ever.
 func TestH1HeaderTimeoutAfterPOST(t *testing.T) {
 	be, _ := h1TestBackend(t)
 	for _, engine := range h1Engines {
@@ -868,6 +869,7 @@ func TestH1HeaderTimeoutAfterPOST(t *testing.T) {
 			{"one byte", "G"},
 			{"three bytes", "GET"},
 			{"a CR", "\r"},
+			{"a CRLF and one byte", "\r\nG"},
 		} {
 			t.Run(engine+"/"+c.name, func(t *testing.T) {
 				s := serveOn(t, Config{NetHTTP1: engine == "net_http", ReadHeaderTimeout: 200 * time.Millisecond, IdleTimeout: time.Second},
@@ -946,5 +948,37 @@ func TestH1TimeoutClientNotReading(t *testing.T) {
 				t.Errorf("the backend's request still runs 5 s after the timeout; want it ended")
 			}
 		})
+	}
+}
+
+// TestH1IdleAfterPOSTWithCRLF: a client that ends its POST's body with the
+// extra CRLF RFC 9112 2.2 lets a server skip, with the body or after the
+// answer, then idles less than idle_timeout but longer than
+// read_header_timeout, keeps its connection (net/http's server waits for the
+// next request under the idle timeout). The loop took the CRLF for the start
+// of a request's head and closed the connection at read_header_timeout.
+func TestH1IdleAfterPOSTWithCRLF(t *testing.T) {
+	be, _ := h1TestBackend(t)
+	for _, engine := range h1Engines {
+		for _, c := range []struct{ name, body, after string }{
+			{"with the body", "hi\r\n", ""},
+			{"after the answer", "hi", "\r\n"},
+		} {
+			t.Run(engine+"/"+c.name, func(t *testing.T) {
+				s := serveOn(t, Config{NetHTTP1: engine == "net_http", ReadHeaderTimeout: 300 * time.Millisecond, IdleTimeout: 5 * time.Second},
+					[]Backend{{Addr: be, Weight: 1, Usable: true}})
+				conn, br := rawConn(t, s.Addr().String())
+				io.WriteString(conn, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n"+c.body)
+				checkAnswer(t, br, wantAnswer{method: "POST", status: 200, body: "hi"})
+				io.WriteString(conn, c.after)
+				time.Sleep(time.Second) // idle: past read_header_timeout, within idle_timeout
+				io.WriteString(conn, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+				resp, err := http.ReadResponse(br, nil)
+				if err != nil {
+					t.Fatalf("the next request after 1 s idle (idle_timeout 5s): %v; want its answer", err)
+				}
+				io.Copy(io.Discard, resp.Body)
+			})
+		}
 	}
 }

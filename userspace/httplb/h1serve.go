@@ -167,29 +167,12 @@ func (c *h1Session) serve() bool {
 	wait := s.cfg.ReadHeaderTimeout
 	lastMethod := ""
 	for {
-		if c.br.Buffered() == 0 && len(c.in.pending) == 0 {
-			c.conn.SetReadDeadline(time.Now().Add(wait))
-			if !c.awaitRequest() {
-				return true
-			}
+		if !c.nextRequest(wait, lastMethod == http.MethodPost) {
+			return true
 		}
 		wait = s.cfg.IdleTimeout
 		if !c.state.CompareAndSwap(h1Idle, h1Active) {
 			return true // shutdown closed it
-		}
-		if lastMethod == http.MethodPost {
-			// Some clients end a POST's body with a CRLF more; net/http's
-			// server skips it too (RFC 9112 2.2). A look that must read is
-			// a read of the next request's head, under its deadline: the
-			// body's reads left none. Less than 4 bytes is no request.
-			if c.br.Buffered() < 4 {
-				c.conn.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
-			}
-			peek, err := c.br.Peek(4)
-			if err != nil {
-				return true
-			}
-			c.br.Discard(leadingCRLF(peek))
 		}
 		c.in.lim.n = int64(s.cfg.MaxHeaderBytes) + 4096
 		// The head as it came, for ambiguousFraming: read whole into the reader
@@ -233,6 +216,51 @@ func (c *h1Session) serve() bool {
 		c.state.Store(h1Idle)
 		if s.h1Shutdown.Load() {
 			return true // shutdown may have passed this connection by while it was active
+		}
+	}
+}
+
+// nextRequest waits, if it must, until the next request's first byte has
+// come: under wait, from when it began to wait (the header timeout a request's
+// head is read under is due from that byte on, as net/http's server has it);
+// false: none came in time, or the connection closed or failed.
+//
+// Some clients end a POST's body with a CRLF more, which net/http's server
+// skips too (RFC 9112 2.2): after a POST, up to 4 CR and LF bytes before the
+// next request are dropped, and are no start of one. A client that sent them
+// and then nothing is an idle client, kept for the idle timeout; one that
+// sent a byte of the next request's head has its header timeout.
+func (c *h1Session) nextRequest(wait time.Duration, afterPOST bool) bool {
+	skip := 0
+	if afterPOST {
+		skip = 4
+	}
+	waiting := false
+	for {
+		for skip > 0 {
+			if c.br.Buffered() == 0 {
+				if len(c.in.pending) == 0 {
+					break
+				}
+				c.br.Peek(1) // from pending: no read of the connection
+			}
+			b, _ := c.br.Peek(min(c.br.Buffered(), skip))
+			n := leadingCRLF(b)
+			c.br.Discard(n)
+			skip -= n
+			if n < len(b) {
+				skip = 0 // a request's first byte
+			}
+		}
+		if c.br.Buffered() > 0 || len(c.in.pending) > 0 {
+			return true
+		}
+		if !waiting {
+			waiting = true
+			c.conn.SetReadDeadline(time.Now().Add(wait))
+		}
+		if !c.awaitRequest() {
+			return false
 		}
 	}
 }
