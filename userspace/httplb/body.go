@@ -98,18 +98,19 @@ func (rb *replayBody) pull(p []byte) (n int, kept bool, err error) {
 	return n, kept, err
 }
 
-// breakRead breaks off try gen's read of the client's body, through w's
-// connection (or stream), if the transport is blocked in it: Go's transport
-// returns from a try that failed or ran out of time only once its read of the
-// body has, and a client that paused its upload would hold that read, and the
-// request, for as long as it likes. Nothing else is touched: a body no read
-// waits for (a try whose dial hung has read none) is retried whole, and a
-// deadline set then would fail the retry's reads of a client that sent
-// everything; nor is a try that has ended (endTry).
+// breakRead breaks off try gen's read of the client's body (gen 0: the read
+// of the try under way, whichever it is), through w's connection (or stream),
+// if the transport is blocked in it: Go's transport returns from a try that
+// failed or ran out of time only once its read of the body has, and a client
+// that paused its upload would hold that read, and the request, for as long
+// as it likes. Nothing else is touched: a body no read waits for (a try whose
+// dial hung has read none) is retried whole, and a deadline set then would
+// fail the retry's reads of a client that sent everything; nor is a try that
+// has ended (endTry).
 func (rb *replayBody) breakRead(w http.ResponseWriter, gen int) {
 	rb.mu.Lock()
 	defer rb.mu.Unlock()
-	if rb.trying != gen || rb.eof || !rb.reading {
+	if rb.trying == 0 || gen != 0 && rb.trying != gen || rb.eof || !rb.reading {
 		return
 	}
 	rb.broken = true

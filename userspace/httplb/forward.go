@@ -61,6 +61,14 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 	if r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 {
 		body = &replayBody{src: r.Body, keep: retryable && l.cfg.Retries > 0}
 	}
+	if body != nil && l.cfg.Timeout > 0 {
+		// When the request's time is up, a read of the body the try under
+		// way is blocked in is broken off: RoundTrip waits for it. (A try's
+		// own timeout does the same from its timer, in try.) Only with a
+		// timeout: the hook costs allocations.
+		stop := context.AfterFunc(ctx, func() { body.breakRead(w, 0) })
+		defer stop()
+	}
 	var sc *outScratch
 	if body == nil && ownPath(l.cfg.Upstream, r) {
 		sc = outScratchPool.Get().(*outScratch)
@@ -206,6 +214,11 @@ type failure struct {
 func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWriter, r *http.Request, be *backend, lease *balance.Lease,
 	hdr http.Header, sc *outScratch, body *replayBody, retryable, more bool, start time.Time) (done bool, f failure) {
 	tryStart := time.Now()
+	var tb *tryBody
+	if body != nil {
+		tb = body.next()
+		defer body.endTry()
+	}
 	tctx := ctx
 	var timer *time.Timer
 	if l.cfg.TryTimeout > 0 {
@@ -215,7 +228,15 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 		var cancel context.CancelCauseFunc
 		tctx, cancel = context.WithCancelCause(ctx)
 		defer cancel(nil)
-		timer = time.AfterFunc(l.cfg.TryTimeout, func() { cancel(errTryTimeout) })
+		timer = time.AfterFunc(l.cfg.TryTimeout, func() {
+			cancel(errTryTimeout)
+			if tb != nil {
+				// A read of the body the transport is blocked in is
+				// broken off: RoundTrip waits for it. (The request's
+				// timeout has its own hook, in serveRequest.)
+				body.breakRead(w, tb.gen)
+			}
+		})
 	}
 	var out *http.Request
 	var u *url.URL
@@ -232,17 +253,8 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	u.Opaque = rawTargetPath(r.RequestURI)
 	out.Method, out.URL, out.Proto, out.ProtoMajor, out.ProtoMinor = r.Method, u, "HTTP/1.1", 1, 1
 	out.Header, out.Host, out.ContentLength, out.Trailer = hdr, r.Host, r.ContentLength, r.Trailer
-	if body != nil {
-		tb := body.next()
+	if tb != nil {
 		out.Body = tb
-		defer body.endTry()
-		if !body.ended() {
-			// When the try's time is up (try_timeout, timeout), a read of
-			// the body the transport is blocked in is broken off:
-			// RoundTrip waits for it.
-			stop := context.AfterFunc(tctx, func() { body.breakRead(w, tb.gen) })
-			defer stop()
-		}
 	}
 	var resp *http.Response
 	var err error
