@@ -250,6 +250,114 @@ func TestSlowClientGetsWholeAnswer(t *testing.T) {
 	waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
 }
 
+// TestSlowClientTalksOnAfterBackendReset: a client slow to read that goes on
+// sending after its backend has sent its whole answer, its FIN and then a
+// reset (an abortive close, or a close with the client's later bytes unread)
+// still gets the whole answer, then the EOF; its later bytes, which have
+// nowhere to go, are read and dropped, and the backend, whose stream was
+// whole, is not blamed. The proxy's write of the client's bytes to the dead
+// backend failed (EPIPE), and the proxy took that for the backend breaking the
+// connection: it reset the client, throwing away the answer it held, and
+// counted a reset against the backend; the client read 4096 bytes of 1048576,
+// then EOF (its write had taken the reset's error). With the whole answer in
+// the client's socket, the proxy closed at once, and the client's next bytes
+// met the closed socket, whose reset threw away the answer's unacknowledged
+// rest: 4096 bytes of 8192, then EOF.
+//
+// In a network namespace of its own, for the buffer sizes of
+// TestSlowClientGetsWholeAnswer.
+func TestSlowClientTalksOnAfterBackendReset(t *testing.T) {
+	abortive := func(_ *testing.T, c *net.TCPConn) { c.SetLinger(0); c.Close() }
+	for _, tc := range []struct {
+		name string
+		size int // of the answer
+		// end ends the backend's connection once its answer and FIN are
+		// acknowledged, and the client has talked on.
+		end func(t *testing.T, c *net.TCPConn)
+	}{
+		{"abortive close", 1 << 20, abortive},
+		{"close with bytes unread", 1 << 20, func(t *testing.T, c *net.TCPConn) {
+			if !waitfor.Cond(5*time.Second, func() bool { return recvQueue(c) > 0 }) {
+				t.Errorf("the backend: the client's later bytes did not come")
+			}
+			c.Close() // the host answers the unread bytes with a reset
+		}},
+		// All of it in the client's socket (its receive buffer and the
+		// proxy's send queue) when the client talks on: the proxy holds none.
+		{"answer in the sockets", 8 << 10, abortive},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if !inOwnNetns(t, map[string]string{
+				"net.ipv4.tcp_wmem": "4096 16384 16384",
+				"net.ipv4.tcp_rmem": "4096 4194304 4194304",
+			}) {
+				return
+			}
+			answer := bytes.Repeat([]byte("a"), tc.size)
+			acked, reset := make(chan struct{}), make(chan struct{})
+			be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
+				defer close(reset)
+				readLine(c)
+				c.Write(answer)
+				c.CloseWrite()
+				// (Cond, not Value: this is the backend's goroutine.)
+				if !waitfor.Cond(5*time.Second, func() bool { return sendQueue(c) == 0 }) {
+					t.Errorf("the backend's answer: %d bytes unacknowledged after 5 s; want 0", sendQueue(c))
+				}
+				close(acked)
+				tc.end(t, c)
+			})
+			rec := &recorder{}
+			s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Observer: rec, Logger: discardLogger()})
+			// A client that reads slowly: a receive buffer of 4 KiB.
+			d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+				var err error
+				rc.Control(func(fd uintptr) { err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
+				return err
+			}}
+			conn, err := d.Dial("tcp", s.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { conn.Close() })
+			c := conn.(*net.TCPConn)
+			c.SetDeadline(time.Now().Add(10 * time.Second))
+			c.Write([]byte("hi\n"))
+			<-acked
+			// The client talks on, not yet reading: before the backend's
+			// reset (which the second case waits for), and after it.
+			c.Write([]byte("more\n"))
+			<-reset
+			time.Sleep(100 * time.Millisecond)
+			c.Write([]byte("more\n"))
+			time.Sleep(100 * time.Millisecond)
+			// It reads the answer, talking on between reads (what the proxy
+			// has not yet sent, and the client not yet acknowledged, would
+			// be lost if these bytes met a closed socket).
+			var got []byte
+			buf := make([]byte, 4096)
+			for {
+				n, err := c.Read(buf)
+				got = append(got, buf[:n]...)
+				if err != nil {
+					if err != io.EOF || !bytes.Equal(got, answer) {
+						t.Errorf("answer: got %d bytes, then %v; want %d bytes, then EOF", len(got), err, len(answer))
+					}
+					break
+				}
+				c.Write([]byte("more\n")) // fails once the proxy has closed, the answer the client's
+			}
+			waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
+			if b := s.Snapshot().Backends[0]; b.Resets != 0 {
+				t.Errorf("backend resets: got %d; want 0 (its stream was whole)", b.Resets)
+			}
+			if got, want := rec.list(), []string{be.addr().String() + " success"}; !slices.Equal(got, want) {
+				t.Errorf("outcomes: got %q; want %q", got, want)
+			}
+		})
+	}
+}
+
 // sendQueue is the bytes c has sent and its peer has not acknowledged (SIOCOUTQ).
 func sendQueue(c *net.TCPConn) int { return ioctlInt(c, unix.SIOCOUTQ) }
 

@@ -74,6 +74,7 @@ type half struct {
 	eof     bool // the source reached EOF
 	whole   bool // the source failed after its FIN: the bytes before it are whole, and go on
 	done    bool // ended: flushed and half-closed
+	discard bool // h[up] only: the backend has gone, its stream whole; the client's bytes are read and dropped (linger)
 	bulk    bool // moves through splice
 
 	buf    *[]byte // unsent bytes: (*buf)[off:n]
@@ -90,9 +91,16 @@ func (h *half) pending() bool { return h.n > h.off || h.inPipe > 0 }
 
 // release hands back what the half holds. A pipe that still holds bytes is closed.
 func (h *half) release() {
+	h.drop()
+	*h = half{}
+}
+
+// drop throws away the half's unsent bytes and hands back what held them; a pipe
+// that still holds bytes is closed.
+func (h *half) drop() {
 	if h.buf != nil {
 		bufPool.Put(h.buf)
-		h.buf = nil
+		h.buf, h.off, h.n = nil, 0, 0
 	}
 	if h.p != nil {
 		if h.inPipe > 0 {
@@ -100,9 +108,8 @@ func (h *half) release() {
 		} else {
 			pipes.put(h.p)
 		}
-		h.p = nil
+		h.p, h.inPipe = nil, 0
 	}
-	*h = half{}
 }
 
 // newConn starts serving an accepted socket fd from src; a MaxConns slot is held.
@@ -367,6 +374,9 @@ func (l *loop) pumpBoth(c *conn) {
 func (l *loop) pump(c *conn, d int) bool {
 	h := &c.h[d]
 	if h.done {
+		if h.discard {
+			return l.linger(c)
+		}
 		if h.hup && !h.fin {
 			if d == up {
 				// The client reset after its FIN: it has gone, and nothing
@@ -378,14 +388,16 @@ func (l *loop) pump(c *conn, d int) bool {
 			}
 			// The backend reset after its FIN (a close with the client's
 			// later bytes unread, or an abortive close): its whole answer
-			// is in the client's socket, which a plain close lets the kernel
-			// deliver, and the client's further bytes meet the reset of the
-			// closed socket, as they would the backend's. Else the
-			// connection lasted until the client wrote or closed, and with
-			// the kernel forwarding, the client's bytes vanished into the
-			// backend's dead socket and it never ended.
-			l.close(c, OutcomeSuccess)
-			return false
+			// is in the client's socket, and the connection ends once the
+			// client has it (linger); the client's further bytes then meet
+			// the reset of the closed socket, as they would the backend's.
+			// Else the connection lasted until the client wrote or closed,
+			// and with the kernel forwarding, the client's bytes vanished
+			// into the backend's dead socket and it never ended.
+			if c.h[up].discard {
+				return true // lingering already: pump(up) does it
+			}
+			return l.linger(c)
 		}
 		return true
 	}
@@ -395,12 +407,13 @@ func (l *loop) pump(c *conn, d int) bool {
 		if h.pending() {
 			if h.blocked {
 				if h.hup && !h.fin && !h.whole {
-					if d == down && sockErr(src) == unix.EPIPE {
-						// The backend reset after its FIN (the kernel's
-						// EPIPE for a reset in CLOSE_WAIT): its answer is
-						// whole, and what the proxy holds of it goes on to
-						// the client, as the kernel still delivers what is
-						// in the socket. The end is a plain close (endHalf).
+					if d == down && (h.eof || sockErr(src) == unix.EPIPE) {
+						// The backend reset after its FIN (read already, or
+						// the kernel's EPIPE for a reset in CLOSE_WAIT): its
+						// answer is whole, and what the proxy holds of it
+						// goes on to the client, as the kernel still
+						// delivers what is in the socket. The end is a plain
+						// close, once the client has it (endHalf, linger).
 						h.whole = true
 						return true
 					}
@@ -604,17 +617,94 @@ func (l *loop) endHalf(c *conn, d int) bool {
 		pipes.put(h.p)
 		h.p = nil
 	}
-	if c.h[1-d].done || d == down && h.hup && !h.fin {
-		// Both directions ended; or the backend's, and the backend failed
-		// after its FIN, so the client's bytes have nowhere to go: a plain
-		// close delivers the answer's rest and the FIN.
+	o := &c.h[1-d]
+	if o.done && !o.discard {
+		// Both directions ended: the close sends the FIN.
 		l.close(c, OutcomeSuccess)
 		return false
 	}
 	if err := shutdownRaw(c.fd[1-d], unix.SHUT_WR); err != nil && err != unix.ENOTCONN && d == up {
 		c.reset = true
 	}
+	if d == down && (o.discard || h.hup && !h.fin) {
+		// The backend failed after its FIN, so the client's bytes have
+		// nowhere to go: the answer's rest and the FIN are in the client's
+		// socket, and the connection ends once the client has them.
+		return l.linger(c)
+	}
 	return true
+}
+
+// linger goes on with c after its backend has gone, its stream whole (its
+// reset came after its FIN), while the client may still send. Nothing more goes
+// to the backend: the client's bytes, which have nowhere to go, are read and
+// dropped, with those the proxy held for the backend. The answer goes on to the
+// client, and once it is all in the client's socket and the client has
+// acknowledged it and the FIN (SIOCOUTQ is 0), c is closed; or before, if the
+// client half-closes or fails. A close with the client's bytes unread, or one
+// that more of them reach, makes the kernel reset the client and throw away
+// what it has not yet acknowledged: the answer's rest. Like the lingering close
+// of HAProxy and nginx; bounded by the idle timeout, as the bytes dropped do
+// not count as activity. It reports false if it closed c.
+func (l *loop) linger(c *conn) bool {
+	u := &c.h[up]
+	if !u.discard {
+		if c.redirected {
+			u.kernel, _ = l.kernelMoved(c, up) // accountKernel reads a done half's here
+		}
+		u.discard, u.done = true, true
+		u.drop()
+		// A reset the backend's socket has yet to report is not a broken
+		// stream (pump's blocked source).
+		c.h[down].whole = true
+	}
+	for budget := spliceBudget; u.ready && !u.eof; {
+		if budget <= 0 {
+			l.again = append(l.again, connRef{c, c.gen})
+			return true
+		}
+		n, err := readRaw(c.fd[client], l.scratch)
+		switch {
+		case err == unix.EINTR:
+		case err == unix.EAGAIN:
+			u.ready = false
+		case err != nil:
+			// The client reset: it has gone, and took no notice of the
+			// answer's rest.
+			l.close(c, OutcomeSuccess)
+			return false
+		case n == 0:
+			u.eof = true
+		default:
+			budget -= n
+		}
+	}
+	if !c.h[down].done {
+		return true // the answer is still on its way to the client's socket
+	}
+	if !u.eof {
+		if n, err := outqRaw(c.fd[client]); err == nil && n > 0 {
+			l.lingerLater(c)
+			return true
+		}
+	}
+	l.close(c, OutcomeSuccess)
+	return false
+}
+
+// lingerLater checks c again soon: its client has not yet acknowledged the
+// answer's end. It shares the list of connections whose kernel forwarding lags
+// an EOF, and its checks, at most timerTick apart.
+func (l *loop) lingerLater(c *conn) {
+	if c.flushQueued {
+		return
+	}
+	c.flushQueued = true
+	if len(l.flushing) == 0 {
+		l.flushAt = l.now + int64(timerTick)
+		l.flushDelay = int64(timerTick)
+	}
+	l.flushing = append(l.flushing, connRef{c, c.gen})
 }
 
 // sockErr returns and clears fd's pending error (SO_ERROR), or 0.
@@ -628,21 +718,29 @@ func sockErr(fd int) unix.Errno {
 
 // fail ends c after an error in direction d, reading its source (read) or writing
 // its destination. The peer that was not at fault gets a reset rather than a clean
-// FIN, so it doesn't take a truncated stream for a complete one.
+// FIN, so it doesn't take a truncated stream for a complete one; but a client whose
+// bytes find the backend gone after its whole stream still gets that (linger). It
+// reports false if it closed c.
 func (l *loop) fail(c *conn, d int, read bool, err error) bool {
 	faulty, other := 1-d, d
 	if read {
 		faulty, other = d, 1-d
 	}
-	setLinger0(c.fd[other])
 	outcome := OutcomeSuccess
-	if faulty == server && !c.h[down].eof {
-		// A backend whose stream has ended (its FIN read) broke nothing:
-		// the reset its host answers later bytes with, once it has closed,
-		// is met by a client that talked on after the end.
-		outcome = OutcomeReset
+	if faulty == server {
+		if h := &c.h[down]; !h.eof && !h.whole && err != unix.EPIPE {
+			outcome = OutcomeReset
+		} else if !read {
+			// A backend whose stream has ended (its FIN read, or its reset
+			// seen after its FIN; a write's EPIPE is the kernel's word for a
+			// reset in CLOSE_WAIT, after the FIN) broke nothing: the reset
+			// its host answers later bytes with, once it has closed, is met
+			// by a client that talked on after the end. The answer goes on
+			// to the client, whose bytes are dropped (linger).
+			return l.linger(c)
+		}
 	}
-	_ = err // the outcome is what is reported; the errno itself is not
+	setLinger0(c.fd[other])
 	l.close(c, outcome)
 	return false
 }

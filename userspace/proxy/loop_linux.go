@@ -87,7 +87,7 @@ type loop struct {
 	connecting tlist // connects in progress, by deadline
 	idle       tlist // established connections, by last activity
 	again      []connRef
-	flushing   []connRef // redirected connections at EOF, waiting for the kernel to forward the rest
+	flushing   []connRef // redirected connections at EOF, waiting for the kernel to forward the rest; lingering ones (linger)
 	flushAt    int64     // when to check them next
 	flushDelay int64
 	scratch    []byte
@@ -373,7 +373,7 @@ func (l *loop) expire() {
 	}
 	if d := int64(l.s.cfg.IdleTimeout); d > 0 {
 		for c := l.idle.head; c != nil && c.last+d <= now; c = l.idle.head {
-			if c.redirected && l.kernelActive(c) {
+			if c.redirected && !c.h[up].discard && l.kernelActive(c) {
 				c.last = now
 				l.idle.remove(c)
 				l.idle.push(c)

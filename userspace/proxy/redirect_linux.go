@@ -156,7 +156,8 @@ func (l *loop) flushLater(c *conn) {
 	l.flushing = append(l.flushing, connRef{c, c.gen})
 }
 
-// recheck runs the connections waiting for kernel forwarding, if it is time.
+// recheck runs the connections waiting for kernel forwarding, and the lingering
+// ones (linger), if it is time.
 func (l *loop) recheck() {
 	if len(l.flushing) == 0 || monotonic() < l.flushAt {
 		return
