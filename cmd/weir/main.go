@@ -159,6 +159,12 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	if fs.NArg() == 1 {
+		named := false
+		fs.Visit(func(f *flag.Flag) { named = named || f.Name == "c" || f.Name == "config" })
+		if named {
+			// Two files: which one the answer is about must not be a guess.
+			return fmt.Errorf("validate: the file is %q or -c %q, not both", fs.Arg(0), *file)
+		}
 		*file = fs.Arg(0)
 	}
 	cfg, err := config.Load(*file)

@@ -128,6 +128,8 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"node", "stop"}, "node: want drain or undrain"},
 		{[]string{"node", "drain", "-s", "/nonexistent/weir.sock"}, "is weir running?"},
 		{[]string{"demo", "fleet", "--streams", "0"}, "--streams must be 1..150"},
+		{[]string{"validate", "-c", "a.yaml", "b.yaml"}, `the file is "b.yaml" or -c "a.yaml", not both`},
+		{[]string{"validate", "--config=a.yaml", "b.yaml"}, "not both"},
 		// NaN is no percentage (and JSON cannot carry it to the agent).
 		{[]string{"reload", "--max-move", "NaN", "-s", "/nonexistent/weir.sock"}, `invalid value "NaN" for flag -max-move: must be a percentage 0..100`},
 		{[]string{"plan", "--max-move", "nan", "-s", "/nonexistent/weir.sock"}, `invalid value "nan" for flag -max-move: must be a percentage 0..100`},
