@@ -266,6 +266,14 @@ func adminFlags(fs *command) func() (string, error) {
 		switch {
 		case err == nil:
 			return cfg.Admin.Socket, nil
+		case errors.Is(err, config.ErrInvalid):
+			// A file edited since the agent loaded it may fail validation
+			// elsewhere: the agent still answers on the socket it names (and
+			// a reload, asked of it, is refused with the file's errors).
+			if s, serr := config.AdminSocket(*file); serr == nil {
+				return s, nil
+			}
+			return "", err
 		case explicit || !errors.Is(err, os.ErrNotExist):
 			return "", err
 		}

@@ -341,3 +341,24 @@ func TestValidateEndsOnInterrupt(t *testing.T) {
 		t.Fatal("weir validate was still reading 5 s after SIGINT")
 	}
 }
+
+// TestClientsReachTheAgentPastAnInvalidFile: a config file edited since the
+// agent loaded it, and now invalid elsewhere, still names the socket the
+// clients ask the agent on: status and reload reach for it (and, with no
+// agent there, say so) instead of stopping at the file's errors.
+func TestClientsReachTheAgentPastAnInvalidFile(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "weir.yaml")
+	bad := "admin:\n  socket: /nonexistent/weir-test.sock\nservices:\n  - name: web\n    vip: 192.0.2.1:80\n    backends:\n      - address: 10.0.0.1:80\n        weight: -1\n"
+	if err := os.WriteFile(file, []byte(bad), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, cmd := range []string{"status", "reload", "plan"} {
+		t.Run(cmd, func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			err := run(context.Background(), []string{cmd, "-c", file}, &stdout, &stderr)
+			if err == nil || !strings.Contains(err.Error()+stderr.String(), "/nonexistent/weir-test.sock") {
+				t.Errorf("got %v (stderr %q); want it to have tried /nonexistent/weir-test.sock", err, stderr.String())
+			}
+		})
+	}
+}

@@ -77,6 +77,34 @@ func Load(path string) (*Config, error) {
 	return cfg, err
 }
 
+// AdminSocket reads only admin.socket from the file at path, for a client
+// that must reach the agent although the file fails validation elsewhere (it
+// was edited since the agent loaded it): the default when the file names
+// none. An error when the file cannot be read, is not YAML, or names no
+// absolute path.
+func AdminSocket(path string) (string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("read config: %w", err)
+	}
+	var f struct {
+		Admin struct {
+			Socket string `yaml:"socket"`
+		} `yaml:"admin"`
+	}
+	if err := yaml.Unmarshal(data, &f); err != nil {
+		return "", fmt.Errorf("%s: admin.socket: %w", path, err)
+	}
+	switch s := f.Admin.Socket; {
+	case s == "":
+		return DefaultAdminSocket, nil
+	case !strings.HasPrefix(s, "/"):
+		return "", fmt.Errorf("%s: admin.socket: must be an absolute path, got %q", path, s)
+	default:
+		return s, nil
+	}
+}
+
 // Parse parses one file's contents, fills in defaults, validates them and resolves
 // them into the model.
 func Parse(data []byte) (cfg *Config, err error) {
