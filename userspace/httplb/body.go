@@ -4,6 +4,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 )
@@ -48,6 +49,11 @@ type replayBody struct {
 	// broken: a try's time ran out and breakRead broke off the read; its
 	// error is not the client's.
 	broken bool
+	// expired: the generation of the try whose time ran out (breakRead),
+	// whose reads fail from then on: one the transport starts after the
+	// break, between two of its reads, would otherwise wait on a paused
+	// client with no deadline.
+	expired int
 }
 
 // next starts a try: a reader that replays what was kept, then reads on.
@@ -110,7 +116,11 @@ func (rb *replayBody) pull(p []byte) (n int, kept bool, err error) {
 func (rb *replayBody) breakRead(w http.ResponseWriter, gen int) {
 	rb.mu.Lock()
 	defer rb.mu.Unlock()
-	if rb.trying == 0 || gen != 0 && rb.trying != gen || rb.eof || !rb.reading {
+	if rb.trying == 0 || gen != 0 && rb.trying != gen || rb.eof {
+		return
+	}
+	rb.expired = rb.trying
+	if !rb.reading {
 		return
 	}
 	rb.broken = true
@@ -214,6 +224,10 @@ func (t *tryBody) Read(p []byte) (int, error) {
 	case t.gen != rb.gen:
 		rb.mu.Unlock()
 		return 0, errStaleTry
+	case t.gen == rb.expired:
+		// Not the client's failure: the try's time is up.
+		rb.mu.Unlock()
+		return 0, os.ErrDeadlineExceeded
 	case t.off < len(rb.buf):
 		n := copy(p, rb.buf[t.off:])
 		t.off += n

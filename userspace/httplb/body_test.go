@@ -1,8 +1,10 @@
 package httplb
 
 import (
+	"errors"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -50,6 +52,27 @@ func TestReplayBodyBreakRead(t *testing.T) {
 	if n := w.calls(); n != 0 {
 		t.Fatalf("breakRead with no read under way set the read deadline %d times; want none (a try whose dial hangs reads nothing)", n)
 	}
+	// A read that try starts after its time ran out fails at once, not
+	// waiting on the client (the transport between two reads).
+	late := make(chan error, 1)
+	// Exits at once, or, if it waits on the client, when the pipe closes at
+	// the end.
+	go func() {
+		_, err := tb.Read(make([]byte, 16))
+		late <- err
+	}()
+	select {
+	case err := <-late:
+		if !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatalf("a read after the try's time ran out: %v; want a deadline error", err)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("a read the try started after its time ran out waits on a paused client")
+	}
+	if err := rb.failed(); err != nil {
+		t.Errorf("failed() = %v after a try ran out of time; want nil (not the client's failure)", err)
+	}
+	tb = rb.next() // a retry
 	done := make(chan error, 1)
 	// Exits when its read is broken off, or the pipe closes at the end.
 	go func() {
@@ -92,6 +115,7 @@ func TestReplayBodyBreakRead(t *testing.T) {
 	}
 	// The retry reads on under no deadline. The write exits when the retry
 	// has read it, or when the pipe closes at the end.
+	tb2 = rb.next()
 	go client.Write([]byte("hi"))
 	buf := make([]byte, 16)
 	if n, err := tb2.Read(buf); err != nil || string(buf[:n]) != "hi" {
