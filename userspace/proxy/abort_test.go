@@ -404,3 +404,52 @@ func TestCutStreamResetsItsReader(t *testing.T) {
 		t.Fatalf("read %d bytes, then %v; want a reset", n, err)
 	}
 }
+
+// TestLingerIsBounded: a lingering connection (its backend gone after a
+// whole answer) whose client talks on and never reads closes at lingerMax,
+// even with no idle timeout, and frees its slot and the backend's count;
+// the outcome is the backend's whole stream, a success.
+func TestLingerIsBounded(t *testing.T) {
+	if !inOwnNetns(t, map[string]string{"net.ipv4.tcp_wmem": "4096 16384 16384", "net.ipv4.tcp_rmem": "4096 4194304 4194304"}) {
+		return
+	}
+	defer func(d time.Duration) { lingerMax = d }(lingerMax)
+	lingerMax = 500 * time.Millisecond
+	answer := bytes.Repeat([]byte("a"), 8<<10)
+	reset := make(chan struct{})
+	be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
+		defer close(reset)
+		readLine(c)
+		c.Write(answer)
+		c.CloseWrite()
+		waitfor.Cond(5*time.Second, func() bool { return sendQueue(c) == 0 })
+		c.SetLinger(0)
+		c.Close()
+	})
+	rec := &recorder{}
+	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Observer: rec, Logger: discardLogger()}) // no IdleTimeout
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		var err error
+		rc.Control(func(fd uintptr) { err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
+		return err
+	}}
+	conn, err := d.Dial("tcp", s.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	conn.Write([]byte("hi\n"))
+	<-reset
+	// The client talks on and never reads.
+	for range 3 {
+		time.Sleep(50 * time.Millisecond)
+		conn.Write([]byte("more\n"))
+	}
+	waitfor.Value(t, 10*time.Second, "0 active connections", active(s, 0))
+	if b := s.Snapshot().Backends[0]; b.Active != 0 || b.Resets != 0 || b.IdleTimeouts != 0 {
+		t.Errorf("backend: active %d, resets %d, idle timeouts %d; want 0, 0, 0", b.Active, b.Resets, b.IdleTimeouts)
+	}
+	if got, want := rec.list(), []string{be.addr().String() + " success"}; !slices.Equal(got, want) {
+		t.Errorf("outcomes: got %q; want %q", got, want)
+	}
+}

@@ -50,7 +50,10 @@ type conn struct {
 	attempt int
 	lastErr error
 	killed  bool // closed by a drain or shutdown deadline
-	reset   bool // the backend broke the connection
+	// lingerEnd: monotonic ns past which a lingering connection (linger)
+	// closes, acknowledged or not.
+	lingerEnd int64
+	reset     bool // the backend broke the connection
 
 	redirected  bool   // the kernel forwards (Config.Redirector)
 	seen        uint64 // redirected: bytes received by both sockets at the last idle check
@@ -645,7 +648,7 @@ func (l *loop) endHalf(c *conn, d int) bool {
 // that more of them reach, makes the kernel reset the client and throw away
 // what it has not yet acknowledged: the answer's rest. Like the lingering close
 // of HAProxy and nginx; bounded by the idle timeout, as the bytes dropped do
-// not count as activity. It reports false if it closed c.
+// not count as activity, and by lingerMax. It reports false if it closed c.
 func (l *loop) linger(c *conn) bool {
 	u := &c.h[up]
 	if !u.discard {
@@ -654,6 +657,7 @@ func (l *loop) linger(c *conn) bool {
 		}
 		u.discard, u.done = true, true
 		u.drop()
+		c.lingerEnd = monotonic() + int64(lingerMax)
 		// A reset the backend's socket has yet to report is not a broken
 		// stream (pump's blocked source).
 		c.h[down].whole = true
@@ -682,7 +686,7 @@ func (l *loop) linger(c *conn) bool {
 	if !c.h[down].done {
 		return true // the answer is still on its way to the client's socket
 	}
-	if !u.eof {
+	if !u.eof && monotonic() < c.lingerEnd {
 		if n, err := outqRaw(c.fd[client]); err == nil && n > 0 {
 			l.lingerLater(c)
 			return true
@@ -691,6 +695,13 @@ func (l *loop) linger(c *conn) bool {
 	l.close(c, OutcomeSuccess)
 	return false
 }
+
+// lingerMax bounds how long a lingering connection waits for its client to
+// acknowledge the answer's end (as nginx's lingering_time does), whatever the
+// idle timeout, which may be none: the backend has gone, and a client that
+// never reads would otherwise hold the connection, its slot and the backend's
+// count for good.
+var lingerMax = 30 * time.Second
 
 // lingerLater checks c again soon: its client has not yet acknowledged the
 // answer's end. It shares the list of connections whose kernel forwarding lags

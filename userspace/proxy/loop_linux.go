@@ -379,6 +379,11 @@ func (l *loop) expire() {
 				l.idle.push(c)
 				continue
 			}
+			if c.h[up].discard {
+				// Lingering: the backend's stream was whole, and it has gone.
+				l.close(c, OutcomeSuccess)
+				continue
+			}
 			l.close(c, OutcomeIdleTimeout)
 		}
 	}
