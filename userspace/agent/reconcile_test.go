@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"maps"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/weir-lb/weir/userspace/agent/admin"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/config"
 )
@@ -291,7 +293,8 @@ func TestReloadKeepsProxyConnections(t *testing.T) {
 }
 
 // TestMaxMoveOutOfRange: a budget that is no percentage is a bad request, for a
-// reload and a plan alike (the admin API answers 400), not a change over budget.
+// reload and a plan alike, and the admin API answers it with 400, not as a change
+// over budget (422).
 func TestMaxMoveOutOfRange(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "weir.yaml")
@@ -302,12 +305,20 @@ func TestMaxMoveOutOfRange(t *testing.T) {
 	}
 	a := runAgent(t, path)
 	ctx := context.Background()
+	client := admin.NewClient(filepath.Join(dir, "weir.sock"))
 	for _, pct := range []float64{-5, 100.5} {
 		if err := a.ReloadWithin(ctx, pct); !errors.Is(err, ErrBadRequest) {
 			t.Errorf("reload with max_move %g: got %v; want a bad request", pct, err)
 		}
 		if _, err := a.Plan(ctx, nil, "", &pct); !errors.Is(err, ErrBadRequest) {
 			t.Errorf("plan with max_move %g: got %v; want a bad request", pct, err)
+		}
+		var re *admin.RequestError
+		if err := client.ReloadWithin(ctx, pct); !errors.As(err, &re) || re.Code != http.StatusBadRequest {
+			t.Errorf("POST /v1/reload with max_move %g: got %v; want status 400", pct, err)
+		}
+		if _, err := client.Plan(ctx, nil, "", &pct); !errors.As(err, &re) || re.Code != http.StatusBadRequest {
+			t.Errorf("POST /v1/plan with max_move %g: got %v; want status 400", pct, err)
 		}
 	}
 	if err := a.ReloadWithin(ctx, 0); err != nil {

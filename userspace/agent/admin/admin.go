@@ -38,6 +38,7 @@ type Agent interface {
 //	GET  /v1/status                                      Status
 //	POST /v1/reload                                      {"ok":true} or 422 {"errors":[...]};
 //	                                                     body {"max_move": PCT} gates it
+//	                                                     (400 for a PCT outside 0..100)
 //	POST /v1/plan                                        Plan of {"config": YAML, "name": N,
 //	                                                     "max_move": PCT} (no config: the agent's file)
 //	POST /v1/services/{service}/backends/{addr}/drain    {"drain": true|false}
@@ -74,7 +75,7 @@ func Handler(a Agent, metrics http.Handler) http.Handler {
 			err = a.Reload(r.Context())
 		}
 		if err != nil {
-			writeJSON(w, http.StatusUnprocessableEntity, errorBody{Errors: ErrorLines(err)})
+			refused(w, err)
 			return
 		}
 		writeJSON(w, http.StatusOK, map[string]bool{"ok": true})
@@ -91,11 +92,7 @@ func Handler(a Agent, metrics http.Handler) http.Handler {
 		}
 		p, err := a.Plan(r.Context(), data, req.Name, req.MaxMove)
 		if err != nil {
-			if errors.Is(err, api.ErrNotRunning) {
-				writeErr(w, http.StatusServiceUnavailable, err)
-				return
-			}
-			writeJSON(w, http.StatusUnprocessableEntity, errorBody{Errors: ErrorLines(err)})
+			refused(w, err)
 			return
 		}
 		writeJSON(w, http.StatusOK, p)
@@ -170,6 +167,20 @@ func answer(w http.ResponseWriter, err error) {
 		writeErr(w, http.StatusServiceUnavailable, err)
 	default:
 		writeErr(w, http.StatusConflict, err)
+	}
+}
+
+// refused answers a reload or plan the agent refused: 400 for a malformed request
+// (a max_move that is no percentage), 503 while the agent is not running, else 422
+// with the config's problems (or the change over budget) one a line.
+func refused(w http.ResponseWriter, err error) {
+	switch {
+	case errors.Is(err, api.ErrBadRequest):
+		writeErr(w, http.StatusBadRequest, err)
+	case errors.Is(err, api.ErrNotRunning):
+		writeErr(w, http.StatusServiceUnavailable, err)
+	default:
+		writeJSON(w, http.StatusUnprocessableEntity, errorBody{Errors: ErrorLines(err)})
 	}
 }
 
