@@ -323,7 +323,9 @@ func TestGOAWAYOnRebuild(t *testing.T) {
 }
 
 // TestMetrics: the http plane's requests are counted per backend and status
-// class, and timed, in the agent's Prometheus exposition.
+// class, and timed, in the agent's Prometheus exposition; the byte and backend
+// connection counters, which the plane does not keep, are left out rather than
+// shown as zeros.
 func TestMetrics(t *testing.T) {
 	bs := httpbackend.StartN(t, 2)
 	bs[1].Status.Store(http.StatusInternalServerError)
@@ -342,6 +344,11 @@ func TestMetrics(t *testing.T) {
 	} {
 		if !strings.Contains(body, want) {
 			t.Errorf("metrics lack %s", want)
+		}
+	}
+	for _, unkept := range []string{"weir_service_bytes_total{", "weir_backend_bytes_total{", "weir_backend_connections_active{", "weir_backend_connects_total{"} {
+		if strings.Contains(body, unkept) {
+			t.Errorf("metrics have %s...; want none for an http service, which keeps no such counter", unkept)
 		}
 	}
 }

@@ -185,7 +185,12 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	for _, s := range st.Services {
 		g(m.d.serviceDataPlane, 1, s.Name, s.DataPlane)
 		g(m.d.serviceDown, b2f(s.AllDown), s.Name)
-		c(m.d.serviceBytes, s.Bytes, s.Name, s.DataPlane)
+		// The http plane counts requests, not bytes or backend connections: its
+		// services have none of those series rather than zeros that read as idle.
+		bytesKept := s.DataPlane != api.PlaneHTTP
+		if bytesKept {
+			c(m.d.serviceBytes, s.Bytes, s.Name, s.DataPlane)
+		}
 		if t := s.Table; t != nil {
 			g(m.d.tableInfo, 1, s.Name, t.Fingerprint)
 			if t.Previous != "" {
@@ -207,13 +212,16 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 			g(m.d.httpTunnels, float64(s.Tunnels), s.Name)
 		}
 		for _, b := range s.Backends {
-			c(m.d.backendBytes, b.Bytes, s.Name, b.Address, s.DataPlane)
-			if s.DataPlane == api.PlaneXDP {
+			if bytesKept {
+				c(m.d.backendBytes, b.Bytes, s.Name, b.Address, s.DataPlane)
+			}
+			switch s.DataPlane {
+			case api.PlaneXDP:
 				c(m.d.backendPackets, b.Packets, s.Name, b.Address)
 				if s.Mode == string(config.ModeNAT) {
 					g(m.d.backendFlows, float64(b.ActiveFlows), s.Name, b.Address)
 				}
-			} else {
+			case api.PlaneProxy:
 				g(m.d.backendConns, float64(b.Connections), s.Name, b.Address)
 				c(m.d.backendConnects, b.Connects, s.Name, b.Address)
 			}
