@@ -75,10 +75,9 @@ type fsess struct {
 	streams map[uint32]*fstream
 	maxID   uint32 // the highest stream ID the client opened
 	// cutShort holds the last streams closed before the client had sent the
-	// request's end, by weir or by the client's own RST_STREAM (see
-	// earlyClose); a ring of cutShortN, made on first use.
-	cutShort []earlyClose
-	cutNext  int
+	// request's end, by weir's RST_STREAM or by the client's own (see
+	// noteCutShort).
+	cutShort closedStreams
 	away     bool // GOAWAY sent: no new streams
 	closed   bool
 	sendWin  int64 // the client's connection window for our DATA
@@ -273,34 +272,19 @@ func (ss *fsess) streamError(se http2.StreamError, hb *hblock) error {
 	return ss.refuse(ss.streams[se.StreamID], se.StreamID, se.Code)
 }
 
-// cutShortN bounds the streams remembered as closed before the request's end:
-// as many as a client may have open.
-const cutShortN = maxClientStreams
-
-// earlyClose is a stream closed before the client sent its request's end.
-// Closed by weir, frames still under way on it are ignored (RFC 9113 5.1:
-// the client may have sent them before it saw weir's RST_STREAM). Closed by
-// the client's own RST_STREAM, any frame but PRIORITY on it is the client's
-// error, a stream error of type STREAM_CLOSED (RFC 9113 5.1).
-type earlyClose struct {
-	id       uint32
-	byClient bool
-}
-
+// noteCutShort remembers a stream closed before the client sent its
+// request's end: closed by weir, frames still under way on it are ignored
+// (the client may have sent them before it saw weir's RST_STREAM); closed by
+// the client's own RST_STREAM, DATA or HEADERS on it is a stream error
+// STREAM_CLOSED (closedStreams.late). Streams whose request had ended are
+// not noted: DATA on them is a stream error STREAM_CLOSED (RFC 9113 6.1) and
+// HEADERS a connection error, whatever else weir remembers of them.
 func (ss *fsess) noteCutShort(id uint32, byClient bool) {
-	e := earlyClose{id: id, byClient: byClient}
-	if len(ss.cutShort) < cutShortN {
-		ss.cutShort = append(ss.cutShort, e)
-		return
+	how := resetByUs
+	if byClient {
+		how = resetByPeer
 	}
-	ss.cutShort[ss.cutNext] = e
-	ss.cutNext = (ss.cutNext + 1) % cutShortN
-}
-
-// wasCutShort reports whether weir closed stream id before the request's
-// end, and it is still remembered.
-func (ss *fsess) wasCutShort(id uint32) bool {
-	return slices.Contains(ss.cutShort, earlyClose{id: id})
+	ss.cutShort.note(id, how)
 }
 
 // idleStream: a stream the client has not opened, nor could have: above the
@@ -314,10 +298,10 @@ func (ss *fsess) idleStream(id uint32) bool {
 // the highest the client opened, not open); mu is held. Its block is decoded
 // already, so HPACK's state holds whatever the answer.
 func (ss *fsess) closedHeaders(id uint32) error {
-	switch {
-	case ss.wasCutShort(id):
+	switch ss.cutShort.late(id) {
+	case lateIgnore:
 		return nil // trailers sent before the client saw weir's RST_STREAM
-	case slices.Contains(ss.cutShort, earlyClose{id: id, byClient: true}):
+	case lateStreamClosed:
 		return ss.refuse(nil, id, http2.ErrCodeStreamClosed)
 	}
 	return ss.protocolError("HEADERS on a stream the client cannot open")
@@ -706,7 +690,7 @@ func (ss *fsess) data(f *http2.DataFrame) error {
 		if f.StreamID == 0 || ss.idleStream(f.StreamID) {
 			return ss.protocolError("DATA on a stream not open")
 		}
-		if st == nil && ss.wasCutShort(f.StreamID) {
+		if st == nil && ss.cutShort.late(f.StreamID) == lateIgnore {
 			return nil // sent before the client saw weir's RST_STREAM
 		}
 		// DATA after the request's END_STREAM, or on a stream closed or
