@@ -12,7 +12,9 @@ import (
 	"net/http"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,6 +23,7 @@ import (
 
 	"github.com/weir-lb/weir/internal/httpbackend"
 	"github.com/weir-lb/weir/internal/waitfor"
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // A client's stream that weir must reset for the client's fault (here a
@@ -718,4 +721,265 @@ func TestFramesBrokenAnswerOneOutcome(t *testing.T) {
 		got := obs.get()
 		return got, slices.Equal(got, want)
 	})
+}
+
+// scriptedBackend speaks HTTP/2 on conn and hands each request's decoded
+// headers to answer, which writes what it likes with w (under the connection's
+// write lock); frames it gets later go to on, if not nil, in the same way.
+func scriptedBackend(conn net.Conn, answer func(w *scriptedConn, f *http2.MetaHeadersFrame), on func(w *scriptedConn, f http2.Frame)) {
+	conn.SetDeadline(time.Now().Add(15 * time.Second))
+	preface := make([]byte, len(http2.ClientPreface))
+	if _, err := io.ReadFull(conn, preface); err != nil {
+		return
+	}
+	fr := http2.NewFramer(conn, conn)
+	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	w := &scriptedConn{fr: fr}
+	w.enc = hpack.NewEncoder(&w.hb)
+	fr.WriteSettings()
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			return
+		}
+		w.mu.Lock()
+		if mh, ok := f.(*http2.MetaHeadersFrame); ok {
+			answer(w, mh)
+		} else if on != nil {
+			on(w, f)
+		}
+		w.mu.Unlock()
+	}
+}
+
+// scriptedConn is a scriptedBackend's side of its connection.
+type scriptedConn struct {
+	mu  sync.Mutex
+	fr  *http2.Framer
+	hb  bytes.Buffer
+	enc *hpack.Encoder
+}
+
+// headers writes a HEADERS frame of the fields (name, value, ...).
+func (w *scriptedConn) headers(id uint32, end bool, fields ...string) {
+	w.hb.Reset()
+	for i := 0; i+1 < len(fields); i += 2 {
+		w.enc.WriteField(hpack.HeaderField{Name: fields[i], Value: fields[i+1]})
+	}
+	w.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: w.hb.Bytes(), EndHeaders: true, EndStream: end})
+}
+
+// A backend's DATA after a stream's end, on a stream it reset itself or whose
+// answer it had ended while weir's request was still open, is a stream error
+// STREAM_CLOSED (RFC 9113 5.1, 6.1): that stream reset, the connection and
+// its other streams going on. After weir's own reset, the backend may have
+// sent it before it saw the reset: it is dropped. Before, weir dropped every
+// frame on a stream it had finished with.
+func TestBackendLateDataOnClosedStream(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		path string
+		want string // weir's answer to the late DATA
+	}{
+		{"after the backend's RST_STREAM", "/peer-reset", "RST_STREAM STREAM_CLOSED"},
+		{"after the backend's END_STREAM with the request open", "/early-end", "RST_STREAM STREAM_CLOSED"},
+		{"after weir's RST_STREAM", "/weir-reset", "nothing"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			// Each late DATA is followed by a PING: weir reads frames in
+			// order, so its answer to the DATA, if any, comes before the ACK.
+			verdict := make(chan string, 4)
+			var conns atomic.Int64
+			var late uint32 // the stream of the late DATA, once sent; under the conn's lock
+			lateData := func(w *scriptedConn, id uint32) {
+				late = id
+				w.fr.WriteData(id, true, []byte("late"))
+				w.fr.WritePing(false, [8]byte{'l', 'a', 't', 'e'})
+			}
+			be := rawBackend(t, func(conn net.Conn) {
+				conns.Add(1)
+				answer := "nothing"
+				scriptedBackend(conn, func(w *scriptedConn, f *http2.MetaHeadersFrame) {
+					id := f.StreamID
+					switch f.PseudoValue("path") {
+					case "/peer-reset":
+						w.headers(id, false, ":status", "200")
+						w.fr.WriteRSTStream(id, http2.ErrCodeCancel)
+						lateData(w, id)
+					case "/early-end":
+						w.headers(id, true, ":status", "200")
+						lateData(w, id)
+					case "/weir-reset":
+						w.headers(id, false, ":status", "200")
+					default:
+						w.headers(id, false, ":status", "200")
+						w.fr.WriteData(id, true, []byte("ok"))
+					}
+				}, func(w *scriptedConn, f http2.Frame) {
+					switch f := f.(type) {
+					case *http2.RSTStreamFrame:
+						if f.StreamID == late && f.ErrCode == http2.ErrCodeStreamClosed {
+							answer = "RST_STREAM STREAM_CLOSED"
+						} else if late == 0 && f.ErrCode == http2.ErrCodeCancel {
+							lateData(w, f.StreamID) // weir's reset of /weir-reset
+						}
+					case *http2.PingFrame:
+						if f.IsAck() && f.Data == [8]byte{'l', 'a', 't', 'e'} {
+							verdict <- answer
+						}
+					case *http2.GoAwayFrame:
+						verdict <- fmt.Sprintf("GOAWAY %v", f.ErrCode)
+					}
+				})
+			})
+			s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			addr := s.Addr().String()
+			conn, fr := h2Conn(t, addr)
+			t.Cleanup(func() { conn.Close() })
+			conn.SetDeadline(time.Now().Add(10 * time.Second))
+			var buf bytes.Buffer
+			enc := hpack.NewEncoder(&buf)
+			if c.path == "/early-end" {
+				// A POST whose body has not ended when the answer has.
+				fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, EndHeaders: true,
+					BlockFragment: fieldBlock(enc, &buf, ":method", "POST", ":scheme", "http", ":authority", addr, ":path", c.path)})
+				fr.WriteData(1, false, []byte("part"))
+			} else {
+				fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, EndHeaders: true, EndStream: true,
+					BlockFragment: fieldBlock(enc, &buf, ":method", "GET", ":scheme", "http", ":authority", addr, ":path", c.path)})
+			}
+			// The client's side: weir's answer on stream 1 (reset by the
+			// client at its headers for /weir-reset), then a GET / on the same
+			// connection, which must be answered.
+			sentNext := false
+			for {
+				f, err := fr.ReadFrame()
+				if err != nil {
+					t.Fatalf("client read: %v; want the second request's answer", err)
+				}
+				if g, ok := f.(*http2.GoAwayFrame); ok {
+					t.Fatalf("client got GOAWAY %v; want its connection to go on", g.ErrCode)
+				}
+				if f.Header().StreamID == 1 && !sentNext {
+					if c.path == "/weir-reset" {
+						fr.WriteRSTStream(1, http2.ErrCodeCancel)
+					}
+					fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, EndHeaders: true, EndStream: true,
+						BlockFragment: fieldBlock(enc, &buf, ":method", "GET", ":scheme", "http", ":authority", addr, ":path", "/")})
+					sentNext = true
+				}
+				if d, ok := f.(*http2.DataFrame); ok && d.StreamID == 3 && d.StreamEnded() {
+					break
+				}
+			}
+			select {
+			case got := <-verdict:
+				if got != c.want {
+					t.Errorf("weir's answer to the late DATA: %s; want %s", got, c.want)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("weir did not answer the PING behind the late DATA")
+			}
+			if n := conns.Load(); n != 1 {
+				t.Errorf("the backend got %d connections; want 1, the second request on the first", n)
+			}
+		})
+	}
+}
+
+// A backend's DATA on a stream whose END_STREAM went both ways cannot have
+// been on its way before anything weir did: it ends the connection with
+// GOAWAY STREAM_CLOSED (RFC 7540 5.1). The requests in flight on it fail as
+// on a backend that died: a GET is tried again on another backend, a POST
+// answered 502; the answer already delivered is whole.
+func TestBackendLateDataAfterBothEndsClosesConnection(t *testing.T) {
+	goaway := make(chan http2.ErrCode, 4)
+	backend := func(name string) netip.AddrPort {
+		return rawBackend(t, func(conn net.Conn) {
+			var first uint32 // the answered stream, on this connection
+			held := 0
+			scriptedBackend(conn, func(w *scriptedConn, f *http2.MetaHeadersFrame) {
+				id := f.StreamID
+				switch path := f.PseudoValue("path"); {
+				case path == "/first":
+					w.headers(id, true, ":status", "200", "x-backend", name)
+					first = id
+				case strings.HasPrefix(path, "/held") && first != 0:
+					// Held until the other is in: then DATA on the
+					// stream that ended both ways.
+					if held++; held == 2 {
+						w.fr.WriteData(first, true, []byte("late"))
+					}
+				default:
+					w.headers(id, false, ":status", "200", "x-backend", name)
+					w.fr.WriteData(id, true, []byte("ok"))
+				}
+			}, func(w *scriptedConn, f http2.Frame) {
+				if g, ok := f.(*http2.GoAwayFrame); ok {
+					goaway <- g.ErrCode
+				}
+			})
+		})
+	}
+	a, b := backend("a"), backend("b")
+	s := serveOn(t, Config{Algorithm: balance.Maglev, Hash: HashHeader, HashName: "x-key", Retries: 1},
+		[]Backend{{Addr: a, Weight: 1, Usable: true}, {Addr: b, Weight: 1, Usable: true}})
+	client := h2cClient()
+	client.Timeout = 8 * time.Second
+	t.Cleanup(client.CloseIdleConnections)
+	url := "http://" + s.Addr().String()
+	send := func(method, path string) (*http.Response, string, error) {
+		var body io.Reader
+		if method == http.MethodPost {
+			body = strings.NewReader("post body")
+		}
+		req, _ := http.NewRequest(method, url+path, body)
+		req.Header.Set("x-key", "k")
+		resp, err := client.Do(req)
+		if err != nil {
+			return nil, "", err
+		}
+		defer resp.Body.Close()
+		got, err := io.ReadAll(resp.Body)
+		return resp, string(got), err
+	}
+	resp, _, err := send(http.MethodGet, "/first")
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET /first: %v, %v; want 200", resp, err)
+	}
+	first := resp.Header.Get("x-backend")
+	type result struct {
+		status  int
+		backend string
+		err     error
+	}
+	get, post := make(chan result, 1), make(chan result, 1)
+	for _, r := range []struct {
+		method string
+		out    chan result
+	}{{http.MethodGet, get}, {http.MethodPost, post}} {
+		// Exits within the client's timeout.
+		go func() {
+			resp, _, err := send(r.method, "/held")
+			if err != nil {
+				r.out <- result{err: err}
+				return
+			}
+			r.out <- result{status: resp.StatusCode, backend: resp.Header.Get("x-backend")}
+		}()
+	}
+	select {
+	case code := <-goaway:
+		if code != http2.ErrCodeStreamClosed {
+			t.Errorf("GOAWAY %v; want STREAM_CLOSED", code)
+		}
+	case <-time.After(8 * time.Second):
+		t.Error("no GOAWAY for DATA on a stream that ended both ways")
+	}
+	if r := <-get; r.err != nil || r.status != http.StatusOK || r.backend == first {
+		t.Errorf("the GET in flight: %d from %q (%v); want 200 from the other backend than %q", r.status, r.backend, r.err, first)
+	}
+	if r := <-post; r.err != nil || r.status != http.StatusBadGateway {
+		t.Errorf("the POST in flight: %d (%v); want 502", r.status, r.err)
+	}
 }

@@ -67,6 +67,9 @@ type upconn struct {
 	blocked    []*fstream // waiting for the connection's window
 	away       bool       // no new streams (GOAWAY, failure, pool closed)
 	dead       bool
+	// recent is the streams closed last, and how: what the backend sends on
+	// them after is answered by it (closedStreams.late).
+	recent closedStreams
 }
 
 // open sends st's request over one of the pool's connections; st's session
@@ -234,6 +237,7 @@ func (uc *upconn) cancel(st *fstream) {
 	}
 	if st.upID != 0 && uc.streams[st.upID] == st {
 		delete(uc.streams, st.upID)
+		uc.recent.note(st.upID, resetByUs)
 		uc.fr.WriteRSTStream(st.upID, http2.ErrCodeCancel)
 		uc.idleCheckLocked()
 	}
@@ -343,25 +347,31 @@ func (uc *upconn) read() error {
 		f, hb, err := uc.br.read()
 		if hb != nil && err == nil {
 			uc.mu.Lock()
-			idle := uc.idleLocked(hb.id)
 			st := uc.lookupLocked(hb.id, hb.end)
 			uc.mu.Unlock()
-			if idle {
-				return uc.goAway(http2.ErrCodeProtocol, "the backend sent HEADERS on a stream weir never opened")
+			if st == nil {
+				if err := uc.notOpen(hb.id, "HEADERS"); err != nil {
+					return err
+				}
+				continue
 			}
-			if st != nil {
-				uc.withStream(st, func() { st.respHeaders(hb) })
-			}
+			uc.withStream(st, func() { st.respHeaders(hb) })
 			continue
 		}
 		if err != nil {
 			var se http2.StreamError
 			if errors.As(err, &se) {
-				if st := uc.take(se.StreamID); st != nil {
+				if st := uc.take(se.StreamID, resetByUs); st != nil {
 					uc.mu.Lock()
 					uc.fr.WriteRSTStream(se.StreamID, se.Code)
 					uc.mu.Unlock()
 					uc.withStream(st, func() { st.upDone = true; st.upstreamReset(se.Code, nil, false) })
+				} else if hb != nil {
+					// A malformed header block on a stream not open: the
+					// rules of any HEADERS there.
+					if err := uc.notOpen(se.StreamID, "HEADERS"); err != nil {
+						return err
+					}
 				}
 				continue
 			}
@@ -382,7 +392,6 @@ func (uc *upconn) read() error {
 			uc.recvWin -= n
 			overrun := uc.recvWin < 0
 			uc.oweLocked(n) // the connection's credit goes back at once (see frames.go)
-			idle := uc.idleLocked(f.StreamID)
 			st := uc.lookupLocked(f.StreamID, end)
 			streamOverrun := false
 			if st != nil {
@@ -392,6 +401,9 @@ func (uc *upconn) read() error {
 					// Past the window weir gave: what it sent would queue
 					// without bound for a client that reads slowly.
 					delete(uc.streams, f.StreamID)
+					if !end {
+						uc.recent.note(f.StreamID, resetByUs) // else noted as ended
+					}
 					uc.fr.WriteRSTStream(f.StreamID, http2.ErrCodeFlowControl)
 				}
 			}
@@ -399,10 +411,10 @@ func (uc *upconn) read() error {
 			if overrun {
 				return errors.New("the backend overran its connection window")
 			}
-			if idle {
-				return uc.goAway(http2.ErrCodeProtocol, "the backend sent DATA on a stream weir never opened")
-			}
 			if st == nil {
+				if err := uc.notOpen(f.StreamID, "DATA"); err != nil {
+					return err
+				}
 				continue
 			}
 			if streamOverrun {
@@ -516,7 +528,7 @@ func (uc *upconn) read() error {
 			if idle {
 				return uc.goAway(http2.ErrCodeProtocol, "the backend sent RST_STREAM on a stream weir never opened")
 			}
-			if st := uc.take(f.StreamID); st != nil {
+			if st := uc.take(f.StreamID, resetByPeer); st != nil {
 				uc.withStream(st, func() { st.upDone = true; st.upstreamReset(f.ErrCode, nil, false) })
 			}
 		case *http2.PushPromiseFrame:
@@ -561,7 +573,7 @@ func (uc *upconn) goAway(code http2.ErrCode, why string) error {
 // limit (a stream error, RFC 9113 6.9.1): the request fails, the connection
 // goes on.
 func (uc *upconn) resetOverflow(st *fstream, id uint32) {
-	if uc.take(id) == nil {
+	if uc.take(id, resetByUs) == nil {
 		return
 	}
 	uc.mu.Lock()
@@ -597,9 +609,34 @@ func (uc *upconn) withStream(st *fstream, fn func()) bool {
 // connection ("idle", RFC 9113 5.1: weir opens the odd ones in order, and a
 // server opens none, push being off): a frame other than PRIORITY on it is a
 // connection error. Streams weir opened and has since closed are not idle:
-// their late frames are dropped.
+// their late frames are answered by how they closed (notOpen).
 func (uc *upconn) idleLocked(id uint32) bool {
 	return id != 0 && (id%2 == 0 || id >= uc.nextID)
+}
+
+// notOpen answers the backend's DATA or HEADERS (frame) on stream id, which
+// is not open. On a stream weir never opened: a connection error
+// PROTOCOL_ERROR. On one that closed: what recent says of how it closed, and
+// nothing for a stream recent has forgotten (how it closed is not known, and
+// frames may follow weir's reset). It returns the error that ends the reader,
+// if any.
+func (uc *upconn) notOpen(id uint32, frame string) error {
+	uc.mu.Lock()
+	idle := uc.idleLocked(id)
+	late := uc.recent.late(id)
+	if !idle && late == lateStreamClosed {
+		uc.fr.WriteRSTStream(id, http2.ErrCodeStreamClosed)
+	}
+	uc.mu.Unlock()
+	switch {
+	case idle:
+		return uc.goAway(http2.ErrCodeProtocol, "the backend sent "+frame+" on a stream weir never opened")
+	case late == lateConnClosed:
+		// Its other streams fail as on a connection that broke: those the
+		// backend has not answered are tried again where they may be.
+		return uc.goAway(http2.ErrCodeStreamClosed, "the backend sent "+frame+" on a stream after both sides ended it")
+	}
+	return nil
 }
 
 // lookupLocked returns stream id's fstream; ended: the backend's side is over,
@@ -608,16 +645,25 @@ func (uc *upconn) lookupLocked(id uint32, ended bool) *fstream {
 	st := uc.streams[id]
 	if st != nil && ended {
 		delete(uc.streams, id)
+		how := endedByPeer
+		if st.reqEndSent {
+			how = endedBoth
+		}
+		uc.recent.note(id, how)
 		uc.idleCheckLocked()
 	}
 	return st
 }
 
-func (uc *upconn) take(id uint32) *fstream {
+// take drops stream id, closed as how, and returns its fstream.
+func (uc *upconn) take(id uint32, how closeHow) *fstream {
 	uc.mu.Lock()
 	defer uc.mu.Unlock()
 	st := uc.streams[id]
-	delete(uc.streams, id)
+	if st != nil {
+		delete(uc.streams, id)
+		uc.recent.note(id, how)
+	}
 	return st
 }
 
