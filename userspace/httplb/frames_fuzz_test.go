@@ -211,6 +211,19 @@ func FuzzBackendFrames(f *testing.F) {
 		fr.WriteRSTStream(1, http2.ErrCodeCancel)
 	}))
 
+	// Frames on a stream after its end: after END_STREAM both ways, after the
+	// backend's reset.
+	f.Add(seed(false, func(fr *http2.Framer, b func(...string) []byte) {
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: b(":status", "204"), EndHeaders: true, EndStream: true})
+		fr.WriteData(1, true, []byte("late"))
+	}))
+	f.Add(seed(true, func(fr *http2.Framer, b func(...string) []byte) {
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: b(":status", "200"), EndHeaders: true})
+		fr.WriteRSTStream(1, http2.ErrCodeCancel)
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: b(":status", "200"), EndHeaders: true, EndStream: true})
+		fr.WriteData(1, true, []byte("late"))
+	}))
+
 	var answer atomic.Pointer[[]byte]
 	var open atomic.Int64 // the backend's connections weir has not closed yet
 	addr := rawBackend(f, func(c net.Conn) {
