@@ -193,56 +193,28 @@ func TestBackendResetAfterItsFIN(t *testing.T) {
 // reset for a broken stream, threw away what it held and reset the client:
 // megabytes lost that the backend had sent, and the proxy acknowledged, whole.
 //
-// In a network namespace of its own, for buffer sizes of its own: send buffers
-// of 16 KiB, so the proxy holds the answer's rest while the client does not
-// read, and receive buffers of 4 MiB, so the whole answer and its FIN reach
-// the proxy's host before the reset.
+// In a network namespace of its own, for its buffer sizes (inSlowReaderNetns).
 func TestSlowClientGetsWholeAnswer(t *testing.T) {
-	if !inOwnNetns(t, map[string]string{
-		"net.ipv4.tcp_wmem": "4096 16384 16384",
-		"net.ipv4.tcp_rmem": "4096 4194304 4194304",
-	}) {
+	if !inSlowReaderNetns(t) {
 		return
 	}
 	answer := bytes.Repeat([]byte("a"), 1<<20)
-	reset := make(chan struct{})
 	client := make(chan *net.TCPConn, 1)
-	be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
-		defer close(reset)
-		readLine(c)
-		c.Write(answer)
-		c.CloseWrite()
-		// Once the proxy's host has acknowledged it all, FIN included, and the
-		// proxy has filled the client's buffer (it holds the rest).
-		// (Cond, not Value: this is the backend's goroutine, not the test's.)
-		if !waitfor.Cond(5*time.Second, func() bool { return sendQueue(c) == 0 }) {
-			t.Errorf("the backend's answer: %d bytes unacknowledged after 5 s; want 0", sendQueue(c))
-		}
+	be := startFinThenReset(t, answer, func(t *testing.T, c *net.TCPConn) {
+		// Once the proxy has filled the client's buffer (it holds the rest).
 		cc, ok := <-client
 		if ok && !waitfor.Cond(5*time.Second, func() bool { return recvQueue(cc) > 0 }) {
 			t.Errorf("the client's buffer: no bytes after 5 s")
 		}
-		c.SetLinger(0)
-		c.Close()
+		abortiveClose(t, c)
 	})
 	t.Cleanup(func() { close(client) }) // before the backend's stop, if the test ends early
 	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Logger: discardLogger()})
-	// A client that reads slowly: a receive buffer of 4 KiB.
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		var err error
-		rc.Control(func(fd uintptr) { err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
-		return err
-	}}
-	conn, err := d.Dial("tcp", s.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	c := conn.(*net.TCPConn)
+	c := slowReaderDial(t, s.Addr())
 	c.SetDeadline(time.Now().Add(5 * time.Second))
 	c.Write([]byte("hi\n"))
 	client <- c
-	<-reset
+	<-be.reset
 	got, err := io.ReadAll(c)
 	if err != nil || !bytes.Equal(got, answer) {
 		t.Fatalf("answer: got %d bytes, %v; want %d bytes, then EOF", len(got), err, len(answer))
@@ -264,10 +236,8 @@ func TestSlowClientGetsWholeAnswer(t *testing.T) {
 // met the closed socket, whose reset threw away the answer's unacknowledged
 // rest: 4096 bytes of 8192, then EOF.
 //
-// In a network namespace of its own, for the buffer sizes of
-// TestSlowClientGetsWholeAnswer.
+// In a network namespace of its own, for its buffer sizes (inSlowReaderNetns).
 func TestSlowClientTalksOnAfterBackendReset(t *testing.T) {
-	abortive := func(_ *testing.T, c *net.TCPConn) { c.SetLinger(0); c.Close() }
 	for _, tc := range []struct {
 		name string
 		size int // of the answer
@@ -275,7 +245,7 @@ func TestSlowClientTalksOnAfterBackendReset(t *testing.T) {
 		// acknowledged, and the client has talked on.
 		end func(t *testing.T, c *net.TCPConn)
 	}{
-		{"abortive close", 1 << 20, abortive},
+		{"abortive close", 1 << 20, abortiveClose},
 		{"close with bytes unread", 1 << 20, func(t *testing.T, c *net.TCPConn) {
 			if !waitfor.Cond(5*time.Second, func() bool { return recvQueue(c) > 0 }) {
 				t.Errorf("the backend: the client's later bytes did not come")
@@ -284,50 +254,24 @@ func TestSlowClientTalksOnAfterBackendReset(t *testing.T) {
 		}},
 		// All of it in the client's socket (its receive buffer and the
 		// proxy's send queue) when the client talks on: the proxy holds none.
-		{"answer in the sockets", 8 << 10, abortive},
+		{"answer in the sockets", 8 << 10, abortiveClose},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if !inOwnNetns(t, map[string]string{
-				"net.ipv4.tcp_wmem": "4096 16384 16384",
-				"net.ipv4.tcp_rmem": "4096 4194304 4194304",
-			}) {
+			if !inSlowReaderNetns(t) {
 				return
 			}
 			answer := bytes.Repeat([]byte("a"), tc.size)
-			acked, reset := make(chan struct{}), make(chan struct{})
-			be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
-				defer close(reset)
-				readLine(c)
-				c.Write(answer)
-				c.CloseWrite()
-				// (Cond, not Value: this is the backend's goroutine.)
-				if !waitfor.Cond(5*time.Second, func() bool { return sendQueue(c) == 0 }) {
-					t.Errorf("the backend's answer: %d bytes unacknowledged after 5 s; want 0", sendQueue(c))
-				}
-				close(acked)
-				tc.end(t, c)
-			})
+			be := startFinThenReset(t, answer, tc.end)
 			rec := &recorder{}
 			s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Observer: rec, Logger: discardLogger()})
-			// A client that reads slowly: a receive buffer of 4 KiB.
-			d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-				var err error
-				rc.Control(func(fd uintptr) { err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
-				return err
-			}}
-			conn, err := d.Dial("tcp", s.Addr().String())
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { conn.Close() })
-			c := conn.(*net.TCPConn)
+			c := slowReaderDial(t, s.Addr())
 			c.SetDeadline(time.Now().Add(10 * time.Second))
 			c.Write([]byte("hi\n"))
-			<-acked
+			<-be.acked
 			// The client talks on, not yet reading: before the backend's
 			// reset (which the second case waits for), and after it.
 			c.Write([]byte("more\n"))
-			<-reset
+			<-be.reset
 			time.Sleep(100 * time.Millisecond)
 			c.Write([]byte("more\n"))
 			time.Sleep(100 * time.Millisecond)
@@ -410,36 +354,17 @@ func TestCutStreamResetsItsReader(t *testing.T) {
 // even with no idle timeout, and frees its slot and the backend's count;
 // the outcome is the backend's whole stream, a success.
 func TestLingerIsBounded(t *testing.T) {
-	if !inOwnNetns(t, map[string]string{"net.ipv4.tcp_wmem": "4096 16384 16384", "net.ipv4.tcp_rmem": "4096 4194304 4194304"}) {
+	if !inSlowReaderNetns(t) {
 		return
 	}
 	defer func(d time.Duration) { lingerMax = d }(lingerMax)
 	lingerMax = 500 * time.Millisecond
-	answer := bytes.Repeat([]byte("a"), 8<<10)
-	reset := make(chan struct{})
-	be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
-		defer close(reset)
-		readLine(c)
-		c.Write(answer)
-		c.CloseWrite()
-		waitfor.Cond(5*time.Second, func() bool { return sendQueue(c) == 0 })
-		c.SetLinger(0)
-		c.Close()
-	})
+	be := startFinThenReset(t, bytes.Repeat([]byte("a"), 8<<10), abortiveClose)
 	rec := &recorder{}
 	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Observer: rec, Logger: discardLogger()}) // no IdleTimeout
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		var err error
-		rc.Control(func(fd uintptr) { err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
-		return err
-	}}
-	conn, err := d.Dial("tcp", s.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
+	conn := slowReaderDial(t, s.Addr())
 	conn.Write([]byte("hi\n"))
-	<-reset
+	<-be.reset
 	// The client talks on and never reads.
 	for range 3 {
 		time.Sleep(50 * time.Millisecond)
@@ -452,4 +377,66 @@ func TestLingerIsBounded(t *testing.T) {
 	if got, want := rec.list(), []string{be.addr().String() + " success"}; !slices.Equal(got, want) {
 		t.Errorf("outcomes: got %q; want %q", got, want)
 	}
+}
+
+// inSlowReaderNetns is inOwnNetns with the buffer sizes of the tests of a
+// backend that resets after its FIN: send buffers of 16 KiB, so the proxy
+// holds an answer's rest while its client does not read, and receive buffers
+// of 4 MiB, so a whole answer and its FIN reach the proxy's host before the
+// reset.
+func inSlowReaderNetns(t *testing.T) bool {
+	t.Helper()
+	return inOwnNetns(t, map[string]string{
+		"net.ipv4.tcp_wmem": "4096 16384 16384",
+		"net.ipv4.tcp_rmem": "4096 4194304 4194304",
+	})
+}
+
+// slowReaderDial dials addr with a receive buffer of 4 KiB: a client that
+// reads slowly. The connection is closed when the test ends.
+func slowReaderDial(t *testing.T, addr netip.AddrPort) *net.TCPConn {
+	t.Helper()
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		var err error
+		rc.Control(func(fd uintptr) { err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
+		return err
+	}}
+	conn, err := d.Dial("tcp", addr.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn.(*net.TCPConn)
+}
+
+// finThenReset is a backend that, for its one client, reads a line, sends
+// answer and its FIN, waits until the proxy's host has acknowledged them
+// (acked closes), and then ends the connection with end, which resets it.
+// reset closes when end has returned.
+type finThenReset struct {
+	*testBackend
+	acked, reset chan struct{}
+}
+
+func startFinThenReset(t *testing.T, answer []byte, end func(t *testing.T, c *net.TCPConn)) *finThenReset {
+	b := &finThenReset{acked: make(chan struct{}), reset: make(chan struct{})}
+	b.testBackend = startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
+		defer close(b.reset)
+		readLine(c)
+		c.Write(answer)
+		c.CloseWrite()
+		// (Cond, not Value: this is the backend's goroutine, not the test's.)
+		if !waitfor.Cond(5*time.Second, func() bool { return sendQueue(c) == 0 }) {
+			t.Errorf("the backend's answer: %d bytes unacknowledged after 5 s; want 0", sendQueue(c))
+		}
+		close(b.acked)
+		end(t, c)
+	})
+	return b
+}
+
+// abortiveClose closes c with a reset (SO_LINGER 0).
+func abortiveClose(_ *testing.T, c *net.TCPConn) {
+	c.SetLinger(0)
+	c.Close()
 }
