@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -322,30 +323,62 @@ func ioctlInt(c *net.TCPConn, req uint) int {
 	return n
 }
 
-// TestCutStreamResetsItsReader: a connection the proxy closes while it holds
-// bytes for a peer that stopped reading (here by the idle timeout; a drain's
-// deadline closes the same way) sends that peer a reset, so it cannot take
-// the bytes it got for the whole stream, as a FIN would have it.
+// TestCutStreamResetsItsReader: a connection the proxy closes while bytes for
+// a peer that stopped reading are still on their way (held by the proxy, or on
+// the in-kernel path by the kernel) sends that peer a reset, so it cannot take
+// the bytes it got for the whole stream, as a FIN would have it: at the idle
+// timeout and at a drain's deadline. On the in-kernel path the close sent a
+// FIN: the client read 4 MiB, then EOF.
 func TestCutStreamResetsItsReader(t *testing.T) {
-	be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
-		buf := make([]byte, 64<<10)
-		for range 1024 { // at most 64 MiB: ends when the proxy closes
-			if _, err := c.Write(buf); err != nil {
-				return
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+		// cut makes the proxy close the connection, once its backend's
+		// writes have stalled.
+		cut func(t *testing.T, s *Service)
+	}{
+		{"idle timeout", Config{IdleTimeout: 300 * time.Millisecond}, func(t *testing.T, s *Service) {
+			waitfor.Value(t, 10*time.Second, "the idle timeout", func() (any, bool) {
+				n := s.Snapshot().Backends[0].IdleTimeouts
+				return n, n == 1
+			})
+		}},
+		{"drain deadline", Config{DrainTimeout: 300 * time.Millisecond}, func(t *testing.T, s *Service) {
+			if err := s.SetDraining(s.Snapshot().Backends[0].Addr, true); err != nil {
+				t.Fatal(err)
 			}
-		}
-	})
-	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, IdleTimeout: 300 * time.Millisecond})
-	c := dial(t, s)
-	// Nothing read until the proxy has given up on the connection.
-	waitfor.Value(t, 10*time.Second, "the idle timeout", func() (any, bool) {
-		n := s.Snapshot().Backends[0].IdleTimeouts
-		return n, n == 1
-	})
-	c.SetReadDeadline(time.Now().Add(5 * time.Second))
-	n, err := io.Copy(io.Discard, c)
-	if err == nil || !strings.Contains(err.Error(), "reset") {
-		t.Fatalf("read %d bytes, then %v; want a reset", n, err)
+			waitfor.Value(t, 10*time.Second, "the drain's deadline", active(s, 0))
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var written atomic.Int64
+			be := startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
+				buf := make([]byte, 64<<10)
+				for range 1024 { // at most 64 MiB: ends when the proxy closes
+					n, err := c.Write(buf)
+					written.Add(int64(n))
+					if err != nil {
+						return
+					}
+				}
+			})
+			cfg := tc.cfg
+			cfg.Backends = []Backend{{Addr: be.addr()}}
+			s := startProxy(t, cfg)
+			c := dial(t, s)
+			// Nothing read until the proxy has given up on the connection.
+			waitfor.Value(t, 10*time.Second, "the backend's writes stalled", func() (any, bool) {
+				n := written.Load()
+				time.Sleep(100 * time.Millisecond)
+				return fmt.Sprintf("%d bytes written", n), n > 0 && n == written.Load()
+			})
+			tc.cut(t, s)
+			c.SetReadDeadline(time.Now().Add(5 * time.Second))
+			n, err := io.Copy(io.Discard, c)
+			if err == nil || !strings.Contains(err.Error(), "reset") {
+				t.Fatalf("read %d bytes, then %v; want a reset", n, err)
+			}
+		})
 	}
 }
 

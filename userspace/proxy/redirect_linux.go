@@ -139,6 +139,22 @@ func (l *loop) kernelMoved(c *conn, d int) (uint64, bool) {
 	return queued, queued+1 >= received
 }
 
+// kernelHolds reports whether the source of direction d has received bytes that
+// are neither in the destination's send queue (queued of them are, kernelMoved)
+// nor read by the proxy: the kernel holds them still, on their way.
+func (l *loop) kernelHolds(c *conn, d int, queued uint64) bool {
+	in, err := tcpInfoRaw(c.fd[d])
+	if err != nil {
+		return false
+	}
+	received := in.Bytes_received - min(in.Bytes_received, c.h[d].read)
+	switch in.State {
+	case unix.BPF_TCP_CLOSE_WAIT, unix.BPF_TCP_LAST_ACK, unix.BPF_TCP_CLOSING: // the kernel's TCP states, by their BPF names
+		received-- // its FIN, which tcpi_bytes_received counts
+	}
+	return received > queued
+}
+
 // flushLater checks c again soon: its kernel forwarding has not caught up with an EOF.
 func (l *loop) flushLater(c *conn) {
 	if c.flushQueued {
@@ -177,12 +193,17 @@ func (l *loop) recheck() {
 }
 
 // accountKernel adds the bytes the kernel forwarded for c to the byte counters, at
-// close.
+// close. A destination whose source's bytes the kernel still holds, not yet in its
+// send queue, gets a reset at the close, as on the copy path a peer gets one whose
+// bytes the proxy holds: they are lost, and a FIN would pass the stream for whole.
 func (l *loop) accountKernel(c *conn) {
 	for d := range c.h {
 		n := c.h[d].kernel
 		if !c.h[d].done {
 			n, _ = l.kernelMoved(c, d)
+			if l.kernelHolds(c, d, n) {
+				setLinger0(c.fd[1-d])
+			}
 		}
 		l.count(c, d, int(n))
 		kernelBytes.Add(n)
