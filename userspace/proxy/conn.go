@@ -221,6 +221,15 @@ func (l *loop) connect(c *conn) {
 			lease.Release(balance.Result{})
 			continue
 		}
+		if b.removed.Load() {
+			// Removed since the table was read: no new connection for it. The
+			// removal marks b before it reads b's count (to forget b once it is
+			// 0, and with b its drain): a connect that finds b unmarked here
+			// has its count seen, and its connection is drained with b's.
+			b.active.Add(-1)
+			lease.Release(balance.Result{})
+			continue
+		}
 		c.attempt++
 		c.b, c.lease = b, lease
 		c.dialed = time.Now()

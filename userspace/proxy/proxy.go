@@ -187,7 +187,7 @@ type backend struct {
 
 	usable   bool        // health says usable; guarded by Service.mu
 	draining bool        // set to drain or removed; guarded by Service.mu
-	removed  bool        // no longer in the set; guarded by Service.mu
+	removed  atomic.Bool // no longer in the set; written with Service.mu held
 	timer    *time.Timer // drain deadline; guarded by Service.mu
 
 	active       atomic.Int64
@@ -565,7 +565,7 @@ func (s *Service) SetBackends(bs []Backend) error {
 			// so they count against its limits, and its drain is called off.
 			delete(s.leaving, nb.Addr)
 			s.stopDrain(b)
-			b.removed = false
+			b.removed.Store(false)
 			b.usable = !nb.Down
 			b.ejectedUntil.Store(0)
 			b.consecFails.Store(0)
@@ -582,7 +582,7 @@ func (s *Service) SetBackends(bs []Backend) error {
 		}
 	}
 	for _, b := range old {
-		b.removed = true
+		b.removed.Store(true)
 		s.startDrain(b)
 		s.leaving[b.ap] = b
 	}

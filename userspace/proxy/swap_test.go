@@ -108,7 +108,7 @@ func TestSetBackendsDuringConnects(t *testing.T) {
 	waitfor.Value(t, drain+10*time.Second, "every connection closed by the drain", active(s, 0))
 	for b := range seen {
 		if n := b.active.Load(); n != 0 {
-			t.Errorf("backend %s (removed %v): %d active; want 0", b.addr, b.removed, n)
+			t.Errorf("backend %s (removed %v): %d active; want 0", b.addr, b.removed.Load(), n)
 		}
 		if n := s.bal.InFlight(b.addr); n != 0 {
 			t.Errorf("backend %s: %d leases in flight; want 0", b.addr, n)
