@@ -140,13 +140,7 @@ func TestClientTalksAfterBackendClosed(t *testing.T) {
 		_, err := c.Write([]byte("more\n"))
 		return err, err != nil
 	})
-	waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
-	if b := s.Snapshot().Backends[0]; b.Resets != 0 {
-		t.Errorf("backend resets: got %d; want 0", b.Resets)
-	}
-	if got, want := rec.list(), []string{be.addr().String() + " success"}; !slices.Equal(got, want) {
-		t.Errorf("outcomes: got %q; want %q", got, want)
-	}
+	checkNotBlamed(t, s, rec, 5*time.Second)
 }
 
 // TestBackendResetAfterItsFIN: a backend that sends its whole answer, half-closes
@@ -178,13 +172,7 @@ func TestBackendResetAfterItsFIN(t *testing.T) {
 	if err != nil || !bytes.Equal(got, answer) {
 		t.Fatalf("answer: got %d bytes, %v; want %d bytes, then EOF", len(got), err, len(answer))
 	}
-	waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
-	if b := s.Snapshot().Backends[0]; b.Resets != 0 {
-		t.Errorf("backend resets: got %d; want 0 (its answer was whole)", b.Resets)
-	}
-	if got, want := rec.list(), []string{be.addr().String() + " success"}; !slices.Equal(got, want) {
-		t.Errorf("outcomes: got %q; want %q", got, want)
-	}
+	checkNotBlamed(t, s, rec, 5*time.Second)
 }
 
 // TestSlowClientGetsWholeAnswer: a backend that sends its whole answer and its
@@ -201,7 +189,7 @@ func TestSlowClientGetsWholeAnswer(t *testing.T) {
 	}
 	answer := bytes.Repeat([]byte("a"), 1<<20)
 	client := make(chan *net.TCPConn, 1)
-	be := startFinThenReset(t, answer, func(t *testing.T, c *net.TCPConn) {
+	be := startFinThenReset(t, nil, answer, func(t *testing.T, c *net.TCPConn) {
 		// Once the proxy has filled the client's buffer (it holds the rest).
 		cc, ok := <-client
 		if ok && !waitfor.Cond(5*time.Second, func() bool { return recvQueue(cc) > 0 }) {
@@ -210,17 +198,11 @@ func TestSlowClientGetsWholeAnswer(t *testing.T) {
 		abortiveClose(t, c)
 	})
 	t.Cleanup(func() { close(client) }) // before the backend's stop, if the test ends early
-	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Logger: discardLogger()})
-	c := slowReaderDial(t, s.Addr())
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	c.Write([]byte("hi\n"))
+	s, rec, c := askSlowly(t, be)
 	client <- c
 	<-be.reset
-	got, err := io.ReadAll(c)
-	if err != nil || !bytes.Equal(got, answer) {
-		t.Fatalf("answer: got %d bytes, %v; want %d bytes, then EOF", len(got), err, len(answer))
-	}
-	waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
+	readWhole(t, c, answer)
+	checkNotBlamed(t, s, rec, 5*time.Second)
 }
 
 // TestSlowClientTalksOnAfterBackendReset: a client slow to read that goes on
@@ -262,13 +244,8 @@ func TestSlowClientTalksOnAfterBackendReset(t *testing.T) {
 				return
 			}
 			answer := bytes.Repeat([]byte("a"), tc.size)
-			be := startFinThenReset(t, answer, tc.end)
-			rec := &recorder{}
-			s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Observer: rec, Logger: discardLogger()})
-			c := slowReaderDial(t, s.Addr())
-			c.SetDeadline(time.Now().Add(10 * time.Second))
-			c.Write([]byte("hi\n"))
-			<-be.acked
+			be := startFinThenReset(t, nil, answer, tc.end)
+			s, rec, c := askSlowly(t, be)
 			// The client talks on, not yet reading: before the backend's
 			// reset (which the second case waits for), and after it.
 			c.Write([]byte("more\n"))
@@ -292,13 +269,7 @@ func TestSlowClientTalksOnAfterBackendReset(t *testing.T) {
 				}
 				c.Write([]byte("more\n")) // fails once the proxy has closed, the answer the client's
 			}
-			waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
-			if b := s.Snapshot().Backends[0]; b.Resets != 0 {
-				t.Errorf("backend resets: got %d; want 0 (its stream was whole)", b.Resets)
-			}
-			if got, want := rec.list(), []string{be.addr().String() + " success"}; !slices.Equal(got, want) {
-				t.Errorf("outcomes: got %q; want %q", got, want)
-			}
+			checkNotBlamed(t, s, rec, 5*time.Second)
 		})
 	}
 }
@@ -392,24 +363,15 @@ func TestLingerIsBounded(t *testing.T) {
 	}
 	defer func(d time.Duration) { lingerMax = d }(lingerMax)
 	lingerMax = 500 * time.Millisecond
-	be := startFinThenReset(t, bytes.Repeat([]byte("a"), 8<<10), abortiveClose)
-	rec := &recorder{}
-	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Observer: rec, Logger: discardLogger()}) // no IdleTimeout
-	conn := slowReaderDial(t, s.Addr())
-	conn.Write([]byte("hi\n"))
+	be := startFinThenReset(t, nil, bytes.Repeat([]byte("a"), 8<<10), abortiveClose)
+	s, rec, conn := askSlowly(t, be) // no IdleTimeout
 	<-be.reset
 	// The client talks on and never reads.
 	for range 3 {
 		time.Sleep(50 * time.Millisecond)
 		conn.Write([]byte("more\n"))
 	}
-	waitfor.Value(t, 10*time.Second, "0 active connections", active(s, 0))
-	if b := s.Snapshot().Backends[0]; b.Active != 0 || b.Resets != 0 || b.IdleTimeouts != 0 {
-		t.Errorf("backend: active %d, resets %d, idle timeouts %d; want 0, 0, 0", b.Active, b.Resets, b.IdleTimeouts)
-	}
-	if got, want := rec.list(), []string{be.addr().String() + " success"}; !slices.Equal(got, want) {
-		t.Errorf("outcomes: got %q; want %q", got, want)
-	}
+	checkNotBlamed(t, s, rec, 10*time.Second)
 }
 
 // inSlowReaderNetns is inOwnNetns with the buffer sizes of the tests of a
@@ -451,9 +413,18 @@ type finThenReset struct {
 	acked, reset chan struct{}
 }
 
-func startFinThenReset(t *testing.T, answer []byte, end func(t *testing.T, c *net.TCPConn)) *finThenReset {
+// startFinThenReset starts a finThenReset on ln, or on a listener of its own
+// if ln is nil.
+func startFinThenReset(t *testing.T, ln net.Listener, answer []byte, end func(t *testing.T, c *net.TCPConn)) *finThenReset {
+	t.Helper()
 	b := &finThenReset{acked: make(chan struct{}), reset: make(chan struct{})}
-	b.testBackend = startBackend(t, "a", netip.AddrPort{}, func(_ string, c *net.TCPConn) {
+	if ln == nil {
+		var err error
+		if ln, err = net.Listen("tcp", loopback0.String()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b.testBackend = serveBackend(t, "a", ln, func(_ string, c *net.TCPConn) {
 		defer close(b.reset)
 		readLine(c)
 		c.Write(answer)
@@ -468,8 +439,52 @@ func startFinThenReset(t *testing.T, answer []byte, end func(t *testing.T, c *ne
 	return b
 }
 
+// askSlowly starts a proxy to be (no idle timeout), with a recorder as its
+// Observer, and has a slow reader (slowReaderDial, a deadline 10 s away) send
+// be its request; it returns once be's answer and FIN are acknowledged.
+func askSlowly(t *testing.T, be *finThenReset) (*Service, *recorder, *net.TCPConn) {
+	t.Helper()
+	rec := &recorder{}
+	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}, Observer: rec, Logger: discardLogger()})
+	c := slowReaderDial(t, s.Addr())
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte("hi\n")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-be.acked:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the backend's answer: not acknowledged after 10 s")
+	}
+	return s, rec, c
+}
+
+// readWhole reads c to its end and checks that it got answer, then EOF.
+func readWhole(t *testing.T, c io.Reader, answer []byte) {
+	t.Helper()
+	got, err := io.ReadAll(c)
+	if err != nil || !bytes.Equal(got, answer) {
+		t.Errorf("answer: got %d bytes, %v; want %d bytes, then EOF", len(got), err, len(answer))
+	}
+}
+
 // abortiveClose closes c with a reset (SO_LINGER 0).
 func abortiveClose(_ *testing.T, c *net.TCPConn) {
 	c.SetLinger(0)
 	c.Close()
+}
+
+// checkNotBlamed waits up to timeout for s to end its one connection, and
+// checks that its one backend was not blamed for it: no connection left, no
+// reset nor idle timeout counted, and a success the one outcome reported.
+func checkNotBlamed(t *testing.T, s *Service, rec *recorder, timeout time.Duration) {
+	t.Helper()
+	waitfor.Value(t, timeout, "0 active connections", active(s, 0))
+	b := s.Snapshot().Backends[0]
+	if b.Active != 0 || b.Resets != 0 || b.IdleTimeouts != 0 {
+		t.Errorf("backend: active %d, resets %d, idle timeouts %d; want 0, 0, 0", b.Active, b.Resets, b.IdleTimeouts)
+	}
+	if got, want := rec.list(), []string{b.Addr.String() + " success"}; !slices.Equal(got, want) {
+		t.Errorf("outcomes: got %q; want %q", got, want)
+	}
 }

@@ -43,6 +43,12 @@ func startBackend(t *testing.T, name string, ap netip.AddrPort, handle func(name
 	if !waitfor.Cond(time.Second, func() bool { ln, err = net.Listen("tcp", addr); return err == nil }) {
 		t.Fatalf("backend %s: %v", name, err)
 	}
+	return serveBackend(t, name, ln, handle)
+}
+
+// serveBackend is startBackend on a listener of the test's own.
+func serveBackend(t *testing.T, name string, ln net.Listener, handle func(name string, c *net.TCPConn)) *testBackend {
+	t.Helper()
 	b := &testBackend{t: t, name: name, ln: ln, handle: handle, conns: map[net.Conn]struct{}{}}
 	b.wg.Add(1)
 	// Exits when the listener is closed by stop.
