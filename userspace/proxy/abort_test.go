@@ -2,11 +2,15 @@ package proxy
 
 import (
 	"bytes"
+	"context"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -203,6 +207,93 @@ func TestSlowClientGetsWholeAnswer(t *testing.T) {
 	<-be.reset
 	readWhole(t, c, answer)
 	checkNotBlamed(t, s, rec, 5*time.Second)
+}
+
+// TestBackendResetAfterBothFINs: a backend that sends its whole answer and its
+// FIN, and resets after the client has half-closed too (a server that closes
+// with the client's upload unread: the proxy has passed the client's FIN on,
+// but it waits behind the upload for the backend's closed window), has
+// delivered a whole stream; a client slow to read it gets all of it, then the
+// EOF, and the backend is not blamed. Its reset found the proxy's socket in
+// LAST_ACK, not CLOSE_WAIT, where the kernel reports ECONNRESET, not EPIPE,
+// and the proxy, holding part of the answer for the client, took it for a
+// broken stream: it reset the client (4 to 14 KiB read of 1 MiB) and counted a
+// reset against the backend. The kernel keeps what the backend's socket
+// received, and a read returns it, and then the EOF, before the error.
+//
+// In a network namespace of its own, for its buffer sizes (inSlowReaderNetns).
+func TestBackendResetAfterBothFINs(t *testing.T) {
+	if !inSlowReaderNetns(t) {
+		return
+	}
+	// The backend reads nothing after its request, and its receive buffer
+	// is small: the client's upload closes its window.
+	lc := net.ListenConfig{Control: func(_, _ string, rc syscall.RawConn) error {
+		var err error
+		rc.Control(func(fd uintptr) { err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
+		return err
+	}}
+	ln, err := lc.Listen(context.Background(), "tcp", loopback0.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	backend := ln.Addr().(*net.TCPAddr).AddrPort()
+	answer := bytes.Repeat([]byte("a"), 1<<20)
+	be := startFinThenReset(t, ln, answer, func(t *testing.T, c *net.TCPConn) {
+		// Once the proxy has passed the client's FIN on.
+		if !waitfor.Cond(10*time.Second, func() bool { st, _ := socketTo(backend); return st == tcpLastAck }) {
+			st, q := socketTo(backend)
+			t.Errorf("the proxy's socket to the backend: state %d, %d bytes queued; want LAST_ACK (%d)", st, q, tcpLastAck)
+		}
+		c.Close() // with the upload unread: a reset
+	})
+	s, rec, c := askSlowly(t, be)
+	// The upload, until 1 KiB of it stays in the proxy's send queue: the
+	// backend's window is closed.
+	chunk := bytes.Repeat([]byte("u"), 512)
+	closed := false
+	for range 256 {
+		if _, err := c.Write(chunk); err != nil {
+			t.Fatal(err)
+		}
+		if closed = waitfor.Cond(100*time.Millisecond, func() bool { _, q := socketTo(backend); return q >= 1024 }); closed {
+			break
+		}
+	}
+	if !closed {
+		t.Fatal("the backend's window did not close")
+	}
+	c.CloseWrite()
+	<-be.reset
+	readWhole(t, c, answer)
+	checkNotBlamed(t, s, rec, 5*time.Second)
+}
+
+// tcpLastAck is TCP_LAST_ACK, a socket's state in /proc/net/tcp.
+const tcpLastAck = 9
+
+// socketTo finds the one IPv4 socket of this network namespace connected to
+// remote in /proc/net/tcp, and returns its state and the bytes in its send
+// queue not yet acknowledged; 0 and 0 if there is none.
+func socketTo(remote netip.AddrPort) (state, sendQueue int) {
+	data, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		return 0, 0
+	}
+	a := remote.Addr().As4()
+	want := fmt.Sprintf("%08X:%04X", binary.LittleEndian.Uint32(a[:]), remote.Port())
+	for _, line := range strings.Split(string(data), "\n")[1:] {
+		// sl local_address rem_address st tx_queue:rx_queue ...
+		f := strings.Fields(line)
+		if len(f) < 5 || f[2] != want {
+			continue
+		}
+		st, _ := strconv.ParseInt(f[3], 16, 32)
+		q, _, _ := strings.Cut(f[4], ":")
+		n, _ := strconv.ParseInt(q, 16, 64)
+		return int(st), int(n)
+	}
+	return 0, 0
 }
 
 // TestSlowClientTalksOnAfterBackendReset: a client slow to read that goes on

@@ -419,12 +419,11 @@ func (l *loop) pump(c *conn, d int) bool {
 		if h.pending() {
 			if h.blocked {
 				if h.hup && !h.fin && !h.whole {
-					if d == down && (h.eof || sockErr(src) == unix.EPIPE) {
-						// The backend reset after its FIN (read already, or
-						// the kernel's EPIPE for a reset in CLOSE_WAIT): its
-						// answer is whole, and what the proxy holds of it
-						// goes on to the client, as the kernel still
-						// delivers what is in the socket. The end is a plain
+					if d == down && (h.eof || l.finBeforeReset(c, src)) {
+						// The backend reset after its FIN: its answer is
+						// whole, and what the proxy holds of it goes on to
+						// the client, as the kernel still delivers what is
+						// in the socket, then the EOF. The end is a plain
 						// close, once the client has it (endHalf, linger).
 						h.whole = true
 						return true
@@ -725,6 +724,35 @@ func (l *loop) lingerLater(c *conn) {
 		l.flushDelay = int64(timerTick)
 	}
 	l.flushing = append(l.flushing, connRef{c, c.gen})
+}
+
+// finBeforeReset reports whether the backend's socket src, which has failed,
+// received the backend's FIN before the failure, and clears its error. For a
+// reset in CLOSE_WAIT (the client's FIN not yet passed on) the kernel says so
+// with EPIPE. In LAST_ACK (passed on, and not yet acknowledged: the backend
+// reset with the client's bytes unread) it says ECONNRESET, as for any reset;
+// the TCP counters tell then: tcpi_bytes_received counts the FIN, the bytes
+// the proxy has read and those still in the socket (SIOCINQ) do not. On the
+// in-kernel path the proxy does not know what the kernel has read.
+func (l *loop) finBeforeReset(c *conn, src int) bool {
+	switch sockErr(src) {
+	case unix.EPIPE:
+		return true
+	case unix.ECONNRESET:
+		if c.redirected {
+			return false
+		}
+		ti, err := tcpInfoRaw(src)
+		if err != nil {
+			return false
+		}
+		inq, err := inqRaw(src)
+		if err != nil {
+			return false
+		}
+		return ti.Bytes_received > c.h[down].read+uint64(inq)
+	}
+	return false
 }
 
 // sockErr returns and clears fd's pending error (SO_ERROR), or 0.

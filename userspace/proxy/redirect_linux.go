@@ -59,9 +59,14 @@ func tcpInfoRaw(fd int) (unix.TCPInfo, error) {
 }
 
 // outqRaw is ioctl(SIOCOUTQ): bytes in the send queue not yet acknowledged.
-func outqRaw(fd int) (int, error) {
+func outqRaw(fd int) (int, error) { return ioctlIntRaw(fd, unix.SIOCOUTQ) }
+
+// inqRaw is ioctl(SIOCINQ): bytes in the receive queue not yet read.
+func inqRaw(fd int) (int, error) { return ioctlIntRaw(fd, unix.SIOCINQ) }
+
+func ioctlIntRaw(fd int, req uintptr) (int, error) {
 	var n int32
-	_, _, e := unix.RawSyscall(unix.SYS_IOCTL, uintptr(fd), unix.SIOCOUTQ, uintptr(unsafe.Pointer(&n)))
+	_, _, e := unix.RawSyscall(unix.SYS_IOCTL, uintptr(fd), req, uintptr(unsafe.Pointer(&n)))
 	return int(n), errnoErr(e)
 }
 
