@@ -223,17 +223,26 @@ func TestH1CRLFAfterPOST(t *testing.T) {
 	}
 }
 
+// nextRequest is a raw backend's read of the next request on its connection,
+// its body read and dropped; false when none came (the connection ended).
+func nextRequest(br *bufio.Reader) (*http.Request, bool) {
+	req, err := http.ReadRequest(br)
+	if err != nil {
+		return nil, false
+	}
+	io.Copy(io.Discard, req.Body)
+	return req, true
+}
+
 // answeringBackend answers every request on a kept-alive connection with answer,
 // as it is, after reading the request's body.
 func answeringBackend(t *testing.T, answer string) netip.AddrPort {
 	return rawBackend(t, func(c net.Conn) {
 		br := bufio.NewReader(c)
 		for {
-			req, err := http.ReadRequest(br)
-			if err != nil {
+			if _, ok := nextRequest(br); !ok {
 				return
 			}
-			io.Copy(io.Discard, req.Body)
 			io.WriteString(c, answer)
 		}
 	})
@@ -267,12 +276,9 @@ func TestH1NoContentLengthOn204(t *testing.T) {
 func TestH1UpstreamClosedAfterAnswer(t *testing.T) {
 	closed := make(chan struct{}, 1)
 	be := rawBackend(t, func(c net.Conn) {
-		br := bufio.NewReader(c)
-		req, err := http.ReadRequest(br)
-		if err != nil {
+		if _, ok := nextRequest(bufio.NewReader(c)); !ok {
 			return
 		}
-		io.Copy(io.Discard, req.Body)
 		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 		// One answer per connection: the backend closes it, and the test's
 		// next request waits for that (on loopback the FIN is in the plane's
