@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"math"
 	"net"
 	"net/http"
 	"net/textproto"
@@ -275,32 +274,14 @@ func (hc *h1Conn) exchange(ctx context.Context, req *http.Request) (*http.Respon
 	if err := hc.bw.Flush(); err != nil {
 		return fail(err, false)
 	}
-	var resp *http.Response
-	for {
-		hc.lim.n = hc.pool.maxHeader
-		head, err := readHead(hc.br)
-		if err == nil {
-			resp, err = http.ReadResponse(hc.br, req)
-		}
-		hc.lim.n = math.MaxInt64
-		if err == nil && resp.StatusCode < 100 {
-			err = errStatusUnder100(resp.StatusCode)
-		}
-		if err != nil {
-			return fail(err, hc.br.Buffered() > 0)
-		}
-		if resp.Close && resp.ProtoAtLeast(1, 1) && head != nil {
-			// The parser dropped a Connection field that says close, and with
-			// it the names of the fields it lists, which are hop-by-hop too.
-			dropConnectionListed(resp.Header, head)
-		}
-		// 1xx answers (103 Early Hints and the like) come before the answer. A
-		// 101 ends the wait: upgrades do not come here, and try refuses it.
-		if resp.StatusCode >= 200 || resp.StatusCode == http.StatusSwitchingProtocols {
-			break
-		}
-		resp.Body.Close()
+	// 1xx answers (103 Early Hints and the like) before the answer are
+	// dropped. A 101 ends the wait: upgrades do not come here, and try refuses
+	// it.
+	a, err := readAnswer(hc.br, &hc.lim, req, hc.pool.maxHeader)
+	if err != nil {
+		return fail(err, a.came)
 	}
+	resp := a.resp
 	// A body of its own per answer: the handler may still close this one after
 	// the connection has gone back to the pool and carries the next.
 	resp.Body = &h1Body{hc: hc, body: resp.Body, resp: resp, stop: stop}

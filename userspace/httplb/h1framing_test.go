@@ -363,3 +363,86 @@ func TestH1TrailersOfAnEmptyBody(t *testing.T) {
 		})
 	}
 }
+
+// answerPaths are the ways weir reads a backend's HTTP/1.1 answer: its own
+// exchange (a request without a body), http.Transport (a request with one) and
+// an upgrade's (an answer that declines it, or a switch).
+var answerPaths = []struct{ name, req string }{
+	{"own exchange", "GET / HTTP/1.1\r\nHost: x\r\n\r\n"},
+	{"transport", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"},
+	{"upgrade", "GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"},
+}
+
+// closingBackend answers a connection's first request with what answer
+// writes, then reads on, and sends to the channel it returns when the
+// connection has ended (the plane closed it) or answer failed.
+func closingBackend(t *testing.T, answer func(c net.Conn) error) (netip.AddrPort, <-chan struct{}) {
+	closed := make(chan struct{}, 16)
+	be := rawBackend(t, func(c net.Conn) {
+		c.SetDeadline(time.Now().Add(20 * time.Second))
+		br := bufio.NewReader(c)
+		if _, ok := nextRequest(br); !ok {
+			return
+		}
+		if answer(c) == nil {
+			io.Copy(io.Discard, br)
+		}
+		closed <- struct{}{}
+	})
+	return be, closed
+}
+
+// refusedAnswer checks that a request sent on its own connection to s gets a
+// 502, that the backend's connection is closed, and that the backend alone
+// was blamed, with one Reset.
+func refusedAnswer(t *testing.T, s *Service, obs *outcomeLog, req string, closed <-chan struct{}) {
+	t.Helper()
+	conn, br := rawConn(t, s.Addr().String())
+	io.WriteString(conn, req)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("reading the answer: %v; want a 502", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusBadGateway {
+		t.Errorf("got %s; want 502", resp.Status)
+	}
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Errorf("the backend's connection still open 10 s after the answer; want it closed")
+	}
+	waitfor.Value(t, 5*time.Second, "no request in flight", func() (any, bool) {
+		n := s.Snapshot().InFlight
+		return n, n == 0
+	})
+	if got := obs.get(); len(got) != 1 || got[0] != Reset {
+		t.Errorf("outcomes told to the health checker: %v; want one Reset", got)
+	}
+}
+
+// TestH1InterimFlood: a backend that sends interim (1xx) answers without end
+// has them read within the budget of the answer's head (max_header_bytes, at
+// least 64 KiB, for all of them and the answer), as http.Transport reads them,
+// and no further: the client gets a 502, the backend is blamed, and its
+// connection is closed. weir's own exchange and an upgrade's read and dropped
+// them for as long as they came.
+func TestH1InterimFlood(t *testing.T) {
+	hints := []byte(strings.Repeat("HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n", 64))
+	be, closed := closingBackend(t, func(c net.Conn) error {
+		for {
+			if _, err := c.Write(hints); err != nil {
+				return err
+			}
+		}
+	})
+	for _, engine := range h1Engines {
+		for _, p := range answerPaths {
+			t.Run(engine+"/"+p.name, func(t *testing.T) {
+				obs := &outcomeLog{}
+				s := serveOn(t, Config{NetHTTP1: engine == "net_http", Observer: obs}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+				refusedAnswer(t, s, obs, p.req, closed)
+			})
+		}
+	}
+}

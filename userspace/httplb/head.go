@@ -3,6 +3,9 @@ package httplb
 import (
 	"bufio"
 	"bytes"
+	"errors"
+	"fmt"
+	"math"
 	"net/http"
 )
 
@@ -131,4 +134,51 @@ func asciiEqualFold(b []byte, lower string) bool {
 		}
 	}
 	return true
+}
+
+// answer is a backend's answer as readAnswer read it.
+type answer struct {
+	resp *http.Response
+	// came: bytes of an answer came, whole or not.
+	came bool
+}
+
+// readAnswer reads the answer to req from br, which reads from lim. Interim
+// answers (1xx: 100 Continue, 103 Early Hints) before it are read and dropped,
+// as http.Transport drops them, and their heads and the answer's own share one
+// budget of max bytes, as in http.Transport (MaxResponseHeaderBytes): a backend
+// that sends 1xx heads without end fails once it has sent max bytes, rather
+// than being read for ever. A 101 ends the wait. The fields a Connection that
+// says close names, which Go's reader drops with it, are dropped from the
+// answer's header when its head, as it came, fits br.
+func readAnswer(br *bufio.Reader, lim *limitReader, req *http.Request, max int64) (answer, error) {
+	lim.n = max
+	var a answer
+	for interim := 0; ; interim++ {
+		head, err := readHead(br)
+		var resp *http.Response
+		if err == nil {
+			resp, err = http.ReadResponse(br, req)
+		}
+		a.came = a.came || lim.n < max
+		switch {
+		case err != nil && interim > 0 && errors.Is(err, errHeaderTooLong):
+			return a, fmt.Errorf("after %d interim answers: %w", interim, err)
+		case err != nil:
+			return a, err
+		case resp.StatusCode < 100:
+			return a, errStatusUnder100(resp.StatusCode)
+		case is1xx(resp.StatusCode) && resp.StatusCode != http.StatusSwitchingProtocols:
+			resp.Body.Close()
+			continue
+		}
+		if resp.Close && resp.ProtoAtLeast(1, 1) && head != nil {
+			// The parser dropped a Connection field that says close, and with
+			// it the names of the fields it lists, which are hop-by-hop too.
+			dropConnectionListed(resp.Header, head)
+		}
+		lim.n = math.MaxInt64 // the body reads with no cap
+		a.resp = resp
+		return a, nil
+	}
 }

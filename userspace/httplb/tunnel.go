@@ -92,23 +92,20 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 	out.Header["Connection"] = []string{"Upgrade"}
 	out.Header["Upgrade"] = protos
 	bw := bufio.NewWriterSize(bc, 4<<10)
-	br := bufio.NewReaderSize(bc, 4<<10)
+	lim := &limitReader{r: bc}
+	br := bufio.NewReaderSize(lim, 4<<10)
 	err = writeRequestHead(bw, out)
 	if err == nil {
 		err = bw.Flush()
 	}
-	var resp *http.Response
-	for err == nil {
+	var a answer
+	if err == nil {
 		// Interim answers (100 Continue, 103 Early Hints) before the switch or
-		// the final answer are dropped, as http.Transport drops them.
-		resp, err = http.ReadResponse(br, out)
-		if err == nil && resp.StatusCode < 100 {
-			err = errStatusUnder100(resp.StatusCode)
-		}
-		if err != nil || !is1xx(resp.StatusCode) || resp.StatusCode == http.StatusSwitchingProtocols {
-			break
-		}
+		// the final answer are dropped, as http.Transport drops them, within
+		// the budget for heads weir's own exchange has.
+		a, err = readAnswer(br, lim, out, be.h1s.maxHeader)
 	}
+	resp := a.resp
 	headerLatency := time.Since(tryStart)
 	if !stop() || err != nil {
 		bc.Close()
