@@ -446,3 +446,47 @@ func TestH1InterimFlood(t *testing.T) {
 		}
 	}
 }
+
+// TestH1AmbiguousAnswer: an answer framed by both Transfer-Encoding and
+// Content-Length, which a server must not send (RFC 9112 6.1), is refused as
+// nginx refuses it: a 502, the backend blamed, its connection closed. Go's
+// reader frames it by the transfer coding (by the length in HTTP/1.0) and
+// weir kept the connection: if the backend framed it otherwise, what it sent
+// past the answer was read as the next answer, another client's. An answer
+// framed by one of them goes through. (http.Transport, which carries requests
+// with a body, drops Content-Length before weir sees it.)
+func TestH1AmbiguousAnswer(t *testing.T) {
+	for _, c := range []struct {
+		name, answer string
+		refused      bool
+	}{
+		{"chunked and Content-Length", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 7\r\n\r\n2\r\nok\r\n0\r\n\r\n", true},
+		{"Content-Length first, lower case", "HTTP/1.1 200 OK\r\ncontent-length: 7\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", true},
+		{"HTTP/1.0 keep-alive with both", "HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\n\r\nok", true},
+		{"chunked alone", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", false},
+		{"Content-Length alone", "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", false},
+	} {
+		be, closed := closingBackend(t, func(conn net.Conn) error {
+			_, err := io.WriteString(conn, c.answer)
+			return err
+		})
+		for _, engine := range h1Engines {
+			for _, p := range answerPaths {
+				if p.name == "transport" {
+					continue
+				}
+				t.Run(c.name+"/"+engine+"/"+p.name, func(t *testing.T) {
+					obs := &outcomeLog{}
+					s := serveOn(t, Config{NetHTTP1: engine == "net_http", Observer: obs}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+					if c.refused {
+						refusedAnswer(t, s, obs, p.req, closed)
+						return
+					}
+					conn, br := rawConn(t, s.Addr().String())
+					io.WriteString(conn, p.req)
+					checkAnswer(t, br, wantAnswer{status: 200, body: "ok", chunked: c.name == "chunked alone"})
+				})
+			}
+		}
+	}
+}

@@ -143,14 +143,38 @@ type answer struct {
 	came bool
 }
 
+// errAmbiguousAnswer is an answer framed both by Transfer-Encoding and by
+// Content-Length, which a server must not send (RFC 9112 6.1): Go's reader
+// frames it by the transfer coding and drops Content-Length, but the backend,
+// or a proxy between, may have framed it by the length, and what it sent past
+// that is then read as the next answer, to another request. It is refused as
+// nginx refuses it (a 502, the connection closed).
+var errAmbiguousAnswer = errors.New("malformed answer: framed by both Transfer-Encoding and Content-Length")
+
+// ambiguousAnswer reports whether an answer's head, as it came, has both
+// Transfer-Encoding and Content-Length. The reader keeps Transfer-Encoding
+// only when it frames by it (HTTP/1.1), and drops it in HTTP/1.0, so the
+// head is looked at only then. head is nil if it was not read whole at once:
+// then either framing counts as ambiguous.
+func ambiguousAnswer(resp *http.Response, head []byte) bool {
+	switch {
+	case !resp.ProtoAtLeast(1, 1):
+		return head == nil || hasField(head, "transfer-encoding") && hasField(head, "content-length")
+	case len(resp.TransferEncoding) > 0:
+		return head == nil || hasField(head, "content-length")
+	}
+	return false
+}
+
 // readAnswer reads the answer to req from br, which reads from lim. Interim
 // answers (1xx: 100 Continue, 103 Early Hints) before it are read and dropped,
 // as http.Transport drops them, and their heads and the answer's own share one
 // budget of max bytes, as in http.Transport (MaxResponseHeaderBytes): a backend
 // that sends 1xx heads without end fails once it has sent max bytes, rather
-// than being read for ever. A 101 ends the wait. The fields a Connection that
-// says close names, which Go's reader drops with it, are dropped from the
-// answer's header when its head, as it came, fits br.
+// than being read for ever. A 101 ends the wait. The answer's head is checked,
+// as it came, for what Go's reader drops: framing by both Transfer-Encoding
+// and Content-Length is an error, and the fields a Connection that says close
+// names are dropped from the answer's header with it (when the head fits br).
 func readAnswer(br *bufio.Reader, lim *limitReader, req *http.Request, max int64) (answer, error) {
 	lim.n = max
 	var a answer
@@ -171,6 +195,8 @@ func readAnswer(br *bufio.Reader, lim *limitReader, req *http.Request, max int64
 		case is1xx(resp.StatusCode) && resp.StatusCode != http.StatusSwitchingProtocols:
 			resp.Body.Close()
 			continue
+		case ambiguousAnswer(resp, head):
+			return a, errAmbiguousAnswer
 		}
 		if resp.Close && resp.ProtoAtLeast(1, 1) && head != nil {
 			// The parser dropped a Connection field that says close, and with
