@@ -284,7 +284,7 @@ func (hc *h1Conn) exchange(ctx context.Context, req *http.Request) (*http.Respon
 	resp := a.resp
 	// A body of its own per answer: the handler may still close this one after
 	// the connection has gone back to the pool and carries the next.
-	resp.Body = &h1Body{hc: hc, body: resp.Body, resp: resp, stop: stop}
+	resp.Body = &h1Body{hc: hc, body: resp.Body, resp: resp, stop: stop, grown: a.rd != hc.br}
 	return resp, nil
 }
 
@@ -296,6 +296,10 @@ type h1Body struct {
 	resp *http.Response
 	stop cancelHook
 	done bool
+	// grown: the answer's head did not fit the connection's reader, and was
+	// read with a larger one of its own, which the body reads on from: the
+	// connection is closed after it rather than kept with that reader.
+	grown bool
 }
 
 // cancelHook is a function run when a context is cancelled, until end.
@@ -348,7 +352,7 @@ func (b *h1Body) finish(whole bool) {
 	b.done = true
 	hc := b.hc
 	// Bytes already read past the answer's end are not the next answer (get).
-	if !b.stop.end() || !whole || b.resp.Close || b.resp.Request.Close || hc.br.Buffered() > 0 {
+	if !b.stop.end() || !whole || b.grown || b.resp.Close || b.resp.Request.Close || hc.br.Buffered() > 0 {
 		hc.c.Close()
 		return
 	}

@@ -97,6 +97,13 @@ func TestH1UpstreamConnections(t *testing.T) {
 				w.WriteHeader(http.StatusEarlyHints)
 				io.WriteString(w, "ok")
 			}},
+		// A head past the connection's 32 KiB reader is read with a larger
+		// one of its own, and the connection is closed after it.
+		{name: "answer header past the reader", method: "GET", requests: 3, status: 200, body: "ok", conns: 3,
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("X-Big", big[:40<<10])
+				io.WriteString(w, "ok")
+			}},
 		{name: "answer header too long", method: "GET", requests: 2, status: http.StatusBadGateway, conns: 2,
 			handler: func(w http.ResponseWriter, r *http.Request) {
 				w.Header().Set("X-Big", big)

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"net/http"
 )
@@ -139,6 +140,11 @@ func asciiEqualFold(b []byte, lower string) bool {
 // answer is a backend's answer as readAnswer read it.
 type answer struct {
 	resp *http.Response
+	// rd holds what follows the answer's head (its body, or past a 101 the
+	// new protocol's bytes): the reader given, or, for a head that did not
+	// fit it, a larger one that took its bytes over; the reader given is
+	// then not to be read again, and the connection not to be reused.
+	rd *bufio.Reader
 	// came: bytes of an answer came, whole or not.
 	came bool
 }
@@ -154,14 +160,13 @@ var errAmbiguousAnswer = errors.New("malformed answer: framed by both Transfer-E
 // ambiguousAnswer reports whether an answer's head, as it came, has both
 // Transfer-Encoding and Content-Length. The reader keeps Transfer-Encoding
 // only when it frames by it (HTTP/1.1), and drops it in HTTP/1.0, so the
-// head is looked at only then. head is nil if it was not read whole at once:
-// then either framing counts as ambiguous.
+// head is looked at only then.
 func ambiguousAnswer(resp *http.Response, head []byte) bool {
 	switch {
 	case !resp.ProtoAtLeast(1, 1):
-		return head == nil || hasField(head, "transfer-encoding") && hasField(head, "content-length")
+		return hasField(head, "transfer-encoding") && hasField(head, "content-length")
 	case len(resp.TransferEncoding) > 0:
-		return head == nil || hasField(head, "content-length")
+		return hasField(head, "content-length")
 	}
 	return false
 }
@@ -174,15 +179,15 @@ func ambiguousAnswer(resp *http.Response, head []byte) bool {
 // than being read for ever. A 101 ends the wait. The answer's head is checked,
 // as it came, for what Go's reader drops: framing by both Transfer-Encoding
 // and Content-Length is an error, and the fields a Connection that says close
-// names are dropped from the answer's header with it (when the head fits br).
+// names are dropped from the answer's header with it.
 func readAnswer(br *bufio.Reader, lim *limitReader, req *http.Request, max int64) (answer, error) {
 	lim.n = max
-	var a answer
+	a := answer{rd: br}
 	for interim := 0; ; interim++ {
-		head, err := readHead(br)
+		head, err := wholeHead(&a, lim, int(max))
 		var resp *http.Response
 		if err == nil {
-			resp, err = http.ReadResponse(br, req)
+			resp, err = http.ReadResponse(a.rd, req)
 		}
 		a.came = a.came || lim.n < max
 		switch {
@@ -198,7 +203,7 @@ func readAnswer(br *bufio.Reader, lim *limitReader, req *http.Request, max int64
 		case ambiguousAnswer(resp, head):
 			return a, errAmbiguousAnswer
 		}
-		if resp.Close && resp.ProtoAtLeast(1, 1) && head != nil {
+		if resp.Close && resp.ProtoAtLeast(1, 1) {
 			// The parser dropped a Connection field that says close, and with
 			// it the names of the fields it lists, which are hop-by-hop too.
 			dropConnectionListed(resp.Header, head)
@@ -207,4 +212,21 @@ func readAnswer(br *bufio.Reader, lim *limitReader, req *http.Request, max int64
 		a.resp = resp
 		return a, nil
 	}
+}
+
+// wholeHead reads until a.rd holds a whole message head and returns it. A head
+// that does not fit a.rd is read into a reader of max bytes, which takes over
+// the bytes a.rd holds and becomes a.rd: the head's fields are then all there to
+// look at, whatever its size (up to max, past which lim fails the read).
+func wholeHead(a *answer, lim *limitReader, max int) ([]byte, error) {
+	head, err := readHead(a.rd)
+	if head != nil || err != nil || a.rd.Size() >= max {
+		if head == nil && err == nil {
+			err = errHeaderTooLong
+		}
+		return head, err
+	}
+	held, _ := a.rd.Peek(a.rd.Buffered())
+	a.rd = bufio.NewReaderSize(io.MultiReader(bytes.NewReader(held), lim), max)
+	return wholeHead(a, lim, max)
 }

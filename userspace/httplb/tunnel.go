@@ -180,8 +180,8 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 	writeField(cw, "Upgrade", proto)
 	cw.WriteString("\r\n")
 	// What the backend sent behind its 101 goes first.
-	if k := br.Buffered(); k > 0 {
-		b, _ := br.Peek(k)
+	if k := a.rd.Buffered(); k > 0 {
+		b, _ := a.rd.Peek(k)
 		cw.Write(b)
 	}
 	err = cw.Flush()
