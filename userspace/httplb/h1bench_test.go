@@ -2,6 +2,7 @@ package httplb
 
 import (
 	"bytes"
+	"math"
 	"net"
 	"net/netip"
 	"strconv"
@@ -198,7 +199,18 @@ func TestH1POSTAllocs(t *testing.T) {
 				// in each case, measured.
 				max += 8
 			}
-			got := testing.AllocsPerRun(200, roundTrip)
+			// The bounds are exact: 61, 68 and 78 on every run measured,
+			// on a loaded machine, with GOMAXPROCS=1 and with GOGC=1. Noise
+			// can only add to a measure: a POST slower than h1WatchAfter
+			// pays about 3 allocations for its connection's watch (a
+			// measure in which a third of the POSTs stall goes one over),
+			// and under the race detector a GC empties the pools (one more
+			// with GOGC=1). The least of three measures keeps such noise
+			// out; a cost the code adds shows in all three.
+			got := math.Inf(1)
+			for range 3 {
+				got = min(got, testing.AllocsPerRun(200, roundTrip))
+			}
 			t.Logf("%.1f allocations per POST", got)
 			if got > max {
 				t.Errorf("got %.1f allocations per keep-alive POST; want at most %.0f", got, max)
