@@ -211,8 +211,10 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 	if (p->flow.family == FAMILY_IPV4) {
 		struct iphdr *iip = data + in3;
 
-		// Quotes with IP options are left to the kernel.
-		if ((void *)(iip + 1) > data_end || iip->version != 4 || iip->ihl != 5)
+		// Quotes with IP options are left to the kernel, and so are those of a later
+		// fragment: its bytes where the ports would be are data, and name no flow.
+		if ((void *)(iip + 1) > data_end || iip->version != 4 || iip->ihl != 5 ||
+		    (iip->frag_off & bpf_htons(IP_OFFSET)))
 			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
 		inner.src[0] = iip->saddr;
 		inner.dst[0] = iip->daddr;
@@ -230,8 +232,10 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 	}
 	if (inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP)
 		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	// The ports (and so the quoted IP header before them) must lie inside the error's
+	// IP packet: bytes after it in the frame (padding) are no part of the quote.
 	ports = data + in4;
-	if ((void *)(ports + 2) > data_end)
+	if ((void *)(ports + 2) > data_end || !within_ip(p, in4, 4))
 		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
 	inner.sport = ports[0];
 	inner.dport = ports[1];
@@ -259,11 +263,17 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 		rw.inner_sport = rev->client.sport;
 		rw.inner_dport = rev->client.dport;
 	} else {
-		// From the client's side: the quote is our reply VIP -> client.
-		struct nat_flow *fs = flow_lookup(NAT_CONNTRACK, &flow);
+		// From the client's side: the quote is our reply VIP -> client, and the error
+		// goes where that reply came from (RFC 792, RFC 4443 2.2): one sent to any
+		// other address is not the VIP's, and is passed.
+		struct nat_flow *fs;
 		struct backend *be;
 		__u32 id;
 
+		if (p->flow.dst[0] != inner.src[0] || p->flow.dst[1] != inner.src[1] ||
+		    p->flow.dst[2] != inner.src[2] || p->flow.dst[3] != inner.src[3])
+			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+		fs = flow_lookup(NAT_CONNTRACK, &flow);
 		if (!fs)
 			fs = flow_lookup(NAT_HALF_OPEN, &flow);
 		if (!fs || !fs->nat_port)

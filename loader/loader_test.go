@@ -197,22 +197,46 @@ func TestFixtures(t *testing.T) {
 		return fixture{name, in, XDPTX, dsrOut(in, wantBackend(t, s, flowOf(f)).MAC), ReasonTX}
 	}
 	pass := func(name string, in []byte, r Reason) fixture { return fixture{name, in, XDPPass, nil, r} }
-	// icmpAbout is a router's ICMP error (code: fragmentation needed 4, port
-	// unreachable 3; ICMPv6 sends packet too big) about the answer to f, which the
-	// backend sent from the VIP.
-	icmpAbout := func(f packet.Frame, code uint8) packet.Frame {
-		answer := packet.Frame{Proto: f.Proto, Src: f.Dst, Dst: f.Src, TCPFlags: packet.ACK}
+	// icmpQuoting is a router's ICMP error (code: fragmentation needed 4, port
+	// unreachable 3; ICMPv6 sends packet too big) about answer, sent to its source.
+	icmpQuoting := func(answer packet.Frame, code uint8) packet.Frame {
 		icmp := &packet.ICMP{Type: 3, Code: code, Rest: 1400, Quote: answer.IPPacket()}
 		proto, router := uint8(packet.ProtoICMP), netip.MustParseAddr("10.99.0.1")
-		if f.Src.Addr().Is6() {
+		if answer.Src.Addr().Is6() {
 			icmp.Type, icmp.Code, proto, router = 2, 0, packet.ProtoICMPv6, netip.MustParseAddr("fd99::1")
 		}
 		return packet.Frame{SrcMAC: clientMAC, DstMAC: lbMAC, Proto: proto, ICMP: icmp,
-			Src: netip.AddrPortFrom(router, 0), Dst: netip.AddrPortFrom(f.Dst.Addr(), 0)}
+			Src: netip.AddrPortFrom(router, 0), Dst: netip.AddrPortFrom(answer.Src.Addr(), 0)}
+	}
+	// icmpAbout is one about the answer to f, which the backend sent from the VIP.
+	icmpAbout := func(f packet.Frame, code uint8) packet.Frame {
+		return icmpQuoting(packet.Frame{Proto: f.Proto, Src: f.Dst, Dst: f.Src, TCPFlags: packet.ACK}, code)
+	}
+	// icmpFixture: err, about the answer to f, goes to f's backend unchanged.
+	icmpFixture := func(name string, s Service, f, err packet.Frame) fixture {
+		in := err.Build()
+		return fixture{name, in, XDPTX, dsrOut(in, wantBackend(t, s, flowOf(f)).MAC), ReasonICMPToBackend}
 	}
 	icmpToBackend := func(name string, s Service, f packet.Frame, code uint8) fixture {
-		in := icmpAbout(f, code).Build()
-		return fixture{name, in, XDPTX, dsrOut(in, wantBackend(t, s, flowOf(f)).MAC), ReasonICMPToBackend}
+		return icmpFixture(name, s, f, icmpAbout(f, code))
+	}
+	// udpAnswer is the udp service's answer to the client's port sport, or a fragment
+	// of it (offset in 8-byte units).
+	udpAnswer := func(sport, offset uint16, more bool) packet.Frame {
+		return packet.Frame{Proto: packet.ProtoUDP, Src: netip.AddrPortFrom(vip4, 53), Dst: netip.AddrPortFrom(client4, sport),
+			FragOffset: offset, MoreFrags: more, Payload: make([]byte, 64)}
+	}
+	// cutIP sets the IP packet's length in frame to n bytes (its header's own
+	// included for IPv4, not for IPv6), leaving the bytes after it in the frame.
+	cutIP := func(frame []byte, n uint16) []byte {
+		if frame[12] == 0x08 && frame[13] == 0x00 {
+			binary.BigEndian.PutUint16(frame[14+2:], n)
+			binary.BigEndian.PutUint16(frame[14+10:], 0)
+			binary.BigEndian.PutUint16(frame[14+10:], packet.Checksum(frame[14:14+20]))
+		} else {
+			binary.BigEndian.PutUint16(frame[14+4:], n)
+		}
+		return frame
 	}
 	drop := func(name string, in []byte, r Reason) fixture { return fixture{name, in, XDPDrop, nil, r} }
 
@@ -329,6 +353,25 @@ func TestFixtures(t *testing.T) {
 		pass("icmp frag needed about no service's answer", icmpAbout(with(tcp4(40000, packet.ACK), func(f *packet.Frame) {
 			f.Dst = netip.AddrPortFrom(vip4, 81)
 		}), 4).Build(), ReasonPassNotService),
+		// An error is sent to the source of the packet it quotes: one about the VIP's
+		// answer addressed elsewhere is not the VIP's, and goes to the kernel.
+		pass("icmp frag needed about a dsr flow's answer, to an address not the vip", with(icmpAbout(tcp4(40000, packet.ACK), 4), func(f *packet.Frame) {
+			f.Dst = netip.MustParseAddrPort("10.99.0.50:0")
+		}).Build(), ReasonPassNotService),
+		pass("icmpv6 packet too big about a dsr flow's answer, to an address not the vip", with(icmpAbout(tcp6(40001, packet.ACK), 0), func(f *packet.Frame) {
+			f.Dst = netip.MustParseAddrPort("[fd99::50]:0")
+		}).Build(), ReasonPassNotService),
+		// A later fragment of an answer carries no ports where they would be: its
+		// bytes there name no flow. The first fragment does.
+		pass("icmp time exceeded quoting a later fragment of a dsr udp flow's answer", with(icmpQuoting(udpAnswer(5353, 185, false), 0), func(f *packet.Frame) {
+			f.ICMP.Type = 11
+		}).Build(), ReasonPassNotService),
+		icmpFixture("icmp time exceeded quoting the first fragment of a dsr udp flow's answer", udp4, udp4Frame(5353, nil),
+			with(icmpQuoting(udpAnswer(5353, 0, true), 0), func(f *packet.Frame) { f.ICMP.Type = 11 })),
+		// A quote whose ports lie past the IP packet's end (in the frame's padding)
+		// is truncated, whatever the frame holds there.
+		pass("icmp frag needed whose quote ends before its ports", cutIP(icmpAbout(tcp4(40000, packet.ACK), 4).Build(), 20+8+20), ReasonPassNotService),
+		pass("icmpv6 packet too big whose quote ends before its ports", cutIP(icmpAbout(tcp6(40001, packet.ACK), 0).Build(), 8+40), ReasonPassNotService),
 	}
 	for _, fx := range fixtures {
 		t.Run(fx.name, func(t *testing.T) {

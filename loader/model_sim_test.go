@@ -1188,7 +1188,8 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 	}
 	inner.Family = p.flow.Family
 	if p.flow.Family == familyIPv4 {
-		if !r.fits(in3, ipv4HeaderLen) || r.b[in3]>>4 != 4 || r.b[in3]&0xf != 5 {
+		if !r.fits(in3, ipv4HeaderLen) || r.b[in3]>>4 != 4 || r.b[in3]&0xf != 5 ||
+			binary.BigEndian.Uint16(r.b[in3+6:])&0x1fff != 0 {
 			return r.verdict(XDPPass, ReasonPassNotService)
 		}
 		inner.Src[0], inner.Dst[0] = r.ld32(in3+12), r.ld32(in3+16)
@@ -1208,7 +1209,7 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 	if inner.Proto != protoTCP && inner.Proto != protoUDP {
 		return r.verdict(XDPPass, ReasonPassNotService)
 	}
-	if !r.fits(in4, 4) {
+	if !r.fits(in4, 4) || !withinIP(p, in4, 4) {
 		return r.verdict(XDPPass, ReasonPassNotService)
 	}
 	inner.Sport, inner.Dport = r.ld16(in4), r.ld16(in4+2)
@@ -1229,6 +1230,9 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 		rw.innerSrc, rw.innerDst = rev.Client.Src, rev.Client.Dst
 		rw.innerSport, rw.innerDport = rev.Client.Sport, rev.Client.Dport
 	} else {
+		if p.flow.Dst != inner.Src {
+			return r.verdict(XDPPass, ReasonPassNotService)
+		}
 		fs, ok := r.m.NATConntrack[flow]
 		if !ok {
 			fs, ok = r.m.NATHalfOpen[flow]

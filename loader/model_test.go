@@ -104,6 +104,12 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"icmp port unreachable from client side, tunnel udp flow known", ReasonICMPToBackend},
 		{"icmp frag needed from client side, dsr service without backends", ReasonDropNoBackend},
 		{"icmp frag needed from client side, dsr flow unknown, previous table", ReasonICMPToBackend},
+		{"icmp frag needed from client side, dsr flow known, to an address not the vip", ReasonPassNotService},
+		{"icmpv6 packet too big from client side, tunnel flow known, to an address not the vip", ReasonPassNotService},
+		{"icmp time exceeded from client side quoting a later fragment, udp flow known", ReasonPassNotService},
+		{"icmp time exceeded from client side quoting a first fragment, udp flow known", ReasonICMPToBackend},
+		{"icmp frag needed from client side, dsr flow known, ports past the ip packet", ReasonPassNotService},
+		{"icmp frag needed from client side, dsr flow known, ports at the ip packet's end", ReasonICMPToBackend},
 		{"dsr tcp syn v4, p2c second candidate less loaded", ReasonFlowSecondChoice},
 		{"nat tcp syn v4, p2c second candidate less loaded", ReasonFlowSecondChoice},
 		{"nat udp v6, p2c second candidate less loaded", ReasonFlowSecondChoice},
@@ -265,6 +271,12 @@ var fuzzSeeds = []struct {
 	{"icmp port unreachable from client side, tunnel udp flow known", []byte{0, 40, 0, 0, 3 << 3, 0, 0, 255, 0, 1, 0, 1}},
 	{"icmp frag needed from client side, dsr service without backends", []byte{0, 41, 0, 0, 4 << 3, 0, 0, 255, 0, 0, 0, 0}},
 	{"icmp frag needed from client side, dsr flow unknown, previous table", []byte{0, 42, 3, 0, 4 << 3, 0, 0, 255, 0, 0, 0, 0}},
+	{"icmp frag needed from client side, dsr flow known, to an address not the vip", []byte{0, 36, 0, 0, 4 << 3, 0x08, 0, 255, 0, 1, 0, 1}},
+	{"icmpv6 packet too big from client side, tunnel flow known, to an address not the vip", []byte{0, 39, 0, 0, 1, 0x08, 0, 255, 0, 1, 0, 1}},
+	{"icmp time exceeded from client side quoting a later fragment, udp flow known", []byte{0, 40, 0, 0, 1, 0x04, 0, 255, 0, 1, 0, 1}},
+	{"icmp time exceeded from client side quoting a first fragment, udp flow known", []byte{0, 40, 0, 0, 1, 0x02, 0, 255, 0, 1, 0, 1}},
+	{"icmp frag needed from client side, dsr flow known, ports past the ip packet", []byte{0, 36, 0, 0, 4 << 3, 0, 0, 255, 3, 0xe7, 1, 0, 1}},
+	{"icmp frag needed from client side, dsr flow known, ports at the ip packet's end", []byte{0, 36, 0, 0, 4 << 3, 0, 0, 255, 3, 0xe8, 1, 0, 1}},
 	{"icmp quote with ip options", []byte{0, 15, 0, 0, 4 << 3, 0x10, 0, 255, 0, 2}},
 	{"icmp echo reply (not an error)", []byte{0, 15, 0, 0, 3, 0, 0, 255, 0, 2}},
 	// Tunnel: targets 24 (IPv4 VIP, TCP; backends 10.78.0.11, 10.78.0.12, fd78::13),
@@ -615,8 +627,8 @@ var fuzzTargets = []fuzzTarget{
 	{toVIP, 6, true, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPN6, 443)},
 	{toVIP, 7, true, packet.ProtoUDP, netip.AddrPortFrom(fuzzVIPN6, 53)},
 	{toVIP, -1, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzVIPD4, 8080)},
-	{toOther, -1, false, packet.ProtoTCP, netip.MustParseAddrPort("10.77.0.99:80")},
-	{toOther, -1, true, packet.ProtoUDP, netip.MustParseAddrPort("[fd77::99]:53")},
+	{toOther, -1, false, packet.ProtoTCP, netip.AddrPortFrom(fuzzOther4, 80)},
+	{toOther, -1, true, packet.ProtoUDP, netip.AddrPortFrom(fuzzOther6, 53)},
 	{natReply, 4, false, packet.ProtoTCP, netip.AddrPort{}},
 	{natReply, 5, false, packet.ProtoUDP, netip.AddrPort{}},
 	{natReply, 6, true, packet.ProtoTCP, netip.AddrPort{}},
@@ -653,9 +665,11 @@ var fuzzTargets = []fuzzTarget{
 }
 
 var (
-	fuzzClients4 = []netip.Addr{netip.MustParseAddr("10.77.0.1"), netip.MustParseAddr("10.77.0.2"), netip.MustParseAddr("192.0.2.7"), netip.MustParseAddr("10.77.0.1")}
-	fuzzClients6 = []netip.Addr{netip.MustParseAddr("fd77::1"), netip.MustParseAddr("fd77::2"), netip.MustParseAddr("2001:db8::7"), netip.MustParseAddr("fd77::1")}
-	fuzzSports   = []uint16{40000, 40001, fuzzSinglePort, 0}
+	// Addresses that are no VIP, nat address or client.
+	fuzzOther4, fuzzOther6 = netip.MustParseAddr("10.77.0.99"), netip.MustParseAddr("fd77::99")
+	fuzzClients4           = []netip.Addr{netip.MustParseAddr("10.77.0.1"), netip.MustParseAddr("10.77.0.2"), netip.MustParseAddr("192.0.2.7"), netip.MustParseAddr("10.77.0.1")}
+	fuzzClients6           = []netip.Addr{netip.MustParseAddr("fd77::1"), netip.MustParseAddr("fd77::2"), netip.MustParseAddr("2001:db8::7"), netip.MustParseAddr("fd77::1")}
+	fuzzSports             = []uint16{40000, 40001, fuzzSinglePort, 0}
 	// Extension header types an input picks from.
 	fuzzExtTypes = []uint8{packet.ProtoHopOpts, packet.ProtoRouting, packet.ProtoDstOpts, packet.ProtoFrag, protoAH, protoESP, 59, 135}
 	// Ages of seeded flows, against the rig's timeouts (TCP 100 s, closing 10 s, UDP 30 s):
@@ -1224,12 +1238,19 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 			quoted.Src, quoted.Dst = netip.AddrPortFrom(natAddr, natPort), be.Addr
 			f.Src, f.Dst = netip.AddrPortFrom(be.Addr.Addr(), 0), netip.AddrPortFrom(natAddr, 0)
 		} else {
-			// The client's side answers our reply.
+			// The client's side answers our reply: to the VIP, or (opts bit 3) to an
+			// address that sent no such reply.
 			quoted.Src, quoted.Dst = svc.Key.VIP, netip.AddrPortFrom(client, sport)
 			f.Src, f.Dst = netip.AddrPortFrom(client, 0), netip.AddrPortFrom(svc.Key.VIP.Addr(), 0)
+			if opts&8 != 0 && tg.v6 {
+				f.Dst = netip.AddrPortFrom(fuzzOther6, 0)
+			} else if opts&8 != 0 {
+				f.Dst = netip.AddrPortFrom(fuzzOther4, 0)
+			}
 		}
-		quoted.IPv4Options = f.IPv4Options
-		f.IPv4Options, f.Payload = nil, nil
+		// The quote takes the options and the fragment bits (opts bits 1 and 2).
+		quoted.IPv4Options, quoted.FragOffset, quoted.MoreFrags = f.IPv4Options, f.FragOffset, f.MoreFrags
+		f.IPv4Options, f.Payload, f.FragOffset, f.MoreFrags = nil, nil, 0, false
 		quote := quoted.IPPacket()
 		if payloadSel != 255 {
 			quote = quote[:min(len(quote), int(payloadSel))]
