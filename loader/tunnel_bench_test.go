@@ -7,7 +7,6 @@ import (
 
 	"github.com/weir-lb/weir/internal/packet"
 	"github.com/weir-lb/weir/internal/topo"
-	"github.com/weir-lb/weir/internal/xdptest"
 )
 
 // tunnelBench is the routed topology (backends behind a router) with the program
@@ -21,28 +20,9 @@ type tunnelBench struct {
 func newTunnelBench(b *testing.B) *tunnelBench {
 	b.Helper()
 	tp := topo.NewRoutedT(b, 3)
-	p, err := Load(Options{HashSeed: 3, NAT: NATOptions{Addr4: tp.BalancerUp.IP4, Addr6: tp.BalancerUp.IP6}})
-	xdptest.Check(b, err)
-	b.Cleanup(func() { p.Close() })
-	err = tp.Balancer.NS.Do(func() error {
-		for _, link := range []string{tp.Balancer.Link, tp.BalancerUp.Link} {
-			if _, err := p.Attach(link, ModeGeneric); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	xdptest.Check(b, err)
+	p := tunnelBalancer(b, tp, ModeGeneric, 3)
 	for _, vip := range []netip.Addr{tp.VIP4, tp.VIP6} {
-		s := Service{Key: ServiceKey{netip.AddrPortFrom(vip, 80), TCP}, Forwarding: ForwardTunnel}
-		for _, be := range tp.Backends {
-			ip := be.IP4
-			if vip.Is6() {
-				ip = be.IP6
-			}
-			s.Backends = append(s.Backends, Backend{Addr: netip.AddrPortFrom(ip, 80), Weight: 1, Usable: true})
-		}
-		if err := p.AddService(s); err != nil {
+		if err := p.AddService(tunnelService(vip, 80, tp.Backends)); err != nil {
 			b.Fatal(err)
 		}
 	}

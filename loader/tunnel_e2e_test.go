@@ -28,42 +28,9 @@ func TestTunnelEndToEnd(t *testing.T) {
 	for _, mode := range []Mode{ModeNative, ModeGeneric} {
 		t.Run(string(mode), func(t *testing.T) {
 			tp := topo.NewRoutedT(t, 3)
-			var decaps []*Decap
-			for i, b := range tp.Backends {
-				serveBackend(t, b, fmt.Sprintf("backend-%d", i))
-				d, err := LoadDecap([]netip.Addr{b.IP4, b.IP6})
-				xdptest.Check(t, err)
-				t.Cleanup(func() { d.Close() })
-				err = b.NS.Do(func() error { _, err := d.Attach(b.Link, mode); return err })
-				xdptest.Check(t, err)
-				decaps = append(decaps, d)
-			}
-			p, err := Load(Options{HashSeed: 3, NAT: NATOptions{Addr4: tp.BalancerUp.IP4, Addr6: tp.BalancerUp.IP6}})
-			xdptest.Check(t, err)
-			t.Cleanup(func() { p.Close() })
-			err = tp.Balancer.NS.Do(func() error {
-				for _, link := range []string{tp.Balancer.Link, tp.BalancerUp.Link} {
-					if _, err := p.Attach(link, mode); err != nil {
-						return err
-					}
-				}
-				return nil
-			})
-			xdptest.Check(t, err)
+			p, decaps := tunnelRig(t, tp, mode, 3)
 			for _, vip := range []netip.Addr{tp.VIP4, tp.VIP6} {
-				web := Service{Key: ServiceKey{netip.AddrPortFrom(vip, 80), TCP}, Forwarding: ForwardTunnel}
-				echo := Service{Key: ServiceKey{netip.AddrPortFrom(vip, echoPort), TCP}, Forwarding: ForwardTunnel}
-				for i, b := range tp.Backends {
-					ip := b.IP4
-					if vip.Is6() {
-						ip = b.IP6
-					}
-					web.Backends = append(web.Backends, Backend{Addr: netip.AddrPortFrom(ip, 80), Weight: 1, Usable: true})
-					if i == 0 {
-						echo.Backends = append(echo.Backends, Backend{Addr: netip.AddrPortFrom(ip, echoPort), Weight: 1, Usable: true})
-					}
-				}
-				for _, s := range []Service{web, echo} {
+				for _, s := range []Service{tunnelService(vip, 80, tp.Backends), tunnelService(vip, echoPort, tp.Backends[:1])} {
 					if err := p.AddService(s); err != nil {
 						t.Fatal(err)
 					}
@@ -144,6 +111,59 @@ func TestTunnelEndToEnd(t *testing.T) {
 			}
 		})
 	}
+}
+
+// tunnelRig readies tp for tunnel mode in attach mode mode: each backend serves
+// (serveBackend, named backend-i) and strips the tunnel with weir's decap program,
+// and the balancer runs tunnelBalancer's program. It returns the program and the
+// decapsulators, in the backends' order; t's cleanup closes them.
+func tunnelRig(t *testing.T, tp *topo.Routed, mode Mode, seed uint32) (*Program, []*Decap) {
+	t.Helper()
+	var decaps []*Decap
+	for i, b := range tp.Backends {
+		serveBackend(t, b, fmt.Sprintf("backend-%d", i))
+		d, err := LoadDecap([]netip.Addr{b.IP4, b.IP6})
+		xdptest.Check(t, err)
+		t.Cleanup(func() { d.Close() })
+		err = b.NS.Do(func() error { _, err := d.Attach(b.Link, mode); return err })
+		xdptest.Check(t, err)
+		decaps = append(decaps, d)
+	}
+	return tunnelBalancer(t, tp, mode, seed), decaps
+}
+
+// tunnelBalancer loads the program with hash seed seed and tp's balancer-side
+// addresses as its own, and attaches it in mode to both of the balancer's links;
+// tb's cleanup closes it.
+func tunnelBalancer(tb testing.TB, tp *topo.Routed, mode Mode, seed uint32) *Program {
+	tb.Helper()
+	p, err := Load(Options{HashSeed: seed, NAT: NATOptions{Addr4: tp.BalancerUp.IP4, Addr6: tp.BalancerUp.IP6}})
+	xdptest.Check(tb, err)
+	tb.Cleanup(func() { p.Close() })
+	err = tp.Balancer.NS.Do(func() error {
+		for _, link := range []string{tp.Balancer.Link, tp.BalancerUp.Link} {
+			if _, err := p.Attach(link, mode); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	xdptest.Check(tb, err)
+	return p
+}
+
+// tunnelService is a tunnel-mode TCP service on vip:port whose backends are hosts,
+// by their address in vip's family, each of weight 1.
+func tunnelService(vip netip.Addr, port uint16, hosts []topo.Host) Service {
+	s := Service{Key: ServiceKey{netip.AddrPortFrom(vip, port), TCP}, Forwarding: ForwardTunnel}
+	for _, h := range hosts {
+		ip := h.IP4
+		if vip.Is6() {
+			ip = h.IP6
+		}
+		s.Backends = append(s.Backends, Backend{Addr: netip.AddrPortFrom(ip, port), Weight: 1, Usable: true})
+	}
+	return s
 }
 
 // serveBackend serves HTTP (its name) on :80 and an echo on echoPort in b's namespace.
@@ -287,42 +307,15 @@ func pathDrops(t *testing.T, tp *topo.Routed) (uint64, string) {
 // bulk transfer stalls.
 func TestTunnelReplyPathMTU(t *testing.T) {
 	tp := topo.NewRoutedT(t, 2)
-	for i, b := range tp.Backends {
-		serveBackend(t, b, fmt.Sprintf("backend-%d", i))
-		d, err := LoadDecap([]netip.Addr{b.IP4, b.IP6})
-		xdptest.Check(t, err)
-		t.Cleanup(func() { d.Close() })
-		err = b.NS.Do(func() error { _, err := d.Attach(b.Link, ModeNative); return err })
-		xdptest.Check(t, err)
-	}
-	p, err := Load(Options{HashSeed: 5, NAT: NATOptions{Addr4: tp.BalancerUp.IP4, Addr6: tp.BalancerUp.IP6}})
-	xdptest.Check(t, err)
-	t.Cleanup(func() { p.Close() })
-	err = tp.Balancer.NS.Do(func() error {
-		for _, link := range []string{tp.Balancer.Link, tp.BalancerUp.Link} {
-			if _, err := p.Attach(link, ModeNative); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	xdptest.Check(t, err)
+	p, _ := tunnelRig(t, tp, ModeNative, 5)
 	for _, vip := range []netip.Addr{tp.VIP4, tp.VIP6} {
-		echo := Service{Key: ServiceKey{netip.AddrPortFrom(vip, echoPort), TCP}, Forwarding: ForwardTunnel}
-		for _, b := range tp.Backends {
-			ip := b.IP4
-			if vip.Is6() {
-				ip = b.IP6
-			}
-			echo.Backends = append(echo.Backends, Backend{Addr: netip.AddrPortFrom(ip, echoPort), Weight: 1, Usable: true})
-		}
-		if err := p.AddService(echo); err != nil {
+		if err := p.AddService(tunnelService(vip, echoPort, tp.Backends)); err != nil {
 			t.Fatal(err)
 		}
 	}
 	// The router routes the VIPs to the balancer, as a network that announces them
 	// does, and its link towards the client's return side carries 1,280 bytes.
-	err = tp.Router.Do(func() error {
+	err := tp.Router.Do(func() error {
 		for _, r := range []struct{ vip, via netip.Addr }{{tp.VIP4, tp.BalancerUp.IP4}, {tp.VIP6, tp.BalancerUp.IP6}} {
 			dst := &net.IPNet{IP: r.vip.AsSlice(), Mask: net.CIDRMask(r.vip.BitLen(), r.vip.BitLen())}
 			if err := netlink.RouteAdd(&netlink.Route{Dst: dst, Gw: r.via.AsSlice()}); err != nil {
