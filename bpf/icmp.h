@@ -17,10 +17,11 @@ struct icmp_rewrite {
 	__be16 inner_sport, inner_dport;   // and its new ports
 };
 
-// icmp_apply writes the new outer and quoted headers. The ICMP checksum covers the
-// quoted bytes (and, for ICMPv6, a pseudo-header of the outer addresses), so every
-// change there is added to it as well.
-static __always_inline int icmp_apply(struct xdp_md *ctx, struct packet *p, const struct flow_key *inner,
+// icmp_apply writes the new outer and quoted headers; flow is the quoted packet
+// reversed (so its dst is the quote's source). The ICMP checksum covers the quoted
+// bytes (and, for ICMPv6, a pseudo-header of the outer addresses), so every change
+// there is added to it as well.
+static __always_inline int icmp_apply(struct xdp_md *ctx, struct packet *p, const struct flow_key *flow,
 				      __u32 in3, __u32 in4, const struct icmp_rewrite *rw)
 {
 	void *data = (void *)(long)ctx->data;
@@ -49,26 +50,26 @@ static __always_inline int icmp_apply(struct xdp_md *ctx, struct packet *p, cons
 	isum = csum_start(icmp->check);
 
 	// The quoted TCP or UDP checksum, when the quote reaches it.
-	if (inner->proto == IPPROTO_TCP) {
+	if (flow->proto == IPPROTO_TCP) {
 		if (data + in4 + 18 <= data_end)
 			l4check = data + in4 + 16;
 	} else if (data + in4 + 8 <= data_end) {
 		l4check = data + in4 + 6;
 	}
-	if (l4check && !(inner->proto == IPPROTO_UDP && v4 && *l4check == 0)) {
+	if (l4check && !(flow->proto == IPPROTO_UDP && v4 && *l4check == 0)) {
 		__u16 old = *l4check, fresh;
 
 		s = csum_start(old);
 		for (int i = 0; i < 4; i++) {
 			if (i >= words)
 				break;
-			s = csum_add32(s, inner->src[i], rw->inner_src[i]);
-			s = csum_add32(s, inner->dst[i], rw->inner_dst[i]);
+			s = csum_add32(s, flow->dst[i], rw->inner_src[i]);
+			s = csum_add32(s, flow->src[i], rw->inner_dst[i]);
 		}
-		s = csum_add16(s, inner->sport, rw->inner_sport);
-		s = csum_add16(s, inner->dport, rw->inner_dport);
+		s = csum_add16(s, flow->dport, rw->inner_sport);
+		s = csum_add16(s, flow->sport, rw->inner_dport);
 		fresh = csum_finish(s);
-		if (inner->proto == IPPROTO_UDP && fresh == 0)
+		if (flow->proto == IPPROTO_UDP && fresh == 0)
 			fresh = 0xffff;
 		*l4check = fresh;
 		isum = csum_add16(isum, old, fresh);
@@ -104,8 +105,8 @@ static __always_inline int icmp_apply(struct xdp_md *ctx, struct packet *p, cons
 		if ((void *)(iip6 + 1) > data_end)
 			return XDP_ABORTED;
 		for (int i = 0; i < 4; i++) {
-			isum = csum_add32(isum, inner->src[i], rw->inner_src[i]);
-			isum = csum_add32(isum, inner->dst[i], rw->inner_dst[i]);
+			isum = csum_add32(isum, flow->dst[i], rw->inner_src[i]);
+			isum = csum_add32(isum, flow->src[i], rw->inner_dst[i]);
 			// ICMPv6's pseudo-header holds the outer addresses.
 			isum = csum_add32(isum, p->flow.src[i], rw->outer_src[i]);
 			isum = csum_add32(isum, p->flow.dst[i], rw->outer_dst[i]);
@@ -194,68 +195,22 @@ static __always_inline int icmp_to_lb_backend(struct xdp_md *ctx, struct packet 
 	return verdict(forward_dsr(ctx, be), STAT_TX, p->len);
 }
 
-// icmp_error_translate handles an ICMP error (p->icmp_error set by parse).
-static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packet *p)
+// icmp_translate rewrites an ICMP error about nat flow (in the direction its table
+// is keyed by) for the flow's other side and sends it on: from the backend's side
+// (rev, the flow's reverse entry) to the client, from the client's side (fs, its
+// entry) to the backend. The quote (IP header at in3, ports at in4) is the flow's
+// packet reversed. The rewrite lives here, not in icmp_error_translate, so that its
+// stack slots are free on the way to icmp_to_lb_backend and the tunnel's fib lookup
+// (the program's deepest path until then).
+static __always_inline int icmp_translate(struct xdp_md *ctx, struct packet *p, const struct flow_key *flow,
+					  __u32 in3, __u32 in4, const struct nat_entry *rev,
+					  const struct nat_flow *fs)
 {
-	void *data = (void *)(long)ctx->data;
-	void *data_end = (void *)(long)ctx->data_end;
-	struct flow_key inner = {}, flow = {};
 	struct icmp_rewrite rw = {};
-	__u32 in3 = p->l4_off + sizeof(struct icmp_hdr), in4;
-	__be16 *ports;
 	int action;
 
-	if (in3 > MAX_L4_OFFSET)
-		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
-	inner.family = p->flow.family;
-	if (p->flow.family == FAMILY_IPV4) {
-		struct iphdr *iip = data + in3;
-
-		// Quotes with IP options are left to the kernel, and so are those of a later
-		// fragment: its bytes where the ports would be are data, and name no flow.
-		if ((void *)(iip + 1) > data_end || iip->version != 4 || iip->ihl != 5 ||
-		    (iip->frag_off & bpf_htons(IP_OFFSET)))
-			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
-		inner.src[0] = iip->saddr;
-		inner.dst[0] = iip->daddr;
-		inner.proto = iip->protocol;
-		in4 = in3 + sizeof(*iip);
-	} else {
-		struct ipv6hdr *iip6 = data + in3;
-
-		if ((void *)(iip6 + 1) > data_end || iip6->version != 6)
-			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
-		__builtin_memcpy(inner.src, &iip6->saddr, 16);
-		__builtin_memcpy(inner.dst, &iip6->daddr, 16);
-		inner.proto = iip6->nexthdr;
-		in4 = in3 + sizeof(*iip6);
-	}
-	if (inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP)
-		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
-	// The ports (and so the quoted IP header before them) must lie inside the error's
-	// IP packet: bytes after it in the frame (padding) are no part of the quote.
-	ports = data + in4;
-	if ((void *)(ports + 2) > data_end || !within_ip(p, in4, 4))
-		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
-	inner.sport = ports[0];
-	inner.dport = ports[1];
-
-	// The flow the quoted packet belongs to, in the direction its table is keyed by.
-	__builtin_memcpy(flow.src, inner.dst, sizeof(flow.src));
-	__builtin_memcpy(flow.dst, inner.src, sizeof(flow.dst));
-	flow.sport = inner.dport;
-	flow.dport = inner.sport;
-	flow.proto = inner.proto;
-	flow.family = inner.family;
-
-	if (is_nat_address(&p->flow)) {
-		// From the backend's side: the quote is nat:port -> backend, the flow's reply key.
-		struct nat_entry *rev = flow_lookup(NAT_REVERSE, &flow);
-
-		if (!rev)
-			rev = flow_lookup(NAT_HALF_REVERSE, &flow);
-		if (!rev)
-			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	if (rev) {
+		// From the backend's side: the quote is nat:port -> backend.
 		__builtin_memcpy(rw.outer_src, rev->client.dst, 16);
 		__builtin_memcpy(rw.outer_dst, rev->client.src, 16);
 		__builtin_memcpy(rw.inner_src, rev->client.src, 16);
@@ -263,23 +218,10 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 		rw.inner_sport = rev->client.sport;
 		rw.inner_dport = rev->client.dport;
 	} else {
-		// From the client's side: the quote is our reply VIP -> client, and the error
-		// goes where that reply came from (RFC 792, RFC 4443 2.2): one sent to any
-		// other address is not the VIP's, and is passed.
-		struct nat_flow *fs;
-		struct backend *be;
-		__u32 id;
+		// From the client's side: the quote is our reply VIP -> client.
+		__u32 id = fs->backend_id;
+		struct backend *be = bpf_map_lookup_elem(&backends, &id);
 
-		if (p->flow.dst[0] != inner.src[0] || p->flow.dst[1] != inner.src[1] ||
-		    p->flow.dst[2] != inner.src[2] || p->flow.dst[3] != inner.src[3])
-			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
-		fs = flow_lookup(NAT_CONNTRACK, &flow);
-		if (!fs)
-			fs = flow_lookup(NAT_HALF_OPEN, &flow);
-		if (!fs || !fs->nat_port)
-			return icmp_to_lb_backend(ctx, p, &flow);
-		id = fs->backend_id;
-		be = bpf_map_lookup_elem(&backends, &id);
 		if (!be)
 			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
 		nat_source(p->flow.family, rw.outer_src);
@@ -290,8 +232,80 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 		rw.inner_dport = fs->nat_port;
 	}
 	count(&global_stats, STAT_ICMP_TRANSLATED, p->len);
-	action = icmp_apply(ctx, p, &inner, in3, in4, &rw);
+	action = icmp_apply(ctx, p, flow, in3, in4, &rw);
 	if (action != CONTINUE)
 		return action;
 	return fib_forward(ctx, p);
+}
+
+// icmp_error_translate handles an ICMP error (p->icmp_error set by parse): it reads
+// the quote into the flow it belongs to (the quoted packet reversed, in the direction
+// the flow's tables are keyed by) and hands it to icmp_translate (a nat flow) or
+// icmp_to_lb_backend (from the client's side, any other flow).
+static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packet *p)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct flow_key flow = {};
+	__u32 in3 = p->l4_off + sizeof(struct icmp_hdr), in4;
+	struct nat_entry *rev = 0;
+	struct nat_flow *fs = 0;
+	__be16 *ports;
+
+	if (in3 > MAX_L4_OFFSET)
+		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	flow.family = p->flow.family;
+	if (p->flow.family == FAMILY_IPV4) {
+		struct iphdr *iip = data + in3;
+
+		// Quotes with IP options are left to the kernel, and so are those of a later
+		// fragment: its bytes where the ports would be are data, and name no flow.
+		if ((void *)(iip + 1) > data_end || iip->version != 4 || iip->ihl != 5 ||
+		    (iip->frag_off & bpf_htons(IP_OFFSET)))
+			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+		flow.src[0] = iip->daddr;
+		flow.dst[0] = iip->saddr;
+		flow.proto = iip->protocol;
+		in4 = in3 + sizeof(*iip);
+	} else {
+		struct ipv6hdr *iip6 = data + in3;
+
+		if ((void *)(iip6 + 1) > data_end || iip6->version != 6)
+			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+		__builtin_memcpy(flow.src, &iip6->daddr, 16);
+		__builtin_memcpy(flow.dst, &iip6->saddr, 16);
+		flow.proto = iip6->nexthdr;
+		in4 = in3 + sizeof(*iip6);
+	}
+	if (flow.proto != IPPROTO_TCP && flow.proto != IPPROTO_UDP)
+		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	// The ports (and so the quoted IP header before them) must lie inside the error's
+	// IP packet: bytes after it in the frame (padding) are no part of the quote.
+	ports = data + in4;
+	if ((void *)(ports + 2) > data_end || !within_ip(p, in4, 4))
+		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	flow.sport = ports[1];
+	flow.dport = ports[0];
+
+	if (is_nat_address(&p->flow)) {
+		// From the backend's side: the quote is nat:port -> backend, the flow's reply key.
+		rev = flow_lookup(NAT_REVERSE, &flow);
+		if (!rev)
+			rev = flow_lookup(NAT_HALF_REVERSE, &flow);
+		if (!rev)
+			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	} else {
+		// From the client's side: the quote is a reply VIP -> client, and the error
+		// goes where that reply came from (RFC 792, RFC 4443 2.2): one sent to any
+		// other address is not the VIP's, and is passed.
+		if (p->flow.dst[0] != flow.dst[0] || p->flow.dst[1] != flow.dst[1] ||
+		    p->flow.dst[2] != flow.dst[2] || p->flow.dst[3] != flow.dst[3])
+			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+		fs = flow_lookup(NAT_CONNTRACK, &flow);
+		if (!fs)
+			fs = flow_lookup(NAT_HALF_OPEN, &flow);
+		if (!fs || !fs->nat_port)
+			return icmp_to_lb_backend(ctx, p, &flow);
+	}
+	return icmp_translate(ctx, p, &flow, in3, in4, rev, fs);
 }
