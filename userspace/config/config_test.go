@@ -195,6 +195,11 @@ func TestErrors(t *testing.T) {
 		// A setting that must be positive, written 0, is an error rather than silently its default.
 		{"zero interval", svc + "  health: {interval: 0s}\n" + be, "line 4: services[0].health.interval: must be positive, got 0s"},
 		{"zero check timeout", svc + "  health: {timeout: 0s}\n" + be, "line 4: services[0].health.timeout: must be positive, got 0s"},
+		// Every enum is spelt one way, in lower case, with a hint for another case.
+		{"protocol in upper case", svc + "  protocol: TCP\n" + be, `line 4: services[0].protocol: must be tcp or udp, got "TCP" (values are lower case: write tcp)`},
+		{"mode in upper case", svc + "  mode: DSR\n" + be, `line 4: services[0].mode: must be nat, dsr or tunnel, got "DSR" (values are lower case: write dsr)`},
+		{"check type in mixed case", svc + "  health: {type: Http}\n" + be, `services[0].health.type: must be tcp, http or none, got "Http" (values are lower case: write http)`},
+		{"log level in upper case", "log: {level: INFO}\nservices: []\n", `log.level: must be debug, info, warn or error, got "INFO" (values are lower case: write info)`},
 		{"zero base ejection", svc + "  passive: {base_ejection: 0s}\n" + be, "line 4: services[0].passive.base_ejection: must be positive, got 0s"},
 		{"zero max ejection", svc + "  passive: {max_ejection: 0s}\n" + be, "line 4: services[0].passive.max_ejection: must be at least base_ejection (30s), got 0s"},
 		{"zero proxy idle timeout", svc + "  proxy: {idle_timeout: 0s}\n" + be, "line 4: services[0].proxy.idle_timeout: must be positive, got 0s"},

@@ -72,7 +72,6 @@ func (s *fileService) defaults() {
 	if s.Protocol == "" {
 		s.Protocol = DefaultProtocol
 	}
-	s.Protocol = Protocol(strings.ToLower(string(s.Protocol)))
 	if s.DataPlane == "" {
 		s.DataPlane = DefaultDataPlane
 	}
@@ -186,11 +185,18 @@ func (c *checker) bad(path, format string, args ...any) {
 	c.errs = append(c.errs, &FieldError{Path: path, Msg: fmt.Sprintf(format, args...)})
 }
 
+// oneOf checks an enum. Every enum is spelt exactly as the docs write it, in
+// lower case, as YAML keys are: a value in other case is refused like any other
+// (a hint says so), rather than some enums taking it and others not.
 func oneOf[T ~string](c *checker, path string, got T, want ...T) bool {
 	if slices.Contains(want, got) {
 		return true
 	}
-	c.bad(path, "must be %s, got %q", orList(want), got)
+	hint := ""
+	if lower := T(strings.ToLower(string(got))); lower != got && slices.Contains(want, lower) {
+		hint = fmt.Sprintf(" (values are lower case: write %s)", lower)
+	}
+	c.bad(path, "must be %s, got %q%s", orList(want), got, hint)
 	return false
 }
 
