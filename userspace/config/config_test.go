@@ -195,6 +195,12 @@ func TestErrors(t *testing.T) {
 		// A setting that must be positive, written 0, is an error rather than silently its default.
 		{"zero interval", svc + "  health: {interval: 0s}\n" + be, "line 4: services[0].health.interval: must be positive, got 0s"},
 		{"zero check timeout", svc + "  health: {timeout: 0s}\n" + be, "line 4: services[0].health.timeout: must be positive, got 0s"},
+		// fe80::/10 means something only on one link, named by a zone, which no field takes.
+		{"link-local VIP", "services:\n- {name: a, vip: '[fe80::1]:80', backends: [{address: '[fd00::11]:80'}]}\n", "line 2: services[0].vip: fe80::1 is an IPv6 link-local address, which means something only with a zone"},
+		{"link-local backend", svc + "  data_plane: proxy\n  backends: [{address: '[fe80::11]:80'}]\n", "services[0].backends[0].address: fe80::11 is an IPv6 link-local address"},
+		{"link-local proxy listen", svc + "  proxy: {listen: '[fe80::1%eth0]:80'}\n" + be, "services[0].proxy.listen: must be an address without a zone"},
+		{"IPv4 link-local VIP", "services:\n- {name: a, vip: '169.254.0.1:80', backends: [{address: 10.0.0.11:80}]}\n", ""},
+		{"unique-local VIP", "services:\n- {name: a, vip: '[fd00::1]:80', backends: [{address: '[fd00::11]:80'}]}\n", ""},
 		// Every enum is spelt one way, in lower case, with a hint for another case.
 		{"protocol in upper case", svc + "  protocol: TCP\n" + be, `line 4: services[0].protocol: must be tcp or udp, got "TCP" (values are lower case: write tcp)`},
 		{"mode in upper case", svc + "  mode: DSR\n" + be, `line 4: services[0].mode: must be nat, dsr or tunnel, got "DSR" (values are lower case: write dsr)`},

@@ -567,6 +567,10 @@ func (c *checker) hostPort(path, s string) (netip.AddrPort, bool) {
 		c.bad(path, "must be an address without a zone, got %q", s)
 	case ap.Addr().Is4In6():
 		c.bad(path, "write IPv4 addresses in dotted form, got %q", s)
+	case ap.Addr().Is6() && ap.Addr().IsLinkLocalUnicast():
+		// fe80::/10 exists once per link: without a zone (which these fields do
+		// not take) nothing can bind it or dial it, and no router forwards it.
+		c.bad(path, "%s is an IPv6 link-local address, which means something only with a zone (an interface), and this field takes none: use a global or unique-local (fd00::/8) address", ap.Addr())
 	default:
 		return ap, true
 	}
