@@ -72,6 +72,15 @@ const (
 	MaxWeight                  = 65535
 )
 
+// MinHealthInterval and MinHealthTimeout bound a health check's interval and
+// timeout from below: ten checks a second of every backend is twenty times the
+// default (HAProxy's inter is 2s too) and only loads the backends, and a check
+// given under 10ms fails healthy backends whenever the host is busy.
+const (
+	MinHealthInterval = 100 * time.Millisecond
+	MinHealthTimeout  = 10 * time.Millisecond
+)
+
 // Protocol is a service's transport protocol.
 type Protocol string
 

@@ -193,8 +193,15 @@ func TestErrors(t *testing.T) {
 		{"syn on tcp", svc + "  health: {method: syn}\n" + be, ""},
 		{"connect on http", svc + "  health: {type: http, method: connect}\n" + be, ""},
 		// A setting that must be positive, written 0, is an error rather than silently its default.
-		{"zero interval", svc + "  health: {interval: 0s}\n" + be, "line 4: services[0].health.interval: must be positive, got 0s"},
-		{"zero check timeout", svc + "  health: {timeout: 0s}\n" + be, "line 4: services[0].health.timeout: must be positive, got 0s"},
+		{"zero interval", svc + "  health: {interval: 0s}\n" + be, "line 4: services[0].health.interval: must be at least 100ms (checking more often only loads the backends and the checker), got 0s"},
+		{"zero check timeout", svc + "  health: {timeout: 0s}\n" + be, "line 4: services[0].health.timeout: must be at least 10ms (a shorter one fails healthy backends whenever the host is busy), got 0s"},
+		// Health checks have floors, and a check ends before the next one of its backend starts.
+		{"interval below the floor", svc + "  health:\n    interval: 10ms\n" + be, "line 5: services[0].health.interval: must be at least 100ms"},
+		{"interval at the floor", svc + "  health: {interval: 100ms}\n" + be, ""},
+		{"timeout below the floor", svc + "  health:\n    timeout: 1ms\n" + be, "line 5: services[0].health.timeout: must be at least 10ms"},
+		{"negative timeout", svc + "  health: {timeout: -1s}\n" + be, "services[0].health.timeout: must be at least 10ms"},
+		{"timeout over the interval", svc + "  health:\n    interval: 1s\n    timeout: 2s\n" + be, "line 6: services[0].health.timeout: must be at most interval (1s), so a check ends before the next one of its backend starts, got 2s"},
+		{"timeout equal to the interval", svc + "  health: {interval: 1s, timeout: 1s}\n" + be, ""},
 		// fe80::/10 means something only on one link, named by a zone, which no field takes.
 		{"link-local VIP", "services:\n- {name: a, vip: '[fe80::1]:80', backends: [{address: '[fd00::11]:80'}]}\n", "line 2: services[0].vip: fe80::1 is an IPv6 link-local address, which means something only with a zone"},
 		{"link-local backend", svc + "  data_plane: proxy\n  backends: [{address: '[fe80::11]:80'}]\n", "services[0].backends[0].address: fe80::11 is an IPv6 link-local address"},

@@ -749,8 +749,14 @@ func (h *fileHealth) validate(c *checker, p string) {
 		h.Method == MethodSyn && h.Type != CheckTCP {
 		c.bad(p+".method", "syn applies to tcp checks only, and type is %s", h.Type)
 	}
-	c.positive(p+".interval", *h.Interval)
-	c.positive(p+".timeout", *h.Timeout)
+	switch iv := h.Interval.D(); {
+	case iv < MinHealthInterval:
+		c.bad(p+".interval", "must be at least %v (checking more often only loads the backends and the checker), got %v", MinHealthInterval, iv)
+	case h.Timeout.D() < MinHealthTimeout:
+		c.bad(p+".timeout", "must be at least %v (a shorter one fails healthy backends whenever the host is busy), got %v", MinHealthTimeout, h.Timeout.D())
+	case h.Timeout.D() > iv:
+		c.bad(p+".timeout", "must be at most interval (%v), so a check ends before the next one of its backend starts, got %v", iv, h.Timeout.D())
+	}
 	if *h.Rise < 1 {
 		c.bad(p+".rise", "must be at least 1, got %d", *h.Rise)
 	}
