@@ -164,6 +164,19 @@ const (
 // past where a larger table stops paying for itself (docs/algorithms.md).
 const MaxTableSize = 4194301
 
+// MinFlowTableSize and MaxFlowTableSize bound xdp.conntrack_size and
+// xdp.half_open_size. The kernel reserves every flow table whole at load: six
+// tables of each size (dsr/tunnel and nat flows and nat's reverse entries, per
+// family), about 730 bytes per unit of size in all (docs/datapath.md), so the
+// largest, 16.7 million flows a table, reserves about 11.4 GiB; a node that
+// needs more is better split than grown.
+// Below the smallest, a host with many CPUs leaves each CPU's LRU list (the
+// tables' BPF_F_NO_COMMON_LRU) a handful of flows.
+const (
+	MinFlowTableSize = 1024
+	MaxFlowTableSize = 1 << 24
+)
+
 // Algorithms lists every algorithm a service may name.
 func Algorithms() []Algorithm {
 	return []Algorithm{AlgorithmRoundRobin, AlgorithmRandom, AlgorithmLeastConn, AlgorithmWeightedLeastConn,

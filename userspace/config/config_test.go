@@ -202,6 +202,12 @@ func TestErrors(t *testing.T) {
 		{"negative timeout", svc + "  health: {timeout: -1s}\n" + be, "services[0].health.timeout: must be at least 10ms"},
 		{"timeout over the interval", svc + "  health:\n    interval: 1s\n    timeout: 2s\n" + be, "line 6: services[0].health.timeout: must be at most interval (1s), so a check ends before the next one of its backend starts, got 2s"},
 		{"timeout equal to the interval", svc + "  health: {interval: 1s, timeout: 1s}\n" + be, ""},
+		// The flow tables are reserved whole at load: bounded both ways.
+		{"conntrack_size too large", "xdp:\n  conntrack_size: 16777217\nservices: []\n", "line 2: xdp.conntrack_size: must be 1024..16777216 flows"},
+		{"conntrack_size largest", "xdp: {conntrack_size: 16777216}\nservices: []\n", ""},
+		{"conntrack_size too small", "xdp: {conntrack_size: 1000}\nservices: []\n", "xdp.conntrack_size: must be 1024..16777216 flows"},
+		{"half_open_size too large", "xdp:\n  half_open_size: 4294967295\nservices: []\n", "line 2: xdp.half_open_size: must be 1024..16777216 flows"},
+		{"half_open_size smallest", "xdp: {half_open_size: 1024}\nservices: []\n", ""},
 		// fe80::/10 means something only on one link, named by a zone, which no field takes.
 		{"link-local VIP", "services:\n- {name: a, vip: '[fe80::1]:80', backends: [{address: '[fd00::11]:80'}]}\n", "line 2: services[0].vip: fe80::1 is an IPv6 link-local address, which means something only with a zone"},
 		{"link-local backend", svc + "  data_plane: proxy\n  backends: [{address: '[fe80::11]:80'}]\n", "services[0].backends[0].address: fe80::11 is an IPv6 link-local address"},

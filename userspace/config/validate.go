@@ -290,6 +290,15 @@ func (cfg *file) validate() []*FieldError {
 		seenIf[in.Name] = i
 		oneOf(c, p+".attach", in.Attach, AttachNative, AttachGeneric, AttachAuto)
 	}
+	for _, t := range []struct {
+		field string
+		size  uint32
+	}{{"xdp.conntrack_size", cfg.XDP.ConntrackSize}, {"xdp.half_open_size", cfg.XDP.HalfOpenSize}} {
+		if size := t.size; size != 0 && (size < MinFlowTableSize || size > MaxFlowTableSize) {
+			c.bad(t.field, "must be %d..%d flows (or left out for the program's default); each table is reserved whole at load, about 730 bytes of kernel memory per unit over all of them, got %d",
+				MinFlowTableSize, MaxFlowTableSize, size)
+		}
+	}
 	if d := cfg.XDP.HalfOpenTimeout.D(); d < 0 || d > 0 && (d < 100*time.Millisecond || d > 10*time.Minute) {
 		c.bad("xdp.half_open_timeout", "must be 100ms..10m, got %s", d)
 	}
