@@ -22,6 +22,7 @@ import (
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
 	"github.com/weir-lb/weir/userspace/agent/api"
+	"github.com/weir-lb/weir/userspace/config"
 )
 
 const echoPort = 9000
@@ -288,13 +289,16 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 		}
 	}
 
-	// A start that fails (one service more than the program has backend slots
-	// for; the self-test uses one backend, so only the real write fails) leaves
-	// the adopted program serving the services it held.
+	// A start that fails leaves the adopted program serving the services it held.
+	// The config's one service has as many backends as the program has slots, so
+	// it passes validation; but the services the pinned program holds keep theirs
+	// until a start succeeds, so its write fails (the self-test uses one backend,
+	// so only the real write does).
 	var big strings.Builder
-	big.WriteString(fmt.Sprintf(restartConfig, tp.Balancer.Link, pinPath, socket))
+	head := fmt.Sprintf(restartConfig, tp.Balancer.Link, pinPath, socket)
+	big.WriteString(head[:strings.Index(head, "  - name: echo-dsr")])
 	big.WriteString("  - name: big\n    vip: 10.77.100.1:9005\n    mode: nat\n    health: {type: none}\n    backends:\n")
-	for i := range 16400 {
+	for i := range config.MaxXDPBackends {
 		fmt.Fprintf(&big, "      - address: 10.88.%d.%d:80\n", i/250, 1+i%250)
 	}
 	if err := os.WriteFile(cfgPath, []byte(big.String()), 0o644); err != nil {

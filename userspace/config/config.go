@@ -177,6 +177,15 @@ const (
 	MaxFlowTableSize = 1 << 24
 )
 
+// The XDP program's fixed capacities (bpf/consts.h; the agent's tests check that
+// the two agree): services it serves, backends over all of them (one slot per
+// backend of each service), and interfaces it attaches to.
+const (
+	MaxXDPServices = 1024
+	MaxXDPBackends = 16384
+	MaxInterfaces  = 64
+)
+
 // Algorithms lists every algorithm a service may name.
 func Algorithms() []Algorithm {
 	return []Algorithm{AlgorithmRoundRobin, AlgorithmRandom, AlgorithmLeastConn, AlgorithmWeightedLeastConn,

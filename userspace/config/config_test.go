@@ -627,3 +627,70 @@ func TestDocExamples(t *testing.T) {
 		t.Fatal("found no YAML examples")
 	}
 }
+
+// TestXDPCapacity: a file the XDP program cannot hold is refused at the service,
+// backend or interface past its capacity, once, and only services XDP may serve
+// count.
+func TestXDPCapacity(t *testing.T) {
+	// services writes n services of the given data plane, each with per backends,
+	// from services[first] on, their addresses distinct.
+	services := func(b *strings.Builder, first, n, per int, plane DataPlane) {
+		for i := first; i < first+n; i++ {
+			fmt.Fprintf(b, "- name: s%d\n  vip: 10.%d.%d.1:80\n  data_plane: %s\n  backends:\n", i, 100+i/256, i%256, plane)
+			for j := range per {
+				fmt.Fprintf(b, "  - address: 10.%d.%d.%d:80\n", j/65536, j/256%256, j%256)
+			}
+		}
+	}
+	const head = "interfaces: [{name: eth0}]\nservices:\n"
+	for _, c := range []struct {
+		name  string
+		build func(b *strings.Builder)
+		want  string // "" for none
+	}{
+		{"services at the capacity", func(b *strings.Builder) {
+			b.WriteString(head)
+			services(b, 0, MaxXDPServices, 1, DataPlaneAuto)
+			services(b, MaxXDPServices, 1, 1, DataPlaneProxy) // not XDP's
+		}, ""},
+		{"a service past the capacity", func(b *strings.Builder) {
+			b.WriteString(head)
+			services(b, 0, MaxXDPServices+2, 1, DataPlaneXDP)
+		}, fmt.Sprintf("line %d: services[1024]: the XDP program holds at most 1024 services, and this is service 1025", 3+1024*5)},
+		{"services without interfaces", func(b *strings.Builder) {
+			b.WriteString("services:\n")
+			services(b, 0, MaxXDPServices+1, 1, DataPlaneAuto)
+		}, ""},
+		{"backends at the capacity", func(b *strings.Builder) {
+			b.WriteString(head)
+			services(b, 0, 2, MaxXDPBackends/2, DataPlaneAuto)
+		}, ""},
+		{"a backend past the capacity", func(b *strings.Builder) {
+			b.WriteString(head)
+			services(b, 0, 1, MaxXDPBackends-1, DataPlaneAuto)
+			services(b, 1, 1, 3, DataPlaneXDP)
+		}, fmt.Sprintf("line %d: services[1].backends[1]: the XDP program holds at most 16384 backends over all its services", 3+4+MaxXDPBackends-1+4+1)},
+		{"interfaces past the capacity", func(b *strings.Builder) {
+			b.WriteString("interfaces:\n")
+			for i := range MaxInterfaces + 1 {
+				fmt.Fprintf(b, "- name: eth%d\n", i)
+			}
+			b.WriteString("services: []\n")
+		}, "line 66: interfaces[64]: the XDP program attaches to at most 64 interfaces, and 65 are listed"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var b strings.Builder
+			c.build(&b)
+			_, err := Parse([]byte(b.String()))
+			switch {
+			case c.want == "" && err != nil:
+				t.Fatalf("got %v; want no error", err)
+			case c.want == "":
+			case err == nil:
+				t.Fatalf("got no error; want %q", c.want)
+			case strings.Count(err.Error(), "the XDP program") != 1 || !strings.Contains(err.Error(), c.want):
+				t.Fatalf("got\n%v\nwant %q, and one capacity error", err, c.want)
+			}
+		})
+	}
+}

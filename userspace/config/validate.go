@@ -289,6 +289,9 @@ func (cfg *file) validate() []*FieldError {
 		}
 		seenIf[in.Name] = i
 		oneOf(c, p+".attach", in.Attach, AttachNative, AttachGeneric, AttachAuto)
+		if i == MaxInterfaces {
+			c.bad(p, "the XDP program attaches to at most %d interfaces, and %d are listed", MaxInterfaces, len(cfg.Interfaces))
+		}
 	}
 	for _, t := range []struct {
 		field string
@@ -352,6 +355,7 @@ func (cfg *file) validate() []*FieldError {
 	oneOf(c, "log.level", cfg.Log.Level, "debug", "info", "warn", "error")
 
 	xdpPossible := len(cfg.Interfaces) > 0
+	var xdpCount xdpSlots
 	names := map[string]int{}
 	keys := map[string]int{}
 	type listenUse struct {
@@ -372,6 +376,9 @@ func (cfg *file) validate() []*FieldError {
 		}
 		names[s.Name] = i
 		s.validate(c, p, xdpPossible)
+		if xdpPossible && s.mayUseXDP() {
+			xdpCount.add(c, p, s)
+		}
 		vipTaken := false
 		if s.VIPAddr.IsValid() && (s.Protocol == TCP || s.Protocol == UDP) {
 			if j, dup := keys[s.Key()]; dup {
@@ -421,6 +428,29 @@ func (cfg *file) validate() []*FieldError {
 	}
 	cfg.validateBGP(c) // after the services: it reads their parsed VIPs
 	return c.errs
+}
+
+// xdpSlots counts what the services XDP may serve take of the program's fixed
+// capacities, so that a file it cannot hold is refused here, naming the service
+// or backend past the limit, rather than when the agent applies it.
+type xdpSlots struct {
+	services, backends         int
+	servicesFull, backendsFull bool // reported once each
+}
+
+func (x *xdpSlots) add(c *checker, p string, s *fileService) {
+	x.services++
+	if x.services > MaxXDPServices && !x.servicesFull {
+		x.servicesFull = true
+		c.bad(p, "the XDP program holds at most %d services, and this is service %d that XDP may serve (data_plane xdp, or auto with maglev, maglev_p2c or source_hash): serve the rest with data_plane proxy or on another node", MaxXDPServices, x.services)
+	}
+	for j := range s.Backends {
+		x.backends++
+		if x.backends > MaxXDPBackends && !x.backendsFull {
+			x.backendsFull = true
+			c.bad(fmt.Sprintf("%s.backends[%d]", p, j), "the XDP program holds at most %d backends over all its services (each service's own, a backend in two services counting twice), and this is backend %d: serve some services with data_plane proxy or on another node", MaxXDPBackends, x.backends)
+		}
+	}
 }
 
 // ownListener is one of the agent's own TCP listeners (admin.listen,
@@ -671,7 +701,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 	// algorithm XDP does not serve). (The balancer's own addresses that nat and
 	// tunnel send from are checked when the agent starts: they default to the
 	// interface's.)
-	mayUseXDP := s.DataPlane == DataPlaneXDP || s.DataPlane == DataPlaneAuto && s.Algorithm.XDP()
+	mayUseXDP := s.mayUseXDP()
 	usesXDP := mayUseXDP && xdpPossible && modeOK && vipOK
 
 	if len(s.Backends) == 0 {
@@ -752,6 +782,11 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 	}
 }
 
+// mayUseXDP reports whether XDP may serve the service (when interfaces are
+// listed): not one the proxy or the http plane serves whatever happens.
+func (s *fileService) mayUseXDP() bool {
+	return s.DataPlane == DataPlaneXDP || s.DataPlane == DataPlaneAuto && s.Algorithm.XDP()
+}
 func (h *fileHealth) validate(c *checker, p string) {
 	typeOK := oneOf(c, p+".type", h.Type, CheckTCP, CheckHTTP, CheckNone)
 	if oneOf(c, p+".method", h.Method, MethodAuto, MethodSyn, MethodConnect) && typeOK &&
