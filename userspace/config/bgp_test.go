@@ -79,6 +79,18 @@ func TestBGPErrors(t *testing.T) {
 			"services[0].bgp: the IPv6 VIP fd00::1 has no next hop to be announced with"},
 		{"shared vip, two policies", "bgp: {asn: 1, router_id: 10.0.0.1, peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n- name: a\n  vip: 10.1.0.1:80\n  bgp: {med: 1}\n  backends: [{address: 10.1.0.2:80}]\n- name: b\n  vip: 10.1.0.1:443\n  bgp: {med: 2}\n  backends: [{address: 10.1.0.2:443}]\n",
 			"services[1].bgp: services[0] announces the same address 10.1.0.1 with another policy"},
+		// The speaker listens on listen_port at every address, without SO_REUSEPORT:
+		// no other listener of the agent can bind that port.
+		{"listen_port on a proxy VIP", "bgp: {asn: 1, router_id: 10.0.0.1, listen_port: 179, peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n- name: a\n  vip: 10.1.0.1:179\n  data_plane: proxy\n  backends: [{address: 10.1.0.2:80}]\n",
+			"line 4: services[0].vip: 10.1.0.1:179 is also bgp.listen_port ([::]:179), where the agent listens itself"},
+		{"listen_port on a proxy listen", "bgp: {asn: 1, router_id: 10.0.0.1, listen_port: 1179, peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n- name: a\n  vip: 10.1.0.1:80\n  proxy:\n    listen: 127.0.0.1:1179\n  backends: [{address: 10.1.0.2:80}]\n",
+			"line 6: services[0].proxy.listen: 127.0.0.1:1179 is also bgp.listen_port ([::]:1179)"},
+		{"listen_port on an http listen", "bgp: {asn: 1, router_id: 10.0.0.1, listen_port: 1179, peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n- name: a\n  vip: '[fd00::1]:1179'\n  data_plane: http\n  backends: [{address: '[fd00::2]:80'}]\n",
+			"services[0].vip: [fd00::1]:1179 is also bgp.listen_port ([::]:1179)"},
+		{"listen_port on metrics.listen", "metrics: {listen: 127.0.0.1:1179}\nbgp: {asn: 1, router_id: 10.0.0.1, listen_port: 1179, peers: [{address: 10.0.0.2, asn: 2}]}\n",
+			"line 1: metrics.listen: 127.0.0.1:1179 is also bgp.listen_port ([::]:1179)"},
+		{"listen_port on admin.listen", "admin: {listen: 127.0.0.1:1179}\nbgp: {asn: 1, router_id: 10.0.0.1, listen_port: 1179, peers: [{address: 10.0.0.2, asn: 2}]}\n",
+			"line 1: admin.listen: 127.0.0.1:1179 is also bgp.listen_port ([::]:1179)"},
 		{"policy without bgp", "services:\n- name: a\n  vip: 10.1.0.1:80\n  bgp: {med: 1}\n  backends: [{address: 10.1.0.2:80}]\n", "services[0].bgp: an announce policy needs the top-level bgp section"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -91,5 +103,16 @@ func TestBGPErrors(t *testing.T) {
 				t.Fatalf("got %v; want an error containing %q", err, c.want)
 			}
 		})
+	}
+}
+
+// TestBGPListenPortOthers: what does not bind the speaker's port is let be: a
+// listener on another port, and an xdp service's VIP on it (XDP listens nowhere).
+func TestBGPListenPortOthers(t *testing.T) {
+	_, err := Parse([]byte("interfaces: [{name: eth0}]\nbgp: {asn: 1, router_id: 10.0.0.1, listen_port: 179, peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n" +
+		"- {name: a, vip: 10.1.0.1:179, data_plane: xdp, backends: [{address: 10.1.0.2:179}]}\n" +
+		"- {name: b, vip: 10.1.0.1:80, data_plane: proxy, backends: [{address: 10.1.0.2:80}]}\n"))
+	if err != nil {
+		t.Fatalf("got %v; want no error", err)
 	}
 }

@@ -330,12 +330,24 @@ func (cfg *file) validate() []*FieldError {
 	}
 	// The agent's own listeners, which nothing else may bind: see clashes.
 	var own []ownListener
+	// The BGP speaker listens on its port at every address of both families.
+	if b := cfg.BGP; b != nil && b.ListenPort > 0 && b.ListenPort <= 65535 {
+		own = append(own, ownListener{"bgp.listen_port", netip.AddrPortFrom(netip.IPv6Unspecified(), uint16(b.ListenPort))})
+	}
+	ownOnce := func(field string, ap netip.AddrPort) {
+		for _, o := range own {
+			if clashes(o.addr, ap) {
+				c.bad(field, "%s is also %s (%s): give one of them another address", ap, o.field, o.addr)
+			}
+		}
+		own = append(own, ownListener{field, ap})
+	}
 	if cfg.Metrics.Listen != "off" {
 		if ap, ok := c.hostPort("metrics.listen", cfg.Metrics.Listen); ok {
 			if !cfg.Metrics.Public && !ap.Addr().IsLoopback() {
 				c.bad("metrics.listen", "%s is not a loopback address, so every metric would be served to the network: set metrics.public: true if that is meant", ap.Addr())
 			}
-			own = append(own, ownListener{"metrics.listen", ap})
+			ownOnce("metrics.listen", ap)
 		}
 	}
 	if cfg.Admin.Listen != "" {
@@ -343,12 +355,7 @@ func (cfg *file) validate() []*FieldError {
 			if !ap.Addr().IsLoopback() {
 				c.bad("admin.listen", "must be a loopback address (the admin API has no authentication), got %s", ap)
 			}
-			for _, o := range own {
-				if clashes(o.addr, ap) {
-					c.bad("admin.listen", "%s is also %s (%s): give one of them another address", ap, o.field, o.addr)
-				}
-			}
-			own = append(own, ownListener{"admin.listen", ap})
+			ownOnce("admin.listen", ap)
 		}
 	}
 	oneOf(c, "log.format", cfg.Log.Format, LogText, LogJSON)
@@ -454,7 +461,7 @@ func (x *xdpSlots) add(c *checker, p string, s *fileService) {
 }
 
 // ownListener is one of the agent's own TCP listeners (admin.listen,
-// metrics.listen).
+// metrics.listen, the BGP speaker's on bgp.listen_port).
 type ownListener struct {
 	field string
 	addr  netip.AddrPort
