@@ -2,16 +2,9 @@ package httpplane_test
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"fmt"
 	"io"
-	"math/big"
 	"net"
 	"net/http"
 	"os"
@@ -185,31 +178,6 @@ func TestReloadInPlace(t *testing.T) {
 	}
 }
 
-// writeCert writes a self-signed certificate for 127.0.0.1 with common name cn
-// and its key to the PEM files certPath and keyPath.
-func writeCert(t *testing.T, certPath, keyPath, cn string) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: cn},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kb, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for path, b := range map[string]*pem.Block{certPath: {Type: "CERTIFICATE", Bytes: der}, keyPath: {Type: "EC PRIVATE KEY", Bytes: kb}} {
-		if err := os.WriteFile(path, pem.EncodeToMemory(b), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-}
-
 // TestReloadReadsCertificate: a reload reads the TLS certificate and key files
 // again, so renewed files at the same paths are served from then on; a pair
 // that does not load refuses the reload, naming the files, and so does a
@@ -219,7 +187,7 @@ func TestReloadReadsCertificate(t *testing.T) {
 	port := freePort(t)
 	dir := t.TempDir()
 	certPath, keyPath := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
-	writeCert(t, certPath, keyPath, "first")
+	httpbackend.WriteCert(t, certPath, keyPath, "first")
 	web := fmt.Sprintf("  - {name: web, vip: 127.0.0.1:%d, data_plane: http, http: {tls: {cert: %s, key: %s}}, health: {type: none}, backends: %s}\n",
 		port, certPath, keyPath, backendList(bs))
 	r := startAgent(t, web)
@@ -235,7 +203,7 @@ func TestReloadReadsCertificate(t *testing.T) {
 		}
 	}
 	served("before the renewal", "first")
-	writeCert(t, certPath, keyPath, "renewed")
+	httpbackend.WriteCert(t, certPath, keyPath, "renewed")
 	if err := r.a.Reload(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -251,7 +219,7 @@ func TestReloadReadsCertificate(t *testing.T) {
 
 	// b binds an address no interface holds: its add fails after the files
 	// were read.
-	writeCert(t, certPath, keyPath, "third")
+	httpbackend.WriteCert(t, certPath, keyPath, "third")
 	r.writeConfig(t, web+fmt.Sprintf("  - {name: b, vip: 192.0.2.77:80, data_plane: http, health: {type: none}, backends: %s}\n", backendList(bs)))
 	if err := r.a.Reload(context.Background()); err == nil {
 		t.Error("reload with a service that cannot bind: got no error")
