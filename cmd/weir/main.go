@@ -25,6 +25,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -182,6 +183,26 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 	}
 	if err != nil {
 		return fmt.Errorf("validate: %w", err)
+	}
+	// A reload is refused when a certificate and key do not load, so the file is
+	// not valid then either. (Their paths are resolved: a relative one is taken
+	// from the file's directory, by this command and the agent alike.)
+	bad := 0
+	for i, s := range cfg.Services {
+		if h := s.HTTP; s.DataPlane == config.DataPlaneHTTP && h.TLSCert != "" {
+			if _, err := tls.LoadX509KeyPair(h.TLSCert, h.TLSKey); err != nil {
+				fmt.Fprintf(stderr, "%s: services[%d].http.tls: cert %s and key %s do not load: %v\n", *file, i, h.TLSCert, h.TLSKey, err)
+				bad++
+			}
+		}
+	}
+	if bad > 0 {
+		noun := "pairs"
+		if bad == 1 {
+			noun = "pair"
+		}
+		fmt.Fprintf(stderr, "%s: %d certificate %s that do not load\n", *file, bad, noun)
+		return errReported
 	}
 	fmt.Fprintf(stdout, "%s: valid, %d services\n", *file, len(cfg.Services))
 	for _, s := range cfg.Services {

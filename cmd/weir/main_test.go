@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/weir-lb/weir/internal/httpbackend"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/waitfor"
@@ -75,6 +76,44 @@ func TestValidate(t *testing.T) {
 
 // TestRunBadInput: weir run with a config it cannot use stops at once with an error
 // naming the problem, before touching any data plane.
+// TestValidateCertificates: weir validate reads an http service's certificate and
+// key as a reload does: relative paths from the file's directory (this test runs
+// in the package's), and a pair that does not load is an error naming the field.
+func TestValidateCertificates(t *testing.T) {
+	dir := t.TempDir()
+	httpbackend.WriteCert(t, filepath.Join(dir, "web.crt"), filepath.Join(dir, "web.key"), "web")
+	if err := os.WriteFile(filepath.Join(dir, "bad.key"), []byte("not a key"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name, key string
+		want      string // in stderr; "" for valid
+	}{
+		{"relative paths", "web.key", ""},
+		{"a key that does not load", "bad.key", "services[0].http.tls: cert " + filepath.Join(dir, "web.crt") + " and key " + filepath.Join(dir, "bad.key") + " do not load"},
+		{"a missing key", "none.key", "services[0].http.tls: cert " + filepath.Join(dir, "web.crt") + " and key " + filepath.Join(dir, "none.key") + " do not load"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p := filepath.Join(dir, "weir.yaml")
+			data := "services:\n- {name: web, vip: 127.0.0.1:8443, data_plane: http, http: {tls: {cert: web.crt, key: " + c.key + "}}, backends: [{address: 127.0.0.1:80}]}\n"
+			if err := os.WriteFile(p, []byte(data), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			var stdout, stderr bytes.Buffer
+			err := run(context.Background(), []string{"validate", p}, &stdout, &stderr)
+			switch {
+			case c.want == "" && err != nil:
+				t.Fatalf("got %v, stderr %q; want valid", err, stderr.String())
+			case c.want == "":
+			case err == nil:
+				t.Fatalf("got valid, stdout %q; want an error containing %q", stdout.String(), c.want)
+			case !strings.Contains(stderr.String(), p+": "+c.want):
+				t.Fatalf("stderr %q; want %q", stderr.String(), p+": "+c.want)
+			}
+		})
+	}
+}
+
 func TestRunBadInput(t *testing.T) {
 	dir := t.TempDir()
 	write := func(name, body string) string {

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 
@@ -63,6 +64,12 @@ func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	})
 	if name != "" {
 		if data, err = os.ReadFile(name); err != nil {
+			return fmt.Errorf("plan: %w", err)
+		}
+		// The agent takes the file's relative paths (http.tls) from its directory,
+		// which it knows only by a name that does not depend on this process's
+		// working directory.
+		if name, err = filepath.Abs(name); err != nil {
 			return fmt.Errorf("plan: %w", err)
 		}
 	}

@@ -119,14 +119,7 @@ func (a *Agent) planConfig(ev planEvent) (*config.Config, error) {
 	if ev.data == nil {
 		return config.Load(a.opts.ConfigPath)
 	}
-	cfg, err := config.Parse(ev.data)
-	var es config.Errors
-	if errors.As(err, &es) {
-		for _, e := range es {
-			e.File = ev.name
-		}
-	}
-	return cfg, err
+	return config.ParseFile(ev.data, ev.name)
 }
 
 // withinBudget refuses a change from prev to next that moves more than maxMove

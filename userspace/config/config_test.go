@@ -694,3 +694,34 @@ func TestXDPCapacity(t *testing.T) {
 		})
 	}
 }
+
+// TestTLSPathsFromTheFile: a relative certificate or key path is the file's
+// directory's, whatever the working directory; an absolute one stays.
+func TestTLSPathsFromTheFile(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "weir.yaml")
+	data := "services:\n- name: a\n  vip: 10.0.0.1:443\n  data_plane: http\n  http: {tls: {cert: certs/a.pem, key: /etc/weir/a.key}}\n  backends: [{address: 10.0.0.11:80}]\n"
+	if err := os.WriteFile(path, []byte(data), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := cfg.Services[0].HTTP
+	if want := filepath.Join(dir, "certs", "a.pem"); h.TLSCert != want {
+		t.Errorf("cert: got %q; want %q", h.TLSCert, want)
+	}
+	if want := "/etc/weir/a.key"; h.TLSKey != want {
+		t.Errorf("key: got %q; want %q", h.TLSKey, want)
+	}
+	// The same file named by a relative path means the same files.
+	t.Chdir(dir)
+	cfg, err = Load("weir.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := cfg.Services[0].HTTP.TLSCert, filepath.Join(dir, "certs", "a.pem"); got != want {
+		t.Errorf("cert, the file named weir.yaml: got %q; want %q", got, want)
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"slices"
@@ -67,7 +68,21 @@ func Load(path string) (*Config, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read config: %w", err)
 	}
-	cfg, err := Parse(data)
+	return ParseFile(data, path)
+}
+
+// ParseFile parses data as the contents of the file at path, as Load does once
+// it has read them: errors name path, and a relative path in the file (an
+// http.tls certificate or key) is taken from path's directory, as nginx and
+// HAProxy take theirs from a base directory, so the file means the same
+// whatever the working directory of whoever reads it: `weir validate`, `weir
+// plan` and the agent's reloads alike.
+func ParseFile(data []byte, path string) (*Config, error) {
+	dir, err := filepath.Abs(filepath.Dir(path))
+	if err != nil {
+		return nil, fmt.Errorf("config %s: %w", path, err)
+	}
+	cfg, err := parseIn(data, dir)
 	var es Errors
 	if errors.As(err, &es) {
 		for _, e := range es {
@@ -106,8 +121,15 @@ func AdminSocket(path string) (string, error) {
 }
 
 // Parse parses one file's contents, fills in defaults, validates them and resolves
-// them into the model.
-func Parse(data []byte) (cfg *Config, err error) {
+// them into the model. With no file to take them from, relative paths in it are
+// taken from the working directory (ParseFile: from the file's).
+func Parse(data []byte) (*Config, error) {
+	return parseIn(data, "")
+}
+
+// parseIn parses data, taking relative paths from dir ("": the working
+// directory).
+func parseIn(data []byte, dir string) (cfg *Config, err error) {
 	// A panic here would take the agent down with it on a reload, and a file is
 	// refused rather than that: the running config stays in force.
 	defer func() {
@@ -115,14 +137,14 @@ func Parse(data []byte) (cfg *Config, err error) {
 			cfg, err = nil, Errors{{Msg: fmt.Sprintf("%s: %v", parserBug, r)}}
 		}
 	}()
-	return parse(data)
+	return parse(data, dir)
 }
 
 // parserBug begins the error of a file the parser failed on (a panic): a bug in
 // weir, not in the file.
 const parserBug = "weir's config parser failed on this file (a bug in weir; please report it)"
 
-func parse(data []byte) (*Config, error) {
+func parse(data []byte, dir string) (*Config, error) {
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	var doc yaml.Node
 	if err := dec.Decode(&doc); err != nil && err != io.EOF {
@@ -164,7 +186,7 @@ func parse(data []byte) (*Config, error) {
 	p.errs = uniqueErrors(p.errs) // a value reached through several aliases is reported once per alias
 	decodeErrs := len(p.errs)
 	cfg.defaults()
-	for _, e := range cfg.validate() {
+	for _, e := range cfg.validate(dir) {
 		// A field that did not decode is already reported; its zero value would only
 		// add noise.
 		if !p.reported(e.Path, decodeErrs) {

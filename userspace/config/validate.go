@@ -179,7 +179,10 @@ func (s *fileService) defaults() {
 }
 
 // checker collects validation errors.
-type checker struct{ errs []*FieldError }
+type checker struct {
+	errs []*FieldError
+	dir  string // relative paths are taken from here ("": the working directory)
+}
 
 func (c *checker) bad(path, format string, args ...any) {
 	c.errs = append(c.errs, &FieldError{Path: path, Msg: fmt.Sprintf(format, args...)})
@@ -274,8 +277,8 @@ func family(a netip.Addr) string {
 
 // validate checks every setting and cross-setting rule and fills in the parsed
 // fields. It assumes defaults have been applied.
-func (cfg *file) validate() []*FieldError {
-	c := &checker{}
+func (cfg *file) validate(dir string) []*FieldError {
+	c := &checker{dir: dir}
 	seenIf := map[string]int{}
 	for i, in := range cfg.Interfaces {
 		p := fmt.Sprintf("interfaces[%d]", i)
@@ -794,6 +797,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 func (s *fileService) mayUseXDP() bool {
 	return s.DataPlane == DataPlaneXDP || s.DataPlane == DataPlaneAuto && s.Algorithm.XDP()
 }
+
 func (h *fileHealth) validate(c *checker, p string) {
 	typeOK := oneOf(c, p+".type", h.Type, CheckTCP, CheckHTTP, CheckNone)
 	if oneOf(c, p+".method", h.Method, MethodAuto, MethodSyn, MethodConnect) && typeOK &&
@@ -950,6 +954,8 @@ func (h *fileHTTP) validate(c *checker, p string, vip netip.AddrPort, algo Algor
 	if (h.TLS.Cert == "") != (h.TLS.Key == "") {
 		c.bad(p+".tls", "name both cert and key, or neither (cleartext)")
 	}
+	h.TLS.Cert = c.path(h.TLS.Cert)
+	h.TLS.Key = c.path(h.TLS.Key)
 	oneOf(c, p+".upstream", h.Upstream, UpstreamAuto, UpstreamHTTP1, UpstreamH2C)
 	oneOf(c, p+".h2_engine", h.H2Engine, H2EngineFrames, H2EngineNetHTTP)
 	oneOf(c, p+".h1_engine", h.H1Engine, H1EngineLoop, H1EngineNetHTTP)
@@ -992,6 +998,21 @@ func (h *fileHTTP) validate(c *checker, p string, vip netip.AddrPort, algo Algor
 			c.bad(fmt.Sprintf("%s.retry_grpc[%d]", p, i), "must be /package.Service/Method, /package.Service/* or *, got %q", m)
 		}
 	}
+}
+
+// path makes a file's path absolute, taking a relative one from the config
+// file's directory; "" stays "".
+func (c *checker) path(p string) string {
+	switch {
+	case p == "" || filepath.IsAbs(p):
+		return p
+	case c.dir != "":
+		return filepath.Join(c.dir, p)
+	}
+	if abs, err := filepath.Abs(p); err == nil {
+		return abs
+	}
+	return p
 }
 
 func isPrime(n uint32) bool {

@@ -227,6 +227,34 @@ func TestReloadReadsCertificate(t *testing.T) {
 	served("after a reload refused for another service", "renewed")
 }
 
+// TestReloadRelativeCertificate: relative certificate and key paths are the
+// config file's directory's, not the agent's working directory's (this test
+// runs in the package's), so a reload serves the pair beside the file.
+func TestReloadRelativeCertificate(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	port := freePort(t)
+	svc := "  - {name: web, vip: 127.0.0.1:%d, data_plane: http, %shealth: {type: none}, backends: %s}\n"
+	r := startAgent(t, fmt.Sprintf(svc, port, "", backendList(bs)))
+	dir := filepath.Dir(r.config)
+	if err := os.Mkdir(filepath.Join(dir, "tls"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	httpbackend.WriteCert(t, filepath.Join(dir, "tls", "web.crt"), filepath.Join(dir, "tls", "web.key"), "beside the config")
+	r.writeConfig(t, fmt.Sprintf(svc, port, "http: {tls: {cert: tls/web.crt, key: tls/web.key}}, ", backendList(bs)))
+	if err := r.a.Reload(context.Background()); err != nil {
+		t.Fatalf("reload with relative certificate paths: %v", err)
+	}
+	waitfor.Value(t, 10*time.Second, "the certificate beside the config served", func() (any, bool) {
+		c, err := tls.DialWithDialer(&net.Dialer{Timeout: 2 * time.Second}, "tcp", fmt.Sprintf("127.0.0.1:%d", port), &tls.Config{InsecureSkipVerify: true})
+		if err != nil {
+			return err, false
+		}
+		defer c.Close()
+		cn := c.ConnectionState().PeerCertificates[0].Subject.CommonName
+		return cn, cn == "beside the config"
+	})
+}
+
 // TestGOAWAYOnRebuild: a reload that needs a new listener (a server setting
 // changed) while a client has requests in flight on one HTTP/2 connection: the
 // old server sends GOAWAY and finishes the streams it took, the new one (same
