@@ -21,7 +21,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs := newFlagSet("demo", "",
 		"Build a client, a balancer and backends in network namespaces, run the agent on them\n"+
 			"(weir run, in the balancer's namespace) and show it balancing real traffic: health,\n"+
-			"drain, reloads, the proxy. Without --keep it removes everything when done;\nweir demo down removes what --keep left.", stdout, stderr)
+			"drain, reloads, the proxy. Without --keep it removes everything when done;\nweir demo down removes what --keep left. weir demo fleet shows three nodes announcing\na VIP over BGP to a router (weir demo fleet -h).", stdout, stderr)
 	backends := fs.Int("backends", 3, "backends the config starts with (1..50; a reload adds one more)")
 	requests := fs.Int("requests", 300, "new TCP connections per round")
 	mode := fs.String("mode", "auto", "XDP attach mode: auto, native or generic")
@@ -73,7 +73,7 @@ func runDemoFleet(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		"Build a router running BIRD 2, three weir nodes and dsr backends in network namespaces,\n"+
 			"run the agent on each node (weir run) announcing the VIP over BGP, and show the router's\n"+
 			"ECMP route, the streams per node, and one node killed while the streams go on.\n"+
-			"Needs bird2 (apt-get install bird2). Removes everything when done.", stdout, stderr)
+			"Needs BIRD 2 and nftables (apt-get install bird2 nftables, or make deps). Removes\neverything when done.", stdout, stderr)
 	streams := fs.Int("streams", 60, "long-lived TCP streams to run (1..150)")
 	if err := parseFlags(fs, args, 0, 0); err != nil {
 		return err

@@ -401,3 +401,26 @@ func TestClientsReachTheAgentPastAnInvalidFile(t *testing.T) {
 		})
 	}
 }
+
+// TestDemoHelp: weir demo -h points to the fleet demo, and weir demo fleet -h names
+// everything the fleet demo runs besides weir: BIRD for the router's BGP and nft for
+// its per-next-hop counters (fleet.Start fails without either).
+func TestDemoHelp(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"demo", "-h"}, []string{"weir demo fleet"}},
+		{[]string{"demo", "fleet", "-h"}, []string{"bird2", "nftables"}},
+	} {
+		var stdout, stderr bytes.Buffer
+		if err := run(context.Background(), c.args, &stdout, &stderr); !errors.Is(err, flag.ErrHelp) {
+			t.Fatalf("weir %s: got %v; want flag.ErrHelp", strings.Join(c.args, " "), err)
+		}
+		for _, w := range c.want {
+			if !strings.Contains(stdout.String(), w) {
+				t.Errorf("weir %s: got %q; want it to name %q", strings.Join(c.args, " "), stdout.String(), w)
+			}
+		}
+	}
+}

@@ -114,7 +114,7 @@ func Start(opts Options) (_ *Fleet, err error) {
 	}
 	nft, err := sbin("nft")
 	if err != nil {
-		return nil, fmt.Errorf("fleet: the router counts packets per next hop with nftables: %w (make deps)", err)
+		return nil, fmt.Errorf("fleet: the router counts packets per next hop with nftables: %w (apt-get install nftables, or make deps)", err)
 	}
 	t, err := topo.NewFleet(topo.FleetConfig{Name: opts.Name, Nodes: opts.Nodes, DSRBackends: opts.DSRBackends,
 		TunnelBackends: opts.TunnelBackends, ClientAddrs: opts.ClientAddrs})
