@@ -248,6 +248,11 @@ func (c *Client) do(ctx context.Context, method, path string, body, out any) err
 	}
 	resp, err := c.hc.Do(req)
 	if err != nil {
+		if ctx.Err() != nil {
+			// The caller gave up (an interrupt, its deadline): not a sign that no
+			// agent answers here.
+			return fmt.Errorf("admin socket %s: %w", c.socket, err)
+		}
 		return fmt.Errorf("admin socket %s: %w (is weir running? is this the socket of its config?)", c.socket, err)
 	}
 	defer resp.Body.Close()
