@@ -324,7 +324,8 @@ type Announce struct {
 	Enabled bool
 	// Communities are standard communities, ASN<<16 | value.
 	Communities []uint32
-	// MED and LocalPref are sent when not 0 (LOCAL_PREF reaches iBGP peers only).
+	// MED is sent when not 0. LOCAL_PREF reaches iBGP peers only, as LocalPref when
+	// not 0, else as GoBGP's default, 100.
 	MED       uint32
 	LocalPref uint32
 }

@@ -21,8 +21,9 @@ import (
 
 // router is a second GoBGP on loopback standing in for the router: the fleet tests
 // (internal/fleet) run the speaker against a real BIRD in namespaces; this one runs
-// anywhere, under -race too, and reads what the router learnt from its RIB.
-func router(t *testing.T) (*server.BgpServer, uint16) {
+// anywhere, under -race too, and reads what the router learnt from its RIB. Its AS
+// is asn; the speaker's is 65001 (eBGP unless asn is 65001 too).
+func router(t *testing.T, asn uint32) (*server.BgpServer, uint16) {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -34,7 +35,7 @@ func router(t *testing.T) (*server.BgpServer, uint16) {
 	done := make(chan struct{})
 	go func() { defer close(done); r.Serve() }() // exits at StopBgp
 	if err := r.StartBgp(context.Background(), &gobgpapi.StartBgpRequest{Global: &gobgpapi.Global{
-		Asn: 65000, RouterId: "127.0.0.2", ListenPort: int32(port), ListenAddresses: []string{"127.0.0.1"}}}); err != nil {
+		Asn: asn, RouterId: "127.0.0.2", ListenPort: int32(port), ListenAddresses: []string{"127.0.0.1"}}}); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.AddPeer(context.Background(), &gobgpapi.AddPeerRequest{Peer: &gobgpapi.Peer{
@@ -76,7 +77,7 @@ func learnt(r *server.BgpServer) map[netip.Prefix]uint32 {
 }
 
 func TestSpeaker(t *testing.T) {
-	r, port := router(t)
+	r, port := router(t, 65000)
 	cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"), DrainTimeout: time.Second,
 		NextHop: []netip.Addr{netip.MustParseAddr("fd00::1")},
 		Peers:   []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: 65000, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
@@ -145,5 +146,55 @@ func TestSpeakerListenTaken(t *testing.T) {
 	}
 	if st := s.Status(); st.Error == "" {
 		t.Errorf("status: %+v; want the error", st)
+	}
+}
+
+// TestSpeakerLocalPref: LOCAL_PREF reaches iBGP peers only: the service's
+// local_pref, or 100 when it has none; an eBGP peer gets no LOCAL_PREF at all.
+func TestSpeakerLocalPref(t *testing.T) {
+	for _, c := range []struct {
+		name      string
+		routerASN uint32
+		localPref uint32
+		want      uint32 // 0: no LOCAL_PREF attribute
+	}{
+		{"ibgp, unset", 65001, 0, 100},
+		{"ibgp, set", 65001, 200, 200},
+		{"ebgp, set", 65000, 200, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r, port := router(t, c.routerASN)
+			cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"),
+				Peers: []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: c.routerASN, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
+			s := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- s.Run(ctx) }() // exits when ctx is cancelled
+			t.Cleanup(func() {
+				cancel()
+				<-done
+			})
+			s.Announce([]Route{{Prefix: netip.MustParsePrefix("10.80.100.1/32"), Services: []string{"web"}, LocalPref: c.localPref}}, nil)
+			got, found := uint32(0), false
+			if !waitfor.Cond(10*time.Second, func() bool {
+				r.ListPath(apiutil.ListPathRequest{TableType: gobgpapi.TableType_TABLE_TYPE_GLOBAL, Family: bgp.RF_IPv4_UC}, func(_ bgp.NLRI, paths []*apiutil.Path) {
+					if len(paths) == 0 {
+						return
+					}
+					found = true
+					for _, a := range paths[0].Attrs {
+						if lp, ok := a.(*bgp.PathAttributeLocalPref); ok {
+							got = lp.Value
+						}
+					}
+				})
+				return found
+			}) {
+				t.Fatal("the router learnt no route within 10s")
+			}
+			if got != c.want {
+				t.Errorf("LOCAL_PREF: got %d; want %d (0: none)", got, c.want)
+			}
+		})
 	}
 }
