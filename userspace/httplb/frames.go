@@ -1052,8 +1052,8 @@ func (st *fstream) cancelUpstream() {
 	if st.tryTmr != nil {
 		st.tryTmr.Stop()
 	}
-	if st.up != nil && !st.upDone {
-		st.up.cancel(st)
+	if st.up != nil {
+		st.up.cancel(st) // ended by the backend, it may still need weir's reset
 	}
 	st.up, st.upID = nil, 0
 	st.upDone = true

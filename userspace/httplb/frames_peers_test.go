@@ -983,3 +983,68 @@ func TestBackendLateDataAfterBothEndsClosesConnection(t *testing.T) {
 		t.Errorf("the POST in flight: %d (%v); want 502", r.status, r.err)
 	}
 }
+
+// A backend that ends its answer while weir's request is still being sent
+// leaves the stream half-closed on weir's side (RFC 9113 5.1): weir sends no
+// more of the request, so it must reset the stream, or the backend keeps it
+// open for good, counting against its stream limit (RFC 9113 5.1.2). weir did
+// so only once the answer had reached the client whole; an answer it rejects
+// (an interim status that ends the stream) or a client that resets its stream
+// before the answer has reached it left the backend's stream open.
+func TestBackendEndedStreamIsResetWhenRequestIsCut(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		status string // the backend's answer, which ends its stream
+		// cut, with the client's framer, ends the client's side once weir
+		// has answered or held the answer.
+		cut func(fr *http2.Framer)
+	}{
+		{"interim status ending the stream", "100", func(*http2.Framer) {}},
+		{"client reset before the answer reached it", "200", func(fr *http2.Framer) { fr.WriteRSTStream(1, http2.ErrCodeCancel) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var reset atomic.Int64 // the stream weir reset on the backend, once it has
+			be := rawBackend(t, func(conn net.Conn) {
+				scriptedBackend(conn, func(w *scriptedConn, f *http2.MetaHeadersFrame) {
+					if c.status == "200" {
+						w.headers(f.StreamID, false, ":status", c.status)
+						w.fr.WriteData(f.StreamID, true, []byte("the whole answer"))
+						return
+					}
+					w.headers(f.StreamID, true, ":status", c.status)
+				}, func(w *scriptedConn, f http2.Frame) {
+					if r, ok := f.(*http2.RSTStreamFrame); ok {
+						reset.Store(int64(r.StreamID))
+					}
+				})
+			})
+			s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			addr := s.Addr().String()
+			conn, fr := h2Conn(t, addr)
+			t.Cleanup(func() { conn.Close() })
+			conn.SetDeadline(time.Now().Add(10 * time.Second))
+			// A window of 0: weir holds the answer's body for the client.
+			fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
+			var buf bytes.Buffer
+			enc := hpack.NewEncoder(&buf)
+			// A POST whose body has not ended.
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, EndHeaders: true,
+				BlockFragment: fieldBlock(enc, &buf, ":method", "POST", ":scheme", "http", ":authority", addr, ":path", "/")})
+			fr.WriteData(1, false, []byte("part"))
+			for {
+				f, err := fr.ReadFrame()
+				if err != nil {
+					t.Fatalf("client read: %v; want weir's answer headers", err)
+				}
+				if h, ok := f.(*http2.HeadersFrame); ok && h.StreamID == 1 {
+					break
+				}
+			}
+			c.cut(fr)
+			waitfor.Value(t, 5*time.Second, "weir's reset of the backend's stream", func() (any, bool) {
+				id := reset.Load()
+				return fmt.Sprintf("RST_STREAM on stream %d", id), id == 1
+			})
+		})
+	}
+}

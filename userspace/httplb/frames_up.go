@@ -227,7 +227,10 @@ func (uc *upconn) resetStream(id uint32) {
 	}
 }
 
-// cancel resets st's stream on the backend; st's session mutex is held.
+// cancel resets st's stream on the backend; st's session mutex is held. A
+// stream the backend has ended while weir's request was still being sent is
+// reset too: weir sends no more of the request, and the backend would keep
+// the stream open, counting against its stream limit (RFC 9113 5.1.2).
 func (uc *upconn) cancel(st *fstream) {
 	uc.mu.Lock()
 	defer uc.mu.Unlock()
@@ -235,11 +238,15 @@ func (uc *upconn) cancel(st *fstream) {
 		uc.waiting = append(uc.waiting[:i], uc.waiting[i+1:]...)
 		return
 	}
-	if st.upID != 0 && uc.streams[st.upID] == st {
+	switch {
+	case st.upID == 0:
+	case uc.streams[st.upID] == st:
 		delete(uc.streams, st.upID)
 		uc.recent.note(st.upID, resetByUs)
 		uc.fr.WriteRSTStream(st.upID, http2.ErrCodeCancel)
 		uc.idleCheckLocked()
+	case !uc.dead && !st.reqEndSent && uc.recent.how(st.upID) == endedByPeer:
+		uc.fr.WriteRSTStream(st.upID, http2.ErrCodeCancel)
 	}
 }
 
