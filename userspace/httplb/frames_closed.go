@@ -71,6 +71,18 @@ func (c *closedStreams) note(id uint32, how closeHow) {
 	c.next = (c.next + 1) % closedStreamsN
 }
 
+// peerReset records the peer's RST_STREAM on stream id, closed already: one
+// the peer had ended while weir's side was open (endedByPeer) is now closed
+// on both sides, and weir sends nothing more on it (RFC 9113 5.1). Late
+// frames on it are answered as before.
+func (c *closedStreams) peerReset(id uint32) {
+	for i := range c.ring {
+		if c.ring[i].id == id && c.ring[i].how == endedByPeer {
+			c.ring[i].how = resetByPeer
+		}
+	}
+}
+
 // how reports how stream id closed; 0 if it is not remembered.
 func (c *closedStreams) how(id uint32) closeHow {
 	for _, e := range c.ring {

@@ -19,6 +19,19 @@ func TestClosedStreamsLate(t *testing.T) {
 			t.Errorf("late(%d) = %d; want %d", tc.id, got, tc.want)
 		}
 	}
+	// The peer's reset after its END_STREAM closes weir's side too; late
+	// frames are answered as before. Other entries stay as they were.
+	c.peerReset(5)
+	c.peerReset(1)
+	if got := c.how(5); got != resetByPeer {
+		t.Errorf("how(5) after the peer's reset = %d; want %d", got, resetByPeer)
+	}
+	if got := c.late(5); got != lateStreamClosed {
+		t.Errorf("late(5) after the peer's reset = %d; want %d", got, lateStreamClosed)
+	}
+	if got := c.late(1); got != lateIgnore {
+		t.Errorf("late(1) after a reset from the peer = %d; want %d", got, lateIgnore)
+	}
 	// One more than the ring holds: the first is forgotten, the second not.
 	for i := range closedStreamsN - 3 {
 		c.note(uint32(9+2*i), endedBoth)

@@ -1018,19 +1018,7 @@ func TestBackendEndedStreamIsResetWhenRequestIsCut(t *testing.T) {
 					}
 				})
 			})
-			s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
-			addr := s.Addr().String()
-			conn, fr := h2Conn(t, addr)
-			t.Cleanup(func() { conn.Close() })
-			conn.SetDeadline(time.Now().Add(10 * time.Second))
-			// A window of 0: weir holds the answer's body for the client.
-			fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
-			var buf bytes.Buffer
-			enc := hpack.NewEncoder(&buf)
-			// A POST whose body has not ended.
-			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, EndHeaders: true,
-				BlockFragment: fieldBlock(enc, &buf, ":method", "POST", ":scheme", "http", ":authority", addr, ":path", "/")})
-			fr.WriteData(1, false, []byte("part"))
+			fr, _ := postWindowShut(t, be)
 			for {
 				f, err := fr.ReadFrame()
 				if err != nil {
@@ -1047,4 +1035,92 @@ func TestBackendEndedStreamIsResetWhenRequestIsCut(t *testing.T) {
 			})
 		})
 	}
+}
+
+// A backend may end its answer before the request's end and then reset the
+// stream with NO_ERROR to stop the upload (RFC 9113 8.1; Go's server does).
+// The stream is then closed on both sides, and weir must send nothing more on
+// it (RFC 9113 5.1). weir sent its own reset once the answer had reached the
+// client: after the backend's, for a client that took its time.
+func TestBackendResetAfterEarlyAnswerIsNotResetAgain(t *testing.T) {
+	var rstBefore atomic.Int64 // RST_STREAMs from weir on stream 1, counted when the second request comes
+	pinged := make(chan struct{})
+	second := make(chan struct{}, 1)
+	be := rawBackend(t, func(conn net.Conn) {
+		rsts := 0
+		scriptedBackend(conn, func(w *scriptedConn, f *http2.MetaHeadersFrame) {
+			if f.StreamID != 1 {
+				rstBefore.Store(int64(rsts))
+				select {
+				case second <- struct{}{}:
+				default:
+				}
+				w.headers(f.StreamID, true, ":status", "204")
+				return
+			}
+			w.headers(1, false, ":status", "200")
+			w.fr.WriteData(1, true, []byte("the whole answer"))
+			w.fr.WriteRSTStream(1, http2.ErrCodeNo)
+			w.fr.WritePing(false, [8]byte{'r', 's', 't'}) // acknowledged once weir has read the reset
+		}, func(w *scriptedConn, f http2.Frame) {
+			switch f := f.(type) {
+			case *http2.RSTStreamFrame:
+				if f.StreamID == 1 {
+					rsts++
+				}
+			case *http2.PingFrame:
+				if f.IsAck() && f.Data == [8]byte{'r', 's', 't'} {
+					close(pinged)
+				}
+			}
+		})
+	})
+	fr, get := postWindowShut(t, be)
+	select {
+	case <-pinged:
+	case <-time.After(10 * time.Second):
+		t.Fatal("weir did not acknowledge the backend's PING behind its reset")
+	}
+	fr.WriteWindowUpdate(1, 1<<20)
+	// The answer whole, then a second request on the same connections: what
+	// weir sent the backend on stream 1 went before it.
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("client read: %v; want the answer's end", err)
+		}
+		if d, ok := f.(*http2.DataFrame); ok && d.StreamID == 1 && d.StreamEnded() {
+			break
+		}
+	}
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, EndHeaders: true, EndStream: true, BlockFragment: get})
+	select {
+	case <-second:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the second request did not reach the backend")
+	}
+	if n := rstBefore.Load(); n != 0 {
+		t.Errorf("weir sent %d RST_STREAM on the stream the backend had reset; want 0", n)
+	}
+}
+
+// postWindowShut serves be and sends it, through weir, the start of a POST on
+// stream 1 whose body has not ended, from a client whose streams' windows are
+// 0 (weir holds an answer's body for it). It returns the client's framer
+// (its connection closed at cleanup) and a header block for a GET / on
+// weir, for the client's next stream.
+func postWindowShut(t *testing.T, be netip.AddrPort) (fr *http2.Framer, get []byte) {
+	t.Helper()
+	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	t.Cleanup(func() { conn.Close() })
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
+	var buf bytes.Buffer
+	enc := hpack.NewEncoder(&buf)
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, EndHeaders: true,
+		BlockFragment: fieldBlock(enc, &buf, ":method", "POST", ":scheme", "http", ":authority", addr, ":path", "/")})
+	fr.WriteData(1, false, []byte("part"))
+	return fr, fieldBlock(enc, &buf, ":method", "GET", ":scheme", "http", ":authority", addr, ":path", "/")
 }

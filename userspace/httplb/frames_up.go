@@ -218,11 +218,11 @@ func (uc *upconn) oweStream(st *fstream, n int64) {
 func (uc *upconn) oweLocked(n int64) { grant(uc.fr, 0, &uc.credit, &uc.recvWin, n) }
 
 // resetStream closes a stream the backend has answered whole but whose
-// request had not ended.
+// request had not ended, unless the backend has reset it already.
 func (uc *upconn) resetStream(id uint32) {
 	uc.mu.Lock()
 	defer uc.mu.Unlock()
-	if !uc.dead {
+	if !uc.dead && uc.recent.how(id) != resetByPeer {
 		uc.fr.WriteRSTStream(id, http2.ErrCodeCancel)
 	}
 }
@@ -537,6 +537,12 @@ func (uc *upconn) read() error {
 			}
 			if st := uc.take(f.StreamID, resetByPeer); st != nil {
 				uc.withStream(st, func() { st.upDone = true; st.upstreamReset(f.ErrCode, nil, false) })
+			} else {
+				// After its END_STREAM (RFC 9113 8.1: NO_ERROR, to stop
+				// the request's upload): weir's side is closed too.
+				uc.mu.Lock()
+				uc.recent.peerReset(f.StreamID)
+				uc.mu.Unlock()
 			}
 		case *http2.PushPromiseFrame:
 			// weir's SETTINGS turned push off (RFC 9113 8.4), and a promise's
