@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -234,6 +235,44 @@ func TestH1TargetAsWritten(t *testing.T) {
 				if resp.StatusCode != 200 || len(got) != before+1 || got[before] != c.want {
 					t.Errorf("%s: answered %d, the backend saw %q; want %q", c.target, resp.StatusCode, got[before:], c.want)
 				}
+			}
+		})
+	}
+}
+
+// TestH1LongAnswerHeadMemory: an answer's head past the reader its connection
+// (or an upgrade) reads with is read into a larger reader that grows with the
+// head, up to the budget for heads, not into one the budget's size at once:
+// with max_header_bytes at its 16 MiB top, a request whose answer has a 40 KiB
+// head costs a few hundred KiB, not 16 MiB.
+func TestH1LongAnswerHeadMemory(t *testing.T) {
+	pad := strings.Repeat("p", 40<<10)
+	be := answeringBackend(t, "HTTP/1.1 200 OK\r\nX-Pad: "+pad+"\r\nContent-Length: 2\r\n\r\nok")
+	for _, p := range answerPaths {
+		if p.name == "transport" {
+			continue
+		}
+		t.Run(p.name, func(t *testing.T) {
+			s := serveOn(t, Config{MaxHeaderBytes: 16 << 20}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			const requests = 8
+			var before, after runtime.MemStats
+			runtime.ReadMemStats(&before)
+			for range requests {
+				c, br := rawConn(t, s.Addr().String())
+				io.WriteString(c, p.req)
+				resp, err := http.ReadResponse(br, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				body, err := io.ReadAll(resp.Body)
+				if err != nil || resp.StatusCode != 200 || string(body) != "ok" || resp.Header.Get("X-Pad") != pad {
+					t.Fatalf("got %s %q (%v), X-Pad of %d bytes; want 200 \"ok\" and the pad", resp.Status, body, err, len(resp.Header.Get("X-Pad")))
+				}
+				c.Close()
+			}
+			runtime.ReadMemStats(&after)
+			if per := (after.TotalAlloc - before.TotalAlloc) / requests; per > 2<<20 {
+				t.Errorf("got %d bytes allocated per request; want at most 2 MiB for a 40 KiB head", per)
 			}
 		})
 	}

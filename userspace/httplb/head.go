@@ -215,9 +215,12 @@ func readAnswer(br *bufio.Reader, lim *limitReader, req *http.Request, max int64
 }
 
 // wholeHead reads until a.rd holds a whole message head and returns it. A head
-// that does not fit a.rd is read into a reader of max bytes, which takes over
-// the bytes a.rd holds and becomes a.rd: the head's fields are then all there to
-// look at, whatever its size (up to max, past which lim fails the read).
+// that does not fit a.rd is read into a reader twice its size (max at most),
+// which takes over the bytes a.rd holds and becomes a.rd, and so on until it
+// fits: the head's fields are then all there to look at, whatever its size (up
+// to max, past which lim fails the read). The reader grows with the head, not
+// to max at once: max may be 16 MiB, and a head just past a.rd then cost as
+// much.
 func wholeHead(a *answer, lim *limitReader, max int) ([]byte, error) {
 	head, err := readHead(a.rd)
 	if head != nil || err != nil || a.rd.Size() >= max {
@@ -227,6 +230,6 @@ func wholeHead(a *answer, lim *limitReader, max int) ([]byte, error) {
 		return head, err
 	}
 	held, _ := a.rd.Peek(a.rd.Buffered())
-	a.rd = bufio.NewReaderSize(io.MultiReader(bytes.NewReader(held), lim), max)
+	a.rd = bufio.NewReaderSize(io.MultiReader(bytes.NewReader(held), lim), min(2*a.rd.Size(), max))
 	return wholeHead(a, lim, max)
 }
