@@ -49,11 +49,14 @@ static __always_inline int icmp_apply(struct xdp_md *ctx, struct packet *p, cons
 		return XDP_ABORTED;
 	isum = csum_start(icmp->check);
 
-	// The quoted TCP or UDP checksum, when the quote reaches it.
+	// The quoted TCP or UDP checksum, when the quote reaches it: inside the error's IP
+	// packet, as its length says (a quote of 8 bytes past the IP header, RFC 792's
+	// least, ends before a TCP checksum, and a trailer in the frame there is no part
+	// of it, nor covered by the ICMP checksum).
 	if (flow->proto == IPPROTO_TCP) {
-		if (data + in4 + 18 <= data_end)
+		if (data + in4 + 18 <= data_end && within_ip(p, in4, 18))
 			l4check = data + in4 + 16;
-	} else if (data + in4 + 8 <= data_end) {
+	} else if (data + in4 + 8 <= data_end && within_ip(p, in4, 8)) {
 		l4check = data + in4 + 6;
 	}
 	if (l4check && !(flow->proto == IPPROTO_UDP && v4 && *l4check == 0)) {

@@ -1318,10 +1318,10 @@ func (r *run) icmpApply(p *modelPacket, inner *bpf.WeirFlowKey, in3, in4 uint32,
 
 	l4check, haveCheck := uint32(0), false
 	if inner.Proto == protoTCP {
-		if r.fits(in4, 18) {
+		if r.fits(in4, 18) && withinIP(p, in4, 18) {
 			l4check, haveCheck = in4+16, true
 		}
-	} else if r.fits(in4, 8) {
+	} else if r.fits(in4, 8) && withinIP(p, in4, 8) {
 		l4check, haveCheck = in4+6, true
 	}
 	if haveCheck && !(inner.Proto == protoUDP && v4 && r.ld16(l4check) == 0) {

@@ -96,6 +96,7 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"nat known flow, backend's next hop cached on wf0", ReasonRedirect},
 		{"nat known flow refreshed, backend's next hop stale", ReasonDropNoRoute},
 		{"icmp from backend quoting a half-open flow", ReasonICMPTranslated},
+		{"icmp from backend quoting a half-open flow, its tcp checksum past the ip packet", ReasonICMPTranslated},
 		{"icmp from client side quoting a half-open flow", ReasonICMPTranslated},
 		{"icmp frag needed from client side, dsr flow known", ReasonICMPToBackend},
 		{"icmpv6 packet too big from client side, dsr flow unknown", ReasonICMPToBackend},
@@ -365,6 +366,7 @@ var fuzzSeeds = []struct {
 	{"dsr new flow over the rate limit, untracked", []byte{1, 0, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
 	{"tunnel new flow over the rate limit, untracked", []byte{1, 24, 0, 0, packet.SYN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2}},
 	{"icmp from backend quoting a half-open flow", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 255, 0, 2 | 0x10}},
+	{"icmp from backend quoting a half-open flow, its tcp checksum past the ip packet", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 255, 3, 0xf4, 2 | 0x10}},
 	{"icmp from client side quoting a half-open flow", []byte{0, 17, 0, 0, 1, 0, 0, 255, 0, 1 | 8, 0, 1}},
 	// maglev_p2c (services 0, 4, 7, 9): bytes 17-18 give backend slots their loads
 	// (fuzzLoads, three bits a slot); each of these makes the flow's first candidate

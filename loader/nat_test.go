@@ -144,9 +144,20 @@ func TestNATFixtures(t *testing.T) {
 			if tc.v6 {
 				icmpProto, errType, errCode, mtu = packet.ProtoICMPv6, 2, 0, 1280
 			}
+			// A router may quote only 8 bytes past the IP header (RFC 792), which
+			// leaves a TCP quote's checksum out; the frame can hold more after the
+			// error's IP packet (a trailer), which is no part of the quote and must
+			// not be taken for that checksum.
+			ipHdr := 20
+			if tc.v6 {
+				ipHdr = 40
+			}
+			cut := func(quote []byte) []byte { return quote[:ipHdr+8] }
+			trailer := bytes.Repeat([]byte{0xa5}, 24)
 			for _, ic := range []struct {
 				side       string
 				in, want   packet.Frame
+				trailer    []byte
 				wantAction Action
 			}{
 				{
@@ -167,10 +178,30 @@ func TestNATFixtures(t *testing.T) {
 						Src: netip.AddrPortFrom(lb, 0), Dst: netip.AddrPortFrom(backend, 0),
 						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: reply.IPPacket()}},
 				},
+				{
+					side: "from the backend, quoting 8 bytes past the IP header, in a frame with a trailer",
+					in: packet.Frame{SrcMAC: chosen.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(backend, 0), Dst: netip.AddrPortFrom(lb, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: cut(want.IPPacket())}},
+					want: packet.Frame{SrcMAC: nt.Balancer.MAC, DstMAC: nt.Client.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(vip, 0), Dst: netip.AddrPortFrom(client, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: cut(in.IPPacket())}},
+					trailer: trailer,
+				},
+				{
+					side: "from the client, quoting 8 bytes past the IP header, in a frame with a trailer",
+					in: packet.Frame{SrcMAC: nt.Client.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(client, 0), Dst: netip.AddrPortFrom(vip, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: cut(wantReply.IPPacket())}},
+					want: packet.Frame{SrcMAC: nt.Balancer.MAC, DstMAC: chosen.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(lb, 0), Dst: netip.AddrPortFrom(backend, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: cut(reply.IPPacket())}},
+					trailer: trailer,
+				},
 			} {
 				err = nt.Balancer.NS.Do(func() error {
 					var err error
-					action, out, err = nt.prog.RunOn(ic.in.Build(), nt.Balancer.Index)
+					action, out, err = nt.prog.RunOn(append(ic.in.Build(), ic.trailer...), nt.Balancer.Index)
 					return err
 				})
 				if err != nil {
@@ -179,7 +210,7 @@ func TestNATFixtures(t *testing.T) {
 				if action != XDPTX {
 					t.Fatalf("icmp error %s: action %s; want XDP_TX", ic.side, action)
 				}
-				if w := ic.want.Build(); !bytes.Equal(out, w) {
+				if w := append(ic.want.Build(), ic.trailer...); !bytes.Equal(out, w) {
 					t.Fatalf("icmp error %s\n got %x\nwant %x", ic.side, out, w)
 				}
 			}
