@@ -240,6 +240,28 @@ func TestH1TargetAsWritten(t *testing.T) {
 	}
 }
 
+// TestH1SwitchWithClose: a backend's 101 whose Connection also says close
+// switches all the same, as nginx switches: the fields its Connection names are
+// dropped, but its Upgrade, which names the protocol switched to, is kept (the
+// response parser drops that Connection field whole, and the switch was refused
+// for want of an Upgrade).
+func TestH1SwitchWithClose(t *testing.T) {
+	be := answeringBackend(t, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade, close, X-Internal\r\n"+
+		"Upgrade: websocket\r\nX-Internal: secret\r\nX-Kept: 1\r\n\r\n")
+	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	c, br := rawConn(t, s.Addr().String())
+	io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusSwitchingProtocols || resp.Header.Get("Upgrade") != "websocket" ||
+		resp.Header.Get("X-Internal") != "" || resp.Header.Get("X-Kept") != "1" {
+		t.Errorf("got %s, Upgrade %q, X-Internal %q, X-Kept %q; want 101, websocket, none, 1",
+			resp.Status, resp.Header.Get("Upgrade"), resp.Header.Get("X-Internal"), resp.Header.Get("X-Kept"))
+	}
+}
+
 // TestH1LongAnswerHeadMemory: an answer's head past the reader its connection
 // (or an upgrade) reads with is read into a larger reader that grows with the
 // head, up to the budget for heads, not into one the budget's size at once:

@@ -206,7 +206,13 @@ func readAnswer(br *bufio.Reader, lim *limitReader, req *http.Request, max int64
 		if resp.Close && resp.ProtoAtLeast(1, 1) {
 			// The parser dropped a Connection field that says close, and with
 			// it the names of the fields it lists, which are hop-by-hop too.
+			// A 101's Upgrade stays: it names the protocol switched to, which
+			// the tunnel checks and passes on itself.
+			up := resp.Header["Upgrade"]
 			dropConnectionListed(resp.Header, head)
+			if resp.StatusCode == http.StatusSwitchingProtocols && up != nil {
+				resp.Header["Upgrade"] = up
+			}
 		}
 		lim.n = math.MaxInt64 // the body reads with no cap
 		a.resp = resp
