@@ -284,3 +284,32 @@ func stopAgent(t *testing.T, p *agentProc) {
 		t.Fatal("agent did not stop within 15s of weir stop")
 	}
 }
+
+// TestTableInfoWithoutBackends: an XDP service whose backends all fail their
+// checks stays in the program (all_down: drop) with no lookup table, and its
+// weir_service_table_info series has the fingerprint "", which the metric's help
+// says (an alert comparing the nodes' fingerprints sees such a node differ).
+func TestTableInfoWithoutBackends(t *testing.T) {
+	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("wti"), Backends: 3})
+	dir := t.TempDir()
+	cfgPath, socket := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "weir.sock")
+	// No backend serves, so every check fails; without panic mode none is used then.
+	writeConfig(t, cfgPath, tp, socket, func(s string) string {
+		s = strings.Replace(s, "  hash_seed: 1 ", "  hash_seed: 1\n  detach_on_stop: true ", 1)
+		return strings.Replace(s, "    all_down: drop\n", "    all_down: drop\n    panic_threshold: 0\n", 1)
+	})
+	p := startAgent(t, tp, cfgPath, socket, false)
+	xdpStatus(t, p.client)
+	series := regexp.MustCompile(`(?m)^weir_service_table_info\{fingerprint="([0-9a-f]*)",service="web"\} 1$`)
+	var m string
+	waitFor(t, `web's weir_service_table_info with fingerprint ""`, 20*time.Second, func() bool {
+		var err error
+		m, err = p.client.Metrics(context.Background())
+		line := series.FindStringSubmatch(m)
+		return err == nil && line != nil && line[1] == ""
+	})
+	help := regexp.MustCompile(`(?m)^# HELP weir_service_table_info (.*)$`).FindStringSubmatch(m)
+	if help == nil || !strings.Contains(help[1], `fingerprint "" while no backend takes new flows`) {
+		t.Errorf("help of weir_service_table_info: got %q; want it to say the fingerprint is \"\" while no backend takes new flows", help)
+	}
+}

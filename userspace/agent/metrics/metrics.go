@@ -88,7 +88,8 @@ func New(status func() (api.Status, error)) *Metrics {
 		bgpAnnounced:     d("weir_bgp_route_announced", "1 for each VIP route the node announces over BGP.", "prefix"),
 		nodeDrained:      d("weir_node_drained", "1 while the node is drained (weir node drain): every BGP route withdrawn."),
 		tableInfo: d("weir_service_table_info", "1, labelled with the fingerprint of the service's XDP lookup table: nodes with equal fingerprints "+
-			"give every new flow the same backend (alert when they differ); no series for a service without a table.", "service", "fingerprint"),
+			"give every new flow the same backend (alert when they differ); fingerprint \"\" while no backend takes new flows; "+
+			"no series for a service the XDP program does not hold.", "service", "fingerprint"),
 		prevTableInfo: d("weir_service_previous_table_info", "1, labelled with the fingerprint of the lookup table the current one replaced, "+
 			"while the previous-table fallback may use it.", "service", "fingerprint"),
 		httpInFlight: d("weir_http_requests_in_flight", "Requests the http data plane is forwarding now, tunnels included.", "service"),
