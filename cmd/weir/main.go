@@ -191,17 +191,19 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 	for i, s := range cfg.Services {
 		if h := s.HTTP; s.DataPlane == config.DataPlaneHTTP && h.TLSCert != "" {
 			if _, err := tls.LoadX509KeyPair(h.TLSCert, h.TLSKey); err != nil {
-				fmt.Fprintf(stderr, "%s: services[%d].http.tls: cert %s and key %s do not load: %v\n", *file, i, h.TLSCert, h.TLSKey, err)
+				path := fmt.Sprintf("services[%d].http.tls", i)
+				fmt.Fprintln(stderr, &config.FieldError{File: *file, Line: cfg.Line(path), Path: path,
+					Msg: fmt.Sprintf("cert %s and key %s do not load: %v", h.TLSCert, h.TLSKey, err)})
 				bad++
 			}
 		}
 	}
 	if bad > 0 {
-		noun := "pairs"
+		noun := "pairs that do not load"
 		if bad == 1 {
-			noun = "pair"
+			noun = "pair that does not load"
 		}
-		fmt.Fprintf(stderr, "%s: %d certificate %s that do not load\n", *file, bad, noun)
+		fmt.Fprintf(stderr, "%s: %d certificate %s\n", *file, bad, noun)
 		return errReported
 	}
 	fmt.Fprintf(stdout, "%s: valid, %d services\n", *file, len(cfg.Services))

@@ -74,11 +74,10 @@ func TestValidate(t *testing.T) {
 	}
 }
 
-// TestRunBadInput: weir run with a config it cannot use stops at once with an error
-// naming the problem, before touching any data plane.
 // TestValidateCertificates: weir validate reads an http service's certificate and
 // key as a reload does: relative paths from the file's directory (this test runs
-// in the package's), and a pair that does not load is an error naming the field.
+// in the package's), and a pair that does not load is an error naming the field
+// and its line, as every other error of the file does.
 func TestValidateCertificates(t *testing.T) {
 	dir := t.TempDir()
 	httpbackend.WriteCert(t, filepath.Join(dir, "web.crt"), filepath.Join(dir, "web.key"), "web")
@@ -95,7 +94,7 @@ func TestValidateCertificates(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			p := filepath.Join(dir, "weir.yaml")
-			data := "services:\n- {name: web, vip: 127.0.0.1:8443, data_plane: http, http: {tls: {cert: web.crt, key: " + c.key + "}}, backends: [{address: 127.0.0.1:80}]}\n"
+			data := "services:\n- name: web\n  vip: 127.0.0.1:8443\n  data_plane: http\n  http:\n    tls: {cert: web.crt, key: " + c.key + "}\n  backends: [{address: 127.0.0.1:80}]\n"
 			if err := os.WriteFile(p, []byte(data), 0o600); err != nil {
 				t.Fatal(err)
 			}
@@ -107,13 +106,15 @@ func TestValidateCertificates(t *testing.T) {
 			case c.want == "":
 			case err == nil:
 				t.Fatalf("got valid, stdout %q; want an error containing %q", stdout.String(), c.want)
-			case !strings.Contains(stderr.String(), p+": "+c.want):
-				t.Fatalf("stderr %q; want %q", stderr.String(), p+": "+c.want)
+			case !strings.Contains(stderr.String(), p+":6: "+c.want):
+				t.Fatalf("stderr %q; want %q", stderr.String(), p+":6: "+c.want)
 			}
 		})
 	}
 }
 
+// TestRunBadInput: weir run with a config it cannot use stops at once with an error
+// naming the problem, before touching any data plane.
 func TestRunBadInput(t *testing.T) {
 	dir := t.TempDir()
 	write := func(name, body string) string {

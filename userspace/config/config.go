@@ -265,7 +265,16 @@ type Config struct {
 	// zero value (ASN 0): no speaker.
 	BGP      BGP
 	Services []Service
+
+	lines map[string]int // where each setting is written, by path (see Line)
 }
+
+// Line returns the line of the file the setting at path (services[0].http.tls)
+// is written on, or its nearest enclosing setting's: so that a problem found
+// after parsing (a certificate that does not load) is reported as the file's
+// own errors are. 0 when the file does not say (a default, or a Config not
+// parsed).
+func (c *Config) Line(path string) int { return lineIn(c.lines, path) }
 
 // Defaults of the BGP settings.
 const (

@@ -725,3 +725,24 @@ func TestTLSPathsFromTheFile(t *testing.T) {
 		t.Errorf("cert, the file named weir.yaml: got %q; want %q", got, want)
 	}
 }
+
+// TestLine: a parsed Config tells where a setting is written, or the setting
+// that encloses it, so problems found after parsing name their line too.
+func TestLine(t *testing.T) {
+	cfg, err := Parse([]byte("services:\n- name: a\n  vip: 10.0.0.1:443\n  data_plane: http\n  http:\n    tls: {cert: a.pem, key: a.key}\n  backends: [{address: 10.0.0.11:80}]\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for path, want := range map[string]int{
+		"services[0].http.tls":         6,
+		"services[0].http.tls.cert":    6,
+		"services[0].vip":              3,
+		"services[0].health.interval":  2, // not written: the service's line
+		"metrics.listen":               0, // nothing of it written
+		"services[0].backends[0].port": 7,
+	} {
+		if got := cfg.Line(path); got != want {
+			t.Errorf("Line(%q): got %d; want %d", path, got, want)
+		}
+	}
+}

@@ -198,7 +198,9 @@ func parse(data []byte, dir string) (*Config, error) {
 		sort.SliceStable(p.errs, func(i, j int) bool { return p.errs[i].Line < p.errs[j].Line })
 		return nil, p.errs
 	}
-	return cfg.resolve(), nil
+	resolved := cfg.resolve()
+	resolved.lines = p.lines
+	return resolved, nil
 }
 
 // uniqueErrors drops repeats of an error, keeping the first of each.
@@ -414,9 +416,13 @@ func mergedMappings(v *yaml.Node) []*yaml.Node {
 func isNull(n *yaml.Node) bool { return n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null" }
 
 // lineOf returns the line of path, or of its nearest ancestor the file has.
-func (p *parser) lineOf(path string) int {
+func (p *parser) lineOf(path string) int { return lineIn(p.lines, path) }
+
+// lineIn returns the line of path in lines, or of its nearest ancestor there; 0
+// for none.
+func lineIn(lines map[string]int, path string) int {
 	for path != "" {
-		if l, ok := p.lines[path]; ok {
+		if l, ok := lines[path]; ok {
 			return l
 		}
 		path = parent(path)
