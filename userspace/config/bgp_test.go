@@ -63,6 +63,8 @@ func TestBGPErrors(t *testing.T) {
 		{"zero router id", "bgp: {asn: 1, router_id: 0.0.0.0, peers: [{address: 10.0.0.2, asn: 1}]}\n", "line 1: bgp.router_id: must not be 0.0.0.0"},
 		{"unspecified peer", "bgp: {asn: 1, router_id: 10.0.0.1, peers: [{address: 0.0.0.0, asn: 1}]}\n", "line 1: bgp.peers[0].address: must be a unicast address, got 0.0.0.0"},
 		{"multicast peer", "bgp: {asn: 1, router_id: 10.0.0.1, peers: [{address: 'ff02::5', asn: 1}]}\n", "line 1: bgp.peers[0].address: must be a unicast address, got ff02::5"},
+		{"link-local peer", "bgp: {asn: 1, router_id: 10.0.0.1, peers: [{address: 'fe80::2', asn: 1}]}\n", "line 1: bgp.peers[0].address: fe80::2 is an IPv6 link-local address"},
+		{"link-local next hop", "bgp: {asn: 1, router_id: 10.0.0.1, next_hop: ['fe80::1'], peers: [{address: 10.0.0.2, asn: 1}]}\n", "line 1: bgp.next_hop[0]: fe80::1 is an IPv6 link-local address"},
 		{"unspecified next hop", "bgp: {asn: 1, router_id: 10.0.0.1, next_hop: ['::'], peers: [{address: 10.0.0.2, asn: 1}]}\n", "line 1: bgp.next_hop[0]: must be a unicast address, got ::"},
 		{"short hold", "bgp:\n  asn: 1\n  router_id: 10.0.0.1\n  peers:\n  - {address: 10.0.0.2, asn: 2, hold_time: 2s}\n", "line 5: bgp.peers[0].hold_time: must be 3s..65535s"},
 		{"hold 0", "bgp:\n  asn: 1\n  router_id: 10.0.0.1\n  peers:\n  - {address: 10.0.0.2, asn: 2, hold_time: 0s}\n", "line 5: bgp.peers[0].hold_time: must be 3s..65535s: weir's BGP speaker cannot propose 0"},

@@ -212,6 +212,7 @@ func TestErrors(t *testing.T) {
 		{"link-local VIP", "services:\n- {name: a, vip: '[fe80::1]:80', backends: [{address: '[fd00::11]:80'}]}\n", "line 2: services[0].vip: fe80::1 is an IPv6 link-local address, which means something only with a zone"},
 		{"link-local backend", svc + "  data_plane: proxy\n  backends: [{address: '[fe80::11]:80'}]\n", "services[0].backends[0].address: fe80::11 is an IPv6 link-local address"},
 		{"link-local proxy listen", svc + "  proxy: {listen: '[fe80::1%eth0]:80'}\n" + be, "services[0].proxy.listen: must be an address without a zone"},
+		{"link-local address", "addresses: ['fe80::7']\nservices: []\n", "line 1: addresses[0]: fe80::7 is an IPv6 link-local address"},
 		{"IPv4 link-local VIP", "services:\n- {name: a, vip: '169.254.0.1:80', backends: [{address: 10.0.0.11:80}]}\n", ""},
 		{"unique-local VIP", "services:\n- {name: a, vip: '[fd00::1]:80', backends: [{address: '[fd00::11]:80'}]}\n", ""},
 		// Every enum is spelt one way, in lower case, with a hint for another case.

@@ -232,10 +232,19 @@ func (c *checker) addr(path, s string) (netip.Addr, bool) {
 		c.bad(path, "must be an address without a zone, got %q", s)
 	case a.Is4In6():
 		c.bad(path, "write IPv4 addresses in dotted form, got %q", s)
+	case a.Is6() && a.IsLinkLocalUnicast():
+		c.linkLocal(path, a)
 	default:
 		return a, true
 	}
 	return netip.Addr{}, false
+}
+
+// linkLocal refuses an IPv6 link-local address: fe80::/10 exists once per link,
+// and without a zone (which no address field takes) nothing can bind it, dial it
+// or route to it.
+func (c *checker) linkLocal(path string, a netip.Addr) {
+	c.bad(path, "%s is an IPv6 link-local address, which means something only with a zone (an interface), and this field takes none: use a global or unique-local (fd00::/8) address", a)
 }
 
 // unicast parses an IP literal as addr does, and refuses the unspecified and
@@ -617,9 +626,7 @@ func (c *checker) hostPort(path, s string) (netip.AddrPort, bool) {
 	case ap.Addr().Is4In6():
 		c.bad(path, "write IPv4 addresses in dotted form, got %q", s)
 	case ap.Addr().Is6() && ap.Addr().IsLinkLocalUnicast():
-		// fe80::/10 exists once per link: without a zone (which these fields do
-		// not take) nothing can bind it or dial it, and no router forwards it.
-		c.bad(path, "%s is an IPv6 link-local address, which means something only with a zone (an interface), and this field takes none: use a global or unique-local (fd00::/8) address", ap.Addr())
+		c.linkLocal(path, ap.Addr())
 	default:
 		return ap, true
 	}
