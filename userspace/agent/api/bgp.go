@@ -23,6 +23,9 @@ type BGPStatus struct {
 	Peers        []PeerStatus    `json:"peers"`
 	Announced    []RouteStatus   `json:"announced"`
 	Withheld     []WithheldRoute `json:"withheld,omitempty"`
+	// Pending is the routes whose last change GoBGP refused: still to be
+	// announced, or still announced though withdrawn. The speaker retries them.
+	Pending []PendingRoute `json:"pending,omitempty"`
 }
 
 // PeerStatus is one BGP session.
@@ -55,6 +58,24 @@ type RouteStatus struct {
 type WithheldRoute struct {
 	Prefix string `json:"prefix"`
 	Why    string `json:"why"`
+}
+
+// What a pending route is waiting for.
+const (
+	RouteAnnounce = "announce"
+	RouteWithdraw = "withdraw"
+)
+
+// PendingRoute is a VIP route the speaker has not brought to the state the node
+// wants: its announcement (or a change of its policy) or its withdrawal failed, and
+// is tried again at NextTry.
+type PendingRoute struct {
+	Prefix    string    `json:"prefix"`
+	Want      string    `json:"want"` // RouteAnnounce or RouteWithdraw
+	Since     time.Time `json:"since"`
+	Attempts  int       `json:"attempts"`
+	LastError string    `json:"last_error"`
+	NextTry   time.Time `json:"next_try,omitzero"`
 }
 
 // WriteTable writes the BGP part of `weir status`.
@@ -101,5 +122,12 @@ func (b *BGPStatus) WriteTable(w io.Writer) {
 	}
 	for _, r := range b.Withheld {
 		fmt.Fprintf(w, "  withdrawn %s: %s\n", r.Prefix, r.Why)
+	}
+	for _, r := range b.Pending {
+		fmt.Fprintf(w, "  PENDING %s %s (%d failed attempts since %s", r.Want, r.Prefix, r.Attempts, r.Since.Format(time.RFC3339))
+		if !r.NextTry.IsZero() {
+			fmt.Fprintf(w, ", retrying in %s", max(0, time.Until(r.NextTry)).Round(time.Millisecond))
+		}
+		fmt.Fprintf(w, "): %s\n", r.LastError)
 	}
 }

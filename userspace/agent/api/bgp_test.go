@@ -7,7 +7,7 @@ import (
 	"time"
 )
 
-// TestBGPWriteTable: sessions, announced and withdrawn routes, and a drain each
+// TestBGPWriteTable: sessions, announced, withdrawn and pending routes, and a drain each
 // have their line in weir status.
 func TestBGPWriteTable(t *testing.T) {
 	since := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
@@ -15,7 +15,9 @@ func TestBGPWriteTable(t *testing.T) {
 		Peers: []PeerStatus{{Address: "10.80.0.254", ASN: 65000, State: "established", Uptime: "2m10s", HoldTime: 9},
 			{Address: "10.80.0.253", ASN: 65000, State: "active", LastError: "hold timer expired"}},
 		Announced: []RouteStatus{{Prefix: "10.80.100.1/32", Services: []string{"web", "tls"}, Communities: []string{"65000:1"}, MED: 10}},
-		Withheld:  []WithheldRoute{{Prefix: "fd80:100::1/128", Why: "web6: no backend usable and up"}}}}
+		Withheld:  []WithheldRoute{{Prefix: "fd80:100::1/128", Why: "web6: no backend usable and up"}},
+		Pending: []PendingRoute{{Prefix: "fd80:100::1/128", Want: RouteWithdraw, Since: since, Attempts: 3,
+			LastError: "server stopped", NextTry: time.Now().Add(time.Hour)}}}}
 	var b bytes.Buffer
 	st.WriteTable(&b)
 	out := b.String()
@@ -26,6 +28,8 @@ func TestBGPWriteTable(t *testing.T) {
 		"10.80.0.253  65000  active       -       -     hold timer expired\n",
 		"  announced 10.80.100.1/32 (web, tls) communities 65000:1 med 10\n",
 		"  withdrawn fd80:100::1/128: web6: no backend usable and up\n",
+		"  PENDING withdraw fd80:100::1/128 (3 failed attempts since 2026-01-02T03:04:05Z, retrying in ",
+		"): server stopped\n",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"math/rand/v2"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -32,9 +34,50 @@ type Speaker struct {
 	withheld  []Withheld
 	drain     drainState
 	announced map[netip.Prefix]Route // what the speaker's RIB holds now
+	pending   map[netip.Prefix]pendingRoute
+	retryAt   time.Time // when the pending routes are tried again
 	peers     map[netip.Addr]*peerState
 	runErr    error // why Run gave up, if it did
+
+	// wrapRIB, when a test sets it, stands between apply and the GoBGP server: the
+	// embedded server offers no way to make AddPath or DeletePath fail on demand.
+	wrapRIB func(rib) rib
 }
+
+// rib is what apply asks of the GoBGP server (*server.BgpServer).
+type rib interface {
+	AddPath(apiutil.AddPathRequest) ([]apiutil.AddPathResponse, error)
+	DeletePath(apiutil.DeletePathRequest) error
+}
+
+// pendingRoute is a prefix whose last AddPath or DeletePath failed: the RIB does not
+// hold what the node wants, and the speaker tries again.
+type pendingRoute struct {
+	announce bool // true: to be announced (or its policy changed); false: withdrawn
+	since    time.Time
+	attempts int
+	err      error
+}
+
+// Retries of failed route changes wait retryMin, doubling up to retryMax, each
+// spread by ±retryJitter so that nodes that failed together do not retry together.
+const (
+	retryMin    = 100 * time.Millisecond
+	retryMax    = 5 * time.Second
+	retryJitter = 0.2
+)
+
+// backoff is the wait before the next retry of failed route changes.
+type backoff struct{ next time.Duration }
+
+// delay returns the wait before the next attempt and doubles the one after.
+func (b *backoff) delay() time.Duration {
+	d := max(b.next, retryMin)
+	b.next = min(2*d, retryMax)
+	return time.Duration(float64(d) * (1 + retryJitter*(2*rand.Float64()-1)))
+}
+
+func (b *backoff) reset() { b.next = 0 }
 
 type drainState struct {
 	on           bool
@@ -50,7 +93,7 @@ type peerState struct {
 // New returns a speaker for cfg (cfg.ASN must not be 0).
 func New(cfg config.BGP, log *slog.Logger) *Speaker {
 	s := &Speaker{cfg: cfg, log: log.With("part", "bgp"), kick: make(chan struct{}, 1),
-		announced: map[netip.Prefix]Route{}, peers: map[netip.Addr]*peerState{}}
+		announced: map[netip.Prefix]Route{}, pending: map[netip.Prefix]pendingRoute{}, peers: map[netip.Addr]*peerState{}}
 	for _, p := range cfg.Peers {
 		s.peers[p.Address] = &peerState{state: bgp.BGP_FSM_IDLE}
 	}
@@ -79,7 +122,9 @@ func (s *Speaker) SetDrain(on bool, since time.Time) {
 
 // Run starts the BGP server, dials the peers (and listens if the config says so)
 // and announces what Announce last gave it until ctx is done; then it ends every
-// session with a Cease notification, which withdraws the routes at once.
+// session with a Cease notification, which withdraws the routes at once. A route
+// change GoBGP refuses is tried again, with backoff, until it is made or a newer
+// Announce no longer needs it.
 func (s *Speaker) Run(ctx context.Context) error {
 	lvl := &slog.LevelVar{}
 	lvl.Set(slog.LevelWarn) // GoBGP's own info lines repeat what this package logs
@@ -123,22 +168,47 @@ func (s *Speaker) Run(ctx context.Context) error {
 		}
 	}
 	s.log.Info("bgp speaker running", "asn", s.cfg.ASN, "router_id", s.cfg.RouterID, "peers", len(s.cfg.Peers), "listen_port", s.cfg.ListenPort)
+	var r rib = srv
+	if s.wrapRIB != nil {
+		r = s.wrapRIB(r)
+	}
+	retry := time.NewTimer(0)
+	retry.Stop()
+	defer retry.Stop()
+	var bo backoff
 	for {
 		select {
 		case <-ctx.Done():
 			s.mu.Lock()
 			n := len(s.announced)
 			clear(s.announced)
+			clear(s.pending)
+			s.retryAt = time.Time{}
 			s.mu.Unlock()
 			stop()
 			s.log.Info("bgp speaker stopped: sessions closed, routes withdrawn", "routes", n)
 			return nil
 		case <-s.kick:
-			if err := s.apply(srv); err != nil {
-				s.log.Error("bgp: apply routes", "err", err)
-			}
+		case <-retry.C:
 		}
+		err := s.apply(r)
+		if err == nil {
+			bo.reset()
+			retry.Stop()
+			s.setRetry(time.Time{})
+			continue
+		}
+		d := bo.delay()
+		retry.Reset(d)
+		s.setRetry(time.Now().Add(d))
+		s.log.Error("bgp: apply routes", "err", err, "retry_in", d.Round(time.Millisecond))
 	}
+}
+
+func (s *Speaker) setRetry(at time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.retryAt = at
 }
 
 // failed records why Run gave up, for status, and returns it.
@@ -213,16 +283,15 @@ func (s *Speaker) onPeer(ev *apiutil.WatchEventMessage_PeerEvent, at time.Time) 
 	}
 }
 
-// apply adds and withdraws the difference between the RIB and the latest want.
-func (s *Speaker) apply(srv *server.BgpServer) error {
+// apply adds and withdraws the difference between the RIB and the latest want, and
+// records the prefixes it could not bring to that state as pending.
+func (s *Speaker) apply(srv rib) error {
 	s.mu.Lock()
 	want := slices.Clone(s.want)
-	have := make(map[netip.Prefix]Route, len(s.announced))
-	for p, r := range s.announced {
-		have[p] = r
-	}
+	have := maps.Clone(s.announced)
 	s.mu.Unlock()
 	var errs []error
+	failed := map[netip.Prefix]pendingRoute{}
 	keep := map[netip.Prefix]bool{}
 	for _, r := range want {
 		keep[r.Prefix] = true
@@ -236,6 +305,7 @@ func (s *Speaker) apply(srv *server.BgpServer) error {
 		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("announce %s: %w", r.Prefix, err))
+			failed[r.Prefix] = pendingRoute{announce: true, err: err}
 			continue
 		}
 		s.setAnnounced(r.Prefix, &r)
@@ -251,12 +321,31 @@ func (s *Speaker) apply(srv *server.BgpServer) error {
 		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("withdraw %s: %w", p, err))
+			failed[p] = pendingRoute{err: err}
 			continue
 		}
 		s.setAnnounced(p, nil)
 		s.log.Info("bgp withdraw", "prefix", p)
 	}
+	s.setPending(failed)
 	return errors.Join(errs...)
+}
+
+// setPending makes failed the pending routes, counting the attempts at a change
+// that failed before.
+func (s *Speaker) setPending(failed map[netip.Prefix]pendingRoute) {
+	now := time.Now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	next := make(map[netip.Prefix]pendingRoute, len(failed))
+	for p, f := range failed {
+		f.since, f.attempts = now, 1
+		if was, ok := s.pending[p]; ok && was.announce == f.announce {
+			f.since, f.attempts = was.since, was.attempts+1
+		}
+		next[p] = f
+	}
+	s.pending = next
 }
 
 func (s *Speaker) setAnnounced(p netip.Prefix, r *Route) {
@@ -333,11 +422,24 @@ func (s *Speaker) Status() *api.BGPStatus {
 		}
 		st.Peers = append(st.Peers, out)
 	}
+	// What the RIB holds, wanted routes first in their order, then those a failed
+	// withdrawal left there.
+	order := make([]netip.Prefix, 0, len(s.announced))
 	for _, r := range s.want {
-		if _, ok := s.announced[r.Prefix]; !ok {
-			continue
+		if _, ok := s.announced[r.Prefix]; ok {
+			order = append(order, r.Prefix)
 		}
-		rs := api.RouteStatus{Prefix: r.Prefix.String(), Services: r.Services, MED: r.MED, LocalPref: r.LocalPref}
+	}
+	var stale []netip.Prefix
+	for p := range s.announced {
+		if !slices.Contains(order, p) {
+			stale = append(stale, p)
+		}
+	}
+	slices.SortFunc(stale, netip.Prefix.Compare)
+	for _, p := range append(order, stale...) {
+		r := s.announced[p]
+		rs := api.RouteStatus{Prefix: p.String(), Services: r.Services, MED: r.MED, LocalPref: r.LocalPref}
 		for _, c := range r.Communities {
 			rs.Communities = append(rs.Communities, strconv.Itoa(int(c>>16))+":"+strconv.Itoa(int(c&0xffff)))
 		}
@@ -345,6 +447,15 @@ func (s *Speaker) Status() *api.BGPStatus {
 	}
 	for _, w := range s.withheld {
 		st.Withheld = append(st.Withheld, api.WithheldRoute{Prefix: w.Prefix.String(), Why: w.Why})
+	}
+	for _, p := range slices.SortedFunc(maps.Keys(s.pending), netip.Prefix.Compare) {
+		pr := s.pending[p]
+		want := api.RouteWithdraw
+		if pr.announce {
+			want = api.RouteAnnounce
+		}
+		st.Pending = append(st.Pending, api.PendingRoute{Prefix: p.String(), Want: want, Since: pr.since,
+			Attempts: pr.attempts, LastError: pr.err.Error(), NextTry: s.retryAt})
 	}
 	return st
 }

@@ -2,11 +2,14 @@ package bgp
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
 	"net/netip"
 	"slices"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,6 +19,7 @@ import (
 	"github.com/osrg/gobgp/v4/pkg/server"
 
 	"github.com/weir-lb/weir/internal/waitfor"
+	"github.com/weir-lb/weir/userspace/agent/api"
 	"github.com/weir-lb/weir/userspace/config"
 )
 
@@ -53,6 +57,19 @@ func router(t *testing.T, asn uint32) (*server.BgpServer, uint16) {
 		<-done
 	})
 	return r, port
+}
+
+// run runs s until the test ends.
+func run(t *testing.T, s *Speaker) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }() // exits when ctx is cancelled
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
 }
 
 // learnt is the prefixes the router has, with their MED.
@@ -167,13 +184,7 @@ func TestSpeakerLocalPref(t *testing.T) {
 			cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"),
 				Peers: []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: c.routerASN, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
 			s := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan error, 1)
-			go func() { done <- s.Run(ctx) }() // exits when ctx is cancelled
-			t.Cleanup(func() {
-				cancel()
-				<-done
-			})
+			run(t, s)
 			s.Announce([]Route{{Prefix: netip.MustParsePrefix("10.80.100.1/32"), Services: []string{"web"}, LocalPref: c.localPref}}, nil)
 			got, found := uint32(0), false
 			if !waitfor.Cond(10*time.Second, func() bool {
@@ -196,5 +207,111 @@ func TestSpeakerLocalPref(t *testing.T) {
 				t.Errorf("LOCAL_PREF: got %d; want %d (0: none)", got, c.want)
 			}
 		})
+	}
+}
+
+// flakyRIB fails every AddPath and DeletePath while failing is set, and passes them
+// to the real GoBGP server otherwise. The failure is injected because the embedded
+// server refuses a well-formed path only once it is stopped, which ends Run too: a
+// refusal that passes cannot be made on demand.
+type flakyRIB struct {
+	rib
+	failing atomic.Bool
+	calls   atomic.Int32 // refused calls
+}
+
+var errInjected = errors.New("injected: the RIB refuses the change")
+
+func (f *flakyRIB) AddPath(r apiutil.AddPathRequest) ([]apiutil.AddPathResponse, error) {
+	if f.failing.Load() {
+		f.calls.Add(1)
+		return nil, errInjected
+	}
+	return f.rib.AddPath(r)
+}
+
+func (f *flakyRIB) DeletePath(r apiutil.DeletePathRequest) error {
+	if f.failing.Load() {
+		f.calls.Add(1)
+		return errInjected
+	}
+	return f.rib.DeletePath(r)
+}
+
+// TestSpeakerRetry: an announcement or a withdrawal GoBGP refuses is retried with
+// no further event until it is made, and status shows the route as pending with
+// the error meanwhile.
+func TestSpeakerRetry(t *testing.T) {
+	r, port := router(t, 65000)
+	cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"),
+		Peers: []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: 65000, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
+	s := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	flaky := &flakyRIB{}
+	flaky.failing.Store(true)
+	s.wrapRIB = func(r rib) rib { flaky.rib = r; return flaky }
+	run(t, s)
+	v4 := netip.MustParsePrefix("10.80.100.1/32")
+	routerHas := func(what string, want bool) {
+		t.Helper()
+		if !waitfor.Cond(10*time.Second, func() bool { _, ok := learnt(r)[v4]; return ok == want }) {
+			t.Fatalf("%s: the router has %v; want %s: %v", what, learnt(r), v4, want)
+		}
+	}
+	pending := func(what, want string) {
+		t.Helper()
+		// Three refusals, with no Announce after the first: the speaker retries on
+		// its own.
+		var st *api.BGPStatus
+		if !waitfor.Cond(10*time.Second, func() bool {
+			st = s.Status()
+			return flaky.calls.Load() >= 3 && len(st.Pending) == 1 && st.Pending[0].Attempts >= 3
+		}) {
+			t.Fatalf("%s: %d refused calls, status %+v; want 3 and more, and %s pending", what, flaky.calls.Load(), st, v4)
+		}
+		p := st.Pending[0]
+		if p.Prefix != v4.String() || p.Want != want || !strings.Contains(p.LastError, errInjected.Error()) || p.Since.IsZero() {
+			t.Errorf("%s: pending %+v; want %s to %s, with the error and since when", what, p, v4, want)
+		}
+	}
+
+	s.Announce([]Route{{Prefix: v4, Services: []string{"web"}}}, nil)
+	pending("announce refused", api.RouteAnnounce)
+	if st := s.Status(); len(st.Announced) != 0 {
+		t.Errorf("announce refused: status announced %+v; want none", st.Announced)
+	}
+	flaky.failing.Store(false)
+	routerHas("announce accepted again", true)
+	if !waitfor.Cond(5*time.Second, func() bool { st := s.Status(); return len(st.Pending) == 0 && len(st.Announced) == 1 }) {
+		t.Errorf("announced: status %+v; want %s announced and nothing pending", s.Status(), v4)
+	}
+
+	flaky.calls.Store(0)
+	flaky.failing.Store(true)
+	s.Announce(nil, []Withheld{{v4, "web: no backend usable and up"}})
+	pending("withdraw refused", api.RouteWithdraw)
+	// Still in the RIB: status says so, and the router still has it.
+	if st := s.Status(); len(st.Announced) != 1 || st.Announced[0].Prefix != v4.String() {
+		t.Errorf("withdraw refused: status announced %+v; want %s still there", st.Announced, v4)
+	}
+	routerHas("withdraw refused", true)
+	flaky.failing.Store(false)
+	routerHas("withdraw accepted again", false)
+	if !waitfor.Cond(5*time.Second, func() bool { st := s.Status(); return len(st.Pending) == 0 && len(st.Announced) == 0 }) {
+		t.Errorf("withdrawn: status %+v; want nothing announced or pending", s.Status())
+	}
+}
+
+// TestBackoff: retries wait 100ms doubling to 5s, each within ±20 %, and start
+// over after a success.
+func TestBackoff(t *testing.T) {
+	var b backoff
+	for round := range 2 {
+		for i, want := range []time.Duration{100 * time.Millisecond, 200 * time.Millisecond, 400 * time.Millisecond, 800 * time.Millisecond,
+			1600 * time.Millisecond, 3200 * time.Millisecond, 5 * time.Second, 5 * time.Second} {
+			if got := b.delay(); got < want*8/10 || got > want*12/10 {
+				t.Errorf("round %d, retry %d: waits %s; want %s ± 20 %%", round, i, got, want)
+			}
+		}
+		b.reset()
 	}
 }

@@ -33,7 +33,7 @@ type descs struct {
 	serviceDataPlane, serviceDown, servicePackets, serviceBytes, serviceConns, serviceAccepted *prometheus.Desc
 	backendPackets, backendBytes, serviceFlows, backendFlows, backendConns, backendConnects    *prometheus.Desc
 	backendUsable, backendHealth, backendWeight, backendDrained, xdpReason, xdpLoaded          *prometheus.Desc
-	bgpPeerUp, bgpPeerUptime, bgpAnnounced, nodeDrained                                        *prometheus.Desc
+	bgpPeerUp, bgpPeerUptime, bgpAnnounced, bgpPending, nodeDrained                            *prometheus.Desc
 	tableInfo, prevTableInfo, prevTableAge                                                     *prometheus.Desc
 	httpInFlight, httpTunnels                                                                  *prometheus.Desc
 }
@@ -86,6 +86,7 @@ func New(status func() (api.Status, error)) *Metrics {
 		bgpPeerUp:        d("weir_bgp_peer_established", "1 while the BGP session with the peer is established.", "peer"),
 		bgpPeerUptime:    d("weir_bgp_peer_uptime_seconds", "How long the BGP session with the peer has been established (0 while it is not).", "peer"),
 		bgpAnnounced:     d("weir_bgp_route_announced", "1 for each VIP route the node announces over BGP.", "prefix"),
+		bgpPending:       d("weir_bgp_route_pending", "1 for each VIP route whose announcement (want=announce) or withdrawal (want=withdraw) GoBGP refused; retried until made.", "prefix", "want"),
 		nodeDrained:      d("weir_node_drained", "1 while the node is drained (weir node drain): every BGP route withdrawn."),
 		tableInfo: d("weir_service_table_info", "1, labelled with the fingerprint of the service's XDP lookup table: nodes with equal fingerprints "+
 			"give every new flow the same backend (alert when they differ); fingerprint \"\" while no backend takes new flows; "+
@@ -140,7 +141,7 @@ func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{m.d.serviceDataPlane, m.d.serviceDown, m.d.servicePackets, m.d.serviceBytes,
 		m.d.serviceConns, m.d.serviceAccepted, m.d.backendPackets, m.d.backendBytes, m.d.serviceFlows, m.d.backendFlows,
 		m.d.backendConns, m.d.backendConnects, m.d.backendUsable, m.d.backendHealth, m.d.backendWeight,
-		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded, m.d.bgpPeerUp, m.d.bgpPeerUptime, m.d.bgpAnnounced, m.d.nodeDrained,
+		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded, m.d.bgpPeerUp, m.d.bgpPeerUptime, m.d.bgpAnnounced, m.d.bgpPending, m.d.nodeDrained,
 		m.d.tableInfo, m.d.prevTableInfo, m.d.prevTableAge} {
 		ch <- d
 	}
@@ -180,6 +181,9 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		}
 		for _, r := range b.Announced {
 			g(m.d.bgpAnnounced, 1, r.Prefix)
+		}
+		for _, r := range b.Pending {
+			g(m.d.bgpPending, 1, r.Prefix, r.Want)
 		}
 	}
 	states := []string{health.Unknown.String(), health.Up.String(), health.Down.String(), health.Ejected.String()}
