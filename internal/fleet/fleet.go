@@ -165,7 +165,9 @@ func sbin(name string) (string, error) {
 
 // birdConf is the router's BIRD config: an eBGP session to every node (the nodes
 // dial; the router is passive), and the kernel protocol merging equal BGP paths
-// into one multipath route per VIP.
+// into one multipath route per VIP. error wait time is what docs/fleet.md
+// recommends: BIRD's default (60 s, then up to 300 s) keeps a node whose session
+// BIRD ended (a hold timer expiry) out for a minute after it answers again.
 func (f *Fleet) birdConf() string {
 	var b strings.Builder
 	hold := int(f.opts.HoldTime / time.Second)
@@ -185,6 +187,7 @@ template bgp node {
   hold time %d;
   keepalive time %d;
   connect retry time 1;
+  error wait time 5, 60;
 %s  ipv4 { import all; export none; };
   ipv6 { import all; export none; };
 }

@@ -117,10 +117,10 @@ func startAgents(t *testing.T, ctx context.Context, f *Fleet) {
 // withdrawn within its checks' fall; weir node drain withdraws one node and undrain
 // brings it back; a stopped agent withdraws at once, a killed one as soon as its
 // kernel closes the session, and a frozen one when the router's hold timer runs
-// out.
+// out, and is taken back soon after it resumes.
 func TestAnnounceWithdraw(t *testing.T) {
 	heavy.Alone(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
 	defer cancel()
 	// Every session is signed (TCP MD5), as routers commonly require.
 	f := start(t, Options{Password: "weir-fleet"})
@@ -318,6 +318,17 @@ func TestAnnounceWithdraw(t *testing.T) {
 		if out := f.BirdLog(); !strings.Contains(out, "Hold timer expired") {
 			t.Errorf("bird log: want a hold timer expiry:\n%s", out)
 		}
+		// Resumed, it is taken back after BIRD's error wait time (5 s in the
+		// harness's config, as docs/fleet.md recommends; 60 s by BIRD's default),
+		// its speaker's next dial and its health checks.
+		if err := f.Signal(0, syscall.SIGCONT); err != nil {
+			t.Fatal(err)
+		}
+		took, err = f.WaitNextHops(ctx, vip4, f.NodeIPs(0), 20*time.Second)
+		if err != nil {
+			t.Fatalf("%v\nbird log:\n%s", err, f.BirdLog())
+		}
+		t.Logf("announced again %s after the agent resumed", took)
 	})
 }
 
