@@ -567,6 +567,18 @@ func TestFramesBackendBadSettings(t *testing.T) {
 			fr.WriteSettings()
 			fr.WriteWindowUpdate(99, 10)
 		}, http2.ErrCodeProtocol},
+		// A WINDOW_UPDATE of 0 is a stream error where the stream is open,
+		// but on one never opened the stream's state rules first.
+		{"WINDOW_UPDATE of 0 on a stream never opened", func(fr *http2.Framer) {
+			fr.AllowIllegalWrites = true
+			fr.WriteSettings()
+			fr.WriteWindowUpdate(99, 0)
+		}, http2.ErrCodeProtocol},
+		{"WINDOW_UPDATE of 0 on an even stream", func(fr *http2.Framer) {
+			fr.AllowIllegalWrites = true
+			fr.WriteSettings()
+			fr.WriteWindowUpdate(2, 0)
+		}, http2.ErrCodeProtocol},
 		{"PUSH_PROMISE with push off", func(fr *http2.Framer) {
 			fr.WriteSettings()
 			var hb bytes.Buffer

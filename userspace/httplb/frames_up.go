@@ -379,6 +379,13 @@ func (uc *upconn) read() error {
 					if err := uc.notOpen(se.StreamID, "HEADERS"); err != nil {
 						return err
 					}
+				} else if uc.neverOpened(se.StreamID) {
+					// The framer's stream error (a WINDOW_UPDATE of 0) on a
+					// stream weir never opened: a frame there is a
+					// connection error before it is anything else (RFC 9113
+					// 5.1). On a closed stream it is dropped, as a valid
+					// WINDOW_UPDATE there is.
+					return uc.goAway(http2.ErrCodeProtocol, "the backend sent an invalid frame on a stream weir never opened")
 				}
 				continue
 			}
@@ -529,10 +536,7 @@ func (uc *upconn) read() error {
 				uc.mu.Unlock()
 			}
 		case *http2.RSTStreamFrame:
-			uc.mu.Lock()
-			idle := uc.idleLocked(f.StreamID)
-			uc.mu.Unlock()
-			if idle {
+			if uc.neverOpened(f.StreamID) {
 				return uc.goAway(http2.ErrCodeProtocol, "the backend sent RST_STREAM on a stream weir never opened")
 			}
 			if st := uc.take(f.StreamID, resetByPeer); st != nil {
@@ -625,6 +629,13 @@ func (uc *upconn) withStream(st *fstream, fn func()) bool {
 // their late frames are answered by how they closed (notOpen).
 func (uc *upconn) idleLocked(id uint32) bool {
 	return id != 0 && (id%2 == 0 || id >= uc.nextID)
+}
+
+// neverOpened is idleLocked for a caller that does not hold mu.
+func (uc *upconn) neverOpened(id uint32) bool {
+	uc.mu.Lock()
+	defer uc.mu.Unlock()
+	return uc.idleLocked(id)
 }
 
 // notOpen answers the backend's DATA or HEADERS (frame) on stream id, which
