@@ -257,6 +257,13 @@ func (ss *fsess) headerDeadline(on bool) {
 // (RFC 9113 5.1.1), so it is held to the rules of any HEADERS and uses up its
 // stream ID.
 func (ss *fsess) streamError(se http2.StreamError, hb *hblock) error {
+	if hb == nil && ss.idleStream(se.StreamID) {
+		// The framer's stream error (a WINDOW_UPDATE of 0) on a stream the
+		// client never opened: a frame there is a connection error before
+		// it is anything else (RFC 9113 5.1), and no RST_STREAM may go on
+		// an idle stream.
+		return ss.protocolError("an invalid frame on an idle stream")
+	}
 	if hb != nil && ss.streams[hb.id] == nil {
 		if hb.id%2 == 0 {
 			return ss.protocolError("HEADERS on a stream the client cannot open")

@@ -427,6 +427,62 @@ func TestMalformedHeadersUseTheirStreamID(t *testing.T) {
 	}
 }
 
+// A frame other than HEADERS or PRIORITY on a stream the client never opened
+// is a connection error PROTOCOL_ERROR (RFC 9113 5.1), a WINDOW_UPDATE of 0
+// too: that it would be a stream error on an open stream does not make it one
+// here, where no RST_STREAM may go. The PING after it shows a weir that went
+// on instead.
+func TestClientFrameOnIdleStreamEndsConnection(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	s := serve(t, Config{}, bs)
+	addr := s.Addr().String()
+	for _, c := range []struct {
+		name  string
+		id    uint32
+		write func(fr *http2.Framer, id uint32) error
+	}{
+		{"WINDOW_UPDATE of 0 above the streams opened", 3, func(fr *http2.Framer, id uint32) error { return fr.WriteWindowUpdate(id, 0) }},
+		{"WINDOW_UPDATE of 0 on an even stream", 2, func(fr *http2.Framer, id uint32) error { return fr.WriteWindowUpdate(id, 0) }},
+		{"WINDOW_UPDATE", 3, func(fr *http2.Framer, id uint32) error { return fr.WriteWindowUpdate(id, 1) }},
+		{"RST_STREAM", 3, func(fr *http2.Framer, id uint32) error { return fr.WriteRSTStream(id, http2.ErrCodeCancel) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			conn, fr := h2Conn(t, addr)
+			t.Cleanup(func() { conn.Close() })
+			if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true}); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.write(fr, c.id); err != nil {
+				t.Fatal(err)
+			}
+			if err := fr.WritePing(false, [8]byte{'i', 'd', 'l', 'e'}); err != nil {
+				t.Fatal(err)
+			}
+			for {
+				f, err := fr.ReadFrame()
+				if err != nil {
+					t.Fatalf("read: %v; want GOAWAY PROTOCOL_ERROR", err)
+				}
+				switch f := f.(type) {
+				case *http2.RSTStreamFrame:
+					if f.StreamID == c.id {
+						t.Fatalf("RST_STREAM %v on idle stream %d; want GOAWAY PROTOCOL_ERROR", f.ErrCode, c.id)
+					}
+				case *http2.PingFrame:
+					if f.IsAck() {
+						t.Fatalf("PING answered after the frame on idle stream %d; want GOAWAY PROTOCOL_ERROR first", c.id)
+					}
+				case *http2.GoAwayFrame:
+					if f.ErrCode != http2.ErrCodeProtocol || f.LastStreamID != 1 {
+						t.Errorf("GOAWAY %v, last stream %d; want PROTOCOL_ERROR, 1", f.ErrCode, f.LastStreamID)
+					}
+					return
+				}
+			}
+		})
+	}
+}
+
 // A request whose DATA does not add up to its content-length is malformed and
 // is not forwarded (RFC 9113 8.1.1): its stream is reset, the rest of the
 // connection served.
