@@ -449,7 +449,9 @@ var answerPaths = []struct{ name, req string }{
 
 // closingBackend answers a connection's first request with what answer
 // writes, then reads on, and sends to the channel it returns when the
-// connection has ended (the plane closed it) or answer failed.
+// connection has ended (the plane closed it) or answer failed. Each test that
+// waits on the channel takes a backend of its own, so that no signal from
+// another's connection can stand for its own.
 func closingBackend(t *testing.T, answer func(c net.Conn) error) (netip.AddrPort, <-chan struct{}) {
 	closed := make(chan struct{}, 16)
 	be := rawBackend(t, func(c net.Conn) {
@@ -503,16 +505,18 @@ func refusedAnswer(t *testing.T, s *Service, obs *outcomeLog, req string, closed
 // them for as long as they came.
 func TestH1InterimFlood(t *testing.T) {
 	hints := []byte(strings.Repeat("HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n", 64))
-	be, closed := closingBackend(t, func(c net.Conn) error {
-		for {
-			if _, err := c.Write(hints); err != nil {
-				return err
-			}
-		}
-	})
 	for _, engine := range h1Engines {
 		for _, p := range answerPaths {
 			t.Run(engine+"/"+p.name, func(t *testing.T) {
+				// A backend of the subtest's own: an earlier subtest's
+				// connection, closed late, cannot stand for this one's.
+				be, closed := closingBackend(t, func(c net.Conn) error {
+					for {
+						if _, err := c.Write(hints); err != nil {
+							return err
+						}
+					}
+				})
 				obs := &outcomeLog{}
 				s := serveOn(t, Config{NetHTTP1: engine == "net_http", Observer: obs}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 				refusedAnswer(t, s, obs, p.req, closed)
@@ -540,16 +544,17 @@ func TestH1AmbiguousAnswer(t *testing.T) {
 		{"chunked alone", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", false},
 		{"Content-Length alone", "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", false},
 	} {
-		be, closed := closingBackend(t, func(conn net.Conn) error {
-			_, err := io.WriteString(conn, c.answer)
-			return err
-		})
 		for _, engine := range h1Engines {
 			for _, p := range answerPaths {
 				if p.name == "transport" {
 					continue
 				}
 				t.Run(c.name+"/"+engine+"/"+p.name, func(t *testing.T) {
+					// A backend of the subtest's own, as in TestH1InterimFlood.
+					be, closed := closingBackend(t, func(conn net.Conn) error {
+						_, err := io.WriteString(conn, c.answer)
+						return err
+					})
 					obs := &outcomeLog{}
 					s := serveOn(t, Config{NetHTTP1: engine == "net_http", Observer: obs}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 					if c.refused {
