@@ -262,7 +262,7 @@ func (ss *fsess) streamError(se http2.StreamError, hb *hblock) error {
 		// client never opened: a frame there is a connection error before
 		// it is anything else (RFC 9113 5.1), and no RST_STREAM may go on
 		// an idle stream.
-		return ss.protocolError("an invalid frame on an idle stream")
+		return ss.protocolError("WINDOW_UPDATE of 0 on an idle stream")
 	}
 	if hb != nil && ss.streams[hb.id] == nil {
 		if hb.id%2 == 0 {

@@ -483,6 +483,88 @@ func TestClientFrameOnIdleStreamEndsConnection(t *testing.T) {
 	}
 }
 
+// A HEADERS frame whose padding is as long as the frame is a connection error
+// PROTOCOL_ERROR (RFC 9113 6.2), from a client or a backend, even on an open
+// stream: its block cannot be decoded, so HPACK's state is lost for every
+// later block on the connection. The PING after it shows a weir that went on.
+func TestHeadersPaddedPastTheirEndEndConnection(t *testing.T) {
+	t.Run("client", func(t *testing.T) {
+		bs := httpbackend.StartN(t, 1)
+		s := serve(t, Config{}, bs)
+		addr := s.Addr().String()
+		conn, fr := h2Conn(t, addr)
+		t.Cleanup(func() { conn.Close() })
+		// A request whose body has not come: its trailers, padded past their end.
+		if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndHeaders: true}); err != nil {
+			t.Fatal(err)
+		}
+		overPadded(conn, 1)
+		fr.WritePing(false, [8]byte{'p', 'a', 'd'})
+		if got := awaitGoAway(fr); got != "GOAWAY PROTOCOL_ERROR" {
+			t.Errorf("after trailers padded past their end: %s; want GOAWAY PROTOCOL_ERROR", got)
+		}
+	})
+	t.Run("backend", func(t *testing.T) {
+		got := make(chan string, 4)
+		be := rawBackend(t, func(conn net.Conn) {
+			conn.SetDeadline(time.Now().Add(10 * time.Second))
+			if _, err := io.ReadFull(conn, make([]byte, len(http2.ClientPreface))); err != nil {
+				return
+			}
+			fr := http2.NewFramer(conn, conn)
+			fr.WriteSettings()
+			for {
+				f, err := fr.ReadFrame()
+				if err != nil {
+					return
+				}
+				if h, ok := f.(*http2.HeadersFrame); ok {
+					overPadded(conn, h.StreamID)
+					fr.WritePing(false, [8]byte{'p', 'a', 'd'})
+					got <- awaitGoAway(fr)
+					return
+				}
+			}
+		})
+		s := serveOn(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+		h2cGetBadGateway(t, s)
+		select {
+		case g := <-got:
+			if g != "GOAWAY PROTOCOL_ERROR" {
+				t.Errorf("after an answer's HEADERS padded past their end: %s; want GOAWAY PROTOCOL_ERROR", g)
+			}
+		case <-time.After(10 * time.Second):
+			t.Errorf("the backend saw no GOAWAY nor PING answer; want GOAWAY PROTOCOL_ERROR")
+		}
+	})
+}
+
+// overPadded writes a HEADERS frame on stream id whose padding length (5) is
+// past the frame's 1-byte payload.
+func overPadded(w io.Writer, id uint32) {
+	w.Write([]byte{0, 0, 1, byte(http2.FrameHeaders), byte(http2.FlagHeadersPadded | http2.FlagHeadersEndHeaders),
+		byte(id >> 24), byte(id >> 16), byte(id >> 8), byte(id), 5})
+}
+
+// awaitGoAway reads fr until a GOAWAY, a PING's answer or an error, and says
+// which came first ("GOAWAY <code>", "PING answered", or the error).
+func awaitGoAway(fr *http2.Framer) string {
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			return "read: " + err.Error()
+		}
+		switch f := f.(type) {
+		case *http2.GoAwayFrame:
+			return "GOAWAY " + f.ErrCode.String()
+		case *http2.PingFrame:
+			if f.IsAck() {
+				return "PING answered"
+			}
+		}
+	}
+}
+
 // A request whose DATA does not add up to its content-length is malformed and
 // is not forwarded (RFC 9113 8.1.1): its stream is reset, the rest of the
 // connection served.

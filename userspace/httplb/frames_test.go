@@ -746,16 +746,23 @@ func TestFramesBackendMalformedStatus(t *testing.T) {
 				h2StatusBackend(conn, func(fr *http2.Framer) { fr.WriteSettings() }, c.status, c.end, nil)
 			})
 			s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
-			client := h2cClient()
-			client.Timeout = 5 * time.Second
-			resp, err := client.Get("http://" + s.Addr().String() + "/")
-			if err != nil {
-				t.Fatalf("%v; want a 502", err)
-			}
-			resp.Body.Close()
-			if resp.StatusCode != http.StatusBadGateway {
-				t.Errorf("%s; want 502", resp.Status)
-			}
+			h2cGetBadGateway(t, s)
 		})
+	}
+}
+
+// h2cGetBadGateway sends a GET over HTTP/2 cleartext to s and checks that the
+// answer is a 502.
+func h2cGetBadGateway(t *testing.T, s *Service) {
+	t.Helper()
+	client := h2cClient()
+	client.Timeout = 5 * time.Second
+	resp, err := client.Get("http://" + s.Addr().String() + "/")
+	if err != nil {
+		t.Fatalf("GET: %v; want a 502", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusBadGateway {
+		t.Errorf("got %s; want 502", resp.Status)
 	}
 }

@@ -385,7 +385,7 @@ func (uc *upconn) read() error {
 					// connection error before it is anything else (RFC 9113
 					// 5.1). On a closed stream it is dropped, as a valid
 					// WINDOW_UPDATE there is.
-					return uc.goAway(http2.ErrCodeProtocol, "the backend sent an invalid frame on a stream weir never opened")
+					return uc.goAway(http2.ErrCodeProtocol, "the backend sent a WINDOW_UPDATE of 0 on a stream weir never opened")
 				}
 				continue
 			}

@@ -118,7 +118,17 @@ func validWireName(v string) bool {
 // connection usable. A malformed block comes with its StreamError, so the
 // reader can hold its stream ID to the rules of a HEADERS frame.
 func (r *blockReader) read() (http2.Frame, *hblock, error) {
-	f, err := r.fr.ReadFrame()
+	fh, err := r.fr.ReadFrameHeader()
+	if err != nil {
+		return nil, nil, err
+	}
+	f, err := r.fr.ReadFrameForHeader(fh)
+	if _, ok := err.(http2.StreamError); ok && fh.Type == http2.FrameHeaders {
+		// The framer's stream error for a HEADERS frame whose padding is as
+		// long as the frame is a connection error (RFC 9113 6.2): its block,
+		// never decoded, leaves HPACK's state unknown for every later one.
+		return nil, nil, http2.ConnectionError(http2.ErrCodeProtocol)
+	}
 	if err != nil {
 		return nil, nil, err
 	}
