@@ -58,6 +58,9 @@ func TestBGPErrors(t *testing.T) {
 	}{
 		{"no asn", "bgp: {router_id: 10.0.0.1, peers: [{address: 10.0.0.2, asn: 1}]}\n", "line 1: bgp.asn: missing"},
 		{"v6 router id", "bgp: {asn: 1, router_id: 'fd00::1', peers: [{address: 10.0.0.2, asn: 1}]}\n", "bgp.router_id: must be an IPv4 address"},
+		// An IPv6 router ID is refused for being IPv6, whatever kind: the fix is an
+		// IPv4 address, not another IPv6 one.
+		{"link-local router id", "bgp: {asn: 1, router_id: 'fe80::1', peers: [{address: 10.0.0.2, asn: 1}]}\n", "line 1: bgp.router_id: must be an IPv4 address (BGP identifiers are 32 bits), got fe80::1"},
 		{"no peers", "bgp: {asn: 1, router_id: 10.0.0.1}\n", "bgp.peers: missing"},
 		// A BGP identifier is never 0 (RFC 6286); routes and sessions need an address to go to.
 		{"zero router id", "bgp: {asn: 1, router_id: 0.0.0.0, peers: [{address: 10.0.0.2, asn: 1}]}\n", "line 1: bgp.router_id: must not be 0.0.0.0"},

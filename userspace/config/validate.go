@@ -220,8 +220,21 @@ func (c *checker) positive(path string, d duration) {
 	}
 }
 
-// addr parses an IP literal (no zone, IPv4 dotted).
+// addr parses an IP literal as ipLiteral does, and refuses an IPv6 link-local
+// address, which no address field can use.
 func (c *checker) addr(path, s string) (netip.Addr, bool) {
+	a, ok := c.ipLiteral(path, s)
+	if ok && a.Is6() && a.IsLinkLocalUnicast() {
+		c.linkLocal(path, a)
+		return netip.Addr{}, false
+	}
+	return a, ok
+}
+
+// ipLiteral parses an IP literal (no zone, IPv4 dotted). Most fields want addr;
+// bgp.router_id, an IPv4 identifier rather than an address, says what else is
+// wrong with an IPv6 one.
+func (c *checker) ipLiteral(path, s string) (netip.Addr, bool) {
 	a, err := netip.ParseAddr(s)
 	switch {
 	case s == "":
@@ -232,8 +245,6 @@ func (c *checker) addr(path, s string) (netip.Addr, bool) {
 		c.bad(path, "must be an address without a zone, got %q", s)
 	case a.Is4In6():
 		c.bad(path, "write IPv4 addresses in dotted form, got %q", s)
-	case a.Is6() && a.IsLinkLocalUnicast():
-		c.linkLocal(path, a)
 	default:
 		return a, true
 	}
@@ -503,7 +514,7 @@ func (cfg *file) validateBGP(c *checker) {
 	if b.ASN == 0 {
 		c.bad("bgp.asn", "missing: the node's AS number, 1..4294967295")
 	}
-	if a, ok := c.addr("bgp.router_id", b.RouterID); ok {
+	if a, ok := c.ipLiteral("bgp.router_id", b.RouterID); ok {
 		switch {
 		case !a.Is4():
 			c.bad("bgp.router_id", "must be an IPv4 address (BGP identifiers are 32 bits), got %s", a)
