@@ -483,67 +483,80 @@ func TestClientFrameOnIdleStreamEndsConnection(t *testing.T) {
 	}
 }
 
-// A HEADERS frame whose padding is as long as the frame is a connection error
-// PROTOCOL_ERROR (RFC 9113 6.2), from a client or a backend, even on an open
-// stream: its block cannot be decoded, so HPACK's state is lost for every
-// later block on the connection. The PING after it shows a weir that went on.
-func TestHeadersPaddedPastTheirEndEndConnection(t *testing.T) {
-	t.Run("client", func(t *testing.T) {
-		bs := httpbackend.StartN(t, 1)
-		s := serve(t, Config{}, bs)
-		addr := s.Addr().String()
-		conn, fr := h2Conn(t, addr)
-		t.Cleanup(func() { conn.Close() })
-		// A request whose body has not come: its trailers, padded past their end.
-		if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndHeaders: true}); err != nil {
-			t.Fatal(err)
+// A HEADERS frame weir cannot take apart is a connection error, from a client or
+// a backend, even on an open stream: one whose padding is as long as the frame
+// PROTOCOL_ERROR (RFC 9113 6.2), one too short for its pad length or priority
+// FRAME_SIZE_ERROR (RFC 9113 4.2). Its block cannot be decoded, so HPACK's state
+// is lost for every later block on the connection. The PING after it shows a
+// weir that went on.
+func TestBrokenHeadersFrameEndsConnection(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		flags   http2.Flags
+		payload []byte
+		want    string
+	}{
+		// Pad length 5 past a 1-byte payload.
+		{"padded past their end", http2.FlagHeadersPadded, []byte{5}, "GOAWAY PROTOCOL_ERROR"},
+		{"priority padded past their end", http2.FlagHeadersPadded | http2.FlagHeadersPriority, []byte{1, 0, 0, 0, 0, 16}, "GOAWAY PROTOCOL_ERROR"},
+		{"no pad length", http2.FlagHeadersPadded, nil, "GOAWAY FRAME_SIZE_ERROR"},
+		{"priority cut short", http2.FlagHeadersPriority, []byte{0, 0, 0}, "GOAWAY FRAME_SIZE_ERROR"},
+		{"priority cut short by its pad length", http2.FlagHeadersPadded | http2.FlagHeadersPriority, []byte{0, 0, 0, 0, 0}, "GOAWAY FRAME_SIZE_ERROR"},
+	} {
+		broken := func(w io.Writer, id uint32) {
+			w.Write(append([]byte{0, 0, byte(len(c.payload)), byte(http2.FrameHeaders), byte(c.flags | http2.FlagHeadersEndHeaders),
+				byte(id >> 24), byte(id >> 16), byte(id >> 8), byte(id)}, c.payload...))
 		}
-		overPadded(conn, 1)
-		fr.WritePing(false, [8]byte{'p', 'a', 'd'})
-		if got := awaitGoAway(fr); got != "GOAWAY PROTOCOL_ERROR" {
-			t.Errorf("after trailers padded past their end: %s; want GOAWAY PROTOCOL_ERROR", got)
-		}
-	})
-	t.Run("backend", func(t *testing.T) {
-		got := make(chan string, 4)
-		be := rawBackend(t, func(conn net.Conn) {
-			conn.SetDeadline(time.Now().Add(10 * time.Second))
-			if _, err := io.ReadFull(conn, make([]byte, len(http2.ClientPreface))); err != nil {
-				return
+		t.Run(c.name+"/client", func(t *testing.T) {
+			bs := httpbackend.StartN(t, 1)
+			s := serve(t, Config{}, bs)
+			addr := s.Addr().String()
+			conn, fr := h2Conn(t, addr)
+			t.Cleanup(func() { conn.Close() })
+			// A request whose body has not come: its trailers, broken.
+			if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndHeaders: true}); err != nil {
+				t.Fatal(err)
 			}
-			fr := http2.NewFramer(conn, conn)
-			fr.WriteSettings()
-			for {
-				f, err := fr.ReadFrame()
-				if err != nil {
-					return
-				}
-				if h, ok := f.(*http2.HeadersFrame); ok {
-					overPadded(conn, h.StreamID)
-					fr.WritePing(false, [8]byte{'p', 'a', 'd'})
-					got <- awaitGoAway(fr)
-					return
-				}
+			broken(conn, 1)
+			fr.WritePing(false, [8]byte{'p', 'a', 'd'})
+			if got := awaitGoAway(fr); got != c.want {
+				t.Errorf("after broken trailers: %s; want %s", got, c.want)
 			}
 		})
-		s := serveOn(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
-		h2cGetBadGateway(t, s)
-		select {
-		case g := <-got:
-			if g != "GOAWAY PROTOCOL_ERROR" {
-				t.Errorf("after an answer's HEADERS padded past their end: %s; want GOAWAY PROTOCOL_ERROR", g)
+		t.Run(c.name+"/backend", func(t *testing.T) {
+			got := make(chan string, 4)
+			be := rawBackend(t, func(conn net.Conn) {
+				conn.SetDeadline(time.Now().Add(10 * time.Second))
+				if _, err := io.ReadFull(conn, make([]byte, len(http2.ClientPreface))); err != nil {
+					return
+				}
+				fr := http2.NewFramer(conn, conn)
+				fr.WriteSettings()
+				for {
+					f, err := fr.ReadFrame()
+					if err != nil {
+						return
+					}
+					if h, ok := f.(*http2.HeadersFrame); ok {
+						broken(conn, h.StreamID)
+						fr.WritePing(false, [8]byte{'p', 'a', 'd'})
+						got <- awaitGoAway(fr)
+						return
+					}
+				}
+			})
+			s := serveOn(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			h2cGetBadGateway(t, s)
+			select {
+			case g := <-got:
+				if g != c.want {
+					t.Errorf("after an answer's broken HEADERS: %s; want %s", g, c.want)
+				}
+			case <-time.After(10 * time.Second):
+				t.Errorf("the backend saw no GOAWAY nor PING answer; want %s", c.want)
 			}
-		case <-time.After(10 * time.Second):
-			t.Errorf("the backend saw no GOAWAY nor PING answer; want GOAWAY PROTOCOL_ERROR")
-		}
-	})
-}
-
-// overPadded writes a HEADERS frame on stream id whose padding length (5) is
-// past the frame's 1-byte payload.
-func overPadded(w io.Writer, id uint32) {
-	w.Write([]byte{0, 0, 1, byte(http2.FrameHeaders), byte(http2.FlagHeadersPadded | http2.FlagHeadersEndHeaders),
-		byte(id >> 24), byte(id >> 16), byte(id >> 8), byte(id), 5})
+		})
+	}
 }
 
 // awaitGoAway reads fr until a GOAWAY, a PING's answer or an error, and says

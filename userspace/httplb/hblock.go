@@ -122,6 +122,13 @@ func (r *blockReader) read() (http2.Frame, *hblock, error) {
 	if err != nil {
 		return nil, nil, err
 	}
+	if fh.Type == http2.FrameHeaders && fh.Length < headersFixed(fh.Flags) {
+		// Too short for its pad length or priority: a frame size error, and
+		// in a frame carrying a header block a connection error (RFC 9113
+		// 4.2). The framer's own answer, io.ErrUnexpectedEOF, reads as a
+		// connection cut short, which would end it with no GOAWAY.
+		return nil, nil, http2.ConnectionError(http2.ErrCodeFrameSize)
+	}
 	f, err := r.fr.ReadFrameForHeader(fh)
 	if _, ok := err.(http2.StreamError); ok && fh.Type == http2.FrameHeaders {
 		// The framer's stream error for a HEADERS frame whose padding is as
@@ -182,6 +189,19 @@ func (r *blockReader) read() (http2.Frame, *hblock, error) {
 		return nil, &r.b, http2.StreamError{StreamID: r.b.id, Code: http2.ErrCodeProtocol, Cause: err}
 	}
 	return nil, &r.b, nil
+}
+
+// headersFixed is the length of a HEADERS frame's fields before its block: the
+// pad length and the priority, as its flags say (RFC 9113 6.2).
+func headersFixed(flags http2.Flags) uint32 {
+	var n uint32
+	if flags.Has(http2.FlagHeadersPadded) {
+		n++
+	}
+	if flags.Has(http2.FlagHeadersPriority) {
+		n += 5
+	}
+	return n
 }
 
 // checkPseudos: only known pseudo-headers, each once, of a request or of a
