@@ -124,7 +124,11 @@ func (b *BGPStatus) WriteTable(w io.Writer) {
 		fmt.Fprintf(w, "  withdrawn %s: %s\n", r.Prefix, r.Why)
 	}
 	for _, r := range b.Pending {
-		fmt.Fprintf(w, "  PENDING %s %s (%d failed attempts since %s", r.Want, r.Prefix, r.Attempts, r.Since.Format(time.RFC3339))
+		attempts := "attempts"
+		if r.Attempts == 1 {
+			attempts = "attempt"
+		}
+		fmt.Fprintf(w, "  PENDING %s %s (%d failed %s since %s", r.Want, r.Prefix, r.Attempts, attempts, r.Since.Format(time.RFC3339))
 		if !r.NextTry.IsZero() {
 			fmt.Fprintf(w, ", retrying in %s", max(0, time.Until(r.NextTry)).Round(time.Millisecond))
 		}

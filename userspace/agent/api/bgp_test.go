@@ -17,7 +17,8 @@ func TestBGPWriteTable(t *testing.T) {
 		Announced: []RouteStatus{{Prefix: "10.80.100.1/32", Services: []string{"web", "tls"}, Communities: []string{"65000:1"}, MED: 10}},
 		Withheld:  []WithheldRoute{{Prefix: "fd80:100::1/128", Why: "web6: no backend usable and up"}},
 		Pending: []PendingRoute{{Prefix: "fd80:100::1/128", Want: RouteWithdraw, Since: since, Attempts: 3,
-			LastError: "server stopped", NextTry: time.Now().Add(time.Hour)}}}}
+			LastError: "server stopped", NextTry: time.Now().Add(time.Hour)},
+			{Prefix: "10.80.100.2/32", Want: RouteAnnounce, Since: since, Attempts: 1, LastError: "refused"}}}}
 	var b bytes.Buffer
 	st.WriteTable(&b)
 	out := b.String()
@@ -30,6 +31,7 @@ func TestBGPWriteTable(t *testing.T) {
 		"  withdrawn fd80:100::1/128: web6: no backend usable and up\n",
 		"  PENDING withdraw fd80:100::1/128 (3 failed attempts since 2026-01-02T03:04:05Z, retrying in ",
 		"): server stopped\n",
+		"  PENDING announce 10.80.100.2/32 (1 failed attempt since 2026-01-02T03:04:05Z): refused\n",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)
