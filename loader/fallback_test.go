@@ -264,7 +264,7 @@ func TestPinnedRestartKeepsTables(t *testing.T) {
 
 func pinnedRestartKeepsTables(t *testing.T, p2c bool) {
 	opts := Options{HashSeed: testSeed, ConntrackSize: 4096, PreviousTableWindow: time.Hour,
-		PinPath: filepath.Join(bpffsT(t), "weir")}
+		PinPath: filepath.Join(xdptest.BPFFS(t), "weir")}
 	all := testBackends(4, false, 80)
 	first := Service{Key: ServiceKey{netip.AddrPortFrom(vip4, 80), TCP}, TableSize: 251, Backends: all[:3], P2C: p2c}
 	grown := first

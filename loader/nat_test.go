@@ -335,7 +335,7 @@ func TestNATServicesSharingABackend(t *testing.T) {
 // keeps the rings, or gives each backend its own where the pinned backends named
 // none (every slot ring 0).
 func TestNATRings(t *testing.T) {
-	pinPath := filepath.Join(bpffsT(t), "weir")
+	pinPath := filepath.Join(xdptest.BPFFS(t), "weir")
 	opts := Options{HashSeed: 7, NAT: NATOptions{Addr4: netip.MustParseAddr("10.77.0.2")}, PinPath: pinPath}
 	p, err := Load(opts)
 	xdptest.Check(t, err)

@@ -11,19 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/weir-lb/weir/internal/xdptest"
 )
-
-// bpffsT mounts a bpf filesystem on a temporary directory for the test.
-func bpffsT(t *testing.T) string {
-	t.Helper()
-	dir := t.TempDir()
-	xdptest.Check(t, unix.Mount("bpf", dir, "bpf", 0, "mode=0700"))
-	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
-	return dir
-}
 
 // TestPinnedRestart is the agent's restart without losing flows, at the loader's
 // level: long-lived nat and dsr connections keep working while the process that
@@ -32,7 +21,7 @@ func bpffsT(t *testing.T) string {
 func TestPinnedRestart(t *testing.T) {
 	nt := newNATTopology(t, ModeNative)
 	nt.prog.Close() // the topology's own program makes way for the pinned ones
-	pinPath := filepath.Join(bpffsT(t), "weir")
+	pinPath := filepath.Join(xdptest.BPFFS(t), "weir")
 	opts := Options{HashSeed: 7, NAT: NATOptions{Addr4: nt.Balancer.IP4, Addr6: nt.Balancer.IP6}, PinPath: pinPath}
 
 	natEcho := Service{Key: ServiceKey{netip.AddrPortFrom(nt.VIP4, echoPort), TCP}, Forwarding: ForwardNAT}

@@ -12,6 +12,8 @@ package xdptest
 import (
 	"testing"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/weir-lb/weir/internal/xdpenv"
 )
 
@@ -40,4 +42,15 @@ func Unavailable(err error) bool { return xdpenv.Unavailable(err) }
 func Check(tb testing.TB, err error) {
 	tb.Helper()
 	xdpenv.Check(tb, err)
+}
+
+// BPFFS mounts a bpf filesystem of the test's own on a temporary directory and
+// returns it; t.Cleanup unmounts it. Pins there outlive the process that made
+// them, also one run through `ip netns exec` (which gives it a private /sys).
+func BPFFS(tb testing.TB) string {
+	tb.Helper()
+	dir := tb.TempDir()
+	Check(tb, unix.Mount("bpf", dir, "bpf", 0, "mode=0700"))
+	tb.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	return dir
 }

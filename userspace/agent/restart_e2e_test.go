@@ -17,8 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
 	"github.com/weir-lb/weir/userspace/agent/api"
@@ -234,9 +232,7 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 	tp := echoTopology(t, "war", 3)
 	// A bpffs of the test's own: `ip netns exec` gives the agent a private /sys, so
 	// pins under /sys/fs/bpf would die with each agent process.
-	bpffs := t.TempDir()
-	xdptest.Check(t, unix.Mount("bpf", bpffs, "bpf", 0, "mode=0700"))
-	t.Cleanup(func() { unix.Unmount(bpffs, unix.MNT_DETACH) })
+	bpffs := xdptest.BPFFS(t)
 	pinPath := filepath.Join(bpffs, "weir")
 
 	dir := t.TempDir()
@@ -377,9 +373,7 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 func TestSecondAgentRefused(t *testing.T) {
 	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("was"), Backends: 3})
 	serveEcho(t, tp)
-	bpffs := t.TempDir()
-	xdptest.Check(t, unix.Mount("bpf", bpffs, "bpf", 0, "mode=0700"))
-	t.Cleanup(func() { unix.Unmount(bpffs, unix.MNT_DETACH) })
+	bpffs := xdptest.BPFFS(t)
 	err := tp.Balancer.NS.Do(func() error {
 		return os.WriteFile("/proc/sys/net/ipv4/conf/all/forwarding", []byte("1"), 0o644)
 	})
