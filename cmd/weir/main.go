@@ -488,12 +488,28 @@ func runStop(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	// No agent answers: remove what the last one left, from the config's settings.
 	file := fs.Lookup("c").Value.String()
 	cfg, cerr := config.Load(file)
+	partly := false
+	if errors.Is(cerr, config.ErrInvalid) {
+		// The file the program was loaded from may fail this release's stricter
+		// validation, or have been edited since: removing the program takes only
+		// its interfaces and xdp sections, so those alone must be right.
+		if xcfg, xerr := config.LoadXDP(file); xerr == nil {
+			fmt.Fprintf(stderr, "weir stop: warning: %s is invalid; detaching with only its interfaces and xdp settings, which are valid. The file's errors:\n%v\n", file, cerr)
+			cfg, cerr, partly = xcfg, nil, true
+		} else if errors.Is(xerr, config.ErrInvalid) {
+			cerr = xerr
+		}
+	}
 	if cerr != nil {
 		return fmt.Errorf("stop: %w\n(to remove the XDP program a stopped agent left, give its config: weir stop --detach -c FILE)", cerr)
 	}
 	if err := xdpplane.RemovePinned(cfg); err != nil {
 		return fmt.Errorf("stop: no agent answers on %s, and: %w", path, err)
 	}
-	fmt.Fprintf(stdout, "no agent was running; the XDP program pinned in %s is detached and its pins removed\n", cfg.XDP.PinPath)
+	from := ""
+	if partly {
+		from = " (with the interfaces and xdp settings of the invalid file)"
+	}
+	fmt.Fprintf(stdout, "no agent was running; the XDP program pinned in %s is detached and its pins removed%s\n", cfg.XDP.PinPath, from)
 	return nil
 }

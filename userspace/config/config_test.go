@@ -747,3 +747,48 @@ func TestLine(t *testing.T) {
 		}
 	}
 }
+
+// TestLoadXDP: LoadXDP reads the interfaces and xdp sections of a file that
+// fails validation elsewhere, and refuses those sections on their own errors,
+// named and placed as Load names and places them.
+func TestLoadXDP(t *testing.T) {
+	const head = "interfaces:\n  - name: eth1\n    attach: generic\nxdp:\n  hash_seed: 7\n  conntrack_size: 65536\n  pin_path: /sys/fs/bpf/weir-test\n"
+	const badServices = "services:\n  - name: web\n    vip: 192.0.2.1:80\n    algorithm: Maglev\n    backends:\n      - address: 10.0.0.1:80\n"
+	dir := t.TempDir()
+	write := func(name, body string) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+
+	path := write("services.yaml", head+"log: {level: loud}\n"+badServices)
+	if _, err := Load(path); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("Load: got %v; want the file invalid", err)
+	}
+	cfg, err := LoadXDP(path)
+	if err != nil {
+		t.Fatalf("LoadXDP: %v", err)
+	}
+	want := XDP{HashSeed: 7, ConntrackSize: 65536, NewFlowRate: DefaultNewFlowRate,
+		PreviousTableWindow: DefaultPreviousTableWindow, PinPath: "/sys/fs/bpf/weir-test"}
+	if cfg.XDP != want {
+		t.Errorf("xdp: got %+v; want %+v", cfg.XDP, want)
+	}
+	if want := []Interface{{Name: "eth1", Attach: AttachGeneric}}; fmt.Sprint(cfg.Interfaces) != fmt.Sprint(want) {
+		t.Errorf("interfaces: got %+v; want %+v", cfg.Interfaces, want)
+	}
+
+	path = write("xdp.yaml", strings.Replace(head, "65536", "12", 1)+"  pin_pth: /x\n"+badServices)
+	_, err = LoadXDP(path)
+	var es Errors
+	if !errors.As(err, &es) || len(es) != 2 {
+		t.Fatalf("LoadXDP with bad xdp settings: got %v; want 2 errors", err)
+	}
+	for i, want := range []string{path + ":6: xdp.conntrack_size: must be", path + `:8: xdp.pin_pth: unknown field; did you mean "pin_path"?`} {
+		if !strings.HasPrefix(es[i].Error(), want) {
+			t.Errorf("error %d: got %q; want it to begin %q", i, es[i].Error(), want)
+		}
+	}
+}

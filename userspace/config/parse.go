@@ -71,6 +71,25 @@ func Load(path string) (*Config, error) {
 	return ParseFile(data, path)
 }
 
+// LoadXDP reads the file at path as Load does, but parses and validates only
+// its interfaces and xdp sections, for `weir stop --detach` with no agent
+// running: removing the pinned program takes nothing else, and a file the
+// program was loaded from may fail a newer release's validation elsewhere
+// (or have been edited since). Errors in those two sections are reported as
+// Load reports them. Of the Config only Interfaces and XDP are the file's;
+// the rest holds defaults and no services.
+func LoadXDP(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("read config: %w", err)
+	}
+	return parseFile(data, path, xdpSections)
+}
+
+// xdpSections are the top-level keys the XDP program's load-time settings
+// come from.
+var xdpSections = []string{"interfaces", "xdp"}
+
 // ParseFile parses data as the contents of the file at path, as Load does once
 // it has read them: errors name path, and a relative path in the file (an
 // http.tls certificate or key) is taken from path's directory, as nginx and
@@ -78,11 +97,16 @@ func Load(path string) (*Config, error) {
 // whatever the working directory of whoever reads it: `weir validate`, `weir
 // plan` and the agent's reloads alike.
 func ParseFile(data []byte, path string) (*Config, error) {
+	return parseFile(data, path, nil)
+}
+
+// parseFile is ParseFile of only the top-level keys in sections (nil: all).
+func parseFile(data []byte, path string, sections []string) (*Config, error) {
 	dir, err := filepath.Abs(filepath.Dir(path))
 	if err != nil {
 		return nil, fmt.Errorf("config %s: %w", path, err)
 	}
-	cfg, err := parseIn(data, dir)
+	cfg, err := parseIn(data, dir, sections)
 	var es Errors
 	if errors.As(err, &es) {
 		for _, e := range es {
@@ -124,12 +148,12 @@ func AdminSocket(path string) (string, error) {
 // them into the model. With no file to take them from, relative paths in it are
 // taken from the working directory (ParseFile: from the file's).
 func Parse(data []byte) (*Config, error) {
-	return parseIn(data, "")
+	return parseIn(data, "", nil)
 }
 
 // parseIn parses data, taking relative paths from dir ("": the working
-// directory).
-func parseIn(data []byte, dir string) (cfg *Config, err error) {
+// directory), and only its top-level keys in sections (nil: all).
+func parseIn(data []byte, dir string, sections []string) (cfg *Config, err error) {
 	// A panic here would take the agent down with it on a reload, and a file is
 	// refused rather than that: the running config stays in force.
 	defer func() {
@@ -137,14 +161,14 @@ func parseIn(data []byte, dir string) (cfg *Config, err error) {
 			cfg, err = nil, Errors{{Msg: fmt.Sprintf("%s: %v", parserBug, r)}}
 		}
 	}()
-	return parse(data, dir)
+	return parse(data, dir, sections)
 }
 
 // parserBug begins the error of a file the parser failed on (a panic): a bug in
 // weir, not in the file.
 const parserBug = "weir's config parser failed on this file (a bug in weir; please report it)"
 
-func parse(data []byte, dir string) (*Config, error) {
+func parse(data []byte, dir string, sections []string) (*Config, error) {
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	var doc yaml.Node
 	if err := dec.Decode(&doc); err != nil && err != io.EOF {
@@ -169,6 +193,9 @@ func parse(data []byte, dir string) (*Config, error) {
 		}
 	}
 	root := doc.Content[0]
+	if sections != nil {
+		root = only(root, sections)
+	}
 	p := &parser{lines: make(map[string]int), atLine: make(map[int]string), values: make(map[int][]valueAt), fractional: make(map[*yaml.Node]bool)}
 	p.index(root, "", false)
 	p.checkFields(root, reflect.TypeFor[file](), "", false)
@@ -201,6 +228,23 @@ func parse(data []byte, dir string) (*Config, error) {
 	resolved := cfg.resolve()
 	resolved.lines = p.lines
 	return resolved, nil
+}
+
+// only is the mapping root with only its keys in sections: the rest of the
+// file is not read, so it cannot fail. A root that is not a mapping is
+// returned whole, to be refused as it would be anyway.
+func only(root *yaml.Node, sections []string) *yaml.Node {
+	if root.Kind != yaml.MappingNode {
+		return root
+	}
+	part := *root
+	part.Content = nil
+	for i := 0; i+1 < len(root.Content); i += 2 {
+		if slices.Contains(sections, root.Content[i].Value) {
+			part.Content = append(part.Content, root.Content[i], root.Content[i+1])
+		}
+	}
+	return &part
 }
 
 // uniqueErrors drops repeats of an error, keeping the first of each.
