@@ -176,6 +176,7 @@ func (s *Speaker) Run(ctx context.Context) error {
 	retry.Stop()
 	defer retry.Stop()
 	var bo backoff
+	var fails failureLog
 	for {
 		select {
 		case <-ctx.Done():
@@ -196,13 +197,63 @@ func (s *Speaker) Run(ctx context.Context) error {
 			bo.reset()
 			retry.Stop()
 			s.setRetry(time.Time{})
+			fails.ok(s.log, time.Now())
 			continue
 		}
 		d := bo.delay()
 		retry.Reset(d)
 		s.setRetry(time.Now().Add(d))
-		s.log.Error("bgp: apply routes", "err", err, "retry_in", d.Round(time.Millisecond))
+		fails.failed(s.log, time.Now(), err, d)
 	}
+}
+
+// repeatLogEvery is how often a route change that keeps failing with the same
+// error is logged again: retries come up to every retryMax, forever, and a line
+// each would flood the log with one refusal.
+const repeatLogEvery = time.Minute
+
+// failureLog logs the failures of apply: the first and every change of the
+// error at once, repeats of the same error at most every repeatLogEvery with
+// how many were left out, and the recovery once at info. Its zero value is a
+// speaker with no failure.
+type failureLog struct {
+	err        string    // the failing error; "" while apply succeeds
+	since      time.Time // first failure of this run of them
+	attempts   int       // failures since then
+	loggedAt   time.Time // last line
+	suppressed int       // failures since the last line that it did not log
+}
+
+func (f *failureLog) failed(log *slog.Logger, now time.Time, err error, retryIn time.Duration) {
+	if f.err == "" {
+		f.since, f.attempts = now, 0
+	}
+	f.attempts++
+	msg, same := err.Error(), err.Error() == f.err
+	f.err = msg
+	if same && now.Sub(f.loggedAt) < repeatLogEvery {
+		f.suppressed++
+		return
+	}
+	args := []any{"err", err, "retry_in", retryIn.Round(time.Millisecond)}
+	if f.attempts > 1 {
+		args = append(args, "failing_for", now.Sub(f.since).Round(time.Second), "attempts", f.attempts, "repeats_suppressed", f.suppressed)
+	}
+	if same {
+		log.Error("bgp: apply routes: still failing", args...)
+	} else {
+		log.Error("bgp: apply routes", args...)
+	}
+	f.loggedAt, f.suppressed = now, 0
+}
+
+func (f *failureLog) ok(log *slog.Logger, now time.Time) {
+	if f.err == "" {
+		return
+	}
+	log.Info("bgp: route changes applied again", "failing_for", now.Sub(f.since).Round(time.Second),
+		"failed_attempts", f.attempts, "repeats_suppressed", f.suppressed)
+	*f = failureLog{}
 }
 
 func (s *Speaker) setRetry(at time.Time) {
