@@ -26,16 +26,20 @@ import (
 	"github.com/weir-lb/weir/internal/heavy"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/internal/xdptest"
 )
 
 // The SYN-flood test's shape.
 const (
-	floodFor = 10 * time.Second // how long the generator sends
+	floodFor = 10 * time.Second // how long the generator sends, at least
 	// floodMinArrived is the least flood for a meaningful run: many times a
 	// 4,096-flow table, and in its nat half more SYNs than the three backends
-	// have nat source ports.
+	// have nat source ports. A generator that has not got that many past the
+	// client's link in floodFor (a loaded machine's falls well short of its
+	// rate) sends on until it has, for floodMaxFor in all at most.
 	floodMinArrived = 200_000
+	floodMaxFor     = floodFor * 5 / 2
 	// floodRate is what each generator thread is asked to send, in frames/s. Flat
 	// out (about 6 M frames/s here) the generator overruns the client veth's
 	// receive ring some fifty to one, and the ring drops the client's own packets
@@ -51,6 +55,7 @@ const (
 	// must survive the flood however rarely it speaks, and the rarer it speaks,
 	// the sooner an LRU table under a flood forgets it.
 	floodStreams = 200
+	floodWarmUp  = 10 * time.Second // for every stream's first echo
 	streamChunk  = 4 << 10
 	streamEvery  = 100 * time.Millisecond
 	// New connections during the flood: one every floodProbeEvery per service, at
@@ -121,7 +126,8 @@ var floodDSRVIP = netip.MustParseAddr("10.77.100.2")
 // service, three echo backends each, carry 200 established streams apiece, every
 // stream echoing data both ways with a SHA-256 of what it sent and of what came
 // back. Then weir's own generator (bench/pktgen) floods both VIPs for 10 s with
-// SYNs from 131,072 spoofed sources. Every stream must survive with its bytes
+// SYNs from 131,072 spoofed sources, longer (up to 25 s) if fewer than 200,000
+// of them have got past the client's link by then. Every stream must survive with its bytes
 // intact, and after the flood every new connection must succeed; new
 // connections during the flood are reported, not judged.
 //
@@ -246,15 +252,28 @@ func synFlood(t *testing.T, conntrack uint32) {
 		return out
 	}
 
-	// Before the flood every stream must be moving, or the test is broken.
-	time.Sleep(time.Second)
+	// Before the flood every stream must be moving, or the test is broken: each
+	// has had some echo back within floodWarmUp, and none has failed.
+	waitfor.Cond(floodWarmUp, func() bool {
+		for _, ss := range streams {
+			for _, s := range ss {
+				if _, err := s.failure(); err != nil {
+					return true
+				}
+				if s.gotN.Load() == 0 {
+					return false
+				}
+			}
+		}
+		return true
+	})
 	for _, ss := range streams {
 		for _, s := range ss {
 			if _, err := s.failure(); err != nil {
 				t.Fatalf("%s: %v before the flood; want every stream established first", s.name, err)
 			}
 			if s.gotN.Load() == 0 {
-				t.Fatalf("%s: nothing echoed in the second before the flood; want every stream moving first", s.name)
+				t.Fatalf("%s: nothing echoed in the %v before the flood; want every stream moving first", s.name, floodWarmUp)
 			}
 		}
 	}
@@ -271,7 +290,15 @@ func synFlood(t *testing.T, conntrack uint32) {
 
 	// The flood, with new connections beside it.
 	floodStart := time.Now()
-	floodCtx, stopFlood := context.WithTimeout(context.Background(), floodFor)
+	// arrivedBy is how many flood frames had got past the client's link when it
+	// had received rx frames at time at: what the link carried beyond its rate
+	// before the flood (the client's own packets), give or take what the flood
+	// cost the streams.
+	arrivedBy := func(rx uint64, at time.Time) int64 {
+		own := float64(rx1-rx0) * at.Sub(floodStart).Seconds() / floodStart.Sub(at0).Seconds()
+		return max(0, int64(rx-rx1)-int64(own))
+	}
+	floodCtx, stopFlood := context.WithTimeout(context.Background(), floodMaxFor)
 	floodDone := make(chan error, 1)
 	// Exits when floodCtx ends and the generator's calls are interrupted.
 	go func() { floodDone <- gen.Run(floodCtx, tp.Client.NS, tp.Client.Index, cpus) }()
@@ -294,10 +321,25 @@ func synFlood(t *testing.T, conntrack uint32) {
 			during[i] = probeWhile(floodCtx, tp, s.vip)
 		}()
 	}
+	// The flood lasts floodFor, and on past it until floodMinArrived of its
+	// frames have got past the client's link, up to floodMaxFor; the probes
+	// and the streams' verdicts cover all of it.
+	poll := time.NewTicker(250 * time.Millisecond)
+	for !floodOver {
+		select {
+		case floodErr = <-floodDone: // stopped, failed or out of floodMaxFor
+			floodOver = true
+		case <-poll.C:
+			if now := time.Now(); now.Sub(floodStart) >= floodFor && arrivedBy(clientRx(), now) >= floodMinArrived {
+				stopFlood()
+			}
+		}
+	}
+	poll.Stop()
+	stopFlood()
 	probing.Wait()
 	waitFlood()
 	floodEnd := time.Now()
-	stopFlood()
 	xdptest.Check(t, floodErr)
 	sent, err := gen.Sent()
 	if err != nil {
@@ -353,9 +395,7 @@ func synFlood(t *testing.T, conntrack uint32) {
 
 	// The report.
 	flooded := floodEnd.Sub(floodStart)
-	// What the client's link carried beyond its rate before the flood (the
-	// client's own packets): the flood, give or take what it cost the streams.
-	arrived := max(0, int64(rx2-rx1)-int64(float64(rx1-rx0)*flooded.Seconds()/floodStart.Sub(at0).Seconds()))
+	arrived := arrivedBy(rx2, floodEnd)
 	t.Logf("flood: %d SYNs sent in %.1f s (%.0f frames/s from %d threads asked for %d each), half to %s and half to %s, from %d sources; about %d (%.0f/s) got past the client's link",
 		sent.Packets, flooded.Seconds(), float64(sent.Packets)/flooded.Seconds(), len(cpus), floodRate, nat.Key.VIP, dsr.Key.VIP, pktgen.MaxFlows,
 		arrived, float64(arrived)/flooded.Seconds())
@@ -375,7 +415,8 @@ func synFlood(t *testing.T, conntrack uint32) {
 
 	// The verdicts.
 	if arrived < floodMinArrived {
-		t.Errorf("about %d flood frames got past the client's link; want at least %d for the test to mean anything", arrived, floodMinArrived)
+		t.Errorf("about %d flood frames got past the client's link in %.1f s (%v at most); want at least %d for the test to mean anything",
+			arrived, flooded.Seconds(), floodMaxFor, floodMinArrived)
 	}
 	for i, s := range services {
 		var failed []string
