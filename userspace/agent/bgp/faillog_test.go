@@ -104,18 +104,25 @@ func TestFailureLog(t *testing.T) {
 	}
 }
 
-// TestSpeakerRetryLogs: a route change GoBGP keeps refusing is logged once while
-// it is retried, again at once when the error changes, and its recovery at info.
-func TestSpeakerRetryLogs(t *testing.T) {
+// loggedSpeaker is a running speaker peering with a router, its lines kept and
+// its RIB one whose changes the test can make fail.
+func loggedSpeaker(t *testing.T) (*Speaker, *lineLog, *flakyRIB) {
 	_, port := router(t, 65000)
 	cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"),
 		Peers: []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: 65000, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
 	h := &lineLog{}
 	s := New(cfg, slog.New(h))
 	flaky := &flakyRIB{}
-	flaky.failing.Store(true)
 	s.wrapRIB = func(r rib) rib { flaky.rib = r; return flaky }
 	run(t, s)
+	return s, h, flaky
+}
+
+// TestSpeakerRetryLogs: a route change GoBGP keeps refusing is logged once while
+// it is retried, again at once when the error changes, and its recovery at info.
+func TestSpeakerRetryLogs(t *testing.T) {
+	s, h, flaky := loggedSpeaker(t)
+	flaky.failing.Store(true)
 	v4, other := netip.MustParsePrefix("10.80.100.1/32"), netip.MustParsePrefix("10.80.100.2/32")
 
 	s.Announce([]Route{{Prefix: v4, Services: []string{"web"}}}, nil)
@@ -144,5 +151,34 @@ func TestSpeakerRetryLogs(t *testing.T) {
 	}
 	if lines := h.of("bgp: apply routes"); len(lines) != 2 {
 		t.Errorf("after the recovery: %d failure lines; want 2", len(lines))
+	}
+}
+
+// TestSpeakerRetryLogsWithdrawals: withdrawals GoBGP keeps refusing, several at
+// once, are one error however the announced routes are held, and are logged once
+// while they are retried, not again each time the error lists them in another
+// order.
+func TestSpeakerRetryLogsWithdrawals(t *testing.T) {
+	s, h, flaky := loggedSpeaker(t)
+	var routes []Route
+	for _, p := range []string{"10.80.100.1/32", "10.80.100.2/32", "10.80.100.3/32"} {
+		routes = append(routes, Route{Prefix: netip.MustParsePrefix(p), Services: []string{"web"}})
+	}
+	s.Announce(routes, nil)
+	if !waitfor.Cond(10*time.Second, func() bool { return len(h.of("bgp announce")) == len(routes) }) {
+		t.Fatalf("announced %d of %d routes", len(h.of("bgp announce")), len(routes))
+	}
+
+	flaky.failing.Store(true)
+	s.Announce(nil, nil)
+	// Six attempts of three refused withdrawals, 100 to 1600 ms apart.
+	if !waitfor.Cond(20*time.Second, func() bool { return flaky.calls.Load() >= 6*int32(len(routes)) }) {
+		t.Fatalf("%d refused calls; want %d", flaky.calls.Load(), 6*len(routes))
+	}
+	if lines := h.of("bgp: apply routes"); len(lines) != 1 {
+		for _, r := range lines {
+			t.Logf("%s %s", r.Message, attr(r, "err"))
+		}
+		t.Fatalf("after %d refused withdrawals of the same routes: got %d failure lines; want 1", flaky.calls.Load(), len(lines))
 	}
 }

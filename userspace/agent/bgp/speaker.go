@@ -362,10 +362,13 @@ func (s *Speaker) apply(srv rib) error {
 		s.setAnnounced(r.Prefix, &r)
 		s.log.Info("bgp announce", "prefix", r.Prefix, "services", r.Services)
 	}
-	for p, r := range have {
+	// In prefix order, not the map's: the error lists the refused withdrawals, and
+	// the same refusals must read the same at every retry (failureLog).
+	for _, p := range slices.SortedFunc(maps.Keys(have), netip.Prefix.Compare) {
 		if keep[p] {
 			continue
 		}
+		r := have[p]
 		path, err := s.path(r)
 		if err == nil {
 			err = srv.DeletePath(apiutil.DeletePathRequest{Paths: []*apiutil.Path{path}})
