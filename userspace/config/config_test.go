@@ -792,3 +792,24 @@ func TestLoadXDP(t *testing.T) {
 		}
 	}
 }
+
+// TestLoadXDPMisspelledSection: a top-level key that is no section of a config
+// is refused by LoadXDP as Load refuses it, not left out: a misspelled xdp
+// section would otherwise be read as none, and the program at the default pin
+// path, with the default table sizes, taken for the file's.
+func TestLoadXDPMisspelledSection(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "weir.yaml")
+	body := "interfaces:\n  - name: eth1\nxpd:\n  conntrack_size: 65536\n  pin_path: /sys/fs/bpf/weir-other\n" +
+		"services:\n  - name: web\n    vip: 192.0.2.1:80\n    algorithm: Maglev\n    backends:\n      - address: 10.0.0.1:80\n"
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := LoadXDP(path)
+	if err == nil {
+		t.Fatalf("LoadXDP: got pin path %s, conntrack size %d; want the misspelled xdp section refused", cfg.XDP.PinPath, cfg.XDP.ConntrackSize)
+	}
+	var es Errors
+	if want := path + `:3: xpd: unknown field; did you mean "xdp"?`; !errors.As(err, &es) || len(es) != 1 || es[0].Error() != want {
+		t.Errorf("LoadXDP: got %v; want the one error %q", err, want)
+	}
+}

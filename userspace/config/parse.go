@@ -230,17 +230,21 @@ func parse(data []byte, dir string, sections []string) (*Config, error) {
 	return resolved, nil
 }
 
-// only is the mapping root with only its keys in sections: the rest of the
-// file is not read, so it cannot fail. A root that is not a mapping is
-// returned whole, to be refused as it would be anyway.
+// only is the mapping root without the config's other sections: they are not
+// read, so they cannot fail. A key that is no section of a config (a misspelled
+// one, a merge) is kept, to be refused or read as Load would: left out, a
+// misspelled xdp would pass for none. A root that is not a mapping is returned
+// whole, to be refused as it would be anyway.
 func only(root *yaml.Node, sections []string) *yaml.Node {
 	if root.Kind != yaml.MappingNode {
 		return root
 	}
+	all := yamlFields(reflect.TypeFor[file]())
 	part := *root
 	part.Content = nil
 	for i := 0; i+1 < len(root.Content); i += 2 {
-		if slices.Contains(sections, root.Content[i].Value) {
+		k := root.Content[i]
+		if _, section := all[k.Value]; !section || slices.Contains(sections, k.Value) {
 			part.Content = append(part.Content, root.Content[i], root.Content[i+1])
 		}
 	}
