@@ -129,13 +129,17 @@ func TestPausedLoopIdlesAfterAcceptError(t *testing.T) {
 
 	// A loop that wakes over and over uses a whole CPU, or, on a loaded
 	// machine, its share of one: seen as little as 80 ms in the second with
-	// 6 busy processes beside it. Either way its thread is runnable (running
-	// or waiting for a CPU) the whole window.
+	// 6 busy processes beside it. Either way its threads are runnable (running
+	// or waiting for a CPU) the whole window: 1.09-1.61 s summed over the
+	// process's threads, measured. Paused loops leave the process's other
+	// threads (this test's, the runtime's), which under load wait for a CPU
+	// too: up to 286 ms seen with 6 busy processes and the race detector. The
+	// bound sits between the two.
 	cpu0, ready0 := cpuTime(), runnable(t)
 	const window = time.Second
 	time.Sleep(window)
 	cpu, ready := cpuTime()-cpu0, runnable(t).since(ready0)
-	if cpu > window/4 || ready > window/2 {
+	if cpu > window/4 || ready > window*3/4 {
 		t.Errorf("the process used %v of CPU, its threads runnable %v, in %v with one idle connection and its loops paused; want next to none", cpu, ready, window)
 	}
 }
