@@ -121,43 +121,57 @@ func (l *loop) redirect(c *conn) bool {
 // at EOF). On an error it reports true: the connection is then ended by the error
 // path, with nothing more to wait for.
 func (l *loop) kernelMoved(c *conn, d int) (uint64, bool) {
+	p, ok := l.kernelProgress(c, d)
+	if !ok {
+		return 0, true
+	}
+	// received counts the FIN once it is in; queued never does.
+	return p.queued, p.queued+1 >= p.received
+}
+
+// kernelCount is where the kernel's forwarding of one direction stands.
+type kernelCount struct {
+	queued   uint64 // bytes in the destination's send queue or acknowledged, not written by the proxy
+	received uint64 // bytes the source received and the proxy did not read, its FIN included once in
+	finIn    bool   // the source has received its peer's FIN
+}
+
+// holds reports whether the source has received bytes that are neither in the
+// destination's send queue nor read by the proxy: the kernel holds them still,
+// on their way.
+func (k kernelCount) holds() bool {
+	received := k.received
+	if k.finIn {
+		received-- // the FIN, which tcpi_bytes_received counts
+	}
+	return received > k.queued
+}
+
+// kernelProgress reads direction d's kernelCount from both sockets' counters.
+func (l *loop) kernelProgress(c *conn, d int) (kernelCount, bool) {
 	h := &c.h[d]
 	in, err := tcpInfoRaw(c.fd[d])
 	if err != nil {
-		return 0, true
+		return kernelCount{}, false
 	}
 	out, err := tcpInfoRaw(c.fd[1-d])
 	if err != nil {
-		return 0, true
+		return kernelCount{}, false
 	}
 	outq, err := outqRaw(c.fd[1-d])
 	if err != nil {
-		return 0, true
+		return kernelCount{}, false
 	}
 	queued := out.Bytes_acked + uint64(outq)
 	if 1-d == server && queued > 0 {
 		queued-- // the SYN of the socket the proxy opened
 	}
-	queued -= min(queued, h.wrote)
-	received := in.Bytes_received - min(in.Bytes_received, h.read)
-	// received counts the FIN once it is in; queued never does.
-	return queued, queued+1 >= received
-}
-
-// kernelHolds reports whether the source of direction d has received bytes that
-// are neither in the destination's send queue (queued of them are, kernelMoved)
-// nor read by the proxy: the kernel holds them still, on their way.
-func (l *loop) kernelHolds(c *conn, d int, queued uint64) bool {
-	in, err := tcpInfoRaw(c.fd[d])
-	if err != nil {
-		return false
-	}
-	received := in.Bytes_received - min(in.Bytes_received, c.h[d].read)
+	k := kernelCount{queued: queued - min(queued, h.wrote), received: in.Bytes_received - min(in.Bytes_received, h.read)}
 	switch in.State {
 	case unix.BPF_TCP_CLOSE_WAIT, unix.BPF_TCP_LAST_ACK, unix.BPF_TCP_CLOSING: // the kernel's TCP states, by their BPF names
-		received-- // its FIN, which tcpi_bytes_received counts
+		k.finIn = true
 	}
-	return received > queued
+	return k, true
 }
 
 // flushLater checks c again soon: its kernel forwarding has not caught up with an EOF.
@@ -205,8 +219,9 @@ func (l *loop) accountKernel(c *conn) {
 	for d := range c.h {
 		n := c.h[d].kernel
 		if !c.h[d].done {
-			n, _ = l.kernelMoved(c, d)
-			if l.kernelHolds(c, d, n) {
+			k, ok := l.kernelProgress(c, d)
+			n = k.queued
+			if ok && k.holds() {
 				setLinger0(c.fd[1-d])
 			}
 		}
