@@ -380,11 +380,16 @@ func spillByEvents(table []uint32, up []int, t *turns, pos, skip, count, capOf [
 			return r - m
 		}
 	}
-	// (r+1)/w of one backend against another's: ranks are below 2^23 and turn
-	// weights below 2^32, so the products fit in 64 bits.
+	// (r+1)/w of one backend against another's, cross-multiplied in 128 bits as
+	// turns.Less does: while a backend ramps a turn weight is a weight times
+	// RampFull, up to 2^48, and its product with a rank can pass 2^64.
 	earlier := func(ra uint64, ka int, rb uint64, kb int) bool {
-		x, y := (ra+1)*t.w[kb], (rb+1)*t.w[ka]
-		return x < y || x == y && ka < kb
+		xh, xl := bits.Mul64(ra+1, t.w[kb])
+		yh, yl := bits.Mul64(rb+1, t.w[ka])
+		if xh != yh {
+			return xh < yh
+		}
+		return xl < yl || xl == yl && ka < kb
 	}
 	taker := func(slot uint64) (event, bool) {
 		best := event{k: -1}

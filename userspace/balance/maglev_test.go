@@ -203,7 +203,9 @@ func TestMaglevFastFill(t *testing.T) {
 
 // TestMaglevSpillFills: with many backends down in a small table the caps bind
 // often, so the spill by earliest taker must hand slots on to later takers exactly as
-// probing turns do.
+// probing turns do. At the largest weights a ramping backend's turn weights reach
+// 2^48 (a weight times RampFull), whose products with a slot's rank pass 2^64: the
+// fast fills must compare them exactly too.
 func TestMaglevSpillFills(t *testing.T) {
 	for _, tc := range []struct {
 		n, down int
@@ -214,6 +216,7 @@ func TestMaglevSpillFills(t *testing.T) {
 		{50, 20, 4099, func(i int) uint32 { return uint32(1 + i%4) }},
 		{200, 150, 1031, func(i int) uint32 { return uint32(1 + i*7%13) }},
 		{3, 2, 13, one},
+		{20, 5, 65537, func(i int) uint32 { return 1<<32 - 1 - uint32(i) }},
 	} {
 		bs := backendsN(tc.n, tc.w)
 		for i := range tc.down {
