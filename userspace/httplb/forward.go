@@ -747,11 +747,18 @@ func forwardedElement(client, proto, host string) string {
 	return el
 }
 
-// hashKey is the request's key for maglev and source_hash: FNV-1a of the
+// hashes reports whether algorithm picks by the request's hash key: maglev,
+// source_hash, and maglev_p2c, whose two candidates are the key's entries in
+// two tables (with no key every request would have the same two).
+func hashes(algorithm string) bool {
+	return algorithm == balance.Maglev || algorithm == balance.SourceHash || algorithm == balance.MaglevP2C
+}
+
+// hashKey is the request's key for the algorithms that hash: FNV-1a of the
 // client's address, a header's or a cookie's value, so every balancer node
 // computes the same key for a request.
 func (l *live) hashKey(r *http.Request) uint64 {
-	if l.cfg.Algorithm != balance.Maglev && l.cfg.Algorithm != balance.SourceHash {
+	if !hashes(l.cfg.Algorithm) {
 		return 0
 	}
 	var v string

@@ -658,7 +658,7 @@ func (st *fstream) logPath() string {
 // key is the request's hash key, as hashKey computes it for net/http's requests.
 func (st *fstream) key(regular []hpack.HeaderField, cookies []string) uint64 {
 	cfg := &st.live.cfg
-	if cfg.Algorithm != balance.Maglev && cfg.Algorithm != balance.SourceHash {
+	if !hashes(cfg.Algorithm) {
 		return 0
 	}
 	var v string

@@ -257,21 +257,30 @@ func TestGRPC(t *testing.T) {
 }
 
 // TestAffinity: maglev over a header, a cookie or the client address keeps
-// each key on one backend, and spreads different keys.
+// each key on one backend, and spreads different keys; so does maglev_p2c,
+// whose two candidates come from the same key (one request at a time here, so
+// the first always wins), over HTTP/2 frames and HTTP/1.1 alike.
 func TestAffinity(t *testing.T) {
 	bs := httpbackend.StartN(t, 3)
+	user := func(i int) []string { return []string{"X-User", fmt.Sprint("user", i)} }
 	for _, c := range []struct {
 		name string
 		cfg  Config
 		key  func(i int) []string // request headers for user i
+		h1   bool                 // HTTP/1.1 requests, not h2c
 	}{
-		{"header", Config{Algorithm: "maglev", Hash: HashHeader, HashName: "X-User"}, func(i int) []string { return []string{"X-User", fmt.Sprint("user", i)} }},
-		{"cookie", Config{Algorithm: "maglev", Hash: HashCookie, HashName: "session"}, func(i int) []string { return []string{"Cookie", fmt.Sprintf("a=1; session=s%d", i)} }},
-		{"source", Config{Algorithm: "source_hash"}, func(int) []string { return nil }},
+		{"header", Config{Algorithm: "maglev", Hash: HashHeader, HashName: "X-User"}, user, false},
+		{"cookie", Config{Algorithm: "maglev", Hash: HashCookie, HashName: "session"}, func(i int) []string { return []string{"Cookie", fmt.Sprintf("a=1; session=s%d", i)} }, false},
+		{"source", Config{Algorithm: "source_hash"}, func(int) []string { return nil }, false},
+		{"p2c header", Config{Algorithm: "maglev_p2c", Hash: HashHeader, HashName: "X-User"}, user, false},
+		{"p2c header h1", Config{Algorithm: "maglev_p2c", Hash: HashHeader, HashName: "X-User"}, user, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			s := serve(t, c.cfg, bs)
 			client := h2cClient()
+			if c.h1 {
+				client = h1Client()
+			}
 			defer client.CloseIdleConnections()
 			owners := map[string]bool{}
 			for i := range 30 {
