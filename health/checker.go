@@ -272,6 +272,11 @@ func (c *Checker) Set(nb Backend) error {
 			// are not the new one's: its result is dropped, as after an
 			// address change.
 			c.retarget(b)
+			if b.ejectIdx >= 0 && !s.cfg.Outlier.passive() {
+				// The new service ejects nothing: the ejection ends, as
+				// when a service turns ejection off (SetService).
+				c.unEject(b)
+			}
 			c.leave(b)
 			b.svc = s
 			if s.cfg.Check.Kind == None {

@@ -252,3 +252,28 @@ func TestEjectionWaitsForActiveChecks(t *testing.T) {
 		t.Fatalf("ejected with passing checks: got %v; want ejected", got)
 	}
 }
+
+// TestMoveToServiceWithoutEjection: a backend moved by Set into a service whose
+// passive ejection is off leaves its ejection behind, as a service reconfigured
+// with ejection off does, instead of staying out of use until it ends; and it
+// no longer counts against its old service's max_ejection_percent.
+func TestMoveToServiceWithoutEjection(t *testing.T) {
+	c, _ := passiveChecker(t, 2, Config{Outlier: Outlier{Consecutive: 2, MaxEjectionPercent: 10}})
+	if err := c.SetService("db", Config{Check: Check{Kind: None}}); err != nil {
+		t.Fatal(err)
+	}
+	observeN(c, "b0", Reset, 2)
+	if st, _ := c.Status("b0"); st.State != Ejected {
+		t.Fatalf("b0 after 2 resets: got %v; want ejected", st.State)
+	}
+	if err := c.Set(Backend{ID: "b0", Addr: "127.0.0.1:1", Service: "db"}); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := c.Status("b0"); st.State != Up || !st.Usable || !st.EjectedUntil.IsZero() {
+		t.Errorf("b0 moved to a service without ejection: got %v usable %t ejected until %v; want up, usable, not ejected", st.State, st.Usable, st.EjectedUntil)
+	}
+	observeN(c, "b1", Reset, 2)
+	if st, _ := c.Status("b1"); st.State != Ejected {
+		t.Errorf("b1, the old service's only backend, after 2 resets: got %v; want ejected", st.State)
+	}
+}
