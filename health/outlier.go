@@ -60,7 +60,12 @@ func (c *Checker) eject(b *backend, o Outcome, now time.Time) {
 	if !b.returned.IsZero() {
 		b.ejections = max(0, b.ejections-int(now.Sub(b.returned)/out.BaseEjection))
 	}
-	b.ejections++
+	// The multiplier stops growing once its ejection reaches MaxEjection (as
+	// Envoy's does): past that a longer streak would lengthen no ejection,
+	// only the time the backend then needs in service to be treated as new.
+	if out.BaseEjection*time.Duration(b.ejections) < out.MaxEjection {
+		b.ejections++
+	}
 	d := min(out.BaseEjection*time.Duration(b.ejections), out.MaxEjection)
 	b.ejectedUntil = now.Add(d)
 	heap.Push(&c.ejected, b)

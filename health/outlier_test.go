@@ -277,3 +277,27 @@ func TestMoveToServiceWithoutEjection(t *testing.T) {
 		t.Errorf("b1, the old service's only backend, after 2 resets: got %v; want ejected", st.State)
 	}
 }
+
+// TestEjectionMultiplierStopsAtMax: once n × base_ejection reaches max_ejection
+// a longer streak adds nothing to the multiplier (as in Envoy), so a backend
+// that failed for hours is, after max_ejection ÷ base_ejection quiet bases,
+// ejected for one base again like any other, not for max_ejection long after
+// it recovered.
+func TestEjectionMultiplierStopsAtMax(t *testing.T) {
+	out := Outlier{Consecutive: 1, BaseEjection: 10 * time.Second, MaxEjection: 25 * time.Second, MaxEjectionPercent: 100}
+	c, clk := passiveChecker(t, 1, Config{Outlier: out})
+	for range 20 { // a long streak: ejected again as soon as it returns
+		c.Observe("b0", Reset)
+		st, _ := c.Status("b0")
+		advance(c, clk, st.EjectedUntil.Sub(clk.Now()))
+	}
+	if st, _ := c.Status("b0"); st.Ejections != 3 {
+		t.Errorf("multiplier after 20 ejections in a row, base 10s, max 25s: got %d; want 3", st.Ejections)
+	}
+	advance(c, clk, 30*time.Second) // three bases back in service
+	c.Observe("b0", Reset)
+	st, _ := c.Status("b0")
+	if got := st.EjectedUntil.Sub(clk.Now()); got != 10*time.Second {
+		t.Errorf("ejection after 3 quiet bases: got %v; want 10s (multiplier back to 1)", got)
+	}
+}
