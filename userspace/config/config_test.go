@@ -222,6 +222,7 @@ func TestErrors(t *testing.T) {
 		{"log level in upper case", "log: {level: INFO}\nservices: []\n", `log.level: must be debug, info, warn or error, got "INFO" (values are lower case: write info)`},
 		{"zero base ejection", svc + "  passive: {base_ejection: 0s}\n" + be, "line 4: services[0].passive.base_ejection: must be positive, got 0s"},
 		{"zero max ejection", svc + "  passive: {max_ejection: 0s}\n" + be, "line 4: services[0].passive.max_ejection: must be at least base_ejection (30s), got 0s"},
+		{"zero max ejection percent", svc + "  passive: {max_ejection_percent: 0}\n" + be, "line 4: services[0].passive.max_ejection_percent: must be 1..100 (one backend may always be ejected), got 0"},
 		{"zero proxy idle timeout", svc + "  proxy: {idle_timeout: 0s}\n" + be, "line 4: services[0].proxy.idle_timeout: must be positive, got 0s"},
 		{"zero proxy connect timeout", svc + "  proxy: {connect_timeout: 0s}\n" + be, "line 4: services[0].proxy.connect_timeout: must be positive, got 0s"},
 		{"zero http idle timeout", svc + "  data_plane: http\n  http: {idle_timeout: 0s}\n" + be, "line 5: services[0].http.idle_timeout: must be positive, got 0s"},

@@ -887,8 +887,10 @@ func (ps *filePassive) validate(c *checker, p string) {
 	if *ps.MaxEjection < *ps.BaseEjection {
 		c.bad(p+".max_ejection", "must be at least base_ejection (%v), got %v", *ps.BaseEjection, *ps.MaxEjection)
 	}
-	if *ps.MaxEjectionPercent < 0 || *ps.MaxEjectionPercent > 100 {
-		c.bad(p+".max_ejection_percent", "must be 0..100, got %d", *ps.MaxEjectionPercent)
+	// 1, not 0: the checker always allows one ejection, and takes a 0 for
+	// its default (10), so a 0 written here would have allowed more, not fewer.
+	if *ps.MaxEjectionPercent < 1 || *ps.MaxEjectionPercent > 100 {
+		c.bad(p+".max_ejection_percent", "must be 1..100 (one backend may always be ejected), got %d", *ps.MaxEjectionPercent)
 	}
 }
 
