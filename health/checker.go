@@ -794,7 +794,9 @@ func (c *Checker) complete(ctx context.Context, b *backend, p *checkRun, keep *k
 		Scheduled: p.scheduled, Start: start, Duration: end.Sub(start), Err: err}
 
 	c.mu.Lock()
-	stale := b.removed || b.gen != p.gen || ctx.Err() == context.Canceled || errors.Is(err, errSynClosed)
+	// A check cut short by Remove or by the end of Run, however Run's context
+	// ended (cancelled or past its deadline), is no result.
+	stale := b.removed || b.gen != p.gen || ctx.Err() != nil || errors.Is(err, errSynClosed)
 	if !stale {
 		c.record(b, res, end)
 	}

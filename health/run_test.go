@@ -1,11 +1,13 @@
 package health
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -329,5 +331,77 @@ func TestMoveBackendBetweenServices(t *testing.T) {
 	ch := waitChange(t, sub, "b", 5*time.Second, func(ch Change) bool { return ch.To == Down })
 	if ch.Service != "active" || ch.Reason != "connect: connection refused" {
 		t.Errorf("after the move: got %v; want down in service active, connect: connection refused", ch)
+	}
+}
+
+// TestRunDeadlineRecordsNoResult: when Run's context ends by its deadline, not
+// by a cancel, a check it cuts short is no result either: the backend keeps
+// its state, its run of failures and OnCheck are untouched, as when the
+// context is cancelled.
+func TestRunDeadlineRecordsNoResult(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	accepted := make(chan struct{}, 1)
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, conn := range conns {
+			conn.Close()
+		}
+	})
+	// Exits when the cleanup closes ln. The server never answers.
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, conn)
+			mu.Unlock()
+			select {
+			case accepted <- struct{}{}:
+			default:
+			}
+		}
+	}()
+
+	var checks atomic.Int32
+	c := &Checker{OnCheck: func(Result) { checks.Add(1) }}
+	cfg := Config{Check: Check{Kind: HTTP, Interval: 20 * time.Millisecond, Timeout: time.Minute, Fall: 1, Initial: Up}}
+	if err := c.SetService("web", cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(Backend{ID: "b0", Addr: ln.Addr().String(), Service: "web"}); err != nil {
+		t.Fatal(err)
+	}
+	const life = 3 * time.Second
+	ctx, cancel := context.WithTimeout(context.Background(), life)
+	t.Cleanup(cancel)
+	done := make(chan error, 1)
+	// Exits at ctx's deadline.
+	go func() { done <- c.Run(ctx) }()
+	select {
+	case <-accepted:
+	case <-time.After(life):
+		t.Fatalf("no check reached the server within Run's %v", life)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Run: got %v; want nil", err)
+		}
+	case <-time.After(life + 5*time.Second):
+		t.Fatal("Run did not return after its deadline")
+	}
+	st, _ := c.Status("b0")
+	if st.State != Up || st.Fails != 0 || checks.Load() != 0 {
+		t.Errorf("after Run's deadline cut its check short: got %v, %d fails, %d checks reported (last: %v); want up, 0, 0",
+			st.State, st.Fails, checks.Load(), st.Last.Err)
 	}
 }
