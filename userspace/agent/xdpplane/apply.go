@@ -9,6 +9,7 @@ import (
 	"github.com/weir-lb/weir/loader"
 	"github.com/weir-lb/weir/userspace/agent/api"
 	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/balance"
 	"github.com/weir-lb/weir/userspace/config"
 )
 
@@ -38,6 +39,13 @@ func spec(s *plan.Service) loader.Service {
 	ls := loader.Service{Key: Key(&s.Config), Forwarding: forwarding(s.Config.Mode),
 		SourceHash: s.Config.Hash == config.HashSource, TableSize: s.Config.TableSize,
 		P2C: s.Config.Algorithm == config.AlgorithmMaglevP2C}
+	if ls.TableSize == 0 {
+		// Sized by the configured backends, as the file's table_size check
+		// counts them, not by the leaving ones too: past 655 backends the size
+		// follows the count, and a leaver counted in would change it again
+		// when it leaves, drain_timeout after the reload, moving every slot.
+		ls.TableSize = balance.MaglevSize(len(s.Backends))
+	}
 	mac := func(b *plan.Backend) net.HardwareAddr {
 		if ls.Forwarding != loader.ForwardDSR {
 			return nil
