@@ -257,6 +257,15 @@ func (ss *fsess) headerDeadline(on bool) {
 // (RFC 9113 5.1.1), so it is held to the rules of any HEADERS and uses up its
 // stream ID.
 func (ss *fsess) streamError(se http2.StreamError, hb *hblock) error {
+	if se.Cause == errPriorityLength {
+		// The stream's reset, open or closed. PRIORITY may come on an idle
+		// stream, where no RST_STREAM may go: dropped there, as it changes
+		// nothing weir keeps.
+		if ss.streams[se.StreamID] == nil && ss.idleStream(se.StreamID) {
+			return nil
+		}
+		return ss.refuse(ss.streams[se.StreamID], se.StreamID, se.Code)
+	}
 	if hb == nil && ss.idleStream(se.StreamID) {
 		// The framer's stream error (a WINDOW_UPDATE of 0) on a stream the
 		// client never opened: a frame there is a connection error before

@@ -379,6 +379,15 @@ func (uc *upconn) read() error {
 					if err := uc.notOpen(se.StreamID, "HEADERS"); err != nil {
 						return err
 					}
+				} else if se.Cause == errPriorityLength {
+					// On a closed stream, reset all the same; on one
+					// never opened, where no RST_STREAM may go, dropped
+					// as a sound PRIORITY there is.
+					uc.mu.Lock()
+					if !uc.idleLocked(se.StreamID) {
+						uc.fr.WriteRSTStream(se.StreamID, se.Code)
+					}
+					uc.mu.Unlock()
 				} else if uc.neverOpened(se.StreamID) {
 					// The framer's stream error (a WINDOW_UPDATE of 0) on a
 					// stream weir never opened: a frame there is a

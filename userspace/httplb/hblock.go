@@ -72,6 +72,11 @@ func newBlockReader(fr *http2.Framer, maxList uint32) *blockReader {
 var errPseudoAfterRegular = errors.New("pseudo-header after a regular header")
 var errSelfDependency = errors.New("the stream depends on itself")
 
+// errPriorityLength is the cause of the stream error for a PRIORITY frame
+// not 5 bytes long: PRIORITY may come on a stream not open, where the error
+// has no stream to reset.
+var errPriorityLength = errors.New("PRIORITY frame not 5 bytes long")
+
 func (r *blockReader) emit(hf hpack.HeaderField) {
 	if !httpguts.ValidHeaderFieldValue(hf.Value) {
 		r.invalid = errors.New("invalid header field value for " + hf.Name)
@@ -122,14 +127,20 @@ func (r *blockReader) read() (http2.Frame, *hblock, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	if fh.Type == http2.FrameHeaders && fh.Length < headersFixed(fh.Flags) {
-		// Too short for its pad length or priority: a frame size error, and
-		// in a frame carrying a header block a connection error (RFC 9113
-		// 4.2). The framer's own answer, io.ErrUnexpectedEOF, reads as a
+	if fh.Length < fixedLength(fh) {
+		// Too short for its pad length, priority or promised stream: a frame
+		// size error (RFC 9113 4.2), and a connection error in a frame
+		// carrying a header block or counted against the connection's
+		// window. The framer's own answer, io.ErrUnexpectedEOF, reads as a
 		// connection cut short, which would end it with no GOAWAY.
 		return nil, nil, http2.ConnectionError(http2.ErrCodeFrameSize)
 	}
 	f, err := r.fr.ReadFrameForHeader(fh)
+	if err == http2.ConnectionError(http2.ErrCodeFrameSize) && fh.Type == http2.FramePriority && fh.StreamID != 0 {
+		// A PRIORITY frame not 5 bytes long is a stream error (RFC 9113
+		// 6.3); the framer makes it the connection's.
+		return nil, nil, http2.StreamError{StreamID: fh.StreamID, Code: http2.ErrCodeFrameSize, Cause: errPriorityLength}
+	}
 	if _, ok := err.(http2.StreamError); ok && fh.Type == http2.FrameHeaders {
 		// The framer's stream error for a HEADERS frame whose padding is as
 		// long as the frame is a connection error (RFC 9113 6.2): its block,
@@ -191,15 +202,29 @@ func (r *blockReader) read() (http2.Frame, *hblock, error) {
 	return nil, &r.b, nil
 }
 
-// headersFixed is the length of a HEADERS frame's fields before its block: the
-// pad length and the priority, as its flags say (RFC 9113 6.2).
-func headersFixed(flags http2.Flags) uint32 {
+// fixedLength is the length of the fields a frame of fh's type and flags
+// cannot be without: the pad length (DATA, HEADERS, PUSH_PROMISE), a
+// HEADERS frame's priority, a PUSH_PROMISE's promised stream (RFC 9113 6.1,
+// 6.2, 6.6). Other types' lengths are the framer's to check.
+func fixedLength(fh http2.FrameHeader) uint32 {
 	var n uint32
-	if flags.Has(http2.FlagHeadersPadded) {
-		n++
-	}
-	if flags.Has(http2.FlagHeadersPriority) {
-		n += 5
+	switch fh.Type {
+	case http2.FrameData:
+		if fh.Flags.Has(http2.FlagDataPadded) {
+			n++
+		}
+	case http2.FrameHeaders:
+		if fh.Flags.Has(http2.FlagHeadersPadded) {
+			n++
+		}
+		if fh.Flags.Has(http2.FlagHeadersPriority) {
+			n += 5
+		}
+	case http2.FramePushPromise:
+		n = 4
+		if fh.Flags.Has(http2.FlagPushPromisePadded) {
+			n++
+		}
 	}
 	return n
 }
