@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -83,12 +84,22 @@ func statusBlock(code string) []byte {
 // than NO_ERROR, which ends a stream answered whole), "PING answered" (weir
 // went on as if the frame were sound), or the read's error.
 func frameAnswer(fr *http2.Framer, id uint32) string {
+	return frameAnswerServing(fr, id, nil)
+}
+
+// frameAnswerServing is frameAnswer for a backend, which answers the requests
+// (HEADERS) that come in the meantime with serve, if set.
+func frameAnswerServing(fr *http2.Framer, id uint32, serve func(id uint32)) string {
 	for {
 		f, err := fr.ReadFrame()
 		if err != nil {
 			return "read: " + err.Error()
 		}
 		switch f := f.(type) {
+		case *http2.HeadersFrame:
+			if serve != nil {
+				serve(f.StreamID)
+			}
 		case *http2.GoAwayFrame:
 			return "GOAWAY " + f.ErrCode.String()
 		case *http2.RSTStreamFrame:
@@ -166,7 +177,7 @@ func TestMisshapenFramesFromBackend(t *testing.T) {
 				wait := time.Now().Add(10 * time.Second)
 				for len(ids) < 2 {
 					if len(ids) == 1 {
-						wait = time.Now().Add(time.Second)
+						wait = time.Now().Add(3 * time.Second)
 					}
 					conn.SetReadDeadline(wait)
 					f, err := fr.ReadFrame()
@@ -187,13 +198,18 @@ func TestMisshapenFramesFromBackend(t *testing.T) {
 				}
 				writeRawFrame(conn, c.typ, c.flags, id, c.payload)
 				fr.WritePing(false, [8]byte{'s', 'i', 'z', 'e'})
-				got <- frameAnswer(fr, ids[0])
-				for _, id := range ids[1:] {
-					// Answered, should the connection still be up.
+				// The other requests are answered, should the connection
+				// still be up, and so are those that come later.
+				ok := func(id uint32) {
 					fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: statusBlock("200"), EndHeaders: true})
 					fr.WriteData(id, true, []byte("ok"))
 				}
-				io.Copy(io.Discard, conn)
+				got <- frameAnswerServing(fr, ids[0], ok)
+				for _, id := range ids[1:] {
+					ok(id)
+				}
+				for !strings.HasPrefix(frameAnswerServing(fr, 0, ok), "read: ") {
+				}
 			})
 			good := httpbackend.StartN(t, 1)[0]
 			s := serveOn(t, Config{Algorithm: "round_robin", Retries: 1},
