@@ -206,23 +206,7 @@ func TestBackendPastItsStreamWindowIsReset(t *testing.T) {
 			}
 		}
 	})
-	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
-	addr := s.Addr().String()
-	conn, fr := h2Conn(t, addr)
-	defer conn.Close()
-	conn.SetDeadline(time.Now().Add(15 * time.Second))
-	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true}); err != nil {
-		t.Fatal(err)
-	}
-	// The client reads what its 65,535-byte window lets through and never
-	// grants more. Exits when the connection closes.
-	go func() {
-		for {
-			if _, err := fr.ReadFrame(); err != nil {
-				return
-			}
-		}
-	}()
+	s := getWithoutWindow(t, be)
 	var n int
 	select {
 	case code := <-rst:
@@ -257,6 +241,85 @@ func TestBackendPastItsStreamWindowIsReset(t *testing.T) {
 	s.fmu.Unlock()
 	t.Errorf("the backend sent %d MiB on a stream whose window weir set at %d KiB, without a reset; weir holds %d MiB of it queued for a client that takes none",
 		n>>20, recvStreamWin>>10, queued>>20)
+}
+
+// TestBackendOverrunWithEndStreamIsResetByWeir: a backend's DATA that runs
+// past the stream's window weir gave is reset (FLOW_CONTROL_ERROR) even when it
+// carries END_STREAM, and the stream counts as closed by weir's reset: frames
+// the backend sends on it after are ignored (RFC 9113 5.1), not taken for
+// frames after both sides had ended it, which would end the connection with
+// GOAWAY STREAM_CLOSED and fail every other request on it.
+func TestBackendOverrunWithEndStreamIsResetByWeir(t *testing.T) {
+	got := make(chan string, 1)
+	be := rawBackend(t, func(conn net.Conn) {
+		conn.SetDeadline(time.Now().Add(15 * time.Second))
+		if _, err := io.ReadFull(conn, make([]byte, len(http2.ClientPreface))); err != nil {
+			return
+		}
+		fr := http2.NewFramer(conn, conn)
+		fr.WriteSettings()
+		var id uint32
+		for id == 0 {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			if h, ok := f.(*http2.HeadersFrame); ok {
+				id = h.StreamID
+			}
+		}
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: statusBlock("200"), EndHeaders: true})
+		// The whole window weir gave the stream, then a byte past it with
+		// END_STREAM. The client grants no window of its own, so weir
+		// passes on under creditBatch and gives the stream no more.
+		chunk := make([]byte, defaultMaxFrame)
+		for range recvStreamWin / defaultMaxFrame {
+			fr.WriteData(id, false, chunk)
+		}
+		fr.WriteData(id, true, []byte("x"))
+		if a := frameAnswer(fr, id); a != "RST_STREAM "+http2.ErrCodeFlowControl.String() {
+			got <- "to the overrun: " + a
+			return
+		}
+		// Late DATA on the stream weir reset.
+		fr.WriteData(id, true, []byte("late"))
+		fr.WritePing(false, [8]byte{'l', 'a', 't', 'e'})
+		got <- frameAnswer(fr, id)
+		io.Copy(io.Discard, conn)
+	})
+	getWithoutWindow(t, be)
+	select {
+	case g := <-got:
+		if g != "PING answered" {
+			t.Errorf("after DATA on the stream weir reset: %s; want PING answered", g)
+		}
+	case <-time.After(15 * time.Second):
+		t.Error("the backend saw no answer from weir in 15s")
+	}
+}
+
+// getWithoutWindow serves a service over the backend be, and sends it a GET
+// from an HTTP/2 client that reads what its 65,535-byte windows let through
+// and never grants more, until cleanup closes its connection.
+func getWithoutWindow(t *testing.T, be netip.AddrPort) *Service {
+	t.Helper()
+	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	addr := s.Addr().String()
+	conn, fr := h2Conn(t, addr)
+	t.Cleanup(func() { conn.Close() })
+	conn.SetDeadline(time.Now().Add(15 * time.Second))
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr), EndHeaders: true, EndStream: true}); err != nil {
+		t.Fatal(err)
+	}
+	// Exits when the connection closes.
+	go func() {
+		for {
+			if _, err := fr.ReadFrame(); err != nil {
+				return
+			}
+		}
+	}()
+	return s
 }
 
 // weir's own answers (503 when no backend is usable, 502 and 504 after failed

@@ -415,20 +415,24 @@ func (uc *upconn) read() error {
 			uc.recvWin -= n
 			overrun := uc.recvWin < 0
 			uc.oweLocked(n) // the connection's credit goes back at once (see frames.go)
-			st := uc.lookupLocked(f.StreamID, end)
+			st := uc.streams[f.StreamID]
 			streamOverrun := false
 			if st != nil {
 				st.upRecv -= n
 				streamOverrun = st.upRecv < 0
-				if streamOverrun {
-					// Past the window weir gave: what it sent would queue
-					// without bound for a client that reads slowly.
-					delete(uc.streams, f.StreamID)
-					if !end {
-						uc.recent.note(f.StreamID, resetByUs) // else noted as ended
-					}
-					uc.fr.WriteRSTStream(f.StreamID, http2.ErrCodeFlowControl)
-				}
+			}
+			if streamOverrun {
+				// Past the window weir gave: what it sent would queue
+				// without bound for a client that reads slowly. The
+				// stream is closed by weir's reset, END_STREAM or not:
+				// the frame is an error, not the answer's end, and what
+				// follows on the stream is ignored (RFC 9113 5.1).
+				delete(uc.streams, f.StreamID)
+				uc.recent.note(f.StreamID, resetByUs)
+				uc.fr.WriteRSTStream(f.StreamID, http2.ErrCodeFlowControl)
+				uc.idleCheckLocked()
+			} else if end {
+				uc.lookupLocked(f.StreamID, true)
 			}
 			uc.mu.Unlock()
 			if overrun {
