@@ -251,13 +251,7 @@ func TestBackendPastItsStreamWindowIsReset(t *testing.T) {
 // GOAWAY STREAM_CLOSED and fail every other request on it.
 func TestBackendOverrunWithEndStreamIsResetByWeir(t *testing.T) {
 	got := make(chan string, 1)
-	be := rawBackend(t, func(conn net.Conn) {
-		conn.SetDeadline(time.Now().Add(15 * time.Second))
-		if _, err := io.ReadFull(conn, make([]byte, len(http2.ClientPreface))); err != nil {
-			return
-		}
-		fr := http2.NewFramer(conn, conn)
-		fr.WriteSettings()
+	be := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
 		var id uint32
 		for id == 0 {
 			f, err := fr.ReadFrame()

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/netip"
 	"strings"
 	"sync"
 	"testing"
@@ -70,6 +71,21 @@ func writeRawFrame(w io.Writer, typ http2.FrameType, flags http2.Flags, id uint3
 	_, err := w.Write(append([]byte{byte(n >> 16), byte(n >> 8), byte(n), byte(typ), byte(flags),
 		byte(id >> 24), byte(id >> 16), byte(id >> 8), byte(id)}, payload...))
 	return err
+}
+
+// rawH2Backend is a backend that takes weir's HTTP/2 preface, sends its
+// SETTINGS and leaves the connection to serve, for 15 s at the most.
+func rawH2Backend(t *testing.T, serve func(conn net.Conn, fr *http2.Framer)) netip.AddrPort {
+	t.Helper()
+	return rawBackend(t, func(conn net.Conn) {
+		conn.SetDeadline(time.Now().Add(15 * time.Second))
+		if _, err := io.ReadFull(conn, make([]byte, len(http2.ClientPreface))); err != nil {
+			return
+		}
+		fr := http2.NewFramer(conn, conn)
+		fr.WriteSettings()
+		serve(conn, fr)
+	})
 }
 
 // statusBlock is a header block of a status alone.
@@ -164,13 +180,7 @@ func TestMisshapenFramesFromBackend(t *testing.T) {
 	for _, c := range misshapenFrames {
 		t.Run(c.name, func(t *testing.T) {
 			got := make(chan string, 1)
-			bad := rawBackend(t, func(conn net.Conn) {
-				conn.SetDeadline(time.Now().Add(20 * time.Second))
-				if _, err := io.ReadFull(conn, make([]byte, len(http2.ClientPreface))); err != nil {
-					return
-				}
-				fr := http2.NewFramer(conn, conn)
-				fr.WriteSettings()
+			bad := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
 				// Two requests on this connection, or one if the second
 				// is slow to come.
 				var ids []uint32
@@ -191,7 +201,7 @@ func TestMisshapenFramesFromBackend(t *testing.T) {
 						ids = append(ids, h.StreamID)
 					}
 				}
-				conn.SetReadDeadline(time.Now().Add(20 * time.Second))
+				conn.SetReadDeadline(time.Now().Add(15 * time.Second))
 				id := uint32(0)
 				if c.onStream {
 					id = ids[0]
