@@ -267,7 +267,7 @@ func (uc *upconn) idleCheckLocked() {
 		return
 	}
 	if uc.away {
-		uc.conn.Close()
+		uc.closeIdleLocked()
 		return
 	}
 	// A clock read, not a timer reset, each time the connection goes idle: one
@@ -297,10 +297,18 @@ func (uc *upconn) idleExpired() {
 		if i := slices.Index(uc.pool.conns, uc); i >= 0 {
 			uc.pool.conns = append(uc.pool.conns[:i], uc.pool.conns[i+1:]...)
 		}
-		uc.conn.Close()
+		uc.closeIdleLocked()
 	}
 	uc.mu.Unlock()
 	uc.pool.mu.Unlock()
+}
+
+// closeIdleLocked closes a connection with no stream left, GOAWAY NO_ERROR
+// first (RFC 9113 6.8: the backend sees an orderly end, not a bare FIN); the
+// socket sends what was queued before it closes. mu is held.
+func (uc *upconn) closeIdleLocked() {
+	uc.fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+	uc.conn.Close()
 }
 
 // dial connects, then reads the backend's frames until the connection fails.

@@ -345,6 +345,9 @@ type backend struct {
 	h1   *http.Transport
 	h2   []*http.Transport // requests go round them (H2Conns)
 	h1s  *h1Pool           // HTTP/1.1 requests without a body
+	// h2Retire is set while closeIdle closes h2's idle connections: they
+	// end with GOAWAY (goAwayConn).
+	h2Retire atomic.Bool
 	// fpool is the frame engine's HTTP/2 connections, made on first use.
 	fpool atomic.Pointer[upPool]
 	next  atomic.Uint32
@@ -371,7 +374,7 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 		if err != nil {
 			return nil, err
 		}
-		return newCoalescingConn(c, true), nil
+		return newGoAwayConn(newCoalescingConn(c, true), &b.h2Retire), nil
 	}
 	mk := func(h2c bool) *http.Transport {
 		t := &http.Transport{
@@ -417,9 +420,12 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 func (b *backend) closeIdle() {
 	b.h1.CloseIdleConnections()
 	b.h1s.close()
+	// CloseIdleConnections closes them before it returns.
+	b.h2Retire.Store(true)
 	for _, t := range b.h2 {
 		t.CloseIdleConnections()
 	}
+	b.h2Retire.Store(false)
 	if p := b.fpool.Load(); p != nil {
 		p.closeIdle()
 	}

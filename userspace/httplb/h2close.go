@@ -1,0 +1,80 @@
+package httplb
+
+import (
+	"sync"
+	"sync/atomic"
+
+	"golang.org/x/net/http2"
+)
+
+// goAwayConn is a backend connection of Go's HTTP/2 transport, which carries
+// HTTP/1.1 clients' requests to HTTP/2 backends. The transport closes a
+// connection without a GOAWAY, even one it closes idle because weir asked it
+// to (CloseIdleConnections), and has no way to ask for one (its ClientConn's
+// Shutdown is not reachable through net/http). RFC 9113 6.8 asks for a GOAWAY
+// before a connection closes, so the backend knows the close is an orderly
+// one. goAwayConn follows the frames the transport writes, and when it is
+// closed while retire says so, it writes GOAWAY NO_ERROR first, if the
+// transport's last frame went out whole. Closes the transport makes on its own
+// (its idle timeout, a backend's protocol error) go as before: the
+// connection cannot tell them apart from each other, and a GOAWAY NO_ERROR
+// after a protocol error would say there was none.
+type goAwayConn struct {
+	*coalescingConn
+	retire *atomic.Bool // set while the backend's idle connections are being closed
+
+	mu      sync.Mutex
+	preface int     // bytes of the client preface yet to pass
+	hdr     [9]byte // a frame header cut across writes
+	hdrN    int
+	left    int // payload bytes of the current frame yet to pass
+}
+
+func newGoAwayConn(c *coalescingConn, retire *atomic.Bool) *goAwayConn {
+	return &goAwayConn{coalescingConn: c, retire: retire, preface: len(http2.ClientPreface)}
+}
+
+func (c *goAwayConn) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n, err := c.coalescingConn.Write(p)
+	c.follow(p[:n])
+	return n, err
+}
+
+// follow moves the frame boundary past p, the bytes written; mu is held.
+func (c *goAwayConn) follow(p []byte) {
+	for len(p) > 0 {
+		switch {
+		case c.preface > 0:
+			k := min(c.preface, len(p))
+			c.preface -= k
+			p = p[k:]
+		case c.left > 0:
+			k := min(c.left, len(p))
+			c.left -= k
+			p = p[k:]
+		default:
+			k := copy(c.hdr[c.hdrN:], p)
+			c.hdrN += k
+			p = p[k:]
+			if c.hdrN == len(c.hdr) {
+				c.left = int(c.hdr[0])<<16 | int(c.hdr[1])<<8 | int(c.hdr[2])
+				c.hdrN = 0
+			}
+		}
+	}
+}
+
+// goAwayNoError is a client's GOAWAY: no stream of the server's processed
+// (weir turns push off), NO_ERROR.
+var goAwayNoError = []byte{0, 0, 8, byte(http2.FrameGoAway), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+
+func (c *goAwayConn) Close() error {
+	c.mu.Lock()
+	if c.retire.Load() && c.preface == 0 && c.hdrN == 0 && c.left == 0 {
+		c.coalescingConn.Write(goAwayNoError) // goes out before the socket closes
+	}
+	c.mu.Unlock()
+	return c.coalescingConn.Close()
+}
