@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/weir-lb/weir/internal/waitfor"
-	"github.com/weir-lb/weir/userspace/config"
 )
 
 // lineLog is a slog handler that keeps every line, for tests that count them.
@@ -104,17 +103,10 @@ func TestFailureLog(t *testing.T) {
 	}
 }
 
-// loggedSpeaker is a running speaker peering with a router, its lines kept and
-// its RIB one whose changes the test can make fail.
+// loggedSpeaker is a flakySpeaker whose lines are kept.
 func loggedSpeaker(t *testing.T) (*Speaker, *lineLog, *flakyRIB) {
-	_, port := router(t, 65000)
-	cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"),
-		Peers: []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: 65000, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
 	h := &lineLog{}
-	s := New(cfg, slog.New(h))
-	flaky := &flakyRIB{}
-	s.wrapRIB = func(r rib) rib { flaky.rib = r; return flaky }
-	run(t, s)
+	s, _, flaky := flakySpeaker(t, h)
 	return s, h, flaky
 }
 

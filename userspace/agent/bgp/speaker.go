@@ -35,7 +35,6 @@ type Speaker struct {
 	drain     drainState
 	announced map[netip.Prefix]Route // what the speaker's RIB holds now
 	pending   map[netip.Prefix]pendingRoute
-	retryAt   time.Time // when the pending routes are tried again
 	peers     map[netip.Addr]*peerState
 	runErr    error // why Run gave up, if it did
 
@@ -51,15 +50,30 @@ type rib interface {
 }
 
 // pendingRoute is a prefix whose last AddPath or DeletePath failed: the RIB does not
-// hold what the node wants, and the speaker tries again.
+// hold what the node wants, and the speaker tries again at next. Each prefix has
+// its own backoff, so one that keeps failing does not hold back the retries of
+// another.
 type pendingRoute struct {
-	announce bool // true: to be announced (or its policy changed); false: withdrawn
+	announce bool  // true: to be announced (or its policy changed); false: withdrawn
+	route    Route // what the failed announcement was to put in the RIB
 	since    time.Time
 	attempts int
 	err      error
+	bo       backoff
+	next     time.Time // the next try
 }
 
-// Retries of failed route changes wait retryMin, doubling up to retryMax, each
+// due reports whether the change to bring p to want (nil: withdrawn) is to be
+// tried at now: a route that failed waits for its next try, unless the node now
+// wants something else of it.
+func (pr *pendingRoute) due(want *Route, now time.Time) bool {
+	if pr.announce != (want != nil) || want != nil && !pr.route.equal(want) {
+		return true
+	}
+	return !now.Before(pr.next)
+}
+
+// Retries of a failed route change wait retryMin, doubling up to retryMax, each
 // spread by ±retryJitter so that nodes that failed together do not retry together.
 const (
 	retryMin    = 100 * time.Millisecond
@@ -67,7 +81,7 @@ const (
 	retryJitter = 0.2
 )
 
-// backoff is the wait before the next retry of failed route changes.
+// backoff is the wait before the next retry of a failed route change.
 type backoff struct{ next time.Duration }
 
 // delay returns the wait before the next attempt and doubles the one after.
@@ -76,8 +90,6 @@ func (b *backoff) delay() time.Duration {
 	b.next = min(2*d, retryMax)
 	return time.Duration(float64(d) * (1 + retryJitter*(2*rand.Float64()-1)))
 }
-
-func (b *backoff) reset() { b.next = 0 }
 
 type drainState struct {
 	on           bool
@@ -123,8 +135,8 @@ func (s *Speaker) SetDrain(on bool, since time.Time) {
 // Run starts the BGP server, dials the peers (and listens if the config says so)
 // and announces what Announce last gave it until ctx is done; then it ends every
 // session with a Cease notification, which withdraws the routes at once. A route
-// change GoBGP refuses is tried again, with backoff, until it is made or a newer
-// Announce no longer needs it.
+// change GoBGP refuses is tried again, with a backoff of its own, until it is made
+// or a newer Announce no longer needs it.
 func (s *Speaker) Run(ctx context.Context) error {
 	lvl := &slog.LevelVar{}
 	lvl.Set(slog.LevelWarn) // GoBGP's own info lines repeat what this package logs
@@ -175,7 +187,6 @@ func (s *Speaker) Run(ctx context.Context) error {
 	retry := time.NewTimer(0)
 	retry.Stop()
 	defer retry.Stop()
-	var bo backoff
 	var fails failureLog
 	for {
 		select {
@@ -184,7 +195,6 @@ func (s *Speaker) Run(ctx context.Context) error {
 			n := len(s.announced)
 			clear(s.announced)
 			clear(s.pending)
-			s.retryAt = time.Time{}
 			s.mu.Unlock()
 			stop()
 			s.log.Info("bgp speaker stopped: sessions closed, routes withdrawn", "routes", n)
@@ -192,18 +202,18 @@ func (s *Speaker) Run(ctx context.Context) error {
 		case <-s.kick:
 		case <-retry.C:
 		}
-		err := s.apply(r)
+		refused := s.apply(r, time.Now())
+		next, err := s.pendingState()
+		now := time.Now()
 		if err == nil {
-			bo.reset()
 			retry.Stop()
-			s.setRetry(time.Time{})
-			fails.ok(s.log, time.Now())
+			fails.ok(s.log, now)
 			continue
 		}
-		d := bo.delay()
-		retry.Reset(d)
-		s.setRetry(time.Now().Add(d))
-		fails.failed(s.log, time.Now(), err, d)
+		retry.Reset(next.Sub(now))
+		if refused {
+			fails.failed(s.log, now, err, max(0, next.Sub(now)))
+		}
 	}
 }
 
@@ -254,12 +264,6 @@ func (f *failureLog) ok(log *slog.Logger, now time.Time) {
 	log.Info("bgp: route changes applied again", "failing_for", now.Sub(f.since).Round(time.Second),
 		"failed_attempts", f.attempts, "repeats_suppressed", f.suppressed)
 	*f = failureLog{}
-}
-
-func (s *Speaker) setRetry(at time.Time) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.retryAt = at
 }
 
 // failed records why Run gave up, for status, and returns it.
@@ -334,20 +338,23 @@ func (s *Speaker) onPeer(ev *apiutil.WatchEventMessage_PeerEvent, at time.Time) 
 	}
 }
 
-// apply adds and withdraws the difference between the RIB and the latest want, and
-// records the prefixes it could not bring to that state as pending.
-func (s *Speaker) apply(srv rib) error {
+// apply adds and withdraws the difference between the RIB and the latest want: at
+// once for a change the node has not tried yet, at its next try for one that
+// failed. It reports whether a change failed at this call.
+func (s *Speaker) apply(srv rib, now time.Time) (refused bool) {
 	s.mu.Lock()
 	want := slices.Clone(s.want)
 	have := maps.Clone(s.announced)
+	pending := maps.Clone(s.pending) // only this goroutine changes it
 	s.mu.Unlock()
-	var errs []error
-	failed := map[netip.Prefix]pendingRoute{}
 	keep := map[netip.Prefix]bool{}
 	for _, r := range want {
 		keep[r.Prefix] = true
 		if h, ok := have[r.Prefix]; ok && h.equal(&r) {
-			s.setAnnounced(r.Prefix, &r) // the services keeping it up may differ
+			s.settle(r.Prefix, &r) // the services keeping it up may differ
+			continue
+		}
+		if pr, ok := pending[r.Prefix]; ok && !pr.due(&r, now) {
 			continue
 		}
 		path, err := s.path(r)
@@ -355,17 +362,18 @@ func (s *Speaker) apply(srv rib) error {
 			_, err = srv.AddPath(apiutil.AddPathRequest{Paths: []*apiutil.Path{path}})
 		}
 		if err != nil {
-			errs = append(errs, fmt.Errorf("announce %s: %w", r.Prefix, err))
-			failed[r.Prefix] = pendingRoute{announce: true, err: err}
+			refused = true
+			s.refused(r.Prefix, &r, err, now)
 			continue
 		}
-		s.setAnnounced(r.Prefix, &r)
+		s.settle(r.Prefix, &r)
 		s.log.Info("bgp announce", "prefix", r.Prefix, "services", r.Services)
 	}
-	// In prefix order, not the map's: the error lists the refused withdrawals, and
-	// the same refusals must read the same at every retry (failureLog).
 	for _, p := range slices.SortedFunc(maps.Keys(have), netip.Prefix.Compare) {
 		if keep[p] {
+			continue
+		}
+		if pr, ok := pending[p]; ok && !pr.due(nil, now) {
 			continue
 		}
 		r := have[p]
@@ -374,42 +382,75 @@ func (s *Speaker) apply(srv rib) error {
 			err = srv.DeletePath(apiutil.DeletePathRequest{Paths: []*apiutil.Path{path}})
 		}
 		if err != nil {
-			errs = append(errs, fmt.Errorf("withdraw %s: %w", p, err))
-			failed[p] = pendingRoute{err: err}
+			refused = true
+			s.refused(p, nil, err, now)
 			continue
 		}
-		s.setAnnounced(p, nil)
+		s.settle(p, nil)
 		s.log.Info("bgp withdraw", "prefix", p)
 	}
-	s.setPending(failed)
-	return errors.Join(errs...)
-}
-
-// setPending makes failed the pending routes, counting the attempts at a change
-// that failed before.
-func (s *Speaker) setPending(failed map[netip.Prefix]pendingRoute) {
-	now := time.Now()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	next := make(map[netip.Prefix]pendingRoute, len(failed))
-	for p, f := range failed {
-		f.since, f.attempts = now, 1
-		if was, ok := s.pending[p]; ok && was.announce == f.announce {
-			f.since, f.attempts = was.since, was.attempts+1
+	// An announcement that failed and is no longer wanted is no longer pending (a
+	// withdrawal wanted again was settled above).
+	for p := range pending {
+		if _, held := have[p]; !held && !keep[p] {
+			s.settle(p, nil)
 		}
-		next[p] = f
 	}
-	s.pending = next
+	return refused
 }
 
-func (s *Speaker) setAnnounced(p netip.Prefix, r *Route) {
+// settle records that the RIB now holds r for p (nil: nothing), which is no longer
+// pending.
+func (s *Speaker) settle(p netip.Prefix, r *Route) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	delete(s.pending, p)
 	if r == nil {
 		delete(s.announced, p)
 		return
 	}
 	s.announced[p] = *r
+}
+
+// refused records that the change bringing p to want (nil: withdrawn) failed at
+// now with err, and when it is tried again; the attempts and the backoff go on
+// from an earlier failure of the same kind of change.
+func (s *Speaker) refused(p netip.Prefix, want *Route, err error, now time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	pr, ok := s.pending[p]
+	if !ok || pr.announce != (want != nil) {
+		pr = pendingRoute{announce: want != nil, since: now}
+	}
+	if want != nil {
+		pr.route = *want
+	}
+	pr.attempts++
+	pr.err = err
+	pr.next = now.Add(pr.bo.delay())
+	s.pending[p] = pr
+}
+
+// pendingState is the failures of the pending routes, in prefix order so that the
+// same refusals read the same at every retry (failureLog), and the earliest next
+// try; nil and zero when nothing is pending.
+func (s *Speaker) pendingState() (time.Time, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var errs []error
+	var next time.Time
+	for _, p := range slices.SortedFunc(maps.Keys(s.pending), netip.Prefix.Compare) {
+		pr := s.pending[p]
+		what := "withdraw"
+		if pr.announce {
+			what = "announce"
+		}
+		errs = append(errs, fmt.Errorf("%s %s: %w", what, p, pr.err))
+		if next.IsZero() || pr.next.Before(next) {
+			next = pr.next
+		}
+	}
+	return next, errors.Join(errs...)
 }
 
 // path is the GoBGP path of r: origin IGP, the next hop of its family (unspecified:
@@ -509,7 +550,7 @@ func (s *Speaker) Status() *api.BGPStatus {
 			want = api.RouteAnnounce
 		}
 		st.Pending = append(st.Pending, api.PendingRoute{Prefix: p.String(), Want: want, Since: pr.since,
-			Attempts: pr.attempts, LastError: pr.err.Error(), NextTry: s.retryAt})
+			Attempts: pr.attempts, LastError: pr.err.Error(), NextTry: pr.next})
 	}
 	return st
 }

@@ -5,10 +5,12 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/netip"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -210,46 +212,93 @@ func TestSpeakerLocalPref(t *testing.T) {
 	}
 }
 
-// flakyRIB fails every AddPath and DeletePath while failing is set, and passes them
-// to the real GoBGP server otherwise. The failure is injected because the embedded
-// server refuses a well-formed path only once it is stopped, which ends Run too: a
-// refusal that passes cannot be made on demand.
+// flakyRIB fails every AddPath and DeletePath while failing is set, and those of
+// a prefix given refusals, and passes them to the real GoBGP server otherwise. The
+// failure is injected because the embedded server refuses a well-formed path only
+// once it is stopped, which ends Run too: a refusal that passes cannot be made on
+// demand.
 type flakyRIB struct {
 	rib
 	failing atomic.Bool
 	calls   atomic.Int32 // refused calls
+
+	mu        sync.Mutex
+	refusals  map[netip.Prefix]int // how many more changes of the prefix to refuse
+	refusedOf map[netip.Prefix]int // refused changes of the prefix
 }
 
 var errInjected = errors.New("injected: the RIB refuses the change")
 
-func (f *flakyRIB) AddPath(r apiutil.AddPathRequest) ([]apiutil.AddPathResponse, error) {
+// refuse makes the next n changes of p fail.
+func (f *flakyRIB) refuse(p netip.Prefix, n int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.refusals == nil {
+		f.refusals, f.refusedOf = map[netip.Prefix]int{}, map[netip.Prefix]int{}
+	}
+	f.refusals[p] = n
+}
+
+// refused is the number of changes of p refused so far.
+func (f *flakyRIB) refused(p netip.Prefix) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.refusedOf[p]
+}
+
+// fail reports whether to refuse a change of the paths, and counts it.
+func (f *flakyRIB) fail(paths []*apiutil.Path) bool {
 	if f.failing.Load() {
 		f.calls.Add(1)
+		return true
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, path := range paths {
+		p, err := netip.ParsePrefix(path.Nlri.String())
+		if err == nil && f.refusals[p] > 0 {
+			f.refusals[p]--
+			f.refusedOf[p]++
+			f.calls.Add(1)
+			return true
+		}
+	}
+	return false
+}
+
+func (f *flakyRIB) AddPath(r apiutil.AddPathRequest) ([]apiutil.AddPathResponse, error) {
+	if f.fail(r.Paths) {
 		return nil, errInjected
 	}
 	return f.rib.AddPath(r)
 }
 
 func (f *flakyRIB) DeletePath(r apiutil.DeletePathRequest) error {
-	if f.failing.Load() {
-		f.calls.Add(1)
+	if f.fail(r.Paths) {
 		return errInjected
 	}
 	return f.rib.DeletePath(r)
+}
+
+// flakySpeaker is a running speaker logging to h, peering with a router, its RIB
+// one whose changes the test can make fail.
+func flakySpeaker(t *testing.T, h slog.Handler) (*Speaker, *server.BgpServer, *flakyRIB) {
+	r, port := router(t, 65000)
+	cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"),
+		Peers: []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: 65000, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
+	s := New(cfg, slog.New(h))
+	flaky := &flakyRIB{}
+	s.wrapRIB = func(r rib) rib { flaky.rib = r; return flaky }
+	run(t, s)
+	return s, r, flaky
 }
 
 // TestSpeakerRetry: an announcement or a withdrawal GoBGP refuses is retried with
 // no further event until it is made, and status shows the route as pending with
 // the error meanwhile.
 func TestSpeakerRetry(t *testing.T) {
-	r, port := router(t, 65000)
-	cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"),
-		Peers: []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: 65000, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
-	s := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	flaky := &flakyRIB{}
+	s, r, flaky := flakySpeaker(t, slog.NewTextHandler(io.Discard, nil))
 	flaky.failing.Store(true)
-	s.wrapRIB = func(r rib) rib { flaky.rib = r; return flaky }
-	run(t, s)
 	v4 := netip.MustParsePrefix("10.80.100.1/32")
 	routerHas := func(what string, want bool) {
 		t.Helper()
@@ -301,17 +350,74 @@ func TestSpeakerRetry(t *testing.T) {
 	}
 }
 
-// TestBackoff: retries wait 100ms doubling to 5s, each within ±20 %, and start
-// over after a success.
+// TestSpeakerRetryEachRoute: each refused route has its own backoff: a route
+// GoBGP keeps refusing, its retries seconds apart by now, does not hold back the
+// retry of another that fails once, and status shows each route's own next try.
+func TestSpeakerRetryEachRoute(t *testing.T) {
+	s, r, flaky := flakySpeaker(t, slog.NewTextHandler(io.Discard, nil))
+	refused, ok := netip.MustParsePrefix("10.80.100.1/32"), netip.MustParsePrefix("10.80.100.2/32")
+	flaky.refuse(refused, math.MaxInt)
+	flaky.refuse(ok, 2)
+	routes := []Route{{Prefix: refused, Services: []string{"web"}}}
+	s.Announce(routes, nil)
+	// Six refusals, 100 ms to 1.6 s apart: the next is 3.2 s ± 20 % away.
+	if !waitfor.Cond(30*time.Second, func() bool { return flaky.refused(refused) >= 6 }) {
+		t.Fatalf("%s refused %d times; want 6", refused, flaky.refused(refused))
+	}
+	before := flaky.refused(refused)
+	s.Announce(append(routes, Route{Prefix: ok, Services: []string{"api"}}), nil)
+
+	// Every status read while both are pending shows each route's own next try.
+	pendingOf := func(st *api.BGPStatus, p netip.Prefix) *api.PendingRoute {
+		for i := range st.Pending {
+			if st.Pending[i].Prefix == p.String() {
+				return &st.Pending[i]
+			}
+		}
+		return nil
+	}
+	both := 0
+	var st *api.BGPStatus
+	if !waitfor.Cond(20*time.Second, func() bool {
+		st = s.Status()
+		a, b := pendingOf(st, refused), pendingOf(st, ok)
+		if a == nil {
+			t.Fatalf("status %+v; want %s pending throughout", st, refused)
+		}
+		if a.NextTry.IsZero() || b != nil && b.NextTry.IsZero() {
+			t.Fatalf("status %+v; want a next try for every pending route", st)
+		}
+		if b != nil {
+			both++
+			if !b.NextTry.Before(a.NextTry) || b.Attempts > 2 || a.Attempts < 6 {
+				t.Fatalf("pending %+v and %+v; want %s, failed once or twice, tried again before %s, failed 6 times", *a, *b, ok, refused)
+			}
+		}
+		return slices.ContainsFunc(st.Announced, func(r api.RouteStatus) bool { return r.Prefix == ok.String() })
+	}) {
+		t.Fatalf("status %+v; want %s announced after two refusals", st, ok)
+	}
+	if after := flaky.refused(refused); after != before {
+		t.Errorf("%s was announced after %d more refusals of %s; want none: its retries wait for no other route", ok, after-before, refused)
+	}
+	if both == 0 {
+		t.Errorf("%s never seen pending; want it pending after its refusals", ok)
+	}
+	if !waitfor.Cond(10*time.Second, func() bool { _, has := learnt(r)[ok]; return has }) {
+		t.Errorf("the router has %v; want %s", learnt(r), ok)
+	}
+}
+
+// TestBackoff: retries wait 100ms doubling to 5s, each within ±20 %; a new
+// backoff (a route that fails again after a success) starts over.
 func TestBackoff(t *testing.T) {
-	var b backoff
 	for round := range 2 {
+		var b backoff
 		for i, want := range []time.Duration{100 * time.Millisecond, 200 * time.Millisecond, 400 * time.Millisecond, 800 * time.Millisecond,
 			1600 * time.Millisecond, 3200 * time.Millisecond, 5 * time.Second, 5 * time.Second} {
 			if got := b.delay(); got < want*8/10 || got > want*12/10 {
 				t.Errorf("round %d, retry %d: waits %s; want %s ± 20 %%", round, i, got, want)
 			}
 		}
-		b.reset()
 	}
 }
