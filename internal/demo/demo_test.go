@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
 	"github.com/weir-lb/weir/userspace/agent"
 )
@@ -109,7 +110,8 @@ func TestDemo(t *testing.T) {
 
 func checkNothingLeft(t *testing.T, dir string) {
 	t.Helper()
-	if left, _ := netns.List(NamePrefix); len(left) != 0 {
+	// This process's only: weir demo's own test (cmd/weir) may run beside.
+	if left, _ := netns.List(topo.ProcessPrefix(NamePrefix)); len(left) != 0 {
 		t.Errorf("namespaces left behind: %v", left)
 	}
 	if _, err := os.Stat(dir); err == nil {
@@ -143,7 +145,7 @@ func TestDemoKeep(t *testing.T) {
 	if !alive(st.AgentPID) || !alive(st.HoldPID) {
 		t.Fatalf("after --keep: agent alive %t, backends alive %t; want both", alive(st.AgentPID), alive(st.HoldPID))
 	}
-	if left, _ := netns.List(NamePrefix); len(left) != len(st.Namespaces) {
+	if left, _ := netns.List(topo.ProcessPrefix(NamePrefix)); len(left) != len(st.Namespaces) {
 		t.Errorf("after --keep: namespaces %v; want %v", left, st.Namespaces)
 	}
 	// A second demo refuses while this one is kept.

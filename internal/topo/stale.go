@@ -37,16 +37,24 @@ func UniqueName(prefix string) string {
 	if _, done := cleanedPrefixes.LoadOrStore(prefix, true); !done {
 		_ = CleanupStale(prefix)
 	}
-	pid := strconv.FormatInt(int64(os.Getpid()), 36)
-	pid = strings.Repeat("0", pidWidth-len(pid)) + pid
+	own := ProcessPrefix(prefix)
 	for {
-		name := prefix + pid + strconv.FormatUint(nameSeq.Add(1)-1, 36)
+		name := own + strconv.FormatUint(nameSeq.Add(1)-1, 36)
 		// A namespace of that name can only be left by a crashed run
 		// whose pid has been recycled; skip past it.
 		if left, _ := netns.List(name + "-"); len(left) == 0 {
 			return name
 		}
 	}
+}
+
+// ProcessPrefix is how every name UniqueName(prefix) returns in this process
+// begins: the namespaces listed under it are this process's, not those of
+// another process (a demo, a test package) using the same prefix at the same
+// time.
+func ProcessPrefix(prefix string) string {
+	pid := strconv.FormatInt(int64(os.Getpid()), 36)
+	return prefix + strings.Repeat("0", pidWidth-len(pid)) + pid
 }
 
 // CleanupStale unmounts and removes the namespaces /run/netns/<prefix>*
