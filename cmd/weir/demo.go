@@ -50,6 +50,10 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	rep, err := demo.Run(ctx, demo.Options{Backends: *backends, Requests: *requests, Attach: *mode, Keep: *keep, Out: stdout,
 		AgentArgv: func(cfg string) []string { return []string{exe, "run", "-c", cfg} },
 		HoldArgv:  func(state string) []string { return []string{exe, "demo", "hold", state} }})
+	if stopped(ctx, err) {
+		fmt.Fprintf(stdout, "\ndemo stopped (%v): the agent is stopped; namespaces, links and the XDP program are removed\n", err)
+		return nil
+	}
 	if err != nil {
 		return err
 	}
@@ -90,6 +94,10 @@ func runDemoFleet(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	}
 	rep, err := fleet.Demo(ctx, fleet.DemoOptions{Out: stdout, Streams: *streams,
 		AgentArgv: func(cfg string) []string { return []string{exe, "run", "-c", cfg} }})
+	if stopped(ctx, err) {
+		fmt.Fprintf(stdout, "\ndemo stopped (%v): agents and BIRD stopped; namespaces, links and XDP programs removed\n", err)
+		return nil
+	}
 	if err != nil {
 		return err
 	}
@@ -98,6 +106,13 @@ func runDemoFleet(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		return fmt.Errorf("demo fleet: %d of %d streams broke", rep.Broken, rep.Streams)
 	}
 	return nil
+}
+
+// stopped reports whether a demo ended because a signal ended ctx, having
+// removed everything it made: the demos then return the signal (ctx's cause)
+// itself, and what failed on the way out besides.
+func stopped(ctx context.Context, err error) bool {
+	return err != nil && ctx.Err() != nil && err == context.Cause(ctx)
 }
 
 func runDemoSub(ctx context.Context, cmd string, args []string, stdout, stderr io.Writer) error {

@@ -125,7 +125,9 @@ type run struct {
 }
 
 // Run builds the topology, starts the agent, shows each step and, unless Keep,
-// removes everything, whatever happens (also when ctx ends midway).
+// removes everything, whatever happens. When ctx ends midway it stops there,
+// removes everything and returns context.Cause(ctx) itself, joined with what it
+// could not remove, if anything.
 func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if opts.Backends == 0 {
 		opts.Backends = 3
@@ -162,8 +164,14 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 		if kept {
 			return
 		}
+		if ctx.Err() != nil {
+			// What failed once ctx ended failed because it ended.
+			err = context.Cause(ctx)
+		}
 		r.srv.close()
-		err = errors.Join(err, r.stopAgent(), t.Close())
+		if cerr := errors.Join(r.stopAgent(), t.Close()); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
 		os.RemoveAll(opts.Dir) // the agent's log is in err when it failed
 	}()
 	vips := []netip.Addr{t.VIP4, t.VIP6}
@@ -205,6 +213,16 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 		kept = true
 	}
 	return r.rep, nil
+}
+
+// failed records step name as failed with err, or returns err when ctx has
+// ended: then the step did not fail, the demo was stopped.
+func (r *run) failed(ctx context.Context, name string, err error) error {
+	if ctx.Err() != nil {
+		return err
+	}
+	r.step(name, false, "%v", err)
+	return nil
 }
 
 func (r *run) step(name string, ok bool, format string, args ...any) {
@@ -537,8 +555,7 @@ func (r *run) killAndRevive(ctx context.Context) error {
 	r.srv.kill(victim.Name)
 	took, err := r.waitBackend(ctx, "web", addr, false, 10*bound)
 	if err != nil {
-		r.step(StepKill, false, "%v", err)
-		return nil
+		return r.failed(ctx, StepKill, err)
 	}
 	rd, err := r.round(ctx, "web", fmt.Sprintf("%d HTTP requests to web with %s down", r.opts.Requests, victim.Name), r.opts.Requests,
 		func(int) (string, error) { return r.get(ctx, web) })
@@ -554,8 +571,7 @@ func (r *run) killAndRevive(ctx context.Context) error {
 	}
 	took, err = r.waitBackend(ctx, "web", addr, true, 10*(checkInterval*checkRise+checkTimeout))
 	if err != nil {
-		r.step(StepRevive, false, "%v", err)
-		return nil
+		return r.failed(ctx, StepRevive, err)
 	}
 	rd, err = r.round(ctx, "web", fmt.Sprintf("%d HTTP requests to web with %s back", r.opts.Requests, victim.Name), r.opts.Requests,
 		func(int) (string, error) { return r.get(ctx, web) })
@@ -638,12 +654,10 @@ func (r *run) reloads(ctx context.Context) error {
 	}
 	fmt.Fprintf(r.out, "\n$ weir reload   (the config now lists %s too)\n", added.Name)
 	if err := r.client.Reload(ctx); err != nil {
-		r.step(StepReloadAdd, false, "reload: %v", err)
-		return nil
+		return r.failed(ctx, StepReloadAdd, fmt.Errorf("reload: %w", err))
 	}
 	if _, err := r.waitBackend(ctx, "web", netip.AddrPortFrom(added.IP4, httpPort), true, 5*time.Second); err != nil {
-		r.step(StepReloadAdd, false, "%v", err)
-		return nil
+		return r.failed(ctx, StepReloadAdd, err)
 	}
 	r.rep.Backends = append(r.rep.Backends, added.Name)
 	rd, err := r.round(ctx, "web", fmt.Sprintf("%d HTTP requests to web after the reload", r.opts.Requests), r.opts.Requests,

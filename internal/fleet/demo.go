@@ -41,7 +41,9 @@ type DemoReport struct {
 
 // Demo runs the fleet demo: three nodes announce a dsr VIP to BIRD, the router's
 // ECMP route and each node's BGP status are shown, streams spread over the nodes,
-// the busiest node dies, and the streams go on through the others.
+// the busiest node dies, and the streams go on through the others. When ctx ends
+// midway it stops there, removes everything and returns context.Cause(ctx)
+// itself, joined with what it could not remove, if anything.
 func Demo(ctx context.Context, o DemoOptions) (rep DemoReport, err error) {
 	out := o.Out
 	if out == nil {
@@ -60,7 +62,15 @@ func Demo(ctx context.Context, o DemoOptions) (rep DemoReport, err error) {
 	if err != nil {
 		return rep, fmt.Errorf("demo fleet: %w", err)
 	}
-	defer func() { err = errors.Join(err, f.Close()) }()
+	defer func() {
+		if ctx.Err() != nil {
+			// What failed once ctx ended failed because it ended.
+			err = context.Cause(ctx)
+		}
+		if cerr := f.Close(); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+	}()
 	so := ServiceOptions{Mode: "dsr", VIP: topo.FleetVIP4, Backends: f.T.DSR, HashSeed: 7}
 	if err := f.WriteConfigs(so); err != nil {
 		return rep, err
@@ -101,7 +111,13 @@ func Demo(ctx context.Context, o DemoOptions) (rep DemoReport, err error) {
 	so2 := streamOpts(o.Streams)
 	fmt.Fprintf(out, "\n%d TCP streams from %d client addresses to %s, each sending %d KiB in %s and checking every byte of the echo\n",
 		o.Streams, len(f.T.ClientAddrs), dst, so2.Chunks*so2.Chunk/1024, time.Duration(so2.Chunks)*so2.Interval)
-	ss := f.StartStreams(ctx, dst, so2)
+	sctx, cancel := context.WithCancel(ctx)
+	ss := f.StartStreams(sctx, dst, so2)
+	defer func() {
+		// A return midway cuts the streams: they end before the topology goes.
+		cancel()
+		ss.Wait()
+	}()
 	select {
 	case <-ss.Halfway():
 	case <-ctx.Done():
@@ -133,6 +149,9 @@ func Demo(ctx context.Context, o DemoOptions) (rep DemoReport, err error) {
 			victim = i
 		}
 	}
+	if ctx.Err() != nil {
+		return rep, ctx.Err()
+	}
 	rep.Killed = victim
 	fmt.Fprintf(out, "\nnode-%d dies: its agent gets SIGKILL and its link is deleted, in the middle of %d streams\n", victim, rep.Shares[victim])
 	start := time.Now()
@@ -156,6 +175,9 @@ func Demo(ctx context.Context, o DemoOptions) (rep DemoReport, err error) {
 	rep.After, _ = f.KernelNextHops(prefix)
 	fmt.Fprintf(out, "the router withdrew it in %s:\n%s\n", rep.Withdrawn.Round(time.Millisecond), f.KernelRoute(prefix))
 	res := ss.Wait()
+	if ctx.Err() != nil {
+		return rep, ctx.Err()
+	}
 	rep.Streams = len(res)
 	rep.Broken, rep.FirstError = Failed(res)
 	after, _ := f.Owners(ctx, "stream", ss.Locals())

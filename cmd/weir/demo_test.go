@@ -1,0 +1,215 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/heavy"
+	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/internal/waitfor"
+)
+
+// TestDemoStopsQuietly: weir demo and weir demo fleet, stopped while they serve
+// (SIGINT to their process group, as a terminal's ^C sends it; SIGTERM to the
+// process, as kill sends it), exit 0 with nothing on stderr and one line on
+// stdout saying they stopped, report no failed step, and leave none of their
+// namespaces, processes or files. The demos run the agent as their own
+// executable (`weir run`), so they run as the built weir binary, not this test's.
+func TestDemoStopsQuietly(t *testing.T) {
+	bin := filepath.Join(t.TempDir(), "weir")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v: %s", err, out)
+	}
+	for _, c := range []struct {
+		name    string
+		args    []string
+		serving string // in stdout once traffic flows through the agents
+		sig     syscall.Signal
+		group   bool // to the process group, as ^C
+		heavy   bool // a fleet of agents: alone, as the fleet's own tests
+	}{
+		{"demo/SIGINT", []string{"demo"}, "HTTP requests to web (", syscall.SIGINT, true, false},
+		{"demo/SIGTERM", []string{"demo"}, "HTTP requests to web (", syscall.SIGTERM, false, false},
+		{"fleet/SIGINT", []string{"demo", "fleet", "--streams", "10"}, "TCP streams from", syscall.SIGINT, true, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if c.heavy {
+				heavy.Alone(t)
+			}
+			stopDemo(t, bin, c.args, c.serving, c.sig, c.group)
+		})
+	}
+}
+
+// demoProc is a process the demo started: its PID and start time (a PID may be
+// reused), and the directory of the config it runs on.
+type demoProc struct {
+	pid     int
+	started string
+	dir     string
+}
+
+// stopDemo runs weir args, waits until its stdout shows serving, sends sig and
+// checks how the demo ends and what it leaves.
+func stopDemo(t *testing.T, bin string, args []string, serving string, sig syscall.Signal, group bool) {
+	// Files, read while it runs.
+	dir := t.TempDir()
+	stdout, stderr := newOutput(t, filepath.Join(dir, "stdout")), newOutput(t, filepath.Join(dir, "stderr"))
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = stdout.File, stderr.File
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	// Exits when the demo does; the cleanup stops it if the test gives up.
+	go func() { exited <- cmd.Wait() }()
+	done := false
+	t.Cleanup(func() {
+		if done {
+			return
+		}
+		cmd.Process.Signal(syscall.SIGTERM) // it removes what it made
+		select {
+		case <-exited:
+		case <-time.After(2 * time.Minute):
+			cmd.Process.Kill()
+			<-exited
+		}
+	})
+	name := regexp.MustCompile(`\((w[a-z]+[0-9a-z]+)\.\.\.\)`)
+	var topology string
+	if !waitfor.Cond(3*time.Minute, func() bool {
+		out := stdout.String()
+		if m := name.FindStringSubmatch(out); m != nil {
+			topology = m[1]
+		}
+		return topology != "" && strings.Contains(out, serving)
+	}) {
+		t.Fatalf("weir %s did not serve within 3 minutes; stdout:\n%s\nstderr:\n%s", strings.Join(args, " "), stdout.String(), stderr.String())
+	}
+	nss, err := netns.List(topology + "-")
+	if err != nil || len(nss) == 0 {
+		t.Fatalf("namespaces of %s: %v, %v; want some while the demo serves", topology, nss, err)
+	}
+	procs := procsIn(t, nss)
+	if len(procs) == 0 {
+		t.Fatalf("no process in %v; want the demo's agents there", nss)
+	}
+
+	target := cmd.Process.Pid
+	if group {
+		target = -target
+	}
+	if err := syscall.Kill(target, sig); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-exited:
+		done = true
+		if err != nil {
+			t.Errorf("weir %s after %s: %v; want exit status 0", strings.Join(args, " "), sig, err)
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("weir %s still runs 2 minutes after %s; stdout:\n%s", strings.Join(args, " "), sig, stdout.String())
+	}
+	out := strings.TrimSpace(stdout.String())
+	if e := stderr.String(); e != "" {
+		t.Errorf("stderr: got %q; want nothing", e)
+	}
+	last := out[strings.LastIndex(out, "\n")+1:]
+	if !strings.HasPrefix(last, "demo stopped (") || strings.Contains(out, "FAIL") {
+		t.Errorf("stdout ends %q (FAIL in it: %t); want one line saying the demo stopped, and no failure", last, strings.Contains(out, "FAIL"))
+	}
+	if left, _ := netns.List(topology + "-"); len(left) != 0 {
+		t.Errorf("namespaces left: %v", left)
+	}
+	for _, p := range procs {
+		if st, err := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/stat"); err == nil && startTime(st) == p.started {
+			cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/cmdline")
+			t.Errorf("process %d (%s) still runs", p.pid, bytes.ReplaceAll(cmdline, []byte{0}, []byte{' '}))
+		}
+		if _, err := os.Stat(p.dir); p.dir != "" && err == nil {
+			t.Errorf("%s left", p.dir)
+		}
+	}
+}
+
+// output is a file the demo writes to and the test reads while it runs.
+type output struct{ *os.File }
+
+func newOutput(t *testing.T, path string) output {
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return output{f}
+}
+
+// String is what was written so far.
+func (o output) String() string {
+	b, _ := os.ReadFile(o.Name())
+	return string(b)
+}
+
+// procsIn lists the processes whose network namespace is one of nss.
+func procsIn(t *testing.T, nss []string) []demoProc {
+	t.Helper()
+	inodes := map[uint64]bool{}
+	for _, ns := range nss {
+		var st syscall.Stat_t
+		if err := syscall.Stat(filepath.Join(netns.RunDir, ns), &st); err != nil {
+			t.Fatal(err)
+		}
+		inodes[st.Ino] = true
+	}
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []demoProc
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		var st syscall.Stat_t
+		if syscall.Stat(filepath.Join("/proc", e.Name(), "ns/net"), &st) != nil || !inodes[st.Ino] {
+			continue
+		}
+		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		p := demoProc{pid: pid, started: startTime(stat)}
+		cmdline, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		argv := strings.Split(string(cmdline), "\x00")
+		for i, a := range argv {
+			if a == "-c" && i+1 < len(argv) {
+				p.dir = filepath.Dir(argv[i+1])
+			}
+		}
+		out = append(out, p)
+	}
+	return out
+}
+
+// startTime is field 22 of /proc/PID/stat, when the process started.
+func startTime(stat []byte) string {
+	// The command name, field 2, is in parentheses and may hold spaces.
+	s := string(stat)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	if len(f) < 20 {
+		return ""
+	}
+	return f[19]
+}
