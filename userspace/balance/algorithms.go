@@ -16,7 +16,7 @@ import (
 // it continues from the counter's position in the new set.
 type roundRobin struct{ *core }
 
-func (r *roundRobin) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+func (r *roundRobin) Pick(key uint64, skip func(id string) bool) (Lease, error) {
 	s := r.snap.Load()
 	n := len(s.entries)
 	if n == 0 {
@@ -45,11 +45,11 @@ func (r *roundRobin) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 		if ramping && !accept(e, now, &rnd) {
 			continue
 		}
-		return lease(e.b), nil
+		return r.lease(e.b, key, skip)
 	}
 	// Every turn was refused or skipped (other picks take turns meanwhile, so
 	// not every backend need have had one): the first one not skipped.
-	return firstNotSkipped(s, start, skip)
+	return r.firstNotSkipped(s, start, key, skip)
 }
 
 // accept lets a ramping backend through with probability equal to its slow start factor.
@@ -58,12 +58,12 @@ func accept(e *entry, now int64, rnd *splitmix) bool {
 	return f >= 1 || rnd.float() < f
 }
 
-func firstNotSkipped(s *snapshot, start int, skip func(string) bool) (Lease, error) {
+func (c *core) firstNotSkipped(s *snapshot, start int, key uint64, skip func(string) bool) (Lease, error) {
 	n := len(s.entries)
 	for i := range n {
 		e := &s.entries[(start+i)%n]
 		if skip == nil || !skip(e.b.id) {
-			return lease(e.b), nil
+			return c.lease(e.b, key, skip)
 		}
 	}
 	return Lease{}, ErrNoBackend
@@ -72,7 +72,7 @@ func firstNotSkipped(s *snapshot, start int, skip func(string) bool) (Lease, err
 // random picks uniformly; its only state is the snapshot.
 type random struct{ *core }
 
-func (r *random) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+func (r *random) Pick(key uint64, skip func(id string) bool) (Lease, error) {
 	s := r.snap.Load()
 	if len(s.entries) == 0 {
 		return Lease{}, ErrNoBackend
@@ -92,7 +92,7 @@ func (r *random) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	// Accepted, or refused four times by slow start: the last candidate drawn.
 	// (Not another draw: skip reads live state, such as a limit other
 	// connections reach meanwhile, and may refuse every backend by now.)
-	return lease(s.entries[i].b), nil
+	return r.lease(s.entries[i].b, key, skip)
 }
 
 // pickRandom returns the index of a uniformly random entry that skip doesn't exclude
@@ -136,7 +136,7 @@ type leastConn struct {
 	weighted bool
 }
 
-func (l *leastConn) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+func (l *leastConn) Pick(key uint64, skip func(id string) bool) (Lease, error) {
 	s := l.snap.Load()
 	n := len(s.entries)
 	if n == 0 {
@@ -146,10 +146,10 @@ func (l *leastConn) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	start := rnd.intn(n)
 	now, ramping := s.ramping(l.core)
 	if !l.weighted && !ramping {
-		return l.pickCount(s, start, skip)
+		return l.pickCount(s, start, key, skip)
 	}
 	if !ramping {
-		return l.pickWeighted(s, start, skip)
+		return l.pickWeighted(s, start, key, skip)
 	}
 	best, bestCost := -1, math.Inf(1)
 	for k := range n {
@@ -176,11 +176,11 @@ func (l *leastConn) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	if best < 0 {
 		return Lease{}, ErrNoBackend
 	}
-	return lease(s.entries[best].b), nil
+	return l.lease(s.entries[best].b, key, skip)
 }
 
 // pickCount is least_conn's integer fast path (no weights, no slow start).
-func (l *leastConn) pickCount(s *snapshot, start int, skip func(string) bool) (Lease, error) {
+func (l *leastConn) pickCount(s *snapshot, start int, key uint64, skip func(string) bool) (Lease, error) {
 	n := len(s.entries)
 	best, bestN := -1, int64(math.MaxInt64)
 	for k := range n {
@@ -196,13 +196,13 @@ func (l *leastConn) pickCount(s *snapshot, start int, skip func(string) bool) (L
 	if best < 0 {
 		return Lease{}, ErrNoBackend
 	}
-	return lease(s.entries[best].b), nil
+	return l.lease(s.entries[best].b, key, skip)
 }
 
 // pickWeighted is weighted_least_conn's integer path (no slow start): it compares
 // (in flight + 1) / weight by cross-multiplying, avoiding a division per backend.
 // In flight < 2^31 and weight < 2^32, so the products fit in a uint64.
-func (l *leastConn) pickWeighted(s *snapshot, start int, skip func(string) bool) (Lease, error) {
+func (l *leastConn) pickWeighted(s *snapshot, start int, key uint64, skip func(string) bool) (Lease, error) {
 	n := len(s.entries)
 	best := -1
 	var bestN, bestW uint64
@@ -221,7 +221,7 @@ func (l *leastConn) pickWeighted(s *snapshot, start int, skip func(string) bool)
 	if best < 0 {
 		return Lease{}, ErrNoBackend
 	}
-	return lease(s.entries[best].b), nil
+	return l.lease(s.entries[best].b, key, skip)
 }
 
 // smoothWeighted is nginx's smooth weighted round robin: each pick adds every
@@ -241,7 +241,16 @@ func (w *smoothWeighted) SetBackends(backends []Backend) {
 }
 
 // Pick calls skip with w.mu held: skip must not call back into this balancer's Pick.
-func (w *smoothWeighted) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+func (w *smoothWeighted) Pick(key uint64, skip func(id string) bool) (Lease, error) {
+	best, err := w.choose(skip)
+	if err != nil {
+		return Lease{}, err
+	}
+	return w.lease(best, key, skip) // not under w.mu: it may pick again
+}
+
+// choose is Pick's choice of backend, made under w.mu.
+func (w *smoothWeighted) choose(skip func(id string) bool) (*backend, error) {
 	s := w.snap.Load()
 	now, ramping := s.ramping(w.core)
 	w.mu.Lock()
@@ -265,19 +274,22 @@ func (w *smoothWeighted) Pick(_ uint64, skip func(id string) bool) (Lease, error
 		}
 	}
 	if best == nil {
-		return Lease{}, ErrNoBackend
+		return nil, ErrNoBackend
 	}
 	best.current -= total
-	return lease(best), nil
+	return best, nil
 }
 
 // p2c draws two distinct random backends and takes the one with fewer in flight.
 type p2c struct{ *core }
 
-func (p *p2c) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+func (p *p2c) Pick(key uint64, skip func(id string) bool) (Lease, error) {
 	s, ea, eb, err := p.drawTwo(skip)
-	if err != nil || eb == nil {
-		return leaseOf(ea), err
+	if err != nil {
+		return Lease{}, err
+	}
+	if eb == nil {
+		return p.lease(ea.b, key, skip)
 	}
 	na, nb := ea.b.inflight.Load(), eb.b.inflight.Load()
 	if now, ramping := s.ramping(p.core); ramping {
@@ -287,7 +299,7 @@ func (p *p2c) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	} else if nb < na {
 		ea = eb
 	}
-	return lease(ea.b), nil
+	return p.lease(ea.b, key, skip)
 }
 
 // drawTwo draws two distinct random usable backends for the P2C family. With one
@@ -309,22 +321,17 @@ func (c *core) drawTwo(skip func(id string) bool) (s *snapshot, ea, eb *entry, e
 	return s, ea, eb, nil
 }
 
-// leaseOf is a lease on e's backend, or the zero lease for nil.
-func leaseOf(e *entry) Lease {
-	if e == nil {
-		return Lease{}
-	}
-	return lease(e.b)
-}
-
 // peakEWMA is Finagle's and Linkerd's least-time balancer: P2C over
 // cost = latency estimate × (in flight + 1).
 type peakEWMA struct{ *core }
 
-func (p *peakEWMA) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
+func (p *peakEWMA) Pick(key uint64, skip func(id string) bool) (Lease, error) {
 	_, ea, eb, err := p.drawTwo(skip)
-	if err != nil || eb == nil {
-		return leaseOf(ea), err
+	if err != nil {
+		return Lease{}, err
+	}
+	if eb == nil {
+		return p.lease(ea.b, key, skip)
 	}
 	now := p.now()
 	neutral := p.ewma.neutral()
@@ -347,7 +354,7 @@ func (p *peakEWMA) Pick(_ uint64, skip func(id string) bool) (Lease, error) {
 	case cb < ca:
 		ea = eb
 	}
-	return lease(ea.b), nil
+	return p.lease(ea.b, key, skip)
 }
 
 // cost is e's latency estimate × (in flight + 1); whether e has had no sample of
@@ -375,17 +382,17 @@ func (m *maglevHash) Pick(key uint64, skip func(id string) bool) (Lease, error) 
 	h := mix64(key)
 	e := &s.entries[s.table[h%size]]
 	if skip == nil || !skip(e.b.id) {
-		return lease(e.b), nil
+		return m.lease(e.b, key, skip)
 	}
 	// The owner is skipped: retry with rehashed keys (still a pure function of key and
 	// table, so balancer nodes agree), then fall back to a scan.
 	for a := uint64(1); a <= 8; a++ {
 		e = &s.entries[s.table[mix64(key+a*0x9e3779b97f4a7c15)%size]]
 		if !skip(e.b.id) {
-			return lease(e.b), nil
+			return m.lease(e.b, key, skip)
 		}
 	}
-	return firstNotSkipped(s, int(h%uint64(len(s.entries))), skip)
+	return m.firstNotSkipped(s, int(h%uint64(len(s.entries))), key, skip)
 }
 
 // maglevP2C is maglev_p2c: the flow's slot in two Maglev tables names two candidates,
@@ -406,5 +413,5 @@ func (m *maglevP2C) Pick(key uint64, skip func(id string) bool) (Lease, error) {
 	if a != b && PreferSecond(a.b.inflight.Load(), a.weight, b.b.inflight.Load(), b.weight) {
 		a = b
 	}
-	return lease(a.b), nil
+	return m.lease(a.b, key, skip)
 }

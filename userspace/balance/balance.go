@@ -9,6 +9,7 @@ package balance
 import (
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -172,6 +173,7 @@ func newBalancer(algorithm string, backends []Backend, seed uint64, now func() i
 	default:
 		return nil, fmt.Errorf("new balancer: %q: %w (want one of %v)", algorithm, ErrUnknownAlgorithm, Algorithms())
 	}
+	c.self = b
 	c.set(backends, true)
 	return b, nil
 }
@@ -206,7 +208,13 @@ type backend struct {
 	_ [64]byte
 }
 
-func (b *backend) acquire() { b.inflight.Add(1) }
+// forgotten is the in-flight count of a backend SetBackends has forgotten: so far
+// below zero that no number of refused acquires brings it back up.
+const forgotten = math.MinInt64 / 2
+
+// acquire takes an in-flight slot on b; it reports false if b is forgotten. The
+// refused add is not undone: the count of a forgotten backend means nothing.
+func (b *backend) acquire() bool { return b.inflight.Add(1) > 0 }
 
 // release decrements in-flight but undoes a decrement below zero, so a stray release
 // (of a copied lease) can't leave a negative count that would attract every new
@@ -300,6 +308,8 @@ type core struct {
 	// known holds every current backend and removed ones still in flight, so a backend
 	// removed and re-added while connections are open keeps its count.
 	known map[string]*backend
+
+	self Balancer // the algorithm, for a pick made again (lease)
 }
 
 func (c *core) SetBackends(backends []Backend) { c.set(backends, false) }
@@ -346,17 +356,6 @@ func (c *core) set(backends []Backend, initial bool) {
 		}
 		s.entries = append(s.entries, e)
 	}
-	// Forget removed backends once nothing is in flight on them. A Pick still reading
-	// the previous snapshot may lease one just after: its count then lives only in the
-	// forgotten object (released correctly, but not seen by InFlight if the ID returns).
-	for id, b := range c.known {
-		if !live[id] {
-			b.wasUsable = false
-			if b.inflight.Load() == 0 {
-				delete(c.known, id)
-			}
-		}
-	}
 	if c.maglev && len(s.entries) > 0 {
 		s.table = buildTable(s.entries, down, c.seed)
 		if c.second {
@@ -364,6 +363,18 @@ func (c *core) set(backends []Backend, initial bool) {
 		}
 	}
 	c.snap.Store(s)
+	// Forget removed backends once nothing is in flight on them, after the new
+	// snapshot is out: a Pick still reading an older one that chooses a forgotten
+	// backend finds its acquire refused, and picks again from the new one, which
+	// does not hold it. Its lease is never on an object InFlight no longer sees.
+	for id, b := range c.known {
+		if !live[id] {
+			b.wasUsable = false
+			if b.inflight.CompareAndSwap(0, forgotten) {
+				delete(c.known, id)
+			}
+		}
+	}
 }
 
 // buildTable builds the lookup table over the usable entries and the weighted
@@ -439,8 +450,11 @@ func (s *splitmix) float() float64 {
 	return float64(s.next()>>11) / (1 << 53)
 }
 
-// lease takes an in-flight slot on b.
-func lease(b *backend) Lease {
-	b.acquire()
-	return Lease{b: b}
+// lease takes an in-flight slot on b, which the Pick for key and skip chose; if
+// SetBackends has forgotten b meanwhile, it picks again (from a snapshot without b).
+func (c *core) lease(b *backend, key uint64, skip func(id string) bool) (Lease, error) {
+	if b.acquire() {
+		return Lease{b: b}, nil
+	}
+	return c.self.Pick(key, skip)
 }

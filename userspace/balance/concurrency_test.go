@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -153,6 +155,76 @@ func TestConcurrent(t *testing.T) {
 			for _, id := range ids {
 				if n := b.InFlight(id); n != 0 {
 					t.Errorf("InFlight(%s) = %d after every lease was released; want 0", id, n)
+				}
+			}
+		})
+	}
+}
+
+// TestPickNeverLeasesForgotten: a Pick that chose from a snapshot older than a
+// SetBackends which removed that backend, while nothing was in flight on it, and
+// so forgot it, does not lease the forgotten backend: it picks again. Its lease
+// was taken on an object the balancer no longer knew, so a backend added back
+// under the same ID started from 0 and InFlight missed the connection. Workers
+// pick (yielding in skip, between the snapshot and the lease) and hold every
+// lease while backends are removed and added back; then InFlight must count
+// every lease held.
+func TestPickNeverLeasesForgotten(t *testing.T) {
+	ids := []string{"a", "b", "c", "d"}
+	full := make([]Backend, len(ids))
+	for i, id := range ids {
+		full[i] = Backend{ID: id, Weight: 1, Usable: true}
+	}
+	const workers, picks = 8, 200
+	rounds := 20
+	if testing.Short() {
+		rounds = 5
+	}
+	for _, alg := range Algorithms() {
+		t.Run(alg, func(t *testing.T) {
+			b := mustNew(t, alg, full, 0)
+			for round := range rounds {
+				b.SetBackends(full)
+				stop := make(chan struct{})
+				var churn sync.WaitGroup
+				churn.Add(1)
+				// Removes one backend and adds it back, until stop is closed.
+				go func() {
+					defer churn.Done()
+					for i := 0; ; i++ {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						b.SetBackends(slices.Delete(slices.Clone(full), i%len(full), i%len(full)+1))
+						b.SetBackends(full)
+					}
+				}()
+				held := make([][]Lease, workers)
+				var wg sync.WaitGroup
+				for w := range workers {
+					wg.Add(1)
+					// Picks picks times, holding every lease, then exits.
+					go func() {
+						defer wg.Done()
+						for i := range picks {
+							l, err := b.Pick(uint64(w*picks+i), func(string) bool { runtime.Gosched(); return false })
+							if err != nil && !errors.Is(err, ErrNoBackend) {
+								t.Errorf("pick: %v", err)
+								return
+							}
+							held[w] = append(held[w], l)
+						}
+					}()
+				}
+				wg.Wait()
+				close(stop)
+				churn.Wait()
+				all := slices.Concat(held...)
+				checkCounts(t, b, ids, all, fmt.Sprintf("round %d", round))
+				for i := range all {
+					all[i].Release(Result{})
 				}
 			}
 		})
