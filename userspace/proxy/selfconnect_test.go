@@ -20,9 +20,10 @@ const netnsEnv = "WEIR_PROXY_TEST_NETNS"
 
 // inOwnNetns runs the calling test again in a child process in a network
 // namespace of its own (loopback up, and the sysctls given, which are the
-// namespace's own), on the copy path, and reports false: the caller returns,
-// the child's result being the test's. In the child it reports true: the caller
-// goes on with the test.
+// namespace's own), on this process's path (copy, or sockmap in the child of
+// TestEveryTestOnSockmap), and reports false: the caller returns, the child's
+// result being the test's. In the child it reports true: the caller goes on
+// with the test.
 func inOwnNetns(t *testing.T, sysctls map[string]string) bool {
 	t.Helper()
 	if os.Getenv(netnsEnv) == t.Name() {
@@ -37,13 +38,7 @@ func inOwnNetns(t *testing.T, sysctls map[string]string) bool {
 		return true
 	}
 	cmd := exec.Command(os.Args[0], "-test.count=1", "-test.v", "-test.run=^"+t.Name()+"$")
-	var env []string
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, pathEnv+"=") { // the copy path: no sockmap in there
-			env = append(env, kv)
-		}
-	}
-	cmd.Env = append(env, netnsEnv+"="+t.Name())
+	cmd.Env = append(os.Environ(), netnsEnv+"="+t.Name())
 	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET}
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
