@@ -465,6 +465,30 @@ func TestLingerIsBounded(t *testing.T) {
 	checkNotBlamed(t, s, rec, 10*time.Second)
 }
 
+// TestLingerBoundsUnreadAnswer: a client that neither reads nor sends after
+// its backend has sent its whole answer, its FIN and then a reset is closed at
+// lingerMax, even with no idle timeout, and gets a reset, as the answer's rest
+// is lost; the backend, whose stream was whole, is not blamed. The proxy (or,
+// forwarding in the kernel, the kernel) held the answer's rest for the client,
+// and the connection, its slot and the backend's count lasted until the idle
+// timeout, or for good without one.
+func TestLingerBoundsUnreadAnswer(t *testing.T) {
+	if !inSlowReaderNetns(t) {
+		return
+	}
+	defer func(d time.Duration) { lingerMax = d }(lingerMax)
+	lingerMax = 500 * time.Millisecond
+	answer := bytes.Repeat([]byte("a"), 1<<20)
+	be := startFinThenReset(t, nil, answer, abortiveClose)
+	s, rec, c := askSlowly(t, be) // no IdleTimeout
+	<-be.reset
+	checkNotBlamed(t, s, rec, 10*time.Second)
+	n, err := io.Copy(io.Discard, c)
+	if err == nil || !strings.Contains(err.Error(), "reset") || n >= int64(len(answer)) {
+		t.Errorf("the client read %d bytes of %d, then %v; want fewer, then a reset", n, len(answer), err)
+	}
+}
+
 // inSlowReaderNetns is inOwnNetns with the buffer sizes of the tests of a
 // backend that resets after its FIN: send buffers of 16 KiB, so the proxy
 // holds an answer's rest while its client does not read, and receive buffers

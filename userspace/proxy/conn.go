@@ -424,9 +424,12 @@ func (l *loop) pump(c *conn, d int) bool {
 						// whole, and what the proxy holds of it goes on to
 						// the client, as the kernel still delivers what is
 						// in the socket, then the EOF. The end is a plain
-						// close, once the client has it (endHalf, linger).
+						// close, once the client has it; the client's
+						// bytes, which have nowhere to go, are dropped
+						// meanwhile, and one that does not take the answer
+						// is closed at lingerMax (linger).
 						h.whole = true
-						return true
+						return l.linger(c)
 					}
 					// The source failed (a reset) while its bytes waited for a
 					// destination that does not read: they will never go, and
@@ -449,6 +452,12 @@ func (l *loop) pump(c *conn, d int) bool {
 			if c.redirected {
 				n, all := l.kernelMoved(c, d)
 				if !all {
+					if d == down && h.hup && !h.fin {
+						// The backend failed after its FIN: the kernel
+						// holds the rest of a whole answer for a client
+						// slow to take it, up to lingerMax (linger).
+						return l.linger(c)
+					}
 					l.flushLater(c)
 					return true
 				}
@@ -692,7 +701,16 @@ func (l *loop) linger(c *conn) bool {
 		}
 	}
 	if !c.h[down].done {
-		return true // the answer is still on its way to the client's socket
+		// The answer is still on its way to the client's socket. A client
+		// that has not taken it by lingerEnd loses its rest: the close
+		// resets it, as it does a peer whose bytes the proxy (or the
+		// kernel) still holds.
+		if monotonic() < c.lingerEnd {
+			l.lingerLater(c)
+			return true
+		}
+		l.close(c, OutcomeSuccess)
+		return false
 	}
 	if !u.eof && monotonic() < c.lingerEnd {
 		if n, err := outqRaw(c.fd[client]); err == nil && n > 0 {
@@ -708,7 +726,8 @@ func (l *loop) linger(c *conn) bool {
 // acknowledge the answer's end (as nginx's lingering_time does), whatever the
 // idle timeout, which may be none: the backend has gone, and a client that
 // never reads would otherwise hold the connection, its slot and the backend's
-// count for good.
+// count for good. It counts from when the proxy saw the backend go, whether
+// the answer was all in the client's socket by then or not.
 var lingerMax = 30 * time.Second
 
 // lingerLater checks c again soon: its client has not yet acknowledged the
