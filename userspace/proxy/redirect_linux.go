@@ -134,6 +134,7 @@ type kernelCount struct {
 	queued   uint64 // bytes in the destination's send queue or acknowledged, not written by the proxy
 	received uint64 // bytes the source received and the proxy did not read, its FIN included once in
 	finIn    bool   // the source has received its peer's FIN
+	closed   bool   // the source is closed (TCP_CLOSE): its FIN may be in, or not (kernelHolds)
 }
 
 // holds reports whether the source has received bytes that are neither in the
@@ -167,11 +168,40 @@ func (l *loop) kernelProgress(c *conn, d int) (kernelCount, bool) {
 		queued-- // the SYN of the socket the proxy opened
 	}
 	k := kernelCount{queued: queued - min(queued, h.wrote), received: in.Bytes_received - min(in.Bytes_received, h.read)}
-	switch in.State {
-	case unix.BPF_TCP_CLOSE_WAIT, unix.BPF_TCP_LAST_ACK, unix.BPF_TCP_CLOSING: // the kernel's TCP states, by their BPF names
+	switch in.State { // the kernel's TCP states, by their BPF names
+	case unix.BPF_TCP_CLOSE_WAIT, unix.BPF_TCP_LAST_ACK, unix.BPF_TCP_CLOSING:
 		k.finIn = true
+	case unix.BPF_TCP_CLOSE:
+		k.closed = true
 	}
 	return k, true
+}
+
+// kernelHolds reads direction d's kernelCount at c's close: the bytes the
+// kernel forwarded, and whether it still holds some (kernelCount.holds). A
+// source closed since (TCP_CLOSE) was closed after both FINs (the proxy's
+// first, then the peer's, through TIME_WAIT, which a socket still open shows
+// as CLOSE; or LAST_ACK acknowledged), or by a reset: a peek finds the
+// stream's end only if the FIN is in and no byte is left to read, and after a
+// reset without a FIN, the error, which it takes (no one reads it at the close).
+func (l *loop) kernelHolds(c *conn, d int) (uint64, bool) {
+	k, ok := l.kernelProgress(c, d)
+	if !ok {
+		return k.queued, false
+	}
+	if k.closed {
+		k.finIn = peekEOF(c.fd[d])
+	}
+	return k.queued, k.holds()
+}
+
+// peekEOF reports whether a read of fd would return the end of the stream now,
+// without reading anything.
+func peekEOF(fd int) bool {
+	var b [1]byte
+	n, _, e := unix.RawSyscall6(unix.SYS_RECVFROM, uintptr(fd), uintptr(unsafe.Pointer(&b[0])), 1,
+		unix.MSG_PEEK|unix.MSG_DONTWAIT, 0, 0)
+	return e == 0 && n == 0
 }
 
 // flushLater checks c again soon: its kernel forwarding has not caught up with an EOF.
@@ -219,9 +249,8 @@ func (l *loop) accountKernel(c *conn) {
 	for d := range c.h {
 		n := c.h[d].kernel
 		if !c.h[d].done {
-			k, ok := l.kernelProgress(c, d)
-			n = k.queued
-			if ok && k.holds() {
+			var holds bool
+			if n, holds = l.kernelHolds(c, d); holds {
 				setLinger0(c.fd[1-d])
 			}
 		}

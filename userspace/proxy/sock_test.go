@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"testing"
@@ -126,4 +127,81 @@ func TestStartDial(t *testing.T) {
 	if unix.Errno(soErr) != unix.ECONNREFUSED {
 		t.Errorf("dial closed port: SO_ERROR %v; want ECONNREFUSED", unix.Errno(soErr))
 	}
+}
+
+// TestKernelCountsFINOfClosedSource: at a sockmap connection's close, a source
+// whose peer's FIN is in holds nothing for that FIN, also when the source is
+// closed (TCP_CLOSE: the proxy had sent its own FIN first, so the peer's FIN
+// took it through TIME_WAIT). The count took the FIN, which
+// tcpi_bytes_received counts, for a byte the kernel still held only in
+// CLOSE_WAIT, LAST_ACK and CLOSING, so a close in the few milliseconds before
+// the loop saw that EOF (an idle timeout, a drain's deadline) reset the other
+// peer where a FIN was due. A byte the source received and nobody took is
+// still held.
+func TestKernelCountsFINOfClosedSource(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		bytes string // the backend sends these, then its FIN
+		holds bool
+	}{
+		{"FIN only", "", false},
+		{"a byte and the FIN", "x", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			// The proxy's socket to the backend (the source) and the
+			// backend's; the proxy's socket to the client (the destination).
+			src, be := tcpPair(t)
+			_, dst := tcpPair(t)
+			srcFD, dstFD := sysFD(t, src), sysFD(t, dst)
+			if tc.bytes != "" {
+				if _, err := be.Write([]byte(tc.bytes)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			src.CloseWrite()
+			be.Close()
+			waitfor.Value(t, 5*time.Second, "the source closed", func() (any, bool) {
+				ti, err := tcpInfoRaw(srcFD)
+				return fmt.Sprintf("state %d, %v", ti.State, err), err == nil && ti.State == unix.BPF_TCP_CLOSE
+			})
+			c := &conn{fd: [2]int{dstFD, srcFD}}
+			if _, holds := (&loop{}).kernelHolds(c, down); holds != tc.holds {
+				t.Errorf("the kernel holds bytes: %v; want %v", holds, tc.holds)
+			}
+		})
+	}
+}
+
+// tcpPair returns both ends of a loopback TCP connection: the dialer's and the
+// accepted one. Both are closed when the test ends.
+func tcpPair(t *testing.T) (dialed, accepted *net.TCPConn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", loopback0.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	d, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	a, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	return d.(*net.TCPConn), a.(*net.TCPConn)
+}
+
+// sysFD is c's own descriptor (not a dup), valid while c is open.
+func sysFD(t *testing.T, c *net.TCPConn) int {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var fd int
+	rc.Control(func(f uintptr) { fd = int(f) })
+	return fd
 }
