@@ -752,7 +752,12 @@ func (l *loop) lingerLater(c *conn) {
 // reset with the client's bytes unread) it says ECONNRESET, as for any reset;
 // the TCP counters tell then: tcpi_bytes_received counts the FIN, the bytes
 // the proxy has read and those still in the socket (SIOCINQ) do not. On the
-// in-kernel path the proxy does not know what the kernel has read.
+// in-kernel path the proxy does not know what the kernel has read, and it
+// answers false; it need not know: there the proxy holds none of the
+// backend's bytes (the program hands them to the proxy only once the client's
+// socket has left the map, closed), and it reads the backend's EOF itself,
+// which a read returns after the reset too (TestBackendResetAfterBothFINs runs
+// on both paths).
 func (l *loop) finBeforeReset(c *conn, src int) bool {
 	switch sockErr(src) {
 	case unix.EPIPE:
