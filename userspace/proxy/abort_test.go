@@ -347,19 +347,9 @@ func TestSlowClientTalksOnAfterBackendReset(t *testing.T) {
 			// It reads the answer, talking on between reads (what the proxy
 			// has not yet sent, and the client not yet acknowledged, would
 			// be lost if these bytes met a closed socket).
-			var got []byte
-			buf := make([]byte, 4096)
-			for {
-				n, err := c.Read(buf)
-				got = append(got, buf[:n]...)
-				if err != nil {
-					if err != io.EOF || !bytes.Equal(got, answer) {
-						t.Errorf("answer: got %d bytes, then %v; want %d bytes, then EOF", len(got), err, len(answer))
-					}
-					break
-				}
+			readWholeBy4K(t, c, answer, func() {
 				c.Write([]byte("more\n")) // fails once the proxy has closed, the answer the client's
-			}
+			})
 			checkNotBlamed(t, s, rec, 5*time.Second)
 		})
 	}
@@ -489,6 +479,26 @@ func TestLingerBoundsUnreadAnswer(t *testing.T) {
 	}
 }
 
+// TestLingerLetsSlowReaderFinish: a client that reads a whole answer from a
+// backend gone after its FIN slowly, taking longer than lingerMax in all but
+// never pausing that long, gets all of it, then the EOF: the bound is on a
+// client that takes none of the answer, not on a slow one.
+func TestLingerLetsSlowReaderFinish(t *testing.T) {
+	if !inSlowReaderNetns(t) {
+		return
+	}
+	defer func(d time.Duration) { lingerMax = d }(lingerMax)
+	lingerMax = 2 * time.Second // 20 of the client's reads
+	answer := bytes.Repeat([]byte("a"), 192<<10)
+	be := startFinThenReset(t, nil, answer, abortiveClose)
+	s, rec, c := askSlowly(t, be) // no IdleTimeout
+	<-be.reset
+	// 4 KiB every 100 ms: about 5 s for the answer.
+	c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	readWholeBy4K(t, c, answer, func() { time.Sleep(100 * time.Millisecond) }) // the client's pace
+	checkNotBlamed(t, s, rec, 5*time.Second)
+}
+
 // inSlowReaderNetns is inOwnNetns with the buffer sizes of the tests of a
 // backend that resets after its FIN: send buffers of 16 KiB, so the proxy
 // holds an answer's rest while its client does not read, and receive buffers
@@ -572,6 +582,25 @@ func askSlowly(t *testing.T, be *finThenReset) (*Service, *recorder, *net.TCPCon
 		t.Fatal("the backend's answer: not acknowledged after 10 s")
 	}
 	return s, rec, c
+}
+
+// readWholeBy4K reads c to its end, 4 KiB a read, calling between after each
+// read but the last, and checks that it got answer, then EOF.
+func readWholeBy4K(t *testing.T, c io.Reader, answer []byte, between func()) {
+	t.Helper()
+	var got []byte
+	buf := make([]byte, 4096)
+	for {
+		n, err := c.Read(buf)
+		got = append(got, buf[:n]...)
+		if err != nil {
+			if err != io.EOF || !bytes.Equal(got, answer) {
+				t.Errorf("answer: got %d bytes, then %v; want %d bytes, then EOF", len(got), err, len(answer))
+			}
+			return
+		}
+		between()
+	}
 }
 
 // readWhole reads c to its end and checks that it got answer, then EOF.

@@ -51,9 +51,11 @@ type conn struct {
 	lastErr error
 	killed  bool // closed by a drain or shutdown deadline
 	// lingerEnd: monotonic ns past which a lingering connection (linger)
-	// closes, acknowledged or not.
-	lingerEnd int64
-	reset     bool // the backend broke the connection
+	// closes, acknowledged or not; lingerSent: the answer's bytes in the
+	// client's socket when lingerEnd was last set.
+	lingerEnd  int64
+	lingerSent uint64
+	reset      bool // the backend broke the connection
 
 	redirected  bool   // the kernel forwards (Config.Redirector)
 	seen        uint64 // redirected: bytes received by both sockets at the last idle check
@@ -702,10 +704,19 @@ func (l *loop) linger(c *conn) bool {
 	}
 	if !c.h[down].done {
 		// The answer is still on its way to the client's socket. A client
-		// that has not taken it by lingerEnd loses its rest: the close
-		// resets it, as it does a peer whose bytes the proxy (or the
-		// kernel) still holds.
-		if monotonic() < c.lingerEnd {
+		// that takes some of it has lingerMax more; one that takes none
+		// for lingerMax loses the rest: the close resets it, as it does a
+		// peer whose bytes the proxy (or the kernel) still holds.
+		now := monotonic()
+		sent := c.h[down].wrote
+		if c.redirected {
+			n, _ := l.kernelMoved(c, down)
+			sent += n
+		}
+		if sent != c.lingerSent {
+			c.lingerSent, c.lingerEnd = sent, now+int64(lingerMax)
+		}
+		if now < c.lingerEnd {
 			l.lingerLater(c)
 			return true
 		}
@@ -726,8 +737,9 @@ func (l *loop) linger(c *conn) bool {
 // acknowledge the answer's end (as nginx's lingering_time does), whatever the
 // idle timeout, which may be none: the backend has gone, and a client that
 // never reads would otherwise hold the connection, its slot and the backend's
-// count for good. It counts from when the proxy saw the backend go, whether
-// the answer was all in the client's socket by then or not.
+// count for good. It counts from when the proxy saw the backend go, and,
+// while the answer is not yet all in the client's socket, from the last time
+// the client took some of it: a client that reads, however slowly, gets it.
 var lingerMax = 30 * time.Second
 
 // lingerLater checks c again soon: its client has not yet acknowledged the
