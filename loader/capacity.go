@@ -36,3 +36,14 @@ func ReadCapacity() (Capacity, error) {
 		Interfaces:  spec.Maps[bpf.WeirMapTxPorts].MaxEntries,
 	}, nil
 }
+
+// Capacity returns the loaded program's capacities, as its maps were created
+// (a pinned program keeps the sizes it was first loaded with).
+func (p *Program) Capacity() Capacity {
+	return Capacity{
+		Services:    p.serviceIDs.capacity,
+		Backends:    p.backendIDs.capacity,
+		ServiceKeys: p.objs.Services.MaxEntries(),
+		Interfaces:  p.objs.TxPorts.MaxEntries(),
+	}
+}

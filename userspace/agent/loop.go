@@ -582,12 +582,17 @@ type staged interface {
 	Abort()
 }
 
-// reconcile applies the operations that take the planes from prev to next. If one
-// fails, the staged planes abort, every service the operations so far touched is
-// brought back to prev by the same means (a diff from where they are to prev), and
-// the error is returned.
+// reconcile applies the operations that take the planes from prev to next. If the
+// XDP program lacks the slots they need, none is applied. If one fails, the
+// staged planes abort, every service the operations so far touched is brought
+// back to prev by the same means (a diff from where they are to prev), and the
+// error is returned.
 func (a *Agent) reconcile(prev, next plan.Desired) error {
 	ops := plan.Diff(prev, next)
+	// A change the XDP program has no slots for is refused before any write.
+	if err := a.xdp.Fits(prev, ops); err != nil {
+		return err
+	}
 	for i, op := range ops {
 		if err := a.do(op); err != nil {
 			a.stage(staged.Abort)

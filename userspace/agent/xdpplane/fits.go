@@ -1,0 +1,128 @@
+package xdpplane
+
+import (
+	"fmt"
+	"maps"
+	"net/netip"
+	"time"
+
+	"github.com/weir-lb/weir/loader"
+	"github.com/weir-lb/weir/userspace/agent/plan"
+)
+
+// Fits reports whether the program has the service and backend slots that ops
+// take, at every point of their order, before any of them is written. The
+// program holds a new backend's slot before it frees a replaced one's, a
+// service's new entry (another VIP, protocol or name) is added before its old
+// one leaves, and backends a reload removed keep their slots while they drain:
+// so a change between two files that each fit may not. One that does not is
+// refused whole, naming the service where the slots run out, rather than
+// failing half-applied and rolled back (which would replace the lookup tables
+// it touched twice, and their previous-table fallback with them).
+//
+// It follows the decisions of Add, Update, SetBackend and Remove (apply.go).
+func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
+	if x == nil || x.prog == nil {
+		return nil
+	}
+	capa := x.prog.Capacity()
+	held := make(map[loader.ServiceKey]map[netip.AddrPort]bool)
+	backends := 0
+	for _, s := range x.prog.Services() {
+		held[s.Key] = addrSet(s)
+		backends += len(s.Backends)
+	}
+	installed := maps.Clone(x.installed)
+	put := func(s *plan.Service) error {
+		ls := spec(s)
+		cur, ok := held[ls.Key]
+		if !ok && len(held) >= int(capa.Services) {
+			return fmt.Errorf("service %q: the XDP program has %d service slots, all held at this point of the change (a service's entry at a new VIP, protocol or name is added before the old one is removed): remove services in one reload and add the others in the next: %w",
+				s.Name(), capa.Services, loader.ErrCapacity)
+		}
+		fresh := 0
+		for _, b := range ls.Backends {
+			if !cur[b.Addr] {
+				fresh++
+			}
+		}
+		if backends+fresh > int(capa.Backends) {
+			return fmt.Errorf("service %q: the XDP program has %d backend slots, and this change needs %d at once: %d held, %d more for this service's new backends, taken before the backends it replaces free theirs (which they keep while they drain)%s: %w",
+				s.Name(), capa.Backends, backends+fresh, backends, fresh, leavingNote(running), loader.ErrCapacity)
+		}
+		next := addrSet(ls)
+		backends += len(next) - len(cur)
+		held[ls.Key], installed[ls.Key] = next, s.Name()
+		return nil
+	}
+	remove := func(name string, key loader.ServiceKey) {
+		if installed[key] != name {
+			return
+		}
+		if !x.adopted[key] {
+			backends -= len(held[key])
+			delete(held, key)
+		}
+		delete(installed, key)
+	}
+	for _, op := range ops {
+		if op.Plane != plan.XDP {
+			continue
+		}
+		var err error
+		switch op.Kind {
+		case plan.Add:
+			if op.Next.Installed {
+				err = put(op.Next)
+			}
+		case plan.Update, plan.SetBackend:
+			n := op.Next
+			key := Key(&n.Config)
+			switch {
+			case op.Kind == plan.SetBackend && n.Installed && installed[key] == n.Name() &&
+				n.Backend(op.Backend) != nil && op.Prev.Backend(op.Backend) != nil:
+				// One backend's state: no slot taken or freed.
+			case !n.Installed:
+				remove(n.Name(), key)
+			default:
+				err = put(n)
+			}
+		case plan.Remove:
+			remove(op.Prev.Name(), Key(&op.Prev.Config))
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func addrSet(s loader.Service) map[netip.AddrPort]bool {
+	set := make(map[netip.AddrPort]bool, len(s.Backends))
+	for _, b := range s.Backends {
+		set[b.Addr] = true
+	}
+	return set
+}
+
+// leavingNote says how many backend slots the backends that earlier changes
+// removed hold while they drain, and until when.
+func leavingNote(running plan.Desired) string {
+	n, until := 0, time.Time{}
+	for _, s := range running.Services {
+		if s.Plane != plan.XDP || !s.Installed {
+			continue
+		}
+		for _, l := range s.Leaving {
+			n++
+			if l.Until.After(until) {
+				until = l.Until
+			}
+		}
+	}
+	if n == 0 {
+		return "; remove backends in one reload and add the others in the next, once the removed ones have drained (drain_timeout)"
+	}
+	return fmt.Sprintf("; %d of the held slots are backends an earlier change removed, draining until %s (drain_timeout): reload again after that, or remove backends in one reload and add the others in the next once they have drained",
+		n, until.UTC().Format(time.RFC3339))
+}
