@@ -164,6 +164,31 @@ const (
 // past where a larger table stops paying for itself (docs/algorithms.md).
 const MaxTableSize = 4194301
 
+// MaxTableEntries bounds the Maglev lookup table entries of every service XDP
+// may serve together (table_size, or DefaultTableSize when it is left out;
+// twice that for maglev_p2c's second table): 2^28 entries, 1 GiB of kernel
+// memory at 4 bytes an entry, and as much again for the previous generation
+// the fallback keeps. Without it 1,024 services at the largest table_size
+// would take 16 GiB (32 GiB with their previous tables). Every file that leaves
+// table_size out fits: 1,024 maglev_p2c services at the default size take
+// about half of it.
+const MaxTableEntries = 1 << 28
+
+// DefaultTableSize is the Maglev table size a service of n backends gets when
+// it names none, as the XDP program picks it (userspace/balance.MaglevSize; the
+// agent's tests check that the two agree): 65537, or above 655 backends the
+// first prime from 100 entries a backend (at most 1% imbalance).
+func DefaultTableSize(n int) uint32 {
+	if n <= 655 {
+		return 65537
+	}
+	size := uint32(100 * n)
+	for !isPrime(size) {
+		size++
+	}
+	return size
+}
+
 // MinFlowTableSize and MaxFlowTableSize bound xdp.conntrack_size and
 // xdp.half_open_size. The kernel reserves every flow table whole at load: six
 // tables of each size (dsr/tunnel and nat flows and nat's reverse entries, per

@@ -672,6 +672,25 @@ func TestXDPCapacity(t *testing.T) {
 			services(b, 0, 1, MaxXDPBackends-1, DataPlaneAuto)
 			services(b, 1, 1, 3, DataPlaneXDP)
 		}, fmt.Sprintf("line %d: services[1].backends[1]: the XDP program holds at most 16384 backends over all its services", 3+4+MaxXDPBackends-1+4+1)},
+		{"default tables at the capacity", func(b *strings.Builder) {
+			b.WriteString(head)
+			for i := range MaxXDPServices {
+				fmt.Fprintf(b, "- {name: s%d, vip: 10.%d.%d.1:80, algorithm: maglev_p2c, backends: [{address: 10.0.0.1:80}]}\n", i, 100+i/256, i%256)
+			}
+		}, ""},
+		{"tables past the bound", func(b *strings.Builder) {
+			b.WriteString(head)
+			for i := range MaxTableEntries/MaxTableSize + 1 {
+				fmt.Fprintf(b, "- name: s%d\n  vip: 10.%d.%d.1:80\n  table_size: %d\n  backends: [{address: 10.0.0.1:80}]\n", i, 100+i/256, i%256, MaxTableSize)
+			}
+		}, fmt.Sprintf("line %d: services[64].table_size: the XDP program holds at most 268435456 lookup table entries over all its services", 3+64*4+2)},
+		{"default tables past the bound", func(b *strings.Builder) {
+			b.WriteString(head)
+			for i := range MaxTableEntries / MaxTableSize {
+				fmt.Fprintf(b, "- {name: s%d, vip: 10.%d.%d.1:80, table_size: %d, backends: [{address: 10.0.0.1:80}]}\n", i, 100+i/256, i%256, MaxTableSize)
+			}
+			b.WriteString("- {name: t, vip: 10.99.0.1:80, algorithm: maglev_p2c, backends: [{address: 10.0.0.1:80}]}\n")
+		}, "line 67: services[64]: the XDP program holds at most 268435456 lookup table entries over all its services"},
 		{"interfaces past the capacity", func(b *strings.Builder) {
 			b.WriteString("interfaces:\n")
 			for i := range MaxInterfaces + 1 {

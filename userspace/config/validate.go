@@ -464,8 +464,9 @@ func (cfg *file) validate(dir string) []*FieldError {
 // capacities, so that a file it cannot hold is refused here, naming the service
 // or backend past the limit, rather than when the agent applies it.
 type xdpSlots struct {
-	services, backends         int
-	servicesFull, backendsFull bool // reported once each
+	services, backends                      int
+	entries                                 uint64 // lookup table entries
+	servicesFull, backendsFull, entriesFull bool   // reported once each
 }
 
 func (x *xdpSlots) add(c *checker, p string, s *fileService) {
@@ -480,6 +481,23 @@ func (x *xdpSlots) add(c *checker, p string, s *fileService) {
 			x.backendsFull = true
 			c.bad(fmt.Sprintf("%s.backends[%d]", p, j), "the XDP program holds at most %d backends over all its services (each service's own, a backend in two services counting twice), and this is backend %d: serve some services with data_plane proxy or on another node", MaxXDPBackends, x.backends)
 		}
+	}
+	if s.TableSize > MaxTableSize {
+		return // refused on its own
+	}
+	size, where := uint64(s.TableSize), p+".table_size"
+	if size == 0 {
+		size, where = uint64(DefaultTableSize(len(s.Backends))), p
+	}
+	tables := uint64(1)
+	if s.Algorithm == AlgorithmMaglevP2C {
+		tables = 2
+	}
+	x.entries += tables * size
+	if x.entries > MaxTableEntries && !x.entriesFull {
+		x.entriesFull = true
+		c.bad(where, "the XDP program holds at most %d lookup table entries over all its services (1 GiB, and as much again for their previous generations), and with this service's %d they would be %d: give services a smaller table_size, or serve some with data_plane proxy or on another node",
+			MaxTableEntries, tables*size, x.entries)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/weir-lb/weir/loader"
+	"github.com/weir-lb/weir/userspace/balance"
 	"github.com/weir-lb/weir/userspace/config"
 )
 
@@ -25,6 +26,11 @@ func TestCapacityAgrees(t *testing.T) {
 	} {
 		if x.got != x.want {
 			t.Errorf("%s: got %d; want the program's %d", x.name, x.got, x.want)
+		}
+	}
+	for _, n := range []int{1, 655, 656, 1000, config.MaxXDPBackends} {
+		if got, want := config.DefaultTableSize(n), balance.MaglevSize(n); got != want {
+			t.Errorf("config.DefaultTableSize(%d): got %d; want the program's %d", n, got, want)
 		}
 	}
 	// Every service's key and one address-only key per VIP address, at most one
