@@ -94,6 +94,9 @@ func TestBGPErrors(t *testing.T) {
 			"services[0].vip: [fd00::1]:1179 is also bgp.listen_port ([::]:1179)"},
 		{"listen_port on metrics.listen", "metrics: {listen: 127.0.0.1:1179}\nbgp: {asn: 1, router_id: 10.0.0.1, listen_port: 1179, peers: [{address: 10.0.0.2, asn: 2}]}\n",
 			"line 1: metrics.listen: 127.0.0.1:1179 is also bgp.listen_port ([::]:1179)"},
+		// Left out, metrics.listen is 127.0.0.1:9470: the clash is the written field's.
+		{"listen_port on the default metrics.listen", "bgp:\n  asn: 1\n  router_id: 10.0.0.1\n  listen_port: 9470\n  peers: [{address: 10.0.0.2, asn: 2}]\n",
+			"line 4: bgp.listen_port: [::]:9470 is also the default metrics.listen (127.0.0.1:9470): set metrics.listen to another address (or off)"},
 		{"listen_port on admin.listen", "admin: {listen: 127.0.0.1:1179}\nbgp: {asn: 1, router_id: 10.0.0.1, listen_port: 1179, peers: [{address: 10.0.0.2, asn: 2}]}\n",
 			"line 1: admin.listen: 127.0.0.1:1179 is also bgp.listen_port ([::]:1179)"},
 		{"policy without bgp", "services:\n- name: a\n  vip: 10.1.0.1:80\n  bgp: {med: 1}\n  backends: [{address: 10.1.0.2:80}]\n", "services[0].bgp: an announce policy needs the top-level bgp section"},

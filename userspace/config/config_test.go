@@ -269,9 +269,9 @@ func TestErrors(t *testing.T) {
 			`line 4: services[1].vip: 10.0.0.1:80 is already the proxy address of services[0] ("b"), and XDP would take every tcp packet to it`},
 		{"udp xdp VIP and a tcp listen", "interfaces: [{name: eth0}]\nservices:\n- {name: a, vip: 10.0.0.1:80, protocol: udp, data_plane: xdp, backends: [{address: 10.0.0.11:80}]}\n- {name: b, vip: 10.0.0.2:80, data_plane: proxy, proxy: {listen: 10.0.0.1:80}, backends: [{address: 10.0.0.11:80}]}\n", ""},
 		// The admin and metrics listeners bind without SO_REUSEPORT: nothing else can bind their address.
-		{"admin on the metrics address", "admin: {listen: 127.0.0.1:9470}\nservices: []\n", "line 1: admin.listen: 127.0.0.1:9470 is also metrics.listen"},
+		{"admin on the metrics address", "admin: {listen: 127.0.0.1:9470}\nservices: []\n", "line 1: admin.listen: 127.0.0.1:9470 is also the default metrics.listen"},
 		{"a proxy on the metrics address", "services:\n- {name: a, vip: 127.0.0.1:9470, data_plane: proxy, backends: [{address: 10.0.0.11:80}]}\n",
-			"line 2: services[0].vip: 127.0.0.1:9470 is also metrics.listen"},
+			"line 2: services[0].vip: 127.0.0.1:9470 is also the default metrics.listen"},
 		{"a proxy listen on the admin address", "admin: {listen: 127.0.0.1:9471}\nservices:\n- {name: a, vip: 10.0.0.1:80, data_plane: proxy, proxy: {listen: 127.0.0.1:9471}, backends: [{address: 10.0.0.11:80}]}\n",
 			"line 3: services[0].proxy.listen: 127.0.0.1:9471 is also admin.listen"},
 		{"http on the public metrics wildcard", "metrics: {listen: \"[::]:9470\", public: true}\nservices:\n- {name: a, vip: 10.0.0.1:9470, data_plane: http, backends: [{address: 10.0.0.11:80}]}\n",

@@ -90,6 +90,8 @@ type fileMetrics struct {
 	// name every service and backend, and nobody off the host should read them by
 	// accident.
 	Public bool `yaml:"public,omitempty"`
+
+	listenDefault bool // Listen is the default, not the file's
 }
 
 // Log configures log/slog.

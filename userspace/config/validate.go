@@ -35,7 +35,7 @@ func (c *file) defaults() {
 		c.Admin.Socket = DefaultAdminSocket
 	}
 	if c.Metrics.Listen == "" {
-		c.Metrics.Listen = DefaultMetricsListen
+		c.Metrics.Listen, c.Metrics.listenDefault = DefaultMetricsListen, true
 	}
 	if c.Log.Format == "" {
 		c.Log.Format = DefaultLogFormat
@@ -370,7 +370,17 @@ func (cfg *file) validate(dir string) []*FieldError {
 			if !cfg.Metrics.Public && !ap.Addr().IsLoopback() {
 				c.bad("metrics.listen", "%s is not a loopback address, so every metric would be served to the network: set metrics.public: true if that is meant", ap.Addr())
 			}
-			ownOnce("metrics.listen", ap)
+			if !cfg.Metrics.listenDefault {
+				ownOnce("metrics.listen", ap)
+			} else {
+				// Left out, it is reported on the listener the file names.
+				for _, o := range own {
+					if clashes(o.addr, ap) {
+						c.bad(o.field, "%s is also the default metrics.listen (%s): set metrics.listen to another address (or off), or change this one", o.addr, ap)
+					}
+				}
+				own = append(own, ownListener{"the default metrics.listen", ap})
+			}
 		}
 	}
 	if cfg.Admin.Listen != "" {
