@@ -833,3 +833,47 @@ func TestLoadXDPMisspelledSection(t *testing.T) {
 		t.Errorf("LoadXDP: got %v; want the one error %q", err, want)
 	}
 }
+
+// TestLoadXDPMergeKey: LoadXDP follows a top-level merge key as Load does: the
+// interfaces and xdp sections it merges in are read (a key of the file's own
+// wins over a merged one), and the other sections it merges in are not, so
+// their errors do not stop it.
+func TestLoadXDPMergeKey(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "weir.yaml")
+	body := "<<:\n" +
+		"  - &base\n" +
+		"    xdp: {pin_path: /sys/fs/bpf/weir-merged, conntrack_size: 65536}\n" +
+		"    interfaces: [{name: eth1, attach: generic}]\n" +
+		"    services:\n" +
+		"      - {name: web, vip: 192.0.2.1:80, algorithm: Maglev, backends: [{address: 10.0.0.1:80}]}\n" +
+		"  - {log: {level: loud}}\n" +
+		"xdp: {pin_path: /sys/fs/bpf/weir-own, hash_seed: 9}\n"
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Load(path); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("Load: got %v; want the merged services refused", err)
+	}
+	cfg, err := LoadXDP(path)
+	if err != nil {
+		t.Fatalf("LoadXDP: %v", err)
+	}
+	want := XDP{HashSeed: 9, NewFlowRate: DefaultNewFlowRate, PreviousTableWindow: DefaultPreviousTableWindow, PinPath: "/sys/fs/bpf/weir-own"}
+	if cfg.XDP != want {
+		t.Errorf("xdp: got %+v; want the file's own %+v", cfg.XDP, want)
+	}
+	if want := []Interface{{Name: "eth1", Attach: AttachGeneric}}; fmt.Sprint(cfg.Interfaces) != fmt.Sprint(want) {
+		t.Errorf("interfaces: got %+v; want the merged %+v", cfg.Interfaces, want)
+	}
+
+	// The merged sections' own errors are reported, at their lines.
+	body = "<<: {interfaces: [{name: eth1, attach: fast}]}\nservices: []\n"
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, err = LoadXDP(path)
+	var es Errors
+	if want := path + `:1: interfaces[0].attach: must be native, generic or auto, got "fast"`; !errors.As(err, &es) || len(es) != 1 || es[0].Error() != want {
+		t.Errorf("LoadXDP of a bad merged interface: got %v; want the one error %q", err, want)
+	}
+}

@@ -232,23 +232,55 @@ func parse(data []byte, dir string, sections []string) (*Config, error) {
 
 // only is the mapping root without the config's other sections: they are not
 // read, so they cannot fail. A key that is no section of a config (a misspelled
-// one, a merge) is kept, to be refused or read as Load would: left out, a
-// misspelled xdp would pass for none. A root that is not a mapping is returned
-// whole, to be refused as it would be anyway.
+// one) is kept, to be refused as Load would: left out, a misspelled xdp would
+// pass for none. A merge key ("<<: *base") is followed: what it merges in is cut
+// the same way, so its sections are read as Load reads them and its others are
+// not. A root that is not a mapping is returned whole, to be refused as it would
+// be anyway. The file's nodes are copied where cut, never changed.
 func only(root *yaml.Node, sections []string) *yaml.Node {
-	if root.Kind != yaml.MappingNode {
+	return onlyIn(root, sections, map[*yaml.Node]bool{})
+}
+
+// onlyIn is only, with the mappings being cut (open): a merge of one of them,
+// which yaml's decoder refuses, is kept as it is rather than followed forever.
+func onlyIn(root *yaml.Node, sections []string, open map[*yaml.Node]bool) *yaml.Node {
+	if root.Kind != yaml.MappingNode || open[root] {
 		return root
 	}
+	open[root] = true
+	defer delete(open, root)
 	all := yamlFields(reflect.TypeFor[file]())
 	part := *root
 	part.Content = nil
 	for i := 0; i+1 < len(root.Content); i += 2 {
-		k := root.Content[i]
-		if _, section := all[k.Value]; !section || slices.Contains(sections, k.Value) {
-			part.Content = append(part.Content, root.Content[i], root.Content[i+1])
+		k, v := root.Content[i], root.Content[i+1]
+		switch _, section := all[k.Value]; {
+		case isMerge(k):
+			v = onlyMerged(v, sections, open)
+		case section && !slices.Contains(sections, k.Value):
+			continue
 		}
+		part.Content = append(part.Content, k, v)
 	}
 	return &part
+}
+
+// onlyMerged cuts what a merge key's value merges in (see mergedMappings): a
+// mapping, an alias of one, or a list of them.
+func onlyMerged(v *yaml.Node, sections []string, open map[*yaml.Node]bool) *yaml.Node {
+	n := v
+	if n.Kind == yaml.AliasNode && n.Alias != nil {
+		n = n.Alias
+	}
+	if n.Kind != yaml.SequenceNode {
+		return onlyIn(n, sections, open)
+	}
+	list := *n
+	list.Content = make([]*yaml.Node, len(n.Content))
+	for i, m := range n.Content {
+		list.Content[i] = onlyMerged(m, sections, open)
+	}
+	return &list
 }
 
 // uniqueErrors drops repeats of an error, keeping the first of each.
