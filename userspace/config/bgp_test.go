@@ -99,6 +99,15 @@ func TestBGPErrors(t *testing.T) {
 			"line 4: bgp.listen_port: [::]:9470 is also the default metrics.listen (127.0.0.1:9470): set metrics.listen to another address (or off)"},
 		{"listen_port on admin.listen", "admin: {listen: 127.0.0.1:1179}\nbgp: {asn: 1, router_id: 10.0.0.1, listen_port: 1179, peers: [{address: 10.0.0.2, asn: 2}]}\n",
 			"line 1: admin.listen: 127.0.0.1:1179 is also bgp.listen_port ([::]:1179)"},
+		// XDP takes the tcp packets to an xdp VIP before the speaker's listener
+		// could: at the node's own address, where peers dial the speaker, that is
+		// every session.
+		{"xdp VIP on the router id at listen_port", "interfaces: [{name: eth0}]\nbgp: {asn: 1, router_id: 10.0.0.1, listen_port: 179, peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n- name: a\n  vip: 10.0.0.1:179\n  backends: [{address: 10.1.0.2:179}]\n",
+			"line 5: services[0].vip: 10.0.0.1:179 is the node's own address (bgp.router_id) at bgp.listen_port, where BGP peers reach the speaker"},
+		{"xdp VIP on an own address at listen_port", "interfaces: [{name: eth0}]\naddresses: [10.0.0.9]\nbgp: {asn: 1, router_id: 10.0.0.1, listen_port: 1179, peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n- {name: a, vip: 10.0.0.9:1179, data_plane: xdp, mode: dsr, backends: [{address: 10.1.0.2:1179, mac: '02:00:00:00:00:01'}]}\n",
+			"line 5: services[0].vip: 10.0.0.9:1179 is the node's own address (addresses[0])"},
+		{"xdp VIP on the next hop at listen_port", "interfaces: [{name: eth0}]\nbgp: {asn: 1, router_id: 10.0.0.1, listen_port: 179, next_hop: ['fd00::7'], peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n- {name: a, vip: '[fd00::7]:179', backends: [{address: '[fd00::8]:179'}]}\n",
+			"line 4: services[0].vip: [fd00::7]:179 is the node's own address (bgp.next_hop[0])"},
 		{"policy without bgp", "services:\n- name: a\n  vip: 10.1.0.1:80\n  bgp: {med: 1}\n  backends: [{address: 10.1.0.2:80}]\n", "services[0].bgp: an announce policy needs the top-level bgp section"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -115,10 +124,14 @@ func TestBGPErrors(t *testing.T) {
 }
 
 // TestBGPListenPortOthers: what does not bind the speaker's port is let be: a
-// listener on another port, and an xdp service's VIP on it (XDP listens nowhere).
+// listener on another port, an xdp service's VIP on it at an address that is
+// not the node's own (peers do not dial it), a udp VIP at the node's own, and
+// an xdp VIP there on another port.
 func TestBGPListenPortOthers(t *testing.T) {
 	_, err := Parse([]byte("interfaces: [{name: eth0}]\nbgp: {asn: 1, router_id: 10.0.0.1, listen_port: 179, peers: [{address: 10.0.0.2, asn: 2}]}\nservices:\n" +
 		"- {name: a, vip: 10.1.0.1:179, data_plane: xdp, backends: [{address: 10.1.0.2:179}]}\n" +
+		"- {name: u, vip: 10.0.0.1:179, protocol: udp, backends: [{address: 10.1.0.2:179}]}\n" +
+		"- {name: p, vip: 10.0.0.1:80, data_plane: xdp, backends: [{address: 10.1.0.2:80}]}\n" +
 		"- {name: b, vip: 10.1.0.1:80, data_plane: proxy, backends: [{address: 10.1.0.2:80}]}\n"))
 	if err != nil {
 		t.Fatalf("got %v; want no error", err)

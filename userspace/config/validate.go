@@ -614,6 +614,7 @@ func (cfg *file) validateBGP(c *checker) {
 			c.bad(p+".multihop", "must be 0 (directly connected) or a TTL of 1..255, got %d", pr.Multihop)
 		}
 	}
+	cfg.validateBGPPort(c)
 	// Services that share a VIP address share its route, so they must agree on it.
 	policy := map[netip.Addr]int{}
 	for i := range cfg.Services {
@@ -643,6 +644,42 @@ func (cfg *file) validateBGP(c *checker) {
 			continue
 		}
 		policy[vip] = i
+	}
+}
+
+// validateBGPPort refuses a tcp VIP that XDP may serve at bgp.listen_port on
+// an address peers reach the speaker at: the node's own (addresses,
+// bgp.router_id, bgp.next_hop). XDP takes every tcp packet to the VIP before the
+// host's stack sees it, so a peer's session there would go to the service's
+// backends instead of the speaker. A VIP at another address is let be: the
+// speaker listens at every address, but peers dial the node's own.
+func (cfg *file) validateBGPPort(c *checker) {
+	b := cfg.BGP
+	if b.ListenPort <= 0 || b.ListenPort > 65535 || len(cfg.Interfaces) == 0 {
+		return
+	}
+	own := map[netip.Addr]string{} // address -> the first field that names it
+	name := func(a netip.Addr, field string) {
+		if _, ok := own[a]; a.IsValid() && !ok {
+			own[a] = field
+		}
+	}
+	for i, str := range cfg.Addresses {
+		a, _ := netip.ParseAddr(str) // refused above if it does not parse
+		name(a, fmt.Sprintf("addresses[%d]", i))
+	}
+	name(b.RouterAddr, "bgp.router_id")
+	for i, str := range b.NextHop {
+		a, _ := netip.ParseAddr(str)
+		name(a, fmt.Sprintf("bgp.next_hop[%d]", i))
+	}
+	for i := range cfg.Services {
+		s := &cfg.Services[i]
+		where, ok := own[s.VIPAddr.Addr()]
+		if !ok || !s.VIPAddr.IsValid() || s.VIPAddr.Port() != uint16(b.ListenPort) || s.Protocol != TCP || !s.mayUseXDP() {
+			continue
+		}
+		c.bad(fmt.Sprintf("services[%d].vip", i), "%s is the node's own address (%s) at bgp.listen_port, where BGP peers reach the speaker, and XDP would take every tcp packet to it for this service's backends: give the VIP another address or port", s.VIPAddr, where)
 	}
 }
 
