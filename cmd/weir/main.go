@@ -188,12 +188,10 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 	// not valid then either. (Their paths are resolved: a relative one is taken
 	// from the file's directory, by this command and the agent alike.)
 	bad := 0
-	for i, s := range cfg.Services {
+	for _, s := range cfg.Services {
 		if h := s.HTTP; s.DataPlane == config.DataPlaneHTTP && h.TLSCert != "" {
 			if _, err := tls.LoadX509KeyPair(h.TLSCert, h.TLSKey); err != nil {
-				path := fmt.Sprintf("services[%d].http.tls", i)
-				fmt.Fprintln(stderr, &config.FieldError{File: *file, Line: cfg.Line(path), Path: path,
-					Msg: fmt.Sprintf("cert %s and key %s do not load: %v", h.TLSCert, h.TLSKey, err)})
+				fmt.Fprintln(stderr, cfg.TLSPairError(*file, s.Name, err))
 				bad++
 			}
 		}

@@ -13,6 +13,7 @@ import (
 	"github.com/weir-lb/weir/health"
 	"github.com/weir-lb/weir/userspace/agent/admin"
 	"github.com/weir-lb/weir/userspace/agent/api"
+	"github.com/weir-lb/weir/userspace/agent/httpplane"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/agent/xdpplane"
 	"github.com/weir-lb/weir/userspace/config"
@@ -343,10 +344,10 @@ func (a *Agent) applyConfig(st *state, cfg *config.Config, maxMove *float64) err
 		return err
 	}
 	if err := a.http.ReadCertificates(next); err != nil {
-		return err
+		return a.certLines(cfg, err)
 	}
 	if err := a.reconcile(st.running, next); err != nil {
-		return err
+		return a.certLines(cfg, err)
 	}
 	prev := st.running
 	st.cfg, st.placement, st.overrides, st.running = cfg, placement, overrides, next
@@ -366,6 +367,26 @@ func (a *Agent) applyConfig(st *state, cfg *config.Config, maxMove *float64) err
 		}
 	}
 	return nil
+}
+
+// certLines reports each certificate pair of err that does not load as `weir
+// validate` does: at its field and line of the config file.
+func (a *Agent) certLines(cfg *config.Config, err error) error {
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		errs := j.Unwrap()
+		out := make([]error, len(errs))
+		for i, e := range errs {
+			out[i] = a.certLines(cfg, e)
+		}
+		return errors.Join(out...)
+	}
+	var ce *httpplane.CertError
+	if errors.As(err, &ce) {
+		if fe := cfg.TLSPairError(a.opts.ConfigPath, ce.Service, ce.Err); fe != nil {
+			return fe
+		}
+	}
+	return err
 }
 
 // prepare plans cfg against the running state: what applyConfig would apply.

@@ -19,6 +19,7 @@
 package config
 
 import (
+	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
@@ -300,6 +301,20 @@ type Config struct {
 // own errors are. 0 when the file does not say (a default, or a Config not
 // parsed).
 func (c *Config) Line(path string) int { return lineIn(c.lines, path) }
+
+// TLSPairError is the error of the named service's certificate and key that do
+// not load (err), at http.tls of the file at file, as `weir validate` and the
+// agent's reloads report it; nil when c has no such service.
+func (c *Config) TLSPairError(file, service string, err error) *FieldError {
+	for i, s := range c.Services {
+		if s.Name == service {
+			path := fmt.Sprintf("services[%d].http.tls", i)
+			return &FieldError{File: file, Line: c.Line(path), Path: path,
+				Msg: fmt.Sprintf("cert %s and key %s do not load: %v", s.HTTP.TLSCert, s.HTTP.TLSKey, err)}
+		}
+	}
+	return nil
+}
 
 // Defaults of the BGP settings.
 const (

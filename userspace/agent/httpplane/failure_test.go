@@ -212,10 +212,23 @@ func TestReloadReadsCertificate(t *testing.T) {
 	if err := os.WriteFile(keyPath, []byte("not a key"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := r.a.Reload(context.Background()); err == nil || !strings.Contains(err.Error(), keyPath) {
-		t.Errorf("reload with a key file that does not load: got %v; want it refused naming %s", err, keyPath)
+	// As weir validate reports it: the file, the line and the field.
+	want := fmt.Sprintf("%s:4: services[0].http.tls: cert %s and key %s do not load: ", r.config, certPath, keyPath)
+	if err := r.a.Reload(context.Background()); err == nil || !strings.HasPrefix(err.Error(), want) {
+		t.Errorf("reload with a key file that does not load: got %v; want it refused as %q...", err, want)
 	}
 	served("after a reload refused for the key", "renewed")
+
+	// A service the reload adds reads its pair as it starts: the same report.
+	missing := filepath.Join(dir, "missing.crt")
+	r.writeConfig(t, web+fmt.Sprintf("  - {name: c, vip: 127.0.0.1:%d, data_plane: http, http: {tls: {cert: %s, key: %s}}, health: {type: none}, backends: %s}\n",
+		freePort(t), missing, keyPath, backendList(bs)))
+	httpbackend.WriteCert(t, certPath, keyPath, "renewed")
+	want = fmt.Sprintf("%s:5: services[1].http.tls: cert %s and key %s do not load: open %s: ", r.config, missing, keyPath, missing)
+	if err := r.a.Reload(context.Background()); err == nil || !strings.HasPrefix(err.Error(), want) {
+		t.Errorf("reload adding a service whose certificate does not load: got %v; want it refused as %q...", err, want)
+	}
+	r.writeConfig(t, web)
 
 	// b binds an address no interface holds: its add fails after the files
 	// were read.

@@ -17,7 +17,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"os"
 	"slices"
 	"sync/atomic"
 	"syscall"
@@ -89,20 +88,25 @@ func (p *Plane) ReadCertificates(d plan.Desired) error {
 	return nil
 }
 
+// CertError is a service's certificate and key files that do not load.
+type CertError struct {
+	Service   string
+	Cert, Key string
+	Err       error
+}
+
+func (e *CertError) Error() string {
+	return fmt.Sprintf("service %q: http.tls: cert %s and key %s do not load: %v", e.Service, e.Cert, e.Key, e.Err)
+}
+
+func (e *CertError) Unwrap() error { return e.Err }
+
 // readCert reads s's certificate and key files.
 func readCert(s *plan.Service) (*tls.Certificate, error) {
 	h := s.Config.HTTP
-	certPEM, err := os.ReadFile(h.TLSCert)
+	cert, err := tls.LoadX509KeyPair(h.TLSCert, h.TLSKey)
 	if err != nil {
-		return nil, fmt.Errorf("service %q: http.tls.cert: %w", s.Name(), err)
-	}
-	keyPEM, err := os.ReadFile(h.TLSKey)
-	if err != nil {
-		return nil, fmt.Errorf("service %q: http.tls.key: %w", s.Name(), err)
-	}
-	cert, err := tls.X509KeyPair(certPEM, keyPEM)
-	if err != nil {
-		return nil, fmt.Errorf("service %q: http.tls: %s and %s: %w", s.Name(), h.TLSCert, h.TLSKey, err)
+		return nil, &CertError{Service: s.Name(), Cert: h.TLSCert, Key: h.TLSKey, Err: err}
 	}
 	return &cert, nil
 }
