@@ -1,0 +1,83 @@
+package xdpplane
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/weir-lb/weir/internal/xdptest"
+	"github.com/weir-lb/weir/loader"
+	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/config"
+)
+
+// TestFitsServiceSlots: with every service slot of the real program held, Fits
+// lets through the changes that take no new entry (an update in place, a rename
+// that takes the old name's entry over) and refuses one that adds an entry
+// before the old one leaves (a service moved to another VIP, a new service),
+// naming the service and wrapping loader.ErrCapacity, before anything is
+// written: what the plane's own writes would then fail on half-way.
+func TestFitsServiceSlots(t *testing.T) {
+	prog, err := loader.Load(loader.Options{})
+	xdptest.Check(t, err)
+	t.Cleanup(func() { prog.Close() })
+	x := &Plane{prog: prog, links: map[int]string{}, installed: map[loader.ServiceKey]string{}}
+	svc := func(name string, i int) plan.Service {
+		vip := netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}), 80)
+		b := config.Backend{Addr: netip.MustParseAddrPort("10.9.0.1:80"), MAC: net.HardwareAddr{2, 0, 0, 0, 0, 1}, Weight: 1}
+		return plan.Service{Config: config.Service{Name: name, VIP: vip, Protocol: config.TCP, Mode: config.ModeDSR, TableSize: 7, Backends: []config.Backend{b}},
+			Placement: plan.Placement{Plane: plan.XDP}, Installed: true,
+			Backends: []plan.Backend{{Config: b, Usable: true, Weight: 1, MAC: b.MAC}}}
+	}
+	capa := prog.Capacity()
+	var running plan.Desired
+	for i := range int(capa.Services) {
+		s := svc(fmt.Sprintf("s%d", i), i)
+		if err := x.Add(&s); err != nil {
+			t.Fatalf("add service %d of %d: %v", i, capa.Services, err)
+		}
+		running.Services = append(running.Services, s)
+	}
+	first := &running.Services[0]
+	weighted := *first
+	weighted.Backends = []plan.Backend{first.Backends[0]}
+	weighted.Backends[0].Weight = 2
+	renamed := *first
+	renamed.Config.Name = "renamed"
+	moved := svc("s0", int(capa.Services)) // s0 at a VIP no service holds
+	added := svc("new", int(capa.Services))
+	for _, c := range []struct {
+		name string
+		ops  []plan.Op
+		want string // "" fits
+	}{
+		{"update in place", []plan.Op{{Kind: plan.Update, Plane: plan.XDP, Prev: first, Next: &weighted}}, ""},
+		{"rename", []plan.Op{{Kind: plan.Add, Plane: plan.XDP, Next: &renamed}, {Kind: plan.Remove, Plane: plan.XDP, Prev: first}}, ""},
+		{"moved to another VIP", []plan.Op{{Kind: plan.Update, Plane: plan.XDP, Prev: first, Next: &moved}, {Kind: plan.Remove, Plane: plan.XDP, Prev: first}},
+			fmt.Sprintf(`service "s0": the XDP program has %d service slots, all held`, capa.Services)},
+		{"replaced", []plan.Op{{Kind: plan.Add, Plane: plan.XDP, Next: &added}, {Kind: plan.Remove, Plane: plan.XDP, Prev: first}},
+			fmt.Sprintf(`service "new": the XDP program has %d service slots, all held`, capa.Services)},
+		{"proxy ops", []plan.Op{{Kind: plan.Add, Plane: plan.Proxy, Next: &added}}, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			err := x.Fits(running, c.ops)
+			switch {
+			case c.want == "" && err != nil:
+				t.Fatalf("got %v; want it to fit", err)
+			case c.want == "":
+			case err == nil || !strings.HasPrefix(err.Error(), c.want) || !errors.Is(err, loader.ErrCapacity):
+				t.Fatalf("got %v; want an error wrapping loader.ErrCapacity that begins %q", err, c.want)
+			}
+		})
+	}
+	// Fits writes nothing: the program holds what it held.
+	if n := len(prog.Services()); n != int(capa.Services) {
+		t.Errorf("after Fits: %d services in the program; want %d", n, capa.Services)
+	}
+	if x.installed[Key(&first.Config)] != "s0" {
+		t.Errorf("after Fits: %s is %q's; want s0's", Key(&first.Config), x.installed[Key(&first.Config)])
+	}
+}
