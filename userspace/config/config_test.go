@@ -877,3 +877,34 @@ func TestLoadXDPMergeKey(t *testing.T) {
 		t.Errorf("LoadXDP of a bad merged interface: got %v; want the one error %q", err, want)
 	}
 }
+
+// TestLoadXDPMergeExpansion: merges of merges of the same mappings, each level
+// naming the one below twice, are refused by LoadXDP as by Load, for their
+// aliasing, at once: LoadXDP cuts each mapping once and keeps the aliases for
+// yaml's decoder to count (40 levels are 2^40 mappings followed one by one).
+func TestLoadXDPMergeExpansion(t *testing.T) {
+	var b strings.Builder
+	b.WriteString("<<:\n  - &m0 {xdp: {hash_seed: 3}}\n")
+	for i := 1; i <= 40; i++ {
+		fmt.Fprintf(&b, "  - &m%d {<<: [*m%d, *m%d]}\n", i, i-1, i-1)
+	}
+	b.WriteString("interfaces: [{name: eth1}]\n")
+	path := filepath.Join(t.TempDir(), "weir.yaml")
+	if err := os.WriteFile(path, []byte(b.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	// Exits when LoadXDP returns.
+	go func() {
+		_, err := LoadXDP(path)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "excessive aliasing") {
+			t.Errorf("LoadXDP: got %v; want the file refused for its aliasing", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("LoadXDP of 40 levels of doubling merges: no answer within 30s")
+	}
+}

@@ -238,47 +238,64 @@ func parse(data []byte, dir string, sections []string) (*Config, error) {
 // not. A root that is not a mapping is returned whole, to be refused as it would
 // be anyway. The file's nodes are copied where cut, never changed.
 func only(root *yaml.Node, sections []string) *yaml.Node {
-	return onlyIn(root, sections, map[*yaml.Node]bool{})
+	c := &cutter{sections: sections, fields: yamlFields(reflect.TypeFor[file]()), cut: map[*yaml.Node]*yaml.Node{}}
+	return c.mapping(root)
 }
 
-// onlyIn is only, with the mappings being cut (open): a merge of one of them,
-// which yaml's decoder refuses, is kept as it is rather than followed forever.
-func onlyIn(root *yaml.Node, sections []string, open map[*yaml.Node]bool) *yaml.Node {
-	if root.Kind != yaml.MappingNode || open[root] {
-		return root
+// cutter cuts mappings to sections. Each mapping is cut once (cut), however many
+// merges name it, so aliases of aliases cost no more than the file's own nodes;
+// a mapping that merges itself, which yaml's decoder refuses, is left as it is
+// rather than followed forever (cut to nil while it is being cut).
+type cutter struct {
+	sections []string
+	fields   map[string]reflect.StructField
+	cut      map[*yaml.Node]*yaml.Node
+}
+
+func (c *cutter) mapping(n *yaml.Node) *yaml.Node {
+	if n.Kind != yaml.MappingNode {
+		return n
 	}
-	open[root] = true
-	defer delete(open, root)
-	all := yamlFields(reflect.TypeFor[file]())
-	part := *root
+	if part, ok := c.cut[n]; ok {
+		if part == nil {
+			return n
+		}
+		return part
+	}
+	c.cut[n] = nil
+	part := *n
 	part.Content = nil
-	for i := 0; i+1 < len(root.Content); i += 2 {
-		k, v := root.Content[i], root.Content[i+1]
-		switch _, section := all[k.Value]; {
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, v := n.Content[i], n.Content[i+1]
+		switch _, section := c.fields[k.Value]; {
 		case isMerge(k):
-			v = onlyMerged(v, sections, open)
-		case section && !slices.Contains(sections, k.Value):
+			v = c.merged(v)
+		case section && !slices.Contains(c.sections, k.Value):
 			continue
 		}
 		part.Content = append(part.Content, k, v)
 	}
+	c.cut[n] = &part
 	return &part
 }
 
-// onlyMerged cuts what a merge key's value merges in (see mergedMappings): a
-// mapping, an alias of one, or a list of them.
-func onlyMerged(v *yaml.Node, sections []string, open map[*yaml.Node]bool) *yaml.Node {
-	n := v
-	if n.Kind == yaml.AliasNode && n.Alias != nil {
-		n = n.Alias
+// merged cuts what a merge key's value merges in (see mergedMappings): a
+// mapping, an alias of one, or a list of them. An alias stays an alias (of the
+// cut mapping), so yaml's decoder counts it against its bound on aliasing as it
+// does for Load.
+func (c *cutter) merged(v *yaml.Node) *yaml.Node {
+	switch {
+	case v.Kind == yaml.AliasNode && v.Alias != nil:
+		alias := *v
+		alias.Alias = c.merged(v.Alias)
+		return &alias
+	case v.Kind != yaml.SequenceNode:
+		return c.mapping(v)
 	}
-	if n.Kind != yaml.SequenceNode {
-		return onlyIn(n, sections, open)
-	}
-	list := *n
-	list.Content = make([]*yaml.Node, len(n.Content))
-	for i, m := range n.Content {
-		list.Content[i] = onlyMerged(m, sections, open)
+	list := *v
+	list.Content = make([]*yaml.Node, len(v.Content))
+	for i, m := range v.Content {
+		list.Content[i] = c.merged(m)
 	}
 	return &list
 }
