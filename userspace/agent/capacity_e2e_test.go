@@ -16,27 +16,27 @@ import (
 
 // fullConfig is a file at the XDP program's backend capacity: 16 dsr services of
 // 1,024 backends each (MACs given, no health checks, small tables, so the agent
-// starts quickly). weight sets the first backend's weight of s00; replace swaps
-// the last backend of s15 for another.
-func fullConfig(link, socket string, weight int, replace bool) string {
+// starts quickly). weight sets the weight of s00's first backend; span, if not
+// nil, gives the backends of some services: numbers from..to-1 (default 0..1023).
+func fullConfig(link, socket string, weight int, span map[int][2]int) string {
 	const perService = config.MaxXDPBackends / 16
 	var b strings.Builder
 	fmt.Fprintf(&b, "interfaces: [{name: %s}]\nadmin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", link, socket)
 	for i := range 16 {
 		fmt.Fprintf(&b, "  - {name: s%02d, vip: \"10.77.100.%d:80\", data_plane: xdp, mode: dsr, table_size: 1031, health: {type: none}, backends: [", i, i+1)
-		for j := range perService {
-			last := j
-			if i == 15 && j == perService-1 && replace {
-				last = perService
-			}
+		r, ok := span[i]
+		if !ok {
+			r = [2]int{0, perService}
+		}
+		for j := r[0]; j < r[1]; j++ {
 			w := 1
 			if i == 0 && j == 0 {
 				w = weight
 			}
-			if j > 0 {
+			if j > r[0] {
 				b.WriteString(", ")
 			}
-			fmt.Fprintf(&b, "{address: \"10.200.%d.%d:80\", mac: \"02:00:00:00:%02x:%02x\", weight: %d}", last/200, last%200+1, last>>8, last&0xff, w)
+			fmt.Fprintf(&b, "{address: \"10.200.%d.%d:80\", mac: \"02:00:00:00:%02x:%02x\", weight: %d}", j/200, j%200+1, j>>8, j&0xff, w)
 		}
 		b.WriteString("]}\n")
 	}
@@ -47,20 +47,21 @@ func fullConfig(link, socket string, weight int, replace bool) string {
 // held, a reload that replaces a backend needs one more slot (the new backend's
 // is taken before the replaced one, which drains, frees its own). It is refused
 // before anything is written, naming the slots that ran out, the service and the
-// way through; the running services keep their tables, and a service the
-// reload would have changed first keeps its previous-table fallback as it was,
-// rather than having it replaced by a table the reload wrote and rolled back.
+// way through (before, it failed half-way on 'all 16384 backend slots in use',
+// after writing s00's new table, then rolled back); the running services keep
+// their tables and previous-table fallbacks as they were. While a backend an
+// earlier reload removed drains, the error says so.
 func TestReloadAtCapacityRefusedWhole(t *testing.T) {
 	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("cap"), Backends: 1})
 	dir := t.TempDir()
 	cfgPath, socket := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "weir.sock")
-	write := func(weight int, replace bool) {
+	write := func(weight int, span map[int][2]int) {
 		t.Helper()
-		if err := os.WriteFile(cfgPath, []byte(fullConfig(tp.Balancer.Link, socket, weight, replace)), 0o644); err != nil {
+		if err := os.WriteFile(cfgPath, []byte(fullConfig(tp.Balancer.Link, socket, weight, span)), 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
-	write(1, false)
+	write(1, nil)
 	if _, err := config.Load(cfgPath); err != nil {
 		t.Fatalf("the full config: %v", err)
 	}
@@ -79,7 +80,8 @@ func TestReloadAtCapacityRefusedWhole(t *testing.T) {
 		t.Fatalf("%d services with a table; want 16", n)
 	}
 
-	write(2, true)
+	// s15's backend 0 replaced by 1024.
+	write(2, map[int][2]int{15: {1, 1025}})
 	err := p.client.Reload(context.Background())
 	if err == nil {
 		t.Fatal("reload needing one backend slot more than the program has: got no error; want it refused")
@@ -101,5 +103,17 @@ func TestReloadAtCapacityRefusedWhole(t *testing.T) {
 		if !reflect.DeepEqual(g, w) {
 			t.Errorf("service %s: table %+v after the refused reload; want it untouched, %+v", name, g, w)
 		}
+	}
+
+	// Removing s15's backend 0 takes no slot: it keeps its own while it drains,
+	// so adding a backend to s14 then is refused, saying so.
+	write(1, map[int][2]int{15: {1, 1024}})
+	if err := p.client.Reload(context.Background()); err != nil {
+		t.Fatalf("reload that only removes a backend: %v", err)
+	}
+	write(1, map[int][2]int{15: {1, 1024}, 14: {0, 1025}})
+	err = p.client.Reload(context.Background())
+	if want := "1 of the held slots are backends an earlier change removed, draining until"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("reload adding a backend while a removed one drains: got %v; want it refused, saying %q", err, want)
 	}
 }
