@@ -94,6 +94,10 @@ func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		fmt.Fprintf(stderr, "weir: plan: %s would move more than --max-move %g%% of new flows\n", strings.Join(p.OverBudget, ", "), maxMove.pct)
 		return errReported
 	}
+	if p.Refused != "" {
+		fmt.Fprintf(stderr, "weir: plan: a reload would be refused: %s\n", p.Refused)
+		return errReported
+	}
 	return nil
 }
 

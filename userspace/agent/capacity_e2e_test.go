@@ -50,7 +50,8 @@ func fullConfig(link, socket string, weight int, span map[int][2]int) string {
 // way through (before, it failed half-way on 'all 16384 backend slots in use',
 // after writing s00's new table, then rolled back); the running services keep
 // their tables and previous-table fallbacks as they were. While a backend an
-// earlier reload removed drains, the error says so.
+// earlier reload removed drains, the error says so. weir plan says beforehand
+// that the reload would be refused, and why.
 func TestReloadAtCapacityRefusedWhole(t *testing.T) {
 	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("cap"), Backends: 1})
 	dir := t.TempDir()
@@ -82,7 +83,14 @@ func TestReloadAtCapacityRefusedWhole(t *testing.T) {
 
 	// s15's backend 0 replaced by 1024.
 	write(2, map[int][2]int{15: {1, 1025}})
-	err := p.client.Reload(context.Background())
+	pl, err := p.client.Plan(context.Background(), nil, "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := `service "s15": the XDP program has 16384 backend slots, and this change needs 16385 at once`; !strings.HasPrefix(pl.Refused, want) {
+		t.Errorf("plan: refused %q; want it to begin %q", pl.Refused, want)
+	}
+	err = p.client.Reload(context.Background())
 	if err == nil {
 		t.Fatal("reload needing one backend slot more than the program has: got no error; want it refused")
 	}

@@ -108,6 +108,9 @@ func (a *Agent) onPlan(st *state, ev planEvent) error {
 		return err
 	}
 	*ev.out = a.impact(st.running, next, ev.maxMove)
+	if err := a.xdp.Fits(st.running, plan.Diff(st.running, next)); err != nil {
+		ev.out.Refused = err.Error()
+	}
 	ev.out.Config = ev.name
 	if ev.data == nil {
 		ev.out.Config = a.opts.ConfigPath

@@ -16,6 +16,9 @@ type Plan struct {
 	// and OverBudget the services whose change moves more.
 	MaxMove    *float64 `json:"max_move,omitempty"`
 	OverBudget []string `json:"over_budget,omitempty"`
+	// Refused says why a reload of the file would be refused although it is
+	// valid: the XDP program has no slots for the change at some point of it.
+	Refused string `json:"refused,omitempty"`
 }
 
 // Service changes.
@@ -178,6 +181,9 @@ func (p *Plan) WriteTable(w io.Writer) {
 				}
 			}
 		}
+	}
+	if p.Refused != "" {
+		fmt.Fprintf(w, "\na reload would be refused: %s\n", p.Refused)
 	}
 	if p.MaxMove != nil {
 		if len(p.OverBudget) > 0 {
