@@ -209,7 +209,7 @@ func (c *Checker) SetService(name string, cfg Config) error {
 			c.queue(b, now.Add(randDuration(cfg.Check.Interval)))
 		}
 		if !cfg.Outlier.passive() && b.ejectIdx >= 0 {
-			c.unEject(b)
+			c.unEject(b, now)
 		}
 		c.settle(b, now, "reconfigured")
 	}
@@ -275,7 +275,7 @@ func (c *Checker) Set(nb Backend) error {
 			if b.ejectIdx >= 0 && !s.cfg.Outlier.passive() {
 				// The new service ejects nothing: the ejection ends, as
 				// when a service turns ejection off (SetService).
-				c.unEject(b)
+				c.unEject(b, now)
 			}
 			c.leave(b)
 			b.svc = s

@@ -74,11 +74,15 @@ func (c *Checker) eject(b *backend, o Outcome, now time.Time) {
 	c.settle(b, now, fmt.Sprintf("ejected for %v after %d consecutive failures (last: %v)", d, n, o))
 }
 
-// unEject ends b's ejection without settling it; c.mu must be held.
-func (c *Checker) unEject(b *backend) {
+// unEject ends b's ejection at the time at without settling it; c.mu must be
+// held. The backend is back in service from at, so its multiplier decays from
+// then, however the ejection ended: ran out, or ended early by a service that
+// no longer ejects.
+func (c *Checker) unEject(b *backend, at time.Time) {
 	heap.Remove(&c.ejected, b.ejectIdx)
 	b.svc.nEject--
 	b.ejectedUntil = time.Time{}
+	b.returned = at
 }
 
 // expire ends the ejections due by now; c.mu must be held. A backend whose
@@ -86,8 +90,7 @@ func (c *Checker) unEject(b *backend) {
 func (c *Checker) expire(now time.Time) {
 	for len(c.ejected) > 0 && !c.ejected[0].ejectedUntil.After(now) {
 		b := c.ejected[0]
-		b.returned = b.ejectedUntil
-		c.unEject(b)
+		c.unEject(b, b.ejectedUntil)
 		c.settle(b, now, "ejection ended")
 	}
 }

@@ -301,3 +301,57 @@ func TestEjectionMultiplierStopsAtMax(t *testing.T) {
 		t.Errorf("ejection after 3 quiet bases: got %v; want 10s (multiplier back to 1)", got)
 	}
 }
+
+// TestMultiplierDecaysAfterEjectionTurnedOff: an ejection ended early, by
+// turning ejection off or by a move to a service without it, puts the backend
+// back in service from then, so its multiplier decays from then as after an
+// ejection that ran out: a backend ejected once, then back in service for an
+// hour, is ejected for one base, not two.
+func TestMultiplierDecaysAfterEjectionTurnedOff(t *testing.T) {
+	out := Outlier{Consecutive: 1, BaseEjection: 10 * time.Second, MaxEjection: 300 * time.Second, MaxEjectionPercent: 100}
+	for _, how := range []string{"SetService", "Set"} {
+		t.Run(how, func(t *testing.T) {
+			c, clk := passiveChecker(t, 1, Config{Outlier: out})
+			for name, o := range map[string]Outlier{"db": out, "off": {}} {
+				if err := c.SetService(name, Config{Check: Check{Kind: None}, Outlier: o}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			c.Observe("b0", Reset)
+			if st, _ := c.Status("b0"); st.State != Ejected {
+				t.Fatalf("b0 after a reset: got %v; want ejected", st.State)
+			}
+			// The ejection ends early, and b0 comes back to a service that
+			// ejects an hour later.
+			switch how {
+			case "SetService":
+				if err := c.SetService("web", Config{Check: Check{Kind: None}}); err != nil {
+					t.Fatal(err)
+				}
+			case "Set":
+				if err := c.Set(Backend{ID: "b0", Addr: "127.0.0.1:1", Service: "off"}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if st, _ := c.Status("b0"); st.State != Up {
+				t.Fatalf("b0 after its ejection was ended: got %v; want up", st.State)
+			}
+			advance(c, clk, time.Hour)
+			switch how {
+			case "SetService":
+				if err := c.SetService("web", Config{Check: Check{Kind: None}, Outlier: out}); err != nil {
+					t.Fatal(err)
+				}
+			case "Set":
+				if err := c.Set(Backend{ID: "b0", Addr: "127.0.0.1:1", Service: "db"}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			c.Observe("b0", Reset)
+			st, _ := c.Status("b0")
+			if got := st.EjectedUntil.Sub(clk.Now()); st.State != Ejected || got != out.BaseEjection {
+				t.Errorf("b0 after an hour back in service: got %v for %v; want ejected for %v (multiplier back to 1)", st.State, got, out.BaseEjection)
+			}
+		})
+	}
+}
