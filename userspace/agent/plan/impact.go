@@ -191,12 +191,14 @@ func shares(s *Service) map[netip.AddrPort]float64 {
 
 // WeighsBackends reports whether s's data plane gives backends new flows by their
 // weights: XDP always (a weighted Maglev table), the proxy and the http plane for
-// weighted, weighted_least_conn, maglev and source_hash. Their other algorithms
-// treat every backend that takes new flows alike (userspace/balance), weight 0
-// only keeping one out.
+// weighted, weighted_least_conn and the Maglev ones (maglev, source_hash and
+// maglev_p2c, whose two candidates come from weighted tables and compare load per
+// weight). Their other algorithms treat every backend that takes new flows alike
+// (userspace/balance), weight 0 only keeping one out.
 func WeighsBackends(s *Service) bool {
 	switch s.Config.Algorithm {
-	case config.AlgorithmWeighted, config.AlgorithmWeightedLeastConn, config.AlgorithmMaglev, config.AlgorithmSourceHash:
+	case config.AlgorithmWeighted, config.AlgorithmWeightedLeastConn, config.AlgorithmMaglev, config.AlgorithmSourceHash,
+		config.AlgorithmMaglevP2C:
 		return true
 	}
 	return s.Plane == XDP

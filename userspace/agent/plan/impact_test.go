@@ -293,6 +293,7 @@ func TestShareChangeByAlgorithm(t *testing.T) {
 		{config.AlgorithmWeighted, []uint32{1, 1, 1}, []uint32{3, 1, 1}, 2 * (1.0/3 - 0.2)},
 		{config.AlgorithmWeightedLeastConn, []uint32{1, 1}, []uint32{3, 1}, 0.25},
 		{config.AlgorithmMaglev, []uint32{1, 1}, []uint32{3, 1}, 0.25},
+		{config.AlgorithmMaglevP2C, []uint32{1, 1}, []uint32{3, 1}, 0.25},
 	}
 	for _, tt := range tests {
 		got := ShareChange(svc(tt.algo, tt.prev...), svc(tt.algo, tt.next...))
