@@ -751,7 +751,7 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 				c.bad(p+".hash", "the http data plane hashes by http.hash_by (source, header:NAME or cookie:NAME); remove hash")
 			}
 		case s.Hash != "" && !hashAlgo:
-			c.bad(p+".hash", "only maglev and source_hash hash; %s does not (remove hash)", s.Algorithm)
+			c.bad(p+".hash", "only maglev, maglev_p2c and source_hash hash; %s does not (remove hash)", s.Algorithm)
 		case hashAlgo && oneOf(c, p+".hash", s.Hash, HashFiveTuple, HashSource) &&
 			s.Algorithm == AlgorithmSourceHash && s.Hash != HashSource:
 			c.bad(p+".hash", "source_hash always hashes the source address; remove hash or use maglev")
@@ -1057,7 +1057,7 @@ func (h *fileHTTP) validate(c *checker, p string, vip netip.AddrPort, algo Algor
 	case h.Hash.Kind != HashBySource && !headerNameRE.MatchString(name):
 		c.bad(p+".hash_by", "write %s:NAME with a %s name, got %q", kind, kind, h.HashBy)
 	case h.Hash.Kind != HashBySource && !algo.XDP():
-		c.bad(p+".hash_by", "only maglev and source_hash hash, and algorithm is %s", algo)
+		c.bad(p+".hash_by", "only maglev, maglev_p2c and source_hash hash, and algorithm is %s", algo)
 	}
 	c.positive(p+".connect_timeout", *h.ConnectTimeout)
 	c.positive(p+".idle_timeout", *h.IdleTimeout)
