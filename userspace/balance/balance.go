@@ -213,8 +213,10 @@ type backend struct {
 const forgotten = math.MinInt64 / 2
 
 // acquire takes an in-flight slot on b; it reports false if b is forgotten. The
-// refused add is not undone: the count of a forgotten backend means nothing.
-func (b *backend) acquire() bool { return b.inflight.Add(1) > 0 }
+// refused add is not undone: the count of a forgotten backend means nothing. A
+// live count may be below zero for an instant (a stray release, undone), so the
+// line between them is far below any live count, far above a forgotten one.
+func (b *backend) acquire() bool { return b.inflight.Add(1) > forgotten/2 }
 
 // release decrements in-flight but undoes a decrement below zero, so a stray release
 // (of a copied lease) can't leave a negative count that would attract every new

@@ -230,3 +230,38 @@ func TestPickNeverLeasesForgotten(t *testing.T) {
 		})
 	}
 }
+
+// TestStrayReleaseRefusesNoPick: a stray release (a copied lease released twice)
+// that finds nothing in flight takes the count to -1 for an instant, then puts it
+// back (backend.release). A Pick whose acquire falls in that instant brings the
+// count to 0: a live backend's lease, not a forgotten backend's. Refused, its
+// add was not undone and the Pick leased again, so the count stayed one above
+// the leases for good (least_conn shunned the backend; removed, it was never
+// forgotten). The test runs that interleaving step by step: the stray
+// release's decrement, the Pick, the release's undo; once the Pick's lease is
+// released, InFlight must be 0.
+func TestStrayReleaseRefusesNoPick(t *testing.T) {
+	for _, alg := range Algorithms() {
+		t.Run(alg, func(t *testing.T) {
+			b := mustNew(t, alg, []Backend{{ID: "a", Weight: 1, Usable: true}}, 0)
+			l, err := b.Pick(1, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			be := l.b
+			l.Release(Result{})
+			// The stray release of a copy of l, halfway: its decrement.
+			if n := be.inflight.Add(-1); n != -1 {
+				t.Fatalf("count after a stray release's decrement: got %d; want -1", n)
+			}
+			l2, err := b.Pick(1, nil)
+			be.inflight.Add(1) // the stray release's undo
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkCounts(t, b, []string{"a"}, []Lease{l2}, "the lease held")
+			l2.Release(Result{})
+			checkCounts(t, b, []string{"a"}, nil, "all released")
+		})
+	}
+}
