@@ -23,7 +23,13 @@ type goAwayConn struct {
 	*coalescingConn
 	retire *atomic.Bool // set while the backend's idle connections are being closed
 
+	// wmu keeps Writes in order, so the frames are followed in the order
+	// they are queued. mu guards what follows; a Write does not hold it
+	// while it waits for room in the queue, so Close never waits behind a
+	// backend that reads nothing.
+	wmu     sync.Mutex
 	mu      sync.Mutex
+	writing bool    // a Write is under way: where the frames stand is not known
 	preface int     // bytes of the client preface yet to pass
 	hdr     [9]byte // a frame header cut across writes
 	hdrN    int
@@ -35,10 +41,16 @@ func newGoAwayConn(c *coalescingConn, retire *atomic.Bool) *goAwayConn {
 }
 
 func (c *goAwayConn) Write(p []byte) (int, error) {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	c.writing = true
+	c.mu.Unlock()
 	n, err := c.coalescingConn.Write(p)
+	c.mu.Lock()
+	c.writing = false
 	c.follow(p[:n])
+	c.mu.Unlock()
 	return n, err
 }
 
@@ -70,11 +82,16 @@ func (c *goAwayConn) follow(p []byte) {
 // (weir turns push off), NO_ERROR.
 var goAwayNoError = []byte{0, 0, 8, byte(http2.FrameGoAway), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
+// Close runs under the transport's pool lock and, from closeIdle, weir's
+// service lock: it must not wait for the backend. The GOAWAY is queued
+// without waiting for room (a backend that reads nothing has it fail with
+// the rest of the queue), and a Write still under way (waiting for room)
+// means no GOAWAY: its frame may be cut.
 func (c *goAwayConn) Close() error {
 	c.mu.Lock()
-	if c.retire.Load() && c.preface == 0 && c.hdrN == 0 && c.left == 0 {
-		c.coalescingConn.Write(goAwayNoError) // goes out before the socket closes
+	defer c.mu.Unlock()
+	if c.retire.Load() && !c.writing && c.preface == 0 && c.hdrN == 0 && c.left == 0 {
+		c.coalescingConn.queue(goAwayNoError) // goes out before the socket closes
 	}
-	c.mu.Unlock()
 	return c.coalescingConn.Close()
 }

@@ -1,12 +1,18 @@
 package httplb
 
 import (
+	"fmt"
 	"net"
 	"net/http"
+	"runtime"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"golang.org/x/net/http2"
+
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // TestIdleBackendCloseSendsGoAway: weir's HTTP/2 connections to a backend end
@@ -75,3 +81,89 @@ func stop(sv *served) error {
 }
 
 func removeBackends(sv *served) error { return sv.SetBackends(nil) }
+
+// TestGoAwayConnCloseDoesNotWait: closing a connection of Go's HTTP/2
+// transport while its backend reads nothing and weir's queue to it is full
+// returns at once, as a close without GOAWAY does. The transport closes it
+// under its pool's lock, and closeIdle under the service's: a Close that
+// waited for the backend would hold up every request and reload behind them.
+// It must not wait to queue its GOAWAY, nor for a Write of the transport's
+// that waits for room (a PING's answer, say).
+func TestGoAwayConnCloseDoesNotWait(t *testing.T) {
+	for _, pending := range []bool{false, true} {
+		t.Run(fmt.Sprintf("write pending %v", pending), func(t *testing.T) {
+			cc, peer := tcpPair(t)
+			// Small socket buffers: the first frame fills them, and the
+			// backend reads nothing.
+			cc.Conn.(*net.TCPConn).SetWriteBuffer(4 << 10)
+			peer.(*net.TCPConn).SetReadBuffer(4 << 10)
+			var retire atomic.Bool
+			c := newGoAwayConn(cc, &retire)
+			if _, err := c.Write([]byte(http2.ClientPreface)); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := c.Write(dataFrame(1 << 20)); err != nil {
+				t.Fatal(err)
+			}
+			// The flusher has taken that frame into the kernel, where it
+			// stays: the queue is empty behind it. Then a frame fills the
+			// queue to its limit, and ends at a frame boundary.
+			if !waitfor.Cond(30*time.Second, func() bool {
+				cc.mu.Lock()
+				defer cc.mu.Unlock()
+				return cc.writing && len(cc.buf) == 0
+			}) {
+				t.Fatal("the first frame still queued after 30s")
+			}
+			if _, err := c.Write(dataFrame(coalesceLimit - 9)); err != nil {
+				t.Fatal(err)
+			}
+			if pending {
+				// Exits when Close fails it, or at cleanup, when the
+				// socket closes.
+				go c.Write([]byte{0, 0, 8, byte(http2.FramePing), 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0})
+				waitParked(t, "(*coalescingConn).Write")
+			}
+			retire.Store(true)
+			closed := make(chan struct{})
+			// Exits when Close returns; the cleanup's socket closes end the
+			// flusher's write, and with it a Close that waits.
+			go func() {
+				c.Close()
+				close(closed)
+			}()
+			select {
+			case <-closed:
+			case <-time.After(20 * time.Second):
+				t.Fatal("Close still waiting for the backend after 20s")
+			}
+		})
+	}
+}
+
+// dataFrame is a DATA frame on stream 1 with n bytes of payload.
+func dataFrame(n int) []byte {
+	f := make([]byte, 9+n)
+	f[0], f[1], f[2] = byte(n>>16), byte(n>>8), byte(n)
+	f[3] = byte(http2.FrameData)
+	f[8] = 1
+	return f
+}
+
+// waitParked waits until a goroutine waits on a sync.Cond inside fn (a
+// function name as stack dumps show it).
+func waitParked(t *testing.T, fn string) {
+	t.Helper()
+	buf := make([]byte, 1<<20)
+	if !waitfor.Cond(30*time.Second, func() bool {
+		n := runtime.Stack(buf, true)
+		for g := range strings.SplitSeq(string(buf[:n]), "\n\n") {
+			if strings.Contains(g, "sync.(*Cond).Wait") && strings.Contains(g, fn) {
+				return true
+			}
+		}
+		return false
+	}) {
+		t.Fatalf("no goroutine waiting in %s after 30s", fn)
+	}
+}
