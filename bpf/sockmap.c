@@ -24,23 +24,30 @@ struct {
 	__type(value, __u64);
 } splice_peers SEC(".maps");
 
-// splice_passed: key = socket cookie of a socket whose bytes went to the proxy
-// instead of its peer (the peer was not in splice_peers yet, or no more); value
-// unused. Once a socket is here, all its later bytes go to the proxy as well, so the
-// proxy, which forwards those itself, never sees a later byte overtake an earlier one.
-// LRU: the proxy deletes its entries when it closes the connection; a leak ages out.
+// splice_sock: what the program knows of one socket it has seen bytes of.
+struct splice_sock {
+	__u64 first_ns; // bpf_ktime_get_ns (CLOCK_MONOTONIC) when its first bytes came
+	__u8 passed;    // its bytes go to the proxy, not its peer (see splice_socks)
+};
+
+// splice_socks: key = socket cookie of a socket the program has seen bytes of; value
+// = its splice_sock. The time of its first bytes is the proxy's latency sample (from
+// the client's first bytes to the backend's), which it does not see itself. passed:
+// the peer was not in splice_peers yet, or no more, so its bytes went to the proxy;
+// then all its later bytes go to the proxy as well, so the proxy, which forwards
+// those itself, never sees a later byte overtake an earlier one. LRU: the proxy
+// deletes its entries when it closes the connection; a leak ages out.
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_SPLICE_SOCKS);
 	__type(key, __u64);
-	__type(value, __u8);
-} splice_passed SEC(".maps");
+	__type(value, struct splice_sock);
+} splice_socks SEC(".maps");
 
 SEC("sk_skb/stream_verdict")
 int splice_verdict(struct __sk_buff *skb)
 {
 	__u64 cookie = bpf_get_socket_cookie(skb);
-	__u8 one = 1;
 
 	// A bare FIN comes here as a segment of no bytes. Redirected, the peer's kernel
 	// worker sends 0 bytes, takes that for a broken pipe and stops forwarding
@@ -48,11 +55,18 @@ int splice_verdict(struct __sk_buff *skb)
 	// itself, so the empty segment is dropped.
 	if (skb->len == 0)
 		return SK_DROP;
-	if (bpf_map_lookup_elem(&splice_passed, &cookie))
+	struct splice_sock *st = bpf_map_lookup_elem(&splice_socks, &cookie);
+	if (st && st->passed)
 		return SK_PASS;
+	__u64 first = st ? st->first_ns : bpf_ktime_get_ns();
+	if (!st) {
+		struct splice_sock fresh = { .first_ns = first };
+		bpf_map_update_elem(&splice_socks, &cookie, &fresh, BPF_NOEXIST);
+	}
 	if (bpf_sk_redirect_hash(skb, &splice_peers, &cookie, 0) == SK_PASS)
 		return SK_PASS; // redirected: out of the peer's send side
 	// No peer: hand the bytes to the proxy's socket, and every later byte too.
-	bpf_map_update_elem(&splice_passed, &cookie, &one, BPF_ANY);
+	struct splice_sock passed = { .first_ns = first, .passed = 1 };
+	bpf_map_update_elem(&splice_socks, &cookie, &passed, BPF_ANY);
 	return SK_PASS;
 }

@@ -8,16 +8,24 @@ import (
 	_ "embed"
 	"fmt"
 	"io"
+	"structs"
 
 	"github.com/cilium/ebpf"
 )
+
+type SockmapSpliceSock struct {
+	_       structs.HostLayout
+	FirstNs uint64
+	Passed  uint8
+	_       [7]byte
+}
 
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	SockmapMapSplicePassed   = "splice_passed"
 	SockmapMapSplicePeers    = "splice_peers"
+	SockmapMapSpliceSocks    = "splice_socks"
 	SockmapProgSpliceVerdict = "splice_verdict"
 )
 
@@ -70,8 +78,8 @@ type SockmapProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type SockmapMapSpecs struct {
-	SplicePassed *ebpf.MapSpec `ebpf:"splice_passed"`
-	SplicePeers  *ebpf.MapSpec `ebpf:"splice_peers"`
+	SplicePeers *ebpf.MapSpec `ebpf:"splice_peers"`
+	SpliceSocks *ebpf.MapSpec `ebpf:"splice_socks"`
 }
 
 // SockmapVariableSpecs contains global variables before they are loaded into the kernel.
@@ -100,14 +108,14 @@ func (o *SockmapObjects) Close() error {
 //
 // It can be passed to LoadSockmapObjects or ebpf.CollectionSpec.LoadAndAssign.
 type SockmapMaps struct {
-	SplicePassed *ebpf.Map `ebpf:"splice_passed"`
-	SplicePeers  *ebpf.Map `ebpf:"splice_peers"`
+	SplicePeers *ebpf.Map `ebpf:"splice_peers"`
+	SpliceSocks *ebpf.Map `ebpf:"splice_socks"`
 }
 
 func (m *SockmapMaps) Close() error {
 	return _SockmapClose(
-		m.SplicePassed,
 		m.SplicePeers,
+		m.SpliceSocks,
 	)
 }
 

@@ -67,7 +67,7 @@ func (e *PairError) Lost() bool    { return e.lost }
 // The client's socket goes in first: a client that half-closed early is refused
 // before anything is in the map. Until the backend's socket is in, the client's
 // bytes find no peer and go to the proxy, which then forwards that direction itself
-// (splice_passed). If the backend's socket is refused, the client's leaves the map
+// (splice_socks). If the backend's socket is refused, the client's leaves the map
 // again. Bytes already queued on a socket are forwarded when the kernel next runs the
 // socket's data-ready path; the caller kicks it (SO_RCVLOWAT).
 func (m *SockMap) Pair(client, server int) error {
@@ -91,32 +91,37 @@ func (m *SockMap) Pair(client, server int) error {
 		// A socket in the map without its peer can't be read (Linux 6.18): take the
 		// client's out, and find out whether bytes reached it meanwhile.
 		derr := m.objs.SplicePeers.Delete(sc)
-		var v uint8
-		lost := derr != nil || m.objs.SplicePassed.Lookup(cc, &v) == nil
+		var st bpf.SockmapSpliceSock
+		lost := derr != nil || m.objs.SpliceSocks.Lookup(cc, &st) == nil && st.Passed != 0
 		if lost {
-			m.objs.SplicePassed.Delete(cc)
+			m.objs.SpliceSocks.Delete(cc)
 		}
 		return &PairError{Err: fmt.Errorf("sockmap: add backend socket: %w", errors.Join(err, derr)), lost: lost}
 	}
 	return nil
 }
 
-// Forget drops fd's mark in splice_passed (its bytes went to the proxy); the proxy
-// calls it before it closes such a socket.
-func (m *SockMap) Forget(fd int) error {
+// Forget drops what the map holds of fd, a socket of a pair, and returns when the
+// kernel first saw bytes of it (CLOCK_MONOTONIC, ns), or 0 if it saw none. The proxy
+// calls it before it closes the socket.
+func (m *SockMap) Forget(fd int) (int64, error) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	if m.closed {
-		return nil
+		return 0, nil
 	}
 	c, err := unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_COOKIE)
 	if err != nil {
-		return fmt.Errorf("sockmap: socket cookie: %w", err)
+		return 0, fmt.Errorf("sockmap: socket cookie: %w", err)
 	}
-	if err := m.objs.SplicePassed.Delete(c); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("sockmap: forget socket: %w", err)
+	var st bpf.SockmapSpliceSock
+	if err := m.objs.SpliceSocks.LookupAndDelete(c, &st); err != nil {
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return 0, nil
+		}
+		return 0, fmt.Errorf("sockmap: forget socket: %w", err)
 	}
-	return nil
+	return int64(st.FirstNs), nil
 }
 
 // Close detaches the program and releases the maps. Sockets still paired go on

@@ -6,6 +6,8 @@ import (
 	"net"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // socketPair is a connection the way the proxy holds it: a client connected to a
@@ -69,11 +71,13 @@ func TestSockMapForwardsBothWays(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
 		from, to net.Conn
+		fd       int // the paired socket the bytes reach
 		msg      string
 	}{
-		{"client to backend", p.client, p.b, "request"},
-		{"backend to client", p.b, p.client, "response"},
+		{"client to backend", p.client, p.b, p.cfd, "request"},
+		{"backend to client", p.b, p.client, p.sfd, "response"},
 	} {
+		sent := monotonicNow(t)
 		if _, err := tc.from.Write([]byte(tc.msg)); err != nil {
 			t.Fatalf("%s: write: %v", tc.name, err)
 		}
@@ -81,9 +85,17 @@ func TestSockMapForwardsBothWays(t *testing.T) {
 		if _, err := io.ReadFull(tc.to, got); err != nil || string(got) != tc.msg {
 			t.Fatalf("%s: got %q, %v; want %q", tc.name, got, err, tc.msg)
 		}
-	}
-	if err := m.Forget(p.cfd); err != nil {
-		t.Errorf("forget: %v", err)
+		// A second message: the first one's time stays.
+		tc.from.Write([]byte(tc.msg))
+		io.ReadFull(tc.to, got)
+		received := monotonicNow(t)
+		first, err := m.Forget(tc.fd)
+		if err != nil || first < sent || first > received {
+			t.Errorf("%s: first bytes at %d, %v; want between the write (%d) and the read (%d)", tc.name, first, err, sent, received)
+		}
+		if first, err := m.Forget(tc.fd); first != 0 || err != nil {
+			t.Errorf("%s: forgotten socket: got %d, %v; want 0, nil", tc.name, first, err)
+		}
 	}
 	if err := m.Close(); err != nil {
 		t.Fatalf("close: %v", err)
@@ -94,6 +106,16 @@ func TestSockMapForwardsBothWays(t *testing.T) {
 	if err := m.Pair(p.cfd, p.sfd); !errors.Is(err, net.ErrClosed) {
 		t.Fatalf("pair after close: got %v; want net.ErrClosed", err)
 	}
+}
+
+// monotonicNow is CLOCK_MONOTONIC in ns, the clock of Forget's times.
+func monotonicNow(t *testing.T) int64 {
+	t.Helper()
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		t.Fatal(err)
+	}
+	return ts.Nano()
 }
 
 // TestSockMapRefusesClosingSocket: the kernel pairs only established sockets. A

@@ -89,7 +89,6 @@ type half struct {
 
 	read, wrote uint64 // bytes the proxy read from the source and wrote to the destination
 	kernel      uint64 // redirected: bytes the kernel forwarded, known once done
-	passed      bool   // redirected: the proxy read some of the source's bytes itself
 }
 
 func (h *half) pending() bool { return h.n > h.off || h.inPipe > 0 }
@@ -507,7 +506,6 @@ func (l *loop) pump(c *conn, d int) bool {
 			c.ttfb = time.Duration(max(monotonic()-c.asked, 1))
 		}
 		h.read += uint64(n)
-		h.passed = h.passed || c.redirected
 		if h.bulk {
 			spliceCalls.Add(1)
 			splicedIn.Add(uint64(n))
@@ -902,8 +900,8 @@ func (l *loop) close(c *conn, outcome Outcome) {
 // latency-aware algorithms): the time to the backend's first byte after the client's
 // first bytes went to it. A connection the backend never answered reports none (0):
 // an upload is not a slow answer, and a backend that hangs is held off by its
-// connections in flight. A connection whose client sent nothing, or whose bytes the
-// kernel forwarded (the proxy doesn't see them), reports its connect time.
+// connections in flight. A connection whose client sent nothing reports its connect
+// time. Where the kernel forwarded the bytes, it knows their times (kernelFirstBytes).
 func (c *conn) sample() time.Duration {
 	switch {
 	case c.state == stateConnecting:

@@ -2,7 +2,9 @@ package proxy
 
 import (
 	"errors"
+	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -30,11 +32,11 @@ import (
 // (loader.SockMap). Pair is called on the event loop, once per connection; an error
 // leaves the connection to the copy path, unless it has a method Lost() bool that
 // reports true (bytes were lost on the way in: the connection is reset). Forget is
-// called once per socket some of whose bytes the proxy forwarded itself, before it
-// is closed.
+// called once per socket of a pair, before it is closed; it returns when the kernel
+// first saw bytes of that socket (CLOCK_MONOTONIC, ns), 0 if it saw none.
 type Redirector interface {
 	Pair(client, server int) error
-	Forget(fd int) error
+	Forget(fd int) (int64, error)
 }
 
 // Flush rechecks of connections whose kernel forwarding lags a FIN: the first after
@@ -258,12 +260,53 @@ func (l *loop) accountKernel(c *conn) {
 		kernelBytes.Add(n)
 	}
 	if r := l.s.cfg.Redirector; r != nil {
+		var first [2]int64
 		for side := range c.fd {
-			if c.h[side].passed {
-				r.Forget(c.fd[side])
-			}
+			first[side], _ = r.Forget(c.fd[side])
 		}
+		c.kernelFirstBytes(first[client], first[server])
 	}
+}
+
+// kernelFirstBytes puts into c's time to first byte the times at which the kernel
+// first saw the client's and the backend's bytes (CLOCK_MONOTONIC, 0: none): the
+// proxy does not see the bytes it forwards. Where the proxy saw earlier bytes itself
+// (before the pairing, or those that found no peer), its own times stand. A backend
+// whose first bytes came before the client's (a banner) is left with what the proxy
+// saw: the kernel keeps no later time.
+func (c *conn) kernelFirstBytes(client, server int64) {
+	asked, answered := c.asked, int64(0)
+	if c.ttfb > 0 {
+		answered = c.asked + int64(c.ttfb)
+	}
+	if k := fromKernelClock(client); k > 0 && (asked == 0 || k < asked) {
+		asked = k
+	}
+	if k := fromKernelClock(server); k > 0 && (answered == 0 || k < answered) {
+		answered = k
+	}
+	if asked > 0 && answered > asked {
+		c.asked, c.ttfb = asked, time.Duration(answered-asked)
+	}
+}
+
+// kernelClockOffset is CLOCK_MONOTONIC less monotonic(): Go's monotonic clock is
+// CLOCK_MONOTONIC on Linux, counted here from epoch.
+var kernelClockOffset = sync.OnceValue(func() int64 {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		return 0
+	}
+	return ts.Nano() - monotonic()
+})
+
+// fromKernelClock turns a CLOCK_MONOTONIC time (the kernel's, bpf_ktime_get_ns)
+// into monotonic()'s; 0 stays 0, as does a time before epoch.
+func fromKernelClock(ns int64) int64 {
+	if ns == 0 {
+		return 0
+	}
+	return max(ns-kernelClockOffset(), 0)
 }
 
 // kernelActive reports whether c's sockets received bytes since the last check, for

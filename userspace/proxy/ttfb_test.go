@@ -75,6 +75,7 @@ func slowShare(t *testing.T, algo string, n int) map[string]int {
 	slow := startBackend(t, "slow", netip.AddrPort{}, answerAfter(50*time.Millisecond))
 	s := startProxy(t, Config{Algorithm: algo, Backends: []Backend{{Addr: fast.addr()}, {Addr: slow.addr()}}})
 	got := map[string]int{}
+	paired := redirected.Load()
 	for range n {
 		c := dial(t, s)
 		c.SetDeadline(time.Now().Add(5 * time.Second))
@@ -89,6 +90,9 @@ func slowShare(t *testing.T, algo string, n int) map[string]int {
 		c.Close()
 		// The lease, and its sample, is back before the next pick.
 		waitfor.Value(t, 2*time.Second, "0 active connections", active(s, 0))
+	}
+	if testRedirector != nil && redirected.Load()-paired < uint64(n) {
+		t.Fatalf("connections forwarded in the kernel: got %d; want %d", redirected.Load()-paired, n)
 	}
 	return got
 }
