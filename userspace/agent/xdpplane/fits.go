@@ -26,14 +26,27 @@ func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
 		return nil
 	}
 	capa := x.prog.Capacity()
-	held := make(map[loader.ServiceKey]map[netip.AddrPort]bool)
+	// What the program holds is read, and x.installed copied, at the first
+	// operation that may take or free a slot: most changes (a health check's,
+	// a drain's) change one backend's state only, and copying every service's
+	// backends for each of them would cost the loop a millisecond and megabytes
+	// at 16,384 backends.
+	var held map[loader.ServiceKey]map[netip.AddrPort]bool
 	backends := 0
-	for _, s := range x.prog.Services() {
-		held[s.Key] = addrSet(s)
-		backends += len(s.Backends)
+	installed := x.installed
+	load := func() {
+		if held != nil {
+			return
+		}
+		held = make(map[loader.ServiceKey]map[netip.AddrPort]bool)
+		for _, s := range x.prog.Services() {
+			held[s.Key] = addrSet(s)
+			backends += len(s.Backends)
+		}
+		installed = maps.Clone(x.installed)
 	}
-	installed := maps.Clone(x.installed)
 	put := func(s *plan.Service) error {
+		load()
 		ls := spec(s)
 		cur, ok := held[ls.Key]
 		if !ok && len(held) >= int(capa.Services) {
@@ -59,6 +72,7 @@ func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
 		if installed[key] != name {
 			return
 		}
+		load()
 		if !x.adopted[key] {
 			backends -= len(held[key])
 			delete(held, key)
