@@ -267,6 +267,12 @@ func TestErrors(t *testing.T) {
 			`line 4: services[1].http.listen: 10.0.0.1:80 is already the VIP (served by XDP) of services[0] ("a")`},
 		{"xdp VIP on a proxy listen", "interfaces: [{name: eth0}]\nservices:\n- {name: b, vip: 10.0.0.2:80, data_plane: proxy, proxy: {listen: 10.0.0.1:80}, backends: [{address: 10.0.0.11:80}]}\n- {name: a, vip: 10.0.0.1:80, data_plane: xdp, backends: [{address: 10.0.0.11:80}]}\n",
 			`line 4: services[1].vip: 10.0.0.1:80 is already the proxy address of services[0] ("b"), and XDP would take every tcp packet to it`},
+		{"xdp VIP on the metrics address", "interfaces: [{name: eth0}]\nmetrics: {listen: \"10.0.0.1:9470\", public: true}\nservices:\n- {name: a, vip: 10.0.0.1:9470, data_plane: xdp, backends: [{address: 10.0.0.11:80}]}\n",
+			"line 4: services[0].vip: 10.0.0.1:9470 is also metrics.listen, where the agent listens itself, and XDP would take every tcp packet to it"},
+		{"xdp VIP on the default metrics address", "interfaces: [{name: lo}]\nservices:\n- {name: a, vip: 127.0.0.1:9470, data_plane: xdp, backends: [{address: 10.0.0.11:80}]}\n",
+			"line 3: services[0].vip: 127.0.0.1:9470 is also the default metrics.listen, where the agent listens itself, and XDP would take every tcp packet to it"},
+		// Listening on every address, metrics still gets the packets to the others.
+		{"xdp VIP on the public metrics wildcard", "interfaces: [{name: eth0}]\nmetrics: {listen: \"[::]:9470\", public: true}\nservices:\n- {name: a, vip: 10.0.0.1:9470, data_plane: xdp, backends: [{address: 10.0.0.11:80}]}\n", ""},
 		{"udp xdp VIP and a tcp listen", "interfaces: [{name: eth0}]\nservices:\n- {name: a, vip: 10.0.0.1:80, protocol: udp, data_plane: xdp, backends: [{address: 10.0.0.11:80}]}\n- {name: b, vip: 10.0.0.2:80, data_plane: proxy, proxy: {listen: 10.0.0.1:80}, backends: [{address: 10.0.0.11:80}]}\n", ""},
 		// The admin and metrics listeners bind without SO_REUSEPORT: nothing else can bind their address.
 		{"admin on the metrics address", "admin: {listen: 127.0.0.1:9470}\nservices: []\n", "line 1: admin.listen: 127.0.0.1:9470 is also the default metrics.listen"},

@@ -451,11 +451,19 @@ func (cfg *file) validate(dir string) []*FieldError {
 			listens[a] = listenUse{i, what}
 		}
 		// XDP takes every tcp packet to an xdp service's VIP before the host's stack
-		// sees it, so a listener on that address would get none.
+		// sees it, so a listener on that address would get none: another
+		// service's, or the agent's own (metrics.listen, admin.listen). One of the
+		// agent's on every address still gets the packets to the others.
 		if s.VIPAddr.IsValid() && s.Protocol == TCP && s.DataPlane == DataPlaneXDP && !vipTaken {
 			if u, dup := listens[s.VIPAddr]; dup {
 				c.bad(p+".vip", "%s is already the %s of services[%d] (%q), and XDP would take every tcp packet to it: give one of them another address",
 					s.VIPAddr, u.what, u.service, cfg.Services[u.service].Name)
+			}
+			for _, o := range own {
+				if o.addr == s.VIPAddr {
+					c.bad(p+".vip", "%s is also %s, where the agent listens itself, and XDP would take every tcp packet to it: give one of them another address",
+						s.VIPAddr, o.field)
+				}
 			}
 			listens[s.VIPAddr] = listenUse{i, "VIP (served by XDP)"}
 		}
