@@ -16,14 +16,16 @@ import (
 
 // fullConfig is a file at the XDP program's backend capacity: 16 dsr services of
 // 1,024 backends each (MACs given, no health checks, small tables, so the agent
-// starts quickly). weight sets the weight of s00's first backend; span, if not
-// nil, gives the backends of some services: numbers from..to-1 (default 0..1023).
+// starts quickly; removed backends drain for an hour, so one a reload removes
+// still holds its slot at the next reload however slow the machine). weight
+// sets the weight of s00's first backend; span, if not nil, gives the backends
+// of some services: numbers from..to-1 (default 0..1023).
 func fullConfig(link, socket string, weight int, span map[int][2]int) string {
 	const perService = config.MaxXDPBackends / 16
 	var b strings.Builder
 	fmt.Fprintf(&b, "interfaces: [{name: %s}]\nadmin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", link, socket)
 	for i := range 16 {
-		fmt.Fprintf(&b, "  - {name: s%02d, vip: \"10.77.100.%d:80\", data_plane: xdp, mode: dsr, table_size: 1031, health: {type: none}, backends: [", i, i+1)
+		fmt.Fprintf(&b, "  - {name: s%02d, vip: \"10.77.100.%d:80\", data_plane: xdp, mode: dsr, table_size: 1031, drain_timeout: 1h, health: {type: none}, backends: [", i, i+1)
 		r, ok := span[i]
 		if !ok {
 			r = [2]int{0, perService}
