@@ -13,8 +13,8 @@ import (
 // Fits reports whether the program has the service and backend slots that ops
 // take, at every point of their order, before any of them is written. The
 // program holds a new backend's slot before it frees a replaced one's, a
-// service's new entry (another VIP, protocol or name) is added before its old
-// one leaves, and backends a reload removed keep their slots while they drain:
+// service's new entry (another VIP or protocol; a renamed service takes its old
+// name's entry over) is added before its old one leaves, and backends a reload removed keep their slots while they drain:
 // so a change between two files that each fit may not. One that does not is
 // refused whole, naming the service where the slots run out, rather than
 // failing half-applied and rolled back (which would replace the lookup tables
@@ -50,7 +50,7 @@ func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
 		ls := spec(s)
 		cur, ok := held[ls.Key]
 		if !ok && len(held) >= int(capa.Services) {
-			return fmt.Errorf("service %q: the XDP program has %d service slots, all held at this point of the change (a service's entry at a new VIP, protocol or name is added before the old one is removed): remove services in one reload and add the others in the next: %w",
+			return fmt.Errorf("service %q: the XDP program has %d service slots, all held at this point of the change (a service's entry at a new VIP or protocol is added before the old one is removed): remove services in one reload and add the others in the next: %w",
 				s.Name(), capa.Services, loader.ErrCapacity)
 		}
 		fresh := 0

@@ -57,7 +57,7 @@ func TestFitsServiceSlots(t *testing.T) {
 		{"update in place", []plan.Op{{Kind: plan.Update, Plane: plan.XDP, Prev: first, Next: &weighted}}, ""},
 		{"rename", []plan.Op{{Kind: plan.Add, Plane: plan.XDP, Next: &renamed}, {Kind: plan.Remove, Plane: plan.XDP, Prev: first}}, ""},
 		{"moved to another VIP", []plan.Op{{Kind: plan.Update, Plane: plan.XDP, Prev: first, Next: &moved}, {Kind: plan.Remove, Plane: plan.XDP, Prev: first}},
-			fmt.Sprintf(`service "s0": the XDP program has %d service slots, all held`, capa.Services)},
+			fmt.Sprintf(`service "s0": the XDP program has %d service slots, all held at this point of the change (a service's entry at a new VIP or protocol is added before the old one is removed)`, capa.Services)},
 		{"replaced", []plan.Op{{Kind: plan.Add, Plane: plan.XDP, Next: &added}, {Kind: plan.Remove, Plane: plan.XDP, Prev: first}},
 			fmt.Sprintf(`service "new": the XDP program has %d service slots, all held`, capa.Services)},
 		{"proxy ops", []plan.Op{{Kind: plan.Add, Plane: plan.Proxy, Next: &added}}, ""},
