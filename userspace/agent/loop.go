@@ -216,7 +216,7 @@ func (a *Agent) start(st *state) error {
 	a.refreshMACs(st, st.cfg, placement)
 	next := plan.Plan(st.input(st.cfg, placement, st.overrides, time.Now()), plan.Desired{})
 	if err := a.reconcile(plan.Desired{}, next); err != nil {
-		return err
+		return a.certLines(st.cfg, err)
 	}
 	st.placement, st.running = placement, next
 	a.register(plan.Desired{}, next)

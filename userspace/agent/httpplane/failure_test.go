@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -20,6 +21,7 @@ import (
 
 	"github.com/weir-lb/weir/internal/httpbackend"
 	"github.com/weir-lb/weir/internal/waitfor"
+	"github.com/weir-lb/weir/userspace/agent"
 )
 
 // startH2load starts h2load in the background; wait returns its result.
@@ -175,6 +177,27 @@ func TestReloadInPlace(t *testing.T) {
 	}
 	if got := r.service(t, "web").Accepted; got != 4 {
 		t.Errorf("connections accepted: %d; want h2load's 4, kept across the reloads", got)
+	}
+}
+
+// TestStartCertificateNamesLine: an agent that cannot start because a service's
+// certificate and key do not load says so as weir validate and a refused reload
+// do: the file, the line and the field.
+func TestStartCertificateNamesLine(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	dir := t.TempDir()
+	r := &running{config: filepath.Join(dir, "weir.yaml"), metrics: "off"}
+	missing, keyPath := filepath.Join(dir, "missing.crt"), filepath.Join(dir, "tls.key")
+	httpbackend.WriteCert(t, filepath.Join(dir, "tls.crt"), keyPath, "first")
+	r.writeConfig(t, fmt.Sprintf("  - {name: web, vip: 127.0.0.1:%d, data_plane: http, http: {tls: {cert: %s, key: %s}}, health: {type: none}, backends: %s}\n",
+		freePort(t), missing, keyPath, backendList(bs)))
+	a := agent.New(agent.Options{ConfigPath: r.config, NoXDP: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	err := a.Run(ctx)
+	want := fmt.Sprintf("%s:4: services[0].http.tls: cert %s and key %s do not load: open %s: ", r.config, missing, keyPath, missing)
+	if err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("start with a certificate that does not load: got %v; want it to say %q...", err, want)
 	}
 }
 
