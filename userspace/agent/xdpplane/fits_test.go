@@ -124,7 +124,9 @@ func TestFitsOneBackendCostsNothingMore(t *testing.T) {
 	for i := 1; i < 8; i++ {
 		running.Services = append(running.Services, svc(i, 256))
 	}
-	if full := allocs(); full != alone {
-		t.Errorf("Fits of one backend's change: %g allocations with 7 more services of 256 backends; want %g, as with one service of one backend", full, alone)
+	// One allocation of slack, for whatever else the process allocates meanwhile:
+	// reading the program costs dozens (41 here).
+	if full := allocs(); full > alone+1 {
+		t.Errorf("Fits of one backend's change: %g allocations with 7 more services of 256 backends; want at most %g, as with one service of one backend", full, alone+1)
 	}
 }
