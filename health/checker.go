@@ -479,7 +479,7 @@ func (c *Checker) Status(id string) (Status, bool) {
 	if !ok {
 		return Status{}, false
 	}
-	return b.status(), true
+	return b.status(c.now()), true
 }
 
 // Snapshot returns the status of every backend, ordered by service then ID.
@@ -491,8 +491,9 @@ func (c *Checker) Snapshot() []Status {
 
 func (c *Checker) snapshotLocked() []Status {
 	out := make([]Status, 0, len(c.backends))
+	now := c.now()
 	for _, b := range c.backends {
-		out = append(out, b.status())
+		out = append(out, b.status(now))
 	}
 	sort.Slice(out, func(i, j int) bool {
 		if out[i].Service != out[j].Service {
@@ -503,13 +504,14 @@ func (c *Checker) snapshotLocked() []Status {
 	return out
 }
 
-func (b *backend) status() Status {
+// status is b's Status at now; c.mu must be held.
+func (b *backend) status(now time.Time) Status {
 	return Status{
 		ID: b.id, Service: b.svc.name, Addr: b.addr,
 		State: b.state, Active: b.active, Usable: b.usable(), Panic: b.svc.panic,
 		Since: b.since, Reason: b.reason,
 		Passes: b.passes, Fails: b.fails,
-		EjectedUntil: b.ejectedUntil, Ejections: b.ejections,
+		EjectedUntil: b.ejectedUntil, Ejections: b.multiplier(now),
 		Last: b.last,
 	}
 }

@@ -54,12 +54,7 @@ func (c *Checker) eject(b *backend, o Outcome, now time.Time) {
 	if s.nEject > 0 && (s.nEject+1)*100 > out.MaxEjectionPercent*len(s.members) {
 		return
 	}
-	// The multiplier decays by one for every BaseEjection the backend has
-	// spent back in service, so a backend that fails once a day is not
-	// ejected for MaxEjection each time.
-	if !b.returned.IsZero() {
-		b.ejections = max(0, b.ejections-int(now.Sub(b.returned)/out.BaseEjection))
-	}
+	b.ejections = b.multiplier(now)
 	// The multiplier stops growing once its ejection reaches MaxEjection (as
 	// Envoy's does): past that a longer streak would lengthen no ejection,
 	// only the time the backend then needs in service to be treated as new.
@@ -72,6 +67,17 @@ func (c *Checker) eject(b *backend, o Outcome, now time.Time) {
 	s.nEject++
 	c.poke()
 	c.settle(b, now, fmt.Sprintf("ejected for %v after %d consecutive failures (last: %v)", d, n, o))
+}
+
+// multiplier is b's ejection multiplier at now: while b is back in service it
+// decays by one for every BaseEjection spent there, so a backend that fails
+// once a day is not ejected for MaxEjection each time. c.mu must be held.
+func (b *backend) multiplier(now time.Time) int {
+	base := b.svc.cfg.Outlier.BaseEjection
+	if b.ejectIdx >= 0 || b.returned.IsZero() || base <= 0 {
+		return b.ejections
+	}
+	return max(0, b.ejections-int(now.Sub(b.returned)/base))
 }
 
 // unEject ends b's ejection at the time at without settling it; c.mu must be

@@ -355,3 +355,38 @@ func TestMultiplierDecaysAfterEjectionTurnedOff(t *testing.T) {
 		})
 	}
 }
+
+// TestStatusEjectionsDecays: Status reports the multiplier as it stands now, so
+// after a quiet spell back in service it shows the decayed value the next
+// ejection would start from, not the one of the last ejection.
+func TestStatusEjectionsDecays(t *testing.T) {
+	out := Outlier{Consecutive: 1, BaseEjection: 10 * time.Second, MaxEjection: 40 * time.Second, MaxEjectionPercent: 100}
+	c, clk := passiveChecker(t, 1, Config{Outlier: out})
+	for range 3 { // ejected for 10s, 20s, 30s in a row: multiplier 3
+		c.Observe("b0", Reset)
+		st, _ := c.Status("b0")
+		advance(c, clk, st.EjectedUntil.Sub(clk.Now()))
+	}
+	steps := []struct {
+		wait time.Duration
+		want int
+	}{
+		{0, 3},
+		{10 * time.Second, 2},
+		{15 * time.Second, 1},
+		{5 * time.Second, 0},
+		{time.Hour, 0},
+	}
+	for _, s := range steps {
+		advance(c, clk, s.wait)
+		st, _ := c.Status("b0")
+		snap := c.Snapshot()
+		if st.Ejections != s.want || snap[0].Ejections != s.want {
+			t.Errorf("after %v more in service: got Status %d, Snapshot %d; want %d", s.wait, st.Ejections, snap[0].Ejections, s.want)
+		}
+	}
+	c.Observe("b0", Reset) // decayed to 0, so the next ejection is one base
+	if st, _ := c.Status("b0"); st.Ejections != 1 || st.EjectedUntil.Sub(clk.Now()) != 10*time.Second {
+		t.Errorf("ejected after the decay: got multiplier %d for %v; want 1 for 10s", st.Ejections, st.EjectedUntil.Sub(clk.Now()))
+	}
+}
