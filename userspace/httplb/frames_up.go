@@ -66,6 +66,7 @@ type upconn struct {
 	idleSince  int64      // nanotime when the last stream ended
 	blocked    []*fstream // waiting for the connection's window
 	away       bool       // no new streams (GOAWAY, failure, pool closed)
+	goneAway   bool       // weir has sent its GOAWAY: it sends no other
 	dead       bool
 	// recent is the streams closed last, and how: what the backend sends on
 	// them after is answered by it (closedStreams.late).
@@ -307,8 +308,20 @@ func (uc *upconn) idleExpired() {
 // first (RFC 9113 6.8: the backend sees an orderly end, not a bare FIN); the
 // socket sends what was queued before it closes. mu is held.
 func (uc *upconn) closeIdleLocked() {
-	uc.fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+	uc.goAwayLocked(http2.ErrCodeNo, nil)
 	uc.conn.Close()
+}
+
+// goAwayLocked sends GOAWAY unless weir has sent one already: a connection
+// ended for the backend's protocol error, then idle once a client cancels
+// its last stream, tells the backend why once, not a second time with
+// NO_ERROR. mu is held.
+func (uc *upconn) goAwayLocked(code http2.ErrCode, debug []byte) {
+	if uc.goneAway {
+		return
+	}
+	uc.goneAway = true
+	uc.fr.WriteGoAway(0, code, debug)
 }
 
 // dial connects, then reads the backend's frames until the connection fails.
@@ -602,7 +615,7 @@ func (uc *upconn) read() error {
 // and returns the error that ends the reader.
 func (uc *upconn) goAway(code http2.ErrCode, why string) error {
 	uc.mu.Lock()
-	uc.fr.WriteGoAway(0, code, []byte(why))
+	uc.goAwayLocked(code, []byte(why))
 	uc.mu.Unlock()
 	return fmt.Errorf("http2: %s (%v)", why, code)
 }

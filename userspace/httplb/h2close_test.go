@@ -1,6 +1,7 @@
 package httplb
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"net/http"
@@ -165,5 +166,97 @@ func waitParked(t *testing.T, fn string) {
 		return false
 	}) {
 		t.Fatalf("no goroutine waiting in %s after 30s", fn)
+	}
+}
+
+// TestOneGoAwayToBackend: a backend connection weir has ended with a GOAWAY
+// for the backend's protocol error gets no second GOAWAY, even when a
+// client's cancel ends its last stream before the connection is closed.
+// The backend first sends GOAWAY itself (the connection takes no new
+// streams), then a frame that breaks the protocol; the test holds the pool's
+// lock so that the connection, its GOAWAY PROTOCOL_ERROR sent, waits to be
+// dropped while the client cancels.
+func TestOneGoAwayToBackend(t *testing.T) {
+	frames := make(chan string, 16)
+	breakIt := make(chan struct{})
+	be := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
+		defer close(frames)
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				frames <- "read: " + err.Error()
+				return
+			}
+			switch f := f.(type) {
+			case *http2.SettingsFrame:
+				if !f.IsAck() {
+					fr.WriteSettingsAck()
+				}
+			case *http2.HeadersFrame:
+				// The PING's answer tells the test weir has read the GOAWAY.
+				fr.WriteGoAway(f.StreamID, http2.ErrCodeNo, nil)
+				fr.WritePing(false, [8]byte{1})
+				go func() { // exits when the test lets it or gives up
+					select {
+					case <-breakIt:
+						// A reset of a stream weir never opened.
+						fr.WriteRSTStream(f.StreamID+100, http2.ErrCodeCancel)
+					case <-time.After(20 * time.Second):
+					}
+				}()
+			case *http2.PingFrame:
+				if f.IsAck() {
+					frames <- "PING answered"
+				}
+			case *http2.GoAwayFrame:
+				frames <- "GOAWAY " + f.ErrCode.String()
+			case *http2.RSTStreamFrame:
+				frames <- "RST_STREAM " + f.ErrCode.String()
+			}
+		}
+	})
+	sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() { // exits when the request ends: cancel, or the client's timeout
+		req, _ := http.NewRequestWithContext(ctx, "GET", "http://"+sv.Addr().String()+"/", nil)
+		resp, err := h2cClient().Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		errc <- err
+	}()
+	t.Cleanup(func() { cancel(); <-errc })
+	next := func(want string) {
+		t.Helper()
+		select {
+		case got := <-frames:
+			if got != want {
+				t.Fatalf("the backend read %s; want %s", got, want)
+			}
+		case <-time.After(15 * time.Second):
+			t.Fatalf("the backend read nothing in 15s; want %s", want)
+		}
+	}
+	next("PING answered")
+	pool := sv.backend(be.String()).fpool.Load()
+	pool.mu.Lock()
+	locked := true
+	unlock := func() {
+		if locked {
+			locked = false
+			pool.mu.Unlock()
+		}
+	}
+	t.Cleanup(unlock)
+	close(breakIt)
+	next("GOAWAY PROTOCOL_ERROR")
+	cancel()
+	next("RST_STREAM CANCEL")
+	unlock()
+	for f := range frames {
+		if strings.HasPrefix(f, "GOAWAY") {
+			t.Errorf("after its GOAWAY PROTOCOL_ERROR weir sent %s; want no other GOAWAY", f)
+		}
 	}
 }
