@@ -35,25 +35,16 @@ func TestIdleBackendCloseSendsGoAway(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			last := make(chan string, 1)
 			be := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
-				for {
-					f, err := fr.ReadFrame()
-					if err != nil {
-						last <- "read: " + err.Error()
-						return
+				readBackendFrames(fr, func(f *http2.HeadersFrame) {
+					fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("200"), EndHeaders: true})
+					fr.WriteData(f.StreamID, true, []byte("ok"))
+				}, func(what string) bool {
+					if strings.HasPrefix(what, "GOAWAY ") || strings.HasPrefix(what, "read: ") {
+						last <- what
+						return false
 					}
-					switch f := f.(type) {
-					case *http2.SettingsFrame:
-						if !f.IsAck() {
-							fr.WriteSettingsAck()
-						}
-					case *http2.HeadersFrame:
-						fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("200"), EndHeaders: true})
-						fr.WriteData(f.StreamID, true, []byte("ok"))
-					case *http2.GoAwayFrame:
-						last <- "GOAWAY " + f.ErrCode.String()
-						return
-					}
-				}
+					return true
+				})
 			})
 			sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 			resp, body := get(t, c.client, "http://"+sv.Addr().String()+"/")
@@ -181,39 +172,19 @@ func TestOneGoAwayToBackend(t *testing.T) {
 	breakIt := make(chan struct{})
 	be := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
 		defer close(frames)
-		for {
-			f, err := fr.ReadFrame()
-			if err != nil {
-				frames <- "read: " + err.Error()
-				return
-			}
-			switch f := f.(type) {
-			case *http2.SettingsFrame:
-				if !f.IsAck() {
-					fr.WriteSettingsAck()
+		readBackendFrames(fr, func(f *http2.HeadersFrame) {
+			// The PING's answer tells the test weir has read the GOAWAY.
+			fr.WriteGoAway(f.StreamID, http2.ErrCodeNo, nil)
+			fr.WritePing(false, [8]byte{1})
+			go func() { // exits when the test lets it or gives up
+				select {
+				case <-breakIt:
+					// A reset of a stream weir never opened.
+					fr.WriteRSTStream(f.StreamID+100, http2.ErrCodeCancel)
+				case <-time.After(20 * time.Second):
 				}
-			case *http2.HeadersFrame:
-				// The PING's answer tells the test weir has read the GOAWAY.
-				fr.WriteGoAway(f.StreamID, http2.ErrCodeNo, nil)
-				fr.WritePing(false, [8]byte{1})
-				go func() { // exits when the test lets it or gives up
-					select {
-					case <-breakIt:
-						// A reset of a stream weir never opened.
-						fr.WriteRSTStream(f.StreamID+100, http2.ErrCodeCancel)
-					case <-time.After(20 * time.Second):
-					}
-				}()
-			case *http2.PingFrame:
-				if f.IsAck() {
-					frames <- "PING answered"
-				}
-			case *http2.GoAwayFrame:
-				frames <- "GOAWAY " + f.ErrCode.String()
-			case *http2.RSTStreamFrame:
-				frames <- "RST_STREAM " + f.ErrCode.String()
-			}
-		}
+			}()
+		}, func(what string) bool { frames <- what; return true })
 	})
 	sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -257,6 +228,40 @@ func TestOneGoAwayToBackend(t *testing.T) {
 	for f := range frames {
 		if strings.HasPrefix(f, "GOAWAY") {
 			t.Errorf("after its GOAWAY PROTOCOL_ERROR weir sent %s; want no other GOAWAY", f)
+		}
+	}
+}
+
+// readBackendFrames is a raw backend's reader: it acknowledges weir's
+// SETTINGS, passes each HEADERS to headers, and reports to report, until it
+// returns false or the read fails, "GOAWAY <code>", "RST_STREAM <code>",
+// "PING answered" and, last, "read: <error>".
+func readBackendFrames(fr *http2.Framer, headers func(*http2.HeadersFrame), report func(string) bool) {
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			report("read: " + err.Error())
+			return
+		}
+		what := ""
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				fr.WriteSettingsAck()
+			}
+		case *http2.HeadersFrame:
+			headers(f)
+		case *http2.PingFrame:
+			if f.IsAck() {
+				what = "PING answered"
+			}
+		case *http2.GoAwayFrame:
+			what = "GOAWAY " + f.ErrCode.String()
+		case *http2.RSTStreamFrame:
+			what = "RST_STREAM " + f.ErrCode.String()
+		}
+		if what != "" && !report(what) {
+			return
 		}
 	}
 }
