@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/signal"
+	"sync"
+	"syscall"
 
 	"github.com/weir-lb/weir/internal/demo"
 	"github.com/weir-lb/weir/internal/fleet"
@@ -47,6 +50,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
+	defer cutShortOnSecondSignal(stderr, demo.NamePrefix+"*")()
 	rep, err := demo.Run(ctx, demo.Options{Backends: *backends, Requests: *requests, Attach: *mode, Keep: *keep, Out: stdout,
 		AgentArgv: func(cfg string) []string { return []string{exe, "run", "-c", cfg} },
 		HoldArgv:  func(state string) []string { return []string{exe, "demo", "hold", state} }})
@@ -92,6 +96,7 @@ func runDemoFleet(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	if err != nil {
 		return fmt.Errorf("demo fleet: %w", err)
 	}
+	defer cutShortOnSecondSignal(stderr, "wfl*")()
 	rep, err := fleet.Demo(ctx, fleet.DemoOptions{Out: stdout, Streams: *streams,
 		AgentArgv: func(cfg string) []string { return []string{exe, "run", "-c", cfg} }})
 	if stopped(ctx, err) {
@@ -106,6 +111,38 @@ func runDemoFleet(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		return fmt.Errorf("demo fleet: %d of %d streams broke", rep.Broken, rep.Streams)
 	}
 	return nil
+}
+
+// cutShortOnSecondSignal lets a user cut a demo's cleanup short: the first
+// SIGINT, SIGTERM or SIGHUP stops the demo, which then removes what it made; a
+// second exits at once, status 130, saying that the namespaces named left and
+// what runs in them may remain. The returned func stops watching.
+func cutShortOnSecondSignal(stderr io.Writer, left string) (stop func()) {
+	sig := make(chan os.Signal, 2)
+	signal.Notify(sig, os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // exits when stop is called, or ends the process
+		defer wg.Done()
+		for n := 0; ; {
+			select {
+			case s := <-sig:
+				if n++; n < 2 {
+					continue
+				}
+				fmt.Fprintf(stderr, "weir: demo: %v again: cleanup cut short; namespaces %s, their links and processes may be left (the next run of the demo removes the namespaces)\n", s, left)
+				os.Exit(130)
+			case <-done:
+				return
+			}
+		}
+	}()
+	return func() {
+		signal.Stop(sig)
+		close(done)
+		wg.Wait()
+	}
 }
 
 // stopped reports whether a demo ended because a signal ended ctx, having

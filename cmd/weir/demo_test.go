@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,8 +22,10 @@ import (
 // (SIGINT to their process group, as a terminal's ^C sends it; SIGTERM to the
 // process, as kill sends it), exit 0 with nothing on stderr and one line on
 // stdout saying they stopped, report no failed step, and leave none of their
-// namespaces, processes or files. The demos run the agent as their own
-// executable (`weir run`), so they run as the built weir binary, not this test's.
+// namespaces, processes or files. A second SIGINT while weir demo cleans up
+// cuts it short: exit status 130 and one line on stderr. The demos run the
+// agent as their own executable (`weir run`), so they run as the built weir
+// binary, not this test's.
 func TestDemoStopsQuietly(t *testing.T) {
 	bin := filepath.Join(t.TempDir(), "weir")
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
@@ -35,16 +38,18 @@ func TestDemoStopsQuietly(t *testing.T) {
 		sig     syscall.Signal
 		group   bool // to the process group, as ^C
 		heavy   bool // a fleet of agents: alone, as the fleet's own tests
+		twice   bool // and again to the process while it cleans up
 	}{
-		{"demo/SIGINT", []string{"demo"}, "HTTP requests to web (", syscall.SIGINT, true, false},
-		{"demo/SIGTERM", []string{"demo"}, "HTTP requests to web (", syscall.SIGTERM, false, false},
-		{"fleet/SIGINT", []string{"demo", "fleet", "--streams", "10"}, "TCP streams from", syscall.SIGINT, true, true},
+		{"demo/SIGINT", []string{"demo"}, "HTTP requests to web (", syscall.SIGINT, true, false, false},
+		{"demo/SIGTERM", []string{"demo"}, "HTTP requests to web (", syscall.SIGTERM, false, false, false},
+		{"demo/SIGINT twice", []string{"demo"}, "HTTP requests to web (", syscall.SIGINT, true, false, true},
+		{"fleet/SIGINT", []string{"demo", "fleet", "--streams", "10"}, "TCP streams from", syscall.SIGINT, true, true, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			if c.heavy {
 				heavy.Alone(t)
 			}
-			stopDemo(t, bin, c.args, c.serving, c.sig, c.group)
+			stopDemo(t, bin, c.args, c.serving, c.sig, c.group, c.twice)
 		})
 	}
 }
@@ -58,8 +63,10 @@ type demoProc struct {
 }
 
 // stopDemo runs weir args, waits until its stdout shows serving, sends sig and
-// checks how the demo ends and what it leaves.
-func stopDemo(t *testing.T, bin string, args []string, serving string, sig syscall.Signal, group bool) {
+// checks how the demo ends and what it leaves. With twice it sends sig again,
+// to the process, until it exits: the second cuts the cleanup short, and the
+// test removes what the demo leaves.
+func stopDemo(t *testing.T, bin string, args []string, serving string, sig syscall.Signal, group, twice bool) {
 	// Files, read while it runs.
 	dir := t.TempDir()
 	stdout, stderr := newOutput(t, filepath.Join(dir, "stdout")), newOutput(t, filepath.Join(dir, "stderr"))
@@ -112,6 +119,11 @@ func stopDemo(t *testing.T, bin string, args []string, serving string, sig sysca
 	if err := syscall.Kill(target, sig); err != nil {
 		t.Fatal(err)
 	}
+	if twice {
+		cutShort(t, cmd.Process.Pid, sig, exited, stderr, topology, procs)
+		done = true
+		return
+	}
 	select {
 	case err := <-exited:
 		done = true
@@ -139,6 +151,50 @@ func stopDemo(t *testing.T, bin string, args []string, serving string, sig sysca
 		}
 		if _, err := os.Stat(p.dir); p.dir != "" && err == nil {
 			t.Errorf("%s left", p.dir)
+		}
+	}
+}
+
+// cutShort sends sig to the demo pid every few milliseconds until it exits
+// (signals sent at once may merge into one), then checks that it exited at
+// once, status 130, with one line on stderr, and removes what it left: the
+// namespaces of topology and the processes of procs.
+func cutShort(t *testing.T, pid int, sig syscall.Signal, exited <-chan error, stderr output, topology string, procs []demoProc) {
+	t.Cleanup(func() {
+		for _, p := range procs {
+			if st, err := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/stat"); err == nil && startTime(st) == p.started {
+				syscall.Kill(p.pid, syscall.SIGKILL)
+			}
+			if p.dir != "" {
+				os.RemoveAll(p.dir)
+			}
+		}
+		left, _ := netns.List(topology + "-")
+		for _, ns := range left {
+			if err := netns.RemoveMounted(ns); err != nil {
+				t.Errorf("remove %s: %v", ns, err)
+			}
+		}
+	})
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	deadline := time.After(time.Minute)
+	for {
+		select {
+		case err := <-exited:
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) || ee.ExitCode() != 130 {
+				t.Errorf("weir demo after a second %s: %v; want exit status 130", sig, err)
+			}
+			e := strings.TrimSpace(stderr.String())
+			if strings.Contains(e, "\n") || !strings.Contains(e, "cleanup cut short") || !strings.Contains(e, "wdm*") {
+				t.Errorf("stderr: got %q; want one line saying the cleanup was cut short and what may be left", e)
+			}
+			return
+		case <-tick.C:
+			syscall.Kill(pid, sig)
+		case <-deadline:
+			t.Fatalf("weir demo still runs a minute after a second %s", sig)
 		}
 	}
 }
