@@ -498,7 +498,9 @@ func TestFramesRefusedAfterBody(t *testing.T) {
 func TestFramesBackendConnIdle(t *testing.T) {
 	// Restored after the service has stopped (cleanups run last-first).
 	t.Cleanup(func(d time.Duration) func() { return func() { upIdleTimeout = d } }(upIdleTimeout))
-	upIdleTimeout = 300 * time.Millisecond
+	// Wide margins both ways: on a loaded machine a request 100 ms after
+	// another can start several hundred ms later.
+	upIdleTimeout = 1500 * time.Millisecond
 	be, conns := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
 	s := serveOn(t, Config{Algorithm: "round_robin"}, []Backend{be})
 	client := h2cClient()
@@ -512,7 +514,7 @@ func TestFramesBackendConnIdle(t *testing.T) {
 	if n := conns.Load(); n != 1 {
 		t.Fatalf("%d backend connections for requests 100 ms apart; want 1", n)
 	}
-	time.Sleep(700 * time.Millisecond)
+	time.Sleep(3 * upIdleTimeout)
 	get(t, client, url)
 	if n := conns.Load(); n != 2 {
 		t.Errorf("%d backend connections after an idle spell past the timeout; want a second one", n)
