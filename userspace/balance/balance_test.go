@@ -474,7 +474,17 @@ func TestEWMAFailure(t *testing.T) {
 	c := &clock{}
 	b := mustNewClock(t, EWMA, abc(1, 1), 7, c)
 	got := map[string]int{}
-	for range 200 {
+	pickBFailing(t, b, c, 200, got)
+	if got["B"] > 5 {
+		t.Errorf("B fails every connect: got %d of 200 picks; want <= 5", got["B"])
+	}
+}
+
+// pickBFailing picks n times, one at a time, counting the picks in got: B's
+// connects fail in 10 µs, the others answer in 1 ms.
+func pickBFailing(t *testing.T, b Balancer, c *clock, n int, got map[string]int) {
+	t.Helper()
+	for range n {
 		l, err := b.Pick(0, nil)
 		if err != nil {
 			t.Fatal(err)
@@ -487,8 +497,42 @@ func TestEWMAFailure(t *testing.T) {
 			l.Release(Result{Latency: time.Millisecond})
 		}
 	}
-	if got["B"] > 5 {
-		t.Errorf("B fails every connect: got %d of 200 picks; want <= 5", got["B"])
+}
+
+// TestFailureBeforeAnySample: a backend that fails its connects before any backend
+// has answered still pays the failure penalty, so it gets a small share, not the one
+// a fast answer would earn; the first answers come only after B's failures.
+func TestFailureBeforeAnySample(t *testing.T) {
+	for _, alg := range []string{EWMA, LeastTime} {
+		for seed := uint64(1); seed <= 8; seed++ {
+			c := &clock{}
+			b := mustNewClock(t, alg, abc(1, 1), seed, c)
+			// Held: the first connections are all in flight before any answers, so
+			// B's quick failures come before A's first sample.
+			var held []Lease
+			got := map[string]int{}
+			for range 4 {
+				l, err := b.Pick(0, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				got[l.Backend()]++
+				if l.Backend() == "B" {
+					c.advance(10 * time.Microsecond)
+					l.Release(Result{Failed: true, Latency: 10 * time.Microsecond})
+				} else {
+					held = append(held, l)
+				}
+			}
+			c.advance(time.Millisecond)
+			for _, l := range held {
+				l.Release(Result{Latency: time.Millisecond})
+			}
+			pickBFailing(t, b, c, 200, got)
+			if got["B"] > 10 {
+				t.Errorf("%s, seed %d: B fails every connect from the first: got %d of 204 picks (%v); want <= 10", alg, seed, got["B"], got)
+			}
+		}
 	}
 }
 

@@ -23,6 +23,11 @@ const averageStep = 100 * time.Millisecond
 // look fast (the black-hole effect of least-loaded algorithms).
 const failPenaltyFactor = 5
 
+// initialEstimate stands in for the balancer-wide average in a failure's penalty
+// while no backend has answered yet (Linkerd's default RTT for a new endpoint), so a
+// backend that fails its connects before the first answer isn't recorded as fast.
+const initialEstimate = 30 * time.Millisecond
+
 // ewmaShared is the balancer-wide latency average, the neutral estimate an idle
 // backend's estimate decays toward.
 type ewmaShared struct {
@@ -144,7 +149,11 @@ func (s *ewmaState) look(now int64, neutral float64) (est float64, seen bool, id
 func (s *ewmaState) observe(r Result) {
 	sample := float64(r.Latency)
 	if r.Failed {
-		sample = max(sample, failPenaltyFactor*s.shared.neutral())
+		base := s.shared.neutral()
+		if base <= 0 {
+			base = float64(initialEstimate)
+		}
+		sample = max(sample, failPenaltyFactor*base)
 	}
 	if sample <= 0 {
 		return // latency unknown: only the in-flight count changes
