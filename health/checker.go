@@ -195,6 +195,11 @@ func (c *Checker) SetService(name string, cfg Config) error {
 		return nil
 	}
 	for b := range s.members {
+		if old.Check.Source != cfg.Check.Source {
+			// Checks go from the new source from the next on; one in
+			// flight does not keep its connection (complete).
+			c.closeKeptOf(b)
+		}
 		if old.Check.Kind != cfg.Check.Kind {
 			c.retarget(b)
 			switch {
@@ -803,7 +808,8 @@ func (c *Checker) complete(ctx context.Context, b *backend, p *checkRun, keep *k
 		c.record(b, res, end)
 	}
 	switch {
-	case keep != nil && !stale && b.keep == nil && b.svc.cfg.Check.Kind == HTTP && (b.slot || c.kept < c.maxKept):
+	case keep != nil && !stale && b.keep == nil && b.svc.cfg.Check.Kind == HTTP && keep.source == b.svc.cfg.Check.Source &&
+		(b.slot || c.kept < c.maxKept):
 		b.keep = keep
 		if !b.slot {
 			b.slot = true

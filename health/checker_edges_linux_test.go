@@ -735,3 +735,61 @@ func TestHTTPInterimPastLimitNotKept(t *testing.T) {
 		})
 	}
 }
+
+// TestSourceChangeClosesKeptConn: changing a service's check.source closes its
+// backends' kept-alive HTTP check connections, so the next checks come from the
+// new source rather than on the connection opened from the old one.
+func TestSourceChangeClosesKeptConn(t *testing.T) {
+	var mu sync.Mutex
+	from := map[string]int{} // requests by the client's address
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ap, err := netip.ParseAddrPort(r.RemoteAddr)
+		if err == nil {
+			mu.Lock()
+			from[ap.Addr().String()]++
+			mu.Unlock()
+		}
+		fmt.Fprint(w, "ok")
+	}))
+	t.Cleanup(srv.Close)
+	u, _ := url.Parse(srv.URL)
+	count := func(addr string) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return from[addr]
+	}
+	cfg := func(src string) Config {
+		return Config{Check: Check{Kind: HTTP, Interval: 20 * time.Millisecond, Timeout: time.Second,
+			Source: netip.MustParseAddr(src)}}
+	}
+	c := &Checker{}
+	if err := c.SetService("web", cfg("127.0.0.1")); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(Backend{ID: "b", Addr: u.Host, Service: "web"}); err != nil {
+		t.Fatal(err)
+	}
+	run(t, c)
+	waitfor.Value(t, 5*time.Second, "3 checks from 127.0.0.1", func() (any, bool) {
+		n := count("127.0.0.1")
+		return n, n >= 3
+	})
+	if err := c.SetService("web", cfg("127.0.0.2")); err != nil {
+		t.Fatal(err)
+	}
+	waitfor.Value(t, 5*time.Second, "a check from 127.0.0.2", func() (any, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		return fmt.Sprint(from), from["127.0.0.2"] >= 1
+	})
+	// One check in flight at a time: once one came from the new source, none
+	// comes from the old.
+	old := count("127.0.0.1")
+	waitfor.Value(t, 5*time.Second, "3 more checks from 127.0.0.2", func() (any, bool) {
+		n := count("127.0.0.2")
+		return n, n >= 4
+	})
+	if n := count("127.0.0.1"); n != old {
+		t.Errorf("checks from 127.0.0.1 after the first from 127.0.0.2: got %d; want 0", n-old)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"strings"
 	"time"
@@ -39,13 +40,14 @@ type checkRun struct {
 
 // keptConn is an HTTP check connection kept open between checks.
 type keptConn struct {
-	conn net.Conn
-	lim  headerLimit
-	r    *bufio.Reader // reads through lim
+	conn   net.Conn
+	source netip.Addr // the Check.Source it was dialled from
+	lim    headerLimit
+	r      *bufio.Reader // reads through lim
 }
 
-func newKeptConn(conn net.Conn) *keptConn {
-	k := &keptConn{conn: conn, lim: headerLimit{conn: conn, n: math.MaxInt64}}
+func newKeptConn(conn net.Conn, source netip.Addr) *keptConn {
+	k := &keptConn{conn: conn, source: source, lim: headerLimit{conn: conn, n: math.MaxInt64}}
 	k.r = bufio.NewReaderSize(&k.lim, 4096)
 	return k
 }
@@ -134,7 +136,7 @@ func (p *probe) runHTTP(ctx context.Context) error {
 	if err != nil {
 		return p.fail(ctx, "connect", err)
 	}
-	k := newKeptConn(conn)
+	k := newKeptConn(conn, p.cfg.Source)
 	reuse, err := p.http(ctx, k)
 	if reuse {
 		p.keep = k
