@@ -202,7 +202,7 @@ func (l *loop) connect(c *conn) {
 		m := b.maxConns.Load()
 		return m > 0 && b.active.Load() >= m
 	}
-	key := sourceKey(c.src.Addr())
+	key := flowKey(c.src, s.hashPort.Load())
 	for c.attempt <= s.cfg.Retries {
 		lease, err := s.bal.Pick(key, skip)
 		if err != nil {
@@ -914,14 +914,22 @@ func (c *conn) sample() time.Duration {
 	return c.lat
 }
 
-// sourceKey is the balancer's hash key for a client: FNV-1a of its address, so every
-// balancer node computes the same key for the same client.
-func sourceKey(a netip.Addr) uint64 {
-	b := a.Unmap().As16()
+// flowKey is the balancer's hash key for a client's connection: FNV-1a of its
+// address and, with port, its port (big-endian), so every balancer node computes
+// the same key for the same client or flow.
+func flowKey(src netip.AddrPort, port bool) uint64 {
+	b := src.Addr().Unmap().As16()
 	h := uint64(14695981039346656037)
-	for _, x := range b {
+	mix := func(x byte) {
 		h ^= uint64(x)
 		h *= 1099511628211
+	}
+	for _, x := range b {
+		mix(x)
+	}
+	if port {
+		mix(byte(src.Port() >> 8))
+		mix(byte(src.Port()))
 	}
 	return h
 }

@@ -111,6 +111,11 @@ type Config struct {
 	Backends  []Backend      //
 	Algorithm string         // one of balance.Algorithms(); default least_conn
 	Seed      uint64         // hashing seed for source_hash and maglev, the same on every node
+	// HashPort keys source_hash, maglev and maglev_p2c by the client's address and
+	// port (the 5-tuple: the rest is the service's own), so a client's connections
+	// spread as XDP's `hash: 5tuple` spreads them; false keys them by the client's
+	// address alone (affinity). SetHashPort changes it for new connections.
+	HashPort bool
 
 	ConnectTimeout time.Duration // per dial attempt; default 3s
 	IdleTimeout    time.Duration // no byte either way for this long closes; 0 = no idle timeout
@@ -168,6 +173,8 @@ type Service struct {
 	wg      sync.WaitGroup // connections being handled
 	serving atomic.Bool
 	closed  atomic.Bool
+
+	hashPort atomic.Bool // see Config.HashPort
 
 	stats   serviceCounters
 	lastLog atomic.Int64 // monotonic ns of the last "cannot serve" log line
@@ -269,6 +276,7 @@ func newService(cfg Config) (*Service, error) {
 		cfg: cfg,
 		log: cfg.Logger.With("service", cfg.Name),
 	}
+	s.hashPort.Store(cfg.HashPort)
 	if cfg.MaxConns > 0 {
 		s.sem = make(chan struct{}, cfg.MaxConns)
 	}
@@ -591,6 +599,10 @@ func (s *Service) SetBackends(bs []Backend) error {
 	s.publish()
 	return nil
 }
+
+// SetHashPort sets whether new connections hash by the client's port too (see
+// Config.HashPort); connections already established keep their backends.
+func (s *Service) SetHashPort(on bool) { s.hashPort.Store(on) }
 
 // SetDraining sets a backend draining (no new connections; existing ones closed after
 // DrainTimeout) or back to normal.

@@ -138,8 +138,10 @@ func (p *Plane) redirector() proxy.Redirector {
 	return p.sockmap
 }
 
-// push sets the proxy's backends to the desired ones.
+// push sets the proxy's backends to the desired ones, and its hash key (which a
+// reload changes in place).
 func push(px *proxy.Service, s *plan.Service) error {
+	px.SetHashPort(s.Config.Hash == config.HashFiveTuple)
 	bs := make([]proxy.Backend, 0, len(s.Backends))
 	for _, b := range s.Backends {
 		bs = append(bs, proxy.Backend{Addr: b.Config.Addr, Weight: max(b.Weight, 1), MaxConns: b.Config.MaxConns,
@@ -163,6 +165,7 @@ func proxyConfig(s *config.Service, obs proxy.Observer, log *slog.Logger) proxy.
 		Name:               s.Name,
 		Listen:             px.Listen,
 		Algorithm:          string(s.Algorithm),
+		HashPort:           s.Hash == config.HashFiveTuple,
 		ConnectTimeout:     px.ConnectTimeout,
 		IdleTimeout:        px.IdleTimeout,
 		Retries:            px.Retries,

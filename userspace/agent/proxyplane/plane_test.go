@@ -5,6 +5,8 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -138,4 +140,58 @@ func mustGet(t *testing.T, p *Plane, name string) *proxy.Service {
 		t.Fatalf("service %q is not served", name)
 	}
 	return px
+}
+
+// TestHashKey: a maglev service's hash key holds on the proxy as in XDP: with
+// hash: 5tuple one client's connections (one address, many ports) spread over the
+// backends; with hash: source, which a reload sets in place, they all go to one.
+func TestHashKey(t *testing.T) {
+	var backends []plan.Backend
+	for _, name := range []string{"a", "b", "c"} {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { io.WriteString(w, name) }))
+		t.Cleanup(srv.Close)
+		be := srv.Listener.Addr().(*net.TCPAddr).AddrPort()
+		backends = append(backends, plan.Backend{ID: plan.ID("web", be), Config: config.Backend{Addr: be}, Usable: true, Weight: 1})
+	}
+	p := New(&health.Checker{}, slog.New(slog.NewTextHandler(testWriter{t}, nil)))
+	t.Cleanup(p.Close)
+	service := func(h config.HashKey) *plan.Service {
+		return &plan.Service{
+			Config: config.Service{Name: "web", Algorithm: config.AlgorithmMaglev, Hash: h,
+				Proxy: config.Proxy{Listen: netip.MustParseAddrPort("127.0.0.1:0"), ConnectTimeout: time.Second}},
+			Backends: backends,
+		}
+	}
+	// answered returns the backends that 30 connections from 127.0.0.1 reached.
+	answered := func() map[string]int {
+		got := map[string]int{}
+		client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
+		for range 30 {
+			resp, err := client.Get("http://" + mustGet(t, p, "web").Addr().String() + "/")
+			if err != nil {
+				t.Fatal(err)
+			}
+			name, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err != nil {
+				t.Fatalf("read the backend's name: %v", err)
+			}
+			got[string(name)]++
+		}
+		return got
+	}
+	prev := service(config.HashFiveTuple)
+	if err := p.Add(prev); err != nil {
+		t.Fatalf("add: %v", err)
+	}
+	if got := answered(); len(got) < 2 {
+		t.Errorf("hash: 5tuple: 30 connections from one address reached %v; want at least 2 backends", got)
+	}
+	next := service(config.HashSource)
+	if err := p.Update(prev, next); err != nil {
+		t.Fatalf("update: %v", err)
+	}
+	if got := answered(); len(got) != 1 {
+		t.Errorf("hash: source: 30 connections from one address reached %v; want 1 backend", got)
+	}
 }
