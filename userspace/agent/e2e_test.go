@@ -590,8 +590,7 @@ func TestAgentProxyFallback(t *testing.T) {
 	cfgPath, socket := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "weir.sock")
 	writeConfig(t, cfgPath, tp, socket, func(s string) string {
 		s, _, _ = strings.Cut(s, "  - name: web6") // the proxy serves tcp only: no udp service
-		// A proxy-only algorithm (maglev on the proxy hashes the client's address, so
-		// one client would see one backend).
+		// round_robin, so one client's connections take the backends in turn.
 		return strings.Replace(s, "algorithm: maglev\n    hash: 5tuple\n", "algorithm: round_robin\n", 1)
 	})
 	p := startAgent(t, tp, cfgPath, socket, true)
