@@ -679,5 +679,3 @@ func PreferSecond(loadA int64, weightA uint32, loadB int64, weightB uint32) bool
 	}
 	return uint64(loadA)*uint64(weightB)*8 > uint64(loadB)*uint64(weightA)*9
 }
-
-var SlackK = 3.0
