@@ -273,7 +273,9 @@ func (l *loop) accountKernel(c *conn) {
 // proxy does not see the bytes it forwards. Where the proxy saw earlier bytes itself
 // (before the pairing, or those that found no peer), its own times stand. A backend
 // whose first bytes came before the client's (a banner) is left with what the proxy
-// saw: the kernel keeps no later time.
+// saw: the kernel keeps no later time. A client that sent bytes the backend never
+// answered leaves c asked and unanswered, so the connection reports no sample, as on
+// the copy path: its connect time would give a backend that hangs a fast estimate.
 func (c *conn) kernelFirstBytes(client, server int64) {
 	asked, answered := c.asked, int64(0)
 	if c.ttfb > 0 {
@@ -285,8 +287,11 @@ func (c *conn) kernelFirstBytes(client, server int64) {
 	if k := fromKernelClock(server); k > 0 && (answered == 0 || k < answered) {
 		answered = k
 	}
-	if asked > 0 && answered > asked {
+	switch {
+	case asked > 0 && answered > asked:
 		c.asked, c.ttfb = asked, time.Duration(answered-asked)
+	case asked > 0 && answered == 0:
+		c.asked = asked
 	}
 }
 

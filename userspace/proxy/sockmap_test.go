@@ -5,15 +5,18 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/loader"
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // pathEnv set to "sockmap" runs this package's tests with every proxy forwarding in
@@ -119,5 +122,50 @@ func TestRedirectFallsBack(t *testing.T) {
 			}
 			waitfor.Value(t, 3*time.Second, "0 active connections", active(s, 0))
 		})
+	}
+}
+
+// TestKernelPathUnansweredReportsNoSample: a backend that reads a client's bytes
+// and never answers gives the balancer no latency sample, on the in-kernel path as
+// on the copy path (TestSample). Its connect time would give ewma a fast estimate
+// of a backend that hangs.
+func TestKernelPathUnansweredReportsNoSample(t *testing.T) {
+	sm, err := loader.LoadSockMap()
+	if err != nil {
+		t.Fatalf("load sockmap: %v", err)
+	}
+	t.Cleanup(func() { sm.Close() })
+	var got atomic.Int64
+	mute := func(_ string, c *net.TCPConn) { // reads, never answers
+		buf := make([]byte, 512)
+		for {
+			n, err := c.Read(buf)
+			got.Add(int64(n))
+			if err != nil {
+				return
+			}
+		}
+	}
+	be := startBackend(t, "mute", netip.AddrPort{}, mute)
+	s := startProxy(t, Config{Algorithm: balance.EWMA, Backends: []Backend{{Addr: be.addr()}}, Redirector: sm})
+	paired := redirected.Load()
+	c := dial(t, s)
+	// The request goes once the sockets are paired, so the kernel forwards it.
+	waitfor.Value(t, 5*time.Second, "the connection paired", func() (any, bool) {
+		n := redirected.Load() - paired
+		return n, n > 0
+	})
+	const req = "request\n"
+	if _, err := c.Write([]byte(req)); err != nil {
+		t.Fatal(err)
+	}
+	waitfor.Value(t, 5*time.Second, "the request at the backend", func() (any, bool) {
+		n := got.Load()
+		return n, n == int64(len(req))
+	})
+	c.Close()
+	waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
+	if est, seen := s.bal.Estimate(be.addr().String()); seen {
+		t.Errorf("latency estimate of a backend that never answered: got %v; want none", est)
 	}
 }
