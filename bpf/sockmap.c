@@ -15,6 +15,16 @@ char LICENSE[] SEC("license") = "Dual MIT/GPL";
 #define MAX_SPLICE_SOCKS 65536 // sockets forwarded at once (two per connection)
 #endif
 
+#ifndef SPLICE_SOCK_STATES
+// splice_socks' entries: every socket forwarded holds one, and an LRU map evicts
+// before it is full: each CPU keeps free entries of its own (up to 128, or on newer
+// kernels up to the map's size / CPUs / 2), and one that runs out with the shared
+// list short evicts rather than take another CPU's. So twice the sockets: room for
+// the CPUs' free lists, and for entries of bytes that came after the proxy forgot
+// their socket.
+#define SPLICE_SOCK_STATES (2 * MAX_SPLICE_SOCKS)
+#endif
+
 // splice_peers: key = socket cookie (host byte order) of a socket the proxy forwards
 // from; value = the socket its bytes go out of (its peer in the same connection).
 struct {
@@ -36,10 +46,12 @@ struct splice_sock {
 // the peer was not in splice_peers yet, or no more, so its bytes went to the proxy;
 // then all its later bytes go to the proxy as well, so the proxy, which forwards
 // those itself, never sees a later byte overtake an earlier one. LRU: the proxy
-// deletes its entries when it closes the connection; a leak ages out.
+// deletes its entries when it closes the connection; a leak ages out. An entry
+// evicted while its socket is forwarded loses its first-byte time and, if passed,
+// lets later bytes overtake those the proxy holds: sized by SPLICE_SOCK_STATES.
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, MAX_SPLICE_SOCKS);
+	__uint(max_entries, SPLICE_SOCK_STATES);
 	__type(key, __u64);
 	__type(value, struct splice_sock);
 } splice_socks SEC(".maps");

@@ -27,15 +27,26 @@ type SockMap struct {
 // LoadSockMap loads the program and its maps and attaches the program to the map.
 // On a kernel or host without sockmap support it returns an error; the proxy then
 // forwards in user space.
-func LoadSockMap() (*SockMap, error) {
+func LoadSockMap() (*SockMap, error) { return loadSockMap(nil) }
+
+// loadSockMap is LoadSockMap with the program's spec changed by edit first (tests
+// shrink the maps).
+func loadSockMap(edit func(*ebpf.CollectionSpec)) (*SockMap, error) {
 	m := &SockMap{}
-	if err := bpf.LoadSockmapObjects(&m.objs, nil); err != nil {
+	spec, err := bpf.LoadSockmap()
+	if err != nil {
+		return nil, fmt.Errorf("load sockmap spec: %w", err)
+	}
+	if edit != nil {
+		edit(spec)
+	}
+	if err := spec.LoadAndAssign(&m.objs, nil); err != nil {
 		if errors.Is(err, unix.EPERM) {
 			return nil, fmt.Errorf("load sockmap program: %w (run as root, or grant CAP_BPF and CAP_NET_ADMIN)", err)
 		}
 		return nil, fmt.Errorf("load sockmap program: %w", err)
 	}
-	err := link.RawAttachProgram(link.RawAttachProgramOptions{
+	err = link.RawAttachProgram(link.RawAttachProgramOptions{
 		Target:  m.objs.SplicePeers.FD(),
 		Program: m.objs.SpliceVerdict,
 		Attach:  ebpf.AttachSkSKBStreamVerdict,

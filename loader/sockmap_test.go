@@ -4,9 +4,11 @@ import (
 	"errors"
 	"io"
 	"net"
+	"runtime"
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 )
 
@@ -144,5 +146,101 @@ func TestSockMapRefusesClosingSocket(t *testing.T) {
 	got := make([]byte, 1)
 	if _, err := io.ReadFull(p.c, got); err != nil || string(got) != "x" {
 		t.Fatalf("client socket after a refused pair: got %q, %v; want \"x\"", got, err)
+	}
+}
+
+// TestSockMapKeepsEveryPairsStamps: with as many connections paired as splice_peers
+// holds, each of whose sockets has had bytes, splice_socks still holds every
+// socket's entry: an entry the map evicts loses its socket's first-byte time, and
+// for a socket whose bytes go to the proxy, its mark, so that later bytes would be
+// forwarded past those the proxy still holds. Both maps are shrunk by the same
+// factor, to 128 sockets: few enough that the CPUs' own free lists of splice_socks
+// (up to 128 entries each) weigh as they do on a host of many CPUs at full size.
+func TestSockMapKeepsEveryPairsStamps(t *testing.T) {
+	const shrink = 512
+	var peers uint32
+	m, err := loadSockMap(func(spec *ebpf.CollectionSpec) {
+		for _, name := range []string{"splice_peers", "splice_socks"} {
+			spec.Maps[name].MaxEntries /= shrink
+		}
+		peers = spec.Maps["splice_peers"].MaxEntries
+	})
+	if err != nil {
+		t.Fatalf("load sockmap: %v", err)
+	}
+	t.Cleanup(func() { m.Close() })
+	// Loopback delivers on the sender's CPU, which runs the program: the first
+	// pair's bytes are sent from one CPU (it takes a free list of its own), the
+	// others' from another, the way a busy CPU meets another's list.
+	cpus := onCPU(t)
+	pairs := make([]*socketPair, peers/2)
+	got := make([]byte, 1)
+	for i := range pairs {
+		p := newSocketPair(t)
+		pairs[i] = p
+		if err := m.Pair(p.cfd, p.sfd); err != nil {
+			t.Fatalf("pair %d of %d: %v", i+1, len(pairs), err)
+		}
+		cpus.pin(min(i, 1) % len(cpus.allowed))
+		for _, ends := range [][2]net.Conn{{p.client, p.b}, {p.b, p.client}} {
+			if _, err := ends[0].Write([]byte("x")); err != nil {
+				t.Fatalf("pair %d: write: %v", i+1, err)
+			}
+			if _, err := io.ReadFull(ends[1], got); err != nil {
+				t.Fatalf("pair %d: read: %v", i+1, err)
+			}
+		}
+	}
+	missing := 0
+	for _, p := range pairs {
+		for _, fd := range []int{p.cfd, p.sfd} {
+			if first, err := m.Forget(fd); err != nil {
+				t.Fatalf("forget: %v", err)
+			} else if first == 0 {
+				missing++
+			}
+		}
+	}
+	if missing > 0 {
+		t.Errorf("first-byte times lost with %d sockets paired: got %d missing; want none", 2*len(pairs), missing)
+	}
+}
+
+// cpuPinner runs the calling goroutine on one CPU at a time (pin), on a thread of
+// its own; the test's end restores the thread's CPUs and releases it.
+type cpuPinner struct {
+	t       *testing.T
+	allowed []int
+}
+
+func onCPU(t *testing.T) *cpuPinner {
+	t.Helper()
+	runtime.LockOSThread()
+	var set unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &set); err != nil {
+		runtime.UnlockOSThread()
+		t.Fatalf("sched_getaffinity: %v", err)
+	}
+	p := &cpuPinner{t: t}
+	for cpu := range 1024 {
+		if set.IsSet(cpu) {
+			p.allowed = append(p.allowed, cpu)
+		}
+	}
+	t.Cleanup(func() {
+		unix.SchedSetaffinity(0, &set)
+		runtime.UnlockOSThread()
+	})
+	return p
+}
+
+// pin moves the calling thread to the i-th allowed CPU (a host with one has only
+// the first).
+func (p *cpuPinner) pin(i int) {
+	p.t.Helper()
+	var one unix.CPUSet
+	one.Set(p.allowed[i])
+	if err := unix.SchedSetaffinity(0, &one); err != nil {
+		p.t.Fatalf("sched_setaffinity: %v", err)
 	}
 }
