@@ -215,7 +215,7 @@ func (a *Agent) serviceImpact(p, n *plan.Service, changed bool) api.ServicePlan 
 		}
 		sp.NewDataPlane = plan.NewDataPlane(p, n, a.rebuilt(p.Plane))
 		sp.Moved = plan.ShareChange(p, n)
-		if p.Plane != n.Plane || hashes(p) != hashes(n) {
+		if p.Plane != n.Plane || hashes(p) != hashes(n) || rehashed(p, n) {
 			sp.Moved = plan.IndependentChange(p, n)
 		}
 	}
@@ -225,12 +225,25 @@ func (a *Agent) serviceImpact(p, n *plan.Service, changed bool) api.ServicePlan 
 	}
 	if prevT, nextT, ok := a.tables(p, n); ok {
 		tc := plan.CompareTables(prevT, nextT)
-		sp.Table, sp.Moved = tablePlan(tc), tc.Share
+		sp.Table = tablePlan(tc)
+		if rehashed(p, n) {
+			// Slot for slot the tables say nothing: a flow's slot changes with its
+			// key, and today's flows' hashes are under the old one.
+			return sp
+		}
+		sp.Moved = tc.Share
 		if share, ok := plan.TrafficShare(prevT, nextT, flows.Hashes); ok {
 			sp.TrafficMoved = &share
 		}
 	}
 	return sp
+}
+
+// rehashed reports whether a service that hashes on both sides changes its hash
+// key (hash: 5tuple or source): a new flow then lands in a slot independent of the
+// one it had, so new flows move as independent picks would, table or no table.
+func rehashed(p, n *plan.Service) bool {
+	return hashes(p) && hashes(n) && p.Config.Hash != n.Config.Hash
 }
 
 // tables are the lookup table p runs with now and the one n would get, when both run

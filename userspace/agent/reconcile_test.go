@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"maps"
+	"math"
 	"net"
 	"net/http"
 	"net/netip"
@@ -323,5 +324,44 @@ func TestMaxMoveOutOfRange(t *testing.T) {
 	}
 	if err := a.ReloadWithin(ctx, 0); err != nil {
 		t.Errorf("reload of the same config with max_move 0: %v; want it applied", err)
+	}
+}
+
+// TestPlanHashKeyChange: a proxy maglev service whose hash key changes (5tuple to
+// source) keeps its backends, yet every new connection is hashed anew: weir plan
+// says about half of two backends' new flows move, as two independent picks
+// would, and a reload with a smaller budget is refused. A plan that keeps the key
+// moves nothing.
+func TestPlanHashKeyChange(t *testing.T) {
+	b1, b2, vip := echoBackend(t), echoBackend(t), freePort(t)
+	dir := t.TempDir()
+	path := filepath.Join(dir, "weir.yaml")
+	cfg := func(hash string) []byte {
+		return []byte(fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n"+
+			"- name: a\n  vip: %s\n  data_plane: proxy\n  algorithm: maglev\n  hash: %s\n  health: {type: none}\n"+
+			"  backends:\n  - {address: %s}\n  - {address: %s}\n", filepath.Join(dir, "weir.sock"), vip, hash, b1, b2))
+	}
+	if err := os.WriteFile(path, cfg("5tuple"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a := runAgent(t, path)
+	ctx := context.Background()
+	for _, tc := range []struct {
+		hash string
+		want float64
+	}{{"5tuple", 0}, {"source", 0.5}} {
+		pl, err := a.Plan(ctx, cfg(tc.hash), "next.yaml", nil)
+		if err != nil {
+			t.Fatalf("plan with hash %s: %v", tc.hash, err)
+		}
+		if got := pl.Services[0].Moved; math.Abs(got-tc.want) > 1e-9 {
+			t.Errorf("plan with hash %s: moved %.3f; want %.3f", tc.hash, got, tc.want)
+		}
+	}
+	if err := os.WriteFile(path, cfg("source"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.ReloadWithin(ctx, 10); err == nil {
+		t.Error("reload to hash source within 10%: got no error; want it refused over budget")
 	}
 }
