@@ -240,10 +240,11 @@ func (a *Agent) serviceImpact(p, n *plan.Service, changed bool) api.ServicePlan 
 }
 
 // rehashed reports whether a service that hashes on both sides changes its hash
-// key (hash: 5tuple or source): a new flow then lands in a slot independent of the
-// one it had, so new flows move as independent picks would, table or no table.
+// key (hash: 5tuple or source; http.hash_by): a new flow or request then lands in
+// a slot independent of the one it had, so new flows move as independent picks
+// would, table or no table.
 func rehashed(p, n *plan.Service) bool {
-	return hashes(p) && hashes(n) && p.Config.Hash != n.Config.Hash
+	return hashes(p) && hashes(n) && (p.Config.Hash != n.Config.Hash || p.Config.HTTP.HashBy != n.Config.HTTP.HashBy)
 }
 
 // tables are the lookup table p runs with now and the one n would get, when both run

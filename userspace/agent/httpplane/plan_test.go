@@ -363,3 +363,28 @@ func isTimeout(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ne) && ne.Timeout()
 }
+
+// TestPlanHashByChange: an http maglev service that keeps its three backends but
+// hashes by a cookie instead of a header sends each new request to a backend
+// independent of the one it had: weir plan says two thirds of new requests move,
+// and a reload with a smaller budget is refused.
+func TestPlanHashByChange(t *testing.T) {
+	bs := httpbackend.StartN(t, 3)
+	port := freePort(t)
+	svc := func(hashBy string) string {
+		return fmt.Sprintf("  - {name: web, vip: 127.0.0.1:%d, data_plane: http, algorithm: maglev, http: {hash_by: %q}, health: {type: none}, backends: %s}\n",
+			port, hashBy, backendList(bs))
+	}
+	r := startAgent(t, svc("header:X-Key"))
+	if sp := httpPlan(t, r.a, nil); sp.Moved != 0 {
+		t.Errorf("plan of the running config: moved %.3f; want 0", sp.Moved)
+	}
+	r.writeConfig(t, svc("cookie:k"))
+	if sp := httpPlan(t, r.a, nil); math.Abs(sp.Moved-2.0/3) > 1e-9 {
+		t.Errorf("plan with hash_by cookie:k: moved %.3f; want 0.667", sp.Moved)
+	}
+	budget := 10.0
+	if err := r.a.ReloadWithin(context.Background(), budget); err == nil {
+		t.Errorf("reload to hash_by cookie:k within %g%%: got no error; want it refused over budget", budget)
+	}
+}
