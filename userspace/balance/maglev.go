@@ -21,14 +21,31 @@ var (
 	ErrSizeTooSmall = errors.New("maglev table smaller than the number of usable backends")
 )
 
-// MaglevSize returns 65537, or when n > 655 the next prime >= 100*n (Maglev's <=1% imbalance rule).
+// maglevLadder is the table sizes MaglevSize picks from, smallest first: 65537,
+// then for k = 1..5 the smallest prime >= 65537 × 2^k, roughly doubling, and last
+// 4194301, the largest prime below 2^22 and the largest table_size (config's
+// MaxTableSize), where the doubling would pass it. The step that holds 100 × n
+// serves every count up to it, so adding or removing one backend changes the size
+// only where a step ends (656, 1312, 2622, 5244, 10487, 20973 and 41944
+// backends), not at every count past 655. 2097211 holds 100 entries for each of
+// the XDP program's 16,384 backend slots. TestMaglevLadder checks each step.
+var maglevLadder = [...]uint32{DefaultMaglevSize, 131101, 262151, 524309, 1048601, 2097211, 4194301}
+
+// MaglevSize returns the smallest step of a ladder of primes that roughly doubles
+// (65537, 131101, 262151, 524309, 1048601, 2097211, 4194301) holding at least 100
+// entries a backend (Maglev's <= 1% imbalance rule): 65537 up to 655 backends,
+// 131101 up to 1311, and so on. Past the last step (more than 41,943 backends, which
+// only the proxy may serve in one service) it is the next prime >= 100*n.
 //
-// Memory: 4 bytes an entry, so 256 KiB per table up to 655 backends, then about 400 bytes
-// per backend: 1,000 backends take 100,003 entries (391 KiB), 10,000 take 1,000,003
-// (3.8 MiB). The XDP loader keeps two generations per service (double buffer), so twice that.
+// Memory: 4 bytes an entry, so 256 KiB per table up to 655 backends, then 512 KiB
+// up to 1,311, 1 MiB up to 2,621, 2 MiB up to 5,243, 4 MiB up to 10,486 and 8 MiB up
+// to 20,972: at most about twice 100 entries a backend. The XDP loader keeps two
+// generations per service (double buffer), so twice that.
 func MaglevSize(n int) uint32 {
-	if n <= 655 {
-		return DefaultMaglevSize
+	for _, size := range maglevLadder {
+		if uint64(size) >= 100*uint64(max(n, 0)) {
+			return size
+		}
 	}
 	return nextPrime(uint32(100 * n))
 }

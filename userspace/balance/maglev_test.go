@@ -39,18 +39,76 @@ func TestMaglevSize(t *testing.T) {
 		n    int
 		want uint32
 	}{
+		{0, 65537},
 		{1, 65537},
 		{655, 65537},
-		{656, 65609}, // next prime >= 65600
-		{1000, 100003},
-		{10000, 1000003},
+		{656, 131101},
+		{1000, 131101},
+		{1311, 131101},
+		{1312, 262151},
+		{10000, 1048601},
+		{16384, 2097211}, // the XDP program's backend slots, all in one service
+		{41943, 4194301},
+		{41944, 4194403}, // past the ladder: the next prime >= 100 n
 	}
 	for _, tt := range tests {
 		if got := MaglevSize(tt.n); got != tt.want {
 			t.Errorf("MaglevSize(%d) = %d; want %d", tt.n, got, tt.want)
 		}
-		if got := MaglevSize(tt.n); !isPrime(got) || uint64(got) < min(65537, uint64(100*tt.n)) {
+		if got := MaglevSize(tt.n); !isPrime(got) || uint64(got) < uint64(100*tt.n) {
 			t.Errorf("MaglevSize(%d) = %d; want a prime >= %d", tt.n, got, 100*tt.n)
+		}
+	}
+}
+
+// TestMaglevLadder: each step of the ladder is the smallest prime >= 65537 × 2^k,
+// and the last is the largest prime below 2^22 (the largest table_size), where
+// 65537 × 2^6 would pass it.
+func TestMaglevLadder(t *testing.T) {
+	last := len(maglevLadder) - 1
+	for k, size := range maglevLadder[:last] {
+		if want := nextPrime(DefaultMaglevSize << k); size != want {
+			t.Errorf("step %d: got %d; want %d, the smallest prime >= 65537 × 2^%d", k, size, want, k)
+		}
+	}
+	if top := maglevLadder[last]; !isPrime(top) || nextPrime(top+1) < 1<<22 || uint64(DefaultMaglevSize)<<last <= uint64(top) {
+		t.Errorf("last step: got %d; want the largest prime below 2^22, below 65537 × 2^%d", top, last)
+	}
+}
+
+// TestMaglevAddOneBackend: past 655 backends, adding one backend to a service
+// keeps the table's size (between two steps of the ladder), so a new flow moves
+// with about the new backend's share, 1/N, times the fill's excess at that M/N
+// (about 6 here, docs/algorithms.md), not nearly every flow as a new size would
+// move them (a flow's slot is its hash modulo the size).
+func TestMaglevAddOneBackend(t *testing.T) {
+	for _, n := range []int{700, 1000, 1300} {
+		bs := backendsN(n+1, one)
+		before, err := BuildMaglev(bs[:n], MaglevSize(n), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		after, err := BuildMaglev(bs, MaglevSize(n+1), 0) // the same indexes, one more backend
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(after) != len(before) {
+			t.Errorf("N=%d: table size %d, %d with one more backend; want the same", n, len(before), len(after))
+		}
+		const flows = 200_000
+		rng := rand.New(rand.NewPCG(uint64(n), 1))
+		moved := 0
+		for range flows {
+			h := rng.Uint64()
+			if before[h%uint64(len(before))] != after[h%uint64(len(after))] {
+				moved++
+			}
+		}
+		d := float64(moved) / flows * float64(n+1)
+		t.Logf("N=%d M=%d: adding one backend moved %.2f %% of new flows, %.2f × 1/N", n, len(after), 100*float64(moved)/flows, d)
+		if d < 1 || d > 10 {
+			t.Errorf("N=%d: adding one backend moved %.2f %% of new flows, %.2f × its share; want 1..10 × (%.2f..%.2f %%)",
+				n, 100*float64(moved)/flows, d, 100/float64(n+1), 1000/float64(n+1))
 		}
 	}
 }
@@ -401,7 +459,8 @@ func TestMaglevDisruption(t *testing.T) {
 	}
 	if !testing.Short() {
 		// The fill's disruption grows with N at a fixed M/N: 10,000 backends at
-		// MaglevSize (M = 100 N) move about 9.3 times their share when one is removed;
+		// MaglevSize (M = 1048601, 105 N) move about 9.1 times their share when one
+		// is removed;
 		// going down still moves its own slots only.
 		m := MaglevSize(10000)
 		for _, how := range []leave{goDown, removeFromConfig} {
@@ -603,8 +662,8 @@ func TestMaglevSpillBalance(t *testing.T) {
 		{3, 1, DefaultMaglevSize, 0.01},
 		{100, 1, DefaultMaglevSize, 0.01},
 		{100, 10, DefaultMaglevSize, 0.03},
-		{1000, 1, MaglevSize(1000), 0.03},   // 100 slots a backend: 1 % is one slot
-		{1000, 100, MaglevSize(1000), 0.08}, // 111 slots a backend, 9 slots of slack
+		{1000, 1, MaglevSize(1000), 0.03},   // 131 slots a backend: 1 % is one slot
+		{1000, 100, MaglevSize(1000), 0.08}, // 146 slots a backend, 9 slots of slack
 	} {
 		bs := backendsN(tc.n, one)
 		for i := range tc.down {
@@ -698,8 +757,8 @@ func BenchmarkMaglevDisruption(b *testing.B) {
 		m uint32
 	}{
 		{100, 32771}, {100, 65537}, {200, 65537}, {300, 65537}, {500, 65537},
-		{1000, 100003}, {1000, 262147}, {1000, 524287}, {1000, 1000003}, {1000, 2000003}, {1000, 4000037},
-		{10000, 1000003},
+		{1000, 100003}, {1000, 131101}, {1000, 262147}, {1000, 524287}, {1000, 1000003}, {1000, 2000003}, {1000, 4000037},
+		{10000, 1000003}, {10000, 1048601},
 	} {
 		b.Run(fmt.Sprintf("n=%d/m=%d", c.n, c.m), func(b *testing.B) {
 			var mean float64

@@ -171,23 +171,42 @@ const MaxTableSize = 4194301
 // memory at 4 bytes an entry, and as much again for the previous generation
 // the fallback keeps. Without it 1,024 services at the largest table_size
 // would take 16 GiB (32 GiB with their previous tables). Every file that leaves
-// table_size out fits: 1,024 maglev_p2c services at the default size take
-// about half of it.
+// table_size out fits: the most its default sizes reach, 1,024 maglev_p2c
+// services over 16,384 backends with some at the end of a step (DefaultTableSize),
+// take about 140 million entries, about half of it.
 const MaxTableEntries = 1 << 28
 
 // DefaultTableSize is the Maglev table size a service of n backends gets when
 // it names none, as the XDP program picks it (userspace/balance.MaglevSize; the
-// agent's tests check that the two agree): 65537, or above 655 backends the
-// first prime from 100 entries a backend (at most 1% imbalance).
+// agent's tests check that the two agree): the smallest step of tableLadder
+// with 100 entries a backend (at most 1% imbalance), past its last step the
+// first prime from 100 entries a backend.
 func DefaultTableSize(n int) uint32 {
-	if n <= 655 {
-		return 65537
+	for _, size := range tableLadder {
+		if uint64(size) >= 100*uint64(max(n, 0)) {
+			return size
+		}
 	}
-	size := uint32(100 * n)
-	for !isPrime(size) {
-		size++
+	return nextPrime(uint32(100 * n))
+}
+
+// tableLadder is the default table sizes: the first prime from 65537 × 2^k for
+// each k while that stays below MaxTableSize, then MaxTableSize. Sizes that
+// roughly double mean one backend added or removed changes a table's size only
+// at the end of a step, not at every count past 655 backends.
+var tableLadder = func() []uint32 {
+	var sizes []uint32
+	for base := uint32(65537); nextPrime(base) < MaxTableSize; base *= 2 {
+		sizes = append(sizes, nextPrime(base))
 	}
-	return size
+	return append(sizes, MaxTableSize)
+}()
+
+func nextPrime(n uint32) uint32 {
+	for !isPrime(n) {
+		n++
+	}
+	return n
 }
 
 // MinFlowTableSize and MaxFlowTableSize bound xdp.conntrack_size and

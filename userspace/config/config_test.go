@@ -684,6 +684,23 @@ func TestXDPCapacity(t *testing.T) {
 				fmt.Fprintf(b, "- {name: s%d, vip: 10.%d.%d.1:80, algorithm: maglev_p2c, backends: [{address: 10.0.0.1:80}]}\n", i, 100+i/256, i%256)
 			}
 		}, ""},
+		{"default tables of the most backends", func(b *strings.Builder) {
+			// One service at the end of each step of default sizes up to 16,384
+			// backends in all, the most entries default sizes reach: about half
+			// the bound.
+			b.WriteString(head)
+			sizes := []int{10487, 2622, 1312, 656 + MaxXDPBackends - 16097}
+			for i := range MaxXDPServices {
+				fmt.Fprintf(b, "- name: s%d\n  vip: 10.%d.%d.1:80\n  algorithm: maglev_p2c\n  backends:\n", i, 100+i/256, i%256)
+				per := 1
+				if i < len(sizes) {
+					per = sizes[i]
+				}
+				for j := range per {
+					fmt.Fprintf(b, "  - address: 10.%d.%d.%d:80\n", j/65536, j/256%256, j%256)
+				}
+			}
+		}, ""},
 		{"tables past the bound", func(b *strings.Builder) {
 			b.WriteString(head)
 			for i := range MaxTableEntries/MaxTableSize + 1 {

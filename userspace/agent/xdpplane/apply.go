@@ -42,8 +42,9 @@ func spec(s *plan.Service) loader.Service {
 	if ls.TableSize == 0 {
 		// Sized by the configured backends, as the file's table_size check
 		// counts them, not by the leaving ones too: past 655 backends the size
-		// follows the count, and a leaver counted in would change it again
-		// when it leaves, drain_timeout after the reload, moving every slot.
+		// follows the count (a ladder of sizes), and a leaver counted in at the
+		// end of a step would change it again when it leaves, drain_timeout
+		// after the reload, moving every slot.
 		ls.TableSize = balance.MaglevSize(len(s.Backends))
 	}
 	mac := func(b *plan.Backend) net.HardwareAddr {

@@ -11,13 +11,14 @@ import (
 )
 
 // TestLeavingBackendsDoNotSizeTheTable: past 655 backends a Maglev table's size
-// follows the number of backends, so a leaving backend (removed by a reload,
-// draining until drain_timeout) counted in would give the table one size while it
-// drains and another when it leaves: every slot would move a second time, at no
-// reload, where weir plan never shows it. The table is sized by the configured
-// backends alone.
+// follows the number of backends, a step of a ladder at a time, so a leaving
+// backend (removed by a reload, draining until drain_timeout) counted in would,
+// at the end of a step, give the table one size while it drains and another when
+// it leaves: every slot would move a second time, at no reload, where weir plan
+// never shows it. The table is sized by the configured backends alone. 1,311
+// backends fill the step of 131101 slots; 1,312 would take the next.
 func TestLeavingBackendsDoNotSizeTheTable(t *testing.T) {
-	const n = 700
+	const n = 1311
 	s := &plan.Service{Config: config.Service{Name: "web", VIP: netip.MustParseAddrPort("10.0.0.1:80"),
 		Protocol: config.TCP, Mode: config.ModeNAT, Algorithm: config.AlgorithmMaglev}}
 	for i := range n {
