@@ -20,8 +20,7 @@ char LICENSE[] SEC("license") = "Dual MIT/GPL";
 // before it is full: each CPU keeps free entries of its own (up to 128, or on newer
 // kernels up to the map's size / CPUs / 2), and one that runs out with the shared
 // list short evicts rather than take another CPU's. So twice the sockets: room for
-// the CPUs' free lists, and for entries of bytes that came after the proxy forgot
-// their socket.
+// the CPUs' free lists.
 #define SPLICE_SOCK_STATES (2 * MAX_SPLICE_SOCKS)
 #endif
 
@@ -45,8 +44,9 @@ struct splice_sock {
 // the client's first bytes to the backend's), which it does not see itself. passed:
 // the peer was not in splice_peers yet, or no more, so its bytes went to the proxy;
 // then all its later bytes go to the proxy as well, so the proxy, which forwards
-// those itself, never sees a later byte overtake an earlier one. LRU: the proxy
-// deletes its entries when it closes the connection; a leak ages out. An entry
+// those itself, never sees a later byte overtake an earlier one. The proxy deletes
+// a socket's entry once it has closed the socket (the program no longer runs for
+// it then; before, bytes still arriving would make the entry anew). An entry
 // evicted while its socket is forwarded loses its first-byte time and, if passed,
 // lets later bytes overtake those the proxy holds: sized by SPLICE_SOCK_STATES.
 struct {

@@ -81,22 +81,25 @@ func (e *PairError) Lost() bool    { return e.lost }
 // (splice_socks). If the backend's socket is refused, the client's leaves the map
 // again. Bytes already queued on a socket are forwarded when the kernel next runs the
 // socket's data-ready path; the caller kicks it (SO_RCVLOWAT).
-func (m *SockMap) Pair(client, server int) error {
+//
+// It returns the sockets' cookies (client's, backend's), which Forget takes once
+// both are closed.
+func (m *SockMap) Pair(client, server int) ([2]uint64, error) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	if m.closed {
-		return fmt.Errorf("sockmap: %w", net.ErrClosed)
+		return [2]uint64{}, fmt.Errorf("sockmap: %w", net.ErrClosed)
 	}
 	cc, err := unix.GetsockoptUint64(client, unix.SOL_SOCKET, unix.SO_COOKIE)
 	if err != nil {
-		return fmt.Errorf("sockmap: client socket cookie: %w", err)
+		return [2]uint64{}, fmt.Errorf("sockmap: client socket cookie: %w", err)
 	}
 	sc, err := unix.GetsockoptUint64(server, unix.SOL_SOCKET, unix.SO_COOKIE)
 	if err != nil {
-		return fmt.Errorf("sockmap: backend socket cookie: %w", err)
+		return [2]uint64{}, fmt.Errorf("sockmap: backend socket cookie: %w", err)
 	}
 	if err := m.objs.SplicePeers.Update(sc, uint64(client), ebpf.UpdateAny); err != nil {
-		return &PairError{Err: fmt.Errorf("sockmap: add client socket: %w", err)}
+		return [2]uint64{}, &PairError{Err: fmt.Errorf("sockmap: add client socket: %w", err)}
 	}
 	if err := m.objs.SplicePeers.Update(cc, uint64(server), ebpf.UpdateAny); err != nil {
 		// A socket in the map without its peer can't be read (Linux 6.18): take the
@@ -107,32 +110,36 @@ func (m *SockMap) Pair(client, server int) error {
 		if lost {
 			m.objs.SpliceSocks.Delete(cc)
 		}
-		return &PairError{Err: fmt.Errorf("sockmap: add backend socket: %w", errors.Join(err, derr)), lost: lost}
+		return [2]uint64{}, &PairError{Err: fmt.Errorf("sockmap: add backend socket: %w", errors.Join(err, derr)), lost: lost}
 	}
-	return nil
+	return [2]uint64{cc, sc}, nil
 }
 
-// Forget drops what the map holds of fd, a socket of a pair, and returns when the
-// kernel first saw bytes of it (CLOCK_MONOTONIC, ns), or 0 if it saw none. The proxy
-// calls it before it closes the socket.
-func (m *SockMap) Forget(fd int) (int64, error) {
+// Forget drops what the map holds of a pair's sockets, by the cookies Pair returned,
+// and returns when the kernel first saw bytes of each (CLOCK_MONOTONIC, ns; 0 if it
+// saw none). The caller calls it after it has closed both sockets: until then bytes
+// that reach one run the program, which would make its entry anew, and nothing
+// would delete it. A closed socket has left splice_peers, so the program no longer
+// runs for it, and a cookie is never reused.
+func (m *SockMap) Forget(cookies [2]uint64) ([2]int64, error) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
+	var first [2]int64
 	if m.closed {
-		return 0, nil
+		return first, nil
 	}
-	c, err := unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_COOKIE)
-	if err != nil {
-		return 0, fmt.Errorf("sockmap: socket cookie: %w", err)
-	}
-	var st bpf.SockmapSpliceSock
-	if err := m.objs.SpliceSocks.LookupAndDelete(c, &st); err != nil {
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			return 0, nil
+	var errs [2]error
+	for i, c := range cookies {
+		var st bpf.SockmapSpliceSock
+		err := m.objs.SpliceSocks.LookupAndDelete(c, &st)
+		switch {
+		case err == nil:
+			first[i] = int64(st.FirstNs)
+		case !errors.Is(err, ebpf.ErrKeyNotExist):
+			errs[i] = fmt.Errorf("sockmap: forget socket: %w", err)
 		}
-		return 0, fmt.Errorf("sockmap: forget socket: %w", err)
 	}
-	return int64(st.FirstNs), nil
+	return first, errors.Join(errs[:]...)
 }
 
 // Close detaches the program and releases the maps. Sockets still paired go on

@@ -67,19 +67,20 @@ func TestSockMapForwardsBothWays(t *testing.T) {
 	}
 	defer m.Close()
 	p := newSocketPair(t)
-	if err := m.Pair(p.cfd, p.sfd); err != nil {
+	cookies, err := m.Pair(p.cfd, p.sfd)
+	if err != nil {
 		t.Fatalf("pair: %v", err)
 	}
-	for _, tc := range []struct {
+	var sent, received [2]int64 // by the paired socket the bytes reach: client's, backend's
+	for i, tc := range []struct {
 		name     string
 		from, to net.Conn
-		fd       int // the paired socket the bytes reach
 		msg      string
 	}{
-		{"client to backend", p.client, p.b, p.cfd, "request"},
-		{"backend to client", p.b, p.client, p.sfd, "response"},
+		{"client to backend", p.client, p.b, "request"},
+		{"backend to client", p.b, p.client, "response"},
 	} {
-		sent := monotonicNow(t)
+		sent[i] = monotonicNow(t)
 		if _, err := tc.from.Write([]byte(tc.msg)); err != nil {
 			t.Fatalf("%s: write: %v", tc.name, err)
 		}
@@ -90,14 +91,21 @@ func TestSockMapForwardsBothWays(t *testing.T) {
 		// A second message: the first one's time stays.
 		tc.from.Write([]byte(tc.msg))
 		io.ReadFull(tc.to, got)
-		received := monotonicNow(t)
-		first, err := m.Forget(tc.fd)
-		if err != nil || first < sent || first > received {
-			t.Errorf("%s: first bytes at %d, %v; want between the write (%d) and the read (%d)", tc.name, first, err, sent, received)
+		received[i] = monotonicNow(t)
+	}
+	p.c.Close()
+	p.s.Close()
+	first, err := m.Forget(cookies)
+	if err != nil {
+		t.Errorf("forget: %v", err)
+	}
+	for i, side := range []string{"client's socket", "backend's socket"} {
+		if first[i] < sent[i] || first[i] > received[i] {
+			t.Errorf("%s: first bytes at %d; want between the write (%d) and the read (%d)", side, first[i], sent[i], received[i])
 		}
-		if first, err := m.Forget(tc.fd); first != 0 || err != nil {
-			t.Errorf("%s: forgotten socket: got %d, %v; want 0, nil", tc.name, first, err)
-		}
+	}
+	if first, err := m.Forget(cookies); first != [2]int64{} || err != nil {
+		t.Errorf("forgotten sockets: got %d, %v; want [0 0], nil", first, err)
 	}
 	if err := m.Close(); err != nil {
 		t.Fatalf("close: %v", err)
@@ -105,7 +113,7 @@ func TestSockMapForwardsBothWays(t *testing.T) {
 	if err := m.Close(); err != nil {
 		t.Fatalf("second close: got %v; want nil", err)
 	}
-	if err := m.Pair(p.cfd, p.sfd); !errors.Is(err, net.ErrClosed) {
+	if _, err := m.Pair(p.cfd, p.sfd); !errors.Is(err, net.ErrClosed) {
 		t.Fatalf("pair after close: got %v; want net.ErrClosed", err)
 	}
 }
@@ -135,7 +143,7 @@ func TestSockMapRefusesClosingSocket(t *testing.T) {
 	if n, err := p.s.Read(make([]byte, 1)); n != 0 || err != io.EOF {
 		t.Fatalf("backend socket: got %d, %v; want EOF", n, err)
 	}
-	err = m.Pair(p.cfd, p.sfd)
+	_, err = m.Pair(p.cfd, p.sfd)
 	var pe *PairError
 	if !errors.As(err, &pe) || pe.Lost() {
 		t.Fatalf("pair with a closed backend: got %v; want a PairError, nothing lost", err)
@@ -173,12 +181,11 @@ func TestSockMapKeepsEveryPairsStamps(t *testing.T) {
 	// pair's bytes are sent from one CPU (it takes a free list of its own), the
 	// others' from another, the way a busy CPU meets another's list.
 	cpus := onCPU(t)
-	pairs := make([]*socketPair, peers/2)
+	pairs := make([][2]uint64, peers/2) // the sockets' cookies
 	got := make([]byte, 1)
 	for i := range pairs {
 		p := newSocketPair(t)
-		pairs[i] = p
-		if err := m.Pair(p.cfd, p.sfd); err != nil {
+		if pairs[i], err = m.Pair(p.cfd, p.sfd); err != nil {
 			t.Fatalf("pair %d of %d: %v", i+1, len(pairs), err)
 		}
 		cpus.pin(min(i, 1) % len(cpus.allowed))
@@ -192,11 +199,13 @@ func TestSockMapKeepsEveryPairsStamps(t *testing.T) {
 		}
 	}
 	missing := 0
-	for _, p := range pairs {
-		for _, fd := range []int{p.cfd, p.sfd} {
-			if first, err := m.Forget(fd); err != nil {
-				t.Fatalf("forget: %v", err)
-			} else if first == 0 {
+	for _, cookies := range pairs {
+		first, err := m.Forget(cookies)
+		if err != nil {
+			t.Fatalf("forget: %v", err)
+		}
+		for _, ns := range first {
+			if ns == 0 {
 				missing++
 			}
 		}

@@ -57,10 +57,11 @@ type conn struct {
 	lingerSent uint64
 	reset      bool // the backend broke the connection
 
-	redirected  bool   // the kernel forwards (Config.Redirector)
-	seen        uint64 // redirected: bytes received by both sockets at the last idle check
-	flushQueued bool   // redirected: in the loop's flushing list
-	flushWaited bool   // redirected: an EOF has waited for the kernel to forward the rest
+	redirected  bool      // the kernel forwards (Config.Redirector)
+	cookies     [2]uint64 // redirected: the sockets' cookies, by side, for Redirector.Forget
+	seen        uint64    // redirected: bytes received by both sockets at the last idle check
+	flushQueued bool      // redirected: in the loop's flushing list
+	flushWaited bool      // redirected: an EOF has waited for the kernel to forward the rest
 
 	h [2]half // by source side: h[up], h[down]
 
@@ -866,6 +867,9 @@ func (l *loop) close(c *conn, outcome Outcome) {
 			closeRaw(fd)
 			c.fd[i] = -1
 		}
+	}
+	if c.redirected {
+		l.forgetKernel(c)
 	}
 	c.h[up].release()
 	c.h[down].release()

@@ -29,14 +29,16 @@ import (
 // they agree the connection is checked again after a short wait.
 
 // Redirector pairs the two sockets of a connection for in-kernel forwarding
-// (loader.SockMap). Pair is called on the event loop, once per connection; an error
-// leaves the connection to the copy path, unless it has a method Lost() bool that
-// reports true (bytes were lost on the way in: the connection is reset). Forget is
-// called once per socket of a pair, before it is closed; it returns when the kernel
-// first saw bytes of that socket (CLOCK_MONOTONIC, ns), 0 if it saw none.
+// (loader.SockMap). Pair is called on the event loop, once per connection, and
+// returns the sockets' cookies (client's, backend's); an error leaves the connection
+// to the copy path, unless it has a method Lost() bool that reports true (bytes were
+// lost on the way in: the connection is reset). Forget is called once per pair, with
+// those cookies, after both sockets are closed (before, bytes that reach a socket
+// would leave state behind that nothing deletes); it returns when the kernel first
+// saw bytes of each socket (CLOCK_MONOTONIC, ns), 0 if it saw none.
 type Redirector interface {
-	Pair(client, server int) error
-	Forget(fd int) (int64, error)
+	Pair(client, server int) ([2]uint64, error)
+	Forget(cookies [2]uint64) ([2]int64, error)
 }
 
 // Flush rechecks of connections whose kernel forwarding lags a FIN: the first after
@@ -96,7 +98,8 @@ func (l *loop) redirect(c *conn) bool {
 		// stay on the copy path.
 		return true
 	}
-	if err := r.Pair(c.fd[client], c.fd[server]); err != nil {
+	cookies, err := r.Pair(c.fd[client], c.fd[server])
+	if err != nil {
 		redirectErrs.Add(1)
 		l.s.noteRedirectFailed(err)
 		var lost interface{ Lost() bool }
@@ -112,7 +115,7 @@ func (l *loop) redirect(c *conn) bool {
 		return true
 	}
 	redirected.Add(1)
-	c.redirected = true
+	c.redirected, c.cookies = true, cookies
 	kickRaw(c.fd[server])
 	kickRaw(c.fd[client])
 	return true
@@ -259,11 +262,13 @@ func (l *loop) accountKernel(c *conn) {
 		l.count(c, d, int(n))
 		kernelBytes.Add(n)
 	}
+}
+
+// forgetKernel drops what the kernel keeps of c's sockets, once they are closed,
+// and puts the times it saw their first bytes into c's time to first byte.
+func (l *loop) forgetKernel(c *conn) {
 	if r := l.s.cfg.Redirector; r != nil {
-		var first [2]int64
-		for side := range c.fd {
-			first[side], _ = r.Forget(c.fd[side])
-		}
+		first, _ := r.Forget(c.cookies)
 		c.kernelFirstBytes(first[client], first[server])
 	}
 }

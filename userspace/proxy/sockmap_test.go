@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -82,8 +83,8 @@ func TestEveryTestOnSockmap(t *testing.T) {
 // failingRedirector pairs nothing: the sockmap of a host without one.
 type failingRedirector struct{ err error }
 
-func (f failingRedirector) Pair(int, int) error       { return f.err }
-func (f failingRedirector) Forget(int) (int64, error) { return 0, nil }
+func (f failingRedirector) Pair(int, int) ([2]uint64, error)   { return [2]uint64{}, f.err }
+func (f failingRedirector) Forget([2]uint64) ([2]int64, error) { return [2]int64{}, nil }
 
 // TestRedirectFallsBack checks that a connection the kernel can't take on is served by
 // the copy path: with a sockmap that has been closed (its Pair fails as a kernel
@@ -168,4 +169,120 @@ func TestKernelPathUnansweredReportsNoSample(t *testing.T) {
 	if est, seen := s.bal.Estimate(be.addr().String()); seen {
 		t.Errorf("latency estimate of a backend that never answered: got %v; want none", est)
 	}
+}
+
+// pairLog is a Redirector that notes the cookies of every pair it makes.
+type pairLog struct {
+	*loader.SockMap
+	mu    sync.Mutex
+	pairs [][2]uint64
+}
+
+func (p *pairLog) Pair(client, server int) ([2]uint64, error) {
+	cookies, err := p.SockMap.Pair(client, server)
+	if err == nil {
+		p.mu.Lock()
+		p.pairs = append(p.pairs, cookies)
+		p.mu.Unlock()
+	}
+	return cookies, err
+}
+
+// TestKernelPathForgetsEverySocket: once its connections are closed, the sockmap
+// keeps nothing of their sockets, not even of those closed while bytes still
+// reached them both ways (a drain's deadline ends connections mid-stream). A
+// socket's state dropped before its close was made anew by the bytes that came in
+// between, and nothing deleted it: such leaks fill the map, which then evicts the
+// state of live connections (their first bytes' times, and the mark that keeps
+// their later bytes from overtaking those the proxy holds). Bytes land in that gap
+// now and then, so the test ends connections in several rounds.
+func TestKernelPathForgetsEverySocket(t *testing.T) {
+	sm, err := loader.LoadSockMap()
+	if err != nil {
+		t.Fatalf("load sockmap: %v", err)
+	}
+	t.Cleanup(func() { sm.Close() })
+	r := &pairLog{SockMap: sm}
+	be := startBackend(t, "echo", netip.AddrPort{}, echo)
+	backends := []Backend{{Addr: be.addr()}}
+	s := startProxy(t, Config{Backends: backends, Redirector: r, DrainTimeout: time.Millisecond})
+	const rounds, n = 16, 16
+	for range rounds {
+		if err := s.SetBackends(backends); err != nil {
+			t.Fatal(err)
+		}
+		endMidStream(t, s, n)
+	}
+	r.mu.Lock()
+	pairs := r.pairs
+	r.mu.Unlock()
+	left := 0
+	for _, cookies := range pairs {
+		if first, err := sm.Forget(cookies); err != nil {
+			t.Fatalf("forget: %v", err)
+		} else if first != [2]int64{} {
+			left++ // a socket's first-byte time is still there
+		}
+	}
+	if left > 0 {
+		t.Errorf("closed connections whose sockets the sockmap still holds: got %d of %d; want 0", left, len(pairs))
+	}
+}
+
+// endMidStream opens n connections through s to its echo backend, each of whose
+// clients sends and reads without pause once the connections are paired, then
+// removes the backend: after s's DrainTimeout the connections are closed, bytes
+// still coming both ways.
+func endMidStream(t *testing.T, s *Service, n int) {
+	t.Helper()
+	var streams sync.WaitGroup
+	defer streams.Wait() // after the proxy has closed the connections
+	paired := redirected.Load()
+	conns := make([]*net.TCPConn, n)
+	for i := range conns {
+		conns[i] = dial(t, s)
+		conns[i].SetDeadline(time.Now().Add(20 * time.Second))
+	}
+	// Whatever happens below, the clients' sockets are closed before the wait.
+	defer func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	waitfor.Value(t, 5*time.Second, fmt.Sprintf("%d connections paired", n), func() (any, bool) {
+		k := redirected.Load() - paired
+		return k, k >= uint64(n)
+	})
+	var echoed atomic.Int64
+	chunk := bytes.Repeat([]byte("x"), 1<<10)
+	for _, c := range conns {
+		streams.Add(2)
+		go func() { // exits when the connection is closed
+			defer streams.Done()
+			for {
+				if _, err := c.Write(chunk); err != nil {
+					return
+				}
+			}
+		}()
+		go func() { // exits when the connection is closed
+			defer streams.Done()
+			buf := make([]byte, 64<<10)
+			for {
+				k, err := c.Read(buf)
+				echoed.Add(int64(k))
+				if err != nil {
+					return
+				}
+			}
+		}()
+	}
+	waitfor.Value(t, 10*time.Second, "every connection moving bytes", func() (any, bool) {
+		k := echoed.Load()
+		return k, k >= int64(n*len(chunk))
+	})
+	if err := s.SetBackends(nil); err != nil {
+		t.Fatal(err)
+	}
+	waitfor.Value(t, 10*time.Second, "0 active connections", active(s, 0))
 }
