@@ -103,10 +103,14 @@ func (m *SockMap) Pair(client, server int) ([2]uint64, error) {
 	}
 	if err := m.objs.SplicePeers.Update(cc, uint64(server), ebpf.UpdateAny); err != nil {
 		// A socket in the map without its peer can't be read (Linux 6.18): take the
-		// client's out, and find out whether bytes reached it meanwhile.
+		// client's out, and find out whether bytes reached it meanwhile. Any entry
+		// of the client's says so: the program makes one only for bytes it saw,
+		// and with no peer those go where they can't be read. The passed mark is
+		// not waited for: the program writes the entry first and marks it after,
+		// and a look between the two would take lost bytes for none.
 		derr := m.objs.SplicePeers.Delete(sc)
 		var st bpf.SockmapSpliceSock
-		lost := derr != nil || m.objs.SpliceSocks.Lookup(cc, &st) == nil && st.Passed != 0
+		lost := derr != nil || m.objs.SpliceSocks.Lookup(cc, &st) == nil
 		if lost {
 			m.objs.SpliceSocks.Delete(cc)
 		}

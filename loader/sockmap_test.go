@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/weir-lb/weir/bpf"
 	"golang.org/x/sys/unix"
 )
 
@@ -128,22 +129,30 @@ func monotonicNow(t *testing.T) int64 {
 	return ts.Nano()
 }
 
-// TestSockMapRefusesClosingSocket: the kernel pairs only established sockets. A
-// backend that has already closed is refused, the client's socket leaves the map
-// again (it reads as a plain socket), and no byte is lost.
-func TestSockMapRefusesClosingSocket(t *testing.T) {
+// closedBackendPair loads a sockmap and makes a connection whose backend has
+// closed, which the kernel refuses to pair.
+func closedBackendPair(t *testing.T) (*SockMap, *socketPair) {
+	t.Helper()
 	m, err := LoadSockMap()
 	if err != nil {
 		t.Fatalf("load sockmap: %v", err)
 	}
-	defer m.Close()
+	t.Cleanup(func() { m.Close() })
 	p := newSocketPair(t)
 	p.b.Close()
 	// The backend's FIN makes the proxy's socket readable (EOF).
 	if n, err := p.s.Read(make([]byte, 1)); n != 0 || err != io.EOF {
 		t.Fatalf("backend socket: got %d, %v; want EOF", n, err)
 	}
-	_, err = m.Pair(p.cfd, p.sfd)
+	return m, p
+}
+
+// TestSockMapRefusesClosingSocket: the kernel pairs only established sockets. A
+// backend that has already closed is refused, the client's socket leaves the map
+// again (it reads as a plain socket), and no byte is lost.
+func TestSockMapRefusesClosingSocket(t *testing.T) {
+	m, p := closedBackendPair(t)
+	_, err := m.Pair(p.cfd, p.sfd)
 	var pe *PairError
 	if !errors.As(err, &pe) || pe.Lost() {
 		t.Fatalf("pair with a closed backend: got %v; want a PairError, nothing lost", err)
@@ -154,6 +163,31 @@ func TestSockMapRefusesClosingSocket(t *testing.T) {
 	got := make([]byte, 1)
 	if _, err := io.ReadFull(p.c, got); err != nil || string(got) != "x" {
 		t.Fatalf("client socket after a refused pair: got %q, %v; want \"x\"", got, err)
+	}
+}
+
+// TestSockMapRefusedPairCountsUnmarkedEntry: a refused pair whose client socket
+// has an entry in splice_socks without the passed mark has lost bytes all the
+// same: the program writes the entry before it marks it, so a Pair that looks in
+// between finds it unmarked. The entry is seeded here, as the program would
+// have left it at that instant.
+func TestSockMapRefusedPairCountsUnmarkedEntry(t *testing.T) {
+	m, p := closedBackendPair(t)
+	cc, err := unix.GetsockoptUint64(p.cfd, unix.SOL_SOCKET, unix.SO_COOKIE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.objs.SpliceSocks.Put(cc, bpf.SockmapSpliceSock{FirstNs: uint64(monotonicNow(t))}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = m.Pair(p.cfd, p.sfd)
+	var pe *PairError
+	if !errors.As(err, &pe) || !pe.Lost() {
+		t.Fatalf("refused pair, client entry unmarked: got %v; want a PairError with bytes lost", err)
+	}
+	var st bpf.SockmapSpliceSock
+	if err := m.objs.SpliceSocks.Lookup(cc, &st); err == nil {
+		t.Errorf("client's entry still in splice_socks after the refused pair: %+v", st)
 	}
 }
 
