@@ -73,6 +73,14 @@ func (pr *pendingRoute) due(want *Route, now time.Time) bool {
 	return !now.Before(pr.next)
 }
 
+// want is what p waits for: api.RouteAnnounce or api.RouteWithdraw.
+func (pr *pendingRoute) want() string {
+	if pr.announce {
+		return api.RouteAnnounce
+	}
+	return api.RouteWithdraw
+}
+
 // Retries of a failed route change wait retryMin, doubling up to retryMax, each
 // spread by ±retryJitter so that nodes that failed together do not retry together.
 const (
@@ -441,11 +449,7 @@ func (s *Speaker) pendingState() (time.Time, error) {
 	var next time.Time
 	for _, p := range slices.SortedFunc(maps.Keys(s.pending), netip.Prefix.Compare) {
 		pr := s.pending[p]
-		what := "withdraw"
-		if pr.announce {
-			what = "announce"
-		}
-		errs = append(errs, fmt.Errorf("%s %s: %w", what, p, pr.err))
+		errs = append(errs, fmt.Errorf("%s %s: %w", pr.want(), p, pr.err))
 		if next.IsZero() || pr.next.Before(next) {
 			next = pr.next
 		}
@@ -545,11 +549,7 @@ func (s *Speaker) Status() *api.BGPStatus {
 	}
 	for _, p := range slices.SortedFunc(maps.Keys(s.pending), netip.Prefix.Compare) {
 		pr := s.pending[p]
-		want := api.RouteWithdraw
-		if pr.announce {
-			want = api.RouteAnnounce
-		}
-		st.Pending = append(st.Pending, api.PendingRoute{Prefix: p.String(), Want: want, Since: pr.since,
+		st.Pending = append(st.Pending, api.PendingRoute{Prefix: p.String(), Want: pr.want(), Since: pr.since,
 			Attempts: pr.attempts, LastError: pr.err.Error(), NextTry: pr.next})
 	}
 	return st
