@@ -524,14 +524,16 @@ func (s *Speaker) Status() *api.BGPStatus {
 	// What the RIB holds, wanted routes first in their order, then those a failed
 	// withdrawal left there.
 	order := make([]netip.Prefix, 0, len(s.announced))
+	wanted := make(map[netip.Prefix]bool, len(s.want))
 	for _, r := range s.want {
+		wanted[r.Prefix] = true
 		if _, ok := s.announced[r.Prefix]; ok {
 			order = append(order, r.Prefix)
 		}
 	}
 	var stale []netip.Prefix
 	for p := range s.announced {
-		if !slices.Contains(order, p) {
+		if !wanted[p] {
 			stale = append(stale, p)
 		}
 	}
