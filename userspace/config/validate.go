@@ -482,21 +482,19 @@ func (cfg *file) validate(dir string) []*FieldError {
 // capacities, so that a file it cannot hold is refused here, naming the service
 // or backend past the limit, rather than when the agent applies it.
 type xdpSlots struct {
-	services, backends                      int
-	entries                                 uint64 // lookup table entries
-	servicesFull, backendsFull, entriesFull bool   // reported once each
+	services, backends int
+	entries            uint64 // lookup table entries
+	entriesFull        bool   // reported once
 }
 
 func (x *xdpSlots) add(c *checker, p string, s *fileService) {
 	x.services++
-	if x.services > MaxXDPServices && !x.servicesFull {
-		x.servicesFull = true
+	if x.services == MaxXDPServices+1 { // the first past the limit, reported once
 		c.bad(p, "the XDP program holds at most %d services, and this is service %d that XDP may serve (data_plane xdp, or auto with maglev, maglev_p2c or source_hash): serve the rest with data_plane proxy or on another node", MaxXDPServices, x.services)
 	}
 	for j := range s.Backends {
 		x.backends++
-		if x.backends > MaxXDPBackends && !x.backendsFull {
-			x.backendsFull = true
+		if x.backends == MaxXDPBackends+1 {
 			c.bad(fmt.Sprintf("%s.backends[%d]", p, j), "the XDP program holds at most %d backends over all its services (each service's own, a backend in two services counting twice), and this is backend %d: serve some services with data_plane proxy or on another node", MaxXDPBackends, x.backends)
 		}
 	}
