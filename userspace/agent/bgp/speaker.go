@@ -247,7 +247,8 @@ func (f *failureLog) failed(log *slog.Logger, now time.Time, err error, retryIn 
 		f.since, f.attempts = now, 0
 	}
 	f.attempts++
-	msg, same := err.Error(), err.Error() == f.err
+	msg := err.Error()
+	same := msg == f.err
 	f.err = msg
 	if same && now.Sub(f.loggedAt) < repeatLogEvery {
 		f.suppressed++
