@@ -228,14 +228,15 @@ func readAnswer(br *bufio.Reader, lim *limitReader, req *http.Request, max int64
 // to max at once: max may be 16 MiB, and a head just past a.rd then cost as
 // much.
 func wholeHead(a *answer, lim *limitReader, max int) ([]byte, error) {
-	head, err := readHead(a.rd)
-	if head != nil || err != nil || a.rd.Size() >= max {
-		if head == nil && err == nil {
-			err = errHeaderTooLong
+	for {
+		head, err := readHead(a.rd)
+		switch {
+		case head != nil || err != nil:
+			return head, err
+		case a.rd.Size() >= max:
+			return nil, errHeaderTooLong
 		}
-		return head, err
+		held, _ := a.rd.Peek(a.rd.Buffered())
+		a.rd = bufio.NewReaderSize(io.MultiReader(bytes.NewReader(held), lim), min(2*a.rd.Size(), max))
 	}
-	held, _ := a.rd.Peek(a.rd.Buffered())
-	a.rd = bufio.NewReaderSize(io.MultiReader(bytes.NewReader(held), lim), min(2*a.rd.Size(), max))
-	return wholeHead(a, lim, max)
 }
