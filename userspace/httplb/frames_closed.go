@@ -76,21 +76,28 @@ func (c *closedStreams) note(id uint32, how closeHow) {
 // on both sides, and weir sends nothing more on it (RFC 9113 5.1). Late
 // frames on it are answered as before.
 func (c *closedStreams) peerReset(id uint32) {
-	for i := range c.ring {
-		if c.ring[i].id == id && c.ring[i].how == endedByPeer {
-			c.ring[i].how = resetByPeer
-		}
+	if e := c.find(id); e != nil && e.how == endedByPeer {
+		e.how = resetByPeer
 	}
 }
 
 // how reports how stream id closed; 0 if it is not remembered.
 func (c *closedStreams) how(id uint32) closeHow {
-	for _, e := range c.ring {
-		if e.id == id {
-			return e.how
-		}
+	if e := c.find(id); e != nil {
+		return e.how
 	}
 	return 0
+}
+
+// find returns stream id's entry, nil if it is not remembered. A stream is
+// noted once, so the first entry with its ID is its only one.
+func (c *closedStreams) find(id uint32) *closedStream {
+	for i := range c.ring {
+		if c.ring[i].id == id {
+			return &c.ring[i]
+		}
+	}
+	return nil
 }
 
 // late says what a DATA or HEADERS frame on closed stream id calls for.
