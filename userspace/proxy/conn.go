@@ -223,15 +223,6 @@ func (l *loop) connect(c *conn) {
 			lease.Release(balance.Result{})
 			continue
 		}
-		if b.removed.Load() {
-			// Removed since the table was read: no new connection for it. The
-			// removal marks b before it reads b's count (to forget b once it is
-			// 0, and with b its drain): a connect that finds b unmarked here
-			// has its count seen, and its connection is drained with b's.
-			b.active.Add(-1)
-			lease.Release(balance.Result{})
-			continue
-		}
 		c.attempt++
 		c.b, c.lease = b, lease
 		c.dialed = time.Now()
@@ -938,7 +929,10 @@ func flowKey(src netip.AddrPort, port bool) uint64 {
 	return h
 }
 
-// acquire takes a connection slot on b, or reports false if b is at its limit.
+// acquire takes a connection slot on b, or reports false if b is at its limit or
+// removed. The removal marks b before it reads b's count (to forget b once it is
+// 0, and with b its drain), so removed is read after the slot is taken: a slot
+// taken on b unmarked has its count seen, and its connection is drained with b's.
 func (b *backend) acquire() bool {
 	m := b.maxConns.Load()
 	for {
@@ -947,9 +941,14 @@ func (b *backend) acquire() bool {
 			return false
 		}
 		if b.active.CompareAndSwap(n, n+1) {
-			return true
+			break
 		}
 	}
+	if b.removed.Load() {
+		b.active.Add(-1)
+		return false
+	}
+	return true
 }
 
 // dialFailed is passive health: EjectAfter consecutive failed dials eject b for
