@@ -190,15 +190,16 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 	if cfg.BGP.ASN != 0 {
 		a.bgp = bgp.New(cfg.BGP, a.log)
 	}
-	a.publish(st)
-	a.log.Info("weir running", "config", a.opts.ConfigPath, "services", len(cfg.Services), "admin", cfg.Admin.Socket, "metrics", cfg.Metrics.Listen)
-
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	a.stopMu.Lock()
 	a.stopRun = cancel
 	a.stopMu.Unlock()
+	// Running before the first snapshot: a caller that sees the services in Status
+	// may send the loop requests at once (they wait for it to start reading).
 	a.running.Store(true)
+	a.publish(st)
+	a.log.Info("weir running", "config", a.opts.ConfigPath, "services", len(cfg.Services), "admin", cfg.Admin.Socket, "metrics", cfg.Metrics.Listen)
 
 	var wg sync.WaitGroup
 	// Exits when runCtx is done.

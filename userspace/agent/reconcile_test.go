@@ -365,3 +365,57 @@ func TestPlanHashKeyChange(t *testing.T) {
 		t.Error("reload to hash source within 10%: got no error; want it refused over budget")
 	}
 }
+
+// TestRunningOnceStatusShowsServices: once Status shows the running config, the
+// agent takes requests. The check runs as the agent logs "weir running", right
+// after its first snapshot: a Stop there used to find it not yet running, as a
+// Plan or Reload did in the same window.
+func TestRunningOnceStatusShowsServices(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "weir.yaml")
+	cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(dir, "weir.sock")) +
+		fmt.Sprintf("- name: a\n  vip: %s\n  data_plane: proxy\n  health: {type: none}\n  backends:\n  - {address: %s}\n", freePort(t), echoBackend(t))
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var a *Agent
+	checked := make(chan error, 1)
+	onRunning := func() {
+		st, err := a.Status()
+		if err != nil || len(st.Services) != 1 {
+			checked <- fmt.Errorf("status as the agent logs running: %d services, %v; want 1", len(st.Services), err)
+			return
+		}
+		checked <- a.Stop(false)
+	}
+	a = New(Options{ConfigPath: path, NoXDP: true, Logger: slog.New(onMessage{"weir running", onRunning})})
+	runErr := make(chan error, 1)
+	// Exits when the Stop above ends it, or at the deadline below.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go func() { runErr <- a.Run(ctx) }()
+	if err := <-checked; err != nil {
+		t.Errorf("stop once status shows the services: %v; want it stopped", err)
+		cancel()
+	}
+	if err := <-runErr; err != nil {
+		t.Errorf("Run: %v", err)
+	}
+}
+
+// onMessage is a log handler that runs do when a record with message msg is
+// logged, and discards every record.
+type onMessage struct {
+	msg string
+	do  func()
+}
+
+func (h onMessage) Enabled(context.Context, slog.Level) bool { return true }
+func (h onMessage) Handle(_ context.Context, r slog.Record) error {
+	if r.Message == h.msg {
+		h.do()
+	}
+	return nil
+}
+func (h onMessage) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h onMessage) WithGroup(string) slog.Handler      { return h }
