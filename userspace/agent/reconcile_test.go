@@ -297,13 +297,7 @@ func TestReloadKeepsProxyConnections(t *testing.T) {
 // reload and a plan alike, and the admin API answers it with 400, not as a change
 // over budget (422).
 func TestMaxMoveOutOfRange(t *testing.T) {
-	dir := t.TempDir()
-	path := filepath.Join(dir, "weir.yaml")
-	cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(dir, "weir.sock")) +
-		fmt.Sprintf("- name: a\n  vip: %s\n  data_plane: proxy\n  health: {type: none}\n  backends:\n  - {address: %s}\n", freePort(t), echoBackend(t))
-	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	dir, path := oneProxyService(t)
 	a := runAgent(t, path)
 	ctx := context.Background()
 	client := admin.NewClient(filepath.Join(dir, "weir.sock"))
@@ -371,13 +365,7 @@ func TestPlanHashKeyChange(t *testing.T) {
 // after its first snapshot: a Stop there used to find it not yet running, as a
 // Plan or Reload did in the same window.
 func TestRunningOnceStatusShowsServices(t *testing.T) {
-	dir := t.TempDir()
-	path := filepath.Join(dir, "weir.yaml")
-	cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(dir, "weir.sock")) +
-		fmt.Sprintf("- name: a\n  vip: %s\n  data_plane: proxy\n  health: {type: none}\n  backends:\n  - {address: %s}\n", freePort(t), echoBackend(t))
-	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	_, path := oneProxyService(t)
 	var a *Agent
 	checked := make(chan error, 1)
 	onRunning := func() {
@@ -419,3 +407,17 @@ func (h onMessage) Handle(_ context.Context, r slog.Record) error {
 }
 func (h onMessage) WithAttrs([]slog.Attr) slog.Handler { return h }
 func (h onMessage) WithGroup(string) slog.Handler      { return h }
+
+// oneProxyService writes a config with one proxy service to an echo backend, and
+// returns its directory (which holds the admin socket) and path.
+func oneProxyService(t *testing.T) (dir, path string) {
+	t.Helper()
+	dir = t.TempDir()
+	path = filepath.Join(dir, "weir.yaml")
+	cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(dir, "weir.sock")) +
+		fmt.Sprintf("- name: a\n  vip: %s\n  data_plane: proxy\n  health: {type: none}\n  backends:\n  - {address: %s}\n", freePort(t), echoBackend(t))
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return dir, path
+}
