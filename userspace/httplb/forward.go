@@ -214,6 +214,7 @@ type failure struct {
 func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWriter, r *http.Request, be *backend, lease *balance.Lease,
 	hdr http.Header, sc *outScratch, body *replayBody, retryable, more bool, start time.Time) (done bool, f failure) {
 	tryStart := time.Now()
+	defer s.tryEnded(be) // last: after the answer's body is closed
 	var tb *tryBody
 	if body != nil {
 		tb = body.next()

@@ -19,8 +19,8 @@ import (
 	"github.com/weir-lb/weir/internal/waitfor"
 )
 
-// countingBackend is an HTTP/1.1 server on loopback that counts the connections
-// it accepts and has open.
+// countingBackend is an HTTP/1.1 and HTTP/2 cleartext (prior knowledge)
+// server on loopback that counts the connections it accepts and has open.
 type countingBackend struct {
 	addr           netip.AddrPort
 	accepted, open atomic.Int64
@@ -34,7 +34,10 @@ func startCountingBackend(t *testing.T, h http.HandlerFunc, idle time.Duration) 
 		t.Fatal(err)
 	}
 	b := &countingBackend{addr: netip.MustParseAddrPort(ln.Addr().String())}
-	b.srv = &http.Server{Handler: h, IdleTimeout: idle, ConnState: func(_ net.Conn, st http.ConnState) {
+	var p http.Protocols
+	p.SetHTTP1(true)
+	p.SetUnencryptedHTTP2(true)
+	b.srv = &http.Server{Handler: h, IdleTimeout: idle, Protocols: &p, ConnState: func(_ net.Conn, st http.ConnState) {
 		switch st {
 		case http.StateNew:
 			b.accepted.Add(1)

@@ -21,7 +21,8 @@ import (
 // after a protocol error would say there was none.
 type goAwayConn struct {
 	*coalescingConn
-	retire *atomic.Bool // set while the backend's idle connections are being closed
+	retire *atomic.Bool  // set while the backend's idle connections are being closed
+	open   *atomic.Int64 // the backend's connections of the transport open: this one until Close
 
 	// wmu keeps Writes in order, so the frames are followed in the order
 	// they are queued. mu guards what follows; a Write does not hold it
@@ -33,11 +34,14 @@ type goAwayConn struct {
 	preface int     // bytes of the client preface yet to pass
 	hdr     [9]byte // a frame header cut across writes
 	hdrN    int
-	left    int // payload bytes of the current frame yet to pass
+	left    int  // payload bytes of the current frame yet to pass
+	closed  bool // Close has run
 }
 
-func newGoAwayConn(c *coalescingConn, retire *atomic.Bool) *goAwayConn {
-	return &goAwayConn{coalescingConn: c, retire: retire, preface: len(http2.ClientPreface)}
+// newGoAwayConn wraps c, counted in open until it is closed.
+func newGoAwayConn(c *coalescingConn, retire *atomic.Bool, open *atomic.Int64) *goAwayConn {
+	open.Add(1)
+	return &goAwayConn{coalescingConn: c, retire: retire, open: open, preface: len(http2.ClientPreface)}
 }
 
 func (c *goAwayConn) Write(p []byte) (int, error) {
@@ -90,6 +94,10 @@ var goAwayNoError = []byte{0, 0, 8, byte(http2.FrameGoAway), 0, 0, 0, 0, 0, 0, 0
 func (c *goAwayConn) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if !c.closed {
+		c.closed = true
+		c.open.Add(-1)
+	}
 	if c.retire.Load() && !c.writing && c.preface == 0 && c.hdrN == 0 && c.left == 0 {
 		c.coalescingConn.queue(goAwayNoError) // goes out before the socket closes
 	}

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -20,22 +21,33 @@ import (
 // with GOAWAY NO_ERROR when weir closes them idle, as it does when the service
 // stops or a reload removes the backend (RFC 9113 6.8), not with a bare FIN:
 // those of HTTP/1.1 clients' requests (Go's HTTP/2 transport) and those of
-// HTTP/2 clients' (the frame engine).
+// HTTP/2 clients' (the frame engine). A connection busy with a request when
+// the reload removes the backend ends so once the request has.
 func TestIdleBackendCloseSendsGoAway(t *testing.T) {
 	for _, c := range []struct {
 		name   string
 		client *http.Client
 		close  func(sv *served) error
+		busy   bool // the close comes while the request waits for its answer
 	}{
-		{"HTTP/1.1 client/stop", h1Client(), stop},
-		{"HTTP/1.1 client/reload without the backend", h1Client(), removeBackends},
-		{"HTTP/2 client/stop", h2cClient(), stop},
-		{"HTTP/2 client/reload without the backend", h2cClient(), removeBackends},
+		{"HTTP/1.1 client/stop", h1Client(), stop, false},
+		{"HTTP/1.1 client/reload without the backend", h1Client(), removeBackends, false},
+		{"HTTP/1.1 client/reload without the backend, busy", h1Client(), removeBackends, true},
+		{"HTTP/2 client/stop", h2cClient(), stop, false},
+		{"HTTP/2 client/reload without the backend", h2cClient(), removeBackends, false},
+		{"HTTP/2 client/reload without the backend, busy", h2cClient(), removeBackends, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			last := make(chan string, 1)
+			came, answer := make(chan struct{}, 1), make(chan struct{})
+			var answerOnce sync.Once
+			letAnswer := func() { answerOnce.Do(func() { close(answer) }) }
 			be := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
 				readBackendFrames(fr, func(f *http2.HeadersFrame) {
+					if c.busy {
+						came <- struct{}{}
+						<-answer
+					}
 					fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("200"), EndHeaders: true})
 					fr.WriteData(f.StreamID, true, []byte("ok"))
 				}, func(what string) bool {
@@ -47,12 +59,35 @@ func TestIdleBackendCloseSendsGoAway(t *testing.T) {
 				})
 			})
 			sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
-			resp, body := get(t, c.client, "http://"+sv.Addr().String()+"/")
-			if resp.StatusCode != http.StatusOK || body != "ok" {
-				t.Fatalf("GET: %s %q; want 200 ok", resp.Status, body)
-			}
-			if err := c.close(sv); err != nil {
-				t.Fatal(err)
+			t.Cleanup(letAnswer) // before the service's drain
+			url := "http://" + sv.Addr().String() + "/"
+			if !c.busy {
+				resp, body := get(t, c.client, url)
+				if resp.StatusCode != http.StatusOK || body != "ok" {
+					t.Fatalf("GET: %s %q; want 200 ok", resp.Status, body)
+				}
+				if err := c.close(sv); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				got := make(chan string, 1)
+				// Exits when the request is answered or fails.
+				go func() {
+					code, body, err := send(c.client, "GET", url)
+					got <- fmt.Sprint(code, " ", body, " ", err)
+				}()
+				select {
+				case <-came:
+				case <-time.After(15 * time.Second):
+					t.Fatal("the request did not reach the backend in 15s")
+				}
+				if err := c.close(sv); err != nil {
+					t.Fatal(err)
+				}
+				letAnswer()
+				if g := <-got; g != "200 ok <nil>" {
+					t.Fatalf("GET in flight across the close: %s; want 200 ok <nil>", g)
+				}
 			}
 			select {
 			case g := <-last:
@@ -90,7 +125,7 @@ func TestGoAwayConnCloseDoesNotWait(t *testing.T) {
 			cc.Conn.(*net.TCPConn).SetWriteBuffer(4 << 10)
 			peer.(*net.TCPConn).SetReadBuffer(4 << 10)
 			var retire atomic.Bool
-			c := newGoAwayConn(cc, &retire)
+			c := newGoAwayConn(cc, &retire, new(atomic.Int64))
 			if _, err := c.Write([]byte(http2.ClientPreface)); err != nil {
 				t.Fatal(err)
 			}

@@ -348,12 +348,24 @@ type backend struct {
 	// h2Retire is set while closeIdle closes h2's idle connections: they
 	// end with GOAWAY (goAwayConn).
 	h2Retire atomic.Bool
+	// h2Open counts h2's connections open (goAwayConn).
+	h2Open atomic.Int64
 	// fpool is the frame engine's HTTP/2 connections, made on first use.
 	fpool atomic.Pointer[upPool]
 	next  atomic.Uint32
 	stats backendStats
 	// removed: no longer configured; its idle connections are closed.
 	removed bool
+	// retired: removed, or its service has stopped. No request will take
+	// its pooled connections again: those its requests in flight give back
+	// are closed as they come (closeRetired), not kept until the pools'
+	// idle timeout. Written under Service.mu, read by requests.
+	retired atomic.Bool
+	// closeAgain looks again for h2 connections to close, closeAgainIn
+	// after closeRetired last ran; nil when not armed. Guarded by
+	// Service.mu.
+	closeAgain   *time.Timer
+	closeAgainIn time.Duration
 	// drainTimer closes the backend's tunnels DrainTimeout after it began to
 	// drain or was removed; nil while it serves. Guarded by Service.mu.
 	drainTimer *time.Timer
@@ -374,7 +386,7 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 		if err != nil {
 			return nil, err
 		}
-		return newGoAwayConn(newCoalescingConn(c, true), &b.h2Retire), nil
+		return newGoAwayConn(newCoalescingConn(c, true), &b.h2Retire, &b.h2Open), nil
 	}
 	mk := func(h2c bool) *http.Transport {
 		t := &http.Transport{
@@ -414,9 +426,9 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 }
 
 // closeIdle closes the backend's idle upstream connections. The pool of the
-// requests without a body keeps none from then on, until the backend is
-// configured again (http.Transport's pools still keep the connections of requests
-// in flight).
+// requests without a body and the frame engine's keep none from then on, until
+// the backend is configured again; http.Transport's pools keep the connections
+// of requests in flight, which closeRetired closes as the requests end.
 func (b *backend) closeIdle() {
 	b.h1.CloseIdleConnections()
 	b.h1s.close()
@@ -428,6 +440,83 @@ func (b *backend) closeIdle() {
 	b.h2Retire.Store(false)
 	if p := b.fpool.Load(); p != nil {
 		p.closeIdle()
+	}
+}
+
+// retire marks be retired and closes its idle connections now, the others as
+// their requests end; s.mu is held.
+func (s *Service) retire(be *backend) {
+	be.retired.Store(true)
+	s.closeRetiredLocked(be, true)
+}
+
+// unretire lets be keep its connections again (configured again); s.mu is
+// held.
+func (s *Service) unretire(be *backend) {
+	if !be.retired.Load() {
+		return
+	}
+	be.retired.Store(false)
+	be.h1s.reopen()
+	if be.closeAgain != nil {
+		be.closeAgain.Stop()
+		be.closeAgain = nil
+	}
+}
+
+// tryEnded is told that a request's try on be is over, its answer's body
+// closed: the connection it took is back in its pool, or closed. A retired
+// backend's is closed now.
+func (s *Service) tryEnded(be *backend) {
+	if be.retired.Load() {
+		s.closeRetired(be, true)
+	}
+}
+
+// Retired backends' h2 connections are looked at again after a request ends,
+// first closeAgainFirst later, then at doubling intervals up to closeAgainLast.
+const (
+	closeAgainFirst = 10 * time.Millisecond
+	closeAgainLast  = 1280 * time.Millisecond
+)
+
+// closeRetired closes a retired backend's idle connections (ended: a request
+// on it ended, or it was retired just now).
+func (s *Service) closeRetired(be *backend, ended bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if be.retired.Load() { // else configured again meanwhile
+		s.closeRetiredLocked(be, ended)
+	}
+}
+
+// closeRetiredLocked is closeRetired with s.mu held. Go's HTTP/2 transport
+// lets go of the stream of a request broken off (its client gone, a timeout)
+// a moment after RoundTrip returns, on a goroutine of its own, and its
+// connection is idle only then: while h2 connections are open, it looks
+// again, closeAgainFirst later, then at doubling intervals for about 2.5 s. A
+// connection still open after that carries a request in flight, whose end
+// looks again.
+func (s *Service) closeRetiredLocked(be *backend, ended bool) {
+	be.closeIdle()
+	switch {
+	case ended:
+		be.closeAgainIn = closeAgainFirst
+	case be.closeAgainIn < closeAgainLast:
+		be.closeAgainIn *= 2
+	default:
+		be.closeAgainIn = 0
+	}
+	if be.h2Open.Load() == 0 || be.closeAgainIn == 0 {
+		if be.closeAgain != nil {
+			be.closeAgain.Stop()
+		}
+		return
+	}
+	if be.closeAgain == nil {
+		be.closeAgain = time.AfterFunc(be.closeAgainIn, func() { s.closeRetired(be, false) })
+	} else {
+		be.closeAgain.Reset(be.closeAgainIn)
 	}
 }
 
@@ -507,20 +596,19 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 			be = s.newBackend(b.Addr)
 			s.backends[be.id] = be
 		}
-		if be.removed {
-			be.h1s.reopen()
-		}
 		be.removed = false
+		s.unretire(be)
 		s.drainTunnels(be, b.Draining)
 		in = append(in, balance.Backend{ID: be.id, Weight: b.Weight, Usable: b.Usable && b.Weight > 0, SlowStart: b.SlowStart, Ramp: b.Ramp})
 	}
 	bal.SetBackends(in)
 	for id, be := range s.backends {
 		if !seen[be.addr] {
-			// In-flight requests keep their connections; idle ones close now, and
-			// the entry goes once nothing is in flight on it.
+			// In-flight requests keep their connections until they end; idle
+			// ones close now, and the entry goes once nothing is in flight on
+			// it.
 			be.removed = true
-			be.closeIdle()
+			s.retire(be)
 			s.drainTunnels(be, true)
 			if bal.InFlight(id) == 0 {
 				delete(s.backends, id)
@@ -542,7 +630,7 @@ func (s *Service) closeBackends() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, b := range s.backends {
-		b.closeIdle()
+		s.retire(b) // requests broken off at the drain's end may still be on their way out
 		s.drainTunnels(b, false)
 	}
 }

@@ -1,0 +1,252 @@
+package httplb
+
+import (
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
+)
+
+// upstreamPools are the ways a request reaches a backend, one per pool of
+// upstream connections: the HTTP/1.1 exchange of requests without a body
+// (h1Pool), http.Transport for HTTP/1.1 requests with one, Go's HTTP/2
+// transport for HTTP/1.1 clients' requests to an h2c backend and for HTTP/2
+// clients served by net/http, and the frame engine's own pool.
+var upstreamPools = []upstreamPool{
+	{"HTTP/1.1 without a body", Config{}, h1Client, "GET"},
+	{"HTTP/1.1 with a body", Config{}, h1Client, "POST"},
+	{"HTTP/1.1 client to h2c", Config{Upstream: UpstreamH2C}, h1Client, "POST"},
+	{"HTTP/2 client through net/http", Config{Upstream: UpstreamH2C, NetHTTP2: true}, h2cClient, "GET"},
+	{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "POST"},
+}
+
+type upstreamPool struct {
+	name   string
+	cfg    Config
+	client func() *http.Client
+	method string
+}
+
+// start serves cfg (the pool's, amended) over a holding backend, and returns
+// the service, the backend, a client and the service's URL.
+func (p upstreamPool) start(t *testing.T, cfg Config) (*served, *holdingBackend, *http.Client, string) {
+	t.Helper()
+	be := startHoldingBackend(t)
+	sv := serveStoppable(t, cfg, []Backend{{Addr: be.addr, Weight: 1, Usable: true}})
+	t.Cleanup(be.letGo)
+	c := p.client()
+	t.Cleanup(c.CloseIdleConnections)
+	return sv, be, c, "http://" + sv.Addr().String()
+}
+
+// sendOK sends the pool's request to url+"/" and fails the test unless it is
+// answered 200 ok.
+func (p upstreamPool) sendOK(t *testing.T, c *http.Client, url string) {
+	t.Helper()
+	if code, body, err := send(c, p.method, url+"/"); err != nil || code != http.StatusOK || body != "ok" {
+		t.Fatalf("%s /: %d %q %v; want 200 ok", p.method, code, body, err)
+	}
+}
+
+// holdingBackend is a counting backend whose /slow requests wait, once they
+// have come whole, until letGo (or weir breaks them off); anything else is
+// answered "ok" at once.
+type holdingBackend struct {
+	*countingBackend
+	entered chan struct{} // a /slow request has come
+	release chan struct{} // closed by letGo: /slow requests answer
+	once    sync.Once
+}
+
+const slowAnswer = "the slow answer, whole"
+
+func startHoldingBackend(t *testing.T) *holdingBackend {
+	t.Helper()
+	b := &holdingBackend{entered: make(chan struct{}, 16), release: make(chan struct{})}
+	b.countingBackend = startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		if r.URL.Path != "/slow" {
+			io.WriteString(w, "ok")
+			return
+		}
+		b.entered <- struct{}{}
+		select {
+		case <-b.release:
+			io.WriteString(w, slowAnswer)
+		case <-r.Context().Done(): // weir broke it off
+		case <-time.After(20 * time.Second):
+		}
+	}, 0)
+	return b
+}
+
+// waitAllClosed fails the test unless every connection to b is closed within
+// 5 s (weir's pools would keep an idle one for 90 s).
+func (b *holdingBackend) waitAllClosed(t *testing.T) {
+	t.Helper()
+	waitfor.Value(t, 5*time.Second, "no connection open to the backend", func() (any, bool) {
+		n := b.open.Load()
+		return n, n == 0
+	})
+}
+
+// letGo has the /slow requests answer; idempotent. Call it by a t.Cleanup
+// registered after the service's too, so a drain does not wait on it.
+func (b *holdingBackend) letGo() { b.once.Do(func() { close(b.release) }) }
+
+// send sends a request to url with a short body if method takes one, and
+// returns the answer's status and body ("" and the error if it failed).
+func send(c *http.Client, method, url string) (int, string, error) {
+	var body io.Reader
+	if method == "POST" {
+		body = strings.NewReader("a request body")
+	}
+	req, err := http.NewRequest(method, url, body)
+	if err != nil {
+		return 0, "", err
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), err
+}
+
+// sendHeld starts the pool's /slow request and returns once the backend has it; the
+// answer comes on the channel when the backend is let go.
+func (p upstreamPool) sendHeld(t *testing.T, c *http.Client, url string, be *holdingBackend) <-chan string {
+	t.Helper()
+	answer := make(chan string, 1)
+	// Exits when the request is answered or fails: the backend answers at
+	// the latest 20s after it came.
+	go func() {
+		code, body, err := send(c, p.method, url+"/slow")
+		if err != nil {
+			answer <- err.Error()
+			return
+		}
+		answer <- http.StatusText(code) + " " + body
+	}()
+	select {
+	case <-be.entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the slow request did not reach the backend in 10s")
+	}
+	return answer
+}
+
+// TestRemovedBackendConnectionsClose: a backend a reload removes while a
+// request is in flight on it, directly or after a drain, or whose service is
+// removed, has every upstream connection to it closed once that request ends
+// (and the request gets its whole answer), whatever the pool the request went
+// through; a removed backend's connections do not wait for the pools' idle
+// timeout (90 s) to close.
+func TestRemovedBackendConnectionsClose(t *testing.T) {
+	removals := []struct {
+		name   string
+		remove func(t *testing.T, sv *served, gone, other Backend)
+	}{
+		{"reload without it", func(t *testing.T, sv *served, gone, other Backend) {
+			if err := sv.SetBackends([]Backend{other}); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"drained then removed", func(t *testing.T, sv *served, gone, other Backend) {
+			gone.Usable, gone.Draining = false, true
+			if err := sv.SetBackends([]Backend{gone, other}); err != nil {
+				t.Fatal(err)
+			}
+			if err := sv.SetBackends([]Backend{other}); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"service removed", func(t *testing.T, sv *served, gone, other Backend) { sv.stop() }},
+	}
+	for _, p := range upstreamPools {
+		for _, rm := range removals {
+			t.Run(p.name+"/"+rm.name, func(t *testing.T) {
+				sv, be, c, url := p.start(t, p.cfg)
+				other := startHoldingBackend(t)
+				// An idle pooled connection besides the one the held request
+				// takes, where the pool has one per request.
+				p.sendOK(t, c, url)
+				answer := p.sendHeld(t, c, url, be)
+				rm.remove(t, sv, Backend{Addr: be.addr, Weight: 1, Usable: true}, Backend{Addr: other.addr, Weight: 1, Usable: true})
+				be.letGo()
+				if got, want := <-answer, "OK "+slowAnswer; got != want {
+					t.Fatalf("the request in flight on the removed backend got %q; want %q", got, want)
+				}
+				be.waitAllClosed(t)
+			})
+		}
+	}
+}
+
+// TestReaddedBackendKeepsConnections: a backend removed while a request is
+// in flight on it and configured again before the request ends keeps the
+// connections it has once the request ends: the requests after reuse them.
+func TestReaddedBackendKeepsConnections(t *testing.T) {
+	for _, p := range upstreamPools {
+		t.Run(p.name, func(t *testing.T) {
+			sv, be, c, url := p.start(t, p.cfg)
+			other := startHoldingBackend(t)
+			back := []Backend{{Addr: be.addr, Weight: 1, Usable: true}}
+			answer := p.sendHeld(t, c, url, be)
+			if err := sv.SetBackends([]Backend{{Addr: other.addr, Weight: 1, Usable: true}}); err != nil {
+				t.Fatal(err)
+			}
+			if err := sv.SetBackends(back); err != nil {
+				t.Fatal(err)
+			}
+			// A connection of the backend configured again: the request
+			// in flight must not take it down when it ends.
+			p.sendOK(t, c, url)
+			be.letGo()
+			if got, want := <-answer, "OK "+slowAnswer; got != want {
+				t.Fatalf("the request in flight across the removal got %q; want %q", got, want)
+			}
+			// Its end is all done (the plane's bookkeeping too) before the
+			// next requests.
+			waitfor.Value(t, 5*time.Second, "no request in flight", func() (any, bool) {
+				n := sv.stats.inflight.Load()
+				return n, n == 0
+			})
+			accepted := be.accepted.Load()
+			for range 3 {
+				p.sendOK(t, c, url)
+			}
+			if n := be.accepted.Load(); n != accepted || be.open.Load() == 0 {
+				t.Errorf("the backend configured again accepted %d connections for 3 requests after, %d open; want 0 new, its pooled ones kept",
+					n-accepted, be.open.Load())
+			}
+		})
+	}
+}
+
+// TestStoppedServiceConnectionsClose: a service stopped while a request
+// waits on a backend past the drain timeout breaks the request off, and once
+// Serve has returned no connection to the backend is left open, whatever the
+// pool the request went through.
+func TestStoppedServiceConnectionsClose(t *testing.T) {
+	for _, p := range upstreamPools {
+		t.Run(p.name, func(t *testing.T) {
+			cfg := p.cfg
+			cfg.DrainTimeout = 200 * time.Millisecond
+			sv, be, c, url := p.start(t, cfg)
+			p.sendOK(t, c, url)
+			answer := p.sendHeld(t, c, url, be)
+			sv.stop()
+			<-sv.done
+			if got := <-answer; strings.HasSuffix(got, slowAnswer) {
+				t.Fatalf("the request held past the drain timeout got %q; want it broken off", got)
+			}
+			be.waitAllClosed(t)
+		})
+	}
+}
