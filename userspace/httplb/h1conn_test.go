@@ -6,12 +6,14 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"net/netip"
 	"net/url"
 	"reflect"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -25,6 +27,17 @@ type countingBackend struct {
 	addr           netip.AddrPort
 	accepted, open atomic.Int64
 	srv            *http.Server
+
+	mu    sync.Mutex
+	conns map[net.Conn]bool // open now: whether a request came on it
+}
+
+// openConns returns the connections open now, each with whether a request
+// came on it.
+func (b *countingBackend) openConns() map[net.Conn]bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return maps.Clone(b.conns)
 }
 
 func startCountingBackend(t *testing.T, h http.HandlerFunc, idle time.Duration) *countingBackend {
@@ -33,17 +46,27 @@ func startCountingBackend(t *testing.T, h http.HandlerFunc, idle time.Duration) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &countingBackend{addr: netip.MustParseAddrPort(ln.Addr().String())}
+	b := &countingBackend{addr: netip.MustParseAddrPort(ln.Addr().String()), conns: map[net.Conn]bool{}}
 	var p http.Protocols
 	p.SetHTTP1(true)
 	p.SetUnencryptedHTTP2(true)
-	b.srv = &http.Server{Handler: h, IdleTimeout: idle, Protocols: &p, ConnState: func(_ net.Conn, st http.ConnState) {
+	b.srv = &http.Server{Handler: h, IdleTimeout: idle, Protocols: &p, ConnState: func(c net.Conn, st http.ConnState) {
 		switch st {
 		case http.StateNew:
 			b.accepted.Add(1)
 			b.open.Add(1)
+			b.mu.Lock()
+			b.conns[c] = false
+			b.mu.Unlock()
+		case http.StateActive:
+			b.mu.Lock()
+			b.conns[c] = true
+			b.mu.Unlock()
 		case http.StateClosed, http.StateHijacked:
 			b.open.Add(-1)
+			b.mu.Lock()
+			delete(b.conns, c)
+			b.mu.Unlock()
 		}
 	}}
 	// Exits when the server is closed at cleanup.
