@@ -2,11 +2,14 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -27,10 +30,7 @@ import (
 // agent as their own executable (`weir run`), so they run as the built weir
 // binary, not this test's.
 func TestDemoStopsQuietly(t *testing.T) {
-	bin := filepath.Join(t.TempDir(), "weir")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v: %s", err, out)
-	}
+	bin := buildWeir(t)
 	for _, c := range []struct {
 		name    string
 		args    []string
@@ -54,6 +54,76 @@ func TestDemoStopsQuietly(t *testing.T) {
 	}
 }
 
+// TestDemoOneAtATime: weir demo while another runs refuses at once, exit
+// status 1 and one line on stderr naming the running demo's pid, and touches
+// nothing of it; so does weir demo down. The first demo's namespaces and
+// processes stay, and it ends as usual.
+func TestDemoOneAtATime(t *testing.T) {
+	bin := buildWeir(t)
+	first := startDemo(t, bin, []string{"demo"}, "HTTP requests to web (")
+	want := fmt.Sprintf("another weir demo runs (pid %d)", first.cmd.Process.Pid)
+	for _, args := range [][]string{{"demo"}, {"demo", "down"}} {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		var stdout, stderr bytes.Buffer
+		cmd := exec.CommandContext(ctx, bin, args...)
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		start := time.Now()
+		err := cmd.Run()
+		took := time.Since(start)
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 {
+			t.Errorf("weir %s while a demo runs: %v after %s; want exit status 1", strings.Join(args, " "), err, took)
+		}
+		if took > 10*time.Second {
+			t.Errorf("weir %s while a demo runs took %s; want it refused at once", strings.Join(args, " "), took)
+		}
+		if e := strings.TrimSpace(stderr.String()); strings.Count(e, "\n") > 0 || !strings.Contains(e, want) {
+			t.Errorf("weir %s: stderr %q; want one line saying %q", strings.Join(args, " "), e, want)
+		}
+		if stdout.Len() != 0 {
+			t.Errorf("weir %s: stdout %q; want nothing", strings.Join(args, " "), stdout.String())
+		}
+	}
+	if now, _ := netns.List(first.topology + "-"); !slices.Equal(now, first.nss) {
+		t.Errorf("the running demo's namespaces: got %v; want %v, untouched", now, first.nss)
+	}
+	for _, p := range first.procs {
+		if !p.running() {
+			t.Errorf("the running demo's process %d stopped; want it untouched", p.pid)
+		}
+	}
+	first.stop(t, syscall.SIGINT, true, false)
+}
+
+// TestDemoAfterKill: weir demo killed (SIGKILL: no cleanup) leaves its agent
+// and namespaces; the next weir demo stops and removes them, runs, and ends as
+// usual.
+func TestDemoAfterKill(t *testing.T) {
+	bin := buildWeir(t)
+	killed := startDemo(t, bin, []string{"demo"}, "HTTP requests to web (")
+	t.Cleanup(func() { removeLeft(t, killed.topology, killed.procs) })
+	if err := killed.cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-killed.exited:
+		killed.done = true
+	case <-time.After(time.Minute):
+		t.Fatal("weir demo still runs a minute after SIGKILL")
+	}
+	next := startDemo(t, bin, []string{"demo"}, "HTTP requests to web (")
+	for _, p := range killed.procs {
+		if p.running() {
+			t.Errorf("the killed demo's process %d (%s) still runs while the next serves", p.pid, p.cmdline())
+		}
+	}
+	if left, _ := netns.List(killed.topology + "-"); len(left) != 0 {
+		t.Errorf("the killed demo's namespaces %v are left while the next serves", left)
+	}
+	next.stop(t, syscall.SIGINT, true, false)
+}
+
 // demoProc is a process the demo started: its PID and start time (a PID may be
 // reused), and the directory of the config it runs on.
 type demoProc struct {
@@ -62,57 +132,95 @@ type demoProc struct {
 	dir     string
 }
 
+// buildWeir builds the weir binary: the demos run the agent as their own
+// executable (`weir run`), so they run as the built binary, not a test's.
+func buildWeir(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "weir")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v: %s", err, out)
+	}
+	return bin
+}
+
 // stopDemo runs weir args, waits until its stdout shows serving, sends sig and
 // checks how the demo ends and what it leaves. With twice it sends sig again,
 // to the process, until it exits: the second cuts the cleanup short, and the
 // test removes what the demo leaves.
 func stopDemo(t *testing.T, bin string, args []string, serving string, sig syscall.Signal, group, twice bool) {
+	startDemo(t, bin, args, serving).stop(t, sig, group, twice)
+}
+
+// runningDemo is a demo the test started, serving: its namespaces and the
+// processes in them.
+type runningDemo struct {
+	cmd            *exec.Cmd
+	args           []string
+	stdout, stderr output
+	exited         chan error
+	done           bool // it exited and the test saw it
+	topology       string
+	nss            []string
+	procs          []demoProc
+}
+
+// startDemo runs weir args and waits until its stdout shows serving. If the
+// test ends with the demo running, SIGTERM stops it (it removes what it made).
+func startDemo(t *testing.T, bin string, args []string, serving string) *runningDemo {
 	// Files, read while it runs.
 	dir := t.TempDir()
-	stdout, stderr := newOutput(t, filepath.Join(dir, "stdout")), newOutput(t, filepath.Join(dir, "stderr"))
+	d := &runningDemo{args: args, exited: make(chan error, 1),
+		stdout: newOutput(t, filepath.Join(dir, "stdout")), stderr: newOutput(t, filepath.Join(dir, "stderr"))}
 	cmd := exec.Command(bin, args...)
-	cmd.Stdout, cmd.Stderr = stdout.File, stderr.File
+	cmd.Stdout, cmd.Stderr = d.stdout.File, d.stderr.File
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	exited := make(chan error, 1)
+	d.cmd = cmd
 	// Exits when the demo does; the cleanup stops it if the test gives up.
-	go func() { exited <- cmd.Wait() }()
-	done := false
+	go func() { d.exited <- cmd.Wait() }()
 	t.Cleanup(func() {
-		if done {
+		if d.done {
 			return
 		}
 		cmd.Process.Signal(syscall.SIGTERM) // it removes what it made
 		select {
-		case <-exited:
+		case <-d.exited:
 		case <-time.After(2 * time.Minute):
 			cmd.Process.Kill()
-			<-exited
+			<-d.exited
 		}
 	})
 	name := regexp.MustCompile(`\((w[a-z]+[0-9a-z]+)\.\.\.\)`)
-	var topology string
 	if !waitfor.Cond(3*time.Minute, func() bool {
-		out := stdout.String()
+		out := d.stdout.String()
 		if m := name.FindStringSubmatch(out); m != nil {
-			topology = m[1]
+			d.topology = m[1]
 		}
-		return topology != "" && strings.Contains(out, serving)
+		return d.topology != "" && strings.Contains(out, serving)
 	}) {
-		t.Fatalf("weir %s did not serve within 3 minutes; stdout:\n%s\nstderr:\n%s", strings.Join(args, " "), stdout.String(), stderr.String())
+		t.Fatalf("weir %s did not serve within 3 minutes; stdout:\n%s\nstderr:\n%s", strings.Join(args, " "), d.stdout.String(), d.stderr.String())
 	}
-	nss, err := netns.List(topology + "-")
+	nss, err := netns.List(d.topology + "-")
 	if err != nil || len(nss) == 0 {
-		t.Fatalf("namespaces of %s: %v, %v; want some while the demo serves", topology, nss, err)
+		t.Fatalf("namespaces of %s: %v, %v; want some while the demo serves", d.topology, nss, err)
 	}
-	procs := procsIn(t, nss)
-	if len(procs) == 0 {
+	d.nss = nss
+	d.procs = procsIn(t, nss)
+	if len(d.procs) == 0 {
 		t.Fatalf("no process in %v; want the demo's agents there", nss)
 	}
+	return d
+}
 
-	target := cmd.Process.Pid
+// stop sends sig to the demo (to its process group with group) and checks how
+// it ends and what it leaves. With twice it sends sig again, to the process,
+// until it exits: the second cuts the cleanup short, and the test removes what
+// the demo leaves.
+func (d *runningDemo) stop(t *testing.T, sig syscall.Signal, group, twice bool) {
+	args := d.args
+	target := d.cmd.Process.Pid
 	if group {
 		target = -target
 	}
@@ -120,34 +228,33 @@ func stopDemo(t *testing.T, bin string, args []string, serving string, sig sysca
 		t.Fatal(err)
 	}
 	if twice {
-		cutShort(t, cmd.Process.Pid, sig, exited, stderr, topology, procs)
-		done = true
+		cutShort(t, d.cmd.Process.Pid, sig, d.exited, d.stderr, d.topology, d.procs)
+		d.done = true
 		return
 	}
 	select {
-	case err := <-exited:
-		done = true
+	case err := <-d.exited:
+		d.done = true
 		if err != nil {
 			t.Errorf("weir %s after %s: %v; want exit status 0", strings.Join(args, " "), sig, err)
 		}
 	case <-time.After(2 * time.Minute):
-		t.Fatalf("weir %s still runs 2 minutes after %s; stdout:\n%s", strings.Join(args, " "), sig, stdout.String())
+		t.Fatalf("weir %s still runs 2 minutes after %s; stdout:\n%s", strings.Join(args, " "), sig, d.stdout.String())
 	}
-	out := strings.TrimSpace(stdout.String())
-	if e := stderr.String(); e != "" {
+	out := strings.TrimSpace(d.stdout.String())
+	if e := d.stderr.String(); e != "" {
 		t.Errorf("stderr: got %q; want nothing", e)
 	}
 	last := out[strings.LastIndex(out, "\n")+1:]
 	if !strings.HasPrefix(last, "demo stopped (") || strings.Contains(out, "FAIL") {
 		t.Errorf("stdout ends %q (FAIL in it: %t); want one line saying the demo stopped, and no failure", last, strings.Contains(out, "FAIL"))
 	}
-	if left, _ := netns.List(topology + "-"); len(left) != 0 {
+	if left, _ := netns.List(d.topology + "-"); len(left) != 0 {
 		t.Errorf("namespaces left: %v", left)
 	}
-	for _, p := range procs {
-		if st, err := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/stat"); err == nil && startTime(st) == p.started {
-			cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/cmdline")
-			t.Errorf("process %d (%s) still runs", p.pid, bytes.ReplaceAll(cmdline, []byte{0}, []byte{' '}))
+	for _, p := range d.procs {
+		if p.running() {
+			t.Errorf("process %d (%s) still runs", p.pid, p.cmdline())
 		}
 		if _, err := os.Stat(p.dir); p.dir != "" && err == nil {
 			t.Errorf("%s left", p.dir)
@@ -160,22 +267,7 @@ func stopDemo(t *testing.T, bin string, args []string, serving string, sig sysca
 // once, status 130, with one line on stderr, and removes what it left: the
 // namespaces of topology and the processes of procs.
 func cutShort(t *testing.T, pid int, sig syscall.Signal, exited <-chan error, stderr output, topology string, procs []demoProc) {
-	t.Cleanup(func() {
-		for _, p := range procs {
-			if st, err := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/stat"); err == nil && startTime(st) == p.started {
-				syscall.Kill(p.pid, syscall.SIGKILL)
-			}
-			if p.dir != "" {
-				os.RemoveAll(p.dir)
-			}
-		}
-		left, _ := netns.List(topology + "-")
-		for _, ns := range left {
-			if err := netns.RemoveMounted(ns); err != nil {
-				t.Errorf("remove %s: %v", ns, err)
-			}
-		}
-	})
+	t.Cleanup(func() { removeLeft(t, topology, procs) })
 	tick := time.NewTicker(10 * time.Millisecond)
 	defer tick.Stop()
 	deadline := time.After(time.Minute)
@@ -197,6 +289,38 @@ func cutShort(t *testing.T, pid int, sig syscall.Signal, exited <-chan error, st
 			t.Fatalf("weir demo still runs a minute after a second %s", sig)
 		}
 	}
+}
+
+// removeLeft kills the processes of procs still running and removes their
+// config directories and the namespaces of topology: what a demo whose
+// cleanup was cut short, or that was killed, leaves.
+func removeLeft(t *testing.T, topology string, procs []demoProc) {
+	for _, p := range procs {
+		if p.running() {
+			syscall.Kill(p.pid, syscall.SIGKILL)
+		}
+		if p.dir != "" {
+			os.RemoveAll(p.dir)
+		}
+	}
+	left, _ := netns.List(topology + "-")
+	for _, ns := range left {
+		if err := netns.RemoveMounted(ns); err != nil {
+			t.Errorf("remove %s: %v", ns, err)
+		}
+	}
+}
+
+// running reports whether the process still runs (and is not another that
+// got its pid).
+func (p demoProc) running() bool {
+	st, err := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/stat")
+	return err == nil && startTime(st) == p.started
+}
+
+func (p demoProc) cmdline() []byte {
+	b, _ := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/cmdline")
+	return bytes.ReplaceAll(b, []byte{0}, []byte{' '})
 }
 
 // output is a file the demo writes to and the test reads while it runs.

@@ -121,6 +121,7 @@ type run struct {
 	cfgPath  string
 	agent    *exec.Cmd
 	agentErr chan error
+	lock     *os.File // the directory's, see lock
 	rep      Report
 }
 
@@ -145,8 +146,18 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if r.out == nil {
 		r.out = io.Discard
 	}
-	if st, err := readState(opts.Dir); err == nil && alive(st.AgentPID) {
-		return Report{}, fmt.Errorf("demo: a kept demo runs (agent pid %d): remove it first with weir demo down", st.AgentPID)
+	lk, err := lock(opts.Dir)
+	if err != nil {
+		return Report{}, fmt.Errorf("demo: %w", err)
+	}
+	r.lock = lk
+	defer func() {
+		// A kept demo's hold process holds the lock on.
+		lk.Close()
+	}()
+	// With the lock, what the directory's state names is a dead demo's.
+	if err := removeLeftovers(opts.Dir); err != nil {
+		return Report{}, fmt.Errorf("demo: remove what a killed run left: %w", err)
 	}
 	if err := topo.CleanupStale(NamePrefix); err != nil {
 		return Report{}, fmt.Errorf("demo: remove a crashed run's namespaces: %w", err)
@@ -298,6 +309,10 @@ func (r *run) startAgent(ctx context.Context) error {
 	r.agent, r.agentErr = cmd, make(chan error, 1)
 	// Exits when the agent process does.
 	go func() { r.agentErr <- cmd.Wait() }()
+	// What the next run removes if this one is killed.
+	if err := writeState(r.state()); err != nil {
+		return fmt.Errorf("demo: %w", err)
+	}
 	r.client = admin.NewClient(filepath.Join(r.opts.Dir, "weir.sock"))
 	fmt.Fprintf(r.out, "weir demo: client, balancer and %d backends in network namespaces (%s...); the agent runs `%s` in %s\n",
 		len(r.t.Backends), r.t.Name, strings.Join(r.opts.AgentArgv(r.cfgPath), " "), r.t.Balancer.NS.Name())

@@ -3,6 +3,7 @@ package demo
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -151,7 +152,7 @@ func TestDemoKeep(t *testing.T) {
 	// A second demo refuses while this one is kept.
 	again := options(t, "auto", &bytes.Buffer{})
 	again.Dir = opts.Dir
-	if _, err := Run(ctx, again); err == nil || !strings.Contains(err.Error(), "weir demo down") {
+	if _, err := Run(ctx, again); !errors.Is(err, ErrBusy) || !strings.Contains(err.Error(), "weir demo down") {
 		t.Errorf("a demo while one is kept: got %v; want it refused, naming weir demo down", err)
 	}
 	if err := Down(opts.Dir); err != nil {

@@ -1,6 +1,7 @@
 package demo
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -9,17 +10,22 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/weir-lb/weir/internal/netns"
 )
 
-// state is what a kept demo leaves for Hold and Down.
+// state is what a demo leaves for the next run, should it be killed, and what
+// a kept demo leaves for Hold and Down. A process is named by its pid and its
+// start time (a pid may be reused).
 type state struct {
 	Dir        string       `json:"dir"`
 	AgentPID   int          `json:"agent_pid"`
+	AgentStart string       `json:"agent_start"`
 	HoldPID    int          `json:"hold_pid"`
+	HoldStart  string       `json:"hold_start"`
 	Namespaces []string     `json:"namespaces"`
 	Backends   []backend    `json:"backends"`
 	VIPs       []netip.Addr `json:"vips"`
@@ -40,14 +46,36 @@ func alive(pid int) bool {
 	return pid > 0 && syscall.Kill(pid, 0) == nil
 }
 
-// keep hands the backends to a hold process, leaves the agent running and prints
-// what to try.
-func (r *run) keep(ctx context.Context) error {
-	st := state{Dir: r.opts.Dir, AgentPID: r.agent.Process.Pid, Backends: r.backends, VIPs: []netip.Addr{r.t.VIP4, r.t.VIP6}}
+// startTime is field 22 of /proc/PID/stat, when the process started, or "" when
+// there is no such process.
+func startTime(pid int) string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return ""
+	}
+	// The command name, field 2, is in parentheses and may hold spaces.
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+	if len(f) < 20 {
+		return ""
+	}
+	return f[19]
+}
+
+// state is what the run has made so far: the agent and the namespaces.
+func (r *run) state() state {
+	st := state{Dir: r.opts.Dir, AgentPID: r.agent.Process.Pid, AgentStart: startTime(r.agent.Process.Pid)}
 	for _, h := range r.t.Hosts() {
 		st.Namespaces = append(st.Namespaces, h.NS.Name())
 	}
 	st.Namespaces = append(st.Namespaces, r.t.Bridge.Name())
+	return st
+}
+
+// keep hands the backends to a hold process, leaves the agent running and prints
+// what to try.
+func (r *run) keep(ctx context.Context) error {
+	st := r.state()
+	st.Backends, st.VIPs = r.backends, []netip.Addr{r.t.VIP4, r.t.VIP6}
 	// The hold process binds the same ports: this process lets go first.
 	r.srv.close()
 	logf, err := os.Create(filepath.Join(r.opts.Dir, "hold.log"))
@@ -62,12 +90,18 @@ func (r *run) keep(ctx context.Context) error {
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Env = append(os.Environ(), r.opts.Env...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	// It holds the directory's lock on after this process exits, until weir
+	// demo down stops it.
+	cmd.ExtraFiles = []*os.File{r.lock}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start the backends' process: %w", err)
 	}
-	st.HoldPID = cmd.Process.Pid
+	st.HoldPID, st.HoldStart = cmd.Process.Pid, startTime(cmd.Process.Pid)
 	cmd.Process.Release()
 	if err := writeState(st); err != nil {
+		return err
+	}
+	if err := setHolder(r.lock, "kept", st.AgentPID); err != nil {
 		return err
 	}
 	// Serving again once a request through the VIP is answered.
@@ -97,12 +131,18 @@ The agent logs to %[7]s. Remove everything with: weir demo down
 	return nil
 }
 
+// writeState replaces the state file whole (a new file renamed over it): the
+// hold process reads it while keep adds the hold process's pid.
 func writeState(st state) error {
 	b, err := json.MarshalIndent(st, "", "  ")
 	if err != nil {
 		return err
 	}
-	return os.WriteFile(statePath(st.Dir), b, 0o600)
+	tmp := statePath(st.Dir) + ".new"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, statePath(st.Dir))
 }
 
 // Hold serves a kept demo's backends until ctx ends (weir demo down sends SIGTERM).
@@ -132,21 +172,64 @@ func Hold(ctx context.Context, path string) error {
 }
 
 // Down removes what a kept demo left in dir: it stops the agent and the backends'
-// process, then removes the namespaces.
+// process, then removes the namespaces. It refuses while a demo runs there.
 func Down(dir string) error {
 	if dir == "" {
 		dir = DefaultDir
 	}
-	st, err := readState(dir)
-	if errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("demo down: no kept demo (%s does not exist)", statePath(dir))
+	lk, err := lock(dir)
+	if errors.Is(err, ErrBusy) && kept(dir) {
+		lk, err = takeKept(dir)
 	}
 	if err != nil {
 		return fmt.Errorf("demo down: %w", err)
 	}
+	defer lk.Close()
+	if _, err := os.Stat(statePath(dir)); errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("demo down: no kept demo (%s does not exist)", statePath(dir))
+	}
+	if err := removeLeftovers(dir); err != nil {
+		return fmt.Errorf("demo down: %w", err)
+	}
+	return nil
+}
+
+// takeKept stops the hold process of the kept demo in dir, which holds dir's
+// lock, and takes the lock once it is gone.
+func takeKept(dir string) (*os.File, error) {
+	st, err := readState(dir)
+	if err != nil {
+		return nil, err
+	}
+	if err := stopProc(st.HoldPID, st.HoldStart); err != nil {
+		return nil, err
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		lk, err := lock(dir)
+		if !errors.Is(err, ErrBusy) || time.Now().After(deadline) {
+			return lk, err
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// removeLeftovers removes what the state in dir names, if any: its processes,
+// then its namespaces, then dir. The caller holds dir's lock.
+func removeLeftovers(dir string) error {
+	st, err := readState(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
 	var errs []error
-	for _, pid := range []int{st.AgentPID, st.HoldPID} {
-		if err := stopPID(pid); err != nil {
+	for _, p := range []struct {
+		pid   int
+		start string
+	}{{st.AgentPID, st.AgentStart}, {st.HoldPID, st.HoldStart}} {
+		if err := stopProc(p.pid, p.start); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -160,9 +243,17 @@ func Down(dir string) error {
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
-		return fmt.Errorf("demo down: %w", err)
+		return err
 	}
 	return os.RemoveAll(dir)
+}
+
+// stopProc stops the process pid if it is the one that started at start.
+func stopProc(pid int, start string) error {
+	if start == "" || startTime(pid) != start {
+		return nil // gone, and the pid maybe reused
+	}
+	return stopPID(pid)
 }
 
 // stopPID sends SIGTERM and waits up to 15 s for the process to go, then kills it.
