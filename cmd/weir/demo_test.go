@@ -311,11 +311,15 @@ func removeLeft(t *testing.T, topology string, procs []demoProc) {
 	}
 }
 
-// running reports whether the process still runs (and is not another that
-// got its pid).
+// running reports whether the process still runs: it is not another that got
+// its pid, and not a zombie (one whose parent died waits for init to reap it).
 func (p demoProc) running() bool {
 	st, err := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/stat")
-	return err == nil && startTime(st) == p.started
+	if err != nil || startTime(st) != p.started {
+		return false
+	}
+	f := strings.Fields(string(st[bytes.LastIndexByte(st, ')')+1:]))
+	return len(f) > 0 && f[0] != "Z"
 }
 
 func (p demoProc) cmdline() []byte {
