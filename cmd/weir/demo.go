@@ -50,10 +50,11 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
-	defer cutShortOnSecondSignal(stderr, demo.NamePrefix+"*")()
+	cleaned := cutShortOnSecondSignal(stderr, demo.NamePrefix+"*")
 	rep, err := demo.Run(ctx, demo.Options{Backends: *backends, Requests: *requests, Attach: *mode, Keep: *keep, Out: stdout,
 		AgentArgv: func(cfg string) []string { return []string{exe, "run", "-c", cfg} },
 		HoldArgv:  func(state string) []string { return []string{exe, "demo", "hold", state} }})
+	cleaned()
 	if stopped(ctx, err) {
 		fmt.Fprintf(stdout, "\ndemo stopped (%v): the agent is stopped; namespaces, links and the XDP program are removed\n", err)
 		return nil
@@ -96,9 +97,10 @@ func runDemoFleet(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	if err != nil {
 		return fmt.Errorf("demo fleet: %w", err)
 	}
-	defer cutShortOnSecondSignal(stderr, "wfl*")()
+	cleaned := cutShortOnSecondSignal(stderr, "wfl*")
 	rep, err := fleet.Demo(ctx, fleet.DemoOptions{Out: stdout, Streams: *streams,
 		AgentArgv: func(cfg string) []string { return []string{exe, "run", "-c", cfg} }})
+	cleaned()
 	if stopped(ctx, err) {
 		fmt.Fprintf(stdout, "\ndemo stopped (%v): agents and BIRD stopped; namespaces, links and XDP programs removed\n", err)
 		return nil
@@ -116,20 +118,31 @@ func runDemoFleet(ctx context.Context, args []string, stdout, stderr io.Writer) 
 // cutShortOnSecondSignal lets a user cut a demo's cleanup short: the first
 // SIGINT, SIGTERM or SIGHUP stops the demo, which then removes what it made; a
 // second exits at once, status 130, saying that the namespaces named left and
-// what runs in them may remain. The returned func stops watching.
-func cutShortOnSecondSignal(stderr io.Writer, left string) (stop func()) {
+// what runs in them may remain. The caller calls the returned func as soon as
+// the demo has returned, its cleanup done: from then on no signal says that
+// anything was cut short (one that comes then is left to the caller's
+// context, which the first has ended, and the demo ends as it would have).
+func cutShortOnSecondSignal(stderr io.Writer, left string) (cleaned func()) {
 	sig := make(chan os.Signal, 2)
 	signal.Notify(sig, os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
+	var mu sync.Mutex
+	over := false // the cleanup is done
 	done := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(1)
-	go func() { // exits when stop is called, or ends the process
+	go func() { // exits when cleaned is called, or ends the process
 		defer wg.Done()
 		for n := 0; ; {
 			select {
 			case s := <-sig:
 				if n++; n < 2 {
 					continue
+				}
+				// Both at once may be ready: the select picks either.
+				mu.Lock()
+				if over {
+					mu.Unlock()
+					return
 				}
 				fmt.Fprintf(stderr, "weir: demo: %v again: cleanup cut short; namespaces %s, their links and processes may be left (the next run of the demo removes the namespaces)\n", s, left)
 				os.Exit(130)
@@ -139,6 +152,9 @@ func cutShortOnSecondSignal(stderr io.Writer, left string) (stop func()) {
 		}
 	}()
 	return func() {
+		mu.Lock()
+		over = true
+		mu.Unlock()
 		signal.Stop(sig)
 		close(done)
 		wg.Wait()

@@ -16,6 +16,9 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/internal/demo"
 	"github.com/weir-lb/weir/internal/heavy"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/waitfor"
@@ -124,6 +127,130 @@ func TestDemoAfterKill(t *testing.T) {
 	next.stop(t, syscall.SIGINT, true, false)
 }
 
+// TestDemoSignalAfterCleanup: a second SIGINT that comes once weir demo has
+// removed everything it made, before it exits, cuts nothing short: the demo
+// says it stopped and exits 0, nothing on stderr. The test holds the demo
+// there by keeping the pipe of its stdout full, so that its last line waits.
+func TestDemoSignalAfterCleanup(t *testing.T) {
+	bin := buildWeir(t)
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close(); w.Close() })
+	stderr := newOutput(t, filepath.Join(t.TempDir(), "stderr"))
+	d := launchDemo(t, bin, []string{"demo"}, w, stderr)
+	cmd, exited := d.cmd, d.exited
+	// Before the demo is stopped, should the test give up: its writes fail
+	// from now on (weir ignores SIGPIPE) instead of waiting.
+	t.Cleanup(func() { r.Close() })
+	var out bytes.Buffer
+	// drain reads what the demo wrote for up to d, and reports EOF.
+	drain := func(d time.Duration) bool {
+		r.SetReadDeadline(time.Now().Add(d))
+		_, err := out.ReadFrom(r)
+		return err == nil
+	}
+	// fill writes to the pipe until it is full: the demo's next write waits.
+	// Its own open file description of the pipe, non-blocking: the demo's
+	// stays blocking, so its write waits instead of failing.
+	wfd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", w.Fd()), unix.O_WRONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wfdOpen := true
+	t.Cleanup(func() {
+		if wfdOpen {
+			unix.Close(wfd)
+		}
+	})
+	pad := bytes.Repeat([]byte{'.'}, 4096)
+	fill := func() {
+		for {
+			if _, err := unix.Write(wfd, pad); err != nil {
+				return // EAGAIN: full
+			}
+		}
+	}
+	name := regexp.MustCompile(`\((w[a-z]+[0-9a-z]+)\.\.\.\)`)
+	var topology string
+	if !waitfor.Cond(3*time.Minute, func() bool {
+		drain(50 * time.Millisecond)
+		if m := name.FindStringSubmatch(out.String()); m != nil {
+			topology = m[1]
+		}
+		return topology != "" && strings.Contains(out.String(), "HTTP requests to web (")
+	}) {
+		t.Fatalf("weir demo did not serve within 3 minutes; stdout:\n%s\nstderr:\n%s", out.String(), stderr.String())
+	}
+	if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	fill()
+	// The demo lets go of its lock once it has removed everything. Should a
+	// write before that wait on the full pipe, let it through and fill again.
+	filled := time.Now()
+	if !waitfor.Cond(2*time.Minute, func() bool {
+		select {
+		case err := <-exited:
+			exited <- err
+			t.Fatalf("weir demo exited (%v) before the test could signal it after its cleanup", err)
+		default:
+		}
+		if demoLockFree(t) {
+			return true
+		}
+		if time.Since(filled) > 3*time.Second {
+			drain(50 * time.Millisecond)
+			fill()
+			filled = time.Now()
+		}
+		return false
+	}) {
+		t.Fatal("weir demo still holds its lock 2 minutes after SIGINT")
+	}
+	if left, _ := netns.List(topology + "-"); len(left) != 0 {
+		t.Errorf("namespaces left once the demo let go of its lock: %v", left)
+	}
+	if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	// Its last line through, the demo exits.
+	w.Close()
+	unix.Close(wfd)
+	wfdOpen = false
+	if !waitfor.Cond(time.Minute, func() bool { return drain(50 * time.Millisecond) }) {
+		t.Fatal("weir demo's stdout still open a minute after the second SIGINT")
+	}
+	select {
+	case err := <-exited:
+		d.done = true
+		if err != nil {
+			t.Errorf("weir demo after a SIGINT once its cleanup was done: %v; want exit status 0", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("weir demo still runs a minute after its stdout closed")
+	}
+	if e := stderr.String(); e != "" {
+		t.Errorf("stderr: got %q; want nothing", e)
+	}
+	o := strings.TrimSpace(out.String())
+	if last := o[strings.LastIndex(o, "\n")+1:]; !strings.HasPrefix(last, "demo stopped (") {
+		t.Errorf("stdout ends %q; want the line saying the demo stopped", last)
+	}
+}
+
+// demoLockFree reports whether no demo holds the lock of weir demo's directory
+// (it takes and releases it).
+func demoLockFree(t *testing.T) bool {
+	f, err := os.Open(demo.DefaultDir + ".lock")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	return unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil
+}
+
 // demoProc is a process the demo started: its PID and start time (a PID may be
 // reused), and the directory of the config it runs on.
 type demoProc struct {
@@ -169,29 +296,9 @@ type runningDemo struct {
 func startDemo(t *testing.T, bin string, args []string, serving string) *runningDemo {
 	// Files, read while it runs.
 	dir := t.TempDir()
-	d := &runningDemo{args: args, exited: make(chan error, 1),
-		stdout: newOutput(t, filepath.Join(dir, "stdout")), stderr: newOutput(t, filepath.Join(dir, "stderr"))}
-	cmd := exec.Command(bin, args...)
-	cmd.Stdout, cmd.Stderr = d.stdout.File, d.stderr.File
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	d.cmd = cmd
-	// Exits when the demo does; the cleanup stops it if the test gives up.
-	go func() { d.exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		if d.done {
-			return
-		}
-		cmd.Process.Signal(syscall.SIGTERM) // it removes what it made
-		select {
-		case <-d.exited:
-		case <-time.After(2 * time.Minute):
-			cmd.Process.Kill()
-			<-d.exited
-		}
-	})
+	stdout := newOutput(t, filepath.Join(dir, "stdout"))
+	d := launchDemo(t, bin, args, stdout.File, newOutput(t, filepath.Join(dir, "stderr")))
+	d.stdout = stdout
 	name := regexp.MustCompile(`\((w[a-z]+[0-9a-z]+)\.\.\.\)`)
 	if !waitfor.Cond(3*time.Minute, func() bool {
 		out := d.stdout.String()
@@ -211,6 +318,35 @@ func startDemo(t *testing.T, bin string, args []string, serving string) *running
 	if len(d.procs) == 0 {
 		t.Fatalf("no process in %v; want the demo's agents there", nss)
 	}
+	return d
+}
+
+// launchDemo starts weir args, its own process group, writing to stdout and
+// stderr. If the test ends with it running, SIGTERM stops it (it removes what
+// it made).
+func launchDemo(t *testing.T, bin string, args []string, stdout *os.File, stderr output) *runningDemo {
+	d := &runningDemo{args: args, exited: make(chan error, 1), stderr: stderr}
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = stdout, stderr.File
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	d.cmd = cmd
+	// Exits when the demo does; the cleanup stops it if the test gives up.
+	go func() { d.exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		if d.done {
+			return
+		}
+		cmd.Process.Signal(syscall.SIGTERM) // it removes what it made
+		select {
+		case <-d.exited:
+		case <-time.After(2 * time.Minute):
+			cmd.Process.Kill()
+			<-d.exited
+		}
+	})
 	return d
 }
 
