@@ -262,10 +262,15 @@ func (uc *upconn) forget(st *fstream) {
 }
 
 // idleCheckLocked closes a connection that may take no more streams once its
-// last has ended.
+// last has ended. A retired backend's connection takes none: closeIdle marked
+// those it found, and one made since (for a request that picked the backend
+// just before it was retired, or that it refused) is closed too.
 func (uc *upconn) idleCheckLocked() {
 	if len(uc.streams) > 0 || len(uc.waiting) > 0 || uc.conn == nil || uc.dead {
 		return
+	}
+	if uc.pool.be.retired.Load() {
+		uc.away = true
 	}
 	if uc.away {
 		uc.closeIdleLocked()

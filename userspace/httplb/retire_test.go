@@ -1,12 +1,17 @@
 package httplb
 
 import (
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"golang.org/x/net/http2"
 
 	"github.com/weir-lb/weir/internal/waitfor"
 )
@@ -260,5 +265,69 @@ func TestStoppedServiceConnectionsClose(t *testing.T) {
 			}
 			be.waitAllClosed(t)
 		})
+	}
+}
+
+// TestRemovedBackendNewConnectionCloses: a request of the frame engine's that
+// goes to a backend a reload has removed on a connection made after the
+// removal (the backend refused its stream, which goes again to the same
+// backend, as one that picked the backend just before the removal does) has
+// that connection closed, GOAWAY NO_ERROR, once it is answered, not kept for
+// the pool's idle timeout (90 s).
+func TestRemovedBackendNewConnectionCloses(t *testing.T) {
+	came, refuse := make(chan struct{}, 1), make(chan struct{})
+	t.Cleanup(func() { close(refuse) }) // before the service's drain
+	var conns atomic.Int32
+	end := make(chan string, 1) // how the connection after the first ended
+	be := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
+		first := conns.Add(1) == 1
+		readBackendFrames(fr, func(f *http2.HeadersFrame) {
+			if first {
+				came <- struct{}{}
+				<-refuse
+				fr.WriteRSTStream(f.StreamID, http2.ErrCodeRefusedStream)
+				return
+			}
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("200"), EndHeaders: true})
+			fr.WriteData(f.StreamID, true, []byte("ok"))
+		}, func(what string) bool {
+			if first || what == "PING answered" {
+				return true
+			}
+			select {
+			case end <- what:
+			default:
+			}
+			return false
+		})
+	})
+	sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	c := h2cClient()
+	t.Cleanup(c.CloseIdleConnections)
+	got := make(chan string, 1)
+	// Exits when the request is answered or fails (the client's timeout).
+	go func() {
+		code, body, err := send(c, "GET", "http://"+sv.Addr().String()+"/")
+		got <- fmt.Sprint(code, " ", body, " ", err)
+	}()
+	select {
+	case <-came:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the request did not reach the backend in 10s")
+	}
+	if err := removeBackends(sv); err != nil {
+		t.Fatal(err)
+	}
+	refuse <- struct{}{}
+	if g := <-got; g != "200 ok <nil>" {
+		t.Fatalf("GET refused by the removed backend: %s; want 200 ok <nil>", g)
+	}
+	select {
+	case g := <-end:
+		if g != "GOAWAY NO_ERROR" {
+			t.Errorf("the connection made after the removal ended with %s; want GOAWAY NO_ERROR", g)
+		}
+	case <-time.After(20 * time.Second):
+		t.Error("the connection made after the removal still open 20s after its request ended")
 	}
 }
