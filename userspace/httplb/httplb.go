@@ -182,7 +182,7 @@ type Service struct {
 	tunClosing bool
 
 	mu       sync.Mutex
-	backends map[string]*backend                 // by address; removed ones until idle
+	backends map[string]*backend                 // by address; removed ones until a reload finds none of their requests in flight
 	byID     atomic.Pointer[map[string]*backend] // backends as last published, read by requests
 }
 
@@ -605,8 +605,10 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 	for id, be := range s.backends {
 		if !seen[be.addr] {
 			// In-flight requests keep their connections until they end; idle
-			// ones close now, and the entry goes once nothing is in flight on
-			// it.
+			// ones close now. The entry goes now if nothing is in flight on
+			// it, else at a later reload that finds nothing in flight (kept,
+			// it is retired all the same, and taken up again if configured
+			// again meanwhile).
 			be.removed = true
 			s.retire(be)
 			s.drainTunnels(be, true)
