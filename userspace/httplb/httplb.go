@@ -582,15 +582,18 @@ func (s *Service) SetBackends(bs []Backend) error {
 }
 
 func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
-	seen := map[netip.AddrPort]bool{}
-	in := make([]balance.Backend, 0, len(bs))
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	// A set refused changes nothing: checked whole before any backend is.
+	seen := make(map[netip.AddrPort]bool, len(bs))
 	for _, b := range bs {
 		if seen[b.Addr] {
 			return fmt.Errorf("service %q: backend %s: listed twice", s.cfg.Name, b.Addr)
 		}
 		seen[b.Addr] = true
+	}
+	in := make([]balance.Backend, 0, len(bs))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, b := range bs {
 		be := s.backends[b.Addr.String()]
 		if be == nil {
 			be = s.newBackend(b.Addr)

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/netip"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -330,4 +331,43 @@ func TestRemovedBackendNewConnectionCloses(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Error("the connection made after the removal still open 20s after its request ended")
 	}
+}
+
+// TestRemovedBackendStaysRetiredOnRefusedChange: a set of backends refused
+// (one listed twice) changes nothing: a backend removed while a request is
+// in flight on it, listed again in the refused set, still has its
+// connections closed once the request ends, and a backend only the refused
+// set named is not reported.
+func TestRemovedBackendStaysRetiredOnRefusedChange(t *testing.T) {
+	for _, p := range upstreamPools {
+		t.Run(p.name, func(t *testing.T) {
+			sv, be, c, url := p.start(t, p.cfg)
+			other, unknown := startHoldingBackend(t), startHoldingBackend(t)
+			gone := Backend{Addr: be.addr, Weight: 1, Usable: true}
+			answer := p.sendHeld(t, c, url, be)
+			if err := sv.SetBackends([]Backend{{Addr: other.addr, Weight: 1, Usable: true}}); err != nil {
+				t.Fatal(err)
+			}
+			if err := sv.SetBackends([]Backend{{Addr: unknown.addr, Weight: 1, Usable: true}, gone, gone}); err == nil {
+				t.Fatal("SetBackends with a backend listed twice: no error; want one")
+			}
+			if got, want := fmt.Sprint(backendAddrs(sv.Snapshot())), fmt.Sprint([]netip.AddrPort{other.addr}); got != want {
+				t.Errorf("backends after the refused change: %s; want %s", got, want)
+			}
+			be.letGo()
+			if got, want := <-answer, "OK "+slowAnswer; got != want {
+				t.Fatalf("the request in flight on the removed backend got %q; want %q", got, want)
+			}
+			be.waitAllClosed(t)
+		})
+	}
+}
+
+// backendAddrs is the addresses of a snapshot's backends.
+func backendAddrs(sn Snapshot) []netip.AddrPort {
+	var as []netip.AddrPort
+	for _, b := range sn.Backends {
+		as = append(as, b.Addr)
+	}
+	return as
 }
