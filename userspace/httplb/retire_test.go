@@ -277,7 +277,6 @@ func TestStoppedServiceConnectionsClose(t *testing.T) {
 // the pool's idle timeout (90 s).
 func TestRemovedBackendNewConnectionCloses(t *testing.T) {
 	came, refuse := make(chan struct{}, 1), make(chan struct{})
-	t.Cleanup(func() { close(refuse) }) // before the service's drain
 	var conns atomic.Int32
 	end := make(chan string, 1) // how the connection after the first ended
 	be := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
@@ -303,6 +302,9 @@ func TestRemovedBackendNewConnectionCloses(t *testing.T) {
 		})
 	})
 	sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	var refused sync.Once
+	letRefuse := func() { refused.Do(func() { close(refuse) }) }
+	t.Cleanup(letRefuse) // before the service's drain
 	c := h2cClient()
 	t.Cleanup(c.CloseIdleConnections)
 	got := make(chan string, 1)
@@ -319,7 +321,7 @@ func TestRemovedBackendNewConnectionCloses(t *testing.T) {
 	if err := removeBackends(sv); err != nil {
 		t.Fatal(err)
 	}
-	refuse <- struct{}{}
+	letRefuse()
 	if g := <-got; g != "200 ok <nil>" {
 		t.Fatalf("GET refused by the removed backend: %s; want 200 ok <nil>", g)
 	}
