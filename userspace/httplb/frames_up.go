@@ -262,9 +262,10 @@ func (uc *upconn) forget(st *fstream) {
 }
 
 // idleCheckLocked closes a connection that may take no more streams once its
-// last has ended. A retired backend's connection takes none: closeIdle marked
-// those it found, and one made since (for a request that picked the backend
-// just before it was retired, or that it refused) is closed too.
+// last has ended. A retired backend's take none: closeIdle closes those idle
+// when it is retired, and the others close here as their last stream ends,
+// also one made since (for a request that picked the backend just before);
+// a backend configured again first keeps them.
 func (uc *upconn) idleCheckLocked() {
 	if len(uc.streams) > 0 || len(uc.waiting) > 0 || uc.conn == nil || uc.dead {
 		return
@@ -357,7 +358,6 @@ func (uc *upconn) dial() {
 	uc.ready = true
 	waiting := uc.waiting
 	uc.waiting = nil
-	closed := uc.away
 	uc.mu.Unlock()
 	for _, st := range waiting {
 		st.sess.mu.Lock()
@@ -366,11 +366,11 @@ func (uc *upconn) dial() {
 		}
 		st.sess.mu.Unlock()
 	}
-	if closed {
-		uc.mu.Lock()
-		uc.idleCheckLocked()
-		uc.mu.Unlock()
-	}
+	// With no stream (those it was dialled for cancelled meanwhile), it
+	// closes now (away, or its backend retired) or when idle too long.
+	uc.mu.Lock()
+	uc.idleCheckLocked()
+	uc.mu.Unlock()
 	uc.fail(uc.read())
 }
 
@@ -784,18 +784,16 @@ func (p *upPool) drop(uc *upconn) {
 	}
 }
 
-// closeIdle closes the pool's connections once their streams have ended.
+// closeIdle closes the idle connections of a retired backend's pool; the
+// others close as their last stream ends (idleCheckLocked), unless the
+// backend is configured again first: then they stay, and take its requests.
 func (p *upPool) closeIdle() {
 	p.mu.Lock()
-	conns := p.conns
-	p.conns = nil
+	conns := slices.Clone(p.conns)
 	p.mu.Unlock()
 	for _, uc := range conns {
 		uc.mu.Lock()
-		uc.away = true
-		if uc.ready {
-			uc.idleCheckLocked()
-		}
+		uc.idleCheckLocked()
 		uc.mu.Unlock()
 	}
 }
