@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -245,29 +247,49 @@ func TestPlanPredictsReload(t *testing.T) {
 		if b := backendStatus(t, p.client, "keep", addrOf("backend-2")); !strings.HasSuffix(b.SlowStart, "to go") {
 			t.Errorf("status of backend-2 at the start of its slow start: %q; want how far it is", b.SlowStart)
 		}
-		var shares []float64
-		for time.Since(start) < 8*time.Second {
-			shares = append(shares, newFlowShare(t, p.client, "keep", addrOf("backend-2")))
+		// Client ports are explained over and over while the ramp steps the table
+		// (once a tick); each answer counts for the table that gave it, read with
+		// it, so a table's share never mixes two tables however slow the machine.
+		// The ramp is sampled until status says it is over, then the final table
+		// with all 1,000 ports.
+		tables := sampleRamp(t, p.client, "keep", addrOf("backend-2"), start.Add(60*time.Second), func() {
 			for _, s := range keepStreams {
 				s.progress(t, fmt.Sprintf("%v into the slow start", time.Since(start).Round(time.Second)))
 			}
-			time.Sleep(500 * time.Millisecond)
+		})
+		shares := make([]string, len(tables))
+		for i, tb := range tables {
+			shares[i] = fmt.Sprintf("%.3f of %d", tb.share(tb.ports()), len(tb.on))
 		}
-		t.Logf("backend-2's share of new flows every ~half second: %.3f", shares)
+		t.Logf("backend-2's share of new flows over the ramp, by table (of how many ports): %s", shares)
 		// Three backends at full weight and backend-2 at factor f: f/(3+f), so from
-		// 3.2% (f 0.1) to 25%; a sample of 1,000 client ports is within ±4%.
-		if shares[0] > 0.11 {
-			t.Errorf("share at the start of the ramp: %.3f; want about 0.03-0.08", shares[0])
+		// 3.2% (f 0.1) to 25%; a sample of 1,000 client ports is within ±4%. The
+		// first table with 50 ports sampled is the reload's own, unless the loop's
+		// first tick came within a few tens of milliseconds of it: then the next
+		// one (8%, 12% if that tick came late).
+		for _, tb := range tables {
+			if len(tb.on) >= 50 {
+				if share := tb.share(tb.ports()); share > 0.11 {
+					t.Errorf("share at the start of the ramp: %.3f of %d ports; want about 0.03-0.08", share, len(tb.on))
+				}
+				break
+			}
 		}
-		if last := shares[len(shares)-1]; math.Abs(last-0.25) > 0.05 {
-			t.Errorf("share after the ramp: %.3f; want 0.25 ± 0.05", last)
+		final := tables[len(tables)-1]
+		if share := final.share(final.ports()); math.Abs(share-0.25) > 0.05 {
+			t.Errorf("share after the ramp: %.3f; want 0.25 ± 0.05", share)
 		}
-		if b := backendStatus(t, p.client, "keep", addrOf("backend-2")); b.SlowStart != "" {
-			t.Errorf("status of backend-2 after its slow start: %q; want none", b.SlowStart)
-		}
+		// A step rises the share on the ports both tables answered: a port backend-2
+		// gets stays its own through the ramp, so the rise is the ports it gained.
 		steps := 0
-		for i := 1; i < len(shares); i++ {
-			if shares[i] > shares[i-1]+0.01 {
+		for i := 1; i < len(tables); i++ {
+			var both []int
+			for port := range tables[i].on {
+				if _, ok := tables[i-1].on[port]; ok {
+					both = append(both, port)
+				}
+			}
+			if len(both) >= 100 && tables[i].share(both) > tables[i-1].share(both)+0.01 {
 				steps++
 			}
 		}
@@ -327,20 +349,89 @@ func servicePlan(t *testing.T, p api.Plan, name string) api.ServicePlan {
 	return api.ServicePlan{}
 }
 
-// newFlowShare is backend's share of the backends XDP's table gives new flows from
-// 1,000 client ports (weir explain).
-func newFlowShare(t *testing.T, c *admin.Client, service, backend string) float64 {
-	t.Helper()
+// rampTable is what one lookup table gave the client ports explained while it was
+// the program's: by port, whether it gave the backend.
+type rampTable struct {
+	fingerprint string
+	on          map[int]bool
+}
+
+func (r *rampTable) ports() []int { return slices.Collect(maps.Keys(r.on)) }
+
+// share is the part of ports the table gave the backend.
+func (r *rampTable) share(ports []int) float64 {
 	n := 0
-	const ports = 1000
-	for port := range ports {
-		ex, err := c.Explain(context.Background(), service, fmt.Sprintf("10.77.0.1:%d", 20000+port))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if ex.New == backend {
+	for _, port := range ports {
+		if r.on[port] {
 			n++
 		}
 	}
-	return float64(n) / ports
+	return float64(n) / float64(max(len(ports), 1))
+}
+
+// sampleRamp explains 1,000 client ports of service over and over (weir explain,
+// 8 clients at once), and returns what each lookup table the program held gave
+// them, in order, until status shows backend's slow start over and the final table
+// has answered every port. Each answer is counted for the table that gave it (its
+// fingerprint); the ports start again from the first at each new table, so that
+// two tables in a row answered the same ports. Between passes it calls between.
+// It fails the test if the ramp is not over by deadline.
+func sampleRamp(t *testing.T, c *admin.Client, service, backend string, deadline time.Time, between func()) []*rampTable {
+	t.Helper()
+	const ports, clients = 1000, 8
+	var tables []*rampTable
+	byPrint := map[string]*rampTable{}
+	next := 0
+	var mu sync.Mutex
+	for pass := 0; ; pass++ {
+		over := backendStatus(t, c, service, backend).SlowStart == ""
+		if !over && time.Now().After(deadline) {
+			t.Fatalf("%s still in its slow start at the deadline; tables sampled: %d", backend, len(tables))
+		}
+		var wg sync.WaitGroup
+		var errs []error
+		for range clients {
+			wg.Add(1)
+			// Exits when the pass has explained its ports.
+			go func() {
+				defer wg.Done()
+				for {
+					mu.Lock()
+					port := next
+					next++
+					mu.Unlock()
+					if port >= ports {
+						return
+					}
+					ex, err := c.Explain(context.Background(), service, fmt.Sprintf("10.77.0.1:%d", 20000+port))
+					mu.Lock()
+					if err != nil {
+						errs = append(errs, err)
+						mu.Unlock()
+						return
+					}
+					tb := byPrint[ex.Fingerprint]
+					if tb == nil {
+						tb = &rampTable{fingerprint: ex.Fingerprint, on: map[int]bool{}}
+						byPrint[ex.Fingerprint] = tb
+						tables = append(tables, tb)
+						if len(tables) > 1 {
+							next = 0 // the new table answers from the first port
+						}
+					}
+					tb.on[port] = ex.New == backend
+					mu.Unlock()
+				}
+			}()
+		}
+		wg.Wait()
+		next = 0
+		if len(errs) > 0 {
+			t.Fatal(errors.Join(errs...))
+		}
+		if over && len(tables[len(tables)-1].on) == ports {
+			return tables
+		}
+		between()
+	}
 }
