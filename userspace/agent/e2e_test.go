@@ -223,7 +223,10 @@ func startAgent(t *testing.T, tp *topo.Topology, cfgPath, socket string, noXDP b
 			t.Logf("agent log:\n%s", p.log.String())
 		}
 	})
-	deadline := time.Now().Add(15 * time.Second)
+	// Generous: a start under -race on a loaded machine (a race-built binary
+	// verifying and loading the program) took more than 15 s; an agent that
+	// fails exits, which ends the wait at once.
+	deadline := time.Now().Add(60 * time.Second)
 	for {
 		if _, err := p.client.Status(context.Background()); err == nil {
 			return p
@@ -238,7 +241,7 @@ func startAgent(t *testing.T, tp *topo.Topology, cfgPath, socket string, noXDP b
 		default:
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("agent did not answer on %s within 15s", socket)
+			t.Fatalf("agent did not answer on %s within 60s", socket)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
