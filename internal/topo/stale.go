@@ -61,8 +61,11 @@ func ProcessPrefix(prefix string) string {
 // left behind by earlier runs, which removes their links too. A namespace
 // whose name came from UniqueName(prefix) and whose process is still alive
 // is left alone, so parallel test processes can all call CleanupStale with
-// the same prefix. Fixed names (such as the demo's) carry no pid and are
-// always removed: use a prefix no live run is using.
+// the same prefix. A name that did not come from UniqueName carries no pid
+// and is always removed, and so is one whose process has exited though what
+// it made is meant to outlive it (a kept weir demo's namespaces carry the pid
+// of the demo, gone once it has handed them on): use a prefix no live run
+// uses, and hold what keeps others off it (weir demo's lock) while calling.
 func CleanupStale(prefix string) error {
 	names, err := netns.List(prefix)
 	if err != nil {
