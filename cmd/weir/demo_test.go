@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -130,13 +131,24 @@ func TestDemoAfterKill(t *testing.T) {
 // TestDemoSignalAfterCleanup: a second SIGINT that comes once weir demo has
 // removed everything it made, before it exits, cuts nothing short: the demo
 // says it stopped and exits 0, nothing on stderr. The test holds the demo
-// there by keeping the pipe of its stdout full, so that its last line waits.
+// there by keeping the pipe of its stdout full, so that its last line waits:
+// the pipe is in packet mode (O_DIRECT), one write a slot, and while the demo
+// still holds its lock a write that waits gets exactly one slot, so no later
+// line can slip through with it. The second SIGINT goes once the demo waits
+// to write with its lock let go: that write is its last line, sent after it
+// stopped watching for a second signal.
 func TestDemoSignalAfterCleanup(t *testing.T) {
 	bin := buildWeir(t)
-	r, w, err := os.Pipe()
-	if err != nil {
+	var fds [2]int
+	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC|unix.O_DIRECT); err != nil {
 		t.Fatal(err)
 	}
+	// The read end polled, so reads can time out; the write end, the demo's
+	// stdout, blocking, so its writes wait instead of failing.
+	if err := unix.SetNonblock(fds[0], true); err != nil {
+		t.Fatal(err)
+	}
+	r, w := os.NewFile(uintptr(fds[0]), "stdout-r"), os.NewFile(uintptr(fds[1]), "stdout-w")
 	t.Cleanup(func() { r.Close(); w.Close() })
 	stderr := newOutput(t, filepath.Join(t.TempDir(), "stderr"))
 	d := launchDemo(t, bin, []string{"demo"}, w, stderr)
@@ -145,15 +157,28 @@ func TestDemoSignalAfterCleanup(t *testing.T) {
 	// from now on (weir ignores SIGPIPE) instead of waiting.
 	t.Cleanup(func() { r.Close() })
 	var out bytes.Buffer
+	buf := make([]byte, 4096) // a packet's most; a shorter read drops its rest
+	// read reads one packet, waiting up to d: its length, and whether the
+	// pipe is at its end.
+	read := func(d time.Duration) (int, bool) {
+		r.SetReadDeadline(time.Now().Add(d))
+		n, err := r.Read(buf)
+		out.Write(buf[:n])
+		return n, errors.Is(err, io.EOF)
+	}
 	// drain reads what the demo wrote for up to d, and reports EOF.
 	drain := func(d time.Duration) bool {
-		r.SetReadDeadline(time.Now().Add(d))
-		_, err := out.ReadFrom(r)
-		return err == nil
+		deadline := time.Now().Add(d)
+		for time.Now().Before(deadline) {
+			if _, eof := read(time.Until(deadline)); eof {
+				return true
+			}
+		}
+		return false
 	}
-	// fill writes to the pipe until it is full: the demo's next write waits.
-	// Its own open file description of the pipe, non-blocking: the demo's
-	// stays blocking, so its write waits instead of failing.
+	// fill writes to the pipe until every slot is taken: the demo's next
+	// write waits. Its own open file description of the pipe, non-blocking:
+	// the demo's stays blocking, so its write waits instead of failing.
 	wfd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", w.Fd()), unix.O_WRONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -164,7 +189,7 @@ func TestDemoSignalAfterCleanup(t *testing.T) {
 			unix.Close(wfd)
 		}
 	})
-	pad := bytes.Repeat([]byte{'.'}, 4096)
+	pad := bytes.Repeat([]byte{'.'}, 4096) // a whole page: nothing joins it
 	fill := func() {
 		for {
 			if _, err := unix.Write(wfd, pad); err != nil {
@@ -187,9 +212,13 @@ func TestDemoSignalAfterCleanup(t *testing.T) {
 		t.Fatal(err)
 	}
 	fill()
-	// The demo lets go of its lock once it has removed everything. Should a
-	// write before that wait on the full pipe, let it through and fill again.
-	filled := time.Now()
+	queued := func() int {
+		n, err := unix.IoctlGetInt(fds[0], unix.TIOCINQ) // FIONREAD: the bytes in the pipe
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
 	if !waitfor.Cond(2*time.Minute, func() bool {
 		select {
 		case err := <-exited:
@@ -197,13 +226,21 @@ func TestDemoSignalAfterCleanup(t *testing.T) {
 			t.Fatalf("weir demo exited (%v) before the test could signal it after its cleanup", err)
 		default:
 		}
+		if !writing(t, cmd.Process.Pid) {
+			return false
+		}
+		// It waits to write; past its cleanup once its lock is free (it
+		// cannot let go while it waits).
 		if demoLockFree(t) {
 			return true
 		}
-		if time.Since(filled) > 3*time.Second {
-			drain(50 * time.Millisecond)
-			fill()
-			filled = time.Now()
+		// A line from before its cleanup's end: one slot for it, taken
+		// before the next look (a write woken but not yet run would
+		// otherwise still look waiting, and get a second slot).
+		was := queued()
+		n, _ := read(time.Second)
+		if !waitfor.Cond(time.Minute, func() bool { return queued() > was-n }) {
+			t.Fatal("weir demo's waiting write took no slot within a minute")
 		}
 		return false
 	}) {
@@ -235,9 +272,26 @@ func TestDemoSignalAfterCleanup(t *testing.T) {
 		t.Errorf("stderr: got %q; want nothing", e)
 	}
 	o := strings.TrimSpace(out.String())
-	if last := o[strings.LastIndex(o, "\n")+1:]; !strings.HasPrefix(last, "demo stopped (") {
+	if last := o[max(strings.LastIndex(o, "\n")+1, len(o)-200):]; !strings.HasPrefix(last, "demo stopped (") {
 		t.Errorf("stdout ends %q; want the line saying the demo stopped", last)
 	}
+}
+
+// writing reports whether a thread of process pid waits in write(2) to its
+// stdout.
+func writing(t *testing.T, pid int) bool {
+	tasks, err := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/syscall", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range tasks {
+		b, _ := os.ReadFile(f)
+		// "NR arg0 ...", NR in decimal, the arguments in hex.
+		if f := strings.Fields(string(b)); len(f) > 1 && f[0] == strconv.Itoa(unix.SYS_WRITE) && f[1] == "0x1" {
+			return true
+		}
+	}
+	return false
 }
 
 // demoLockFree reports whether no demo holds the lock of weir demo's directory
