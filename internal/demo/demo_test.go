@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -28,6 +29,9 @@ const (
 func TestMain(m *testing.M) {
 	if cfg := os.Getenv(agentEnv); cfg != "" {
 		os.Exit(child(func(ctx context.Context) error { return agent.New(agent.Options{ConfigPath: cfg}).Run(ctx) }))
+	}
+	if os.Getenv(pidReuseEnv) != "" {
+		os.Exit(pidReuse())
 	}
 	if st := os.Getenv(holdEnv); st != "" {
 		os.Exit(child(func(ctx context.Context) error { return Hold(ctx, st) }))
@@ -143,8 +147,8 @@ func TestDemoKeep(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !alive(st.AgentPID) || !alive(st.HoldPID) {
-		t.Fatalf("after --keep: agent alive %t, backends alive %t; want both", alive(st.AgentPID), alive(st.HoldPID))
+	if !running(st.AgentPID, st.AgentStart) || !running(st.HoldPID, st.HoldStart) {
+		t.Fatalf("after --keep: agent runs %t, backends run %t; want both", running(st.AgentPID, st.AgentStart), running(st.HoldPID, st.HoldStart))
 	}
 	if left, _ := netns.List(topo.ProcessPrefix(NamePrefix)); len(left) != len(st.Namespaces) {
 		t.Errorf("after --keep: namespaces %v; want %v", left, st.Namespaces)
@@ -158,10 +162,8 @@ func TestDemoKeep(t *testing.T) {
 	if err := Down(opts.Dir); err != nil {
 		t.Fatal(err)
 	}
-	for _, pid := range []int{st.AgentPID, st.HoldPID} {
-		if alive(pid) && !isZombie(pid) {
-			t.Errorf("pid %d still runs after Down", pid)
-		}
+	if running(st.AgentPID, st.AgentStart) || running(st.HoldPID, st.HoldStart) {
+		t.Errorf("after Down: agent runs %t, backends run %t; want neither", running(st.AgentPID, st.AgentStart), running(st.HoldPID, st.HoldStart))
 	}
 	checkNothingLeft(t, opts.Dir)
 }
@@ -204,4 +206,15 @@ func TestDemoInterrupted(t *testing.T) {
 		t.Fatal("the demo did not stop within 30s of its context ending")
 	}
 	checkNothingLeft(t, opts.Dir)
+}
+
+// running reports whether the process pid that started at start runs: not
+// another that took its pid, not a zombie (an exited child not yet reaped).
+func running(pid int, start string) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil || start == "" || startTime(pid) != start {
+		return false
+	}
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+	return len(f) > 0 && f[0] != "Z"
 }

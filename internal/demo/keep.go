@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/weir-lb/weir/internal/netns"
 )
 
@@ -40,10 +42,6 @@ func readState(dir string) (state, error) {
 		return st, err
 	}
 	return st, json.Unmarshal(b, &st)
-}
-
-func alive(pid int) bool {
-	return pid > 0 && syscall.Kill(pid, 0) == nil
 }
 
 // startTime is field 22 of /proc/PID/stat, when the process started, or "" when
@@ -248,46 +246,37 @@ func removeLeftovers(dir string) error {
 	return os.RemoveAll(dir)
 }
 
-// stopProc stops the process pid if it is the one that started at start.
+// stopProc stops the process pid if it is the one that started at start:
+// SIGTERM, up to 15 s to exit, then SIGKILL. It signals and waits through a
+// pidfd opened before it checks the start time, so a process that has taken
+// the pid since is never signalled, not even one that takes it while stopProc
+// waits. A process that has exited has stopped, reaped or not.
 func stopProc(pid int, start string) error {
-	if start == "" || startTime(pid) != start {
-		return nil // gone, and the pid maybe reused
-	}
-	return stopPID(pid)
-}
-
-// stopPID sends SIGTERM and waits up to 15 s for the process to go, then kills it.
-func stopPID(pid int) error {
-	if !alive(pid) {
+	if pid <= 0 || start == "" {
 		return nil
 	}
-	syscall.Kill(pid, syscall.SIGTERM)
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return nil // gone
+	}
+	defer unix.Close(fd)
+	if startTime(pid) != start {
+		return nil // gone, the pid another's now
+	}
+	if unix.PidfdSendSignal(fd, unix.SIGTERM, nil, 0) != nil {
+		return nil // it has just exited
+	}
 	deadline := time.Now().Add(15 * time.Second)
-	for alive(pid) {
-		if isZombie(pid) {
+	for {
+		// Readable once the process has exited.
+		n, err := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, int(max(time.Until(deadline).Milliseconds(), 0)))
+		if n > 0 {
 			return nil
 		}
-		if time.Now().After(deadline) {
-			syscall.Kill(pid, syscall.SIGKILL)
-			return fmt.Errorf("pid %d did not stop within 15s of SIGTERM: killed", pid)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return nil
-}
-
-// isZombie: a process that has exited but whose parent has not reaped it yet (the
-// test's own children).
-func isZombie(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return true
-	}
-	// pid (comm) S ...: the state follows the last ')'.
-	for i := len(b) - 1; i >= 0; i-- {
-		if b[i] == ')' {
-			return i+2 < len(b) && b[i+2] == 'Z'
+		if !errors.Is(err, unix.EINTR) || time.Now().After(deadline) {
+			break
 		}
 	}
-	return false
+	unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
+	return fmt.Errorf("pid %d did not stop within 15s of SIGTERM: killed", pid)
 }

@@ -1,0 +1,101 @@
+package demo
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// pidReuseEnv runs this test binary as pidReuse, the first process of a pid
+// namespace of its own.
+const pidReuseEnv = "WEIR_DEMO_TEST_PID_REUSE"
+
+// Exit statuses of pidReuse besides 0 (the second process lived on).
+const (
+	pidReuseKilled = 3 // stopProc killed the process that took the pid
+	pidReuseMissed = 4 // the second process did not get the pid: try again
+)
+
+// TestStopProcReusedPID: a process that stopProc is stopping exits and
+// another takes its pid while stopProc waits; stopProc returns at once and
+// never signals the other. It runs in a pid namespace of its own, where the
+// test can hand the pid on (ns_last_pid) and nothing else takes it.
+func TestStopProcReusedPID(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for try := 1; ; try++ {
+		cmd := exec.Command(exe, "-test.run", "^$")
+		cmd.Env = append(os.Environ(), pidReuseEnv+"=1")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: unix.CLONE_NEWPID | unix.CLONE_NEWNS, Pdeathsig: syscall.SIGKILL}
+		out, err := cmd.CombinedOutput()
+		var ee *exec.ExitError
+		switch {
+		case err == nil:
+			return
+		case errors.As(err, &ee) && ee.ExitCode() == pidReuseMissed && try < 10:
+			continue
+		case errors.As(err, &ee) && ee.ExitCode() == pidReuseKilled:
+			t.Fatalf("stopProc killed the process that took the pid of the one it stopped: %s", out)
+		default:
+			t.Fatalf("%v: %s", err, out)
+		}
+	}
+}
+
+// pidReuse, pid 1 of its namespace with a /proc of its own: stopProc stops a
+// process, which exits on SIGTERM; a second process takes its pid while
+// stopProc waits; the second must live on.
+func pidReuse() int {
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	if err := unix.Mount("", "/", "", unix.MS_PRIVATE|unix.MS_REC, ""); err != nil {
+		return fail(err)
+	}
+	if err := unix.Mount("proc", "/proc", "proc", 0, ""); err != nil {
+		return fail(err)
+	}
+	first := exec.Command("sleep", "60")
+	if err := first.Start(); err != nil {
+		return fail(err)
+	}
+	pid := first.Process.Pid
+	stopped := make(chan error, 1)
+	// Exits when stopProc returns.
+	go func() { stopped <- stopProc(pid, startTime(pid)) }()
+	first.Wait() // SIGTERM from stopProc; its pid is free
+	if err := os.WriteFile("/proc/sys/kernel/ns_last_pid", []byte(strconv.Itoa(pid-1)), 0); err != nil {
+		return fail(err)
+	}
+	second := exec.Command("sleep", "60")
+	if err := second.Start(); err != nil {
+		return fail(err)
+	}
+	defer second.Process.Kill()
+	if second.Process.Pid != pid {
+		return pidReuseMissed
+	}
+	select {
+	case err := <-stopped:
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+		}
+	case <-time.After(30 * time.Second):
+		return fail(errors.New("stopProc did not return within 30s"))
+	}
+	second.Process.Signal(syscall.SIGTERM)
+	if err := second.Wait(); err != nil && err.(*exec.ExitError).Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL {
+		return pidReuseKilled
+	}
+	return 0
+}
