@@ -124,16 +124,23 @@ func checkNothingLeft(t *testing.T, dir string) {
 	}
 }
 
+// keepOptions: a kept demo's, and a context for its test; Down removes what
+// it leaves when the test ends.
+func keepOptions(t *testing.T, out *bytes.Buffer) (context.Context, Options) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	opts := options(t, "auto", out)
+	opts.Keep = true
+	t.Cleanup(func() { Down(opts.Dir) })
+	return ctx, opts
+}
+
 // TestDemoKeep: --keep leaves the agent and the backends serving; Down removes
 // them all.
 func TestDemoKeep(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
 	var out bytes.Buffer
-	opts := options(t, "auto", &out)
-	opts.Keep = true
+	ctx, opts := keepOptions(t, &out)
 	_, err := Run(ctx, opts)
-	t.Cleanup(func() { Down(opts.Dir) })
 	if err != nil {
 		t.Log("\n" + out.String())
 		xdptest.Check(t, err)
@@ -217,4 +224,27 @@ func running(pid int, start string) bool {
 	}
 	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
 	return len(f) > 0 && f[0] != "Z"
+}
+
+// TestDemoKeepFails: a kept demo whose backends do not answer again once the
+// hold process has them (here a hold process that serves nothing) fails, and
+// removes all it made, the hold process too: it holds the demo's lock, which
+// a next demo takes.
+func TestDemoKeepFails(t *testing.T) {
+	var out bytes.Buffer
+	ctx, opts := keepOptions(t, &out)
+	// Exits within a minute, should the demo leave it.
+	opts.HoldArgv = func(string) []string { return []string{"sleep", "60"} }
+	_, err := Run(ctx, opts)
+	if err == nil || !strings.Contains(err.Error(), "did not answer again") {
+		t.Log("\n" + out.String())
+		xdptest.Check(t, err)
+		t.Fatalf("a kept demo whose backends do not answer: got %v; want it to say so", err)
+	}
+	lk, err := lock(opts.Dir)
+	if err != nil {
+		t.Fatalf("the lock after a kept demo failed: %v; want it free", err)
+	}
+	lk.Close()
+	checkNothingLeft(t, opts.Dir)
 }

@@ -94,8 +94,17 @@ func (r *run) keep(ctx context.Context) error {
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start the backends' process: %w", err)
 	}
+	held := false
+	defer func() {
+		if held {
+			cmd.Process.Release()
+			return
+		}
+		// It holds the lock: a demo that removes what it made stops it.
+		cmd.Process.Kill()
+		cmd.Wait()
+	}()
 	st.HoldPID, st.HoldStart = cmd.Process.Pid, startTime(cmd.Process.Pid)
-	cmd.Process.Release()
 	if err := writeState(st); err != nil {
 		return err
 	}
@@ -109,12 +118,16 @@ func (r *run) keep(ctx context.Context) error {
 		if _, err := r.get(ctx, web); err == nil {
 			break
 		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
 		if time.Now().After(deadline) {
 			b, _ := os.ReadFile(filepath.Join(r.opts.Dir, "hold.log"))
 			return fmt.Errorf("the backends did not answer again within 10s; hold.log:\n%s", b)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	held = true
 	cfg := r.cfgPath
 	fmt.Fprintf(r.out, `
 The topology and the agent keep running. Try (as root):
