@@ -19,7 +19,7 @@ const pidReuseEnv = "WEIR_DEMO_TEST_PID_REUSE"
 
 // Exit statuses of pidReuse besides 0 (the second process lived on).
 const (
-	pidReuseKilled = 3 // stopProc killed the process that took the pid
+	pidReuseKilled = 3 // stopProc stopped the process that took the pid
 	pidReuseMissed = 4 // the second process did not get the pid: try again
 )
 
@@ -44,7 +44,7 @@ func TestStopProcReusedPID(t *testing.T) {
 		case errors.As(err, &ee) && ee.ExitCode() == pidReuseMissed && try < 10:
 			continue
 		case errors.As(err, &ee) && ee.ExitCode() == pidReuseKilled:
-			t.Fatalf("stopProc killed the process that took the pid of the one it stopped: %s", out)
+			t.Fatalf("stopProc stopped the process that took the pid of the one it stopped: %s", out)
 		default:
 			t.Fatalf("%v: %s", err, out)
 		}
@@ -81,10 +81,12 @@ func pidReuse() int {
 	if err := second.Start(); err != nil {
 		return fail(err)
 	}
-	defer second.Process.Kill()
 	if second.Process.Pid != pid {
+		second.Process.Kill()
+		second.Wait()
 		return pidReuseMissed
 	}
+	secondStart := startTime(pid)
 	select {
 	case err := <-stopped:
 		if err != nil {
@@ -93,8 +95,12 @@ func pidReuse() int {
 	case <-time.After(30 * time.Second):
 		return fail(errors.New("stopProc did not return within 30s"))
 	}
+	// Alive, and when this process stops it, it dies of that, not of a
+	// SIGKILL stopProc sent.
+	alive := running(pid, secondStart)
 	second.Process.Signal(syscall.SIGTERM)
-	if err := second.Wait(); err != nil && err.(*exec.ExitError).Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL {
+	var ee *exec.ExitError
+	if err := second.Wait(); !alive || errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL {
 		return pidReuseKilled
 	}
 	return 0
