@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -32,6 +31,9 @@ func TestMain(m *testing.M) {
 	}
 	if os.Getenv(pidReuseEnv) != "" {
 		os.Exit(pidReuse())
+	}
+	if os.Getenv(noPidfdEnv) != "" {
+		os.Exit(noPidfd())
 	}
 	if st := os.Getenv(holdEnv); st != "" {
 		os.Exit(child(func(ctx context.Context) error { return Hold(ctx, st) }))
@@ -213,17 +215,6 @@ func TestDemoInterrupted(t *testing.T) {
 		t.Fatal("the demo did not stop within 30s of its context ending")
 	}
 	checkNothingLeft(t, opts.Dir)
-}
-
-// running reports whether the process pid that started at start runs: not
-// another that took its pid, not a zombie (an exited child not yet reaped).
-func running(pid int, start string) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil || start == "" || startTime(pid) != start {
-		return false
-	}
-	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
-	return len(f) > 0 && f[0] != "Z"
 }
 
 // TestDemoKeepFails: a kept demo whose backends do not answer again once the

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -44,19 +45,24 @@ func readState(dir string) (state, error) {
 	return st, json.Unmarshal(b, &st)
 }
 
+// stat is /proc/PID/stat from field 3 on (f[0] is field 3, the state), or nil
+// when there is no such process.
+func stat(pid int) []string {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return nil
+	}
+	// The command name, field 2, is in parentheses and may hold spaces.
+	return strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+}
+
 // startTime is field 22 of /proc/PID/stat, when the process started, or "" when
 // there is no such process.
 func startTime(pid int) string {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return ""
+	if f := stat(pid); len(f) >= 20 {
+		return f[19]
 	}
-	// The command name, field 2, is in parentheses and may hold spaces.
-	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
-	if len(f) < 20 {
-		return ""
-	}
-	return f[19]
+	return ""
 }
 
 // state is what the run has made so far: the agent and the namespaces.
@@ -263,14 +269,19 @@ func removeLeftovers(dir string) error {
 // SIGTERM, up to 15 s to exit, then SIGKILL. It signals and waits through a
 // pidfd opened before it checks the start time, so a process that has taken
 // the pid since is never signalled, not even one that takes it while stopProc
-// waits. A process that has exited has stopped, reaped or not.
+// waits. A process that has exited has stopped, reaped or not. Where there is
+// no pidfd_open (a kernel before 5.3, a container whose seccomp filter refuses
+// it) it goes by pid (stopPID).
 func stopProc(pid int, start string) error {
 	if pid <= 0 || start == "" {
 		return nil
 	}
 	fd, err := unix.PidfdOpen(pid, 0)
-	if err != nil {
+	if errors.Is(err, unix.ESRCH) {
 		return nil // gone
+	}
+	if err != nil {
+		return stopPID(pid, start)
 	}
 	defer unix.Close(fd)
 	if startTime(pid) != start {
@@ -292,4 +303,30 @@ func stopProc(pid int, start string) error {
 	}
 	unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
 	return fmt.Errorf("pid %d did not stop within 15s of SIGTERM: killed", pid)
+}
+
+// stopPID is stopProc by pid, for where there is no pidfd: it looks at the
+// start time before each signal and while it waits, so only a process that
+// takes the pid between a look and the signal after it can be signalled.
+func stopPID(pid int, start string) error {
+	if !running(pid, start) || unix.Kill(pid, unix.SIGTERM) != nil {
+		return nil
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for running(pid, start) {
+		if time.Now().After(deadline) {
+			unix.Kill(pid, unix.SIGKILL)
+			return fmt.Errorf("pid %d did not stop within 15s of SIGTERM: killed", pid)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return nil
+}
+
+// running reports whether the process pid that started at start runs: not
+// another that took its pid, not a zombie (one that has exited, not yet
+// reaped).
+func running(pid int, start string) bool {
+	f := stat(pid)
+	return start != "" && len(f) >= 20 && f[19] == start && f[0] != "Z"
 }

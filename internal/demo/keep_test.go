@@ -9,6 +9,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -102,6 +103,77 @@ func pidReuse() int {
 	var ee *exec.ExitError
 	if err := second.Wait(); !alive || errors.As(err, &ee) && ee.Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL {
 		return pidReuseKilled
+	}
+	return 0
+}
+
+// noPidfdEnv runs this test binary as noPidfd, where pidfd_open fails.
+const noPidfdEnv = "WEIR_DEMO_TEST_NO_PIDFD"
+
+// TestStopProcWithoutPidfd: where pidfd_open fails (a kernel before 5.3, a
+// container whose seccomp filter refuses it, as here a filter of the test's
+// own), stopProc still stops the process: SIGTERM, by pid.
+func TestStopProcWithoutPidfd(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(exe, "-test.run", "^$")
+	cmd.Env = append(os.Environ(), noPidfdEnv+"=1")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+}
+
+// noPidfd refuses pidfd_open to every thread of this process (EPERM, as
+// older container runtimes' seccomp profiles do), then has stopProc stop a
+// process, which must die of its SIGTERM.
+func noPidfd() int {
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	filter := []unix.SockFilter{
+		{Code: unix.BPF_LD | unix.BPF_W | unix.BPF_ABS, K: 0}, // seccomp_data.nr
+		{Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, K: unix.SYS_PIDFD_OPEN, Jt: 0, Jf: 1},
+		{Code: unix.BPF_RET | unix.BPF_K, K: unix.SECCOMP_RET_ERRNO | uint32(unix.EPERM)},
+		{Code: unix.BPF_RET | unix.BPF_K, K: unix.SECCOMP_RET_ALLOW},
+	}
+	prog := unix.SockFprog{Len: uint16(len(filter)), Filter: &filter[0]}
+	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
+		return fail(err)
+	}
+	if _, _, errno := unix.Syscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, unix.SECCOMP_FILTER_FLAG_TSYNC, uintptr(unsafe.Pointer(&prog))); errno != 0 {
+		return fail(fmt.Errorf("seccomp: %w", errno))
+	}
+	if fd, err := unix.PidfdOpen(os.Getpid(), 0); !errors.Is(err, unix.EPERM) {
+		unix.Close(fd)
+		return fail(fmt.Errorf("pidfd_open under the filter: %v; want EPERM", err))
+	}
+	proc := exec.Command("sleep", "60")
+	if err := proc.Start(); err != nil {
+		return fail(err)
+	}
+	pid := proc.Process.Pid
+	start := startTime(pid)
+	stopped := make(chan error, 1)
+	// Exits when stopProc returns.
+	go func() { stopped <- stopProc(pid, start) }()
+	select {
+	case err := <-stopped:
+		if err != nil {
+			return fail(err)
+		}
+	case <-time.After(30 * time.Second):
+		return fail(errors.New("stopProc did not return within 30s"))
+	}
+	alive := running(pid, start)
+	proc.Process.Kill()
+	err := proc.Wait()
+	var ee *exec.ExitError
+	if alive || !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGTERM {
+		return fail(fmt.Errorf("stopProc without pidfd_open: the process ran on (%t) and ended with %v; want it stopped by SIGTERM", alive, err))
 	}
 	return 0
 }
