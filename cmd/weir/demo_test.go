@@ -34,6 +34,7 @@ import (
 // agent as their own executable (`weir run`), so they run as the built weir
 // binary, not this test's.
 func TestDemoStopsQuietly(t *testing.T) {
+	heavy.Demo(t)
 	bin := buildWeir(t)
 	for _, c := range []struct {
 		name    string
@@ -63,6 +64,7 @@ func TestDemoStopsQuietly(t *testing.T) {
 // nothing of it; so does weir demo down. The first demo's namespaces and
 // processes stay, and it ends as usual.
 func TestDemoOneAtATime(t *testing.T) {
+	heavy.Demo(t)
 	bin := buildWeir(t)
 	first := startDemo(t, bin, []string{"demo"}, "HTTP requests to web (")
 	want := fmt.Sprintf("another weir demo runs (pid %d)", first.cmd.Process.Pid)
@@ -104,6 +106,7 @@ func TestDemoOneAtATime(t *testing.T) {
 // and namespaces; the next weir demo stops and removes them, runs, and ends as
 // usual.
 func TestDemoAfterKill(t *testing.T) {
+	heavy.Demo(t)
 	bin := buildWeir(t)
 	killed := startDemo(t, bin, []string{"demo"}, "HTTP requests to web (")
 	t.Cleanup(func() { removeLeft(t, killed.topology, killed.procs) })
@@ -138,6 +141,7 @@ func TestDemoAfterKill(t *testing.T) {
 // to write with its lock let go: that write is its last line, sent after it
 // stopped watching for a second signal.
 func TestDemoSignalAfterCleanup(t *testing.T) {
+	heavy.Demo(t)
 	bin := buildWeir(t)
 	var fds [2]int
 	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC|unix.O_DIRECT); err != nil {
@@ -355,6 +359,13 @@ func startDemo(t *testing.T, bin string, args []string, serving string) *running
 	d.stdout = stdout
 	name := regexp.MustCompile(`\((w[a-z]+[0-9a-z]+)\.\.\.\)`)
 	if !waitfor.Cond(3*time.Minute, func() bool {
+		select {
+		case err := <-d.exited:
+			d.exited <- err
+			d.done = true
+			t.Fatalf("weir %s exited (%v) before it served; stdout:\n%s\nstderr:\n%s", strings.Join(args, " "), err, d.stdout.String(), d.stderr.String())
+		default:
+		}
 		out := d.stdout.String()
 		if m := name.FindStringSubmatch(out); m != nil {
 			d.topology = m[1]

@@ -4,6 +4,9 @@
 // timers on a 2-core machine, and both tests then fail for what the other did (seen
 // in a clean-clone CI run: broken fleet streams, a stalled flood stream). Each such
 // test holds a machine-wide lock for its run. Tests only.
+//
+// It also keeps apart the tests that share what weir demo uses machine-wide (see
+// Demo).
 package heavy
 
 import (
@@ -14,19 +17,37 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// lockPath is shared by every test binary on the machine.
-var lockPath = filepath.Join(os.TempDir(), "weir-heavy-test.lock")
+// The locks' files are shared by every test binary on the machine.
+var (
+	lockPath     = filepath.Join(os.TempDir(), "weir-heavy-test.lock")
+	demoLockPath = filepath.Join(os.TempDir(), "weir-demo-test.lock")
+)
 
 // Alone waits until no other heavy test runs, and holds that until t ends.
 func Alone(t testing.TB) {
 	t.Helper()
-	f, err := os.OpenFile(lockPath, os.O_CREATE|os.O_RDWR, 0o666)
+	hold(t, lockPath)
+}
+
+// Demo waits until no other test runs weir demo with its own directory
+// (/run/weir-demo, which one demo at a time may hold: another is refused) or
+// leaves namespaces named as a dead demo's (which a demo removes), and holds
+// that until t ends: the cmd/weir tests of two checkouts, say, run one after
+// the other. Call it once per test.
+func Demo(t testing.TB) {
+	t.Helper()
+	hold(t, demoLockPath)
+}
+
+func hold(t testing.TB, path string) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o666)
 	if err != nil {
-		t.Fatalf("heavy-test lock: %v", err)
+		t.Fatalf("test lock: %v", err)
 	}
 	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
 		f.Close()
-		t.Fatalf("heavy-test lock %s: %v", lockPath, err)
+		t.Fatalf("test lock %s: %v", path, err)
 	}
 	t.Cleanup(func() {
 		unix.Flock(int(f.Fd()), unix.LOCK_UN)
