@@ -50,6 +50,11 @@ type Options struct {
 	// Dir holds the config, the admin socket, logs and the state Down reads.
 	// Default /run/weir-demo.
 	Dir string
+	// NamePrefix prefixes the namespaces' names, up to 3 characters; default
+	// NamePrefix. A run removes the namespaces of its prefix whose demo has
+	// died, a kept demo's too: runs with other directories at the same time
+	// (tests) take other prefixes.
+	NamePrefix string
 }
 
 // Round is one batch of requests and what happened to it.
@@ -88,7 +93,8 @@ const (
 	StepProxy        = "proxy data plane"
 )
 
-// NamePrefix prefixes the demo's namespaces; a crashed run's are removed at start.
+// NamePrefix prefixes the demo's namespaces by default; a crashed run's are
+// removed at start.
 const NamePrefix = "wdm"
 
 // The demo's addresses beyond topo's: a full-nat VIP no backend holds, and the port
@@ -142,6 +148,9 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if opts.Dir == "" {
 		opts.Dir = DefaultDir
 	}
+	if opts.NamePrefix == "" {
+		opts.NamePrefix = NamePrefix
+	}
 	r := &run{opts: opts, out: opts.Out, srv: newServers(), byIP: map[netip.Addr]string{}}
 	if r.out == nil {
 		r.out = io.Discard
@@ -159,13 +168,13 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if err := removeLeftovers(opts.Dir); err != nil {
 		return Report{}, fmt.Errorf("demo: remove what a killed run left: %w", err)
 	}
-	if err := topo.CleanupStale(NamePrefix); err != nil {
+	if err := topo.CleanupStale(opts.NamePrefix); err != nil {
 		return Report{}, fmt.Errorf("demo: remove a crashed run's namespaces: %w", err)
 	}
 	if err := os.MkdirAll(opts.Dir, 0o700); err != nil {
 		return Report{}, fmt.Errorf("demo: %w", err)
 	}
-	t, err := topo.New(topo.Config{Name: topo.UniqueName(NamePrefix), Backends: opts.Backends + 1})
+	t, err := topo.New(topo.Config{Name: topo.UniqueName(opts.NamePrefix), Backends: opts.Backends + 1})
 	if err != nil {
 		return Report{}, fmt.Errorf("demo: build topology: %w", err)
 	}

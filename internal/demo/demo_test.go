@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/weir-lb/weir/internal/heavy"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
@@ -51,12 +52,19 @@ func child(run func(context.Context) error) int {
 	return 0
 }
 
+// testPrefix prefixes the namespaces of the demos these tests run: weir
+// demo's own, with NamePrefix, removes those of a demo whose process has
+// ended, and these tests' demos run beside cmd/weir's (go test runs packages
+// at the same time), which, killed or kept, leave theirs for the next weir
+// demo.
+const testPrefix = "wdt"
+
 func options(t *testing.T, attach string, out *bytes.Buffer) Options {
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
-	return Options{Attach: attach, Requests: 90, Out: out, Dir: filepath.Join(t.TempDir(), "demo"),
+	return Options{Attach: attach, Requests: 90, Out: out, Dir: filepath.Join(t.TempDir(), "demo"), NamePrefix: testPrefix,
 		AgentArgv: func(cfg string) []string { return []string{"env", agentEnv + "=" + cfg, exe} },
 		HoldArgv:  func(state string) []string { return []string{"env", holdEnv + "=" + state, exe} }}
 }
@@ -118,7 +126,7 @@ func TestDemo(t *testing.T) {
 func checkNothingLeft(t *testing.T, dir string) {
 	t.Helper()
 	// This process's only: weir demo's own test (cmd/weir) may run beside.
-	if left, _ := netns.List(topo.ProcessPrefix(NamePrefix)); len(left) != 0 {
+	if left, _ := netns.List(topo.ProcessPrefix(testPrefix)); len(left) != 0 {
 		t.Errorf("namespaces left behind: %v", left)
 	}
 	if _, err := os.Stat(dir); err == nil {
@@ -159,7 +167,7 @@ func TestDemoKeep(t *testing.T) {
 	if !running(st.AgentPID, st.AgentStart) || !running(st.HoldPID, st.HoldStart) {
 		t.Fatalf("after --keep: agent runs %t, backends run %t; want both", running(st.AgentPID, st.AgentStart), running(st.HoldPID, st.HoldStart))
 	}
-	if left, _ := netns.List(topo.ProcessPrefix(NamePrefix)); len(left) != len(st.Namespaces) {
+	if left, _ := netns.List(topo.ProcessPrefix(testPrefix)); len(left) != len(st.Namespaces) {
 		t.Errorf("after --keep: namespaces %v; want %v", left, st.Namespaces)
 	}
 	// A second demo refuses while this one is kept.
@@ -177,8 +185,18 @@ func TestDemoKeep(t *testing.T) {
 	checkNothingLeft(t, opts.Dir)
 }
 
-// TestDemoInterrupted: a demo stopped midway (^C) removes everything too.
+// TestDemoInterrupted: a demo stopped midway (^C) removes everything too,
+// and nothing of a weir demo's (another prefix) run beside, here a kept one's
+// namespace.
 func TestDemoInterrupted(t *testing.T) {
+	// No weir demo of another test runs meanwhile: it would remove that.
+	heavy.Demo(t)
+	// Named after the demo's process, which has ended (no pid is that large).
+	kept, err := netns.New(NamePrefix + "zzzzz0-kept")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { kept.Close() })
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	opts := options(t, "auto", &bytes.Buffer{})
@@ -215,6 +233,9 @@ func TestDemoInterrupted(t *testing.T) {
 		t.Fatal("the demo did not stop within 30s of its context ending")
 	}
 	checkNothingLeft(t, opts.Dir)
+	if _, err := os.Stat(kept.Path()); err != nil {
+		t.Errorf("a demo with prefix %s removed %s, a kept weir demo's: %v; want it left", testPrefix, kept.Name(), err)
+	}
 }
 
 // TestDemoKeepFails: a kept demo whose backends do not answer again once the
