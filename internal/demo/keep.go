@@ -42,7 +42,10 @@ func readState(dir string) (state, error) {
 	if err != nil {
 		return st, err
 	}
-	return st, json.Unmarshal(b, &st)
+	if err := json.Unmarshal(b, &st); err != nil {
+		return st, fmt.Errorf("%s: %w", statePath(dir), err)
+	}
+	return st, nil
 }
 
 // stat is /proc/PID/stat from field 3 on (f[0] is field 3, the state), or nil

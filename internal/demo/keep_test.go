@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -176,4 +178,19 @@ func noPidfd() int {
 		return fail(fmt.Errorf("stopProc without pidfd_open: the process ran on (%t) and ended with %v; want it stopped by SIGTERM", alive, err))
 	}
 	return 0
+}
+
+// TestDownBadState: a state file that does not parse makes Down fail naming
+// the file.
+func TestDownBadState(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "demo")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(statePath(dir), []byte("{"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := Down(dir); err == nil || !strings.Contains(err.Error(), statePath(dir)) {
+		t.Errorf("Down with a broken state file: got %v; want an error naming %s", err, statePath(dir))
+	}
 }
