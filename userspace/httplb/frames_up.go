@@ -394,10 +394,7 @@ func (uc *upconn) read() error {
 		if err != nil {
 			var se http2.StreamError
 			if errors.As(err, &se) {
-				if st := uc.take(se.StreamID, resetByUs); st != nil {
-					uc.mu.Lock()
-					uc.fr.WriteRSTStream(se.StreamID, se.Code)
-					uc.mu.Unlock()
+				if st := uc.take(se.StreamID, resetByUs, se.Code); st != nil {
 					uc.withStream(st, func() { st.upDone = true; st.upstreamReset(se.Code, nil, false) })
 				} else if hb != nil {
 					// A malformed header block on a stream not open: the
@@ -578,7 +575,7 @@ func (uc *upconn) read() error {
 			if uc.neverOpened(f.StreamID) {
 				return uc.goAway(http2.ErrCodeProtocol, "the backend sent RST_STREAM on a stream weir never opened")
 			}
-			if st := uc.take(f.StreamID, resetByPeer); st != nil {
+			if st := uc.take(f.StreamID, resetByPeer, 0); st != nil {
 				uc.withStream(st, func() { st.upDone = true; st.upstreamReset(f.ErrCode, nil, false) })
 			} else {
 				// After its END_STREAM (RFC 9113 8.1: NO_ERROR, to stop
@@ -629,12 +626,9 @@ func (uc *upconn) goAway(code http2.ErrCode, why string) error {
 // limit (a stream error, RFC 9113 6.9.1): the request fails, the connection
 // goes on.
 func (uc *upconn) resetOverflow(st *fstream, id uint32) {
-	if uc.take(id, resetByUs) == nil {
+	if uc.take(id, resetByUs, http2.ErrCodeFlowControl) == nil {
 		return
 	}
-	uc.mu.Lock()
-	uc.fr.WriteRSTStream(id, http2.ErrCodeFlowControl)
-	uc.mu.Unlock()
 	uc.withStream(st, func() { st.upDone = true; st.upstreamReset(http2.ErrCodeFlowControl, nil, false) })
 }
 
@@ -718,14 +712,21 @@ func (uc *upconn) lookupLocked(id uint32, ended bool) *fstream {
 	return st
 }
 
-// take drops stream id, closed as how, and returns its fstream.
-func (uc *upconn) take(id uint32, how closeHow) *fstream {
+// take drops stream id, closed as how (resetByUs: weir resets it with code),
+// and returns its fstream. The connection, its last stream gone, closes or
+// gets its idle timer as when a stream ends any other way (idleCheckLocked),
+// after weir's reset.
+func (uc *upconn) take(id uint32, how closeHow, code http2.ErrCode) *fstream {
 	uc.mu.Lock()
 	defer uc.mu.Unlock()
 	st := uc.streams[id]
 	if st != nil {
 		delete(uc.streams, id)
 		uc.recent.note(id, how)
+		if how == resetByUs {
+			uc.fr.WriteRSTStream(id, code)
+		}
+		uc.idleCheckLocked()
 	}
 	return st
 }

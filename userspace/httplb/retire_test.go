@@ -274,21 +274,42 @@ func TestStoppedServiceConnectionsClose(t *testing.T) {
 // NO_ERROR, once it is answered, not kept for the pool's idle timeout (90 s).
 func TestRemovedBackendNewConnectionCloses(t *testing.T) {
 	came, refuse := make(chan struct{}, 1), make(chan struct{})
+	be, end := endingH2Backend(t, 2, func(n int32, fr *http2.Framer, f *http2.HeadersFrame) {
+		if n == 1 {
+			came <- struct{}{}
+			<-refuse
+			fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+			return
+		}
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("200"), EndHeaders: true})
+		fr.WriteData(f.StreamID, true, []byte("ok"))
+	})
+	sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	letRefuse := closeOnce(refuse)
+	t.Cleanup(letRefuse) // before the service's drain
+	got := sendHeldRaw(t, sv, came)
+	if err := removeBackends(sv); err != nil {
+		t.Fatal(err)
+	}
+	letRefuse()
+	if g := <-got; g != "200 ok <nil>" {
+		t.Fatalf("GET the removed backend went away from: %s; want 200 ok <nil>", g)
+	}
+	wantGoAwayEnd(t, end, 20*time.Second, "the connection made after the removal")
+}
+
+// endingH2Backend is a raw HTTP/2 backend that passes each HEADERS to
+// headers with its connection's number (the first is 1); the channel gets
+// how the first connection numbered from or later ended: the first of
+// readBackendFrames' reports there other than "PING answered".
+func endingH2Backend(t *testing.T, from int32, headers func(n int32, fr *http2.Framer, f *http2.HeadersFrame)) (netip.AddrPort, <-chan string) {
+	t.Helper()
 	var conns atomic.Int32
-	end := make(chan string, 1) // how the connection after the first ended
+	end := make(chan string, 1)
 	be := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
-		first := conns.Add(1) == 1
-		readBackendFrames(fr, func(f *http2.HeadersFrame) {
-			if first {
-				came <- struct{}{}
-				<-refuse
-				fr.WriteGoAway(0, http2.ErrCodeNo, nil)
-				return
-			}
-			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("200"), EndHeaders: true})
-			fr.WriteData(f.StreamID, true, []byte("ok"))
-		}, func(what string) bool {
-			if first || what == "PING answered" {
+		n := conns.Add(1)
+		readBackendFrames(fr, func(f *http2.HeadersFrame) { headers(n, fr, f) }, func(what string) bool {
+			if n < from || what == "PING answered" {
 				return true
 			}
 			select {
@@ -298,10 +319,20 @@ func TestRemovedBackendNewConnectionCloses(t *testing.T) {
 			return false
 		})
 	})
-	sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
-	var refused sync.Once
-	letRefuse := func() { refused.Do(func() { close(refuse) }) }
-	t.Cleanup(letRefuse) // before the service's drain
+	return be, end
+}
+
+// closeOnce returns a function that closes ch the first time it is called.
+func closeOnce(ch chan struct{}) func() {
+	var once sync.Once
+	return func() { once.Do(func() { close(ch) }) }
+}
+
+// sendHeldRaw sends a GET to sv from an HTTP/2 client and returns once came
+// says the backend has it; the answer comes on the channel as "code body
+// error".
+func sendHeldRaw(t *testing.T, sv *served, came <-chan struct{}) <-chan string {
+	t.Helper()
 	c := h2cClient()
 	t.Cleanup(c.CloseIdleConnections)
 	got := make(chan string, 1)
@@ -315,20 +346,20 @@ func TestRemovedBackendNewConnectionCloses(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the request did not reach the backend in 10s")
 	}
-	if err := removeBackends(sv); err != nil {
-		t.Fatal(err)
-	}
-	letRefuse()
-	if g := <-got; g != "200 ok <nil>" {
-		t.Fatalf("GET the removed backend went away from: %s; want 200 ok <nil>", g)
-	}
+	return got
+}
+
+// wantGoAwayEnd fails the test unless end says within d that the connection
+// (conn, for the messages) ended with weir's GOAWAY NO_ERROR.
+func wantGoAwayEnd(t *testing.T, end <-chan string, d time.Duration, conn string) {
+	t.Helper()
 	select {
 	case g := <-end:
 		if g != "GOAWAY NO_ERROR" {
-			t.Errorf("the connection made after the removal ended with %s; want GOAWAY NO_ERROR", g)
+			t.Errorf("%s ended with %s; want GOAWAY NO_ERROR", conn, g)
 		}
-	case <-time.After(20 * time.Second):
-		t.Error("the connection made after the removal still open 20s after its request ended")
+	case <-time.After(d):
+		t.Errorf("%s still open %v after its last stream ended", conn, d)
 	}
 }
 
@@ -394,5 +425,48 @@ func TestReaddedBackendKeepsHeldConnection(t *testing.T) {
 	}
 	if n, open := be.accepted.Load(), be.open.Load(); n != 1 || open != 1 {
 		t.Errorf("the backend accepted %d connections, %d open; want 1, kept open", n, open)
+	}
+}
+
+// TestBackendResetLastStreamConnCloses: a frame engine's connection whose
+// last stream the backend resets is looked at as one whose last stream ended
+// any other way: a removed backend's is closed (GOAWAY NO_ERROR) at once, and
+// one that takes requests gets its idle timer, which closes it once the pool's
+// idle timeout has passed. Before, the backend's RST_STREAM left it open with
+// no timer: kept until the backend closed it.
+func TestBackendResetLastStreamConnCloses(t *testing.T) {
+	// Restored after the services have stopped (cleanups run last-first).
+	t.Cleanup(func(d time.Duration) func() { return func() { upIdleTimeout = d } }(upIdleTimeout))
+	for _, c := range []struct {
+		name    string
+		idleFor time.Duration
+		remove  bool // the backend is removed while the stream is held
+	}{
+		{"removed backend", time.Hour, true},
+		{"idle timeout", 300 * time.Millisecond, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			upIdleTimeout = c.idleFor
+			came, reset := make(chan struct{}, 1), make(chan struct{})
+			be, end := endingH2Backend(t, 1, func(_ int32, fr *http2.Framer, f *http2.HeadersFrame) {
+				came <- struct{}{}
+				<-reset
+				fr.WriteRSTStream(f.StreamID, http2.ErrCodeInternal)
+			})
+			sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+			letReset := closeOnce(reset)
+			t.Cleanup(letReset) // before the service's drain
+			got := sendHeldRaw(t, sv, came)
+			if c.remove {
+				if err := removeBackends(sv); err != nil {
+					t.Fatal(err)
+				}
+			}
+			letReset()
+			if g := <-got; !strings.HasPrefix(g, "502 ") {
+				t.Fatalf("GET the backend reset: %s; want 502", g)
+			}
+			wantGoAwayEnd(t, end, 10*time.Second, "the connection")
+		})
 	}
 }
