@@ -113,10 +113,13 @@ func (p *upPool) open(st *fstream) {
 	uc.start(st)
 }
 
-// start writes st's request headers (and what of its body the windows allow);
-// st's session mutex is held.
+// start writes st's request headers (and what of its body the windows allow),
+// taking st out of waiting if it was there (dial); st's session mutex is held.
 func (uc *upconn) start(st *fstream) {
 	uc.mu.Lock()
+	if i := slices.Index(uc.waiting, st); i >= 0 {
+		uc.waiting = slices.Delete(uc.waiting, i, i+1)
+	}
 	if uc.dead || uc.away {
 		uc.mu.Unlock()
 		st.upDone = true
@@ -356,8 +359,10 @@ func (uc *upconn) dial() {
 		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: uc.br.max})
 	uc.fr.WriteWindowUpdate(0, recvConnWin-65535)
 	uc.ready = true
-	waiting := uc.waiting
-	uc.waiting = nil
+	// Each stays in waiting until start takes it out, so the connection is
+	// not idle (idleCheckLocked) before the streams it was dialled for are
+	// under way: a retirement meanwhile would close it under them.
+	waiting := slices.Clone(uc.waiting)
 	uc.mu.Unlock()
 	for _, st := range waiting {
 		st.sess.mu.Lock()
@@ -369,6 +374,7 @@ func (uc *upconn) dial() {
 	// With no stream (those it was dialled for cancelled meanwhile), it
 	// closes now (away, or its backend retired) or when idle too long.
 	uc.mu.Lock()
+	uc.waiting = nil
 	uc.idleCheckLocked()
 	uc.mu.Unlock()
 	uc.fail(uc.read())

@@ -46,6 +46,12 @@ func startCountingBackend(t *testing.T, h http.HandlerFunc, idle time.Duration) 
 	if err != nil {
 		t.Fatal(err)
 	}
+	return serveCounting(t, ln, h, idle)
+}
+
+// serveCounting is startCountingBackend on a listener of the caller's.
+func serveCounting(t *testing.T, ln net.Listener, h http.HandlerFunc, idle time.Duration) *countingBackend {
+	t.Helper()
 	b := &countingBackend{addr: netip.MustParseAddrPort(ln.Addr().String()), conns: map[net.Conn]bool{}}
 	var p http.Protocols
 	p.SetHTTP1(true)

@@ -16,6 +16,14 @@ import (
 // (the SYNs are dropped), as to a host that is down behind a firewall.
 func hungBackend(t *testing.T) netip.AddrPort {
 	t.Helper()
+	addr, _, _ := hungListener(t)
+	return addr
+}
+
+// hungListener is hungBackend's listening socket, and how many connections
+// fill its accept queue (the first its fd accepts; closed at cleanup).
+func hungListener(t *testing.T) (addr netip.AddrPort, fd, fillers int) {
+	t.Helper()
 	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -28,18 +36,18 @@ func hungBackend(t *testing.T) netip.AddrPort {
 		t.Fatal(err)
 	}
 	sa, _ := syscall.Getsockname(fd)
-	addr := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sa.(*syscall.SockaddrInet4).Port))
-	for i := 0; ; i++ { // fill the accept queue until a connect hangs
+	addr = netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sa.(*syscall.SockaddrInet4).Port))
+	for ; ; fillers++ { // fill the accept queue until a connect hangs
 		c, err := net.DialTimeout("tcp", addr.String(), 200*time.Millisecond)
 		if err != nil {
 			break
 		}
 		t.Cleanup(func() { c.Close() })
-		if i > 16 {
+		if fillers > 16 {
 			t.Fatal("cannot fill the accept queue: a connect to it does not hang")
 		}
 	}
-	return addr
+	return addr, fd, fillers
 }
 
 // TestH1RetryAfterTryTimeoutInDial: a PUT whose client sent its whole

@@ -6,9 +6,11 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -333,6 +335,19 @@ func closeOnce(ch chan struct{}) func() {
 // error".
 func sendHeldRaw(t *testing.T, sv *served, came <-chan struct{}) <-chan string {
 	t.Helper()
+	got := sendH2(t, sv)
+	select {
+	case <-came:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the request did not reach the backend in 10s")
+	}
+	return got
+}
+
+// sendH2 sends a GET to sv from an HTTP/2 client; the answer comes on the
+// channel as "code body error".
+func sendH2(t *testing.T, sv *served) <-chan string {
+	t.Helper()
 	c := h2cClient()
 	t.Cleanup(c.CloseIdleConnections)
 	got := make(chan string, 1)
@@ -341,11 +356,6 @@ func sendHeldRaw(t *testing.T, sv *served, came <-chan struct{}) <-chan string {
 		code, body, err := send(c, "GET", "http://"+sv.Addr().String()+"/")
 		got <- fmt.Sprint(code, " ", body, " ", err)
 	}()
-	select {
-	case <-came:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the request did not reach the backend in 10s")
-	}
 	return got
 }
 
@@ -468,5 +478,74 @@ func TestBackendResetLastStreamConnCloses(t *testing.T) {
 			}
 			wantGoAwayEnd(t, end, 10*time.Second, "the connection")
 		})
+	}
+}
+
+// TestRetiredDuringDialConnTakesItsStreams: a frame engine's connection
+// whose backend is removed once it is connected but before the requests that
+// waited on it are sent sends them, and closes once they end, rather than
+// closing at the removal and having them refused and sent again on another.
+// The backend's full accept queue holds the connect up (its SYN is sent again
+// after 1 s), and the test holds the waiting request's client session, which
+// the dial takes to send it, until the removal is done.
+func TestRetiredDuringDialConnTakesItsStreams(t *testing.T) {
+	addr, fd, fillers := hungListener(t)
+	other := startHoldingBackend(t)
+	sv := serveStoppable(t, Config{Upstream: UpstreamH2C, ConnectTimeout: 30 * time.Second}, []Backend{{Addr: addr, Weight: 1, Usable: true}})
+	got := sendH2(t, sv)
+	// The connection being dialled, and the session of the request waiting on it.
+	var uc *upconn
+	var ss *fsess
+	waitfor.Value(t, 10*time.Second, "a request waiting on a connection being dialled", func() (any, bool) {
+		be := sv.backend(addr.String())
+		p := be.fpool.Load()
+		if p == nil {
+			return "no pool", false
+		}
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if len(p.conns) != 1 {
+			return fmt.Sprint(len(p.conns), " connections"), false
+		}
+		uc = p.conns[0]
+		uc.mu.Lock()
+		defer uc.mu.Unlock()
+		if len(uc.waiting) != 1 || uc.ready {
+			return fmt.Sprint(len(uc.waiting), " waiting, ready ", uc.ready), false
+		}
+		ss = uc.waiting[0].sess
+		return "", true
+	})
+	ss.mu.Lock()
+	var unlocked sync.Once
+	unlock := func() { unlocked.Do(ss.mu.Unlock) }
+	t.Cleanup(unlock)
+	// The backend: its accept queue emptied, it serves h2c.
+	// Its own copy of fd, which hungListener's cleanup closes.
+	dfd, err := syscall.Dup(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(dfd), "hung listener")
+	ln, err := net.FileListener(f) // a copy of f's, closed by the server at cleanup
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	be := serveCounting(t, ln, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }, 0)
+	waitfor.Value(t, 20*time.Second, "the connection connected", func() (any, bool) {
+		uc.mu.Lock()
+		defer uc.mu.Unlock()
+		return uc.ready, uc.ready
+	})
+	if err := sv.SetBackends([]Backend{{Addr: other.addr, Weight: 1, Usable: true}}); err != nil {
+		t.Fatal(err)
+	}
+	unlock()
+	if g := <-got; g != "200 ok <nil>" {
+		t.Fatalf("GET: %s; want 200 ok <nil>", g)
+	}
+	if n := be.accepted.Load() - int64(fillers); n != 1 {
+		t.Errorf("the backend accepted %d connections from weir; want 1, the one the request waited on", n)
 	}
 }
