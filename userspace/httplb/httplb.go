@@ -184,6 +184,10 @@ type Service struct {
 	mu       sync.Mutex
 	backends map[string]*backend                 // by address; removed ones until a reload finds none of their requests in flight
 	byID     atomic.Pointer[map[string]*backend] // backends as last published, read by requests
+	// oldBal is the balancer the last change of algorithm replaced: the
+	// requests begun before it hold its leases, so they count as in flight
+	// too when a removed backend's entry may go.
+	oldBal balance.Balancer
 }
 
 // live is what a request reads once at its start: the settings that may change
@@ -593,6 +597,9 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 	in := make([]balance.Backend, 0, len(bs))
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if l := s.live.Load(); l != nil && l.bal != bal {
+		s.oldBal = l.bal // Reconfigure's new balancer replaces it
+	}
 	for _, b := range bs {
 		be := s.backends[b.Addr.String()]
 		if be == nil {
@@ -615,7 +622,7 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 			be.removed = true
 			s.retire(be)
 			s.drainTunnels(be, true)
-			if bal.InFlight(id) == 0 {
+			if bal.InFlight(id) == 0 && (s.oldBal == nil || s.oldBal.InFlight(id) == 0) {
 				delete(s.backends, id)
 			}
 		}

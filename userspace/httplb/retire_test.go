@@ -17,6 +17,7 @@ import (
 	"golang.org/x/net/http2"
 
 	"github.com/weir-lb/weir/internal/waitfor"
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // upstreamPools are the ways a request reaches a backend, one per pool of
@@ -414,27 +415,36 @@ func backendAddrs(sn Snapshot) []netip.AddrPort {
 
 // TestReaddedBackendKeepsHeldConnection: the frame engine's connection a
 // request holds across its backend's removal and return stays open once the
-// request ends, and takes the requests after: none is dialled for them.
+// request ends, and takes the requests after: none is dialled for them. The
+// same when the reload that removes the backend changes the algorithm too
+// (the request's lease is then the replaced balancer's).
 func TestReaddedBackendKeepsHeldConnection(t *testing.T) {
-	p := upstreamPool{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "POST"}
-	sv, be, c, url := p.start(t, p.cfg)
-	other := startHoldingBackend(t)
-	answer := p.sendHeld(t, c, url, be)
-	if err := sv.SetBackends([]Backend{{Addr: other.addr, Weight: 1, Usable: true}}); err != nil {
-		t.Fatal(err)
-	}
-	if err := sv.SetBackends([]Backend{{Addr: be.addr, Weight: 1, Usable: true}}); err != nil {
-		t.Fatal(err)
-	}
-	be.letGo()
-	if got, want := <-answer, "OK "+slowAnswer; got != want {
-		t.Fatalf("the request in flight across the removal got %q; want %q", got, want)
-	}
-	for range 3 {
-		p.sendOK(t, c, url)
-	}
-	if n, open := be.accepted.Load(), be.open.Load(); n != 1 || open != 1 {
-		t.Errorf("the backend accepted %d connections, %d open; want 1, kept open", n, open)
+	for _, c := range []struct{ name, algorithm string }{{"same algorithm", ""}, {"algorithm changed", balance.RoundRobin}} {
+		t.Run(c.name, func(t *testing.T) {
+			p := upstreamPool{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "POST"}
+			sv, be, cl, url := p.start(t, p.cfg)
+			other := startHoldingBackend(t)
+			answer := p.sendHeld(t, cl, url, be)
+			cfg := sv.live.Load().cfg
+			if c.algorithm != "" {
+				cfg.Algorithm = c.algorithm
+			}
+			for _, b := range []*holdingBackend{other, be} {
+				if err := sv.Reconfigure(cfg, []Backend{{Addr: b.addr, Weight: 1, Usable: true}}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			be.letGo()
+			if got, want := <-answer, "OK "+slowAnswer; got != want {
+				t.Fatalf("the request in flight across the removal got %q; want %q", got, want)
+			}
+			for range 3 {
+				p.sendOK(t, cl, url)
+			}
+			if n, open := be.accepted.Load(), be.open.Load(); n != 1 || open != 1 {
+				t.Errorf("the backend accepted %d connections, %d open; want 1, kept open", n, open)
+			}
+		})
 	}
 }
 
