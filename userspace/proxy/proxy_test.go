@@ -142,7 +142,11 @@ func TestTransferBothWaysByteExact(t *testing.T) {
 		// The kernel forwards it all.
 		spliced = after.Kernel - before.Kernel
 	}
-	if spliced+copied < uint64(2*size) || copied > uint64(size/16) {
+	// Copied bytes are the starts, and the spells when a slow peer left only
+	// small chunks to take (a splice of 4 KiB or less turns a direction back to
+	// read/write): 3-22 MB on a quiet machine, 73 MB once in CI under load. A
+	// direction that never turned to splice would copy its whole GiB.
+	if spliced+copied < uint64(2*size) || copied > uint64(size/4) {
 		t.Errorf("bytes moved: got %d by splice, %d by read/write; want >= %d in all, most by splice", spliced, copied, 2*size)
 	}
 	t.Logf("%d MiB each way in %v (%.1f Gbit/s both ways), %d splice calls, %d bytes copied",
