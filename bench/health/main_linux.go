@@ -42,6 +42,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/internal/procstat"
 )
 
 const roleEnv = "WEIR_HEALTHBENCH_ROLE"
@@ -394,16 +396,7 @@ func sample(listenerPid int, napi []int) cpuSample {
 
 // procTimes reads utime and stime of /proc/<pid>/stat.
 func procTimes(pid string) (user, sys uint64) {
-	b, err := os.ReadFile("/proc/" + pid + "/stat")
-	if err != nil {
-		return 0, 0
-	}
-	s := string(b)
-	// The command name is in parentheses and may hold spaces; fields follow.
-	if i := strings.LastIndexByte(s, ')'); i >= 0 {
-		s = s[i+1:]
-	}
-	f := strings.Fields(s) // state is f[0]; utime and stime are fields 14 and 15 of the line
+	f := procstat.Fields(pid) // state is f[0]; utime and stime are fields 14 and 15 of the line
 	if len(f) < 13 {
 		return 0, 0
 	}

@@ -1,7 +1,6 @@
 package demo
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -11,13 +10,13 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/internal/procstat"
 )
 
 // state is what a demo leaves for the next run, should it be killed, and what
@@ -48,21 +47,10 @@ func readState(dir string) (state, error) {
 	return st, nil
 }
 
-// stat is /proc/PID/stat from field 3 on (f[0] is field 3, the state), or nil
-// when there is no such process.
-func stat(pid int) []string {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return nil
-	}
-	// The command name, field 2, is in parentheses and may hold spaces.
-	return strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
-}
-
 // startTime is field 22 of /proc/PID/stat, when the process started, or "" when
 // there is no such process.
 func startTime(pid int) string {
-	if f := stat(pid); len(f) >= 20 {
+	if f := procstat.Fields(strconv.Itoa(pid)); len(f) >= 20 {
 		return f[19]
 	}
 	return ""
@@ -330,6 +318,6 @@ func stopPID(pid int, start string) error {
 // another that took its pid, not a zombie (one that has exited, not yet
 // reaped).
 func running(pid int, start string) bool {
-	f := stat(pid)
+	f := procstat.Fields(strconv.Itoa(pid))
 	return start != "" && len(f) >= 20 && f[19] == start && f[0] != "Z"
 }
