@@ -197,6 +197,9 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if err := benchproc.PortsFree(backendA, backendB, frontH1, frontH2, frontGRPC); err != nil {
+		return err
+	}
 	be, err := benchproc.Start(dir, "backends", nil, self, "-serve", "backends")
 	if err != nil {
 		return err
@@ -248,6 +251,9 @@ func run(ctx context.Context) error {
 
 func measure(ctx context.Context, dir string, t target) (result, error) {
 	var res result
+	if err := benchproc.PortsFree(frontH1, frontH2, frontGRPC); err != nil {
+		return res, err
+	}
 	p, err := t.start(ctx, dir)
 	if err != nil {
 		return res, err

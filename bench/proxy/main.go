@@ -124,6 +124,9 @@ func run(ctx context.Context) error {
 			p.Stop()
 		}
 	}()
+	if err := benchproc.PortsFree(httpA, httpB, iperfAddr); err != nil {
+		return err
+	}
 	be, err := startNginxBackend(ctx, dir)
 	if err != nil {
 		return err
@@ -207,6 +210,9 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 	var res result
 	var p *benchproc.Proc
 	if t.start != nil {
+		if err := benchproc.PortsFree(t.http, t.bulk); err != nil {
+			return res, err
+		}
 		var err error
 		if p, err = t.start(ctx, dir); err != nil {
 			return res, err

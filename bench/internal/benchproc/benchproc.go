@@ -159,6 +159,31 @@ func WaitPorts(ctx context.Context, addrs ...string) error {
 	return nil
 }
 
+// PortsFree returns an error naming the first address something already accepts
+// connections on, and what listens there. A benchmark checks its ports before it
+// starts a program on them: weir, HAProxy and nginx all listen with SO_REUSEPORT,
+// so a program left over from an earlier run would silently take a share of the
+// load, and every figure would be read off the wrong process.
+func PortsFree(addrs ...string) error {
+	for _, a := range addrs {
+		c, err := net.DialTimeout("tcp", a, time.Second)
+		if err != nil {
+			continue
+		}
+		c.Close()
+		who := ""
+		if _, port, err := net.SplitHostPort(a); err == nil {
+			out, _ := exec.Command("ss", "-ltnpH", "sport = :"+port).Output()
+			who = strings.TrimSpace(string(out))
+		}
+		if who == "" {
+			who = "a process ss cannot name"
+		}
+		return fmt.Errorf("%s is in use before the benchmark starts anything there (%s): stop it first", a, who)
+	}
+	return nil
+}
+
 // AptInstall installs the Debian packages pkgs (sorted first, for the log), with
 // apt-get update before; nothing when pkgs is empty. A benchmark lists what it
 // found missing.
