@@ -632,3 +632,36 @@ func checkNotBlamed(t *testing.T, s *Service, rec *recorder, timeout time.Durati
 		t.Errorf("outcomes: got %q; want %q", got, want)
 	}
 }
+
+// TestLingerLetsSlowAcknowledgerFinish: a client that talks on and reads, at
+// its own steady pace, a whole answer from a backend gone after its FIN gets
+// all of it, then the EOF, also when the proxy's socket to it has a send
+// buffer that the client takes longer than lingerMax to empty. The proxy saw
+// the client take some of the answer only when it wrote more of it, and with
+// the whole answer in its send queue never: it closed at lingerMax, and the
+// client's next bytes met the closed socket, whose reset threw away the
+// answer's unacknowledged rest: the client read 532,480 bytes of 3 MiB (its
+// write took the reset's error, so its read found the end).
+func TestLingerLetsSlowAcknowledgerFinish(t *testing.T) {
+	// Send buffers of 4 MiB: the whole answer goes into the proxy's socket
+	// to the client at once.
+	if !inOwnNetns(t, map[string]string{
+		"net.ipv4.tcp_wmem": "4096 4194304 4194304",
+		"net.ipv4.tcp_rmem": "4096 4194304 4194304",
+	}) {
+		return
+	}
+	defer func(d time.Duration) { lingerMax = d }(lingerMax)
+	lingerMax = time.Second
+	answer := bytes.Repeat([]byte("a"), 3<<20)
+	be := startFinThenReset(t, nil, answer, abortiveClose)
+	s, rec, c := askSlowly(t, be) // no IdleTimeout
+	<-be.reset
+	// 4 KiB every 5 ms at most: more than 3 s for the answer.
+	c.SetDeadline(time.Now().Add(60 * time.Second))
+	readWholeBy4K(t, c, answer, func() {
+		c.Write([]byte("more\n")) // fails once the proxy has closed, the answer the client's
+		time.Sleep(5 * time.Millisecond)
+	})
+	checkNotBlamed(t, s, rec, 5*time.Second)
+}

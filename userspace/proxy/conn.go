@@ -51,11 +51,11 @@ type conn struct {
 	lastErr error
 	killed  bool // closed by a drain or shutdown deadline
 	// lingerEnd: monotonic ns past which a lingering connection (linger)
-	// closes, acknowledged or not; lingerSent: the answer's bytes in the
-	// client's socket when lingerEnd was last set.
-	lingerEnd  int64
-	lingerSent uint64
-	reset      bool // the backend broke the connection
+	// closes, acknowledged or not; lingerAcked: the bytes the client had
+	// acknowledged (tcpi_bytes_acked) when lingerEnd was last set.
+	lingerEnd   int64
+	lingerAcked uint64
+	reset       bool // the backend broke the connection
 
 	redirected  bool      // the kernel forwards (Config.Redirector)
 	cookies     [2]uint64 // redirected: the sockets' cookies, by side, for Redirector.Forget
@@ -692,20 +692,20 @@ func (l *loop) linger(c *conn) bool {
 			budget -= n
 		}
 	}
+	// A client that acknowledges some of the answer has lingerMax more. Its
+	// acknowledgements are what tells: the proxy writes more of the answer
+	// only once a third of its socket's send buffer is free, and none once
+	// the whole answer is in it, so a client that takes a send buffer's
+	// worth slower than that would be cut while it reads.
+	now := monotonic()
+	if ti, err := tcpInfoRaw(c.fd[client]); err == nil && ti.Bytes_acked != c.lingerAcked {
+		c.lingerAcked, c.lingerEnd = ti.Bytes_acked, now+int64(lingerMax)
+	}
 	if !c.h[down].done {
 		// The answer is still on its way to the client's socket. A client
-		// that takes some of it has lingerMax more; one that takes none
-		// for lingerMax loses the rest: the close resets it, as it does a
-		// peer whose bytes the proxy (or the kernel) still holds.
-		now := monotonic()
-		sent := c.h[down].wrote
-		if c.redirected {
-			n, _ := l.kernelMoved(c, down)
-			sent += n
-		}
-		if sent != c.lingerSent {
-			c.lingerSent, c.lingerEnd = sent, now+int64(lingerMax)
-		}
+		// that takes none of it for lingerMax loses the rest: the close
+		// resets it, as it does a peer whose bytes the proxy (or the
+		// kernel) still holds.
 		if now < c.lingerEnd {
 			l.lingerLater(c)
 			return true
@@ -713,7 +713,7 @@ func (l *loop) linger(c *conn) bool {
 		l.close(c, OutcomeSuccess)
 		return false
 	}
-	if !u.eof && monotonic() < c.lingerEnd {
+	if !u.eof && now < c.lingerEnd {
 		if n, err := outqRaw(c.fd[client]); err == nil && n > 0 {
 			l.lingerLater(c)
 			return true
@@ -724,12 +724,12 @@ func (l *loop) linger(c *conn) bool {
 }
 
 // lingerMax bounds how long a lingering connection waits for its client to
-// acknowledge the answer's end (as nginx's lingering_time does), whatever the
-// idle timeout, which may be none: the backend has gone, and a client that
-// never reads would otherwise hold the connection, its slot and the backend's
-// count for good. It counts from when the proxy saw the backend go, and,
-// while the answer is not yet all in the client's socket, from the last time
-// the client took some of it: a client that reads, however slowly, gets it.
+// acknowledge more of the answer, and its end, whatever the idle timeout,
+// which may be none: the backend has gone, and a client that never reads
+// would otherwise hold the connection, its slot and the backend's count for
+// good. It counts from when the proxy saw the backend go, and then from the
+// last time the client acknowledged some of the answer: a client that reads,
+// however slowly, gets it.
 var lingerMax = 30 * time.Second
 
 // lingerLater checks c again soon: its client has not yet acknowledged the
