@@ -6,6 +6,10 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -204,4 +208,70 @@ func sysFD(t *testing.T, c *net.TCPConn) int {
 	var fd int
 	rc.Control(func(f uintptr) { fd = int(f) })
 	return fd
+}
+
+// TestChildInheritsNoDescriptor: a process started while connections are open
+// holds none of the proxy's descriptors (sockets, pipes, epoll sets,
+// eventfds): every one is opened close-on-exec, in the call that makes it. A
+// child's copy of a socket would keep its connection open after the proxy
+// closed it, with no FIN and no reset for the peer until the child exits.
+func TestChildInheritsNoDescriptor(t *testing.T) {
+	// What this process inherited itself passes on too: not the proxy's.
+	before := fdTargets(t, "/proc/self/fd")
+	be := startBackend(t, "a", netip.AddrPort{}, hello)
+	s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}}})
+	c := dial(t, s)
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if line, err := readLine(c); err != nil || line != "a" {
+		t.Fatalf("greeting: got %q, %v; want \"a\"", line, err)
+	}
+	// Bulk, so that on the copy path the loop has taken pipes too.
+	if err := roundTrip(c, strings.Repeat("x", 1<<20)); err != nil {
+		t.Fatalf("echo: %v", err)
+	}
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	// Start returns once the child has run exec, so its descriptors are those
+	// it kept. Only kinds the proxy opens are looked at: the dynamic loader
+	// may hold a file of its own for a moment.
+	var held []string
+	for n, target := range fdTargets(t, fmt.Sprintf("/proc/%d/fd", cmd.Process.Pid)) {
+		if n <= 2 || before[n] == target {
+			continue
+		}
+		for _, kind := range []string{"socket:", "pipe:", "anon_inode:"} {
+			if strings.HasPrefix(target, kind) {
+				held = append(held, fmt.Sprintf("%d -> %s", n, target))
+			}
+		}
+	}
+	if len(held) > 0 {
+		t.Errorf("descriptors the child inherited: %q; want none", held)
+	}
+}
+
+// fdTargets reads a /proc/PID/fd directory: what each descriptor refers to.
+func fdTargets(t *testing.T, dir string) map[int]string {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	targets := make(map[int]string, len(ents))
+	for _, e := range ents {
+		n, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if target, err := os.Readlink(dir + "/" + e.Name()); err == nil { // else closed meanwhile
+			targets[n] = target
+		}
+	}
+	return targets
 }
