@@ -189,6 +189,11 @@ func (l *loop) kernelProgress(c *conn, d int) (kernelCount, bool) {
 // as CLOSE; or LAST_ACK acknowledged), or by a reset: a peek finds the
 // stream's end only if the FIN is in and no byte is left to read, and after a
 // reset without a FIN, the error, which it takes (no one reads it at the close).
+// After a reset whose error a read (or finBeforeReset) took first, the peek
+// finds the end too, as the kernel shuts a reset socket both ways, and the
+// count takes off a FIN that never came, one byte short. That changes nothing:
+// such a read ends in fail, which resets the destination anyway, or is
+// linger's, whose direction has ended (accountKernel asks for the others).
 func (l *loop) kernelHolds(c *conn, d int) (uint64, bool) {
 	k, ok := l.kernelProgress(c, d)
 	if !ok {
