@@ -13,6 +13,7 @@ import (
 	"strings"
 
 	"github.com/weir-lb/weir/userspace/agent/admin"
+	"github.com/weir-lb/weir/userspace/agent/api"
 )
 
 // maxMove is the --max-move flag: a percentage, and whether it was given.
@@ -90,12 +91,20 @@ func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	} else {
 		p.WriteTable(stdout)
 	}
+	return planVerdict(stderr, p, maxMove.pct)
+}
+
+// planVerdict says on stderr why a reload of the planned file would not go
+// through, a line for each reason (over --max-move pct, refused for the XDP
+// program's slots), as the table on stdout does; errReported if there is one.
+func planVerdict(stderr io.Writer, p api.Plan, pct float64) error {
 	if len(p.OverBudget) > 0 {
-		fmt.Fprintf(stderr, "weir: plan: %s would move more than --max-move %g%% of new flows\n", strings.Join(p.OverBudget, ", "), maxMove.pct)
-		return errReported
+		fmt.Fprintf(stderr, "weir: plan: %s would move more than --max-move %g%% of new flows\n", strings.Join(p.OverBudget, ", "), pct)
 	}
 	if p.Refused != "" {
 		fmt.Fprintf(stderr, "weir: plan: a reload would be refused: %s\n", p.Refused)
+	}
+	if len(p.OverBudget) > 0 || p.Refused != "" {
 		return errReported
 	}
 	return nil

@@ -8,12 +8,14 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/userspace/agent/admin"
+	"github.com/weir-lb/weir/userspace/agent/api"
 )
 
 // TestPlanAndReloadMaxMove runs the agent (proxy and http planes, on loopback: the
@@ -172,4 +174,36 @@ func testPlanAndReloadMaxMove(t *testing.T, plane, held, removedDrained string) 
 			t.Fatalf("after the reload: %v, %+v; want 3 backends", err, st)
 		}
 	})
+}
+
+// TestPlanVerdictSaysEveryReason: a plan both over --max-move and refused for
+// the XDP program's slots says both on stderr, as its table does; before, only
+// the budget line was printed, and an operator who cut the change to fit the
+// budget met the refusal only at the reload. (An agent at the program's slot
+// limit is userspace/agent's TestReloadAtCapacityRefusedWhole.)
+func TestPlanVerdictSaysEveryReason(t *testing.T) {
+	refused := `service "s15": the XDP program has 16384 backend slots, and this change needs 16385 at once`
+	for _, tc := range []struct {
+		name string
+		plan api.Plan
+		want []string
+	}{
+		{"both", api.Plan{OverBudget: []string{"web"}, Refused: refused}, []string{
+			"weir: plan: web would move more than --max-move 5% of new flows",
+			"weir: plan: a reload would be refused: " + refused}},
+		{"over budget", api.Plan{OverBudget: []string{"web", "db"}}, []string{"weir: plan: web, db would move more than --max-move 5% of new flows"}},
+		{"refused", api.Plan{Refused: refused}, []string{"weir: plan: a reload would be refused: " + refused}},
+		{"neither", api.Plan{}, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var stderr bytes.Buffer
+			err := planVerdict(&stderr, tc.plan, 5)
+			if got := strings.Split(strings.TrimSuffix(stderr.String(), "\n"), "\n"); stderr.Len() > 0 && !slices.Equal(got, tc.want) || stderr.Len() == 0 && tc.want != nil {
+				t.Errorf("stderr: got %q; want the lines %q", stderr.String(), tc.want)
+			}
+			if wantErr := tc.want != nil; (err != nil) != wantErr || err != nil && err != errReported {
+				t.Errorf("error: got %v; want errReported: %v", err, wantErr)
+			}
+		})
+	}
 }
