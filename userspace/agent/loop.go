@@ -209,6 +209,9 @@ func (a *Agent) onNodeDrain(st *state, drain bool) error {
 
 // start applies the first config to empty planes.
 func (a *Agent) start(st *state) error {
+	if err := a.xdp.SpeakerPortClashes(st.cfg, a.opts.ConfigPath); err != nil {
+		return err
+	}
 	placement, err := a.place(nil, st.cfg, st.placement)
 	if err != nil {
 		return err
@@ -229,6 +232,9 @@ func (a *Agent) reload(st *state, maxMove *float64) error {
 	cfg, err := config.Load(a.opts.ConfigPath)
 	if err == nil {
 		err = restartOnly(st.cfg, cfg)
+	}
+	if err == nil {
+		err = a.xdp.SpeakerPortClashes(cfg, a.opts.ConfigPath)
 	}
 	if err == nil {
 		err = a.applyConfig(st, cfg, maxMove)

@@ -100,6 +100,13 @@ func (a *Agent) onPlan(st *state, ev planEvent) error {
 	if err == nil {
 		err = restartOnly(st.cfg, cfg)
 	}
+	if err == nil {
+		file := ev.name
+		if ev.data == nil {
+			file = a.opts.ConfigPath
+		}
+		err = a.xdp.SpeakerPortClashes(cfg, file)
+	}
 	if err != nil {
 		return err
 	}

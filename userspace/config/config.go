@@ -23,6 +23,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"slices"
 	"time"
 )
 
@@ -333,6 +334,30 @@ func (c *Config) TLSPairError(file, service string, err error) *FieldError {
 		}
 	}
 	return nil
+}
+
+// SpeakerPortClashes refuses, as validation refuses one at an address the file
+// names (addresses, bgp.router_id, bgp.next_hop), each tcp VIP that XDP may
+// serve at one of addrs on bgp.listen_port: addrs are the node's own addresses
+// that only the host knows, the first interface's when the file leaves
+// addresses out, and where names them in the error. Each is reported at its
+// vip's line of the file at file; nil when none clashes.
+func (c *Config) SpeakerPortClashes(file string, addrs []netip.Addr, where string) error {
+	if c.BGP.ASN == 0 || c.BGP.ListenPort == 0 || len(c.Interfaces) == 0 {
+		return nil
+	}
+	var es Errors
+	for i := range c.Services {
+		s := &c.Services[i]
+		if slices.Contains(addrs, s.VIP.Addr()) && takesSpeakerPort(s.VIP, s.Protocol, mayUseXDP(s.DataPlane, s.Algorithm), c.BGP.ListenPort) {
+			path := fmt.Sprintf("services[%d].vip", i)
+			es = append(es, &FieldError{File: file, Line: c.Line(path), Path: path, Msg: speakerPortClash(s.VIP, where)})
+		}
+	}
+	if es == nil {
+		return nil
+	}
+	return es
 }
 
 // Defaults of the BGP settings.

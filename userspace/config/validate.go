@@ -682,11 +682,22 @@ func (cfg *file) validateBGPPort(c *checker) {
 	for i := range cfg.Services {
 		s := &cfg.Services[i]
 		where, ok := own[s.VIPAddr.Addr()]
-		if !ok || !s.VIPAddr.IsValid() || s.VIPAddr.Port() != uint16(b.ListenPort) || s.Protocol != TCP || !s.mayUseXDP() {
-			continue
+		if ok && s.VIPAddr.IsValid() && takesSpeakerPort(s.VIPAddr, s.Protocol, s.mayUseXDP(), uint16(b.ListenPort)) {
+			c.bad(fmt.Sprintf("services[%d].vip", i), "%s", speakerPortClash(s.VIPAddr, where))
 		}
-		c.bad(fmt.Sprintf("services[%d].vip", i), "%s is the node's own address (%s) at bgp.listen_port, where BGP peers reach the speaker, and XDP would take every tcp packet to it for this service's backends: give the VIP another address or port", s.VIPAddr, where)
 	}
+}
+
+// takesSpeakerPort reports whether XDP would take the BGP sessions peers open
+// to vip's address on the speaker's port: a tcp VIP that XDP may serve there.
+func takesSpeakerPort(vip netip.AddrPort, proto Protocol, mayUseXDP bool, listenPort uint16) bool {
+	return vip.Port() == listenPort && proto == TCP && mayUseXDP
+}
+
+// speakerPortClash is the error of a VIP at the node's own address (named by
+// where) on bgp.listen_port.
+func speakerPortClash(vip netip.AddrPort, where string) string {
+	return fmt.Sprintf("%s is the node's own address (%s) at bgp.listen_port, where BGP peers reach the speaker, and XDP would take every tcp packet to it for this service's backends: give the VIP another address or port", vip, where)
 }
 
 func parseCommunity(s string) (uint32, bool) {
@@ -883,8 +894,10 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 
 // mayUseXDP reports whether XDP may serve the service (when interfaces are
 // listed): not one the proxy or the http plane serves whatever happens.
-func (s *fileService) mayUseXDP() bool {
-	return s.DataPlane == DataPlaneXDP || s.DataPlane == DataPlaneAuto && s.Algorithm.XDP()
+func (s *fileService) mayUseXDP() bool { return mayUseXDP(s.DataPlane, s.Algorithm) }
+
+func mayUseXDP(dp DataPlane, algo Algorithm) bool {
+	return dp == DataPlaneXDP || dp == DataPlaneAuto && algo.XDP()
 }
 
 func (h *fileHealth) validate(c *checker, p string) {

@@ -292,3 +292,24 @@ func (x *Plane) ResolveMAC(ip netip.Addr) plan.MAC {
 	}
 	return plan.MAC{Addr: mac}
 }
+
+// SpeakerPortClashes refuses cfg's tcp VIPs that XDP may serve at the node's
+// own address on bgp.listen_port, where the file leaves addresses out and that
+// address is the first interface's (config.Config.SpeakerPortClashes):
+// validation checks only the addresses a file names. nil when XDP is not
+// loaded, as it then takes no packet.
+func (x *Plane) SpeakerPortClashes(cfg *config.Config, file string) error {
+	if x == nil || x.prog == nil {
+		return nil
+	}
+	return speakerPortClashes(cfg, x.addrs, file)
+}
+
+// speakerPortClashes is SpeakerPortClashes with the interface's addresses
+// found (addrs, as Setup and Preflight find them).
+func speakerPortClashes(cfg *config.Config, addrs []netip.Addr, file string) error {
+	if len(cfg.Addresses) > 0 || len(cfg.Interfaces) == 0 {
+		return nil
+	}
+	return cfg.SpeakerPortClashes(file, addrs, fmt.Sprintf("on %s, taken as addresses is left out", cfg.Interfaces[0].Name))
+}

@@ -1,6 +1,7 @@
 package xdpplane
 
 import (
+	"errors"
 	"fmt"
 	"net"
 
@@ -31,6 +32,12 @@ func Preflight(cfg *config.Config) []string {
 	}
 	if len(x.addrs) == 0 {
 		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name)
+	}
+	var clashes config.Errors
+	if errors.As(speakerPortClashes(cfg, x.addrs, ""), &clashes) {
+		for _, e := range clashes {
+			out = append(out, e.Error()+", so the agent refuses the file here")
+		}
 	}
 	for i := range cfg.Services {
 		s := &cfg.Services[i]

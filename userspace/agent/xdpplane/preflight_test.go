@@ -1,0 +1,49 @@
+package xdpplane
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/userspace/config"
+)
+
+// TestPreflightSpeakerPortAtInterfaceAddress: weir validate on the host names a
+// tcp xdp VIP at the interface's own address on bgp.listen_port, where the
+// file leaves addresses out, which the agent refuses (the file alone cannot
+// know that address); one at another port of that address passes.
+func TestPreflightSpeakerPortAtInterfaceAddress(t *testing.T) {
+	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("pfl"), Backends: 1})
+	file := func(port int) *config.Config {
+		t.Helper()
+		cfg, err := config.Parse(fmt.Appendf(nil, `interfaces: [{name: %s}]
+bgp: {asn: 65001, router_id: 10.99.99.1, listen_port: 1179, peers: [{address: 10.99.99.2, asn: 65002}]}
+services:
+  - {name: b, vip: "%s:%d", data_plane: xdp, mode: dsr, backends: [{address: "10.200.0.2:%d", mac: "02:00:00:00:00:02"}]}
+`, tp.Balancer.Link, tp.Balancer.IP4, port, port))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cfg
+	}
+	preflight := func(cfg *config.Config) (out []string) {
+		t.Helper()
+		if err := tp.Balancer.NS.Do(func() error { out = Preflight(cfg); return nil }); err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	want := fmt.Sprintf("line 4: services[0].vip: %s:1179 is the node's own address (on %s, taken as addresses is left out) at bgp.listen_port",
+		tp.Balancer.IP4, tp.Balancer.Link)
+	said := func(out []string) bool {
+		return slices.ContainsFunc(out, func(l string) bool { return strings.HasPrefix(l, want) })
+	}
+	if out := preflight(file(1179)); !said(out) {
+		t.Errorf("VIP on bgp.listen_port: got %q; want a line beginning %q", out, want)
+	}
+	if out := preflight(file(80)); slices.ContainsFunc(out, func(l string) bool { return strings.Contains(l, "bgp.listen_port") }) {
+		t.Errorf("VIP on another port: got %q; want nothing about bgp.listen_port", out)
+	}
+}
