@@ -288,8 +288,8 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 	// A start that fails leaves the adopted program serving the services it held.
 	// The config's one service has as many backends as the program has slots, so
 	// it passes validation; but the services the pinned program holds keep theirs
-	// until a start succeeds, so its write fails (the self-test uses one backend,
-	// so only the real write does).
+	// until a start succeeds, so the start is refused before its first write (the
+	// self-test uses one backend, so only the real change fails).
 	var big strings.Builder
 	head := fmt.Sprintf(restartConfig, tp.Balancer.Link, pinPath, socket)
 	big.WriteString(head[:strings.Index(head, "  - name: echo-dsr")])
@@ -308,8 +308,11 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 	defer cancel()
 	cmd := exec.CommandContext(failCtx, "ip", "netns", "exec", tp.Balancer.NS.Name(), exe, "-test.run=^$")
 	cmd.Env = append(os.Environ(), childEnv+"=1", "WEIR_AGENT_TEST_CONFIG="+cfgPath)
-	if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), `service "big"`) {
-		t.Fatalf("agent with a service too big for the program: %v, output:\n%s\nwant it to fail on service big", err, out)
+	// The slots the pinned program's services hold are named as such, with the
+	// ways through: a reload's advice (remove, then add) cannot help a start.
+	wantFail := "of the held backend slots are held by services of the pinned program that this start has not taken over"
+	if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), `service "big"`) || !strings.Contains(string(out), wantFail) {
+		t.Fatalf("agent with a service too big for the program: %v, output:\n%s\nwant it to fail on service big, saying %q", err, out, wantFail)
 	}
 	for _, s := range streams {
 		s.progress(t, "after a failed start")

@@ -50,6 +50,11 @@ func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
 		ls := spec(s)
 		cur, ok := held[ls.Key]
 		if !ok && len(held) >= int(capa.Services) {
+			services, _ := x.pinnedHeld(held, installed)
+			if services > 0 {
+				return fmt.Errorf("service %q: the XDP program has %d service slots, all held at this point of the start%s: %w",
+					s.Name(), capa.Services, pinnedNote(services, "service"), loader.ErrCapacity)
+			}
 			return fmt.Errorf("service %q: the XDP program has %d service slots, all held at this point of the change (a service's entry at a new VIP or protocol is added before the old one is removed): remove services in one reload and add the others in the next: %w",
 				s.Name(), capa.Services, loader.ErrCapacity)
 		}
@@ -60,6 +65,10 @@ func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
 			}
 		}
 		if backends+fresh > int(capa.Backends) {
+			if _, slots := x.pinnedHeld(held, installed); slots > 0 {
+				return fmt.Errorf("service %q: the XDP program has %d backend slots, and this start needs %d at once: %d held, %d more for this service's new backends%s: %w",
+					s.Name(), capa.Backends, backends+fresh, backends, fresh, pinnedNote(slots, "backend"), loader.ErrCapacity)
+			}
 			return fmt.Errorf("service %q: the XDP program has %d backend slots, and this change needs %d at once: %d held, %d more for this service's new backends, taken before the backends it replaces free theirs (which they keep while they drain)%s: %w",
 				s.Name(), capa.Backends, backends+fresh, backends, fresh, leavingNote(running), loader.ErrCapacity)
 		}
@@ -109,6 +118,26 @@ func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
 		}
 	}
 	return nil
+}
+
+// pinnedHeld counts the services, and their backend slots, that the program
+// held when this run adopted it and that this run has not (yet) taken over:
+// they keep their slots until the start succeeds (DropUnowned), so that a
+// failed start leaves them serving. 0 once the agent has started.
+func (x *Plane) pinnedHeld(held map[loader.ServiceKey]map[netip.AddrPort]bool, installed map[loader.ServiceKey]string) (services, slots int) {
+	for key := range x.adopted {
+		if _, ok := installed[key]; !ok {
+			services++
+			slots += len(held[key])
+		}
+	}
+	return services, slots
+}
+
+// pinnedNote says that n slots of a kind are held by the pinned program's
+// services a start has not taken over, and the ways through.
+func pinnedNote(n int, kind string) string {
+	return fmt.Sprintf("; %d of the held %s slots are held by services of the pinned program that this start has not taken over, which keep them until it succeeds so that a failed start leaves them serving: start with the file the program was loaded with and reload to this one (removing in one reload and adding in the next), or detach the program first (weir stop --detach), which ends its flows", n, kind)
 }
 
 func addrSet(s loader.Service) map[netip.AddrPort]bool {
