@@ -219,7 +219,7 @@ func (a *Agent) start(st *state) error {
 	a.refreshMACs(st, st.cfg, placement)
 	next := plan.Plan(st.input(st.cfg, placement, st.overrides, time.Now()), plan.Desired{})
 	if err := a.reconcile(plan.Desired{}, next); err != nil {
-		return a.certLines(st.cfg, err)
+		return fieldLines(st.cfg, a.opts.ConfigPath, err)
 	}
 	st.placement, st.running = placement, next
 	a.register(plan.Desired{}, next)
@@ -350,10 +350,10 @@ func (a *Agent) applyConfig(st *state, cfg *config.Config, maxMove *float64) err
 		return err
 	}
 	if err := a.http.ReadCertificates(next); err != nil {
-		return a.certLines(cfg, err)
+		return fieldLines(cfg, a.opts.ConfigPath, err)
 	}
 	if err := a.reconcile(st.running, next); err != nil {
-		return a.certLines(cfg, err)
+		return fieldLines(cfg, a.opts.ConfigPath, err)
 	}
 	prev := st.running
 	st.cfg, st.placement, st.overrides, st.running = cfg, placement, overrides, next
@@ -375,20 +375,28 @@ func (a *Agent) applyConfig(st *state, cfg *config.Config, maxMove *float64) err
 	return nil
 }
 
-// certLines reports each certificate pair of err that does not load as `weir
-// validate` does: at its field and line of the config file.
-func (a *Agent) certLines(cfg *config.Config, err error) error {
+// fieldLines reports each error of err about one service of cfg as `weir
+// validate` reports the file's errors, at its field and line of the file at
+// file: a certificate pair that does not load (at http.tls), and a change the
+// XDP program has no slots for (at the service).
+func fieldLines(cfg *config.Config, file string, err error) error {
 	if j, ok := err.(interface{ Unwrap() []error }); ok {
 		errs := j.Unwrap()
 		out := make([]error, len(errs))
 		for i, e := range errs {
-			out[i] = a.certLines(cfg, e)
+			out[i] = fieldLines(cfg, file, e)
 		}
 		return errors.Join(out...)
 	}
 	var ce *httpplane.CertError
-	if errors.As(err, &ce) {
-		if fe := cfg.TLSPairError(a.opts.ConfigPath, ce.Service, ce.Err); fe != nil {
+	var capa *xdpplane.CapacityError
+	switch {
+	case errors.As(err, &ce):
+		if fe := cfg.TLSPairError(file, ce.Service, ce.Err); fe != nil {
+			return fe
+		}
+	case errors.As(err, &capa):
+		if fe := cfg.ServiceError(file, capa.Service, "", capa.Error()); fe != nil {
 			return fe
 		}
 	}

@@ -96,15 +96,15 @@ func checkMaxMove(pct float64) error {
 }
 
 func (a *Agent) onPlan(st *state, ev planEvent) error {
+	file := ev.name
+	if ev.data == nil {
+		file = a.opts.ConfigPath
+	}
 	cfg, err := a.planConfig(ev)
 	if err == nil {
 		err = restartOnly(st.cfg, cfg)
 	}
 	if err == nil {
-		file := ev.name
-		if ev.data == nil {
-			file = a.opts.ConfigPath
-		}
 		err = a.xdp.SpeakerPortClashes(cfg, file)
 	}
 	if err != nil {
@@ -116,12 +116,9 @@ func (a *Agent) onPlan(st *state, ev planEvent) error {
 	}
 	*ev.out = a.impact(st.running, next, ev.maxMove)
 	if err := a.xdp.Fits(st.running, plan.Diff(st.running, next)); err != nil {
-		ev.out.Refused = err.Error()
+		ev.out.Refused = fieldLines(cfg, file, err).Error()
 	}
-	ev.out.Config = ev.name
-	if ev.data == nil {
-		ev.out.Config = a.opts.ConfigPath
-	}
+	ev.out.Config = file
 	return nil
 }
 

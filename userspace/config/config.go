@@ -326,14 +326,29 @@ func (c *Config) Line(path string) int { return lineIn(c.lines, path) }
 // not load (err), at http.tls of the file at file, as `weir validate` and the
 // agent's reloads report it; nil when c has no such service.
 func (c *Config) TLSPairError(file, service string, err error) *FieldError {
-	for i, s := range c.Services {
-		if s.Name == service {
-			path := fmt.Sprintf("services[%d].http.tls", i)
-			return &FieldError{File: file, Line: c.Line(path), Path: path,
-				Msg: fmt.Sprintf("cert %s and key %s do not load: %v", s.HTTP.TLSCert, s.HTTP.TLSKey, err)}
-		}
+	i := slices.IndexFunc(c.Services, func(s Service) bool { return s.Name == service })
+	if i < 0 {
+		return nil
 	}
-	return nil
+	h := &c.Services[i].HTTP
+	return c.ServiceError(file, service, "http.tls", fmt.Sprintf("cert %s and key %s do not load: %v", h.TLSCert, h.TLSKey, err))
+}
+
+// ServiceError is msg, a problem of the named service found after parsing (a
+// certificate that does not load, a change the XDP program has no slots for),
+// at its setting sub ("http.tls"; "": the service itself) of the file at file,
+// with its line, as the file's own errors are reported; nil when c has no such
+// service.
+func (c *Config) ServiceError(file, service, sub, msg string) *FieldError {
+	i := slices.IndexFunc(c.Services, func(s Service) bool { return s.Name == service })
+	if i < 0 {
+		return nil
+	}
+	path := fmt.Sprintf("services[%d]", i)
+	if sub != "" {
+		path += "." + sub
+	}
+	return &FieldError{File: file, Line: c.Line(path), Path: path, Msg: msg}
 }
 
 // SpeakerPortClashes refuses, as validation refuses one at an address the file

@@ -52,11 +52,11 @@ func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
 		if !ok && len(held) >= int(capa.Services) {
 			services, _ := x.pinnedHeld(held, installed)
 			if services > 0 {
-				return fmt.Errorf("service %q: the XDP program has %d service slots, all held at this point of the start%s: %w",
-					s.Name(), capa.Services, pinnedNote(services, "service"), loader.ErrCapacity)
+				return capacityError(s.Name(), "the XDP program has %d service slots, all held at this point of the start%s: %w",
+					capa.Services, pinnedNote(services, "service"), loader.ErrCapacity)
 			}
-			return fmt.Errorf("service %q: the XDP program has %d service slots, all held at this point of the change (a service's entry at a new VIP or protocol is added before the old one is removed): remove services in one reload and add the others in the next: %w",
-				s.Name(), capa.Services, loader.ErrCapacity)
+			return capacityError(s.Name(), "the XDP program has %d service slots, all held at this point of the change (a service's entry at a new VIP or protocol is added before the old one is removed): remove services in one reload and add the others in the next: %w",
+				capa.Services, loader.ErrCapacity)
 		}
 		fresh := 0
 		for _, b := range ls.Backends {
@@ -66,11 +66,11 @@ func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
 		}
 		if backends+fresh > int(capa.Backends) {
 			if _, slots := x.pinnedHeld(held, installed); slots > 0 {
-				return fmt.Errorf("service %q: the XDP program has %d backend slots, and this start needs %d at once: %d held, %d more for this service's new backends%s: %w",
-					s.Name(), capa.Backends, backends+fresh, backends, fresh, pinnedNote(slots, "backend"), loader.ErrCapacity)
+				return capacityError(s.Name(), "the XDP program has %d backend slots, and this start needs %d at once: %d held, %d more for this service's new backends%s: %w",
+					capa.Backends, backends+fresh, backends, fresh, pinnedNote(slots, "backend"), loader.ErrCapacity)
 			}
-			return fmt.Errorf("service %q: the XDP program has %d backend slots, and this change needs %d at once: %d held, %d more for this service's new backends, taken before the backends it replaces free theirs (which they keep while they drain)%s: %w",
-				s.Name(), capa.Backends, backends+fresh, backends, fresh, leavingNote(running), loader.ErrCapacity)
+			return capacityError(s.Name(), "the XDP program has %d backend slots, and this change needs %d at once: %d held, %d more for this service's new backends, taken before the backends it replaces free theirs (which they keep while they drain)%s: %w",
+				capa.Backends, backends+fresh, backends, fresh, leavingNote(running), loader.ErrCapacity)
 		}
 		next := addrSet(ls)
 		backends += len(next) - len(cur)
@@ -138,6 +138,21 @@ func (x *Plane) pinnedHeld(held map[loader.ServiceKey]map[netip.AddrPort]bool, i
 // services a start has not taken over, and the ways through.
 func pinnedNote(n int, kind string) string {
 	return fmt.Sprintf("; %d of the held %s slots are held by services of the pinned program that this start has not taken over, which keep them until it succeeds so that a failed start leaves them serving: start with the file the program was loaded with and reload to this one (removing in one reload and adding in the next), or detach the program first (weir stop --detach), which ends its flows", n, kind)
+}
+
+// CapacityError is a change the XDP program has no slots for, at the named
+// service: Fits' error.
+type CapacityError struct {
+	Service string
+	Err     error
+}
+
+func (e *CapacityError) Error() string { return fmt.Sprintf("service %q: %v", e.Service, e.Err) }
+
+func (e *CapacityError) Unwrap() error { return e.Err }
+
+func capacityError(service, format string, args ...any) error {
+	return &CapacityError{Service: service, Err: fmt.Errorf(format, args...)}
 }
 
 func addrSet(s loader.Service) map[netip.AddrPort]bool {
