@@ -36,6 +36,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(noPidfdEnv) != "" {
 		os.Exit(noPidfd())
 	}
+	if os.Getenv(stubbornEnv) != "" {
+		os.Exit(stubborn())
+	}
 	if st := os.Getenv(holdEnv); st != "" {
 		os.Exit(child(func(ctx context.Context) error { return Hold(ctx, st) }))
 	}

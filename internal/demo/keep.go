@@ -256,12 +256,20 @@ func removeLeftovers(dir string) error {
 	return os.RemoveAll(dir)
 }
 
+// How long stopProc waits for a process to exit after SIGTERM, before it sends
+// SIGKILL, and after SIGKILL.
+var (
+	termWait = 15 * time.Second
+	killWait = 5 * time.Second
+)
+
 // stopProc stops the process pid if it is the one that started at start:
-// SIGTERM, up to 15 s to exit, then SIGKILL. It signals and waits through a
-// pidfd opened before it checks the start time, so a process that has taken
-// the pid since is never signalled, not even one that takes it while stopProc
-// waits. A process that has exited has stopped, reaped or not. Where there is
-// no pidfd_open (a kernel before 5.3, a container whose seccomp filter refuses
+// SIGTERM, up to termWait to exit, then SIGKILL; it returns once the process
+// has exited, reaped or not, and fails only if it still runs killWait after
+// SIGKILL. It signals and waits through a pidfd opened before it checks the
+// start time, so a process that has taken the pid since is never signalled,
+// not even one that takes it while stopProc waits. Where there is no
+// pidfd_open (a kernel before 5.3, a container whose seccomp filter refuses
 // it) it goes by pid (stopPID).
 func stopProc(pid int, start string) error {
 	if pid <= 0 || start == "" {
@@ -278,38 +286,56 @@ func stopProc(pid int, start string) error {
 	if startTime(pid) != start {
 		return nil // gone, the pid another's now
 	}
-	if unix.PidfdSendSignal(fd, unix.SIGTERM, nil, 0) != nil {
-		return nil // it has just exited
+	for _, sig := range []unix.Signal{unix.SIGTERM, unix.SIGKILL} {
+		if unix.PidfdSendSignal(fd, sig, nil, 0) != nil {
+			return nil // it has just exited
+		}
+		if pidfdExited(fd, waitAfter(sig)) {
+			return nil
+		}
 	}
-	deadline := time.Now().Add(15 * time.Second)
+	return fmt.Errorf("pid %d still runs %s after SIGKILL", pid, killWait)
+}
+
+// waitAfter is how long stopProc waits for a process to exit after sig.
+func waitAfter(sig unix.Signal) time.Duration {
+	if sig == unix.SIGKILL {
+		return killWait
+	}
+	return termWait
+}
+
+// pidfdExited waits up to d for the process of the pidfd fd to exit, and
+// reports whether it has.
+func pidfdExited(fd int, d time.Duration) bool {
+	deadline := time.Now().Add(d)
 	for {
 		// Readable once the process has exited.
 		n, err := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, int(max(time.Until(deadline).Milliseconds(), 0)))
 		if n > 0 {
-			return nil
+			return true
 		}
 		if !errors.Is(err, unix.EINTR) || time.Now().After(deadline) {
-			break
+			return false
 		}
 	}
-	unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
-	return fmt.Errorf("pid %d did not stop within 15s of SIGTERM: killed", pid)
 }
 
 // stopPID is stopProc by pid, for where there is no pidfd: it looks at the
 // start time before each signal and while it waits, so only a process that
 // takes the pid between a look and the signal after it can be signalled.
 func stopPID(pid int, start string) error {
-	if !running(pid, start) || unix.Kill(pid, unix.SIGTERM) != nil {
-		return nil
-	}
-	deadline := time.Now().Add(15 * time.Second)
-	for running(pid, start) {
-		if time.Now().After(deadline) {
-			unix.Kill(pid, unix.SIGKILL)
-			return fmt.Errorf("pid %d did not stop within 15s of SIGTERM: killed", pid)
+	for _, sig := range []unix.Signal{unix.SIGTERM, unix.SIGKILL} {
+		if !running(pid, start) || unix.Kill(pid, sig) != nil {
+			return nil
 		}
-		time.Sleep(20 * time.Millisecond)
+		deadline := time.Now().Add(waitAfter(sig))
+		for running(pid, start) && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	if running(pid, start) {
+		return fmt.Errorf("pid %d still runs %s after SIGKILL", pid, killWait)
 	}
 	return nil
 }

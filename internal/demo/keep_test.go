@@ -1,11 +1,14 @@
 package demo
 
 import (
+	"bufio"
 	"errors"
 	"fmt"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -192,5 +195,136 @@ func TestDownBadState(t *testing.T) {
 	}
 	if err := Down(dir); err == nil || !strings.Contains(err.Error(), statePath(dir)) {
 		t.Errorf("Down with a broken state file: got %v; want an error naming %s", err, statePath(dir))
+	}
+}
+
+// stubbornEnv runs this test binary as stubborn, a process that ignores
+// SIGTERM.
+const stubbornEnv = "WEIR_DEMO_TEST_STUBBORN"
+
+// stubborn ignores SIGTERM, holds memory enough that the kernel takes a
+// while to take its exit through (so a caller that does not wait for it to be
+// gone sees it run), says "ready" and sleeps.
+func stubborn() int {
+	signal.Ignore(syscall.SIGTERM)
+	mem, err := unix.Mmap(-1, 0, 256<<20, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE|unix.MAP_POPULATE)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer unix.Munmap(mem)
+	fmt.Println("ready")
+	time.Sleep(2 * time.Minute) // SIGKILL ends it; its parent's death, should it be left
+	return 0
+}
+
+// startStubborn starts stubborn with extra as its fd 3 and on and waits until
+// it ignores SIGTERM. It dies with the test (Pdeathsig, from a thread that
+// lives as long as it does).
+func startStubborn(t *testing.T, extra ...*os.File) *exec.Cmd {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(exe, "-test.run", "^$")
+	cmd.Env = append(os.Environ(), stubbornEnv+"=1")
+	cmd.ExtraFiles = extra
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	started, exited := make(chan error, 1), make(chan error, 1)
+	// Exits when the process has exited: its thread, which Pdeathsig watches,
+	// lives as long.
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		err := cmd.Start()
+		started <- err
+		if err == nil {
+			exited <- cmd.Wait()
+		}
+	}()
+	if err := <-started; err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		<-exited
+	})
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if line != "ready\n" {
+		t.Fatalf("the process ignoring SIGTERM said %q (%v); want ready", line, err)
+	}
+	return cmd
+}
+
+// shortWaits makes stopProc wait one second for SIGTERM to work.
+func shortWaits(t *testing.T) {
+	was := termWait
+	termWait = time.Second
+	t.Cleanup(func() { termWait = was })
+}
+
+// TestStopProcKills: a process that ignores SIGTERM dies of the SIGKILL
+// stopProc sends after it: stopProc succeeds, and returns only once the
+// process has exited.
+func TestStopProcKills(t *testing.T) {
+	shortWaits(t)
+	cmd := startStubborn(t)
+	pid := cmd.Process.Pid
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	err = stopProc(pid, startTime(pid))
+	// Readable once every thread of it has exited.
+	n, _ := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 0)
+	if err != nil || n == 0 {
+		t.Errorf("stopProc of a process that ignores SIGTERM: got %v, exited %t; want nil, and the process exited", err, n > 0)
+	}
+}
+
+// TestDownKillsHold: weir demo down succeeds the first time when the kept
+// demo's hold process, which holds the demo's lock, ignores SIGTERM and dies
+// of SIGKILL; the lock is free and the directory gone.
+func TestDownKillsHold(t *testing.T) {
+	shortWaits(t)
+	dir := filepath.Join(t.TempDir(), "demo")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	lk, err := lock(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hold := startStubborn(t, lk)
+	pid := hold.Process.Pid
+	err = setHolder(lk, "kept", pid)
+	lk.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := startTime(pid)
+	if err := writeState(state{Dir: dir, HoldPID: pid, HoldStart: start}); err != nil {
+		t.Fatal(err)
+	}
+	if err := Down(dir); err != nil {
+		t.Errorf("Down with a hold process that ignores SIGTERM: %v; want it stopped by SIGKILL, no error", err)
+	}
+	if running(pid, start) {
+		t.Errorf("the hold process %d runs after Down", pid)
+	}
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s after Down: %v; want it removed", dir, err)
+	}
+	if lk, err := lock(dir); err != nil {
+		t.Errorf("the lock after Down: %v; want it free", err)
+	} else {
+		lk.Close()
 	}
 }
