@@ -296,7 +296,7 @@ services:
 
 // startAgent writes the config and runs the agent in the balancer's namespace.
 func (r *run) startAgent(ctx context.Context) error {
-	r.cfgPath = filepath.Join(r.opts.Dir, "weir.yaml")
+	r.cfgPath = configPath(r.opts.Dir)
 	if err := r.writeConfig(r.opts.Backends, false); err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}

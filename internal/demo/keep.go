@@ -9,7 +9,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -34,6 +36,9 @@ type state struct {
 }
 
 func statePath(dir string) string { return filepath.Join(dir, "state.json") }
+
+// configPath is the agent's config in dir.
+func configPath(dir string) string { return filepath.Join(dir, "weir.yaml") }
 
 func readState(dir string) (state, error) {
 	var st state
@@ -209,7 +214,7 @@ func takeKept(dir string) (*os.File, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := stopProc(st.HoldPID, st.HoldStart); err != nil {
+	if err := stopProc(st.hold(dir)); err != nil {
 		return nil, err
 	}
 	deadline := time.Now().Add(5 * time.Second)
@@ -233,11 +238,8 @@ func removeLeftovers(dir string) error {
 		return err
 	}
 	var errs []error
-	for _, p := range []struct {
-		pid   int
-		start string
-	}{{st.AgentPID, st.AgentStart}, {st.HoldPID, st.HoldStart}} {
-		if err := stopProc(p.pid, p.start); err != nil {
+	for _, p := range []proc{st.agent(dir), st.hold(dir)} {
+		if err := stopProc(p); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -263,28 +265,62 @@ var (
 	killWait = 5 * time.Second
 )
 
-// stopProc stops the process pid if it is the one that started at start:
-// SIGTERM, up to termWait to exit, then SIGKILL; it returns once the process
-// has exited, reaped or not, and fails only if it still runs killWait after
-// SIGKILL. It signals and waits through a pidfd opened before it checks the
-// start time, so a process that has taken the pid since is never signalled,
-// not even one that takes it while stopProc waits. Where there is no
-// pidfd_open (a kernel before 5.3, a container whose seccomp filter refuses
-// it) it goes by pid (stopPID).
-func stopProc(pid int, start string) error {
-	if pid <= 0 || start == "" {
+// proc is a process a demo left, as its state names it: by pid and start
+// time; or, in a state file from before start times were recorded, by pid and
+// the arguments it runs with after argv[0] (`run -c DIR/weir.yaml`, `demo
+// hold DIR/state.json`), which only a weir agent or hold process on the demo's
+// own files has. A pid whose process does not match is another's.
+type proc struct {
+	pid   int
+	start string
+	args  []string
+}
+
+// agent and hold are the processes st names, left in dir.
+func (st state) agent(dir string) proc {
+	return proc{st.AgentPID, st.AgentStart, []string{"run", "-c", configPath(dir)}}
+}
+
+func (st state) hold(dir string) proc {
+	return proc{st.HoldPID, st.HoldStart, []string{"demo", "hold", statePath(dir)}}
+}
+
+// running reports whether p runs: pid is its process (not another that took
+// the pid) and not a zombie (one that has exited, not yet reaped).
+func (p proc) running() bool {
+	f := procstat.Fields(strconv.Itoa(p.pid))
+	if len(f) < 20 || f[0] == "Z" {
+		return false
+	}
+	if p.start != "" {
+		return f[19] == p.start
+	}
+	b, _ := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/cmdline")
+	argv := strings.Split(strings.TrimSuffix(string(b), "\x00"), "\x00")
+	return len(p.args) > 0 && len(argv) == len(p.args)+1 && slices.Equal(argv[1:], p.args)
+}
+
+// stopProc stops p: SIGTERM, up to termWait to exit, then SIGKILL; it
+// returns once the process has exited, reaped or not, and fails only if it
+// still runs killWait after SIGKILL. It signals and waits through a pidfd
+// opened before it checks that the pid is p's, so a process that has taken
+// the pid since is never signalled, not even one that takes it while stopProc
+// waits. Where there is no pidfd_open (a kernel before 5.3, a container whose
+// seccomp filter refuses it) it goes by pid (stopPID).
+func stopProc(p proc) error {
+	if p.pid <= 0 {
 		return nil
 	}
-	fd, err := unix.PidfdOpen(pid, 0)
+	fd, err := unix.PidfdOpen(p.pid, 0)
 	if errors.Is(err, unix.ESRCH) {
 		return nil // gone
 	}
 	if err != nil {
-		return stopPID(pid, start)
+		return stopPID(p)
 	}
 	defer unix.Close(fd)
-	if startTime(pid) != start {
-		return nil // gone, the pid another's now
+	if !p.running() {
+		return nil // gone, or the pid another's now
 	}
 	for _, sig := range []unix.Signal{unix.SIGTERM, unix.SIGKILL} {
 		if unix.PidfdSendSignal(fd, sig, nil, 0) != nil {
@@ -294,7 +330,7 @@ func stopProc(pid int, start string) error {
 			return nil
 		}
 	}
-	return fmt.Errorf("pid %d still runs %s after SIGKILL", pid, killWait)
+	return fmt.Errorf("pid %d still runs %s after SIGKILL", p.pid, killWait)
 }
 
 // waitAfter is how long stopProc waits for a process to exit after sig.
@@ -322,28 +358,20 @@ func pidfdExited(fd int, d time.Duration) bool {
 }
 
 // stopPID is stopProc by pid, for where there is no pidfd: it looks at the
-// start time before each signal and while it waits, so only a process that
+// process before each signal and while it waits, so only a process that
 // takes the pid between a look and the signal after it can be signalled.
-func stopPID(pid int, start string) error {
+func stopPID(p proc) error {
 	for _, sig := range []unix.Signal{unix.SIGTERM, unix.SIGKILL} {
-		if !running(pid, start) || unix.Kill(pid, sig) != nil {
+		if !p.running() || unix.Kill(p.pid, sig) != nil {
 			return nil
 		}
 		deadline := time.Now().Add(waitAfter(sig))
-		for running(pid, start) && time.Now().Before(deadline) {
+		for p.running() && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	if running(pid, start) {
-		return fmt.Errorf("pid %d still runs %s after SIGKILL", pid, killWait)
+	if p.running() {
+		return fmt.Errorf("pid %d still runs %s after SIGKILL", p.pid, killWait)
 	}
 	return nil
-}
-
-// running reports whether the process pid that started at start runs: not
-// another that took its pid, not a zombie (one that has exited, not yet
-// reaped).
-func running(pid int, start string) bool {
-	f := procstat.Fields(strconv.Itoa(pid))
-	return start != "" && len(f) >= 20 && f[19] == start && f[0] != "Z"
 }

@@ -78,7 +78,7 @@ func pidReuse() int {
 	pid := first.Process.Pid
 	stopped := make(chan error, 1)
 	// Exits when stopProc returns.
-	go func() { stopped <- stopProc(pid, startTime(pid)) }()
+	go func() { stopped <- stopProc(proc{pid: pid, start: startTime(pid)}) }()
 	first.Wait() // SIGTERM from stopProc; its pid is free
 	if err := os.WriteFile("/proc/sys/kernel/ns_last_pid", []byte(strconv.Itoa(pid-1)), 0); err != nil {
 		return fail(err)
@@ -156,15 +156,15 @@ func noPidfd() int {
 		unix.Close(fd)
 		return fail(fmt.Errorf("pidfd_open under the filter: %v; want EPERM", err))
 	}
-	proc := exec.Command("sleep", "60")
-	if err := proc.Start(); err != nil {
+	sleep := exec.Command("sleep", "60")
+	if err := sleep.Start(); err != nil {
 		return fail(err)
 	}
-	pid := proc.Process.Pid
+	pid := sleep.Process.Pid
 	start := startTime(pid)
 	stopped := make(chan error, 1)
 	// Exits when stopProc returns.
-	go func() { stopped <- stopProc(pid, start) }()
+	go func() { stopped <- stopProc(proc{pid: pid, start: start}) }()
 	select {
 	case err := <-stopped:
 		if err != nil {
@@ -174,8 +174,8 @@ func noPidfd() int {
 		return fail(errors.New("stopProc did not return within 30s"))
 	}
 	alive := running(pid, start)
-	proc.Process.Kill()
-	err := proc.Wait()
+	sleep.Process.Kill()
+	err := sleep.Wait()
 	var ee *exec.ExitError
 	if alive || !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGTERM {
 		return fail(fmt.Errorf("stopProc without pidfd_open: the process ran on (%t) and ended with %v; want it stopped by SIGTERM", alive, err))
@@ -218,16 +218,19 @@ func stubborn() int {
 	return 0
 }
 
-// startStubborn starts stubborn with extra as its fd 3 and on and waits until
-// it ignores SIGTERM. It dies with the test (Pdeathsig, from a thread that
+// startStubborn starts stubborn with args (after argv[0]; none: -test.run
+// ^$) and extra as its fd 3 and on, and waits until it ignores SIGTERM. It dies with the test (Pdeathsig, from a thread that
 // lives as long as it does).
-func startStubborn(t *testing.T, extra ...*os.File) *exec.Cmd {
+func startStubborn(t *testing.T, args []string, extra ...*os.File) *exec.Cmd {
 	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(exe, "-test.run", "^$")
+	if args == nil {
+		args = []string{"-test.run", "^$"}
+	}
+	cmd := exec.Command(exe, args...)
 	cmd.Env = append(os.Environ(), stubbornEnv+"=1")
 	cmd.ExtraFiles = extra
 	cmd.Stderr = os.Stderr
@@ -274,14 +277,14 @@ func shortWaits(t *testing.T) {
 // process has exited.
 func TestStopProcKills(t *testing.T) {
 	shortWaits(t)
-	cmd := startStubborn(t)
+	cmd := startStubborn(t, nil)
 	pid := cmd.Process.Pid
 	fd, err := unix.PidfdOpen(pid, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer unix.Close(fd)
-	err = stopProc(pid, startTime(pid))
+	err = stopProc(proc{pid: pid, start: startTime(pid)})
 	// Readable once every thread of it has exited.
 	n, _ := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 0)
 	if err != nil || n == 0 {
@@ -302,7 +305,7 @@ func TestDownKillsHold(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hold := startStubborn(t, lk)
+	hold := startStubborn(t, nil, lk)
 	pid := hold.Process.Pid
 	err = setHolder(lk, "kept", pid)
 	lk.Close()
@@ -328,3 +331,43 @@ func TestDownKillsHold(t *testing.T) {
 		lk.Close()
 	}
 }
+
+// TestDownOldState: a kept demo whose state file is from before start times
+// were recorded (no lock either): Down stops the agent named there, a
+// process running `run -c DIR/weir.yaml`, and leaves alone a process that
+// has taken the hold process's pid (other arguments).
+func TestDownOldState(t *testing.T) {
+	shortWaits(t)
+	dir := filepath.Join(t.TempDir(), "demo")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	agent := startStubborn(t, []string{"run", "-c", configPath(dir)})
+	agentStart := startTime(agent.Process.Pid)
+	other := exec.Command("sleep", "60")
+	other.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := other.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { other.Process.Kill(); other.Wait() })
+	otherStart := startTime(other.Process.Pid)
+	old := fmt.Sprintf(`{"dir": %q, "agent_pid": %d, "hold_pid": %d, "namespaces": []}`, dir, agent.Process.Pid, other.Process.Pid)
+	if err := os.WriteFile(statePath(dir), []byte(old), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := Down(dir); err != nil {
+		t.Errorf("Down with a state file without start times: %v", err)
+	}
+	if running(agent.Process.Pid, agentStart) {
+		t.Errorf("the agent (pid %d, run -c %s) runs after Down; want it stopped", agent.Process.Pid, configPath(dir))
+	}
+	if !running(other.Process.Pid, otherStart) {
+		t.Errorf("the process that took the hold process's pid (sleep 60) stopped; want it left alone")
+	}
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s after Down: %v; want it removed", dir, err)
+	}
+}
+
+// running reports whether the process pid that started at start runs.
+func running(pid int, start string) bool { return proc{pid: pid, start: start}.running() }
