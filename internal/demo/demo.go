@@ -128,6 +128,7 @@ type run struct {
 	agent    *exec.Cmd
 	agentErr chan error
 	lock     *os.File // the directory's, see lock
+	logs     []string // the logs in the directory an error names: kept
 	rep      Report
 }
 
@@ -187,12 +188,13 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 		if ctx.Err() != nil {
 			// What failed once ctx ended failed because it ended.
 			err = context.Cause(ctx)
+			r.logs = nil
 		}
 		r.srv.close()
 		if cerr := errors.Join(r.stopAgent(), t.Close()); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
-		os.RemoveAll(opts.Dir) // the agent's log is in err when it failed
+		removeExcept(opts.Dir, r.logs)
 	}()
 	vips := []netip.Addr{t.VIP4, t.VIP6}
 	for _, h := range t.Backends {
@@ -336,14 +338,14 @@ func (r *run) startAgent(ctx context.Context) error {
 		}
 		select {
 		case aerr := <-r.agentErr:
-			r.agentErr <- aerr
-			return fmt.Errorf("demo: the agent exited: %v; its log:\n%s", aerr, r.agentLog())
+			r.agent = nil // reported here, not again by stopAgent
+			return fmt.Errorf("demo: the agent exited: %v; its log is %s", aerr, r.keepLog("agent.log"))
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(50 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("demo: the agent did not answer within 30s (last: %v); its log:\n%s", err, r.agentLog())
+			return fmt.Errorf("demo: the agent did not answer within 30s (last: %v); its log is %s", err, r.keepLog("agent.log"))
 		}
 	}
 }
@@ -364,13 +366,28 @@ func attachWord(st api.Status) string {
 	return "attached (" + attachMode(st) + ")"
 }
 
-func (r *run) agentLog() string {
-	b, _ := os.ReadFile(filepath.Join(r.opts.Dir, "agent.log"))
-	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
-	if len(lines) > 30 {
-		lines = lines[len(lines)-30:]
+// keepLog is the path of the log name in the demo's directory, which the demo
+// keeps when it removes the rest: an error names it.
+func (r *run) keepLog(name string) string {
+	if !slices.Contains(r.logs, name) {
+		r.logs = append(r.logs, name)
 	}
-	return strings.Join(lines, "\n")
+	return filepath.Join(r.opts.Dir, name)
+}
+
+// removeExcept removes dir, or, with keep, everything in it but the files
+// keep names.
+func removeExcept(dir string, keep []string) {
+	if len(keep) == 0 {
+		os.RemoveAll(dir)
+		return
+	}
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		if !slices.Contains(keep, e.Name()) {
+			os.RemoveAll(filepath.Join(dir, e.Name()))
+		}
+	}
 }
 
 // stopAgent ends the agent (SIGTERM, as systemd would) and waits for it.
@@ -383,7 +400,7 @@ func (r *run) stopAgent() error {
 	case err := <-r.agentErr:
 		r.agent = nil
 		if err != nil {
-			return fmt.Errorf("demo: the agent: %w; its log:\n%s", err, r.agentLog())
+			return fmt.Errorf("demo: the agent: %w; its log is %s", err, r.keepLog("agent.log"))
 		}
 		return nil
 	case <-time.After(15 * time.Second):

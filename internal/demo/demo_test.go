@@ -256,10 +256,48 @@ func TestDemoKeepFails(t *testing.T) {
 		xdptest.Check(t, err)
 		t.Fatalf("a kept demo whose backends do not answer: got %v; want it to say so", err)
 	}
+	checkLogKept(t, err, opts.Dir, "hold.log", "")
 	lk, err := lock(opts.Dir)
 	if err != nil {
 		t.Fatalf("the lock after a kept demo failed: %v; want it free", err)
 	}
 	lk.Close()
+	os.RemoveAll(opts.Dir)
 	checkNothingLeft(t, opts.Dir)
+}
+
+// TestDemoAgentFails: an agent that exits at start (here a shell that writes
+// two lines and exits 1) fails the demo with one line naming the agent's log,
+// which stays, the only thing left.
+func TestDemoAgentFails(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	opts := options(t, "auto", &out)
+	opts.AgentArgv = func(string) []string {
+		return []string{"sh", "-c", "echo 'weir: load: it broke' >&2; echo 'and a second line' >&2; exit 1"}
+	}
+	_, err := Run(ctx, opts)
+	if err == nil || !strings.Contains(err.Error(), "the agent exited") {
+		t.Fatalf("a demo whose agent exits: got %v; want it to say so", err)
+	}
+	checkLogKept(t, err, opts.Dir, "agent.log", "it broke")
+	os.RemoveAll(opts.Dir)
+	checkNothingLeft(t, opts.Dir)
+}
+
+// checkLogKept checks that err is one line naming the log name in dir, and
+// that the log, holding want, is all that is left in dir.
+func checkLogKept(t *testing.T, err error, dir, name, want string) {
+	t.Helper()
+	path := filepath.Join(dir, name)
+	if strings.Contains(err.Error(), "\n") || !strings.HasSuffix(err.Error(), path) {
+		t.Errorf("error: got %q; want one line ending in the log's path, %s", err, path)
+	}
+	if b, err := os.ReadFile(path); err != nil || !strings.Contains(string(b), want) {
+		t.Errorf("%s: %q, %v; want it kept, with %q", path, b, err, want)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 1 {
+		t.Errorf("left in %s: %v; want only %s", dir, ents, name)
+	}
 }

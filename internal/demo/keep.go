@@ -124,8 +124,7 @@ func (r *run) keep(ctx context.Context) error {
 			return ctx.Err()
 		}
 		if time.Now().After(deadline) {
-			b, _ := os.ReadFile(filepath.Join(r.opts.Dir, "hold.log"))
-			return fmt.Errorf("the backends did not answer again within 10s; hold.log:\n%s", b)
+			return fmt.Errorf("the backends did not answer again within 10s; their process's log is %s", r.keepLog("hold.log"))
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
