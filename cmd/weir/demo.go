@@ -7,6 +7,8 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 
@@ -46,14 +48,19 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if os.Geteuid() != 0 {
 		return errors.New("demo: needs root to create network namespaces and load XDP (run it as root, or with sudo)")
 	}
+	dir, prefix, err := demoPlace()
+	if err != nil {
+		return fmt.Errorf("demo: %w", err)
+	}
 	exe, err := os.Executable()
 	if err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
-	cleaned := cutShortOnSecondSignal(stderr, demo.NamePrefix+"*")
+	cleaned := cutShortOnSecondSignal(stderr, prefix+"*")
 	rep, err := demo.Run(ctx, demo.Options{Backends: *backends, Requests: *requests, Attach: *mode, Keep: *keep, Out: stdout,
 		AgentArgv: func(cfg string) []string { return []string{exe, "run", "-c", cfg} },
-		HoldArgv:  func(state string) []string { return []string{exe, "demo", "hold", state} }})
+		HoldArgv:  func(state string) []string { return []string{exe, "demo", "hold", state} },
+		Dir:       dir, NamePrefix: prefix})
 	cleaned()
 	if stopped(ctx, err) {
 		fmt.Fprintf(stdout, "\ndemo stopped (%v): the agent is stopped; namespaces, links and the XDP program are removed\n", err)
@@ -75,6 +82,27 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return fmt.Errorf("demo: %d of %d steps did not go as expected (see FAIL above)", failed, len(rep.Steps))
 	}
 	return nil
+}
+
+// demoPlace is where weir demo keeps its files (its lock is DIR.lock) and how
+// its namespaces' names begin: /run/weir-demo and wdm, or what WEIR_DEMO_DIR
+// and WEIR_DEMO_PREFIX say, for a demo beside another (weir's tests run theirs
+// so).
+func demoPlace() (dir, prefix string, err error) {
+	dir, prefix = demo.DefaultDir, demo.NamePrefix
+	if v := os.Getenv("WEIR_DEMO_DIR"); v != "" {
+		if !filepath.IsAbs(v) || filepath.Clean(v) == "/" {
+			return "", "", fmt.Errorf("WEIR_DEMO_DIR must be an absolute path below /, got %q", v)
+		}
+		dir = filepath.Clean(v)
+	}
+	if v := os.Getenv("WEIR_DEMO_PREFIX"); v != "" {
+		if len(v) > 3 || strings.Trim(v, "abcdefghijklmnopqrstuvwxyz") != "" {
+			return "", "", fmt.Errorf("WEIR_DEMO_PREFIX must be 1 to 3 letters a-z, got %q", v)
+		}
+		prefix = v
+	}
+	return dir, prefix, nil
 }
 
 func runDemoFleet(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -175,7 +203,11 @@ func runDemoSub(ctx context.Context, cmd string, args []string, stdout, stderr i
 		if err := parseFlags(fs, args, 0, 0); err != nil {
 			return err
 		}
-		if err := demo.Down(""); err != nil {
+		dir, _, err := demoPlace()
+		if err != nil {
+			return fmt.Errorf("demo down: %w", err)
+		}
+		if err := demo.Down(dir); err != nil {
 			return err
 		}
 		fmt.Fprintln(stdout, "the kept demo is removed: agent stopped, namespaces gone")

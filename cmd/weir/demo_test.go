@@ -59,6 +59,28 @@ func TestDemoStopsQuietly(t *testing.T) {
 	}
 }
 
+// TestDemoBesideUsersDemo: the tests' demos keep to a directory, a lock and
+// namespaces of their own: one runs, stops and removes what it made while a
+// user's demo holds /run/weir-demo.lock (here the test holds it, as a kept
+// demo's hold process would; if a user's demo is up, that one does).
+func TestDemoBesideUsersDemo(t *testing.T) {
+	heavy.Demo(t)
+	bin := buildWeir(t)
+	f, err := os.OpenFile(demo.DefaultDir+".lock", os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil && !errors.Is(err, unix.EWOULDBLOCK) {
+		t.Fatal(err)
+	}
+	d := startDemo(t, bin, []string{"demo"}, "HTTP requests to web (")
+	if !strings.HasPrefix(d.topology, testPrefix) {
+		t.Errorf("the test's demo named its namespaces %s...; want %s...", d.topology, testPrefix)
+	}
+	d.stop(t, syscall.SIGINT, true, false)
+}
+
 // TestDemoOneAtATime: weir demo while another runs refuses at once, exit
 // status 1 and one line on stderr naming the running demo's pid, and touches
 // nothing of it; so does weir demo down. The first demo's namespaces and
@@ -73,6 +95,7 @@ func TestDemoOneAtATime(t *testing.T) {
 		defer cancel()
 		var stdout, stderr bytes.Buffer
 		cmd := exec.CommandContext(ctx, bin, args...)
+		cmd.Env = demoEnv()
 		cmd.Stdout, cmd.Stderr = &stdout, &stderr
 		start := time.Now()
 		err := cmd.Run()
@@ -301,12 +324,27 @@ func writing(t *testing.T, pid int) bool {
 // demoLockFree reports whether no demo holds the lock of weir demo's directory
 // (it takes and releases it).
 func demoLockFree(t *testing.T) bool {
-	f, err := os.Open(demo.DefaultDir + ".lock")
+	f, err := os.Open(testDemoDir + ".lock")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer f.Close()
 	return unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil
+}
+
+// The tests' weir demo keeps to a directory (and its lock, testDemoDir.lock)
+// and a namespace prefix of its own, so it leaves a user's demo alone. The
+// cmd/weir tests of every checkout share them, one test at a time
+// (heavy.Demo): a test binary killed midway leaves, as a killed weir demo
+// does, what the next of these tests' demos removes.
+const (
+	testDemoDir = "/run/weir-demo-test"
+	testPrefix  = "wdc"
+)
+
+// demoEnv is the environment of the tests' weir demo.
+func demoEnv() []string {
+	return append(os.Environ(), "WEIR_DEMO_DIR="+testDemoDir, "WEIR_DEMO_PREFIX="+testPrefix)
 }
 
 // demoProc is a process the demo started: its PID and start time (a PID may be
@@ -392,6 +430,7 @@ func startDemo(t *testing.T, bin string, args []string, serving string) *running
 func launchDemo(t *testing.T, bin string, args []string, stdout *os.File, stderr output) *runningDemo {
 	d := &runningDemo{args: args, exited: make(chan error, 1), stderr: stderr}
 	cmd := exec.Command(bin, args...)
+	cmd.Env = demoEnv()
 	cmd.Stdout, cmd.Stderr = stdout, stderr.File
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
@@ -480,7 +519,7 @@ func cutShort(t *testing.T, pid int, sig syscall.Signal, exited <-chan error, st
 				t.Errorf("weir demo after a second %s: %v; want exit status 130", sig, err)
 			}
 			e := strings.TrimSpace(stderr.String())
-			if strings.Contains(e, "\n") || !strings.Contains(e, "cleanup cut short") || !strings.Contains(e, "wdm*") {
+			if strings.Contains(e, "\n") || !strings.Contains(e, "cleanup cut short") || !strings.Contains(e, testPrefix+"*") {
 				t.Errorf("stderr: got %q; want one line saying the cleanup was cut short and what may be left", e)
 			}
 			return

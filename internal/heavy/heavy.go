@@ -29,11 +29,11 @@ func Alone(t testing.TB) {
 	hold(t, lockPath)
 }
 
-// Demo waits until no other test runs weir demo with its own directory
-// (/run/weir-demo, which one demo at a time may hold: another is refused) or
-// leaves namespaces named as a dead demo's (which a demo removes), and holds
-// that until t ends: the cmd/weir tests of two checkouts, say, run one after
-// the other. Call it once per test.
+// Demo waits until no other test runs weir demo with the tests' directory
+// (/run/weir-demo-test, which one demo at a time may hold: another is
+// refused) or leaves namespaces named as a dead demo's (which a demo removes),
+// and holds that until t ends: the cmd/weir tests of two checkouts, say, run
+// one after the other. Call it once per test.
 func Demo(t testing.TB) {
 	t.Helper()
 	hold(t, demoLockPath)
