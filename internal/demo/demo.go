@@ -21,6 +21,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -50,6 +51,11 @@ type Options struct {
 	// Dir holds the config, the admin socket, logs and the state Down reads.
 	// Default /run/weir-demo.
 	Dir string
+	// DieWithParent has the agent and a kept demo's hold process get SIGTERM
+	// when this process dies (Pdeathsig), so a test binary killed midway
+	// leaves neither running. Tests only: weir demo --keep leaves them
+	// running after it exits.
+	DieWithParent bool
 	// NamePrefix prefixes the namespaces' names, up to 3 characters; default
 	// NamePrefix. A run removes the namespaces of its prefix whose demo has
 	// died, a kept demo's too: runs with other directories at the same time
@@ -126,7 +132,7 @@ type run struct {
 	client   *admin.Client
 	cfgPath  string
 	agent    *exec.Cmd
-	agentErr chan error
+	agentErr <-chan error
 	lock     *os.File // the directory's, see lock
 	logs     []string // the logs in the directory an error names: kept
 	rep      Report
@@ -314,12 +320,11 @@ func (r *run) startAgent(ctx context.Context) error {
 	// Its own session: a terminal's ^C reaches the demo, which stops the agent in
 	// order (and --keep leaves it running after the demo exits).
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if err := cmd.Start(); err != nil {
+	exited, err := r.start(cmd)
+	if err != nil {
 		return fmt.Errorf("demo: start the agent: %w", err)
 	}
-	r.agent, r.agentErr = cmd, make(chan error, 1)
-	// Exits when the agent process does.
-	go func() { r.agentErr <- cmd.Wait() }()
+	r.agent, r.agentErr = cmd, exited
 	// What the next run removes if this one is killed.
 	if err := writeState(r.state()); err != nil {
 		return fmt.Errorf("demo: %w", err)
@@ -348,6 +353,42 @@ func (r *run) startAgent(ctx context.Context) error {
 			return fmt.Errorf("demo: the agent did not answer within 30s (last: %v); its log is %s", err, r.keepLog("agent.log"))
 		}
 	}
+}
+
+// start starts cmd and returns what its Wait returns, once it has exited.
+// With DieWithParent cmd gets SIGTERM when this process dies.
+func (r *run) start(cmd *exec.Cmd) (<-chan error, error) {
+	var sig syscall.Signal
+	if r.opts.DieWithParent {
+		sig = syscall.SIGTERM
+	}
+	return start(cmd, sig)
+}
+
+// start starts cmd and returns what its Wait returns, once it has exited.
+// With deathSig, cmd gets it when this process dies. The kernel sends that
+// when the thread that started cmd ends, and the runtime ends a thread that a
+// goroutine left locked (namespace helpers do): so cmd starts on a thread
+// locked to a goroutine of its own, which lives until cmd exits.
+func start(cmd *exec.Cmd, deathSig syscall.Signal) (<-chan error, error) {
+	if deathSig != 0 {
+		if cmd.SysProcAttr == nil {
+			cmd.SysProcAttr = &syscall.SysProcAttr{}
+		}
+		cmd.SysProcAttr.Pdeathsig = deathSig
+	}
+	started, exited := make(chan error, 1), make(chan error, 1)
+	// Exits when cmd does: for a kept demo, when this process does.
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		err := cmd.Start()
+		started <- err
+		if err == nil {
+			exited <- cmd.Wait()
+		}
+	}()
+	return exited, <-started
 }
 
 func attachMode(st api.Status) string {

@@ -4,7 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"strings"
@@ -15,6 +18,7 @@ import (
 	"github.com/weir-lb/weir/internal/heavy"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/internal/xdptest"
 	"github.com/weir-lb/weir/userspace/agent"
 )
@@ -42,6 +46,10 @@ func TestMain(m *testing.M) {
 	if st := os.Getenv(holdEnv); st != "" {
 		os.Exit(child(func(ctx context.Context) error { return Hold(ctx, st) }))
 	}
+	// After the agent's and the hold process's: theirs inherit it.
+	if dir := os.Getenv(keepRunEnv); dir != "" {
+		os.Exit(keepRun(dir))
+	}
 	os.Exit(m.Run())
 }
 
@@ -63,13 +71,23 @@ func child(run func(context.Context) error) int {
 const testPrefix = "wdt"
 
 func options(t *testing.T, attach string, out *bytes.Buffer) Options {
-	exe, err := os.Executable()
+	opts, err := testOptions(filepath.Join(t.TempDir(), "demo"), attach, out)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return Options{Attach: attach, Requests: 90, Out: out, Dir: filepath.Join(t.TempDir(), "demo"), NamePrefix: testPrefix,
+	return opts
+}
+
+// testOptions are the options of a test's demo in dir: its agent and hold
+// process are this test binary, and die with it.
+func testOptions(dir, attach string, out io.Writer) (Options, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return Options{}, err
+	}
+	return Options{Attach: attach, Requests: 90, Out: out, Dir: dir, NamePrefix: testPrefix, DieWithParent: true,
 		AgentArgv: func(cfg string) []string { return []string{"env", agentEnv + "=" + cfg, exe} },
-		HoldArgv:  func(state string) []string { return []string{"env", holdEnv + "=" + state, exe} }}
+		HoldArgv:  func(state string) []string { return []string{"env", holdEnv + "=" + state, exe} }}, nil
 }
 
 // TestDemo runs the whole demo, natively and generically attached: every step
@@ -299,5 +317,79 @@ func checkLogKept(t *testing.T, err error, dir, name, want string) {
 	}
 	if ents, _ := os.ReadDir(dir); len(ents) != 1 {
 		t.Errorf("left in %s: %v; want only %s", dir, ents, name)
+	}
+}
+
+// keepRunEnv runs this test binary as keepRun, a test that keeps a demo in
+// the directory it names.
+const keepRunEnv = "WEIR_DEMO_TEST_KEEP_RUN"
+
+// keepRun keeps a demo in dir, as TestDemoKeep does, and then waits to be
+// killed.
+func keepRun(dir string) int {
+	opts, err := testOptions(dir, "auto", os.Stdout)
+	if err == nil {
+		opts.Keep = true
+		_, err = Run(context.Background(), opts)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	fmt.Println("kept")
+	time.Sleep(5 * time.Minute)
+	return 0
+}
+
+// TestDemoDiesWithTest: a test binary killed (SIGKILL) while its kept demo
+// runs leaves neither the agent nor the hold process running: they get
+// SIGTERM as it dies.
+func TestDemoDiesWithTest(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(t.TempDir(), "demo")
+	// What the killed test leaves, if anything.
+	t.Cleanup(func() { removeLeftovers(dir) })
+	cmd := exec.Command(exe, "-test.run", "^$")
+	cmd.Env = append(os.Environ(), keepRunEnv+"="+dir)
+	outf, err := os.Create(filepath.Join(t.TempDir(), "out"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer outf.Close()
+	cmd.Stdout, cmd.Stderr = outf, outf
+	output := func() string { b, _ := os.ReadFile(outf.Name()); return string(b) }
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	// Exits when the test binary does; the test kills it.
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() { cmd.Process.Kill(); <-exited })
+	var st state
+	if !waitfor.Cond(2*time.Minute, func() bool {
+		select {
+		case err := <-exited:
+			exited <- err
+			t.Fatalf("the test keeping a demo exited: %v; its output:\n%s", err, output())
+		default:
+		}
+		st, err = readState(dir)
+		return err == nil && strings.Contains(output(), "\nkept\n")
+	}) {
+		t.Fatalf("no kept demo within 2 minutes; output:\n%s", output())
+	}
+	if !running(st.AgentPID, st.AgentStart) || !running(st.HoldPID, st.HoldStart) {
+		t.Fatalf("the kept demo: agent runs %t, hold process runs %t; want both", running(st.AgentPID, st.AgentStart), running(st.HoldPID, st.HoldStart))
+	}
+	cmd.Process.Kill()
+	if !waitfor.Cond(30*time.Second, func() bool {
+		return !running(st.AgentPID, st.AgentStart) && !running(st.HoldPID, st.HoldStart)
+	}) {
+		t.Errorf("30s after the test was killed: agent runs %t, hold process runs %t; want neither",
+			running(st.AgentPID, st.AgentStart), running(st.HoldPID, st.HoldStart))
 	}
 }

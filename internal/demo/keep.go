@@ -93,18 +93,17 @@ func (r *run) keep(ctx context.Context) error {
 	// It holds the directory's lock on after this process exits, until weir
 	// demo down stops it.
 	cmd.ExtraFiles = []*os.File{r.lock}
-	if err := cmd.Start(); err != nil {
+	exited, err := r.start(cmd)
+	if err != nil {
 		return fmt.Errorf("start the backends' process: %w", err)
 	}
 	held := false
 	defer func() {
-		if held {
-			cmd.Process.Release()
-			return
+		if !held {
+			// It holds the lock: a demo that removes what it made stops it.
+			cmd.Process.Kill()
+			<-exited
 		}
-		// It holds the lock: a demo that removes what it made stops it.
-		cmd.Process.Kill()
-		cmd.Wait()
 	}()
 	st.HoldPID, st.HoldStart = cmd.Process.Pid, startTime(cmd.Process.Pid)
 	if err := writeState(st); err != nil {

@@ -8,7 +8,6 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -234,24 +233,12 @@ func startStubborn(t *testing.T, args []string, extra ...*os.File) *exec.Cmd {
 	cmd.Env = append(os.Environ(), stubbornEnv+"=1")
 	cmd.ExtraFiles = extra
 	cmd.Stderr = os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
 	}
-	started, exited := make(chan error, 1), make(chan error, 1)
-	// Exits when the process has exited: its thread, which Pdeathsig watches,
-	// lives as long.
-	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		err := cmd.Start()
-		started <- err
-		if err == nil {
-			exited <- cmd.Wait()
-		}
-	}()
-	if err := <-started; err != nil {
+	exited, err := start(cmd, syscall.SIGKILL)
+	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -345,11 +332,11 @@ func TestDownOldState(t *testing.T) {
 	agent := startStubborn(t, []string{"run", "-c", configPath(dir)})
 	agentStart := startTime(agent.Process.Pid)
 	other := exec.Command("sleep", "60")
-	other.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := other.Start(); err != nil {
+	otherExited, err := start(other, syscall.SIGKILL)
+	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { other.Process.Kill(); other.Wait() })
+	t.Cleanup(func() { other.Process.Kill(); <-otherExited })
 	otherStart := startTime(other.Process.Pid)
 	old := fmt.Sprintf(`{"dir": %q, "agent_pid": %d, "hold_pid": %d, "namespaces": []}`, dir, agent.Process.Pid, other.Process.Pid)
 	if err := os.WriteFile(statePath(dir), []byte(old), 0o600); err != nil {
