@@ -210,10 +210,11 @@ func TestDemoKeep(t *testing.T) {
 // and nothing of a weir demo's (another prefix) run beside, here a kept one's
 // namespace.
 func TestDemoInterrupted(t *testing.T) {
-	// No weir demo of another test runs meanwhile: it would remove that.
+	// No cmd/weir test's demo runs meanwhile: it would remove that.
 	heavy.Demo(t)
-	// Named after the demo's process, which has ended (no pid is that large).
-	kept, err := netns.New(NamePrefix + "zzzzz0-kept")
+	// A kept demo's of the cmd/weir tests' prefix, named after the demo's
+	// process, which has ended (no pid is that large).
+	kept, err := netns.New("wdczzzzz0-kept")
 	if err != nil {
 		t.Fatal(err)
 	}
