@@ -57,14 +57,19 @@ struct icmp_hdr {
 	__be32 rest; // unused, pointer, or the next-hop MTU
 };
 
-// icmp_is_error: destination unreachable (fragmentation needed among its codes) and
-// time exceeded for ICMP; destination unreachable, packet too big and time exceeded
-// for ICMPv6. They quote the packet that caused them.
+// icmp_is_error: destination unreachable (fragmentation needed among its codes), time
+// exceeded and parameter problem for ICMP; destination unreachable, packet too big,
+// time exceeded and parameter problem for ICMPv6. They quote the packet that caused
+// them, and its sender's stack hands them to the quoted socket (RFC 1122 3.2.2.5:
+// a parameter problem MUST be passed to the transport layer). A parameter
+// problem's pointer counts bytes of the quote, whose headers keep their lengths
+// when translated, so it stays right. Source quench (deprecated, RFC 6633) and
+// redirect (about routes, not flows) are no errors here.
 static __always_inline int icmp_is_error(__u8 family, __u8 type)
 {
 	if (family == FAMILY_IPV4)
-		return type == 3 || type == 11;
-	return type == 1 || type == 2 || type == 3;
+		return type == 3 || type == 11 || type == 12;
+	return type == 1 || type == 2 || type == 3 || type == 4;
 }
 
 // vip_address_verdict decides for a packet that cannot be balanced: dropped if its

@@ -350,6 +350,11 @@ func TestFixtures(t *testing.T) {
 		icmpToBackend("icmp frag needed about a dsr flow's answer", svc4, tcp4(40000, packet.ACK), 4),
 		icmpToBackend("icmpv6 packet too big about a dsr flow's answer", svc6, tcp6(40001, packet.ACK), 0),
 		icmpToBackend("icmp port unreachable about a dsr udp flow's answer", udp4, udp4Frame(5353, nil), 3),
+		// A parameter problem (its pointer a byte of the quote) is an error like these.
+		icmpFixture("icmp parameter problem about a dsr flow's answer", svc4, tcp4(40000, packet.ACK),
+			with(icmpAbout(tcp4(40000, packet.ACK), 0), func(f *packet.Frame) { f.ICMP.Type, f.ICMP.Rest = 12, 20<<24 })),
+		icmpFixture("icmpv6 parameter problem about a dsr flow's answer", svc6, tcp6(40001, packet.ACK),
+			with(icmpAbout(tcp6(40001, packet.ACK), 0), func(f *packet.Frame) { f.ICMP.Type, f.ICMP.Rest = 4, 40 })),
 		pass("icmp frag needed about no service's answer", icmpAbout(with(tcp4(40000, packet.ACK), func(f *packet.Frame) {
 			f.Dst = netip.AddrPortFrom(vip4, 81)
 		}), 4).Build(), ReasonPassNotService),

@@ -409,11 +409,12 @@ func (r *run) parseL4(off uint32, p *modelPacket) int {
 // withinIP is parse.h's within_ip: Ethernet padding is not a header.
 func withinIP(p *modelPacket, off, n uint32) bool { return off+n <= p.l3+p.l3Len }
 
+// icmpIsError is parse.h's icmp_is_error.
 func icmpIsError(family, typ uint8) bool {
 	if family == familyIPv4 {
-		return typ == 3 || typ == 11
+		return typ == 3 || typ == 11 || typ == 12
 	}
-	return typ == 1 || typ == 2 || typ == 3
+	return typ == 1 || typ == 2 || typ == 3 || typ == 4
 }
 
 func (r *run) vipAddressVerdict(p *modelPacket, drop Reason) int {

@@ -98,6 +98,11 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"icmp from backend quoting a half-open flow", ReasonICMPTranslated},
 		{"icmp from backend quoting a half-open flow, its tcp checksum past the ip packet", ReasonICMPTranslated},
 		{"icmp from client side quoting a half-open flow", ReasonICMPTranslated},
+		{"icmp parameter problem from backend, v4", ReasonICMPTranslated},
+		{"icmpv6 parameter problem from backend", ReasonICMPTranslated},
+		{"icmp parameter problem from client side, v4", ReasonICMPTranslated},
+		{"icmp parameter problem from client side, dsr flow known", ReasonICMPToBackend},
+		{"icmpv6 parameter problem from client side, dsr flow unknown", ReasonICMPToBackend},
 		{"icmp frag needed from client side, dsr flow known", ReasonICMPToBackend},
 		{"icmpv6 packet too big from client side, dsr flow unknown", ReasonICMPToBackend},
 		{"icmp frag needed from client side, tunnel flow known", ReasonICMPToBackend},
@@ -266,6 +271,11 @@ var fuzzSeeds = []struct {
 	{"icmpv6 unreachable from client side", []byte{0, 18, 0, 0, 0, 0, 0, 255, 0, 1, 0, 1}},
 	{"icmp from client side, flow without nat port", []byte{0, 20, 0, 0, 0, 0, 0, 255, 0, 1, 0, 0}},
 	{"icmp frag needed from client side, dsr flow known", []byte{0, 36, 0, 0, 4 << 3, 0, 0, 255, 0, 1, 0, 1}},
+	{"icmp parameter problem from backend, v4", []byte{0, 15, 0, 0, 7, 0, 0, 255, 0, 2}},
+	{"icmpv6 parameter problem from backend", []byte{0, 16, 0, 0, 6, 0, 0, 255, 0, 2}},
+	{"icmp parameter problem from client side, v4", []byte{0, 17, 0, 0, 7, 0, 0, 255, 0, 1, 0, 1}},
+	{"icmp parameter problem from client side, dsr flow known", []byte{0, 36, 0, 0, 7, 0, 0, 255, 0, 1, 0, 1}},
+	{"icmpv6 parameter problem from client side, dsr flow unknown", []byte{0, 37, 1, 0, 6, 0, 0, 255, 0, 0, 0, 0}},
 	{"icmpv6 packet too big from client side, dsr flow unknown", []byte{0, 37, 1, 0, 1, 0, 0, 255, 0, 0, 0, 0}},
 	{"icmp frag needed from client side, tunnel flow known", []byte{0, 38, 0, 0, 4 << 3, 0, 0, 255, 0, 1, 0, 1}},
 	{"icmpv6 packet too big from client side, tunnel flow unknown, previous table", []byte{0, 39, 2, 0, 1, 0, 0, 255, 0, 0, 0, 0}},
@@ -1228,7 +1238,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 		f.Src, f.Dst = be.Addr, netip.AddrPortFrom(natAddr, natPort)
 		clientFlow = flowKeyOf(netip.AddrPortFrom(client, sport), svc.Key.VIP, tg.proto)
 	case icmpBackend, icmpClient:
-		icmp := &packet.ICMP{Type: []uint8{3, 11, 3, 0, 8, 3, 5, 3}[flags&7], Code: flags >> 3 % 5, Rest: 1400}
+		icmp := &packet.ICMP{Type: []uint8{3, 11, 3, 0, 8, 3, 5, 12}[flags&7], Code: flags >> 3 % 5, Rest: 1400}
 		f.Proto = packet.ProtoICMP
 		if tg.v6 {
 			icmp.Type = []uint8{1, 2, 3, 1, 128, 129, 4, 1}[flags&7]

@@ -153,6 +153,12 @@ func TestNATFixtures(t *testing.T) {
 				ipHdr = 40
 			}
 			cut := func(quote []byte) []byte { return quote[:ipHdr+8] }
+			// A parameter problem (RFC 792 type 12, RFC 4443 type 4) points at a byte of
+			// the quote, here its TCP/UDP header, which translation leaves where it was.
+			ppType, ppRest := uint8(12), uint32(20)<<24
+			if tc.v6 {
+				ppType, ppRest = 4, 40
+			}
 			trailer := bytes.Repeat([]byte{0xa5}, 24)
 			for _, ic := range []struct {
 				side       string
@@ -197,6 +203,24 @@ func TestNATFixtures(t *testing.T) {
 						Src: netip.AddrPortFrom(lb, 0), Dst: netip.AddrPortFrom(backend, 0),
 						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: cut(reply.IPPacket())}},
 					trailer: trailer,
+				},
+				{
+					side: "from the backend, a parameter problem",
+					in: packet.Frame{SrcMAC: chosen.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(backend, 0), Dst: netip.AddrPortFrom(lb, 0),
+						ICMP: &packet.ICMP{Type: ppType, Rest: ppRest, Quote: want.IPPacket()}},
+					want: packet.Frame{SrcMAC: nt.Balancer.MAC, DstMAC: nt.Client.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(vip, 0), Dst: netip.AddrPortFrom(client, 0),
+						ICMP: &packet.ICMP{Type: ppType, Rest: ppRest, Quote: in.IPPacket()}},
+				},
+				{
+					side: "from the client, a parameter problem",
+					in: packet.Frame{SrcMAC: nt.Client.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(client, 0), Dst: netip.AddrPortFrom(vip, 0),
+						ICMP: &packet.ICMP{Type: ppType, Rest: ppRest, Quote: wantReply.IPPacket()}},
+					want: packet.Frame{SrcMAC: nt.Balancer.MAC, DstMAC: chosen.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(lb, 0), Dst: netip.AddrPortFrom(backend, 0),
+						ICMP: &packet.ICMP{Type: ppType, Rest: ppRest, Quote: reply.IPPacket()}},
 				},
 			} {
 				err = nt.Balancer.NS.Do(func() error {
