@@ -1178,46 +1178,43 @@ type icmpRewrite struct {
 	innerSport, innerDport                 uint16
 }
 
-// icmpErrorTranslate is icmp.h's icmp_error_translate.
+// icmpErrorTranslate is icmp.h's icmp_error_translate: it reads the quote into the
+// flow it belongs to (the quoted packet reversed) and hands it to icmpTranslate (a
+// nat flow) or icmpToLBBackend (from the client's side, any other flow).
 func (r *run) icmpErrorTranslate(p *modelPacket) int {
-	var inner, flow bpf.WeirFlowKey
-	var rw icmpRewrite
+	var flow bpf.WeirFlowKey
 	in3 := p.l4 + icmpHeaderLen
 	var in4 uint32
 	if in3 > maxL4Offset {
 		return r.verdict(XDPPass, ReasonPassNotService)
 	}
-	inner.Family = p.flow.Family
+	flow.Family = p.flow.Family
 	if p.flow.Family == familyIPv4 {
 		if !r.fits(in3, ipv4HeaderLen) || r.b[in3]>>4 != 4 || r.b[in3]&0xf != 5 ||
 			binary.BigEndian.Uint16(r.b[in3+6:])&0x1fff != 0 {
 			return r.verdict(XDPPass, ReasonPassNotService)
 		}
-		inner.Src[0], inner.Dst[0] = r.ld32(in3+12), r.ld32(in3+16)
-		inner.Proto = r.b[in3+9]
+		flow.Src[0], flow.Dst[0] = r.ld32(in3+16), r.ld32(in3+12)
+		flow.Proto = r.b[in3+9]
 		in4 = in3 + ipv4HeaderLen
 	} else {
 		if !r.fits(in3, ipv6HeaderLen) || r.b[in3]>>4 != 6 {
 			return r.verdict(XDPPass, ReasonPassNotService)
 		}
 		for i := range 4 {
-			inner.Src[i] = r.ld32(in3 + 8 + uint32(i)*4)
-			inner.Dst[i] = r.ld32(in3 + 24 + uint32(i)*4)
+			flow.Src[i] = r.ld32(in3 + 24 + uint32(i)*4)
+			flow.Dst[i] = r.ld32(in3 + 8 + uint32(i)*4)
 		}
-		inner.Proto = r.b[in3+6]
+		flow.Proto = r.b[in3+6]
 		in4 = in3 + ipv6HeaderLen
 	}
-	if inner.Proto != protoTCP && inner.Proto != protoUDP {
+	if flow.Proto != protoTCP && flow.Proto != protoUDP {
 		return r.verdict(XDPPass, ReasonPassNotService)
 	}
 	if !r.fits(in4, 4) || !withinIP(p, in4, 4) {
 		return r.verdict(XDPPass, ReasonPassNotService)
 	}
-	inner.Sport, inner.Dport = r.ld16(in4), r.ld16(in4+2)
-
-	flow.Src, flow.Dst = inner.Dst, inner.Src
-	flow.Sport, flow.Dport = inner.Dport, inner.Sport
-	flow.Proto, flow.Family = inner.Proto, inner.Family
+	flow.Sport, flow.Dport = r.ld16(in4+2), r.ld16(in4)
 
 	if r.isNATAddress(&p.flow) {
 		rev, ok := r.m.NATReverse[flow]
@@ -1227,20 +1224,30 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 		if !ok {
 			return r.verdict(XDPPass, ReasonPassNotService)
 		}
+		return r.icmpTranslate(p, &flow, in3, in4, &rev, nil)
+	}
+	if p.flow.Dst != flow.Dst {
+		return r.verdict(XDPPass, ReasonPassNotService)
+	}
+	fs, ok := r.m.NATConntrack[flow]
+	if !ok {
+		fs, ok = r.m.NATHalfOpen[flow]
+	}
+	if !ok || fs.NatPort == 0 {
+		return r.icmpToLBBackend(p, flow)
+	}
+	return r.icmpTranslate(p, &flow, in3, in4, nil, &fs)
+}
+
+// icmpTranslate is icmp.h's icmp_translate: the rewrite of an error about a nat
+// flow, from the backend's side (rev) or the client's (fs), and its send.
+func (r *run) icmpTranslate(p *modelPacket, flow *bpf.WeirFlowKey, in3, in4 uint32, rev *bpf.WeirNatEntry, fs *bpf.WeirNatFlow) int {
+	var rw icmpRewrite
+	if rev != nil {
 		rw.outerSrc, rw.outerDst = rev.Client.Dst, rev.Client.Src
 		rw.innerSrc, rw.innerDst = rev.Client.Src, rev.Client.Dst
 		rw.innerSport, rw.innerDport = rev.Client.Sport, rev.Client.Dport
 	} else {
-		if p.flow.Dst != inner.Src {
-			return r.verdict(XDPPass, ReasonPassNotService)
-		}
-		fs, ok := r.m.NATConntrack[flow]
-		if !ok {
-			fs, ok = r.m.NATHalfOpen[flow]
-		}
-		if !ok || fs.NatPort == 0 {
-			return r.icmpToLBBackend(p, flow)
-		}
 		if uint64(fs.BackendId) >= uint64(len(r.m.Backends)) {
 			return r.verdict(XDPPass, ReasonPassNotService)
 		}
@@ -1252,7 +1259,7 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 		rw.innerSport, rw.innerDport = be.Port, fs.NatPort
 	}
 	r.count(ReasonICMPTranslated)
-	if a := r.icmpApply(p, &inner, in3, in4, &rw); a != modelContinue {
+	if a := r.icmpApply(p, flow, in3, in4, &rw); a != modelContinue {
 		return a
 	}
 	return r.fibForward(p)
@@ -1301,8 +1308,8 @@ func (r *run) icmpToLBBackend(p *modelPacket, flow bpf.WeirFlowKey) int {
 	return r.forwardDSR(be)
 }
 
-// icmpApply is icmp.h's icmp_apply.
-func (r *run) icmpApply(p *modelPacket, inner *bpf.WeirFlowKey, in3, in4 uint32, rw *icmpRewrite) int {
+// icmpApply is icmp.h's icmp_apply; flow is the quoted packet reversed.
+func (r *run) icmpApply(p *modelPacket, flow *bpf.WeirFlowKey, in3, in4 uint32, rw *icmpRewrite) int {
 	v4 := p.flow.Family == familyIPv4
 	words := 4
 	if v4 {
@@ -1318,24 +1325,24 @@ func (r *run) icmpApply(p *modelPacket, inner *bpf.WeirFlowKey, in3, in4 uint32,
 	isum := csumStart(r.ld16(l4 + 2))
 
 	l4check, haveCheck := uint32(0), false
-	if inner.Proto == protoTCP {
+	if flow.Proto == protoTCP {
 		if r.fits(in4, 18) && withinIP(p, in4, 18) {
 			l4check, haveCheck = in4+16, true
 		}
 	} else if r.fits(in4, 8) && withinIP(p, in4, 8) {
 		l4check, haveCheck = in4+6, true
 	}
-	if haveCheck && !(inner.Proto == protoUDP && v4 && r.ld16(l4check) == 0) {
+	if haveCheck && !(flow.Proto == protoUDP && v4 && r.ld16(l4check) == 0) {
 		old := r.ld16(l4check)
 		s := csumStart(old)
 		for i := range words {
-			s = csumAdd32(s, inner.Src[i], rw.innerSrc[i])
-			s = csumAdd32(s, inner.Dst[i], rw.innerDst[i])
+			s = csumAdd32(s, flow.Dst[i], rw.innerSrc[i])
+			s = csumAdd32(s, flow.Src[i], rw.innerDst[i])
 		}
-		s = csumAdd16(s, inner.Sport, rw.innerSport)
-		s = csumAdd16(s, inner.Dport, rw.innerDport)
+		s = csumAdd16(s, flow.Dport, rw.innerSport)
+		s = csumAdd16(s, flow.Sport, rw.innerDport)
 		fresh := csumFinish(s)
-		if inner.Proto == protoUDP && fresh == 0 {
+		if flow.Proto == protoUDP && fresh == 0 {
 			fresh = 0xffff
 		}
 		r.st16(l4check, fresh)
@@ -1369,8 +1376,8 @@ func (r *run) icmpApply(p *modelPacket, inner *bpf.WeirFlowKey, in3, in4 uint32,
 			return int(XDPAborted)
 		}
 		for i := range 4 {
-			isum = csumAdd32(isum, inner.Src[i], rw.innerSrc[i])
-			isum = csumAdd32(isum, inner.Dst[i], rw.innerDst[i])
+			isum = csumAdd32(isum, flow.Dst[i], rw.innerSrc[i])
+			isum = csumAdd32(isum, flow.Src[i], rw.innerDst[i])
 			isum = csumAdd32(isum, p.flow.Src[i], rw.outerSrc[i])
 			isum = csumAdd32(isum, p.flow.Dst[i], rw.outerDst[i])
 		}
