@@ -33,6 +33,7 @@
 #define MAX_L3_OFFSET 64        // Ethernet + VLAN; keeps header offsets provably small
 #define MAX_L4_OFFSET 512       // IP header + options or extension headers
 #define MAX_ICMP_QUOTE 200      // bytes of the offending packet an ICMPv6 "too big" quotes
+#define MAX_ICMP_CHECKED 4096   // longest ICMP error whose checksum is checked (and so acted on)
 
 #define NSEC_PER_SEC 1000000000ull
 // nat_reply_refresh's clock: ticks of 2^20 ns (about 1.05 ms), a refresh every
@@ -137,6 +138,7 @@ enum stat_reason {
 	STAT_DROP_NO_TX_PORT,      // nat/tunnel: the next hop is on an interface the program is not attached to (not in tx_ports)
 	STAT_NAT_TOO_BIG,          // nat: too big for the route to the backend; ICMP error sent back
 	STAT_ICMP_TO_BACKEND,      // dsr/tunnel: an ICMP error quoting a flow's reply, sent on to its backend
+	STAT_DROP_ICMP_CHECKSUM,   // nat/dsr/tunnel: an ICMP error quoting a flow, its ICMP checksum wrong
 	STAT_MAX,
 };
 

@@ -3,8 +3,9 @@
 // from the backend's side comes to the nat address and quotes the packet we sent the
 // backend; one from the client's side comes to the VIP and quotes our reply. The
 // flow is the quoted packet reversed. An error from the client's side about a dsr or
-// tunnel flow goes to the flow's backend unchanged (icmp_to_lb_backend). Anything
-// else is passed untouched.
+// tunnel flow goes to the flow's backend unchanged (icmp_to_lb_backend). Either way
+// the error's ICMP checksum must hold first (icmp_checksum_verdict). Anything else is
+// passed untouched.
 #pragma once
 
 #include "dsr.h"
@@ -143,6 +144,81 @@ static __always_inline int icmp_apply(struct xdp_md *ctx, struct packet *p, cons
 	return CONTINUE;
 }
 
+// icmp_checksum_verdict checks the ICMP checksum of an error the program is about
+// to act on: over the whole message, as far as its IP packet's length says, and for
+// ICMPv6 the pseudo-header of the outer addresses. CONTINUE when it holds. A wrong
+// one is dropped (RFC 5508 REQ-3: a NAT SHOULD silently drop it): translated, its
+// fault would reach the client or backend, whose stack drops it, but only after a
+// quote corrupted into another flow's had been sent to that flow's side. Errors
+// longer than MAX_ICMP_CHECKED (routers send at most 576 bytes, RFC 1812 4.3.2.3, or
+// 1280, RFC 4443 2.4; a frame XDP hands the program is at most a page) are passed.
+//
+// The sum is taken with bpf_csum_diff in pieces whose offsets are computed from the
+// message's ends, not carried from one piece to the next, so the verifier's states
+// after each piece differ only in the sum and prune.
+static __always_inline int icmp_checksum_verdict(struct xdp_md *ctx, struct packet *p)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	__u32 start = p->l4_off, end = (__u32)p->l3_off + p->l3_len;
+	__u32 len, rest, tail, sum = 0;
+	void *at;
+
+	if (start > MAX_L4_OFFSET || end < start || end - start > MAX_ICMP_CHECKED)
+		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	// The masks change no value (the checks above bound them) but keep the bound
+	// through clang's reloads (see icmp_apply).
+	start &= 0x3ff;
+	len = (end - start) & 0x1fff;
+	end = start + len;
+	rest = len & 127;
+	tail = end - rest;
+	if (p->flow.family == FAMILY_IPV6) {
+		// ICMPv6's pseudo-header: addresses, length, next header.
+		for (int i = 0; i < 4; i++) {
+			sum += (p->flow.src[i] & 0xffff) + (p->flow.src[i] >> 16);
+			sum += (p->flow.dst[i] & 0xffff) + (p->flow.dst[i] >> 16);
+		}
+		sum += bpf_htons(len) + bpf_htons(IPPROTO_ICMPV6);
+	}
+	// The last one to three bytes by hand (an odd last byte is the high half of a
+	// word padded with zero, which in memory order is its first byte), ...
+	if (rest & 2) {
+		at = data + ((tail + (rest & 0x7c)) & 0x1fff);
+		if (at + 2 > data_end)
+			return XDP_ABORTED;
+		sum += *(__u16 *)at;
+	}
+	if (rest & 1) {
+		at = data + ((end - 1) & 0x1fff);
+		if (at + 1 > data_end)
+			return XDP_ABORTED;
+		sum += *(__u8 *)at;
+	}
+	// ... the rest in pieces of 128 bytes, then of 64 down to 4, each a multiple
+	// of 4 as bpf_csum_diff takes them.
+	for (int i = 0; i < MAX_ICMP_CHECKED / 128; i++) {
+		if ((__u32)(i + 1) * 128 > len)
+			break;
+		at = data + start + i * 128;
+		if (at + 128 > data_end)
+			return XDP_ABORTED;
+		sum = bpf_csum_diff(0, 0, at, 128, sum);
+	}
+#pragma unroll
+	for (__u32 size = 64; size >= 4; size >>= 1) {
+		if (!(rest & size))
+			continue;
+		at = data + ((tail + (rest & ~(2 * size - 1) & 127)) & 0x1fff);
+		if (at + size > data_end)
+			return XDP_ABORTED;
+		sum = bpf_csum_diff(0, 0, at, size, sum);
+	}
+	if (csum_finish(sum) != 0)
+		return verdict(XDP_DROP, STAT_DROP_ICMP_CHECKSUM, p->len);
+	return CONTINUE;
+}
+
 // icmp_to_lb_backend sends an ICMP error from the client's side about a dsr or tunnel
 // flow (flow: client -> VIP) to the flow's backend, unchanged, in the service's mode.
 // The backend answered the client from the VIP, so a router on the way that could
@@ -173,6 +249,9 @@ static __always_inline int icmp_to_lb_backend(struct xdp_md *ctx, struct packet 
 	svc = bpf_map_lookup_elem(&services, &key);
 	if (!svc || (svc->mode != MODE_DSR && svc->mode != MODE_TUNNEL))
 		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+	action = icmp_checksum_verdict(ctx, p);
+	if (action != CONTINUE)
+		return action;
 	p->flow = *flow;
 	// The flow's next packet: for TCP one past the handshake.
 	p->tcp_flags = flow->proto == IPPROTO_TCP ? TCP_FLAG_ACK : 0;
@@ -234,6 +313,9 @@ static __always_inline int icmp_translate(struct xdp_md *ctx, struct packet *p, 
 		rw.inner_sport = be->port;
 		rw.inner_dport = fs->nat_port;
 	}
+	action = icmp_checksum_verdict(ctx, p);
+	if (action != CONTINUE)
+		return action;
 	count(&global_stats, STAT_ICMP_TRANSLATED, p->len);
 	action = icmp_apply(ctx, p, flow, in3, in4, &rw);
 	if (action != CONTINUE)

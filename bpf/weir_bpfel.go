@@ -194,7 +194,8 @@ const (
 	WeirStatReasonSTAT_DROP_NO_TX_PORT     WeirStatReason = 28
 	WeirStatReasonSTAT_NAT_TOO_BIG         WeirStatReason = 29
 	WeirStatReasonSTAT_ICMP_TO_BACKEND     WeirStatReason = 30
-	WeirStatReasonSTAT_MAX                 WeirStatReason = 31
+	WeirStatReasonSTAT_DROP_ICMP_CHECKSUM  WeirStatReason = 31
+	WeirStatReasonSTAT_MAX                 WeirStatReason = 32
 )
 
 type WeirVipKey struct {

@@ -226,6 +226,11 @@ func TestFixtures(t *testing.T) {
 		return packet.Frame{Proto: packet.ProtoUDP, Src: netip.AddrPortFrom(vip4, 53), Dst: netip.AddrPortFrom(client4, sport),
 			FragOffset: offset, MoreFrags: more, Payload: make([]byte, 64)}
 	}
+	// flipLast flips a bit of frame's last byte: for an ICMP error, of its quote.
+	flipLast := func(frame []byte) []byte {
+		frame[len(frame)-1] ^= 0x40
+		return frame
+	}
 	// cutIP sets the IP packet's length in frame to n bytes (its header's own
 	// included for IPv4, not for IPv6), leaving the bytes after it in the frame.
 	cutIP := func(frame []byte, n uint16) []byte {
@@ -350,6 +355,13 @@ func TestFixtures(t *testing.T) {
 		icmpToBackend("icmp frag needed about a dsr flow's answer", svc4, tcp4(40000, packet.ACK), 4),
 		icmpToBackend("icmpv6 packet too big about a dsr flow's answer", svc6, tcp6(40001, packet.ACK), 0),
 		icmpToBackend("icmp port unreachable about a dsr udp flow's answer", udp4, udp4Frame(5353, nil), 3),
+		// An error whose ICMP checksum fails is dropped, never sent on; one about no
+		// service's answer is the kernel's to judge.
+		drop("icmp frag needed about a dsr flow's answer, its checksum wrong", flipLast(icmpAbout(tcp4(40000, packet.ACK), 4).Build()), ReasonDropICMPChecksum),
+		drop("icmpv6 packet too big about a dsr flow's answer, its checksum wrong", flipLast(icmpAbout(tcp6(40001, packet.ACK), 0).Build()), ReasonDropICMPChecksum),
+		pass("icmp frag needed about no service's answer, its checksum wrong", flipLast(icmpAbout(with(tcp4(40000, packet.ACK), func(f *packet.Frame) {
+			f.Dst = netip.AddrPortFrom(vip4, 81)
+		}), 4).Build()), ReasonPassNotService),
 		// A parameter problem (its pointer a byte of the quote) is an error like these.
 		icmpFixture("icmp parameter problem about a dsr flow's answer", svc4, tcp4(40000, packet.ACK),
 			with(icmpAbout(tcp4(40000, packet.ACK), 0), func(f *packet.Frame) { f.ICMP.Type, f.ICMP.Rest = 12, 20<<24 })),

@@ -158,8 +158,9 @@ const (
 	udpHeaderLen         = 8
 	ipv6OptHeaderMinLen  = 2
 	maxICMPQuote         = 200
-	protoIPIP            = 4  // IPv4 inside (tunnel.h IPPROTO_IPIP_)
-	protoIPv6            = 41 // IPv6 inside
+	maxICMPChecked       = 4096 // MAX_ICMP_CHECKED
+	protoIPIP            = 4    // IPv4 inside (tunnel.h IPPROTO_IPIP_)
+	protoIPv6            = 41   // IPv6 inside
 	ipFlagDF             = 0x4000
 )
 
@@ -1258,11 +1259,46 @@ func (r *run) icmpTranslate(p *modelPacket, flow *bpf.WeirFlowKey, in3, in4 uint
 		rw.innerDst = r.natSource(p.flow.Family)
 		rw.innerSport, rw.innerDport = be.Port, fs.NatPort
 	}
+	if a := r.icmpChecksumVerdict(p); a != modelContinue {
+		return a
+	}
 	r.count(ReasonICMPTranslated)
 	if a := r.icmpApply(p, flow, in3, in4, &rw); a != modelContinue {
 		return a
 	}
 	return r.fibForward(p)
+}
+
+// icmpChecksumVerdict is icmp.h's icmp_checksum_verdict: the ICMP checksum of an
+// error about to be acted on, over the message as its IP packet's length bounds it
+// (ICMPv6: with the pseudo-header of the outer addresses), must hold. The C sums it
+// in pieces; the sum is the same.
+func (r *run) icmpChecksumVerdict(p *modelPacket) int {
+	start, end := p.l4, p.l3+p.l3Len
+	if start > maxL4Offset || end < start || end-start > maxICMPChecked {
+		return r.verdict(XDPPass, ReasonPassNotService)
+	}
+	if !r.fits(start, end-start) {
+		return int(XDPAborted)
+	}
+	var sum uint32
+	if p.flow.Family == familyIPv6 {
+		for i := range 4 {
+			sum += p.flow.Src[i]&0xffff + p.flow.Src[i]>>16
+			sum += p.flow.Dst[i]&0xffff + p.flow.Dst[i]>>16
+		}
+		sum += uint32(ntohs(uint16(end-start))) + uint32(ntohs(protoICMPv6))
+	}
+	for off := start; off+2 <= end; off += 2 {
+		sum += uint32(r.ld16(off))
+	}
+	if (end-start)&1 != 0 {
+		sum += uint32(r.b[end-1])
+	}
+	if csumFinish(sum) != 0 {
+		return r.verdict(XDPDrop, ReasonDropICMPChecksum)
+	}
+	return modelContinue
 }
 
 // icmpToLBBackend is icmp.h's icmp_to_lb_backend: an error from the client's side
@@ -1273,6 +1309,9 @@ func (r *run) icmpToLBBackend(p *modelPacket, flow bpf.WeirFlowKey) int {
 	svc, ok := r.m.Services[key]
 	if !ok || svc.Mode != bpf.WeirModeMODE_DSR && svc.Mode != bpf.WeirModeMODE_TUNNEL {
 		return r.verdict(XDPPass, ReasonPassNotService)
+	}
+	if a := r.icmpChecksumVerdict(p); a != modelContinue {
+		return a
 	}
 	p.flow = flow
 	p.tcpFlags = 0

@@ -99,6 +99,14 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"icmp from backend quoting a half-open flow, its tcp checksum past the ip packet", ReasonICMPTranslated},
 		{"icmp from client side quoting a half-open flow", ReasonICMPTranslated},
 		{"icmp parameter problem from backend, v4", ReasonICMPTranslated},
+		{"icmp frag needed from backend, v4, 45-byte quote", ReasonICMPTranslated},
+		{"icmpv6 packet too big from backend, 61-byte quote", ReasonICMPTranslated},
+		{"icmp frag needed from backend, v4, 560-byte quote", ReasonICMPTranslated},
+		{"icmpv6 packet too big from client side, dsr flow known, 1,180-byte quote", ReasonICMPToBackend},
+		{"icmp frag needed from backend, v4, checksum wrong", ReasonDropICMPChecksum},
+		{"icmp time exceeded from client side, v4, checksum wrong", ReasonDropICMPChecksum},
+		{"icmpv6 packet too big from client side, dsr flow unknown, checksum wrong", ReasonDropICMPChecksum},
+		{"icmp from client side, flow without nat port, checksum wrong", ReasonPassNotService},
 		{"icmpv6 parameter problem from backend", ReasonICMPTranslated},
 		{"icmp parameter problem from client side, v4", ReasonICMPTranslated},
 		{"icmp parameter problem from client side, dsr flow known", ReasonICMPToBackend},
@@ -272,6 +280,14 @@ var fuzzSeeds = []struct {
 	{"icmp from client side, flow without nat port", []byte{0, 20, 0, 0, 0, 0, 0, 255, 0, 1, 0, 0}},
 	{"icmp frag needed from client side, dsr flow known", []byte{0, 36, 0, 0, 4 << 3, 0, 0, 255, 0, 1, 0, 1}},
 	{"icmp parameter problem from backend, v4", []byte{0, 15, 0, 0, 7, 0, 0, 255, 0, 2}},
+	{"icmp frag needed from backend, v4, 45-byte quote", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 45, 0, 2}},
+	{"icmpv6 packet too big from backend, 61-byte quote", []byte{0, 16, 0, 0, 1, 0, 0, 61, 0, 2}},
+	{"icmp frag needed from backend, v4, 560-byte quote", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 236, 0, 2}},
+	{"icmpv6 packet too big from client side, dsr flow known, 1,180-byte quote", []byte{0, 37, 1, 0, 1, 0, 0, 251, 0, 1, 0, 1}},
+	{"icmp frag needed from backend, v4, checksum wrong", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 255, 4, 0, 40, 0xff, 2}},
+	{"icmp time exceeded from client side, v4, checksum wrong", []byte{0, 17, 0, 0, 1, 0, 0, 255, 4, 0, 40, 0xff, 1, 0, 1}},
+	{"icmpv6 packet too big from client side, dsr flow unknown, checksum wrong", []byte{0, 37, 1, 0, 1, 0, 0, 255, 4, 0, 60, 0xff, 0, 0, 0, 0}},
+	{"icmp from client side, flow without nat port, checksum wrong", []byte{0, 20, 0, 0, 0, 0, 0, 255, 4, 0, 40, 0xff, 1, 0, 0}},
 	{"icmpv6 parameter problem from backend", []byte{0, 16, 0, 0, 6, 0, 0, 255, 0, 2}},
 	{"icmp parameter problem from client side, v4", []byte{0, 17, 0, 0, 7, 0, 0, 255, 0, 1, 0, 1}},
 	{"icmp parameter problem from client side, dsr flow known", []byte{0, 36, 0, 0, 7, 0, 0, 255, 0, 1, 0, 1}},
@@ -1100,7 +1116,8 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 //	6  IPv6 extension headers (mod 7), then one byte each: type (low 3 bits,
 //	   fuzzExtTypes) and length in 8-byte units (high 5 bits; 30 and 31 mean 70)
 //	7  payload length: < 224 its value mod 32, else 40 bytes per step above;
-//	   for ICMP targets the quote's length (255: the whole packet)
+//	   for ICMP targets the quote's length (255: the whole packet with 8 bytes of
+//	   payload; 224-254: the whole packet with its payload as above)
 //	8  mutation (mod 8): 1 truncate the frame at 14 + n (2 bytes), 2 set the IP
 //	   header's first byte, 3 add n (signed) to the IP length field, 4 set one byte
 //	   (2 bytes offset, 1 byte value), 5 append n zero bytes (Ethernet padding), 6 cut
@@ -1245,6 +1262,9 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 			f.Proto = packet.ProtoICMPv6
 		}
 		quoted := packet.Frame{Proto: tg.proto, TCPFlags: packet.SYN | packet.ACK, Payload: payload[:min(len(payload), 8)]}
+		if payloadSel >= 224 && payloadSel != 255 {
+			quoted.Payload = payload // a long quote, as ICMPv6 errors carry (up to 1,280 bytes in all)
+		}
 		if tg.kind == icmpBackend {
 			// A router between us and the backend answers the packet we sent it.
 			quoted.Src, quoted.Dst = netip.AddrPortFrom(natAddr, natPort), be.Addr
@@ -1264,7 +1284,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 		quoted.IPv4Options, quoted.FragOffset, quoted.MoreFrags = f.IPv4Options, f.FragOffset, f.MoreFrags
 		f.IPv4Options, f.Payload, f.FragOffset, f.MoreFrags = nil, nil, 0, false
 		quote := quoted.IPPacket()
-		if payloadSel != 255 {
+		if payloadSel < 224 {
 			quote = quote[:min(len(quote), int(payloadSel))]
 		}
 		icmp.Quote = quote
@@ -1285,7 +1305,19 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 	if f.VLAN != 0 {
 		l3 = 18
 	}
-	switch r.u8() % 8 {
+	// An ICMP error is the frame's tail; a mutation of the IP length (3, 6, 7) moves
+	// its end, and the checksum is made again over what the length leaves, so that
+	// the rules on the quote's length are reached (a byte set by 2 or 4 is not
+	// covered: the checksum's rule).
+	icmpAt := -1
+	if f.ICMP != nil {
+		icmpAt = len(frame) - icmpHeaderLen - len(f.ICMP.Quote)
+	}
+	mutation := r.u8() % 8
+	if icmpAt >= 0 && (mutation == 3 || mutation == 6 || mutation == 7) {
+		defer func() { icmpChecksumAgain(c.frame, l3, icmpAt) }()
+	}
+	switch mutation {
 	case 1:
 		frame = frame[:14+int(r.u16())%(len(frame)-13)]
 	case 2:
@@ -1504,6 +1536,25 @@ func fitFrame(b []byte) []byte {
 }
 
 // l4Offset is the L4 header's offset in a frame the rig built (no extension headers).
+// icmpChecksumAgain writes the checksum of the ICMP message at off in b anew, over
+// the bytes up to the IP packet's end as its length says (ICMPv6: with the
+// pseudo-header); it leaves b alone where that end is outside the frame or before
+// the ICMP header's end.
+func icmpChecksumAgain(b []byte, l3, off int) {
+	end := l3 + int(ipLength(b))
+	if end > len(b) || off+icmpHeaderLen > end || ipLength(b) == 0 {
+		return
+	}
+	b[off+2], b[off+3] = 0, 0
+	msg := b[off:end]
+	if b[l3]>>4 == 6 {
+		pseudo := append(append([]byte{}, b[l3+8:l3+40]...), 0, 0)
+		pseudo = binary.BigEndian.AppendUint16(pseudo, uint16(len(msg)))
+		msg = append(append(pseudo, 0, 0, 0, protoICMPv6), msg...)
+	}
+	binary.BigEndian.PutUint16(b[off+2:], packet.Checksum(msg))
+}
+
 func l4Offset(b []byte) int {
 	l3 := 14
 	if binary.BigEndian.Uint16(b[12:]) == 0x8100 {

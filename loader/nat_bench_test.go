@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net/netip"
+	"strconv"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -49,12 +50,17 @@ func newNATBench(b *testing.B) *natBench {
 
 // forward is a client's segment with 64 bytes of payload to the VIP's web port.
 func (nb *natBench) forward(v6 bool, sport uint16, flags uint8) []byte {
+	return nb.segment(v6, sport, flags, 64)
+}
+
+// segment is a client's segment with n bytes of payload to the VIP's web port.
+func (nb *natBench) segment(v6 bool, sport uint16, flags uint8, n int) []byte {
 	client, vip := nb.Client.IP4, nb.VIP4
 	if v6 {
 		client, vip = nb.Client.IP6, nb.VIP6
 	}
 	return packet.Frame{SrcMAC: nb.Client.MAC, DstMAC: nb.Balancer.MAC, Src: netip.AddrPortFrom(client, sport),
-		Dst: netip.AddrPortFrom(vip, topo.HTTPPort), TCPFlags: flags, Payload: make([]byte, 64)}.Build()
+		Dst: netip.AddrPortFrom(vip, topo.HTTPPort), TCPFlags: flags, Payload: make([]byte, n)}.Build()
 }
 
 // forwardUDP is a client's datagram with 64 bytes of payload to the VIP's UDP port.
@@ -67,11 +73,10 @@ func (nb *natBench) forwardUDP(v6 bool, sport uint16) []byte {
 		Dst: netip.AddrPortFrom(vip, topo.UDPPort), Proto: packet.ProtoUDP, Payload: make([]byte, 64)}.Build()
 }
 
-// reply is the backend's reply to the established flow of fwd, a forward frame: it
-// runs fwd through the program twice (the first packet of a flow opens it half-open,
-// the second establishes it) and answers from the backend and to the nat port it was
-// sent to.
-func (nb *natBench) reply(fwd []byte) ([]byte, error) {
+// established runs fwd, a forward frame, through the program twice (the first
+// packet of a flow opens it half-open, the second establishes it) and returns what
+// the program sent the backend.
+func (nb *natBench) established(fwd []byte) ([]byte, error) {
 	var out []byte
 	err := nb.Balancer.NS.Do(func() error {
 		for range 2 {
@@ -86,6 +91,13 @@ func (nb *natBench) reply(fwd []byte) ([]byte, error) {
 		}
 		return nil
 	})
+	return out, err
+}
+
+// reply is the backend's reply to the established flow of fwd, a forward frame,
+// from the backend and to the nat port fwd was sent from.
+func (nb *natBench) reply(fwd []byte) ([]byte, error) {
+	out, err := nb.established(fwd)
 	if err != nil {
 		return nil, err
 	}
@@ -111,6 +123,36 @@ func (nb *natBench) reply(fwd []byte) ([]byte, error) {
 		}
 	}
 	return nil, fmt.Errorf("nat forward went to %s, no backend of the topology", backend)
+}
+
+// icmpFromBackend is a router's "fragmentation needed" (ICMPv6: "packet too big")
+// from the backend's side about the established flow of fwd, to the nat address,
+// quoting the packet the program sent the backend: its IP header and l4 bytes after
+// it (all of it: -1).
+func (nb *natBench) icmpFromBackend(fwd []byte, l4 int) ([]byte, error) {
+	out, err := nb.established(fwd)
+	if err != nil {
+		return nil, err
+	}
+	quote := out[14:]
+	if l4 >= 0 && quote[0]>>4 == 4 {
+		quote = quote[:20+l4]
+	} else if l4 >= 0 {
+		quote = quote[:40+l4]
+	}
+	f := packet.Frame{DstMAC: nb.Balancer.MAC, Proto: packet.ProtoICMP,
+		Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte(quote[16:20])), 0), Dst: netip.AddrPortFrom(nb.Balancer.IP4, 0),
+		ICMP: &packet.ICMP{Type: 3, Code: 4, Rest: 1400, Quote: quote}}
+	if quote[0]>>4 == 6 {
+		f.Proto, f.ICMP.Type, f.ICMP.Code = packet.ProtoICMPv6, 2, 0
+		f.Src, f.Dst = netip.AddrPortFrom(netip.AddrFrom16([16]byte(quote[24:40])), 0), netip.AddrPortFrom(nb.Balancer.IP6, 0)
+	}
+	for _, h := range nb.Backends {
+		if h.IP4 == f.Src.Addr() || h.IP6 == f.Src.Addr() {
+			f.SrcMAC = h.MAC
+		}
+	}
+	return f.Build(), nil
 }
 
 // BenchmarkNAT measures ns per packet of the nat paths beside the floor, in repeat
@@ -146,8 +188,27 @@ func BenchmarkNAT(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
+		// ICMP errors from the backend's side, whose checksum is summed in full
+		// before the translation: a long one (the 512-byte frame the wrapper takes
+		// at most; routers send up to 576 bytes of ICMP, RFC 1812 4.3.2.3, and 1,280
+		// of ICMPv6, RFC 4443 2.4) and the least (the IP header and 8 bytes of TCP
+		// quoted, whose translation leaves the quoted TCP checksum alone).
+		quoteLen, ipLen := 512-14-20-8, 20
+		if v6 {
+			quoteLen, ipLen = 512-14-40-8, 40
+		}
+		longErr, err := nb.icmpFromBackend(nb.segment(v6, fixedSport+1, packet.ACK, quoteLen-ipLen-20), -1)
+		if err != nil {
+			b.Fatal(err)
+		}
+		shortErr, err := nb.icmpFromBackend(nb.segment(v6, fixedSport+2, packet.ACK, 0), 8)
+		if err != nil {
+			b.Fatal(err)
+		}
 		cases = append(cases,
 			pathCase{name: "established-" + family + "-forward", frame: in, actions: fwd, count: ReasonFlowHit},
+			pathCase{name: "icmp-" + family + "-from-backend-" + strconv.Itoa(len(longErr)-14), frame: longErr, actions: fwd, count: ReasonICMPTranslated},
+			pathCase{name: "icmp-" + family + "-from-backend-" + strconv.Itoa(len(shortErr)-14), frame: shortErr, actions: fwd, count: ReasonICMPTranslated},
 			pathCase{name: "established-" + family + "-reply", frame: reply, actions: fwd, count: ReasonNATReply},
 			// A UDP reply also refreshes its flow, at most once a second.
 			pathCase{name: "established-udp-" + family + "-reply", frame: udpReply, actions: fwd, count: ReasonNATReply})

@@ -161,10 +161,12 @@ func TestNATFixtures(t *testing.T) {
 			}
 			trailer := bytes.Repeat([]byte{0xa5}, 24)
 			for _, ic := range []struct {
-				side       string
-				in, want   packet.Frame
-				trailer    []byte
-				wantAction Action
+				side     string
+				in, want packet.Frame
+				trailer  []byte
+				// corrupt: the error's ICMP checksum is made wrong; it must be dropped
+				// as it came, never translated.
+				corrupt bool
 			}{
 				{
 					side: "from the backend",
@@ -222,14 +224,39 @@ func TestNATFixtures(t *testing.T) {
 						Src: netip.AddrPortFrom(lb, 0), Dst: netip.AddrPortFrom(backend, 0),
 						ICMP: &packet.ICMP{Type: ppType, Rest: ppRest, Quote: reply.IPPacket()}},
 				},
+				{
+					side: "from the backend, its checksum wrong",
+					in: packet.Frame{SrcMAC: chosen.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(backend, 0), Dst: netip.AddrPortFrom(lb, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: want.IPPacket()}},
+					corrupt: true,
+				},
+				{
+					side: "from the client, its checksum wrong",
+					in: packet.Frame{SrcMAC: nt.Client.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(client, 0), Dst: netip.AddrPortFrom(vip, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: wantReply.IPPacket()}},
+					corrupt: true,
+				},
 			} {
+				in := append(ic.in.Build(), ic.trailer...)
+				if ic.corrupt {
+					// One bit of the quote.
+					in[len(in)-1] ^= 0x40
+				}
 				err = nt.Balancer.NS.Do(func() error {
 					var err error
-					action, out, err = nt.prog.RunOn(append(ic.in.Build(), ic.trailer...), nt.Balancer.Index)
+					action, out, err = nt.prog.RunOn(in, nt.Balancer.Index)
 					return err
 				})
 				if err != nil {
 					t.Fatal(err)
+				}
+				if ic.corrupt {
+					if action != XDPDrop {
+						t.Fatalf("icmp error %s: action %s; want XDP_DROP", ic.side, action)
+					}
+					continue
 				}
 				if action != XDPTX {
 					t.Fatalf("icmp error %s: action %s; want XDP_TX", ic.side, action)

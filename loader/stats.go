@@ -44,6 +44,7 @@ const (
 	ReasonDropNoTXPort      = Reason(bpf.WeirStatReasonSTAT_DROP_NO_TX_PORT)
 	ReasonNATTooBig         = Reason(bpf.WeirStatReasonSTAT_NAT_TOO_BIG)
 	ReasonICMPToBackend     = Reason(bpf.WeirStatReasonSTAT_ICMP_TO_BACKEND)
+	ReasonDropICMPChecksum  = Reason(bpf.WeirStatReasonSTAT_DROP_ICMP_CHECKSUM)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
 
@@ -79,6 +80,7 @@ var reasonNames = [...]string{
 	ReasonDropNoTXPort:      "drop_no_tx_port",
 	ReasonNATTooBig:         "nat_too_big",
 	ReasonICMPToBackend:     "icmp_to_backend",
+	ReasonDropICMPChecksum:  "drop_icmp_checksum",
 }
 
 func (r Reason) String() string {
