@@ -182,7 +182,7 @@ func testPlanAndReloadMaxMove(t *testing.T, plane, held, removedDrained string) 
 // budget met the refusal only at the reload. (An agent at the program's slot
 // limit is userspace/agent's TestReloadAtCapacityRefusedWhole.)
 func TestPlanVerdictSaysEveryReason(t *testing.T) {
-	refused := `service "s15": the XDP program has 16384 backend slots, and this change needs 16385 at once`
+	refused := `/etc/weir/weir.yaml:20: services[15]: the XDP program has 16384 backend slots, and this change needs 16385 at once`
 	for _, tc := range []struct {
 		name string
 		plan api.Plan

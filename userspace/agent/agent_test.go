@@ -1,10 +1,14 @@
 package agent
 
 import (
+	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
 
+	"github.com/weir-lb/weir/loader"
+	"github.com/weir-lb/weir/userspace/agent/xdpplane"
 	"github.com/weir-lb/weir/userspace/balance"
 	"github.com/weir-lb/weir/userspace/config"
 )
@@ -74,6 +78,38 @@ func TestRestartOnlyNamesTheField(t *testing.T) {
 			}
 			if strings.Contains(err.Error(), "s3cret") || strings.Contains(err.Error(), "other") {
 				t.Errorf("got %v; want no peer password in it", err)
+			}
+		})
+	}
+}
+
+// TestFieldLinesNameTheServiceOnce: a change the XDP program has no slots for
+// is reported at its service's path and line, which name the service, so the
+// message does not name it again; each error of a joined one is mapped once,
+// and one about a service the file does not have keeps its name.
+func TestFieldLinesNameTheServiceOnce(t *testing.T) {
+	cfg, err := config.Parse([]byte("services:\n" +
+		"- {name: a, vip: 10.0.0.1:80, backends: [{address: 10.0.0.2:80}]}\n" +
+		"- {name: b, vip: 10.0.0.1:81, backends: [{address: 10.0.0.3:80}]}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	full := func(service string) error {
+		return &xdpplane.CapacityError{Service: service, Err: fmt.Errorf("the XDP program has 2 backend slots: %w", loader.ErrCapacity)}
+	}
+	msg := "the XDP program has 2 backend slots: " + loader.ErrCapacity.Error()
+	for _, c := range []struct {
+		name string
+		err  error
+		want string
+	}{
+		{"one", full("b"), "f.yaml:3: services[1]: " + msg},
+		{"joined", errors.Join(full("a"), errors.New("other")), "f.yaml:2: services[0]: " + msg + "\nother"},
+		{"not in the file", full("z"), `service "z": ` + msg},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if got := fieldLines(cfg, "f.yaml", c.err).Error(); got != c.want {
+				t.Errorf("got %q; want %q", got, c.want)
 			}
 		})
 	}

@@ -90,14 +90,14 @@ func TestReloadAtCapacityRefusedWhole(t *testing.T) {
 		t.Fatal(err)
 	}
 	// s15 is on line 20 (the file's fourth line is services:).
-	if want := cfgPath + `:20: services[15]: service "s15": the XDP program has 16384 backend slots, and this change needs 16385 at once`; !strings.HasPrefix(pl.Refused, want) {
+	if want := cfgPath + `:20: services[15]: the XDP program has 16384 backend slots, and this change needs 16385 at once`; !strings.HasPrefix(pl.Refused, want) {
 		t.Errorf("plan: refused %q; want it to begin %q", pl.Refused, want)
 	}
 	err = p.client.Reload(context.Background())
 	if err == nil {
 		t.Fatal("reload needing one backend slot more than the program has: got no error; want it refused")
 	}
-	for _, want := range []string{cfgPath + `:20: services[15]: service "s15"`, "16384 backend slots", "16385 at once", "drain"} {
+	for _, want := range []string{cfgPath + `:20: services[15]: the XDP program`, "16384 backend slots", "16385 at once", "drain"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("reload error: got %q; want it to say %q", err, want)
 		}

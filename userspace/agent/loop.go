@@ -396,7 +396,8 @@ func fieldLines(cfg *config.Config, file string, err error) error {
 			return fe
 		}
 	case errors.As(err, &capa):
-		if fe := cfg.ServiceError(file, capa.Service, "", capa.Error()); fe != nil {
+		// The path names the service: the message without its name.
+		if fe := cfg.ServiceError(file, capa.Service, "", capa.Err.Error()); fe != nil {
 			return fe
 		}
 	}
