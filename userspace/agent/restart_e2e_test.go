@@ -311,7 +311,7 @@ func TestAgentRestartKeepsFlows(t *testing.T) {
 	// The slots the pinned program's services hold are named as such, with the
 	// ways through: a reload's advice (remove, then add) cannot help a start.
 	bigAt := fmt.Sprintf(`%s:%d: services[0]: the XDP program has `, cfgPath, strings.Count(head[:strings.Index(head, "  - name: echo-dsr")], "\n")+1)
-	wantFail := "of the held backend slots are held by services of the pinned program that this start has not taken over"
+	wantFail := "of the held backend slots are held by services of the pinned program that this file drops"
 	if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), bigAt) || !strings.Contains(string(out), wantFail) {
 		t.Fatalf("agent with a service too big for the program: %v, output:\n%s\nwant it to fail at %q, saying %q", err, out, bigAt, wantFail)
 	}

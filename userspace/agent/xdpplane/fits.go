@@ -50,10 +50,10 @@ func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
 		ls := spec(s)
 		cur, ok := held[ls.Key]
 		if !ok && len(held) >= int(capa.Services) {
-			services, _ := x.pinnedHeld(held, installed)
-			if services > 0 {
+			if len(x.adopted) > 0 {
+				services, _ := x.droppedHeld(held, ops)
 				return capacityError(s.Name(), "the XDP program has %d service slots, all held at this point of the start%s: %w",
-					capa.Services, pinnedNote(services, "service"), loader.ErrCapacity)
+					capa.Services, startNote(services, "service"), loader.ErrCapacity)
 			}
 			return capacityError(s.Name(), "the XDP program has %d service slots, all held at this point of the change (a service's entry at a new VIP or protocol is added before the old one is removed): remove services in one reload and add the others in the next: %w",
 				capa.Services, loader.ErrCapacity)
@@ -65,9 +65,10 @@ func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
 			}
 		}
 		if backends+fresh > int(capa.Backends) {
-			if _, slots := x.pinnedHeld(held, installed); slots > 0 {
+			if len(x.adopted) > 0 {
+				_, slots := x.droppedHeld(held, ops)
 				return capacityError(s.Name(), "the XDP program has %d backend slots, and this start needs %d at once: %d held, %d more for this service's new backends%s: %w",
-					capa.Backends, backends+fresh, backends, fresh, pinnedNote(slots, "backend"), loader.ErrCapacity)
+					capa.Backends, backends+fresh, backends, fresh, startNote(slots, "backend"), loader.ErrCapacity)
 			}
 			return capacityError(s.Name(), "the XDP program has %d backend slots, and this change needs %d at once: %d held, %d more for this service's new backends, taken before the backends it replaces free theirs (which they keep while they drain)%s: %w",
 				capa.Backends, backends+fresh, backends, fresh, leavingNote(running), loader.ErrCapacity)
@@ -120,13 +121,19 @@ func (x *Plane) Fits(running plan.Desired, ops []plan.Op) error {
 	return nil
 }
 
-// pinnedHeld counts the services, and their backend slots, that the program
-// held when this run adopted it and that this run has not (yet) taken over:
-// they keep their slots until the start succeeds (DropUnowned), so that a
-// failed start leaves them serving. 0 once the agent has started.
-func (x *Plane) pinnedHeld(held map[loader.ServiceKey]map[netip.AddrPort]bool, installed map[loader.ServiceKey]string) (services, slots int) {
+// droppedHeld counts the services, and their backend slots, that the program
+// held when this run adopted it and that no operation of this start (ops)
+// takes over: they keep their slots until the start succeeds (DropUnowned), so
+// that a failed start leaves them serving.
+func (x *Plane) droppedHeld(held map[loader.ServiceKey]map[netip.AddrPort]bool, ops []plan.Op) (services, slots int) {
+	taken := map[loader.ServiceKey]bool{}
+	for _, op := range ops {
+		if op.Plane == plan.XDP && op.Next != nil && op.Next.Installed {
+			taken[Key(&op.Next.Config)] = true
+		}
+	}
 	for key := range x.adopted {
-		if _, ok := installed[key]; !ok {
+		if !taken[key] {
 			services++
 			slots += len(held[key])
 		}
@@ -134,10 +141,14 @@ func (x *Plane) pinnedHeld(held map[loader.ServiceKey]map[netip.AddrPort]bool, i
 	return services, slots
 }
 
-// pinnedNote says that n slots of a kind are held by the pinned program's
-// services a start has not taken over, and the ways through.
-func pinnedNote(n int, kind string) string {
-	return fmt.Sprintf("; %d of the held %s slots are held by services of the pinned program that this start has not taken over, which keep them until it succeeds so that a failed start leaves them serving: start with the file the program was loaded with and reload to this one (removing in one reload and adding in the next), or detach the program first (weir stop --detach), which ends its flows", n, kind)
+// startNote says that n slots of a kind are held by the pinned program's
+// services a start's file drops, if any, and a start's ways through.
+func startNote(n int, kind string) string {
+	note := ""
+	if n > 0 {
+		note = fmt.Sprintf("; %d of the held %s slots are held by services of the pinned program that this file drops, which keep them until the start succeeds so that a failed start leaves them serving", n, kind)
+	}
+	return note + ": start with the file the program was loaded with and reload to this one (removing in one reload and adding in the next), or detach the program first (weir stop --detach), which ends its flows"
 }
 
 // CapacityError is a change the XDP program has no slots for, at the named

@@ -130,3 +130,79 @@ func TestFitsOneBackendCostsNothingMore(t *testing.T) {
 		t.Errorf("Fits of one backend's change: %g allocations with 7 more services of 256 backends; want at most %g, as with one service of one backend", full, alone+1)
 	}
 }
+
+// TestFitsStartCountsDroppedPinnedSlots: at a start on an adopted program, the
+// services the program held that the file drops keep their slots until the
+// start succeeds, and the refusal counts theirs alone: not those of a service
+// the file keeps that the start has not reached yet (listed after the one
+// where the slots run out), nor those of one it is taking over. Either way it
+// gives a start's ways through, not a reload's.
+func TestFitsStartCountsDroppedPinnedSlots(t *testing.T) {
+	// svc is service i with the n backends numbered from first.
+	svc := func(name string, i, first, n int) plan.Service {
+		s := plan.Service{Config: config.Service{Name: name, VIP: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 1, 0, byte(i)}), 80),
+			Protocol: config.TCP, Mode: config.ModeDSR, TableSize: 65537}, Placement: plan.Placement{Plane: plan.XDP}, Installed: true}
+		for j := first; j < first+n; j++ {
+			b := config.Backend{Addr: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 9, byte(j >> 8), byte(j)}), 80), MAC: net.HardwareAddr{2, 0, 0, 0, 0, 1}, Weight: 1}
+			s.Config.Backends = append(s.Config.Backends, b)
+			s.Backends = append(s.Backends, plan.Backend{Config: b, Usable: true, Weight: 1, MAC: b.MAC})
+		}
+		return s
+	}
+	// adopted is a plane on a program that holds pinned, as a run that
+	// adopted it finds them.
+	adopted := func(pinned ...*plan.Service) *Plane {
+		prog, err := loader.Load(loader.Options{})
+		xdptest.Check(t, err)
+		t.Cleanup(func() { prog.Close() })
+		x := &Plane{prog: prog, links: map[int]string{}, installed: map[loader.ServiceKey]string{}}
+		for _, s := range pinned {
+			if err := x.Add(s); err != nil {
+				t.Fatal(err)
+			}
+		}
+		x.installed, x.adopted = map[loader.ServiceKey]string{}, map[loader.ServiceKey]bool{}
+		for _, s := range pinned {
+			x.adopted[Key(&s.Config)] = true
+		}
+		return x
+	}
+	add := func(ss ...*plan.Service) (ops []plan.Op) {
+		for _, s := range ss {
+			ops = append(ops, plan.Op{Kind: plan.Add, Plane: plan.XDP, Next: s})
+		}
+		return ops
+	}
+	const backends = 16384 // config.MaxXDPBackends, the program's
+	ways := "start with the file the program was loaded with and reload to this one"
+	kept, dropped := svc("kept", 1, 0, 3), svc("dropped", 2, 3, 3)
+	// The file needs one slot less than the program has; dropped's 3 are too many.
+	big := svc("big", 3, 100, backends-3-1)
+	// kept's backends replaced: its new ones are taken before its old ones free
+	// theirs, as in a reload.
+	bigger, replaced := svc("big", 3, 100, backends-3), svc("kept", 1, 6, 3)
+	for _, c := range []struct {
+		name    string
+		pinned  []*plan.Service
+		ops     []plan.Op
+		want    string
+		wantNot string
+	}{
+		{"a kept service after", []*plan.Service{&kept, &dropped}, add(&big, &kept),
+			`service "big": the XDP program has 16384 backend slots, and this start needs 16386 at once: 6 held, 16380 more for this service's new backends; 3 of the held backend slots are held by services of the pinned program that this file drops`, ""},
+		{"a kept service replacing its backends", []*plan.Service{&kept}, add(&bigger, &replaced),
+			`service "kept": the XDP program has 16384 backend slots, and this start needs 16387 at once: 16384 held, 3 more for this service's new backends: ` + ways, "held by services of the pinned program"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			x := adopted(c.pinned...)
+			if got := x.prog.Capacity().Backends; got != backends {
+				t.Fatalf("the program has %d backend slots; this test wants %d", got, backends)
+			}
+			err := x.Fits(plan.Desired{}, c.ops)
+			if err == nil || !strings.HasPrefix(err.Error(), c.want) || !strings.Contains(err.Error(), ways) || !errors.Is(err, loader.ErrCapacity) ||
+				c.wantNot != "" && strings.Contains(err.Error(), c.wantNot) {
+				t.Fatalf("got %v; want an error wrapping loader.ErrCapacity that begins %q and says %q", err, c.want, ways)
+			}
+		})
+	}
+}
