@@ -137,3 +137,44 @@ func TestBGPListenPortOthers(t *testing.T) {
 		t.Fatalf("got %v; want no error", err)
 	}
 }
+
+// TestSpeakerPortClashesAtHostAddresses: the host's own addresses the file
+// leaves out refuse what validation refuses at one the file names, a tcp VIP
+// that XDP may serve there on bgp.listen_port, in either family (the speaker
+// listens on both), and nothing else: a udp VIP, another port or address, a
+// VIP no XDP serves, a file without a listening speaker.
+func TestSpeakerPortClashesAtHostAddresses(t *testing.T) {
+	const bgp = "bgp: {asn: 1, router_id: 10.0.0.1, listen_port: 1179, peers: [{address: 10.0.0.2, asn: 2}]}\n"
+	host := []netip.Addr{netip.MustParseAddr("192.0.2.5"), netip.MustParseAddr("2001:db8::5")}
+	svc := func(vip, more string) string {
+		port := vip[strings.LastIndex(vip, ":"):]
+		return "services:\n- {name: a, vip: '" + vip + "', mode: dsr" + more + ", backends: [{address: '10.1.0.2" + port + "', mac: '02:00:00:00:00:01'}]}\n"
+	}
+	for _, c := range []struct {
+		name, file, want string
+	}{
+		{"tcp xdp", bgp + svc("192.0.2.5:1179", ", data_plane: xdp"),
+			"f.yaml:4: services[0].vip: 192.0.2.5:1179 is the node's own address (on eth0) at bgp.listen_port, where BGP peers reach the speaker"},
+		{"tcp xdp, IPv6", strings.Replace(bgp, "listen_port", "next_hop: ['2001:db8::9'], listen_port", 1) + svc("[2001:db8::5]:1179", ", data_plane: xdp"),
+			"f.yaml:4: services[0].vip: [2001:db8::5]:1179 is the node's own address (on eth0) at bgp.listen_port"},
+		{"udp", bgp + svc("192.0.2.5:1179", ", data_plane: xdp, protocol: udp"), ""},
+		{"another port", bgp + svc("192.0.2.5:80", ", data_plane: xdp"), ""},
+		{"another address", bgp + svc("192.0.2.6:1179", ", data_plane: xdp"), ""},
+		{"no listen_port", strings.Replace(bgp, "listen_port: 1179, ", "", 1) + svc("192.0.2.5:1179", ", data_plane: xdp"), ""},
+		{"no bgp", svc("192.0.2.5:1179", ", data_plane: xdp"), ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			cfg, err := Parse([]byte("interfaces: [{name: eth0}]\n" + c.file))
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = cfg.SpeakerPortClashes("f.yaml", host, "on eth0")
+			switch {
+			case c.want == "" && err != nil:
+				t.Errorf("got %v; want none", err)
+			case c.want != "" && (err == nil || !strings.HasPrefix(err.Error(), c.want) || strings.Contains(err.Error(), "\n")):
+				t.Errorf("got %v; want one line beginning %q", err, c.want)
+			}
+		})
+	}
+}

@@ -2,6 +2,7 @@ package xdpplane
 
 import (
 	"fmt"
+	"net/netip"
 	"slices"
 	"strings"
 	"testing"
@@ -45,5 +46,28 @@ services:
 	}
 	if out := preflight(file(80)); slices.ContainsFunc(out, func(l string) bool { return strings.Contains(l, "bgp.listen_port") }) {
 		t.Errorf("VIP on another port: got %q; want nothing about bgp.listen_port", out)
+	}
+}
+
+// TestSpeakerPortClashesNotWithAddresses: a file that lists addresses names
+// the node's own addresses itself (validation checks a VIP at them), so the
+// interface's are not taken for them and a VIP there passes.
+func TestSpeakerPortClashesNotWithAddresses(t *testing.T) {
+	file := func(addresses string) *config.Config {
+		t.Helper()
+		cfg, err := config.Parse([]byte("interfaces: [{name: eth0}]\n" + addresses +
+			"bgp: {asn: 65001, router_id: 10.99.99.1, listen_port: 1179, peers: [{address: 10.99.99.2, asn: 65002}]}\n" +
+			"services:\n- {name: b, vip: '192.0.2.5:1179', data_plane: xdp, mode: dsr, backends: [{address: '10.200.0.2:1179', mac: '02:00:00:00:00:02'}]}\n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cfg
+	}
+	host := []netip.Addr{netip.MustParseAddr("192.0.2.5")}
+	if err := speakerPortClashes(file(""), host, "f.yaml"); err == nil {
+		t.Errorf("addresses left out: got no error; want the VIP at the interface's address refused")
+	}
+	if err := speakerPortClashes(file("addresses: [192.0.2.77]\n"), host, "f.yaml"); err != nil {
+		t.Errorf("addresses listed: got %v; want none", err)
 	}
 }
