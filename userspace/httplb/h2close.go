@@ -1,6 +1,8 @@
 package httplb
 
 import (
+	"maps"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -21,8 +23,8 @@ import (
 // after a protocol error would say there was none.
 type goAwayConn struct {
 	*coalescingConn
-	retire *atomic.Bool  // set while the backend's idle connections are being closed
-	open   *atomic.Int64 // the backend's connections of the transport open: this one until Close
+	retire *atomic.Bool // set while the backend's idle connections are being closed
+	open   *h2Conns     // the backend's connections of the transport open: this one until Close
 
 	// wmu keeps Writes in order, so the frames are followed in the order
 	// they are queued. mu guards what follows; a Write does not hold it
@@ -38,10 +40,50 @@ type goAwayConn struct {
 	closed  bool // Close has run
 }
 
-// newGoAwayConn wraps c, counted in open until it is closed.
-func newGoAwayConn(c *coalescingConn, retire *atomic.Bool, open *atomic.Int64) *goAwayConn {
-	open.Add(1)
-	return &goAwayConn{coalescingConn: c, retire: retire, open: open, preface: len(http2.ClientPreface)}
+// newGoAwayConn wraps c, kept in open until it is closed.
+func newGoAwayConn(c *coalescingConn, retire *atomic.Bool, open *h2Conns) *goAwayConn {
+	g := &goAwayConn{coalescingConn: c, retire: retire, open: open, preface: len(http2.ClientPreface)}
+	open.add(g)
+	return g
+}
+
+// h2Conns is a backend's connections of Go's HTTP/2 transport that are open,
+// so that those the transport still holds when the service stops can be
+// closed then.
+type h2Conns struct {
+	mu sync.Mutex
+	m  map[*goAwayConn]struct{}
+}
+
+func (h *h2Conns) add(c *goAwayConn) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.m == nil {
+		h.m = map[*goAwayConn]struct{}{}
+	}
+	h.m[c] = struct{}{}
+}
+
+func (h *h2Conns) remove(c *goAwayConn) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	delete(h.m, c)
+}
+
+func (h *h2Conns) count() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.m)
+}
+
+// closeAll closes every connection open, busy or not.
+func (h *h2Conns) closeAll() {
+	h.mu.Lock()
+	cs := slices.Collect(maps.Keys(h.m))
+	h.mu.Unlock()
+	for _, c := range cs {
+		c.Close() // takes itself out of h
+	}
 }
 
 func (c *goAwayConn) Write(p []byte) (int, error) {
@@ -96,7 +138,7 @@ func (c *goAwayConn) Close() error {
 	defer c.mu.Unlock()
 	if !c.closed {
 		c.closed = true
-		c.open.Add(-1)
+		c.open.remove(c)
 	}
 	if c.retire.Load() && !c.writing && c.preface == 0 && c.hdrN == 0 && c.left == 0 {
 		c.coalescingConn.queue(goAwayNoError) // goes out before the socket closes

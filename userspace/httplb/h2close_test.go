@@ -125,7 +125,7 @@ func TestGoAwayConnCloseDoesNotWait(t *testing.T) {
 			cc.Conn.(*net.TCPConn).SetWriteBuffer(4 << 10)
 			peer.(*net.TCPConn).SetReadBuffer(4 << 10)
 			var retire atomic.Bool
-			c := newGoAwayConn(cc, &retire, new(atomic.Int64))
+			c := newGoAwayConn(cc, &retire, new(h2Conns))
 			if _, err := c.Write([]byte(http2.ClientPreface)); err != nil {
 				t.Fatal(err)
 			}

@@ -188,6 +188,10 @@ type Service struct {
 	// requests begun before it hold its leases, so they count as in flight
 	// too when a removed backend's entry may go.
 	oldBal balance.Balancer
+	// stopped: Serve has returned (or Close has run); guarded by mu. No
+	// request is left to end on a backend's connections, so they are
+	// closed at once, with no timer to look again (closeRetiredLocked).
+	stopped bool
 }
 
 // live is what a request reads once at its start: the settings that may change
@@ -352,8 +356,8 @@ type backend struct {
 	// h2Retire is set while closeIdle closes h2's idle connections: they
 	// end with GOAWAY (goAwayConn).
 	h2Retire atomic.Bool
-	// h2Open counts h2's connections open (goAwayConn).
-	h2Open atomic.Int64
+	// h2Conns is h2's connections open (goAwayConn).
+	h2Conns h2Conns
 	// fpool is the frame engine's HTTP/2 connections, made on first use.
 	fpool atomic.Pointer[upPool]
 	next  atomic.Uint32
@@ -390,7 +394,7 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 		if err != nil {
 			return nil, err
 		}
-		return newGoAwayConn(newCoalescingConn(c, true), &b.h2Retire, &b.h2Open), nil
+		return newGoAwayConn(newCoalescingConn(c, true), &b.h2Retire, &b.h2Conns), nil
 	}
 	mk := func(h2c bool) *http.Transport {
 		t := &http.Transport{
@@ -462,6 +466,11 @@ func (s *Service) unretire(be *backend) {
 	}
 	be.retired.Store(false)
 	be.h1s.reopen()
+	be.stopCloseAgain()
+}
+
+// stopCloseAgain disarms be's close-again timer; Service.mu is held.
+func (be *backend) stopCloseAgain() {
 	if be.closeAgain != nil {
 		be.closeAgain.Stop()
 		be.closeAgain = nil
@@ -500,9 +509,17 @@ func (s *Service) closeRetired(be *backend, ended bool) {
 // connection is idle only then: while h2 connections are open, it looks
 // again, closeAgainFirst later, then at doubling intervals for about 2.5 s. A
 // connection still open after that carries a request in flight, whose end
-// looks again.
+// looks again. Once the service has stopped, what is left of the requests is
+// on its way out: h2's connections are closed at once, busy or not.
 func (s *Service) closeRetiredLocked(be *backend, ended bool) {
 	be.closeIdle()
+	if s.stopped {
+		be.stopCloseAgain()
+		be.h2Retire.Store(true) // an orderly end: GOAWAY NO_ERROR
+		be.h2Conns.closeAll()
+		be.h2Retire.Store(false)
+		return
+	}
 	switch {
 	case ended:
 		be.closeAgainIn = closeAgainFirst
@@ -511,10 +528,8 @@ func (s *Service) closeRetiredLocked(be *backend, ended bool) {
 	default:
 		be.closeAgainIn = 0
 	}
-	if be.h2Open.Load() == 0 || be.closeAgainIn == 0 {
-		if be.closeAgain != nil {
-			be.closeAgain.Stop()
-		}
+	if be.h2Conns.count() == 0 || be.closeAgainIn == 0 {
+		be.stopCloseAgain()
 		return
 	}
 	if be.closeAgain == nil {
@@ -638,9 +653,12 @@ func (s *Service) backend(id string) *backend {
 	return (*s.byID.Load())[id]
 }
 
+// closeBackends retires every backend of a service that has stopped, and
+// closes their connections.
 func (s *Service) closeBackends() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.stopped = true
 	for _, b := range s.backends {
 		s.retire(b) // requests broken off at the drain's end may still be on their way out
 		s.drainTunnels(b, false)
