@@ -901,48 +901,73 @@ func (st *fstream) answer(status int, msg string, noBackend bool) {
 // try is left; mu is held.
 func (st *fstream) nextTry() {
 	l := st.live
-	s := st.sess.s
-	for {
-		if st.tries > 0 && (st.tries > l.cfg.Retries || !st.fail.retry || !st.replayable() || !l.budget.withdraw()) {
-			st.answerFailure()
-			return
-		}
-		var lease balance.Lease
-		var err error
-		if st.tries == 0 {
-			lease, err = l.bal.Pick(st.hashKey, nil)
-		} else {
-			lease, err = l.bal.Pick(st.hashKey, func(id string) bool { return slices.Contains(st.tried, id) })
-		}
-		if err != nil {
-			if st.tries == 0 {
-				st.answer(http.StatusServiceUnavailable, fmt.Sprintf("service %q: no usable backend: every backend is down, drained or ejected", s.cfg.Name), true)
-				return
-			}
-			st.answerFailure()
-			return
-		}
-		st.tries++
-		be := s.backend(lease.Backend())
-		if be == nil {
-			lease.Release(balance.Result{})
-			st.fail = failure{retry: true, dial: true, status: http.StatusBadGateway, err: ErrNoBackend}
-			continue
-		}
-		st.tried = append(st.tried, be.id)
-		if st.tries > 1 {
-			be.stats.retries.Add(1)
-		}
-		st.be, st.lease = be, lease
-		st.requeueBody()
-		st.tryT = time.Now()
-		st.status = 0
-		if l.cfg.TryTimeout > 0 {
-			st.tryTmr = time.AfterFunc(l.cfg.TryTimeout, func() { st.sess.timerFired(st, true) })
-		}
-		be.frames(s).open(st)
+	if st.tries > 0 && (st.tries > l.cfg.Retries || !st.fail.retry || !st.replayable() || !l.budget.withdraw()) {
+		st.answerFailure()
 		return
 	}
+	st.pick()
+}
+
+// pick sends the request, as its next try, to a backend it has not been
+// tried on; mu is held.
+func (st *fstream) pick() {
+	l := st.live
+	s := st.sess.s
+	var lease balance.Lease
+	var err error
+	if len(st.tried) == 0 {
+		lease, err = l.bal.Pick(st.hashKey, nil)
+	} else {
+		lease, err = l.bal.Pick(st.hashKey, func(id string) bool { return slices.Contains(st.tried, id) })
+	}
+	if err != nil {
+		if st.tries == 0 {
+			st.answer(http.StatusServiceUnavailable, fmt.Sprintf("service %q: no usable backend: every backend is down, drained or ejected", s.cfg.Name), true)
+			return
+		}
+		st.answerFailure()
+		return
+	}
+	st.tries++
+	be := s.backend(lease.Backend())
+	if be == nil {
+		lease.Release(balance.Result{})
+		st.fail = failure{retry: true, dial: true, status: http.StatusBadGateway, err: ErrNoBackend}
+		st.nextTry()
+		return
+	}
+	st.tried = append(st.tried, be.id)
+	st.be, st.lease = be, lease
+	st.requeueBody()
+	st.tryT = time.Now()
+	st.status = 0
+	if l.cfg.TryTimeout > 0 {
+		st.tryTmr = time.AfterFunc(l.cfg.TryTimeout, func() { st.sess.timerFired(st, true) })
+	}
+	if !st.open() {
+		return
+	}
+	if st.tries > 1 {
+		be.stats.retries.Add(1)
+	}
+}
+
+// open sends the try to st.be, on a connection of its pool; mu is held. A
+// retired backend gets no new connection: when none of its own can take the
+// stream, the try goes to another backend instead, not counted (the request
+// never left weir), and open reports false.
+func (st *fstream) open() bool {
+	if st.be.frames(st.sess.s).open(st) {
+		return true
+	}
+	if st.tryTmr != nil {
+		st.tryTmr.Stop()
+	}
+	st.lease.Release(balance.Result{})
+	st.be = nil
+	st.tries--
+	st.pick()
+	return false
 }
 
 // requeueBody has what the last try sent go again before what it had not.
@@ -1040,7 +1065,7 @@ func (st *fstream) upstreamReset(code http2.ErrCode, connErr error, unprocessed 
 		st.refused++
 		st.dropAnswer()
 		st.requeueBody()
-		st.be.frames(st.sess.s).open(st)
+		st.open()
 		return
 	}
 	if st.answered() {

@@ -74,8 +74,10 @@ type upconn struct {
 }
 
 // open sends st's request over one of the pool's connections; st's session
-// mutex is held.
-func (p *upPool) open(st *fstream) {
+// mutex is held. It reports false, and does nothing, when the backend is
+// retired and no connection can take st: a retired backend's requests in
+// flight finish on the connections it has, and it gets no new one.
+func (p *upPool) open(st *fstream) bool {
 	p.mu.Lock()
 	var uc *upconn
 	for _, c := range p.conns {
@@ -88,6 +90,10 @@ func (p *upPool) open(st *fstream) {
 		}
 	}
 	if uc == nil {
+		if p.be.retired.Load() {
+			p.mu.Unlock()
+			return false
+		}
 		if p.limit == 0 {
 			p.limit = 100 // as net/http's transport assumes
 		}
@@ -107,10 +113,11 @@ func (p *upPool) open(st *fstream) {
 	if !uc.ready {
 		uc.waiting = append(uc.waiting, st)
 		uc.mu.Unlock()
-		return
+		return true
 	}
 	uc.mu.Unlock()
 	uc.start(st)
+	return true
 }
 
 // start writes st's request headers (and what of its body the windows allow),

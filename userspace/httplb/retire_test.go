@@ -274,36 +274,40 @@ func TestStoppedServiceConnectionsClose(t *testing.T) {
 	}
 }
 
-// TestRemovedBackendNewConnectionCloses: a request of the frame engine's that
-// goes to a backend a reload has removed on a connection made after the
-// removal (the backend's GOAWAY left its stream unprocessed, and it goes
-// again to the same backend on a new connection, as one that picked the
-// backend just before the removal does) has that connection closed, GOAWAY
-// NO_ERROR, once it is answered, not kept for the pool's idle timeout (90 s).
-func TestRemovedBackendNewConnectionCloses(t *testing.T) {
+// TestRefusedOnRemovedBackendGoesElsewhere: a request of the frame engine's
+// whose stream a backend leaves unprocessed (its GOAWAY) after a reload has
+// removed it goes to another backend, as the same try (no retry is allowed
+// here), and the removed backend gets no new connection. Before, it went
+// again to the removed backend, on a connection dialled for it.
+func TestRefusedOnRemovedBackendGoesElsewhere(t *testing.T) {
 	came, refuse := make(chan struct{}, 1), make(chan struct{})
-	be, end := endingH2Backend(t, 2, func(n int32, fr *http2.Framer, f *http2.HeadersFrame) {
-		if n == 1 {
-			came <- struct{}{}
+	var conns atomic.Int32
+	gone := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
+		conns.Add(1)
+		readBackendFrames(fr, func(f *http2.HeadersFrame) {
+			select {
+			case came <- struct{}{}:
+			default:
+			}
 			<-refuse
 			fr.WriteGoAway(0, http2.ErrCodeNo, nil)
-			return
-		}
-		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("200"), EndHeaders: true})
-		fr.WriteData(f.StreamID, true, []byte("ok"))
+		}, func(string) bool { return true })
 	})
-	sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	other := startHoldingBackend(t)
+	sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: gone, Weight: 1, Usable: true}})
 	letRefuse := closeOnce(refuse)
 	t.Cleanup(letRefuse) // before the service's drain
 	got := sendHeldRaw(t, sv, came)
-	if err := removeBackends(sv); err != nil {
+	if err := sv.SetBackends([]Backend{{Addr: other.addr, Weight: 1, Usable: true}}); err != nil {
 		t.Fatal(err)
 	}
 	letRefuse()
 	if g := <-got; g != "200 ok <nil>" {
-		t.Fatalf("GET the removed backend went away from: %s; want 200 ok <nil>", g)
+		t.Fatalf("GET the removed backend refused: %s; want 200 ok <nil> from the other", g)
 	}
-	wantGoAwayEnd(t, end, 20*time.Second, "the connection made after the removal")
+	if n := conns.Load(); n != 1 {
+		t.Errorf("the removed backend accepted %d connections; want 1, none after its removal", n)
+	}
 }
 
 // endingH2Backend is a raw HTTP/2 backend that passes each HEADERS to
