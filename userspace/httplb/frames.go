@@ -332,6 +332,7 @@ func (ss *fsess) refuse(st *fstream, id uint32, code http2.ErrCode) error {
 		st.reset(code)
 	} else {
 		ss.fr.WriteRSTStream(id, code)
+		ss.cutShort.weReset(id)
 	}
 	if ss.tooManyResets() {
 		return ss.calm()
@@ -552,9 +553,7 @@ func (ss *fsess) headers(f *hblock) error {
 	ss.maxID = id
 	if ss.away || ss.closed || len(ss.streams) >= maxClientStreams {
 		ss.fr.WriteRSTStream(id, http2.ErrCodeRefusedStream)
-		if !f.end {
-			ss.noteCutShort(id, false) // its body and trailers may be on their way
-		}
+		ss.noteCutShort(id, false) // its body and trailers may be on their way; frames after are dropped
 		return nil
 	}
 	s := ss.s
@@ -803,14 +802,9 @@ func (st *fstream) reset(code http2.ErrCode) {
 	st.sess.fr.WriteRSTStream(st.id, code)
 	st.cancelUpstream()
 	st.finish()
-}
-
-func (ss *fsess) resetLocked(id uint32, code http2.ErrCode) {
-	if st := ss.streams[id]; st != nil {
-		st.reset(code)
-		return
+	if st.reqEnded {
+		st.sess.cutShort.weReset(st.id) // finish noted it if not
 	}
-	ss.fr.WriteRSTStream(id, code)
 }
 
 // clientGone ends a stream the client reset.
@@ -1121,9 +1115,9 @@ func (st *fstream) finish() {
 		ss.noteCutShort(st.id, st.resetByClient)
 	}
 	ss.s.stats.inflight.Add(-1)
-	if st.up != nil && st.upDone && !st.reqEndSent && st.upID != 0 {
-		// The backend answered whole before the request's end: its half of
-		// the stream closes here.
+	if st.up != nil && !st.reqEndSent && st.upID != 0 {
+		// The backend answered whole (with trailers, perhaps) before the
+		// request's end: its half of the stream closes here.
 		st.up.resetStream(st.upID)
 	}
 	st.reqQ, st.resend, st.replay, st.respQ = nil, nil, nil, nil

@@ -81,6 +81,17 @@ func (c *closedStreams) peerReset(id uint32) {
 	}
 }
 
+// weReset records weir's RST_STREAM on stream id, closing it or closed
+// already: weir sends no other on it, and frames that come on it after are
+// dropped (RFC 9113 5.1).
+func (c *closedStreams) weReset(id uint32) {
+	if e := c.find(id); e != nil {
+		e.how = resetByUs
+		return
+	}
+	c.note(id, resetByUs)
+}
+
 // how reports how stream id closed; 0 if it is not remembered.
 func (c *closedStreams) how(id uint32) closeHow {
 	if e := c.find(id); e != nil {

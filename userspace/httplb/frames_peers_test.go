@@ -882,11 +882,14 @@ func (w *scriptedConn) headers(id uint32, end bool, fields ...string) {
 	w.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: w.hb.Bytes(), EndHeaders: true, EndStream: end})
 }
 
-// A backend's DATA after a stream's end, on a stream it reset itself or whose
-// answer it had ended while weir's request was still open, is a stream error
-// STREAM_CLOSED (RFC 9113 5.1, 6.1): that stream reset, the connection and
-// its other streams going on. After weir's own reset, the backend may have
-// sent it before it saw the reset: it is dropped. Before, weir dropped every
+// A backend's DATA after a stream's end, on a stream it reset itself, is a
+// stream error STREAM_CLOSED (RFC 9113 5.1, 6.1): that stream reset, the
+// connection and its other streams going on. After weir's own reset, the
+// backend may have sent it before it saw the reset: it is dropped. So it is
+// after an answer the backend ended while weir's request was still open, and
+// that reached the client whole: weir has reset the stream (the request goes
+// no further), and sends no second reset (TestOneResetPerStream has the
+// answer still waiting, and the STREAM_CLOSED). Before, weir dropped every
 // frame on a stream it had finished with.
 func TestBackendLateDataOnClosedStream(t *testing.T) {
 	for _, c := range []struct {
@@ -895,7 +898,7 @@ func TestBackendLateDataOnClosedStream(t *testing.T) {
 		want string // weir's answer to the late DATA
 	}{
 		{"after the backend's RST_STREAM", "/peer-reset", "RST_STREAM STREAM_CLOSED"},
-		{"after the backend's END_STREAM with the request open", "/early-end", "RST_STREAM STREAM_CLOSED"},
+		{"after the backend's END_STREAM with the request open, once weir has reset it", "/early-end", "nothing"},
 		{"after weir's RST_STREAM", "/weir-reset", "nothing"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -1114,14 +1117,21 @@ func TestBackendEndedStreamIsResetWhenRequestIsCut(t *testing.T) {
 	}{
 		{"interim status ending the stream", "100", func(*http2.Framer) {}},
 		{"client reset before the answer reached it", "200", func(fr *http2.Framer) { fr.WriteRSTStream(1, http2.ErrCodeCancel) }},
+		{"answer ended by trailers, delivered", "trailers", func(fr *http2.Framer) { fr.WriteWindowUpdate(1, 1<<20) }},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			var reset atomic.Int64 // the stream weir reset on the backend, once it has
 			be := rawBackend(t, func(conn net.Conn) {
 				scriptedBackend(conn, func(w *scriptedConn, f *http2.MetaHeadersFrame) {
-					if c.status == "200" {
+					switch c.status {
+					case "200":
 						w.headers(f.StreamID, false, ":status", c.status)
 						w.fr.WriteData(f.StreamID, true, []byte("the whole answer"))
+						return
+					case "trailers":
+						w.headers(f.StreamID, false, ":status", "200")
+						w.fr.WriteData(f.StreamID, false, []byte("the whole answer"))
+						w.headers(f.StreamID, true, "grpc-status", "0")
 						return
 					}
 					w.headers(f.StreamID, true, ":status", c.status)
@@ -1156,16 +1166,29 @@ func TestBackendEndedStreamIsResetWhenRequestIsCut(t *testing.T) {
 // it (RFC 9113 5.1). weir sent its own reset once the answer had reached the
 // client: after the backend's, for a client that took its time.
 func TestBackendResetAfterEarlyAnswerIsNotResetAgain(t *testing.T) {
-	var rstBefore atomic.Int64 // RST_STREAMs from weir on stream 1, counted when the second request comes
+	n := resetsOfEarlyAnswer(t, func(w *scriptedConn) { w.fr.WriteRSTStream(1, http2.ErrCodeNo) }, readEarlyAnswer)
+	if n != 0 {
+		t.Errorf("weir sent %d RST_STREAM on the stream the backend had reset; want 0", n)
+	}
+}
+
+// resetsOfEarlyAnswer has a backend answer, through weir, stream 1 of a
+// client (postWindowShut) whole while the request's body is still open, then
+// write what after writes on it. Once weir has read that, end ends the
+// client's side of the stream; the client then sends a second request, which
+// goes on the same backend connection, behind what weir sent on stream 1. It
+// returns the RST_STREAMs weir sent the backend on stream 1 by then.
+func resetsOfEarlyAnswer(t *testing.T, after func(w *scriptedConn), end func(t *testing.T, fr *http2.Framer)) int64 {
+	t.Helper()
+	behind := [8]byte{'a', 'f', 't', 'e', 'r'}
+	var rsts atomic.Int64
 	pinged := make(chan struct{})
-	second := make(chan struct{}, 1)
+	second := make(chan int64, 1)
 	be := rawBackend(t, func(conn net.Conn) {
-		rsts := 0
 		scriptedBackend(conn, func(w *scriptedConn, f *http2.MetaHeadersFrame) {
 			if f.StreamID != 1 {
-				rstBefore.Store(int64(rsts))
 				select {
-				case second <- struct{}{}:
+				case second <- rsts.Load():
 				default:
 				}
 				w.headers(f.StreamID, true, ":status", "204")
@@ -1173,16 +1196,16 @@ func TestBackendResetAfterEarlyAnswerIsNotResetAgain(t *testing.T) {
 			}
 			w.headers(1, false, ":status", "200")
 			w.fr.WriteData(1, true, []byte("the whole answer"))
-			w.fr.WriteRSTStream(1, http2.ErrCodeNo)
-			w.fr.WritePing(false, [8]byte{'r', 's', 't'}) // acknowledged once weir has read the reset
+			after(w)
+			w.fr.WritePing(false, behind) // acknowledged once weir has read what after wrote
 		}, func(w *scriptedConn, f http2.Frame) {
 			switch f := f.(type) {
 			case *http2.RSTStreamFrame:
 				if f.StreamID == 1 {
-					rsts++
+					rsts.Add(1)
 				}
 			case *http2.PingFrame:
-				if f.IsAck() && f.Data == [8]byte{'r', 's', 't'} {
+				if f.IsAck() && f.Data == behind {
 					close(pinged)
 				}
 			}
@@ -1192,28 +1215,31 @@ func TestBackendResetAfterEarlyAnswerIsNotResetAgain(t *testing.T) {
 	select {
 	case <-pinged:
 	case <-time.After(10 * time.Second):
-		t.Fatal("weir did not acknowledge the backend's PING behind its reset")
+		t.Fatal("weir did not acknowledge the backend's PING")
 	}
+	end(t, fr)
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, EndHeaders: true, EndStream: true, BlockFragment: get})
+	select {
+	case n := <-second:
+		return n
+	case <-time.After(10 * time.Second):
+		t.Fatalf("the second request did not reach the backend (weir sent %d RST_STREAM on stream 1)", rsts.Load())
+	}
+	return 0
+}
+
+// readEarlyAnswer has the client of resetsOfEarlyAnswer take stream 1's
+// answer whole.
+func readEarlyAnswer(t *testing.T, fr *http2.Framer) {
 	fr.WriteWindowUpdate(1, 1<<20)
-	// The answer whole, then a second request on the same connections: what
-	// weir sent the backend on stream 1 went before it.
 	for {
 		f, err := fr.ReadFrame()
 		if err != nil {
 			t.Fatalf("client read: %v; want the answer's end", err)
 		}
 		if d, ok := f.(*http2.DataFrame); ok && d.StreamID == 1 && d.StreamEnded() {
-			break
+			return
 		}
-	}
-	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, EndHeaders: true, EndStream: true, BlockFragment: get})
-	select {
-	case <-second:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the second request did not reach the backend")
-	}
-	if n := rstBefore.Load(); n != 0 {
-		t.Errorf("weir sent %d RST_STREAM on the stream the backend had reset; want 0", n)
 	}
 }
 
@@ -1224,16 +1250,79 @@ func TestBackendResetAfterEarlyAnswerIsNotResetAgain(t *testing.T) {
 // weir, for the client's next stream.
 func postWindowShut(t *testing.T, be netip.AddrPort) (fr *http2.Framer, get []byte) {
 	t.Helper()
+	fr, request := h2ClientThrough(t, be)
+	fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, EndHeaders: true, BlockFragment: request("POST")})
+	fr.WriteData(1, false, []byte("part"))
+	return fr, request("GET")
+}
+
+// h2ClientThrough serves be and connects an HTTP/2 client to weir (its
+// connection closed at cleanup); request makes the header block of a
+// request to / with a method, in the client's HPACK context.
+func h2ClientThrough(t *testing.T, be netip.AddrPort) (fr *http2.Framer, request func(method string) []byte) {
+	t.Helper()
 	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 	addr := s.Addr().String()
 	conn, fr := h2Conn(t, addr)
 	t.Cleanup(func() { conn.Close() })
 	conn.SetDeadline(time.Now().Add(10 * time.Second))
-	fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0})
 	var buf bytes.Buffer
 	enc := hpack.NewEncoder(&buf)
-	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, EndHeaders: true,
-		BlockFragment: fieldBlock(enc, &buf, ":method", "POST", ":scheme", "http", ":authority", addr, ":path", "/")})
-	fr.WriteData(1, false, []byte("part"))
-	return fr, fieldBlock(enc, &buf, ":method", "GET", ":scheme", "http", ":authority", addr, ":path", "/")
+	return fr, func(method string) []byte {
+		return fieldBlock(enc, &buf, ":method", method, ":scheme", "http", ":authority", addr, ":path", "/")
+	}
+}
+
+// TestOneResetPerStream: weir sends at most one RST_STREAM on a stream, to a
+// backend and to a client; frames the peer sends on it after that are
+// dropped (RFC 9113 5.1). A backend's DATA after its answer's END_STREAM,
+// while weir's request was still being sent, got STREAM_CLOSED, and the
+// stream a CANCEL later all the same once the answer had reached the client
+// or the client reset it; a client's DATA after its END_STREAM got
+// STREAM_CLOSED as many times as it came.
+func TestOneResetPerStream(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		end  func(t *testing.T, fr *http2.Framer) // see resetsOfEarlyAnswer
+	}{
+		{"backend's late DATA, then the answer delivered", readEarlyAnswer},
+		{"backend's late DATA, then the client's reset", func(t *testing.T, fr *http2.Framer) {
+			fr.WriteRSTStream(1, http2.ErrCodeCancel)
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			lateData := func(w *scriptedConn) { w.fr.WriteData(1, false, []byte("late")) } // after its own END_STREAM
+			if n := resetsOfEarlyAnswer(t, lateData, c.end); n != 1 {
+				t.Errorf("weir sent %d RST_STREAM on the backend's stream; want 1", n)
+			}
+		})
+	}
+	t.Run("client's DATA after its END_STREAM, twice", func(t *testing.T) {
+		be := rawBackend(t, func(conn net.Conn) {
+			scriptedBackend(conn, func(w *scriptedConn, f *http2.MetaHeadersFrame) {}, nil) // never answers
+		})
+		fr, request := h2ClientThrough(t, be)
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, EndHeaders: true, BlockFragment: request("POST")})
+		fr.WriteData(1, true, []byte("body"))
+		fr.WriteData(1, false, []byte("after the end"))
+		fr.WriteData(1, false, []byte("and again"))
+		fr.WritePing(false, [8]byte{'l', 'a', 't', 'e'})
+		n := 0
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				t.Fatalf("client read: %v; want the PING's answer", err)
+			}
+			if r, ok := f.(*http2.RSTStreamFrame); ok && r.StreamID == 1 {
+				n++
+			}
+			if p, ok := f.(*http2.PingFrame); ok && p.IsAck() && p.Data == [8]byte{'l', 'a', 't', 'e'} {
+				break
+			}
+		}
+		if n != 1 {
+			t.Errorf("weir sent %d RST_STREAM on the client's stream; want 1", n)
+		}
+	})
 }

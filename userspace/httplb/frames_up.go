@@ -71,6 +71,11 @@ type upconn struct {
 	// recent is the streams closed last, and how: what the backend sends on
 	// them after is answered by it (closedStreams.late).
 	recent closedStreams
+	// unreset is the streams the backend ended while weir's request was
+	// still being sent (endedByPeer): weir sends no more of the request and
+	// owes each one RST_STREAM (resetEndedLocked), unless the backend
+	// resets it first.
+	unreset map[uint32]struct{}
 }
 
 // open sends st's request over one of the pool's connections; st's session
@@ -229,13 +234,23 @@ func (uc *upconn) oweStream(st *fstream, n int64) {
 func (uc *upconn) oweLocked(n int64) { grant(uc.fr, 0, &uc.credit, &uc.recvWin, n) }
 
 // resetStream closes a stream the backend has answered whole but whose
-// request had not ended, unless the backend has reset it already.
+// request had not ended, unless it is closed already.
 func (uc *upconn) resetStream(id uint32) {
 	uc.mu.Lock()
 	defer uc.mu.Unlock()
-	if !uc.dead && uc.recent.how(id) != resetByPeer {
-		uc.fr.WriteRSTStream(id, http2.ErrCodeCancel)
+	uc.resetEndedLocked(id, http2.ErrCodeCancel)
+}
+
+// resetEndedLocked sends the RST_STREAM weir owes a stream the backend ended
+// while the request was being sent, once: not after the backend's reset or
+// weir's own. mu is held.
+func (uc *upconn) resetEndedLocked(id uint32, code http2.ErrCode) {
+	if _, ok := uc.unreset[id]; !ok || uc.dead {
+		return
 	}
+	delete(uc.unreset, id)
+	uc.recent.weReset(id)
+	uc.fr.WriteRSTStream(id, code)
 }
 
 // cancel resets st's stream on the backend; st's session mutex is held. A
@@ -256,8 +271,8 @@ func (uc *upconn) cancel(st *fstream) {
 		uc.recent.note(st.upID, resetByUs)
 		uc.fr.WriteRSTStream(st.upID, http2.ErrCodeCancel)
 		uc.idleCheckLocked()
-	case !uc.dead && !st.reqEndSent && uc.recent.how(st.upID) == endedByPeer:
-		uc.fr.WriteRSTStream(st.upID, http2.ErrCodeCancel)
+	default:
+		uc.resetEndedLocked(st.upID, http2.ErrCodeCancel)
 	}
 }
 
@@ -595,6 +610,7 @@ func (uc *upconn) read() error {
 				// the request's upload): weir's side is closed too.
 				uc.mu.Lock()
 				uc.recent.peerReset(f.StreamID)
+				delete(uc.unreset, f.StreamID)
 				uc.mu.Unlock()
 			}
 		case *http2.PushPromiseFrame:
@@ -695,6 +711,8 @@ func (uc *upconn) notOpen(id uint32, frame string) error {
 	idle := uc.idleLocked(id)
 	late := uc.recent.late(id)
 	if !idle && late == lateStreamClosed {
+		delete(uc.unreset, id) // this reset is the one owed
+		uc.recent.weReset(id)
 		uc.fr.WriteRSTStream(id, http2.ErrCodeStreamClosed)
 	}
 	uc.mu.Unlock()
@@ -718,6 +736,11 @@ func (uc *upconn) lookupLocked(id uint32, ended bool) *fstream {
 		how := endedByPeer
 		if st.reqEndSent {
 			how = endedBoth
+		} else {
+			if uc.unreset == nil {
+				uc.unreset = map[uint32]struct{}{}
+			}
+			uc.unreset[id] = struct{}{}
 		}
 		uc.recent.note(id, how)
 		uc.idleCheckLocked()
