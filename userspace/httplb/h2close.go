@@ -17,14 +17,19 @@ import (
 // before a connection closes, so the backend knows the close is an orderly
 // one. goAwayConn follows the frames the transport writes, and when it is
 // closed while retire says so, it writes GOAWAY NO_ERROR first, if the
-// transport's last frame went out whole. Closes the transport makes on its own
-// (its idle timeout, a backend's protocol error) go as before: the
-// connection cannot tell them apart from each other, and a GOAWAY NO_ERROR
-// after a protocol error would say there was none.
+// transport's last frame went out whole and its reader waits for the
+// backend. Closes the transport makes on its own (its idle timeout, a
+// backend's protocol error) go as before: the connection cannot tell them
+// apart from each other, and a GOAWAY NO_ERROR after a protocol error would
+// say there was none. A protocol error is the reader's: it closes the
+// connection once it has read the frame at fault, and never reads again, so
+// a close while no Read waits is not taken for an idle one, even while
+// retire is set.
 type goAwayConn struct {
 	*coalescingConn
-	retire *atomic.Bool // set while the backend's idle connections are being closed
-	open   *h2Conns     // the backend's connections of the transport open: this one until Close
+	retire  *atomic.Bool // set while the backend's idle connections are being closed
+	open    *h2Conns     // the backend's connections of the transport open: this one until Close
+	reading atomic.Bool  // the transport's reader waits in Read
 
 	// wmu keeps Writes in order, so the frames are followed in the order
 	// they are queued. mu guards what follows; a Write does not hold it
@@ -86,6 +91,13 @@ func (h *h2Conns) closeAll() {
 	}
 }
 
+func (c *goAwayConn) Read(p []byte) (int, error) {
+	c.reading.Store(true)
+	n, err := c.coalescingConn.Read(p)
+	c.reading.Store(false)
+	return n, err
+}
+
 func (c *goAwayConn) Write(p []byte) (int, error) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
@@ -132,7 +144,9 @@ var goAwayNoError = []byte{0, 0, 8, byte(http2.FrameGoAway), 0, 0, 0, 0, 0, 0, 0
 // service lock: it must not wait for the backend. The GOAWAY is queued
 // without waiting for room (a backend that reads nothing has it fail with
 // the rest of the queue), and a Write still under way (waiting for room)
-// means no GOAWAY: its frame may be cut.
+// means no GOAWAY: its frame may be cut. Nor does a reader that is not
+// waiting in Read: the close may be its own, for the backend's protocol
+// error.
 func (c *goAwayConn) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -140,7 +154,7 @@ func (c *goAwayConn) Close() error {
 		c.closed = true
 		c.open.remove(c)
 	}
-	if c.retire.Load() && !c.writing && c.preface == 0 && c.hdrN == 0 && c.left == 0 {
+	if c.retire.Load() && c.reading.Load() && !c.writing && c.preface == 0 && c.hdrN == 0 && c.left == 0 {
 		c.coalescingConn.queue(goAwayNoError) // goes out before the socket closes
 	}
 	return c.coalescingConn.Close()

@@ -50,13 +50,7 @@ func TestIdleBackendCloseSendsGoAway(t *testing.T) {
 					}
 					fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("200"), EndHeaders: true})
 					fr.WriteData(f.StreamID, true, []byte("ok"))
-				}, func(what string) bool {
-					if strings.HasPrefix(what, "GOAWAY ") || strings.HasPrefix(what, "read: ") {
-						last <- what
-						return false
-					}
-					return true
-				})
+				}, reportEnd(last))
 			})
 			sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
 			t.Cleanup(letAnswer) // before the service's drain
@@ -98,6 +92,45 @@ func TestIdleBackendCloseSendsGoAway(t *testing.T) {
 				t.Error("the backend's connection still open 15s after weir closed it")
 			}
 		})
+	}
+}
+
+// TestTransportProtocolErrorCloseNotNoError: a connection Go's HTTP/2
+// transport closes for a protocol error of the backend's, while weir is
+// closing that backend's idle connections, does not say GOAWAY NO_ERROR: it
+// is not an orderly end. The test holds the backend's retire flag as
+// closeIdle holds it while it runs, and the backend, once its answer is in,
+// sends DATA on stream 0, which the transport takes for a connection error.
+func TestTransportProtocolErrorCloseNotNoError(t *testing.T) {
+	end, bad := make(chan string, 1), make(chan struct{})
+	be := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
+		readBackendFrames(fr, func(f *http2.HeadersFrame) {
+			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("200"), EndHeaders: true})
+			fr.WriteData(f.StreamID, true, []byte("ok"))
+			select {
+			case <-bad:
+				writeRawFrame(conn, http2.FrameData, 0, 0, []byte("on stream 0"))
+			case <-time.After(20 * time.Second):
+			}
+		}, reportEnd(end))
+	})
+	sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	c := h1Client()
+	t.Cleanup(c.CloseIdleConnections)
+	if code, body, err := send(c, "GET", "http://"+sv.Addr().String()+"/"); err != nil || code != http.StatusOK || body != "ok" {
+		t.Fatalf("GET: %d %q %v; want 200 ok", code, body, err)
+	}
+	b := sv.backend(be.String())
+	b.h2Retire.Store(true)
+	t.Cleanup(func() { b.h2Retire.Store(false) })
+	close(bad)
+	select {
+	case g := <-end:
+		if g == "GOAWAY NO_ERROR" {
+			t.Errorf("the connection the transport closed for DATA on stream 0 ended with %s; want no claim of no error", g)
+		}
+	case <-time.After(15 * time.Second):
+		t.Error("the transport had not closed the connection 15s after DATA on stream 0")
 	}
 }
 
@@ -264,6 +297,18 @@ func TestOneGoAwayToBackend(t *testing.T) {
 		if strings.HasPrefix(f, "GOAWAY") {
 			t.Errorf("after its GOAWAY PROTOCOL_ERROR weir sent %s; want no other GOAWAY", f)
 		}
+	}
+}
+
+// reportEnd is a report for readBackendFrames that passes on how the
+// connection ended, GOAWAY or the read's error, and stops reading there.
+func reportEnd(end chan<- string) func(string) bool {
+	return func(what string) bool {
+		if strings.HasPrefix(what, "GOAWAY ") || strings.HasPrefix(what, "read: ") {
+			end <- what
+			return false
+		}
+		return true
 	}
 }
 
