@@ -14,7 +14,7 @@ import (
 
 // tcpPair is a real loopback TCP connection: the client end wrapped, the
 // server end raw.
-func tcpPair(t *testing.T) (*coalescingConn, net.Conn) {
+func tcpPair(t testing.TB) (*coalescingConn, net.Conn) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

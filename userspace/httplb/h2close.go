@@ -30,19 +30,18 @@ type goAwayConn struct {
 	retire  *atomic.Bool // set while the backend's idle connections are being closed
 	open    *h2Conns     // the backend's connections of the transport open: this one until Close
 	reading atomic.Bool  // the transport's reader waits in Read
+	closed  atomic.Bool  // Close has run
 
 	// wmu keeps Writes in order, so the frames are followed in the order
-	// they are queued. mu guards what follows; a Write does not hold it
-	// while it waits for room in the queue, so Close never waits behind a
-	// backend that reads nothing.
+	// they are queued, and guards where they stand. A Write holds it while
+	// it waits for room in the queue, so Close only tries it: it never
+	// waits behind a backend that reads nothing, and a Write under way
+	// means no GOAWAY.
 	wmu     sync.Mutex
-	mu      sync.Mutex
-	writing bool    // a Write is under way: where the frames stand is not known
 	preface int     // bytes of the client preface yet to pass
 	hdr     [9]byte // a frame header cut across writes
 	hdrN    int
-	left    int  // payload bytes of the current frame yet to pass
-	closed  bool // Close has run
+	left    int // payload bytes of the current frame yet to pass
 }
 
 // newGoAwayConn wraps c, kept in open until it is closed.
@@ -101,18 +100,12 @@ func (c *goAwayConn) Read(p []byte) (int, error) {
 func (c *goAwayConn) Write(p []byte) (int, error) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	c.mu.Lock()
-	c.writing = true
-	c.mu.Unlock()
 	n, err := c.coalescingConn.Write(p)
-	c.mu.Lock()
-	c.writing = false
 	c.follow(p[:n])
-	c.mu.Unlock()
 	return n, err
 }
 
-// follow moves the frame boundary past p, the bytes written; mu is held.
+// follow moves the frame boundary past p, the bytes written; wmu is held.
 func (c *goAwayConn) follow(p []byte) {
 	for len(p) > 0 {
 		switch {
@@ -148,14 +141,16 @@ var goAwayNoError = []byte{0, 0, 8, byte(http2.FrameGoAway), 0, 0, 0, 0, 0, 0, 0
 // waiting in Read: the close may be its own, for the backend's protocol
 // error.
 func (c *goAwayConn) Close() error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if !c.closed {
-		c.closed = true
+	if c.closed.CompareAndSwap(false, true) {
 		c.open.remove(c)
 	}
-	if c.retire.Load() && c.reading.Load() && !c.writing && c.preface == 0 && c.hdrN == 0 && c.left == 0 {
-		c.coalescingConn.queue(goAwayNoError) // goes out before the socket closes
+	// Held until the socket is closed: no Write queues a frame behind the
+	// GOAWAY.
+	if c.retire.Load() && c.reading.Load() && c.wmu.TryLock() {
+		defer c.wmu.Unlock()
+		if c.preface == 0 && c.hdrN == 0 && c.left == 0 {
+			c.coalescingConn.queue(goAwayNoError) // goes out before the socket closes
+		}
 	}
 	return c.coalescingConn.Close()
 }

@@ -3,6 +3,7 @@ package httplb
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"runtime"
@@ -342,6 +343,44 @@ func readBackendFrames(fr *http2.Framer, headers func(*http2.HeadersFrame), repo
 		}
 		if what != "" && !report(what) {
 			return
+		}
+	}
+}
+
+// BenchmarkGoAwayConnWrite: a small frame written through goAwayConn, as Go's
+// HTTP/2 transport writes its frames; "bare" writes to the coalescingConn
+// beneath alone, the baseline for what following the frames costs. On
+// "loopback" a peer reads everything; on "closed" the connection is closed
+// and each Write fails at once, which leaves the wrappers' own cost (locks,
+// following the frames) without the noise of the queue's goroutine and the
+// socket.
+func BenchmarkGoAwayConnWrite(b *testing.B) {
+	for _, closed := range []bool{false, true} {
+		for _, wrapped := range []bool{false, true} {
+			name := map[bool]string{false: "loopback", true: "closed"}[closed] + "/" + map[bool]string{false: "bare", true: "goAwayConn"}[wrapped]
+			b.Run(name, func(b *testing.B) {
+				cc, peer := tcpPair(b)
+				// Exits when the pair closes (at cleanup).
+				go io.Copy(io.Discard, peer)
+				var w io.WriteCloser = cc
+				if wrapped {
+					g := newGoAwayConn(cc, new(atomic.Bool), new(h2Conns))
+					if _, err := g.Write([]byte(http2.ClientPreface)); err != nil {
+						b.Fatal(err)
+					}
+					w = g
+				}
+				if closed {
+					w.Close()
+				}
+				f := dataFrame(64)
+				b.ReportAllocs()
+				for b.Loop() {
+					if _, err := w.Write(f); err != nil && !closed {
+						b.Fatal(err)
+					}
+				}
+			})
 		}
 	}
 }
