@@ -83,17 +83,19 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 	var fail failure
 	for try := 0; ; try++ {
 		if try > 0 {
-			if try > l.cfg.Retries || !fail.retry {
+			// A try not sent (notSent) is not a retry: the same try goes
+			// on, if it can send the body.
+			if !fail.notSent && (try > l.cfg.Retries || !fail.retry) {
 				break
 			}
 			body.mend(w)
-			if !body.replayable(fail.dial) || !l.budget.withdraw() {
+			if !body.replayable(fail.dial) || !fail.notSent && !l.budget.withdraw() {
 				break
 			}
 		}
 		var lease balance.Lease
 		var err error
-		if try == 0 {
+		if ntried == 0 {
 			lease, err = l.bal.Pick(key, nil)
 		} else {
 			seen := append([]string{first}, tried...)
@@ -140,6 +142,9 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 			return
 		}
 		fail = f
+		if f.notSent {
+			try-- // the same try, to another backend
+		}
 	}
 	if client.Err() != nil {
 		abandoned()
@@ -187,6 +192,14 @@ func rawTargetPath(target string) string {
 // that cannot be forwarded (a 502).
 var errUnaskedSwitch = errors.New("malformed answer: 101 Switching Protocols to a request without an upgrade")
 
+// retiredSincePick is a try whose backend was retired between the pick and
+// its connection, which it is refused: nothing went to the backend, and
+// nothing counts against it.
+func retiredSincePick(lease *balance.Lease) failure {
+	lease.Release(balance.Result{})
+	return failure{retry: true, dial: true, notSent: true, status: http.StatusBadGateway, err: &dialError{errRetired}}
+}
+
 // abandoned ends a request whose client went away (closed, or ended its
 // sending side, which net/http's server takes as gone too) before any answer:
 // without a word, where a handler that returned having written nothing would
@@ -207,6 +220,9 @@ type failure struct {
 	tunnel bool
 	// client: the request itself failed (its body), not the backend.
 	client bool
+	// notSent: the backend, retired since the pick, got no connection for
+	// the request; it goes to another as the same try.
+	notSent bool
 }
 
 // try sends the request to one backend. done reports that the client has its
@@ -285,6 +301,9 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 			// The client gave up; the backend is not to blame.
 			lease.Release(balance.Result{})
 			abandoned()
+		}
+		if errors.Is(err, errRetired) {
+			return false, retiredSincePick(lease)
 		}
 		if berr := body.failed(); berr != nil {
 			// The client's body broke off or was malformed, and the

@@ -383,6 +383,9 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 	b := &backend{addr: addr, id: addr.String()}
 	dialer := &net.Dialer{Timeout: s.cfg.ConnectTimeout, KeepAlive: 30 * time.Second}
 	dial := func(ctx context.Context, network, _ string) (net.Conn, error) {
+		if b.retired.Load() {
+			return nil, &dialError{errRetired}
+		}
 		c, err := dialer.DialContext(ctx, network, b.id)
 		if err != nil {
 			return nil, &dialError{err}
@@ -538,6 +541,11 @@ func (s *Service) closeRetiredLocked(be *backend, ended bool) {
 		be.closeAgain.Reset(be.closeAgainIn)
 	}
 }
+
+// errRetired is the dial a retired backend is refused: its requests in flight
+// finish on the connections it has, and it gets no new one. The request goes
+// to another backend, as the same try (forward).
+var errRetired = errors.New("the backend is retired: no new connection")
 
 // dialError marks a failure to connect: the request was never sent, so any
 // request may be retried elsewhere.

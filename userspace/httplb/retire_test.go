@@ -274,39 +274,61 @@ func TestStoppedServiceConnectionsClose(t *testing.T) {
 	}
 }
 
-// TestRefusedOnRemovedBackendGoesElsewhere: a request of the frame engine's
-// whose stream a backend leaves unprocessed (its GOAWAY) after a reload has
-// removed it goes to another backend, as the same try (no retry is allowed
-// here), and the removed backend gets no new connection. Before, it went
-// again to the removed backend, on a connection dialled for it.
+// TestRefusedOnRemovedBackendGoesElsewhere: a request whose stream a backend
+// leaves unprocessed (its GOAWAY) after a reload has removed it goes to
+// another backend, as the same try (no retry is allowed here), and the
+// removed backend gets no new connection: through the frame engine, and
+// through Go's HTTP/2 transport, which sends such a request again itself.
+// Before, it went again to the removed backend, on a connection dialled for
+// it.
 func TestRefusedOnRemovedBackendGoesElsewhere(t *testing.T) {
-	came, refuse := make(chan struct{}, 1), make(chan struct{})
-	var conns atomic.Int32
-	gone := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
-		conns.Add(1)
-		readBackendFrames(fr, func(f *http2.HeadersFrame) {
+	for _, p := range []upstreamPool{
+		{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "GET"},
+		{"HTTP/2 client through net/http", Config{Upstream: UpstreamH2C, NetHTTP2: true}, h2cClient, "GET"},
+		{"HTTP/1.1 client to h2c", Config{Upstream: UpstreamH2C}, h1Client, "GET"},
+	} {
+		t.Run(p.name, func(t *testing.T) {
+			came, refuse := make(chan struct{}, 1), make(chan struct{})
+			var conns atomic.Int32
+			gone := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
+				conns.Add(1)
+				readBackendFrames(fr, func(f *http2.HeadersFrame) {
+					select {
+					case came <- struct{}{}:
+					default:
+					}
+					<-refuse
+					fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+				}, func(string) bool { return true })
+			})
+			other := startHoldingBackend(t)
+			sv := serveStoppable(t, p.cfg, []Backend{{Addr: gone, Weight: 1, Usable: true}})
+			letRefuse := closeOnce(refuse)
+			t.Cleanup(letRefuse) // before the service's drain
+			c := p.client()
+			t.Cleanup(c.CloseIdleConnections)
+			got := make(chan string, 1)
+			// Exits when the request is answered or fails (the client's timeout).
+			go func() {
+				code, body, err := send(c, p.method, "http://"+sv.Addr().String()+"/")
+				got <- fmt.Sprint(code, " ", body, " ", err)
+			}()
 			select {
-			case came <- struct{}{}:
-			default:
+			case <-came:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the request did not reach the backend in 10s")
 			}
-			<-refuse
-			fr.WriteGoAway(0, http2.ErrCodeNo, nil)
-		}, func(string) bool { return true })
-	})
-	other := startHoldingBackend(t)
-	sv := serveStoppable(t, Config{Upstream: UpstreamH2C}, []Backend{{Addr: gone, Weight: 1, Usable: true}})
-	letRefuse := closeOnce(refuse)
-	t.Cleanup(letRefuse) // before the service's drain
-	got := sendHeldRaw(t, sv, came)
-	if err := sv.SetBackends([]Backend{{Addr: other.addr, Weight: 1, Usable: true}}); err != nil {
-		t.Fatal(err)
-	}
-	letRefuse()
-	if g := <-got; g != "200 ok <nil>" {
-		t.Fatalf("GET the removed backend refused: %s; want 200 ok <nil> from the other", g)
-	}
-	if n := conns.Load(); n != 1 {
-		t.Errorf("the removed backend accepted %d connections; want 1, none after its removal", n)
+			if err := sv.SetBackends([]Backend{{Addr: other.addr, Weight: 1, Usable: true}}); err != nil {
+				t.Fatal(err)
+			}
+			letRefuse()
+			if g := <-got; g != "200 ok <nil>" {
+				t.Fatalf("GET the removed backend refused: %s; want 200 ok <nil> from the other", g)
+			}
+			if n := conns.Load(); n != 1 {
+				t.Errorf("the removed backend accepted %d connections; want 1, none after its removal", n)
+			}
+		})
 	}
 }
 

@@ -74,6 +74,9 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 		overall := ctx.Err() != nil
 		return false, failure{retry: !overall && (retryable || o == ConnectFailure), dial: o == ConnectFailure, status: status, err: err}
 	}
+	if be.retired.Load() {
+		return false, retiredSincePick(lease)
+	}
 	d := net.Dialer{Timeout: s.cfg.ConnectTimeout}
 	bc, err := d.DialContext(tctx, "tcp", be.id)
 	if err != nil {
