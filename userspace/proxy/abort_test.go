@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -663,5 +664,42 @@ func TestLingerLetsSlowAcknowledgerFinish(t *testing.T) {
 		c.Write([]byte("more\n")) // fails once the proxy has closed, the answer the client's
 		time.Sleep(5 * time.Millisecond)
 	})
+	checkNotBlamed(t, s, rec, 5*time.Second)
+}
+
+// TestLingerLimitBoundsTricklingReader: a lingering connection whose client
+// acknowledges a little of the answer often enough that no lingerMax passes
+// without some, but would take far longer than lingerLimit for all of it,
+// closes at lingerLimit, with a reset for the client, as the answer's rest is
+// lost; the backend is not blamed. Each acknowledgement gave the client
+// lingerMax more, with no end: one taking a few bytes a lingerMax held the
+// connection, its slot and the backend's count for days.
+//
+// In a network namespace of its own, for its buffer sizes (inSlowReaderNetns).
+func TestLingerLimitBoundsTricklingReader(t *testing.T) {
+	if !inSlowReaderNetns(t) {
+		return
+	}
+	m, limit := lingerMax, lingerLimit
+	t.Cleanup(func() { lingerMax, lingerLimit = m, limit })
+	lingerMax, lingerLimit = time.Second, 3*time.Second
+	answer := bytes.Repeat([]byte("a"), 1<<20)
+	be := startFinThenReset(t, nil, answer, abortiveClose)
+	s, rec, c := askSlowly(t, be) // no IdleTimeout
+	<-be.reset
+	// 4 KiB every 100 ms at most, talking on: 25 s or more for the answer.
+	c.SetDeadline(time.Now().Add(15 * time.Second))
+	got, buf := 0, make([]byte, 4096)
+	var err error
+	for err == nil {
+		var n int
+		n, err = c.Read(buf)
+		got += n
+		c.Write([]byte("more\n")) // fails once the proxy has closed
+		time.Sleep(100 * time.Millisecond)
+	}
+	if errors.Is(err, os.ErrDeadlineExceeded) || got >= len(answer) {
+		t.Errorf("the client read %d bytes of %d, then %v; want fewer, then the connection closed", got, len(answer), err)
+	}
 	checkNotBlamed(t, s, rec, 5*time.Second)
 }

@@ -50,10 +50,12 @@ type conn struct {
 	attempt int
 	lastErr error
 	killed  bool // closed by a drain or shutdown deadline
-	// lingerEnd: monotonic ns past which a lingering connection (linger)
-	// closes, acknowledged or not; lingerAcked: the bytes the client had
-	// acknowledged (tcpi_bytes_acked) when lingerEnd was last set.
+	// A lingering connection (linger): lingerEnd, monotonic ns at which it
+	// closes unless its client has acknowledged more of the answer since
+	// lingerAcked (its tcpi_bytes_acked when lingerEnd was set); lingerLast,
+	// when it closes whatever the client acknowledges.
 	lingerEnd   int64
+	lingerLast  int64
 	lingerAcked uint64
 	reset       bool // the backend broke the connection
 
@@ -657,7 +659,8 @@ func (l *loop) endHalf(c *conn, d int) bool {
 // that more of them reach, makes the kernel reset the client and throw away
 // what it has not yet acknowledged: the answer's rest. Like the lingering close
 // of HAProxy and nginx; bounded by the idle timeout, as the bytes dropped do
-// not count as activity, and by lingerMax. It reports false if it closed c.
+// not count as activity, and by lingerMax and lingerLimit. It reports false if
+// it closed c.
 func (l *loop) linger(c *conn) bool {
 	u := &c.h[up]
 	if !u.discard {
@@ -666,7 +669,9 @@ func (l *loop) linger(c *conn) bool {
 		}
 		u.discard, u.done = true, true
 		u.drop()
-		c.lingerEnd = monotonic() + int64(lingerMax)
+		now := monotonic()
+		c.lingerEnd, c.lingerLast = now+int64(lingerMax), now+int64(lingerLimit)
+		c.lingerAcked = bytesAcked(c.fd[client])
 		// A reset the backend's socket has yet to report is not a broken
 		// stream (pump's blocked source).
 		c.h[down].whole = true
@@ -692,29 +697,21 @@ func (l *loop) linger(c *conn) bool {
 			budget -= n
 		}
 	}
-	// A client that acknowledges some of the answer has lingerMax more. Its
-	// acknowledgements are what tells: the proxy writes more of the answer
-	// only once a third of its socket's send buffer is free, and none once
-	// the whole answer is in it, so a client that takes a send buffer's
-	// worth slower than that would be cut while it reads.
 	now := monotonic()
-	if ti, err := tcpInfoRaw(c.fd[client]); err == nil && ti.Bytes_acked != c.lingerAcked {
-		c.lingerAcked, c.lingerEnd = ti.Bytes_acked, now+int64(lingerMax)
-	}
 	if !c.h[down].done {
 		// The answer is still on its way to the client's socket. A client
 		// that takes none of it for lingerMax loses the rest: the close
 		// resets it, as it does a peer whose bytes the proxy (or the
 		// kernel) still holds.
-		if now < c.lingerEnd {
+		if l.lingerOn(c, now) {
 			l.lingerLater(c)
 			return true
 		}
 		l.close(c, OutcomeSuccess)
 		return false
 	}
-	if !u.eof && now < c.lingerEnd {
-		if n, err := outqRaw(c.fd[client]); err == nil && n > 0 {
+	if !u.eof {
+		if n, err := outqRaw(c.fd[client]); err == nil && n > 0 && l.lingerOn(c, now) {
 			l.lingerLater(c)
 			return true
 		}
@@ -723,14 +720,57 @@ func (l *loop) linger(c *conn) bool {
 	return false
 }
 
-// lingerMax bounds how long a lingering connection waits for its client to
-// acknowledge more of the answer, and its end, whatever the idle timeout,
+// lingerOn reports whether lingering c may go on at now: before its lingerEnd,
+// or, at it, if the client has acknowledged more of the answer since the last
+// one (which sets the next, lingerMax on), and never past its lingerLast.
+// Acknowledgements are what tells: the proxy writes more of the answer only
+// once a third of its socket's send buffer is free, and none once the whole
+// answer is in it, so a client that takes a send buffer's worth slower than
+// that would be cut while it reads. They are read once a lingerMax, not at
+// each check (timerTick apart).
+func (l *loop) lingerOn(c *conn, now int64) bool {
+	if now < c.lingerEnd {
+		return true
+	}
+	if now >= c.lingerLast {
+		return false
+	}
+	acked := bytesAcked(c.fd[client])
+	if acked == c.lingerAcked {
+		return false
+	}
+	c.lingerAcked, c.lingerEnd = acked, min(now+int64(lingerMax), c.lingerLast)
+	return true
+}
+
+// bytesAcked is the bytes fd's peer has acknowledged (tcpi_bytes_acked, which
+// counts each byte once, retransmitted or not, and the FIN), or 0 if unknown.
+func bytesAcked(fd int) uint64 {
+	ti, err := tcpInfoRaw(fd)
+	if err != nil {
+		return 0
+	}
+	return ti.Bytes_acked
+}
+
+// lingerMax and lingerLimit bound how long a lingering connection waits for
+// its client to acknowledge the answer, and its end, whatever the idle timeout,
 // which may be none: the backend has gone, and a client that never reads
 // would otherwise hold the connection, its slot and the backend's count for
-// good. It counts from when the proxy saw the backend go, and then from the
-// last time the client acknowledged some of the answer: a client that reads,
-// however slowly, gets it.
-var lingerMax = 30 * time.Second
+// good. The connection closes at the end of a lingerMax, counted from when the
+// proxy saw the backend go and then one after another, in which the client
+// acknowledged none of the answer: a client that reads slowly gets it. And it
+// closes lingerLimit after the backend went, however the client reads: else a
+// client that acknowledges a few bytes each lingerMax (a tiny receive window)
+// held it, at no cost, for as long as the answer's rest lasts at that pace:
+// days for a megabyte. The rest is at most what the backend's socket, the
+// proxy and the client's socket held when the backend went (about 11 MiB with
+// Linux's default buffer limits), which a client taking 40 KB/s gets in
+// lingerLimit.
+var (
+	lingerMax   = 30 * time.Second
+	lingerLimit = 5 * time.Minute
+)
 
 // lingerLater checks c again soon: its client has not yet acknowledged the
 // answer's end. It shares the list of connections whose kernel forwarding lags
