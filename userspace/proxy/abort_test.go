@@ -443,8 +443,7 @@ func TestLingerIsBounded(t *testing.T) {
 	if !inSlowReaderNetns(t) {
 		return
 	}
-	defer func(d time.Duration) { lingerMax = d }(lingerMax)
-	lingerMax = 500 * time.Millisecond
+	setLinger(t, 500*time.Millisecond, lingerLimit)
 	be := startFinThenReset(t, nil, bytes.Repeat([]byte("a"), 8<<10), abortiveClose)
 	s, rec, conn := askSlowly(t, be) // no IdleTimeout
 	<-be.reset
@@ -467,8 +466,7 @@ func TestLingerBoundsUnreadAnswer(t *testing.T) {
 	if !inSlowReaderNetns(t) {
 		return
 	}
-	defer func(d time.Duration) { lingerMax = d }(lingerMax)
-	lingerMax = 500 * time.Millisecond
+	setLinger(t, 500*time.Millisecond, lingerLimit)
 	answer := bytes.Repeat([]byte("a"), 1<<20)
 	be := startFinThenReset(t, nil, answer, abortiveClose)
 	s, rec, c := askSlowly(t, be) // no IdleTimeout
@@ -488,8 +486,7 @@ func TestLingerLetsSlowReaderFinish(t *testing.T) {
 	if !inSlowReaderNetns(t) {
 		return
 	}
-	defer func(d time.Duration) { lingerMax = d }(lingerMax)
-	lingerMax = 2 * time.Second // 20 of the client's reads
+	setLinger(t, 2*time.Second, lingerLimit) // 20 of the client's reads
 	answer := bytes.Repeat([]byte("a"), 192<<10)
 	be := startFinThenReset(t, nil, answer, abortiveClose)
 	s, rec, c := askSlowly(t, be) // no IdleTimeout
@@ -498,6 +495,15 @@ func TestLingerLetsSlowReaderFinish(t *testing.T) {
 	c.SetReadDeadline(time.Now().Add(20 * time.Second))
 	readWholeBy4K(t, c, answer, func() { time.Sleep(100 * time.Millisecond) }) // the client's pace
 	checkNotBlamed(t, s, rec, 5*time.Second)
+}
+
+// setLinger sets lingerMax and lingerLimit for the rest of t, until after the
+// proxies it started have stopped (t.Cleanup runs the last registered first).
+func setLinger(t *testing.T, stretch, limit time.Duration) {
+	t.Helper()
+	m, l := lingerMax, lingerLimit
+	t.Cleanup(func() { lingerMax, lingerLimit = m, l })
+	lingerMax, lingerLimit = stretch, limit
 }
 
 // inSlowReaderNetns is inOwnNetns with the buffer sizes of the tests of a
@@ -652,8 +658,7 @@ func TestLingerLetsSlowAcknowledgerFinish(t *testing.T) {
 	}) {
 		return
 	}
-	defer func(d time.Duration) { lingerMax = d }(lingerMax)
-	lingerMax = time.Second
+	setLinger(t, 2*time.Second, lingerLimit)
 	answer := bytes.Repeat([]byte("a"), 3<<20)
 	be := startFinThenReset(t, nil, answer, abortiveClose)
 	s, rec, c := askSlowly(t, be) // no IdleTimeout
@@ -680,9 +685,7 @@ func TestLingerLimitBoundsTricklingReader(t *testing.T) {
 	if !inSlowReaderNetns(t) {
 		return
 	}
-	m, limit := lingerMax, lingerLimit
-	t.Cleanup(func() { lingerMax, lingerLimit = m, limit })
-	lingerMax, lingerLimit = time.Second, 3*time.Second
+	setLinger(t, time.Second, 3*time.Second)
 	answer := bytes.Repeat([]byte("a"), 1<<20)
 	be := startFinThenReset(t, nil, answer, abortiveClose)
 	s, rec, c := askSlowly(t, be) // no IdleTimeout
