@@ -680,29 +680,45 @@ func TestLingerLetsSlowAcknowledgerFinish(t *testing.T) {
 // lingerMax more, with no end: one taking a few bytes a lingerMax held the
 // connection, its slot and the backend's count for days.
 //
-// In a network namespace of its own, for its buffer sizes (inSlowReaderNetns).
+// In a network namespace of its own, for its buffer sizes: the proxy's send
+// buffer of 16 KiB (inSlowReaderNetns), so that it holds the answer's rest,
+// or of 4 MiB, so that the whole answer is in its socket.
 func TestLingerLimitBoundsTricklingReader(t *testing.T) {
-	if !inSlowReaderNetns(t) {
-		return
+	for _, tc := range []struct {
+		name string
+		wmem string
+	}{
+		{"rest held by the proxy", "4096 16384 16384"},
+		{"all in the send buffer", "4096 4194304 4194304"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if !inOwnNetns(t, map[string]string{
+				"net.ipv4.tcp_wmem": tc.wmem,
+				"net.ipv4.tcp_rmem": "4096 4194304 4194304",
+			}) {
+				return
+			}
+			setLinger(t, time.Second, 3*time.Second)
+			answer := bytes.Repeat([]byte("a"), 1<<20)
+			be := startFinThenReset(t, nil, answer, abortiveClose)
+			s, rec, c := askSlowly(t, be) // no IdleTimeout
+			<-be.reset
+			// 4 KiB every 100 ms at most, talking on: 25 s or more for the
+			// answer.
+			c.SetDeadline(time.Now().Add(15 * time.Second))
+			got, buf := 0, make([]byte, 4096)
+			var err error
+			for err == nil {
+				var n int
+				n, err = c.Read(buf)
+				got += n
+				c.Write([]byte("more\n")) // fails once the proxy has closed
+				time.Sleep(100 * time.Millisecond)
+			}
+			if errors.Is(err, os.ErrDeadlineExceeded) || got >= len(answer) {
+				t.Errorf("the client read %d bytes of %d, then %v; want fewer, then the connection closed", got, len(answer), err)
+			}
+			checkNotBlamed(t, s, rec, 5*time.Second)
+		})
 	}
-	setLinger(t, time.Second, 3*time.Second)
-	answer := bytes.Repeat([]byte("a"), 1<<20)
-	be := startFinThenReset(t, nil, answer, abortiveClose)
-	s, rec, c := askSlowly(t, be) // no IdleTimeout
-	<-be.reset
-	// 4 KiB every 100 ms at most, talking on: 25 s or more for the answer.
-	c.SetDeadline(time.Now().Add(15 * time.Second))
-	got, buf := 0, make([]byte, 4096)
-	var err error
-	for err == nil {
-		var n int
-		n, err = c.Read(buf)
-		got += n
-		c.Write([]byte("more\n")) // fails once the proxy has closed
-		time.Sleep(100 * time.Millisecond)
-	}
-	if errors.Is(err, os.ErrDeadlineExceeded) || got >= len(answer) {
-		t.Errorf("the client read %d bytes of %d, then %v; want fewer, then the connection closed", got, len(answer), err)
-	}
-	checkNotBlamed(t, s, rec, 5*time.Second)
 }
