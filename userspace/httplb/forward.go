@@ -93,13 +93,20 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 				break
 			}
 		}
+		bal := l.bal
+		if fail.notSent {
+			// The balancer in force: the request's own, replaced by a
+			// reload that changed the algorithm (with the removal,
+			// perhaps), may know no other backend.
+			bal = s.live.Load().bal
+		}
 		var lease balance.Lease
 		var err error
 		if ntried == 0 {
-			lease, err = l.bal.Pick(key, nil)
+			lease, err = bal.Pick(key, nil)
 		} else {
 			seen := append([]string{first}, tried...)
-			lease, err = l.bal.Pick(key, func(id string) bool { return slices.Contains(seen, id) })
+			lease, err = bal.Pick(key, func(id string) bool { return slices.Contains(seen, id) })
 		}
 		if err != nil {
 			if try == 0 {

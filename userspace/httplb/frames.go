@@ -899,20 +899,20 @@ func (st *fstream) nextTry() {
 		st.answerFailure()
 		return
 	}
-	st.pick()
+	st.pick(l.bal)
 }
 
-// pick sends the request, as its next try, to a backend it has not been
-// tried on; mu is held.
-func (st *fstream) pick() {
+// pick sends the request, as its next try, to a backend bal picks that it
+// has not been tried on; mu is held.
+func (st *fstream) pick(bal balance.Balancer) {
 	l := st.live
 	s := st.sess.s
 	var lease balance.Lease
 	var err error
 	if len(st.tried) == 0 {
-		lease, err = l.bal.Pick(st.hashKey, nil)
+		lease, err = bal.Pick(st.hashKey, nil)
 	} else {
-		lease, err = l.bal.Pick(st.hashKey, func(id string) bool { return slices.Contains(st.tried, id) })
+		lease, err = bal.Pick(st.hashKey, func(id string) bool { return slices.Contains(st.tried, id) })
 	}
 	if err != nil {
 		if st.tries == 0 {
@@ -949,7 +949,9 @@ func (st *fstream) pick() {
 // open sends the try to st.be, on a connection of its pool; mu is held. A
 // retired backend gets no new connection: when none of its own can take the
 // stream, the try goes to another backend instead, not counted (the request
-// never left weir), and open reports false.
+// never left weir), and open reports false. That one is picked by the
+// balancer in force: the request's own, replaced by a reload that changed
+// the algorithm (with the removal, perhaps), may know no other backend.
 func (st *fstream) open() bool {
 	if st.be.frames(st.sess.s).open(st) {
 		return true
@@ -960,7 +962,7 @@ func (st *fstream) open() bool {
 	st.lease.Release(balance.Result{})
 	st.be = nil
 	st.tries--
-	st.pick()
+	st.pick(st.sess.s.live.Load().bal)
 	return false
 }
 

@@ -280,55 +280,72 @@ func TestStoppedServiceConnectionsClose(t *testing.T) {
 // removed backend gets no new connection: through the frame engine, and
 // through Go's HTTP/2 transport, which sends such a request again itself.
 // Before, it went again to the removed backend, on a connection dialled for
-// it.
+// it. A reload that also changes the algorithm leaves the request the old
+// balancer, which knows only the removed backend: the other is still found,
+// in the balancer in force.
 func TestRefusedOnRemovedBackendGoesElsewhere(t *testing.T) {
+	reloads := []struct {
+		name   string
+		reload func(sv *served, bs []Backend) error
+	}{
+		{"removed", func(sv *served, bs []Backend) error { return sv.SetBackends(bs) }},
+		{"removed with the algorithm changed", func(sv *served, bs []Backend) error {
+			cfg := sv.cfg
+			cfg.Algorithm = balance.RoundRobin
+			return sv.Reconfigure(cfg, bs)
+		}},
+	}
 	for _, p := range []upstreamPool{
 		{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "GET"},
 		{"HTTP/2 client through net/http", Config{Upstream: UpstreamH2C, NetHTTP2: true}, h2cClient, "GET"},
 		{"HTTP/1.1 client to h2c", Config{Upstream: UpstreamH2C}, h1Client, "GET"},
 	} {
-		t.Run(p.name, func(t *testing.T) {
-			came, refuse := make(chan struct{}, 1), make(chan struct{})
-			var conns atomic.Int32
-			gone := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
-				conns.Add(1)
-				readBackendFrames(fr, func(f *http2.HeadersFrame) {
-					select {
-					case came <- struct{}{}:
-					default:
-					}
-					<-refuse
-					fr.WriteGoAway(0, http2.ErrCodeNo, nil)
-				}, func(string) bool { return true })
-			})
-			other := startHoldingBackend(t)
-			sv := serveStoppable(t, p.cfg, []Backend{{Addr: gone, Weight: 1, Usable: true}})
-			letRefuse := closeOnce(refuse)
-			t.Cleanup(letRefuse) // before the service's drain
-			c := p.client()
-			t.Cleanup(c.CloseIdleConnections)
-			got := make(chan string, 1)
-			// Exits when the request is answered or fails (the client's timeout).
-			go func() {
-				code, body, err := send(c, p.method, "http://"+sv.Addr().String()+"/")
-				got <- fmt.Sprint(code, " ", body, " ", err)
-			}()
+		for _, rl := range reloads {
+			t.Run(p.name+"/"+rl.name, func(t *testing.T) { refusedOnRemovedGoesElsewhere(t, p, rl.reload) })
+		}
+	}
+}
+
+func refusedOnRemovedGoesElsewhere(t *testing.T, p upstreamPool, reload func(*served, []Backend) error) {
+	came, refuse := make(chan struct{}, 1), make(chan struct{})
+	var conns atomic.Int32
+	gone := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
+		conns.Add(1)
+		readBackendFrames(fr, func(f *http2.HeadersFrame) {
 			select {
-			case <-came:
-			case <-time.After(10 * time.Second):
-				t.Fatal("the request did not reach the backend in 10s")
+			case came <- struct{}{}:
+			default:
 			}
-			if err := sv.SetBackends([]Backend{{Addr: other.addr, Weight: 1, Usable: true}}); err != nil {
-				t.Fatal(err)
-			}
-			letRefuse()
-			if g := <-got; g != "200 ok <nil>" {
-				t.Fatalf("GET the removed backend refused: %s; want 200 ok <nil> from the other", g)
-			}
-			if n := conns.Load(); n != 1 {
-				t.Errorf("the removed backend accepted %d connections; want 1, none after its removal", n)
-			}
-		})
+			<-refuse
+			fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+		}, func(string) bool { return true })
+	})
+	other := startHoldingBackend(t)
+	sv := serveStoppable(t, p.cfg, []Backend{{Addr: gone, Weight: 1, Usable: true}})
+	letRefuse := closeOnce(refuse)
+	t.Cleanup(letRefuse) // before the service's drain
+	c := p.client()
+	t.Cleanup(c.CloseIdleConnections)
+	got := make(chan string, 1)
+	// Exits when the request is answered or fails (the client's timeout).
+	go func() {
+		code, body, err := send(c, p.method, "http://"+sv.Addr().String()+"/")
+		got <- fmt.Sprint(code, " ", body, " ", err)
+	}()
+	select {
+	case <-came:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the request did not reach the backend in 10s")
+	}
+	if err := reload(sv, []Backend{{Addr: other.addr, Weight: 1, Usable: true}}); err != nil {
+		t.Fatal(err)
+	}
+	letRefuse()
+	if g := <-got; g != "200 ok <nil>" {
+		t.Fatalf("GET the removed backend refused: %s; want 200 ok <nil> from the other", g)
+	}
+	if n := conns.Load(); n != 1 {
+		t.Errorf("the removed backend accepted %d connections; want 1, none after its removal", n)
 	}
 }
 
