@@ -292,9 +292,10 @@ func (ss *fsess) streamError(se http2.StreamError, hb *hblock) error {
 // request's end: closed by weir, frames still under way on it are ignored
 // (the client may have sent them before it saw weir's RST_STREAM); closed by
 // the client's own RST_STREAM, DATA or HEADERS on it is a stream error
-// STREAM_CLOSED (closedStreams.late). Streams whose request had ended are
-// not noted: DATA on them is a stream error STREAM_CLOSED (RFC 9113 6.1) and
-// HEADERS a connection error, whatever else weir remembers of them.
+// STREAM_CLOSED (closedStreams.late). A stream whose request had ended is
+// noted only once weir resets it (closedStreams.weReset; frames after are
+// dropped): until then DATA on it is a stream error STREAM_CLOSED (RFC 9113
+// 6.1) and HEADERS a connection error.
 func (ss *fsess) noteCutShort(id uint32, byClient bool) {
 	how := resetByUs
 	if byClient {
