@@ -1142,15 +1142,7 @@ func TestBackendEndedStreamIsResetWhenRequestIsCut(t *testing.T) {
 				})
 			})
 			fr, _ := postWindowShut(t, be)
-			for {
-				f, err := fr.ReadFrame()
-				if err != nil {
-					t.Fatalf("client read: %v; want weir's answer headers", err)
-				}
-				if h, ok := f.(*http2.HeadersFrame); ok && h.StreamID == 1 {
-					break
-				}
-			}
+			readHeadersOf(t, fr, 1)
 			c.cut(fr)
 			waitfor.Value(t, 5*time.Second, "weir's reset of the backend's stream", func() (any, bool) {
 				id := reset.Load()
@@ -1325,4 +1317,79 @@ func TestOneResetPerStream(t *testing.T) {
 			t.Errorf("weir sent %d RST_STREAM on the client's stream; want 1", n)
 		}
 	})
+}
+
+// TestEarlyAnswerCountsAgainstBackendStreamLimit: a stream the backend has
+// ended while weir's request was still open counts against the backend's
+// limit on concurrent streams until weir resets it (RFC 9113 5.1.2: a
+// half-closed stream counts), so weir opens no stream past that limit on
+// its connection meanwhile, and the next request goes on another. Before,
+// weir took the stream for gone at the backend's END_STREAM: with the
+// answer held for a client that reads nothing yet, the next request went
+// on the same connection, over the limit, and the backend refused it.
+func TestEarlyAnswerCountsAgainstBackendStreamLimit(t *testing.T) {
+	over := make(chan uint32, 1)
+	behind := [8]byte{'a', 'f', 't', 'e', 'r'}
+	ended := make(chan struct{})
+	answered := closeOnce(ended)
+	be := rawBackend(t, func(conn net.Conn) {
+		unreset := map[uint32]bool{} // streams this backend ended whose request weir has not ended or reset
+		scriptedBackend(conn, func(w *scriptedConn, f *http2.MetaHeadersFrame) {
+			if len(unreset) > 0 {
+				// Over the limit of one stream: refused, as a backend may.
+				select {
+				case over <- f.StreamID:
+				default:
+				}
+				w.fr.WriteRSTStream(f.StreamID, http2.ErrCodeRefusedStream)
+				return
+			}
+			if f.StreamEnded() {
+				w.headers(f.StreamID, true, ":status", "204")
+				return
+			}
+			w.fr.WriteSettings(http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: 1})
+			w.headers(f.StreamID, false, ":status", "200")
+			w.fr.WriteData(f.StreamID, true, []byte("the whole answer"))
+			unreset[f.StreamID] = true
+			w.fr.WritePing(false, behind) // acknowledged once weir has read the answer's end
+		}, func(w *scriptedConn, f http2.Frame) {
+			switch f := f.(type) {
+			case *http2.RSTStreamFrame:
+				delete(unreset, f.StreamID)
+			case *http2.PingFrame:
+				if f.IsAck() && f.Data == behind {
+					answered()
+				}
+			}
+		})
+	})
+	fr, get := postWindowShut(t, be)
+	select {
+	case <-ended:
+	case <-time.After(10 * time.Second):
+		t.Fatal("weir did not acknowledge the backend's PING after stream 1's answer")
+	}
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 3, EndHeaders: true, EndStream: true, BlockFragment: get})
+	readHeadersOf(t, fr, 3)
+	select {
+	case id := <-over:
+		t.Errorf("weir opened stream %d past the backend's limit of 1, stream 1 open there", id)
+	default:
+	}
+}
+
+// readHeadersOf reads what weir sends the client until the headers of
+// stream id's answer.
+func readHeadersOf(t *testing.T, fr *http2.Framer, id uint32) {
+	t.Helper()
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("client read: %v; want stream %d's answer headers", err, id)
+		}
+		if h, ok := f.(*http2.HeadersFrame); ok && h.StreamID == id {
+			return
+		}
+	}
 }

@@ -74,7 +74,8 @@ type upconn struct {
 	// unreset is the streams the backend ended while weir's request was
 	// still being sent (endedByPeer): weir sends no more of the request and
 	// owes each one RST_STREAM (resetEndedLocked), unless the backend
-	// resets it first.
+	// resets it first. Until then each counts against the backend's
+	// limit on streams (open).
 	unreset map[uint32]struct{}
 }
 
@@ -87,7 +88,9 @@ func (p *upPool) open(st *fstream) bool {
 	var uc *upconn
 	for _, c := range p.conns {
 		c.mu.Lock()
-		free := !c.away && len(c.streams)+len(c.waiting) < c.maxStreams
+		// A stream the backend ended before weir's request did counts
+		// there until weir resets it (RFC 9113 5.1.2).
+		free := !c.away && len(c.streams)+len(c.waiting)+len(c.unreset) < c.maxStreams
 		c.mu.Unlock()
 		if free {
 			uc = c
