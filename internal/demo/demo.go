@@ -162,6 +162,9 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if r.out == nil {
 		r.out = io.Discard
 	}
+	if err := ownDir(opts.Dir); err != nil {
+		return Report{}, fmt.Errorf("demo: %w", err)
+	}
 	lk, err := lock(opts.Dir)
 	if err != nil {
 		return Report{}, fmt.Errorf("demo: %w", err)
@@ -416,19 +419,37 @@ func (r *run) keepLog(name string) string {
 	return filepath.Join(r.opts.Dir, name)
 }
 
-// removeExcept removes dir, or, with keep, everything in it but the files
-// keep names.
+// files are the names a demo gives what it makes in its directory: all it
+// removes there, and all a directory it takes may hold.
+var files = []string{"weir.yaml", "weir.sock", "agent.log", "hold.log", "state.json", "state.json.new"}
+
+// removeExcept removes what a demo makes in dir (files) but what keep names,
+// then dir if that leaves it empty: never anything a demo did not make.
 func removeExcept(dir string, keep []string) {
-	if len(keep) == 0 {
-		os.RemoveAll(dir)
-		return
-	}
-	ents, _ := os.ReadDir(dir)
-	for _, e := range ents {
-		if !slices.Contains(keep, e.Name()) {
-			os.RemoveAll(filepath.Join(dir, e.Name()))
+	for _, name := range files {
+		if !slices.Contains(keep, name) {
+			os.Remove(filepath.Join(dir, name))
 		}
 	}
+	os.Remove(dir) // fails while anything is left in it
+}
+
+// ownDir checks that a demo may take dir, and remove it when done: dir does
+// not exist, or holds only what a demo makes (a killed or failed demo's).
+func ownDir(dir string) error {
+	ents, err := os.ReadDir(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		if !slices.Contains(files, e.Name()) {
+			return fmt.Errorf("%s holds %s, which no demo made: a demo takes a directory of its own and removes it when done; give it a new one", dir, e.Name())
+		}
+	}
+	return nil
 }
 
 // stopAgent ends the agent (SIGTERM, as systemd would) and waits for it.

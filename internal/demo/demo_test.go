@@ -394,3 +394,35 @@ func TestDemoDiesWithTest(t *testing.T) {
 			running(st.AgentPID, st.AgentStart), running(st.HoldPID, st.HoldStart))
 	}
 }
+
+// TestDemoDirNotItsOwn: a demo, and Down, given a directory that holds what
+// no demo made (as WEIR_DEMO_DIR=/tmp would) refuse it, build nothing and
+// leave it as it was.
+func TestDemoDirNotItsOwn(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	dir := t.TempDir()
+	mine := filepath.Join(dir, "notes")
+	if err := os.WriteFile(mine, []byte("mine"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts := options(t, "auto", &bytes.Buffer{})
+	opts.Dir = dir
+	// A demo that takes dir anyway fails at once, and removes what it can.
+	opts.AgentArgv = func(string) []string { return []string{"sh", "-c", "exit 1"} }
+	if _, err := Run(ctx, opts); err == nil || !strings.Contains(err.Error(), dir+" holds notes") {
+		t.Errorf("a demo in a directory holding another's file: got %v; want it refused, naming the file", err)
+	}
+	if err := writeState(state{Dir: dir}); err != nil {
+		t.Fatal(err)
+	}
+	if err := Down(dir); err == nil || !strings.Contains(err.Error(), dir+" holds notes") {
+		t.Errorf("Down in a directory holding another's file: got %v; want it refused, naming the file", err)
+	}
+	if b, err := os.ReadFile(mine); string(b) != "mine" {
+		t.Errorf("%s after the demo and Down: %q, %v; want it untouched", mine, b, err)
+	}
+	if left, _ := netns.List(topo.ProcessPrefix(testPrefix)); len(left) != 0 {
+		t.Errorf("namespaces left behind: %v", left)
+	}
+}

@@ -188,6 +188,9 @@ func Down(dir string) error {
 	if dir == "" {
 		dir = DefaultDir
 	}
+	if err := ownDir(dir); err != nil {
+		return fmt.Errorf("demo down: %w", err)
+	}
 	lk, err := lock(dir)
 	if errors.Is(err, ErrBusy) && kept(dir) {
 		lk, err = takeKept(dir)
@@ -226,7 +229,8 @@ func takeKept(dir string) (*os.File, error) {
 }
 
 // removeLeftovers removes what the state in dir names, if any: its processes,
-// then its namespaces, then dir. The caller holds dir's lock.
+// then its namespaces, then what a demo makes in dir (removeExcept). The
+// caller holds dir's lock.
 func removeLeftovers(dir string) error {
 	st, err := readState(dir)
 	if errors.Is(err, os.ErrNotExist) {
@@ -253,7 +257,8 @@ func removeLeftovers(dir string) error {
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	return os.RemoveAll(dir)
+	removeExcept(dir, nil)
+	return nil
 }
 
 // How long stopProc waits for a process to exit after SIGTERM, before it sends
