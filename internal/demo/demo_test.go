@@ -176,7 +176,8 @@ func TestDemoKeep(t *testing.T) {
 		t.Log("\n" + out.String())
 		xdptest.Check(t, err)
 	}
-	for _, w := range []string{"weir status -c " + filepath.Join(opts.Dir, "weir.yaml"), "weir demo down", "curl -s http://10.77.100.1/"} {
+	down := DirEnv + "=" + opts.Dir + " weir demo down"
+	for _, w := range []string{"weir status -c " + filepath.Join(opts.Dir, "weir.yaml"), "Remove everything with: " + down + "\n", "curl -s http://10.77.100.1/"} {
 		if !strings.Contains(out.String(), w) {
 			t.Errorf("output lacks %q", w)
 		}
@@ -194,8 +195,8 @@ func TestDemoKeep(t *testing.T) {
 	// A second demo refuses while this one is kept.
 	again := options(t, "auto", &bytes.Buffer{})
 	again.Dir = opts.Dir
-	if _, err := Run(ctx, again); !errors.Is(err, ErrBusy) || !strings.Contains(err.Error(), "weir demo down") {
-		t.Errorf("a demo while one is kept: got %v; want it refused, naming weir demo down", err)
+	if _, err := Run(ctx, again); !errors.Is(err, ErrBusy) || !strings.Contains(err.Error(), down+" removes it") {
+		t.Errorf("a demo while one is kept: got %v; want it refused, naming %s", err, down)
 	}
 	if err := Down(opts.Dir); err != nil {
 		t.Fatal(err)

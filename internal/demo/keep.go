@@ -37,6 +37,26 @@ type state struct {
 
 func statePath(dir string) string { return filepath.Join(dir, "state.json") }
 
+// DirEnv and PrefixEnv name the environment variables that give weir demo
+// another directory than DefaultDir, and another namespace prefix than
+// NamePrefix; weir demo down reads DirEnv.
+const (
+	DirEnv    = "WEIR_DEMO_DIR"
+	PrefixEnv = "WEIR_DEMO_PREFIX"
+)
+
+// downCommand is the shell command that removes the kept demo in dir.
+func downCommand(dir string) string {
+	dir = filepath.Clean(dir)
+	if dir == DefaultDir {
+		return "weir demo down"
+	}
+	if strings.Trim(dir, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-+,:@") != "" {
+		dir = "'" + strings.ReplaceAll(dir, "'", `'\''`) + "'"
+	}
+	return DirEnv + "=" + dir + " weir demo down"
+}
+
 // configPath is the agent's config in dir.
 func configPath(dir string) string { return filepath.Join(dir, "weir.yaml") }
 
@@ -137,8 +157,8 @@ The topology and the agent keep running. Try (as root):
   ip netns exec %[4]s curl -s http://%[5]s/
   ip netns exec %[6]s curl -s http://127.0.0.1:9470/metrics | grep ^weir_backend_usable
   edit %[1]s, then: weir reload -c %[1]s
-The agent logs to %[7]s. Remove everything with: weir demo down
-`, cfg, r.t.Client.IP4, r.backends[0].IP4, r.t.Client.NS.Name(), r.t.VIP4, r.t.Balancer.NS.Name(), filepath.Join(r.opts.Dir, "agent.log"))
+The agent logs to %[7]s. Remove everything with: %[8]s
+`, cfg, r.t.Client.IP4, r.backends[0].IP4, r.t.Client.NS.Name(), r.t.VIP4, r.t.Balancer.NS.Name(), filepath.Join(r.opts.Dir, "agent.log"), downCommand(r.opts.Dir))
 	return nil
 }
 

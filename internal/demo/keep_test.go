@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -358,3 +359,38 @@ func TestDownOldState(t *testing.T) {
 
 // running reports whether the process pid that started at start runs.
 func running(pid int, start string) bool { return proc{pid: pid, start: start}.running() }
+
+// TestKeptNamesDown: a demo refused because a kept demo holds its
+// directory's lock names the command that removes that demo, and the
+// command, run by a shell, carries the directory (quoted as it needs) to
+// weir demo down; here env stands in for weir demo down.
+func TestKeptNamesDown(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "it's a demo")
+	lk, err := lock(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lk.Close()
+	if err := setHolder(lk, "kept", 4388); err != nil {
+		t.Fatal(err)
+	}
+	_, err = lock(dir)
+	if !errors.Is(err, ErrBusy) {
+		t.Fatalf("lock while a kept demo holds it: got %v; want ErrBusy", err)
+	}
+	_, down, _ := strings.Cut(err.Error(), "); ")
+	down, ok := strings.CutSuffix(down, "weir demo down removes it")
+	if !ok {
+		t.Fatalf("lock while a kept demo holds it: got %q; want it to name the command that removes it", err)
+	}
+	sh := exec.Command("sh", "-c", down+"env")
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, DirEnv+"=") {
+			sh.Env = append(sh.Env, kv)
+		}
+	}
+	out, err := sh.Output()
+	if err != nil || !slices.Contains(strings.Split(string(out), "\n"), DirEnv+"="+dir) {
+		t.Errorf("%q run by sh: %v; want %s=%s in weir demo down's environment", down+"weir demo down", err, DirEnv, dir)
+	}
+}

@@ -67,7 +67,7 @@ func busy(dir string) error {
 	what, pid, _ := strings.Cut(strings.TrimSpace(string(b)), " ")
 	switch what {
 	case "kept":
-		return busyError("a kept demo is up (weir demo --keep, agent pid " + pid + "); weir demo down removes it")
+		return busyError("a kept demo is up (weir demo --keep, agent pid " + pid + "); " + downCommand(dir) + " removes it")
 	case "run":
 		return busyError("another weir demo runs (pid " + pid + "); it removes what it made when it ends")
 	default: // it has just taken the lock
