@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -85,24 +86,38 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 }
 
 // demoPlace is where weir demo keeps its files (its lock is DIR.lock) and how
-// its namespaces' names begin: /run/weir-demo and wdm, or what WEIR_DEMO_DIR
-// and WEIR_DEMO_PREFIX say, for a demo beside another (weir's tests run theirs
-// so).
+// its namespaces' names begin: /run/weir-demo and wdm, or, for a demo beside
+// that one (weir's tests run theirs so), what WEIR_DEMO_DIR and
+// WEIR_DEMO_PREFIX say. They go together: a demo removes, as a dead demo's,
+// every namespace of its prefix whose demo has exited, a kept demo's too, so
+// a demo in a directory of its own takes a prefix of its own, one that no
+// other demo's begins with (three letters, not wdm).
 func demoPlace() (dir, prefix string, err error) {
-	dir, prefix = demo.DefaultDir, demo.NamePrefix
-	if v := os.Getenv("WEIR_DEMO_DIR"); v != "" {
-		if !filepath.IsAbs(v) || filepath.Clean(v) == "/" {
-			return "", "", fmt.Errorf("WEIR_DEMO_DIR must be an absolute path below /, got %q", v)
-		}
-		dir = filepath.Clean(v)
+	dir, err = demoDir()
+	if err != nil {
+		return "", "", err
 	}
-	if v := os.Getenv("WEIR_DEMO_PREFIX"); v != "" {
-		if len(v) > 3 || strings.Trim(v, "abcdefghijklmnopqrstuvwxyz") != "" {
-			return "", "", fmt.Errorf("WEIR_DEMO_PREFIX must be 1 to 3 letters a-z, got %q", v)
-		}
-		prefix = v
+	prefix = cmp.Or(os.Getenv(demo.PrefixEnv), demo.NamePrefix)
+	if len(prefix) != 3 || strings.Trim(prefix, "abcdefghijklmnopqrstuvwxyz") != "" {
+		return "", "", fmt.Errorf("%s must be 3 letters a-z, got %q", demo.PrefixEnv, prefix)
+	}
+	if (dir == demo.DefaultDir) != (prefix == demo.NamePrefix) {
+		return "", "", fmt.Errorf("%s and %s go together: a demo in a directory other than %s takes a namespace prefix other than %s, or it removes that demo's namespaces (got %q and %q)",
+			demo.DirEnv, demo.PrefixEnv, demo.DefaultDir, demo.NamePrefix, dir, prefix)
 	}
 	return dir, prefix, nil
+}
+
+// demoDir is weir demo's directory: /run/weir-demo, or WEIR_DEMO_DIR.
+func demoDir() (string, error) {
+	v := os.Getenv(demo.DirEnv)
+	if v == "" {
+		return demo.DefaultDir, nil
+	}
+	if !filepath.IsAbs(v) || filepath.Clean(v) == "/" {
+		return "", fmt.Errorf("%s must be an absolute path below /, got %q", demo.DirEnv, v)
+	}
+	return filepath.Clean(v), nil
 }
 
 func runDemoFleet(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -203,7 +218,7 @@ func runDemoSub(ctx context.Context, cmd string, args []string, stdout, stderr i
 		if err := parseFlags(fs, args, 0, 0); err != nil {
 			return err
 		}
-		dir, _, err := demoPlace()
+		dir, err := demoDir()
 		if err != nil {
 			return fmt.Errorf("demo down: %w", err)
 		}

@@ -637,3 +637,48 @@ func startTime(stat []byte) string {
 	}
 	return f[19]
 }
+
+// TestDemoPlace: WEIR_DEMO_DIR and WEIR_DEMO_PREFIX move weir demo only
+// together, to a directory and a three-letter prefix that are not the
+// default demo's: a prefix alone, a directory alone (whose demo would remove
+// the default demo's namespaces), a prefix that begins another's (w: wdm...)
+// and a relative path are refused. weir demo down takes the directory alone.
+func TestDemoPlace(t *testing.T) {
+	for _, c := range []struct {
+		dir, prefix         string
+		wantDir, wantPrefix string // "": refused
+		wantDownDir         string // "": refused
+	}{
+		{"", "", demo.DefaultDir, demo.NamePrefix, demo.DefaultDir},
+		{"/run/weir-demo-x/", "abc", "/run/weir-demo-x", "abc", "/run/weir-demo-x"},
+		{demo.DefaultDir + "/", "", demo.DefaultDir, demo.NamePrefix, demo.DefaultDir},
+		{"/run/weir-demo-x", "", "", "", "/run/weir-demo-x"},
+		{"/run/weir-demo-x", demo.NamePrefix, "", "", "/run/weir-demo-x"},
+		{"", "abc", "", "", demo.DefaultDir},
+		{"/run/weir-demo-x", "w", "", "", "/run/weir-demo-x"},
+		{"/run/weir-demo-x", "wd", "", "", "/run/weir-demo-x"},
+		{"/run/weir-demo-x", "abcd", "", "", "/run/weir-demo-x"},
+		{"/run/weir-demo-x", "Ab1", "", "", "/run/weir-demo-x"},
+		{"run/weir-demo-x", "abc", "", "", ""},
+		{"/", "abc", "", "", ""},
+	} {
+		t.Run(fmt.Sprintf("%q,%q", c.dir, c.prefix), func(t *testing.T) {
+			t.Setenv(demo.DirEnv, c.dir)
+			t.Setenv(demo.PrefixEnv, c.prefix)
+			dir, prefix, err := demoPlace()
+			if c.wantDir == "" && err == nil {
+				t.Errorf("weir demo: got %q, %q; want it refused", dir, prefix)
+			}
+			if c.wantDir != "" && (err != nil || dir != c.wantDir || prefix != c.wantPrefix) {
+				t.Errorf("weir demo: got %q, %q, %v; want %q, %q", dir, prefix, err, c.wantDir, c.wantPrefix)
+			}
+			dir, err = demoDir()
+			if c.wantDownDir == "" && err == nil {
+				t.Errorf("weir demo down: got %q; want it refused", dir)
+			}
+			if c.wantDownDir != "" && (err != nil || dir != c.wantDownDir) {
+				t.Errorf("weir demo down: got %q, %v; want %q", dir, err, c.wantDownDir)
+			}
+		})
+	}
+}
