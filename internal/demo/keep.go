@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -266,6 +267,9 @@ func removeLeftovers(dir string) error {
 		}
 	}
 	for _, name := range st.Namespaces {
+		if !demoNS.MatchString(name) {
+			continue // not a demo's, whatever the state says
+		}
 		ns, err := netns.Open(name)
 		if err != nil {
 			continue // already gone
@@ -280,6 +284,11 @@ func removeLeftovers(dir string) error {
 	removeExcept(dir, nil)
 	return nil
 }
+
+// demoNS matches the names of the namespaces a demo makes, and so the only
+// ones removeLeftovers removes: its topology's name (topo.UniqueName of a
+// 3-letter prefix) and a role.
+var demoNS = regexp.MustCompile(`^[a-z]{3}[0-9a-z]{6,7}-(client|lb|br|be[0-9]+)$`)
 
 // How long stopProc waits for a process to exit after SIGTERM, before it sends
 // SIGKILL, and after SIGKILL.

@@ -17,6 +17,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/internal/netns"
 )
 
 // pidReuseEnv runs this test binary as pidReuse, the first process of a pid
@@ -392,5 +394,29 @@ func TestKeptNamesDown(t *testing.T) {
 	out, err := sh.Output()
 	if err != nil || !slices.Contains(strings.Split(string(out), "\n"), DirEnv+"="+dir) {
 		t.Errorf("%q run by sh: %v; want %s=%s in weir demo down's environment", down+"weir demo down", err, DirEnv, dir)
+	}
+}
+
+// TestDownLeavesOthersNamespace: Down removes only namespaces named as a
+// demo names them, whatever the state file says: one a user made, named in
+// a state file edited by hand, is left.
+func TestDownLeavesOthersNamespace(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "demo")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	ns, err := netns.New(fmt.Sprintf("zd%d-user", os.Getpid()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ns.Close() })
+	if err := writeState(state{Dir: dir, Namespaces: []string{ns.Name()}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := Down(dir); err != nil {
+		t.Errorf("Down: %v", err)
+	}
+	if _, err := os.Stat(ns.Path()); err != nil {
+		t.Errorf("the user's namespace %s after Down: %v; want it left", ns.Name(), err)
 	}
 }
