@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/internal/topo"
 )
 
 // pidReuseEnv runs this test binary as pidReuse, the first process of a pid
@@ -405,7 +406,8 @@ func TestDownLeavesOthersNamespace(t *testing.T) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	ns, err := netns.New(fmt.Sprintf("zd%d-user", os.Getpid()))
+	// Of the tests' prefix, so that if this test is killed the next removes it.
+	ns, err := netns.New(topo.UniqueName(testPrefix) + "-user")
 	if err != nil {
 		t.Fatal(err)
 	}
