@@ -344,7 +344,7 @@ const (
 
 // demoEnv is the environment of the tests' weir demo.
 func demoEnv() []string {
-	return append(os.Environ(), "WEIR_DEMO_DIR="+testDemoDir, "WEIR_DEMO_PREFIX="+testPrefix)
+	return append(os.Environ(), demo.DirEnv+"="+testDemoDir, demo.PrefixEnv+"="+testPrefix)
 }
 
 // demoProc is a process the demo started: its PID and start time (a PID may be
