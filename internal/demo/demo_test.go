@@ -363,19 +363,25 @@ func TestDemoDiesWithTest(t *testing.T) {
 	defer outf.Close()
 	cmd.Stdout, cmd.Stderr = outf, outf
 	output := func() string { b, _ := os.ReadFile(outf.Name()); return string(b) }
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
+	// Should this test die first, from a thread that lives as long as the
+	// child: SIGKILL from the kernel when any other thread ended would kill
+	// it before the test does.
+	exited, err := start(cmd, syscall.SIGKILL)
+	if err != nil {
 		t.Fatal(err)
 	}
-	exited := make(chan error, 1)
-	// Exits when the test binary does; the test kills it.
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() { cmd.Process.Kill(); <-exited })
+	gone := false // exited received
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		if !gone {
+			<-exited
+		}
+	})
 	var st state
 	if !waitfor.Cond(2*time.Minute, func() bool {
 		select {
 		case err := <-exited:
-			exited <- err
+			gone = true
 			t.Fatalf("the test keeping a demo exited: %v; its output:\n%s", err, output())
 		default:
 		}
