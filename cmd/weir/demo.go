@@ -27,7 +27,9 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs := newFlagSet("demo", "",
 		"Build a client, a balancer and backends in network namespaces, run the agent on them\n"+
 			"(weir run, in the balancer's namespace) and show it balancing real traffic: health,\n"+
-			"drain, reloads, the proxy. Without --keep it removes everything when done;\nweir demo down removes what --keep left. weir demo fleet shows three nodes announcing\na VIP over BGP to a router (weir demo fleet -h).", stdout, stderr)
+			"drain, reloads, the proxy. Without --keep it removes everything when done;\nweir demo down removes what --keep left. weir demo fleet shows three nodes announcing\na VIP over BGP to a router (weir demo fleet -h).\n"+
+			"WEIR_DEMO_DIR and WEIR_DEMO_PREFIX, set together, run it beside the default one: in\n"+
+			"another directory than /run/weir-demo, its namespaces named with 3 letters other than wdm.", stdout, stderr)
 	backends := fs.Int("backends", 3, "backends the config starts with (1..50; a reload adds one more)")
 	requests := fs.Int("requests", 300, "new TCP connections per round")
 	mode := fs.String("mode", "auto", "XDP attach mode: auto, native or generic")
@@ -214,7 +216,8 @@ func stopped(ctx context.Context, err error) bool {
 func runDemoSub(ctx context.Context, cmd string, args []string, stdout, stderr io.Writer) error {
 	switch cmd {
 	case "down":
-		fs := newFlagSet("demo down", "", "Stop the agent and the backends weir demo --keep left, and remove its namespaces.", stdout, stderr)
+		fs := newFlagSet("demo down", "", "Stop the agent and the backends weir demo --keep left, and remove its namespaces.\n"+
+			"WEIR_DEMO_DIR names the kept demo's directory, if not /run/weir-demo.", stdout, stderr)
 		if err := parseFlags(fs, args, 0, 0); err != nil {
 			return err
 		}
