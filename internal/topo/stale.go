@@ -58,14 +58,16 @@ func ProcessPrefix(prefix string) string {
 }
 
 // CleanupStale unmounts and removes the namespaces /run/netns/<prefix>*
-// left behind by earlier runs, which removes their links too. A namespace
-// whose name came from UniqueName(prefix) and whose process is still alive
-// is left alone, so parallel test processes can all call CleanupStale with
-// the same prefix. A name that did not come from UniqueName carries no pid
-// and is always removed, and so is one whose process has exited though what
-// it made is meant to outlive it (a kept weir demo's namespaces carry the pid
-// of the demo, gone once it has handed them on): use a prefix no live run
-// uses, and hold what keeps others off it (weir demo's lock) while calling.
+// left behind by earlier runs, which removes their links too. Only names
+// UniqueName(prefix) makes are removed, and of those only ones whose process
+// has exited, so parallel test processes can all call CleanupStale with the
+// same prefix. A name that carries no pid is left alone: it is not this
+// prefix's (a shorter prefix begins other packages' names, "w" all of
+// weir's, and a user's namespace may begin with any prefix). A name whose
+// process has exited is removed though what it made may be meant to outlive
+// it (a kept weir demo's namespaces carry the pid of the demo, gone once it
+// has handed them on): use a prefix no live run uses, and hold what keeps
+// others off it (weir demo's lock) while calling.
 func CleanupStale(prefix string) error {
 	names, err := netns.List(prefix)
 	if err != nil {
@@ -73,7 +75,7 @@ func CleanupStale(prefix string) error {
 	}
 	var errs []error
 	for _, name := range names {
-		if pid, ok := ownerPID(prefix, name); ok && alive(pid) {
+		if pid, ok := ownerPID(prefix, name); !ok || alive(pid) {
 			continue
 		}
 		if err := netns.RemoveMounted(name); err != nil {

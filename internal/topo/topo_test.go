@@ -281,7 +281,8 @@ func TestCleanupStale(t *testing.T) {
 	pid = strings.Repeat("0", pidWidth-len(pid)) + pid
 	names := map[string]bool{ // name -> removed by CleanupStale
 		prefix + "zzzzz0-lb":  true,  // a dead pid (60466175 > pid_max): crashed
-		prefix + "demo-lb":    true,  // a fixed name: always stale
+		prefix + "demo-lb":    false, // no pid: not a name UniqueName(prefix) makes
+		prefix + "-354-4":     false, // another package's name that begins with the prefix
 		prefix + pid + "0-lb": false, // a live pid (ours): kept
 	}
 	for name := range names {
