@@ -343,15 +343,16 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 	if (p->flow.family == FAMILY_IPV4) {
 		struct iphdr *iip = data + in3;
 
-		// Quotes with IP options are left to the kernel, and so are those of a later
-		// fragment: its bytes where the ports would be are data, and name no flow.
-		if ((void *)(iip + 1) > data_end || iip->version != 4 || iip->ihl != 5 ||
+		// The ports follow the quote's IP options, as they follow a packet's (RFC 5508
+		// REQ-3 b: a NAT MUST read past them). A quote of a later fragment is left to
+		// the kernel: its bytes where the ports would be are data, and name no flow.
+		if ((void *)(iip + 1) > data_end || iip->version != 4 || iip->ihl < 5 ||
 		    (iip->frag_off & bpf_htons(IP_OFFSET)))
 			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
 		flow.src[0] = iip->daddr;
 		flow.dst[0] = iip->saddr;
 		flow.proto = iip->protocol;
-		in4 = in3 + sizeof(*iip);
+		in4 = in3 + iip->ihl * 4;
 	} else {
 		struct ipv6hdr *iip6 = data + in3;
 

@@ -362,6 +362,10 @@ func TestFixtures(t *testing.T) {
 		pass("icmp frag needed about no service's answer, its checksum wrong", flipLast(icmpAbout(with(tcp4(40000, packet.ACK), func(f *packet.Frame) {
 			f.Dst = netip.AddrPortFrom(vip4, 81)
 		}), 4).Build()), ReasonPassNotService),
+		// A quote's IP options are read past to its ports (RFC 5508 REQ-3 b).
+		icmpFixture("icmp frag needed about a dsr flow's answer with ip options", svc4, tcp4(40000, packet.ACK),
+			icmpQuoting(packet.Frame{Src: netip.AddrPortFrom(vip4, 80), Dst: netip.AddrPortFrom(client4, 40000),
+				TCPFlags: packet.ACK, IPv4Options: []byte{1, 1, 1, 0}}, 4)),
 		// A parameter problem (its pointer a byte of the quote) is an error like these.
 		icmpFixture("icmp parameter problem about a dsr flow's answer", svc4, tcp4(40000, packet.ACK),
 			with(icmpAbout(tcp4(40000, packet.ACK), 0), func(f *packet.Frame) { f.ICMP.Type, f.ICMP.Rest = 12, 20<<24 })),

@@ -1191,13 +1191,13 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 	}
 	flow.Family = p.flow.Family
 	if p.flow.Family == familyIPv4 {
-		if !r.fits(in3, ipv4HeaderLen) || r.b[in3]>>4 != 4 || r.b[in3]&0xf != 5 ||
+		if !r.fits(in3, ipv4HeaderLen) || r.b[in3]>>4 != 4 || r.b[in3]&0xf < 5 ||
 			binary.BigEndian.Uint16(r.b[in3+6:])&0x1fff != 0 {
 			return r.verdict(XDPPass, ReasonPassNotService)
 		}
 		flow.Src[0], flow.Dst[0] = r.ld32(in3+16), r.ld32(in3+12)
 		flow.Proto = r.b[in3+9]
-		in4 = in3 + ipv4HeaderLen
+		in4 = in3 + uint32(r.b[in3]&0xf)*4
 	} else {
 		if !r.fits(in3, ipv6HeaderLen) || r.b[in3]>>4 != 6 {
 			return r.verdict(XDPPass, ReasonPassNotService)

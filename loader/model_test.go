@@ -103,6 +103,7 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"icmpv6 packet too big from backend, 61-byte quote", ReasonICMPTranslated},
 		{"icmp frag needed from backend, v4, 560-byte quote", ReasonICMPTranslated},
 		{"icmpv6 packet too big from client side, dsr flow known, 1,180-byte quote", ReasonICMPToBackend},
+		{"icmp quote with ip options", ReasonICMPTranslated},
 		{"icmp frag needed from backend, v4, checksum wrong", ReasonDropICMPChecksum},
 		{"icmp time exceeded from client side, v4, checksum wrong", ReasonDropICMPChecksum},
 		{"icmpv6 packet too big from client side, dsr flow unknown, checksum wrong", ReasonDropICMPChecksum},

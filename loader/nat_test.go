@@ -159,6 +159,12 @@ func TestNATFixtures(t *testing.T) {
 			if tc.v6 {
 				ppType, ppRest = 4, 40
 			}
+			// A quoted IPv4 header may carry options; the ports follow them (RFC 5508
+			// REQ-3 b).
+			withOptions := func(f packet.Frame) packet.Frame {
+				f.IPv4Options = []byte{1, 1, 1, 0}
+				return f
+			}
 			trailer := bytes.Repeat([]byte{0xa5}, 24)
 			for _, ic := range []struct {
 				side     string
@@ -223,6 +229,24 @@ func TestNATFixtures(t *testing.T) {
 					want: packet.Frame{SrcMAC: nt.Balancer.MAC, DstMAC: chosen.MAC, Proto: icmpProto,
 						Src: netip.AddrPortFrom(lb, 0), Dst: netip.AddrPortFrom(backend, 0),
 						ICMP: &packet.ICMP{Type: ppType, Rest: ppRest, Quote: reply.IPPacket()}},
+				},
+				{
+					side: "from the backend, quoting a packet with options",
+					in: packet.Frame{SrcMAC: chosen.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(backend, 0), Dst: netip.AddrPortFrom(lb, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: withOptions(want).IPPacket()}},
+					want: packet.Frame{SrcMAC: nt.Balancer.MAC, DstMAC: nt.Client.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(vip, 0), Dst: netip.AddrPortFrom(client, 0),
+						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: withOptions(in).IPPacket()}},
+				},
+				{
+					side: "from the client, quoting a packet with options",
+					in: packet.Frame{SrcMAC: nt.Client.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(client, 0), Dst: netip.AddrPortFrom(vip, 0),
+						ICMP: &packet.ICMP{Type: ppType, Rest: ppRest, Quote: withOptions(wantReply).IPPacket()}},
+					want: packet.Frame{SrcMAC: nt.Balancer.MAC, DstMAC: chosen.MAC, Proto: icmpProto,
+						Src: netip.AddrPortFrom(lb, 0), Dst: netip.AddrPortFrom(backend, 0),
+						ICMP: &packet.ICMP{Type: ppType, Rest: ppRest, Quote: withOptions(reply).IPPacket()}},
 				},
 				{
 					side: "from the backend, its checksum wrong",
