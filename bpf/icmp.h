@@ -355,13 +355,21 @@ static __always_inline int icmp_error_translate(struct xdp_md *ctx, struct packe
 		in4 = in3 + iip->ihl * 4;
 	} else {
 		struct ipv6hdr *iip6 = data + in3;
+		int next;
 
 		if ((void *)(iip6 + 1) > data_end || iip6->version != 6)
 			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
 		__builtin_memcpy(flow.src, &iip6->daddr, 16);
 		__builtin_memcpy(flow.dst, &iip6->saddr, 16);
-		flow.proto = iip6->nexthdr;
+		// The ports follow the quote's extension headers, walked as parse_ipv6 walks a
+		// packet's: a parameter problem about one of them (RFC 4443 3.4, code 2: an
+		// unrecognized option) quotes them. icmp_apply takes the ports no deeper than
+		// MAX_L4_OFFSET + 48.
 		in4 = in3 + sizeof(*iip6);
+		next = ipv6_skip_ext(data, data_end, &in4, iip6->nexthdr);
+		if (next < 0 || in4 > MAX_L4_OFFSET + 48)
+			return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);
+		flow.proto = next;
 	}
 	if (flow.proto != IPPROTO_TCP && flow.proto != IPPROTO_UDP)
 		return verdict(XDP_PASS, STAT_PASS_NOT_SERVICE, p->len);

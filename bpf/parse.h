@@ -158,10 +158,31 @@ static __always_inline int parse_ipv4(void *data, void *data_end, __u32 off, str
 	return parse_l4(data, data_end, off + ihl_bytes, p);
 }
 
+// ipv6_skip_ext walks the hop-by-hop, routing and destination-options headers (at
+// most MAX_IPV6_EXT_HDRS) from *off, the first of type next, and leaves *off at the
+// header after them. It returns that header's type, or -1 when one is cut off by the
+// frame's end.
+static __always_inline int ipv6_skip_ext(void *data, void *data_end, __u32 *off, __u8 next)
+{
+#pragma unroll
+	for (int i = 0; i < MAX_IPV6_EXT_HDRS; i++) {
+		struct ipv6_opt_hdr *ext;
+
+		if (next != IPPROTO_HOPOPTS && next != IPPROTO_ROUTING && next != IPPROTO_DSTOPTS)
+			break;
+		ext = data + *off;
+		if ((void *)(ext + 1) > data_end)
+			return -1;
+		next = ext->nexthdr;
+		*off += (ext->hdrlen + 1) * 8;
+	}
+	return next;
+}
+
 static __always_inline int parse_ipv6(void *data, void *data_end, __u32 off, struct packet *p)
 {
 	struct ipv6hdr *ip6 = data + off;
-	__u8 next;
+	int next;
 
 	if ((void *)(ip6 + 1) > data_end || ip6->version != 6)
 		return verdict(XDP_PASS, STAT_PASS_MALFORMED_L3, p->len);
@@ -172,22 +193,12 @@ static __always_inline int parse_ipv6(void *data, void *data_end, __u32 off, str
 	p->l3_len = sizeof(*ip6) + bpf_ntohs(ip6->payload_len);
 	__builtin_memcpy(p->flow.src, &ip6->saddr, sizeof(p->flow.src));
 	__builtin_memcpy(p->flow.dst, &ip6->daddr, sizeof(p->flow.dst));
-	next = ip6->nexthdr;
 	off += sizeof(*ip6);
 
-	// Walk hop-by-hop, routing and destination options headers: the ports follow them.
-#pragma unroll
-	for (int i = 0; i < MAX_IPV6_EXT_HDRS; i++) {
-		struct ipv6_opt_hdr *ext;
-
-		if (next != IPPROTO_HOPOPTS && next != IPPROTO_ROUTING && next != IPPROTO_DSTOPTS)
-			break;
-		ext = data + off;
-		if ((void *)(ext + 1) > data_end)
-			return vip_address_verdict(p, STAT_DROP_MALFORMED_L4);
-		next = ext->nexthdr;
-		off += (ext->hdrlen + 1) * 8;
-	}
+	// The ports follow the hop-by-hop, routing and destination options headers.
+	next = ipv6_skip_ext(data, data_end, &off, ip6->nexthdr);
+	if (next < 0)
+		return vip_address_verdict(p, STAT_DROP_MALFORMED_L4);
 	p->flow.proto = next;
 	// Headers this long are legal, but the rewriting steps bound their offsets.
 	if (off > MAX_L4_OFFSET)

@@ -366,7 +366,13 @@ func TestFixtures(t *testing.T) {
 		icmpFixture("icmp frag needed about a dsr flow's answer with ip options", svc4, tcp4(40000, packet.ACK),
 			icmpQuoting(packet.Frame{Src: netip.AddrPortFrom(vip4, 80), Dst: netip.AddrPortFrom(client4, 40000),
 				TCPFlags: packet.ACK, IPv4Options: []byte{1, 1, 1, 0}}, 4)),
-		// A parameter problem (its pointer a byte of the quote) is an error like these.
+		// A parameter problem (its pointer a byte of the quote) is an error like these,
+		// also one about an option of the quote's extension headers (code 2).
+		icmpFixture("icmpv6 parameter problem about a dsr flow's answer's destination option", svc6, tcp6(40001, packet.ACK),
+			with(icmpQuoting(packet.Frame{Src: netip.AddrPortFrom(vip6, 80), Dst: netip.AddrPortFrom(client6, 40001),
+				TCPFlags: packet.ACK, IPv6ExtHeaders: []uint8{packet.ProtoDstOpts}}, 0), func(f *packet.Frame) {
+				f.ICMP.Type, f.ICMP.Code, f.ICMP.Rest = 4, 2, 42
+			})),
 		icmpFixture("icmp parameter problem about a dsr flow's answer", svc4, tcp4(40000, packet.ACK),
 			with(icmpAbout(tcp4(40000, packet.ACK), 0), func(f *packet.Frame) { f.ICMP.Type, f.ICMP.Rest = 12, 20<<24 })),
 		icmpFixture("icmpv6 parameter problem about a dsr flow's answer", svc6, tcp6(40001, packet.ACK),

@@ -331,6 +331,23 @@ func (r *run) parseIPv4(off uint32, p *modelPacket) int {
 	return r.parseL4(off+ihl, p)
 }
 
+// ipv6SkipExt is parse.h's ipv6_skip_ext: the offset and type of the header after
+// the hop-by-hop, routing and destination-options headers from off (the first of
+// type next); false when one is cut off by the frame's end.
+func (r *run) ipv6SkipExt(off uint32, next uint8) (uint32, uint8, bool) {
+	for range maxIPv6ExtHeaders {
+		if next != protoHopOpts && next != protoRouting && next != protoDstOpts {
+			break
+		}
+		if !r.fits(off, ipv6OptHeaderMinLen) {
+			return off, next, false
+		}
+		next = r.b[off]
+		off += (uint32(r.b[off+1]) + 1) * 8
+	}
+	return off, next, true
+}
+
 func (r *run) parseIPv6(off uint32, p *modelPacket) int {
 	if !r.fits(off, ipv6HeaderLen) || r.b[off]>>4 != 6 {
 		return r.verdict(XDPPass, ReasonPassMalformedL3)
@@ -344,17 +361,9 @@ func (r *run) parseIPv6(off uint32, p *modelPacket) int {
 		p.flow.Src[i] = r.ld32(off + 8 + uint32(i)*4)
 		p.flow.Dst[i] = r.ld32(off + 24 + uint32(i)*4)
 	}
-	next := r.b[off+6]
-	off += ipv6HeaderLen
-	for range maxIPv6ExtHeaders {
-		if next != protoHopOpts && next != protoRouting && next != protoDstOpts {
-			break
-		}
-		if !r.fits(off, ipv6OptHeaderMinLen) {
-			return r.vipAddressVerdict(p, ReasonDropMalformedL4)
-		}
-		next = r.b[off]
-		off += (uint32(r.b[off+1]) + 1) * 8
+	off, next, ok := r.ipv6SkipExt(off+ipv6HeaderLen, r.b[off+6])
+	if !ok {
+		return r.vipAddressVerdict(p, ReasonDropMalformedL4)
 	}
 	p.flow.Proto = next
 	// Headers this long are legal, but the rewriting steps bound their offsets.
@@ -1206,8 +1215,11 @@ func (r *run) icmpErrorTranslate(p *modelPacket) int {
 			flow.Src[i] = r.ld32(in3 + 24 + uint32(i)*4)
 			flow.Dst[i] = r.ld32(in3 + 8 + uint32(i)*4)
 		}
-		flow.Proto = r.b[in3+6]
-		in4 = in3 + ipv6HeaderLen
+		var ok bool
+		in4, flow.Proto, ok = r.ipv6SkipExt(in3+ipv6HeaderLen, r.b[in3+6])
+		if !ok || in4 > maxL4Offset+48 {
+			return r.verdict(XDPPass, ReasonPassNotService)
+		}
 	}
 	if flow.Proto != protoTCP && flow.Proto != protoUDP {
 		return r.verdict(XDPPass, ReasonPassNotService)

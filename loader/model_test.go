@@ -104,6 +104,10 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"icmp frag needed from backend, v4, 560-byte quote", ReasonICMPTranslated},
 		{"icmpv6 packet too big from client side, dsr flow known, 1,180-byte quote", ReasonICMPToBackend},
 		{"icmp quote with ip options", ReasonICMPTranslated},
+		{"icmpv6 parameter problem from backend, quote with dest options", ReasonICMPTranslated},
+		{"icmpv6 parameter problem from client side, dsr flow unknown, quote with two options headers", ReasonICMPToBackend},
+		{"icmpv6 packet too big from backend, quote's ports past 560 bytes", ReasonPassNotService},
+		{"icmpv6 packet too big from backend, quote's options header cut", ReasonPassNotService},
 		{"icmp frag needed from backend, v4, checksum wrong", ReasonDropICMPChecksum},
 		{"icmp time exceeded from client side, v4, checksum wrong", ReasonDropICMPChecksum},
 		{"icmpv6 packet too big from client side, dsr flow unknown, checksum wrong", ReasonDropICMPChecksum},
@@ -306,6 +310,10 @@ var fuzzSeeds = []struct {
 	{"icmp frag needed from client side, dsr flow known, ports past the ip packet", []byte{0, 36, 0, 0, 4 << 3, 0, 0, 255, 3, 0xe7, 1, 0, 1}},
 	{"icmp frag needed from client side, dsr flow known, ports at the ip packet's end", []byte{0, 36, 0, 0, 4 << 3, 0, 0, 255, 3, 0xe8, 1, 0, 1}},
 	{"icmp quote with ip options", []byte{0, 15, 0, 0, 4 << 3, 0x10, 0, 255, 0, 2}},
+	{"icmpv6 parameter problem from backend, quote with dest options", []byte{0, 16, 0, 0, 6 | 2<<3, 0x10, 1, 2, 255, 0, 2}},
+	{"icmpv6 parameter problem from client side, dsr flow unknown, quote with two options headers", []byte{0, 37, 1, 0, 6 | 2<<3, 0x10, 2, 0, 2, 255, 0, 0, 0, 0}},
+	{"icmpv6 packet too big from backend, quote's ports past 560 bytes", []byte{0, 16, 0, 0, 1, 0x10, 2, 0, 2 | 30<<3, 255, 0, 2}},
+	{"icmpv6 packet too big from backend, quote's options header cut", []byte{0, 16, 0, 0, 1, 0x10, 1, 2, 41, 0, 2}},
 	{"icmp echo reply (not an error)", []byte{0, 15, 0, 0, 3, 0, 0, 255, 0, 2}},
 	// Tunnel: targets 24 (IPv4 VIP, TCP; backends 10.78.0.11, 10.78.0.12, fd78::13),
 	// 25 (IPv6 VIP, TCP; fd78::11, fd78::12, 10.78.0.13) and 26 (IPv4 VIP, UDP, source
@@ -1281,10 +1289,16 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 				f.Dst = netip.AddrPortFrom(fuzzOther4, 0)
 			}
 		}
-		// The quote takes the options and the fragment bits (opts bits 1 and 2).
+		// The quote takes the options and the fragment bits (opts bits 1 and 2), and
+		// in IPv6 with opts bit 4 the extension headers (else the error's own).
 		quoted.IPv4Options, quoted.FragOffset, quoted.MoreFrags = f.IPv4Options, f.FragOffset, f.MoreFrags
 		f.IPv4Options, f.Payload, f.FragOffset, f.MoreFrags = nil, nil, 0, false
-		quote := quoted.IPPacket()
+		quoteExtLen := []uint8(nil)
+		if tg.v6 && opts&0x10 != 0 {
+			quoted.IPv6ExtHeaders, f.IPv6ExtHeaders = f.IPv6ExtHeaders, nil
+			quoteExtLen, extLen = extLen, nil
+		}
+		quote := longExtHeaders(append(make([]byte, ethHeaderLen), quoted.IPPacket()...), false, quoteExtLen)[ethHeaderLen:]
 		if payloadSel < 224 {
 			quote = quote[:min(len(quote), int(payloadSel))]
 		}

@@ -159,10 +159,12 @@ func TestNATFixtures(t *testing.T) {
 			if tc.v6 {
 				ppType, ppRest = 4, 40
 			}
-			// A quoted IPv4 header may carry options; the ports follow them (RFC 5508
-			// REQ-3 b).
+			// A quoted IPv4 header may carry options (RFC 5508 REQ-3 b), a quoted IPv6
+			// header extension headers (what a parameter problem of RFC 4443 code 2 is
+			// about); the ports follow them.
 			withOptions := func(f packet.Frame) packet.Frame {
 				f.IPv4Options = []byte{1, 1, 1, 0}
+				f.IPv6ExtHeaders = []uint8{packet.ProtoHopOpts, packet.ProtoDstOpts}
 				return f
 			}
 			trailer := bytes.Repeat([]byte{0xa5}, 24)
