@@ -93,20 +93,23 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 				break
 			}
 		}
-		bal := l.bal
+		bal, k := l.bal, key
 		if fail.notSent {
 			// The balancer in force: the request's own, replaced by a
 			// reload that changed the algorithm (with the removal,
-			// perhaps), may know no other backend.
-			bal = s.live.Load().bal
+			// perhaps), may know no other backend. It is given the key
+			// its configuration makes, which hashes what the request's
+			// may not.
+			nl := s.live.Load()
+			bal, k = nl.bal, nl.hashKey(r)
 		}
 		var lease balance.Lease
 		var err error
 		if ntried == 0 {
-			lease, err = bal.Pick(key, nil)
+			lease, err = bal.Pick(k, nil)
 		} else {
 			seen := append([]string{first}, tried...)
-			lease, err = bal.Pick(key, func(id string) bool { return slices.Contains(seen, id) })
+			lease, err = bal.Pick(k, func(id string) bool { return slices.Contains(seen, id) })
 		}
 		if err != nil {
 			if try == 0 {

@@ -628,7 +628,7 @@ func (ss *fsess) headers(f *hblock) error {
 		return ss.refuse(st, id, http2.ErrCodeProtocol)
 	}
 	st.addForwarding(xff)
-	st.hashKey = st.key(regular, cookies)
+	st.hashKey = st.key(&l.cfg, regular, cookies)
 	st.retryable = idempotent(st.method) || l.grpcRetryableName(st.grpc, st.path)
 	st.replayOK = st.retryable && l.cfg.Retries > 0
 	l.budget.deposit()
@@ -664,9 +664,9 @@ func (st *fstream) logPath() string {
 	return p
 }
 
-// key is the request's hash key, as hashKey computes it for net/http's requests.
-func (st *fstream) key(regular []hpack.HeaderField, cookies []string) uint64 {
-	cfg := &st.live.cfg
+// key is the request's hash key in cfg, as hashKey computes it for
+// net/http's requests.
+func (st *fstream) key(cfg *Config, regular []hpack.HeaderField, cookies []string) uint64 {
 	if !hashes(cfg.Algorithm) {
 		return 0
 	}
@@ -690,6 +690,25 @@ func (st *fstream) key(regular []hpack.HeaderField, cookies []string) uint64 {
 		v = st.sess.client
 	}
 	return fnv1a(v)
+}
+
+// keyIn is the request's hash key in cfg, a configuration other than its
+// own, found in the headers it goes to the backend with. Those lack what
+// weir drops or adds (host, hop-by-hop fields, X-Forwarded-For as the
+// client sent it): where the key is the same in both configurations, the
+// request's own is kept.
+func (st *fstream) keyIn(cfg *Config) uint64 {
+	own := &st.live.cfg
+	if hashes(cfg.Algorithm) == hashes(own.Algorithm) && (!hashes(cfg.Algorithm) || cfg.Hash == own.Hash && cfg.HashName == own.HashName) {
+		return st.hashKey
+	}
+	var cookies []string
+	for _, hf := range st.hdrs {
+		if hf.Name == "cookie" {
+			cookies = append(cookies, hf.Value)
+		}
+	}
+	return st.key(cfg, st.hdrs, cookies)
 }
 
 // data takes a DATA frame of the client's.
@@ -900,20 +919,20 @@ func (st *fstream) nextTry() {
 		st.answerFailure()
 		return
 	}
-	st.pick(l.bal)
+	st.pick(l.bal, st.hashKey)
 }
 
-// pick sends the request, as its next try, to a backend bal picks that it
-// has not been tried on; mu is held.
-func (st *fstream) pick(bal balance.Balancer) {
+// pick sends the request, as its next try, to a backend bal picks for key
+// that it has not been tried on; mu is held.
+func (st *fstream) pick(bal balance.Balancer, key uint64) {
 	l := st.live
 	s := st.sess.s
 	var lease balance.Lease
 	var err error
 	if len(st.tried) == 0 {
-		lease, err = bal.Pick(st.hashKey, nil)
+		lease, err = bal.Pick(key, nil)
 	} else {
-		lease, err = bal.Pick(st.hashKey, func(id string) bool { return slices.Contains(st.tried, id) })
+		lease, err = bal.Pick(key, func(id string) bool { return slices.Contains(st.tried, id) })
 	}
 	if err != nil {
 		if st.tries == 0 {
@@ -952,7 +971,9 @@ func (st *fstream) pick(bal balance.Balancer) {
 // stream, the try goes to another backend instead, not counted (the request
 // never left weir), and open reports false. That one is picked by the
 // balancer in force: the request's own, replaced by a reload that changed
-// the algorithm (with the removal, perhaps), may know no other backend.
+// the algorithm (with the removal, perhaps), may know no other backend. It
+// is given the key its configuration makes (keyIn), which hashes what the
+// request's may not.
 func (st *fstream) open() bool {
 	if st.be.frames(st.sess.s).open(st) {
 		return true
@@ -963,7 +984,12 @@ func (st *fstream) open() bool {
 	st.lease.Release(balance.Result{})
 	st.be = nil
 	st.tries--
-	st.pick(st.sess.s.live.Load().bal)
+	l := st.sess.s.live.Load()
+	key := st.hashKey
+	if l != st.live {
+		key = st.keyIn(&l.cfg)
+	}
+	st.pick(l.bal, key)
 	return false
 }
 

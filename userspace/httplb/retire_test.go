@@ -295,18 +295,107 @@ func TestRefusedOnRemovedBackendGoesElsewhere(t *testing.T) {
 			return sv.Reconfigure(cfg, bs)
 		}},
 	}
-	for _, p := range []upstreamPool{
-		{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "GET"},
-		{"HTTP/2 client through net/http", Config{Upstream: UpstreamH2C, NetHTTP2: true}, h2cClient, "GET"},
-		{"HTTP/1.1 client to h2c", Config{Upstream: UpstreamH2C}, h1Client, "GET"},
-	} {
+	for _, p := range refusedPools {
 		for _, rl := range reloads {
-			t.Run(p.name+"/"+rl.name, func(t *testing.T) { refusedOnRemovedGoesElsewhere(t, p, rl.reload) })
+			t.Run(p.name+"/"+rl.name, func(t *testing.T) {
+				other := startHoldingBackend(t)
+				got := refusedOnRemoved(t, p, nil, func(sv *served) error {
+					return rl.reload(sv, []Backend{{Addr: other.addr, Weight: 1, Usable: true}})
+				})
+				if got != "200 ok <nil>" {
+					t.Fatalf("GET the removed backend refused: %s; want 200 ok <nil> from the other", got)
+				}
+			})
 		}
 	}
 }
 
-func refusedOnRemovedGoesElsewhere(t *testing.T, p upstreamPool, reload func(*served, []Backend) error) {
+// TestRefusedOnRemovedBackendKeepsHashInForce: when the reload that removed
+// the backend also turned on hashing by a header, the request the removed
+// backend refused goes to the backend its header's hash chooses, as the
+// requests after the reload with that header do. Before, it was picked with
+// the key of the configuration it started in, which hashed nothing (key 0):
+// it went to the backend of key 0, as did every other request caught so.
+func TestRefusedOnRemovedBackendKeepsHashInForce(t *testing.T) {
+	for _, p := range refusedPools {
+		t.Run(p.name, func(t *testing.T) {
+			var bs []Backend
+			for _, name := range []string{"a", "b"} {
+				be := startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, name) }, 0)
+				bs = append(bs, Backend{Addr: be.addr, Weight: 1, Usable: true})
+			}
+			p.cfg.Algorithm = balance.RoundRobin
+			hashed := p.cfg
+			hashed.Algorithm, hashed.Hash, hashed.HashName = balance.Maglev, HashHeader, "X-User"
+			user, want := userOffKeyZero(t, hashed, bs)
+			hdr := http.Header{"X-User": {user}}
+			var url string
+			got := refusedOnRemoved(t, p, hdr, func(sv *served) error {
+				url = "http://" + sv.Addr().String() + "/"
+				hashed.Name, hashed.Listen = sv.cfg.Name, sv.cfg.Listen
+				return sv.Reconfigure(hashed, bs)
+			})
+			if got != "200 "+want+" <nil>" {
+				t.Errorf("GET for %s the removed backend refused: %s; want 200 %s <nil>, from the backend of its hash", user, got, want)
+			}
+			c := p.client()
+			t.Cleanup(c.CloseIdleConnections)
+			if g := sendWith(c, url, hdr); g != "200 "+want+" <nil>" {
+				t.Errorf("GET for %s after the reload: %s; want 200 %s <nil>", user, g, want)
+			}
+		})
+	}
+}
+
+// refusedPools are the ways to a backend where a request it refused after
+// its removal goes to another.
+var refusedPools = []upstreamPool{
+	{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "GET"},
+	{"HTTP/2 client through net/http", Config{Upstream: UpstreamH2C, NetHTTP2: true}, h2cClient, "GET"},
+	{"HTTP/1.1 client to h2c", Config{Upstream: UpstreamH2C}, h1Client, "GET"},
+}
+
+// userOffKeyZero returns a value of the header cfg hashes whose backend
+// among bs (named by what it answers, "a" and the next letters in order) is
+// not the backend of key 0.
+func userOffKeyZero(t *testing.T, cfg Config, bs []Backend) (user, name string) {
+	t.Helper()
+	bal, err := balance.New(cfg.Algorithm, nil, cfg.Seed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := make([]balance.Backend, len(bs))
+	names := map[string]string{}
+	for i, b := range bs {
+		in[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: true}
+		names[b.Addr.String()] = string(rune('a' + i))
+	}
+	bal.SetBackends(in)
+	pick := func(key uint64) string {
+		l, err := bal.Pick(key, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Release(balance.Result{})
+		return l.Backend()
+	}
+	zero := pick(0)
+	for i := range 100 {
+		user = fmt.Sprint("user", i)
+		if id := pick(fnv1a(user)); id != zero {
+			return user, names[id]
+		}
+	}
+	t.Fatalf("no user of 100 is off the backend of key 0")
+	return "", ""
+}
+
+// refusedOnRemoved sends a GET with hdr to a service of p's configuration
+// whose one backend holds it until reload has run, then refuses it
+// (GOAWAY). It returns the answer, "code body error", and fails the test if
+// the removed backend took a second connection.
+func refusedOnRemoved(t *testing.T, p upstreamPool, hdr http.Header, reload func(*served) error) string {
+	t.Helper()
 	came, refuse := make(chan struct{}, 1), make(chan struct{})
 	var conns atomic.Int32
 	gone := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
@@ -320,7 +409,6 @@ func refusedOnRemovedGoesElsewhere(t *testing.T, p upstreamPool, reload func(*se
 			fr.WriteGoAway(0, http2.ErrCodeNo, nil)
 		}, func(string) bool { return true })
 	})
-	other := startHoldingBackend(t)
 	sv := serveStoppable(t, p.cfg, []Backend{{Addr: gone, Weight: 1, Usable: true}})
 	letRefuse := closeOnce(refuse)
 	t.Cleanup(letRefuse) // before the service's drain
@@ -328,25 +416,40 @@ func refusedOnRemovedGoesElsewhere(t *testing.T, p upstreamPool, reload func(*se
 	t.Cleanup(c.CloseIdleConnections)
 	got := make(chan string, 1)
 	// Exits when the request is answered or fails (the client's timeout).
-	go func() {
-		code, body, err := send(c, p.method, "http://"+sv.Addr().String()+"/")
-		got <- fmt.Sprint(code, " ", body, " ", err)
-	}()
+	go func() { got <- sendWith(c, "http://"+sv.Addr().String()+"/", hdr) }()
 	select {
 	case <-came:
 	case <-time.After(10 * time.Second):
 		t.Fatal("the request did not reach the backend in 10s")
 	}
-	if err := reload(sv, []Backend{{Addr: other.addr, Weight: 1, Usable: true}}); err != nil {
+	if err := reload(sv); err != nil {
 		t.Fatal(err)
 	}
 	letRefuse()
-	if g := <-got; g != "200 ok <nil>" {
-		t.Fatalf("GET the removed backend refused: %s; want 200 ok <nil> from the other", g)
-	}
+	g := <-got
 	if n := conns.Load(); n != 1 {
 		t.Errorf("the removed backend accepted %d connections; want 1, none after its removal", n)
 	}
+	return g
+}
+
+// sendWith sends a GET with hdr to url and returns the answer as "code body
+// error".
+func sendWith(c *http.Client, url string, hdr http.Header) string {
+	req, err := http.NewRequest("GET", url, nil)
+	if err != nil {
+		return fmt.Sprint(0, " ", err)
+	}
+	if hdr != nil {
+		req.Header = hdr
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		return fmt.Sprint(0, " ", err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return fmt.Sprint(resp.StatusCode, " ", string(b), " ", err)
 }
 
 // endingH2Backend is a raw HTTP/2 backend that passes each HEADERS to
