@@ -20,8 +20,12 @@ var nameSeq atomic.Uint64
 var cleanedPrefixes sync.Map
 
 // pidWidth is the width of the base-36 pid in UniqueName: 36^5 exceeds the
-// kernel's largest pid_max (2^22).
+// kernel's largest pid_max, pidMaxLimit.
 const pidWidth = 5
+
+// pidMaxLimit is the kernel's largest pid_max (PID_MAX_LIMIT, 2^22 on 64-bit
+// systems): 2hwcg in base 36, so a pid's first digit in a name is 0, 1 or 2.
+const pidMaxLimit = 1 << 22
 
 // UniqueName returns prefix + <pid, 5 base-36 digits> + <sequence number in
 // base 36>, a topology name that no other live process and no other call in
@@ -63,7 +67,10 @@ func ProcessPrefix(prefix string) string {
 // has exited, so parallel test processes can all call CleanupStale with the
 // same prefix. A name that carries no pid is left alone: it is not this
 // prefix's (a shorter prefix begins other packages' names, "w" all of
-// weir's, and a user's namespace may begin with any prefix). A name whose
+// weir's, and a user's namespace may begin with any prefix). Nor is one of
+// a longer prefix that goes on with a letter ("wta..." under "wt"): no pid
+// begins with one. A longer prefix that goes on with a digit ("wt0") is
+// not told apart: give no two prefixes that. A name whose
 // process has exited is removed though what it made may be meant to outlive
 // it (a kept weir demo's namespaces carry the pid of the demo, gone once it
 // has handed them on): use a prefix no live run uses, and hold what keeps
@@ -102,8 +109,10 @@ func ownerPID(prefix, nsName string) (int, bool) {
 	if _, err := strconv.ParseUint(id[pidWidth:], 36, 64); err != nil {
 		return 0, false
 	}
+	// A longer prefix's name continues with a letter where a pid begins
+	// (wta... under wt): past pidMaxLimit, it carries no pid of this prefix.
 	pid, err := strconv.ParseInt(id[:pidWidth], 36, 64)
-	if err != nil || pid <= 0 {
+	if err != nil || pid <= 0 || pid > pidMaxLimit {
 		return 0, false
 	}
 	return int(pid), true

@@ -280,10 +280,13 @@ func TestCleanupStale(t *testing.T) {
 	pid := strconv.FormatInt(int64(os.Getpid()), 36)
 	pid = strings.Repeat("0", pidWidth-len(pid)) + pid
 	names := map[string]bool{ // name -> removed by CleanupStale
-		prefix + "zzzzz0-lb":  true,  // a dead pid (60466175 > pid_max): crashed
-		prefix + "demo-lb":    false, // no pid: not a name UniqueName(prefix) makes
-		prefix + "-354-4":     false, // another package's name that begins with the prefix
-		prefix + pid + "0-lb": false, // a live pid (ours): kept
+		prefix + deadPID(t) + "0-lb": true,  // a dead pid: crashed
+		prefix + "demo-lb":           false, // no pid: not a name UniqueName(prefix) makes
+		prefix + "-354-4":            false, // another package's name that begins with the prefix
+		prefix + pid + "0-lb":        false, // a live pid (ours): kept
+		// A live name of the longer prefix prefix+"a", whose "a"+pid[:4]
+		// reads as a pid past pid_max, so dead.
+		prefix + "a" + pid + "0-lb": false,
 	}
 	for name := range names {
 		ns, err := netns.New(name)
@@ -303,6 +306,20 @@ func TestCleanupStale(t *testing.T) {
 			t.Errorf("%s: removed = %v; want %v", name, gone, removed)
 		}
 	}
+}
+
+// deadPID is a pid no process has, at most the kernel's largest pid_max
+// (2^22), in base 36 as UniqueName writes it.
+func deadPID(t *testing.T) string {
+	t.Helper()
+	for pid := 1 << 22; pid > 1; pid-- {
+		if !alive(pid) {
+			s := strconv.FormatInt(int64(pid), 36)
+			return strings.Repeat("0", pidWidth-len(s)) + s
+		}
+	}
+	t.Fatal("no dead pid")
+	return ""
 }
 
 func TestUniqueName(t *testing.T) {
