@@ -96,14 +96,15 @@ func CleanupStale(prefix string) error {
 }
 
 // ownerPID parses the pid out of a namespace name made from
-// UniqueName(prefix) + "-" + role.
+// UniqueName(prefix) + "-" + role, or UniqueName(prefix) alone (a test's
+// single namespace).
 func ownerPID(prefix, nsName string) (int, bool) {
 	rest, ok := strings.CutPrefix(nsName, prefix)
 	if !ok {
 		return 0, false
 	}
-	id, _, ok := strings.Cut(rest, "-")
-	if !ok || len(id) <= pidWidth {
+	id, _, _ := strings.Cut(rest, "-")
+	if len(id) <= pidWidth {
 		return 0, false
 	}
 	if _, err := strconv.ParseUint(id[pidWidth:], 36, 64); err != nil {

@@ -281,6 +281,8 @@ func TestCleanupStale(t *testing.T) {
 	pid = strings.Repeat("0", pidWidth-len(pid)) + pid
 	names := map[string]bool{ // name -> removed by CleanupStale
 		prefix + deadPID(t) + "0-lb": true,  // a dead pid: crashed
+		prefix + deadPID(t) + "1":    true,  // UniqueName's alone, as a test's one namespace
+		prefix + pid + "1":           false, // the same, live
 		prefix + "demo-lb":           false, // no pid: not a name UniqueName(prefix) makes
 		prefix + "-354-4":            false, // another package's name that begins with the prefix
 		prefix + pid + "0-lb":        false, // a live pid (ours): kept
