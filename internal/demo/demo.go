@@ -181,7 +181,7 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if err := topo.CleanupStale(opts.NamePrefix); err != nil {
 		return Report{}, fmt.Errorf("demo: remove a crashed run's namespaces: %w", err)
 	}
-	if err := os.MkdirAll(opts.Dir, 0o700); err != nil {
+	if err := makeDir(opts.Dir); err != nil {
 		return Report{}, fmt.Errorf("demo: %w", err)
 	}
 	t, err := topo.New(topo.Config{Name: topo.UniqueName(opts.NamePrefix), Backends: opts.Backends + 1})
@@ -421,11 +421,28 @@ func (r *run) keepLog(name string) string {
 
 // files are the names a demo gives what it makes in its directory: all it
 // removes there, and all a directory it takes may hold.
-var files = []string{"weir.yaml", "weir.sock", "agent.log", "hold.log", "state.json", "state.json.new"}
+var files = []string{"weir.yaml", "weir.sock", "agent.log", "hold.log", "state.json", "state.json.new", marker}
+
+// marker is the empty file that makes a directory a demo's: a demo writes it
+// before anything else there and removes it last. A file that bears a demo
+// file's name (a user's weir.yaml) is the demo's only in a directory with it.
+const marker = ".weir-demo"
+
+// makeDir makes dir, if it is not there, and marks it as the demo's.
+func makeDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(dir, marker), nil, 0o600)
+}
 
 // removeExcept removes what a demo makes in dir (files) but what keep names,
-// then dir if that leaves it empty: never anything a demo did not make.
+// and the marker only with the rest, then dir if that leaves it empty: never
+// anything a demo did not make.
 func removeExcept(dir string, keep []string) {
+	if len(keep) > 0 {
+		keep = append(slices.Clip(keep), marker)
+	}
 	for _, name := range files {
 		if !slices.Contains(keep, name) {
 			os.Remove(filepath.Join(dir, name))
@@ -435,19 +452,37 @@ func removeExcept(dir string, keep []string) {
 }
 
 // ownDir checks that a demo may take dir, and remove it when done: dir does
-// not exist, or holds only what a demo makes (a killed or failed demo's).
+// not exist, or is a directory (not a symlink to one) that is empty or holds
+// only what a demo makes, the marker among it (a killed or failed demo's).
+// DefaultDir needs no marker: weir demo made it before there was one.
 func ownDir(dir string) error {
-	ents, err := os.ReadDir(dir)
+	fi, err := os.Lstat(dir)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
 	if err != nil {
 		return err
 	}
+	if !fi.IsDir() {
+		what := "not a directory"
+		if fi.Mode()&os.ModeSymlink != 0 {
+			what = "a symlink"
+		}
+		return fmt.Errorf("%s is %s: a demo takes a directory of its own and removes it when done; give it a new one", dir, what)
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	mine := filepath.Clean(dir) == DefaultDir
 	for _, e := range ents {
 		if !slices.Contains(files, e.Name()) {
 			return fmt.Errorf("%s holds %s, which no demo made: a demo takes a directory of its own and removes it when done; give it a new one", dir, e.Name())
 		}
+		mine = mine || e.Name() == marker
+	}
+	if len(ents) > 0 && !mine {
+		return fmt.Errorf("%s holds %s but no %s, so no demo made it: a demo takes a directory of its own and removes it when done; give it a new one", dir, ents[0].Name(), marker)
 	}
 	return nil
 }

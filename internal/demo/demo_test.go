@@ -317,8 +317,12 @@ func checkLogKept(t *testing.T, err error, dir, name, want string) {
 	if b, err := os.ReadFile(path); err != nil || !strings.Contains(string(b), want) {
 		t.Errorf("%s: %q, %v; want it kept, with %q", path, b, err, want)
 	}
-	if ents, _ := os.ReadDir(dir); len(ents) != 1 {
-		t.Errorf("left in %s: %v; want only %s", dir, ents, name)
+	// The next demo takes the directory: the mark that it is a demo's stays.
+	if ents, _ := os.ReadDir(dir); len(ents) != 2 || ents[0].Name() != marker || ents[1].Name() != name {
+		t.Errorf("left in %s: %v; want only %s and %s", dir, ents, marker, name)
+	}
+	if err := ownDir(dir); err != nil {
+		t.Errorf("%s refused to the next demo: %v", dir, err)
 	}
 }
 
@@ -428,6 +432,48 @@ func TestDemoDirNotItsOwn(t *testing.T) {
 	}
 	if b, err := os.ReadFile(mine); string(b) != "mine" {
 		t.Errorf("%s after the demo and Down: %q, %v; want it untouched", mine, b, err)
+	}
+	if left, _ := netns.List(topo.ProcessPrefix(testPrefix)); len(left) != 0 {
+		t.Errorf("namespaces left behind: %v", left)
+	}
+}
+
+// TestDemoDirNotMarked: a demo, and Down, refuse a directory that holds only
+// files with the names of a demo's (a user's weir.yaml and agent.log) but not
+// the mark of a demo's directory, and a symlink to an empty directory; each
+// stays as it was.
+func TestDemoDirNotMarked(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	users := t.TempDir()
+	for _, name := range []string{"weir.yaml", "agent.log"} {
+		if err := os.WriteFile(filepath.Join(users, name), []byte("mine"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	link := filepath.Join(t.TempDir(), "link")
+	if err := os.Symlink(t.TempDir(), link); err != nil {
+		t.Fatal(err)
+	}
+	for dir, want := range map[string]string{users: users + " holds agent.log but no " + marker, link: link + " is a symlink"} {
+		opts := options(t, "auto", &bytes.Buffer{})
+		opts.Dir = dir
+		// A demo that takes dir anyway fails at once, and removes what it can.
+		opts.AgentArgv = func(string) []string { return []string{"sh", "-c", "exit 1"} }
+		if _, err := Run(ctx, opts); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("a demo in %s: got %v; want it refused: %q", dir, err, want)
+		}
+		if err := Down(dir); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("Down in %s: got %v; want it refused: %q", dir, err, want)
+		}
+	}
+	for _, name := range []string{"weir.yaml", "agent.log"} {
+		if b, err := os.ReadFile(filepath.Join(users, name)); string(b) != "mine" {
+			t.Errorf("%s after the demo and Down: %q, %v; want it untouched", name, b, err)
+		}
+	}
+	if _, err := os.Lstat(link); err != nil {
+		t.Errorf("the symlink after the demo and Down: %v; want it there", err)
 	}
 	if left, _ := netns.List(topo.ProcessPrefix(testPrefix)); len(left) != 0 {
 		t.Errorf("namespaces left behind: %v", left)

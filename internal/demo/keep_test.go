@@ -190,7 +190,7 @@ func noPidfd() int {
 // the file.
 func TestDownBadState(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "demo")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	if err := makeDir(dir); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(statePath(dir), []byte("{"), 0o600); err != nil {
@@ -289,7 +289,7 @@ func TestStopProcKills(t *testing.T) {
 func TestDownKillsHold(t *testing.T) {
 	shortWaits(t)
 	dir := filepath.Join(t.TempDir(), "demo")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	if err := makeDir(dir); err != nil {
 		t.Fatal(err)
 	}
 	lk, err := lock(dir)
@@ -330,7 +330,7 @@ func TestDownKillsHold(t *testing.T) {
 func TestDownOldState(t *testing.T) {
 	shortWaits(t)
 	dir := filepath.Join(t.TempDir(), "demo")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	if err := makeDir(dir); err != nil {
 		t.Fatal(err)
 	}
 	agent := startStubborn(t, []string{"run", "-c", configPath(dir)})
@@ -403,7 +403,7 @@ func TestKeptNamesDown(t *testing.T) {
 // a state file edited by hand, is left.
 func TestDownLeavesOthersNamespace(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "demo")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	if err := makeDir(dir); err != nil {
 		t.Fatal(err)
 	}
 	// Of the tests' prefix, so that if this test is killed the next removes it.
