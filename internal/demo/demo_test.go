@@ -438,6 +438,54 @@ func TestDemoDirNotItsOwn(t *testing.T) {
 	}
 }
 
+// checkRefused checks that a demo in dir, and Down, refuse it with an error
+// that holds want.
+func checkRefused(ctx context.Context, t *testing.T, dir, want string) {
+	t.Helper()
+	opts := options(t, "auto", &bytes.Buffer{})
+	opts.Dir = dir
+	// A demo that takes dir anyway fails at once, and removes what it can.
+	opts.AgentArgv = func(string) []string { return []string{"sh", "-c", "exit 1"} }
+	if _, err := Run(ctx, opts); err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("a demo in %s: got %v; want it refused: %q", dir, err, want)
+	}
+	if err := Down(dir); err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("Down in %s: got %v; want it refused: %q", dir, err, want)
+	}
+}
+
+// TestLockNotADemos: a demo, and Down, refuse a directory whose lock's path
+// (DIR.lock) is a file of another's, or a symlink to one, and leave that
+// file as it was.
+func TestLockNotADemos(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	base := t.TempDir()
+	target := filepath.Join(base, "target")
+	for _, path := range []string{filepath.Join(base, "mine.lock"), target} {
+		if err := os.WriteFile(path, []byte("mine"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Symlink(target, filepath.Join(base, "link.lock")); err != nil {
+		t.Fatal(err)
+	}
+	for dir, want := range map[string]string{
+		filepath.Join(base, "mine"): "mine.lock holds what no demo wrote",
+		filepath.Join(base, "link"): "link.lock is a symlink",
+	} {
+		checkRefused(ctx, t, dir, want)
+	}
+	for _, path := range []string{filepath.Join(base, "mine.lock"), target} {
+		if b, err := os.ReadFile(path); string(b) != "mine" {
+			t.Errorf("%s after the demo and Down: %q, %v; want it untouched", path, b, err)
+		}
+	}
+	if left, _ := netns.List(topo.ProcessPrefix(testPrefix)); len(left) != 0 {
+		t.Errorf("namespaces left behind: %v", left)
+	}
+}
+
 // TestDemoDirNotMarked: a demo, and Down, refuse a directory that holds only
 // files with the names of a demo's (a user's weir.yaml and agent.log) but not
 // the mark of a demo's directory, and a symlink to an empty directory; each
@@ -456,16 +504,7 @@ func TestDemoDirNotMarked(t *testing.T) {
 		t.Fatal(err)
 	}
 	for dir, want := range map[string]string{users: users + " holds agent.log but no " + marker, link: link + " is a symlink"} {
-		opts := options(t, "auto", &bytes.Buffer{})
-		opts.Dir = dir
-		// A demo that takes dir anyway fails at once, and removes what it can.
-		opts.AgentArgv = func(string) []string { return []string{"sh", "-c", "exit 1"} }
-		if _, err := Run(ctx, opts); err == nil || !strings.Contains(err.Error(), want) {
-			t.Errorf("a demo in %s: got %v; want it refused: %q", dir, err, want)
-		}
-		if err := Down(dir); err == nil || !strings.Contains(err.Error(), want) {
-			t.Errorf("Down in %s: got %v; want it refused: %q", dir, err, want)
-		}
+		checkRefused(ctx, t, dir, want)
 	}
 	for _, name := range []string{"weir.yaml", "agent.log"} {
 		if b, err := os.ReadFile(filepath.Join(users, name)); string(b) != "mine" {

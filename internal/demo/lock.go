@@ -3,8 +3,10 @@ package demo
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 
@@ -29,11 +31,26 @@ func (busyError) Is(target error) bool { return target == ErrBusy }
 
 func lockPath(dir string) string { return filepath.Clean(dir) + ".lock" }
 
-// lock takes dir's lock and records this process as its holder.
+// holderLine is what setHolder writes.
+var holderLine = regexp.MustCompile(`^(run|kept) [0-9]+\n$`)
+
+// lock takes dir's lock and records this process as its holder. It refuses
+// a lock file that is not a demo's (a symlink, not a regular file, or one
+// holding what setHolder does not write): it would write over it.
 func lock(dir string) (*os.File, error) {
-	f, err := os.OpenFile(lockPath(dir), os.O_RDWR|os.O_CREATE, 0o600)
+	notOurs := func(what string) error {
+		return fmt.Errorf("lock: %s %s, not a demo's lock: a demo's lock is its directory's path with .lock added; give the demo a new directory", lockPath(dir), what)
+	}
+	f, err := os.OpenFile(lockPath(dir), os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o600)
+	if errors.Is(err, unix.ELOOP) {
+		return nil, notOurs("is a symlink")
+	}
 	if err != nil {
 		return nil, fmt.Errorf("lock: %w", err)
+	}
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		f.Close()
+		return nil, notOurs("is not a regular file")
 	}
 	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
 		f.Close()
@@ -41,6 +58,11 @@ func lock(dir string) (*os.File, error) {
 			return nil, busy(dir)
 		}
 		return nil, fmt.Errorf("lock %s: %w", lockPath(dir), err)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, 64))
+	if err != nil || len(b) > 0 && !holderLine.Match(b) {
+		f.Close()
+		return nil, notOurs("holds what no demo wrote")
 	}
 	if err := setHolder(f, "run", os.Getpid()); err != nil {
 		f.Close()
