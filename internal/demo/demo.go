@@ -452,8 +452,9 @@ func removeExcept(dir string, keep []string) {
 }
 
 // ownDir checks that a demo may take dir, and remove it when done: dir does
-// not exist, or is a directory (not a symlink to one) that is empty or holds
-// only what a demo makes, the marker among it (a killed or failed demo's).
+// not exist, or is a directory (not a symlink to one) of this user's that is
+// empty or holds only what a demo makes, the marker among it (a killed or
+// failed demo's), as files (no symlinks).
 // DefaultDir needs no marker: weir demo made it before there was one.
 func ownDir(dir string) error {
 	fi, err := os.Lstat(dir)
@@ -470,13 +471,18 @@ func ownDir(dir string) error {
 		}
 		return fmt.Errorf("%s is %s: a demo takes a directory of its own and removes it when done; give it a new one", dir, what)
 	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Geteuid() {
+		return fmt.Errorf("%s belongs to uid %d, not this user: a demo takes a directory of its own and removes it when done; give it a new one", dir, st.Uid)
+	}
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return err
 	}
 	mine := filepath.Clean(dir) == DefaultDir
 	for _, e := range ents {
-		if !slices.Contains(files, e.Name()) {
+		// What a demo makes is a file, or the agent's socket: it would write
+		// through a symlink of the same name.
+		if !slices.Contains(files, e.Name()) || !e.Type().IsRegular() && e.Type() != os.ModeSocket {
 			return fmt.Errorf("%s holds %s, which no demo made: a demo takes a directory of its own and removes it when done; give it a new one", dir, e.Name())
 		}
 		mine = mine || e.Name() == marker

@@ -490,6 +490,44 @@ func TestLockNotADemos(t *testing.T) {
 // files with the names of a demo's (a user's weir.yaml and agent.log) but not
 // the mark of a demo's directory, and a symlink to an empty directory; each
 // stays as it was.
+// TestDemoDirNotSafe: a demo, and Down, refuse a marked directory whose
+// weir.yaml is a symlink to a user's file, and a marked directory of another
+// user's (as one made in /tmp by someone else would be); the file keeps its
+// content and the directory stays.
+func TestDemoDirNotSafe(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	target := filepath.Join(t.TempDir(), "mine")
+	if err := os.WriteFile(target, []byte("mine"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	linked := filepath.Join(t.TempDir(), "demo")
+	others := filepath.Join(t.TempDir(), "demo")
+	for _, dir := range []string{linked, others} {
+		if err := makeDir(dir); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Symlink(target, configPath(linked)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(others, 65534, 65534); err != nil {
+		t.Fatal(err)
+	}
+	for dir, want := range map[string]string{linked: linked + " holds weir.yaml, which no demo made", others: others + " belongs to uid 65534"} {
+		checkRefused(ctx, t, dir, want)
+	}
+	if b, err := os.ReadFile(target); string(b) != "mine" {
+		t.Errorf("%s after the demo and Down: %q, %v; want it untouched", target, b, err)
+	}
+	if _, err := os.Stat(filepath.Join(others, marker)); err != nil {
+		t.Errorf("%s after the demo and Down: %v; want it there", others, err)
+	}
+	if left, _ := netns.List(topo.ProcessPrefix(testPrefix)); len(left) != 0 {
+		t.Errorf("namespaces left behind: %v", left)
+	}
+}
+
 func TestDemoDirNotMarked(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
