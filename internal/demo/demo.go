@@ -457,6 +457,11 @@ func removeExcept(dir string, keep []string) {
 // failed demo's), as files (no symlinks).
 // DefaultDir needs no marker: weir demo made it before there was one.
 func ownDir(dir string) error {
+	// Its lock (DIR.lock) and itself would be what no demo made in the other.
+	parent := filepath.Dir(filepath.Clean(dir))
+	if _, err := os.Lstat(filepath.Join(parent, marker)); parent == DefaultDir || err == nil {
+		return fmt.Errorf("%s is inside another demo's directory, %s: give the demo a directory of its own elsewhere", dir, parent)
+	}
 	fi, err := os.Lstat(dir)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil

@@ -486,6 +486,22 @@ func TestLockNotADemos(t *testing.T) {
 	}
 }
 
+// TestDemoDirInsideDemos: a demo, and Down, refuse a directory inside a
+// demo's, where its lock and itself would make the outer one a directory no
+// demo takes.
+func TestDemoDirInsideDemos(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	outer := filepath.Join(t.TempDir(), "demo")
+	if err := makeDir(outer); err != nil {
+		t.Fatal(err)
+	}
+	checkRefused(ctx, t, filepath.Join(outer, "inner"), "inside another demo's directory, "+outer)
+	if err := ownDir(outer); err != nil {
+		t.Errorf("the outer demo's directory afterwards: %v; want it a demo's still", err)
+	}
+}
+
 // TestDemoDirNotMarked: a demo, and Down, refuse a directory that holds only
 // files with the names of a demo's (a user's weir.yaml and agent.log) but not
 // the mark of a demo's directory, and a symlink to an empty directory; each
