@@ -362,7 +362,9 @@ func TestOwnerPID(t *testing.T) {
 		{"wt2hwcg0-client", 4194304, true},
 		{"wtdemo-lb", 0, false},
 		{"wt0002s-lb", 0, false},
-		{"wt0002s0", 0, false},
+		{"wt0002s0", 100, true},   // UniqueName's alone, no role
+		{"wt2hwch0-lb", 0, false}, // 4194305: past pid_max
+		{"wta002s0-lb", 0, false}, // wta's: "a002s" is no pid
 		{"wt0002s_-lb", 0, false},
 	} {
 		pid, ok := ownerPID("wt", tc.name)
