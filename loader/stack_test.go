@@ -1,6 +1,7 @@
 package loader
 
 import (
+	"fmt"
 	"regexp"
 	"strconv"
 	"testing"
@@ -22,8 +23,10 @@ const stackBudget = 480
 
 // stackDepth is the stack the verifier holds a program to (512 bytes): its own
 // frame and, through bpf-to-bpf calls, the deepest chain of its callees' frames on
-// top (each callee has a frame of its own, below its caller's). insns is the
-// program with its functions, each opened by its symbol, as cilium/ebpf links them.
+// top (each callee has a frame of its own, below its caller's). The verifier adds
+// the frames each rounded up to 16 bytes (for a JITed program; the interpreter
+// rounds to 32), so the sum counts them so too. insns is the program with its
+// functions, each opened by its symbol, as cilium/ebpf links them.
 func stackDepth(insns asm.Instructions) int {
 	funcs := map[string]asm.Instructions{}
 	var name string
@@ -46,7 +49,7 @@ func stackDepth(insns asm.Instructions) int {
 				callees = max(callees, chain(ins.Reference()))
 			}
 		}
-		depths[fn] = frameDepth(funcs[fn]) + callees
+		depths[fn] = (frameDepth(funcs[fn])+15)&^15 + callees
 		return depths[fn]
 	}
 	return chain(insns[0].Symbol())
@@ -171,24 +174,73 @@ func functionLen(insns asm.Instructions) int {
 }
 
 // TestStackDepthAddsCalledFrames: a bpf-to-bpf call's frame lies below its caller's,
-// so a program of 200 bytes calling a function of 300 needs 500, past the budget,
+// so a program of 192 bytes calling a function of 304 needs 496, past the budget,
 // though neither frame alone is.
 func TestStackDepthAddsCalledFrames(t *testing.T) {
 	insns := asm.Instructions{
-		asm.StoreImm(asm.R10, -200, 0, asm.Word).WithSymbol("prog"),
+		asm.StoreImm(asm.R10, -192, 0, asm.Word).WithSymbol("prog"),
 		asm.Call.Label("deep"),
 		asm.Call.Label("shallow"),
 		asm.Return(),
-		asm.StoreImm(asm.R10, -300, 0, asm.Word).WithSymbol("deep"),
+		asm.StoreImm(asm.R10, -304, 0, asm.Word).WithSymbol("deep"),
 		asm.Return(),
 		asm.Mov.Reg(asm.R1, asm.R10).WithSymbol("shallow"),
 		asm.Add.Imm(asm.R1, -16),
 		asm.Return(),
 	}
-	if got := stackDepth(insns); got != 500 {
-		t.Errorf("stackDepth = %d; want 500", got)
+	if got := stackDepth(insns); got != 496 {
+		t.Errorf("stackDepth = %d; want 496", got)
 	}
-	if got := frameDepth(insns[:functionLen(insns)]); got != 200 {
-		t.Errorf("the program's own frame = %d; want 200", got)
+	if got := frameDepth(insns[:functionLen(insns)]); got != 192 {
+		t.Errorf("the program's own frame = %d; want 192", got)
 	}
+}
+
+// TestStackDepthRoundsFrames: the verifier adds the frames of a call chain each
+// rounded up to 16 bytes. A program of 440 bytes calling down a chain of five
+// functions of 8 bytes each has frames of 480 bytes, within the budget, yet the
+// verifier counts 448 + 5 × 16 = 528 and refuses it; one of 456 calling three
+// (464 + 3 × 16 = 512) it loads. stackDepth must say what the verifier holds, past
+// 512 for the first.
+func TestStackDepthRoundsFrames(t *testing.T) {
+	for _, tc := range []struct {
+		own, callees int
+		want         int
+		loads        bool
+	}{
+		{440, 5, 528, false},
+		{456, 3, 512, true},
+	} {
+		name := fmt.Sprintf("%d calling %d of 8", tc.own, tc.callees)
+		t.Run(name, func(t *testing.T) {
+			insns := stackChain(tc.own, tc.callees)
+			if got := stackDepth(insns); got != tc.want {
+				t.Errorf("stackDepth = %d; want %d", got, tc.want)
+			}
+			prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{Type: ebpf.XDP, Instructions: insns, License: "GPL"})
+			if err == nil {
+				prog.Close()
+			}
+			if loads := err == nil; loads != tc.loads {
+				t.Errorf("the verifier loads it: %v (%v); want %v", loads, err, tc.loads)
+			}
+		})
+	}
+}
+
+// stackChain is a program with a frame of own bytes that calls down a chain of
+// callees functions, each with a frame of 8 bytes, and returns XDP_PASS.
+func stackChain(own, callees int) asm.Instructions {
+	frame := func(sym string, depth int) asm.Instructions {
+		return asm.Instructions{
+			asm.Mov.Imm(asm.R1, 0).WithSymbol(sym),
+			asm.StoreMem(asm.R10, int16(-depth), asm.R1, asm.DWord),
+		}
+	}
+	insns := frame("prog", own)
+	for i := range callees {
+		insns = append(insns, asm.Call.Label(fmt.Sprintf("f%d", i)), asm.Mov.Imm(asm.R0, 2), asm.Return())
+		insns = append(insns, frame(fmt.Sprintf("f%d", i), 8)...)
+	}
+	return append(insns, asm.Mov.Imm(asm.R0, 2), asm.Return())
 }
