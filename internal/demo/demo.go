@@ -437,24 +437,26 @@ func makeDir(dir string) error {
 }
 
 // removeExcept removes what a demo makes in dir (files) but what keep names,
-// and the marker only with the rest, then dir if that leaves it empty: never
-// anything a demo did not make.
+// and the marker once nothing else is left, then dir: never anything a demo
+// did not make. What is left (a kept log, a user's editor backup of the
+// config) keeps the marker beside it, so the next demo takes dir again.
 func removeExcept(dir string, keep []string) {
-	if len(keep) > 0 {
-		keep = append(slices.Clip(keep), marker)
-	}
 	for _, name := range files {
-		if !slices.Contains(keep, name) {
+		if name != marker && !slices.Contains(keep, name) {
 			os.Remove(filepath.Join(dir, name))
 		}
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) == 1 && ents[0].Name() == marker {
+		os.Remove(filepath.Join(dir, marker))
 	}
 	os.Remove(dir) // fails while anything is left in it
 }
 
 // ownDir checks that a demo may take dir, and remove it when done: dir does
 // not exist, or is a directory (not a symlink to one) of this user's that is
-// empty or holds only what a demo makes, the marker among it (a killed or
-// failed demo's), as files (no symlinks).
+// empty or bears the marker (a killed, failed or kept demo's), where what
+// bears a demo file's name is a file (no symlink). What else a demo's
+// directory holds (a user's backup of the config) the demo leaves there.
 // DefaultDir needs no marker: weir demo made it before there was one.
 func ownDir(dir string) error {
 	// Its lock (DIR.lock) and itself would be what no demo made in the other.
@@ -487,7 +489,7 @@ func ownDir(dir string) error {
 	for _, e := range ents {
 		// What a demo makes is a file, or the agent's socket: it would write
 		// through a symlink of the same name.
-		if !slices.Contains(files, e.Name()) || !e.Type().IsRegular() && e.Type() != os.ModeSocket {
+		if slices.Contains(files, e.Name()) && !e.Type().IsRegular() && e.Type() != os.ModeSocket {
 			return fmt.Errorf("%s holds %s, which no demo made: a demo takes a directory of its own and removes it when done; give it a new one", dir, e.Name())
 		}
 		mine = mine || e.Name() == marker

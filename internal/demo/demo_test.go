@@ -502,10 +502,6 @@ func TestDemoDirInsideDemos(t *testing.T) {
 	}
 }
 
-// TestDemoDirNotMarked: a demo, and Down, refuse a directory that holds only
-// files with the names of a demo's (a user's weir.yaml and agent.log) but not
-// the mark of a demo's directory, and a symlink to an empty directory; each
-// stays as it was.
 // TestDemoDirNotSafe: a demo, and Down, refuse a marked directory whose
 // weir.yaml is a symlink to a user's file, and a marked directory of another
 // user's (as one made in /tmp by someone else would be); the file keeps its
@@ -544,6 +540,10 @@ func TestDemoDirNotSafe(t *testing.T) {
 	}
 }
 
+// TestDemoDirNotMarked: a demo, and Down, refuse a directory that holds only
+// files with the names of a demo's (a user's weir.yaml and agent.log) but not
+// the mark of a demo's directory, and a symlink to an empty directory; each
+// stays as it was.
 func TestDemoDirNotMarked(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -567,6 +567,48 @@ func TestDemoDirNotMarked(t *testing.T) {
 	}
 	if _, err := os.Lstat(link); err != nil {
 		t.Errorf("the symlink after the demo and Down: %v; want it there", err)
+	}
+	if left, _ := netns.List(topo.ProcessPrefix(testPrefix)); len(left) != 0 {
+		t.Errorf("namespaces left behind: %v", left)
+	}
+}
+
+// TestDemoDirKeepsUsersFile: a kept demo's directory holding a file of the
+// user's beside the demo's (an editor's backup of the config it invites the
+// user to edit) is still the demo's: Down removes the kept demo, and the next
+// demo takes the directory; both leave the user's file, and the mark beside
+// it.
+func TestDemoDirKeepsUsersFile(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	opts := options(t, "auto", &bytes.Buffer{})
+	if err := makeDir(opts.Dir); err != nil {
+		t.Fatal(err)
+	}
+	backup := configPath(opts.Dir) + "~"
+	for _, path := range []string{configPath(opts.Dir), backup} {
+		if err := os.WriteFile(path, []byte("mine"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := writeState(state{Dir: opts.Dir}); err != nil {
+		t.Fatal(err)
+	}
+	if err := Down(opts.Dir); err != nil {
+		t.Errorf("Down with a user's %s beside the kept demo's files: %v; want it done", filepath.Base(backup), err)
+	}
+	if _, err := os.Stat(statePath(opts.Dir)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s after Down: %v; want it removed", statePath(opts.Dir), err)
+	}
+	opts.AgentArgv = func(string) []string { return []string{"sh", "-c", "echo it broke; exit 1"} }
+	if _, err := Run(ctx, opts); err == nil || !strings.Contains(err.Error(), "the agent exited") {
+		t.Errorf("the next demo: got %v; want it to take the directory (and its agent to exit)", err)
+	}
+	if b, err := os.ReadFile(backup); string(b) != "mine" {
+		t.Errorf("%s after Down and a demo: %q, %v; want it untouched", backup, b, err)
+	}
+	if err := ownDir(opts.Dir); err != nil {
+		t.Errorf("%s refused to the next demo: %v", opts.Dir, err)
 	}
 	if left, _ := netns.List(topo.ProcessPrefix(testPrefix)); len(left) != 0 {
 		t.Errorf("namespaces left behind: %v", left)
