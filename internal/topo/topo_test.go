@@ -275,8 +275,9 @@ func TestNewFailureCleansUp(t *testing.T) {
 
 func TestCleanupStale(t *testing.T) {
 	// A prefix of this process's own, so parallel runs of this test do
-	// not see each other's namespaces.
-	prefix := fmt.Sprintf("wx%d", os.Getpid())
+	// not see each other's namespaces: of one width, so that none begins
+	// another's (under wx1234, wx12341's names read as a pid's).
+	prefix := fmt.Sprintf("wx%07d", os.Getpid())
 	pid := strconv.FormatInt(int64(os.Getpid()), 36)
 	pid = strings.Repeat("0", pidWidth-len(pid)) + pid
 	names := map[string]bool{ // name -> removed by CleanupStale
