@@ -455,8 +455,8 @@ func checkRefused(ctx context.Context, t *testing.T, dir, want string) {
 }
 
 // TestLockNotADemos: a demo, and Down, refuse a directory whose lock's path
-// (DIR.lock) is a file of another's, or a symlink to one, and leave that
-// file as it was.
+// (DIR.lock) is a file of another's, a symlink to one, or another user's,
+// and leave that file as it was.
 func TestLockNotADemos(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -470,9 +470,19 @@ func TestLockNotADemos(t *testing.T) {
 	if err := os.Symlink(target, filepath.Join(base, "link.lock")); err != nil {
 		t.Fatal(err)
 	}
+	// Another user's, as one made in /tmp would be, empty as a demo's lock
+	// may be.
+	others := filepath.Join(base, "others.lock")
+	if err := os.WriteFile(others, nil, 0o666); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(others, 65534, 65534); err != nil {
+		t.Fatal(err)
+	}
 	for dir, want := range map[string]string{
-		filepath.Join(base, "mine"): "mine.lock holds what no demo wrote",
-		filepath.Join(base, "link"): "link.lock is a symlink",
+		filepath.Join(base, "mine"):   "mine.lock holds what no demo wrote",
+		filepath.Join(base, "link"):   "link.lock is a symlink",
+		filepath.Join(base, "others"): "others.lock belongs to uid 65534",
 	} {
 		checkRefused(ctx, t, dir, want)
 	}
@@ -480,6 +490,9 @@ func TestLockNotADemos(t *testing.T) {
 		if b, err := os.ReadFile(path); string(b) != "mine" {
 			t.Errorf("%s after the demo and Down: %q, %v; want it untouched", path, b, err)
 		}
+	}
+	if b, err := os.ReadFile(others); len(b) != 0 {
+		t.Errorf("%s after the demo and Down: %q, %v; want it untouched, empty", others, b, err)
 	}
 	if left, _ := netns.List(topo.ProcessPrefix(testPrefix)); len(left) != 0 {
 		t.Errorf("namespaces left behind: %v", left)

@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -35,8 +36,9 @@ func lockPath(dir string) string { return filepath.Clean(dir) + ".lock" }
 var holderLine = regexp.MustCompile(`^(run|kept) [0-9]+\n$`)
 
 // lock takes dir's lock and records this process as its holder. It refuses
-// a lock file that is not a demo's (a symlink, not a regular file, or one
-// holding what setHolder does not write): it would write over it.
+// a lock file that is not a demo's (a symlink, not a regular file, another
+// user's, or one holding what setHolder does not write): it would write over
+// it.
 func lock(dir string) (*os.File, error) {
 	notOurs := func(what string) error {
 		return fmt.Errorf("lock: %s %s, not a demo's lock: a demo's lock is its directory's path with .lock added; give the demo a new directory", lockPath(dir), what)
@@ -48,9 +50,16 @@ func lock(dir string) (*os.File, error) {
 	if err != nil {
 		return nil, fmt.Errorf("lock: %w", err)
 	}
-	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+	fi, err := f.Stat()
+	if err != nil || !fi.Mode().IsRegular() {
 		f.Close()
 		return nil, notOurs("is not a regular file")
+	}
+	// Another user's (one made in /tmp) is one whose owner can hold it,
+	// and write it, to turn the demo away.
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Geteuid() {
+		f.Close()
+		return nil, notOurs("belongs to uid " + strconv.Itoa(int(st.Uid)))
 	}
 	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
 		f.Close()
