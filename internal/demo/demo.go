@@ -420,12 +420,13 @@ func (r *run) keepLog(name string) string {
 }
 
 // files are the names a demo gives what it makes in its directory: all it
-// removes there, and all a directory it takes may hold.
+// removes there, and what must be a file (or the socket) in one it takes.
 var files = []string{"weir.yaml", "weir.sock", "agent.log", "hold.log", "state.json", "state.json.new", marker}
 
 // marker is the empty file that makes a directory a demo's: a demo writes it
-// before anything else there and removes it last. A file that bears a demo
-// file's name (a user's weir.yaml) is the demo's only in a directory with it.
+// before anything else there and removes it once nothing else is left. A
+// file that bears a demo file's name (a user's weir.yaml) is the demo's only
+// in a directory with it.
 const marker = ".weir-demo"
 
 // makeDir makes dir, if it is not there, and marks it as the demo's.
