@@ -1,15 +1,12 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"os"
 	"os/signal"
-	"path/filepath"
-	"strings"
 	"sync"
 	"syscall"
 
@@ -28,8 +25,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		"Build a client, a balancer and backends in network namespaces, run the agent on them\n"+
 			"(weir run, in the balancer's namespace) and show it balancing real traffic: health,\n"+
 			"drain, reloads, the proxy. Without --keep it removes everything when done;\nweir demo down removes what --keep left. weir demo fleet shows three nodes announcing\na VIP over BGP to a router (weir demo fleet -h).\n"+
-			"WEIR_DEMO_DIR and WEIR_DEMO_PREFIX, set together, run it beside the default one: in\n"+
-			"another directory than /run/weir-demo, its namespaces named with 3 letters other than wdm.", stdout, stderr)
+			"WEIR_DEMO_NAME=NAME (3 letters a-z, not wdm) runs it beside the default one: in\n"+
+			"/run/weir-demo-NAME, its namespaces' names beginning with NAME.", stdout, stderr)
 	backends := fs.Int("backends", 3, "backends the config starts with (1..50; a reload adds one more)")
 	requests := fs.Int("requests", 300, "new TCP connections per round")
 	mode := fs.String("mode", "auto", "XDP attach mode: auto, native or generic")
@@ -48,12 +45,12 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if *requests < 3 {
 		return fmt.Errorf("demo: --requests must be at least 3, got %d", *requests)
 	}
-	if os.Geteuid() != 0 {
-		return errors.New("demo: needs root to create network namespaces and load XDP (run it as root, or with sudo)")
-	}
 	dir, prefix, err := demoPlace()
 	if err != nil {
 		return fmt.Errorf("demo: %w", err)
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("demo: needs root to create network namespaces and load XDP (run it as root, or with sudo)")
 	}
 	exe, err := os.Executable()
 	if err != nil {
@@ -89,37 +86,9 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 
 // demoPlace is where weir demo keeps its files (its lock is DIR.lock) and how
 // its namespaces' names begin: /run/weir-demo and wdm, or, for a demo beside
-// that one (weir's tests run theirs so), what WEIR_DEMO_DIR and
-// WEIR_DEMO_PREFIX say. They go together: a demo removes, as a dead demo's,
-// every namespace of its prefix whose demo has exited, a kept demo's too, so
-// a demo in a directory of its own takes a prefix of its own, one that no
-// other demo's begins with (three letters, not wdm).
+// that one (weir's tests run theirs so), what WEIR_DEMO_NAME says.
 func demoPlace() (dir, prefix string, err error) {
-	dir, err = demoDir()
-	if err != nil {
-		return "", "", err
-	}
-	prefix = cmp.Or(os.Getenv(demo.PrefixEnv), demo.NamePrefix)
-	if len(prefix) != 3 || strings.Trim(prefix, "abcdefghijklmnopqrstuvwxyz") != "" {
-		return "", "", fmt.Errorf("%s must be 3 letters a-z, got %q", demo.PrefixEnv, prefix)
-	}
-	if (dir == demo.DefaultDir) != (prefix == demo.NamePrefix) {
-		return "", "", fmt.Errorf("%s and %s go together: a demo in a directory other than %s takes a namespace prefix other than %s, or it removes that demo's namespaces (got %q and %q)",
-			demo.DirEnv, demo.PrefixEnv, demo.DefaultDir, demo.NamePrefix, dir, prefix)
-	}
-	return dir, prefix, nil
-}
-
-// demoDir is weir demo's directory: /run/weir-demo, or WEIR_DEMO_DIR.
-func demoDir() (string, error) {
-	v := os.Getenv(demo.DirEnv)
-	if v == "" {
-		return demo.DefaultDir, nil
-	}
-	if !filepath.IsAbs(v) || filepath.Clean(v) == "/" {
-		return "", fmt.Errorf("%s must be an absolute path below /, got %q", demo.DirEnv, v)
-	}
-	return filepath.Clean(v), nil
+	return demo.Place(os.Getenv(demo.NameEnv))
 }
 
 func runDemoFleet(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -217,11 +186,11 @@ func runDemoSub(ctx context.Context, cmd string, args []string, stdout, stderr i
 	switch cmd {
 	case "down":
 		fs := newFlagSet("demo down", "", "Stop the agent and the backends weir demo --keep left, and remove its namespaces.\n"+
-			"WEIR_DEMO_DIR names the kept demo's directory, if not /run/weir-demo.", stdout, stderr)
+			"WEIR_DEMO_NAME names the kept demo, if it was run with one.", stdout, stderr)
 		if err := parseFlags(fs, args, 0, 0); err != nil {
 			return err
 		}
-		dir, err := demoDir()
+		dir, _, err := demoPlace()
 		if err != nil {
 			return fmt.Errorf("demo down: %w", err)
 		}

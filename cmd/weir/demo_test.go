@@ -333,18 +333,19 @@ func demoLockFree(t *testing.T) bool {
 }
 
 // The tests' weir demo keeps to a directory (and its lock, testDemoDir.lock)
-// and a namespace prefix of its own, so it leaves a user's demo alone. The
+// and a namespace prefix of its own, WEIR_DEMO_NAME=testPrefix, so it leaves
+// a user's demo alone. The
 // cmd/weir tests of every checkout share them, one test at a time
 // (heavy.Demo): a test binary killed midway leaves, as a killed weir demo
 // does, what the next of these tests' demos removes.
 const (
-	testDemoDir = "/run/weir-demo-test"
+	testDemoDir = "/run/weir-demo-wdc"
 	testPrefix  = "wdc"
 )
 
 // demoEnv is the environment of the tests' weir demo.
 func demoEnv() []string {
-	return append(os.Environ(), demo.DirEnv+"="+testDemoDir, demo.PrefixEnv+"="+testPrefix)
+	return append(os.Environ(), demo.NameEnv+"="+testPrefix)
 }
 
 // demoProc is a process the demo started: its PID and start time (a PID may be
@@ -638,47 +639,46 @@ func startTime(stat []byte) string {
 	return f[19]
 }
 
-// TestDemoPlace: WEIR_DEMO_DIR and WEIR_DEMO_PREFIX move weir demo only
-// together, to a directory and a three-letter prefix that are not the
-// default demo's: a prefix alone, a directory alone (whose demo would remove
-// the default demo's namespaces), a prefix that begins another's (w: wdm...)
-// and a relative path are refused. weir demo down takes the directory alone.
-func TestDemoPlace(t *testing.T) {
-	for _, c := range []struct {
-		dir, prefix         string
-		wantDir, wantPrefix string // "": refused
-		wantDownDir         string // "": refused
-	}{
-		{"", "", demo.DefaultDir, demo.NamePrefix, demo.DefaultDir},
-		{"/run/weir-demo-x/", "abc", "/run/weir-demo-x", "abc", "/run/weir-demo-x"},
-		{demo.DefaultDir + "/", "", demo.DefaultDir, demo.NamePrefix, demo.DefaultDir},
-		{"/run/weir-demo-x", "", "", "", "/run/weir-demo-x"},
-		{"/run/weir-demo-x", demo.NamePrefix, "", "", "/run/weir-demo-x"},
-		{"", "abc", "", "", demo.DefaultDir},
-		{"/run/weir-demo-x", "w", "", "", "/run/weir-demo-x"},
-		{"/run/weir-demo-x", "wd", "", "", "/run/weir-demo-x"},
-		{"/run/weir-demo-x", "abcd", "", "", "/run/weir-demo-x"},
-		{"/run/weir-demo-x", "Ab1", "", "", "/run/weir-demo-x"},
-		{"run/weir-demo-x", "abc", "", "", ""},
-		{"/", "abc", "", "", ""},
+// TestDemoName: WEIR_DEMO_NAME moves weir demo, and weir demo down, beside
+// the default demo: to /run/weir-demo-NAME and namespaces named NAME...;
+// unset, they keep to /run/weir-demo and wdm. A name that is not 3 letters
+// a-z, or is wdm (the default demo's prefix: that demo's namespaces would be
+// removed as a dead demo's), or is a path, is refused with one line on
+// stderr and exit status 1.
+func TestDemoName(t *testing.T) {
+	for _, c := range []struct{ name, wantDir, wantPrefix string }{
+		{"", demo.DefaultDir, demo.NamePrefix},
+		{"abc", demo.DefaultDir + "-abc", "abc"},
+		{testPrefix, testDemoDir, testPrefix},
 	} {
-		t.Run(fmt.Sprintf("%q,%q", c.dir, c.prefix), func(t *testing.T) {
-			t.Setenv(demo.DirEnv, c.dir)
-			t.Setenv(demo.PrefixEnv, c.prefix)
-			dir, prefix, err := demoPlace()
-			if c.wantDir == "" && err == nil {
-				t.Errorf("weir demo: got %q, %q; want it refused", dir, prefix)
-			}
-			if c.wantDir != "" && (err != nil || dir != c.wantDir || prefix != c.wantPrefix) {
-				t.Errorf("weir demo: got %q, %q, %v; want %q, %q", dir, prefix, err, c.wantDir, c.wantPrefix)
-			}
-			dir, err = demoDir()
-			if c.wantDownDir == "" && err == nil {
-				t.Errorf("weir demo down: got %q; want it refused", dir)
-			}
-			if c.wantDownDir != "" && (err != nil || dir != c.wantDownDir) {
-				t.Errorf("weir demo down: got %q, %v; want %q", dir, err, c.wantDownDir)
-			}
-		})
+		t.Setenv(demo.NameEnv, c.name)
+		if dir, prefix, err := demoPlace(); err != nil || dir != c.wantDir || prefix != c.wantPrefix {
+			t.Errorf("%s=%q: got %q, %q, %v; want %q, %q", demo.NameEnv, c.name, dir, prefix, err, c.wantDir, c.wantPrefix)
+		}
+	}
+	bin := buildWeir(t)
+	for _, name := range []string{"ab", "abcd", "Abc", "ab1", demo.NamePrefix, "../", "a/b", "/tmp/x", " ab"} {
+		for _, args := range [][]string{{"demo"}, {"demo", "down"}} {
+			t.Run(fmt.Sprintf("%q/%s", name, strings.Join(args, " ")), func(t *testing.T) {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				var stdout, stderr bytes.Buffer
+				cmd := exec.CommandContext(ctx, bin, args...)
+				cmd.Env = append(os.Environ(), demo.NameEnv+"="+name)
+				cmd.Stdout, cmd.Stderr = &stdout, &stderr
+				err := cmd.Run()
+				var ee *exec.ExitError
+				if !errors.As(err, &ee) || ee.ExitCode() != 1 {
+					t.Errorf("got %v; want exit status 1", err)
+				}
+				want := demo.NameEnv + " must be 3 letters a-z other than " + demo.NamePrefix + ", got " + strconv.Quote(name)
+				if e := strings.TrimSuffix(stderr.String(), "\n"); strings.Contains(e, "\n") || !strings.Contains(e, want) {
+					t.Errorf("stderr %q; want one line saying %q", stderr.String(), want)
+				}
+				if stdout.Len() != 0 {
+					t.Errorf("stdout %q; want nothing", stdout.String())
+				}
+			})
+		}
 	}
 }

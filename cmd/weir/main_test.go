@@ -403,8 +403,8 @@ func TestClientsReachTheAgentPastAnInvalidFile(t *testing.T) {
 	}
 }
 
-// TestDemoHelp: weir demo -h points to the fleet demo and names the variables
-// that move it, weir demo down -h the one it reads, and weir demo fleet -h names
+// TestDemoHelp: weir demo -h points to the fleet demo and names the variable
+// that moves it, weir demo down -h the one it reads, and weir demo fleet -h names
 // everything the fleet demo runs besides weir: BIRD for the router's BGP and nft for
 // its per-next-hop counters (fleet.Start fails without either).
 func TestDemoHelp(t *testing.T) {
@@ -412,8 +412,8 @@ func TestDemoHelp(t *testing.T) {
 		args []string
 		want []string
 	}{
-		{[]string{"demo", "-h"}, []string{"weir demo fleet", "WEIR_DEMO_DIR and WEIR_DEMO_PREFIX"}},
-		{[]string{"demo", "down", "-h"}, []string{"WEIR_DEMO_DIR"}},
+		{[]string{"demo", "-h"}, []string{"weir demo fleet", "WEIR_DEMO_NAME=NAME"}},
+		{[]string{"demo", "down", "-h"}, []string{"WEIR_DEMO_NAME"}},
 		{[]string{"demo", "fleet", "-h"}, []string{"bird2", "nftables"}},
 	} {
 		var stdout, stderr bytes.Buffer

@@ -162,9 +162,6 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if r.out == nil {
 		r.out = io.Discard
 	}
-	if err := ownDir(opts.Dir); err != nil {
-		return Report{}, fmt.Errorf("demo: %w", err)
-	}
 	lk, err := lock(opts.Dir)
 	if err != nil {
 		return Report{}, fmt.Errorf("demo: %w", err)
@@ -181,7 +178,7 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if err := topo.CleanupStale(opts.NamePrefix); err != nil {
 		return Report{}, fmt.Errorf("demo: remove a crashed run's namespaces: %w", err)
 	}
-	if err := makeDir(opts.Dir); err != nil {
+	if err := os.MkdirAll(opts.Dir, 0o700); err != nil {
 		return Report{}, fmt.Errorf("demo: %w", err)
 	}
 	t, err := topo.New(topo.Config{Name: topo.UniqueName(opts.NamePrefix), Backends: opts.Backends + 1})
@@ -420,85 +417,20 @@ func (r *run) keepLog(name string) string {
 }
 
 // files are the names a demo gives what it makes in its directory: all it
-// removes there, and what must be a file (or the socket) in one it takes.
-var files = []string{"weir.yaml", "weir.sock", "agent.log", "hold.log", "state.json", "state.json.new", marker}
-
-// marker is the empty file that makes a directory a demo's: a demo writes it
-// before anything else there and removes it once nothing else is left. A
-// file that bears a demo file's name (a user's weir.yaml) is the demo's only
-// in a directory with it.
-const marker = ".weir-demo"
-
-// makeDir makes dir, if it is not there, and marks it as the demo's.
-func makeDir(dir string) error {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return err
-	}
-	return os.WriteFile(filepath.Join(dir, marker), nil, 0o600)
-}
+// removes there.
+var files = []string{"weir.yaml", "weir.sock", "agent.log", "hold.log", "state.json", "state.json.new"}
 
 // removeExcept removes what a demo makes in dir (files) but what keep names,
-// and the marker once nothing else is left, then dir: never anything a demo
-// did not make. What is left (a kept log, a user's editor backup of the
-// config) keeps the marker beside it, so the next demo takes dir again.
+// then dir if nothing is left: never anything a demo did not make. What is
+// left (a kept log, a user's editor backup of the config) stays, and the
+// next demo takes dir as it is.
 func removeExcept(dir string, keep []string) {
 	for _, name := range files {
-		if name != marker && !slices.Contains(keep, name) {
+		if !slices.Contains(keep, name) {
 			os.Remove(filepath.Join(dir, name))
 		}
 	}
-	if ents, _ := os.ReadDir(dir); len(ents) == 1 && ents[0].Name() == marker {
-		os.Remove(filepath.Join(dir, marker))
-	}
 	os.Remove(dir) // fails while anything is left in it
-}
-
-// ownDir checks that a demo may take dir, and remove it when done: dir does
-// not exist, or is a directory (not a symlink to one) of this user's that is
-// empty or bears the marker (a killed, failed or kept demo's), where what
-// bears a demo file's name is a file (no symlink). What else a demo's
-// directory holds (a user's backup of the config) the demo leaves there.
-// DefaultDir needs no marker: weir demo made it before there was one.
-func ownDir(dir string) error {
-	// Its lock (DIR.lock) and itself would be what no demo made in the other.
-	parent := filepath.Dir(filepath.Clean(dir))
-	if _, err := os.Lstat(filepath.Join(parent, marker)); parent == DefaultDir || err == nil {
-		return fmt.Errorf("%s is inside another demo's directory, %s: give the demo a directory of its own elsewhere", dir, parent)
-	}
-	fi, err := os.Lstat(dir)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	if !fi.IsDir() {
-		what := "not a directory"
-		if fi.Mode()&os.ModeSymlink != 0 {
-			what = "a symlink"
-		}
-		return fmt.Errorf("%s is %s: a demo takes a directory of its own and removes it when done; give it a new one", dir, what)
-	}
-	if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Geteuid() {
-		return fmt.Errorf("%s belongs to uid %d, not this user: a demo takes a directory of its own and removes it when done; give it a new one", dir, st.Uid)
-	}
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return err
-	}
-	mine := filepath.Clean(dir) == DefaultDir
-	for _, e := range ents {
-		// What a demo makes is a file, or the agent's socket: it would write
-		// through a symlink of the same name.
-		if slices.Contains(files, e.Name()) && !e.Type().IsRegular() && e.Type() != os.ModeSocket {
-			return fmt.Errorf("%s holds %s, which no demo made: a demo takes a directory of its own and removes it when done; give it a new one", dir, e.Name())
-		}
-		mine = mine || e.Name() == marker
-	}
-	if len(ents) > 0 && !mine {
-		return fmt.Errorf("%s holds %s but no %s, so no demo made it: a demo takes a directory of its own and removes it when done; give it a new one", dir, ents[0].Name(), marker)
-	}
-	return nil
 }
 
 // stopAgent ends the agent (SIGTERM, as systemd would) and waits for it.

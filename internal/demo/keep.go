@@ -38,24 +38,35 @@ type state struct {
 
 func statePath(dir string) string { return filepath.Join(dir, "state.json") }
 
-// DirEnv and PrefixEnv name the environment variables that give weir demo
-// another directory than DefaultDir, and another namespace prefix than
-// NamePrefix; weir demo down reads DirEnv.
-const (
-	DirEnv    = "WEIR_DEMO_DIR"
-	PrefixEnv = "WEIR_DEMO_PREFIX"
-)
+// NameEnv names the environment variable that runs weir demo, and weir demo
+// down, beside the default demo: WEIR_DEMO_NAME=NAME (3 letters a-z, not
+// NamePrefix) gives the directory DefaultDir-NAME and the namespace prefix
+// NAME (see Place).
+const NameEnv = "WEIR_DEMO_NAME"
+
+// Place is the directory and the namespace prefix of the demo named name:
+// DefaultDir and NamePrefix for "", DefaultDir-NAME and NAME for 3 letters a-z
+// other than NamePrefix. A demo removes, as a dead demo's, every namespace of
+// its prefix whose demo has exited: each directory has a prefix of its own,
+// one that no other demo's begins with.
+func Place(name string) (dir, prefix string, err error) {
+	if name == "" {
+		return DefaultDir, NamePrefix, nil
+	}
+	if len(name) != 3 || strings.Trim(name, "abcdefghijklmnopqrstuvwxyz") != "" || name == NamePrefix {
+		return "", "", fmt.Errorf("%s must be 3 letters a-z other than %s, got %q", NameEnv, NamePrefix, name)
+	}
+	return DefaultDir + "-" + name, name, nil
+}
 
 // downCommand is the shell command that removes the kept demo in dir.
 func downCommand(dir string) string {
-	dir = filepath.Clean(dir)
-	if dir == DefaultDir {
-		return "weir demo down"
+	if name, ok := strings.CutPrefix(filepath.Clean(dir), DefaultDir+"-"); ok {
+		if _, _, err := Place(name); err == nil {
+			return NameEnv + "=" + name + " weir demo down"
+		}
 	}
-	if strings.Trim(dir, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-+,:@") != "" {
-		dir = "'" + strings.ReplaceAll(dir, "'", `'\''`) + "'"
-	}
-	return DirEnv + "=" + dir + " weir demo down"
+	return "weir demo down"
 }
 
 // configPath is the agent's config in dir.
@@ -208,9 +219,6 @@ func Hold(ctx context.Context, path string) error {
 func Down(dir string) error {
 	if dir == "" {
 		dir = DefaultDir
-	}
-	if err := ownDir(dir); err != nil {
-		return fmt.Errorf("demo down: %w", err)
 	}
 	lk, err := lock(dir)
 	if errors.Is(err, ErrBusy) && kept(dir) {

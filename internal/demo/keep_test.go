@@ -190,7 +190,7 @@ func noPidfd() int {
 // the file.
 func TestDownBadState(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "demo")
-	if err := makeDir(dir); err != nil {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(statePath(dir), []byte("{"), 0o600); err != nil {
@@ -289,7 +289,7 @@ func TestStopProcKills(t *testing.T) {
 func TestDownKillsHold(t *testing.T) {
 	shortWaits(t)
 	dir := filepath.Join(t.TempDir(), "demo")
-	if err := makeDir(dir); err != nil {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
 	lk, err := lock(dir)
@@ -330,7 +330,7 @@ func TestDownKillsHold(t *testing.T) {
 func TestDownOldState(t *testing.T) {
 	shortWaits(t)
 	dir := filepath.Join(t.TempDir(), "demo")
-	if err := makeDir(dir); err != nil {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
 	agent := startStubborn(t, []string{"run", "-c", configPath(dir)})
@@ -364,11 +364,12 @@ func TestDownOldState(t *testing.T) {
 func running(pid int, start string) bool { return proc{pid: pid, start: start}.running() }
 
 // TestKeptNamesDown: a demo refused because a kept demo holds its
-// directory's lock names the command that removes that demo, and the
-// command, run by a shell, carries the directory (quoted as it needs) to
-// weir demo down; here env stands in for weir demo down.
+// directory's lock names the command that removes that demo; for a demo
+// named by WEIR_DEMO_NAME the command, run by a shell, carries the name to
+// weir demo down (here env stands in for weir demo down), and for the
+// default demo it is weir demo down alone.
 func TestKeptNamesDown(t *testing.T) {
-	dir := filepath.Join(t.TempDir(), "it's a demo")
+	dir := filepath.Join(t.TempDir(), "demo")
 	lk, err := lock(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -378,23 +379,29 @@ func TestKeptNamesDown(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = lock(dir)
-	if !errors.Is(err, ErrBusy) {
-		t.Fatalf("lock while a kept demo holds it: got %v; want ErrBusy", err)
+	if want := "(weir demo --keep, agent pid 4388); " + downCommand(dir) + " removes it"; !errors.Is(err, ErrBusy) || !strings.HasSuffix(err.Error(), want) {
+		t.Fatalf("lock while a kept demo holds it: got %v; want ErrBusy ending %q", err, want)
 	}
-	_, down, _ := strings.Cut(err.Error(), "); ")
-	down, ok := strings.CutSuffix(down, "weir demo down removes it")
+	if got := downCommand(DefaultDir); got != "weir demo down" {
+		t.Errorf("the default demo's command: got %q; want weir demo down", got)
+	}
+	named, _, err := Place("abc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down, ok := strings.CutSuffix(downCommand(named), "weir demo down")
 	if !ok {
-		t.Fatalf("lock while a kept demo holds it: got %q; want it to name the command that removes it", err)
+		t.Fatalf("%s's command: got %q; want it to end in weir demo down", named, downCommand(named))
 	}
 	sh := exec.Command("sh", "-c", down+"env")
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, DirEnv+"=") {
+		if !strings.HasPrefix(kv, NameEnv+"=") {
 			sh.Env = append(sh.Env, kv)
 		}
 	}
 	out, err := sh.Output()
-	if err != nil || !slices.Contains(strings.Split(string(out), "\n"), DirEnv+"="+dir) {
-		t.Errorf("%q run by sh: %v; want %s=%s in weir demo down's environment", down+"weir demo down", err, DirEnv, dir)
+	if err != nil || !slices.Contains(strings.Split(string(out), "\n"), NameEnv+"=abc") {
+		t.Errorf("%q run by sh: %v; want %s=abc in weir demo down's environment", down+"weir demo down", err, NameEnv)
 	}
 }
 
@@ -403,7 +410,7 @@ func TestKeptNamesDown(t *testing.T) {
 // a state file edited by hand, is left.
 func TestDownLeavesOthersNamespace(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "demo")
-	if err := makeDir(dir); err != nil {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
 	// Of the tests' prefix, so that if this test is killed the next removes it.

@@ -3,13 +3,10 @@ package demo
 import (
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
-	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -32,34 +29,15 @@ func (busyError) Is(target error) bool { return target == ErrBusy }
 
 func lockPath(dir string) string { return filepath.Clean(dir) + ".lock" }
 
-// holderLine is what setHolder writes.
-var holderLine = regexp.MustCompile(`^(run|kept) [0-9]+\n$`)
-
-// lock takes dir's lock and records this process as its holder. It refuses
-// a lock file that is not a demo's (a symlink, not a regular file, another
-// user's, or one holding what setHolder does not write): it would write over
-// it.
+// lock takes dir's lock and records this process as its holder. It opens
+// the lock file without following a symlink: it would write through one.
 func lock(dir string) (*os.File, error) {
-	notOurs := func(what string) error {
-		return fmt.Errorf("lock: %s %s, not a demo's lock: a demo's lock is its directory's path with .lock added; give the demo a new directory", lockPath(dir), what)
-	}
 	f, err := os.OpenFile(lockPath(dir), os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o600)
 	if errors.Is(err, unix.ELOOP) {
-		return nil, notOurs("is a symlink")
+		return nil, fmt.Errorf("lock: %s is a symlink, not a demo's lock; remove it", lockPath(dir))
 	}
 	if err != nil {
 		return nil, fmt.Errorf("lock: %w", err)
-	}
-	fi, err := f.Stat()
-	if err != nil || !fi.Mode().IsRegular() {
-		f.Close()
-		return nil, notOurs("is not a regular file")
-	}
-	// Another user's (one made in /tmp) is one whose owner can hold it,
-	// and write it, to turn the demo away.
-	if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Geteuid() {
-		f.Close()
-		return nil, notOurs("belongs to uid " + strconv.Itoa(int(st.Uid)))
 	}
 	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
 		f.Close()
@@ -67,11 +45,6 @@ func lock(dir string) (*os.File, error) {
 			return nil, busy(dir)
 		}
 		return nil, fmt.Errorf("lock %s: %w", lockPath(dir), err)
-	}
-	b, err := io.ReadAll(io.LimitReader(f, 64))
-	if err != nil || len(b) > 0 && !holderLine.Match(b) {
-		f.Close()
-		return nil, notOurs("holds what no demo wrote")
 	}
 	if err := setHolder(f, "run", os.Getpid()); err != nil {
 		f.Close()

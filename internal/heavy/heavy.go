@@ -30,7 +30,7 @@ func Alone(t testing.TB) {
 }
 
 // Demo waits until no other test runs weir demo with the tests' directory
-// (/run/weir-demo-test, which one demo at a time may hold: another is
+// (/run/weir-demo-wdc, which one demo at a time may hold: another is
 // refused) or leaves namespaces named as a dead demo's (which a demo removes),
 // and holds that until t ends: the cmd/weir tests of two checkouts, say, run
 // one after the other. Call it once per test.
