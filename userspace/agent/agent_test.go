@@ -86,7 +86,8 @@ func TestRestartOnlyNamesTheField(t *testing.T) {
 // TestFieldLinesNameTheServiceOnce: a change the XDP program has no slots for
 // is reported at its service's path and line, which name the service, so the
 // message does not name it again; each error of a joined one is mapped once,
-// and one about a service the file does not have keeps its name.
+// and one about a service the file does not have keeps its name. Each still
+// wraps loader.ErrCapacity.
 func TestFieldLinesNameTheServiceOnce(t *testing.T) {
 	cfg, err := config.Parse([]byte("services:\n" +
 		"- {name: a, vip: 10.0.0.1:80, backends: [{address: 10.0.0.2:80}]}\n" +
@@ -108,8 +109,13 @@ func TestFieldLinesNameTheServiceOnce(t *testing.T) {
 		{"not in the file", full("z"), `service "z": ` + msg},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			if got := fieldLines(cfg, "f.yaml", c.err).Error(); got != c.want {
+			err := fieldLines(cfg, "f.yaml", c.err)
+			if got := err.Error(); got != c.want {
 				t.Errorf("got %q; want %q", got, c.want)
+			}
+			// The file and line must not hide the sentinel callers test for.
+			if !errors.Is(err, loader.ErrCapacity) {
+				t.Errorf("errors.Is(%q, loader.ErrCapacity) = false; want true", err)
 			}
 		})
 	}

@@ -397,7 +397,7 @@ func fieldLines(cfg *config.Config, file string, err error) error {
 		}
 	case errors.As(err, &capa):
 		// The path names the service: the message without its name.
-		if fe := cfg.ServiceError(file, capa.Service, "", capa.Err.Error()); fe != nil {
+		if fe := cfg.ServiceError(file, capa.Service, "", capa.Err); fe != nil {
 			return fe
 		}
 	}

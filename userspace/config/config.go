@@ -331,15 +331,15 @@ func (c *Config) TLSPairError(file, service string, err error) *FieldError {
 		return nil
 	}
 	h := &c.Services[i].HTTP
-	return c.ServiceError(file, service, "http.tls", fmt.Sprintf("cert %s and key %s do not load: %v", h.TLSCert, h.TLSKey, err))
+	return c.ServiceError(file, service, "http.tls", fmt.Errorf("cert %s and key %s do not load: %w", h.TLSCert, h.TLSKey, err))
 }
 
-// ServiceError is msg, a problem of the named service found after parsing (a
+// ServiceError is err, a problem of the named service found after parsing (a
 // certificate that does not load, a change the XDP program has no slots for),
 // at its setting sub ("http.tls"; "": the service itself) of the file at file,
-// with its line, as the file's own errors are reported; nil when c has no such
-// service.
-func (c *Config) ServiceError(file, service, sub, msg string) *FieldError {
+// with its line, as the file's own errors are reported, and wrapping err; nil
+// when c has no such service.
+func (c *Config) ServiceError(file, service, sub string, err error) *FieldError {
 	i := slices.IndexFunc(c.Services, func(s Service) bool { return s.Name == service })
 	if i < 0 {
 		return nil
@@ -348,7 +348,7 @@ func (c *Config) ServiceError(file, service, sub, msg string) *FieldError {
 	if sub != "" {
 		path += "." + sub
 	}
-	return &FieldError{File: file, Line: c.Line(path), Path: path, Msg: msg}
+	return &FieldError{File: file, Line: c.Line(path), Path: path, Msg: err.Error(), Err: err}
 }
 
 // SpeakerPortClashes refuses, as validation refuses one at an address the file

@@ -931,3 +931,23 @@ func TestLoadXDPMergeExpansion(t *testing.T) {
 		t.Fatal("LoadXDP of 40 levels of doubling merges: no answer within 30s")
 	}
 }
+
+// TestTLSPairErrorWraps: a certificate pair that does not load is reported at
+// its file, line and field, and still wraps the load's error, so errors.Is
+// finds the cause (here a missing file).
+func TestTLSPairErrorWraps(t *testing.T) {
+	dir := t.TempDir()
+	cert, key := filepath.Join(dir, "web.crt"), filepath.Join(dir, "web.key")
+	cfg, err := Parse(fmt.Appendf(nil, "services:\n- {name: web, vip: 127.0.0.1:443, data_plane: http, http: {tls: {cert: %s, key: %s}}, backends: [{address: 127.0.0.1:80}]}\n", cert, key))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, loadErr := os.ReadFile(cert)
+	fe := cfg.TLSPairError("f.yaml", "web", loadErr)
+	if want := "f.yaml:2: services[0].http.tls: cert " + cert + " and key " + key + " do not load: "; !strings.HasPrefix(fe.Error(), want) {
+		t.Errorf("got %q; want it to begin %q", fe, want)
+	}
+	if !errors.Is(fe, os.ErrNotExist) {
+		t.Errorf("errors.Is(%q, os.ErrNotExist) = false; want true", fe)
+	}
+}

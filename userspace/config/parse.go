@@ -27,7 +27,12 @@ type FieldError struct {
 	Line int    // 0 when unknown
 	Path string // services[1].backends[3].weight; "" for the whole file
 	Msg  string
+	Err  error // what Msg says, when it came from elsewhere (a certificate's load, the XDP program's slots); nil otherwise
 }
+
+// Unwrap is the error the message came from, so errors.Is sees through the
+// file and line (loader.ErrCapacity, fs.ErrNotExist).
+func (e *FieldError) Unwrap() error { return e.Err }
 
 func (e *FieldError) Error() string {
 	var b strings.Builder
