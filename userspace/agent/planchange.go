@@ -114,8 +114,9 @@ func (a *Agent) onPlan(st *state, ev planEvent) error {
 	if err != nil {
 		return err
 	}
-	*ev.out = a.impact(st.running, next, ev.maxMove)
-	if err := a.xdp.Fits(st.running, plan.Diff(st.running, next)); err != nil {
+	ops := plan.Diff(st.running, next)
+	*ev.out = a.impact(st.running, next, ops, ev.maxMove)
+	if err := a.xdp.Fits(st.running, ops); err != nil {
 		ev.out.Refused = fieldLines(cfg, file, err).Error()
 	}
 	ev.out.Config = file
@@ -135,7 +136,7 @@ func (a *Agent) withinBudget(prev, next plan.Desired, maxMove *float64) error {
 	if maxMove == nil {
 		return nil
 	}
-	p := a.impact(prev, next, maxMove)
+	p := a.impact(prev, next, plan.Diff(prev, next), maxMove)
 	if len(p.OverBudget) == 0 {
 		return nil
 	}
@@ -154,14 +155,14 @@ func overBudget(s *api.ServicePlan, maxMove float64) bool {
 	return 100*s.Moved > maxMove+1e-9
 }
 
-// impact is what going from prev to next does to each service: the services of next
-// in config order, then those prev has and next does not. An XDP service renamed
-// with its VIP and protocol kept is one service updated: its new name takes the
-// program's entry over in place.
-func (a *Agent) impact(prev, next plan.Desired, maxMove *float64) api.Plan {
+// impact is what going from prev to next (ops: plan.Diff(prev, next)) does to
+// each service: the services of next in config order, then those prev has and
+// next does not. An XDP service renamed with its VIP and protocol kept is one
+// service updated: its new name takes the program's entry over in place.
+func (a *Agent) impact(prev, next plan.Desired, ops []plan.Op, maxMove *float64) api.Plan {
 	out := api.Plan{MaxMove: maxMove}
 	changed := map[string]bool{}
-	for _, op := range plan.Diff(prev, next) {
+	for _, op := range ops {
 		changed[op.Service()] = true
 	}
 	renamed := map[string]bool{} // prev's names
