@@ -95,8 +95,9 @@ func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) error
 }
 
 // planVerdict says on stderr why a reload of the planned file would not go
-// through, a line for each reason (over --max-move pct, refused for the XDP
-// program's slots), as the table on stdout does; errReported if there is one.
+// through, a line for each reason (over --max-move pct, refused for a
+// certificate pair or the XDP program's slots), as the table on stdout does;
+// errReported if there is one.
 func planVerdict(stderr io.Writer, p api.Plan, pct float64) error {
 	if len(p.OverBudget) > 0 {
 		fmt.Fprintf(stderr, "weir: plan: %s would move more than --max-move %g%% of new flows\n", strings.Join(p.OverBudget, ", "), pct)

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/weir-lb/weir/userspace/agent/api"
+	"github.com/weir-lb/weir/userspace/agent/httpplane"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/config"
 )
@@ -116,8 +117,12 @@ func (a *Agent) onPlan(st *state, ev planEvent) error {
 	}
 	ops := plan.Diff(st.running, next)
 	*ev.out = a.impact(st.running, next, ops, ev.maxMove)
-	if err := a.xdp.Fits(st.running, ops); err != nil {
-		ev.out.Refused = fieldLines(cfg, file, err).Error()
+	// What a reload of the file would be refused for after planning it
+	// (applyConfig): a certificate pair that does not load, and slots the XDP
+	// program does not have.
+	refused := errors.Join(httpplane.CheckCertificates(next), a.xdp.Fits(st.running, ops))
+	if refused != nil {
+		ev.out.Refused = fieldLines(cfg, file, refused).Error()
 	}
 	ev.out.Config = file
 	return nil

@@ -17,7 +17,8 @@ type Plan struct {
 	MaxMove    *float64 `json:"max_move,omitempty"`
 	OverBudget []string `json:"over_budget,omitempty"`
 	// Refused says why a reload of the file would be refused although it is
-	// valid: the XDP program has no slots for the change at some point of it.
+	// valid: an http service's certificate and key do not load, or the XDP
+	// program has no slots for the change at some point of it.
 	Refused string `json:"refused,omitempty"`
 }
 

@@ -205,6 +205,7 @@ func TestStartCertificateNamesLine(t *testing.T) {
 // again, so renewed files at the same paths are served from then on; a pair
 // that does not load refuses the reload, naming the files, and so does a
 // reload that fails elsewhere after reading them: the certificate served stays.
+// weir plan, asked first, says the reload would be refused, in the same words.
 func TestReloadReadsCertificate(t *testing.T) {
 	bs := httpbackend.StartN(t, 1)
 	port := freePort(t)
@@ -236,10 +237,17 @@ func TestReloadReadsCertificate(t *testing.T) {
 		t.Fatal(err)
 	}
 	// As weir validate reports it: the file, the line and the field.
-	want := fmt.Sprintf("%s:4: services[0].http.tls: cert %s and key %s do not load: ", r.config, certPath, keyPath)
-	if err := r.a.Reload(context.Background()); err == nil || !strings.HasPrefix(err.Error(), want) {
-		t.Errorf("reload with a key file that does not load: got %v; want it refused as %q...", err, want)
+	refused := func(what, want string) {
+		t.Helper()
+		p, err := r.a.Plan(context.Background(), nil, "", nil)
+		if err != nil || !strings.HasPrefix(p.Refused, want) {
+			t.Errorf("plan %s: got refused %q, error %v; want refused as %q...", what, p.Refused, err, want)
+		}
+		if err := r.a.Reload(context.Background()); err == nil || !strings.HasPrefix(err.Error(), want) {
+			t.Errorf("reload %s: got %v; want it refused as %q...", what, err, want)
+		}
 	}
+	refused("with a key file that does not load", fmt.Sprintf("%s:4: services[0].http.tls: cert %s and key %s do not load: ", r.config, certPath, keyPath))
 	served("after a reload refused for the key", "renewed")
 
 	// A service the reload adds reads its pair as it starts: the same report.
@@ -247,10 +255,7 @@ func TestReloadReadsCertificate(t *testing.T) {
 	r.writeConfig(t, web+fmt.Sprintf("  - {name: c, vip: 127.0.0.1:%d, data_plane: http, http: {tls: {cert: %s, key: %s}}, health: {type: none}, backends: %s}\n",
 		freePort(t), missing, keyPath, backendList(bs)))
 	httpbackend.WriteCert(t, certPath, keyPath, "renewed")
-	want = fmt.Sprintf("%s:5: services[1].http.tls: cert %s and key %s do not load: open %s: ", r.config, missing, keyPath, missing)
-	if err := r.a.Reload(context.Background()); err == nil || !strings.HasPrefix(err.Error(), want) {
-		t.Errorf("reload adding a service whose certificate does not load: got %v; want it refused as %q...", err, want)
-	}
+	refused("adding a service whose certificate does not load", fmt.Sprintf("%s:5: services[1].http.tls: cert %s and key %s do not load: open %s: ", r.config, missing, keyPath, missing))
 	r.writeConfig(t, web)
 
 	// b binds an address no interface holds: its add fails after the files

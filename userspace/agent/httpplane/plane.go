@@ -65,11 +65,33 @@ func New(checker *health.Checker, log *slog.Logger, observe RequestObserver) *Pl
 // load, it changes nothing and says which; else the certificates are served at
 // once, and Abort puts the ones before back.
 func (p *Plane) ReadCertificates(d plan.Desired) error {
+	read, err := readCerts(d, func(name string) bool { return p.certs[name] != nil })
+	if err != nil {
+		return err
+	}
+	for name, cert := range read {
+		p.setCert(name, cert)
+	}
+	return nil
+}
+
+// CheckCertificates reads the certificate and key files of every TLS service of
+// d, served now or not, as applying d would (ReadCertificates, and a new or
+// rebuilt service as it starts), and changes nothing: a pair that does not load
+// is what weir plan reports that a reload would be refused for.
+func CheckCertificates(d plan.Desired) error {
+	_, err := readCerts(d, func(string) bool { return true })
+	return err
+}
+
+// readCerts reads the pairs of d's TLS services that want names, and says
+// which do not load.
+func readCerts(d plan.Desired, want func(name string) bool) (map[string]*tls.Certificate, error) {
 	read := map[string]*tls.Certificate{}
 	var errs []error
 	for i := range d.Services {
 		s := &d.Services[i]
-		if s.Plane != plan.HTTP || s.Config.HTTP.TLSCert == "" || p.certs[s.Name()] == nil {
+		if s.Plane != plan.HTTP || s.Config.HTTP.TLSCert == "" || !want(s.Name()) {
 			continue
 		}
 		cert, err := readCert(s)
@@ -79,13 +101,7 @@ func (p *Plane) ReadCertificates(d plan.Desired) error {
 		}
 		read[s.Name()] = cert
 	}
-	if err := errors.Join(errs...); err != nil {
-		return err
-	}
-	for name, cert := range read {
-		p.setCert(name, cert)
-	}
-	return nil
+	return read, errors.Join(errs...)
 }
 
 // CertError is a service's certificate and key files that do not load.
