@@ -296,13 +296,19 @@ func (x *Plane) ResolveMAC(ip netip.Addr) plan.MAC {
 // SpeakerPortClashes refuses cfg's tcp VIPs that XDP may serve at the node's
 // own address on bgp.listen_port, where the file leaves addresses out and that
 // address is the first interface's (config.Config.SpeakerPortClashes):
-// validation checks only the addresses a file names. nil when XDP is not
-// loaded, as it then takes no packet.
+// validation checks only the addresses a file names. The interface's address
+// is read each time, so a reload or plan after it changed checks the one the
+// speaker's peers reach now (the one read at Setup if it cannot be read). nil
+// when XDP is not loaded, as it then takes no packet.
 func (x *Plane) SpeakerPortClashes(cfg *config.Config, file string) error {
-	if x == nil || x.prog == nil {
+	if x == nil || x.prog == nil || len(cfg.Addresses) > 0 || len(cfg.Interfaces) == 0 {
 		return nil
 	}
-	return speakerPortClashes(cfg, x.addrs, file)
+	addrs, err := interfaceAddrs(cfg.Interfaces[0].Name)
+	if err != nil {
+		addrs = x.addrs
+	}
+	return speakerPortClashes(cfg, addrs, file)
 }
 
 // speakerPortClashes is SpeakerPortClashes with the interface's addresses
