@@ -47,7 +47,10 @@ const usage = `weir: an L4 load balancer with an XDP data plane
 
 usage:
   weir run [-c FILE] [--no-xdp]    run the agent (SIGHUP reloads, SIGTERM stops)
-  weir validate [FILE]             check a config file; prints every error, exit 1 if any
+  weir validate [FILE] [--file-only]
+                                   check a config file, and whether the agent on this host
+                                   would take it (not with --file-only); prints every error,
+                                   exit 1 if any
   weir status [--json]             services, data planes, backends, health, counters
   weir drain SERVICE BACKEND       stop new flows to BACKEND (ip:port); established ones stay
   weir undrain SERVICE BACKEND     end a drain
@@ -154,8 +157,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 }
 
 func runValidate(args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("validate", "[FILE]", "Check a config file and print every problem, each with its file:line and field.\nFILE defaults to -c/--config, "+defaultConfig+".", stdout, stderr)
+	fs := newFlagSet("validate", "[FILE]", "Check a config file and print every problem, each with its file:line and field.\nFILE defaults to -c/--config, "+defaultConfig+".\nAlso checks it against this host, as the agent here would take it: certificate pairs\nload, XDP can serve what only XDP may serve; exit 1 if the agent would refuse it.", stdout, stderr)
 	file := configFlag(fs)
+	fileOnly := fs.Bool("file-only", false, "check the file alone, as on another machine: no certificate pair read, no host check")
 	if err := parseFlags(fs, args, 0, 1); err != nil {
 		return err
 	}
@@ -171,15 +175,7 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 	cfg, err := config.Load(*file)
 	var es config.Errors
 	if errors.As(err, &es) {
-		for _, e := range es {
-			fmt.Fprintln(stderr, e)
-		}
-		noun := "errors"
-		if len(es) == 1 {
-			noun = "error"
-		}
-		fmt.Fprintf(stderr, "%s: %d %s\n", *file, len(es), noun)
-		return errReported
+		return reportAll(stderr, es, *file, "%d %s", "error", "errors")
 	}
 	if err != nil {
 		return fmt.Errorf("validate: %w", err)
@@ -187,22 +183,16 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 	// A reload is refused when a certificate and key do not load, so the file is
 	// not valid then either. (Their paths are resolved: a relative one is taken
 	// from the file's directory, by this command and the agent alike.)
-	bad := 0
+	var bad []error
 	for _, s := range cfg.Services {
-		if h := s.HTTP; s.DataPlane == config.DataPlaneHTTP && h.TLSCert != "" {
+		if h := s.HTTP; !*fileOnly && s.DataPlane == config.DataPlaneHTTP && h.TLSCert != "" {
 			if _, err := tls.LoadX509KeyPair(h.TLSCert, h.TLSKey); err != nil {
-				fmt.Fprintln(stderr, cfg.TLSPairError(*file, s.Name, err))
-				bad++
+				bad = append(bad, cfg.TLSPairError(*file, s.Name, err))
 			}
 		}
 	}
-	if bad > 0 {
-		noun := "pairs that do not load"
-		if bad == 1 {
-			noun = "pair that does not load"
-		}
-		fmt.Fprintf(stderr, "%s: %d certificate %s\n", *file, bad, noun)
-		return errReported
+	if len(bad) > 0 {
+		return reportAll(stderr, bad, *file, "%d certificate %s", "pair that does not load", "pairs that do not load")
 	}
 	fmt.Fprintf(stdout, "%s: valid, %d services\n", *file, len(cfg.Services))
 	for _, s := range cfg.Services {
@@ -223,13 +213,38 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 		}
 		fmt.Fprintf(stdout, "  bgp: AS %d, router id %s, peers %s\n", b.ASN, b.RouterID, strings.Join(peers, ", "))
 	}
-	if problems := xdpplane.Preflight(cfg); len(problems) > 0 {
-		fmt.Fprintln(stdout, "this host (the file is valid; these decide where services run here):")
-		for _, p := range problems {
+	if *fileOnly {
+		return nil
+	}
+	refused, notes := xdpplane.Preflight(cfg, *file)
+	if len(notes) > 0 {
+		fmt.Fprintln(stdout, "this host (these decide where services run here):")
+		for _, p := range notes {
 			fmt.Fprintln(stdout, "  "+p)
 		}
 	}
+	if len(refused) > 0 {
+		// What the agent on this host refuses is an error here, as a certificate
+		// pair that does not load is: a script that validates before it reloads
+		// must not read success.
+		return reportAll(stderr, refused, *file, "the file is valid, but the agent on this host refuses it: %d %s (--file-only checks the file alone)", "problem", "problems")
+	}
 	return nil
+}
+
+// reportAll writes each problem on a line of stderr, then a closing line: the
+// file, and count, a format given their number and one or many as fits it;
+// errReported.
+func reportAll[T any](stderr io.Writer, problems []T, file, count, one, many string) error {
+	for _, p := range problems {
+		fmt.Fprintln(stderr, p)
+	}
+	noun := many
+	if len(problems) == 1 {
+		noun = one
+	}
+	fmt.Fprintf(stderr, "%s: "+count+"\n", file, len(problems), noun)
+	return errReported
 }
 
 // configFlag adds -c and --config, one setting, default defaultConfig.

@@ -30,7 +30,8 @@ func TestValidate(t *testing.T) {
 		wantStderr []string
 		notStdout  []string
 	}{
-		{"example", []string{"validate", "-c", "../../examples/weir.yaml"}, false,
+		// The example's eth0 and udp service: the file alone, on any host.
+		{"example", []string{"validate", "-c", "../../examples/weir.yaml", "--file-only"}, false,
 			"../../examples/weir.yaml: valid, 3 services", nil, nil},
 		{"every error", []string{"validate", "-c", "../../userspace/config/testdata/bad.yaml"}, true, "",
 			[]string{"bad.yaml:26: services[1].backends[3].weight: must be 0..65535, got 70000",
@@ -268,7 +269,7 @@ func TestConventions(t *testing.T) {
 		}
 	})
 	t.Run("validate FILE and --config", func(t *testing.T) {
-		for _, args := range [][]string{{"validate", "../../examples/weir.yaml"}, {"validate", "--config", "../../examples/weir.yaml"}, {"validate", "-c", "../../examples/weir.yaml"}} {
+		for _, args := range [][]string{{"validate", "--file-only", "../../examples/weir.yaml"}, {"validate", "--file-only", "--config", "../../examples/weir.yaml"}, {"validate", "--file-only", "-c", "../../examples/weir.yaml"}} {
 			var stdout, stderr bytes.Buffer
 			if err := run(context.Background(), args, &stdout, &stderr); err != nil {
 				t.Errorf("%v: %v", args, err)
@@ -303,26 +304,54 @@ func TestConventions(t *testing.T) {
 }
 
 // TestValidateNamesHostPreconditions: in a namespace with forwarding off, weir
-// validate says a nat service would fall back to the proxy, why, and the fix.
+// validate says a nat service would fall back to the proxy, why, and the fix,
+// and exits 0: the agent here takes the file. With data_plane xdp the service
+// cannot start, so the agent here refuses the file: validate says so on stderr
+// and exits 1, and with --file-only checks the file alone and exits 0.
 func TestValidateNamesHostPreconditions(t *testing.T) {
 	ns, err := netns.New(topo.UniqueName("wvh"))
 	xdptest.Check(t, err)
 	t.Cleanup(func() { ns.Close() })
-	p := t.TempDir() + "/nat.yaml"
-	// api is served by the http plane, whatever its algorithm: XDP's needs are not its.
-	os.WriteFile(p, []byte("interfaces: [{name: lo}]\naddresses: [192.0.2.9]\nservices:\n- {name: web, vip: 192.0.2.1:80, backends: [{address: 192.0.2.2:80}]}\n"+
-		"- {name: api, vip: 192.0.2.1:81, data_plane: http, algorithm: maglev, backends: [{address: 192.0.2.2:81}]}\n"), 0o644)
-	var stdout, stderr bytes.Buffer
-	if err := ns.Do(func() error { return run(context.Background(), []string{"validate", p}, &stdout, &stderr) }); err != nil {
+	validate := func(web string, args ...string) (out, errOut string, err error) {
+		t.Helper()
+		p := t.TempDir() + "/nat.yaml"
+		// api is served by the http plane, whatever its algorithm: XDP's needs are not its.
+		os.WriteFile(p, []byte("interfaces: [{name: lo}]\naddresses: [192.0.2.9]\nservices:\n- {name: web, vip: 192.0.2.1:80, "+web+"backends: [{address: 192.0.2.2:80}]}\n"+
+			"- {name: api, vip: 192.0.2.1:81, data_plane: http, algorithm: maglev, backends: [{address: 192.0.2.2:81}]}\n"), 0o644)
+		var stdout, stderr bytes.Buffer
+		err = ns.Do(func() error {
+			return run(context.Background(), append([]string{"validate", p}, args...), &stdout, &stderr)
+		})
+		return stdout.String(), stderr.String(), err
+	}
+	stdout, _, err := validate("")
+	if err != nil {
 		t.Fatal(err)
 	}
 	for _, w := range []string{`service "web": nat mode needs IPv4 forwarding`, "sysctl -w net.ipv4.conf.lo.forwarding=1", "falls back to the proxy"} {
-		if !strings.Contains(stdout.String(), w) {
-			t.Errorf("stdout:\n%s\nwant it to contain %q", stdout.String(), w)
+		if !strings.Contains(stdout, w) {
+			t.Errorf("stdout:\n%s\nwant it to contain %q", stdout, w)
 		}
 	}
-	if strings.Contains(stdout.String(), `service "api"`) {
-		t.Errorf("stdout:\n%s\nwant nothing about the http service api", stdout.String())
+	if strings.Contains(stdout, `service "api"`) {
+		t.Errorf("stdout:\n%s\nwant nothing about the http service api", stdout)
+	}
+
+	stdout, stderr, err := validate("data_plane: xdp, ")
+	if !errors.Is(err, errReported) {
+		t.Errorf("data_plane xdp: got %v; want exit 1 (errReported)", err)
+	}
+	for _, w := range []string{`service "web": nat mode needs IPv4 forwarding`, "cannot start (data_plane xdp) and the agent refuses the file here",
+		"nat.yaml: the file is valid, but the agent on this host refuses it: 1 problem (--file-only checks the file alone)"} {
+		if !strings.Contains(stderr, w) {
+			t.Errorf("data_plane xdp: stderr:\n%s\nwant it to contain %q", stderr, w)
+		}
+	}
+	if strings.Contains(stdout, "this host") {
+		t.Errorf("data_plane xdp: stdout:\n%s\nwant the refusal on stderr only", stdout)
+	}
+	if stdout, stderr, err := validate("data_plane: xdp, ", "--file-only"); err != nil || stderr != "" || strings.Contains(stdout, "this host") || !strings.Contains(stdout, "valid, 2 services") {
+		t.Errorf("--file-only: got %v, stdout:\n%s\nstderr:\n%s\nwant exit 0, the file valid and nothing about this host", err, stdout, stderr)
 	}
 }
 

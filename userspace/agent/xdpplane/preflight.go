@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 
 	"github.com/weir-lb/weir/userspace/config"
 )
@@ -11,32 +12,40 @@ import (
 // Preflight checks, without loading anything, what the host must offer the config's
 // XDP services: the interfaces exist, and nat and tunnel services have the
 // balancer's own address and the forwarding their next-hop lookups need. It
-// returns one line per problem, in operator words with the fix; `weir validate`
-// prints them. A service with data_plane auto that fails one is served by the proxy.
-func Preflight(cfg *config.Config) []string {
-	var out []string
+// returns one line per problem, in operator words with the fix, at the file
+// named file; `weir validate` prints them. refused are the problems for which
+// the agent on this host refuses the file (a start stops, a reload is refused):
+// a service XDP alone may serve that XDP cannot serve here, a VIP on the BGP
+// speaker's port at the interface's address. notes only decide where a service
+// runs: one with data_plane auto is served by the proxy.
+func Preflight(cfg *config.Config, file string) (refused, notes []string) {
 	if len(cfg.Interfaces) == 0 {
-		return nil
+		return nil, nil
 	}
 	x := &Plane{links: map[int]string{}, addrs: cfg.Addresses}
+	xdpOnly := slices.ContainsFunc(cfg.Services, func(s config.Service) bool { return needsXDP(&s) })
 	for _, in := range cfg.Interfaces {
 		iface, err := net.InterfaceByName(in.Name)
 		if err != nil {
-			out = append(out, fmt.Sprintf("interfaces: %s: %v: XDP cannot attach to it (every service falls back to the proxy, udp ones fail)", in.Name, err))
+			if xdpOnly {
+				refused = append(refused, fmt.Sprintf("interfaces: %s: %v: XDP cannot attach to it, so the services XDP alone may serve (data_plane xdp, udp) cannot start and the agent refuses the file here", in.Name, err))
+			} else {
+				notes = append(notes, fmt.Sprintf("interfaces: %s: %v: XDP cannot attach to it (every service falls back to the proxy)", in.Name, err))
+			}
 			continue
 		}
 		x.links[iface.Index] = in.Name
 	}
 	if len(x.links) == 0 {
-		return out
+		return refused, notes
 	}
 	if len(x.addrs) == 0 {
 		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name)
 	}
 	var clashes config.Errors
-	if errors.As(speakerPortClashes(cfg, x.addrs, ""), &clashes) {
+	if errors.As(speakerPortClashes(cfg, x.addrs, file), &clashes) {
 		for _, e := range clashes {
-			out = append(out, e.Error()+", so the agent refuses the file here")
+			refused = append(refused, e.Error()+", so the agent refuses the file here")
 		}
 	}
 	for i := range cfg.Services {
@@ -45,15 +54,24 @@ func Preflight(cfg *config.Config) []string {
 			continue
 		}
 		if err := x.modeReady(s); err != nil {
-			fallback := "so it falls back to the proxy (data_plane auto)"
 			switch {
 			case s.DataPlane == config.DataPlaneXDP:
-				fallback = "so it cannot start (data_plane xdp)"
+				refused = append(refused, fmt.Sprintf("service %q: %v, so it cannot start (data_plane xdp) and the agent refuses the file here", s.Name, err))
 			case s.Protocol == config.UDP:
-				fallback = "so it cannot start (udp is served by XDP only)"
+				refused = append(refused, fmt.Sprintf("service %q: %v, so it cannot start (udp is served by XDP only) and the agent refuses the file here", s.Name, err))
+			default:
+				notes = append(notes, fmt.Sprintf("service %q: %v, so it falls back to the proxy (data_plane auto)", s.Name, err))
 			}
-			out = append(out, fmt.Sprintf("service %q: %v, %s", s.Name, err, fallback))
 		}
 	}
-	return out
+	return refused, notes
+}
+
+// needsXDP reports whether only XDP may serve s (the agent's decide): a service
+// with data_plane xdp, or a udp one (the proxy planes serve tcp only).
+func needsXDP(s *config.Service) bool {
+	if s.DataPlane == config.DataPlaneProxy || s.DataPlane == config.DataPlaneHTTP {
+		return false
+	}
+	return s.DataPlane == config.DataPlaneXDP || s.Protocol == config.UDP
 }

@@ -13,8 +13,9 @@ import (
 
 // TestPreflightSpeakerPortAtInterfaceAddress: weir validate on the host names a
 // tcp xdp VIP at the interface's own address on bgp.listen_port, where the
-// file leaves addresses out, which the agent refuses (the file alone cannot
-// know that address); one at another port of that address passes.
+// file leaves addresses out, among the problems the agent refuses the file for
+// (the file alone cannot know that address); one at another port of that
+// address passes.
 func TestPreflightSpeakerPortAtInterfaceAddress(t *testing.T) {
 	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("pfl"), Backends: 1})
 	file := func(port int) *config.Config {
@@ -29,22 +30,23 @@ services:
 		}
 		return cfg
 	}
-	preflight := func(cfg *config.Config) (out []string) {
+	preflight := func(cfg *config.Config) (refused, notes []string) {
 		t.Helper()
-		if err := tp.Balancer.NS.Do(func() error { out = Preflight(cfg); return nil }); err != nil {
+		if err := tp.Balancer.NS.Do(func() error { refused, notes = Preflight(cfg, "f.yaml"); return nil }); err != nil {
 			t.Fatal(err)
 		}
-		return out
+		return refused, notes
 	}
-	want := fmt.Sprintf("line 4: services[0].vip: %s:1179 is the node's own address (on %s, taken as addresses is left out) at bgp.listen_port",
+	want := fmt.Sprintf("f.yaml:4: services[0].vip: %s:1179 is the node's own address (on %s, taken as addresses is left out) at bgp.listen_port",
 		tp.Balancer.IP4, tp.Balancer.Link)
 	said := func(out []string) bool {
 		return slices.ContainsFunc(out, func(l string) bool { return strings.HasPrefix(l, want) })
 	}
-	if out := preflight(file(1179)); !said(out) {
-		t.Errorf("VIP on bgp.listen_port: got %q; want a line beginning %q", out, want)
+	if refused, notes := preflight(file(1179)); !said(refused) {
+		t.Errorf("VIP on bgp.listen_port: got refused %q, notes %q; want a refusal beginning %q", refused, notes, want)
 	}
-	if out := preflight(file(80)); slices.ContainsFunc(out, func(l string) bool { return strings.Contains(l, "bgp.listen_port") }) {
+	refused, notes := preflight(file(80))
+	if out := append(refused, notes...); slices.ContainsFunc(out, func(l string) bool { return strings.Contains(l, "bgp.listen_port") }) {
 		t.Errorf("VIP on another port: got %q; want nothing about bgp.listen_port", out)
 	}
 }
