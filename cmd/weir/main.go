@@ -64,7 +64,8 @@ usage:
   weir plan [-c FILE] [--json] [--max-move PCT]
                                    what applying FILE (default: the agent's own) would move:
                                    table slots, established flows, proxy connections; exit 1
-                                   if a service moves more than PCT% of its new flows
+                                   if the reload would be refused, or a service moves more
+                                   than PCT% of its new flows
   weir node drain [--wait]         withdraw every BGP route of this node (flows still arriving
                                    are served); weir node undrain announces again
   weir decap --interface IFACE [--mode auto|native|generic] [--addr A ...] [--interval D]

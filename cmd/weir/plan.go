@@ -45,7 +45,7 @@ func maxMoveFlag(fs *command) *maxMove {
 }
 
 func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("plan", "", "What applying a config (-c FILE; default: the file the agent runs, as weir reload would\nread it) would move, per service, without applying it: lookup-table slots that change\nowner, established flows reset or drained, proxy connections, http requests in flight and\nclient connections, new data planes.\nWith --max-move, exit 1 if a service would move more than PCT% of its new flows.", stdout, stderr)
+	fs := newFlagSet("plan", "", "What applying a config (-c FILE; default: the file the agent runs, as weir reload would\nread it) would move, per service, without applying it: lookup-table slots that change\nowner, established flows reset or drained, proxy connections, http requests in flight and\nclient connections, new data planes.\nExit 1 if the reload would be refused (a certificate pair that does not load, no XDP\nslots for the change), each reason at its field and line; with --max-move, also if a\nservice would move more than PCT% of its new flows.", stdout, stderr)
 	asJSON := fs.Bool("json", false, "print JSON, for scripts")
 	maxMove := maxMoveFlag(fs)
 	socket := adminFlags(fs)
