@@ -359,6 +359,13 @@ func TestFixtures(t *testing.T) {
 		// service's answer is the kernel's to judge.
 		drop("icmp frag needed about a dsr flow's answer, its checksum wrong", flipLast(icmpAbout(tcp4(40000, packet.ACK), 4).Build()), ReasonDropICMPChecksum),
 		drop("icmpv6 packet too big about a dsr flow's answer, its checksum wrong", flipLast(icmpAbout(tcp6(40001, packet.ACK), 0).Build()), ReasonDropICMPChecksum),
+		// So is one whose quoted IPv4 header's own checksum fails (RFC 5508 REQ-3 a),
+		// though its ICMP checksum, made over the quote as it is, holds.
+		drop("icmp frag needed about a dsr flow's answer, its quoted header's checksum wrong", func() []byte {
+			f := icmpAbout(tcp4(40000, packet.ACK), 4)
+			f.ICMP.Quote[10] ^= 0x40
+			return f.Build()
+		}(), ReasonDropICMPChecksum),
 		pass("icmp frag needed about no service's answer, its checksum wrong", flipLast(icmpAbout(with(tcp4(40000, packet.ACK), func(f *packet.Frame) {
 			f.Dst = netip.AddrPortFrom(vip4, 81)
 		}), 4).Build()), ReasonPassNotService),

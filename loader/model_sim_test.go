@@ -1310,6 +1310,33 @@ func (r *run) icmpChecksumVerdict(p *modelPacket) int {
 	if csumFinish(sum) != 0 {
 		return r.verdict(XDPDrop, ReasonDropICMPChecksum)
 	}
+	return r.icmpQuoteChecksumVerdict(p)
+}
+
+// icmpQuoteChecksumVerdict is icmp.h's icmp_quote_checksum_verdict: a quoted IPv4
+// header's own checksum, options included, must hold too.
+func (r *run) icmpQuoteChecksumVerdict(p *modelPacket) int {
+	if p.flow.Family != familyIPv4 {
+		return modelContinue
+	}
+	in3 := p.l4 + icmpHeaderLen
+	if in3 > maxL4Offset {
+		return int(XDPAborted)
+	}
+	if !r.fits(in3, 1) {
+		return int(XDPAborted)
+	}
+	var sum uint32
+	for i := range uint32(r.b[in3] & 0xf) {
+		if !r.fits(in3+i*4, 4) {
+			return int(XDPAborted)
+		}
+		w := r.ld32(in3 + i*4)
+		sum += w&0xffff + w>>16
+	}
+	if csumFinish(sum) != 0 {
+		return r.verdict(XDPDrop, ReasonDropICMPChecksum)
+	}
 	return modelContinue
 }
 

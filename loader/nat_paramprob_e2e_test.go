@@ -29,7 +29,8 @@ const paramProbPort = 9400
 // must find the error in its queue with the type, code and pointer that were sent,
 // from the address it talks to: the client's kernel found its socket by the quote
 // only if the program translated it to the client's own flow, and the backend's
-// likewise for its side.
+// likewise for its side. An IPv4 error whose quoted header's own checksum fails is
+// dropped and counted (drop_icmp_checksum), and reaches no socket.
 func TestNATParameterProblem(t *testing.T) {
 	for _, mode := range []Mode{ModeNative, ModeGeneric} {
 		t.Run(string(mode), func(t *testing.T) {
@@ -133,6 +134,35 @@ func natParameterProblem(t *testing.T, tp *topo.Topology, p *Program, vip, beIP,
 	if n := after.Reasons[ReasonICMPTranslated].Packets - before.Reasons[ReasonICMPTranslated].Packets; n != 2 {
 		t.Errorf("icmp_translated rose by %d; want 2", n)
 	}
+	if vip.Is6() {
+		return
+	}
+
+	// A quoted IPv4 header whose own checksum fails, in an error whose ICMP checksum
+	// holds, is dropped (RFC 5508 REQ-3 a), not sent to the client.
+	quote := packet.Frame{Src: from, Dst: netip.AddrPortFrom(beIP, paramProbPort), Proto: packet.ProtoUDP, Payload: []byte("ping")}.IPPacket()
+	quote[10] ^= 0x40
+	if err := sendParamProb(be.NS, beIP, natIP, typ, code, pointer, quote); err != nil {
+		t.Fatal(err)
+	}
+	dropped := func() (any, bool) {
+		st, err := p.Stats()
+		if err != nil {
+			return err, false
+		}
+		n := st.Reasons[ReasonDropICMPChecksum].Packets - after.Reasons[ReasonDropICMPChecksum].Packets
+		return n, n == 1
+	}
+	waitfor.Value(t, 5*time.Second, "1 more drop_icmp_checksum", dropped)
+	rc, err := client.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc.Control(func(fd uintptr) {
+		if ee, _, _ := readErrQueue(int(fd)); ee != nil {
+			t.Errorf("client: got an ICMP error (type %d) about a quote whose header checksum fails; want none", ee.Type)
+		}
+	})
 }
 
 // recvErr turns on RECVERR, so c's ICMP errors queue with their type, code and

@@ -168,14 +168,40 @@ func TestNATFixtures(t *testing.T) {
 				return f
 			}
 			trailer := bytes.Repeat([]byte{0xa5}, 24)
-			for _, ic := range []struct {
+			// badHeaderSum makes a quoted IPv4 header's own checksum wrong; the ICMP
+			// checksum, computed over the quote as it is, holds (RFC 5508 REQ-3 a).
+			badHeaderSum := func(quote []byte) []byte {
+				quote[10] ^= 0x40
+				return quote
+			}
+			type icmpCase struct {
 				side     string
 				in, want packet.Frame
 				trailer  []byte
 				// corrupt: the error's ICMP checksum is made wrong; it must be dropped
-				// as it came, never translated.
-				corrupt bool
-			}{
+				// as it came, never translated, as must one with drop set.
+				corrupt, drop bool
+			}
+			var quoteSumWrong []icmpCase
+			if !tc.v6 {
+				quoteSumWrong = []icmpCase{
+					{
+						side: "from the backend, its quoted header's checksum wrong",
+						in: packet.Frame{SrcMAC: chosen.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+							Src: netip.AddrPortFrom(backend, 0), Dst: netip.AddrPortFrom(lb, 0),
+							ICMP: &packet.ICMP{Type: ppType, Rest: ppRest, Quote: badHeaderSum(withOptions(want).IPPacket())}},
+						drop: true,
+					},
+					{
+						side: "from the client, its quoted header's checksum wrong",
+						in: packet.Frame{SrcMAC: nt.Client.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+							Src: netip.AddrPortFrom(client, 0), Dst: netip.AddrPortFrom(vip, 0),
+							ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: badHeaderSum(wantReply.IPPacket())}},
+						drop: true,
+					},
+				}
+			}
+			for _, ic := range append([]icmpCase{
 				{
 					side: "from the backend",
 					in: packet.Frame{SrcMAC: chosen.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
@@ -264,7 +290,7 @@ func TestNATFixtures(t *testing.T) {
 						ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: wantReply.IPPacket()}},
 					corrupt: true,
 				},
-			} {
+			}, quoteSumWrong...) {
 				in := append(ic.in.Build(), ic.trailer...)
 				if ic.corrupt {
 					// One bit of the quote.
@@ -278,7 +304,7 @@ func TestNATFixtures(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if ic.corrupt {
+				if ic.corrupt || ic.drop {
 					if action != XDPDrop {
 						t.Fatalf("icmp error %s: action %s; want XDP_DROP", ic.side, action)
 					}
