@@ -29,7 +29,8 @@ const paramProbPort = 9400
 // must find the error in its queue with the type, code and pointer that were sent,
 // from the address it talks to: the client's kernel found its socket by the quote
 // only if the program translated it to the client's own flow, and the backend's
-// likewise for its side. An IPv4 error whose quoted header's own checksum fails is
+// likewise for its side. An IPv4 quote with Record Route reaches the client with
+// its options as they were; one whose quoted header's own checksum fails is
 // dropped and counted (drop_icmp_checksum), and reaches no socket.
 func TestNATParameterProblem(t *testing.T) {
 	for _, mode := range []Mode{ModeNative, ModeGeneric} {
@@ -136,6 +137,19 @@ func natParameterProblem(t *testing.T, tp *topo.Topology, p *Program, vip, beIP,
 	}
 	if vip.Is6() {
 		return
+	}
+
+	// A quote whose header carries Record Route (a router on the way recorded the
+	// nat address) keeps its options as they are: the client's stack finds its
+	// socket by the quote's addresses and ports, never by an option's.
+	withRR := packet.Frame{Src: from, Dst: netip.AddrPortFrom(beIP, paramProbPort), Proto: packet.ProtoUDP, Payload: []byte("ping"),
+		IPv4Options: append(append([]byte{7, 11, 8}, natIP.AsSlice()...), 0, 0, 0, 0, 1)}
+	if err := sendParamProb(be.NS, beIP, natIP, typ, code, 20, withRR.IPPacket()); err != nil {
+		t.Fatal(err)
+	}
+	wantICMPError(t, client, "client, quote with record route", vip, typ, code, 20)
+	if after, err = p.Stats(); err != nil {
+		t.Fatal(err)
 	}
 
 	// A quoted IPv4 header whose own checksum fails, in an error whose ICMP checksum
