@@ -167,7 +167,7 @@ func natParameterProblem(t *testing.T, tp *topo.Topology, p *Program, vip, beIP,
 		n := st.Reasons[ReasonDropICMPChecksum].Packets - after.Reasons[ReasonDropICMPChecksum].Packets
 		return n, n == 1
 	}
-	waitfor.Value(t, 5*time.Second, "1 more drop_icmp_checksum", dropped)
+	waitfor.Value(t, 10*time.Second, "1 more drop_icmp_checksum", dropped)
 	rc, err := client.SyscallConn()
 	if err != nil {
 		t.Fatal(err)
@@ -228,7 +228,7 @@ func wantICMPError(t *testing.T, c *net.UDPConn, who string, offender netip.Addr
 	var ee *unix.SockExtendedErr
 	var from netip.Addr
 	var last error
-	waitfor.Cond(5*time.Second, func() bool {
+	waitfor.Cond(10*time.Second, func() bool {
 		rc.Control(func(fd uintptr) {
 			ee, from, last = readErrQueue(int(fd))
 		})
