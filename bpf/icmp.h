@@ -4,8 +4,8 @@
 // backend; one from the client's side comes to the VIP and quotes our reply. The
 // flow is the quoted packet reversed. An error from the client's side about a dsr or
 // tunnel flow goes to the flow's backend unchanged (icmp_to_lb_backend). Either way
-// the error's ICMP checksum must hold first (icmp_checksum_verdict). Anything else is
-// passed untouched.
+// the error's ICMP checksum, and a quoted IPv4 header's own, must hold first
+// (icmp_checksum_verdict). Anything else is passed untouched.
 #pragma once
 
 #include "dsr.h"
@@ -190,7 +190,8 @@ static __always_inline int icmp_quote_checksum_verdict(struct xdp_md *ctx, struc
 
 // icmp_checksum_verdict checks the ICMP checksum of an error the program is about
 // to act on: over the whole message, as far as its IP packet's length says, and for
-// ICMPv6 the pseudo-header of the outer addresses. CONTINUE when it holds. A wrong
+// ICMPv6 the pseudo-header of the outer addresses; then the quote's IPv4 header
+// (icmp_quote_checksum_verdict). CONTINUE when both hold. A wrong
 // one is dropped (RFC 5508 REQ-3: a NAT SHOULD silently drop it): translated, its
 // fault would reach the client or backend, whose stack drops it, but only after a
 // quote corrupted into another flow's had been sent to that flow's side. Errors
