@@ -19,6 +19,7 @@ import (
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/internal/xdptest"
+	"github.com/weir-lb/weir/userspace/agent/admin"
 )
 
 func TestValidate(t *testing.T) {
@@ -352,6 +353,59 @@ func TestValidateNamesHostPreconditions(t *testing.T) {
 	}
 	if stdout, stderr, err := validate("data_plane: xdp, ", "--file-only"); err != nil || stderr != "" || strings.Contains(stdout, "this host") || !strings.Contains(stdout, "valid, 2 services") {
 		t.Errorf("--file-only: got %v, stdout:\n%s\nstderr:\n%s\nwant exit 0, the file valid and nothing about this host", err, stdout, stderr)
+	}
+}
+
+// TestValidateOneMissingInterface: of a file's two interfaces one does not
+// exist in the balancer's namespace. The agent attaches XDP to the other and
+// serves its data_plane xdp service there, so weir validate in that namespace
+// names the missing interface on stdout and exits 0; with neither interface
+// there the service cannot start, and it exits 1.
+func TestValidateOneMissingInterface(t *testing.T) {
+	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("wvm"), Backends: 1})
+	pinPath := filepath.Join(xdptest.BPFFS(t), "weir")
+	dir := t.TempDir()
+	file, socket := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "weir.sock")
+	const missing = "wvmnosuch0"
+	write := func(links string) {
+		t.Helper()
+		body := strings.Replace(fmt.Sprintf(stopConfig, links, pinPath, tp.Balancer.IP4, socket, tp.VIP4, tp.Backends[0].IP4),
+			"    mode: dsr\n", "    mode: dsr\n    data_plane: xdp\n", 1)
+		if err := os.WriteFile(file, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	validate := func() (string, string, error) {
+		var stdout, stderr bytes.Buffer
+		err := tp.Balancer.NS.Do(func() error {
+			return run(context.Background(), []string{"validate", file}, &stdout, &stderr)
+		})
+		return stdout.String(), stderr.String(), err
+	}
+
+	write(missing)
+	if _, stderr, err := validate(); !errors.Is(err, errReported) || !strings.Contains(stderr, "interfaces: "+missing) {
+		t.Errorf("no interface there: got %v, stderr:\n%s\nwant exit 1 naming %s", err, stderr, missing)
+	}
+
+	write(tp.Balancer.Link + "\n  - name: " + missing)
+	stdout, stderr, err := validate()
+	if err != nil || stderr != "" || !strings.Contains(stdout, "interfaces: "+missing) {
+		t.Fatalf("one interface of two there: got %v, stdout:\n%s\nstderr:\n%s\nwant exit 0, %s named on stdout", err, stdout, stderr, missing)
+	}
+	// The agent takes the file: the service runs on XDP, on the interface there.
+	agent := startAgent(t, tp.Balancer.NS.Name(), file)
+	client := admin.NewClient(socket)
+	if !waitfor.Cond(30*time.Second, func() bool {
+		st, err := client.Status(context.Background())
+		return err == nil && len(st.Services) == 1 && st.Services[0].DataPlane == "xdp"
+	}) {
+		select {
+		case <-agent.done:
+			t.Fatalf("the agent refused the file weir validate passed: %v", agent.err)
+		default:
+			t.Fatal("the agent did not serve web with XDP within 30s")
+		}
 	}
 }
 

@@ -80,30 +80,7 @@ func TestStopDetachPastAnInvalidFile(t *testing.T) {
 	}
 	write(valid)
 
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var agentOut bytes.Buffer
-	cmd := exec.Command("ip", "netns", "exec", tp.Balancer.NS.Name(), exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), childArgs+"=run\n-c\n"+file)
-	cmd.Stdout, cmd.Stderr = &agentOut, &agentOut
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	// Exits when the agent does.
-	go func() { done <- cmd.Wait() }()
-	exited := false
-	t.Cleanup(func() {
-		if !exited {
-			cmd.Process.Signal(syscall.SIGTERM)
-			<-done
-		}
-		if t.Failed() {
-			t.Logf("agent output:\n%s", agentOut.String())
-		}
-	})
+	agent := startAgent(t, tp.Balancer.NS.Name(), file)
 	client := admin.NewClient(socket)
 	if !waitfor.Cond(30*time.Second, func() bool {
 		st, err := client.Status(context.Background())
@@ -115,10 +92,9 @@ func TestStopDetachPastAnInvalidFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	select {
-	case err := <-done:
-		exited = true
-		if err != nil {
-			t.Fatalf("agent stopped: %v", err)
+	case <-agent.done:
+		if agent.err != nil {
+			t.Fatalf("agent stopped: %v", agent.err)
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("the agent did not exit within 30s of weir stop")
@@ -172,4 +148,40 @@ func TestStopDetachPastAnInvalidFile(t *testing.T) {
 	if pinned() != 0 || attached() {
 		t.Errorf("after weir stop --detach: %d pins, program attached %t; want neither", pinned(), attached())
 	}
+}
+
+// agentProcess is `weir run` in a namespace of a test's: done is closed when
+// it has exited, err then says how, out holds what it wrote.
+type agentProcess struct {
+	done chan struct{}
+	err  error
+	out  bytes.Buffer
+}
+
+// startAgent runs `weir run -c file` in the named namespace through `ip netns
+// exec`, as it would run on a host; at cleanup it is stopped (SIGTERM) unless
+// it exited before, and its output is logged if the test failed.
+func startAgent(t *testing.T, ns, file string) *agentProcess {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &agentProcess{done: make(chan struct{})}
+	cmd := exec.Command("ip", "netns", "exec", ns, exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), childArgs+"=run\n-c\n"+file)
+	cmd.Stdout, cmd.Stderr = &p.out, &p.out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	// Exits when the agent does.
+	go func() { p.err = cmd.Wait(); close(p.done) }()
+	t.Cleanup(func() {
+		cmd.Process.Signal(syscall.SIGTERM) // os.ErrProcessDone once it has exited
+		<-p.done
+		if t.Failed() {
+			t.Logf("agent output:\n%s", p.out.String())
+		}
+	})
+	return p
 }

@@ -15,7 +15,8 @@ import (
 // returns one line per problem, in operator words with the fix, at the file
 // named file; `weir validate` prints them. refused are the problems for which
 // the agent on this host refuses the file (a start stops, a reload is refused):
-// a service XDP alone may serve that XDP cannot serve here, a VIP on the BGP
+// a service XDP alone may serve that XDP cannot serve here (none of the
+// interfaces exists, or its mode's needs are not met), a VIP on the BGP
 // speaker's port at the interface's address. notes only decide where a service
 // runs: one with data_plane auto is served by the proxy.
 func Preflight(cfg *config.Config, file string) (refused, notes []string) {
@@ -23,20 +24,30 @@ func Preflight(cfg *config.Config, file string) (refused, notes []string) {
 		return nil, nil
 	}
 	x := &Plane{links: map[int]string{}, addrs: cfg.Addresses}
-	xdpOnly := slices.ContainsFunc(cfg.Services, func(s config.Service) bool { return needsXDP(&s) })
+	var missing []string
 	for _, in := range cfg.Interfaces {
 		iface, err := net.InterfaceByName(in.Name)
 		if err != nil {
-			if xdpOnly {
-				refused = append(refused, fmt.Sprintf("interfaces: %s: %v: XDP cannot attach to it, so the services XDP alone may serve (data_plane xdp, udp) cannot start and the agent refuses the file here", in.Name, err))
-			} else {
-				notes = append(notes, fmt.Sprintf("interfaces: %s: %v: XDP cannot attach to it (every service falls back to the proxy)", in.Name, err))
-			}
+			missing = append(missing, fmt.Sprintf("interfaces: %s: %v: XDP cannot attach to it", in.Name, err))
 			continue
 		}
 		x.links[iface.Index] = in.Name
 	}
-	if len(x.links) == 0 {
+	// The agent attaches XDP to the interfaces it finds and serves on those: only
+	// when it finds none does XDP serve nothing here.
+	if len(x.links) > 0 {
+		for _, m := range missing {
+			notes = append(notes, m+" (XDP serves on the others)")
+		}
+	} else {
+		xdpOnly := slices.ContainsFunc(cfg.Services, func(s config.Service) bool { return needsXDP(&s) })
+		for _, m := range missing {
+			if xdpOnly {
+				refused = append(refused, m+", so the services XDP alone may serve (data_plane xdp, udp) cannot start and the agent refuses the file here")
+			} else {
+				notes = append(notes, m+" (every service falls back to the proxy)")
+			}
+		}
 		return refused, notes
 	}
 	if len(x.addrs) == 0 {
