@@ -313,6 +313,13 @@ func TestValidateNamesHostPreconditions(t *testing.T) {
 	ns, err := netns.New(topo.UniqueName("wvh"))
 	xdptest.Check(t, err)
 	t.Cleanup(func() { ns.Close() })
+	// A new namespace takes its IPv4 settings from the host's, where forwarding
+	// may be on: off here, whatever the host says.
+	if err := ns.Do(func() error {
+		return os.WriteFile("/proc/sys/net/ipv4/conf/lo/forwarding", []byte("0"), 0o644)
+	}); err != nil {
+		t.Fatal(err)
+	}
 	validate := func(web string, args ...string) (out, errOut string, err error) {
 		t.Helper()
 		p := t.TempDir() + "/nat.yaml"
