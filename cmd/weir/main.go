@@ -1,7 +1,7 @@
 // Command weir is the load balancer's one binary. Subcommands:
 //
 //	weir run [-c FILE] [--no-xdp]         run the agent
-//	weir validate [FILE]                  check a config file, print every error
+//	weir validate [FILE] [--file-only]    check a config file, and that this host's agent takes it
 //	weir status [--json]                  what the running agent serves, and how
 //	weir drain SERVICE BACKEND            no new flows to a backend; established ones stay
 //	weir undrain SERVICE BACKEND
