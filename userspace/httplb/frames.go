@@ -136,6 +136,10 @@ type fstream struct {
 	upRecv  int64 // the backend's stream window for its DATA, as weir gave it
 	tryT    time.Time
 	tryTmr  *time.Timer
+	// tryN numbers the tries whose timer was armed: a timer acts only on
+	// the try it was armed for (one that fired as its try ended otherwise
+	// finds the next under way).
+	tryN    int
 	allTmr  *time.Timer
 	headerL time.Duration
 
@@ -633,7 +637,7 @@ func (ss *fsess) headers(f *hblock) error {
 	st.replayOK = st.retryable && l.cfg.Retries > 0
 	l.budget.deposit()
 	if l.cfg.Timeout > 0 {
-		st.allTmr = time.AfterFunc(l.cfg.Timeout, func() { ss.timerFired(st, false) })
+		st.allTmr = time.AfterFunc(l.cfg.Timeout, func() { ss.timerFired(st, 0) })
 	}
 	st.nextTry()
 	return nil
@@ -956,7 +960,9 @@ func (st *fstream) pick(bal balance.Balancer, key uint64) {
 	st.tryT = time.Now()
 	st.status = 0
 	if l.cfg.TryTimeout > 0 {
-		st.tryTmr = time.AfterFunc(l.cfg.TryTimeout, func() { st.sess.timerFired(st, true) })
+		st.tryN++
+		n := st.tryN
+		st.tryTmr = time.AfterFunc(l.cfg.TryTimeout, func() { st.sess.timerFired(st, n) })
 	}
 	if !st.open() {
 		return
@@ -1016,15 +1022,16 @@ func (st *fstream) answerFailure() {
 	st.answer(f.status, fmt.Sprintf("service %q: %d tries failed, the last: %v", st.sess.s.cfg.Name, len(st.tried), f.err), false)
 }
 
-// timerFired is a try's (try) or the request's timeout.
-func (ss *fsess) timerFired(st *fstream, try bool) {
+// timerFired is the timeout of try number n (tryN), or of the request (n 0).
+func (ss *fsess) timerFired(st *fstream, n int) {
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
 	if st.finished {
 		return
 	}
-	if try && (st.status != 0 || st.up == nil && st.be == nil) {
-		return // answered in time
+	try := n != 0
+	if try && (n != st.tryN || st.status != 0 || st.up == nil && st.be == nil) {
+		return // answered in time, or its try ended before the timer could stop
 	}
 	if st.answered() {
 		// The whole request's time ran out mid-answer.
