@@ -55,7 +55,10 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		ctx, cancel = context.WithTimeout(ctx, l.cfg.Timeout)
 		defer cancel()
 	}
-	key := l.hashKey(r)
+	// picker's balancer picks the request's backends, with key: the
+	// request's own configuration's first, the one in force for retries
+	// and tries moved off a backend retired since its pick.
+	picker, key := l, l.hashKey(r)
 	retryable := idempotent(r.Method) || l.grpcRetryable(r)
 	var body *replayBody
 	if r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 {
@@ -93,23 +96,25 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 				break
 			}
 		}
-		bal, k := l.bal, key
-		if fail.notSent {
-			// The balancer in force: the request's own, replaced by a
-			// reload that changed the algorithm (with the removal,
-			// perhaps), may know no other backend. It is given the key
-			// its configuration makes, which hashes what the request's
-			// may not.
-			nl := s.live.Load()
-			bal, k = nl.bal, nl.hashKey(r)
+		if try > 0 || fail.notSent {
+			// A retry, or a try moved off a backend retired or removed
+			// since it was picked, is picked by the balancer in force:
+			// the request's own, replaced by a reload that changed the
+			// algorithm, may know no other backend, or still offer one
+			// removed or down since. It is given the key its
+			// configuration makes, which hashes what the request's may
+			// not.
+			if nl := s.live.Load(); nl != picker {
+				picker, key = nl, nl.hashKey(r)
+			}
 		}
 		var lease balance.Lease
 		var err error
 		if ntried == 0 {
-			lease, err = bal.Pick(k, nil)
+			lease, err = picker.bal.Pick(key, nil)
 		} else {
 			seen := append([]string{first}, tried...)
-			lease, err = bal.Pick(k, func(id string) bool { return slices.Contains(seen, id) })
+			lease, err = picker.bal.Pick(key, func(id string) bool { return slices.Contains(seen, id) })
 		}
 		if err != nil {
 			if try == 0 {
@@ -122,18 +127,23 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 			}
 			break // every usable backend has been tried: answer with the last failure
 		}
-		be := s.backend(lease.Backend())
-		if be == nil { // removed between the pick and now
-			lease.Release(balance.Result{})
-			fail = failure{retry: true, dial: true, status: http.StatusBadGateway, err: ErrNoBackend}
-			continue
-		}
+		id := lease.Backend()
 		if ntried == 0 {
-			first = be.id
+			first = id
 		} else {
-			tried = append(tried, be.id)
+			tried = append(tried, id)
 		}
 		ntried++
+		be := s.backend(id)
+		if be == nil {
+			// Removed between the pick and now, or offered by a balancer
+			// a reload replaced: the request never left, and goes on as
+			// the same try.
+			lease.Release(balance.Result{})
+			fail = failure{retry: true, dial: true, notSent: true, status: http.StatusBadGateway, err: ErrNoBackend}
+			try--
+			continue
+		}
 		if try > 0 {
 			be.stats.retries.Add(1)
 		}

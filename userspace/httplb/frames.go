@@ -101,10 +101,14 @@ type fstream struct {
 
 	method, path, authority string
 	hdrs                    []hpack.HeaderField // to the backend, pseudo-headers first
-	hashKey                 uint64
-	grpc                    bool
-	retryable               bool
-	start                   time.Time
+	hashKey                 uint64              // in picker's configuration
+	// picker's balancer picks the stream's backends: live's first, the
+	// one in force for retries and tries moved off a backend retired
+	// since its pick (repick).
+	picker    *live
+	grpc      bool
+	retryable bool
+	start     time.Time
 
 	reqEnded      bool                // the client's END_STREAM came
 	resetByClient bool                // the client's RST_STREAM ended it
@@ -632,7 +636,7 @@ func (ss *fsess) headers(f *hblock) error {
 		return ss.refuse(st, id, http2.ErrCodeProtocol)
 	}
 	st.addForwarding(xff)
-	st.hashKey = st.key(&l.cfg, regular, cookies)
+	st.hashKey, st.picker = st.key(&l.cfg, regular, cookies), l
 	st.retryable = idempotent(st.method) || l.grpcRetryableName(st.grpc, st.path)
 	st.replayOK = st.retryable && l.cfg.Retries > 0
 	l.budget.deposit()
@@ -702,7 +706,7 @@ func (st *fstream) key(cfg *Config, regular []hpack.HeaderField, cookies []strin
 // client sent it): where the key is the same in both configurations, the
 // request's own is kept.
 func (st *fstream) keyIn(cfg *Config) uint64 {
-	own := &st.live.cfg
+	own := &st.picker.cfg
 	if hashes(cfg.Algorithm) == hashes(own.Algorithm) && (!hashes(cfg.Algorithm) || cfg.Hash == own.Hash && cfg.HashName == own.HashName) {
 		return st.hashKey
 	}
@@ -923,20 +927,43 @@ func (st *fstream) nextTry() {
 		st.answerFailure()
 		return
 	}
-	st.pick(l.bal, st.hashKey)
+	if st.tries > 0 {
+		st.inForce()
+	}
+	st.pick()
 }
 
-// pick sends the request, as its next try, to a backend bal picks for key
-// that it has not been tried on; mu is held.
-func (st *fstream) pick(bal balance.Balancer, key uint64) {
+// inForce has the configuration in force pick the stream's backends from
+// now on: the request's own balancer, replaced by a reload that changed the
+// algorithm, may know no other backend, or still offer one removed or down
+// since. It is given the key its configuration makes (keyIn), which hashes
+// what the request's may not.
+func (st *fstream) inForce() {
+	if l := st.sess.s.live.Load(); l != st.picker {
+		st.hashKey, st.picker = st.keyIn(&l.cfg), l
+	}
+}
+
+// repick sends the request to another backend as the same try: the one
+// picked got no stream, nothing counts against it, and it is not picked
+// again; mu is held.
+func (st *fstream) repick() {
+	st.tries--
+	st.inForce()
+	st.pick()
+}
+
+// pick sends the request, as its next try, to a backend picker's balancer
+// picks for hashKey that it has not been tried on; mu is held.
+func (st *fstream) pick() {
 	l := st.live
 	s := st.sess.s
 	var lease balance.Lease
 	var err error
 	if len(st.tried) == 0 {
-		lease, err = bal.Pick(key, nil)
+		lease, err = st.picker.bal.Pick(st.hashKey, nil)
 	} else {
-		lease, err = bal.Pick(key, func(id string) bool { return slices.Contains(st.tried, id) })
+		lease, err = st.picker.bal.Pick(st.hashKey, func(id string) bool { return slices.Contains(st.tried, id) })
 	}
 	if err != nil {
 		if st.tries == 0 {
@@ -947,14 +974,17 @@ func (st *fstream) pick(bal balance.Balancer, key uint64) {
 		return
 	}
 	st.tries++
-	be := s.backend(lease.Backend())
+	id := lease.Backend()
+	st.tried = append(st.tried, id)
+	be := s.backend(id)
 	if be == nil {
+		// Removed between the pick and now, or offered by a balancer a
+		// reload replaced.
 		lease.Release(balance.Result{})
 		st.fail = failure{retry: true, dial: true, status: http.StatusBadGateway, err: ErrNoBackend}
-		st.nextTry()
+		st.repick()
 		return
 	}
-	st.tried = append(st.tried, be.id)
 	st.be, st.lease = be, lease
 	st.requeueBody()
 	st.tryT = time.Now()
@@ -976,10 +1006,7 @@ func (st *fstream) pick(bal balance.Balancer, key uint64) {
 // retired backend gets no new connection: when none of its own can take the
 // stream, the try goes to another backend instead, not counted (the request
 // never left weir), and open reports false. That one is picked by the
-// balancer in force: the request's own, replaced by a reload that changed
-// the algorithm (with the removal, perhaps), may know no other backend. It
-// is given the key its configuration makes (keyIn), which hashes what the
-// request's may not.
+// balancer in force (inForce).
 func (st *fstream) open() bool {
 	if st.be.frames(st.sess.s).open(st) {
 		return true
@@ -989,13 +1016,7 @@ func (st *fstream) open() bool {
 	}
 	st.lease.Release(balance.Result{})
 	st.be = nil
-	st.tries--
-	l := st.sess.s.live.Load()
-	key := st.hashKey
-	if l != st.live {
-		key = st.keyIn(&l.cfg)
-	}
-	st.pick(l.bal, key)
+	st.repick()
 	return false
 }
 

@@ -111,7 +111,7 @@ func (b *holdingBackend) letGo() { b.once.Do(func() { close(b.release) }) }
 // returns the answer's status and body ("" and the error if it failed).
 func send(c *http.Client, method, url string) (int, string, error) {
 	var body io.Reader
-	if method == "POST" {
+	if method == "POST" || method == "PUT" {
 		body = strings.NewReader("a request body")
 	}
 	req, err := http.NewRequest(method, url, body)
@@ -726,4 +726,103 @@ func leftBehind(s *Service) string {
 		}
 	}
 	return strings.Join(left, "; ")
+}
+
+// TestRetryAfterRefusalPicksInForce: a request the removed backend refused
+// goes to a backend of the balancer in force, and so do its retries after
+// that. The reload that removed the backend also changed the algorithm, so
+// the request's own balancer knows only the removed backend; the one in
+// force knows two, the first of which to get a request answers 503. Before,
+// the retry after that 503 was picked by the request's own balancer, which
+// had no other backend to offer: the client got the 503.
+func TestRetryAfterRefusalPicksInForce(t *testing.T) {
+	for _, p := range refusedPools {
+		t.Run(p.name, func(t *testing.T) {
+			var n atomic.Int32
+			var bs []Backend
+			for range 2 {
+				be := startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) {
+					if n.Add(1) == 1 {
+						w.WriteHeader(http.StatusServiceUnavailable)
+						return
+					}
+					io.WriteString(w, "ok")
+				}, 0)
+				bs = append(bs, Backend{Addr: be.addr, Weight: 1, Usable: true})
+			}
+			p.cfg.Retries = 1
+			got := refusedOnRemoved(t, p, nil, func(sv *served) error {
+				cfg := sv.cfg
+				cfg.Algorithm = balance.RoundRobin
+				return sv.Reconfigure(cfg, bs)
+			})
+			if got != "200 ok <nil>" {
+				t.Errorf("GET the removed backend refused, then the next answered 503: %s; want 200 ok <nil> from the third", got)
+			}
+		})
+	}
+}
+
+// TestRetryAfterReloadPicksInForce: a request's retry after a reload that
+// changed the algorithm is picked by the balancer in force. The reload
+// removed the backend the request did not take and added another; the
+// request's own balancer still offered the removed one, whose entry was
+// gone: the retry failed without leaving weir, and with no retry left the
+// client got 502 (no usable backend).
+func TestRetryAfterReloadPicksInForce(t *testing.T) {
+	for _, p := range upstreamPools {
+		t.Run(p.name, func(t *testing.T) {
+			var n atomic.Int32
+			came, release := make(chan netip.AddrPort, 1), make(chan struct{})
+			letGo := closeOnce(release)
+			t.Cleanup(letGo)
+			// The first request any of them gets waits for letGo, then is
+			// answered 503; the others "ok".
+			start := func() Backend {
+				var be *countingBackend
+				be = startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) {
+					io.Copy(io.Discard, r.Body)
+					if n.Add(1) == 1 {
+						came <- be.addr
+						<-release
+						w.WriteHeader(http.StatusServiceUnavailable)
+						return
+					}
+					io.WriteString(w, "ok")
+				}, 0)
+				return Backend{Addr: be.addr, Weight: 1, Usable: true}
+			}
+			bs := []Backend{start(), start()}
+			cfg := p.cfg
+			cfg.Retries = 1
+			method := p.method
+			if method == "POST" {
+				method = "PUT" // retryable
+			}
+			sv := serveStoppable(t, cfg, bs)
+			c := p.client()
+			t.Cleanup(c.CloseIdleConnections)
+			got := make(chan string, 1)
+			// Exits when the request is answered or fails (the client's timeout).
+			go func() {
+				code, body, err := send(c, method, "http://"+sv.Addr().String()+"/")
+				got <- fmt.Sprint(code, " ", body, " ", err)
+			}()
+			var held netip.AddrPort
+			select {
+			case held = <-came:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the request did not reach a backend in 10s")
+			}
+			cfg = sv.cfg
+			cfg.Algorithm = balance.RoundRobin
+			if err := sv.Reconfigure(cfg, []Backend{{Addr: held, Weight: 1, Usable: true}, start()}); err != nil {
+				t.Fatal(err)
+			}
+			letGo()
+			if g := <-got; g != "200 ok <nil>" {
+				t.Errorf("%s whose backend answered 503 after a reload that removed the other: %s; want 200 ok <nil> from the one added", method, g)
+			}
+		})
+	}
 }
