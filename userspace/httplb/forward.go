@@ -83,6 +83,7 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 	var first string
 	var tried []string
 	ntried := 0
+	moved := 0 // of ntried, tries moved to another backend (notSent): no failure
 	var fail failure
 	for try := 0; ; try++ {
 		if try > 0 {
@@ -140,12 +141,10 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 			// a reload replaced: the request never left, and goes on as
 			// the same try.
 			lease.Release(balance.Result{})
-			fail = failure{retry: true, dial: true, notSent: true, status: http.StatusBadGateway, err: ErrNoBackend}
+			fail = moveOn(fail, failure{retry: true, dial: true, notSent: true, status: http.StatusBadGateway, err: ErrNoBackend}, try > 0)
+			moved++
 			try--
 			continue
-		}
-		if try > 0 {
-			be.stats.retries.Add(1)
 		}
 		var done bool
 		var f failure
@@ -157,23 +156,39 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		} else {
 			done, f = s.try(client, ctx, l, w, r, be, &lease, hdr, sc, body, retryable, try < l.cfg.Retries, start)
 		}
+		if try > 0 && !f.notSent {
+			be.stats.retries.Add(1) // a try moved on was not be's
+		}
 		if done {
 			tunnel = f.tunnel
 			return
 		}
-		fail = f
 		if f.notSent {
+			f = moveOn(fail, f, try > 0)
+			moved++
 			try-- // the same try, to another backend
 		}
+		fail = f
 	}
 	if client.Err() != nil {
 		abandoned()
 	}
 	paused := pausedUpload(w, r, body)
-	s.answerFailure(l, w, r, fail, ntried, start)
+	s.answerFailure(l, w, r, fail, ntried-moved, start)
 	if paused {
 		s.closeUpload(w, r)
 	}
+}
+
+// moveOn is the failure a request goes on from after a try moved to another
+// backend (f, notSent): it keeps the status and error of last, the last try
+// that failed, if one did (failed), to answer with should no other try
+// succeed.
+func moveOn(last, f failure, failed bool) failure {
+	if failed {
+		f.status, f.err, f.resp = last.status, last.err, last.resp
+	}
+	return f
 }
 
 // errStatusUnder100 is a backend's answer with a status under 100, which Go's

@@ -130,6 +130,11 @@ type fstream struct {
 	tries   int
 	refused int // sent again because the backend refused the stream
 	tried   []string
+	moved   int // of tried, backends a try was moved off (repick): no failure
+	// retryOn is the backend of the retry under way, counted in its
+	// retries once the try comes to something (countRetry): a try moved
+	// off it (repick) is not its.
+	retryOn *backend
 	fail    failure
 	be      *backend
 	lease   balance.Lease
@@ -949,6 +954,7 @@ func (st *fstream) inForce() {
 // again; mu is held.
 func (st *fstream) repick() {
 	st.tries--
+	st.moved++
 	st.inForce()
 	st.pick()
 }
@@ -981,7 +987,6 @@ func (st *fstream) pick() {
 		// Removed between the pick and now, or offered by a balancer a
 		// reload replaced.
 		lease.Release(balance.Result{})
-		st.fail = failure{retry: true, dial: true, status: http.StatusBadGateway, err: ErrNoBackend}
 		st.repick()
 		return
 	}
@@ -994,11 +999,18 @@ func (st *fstream) pick() {
 		n := st.tryN
 		st.tryTmr = time.AfterFunc(l.cfg.TryTimeout, func() { st.sess.timerFired(st, n) })
 	}
-	if !st.open() {
-		return
-	}
 	if st.tries > 1 {
-		be.stats.retries.Add(1)
+		st.retryOn = be
+	}
+	st.open()
+}
+
+// countRetry counts the retry under way, if it is one, in its backend's
+// retries, once.
+func (st *fstream) countRetry() {
+	if st.retryOn != nil {
+		st.retryOn.stats.retries.Add(1)
+		st.retryOn = nil
 	}
 }
 
@@ -1015,7 +1027,7 @@ func (st *fstream) open() bool {
 		st.tryTmr.Stop()
 	}
 	st.lease.Release(balance.Result{})
-	st.be = nil
+	st.be, st.retryOn = nil, nil
 	st.repick()
 	return false
 }
@@ -1040,7 +1052,7 @@ func (st *fstream) answerFailure() {
 	if f.status == 0 {
 		f.status = http.StatusBadGateway
 	}
-	st.answer(f.status, fmt.Sprintf("service %q: %d tries failed, the last: %v", st.sess.s.cfg.Name, len(st.tried), f.err), false)
+	st.answer(f.status, fmt.Sprintf("service %q: %d tries failed, the last: %v", st.sess.s.cfg.Name, len(st.tried)-st.moved, f.err), false)
 }
 
 // timerFired is the timeout of try number n (tryN), or of the request (n 0).
@@ -1054,6 +1066,7 @@ func (ss *fsess) timerFired(st *fstream, n int) {
 	if try && (n != st.tryN || st.status != 0 || st.up == nil && st.be == nil) {
 		return // answered in time, or its try ended before the timer could stop
 	}
+	st.countRetry()
 	if st.answered() {
 		// The whole request's time ran out mid-answer.
 		st.cancelUpstream()
@@ -1078,6 +1091,7 @@ func (ss *fsess) timerFired(st *fstream, n int) {
 // tryFailed settles a try the backend broke off; retry says whether it may
 // be tried elsewhere (the backend never processed it).
 func (st *fstream) tryFailed(o Outcome, unprocessed bool) {
+	st.countRetry()
 	if st.tryTmr != nil {
 		st.tryTmr.Stop()
 	}
@@ -1157,6 +1171,7 @@ func (st *fstream) finish() {
 		return
 	}
 	st.finished = true
+	st.countRetry()
 	ss := st.sess
 	// Ended by the client or by a protocol error: the backend is not to blame
 	// (every other end has released the lease already).
@@ -1219,6 +1234,7 @@ func (st *fstream) respHeaders(f *hblock) {
 		st.flushResp()
 		return
 	}
+	st.countRetry()
 	code, err := strconv.Atoi(f.pseudo("status"))
 	if f.truncated {
 		// Headers past the limit: passing on what fits would drop some

@@ -772,19 +772,16 @@ func TestRetryAfterRefusalPicksInForce(t *testing.T) {
 func TestRetryAfterReloadPicksInForce(t *testing.T) {
 	for _, p := range upstreamPools {
 		t.Run(p.name, func(t *testing.T) {
-			var n atomic.Int32
-			came, release := make(chan netip.AddrPort, 1), make(chan struct{})
-			letGo := closeOnce(release)
-			t.Cleanup(letGo)
-			// The first request any of them gets waits for letGo, then is
-			// answered 503; the others "ok".
+			g := newGate(t)
+			// The first request any of them gets waits for the gate, then
+			// is answered 503; the others "ok".
 			start := func() Backend {
 				var be *countingBackend
 				be = startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) {
 					io.Copy(io.Discard, r.Body)
-					if n.Add(1) == 1 {
-						came <- be.addr
-						<-release
+					if g.n.Add(1) == 1 {
+						g.came <- be.addr
+						<-g.held
 						w.WriteHeader(http.StatusServiceUnavailable)
 						return
 					}
@@ -808,21 +805,111 @@ func TestRetryAfterReloadPicksInForce(t *testing.T) {
 				code, body, err := send(c, method, "http://"+sv.Addr().String()+"/")
 				got <- fmt.Sprint(code, " ", body, " ", err)
 			}()
-			var held netip.AddrPort
-			select {
-			case held = <-came:
-			case <-time.After(10 * time.Second):
-				t.Fatal("the request did not reach a backend in 10s")
-			}
+			held := g.wait(t)
 			cfg = sv.cfg
 			cfg.Algorithm = balance.RoundRobin
 			if err := sv.Reconfigure(cfg, []Backend{{Addr: held, Weight: 1, Usable: true}, start()}); err != nil {
 				t.Fatal(err)
 			}
-			letGo()
-			if g := <-got; g != "200 ok <nil>" {
-				t.Errorf("%s whose backend answered 503 after a reload that removed the other: %s; want 200 ok <nil> from the one added", method, g)
+			g.open()
+			if a := <-got; a != "200 ok <nil>" {
+				t.Errorf("%s whose backend answered 503 after a reload that removed the other: %s; want 200 ok <nil> from the one added", method, a)
 			}
 		})
+	}
+}
+
+// TestMovedTryNotCounted: a retry moved off a backend removed while the
+// backend held it (it refused the stream after the removal) is not a
+// failed try, and is not counted as a retry of that backend: the answer
+// says how many tries failed, and the removed backend, configured again,
+// shows no retry. Before, the moved try was counted in both.
+func TestMovedTryNotCounted(t *testing.T) {
+	for _, p := range refusedPools {
+		t.Run(p.name, func(t *testing.T) {
+			g := newGate(t)
+			// The first request either gets is answered 503; the next
+			// waits for the gate, then is refused (GOAWAY).
+			raw := func() Backend {
+				var addr netip.AddrPort
+				addr = rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
+					readBackendFrames(fr, func(f *http2.HeadersFrame) {
+						if g.n.Add(1) == 1 {
+							fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("503"), EndHeaders: true, EndStream: true})
+							return
+						}
+						g.came <- addr
+						<-g.held
+						fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+					}, func(string) bool { return true })
+				})
+				return Backend{Addr: addr, Weight: 1, Usable: true}
+			}
+			a, b := raw(), raw()
+			third := startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusServiceUnavailable) }, 0)
+			c3 := Backend{Addr: third.addr, Weight: 1, Usable: true}
+			cfg := p.cfg
+			cfg.Retries = 2
+			sv := serveStoppable(t, cfg, []Backend{a, b})
+			c := p.client()
+			t.Cleanup(c.CloseIdleConnections)
+			got := make(chan string, 1)
+			// Exits when the request is answered or fails (the client's timeout).
+			go func() { got <- sendWith(c, "http://"+sv.Addr().String()+"/", nil) }()
+			held := g.wait(t)
+			first := a
+			if held == a.Addr {
+				first = b
+			}
+			if err := sv.SetBackends([]Backend{first, c3}); err != nil {
+				t.Fatal(err)
+			}
+			g.open()
+			want := `503 service "test": 2 tries failed`
+			if a := <-got; !strings.HasPrefix(a, want) {
+				t.Errorf("GET answered 503, retried, moved off a removed backend, answered 503: %s; want %s...", a, want)
+			}
+			if err := sv.SetBackends([]Backend{first, c3, {Addr: held, Weight: 1, Usable: true}}); err != nil {
+				t.Fatal(err)
+			}
+			for _, bs := range sv.Snapshot().Backends {
+				want := uint64(0)
+				if bs.Addr == c3.Addr {
+					want = 1
+				}
+				if bs.Retries != want {
+					t.Errorf("backend %s counts %d retries; want %d", bs.Addr, bs.Retries, want)
+				}
+			}
+		})
+	}
+}
+
+// gate holds one request at a backend: the backend counts its requests in
+// n, sends its address to came for the one it holds, and holds it until
+// open (or cleanup).
+type gate struct {
+	n    atomic.Int32
+	came chan netip.AddrPort
+	held chan struct{}
+	open func()
+}
+
+func newGate(t *testing.T) *gate {
+	g := &gate{came: make(chan netip.AddrPort, 1), held: make(chan struct{})}
+	g.open = closeOnce(g.held)
+	t.Cleanup(g.open)
+	return g
+}
+
+// wait returns the address of the backend holding the request once it does.
+func (g *gate) wait(t *testing.T) netip.AddrPort {
+	t.Helper()
+	select {
+	case a := <-g.came:
+		return a
+	case <-time.After(10 * time.Second):
+		t.Fatal("no backend held the request in 10s")
+		return netip.AddrPort{}
 	}
 }
