@@ -557,6 +557,11 @@ func (e *dialError) Unwrap() error { return e.err }
 // ErrRebuild is returned by Reconfigure for a change that needs a new listener.
 var ErrRebuild = errors.New("the change needs a new listener")
 
+// ErrStopped is returned by SetBackends and Reconfigure once the service has
+// stopped: its backends stay retired, and no connection is kept or dialled
+// again.
+var ErrStopped = errors.New("the service has stopped")
+
 // Fixed reports whether two configs differ in a setting fixed while the service
 // listens (address, TLS, the server's and the pools' limits and timeouts), which
 // Reconfigure cannot change.
@@ -570,7 +575,8 @@ func Fixed(a, b Config) bool {
 // stay open (no GOAWAY), requests in flight finish with the settings they
 // started with, and later ones take the new. The balancer is kept, with its
 // latency estimates, unless the algorithm changed. A change Fixed reports is
-// refused with ErrRebuild.
+// refused with ErrRebuild; any, once the service has stopped, with
+// ErrStopped.
 func (s *Service) Reconfigure(cfg Config, backends []Backend) error {
 	cfg.defaults()
 	cfg.TLS = s.cfg.TLS // compared by the caller; the certificate is loaded once
@@ -603,7 +609,8 @@ func (s *Service) Reconfigure(cfg Config, backends []Backend) error {
 // SetBackends replaces the backend set. Backends that stay keep their pooled
 // connections, in-flight counts and latency estimates; a backend that is no
 // longer usable (drained, ejected, removed) gets no new requests, and its
-// in-flight ones finish. Safe for concurrent use with requests.
+// in-flight ones finish. Once the service has stopped, a set is refused with
+// ErrStopped. Safe for concurrent use with requests.
 func (s *Service) SetBackends(bs []Backend) error {
 	return s.setBackends(s.live.Load().bal, bs)
 }
@@ -620,6 +627,9 @@ func (s *Service) setBackends(bal balance.Balancer, bs []Backend) error {
 	in := make([]balance.Backend, 0, len(bs))
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.stopped {
+		return fmt.Errorf("service %q: %w", s.cfg.Name, ErrStopped)
+	}
 	if l := s.live.Load(); l != nil && l.bal != bal {
 		s.oldBal = l.bal // Reconfigure's new balancer replaces it
 	}

@@ -1,6 +1,7 @@
 package httplb
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -911,5 +912,37 @@ func (g *gate) wait(t *testing.T) netip.AddrPort {
 	case <-time.After(10 * time.Second):
 		t.Fatal("no backend held the request in 10s")
 		return netip.AddrPort{}
+	}
+}
+
+// TestStoppedServiceRefusesBackends: once Serve has returned, a new backend
+// set (SetBackends or Reconfigure) is refused with ErrStopped, and every
+// backend stays retired: no connection of a request broken off at the
+// drain's end is kept again, and none is dialled. Before, the set was taken
+// and its backends were made usable again.
+func TestStoppedServiceRefusesBackends(t *testing.T) {
+	a := startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }, 0)
+	b := startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }, 0)
+	bs := []Backend{{Addr: a.addr, Weight: 1, Usable: true}}
+	sv := serveStoppable(t, Config{}, bs)
+	sv.stop()
+	<-sv.done
+	if err := sv.SetBackends(bs); !errors.Is(err, ErrStopped) {
+		t.Errorf("SetBackends after the stop: %v; want %v", err, ErrStopped)
+	}
+	cfg := sv.cfg
+	cfg.Algorithm = balance.RoundRobin
+	if err := sv.Reconfigure(cfg, append(bs, Backend{Addr: b.addr, Weight: 1, Usable: true})); !errors.Is(err, ErrStopped) {
+		t.Errorf("Reconfigure after the stop: %v; want %v", err, ErrStopped)
+	}
+	sv.mu.Lock()
+	defer sv.mu.Unlock()
+	for id, be := range sv.backends {
+		if !be.retired.Load() {
+			t.Errorf("backend %s is not retired after the stop and a new set", id)
+		}
+	}
+	if len(sv.backends) != 1 {
+		t.Errorf("%d backends after the stop and a new set; want the 1 before", len(sv.backends))
 	}
 }
