@@ -105,7 +105,12 @@ type fstream struct {
 	// picker's balancer picks the stream's backends: live's first, the
 	// one in force for retries and tries moved off a backend retired
 	// since its pick (repick).
-	picker    *live
+	picker *live
+	// What the client sent that hdrs lacks, for keyIn: its own fields
+	// are hdrs[:nClient] (those weir adds follow), less X-Forwarded-For
+	// (xff) and X-Forwarded-Proto (xfp) where live adds its own instead.
+	nClient   int
+	xff, xfp  []string
 	grpc      bool
 	retryable bool
 	start     time.Time
@@ -618,6 +623,7 @@ func (ss *fsess) headers(f *hblock) error {
 			xff = append(xff, hf.Value)
 			continue
 		case hf.Name == "x-forwarded-proto" && l.cfg.XForwardedProto:
+			st.xfp = append(st.xfp, hf.Value)
 			continue
 		case hf.Name == "content-type":
 			st.grpc = strings.HasPrefix(hf.Value, "application/grpc")
@@ -640,6 +646,7 @@ func (ss *fsess) headers(f *hblock) error {
 	if f.end && st.reqLeft > 0 {
 		return ss.refuse(st, id, http2.ErrCodeProtocol)
 	}
+	st.nClient, st.xff = len(st.hdrs), xff
 	st.addForwarding(xff)
 	st.hashKey, st.picker = st.key(&l.cfg, regular, cookies), l
 	st.retryable = idempotent(st.method) || l.grpcRetryableName(st.grpc, st.path)
@@ -706,22 +713,30 @@ func (st *fstream) key(cfg *Config, regular []hpack.HeaderField, cookies []strin
 }
 
 // keyIn is the request's hash key in cfg, a configuration other than its
-// own, found in the headers it goes to the backend with. Those lack what
-// weir drops or adds (host, hop-by-hop fields, X-Forwarded-For as the
-// client sent it): where the key is the same in both configurations, the
-// request's own is kept.
+// own, found in the fields the client sent as the request keeps them: the
+// headers it goes to the backend with, without those weir adds, with the
+// forwarding headers weir replaced as the client sent them. (Host and
+// hop-by-hop fields are not kept.) Where the key is the same in both
+// configurations, the request's own is kept.
 func (st *fstream) keyIn(cfg *Config) uint64 {
 	own := &st.picker.cfg
 	if hashes(cfg.Algorithm) == hashes(own.Algorithm) && (!hashes(cfg.Algorithm) || cfg.Hash == own.Hash && cfg.HashName == own.HashName) {
 		return st.hashKey
 	}
+	fields := st.hdrs[:st.nClient:st.nClient]
+	for _, v := range st.xff {
+		fields = append(fields, hpack.HeaderField{Name: "x-forwarded-for", Value: v})
+	}
+	for _, v := range st.xfp {
+		fields = append(fields, hpack.HeaderField{Name: "x-forwarded-proto", Value: v})
+	}
 	var cookies []string
-	for _, hf := range st.hdrs {
+	for _, hf := range fields {
 		if hf.Name == "cookie" {
 			cookies = append(cookies, hf.Value)
 		}
 	}
-	return st.key(cfg, st.hdrs, cookies)
+	return st.key(cfg, fields, cookies)
 }
 
 // data takes a DATA frame of the client's.

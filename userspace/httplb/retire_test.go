@@ -361,25 +361,7 @@ var refusedPools = []upstreamPool{
 // not the backend of key 0.
 func userOffKeyZero(t *testing.T, cfg Config, bs []Backend) (user, name string) {
 	t.Helper()
-	bal, err := balance.New(cfg.Algorithm, nil, cfg.Seed)
-	if err != nil {
-		t.Fatal(err)
-	}
-	in := make([]balance.Backend, len(bs))
-	names := map[string]string{}
-	for i, b := range bs {
-		in[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: true}
-		names[b.Addr.String()] = string(rune('a' + i))
-	}
-	bal.SetBackends(in)
-	pick := func(key uint64) string {
-		l, err := bal.Pick(key, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer l.Release(balance.Result{})
-		return l.Backend()
-	}
+	pick, names := namedPicks(t, cfg, bs)
 	zero := pick(0)
 	for i := range 100 {
 		user = fmt.Sprint("user", i)
@@ -945,4 +927,76 @@ func TestStoppedServiceRefusesBackends(t *testing.T) {
 	if len(sv.backends) != 1 {
 		t.Errorf("%d backends after the stop and a new set; want the 1 before", len(sv.backends))
 	}
+}
+
+// TestRefusedOnRemovedBackendHashesClientXFF: a request the removed backend
+// refused, where the configuration it began in added X-Forwarded-For and
+// the reload turned on hashing by that header, goes to the backend of the
+// client's X-Forwarded-For, as a request after the reload with that header
+// does. Before, the frame engine hashed the value weir had made of it (the
+// client's, then weir's client address).
+func TestRefusedOnRemovedBackendHashesClientXFF(t *testing.T) {
+	for _, p := range refusedPools {
+		t.Run(p.name, func(t *testing.T) {
+			var bs []Backend
+			for _, name := range []string{"a", "b", "c"} {
+				be := startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, name) }, 0)
+				bs = append(bs, Backend{Addr: be.addr, Weight: 1, Usable: true})
+			}
+			p.cfg.Algorithm, p.cfg.XForwardedFor = balance.RoundRobin, true
+			hashed := p.cfg
+			hashed.Algorithm, hashed.Hash, hashed.HashName = balance.Maglev, HashHeader, "X-Forwarded-For"
+			user, want := userOffRewritten(t, hashed, bs)
+			hdr := http.Header{"X-Forwarded-For": {user}}
+			got := refusedOnRemoved(t, p, hdr, func(sv *served) error {
+				hashed.Name, hashed.Listen = sv.cfg.Name, sv.cfg.Listen
+				return sv.Reconfigure(hashed, bs)
+			})
+			if got != "200 "+want+" <nil>" {
+				t.Errorf("GET with X-Forwarded-For %s the removed backend refused: %s; want 200 %s <nil>, from the backend of its hash", user, got, want)
+			}
+		})
+	}
+}
+
+// userOffRewritten returns a value of X-Forwarded-For whose backend among bs
+// (named by what it answers, "a" and the next letters in order) under cfg
+// is not the backend of the value weir forwards (the client's address
+// appended), and the name of its backend.
+func userOffRewritten(t *testing.T, cfg Config, bs []Backend) (user, name string) {
+	t.Helper()
+	pick, names := namedPicks(t, cfg, bs)
+	for i := range 100 {
+		user = fmt.Sprint("10.1.0.", i)
+		if id := pick(fnv1a(user)); id != pick(fnv1a(forwardedFor([]string{user}, "127.0.0.1"))) {
+			return user, names[id]
+		}
+	}
+	t.Fatalf("no value of 100 has another backend than its forwarded value")
+	return "", ""
+}
+
+// namedPicks returns what a balancer of cfg's algorithm over bs picks for a
+// key, and the names of bs by address ("a" and the next letters in order).
+func namedPicks(t *testing.T, cfg Config, bs []Backend) (pick func(key uint64) string, names map[string]string) {
+	t.Helper()
+	bal, err := balance.New(cfg.Algorithm, nil, cfg.Seed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := make([]balance.Backend, len(bs))
+	names = map[string]string{}
+	for i, b := range bs {
+		in[i] = balance.Backend{ID: b.Addr.String(), Weight: b.Weight, Usable: true}
+		names[b.Addr.String()] = string(rune('a' + i))
+	}
+	bal.SetBackends(in)
+	return func(key uint64) string {
+		l, err := bal.Pick(key, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Release(balance.Result{})
+		return l.Backend()
+	}, names
 }
