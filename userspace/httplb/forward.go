@@ -83,7 +83,9 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 	var first string
 	var tried []string
 	ntried := 0
-	moved := 0 // of ntried, tries moved to another backend (notSent): no failure
+	// The backends a try was moved off (notSent): never tried, they are
+	// picked again once configured again.
+	var movedOff []string
 	var fail failure
 	for try := 0; ; try++ {
 		if try > 0 {
@@ -111,11 +113,10 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		}
 		var lease balance.Lease
 		var err error
-		if ntried == 0 {
+		if ntried == 0 && movedOff == nil {
 			lease, err = picker.bal.Pick(key, nil)
 		} else {
-			seen := append([]string{first}, tried...)
-			lease, err = picker.bal.Pick(key, func(id string) bool { return slices.Contains(seen, id) })
+			lease, err = picker.bal.Pick(key, s.excluded(first, tried, ntried, movedOff))
 		}
 		if err != nil {
 			if try == 0 {
@@ -128,21 +129,14 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 			}
 			break // every usable backend has been tried: answer with the last failure
 		}
-		id := lease.Backend()
-		if ntried == 0 {
-			first = id
-		} else {
-			tried = append(tried, id)
-		}
-		ntried++
-		be := s.backend(id)
+		be := s.backend(lease.Backend())
 		if be == nil {
 			// Removed between the pick and now, or offered by a balancer
 			// a reload replaced: the request never left, and goes on as
 			// the same try.
+			movedOff = append(movedOff, lease.Backend())
 			lease.Release(balance.Result{})
 			fail = moveOn(fail, failure{retry: true, dial: true, notSent: true, status: http.StatusBadGateway, err: ErrNoBackend}, try > 0)
-			moved++
 			try--
 			continue
 		}
@@ -165,8 +159,15 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		}
 		if f.notSent {
 			f = moveOn(fail, f, try > 0)
-			moved++
+			movedOff = append(movedOff, be.id)
 			try-- // the same try, to another backend
+		} else {
+			if ntried == 0 {
+				first = be.id
+			} else {
+				tried = append(tried, be.id)
+			}
+			ntried++
 		}
 		fail = f
 	}
@@ -174,9 +175,25 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		abandoned()
 	}
 	paused := pausedUpload(w, r, body)
-	s.answerFailure(l, w, r, fail, ntried-moved, start)
+	s.answerFailure(l, w, r, fail, ntried, start)
 	if paused {
 		s.closeUpload(w, r)
+	}
+}
+
+// excluded is the backends a request's next pick must pass over: those it
+// was tried on (first, then tried: ntried in all), and those a try was moved
+// off (movedOff) while they are still retired or gone.
+func (s *Service) excluded(first string, tried []string, ntried int, movedOff []string) func(string) bool {
+	return func(id string) bool {
+		if ntried > 0 && (id == first || slices.Contains(tried, id)) {
+			return true
+		}
+		if slices.Contains(movedOff, id) {
+			be := s.backend(id)
+			return be == nil || be.retired.Load()
+		}
+		return false
 	}
 }
 

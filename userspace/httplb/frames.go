@@ -11,7 +11,6 @@ import (
 	"net/http"
 	"net/url"
 	"runtime/debug"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -135,7 +134,9 @@ type fstream struct {
 	tries   int
 	refused int // sent again because the backend refused the stream
 	tried   []string
-	moved   int // of tried, backends a try was moved off (repick): no failure
+	// movedOff are the backends a try was moved off (repick): never
+	// tried, they are picked again once configured again.
+	movedOff []string
 	// retryOn is the backend of the retry under way, counted in its
 	// retries once the try comes to something (countRetry): a try moved
 	// off it (repick) is not its.
@@ -969,7 +970,6 @@ func (st *fstream) inForce() {
 // again; mu is held.
 func (st *fstream) repick() {
 	st.tries--
-	st.moved++
 	st.inForce()
 	st.pick()
 }
@@ -981,10 +981,10 @@ func (st *fstream) pick() {
 	s := st.sess.s
 	var lease balance.Lease
 	var err error
-	if len(st.tried) == 0 {
+	if len(st.tried) == 0 && st.movedOff == nil {
 		lease, err = st.picker.bal.Pick(st.hashKey, nil)
 	} else {
-		lease, err = st.picker.bal.Pick(st.hashKey, func(id string) bool { return slices.Contains(st.tried, id) })
+		lease, err = st.picker.bal.Pick(st.hashKey, s.excluded("", st.tried, len(st.tried), st.movedOff))
 	}
 	if err != nil {
 		if st.tries == 0 {
@@ -995,16 +995,16 @@ func (st *fstream) pick() {
 		return
 	}
 	st.tries++
-	id := lease.Backend()
-	st.tried = append(st.tried, id)
-	be := s.backend(id)
+	be := s.backend(lease.Backend())
 	if be == nil {
 		// Removed between the pick and now, or offered by a balancer a
 		// reload replaced.
+		st.movedOff = append(st.movedOff, lease.Backend())
 		lease.Release(balance.Result{})
 		st.repick()
 		return
 	}
+	st.tried = append(st.tried, be.id)
 	st.be, st.lease = be, lease
 	st.requeueBody()
 	st.tryT = time.Now()
@@ -1042,6 +1042,8 @@ func (st *fstream) open() bool {
 		st.tryTmr.Stop()
 	}
 	st.lease.Release(balance.Result{})
+	st.tried = st.tried[:len(st.tried)-1] // st.be's, the last
+	st.movedOff = append(st.movedOff, st.be.id)
 	st.be, st.retryOn = nil, nil
 	st.repick()
 	return false
@@ -1067,7 +1069,7 @@ func (st *fstream) answerFailure() {
 	if f.status == 0 {
 		f.status = http.StatusBadGateway
 	}
-	st.answer(f.status, fmt.Sprintf("service %q: %d tries failed, the last: %v", st.sess.s.cfg.Name, len(st.tried)-st.moved, f.err), false)
+	st.answer(f.status, fmt.Sprintf("service %q: %d tries failed, the last: %v", st.sess.s.cfg.Name, len(st.tried), f.err), false)
 }
 
 // timerFired is the timeout of try number n (tryN), or of the request (n 0).

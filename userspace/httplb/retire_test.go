@@ -1000,3 +1000,65 @@ func namedPicks(t *testing.T, cfg Config, bs []Backend) (pick func(key uint64) s
 		return l.Backend()
 	}, names
 }
+
+// TestMovedOffReaddedBackendTriedAgain: a backend a try was moved off
+// (removed, it refused the stream) and that is configured again before the
+// request's retry may take that retry: it was never tried. Here the other
+// backend, which took the moved try, answers 503 once the first is back;
+// the retry goes to the first. Before, the first stayed excluded for the
+// request, which got the 503.
+func TestMovedOffReaddedBackendTriedAgain(t *testing.T) {
+	for _, p := range refusedPools {
+		t.Run(p.name, func(t *testing.T) {
+			g := newGate(t)
+			var first atomic.Int32
+			came, refuse := make(chan struct{}, 1), make(chan struct{})
+			letRefuse := closeOnce(refuse)
+			t.Cleanup(letRefuse)
+			// The first request is held until letRefuse, then refused
+			// (GOAWAY); the next is answered 200.
+			a := rawH2Backend(t, func(conn net.Conn, fr *http2.Framer) {
+				readBackendFrames(fr, func(f *http2.HeadersFrame) {
+					if first.Add(1) == 1 {
+						came <- struct{}{}
+						<-refuse
+						fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+						return
+					}
+					fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("200"), EndHeaders: true, EndStream: true})
+				}, func(string) bool { return true })
+			})
+			b := startCountingBackend(t, func(w http.ResponseWriter, r *http.Request) {
+				g.came <- netip.AddrPort{}
+				<-g.held
+				w.WriteHeader(http.StatusServiceUnavailable)
+			}, 0)
+			ba, bb := Backend{Addr: a, Weight: 1, Usable: true}, Backend{Addr: b.addr, Weight: 1, Usable: true}
+			cfg := p.cfg
+			cfg.Retries = 1
+			sv := serveStoppable(t, cfg, []Backend{ba})
+			c := p.client()
+			t.Cleanup(c.CloseIdleConnections)
+			got := make(chan string, 1)
+			// Exits when the request is answered or fails (the client's timeout).
+			go func() { got <- sendWith(c, "http://"+sv.Addr().String()+"/", nil) }()
+			select {
+			case <-came:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the request did not reach the first backend in 10s")
+			}
+			if err := sv.SetBackends([]Backend{bb}); err != nil {
+				t.Fatal(err)
+			}
+			letRefuse()
+			g.wait(t)
+			if err := sv.SetBackends([]Backend{ba, bb}); err != nil {
+				t.Fatal(err)
+			}
+			g.open()
+			if a := <-got; a != "200  <nil>" {
+				t.Errorf("GET moved off a backend configured again before its retry: %s; want 200  <nil>, from that backend", a)
+			}
+		})
+	}
+}
