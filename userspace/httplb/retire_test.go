@@ -397,14 +397,8 @@ func refusedOnRemoved(t *testing.T, p upstreamPool, hdr http.Header, reload func
 	t.Cleanup(letRefuse) // before the service's drain
 	c := p.client()
 	t.Cleanup(c.CloseIdleConnections)
-	got := make(chan string, 1)
-	// Exits when the request is answered or fails (the client's timeout).
-	go func() { got <- sendWith(c, "http://"+sv.Addr().String()+"/", hdr) }()
-	select {
-	case <-came:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the request did not reach the backend in 10s")
-	}
+	got := sendAsync(c, "http://"+sv.Addr().String()+"/", hdr)
+	awaitCame(t, came)
 	if err := reload(sv); err != nil {
 		t.Fatal(err)
 	}
@@ -414,6 +408,26 @@ func refusedOnRemoved(t *testing.T, p upstreamPool, hdr http.Header, reload func
 		t.Errorf("the removed backend accepted %d connections; want 1, none after its removal", n)
 	}
 	return g
+}
+
+// sendAsync is sendWith from a goroutine of its own; the answer comes on the
+// channel.
+func sendAsync(c *http.Client, url string, hdr http.Header) <-chan string {
+	got := make(chan string, 1)
+	// Exits when the request is answered or fails (the client's timeout).
+	go func() { got <- sendWith(c, url, hdr) }()
+	return got
+}
+
+// awaitCame fails the test unless came has a value within 10 s: a backend
+// has the request.
+func awaitCame(t *testing.T, came <-chan struct{}) {
+	t.Helper()
+	select {
+	case <-came:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the request did not reach the backend in 10s")
+	}
 }
 
 // sendWith sends a GET with hdr to url and returns the answer as "code body
@@ -836,9 +850,7 @@ func TestMovedTryNotCounted(t *testing.T) {
 			sv := serveStoppable(t, cfg, []Backend{a, b})
 			c := p.client()
 			t.Cleanup(c.CloseIdleConnections)
-			got := make(chan string, 1)
-			// Exits when the request is answered or fails (the client's timeout).
-			go func() { got <- sendWith(c, "http://"+sv.Addr().String()+"/", nil) }()
+			got := sendAsync(c, "http://"+sv.Addr().String()+"/", nil)
 			held := g.wait(t)
 			first := a
 			if held == a.Addr {
@@ -1039,14 +1051,8 @@ func TestMovedOffReaddedBackendTriedAgain(t *testing.T) {
 			sv := serveStoppable(t, cfg, []Backend{ba})
 			c := p.client()
 			t.Cleanup(c.CloseIdleConnections)
-			got := make(chan string, 1)
-			// Exits when the request is answered or fails (the client's timeout).
-			go func() { got <- sendWith(c, "http://"+sv.Addr().String()+"/", nil) }()
-			select {
-			case <-came:
-			case <-time.After(10 * time.Second):
-				t.Fatal("the request did not reach the first backend in 10s")
-			}
+			got := sendAsync(c, "http://"+sv.Addr().String()+"/", nil)
+			awaitCame(t, came)
 			if err := sv.SetBackends([]Backend{bb}); err != nil {
 				t.Fatal(err)
 			}

@@ -46,14 +46,8 @@ func TestFramesStaleTryTimerSparesNextTry(t *testing.T) {
 	s := serveOn(t, Config{Upstream: UpstreamH2C, TryTimeout: tryTimeout, Retries: 1}, bs)
 	c := h2cClient()
 	t.Cleanup(c.CloseIdleConnections)
-	got := make(chan string, 1)
-	// Exits when the request is answered or fails (the client's timeout).
-	go func() { got <- sendWith(c, "http://"+s.Addr().String()+"/", nil) }()
-	select {
-	case <-came:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the request did not reach a backend in 10s")
-	}
+	got := sendAsync(c, "http://"+s.Addr().String()+"/", nil)
+	awaitCame(t, came)
 	var ss *fsess
 	s.fmu.Lock()
 	for k := range s.fsessions {
