@@ -967,7 +967,7 @@ func (st *fstream) inForce() {
 
 // repick sends the request to another backend as the same try: the one
 // picked got no stream, nothing counts against it, and it is not picked
-// again; mu is held.
+// again while it is retired or gone (movedOff); mu is held.
 func (st *fstream) repick() {
 	st.tries--
 	st.inForce()
