@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -44,9 +45,11 @@ func UniqueName(prefix string) string {
 	own := ProcessPrefix(prefix)
 	for {
 		name := own + strconv.FormatUint(nameSeq.Add(1)-1, 36)
-		// A namespace of that name can only be left by a crashed run
-		// whose pid has been recycled; skip past it.
-		if left, _ := netns.List(name + "-"); len(left) == 0 {
+		// A namespace of that name, alone (a test's one namespace) or with
+		// a role, can only be left by a crashed run whose pid has been
+		// recycled; skip past it.
+		left, _ := netns.List(name + "-")
+		if _, err := os.Lstat(filepath.Join(netns.RunDir, name)); len(left) == 0 && errors.Is(err, os.ErrNotExist) {
 			return name
 		}
 	}

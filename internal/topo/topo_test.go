@@ -338,6 +338,26 @@ func TestUniqueName(t *testing.T) {
 	}
 }
 
+// TestUniqueNameSkipsLeftName: a namespace left with the very name UniqueName
+// would return next, with no role (a test's one namespace), is skipped past,
+// as one with a role is: creating it again would fail.
+func TestUniqueNameSkipsLeftName(t *testing.T) {
+	own := ProcessPrefix(testPrefix)
+	seq, err := strconv.ParseUint(strings.TrimPrefix(UniqueName(testPrefix), own), 36, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next := own + strconv.FormatUint(seq+1, 36)
+	ns, err := netns.New(next)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ns.Close() })
+	if got := UniqueName(testPrefix); got == next {
+		t.Errorf("UniqueName with a namespace %s left: got %q; want another name", next, got)
+	}
+}
+
 func TestConfigErrors(t *testing.T) {
 	for _, cfg := range []Config{
 		{Name: "much-too-long-name"},
