@@ -9,11 +9,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/weir-lb/weir/internal/heavy"
 	"github.com/weir-lb/weir/internal/httpbackend"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
@@ -186,10 +188,15 @@ func TestUsageErrors(t *testing.T) {
 	}
 }
 
+// decapPrefix names TestDecap's namespace: a prefix of its own, not the demo
+// tests' (testPrefix), whose kept and killed demos' namespaces the first
+// UniqueName of a prefix in a process removes as a dead run's.
+const decapPrefix = "wdx"
+
 // TestDecap attaches weir decap to a namespace's loopback, stops it as SIGTERM
 // would, and checks that it reported its counters and detached.
 func TestDecap(t *testing.T) {
-	ns, err := netns.New(topo.UniqueName("wdc"))
+	ns, err := netns.New(topo.UniqueName(decapPrefix))
 	xdptest.Check(t, err)
 	t.Cleanup(func() { ns.Close() })
 	var stdout, stderr bytes.Buffer
@@ -203,6 +210,36 @@ func TestDecap(t *testing.T) {
 		if !strings.Contains(stdout.String(), want) {
 			t.Errorf("stdout: got\n%s\nwant a line containing %q", stdout.String(), want)
 		}
+	}
+}
+
+// TestDecapLeavesDemosNamespaces: TestDecap, run in a process of its own as
+// go test runs it beside another checkout's demo tests, leaves alone a
+// namespace named as a kept or killed test demo's (testPrefix, the pid of a
+// demo process that has exited).
+func TestDecapLeavesDemosNamespaces(t *testing.T) {
+	heavy.Demo(t) // no demo test removes it meanwhile
+	dead := 0
+	for pid := 1 << 22; pid > 1 && dead == 0; pid-- {
+		if syscall.Kill(pid, 0) == syscall.ESRCH {
+			dead = pid
+		}
+	}
+	id := strconv.FormatInt(int64(dead), 36)
+	kept, err := netns.New(testPrefix + strings.Repeat("0", 5-len(id)) + id + "0-lb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { kept.Close() })
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(exe, "-test.run", "^TestDecap$", "-test.count", "1").CombinedOutput(); err != nil {
+		t.Fatalf("TestDecap: %v: %s", err, out)
+	}
+	if _, err := os.Stat(kept.Path()); err != nil {
+		t.Errorf("%s, a test demo's, after TestDecap: %v; want it left", kept.Name(), err)
 	}
 }
 
