@@ -226,12 +226,11 @@ func (f *Fleet) startBird() error {
 		select {
 		case err := <-f.birdCh:
 			f.birdCh <- err
-			b, _ := os.ReadFile(filepath.Join(f.opts.Dir, "bird.out"))
-			return fmt.Errorf("fleet: bird exited: %v: %s", err, b)
+			return fmt.Errorf("fleet: bird exited: %v; %s", err, logLine("its output", filepath.Join(f.opts.Dir, "bird.out")))
 		case <-time.After(50 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
-			return errors.New("fleet: bird did not answer on its control socket within 10s")
+			return fmt.Errorf("fleet: bird did not answer on its control socket within 10s; %s", logLine("its output", filepath.Join(f.opts.Dir, "bird.out")))
 		}
 	}
 }
@@ -448,25 +447,23 @@ func (f *Fleet) StartAgent(ctx context.Context, i int) error {
 		case aerr := <-n.done:
 			n.done <- aerr
 			n.cmd = nil
-			return fmt.Errorf("fleet: node %d's agent exited: %v; its log:\n%s", i, aerr, n.Log())
+			return fmt.Errorf("fleet: node %d's agent exited: %v; %s", i, aerr, logLine("its log", n.log))
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(50 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("fleet: node %d's agent did not answer within 30s (%v); its log:\n%s", i, err, n.Log())
+			return fmt.Errorf("fleet: node %d's agent did not answer within 30s (%v); %s", i, err, logLine("its log", n.log))
 		}
 	}
 }
 
-// Log is the tail of the node's agent log.
-func (n *Node) Log() string {
-	b, _ := os.ReadFile(n.log)
-	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
-	if len(lines) > 40 {
-		lines = lines[len(lines)-40:]
-	}
-	return strings.Join(lines, "\n")
+// logLine names a child process's log at path, what, and quotes its last
+// line: one line, for an error. The log's path alone would not do: weir demo
+// fleet removes its directory when it ends.
+func logLine(what, path string) string {
+	lines := strings.Split(strings.TrimSpace(tail(path, 40)), "\n")
+	return fmt.Sprintf("%s is %s, ending %q", what, path, lines[len(lines)-1])
 }
 
 // Signal sends sig to node i's agent (by its PID).

@@ -16,9 +16,11 @@ import (
 	"time"
 
 	"github.com/weir-lb/weir/internal/heavy"
+	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
 	"github.com/weir-lb/weir/userspace/agent"
+	"github.com/weir-lb/weir/userspace/agent/admin"
 )
 
 // The nodes' agents are this test binary, re-executed with agentEnv set: the real
@@ -585,5 +587,26 @@ func TestDemo(t *testing.T) {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("demo output: no %q", want)
 		}
+	}
+}
+
+// TestAgentExitsOneLine: a node's agent that exits at start (here a shell
+// that writes two lines and exits 1) fails StartAgent with one line that names
+// the agent's log and quotes its last line.
+func TestAgentExitsOneLine(t *testing.T) {
+	ns, err := netns.New(topo.UniqueName("wfe"))
+	xdptest.Check(t, err)
+	t.Cleanup(func() { ns.Close() })
+	dir := t.TempDir()
+	n := &Node{Host: topo.Host{NS: ns}, Socket: filepath.Join(dir, "node0.sock"), log: filepath.Join(dir, "node0.log")}
+	n.Client = admin.NewClient(n.Socket)
+	f := &Fleet{Nodes: []*Node{n}, opts: Options{Dir: dir, AgentArgv: func(string) []string {
+		return []string{"sh", "-c", "echo 'weir: load: it broke' >&2; echo 'and a second line' >&2; exit 1"}
+	}}}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	err = f.StartAgent(ctx, 0)
+	if err == nil || strings.Contains(err.Error(), "\n") || !strings.Contains(err.Error(), n.log) || !strings.Contains(err.Error(), "and a second line") {
+		t.Errorf("StartAgent of an agent that exits: got %q; want one line naming %s and quoting its last line", err, n.log)
 	}
 }
