@@ -143,6 +143,7 @@ type run struct {
 // removes everything and returns context.Cause(ctx) itself, joined with what it
 // could not remove, if anything.
 func Run(ctx context.Context, opts Options) (_ Report, err error) {
+	defer func() { err = oneLine(err) }()
 	if opts.Backends == 0 {
 		opts.Backends = 3
 	}
@@ -433,7 +434,8 @@ func removeExcept(dir string, keep []string) {
 	os.Remove(dir) // fails while anything is left in it
 }
 
-// stopAgent ends the agent (SIGTERM, as systemd would) and waits for it.
+// stopAgent ends the agent (SIGTERM, as systemd would), waits for it up to
+// termWait and then kills it.
 func (r *run) stopAgent() error {
 	if r.agent == nil {
 		return nil
@@ -446,12 +448,28 @@ func (r *run) stopAgent() error {
 			return fmt.Errorf("demo: the agent: %w; its log is %s", err, r.keepLog("agent.log"))
 		}
 		return nil
-	case <-time.After(15 * time.Second):
+	case <-time.After(termWait):
 		r.agent.Process.Kill()
 		<-r.agentErr
 		r.agent = nil
-		return errors.New("demo: the agent did not stop within 15s of SIGTERM: killed")
+		return fmt.Errorf("demo: the agent did not stop within %s of SIGTERM: killed; its log is %s", termWait, r.keepLog("agent.log"))
 	}
+}
+
+// lineError is an error whose text is on one line: what errors.Join puts on
+// lines of their own is separated by "; ".
+type lineError struct{ err error }
+
+func (e lineError) Error() string { return strings.ReplaceAll(e.err.Error(), "\n", "; ") }
+func (e lineError) Unwrap() error { return e.err }
+
+// oneLine is err with its text on one line, for weir demo prints an error
+// as one line; errors.Is and errors.As see through it.
+func oneLine(err error) error {
+	if err == nil || !strings.Contains(err.Error(), "\n") {
+		return err
+	}
+	return lineError{err}
 }
 
 // showServices prints the agent's own status.

@@ -223,30 +223,9 @@ func TestDemoInterrupted(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	opts := options(t, "auto", &bytes.Buffer{})
-	r, w, _ := os.Pipe()
-	defer r.Close()
-	opts.Out = w
-	done := make(chan error, 1)
-	// Exits when Run returns.
-	go func() { _, err := Run(ctx, opts); w.Close(); done <- err }()
 	// Interrupt once the agent answers and the first round is under way.
-	buf := make([]byte, 4096)
-	var seen strings.Builder
-	for !strings.Contains(seen.String(), "HTTP requests to web (") {
-		n, err := r.Read(buf)
-		if err != nil {
-			t.Fatalf("demo output ended before its first round: %q", seen.String())
-		}
-		seen.Write(buf[:n])
-	}
+	done := runUntilFirstRound(ctx, t, opts)
 	cancel()
-	go func() {
-		for {
-			if _, err := r.Read(buf); err != nil {
-				return
-			}
-		}
-	}()
 	select {
 	case err := <-done:
 		if err == nil {
@@ -259,6 +238,70 @@ func TestDemoInterrupted(t *testing.T) {
 	if _, err := os.Stat(kept.Path()); err != nil {
 		t.Errorf("a demo with prefix %s removed %s, a kept weir demo's: %v; want it left", testPrefix, kept.Name(), err)
 	}
+}
+
+// runUntilFirstRound runs a demo with opts and returns once the agent
+// answers and the first round is under way, with a channel that gets what Run
+// returns.
+func runUntilFirstRound(ctx context.Context, t *testing.T, opts Options) <-chan error {
+	t.Helper()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	opts.Out = w
+	done := make(chan error, 1)
+	// Exits when Run returns.
+	go func() { _, err := Run(ctx, opts); w.Close(); done <- err }()
+	buf := make([]byte, 4096)
+	var seen strings.Builder
+	for !strings.Contains(seen.String(), "HTTP requests to web (") {
+		n, err := r.Read(buf)
+		if err != nil {
+			t.Fatalf("demo output ended before its first round: %q", seen.String())
+		}
+		seen.Write(buf[:n])
+	}
+	// Exits when Run has closed w.
+	go func() {
+		for {
+			if _, err := r.Read(buf); err != nil {
+				return
+			}
+		}
+	}()
+	return done
+}
+
+// TestDemoAgentKilled: an agent killed while the demo runs fails the demo
+// with one line that names the agent's log, which stays, the only thing left:
+// the step the demo was in and stopping the agent fail both, and both are on
+// that line.
+func TestDemoAgentKilled(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	opts := options(t, "auto", &bytes.Buffer{})
+	done := runUntilFirstRound(ctx, t, opts)
+	st, err := readState(opts.Dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(st.AgentPID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err = <-done:
+	case <-time.After(time.Minute):
+		t.Fatal("the demo did not end within a minute of its agent's death")
+	}
+	if err == nil || !strings.Contains(err.Error(), "the agent: signal: killed") {
+		xdptest.Check(t, err)
+		t.Fatalf("a demo whose agent was killed: got %v; want it to say so", err)
+	}
+	checkLogKept(t, err, opts.Dir, "agent.log", "")
+	os.RemoveAll(opts.Dir)
+	checkNothingLeft(t, opts.Dir)
 }
 
 // TestDemoKeepFails: a kept demo whose backends do not answer again once the

@@ -216,7 +216,8 @@ func Hold(ctx context.Context, path string) error {
 
 // Down removes what a kept demo left in dir: it stops the agent and the backends'
 // process, then removes the namespaces. It refuses while a demo runs there.
-func Down(dir string) error {
+func Down(dir string) (err error) {
+	defer func() { err = oneLine(err) }()
 	if dir == "" {
 		dir = DefaultDir
 	}
@@ -298,8 +299,8 @@ func removeLeftovers(dir string) error {
 // 3-letter prefix) and a role.
 var demoNS = regexp.MustCompile(`^[a-z]{3}[0-9a-z]{6,7}-(client|lb|br|be[0-9]+)$`)
 
-// How long stopProc waits for a process to exit after SIGTERM, before it sends
-// SIGKILL, and after SIGKILL.
+// How long stopProc (and stopAgent) waits for a process to exit after
+// SIGTERM, before it sends SIGKILL, and after SIGKILL.
 var (
 	termWait = 15 * time.Second
 	killWait = 5 * time.Second

@@ -222,9 +222,10 @@ func stubborn() int {
 }
 
 // startStubborn starts stubborn with args (after argv[0]; none: -test.run
-// ^$) and extra as its fd 3 and on, and waits until it ignores SIGTERM. It dies with the test (Pdeathsig, from a thread that
-// lives as long as it does).
-func startStubborn(t *testing.T, args []string, extra ...*os.File) *exec.Cmd {
+// ^$) and extra as its fd 3 and on, and waits until it ignores SIGTERM. It
+// dies with the test (Pdeathsig, from a thread that lives as long as it
+// does). The channel gets what its Wait returns, once it has exited.
+func startStubborn(t *testing.T, args []string, extra ...*os.File) (*exec.Cmd, <-chan error) {
 	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
@@ -245,15 +246,37 @@ func startStubborn(t *testing.T, args []string, extra ...*os.File) *exec.Cmd {
 	if err != nil {
 		t.Fatal(err)
 	}
+	relay, gone := make(chan error, 1), make(chan struct{})
+	// Exits when the process does.
+	go func() {
+		relay <- <-exited
+		close(gone)
+	}()
 	t.Cleanup(func() {
 		cmd.Process.Kill()
-		<-exited
+		<-gone
 	})
 	line, err := bufio.NewReader(out).ReadString('\n')
 	if line != "ready\n" {
 		t.Fatalf("the process ignoring SIGTERM said %q (%v); want ready", line, err)
 	}
-	return cmd
+	return cmd, relay
+}
+
+// TestStopAgentKillsNamesLog: an agent that does not stop on SIGTERM is
+// killed, and the error saying so is one line naming the agent's log.
+func TestStopAgentKillsNamesLog(t *testing.T) {
+	shortWaits(t)
+	dir := t.TempDir()
+	r := &run{opts: Options{Dir: dir}}
+	r.agent, r.agentErr = startStubborn(t, nil)
+	err := r.stopAgent()
+	if log := filepath.Join(dir, "agent.log"); err == nil || strings.Contains(err.Error(), "\n") || !strings.HasSuffix(err.Error(), log) {
+		t.Errorf("stopAgent of an agent that ignores SIGTERM: got %v; want one line ending in its log's path, %s", err, log)
+	}
+	if r.agent != nil {
+		t.Error("stopAgent left the agent recorded as running")
+	}
 }
 
 // shortWaits makes stopProc wait one second for SIGTERM to work.
@@ -268,7 +291,7 @@ func shortWaits(t *testing.T) {
 // process has exited.
 func TestStopProcKills(t *testing.T) {
 	shortWaits(t)
-	cmd := startStubborn(t, nil)
+	cmd, _ := startStubborn(t, nil)
 	pid := cmd.Process.Pid
 	fd, err := unix.PidfdOpen(pid, 0)
 	if err != nil {
@@ -296,7 +319,7 @@ func TestDownKillsHold(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hold := startStubborn(t, nil, lk)
+	hold, _ := startStubborn(t, nil, lk)
 	pid := hold.Process.Pid
 	err = setHolder(lk, "kept", pid)
 	lk.Close()
@@ -333,7 +356,7 @@ func TestDownOldState(t *testing.T) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	agent := startStubborn(t, []string{"run", "-c", configPath(dir)})
+	agent, _ := startStubborn(t, []string{"run", "-c", configPath(dir)})
 	agentStart := startTime(agent.Process.Pid)
 	other := exec.Command("sleep", "60")
 	otherExited, err := start(other, syscall.SIGKILL)
