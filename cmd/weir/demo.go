@@ -190,11 +190,11 @@ func runDemoSub(ctx context.Context, cmd string, args []string, stdout, stderr i
 		if err := parseFlags(fs, args, 0, 0); err != nil {
 			return err
 		}
-		dir, _, err := demoPlace()
+		dir, prefix, err := demoPlace()
 		if err != nil {
 			return fmt.Errorf("demo down: %w", err)
 		}
-		if err := demo.Down(dir); err != nil {
+		if err := demo.Down(dir, prefix); err != nil {
 			return err
 		}
 		fmt.Fprintln(stdout, "the kept demo is removed: agent stopped, namespaces gone")

@@ -173,7 +173,7 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 		lk.Close()
 	}()
 	// With the lock, what the directory's state names is a dead demo's.
-	if err := removeLeftovers(opts.Dir); err != nil {
+	if err := removeLeftovers(opts.Dir, opts.NamePrefix); err != nil {
 		return Report{}, fmt.Errorf("demo: remove what a killed run left: %w", err)
 	}
 	if err := topo.CleanupStale(opts.NamePrefix); err != nil {

@@ -162,7 +162,7 @@ func keepOptions(t *testing.T, out *bytes.Buffer) (context.Context, Options) {
 	t.Cleanup(cancel)
 	opts := options(t, "auto", out)
 	opts.Keep = true
-	t.Cleanup(func() { Down(opts.Dir) })
+	t.Cleanup(func() { Down(opts.Dir, testPrefix) })
 	return ctx, opts
 }
 
@@ -198,7 +198,7 @@ func TestDemoKeep(t *testing.T) {
 	if _, err := Run(ctx, again); !errors.Is(err, ErrBusy) || !strings.Contains(err.Error(), down+" removes it") {
 		t.Errorf("a demo while one is kept: got %v; want it refused, naming %s", err, down)
 	}
-	if err := Down(opts.Dir); err != nil {
+	if err := Down(opts.Dir, testPrefix); err != nil {
 		t.Fatal(err)
 	}
 	if running(st.AgentPID, st.AgentStart) || running(st.HoldPID, st.HoldStart) {
@@ -396,7 +396,7 @@ func TestDemoDiesWithTest(t *testing.T) {
 	}
 	dir := filepath.Join(t.TempDir(), "demo")
 	// What the killed test leaves, if anything.
-	t.Cleanup(func() { removeLeftovers(dir) })
+	t.Cleanup(func() { removeLeftovers(dir, testPrefix) })
 	cmd := exec.Command(exe, "-test.run", "^$")
 	cmd.Env = append(os.Environ(), keepRunEnv+"="+dir)
 	outf, err := os.Create(filepath.Join(t.TempDir(), "out"))
@@ -456,7 +456,7 @@ func checkRefused(ctx context.Context, t *testing.T, dir, want string) {
 	if _, err := Run(ctx, opts); err == nil || !strings.Contains(err.Error(), want) {
 		t.Errorf("a demo in %s: got %v; want it refused: %q", dir, err, want)
 	}
-	if err := Down(dir); err == nil || !strings.Contains(err.Error(), want) {
+	if err := Down(dir, testPrefix); err == nil || !strings.Contains(err.Error(), want) {
 		t.Errorf("Down in %s: got %v; want it refused: %q", dir, err, want)
 	}
 }
@@ -505,7 +505,7 @@ func TestDemoDirKeepsUsersFile(t *testing.T) {
 	if err := writeState(state{Dir: opts.Dir}); err != nil {
 		t.Fatal(err)
 	}
-	if err := Down(opts.Dir); err != nil {
+	if err := Down(opts.Dir, testPrefix); err != nil {
 		t.Errorf("Down with a user's %s beside the kept demo's files: %v; want it done", filepath.Base(backup), err)
 	}
 	if _, err := os.Stat(statePath(opts.Dir)); !errors.Is(err, os.ErrNotExist) {

@@ -214,12 +214,17 @@ func Hold(ctx context.Context, path string) error {
 	return nil
 }
 
-// Down removes what a kept demo left in dir: it stops the agent and the backends'
-// process, then removes the namespaces. It refuses while a demo runs there.
-func Down(dir string) (err error) {
+// Down removes what a kept demo left in dir, whose namespaces' names begin
+// with prefix (Options.Dir and Options.NamePrefix; "" for the defaults): it
+// stops the agent and the backends' process, then removes the namespaces. It
+// refuses while a demo runs there.
+func Down(dir, prefix string) (err error) {
 	defer func() { err = oneLine(err) }()
 	if dir == "" {
 		dir = DefaultDir
+	}
+	if prefix == "" {
+		prefix = NamePrefix
 	}
 	lk, err := lock(dir)
 	if errors.Is(err, ErrBusy) && kept(dir) {
@@ -232,7 +237,7 @@ func Down(dir string) (err error) {
 	if _, err := os.Stat(statePath(dir)); errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("demo down: no kept demo (%s does not exist)", statePath(dir))
 	}
-	if err := removeLeftovers(dir); err != nil {
+	if err := removeLeftovers(dir, prefix); err != nil {
 		return fmt.Errorf("demo down: %w", err)
 	}
 	return nil
@@ -258,10 +263,13 @@ func takeKept(dir string) (*os.File, error) {
 	}
 }
 
-// removeLeftovers removes what the state in dir names, if any: its processes,
-// then its namespaces, then what a demo makes in dir (removeExcept). The
-// caller holds dir's lock.
-func removeLeftovers(dir string) error {
+// removeLeftovers removes what the state in dir names, if any, of the demo
+// whose namespaces' names begin with prefix: its processes, then its
+// namespaces, then what a demo makes in dir (removeExcept). The caller holds
+// dir's lock. What the state names but is not that demo's (a hand-edited
+// state file can name anything) is left: a namespace not named as its
+// namespaces are, an agent in none of them.
+func removeLeftovers(dir, prefix string) error {
 	st, err := readState(dir)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
@@ -269,16 +277,19 @@ func removeLeftovers(dir string) error {
 	if err != nil {
 		return err
 	}
+	var nss []string
+	for _, name := range st.Namespaces {
+		if demoNS(prefix).MatchString(name) {
+			nss = append(nss, name)
+		}
+	}
 	var errs []error
-	for _, p := range []proc{st.agent(dir), st.hold(dir)} {
+	for _, p := range []proc{st.agent(dir, nss), st.hold(dir)} {
 		if err := stopProc(p); err != nil {
 			errs = append(errs, err)
 		}
 	}
-	for _, name := range st.Namespaces {
-		if !demoNS.MatchString(name) {
-			continue // not a demo's, whatever the state says
-		}
+	for _, name := range nss {
 		ns, err := netns.Open(name)
 		if err != nil {
 			continue // already gone
@@ -294,10 +305,13 @@ func removeLeftovers(dir string) error {
 	return nil
 }
 
-// demoNS matches the names of the namespaces a demo makes, and so the only
-// ones removeLeftovers removes: its topology's name (topo.UniqueName of a
-// 3-letter prefix) and a role.
-var demoNS = regexp.MustCompile(`^[a-z]{3}[0-9a-z]{6,7}-(client|lb|br|be[0-9]+)$`)
+// demoNS matches the names of the namespaces a demo with prefix makes, and so
+// the only ones removeLeftovers removes: its topology's name
+// (topo.UniqueName(prefix): 5 digits of pid and 1 or 2 of sequence) and a
+// role.
+func demoNS(prefix string) *regexp.Regexp {
+	return regexp.MustCompile(`^` + regexp.QuoteMeta(prefix) + `[0-9a-z]{6,7}-(client|lb|br|be[0-9]+)$`)
+}
 
 // How long stopProc (and stopAgent) waits for a process to exit after
 // SIGTERM, before it sends SIGKILL, and after SIGKILL.
@@ -307,23 +321,53 @@ var (
 )
 
 // proc is a process a demo left, as its state names it: by pid and start
-// time; or, in a state file from before start times were recorded, by pid and
-// the arguments it runs with after argv[0] (`run -c DIR/weir.yaml`, `demo
-// hold DIR/state.json`), which only a weir agent or hold process on the demo's
+// time, and what only that demo's process is (ours: the agent runs in one of
+// the demo's namespaces, the hold process holds its lock); or, in a state
+// file from before start times were recorded, by pid and the arguments it
+// runs with after argv[0] (`run -c DIR/weir.yaml`, `demo hold
+// DIR/state.json`), which only a weir agent or hold process on the demo's
 // own files has. A pid whose process does not match is another's.
 type proc struct {
 	pid   int
 	start string
+	ours  func(pid int) bool
 	args  []string
 }
 
-// agent and hold are the processes st names, left in dir.
-func (st state) agent(dir string) proc {
-	return proc{st.AgentPID, st.AgentStart, []string{"run", "-c", configPath(dir)}}
+// agent and hold are the processes st names, left in dir; the agent runs in
+// one of the namespaces nss.
+func (st state) agent(dir string, nss []string) proc {
+	return proc{st.AgentPID, st.AgentStart, func(pid int) bool { return inNamespace(pid, nss) }, []string{"run", "-c", configPath(dir)}}
 }
 
 func (st state) hold(dir string) proc {
-	return proc{st.HoldPID, st.HoldStart, []string{"demo", "hold", statePath(dir)}}
+	return proc{st.HoldPID, st.HoldStart, func(pid int) bool { return holds(pid, lockPath(dir)) }, []string{"demo", "hold", statePath(dir)}}
+}
+
+// inNamespace reports whether process pid's network namespace is one of nss.
+func inNamespace(pid int, nss []string) bool {
+	own, err := os.Stat(filepath.Join("/proc", strconv.Itoa(pid), "ns", "net"))
+	if err != nil {
+		return false
+	}
+	return slices.ContainsFunc(nss, func(name string) bool {
+		fi, err := os.Stat(filepath.Join(netns.RunDir, name))
+		return err == nil && os.SameFile(own, fi)
+	})
+}
+
+// holds reports whether process pid has the file at path open.
+func holds(pid int, path string) bool {
+	want, err := os.Stat(path)
+	if err != nil {
+		return false
+	}
+	fds := filepath.Join("/proc", strconv.Itoa(pid), "fd")
+	ents, _ := os.ReadDir(fds)
+	return slices.ContainsFunc(ents, func(e os.DirEntry) bool {
+		fi, err := os.Stat(filepath.Join(fds, e.Name()))
+		return err == nil && os.SameFile(want, fi)
+	})
 }
 
 // running reports whether p runs: pid is its process (not another that took
@@ -334,7 +378,7 @@ func (p proc) running() bool {
 		return false
 	}
 	if p.start != "" {
-		return f[19] == p.start
+		return f[19] == p.start && (p.ours == nil || p.ours(p.pid))
 	}
 	b, _ := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/cmdline")
 	argv := strings.Split(strings.TrimSuffix(string(b), "\x00"), "\x00")

@@ -196,7 +196,7 @@ func TestDownBadState(t *testing.T) {
 	if err := os.WriteFile(statePath(dir), []byte("{"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := Down(dir); err == nil || !strings.Contains(err.Error(), statePath(dir)) {
+	if err := Down(dir, testPrefix); err == nil || !strings.Contains(err.Error(), statePath(dir)) {
 		t.Errorf("Down with a broken state file: got %v; want an error naming %s", err, statePath(dir))
 	}
 }
@@ -330,7 +330,7 @@ func TestDownKillsHold(t *testing.T) {
 	if err := writeState(state{Dir: dir, HoldPID: pid, HoldStart: start}); err != nil {
 		t.Fatal(err)
 	}
-	if err := Down(dir); err != nil {
+	if err := Down(dir, testPrefix); err != nil {
 		t.Errorf("Down with a hold process that ignores SIGTERM: %v; want it stopped by SIGKILL, no error", err)
 	}
 	if running(pid, start) {
@@ -369,7 +369,7 @@ func TestDownOldState(t *testing.T) {
 	if err := os.WriteFile(statePath(dir), []byte(old), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := Down(dir); err != nil {
+	if err := Down(dir, testPrefix); err != nil {
 		t.Errorf("Down with a state file without start times: %v", err)
 	}
 	if running(agent.Process.Pid, agentStart) {
@@ -428,27 +428,70 @@ func TestKeptNamesDown(t *testing.T) {
 	}
 }
 
-// TestDownLeavesOthersNamespace: Down removes only namespaces named as a
-// demo names them, whatever the state file says: one a user made, named in
-// a state file edited by hand, is left.
+// TestDownLeavesOthersNamespace: Down removes only namespaces named as its
+// demo names them, whatever the state file says: one a user made, and one
+// named as another demo's (here cmd/weir's tests'), both named in a state
+// file edited by hand, are left.
 func TestDownLeavesOthersNamespace(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "demo")
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	// Of the tests' prefix, so that if this test is killed the next removes it.
-	ns, err := netns.New(topo.UniqueName(testPrefix) + "-user")
-	if err != nil {
+	var nss []*netns.NS
+	// The first of the tests' prefix, so that if this test is killed the
+	// next removes it; the other with this process's pid, which no other
+	// demo removes while it runs.
+	for _, name := range []string{topo.UniqueName(testPrefix) + "-user", topo.ProcessPrefix("wdc") + "z-lb"} {
+		ns, err := netns.New(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ns.Close() })
+		nss = append(nss, ns)
+	}
+	if err := writeState(state{Dir: dir, Namespaces: []string{nss[0].Name(), nss[1].Name()}}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { ns.Close() })
-	if err := writeState(state{Dir: dir, Namespaces: []string{ns.Name()}}); err != nil {
-		t.Fatal(err)
-	}
-	if err := Down(dir); err != nil {
+	if err := Down(dir, testPrefix); err != nil {
 		t.Errorf("Down: %v", err)
 	}
-	if _, err := os.Stat(ns.Path()); err != nil {
-		t.Errorf("the user's namespace %s after Down: %v; want it left", ns.Name(), err)
+	for _, ns := range nss {
+		if _, err := os.Stat(ns.Path()); err != nil {
+			t.Errorf("the namespace %s after Down: %v; want it left", ns.Name(), err)
+		}
+	}
+}
+
+// TestDownLeavesOthersProcesses: Down stops only processes of its demo,
+// whatever the state file says: an agent that runs in none of the demo's
+// namespaces, and a hold process that does not hold the demo's lock, both
+// named (by pid and start time) in a state file edited by hand, run on.
+func TestDownLeavesOthersProcesses(t *testing.T) {
+	shortWaits(t)
+	dir := filepath.Join(t.TempDir(), "demo")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	var procs []proc
+	for range 2 {
+		cmd := exec.Command("sleep", "60")
+		exited, err := start(cmd, syscall.SIGKILL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); <-exited })
+		procs = append(procs, proc{pid: cmd.Process.Pid, start: startTime(cmd.Process.Pid)})
+	}
+	st := state{Dir: dir, AgentPID: procs[0].pid, AgentStart: procs[0].start, HoldPID: procs[1].pid, HoldStart: procs[1].start}
+	if err := writeState(st); err != nil {
+		t.Fatal(err)
+	}
+	if err := Down(dir, testPrefix); err != nil {
+		t.Errorf("Down: %v", err)
+	}
+	for _, p := range procs {
+		if !p.running() {
+			t.Errorf("the process %d (sleep 60) stopped; want it left alone", p.pid)
+		}
 	}
 }
