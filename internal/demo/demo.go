@@ -179,9 +179,6 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 	if err := topo.CleanupStale(opts.NamePrefix); err != nil {
 		return Report{}, fmt.Errorf("demo: remove a crashed run's namespaces: %w", err)
 	}
-	if err := os.MkdirAll(opts.Dir, 0o700); err != nil {
-		return Report{}, fmt.Errorf("demo: %w", err)
-	}
 	t, err := topo.New(topo.Config{Name: topo.UniqueName(opts.NamePrefix), Backends: opts.Backends + 1})
 	if err != nil {
 		return Report{}, fmt.Errorf("demo: build topology: %w", err)
@@ -203,6 +200,11 @@ func Run(ctx context.Context, opts Options) (_ Report, err error) {
 		}
 		removeExcept(opts.Dir, r.logs)
 	}()
+	// Made once the cleanup above would remove it. It is all MkdirAll
+	// makes: its parent holds the lock, so it is there.
+	if err := os.MkdirAll(opts.Dir, 0o700); err != nil {
+		return Report{}, fmt.Errorf("demo: %w", err)
+	}
 	vips := []netip.Addr{t.VIP4, t.VIP6}
 	for _, h := range t.Backends {
 		b := backend{Name: h.Name, NS: h.NS.Name(), IP4: h.IP4, IP6: h.IP6}

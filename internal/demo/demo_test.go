@@ -349,6 +349,30 @@ func TestDemoAgentFails(t *testing.T) {
 	checkNothingLeft(t, opts.Dir)
 }
 
+// TestDemoFailedStartLeavesNoDir: a demo that fails before it has anything
+// to show (here its topology cannot be built: too many backends) leaves no
+// directory behind, nor one below a parent that does not exist: the lock
+// beside the directory needs the parent, so the demo makes no parents.
+func TestDemoFailedStartLeavesNoDir(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	opts := options(t, "auto", &bytes.Buffer{})
+	opts.Backends = topo.MaxBackends
+	if _, err := Run(ctx, opts); err == nil || !strings.Contains(err.Error(), "build topology") {
+		t.Errorf("a demo with %d backends: got %v; want its topology refused", opts.Backends, err)
+	}
+	checkNothingLeft(t, opts.Dir)
+	opts = options(t, "auto", &bytes.Buffer{})
+	parent := filepath.Join(filepath.Dir(opts.Dir), "no", "such")
+	opts.Dir = filepath.Join(parent, "demo")
+	if _, err := Run(ctx, opts); err == nil {
+		t.Errorf("a demo in %s: got no error; want it refused", opts.Dir)
+	}
+	if _, err := os.Stat(filepath.Dir(parent)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s after a demo in %s: %v; want it not made", filepath.Dir(parent), opts.Dir, err)
+	}
+}
+
 // checkLogKept checks that err is one line naming the log name in dir, and
 // that the log, holding want, is all that is left in dir.
 func checkLogKept(t *testing.T, err error, dir, name, want string) {
