@@ -43,6 +43,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(stubbornEnv) != "" {
 		os.Exit(stubborn())
 	}
+	if path := os.Getenv(splitNSEnv); path != "" {
+		os.Exit(splitNS(path))
+	}
 	if st := os.Getenv(holdEnv); st != "" {
 		os.Exit(child(func(ctx context.Context) error { return Hold(ctx, st) }))
 	}

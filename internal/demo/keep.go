@@ -344,15 +344,23 @@ func (st state) hold(dir string) proc {
 	return proc{st.HoldPID, st.HoldStart, func(pid int) bool { return holds(pid, lockPath(dir)) }, []string{"demo", "hold", statePath(dir)}}
 }
 
-// inNamespace reports whether process pid's network namespace is one of nss.
+// inNamespace reports whether a thread of process pid is in one of the
+// network namespaces nss. Any thread: the agent's self-test enters a scratch
+// namespace on a thread it then throws away, and when that thread is the
+// main one the runtime keeps it, in that namespace (/proc/PID/ns/net is
+// the main thread's).
 func inNamespace(pid int, nss []string) bool {
-	own, err := os.Stat(filepath.Join("/proc", strconv.Itoa(pid), "ns", "net"))
-	if err != nil {
-		return false
+	var want []os.FileInfo
+	for _, name := range nss {
+		if fi, err := os.Stat(filepath.Join(netns.RunDir, name)); err == nil {
+			want = append(want, fi)
+		}
 	}
-	return slices.ContainsFunc(nss, func(name string) bool {
-		fi, err := os.Stat(filepath.Join(netns.RunDir, name))
-		return err == nil && os.SameFile(own, fi)
+	tasks := filepath.Join("/proc", strconv.Itoa(pid), "task")
+	ents, _ := os.ReadDir(tasks)
+	return slices.ContainsFunc(ents, func(e os.DirEntry) bool {
+		fi, err := os.Stat(filepath.Join(tasks, e.Name(), "ns", "net"))
+		return err == nil && slices.ContainsFunc(want, func(w os.FileInfo) bool { return os.SameFile(fi, w) })
 	})
 }
 

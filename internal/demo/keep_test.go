@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -227,6 +228,13 @@ func stubborn() int {
 // does). The channel gets what its Wait returns, once it has exited.
 func startStubborn(t *testing.T, args []string, extra ...*os.File) (*exec.Cmd, <-chan error) {
 	t.Helper()
+	return startChild(t, stubbornEnv+"=1", args, extra...)
+}
+
+// startChild starts this test binary as the child env (NAME=VALUE) selects,
+// as startStubborn says, and waits until it says "ready".
+func startChild(t *testing.T, env string, args []string, extra ...*os.File) (*exec.Cmd, <-chan error) {
+	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
@@ -235,7 +243,7 @@ func startStubborn(t *testing.T, args []string, extra ...*os.File) (*exec.Cmd, <
 		args = []string{"-test.run", "^$"}
 	}
 	cmd := exec.Command(exe, args...)
-	cmd.Env = append(os.Environ(), stubbornEnv+"=1")
+	cmd.Env = append(os.Environ(), env)
 	cmd.ExtraFiles = extra
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
@@ -258,7 +266,7 @@ func startStubborn(t *testing.T, args []string, extra ...*os.File) (*exec.Cmd, <
 	})
 	line, err := bufio.NewReader(out).ReadString('\n')
 	if line != "ready\n" {
-		t.Fatalf("the process ignoring SIGTERM said %q (%v); want ready", line, err)
+		t.Fatalf("the process (%s) said %q (%v); want ready", env, line, err)
 	}
 	return cmd, relay
 }
@@ -493,5 +501,77 @@ func TestDownLeavesOthersProcesses(t *testing.T) {
 		if !p.running() {
 			t.Errorf("the process %d (sleep 60) stopped; want it left alone", p.pid)
 		}
+	}
+}
+
+// splitNSEnv runs this test binary as splitNS, its main thread in a network
+// namespace of its own and another thread in the one at the path it names.
+const splitNSEnv = "WEIR_DEMO_TEST_SPLIT_NS"
+
+func init() {
+	if os.Getenv(splitNSEnv) != "" {
+		runtime.LockOSThread() // the main goroutine keeps the main thread
+	}
+}
+
+// splitNS is as the agent is once its self-test has run on the main thread:
+// that thread in a scratch namespace (/proc/PID/ns/net shows it), the others
+// in the namespace at path. It says "ready" and sleeps.
+func splitNS(path string) int {
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+		return fail(err)
+	}
+	entered := make(chan error, 1)
+	// Exits with the process: its thread stays in the namespace.
+	go func() {
+		runtime.LockOSThread()
+		f, err := os.Open(path)
+		if err == nil {
+			err = unix.Setns(int(f.Fd()), unix.CLONE_NEWNET)
+		}
+		entered <- err
+		select {}
+	}()
+	if err := <-entered; err != nil {
+		return fail(err)
+	}
+	fmt.Println("ready")
+	time.Sleep(2 * time.Minute) // SIGTERM ends it; its parent's death, should it be left
+	return 0
+}
+
+// TestDownStopsAgentOffMainThread: Down stops an agent whose main thread is
+// in another namespace than the demo's (its self-test's, which the runtime
+// kept) while its other threads are in the demo's: it is the demo's agent.
+func TestDownStopsAgentOffMainThread(t *testing.T) {
+	shortWaits(t)
+	dir := filepath.Join(t.TempDir(), "demo")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	ns, err := netns.New(topo.UniqueName(testPrefix) + "-lb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ns.Close() })
+	cmd, _ := startChild(t, splitNSEnv+"="+ns.Path(), nil)
+	pid := cmd.Process.Pid
+	main, _ := os.Stat(filepath.Join("/proc", strconv.Itoa(pid), "ns", "net"))
+	if fi, _ := os.Stat(ns.Path()); main == nil || fi == nil || os.SameFile(main, fi) {
+		t.Fatalf("the process's main thread is in %s; want it elsewhere", ns.Name())
+	}
+	started := startTime(pid)
+	if err := writeState(state{Dir: dir, AgentPID: pid, AgentStart: started, Namespaces: []string{ns.Name()}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := Down(dir, testPrefix); err != nil {
+		t.Errorf("Down: %v", err)
+	}
+	if running(pid, started) {
+		t.Errorf("the agent (pid %d), its main thread in another namespace, runs after Down; want it stopped", pid)
 	}
 }
