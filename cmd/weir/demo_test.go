@@ -586,7 +586,11 @@ func (o output) String() string {
 	return string(b)
 }
 
-// procsIn lists the processes whose network namespace is one of nss.
+// procsIn lists the processes with a thread in one of the network namespaces
+// nss. Any thread: the agent's self-test enters a scratch namespace on a
+// thread it throws away, and when that is the main thread the runtime keeps
+// it there, so /proc/PID/ns/net (the main thread's) may not be the agent's
+// namespace.
 func procsIn(t *testing.T, nss []string) []demoProc {
 	t.Helper()
 	inodes := map[uint64]bool{}
@@ -607,8 +611,11 @@ func procsIn(t *testing.T, nss []string) []demoProc {
 		if err != nil {
 			continue
 		}
-		var st syscall.Stat_t
-		if syscall.Stat(filepath.Join("/proc", e.Name(), "ns/net"), &st) != nil || !inodes[st.Ino] {
+		tasks, _ := filepath.Glob(filepath.Join("/proc", e.Name(), "task", "*", "ns", "net"))
+		if !slices.ContainsFunc(tasks, func(path string) bool {
+			var st syscall.Stat_t
+			return syscall.Stat(path, &st) == nil && inodes[st.Ino]
+		}) {
 			continue
 		}
 		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
