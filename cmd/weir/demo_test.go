@@ -649,9 +649,10 @@ func startTime(stat []byte) string {
 // TestDemoName: WEIR_DEMO_NAME moves weir demo, and weir demo down, beside
 // the default demo: to /run/weir-demo-NAME and namespaces named NAME...;
 // unset, they keep to /run/weir-demo and wdm. A name that is not 3 letters
-// a-z, or is wdm (the default demo's prefix: that demo's namespaces would be
-// removed as a dead demo's), or is a path, is refused with one line on
-// stderr and exit status 1.
+// a-z, or is wdm or wfl (the default demo's and weir demo fleet's prefixes:
+// their namespaces, or a kept named demo's, would be removed as a dead
+// demo's), or is a path, is refused with one line on stderr and exit status
+// 1.
 func TestDemoName(t *testing.T) {
 	for _, c := range []struct{ name, wantDir, wantPrefix string }{
 		{"", demo.DefaultDir, demo.NamePrefix},
@@ -663,8 +664,16 @@ func TestDemoName(t *testing.T) {
 			t.Errorf("%s=%q: got %q, %q, %v; want %q, %q", demo.NameEnv, c.name, dir, prefix, err, c.wantDir, c.wantPrefix)
 		}
 	}
+	bad := []string{"ab", "abcd", "Abc", "ab1", demo.NamePrefix, "wfl", "../", "a/b", "/tmp/x", " ab"}
+	for _, name := range bad {
+		// Before a bad name reaches weir demo, which as root would run.
+		t.Setenv(demo.NameEnv, name)
+		if dir, _, err := demoPlace(); err == nil {
+			t.Fatalf("%s=%q: got %q; want it refused", demo.NameEnv, name, dir)
+		}
+	}
 	bin := buildWeir(t)
-	for _, name := range []string{"ab", "abcd", "Abc", "ab1", demo.NamePrefix, "../", "a/b", "/tmp/x", " ab"} {
+	for _, name := range bad {
 		for _, args := range [][]string{{"demo"}, {"demo", "down"}} {
 			t.Run(fmt.Sprintf("%q/%s", name, strings.Join(args, " ")), func(t *testing.T) {
 				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -678,7 +687,7 @@ func TestDemoName(t *testing.T) {
 				if !errors.As(err, &ee) || ee.ExitCode() != 1 {
 					t.Errorf("got %v; want exit status 1", err)
 				}
-				want := demo.NameEnv + " must be 3 letters a-z other than " + demo.NamePrefix + ", got " + strconv.Quote(name)
+				want := demo.NameEnv + " must be 3 letters a-z other than " + demo.NamePrefix + " and wfl (weir demo's and weir demo fleet's), got " + strconv.Quote(name)
 				if e := strings.TrimSuffix(stderr.String(), "\n"); strings.Contains(e, "\n") || !strings.Contains(e, want) {
 					t.Errorf("stderr %q; want one line saying %q", stderr.String(), want)
 				}

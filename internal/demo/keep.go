@@ -20,6 +20,7 @@ import (
 
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/procstat"
+	"github.com/weir-lb/weir/internal/topo"
 )
 
 // state is what a demo leaves for the next run, should it be killed, and what
@@ -46,15 +47,16 @@ const NameEnv = "WEIR_DEMO_NAME"
 
 // Place is the directory and the namespace prefix of the demo named name:
 // DefaultDir and NamePrefix for "", DefaultDir-NAME and NAME for 3 letters a-z
-// other than NamePrefix. A demo removes, as a dead demo's, every namespace of
-// its prefix whose demo has exited: each directory has a prefix of its own,
-// one that no other demo's begins with.
+// other than NamePrefix and topo.FleetPrefix. A demo removes, as a dead
+// demo's, every namespace of its prefix whose demo has exited, and so does
+// weir demo fleet of its own: each directory has a prefix of its own, one
+// that no other demo's begins with.
 func Place(name string) (dir, prefix string, err error) {
 	if name == "" {
 		return DefaultDir, NamePrefix, nil
 	}
-	if len(name) != 3 || strings.Trim(name, "abcdefghijklmnopqrstuvwxyz") != "" || name == NamePrefix {
-		return "", "", fmt.Errorf("%s must be 3 letters a-z other than %s, got %q", NameEnv, NamePrefix, name)
+	if len(name) != 3 || strings.Trim(name, "abcdefghijklmnopqrstuvwxyz") != "" || name == NamePrefix || name == topo.FleetPrefix {
+		return "", "", fmt.Errorf("%s must be 3 letters a-z other than %s and %s (weir demo's and weir demo fleet's), got %q", NameEnv, NamePrefix, topo.FleetPrefix, name)
 	}
 	return DefaultDir + "-" + name, name, nil
 }

@@ -55,7 +55,7 @@ type Options struct {
 	Env       []string
 	// Dir holds the configs, sockets and logs (a test's t.TempDir()).
 	Dir string
-	// Name names the topology (default topo.UniqueName("wfl")).
+	// Name names the topology (default topo.UniqueName(topo.FleetPrefix)).
 	Name string
 }
 

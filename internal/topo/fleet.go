@@ -47,9 +47,14 @@ type Fleet struct {
 	NodePeers []string
 }
 
+// FleetPrefix begins the names of fleet topologies by default (weir demo
+// fleet's): the first of them in a process removes those of this prefix whose
+// process has exited (CleanupStale).
+const FleetPrefix = "wfl"
+
 // FleetConfig describes a fleet topology.
 type FleetConfig struct {
-	Name           string // as Config.Name; empty: UniqueName("wfl")
+	Name           string // as Config.Name; empty: UniqueName(FleetPrefix)
 	Nodes          int    // 1..9, default 3
 	DSRBackends    int    // 0..40
 	TunnelBackends int    // 0..40
@@ -78,7 +83,7 @@ func fleetHost(name, link string, ns *netns.NS, subnet, octet int) Host {
 // NewFleet builds the fleet topology.
 func NewFleet(cfg FleetConfig) (_ *Fleet, err error) {
 	if cfg.Name == "" {
-		cfg.Name = UniqueName("wfl")
+		cfg.Name = UniqueName(FleetPrefix)
 	}
 	if cfg.Nodes == 0 {
 		cfg.Nodes = 3
