@@ -63,44 +63,62 @@ type scratchNS struct {
 	err     error
 }
 
-// run calls fn on a thread inside the scratch namespace. The thread is thrown away
-// afterwards (never unlocked), so no other goroutine ever runs in the namespace.
+// run calls fn on a thread inside the scratch namespace.
 func (s *scratchNS) run(fn func(ifindex int) error) error {
 	s.once.Do(s.create)
 	if s.err != nil {
 		return fmt.Errorf("self-test namespace: %w", s.err)
 	}
-	errc := make(chan error, 1)
-	// Exits when fn returns; its locked thread ends with it.
-	go func() {
-		runtime.LockOSThread()
+	return onScratchThread(func() error {
 		if err := netns.Set(s.handle); err != nil {
-			errc <- fmt.Errorf("self-test namespace: enter: %w", err)
-			return
+			return fmt.Errorf("self-test namespace: enter: %w", err)
 		}
-		errc <- fn(s.ifindex)
-	}()
-	return <-errc
+		return fn(s.ifindex)
+	})
 }
 
 func (s *scratchNS) create() {
-	done := make(chan struct{})
-	// Exits when the namespace is made; its locked thread ends with it.
-	go func() {
-		defer close(done)
-		runtime.LockOSThread()
+	s.err = onScratchThread(func() error {
 		h, err := netns.New()
 		if err != nil {
-			s.err = fmt.Errorf("unshare: %w", err)
-			return
+			return fmt.Errorf("unshare: %w", err)
 		}
 		s.handle = h
-		s.ifindex, s.err = setupScratch()
-		if s.err != nil {
+		if s.ifindex, err = setupScratch(); err != nil {
 			h.Close()
 		}
+		return err
+	})
+}
+
+// onScratchThread runs fn, which may switch its thread into another network
+// namespace, on a locked thread of its own, and gives the thread back to the
+// runtime only once it is back in the namespace it started in, so no other
+// goroutine ever runs in the scratch namespace. A thread that cannot be
+// switched back stays locked, and the runtime ends it when fn's goroutine
+// exits. That must stay the exception: the runtime cannot end the process's
+// main thread, which may be the one running fn, and parks it for good instead,
+// leaving /proc/PID/ns/net (the main thread's) naming the scratch namespace
+// for tools such as `ip netns identify` and `nsenter -t`.
+func onScratchThread(fn func() error) error {
+	errc := make(chan error, 1)
+	// Exits when fn returns.
+	go func() {
+		runtime.LockOSThread()
+		orig, err := netns.Get()
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("read the thread's network namespace: %w", err)
+			return
+		}
+		defer orig.Close()
+		err = fn()
+		if netns.Set(orig) == nil {
+			runtime.UnlockOSThread()
+		}
+		errc <- err
 	}()
-	<-done
+	return <-errc
 }
 
 // setupScratch configures the namespace the calling thread is in.
