@@ -66,7 +66,7 @@ func New(name string) (*NS, error) {
 	}
 	f.Close()
 
-	if err := onThrowawayThread(func() error { return unshareAndMount(path) }); err != nil {
+	if err := onOwnThread(func() error { return unshareAndMount(path) }); err != nil {
 		os.Remove(path)
 		return nil, fmt.Errorf("create netns %s: %w", name, err)
 	}
@@ -125,7 +125,7 @@ func prepareRunDir() error {
 
 // unshareAndMount moves the calling thread into a new network namespace,
 // pins it by bind-mounting it on path and brings up its loopback. The thread
-// must be thrown away afterwards.
+// must be switched back or thrown away afterwards.
 func unshareAndMount(path string) error {
 	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
 		return fmt.Errorf("unshare: %w", err)
@@ -146,15 +146,30 @@ func unshareAndMount(path string) error {
 	return nil
 }
 
-// onThrowawayThread runs fn on a locked OS thread that is never unlocked, so
-// the runtime terminates the thread when fn is done, whatever state fn left
-// it in.
-func onThrowawayThread(fn func() error) error {
+// onOwnThread runs fn, which may move its thread into another network
+// namespace, on a locked thread of its own, and gives the thread back to the
+// runtime once it is back in the namespace it started in. A thread that cannot
+// be switched back stays locked, so the runtime ends it when fn is done. That
+// must stay the exception: the runtime cannot end the process's main thread,
+// which may be the one running fn, and parks it for good instead, leaving
+// /proc/PID/ns/net (the main thread's) naming fn's namespace.
+func onOwnThread(fn func() error) error {
 	errc := make(chan error, 1)
-	// Exits when fn returns; its thread exits with it.
+	// Exits when fn returns.
 	go func() {
 		runtime.LockOSThread()
-		errc <- fn()
+		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("open current netns: %w", err)
+			return
+		}
+		defer unix.Close(orig)
+		err = fn()
+		if unix.Setns(orig, unix.CLONE_NEWNET) == nil {
+			runtime.UnlockOSThread()
+		}
+		errc <- err
 	}()
 	return <-errc
 }
