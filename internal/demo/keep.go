@@ -309,10 +309,11 @@ func removeLeftovers(dir, prefix string) error {
 
 // demoNS matches the names of the namespaces a demo with prefix makes, and so
 // the only ones removeLeftovers removes: its topology's name
-// (topo.UniqueName(prefix): 5 digits of pid and 1 or 2 of sequence) and a
-// role.
+// (topo.UniqueName(prefix): 5 base-36 digits of pid, the first 0, 1 or 2, and
+// 1 or 2 of sequence) and a role. A longer prefix that begins with prefix
+// goes on with a letter, where no pid does: its names do not match.
 func demoNS(prefix string) *regexp.Regexp {
-	return regexp.MustCompile(`^` + regexp.QuoteMeta(prefix) + `[0-9a-z]{6,7}-(client|lb|br|be[0-9]+)$`)
+	return regexp.MustCompile(`^` + regexp.QuoteMeta(prefix) + `[0-2][0-9a-z]{4}[0-9a-z]{1,2}-(client|lb|br|be[0-9]+)$`)
 }
 
 // How long stopProc (and stopAgent) waits for a process to exit after

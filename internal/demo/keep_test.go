@@ -437,9 +437,10 @@ func TestKeptNamesDown(t *testing.T) {
 }
 
 // TestDownLeavesOthersNamespace: Down removes only namespaces named as its
-// demo names them, whatever the state file says: one a user made, and one
-// named as another demo's (here cmd/weir's tests'), both named in a state
-// file edited by hand, are left.
+// demo names them, whatever the state file says: one a user made, one named
+// as another demo's (here cmd/weir's tests'), and one named as a longer
+// prefix's that begins with the demo's, all named in a state file edited by
+// hand, are left.
 func TestDownLeavesOthersNamespace(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "demo")
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -449,7 +450,9 @@ func TestDownLeavesOthersNamespace(t *testing.T) {
 	// The first of the tests' prefix, so that if this test is killed the
 	// next removes it; the other with this process's pid, which no other
 	// demo removes while it runs.
-	for _, name := range []string{topo.UniqueName(testPrefix) + "-user", topo.ProcessPrefix("wdc") + "z-lb"} {
+	// The last is named as a longer prefix's (testPrefix+"x"): its pid,
+	// "x" and 4 digits, is no pid.
+	for _, name := range []string{topo.UniqueName(testPrefix) + "-user", topo.ProcessPrefix("wdc") + "z-lb", testPrefix + "x" + topo.ProcessPrefix("")[1:] + "z-lb"} {
 		ns, err := netns.New(name)
 		if err != nil {
 			t.Fatal(err)
@@ -457,7 +460,11 @@ func TestDownLeavesOthersNamespace(t *testing.T) {
 		t.Cleanup(func() { ns.Close() })
 		nss = append(nss, ns)
 	}
-	if err := writeState(state{Dir: dir, Namespaces: []string{nss[0].Name(), nss[1].Name()}}); err != nil {
+	var names []string
+	for _, ns := range nss {
+		names = append(names, ns.Name())
+	}
+	if err := writeState(state{Dir: dir, Namespaces: names}); err != nil {
 		t.Fatal(err)
 	}
 	if err := Down(dir, testPrefix); err != nil {
