@@ -325,9 +325,9 @@ var (
 
 // proc is a process a demo left, as its state names it: by pid and start
 // time, and what only that demo's process is (ours: the agent runs in one of
-// the demo's namespaces, the hold process holds its lock); or, in a state
-// file from before start times were recorded, by pid and the arguments it
-// runs with after argv[0] (`run -c DIR/weir.yaml`, `demo hold
+// the demo's namespaces or on its config, the hold process holds its lock);
+// or, in a state file from before start times were recorded, by pid and the
+// arguments it runs with after argv[0] (`run -c DIR/weir.yaml`, `demo hold
 // DIR/state.json`), which only a weir agent or hold process on the demo's
 // own files has. A pid whose process does not match is another's.
 type proc struct {
@@ -337,10 +337,13 @@ type proc struct {
 	args  []string
 }
 
-// agent and hold are the processes st names, left in dir; the agent runs in
-// one of the namespaces nss.
+// agent and hold are the processes st names, left in dir. The agent runs in
+// one of the namespaces nss or, should they have been removed from under it
+// (`ip netns delete`, another program's cleanup of the prefix), on the demo's
+// config: it is still the demo's to stop.
 func (st state) agent(dir string, nss []string) proc {
-	return proc{st.AgentPID, st.AgentStart, func(pid int) bool { return inNamespace(pid, nss) }, []string{"run", "-c", configPath(dir)}}
+	args := []string{"run", "-c", configPath(dir)}
+	return proc{st.AgentPID, st.AgentStart, func(pid int) bool { return inNamespace(pid, nss) || runsWith(pid, args) }, args}
 }
 
 func (st state) hold(dir string) proc {
@@ -391,9 +394,15 @@ func (p proc) running() bool {
 	if p.start != "" {
 		return f[19] == p.start && (p.ours == nil || p.ours(p.pid))
 	}
-	b, _ := os.ReadFile("/proc/" + strconv.Itoa(p.pid) + "/cmdline")
+	return runsWith(p.pid, p.args)
+}
+
+// runsWith reports whether process pid runs with args (not empty) after
+// argv[0].
+func runsWith(pid int, args []string) bool {
+	b, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
 	argv := strings.Split(strings.TrimSuffix(string(b), "\x00"), "\x00")
-	return len(p.args) > 0 && len(argv) == len(p.args)+1 && slices.Equal(argv[1:], p.args)
+	return len(args) > 0 && len(argv) == len(args)+1 && slices.Equal(argv[1:], args)
 }
 
 // stopProc stops p: SIGTERM, up to termWait to exit, then SIGKILL; it

@@ -354,17 +354,26 @@ func TestDownKillsHold(t *testing.T) {
 	}
 }
 
+// startKeptAgent makes a kept demo's directory and starts in it what stands
+// for its agent: a process running `run -c DIR/weir.yaml` that ignores
+// SIGTERM, which stopProc then kills after a second (shortWaits).
+func startKeptAgent(t *testing.T) (dir string, agent *exec.Cmd) {
+	t.Helper()
+	shortWaits(t)
+	dir = filepath.Join(t.TempDir(), "demo")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	agent, _ = startStubborn(t, []string{"run", "-c", configPath(dir)})
+	return dir, agent
+}
+
 // TestDownOldState: a kept demo whose state file is from before start times
 // were recorded (no lock either): Down stops the agent named there, a
 // process running `run -c DIR/weir.yaml`, and leaves alone a process that
 // has taken the hold process's pid (other arguments).
 func TestDownOldState(t *testing.T) {
-	shortWaits(t)
-	dir := filepath.Join(t.TempDir(), "demo")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	agent, _ := startStubborn(t, []string{"run", "-c", configPath(dir)})
+	dir, agent := startKeptAgent(t)
 	agentStart := startTime(agent.Process.Pid)
 	other := exec.Command("sleep", "60")
 	otherExited, err := start(other, syscall.SIGKILL)
@@ -580,5 +589,26 @@ func TestDownStopsAgentOffMainThread(t *testing.T) {
 	}
 	if running(pid, started) {
 		t.Errorf("the agent (pid %d), its main thread in another namespace, runs after Down; want it stopped", pid)
+	}
+}
+
+// TestDownStopsAgentOfRemovedNamespaces: Down stops the kept demo's agent
+// (named by pid and start time, running `run -c DIR/weir.yaml`) also when
+// its namespaces have been removed from under it (`ip netns delete`, or
+// another program's cleanup of the prefix): no thread of it is then in a
+// namespace the state names, but its arguments name the demo's config.
+func TestDownStopsAgentOfRemovedNamespaces(t *testing.T) {
+	dir, agent := startKeptAgent(t)
+	pid := agent.Process.Pid
+	started := startTime(pid)
+	gone := topo.ProcessPrefix(testPrefix) + "zz-lb" // no such namespace
+	if err := writeState(state{Dir: dir, AgentPID: pid, AgentStart: started, Namespaces: []string{gone}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := Down(dir, testPrefix); err != nil {
+		t.Errorf("Down: %v", err)
+	}
+	if running(pid, started) {
+		t.Errorf("the agent (pid %d, run -c %s), its namespace %s removed, runs after Down; want it stopped", pid, configPath(dir), gone)
 	}
 }
