@@ -347,7 +347,7 @@ func (r *run) startAgent(ctx context.Context) error {
 		select {
 		case aerr := <-r.agentErr:
 			r.agent = nil // reported here, not again by stopAgent
-			return fmt.Errorf("demo: the agent exited: %v; its log is %s", aerr, r.keepLog("agent.log"))
+			return fmt.Errorf("demo: the agent exited: %w; its log is %s", aerr, r.keepLog("agent.log"))
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(50 * time.Millisecond):

@@ -347,6 +347,9 @@ func TestDemoAgentFails(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "the agent exited") {
 		t.Fatalf("a demo whose agent exits: got %v; want it to say so", err)
 	}
+	if ee := (*exec.ExitError)(nil); !errors.As(err, &ee) || ee.ExitCode() != 1 {
+		t.Errorf("a demo whose agent exits 1: got %v; want it to wrap the *exec.ExitError", err)
+	}
 	checkLogKept(t, err, opts.Dir, "agent.log", "it broke")
 	os.RemoveAll(opts.Dir)
 	checkNothingLeft(t, opts.Dir)

@@ -447,7 +447,7 @@ func (f *Fleet) StartAgent(ctx context.Context, i int) error {
 		case aerr := <-n.done:
 			n.done <- aerr
 			n.cmd = nil
-			return fmt.Errorf("fleet: node %d's agent exited: %v; %s", i, aerr, logLine("its log", n.log))
+			return fmt.Errorf("fleet: node %d's agent exited: %w; %s", i, aerr, logLine("its log", n.log))
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(50 * time.Millisecond):

@@ -2,6 +2,7 @@ package fleet
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -592,7 +593,7 @@ func TestDemo(t *testing.T) {
 
 // TestAgentExitsOneLine: a node's agent that exits at start (here a shell
 // that writes two lines and exits 1) fails StartAgent with one line that names
-// the agent's log and quotes its last line.
+// the agent's log and quotes its last line, and that wraps the exit status.
 func TestAgentExitsOneLine(t *testing.T) {
 	ns, err := netns.New(topo.UniqueName("wfe"))
 	xdptest.Check(t, err)
@@ -608,5 +609,8 @@ func TestAgentExitsOneLine(t *testing.T) {
 	err = f.StartAgent(ctx, 0)
 	if err == nil || strings.Contains(err.Error(), "\n") || !strings.Contains(err.Error(), n.log) || !strings.Contains(err.Error(), "and a second line") {
 		t.Errorf("StartAgent of an agent that exits: got %q; want one line naming %s and quoting its last line", err, n.log)
+	}
+	if ee := (*exec.ExitError)(nil); !errors.As(err, &ee) || ee.ExitCode() != 1 {
+		t.Errorf("StartAgent of an agent that exits 1: got %q; want it to wrap the *exec.ExitError", err)
 	}
 }
