@@ -175,10 +175,11 @@ func onOwnThread(fn func() error) error {
 }
 
 // unmount detaches the namespace's bind mount and removes the mount point;
-// the namespace itself goes away when nothing else holds it.
+// the namespace itself goes away when nothing else holds it. A symlink at path
+// is no namespace: it is removed, and what it points to left mounted.
 func unmount(path string) error {
 	var errs []error
-	if err := unix.Unmount(path, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+	if err := unix.Unmount(path, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
 		errs = append(errs, fmt.Errorf("unmount %s: %w", path, err))
 	}
 	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {

@@ -222,3 +222,49 @@ func TestList(t *testing.T) {
 		t.Fatalf("after RemoveMounted: %v", err)
 	}
 }
+
+// TestRemoveSymlinkLeavesTarget: a /run/netns entry that is a symlink, here
+// to a tmpfs mounted in the test's directory, is no namespace: removing it
+// by name (RemoveMounted, as a cleanup of a crashed run does) or through a
+// handle Open gave (Close, as weir demo down does) removes the link and
+// leaves what it points to mounted.
+func TestRemoveSymlinkLeavesTarget(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		remove func(name string) error
+	}{
+		{"RemoveMounted", RemoveMounted},
+		{"Close", func(name string) error {
+			ns, err := Open(name)
+			if err != nil {
+				return err
+			}
+			return ns.Close()
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			target := t.TempDir()
+			if err := unix.Mount("tmpfs", target, "tmpfs", 0, "size=64k"); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { unix.Unmount(target, unix.MNT_DETACH) })
+			name := fmt.Sprintf("weirnstest%d-link%s", os.Getpid(), c.name)
+			link := filepath.Join(RunDir, name)
+			if err := prepareRunDir(); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Symlink(target, link); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { os.Remove(link) })
+			c.remove(name)
+			if _, err := os.Lstat(link); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("the symlink %s after %s: %v; want it removed", link, c.name, err)
+			}
+			var st unix.Statfs_t
+			if err := unix.Statfs(target, &st); err != nil || st.Type != unix.TMPFS_MAGIC {
+				t.Errorf("%s after %s removed a symlink to it: not a tmpfs (%v); want it left mounted", target, c.name, err)
+			}
+		})
+	}
+}
