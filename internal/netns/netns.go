@@ -1,11 +1,11 @@
 // Package netns gives tests, the demo and benchmarks named network namespaces
 // they can run code in and open sockets in.
 //
-// A namespace is created on a locked OS thread that is thrown away afterwards,
-// so no goroutine of the process ever runs in a namespace it did not ask for.
-// Code runs in a namespace only through Do, which uses a fresh goroutine on a
-// locked thread and restores the thread before handing it back to the Go
-// runtime. A socket belongs to the namespace it was created in for its whole
+// A namespace is created, and code runs in one only through Do, on a fresh
+// goroutine's locked OS thread that is switched back to the namespace it
+// started in before it is handed back to the Go runtime (or, should that
+// fail, kept locked so the runtime ends it), so no goroutine of the process
+// ever runs in a namespace it did not ask for. A socket belongs to the namespace it was created in for its whole
 // life, so sockets made by Listen, ListenPacket and DialContext are created in
 // the namespace and can then be used from any goroutine.
 //
