@@ -371,8 +371,9 @@ func (r *run) start(cmd *exec.Cmd) (<-chan error, error) {
 // start starts cmd and returns what its Wait returns, once it has exited.
 // With deathSig, cmd gets it when this process dies. The kernel sends that
 // when the thread that started cmd ends, and the runtime ends a thread that a
-// goroutine left locked (namespace helpers do): so cmd starts on a thread
-// locked to a goroutine of its own, which lives until cmd exits.
+// goroutine left locked (a namespace helper does when it cannot switch its
+// thread back): so cmd starts on a thread locked to a goroutine of its own,
+// which lives until cmd exits.
 func start(cmd *exec.Cmd, deathSig syscall.Signal) (<-chan error, error) {
 	if deathSig != 0 {
 		if cmd.SysProcAttr == nil {
