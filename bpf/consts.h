@@ -138,7 +138,7 @@ enum stat_reason {
 	STAT_DROP_NO_TX_PORT,      // nat/tunnel: the next hop is on an interface the program is not attached to (not in tx_ports)
 	STAT_NAT_TOO_BIG,          // nat: too big for the route to the backend; ICMP error sent back
 	STAT_ICMP_TO_BACKEND,      // dsr/tunnel: an ICMP error quoting a flow's reply, sent on to its backend
-	STAT_DROP_ICMP_CHECKSUM,   // nat/dsr/tunnel: an ICMP error quoting a flow, its ICMP (or quoted IPv4 header's) checksum wrong
+	STAT_DROP_ICMP_CHECKSUM,   // nat/dsr/tunnel: an ICMP error quoting a flow, its ICMP (or quoted IPv4 header's, without options) checksum wrong
 	STAT_MAX,
 };
 

@@ -4,8 +4,8 @@
 // backend; one from the client's side comes to the VIP and quotes our reply. The
 // flow is the quoted packet reversed. An error from the client's side about a dsr or
 // tunnel flow goes to the flow's backend unchanged (icmp_to_lb_backend). Either way
-// the error's ICMP checksum, and a quoted IPv4 header's own, must hold first
-// (icmp_checksum_verdict). Anything else is passed untouched.
+// the error's ICMP checksum, and a quoted IPv4 header's own when it has no options,
+// must hold first (icmp_checksum_verdict). Anything else is passed untouched.
 #pragma once
 
 #include "dsr.h"
@@ -144,45 +144,38 @@ static __always_inline int icmp_apply(struct xdp_md *ctx, struct packet *p, cons
 	return CONTINUE;
 }
 
-// icmp_quote_checksum_verdict checks the quoted IPv4 header's own checksum, options
-// included (RFC 5508 REQ-3 a: a NAT SHOULD drop an error whose embedded header's
-// checksum fails): the ICMP checksum covers the quote as the router sent it, so a
-// header a host or router corrupted before quoting it would pass that one, and
+// icmp_quote_checksum_verdict checks the quoted IPv4 header's own checksum when the
+// header has no options (RFC 5508 REQ-3 a: a NAT SHOULD drop an error whose embedded
+// header's checksum fails): the ICMP checksum covers the quote as the router sent it,
+// so a header a host or router corrupted before quoting it would pass that one, and
 // translated, carry the quote to the flow's other side with the fault kept (the
-// translation updates the checksum incrementally). CONTINUE when it holds, and
-// for IPv6, whose header has none. icmp_error_translate has made sure the whole
-// header lies within the frame (the ports after it do).
+// translation updates the checksum incrementally). A header with options is not
+// checked: a router fills in Record Route and Timestamp options in place and may
+// quote the header so changed with the checksum it arrived with (Linux does, for an
+// error sent before it forwards), and such an error is as good as any. CONTINUE when
+// it holds, when not checked, and for IPv6, whose header has none.
+// icmp_error_translate has made sure the whole header lies within the frame (the
+// ports after it do).
 static __always_inline int icmp_quote_checksum_verdict(struct xdp_md *ctx, struct packet *p)
 {
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
-	__u32 in3 = p->l4_off + sizeof(struct icmp_hdr), sum = 0, words, w;
-	__u8 *vihl;
+	__u32 in3 = p->l4_off + sizeof(struct icmp_hdr), sum = 0;
+	__u32 *iip;
 
 	if (p->flow.family != FAMILY_IPV4)
 		return CONTINUE;
 	if (in3 > MAX_L4_OFFSET)
 		return XDP_ABORTED;
-	// The masks keep the bound through clang's reloads (see icmp_apply).
-	in3 &= 0x3ff;
-	vihl = data + in3;
-	if ((void *)(vihl + 1) > data_end)
+	// The mask keeps the bound through clang's reloads (see icmp_apply).
+	iip = data + (in3 & 0x3ff);
+	if ((void *)(iip + 5) > data_end)
 		return XDP_ABORTED;
-	words = *vihl & 0xf;
-	for (int i = 0; i < 15; i++) {
-		__u32 off = (in3 + i * 4) & 0x7ff, *at;
-
-		if ((__u32)i >= words)
-			break;
-		// Hidden from clang 19, which otherwise works the loop's exits out from
-		// data_end in advance: arithmetic on pkt_end, refused by 6.18's verifier.
-		asm volatile("" : "+r"(off));
-		at = data + off;
-		if ((void *)(at + 1) > data_end)
-			return XDP_ABORTED;
-		w = *at;
-		sum += (w & 0xffff) + (w >> 16);
-	}
+	if ((*(__u8 *)iip & 0xf) != 5)
+		return CONTINUE;
+#pragma unroll
+	for (int i = 0; i < 5; i++)
+		sum += (iip[i] & 0xffff) + (iip[i] >> 16);
 	if (csum_finish(sum) != 0)
 		return verdict(XDP_DROP, STAT_DROP_ICMP_CHECKSUM, p->len);
 	return CONTINUE;
@@ -190,8 +183,8 @@ static __always_inline int icmp_quote_checksum_verdict(struct xdp_md *ctx, struc
 
 // icmp_checksum_verdict checks the ICMP checksum of an error the program is about
 // to act on: over the whole message, as far as its IP packet's length says, and for
-// ICMPv6 the pseudo-header of the outer addresses; then the quote's IPv4 header
-// (icmp_quote_checksum_verdict). CONTINUE when both hold. A wrong
+// ICMPv6 the pseudo-header of the outer addresses; then an IPv4 quote's header
+// without options (icmp_quote_checksum_verdict). CONTINUE when both hold. A wrong
 // one is dropped (RFC 5508 REQ-3: a NAT SHOULD silently drop it): translated, its
 // fault would reach the client or backend, whose stack drops it, but only after a
 // quote corrupted into another flow's had been sent to that flow's side. Errors

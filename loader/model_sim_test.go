@@ -1314,23 +1314,20 @@ func (r *run) icmpChecksumVerdict(p *modelPacket) int {
 }
 
 // icmpQuoteChecksumVerdict is icmp.h's icmp_quote_checksum_verdict: a quoted IPv4
-// header's own checksum, options included, must hold too.
+// header without options must have a right checksum too.
 func (r *run) icmpQuoteChecksumVerdict(p *modelPacket) int {
 	if p.flow.Family != familyIPv4 {
 		return modelContinue
 	}
 	in3 := p.l4 + icmpHeaderLen
-	if in3 > maxL4Offset {
+	if in3 > maxL4Offset || !r.fits(in3, 20) {
 		return int(XDPAborted)
 	}
-	if !r.fits(in3, 1) {
-		return int(XDPAborted)
+	if r.b[in3]&0xf != 5 {
+		return modelContinue
 	}
 	var sum uint32
-	for i := range uint32(r.b[in3] & 0xf) {
-		if !r.fits(in3+i*4, 4) {
-			return int(XDPAborted)
-		}
+	for i := range uint32(5) {
 		w := r.ld32(in3 + i*4)
 		sum += w&0xffff + w>>16
 	}

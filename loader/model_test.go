@@ -113,7 +113,7 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"icmpv6 packet too big from client side, dsr flow unknown, checksum wrong", ReasonDropICMPChecksum},
 		{"icmp from client side, flow without nat port, checksum wrong", ReasonPassNotService},
 		{"icmp frag needed from backend, v4, quoted header's checksum wrong", ReasonDropICMPChecksum},
-		{"icmp time exceeded from client side, v4, quote with ip options, its header's checksum wrong", ReasonDropICMPChecksum},
+		{"icmp time exceeded from client side, v4, quote with ip options, its header's checksum not checked", ReasonICMPTranslated},
 		{"icmp frag needed from client side, dsr flow known, quoted header's checksum wrong", ReasonDropICMPChecksum},
 		{"icmpv6 parameter problem from backend", ReasonICMPTranslated},
 		{"icmp parameter problem from client side, v4", ReasonICMPTranslated},
@@ -297,7 +297,7 @@ var fuzzSeeds = []struct {
 	{"icmpv6 packet too big from client side, dsr flow unknown, checksum wrong", []byte{0, 37, 1, 0, 1, 0, 0, 255, 4, 0, 60, 0xff, 0, 0, 0, 0}},
 	{"icmp from client side, flow without nat port, checksum wrong", []byte{0, 20, 0, 0, 0, 0, 0, 255, 4, 0, 40, 0xff, 1, 0, 0}},
 	{"icmp frag needed from backend, v4, quoted header's checksum wrong", []byte{0, 15, 0, 0, 4 << 3, 0xb0, 0, 255, 0, 2}},
-	{"icmp time exceeded from client side, v4, quote with ip options, its header's checksum wrong", []byte{0, 17, 0, 0, 1, 0xc0, 0, 255, 0, 1, 0, 1}},
+	{"icmp time exceeded from client side, v4, quote with ip options, its header's checksum not checked", []byte{0, 17, 0, 0, 1, 0xc0, 0, 255, 0, 1, 0, 1}},
 	{"icmp frag needed from client side, dsr flow known, quoted header's checksum wrong", []byte{0, 36, 0, 0, 4 << 3, 0xb0, 0, 255, 0, 1, 0, 1}},
 	{"icmpv6 parameter problem from backend", []byte{0, 16, 0, 0, 6, 0, 0, 255, 0, 2}},
 	{"icmp parameter problem from client side, v4", []byte{0, 17, 0, 0, 7, 0, 0, 255, 0, 1, 0, 1}},
@@ -1309,8 +1309,8 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 			quote = quote[:min(len(quote), int(payloadSel))]
 		}
 		// opts bits 4-7 at 11 or more (their option words wrap to 0-4) make a quoted
-		// IPv4 header's own checksum wrong; the ICMP checksum, made over the quote as
-		// it is, holds.
+		// IPv4 header's own checksum wrong, which is checked only without options; the
+		// ICMP checksum, made over the quote as it is, holds.
 		if !tg.v6 && opts>>4 >= 11 && len(quote) >= 12 {
 			quote[10] ^= 0x40
 		}

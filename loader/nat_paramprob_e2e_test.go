@@ -29,9 +29,10 @@ const paramProbPort = 9400
 // must find the error in its queue with the type, code and pointer that were sent,
 // from the address it talks to: the client's kernel found its socket by the quote
 // only if the program translated it to the client's own flow, and the backend's
-// likewise for its side. An IPv4 quote with Record Route reaches the client with
-// its options as they were; one whose quoted header's own checksum fails is
-// dropped and counted (drop_icmp_checksum), and reaches no socket.
+// likewise for its side. An IPv4 quote with a Record Route a router filled in
+// reaches the client with its options as they were, though its header's checksum
+// no longer holds; one without options whose header's checksum fails is dropped
+// and counted (drop_icmp_checksum), and reaches no socket.
 func TestNATParameterProblem(t *testing.T) {
 	for _, mode := range []Mode{ModeNative, ModeGeneric} {
 		t.Run(string(mode), func(t *testing.T) {
@@ -139,12 +140,17 @@ func natParameterProblem(t *testing.T, tp *topo.Topology, p *Program, vip, beIP,
 		return
 	}
 
-	// A quote whose header carries Record Route (a router on the way recorded the
-	// nat address) keeps its options as they are: the client's stack finds its
-	// socket by the quote's addresses and ports, never by an option's.
+	// A quote whose header carries Record Route keeps its options as they are: the
+	// client's stack finds its socket by the quote's addresses and ports, never by
+	// an option's. The router filled the option in (the nat address, the pointer
+	// moved past it) and quoted the header with the checksum it came with, as Linux
+	// does for an error it sends before forwarding; the error still reaches the
+	// client.
 	withRR := packet.Frame{Src: from, Dst: netip.AddrPortFrom(beIP, paramProbPort), Proto: packet.ProtoUDP, Payload: []byte("ping"),
-		IPv4Options: append(append([]byte{7, 11, 8}, natIP.AsSlice()...), 0, 0, 0, 0, 1)}
-	if err := sendParamProb(be.NS, beIP, natIP, typ, code, 20, withRR.IPPacket()); err != nil {
+		IPv4Options: []byte{7, 11, 4, 0, 0, 0, 0, 0, 0, 0, 0, 1}}.IPPacket()
+	withRR[22] = 8
+	copy(withRR[23:27], natIP.AsSlice())
+	if err := sendParamProb(be.NS, beIP, natIP, typ, code, 20, withRR); err != nil {
 		t.Fatal(err)
 	}
 	wantICMPError(t, client, "client, quote with record route", vip, typ, code, 20)

@@ -169,7 +169,8 @@ func TestNATFixtures(t *testing.T) {
 			}
 			trailer := bytes.Repeat([]byte{0xa5}, 24)
 			// badHeaderSum makes a quoted IPv4 header's own checksum wrong; the ICMP
-			// checksum, computed over the quote as it is, holds (RFC 5508 REQ-3 a).
+			// checksum, computed over the quote as it is, holds (RFC 5508 REQ-3 a: one
+			// without options is dropped).
 			badHeaderSum := func(quote []byte) []byte {
 				quote[10] ^= 0x40
 				return quote
@@ -182,6 +183,18 @@ func TestNATFixtures(t *testing.T) {
 				// as it came, never translated, as must one with drop set.
 				corrupt, drop bool
 			}
+			// routerFilled quotes f with a Record Route option that a router filled in
+			// place (the address written, the pointer moved past it) after the header's
+			// checksum was made, as Linux quotes a packet it answers with an error
+			// before forwarding it: the header's checksum no longer holds, yet the
+			// error is a true one and must be translated.
+			routerFilled := func(f packet.Frame) []byte {
+				f.IPv4Options = []byte{7, 7, 4, 0, 0, 0, 0, 0}
+				q := f.IPPacket()
+				q[22] = 8
+				copy(q[23:27], []byte{192, 0, 2, 1})
+				return q
+			}
 			var quoteSumWrong []icmpCase
 			if !tc.v6 {
 				quoteSumWrong = []icmpCase{
@@ -189,8 +202,26 @@ func TestNATFixtures(t *testing.T) {
 						side: "from the backend, its quoted header's checksum wrong",
 						in: packet.Frame{SrcMAC: chosen.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
 							Src: netip.AddrPortFrom(backend, 0), Dst: netip.AddrPortFrom(lb, 0),
-							ICMP: &packet.ICMP{Type: ppType, Rest: ppRest, Quote: badHeaderSum(withOptions(want).IPPacket())}},
+							ICMP: &packet.ICMP{Type: ppType, Rest: ppRest, Quote: badHeaderSum(want.IPPacket())}},
 						drop: true,
+					},
+					{
+						side: "from the backend, quoting a Record Route a router filled in",
+						in: packet.Frame{SrcMAC: chosen.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+							Src: netip.AddrPortFrom(backend, 0), Dst: netip.AddrPortFrom(lb, 0),
+							ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: routerFilled(want)}},
+						want: packet.Frame{SrcMAC: nt.Balancer.MAC, DstMAC: nt.Client.MAC, Proto: icmpProto,
+							Src: netip.AddrPortFrom(vip, 0), Dst: netip.AddrPortFrom(client, 0),
+							ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: routerFilled(in)}},
+					},
+					{
+						side: "from the client, quoting a Record Route a router filled in",
+						in: packet.Frame{SrcMAC: nt.Client.MAC, DstMAC: nt.Balancer.MAC, Proto: icmpProto,
+							Src: netip.AddrPortFrom(client, 0), Dst: netip.AddrPortFrom(vip, 0),
+							ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: routerFilled(wantReply)}},
+						want: packet.Frame{SrcMAC: nt.Balancer.MAC, DstMAC: chosen.MAC, Proto: icmpProto,
+							Src: netip.AddrPortFrom(lb, 0), Dst: netip.AddrPortFrom(backend, 0),
+							ICMP: &packet.ICMP{Type: errType, Code: errCode, Rest: mtu, Quote: routerFilled(reply)}},
 					},
 					{
 						side: "from the client, its quoted header's checksum wrong",
