@@ -66,6 +66,10 @@ type entry[S Server] struct {
 	srv  S
 	stop context.CancelFunc
 	done chan struct{} // closed when Serve has returned
+	// ended is set as Serve returns, before its error is logged: a server
+	// that stopped on its own (its listener failed) takes no change in
+	// place, and the next one starts it anew.
+	ended atomic.Bool
 }
 
 // Draining returns the named service's servers that were replaced or removed
@@ -147,7 +151,9 @@ func (p *Set[S]) start(s *plan.Service) (*entry[S], error) {
 	// closes) and the server has drained.
 	go func() {
 		defer close(e.done)
-		if err := srv.Serve(ctx); err != nil {
+		err := srv.Serve(ctx)
+		e.ended.Store(true)
+		if err != nil {
 			p.Log.Error(p.What+" stopped", "service", s.Name(), "err", err)
 		}
 	}()
@@ -155,7 +161,8 @@ func (p *Set[S]) start(s *plan.Service) (*entry[S], error) {
 }
 
 // Update brings a service from prev to next: a new server when a setting fixed
-// at listen time changed (the old one drains), else new backends in place.
+// at listen time changed (the old one drains) or the running one stopped
+// serving on its own, else new backends in place.
 func (p *Set[S]) Update(prev, next *plan.Service) error {
 	e, ok := p.services[next.Name()]
 	if !ok {
@@ -166,7 +173,7 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 	if rebuilt == nil {
 		rebuilt = plan.Rebuilt
 	}
-	if !rebuilt(&e.cfg, &next.Config) {
+	if !e.ended.Load() && !rebuilt(&e.cfg, &next.Config) {
 		if err := p.Push(e.srv, next); err != nil {
 			return err
 		}

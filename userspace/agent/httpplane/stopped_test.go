@@ -1,0 +1,89 @@
+package httpplane_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/internal/waitfor"
+	"github.com/weir-lb/weir/userspace/agent/httpplane"
+	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/config"
+)
+
+// stopLog closes stopped when the plane logs that a service's server
+// stopped serving.
+type stopLog struct {
+	slog.Handler
+	once    *sync.Once
+	stopped chan struct{}
+}
+
+func (h stopLog) Handle(ctx context.Context, r slog.Record) error {
+	if r.Message == "http plane stopped" {
+		h.once.Do(func() { close(h.stopped) })
+	}
+	return nil
+}
+
+func (h stopLog) Enabled(context.Context, slog.Level) bool { return true }
+
+func (h stopLog) WithAttrs([]slog.Attr) slog.Handler { return h }
+
+// TestServeDiedStartedAgain: a service whose server stopped serving on its
+// own (its Serve returned, the listener failed) is started anew by the next
+// change to it. Before, the change was pushed to the stopped server, which
+// refused it (httplb.ErrStopped): every later change to the service failed,
+// and the service never served again.
+func TestServeDiedStartedAgain(t *testing.T) {
+	bs := httpbackend.StartN(t, 2)
+	port := freePort(t)
+	service := func(b *httpbackend.Backend) *plan.Service {
+		t.Helper()
+		cfg, err := config.Parse(fmt.Appendf(nil, "services:\n- {name: web, vip: 127.0.0.1:%d, data_plane: http, backends: [{address: %s}]}\n", port, b.Addr))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := &plan.Service{Config: cfg.Services[0], Placement: plan.Placement{Plane: plan.HTTP}, Installed: true}
+		for _, bc := range cfg.Services[0].Backends {
+			s.Backends = append(s.Backends, plan.Backend{Config: bc, Usable: true, Healthy: true, Weight: 1})
+		}
+		return s
+	}
+	log := stopLog{Handler: slog.DiscardHandler, once: new(sync.Once), stopped: make(chan struct{})}
+	p := httpplane.New(&health.Checker{}, slog.New(log), nil)
+	t.Cleanup(p.Close)
+	a, b := service(bs[0]), service(bs[1])
+	if err := p.Add(a); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	lb, _ := p.Get("web")
+	lb.Close() // its Serve returns with an error, as when its listener fails
+	select {
+	case <-log.stopped:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the service's Serve did not return after Close")
+	}
+	if err := p.Update(a, b); err != nil {
+		t.Fatalf("a change to a service whose server stopped: %v; want it started again", err)
+	}
+	p.Commit()
+	c := &http.Client{Timeout: 5 * time.Second}
+	t.Cleanup(c.CloseIdleConnections)
+	url := fmt.Sprintf("http://127.0.0.1:%d/", port)
+	waitfor.Value(t, 10*time.Second, "a 200 from the new backend", func() (any, bool) {
+		resp, err := c.Get(url)
+		if err != nil {
+			return err, false
+		}
+		resp.Body.Close()
+		return fmt.Sprintf("%d, %d hits on the new backend", resp.StatusCode, bs[1].Hits.Load()), resp.StatusCode == http.StatusOK && bs[1].Hits.Load() > 0
+	})
+}
