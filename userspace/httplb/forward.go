@@ -146,12 +146,9 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		// has no Upgrade (RFC 9113 8.6), and a tunnel gains nothing from sharing
 		// a connection.
 		if sc == nil && r.Header["Upgrade"] != nil && upgradeProtocols(r) != nil {
-			done, f = s.tunnelTry(client, ctx, l, w, r, be, &lease, hdr, upgradeProtocols(r), retryable, start)
+			done, f = s.tunnelTry(client, ctx, l, w, r, be, &lease, hdr, upgradeProtocols(r), retryable, try, start)
 		} else {
-			done, f = s.try(client, ctx, l, w, r, be, &lease, hdr, sc, body, retryable, try < l.cfg.Retries, start)
-		}
-		if try > 0 && !f.notSent {
-			be.stats.retries.Add(1) // a try moved on was not be's
+			done, f = s.try(client, ctx, l, w, r, be, &lease, hdr, sc, body, retryable, try, start)
 		}
 		if done {
 			tunnel = f.tunnel
@@ -277,10 +274,12 @@ type failure struct {
 	notSent bool
 }
 
-// try sends the request to one backend. done reports that the client has its
-// answer (or is gone); otherwise f says why not and whether a retry may follow.
+// try sends the request to one backend, as its try number try (0: the
+// first). done reports that the client has its answer (or is gone);
+// otherwise f says why not and whether a retry may follow.
 func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWriter, r *http.Request, be *backend, lease *balance.Lease,
-	hdr http.Header, sc *outScratch, body *replayBody, retryable, more bool, start time.Time) (done bool, f failure) {
+	hdr http.Header, sc *outScratch, body *replayBody, retryable bool, try int, start time.Time) (done bool, f failure) {
+	more := try < l.cfg.Retries
 	tryStart := time.Now()
 	defer s.tryEnded(be) // last: after the answer's body is closed
 	var tb *tryBody
@@ -334,6 +333,11 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	}
 	if timer != nil {
 		timer.Stop()
+	}
+	if try > 0 && !errors.Is(err, errRetired) {
+		// Counted once sent, whatever comes of it; a try moved on
+		// (errRetired) was not be's.
+		be.stats.retries.Add(1)
 	}
 	switch {
 	case err != nil:

@@ -1,15 +1,19 @@
 package httplb
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/netip"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // hungBackend is an address whose accept queue is full: a connect to it hangs
@@ -85,6 +89,74 @@ func TestH1RetryAfterTryTimeoutInDial(t *testing.T) {
 			if failed > 0 {
 				t.Errorf("%d of %d PUTs failed; want all answered by the healthy backend after the hung one's try_timeout (outcomes %v)", failed, tries, obs.get())
 			}
+		})
+	}
+}
+
+// TestRetryCountedWhenClientLeaves: a retry sent to a backend is counted in
+// its retries though the client goes away before the answer, through every
+// upstream pool. Before, the HTTP/1.1 and net/http paths counted a retry only
+// once the try had returned whole, and a client that left mid-try ended the
+// request before it: the retry went uncounted.
+func TestRetryCountedWhenClientLeaves(t *testing.T) {
+	for _, p := range upstreamPools {
+		t.Run(p.name, func(t *testing.T) {
+			var n atomic.Int32
+			came := make(chan struct{}, 1)
+			// The first request either backend gets is answered 503, so
+			// it is retried on the other, which holds it until weir
+			// breaks it off.
+			h := func(w http.ResponseWriter, r *http.Request) {
+				io.Copy(io.Discard, r.Body)
+				if n.Add(1) == 1 {
+					w.WriteHeader(http.StatusServiceUnavailable)
+					return
+				}
+				came <- struct{}{}
+				select {
+				case <-r.Context().Done():
+				case <-time.After(20 * time.Second):
+				}
+			}
+			a, b := startCountingBackend(t, h, 0), startCountingBackend(t, h, 0)
+			cfg := p.cfg
+			cfg.Retries = 1
+			sv := serveStoppable(t, cfg, []Backend{{Addr: a.addr, Weight: 1, Usable: true}, {Addr: b.addr, Weight: 1, Usable: true}})
+			c := p.client()
+			t.Cleanup(c.CloseIdleConnections)
+			method := "GET"
+			var body io.Reader
+			if p.method != "GET" {
+				method, body = "PUT", strings.NewReader("a request body") // retried, as a POST is not
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			t.Cleanup(cancel)
+			req, err := http.NewRequestWithContext(ctx, method, "http://"+sv.Addr().String()+"/", body)
+			if err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			// Exits when the request is cancelled below (or the backend lets
+			// it go after 20s).
+			go func() {
+				resp, err := c.Do(req)
+				if err == nil {
+					resp.Body.Close()
+				}
+				done <- err
+			}()
+			awaitCame(t, came)
+			cancel()
+			if err := <-done; err == nil {
+				t.Fatal("the request cancelled mid-retry was answered")
+			}
+			waitfor.Value(t, 5*time.Second, "one retry counted", func() (any, bool) {
+				var retries uint64
+				for _, bs := range sv.Snapshot().Backends {
+					retries += bs.Retries
+				}
+				return retries, retries == 1
+			})
 		})
 	}
 }

@@ -51,7 +51,7 @@ func upgradeProtocols(r *http.Request) []string {
 // tunnelTry sends an upgrade request to be and, if be switches protocols,
 // joins the client to it until the tunnel ends. Its results are try's.
 func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.ResponseWriter, r *http.Request, be *backend, lease *balance.Lease,
-	hdr http.Header, protos []string, retryable bool, start time.Time) (done bool, f failure) {
+	hdr http.Header, protos []string, retryable bool, try int, start time.Time) (done bool, f failure) {
 	tryStart := time.Now()
 	tctx := ctx
 	if l.cfg.TryTimeout > 0 {
@@ -76,6 +76,9 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 	}
 	if be.retired.Load() {
 		return false, retiredSincePick(lease)
+	}
+	if try > 0 {
+		be.stats.retries.Add(1)
 	}
 	d := net.Dialer{Timeout: s.cfg.ConnectTimeout}
 	bc, err := d.DialContext(tctx, "tcp", be.id)
