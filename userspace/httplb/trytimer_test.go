@@ -22,14 +22,14 @@ import (
 // try for its own and failed it (504: no response headers within
 // try_timeout), though the second backend answered well within its time.
 func TestFramesStaleTryTimerSparesNextTry(t *testing.T) {
-	const tryTimeout = 300 * time.Millisecond
+	const tryTimeout = time.Second
 	var n atomic.Int32
 	came, reset := make(chan struct{}, 1), make(chan struct{})
 	letReset := closeOnce(reset)
 	t.Cleanup(letReset)
 	// Both backends alike: the first request either gets is reset when the
-	// test says, the next is answered after a short while, within its try's
-	// time.
+	// test says, the next is answered once the first try's timer has run,
+	// well within its own try's time.
 	h := func(conn net.Conn, fr *http2.Framer) {
 		readBackendFrames(fr, func(f *http2.HeadersFrame) {
 			if n.Add(1) == 1 {
@@ -38,7 +38,7 @@ func TestFramesStaleTryTimerSparesNextTry(t *testing.T) {
 				fr.WriteRSTStream(f.StreamID, http2.ErrCodeInternal)
 				return
 			}
-			time.Sleep(tryTimeout / 6)
+			waitfor.Cond(10*time.Second, func() bool { return !waitingForLock("(*fsess).timerFired") })
 			fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: statusBlock("200"), EndHeaders: true, EndStream: true})
 		}, func(string) bool { return true })
 	}
