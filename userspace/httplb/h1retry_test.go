@@ -1,6 +1,7 @@
 package httplb
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"io"
@@ -150,13 +151,57 @@ func TestRetryCountedWhenClientLeaves(t *testing.T) {
 			if err := <-done; err == nil {
 				t.Fatal("the request cancelled mid-retry was answered")
 			}
-			waitfor.Value(t, 5*time.Second, "one retry counted", func() (any, bool) {
-				var retries uint64
-				for _, bs := range sv.Snapshot().Backends {
-					retries += bs.Retries
-				}
-				return retries, retries == 1
-			})
+			awaitOneRetry(t, sv)
 		})
 	}
+}
+
+// TestTunnelRetryCountedWhenClientLeaves: an upgrade's retry sent to a
+// backend is counted in its retries though the client goes away before the
+// backend answers, through both HTTP/1.1 engines. Before, it was counted
+// only once the try had returned, which a client that left ended first.
+func TestTunnelRetryCountedWhenClientLeaves(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		cfg  Config
+	}{{"loop", Config{}}, {"net/http", Config{NetHTTP1: true}}} {
+		t.Run(c.name, func(t *testing.T) {
+			var n atomic.Int32
+			came := make(chan struct{}, 1)
+			// The first upgrade either backend gets is broken off before an
+			// answer, so it is retried on the other, which holds it until
+			// weir lets go of it.
+			h := func(conn net.Conn) {
+				conn.SetDeadline(time.Now().Add(20 * time.Second))
+				br := bufio.NewReader(conn)
+				if _, err := http.ReadRequest(br); err != nil || n.Add(1) == 1 {
+					return
+				}
+				came <- struct{}{}
+				io.Copy(io.Discard, br)
+			}
+			a, b := rawBackend(t, h), rawBackend(t, h)
+			cfg := c.cfg
+			cfg.Retries = 1
+			sv := serveStoppable(t, cfg, []Backend{{Addr: a, Weight: 1, Usable: true}, {Addr: b, Weight: 1, Usable: true}})
+			conn, _ := rawConn(t, sv.Addr().String())
+			io.WriteString(conn, "GET /t HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: test\r\n\r\n")
+			awaitCame(t, came)
+			conn.Close()
+			awaitOneRetry(t, sv)
+		})
+	}
+}
+
+// awaitOneRetry fails the test unless sv's backends count one retry in all
+// within 5 s.
+func awaitOneRetry(t *testing.T, sv *served) {
+	t.Helper()
+	waitfor.Value(t, 5*time.Second, "one retry counted", func() (any, bool) {
+		var retries uint64
+		for _, bs := range sv.Snapshot().Backends {
+			retries += bs.Retries
+		}
+		return retries, retries == 1
+	})
 }
