@@ -373,6 +373,16 @@ func TestFixtures(t *testing.T) {
 		icmpFixture("icmp frag needed about a dsr flow's answer with ip options", svc4, tcp4(40000, packet.ACK),
 			icmpQuoting(packet.Frame{Src: netip.AddrPortFrom(vip4, 80), Dst: netip.AddrPortFrom(client4, 40000),
 				TCPFlags: packet.ACK, IPv4Options: []byte{1, 1, 1, 0}}, 4)),
+		// One whose Record Route a router filled in after the header's checksum was
+		// made (Linux quotes a packet it has not forwarded yet so) is no less true:
+		// a quoted header with options is not checked, and the error goes on.
+		icmpFixture("icmp frag needed about a dsr flow's answer, its record route filled in", svc4, tcp4(40000, packet.ACK), func() packet.Frame {
+			f := icmpQuoting(packet.Frame{Src: netip.AddrPortFrom(vip4, 80), Dst: netip.AddrPortFrom(client4, 40000),
+				TCPFlags: packet.ACK, IPv4Options: []byte{7, 7, 4, 0, 0, 0, 0, 0}}, 4)
+			f.ICMP.Quote[22] = 8
+			copy(f.ICMP.Quote[23:27], []byte{10, 99, 0, 1})
+			return f
+		}()),
 		// A parameter problem (its pointer a byte of the quote) is an error like these,
 		// also one about an option of the quote's extension headers (code 2).
 		icmpFixture("icmpv6 parameter problem about a dsr flow's answer's destination option", svc6, tcp6(40001, packet.ACK),
