@@ -226,7 +226,7 @@ func (f *Fleet) startBird() error {
 		select {
 		case err := <-f.birdCh:
 			f.birdCh <- err
-			return fmt.Errorf("fleet: bird exited: %v; %s", err, logLine("its output", filepath.Join(f.opts.Dir, "bird.out")))
+			return fmt.Errorf("fleet: bird exited: %w; %s", err, logLine("its output", filepath.Join(f.opts.Dir, "bird.out")))
 		case <-time.After(50 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {

@@ -614,3 +614,26 @@ func TestAgentExitsOneLine(t *testing.T) {
 		t.Errorf("StartAgent of an agent that exits 1: got %q; want it to wrap the *exec.ExitError", err)
 	}
 }
+
+// TestBirdExitsOneLine: a BIRD that exits at start (here a script that writes
+// a line and exits 1) fails the fleet with one line that names BIRD's output
+// and quotes its last line, and that wraps the exit status.
+func TestBirdExitsOneLine(t *testing.T) {
+	ns, err := netns.New(topo.UniqueName("wfe"))
+	xdptest.Check(t, err)
+	t.Cleanup(func() { ns.Close() })
+	dir := t.TempDir()
+	bird := filepath.Join(dir, "bird")
+	if err := os.WriteFile(bird, []byte("#!/bin/sh\necho 'bird: it broke' >&2\nexit 1\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	f := &Fleet{T: &topo.Fleet{RouterNS: ns}, opts: Options{Dir: dir}, bird: bird, birdc: "false"}
+	err = f.startBird()
+	out := filepath.Join(dir, "bird.out")
+	if err == nil || strings.Contains(err.Error(), "\n") || !strings.Contains(err.Error(), out) || !strings.Contains(err.Error(), "it broke") {
+		t.Errorf("startBird of a BIRD that exits: got %q; want one line naming %s and quoting its last line", err, out)
+	}
+	if ee := (*exec.ExitError)(nil); !errors.As(err, &ee) || ee.ExitCode() != 1 {
+		t.Errorf("startBird of a BIRD that exits 1: got %q; want it to wrap the *exec.ExitError", err)
+	}
+}
