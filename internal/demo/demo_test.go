@@ -344,15 +344,24 @@ func TestDemoAgentFails(t *testing.T) {
 		return []string{"sh", "-c", "echo 'weir: load: it broke' >&2; echo 'and a second line' >&2; exit 1"}
 	}
 	_, err := Run(ctx, opts)
-	if err == nil || !strings.Contains(err.Error(), "the agent exited") {
-		t.Fatalf("a demo whose agent exits: got %v; want it to say so", err)
+	checkExited(t, err, "the agent", opts.Dir, "agent.log")
+}
+
+// checkExited checks err, from a demo whose process what (its log name, in
+// dir) wrote "it broke" and exited 1 at start: one line that says what
+// exited, wraps the *exec.ExitError and names the log, which stays, the only
+// thing left. It then removes dir.
+func checkExited(t *testing.T, err error, what, dir, name string) {
+	t.Helper()
+	if err == nil || !strings.Contains(err.Error(), what+" exited") {
+		t.Fatalf("a demo whose %s exits: got %v; want it to say so", what, err)
 	}
 	if ee := (*exec.ExitError)(nil); !errors.As(err, &ee) || ee.ExitCode() != 1 {
-		t.Errorf("a demo whose agent exits 1: got %v; want it to wrap the *exec.ExitError", err)
+		t.Errorf("a demo whose %s exits 1: got %v; want it to wrap the *exec.ExitError", what, err)
 	}
-	checkLogKept(t, err, opts.Dir, "agent.log", "it broke")
-	os.RemoveAll(opts.Dir)
-	checkNothingLeft(t, opts.Dir)
+	checkLogKept(t, err, dir, name, "it broke")
+	os.RemoveAll(dir)
+	checkNothingLeft(t, dir)
 }
 
 // TestDemoFailedStartLeavesNoDir: a demo that fails before it has anything
@@ -393,6 +402,20 @@ func checkLogKept(t *testing.T, err error, dir, name, want string) {
 	if ents, _ := os.ReadDir(dir); len(ents) != 1 || ents[0].Name() != name {
 		t.Errorf("left in %s: %v; want only %s", dir, ents, name)
 	}
+}
+
+// TestDemoKeepHoldExits: a kept demo whose hold process exits at start
+// (here a shell that writes a line and exits 1) fails at once with one line
+// that says so, wraps the exit status and names the process's log, which
+// stays, the only thing left.
+func TestDemoKeepHoldExits(t *testing.T) {
+	var out bytes.Buffer
+	ctx, opts := keepOptions(t, &out)
+	opts.HoldArgv = func(string) []string {
+		return []string{"sh", "-c", "echo 'weir: demo hold: it broke' >&2; exit 1"}
+	}
+	_, err := Run(ctx, opts)
+	checkExited(t, err, "the backends' process", opts.Dir, "hold.log")
 }
 
 // keepRunEnv runs this test binary as keepRun, a test that keeps a demo in

@@ -131,9 +131,9 @@ func (r *run) keep(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("start the backends' process: %w", err)
 	}
-	held := false
+	held, gone := false, false
 	defer func() {
-		if !held {
+		if !held && !gone {
 			// It holds the lock: a demo that removes what it made stops it.
 			cmd.Process.Kill()
 			<-exited
@@ -159,7 +159,15 @@ func (r *run) keep(ctx context.Context) error {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("the backends did not answer again within 10s; their process's log is %s", r.keepLog("hold.log"))
 		}
-		time.Sleep(20 * time.Millisecond)
+		select {
+		case err := <-exited:
+			gone = true
+			if err == nil {
+				err = errors.New("exit status 0")
+			}
+			return fmt.Errorf("the backends' process exited: %w; its log is %s", err, r.keepLog("hold.log"))
+		case <-time.After(20 * time.Millisecond):
+		}
 	}
 	held = true
 	cfg := r.cfgPath
