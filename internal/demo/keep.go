@@ -300,11 +300,9 @@ func removeLeftovers(dir, prefix string) error {
 		}
 	}
 	for _, name := range nss {
-		ns, err := netns.Open(name)
-		if err != nil {
-			continue // already gone
-		}
-		if err := ns.Close(); err != nil {
+		// Not opened first: what is at the name may be no namespace (a
+		// FIFO, whose open blocks; a device).
+		if err := netns.RemoveMounted(name); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -612,3 +612,50 @@ func TestDownStopsAgentOfRemovedNamespaces(t *testing.T) {
 		t.Errorf("the agent (pid %d, run -c %s), its namespace %s removed, runs after Down; want it stopped", pid, configPath(dir), gone)
 	}
 }
+
+// TestDownOpensNothing: Down removes what is at a name of the demo's under
+// /run/netns without opening it: a FIFO there (here one a hand-edited state
+// file names, as the demo would its namespace) is removed, and does not
+// block Down until a writer comes.
+func TestDownOpensNothing(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "demo")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	// This process's pid: no other demo removes it while it runs.
+	name := topo.ProcessPrefix(testPrefix) + "zy-lb"
+	path := filepath.Join(netns.RunDir, name)
+	if err := unix.Mkfifo(path, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.Remove(path) })
+	if err := writeState(state{Dir: dir, Namespaces: []string{name}}); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	// Exits when Down returns; should it block opening the FIFO, the
+	// cleanup below opens it for writing, which lets it go on.
+	go func() { done <- Down(dir, testPrefix) }()
+	t.Cleanup(func() {
+		select {
+		case <-done:
+		default:
+			if fd, err := unix.Open(path, unix.O_WRONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0); err == nil {
+				unix.Close(fd)
+			}
+			<-done
+		}
+	})
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Down: %v", err)
+		}
+		done <- err // for the cleanup
+	case <-time.After(30 * time.Second):
+		t.Fatalf("Down with a FIFO at %s: still running after 30s; want it to return", path)
+	}
+	if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the FIFO %s after Down: %v; want it removed", path, err)
+	}
+}
