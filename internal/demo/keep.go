@@ -357,14 +357,16 @@ func (st state) hold(dir string) proc {
 }
 
 // inNamespace reports whether a thread of process pid is in one of the
-// network namespaces nss. Any thread: the agent's self-test enters a scratch
+// network namespaces mounted at /run/netns/<name> for each name in nss. Any thread: the agent's self-test enters a scratch
 // namespace on a thread it then throws away, and when that thread is the
 // main one the runtime keeps it, in that namespace (/proc/PID/ns/net is
 // the main thread's).
 func inNamespace(pid int, nss []string) bool {
 	var want []os.FileInfo
 	for _, name := range nss {
-		if fi, err := os.Stat(filepath.Join(netns.RunDir, name)); err == nil {
+		// Lstat: a symlink there is no namespace of the demo's, whatever it
+		// points to; a namespace's bind mount is seen through.
+		if fi, err := os.Lstat(filepath.Join(netns.RunDir, name)); err == nil {
 			want = append(want, fi)
 		}
 	}

@@ -624,6 +624,9 @@ func TestDownOpensNothing(t *testing.T) {
 	}
 	// This process's pid: no other demo removes it while it runs.
 	name := topo.ProcessPrefix(testPrefix) + "zy-lb"
+	if err := os.MkdirAll(netns.RunDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
 	path := filepath.Join(netns.RunDir, name)
 	if err := unix.Mkfifo(path, 0o600); err != nil {
 		t.Fatal(err)
@@ -657,5 +660,44 @@ func TestDownOpensNothing(t *testing.T) {
 	}
 	if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the FIFO %s after Down: %v; want it removed", path, err)
+	}
+}
+
+// TestDownLeavesAgentOfSymlink: a name of the demo's under /run/netns that
+// is a symlink (here to the network namespace of a process a hand-edited
+// state file names as the agent) is no namespace of the demo's: Down removes
+// the link and leaves the process, which runs in what it points to, alone.
+func TestDownLeavesAgentOfSymlink(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "demo")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("sleep", "60")
+	exited, err := start(cmd, syscall.SIGKILL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); <-exited })
+	p := proc{pid: cmd.Process.Pid, start: startTime(cmd.Process.Pid)}
+	// This process's pid: no other demo removes it while it runs.
+	if err := os.MkdirAll(netns.RunDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(netns.RunDir, topo.ProcessPrefix(testPrefix)+"zx-lb")
+	if err := os.Symlink(fmt.Sprintf("/proc/%d/ns/net", p.pid), link); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.Remove(link) })
+	if err := writeState(state{Dir: dir, AgentPID: p.pid, AgentStart: p.start, Namespaces: []string{filepath.Base(link)}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := Down(dir, testPrefix); err != nil {
+		t.Errorf("Down: %v", err)
+	}
+	if !p.running() {
+		t.Errorf("the process %d (sleep 60), in the namespace the symlink %s points to, stopped; want it left alone", p.pid, link)
+	}
+	if _, err := os.Lstat(link); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the symlink %s after Down: %v; want it removed", link, err)
 	}
 }
