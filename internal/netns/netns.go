@@ -5,9 +5,10 @@
 // goroutine's locked OS thread that is switched back to the namespace it
 // started in before it is handed back to the Go runtime (or, should that
 // fail, kept locked so the runtime ends it), so no goroutine of the process
-// ever runs in a namespace it did not ask for. A socket belongs to the namespace it was created in for its whole
-// life, so sockets made by Listen, ListenPacket and DialContext are created in
-// the namespace and can then be used from any goroutine.
+// ever runs in a namespace it did not ask for. A socket belongs to the
+// namespace it was created in for its whole life, so sockets made by Listen,
+// ListenPacket and DialContext are created in the namespace and can then be
+// used from any goroutine.
 //
 // Every namespace is bind-mounted at /run/netns/<name>, as `ip netns add`
 // does, so `ip netns exec <name> ...` works on it while it lives, and a
