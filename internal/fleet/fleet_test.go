@@ -518,20 +518,13 @@ func TestNodeFailureWithBackendChange(t *testing.T) {
 			announced(t, ctx, f, svcs)
 			runs := startRuns(t, ctx, f, svcs, func() {
 				svcs[0].Backends, svcs[1].Backends = f.T.DSR, f.T.Tunnel
-				if err := f.Reload(ctx, 5*time.Second, svcs...); err != nil {
+				// 15 s for every node's new backends to pass their checks:
+				// 5 s was too short beside other tests' load.
+				if err := f.Reload(ctx, 15*time.Second, svcs...); err != nil {
 					t.Fatal(err)
 				}
 			})
 			victim := killBusiest(t, ctx, f, runs)
-			var fallbacks uint64
-			for i, n := range f.Nodes {
-				if i == victim {
-					continue
-				}
-				if st, err := n.Client.Status(ctx); err == nil {
-					fallbacks += st.XDPReasons["flow_fallback"]
-				}
-			}
 			allBroken := 0
 			for _, r := range runs {
 				out := r.ss.Wait()
@@ -541,6 +534,17 @@ func TestNodeFailureWithBackendChange(t *testing.T) {
 					r.so.Name, fallback, len(out)-broken, len(out), victim, shareOf(r.owners, len(f.Nodes))[victim])
 				if fallback && broken > 0 {
 					t.Errorf("%s: with the fallback, %d streams broke; the first: %v", r.so.Name, broken, first)
+				}
+			}
+			// Read once the streams are over: the moved flows' packets reach
+			// the other nodes only after the router has moved them.
+			var fallbacks uint64
+			for i, n := range f.Nodes {
+				if i == victim {
+					continue
+				}
+				if st, err := n.Client.Status(ctx); err == nil {
+					fallbacks += st.XDPReasons["flow_fallback"]
 				}
 			}
 			// Each moved stream lands in a slot that went to the new backend with
