@@ -48,8 +48,11 @@ func UniqueName(prefix string) string {
 		// A namespace of that name, alone (a test's one namespace) or with
 		// a role, can only be left by a crashed run whose pid has been
 		// recycled; skip past it.
+		// A name whose check fails otherwise (too long, no access) is
+		// returned too: creating it will say why, where skipping past it
+		// would loop forever.
 		left, _ := netns.List(name + "-")
-		if _, err := os.Lstat(filepath.Join(netns.RunDir, name)); len(left) == 0 && errors.Is(err, os.ErrNotExist) {
+		if _, err := os.Lstat(filepath.Join(netns.RunDir, name)); len(left) == 0 && err != nil {
 			return name
 		}
 	}

@@ -358,6 +358,23 @@ func TestUniqueNameSkipsLeftName(t *testing.T) {
 	}
 }
 
+// TestUniqueNameCheckFails: a name whose check fails for another reason than
+// its absence (here, too long for the file system) is returned, for creating it
+// to report, instead of being skipped past for ever.
+func TestUniqueNameCheckFails(t *testing.T) {
+	got := make(chan string, 1)
+	// Exits when UniqueName returns; before, it never did.
+	go func() { got <- UniqueName(testPrefix + strings.Repeat("x", 300)) }()
+	select {
+	case name := <-got:
+		if _, err := netns.New(name); err == nil {
+			t.Errorf("netns.New(%.20s...) succeeded; want an error", name)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("UniqueName with a name too long to check did not return within 30s")
+	}
+}
+
 func TestConfigErrors(t *testing.T) {
 	for _, cfg := range []Config{
 		{Name: "much-too-long-name"},
