@@ -168,6 +168,7 @@ type Service struct {
 	h2       *http2.Server  // serves h2c-upgraded connections
 	split    *splitListener // hands clients to the frame engine and the HTTP/1.1 loop
 	stats    stats
+	failed   atomic.Bool // the listener failed (Failed)
 
 	h1mu       sync.Mutex
 	h1conns    map[*h1Session]struct{} // HTTP/1.1 connections the loop serves
@@ -295,6 +296,7 @@ func (s *Service) Addr() net.Addr { return s.ln.Addr() }
 // Serve answers until ctx is done, then shuts down gracefully: the listener
 // closes, HTTP/2 connections get GOAWAY, idle HTTP/1.1 connections close, and
 // in-flight requests finish (up to DrainTimeout, then their connections close).
+// A listener that fails ends it the same way, and Serve returns its error.
 func (s *Service) Serve(ctx context.Context) error {
 	ln := s.ln
 	if s.tls != nil && s.split == nil {
@@ -307,10 +309,12 @@ func (s *Service) Serve(ctx context.Context) error {
 	}
 	// Exits when the server is shut down below (or the listener fails).
 	go func() { errc <- s.srv.Serve(ln) }()
+	var failed error
 	select {
-	case err := <-errc:
-		s.closeBackends()
-		return fmt.Errorf("service %q: serve: %w", s.cfg.Name, err)
+	case failed = <-errc:
+		// The listener failed: the connections it accepted are not left
+		// open (nothing would close them), they drain as at a stop.
+		s.failed.Store(true)
 	case <-ctx.Done():
 	}
 	shutCtx, cancel := context.Background(), context.CancelFunc(func() {})
@@ -329,10 +333,19 @@ func (s *Service) Serve(ctx context.Context) error {
 	if err != nil {
 		s.srv.Close() // the drain time is up: close what is left
 	}
-	<-errc
+	if failed == nil {
+		<-errc
+	}
 	s.closeBackends()
+	if failed != nil {
+		return fmt.Errorf("service %q: serve: %w", s.cfg.Name, failed)
+	}
 	return nil
 }
+
+// Failed reports that the service's listener failed: it serves no new
+// connection, and its Serve drains what it had and returns the error.
+func (s *Service) Failed() bool { return s.failed.Load() }
 
 // Close stops the service at once, without draining (for a Listen whose Serve
 // never ran).
