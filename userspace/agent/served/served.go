@@ -61,6 +61,22 @@ type held[S Server] struct {
 	cfg config.Service
 }
 
+// failer is a Server that can tell it stopped serving on its own (its
+// listener failed) while its Serve still drains what it had accepted.
+type failer interface {
+	Failed() bool
+}
+
+// over reports whether e's server stopped serving on its own: its Serve
+// returned, or it is only draining after its listener failed.
+func (e *entry[S]) over() bool {
+	if e.ended.Load() {
+		return true
+	}
+	f, ok := any(e.srv).(failer)
+	return ok && f.Failed()
+}
+
 type entry[S Server] struct {
 	cfg  config.Service
 	srv  S
@@ -162,7 +178,7 @@ func (p *Set[S]) start(s *plan.Service) (*entry[S], error) {
 
 // Update brings a service from prev to next: a new server when a setting fixed
 // at listen time changed (the old one drains) or the running one stopped
-// serving on its own, else new backends in place.
+// serving on its own (it drains what it had), else new backends in place.
 func (p *Set[S]) Update(prev, next *plan.Service) error {
 	e, ok := p.services[next.Name()]
 	if !ok {
@@ -173,7 +189,7 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 	if rebuilt == nil {
 		rebuilt = plan.Rebuilt
 	}
-	if !e.ended.Load() && !rebuilt(&e.cfg, &next.Config) {
+	if !e.over() && !rebuilt(&e.cfg, &next.Config) {
 		if err := p.Push(e.srv, next); err != nil {
 			return err
 		}

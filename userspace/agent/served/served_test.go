@@ -188,3 +188,57 @@ func TestSetAbort(t *testing.T) {
 		t.Errorf("a after Commit: got %p; want the last server started for it", got)
 	}
 }
+
+// failing is a server whose listener failed while it still drains what it
+// had accepted: Failed says so before its Serve returns (on release).
+type failing struct {
+	failed  atomic.Bool
+	release chan struct{}
+}
+
+func (s *failing) Serve(ctx context.Context) error {
+	<-s.release
+	return errors.New("accept: the listener failed")
+}
+
+func (s *failing) Failed() bool { return s.failed.Load() }
+
+// TestSetFailedWhileDraining: a server whose listener failed is replaced by
+// the next change though its Serve has not returned yet (it drains what it
+// had, for up to its drain time, or for ever with none): the change is not
+// pushed to a server that accepts nothing, and the old one is seen draining.
+func TestSetFailedWhileDraining(t *testing.T) {
+	var started []*failing
+	s := &Set[*failing]{
+		Start: func(p *plan.Service) (*failing, error) {
+			srv := &failing{release: make(chan struct{})}
+			started = append(started, srv)
+			return srv, nil
+		},
+		Push: func(*failing, *plan.Service) error { return nil },
+		Log:  slog.New(slog.DiscardHandler),
+		What: "test",
+	}
+	t.Cleanup(s.Close)
+	t.Cleanup(func() {
+		for _, srv := range started {
+			close(srv.release)
+		}
+	})
+	if err := s.Add(svc("a", config.AlgorithmRoundRobin)); err != nil {
+		t.Fatal(err)
+	}
+	s.Commit()
+	first, _ := s.Get("a")
+	first.failed.Store(true)
+	if err := s.Update(nil, svc("a", config.AlgorithmRoundRobin)); err != nil {
+		t.Fatal(err)
+	}
+	s.Commit()
+	if got, _ := s.Get("a"); got == first || len(started) != 2 {
+		t.Fatalf("a change to a service whose listener failed went to the failed server; want a new one")
+	}
+	if d := s.Draining("a"); len(d) != 1 || d[0] != first {
+		t.Errorf("draining after the failed server was replaced: got %v; want it", d)
+	}
+}
