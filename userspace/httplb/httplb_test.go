@@ -67,7 +67,7 @@ func serveStoppable(t testing.TB, cfg Config, bs []Backend) *served {
 	if cfg.Name == "" {
 		cfg.Name = "test"
 	}
-	if testing.Verbose() {
+	if testing.Verbose() && cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
 	s, err := Listen(cfg, bs)

@@ -1,0 +1,127 @@
+package httplb
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
+)
+
+// TestAcceptOutOfFilesRecovers: a service whose accept finds no file
+// descriptor left (EMFILE) serves again once some are free, as net/http's
+// server does. Before, the connection splitter took the error for a failed
+// listener: the service stopped for good, by the default engines.
+func TestAcceptOutOfFilesRecovers(t *testing.T) {
+	good, _ := h1TestBackend(t)
+	backedOff := make(chan struct{}, 1)
+	log := slog.New(&msgSignal{Handler: slog.DiscardHandler, msg: "accept", c: backedOff})
+	sv := serveStoppable(t, Config{Logger: log}, []Backend{{Addr: good, Weight: 1, Usable: true}})
+	c := h1Client()
+	t.Cleanup(c.CloseIdleConnections)
+	url := "http://" + sv.Addr().String() + "/"
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	restore := lim
+	t.Cleanup(func() { syscall.Setrlimit(syscall.RLIMIT_NOFILE, &restore) })
+	fds, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Room for a few more files only: the process's own fill it, and a
+	// client's connection is queued with no descriptor for its accept.
+	lim.Cur = uint64(len(fds)) + 8
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	var fill []*os.File
+	t.Cleanup(func() {
+		for _, f := range fill {
+			f.Close()
+		}
+	})
+	for {
+		f, err := os.Open("/dev/null")
+		if err != nil {
+			break
+		}
+		fill = append(fill, f)
+	}
+	// The last descriptor goes to a client connection, which the service
+	// then cannot accept. (Should another file take it first, the dial
+	// finds none: one more is freed.)
+	for len(fill) > 0 {
+		fill[len(fill)-1].Close()
+		fill = fill[:len(fill)-1]
+		conn, err := net.Dial("tcp", sv.Addr().String())
+		if errors.Is(err, syscall.EMFILE) {
+			continue
+		}
+		if err != nil {
+			// Reset: the service closed its listener at the accept's
+			// EMFILE (checked below).
+			t.Logf("dial: %v", err)
+			break
+		}
+		t.Cleanup(func() { conn.Close() })
+		break
+	}
+	// The service meets EMFILE at its accept while the descriptors are
+	// taken; it must not end for it.
+	select {
+	case <-backedOff:
+	case <-sv.done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("no back-off from EMFILE at the service's accept, nor did Serve return: its listener is gone and nothing restarts it")
+	}
+	for _, f := range fill {
+		f.Close()
+	}
+	fill = nil
+	syscall.Setrlimit(syscall.RLIMIT_NOFILE, &restore)
+	select {
+	case <-sv.done:
+		t.Fatalf("Serve returned after an accept found no descriptor: %v", sv.err)
+	default:
+	}
+	waitfor.Value(t, 10*time.Second, "a 200 once descriptors are free", func() (any, bool) {
+		resp, err := c.Get(url)
+		if err != nil {
+			return err, false
+		}
+		resp.Body.Close()
+		return resp.StatusCode, resp.StatusCode == http.StatusOK
+	})
+}
+
+// msgSignal sends on c (without blocking) when a record with message msg is
+// handled.
+type msgSignal struct {
+	slog.Handler
+	msg string
+	c   chan struct{}
+}
+
+func (h *msgSignal) Enabled(context.Context, slog.Level) bool { return true }
+
+func (h *msgSignal) Handle(_ context.Context, r slog.Record) error {
+	if r.Message == h.msg {
+		select {
+		case h.c <- struct{}{}:
+		default:
+		}
+	}
+	return nil
+}
+
+func (h *msgSignal) WithAttrs([]slog.Attr) slog.Handler { return h }
+
+func (h *msgSignal) WithGroup(string) slog.Handler { return h }
