@@ -7,6 +7,8 @@ import (
 	"os"
 	"testing"
 	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // TestListenerFailedClosesConnections: when the listener fails (Serve
@@ -39,6 +41,57 @@ func TestListenerFailedClosesConnections(t *testing.T) {
 			conn.SetReadDeadline(time.Now().Add(10 * time.Second))
 			if _, err := br.ReadByte(); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
 				t.Errorf("the idle client connection after the listener failed: read %v; want it closed", err)
+			}
+		})
+	}
+}
+
+// TestListenerFailedFinishesInFlight: a request in flight when the listener
+// fails is answered before Serve returns, and once it has, the service's
+// counters (connections, requests and each backend's in flight) are back at
+// zero: every connection it accepted was closed, and counted closed, once.
+func TestListenerFailedFinishesInFlight(t *testing.T) {
+	for _, engine := range h1Engines {
+		t.Run(engine, func(t *testing.T) {
+			addr, _, release := heldBackend(t)
+			sv := serveStoppable(t, Config{NetHTTP1: engine == "net_http", IdleTimeout: time.Hour},
+				[]Backend{{Addr: addr, Weight: 1, Usable: true}})
+			t.Cleanup(release) // runs before the service's cleanup
+			conn, br := rawConn(t, sv.Addr().String())
+			fmt.Fprintf(conn, "GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+			waitfor.Value(t, 10*time.Second, "the request in flight", func() (any, bool) {
+				n := sv.Snapshot().InFlight
+				return n, n == 1
+			})
+			sv.ln.Close() // as a listener that fails
+			waitfor.Value(t, 10*time.Second, "Failed once the listener failed", func() (any, bool) {
+				return sv.Failed(), sv.Failed()
+			})
+			select {
+			case <-sv.done:
+				t.Fatalf("Serve returned with a request in flight after its listener failed: %v", sv.err)
+			default:
+			}
+			release()
+			checkAnswer(t, br, wantAnswer{status: http.StatusOK, body: "slow", close: true})
+			select {
+			case <-sv.done:
+			case <-time.After(20 * time.Second):
+				t.Fatal("Serve did not return once the request in flight was answered")
+			}
+			if sv.err == nil {
+				t.Error("Serve returned nil after its listener failed; want its error")
+			}
+			sv.err = nil // expected: the cleanup would report it
+			sn := sv.Snapshot()
+			if sn.Connections != 0 || sn.InFlight != 0 || sn.Requests != 1 {
+				t.Errorf("after Serve returned: connections %d, in flight %d, requests %d; want 0, 0, 1",
+					sn.Connections, sn.InFlight, sn.Requests)
+			}
+			for _, b := range sn.Backends {
+				if b.InFlight != 0 {
+					t.Errorf("backend %v after Serve returned: %d in flight; want 0", b.Addr, b.InFlight)
+				}
 			}
 		})
 	}
