@@ -17,12 +17,28 @@ import (
 // TestAcceptOutOfFilesRecovers: a service whose accept finds no file
 // descriptor left (EMFILE) serves again once some are free, as net/http's
 // server does. Before, the connection splitter took the error for a failed
-// listener: the service stopped for good, by the default engines.
+// listener: the service stopped for good, by the default engines; and
+// net/http's server, serving alone (HTTP/1.1 by net/http to HTTP/1.1
+// backends), waited it out but logged it only at debug level.
 func TestAcceptOutOfFilesRecovers(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+	}{
+		{"default", Config{}},
+		{"net_http_only", Config{NetHTTP1: true, Upstream: UpstreamHTTP1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) { acceptOutOfFiles(t, tc.cfg) })
+	}
+}
+
+// acceptOutOfFiles checks that a service with cfg logs its accept's EMFILE
+// and serves again once descriptors are free.
+func acceptOutOfFiles(t *testing.T, cfg Config) {
 	good, _ := h1TestBackend(t)
 	backedOff := make(chan struct{}, 1)
-	log := slog.New(&msgSignal{Handler: slog.DiscardHandler, msg: "accept", c: backedOff})
-	sv := serveStoppable(t, Config{Logger: log}, []Backend{{Addr: good, Weight: 1, Usable: true}})
+	cfg.Logger = slog.New(&msgSignal{Handler: slog.DiscardHandler, msg: "accept", c: backedOff})
+	sv := serveStoppable(t, cfg, []Backend{{Addr: good, Weight: 1, Usable: true}})
 	c := h1Client()
 	t.Cleanup(c.CloseIdleConnections)
 	url := "http://" + sv.Addr().String() + "/"
@@ -80,7 +96,7 @@ func TestAcceptOutOfFilesRecovers(t *testing.T) {
 	case <-backedOff:
 	case <-sv.done:
 	case <-time.After(20 * time.Second):
-		t.Fatal("no back-off from EMFILE at the service's accept, nor did Serve return: its listener is gone and nothing restarts it")
+		t.Fatal("no `accept` warning for EMFILE at the service's accept, nor did Serve return")
 	}
 	for _, f := range fill {
 		f.Close()

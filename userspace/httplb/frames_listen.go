@@ -32,28 +32,14 @@ func newSplitListener(ln net.Listener, s *Service) *splitListener {
 	return &splitListener{Listener: ln, s: s, conns: make(chan net.Conn), done: make(chan struct{})}
 }
 
-// run accepts until the listener closes or fails. An error that passes (no
-// file descriptor left: EMFILE, ENFILE) is waited out, backing off from 5 ms
-// to 1 s as net/http's server does, rather than ending the service.
+// run accepts until the listener closes or fails.
 func (l *splitListener) run() {
-	var wait time.Duration
 	for {
 		c, err := l.Listener.Accept()
 		if err != nil {
-			if ne, ok := err.(net.Error); ok && ne.Temporary() { //nolint:staticcheck // Temporary is what net/http's server backs off on
-				wait = min(max(2*wait, 5*time.Millisecond), time.Second)
-				l.s.log.Warn("accept", "service", l.s.cfg.Name, "err", err, "retry_in", wait)
-				select {
-				case <-time.After(wait):
-					continue
-				case <-l.done:
-					return
-				}
-			}
 			l.closeWith(err)
 			return
 		}
-		wait = 0
 		l.s.stats.accept()
 		// Exits once the connection's first bytes are read or its header time is up.
 		go l.sniff(c.(*coalescingConn))

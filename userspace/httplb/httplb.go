@@ -226,7 +226,7 @@ func Listen(cfg Config, backends []Backend) (*Service, error) {
 	if err != nil {
 		return nil, fmt.Errorf("service %q: listen %s: %w", cfg.Name, cfg.Listen, err)
 	}
-	s.ln = coalescingListener{ln}
+	s.ln = coalescingListener{newPatientListener(ln, s)}
 	if s.framesServe() || !cfg.NetHTTP1 {
 		s.split = newSplitListener(s.ln, s)
 		s.ln = s.split

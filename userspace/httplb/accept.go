@@ -1,0 +1,50 @@
+package httplb
+
+import (
+	"net"
+	"sync"
+	"time"
+)
+
+// patientListener waits out the accept errors that pass (no file descriptor
+// left: EMFILE, ENFILE), backing off from 5 ms to 1 s and logging each wait
+// as the proxy does, so that whichever engine reads it (the connection
+// splitter or net/http's server) sees only a closed or failed listener.
+type patientListener struct {
+	net.Listener
+	s    *Service
+	done chan struct{} // closed by Close: a wait ends
+	once sync.Once
+}
+
+func newPatientListener(ln net.Listener, s *Service) *patientListener {
+	return &patientListener{Listener: ln, s: s, done: make(chan struct{})}
+}
+
+func (l *patientListener) Accept() (net.Conn, error) {
+	var wait time.Duration
+	for {
+		c, err := l.Listener.Accept()
+		ne, ok := err.(net.Error)
+		if err == nil || !ok || !ne.Temporary() { //nolint:staticcheck // Temporary is what net/http's server backs off on
+			return c, err
+		}
+		wait = min(max(2*wait, 5*time.Millisecond), time.Second)
+		l.s.log.Warn("accept", "service", l.s.cfg.Name, "err", err, "retry_in", wait)
+		select {
+		case <-time.After(wait):
+		case <-l.done:
+			return nil, net.ErrClosed
+		}
+	}
+}
+
+// Close closes the listener and ends a wait; it may be called more than once.
+func (l *patientListener) Close() error {
+	var err error
+	l.once.Do(func() {
+		err = l.Listener.Close()
+		close(l.done)
+	})
+	return err
+}
