@@ -1,13 +1,15 @@
 package httplb
 
 import (
+	"errors"
 	"net"
 	"sync"
+	"syscall"
 	"time"
 )
 
 // patientListener waits out the accept errors that pass (no file descriptor
-// left: EMFILE, ENFILE), backing off from 5 ms to 1 s and logging each wait
+// or memory left: EMFILE, ENFILE, ENOBUFS, ENOMEM), backing off from 5 ms to 1 s and logging each wait
 // as the proxy does, so that whichever engine reads it (the connection
 // splitter or net/http's server) sees only a closed or failed listener.
 type patientListener struct {
@@ -25,8 +27,7 @@ func (l *patientListener) Accept() (net.Conn, error) {
 	var wait time.Duration
 	for {
 		c, err := l.Listener.Accept()
-		ne, ok := err.(net.Error)
-		if err == nil || !ok || !ne.Temporary() { //nolint:staticcheck // Temporary is what net/http's server backs off on
+		if err == nil || !passes(err) {
 			return c, err
 		}
 		wait = min(max(2*wait, 5*time.Millisecond), time.Second)
@@ -37,6 +38,16 @@ func (l *patientListener) Accept() (net.Conn, error) {
 			return nil, net.ErrClosed
 		}
 	}
+}
+
+// passes reports whether an accept error is one of load, which goes away:
+// what net/http's server backs off on (Temporary: EMFILE, ENFILE) and, as
+// the proxy, no memory for a socket (ENOBUFS, ENOMEM).
+func passes(err error) bool {
+	if ne, ok := err.(net.Error); ok && ne.Temporary() { //nolint:staticcheck // Temporary is what net/http's server backs off on
+		return true
+	}
+	return errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM)
 }
 
 // Close closes the listener and ends a wait; it may be called more than once.

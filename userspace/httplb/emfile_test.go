@@ -141,3 +141,47 @@ func (h *msgSignal) Handle(_ context.Context, r slog.Record) error {
 func (h *msgSignal) WithAttrs([]slog.Attr) slog.Handler { return h }
 
 func (h *msgSignal) WithGroup(string) slog.Handler { return h }
+
+// TestAcceptOutOfMemoryWaits: an accept that finds no memory for the socket
+// (ENOBUFS, ENOMEM) is waited out as the proxy does, not taken for a failed
+// listener. No test can make the kernel fail so, hence a listener that fails
+// once with the error before it hands over a real connection.
+func TestAcceptOutOfMemoryWaits(t *testing.T) {
+	for _, errno := range []syscall.Errno{syscall.ENOBUFS, syscall.ENOMEM} {
+		t.Run(errno.Error(), func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { ln.Close() })
+			conn, err := net.Dial("tcp", ln.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { conn.Close() })
+			s := &Service{cfg: Config{Name: "test"}, log: slog.New(slog.DiscardHandler)}
+			pl := newPatientListener(&failOnce{Listener: ln, err: &net.OpError{Op: "accept", Net: "tcp", Err: os.NewSyscallError("accept4", errno)}}, s)
+			t.Cleanup(func() { pl.Close() })
+			c, err := pl.Accept()
+			if err != nil {
+				t.Fatalf("Accept after %v: got %v; want the connection", errno, err)
+			}
+			c.Close()
+		})
+	}
+}
+
+// failOnce is a listener whose first Accept fails with err.
+type failOnce struct {
+	net.Listener
+	err    error
+	failed bool
+}
+
+func (l *failOnce) Accept() (net.Conn, error) {
+	if !l.failed {
+		l.failed = true
+		return nil, l.err
+	}
+	return l.Listener.Accept()
+}
