@@ -64,39 +64,49 @@ func acceptOutOfFiles(t *testing.T, cfg Config) {
 			f.Close()
 		}
 	})
-	for {
-		f, err := os.Open("/dev/null")
-		if err != nil {
+	// Every free descriptor is taken, then the last one goes to a client
+	// connection, which the service cannot accept. (Should another file
+	// take it first, the dial finds none: one more is freed.) Another
+	// goroutine of the process (a connection of an earlier test closing)
+	// may free one and let the accept through: then all is taken again
+	// and another client dials, until the service meets EMFILE.
+	deadline := time.Now().Add(20 * time.Second)
+	for backed := false; !backed; {
+		for {
+			f, err := os.Open("/dev/null")
+			if err != nil {
+				break
+			}
+			fill = append(fill, f)
+		}
+		for len(fill) > 0 {
+			fill[len(fill)-1].Close()
+			fill = fill[:len(fill)-1]
+			conn, err := net.Dial("tcp", sv.Addr().String())
+			if errors.Is(err, syscall.EMFILE) {
+				continue
+			}
+			if err != nil {
+				// Reset: the service closed its listener at the accept's
+				// EMFILE (checked below).
+				t.Logf("dial: %v", err)
+				break
+			}
+			t.Cleanup(func() { conn.Close() })
 			break
 		}
-		fill = append(fill, f)
-	}
-	// The last descriptor goes to a client connection, which the service
-	// then cannot accept. (Should another file take it first, the dial
-	// finds none: one more is freed.)
-	for len(fill) > 0 {
-		fill[len(fill)-1].Close()
-		fill = fill[:len(fill)-1]
-		conn, err := net.Dial("tcp", sv.Addr().String())
-		if errors.Is(err, syscall.EMFILE) {
-			continue
+		// The service meets EMFILE at its accept while the descriptors
+		// are taken; it must not end for it.
+		select {
+		case <-backedOff:
+			backed = true
+		case <-sv.done:
+			backed = true
+		case <-time.After(100 * time.Millisecond):
+			if time.Now().After(deadline) {
+				t.Fatal("no `accept` warning for EMFILE at the service's accept, nor did Serve return")
+			}
 		}
-		if err != nil {
-			// Reset: the service closed its listener at the accept's
-			// EMFILE (checked below).
-			t.Logf("dial: %v", err)
-			break
-		}
-		t.Cleanup(func() { conn.Close() })
-		break
-	}
-	// The service meets EMFILE at its accept while the descriptors are
-	// taken; it must not end for it.
-	select {
-	case <-backedOff:
-	case <-sv.done:
-	case <-time.After(20 * time.Second):
-		t.Fatal("no `accept` warning for EMFILE at the service's accept, nor did Serve return")
 	}
 	for _, f := range fill {
 		f.Close()
