@@ -61,12 +61,15 @@ func (l *splitListener) Accept() (net.Conn, error) {
 func (l *splitListener) Close() error { return l.closeWith(nil) }
 
 // closeWith closes the listener; Accept returns cause (nil: net.ErrClosed).
+// The socket is closed before Accept returns: a service whose listener failed
+// (Failed, once net/http's server has seen it) holds its address no longer,
+// and a replacement bound there (SO_REUSEPORT) is the only one accepting.
 func (l *splitListener) closeWith(cause error) error {
 	var err error
 	l.once.Do(func() {
 		l.err = cause
-		close(l.done)
 		err = l.Listener.Close()
+		close(l.done)
 	})
 	return err
 }

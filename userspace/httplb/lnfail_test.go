@@ -3,8 +3,11 @@ package httplb
 import (
 	"errors"
 	"fmt"
+	"log/slog"
+	"net"
 	"net/http"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -96,3 +99,54 @@ func TestListenerFailedFinishesInFlight(t *testing.T) {
 		})
 	}
 }
+
+// TestSplitListenerClosesSocketFirst: when the listener fails, the socket is
+// closed before the splitter's Accept reports it (then Serve returns and
+// Failed is true): a replacement bound on the same address (SO_REUSEPORT)
+// never shares it with a socket that accepts no more. Before, Accept could
+// return while the failed socket was still open. A real Close cannot be held
+// open, hence a listener whose Close waits for the test.
+func TestSplitListenerClosesSocketFirst(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	hl := &heldClose{Listener: ln, entered: make(chan struct{}), release: make(chan struct{})}
+	t.Cleanup(hl.let)
+	s := &Service{cfg: Config{Name: "test"}, log: slog.New(slog.DiscardHandler)}
+	l := newSplitListener(hl, s)
+	// Exits when its Accept fails (the listener closes below).
+	go l.run()
+	ln.Close() // the socket's Accept fails
+	select {
+	case <-hl.entered:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the splitter did not close its listener after Accept failed")
+	}
+	select {
+	case <-l.done:
+		t.Error("the splitter's Accept reports the failure while its socket is still being closed; want it closed first")
+	default:
+	}
+	hl.let()
+	if _, err := l.Accept(); err == nil {
+		t.Error("Accept after the listener failed: got a connection; want its error")
+	}
+}
+
+// heldClose is a listener whose Close waits until let is called.
+type heldClose struct {
+	net.Listener
+	entered chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func (l *heldClose) Close() error {
+	close(l.entered)
+	<-l.release
+	return l.Listener.Close()
+}
+
+func (l *heldClose) let() { l.once.Do(func() { close(l.release) }) }
