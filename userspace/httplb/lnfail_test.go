@@ -29,15 +29,7 @@ func TestListenerFailedClosesConnections(t *testing.T) {
 			fmt.Fprintf(conn, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
 			checkAnswer(t, br, wantAnswer{status: http.StatusOK, body: "ok"})
 			sv.ln.Close() // as a listener that fails: Accept returns an error
-			select {
-			case <-sv.done:
-			case <-time.After(20 * time.Second):
-				t.Fatal("Serve did not return after its listener failed")
-			}
-			if sv.err == nil {
-				t.Error("Serve returned nil after its listener failed; want its error")
-			}
-			sv.err = nil // expected: the cleanup would report it
+			waitServeFailed(t, sv)
 			if !sv.Failed() {
 				t.Error("Failed: false after the listener failed")
 			}
@@ -77,15 +69,7 @@ func TestListenerFailedFinishesInFlight(t *testing.T) {
 			}
 			release()
 			checkAnswer(t, br, wantAnswer{status: http.StatusOK, body: "slow", close: true})
-			select {
-			case <-sv.done:
-			case <-time.After(20 * time.Second):
-				t.Fatal("Serve did not return once the request in flight was answered")
-			}
-			if sv.err == nil {
-				t.Error("Serve returned nil after its listener failed; want its error")
-			}
-			sv.err = nil // expected: the cleanup would report it
+			waitServeFailed(t, sv)
 			sn := sv.Snapshot()
 			if sn.Connections != 0 || sn.InFlight != 0 || sn.Requests != 1 {
 				t.Errorf("after Serve returned: connections %d, in flight %d, requests %d; want 0, 0, 1",
@@ -150,3 +134,18 @@ func (l *heldClose) Close() error {
 }
 
 func (l *heldClose) let() { l.once.Do(func() { close(l.release) }) }
+
+// waitServeFailed waits for sv's Serve to return after its listener failed,
+// with the listener's error.
+func waitServeFailed(t *testing.T, sv *served) {
+	t.Helper()
+	select {
+	case <-sv.done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("Serve did not return after its listener failed (and its connections ended)")
+	}
+	if sv.err == nil {
+		t.Error("Serve returned nil after its listener failed; want its error")
+	}
+	sv.err = nil // expected: the cleanup would report it
+}
