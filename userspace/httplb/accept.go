@@ -9,9 +9,10 @@ import (
 )
 
 // patientListener waits out the accept errors that pass (no file descriptor
-// or memory left: EMFILE, ENFILE, ENOBUFS, ENOMEM), backing off from 5 ms to 1 s and logging each wait
-// as the proxy does, so that whichever engine reads it (the connection
-// splitter or net/http's server) sees only a closed or failed listener.
+// or memory left: EMFILE, ENFILE, ENOBUFS, ENOMEM), backing off from 5 ms to
+// 1 s and logging each wait as the proxy does, so that whichever engine reads
+// it (the connection splitter or net/http's server) sees only a closed or
+// failed listener.
 type patientListener struct {
 	net.Listener
 	s    *Service
