@@ -116,7 +116,7 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		if ntried == 0 && movedOff == nil {
 			lease, err = picker.bal.Pick(key, nil)
 		} else {
-			lease, err = picker.bal.Pick(key, s.excluded(first, tried, ntried, movedOff))
+			lease, err = picker.bal.Pick(key, s.excluded(first, tried, movedOff))
 		}
 		if err != nil {
 			if try == 0 {
@@ -179,11 +179,11 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 }
 
 // excluded is the backends a request's next pick must pass over: those it
-// was tried on (first, then tried: ntried in all), and those a try was moved
+// was tried on (first, "" before any, then tried), and those a try was moved
 // off (movedOff) while they are still retired or gone.
-func (s *Service) excluded(first string, tried []string, ntried int, movedOff []string) func(string) bool {
+func (s *Service) excluded(first string, tried []string, movedOff []string) func(string) bool {
 	return func(id string) bool {
-		if ntried > 0 && (id == first || slices.Contains(tried, id)) {
+		if id == first && first != "" || slices.Contains(tried, id) {
 			return true
 		}
 		if slices.Contains(movedOff, id) {

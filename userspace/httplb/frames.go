@@ -984,7 +984,7 @@ func (st *fstream) pick() {
 	if len(st.tried) == 0 && st.movedOff == nil {
 		lease, err = st.picker.bal.Pick(st.hashKey, nil)
 	} else {
-		lease, err = st.picker.bal.Pick(st.hashKey, s.excluded("", st.tried, len(st.tried), st.movedOff))
+		lease, err = st.picker.bal.Pick(st.hashKey, s.excluded("", st.tried, st.movedOff))
 	}
 	if err != nil {
 		if st.tries == 0 {
