@@ -357,10 +357,10 @@ func (st state) hold(dir string) proc {
 }
 
 // inNamespace reports whether a thread of process pid is in one of the
-// network namespaces mounted at /run/netns/<name> for each name in nss. Any thread: the agent's self-test enters a scratch
-// namespace on a thread it then throws away, and when that thread is the
-// main one the runtime keeps it, in that namespace (/proc/PID/ns/net is
-// the main thread's).
+// network namespaces mounted at /run/netns/<name> for each name in nss. Any
+// thread, not only the main one /proc/PID/ns/net shows: an agent may have
+// its main thread elsewhere (weir's own self-test gives threads back where
+// they were since it switches them back, but an older agent's did not).
 func inNamespace(pid int, nss []string) bool {
 	var want []os.FileInfo
 	for _, name := range nss {
