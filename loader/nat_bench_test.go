@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strconv"
 	"testing"
 
@@ -140,6 +141,28 @@ func (nb *natBench) icmpFromBackend(fwd []byte, l4 int) ([]byte, error) {
 	} else if l4 >= 0 {
 		quote = quote[:40+l4]
 	}
+	return nb.icmpQuoting(quote), nil
+}
+
+// icmpFromBackendWithRecordRoute is icmpFromBackend's least quote with a Record
+// Route option of two slots in the quoted IPv4 header (whose checksum the program
+// then does not check, and whose ports it finds past the options).
+func (nb *natBench) icmpFromBackendWithRecordRoute(fwd []byte) ([]byte, error) {
+	out, err := nb.established(fwd)
+	if err != nil {
+		return nil, err
+	}
+	rr := []byte{7, 11, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+	quote := slices.Concat(out[14:14+20], rr, out[14+20:14+20+8])
+	quote[0] = 0x40 | byte((20+len(rr))/4)
+	binary.BigEndian.PutUint16(quote[2:], binary.BigEndian.Uint16(quote[2:])+uint16(len(rr)))
+	binary.BigEndian.PutUint16(quote[10:], 0)
+	binary.BigEndian.PutUint16(quote[10:], packet.Checksum(quote[:20+len(rr)]))
+	return nb.icmpQuoting(quote), nil
+}
+
+// icmpQuoting is a router's error from the backend's side quoting quote.
+func (nb *natBench) icmpQuoting(quote []byte) []byte {
 	f := packet.Frame{DstMAC: nb.Balancer.MAC, Proto: packet.ProtoICMP,
 		Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte(quote[16:20])), 0), Dst: netip.AddrPortFrom(nb.Balancer.IP4, 0),
 		ICMP: &packet.ICMP{Type: 3, Code: 4, Rest: 1400, Quote: quote}}
@@ -152,7 +175,7 @@ func (nb *natBench) icmpFromBackend(fwd []byte, l4 int) ([]byte, error) {
 			f.SrcMAC = h.MAC
 		}
 	}
-	return f.Build(), nil
+	return f.Build()
 }
 
 // BenchmarkNAT measures ns per packet of the nat paths beside the floor, in repeat
@@ -204,6 +227,13 @@ func BenchmarkNAT(b *testing.B) {
 		shortErr, err := nb.icmpFromBackend(nb.segment(v6, fixedSport+2, packet.ACK, 0), 8)
 		if err != nil {
 			b.Fatal(err)
+		}
+		if !v6 {
+			optErr, err := nb.icmpFromBackendWithRecordRoute(nb.segment(v6, fixedSport+3, packet.ACK, 0))
+			if err != nil {
+				b.Fatal(err)
+			}
+			cases = append(cases, pathCase{name: "icmp-v4-from-backend-record-route-" + strconv.Itoa(len(optErr)-14), frame: optErr, actions: fwd, count: ReasonICMPTranslated})
 		}
 		cases = append(cases,
 			pathCase{name: "established-" + family + "-forward", frame: in, actions: fwd, count: ReasonFlowHit},
