@@ -135,7 +135,18 @@ func resolveMAC(ip netip.Addr, xdpLinks map[int]string) (net.HardwareAddr, error
 	return nil, fmt.Errorf("%s on %s: %w (the kernel is sending ARP/ND; if this persists the backend is unreachable)", ip, name, errNeighbourPending)
 }
 
-// interfaceAddrs returns the first global unicast address of each family on a link.
+// unusableSource are the address flags of an address that must not be the
+// balancer's own: a temporary (privacy) IPv6 address goes away after its
+// lifetime, a deprecated one must not start new flows (RFC 4862 5.5.4), a
+// tentative one is still in duplicate address detection and the kernel drops
+// what is sent from it, a DAD-failed one belongs to another host, and an IPv4
+// secondary is only an alias of its subnet's primary, which the same list holds
+// (the kernel's IFA_F_SECONDARY is IFA_F_TEMPORARY's bit, named for IPv4).
+const unusableSource = unix.IFA_F_TEMPORARY | unix.IFA_F_DEPRECATED | unix.IFA_F_TENTATIVE |
+	unix.IFA_F_DADFAILED | unix.IFA_F_SECONDARY
+
+// interfaceAddrs returns the first global unicast address of each family on a
+// link that may be a source (see unusableSource).
 func interfaceAddrs(ifname string) ([]netip.Addr, error) {
 	l, err := netlink.LinkByName(ifname)
 	if err != nil {
@@ -149,7 +160,7 @@ func interfaceAddrs(ifname string) ([]netip.Addr, error) {
 	var have4, have6 bool
 	for _, a := range addrs {
 		ip, ok := netip.AddrFromSlice(a.IP)
-		if !ok || !ip.Unmap().IsGlobalUnicast() {
+		if !ok || !ip.Unmap().IsGlobalUnicast() || a.Flags&unusableSource != 0 {
 			continue
 		}
 		ip = ip.Unmap()

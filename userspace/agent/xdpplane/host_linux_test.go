@@ -1,0 +1,144 @@
+package xdpplane
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/internal/topo"
+)
+
+// TestInterfaceAddrsSkipsUnusableSources: with addresses left out, the
+// balancer's own address of each family is the first one of the interface
+// that may be a source. IPv6 lists the newest address of a scope first, so
+// each case adds a usable address and then one that must not win: a temporary
+// (privacy) address, a deprecated, a tentative and a DAD-failed one; IPv4
+// adds an address and a secondary of its subnet.
+func TestInterfaceAddrsSkipsUnusableSources(t *testing.T) {
+	ns, err := netns.New(topo.UniqueName("wia"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ns.Close() })
+	addr := func(s string, flags, preferred, valid int) *netlink.Addr {
+		p := netip.MustParsePrefix(s)
+		return &netlink.Addr{IPNet: &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())},
+			Flags: flags, PreferedLft: preferred, ValidLft: valid}
+	}
+	cases := []struct {
+		name string
+		// sysctls are written for the link under test before its addresses are
+		// added, peer's addresses before its own.
+		sysctls     map[string]string
+		peer, addrs []*netlink.Addr
+		// flag is what the kernel must have set on some address of the link
+		// before the check means anything.
+		flag int
+		want netip.Addr
+	}{
+		{name: "temporary", sysctls: map[string]string{"net/ipv6/conf/%s/use_tempaddr": "2"},
+			addrs: []*netlink.Addr{addr("2001:db8:1::1/64", unix.IFA_F_NODAD, 0, 0),
+				// The kernel makes a temporary address of a mngtmpaddr one's prefix.
+				addr("2001:db8:2::1/64", unix.IFA_F_NODAD|unix.IFA_F_MANAGETEMPADDR, 2000, 3000)},
+			flag: unix.IFA_F_TEMPORARY, want: netip.MustParseAddr("2001:db8:2::1")},
+		{name: "deprecated",
+			addrs: []*netlink.Addr{addr("2001:db8:1::1/64", unix.IFA_F_NODAD, 0, 0),
+				addr("2001:db8:2::1/64", unix.IFA_F_NODAD, 0, 3000)},
+			flag: unix.IFA_F_DEPRECATED, want: netip.MustParseAddr("2001:db8:1::1")},
+		{name: "tentative",
+			// DAD sends its one probe, then waits a retransmission time before the
+			// address is usable: an hour here.
+			sysctls: map[string]string{"net/ipv6/conf/%s/dad_transmits": "1", "net/ipv6/neigh/%s/retrans_time_ms": "3600000"},
+			addrs: []*netlink.Addr{addr("2001:db8:1::1/64", unix.IFA_F_NODAD, 0, 0),
+				addr("2001:db8:2::1/64", 0, 0, 0)},
+			flag: unix.IFA_F_TENTATIVE, want: netip.MustParseAddr("2001:db8:1::1")},
+		{name: "dadfailed",
+			// The peer holds the address already and answers the probe.
+			peer: []*netlink.Addr{addr("2001:db8:2::1/64", unix.IFA_F_NODAD, 0, 0)},
+			addrs: []*netlink.Addr{addr("2001:db8:1::1/64", unix.IFA_F_NODAD, 0, 0),
+				addr("2001:db8:2::1/64", 0, 0, 0)},
+			flag: unix.IFA_F_DADFAILED, want: netip.MustParseAddr("2001:db8:1::1")},
+		{name: "secondary",
+			addrs: []*netlink.Addr{addr("10.9.0.1/24", 0, 0, 0), addr("10.9.0.2/24", 0, 0, 0)},
+			flag:  unix.IFA_F_SECONDARY, want: netip.MustParseAddr("10.9.0.1")},
+	}
+	for i, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			link, peer := fmt.Sprintf("ia%d", i), fmt.Sprintf("ib%d", i)
+			err := ns.Do(func() error {
+				if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: link}, PeerName: peer}); err != nil {
+					return fmt.Errorf("add veth %s: %w", link, err)
+				}
+				for _, name := range []string{peer, link} {
+					if err := netlink.LinkSetUp(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: name}}); err != nil {
+						return fmt.Errorf("set %s up: %w", name, err)
+					}
+				}
+				for k, v := range tc.sysctls {
+					if err := os.WriteFile("/proc/sys/"+fmt.Sprintf(k, link), []byte(v), 0); err != nil {
+						return err
+					}
+				}
+				for _, l := range []struct {
+					name  string
+					addrs []*netlink.Addr
+				}{{peer, tc.peer}, {link, tc.addrs}} {
+					nl, err := netlink.LinkByName(l.name)
+					if err != nil {
+						return err
+					}
+					for _, a := range l.addrs {
+						if err := netlink.AddrAdd(nl, a); err != nil {
+							return fmt.Errorf("add %s to %s: %w", a.IPNet, l.name, err)
+						}
+					}
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The kernel sets temporary and DAD-failed addresses up after it
+			// returns; wait for the flag the case is about.
+			var got []netip.Addr
+			deadline := time.Now().Add(30 * time.Second)
+			for {
+				var flagged bool
+				err := ns.Do(func() error {
+					nl, err := netlink.LinkByName(link)
+					if err != nil {
+						return err
+					}
+					list, err := netlink.AddrList(nl, unix.AF_UNSPEC)
+					if err != nil {
+						return err
+					}
+					flagged = slices.ContainsFunc(list, func(a netlink.Addr) bool { return a.Flags&tc.flag != 0 })
+					got, err = interfaceAddrs(link)
+					return err
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if flagged {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("no address of %s has flag %#x after 30s", link, tc.flag)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			if !slices.Contains(got, tc.want) || len(got) != 1 {
+				t.Errorf("interfaceAddrs(%s) = %v; want [%s]", link, got, tc.want)
+			}
+		})
+	}
+}
