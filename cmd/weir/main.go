@@ -1,7 +1,7 @@
 // Command weir is the load balancer's one binary. Subcommands:
 //
 //	weir run [-c FILE] [--no-xdp]         run the agent
-//	weir validate [FILE] [--file-only]    check a config file, and that this host's agent takes it
+//	weir validate [FILE] [--file-only] [--no-xdp]  check a config file, and that this host's agent takes it
 //	weir status [--json]                  what the running agent serves, and how
 //	weir drain SERVICE BACKEND            no new flows to a backend; established ones stay
 //	weir undrain SERVICE BACKEND
@@ -47,10 +47,10 @@ const usage = `weir: an L4 load balancer with an XDP data plane
 
 usage:
   weir run [-c FILE] [--no-xdp]    run the agent (SIGHUP reloads, SIGTERM stops)
-  weir validate [FILE] [--file-only]
+  weir validate [FILE] [--file-only] [--no-xdp]
                                    check a config file, and whether the agent on this host
-                                   would take it (not with --file-only); prints every error,
-                                   exit 1 if any
+                                   would take it (run --no-xdp's with --no-xdp; not with
+                                   --file-only); prints every error, exit 1 if any
   weir status [--json]             services, data planes, backends, health, counters
   weir drain SERVICE BACKEND       stop new flows to BACKEND (ip:port); established ones stay
   weir undrain SERVICE BACKEND     end a drain
@@ -161,6 +161,7 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("validate", "[FILE]", "Check a config file and print every problem, each with its file:line and field.\nFILE defaults to -c/--config, "+defaultConfig+".\nAlso checks it against this host, as the agent here would take it: certificate pairs\nload, XDP can serve what only XDP may serve; exit 1 if the agent would refuse it.", stdout, stderr)
 	file := configFlag(fs)
 	fileOnly := fs.Bool("file-only", false, "check the file alone, as on another machine: no certificate pair read, no host check")
+	noXDP := fs.Bool("no-xdp", false, "check the file as weir run --no-xdp takes it here: XDP serves nothing")
 	if err := parseFlags(fs, args, 0, 1); err != nil {
 		return err
 	}
@@ -217,7 +218,7 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 	if *fileOnly {
 		return nil
 	}
-	refused, notes := xdpplane.Preflight(cfg, *file)
+	refused, notes := xdpplane.Preflight(cfg, *file, *noXDP)
 	if len(notes) > 0 {
 		fmt.Fprintln(stdout, "this host (these decide where services run here):")
 		for _, p := range notes {

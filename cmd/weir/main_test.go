@@ -395,6 +395,11 @@ func TestValidateNamesHostPreconditions(t *testing.T) {
 	if strings.Contains(stdout, "this host") {
 		t.Errorf("data_plane xdp: stdout:\n%s\nwant the refusal on stderr only", stdout)
 	}
+	// As weir run --no-xdp takes it: web runs on the proxy, whatever forwarding says.
+	if stdout, stderr, err := validate("", "--no-xdp"); err != nil || stderr != "" || strings.Contains(stdout, "forwarding") ||
+		!strings.Contains(stdout, `service "web": XDP unavailable: XDP disabled (--no-xdp), so it falls back to the proxy`) {
+		t.Errorf("--no-xdp: got %v, stdout:\n%s\nstderr:\n%s\nwant exit 0 and web on the proxy as XDP is disabled", err, stdout, stderr)
+	}
 	if stdout, stderr, err := validate("data_plane: xdp, ", "--file-only"); err != nil || stderr != "" || strings.Contains(stdout, "this host") || !strings.Contains(stdout, "valid, 2 services") {
 		t.Errorf("--file-only: got %v, stdout:\n%s\nstderr:\n%s\nwant exit 0, the file valid and nothing about this host", err, stdout, stderr)
 	}

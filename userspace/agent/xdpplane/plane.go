@@ -80,16 +80,7 @@ var errInterfaceBusy = errors.New("interface already has an XDP program")
 func Setup(cfg *config.Config, disabled bool) (*Plane, error) {
 	x := &Plane{links: make(map[int]string), addrs: cfg.Addresses, hashSeed: cfg.XDP.HashSeed,
 		installed: make(map[loader.ServiceKey]string)}
-	switch {
-	case disabled:
-		x.reason = "XDP disabled (--no-xdp)"
-		return x, nil
-	case len(cfg.Interfaces) == 0:
-		x.reason = "no interfaces configured"
-		return x, nil
-	}
-	if err := checkPrivileges(); err != nil {
-		x.reason = err.Error()
+	if x.reason = unusable(cfg, disabled); x.reason != "" {
 		return x, nil
 	}
 	if err := ensureBPFFS(cfg.XDP.PinPath); err != nil {
@@ -160,6 +151,22 @@ func Setup(cfg *config.Config, disabled bool) (*Plane, error) {
 	}
 	x.prog = prog
 	return x, nil
+}
+
+// unusable says why XDP cannot serve cfg on this host before anything is
+// loaded (Setup and Preflight ask it alike): disabled (--no-xdp), no
+// interfaces, or a process without the privileges; "" if nothing says so yet.
+func unusable(cfg *config.Config, disabled bool) string {
+	switch {
+	case disabled:
+		return "XDP disabled (--no-xdp)"
+	case len(cfg.Interfaces) == 0:
+		return "no interfaces configured"
+	}
+	if err := checkPrivileges(); err != nil {
+		return err.Error()
+	}
+	return ""
 }
 
 // Stop releases the program: with detach (or without pins) it is detached and its
@@ -245,9 +252,10 @@ func (x *Plane) DropUnowned(log *slog.Logger) {
 
 // CanServe says whether the XDP plane can serve a service, and if not why.
 func (x *Plane) CanServe(s *config.Service) error {
+	if err := x.available(); err != nil {
+		return err
+	}
 	switch {
-	case x.prog == nil:
-		return fmt.Errorf("XDP unavailable: %s", x.reason)
 	case !s.Algorithm.XDP():
 		return fmt.Errorf("algorithm %s needs the proxy (XDP serves maglev, maglev_p2c and source_hash)", s.Algorithm)
 	}

@@ -13,17 +13,23 @@ import (
 // XDP services: the interfaces exist, and nat and tunnel services have the
 // balancer's own address and the forwarding their next-hop lookups need. It
 // returns one line per problem, in operator words with the fix, at the file
-// named file; `weir validate` prints them. refused are the problems for which
-// the agent on this host refuses the file (a start stops, a reload is refused):
-// a service XDP alone may serve that XDP cannot serve here (none of the
-// interfaces exists, or its mode's needs are not met), a VIP on the BGP
-// speaker's port at the interface's address. notes only decide where a service
-// runs: one with data_plane auto is served by the proxy.
-func Preflight(cfg *config.Config, file string) (refused, notes []string) {
+// named file; `weir validate` prints them. disabled is weir run's --no-xdp.
+// refused are the problems for which the agent on this host refuses the file (a
+// start stops, a reload is refused): a service XDP alone may serve that XDP
+// cannot serve here (XDP disabled, this process lacks the privileges, none of
+// the interfaces exists, or its mode's needs are not met), a VIP on the BGP
+// speaker's port at the interface's address while XDP would take it. notes only
+// decide where a service runs: one with data_plane auto is served by the proxy.
+func Preflight(cfg *config.Config, file string, disabled bool) (refused, notes []string) {
 	if len(cfg.Interfaces) == 0 {
 		return nil, nil
 	}
 	x := &Plane{links: map[int]string{}, addrs: cfg.Addresses}
+	if x.reason = unusable(cfg, disabled); x.reason != "" {
+		// XDP takes no packet: the speaker's port stays the speaker's, and
+		// every service XDP may serve meets the same refusal or fallback.
+		return x.serviceChecks(cfg, nil, nil)
+	}
 	var missing []string
 	for _, in := range cfg.Interfaces {
 		iface, err := net.InterfaceByName(in.Name)
@@ -59,12 +65,23 @@ func Preflight(cfg *config.Config, file string) (refused, notes []string) {
 			refused = append(refused, e.Error()+", so the agent refuses the file here")
 		}
 	}
+	return x.serviceChecks(cfg, refused, notes)
+}
+
+// serviceChecks adds to refused and notes what keeps XDP from serving each
+// service it may serve here: x.reason when XDP is unusable, else the mode's
+// needs.
+func (x *Plane) serviceChecks(cfg *config.Config, refused, notes []string) ([]string, []string) {
 	for i := range cfg.Services {
 		s := &cfg.Services[i]
 		if s.DataPlane == config.DataPlaneProxy || s.DataPlane == config.DataPlaneHTTP || !s.Algorithm.XDP() {
 			continue
 		}
-		if err := x.modeReady(s); err != nil {
+		err := x.available()
+		if x.reason == "" {
+			err = x.modeReady(s) // the program is not loaded here, only checked for
+		}
+		if err != nil {
 			switch {
 			case s.DataPlane == config.DataPlaneXDP:
 				refused = append(refused, fmt.Sprintf("service %q: %v, so it cannot start (data_plane xdp) and the agent refuses the file here", s.Name, err))

@@ -3,19 +3,23 @@ package xdpplane
 import (
 	"fmt"
 	"net/netip"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/userspace/config"
 )
 
 // TestPreflightSpeakerPortAtInterfaceAddress: weir validate on the host names a
-// tcp xdp VIP at the interface's own address on bgp.listen_port, where the
+// tcp VIP XDP may serve at the interface's own address on bgp.listen_port, where the
 // file leaves addresses out, among the problems the agent refuses the file for
 // (the file alone cannot know that address); one at another port of that
-// address passes.
+// address passes, and so does one XDP does not serve here (its proxy listens
+// elsewhere).
 func TestPreflightSpeakerPortAtInterfaceAddress(t *testing.T) {
 	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("pfl"), Backends: 1})
 	file := func(port int) *config.Config {
@@ -23,8 +27,8 @@ func TestPreflightSpeakerPortAtInterfaceAddress(t *testing.T) {
 		cfg, err := config.Parse(fmt.Appendf(nil, `interfaces: [{name: %s}]
 bgp: {asn: 65001, router_id: 10.99.99.1, listen_port: 1179, peers: [{address: 10.99.99.2, asn: 65002}]}
 services:
-  - {name: b, vip: "%s:%d", data_plane: xdp, mode: dsr, backends: [{address: "10.200.0.2:%d", mac: "02:00:00:00:00:02"}]}
-`, tp.Balancer.Link, tp.Balancer.IP4, port, port))
+  - {name: b, vip: "%s:%d", mode: dsr, proxy: {listen: "127.0.0.1:%d"}, backends: [{address: "10.200.0.2:%d", mac: "02:00:00:00:00:02"}]}
+`, tp.Balancer.Link, tp.Balancer.IP4, port, port+1, port))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -32,7 +36,7 @@ services:
 	}
 	preflight := func(cfg *config.Config) (refused, notes []string) {
 		t.Helper()
-		if err := tp.Balancer.NS.Do(func() error { refused, notes = Preflight(cfg, "f.yaml"); return nil }); err != nil {
+		if err := tp.Balancer.NS.Do(func() error { refused, notes = Preflight(cfg, "f.yaml", false); return nil }); err != nil {
 			t.Fatal(err)
 		}
 		return refused, notes
@@ -49,6 +53,59 @@ services:
 	if out := append(refused, notes...); slices.ContainsFunc(out, func(l string) bool { return strings.Contains(l, "bgp.listen_port") }) {
 		t.Errorf("VIP on another port: got %q; want nothing about bgp.listen_port", out)
 	}
+
+	// Where XDP serves nothing the VIP is the proxy's, which leaves the
+	// speaker's port alone (the agent refuses nothing then): with --no-xdp, and
+	// in a process without CAP_NET_ADMIN.
+	unusable := map[string]func() (refused, notes []string){
+		"--no-xdp": func() (refused, notes []string) {
+			if err := tp.Balancer.NS.Do(func() error { refused, notes = Preflight(file(1179), "f.yaml", true); return nil }); err != nil {
+				t.Fatal(err)
+			}
+			return refused, notes
+		},
+		"no CAP_NET_ADMIN": func() (refused, notes []string) {
+			if err := tp.Balancer.NS.Do(func() error {
+				return withoutCapNetAdmin(func() { refused, notes = Preflight(file(1179), "f.yaml", false) })
+			}); err != nil {
+				t.Fatal(err)
+			}
+			return refused, notes
+		},
+	}
+	for name, why := range map[string]string{"--no-xdp": "XDP disabled (--no-xdp)", "no CAP_NET_ADMIN": "check privileges: missing [CAP_NET_ADMIN]"} {
+		refused, notes := unusable[name]()
+		want := fmt.Sprintf(`service "b": XDP unavailable: %s`, why)
+		if len(refused) != 0 || !slices.ContainsFunc(notes, func(l string) bool {
+			return strings.HasPrefix(l, want) && strings.HasSuffix(l, "so it falls back to the proxy (data_plane auto)")
+		}) {
+			t.Errorf("%s, VIP on bgp.listen_port: got refused %q, notes %q; want no refusal and a note beginning %q", name, refused, notes, want)
+		}
+	}
+}
+
+// withoutCapNetAdmin runs fn on the calling thread, locked, with CAP_NET_ADMIN
+// out of the thread's effective set (it stays permitted, so it comes back). A
+// thread whose set cannot be restored stays locked, so the runtime ends it.
+func withoutCapNetAdmin(fn func()) error {
+	runtime.LockOSThread()
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("capget: %w", err)
+	}
+	saved := data
+	data[capNetAdmin/32].Effective &^= 1 << (capNetAdmin % 32)
+	if err := unix.Capset(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("drop CAP_NET_ADMIN: %w", err)
+	}
+	fn()
+	if err := unix.Capset(&hdr, &saved[0]); err != nil {
+		return fmt.Errorf("restore CAP_NET_ADMIN: %w", err)
+	}
+	runtime.UnlockOSThread()
+	return nil
 }
 
 // TestSpeakerPortClashesNotWithAddresses: a file that lists addresses names
