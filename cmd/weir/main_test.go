@@ -373,12 +373,13 @@ func TestValidateNamesHostPreconditions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, w := range []string{`service "web": nat mode needs IPv4 forwarding`, "sysctl -w net.ipv4.conf.lo.forwarding=1", "falls back to the proxy"} {
+	// Each line at the service's entry (web's is line 4).
+	for _, w := range []string{"nat.yaml:4: services[0]: nat mode needs IPv4 forwarding", "sysctl -w net.ipv4.conf.lo.forwarding=1", "falls back to the proxy"} {
 		if !strings.Contains(stdout, w) {
 			t.Errorf("stdout:\n%s\nwant it to contain %q", stdout, w)
 		}
 	}
-	if strings.Contains(stdout, `service "api"`) {
+	if strings.Contains(stdout, "services[1]") {
 		t.Errorf("stdout:\n%s\nwant nothing about the http service api", stdout)
 	}
 
@@ -386,7 +387,7 @@ func TestValidateNamesHostPreconditions(t *testing.T) {
 	if !errors.Is(err, errReported) {
 		t.Errorf("data_plane xdp: got %v; want exit 1 (errReported)", err)
 	}
-	for _, w := range []string{`service "web": nat mode needs IPv4 forwarding`, "cannot start (data_plane xdp) and the agent refuses the file here",
+	for _, w := range []string{"nat.yaml:4: services[0]: nat mode needs IPv4 forwarding", "cannot start (data_plane xdp) and the agent refuses the file here",
 		"nat.yaml: the file is valid, but the agent on this host refuses it: 1 problem (--file-only checks the file alone)"} {
 		if !strings.Contains(stderr, w) {
 			t.Errorf("data_plane xdp: stderr:\n%s\nwant it to contain %q", stderr, w)
@@ -397,7 +398,7 @@ func TestValidateNamesHostPreconditions(t *testing.T) {
 	}
 	// As weir run --no-xdp takes it: web runs on the proxy, whatever forwarding says.
 	if stdout, stderr, err := validate("", "--no-xdp"); err != nil || stderr != "" || strings.Contains(stdout, "forwarding") ||
-		!strings.Contains(stdout, `service "web": XDP unavailable: XDP disabled (--no-xdp), so it falls back to the proxy`) {
+		!strings.Contains(stdout, "nat.yaml:4: services[0]: XDP unavailable: XDP disabled (--no-xdp), so it falls back to the proxy") {
 		t.Errorf("--no-xdp: got %v, stdout:\n%s\nstderr:\n%s\nwant exit 0 and web on the proxy as XDP is disabled", err, stdout, stderr)
 	}
 	if stdout, stderr, err := validate("data_plane: xdp, ", "--file-only"); err != nil || stderr != "" || strings.Contains(stdout, "this host") || !strings.Contains(stdout, "valid, 2 services") {
@@ -433,14 +434,15 @@ func TestValidateOneMissingInterface(t *testing.T) {
 	}
 
 	write(missing)
-	if _, stderr, err := validate(); !errors.Is(err, errReported) || !strings.Contains(stderr, "interfaces: "+missing) {
-		t.Errorf("no interface there: got %v, stderr:\n%s\nwant exit 1 naming %s", err, stderr, missing)
+	// Each at its entry's line.
+	if _, stderr, err := validate(); !errors.Is(err, errReported) || !strings.Contains(stderr, file+":2: interfaces[0]: "+missing) {
+		t.Errorf("no interface there: got %v, stderr:\n%s\nwant exit 1 naming %s at %s:2", err, stderr, missing, file)
 	}
 
 	write(tp.Balancer.Link + "\n  - name: " + missing)
 	stdout, stderr, err := validate()
-	if err != nil || stderr != "" || !strings.Contains(stdout, "interfaces: "+missing) {
-		t.Fatalf("one interface of two there: got %v, stdout:\n%s\nstderr:\n%s\nwant exit 0, %s named on stdout", err, stdout, stderr, missing)
+	if err != nil || stderr != "" || !strings.Contains(stdout, file+":3: interfaces[1]: "+missing) {
+		t.Fatalf("one interface of two there: got %v, stdout:\n%s\nstderr:\n%s\nwant exit 0, %s named on stdout at %s:3", err, stdout, stderr, missing, file)
 	}
 	// The agent takes the file: the service runs on XDP, on the interface there.
 	agent := startAgent(t, tp.Balancer.NS.Name(), file)

@@ -348,6 +348,13 @@ func (c *Config) ServiceError(file, service, sub string, err error) *FieldError 
 	if sub != "" {
 		path += "." + sub
 	}
+	return c.ErrorAt(file, path, err)
+}
+
+// ErrorAt is err, a problem found after parsing, at path (a field, or an entry
+// such as "interfaces[1]") of the file at file, with its line, as the file's own
+// errors are reported, and wrapping err.
+func (c *Config) ErrorAt(file, path string, err error) *FieldError {
 	return &FieldError{File: file, Line: c.Line(path), Path: path, Msg: err.Error(), Err: err}
 }
 

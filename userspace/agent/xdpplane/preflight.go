@@ -28,13 +28,14 @@ func Preflight(cfg *config.Config, file string, disabled bool) (refused, notes [
 	if x.reason = unusable(cfg, disabled); x.reason != "" {
 		// XDP takes no packet: the speaker's port stays the speaker's, and
 		// every service XDP may serve meets the same refusal or fallback.
-		return x.serviceChecks(cfg, nil, nil)
+		return x.serviceChecks(cfg, file, nil, nil)
 	}
 	var missing []string
-	for _, in := range cfg.Interfaces {
+	for i, in := range cfg.Interfaces {
 		iface, err := net.InterfaceByName(in.Name)
 		if err != nil {
-			missing = append(missing, fmt.Sprintf("interfaces: %s: %v: XDP cannot attach to it", in.Name, err))
+			e := fmt.Errorf("%s: %w: XDP cannot attach to it", in.Name, err)
+			missing = append(missing, cfg.ErrorAt(file, fmt.Sprintf("interfaces[%d]", i), e).Error())
 			continue
 		}
 		x.links[iface.Index] = in.Name
@@ -65,13 +66,13 @@ func Preflight(cfg *config.Config, file string, disabled bool) (refused, notes [
 			refused = append(refused, e.Error()+", so the agent refuses the file here")
 		}
 	}
-	return x.serviceChecks(cfg, refused, notes)
+	return x.serviceChecks(cfg, file, refused, notes)
 }
 
 // serviceChecks adds to refused and notes what keeps XDP from serving each
 // service it may serve here: x.reason when XDP is unusable, else the mode's
-// needs.
-func (x *Plane) serviceChecks(cfg *config.Config, refused, notes []string) ([]string, []string) {
+// needs; each at the service's entry in the file at file.
+func (x *Plane) serviceChecks(cfg *config.Config, file string, refused, notes []string) ([]string, []string) {
 	for i := range cfg.Services {
 		s := &cfg.Services[i]
 		if s.DataPlane == config.DataPlaneProxy || s.DataPlane == config.DataPlaneHTTP || !s.Algorithm.XDP() {
@@ -81,15 +82,20 @@ func (x *Plane) serviceChecks(cfg *config.Config, refused, notes []string) ([]st
 		if x.reason == "" {
 			err = x.modeReady(s) // the program is not loaded here, only checked for
 		}
-		if err != nil {
-			switch {
-			case s.DataPlane == config.DataPlaneXDP:
-				refused = append(refused, fmt.Sprintf("service %q: %v, so it cannot start (data_plane xdp) and the agent refuses the file here", s.Name, err))
-			case s.Protocol == config.UDP:
-				refused = append(refused, fmt.Sprintf("service %q: %v, so it cannot start (udp is served by XDP only) and the agent refuses the file here", s.Name, err))
-			default:
-				notes = append(notes, fmt.Sprintf("service %q: %v, so it falls back to the proxy (data_plane auto)", s.Name, err))
-			}
+		if err == nil {
+			continue
+		}
+		// The path names the service: the message without its name.
+		at := func(format string) string {
+			return cfg.ErrorAt(file, fmt.Sprintf("services[%d]", i), fmt.Errorf(format, err)).Error()
+		}
+		switch {
+		case s.DataPlane == config.DataPlaneXDP:
+			refused = append(refused, at("%w, so it cannot start (data_plane xdp) and the agent refuses the file here"))
+		case s.Protocol == config.UDP:
+			refused = append(refused, at("%w, so it cannot start (udp is served by XDP only) and the agent refuses the file here"))
+		default:
+			notes = append(notes, at("%w, so it falls back to the proxy (data_plane auto)"))
 		}
 	}
 	return refused, notes

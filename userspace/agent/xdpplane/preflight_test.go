@@ -75,7 +75,7 @@ services:
 	}
 	for name, why := range map[string]string{"--no-xdp": "XDP disabled (--no-xdp)", "no CAP_NET_ADMIN": "check privileges: missing [CAP_NET_ADMIN]"} {
 		refused, notes := unusable[name]()
-		want := fmt.Sprintf(`service "b": XDP unavailable: %s`, why)
+		want := fmt.Sprintf("f.yaml:4: services[0]: XDP unavailable: %s", why)
 		if len(refused) != 0 || !slices.ContainsFunc(notes, func(l string) bool {
 			return strings.HasPrefix(l, want) && strings.HasSuffix(l, "so it falls back to the proxy (data_plane auto)")
 		}) {
