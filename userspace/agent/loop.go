@@ -346,13 +346,16 @@ func (a *Agent) applyConfig(st *state, cfg *config.Config, maxMove *float64) err
 	if err != nil {
 		return err
 	}
-	if err := a.withinBudget(st.running, next, maxMove); err != nil {
+	// One diff for the budget and the apply: a reload checks the very
+	// operations it then performs.
+	ops := plan.Diff(st.running, next)
+	if err := a.withinBudget(st.running, next, ops, maxMove); err != nil {
 		return err
 	}
 	if err := a.http.ReadCertificates(next); err != nil {
 		return fieldLines(cfg, a.opts.ConfigPath, err)
 	}
-	if err := a.reconcile(st.running, next); err != nil {
+	if err := a.reconcileOps(st.running, next, ops); err != nil {
 		return fieldLines(cfg, a.opts.ConfigPath, err)
 	}
 	prev := st.running
@@ -624,7 +627,12 @@ type staged interface {
 // back to prev by the same means (a diff from where they are to prev), and the
 // error is returned.
 func (a *Agent) reconcile(prev, next plan.Desired) error {
-	ops := plan.Diff(prev, next)
+	return a.reconcileOps(prev, next, plan.Diff(prev, next))
+}
+
+// reconcileOps is reconcile with the operations from prev to next, plan.Diff's,
+// already computed.
+func (a *Agent) reconcileOps(prev, next plan.Desired, ops []plan.Op) error {
 	// A change the XDP program has no slots for is refused before any write.
 	if err := a.xdp.Fits(prev, ops); err != nil {
 		return err

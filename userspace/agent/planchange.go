@@ -135,13 +135,13 @@ func (a *Agent) planConfig(ev planEvent) (*config.Config, error) {
 	return config.ParseFile(ev.data, ev.name)
 }
 
-// withinBudget refuses a change from prev to next that moves more than maxMove
-// percent of a service's new flows.
-func (a *Agent) withinBudget(prev, next plan.Desired, maxMove *float64) error {
+// withinBudget refuses a change from prev to next (ops: plan.Diff(prev, next))
+// that moves more than maxMove percent of a service's new flows.
+func (a *Agent) withinBudget(prev, next plan.Desired, ops []plan.Op, maxMove *float64) error {
 	if maxMove == nil {
 		return nil
 	}
-	p := a.impact(prev, next, plan.Diff(prev, next), maxMove)
+	p := a.impact(prev, next, ops, maxMove)
 	if len(p.OverBudget) == 0 {
 		return nil
 	}
