@@ -199,12 +199,12 @@ func runValidate(args []string, stdout, stderr io.Writer) error {
 	fmt.Fprintf(stdout, "%s: valid, %d services\n", *file, len(cfg.Services))
 	for _, s := range cfg.Services {
 		// The XDP mode only of a service XDP may serve (see the agent's decide).
-		plane := string(s.DataPlane)
+		plane, v := string(s.DataPlane), s.Serving()
 		switch {
-		case s.DataPlane == config.DataPlaneAuto && !s.Algorithm.XDP():
-			plane = "proxy (auto: XDP does not serve " + string(s.Algorithm) + ")"
-		case s.DataPlane == config.DataPlaneAuto || s.DataPlane == config.DataPlaneXDP:
+		case v.XDP:
 			plane += ", xdp mode " + string(s.Mode)
+		case v.Else != s.DataPlane:
+			plane = string(v.Else) + " (" + string(s.DataPlane) + ": XDP does not serve " + string(s.Algorithm) + ")"
 		}
 		fmt.Fprintf(stdout, "  %s  %s  data plane %s, %s, %d backends\n", s.Name, s.Key(), plane, s.Algorithm, len(s.Backends))
 	}

@@ -465,24 +465,22 @@ func (a *Agent) place(old, next *config.Config, running map[string]plan.Placemen
 	return out, errors.Join(errs...)
 }
 
-// decide picks the data plane of a service: see config.DataPlaneAuto.
+// decide picks the data plane of a service (config.Service.Serving): XDP if it
+// may serve the service and can here, else the other plane, if there is one.
 func (a *Agent) decide(s *config.Service) (plan.Placement, error) {
-	if s.DataPlane == config.DataPlaneProxy {
-		return plan.Placement{Plane: plan.Proxy, Why: "data_plane: proxy"}, nil
+	v := s.Serving()
+	if v.Else == s.DataPlane {
+		// Named by data_plane (proxy, http): XDP has no say.
+		return plan.Placement{Plane: plan.Plane(v.Else), Why: "data_plane: " + string(v.Else)}, nil
 	}
-	if s.DataPlane == config.DataPlaneHTTP {
-		return plan.Placement{Plane: plan.HTTP, Why: "data_plane: http"}, nil
-	}
-	xerr := a.xdp.CanServe(s)
+	xerr := a.xdp.CanServe(s) // why XDP does not serve it, or nil
 	switch {
-	case xerr == nil:
+	case v.XDP && xerr == nil:
 		return plan.Placement{Plane: plan.XDP, Why: fmt.Sprintf("XDP %s mode, self-test passed", s.Mode)}, nil
-	case s.DataPlane == config.DataPlaneXDP:
-		return plan.Placement{}, fmt.Errorf("service %q: data_plane xdp: %w", s.Name, xerr)
-	case s.Protocol == config.UDP:
-		return plan.Placement{}, fmt.Errorf("service %q: udp is served by XDP only: %w", s.Name, xerr)
+	case v.Else == "":
+		return plan.Placement{}, fmt.Errorf("service %q: %s: %w", s.Name, v.Why, xerr)
 	}
-	return plan.Placement{Plane: plan.Proxy, Why: "proxy, because " + xerr.Error()}, nil
+	return plan.Placement{Plane: plan.Plane(v.Else), Why: string(v.Else) + ", because " + xerr.Error()}, nil
 }
 
 // refreshMACs asks the neighbour table for the MAC of every dsr backend without a

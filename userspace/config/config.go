@@ -371,7 +371,7 @@ func (c *Config) SpeakerPortClashes(file string, addrs []netip.Addr, where strin
 	var es Errors
 	for i := range c.Services {
 		s := &c.Services[i]
-		if slices.Contains(addrs, s.VIP.Addr()) && takesSpeakerPort(s.VIP, s.Protocol, mayUseXDP(s.DataPlane, s.Algorithm), c.BGP.ListenPort) {
+		if slices.Contains(addrs, s.VIP.Addr()) && takesSpeakerPort(s.VIP, s.Protocol, s.Serving().XDP, c.BGP.ListenPort) {
 			path := fmt.Sprintf("services[%d].vip", i)
 			es = append(es, &FieldError{File: file, Line: c.Line(path), Path: path, Msg: speakerPortClash(s.VIP, where)})
 		}
@@ -542,6 +542,36 @@ type Service struct {
 
 // Key is how the data planes tell services apart: "tcp/10.0.0.1:80".
 func (s *Service) Key() string { return string(s.Protocol) + "/" + s.VIP.String() }
+
+// Serving is which data planes may serve a service, from the file alone: the
+// agent places it by this (XDP if XDP may serve it and can here, else Else),
+// and `weir validate` checks the host by it.
+type Serving struct {
+	// XDP: XDP may serve it: data_plane xdp, or auto with an algorithm XDP
+	// serves (maglev, maglev_p2c, source_hash).
+	XDP bool
+	// Else is the plane that serves it where XDP does not: the one data_plane
+	// names (proxy, http), the proxy for auto; "" when only XDP may serve it.
+	Else DataPlane
+	// Why says why only XDP may serve it ("data_plane xdp", "udp is served by
+	// XDP only"); "" when Else is not.
+	Why string
+}
+
+// Serving is which data planes may serve s.
+func (s *Service) Serving() Serving { return serving(s.DataPlane, s.Algorithm, s.Protocol) }
+
+func serving(dp DataPlane, algo Algorithm, proto Protocol) Serving {
+	switch {
+	case dp == DataPlaneProxy || dp == DataPlaneHTTP:
+		return Serving{Else: dp}
+	case dp == DataPlaneXDP:
+		return Serving{XDP: true, Why: "data_plane xdp"}
+	case proto == UDP: // the proxy and the http plane serve tcp only
+		return Serving{XDP: dp == DataPlaneAuto && algo.XDP(), Why: "udp is served by XDP only"}
+	}
+	return Serving{XDP: dp == DataPlaneAuto && algo.XDP(), Else: DataPlaneProxy}
+}
 
 // Health is a service's active health check.
 type Health struct {

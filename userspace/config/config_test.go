@@ -951,3 +951,27 @@ func TestTLSPairErrorWraps(t *testing.T) {
 		t.Errorf("errors.Is(%q, os.ErrNotExist) = false; want true", fe)
 	}
 }
+
+// TestServing: which planes may serve a service, the one rule the agent's
+// placement and weir validate's host check read.
+func TestServing(t *testing.T) {
+	for _, tc := range []struct {
+		dp    DataPlane
+		algo  Algorithm
+		proto Protocol
+		want  Serving
+	}{
+		{DataPlaneAuto, AlgorithmMaglev, TCP, Serving{XDP: true, Else: DataPlaneProxy}},
+		{DataPlaneAuto, AlgorithmLeastConn, TCP, Serving{Else: DataPlaneProxy}},
+		{DataPlaneAuto, AlgorithmSourceHash, UDP, Serving{XDP: true, Why: "udp is served by XDP only"}},
+		{DataPlaneXDP, AlgorithmMaglev, TCP, Serving{XDP: true, Why: "data_plane xdp"}},
+		{DataPlaneXDP, AlgorithmMaglevP2C, UDP, Serving{XDP: true, Why: "data_plane xdp"}},
+		{DataPlaneProxy, AlgorithmMaglev, TCP, Serving{Else: DataPlaneProxy}},
+		{DataPlaneHTTP, AlgorithmMaglev, TCP, Serving{Else: DataPlaneHTTP}},
+	} {
+		s := Service{DataPlane: tc.dp, Algorithm: tc.algo, Protocol: tc.proto}
+		if got := s.Serving(); got != tc.want {
+			t.Errorf("%s %s %s: got %+v; want %+v", tc.dp, tc.algo, tc.proto, got, tc.want)
+		}
+	}
+}

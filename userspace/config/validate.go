@@ -416,7 +416,7 @@ func (cfg *file) validate(dir string) []*FieldError {
 		}
 		names[s.Name] = i
 		s.validate(c, p, xdpPossible)
-		if xdpPossible && s.mayUseXDP() {
+		if xdpPossible && s.serving().XDP {
 			xdpCount.add(c, p, s)
 		}
 		vipTaken := false
@@ -454,7 +454,7 @@ func (cfg *file) validate(dir string) []*FieldError {
 		// sees it, so a listener on that address would get none: another
 		// service's, or the agent's own (metrics.listen, admin.listen). One of the
 		// agent's on every address still gets the packets to the others.
-		if s.VIPAddr.IsValid() && s.Protocol == TCP && s.DataPlane == DataPlaneXDP && !vipTaken {
+		if s.VIPAddr.IsValid() && s.Protocol == TCP && s.serving().Else == "" && !vipTaken {
 			if u, dup := listens[s.VIPAddr]; dup {
 				c.bad(p+".vip", "%s is already the %s of services[%d] (%q), and XDP would take every tcp packet to it: give one of them another address",
 					s.VIPAddr, u.what, u.service, cfg.Services[u.service].Name)
@@ -467,7 +467,7 @@ func (cfg *file) validate(dir string) []*FieldError {
 			}
 			listens[s.VIPAddr] = listenUse{i, "VIP (served by XDP)"}
 		}
-		if s.Proxy.ListenAddr.IsValid() && s.Protocol == TCP && s.DataPlane != DataPlaneXDP && s.DataPlane != DataPlaneHTTP {
+		if s.Proxy.ListenAddr.IsValid() && s.Protocol == TCP && s.serving().Else == DataPlaneProxy {
 			listenOnce("proxy.listen", s.Proxy.Listen, s.Proxy.ListenAddr, "proxy address")
 		}
 		if h := s.HTTP; h != nil && h.ListenAddr.IsValid() && s.DataPlane == DataPlaneHTTP {
@@ -682,7 +682,7 @@ func (cfg *file) validateBGPPort(c *checker) {
 	for i := range cfg.Services {
 		s := &cfg.Services[i]
 		where, ok := own[s.VIPAddr.Addr()]
-		if ok && s.VIPAddr.IsValid() && takesSpeakerPort(s.VIPAddr, s.Protocol, s.mayUseXDP(), uint16(b.ListenPort)) {
+		if ok && s.VIPAddr.IsValid() && takesSpeakerPort(s.VIPAddr, s.Protocol, s.serving().XDP, uint16(b.ListenPort)) {
 			c.bad(fmt.Sprintf("services[%d].vip", i), "%s", speakerPortClash(s.VIPAddr, where))
 		}
 	}
@@ -811,8 +811,8 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 	// algorithm XDP does not serve). (The balancer's own addresses that nat and
 	// tunnel send from are checked when the agent starts: they default to the
 	// interface's.)
-	mayUseXDP := s.mayUseXDP()
-	usesXDP := mayUseXDP && xdpPossible && modeOK && vipOK
+	planes := s.serving()
+	usesXDP := planes.XDP && xdpPossible && modeOK && vipOK
 
 	if len(s.Backends) == 0 {
 		c.bad(p+".backends", "missing: a service needs at least one backend")
@@ -820,16 +820,16 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 	// Where the service itself takes connections: a backend there would send every
 	// connection round to the service again.
 	self := map[netip.AddrPort]string{}
-	if vipOK && mayUseXDP {
+	if vipOK && planes.XDP {
 		self[vip] = "VIP"
 	}
 	if vipOK && s.Protocol == TCP {
 		switch {
 		case s.DataPlane == DataPlaneHTTP && s.HTTP != nil && s.HTTP.Listen != "":
 			self[s.HTTP.ListenAddr] = "http.listen"
-		case s.DataPlane != DataPlaneHTTP && s.DataPlane != DataPlaneXDP && s.Proxy.Listen != "":
+		case planes.Else == DataPlaneProxy && s.Proxy.Listen != "":
 			self[s.Proxy.ListenAddr] = "proxy.listen"
-		case s.DataPlane != DataPlaneXDP:
+		case planes.Else != "":
 			self[vip] = "VIP" // the listener's address by default
 		}
 	}
@@ -892,13 +892,9 @@ func (s *fileService) validate(c *checker, p string, xdpPossible bool) {
 	}
 }
 
-// mayUseXDP reports whether XDP may serve the service (when interfaces are
-// listed): not one the proxy or the http plane serves whatever happens.
-func (s *fileService) mayUseXDP() bool { return mayUseXDP(s.DataPlane, s.Algorithm) }
-
-func mayUseXDP(dp DataPlane, algo Algorithm) bool {
-	return dp == DataPlaneXDP || dp == DataPlaneAuto && algo.XDP()
-}
+// serving is which data planes may serve the service (Service.Serving); XDP
+// only when interfaces are listed.
+func (s *fileService) serving() Serving { return serving(s.DataPlane, s.Algorithm, s.Protocol) }
 
 func (h *fileHealth) validate(c *checker, p string) {
 	typeOK := oneOf(c, p+".type", h.Type, CheckTCP, CheckHTTP, CheckNone)

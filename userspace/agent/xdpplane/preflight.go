@@ -47,7 +47,7 @@ func Preflight(cfg *config.Config, file string, disabled bool) (refused, notes [
 			notes = append(notes, m+" (XDP serves on the others)")
 		}
 	} else {
-		xdpOnly := slices.ContainsFunc(cfg.Services, func(s config.Service) bool { return needsXDP(&s) })
+		xdpOnly := slices.ContainsFunc(cfg.Services, func(s config.Service) bool { return s.Serving().Else == "" })
 		for _, m := range missing {
 			if xdpOnly {
 				refused = append(refused, m+", so the services XDP alone may serve (data_plane xdp, udp) cannot start and the agent refuses the file here")
@@ -75,7 +75,8 @@ func Preflight(cfg *config.Config, file string, disabled bool) (refused, notes [
 func (x *Plane) serviceChecks(cfg *config.Config, file string, refused, notes []string) ([]string, []string) {
 	for i := range cfg.Services {
 		s := &cfg.Services[i]
-		if s.DataPlane == config.DataPlaneProxy || s.DataPlane == config.DataPlaneHTTP || !s.Algorithm.XDP() {
+		v := s.Serving()
+		if !v.XDP {
 			continue
 		}
 		err := x.available()
@@ -86,26 +87,14 @@ func (x *Plane) serviceChecks(cfg *config.Config, file string, refused, notes []
 			continue
 		}
 		// The path names the service: the message without its name.
-		at := func(format string) string {
-			return cfg.ErrorAt(file, fmt.Sprintf("services[%d]", i), fmt.Errorf(format, err)).Error()
+		at := func(format string, arg any) string {
+			return cfg.ErrorAt(file, fmt.Sprintf("services[%d]", i), fmt.Errorf(format, err, arg)).Error()
 		}
-		switch {
-		case s.DataPlane == config.DataPlaneXDP:
-			refused = append(refused, at("%w, so it cannot start (data_plane xdp) and the agent refuses the file here"))
-		case s.Protocol == config.UDP:
-			refused = append(refused, at("%w, so it cannot start (udp is served by XDP only) and the agent refuses the file here"))
-		default:
-			notes = append(notes, at("%w, so it falls back to the proxy (data_plane auto)"))
+		if v.Else == "" {
+			refused = append(refused, at("%w, so it cannot start (%s) and the agent refuses the file here", v.Why))
+		} else {
+			notes = append(notes, at("%w, so it falls back to the %s (data_plane auto)", v.Else))
 		}
 	}
 	return refused, notes
-}
-
-// needsXDP reports whether only XDP may serve s (the agent's decide): a service
-// with data_plane xdp, or a udp one (the proxy planes serve tcp only).
-func needsXDP(s *config.Service) bool {
-	if s.DataPlane == config.DataPlaneProxy || s.DataPlane == config.DataPlaneHTTP {
-		return false
-	}
-	return s.DataPlane == config.DataPlaneXDP || s.Protocol == config.UDP
 }
