@@ -126,6 +126,16 @@ type Config struct {
 
 	ProxyProtocol int // 0 off, 1 or 2: PROXY protocol header version sent to backends
 
+	// ClientKeepalive and BackendKeepalive turn TCP keepalive on for the client
+	// and the backend sockets when Enable is set, so a connection whose peer
+	// vanished without a FIN or reset (a host that lost power, a NAT that forgot
+	// the flow) fails after Idle + Count × Interval and frees its slot. Idle and
+	// Interval are rounded up to whole seconds; a zero field keeps the kernel's
+	// default. The client's are set once on the listeners (accepted sockets
+	// inherit them), the backend's on each dialed socket. Off: no system call.
+	ClientKeepalive  net.KeepAliveConfig
+	BackendKeepalive net.KeepAliveConfig
+
 	DrainTimeout    time.Duration // a draining or removed backend's connections are closed after this; 0 = no limit
 	ShutdownTimeout time.Duration // Serve's grace after ctx is done; 0 takes DrainTimeout (and with it, no limit)
 
@@ -231,6 +241,10 @@ func newService(cfg Config) (*Service, error) {
 		{"drain_timeout", cfg.DrainTimeout},
 		{"shutdown_timeout", cfg.ShutdownTimeout},
 		{"eject_for", cfg.EjectFor},
+		{"client keepalive idle", cfg.ClientKeepalive.Idle},
+		{"client keepalive interval", cfg.ClientKeepalive.Interval},
+		{"backend keepalive idle", cfg.BackendKeepalive.Idle},
+		{"backend keepalive interval", cfg.BackendKeepalive.Interval},
 	} {
 		if d.v < 0 {
 			return nil, fmt.Errorf("%s: %s must be >= 0, got %v", name, d.field, d.v)
@@ -264,6 +278,8 @@ func newService(cfg Config) (*Service, error) {
 		return nil, fmt.Errorf("%s: retries must be >= 0, got %d", name, cfg.Retries)
 	case cfg.MaxConns < 0 || cfg.MaxConnsPerBackend < 0:
 		return nil, fmt.Errorf("%s: connection limits must be >= 0", name)
+	case cfg.ClientKeepalive.Count < 0 || cfg.BackendKeepalive.Count < 0:
+		return nil, fmt.Errorf("%s: keepalive counts must be >= 0", name)
 	}
 	if !cfg.Listen.IsValid() {
 		return nil, fmt.Errorf("%s: listen: must be ip:port, got the zero address", name)
@@ -366,7 +382,7 @@ func (s *Service) listen(ctx context.Context) error {
 			s.closeListeners()
 			return err
 		}
-		ln, err := listen(ap)
+		ln, err := listen(ap, s.cfg.ClientKeepalive)
 		if err != nil {
 			s.closeListeners()
 			return fmt.Errorf("listen %s: %w", ap, err)

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -26,8 +27,9 @@ func (l *listener) close() { unix.Close(l.fd) }
 
 // listen binds a non-blocking listening socket on ap with SO_REUSEPORT, as
 // net.Listen("tcp", ...) would (SO_REUSEADDR; a wildcard IPv6 address also takes
-// IPv4), and sets TCP_NODELAY, which accepted sockets inherit.
-func listen(ap netip.AddrPort) (*listener, error) {
+// IPv4), and sets TCP_NODELAY and, if ka is enabled, TCP keepalive: accepted
+// sockets inherit both, so they cost no system call per connection.
+func listen(ap netip.AddrPort, ka net.KeepAliveConfig) (*listener, error) {
 	sa := sockaddrOf(ap)
 	fd, err := unix.Socket(sa.family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -45,6 +47,9 @@ func listen(ap netip.AddrPort) (*listener, error) {
 	}
 	if err == nil {
 		err = set(unix.IPPROTO_TCP, unix.TCP_NODELAY, "TCP_NODELAY")
+	}
+	if err == nil && ka.Enable {
+		err = setKeepalive(fd, ka)
 	}
 	if err == nil && sa.family == unix.AF_INET6 && ap.Addr().IsUnspecified() {
 		if err = unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 0); err != nil {
@@ -74,8 +79,9 @@ func listen(ap netip.AddrPort) (*listener, error) {
 // fails at once is returned as an error. With data (bytes wait to be sent as soon
 // as it is connected) the handshake's last ACK is held back to go with them
 // (TCP_QUICKACK off before the connect: the kernel then delays that ACK for up to
-// 200 ms, so only a caller with bytes in hand may ask).
-func startDial(sa *rawSockaddr, data bool) (int, error) {
+// 200 ms, so only a caller with bytes in hand may ask). If ka is enabled the
+// socket probes its idle peer (TCP keepalive); else no system call is spent on it.
+func startDial(sa *rawSockaddr, data bool, ka *net.KeepAliveConfig) (int, error) {
 	fd, err := unix.Socket(sa.family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, &localError{fmt.Errorf("socket: %w", err)}
@@ -83,6 +89,12 @@ func startDial(sa *rawSockaddr, data bool) (int, error) {
 	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
 		unix.Close(fd)
 		return -1, &localError{fmt.Errorf("set TCP_NODELAY: %w", err)}
+	}
+	if ka.Enable {
+		if err := setKeepalive(fd, *ka); err != nil {
+			unix.Close(fd)
+			return -1, &localError{err}
+		}
 	}
 	if data {
 		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_QUICKACK, 0); err != nil {
@@ -148,6 +160,33 @@ type localError struct{ err error }
 
 func (e *localError) Error() string { return e.err.Error() }
 func (e *localError) Unwrap() error { return e.err }
+
+// setKeepalive turns TCP keepalive on for fd: after ka.Idle with nothing
+// received, a probe every ka.Interval, and after ka.Count unanswered probes the
+// connection fails (ETIMEDOUT). The kernel takes whole seconds: a duration is
+// rounded up to one. A field that is zero or negative keeps the kernel's default
+// (net.ipv4.tcp_keepalive_time, _intvl, _probes).
+func setKeepalive(fd int, ka net.KeepAliveConfig) error {
+	secs := func(d time.Duration) int { return int((d + time.Second - 1) / time.Second) }
+	for _, o := range []struct {
+		level, opt int
+		name       string
+		v          int
+	}{
+		{unix.SOL_SOCKET, unix.SO_KEEPALIVE, "SO_KEEPALIVE", 1},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, "TCP_KEEPIDLE", secs(ka.Idle)},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, "TCP_KEEPINTVL", secs(ka.Interval)},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, "TCP_KEEPCNT", ka.Count},
+	} {
+		if o.v <= 0 {
+			continue
+		}
+		if err := unix.SetsockoptInt(fd, o.level, o.opt, o.v); err != nil {
+			return fmt.Errorf("set %s: %w", o.name, err)
+		}
+	}
+	return nil
+}
 
 // setLinger0 makes the close of fd send a reset instead of a FIN.
 func setLinger0(fd int) {
