@@ -3,58 +3,22 @@ package proxy
 import (
 	"net"
 	"net/netip"
-	"os"
-	"strconv"
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
+	"github.com/weir-lb/weir/internal/sockfd"
 	"github.com/weir-lb/weir/internal/waitfor"
 )
 
-// keepalive is what the kernel holds of a socket's TCP keepalive settings.
-type keepalive struct{ on, idle, intvl, cnt int }
-
-// keepaliveOf reads fd's keepalive settings back with getsockopt.
-func keepaliveOf(t *testing.T, fd int) keepalive {
+// keepaliveBetween is the keepalive setting of the socket of this process
+// connected from local to peer.
+func keepaliveBetween(t *testing.T, local, peer netip.AddrPort) sockfd.Keepalive {
 	t.Helper()
-	get := func(level, opt int) int {
-		v, err := unix.GetsockoptInt(fd, level, opt)
-		if err != nil {
-			t.Fatalf("getsockopt %d/%d on fd %d: %v", level, opt, fd, err)
-		}
-		return v
-	}
-	return keepalive{get(unix.SOL_SOCKET, unix.SO_KEEPALIVE), get(unix.IPPROTO_TCP, unix.TCP_KEEPIDLE),
-		get(unix.IPPROTO_TCP, unix.TCP_KEEPINTVL), get(unix.IPPROTO_TCP, unix.TCP_KEEPCNT)}
-}
-
-// socketOf finds the descriptor of this process whose socket is connected from
-// local to peer: the proxy's own end of a connection, which no API hands out.
-func socketOf(t *testing.T, local, peer netip.AddrPort) int {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
+	k, err := sockfd.KeepaliveBetween(local, peer)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, e := range ents {
-		fd, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		la, err := getsocknameRaw(fd)
-		if err != nil || la != local {
-			continue
-		}
-		if sa, err := unix.Getpeername(fd); err == nil {
-			if in4, ok := sa.(*unix.SockaddrInet4); ok && netip.AddrPortFrom(netip.AddrFrom4(in4.Addr), uint16(in4.Port)) == peer {
-				return fd
-			}
-		}
-	}
-	t.Fatalf("no socket of this process connected from %s to %s", local, peer)
-	return -1
+	return k
 }
 
 // TestKeepaliveSockets checks with getsockopt, on both of the proxy's sockets of
@@ -64,35 +28,39 @@ func socketOf(t *testing.T, local, peer netip.AddrPort) int {
 // keepalive on.
 func TestKeepaliveSockets(t *testing.T) {
 	// The host's defaults, which a socket with keepalive off still reports.
-	off := func(t *testing.T) keepalive {
+	off := func(t *testing.T) sockfd.Keepalive {
 		ln, err := listen(loopback0, net.KeepAliveConfig{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer ln.close()
-		return keepaliveOf(t, ln.fd)
+		k, err := sockfd.KeepaliveOf(ln.fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return k
 	}(t)
-	if off.on != 0 {
-		t.Fatalf("a listener without keepalive: SO_KEEPALIVE got %d; want 0", off.on)
+	if off.On != 0 {
+		t.Fatalf("a listener without keepalive: SO_KEEPALIVE got %d; want 0", off.On)
 	}
 	for _, tc := range []struct {
 		name                  string
 		client, backend       net.KeepAliveConfig
-		wantClient, wantBackd keepalive
+		wantClient, wantBackd sockfd.Keepalive
 	}{
 		{"off", net.KeepAliveConfig{}, net.KeepAliveConfig{}, off, off},
 		{"on",
 			net.KeepAliveConfig{Enable: true, Idle: 7 * time.Second, Interval: 3 * time.Second, Count: 4},
 			net.KeepAliveConfig{Enable: true, Idle: 11 * time.Second, Interval: 1500 * time.Millisecond, Count: 2},
-			keepalive{1, 7, 3, 4}, keepalive{1, 11, 2, 2}},
+			sockfd.Keepalive{On: 1, Idle: 7, Interval: 3, Count: 4}, sockfd.Keepalive{On: 1, Idle: 11, Interval: 2, Count: 2}},
 		{"client only",
 			net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 3},
 			net.KeepAliveConfig{},
-			keepalive{1, 5, 2, 3}, off},
+			sockfd.Keepalive{On: 1, Idle: 5, Interval: 2, Count: 3}, off},
 		{"backend only, kernel's idle",
 			net.KeepAliveConfig{},
 			net.KeepAliveConfig{Enable: true, Interval: 9 * time.Second, Count: 1},
-			off, keepalive{1, off.idle, 9, 1}},
+			off, sockfd.Keepalive{On: 1, Idle: off.Idle, Interval: 9, Count: 1}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			accepted := make(chan netip.AddrPort, 1)
@@ -107,11 +75,11 @@ func TestKeepaliveSockets(t *testing.T) {
 				t.Fatal(err)
 			}
 			client := c.LocalAddr().(*net.TCPAddr).AddrPort()
-			if got := keepaliveOf(t, socketOf(t, s.Addr(), client)); got != tc.wantClient {
+			if got := keepaliveBetween(t, s.Addr(), client); got != tc.wantClient {
 				t.Errorf("client side: got %+v; want %+v", got, tc.wantClient)
 			}
 			dialed := <-accepted
-			if got := keepaliveOf(t, socketOf(t, dialed, be.addr())); got != tc.wantBackd {
+			if got := keepaliveBetween(t, dialed, be.addr()); got != tc.wantBackd {
 				t.Errorf("backend side: got %+v; want %+v", got, tc.wantBackd)
 			}
 			c.Close()

@@ -1,0 +1,80 @@
+// Package sockfd finds this process's own sockets by their addresses and reads
+// their options back, for tests that check what a data plane set on sockets no
+// API hands out (the proxy's accepted and dialed ones).
+package sockfd
+
+import (
+	"fmt"
+	"net/netip"
+	"os"
+	"strconv"
+
+	"golang.org/x/sys/unix"
+)
+
+// Find returns the descriptor of this process whose TCP socket is connected from
+// local to peer. A descriptor is only borrowed: it stays its owner's, and may be
+// closed by it at any time.
+func Find(local, peer netip.AddrPort) (int, error) {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return -1, fmt.Errorf("find socket: %w", err)
+	}
+	for _, e := range ents {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if la, err := unix.Getsockname(fd); err != nil || addrPort(la) != local {
+			continue
+		}
+		if pa, err := unix.Getpeername(fd); err == nil && addrPort(pa) == peer {
+			return fd, nil
+		}
+	}
+	return -1, fmt.Errorf("find socket: none of this process is connected from %s to %s", local, peer)
+}
+
+func addrPort(sa unix.Sockaddr) netip.AddrPort {
+	switch sa := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), uint16(sa.Port))
+	}
+	return netip.AddrPort{}
+}
+
+// Keepalive is what the kernel holds of a socket's TCP keepalive settings:
+// SO_KEEPALIVE (0 or 1), TCP_KEEPIDLE and TCP_KEEPINTVL (seconds), TCP_KEEPCNT.
+type Keepalive struct{ On, Idle, Interval, Count int }
+
+// KeepaliveOf reads fd's keepalive settings with getsockopt.
+func KeepaliveOf(fd int) (Keepalive, error) {
+	var k Keepalive
+	for _, o := range []struct {
+		level, opt int
+		v          *int
+	}{
+		{unix.SOL_SOCKET, unix.SO_KEEPALIVE, &k.On},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, &k.Idle},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, &k.Interval},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, &k.Count},
+	} {
+		v, err := unix.GetsockoptInt(fd, o.level, o.opt)
+		if err != nil {
+			return Keepalive{}, fmt.Errorf("getsockopt %d/%d on fd %d: %w", o.level, o.opt, fd, err)
+		}
+		*o.v = v
+	}
+	return k, nil
+}
+
+// KeepaliveBetween is KeepaliveOf the socket Find finds.
+func KeepaliveBetween(local, peer netip.AddrPort) (Keepalive, error) {
+	fd, err := Find(local, peer)
+	if err != nil {
+		return Keepalive{}, err
+	}
+	return KeepaliveOf(fd)
+}
