@@ -72,6 +72,17 @@ const (
 	DefaultHeaderTimeout       = 10 * time.Second
 	DefaultMaxHeaderBytes      = 64 << 10
 	MaxWeight                  = 65535
+	DefaultKeepaliveIdle       = 60 * time.Second
+	DefaultKeepaliveInterval   = 10 * time.Second
+	DefaultKeepaliveCount      = 6
+)
+
+// The kernel's limits on TCP keepalive (tcp(7): MAX_TCP_KEEPIDLE,
+// MAX_TCP_KEEPINTVL, MAX_TCP_KEEPCNT).
+const (
+	MaxKeepaliveIdle     = 32767 * time.Second
+	MaxKeepaliveInterval = 32767 * time.Second
+	MaxKeepaliveCount    = 127
 )
 
 // MinHealthInterval and MinHealthTimeout bound a health check's interval and
@@ -618,6 +629,27 @@ type Proxy struct {
 	// SockMap says when the kernel forwards a connection's bytes (a socket map and a
 	// BPF stream verdict program) instead of the proxy copying or splicing them.
 	SockMap SockMap
+	// TCPKeepalive is TCP keepalive on the client and backend sockets.
+	TCPKeepalive TCPKeepalive
+}
+
+// TCPKeepalive is TCP keepalive on a data plane's client and backend sockets.
+type TCPKeepalive struct{ Client, Backend Keepalive }
+
+// Keepalive is TCP keepalive on one side's sockets: after Idle with nothing
+// received, a probe every Interval; Count unanswered probes end the connection.
+// Durations are whole seconds. The zero value is off (the plane's default).
+type Keepalive struct {
+	Idle, Interval time.Duration
+	Count          int
+}
+
+// On reports whether k is set.
+func (k Keepalive) On() bool { return k.Idle > 0 }
+
+// KeepAliveConfig is k as the net package and the data planes take it.
+func (k Keepalive) KeepAliveConfig() net.KeepAliveConfig {
+	return net.KeepAliveConfig{Enable: k.On(), Idle: k.Idle, Interval: k.Interval, Count: k.Count}
 }
 
 // Upstream is the protocol the http data plane speaks to backends.
@@ -716,6 +748,9 @@ type HTTP struct {
 	Forwarded       bool
 	XForwardedProto bool
 	AccessLog       bool
+	// TCPKeepalive is TCP keepalive on the client and backend sockets; a side
+	// left off keeps Go's runtime's.
+	TCPKeepalive TCPKeepalive
 }
 
 // SockMap is the proxy's choice of in-kernel forwarding.

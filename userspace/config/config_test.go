@@ -332,6 +332,15 @@ func TestErrors(t *testing.T) {
 		{"http header bytes", svc + "  data_plane: http\n  http: {max_header_bytes: 10}\n" + be, "services[0].http.max_header_bytes: must be 1024..16777216, got 10"},
 		{"http listen twice", "services:\n- {name: a, vip: 10.0.0.1:80, data_plane: http, http: {listen: 127.0.0.1:8080}, backends: [{address: 10.0.0.11:80}]}\n- {name: b, vip: 10.0.0.2:80, data_plane: http, http: {listen: 127.0.0.1:8080}, backends: [{address: 10.0.0.11:80}]}\n", "services[1].http.listen: 127.0.0.1:8080 is already the listen address of services[0]"},
 		{"duplicate key", "services: []\nservices: []\n", `line 2: services: already set at line 1`},
+		// TCP keepalive: the kernel takes whole seconds, and at most tcp(7)'s limits.
+		{"keepalive", svc + "  proxy:\n    tcp_keepalive:\n      client: {idle: 1s, interval: 1s, count: 127}\n      backend: {}\n" + be, ""},
+		{"keepalive zero idle", svc + "  proxy:\n    tcp_keepalive:\n      client:\n        idle: 0s\n" + be, "line 7: services[0].proxy.tcp_keepalive.client.idle: must be positive, got 0s"},
+		{"keepalive fraction", svc + "  proxy:\n    tcp_keepalive:\n      backend:\n        interval: 1500ms\n" + be, "line 7: services[0].proxy.tcp_keepalive.backend.interval: must be whole seconds (the kernel takes seconds), got 1.5s"},
+		{"keepalive idle too long", svc + "  proxy: {tcp_keepalive: {client: {idle: 10h}}}\n" + be, "line 4: services[0].proxy.tcp_keepalive.client.idle: must be at most 9h6m7s, got 10h0m0s"},
+		{"keepalive count zero", svc + "  proxy:\n    tcp_keepalive:\n      client:\n        count: 0\n" + be, "line 7: services[0].proxy.tcp_keepalive.client.count: must be 1..127 (probes unanswered before the connection ends), got 0"},
+		{"keepalive count too high", svc + "  data_plane: http\n  http:\n    tcp_keepalive:\n      backend: {count: 128}\n" + be, "line 7: services[0].http.tcp_keepalive.backend.count: must be 1..127"},
+		{"keepalive negative interval", svc + "  data_plane: http\n  http: {tcp_keepalive: {client: {interval: -1s}}}\n" + be, "line 5: services[0].http.tcp_keepalive.client.interval: must be positive, got -1s"},
+		{"keepalive side misspelt", svc + "  proxy: {tcp_keepalive: {server: {}}}\n" + be, "services[0].proxy.tcp_keepalive.server: unknown field"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := Parse([]byte(c.yaml))
@@ -601,6 +610,45 @@ func TestResolveHTTP(t *testing.T) {
 		if c.got != c.want {
 			t.Errorf("%s: got %v; want %v", c.name, c.got, c.want)
 		}
+	}
+}
+
+// TestResolveKeepalive: a side of tcp_keepalive that the file names is on,
+// with the defaults for what it leaves out; a side it leaves out is off.
+func TestResolveKeepalive(t *testing.T) {
+	cfg, err := Parse([]byte(`services:
+- name: a
+  vip: 192.0.2.1:80
+  data_plane: proxy
+  proxy: {tcp_keepalive: {client: {idle: 5s, interval: 2s, count: 3}}}
+  backends: [{address: 192.0.2.10:80}]
+- name: b
+  vip: 192.0.2.1:81
+  data_plane: http
+  http: {tcp_keepalive: {backend: {}}}
+  backends: [{address: 192.0.2.10:80}]
+- name: c
+  vip: 192.0.2.1:82
+  backends: [{address: 192.0.2.10:80}]
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	def := Keepalive{Idle: DefaultKeepaliveIdle, Interval: DefaultKeepaliveInterval, Count: DefaultKeepaliveCount}
+	for _, c := range []struct {
+		name      string
+		got, want TCPKeepalive
+	}{
+		{"a.proxy", cfg.Services[0].Proxy.TCPKeepalive, TCPKeepalive{Client: Keepalive{5 * time.Second, 2 * time.Second, 3}}},
+		{"b.http", cfg.Services[1].HTTP.TCPKeepalive, TCPKeepalive{Backend: def}},
+		{"c.proxy", cfg.Services[2].Proxy.TCPKeepalive, TCPKeepalive{}},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s.tcp_keepalive: got %+v; want %+v", c.name, c.got, c.want)
+		}
+	}
+	if cfg.Services[2].Proxy.TCPKeepalive.Client.On() || !cfg.Services[0].Proxy.TCPKeepalive.Client.On() {
+		t.Errorf("On: got %v and %v; want false and true", cfg.Services[2].Proxy.TCPKeepalive.Client.On(), cfg.Services[0].Proxy.TCPKeepalive.Client.On())
 	}
 }
 

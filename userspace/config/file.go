@@ -187,8 +187,26 @@ type fileProxy struct {
 	MaxConnsPerBackend int       `yaml:"max_conns_per_backend,omitempty"`
 	ProxyProtocol      int       `yaml:"proxy_protocol,omitempty"` // 0, 1 or 2
 	SockMap            SockMap   `yaml:"sockmap,omitempty"`        // auto (default), on, off
+	// TCPKeepalive probes idle peers of the client and backend sockets. Default off.
+	TCPKeepalive fileTCPKeepalive `yaml:"tcp_keepalive,omitempty"`
 
 	ListenAddr netip.AddrPort `yaml:"-"` // Listen, parsed
+}
+
+// fileTCPKeepalive is TCP keepalive on a data plane's client and backend
+// sockets; a side that is left out keeps the plane's default.
+type fileTCPKeepalive struct {
+	Client  *fileKeepalive `yaml:"client,omitempty"`
+	Backend *fileKeepalive `yaml:"backend,omitempty"`
+}
+
+// fileKeepalive is TCP keepalive on one side's sockets: after Idle with nothing
+// received a probe every Interval, and Count unanswered probes end the
+// connection. Whole seconds: the kernel takes seconds.
+type fileKeepalive struct {
+	Idle     *duration `yaml:"idle,omitempty"`     // default 60s
+	Interval *duration `yaml:"interval,omitempty"` // default 10s
+	Count    *int      `yaml:"count,omitempty"`    // default 6
 }
 
 // HTTP holds the settings of the http data plane (data_plane: http).
@@ -224,6 +242,9 @@ type fileHTTP struct {
 	Forwarded         bool      `yaml:"forwarded,omitempty"`         // default false
 	XForwardedProto   *bool     `yaml:"x_forwarded_proto,omitempty"` // default true
 	AccessLog         bool      `yaml:"access_log,omitempty"`
+	// TCPKeepalive probes idle peers of the client and backend sockets. Default
+	// Go's runtime's (15s, 15s, 9 probes; 30s idle for HTTP/1.1 backends).
+	TCPKeepalive fileTCPKeepalive `yaml:"tcp_keepalive,omitempty"`
 
 	ListenAddr netip.AddrPort `yaml:"-"` // Listen, parsed
 	Hash       HashBy         `yaml:"-"` // HashBy, parsed

@@ -97,6 +97,7 @@ func (s *fileService) resolve() Service {
 			MaxConnsPerBackend: px.MaxConnsPerBackend,
 			ProxyProtocol:      px.ProxyProtocol,
 			SockMap:            px.SockMap,
+			TCPKeepalive:       px.TCPKeepalive.resolve(),
 		},
 	}
 	if h := s.HTTP; h != nil {
@@ -107,7 +108,7 @@ func (s *fileService) resolve() Service {
 			ReadHeaderTimeout: h.ReadHeaderTimeout.D(), MaxHeaderBytes: *h.MaxHeaderBytes,
 			Retries: *h.Retries, RetryBudget: *h.RetryBudget, RetryGRPC: h.RetryGRPC,
 			XForwardedFor: *h.XForwardedFor, Forwarded: h.Forwarded, XForwardedProto: *h.XForwardedProto,
-			AccessLog: h.AccessLog,
+			AccessLog: h.AccessLog, TCPKeepalive: h.TCPKeepalive.resolve(),
 		}
 	}
 	for _, b := range s.Backends {
@@ -122,4 +123,14 @@ func (s *fileService) resolve() Service {
 		out.Backends = append(out.Backends, rb)
 	}
 	return out
+}
+
+func (k fileTCPKeepalive) resolve() TCPKeepalive {
+	side := func(f *fileKeepalive) Keepalive {
+		if f == nil {
+			return Keepalive{}
+		}
+		return Keepalive{Idle: f.Idle.D(), Interval: f.Interval.D(), Count: *f.Count}
+	}
+	return TCPKeepalive{Client: side(k.Client), Backend: side(k.Backend)}
 }

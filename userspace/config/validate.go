@@ -164,6 +164,7 @@ func (s *fileService) defaults() {
 	if px.SockMap == "" {
 		px.SockMap = SockMapAuto
 	}
+	px.TCPKeepalive.defaults()
 	if s.DataPlane == DataPlaneHTTP {
 		if s.HTTP == nil {
 			s.HTTP = &fileHTTP{}
@@ -997,6 +998,54 @@ func (px *fileProxy) validate(c *checker, p string, vip netip.AddrPort) {
 		c.bad(p+".proxy_protocol", "must be 0 (off), 1 or 2, got %d", px.ProxyProtocol)
 	}
 	oneOf(c, p+".sockmap", px.SockMap, SockMapAuto, SockMapOn, SockMapOff)
+	px.TCPKeepalive.validate(c, p+".tcp_keepalive")
+}
+
+func (k *fileTCPKeepalive) defaults() {
+	for _, f := range []*fileKeepalive{k.Client, k.Backend} {
+		if f == nil {
+			continue
+		}
+		if f.Idle == nil {
+			f.Idle = ptr(duration(DefaultKeepaliveIdle))
+		}
+		if f.Interval == nil {
+			f.Interval = ptr(duration(DefaultKeepaliveInterval))
+		}
+		if f.Count == nil {
+			f.Count = ptr(DefaultKeepaliveCount)
+		}
+	}
+}
+
+func (k *fileTCPKeepalive) validate(c *checker, p string) {
+	for _, side := range []struct {
+		name string
+		f    *fileKeepalive
+	}{{"client", k.Client}, {"backend", k.Backend}} {
+		if side.f == nil {
+			continue
+		}
+		sp := p + "." + side.name
+		c.keepaliveSeconds(sp+".idle", *side.f.Idle, MaxKeepaliveIdle)
+		c.keepaliveSeconds(sp+".interval", *side.f.Interval, MaxKeepaliveInterval)
+		if n := *side.f.Count; n < 1 || n > MaxKeepaliveCount {
+			c.bad(sp+".count", "must be 1..%d (probes unanswered before the connection ends), got %d", MaxKeepaliveCount, n)
+		}
+	}
+}
+
+// keepaliveSeconds checks a TCP keepalive time: the kernel takes whole seconds,
+// 1 to max.
+func (c *checker) keepaliveSeconds(path string, d duration, most time.Duration) {
+	switch {
+	case d <= 0:
+		c.positive(path, d)
+	case d.D()%time.Second != 0:
+		c.bad(path, "must be whole seconds (the kernel takes seconds), got %v", d)
+	case d.D() > most:
+		c.bad(path, "must be at most %v, got %v", most, d)
+	}
 }
 
 func (h *fileHTTP) defaults() {
@@ -1024,6 +1073,7 @@ func (h *fileHTTP) defaults() {
 	if h.ReadHeaderTimeout == nil {
 		h.ReadHeaderTimeout = ptr(duration(DefaultHeaderTimeout))
 	}
+	h.TCPKeepalive.defaults()
 	if h.MaxHeaderBytes == nil {
 		h.MaxHeaderBytes = ptr(DefaultMaxHeaderBytes)
 	}
@@ -1077,6 +1127,7 @@ func (h *fileHTTP) validate(c *checker, p string, vip netip.AddrPort, algo Algor
 	c.positive(p+".connect_timeout", *h.ConnectTimeout)
 	c.positive(p+".idle_timeout", *h.IdleTimeout)
 	c.positive(p+".read_header_timeout", *h.ReadHeaderTimeout)
+	h.TCPKeepalive.validate(c, p+".tcp_keepalive")
 	if h.TryTimeout < 0 {
 		c.bad(p+".try_timeout", "must be 0 (none) or positive, got %v", h.TryTimeout)
 	}

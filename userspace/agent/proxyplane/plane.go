@@ -172,6 +172,8 @@ func proxyConfig(s *config.Service, obs proxy.Observer, log *slog.Logger) proxy.
 		MaxConns:           px.MaxConns,
 		MaxConnsPerBackend: px.MaxConnsPerBackend,
 		ProxyProtocol:      px.ProxyProtocol,
+		ClientKeepalive:    px.TCPKeepalive.Client.KeepAliveConfig(),
+		BackendKeepalive:   px.TCPKeepalive.Backend.KeepAliveConfig(),
 		DrainTimeout:       s.DrainTimeout, // 0: no limit, in both
 		// EjectAfter 0: the proxy ejects nothing itself; passive ejection is the
 		// health checker's, configured by passive.

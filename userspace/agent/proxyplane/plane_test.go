@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/internal/sockfd"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/config"
 	"github.com/weir-lb/weir/userspace/proxy"
@@ -193,5 +194,75 @@ func TestHashKey(t *testing.T) {
 	}
 	if got := answered(); len(got) != 1 {
 		t.Errorf("hash: source: 30 connections from one address reached %v; want 1 backend", got)
+	}
+}
+
+// TestKeepaliveReload: a service's tcp_keepalive reaches the proxy's sockets,
+// and a reload that changes it gives the service listeners with the new
+// setting: the next connection's sockets have it.
+func TestKeepaliveReload(t *testing.T) {
+	dialed := make(chan netip.AddrPort, 2)
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { io.WriteString(w, "ok") }))
+	srv.Config.ConnState = func(c net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			dialed <- c.RemoteAddr().(*net.TCPAddr).AddrPort()
+		}
+	}
+	srv.Start()
+	t.Cleanup(srv.Close)
+	be := srv.Listener.Addr().(*net.TCPAddr).AddrPort()
+	p := New(&health.Checker{}, slog.New(slog.NewTextHandler(testWriter{t}, nil)))
+	t.Cleanup(p.Close)
+	service := func(idle time.Duration) *plan.Service {
+		side := config.Keepalive{Idle: idle, Interval: 2 * time.Second, Count: 3}
+		return &plan.Service{
+			Config: config.Service{Name: "web", Algorithm: config.AlgorithmLeastConn, DrainTimeout: 5 * time.Second,
+				Proxy: config.Proxy{Listen: netip.MustParseAddrPort("127.0.0.1:0"), ConnectTimeout: time.Second,
+					TCPKeepalive: config.TCPKeepalive{Client: side, Backend: side}}},
+			Backends: []plan.Backend{{ID: plan.ID("web", be), Config: config.Backend{Addr: be}, Usable: true, Weight: 1}},
+		}
+	}
+	// connect opens a connection through the proxy, checks that it is served,
+	// and returns it with the proxy's keepalive idle on its client and its
+	// backend socket.
+	connect := func() (int, int) {
+		px := mustGet(t, p, "web")
+		c, err := net.Dial("tcp", px.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Read(make([]byte, 512)); err != nil {
+			t.Fatalf("read the answer: %v", err)
+		}
+		kc, err := sockfd.KeepaliveBetween(px.Addr(), c.LocalAddr().(*net.TCPAddr).AddrPort())
+		if err != nil {
+			t.Fatal(err)
+		}
+		kb, err := sockfd.KeepaliveBetween(<-dialed, be)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return kc.Idle * kc.On, kb.Idle * kb.On
+	}
+	prev := service(5 * time.Second)
+	if err := p.Add(prev); err != nil {
+		t.Fatalf("add: %v", err)
+	}
+	client, backend := connect()
+	if client != 5 || backend != 5 {
+		t.Fatalf("before the reload: keepalive idle got client %ds, backend %ds; want 5s, 5s", client, backend)
+	}
+	next := service(9 * time.Second)
+	if err := p.Update(prev, next); err != nil {
+		t.Fatalf("update: %v", err)
+	}
+	p.Commit()
+	if client, backend = connect(); client != 9 || backend != 9 {
+		t.Errorf("after the reload: keepalive idle got client %ds, backend %ds; want 9s, 9s", client, backend)
 	}
 }
