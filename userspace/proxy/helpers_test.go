@@ -109,6 +109,12 @@ func hello(name string, c *net.TCPConn) {
 // startProxy runs a Service until the test ends.
 func startProxy(t *testing.T, cfg Config) *Service {
 	t.Helper()
+	return startProxyWith(t, cfg, Listen)
+}
+
+// startProxyWith is startProxy with the listeners bound by listen.
+func startProxyWith(t *testing.T, cfg Config, listen func(context.Context, Config) (*Service, error)) *Service {
+	t.Helper()
 	if !cfg.Listen.IsValid() {
 		cfg.Listen = loopback0
 	}
@@ -125,7 +131,7 @@ func startProxy(t *testing.T, cfg Config) *Service {
 		cfg.Redirector = testRedirector
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	s, err := Listen(ctx, cfg)
+	s, err := listen(ctx, cfg)
 	if err != nil {
 		t.Fatalf("listen: %v", err)
 	}
