@@ -13,26 +13,40 @@ import (
 )
 
 // Find returns the descriptor of this process whose TCP socket is connected from
-// local to peer. A descriptor is only borrowed: it stays its owner's, and may be
-// closed by it at any time.
+// local (the zero AddrPort: any address) to peer; if several are, any of them.
+// A descriptor is only borrowed: it stays its owner's, and may be closed by it
+// at any time.
 func Find(local, peer netip.AddrPort) (int, error) {
+	fds, err := FindAll(local, peer)
+	if err == nil && len(fds) == 0 {
+		err = fmt.Errorf("find socket: none of this process is connected from %s to %s", local, peer)
+	}
+	if err != nil {
+		return -1, err
+	}
+	return fds[0], nil
+}
+
+// FindAll is Find for every such socket.
+func FindAll(local, peer netip.AddrPort) ([]int, error) {
 	ents, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
-		return -1, fmt.Errorf("find socket: %w", err)
+		return nil, fmt.Errorf("find socket: %w", err)
 	}
+	var fds []int
 	for _, e := range ents {
 		fd, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
 		}
-		if la, err := unix.Getsockname(fd); err != nil || addrPort(la) != local {
+		if la, err := unix.Getsockname(fd); err != nil || local.IsValid() && addrPort(la) != local {
 			continue
 		}
 		if pa, err := unix.Getpeername(fd); err == nil && addrPort(pa) == peer {
-			return fd, nil
+			fds = append(fds, fd)
 		}
 	}
-	return -1, fmt.Errorf("find socket: none of this process is connected from %s to %s", local, peer)
+	return fds, nil
 }
 
 func addrPort(sa unix.Sockaddr) netip.AddrPort {

@@ -133,6 +133,14 @@ type Config struct {
 	XForwardedFor, Forwarded, XForwardedProto bool
 	AccessLog                                 bool
 
+	// ClientKeepalive and BackendKeepalive are TCP keepalive on the accepted
+	// client connections and the connections dialed to backends, so one whose
+	// peer vanished without a FIN or reset fails after Idle + Count × Interval.
+	// Without Enable, Go's defaults hold: 15s idle, 15s interval, 9 probes
+	// (30s idle for net/http's HTTP/1.1 and h2c pools). Read once, by Listen.
+	ClientKeepalive  net.KeepAliveConfig
+	BackendKeepalive net.KeepAliveConfig
+
 	// DrainTimeout bounds how long Serve waits for in-flight requests at
 	// shutdown, and how long a draining or removed backend keeps its tunnels;
 	// 0: no limit.
@@ -217,7 +225,7 @@ func Listen(cfg Config, backends []Backend) (*Service, error) {
 	if err := s.Reconfigure(cfg, backends); err != nil {
 		return nil, err
 	}
-	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+	lc := net.ListenConfig{KeepAliveConfig: cfg.ClientKeepalive, Control: func(_, _ string, c syscall.RawConn) error {
 		var serr error
 		err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1) })
 		return errors.Join(err, serr)
@@ -394,7 +402,7 @@ type backend struct {
 
 func (s *Service) newBackend(addr netip.AddrPort) *backend {
 	b := &backend{addr: addr, id: addr.String()}
-	dialer := &net.Dialer{Timeout: s.cfg.ConnectTimeout, KeepAlive: 30 * time.Second}
+	dialer := &net.Dialer{Timeout: s.cfg.ConnectTimeout, KeepAlive: 30 * time.Second, KeepAliveConfig: s.cfg.BackendKeepalive}
 	dial := func(ctx context.Context, network, _ string) (net.Conn, error) {
 		if b.retired.Load() {
 			return nil, &dialError{errRetired}
@@ -581,7 +589,8 @@ var ErrStopped = errors.New("the service has stopped")
 func Fixed(a, b Config) bool {
 	return a.Name != b.Name || a.Listen != b.Listen || a.TLS != b.TLS || a.NetHTTP2 != b.NetHTTP2 || a.NetHTTP1 != b.NetHTTP1 || a.ConnectTimeout != b.ConnectTimeout ||
 		a.IdleTimeout != b.IdleTimeout || a.ReadHeaderTimeout != b.ReadHeaderTimeout ||
-		a.MaxHeaderBytes != b.MaxHeaderBytes || a.DrainTimeout != b.DrainTimeout
+		a.MaxHeaderBytes != b.MaxHeaderBytes || a.DrainTimeout != b.DrainTimeout ||
+		a.ClientKeepalive != b.ClientKeepalive || a.BackendKeepalive != b.BackendKeepalive
 }
 
 // Reconfigure applies new settings and backends in place: client connections

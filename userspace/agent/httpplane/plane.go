@@ -263,6 +263,8 @@ func lbConfig(s *config.Service, obs httplb.Observer, log *slog.Logger) httplb.C
 		XForwardedProto:   h.XForwardedProto,
 		AccessLog:         h.AccessLog,
 		DrainTimeout:      s.DrainTimeout,
+		ClientKeepalive:   h.TCPKeepalive.Client.KeepAliveConfig(),
+		BackendKeepalive:  h.TCPKeepalive.Backend.KeepAliveConfig(),
 		Observer:          obs,
 		Logger:            log,
 	}

@@ -1,0 +1,91 @@
+package httpplane_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/internal/sockfd"
+	"github.com/weir-lb/weir/internal/waitfor"
+)
+
+// TestKeepaliveReload: an http service's tcp_keepalive, as the file writes
+// it, is on its client and backend sockets, and a reload that changes it
+// gives the connections after it the new setting.
+func TestKeepaliveReload(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	port := freePort(t)
+	svc := "  - {name: web, vip: 127.0.0.1:%d, data_plane: http, health: {method: connect}, http: {tcp_keepalive: {client: {idle: %ds, interval: 2s, count: 3}, backend: {idle: %ds}}}, backends: %s}\n"
+	r := startAgent(t, fmt.Sprintf(svc, port, 5, 6, backendList(bs)))
+	vip := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
+	// idles asks over a new HTTP/1.1 connection and returns the keepalive
+	// idle of the service's client and backend sockets. A connection that
+	// landed in the listener a reload replaces, as it closes, is reset: it
+	// asks again on another, until the deadline.
+	idles := func(when string) (client int, backend []int) {
+		var err error
+		if !waitfor.Cond(10*time.Second, func() bool { client, backend, err = askIdles(vip, bs[0].Addr); return err == nil }) {
+			t.Fatalf("%s: %v", when, err)
+		}
+		return client, backend
+	}
+	if client, backend := idles("before the reload"); client != 5 || !slices.Equal(backend, []int{6}) {
+		t.Errorf("keepalive idle: got client %ds, backend %vs; want 5s, [6]s", client, backend)
+	}
+	r.writeConfig(t, fmt.Sprintf(svc, port, 8, 9, backendList(bs)))
+	if err := r.a.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	// The service the reload replaced may still hold its connection to the
+	// backend, idle in its pool.
+	if client, backend := idles("after the reload"); client != 8 || !slices.Contains(backend, 9) || slices.ContainsFunc(backend, func(s int) bool { return s != 6 && s != 9 }) {
+		t.Errorf("after the reload, keepalive idle: got client %ds, backend %vs; want 8s, 9s (and 6s from before)", client, backend)
+	}
+}
+
+// askIdles sends a request over a new connection to vip and returns the
+// keepalive idle of the service's client socket and of each of this process's
+// sockets to backend, after checking their interval and count.
+func askIdles(vip, backend netip.AddrPort) (int, []int, error) {
+	c, err := net.Dial("tcp", vip.String())
+	if err != nil {
+		return 0, nil, err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: web\r\n\r\n"); err != nil {
+		return 0, nil, err
+	}
+	if _, err := c.Read(make([]byte, 512)); err != nil {
+		return 0, nil, fmt.Errorf("read the answer: %w", err)
+	}
+	kc, err := sockfd.KeepaliveBetween(vip, c.LocalAddr().(*net.TCPAddr).AddrPort())
+	if err != nil {
+		return 0, nil, err
+	}
+	if kc.Interval != 2 || kc.Count != 3 {
+		return 0, nil, fmt.Errorf("got client side %+v; want interval 2, count 3", kc)
+	}
+	fds, err := sockfd.FindAll(netip.AddrPort{}, backend)
+	if err != nil {
+		return 0, nil, err
+	}
+	var idles []int
+	for _, fd := range fds {
+		kb, err := sockfd.KeepaliveOf(fd)
+		if err != nil {
+			return 0, nil, err
+		}
+		if kb.Interval != 10 || kb.Count != 6 {
+			return 0, nil, fmt.Errorf("got backend side %+v; want the defaults, interval 10, count 6", kb)
+		}
+		idles = append(idles, kb.Idle)
+	}
+	return kc.Idle, idles, nil
+}
