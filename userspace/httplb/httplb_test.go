@@ -61,6 +61,13 @@ type served struct {
 // cleanup.
 func serveStoppable(t testing.TB, cfg Config, bs []Backend) *served {
 	t.Helper()
+	return serveStoppableWith(t, cfg, bs, Listen)
+}
+
+// serveStoppableWith is serveStoppable with the service's listener bound by
+// listen.
+func serveStoppableWith(t testing.TB, cfg Config, bs []Backend, listen func(Config, []Backend) (*Service, error)) *served {
+	t.Helper()
 	if !cfg.Listen.IsValid() {
 		cfg.Listen = netip.MustParseAddrPort("127.0.0.1:0")
 	}
@@ -70,7 +77,7 @@ func serveStoppable(t testing.TB, cfg Config, bs []Backend) *served {
 	if testing.Verbose() && cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
-	s, err := Listen(cfg, bs)
+	s, err := listen(cfg, bs)
 	if err != nil {
 		t.Fatal(err)
 	}

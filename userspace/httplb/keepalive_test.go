@@ -2,6 +2,8 @@ package httplb
 
 import (
 	"context"
+	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/netip"
@@ -9,7 +11,9 @@ import (
 	"time"
 
 	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/internal/netpair"
 	"github.com/weir-lb/weir/internal/sockfd"
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // TestKeepaliveSockets reads back with getsockopt, on the service's accepted
@@ -76,5 +80,51 @@ func TestKeepaliveSockets(t *testing.T) {
 				t.Errorf("without keepalive set: got client side %+v, backend side %+v; want Go's defaults, on, 15s idle on the client's", kc, kb)
 			}
 		})
+	}
+}
+
+// TestKeepaliveVanishedClient: an HTTP/1.1 client whose host vanishes
+// without a FIN or a reset between two requests (its link goes down) is found
+// out by the configured keepalive and its connection ends; with Go's default
+// (15s idle) it is still open past that time.
+func TestKeepaliveVanishedClient(t *testing.T) {
+	pair := netpair.New(t)
+	bs := httpbackend.StartN(t, 1)
+	listenInA := func(cfg Config, bs []Backend) (s *Service, err error) {
+		err = pair.A.Do(func() error { s, err = Listen(cfg, bs); return err })
+		return s, err
+	}
+	ka := net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 2}
+	services := map[string]*Service{}
+	for name, cka := range map[string]net.KeepAliveConfig{"keepalive": ka, "default": {}} {
+		s := serveStoppableWith(t, Config{Name: name, Listen: netip.AddrPortFrom(pair.AddrA, 0), ClientKeepalive: cka, DrainTimeout: 100 * time.Millisecond},
+			backendSet(bs), listenInA).Service
+		services[name] = s
+		// The client does not probe: it is the one that goes.
+		c, err := pair.B.DialWith(context.Background(), &net.Dialer{KeepAlive: -1}, "tcp", s.Addr().String())
+		if err != nil {
+			t.Fatalf("%s: dial: %v", name, err)
+		}
+		t.Cleanup(func() { c.Close() })
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Read(make([]byte, 512)); err != nil {
+			t.Fatalf("%s: read the answer: %v", name, err)
+		}
+		waitfor.Value(t, 5*time.Second, "1 open connection", openConns(s, 1))
+	}
+
+	// The client's host goes: nothing sent.
+	pair.VanishB(t, func() int64 { return services["keepalive"].Snapshot().Connections },
+		func() int64 { return services["default"].Snapshot().Connections })
+}
+
+// openConns is the number of client connections s holds, for waitfor.Value.
+func openConns(s *Service, want int64) func() (any, bool) {
+	return func() (any, bool) {
+		n := s.Snapshot().Connections
+		return fmt.Sprintf("%d open connections", n), n == want
 	}
 }
