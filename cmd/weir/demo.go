@@ -25,7 +25,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		"Build a client, a balancer and backends in network namespaces, run the agent on them\n"+
 			"(weir run, in the balancer's namespace) and show it balancing real traffic: health,\n"+
 			"drain, reloads, the proxy. Without --keep it removes everything when done;\nweir demo down removes what --keep left. weir demo fleet shows three nodes announcing\na VIP over BGP to a router (weir demo fleet -h).\n"+
-			"WEIR_DEMO_NAME=NAME (3 letters a-z, not wdm or wfl) runs it beside the default one: in\n"+
+			"WEIR_DEMO_NAME=NAME (3 letters a-z, not a prefix weir uses itself, such as wdm or wfl)\nruns it beside the default one: in "+
 			"/run/weir-demo-NAME, its namespaces' names beginning with NAME.", stdout, stderr)
 	backends := fs.Int("backends", 3, "backends the config starts with (1..50; a reload adds one more)")
 	requests := fs.Int("requests", 300, "new TCP connections per round")

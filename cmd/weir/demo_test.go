@@ -360,8 +360,15 @@ type demoProc struct {
 // executable (`weir run`), so they run as the built binary, not a test's.
 func buildWeir(t *testing.T) string {
 	t.Helper()
+	// Its demos may take testPrefix, reserved in weir itself.
+	return goBuild(t, "-X github.com/weir-lb/weir/internal/demo.testName="+testPrefix)
+}
+
+// goBuild builds the weir binary with ldflags.
+func goBuild(t *testing.T, ldflags string) string {
+	t.Helper()
 	bin := filepath.Join(t.TempDir(), "weir")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+	if out, err := exec.Command("go", "build", "-ldflags", ldflags, "-o", bin, ".").CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v: %s", err, out)
 	}
 	return bin
@@ -649,31 +656,32 @@ func startTime(stat []byte) string {
 // TestDemoName: WEIR_DEMO_NAME moves weir demo, and weir demo down, beside
 // the default demo: to /run/weir-demo-NAME and namespaces named NAME...;
 // unset, they keep to /run/weir-demo and wdm. A name that is not 3 letters
-// a-z, or is wdm or wfl (the default demo's and weir demo fleet's prefixes:
-// their namespaces, or a kept named demo's, would be removed as a dead
-// demo's), or is a path, is refused with one line on stderr and exit status
-// 1.
+// a-z, or is a path, or is a prefix weir's own tests and demos use (wdm, wfl,
+// the tests' wdt and wdc...: their namespaces, or a kept named demo's, would
+// be removed as a dead run's) is refused with one line on stderr and exit
+// status 1; the tests' own weir takes testPrefix.
 func TestDemoName(t *testing.T) {
 	for _, c := range []struct{ name, wantDir, wantPrefix string }{
 		{"", demo.DefaultDir, demo.NamePrefix},
 		{"abc", demo.DefaultDir + "-abc", "abc"},
-		{testPrefix, testDemoDir, testPrefix},
 	} {
 		t.Setenv(demo.NameEnv, c.name)
 		if dir, prefix, err := demoPlace(); err != nil || dir != c.wantDir || prefix != c.wantPrefix {
 			t.Errorf("%s=%q: got %q, %q, %v; want %q, %q", demo.NameEnv, c.name, dir, prefix, err, c.wantDir, c.wantPrefix)
 		}
 	}
-	bad := []string{"ab", "abcd", "Abc", "ab1", demo.NamePrefix, "wfl", "../", "a/b", "/tmp/x", " ab"}
-	for _, name := range bad {
+	bad := []string{"ab", "abcd", "Abc", "ab1", "../", "a/b", "/tmp/x", " ab"}
+	reserved := []string{demo.NamePrefix, "wfl", testPrefix, "wdt", "wta"}
+	for _, name := range append(bad, reserved...) {
 		// Before a bad name reaches weir demo, which as root would run.
 		t.Setenv(demo.NameEnv, name)
 		if dir, _, err := demoPlace(); err == nil {
 			t.Fatalf("%s=%q: got %q; want it refused", demo.NameEnv, name, dir)
 		}
 	}
-	bin := buildWeir(t)
-	for _, name := range bad {
+	// weir as shipped: the tests' weir takes testPrefix.
+	bin := goBuild(t, "")
+	for _, name := range append(bad, reserved...) {
 		for _, args := range [][]string{{"demo"}, {"demo", "down"}} {
 			t.Run(fmt.Sprintf("%q/%s", name, strings.Join(args, " ")), func(t *testing.T) {
 				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -687,7 +695,10 @@ func TestDemoName(t *testing.T) {
 				if !errors.As(err, &ee) || ee.ExitCode() != 1 {
 					t.Errorf("got %v; want exit status 1", err)
 				}
-				want := demo.NameEnv + " must be 3 letters a-z other than " + demo.NamePrefix + " and wfl (weir demo's and weir demo fleet's), got " + strconv.Quote(name)
+				want := demo.NameEnv + " must be 3 letters a-z, got " + strconv.Quote(name)
+				if slices.Contains(reserved, name) {
+					want = demo.NameEnv + "=" + name + " is reserved"
+				}
 				if e := strings.TrimSuffix(stderr.String(), "\n"); strings.Contains(e, "\n") || !strings.Contains(e, want) {
 					t.Errorf("stderr %q; want one line saying %q", stderr.String(), want)
 				}

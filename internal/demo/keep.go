@@ -40,25 +40,41 @@ type state struct {
 func statePath(dir string) string { return filepath.Join(dir, "state.json") }
 
 // NameEnv names the environment variable that runs weir demo, and weir demo
-// down, beside the default demo: WEIR_DEMO_NAME=NAME (3 letters a-z, not
-// NamePrefix) gives the directory DefaultDir-NAME and the namespace prefix
-// NAME (see Place).
+// down, beside the default demo: WEIR_DEMO_NAME=NAME (3 letters a-z, not a
+// reserved prefix) gives the directory DefaultDir-NAME and the namespace
+// prefix NAME (see Place).
 const NameEnv = "WEIR_DEMO_NAME"
+
+// testName is the one reserved name Place accepts: set (-ldflags -X) only in
+// the weir that cmd/weir's tests build, whose demos run under their own
+// reserved prefix; empty in weir itself.
+var testName string
 
 // Place is the directory and the namespace prefix of the demo named name:
 // DefaultDir and NamePrefix for "", DefaultDir-NAME and NAME for 3 letters a-z
-// other than NamePrefix and topo.FleetPrefix. A demo removes, as a dead
-// demo's, every namespace of its prefix whose demo has exited, and so does
-// weir demo fleet of its own: each directory has a prefix of its own, one
-// that no other demo's begins with.
+// that are no prefix weir's own tests, benchmarks and demos use
+// (topo.ReservedPrefixes) and begin none. A demo removes, as a dead demo's,
+// every namespace of its prefix whose demo has exited, and so do those tests
+// and weir demo fleet of their own: each directory has a prefix of its own,
+// one that no other demo's, and no test's, begins with.
 func Place(name string) (dir, prefix string, err error) {
 	if name == "" {
 		return DefaultDir, NamePrefix, nil
 	}
-	if len(name) != 3 || strings.Trim(name, "abcdefghijklmnopqrstuvwxyz") != "" || name == NamePrefix || name == topo.FleetPrefix {
-		return "", "", fmt.Errorf("%s must be 3 letters a-z other than %s and %s (weir demo's and weir demo fleet's), got %q", NameEnv, NamePrefix, topo.FleetPrefix, name)
+	if len(name) != 3 || strings.Trim(name, "abcdefghijklmnopqrstuvwxyz") != "" {
+		return "", "", fmt.Errorf("%s must be 3 letters a-z, got %q", NameEnv, name)
+	}
+	if reserved(name) && name != testName {
+		return "", "", fmt.Errorf("%s=%s is reserved: weir's own tests and demos name their namespaces %s... and remove those whose run has exited, which would remove this demo's; choose 3 other letters a-z", NameEnv, name, name)
 	}
 	return DefaultDir + "-" + name, name, nil
+}
+
+// reserved reports whether name is one of topo.ReservedPrefixes or begins
+// one: then the names of a demo with the prefix name can look like that
+// prefix's.
+func reserved(name string) bool {
+	return slices.ContainsFunc(topo.ReservedPrefixes, func(p string) bool { return strings.HasPrefix(p, name) })
 }
 
 // downCommand is the shell command that removes the kept demo in dir.

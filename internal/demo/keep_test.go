@@ -701,3 +701,29 @@ func TestDownLeavesAgentOfSymlink(t *testing.T) {
 		t.Errorf("the symlink %s after Down: %v; want it removed", link, err)
 	}
 }
+
+// TestPlaceRefusesReserved: a demo name that is a prefix weir's own tests,
+// benchmarks or demos use, or begins one (wfc, of wfc0), is refused with one
+// line naming the variable: those runs remove their prefix's namespaces whose
+// run has exited, which would take a kept demo of that name with them.
+func TestPlaceRefusesReserved(t *testing.T) {
+	names := []string{NamePrefix, testPrefix, topo.FleetPrefix, "wfc"}
+	for _, p := range topo.ReservedPrefixes {
+		if len(p) == 3 {
+			names = append(names, p)
+		}
+	}
+	for _, name := range names {
+		dir, _, err := Place(name)
+		if err == nil {
+			t.Errorf("Place(%q) = %q; want it refused", name, dir)
+			continue
+		}
+		if want := NameEnv + "=" + name + " is reserved"; !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "\n") {
+			t.Errorf("Place(%q): %q; want one line saying %q", name, err, want)
+		}
+	}
+	if _, _, err := Place("wfd"); err != nil {
+		t.Errorf("Place(wfd): %v; want it accepted", err)
+	}
+}

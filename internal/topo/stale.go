@@ -2,9 +2,11 @@ package topo
 
 import (
 	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -38,7 +40,18 @@ const pidMaxLimit = 1 << 22
 // The first call for a prefix in a process also removes what crashed runs with
 // that prefix left behind (CleanupStale), so a killed test run's namespaces do
 // not outlive the next run.
+//
+// In a test binary UniqueName panics on a prefix not in ReservedPrefixes:
+// add a test's new prefix there, where weir demo's name check sees it.
 func UniqueName(prefix string) string {
+	if inTest() && !slices.Contains(ReservedPrefixes, prefix) {
+		panic(fmt.Sprintf("topo.UniqueName(%q): a prefix not in topo.ReservedPrefixes; add it there, so that WEIR_DEMO_NAME refuses it", prefix))
+	}
+	return uniqueName(prefix)
+}
+
+// uniqueName is UniqueName without the check of prefix.
+func uniqueName(prefix string) string {
 	if _, done := cleanedPrefixes.LoadOrStore(prefix, true); !done {
 		_ = CleanupStale(prefix)
 	}
@@ -57,6 +70,30 @@ func UniqueName(prefix string) string {
 		}
 	}
 }
+
+// ReservedPrefixes are the prefixes weir's own tests, benchmarks and demos
+// give UniqueName. Each run removes the namespaces of its prefix whose
+// process has exited (CleanupStale), a kept weir demo's among them: weir
+// demo refuses a name (WEIR_DEMO_NAME) that is one of these or begins one
+// (wfc begins wfc0, whose names a dead pid's wfc names can look like).
+var ReservedPrefixes = []string{
+	// topo.New's, NewTwoArmed's and NewRouted's defaults; weir demo's
+	// own (demo.NamePrefix) and weir demo fleet's.
+	"w", "wta", "wrt", "wdm", FleetPrefix,
+	// Tests: internal/demo, cmd/weir, internal/topo, internal/fleet.
+	"wdt", "wdc", "wdx", "wsd", "wvh", "wvm", "wt", "wfe",
+	// Tests: loader.
+	"wn", "wnb", "wnt", "wat", "wfb", "wpc", "wpe", "wst", "whc", "wur",
+	// Tests: userspace/agent and its packages.
+	"bgp", "cap", "pfl", "spa", "wag", "wap", "was", "wti", "war", "wpl", "wrr", "wfc0", "wfc1", "wfc2",
+	// bench/pktbench, and bench/pktgen's tests.
+	"wpb", "wpg",
+}
+
+// inTest reports whether this is a test binary: package testing registers
+// its flags (test.v among them) when one starts. topo links into weir, so it
+// cannot import testing to ask.
+func inTest() bool { return flag.Lookup("test.v") != nil }
 
 // ProcessPrefix is how every name UniqueName(prefix) returns in this process
 // begins: the namespaces listed under it are this process's, not those of

@@ -364,7 +364,7 @@ func TestUniqueNameSkipsLeftName(t *testing.T) {
 func TestUniqueNameCheckFails(t *testing.T) {
 	got := make(chan string, 1)
 	// Exits when UniqueName returns; before, it never did.
-	go func() { got <- UniqueName(testPrefix + strings.Repeat("x", 300)) }()
+	go func() { got <- uniqueName(testPrefix + strings.Repeat("x", 300)) }()
 	select {
 	case name := <-got:
 		if _, err := netns.New(name); err == nil {
@@ -410,4 +410,16 @@ func TestOwnerPID(t *testing.T) {
 			t.Errorf("ownerPID(wt, %s) = %d, %v; want %d, %v", tc.name, pid, ok, tc.wantPID, tc.wantOK)
 		}
 	}
+}
+
+// TestUniqueNameRefusesUnreserved: in a test, UniqueName panics on a prefix
+// that is not in ReservedPrefixes, so every test's prefix is listed where
+// weir demo's name check refuses it.
+func TestUniqueNameRefusesUnreserved(t *testing.T) {
+	defer func() {
+		if r := recover(); r == nil || !strings.Contains(fmt.Sprint(r), "ReservedPrefixes") {
+			t.Errorf("UniqueName(zzq) recovered %v; want a panic naming ReservedPrefixes", r)
+		}
+	}()
+	UniqueName("zzq")
 }
