@@ -438,7 +438,9 @@ func removeExcept(dir string, keep []string) {
 }
 
 // stopAgent ends the agent (SIGTERM, as systemd would), waits for it up to
-// termWait and then kills it.
+// termWait and then kills it, and waits up to killWait for that: a process
+// the kernel holds (frozen, or in an uninterruptible call) may outlive
+// SIGKILL, and the demo goes on without it, naming its pid.
 func (r *run) stopAgent() error {
 	if r.agent == nil {
 		return nil
@@ -453,9 +455,14 @@ func (r *run) stopAgent() error {
 		return nil
 	case <-time.After(termWait):
 		r.agent.Process.Kill()
-		<-r.agentErr
+		pid := r.agent.Process.Pid
 		r.agent = nil
-		return fmt.Errorf("demo: the agent did not stop within %s of SIGTERM: killed; its log is %s", termWait, r.keepLog("agent.log"))
+		select {
+		case <-r.agentErr:
+			return fmt.Errorf("demo: the agent did not stop within %s of SIGTERM: killed; its log is %s", termWait, r.keepLog("agent.log"))
+		case <-time.After(killWait):
+			return fmt.Errorf("demo: the agent (pid %d) did not exit within %s of SIGKILL; its log is %s", pid, killWait, r.keepLog("agent.log"))
+		}
 	}
 }
 

@@ -287,6 +287,80 @@ func TestStopAgentKillsNamesLog(t *testing.T) {
 	}
 }
 
+// TestStopAgentBoundedAfterKill: an agent that outlives SIGKILL (frozen here
+// by a cgroup v1 freezer, as the kernel keeps one in an uninterruptible call)
+// is waited for killWait, not for ever: stopAgent returns one line naming its
+// pid and log.
+func TestStopAgentBoundedAfterKill(t *testing.T) {
+	shortWaits(t)
+	was := killWait
+	killWait = time.Second
+	t.Cleanup(func() { killWait = was })
+	dir := t.TempDir()
+	r := &run{opts: Options{Dir: dir}}
+	r.agent, r.agentErr = startStubborn(t, nil)
+	pid := r.agent.Process.Pid
+	freeze(t, pid)
+	done := make(chan error, 1)
+	// Exits when stopAgent returns; before, not while the agent was frozen.
+	go func() { done <- r.stopAgent() }()
+	select {
+	case err := <-done:
+		want := fmt.Sprintf("the agent (pid %d) did not exit within %s of SIGKILL; its log is %s", pid, killWait, filepath.Join(dir, "agent.log"))
+		if err == nil || strings.Contains(err.Error(), "\n") || !strings.HasSuffix(err.Error(), want) {
+			t.Errorf("stopAgent of an agent that outlives SIGKILL: got %v; want one line ending %q", err, want)
+		}
+	case <-time.After(termWait + killWait + 30*time.Second):
+		t.Fatalf("stopAgent of an agent that outlives SIGKILL has not returned after %s", termWait+killWait+30*time.Second)
+	}
+}
+
+// freeze puts process pid in a cgroup v1 freezer group of its own and
+// freezes it: it then acts on no signal, SIGKILL included, until thawed. At
+// cleanup it is thawed, and the group removed once it has left.
+func freeze(t *testing.T, pid int) {
+	t.Helper()
+	root := "/sys/fs/cgroup/freezer"
+	group := filepath.Join(root, fmt.Sprintf("weir-demo-test-%d", pid))
+	if err := os.Mkdir(group, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	write := func(dir, file, value string) error {
+		return os.WriteFile(filepath.Join(dir, file), []byte(value), 0o644)
+	}
+	t.Cleanup(func() {
+		write(group, "freezer.state", "THAWED")
+		write(root, "cgroup.procs", strconv.Itoa(pid))
+		// Busy until the process has left: thawed, it dies of a SIGKILL
+		// it has been sent, or moves back.
+		deadline := time.Now().Add(30 * time.Second)
+		for err := os.Remove(group); err != nil; err = os.Remove(group) {
+			if time.Now().After(deadline) {
+				t.Errorf("30s after thawing: %v", err)
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	if err := write(group, "cgroup.procs", strconv.Itoa(pid)); err != nil {
+		t.Fatal(err)
+	}
+	if err := write(group, "freezer.state", "FROZEN"); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		b, err := os.ReadFile(filepath.Join(group, "freezer.state"))
+		if err == nil && strings.TrimSpace(string(b)) == "FROZEN" {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("freezer.state %q (%v) 30s after FROZEN; want FROZEN", b, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 // shortWaits makes stopProc wait one second for SIGTERM to work.
 func shortWaits(t *testing.T) {
 	was := termWait
