@@ -59,7 +59,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	cleaned := cutShortOnSecondSignal(stderr, prefix+"*")
 	rep, err := demo.Run(ctx, demo.Options{Backends: *backends, Requests: *requests, Attach: *mode, Keep: *keep, Out: stdout,
 		AgentArgv: func(cfg string) []string { return []string{exe, "run", "-c", cfg} },
-		HoldArgv:  func(state string) []string { return []string{exe, "demo", "hold", state} },
+		HoldArgv:  func(state, prefix string) []string { return []string{exe, "demo", "hold", state, prefix} },
 		Dir:       dir, NamePrefix: prefix})
 	cleaned()
 	if stopped(ctx, err) {
@@ -200,9 +200,9 @@ func runDemoSub(ctx context.Context, cmd string, args []string, stdout, stderr i
 		fmt.Fprintln(stdout, "the kept demo is removed: agent stopped, namespaces gone")
 		return nil
 	default: // hold: internal, run by weir demo --keep
-		if len(args) != 1 {
-			return errors.New("demo hold: usage: weir demo hold STATE (run by weir demo --keep)")
+		if len(args) != 2 {
+			return errors.New("demo hold: usage: weir demo hold STATE PREFIX (run by weir demo --keep)")
 		}
-		return demo.Hold(ctx, args[0])
+		return demo.Hold(ctx, args[0], args[1])
 	}
 }

@@ -44,9 +44,10 @@ type Options struct {
 	Out      io.Writer
 	// AgentArgv is the command that runs the agent on a config file (weir run -c
 	// FILE); Env is added to its environment. Keep also runs HoldArgv (weir demo
-	// hold STATE), which serves the backends after Run returns.
+	// hold STATE PREFIX, PREFIX NamePrefix), which serves the backends after
+	// Run returns.
 	AgentArgv func(config string) []string
-	HoldArgv  func(state string) []string
+	HoldArgv  func(state, prefix string) []string
 	Env       []string
 	// Dir holds the config, the admin socket, logs and the state Down reads.
 	// Default /run/weir-demo.

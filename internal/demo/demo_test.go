@@ -28,6 +28,8 @@ import (
 const (
 	agentEnv = "WEIR_DEMO_TEST_AGENT"
 	holdEnv  = "WEIR_DEMO_TEST_HOLD"
+	// The hold process's namespace prefix, with holdEnv.
+	holdPrefixEnv = "WEIR_DEMO_TEST_HOLD_PREFIX"
 )
 
 func TestMain(m *testing.M) {
@@ -47,7 +49,7 @@ func TestMain(m *testing.M) {
 		os.Exit(splitNS(path))
 	}
 	if st := os.Getenv(holdEnv); st != "" {
-		os.Exit(child(func(ctx context.Context) error { return Hold(ctx, st) }))
+		os.Exit(child(func(ctx context.Context) error { return Hold(ctx, st, os.Getenv(holdPrefixEnv)) }))
 	}
 	// After the agent's and the hold process's: theirs inherit it.
 	if dir := os.Getenv(keepRunEnv); dir != "" {
@@ -90,7 +92,9 @@ func testOptions(dir, attach string, out io.Writer) (Options, error) {
 	}
 	return Options{Attach: attach, Requests: 90, Out: out, Dir: dir, NamePrefix: testPrefix, DieWithParent: true,
 		AgentArgv: func(cfg string) []string { return []string{"env", agentEnv + "=" + cfg, exe} },
-		HoldArgv:  func(state string) []string { return []string{"env", holdEnv + "=" + state, exe} }}, nil
+		HoldArgv: func(state, prefix string) []string {
+			return []string{"env", holdEnv + "=" + state, holdPrefixEnv + "=" + prefix, exe}
+		}}, nil
 }
 
 // TestDemo runs the whole demo, natively and generically attached: every step
@@ -315,7 +319,7 @@ func TestDemoKeepFails(t *testing.T) {
 	var out bytes.Buffer
 	ctx, opts := keepOptions(t, &out)
 	// Exits within a minute, should the demo leave it.
-	opts.HoldArgv = func(string) []string { return []string{"sleep", "60"} }
+	opts.HoldArgv = func(string, string) []string { return []string{"sleep", "60"} }
 	_, err := Run(ctx, opts)
 	if err == nil || !strings.Contains(err.Error(), "did not answer again") {
 		t.Log("\n" + out.String())
@@ -411,7 +415,7 @@ func checkLogKept(t *testing.T, err error, dir, name, want string) {
 func TestDemoKeepHoldExits(t *testing.T) {
 	var out bytes.Buffer
 	ctx, opts := keepOptions(t, &out)
-	opts.HoldArgv = func(string) []string {
+	opts.HoldArgv = func(string, string) []string {
 		return []string{"sh", "-c", "echo 'weir: demo hold: it broke' >&2; exit 1"}
 	}
 	_, err := Run(ctx, opts)

@@ -136,7 +136,8 @@ func (r *run) keep(ctx context.Context) error {
 	if err := writeState(st); err != nil {
 		return err
 	}
-	cmd := exec.Command(r.opts.HoldArgv(statePath(r.opts.Dir))[0], r.opts.HoldArgv(statePath(r.opts.Dir))[1:]...)
+	argv := r.opts.HoldArgv(statePath(r.opts.Dir), r.opts.NamePrefix)
+	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Env = append(os.Environ(), r.opts.Env...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
@@ -214,8 +215,13 @@ func writeState(st state) error {
 	return os.Rename(tmp, statePath(st.Dir))
 }
 
-// Hold serves a kept demo's backends until ctx ends (weir demo down sends SIGTERM).
-func Hold(ctx context.Context, path string) error {
+// Hold serves a kept demo's backends, whose namespaces' names begin with
+// prefix, until ctx ends (weir demo down sends SIGTERM). It enters only the
+// demo's own namespaces: a name the state file gives that is not named as
+// the demo names them, or what is at such a name if it is no network
+// namespace (a symlink, whatever it points to; a FIFO; a file), is refused
+// with an error that says why, before any backend is served.
+func Hold(ctx context.Context, path, prefix string) error {
 	b, err := os.ReadFile(path)
 	if err != nil {
 		return fmt.Errorf("demo hold: %w", err)
@@ -224,15 +230,20 @@ func Hold(ctx context.Context, path string) error {
 	if err := json.Unmarshal(b, &st); err != nil {
 		return fmt.Errorf("demo hold: %s: %w", path, err)
 	}
-	srv := newServers()
-	defer srv.close()
-	for _, be := range st.Backends {
-		ns, err := netns.Open(be.NS)
-		if err != nil {
-			return fmt.Errorf("demo hold: %w", err)
+	nss := make([]*netns.NS, len(st.Backends))
+	for i, be := range st.Backends {
+		if !demoNS(prefix).MatchString(be.NS) {
+			return fmt.Errorf("demo hold: %s: backend %s's namespace %q is not this demo's: its namespaces are named %s<pid><n>-<role>", path, be.Name, be.NS, prefix)
 		}
 		// Not closed: that would remove the namespace; Down does it.
-		if err := srv.serve(ns, be, st.VIPs); err != nil {
+		if nss[i], err = netns.Open(be.NS); err != nil {
+			return fmt.Errorf("demo hold: %s: backend %s: %w", path, be.Name, err)
+		}
+	}
+	srv := newServers()
+	defer srv.close()
+	for i, be := range st.Backends {
+		if err := srv.serve(nss[i], be, st.VIPs); err != nil {
 			return fmt.Errorf("demo hold: %w", err)
 		}
 	}

@@ -2,8 +2,10 @@ package demo
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -21,6 +23,7 @@ import (
 
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/xdptest"
 )
 
 // pidReuseEnv runs this test binary as pidReuse, the first process of a pid
@@ -799,5 +802,53 @@ func TestPlaceRefusesReserved(t *testing.T) {
 	}
 	if _, _, err := Place("wfd"); err != nil {
 		t.Errorf("Place(wfd): %v; want it accepted", err)
+	}
+}
+
+// TestHoldEntersOnlyDemoNamespaces: the backends' process enters only its
+// demo's namespaces, whatever the state file names: a namespace named
+// otherwise, and at a name of the demo's a symlink to a namespace, a FIFO
+// (whose open would block) and a plain file, are each refused at once with
+// an error saying why.
+func TestHoldEntersOnlyDemoNamespaces(t *testing.T) {
+	other, err := netns.New(topo.UniqueName(testPrefix) + "-user")
+	xdptest.Check(t, err)
+	t.Cleanup(func() { other.Close() })
+	at := func(make func(path string) error) string {
+		name := topo.UniqueName(testPrefix) + "-be0"
+		path := filepath.Join(netns.RunDir, name)
+		if err := make(path); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { os.Remove(path) })
+		return name
+	}
+	for _, c := range []struct{ what, ns, want string }{
+		{"another's namespace", other.Name(), "is not this demo's"},
+		{"a symlink", at(func(p string) error { return os.Symlink(other.Path(), p) }), "is a symlink, not a network namespace"},
+		{"a FIFO", at(func(p string) error { return unix.Mkfifo(p, 0o600) }), "is not a namespace file (nsfs)"},
+		{"a file", at(func(p string) error { return os.WriteFile(p, nil, 0o600) }), "is not a namespace file (nsfs)"},
+	} {
+		t.Run(c.what, func(t *testing.T) {
+			dir := t.TempDir()
+			st := state{Dir: dir, Backends: []backend{{Name: "be0", NS: c.ns, IP4: netip.MustParseAddr("10.77.1.10"), IP6: netip.MustParseAddr("fd77:1::10")}},
+				VIPs: []netip.Addr{netip.MustParseAddr("10.77.100.1")}}
+			if err := writeState(st); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			done := make(chan error, 1)
+			// Exits when Hold returns: at once, or when ctx ends.
+			go func() { done <- Hold(ctx, statePath(dir), testPrefix) }()
+			select {
+			case err := <-done:
+				if err == nil || !strings.Contains(err.Error(), c.ns) || !strings.Contains(err.Error(), c.want) {
+					t.Errorf("Hold with %s (%s): got %v; want an error naming it that says %q", c.what, c.ns, err, c.want)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatalf("Hold with %s (%s) has not returned after 30s", c.what, c.ns)
+			}
+		})
 	}
 }

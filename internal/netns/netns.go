@@ -83,15 +83,30 @@ func New(name string) (*NS, error) {
 // Open returns a handle on an existing namespace mounted at
 // /run/netns/<name>, for example one made by New in another process (weir demo
 // --keep leaves its namespaces to a later process). Closing that handle unmounts
-// and removes the namespace just like one made by New.
+// and removes the namespace just like one made by New. It refuses what is no
+// network namespace there: a symlink (never followed), a file that is no
+// namespace (opened without blocking: a FIFO's open would), another kind of
+// namespace.
 func Open(name string) (*NS, error) {
 	if err := validName(name); err != nil {
 		return nil, err
 	}
 	path := filepath.Join(RunDir, name)
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	if errors.Is(err, unix.ELOOP) {
+		return nil, fmt.Errorf("open netns %s: %s is a symlink, not a network namespace", name, path)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("open netns %s: %w", name, err)
+	}
+	var fs unix.Statfs_t
+	if err := unix.Fstatfs(fd, &fs); err != nil || fs.Type != unix.NSFS_MAGIC {
+		unix.Close(fd)
+		return nil, fmt.Errorf("open netns %s: %s is not a namespace file (nsfs)", name, path)
+	}
+	if t, err := unix.IoctlRetInt(fd, unix.NS_GET_NSTYPE); err != nil || t != unix.CLONE_NEWNET {
+		unix.Close(fd)
+		return nil, fmt.Errorf("open netns %s: %s is a namespace, but not a network namespace", name, path)
 	}
 	return &NS{name: name, path: path, fd: fd}, nil
 }

@@ -225,22 +225,23 @@ func TestList(t *testing.T) {
 
 // TestRemoveSymlinkLeavesTarget: a /run/netns entry that is a symlink, here
 // to a tmpfs mounted in the test's directory, is no namespace: removing it
-// by name (RemoveMounted, as a cleanup of a crashed run does) or through a
-// handle Open gave (Close, as weir demo down does) removes the link and
-// leaves what it points to mounted.
+// by name (RemoveMounted, as a cleanup of a crashed run does) removes the
+// link, and Open refuses it (so no Close can act on it); both leave what it
+// points to mounted.
 func TestRemoveSymlinkLeavesTarget(t *testing.T) {
 	for _, c := range []struct {
-		name   string
-		remove func(name string) error
+		name    string
+		remove  func(name string) error
+		removed bool // the link
 	}{
-		{"RemoveMounted", RemoveMounted},
-		{"Close", func(name string) error {
+		{"RemoveMounted", RemoveMounted, true},
+		{"Open", func(name string) error {
 			ns, err := Open(name)
-			if err != nil {
-				return err
+			if err == nil {
+				return ns.Close()
 			}
-			return ns.Close()
-		}},
+			return err
+		}, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			target := t.TempDir()
@@ -257,14 +258,44 @@ func TestRemoveSymlinkLeavesTarget(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { os.Remove(link) })
-			c.remove(name)
-			if _, err := os.Lstat(link); !errors.Is(err, os.ErrNotExist) {
-				t.Errorf("the symlink %s after %s: %v; want it removed", link, c.name, err)
+			err := c.remove(name)
+			if _, lerr := os.Lstat(link); c.removed != errors.Is(lerr, os.ErrNotExist) {
+				t.Errorf("the symlink %s after %s: %v; want it removed: %t", link, c.name, lerr, c.removed)
+			}
+			if !c.removed && (err == nil || !strings.Contains(err.Error(), "is a symlink, not a network namespace")) {
+				t.Errorf("%s of the symlink %s: %v; want it refused as a symlink", c.name, link, err)
 			}
 			var st unix.Statfs_t
 			if err := unix.Statfs(target, &st); err != nil || st.Type != unix.TMPFS_MAGIC {
 				t.Errorf("%s after %s removed a symlink to it: not a tmpfs (%v); want it left mounted", target, c.name, err)
 			}
 		})
+	}
+}
+
+// TestOpenRefusesOtherNamespace: a namespace of another kind mounted at a
+// name (here this process's UTS namespace) is refused by Open, as setns into
+// it would be by the kernel later.
+func TestOpenRefusesOtherNamespace(t *testing.T) {
+	if err := prepareRunDir(); err != nil {
+		t.Fatal(err)
+	}
+	name := fmt.Sprintf("weirnstest%d-uts", os.Getpid())
+	path := filepath.Join(RunDir, name)
+	if err := os.WriteFile(path, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.Remove(path) })
+	err := unix.Mount("/proc/self/ns/uts", path, "", unix.MS_BIND, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(path, unix.MNT_DETACH) })
+	// Not closed if opened: Close would unmount it, as a network namespace.
+	if _, err = Open(name); err == nil {
+		t.Fatalf("Open of a UTS namespace succeeded; want it refused")
+	}
+	if want := "is a namespace, but not a network namespace"; !strings.Contains(err.Error(), want) {
+		t.Errorf("Open of a UTS namespace: %v; want %q", err, want)
 	}
 }
