@@ -144,7 +144,7 @@ type run struct {
 // removes everything and returns context.Cause(ctx) itself, joined with what it
 // could not remove, if anything.
 func Run(ctx context.Context, opts Options) (_ Report, err error) {
-	defer func() { err = oneLine(err) }()
+	defer func() { err = OneLine(err) }()
 	if opts.Backends == 0 {
 		opts.Backends = 3
 	}
@@ -474,9 +474,9 @@ type lineError struct{ err error }
 func (e lineError) Error() string { return strings.ReplaceAll(e.err.Error(), "\n", "; ") }
 func (e lineError) Unwrap() error { return e.err }
 
-// oneLine is err with its text on one line, for weir demo prints an error
-// as one line; errors.Is and errors.As see through it.
-func oneLine(err error) error {
+// OneLine is err with its text on one line, for weir demo and weir demo
+// fleet print an error as one line; errors.Is and errors.As see through it.
+func OneLine(err error) error {
 	if err == nil || !strings.Contains(err.Error(), "\n") {
 		return err
 	}

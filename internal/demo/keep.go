@@ -256,7 +256,7 @@ func Hold(ctx context.Context, path, prefix string) error {
 // stops the agent and the backends' process, then removes the namespaces. It
 // refuses while a demo runs there.
 func Down(dir, prefix string) (err error) {
-	defer func() { err = oneLine(err) }()
+	defer func() { err = OneLine(err) }()
 	if dir == "" {
 		dir = DefaultDir
 	}

@@ -7,10 +7,12 @@ import (
 	"io"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/weir-lb/weir/internal/demo"
 	"github.com/weir-lb/weir/internal/topo"
 )
 
@@ -19,8 +21,8 @@ type DemoOptions struct {
 	Out       io.Writer
 	AgentArgv func(config string) []string
 	Env       []string
-	// Dir holds the configs, sockets and logs; it is removed at the end. Default
-	// a new directory under /run.
+	// Dir holds the configs, sockets and logs. Default a new directory
+	// under /run, removed at the end but for the logs an error names.
 	Dir     string
 	Streams int // default 60
 }
@@ -43,8 +45,10 @@ type DemoReport struct {
 // ECMP route and each node's BGP status are shown, streams spread over the nodes,
 // the busiest node dies, and the streams go on through the others. When ctx ends
 // midway it stops there, removes everything and returns context.Cause(ctx)
-// itself, joined with what it could not remove, if anything.
+// itself, joined with what it could not remove, if anything. Its error is
+// one line.
 func Demo(ctx context.Context, o DemoOptions) (rep DemoReport, err error) {
+	defer func() { err = demo.OneLine(err) }()
 	out := o.Out
 	if out == nil {
 		out = io.Discard
@@ -56,7 +60,7 @@ func Demo(ctx context.Context, o DemoOptions) (rep DemoReport, err error) {
 		if o.Dir, err = os.MkdirTemp("/run", "weir-demo-fleet-"); err != nil {
 			return rep, fmt.Errorf("demo fleet: %w", err)
 		}
-		defer os.RemoveAll(o.Dir)
+		defer func() { removeExceptNamed(o.Dir, err) }()
 	}
 	f, err := Start(Options{AgentArgv: o.AgentArgv, Env: o.Env, Dir: o.Dir})
 	if err != nil {
@@ -79,14 +83,24 @@ func Demo(ctx context.Context, o DemoOptions) (rep DemoReport, err error) {
 		len(f.Nodes), len(f.T.DSR), f.T.Name)
 	fmt.Fprintf(out, "each node runs the agent (XDP on its fabric link) and peers over eBGP (AS %d) with the router (AS %d), hold time %s\n",
 		NodeASN, RouterASN, f.opts.HoldTime)
+	// The first agent that fails stops the others' start: all have
+	// returned before Close stops them.
+	actx, cancelStart := context.WithCancel(ctx)
 	errs := make(chan error, len(f.Nodes))
 	for i := range f.Nodes {
-		go func() { errs <- f.StartAgent(ctx, i) }()
+		// Exits when node i's agent answers or fails, or actx ends.
+		go func() { errs <- f.StartAgent(actx, i) }()
 	}
+	var startErr error
 	for range f.Nodes {
-		if err := <-errs; err != nil {
-			return rep, err
+		if err := <-errs; err != nil && startErr == nil {
+			startErr = err
+			cancelStart()
 		}
+	}
+	cancelStart()
+	if startErr != nil {
+		return rep, startErr
 	}
 	prefix := netip.PrefixFrom(so.VIP, 32)
 	if _, err := f.WaitNextHops(ctx, prefix, f.NodeIPs(All(len(f.Nodes))...), 10*time.Second); err != nil {
@@ -217,4 +231,23 @@ func formatShares(s []int, dead int) string {
 		parts = append(parts, fmt.Sprintf("node-%d %d", i, n))
 	}
 	return strings.Join(parts, ", ")
+}
+
+// removeExceptNamed removes dir and what is in it, but the files err names
+// (the logs its message points to): those stay, and dir with them, for the
+// user to read.
+func removeExceptNamed(dir string, err error) {
+	ents, _ := os.ReadDir(dir)
+	kept := false
+	for _, e := range ents {
+		path := filepath.Join(dir, e.Name())
+		if err != nil && strings.Contains(err.Error(), path) {
+			kept = true
+			continue
+		}
+		os.RemoveAll(path)
+	}
+	if !kept {
+		os.Remove(dir)
+	}
 }

@@ -26,6 +26,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/weir-lb/weir/internal/demo"
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/loader"
 	"github.com/weir-lb/weir/userspace/agent/admin"
@@ -124,7 +125,7 @@ func Start(opts Options) (_ *Fleet, err error) {
 	f := &Fleet{opts: opts, T: t, srv: NewServers(), bird: bird, birdc: birdc, nft: nft}
 	defer func() {
 		if err != nil {
-			err = errors.Join(err, f.Close())
+			err = demo.OneLine(errors.Join(err, f.Close()))
 		}
 	}()
 	for i, h := range t.Nodes {
@@ -459,8 +460,8 @@ func (f *Fleet) StartAgent(ctx context.Context, i int) error {
 }
 
 // logLine names a child process's log at path, what, and quotes its last
-// line: one line, for an error. The log's path alone would not do: weir demo
-// fleet removes its directory when it ends.
+// line: one line, for an error. weir demo fleet keeps the logs its error
+// names when it removes its directory.
 func logLine(what, path string) string {
 	lines := strings.Split(strings.TrimSpace(tail(path, 40)), "\n")
 	return fmt.Sprintf("%s is %s, ending %q", what, path, lines[len(lines)-1])

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -639,5 +640,41 @@ func TestBirdExitsOneLine(t *testing.T) {
 	}
 	if ee := (*exec.ExitError)(nil); !errors.As(err, &ee) || ee.ExitCode() != 1 {
 		t.Errorf("startBird of a BIRD that exits 1: got %q; want it to wrap the *exec.ExitError", err)
+	}
+}
+
+// TestDemoFailsOneLineKeepsLog: weir demo fleet whose node 0 agent ignores
+// SIGTERM and never answers, and whose other agents exit at start, fails
+// with one line, the exit and the cleanup's own error (node 0 still ran 15 s
+// after SIGTERM) separated by "; ", naming a log it keeps in its otherwise
+// removed directory.
+func TestDemoFailsOneLineKeepsLog(t *testing.T) {
+	heavy.Alone(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	_, err := Demo(ctx, DemoOptions{Streams: 1, AgentArgv: func(cfg string) []string {
+		// The others exit once node 0 ignores SIGTERM: the first exit
+		// stops the demo.
+		ready := filepath.Join(filepath.Dir(cfg), "node0.ready")
+		if strings.HasSuffix(cfg, "node0.yaml") {
+			return []string{"sh", "-c", "trap '' TERM; touch " + ready + "; exec sleep 1000"}
+		}
+		return []string{"sh", "-c", "until [ -e " + ready + " ]; do sleep 0.02; done; echo 'weir: it broke' >&2; exit 1"}
+	}})
+	log := regexp.MustCompile(`/run/weir-demo-fleet-[^/ ]+/node[12]\.log`).FindString(fmt.Sprint(err))
+	if log != "" {
+		t.Cleanup(func() { os.RemoveAll(filepath.Dir(log)) })
+	}
+	if err == nil || strings.Contains(err.Error(), "\n") || log == "" || !strings.Contains(err.Error(), "agent exited") || !strings.Contains(err.Error(), "still runs after 15s") {
+		t.Fatalf("Demo: got %q; want one line naming node 1's or 2's log, its exit and node 0's stop", err)
+	}
+	if b, err := os.ReadFile(log); err != nil || !strings.Contains(string(b), "it broke") {
+		t.Errorf("the log the error names, %s: %q, %v; want it kept, saying it broke", log, b, err)
+	}
+	ents, _ := os.ReadDir(filepath.Dir(log))
+	for _, e := range ents {
+		if path := filepath.Join(filepath.Dir(log), e.Name()); !strings.Contains(err.Error(), path) {
+			t.Errorf("%s left; want only the logs the error names", path)
+		}
 	}
 }
