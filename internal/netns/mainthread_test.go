@@ -1,18 +1,19 @@
-package netns
+package netns_test
 
 import (
-	"fmt"
 	"os"
 	"testing"
 
 	"github.com/weir-lb/weir/internal/mainthread"
+	"github.com/weir-lb/weir/internal/netns"
 )
 
 func TestMain(m *testing.M) {
-	seq := 0
+	if os.Getenv(leaveEnv) != "" {
+		os.Exit(leave())
+	}
 	mainthread.Child(func() error {
-		seq++
-		ns, err := New(fmt.Sprintf("weirnstest%d-main%d", os.Getpid(), seq))
+		ns, err := netns.New(testName("main"))
 		if err != nil {
 			return err
 		}

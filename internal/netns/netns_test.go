@@ -1,11 +1,13 @@
-package netns
+package netns_test
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -15,13 +17,23 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/weir-lb/weir/internal/netns"
+	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
 )
 
+// testPrefix begins the names of these tests' namespaces: see testName.
+const testPrefix = "wns"
+
+// testName is a name for a test's namespace, /run/netns/<name>: the
+// process's pid and a sequence number (topo.UniqueName) and role. The first
+// call in a process removes what runs of these tests killed midway left.
+func testName(role string) string { return topo.UniqueName(testPrefix) + "-" + role }
+
 // newNS creates a namespace named after the test and removes it at cleanup.
-func newNS(t *testing.T, suffix string) *NS {
+func newNS(t *testing.T, suffix string) *netns.NS {
 	t.Helper()
-	ns, err := New(fmt.Sprintf("weirnstest%d-%s", os.Getpid(), suffix))
+	ns, err := netns.New(testName(suffix))
 	xdptest.Check(t, err)
 	t.Cleanup(func() {
 		if err := ns.Close(); err != nil {
@@ -118,14 +130,14 @@ func TestNewDoClose(t *testing.T) {
 	if _, err := os.Stat(ns.Path()); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("after Close, stat %s: %v; want not exist", ns.Path(), err)
 	}
-	if err := ns.Do(func() error { return nil }); !errors.Is(err, ErrClosed) {
-		t.Errorf("Do after Close: %v; want ErrClosed", err)
+	if err := ns.Do(func() error { return nil }); !errors.Is(err, netns.ErrClosed) {
+		t.Errorf("Do after Close: %v; want netns.ErrClosed", err)
 	}
 }
 
 func TestNewExisting(t *testing.T) {
 	ns := newNS(t, "dup")
-	_, err := New(ns.Name())
+	_, err := netns.New(ns.Name())
 	if !errors.Is(err, os.ErrExist) {
 		t.Fatalf("New(%q) twice: %v; want os.ErrExist", ns.Name(), err)
 	}
@@ -208,17 +220,17 @@ func TestDialRejectsNames(t *testing.T) {
 
 func TestList(t *testing.T) {
 	ns := newNS(t, "list")
-	names, err := List(ns.Name())
+	names, err := netns.List(ns.Name())
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(names) != 1 || names[0] != ns.Name() {
 		t.Fatalf("List(%q) = %v; want [%s]", ns.Name(), names, ns.Name())
 	}
-	if err := RemoveMounted(ns.Name()); err != nil {
+	if err := netns.RemoveMounted(ns.Name()); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := os.Stat(filepath.Join(RunDir, ns.Name())); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(filepath.Join(netns.RunDir, ns.Name())); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("after RemoveMounted: %v", err)
 	}
 }
@@ -234,9 +246,9 @@ func TestRemoveSymlinkLeavesTarget(t *testing.T) {
 		remove  func(name string) error
 		removed bool // the link
 	}{
-		{"RemoveMounted", RemoveMounted, true},
+		{"RemoveMounted", netns.RemoveMounted, true},
 		{"Open", func(name string) error {
-			ns, err := Open(name)
+			ns, err := netns.Open(name)
 			if err == nil {
 				return ns.Close()
 			}
@@ -249,9 +261,9 @@ func TestRemoveSymlinkLeavesTarget(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { unix.Unmount(target, unix.MNT_DETACH) })
-			name := fmt.Sprintf("weirnstest%d-link%s", os.Getpid(), c.name)
-			link := filepath.Join(RunDir, name)
-			if err := prepareRunDir(); err != nil {
+			name := testName("link" + c.name)
+			link := filepath.Join(netns.RunDir, name)
+			if err := netns.PrepareRunDir(); err != nil {
 				t.Fatal(err)
 			}
 			if err := os.Symlink(target, link); err != nil {
@@ -277,11 +289,11 @@ func TestRemoveSymlinkLeavesTarget(t *testing.T) {
 // name (here this process's UTS namespace) is refused by Open, as setns into
 // it would be by the kernel later.
 func TestOpenRefusesOtherNamespace(t *testing.T) {
-	if err := prepareRunDir(); err != nil {
+	if err := netns.PrepareRunDir(); err != nil {
 		t.Fatal(err)
 	}
-	name := fmt.Sprintf("weirnstest%d-uts", os.Getpid())
-	path := filepath.Join(RunDir, name)
+	name := testName("uts")
+	path := filepath.Join(netns.RunDir, name)
 	if err := os.WriteFile(path, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -292,10 +304,71 @@ func TestOpenRefusesOtherNamespace(t *testing.T) {
 	}
 	t.Cleanup(func() { unix.Unmount(path, unix.MNT_DETACH) })
 	// Not closed if opened: Close would unmount it, as a network namespace.
-	if _, err = Open(name); err == nil {
+	if _, err = netns.Open(name); err == nil {
 		t.Fatalf("Open of a UTS namespace succeeded; want it refused")
 	}
 	if want := "is a namespace, but not a network namespace"; !strings.Contains(err.Error(), want) {
 		t.Errorf("Open of a UTS namespace: %v; want %q", err, want)
+	}
+}
+
+// leaveEnv makes this test binary leave, as a run killed midway does: it
+// makes a namespace as the tests do, prints its name and waits to be killed.
+const leaveEnv = "WEIR_NETNS_TEST_LEAVE"
+
+func leave() int {
+	ns, err := netns.New(testName("left"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	fmt.Println(ns.Name())
+	select {}
+}
+
+// TestKilledRunsNamespaceRemoved: a namespace of these tests whose process
+// was killed before its cleanup is removed by the next run of the tests (its
+// first namespace), as topo.CleanupStale removes a dead pid's; one of a live
+// run is not.
+func TestKilledRunsNamespaceRemoved(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	child := exec.Command(exe, "-test.run", "^$")
+	child.Env = append(os.Environ(), leaveEnv+"=1")
+	child.Stderr = os.Stderr
+	out, err := child.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := child.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { child.Process.Kill(); child.Wait() })
+	line, err := bufio.NewReader(out).ReadString('\n')
+	left := strings.TrimSpace(line)
+	if err != nil || left == "" {
+		t.Fatalf("the child said %q (%v); want a namespace's name", line, err)
+	}
+	path := filepath.Join(netns.RunDir, left)
+	// Should the check below fail, the test removes it.
+	t.Cleanup(func() { netns.RemoveMounted(left) })
+	live := newNS(t, "live")
+	child.Process.Kill()
+	child.Wait()
+	if _, err := os.Stat(path); err != nil {
+		t.Fatalf("the killed child's namespace: %v; want it left", err)
+	}
+	// The next run: its first namespace removes the dead run's.
+	next := exec.Command(exe, "-test.run", "^TestList$")
+	if b, err := next.CombinedOutput(); err != nil {
+		t.Fatalf("the next run: %v\n%s", err, b)
+	}
+	if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s after the next run: %v; want it removed", path, err)
+	}
+	if _, err := os.Stat(live.Path()); err != nil {
+		t.Errorf("this live run's namespace %s after the next run: %v; want it kept", live.Name(), err)
 	}
 }

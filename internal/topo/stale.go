@@ -80,8 +80,9 @@ var ReservedPrefixes = []string{
 	// topo.New's, NewTwoArmed's and NewRouted's defaults; weir demo's
 	// own (demo.NamePrefix) and weir demo fleet's.
 	"w", "wta", "wrt", "wdm", FleetPrefix,
-	// Tests: internal/demo, cmd/weir, internal/topo, internal/fleet.
-	"wdt", "wdc", "wdx", "wsd", "wvh", "wvm", "wt", "wfe",
+	// Tests: internal/demo, cmd/weir, internal/topo, internal/netns,
+	// internal/fleet.
+	"wdt", "wdc", "wdx", "wsd", "wvh", "wvm", "wt", "wns", "wfe",
 	// Tests: loader.
 	"wn", "wnb", "wnt", "wat", "wfb", "wpc", "wpe", "wst", "whc", "wur",
 	// Tests: userspace/agent and its packages.
