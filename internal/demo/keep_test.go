@@ -21,6 +21,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/weir-lb/weir/internal/freezetest"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
@@ -303,7 +304,7 @@ func TestStopAgentBoundedAfterKill(t *testing.T) {
 	r := &run{opts: Options{Dir: dir}}
 	r.agent, r.agentErr = startStubborn(t, nil)
 	pid := r.agent.Process.Pid
-	freeze(t, pid)
+	freezetest.Freeze(t, pid)
 	done := make(chan error, 1)
 	// Exits when stopAgent returns; before, not while the agent was frozen.
 	go func() { done <- r.stopAgent() }()
@@ -315,52 +316,6 @@ func TestStopAgentBoundedAfterKill(t *testing.T) {
 		}
 	case <-time.After(termWait + killWait + 30*time.Second):
 		t.Fatalf("stopAgent of an agent that outlives SIGKILL has not returned after %s", termWait+killWait+30*time.Second)
-	}
-}
-
-// freeze puts process pid in a cgroup v1 freezer group of its own and
-// freezes it: it then acts on no signal, SIGKILL included, until thawed. At
-// cleanup it is thawed, and the group removed once it has left.
-func freeze(t *testing.T, pid int) {
-	t.Helper()
-	root := "/sys/fs/cgroup/freezer"
-	group := filepath.Join(root, fmt.Sprintf("weir-demo-test-%d", pid))
-	if err := os.Mkdir(group, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	write := func(dir, file, value string) error {
-		return os.WriteFile(filepath.Join(dir, file), []byte(value), 0o644)
-	}
-	t.Cleanup(func() {
-		write(group, "freezer.state", "THAWED")
-		write(root, "cgroup.procs", strconv.Itoa(pid))
-		// Busy until the process has left: thawed, it dies of a SIGKILL
-		// it has been sent, or moves back.
-		deadline := time.Now().Add(30 * time.Second)
-		for err := os.Remove(group); err != nil; err = os.Remove(group) {
-			if time.Now().After(deadline) {
-				t.Errorf("30s after thawing: %v", err)
-				return
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	})
-	if err := write(group, "cgroup.procs", strconv.Itoa(pid)); err != nil {
-		t.Fatal(err)
-	}
-	if err := write(group, "freezer.state", "FROZEN"); err != nil {
-		t.Fatal(err)
-	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		b, err := os.ReadFile(filepath.Join(group, "freezer.state"))
-		if err == nil && strings.TrimSpace(string(b)) == "FROZEN" {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("freezer.state %q (%v) 30s after FROZEN; want FROZEN", b, err)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 

@@ -491,8 +491,17 @@ func (f *Fleet) WaitAgent(i int, within time.Duration) error {
 	}
 }
 
+// How long StopAgent waits for an agent to exit after SIGTERM, and after
+// SIGKILL; Close waits for BIRD after SIGTERM as after SIGKILL.
+var (
+	termWait = 15 * time.Second
+	killWait = 5 * time.Second
+)
+
 // StopAgent ends node i's agent with SIGTERM (SIGCONT first, should it be
-// stopped), or SIGKILL if it lingers.
+// stopped), or SIGKILL if it lingers. An agent the kernel keeps after SIGKILL
+// (frozen, or in an uninterruptible call) is waited for killWait, then left
+// with an error naming its pid.
 func (f *Fleet) StopAgent(i int) error {
 	n := f.Nodes[i]
 	if n.cmd == nil {
@@ -500,15 +509,29 @@ func (f *Fleet) StopAgent(i int) error {
 	}
 	n.cmd.Process.Signal(syscall.SIGCONT)
 	n.cmd.Process.Signal(syscall.SIGTERM)
-	if err := f.WaitAgent(i, 15*time.Second); err != nil {
+	if err := f.WaitAgent(i, termWait); err != nil {
 		if n.cmd != nil {
+			pid := n.cmd.Process.Pid
 			n.cmd.Process.Kill()
-			<-n.done
 			n.cmd = nil
+			if !exited(n.done) {
+				return fmt.Errorf("fleet: node %d's agent (pid %d) did not exit within %s of SIGKILL", i, pid, killWait)
+			}
 		}
 		return err
 	}
 	return nil
+}
+
+// exited waits up to killWait for what done says, a process's exit, and
+// reports whether it came.
+func exited(done <-chan error) bool {
+	select {
+	case <-done:
+		return true
+	case <-time.After(killWait):
+		return false
+	}
 }
 
 // Close stops the agents, BIRD and the servers, detaches the decapsulation
@@ -522,11 +545,11 @@ func (f *Fleet) Close() error {
 	}
 	if f.birdC != nil {
 		f.birdC.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-f.birdCh:
-		case <-time.After(5 * time.Second):
+		if !exited(f.birdCh) {
 			f.birdC.Process.Kill()
-			<-f.birdCh
+			if !exited(f.birdCh) {
+				errs = append(errs, fmt.Errorf("fleet: bird (pid %d) did not exit within %s of SIGKILL", f.birdC.Process.Pid, killWait))
+			}
 		}
 		f.birdC = nil
 	}

@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/weir-lb/weir/internal/freezetest"
 	"github.com/weir-lb/weir/internal/heavy"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
@@ -676,5 +677,43 @@ func TestDemoFailsOneLineKeepsLog(t *testing.T) {
 		if path := filepath.Join(filepath.Dir(log), e.Name()); !strings.Contains(err.Error(), path) {
 			t.Errorf("%s left; want only the logs the error names", path)
 		}
+	}
+}
+
+// TestStopAgentBoundedAfterKill: an agent that outlives SIGKILL (frozen here,
+// as the kernel keeps one in an uninterruptible call) is waited for killWait,
+// not for ever: StopAgent returns one line naming its pid.
+func TestStopAgentBoundedAfterKill(t *testing.T) {
+	wasTerm, wasKill := termWait, killWait
+	termWait, killWait = time.Second, time.Second
+	t.Cleanup(func() { termWait, killWait = wasTerm, wasKill })
+	cmd := exec.Command("sleep", "1000")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	n := &Node{cmd: cmd, done: make(chan error, 1)}
+	reaped := make(chan struct{})
+	// Exits when sleep does: killed, at the latest at cleanup once thawed.
+	go func() {
+		n.done <- cmd.Wait()
+		close(reaped)
+	}()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		<-reaped
+	})
+	freezetest.Freeze(t, cmd.Process.Pid)
+	f := &Fleet{Nodes: []*Node{n}}
+	done := make(chan error, 1)
+	// Exits when StopAgent returns; before, not while the agent was frozen.
+	go func() { done <- f.StopAgent(0) }()
+	select {
+	case err := <-done:
+		want := fmt.Sprintf("fleet: node 0's agent (pid %d) did not exit within %s of SIGKILL", cmd.Process.Pid, killWait)
+		if err == nil || err.Error() != want {
+			t.Errorf("StopAgent of an agent that outlives SIGKILL: got %v; want %q", err, want)
+		}
+	case <-time.After(termWait + killWait + 30*time.Second):
+		t.Fatalf("StopAgent of an agent that outlives SIGKILL has not returned after %s", termWait+killWait+30*time.Second)
 	}
 }
