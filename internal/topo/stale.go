@@ -86,7 +86,9 @@ var ReservedPrefixes = []string{
 	// Tests: loader.
 	"wn", "wnb", "wnt", "wat", "wfb", "wpc", "wpe", "wst", "whc", "wur",
 	// Tests: userspace/agent and its packages.
-	"bgp", "cap", "pfl", "spa", "wag", "wap", "was", "wti", "war", "wpl", "wrr", "wfc0", "wfc1", "wfc2",
+	"bgp", "cap", "pfl", "spa", "wag", "wap", "was", "wti", "war", "wpl", "wrr", "wfc0", "wfc1", "wfc2", "wia",
+	// internal/netpair, for the proxy's and the http plane's tests.
+	"wnp",
 	// bench/pktbench, and bench/pktgen's tests.
 	"wpb", "wpg",
 }
