@@ -1,6 +1,7 @@
 package xdpplane
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
@@ -135,18 +136,20 @@ func resolveMAC(ip netip.Addr, xdpLinks map[int]string) (net.HardwareAddr, error
 	return nil, fmt.Errorf("%s on %s: %w (the kernel is sending ARP/ND; if this persists the backend is unreachable)", ip, name, errNeighbourPending)
 }
 
-// unusableSource are the address flags of an address that must not be the
-// balancer's own: a temporary (privacy) IPv6 address goes away after its
-// lifetime, a deprecated one must not start new flows (RFC 4862 5.5.4), a
-// tentative one is still in duplicate address detection and the kernel drops
-// what is sent from it, a DAD-failed one belongs to another host, and an IPv4
-// secondary is only an alias of its subnet's primary, which the same list holds
-// (the kernel's IFA_F_SECONDARY is IFA_F_TEMPORARY's bit, named for IPv4).
-const unusableSource = unix.IFA_F_TEMPORARY | unix.IFA_F_DEPRECATED | unix.IFA_F_TENTATIVE |
-	unix.IFA_F_DADFAILED | unix.IFA_F_SECONDARY
+// notSource are the address flags of an address that is never the balancer's
+// own: a temporary (privacy) IPv6 address goes away after its lifetime (the
+// public address it was made from is there too), a tentative one is still in
+// duplicate address detection and the kernel drops what is sent from it, a
+// DAD-failed one belongs to another host, and an IPv4 secondary is only an
+// alias of its subnet's primary, which the same list holds (the kernel's
+// IFA_F_SECONDARY is IFA_F_TEMPORARY's bit, named for IPv4).
+const notSource = unix.IFA_F_TEMPORARY | unix.IFA_F_TENTATIVE | unix.IFA_F_DADFAILED | unix.IFA_F_SECONDARY
 
 // interfaceAddrs returns the first global unicast address of each family on a
-// link that may be a source (see unusableSource).
+// link that may be a source (see notSource), one that is not deprecated if
+// there is one: as the kernel picks a source (RFC 6724 rule 3), a deprecated
+// address is avoided while another is preferred, and used when it is all there
+// is (RFC 4862 5.5.4 keeps it usable).
 func interfaceAddrs(ifname string) ([]netip.Addr, error) {
 	l, err := netlink.LinkByName(ifname)
 	if err != nil {
@@ -156,18 +159,29 @@ func interfaceAddrs(ifname string) ([]netip.Addr, error) {
 	if err != nil {
 		return nil, fmt.Errorf("interface %s: list addresses: %w", ifname, err)
 	}
-	var out []netip.Addr
-	var have4, have6 bool
+	var preferred, deprecated [2]netip.Addr // IPv4, IPv6
 	for _, a := range addrs {
 		ip, ok := netip.AddrFromSlice(a.IP)
-		if !ok || !ip.Unmap().IsGlobalUnicast() || a.Flags&unusableSource != 0 {
+		if !ok || !ip.Unmap().IsGlobalUnicast() || a.Flags&notSource != 0 {
 			continue
 		}
 		ip = ip.Unmap()
-		if ip.Is4() && !have4 {
-			out, have4 = append(out, ip), true
-		} else if ip.Is6() && !have6 {
-			out, have6 = append(out, ip), true
+		best := &preferred
+		if a.Flags&unix.IFA_F_DEPRECATED != 0 {
+			best = &deprecated
+		}
+		f := 0
+		if ip.Is6() {
+			f = 1
+		}
+		if !best[f].IsValid() {
+			best[f] = ip
+		}
+	}
+	var out []netip.Addr
+	for f := range preferred {
+		if ip := cmp.Or(preferred[f], deprecated[f]); ip.IsValid() {
+			out = append(out, ip)
 		}
 	}
 	return out, nil

@@ -21,7 +21,8 @@ import (
 // that may be a source. IPv6 lists the newest address of a scope first, so
 // each case adds a usable address and then one that must not win: a temporary
 // (privacy) address, a deprecated, a tentative and a DAD-failed one; IPv4
-// adds an address and a secondary of its subnet.
+// adds an address and a secondary of its subnet. A deprecated address that is
+// the only one is still the balancer's own, as the kernel's source.
 func TestInterfaceAddrsSkipsUnusableSources(t *testing.T) {
 	ns, err := netns.New(topo.UniqueName("wia"))
 	if err != nil {
@@ -53,6 +54,10 @@ func TestInterfaceAddrsSkipsUnusableSources(t *testing.T) {
 			addrs: []*netlink.Addr{addr("2001:db8:1::1/64", unix.IFA_F_NODAD, 0, 0),
 				addr("2001:db8:2::1/64", unix.IFA_F_NODAD, 0, 3000)},
 			flag: unix.IFA_F_DEPRECATED, want: netip.MustParseAddr("2001:db8:1::1")},
+		{name: "deprecated only",
+			// All there is, so the kernel sends from it, and so does nat.
+			addrs: []*netlink.Addr{addr("2001:db8:2::1/64", unix.IFA_F_NODAD, 0, 3000)},
+			flag:  unix.IFA_F_DEPRECATED, want: netip.MustParseAddr("2001:db8:2::1")},
 		{name: "tentative",
 			// DAD sends its one probe, then waits a retransmission time before the
 			// address is usable: an hour here.
