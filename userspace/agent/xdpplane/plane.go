@@ -153,13 +153,16 @@ func Setup(cfg *config.Config, disabled bool) (*Plane, error) {
 	return x, nil
 }
 
+// reasonDisabled is why XDP serves nothing with --no-xdp (Setup, Preflight).
+const reasonDisabled = "XDP disabled (--no-xdp)"
+
 // unusable says why XDP cannot serve cfg on this host before anything is
-// loaded (Setup and Preflight ask it alike): disabled (--no-xdp), no
-// interfaces, or a process without the privileges; "" if nothing says so yet.
+// loaded: disabled (--no-xdp), no interfaces, or a process without the
+// privileges; "" if nothing says so yet.
 func unusable(cfg *config.Config, disabled bool) string {
 	switch {
 	case disabled:
-		return "XDP disabled (--no-xdp)"
+		return reasonDisabled
 	case len(cfg.Interfaces) == 0:
 		return "no interfaces configured"
 	}

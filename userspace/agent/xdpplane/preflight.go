@@ -16,19 +16,26 @@ import (
 // named file; `weir validate` prints them. disabled is weir run's --no-xdp.
 // refused are the problems for which the agent on this host refuses the file (a
 // start stops, a reload is refused): a service XDP alone may serve that XDP
-// cannot serve here (XDP disabled, this process lacks the privileges, none of
-// the interfaces exists, or its mode's needs are not met), a VIP on the BGP
-// speaker's port at the interface's address while XDP would take it. notes only
-// decide where a service runs: one with data_plane auto is served by the proxy.
+// cannot serve here (XDP disabled, none of the interfaces exists, or its mode's
+// needs are not met), a VIP on the BGP speaker's port at the interface's
+// address while XDP would take it. notes only decide where a service runs: one
+// with data_plane auto is served by the proxy. The privileges XDP needs are the
+// agent's, not those of the process that checks: one without them checks the
+// file as the agent, which has them to serve with XDP, takes it, and says so
+// in a note.
 func Preflight(cfg *config.Config, file string, disabled bool) (refused, notes []string) {
 	if len(cfg.Interfaces) == 0 {
 		return nil, nil
 	}
 	x := &Plane{links: map[int]string{}, addrs: cfg.Addresses}
-	if x.reason = unusable(cfg, disabled); x.reason != "" {
+	if disabled {
 		// XDP takes no packet: the speaker's port stays the speaker's, and
 		// every service XDP may serve meets the same refusal or fallback.
+		x.reason = reasonDisabled
 		return x.serviceChecks(cfg, file, nil, nil)
+	}
+	if err := checkPrivileges(); err != nil {
+		notes = append(notes, fmt.Sprintf("%s: checked as the agent takes the file with the privileges XDP needs, which this process lacks (%v)", file, err))
 	}
 	var missing []string
 	for i, in := range cfg.Interfaces {
@@ -70,7 +77,7 @@ func Preflight(cfg *config.Config, file string, disabled bool) (refused, notes [
 }
 
 // serviceChecks adds to refused and notes what keeps XDP from serving each
-// service it may serve here: x.reason when XDP is unusable, else the mode's
+// service it may serve here: x.reason when XDP is disabled, else the mode's
 // needs; each at the service's entry in the file at file.
 func (x *Plane) serviceChecks(cfg *config.Config, file string, refused, notes []string) ([]string, []string) {
 	for i := range cfg.Services {
