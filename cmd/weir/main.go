@@ -49,8 +49,8 @@ usage:
   weir run [-c FILE] [--no-xdp]    run the agent (SIGHUP reloads, SIGTERM stops)
   weir validate [FILE] [--file-only] [--no-xdp]
                                    check a config file, and whether the agent on this host
-                                   would take it (run --no-xdp's with --no-xdp; not with
-                                   --file-only); prints every error, exit 1 if any
+                                   would take it (as weir run --no-xdp with --no-xdp; not
+                                   with --file-only); prints every error, exit 1 if any
   weir status [--json]             services, data planes, backends, health, counters
   weir drain SERVICE BACKEND       stop new flows to BACKEND (ip:port); established ones stay
   weir undrain SERVICE BACKEND     end a drain
