@@ -1,7 +1,6 @@
 package xdpplane
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
 	"net"
@@ -138,18 +137,32 @@ func resolveMAC(ip netip.Addr, xdpLinks map[int]string) (net.HardwareAddr, error
 
 // notSource are the address flags of an address that is never the balancer's
 // own: a temporary (privacy) IPv6 address goes away after its lifetime (the
-// public address it was made from is there too), a tentative one is still in
-// duplicate address detection and the kernel drops what is sent from it, a
-// DAD-failed one belongs to another host, and an IPv4 secondary is only an
-// alias of its subnet's primary, which the same list holds (the kernel's
-// IFA_F_SECONDARY is IFA_F_TEMPORARY's bit, named for IPv4).
-const notSource = unix.IFA_F_TEMPORARY | unix.IFA_F_TENTATIVE | unix.IFA_F_DADFAILED | unix.IFA_F_SECONDARY
+// public address it was made from is there too), a DAD-failed one belongs to
+// another host, and an IPv4 secondary is only an alias of its subnet's
+// primary, which the same list holds (the kernel's IFA_F_SECONDARY is
+// IFA_F_TEMPORARY's bit, named for IPv4).
+const notSource = unix.IFA_F_TEMPORARY | unix.IFA_F_DADFAILED | unix.IFA_F_SECONDARY
 
-// interfaceAddrs returns the first global unicast address of each family on a
-// link that may be a source (see notSource), one that is not deprecated if
-// there is one: as the kernel picks a source (RFC 6724 rule 3), a deprecated
-// address is avoided while another is preferred, and used when it is all there
-// is (RFC 4862 5.5.4 keeps it usable).
+// sourceRank orders the other addresses, the first choice lowest: a preferred
+// one; a deprecated one, which the kernel's source selection avoids while
+// another is preferred (RFC 6724 rule 3) and uses when it is all there is (RFC
+// 4862 5.5.4 keeps it usable); one still in duplicate address detection, which
+// the kernel sends from once DAD passes, a second or so after it was added:
+// the agent reads its own address once, at start, which may be that second
+// after the network came up.
+func sourceRank(flags int) int {
+	switch {
+	case flags&unix.IFA_F_TENTATIVE != 0:
+		return 2
+	case flags&unix.IFA_F_DEPRECATED != 0:
+		return 1
+	}
+	return 0
+}
+
+// interfaceAddrs returns the global unicast address of each family on a link
+// that may be a source (see notSource) and ranks first (sourceRank), the first
+// listed of that rank.
 func interfaceAddrs(ifname string) ([]netip.Addr, error) {
 	l, err := netlink.LinkByName(ifname)
 	if err != nil {
@@ -159,28 +172,25 @@ func interfaceAddrs(ifname string) ([]netip.Addr, error) {
 	if err != nil {
 		return nil, fmt.Errorf("interface %s: list addresses: %w", ifname, err)
 	}
-	var preferred, deprecated [2]netip.Addr // IPv4, IPv6
+	var best [2]netip.Addr // IPv4, IPv6
+	var rank [2]int
 	for _, a := range addrs {
 		ip, ok := netip.AddrFromSlice(a.IP)
 		if !ok || !ip.Unmap().IsGlobalUnicast() || a.Flags&notSource != 0 {
 			continue
 		}
 		ip = ip.Unmap()
-		best := &preferred
-		if a.Flags&unix.IFA_F_DEPRECATED != 0 {
-			best = &deprecated
-		}
 		f := 0
 		if ip.Is6() {
 			f = 1
 		}
-		if !best[f].IsValid() {
-			best[f] = ip
+		if r := sourceRank(a.Flags); !best[f].IsValid() || r < rank[f] {
+			best[f], rank[f] = ip, r
 		}
 	}
 	var out []netip.Addr
-	for f := range preferred {
-		if ip := cmp.Or(preferred[f], deprecated[f]); ip.IsValid() {
+	for _, ip := range best {
+		if ip.IsValid() {
 			out = append(out, ip)
 		}
 	}

@@ -21,8 +21,9 @@ import (
 // that may be a source. IPv6 lists the newest address of a scope first, so
 // each case adds a usable address and then one that must not win: a temporary
 // (privacy) address, a deprecated, a tentative and a DAD-failed one; IPv4
-// adds an address and a secondary of its subnet. A deprecated address that is
-// the only one is still the balancer's own, as the kernel's source.
+// adds an address and a secondary of its subnet. A deprecated address, or one
+// still in duplicate address detection, that is the only one is still the
+// balancer's own.
 func TestInterfaceAddrsSkipsUnusableSources(t *testing.T) {
 	ns, err := netns.New(topo.UniqueName("wia"))
 	if err != nil {
@@ -65,6 +66,11 @@ func TestInterfaceAddrsSkipsUnusableSources(t *testing.T) {
 			addrs: []*netlink.Addr{addr("2001:db8:1::1/64", unix.IFA_F_NODAD, 0, 0),
 				addr("2001:db8:2::1/64", 0, 0, 0)},
 			flag: unix.IFA_F_TENTATIVE, want: netip.MustParseAddr("2001:db8:1::1")},
+		{name: "tentative only",
+			// It will be usable in a moment; the agent reads it once.
+			sysctls: map[string]string{"net/ipv6/conf/%s/dad_transmits": "1", "net/ipv6/neigh/%s/retrans_time_ms": "3600000"},
+			addrs:   []*netlink.Addr{addr("2001:db8:2::1/64", 0, 0, 0)},
+			flag:    unix.IFA_F_TENTATIVE, want: netip.MustParseAddr("2001:db8:2::1")},
 		{name: "dadfailed",
 			// The peer holds the address already and answers the probe.
 			peer: []*netlink.Addr{addr("2001:db8:2::1/64", unix.IFA_F_NODAD, 0, 0)},
