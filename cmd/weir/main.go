@@ -260,7 +260,7 @@ func configFlag(fs *command) *string {
 func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("run", "", "Run the agent: load the config, attach XDP, serve until SIGTERM or SIGINT; SIGHUP reloads.", stdout, stderr)
 	file := configFlag(fs)
-	noXDP := fs.Bool("no-xdp", false, "serve every service with the proxy (udp services cannot start)")
+	noXDP := fs.Bool("no-xdp", false, "load no XDP: the proxy serves the services it may (data_plane auto or proxy); a data_plane xdp or udp service makes the agent refuse the file")
 	if err := parseFlags(fs, args, 0, 0); err != nil {
 		return err
 	}

@@ -36,7 +36,7 @@ func checkPrivileges() error {
 		missing = append(missing, "CAP_NET_ADMIN")
 	}
 	if len(missing) > 0 {
-		return fmt.Errorf("check privileges: missing %v: run weir as root, or grant CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN (for bpffs); or serve every service with the proxy (weir run --no-xdp): %w", missing, unix.EPERM)
+		return fmt.Errorf("check privileges: missing %v: run weir as root, or grant CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN (for bpffs); or, where no service needs XDP (data_plane xdp, udp), run without it (weir run --no-xdp): %w", missing, unix.EPERM)
 	}
 	return nil
 }
