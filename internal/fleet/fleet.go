@@ -501,7 +501,7 @@ var (
 // StopAgent ends node i's agent with SIGTERM (SIGCONT first, should it be
 // stopped), or SIGKILL if it lingers. An agent the kernel keeps after SIGKILL
 // (frozen, or in an uninterruptible call) is waited for killWait, then left
-// with an error naming its pid.
+// with an error naming its pid and its log.
 func (f *Fleet) StopAgent(i int) error {
 	n := f.Nodes[i]
 	if n.cmd == nil {
@@ -515,7 +515,7 @@ func (f *Fleet) StopAgent(i int) error {
 			n.cmd.Process.Kill()
 			n.cmd = nil
 			if !exited(n.done) {
-				return fmt.Errorf("fleet: node %d's agent (pid %d) did not exit within %s of SIGKILL", i, pid, killWait)
+				return fmt.Errorf("fleet: node %d's agent (pid %d) did not exit within %s of SIGKILL; %s", i, pid, killWait, logLine("its log", n.log))
 			}
 		}
 		return err

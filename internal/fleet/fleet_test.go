@@ -682,7 +682,8 @@ func TestDemoFailsOneLineKeepsLog(t *testing.T) {
 
 // TestStopAgentBoundedAfterKill: an agent that outlives SIGKILL (frozen here,
 // as the kernel keeps one in an uninterruptible call) is waited for killWait,
-// not for ever: StopAgent returns one line naming its pid.
+// not for ever: StopAgent returns one line naming its pid and its log, which
+// weir demo fleet then keeps.
 func TestStopAgentBoundedAfterKill(t *testing.T) {
 	wasTerm, wasKill := termWait, killWait
 	termWait, killWait = time.Second, time.Second
@@ -691,7 +692,11 @@ func TestStopAgentBoundedAfterKill(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	n := &Node{cmd: cmd, done: make(chan error, 1)}
+	log := filepath.Join(t.TempDir(), "node0.log")
+	if err := os.WriteFile(log, []byte("weir: started\nweir: stuck\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	n := &Node{cmd: cmd, done: make(chan error, 1), log: log}
 	reaped := make(chan struct{})
 	// Exits when sleep does: killed, at the latest at cleanup once thawed.
 	go func() {
@@ -709,7 +714,7 @@ func TestStopAgentBoundedAfterKill(t *testing.T) {
 	go func() { done <- f.StopAgent(0) }()
 	select {
 	case err := <-done:
-		want := fmt.Sprintf("fleet: node 0's agent (pid %d) did not exit within %s of SIGKILL", cmd.Process.Pid, killWait)
+		want := fmt.Sprintf("fleet: node 0's agent (pid %d) did not exit within %s of SIGKILL; its log is %s, ending %q", cmd.Process.Pid, killWait, log, "weir: stuck")
 		if err == nil || err.Error() != want {
 			t.Errorf("StopAgent of an agent that outlives SIGKILL: got %v; want %q", err, want)
 		}
