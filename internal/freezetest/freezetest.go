@@ -4,6 +4,7 @@
 package freezetest
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -11,50 +12,119 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
+
+// root is where the cgroup v1 freezer is mounted.
+const root = "/sys/fs/cgroup/freezer"
+
+// groupPrefix begins the name of each group Freeze makes, which goes on with
+// the test process's pid and the frozen process's: weir-test-<owner>-<pid>.
+const groupPrefix = "weir-test-"
 
 // Freeze puts process pid in a cgroup v1 freezer group of its own and
 // freezes it: it then acts on no signal, SIGKILL included, until thawed. At
-// cleanup it is thawed, and the group removed once it has left.
+// cleanup it is thawed, and the group removed once it has left. A group a
+// test process killed before its cleanup left (its process frozen for good)
+// is thawed and removed first. Without the freezer the test fails saying so.
 func Freeze(t testing.TB, pid int) {
 	t.Helper()
-	root := "/sys/fs/cgroup/freezer"
-	group := filepath.Join(root, fmt.Sprintf("weir-test-%d", pid))
-	if err := os.Mkdir(group, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	write := func(dir, file, value string) error {
-		return os.WriteFile(filepath.Join(dir, file), []byte(value), 0o644)
-	}
-	t.Cleanup(func() {
-		write(group, "freezer.state", "THAWED")
-		write(root, "cgroup.procs", strconv.Itoa(pid))
-		// Busy until the process has left: thawed, it dies of a SIGKILL
-		// it has been sent, or moves back.
-		deadline := time.Now().Add(30 * time.Second)
-		for err := os.Remove(group); err != nil; err = os.Remove(group) {
-			if time.Now().After(deadline) {
-				t.Errorf("30s after thawing: %v", err)
-				return
+	thaw, err := freeze(root, pid)
+	if thaw != nil {
+		t.Cleanup(func() {
+			if err := thaw(); err != nil {
+				t.Error(err)
 			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	})
-	if err := write(group, "cgroup.procs", strconv.Itoa(pid)); err != nil {
+		})
+	}
+	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// freeze is Freeze with the freezer mounted at root; thaw, once the group is
+// made, undoes it.
+func freeze(root string, pid int) (thaw func() error, err error) {
+	if _, err := os.Stat(filepath.Join(root, "cgroup.procs")); err != nil {
+		return nil, fmt.Errorf("freezetest: the test needs the cgroup v1 freezer at %s (mount -t cgroup -o freezer freezer %s): %w", root, root, err)
+	}
+	thawLeft(root)
+	group := filepath.Join(root, fmt.Sprintf("%s%d-%d", groupPrefix, os.Getpid(), pid))
+	if err := os.Mkdir(group, 0o755); err != nil {
+		return nil, fmt.Errorf("freezetest: %w", err)
+	}
+	thaw = func() error {
+		release(root, group)
+		return removeGroup(group, 30*time.Second)
+	}
+	if err := write(group, "cgroup.procs", strconv.Itoa(pid)); err != nil {
+		return thaw, fmt.Errorf("freezetest: %w", err)
 	}
 	if err := write(group, "freezer.state", "FROZEN"); err != nil {
-		t.Fatal(err)
+		return thaw, fmt.Errorf("freezetest: %w", err)
 	}
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		b, err := os.ReadFile(filepath.Join(group, "freezer.state"))
 		if err == nil && strings.TrimSpace(string(b)) == "FROZEN" {
-			return
+			return thaw, nil
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("freezer.state %q (%v) 30s after FROZEN; want FROZEN", b, err)
+			return thaw, fmt.Errorf("freezetest: freezer.state %q (%v) 30s after FROZEN; want FROZEN", b, err)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// thawLeft thaws and removes the groups under root that test processes
+// which have exited made: killed before their cleanup, they left their
+// processes frozen, a SIGKILL they had been sent pending for ever. A live
+// test's group is left alone.
+func thawLeft(root string) {
+	ents, _ := os.ReadDir(root)
+	for _, e := range ents {
+		rest, ok := strings.CutPrefix(e.Name(), groupPrefix)
+		owner, _, _ := strings.Cut(rest, "-")
+		pid, err := strconv.Atoi(owner)
+		if !ok || err != nil || pid <= 0 || alive(pid) {
+			continue
+		}
+		group := filepath.Join(root, e.Name())
+		release(root, group)
+		removeGroup(group, 5*time.Second)
+	}
+}
+
+// removeGroup removes group, released, within: busy until its processes
+// have left (thawed, one dies of a SIGKILL it has been sent, or moves
+// back).
+func removeGroup(group string, within time.Duration) error {
+	deadline := time.Now().Add(within)
+	for err := os.Remove(group); err != nil; err = os.Remove(group) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("freezetest: %s after thawing: %w", within, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return nil
+}
+
+// release thaws group and moves its processes back to root.
+func release(root, group string) {
+	write(group, "freezer.state", "THAWED")
+	b, _ := os.ReadFile(filepath.Join(group, "cgroup.procs"))
+	for _, pid := range strings.Fields(string(b)) {
+		write(root, "cgroup.procs", pid)
+	}
+}
+
+func write(dir, file, value string) error {
+	return os.WriteFile(filepath.Join(dir, file), []byte(value), 0o644)
+}
+
+// alive reports whether process pid exists.
+func alive(pid int) bool {
+	err := unix.Kill(pid, 0)
+	return err == nil || errors.Is(err, unix.EPERM)
 }
