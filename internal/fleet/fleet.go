@@ -205,7 +205,7 @@ func (f *Fleet) startBird() error {
 		return fmt.Errorf("fleet: %w", err)
 	}
 	f.sock = filepath.Join(f.opts.Dir, "bird.ctl")
-	out, err := os.Create(filepath.Join(f.opts.Dir, "bird.out"))
+	out, err := os.Create(f.birdOut())
 	if err != nil {
 		return fmt.Errorf("fleet: %w", err)
 	}
@@ -227,11 +227,11 @@ func (f *Fleet) startBird() error {
 		select {
 		case err := <-f.birdCh:
 			f.birdCh <- err
-			return fmt.Errorf("fleet: bird exited: %w; %s", err, logLine("its output", filepath.Join(f.opts.Dir, "bird.out")))
+			return fmt.Errorf("fleet: bird exited: %w; %s", err, logLine("its output", f.birdOut()))
 		case <-time.After(50 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("fleet: bird did not answer on its control socket within 10s; %s", logLine("its output", filepath.Join(f.opts.Dir, "bird.out")))
+			return fmt.Errorf("fleet: bird did not answer on its control socket within 10s; %s", logLine("its output", f.birdOut()))
 		}
 	}
 }
@@ -548,7 +548,7 @@ func (f *Fleet) Close() error {
 		if !exited(f.birdCh) {
 			f.birdC.Process.Kill()
 			if !exited(f.birdCh) {
-				errs = append(errs, fmt.Errorf("fleet: bird (pid %d) did not exit within %s of SIGKILL", f.birdC.Process.Pid, killWait))
+				errs = append(errs, fmt.Errorf("fleet: bird (pid %d) did not exit within %s of SIGKILL; %s", f.birdC.Process.Pid, killWait, logLine("its output", f.birdOut())))
 			}
 		}
 		f.birdC = nil
@@ -584,6 +584,9 @@ func tail(path string, n int) string {
 	}
 	return strings.Join(lines, "\n")
 }
+
+// birdOut is the file BIRD's stdout and stderr go to.
+func (f *Fleet) birdOut() string { return filepath.Join(f.opts.Dir, "bird.out") }
 
 // BirdLog is the tail of BIRD's log.
 func (f *Fleet) BirdLog() string { return tail(filepath.Join(f.opts.Dir, "bird.log"), 30) }

@@ -685,22 +685,57 @@ func TestDemoFailsOneLineKeepsLog(t *testing.T) {
 // not for ever: StopAgent returns one line naming its pid and its log, which
 // weir demo fleet then keeps.
 func TestStopAgentBoundedAfterKill(t *testing.T) {
+	shortWaits(t)
+	dir := t.TempDir()
+	cmd, done, log := startFrozen(t, dir, "node0.log")
+	f := &Fleet{Nodes: []*Node{{cmd: cmd, done: done, log: log}}}
+	err := returnsWithin(t, "StopAgent", func() error { return f.StopAgent(0) }, termWait+killWait)
+	want := fmt.Sprintf("fleet: node 0's agent (pid %d) did not exit within %s of SIGKILL; its log is %s, ending %q", cmd.Process.Pid, killWait, log, "weir: stuck")
+	if err == nil || err.Error() != want {
+		t.Errorf("StopAgent of an agent that outlives SIGKILL: got %v; want %q", err, want)
+	}
+}
+
+// TestCloseBoundedAfterBirdKill: BIRD outliving SIGKILL is waited for
+// killWait, and Close's error names its pid and its output, which weir demo
+// fleet then keeps.
+func TestCloseBoundedAfterBirdKill(t *testing.T) {
+	shortWaits(t)
+	dir := t.TempDir()
+	cmd, done, out := startFrozen(t, dir, "bird.out")
+	f := &Fleet{opts: Options{Dir: dir}, T: &topo.Fleet{}, srv: NewServers(), birdC: cmd, birdCh: done}
+	err := returnsWithin(t, "Close", f.Close, 2*killWait)
+	want := fmt.Sprintf("fleet: bird (pid %d) did not exit within %s of SIGKILL; its output is %s, ending %q", cmd.Process.Pid, killWait, out, "weir: stuck")
+	if err == nil || err.Error() != want {
+		t.Errorf("Close with a BIRD that outlives SIGKILL: got %v; want %q", err, want)
+	}
+}
+
+// shortWaits makes StopAgent and Close wait a second for SIGTERM and for
+// SIGKILL to work.
+func shortWaits(t *testing.T) {
 	wasTerm, wasKill := termWait, killWait
 	termWait, killWait = time.Second, time.Second
 	t.Cleanup(func() { termWait, killWait = wasTerm, wasKill })
-	cmd := exec.Command("sleep", "1000")
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	log := filepath.Join(t.TempDir(), "node0.log")
+}
+
+// startFrozen starts a process that outlives SIGKILL: frozen until cleanup,
+// which thaws, kills and reaps it. done gets its exit; its log, name in dir,
+// ends "weir: stuck".
+func startFrozen(t *testing.T, dir, name string) (cmd *exec.Cmd, done chan error, log string) {
+	t.Helper()
+	log = filepath.Join(dir, name)
 	if err := os.WriteFile(log, []byte("weir: started\nweir: stuck\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	n := &Node{cmd: cmd, done: make(chan error, 1), log: log}
-	reaped := make(chan struct{})
+	cmd = exec.Command("sleep", "1000")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done, reaped := make(chan error, 1), make(chan struct{})
 	// Exits when sleep does: killed, at the latest at cleanup once thawed.
 	go func() {
-		n.done <- cmd.Wait()
+		done <- cmd.Wait()
 		close(reaped)
 	}()
 	t.Cleanup(func() {
@@ -708,17 +743,21 @@ func TestStopAgentBoundedAfterKill(t *testing.T) {
 		<-reaped
 	})
 	freezetest.Freeze(t, cmd.Process.Pid)
-	f := &Fleet{Nodes: []*Node{n}}
+	return cmd, done, log
+}
+
+// returnsWithin is what fn returns, which must be within bound (and 30 s
+// for a loaded machine).
+func returnsWithin(t *testing.T, what string, fn func() error, bound time.Duration) error {
+	t.Helper()
 	done := make(chan error, 1)
-	// Exits when StopAgent returns; before, not while the agent was frozen.
-	go func() { done <- f.StopAgent(0) }()
+	// Exits when fn returns; before the bounds, not while a process was frozen.
+	go func() { done <- fn() }()
 	select {
 	case err := <-done:
-		want := fmt.Sprintf("fleet: node 0's agent (pid %d) did not exit within %s of SIGKILL; its log is %s, ending %q", cmd.Process.Pid, killWait, log, "weir: stuck")
-		if err == nil || err.Error() != want {
-			t.Errorf("StopAgent of an agent that outlives SIGKILL: got %v; want %q", err, want)
-		}
-	case <-time.After(termWait + killWait + 30*time.Second):
-		t.Fatalf("StopAgent of an agent that outlives SIGKILL has not returned after %s", termWait+killWait+30*time.Second)
+		return err
+	case <-time.After(bound + 30*time.Second):
+		t.Fatalf("%s has not returned after %s", what, bound+30*time.Second)
+		return nil
 	}
 }
