@@ -61,13 +61,19 @@ func Place(name string) (dir, prefix string, err error) {
 	if name == "" {
 		return DefaultDir, NamePrefix, nil
 	}
-	if len(name) != 3 || strings.Trim(name, "abcdefghijklmnopqrstuvwxyz") != "" {
+	if !threeLetters(name) {
 		return "", "", fmt.Errorf("%s must be 3 letters a-z, got %q", NameEnv, name)
 	}
 	if reserved(name) && name != testName {
 		return "", "", fmt.Errorf("%s=%s is reserved: weir's own tests and demos name their namespaces %s... and remove those whose run has exited, which would remove this demo's; choose 3 other letters a-z", NameEnv, name, name)
 	}
 	return DefaultDir + "-" + name, name, nil
+}
+
+// threeLetters reports whether name is 3 letters a-z, as every demo's
+// namespace prefix is.
+func threeLetters(name string) bool {
+	return len(name) == 3 && strings.Trim(name, "abcdefghijklmnopqrstuvwxyz") == ""
 }
 
 // reserved reports whether name is one of topo.ReservedPrefixes or begins
@@ -220,7 +226,8 @@ func writeState(st state) error {
 // demo's own namespaces: a name the state file gives that is not named as
 // the demo names them, or what is at such a name if it is no network
 // namespace (a symlink, whatever it points to; a FIFO; a file), is refused
-// with an error that says why, before any backend is served.
+// with an error that says why, before any backend is served; so is a prefix
+// no demo has (3 letters a-z).
 func Hold(ctx context.Context, path, prefix string) error {
 	b, err := os.ReadFile(path)
 	if err != nil {
@@ -229,6 +236,11 @@ func Hold(ctx context.Context, path, prefix string) error {
 	var st state
 	if err := json.Unmarshal(b, &st); err != nil {
 		return fmt.Errorf("demo hold: %s: %w", path, err)
+	}
+	// A shorter prefix ("w", "") would match other names of the same
+	// shape: topo.UniqueName("w")'s, a test topology's.
+	if !threeLetters(prefix) {
+		return fmt.Errorf("demo hold: the prefix must be 3 letters a-z, as a demo's namespaces' is, got %q", prefix)
 	}
 	nss := make([]*netns.NS, len(st.Backends))
 	for i, be := range st.Backends {

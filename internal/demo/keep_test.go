@@ -764,11 +764,15 @@ func TestPlaceRefusesReserved(t *testing.T) {
 // demo's namespaces, whatever the state file names: a namespace named
 // otherwise, and at a name of the demo's a symlink to a namespace, a FIFO
 // (whose open would block) and a plain file, are each refused at once with
-// an error saying why.
+// an error saying why; so is a prefix no demo has, here "w", whose names a
+// test topology's namespace (topo.New's default) has.
 func TestHoldEntersOnlyDemoNamespaces(t *testing.T) {
 	other, err := netns.New(topo.UniqueName(testPrefix) + "-user")
 	xdptest.Check(t, err)
 	t.Cleanup(func() { other.Close() })
+	testTopo, err := netns.New(topo.UniqueName("w") + "-be0")
+	xdptest.Check(t, err)
+	t.Cleanup(func() { testTopo.Close() })
 	at := func(make func(path string) error) string {
 		name := topo.UniqueName(testPrefix) + "-be0"
 		path := filepath.Join(netns.RunDir, name)
@@ -778,11 +782,12 @@ func TestHoldEntersOnlyDemoNamespaces(t *testing.T) {
 		t.Cleanup(func() { os.Remove(path) })
 		return name
 	}
-	for _, c := range []struct{ what, ns, want string }{
-		{"another's namespace", other.Name(), "is not this demo's"},
-		{"a symlink", at(func(p string) error { return os.Symlink(other.Path(), p) }), "is a symlink, not a network namespace"},
-		{"a FIFO", at(func(p string) error { return unix.Mkfifo(p, 0o600) }), "is not a namespace file (nsfs)"},
-		{"a file", at(func(p string) error { return os.WriteFile(p, nil, 0o600) }), "is not a namespace file (nsfs)"},
+	for _, c := range []struct{ what, ns, prefix, want string }{
+		{"another's namespace", other.Name(), testPrefix, "is not this demo's"},
+		{"a symlink", at(func(p string) error { return os.Symlink(other.Path(), p) }), testPrefix, "is a symlink, not a network namespace"},
+		{"a FIFO", at(func(p string) error { return unix.Mkfifo(p, 0o600) }), testPrefix, "is not a namespace file (nsfs)"},
+		{"a file", at(func(p string) error { return os.WriteFile(p, nil, 0o600) }), testPrefix, "is not a namespace file (nsfs)"},
+		{"the prefix w", testTopo.Name(), "w", `the prefix must be 3 letters a-z, as a demo's namespaces' is, got "w"`},
 	} {
 		t.Run(c.what, func(t *testing.T) {
 			dir := t.TempDir()
@@ -795,11 +800,15 @@ func TestHoldEntersOnlyDemoNamespaces(t *testing.T) {
 			defer cancel()
 			done := make(chan error, 1)
 			// Exits when Hold returns: at once, or when ctx ends.
-			go func() { done <- Hold(ctx, statePath(dir), testPrefix) }()
+			go func() { done <- Hold(ctx, statePath(dir), c.prefix) }()
 			select {
 			case err := <-done:
-				if err == nil || !strings.Contains(err.Error(), c.ns) || !strings.Contains(err.Error(), c.want) {
-					t.Errorf("Hold with %s (%s): got %v; want an error naming it that says %q", c.what, c.ns, err, c.want)
+				named := c.ns
+				if c.prefix != testPrefix {
+					named = strconv.Quote(c.prefix)
+				}
+				if err == nil || !strings.Contains(err.Error(), named) || !strings.Contains(err.Error(), c.want) {
+					t.Errorf("Hold with %s (%s): got %v; want an error naming %s that says %q", c.what, c.ns, err, named, c.want)
 				}
 			case <-time.After(30 * time.Second):
 				t.Fatalf("Hold with %s (%s) has not returned after 30s", c.what, c.ns)
