@@ -16,8 +16,13 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// root is where the cgroup v1 freezer is mounted.
-const root = "/sys/fs/cgroup/freezer"
+// root is where the cgroup v1 freezer is mounted on a host that mounts each
+// controller of its own (this project's machines); ownRoot is where Freeze
+// mounts it when the host has not.
+const (
+	root    = "/sys/fs/cgroup/freezer"
+	ownRoot = "/run/weir-test-freezer"
+)
 
 // groupPrefix begins the name of each group Freeze makes, which goes on with
 // the test process's pid and the frozen process's: weir-test-<owner>-<pid>.
@@ -30,7 +35,7 @@ const groupPrefix = "weir-test-"
 // is thawed and removed first. Without the freezer the test fails saying so.
 func Freeze(t testing.TB, pid int) {
 	t.Helper()
-	thaw, err := freeze(root, pid)
+	thaw, err := freeze(freezerRoot(), pid)
 	if thaw != nil {
 		t.Cleanup(func() {
 			if err := thaw(); err != nil {
@@ -41,6 +46,27 @@ func Freeze(t testing.TB, pid int) {
 	if err != nil {
 		t.Fatal(err)
 	}
+}
+
+// freezerRoot is where the cgroup v1 freezer is mounted: the host's, else
+// one Freeze mounts itself at ownRoot (which a host whose freezer the cgroup
+// v2 hierarchy holds refuses; freeze then says what the test needs).
+func freezerRoot() string {
+	if _, err := os.Stat(filepath.Join(root, "cgroup.procs")); err == nil {
+		return root
+	}
+	if _, err := os.Stat(filepath.Join(ownRoot, "cgroup.procs")); err == nil {
+		return ownRoot
+	}
+	if err := os.MkdirAll(ownRoot, 0o755); err == nil {
+		if unix.Mount("weir-test-freezer", ownRoot, "cgroup", 0, "freezer") != nil {
+			os.Remove(ownRoot)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(ownRoot, "cgroup.procs")); err == nil {
+		return ownRoot
+	}
+	return root
 }
 
 // freeze is Freeze with the freezer mounted at root; thaw, once the group is
