@@ -8,13 +8,14 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/internal/topo"
 )
 
 // netNS is a network namespace made for one test. A goroutine locked to an OS
@@ -26,15 +27,13 @@ type netNS struct {
 	ops  chan func()
 }
 
-var nsSeq atomic.Int32
-
 // newNetNS creates a namespace with lo up and removes it when the test ends.
 func newNetNS(t *testing.T) *netNS {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		requirePrivilege(t, "needs root to create a network namespace")
 	}
-	n := &netNS{name: fmt.Sprintf("whc-%d-%d", os.Getpid(), nsSeq.Add(1)), ops: make(chan func())}
+	n := &netNS{name: topo.UniqueName("whc"), ops: make(chan func())}
 	made := make(chan error, 1)
 	up := make(chan error, 1)
 	// Exits when the cleanup below closes n.ops. The thread stays locked, so

@@ -19,6 +19,7 @@ import (
 	"github.com/weir-lb/weir/bpf"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/packet"
+	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/internal/xdptest"
 )
 
@@ -751,7 +752,7 @@ func newFuzzRig(tb testing.TB) *fuzzRig {
 
 	// bpf_fib_lookup looks in the namespace of the thread that test-runs the program;
 	// one goroutine stays in the fuzz namespace for all runs.
-	ns, err := netns.New(fmt.Sprintf("weir-fuzz-%d", os.Getpid()))
+	ns, err := netns.New(topo.UniqueName("wfz"))
 	xdptest.Check(tb, err)
 	tb.Cleanup(func() { ns.Close() })
 	ready := make(chan error, 1)

@@ -84,7 +84,9 @@ var ReservedPrefixes = []string{
 	// internal/fleet.
 	"wdt", "wdc", "wdx", "wsd", "wvh", "wvm", "wt", "wns", "wfe",
 	// Tests: loader.
-	"wn", "wnb", "wnt", "wat", "wfb", "wpc", "wpe", "wst", "whc", "wur",
+	"wn", "wnb", "wnt", "wat", "wfb", "wpc", "wpe", "wst", "wur", "wfz",
+	// Tests: health.
+	"whc",
 	// Tests: userspace/agent and its packages.
 	"bgp", "cap", "pfl", "spa", "wag", "wap", "was", "wti", "war", "wpl", "wrr", "wfc0", "wfc1", "wfc2", "wia",
 	// internal/netpair, for the proxy's and the http plane's tests.
