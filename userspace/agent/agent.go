@@ -105,6 +105,7 @@ type Agent struct {
 	metrics *metrics.Metrics
 
 	events   chan event
+	wake     chan struct{} // a listening plane's server stopped on its own: revive
 	loopDone chan struct{} // closed when the loop has ended
 	running  atomic.Bool   // the loop takes events
 	snap     atomic.Pointer[snapshot]
@@ -129,7 +130,8 @@ const maxReloads = 10
 
 // New returns an agent for opts.
 func New(opts Options) *Agent {
-	a := &Agent{opts: opts, checker: &health.Checker{}, events: make(chan event), loopDone: make(chan struct{})}
+	a := &Agent{opts: opts, checker: &health.Checker{}, events: make(chan event),
+		wake: make(chan struct{}, 1), loopDone: make(chan struct{})}
 	a.metrics = metrics.New(a.Status)
 	a.checker.OnCheck = a.metrics.ObserveCheck
 	return a
@@ -172,6 +174,7 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 	}
 	a.xdp, a.proxy = x, proxyplane.New(a.checker, a.log)
 	a.http = httpplane.New(a.checker, a.log, a.metrics.ObserveRequest)
+	a.proxy.Wake, a.http.Wake = a.revive, a.revive
 	a.planes = map[plan.Plane]Plane{plan.XDP: x, plan.Proxy: a.proxy, plan.HTTP: a.http}
 
 	st := newState(cfg)

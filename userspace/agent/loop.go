@@ -65,6 +65,9 @@ type (
 	}
 	// tickEvent: once a second.
 	tickEvent struct{ now time.Time }
+	// reviveEvent: start anew the servers of the proxy and the http plane that
+	// stopped serving on their own, those whose backoff is over.
+	reviveEvent struct{}
 	// nodeDrainEvent: withdraw every BGP route of the node, or announce again.
 	nodeDrainEvent struct {
 		drain bool
@@ -77,6 +80,9 @@ func (a *Agent) loop(ctx context.Context, st *state) {
 	defer close(a.loopDone)
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
+	// reviveT fires when a try to start a stopped server anew is due.
+	reviveT := time.NewTimer(0)
+	defer reviveT.Stop()
 	for {
 		var ev event
 		select {
@@ -85,6 +91,10 @@ func (a *Agent) loop(ctx context.Context, st *state) {
 		case ev = <-a.events:
 		case now := <-t.C:
 			ev = tickEvent{now}
+		case <-a.wake:
+			ev = reviveEvent{}
+		case <-reviveT.C:
+			ev = reviveEvent{}
 		}
 		// A request is answered after the snapshot is published, so a caller that
 		// reads Status after its change returns sees the change.
@@ -104,6 +114,10 @@ func (a *Agent) loop(ctx context.Context, st *state) {
 			a.tick(st, ev.now)
 		case nodeDrainEvent:
 			reply, err = ev.reply, a.onNodeDrain(st, ev.drain)
+		case reviveEvent:
+			if wait := a.onRevive(st); wait > 0 {
+				reviveT.Reset(wait)
+			}
 		}
 		a.publish(st)
 		a.handled.Add(1)
@@ -111,6 +125,35 @@ func (a *Agent) loop(ctx context.Context, st *state) {
 			reply <- err
 		}
 	}
+}
+
+// revive tells the loop that a listening plane's server stopped on its own;
+// it may be called from any goroutine and never blocks.
+func (a *Agent) revive() {
+	select {
+	case a.wake <- struct{}{}:
+	default: // a wake is pending: the loop will look at every service
+	}
+}
+
+// onRevive starts anew the servers that stopped on their own and whose backoff
+// is over, and returns how long until the next try is due (0: none).
+func (a *Agent) onRevive(st *state) time.Duration {
+	find := func(pl plan.Plane) func(string) *plan.Service {
+		return func(name string) *plan.Service {
+			if s := st.running.Service(name); s != nil && s.Plane == pl {
+				return s
+			}
+			return nil
+		}
+	}
+	var next time.Duration
+	for _, w := range []time.Duration{a.proxy.Revive(find(plan.Proxy)), a.http.Revive(find(plan.HTTP))} {
+		if w > 0 && (next == 0 || w < next) {
+			next = w
+		}
+	}
+	return next
 }
 
 // post hands the loop an event that needs no answer.

@@ -73,6 +73,14 @@ func (a *Agent) Status() (api.Status, error) {
 				}
 			}
 		}
+		switch s.Plane {
+		case plan.Proxy:
+			st := a.proxy.State(s.Name())
+			ss.Down, ss.Restarts = st.Down, st.Restarts
+		case plan.HTTP:
+			st := a.http.State(s.Name())
+			ss.Down, ss.Restarts = st.Down, st.Restarts
+		}
 		var backSnap map[netip.AddrPort]proxy.BackendSnapshot
 		if s.Plane == plan.Proxy {
 			if snap, ok := a.proxy.Snapshot(s.Name()); ok {

@@ -176,7 +176,7 @@ type Service struct {
 	h2       *http2.Server  // serves h2c-upgraded connections
 	split    *splitListener // hands clients to the frame engine and the HTTP/1.1 loop
 	stats    stats
-	failed   atomic.Bool // the listener failed (Failed)
+	failed   chan struct{} // closed when the listener failed (Failed)
 
 	h1mu       sync.Mutex
 	h1conns    map[*h1Session]struct{} // HTTP/1.1 connections the loop serves
@@ -221,7 +221,7 @@ var (
 // it while this one drains) and prepares its server; Serve starts answering.
 func Listen(cfg Config, backends []Backend) (*Service, error) {
 	cfg.defaults()
-	s := &Service{cfg: cfg, tls: cfg.TLS.Clone(), log: cfg.Logger, backends: map[string]*backend{}}
+	s := &Service{cfg: cfg, tls: cfg.TLS.Clone(), log: cfg.Logger, backends: map[string]*backend{}, failed: make(chan struct{})}
 	if err := s.Reconfigure(cfg, backends); err != nil {
 		return nil, err
 	}
@@ -322,7 +322,7 @@ func (s *Service) Serve(ctx context.Context) error {
 	case failed = <-errc:
 		// The listener failed: the connections it accepted are not left
 		// open (nothing would close them), they drain as at a stop.
-		s.failed.Store(true)
+		close(s.failed)
 	case <-ctx.Done():
 	}
 	shutCtx, cancel := context.Background(), context.CancelFunc(func() {})
@@ -351,9 +351,10 @@ func (s *Service) Serve(ctx context.Context) error {
 	return nil
 }
 
-// Failed reports that the service's listener failed: it serves no new
-// connection, and its Serve drains what it had and returns the error.
-func (s *Service) Failed() bool { return s.failed.Load() }
+// Failed returns a channel closed when the service's listener fails: it then
+// serves no new connection, and its Serve drains what it had and returns the
+// error.
+func (s *Service) Failed() <-chan struct{} { return s.failed }
 
 // Close stops the service at once, without draining (for a Listen whose Serve
 // never ran).

@@ -98,6 +98,11 @@ type ServiceStatus struct {
 	// Proxy only.
 	Connections int64  `json:"active_connections"`
 	Accepted    uint64 `json:"accepted_connections"`
+	// Proxy and the http plane: Down says why the service serves nothing now
+	// (its server stopped on its own and the agent is starting it anew; empty
+	// while it serves), Restarts how many servers the agent started anew so.
+	Down     string `json:"down,omitempty"`
+	Restarts uint64 `json:"restarts,omitempty"`
 	// The http plane only: requests in flight now, and answered.
 	InFlight int64           `json:"inflight_requests,omitempty"`
 	Tunnels  int64           `json:"tunnels,omitempty"` // of InFlight, WebSocket and other upgrades
@@ -211,6 +216,11 @@ func (st Status) WriteTable(w io.Writer) {
 		fmt.Fprintln(w)
 		if s.Note != "" {
 			fmt.Fprintf(w, "  %s\n", s.Note)
+		}
+		if s.Down != "" {
+			fmt.Fprintf(w, "  NOT SERVING, starting anew (restarts %d): %s\n", s.Restarts, s.Down)
+		} else if s.Restarts > 0 {
+			fmt.Fprintf(w, "  started anew %d times after its server stopped on its own\n", s.Restarts)
 		}
 		if t := s.Table; t != nil {
 			fp := t.Fingerprint

@@ -46,6 +46,9 @@ type Plane struct {
 	// certsBefore are the certificates the change in progress replaced, until
 	// Commit or Abort.
 	certsBefore map[string]*tls.Certificate
+	// carried is what the servers each service had before counted, by
+	// service name (guarded by the set's lock: View, Drained).
+	carried map[string]httplb.Snapshot
 }
 
 // New returns an http plane that reports what its requests see to checker, and
@@ -55,7 +58,7 @@ func New(checker *health.Checker, log *slog.Logger, observe RequestObserver) *Pl
 		certs: map[string]*atomic.Pointer[tls.Certificate]{}, certsBefore: map[string]*tls.Certificate{}}
 	p.Set = served.Set[*httplb.Service]{Start: p.start, Push: func(lb *httplb.Service, s *plan.Service) error {
 		return lb.Reconfigure(p.lbConfig(&s.Config), backends(s))
-	}, Rebuilt: rebuilt, Log: log, What: "http plane"}
+	}, Rebuilt: rebuilt, Drained: p.carry, Log: log, What: "http plane"}
 	return p
 }
 
@@ -150,6 +153,14 @@ func (p *Plane) Commit() {
 			delete(p.certs, name)
 		}
 	}
+	// Under the set's lock, as carried is.
+	p.View("", func(*httplb.Service, bool, []*httplb.Service) {
+		for name := range p.carried {
+			if _, ok := p.Get(name); !ok {
+				delete(p.carried, name)
+			}
+		}
+	})
 }
 
 // Abort undoes the change in progress (see served.Set.Abort), the certificates
@@ -163,33 +174,73 @@ func (p *Plane) Abort() {
 }
 
 // Snapshot returns the named service's counters. The client connections and
-// requests that servers it had before (replaced by a reload) still serve as
-// they drain are counted in its open ones, per backend too.
-func (p *Plane) Snapshot(name string) (httplb.Snapshot, bool) {
-	lb, ok := p.Get(name)
-	if !ok {
-		return httplb.Snapshot{}, false
+// requests that servers it had before (replaced by a reload, or started anew
+// after one stopped on its own) still serve as they drain are counted in its
+// open ones, per backend too; what those servers counted is counted on, so no
+// counter goes back when a server is replaced.
+func (p *Plane) Snapshot(name string) (snap httplb.Snapshot, ok bool) {
+	p.View(name, func(lb *httplb.Service, serving bool, draining []*httplb.Service) {
+		if !serving {
+			return
+		}
+		snap, ok = lb.Snapshot(), true
+		for _, old := range draining {
+			merge(&snap, old.Snapshot(), true)
+		}
+		if was, found := p.carried[name]; found {
+			merge(&snap, was, false)
+		}
+	})
+	return snap, ok
+}
+
+// carry counts on what a retired server of the named service counted, once it
+// has drained (served.Set.Drained: the set's lock is held).
+func (p *Plane) carry(name string, lb *httplb.Service) {
+	if _, ok := p.Get(name); !ok {
+		return // removed: its series go
 	}
-	snap := lb.Snapshot()
-	for _, old := range p.Draining(name) {
-		was := old.Snapshot()
-		snap.Connections += was.Connections
-		snap.InFlight += was.InFlight
-		snap.Tunnels += was.Tunnels
-		for _, ob := range was.Backends {
-			if ob.InFlight == 0 && ob.Tunnels == 0 {
+	if p.carried == nil {
+		p.carried = map[string]httplb.Snapshot{}
+	}
+	was := p.carried[name]
+	now := lb.Snapshot()
+	now.Connections, now.InFlight, now.Tunnels = 0, 0, 0
+	for i := range now.Backends {
+		now.Backends[i].InFlight, now.Backends[i].Tunnels = 0, 0
+	}
+	merge(&now, was, true)
+	p.carried[name] = now
+}
+
+// merge adds src's counters to dst's, and its open connections, requests and
+// tunnels; a backend dst lacks is added only with add (a server that still
+// drains has requests on it).
+func merge(dst *httplb.Snapshot, src httplb.Snapshot, add bool) {
+	dst.Connections += src.Connections
+	dst.InFlight += src.InFlight
+	dst.Tunnels += src.Tunnels
+	dst.Accepted += src.Accepted
+	dst.Requests += src.Requests
+	dst.NoBackend += src.NoBackend
+	for _, ob := range src.Backends {
+		i := slices.IndexFunc(dst.Backends, func(b httplb.BackendSnapshot) bool { return b.Addr == ob.Addr })
+		if i < 0 {
+			if !add {
 				continue
 			}
-			i := slices.IndexFunc(snap.Backends, func(b httplb.BackendSnapshot) bool { return b.Addr == ob.Addr })
-			if i < 0 {
-				snap.Backends = append(snap.Backends, httplb.BackendSnapshot{Addr: ob.Addr})
-				i = len(snap.Backends) - 1
-			}
-			snap.Backends[i].InFlight += ob.InFlight
-			snap.Backends[i].Tunnels += ob.Tunnels
+			dst.Backends = append(dst.Backends, httplb.BackendSnapshot{Addr: ob.Addr})
+			i = len(dst.Backends) - 1
+		}
+		b := &dst.Backends[i]
+		b.InFlight += ob.InFlight
+		b.Tunnels += ob.Tunnels
+		b.Requests += ob.Requests
+		b.Retries += ob.Retries
+		for c := range b.Classes {
+			b.Classes[c] += ob.Classes[c]
 		}
 	}
-	return snap, true
 }
 
 // start binds a service's listener with its backends; the set starts serving.

@@ -9,8 +9,13 @@
 // gives every service back the server it had, untouched (its connections and
 // counters too), so a change the agent refuses loses nothing.
 //
-// Add, Update, Remove, Commit and Abort are called from the agent's reconcile
-// loop only; Get may be called from any goroutine (status and metrics read it).
+// A server that stops serving on its own (its Serve returned, or its listener
+// failed while it drains) is started anew by Revive, which the loop calls when
+// Wake tells it, with a backoff from 100 ms doubling to 5 s between tries.
+//
+// Add, Update, Remove, Commit, Abort and Revive are called from the agent's
+// reconcile loop only; Get, View and State may be called from any goroutine
+// (status and metrics read them).
 package served
 
 import (
@@ -20,6 +25,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/config"
@@ -43,6 +49,13 @@ type Set[S Server] struct {
 	Log     *slog.Logger
 	// What names the plane in logs: "proxy", "http plane".
 	What string
+	// Wake, if set, is called from any goroutine when a server stops serving
+	// on its own: the loop should call Revive soon.
+	Wake func()
+	// Drained, if set, is called with a retired server once it has drained,
+	// under the lock View holds: a plane folds its counters into what the
+	// service carries, so they do not go back when a server is replaced.
+	Drained func(name string, srv S)
 
 	services map[string]*entry[S] // loop only
 	// before is what each service the change in progress touched had when it
@@ -53,6 +66,35 @@ type Set[S Server] struct {
 
 	mu       sync.Mutex
 	draining map[string][]S // the servers retiring waits for, by service name
+	// kept are the servers the change in progress replaced, which serve on
+	// until Commit, by service name.
+	kept     map[string][]S
+	revivals map[string]*revival
+}
+
+// revival is how a service whose server stopped on its own is started anew.
+type revival struct {
+	restarts uint64        // servers started anew by Revive
+	wait     time.Duration // the backoff before the next try
+	due      time.Time     // the next try; zero: none pending
+	why      string        // why the service serves nothing ("": it serves)
+}
+
+// The backoff between tries to start a stopped server anew: the first try
+// waits firstWait, each further one twice the last, up to maxWait. A server
+// that served for stableFor before it stopped starts the backoff again.
+const (
+	firstWait = 100 * time.Millisecond
+	maxWait   = 5 * time.Second
+	stableFor = 2 * maxWait
+)
+
+// State is what a service's server does, for status and metrics.
+type State struct {
+	// Down says why the service serves nothing now; "" while it serves.
+	Down string
+	// Restarts counts the servers started anew after one stopped on its own.
+	Restarts uint64
 }
 
 // held is a service's server and its settings as a change found them.
@@ -62,9 +104,10 @@ type held[S Server] struct {
 }
 
 // failer is a Server that can tell it stopped serving on its own (its
-// listener failed) while its Serve still drains what it had accepted.
+// listener failed) while its Serve still drains what it had accepted: the
+// channel Failed returns is closed then.
 type failer interface {
-	Failed() bool
+	Failed() <-chan struct{}
 }
 
 // over reports whether e's server stopped serving on its own: its Serve
@@ -74,14 +117,23 @@ func (e *entry[S]) over() bool {
 		return true
 	}
 	f, ok := any(e.srv).(failer)
-	return ok && f.Failed()
+	if !ok {
+		return false
+	}
+	select {
+	case <-f.Failed():
+		return true
+	default:
+		return false
+	}
 }
 
 type entry[S Server] struct {
-	cfg  config.Service
-	srv  S
-	stop context.CancelFunc
-	done chan struct{} // closed when Serve has returned
+	cfg     config.Service
+	srv     S
+	stop    context.CancelFunc
+	started time.Time
+	done    chan struct{} // closed when Serve has returned
 	// ended is set as Serve returns, before its error is logged: a server
 	// that stopped on its own (its listener failed) takes no change in
 	// place, and the next one starts it anew.
@@ -162,18 +214,152 @@ func (p *Set[S]) start(s *plan.Service) (*entry[S], error) {
 		return nil, err
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	e := &entry[S]{cfg: s.Config, srv: srv, stop: cancel, done: make(chan struct{})}
+	e := &entry[S]{cfg: s.Config, srv: srv, stop: cancel, started: time.Now(), done: make(chan struct{})}
 	// Exits when e.stop is called (service removed or replaced, or the set
 	// closes) and the server has drained.
 	go func() {
 		defer close(e.done)
 		err := srv.Serve(ctx)
 		e.ended.Store(true)
+		if ctx.Err() == nil {
+			why := "its server stopped"
+			if err != nil {
+				why = err.Error()
+			}
+			p.stopped(s.Name(), why)
+		}
 		if err != nil {
 			p.Log.Error(p.What+" stopped", "service", s.Name(), "err", err)
 		}
 	}()
+	if f, ok := any(srv).(failer); ok {
+		// Exits when the listener fails or Serve returns.
+		go func() {
+			select {
+			case <-f.Failed():
+				if ctx.Err() == nil {
+					p.stopped(s.Name(), "its listener failed")
+				}
+			case <-e.done:
+			}
+		}()
+	}
 	return e, nil
+}
+
+// stopped notes why name's server stopped serving on its own, and wakes the
+// loop to start it anew. A stale note (the server was replaced meanwhile) is
+// dropped by Revive, which looks at the running server itself.
+func (p *Set[S]) stopped(name, why string) {
+	p.mu.Lock()
+	r := p.revival(name)
+	if r.why == "" || r.why == "its listener failed" {
+		r.why = why
+	}
+	p.mu.Unlock()
+	if p.Wake != nil {
+		p.Wake()
+	}
+}
+
+// revival returns name's revival, made on first use; p.mu is held.
+func (p *Set[S]) revival(name string) *revival {
+	if p.revivals == nil {
+		p.revivals = make(map[string]*revival)
+	}
+	r := p.revivals[name]
+	if r == nil {
+		r = &revival{}
+		p.revivals[name] = r
+	}
+	return r
+}
+
+// Revive starts anew the servers that stopped serving on their own, those
+// whose backoff is over; find gives a service's desired state (nil: none).
+// It returns how long until the next try is due, 0 if none is.
+func (p *Set[S]) Revive(find func(name string) *plan.Service) time.Duration {
+	now := time.Now()
+	var next time.Duration
+	soon := func(d time.Duration) {
+		if next == 0 || d < next {
+			next = d
+		}
+	}
+	for name, e := range p.services {
+		if !e.over() {
+			continue
+		}
+		s := find(name)
+		if s == nil {
+			continue
+		}
+		p.mu.Lock()
+		r := p.revival(name)
+		if r.why == "" {
+			r.why = "its server stopped"
+		}
+		if r.due.IsZero() {
+			switch {
+			case r.wait == 0 || now.Sub(e.started) >= stableFor:
+				r.wait = firstWait
+			default:
+				r.wait = min(2*r.wait, maxWait)
+			}
+			r.due = now.Add(r.wait)
+		}
+		due, why, try := r.due, r.why, r.restarts+1
+		p.mu.Unlock()
+		if wait := due.Sub(now); wait > 0 {
+			soon(wait)
+			continue
+		}
+		p.Log.Warn(p.What+": starting anew a service that stopped serving", "service", name, "reason", why, "restart", try)
+		fresh, err := p.start(s)
+		p.mu.Lock()
+		if err != nil {
+			r.why = err.Error()
+			r.wait = min(2*r.wait, maxWait)
+			r.due = now.Add(r.wait)
+			p.mu.Unlock()
+			p.Log.Error(p.What+": start anew", "service", name, "err", err, "retry_in", r.wait)
+			soon(r.wait)
+			continue
+		}
+		r.restarts++
+		r.due, r.why = time.Time{}, ""
+		// The old server is draining before the new one is published, in
+		// one step for View: counters neither drop nor count twice.
+		p.services[name] = fresh
+		p.publish()
+		p.retireLocked(e)
+		p.mu.Unlock()
+	}
+	return next
+}
+
+// State returns what the named service's server does.
+func (p *Set[S]) State(name string) State {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	r := p.revivals[name]
+	if r == nil {
+		return State{}
+	}
+	return State{Down: r.why, Restarts: r.restarts}
+}
+
+// View calls f with the named service's server, and those replaced or
+// removed that still serve or drain, under the lock Drained is called with.
+func (p *Set[S]) View(name string, f func(srv S, ok bool, others []S)) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	srv, ok := p.Get(name)
+	others := p.draining[name]
+	if len(p.kept[name]) > 0 {
+		others = append(slices.Clone(others), p.kept[name]...)
+	}
+	f(srv, ok, others)
 }
 
 // Update brings a service from prev to next: a new server when a setting fixed
@@ -200,9 +386,26 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 	if err != nil {
 		return err
 	}
+	// In one step for View: the old server's counters are not missed.
+	p.mu.Lock()
 	p.services[next.Name()] = fresh
 	p.publish()
-	p.drop(next.Name(), e)
+	if p.before[next.Name()].e == e {
+		if p.kept == nil {
+			p.kept = make(map[string][]S)
+		}
+		p.kept[next.Name()] = append(p.kept[next.Name()], e.srv)
+	} else {
+		p.retireLocked(e) // the change started it
+	}
+	p.mu.Unlock()
+	if e.over() {
+		p.mu.Lock()
+		if r := p.revivals[next.Name()]; r != nil {
+			r.due, r.why = time.Time{}, ""
+		}
+		p.mu.Unlock()
+	}
 	return nil
 }
 
@@ -228,12 +431,20 @@ func (p *Set[S]) Remove(s *plan.Service) error {
 // Commit ends the change in progress: the servers it replaced or removed drain
 // in the background.
 func (p *Set[S]) Commit() {
+	p.mu.Lock()
 	for name, h := range p.before {
 		if h.e != nil && p.services[name] != h.e {
-			p.retire(h.e)
+			p.retireLocked(h.e)
 		}
 	}
 	clear(p.before)
+	clear(p.kept)
+	for name := range p.revivals {
+		if _, ok := p.services[name]; !ok {
+			delete(p.revivals, name)
+		}
+	}
+	p.mu.Unlock()
 }
 
 // Abort undoes the change in progress: the servers it started are closed (they
@@ -241,9 +452,11 @@ func (p *Set[S]) Commit() {
 // settings it had before again. A server pushed new backends in place keeps
 // them until the caller pushes the old ones (the agent's rollback does).
 func (p *Set[S]) Abort() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	for name, h := range p.before {
 		if cur := p.services[name]; cur != nil && cur != h.e {
-			p.retire(cur)
+			p.retireLocked(cur)
 		}
 		if h.e == nil {
 			delete(p.services, name)
@@ -253,18 +466,24 @@ func (p *Set[S]) Abort() {
 		p.services[name] = h.e
 	}
 	clear(p.before)
+	clear(p.kept)
 	p.publish()
 }
 
 func (p *Set[S]) retire(e *entry[S]) {
+	p.mu.Lock()
+	p.retireLocked(e)
+	p.mu.Unlock()
+}
+
+// retireLocked stops e and counts it draining until it has; p.mu is held.
+func (p *Set[S]) retireLocked(e *entry[S]) {
 	e.stop()
 	name := e.cfg.Name
-	p.mu.Lock()
 	if p.draining == nil {
 		p.draining = make(map[string][]S)
 	}
 	p.draining[name] = append(p.draining[name], e.srv)
-	p.mu.Unlock()
 	// Exits when the old server has drained; Close waits for it.
 	p.retiring.Go(func() {
 		<-e.done
@@ -273,6 +492,9 @@ func (p *Set[S]) retire(e *entry[S]) {
 		p.draining[name] = slices.DeleteFunc(p.draining[name], func(s S) bool { return any(s) == any(e.srv) })
 		if len(p.draining[name]) == 0 {
 			delete(p.draining, name)
+		}
+		if p.Drained != nil {
+			p.Drained(name, e.srv)
 		}
 	})
 }

@@ -192,7 +192,7 @@ func TestSetAbort(t *testing.T) {
 // failing is a server whose listener failed while it still drains what it
 // had accepted: Failed says so before its Serve returns (on release).
 type failing struct {
-	failed  atomic.Bool
+	failed  chan struct{}
 	release chan struct{}
 }
 
@@ -201,18 +201,18 @@ func (s *failing) Serve(ctx context.Context) error {
 	return errors.New("accept: the listener failed")
 }
 
-func (s *failing) Failed() bool { return s.failed.Load() }
+func (s *failing) Failed() <-chan struct{} { return s.failed }
 
-// TestSetFailedWhileDraining: a server whose listener failed is replaced by
-// the next change though its Serve has not returned yet (it drains what it
-// had, for up to its drain time, or for ever with none): the change is not
-// pushed to a server that accepts nothing, and the old one is seen draining.
-func TestSetFailedWhileDraining(t *testing.T) {
-	var started []*failing
+// failingSet returns a set of failing servers, each appended to started;
+// a start fails with startErr's error.
+func failingSet(t *testing.T, started *[]*failing, startErr func() error) *Set[*failing] {
 	s := &Set[*failing]{
 		Start: func(p *plan.Service) (*failing, error) {
-			srv := &failing{release: make(chan struct{})}
-			started = append(started, srv)
+			if err := startErr(); err != nil {
+				return nil, err
+			}
+			srv := &failing{failed: make(chan struct{}), release: make(chan struct{})}
+			*started = append(*started, srv)
 			return srv, nil
 		},
 		Push: func(*failing, *plan.Service) error { return nil },
@@ -221,16 +221,26 @@ func TestSetFailedWhileDraining(t *testing.T) {
 	}
 	t.Cleanup(s.Close)
 	t.Cleanup(func() {
-		for _, srv := range started {
+		for _, srv := range *started {
 			close(srv.release)
 		}
 	})
+	return s
+}
+
+// TestSetFailedWhileDraining: a server whose listener failed is replaced by
+// the next change though its Serve has not returned yet (it drains what it
+// had, for up to its drain time, or for ever with none): the change is not
+// pushed to a server that accepts nothing, and the old one is seen draining.
+func TestSetFailedWhileDraining(t *testing.T) {
+	var started []*failing
+	s := failingSet(t, &started, func() error { return nil })
 	if err := s.Add(svc("a", config.AlgorithmRoundRobin)); err != nil {
 		t.Fatal(err)
 	}
 	s.Commit()
 	first, _ := s.Get("a")
-	first.failed.Store(true)
+	close(first.failed)
 	if err := s.Update(nil, svc("a", config.AlgorithmRoundRobin)); err != nil {
 		t.Fatal(err)
 	}
@@ -240,5 +250,65 @@ func TestSetFailedWhileDraining(t *testing.T) {
 	}
 	if d := s.Draining("a"); len(d) != 1 || d[0] != first {
 		t.Errorf("draining after the failed server was replaced: got %v; want it", d)
+	}
+}
+
+// TestSetRevive: a server whose listener failed is started anew by Revive,
+// not before its backoff (100 ms, then twice as long after each failed
+// start); State says why the service serves nothing until then, and counts
+// the restart once it is made.
+func TestSetRevive(t *testing.T) {
+	var started []*failing
+	fails := 0
+	s := failingSet(t, &started, func() error {
+		if len(started) > 0 && fails < 2 {
+			fails++
+			return errors.New("listen: address in use")
+		}
+		return nil
+	})
+	a := svc("a", config.AlgorithmRoundRobin)
+	if err := s.Add(a); err != nil {
+		t.Fatal(err)
+	}
+	s.Commit()
+	find := func(string) *plan.Service { return a }
+	if wait := s.Revive(find); wait != 0 {
+		t.Errorf("Revive with every server serving: next try in %v; want none (0)", wait)
+	}
+	close(started[0].failed)
+	begin := time.Now()
+	var waits []time.Duration
+	for len(started) < 2 && time.Since(begin) < 10*time.Second {
+		if wait := s.Revive(find); wait > 0 {
+			if len(waits) == 0 || wait > waits[len(waits)-1] {
+				waits = append(waits, wait)
+			}
+			if fails == 2 && len(started) == 1 {
+				if st := s.State("a"); st.Down != "listen: address in use" || st.Restarts != 0 {
+					t.Errorf("state while the start fails: %+v; want the start's error, no restart", st)
+				}
+			}
+			time.Sleep(wait)
+		}
+	}
+	if len(started) != 2 {
+		t.Fatalf("after 10s: %d servers started; want the failed one started anew", len(started))
+	}
+	// The tries were due 100 ms, then 200 ms, then 400 ms apart.
+	if took := time.Since(begin); took < 700*time.Millisecond {
+		t.Errorf("restarted after %v with 2 failed starts; want at least 700ms of backoff", took)
+	}
+	if len(waits) == 0 || waits[0] > 100*time.Millisecond {
+		t.Errorf("first waits %v; want the first at most 100ms", waits)
+	}
+	if got, _ := s.Get("a"); got != started[1] {
+		t.Errorf("a's server after the restart: got %p; want the new one, %p", got, started[1])
+	}
+	if st := s.State("a"); st != (State{Restarts: 1}) {
+		t.Errorf("state after the restart: %+v; want serving, 1 restart", st)
+	}
+	if d := s.Draining("a"); len(d) != 1 || d[0] != started[0] {
+		t.Errorf("draining after the restart: got %v; want the failed server", d)
 	}
 }

@@ -1,0 +1,110 @@
+package agent
+
+import (
+	"crypto/tls"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/internal/waitfor"
+)
+
+// TestStoppedServerStartedAnew: an http service whose server stopped on its
+// own (its Serve returned with an error, as when its listener fails) is
+// started anew by the agent, with no change to the config. While it cannot be
+// (here its certificate does not load), status and metrics say that it serves
+// nothing and why; once it is, they count the restart, and its per-backend
+// counters go on from where they were. Before, the service served nothing
+// until the next change that touched it, and status showed nothing wrong.
+func TestStoppedServerStartedAnew(t *testing.T) {
+	backend := httpbackend.StartN(t, 1)[0]
+	dir := t.TempDir()
+	path, certPath, keyPath := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "web.crt"), filepath.Join(dir, "web.key")
+	httpbackend.WriteCert(t, certPath, keyPath, "web")
+	vip := freePort(t)
+	cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(dir, "weir.sock")) +
+		fmt.Sprintf("- {name: web, vip: %s, data_plane: http, http: {tls: {cert: %s, key: %s}}, health: {type: none}, backends: [{address: %s}]}\n",
+			vip, certPath, keyPath, backend.Addr)
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a := runAgent(t, path)
+	c := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DisableKeepAlives: true,
+		TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
+	get := func() error {
+		resp, err := c.Get("https://" + vip + "/")
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("status %d", resp.StatusCode)
+		}
+		return nil
+	}
+	if err := get(); err != nil {
+		t.Fatal(err)
+	}
+	metric := func(name string) string {
+		rec := httptest.NewRecorder()
+		a.metrics.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+		for line := range strings.Lines(rec.Body.String()) {
+			if v, ok := strings.CutPrefix(line, name+`{service="web"} `); ok {
+				return strings.TrimSpace(v)
+			}
+		}
+		return "none"
+	}
+
+	// The certificate goes, so that starting the server anew fails until it
+	// is back; then the server stops.
+	if err := os.Rename(certPath, certPath+".away"); err != nil {
+		t.Fatal(err)
+	}
+	lb, _ := a.http.Get("web")
+	lb.Close()
+	waitfor.Value(t, 10*time.Second, "status: down because the certificate does not load; metrics: serving 0", func() (any, bool) {
+		st, err := a.Status()
+		if err != nil {
+			return err, false
+		}
+		s := st.Services[0]
+		serving := metric("weir_service_serving")
+		return fmt.Sprintf("down %q, restarts %d, serving %s", s.Down, s.Restarts, serving),
+			strings.Contains(s.Down, "do not load") && s.Restarts == 0 && serving == "0"
+	})
+
+	if err := os.Rename(certPath+".away", certPath); err != nil {
+		t.Fatal(err)
+	}
+	waitfor.Value(t, 15*time.Second, "a 200 with no change to the config", func() (any, bool) {
+		err := get()
+		return err, err == nil
+	})
+	st, err := a.Status()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := st.Services[0]
+	if s.Down != "" || s.Restarts != 1 {
+		t.Errorf("status after the restart: down %q, restarts %d; want \"\", 1", s.Down, s.Restarts)
+	}
+	// Requests are counted as they end: the second may still be counting.
+	waitfor.Value(t, 10*time.Second, "2 requests counted on the backend, the first server's too", func() (any, bool) {
+		st, err := a.Status()
+		if err != nil {
+			return err, false
+		}
+		n := st.Services[0].Backends[0].Requests
+		return n, n == 2
+	})
+	if got, got2 := metric("weir_service_restarts_total"), metric("weir_service_serving"); got != "1" || got2 != "1" {
+		t.Errorf("metrics after the restart: restarts_total %s, serving %s; want 1, 1", got, got2)
+	}
+}
