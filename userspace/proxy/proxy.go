@@ -183,6 +183,7 @@ type Service struct {
 	wg      sync.WaitGroup // connections being handled
 	serving atomic.Bool
 	closed  atomic.Bool
+	failed  chan struct{} // closed when an event loop failed (Failed)
 
 	hashPort atomic.Bool // see Config.HashPort
 
@@ -289,8 +290,9 @@ func newService(cfg Config) (*Service, error) {
 		return nil, fmt.Errorf("%s: %w", name, err)
 	}
 	s := &Service{
-		cfg: cfg,
-		log: cfg.Logger.With("service", cfg.Name),
+		cfg:    cfg,
+		log:    cfg.Logger.With("service", cfg.Name),
+		failed: make(chan struct{}),
 	}
 	s.hashPort.Store(cfg.HashPort)
 	if cfg.MaxConns > 0 {
@@ -411,6 +413,12 @@ func (s *Service) closeListeners() {
 // Addr is the bound listen address.
 func (s *Service) Addr() netip.AddrPort { return s.addr }
 
+// Failed returns a channel closed when an event loop of the service failed:
+// it then accepts no new connection, its listeners are closed, and its Serve
+// lets the other loops' connections finish (up to ShutdownTimeout) and returns
+// the error.
+func (s *Service) Failed() <-chan struct{} { return s.failed }
+
 // Close releases the listeners of a Service whose Serve was never called. (Serve owns
 // them once called and closes them itself.)
 func (s *Service) Close() error {
@@ -469,6 +477,11 @@ func (s *Service) Serve(ctx context.Context) error {
 	}
 	for _, l := range loops {
 		l.call(l.stopAccepting)
+	}
+	if err != nil {
+		// Every listener is closed (the failed loop's as it ended): a
+		// replacement does not share the port with one nobody serves.
+		close(s.failed)
 	}
 
 	// Grace: let connections end by themselves, then close the rest.
