@@ -2,37 +2,44 @@ package httplb
 
 import (
 	"errors"
+	"log/slog"
 	"net"
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/weir-lb/weir/userspace/acceptlog"
 )
 
 // patientListener waits out the accept errors that pass (no file descriptor
 // or memory left: EMFILE, ENFILE, ENOBUFS, ENOMEM), backing off from 5 ms to
-// 1 s and logging each wait as the proxy does, so that whichever engine reads
-// it (the connection splitter or net/http's server) sees only a closed or
-// failed listener.
+// 1 s and logging them as the proxy does (acceptlog), so that whichever
+// engine reads it (the connection splitter or net/http's server) sees only a
+// closed or failed listener. One goroutine accepts.
 type patientListener struct {
 	net.Listener
-	s    *Service
+	log  *slog.Logger
+	alog acceptlog.Log
 	done chan struct{} // closed by Close: a wait ends
 	once sync.Once
 }
 
 func newPatientListener(ln net.Listener, s *Service) *patientListener {
-	return &patientListener{Listener: ln, s: s, done: make(chan struct{})}
+	return &patientListener{Listener: ln, log: s.log.With("service", s.cfg.Name), done: make(chan struct{})}
 }
 
 func (l *patientListener) Accept() (net.Conn, error) {
 	var wait time.Duration
 	for {
 		c, err := l.Listener.Accept()
+		if err == nil {
+			l.alog.OK(l.log, time.Now)
+		}
 		if err == nil || !passes(err) {
 			return c, err
 		}
 		wait = min(max(2*wait, 5*time.Millisecond), time.Second)
-		l.s.log.Warn("accept", "service", l.s.cfg.Name, "err", err, "retry_in", wait)
+		l.alog.Failed(l.log, time.Now(), err, wait)
 		select {
 		case <-time.After(wait):
 		case <-l.done:

@@ -3,10 +3,13 @@ package httplb
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
+	"slices"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -159,16 +162,7 @@ func (h *msgSignal) WithGroup(string) slog.Handler { return h }
 func TestAcceptOutOfMemoryWaits(t *testing.T) {
 	for _, errno := range []syscall.Errno{syscall.ENOBUFS, syscall.ENOMEM} {
 		t.Run(errno.Error(), func(t *testing.T) {
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { ln.Close() })
-			conn, err := net.Dial("tcp", ln.Addr().String())
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { conn.Close() })
+			ln := queuedListener(t)
 			s := &Service{cfg: Config{Name: "test"}, log: slog.New(slog.DiscardHandler)}
 			pl := newPatientListener(&failOnce{Listener: ln, err: &net.OpError{Op: "accept", Net: "tcp", Err: os.NewSyscallError("accept4", errno)}}, s)
 			t.Cleanup(func() { pl.Close() })
@@ -179,6 +173,23 @@ func TestAcceptOutOfMemoryWaits(t *testing.T) {
 			c.Close()
 		})
 	}
+}
+
+// queuedListener returns a loopback listener with a client's connection
+// queued, both closed at the test's end.
+func queuedListener(t *testing.T) net.Listener {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	conn, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return ln
 }
 
 // failOnce is a listener whose first Accept fails with err.
@@ -194,4 +205,74 @@ func (l *failOnce) Accept() (net.Conn, error) {
 		return nil, l.err
 	}
 	return l.Listener.Accept()
+}
+
+// TestAcceptErrorsLoggedOnce: an episode of accept errors logs its first
+// error and its end, not a line per wait (over a long EMFILE episode: a line
+// a second, for ever). A listener that fails n times with EMFILE before it
+// hands over a real connection stands in for a long episode.
+func TestAcceptErrorsLoggedOnce(t *testing.T) {
+	ln := queuedListener(t)
+	var rec records
+	s := &Service{cfg: Config{Name: "test"}, log: slog.New(&rec)}
+	const n = 6
+	fail := &failN{Listener: ln, n: n, err: &net.OpError{Op: "accept", Net: "tcp", Err: os.NewSyscallError("accept4", syscall.EMFILE)}}
+	pl := newPatientListener(fail, s)
+	t.Cleanup(func() { pl.Close() })
+	c, err := pl.Accept()
+	if err != nil {
+		t.Fatalf("Accept after %d EMFILE: got %v; want the connection", n, err)
+	}
+	c.Close()
+	want := []string{"accept errors=1", fmt.Sprintf("accepting again errors=%d", n)}
+	if got := rec.lines(); !slices.Equal(got, want) {
+		t.Errorf("logged %q; want %q", got, want)
+	}
+}
+
+// failN is a listener whose first n Accepts fail with err.
+type failN struct {
+	net.Listener
+	n   int
+	err error
+}
+
+func (l *failN) Accept() (net.Conn, error) {
+	if l.n > 0 {
+		l.n--
+		return nil, l.err
+	}
+	return l.Listener.Accept()
+}
+
+// records keeps each record's message and its errors attribute.
+type records struct {
+	mu  sync.Mutex
+	got []string
+}
+
+func (h *records) Enabled(context.Context, slog.Level) bool { return true }
+
+func (h *records) Handle(_ context.Context, r slog.Record) error {
+	line := r.Message
+	r.Attrs(func(a slog.Attr) bool {
+		if a.Key == "errors" {
+			line += " errors=" + a.Value.String()
+		}
+		return true
+	})
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.got = append(h.got, line)
+	return nil
+}
+
+func (h *records) WithAttrs([]slog.Attr) slog.Handler { return h }
+
+func (h *records) WithGroup(string) slog.Handler { return h }
+
+func (h *records) lines() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return slices.Clone(h.got)
 }

@@ -12,6 +12,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/userspace/acceptlog"
 )
 
 // This file is the proxy's engine: one event loop per listener.
@@ -98,7 +100,8 @@ type loop struct {
 	acceptMore    bool  // the listener may hold more connections
 	acceptRetryAt int64 // after an accept error, accept again at this time; 0 = now
 	backoff       time.Duration
-	paused        atomic.Bool // waiting for a MaxConns slot
+	acceptLog     acceptlog.Log // logs the errors backed off on
+	paused        atomic.Bool   // waiting for a MaxConns slot
 	quit          bool
 	resumed       int64 // monotonic ns when the loop last came back from parking or yielding
 
@@ -411,6 +414,7 @@ func (l *loop) accept() {
 				l.acceptMore = false
 				l.backoff = 0
 				l.acceptRetryAt = 0
+				l.acceptLog.OK(s.log, time.Now)
 				return
 			}
 			// Out of descriptors or memory: back off and go on, as a listener must
@@ -422,10 +426,11 @@ func (l *loop) accept() {
 			}
 			l.acceptRetryAt = monotonic() + int64(l.backoff)
 			s.stats.acceptErrors.Add(1)
-			s.log.Warn("accept", "err", fmt.Errorf("accept4: %w", err), "retry_in", l.backoff)
+			l.acceptLog.Failed(s.log, time.Now(), fmt.Errorf("accept4: %w", err), l.backoff)
 			return
 		}
 		l.acceptRetryAt = 0
+		l.acceptLog.OK(s.log, time.Now)
 		l.newConn(fd, src)
 	}
 }
