@@ -84,7 +84,7 @@ func (a *Agent) Status() (api.Status, error) {
 		var backSnap map[netip.AddrPort]proxy.BackendSnapshot
 		if s.Plane == plan.Proxy {
 			if snap, ok := a.proxy.Snapshot(s.Name()); ok {
-				ss.Connections, ss.Accepted = snap.Active, snap.Accepted
+				ss.Connections, ss.Accepted, ss.AcceptErrors = snap.Active, snap.Accepted, snap.AcceptErrors
 				ss.Bytes = snap.BytesIn + snap.BytesOut
 				backSnap = make(map[netip.AddrPort]proxy.BackendSnapshot, len(snap.Backends))
 				for _, b := range snap.Backends {
@@ -96,7 +96,7 @@ func (a *Agent) Status() (api.Status, error) {
 		if s.Plane == plan.HTTP {
 			if snap, ok := a.http.Snapshot(s.Name()); ok {
 				ss.Connections, ss.Accepted, ss.InFlight, ss.Requests = snap.Connections, snap.Accepted, snap.InFlight, snap.Requests
-				ss.Tunnels = snap.Tunnels
+				ss.Tunnels, ss.AcceptErrors = snap.Tunnels, snap.AcceptErrors
 				httpSnap = make(map[netip.AddrPort]httplb.BackendSnapshot, len(snap.Backends))
 				for _, b := range snap.Backends {
 					httpSnap[b.Addr] = b

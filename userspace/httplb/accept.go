@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -20,12 +21,14 @@ type patientListener struct {
 	net.Listener
 	log  *slog.Logger
 	alog acceptlog.Log
-	done chan struct{} // closed by Close: a wait ends
+	errs *atomic.Uint64 // counts the errors waited out
+	done chan struct{}  // closed by Close: a wait ends
 	once sync.Once
 }
 
 func newPatientListener(ln net.Listener, s *Service) *patientListener {
-	return &patientListener{Listener: ln, log: s.log.With("service", s.cfg.Name), done: make(chan struct{})}
+	return &patientListener{Listener: ln, log: s.log.With("service", s.cfg.Name), errs: &s.stats.acceptErrors,
+		done: make(chan struct{})}
 }
 
 func (l *patientListener) Accept() (net.Conn, error) {
@@ -39,6 +42,7 @@ func (l *patientListener) Accept() (net.Conn, error) {
 			return c, err
 		}
 		wait = min(max(2*wait, 5*time.Millisecond), time.Second)
+		l.errs.Add(1)
 		l.alog.Failed(l.log, time.Now(), err, wait)
 		select {
 		case <-time.After(wait):

@@ -209,7 +209,7 @@ func (l *failOnce) Accept() (net.Conn, error) {
 
 // TestAcceptErrorsLoggedOnce: an episode of accept errors logs its first
 // error and its end, not a line per wait (over a long EMFILE episode: a line
-// a second, for ever). A listener that fails n times with EMFILE before it
+// a second, for ever), and counts each error in the service's snapshot. A listener that fails n times with EMFILE before it
 // hands over a real connection stands in for a long episode.
 func TestAcceptErrorsLoggedOnce(t *testing.T) {
 	ln := queuedListener(t)
@@ -227,6 +227,9 @@ func TestAcceptErrorsLoggedOnce(t *testing.T) {
 	want := []string{"accept errors=1", fmt.Sprintf("accepting again errors=%d", n)}
 	if got := rec.lines(); !slices.Equal(got, want) {
 		t.Errorf("logged %q; want %q", got, want)
+	}
+	if got := s.stats.acceptErrors.Load(); got != n {
+		t.Errorf("accept errors counted: got %d; want %d", got, n)
 	}
 }
 

@@ -730,13 +730,17 @@ type Snapshot struct {
 	Tunnels     int64  // upgraded connections joined to a backend now (WebSocket; counted in InFlight too)
 	Requests    uint64 // requests answered
 	NoBackend   uint64 // answered 503: no backend usable
-	Backends    []BackendSnapshot
+	// AcceptErrors counts the accept errors waited out (no descriptor or
+	// memory left), as the proxy's Snapshot.AcceptErrors.
+	AcceptErrors uint64
+	Backends     []BackendSnapshot
 }
 
 // Snapshot returns the service's counters now.
 func (s *Service) Snapshot() Snapshot {
 	sn := Snapshot{Connections: s.stats.conns.Load(), Accepted: s.stats.accepted.Load(),
-		InFlight: s.stats.inflight.Load(), Requests: s.stats.requests.Load(), NoBackend: s.stats.noBackend.Load()}
+		InFlight: s.stats.inflight.Load(), Requests: s.stats.requests.Load(), NoBackend: s.stats.noBackend.Load(),
+		AcceptErrors: s.stats.acceptErrors.Load()}
 	s.tunMu.Lock()
 	sn.Tunnels = int64(len(s.tunnels))
 	var tunnelsOf map[*backend]int

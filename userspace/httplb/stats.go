@@ -17,6 +17,7 @@ type stats struct {
 	inflight        atomic.Int64
 	requests        atomic.Uint64
 	noBackend       atomic.Uint64
+	acceptErrors    atomic.Uint64 // accept errors waited out (patientListener)
 }
 
 func (s *stats) connState(_ net.Conn, st http.ConnState) {

@@ -103,6 +103,9 @@ type ServiceStatus struct {
 	// while it serves), Restarts how many servers the agent started anew so.
 	Down     string `json:"down,omitempty"`
 	Restarts uint64 `json:"restarts,omitempty"`
+	// Proxy and the http plane: accept errors waited out (no file
+	// descriptor or socket memory left).
+	AcceptErrors uint64 `json:"accept_errors,omitempty"`
 	// The http plane only: requests in flight now, and answered.
 	InFlight int64           `json:"inflight_requests,omitempty"`
 	Tunnels  int64           `json:"tunnels,omitempty"` // of InFlight, WebSocket and other upgrades
@@ -221,6 +224,9 @@ func (st Status) WriteTable(w io.Writer) {
 			fmt.Fprintf(w, "  NOT SERVING, starting anew (restarts %d): %s\n", s.Restarts, s.Down)
 		} else if s.Restarts > 0 {
 			fmt.Fprintf(w, "  started anew %d times after its server stopped on its own\n", s.Restarts)
+		}
+		if s.AcceptErrors > 0 {
+			fmt.Fprintf(w, "  %d accept errors waited out (no file descriptor or socket memory left)\n", s.AcceptErrors)
 		}
 		if t := s.Table; t != nil {
 			fp := t.Fingerprint

@@ -223,6 +223,7 @@ func merge(dst *httplb.Snapshot, src httplb.Snapshot, add bool) {
 	dst.Accepted += src.Accepted
 	dst.Requests += src.Requests
 	dst.NoBackend += src.NoBackend
+	dst.AcceptErrors += src.AcceptErrors
 	for _, ob := range src.Backends {
 		i := slices.IndexFunc(dst.Backends, func(b httplb.BackendSnapshot) bool { return b.Addr == ob.Addr })
 		if i < 0 {

@@ -17,7 +17,50 @@ func TestBGPRoutes(t *testing.T) {
 		Announced: []api.RouteStatus{{Prefix: "10.80.100.1/32"}},
 		Pending: []api.PendingRoute{{Prefix: "10.80.100.1/32", Want: api.RouteWithdraw, Attempts: 2, LastError: "refused"},
 			{Prefix: "10.80.100.2/32", Want: api.RouteAnnounce, Attempts: 1, LastError: "refused"}}}}
-	srv := httptest.NewServer(New(func() (api.Status, error) { return st, nil }).Handler())
+	b := scrape(t, New(func() (api.Status, error) { return st, nil }))
+	for _, want := range []string{
+		`weir_bgp_route_announced{prefix="10.80.100.1/32"} 1`,
+		`weir_bgp_route_pending{prefix="10.80.100.1/32",want="withdraw"} 1`,
+		`weir_bgp_route_pending{prefix="10.80.100.2/32",want="announce"} 1`,
+	} {
+		if !strings.Contains(b, want) {
+			t.Errorf("metrics lack %q:\n%s", want, b)
+		}
+	}
+}
+
+// TestServiceServing: proxy and http services have their serving gauge,
+// restarts and accept errors; XDP services have none of them.
+func TestServiceServing(t *testing.T) {
+	st := api.Status{Services: []api.ServiceStatus{
+		{Name: "web", DataPlane: api.PlaneHTTP, Down: "listen: address in use", Restarts: 2, AcceptErrors: 7},
+		{Name: "tcp", DataPlane: api.PlaneProxy, AcceptErrors: 3},
+		{Name: "fast", DataPlane: api.PlaneXDP},
+	}}
+	b := scrape(t, New(func() (api.Status, error) { return st, nil }))
+	for _, want := range []string{
+		`weir_service_serving{service="web"} 0`,
+		`weir_service_restarts_total{service="web"} 2`,
+		`weir_service_accept_errors_total{service="web"} 7`,
+		`weir_service_serving{service="tcp"} 1`,
+		`weir_service_restarts_total{service="tcp"} 0`,
+		`weir_service_accept_errors_total{service="tcp"} 3`,
+	} {
+		if !strings.Contains(b, want) {
+			t.Errorf("metrics lack %q:\n%s", want, b)
+		}
+	}
+	for _, unwanted := range []string{`weir_service_serving{service="fast"}`, `weir_service_accept_errors_total{service="fast"}`} {
+		if strings.Contains(b, unwanted) {
+			t.Errorf("metrics have %q for an XDP service; want none", unwanted)
+		}
+	}
+}
+
+// scrape returns m's exposition, read over HTTP.
+func scrape(t *testing.T, m *Metrics) string {
+	t.Helper()
+	srv := httptest.NewServer(m.Handler())
 	t.Cleanup(srv.Close)
 	resp, err := http.Get(srv.URL)
 	if err != nil {
@@ -28,13 +71,5 @@ func TestBGPRoutes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{
-		`weir_bgp_route_announced{prefix="10.80.100.1/32"} 1`,
-		`weir_bgp_route_pending{prefix="10.80.100.1/32",want="withdraw"} 1`,
-		`weir_bgp_route_pending{prefix="10.80.100.2/32",want="announce"} 1`,
-	} {
-		if !strings.Contains(string(b), want) {
-			t.Errorf("metrics lack %q:\n%s", want, b)
-		}
-	}
+	return string(b)
 }
