@@ -17,7 +17,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"slices"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -46,9 +45,7 @@ type Plane struct {
 	// certsBefore are the certificates the change in progress replaced, until
 	// Commit or Abort.
 	certsBefore map[string]*tls.Certificate
-	// carried is what the servers each service had before counted, by
-	// service name (guarded by the set's lock: View, Drained).
-	carried map[string]httplb.Snapshot
+	tally       served.Tally[*httplb.Service, httplb.Snapshot] // counters across servers
 }
 
 // New returns an http plane that reports what its requests see to checker, and
@@ -58,7 +55,8 @@ func New(checker *health.Checker, log *slog.Logger, observe RequestObserver) *Pl
 		certs: map[string]*atomic.Pointer[tls.Certificate]{}, certsBefore: map[string]*tls.Certificate{}}
 	p.Set = served.Set[*httplb.Service]{Start: p.start, Push: func(lb *httplb.Service, s *plan.Service) error {
 		return lb.Reconfigure(p.lbConfig(&s.Config), backends(s))
-	}, Rebuilt: rebuilt, Drained: p.carry, Log: log, What: "http plane"}
+	}, Rebuilt: rebuilt, Drained: p.tally.Drained, Log: log, What: "http plane"}
+	p.tally = served.Tally[*httplb.Service, httplb.Snapshot]{Set: &p.Set, Snap: (*httplb.Service).Snapshot, Merge: merge, Idle: idle}
 	return p
 }
 
@@ -153,14 +151,7 @@ func (p *Plane) Commit() {
 			delete(p.certs, name)
 		}
 	}
-	// Under the set's lock, as carried is.
-	p.View("", func(*httplb.Service, bool, []*httplb.Service) {
-		for name := range p.carried {
-			if _, ok := p.Get(name); !ok {
-				delete(p.carried, name)
-			}
-		}
-	})
+	p.tally.Prune()
 }
 
 // Abort undoes the change in progress (see served.Set.Abort), the certificates
@@ -178,39 +169,14 @@ func (p *Plane) Abort() {
 // after one stopped on its own) still serve as they drain are counted in its
 // open ones, per backend too; what those servers counted is counted on, so no
 // counter goes back when a server is replaced.
-func (p *Plane) Snapshot(name string) (snap httplb.Snapshot, ok bool) {
-	p.View(name, func(lb *httplb.Service, serving bool, draining []*httplb.Service) {
-		if !serving {
-			return
-		}
-		snap, ok = lb.Snapshot(), true
-		for _, old := range draining {
-			merge(&snap, old.Snapshot(), true)
-		}
-		if was, found := p.carried[name]; found {
-			merge(&snap, was, false)
-		}
-	})
-	return snap, ok
-}
+func (p *Plane) Snapshot(name string) (httplb.Snapshot, bool) { return p.tally.Snapshot(name) }
 
-// carry counts on what a retired server of the named service counted, once it
-// has drained (served.Set.Drained: the set's lock is held).
-func (p *Plane) carry(name string, lb *httplb.Service) {
-	if _, ok := p.Get(name); !ok {
-		return // removed: its series go
+// idle clears a drained server's open connections, requests and tunnels.
+func idle(s *httplb.Snapshot) {
+	s.Connections, s.InFlight, s.Tunnels = 0, 0, 0
+	for i := range s.Backends {
+		s.Backends[i].InFlight, s.Backends[i].Tunnels = 0, 0
 	}
-	if p.carried == nil {
-		p.carried = map[string]httplb.Snapshot{}
-	}
-	was := p.carried[name]
-	now := lb.Snapshot()
-	now.Connections, now.InFlight, now.Tunnels = 0, 0, 0
-	for i := range now.Backends {
-		now.Backends[i].InFlight, now.Backends[i].Tunnels = 0, 0
-	}
-	merge(&now, was, true)
-	p.carried[name] = now
 }
 
 // merge adds src's counters to dst's, and its open connections, requests and
@@ -225,15 +191,11 @@ func merge(dst *httplb.Snapshot, src httplb.Snapshot, add bool) {
 	dst.NoBackend += src.NoBackend
 	dst.AcceptErrors += src.AcceptErrors
 	for _, ob := range src.Backends {
-		i := slices.IndexFunc(dst.Backends, func(b httplb.BackendSnapshot) bool { return b.Addr == ob.Addr })
-		if i < 0 {
-			if !add {
-				continue
-			}
-			dst.Backends = append(dst.Backends, httplb.BackendSnapshot{Addr: ob.Addr})
-			i = len(dst.Backends) - 1
+		b := served.Entry(&dst.Backends, func(b *httplb.BackendSnapshot) bool { return b.Addr == ob.Addr }, add,
+			func() httplb.BackendSnapshot { return httplb.BackendSnapshot{Addr: ob.Addr} })
+		if b == nil {
+			continue
 		}
-		b := &dst.Backends[i]
 		b.InFlight += ob.InFlight
 		b.Tunnels += ob.Tunnels
 		b.Requests += ob.Requests

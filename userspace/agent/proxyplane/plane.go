@@ -15,7 +15,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"slices"
 	"syscall"
 	"time"
 
@@ -34,8 +33,9 @@ type Plane struct {
 	// Set serves Add, Update, SetBackend and Remove.
 	served.Set[*proxy.Service]
 
-	sockmap    *loader.SockMap // in-kernel forwarding, loaded for the first service that uses it
-	sockmapErr error           // why it could not be loaded; then every service uses the copy path
+	sockmap    *loader.SockMap                              // in-kernel forwarding, loaded for the first service that uses it
+	sockmapErr error                                        // why it could not be loaded; then every service uses the copy path
+	tally      served.Tally[*proxy.Service, proxy.Snapshot] // counters across listeners
 }
 
 // New returns a proxy plane that reports what its connections see to checker.
@@ -46,35 +46,59 @@ func New(checker *health.Checker, log *slog.Logger) *Plane {
 			return fmt.Errorf("service %q: %w", s.Name(), err)
 		}
 		return nil
-	}, Log: log, What: "proxy"}
+	}, Drained: p.tally.Drained, Log: log, What: "proxy"}
+	p.tally = served.Tally[*proxy.Service, proxy.Snapshot]{Set: &p.Set, Snap: (*proxy.Service).Snapshot, Merge: merge, Idle: idle}
 	return p
 }
 
 // Snapshot returns the named service's connection counters. The connections
-// that listeners it had before (replaced by a reload) still serve as they drain
-// are counted in its active ones, per backend too.
-func (p *Plane) Snapshot(name string) (proxy.Snapshot, bool) {
-	px, ok := p.Get(name)
-	if !ok {
-		return proxy.Snapshot{}, false
+// that listeners it had before (replaced by a reload, or started anew after
+// one failed) still serve as they drain are counted in its active ones, per
+// backend too; what those listeners counted is counted on, so no counter goes
+// back when a listener is replaced.
+func (p *Plane) Snapshot(name string) (proxy.Snapshot, bool) { return p.tally.Snapshot(name) }
+
+// Commit ends the change in progress (see served.Set.Commit); a removed
+// service's counters go.
+func (p *Plane) Commit() {
+	p.Set.Commit()
+	p.tally.Prune()
+}
+
+// idle clears a drained listener's active connections.
+func idle(s *proxy.Snapshot) {
+	s.Active = 0
+	for i := range s.Backends {
+		s.Backends[i].Active = 0
 	}
-	snap := px.Snapshot()
-	for _, old := range p.Draining(name) {
-		was := old.Snapshot()
-		snap.Active += was.Active
-		for _, ob := range was.Backends {
-			if ob.Active == 0 {
-				continue
-			}
-			i := slices.IndexFunc(snap.Backends, func(b proxy.BackendSnapshot) bool { return b.Addr == ob.Addr })
-			if i < 0 {
-				snap.Backends = append(snap.Backends, proxy.BackendSnapshot{Addr: ob.Addr})
-				i = len(snap.Backends) - 1
-			}
-			snap.Backends[i].Active += ob.Active
+}
+
+// merge adds src's counters to dst's, and its active connections; a backend
+// dst lacks is added only with add (a listener that still drains has
+// connections to it).
+func merge(dst *proxy.Snapshot, src proxy.Snapshot, add bool) {
+	dst.Active += src.Active
+	dst.Accepted += src.Accepted
+	dst.Unserved += src.Unserved
+	dst.AcceptErrors += src.AcceptErrors
+	dst.BytesIn += src.BytesIn
+	dst.BytesOut += src.BytesOut
+	for _, ob := range src.Backends {
+		b := served.Entry(&dst.Backends, func(b *proxy.BackendSnapshot) bool { return b.Addr == ob.Addr }, add,
+			func() proxy.BackendSnapshot { return proxy.BackendSnapshot{Addr: ob.Addr} })
+		if b == nil {
+			continue
 		}
+		b.Active += ob.Active
+		b.Connects += ob.Connects
+		b.ConnectFailures += ob.ConnectFailures
+		b.ConnectTime += ob.ConnectTime
+		b.Resets += ob.Resets
+		b.IdleTimeouts += ob.IdleTimeouts
+		b.Ejections += ob.Ejections
+		b.BytesIn += ob.BytesIn
+		b.BytesOut += ob.BytesOut
 	}
-	return snap, true
 }
 
 // start binds a service's listener and sets its backends; the set starts

@@ -2,6 +2,7 @@ package proxyplane
 
 import (
 	"bytes"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/weir-lb/weir/health"
 	"github.com/weir-lb/weir/internal/sockfd"
+	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/config"
 	"github.com/weir-lb/weir/userspace/proxy"
@@ -58,25 +60,9 @@ func TestSockMapOn(t *testing.T) {
 // serveOne runs one proxy service with sockmap: on and checks a round trip through
 // it, and which path carried it.
 func serveOne(t *testing.T, wantKernel bool) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	// Exits when ln is closed at return.
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			// Exits when the proxy closes the connection.
-			go func() { io.Copy(c, c); c.Close() }()
-		}
-	}()
+	be := echoBackend(t)
 	p := New(&health.Checker{}, slog.New(slog.NewTextHandler(testWriter{t}, nil)))
 	defer p.Close()
-	be := ln.Addr().(*net.TCPAddr).AddrPort()
 	s := &plan.Service{
 		Config: config.Service{Name: "web", Algorithm: config.AlgorithmLeastConn,
 			Proxy: config.Proxy{Listen: netip.MustParseAddrPort("127.0.0.1:0"), ConnectTimeout: time.Second, SockMap: config.SockMapOn}},
@@ -95,21 +81,7 @@ func serveOne(t *testing.T, wantKernel bool) {
 	}
 	var paired uint64
 	for range tries {
-		c, err := net.Dial("tcp", mustGet(t, p, "web").Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		c.SetDeadline(time.Now().Add(5 * time.Second))
-		msg := []byte("through the proxy")
-		if _, err := c.Write(msg); err != nil {
-			t.Fatal(err)
-		}
-		got := make([]byte, len(msg))
-		_, err = io.ReadFull(c, got)
-		c.Close()
-		if err != nil || !bytes.Equal(got, msg) {
-			t.Fatalf("echo: got %q, %v; want %q", got, err, msg)
-		}
+		echoThrough(t, mustGet(t, p, "web"))
 		if paired = proxy.Splices().Redirected - before.Redirected; paired > 0 {
 			break
 		}
@@ -125,6 +97,101 @@ func serveOne(t *testing.T, wantKernel bool) {
 	if !wantKernel && (paired != 0 || p.sockmapErr == nil) {
 		t.Errorf("without bpf: got %d connections paired, load error %v; want 0 and the error", paired, p.sockmapErr)
 	}
+}
+
+// echoBackend serves an echo on loopback until the test ends, and returns
+// its address.
+func echoBackend(t *testing.T) netip.AddrPort {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	// Exits when ln is closed at the test's end.
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			// Exits when the proxy closes the connection.
+			go func() { io.Copy(c, c); c.Close() }()
+		}
+	}()
+	return ln.Addr().(*net.TCPAddr).AddrPort()
+}
+
+// echoThrough makes one round trip through px to an echo backend.
+func echoThrough(t *testing.T, px *proxy.Service) {
+	t.Helper()
+	c, err := net.Dial("tcp", px.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	msg := []byte("through the proxy")
+	if _, err := c.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(msg))
+	_, err = io.ReadFull(c, got)
+	c.Close()
+	if err != nil || !bytes.Equal(got, msg) {
+		t.Fatalf("echo: got %q, %v; want %q", got, err, msg)
+	}
+}
+
+// TestCountersCarriedOver: a service whose listener is replaced (here by a
+// change of a setting fixed at listen time) keeps counting from what the old
+// listener counted, through its drain and after: Prometheus counters must
+// not go back. Before, they went back to zero with every new listener.
+func TestCountersCarriedOver(t *testing.T) {
+	be := echoBackend(t)
+	p := New(&health.Checker{}, slog.New(slog.DiscardHandler))
+	t.Cleanup(p.Close)
+	svc := func(connect time.Duration) *plan.Service {
+		return &plan.Service{
+			Config: config.Service{Name: "web", Algorithm: config.AlgorithmLeastConn, DrainTimeout: time.Second,
+				Proxy: config.Proxy{Listen: netip.MustParseAddrPort("127.0.0.1:0"), ConnectTimeout: connect}},
+			Backends: []plan.Backend{{ID: plan.ID("web", be), Config: config.Backend{Addr: be}, Usable: true, Weight: 1}},
+		}
+	}
+	if err := p.Add(svc(time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	echoThrough(t, mustGet(t, p, "web"))
+	counted := func() (accepted, connects uint64) {
+		snap, _ := p.Snapshot("web")
+		for _, b := range snap.Backends {
+			connects += b.Connects
+		}
+		return snap.Accepted, connects
+	}
+	waitfor.Value(t, 10*time.Second, "1 accepted, 1 connect", func() (any, bool) {
+		a, c := counted()
+		return fmt.Sprint(a, c), a == 1 && c == 1
+	})
+	old := mustGet(t, p, "web")
+	if err := p.Update(svc(time.Second), svc(2*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	if mustGet(t, p, "web") == old {
+		t.Fatal("the change kept the listener; want a new one")
+	}
+	waitfor.Value(t, 10*time.Second, "the old listener drained, its counts kept", func() (any, bool) {
+		a, c := counted()
+		if a < 1 || c < 1 {
+			t.Fatalf("counters went back: %d accepted, %d connects; want at least 1, 1", a, c)
+		}
+		return len(p.Draining("web")), len(p.Draining("web")) == 0
+	})
+	echoThrough(t, mustGet(t, p, "web"))
+	waitfor.Value(t, 10*time.Second, "2 accepted, 2 connects", func() (any, bool) {
+		a, c := counted()
+		return fmt.Sprint(a, c), a == 2 && c == 2
+	})
 }
 
 type testWriter struct{ t *testing.T }
