@@ -81,7 +81,8 @@ func (a *Agent) loop(ctx context.Context, st *state) {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	// reviveT fires when a try to start a stopped server anew is due.
-	reviveT := time.NewTimer(0)
+	reviveT := time.NewTimer(time.Hour)
+	reviveT.Stop()
 	defer reviveT.Stop()
 	for {
 		var ev event

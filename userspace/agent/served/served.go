@@ -314,18 +314,19 @@ func (p *Set[S]) Revive(find func(name string) *plan.Service) time.Duration {
 			soon(wait)
 			continue
 		}
-		p.Log.Warn(p.What+": starting anew a service that stopped serving", "service", name, "reason", why, "restart", try)
 		fresh, err := p.start(s)
 		p.mu.Lock()
 		if err != nil {
 			r.why = err.Error()
 			r.wait = min(2*r.wait, maxWait)
 			r.due = now.Add(r.wait)
+			wait := r.wait
 			p.mu.Unlock()
-			p.Log.Error(p.What+": start anew", "service", name, "err", err, "retry_in", r.wait)
-			soon(r.wait)
+			p.Log.Error(p.What+": start anew a service that stopped serving", "service", name, "reason", why, "err", err, "retry_in", wait)
+			soon(wait)
 			continue
 		}
+		p.Log.Warn(p.What+": started anew a service that stopped serving", "service", name, "reason", why, "restart", try)
 		r.restarts++
 		r.due, r.why = time.Time{}, ""
 		// The old server is draining before the new one is published, in
