@@ -288,6 +288,13 @@ func (p *Set[S]) Revive(find func(name string) *plan.Service) time.Duration {
 	}
 	for name, e := range p.services {
 		if !e.over() {
+			// A note from a server the service no longer has (replaced
+			// as it stopped) says nothing of the one it has.
+			p.mu.Lock()
+			if r := p.revivals[name]; r != nil {
+				r.due, r.why = time.Time{}, ""
+			}
+			p.mu.Unlock()
 			continue
 		}
 		s := find(name)

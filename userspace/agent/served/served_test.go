@@ -312,3 +312,30 @@ func TestSetRevive(t *testing.T) {
 		t.Errorf("draining after the restart: got %v; want the failed server", d)
 	}
 }
+
+// TestSetStaleStop: a server that stops on its own after a change replaced
+// it (before the change is committed) does not leave its service shown as
+// down once Revive has looked: the service's own server serves.
+func TestSetStaleStop(t *testing.T) {
+	var started []*failing
+	s := failingSet(t, &started, func() error { return nil })
+	if err := s.Add(svc("a", config.AlgorithmRoundRobin)); err != nil {
+		t.Fatal(err)
+	}
+	s.Commit()
+	if err := s.Update(nil, svc("a", config.AlgorithmEWMA)); err != nil {
+		t.Fatal(err)
+	}
+	close(started[0].failed) // the replaced one, serving until Commit
+	deadline := time.Now().Add(10 * time.Second)
+	for s.State("a").Down == "" && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	s.Commit()
+	if wait := s.Revive(func(string) *plan.Service { return svc("a", config.AlgorithmEWMA) }); wait != 0 {
+		t.Errorf("Revive: next try in %v; want none", wait)
+	}
+	if st := s.State("a"); st != (State{}) || len(started) != 2 {
+		t.Errorf("after Revive: state %+v, %d servers started; want serving, no restart, 2", st, len(started))
+	}
+}
