@@ -614,7 +614,8 @@ func TestResolveHTTP(t *testing.T) {
 }
 
 // TestResolveKeepalive: a side of tcp_keepalive that the file names is on,
-// with the defaults for what it leaves out; a side it leaves out is off.
+// with the defaults for what it leaves out, also when it names it with no
+// value at all; a side it leaves out is off.
 func TestResolveKeepalive(t *testing.T) {
 	cfg, err := Parse([]byte(`services:
 - name: a
@@ -630,6 +631,13 @@ func TestResolveKeepalive(t *testing.T) {
 - name: c
   vip: 192.0.2.1:82
   backends: [{address: 192.0.2.10:80}]
+- name: d
+  vip: 192.0.2.1:83
+  proxy:
+    tcp_keepalive:
+      client:
+      backend: ~
+  backends: [{address: 192.0.2.10:80}]
 `))
 	if err != nil {
 		t.Fatal(err)
@@ -642,6 +650,7 @@ func TestResolveKeepalive(t *testing.T) {
 		{"a.proxy", cfg.Services[0].Proxy.TCPKeepalive, TCPKeepalive{Client: Keepalive{5 * time.Second, 2 * time.Second, 3}}},
 		{"b.http", cfg.Services[1].HTTP.TCPKeepalive, TCPKeepalive{Backend: def}},
 		{"c.proxy", cfg.Services[2].Proxy.TCPKeepalive, TCPKeepalive{}},
+		{"d.proxy, sides named with no value", cfg.Services[3].Proxy.TCPKeepalive, TCPKeepalive{Client: def, Backend: def}},
 	} {
 		if c.got != c.want {
 			t.Errorf("%s.tcp_keepalive: got %+v; want %+v", c.name, c.got, c.want)

@@ -209,6 +209,9 @@ type fileKeepalive struct {
 	Count    *int      `yaml:"count,omitempty"`    // default 6
 }
 
+// A side named with no value ("client:") is on, with the defaults.
+func (*fileKeepalive) onWhenNamed() {}
+
 // HTTP holds the settings of the http data plane (data_plane: http).
 type fileHTTP struct {
 	// Listen is the address the http plane binds. Default the VIP.

@@ -515,6 +515,11 @@ func mergedMappings(v *yaml.Node) []*yaml.Node {
 	return []*yaml.Node{v}
 }
 
+// onWhenNamed is a section that its key alone turns on, with the defaults of
+// the fields it leaves out: yaml's decoder leaves a key written with no value
+// nil, as if it were not there, and checkFields gives it an empty mapping.
+type onWhenNamed interface{ onWhenNamed() }
+
 func isNull(n *yaml.Node) bool { return n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null" }
 
 // lineOf returns the line of path, or of its nearest ancestor the file has.
@@ -684,6 +689,11 @@ func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string, viaAlias
 			f, ok := fields[k.Value]
 			if !ok {
 				p.errs = append(p.errs, &FieldError{Line: k.Line, Path: sub, Msg: unknownField(k.Value, fields)})
+				continue
+			}
+			if isNull(v) && f.Type.Implements(reflect.TypeFor[onWhenNamed]()) {
+				// Named with no value ("client:"): on, as {} is.
+				n.Content[i+1] = &yaml.Node{Kind: yaml.MappingNode, Tag: "!!map", Line: v.Line, Column: v.Column}
 				continue
 			}
 			p.checkFields(v, f.Type, sub, viaAlias)
