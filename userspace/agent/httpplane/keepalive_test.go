@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -16,8 +17,9 @@ import (
 )
 
 // TestKeepaliveReload: an http service's tcp_keepalive, as the file writes
-// it, is on its client and backend sockets, and a reload that changes it
-// gives the connections after it the new setting.
+// it, is on its client and backend sockets; weir plan names it as what a
+// change of it gives a new listener for; and a reload that changes it gives
+// the connections after it the new setting.
 func TestKeepaliveReload(t *testing.T) {
 	bs := httpbackend.StartN(t, 1)
 	port := freePort(t)
@@ -39,6 +41,9 @@ func TestKeepaliveReload(t *testing.T) {
 		t.Errorf("keepalive idle: got client %ds, backend %vs; want 5s, [6]s", client, backend)
 	}
 	r.writeConfig(t, fmt.Sprintf(svc, port, 8, 9, backendList(bs)))
+	if sp := httpPlan(t, r.a, nil); !strings.HasPrefix(sp.NewDataPlane, "a new listener on http") || !strings.Contains(sp.NewDataPlane, "tcp_keepalive") {
+		t.Errorf("plan: new data plane %q; want a new listener, naming tcp_keepalive", sp.NewDataPlane)
+	}
 	if err := r.a.Reload(context.Background()); err != nil {
 		t.Fatal(err)
 	}
