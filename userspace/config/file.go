@@ -246,7 +246,8 @@ type fileHTTP struct {
 	XForwardedProto   *bool     `yaml:"x_forwarded_proto,omitempty"` // default true
 	AccessLog         bool      `yaml:"access_log,omitempty"`
 	// TCPKeepalive probes idle peers of the client and backend sockets. Default
-	// Go's runtime's (15s, 15s, 9 probes; 30s idle for HTTP/1.1 backends).
+	// Go's runtime's (15s, 15s, 9 probes; 30s idle for backend connections but
+	// the frame engine's and tunnels').
 	TCPKeepalive fileTCPKeepalive `yaml:"tcp_keepalive,omitempty"`
 
 	ListenAddr netip.AddrPort `yaml:"-"` // Listen, parsed

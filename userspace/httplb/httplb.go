@@ -137,7 +137,8 @@ type Config struct {
 	// client connections and the connections dialed to backends, so one whose
 	// peer vanished without a FIN or reset fails after Idle + Count × Interval.
 	// Without Enable, Go's defaults hold: 15s idle, 15s interval, 9 probes
-	// (30s idle for net/http's HTTP/1.1 and h2c pools). Read once, by Listen.
+	// (30s idle for the HTTP/1.1 pools and net/http's h2c ones). Read once,
+	// by Listen.
 	ClientKeepalive  net.KeepAliveConfig
 	BackendKeepalive net.KeepAliveConfig
 

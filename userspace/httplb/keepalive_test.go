@@ -18,8 +18,9 @@ import (
 
 // TestKeepaliveSockets reads back with getsockopt, on the service's accepted
 // client socket and on its socket to the backend, the TCP keepalive each
-// engine's connections get: the configured one when set; Go's default (15s
-// idle) on the client's when not.
+// engine's connections get: the configured one when set; when not, Go's
+// defaults: 15s idle on the client's, and on the backend's 15s for the frame
+// engine and 30s for the others' pools.
 func TestKeepaliveSockets(t *testing.T) {
 	client := net.KeepAliveConfig{Enable: true, Idle: 7 * time.Second, Interval: 3 * time.Second, Count: 4}
 	backend := net.KeepAliveConfig{Enable: true, Idle: 11 * time.Second, Interval: 2 * time.Second, Count: 2}
@@ -37,6 +38,7 @@ func TestKeepaliveSockets(t *testing.T) {
 		{"h1 to h2c", false, false, true, UpstreamH2C},
 		{"h1 loop off", false, false, false, UpstreamAuto},
 		{"h2 frames off", true, false, false, UpstreamAuto},
+		{"h2 net_http off", true, true, false, UpstreamAuto},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			bs := httpbackend.StartN(t, 1)
@@ -73,11 +75,17 @@ func TestKeepaliveSockets(t *testing.T) {
 			want := func(k net.KeepAliveConfig) sockfd.Keepalive {
 				return sockfd.Keepalive{On: 1, Idle: int(k.Idle / time.Second), Interval: int(k.Interval / time.Second), Count: k.Count}
 			}
+			// Go's, with the idle its dialer or listener asks for.
+			goDefault := func(idle int) sockfd.Keepalive { return sockfd.Keepalive{On: 1, Idle: idle, Interval: 15, Count: 9} }
+			offIdle := 30
+			if tc.h2 && !tc.netHTTP {
+				offIdle = 15 // the frame engine's dialer
+			}
 			switch {
 			case tc.set && (kc != want(client) || kb != want(backend)):
 				t.Errorf("got client side %+v, backend side %+v; want %+v, %+v", kc, kb, want(client), want(backend))
-			case !tc.set && (kc.On != 1 || kc.Idle != 15 || kb.On != 1):
-				t.Errorf("without keepalive set: got client side %+v, backend side %+v; want Go's defaults, on, 15s idle on the client's", kc, kb)
+			case !tc.set && (kc != goDefault(15) || kb != goDefault(offIdle)):
+				t.Errorf("without keepalive set: got client side %+v, backend side %+v; want Go's defaults, %+v, %+v", kc, kb, goDefault(15), goDefault(offIdle))
 			}
 		})
 	}
