@@ -49,28 +49,37 @@ func TestKeepaliveSockets(t *testing.T) {
 		name                  string
 		client, backend       net.KeepAliveConfig
 		wantClient, wantBackd sockfd.Keepalive
+		ip                    string // the listener's and the backend's; "" 127.0.0.1
 	}{
-		{"off", net.KeepAliveConfig{}, net.KeepAliveConfig{}, off, off},
+		{"off", net.KeepAliveConfig{}, net.KeepAliveConfig{}, off, off, ""},
 		{"on",
 			net.KeepAliveConfig{Enable: true, Idle: 7 * time.Second, Interval: 3 * time.Second, Count: 4},
 			net.KeepAliveConfig{Enable: true, Idle: 11 * time.Second, Interval: 1500 * time.Millisecond, Count: 2},
-			sockfd.Keepalive{On: 1, Idle: 7, Interval: 3, Count: 4}, sockfd.Keepalive{On: 1, Idle: 11, Interval: 2, Count: 2}},
+			sockfd.Keepalive{On: 1, Idle: 7, Interval: 3, Count: 4}, sockfd.Keepalive{On: 1, Idle: 11, Interval: 2, Count: 2}, ""},
+		{"on, IPv6",
+			net.KeepAliveConfig{Enable: true, Idle: 7 * time.Second, Interval: 3 * time.Second, Count: 4},
+			net.KeepAliveConfig{Enable: true, Idle: 11 * time.Second, Interval: 2 * time.Second, Count: 2},
+			sockfd.Keepalive{On: 1, Idle: 7, Interval: 3, Count: 4}, sockfd.Keepalive{On: 1, Idle: 11, Interval: 2, Count: 2}, "::1"},
 		{"client only",
 			net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 3},
 			net.KeepAliveConfig{},
-			sockfd.Keepalive{On: 1, Idle: 5, Interval: 2, Count: 3}, off},
+			sockfd.Keepalive{On: 1, Idle: 5, Interval: 2, Count: 3}, off, ""},
 		{"backend only, kernel's idle",
 			net.KeepAliveConfig{},
 			net.KeepAliveConfig{Enable: true, Interval: 9 * time.Second, Count: 1},
-			off, sockfd.Keepalive{On: 1, Idle: off.Idle, Interval: 9, Count: 1}},
+			off, sockfd.Keepalive{On: 1, Idle: off.Idle, Interval: 9, Count: 1}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			at := loopback0
+			if tc.ip != "" {
+				at = netip.AddrPortFrom(netip.MustParseAddr(tc.ip), 0)
+			}
 			accepted := make(chan netip.AddrPort, 1)
-			be := startBackend(t, "b", netip.AddrPort{}, func(name string, c *net.TCPConn) {
+			be := startBackend(t, "b", at, func(name string, c *net.TCPConn) {
 				accepted <- c.RemoteAddr().(*net.TCPAddr).AddrPort()
 				echo(name, c)
 			})
-			s := startProxy(t, Config{Backends: []Backend{{Addr: be.addr()}},
+			s := startProxy(t, Config{Listen: at, Backends: []Backend{{Addr: be.addr()}},
 				ClientKeepalive: tc.client, BackendKeepalive: tc.backend})
 			c := dial(t, s)
 			if err := roundTrip(c, "ping"); err != nil {
