@@ -334,12 +334,12 @@ func TestErrors(t *testing.T) {
 		{"duplicate key", "services: []\nservices: []\n", `line 2: services: already set at line 1`},
 		// TCP keepalive: the kernel takes whole seconds, and at most tcp(7)'s limits.
 		{"keepalive", svc + "  proxy:\n    tcp_keepalive:\n      client: {idle: 1s, interval: 1s, count: 127}\n      backend: {}\n" + be, ""},
-		{"keepalive zero idle", svc + "  proxy:\n    tcp_keepalive:\n      client:\n        idle: 0s\n" + be, "line 7: services[0].proxy.tcp_keepalive.client.idle: must be positive, got 0s"},
-		{"keepalive fraction", svc + "  proxy:\n    tcp_keepalive:\n      backend:\n        interval: 1500ms\n" + be, "line 7: services[0].proxy.tcp_keepalive.backend.interval: must be whole seconds (the kernel takes seconds), got 1.5s"},
-		{"keepalive idle too long", svc + "  proxy: {tcp_keepalive: {client: {idle: 10h}}}\n" + be, "line 4: services[0].proxy.tcp_keepalive.client.idle: must be at most 9h6m7s, got 10h0m0s"},
+		{"keepalive zero idle", svc + "  proxy:\n    tcp_keepalive:\n      client:\n        idle: 0s\n" + be, "line 7: services[0].proxy.tcp_keepalive.client.idle: must be whole seconds, 1s..32767s (the kernel's limits), got 0s"},
+		{"keepalive fraction", svc + "  proxy:\n    tcp_keepalive:\n      backend:\n        interval: 1500ms\n" + be, "line 7: services[0].proxy.tcp_keepalive.backend.interval: must be whole seconds, 1s..32767s (the kernel's limits), got 1.5s"},
+		{"keepalive idle too long", svc + "  proxy: {tcp_keepalive: {client: {idle: 10h}}}\n" + be, "line 4: services[0].proxy.tcp_keepalive.client.idle: must be whole seconds, 1s..32767s (the kernel's limits), got 10h0m0s"},
 		{"keepalive count zero", svc + "  proxy:\n    tcp_keepalive:\n      client:\n        count: 0\n" + be, "line 7: services[0].proxy.tcp_keepalive.client.count: must be 1..127 (probes unanswered before the connection ends), got 0"},
 		{"keepalive count too high", svc + "  data_plane: http\n  http:\n    tcp_keepalive:\n      backend: {count: 128}\n" + be, "line 7: services[0].http.tcp_keepalive.backend.count: must be 1..127"},
-		{"keepalive negative interval", svc + "  data_plane: http\n  http: {tcp_keepalive: {client: {interval: -1s}}}\n" + be, "line 5: services[0].http.tcp_keepalive.client.interval: must be positive, got -1s"},
+		{"keepalive negative interval", svc + "  data_plane: http\n  http: {tcp_keepalive: {client: {interval: -1s}}}\n" + be, "line 5: services[0].http.tcp_keepalive.client.interval: must be whole seconds, 1s..32767s (the kernel's limits), got -1s"},
 		{"keepalive side misspelt", svc + "  proxy: {tcp_keepalive: {server: {}}}\n" + be, "services[0].proxy.tcp_keepalive.server: unknown field"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
