@@ -2,8 +2,13 @@ package proxy
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net"
 	"net/netip"
+	"os/exec"
+	"slices"
+	"syscall"
 	"testing"
 	"time"
 
@@ -134,4 +139,55 @@ func TestKeepaliveVanishedClient(t *testing.T) {
 	// The client's host goes: nothing sent.
 	pair.VanishB(t, func() int64 { return services["keepalive"].Snapshot().Active },
 		func() int64 { return services["none"].Snapshot().Active })
+}
+
+// TestKeepaliveVanishedBackend: a backend whose host vanishes without a FIN
+// or a reset (here nftables drops every packet to and from its port) is found
+// out by the backend side's keepalive: the client gets a reset, the slot is
+// freed, and the backend is blamed for a reset (Resets, the Observer), as
+// passive health counts it. A service without keepalive still holds its
+// connection a second after that.
+//
+// In a network namespace of its own, for its nftables rules.
+func TestKeepaliveVanishedBackend(t *testing.T) {
+	if !inOwnNetns(t, nil) {
+		return
+	}
+	be := startBackend(t, "b", netip.AddrPort{}, echo)
+	ka := net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 2}
+	rec := &recorder{}
+	services := map[string]*Service{}
+	clients := map[string]*net.TCPConn{}
+	for name, bka := range map[string]net.KeepAliveConfig{"keepalive": ka, "none": {}} {
+		services[name] = startProxy(t, Config{Name: name, Backends: []Backend{{Addr: be.addr()}},
+			BackendKeepalive: bka, ShutdownTimeout: 100 * time.Millisecond, Observer: rec})
+		c := dial(t, services[name])
+		c.SetDeadline(time.Now().Add(60 * time.Second))
+		if err := roundTrip(c, "ping"); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		clients[name] = c
+	}
+
+	// The backend's host goes: nothing it sends arrives, nothing reaches it.
+	rules := fmt.Sprintf("table inet vanish { chain in { type filter hook input priority 0; tcp sport %[1]d drop; tcp dport %[1]d drop; }; }", be.addr().Port())
+	if out, err := exec.Command("nft", rules).CombinedOutput(); err != nil {
+		t.Fatalf("nft %s: %v: %s", rules, err, out)
+	}
+	start := time.Now()
+	waitfor.Value(t, 20*time.Second, "0 active connections", active(services["keepalive"], 0))
+	t.Logf("the probing service ended the connection %v after the backend went", time.Since(start).Round(time.Millisecond))
+	if _, err := clients["keepalive"].Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("the client of the probing service: read got %v; want a reset", err)
+	}
+	if got := services["keepalive"].Snapshot().Backends[0].Resets; got != 1 {
+		t.Errorf("backend resets: got %d; want 1", got)
+	}
+	if got, want := rec.list(), []string{be.addr().String() + " reset"}; !slices.Equal(got, want) {
+		t.Errorf("observed: got %q; want %q", got, want)
+	}
+	if waitfor.Cond(time.Second, func() bool { return services["none"].Snapshot().Active != 1 }) {
+		t.Errorf("the service that does not probe, %v after the backend went: got %d connections; want 1",
+			time.Since(start).Round(time.Millisecond), services["none"].Snapshot().Active)
+	}
 }
