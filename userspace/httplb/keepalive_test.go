@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/net/websocket"
+
 	"github.com/weir-lb/weir/internal/httpbackend"
 	"github.com/weir-lb/weir/internal/netpair"
 	"github.com/weir-lb/weir/internal/sockfd"
@@ -134,5 +136,34 @@ func openConns(s *Service, want int64) func() (any, bool) {
 	return func() (any, bool) {
 		n := s.Snapshot().Connections
 		return fmt.Sprintf("%d open connections", n), n == want
+	}
+}
+
+// TestKeepaliveTunnel: a WebSocket tunnel's connection to its backend, which
+// the tunnel dials itself, has the backend side's keepalive too.
+func TestKeepaliveTunnel(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	s := serve(t, Config{BackendKeepalive: net.KeepAliveConfig{Enable: true, Idle: 11 * time.Second, Interval: 2 * time.Second, Count: 2}}, bs)
+	ws, err := websocket.DialConfig(wsConfig(t, "ws", s.Addr().String(), nil))
+	if err != nil {
+		t.Fatalf("WebSocket handshake through the plane: %v", err)
+	}
+	t.Cleanup(func() { ws.Close() })
+	ws.SetDeadline(time.Now().Add(5 * time.Second))
+	var got string
+	if err := websocket.Message.Send(ws, "ping"); err != nil {
+		t.Fatal(err)
+	}
+	if err := websocket.Message.Receive(ws, &got); err != nil || got != "ping" {
+		t.Fatalf("through the tunnel: got %q, %v; want \"ping\"", got, err)
+	}
+	// The tunnel's is the only connection to the backend: nothing else was asked.
+	fds, err := sockfd.FindAll(netip.AddrPort{}, bs[0].Addr)
+	if err != nil || len(fds) != 1 {
+		t.Fatalf("sockets to the backend: got %d, %v; want the tunnel's", len(fds), err)
+	}
+	want := sockfd.Keepalive{On: 1, Idle: 11, Interval: 2, Count: 2}
+	if k, err := sockfd.KeepaliveOf(fds[0]); err != nil || k != want {
+		t.Errorf("the tunnel's backend socket: got %+v, %v; want %+v", k, err, want)
 	}
 }
