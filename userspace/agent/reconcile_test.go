@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/weir-lb/weir/internal/churn"
 	"github.com/weir-lb/weir/userspace/agent/admin"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/config"
@@ -184,25 +185,7 @@ func runAgent(t *testing.T, path string) *Agent {
 }
 
 // echoBackend serves a line echo on loopback and returns its address.
-func echoBackend(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	// Exits when ln is closed at cleanup; each copy when its client closes.
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() { defer c.Close(); io.Copy(c, c) }()
-		}
-	}()
-	return ln.Addr().String()
-}
+func echoBackend(t *testing.T) string { return churn.Echo(t).String() }
 
 // echoConn is a connection to an echo service through a proxy.
 type echoConn struct {

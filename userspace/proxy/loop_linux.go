@@ -435,9 +435,13 @@ func (l *loop) accept() {
 	}
 }
 
-// stopAccepting closes the listener; connections already accepted go on.
+// stopAccepting closes the listener; connections already accepted go on. The
+// socket lives on if a service that replaced this one took it over
+// (ListenFrom): it leaves the epoll set first, so its next connections, the
+// new service's, do not wake this loop.
 func (l *loop) stopAccepting() {
 	if l.ln != nil {
+		epollCtlRaw(l.epfd, unix.EPOLL_CTL_DEL, l.ln.fd, &unix.EpollEvent{})
 		l.ln.close()
 		l.ln = nil
 	}

@@ -218,14 +218,53 @@ type backend struct {
 // Listen validates cfg, builds the balancer and binds the listeners (so connections
 // queue in the backlog from now on). Call Serve to accept, or Close to give up.
 func Listen(ctx context.Context, cfg Config) (*Service, error) {
+	return ListenFrom(ctx, cfg, nil)
+}
+
+// ListenFrom is Listen for a service that replaces old (nil: none). If old listens on
+// cfg.Listen, the new service takes old's listening sockets over (it holds
+// descriptors of its own of them) instead of binding new ones beside them: the
+// connections queued on them, and those still in their handshake, are the new
+// service's to accept, where closing the sockets would reset them. The new
+// client keepalive setting is applied to the sockets (accepted sockets inherit
+// it). Old goes on accepting on them until its Serve ends, which closes only
+// its own descriptors, and its connections drain as at any shutdown. With
+// more loops than old has sockets the rest are bound anew; with fewer, the
+// sockets left over close with old, and connections queued there are reset.
+//
+// If the new service is given up (Close, or Serve ended) while old still
+// runs, old keeps accepting on its sockets; call old's Reclaim to give them
+// its own keepalive setting back.
+func ListenFrom(ctx context.Context, cfg Config, old *Service) (*Service, error) {
 	s, err := newService(cfg)
 	if err != nil {
 		return nil, err
 	}
-	if err := s.listen(ctx); err != nil {
+	if old == nil || old.cfg.Listen != s.cfg.Listen {
+		old = nil
+	}
+	if err := s.listen(ctx, old); err != nil {
 		return nil, fmt.Errorf("service %q: %w", cfg.Name, err)
 	}
 	return s, nil
+}
+
+// Reclaim sets the service's client keepalive setting on its listening sockets
+// again, which a service that took them over (ListenFrom) and was given up may
+// have changed.
+func (s *Service) Reclaim() error {
+	var errs []error
+	for _, ln := range s.lns {
+		ln.mu.Lock()
+		if ln.fd >= 0 {
+			errs = append(errs, retune(ln.fd, s.cfg.ClientKeepalive))
+		}
+		ln.mu.Unlock()
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("service %q: listen %s: %w", s.cfg.Name, s.cfg.Listen, err)
+	}
+	return nil
 }
 
 func newService(cfg Config) (*Service, error) {
@@ -377,9 +416,28 @@ func (s *Service) publish() {
 	s.table.Store(&t)
 }
 
-func (s *Service) listen(ctx context.Context) error {
+// listen binds the service's listening sockets, one per loop, or takes from's
+// over (see ListenFrom) where it has them.
+func (s *Service) listen(ctx context.Context, from *Service) error {
 	ap := s.cfg.Listen
-	for range s.cfg.AcceptLoops {
+	if from != nil {
+		for _, ln := range from.lns[:min(len(from.lns), s.cfg.AcceptLoops)] {
+			fd := ln.dup()
+			if fd < 0 {
+				continue // closed: old stopped accepting there
+			}
+			s.lns = append(s.lns, &listener{fd: fd})
+			if err := retune(fd, s.cfg.ClientKeepalive); err != nil {
+				s.closeListeners()
+				return fmt.Errorf("listen %s: %w", ap, err)
+			}
+		}
+		if len(s.lns) > 0 {
+			s.addr = from.addr
+			ap = netip.AddrPortFrom(ap.Addr(), s.addr.Port())
+		}
+	}
+	for len(s.lns) < s.cfg.AcceptLoops {
 		if err := ctx.Err(); err != nil {
 			s.closeListeners()
 			return err

@@ -20,10 +20,39 @@ import (
 // registers the sockets itself) and its deregistration at close, and the dialer's
 // context, resolver and address plumbing.
 
-// listener is a listening socket, non-blocking, served by one loop.
-type listener struct{ fd int }
+// listener is a listening socket, non-blocking, served by one loop. Its
+// descriptor may be duplicated for a service that takes the socket over
+// (ListenFrom) from another goroutine than the loop's: mu orders that with
+// close. The loop reads fd without it, as only the loop (or, before Serve,
+// its owner) closes it.
+type listener struct {
+	mu sync.Mutex
+	fd int // -1 once closed
+}
 
-func (l *listener) close() { unix.Close(l.fd) }
+func (l *listener) close() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.fd >= 0 {
+		unix.Close(l.fd)
+		l.fd = -1
+	}
+}
+
+// dup returns a new descriptor of the same listening socket, or -1 if l is
+// closed or the descriptor could not be had.
+func (l *listener) dup() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.fd < 0 {
+		return -1
+	}
+	fd, err := unix.FcntlInt(uintptr(l.fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return -1
+	}
+	return fd
+}
 
 // listen binds a non-blocking listening socket on ap with SO_REUSEPORT, as
 // net.Listen("tcp", ...) would (SO_REUSEADDR; a wildcard IPv6 address also takes
@@ -72,6 +101,54 @@ func listen(ap netip.AddrPort, ka net.KeepAliveConfig) (*listener, error) {
 		return nil, err
 	}
 	return &listener{fd: fd}, nil
+}
+
+// retune sets ka on a listening socket taken over from another service, whose
+// setting may have been another: unlike listen, it turns keepalive off when ka
+// is not enabled, and gives a field ka leaves zero the kernel's default back.
+func retune(fd int, ka net.KeepAliveConfig) error {
+	on := 0
+	if ka.Enable {
+		on = 1
+		def, err := keepaliveDefaults()
+		if err != nil {
+			return err
+		}
+		if ka.Idle <= 0 {
+			ka.Idle = def.Idle
+		}
+		if ka.Interval <= 0 {
+			ka.Interval = def.Interval
+		}
+		if ka.Count <= 0 {
+			ka.Count = def.Count
+		}
+		if err := setKeepalive(fd, ka); err != nil {
+			return err
+		}
+	}
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE, on); err != nil {
+		return fmt.Errorf("set SO_KEEPALIVE: %w", err)
+	}
+	return nil
+}
+
+// keepaliveDefaults returns the kernel's keepalive settings of a new socket
+// (net.ipv4.tcp_keepalive_time, _intvl, _probes of this network namespace).
+func keepaliveDefaults() (net.KeepAliveConfig, error) {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return net.KeepAliveConfig{}, fmt.Errorf("socket: %w", err)
+	}
+	defer unix.Close(fd)
+	var v [3]int
+	for i, opt := range []int{unix.TCP_KEEPIDLE, unix.TCP_KEEPINTVL, unix.TCP_KEEPCNT} {
+		if v[i], err = unix.GetsockoptInt(fd, unix.IPPROTO_TCP, opt); err != nil {
+			return net.KeepAliveConfig{}, fmt.Errorf("read the keepalive defaults: %w", err)
+		}
+	}
+	return net.KeepAliveConfig{Enable: true, Idle: time.Duration(v[0]) * time.Second,
+		Interval: time.Duration(v[1]) * time.Second, Count: v[2]}, nil
 }
 
 // startDial opens a non-blocking socket to sa and starts its connect. The connect

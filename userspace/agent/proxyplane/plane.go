@@ -46,7 +46,7 @@ func New(checker *health.Checker, log *slog.Logger) *Plane {
 			return fmt.Errorf("service %q: %w", s.Name(), err)
 		}
 		return nil
-	}, Drained: p.tally.Drained, Log: log, What: "proxy"}
+	}, Replace: p.replace, Drained: p.tally.Drained, Log: log, What: "proxy"}
 	p.tally = served.Tally[*proxy.Service, proxy.Snapshot]{Set: &p.Set, Snap: (*proxy.Service).Snapshot, Merge: merge, Idle: idle}
 	return p
 }
@@ -103,7 +103,12 @@ func merge(dst *proxy.Snapshot, src proxy.Snapshot, add bool) {
 
 // start binds a service's listener and sets its backends; the set starts
 // accepting.
-func (p *Plane) start(s *plan.Service) (*proxy.Service, error) {
+func (p *Plane) start(s *plan.Service) (*proxy.Service, error) { return p.replace(nil, s) }
+
+// replace is start for a service whose server old (nil: none) it replaces:
+// where old listens on the same address, the new server takes its listening
+// sockets over (proxy.ListenFrom).
+func (p *Plane) replace(old *proxy.Service, s *plan.Service) (*proxy.Service, error) {
 	log := p.log.With("service", s.Name())
 	cfg := proxyConfig(&s.Config, observer{p.checker, s.Name()}, log)
 	if useSockMap(s.Config.Proxy.SockMap) {
@@ -111,7 +116,7 @@ func (p *Plane) start(s *plan.Service) (*proxy.Service, error) {
 			cfg.Redirector = r
 		}
 	}
-	px, err := proxy.Listen(context.Background(), cfg)
+	px, err := proxy.ListenFrom(context.Background(), cfg, old)
 	if errors.Is(err, syscall.EADDRNOTAVAIL) {
 		return nil, fmt.Errorf("%w: the proxy binds %s, which no interface of this host holds (add it to one, or let XDP serve the service)", err, s.Config.Proxy.Listen.Addr())
 	}

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/internal/churn"
 	"github.com/weir-lb/weir/internal/sockfd"
 	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/userspace/agent/plan"
@@ -60,7 +61,7 @@ func TestSockMapOn(t *testing.T) {
 // serveOne runs one proxy service with sockmap: on and checks a round trip through
 // it, and which path carried it.
 func serveOne(t *testing.T, wantKernel bool) {
-	be := echoBackend(t)
+	be := churn.Echo(t)
 	p := New(&health.Checker{}, slog.New(slog.NewTextHandler(testWriter{t}, nil)))
 	defer p.Close()
 	s := &plan.Service{
@@ -99,28 +100,6 @@ func serveOne(t *testing.T, wantKernel bool) {
 	}
 }
 
-// echoBackend serves an echo on loopback until the test ends, and returns
-// its address.
-func echoBackend(t *testing.T) netip.AddrPort {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	// Exits when ln is closed at the test's end.
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			// Exits when the proxy closes the connection.
-			go func() { io.Copy(c, c); c.Close() }()
-		}
-	}()
-	return ln.Addr().(*net.TCPAddr).AddrPort()
-}
-
 // echoThrough makes one round trip through px to an echo backend.
 func echoThrough(t *testing.T, px *proxy.Service) {
 	t.Helper()
@@ -146,7 +125,7 @@ func echoThrough(t *testing.T, px *proxy.Service) {
 // listener counted, through its drain and after: Prometheus counters must
 // not go back. Before, they went back to zero with every new listener.
 func TestCountersCarriedOver(t *testing.T) {
-	be := echoBackend(t)
+	be := churn.Echo(t)
 	p := New(&health.Checker{}, slog.New(slog.DiscardHandler))
 	t.Cleanup(p.Close)
 	svc := func(connect time.Duration) *plan.Service {

@@ -44,6 +44,13 @@ type Set[S Server] struct {
 	// Push gives a running server s's backends (and whatever else it can
 	// change in place).
 	Push func(srv S, s *plan.Service) error
+	// Replace, if set, starts the server that replaces old, running, for s
+	// (a setting fixed at listen time changed), as Start would: it may take
+	// old's listening sockets over instead of binding new ones, so the
+	// connections queued on them are not reset when old retires. If the
+	// change is aborted, old serves on; if it has a Reclaim() error method,
+	// that is called to put back what the new server set on the sockets.
+	Replace func(old S, s *plan.Service) (S, error)
 	// Rebuilt says whether a change needs a new server; nil: plan.Rebuilt.
 	Rebuilt func(a, b *config.Service) bool
 	Log     *slog.Logger
@@ -196,7 +203,7 @@ func (p *Set[S]) Add(s *plan.Service) error {
 		return p.Update(&plan.Service{Config: e.cfg}, s)
 	}
 	p.hold(s.Name())
-	e, err := p.start(s)
+	e, err := p.start(s, p.Start)
 	if err != nil {
 		return err
 	}
@@ -208,8 +215,8 @@ func (p *Set[S]) Add(s *plan.Service) error {
 	return nil
 }
 
-func (p *Set[S]) start(s *plan.Service) (*entry[S], error) {
-	srv, err := p.Start(s)
+func (p *Set[S]) start(s *plan.Service, start func(*plan.Service) (S, error)) (*entry[S], error) {
+	srv, err := start(s)
 	if err != nil {
 		return nil, err
 	}
@@ -321,7 +328,7 @@ func (p *Set[S]) Revive(find func(name string) *plan.Service) time.Duration {
 			soon(wait)
 			continue
 		}
-		fresh, err := p.start(s)
+		fresh, err := p.start(s, p.Start)
 		p.mu.Lock()
 		if err != nil {
 			r.why = err.Error()
@@ -390,7 +397,11 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 		e.cfg = next.Config
 		return nil
 	}
-	fresh, err := p.start(next)
+	start := p.Start
+	if p.Replace != nil && !e.over() {
+		start = func(s *plan.Service) (S, error) { return p.Replace(e.srv, s) }
+	}
+	fresh, err := p.start(next, start)
 	if err != nil {
 		return err
 	}
@@ -472,10 +483,23 @@ func (p *Set[S]) Abort() {
 		}
 		h.e.cfg = h.cfg
 		p.services[name] = h.e
+		// A replacement that took the sockets over, or failed to start
+		// after it did, may have changed their settings.
+		if r, ok := any(h.e.srv).(reclaimer); ok {
+			if err := r.Reclaim(); err != nil {
+				p.Log.Warn(p.What+": the listener's settings were not put back", "service", name, "err", err)
+			}
+		}
 	}
 	clear(p.before)
 	clear(p.kept)
 	p.publish()
+}
+
+// reclaimer is a Server whose listening sockets a replacement may have taken
+// over (Replace) and changed: Reclaim sets its own settings on them again.
+type reclaimer interface {
+	Reclaim() error
 }
 
 func (p *Set[S]) retire(e *entry[S]) {
