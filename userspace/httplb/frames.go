@@ -171,8 +171,9 @@ type fstream struct {
 }
 
 // serveFrames serves one client connection whose preface has been read, until
-// it closes.
-func (s *Service) serveFrames(c *coalescingConn, overTLS bool) {
+// it closes; arrived is called once the session is known to a shutdown (or
+// refused by it).
+func (s *Service) serveFrames(c *coalescingConn, overTLS bool, arrived func()) {
 	defer s.stats.conns.Add(-1) // counted by the split listener
 	ss := &fsess{s: s, conn: c, tls: overTLS, streams: map[uint32]*fstream{}, sendWin: 65535, initWin: 65535, maxFrame: defaultMaxFrame, recvWin: recvConnWin,
 		remote: c.RemoteAddr().String(), done: make(chan struct{})}
@@ -186,7 +187,9 @@ func (s *Service) serveFrames(c *coalescingConn, overTLS bool) {
 	ss.br = newBlockReader(ss.fr, uint32(s.cfg.MaxHeaderBytes))
 	ss.br.partial = ss.headerDeadline
 	ss.enc = hpack.NewEncoder(&ss.encBuf)
-	if !s.registerSession(ss) {
+	ok := s.registerSession(ss)
+	arrived()
+	if !ok {
 		c.Close()
 		return
 	}

@@ -8,6 +8,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -26,23 +27,55 @@ type splitListener struct {
 	done  chan struct{}
 	once  sync.Once
 	err   error
+
+	// arriving counts the connections accepted that are not yet with their
+	// engine (registered, refused, handed to net/http's server or closed).
+	arriving sync.WaitGroup
+	stopping atomic.Bool   // stop closed the socket: run returns quietly
+	ran      chan struct{} // closed when run returns
 }
 
 func newSplitListener(ln net.Listener, s *Service) *splitListener {
-	return &splitListener{Listener: ln, s: s, conns: make(chan net.Conn), done: make(chan struct{})}
+	return &splitListener{Listener: ln, s: s, conns: make(chan net.Conn), done: make(chan struct{}), ran: make(chan struct{})}
 }
 
 // run accepts until the listener closes or fails.
 func (l *splitListener) run() {
+	defer close(l.ran)
 	for {
 		c, err := l.Listener.Accept()
 		if err != nil {
-			l.closeWith(err)
+			if !l.stopping.Load() {
+				l.closeWith(err)
+			}
 			return
 		}
 		l.s.stats.accept()
-		// Exits once the connection's first bytes are read or its header time is up.
-		go l.sniff(c.(*coalescingConn))
+		l.arriving.Add(1)
+		// Exits once the connection's first bytes are read or its header
+		// time is up, and it has been served.
+		go l.sniff(c.(*coalescingConn), sync.OnceFunc(l.arriving.Done))
+	}
+}
+
+// stop stops accepting, and waits until the connections accepted so far are
+// with their engine, which a shutdown then finds, or until abandon is closed:
+// a connection accepted is served, as a connection waiting in the socket's
+// queue is when a replacement took the socket over. Accept (net/http's
+// server's) goes on until Close.
+func (l *splitListener) stop(abandon <-chan struct{}) {
+	l.stopping.Store(true)
+	l.Listener.Close()
+	<-l.ran
+	arrived := make(chan struct{})
+	// Exits when the last sniff is over: each is bounded by the header time.
+	go func() {
+		l.arriving.Wait()
+		close(arrived)
+	}()
+	select {
+	case <-arrived:
+	case <-abandon:
 	}
 }
 
@@ -76,9 +109,10 @@ func (l *splitListener) closeWith(cause error) error {
 
 // sniff reads as much of the preface as the client has sent, until it is
 // whole or differs.
-func (l *splitListener) sniff(c *coalescingConn) {
+func (l *splitListener) sniff(c *coalescingConn, arrived func()) {
+	defer arrived()
 	if l.s.tls != nil {
-		l.sniffTLS(c)
+		l.sniffTLS(c, arrived)
 		return
 	}
 	c.SetReadDeadline(time.Now().Add(l.s.cfg.ReadHeaderTimeout))
@@ -97,12 +131,12 @@ func (l *splitListener) sniff(c *coalescingConn) {
 		c.mu.Lock()
 		c.async = true
 		c.mu.Unlock()
-		l.s.serveFrames(c, false)
+		l.s.serveFrames(c, false, arrived)
 		return
 	}
 	if string(buf[:n]) != http2.ClientPreface && !l.s.cfg.NetHTTP1 {
 		// The loop writes whole answers itself: no coalescing wrapper.
-		l.s.serveH1(rawConnOf(c.Conn), buf[:n], nil)
+		l.s.serveH1(rawConnOf(c.Conn), buf[:n], nil, arrived)
 		return
 	}
 	c.sniffed = false
@@ -122,7 +156,7 @@ func (l *splitListener) handOver(c net.Conn) {
 // sniffTLS does the TLS handshake: a client that chose h2 by ALPN goes to the
 // frame engine once its preface is in; the others to net/http's server,
 // which finds the handshake done.
-func (l *splitListener) sniffTLS(c *coalescingConn) {
+func (l *splitListener) sniffTLS(c *coalescingConn, arrived func()) {
 	deadline := time.Now().Add(l.s.cfg.ReadHeaderTimeout)
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
@@ -137,7 +171,7 @@ func (l *splitListener) sniffTLS(c *coalescingConn) {
 		if !l.s.cfg.NetHTTP1 {
 			st := tc.ConnectionState()
 			tc.SetReadDeadline(time.Time{})
-			l.s.serveH1(tc, nil, &st)
+			l.s.serveH1(tc, nil, &st, arrived)
 			return
 		}
 		l.handOver(tc)
@@ -155,7 +189,7 @@ func (l *splitListener) sniffTLS(c *coalescingConn) {
 		return
 	}
 	tc.SetReadDeadline(time.Time{})
-	l.s.serveFrames(newCoalescingConn(tc, true), true)
+	l.s.serveFrames(newCoalescingConn(tc, true), true, arrived)
 }
 
 // prefixConn gives back the bytes sniff read before the rest.

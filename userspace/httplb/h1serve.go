@@ -57,7 +57,8 @@ var (
 	errShutdown   = errors.New("service shut down before the request ended")
 )
 
-// Client connection states; shutdown closes only idle ones.
+// Client connection states; shutdown closes only idle ones (between two
+// requests: a new connection starts active).
 const (
 	h1Idle int32 = iota
 	h1Active
@@ -120,13 +121,16 @@ func (in *h1Input) Read(p []byte) (int, error) {
 }
 
 // serveH1 serves an HTTP/1.1 client connection until it closes. prefix is what
-// the listener read of it first; tlsState is set for TLS connections.
-func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.ConnectionState) {
+// the listener read of it first; tlsState is set for TLS connections; arrived
+// is called once the session is known to a shutdown (or refused by it).
+func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.ConnectionState, arrived func()) {
 	c := s.newH1Session(conn, prefix, tlsState)
 	defer s.stats.conns.Add(-1)
 	defer close(c.done)
 	defer c.ctx.cancelWith(nil)
-	if !s.registerH1(c) {
+	ok := s.registerH1(c)
+	arrived()
+	if !ok {
 		conn.Close()
 		return
 	}
@@ -154,6 +158,11 @@ func (s *Service) newH1Session(conn net.Conn, prefix []byte, tlsState *tls.Conne
 	c.w.header = c.w.own
 	c.watch = time.AfterFunc(time.Hour, c.startWatch)
 	c.watch.Stop()
+	// Not idle until its first request is answered: a client that was
+	// accepted has a request coming, which a shutdown lets it bring (within
+	// the header timeout) and answers with Connection: close, as net/http's
+	// server does a new connection's.
+	c.state.Store(h1Active)
 	return c
 }
 
@@ -171,7 +180,7 @@ func (c *h1Session) serve() bool {
 			return true
 		}
 		wait = s.cfg.IdleTimeout
-		if !c.state.CompareAndSwap(h1Idle, h1Active) {
+		if !c.state.CompareAndSwap(h1Idle, h1Active) && c.state.Load() == h1Closed {
 			return true // shutdown closed it
 		}
 		c.in.lim.n = int64(s.cfg.MaxHeaderBytes) + 4096

@@ -303,8 +303,10 @@ func (c *Config) defaults() {
 func (s *Service) Addr() net.Addr { return s.ln.Addr() }
 
 // Serve answers until ctx is done, then shuts down gracefully: the listener
-// closes, HTTP/2 connections get GOAWAY, idle HTTP/1.1 connections close, and
-// in-flight requests finish (up to DrainTimeout, then their connections close).
+// closes, the connections accepted by then are served their first request
+// (HTTP/2: the streams they open before GOAWAY), HTTP/2 connections get
+// GOAWAY, idle HTTP/1.1 connections close, and in-flight requests finish (up
+// to DrainTimeout, then their connections close).
 // A listener that fails ends it the same way, and Serve returns its error.
 func (s *Service) Serve(ctx context.Context) error {
 	ln := s.ln
@@ -331,6 +333,12 @@ func (s *Service) Serve(ctx context.Context) error {
 		shutCtx, cancel = context.WithTimeout(shutCtx, s.cfg.DrainTimeout)
 	}
 	defer cancel()
+	if s.split != nil {
+		// Stop accepting first, and let the connections accepted by then
+		// reach their engine, so that its shutdown serves their first
+		// request rather than refuse them.
+		s.split.stop(shutCtx.Done())
+	}
 	// Both at once: each waits for its own connections.
 	var wg sync.WaitGroup
 	wg.Go(func() { s.upgraded.Shutdown(shutCtx) })
