@@ -9,6 +9,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/weir-lb/weir/userspace/acceptlog"
 )
 
@@ -70,4 +72,68 @@ func (l *patientListener) Close() error {
 		close(l.done)
 	})
 	return err
+}
+
+// takeOver returns a listener of its own on the listening socket under ln (see
+// ListenFrom), or nil if there is none (ln closed). net.FileListener's
+// accepted connections get Go's default keepalive (15s idle, 15s interval, 9
+// probes): where ka differs, its values are set on each one, the only cost a
+// socket taken over adds per connection (a setsockopt a field that differs).
+func takeOver(ln net.Listener, ka net.KeepAliveConfig) net.Listener {
+	if kl, ok := ln.(*keepaliveListener); ok {
+		ln = kl.TCPListener
+	}
+	tl, ok := ln.(*net.TCPListener)
+	if !ok {
+		return nil
+	}
+	f, err := tl.File() // a new descriptor; fails once tl is closed
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	fl, err := net.FileListener(f)
+	if err != nil {
+		return nil
+	}
+	kl := &keepaliveListener{TCPListener: fl.(*net.TCPListener)}
+	if !ka.Enable {
+		return kl.TCPListener // as a listener of its own: Go's default
+	}
+	secs := func(d time.Duration) int { return int((d + time.Second - 1) / time.Second) }
+	for _, o := range []struct{ opt, v, def int }{
+		{unix.TCP_KEEPIDLE, secs(ka.Idle), 15},
+		{unix.TCP_KEEPINTVL, secs(ka.Interval), 15},
+		{unix.TCP_KEEPCNT, ka.Count, 9},
+	} {
+		if o.v > 0 && o.v != o.def {
+			kl.opts = append(kl.opts, [2]int{o.opt, o.v})
+		}
+	}
+	if len(kl.opts) == 0 {
+		return kl.TCPListener
+	}
+	return kl
+}
+
+// keepaliveListener sets TCP options (level IPPROTO_TCP, option and value) on
+// every connection it accepts.
+type keepaliveListener struct {
+	*net.TCPListener
+	opts [][2]int
+}
+
+func (l *keepaliveListener) Accept() (net.Conn, error) {
+	c, err := l.AcceptTCP()
+	if err != nil {
+		return nil, err
+	}
+	if rc, err := c.SyscallConn(); err == nil {
+		rc.Control(func(fd uintptr) {
+			for _, o := range l.opts {
+				unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, o[0], o[1])
+			}
+		})
+	}
+	return c, nil
 }

@@ -172,6 +172,7 @@ type Service struct {
 	log      *slog.Logger
 	live     atomic.Pointer[live] // the settings Reconfigure may change
 	ln       net.Listener
+	sock     net.Listener // the listening socket under ln, which a replacement takes over (ListenFrom)
 	srv      *http.Server
 	upgraded *http.Server   // shuts the h2c-upgraded connections down (see Listen)
 	h2       *http2.Server  // serves h2c-upgraded connections
@@ -221,20 +222,38 @@ var (
 // Listen binds the service's address (SO_REUSEPORT, so a replacement can bind
 // it while this one drains) and prepares its server; Serve starts answering.
 func Listen(cfg Config, backends []Backend) (*Service, error) {
+	return ListenFrom(cfg, backends, nil)
+}
+
+// ListenFrom is Listen for a service that replaces old (nil: none). If old
+// listens on cfg.Listen, the new service takes old's listening socket over (a
+// descriptor of its own of it) instead of binding a new one beside it: the
+// connections queued on it, and those still in their handshake, are the new
+// service's to accept, where closing the socket would reset them. Old goes on
+// accepting on it until its Serve ends, which closes only its own descriptor.
+// If the new service is given up while old still runs, old keeps accepting.
+func ListenFrom(cfg Config, backends []Backend, old *Service) (*Service, error) {
 	cfg.defaults()
 	s := &Service{cfg: cfg, tls: cfg.TLS.Clone(), log: cfg.Logger, backends: map[string]*backend{}, failed: make(chan struct{})}
 	if err := s.Reconfigure(cfg, backends); err != nil {
 		return nil, err
 	}
-	lc := net.ListenConfig{KeepAliveConfig: cfg.ClientKeepalive, Control: func(_, _ string, c syscall.RawConn) error {
-		var serr error
-		err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1) })
-		return errors.Join(err, serr)
-	}}
-	ln, err := lc.Listen(context.Background(), "tcp", cfg.Listen.String())
-	if err != nil {
-		return nil, fmt.Errorf("service %q: listen %s: %w", cfg.Name, cfg.Listen, err)
+	var ln net.Listener
+	if old != nil && old.cfg.Listen == cfg.Listen {
+		ln = takeOver(old.sock, cfg.ClientKeepalive)
 	}
+	if ln == nil {
+		lc := net.ListenConfig{KeepAliveConfig: cfg.ClientKeepalive, Control: func(_, _ string, c syscall.RawConn) error {
+			var serr error
+			err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1) })
+			return errors.Join(err, serr)
+		}}
+		var err error
+		if ln, err = lc.Listen(context.Background(), "tcp", cfg.Listen.String()); err != nil {
+			return nil, fmt.Errorf("service %q: listen %s: %w", cfg.Name, cfg.Listen, err)
+		}
+	}
+	s.sock = ln
 	s.ln = coalescingListener{newPatientListener(ln, s)}
 	if s.framesServe() || !cfg.NetHTTP1 {
 		s.split = newSplitListener(s.ln, s)

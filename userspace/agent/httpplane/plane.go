@@ -55,7 +55,7 @@ func New(checker *health.Checker, log *slog.Logger, observe RequestObserver) *Pl
 		certs: map[string]*atomic.Pointer[tls.Certificate]{}, certsBefore: map[string]*tls.Certificate{}}
 	p.Set = served.Set[*httplb.Service]{Start: p.start, Push: func(lb *httplb.Service, s *plan.Service) error {
 		return lb.Reconfigure(p.lbConfig(&s.Config), backends(s))
-	}, Rebuilt: rebuilt, Drained: p.tally.Drained, Log: log, What: "http plane"}
+	}, Replace: p.replace, Rebuilt: rebuilt, Drained: p.tally.Drained, Log: log, What: "http plane"}
 	p.tally = served.Tally[*httplb.Service, httplb.Snapshot]{Set: &p.Set, Snap: (*httplb.Service).Snapshot, Merge: merge, Idle: idle}
 	return p
 }
@@ -207,7 +207,12 @@ func merge(dst *httplb.Snapshot, src httplb.Snapshot, add bool) {
 }
 
 // start binds a service's listener with its backends; the set starts serving.
-func (p *Plane) start(s *plan.Service) (*httplb.Service, error) {
+func (p *Plane) start(s *plan.Service) (*httplb.Service, error) { return p.replace(nil, s) }
+
+// replace is start for a service whose server old (nil: none) it replaces:
+// where old listens on the same address, the new server takes its listening
+// socket over (httplb.ListenFrom).
+func (p *Plane) replace(old *httplb.Service, s *plan.Service) (*httplb.Service, error) {
 	cfg := p.lbConfig(&s.Config)
 	if s.Config.HTTP.TLSCert != "" {
 		c, err := readCert(s)
@@ -219,7 +224,7 @@ func (p *Plane) start(s *plan.Service) (*httplb.Service, error) {
 		cfg.TLS = &tls.Config{NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12,
 			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return cert.Load(), nil }}
 	}
-	lb, err := httplb.Listen(cfg, backends(s))
+	lb, err := httplb.ListenFrom(cfg, backends(s), old)
 	if errors.Is(err, syscall.EADDRNOTAVAIL) {
 		return nil, fmt.Errorf("%w: the http plane binds %s, which no interface of this host holds", err, cfg.Listen.Addr())
 	}
