@@ -26,19 +26,25 @@ func TestKeepaliveReload(t *testing.T) {
 	svc := "  - {name: web, vip: 127.0.0.1:%d, data_plane: http, health: {method: connect}, http: {tcp_keepalive: {client: {idle: %ds, interval: 2s, count: 3}, backend: {idle: %ds}}}, backends: %s}\n"
 	r := startAgent(t, fmt.Sprintf(svc, port, 5, 6, backendList(bs)))
 	vip := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
-	// idles asks over a new HTTP/1.1 connection and returns the keepalive
-	// idle of the service's client and backend sockets. A connection that
-	// landed in the listener a reload replaces, as it closes, is reset: it
-	// asks again on another, until the deadline.
-	idles := func(when string) (client int, backend []int) {
+	// idles asks over new HTTP/1.1 connections until one is served with the
+	// client keepalive idle want, and returns the keepalive idle of the
+	// service's backend sockets. The server a reload replaced accepts on the
+	// same listening socket until it has stopped, just after the reload:
+	// a connection it took is answered with its setting and closed, so the
+	// test asks again, until the deadline.
+	idles := func(when string, want int) (backend []int) {
+		var client int
 		var err error
-		if !waitfor.Cond(10*time.Second, func() bool { client, backend, err = askIdles(vip, bs[0].Addr); return err == nil }) {
-			t.Fatalf("%s: %v", when, err)
+		if !waitfor.Cond(10*time.Second, func() bool {
+			client, backend, err = askIdles(vip, bs[0].Addr)
+			return err == nil && client == want
+		}) {
+			t.Fatalf("%s: got client keepalive idle %ds, %v; want %ds", when, client, err, want)
 		}
-		return client, backend
+		return backend
 	}
-	if client, backend := idles("before the reload"); client != 5 || !slices.Equal(backend, []int{6}) {
-		t.Errorf("keepalive idle: got client %ds, backend %vs; want 5s, [6]s", client, backend)
+	if backend := idles("before the reload", 5); !slices.Equal(backend, []int{6}) {
+		t.Errorf("keepalive idle: got backend %vs; want [6]s", backend)
 	}
 	r.writeConfig(t, fmt.Sprintf(svc, port, 8, 9, backendList(bs)))
 	if sp := httpPlan(t, r.a, nil); !strings.HasPrefix(sp.NewDataPlane, "a new listener on http") || !strings.Contains(sp.NewDataPlane, "tcp_keepalive") {
@@ -49,8 +55,8 @@ func TestKeepaliveReload(t *testing.T) {
 	}
 	// The service the reload replaced may still hold its connection to the
 	// backend, idle in its pool.
-	if client, backend := idles("after the reload"); client != 8 || !slices.Contains(backend, 9) || slices.ContainsFunc(backend, func(s int) bool { return s != 6 && s != 9 }) {
-		t.Errorf("after the reload, keepalive idle: got client %ds, backend %vs; want 8s, 9s (and 6s from before)", client, backend)
+	if backend := idles("after the reload", 8); !slices.Contains(backend, 9) || slices.ContainsFunc(backend, func(s int) bool { return s != 6 && s != 9 }) {
+		t.Errorf("after the reload, keepalive idle: got backend %vs; want 9s (and 6s from before)", backend)
 	}
 }
 
