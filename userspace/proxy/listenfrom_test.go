@@ -1,0 +1,78 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestListenFromLoops: a service that replaces one on the same address takes
+// over as many of its listening sockets as it has loops for and binds the
+// rest; once the old service has stopped, every socket it serves on still
+// accepts.
+func TestListenFromLoops(t *testing.T) {
+	for _, tc := range []struct{ old, new, taken int }{{2, 2, 2}, {2, 3, 2}, {3, 1, 1}} {
+		t.Run(fmt.Sprintf("%d loops to %d", tc.old, tc.new), func(t *testing.T) {
+			be := startBackend(t, "a", loopback0, echo)
+			cfg := Config{Name: t.Name(), Listen: loopback0, Backends: []Backend{{Addr: be.addr()}}, Logger: discardLogger(),
+				AcceptLoops: tc.old, ShutdownTimeout: DefaultDrainTimeout}
+			ctx, cancel := context.WithCancel(context.Background())
+			old, err := Listen(ctx, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			// Exits when cancel is called below (or at cleanup), once drained.
+			go func() { done <- old.Serve(ctx) }()
+			stop := func() {
+				cancel()
+				if err := <-done; err != nil {
+					t.Errorf("old serve: %v", err)
+				}
+			}
+			t.Cleanup(func() {
+				if ctx.Err() == nil {
+					stop()
+				}
+			})
+			cfg.AcceptLoops = tc.new
+			s := startProxyWith(t, cfg, func(ctx context.Context, cfg Config) (*Service, error) { return ListenFrom(ctx, cfg, old) })
+			if s.Addr() != old.Addr() {
+				t.Fatalf("got address %v; want the old service's, %v", s.Addr(), old.Addr())
+			}
+			var was []uint64
+			for _, ln := range old.lns {
+				was = append(was, inode(t, ln.fd))
+			}
+			taken := 0
+			for _, ln := range s.lns {
+				if slices.Contains(was, inode(t, ln.fd)) {
+					taken++
+				}
+			}
+			if len(s.lns) != tc.new || taken != tc.taken {
+				t.Errorf("got %d sockets, %d of them the old service's; want %d, %d", len(s.lns), taken, tc.new, tc.taken)
+			}
+			stop()
+			// Connections from many source ports reach every socket of the
+			// SO_REUSEPORT group.
+			for i := range 40 {
+				if err := roundTrip(dial(t, s), "ping\n"); err != nil {
+					t.Fatalf("connection %d after the old service stopped: %v", i, err)
+				}
+			}
+		})
+	}
+}
+
+// inode returns the inode of the socket fd is a descriptor of.
+func inode(t *testing.T, fd int) uint64 {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Ino
+}
