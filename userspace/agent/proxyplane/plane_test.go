@@ -308,7 +308,19 @@ func TestKeepaliveReload(t *testing.T) {
 		t.Fatalf("update: %v", err)
 	}
 	p.Commit()
-	if client, backend = connect(); client != 9 || backend != 9 {
+	// The server the reload replaced accepts on the same listening sockets
+	// until it has stopped, just after the commit, and serves a connection
+	// it took with its own backend setting: connect until the new server has
+	// served one.
+	px := mustGet(t, p, "web")
+	if !waitfor.Cond(10*time.Second, func() bool {
+		accepted := px.Snapshot().Accepted
+		client, backend = connect()
+		return px.Snapshot().Accepted > accepted
+	}) {
+		t.Fatal("after the reload: the new server accepted no connection")
+	}
+	if client != 9 || backend != 9 {
 		t.Errorf("after the reload: keepalive idle got client %ds, backend %ds; want 9s, 9s", client, backend)
 	}
 }
