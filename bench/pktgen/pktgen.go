@@ -337,8 +337,10 @@ func (g *Generator) Sent() (Counter, error) {
 
 // Send runs the program n times in one call, from the calling goroutine's
 // thread switched into ns, sending out of the interface ifindex (an index in
-// ns). With Rate 0 that is exactly n frames; with a rate, runs that come too
-// early send nothing. It returns when the kernel is done.
+// ns). With Rate 0 that is exactly n frames, the rest sent again when a
+// signal interrupts the call; with a rate, runs that come too early send
+// nothing, and an interrupted call is an error. It returns when the kernel is
+// done. Run must not send with the same generator meanwhile.
 func (g *Generator) Send(ns *netns.NS, ifindex int, n uint32) error {
 	return ns.Do(func() error {
 		// The generator's flow counters are per CPU, and a long live-frames run
@@ -350,7 +352,28 @@ func (g *Generator) Send(ns *netns.NS, ifindex int, n uint32) error {
 			return err
 		}
 		defer restore()
-		err = g.liveRun(ifindex, n)
+		before, err := g.Sent()
+		if err != nil {
+			return err
+		}
+		for left := n; ; {
+			err = g.liveRun(ifindex, left)
+			if !errors.Is(err, unix.EINTR) || g.cfg.Rate > 0 {
+				break
+			}
+			// A signal to the thread (the Go runtime's preemption, say)
+			// ends the call after some of the frames: each one sent is
+			// counted (at Rate 0 every run sends one), so send the rest.
+			now, err := g.Sent()
+			if err != nil {
+				return err
+			}
+			if sent := now.Packets - before.Packets; sent < uint64(n) {
+				left = n - uint32(sent)
+				continue
+			}
+			return nil
+		}
 		if err != nil {
 			return fmt.Errorf("generator: send %d frames on ifindex %d in %s: %w", n, ifindex, ns, err)
 		}

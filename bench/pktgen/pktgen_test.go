@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -196,6 +197,65 @@ func TestSendCounts(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestSendInterrupted: a signal that ends Send's call midway (here SIGURG,
+// the Go runtime's own preemption signal, to every thread of the process over
+// and over) does not change how many frames it sends: the rest go in another
+// call, so the sink counts exactly n.
+func TestSendInterrupted(t *testing.T) {
+	p := newPair(t)
+	sink := newSink(t, false, p.sink, "s0")
+	g := newGenerator(t, Config{SrcMAC: genMAC, DstMAC: sinkMAC,
+		Dst4: netip.AddrPortFrom(sink4, 80), Dst6: netip.AddrPortFrom(sink6, 80), Flows: 1000})
+	const n = 300_000
+	stop := make(chan struct{})
+	var signalled atomic.Int64
+	done := make(chan struct{})
+	// Signals every thread, then waits for frames to be sent before it
+	// signals again: a call's setup takes milliseconds, and signals faster
+	// than that would end every call before its first frame. Exits when stop
+	// is closed.
+	go func() {
+		defer close(done)
+		var last uint64
+		for {
+			tasks, _ := os.ReadDir("/proc/self/task")
+			for _, task := range tasks {
+				if tid, err := strconv.Atoi(task.Name()); err == nil && unix.Tgkill(unix.Getpid(), tid, unix.SIGURG) == nil {
+					signalled.Add(1)
+				}
+			}
+			for {
+				select {
+				case <-stop:
+					return
+				case <-time.After(time.Millisecond):
+				}
+				if c, err := g.Sent(); err == nil && c.Packets > last {
+					last = c.Packets
+					break
+				}
+			}
+		}
+	}()
+	err := g.Send(p.gen, p.genIndex, n)
+	close(stop)
+	<-done
+	if err != nil {
+		t.Fatal(err)
+	}
+	sent, err := g.Sent()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sent.Packets != n {
+		t.Errorf("generator sent %d frames; want %d", sent.Packets, n)
+	}
+	if got := waitCount(t, sink, n); got.Packets != n {
+		t.Errorf("sink counted %d frames; want %d", got.Packets, n)
+	}
+	t.Logf("%d signals sent while it ran", signalled.Load())
 }
 
 // TestFramesReachSockets passes the generator's UDP frames to the kernel
