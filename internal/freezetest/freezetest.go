@@ -17,11 +17,13 @@ import (
 )
 
 // root is where the cgroup v1 freezer is mounted on a host that mounts each
-// controller of its own (this project's machines); ownRoot is where Freeze
-// mounts it when the host has not.
+// controller of its own (this project's machines). Where the host has not,
+// Freeze mounts it for the test at a directory of its own in ownDir, named
+// ownPrefix<test pid>-..., and unmounts and removes it at cleanup.
 const (
-	root    = "/sys/fs/cgroup/freezer"
-	ownRoot = "/run/weir-test-freezer"
+	root      = "/sys/fs/cgroup/freezer"
+	ownDir    = "/run"
+	ownPrefix = "weir-test-freezer-"
 )
 
 // groupPrefix begins the name of each group Freeze makes, which goes on with
@@ -35,7 +37,23 @@ const groupPrefix = "weir-test-"
 // is thawed and removed first. Without the freezer the test fails saying so.
 func Freeze(t testing.TB, pid int) {
 	t.Helper()
-	thaw, err := freeze(freezerRoot(), pid)
+	freezeAt(t, root, ownDir, pid)
+}
+
+// freezeAt is Freeze with the host's freezer looked for at host, and one of
+// the test's own mounted in own where the host has none.
+func freezeAt(t testing.TB, host, own string, pid int) {
+	t.Helper()
+	dir, unmount := freezerRoot(host, own)
+	if unmount != nil {
+		// Registered first, so it runs after the thaw below.
+		t.Cleanup(func() {
+			if err := unmount(); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	thaw, err := freeze(dir, pid)
 	if thaw != nil {
 		t.Cleanup(func() {
 			if err := thaw(); err != nil {
@@ -48,25 +66,54 @@ func Freeze(t testing.TB, pid int) {
 	}
 }
 
-// freezerRoot is where the cgroup v1 freezer is mounted: the host's, else
-// one Freeze mounts itself at ownRoot (which a host whose freezer the cgroup
-// v2 hierarchy holds refuses; freeze then says what the test needs).
-func freezerRoot() string {
-	if _, err := os.Stat(filepath.Join(root, "cgroup.procs")); err == nil {
-		return root
+// freezerRoot is where the cgroup v1 freezer is mounted: the host's at host,
+// else one mounted at a new directory in own, which unmount unmounts and
+// removes (every mount of the freezer shows the one hierarchy, so groups are
+// shared with the host's and other tests' mounts). Mounts that test processes
+// which have exited left in own are removed first. Where none can be mounted
+// (a host whose freezer the cgroup v2 hierarchy holds refuses) it is host, and
+// freeze says what the test needs.
+func freezerRoot(host, own string) (dir string, unmount func() error) {
+	if _, err := os.Stat(filepath.Join(host, "cgroup.procs")); err == nil {
+		return host, nil
 	}
-	if _, err := os.Stat(filepath.Join(ownRoot, "cgroup.procs")); err == nil {
-		return ownRoot
+	unmountLeft(own)
+	dir, err := os.MkdirTemp(own, fmt.Sprintf("%s%d-", ownPrefix, os.Getpid()))
+	if err != nil {
+		return host, nil
 	}
-	if err := os.MkdirAll(ownRoot, 0o755); err == nil {
-		if unix.Mount("weir-test-freezer", ownRoot, "cgroup", 0, "freezer") != nil {
-			os.Remove(ownRoot)
+	if err := unix.Mount("weir-test-freezer", dir, "cgroup", 0, "freezer"); err != nil {
+		os.Remove(dir)
+		return host, nil
+	}
+	return dir, func() error {
+		if err := unix.Unmount(dir, unix.MNT_DETACH); err != nil {
+			return fmt.Errorf("freezetest: unmount %s: %w", dir, err)
+		}
+		return os.Remove(dir)
+	}
+}
+
+// unmountLeft unmounts and removes the freezer mounts in own that test
+// processes which have exited made (killed before their cleanup); a live
+// test's is left alone.
+func unmountLeft(own string) {
+	ents, _ := os.ReadDir(own)
+	for _, e := range ents {
+		if pid, ok := owner(e.Name(), ownPrefix); ok && !alive(pid) {
+			dir := filepath.Join(own, e.Name())
+			unix.Unmount(dir, unix.MNT_DETACH)
+			os.Remove(dir)
 		}
 	}
-	if _, err := os.Stat(filepath.Join(ownRoot, "cgroup.procs")); err == nil {
-		return ownRoot
-	}
-	return root
+}
+
+// owner is the test process's pid that name, prefix<pid>-..., begins with.
+func owner(name, prefix string) (pid int, ok bool) {
+	rest, ok := strings.CutPrefix(name, prefix)
+	s, _, _ := strings.Cut(rest, "-")
+	pid, err := strconv.Atoi(s)
+	return pid, ok && err == nil && pid > 0
 }
 
 // freeze is Freeze with the freezer mounted at root; thaw, once the group is
@@ -110,10 +157,7 @@ func freeze(root string, pid int) (thaw func() error, err error) {
 func thawLeft(root string) {
 	ents, _ := os.ReadDir(root)
 	for _, e := range ents {
-		rest, ok := strings.CutPrefix(e.Name(), groupPrefix)
-		owner, _, _ := strings.Cut(rest, "-")
-		pid, err := strconv.Atoi(owner)
-		if !ok || err != nil || pid <= 0 || alive(pid) {
+		if pid, ok := owner(e.Name(), groupPrefix); !ok || alive(pid) {
 			continue
 		}
 		group := filepath.Join(root, e.Name())

@@ -6,10 +6,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // childEnv makes TestKilledRunsGroupThawed this test binary's child, a test
@@ -38,8 +41,9 @@ func startSleep(t *testing.T) (cmd *exec.Cmd, reaped <-chan struct{}) {
 	return cmd, done
 }
 
-// freezerGroup is the freezer group directory process pid is in.
-func freezerGroup(t *testing.T, pid int) string {
+// freezerGroup is the freezer group directory process pid is in, under the
+// freezer mounted at mnt.
+func freezerGroup(t *testing.T, mnt string, pid int) string {
 	t.Helper()
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
 	if err != nil {
@@ -47,7 +51,7 @@ func freezerGroup(t *testing.T, pid int) string {
 	}
 	for _, line := range strings.Split(string(b), "\n") {
 		if _, path, ok := strings.Cut(line, ":freezer:"); ok {
-			return filepath.Join(root, path)
+			return filepath.Join(mnt, path)
 		}
 	}
 	t.Fatalf("pid %d is in no freezer group: %s", pid, b)
@@ -70,7 +74,7 @@ func TestKilledRunsGroupThawed(t *testing.T) {
 	left, leftReaped := startSleep(t)
 	live, _ := startSleep(t)
 	Freeze(t, live.Process.Pid)
-	liveGroup := freezerGroup(t, live.Process.Pid)
+	liveGroup := freezerGroup(t, root, live.Process.Pid)
 
 	exe, err := os.Executable()
 	if err != nil {
@@ -85,7 +89,7 @@ func TestKilledRunsGroupThawed(t *testing.T) {
 	t.Cleanup(func() { child.Process.Kill(); child.Wait() })
 	var group string
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		group = freezerGroup(t, left.Process.Pid)
+		group = freezerGroup(t, root, left.Process.Pid)
 		b, _ := os.ReadFile(filepath.Join(group, "freezer.state"))
 		if strings.HasPrefix(filepath.Base(group), groupPrefix) && strings.TrimSpace(string(b)) == "FROZEN" {
 			break
@@ -128,5 +132,71 @@ func TestFreezeNeedsFreezer(t *testing.T) {
 	thaw, err := freeze(none, os.Getpid())
 	if thaw != nil || err == nil || !strings.Contains(err.Error(), "the test needs the cgroup v1 freezer at "+none) {
 		t.Errorf("freeze without a freezer: %v (thaw %t); want an error saying the test needs the cgroup v1 freezer at %s", err, thaw != nil, none)
+	}
+}
+
+// mountsIn lists the mount points in dir, from /proc/self/mountinfo.
+func mountsIn(t *testing.T, dir string) []string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var in []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
+			in = append(in, f[4])
+		}
+	}
+	return in
+}
+
+// TestOwnMountRemoved: where the host mounts no freezer, Freeze mounts one of
+// its own, and its cleanup leaves neither that mount, nor its directory, nor
+// the group; a mount a killed test left is removed by the next Freeze, a live
+// test's kept.
+func TestOwnMountRemoved(t *testing.T) {
+	host := filepath.Join(t.TempDir(), "none")
+	own := t.TempDir()
+
+	// A killed test's mount: its pid has exited.
+	dead := exec.Command("true")
+	if err := dead.Run(); err != nil {
+		t.Fatal(err)
+	}
+	left := filepath.Join(own, fmt.Sprintf("%s%d-1", ownPrefix, dead.Process.Pid))
+	live := filepath.Join(own, fmt.Sprintf("%s%d-1", ownPrefix, os.Getppid()))
+	for _, dir := range []string{left, live} {
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Mount("weir-test-freezer", dir, "cgroup", 0, "freezer"); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	}
+
+	var group string
+	t.Run("frozen", func(t *testing.T) {
+		sleep, _ := startSleep(t)
+		freezeAt(t, host, own, sleep.Process.Pid)
+		group = freezerGroup(t, live, sleep.Process.Pid) // one hierarchy, in every mount
+		b, err := os.ReadFile(filepath.Join(group, "freezer.state"))
+		if strings.TrimSpace(string(b)) != "FROZEN" {
+			t.Errorf("freezer.state of %s: %q (%v); want FROZEN", group, b, err)
+		}
+		if m := mountsIn(t, own); !slices.Contains(m, live) || slices.Contains(m, left) || len(m) != 2 {
+			t.Errorf("mounts in %s while frozen: %q; want %s and one of Freeze's own, not %s", own, m, live, left)
+		}
+	})
+	if m := mountsIn(t, own); !slices.Equal(m, []string{live}) {
+		t.Errorf("mounts in %s after the cleanup: %q; want only %s", own, m, live)
+	}
+	ents, _ := os.ReadDir(own)
+	if len(ents) != 1 || filepath.Join(own, ents[0].Name()) != live {
+		t.Errorf("%s after the cleanup holds %v; want only %s", own, ents, live)
+	}
+	if _, err := os.Stat(group); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("group %s after the cleanup: %v; want it removed", group, err)
 	}
 }
