@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -160,17 +161,39 @@ func sourceRank(flags int) int {
 	return 0
 }
 
+// dadWait is how long the agent, choosing its own address at start, waits for
+// duplicate address detection to end on the address it would take: the
+// kernel's default DAD, one probe a second after a random delay of up to a
+// second, is over in 2s.
+const dadWait = 3 * time.Second
+
 // interfaceAddrs returns the global unicast address of each family on a link
 // that may be a source (see notSource) and ranks first (sourceRank), the first
-// listed of that rank.
-func interfaceAddrs(ifname string) ([]netip.Addr, error) {
+// listed of that rank. Where that address is still in duplicate address
+// detection it waits, up to wait, for DAD to end, and chooses again: the
+// address is then taken once DAD passes, never once it fails (another host
+// holds it), and still in DAD only when DAD outlasts wait.
+func interfaceAddrs(ifname string, wait time.Duration) ([]netip.Addr, error) {
+	deadline := time.Now().Add(wait)
+	for {
+		addrs, tentative, err := sourceAddrs(ifname)
+		if err != nil || !tentative || !time.Now().Before(deadline) {
+			return addrs, err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// sourceAddrs is interfaceAddrs as the link's addresses are now; tentative
+// says whether one it returns is still in duplicate address detection.
+func sourceAddrs(ifname string) (out []netip.Addr, tentative bool, err error) {
 	l, err := netlink.LinkByName(ifname)
 	if err != nil {
-		return nil, fmt.Errorf("interface %s: %w", ifname, err)
+		return nil, false, fmt.Errorf("interface %s: %w", ifname, err)
 	}
 	addrs, err := netlink.AddrList(l, unix.AF_UNSPEC)
 	if err != nil {
-		return nil, fmt.Errorf("interface %s: list addresses: %w", ifname, err)
+		return nil, false, fmt.Errorf("interface %s: list addresses: %w", ifname, err)
 	}
 	var best [2]netip.Addr // IPv4, IPv6
 	var rank [2]int
@@ -188,11 +211,11 @@ func interfaceAddrs(ifname string) ([]netip.Addr, error) {
 			best[f], rank[f] = ip, r
 		}
 	}
-	var out []netip.Addr
-	for _, ip := range best {
+	for f, ip := range best {
 		if ip.IsValid() {
 			out = append(out, ip)
+			tentative = tentative || rank[f] == sourceRank(unix.IFA_F_TENTATIVE)
 		}
 	}
-	return out, nil
+	return out, tentative, nil
 }

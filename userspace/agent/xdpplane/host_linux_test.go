@@ -25,16 +25,7 @@ import (
 // still in duplicate address detection, that is the only one is still the
 // balancer's own.
 func TestInterfaceAddrsSkipsUnusableSources(t *testing.T) {
-	ns, err := netns.New(topo.UniqueName("wia"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ns.Close() })
-	addr := func(s string, flags, preferred, valid int) *netlink.Addr {
-		p := netip.MustParsePrefix(s)
-		return &netlink.Addr{IPNet: &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())},
-			Flags: flags, PreferedLft: preferred, ValidLft: valid}
-	}
+	ns := addrsNS(t)
 	cases := []struct {
 		name string
 		// sysctls are written for the link under test before its addresses are
@@ -84,37 +75,7 @@ func TestInterfaceAddrsSkipsUnusableSources(t *testing.T) {
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			link, peer := fmt.Sprintf("ia%d", i), fmt.Sprintf("ib%d", i)
-			err := ns.Do(func() error {
-				if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: link}, PeerName: peer}); err != nil {
-					return fmt.Errorf("add veth %s: %w", link, err)
-				}
-				for _, name := range []string{peer, link} {
-					if err := netlink.LinkSetUp(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: name}}); err != nil {
-						return fmt.Errorf("set %s up: %w", name, err)
-					}
-				}
-				for k, v := range tc.sysctls {
-					if err := os.WriteFile("/proc/sys/"+fmt.Sprintf(k, link), []byte(v), 0); err != nil {
-						return err
-					}
-				}
-				for _, l := range []struct {
-					name  string
-					addrs []*netlink.Addr
-				}{{peer, tc.peer}, {link, tc.addrs}} {
-					nl, err := netlink.LinkByName(l.name)
-					if err != nil {
-						return err
-					}
-					for _, a := range l.addrs {
-						if err := netlink.AddrAdd(nl, a); err != nil {
-							return fmt.Errorf("add %s to %s: %w", a.IPNet, l.name, err)
-						}
-					}
-				}
-				return nil
-			})
-			if err != nil {
+			if err := ns.Do(func() error { return addVeth(link, peer, tc.sysctls, tc.peer, tc.addrs) }); err != nil {
 				t.Fatal(err)
 			}
 			// The kernel sets temporary and DAD-failed addresses up after it
@@ -133,7 +94,7 @@ func TestInterfaceAddrsSkipsUnusableSources(t *testing.T) {
 						return err
 					}
 					flagged = slices.ContainsFunc(list, func(a netlink.Addr) bool { return a.Flags&tc.flag != 0 })
-					got, err = interfaceAddrs(link)
+					got, err = interfaceAddrs(link, 0)
 					return err
 				})
 				if err != nil {
@@ -149,6 +110,125 @@ func TestInterfaceAddrsSkipsUnusableSources(t *testing.T) {
 			}
 			if !slices.Contains(got, tc.want) || len(got) != 1 {
 				t.Errorf("interfaceAddrs(%s) = %v; want [%s]", link, got, tc.want)
+			}
+		})
+	}
+}
+
+// addrsNS is a namespace of its own for a test of the node's own address.
+func addrsNS(t *testing.T) *netns.NS {
+	t.Helper()
+	ns, err := netns.New(topo.UniqueName("wia"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ns.Close() })
+	return ns
+}
+
+// addr is an address to add, with its flags and lifetimes (0: for ever).
+func addr(s string, flags, preferred, valid int) *netlink.Addr {
+	p := netip.MustParsePrefix(s)
+	return &netlink.Addr{IPNet: &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())},
+		Flags: flags, PreferedLft: preferred, ValidLft: valid}
+}
+
+// addVeth adds the veth pair link and peer, both up, in the calling thread's
+// namespace; writes sysctls ("%s" is link) before any address is added; then
+// adds peerAddrs to peer and addrs to link.
+func addVeth(link, peer string, sysctls map[string]string, peerAddrs, addrs []*netlink.Addr) error {
+	if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: link}, PeerName: peer}); err != nil {
+		return fmt.Errorf("add veth %s: %w", link, err)
+	}
+	for _, name := range []string{peer, link} {
+		if err := netlink.LinkSetUp(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: name}}); err != nil {
+			return fmt.Errorf("set %s up: %w", name, err)
+		}
+	}
+	for k, v := range sysctls {
+		if err := os.WriteFile("/proc/sys/"+fmt.Sprintf(k, link), []byte(v), 0); err != nil {
+			return err
+		}
+	}
+	for _, l := range []struct {
+		name  string
+		addrs []*netlink.Addr
+	}{{peer, peerAddrs}, {link, addrs}} {
+		if err := addAddrs(l.name, l.addrs...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// addAddrs adds addrs to link name.
+func addAddrs(name string, addrs ...*netlink.Addr) error {
+	nl, err := netlink.LinkByName(name)
+	if err != nil {
+		return err
+	}
+	for _, a := range addrs {
+		if err := netlink.AddrAdd(nl, a); err != nil {
+			return fmt.Errorf("add %s to %s: %w", a.IPNet, name, err)
+		}
+	}
+	return nil
+}
+
+// TestInterfaceAddrsWaitsForDAD: the agent reads its own address once, at
+// start; where the only one is still in duplicate address detection it waits
+// for DAD to end, so it takes the address once DAD has passed, and none once
+// DAD fails because another host holds it, rather than keeping for its whole
+// run an address that is not its own.
+func TestInterfaceAddrsWaitsForDAD(t *testing.T) {
+	ns := addrsNS(t)
+	own := netip.MustParseAddr("2001:db8:2::1")
+	for i, tc := range []struct {
+		name string
+		// retransMs is the link's wait after its DAD probe; a peer that holds
+		// the address answers the probe.
+		retransMs int
+		peer      []*netlink.Addr
+		want      []netip.Addr
+	}{
+		{name: "passes", retransMs: 1500, want: []netip.Addr{own}},
+		{name: "fails", retransMs: 3600000, peer: []*netlink.Addr{addr(own.String()+"/64", unix.IFA_F_NODAD, 0, 0)}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			link, peer := fmt.Sprintf("da%d", i), fmt.Sprintf("db%d", i)
+			// The probe goes after a random delay of up to 2s, so the address
+			// is still in DAD when read.
+			sysctls := map[string]string{"net/ipv6/conf/%s/dad_transmits": "1",
+				"net/ipv6/conf/%s/router_solicitation_delay": "2",
+				"net/ipv6/neigh/%s/retrans_time_ms":          fmt.Sprint(tc.retransMs)}
+			var got []netip.Addr
+			var flags int
+			err := ns.Do(func() error {
+				if err := addVeth(link, peer, sysctls, tc.peer, []*netlink.Addr{addr(own.String()+"/64", 0, 0, 0)}); err != nil {
+					return err
+				}
+				var err error
+				if got, err = interfaceAddrs(link, 30*time.Second); err != nil {
+					return err
+				}
+				// The flags the address has as it is returned.
+				nl, err := netlink.LinkByName(link)
+				if err != nil {
+					return err
+				}
+				list, err := netlink.AddrList(nl, unix.AF_INET6)
+				for _, a := range list {
+					if a.IP.Equal(own.AsSlice()) {
+						flags = a.Flags
+					}
+				}
+				return err
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(got, tc.want) || len(got) > 0 && flags&unix.IFA_F_TENTATIVE != 0 {
+				t.Errorf("interfaceAddrs(%s) = %v, the address's flags %#x; want %v, out of DAD", link, got, flags, tc.want)
 			}
 		})
 	}

@@ -98,7 +98,7 @@ func Setup(cfg *config.Config, disabled bool) (*Plane, error) {
 	if len(x.addrs) == 0 {
 		// Best effort: without an address of a family, nat and tunnel services of
 		// that family fall back to the proxy and say why.
-		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name)
+		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name, dadWait)
 	}
 	opts := LoaderOptions(cfg)
 	opts.NAT.Addr4, opts.NAT.Addr6, opts.PinPath = x.natAddr(false), x.natAddr(true), x.pinPath

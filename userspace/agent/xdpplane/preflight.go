@@ -65,7 +65,7 @@ func Preflight(cfg *config.Config, file string, disabled bool) (refused, notes [
 		return refused, notes
 	}
 	if len(x.addrs) == 0 {
-		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name)
+		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name, dadWait)
 	}
 	var clashes config.Errors
 	if errors.As(speakerPortClashes(cfg, x.addrs, file), &clashes) {
