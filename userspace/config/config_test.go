@@ -615,7 +615,7 @@ func TestResolveHTTP(t *testing.T) {
 
 // TestResolveKeepalive: a side of tcp_keepalive that the file names is on,
 // with the defaults for what it leaves out, also when it names it with no
-// value at all; a side it leaves out is off.
+// value at all, or with an alias of no value; a side it leaves out is off.
 func TestResolveKeepalive(t *testing.T) {
 	cfg, err := Parse([]byte(`services:
 - name: a
@@ -638,6 +638,13 @@ func TestResolveKeepalive(t *testing.T) {
       client:
       backend: ~
   backends: [{address: 192.0.2.10:80}]
+- name: e
+  vip: 192.0.2.1:84
+  proxy:
+    tcp_keepalive:
+      client: &none
+      backend: *none
+  backends: [{address: 192.0.2.10:80}]
 `))
 	if err != nil {
 		t.Fatal(err)
@@ -651,6 +658,7 @@ func TestResolveKeepalive(t *testing.T) {
 		{"b.http", cfg.Services[1].HTTP.TCPKeepalive, TCPKeepalive{Backend: def}},
 		{"c.proxy", cfg.Services[2].Proxy.TCPKeepalive, TCPKeepalive{}},
 		{"d.proxy, sides named with no value", cfg.Services[3].Proxy.TCPKeepalive, TCPKeepalive{Client: def, Backend: def}},
+		{"e.proxy, a side named by an alias of no value", cfg.Services[4].Proxy.TCPKeepalive, TCPKeepalive{Client: def, Backend: def}},
 	} {
 		if c.got != c.want {
 			t.Errorf("%s.tcp_keepalive: got %+v; want %+v", c.name, c.got, c.want)

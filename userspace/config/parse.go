@@ -520,6 +520,14 @@ func mergedMappings(v *yaml.Node) []*yaml.Node {
 // nil, as if it were not there, and checkFields gives it an empty mapping.
 type onWhenNamed interface{ onWhenNamed() }
 
+// unaliased is the node n is an alias of, or n.
+func unaliased(n *yaml.Node) *yaml.Node {
+	if n.Kind == yaml.AliasNode && n.Alias != nil {
+		return n.Alias
+	}
+	return n
+}
+
 func isNull(n *yaml.Node) bool { return n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null" }
 
 // lineOf returns the line of path, or of its nearest ancestor the file has.
@@ -691,8 +699,9 @@ func (p *parser) checkFields(n *yaml.Node, t reflect.Type, path string, viaAlias
 				p.errs = append(p.errs, &FieldError{Line: k.Line, Path: sub, Msg: unknownField(k.Value, fields)})
 				continue
 			}
-			if isNull(v) && f.Type.Implements(reflect.TypeFor[onWhenNamed]()) {
-				// Named with no value ("client:"): on, as {} is.
+			if isNull(unaliased(v)) && f.Type.Implements(reflect.TypeFor[onWhenNamed]()) {
+				// Named with no value ("client:", or an alias of a null): on,
+				// as {} is.
 				n.Content[i+1] = &yaml.Node{Kind: yaml.MappingNode, Tag: "!!map", Line: v.Line, Column: v.Column}
 				continue
 			}
