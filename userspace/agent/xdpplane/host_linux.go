@@ -169,10 +169,11 @@ const dadWait = 3 * time.Second
 
 // interfaceAddrs returns the global unicast address of each family on a link
 // that may be a source (see notSource) and ranks first (sourceRank), the first
-// listed of that rank. Where that address is still in duplicate address
-// detection it waits, up to wait, for DAD to end, and chooses again: the
-// address is then taken once DAD passes, never once it fails (another host
-// holds it), and still in DAD only when DAD outlasts wait.
+// listed of that rank. Where a family has no preferred address but one still
+// in duplicate address detection, it waits, up to wait, for DAD to end, and
+// chooses again: such an address is then taken once DAD passes (before a
+// deprecated one), never once it fails (another host holds it), and still in
+// DAD only when DAD outlasts wait and nothing else is there.
 func interfaceAddrs(ifname string, wait time.Duration) ([]netip.Addr, error) {
 	deadline := time.Now().Add(wait)
 	for {
@@ -185,7 +186,8 @@ func interfaceAddrs(ifname string, wait time.Duration) ([]netip.Addr, error) {
 }
 
 // sourceAddrs is interfaceAddrs as the link's addresses are now; tentative
-// says whether one it returns is still in duplicate address detection.
+// says whether a family has no preferred address but one still in duplicate
+// address detection.
 func sourceAddrs(ifname string) (out []netip.Addr, tentative bool, err error) {
 	l, err := netlink.LinkByName(ifname)
 	if err != nil {
@@ -197,6 +199,7 @@ func sourceAddrs(ifname string) (out []netip.Addr, tentative bool, err error) {
 	}
 	var best [2]netip.Addr // IPv4, IPv6
 	var rank [2]int
+	var inDAD [2]bool
 	for _, a := range addrs {
 		ip, ok := netip.AddrFromSlice(a.IP)
 		if !ok || !ip.Unmap().IsGlobalUnicast() || a.Flags&notSource != 0 {
@@ -207,6 +210,7 @@ func sourceAddrs(ifname string) (out []netip.Addr, tentative bool, err error) {
 		if ip.Is6() {
 			f = 1
 		}
+		inDAD[f] = inDAD[f] || a.Flags&unix.IFA_F_TENTATIVE != 0
 		if r := sourceRank(a.Flags); !best[f].IsValid() || r < rank[f] {
 			best[f], rank[f] = ip, r
 		}
@@ -214,7 +218,7 @@ func sourceAddrs(ifname string) (out []netip.Addr, tentative bool, err error) {
 	for f, ip := range best {
 		if ip.IsValid() {
 			out = append(out, ip)
-			tentative = tentative || rank[f] == sourceRank(unix.IFA_F_TENTATIVE)
+			tentative = tentative || inDAD[f] && rank[f] > 0
 		}
 	}
 	return out, tentative, nil

@@ -179,7 +179,8 @@ func addAddrs(name string, addrs ...*netlink.Addr) error {
 // start; where the only one is still in duplicate address detection it waits
 // for DAD to end, so it takes the address once DAD has passed, and none once
 // DAD fails because another host holds it, rather than keeping for its whole
-// run an address that is not its own.
+// run an address that is not its own. Beside a deprecated address (a prefix
+// being renumbered away) it waits too, and takes the new one once preferred.
 func TestInterfaceAddrsWaitsForDAD(t *testing.T) {
 	ns := addrsNS(t)
 	own := netip.MustParseAddr("2001:db8:2::1")
@@ -189,10 +190,13 @@ func TestInterfaceAddrsWaitsForDAD(t *testing.T) {
 		// the address answers the probe.
 		retransMs int
 		peer      []*netlink.Addr
-		want      []netip.Addr
+		// old is an address the link has before own.
+		old  *netlink.Addr
+		want []netip.Addr
 	}{
 		{name: "passes", retransMs: 1500, want: []netip.Addr{own}},
 		{name: "fails", retransMs: 3600000, peer: []*netlink.Addr{addr(own.String()+"/64", unix.IFA_F_NODAD, 0, 0)}},
+		{name: "passes beside a deprecated one", retransMs: 1500, old: addr("2001:db8:1::1/64", unix.IFA_F_NODAD, 0, 3000), want: []netip.Addr{own}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			link, peer := fmt.Sprintf("da%d", i), fmt.Sprintf("db%d", i)
@@ -204,7 +208,11 @@ func TestInterfaceAddrsWaitsForDAD(t *testing.T) {
 			var got []netip.Addr
 			var flags int
 			err := ns.Do(func() error {
-				if err := addVeth(link, peer, sysctls, tc.peer, []*netlink.Addr{addr(own.String()+"/64", 0, 0, 0)}); err != nil {
+				addrs := []*netlink.Addr{addr(own.String()+"/64", 0, 0, 0)}
+				if tc.old != nil {
+					addrs = []*netlink.Addr{tc.old, addrs[0]}
+				}
+				if err := addVeth(link, peer, sysctls, tc.peer, addrs); err != nil {
 					return err
 				}
 				var err error
