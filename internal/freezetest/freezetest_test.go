@@ -200,3 +200,13 @@ func TestOwnMountRemoved(t *testing.T) {
 		t.Errorf("group %s after the cleanup: %v; want it removed", group, err)
 	}
 }
+
+// TestRemoveGroupGone: a group another test's thawLeft removed first is
+// removed: no wait, no error.
+func TestRemoveGroupGone(t *testing.T) {
+	group := filepath.Join(t.TempDir(), groupPrefix+"1-2")
+	start := time.Now()
+	if err := removeGroup(group, 5*time.Second); err != nil || time.Since(start) > 4*time.Second {
+		t.Errorf("removeGroup of a group already gone: %v after %v; want nil at once", err, time.Since(start))
+	}
+}
