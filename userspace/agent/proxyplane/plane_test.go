@@ -128,13 +128,7 @@ func TestCountersCarriedOver(t *testing.T) {
 	be := churn.Echo(t)
 	p := New(&health.Checker{}, slog.New(slog.DiscardHandler))
 	t.Cleanup(p.Close)
-	svc := func(connect time.Duration) *plan.Service {
-		return &plan.Service{
-			Config: config.Service{Name: "web", Algorithm: config.AlgorithmLeastConn, DrainTimeout: time.Second,
-				Proxy: config.Proxy{Listen: netip.MustParseAddrPort("127.0.0.1:0"), ConnectTimeout: connect}},
-			Backends: []plan.Backend{{ID: plan.ID("web", be), Config: config.Backend{Addr: be}, Usable: true, Weight: 1}},
-		}
-	}
+	svc := func(connect time.Duration) *plan.Service { return webService(be, connect, time.Second) }
 	if err := p.Add(svc(time.Second)); err != nil {
 		t.Fatal(err)
 	}
@@ -322,5 +316,71 @@ func TestKeepaliveReload(t *testing.T) {
 	}
 	if client != 9 || backend != 9 {
 		t.Errorf("after the reload: keepalive idle got client %ds, backend %ds; want 9s, 9s", client, backend)
+	}
+}
+
+// TestCountersKeptThroughAbortedRemove: a replaced listener that finishes
+// draining while a change that removes its service is in progress still has
+// its counts kept when that change is aborted (the service stays, so its
+// counters must not go back). Before, they were dropped as the service's
+// (the removed one's series go).
+func TestCountersKeptThroughAbortedRemove(t *testing.T) {
+	be := churn.Echo(t)
+	p := New(&health.Checker{}, slog.New(slog.DiscardHandler))
+	t.Cleanup(p.Close)
+	svc := func(connect time.Duration) *plan.Service { return webService(be, connect, time.Minute) }
+	if err := p.Add(svc(time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	// A connection left open keeps the first listener draining.
+	c, err := net.Dial("tcp", mustGet(t, p, "web").Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	accepted := func() uint64 {
+		snap, _ := p.Snapshot("web")
+		return snap.Accepted
+	}
+	if err := p.Update(svc(time.Second), svc(2*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	if n := len(p.Draining("web")); n != 1 {
+		t.Fatalf("%d listeners draining after the change; want the first one", n)
+	}
+	if n := accepted(); n != 1 {
+		t.Fatalf("accepted after the change: %d; want 1", n)
+	}
+
+	if err := p.Remove(svc(2 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	waitfor.Value(t, 10*time.Second, "the first listener drained", func() (any, bool) {
+		n := len(p.Draining("web"))
+		return n, n == 0
+	})
+	p.Abort()
+	if n := accepted(); n != 1 {
+		t.Errorf("accepted after the removal was aborted: %d; want 1 still", n)
+	}
+}
+
+// webService is a proxy service "web" on 127.0.0.1 with the one backend be;
+// a change of connect calls for a new listener.
+func webService(be netip.AddrPort, connect, drain time.Duration) *plan.Service {
+	return &plan.Service{
+		Config: config.Service{Name: "web", Algorithm: config.AlgorithmLeastConn, DrainTimeout: drain,
+			Proxy: config.Proxy{Listen: netip.MustParseAddrPort("127.0.0.1:0"), ConnectTimeout: connect}},
+		Backends: []plan.Backend{{ID: plan.ID("web", be), Config: config.Backend{Addr: be}, Usable: true, Weight: 1}},
 	}
 }

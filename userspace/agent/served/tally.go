@@ -39,11 +39,10 @@ func (t *Tally[S, N]) Snapshot(name string) (sum N, ok bool) {
 }
 
 // Drained carries what a retired server of the named service counted; the
-// set calls it, with its lock held, once the server has drained.
+// set calls it, with its lock held, once the server has drained. It carries
+// them for a service the set does not serve now too: a change that removes
+// it may yet be aborted. Prune forgets them once a change is committed.
 func (t *Tally[S, N]) Drained(name string, srv S) {
-	if _, ok := t.Set.Get(name); !ok {
-		return // removed: its series go
-	}
 	if t.carried == nil {
 		t.carried = make(map[string]N)
 	}
