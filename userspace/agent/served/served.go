@@ -418,13 +418,6 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 		p.retireLocked(e) // the change started it
 	}
 	p.mu.Unlock()
-	if e.over() {
-		p.mu.Lock()
-		if r := p.revivals[next.Name()]; r != nil {
-			r.due, r.why = time.Time{}, ""
-		}
-		p.mu.Unlock()
-	}
 	return nil
 }
 
@@ -454,6 +447,11 @@ func (p *Set[S]) Commit() {
 	for name, h := range p.before {
 		if h.e != nil && p.services[name] != h.e {
 			p.retireLocked(h.e)
+		}
+		// A service the change gave a new server serves again (until
+		// Commit, Abort could give it back the one that stopped).
+		if e, r := p.services[name], p.revivals[name]; e != nil && r != nil && !e.over() {
+			r.due, r.why = time.Time{}, ""
 		}
 	}
 	clear(p.before)

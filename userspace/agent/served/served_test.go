@@ -339,3 +339,47 @@ func TestSetStaleStop(t *testing.T) {
 		t.Errorf("after Revive: state %+v, %d servers started; want serving, no restart, 2", st, len(started))
 	}
 }
+
+// TestSetAbortKeepsDown: a change that replaced a server which stopped on its
+// own, then aborted, gives the service back that server, which serves
+// nothing: State says so still (and Revive starts it anew), as it says once
+// such a change is committed that the new server serves.
+func TestSetAbortKeepsDown(t *testing.T) {
+	var started []*failing
+	s := failingSet(t, &started, func() error { return nil })
+	if err := s.Add(svc("a", config.AlgorithmRoundRobin)); err != nil {
+		t.Fatal(err)
+	}
+	s.Commit()
+	close(started[0].failed)
+	waitDown := func(what string) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for s.State("a").Down == "" && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		if st := s.State("a"); st.Down == "" {
+			t.Fatalf("state %s: %+v; want down", what, st)
+		}
+	}
+	waitDown("after the listener failed")
+
+	if err := s.Update(nil, svc("a", config.AlgorithmRoundRobin)); err != nil {
+		t.Fatal(err)
+	}
+	s.Abort()
+	if got, _ := s.Get("a"); got != started[0] {
+		t.Fatalf("a after Abort: got %p; want the failed server back, %p", got, started[0])
+	}
+	if st := s.State("a"); st.Down == "" {
+		t.Errorf("state after the change was aborted: %+v; want down (its server failed)", st)
+	}
+
+	if err := s.Update(nil, svc("a", config.AlgorithmRoundRobin)); err != nil {
+		t.Fatal(err)
+	}
+	s.Commit()
+	if st := s.State("a"); st != (State{}) {
+		t.Errorf("state after a change gave it a new server: %+v; want serving", st)
+	}
+}
