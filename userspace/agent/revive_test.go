@@ -1,8 +1,10 @@
 package agent
 
 import (
+	"context"
 	"crypto/tls"
 	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -23,18 +25,8 @@ import (
 // counters go on from where they were. Before, the service served nothing
 // until the next change that touched it, and status showed nothing wrong.
 func TestStoppedServerStartedAnew(t *testing.T) {
-	backend := httpbackend.StartN(t, 1)[0]
-	dir := t.TempDir()
-	path, certPath, keyPath := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "web.crt"), filepath.Join(dir, "web.key")
-	httpbackend.WriteCert(t, certPath, keyPath, "web")
-	vip := freePort(t)
-	cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(dir, "weir.sock")) +
-		fmt.Sprintf("- {name: web, vip: %s, data_plane: http, http: {tls: {cert: %s, key: %s}}, health: {type: none}, backends: [{address: %s}]}\n",
-			vip, certPath, keyPath, backend.Addr)
-	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	a := runAgent(t, path)
+	w := startTLSWeb(t, "web")
+	a, vip, certPath := w.a, w.vip, w.cert
 	c := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DisableKeepAlives: true,
 		TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
 	get := func() error {
@@ -107,4 +99,70 @@ func TestStoppedServerStartedAnew(t *testing.T) {
 	if got, got2 := metric("weir_service_restarts_total"), metric("weir_service_serving"); got != "1" || got2 != "1" {
 		t.Errorf("metrics after the restart: restarts_total %s, serving %s; want 1, 1", got, got2)
 	}
+}
+
+// TestRevivedCertificateKeptOnAbort: an http service started anew reads its
+// certificate files as it starts; a later reload that is refused (here for
+// another service, which cannot bind) leaves the service serving the
+// certificate it had, not the one it had before it was started anew. Before,
+// the restart was taken for the refused reload's change, whose undoing put
+// the older certificate back.
+func TestRevivedCertificateKeptOnAbort(t *testing.T) {
+	w := startTLSWeb(t, "first")
+	a, vip := w.a, w.vip
+	served := func() string {
+		c, err := tls.DialWithDialer(&net.Dialer{Timeout: 2 * time.Second}, "tcp", vip, &tls.Config{InsecureSkipVerify: true})
+		if err != nil {
+			return err.Error()
+		}
+		defer c.Close()
+		return c.ConnectionState().PeerCertificates[0].Subject.CommonName
+	}
+	if got := served(); got != "first" {
+		t.Fatalf("certificate at start: got %q; want \"first\"", got)
+	}
+
+	httpbackend.WriteCert(t, w.cert, w.key, "renewed")
+	lb, _ := a.http.Get("web")
+	lb.Close() // its Serve returns with an error, as when its listener fails
+	waitfor.Value(t, 15*time.Second, "the service started anew, with the renewed certificate", func() (any, bool) {
+		got := served()
+		return got, got == "renewed"
+	})
+
+	bad := w.cfg + fmt.Sprintf("- {name: b, vip: 192.0.2.77:80, data_plane: http, health: {type: none}, backends: [{address: %s}]}\n", w.backend.Addr)
+	if err := os.WriteFile(w.path, []byte(bad), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Reload(context.Background()); err == nil {
+		t.Fatal("reload with a service that cannot bind: got no error")
+	}
+	if got := served(); got != "renewed" {
+		t.Errorf("certificate after a refused reload: got %q; want \"renewed\", as before it", got)
+	}
+}
+
+// tlsWeb is an agent serving one http service, web, over TLS with the
+// certificate files cert and key, to one backend.
+type tlsWeb struct {
+	a                    *Agent
+	backend              *httpbackend.Backend
+	path, cfg, cert, key string // the config file and its text; the pair
+	vip                  string
+}
+
+// startTLSWeb starts a tlsWeb whose certificate names cn.
+func startTLSWeb(t *testing.T, cn string) tlsWeb {
+	w := tlsWeb{backend: httpbackend.StartN(t, 1)[0], vip: freePort(t)}
+	dir := t.TempDir()
+	w.path, w.cert, w.key = filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "web.crt"), filepath.Join(dir, "web.key")
+	httpbackend.WriteCert(t, w.cert, w.key, cn)
+	w.cfg = fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(dir, "weir.sock")) +
+		fmt.Sprintf("- {name: web, vip: %s, data_plane: http, http: {tls: {cert: %s, key: %s}}, health: {type: none}, backends: [{address: %s}]}\n",
+			w.vip, w.cert, w.key, w.backend.Addr)
+	if err := os.WriteFile(w.path, []byte(w.cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	w.a = runAgent(t, w.path)
+	return w
 }

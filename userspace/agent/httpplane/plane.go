@@ -154,6 +154,15 @@ func (p *Plane) Commit() {
 	p.tally.Prune()
 }
 
+// Revive starts anew the servers that stopped on their own (see
+// served.Set.Revive). It is no change: the certificates they read as they
+// start are the ones served, which no later Abort puts back.
+func (p *Plane) Revive(find func(name string) *plan.Service) time.Duration {
+	next := p.Set.Revive(find)
+	clear(p.certsBefore)
+	return next
+}
+
 // Abort undoes the change in progress (see served.Set.Abort), the certificates
 // it read too.
 func (p *Plane) Abort() {
