@@ -166,3 +166,48 @@ func startTLSWeb(t *testing.T, cn string) tlsWeb {
 	w.a = runAgent(t, w.path)
 	return w
 }
+
+// TestDownServiceTakesBackendChange: a change to the backends of a service
+// whose server stopped and cannot be started anew for now (here its
+// certificate does not load) is applied: it is no change to what the server
+// binds, so it is no reason for it to fail, and the server started anew
+// later serves with it. Before, the change failed, and so did every later
+// change that carried it (a health change, a drain) until the server served.
+func TestDownServiceTakesBackendChange(t *testing.T) {
+	w := startTLSWeb(t, "web")
+	if err := os.Rename(w.cert, w.cert+".away"); err != nil {
+		t.Fatal(err)
+	}
+	lb, _ := w.a.http.Get("web")
+	lb.Close() // its Serve returns with an error, as when its listener fails
+	waitfor.Value(t, 10*time.Second, "status: down because the certificate does not load", func() (any, bool) {
+		st, err := w.a.Status()
+		if err != nil {
+			return err, false
+		}
+		return st.Services[0].Down, strings.Contains(st.Services[0].Down, "do not load")
+	})
+	if err := w.a.SetDrain(context.Background(), "web", w.backend.Addr.String(), true); err != nil {
+		t.Fatalf("drain a backend of the service that is down: %v; want it drained", err)
+	}
+	st, err := w.a.Status()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := st.Services[0]; !s.Backends[0].Drained || s.Down == "" {
+		t.Errorf("after the drain: backend drained %v, service down %q; want drained, still down", s.Backends[0].Drained, s.Down)
+	}
+	if err := os.Rename(w.cert+".away", w.cert); err != nil {
+		t.Fatal(err)
+	}
+	waitfor.Value(t, 15*time.Second, "the service started anew", func() (any, bool) {
+		st, err := w.a.Status()
+		if err != nil {
+			return err, false
+		}
+		return st.Services[0].Down, st.Services[0].Down == ""
+	})
+	if err := w.a.SetDrain(context.Background(), "web", w.backend.Addr.String(), false); err != nil {
+		t.Errorf("end the drain once the service serves: %v", err)
+	}
+}

@@ -379,7 +379,9 @@ func (p *Set[S]) View(name string, f func(srv S, ok bool, others []S)) {
 
 // Update brings a service from prev to next: a new server when a setting fixed
 // at listen time changed (the old one drains) or the running one stopped
-// serving on its own (it drains what it had), else new backends in place.
+// serving on its own (it drains what it had), else new backends in place. A
+// service whose server stopped takes a change of no such setting even when
+// its new server cannot start: it stays down, for Revive to start anew.
 func (p *Set[S]) Update(prev, next *plan.Service) error {
 	e, ok := p.services[next.Name()]
 	if !ok {
@@ -390,7 +392,8 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 	if rebuilt == nil {
 		rebuilt = plan.Rebuilt
 	}
-	if !e.over() && !rebuilt(&e.cfg, &next.Config) {
+	over, rebuild := e.over(), rebuilt(&e.cfg, &next.Config)
+	if !over && !rebuild {
 		if err := p.Push(e.srv, next); err != nil {
 			return err
 		}
@@ -398,10 +401,19 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 		return nil
 	}
 	start := p.Start
-	if p.Replace != nil && !e.over() {
+	if p.Replace != nil && !over {
 		start = func(s *plan.Service) (S, error) { return p.Replace(e.srv, s) }
 	}
 	fresh, err := p.start(next, start)
+	if err != nil && over && !rebuild {
+		// What the server binds is as before: the change is no reason
+		// for the start to fail, and is taken; Revive tries again.
+		e.cfg = next.Config
+		p.mu.Lock()
+		p.revival(next.Name()).why = err.Error()
+		p.mu.Unlock()
+		return nil
+	}
 	if err != nil {
 		return err
 	}
