@@ -334,18 +334,7 @@ func TestCountersKeptThroughAbortedRemove(t *testing.T) {
 	}
 	p.Commit()
 	// A connection left open keeps the first listener draining.
-	c, err := net.Dial("tcp", mustGet(t, p, "web").Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
-	c.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := c.Write([]byte("x")); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
-		t.Fatal(err)
-	}
+	c := echoed(t, p)
 	accepted := func() uint64 {
 		snap, _ := p.Snapshot("web")
 		return snap.Accepted
@@ -383,4 +372,55 @@ func webService(be netip.AddrPort, connect, drain time.Duration) *plan.Service {
 			Proxy: config.Proxy{Listen: netip.MustParseAddrPort("127.0.0.1:0"), ConnectTimeout: connect}},
 		Backends: []plan.Backend{{ID: plan.ID("web", be), Config: config.Backend{Addr: be}, Usable: true, Weight: 1}},
 	}
+}
+
+// TestCountersGoWithRemovedService: a removed service's listener that
+// finishes draining after the removal is committed leaves no counts behind: the
+// service, added again later, counts from zero. Its series went with it.
+func TestCountersGoWithRemovedService(t *testing.T) {
+	be := churn.Echo(t)
+	p := New(&health.Checker{}, slog.New(slog.DiscardHandler))
+	t.Cleanup(p.Close)
+	svc := webService(be, time.Second, time.Minute)
+	if err := p.Add(svc); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	// A connection left open keeps the listener draining past the removal.
+	c := echoed(t, p)
+	if err := p.Remove(svc); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	c.Close()
+	waitfor.Value(t, 10*time.Second, "the removed listener drained", func() (any, bool) {
+		n := len(p.Draining("web"))
+		return n, n == 0
+	})
+	if err := p.Add(svc); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	if snap, _ := p.Snapshot("web"); snap.Accepted != 0 {
+		t.Errorf("accepted by the service added again: %d; want 0", snap.Accepted)
+	}
+}
+
+// echoed dials service "web" of p and has a byte echoed: the connection is
+// accepted and counted. It is closed at cleanup.
+func echoed(t *testing.T, p *Plane) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", mustGet(t, p, "web").Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	return c
 }

@@ -66,7 +66,8 @@ type Set[S Server] struct {
 
 	services map[string]*entry[S] // loop only
 	// before is what each service the change in progress touched had when it
-	// began (a nil entry: nothing), until Commit or Abort (loop only).
+	// began (a nil entry: nothing), until Commit or Abort: the loop reads it,
+	// and writes it with mu held, so Drained may read it under mu.
 	before   map[string]held[S]
 	served   atomic.Pointer[map[string]S]
 	retiring sync.WaitGroup // servers removed or replaced, draining
@@ -179,14 +180,25 @@ func (p *Set[S]) hold(name string) {
 	if _, ok := p.before[name]; ok {
 		return
 	}
-	if p.before == nil {
-		p.before = make(map[string]held[S])
-	}
 	var h held[S]
 	if e := p.services[name]; e != nil {
 		h = held[S]{e: e, cfg: e.cfg}
 	}
+	p.mu.Lock()
+	if p.before == nil {
+		p.before = make(map[string]held[S])
+	}
 	p.before[name] = h
+	p.mu.Unlock()
+}
+
+// mayServe reports whether name is served, or was when the change in progress
+// began, which Abort may give it back; p.mu is held.
+func (p *Set[S]) mayServe(name string) bool {
+	if _, ok := p.Get(name); ok {
+		return true
+	}
+	return p.before[name].e != nil
 }
 
 // drop ends a server the change no longer serves: at once if the change

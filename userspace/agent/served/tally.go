@@ -40,9 +40,14 @@ func (t *Tally[S, N]) Snapshot(name string) (sum N, ok bool) {
 
 // Drained carries what a retired server of the named service counted; the
 // set calls it, with its lock held, once the server has drained. It carries
-// them for a service the set does not serve now too: a change that removes
-// it may yet be aborted. Prune forgets them once a change is committed.
+// them for a service a change in progress removes too, which Abort may give
+// back; Prune forgets them once the change is committed. The counts of a
+// server that drains after its service's removal was committed are dropped,
+// not left for a service of that name added later.
 func (t *Tally[S, N]) Drained(name string, srv S) {
+	if !t.Set.mayServe(name) {
+		return // removed: its series go
+	}
 	if t.carried == nil {
 		t.carried = make(map[string]N)
 	}
