@@ -162,7 +162,7 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 	if cfg.Metrics.Public {
 		a.log.Warn("metrics are served to the network (metrics.public: true): anyone who reaches the address reads every service and backend", "listen", cfg.Metrics.Listen)
 	}
-	x, err := xdpplane.Setup(cfg, a.opts.NoXDP)
+	x, err := xdpplane.Setup(ctx, cfg, a.opts.NoXDP)
 	if err != nil {
 		ls.close()
 		return fmt.Errorf("run: %w", err)

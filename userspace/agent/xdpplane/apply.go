@@ -1,6 +1,7 @@
 package xdpplane
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"net/netip"
@@ -304,7 +305,7 @@ func (x *Plane) SpeakerPortClashes(cfg *config.Config, file string) error {
 	if x == nil || x.prog == nil || len(cfg.Addresses) > 0 || len(cfg.Interfaces) == 0 {
 		return nil
 	}
-	addrs, err := interfaceAddrs(cfg.Interfaces[0].Name, 0)
+	addrs, err := interfaceAddrs(context.Background(), cfg.Interfaces[0].Name, 0)
 	if err != nil {
 		addrs = x.addrs
 	}

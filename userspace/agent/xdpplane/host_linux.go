@@ -1,6 +1,7 @@
 package xdpplane
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -173,15 +174,20 @@ const dadWait = 3 * time.Second
 // in duplicate address detection, it waits, up to wait, for DAD to end, and
 // chooses again: such an address is then taken once DAD passes (before a
 // deprecated one), never once it fails (another host holds it), and still in
-// DAD only when DAD outlasts wait and nothing else is there.
-func interfaceAddrs(ifname string, wait time.Duration) ([]netip.Addr, error) {
+// DAD only when DAD outlasts wait and nothing else is there. It waits no
+// longer once ctx is done (the agent stops as it starts): it chooses from the
+// addresses as they are then.
+func interfaceAddrs(ctx context.Context, ifname string, wait time.Duration) ([]netip.Addr, error) {
 	deadline := time.Now().Add(wait)
 	for {
 		addrs, tentative, err := sourceAddrs(ifname)
-		if err != nil || !tentative || !time.Now().Before(deadline) {
+		if err != nil || !tentative || !time.Now().Before(deadline) || ctx.Err() != nil {
 			return addrs, err
 		}
-		time.Sleep(50 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+		case <-time.After(50 * time.Millisecond):
+		}
 	}
 }
 

@@ -1,6 +1,7 @@
 package xdpplane
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"net/netip"
@@ -94,7 +95,7 @@ func TestInterfaceAddrsSkipsUnusableSources(t *testing.T) {
 						return err
 					}
 					flagged = slices.ContainsFunc(list, func(a netlink.Addr) bool { return a.Flags&tc.flag != 0 })
-					got, err = interfaceAddrs(link, 0)
+					got, err = interfaceAddrs(context.Background(), link, 0)
 					return err
 				})
 				if err != nil {
@@ -216,20 +217,11 @@ func TestInterfaceAddrsWaitsForDAD(t *testing.T) {
 					return err
 				}
 				var err error
-				if got, err = interfaceAddrs(link, 30*time.Second); err != nil {
+				if got, err = interfaceAddrs(context.Background(), link, 30*time.Second); err != nil {
 					return err
 				}
 				// The flags the address has as it is returned.
-				nl, err := netlink.LinkByName(link)
-				if err != nil {
-					return err
-				}
-				list, err := netlink.AddrList(nl, unix.AF_INET6)
-				for _, a := range list {
-					if a.IP.Equal(own.AsSlice()) {
-						flags = a.Flags
-					}
-				}
+				flags, err = addrFlags(link, own)
 				return err
 			})
 			if err != nil {
@@ -240,4 +232,58 @@ func TestInterfaceAddrsWaitsForDAD(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestInterfaceAddrsWaitEndsWithCtx: an agent told to stop as it starts does
+// not wait out dadWait for its own address to end DAD: once ctx is done it
+// takes the address as it is.
+func TestInterfaceAddrsWaitEndsWithCtx(t *testing.T) {
+	ns := addrsNS(t)
+	own := netip.MustParseAddr("2001:db8:2::1")
+	// DAD sends its one probe, then waits an hour before the address is usable.
+	sysctls := map[string]string{"net/ipv6/conf/%s/dad_transmits": "1", "net/ipv6/neigh/%s/retrans_time_ms": "3600000"}
+	if err := ns.Do(func() error {
+		return addVeth("ca0", "cb0", sysctls, nil, []*netlink.Addr{addr(own.String()+"/64", 0, 0, 0)})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// Done once the wait is under way, not before it.
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	t.Cleanup(cancel)
+	var got []netip.Addr
+	var flags int
+	start := time.Now()
+	err := ns.Do(func() (err error) {
+		if got, err = interfaceAddrs(ctx, "ca0", dadWait); err != nil {
+			return err
+		}
+		flags, err = addrFlags("ca0", own)
+		return err
+	})
+	took := time.Since(start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(got, []netip.Addr{own}) || flags&unix.IFA_F_TENTATIVE == 0 {
+		t.Errorf("interfaceAddrs(ca0) = %v, the address's flags %#x; want [%s], still in DAD", got, flags, own)
+	}
+	// Well within dadWait, with room for a loaded machine.
+	if took >= dadWait*2/3 {
+		t.Errorf("interfaceAddrs returned %v after start, ctx done after 100ms; want it to stop waiting then, well before dadWait (%v)", took, dadWait)
+	}
+}
+
+// addrFlags returns the flags of address ip on link name (0: it has none).
+func addrFlags(name string, ip netip.Addr) (int, error) {
+	nl, err := netlink.LinkByName(name)
+	if err != nil {
+		return 0, err
+	}
+	list, err := netlink.AddrList(nl, unix.AF_UNSPEC)
+	for _, a := range list {
+		if a.IP.Equal(ip.AsSlice()) {
+			return a.Flags, err
+		}
+	}
+	return 0, err
 }

@@ -12,6 +12,7 @@ package xdpplane
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -76,8 +77,9 @@ var errInterfaceBusy = errors.New("interface already has an XDP program")
 // Setup loads the program and attaches it to every configured interface. It
 // returns a plane without program, and the reason, when the host can't run XDP; it
 // returns an error only for what must stop the agent (an interface that another
-// XDP program holds).
-func Setup(cfg *config.Config, disabled bool) (*Plane, error) {
+// XDP program holds). ctx done cuts short its wait for its own address to end
+// duplicate address detection (see interfaceAddrs).
+func Setup(ctx context.Context, cfg *config.Config, disabled bool) (*Plane, error) {
 	x := &Plane{links: make(map[int]string), addrs: cfg.Addresses, hashSeed: cfg.XDP.HashSeed,
 		installed: make(map[loader.ServiceKey]string)}
 	if x.reason = unusable(cfg, disabled); x.reason != "" {
@@ -98,7 +100,7 @@ func Setup(cfg *config.Config, disabled bool) (*Plane, error) {
 	if len(x.addrs) == 0 {
 		// Best effort: without an address of a family, nat and tunnel services of
 		// that family fall back to the proxy and say why.
-		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name, dadWait)
+		x.addrs, _ = interfaceAddrs(ctx, cfg.Interfaces[0].Name, dadWait)
 	}
 	opts := LoaderOptions(cfg)
 	opts.NAT.Addr4, opts.NAT.Addr6, opts.PinPath = x.natAddr(false), x.natAddr(true), x.pinPath

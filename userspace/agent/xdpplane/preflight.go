@@ -1,6 +1,7 @@
 package xdpplane
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -65,7 +66,7 @@ func Preflight(cfg *config.Config, file string, disabled bool) (refused, notes [
 		return refused, notes
 	}
 	if len(x.addrs) == 0 {
-		x.addrs, _ = interfaceAddrs(cfg.Interfaces[0].Name, dadWait)
+		x.addrs, _ = interfaceAddrs(context.Background(), cfg.Interfaces[0].Name, dadWait)
 	}
 	var clashes config.Errors
 	if errors.As(speakerPortClashes(cfg, x.addrs, file), &clashes) {
