@@ -126,6 +126,13 @@ func (l *splitListener) sniff(c *coalescingConn, arrived func()) {
 		}
 	}
 	c.SetReadDeadline(time.Time{})
+	if n == 0 {
+		// Nothing came within the header time, or the client closed: no
+		// engine would wait for its request again (nor a shutdown for it).
+		c.Close()
+		l.s.stats.conns.Add(-1)
+		return
+	}
 	if string(buf[:n]) == http2.ClientPreface && l.s.framesServe() {
 		c.sniffed = true
 		c.mu.Lock()

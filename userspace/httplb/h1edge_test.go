@@ -146,7 +146,7 @@ func TestH1FirstRequestHeaderTimeout(t *testing.T) {
 		start := time.Now()
 		n, err := conn.Read(make([]byte, 1))
 		if n != 0 || isTimeout(err) {
-			t.Errorf("connection with no request: read %d bytes (%v) after %v; want it closed within ReadHeaderTimeout (twice, with the sniff)",
+			t.Errorf("connection with no request: read %d bytes (%v) after %v; want it closed within ReadHeaderTimeout",
 				n, err, time.Since(start).Round(time.Millisecond))
 		}
 	})

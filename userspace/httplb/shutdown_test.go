@@ -54,3 +54,36 @@ func TestShutdownAnswersAccepted(t *testing.T) {
 	}
 	<-sv.done
 }
+
+// TestShutdownSilentClient: a connection accepted before the service began to
+// shut down whose client sends nothing holds the shutdown up for no more than
+// the header time it is given to start its request (from its accept), not for
+// that time twice nor for the drain time.
+func TestShutdownSilentClient(t *testing.T) {
+	const header = 2 * time.Second
+	bs := httpbackend.StartN(t, 1)
+	sv := serveStoppable(t, Config{ReadHeaderTimeout: header, DrainTimeout: time.Minute}, backendSet(bs))
+	c, err := net.Dial("tcp", sv.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	if !waitfor.Cond(10*time.Second, func() bool { return sv.Snapshot().Accepted == 1 }) {
+		t.Fatal("the connection was not accepted")
+	}
+	start := time.Now()
+	sv.stop()
+	select {
+	case <-sv.done:
+	case <-time.After(time.Minute):
+		t.Fatal("Serve did not return")
+	}
+	// Twice the header time would be 4s; the margin is for a loaded machine.
+	if took := time.Since(start); took > header+time.Second {
+		t.Errorf("Serve returned %v after the stop; want within the header time, %v", took.Round(time.Millisecond), header)
+	}
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := c.Read(make([]byte, 1)); n != 0 || err == nil {
+		t.Errorf("the silent connection: read %d bytes (%v); want it closed", n, err)
+	}
+}
