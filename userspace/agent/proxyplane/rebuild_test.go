@@ -4,6 +4,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"os"
 	"testing"
 	"time"
 
@@ -115,4 +116,44 @@ func TestRebuildAborted(t *testing.T) {
 	if k.On != 1 || k.Idle != 5 {
 		t.Errorf("after the abort: the client socket's keepalive is %+v; want on, idle 5s", k)
 	}
+}
+
+// TestRebuildKeepsNoDescriptor: reloads that replace a service's server, and
+// one that is aborted, leave the process no descriptor more than it had once
+// the replaced servers have drained: each server closes its own descriptors
+// of the listening sockets it shared.
+func TestRebuildKeepsNoDescriptor(t *testing.T) {
+	p, vip, service := rebuildSetup(t, config.Proxy{IdleTimeout: 10 * time.Second})
+	idle := func(i int) *plan.Service {
+		return service(config.Proxy{IdleTimeout: time.Duration(10+i) * time.Second})
+	}
+	// Served: the server's event loops, made as it starts, are open.
+	churn.Start(t, vip.String(), 1, []byte("ping"), []byte("ping")).NoneFailed(t, "before the reloads")
+	before := openFDs(t)
+	for i := range 6 {
+		if err := p.Update(idle(i), idle(i+1)); err != nil {
+			t.Fatalf("reload %d: %v", i, err)
+		}
+		if i == 3 {
+			p.Abort()
+			if err := p.Update(idle(i), idle(i+1)); err != nil {
+				t.Fatalf("reload %d again: %v", i, err)
+			}
+		}
+		p.Commit()
+	}
+	churn.Start(t, vip.String(), 1, []byte("ping"), []byte("ping")).NoneFailed(t, "after the reloads")
+	if !waitfor.Cond(10*time.Second, func() bool { return len(p.Draining("web")) == 0 && openFDs(t) <= before }) {
+		t.Errorf("after 6 reloads and an abort: %d descriptors open, %d draining servers; want at most %d, 0",
+			openFDs(t), len(p.Draining("web")), before)
+	}
+}
+
+// openFDs returns how many descriptors the process has open.
+func openFDs(t *testing.T) int {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
 }
