@@ -147,14 +147,24 @@ func (l *splitListener) sniff(c *coalescingConn, arrived func()) {
 		return
 	}
 	c.sniffed = false
-	l.handOver(&prefixConn{coalescingConn: c, prefix: buf[:n]})
+	// Not HTTP/2's preface nor the start of it: HTTP/1.1 for net/http's server.
+	h1 := n > len(http2.ClientPreface) || string(buf[:n]) != http2.ClientPreface[:n]
+	l.handOver(&prefixConn{coalescingConn: c, prefix: buf[:n]}, h1)
 }
 
-// handOver gives net/http's server a connection that is not the engine's.
-func (l *splitListener) handOver(c net.Conn) {
+// handOver gives net/http's server a connection that is not the engine's; h1:
+// the server serves it HTTP/1.1 (not HTTP/2, whose connections the server
+// hides from its ConnState hook).
+func (l *splitListener) handOver(c net.Conn, h1 bool) {
+	if h1 {
+		// Fresh before the server has it, so that a shutdown that waited
+		// for the connections accepted (stop) then finds it.
+		l.s.addFresh(c)
+	}
 	select {
 	case l.conns <- c:
 	case <-l.done:
+		l.s.freshDone(c)
 		c.Close()
 		l.s.stats.conns.Add(-1)
 	}
@@ -181,11 +191,11 @@ func (l *splitListener) sniffTLS(c *coalescingConn, arrived func()) {
 			l.s.serveH1(tc, nil, &st, arrived)
 			return
 		}
-		l.handOver(tc)
+		l.handOver(tc, true)
 		return
 	}
 	if !l.s.framesServe() {
-		l.handOver(tc)
+		l.handOver(tc, false)
 		return
 	}
 	tc.SetReadDeadline(deadline)

@@ -180,6 +180,12 @@ type Service struct {
 	stats    stats
 	failed   chan struct{} // closed when the listener failed (Failed)
 
+	// fresh counts net/http's connections that have not yet read their first
+	// request: its server drops a request read once its Shutdown has begun.
+	freshMu   sync.Mutex
+	fresh     map[net.Conn]struct{}
+	freshGone chan struct{} // closed when fresh empties, while waitFresh waits
+
 	h1mu       sync.Mutex
 	h1conns    map[*h1Session]struct{} // HTTP/1.1 connections the loop serves
 	h1Shutdown atomic.Bool
@@ -283,7 +289,7 @@ func ListenFrom(cfg Config, backends []Backend, old *Service) (*Service, error) 
 		MaxHeaderBytes:    cfg.MaxHeaderBytes,
 		HTTP2:             &http.HTTP2Config{MaxConcurrentStreams: 250, MaxDecoderHeaderTableSize: 4096, MaxEncoderHeaderTableSize: 4096},
 		ErrorLog:          slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelDebug),
-		ConnState:         s.stats.connState,
+		ConnState:         s.connState,
 	}
 	return s, nil
 }
@@ -364,6 +370,10 @@ func (s *Service) Serve(ctx context.Context) error {
 	wg.Go(func() { s.shutdownFrames(shutCtx.Done()) })
 	wg.Go(func() { s.shutdownH1(shutCtx.Done()) })
 	wg.Go(func() { s.shutdownTunnels(shutCtx.Done()) })
+	// net/http's server closes a connection whose first request it reads
+	// after its Shutdown began: the connections handed to it are let bring
+	// and have answered their first request first, as the loop's are.
+	s.waitFresh(shutCtx.Done())
 	err := s.srv.Shutdown(shutCtx)
 	wg.Wait()
 	if err != nil {

@@ -7,6 +7,63 @@ import (
 	"time"
 )
 
+// connState is net/http's server's hook: it counts the connections, and a
+// connection handed to the server is fresh no more once its first request is
+// answered (StateActive comes before the server looks whether it is shutting
+// down, and drops the request if so) or it closed.
+func (s *Service) connState(c net.Conn, st http.ConnState) {
+	s.stats.connState(c, st)
+	if st != http.StateNew && st != http.StateActive {
+		s.freshDone(c)
+	}
+}
+
+// addFresh records c, about to be handed to net/http's server, as fresh: it
+// has yet to read its first request (waitFresh).
+func (s *Service) addFresh(c net.Conn) {
+	s.freshMu.Lock()
+	defer s.freshMu.Unlock()
+	if s.fresh == nil {
+		s.fresh = map[net.Conn]struct{}{}
+	}
+	s.fresh[c] = struct{}{}
+}
+
+// freshDone records that c is fresh no more, if it was.
+func (s *Service) freshDone(c net.Conn) {
+	s.freshMu.Lock()
+	defer s.freshMu.Unlock()
+	if _, ok := s.fresh[c]; !ok {
+		return
+	}
+	delete(s.fresh, c)
+	if len(s.fresh) == 0 && s.freshGone != nil {
+		close(s.freshGone)
+		s.freshGone = nil
+	}
+}
+
+// waitFresh waits until every connection handed to net/http's server has had
+// its first request answered or closed (at the header time if it sent
+// none), or until abandon is closed; meanwhile the server's answers say
+// Connection: close, as they do once its Shutdown began. Called once no more
+// connections reach the server.
+func (s *Service) waitFresh(abandon <-chan struct{}) {
+	s.freshMu.Lock()
+	if len(s.fresh) == 0 {
+		s.freshMu.Unlock()
+		return
+	}
+	s.srv.SetKeepAlivesEnabled(false)
+	gone := make(chan struct{})
+	s.freshGone = gone
+	s.freshMu.Unlock()
+	select {
+	case <-gone:
+	case <-abandon:
+	}
+}
+
 // stats are a service's counters.
 type stats struct {
 	// countedAtAccept: the split listener counts connections as it accepts
