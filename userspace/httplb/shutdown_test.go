@@ -2,6 +2,7 @@ package httplb
 
 import (
 	"bufio"
+	"crypto/tls"
 	"io"
 	"net"
 	"net/http"
@@ -90,4 +91,64 @@ func TestShutdownSilentClient(t *testing.T) {
 	if n, err := c.Read(make([]byte, 1)); n != 0 || err == nil {
 		t.Errorf("the silent connection: read %d bytes (%v); want it closed", n, err)
 	}
+}
+
+// TestSlowFirstRequest: a client that sends its first request late within the
+// header time (after its TLS handshake, itself late, over TLS) is served, as
+// the service runs and when its shutdown began after the accept, by either
+// HTTP/1.1 engine.
+func TestSlowFirstRequest(t *testing.T) {
+	for _, stopping := range []bool{false, true} {
+		name := "running"
+		if stopping {
+			name = "stopping"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			slowFirstRequest(t, stopping)
+		})
+	}
+}
+
+func slowFirstRequest(t *testing.T, stopping bool) {
+	eachH1Front(t, func(t *testing.T, cfg Config) {
+		const header = 1500 * time.Millisecond
+		cfg.ReadHeaderTimeout, cfg.DrainTimeout = header, time.Minute
+		bs := httpbackend.StartN(t, 1)
+		sv := serveStoppable(t, cfg, backendSet(bs))
+		raw, err := net.Dial("tcp", sv.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { raw.Close() })
+		dialed := time.Now()
+		if !waitfor.Cond(10*time.Second, func() bool { return sv.Snapshot().Accepted == 1 }) {
+			t.Fatal("the connection was not accepted")
+		}
+		if stopping {
+			sv.stop()
+		}
+		// What is under test is time passing: the client is slow.
+		time.Sleep(time.Until(dialed.Add(header * 6 / 10)))
+		var c net.Conn = raw
+		if cfg.TLS != nil {
+			tc := tls.Client(raw, &tls.Config{InsecureSkipVerify: true, NextProtos: []string{"http/1.1"}})
+			if err := tc.Handshake(); err != nil {
+				t.Fatal(err)
+			}
+			c = tc
+		}
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil {
+			t.Fatalf("shutting down %v: read the answer: %v; want 200", stopping, err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Errorf("shutting down %v: got %d; want 200", stopping, resp.StatusCode)
+		}
+	})
 }
