@@ -19,11 +19,14 @@ import (
 // proxy balances the connection, so every request lands on one backend; the
 // http plane balances requests, so each backend gets a third (±10 %). The same
 // for a gRPC channel's unary calls; a bidirectional stream passes through both.
+// The http service balances round robin: the test is about what gets balanced,
+// requests or connections, and least_conn (the default) gives each backend a
+// share that follows its speed, which on a loaded machine drifts past ±10 %.
 func TestMultiplexSkew(t *testing.T) {
 	bs := httpbackend.StartN(t, 3)
 	tcpPort, httpPort := freePort(t), freePort(t)
 	r := startAgent(t, fmt.Sprintf(`  - {name: tcp, vip: 127.0.0.1:%d, data_plane: proxy, health: {method: connect}, backends: %s}
-  - {name: web, vip: 127.0.0.1:%d, data_plane: http, health: {method: connect}, backends: %s}
+  - {name: web, vip: 127.0.0.1:%d, data_plane: http, algorithm: round_robin, health: {method: connect}, backends: %s}
 `, tcpPort, backendList(bs), httpPort, backendList(bs)))
 	_ = r
 	for _, c := range []struct {
