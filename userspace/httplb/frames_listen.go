@@ -108,14 +108,18 @@ func (l *splitListener) closeWith(cause error) error {
 }
 
 // sniff reads as much of the preface as the client has sent, until it is
-// whole or differs.
+// whole or differs. The sniff and the first request's head share one header
+// time from the accept: a client that sends a byte that could begin the
+// preface and then nothing is closed at its end, not given it again for its
+// request.
 func (l *splitListener) sniff(c *coalescingConn, arrived func()) {
 	defer arrived()
 	if l.s.tls != nil {
 		l.sniffTLS(c, arrived)
 		return
 	}
-	c.SetReadDeadline(time.Now().Add(l.s.cfg.ReadHeaderTimeout))
+	by := time.Now().Add(l.s.cfg.ReadHeaderTimeout)
+	c.SetReadDeadline(by)
 	buf := make([]byte, len(http2.ClientPreface))
 	n := 0
 	for n < len(buf) {
@@ -125,7 +129,6 @@ func (l *splitListener) sniff(c *coalescingConn, arrived func()) {
 			break
 		}
 	}
-	c.SetReadDeadline(time.Time{})
 	if n == 0 {
 		// Nothing came within the header time, or the client closed: no
 		// engine would wait for its request again (nor a shutdown for it).
@@ -134,6 +137,7 @@ func (l *splitListener) sniff(c *coalescingConn, arrived func()) {
 		return
 	}
 	if string(buf[:n]) == http2.ClientPreface && l.s.framesServe() {
+		c.SetReadDeadline(time.Time{})
 		c.sniffed = true
 		c.mu.Lock()
 		c.async = true
@@ -142,14 +146,15 @@ func (l *splitListener) sniff(c *coalescingConn, arrived func()) {
 		return
 	}
 	if string(buf[:n]) != http2.ClientPreface && !l.s.cfg.NetHTTP1 {
-		// The loop writes whole answers itself: no coalescing wrapper.
+		// The loop writes whole answers itself: no coalescing wrapper. The
+		// deadline set stays for the first request's head.
 		l.s.serveH1(rawConnOf(c.Conn), buf[:n], nil, arrived)
 		return
 	}
 	c.sniffed = false
 	// Not HTTP/2's preface nor the start of it: HTTP/1.1 for net/http's server.
 	h1 := n > len(http2.ClientPreface) || string(buf[:n]) != http2.ClientPreface[:n]
-	l.handOver(&prefixConn{coalescingConn: c, prefix: buf[:n]}, h1)
+	l.handOver(&prefixConn{coalescingConn: c, prefix: buf[:n], by: by}, h1)
 }
 
 // handOver gives net/http's server a connection that is not the engine's; h1:
@@ -171,8 +176,10 @@ func (l *splitListener) handOver(c net.Conn, h1 bool) {
 }
 
 // sniffTLS does the TLS handshake: a client that chose h2 by ALPN goes to the
-// frame engine once its preface is in; the others to net/http's server,
-// which finds the handshake done.
+// frame engine once its preface is in; the others to the connection loop or
+// net/http's server, which finds the handshake done. The handshake has the
+// header time from the accept, and the first request the header time again
+// from the handshake's end, as net/http's server gives it.
 func (l *splitListener) sniffTLS(c *coalescingConn, arrived func()) {
 	deadline := time.Now().Add(l.s.cfg.ReadHeaderTimeout)
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
@@ -187,7 +194,7 @@ func (l *splitListener) sniffTLS(c *coalescingConn, arrived func()) {
 	if tc.ConnectionState().NegotiatedProtocol != http2.NextProtoTLS {
 		if !l.s.cfg.NetHTTP1 {
 			st := tc.ConnectionState()
-			tc.SetReadDeadline(time.Time{})
+			tc.SetReadDeadline(time.Now().Add(l.s.cfg.ReadHeaderTimeout)) // the first request's head
 			l.s.serveH1(tc, nil, &st, arrived)
 			return
 		}
@@ -213,6 +220,26 @@ func (l *splitListener) sniffTLS(c *coalescingConn, arrived func()) {
 type prefixConn struct {
 	*coalescingConn
 	prefix []byte
+	// by is when the header time that began at the accept ends, until the
+	// first request's head is in (zero since).
+	by time.Time
+}
+
+// SetReadDeadline keeps the first request's head within the header time that
+// began at the accept: net/http's server sets read deadlines of its own from
+// when it starts to read (for the preface, then for the request), so a client
+// whose first bytes the sniff waited for would get the header time again.
+// The server clears the deadline once the head is in, and that ends it. Only
+// the server's connection goroutine calls it until then.
+func (c *prefixConn) SetReadDeadline(t time.Time) error {
+	if !c.by.IsZero() {
+		if t.IsZero() {
+			c.by = time.Time{}
+		} else if t.After(c.by) {
+			t = c.by
+		}
+	}
+	return c.coalescingConn.SetReadDeadline(t)
 }
 
 func (c *prefixConn) Read(p []byte) (int, error) {

@@ -170,16 +170,21 @@ func (s *Service) newH1Session(conn net.Conn, prefix []byte, tlsState *tls.Conne
 // was handed to the HTTP/2 server, which closes it.
 func (c *h1Session) serve() bool {
 	s := c.s
-	// The first request is due within the header timeout, as net/http has it
-	// (a connection that sends nothing is not kept for the idle timeout); the
+	// The first request's head is due by the read deadline the listener set
+	// (the header timeout from the accept, or from the TLS handshake's end),
+	// as net/http has it: the wait for its first byte and its read share it
+	// (a connection that sends nothing is not kept for the idle timeout). The
 	// later ones may keep the client waiting up to the idle timeout.
-	wait := s.cfg.ReadHeaderTimeout
+	first := true
 	lastMethod := ""
 	for {
+		wait := s.cfg.IdleTimeout
+		if first {
+			wait = 0
+		}
 		if !c.nextRequest(wait, lastMethod == http.MethodPost) {
 			return true
 		}
-		wait = s.cfg.IdleTimeout
 		if !c.state.CompareAndSwap(h1Idle, h1Active) && c.state.Load() == h1Closed {
 			return true // shutdown closed it
 		}
@@ -190,9 +195,12 @@ func (c *h1Session) serve() bool {
 		head := bufferedHead(c.br)
 		var err error
 		if head == nil {
-			c.conn.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
+			if !first {
+				c.conn.SetReadDeadline(time.Now().Add(s.cfg.ReadHeaderTimeout))
+			}
 			head, err = readHead(c.br)
 		}
+		first = false
 		var req *http.Request
 		if err == nil {
 			req, err = http.ReadRequest(c.br)
@@ -231,8 +239,9 @@ func (c *h1Session) serve() bool {
 
 // nextRequest waits, if it must, until the next request's first byte has
 // come: under wait, from when it began to wait (the header timeout a request's
-// head is read under is due from that byte on, as net/http's server has it);
-// false: none came in time, or the connection closed or failed.
+// head is read under is due from that byte on, as net/http's server has it),
+// or with zero, under the read deadline set; false: none came in time, or the
+// connection closed or failed.
 //
 // Some clients end a POST's body with a CRLF more, which net/http's server
 // skips too (RFC 9112 2.2): after a POST, up to 4 CR and LF bytes before the
@@ -264,7 +273,7 @@ func (c *h1Session) nextRequest(wait time.Duration, afterPOST bool) bool {
 		if c.br.Buffered() > 0 || len(c.in.pending) > 0 {
 			return true
 		}
-		if !waiting {
+		if !waiting && wait > 0 {
 			waiting = true
 			c.conn.SetReadDeadline(time.Now().Add(wait))
 		}
