@@ -178,11 +178,11 @@ func (l *splitListener) handOver(c net.Conn, h1 bool) {
 // sniffTLS does the TLS handshake: a client that chose h2 by ALPN goes to the
 // frame engine once its preface is in; the others to the connection loop or
 // net/http's server, which finds the handshake done. The handshake has the
-// header time from the accept, and the first request the header time again
-// from the handshake's end, as net/http's server gives it.
+// header time from the accept, and the first request or the preface the
+// header time again from the handshake's end, as net/http's server gives
+// them (HAProxy and nginx, too, time the handshake and the request apart).
 func (l *splitListener) sniffTLS(c *coalescingConn, arrived func()) {
-	deadline := time.Now().Add(l.s.cfg.ReadHeaderTimeout)
-	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	ctx, cancel := context.WithTimeout(context.Background(), l.s.cfg.ReadHeaderTimeout)
 	defer cancel()
 	tc := tls.Server(c, l.s.tls)
 	if err := tc.HandshakeContext(ctx); err != nil {
@@ -205,7 +205,7 @@ func (l *splitListener) sniffTLS(c *coalescingConn, arrived func()) {
 		l.handOver(tc, false)
 		return
 	}
-	tc.SetReadDeadline(deadline)
+	tc.SetReadDeadline(time.Now().Add(l.s.cfg.ReadHeaderTimeout))
 	buf := make([]byte, len(http2.ClientPreface))
 	if _, err := io.ReadFull(tc, buf); err != nil || string(buf) != http2.ClientPreface {
 		tc.Close()
