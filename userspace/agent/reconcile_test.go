@@ -160,7 +160,13 @@ func TestReconcileRollsBack(t *testing.T) {
 // and returns it once it takes events.
 func runAgent(t *testing.T, path string) *Agent {
 	t.Helper()
-	a := New(Options{ConfigPath: path, NoXDP: true, Logger: slog.New(slog.DiscardHandler)})
+	return runAgentLogged(t, path, slog.New(slog.DiscardHandler))
+}
+
+// runAgentLogged is runAgent with the agent logging to log.
+func runAgentLogged(t *testing.T, path string, log *slog.Logger) *Agent {
+	t.Helper()
+	a := New(Options{ConfigPath: path, NoXDP: true, Logger: log})
 	ctx, cancel := context.WithCancel(context.Background())
 	runErr := make(chan error, 1)
 	// Exits when ctx is cancelled at cleanup.

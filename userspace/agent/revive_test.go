@@ -4,12 +4,14 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -20,13 +22,13 @@ import (
 // TestStoppedServerStartedAnew: an http service whose server stopped on its
 // own (its Serve returned with an error, as when its listener fails) is
 // started anew by the agent, with no change to the config. While it cannot be
-// (here its certificate does not load), status and metrics say that it serves
+// (here its address is taken), status and metrics say that it serves
 // nothing and why; once it is, they count the restart, and its per-backend
 // counters go on from where they were. Before, the service served nothing
 // until the next change that touched it, and status showed nothing wrong.
 func TestStoppedServerStartedAnew(t *testing.T) {
 	w := startTLSWeb(t, "web")
-	a, vip, certPath := w.a, w.vip, w.cert
+	a, vip := w.a, w.vip
 	c := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DisableKeepAlives: true,
 		TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
 	get := func() error {
@@ -54,14 +56,10 @@ func TestStoppedServerStartedAnew(t *testing.T) {
 		return "none"
 	}
 
-	// The certificate goes, so that starting the server anew fails until it
-	// is back; then the server stops.
-	if err := os.Rename(certPath, certPath+".away"); err != nil {
-		t.Fatal(err)
-	}
-	lb, _ := a.http.Get("web")
-	lb.Close()
-	waitfor.Value(t, 10*time.Second, "status: down because the certificate does not load; metrics: serving 0", func() (any, bool) {
+	// The server stops, and its address is taken until release, so that
+	// starting it anew fails until then.
+	release, early := stopHeld(t, a, "web", vip)
+	waitfor.Value(t, 10*time.Second, "status: down because the address is in use; metrics: serving 0", func() (any, bool) {
 		st, err := a.Status()
 		if err != nil {
 			return err, false
@@ -69,12 +67,10 @@ func TestStoppedServerStartedAnew(t *testing.T) {
 		s := st.Services[0]
 		serving := metric("weir_service_serving")
 		return fmt.Sprintf("down %q, restarts %d, serving %s", s.Down, s.Restarts, serving),
-			strings.Contains(s.Down, "do not load") && s.Restarts == 0 && serving == "0"
+			strings.Contains(s.Down, "address already in use") && s.Restarts == uint64(early) && serving == "0"
 	})
 
-	if err := os.Rename(certPath+".away", certPath); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	waitfor.Value(t, 15*time.Second, "a 200 with no change to the config", func() (any, bool) {
 		err := get()
 		return err, err == nil
@@ -84,8 +80,8 @@ func TestStoppedServerStartedAnew(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := st.Services[0]
-	if s.Down != "" || s.Restarts != 1 {
-		t.Errorf("status after the restart: down %q, restarts %d; want \"\", 1", s.Down, s.Restarts)
+	if s.Down != "" || s.Restarts != uint64(early+1) {
+		t.Errorf("status after the restart: down %q, restarts %d; want \"\", %d", s.Down, s.Restarts, early+1)
 	}
 	// Requests are counted as they end: the second may still be counting.
 	waitfor.Value(t, 10*time.Second, "2 requests counted on the backend, the first server's too", func() (any, bool) {
@@ -96,8 +92,8 @@ func TestStoppedServerStartedAnew(t *testing.T) {
 		n := st.Services[0].Backends[0].Requests
 		return n, n == 2
 	})
-	if got, got2 := metric("weir_service_restarts_total"), metric("weir_service_serving"); got != "1" || got2 != "1" {
-		t.Errorf("metrics after the restart: restarts_total %s, serving %s; want 1, 1", got, got2)
+	if got, got2 := metric("weir_service_restarts_total"), metric("weir_service_serving"); got != fmt.Sprint(early+1) || got2 != "1" {
+		t.Errorf("metrics after the restart: restarts_total %s, serving %s; want %d, 1", got, got2, early+1)
 	}
 }
 
@@ -142,6 +138,48 @@ func TestRevivedCertificateKeptOnAbort(t *testing.T) {
 	}
 }
 
+// TestRestartKeepsCertificate: an http service whose server stopped on its
+// own is started anew with the certificate it served when its files are gone
+// (renewal tools replace them, an operator moves them), and the log says so;
+// a reload is still refused while they do not load, naming the field. Before,
+// the service stayed down until the files were back, though the certificate
+// was in memory.
+func TestRestartKeepsCertificate(t *testing.T) {
+	w := startTLSWeb(t, "web")
+	for _, f := range []string{w.cert, w.key} {
+		if err := os.Remove(f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lb, _ := w.a.http.Get("web")
+	lb.Close() // its Serve returns with an error, as when its listener fails
+	waitfor.Value(t, 15*time.Second, "the service started anew, with the certificate it had", func() (any, bool) {
+		c, err := tls.DialWithDialer(&net.Dialer{Timeout: 2 * time.Second}, "tcp", w.vip, &tls.Config{InsecureSkipVerify: true})
+		if err != nil {
+			return err, false
+		}
+		defer c.Close()
+		cn := c.ConnectionState().PeerCertificates[0].Subject.CommonName
+		return cn, cn == "web"
+	})
+	select {
+	case <-w.certKept:
+	case <-time.After(10 * time.Second):
+		t.Error("no log line says that the certificate in memory is served")
+	}
+	st, err := w.a.Status()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := st.Services[0]; s.Down != "" || s.Restarts != 1 {
+		t.Errorf("status after the restart: down %q, restarts %d; want \"\", 1", s.Down, s.Restarts)
+	}
+	want := fmt.Sprintf("%s:4: services[0].http.tls: cert %s and key %s do not load: ", w.path, w.cert, w.key)
+	if err := w.a.Reload(context.Background()); err == nil || !strings.HasPrefix(err.Error(), want) {
+		t.Errorf("reload with the files gone: got %v; want it refused as %q...", err, want)
+	}
+}
+
 // tlsWeb is an agent serving one http service, web, over TLS with the
 // certificate files cert and key, to one backend.
 type tlsWeb struct {
@@ -149,11 +187,12 @@ type tlsWeb struct {
 	backend              *httpbackend.Backend
 	path, cfg, cert, key string // the config file and its text; the pair
 	vip                  string
+	certKept             chan struct{} // closed when the log says the certificate in memory is served
 }
 
 // startTLSWeb starts a tlsWeb whose certificate names cn.
 func startTLSWeb(t *testing.T, cn string) tlsWeb {
-	w := tlsWeb{backend: httpbackend.StartN(t, 1)[0], vip: freePort(t)}
+	w := tlsWeb{backend: httpbackend.StartN(t, 1)[0], vip: freePort(t), certKept: make(chan struct{})}
 	dir := t.TempDir()
 	w.path, w.cert, w.key = filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "web.crt"), filepath.Join(dir, "web.key")
 	httpbackend.WriteCert(t, w.cert, w.key, cn)
@@ -163,29 +202,26 @@ func startTLSWeb(t *testing.T, cn string) tlsWeb {
 	if err := os.WriteFile(w.path, []byte(w.cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	w.a = runAgent(t, w.path)
+	w.a = runAgentLogged(t, w.path, slog.New(onMessage{"http plane: certificate files do not load; serving the certificate last read from them",
+		sync.OnceFunc(func() { close(w.certKept) })}))
 	return w
 }
 
 // TestDownServiceTakesBackendChange: a change to the backends of a service
-// whose server stopped and cannot be started anew for now (here its
-// certificate does not load) is applied: it is no change to what the server
+// whose server stopped and cannot be started anew for now (here its address
+// is taken) is applied: it is no change to what the server
 // binds, so it is no reason for it to fail, and the server started anew
 // later serves with it. Before, the change failed, and so did every later
 // change that carried it (a health change, a drain) until the server served.
 func TestDownServiceTakesBackendChange(t *testing.T) {
 	w := startTLSWeb(t, "web")
-	if err := os.Rename(w.cert, w.cert+".away"); err != nil {
-		t.Fatal(err)
-	}
-	lb, _ := w.a.http.Get("web")
-	lb.Close() // its Serve returns with an error, as when its listener fails
-	waitfor.Value(t, 10*time.Second, "status: down because the certificate does not load", func() (any, bool) {
+	release, _ := stopHeld(t, w.a, "web", w.vip)
+	waitfor.Value(t, 10*time.Second, "status: down because the address is in use", func() (any, bool) {
 		st, err := w.a.Status()
 		if err != nil {
 			return err, false
 		}
-		return st.Services[0].Down, strings.Contains(st.Services[0].Down, "do not load")
+		return st.Services[0].Down, strings.Contains(st.Services[0].Down, "address already in use")
 	})
 	if err := w.a.SetDrain(context.Background(), "web", w.backend.Addr.String(), true); err != nil {
 		t.Fatalf("drain a backend of the service that is down: %v; want it drained", err)
@@ -197,9 +233,7 @@ func TestDownServiceTakesBackendChange(t *testing.T) {
 	if s := st.Services[0]; !s.Backends[0].Drained || s.Down == "" {
 		t.Errorf("after the drain: backend drained %v, service down %q; want drained, still down", s.Backends[0].Drained, s.Down)
 	}
-	if err := os.Rename(w.cert+".away", w.cert); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	waitfor.Value(t, 15*time.Second, "the service started anew", func() (any, bool) {
 		st, err := w.a.Status()
 		if err != nil {
@@ -209,5 +243,34 @@ func TestDownServiceTakesBackendChange(t *testing.T) {
 	})
 	if err := w.a.SetDrain(context.Background(), "web", w.backend.Addr.String(), false); err != nil {
 		t.Errorf("end the drain once the service serves: %v", err)
+	}
+}
+
+// stopHeld stops the named http service's server, as when its listener fails,
+// and binds its address without SO_REUSEPORT, so that starting it anew fails
+// (address in use) until release is called. A server the agent started anew
+// before the address was bound is stopped again: early says how many were.
+func stopHeld(t *testing.T, a *Agent, name, addr string) (release func(), early int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		lb, ok := a.http.Get(name)
+		if !ok {
+			t.Fatalf("service %s not served", name)
+		}
+		lb.Close() // its Serve returns with an error
+		if ln, err := net.Listen("tcp", addr); err == nil {
+			release = sync.OnceFunc(func() { ln.Close() })
+			t.Cleanup(release)
+			return release, early
+		}
+		// Started anew before the bind: stop that server in turn.
+		for next, _ := a.http.Get(name); next == lb; next, _ = a.http.Get(name) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: could not bind its address %s while its server was stopped", name, addr)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		early++
 	}
 }

@@ -41,10 +41,10 @@ type Plane struct {
 
 	// certs are the certificates the services' servers hand out, by service
 	// name (loop only; the servers read the pointers).
-	certs map[string]*atomic.Pointer[tls.Certificate]
+	certs map[string]*atomic.Pointer[loadedCert]
 	// certsBefore are the certificates the change in progress replaced, until
 	// Commit or Abort.
-	certsBefore map[string]*tls.Certificate
+	certsBefore map[string]*loadedCert
 	tally       served.Tally[*httplb.Service, httplb.Snapshot] // counters across servers
 }
 
@@ -52,7 +52,7 @@ type Plane struct {
 // every finished request to observe (nil: nobody).
 func New(checker *health.Checker, log *slog.Logger, observe RequestObserver) *Plane {
 	p := &Plane{checker: checker, log: log, observe: observe,
-		certs: map[string]*atomic.Pointer[tls.Certificate]{}, certsBefore: map[string]*tls.Certificate{}}
+		certs: map[string]*atomic.Pointer[loadedCert]{}, certsBefore: map[string]*loadedCert{}}
 	p.Set = served.Set[*httplb.Service]{Start: p.start, Push: func(lb *httplb.Service, s *plan.Service) error {
 		return lb.Reconfigure(p.lbConfig(&s.Config), backends(s))
 	}, Replace: p.replace, Rebuilt: rebuilt, Drained: p.tally.Drained, Log: log, What: "http plane"}
@@ -87,8 +87,8 @@ func CheckCertificates(d plan.Desired) error {
 
 // readCerts reads the pairs of d's TLS services that want names, and says
 // which do not load.
-func readCerts(d plan.Desired, want func(name string) bool) (map[string]*tls.Certificate, error) {
-	read := map[string]*tls.Certificate{}
+func readCerts(d plan.Desired, want func(name string) bool) (map[string]*loadedCert, error) {
+	read := map[string]*loadedCert{}
 	var errs []error
 	for i := range d.Services {
 		s := &d.Services[i]
@@ -118,21 +118,52 @@ func (e *CertError) Error() string {
 
 func (e *CertError) Unwrap() error { return e.Err }
 
+// loadedCert is a certificate and the files it was read from.
+type loadedCert struct {
+	tls.Certificate
+	certFile, keyFile string
+}
+
 // readCert reads s's certificate and key files.
-func readCert(s *plan.Service) (*tls.Certificate, error) {
+func readCert(s *plan.Service) (*loadedCert, error) {
 	h := s.Config.HTTP
 	cert, err := tls.LoadX509KeyPair(h.TLSCert, h.TLSKey)
 	if err != nil {
 		return nil, &CertError{Service: s.Name(), Cert: h.TLSCert, Key: h.TLSKey, Err: err}
 	}
-	return &cert, nil
+	return &loadedCert{Certificate: cert, certFile: h.TLSCert, keyFile: h.TLSKey}, nil
+}
+
+// startCert is the certificate a server of s starts with: its files read
+// anew, or, where they do not load, the one last read from the same files,
+// which the service's servers hand out now. A server started anew (after its
+// server stopped on its own) keeps serving while the files are gone or being
+// rewritten; a reload that reads them (ReadCertificates) is still refused
+// while they do not load, and a new service, or new paths, have no
+// certificate to go on with.
+func (p *Plane) startCert(s *plan.Service) (*loadedCert, error) {
+	c, err := readCert(s)
+	if err == nil {
+		return c, nil
+	}
+	var last *loadedCert
+	if ptr := p.certs[s.Name()]; ptr != nil {
+		last = ptr.Load()
+	}
+	h := s.Config.HTTP
+	if last == nil || last.certFile != h.TLSCert || last.keyFile != h.TLSKey {
+		return nil, err
+	}
+	p.log.Warn("http plane: certificate files do not load; serving the certificate last read from them",
+		"service", s.Name(), "cert", h.TLSCert, "key", h.TLSKey, "err", err)
+	return last, nil
 }
 
 // setCert makes cert the one the named service's servers hand out.
-func (p *Plane) setCert(name string, cert *tls.Certificate) {
+func (p *Plane) setCert(name string, cert *loadedCert) {
 	ptr := p.certs[name]
 	if ptr == nil {
-		ptr = new(atomic.Pointer[tls.Certificate])
+		ptr = new(atomic.Pointer[loadedCert])
 		p.certs[name] = ptr
 	}
 	if _, ok := p.certsBefore[name]; !ok {
@@ -224,14 +255,14 @@ func (p *Plane) start(s *plan.Service) (*httplb.Service, error) { return p.repla
 func (p *Plane) replace(old *httplb.Service, s *plan.Service) (*httplb.Service, error) {
 	cfg := p.lbConfig(&s.Config)
 	if s.Config.HTTP.TLSCert != "" {
-		c, err := readCert(s)
+		c, err := p.startCert(s)
 		if err != nil {
 			return nil, err
 		}
 		p.setCert(s.Name(), c)
 		cert := p.certs[s.Name()]
 		cfg.TLS = &tls.Config{NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12,
-			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return cert.Load(), nil }}
+			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return &cert.Load().Certificate, nil }}
 	}
 	lb, err := httplb.ListenFrom(cfg, backends(s), old)
 	if errors.Is(err, syscall.EADDRNOTAVAIL) {
