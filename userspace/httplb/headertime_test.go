@@ -19,16 +19,26 @@ import (
 // TestPrefaceByteHeaderTime: a cleartext client that sends a first byte that
 // could begin the HTTP/2 preface ("P") and then nothing is closed within
 // read_header_timeout of its accept, through either HTTP/1.1 engine: the
-// sniff for the preface and the request's read share the header time. Before,
-// the sniff waited out the header time for the rest of the preface, and the
-// HTTP/1.1 engine then gave the request the header time again (net/http's
-// server twice more: its own wait for the preface, then the request).
+// sniff for the preface and the request's read share the header time, as
+// net/http's server shares it where it serves both protocols (no sniff; the
+// last case). Before, the sniff waited out the header time for the rest of
+// the preface, and the HTTP/1.1 engine then gave the request the header time
+// again.
 func TestPrefaceByteHeaderTime(t *testing.T) {
 	const header = time.Second
-	for _, engine := range h1Engines {
-		t.Run(engine, func(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		cfg  Config
+	}{
+		{"loop", Config{}},
+		{"net_http", Config{NetHTTP1: true}},
+		{"net_http both", Config{NetHTTP1: true, NetHTTP2: true}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
 			bs := httpbackend.StartN(t, 1)
-			s := serve(t, Config{NetHTTP1: engine == "net_http", ReadHeaderTimeout: header}, bs)
+			cfg := c.cfg
+			cfg.ReadHeaderTimeout = header
+			s := serve(t, cfg, bs)
 			conn, _ := rawConn(t, s.Addr().String())
 			start := time.Now()
 			if _, err := conn.Write([]byte("P")); err != nil {
