@@ -60,8 +60,18 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 	// and tries moved off a backend retired since its pick.
 	picker, key := l, l.hashKey(r)
 	retryable := idempotent(r.Method) || l.grpcRetryable(r)
+	// sc is set exactly for the requests weir's own exchange carries.
+	sc, err := ownScratch(l.cfg.Upstream, r)
+	if sc != nil {
+		defer sc.put()
+	}
+	if err != nil {
+		// Cannot be, the body's bytes having come: the client's fault if it is.
+		s.answerFailure(l, w, r, failure{status: http.StatusBadRequest, err: fmt.Errorf("request body: %w", err), client: true}, 0, start)
+		return
+	}
 	var body *replayBody
-	if r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 {
+	if sc == nil && hasBody(r) {
 		body = &replayBody{src: r.Body, keep: retryable && l.cfg.Retries > 0}
 	}
 	if body != nil && l.cfg.Timeout > 0 {
@@ -71,11 +81,6 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 		// timeout: the hook costs allocations.
 		stop := context.AfterFunc(ctx, func() { body.breakRead(w, 0) })
 		defer stop()
-	}
-	var sc *outScratch
-	if body == nil && ownPath(l.cfg.Upstream, r) {
-		sc = outScratchPool.Get().(*outScratch)
-		defer sc.put()
 	}
 	hdr := l.outHeader(r, sc)
 	// The backends tried: the first kept apart, so a request that is not retried
@@ -112,7 +117,6 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 			}
 		}
 		var lease balance.Lease
-		var err error
 		if ntried == 0 && movedOff == nil {
 			lease, err = picker.bal.Pick(key, nil)
 		} else {
@@ -327,7 +331,7 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	var resp *http.Response
 	var err error
 	if sc != nil { // set exactly for the requests weir's own exchange carries
-		resp, err = be.h1s.roundTrip(tctx, out)
+		resp, err = be.h1s.roundTrip(tctx, out, sc.body)
 	} else {
 		resp, err = be.transport(l.cfg.Upstream, r).RoundTrip(out.WithContext(tctx))
 	}
@@ -509,11 +513,48 @@ func (l *live) observeTry(be *backend, o Outcome) {
 	}
 }
 
-// ownPath reports whether a request without a body goes to its backend
-// through weir's own HTTP/1.1 exchange (h1Pool.roundTrip) rather than through
-// an http.Transport: HTTP/1.1 upstream and no upgrade.
+// ownPath reports whether a request goes to its backend through weir's own
+// HTTP/1.1 exchange (h1Pool.roundTrip) rather than through an http.Transport,
+// should its body allow (ownScratch): HTTP/1.1 upstream and no upgrade.
 func ownPath(u Upstream, r *http.Request) bool {
 	return (u == UpstreamHTTP1 || u == UpstreamAuto && r.ProtoMajor != 2) && r.Header["Upgrade"] == nil
+}
+
+// hasBody reports whether r has a body to send (of a length given or not).
+func hasBody(r *http.Request) bool {
+	return r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0
+}
+
+// ownScratch returns the scratch of a request weir's own exchange carries, nil
+// for one an http.Transport does. Besides ownPath, the request has no body, or
+// a body of known length that an HTTP/1.1 client sent whole with its head
+// (h1ReqBody.inHand), read here into the scratch, so every try can send it.
+// Any other body streams through http.Transport, which sends it while it reads
+// the answer, keeps what a retry needs (replayBody), and handles 100 Continue
+// (a request with Expect stays there). An error is the body's, read in part.
+func ownScratch(u Upstream, r *http.Request) (*outScratch, error) {
+	if !ownPath(u, r) {
+		return nil, nil
+	}
+	if !hasBody(r) {
+		return outScratchPool.Get().(*outScratch), nil
+	}
+	rb, ok := r.Body.(*h1ReqBody)
+	if !ok || r.Header["Expect"] != nil || len(r.TransferEncoding) > 0 {
+		return nil, nil
+	}
+	sc := outScratchPool.Get().(*outScratch)
+	sc.bodyBuf = h1ReadPool.Get().(*[]byte)
+	b, err := rb.inHand(r.ContentLength, *sc.bodyBuf)
+	if b == nil {
+		if err == nil {
+			sc.put()
+			return nil, nil
+		}
+		return sc, err
+	}
+	sc.body = b
+	return sc, nil
 }
 
 // outScratch is the memory one request needs on its way upstream when it goes
@@ -526,6 +567,10 @@ type outScratch struct {
 	req http.Request
 	url url.URL
 	xff [1]string // X-Forwarded-For's value
+	// body is the request's body, in bodyBuf (from h1ReadPool, held only
+	// while a request needs it); nil without one.
+	body    []byte
+	bodyBuf *[]byte
 }
 
 var outScratchPool = sync.Pool{New: func() any { return &outScratch{hdr: make(http.Header, 8)} }}
@@ -538,7 +583,11 @@ func (sc *outScratch) put() {
 	} else {
 		clear(sc.hdr)
 	}
-	sc.req, sc.url, sc.xff[0] = http.Request{}, url.URL{}, ""
+	sc.req, sc.url, sc.xff[0], sc.body = http.Request{}, url.URL{}, "", nil
+	if sc.bodyBuf != nil {
+		h1ReadPool.Put(sc.bodyBuf)
+		sc.bodyBuf = nil
+	}
 	outScratchPool.Put(sc)
 }
 

@@ -586,9 +586,10 @@ func (r *recorder) take() []recorded {
 // Go's own answer reader: an answer it cannot read is a 502; one it can is
 // passed on with the same status, end-to-end header fields and body (1xx
 // answers before it left out); one whose body breaks off never reaches the
-// client as a whole answer. The first byte of the input picks the request's
-// method (odd: HEAD), the rest is the backend's answer, after which it ends its
-// side of the connection.
+// client as a whole answer. The first byte of the input picks the request
+// (odd: a HEAD; else with bit 1 set a POST whose short body comes with its
+// head, which weir's own exchange carries as it does the GET), the rest is the
+// backend's answer, after which it ends its side of the connection.
 //
 //	go test -run '^$' -fuzz FuzzH1Answers -fuzztime 2m ./userspace/httplb/
 func FuzzH1Answers(f *testing.F) {
@@ -603,6 +604,9 @@ func FuzzH1Answers(f *testing.F) {
 		"\x00HTTP/1.0 200 OK\r\n\r\nold",
 		"\x00not an answer\r\n\r\n",
 		"\x00HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\n",
+		"\x02HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok",
+		"\x02HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 413 Content Too Large\r\nConnection: close, X-Drop\r\nX-Drop: 1\r\n\r\nno",
+		"\x02HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil",
 	} {
 		f.Add([]byte(s))
 	}
@@ -630,13 +634,17 @@ func FuzzH1Answers(f *testing.F) {
 			prev = in
 		}()
 		method, raw := http.MethodGet, in[1:]
-		if in[0]&1 == 1 {
+		head := "\r\n" // the head's end, and the body
+		switch {
+		case in[0]&1 == 1:
 			method = http.MethodHead
+		case in[0]&2 == 2:
+			method, head = http.MethodPost, "Content-Length: 7\r\n\r\n{\"a\":1}"
 		}
 		answer.Store(&raw)
 		req := &http.Request{Method: method}
 		want, wantBody, wantErr := backendAnswer(raw, req)
-		got := exchangeRaw(t, addr, []byte(method+" / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"), []*http.Request{req})
+		got := exchangeRaw(t, addr, []byte(method+" / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n"+head), []*http.Request{req})
 		waitfor.Value(t, 5*time.Second, "no request in flight", func() (any, bool) {
 			sn := s.Snapshot()
 			return sn, sn.Connections == 0 && sn.InFlight == 0

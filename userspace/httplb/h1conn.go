@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/textproto"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -18,15 +19,18 @@ import (
 )
 
 // This file is the upstream side of HTTP/1.1 requests without a body (GET, HEAD
-// and the like: most of what a balancer carries), done on the handler's own
-// goroutine. http.Transport writes each request from a goroutine of its own and
-// reads each response on another, so a request costs two goroutine hand-offs
+// and the like: most of what a balancer carries) and of those whose small body
+// came whole with their head (a POST of a little JSON), done on the handler's
+// own goroutine. http.Transport writes each request from a goroutine of its own
+// and reads each response on another, so a request costs two goroutine hand-offs
 // besides the wait for the answer, and its idle connections each hold a reader
-// parked in the poller. Here the handler writes the request (Request.Write), reads
-// the answer (http.ReadResponse: the standard library's parser, not one of weir's)
-// and streams the body, and an idle connection is a socket in a list. Requests
-// with a body stay with http.Transport, which writes the body while it reads the
-// answer (a backend may answer before the body is all sent), and so do upgrades.
+// parked in the poller. Here the handler writes the request (the head as
+// Request.Write would, then the body it holds), reads the answer
+// (http.ReadResponse: the standard library's parser, not one of weir's) and
+// streams the body, and an idle connection is a socket in a list. Requests with
+// any other body (longer, chunked, not all come yet, or awaiting 100 Continue)
+// stay with http.Transport, which writes the body while it reads the answer (a
+// backend may answer before the body is all sent), and so do upgrades.
 
 // h1Pool is one backend's idle HTTP/1.1 connections for the synchronous path.
 type h1Pool struct {
@@ -214,13 +218,14 @@ type errUpstreamReused struct{ err error }
 func (e *errUpstreamReused) Error() string { return e.err.Error() }
 func (e *errUpstreamReused) Unwrap() error { return e.err }
 
-// roundTrip sends req (no body) and returns the answer; ctx, not req's own,
-// bounds it (so the caller need not copy the request to give it one). The
+// roundTrip sends req with body (nil: none; req.Body is not read) and returns
+// the answer; ctx, not req's own, bounds it (so the caller need not copy the request to give it one). The
 // answer's body must be read to the end or closed; the connection goes back to
 // the pool when it has been read whole. On a reused connection that fails
 // before any answer comes, a request that may be sent twice is sent once more on
-// a new connection, as http.Transport does.
-func (p *h1Pool) roundTrip(ctx context.Context, req *http.Request) (*http.Response, error) {
+// a new connection, as http.Transport does (the body is in hand, as it is for
+// http.Transport with GetBody).
+func (p *h1Pool) roundTrip(ctx context.Context, req *http.Request, body []byte) (*http.Response, error) {
 	again := replayable(req)
 	for attempt := 0; ; attempt++ {
 		// A backend can still close a connection the check found open, just
@@ -229,7 +234,7 @@ func (p *h1Pool) roundTrip(ctx context.Context, req *http.Request) (*http.Respon
 		if err != nil {
 			return nil, err
 		}
-		resp, err := hc.exchange(ctx, req)
+		resp, err := hc.exchange(ctx, req, body)
 		if err == nil {
 			return resp, nil
 		}
@@ -242,7 +247,8 @@ func (p *h1Pool) roundTrip(ctx context.Context, req *http.Request) (*http.Respon
 }
 
 // replayable is http.Transport's rule for sending a request again after a reused
-// connection failed: a method that is safe to repeat, or an Idempotency-Key.
+// connection failed: a method that is safe to repeat, or an Idempotency-Key
+// (and a body that can be sent again, which roundTrip's is).
 func replayable(req *http.Request) bool {
 	switch req.Method {
 	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
@@ -253,7 +259,7 @@ func replayable(req *http.Request) bool {
 	return a || b
 }
 
-func (hc *h1Conn) exchange(ctx context.Context, req *http.Request) (*http.Response, error) {
+func (hc *h1Conn) exchange(ctx context.Context, req *http.Request, body []byte) (*http.Response, error) {
 	// A cancelled context (the client gone, a timeout) breaks off the wait and the
 	// body: the deadline fails the blocked read.
 	stop := onCancel(ctx, hc.breakOff)
@@ -268,9 +274,13 @@ func (hc *h1Conn) exchange(ctx context.Context, req *http.Request) (*http.Respon
 		}
 		return nil, err
 	}
-	if err := writeRequestHead(hc.bw, req); err != nil {
+	if err := writeRequestHead(hc.bw, req, len(body)); err != nil {
 		return fail(err, false)
 	}
+	// With the head in one write when it fits the buffer: the body is all
+	// sent before the answer is read, so an answer that comes early (a 413)
+	// is read as any other.
+	hc.bw.Write(body)
 	if err := hc.bw.Flush(); err != nil {
 		return fail(err, false)
 	}
@@ -359,11 +369,12 @@ func (b *h1Body) finish(whole bool) {
 	hc.pool.put(hc)
 }
 
-// writeRequestHead writes a request without a body as http.Request.Write would
-// (the same request line, Host, header fields and Content-Length rules), but
+// writeRequestHead writes a request's head as http.Request.Write would for the
+// request with a body of n bytes (0: none) (the same request line, Host,
+// header fields and Content-Length rules), but
 // straight into the buffer: Request.Write formats with fmt, sorts the header's
 // names and copies them, which was a tenth of the plane's own time per request.
-func writeRequestHead(bw *bufio.Writer, req *http.Request) error {
+func writeRequestHead(bw *bufio.Writer, req *http.Request, n int) error {
 	host := req.Host
 	if host == "" {
 		host = req.URL.Host
@@ -407,8 +418,13 @@ func writeRequestHead(bw *bufio.Writer, req *http.Request) error {
 			writeField(bw, k, textproto.TrimString(v))
 		}
 	}
-	switch method {
-	case http.MethodPost, http.MethodPut, http.MethodPatch:
+	switch {
+	case n > 0:
+		var num [20]byte
+		bw.WriteString("Content-Length: ")
+		bw.Write(strconv.AppendInt(num[:0], int64(n), 10))
+		bw.WriteString("\r\n")
+	case method == http.MethodPost || method == http.MethodPut || method == http.MethodPatch:
 		bw.WriteString("Content-Length: 0\r\n") // servers expect a length with these
 	}
 	_, err = bw.WriteString("\r\n")

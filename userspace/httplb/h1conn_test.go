@@ -212,7 +212,7 @@ func TestH1PoolReap(t *testing.T) {
 	p := newH1Pool(dial, 8, 100*time.Millisecond, 64<<10)
 	for range 3 {
 		req, _ := http.NewRequest("GET", "http://"+b.addr.String()+"/", nil)
-		resp, err := p.roundTrip(req.Context(), req)
+		resp, err := p.roundTrip(req.Context(), req, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -291,26 +291,31 @@ func TestH1UpstreamBackendRemoved(t *testing.T) {
 }
 
 // TestWriteRequestHead: the synchronous path's request writer sends what
-// http.Request.Write sends for a request without a body, as a server reads it:
-// the same method, target, Host, header fields and Content-Length.
+// http.Request.Write sends for a request without a body or with one of known
+// length, as a server reads it: the same method, target, Host, header fields,
+// Content-Length and body.
 func TestWriteRequestHead(t *testing.T) {
 	for _, c := range []struct {
 		name, method, target, host string
 		header                     http.Header
+		body                       string
 	}{
-		{"GET with a query", "GET", "/a/b?x=1&y=%20", "example.com", http.Header{"Accept": {"*/*"}, "X-Forwarded-For": {"10.0.0.1"}}},
-		{"escaped path", "GET", "/a%2Fb/c%20d", "example.com:8080", http.Header{}},
-		{"DELETE", "DELETE", "/item/1", "h", http.Header{"X-Two": {"1", "2"}}},
-		{"POST without a body gets a length", "POST", "/", "h", http.Header{}},
-		{"HEAD", "HEAD", "/", "h", http.Header{}},
-		{"OPTIONS *", "OPTIONS", "*", "h", http.Header{}},
-		{"empty User-Agent is none", "GET", "/", "h", http.Header{"User-Agent": {""}}},
-		{"User-Agent kept", "GET", "/", "h", http.Header{"User-Agent": {"curl/8"}}},
-		{"IPv6 zone dropped", "GET", "/", "[fe80::1%25eth0]:80", http.Header{}},
-		{"host name not ASCII goes as IDNA", "GET", "/", "bücher.example", http.Header{}},
-		{"invalid Host sent empty", "GET", "/", "bad host", http.Header{}},
-		{"hop fields the writer owns", "GET", "/", "h", http.Header{"Content-Length": {"5"}, "Transfer-Encoding": {"chunked"}, "Trailer": {"X"}, "Host": {"other"}}},
-		{"invalid field name skipped", "GET", "/", "h", http.Header{"Bad Name": {"v"}, "Good": {"v"}}},
+		{"GET with a query", "GET", "/a/b?x=1&y=%20", "example.com", http.Header{"Accept": {"*/*"}, "X-Forwarded-For": {"10.0.0.1"}}, ""},
+		{"escaped path", "GET", "/a%2Fb/c%20d", "example.com:8080", http.Header{}, ""},
+		{"DELETE", "DELETE", "/item/1", "h", http.Header{"X-Two": {"1", "2"}}, ""},
+		{"POST without a body gets a length", "POST", "/", "h", http.Header{}, ""},
+		{"HEAD", "HEAD", "/", "h", http.Header{}, ""},
+		{"OPTIONS *", "OPTIONS", "*", "h", http.Header{}, ""},
+		{"empty User-Agent is none", "GET", "/", "h", http.Header{"User-Agent": {""}}, ""},
+		{"User-Agent kept", "GET", "/", "h", http.Header{"User-Agent": {"curl/8"}}, ""},
+		{"IPv6 zone dropped", "GET", "/", "[fe80::1%25eth0]:80", http.Header{}, ""},
+		{"host name not ASCII goes as IDNA", "GET", "/", "bücher.example", http.Header{}, ""},
+		{"invalid Host sent empty", "GET", "/", "bad host", http.Header{}, ""},
+		{"hop fields the writer owns", "GET", "/", "h", http.Header{"Content-Length": {"5"}, "Transfer-Encoding": {"chunked"}, "Trailer": {"X"}, "Host": {"other"}}, ""},
+		{"invalid field name skipped", "GET", "/", "h", http.Header{"Bad Name": {"v"}, "Good": {"v"}}, ""},
+		{"POST with a body", "POST", "/api", "h", http.Header{"Content-Type": {"application/json"}}, `{"a":1}`},
+		{"DELETE with a body", "DELETE", "/x", "h", http.Header{}, "b"},
+		{"GET with a body and a stale length", "GET", "/", "h", http.Header{"Content-Length": {"99"}}, "four"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			u, err := url.ParseRequestURI(c.target)
@@ -324,14 +329,18 @@ func TestWriteRequestHead(t *testing.T) {
 				c.header["User-Agent"] = []string{""} // as outHeader leaves it: Go's own is not sent
 			}
 			req := &http.Request{Method: c.method, URL: u, Host: c.host, Header: c.header, Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: 1}
+			if c.body != "" {
+				req.Body, req.ContentLength = io.NopCloser(strings.NewReader(c.body)), int64(len(c.body))
+			}
 			var std, ours bytes.Buffer
 			if err := req.Write(&std); err != nil {
 				t.Fatal(err)
 			}
 			bw := bufio.NewWriter(&ours)
-			if err := writeRequestHead(bw, req); err != nil {
+			if err := writeRequestHead(bw, req, len(c.body)); err != nil {
 				t.Fatal(err)
 			}
+			bw.WriteString(c.body)
 			bw.Flush()
 			stdText, oursText := std.String(), ours.String()
 			a, errA := http.ReadRequest(bufio.NewReader(&std))
@@ -339,8 +348,10 @@ func TestWriteRequestHead(t *testing.T) {
 			if errA != nil || errB != nil {
 				t.Fatalf("reading them back: Request.Write's %v, ours %v\n%s", errA, errB, oursText)
 			}
+			bodyA, errA := io.ReadAll(a.Body)
+			bodyB, errB := io.ReadAll(b.Body)
 			if a.Method != b.Method || a.RequestURI != b.RequestURI || a.Host != b.Host || a.ContentLength != b.ContentLength ||
-				!reflect.DeepEqual(a.Header, b.Header) {
+				!reflect.DeepEqual(a.Header, b.Header) || string(bodyA) != string(bodyB) || errA != nil || errB != nil {
 				t.Errorf("ours:\n%s\nRequest.Write's:\n%s", oursText, stdText)
 			}
 		})

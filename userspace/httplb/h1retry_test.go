@@ -129,6 +129,9 @@ func TestRetryCountedWhenClientLeaves(t *testing.T) {
 			var body io.Reader
 			if p.method != "GET" {
 				method, body = "PUT", strings.NewReader("a request body") // retried, as a POST is not
+				if p.stream {
+					body = struct{ io.Reader }{body}
+				}
 			}
 			ctx, cancel := context.WithCancel(context.Background())
 			t.Cleanup(cancel)

@@ -674,6 +674,33 @@ func (b *h1ReqBody) Read(p []byte) (int, error) {
 
 func (b *h1ReqBody) Close() error { return nil }
 
+// inHand reads a body of n bytes (Content-Length) into buf and returns it, if
+// all of it is in the connection's reader already, having come with its head
+// (so within the reader's 4 KiB): no read waits on the client, and none is
+// left for the loop. nil: the body is not read (longer than buf, not all come,
+// or the client awaits 100 Continue), and streams as any other.
+func (b *h1ReqBody) inHand(n int64, buf []byte) ([]byte, error) {
+	if b.wantContinue || n <= 0 || n > int64(len(buf)) || int64(b.c.br.Buffered()) < n {
+		return nil, nil
+	}
+	buf = buf[:n]
+	got := 0
+	for {
+		// Read on past the n bytes: the end, read, marks the body done
+		// (eof), as a transport's last read would.
+		k, err := b.Read(buf[got:])
+		got += k
+		switch {
+		case err == io.EOF && got == len(buf):
+			return buf, nil
+		case err == io.EOF:
+			return nil, io.ErrUnexpectedEOF
+		case err != nil:
+			return nil, err
+		}
+	}
+}
+
 // finish ends the body once the request is answered: what nobody read is read
 // and dropped, up to h1MaxDiscard and for at most wait; false: the connection
 // cannot carry another request.

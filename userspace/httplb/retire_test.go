@@ -22,16 +22,18 @@ import (
 )
 
 // upstreamPools are the ways a request reaches a backend, one per pool of
-// upstream connections: the HTTP/1.1 exchange of requests without a body
-// (h1Pool), http.Transport for HTTP/1.1 requests with one, Go's HTTP/2
-// transport for HTTP/1.1 clients' requests to an h2c backend and for HTTP/2
-// clients served by net/http, and the frame engine's own pool.
+// upstream connections: the HTTP/1.1 exchange of requests without a body or
+// with a short one sent whole (h1Pool), http.Transport for HTTP/1.1 requests
+// with a body streamed, Go's HTTP/2 transport for HTTP/1.1 clients' requests
+// to an h2c backend and for HTTP/2 clients served by net/http, and the frame
+// engine's own pool.
 var upstreamPools = []upstreamPool{
-	{"HTTP/1.1 without a body", Config{}, h1Client, "GET"},
-	{"HTTP/1.1 with a body", Config{}, h1Client, "POST"},
-	{"HTTP/1.1 client to h2c", Config{Upstream: UpstreamH2C}, h1Client, "POST"},
-	{"HTTP/2 client through net/http", Config{Upstream: UpstreamH2C, NetHTTP2: true}, h2cClient, "GET"},
-	{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "POST"},
+	{"HTTP/1.1 without a body", Config{}, h1Client, "GET", false},
+	{"HTTP/1.1 with a short body", Config{}, h1Client, "POST", false},
+	{"HTTP/1.1 with a streamed body", Config{}, h1Client, "POST", true},
+	{"HTTP/1.1 client to h2c", Config{Upstream: UpstreamH2C}, h1Client, "POST", false},
+	{"HTTP/2 client through net/http", Config{Upstream: UpstreamH2C, NetHTTP2: true}, h2cClient, "GET", false},
+	{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "POST", false},
 }
 
 type upstreamPool struct {
@@ -39,6 +41,7 @@ type upstreamPool struct {
 	cfg    Config
 	client func() *http.Client
 	method string
+	stream bool // the body goes chunked, of a length not known ahead
 }
 
 // start serves cfg (the pool's, amended) over a holding backend, and returns
@@ -57,7 +60,7 @@ func (p upstreamPool) start(t *testing.T, cfg Config) (*served, *holdingBackend,
 // answered 200 ok.
 func (p upstreamPool) sendOK(t *testing.T, c *http.Client, url string) {
 	t.Helper()
-	if code, body, err := send(c, p.method, url+"/"); err != nil || code != http.StatusOK || body != "ok" {
+	if code, body, err := sendBody(c, p.method, url+"/", p.stream); err != nil || code != http.StatusOK || body != "ok" {
 		t.Fatalf("%s /: %d %q %v; want 200 ok", p.method, code, body, err)
 	}
 }
@@ -111,9 +114,18 @@ func (b *holdingBackend) letGo() { b.once.Do(func() { close(b.release) }) }
 // send sends a request to url with a short body if method takes one, and
 // returns the answer's status and body ("" and the error if it failed).
 func send(c *http.Client, method, url string) (int, string, error) {
+	return sendBody(c, method, url, false)
+}
+
+// sendBody is send, with the body chunked (its length not known ahead) if
+// stream.
+func sendBody(c *http.Client, method, url string, stream bool) (int, string, error) {
 	var body io.Reader
 	if method == "POST" || method == "PUT" {
 		body = strings.NewReader("a request body")
+		if stream {
+			body = struct{ io.Reader }{body}
+		}
 	}
 	req, err := http.NewRequest(method, url, body)
 	if err != nil {
@@ -136,7 +148,7 @@ func (p upstreamPool) sendHeld(t *testing.T, c *http.Client, url string, be *hol
 	// Exits when the request is answered or fails: the backend answers at
 	// the latest 20s after it came.
 	go func() {
-		code, body, err := send(c, p.method, url+"/slow")
+		code, body, err := sendBody(c, p.method, url+"/slow", p.stream)
 		if err != nil {
 			answer <- err.Error()
 			return
@@ -351,9 +363,9 @@ func TestRefusedOnRemovedBackendKeepsHashInForce(t *testing.T) {
 // refusedPools are the ways to a backend where a request it refused after
 // its removal goes to another.
 var refusedPools = []upstreamPool{
-	{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "GET"},
-	{"HTTP/2 client through net/http", Config{Upstream: UpstreamH2C, NetHTTP2: true}, h2cClient, "GET"},
-	{"HTTP/1.1 client to h2c", Config{Upstream: UpstreamH2C}, h1Client, "GET"},
+	{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "GET", false},
+	{"HTTP/2 client through net/http", Config{Upstream: UpstreamH2C, NetHTTP2: true}, h2cClient, "GET", false},
+	{"HTTP/1.1 client to h2c", Config{Upstream: UpstreamH2C}, h1Client, "GET", false},
 }
 
 // userOffKeyZero returns a value of the header cfg hashes whose backend
@@ -569,7 +581,7 @@ func backendAddrs(sn Snapshot) []netip.AddrPort {
 func TestReaddedBackendKeepsHeldConnection(t *testing.T) {
 	for _, c := range []struct{ name, algorithm string }{{"same algorithm", ""}, {"algorithm changed", balance.RoundRobin}} {
 		t.Run(c.name, func(t *testing.T) {
-			p := upstreamPool{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "POST"}
+			p := upstreamPool{"HTTP/2 client through the frame engine", Config{Upstream: UpstreamH2C}, h2cClient, "POST", false}
 			sv, be, cl, url := p.start(t, p.cfg)
 			other := startHoldingBackend(t)
 			answer := p.sendHeld(t, cl, url, be)
@@ -799,7 +811,7 @@ func TestRetryAfterReloadPicksInForce(t *testing.T) {
 			got := make(chan string, 1)
 			// Exits when the request is answered or fails (the client's timeout).
 			go func() {
-				code, body, err := send(c, method, "http://"+sv.Addr().String()+"/")
+				code, body, err := sendBody(c, method, "http://"+sv.Addr().String()+"/", p.stream)
 				got <- fmt.Sprint(code, " ", body, " ", err)
 			}()
 			held := g.wait(t)

@@ -100,7 +100,7 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 	bw := bufio.NewWriterSize(bc, 4<<10)
 	lim := &limitReader{r: bc}
 	br := bufio.NewReaderSize(lim, 4<<10)
-	err = writeRequestHead(bw, out)
+	err = writeRequestHead(bw, out, 0)
 	if err == nil {
 		err = bw.Flush()
 	}
