@@ -6,7 +6,8 @@
 //	go run ./bench/http -runs 5 -d 5s -only weir,haproxy
 //
 // Per target it measures HTTP/1.1 keep-alive requests/s (h2load --h1, 50
-// connections, -n requests), HTTP/2 multiplexed requests/s (h2load, 4
+// connections, -n requests; with -loads h1post also POSTs of a 512-byte JSON
+// body, h2load's -d), HTTP/2 multiplexed requests/s (h2load, 4
 // connections × 64 streams, -n requests), gRPC unary calls/s (grpc-go, 4 channels × 32 calls in flight),
 // WebSocket messages echoed/s (x/net/websocket, 50 connections, one 64-byte
 // message at a time on each, for -d), the p50 and p99 of each (from h2load's per-request log and the gRPC client's own
@@ -78,7 +79,7 @@ var (
 	threads  = flag.Int("threads", 2, "threads or workers of every target (GOMAXPROCS for weir)")
 	variants = flag.String("variants", "", `more weir targets, each with settings of its own, interleaved with the rest: "name:KEY=V,KEY=V;name2:..." with keys GOGC, GOMEMLIMIT, GOMAXPROCS (the runtime's; GOMAXPROCS overrides -threads), H2CONNS (upstream HTTP/2 connections per backend), UPSTREAM (auto, http1, h2c; of the HTTP/1.1 and h2 fronts, not gRPC's), NETHTTP2 (1: HTTP/2 clients through net/http's server and transport, not the frame engine), NETHTTP1 (1: HTTP/1.1 clients through net/http's server, not weir's connection loop) and BIN (another build of this program to run weir from, e.g. main's, for a before/after)`)
 	pprof    = flag.String("pprof", "", "serve weir's net/http/pprof on this address (for a profile: go tool pprof http://ADDR/debug/pprof/profile)")
-	loads    = flag.String("loads", "h1,h2,grpc,ws,idle,idle1,idlews", "the loads to run, of h1, h2, grpc, ws (WebSocket echoes), idle (HTTP/2 connections held), idle1 (HTTP/1.1 connections held) and idlews (WebSockets held); an A/B of one path runs only its load, and so more rounds in the same time")
+	loads    = flag.String("loads", "h1,h2,grpc,ws,idle,idle1,idlews", "the loads to run, of h1, h1post (HTTP/1.1 POSTs of a 512-byte JSON body), h2, grpc, ws (WebSocket echoes), idle (HTTP/2 connections held), idle1 (HTTP/1.1 connections held) and idlews (WebSockets held); an A/B of one path runs only its load, and so more rounds in the same time")
 )
 
 // Loopback ports.
@@ -174,6 +175,8 @@ type result struct {
 	H1CPU, H2CPU, GRPCCPU     float64 // µs of the target's CPU per request
 	H1SysCPU                  float64 // of H1CPU, µs in the kernel
 	H1Syscalls                float64 // system calls per HTTP/1.1 request
+	PostRPS, PostP50, PostP99 float64 // HTTP/1.1 POSTs of postBody
+	PostCPU                   float64 // µs of the target's CPU per POST
 	WSRPS, WSP50, WSP99       float64 // WebSocket messages echoed /s, round trip ms
 	WSCPU                     float64 // µs of the target's CPU per message echoed
 	IdleRSS                   float64 // MB with -idle h2 connections open
@@ -288,6 +291,19 @@ func measure(ctx context.Context, dir string, t target) (result, error) {
 		if cerr == nil && h1c.n > 0 {
 			res.H1Syscalls = float64(calls["raw_syscalls:sys_enter"]) / float64(h1c.n)
 		}
+	}
+	if slices.Contains(want, "h1post") {
+		body := filepath.Join(dir, "post.json")
+		if err := os.WriteFile(body, postBody(512), 0o644); err != nil {
+			return res, err
+		}
+		cpu := p.CPU()
+		post, err := h2load(ctx, dir, "--h1", "-c", "50", "-n", strconv.Itoa(*requests), "-d", body,
+			"-H", "Content-Type: application/json", "http://"+frontH1+"/")
+		if err != nil {
+			return res, err
+		}
+		res.PostRPS, res.PostP50, res.PostP99, res.PostCPU = post.rps, post.p50, post.p99, perReq(p.CPU()-cpu, post.n)
 	}
 	if slices.Contains(want, "h2") {
 		cpu := p.CPU()
@@ -722,6 +738,16 @@ func ensureTools(ctx context.Context) error {
 	return benchproc.AptInstall(ctx, pkgs)
 }
 
+// postBody is a JSON object of n bytes (n at least 32), the body of the h1post
+// load's requests: a small API call's.
+func postBody(n int) []byte {
+	b := []byte(`{"id":12345,"items":["`)
+	for len(b) < n-3 {
+		b = append(b, 'a'+byte(len(b)%26))
+	}
+	return append(b, `"]}`...)
+}
+
 // --- report ---
 
 func median(rs []result, f func(result) float64) float64 { return benchstat.Of(rs, f) }
@@ -737,6 +763,10 @@ func report(targets []target, results map[string][]result) error {
 		{"h1 CPU µs/req", func(r result) float64 { return r.H1CPU }},
 		{"h1 kernel CPU µs/req", func(r result) float64 { return r.H1SysCPU }},
 		{"h1 system calls/req", func(r result) float64 { return r.H1Syscalls }},
+		{"h1 POST req/s", func(r result) float64 { return r.PostRPS }},
+		{"h1 POST p50 ms", func(r result) float64 { return r.PostP50 }},
+		{"h1 POST p99 ms", func(r result) float64 { return r.PostP99 }},
+		{"h1 POST CPU µs/req", func(r result) float64 { return r.PostCPU }},
 		{"h2 req/s", func(r result) float64 { return r.H2RPS }},
 		{"h2 p50 ms", func(r result) float64 { return r.H2P50 }},
 		{"h2 p99 ms", func(r result) float64 { return r.H2P99 }},
