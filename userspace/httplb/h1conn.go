@@ -28,8 +28,8 @@ import (
 // Request.Write would, then the body it holds), reads the answer
 // (http.ReadResponse: the standard library's parser, not one of weir's) and
 // streams the body, and an idle connection is a socket in a list. Requests with
-// any other body (longer, chunked, not all come yet, or awaiting 100 Continue)
-// stay with http.Transport, which writes the body while it reads the answer (a
+// any other body (longer, chunked, not all come yet, or sent with Expect) stay
+// with http.Transport, which writes the body while it reads the answer (a
 // backend may answer before the body is all sent), and so do upgrades.
 
 // h1Pool is one backend's idle HTTP/1.1 connections for the synchronous path.
@@ -219,9 +219,9 @@ func (e *errUpstreamReused) Error() string { return e.err.Error() }
 func (e *errUpstreamReused) Unwrap() error { return e.err }
 
 // roundTrip sends req with body (nil: none; req.Body is not read) and returns
-// the answer; ctx, not req's own, bounds it (so the caller need not copy the request to give it one). The
-// answer's body must be read to the end or closed; the connection goes back to
-// the pool when it has been read whole. On a reused connection that fails
+// the answer; ctx, not req's own, bounds it (so the caller need not copy the
+// request to give it one). The answer's body must be read to the end or closed;
+// the connection goes back to the pool when it has been read whole. On a reused connection that fails
 // before any answer comes, a request that may be sent twice is sent once more on
 // a new connection, as http.Transport does (the body is in hand, as it is for
 // http.Transport with GetBody).

@@ -412,7 +412,7 @@ type backend struct {
 	id   string
 	h1   *http.Transport
 	h2   []*http.Transport // requests go round them (H2Conns)
-	h1s  *h1Pool           // HTTP/1.1 requests without a body
+	h1s  *h1Pool           // HTTP/1.1 requests without a body or with a short one sent whole
 	// h2Retire is set while closeIdle closes h2's idle connections: they
 	// end with GOAWAY (goAwayConn).
 	h2Retire atomic.Bool
