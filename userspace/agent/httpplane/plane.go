@@ -55,7 +55,8 @@ func New(checker *health.Checker, log *slog.Logger, observe RequestObserver) *Pl
 		certs: map[string]*atomic.Pointer[loadedCert]{}, certsBefore: map[string]*loadedCert{}}
 	p.Set = served.Set[*httplb.Service]{Start: p.start, Push: func(lb *httplb.Service, s *plan.Service) error {
 		return lb.Reconfigure(p.lbConfig(&s.Config), backends(s))
-	}, Replace: p.replace, Rebuilt: rebuilt, Drained: p.tally.Drained, Log: log, What: "http plane"}
+	}, Replace: p.replace, Listen: func(c *config.Service) netip.AddrPort { return c.HTTP.Listen },
+		Rebuilt: rebuilt, Drained: p.tally.Drained, Log: log, What: "http plane"}
 	p.tally = served.Tally[*httplb.Service, httplb.Snapshot]{Set: &p.Set, Snap: (*httplb.Service).Snapshot, Merge: merge, Idle: idle}
 	return p
 }

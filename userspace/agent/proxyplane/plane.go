@@ -46,7 +46,8 @@ func New(checker *health.Checker, log *slog.Logger) *Plane {
 			return fmt.Errorf("service %q: %w", s.Name(), err)
 		}
 		return nil
-	}, Replace: p.replace, Drained: p.tally.Drained, Log: log, What: "proxy"}
+	}, Replace: p.replace, Listen: func(c *config.Service) netip.AddrPort { return c.Proxy.Listen },
+		Drained: p.tally.Drained, Log: log, What: "proxy"}
 	p.tally = served.Tally[*proxy.Service, proxy.Snapshot]{Set: &p.Set, Snap: (*proxy.Service).Snapshot, Merge: merge, Idle: idle}
 	return p
 }

@@ -1,6 +1,7 @@
 package proxyplane
 
 import (
+	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
@@ -16,10 +17,10 @@ import (
 	"github.com/weir-lb/weir/userspace/config"
 )
 
-// rebuildSetup runs a proxy plane whose service "web", on a loopback address
-// of its own, is what service makes of its proxy settings (their listen
-// address set), with an echo backend; it has service(px) added.
-func rebuildSetup(t *testing.T, px config.Proxy) (p *Plane, vip netip.AddrPort, service func(config.Proxy) *plan.Service) {
+// rebuildSetup runs a proxy plane with an echo backend; service(name, px) is
+// a service of it made of px (its listen address set to a loopback address
+// of its own). It has service("web", px) added.
+func rebuildSetup(t *testing.T, px config.Proxy) (p *Plane, vip netip.AddrPort, service func(string, config.Proxy) *plan.Service) {
 	be := churn.Echo(t)
 	p = New(&health.Checker{}, slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})))
 	t.Cleanup(p.Close)
@@ -29,92 +30,122 @@ func rebuildSetup(t *testing.T, px config.Proxy) (p *Plane, vip netip.AddrPort, 
 	}
 	vip = l.Addr().(*net.TCPAddr).AddrPort()
 	l.Close()
-	service = func(px config.Proxy) *plan.Service {
+	service = func(name string, px config.Proxy) *plan.Service {
 		px.Listen, px.ConnectTimeout = vip, time.Second
 		return &plan.Service{
-			Config:   config.Service{Name: "web", Algorithm: config.AlgorithmLeastConn, DrainTimeout: 5 * time.Second, Proxy: px},
-			Backends: []plan.Backend{{ID: plan.ID("web", be), Config: config.Backend{Addr: be}, Usable: true, Weight: 1}},
+			Config:   config.Service{Name: name, Algorithm: config.AlgorithmLeastConn, DrainTimeout: 5 * time.Second, Proxy: px},
+			Backends: []plan.Backend{{ID: plan.ID(name, be), Config: config.Backend{Addr: be}, Usable: true, Weight: 1}},
 		}
 	}
-	if err := p.Add(service(px)); err != nil {
+	if err := p.Add(service("web", px)); err != nil {
 		t.Fatalf("add: %v", err)
 	}
 	p.Commit()
 	return p, vip, service
 }
 
-// TestRebuildUnderLoad: reloads that replace a service's server (idle_timeout
-// is fixed at listen time) while clients keep opening connections lose none
-// of them: no client sees its connection reset.
+// TestRebuildUnderLoad: reloads that replace a service's server while
+// clients keep opening connections lose none of them: no client sees its
+// connection reset. The new server takes the old one's listening sockets
+// over, after a change of a setting fixed at listen time (idle_timeout), and
+// after a rename on the same address.
 func TestRebuildUnderLoad(t *testing.T) {
-	p, vip, service := rebuildSetup(t, config.Proxy{IdleTimeout: 10 * time.Second})
-	prev := service(config.Proxy{IdleTimeout: 10 * time.Second})
-	load := churn.Start(t, vip.String(), 16, []byte("ping"), []byte("ping"))
-	load.Each(t, 10, func(i int) {
-		next := service(config.Proxy{IdleTimeout: time.Duration(11+i) * time.Second})
-		if err := p.Update(prev, next); err != nil {
-			t.Fatalf("reload %d: %v", i, err)
-		}
-		p.Commit()
-		prev = next
-	})
-	load.NoneFailed(t, "10 reloads under load")
+	for _, tc := range []struct {
+		name string
+		// at is the name and settings after i reloads ("web" at 0).
+		at func(i int) (string, config.Proxy)
+	}{
+		{"idle_timeout", func(i int) (string, config.Proxy) {
+			return "web", config.Proxy{IdleTimeout: time.Duration(10+i) * time.Second}
+		}},
+		{"rename", func(i int) (string, config.Proxy) {
+			if i == 0 {
+				return "web", config.Proxy{}
+			}
+			return fmt.Sprintf("web-%d", i), config.Proxy{}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, px := tc.at(0)
+			p, vip, service := rebuildSetup(t, px)
+			load := churn.Start(t, vip.String(), 16, []byte("ping"), []byte("ping"))
+			load.Each(t, 10, func(i int) {
+				if err := reload(p, service(tc.at(i)), service(tc.at(i+1))); err != nil {
+					t.Fatalf("reload %d: %v", i, err)
+				}
+				p.Commit()
+			})
+			load.NoneFailed(t, "10 reloads under load")
+		})
+	}
+}
+
+// reload applies the change from prev to next as the agent does: a new name
+// is added, then the old one removed.
+func reload(p *Plane, prev, next *plan.Service) error {
+	if prev.Name() == next.Name() {
+		return p.Update(prev, next)
+	}
+	if err := p.Add(next); err != nil {
+		return err
+	}
+	return p.Remove(prev)
 }
 
 // TestRebuildAborted: a change that replaced a service's server (its client
-// keepalive changed) and is aborted gives the old server its listening
-// sockets back: it goes on accepting on them, with its own keepalive setting,
-// and the load on the service loses no connection meanwhile.
+// keepalive changed; or it was renamed, the change refused before the old name
+// was removed, as when a later add fails) and is aborted gives the old server
+// its listening sockets back: it goes on accepting on them, with its own
+// keepalive setting, and the load on the service loses no connection
+// meanwhile.
 func TestRebuildAborted(t *testing.T) {
 	keepalive := func(idle time.Duration) config.Proxy {
 		return config.Proxy{TCPKeepalive: config.TCPKeepalive{Client: config.Keepalive{Idle: idle}}}
 	}
-	p, vip, service := rebuildSetup(t, keepalive(5*time.Second))
-	old := mustGet(t, p, "web")
-	load := churn.Start(t, vip.String(), 8, []byte("ping"), []byte("ping"))
-	load.Each(t, 1, func(int) {
-		if err := p.Update(service(keepalive(5*time.Second)), service(keepalive(9*time.Second))); err != nil {
-			t.Fatalf("update: %v", err)
-		}
-	})
-	if mustGet(t, p, "web") == old {
-		t.Fatal("the update did not replace the server")
-	}
-	load.Each(t, 1, func(int) { p.Abort() })
-	if mustGet(t, p, "web") != old {
-		t.Fatal("after the abort: the service's server is not the one it had")
-	}
-	if !waitfor.Cond(10*time.Second, func() bool { return len(p.Draining("web")) == 0 }) {
-		t.Fatal("the server the abort gave up did not end")
-	}
-	accepted := old.Snapshot().Accepted
-	if !load.Progress(200, 10*time.Second) {
-		t.Fatal("the load made no progress after the abort")
-	}
-	// Only the old server listens now: of the 200 connections served, all
-	// but those the load's 8 clients had open before are its.
-	if got := old.Snapshot().Accepted; got < accepted+200-8 {
-		t.Errorf("after the abort: the old server accepted %d connections of 200 served; want at least 192", got-accepted)
-	}
-	load.NoneFailed(t, "a replacement started and aborted under load")
-	c, err := net.Dial("tcp", vip.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	if _, err := c.Write([]byte("x")); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.Read(make([]byte, 1)); err != nil {
-		t.Fatalf("read the echo: %v", err)
-	}
-	k, err := sockfd.KeepaliveBetween(vip, c.LocalAddr().(*net.TCPAddr).AddrPort())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if k.On != 1 || k.Idle != 5 {
-		t.Errorf("after the abort: the client socket's keepalive is %+v; want on, idle 5s", k)
+	for _, name := range []string{"web", "www"} {
+		t.Run(name, func(t *testing.T) {
+			p, vip, service := rebuildSetup(t, keepalive(5*time.Second))
+			old := mustGet(t, p, "web")
+			load := churn.Start(t, vip.String(), 8, []byte("ping"), []byte("ping"))
+			load.Each(t, 1, func(int) {
+				next := service(name, keepalive(9*time.Second))
+				if name == "web" {
+					if err := p.Update(service("web", keepalive(5*time.Second)), next); err != nil {
+						t.Fatalf("update: %v", err)
+					}
+				} else if err := p.Add(next); err != nil {
+					t.Fatalf("add: %v", err)
+				}
+			})
+			fresh := mustGet(t, p, name)
+			if fresh == old {
+				t.Fatal("the change did not start a new server")
+			}
+			if !load.Progress(100, 10*time.Second) || fresh.Snapshot().Accepted == 0 {
+				t.Fatal("the new server accepted nothing before the abort")
+			}
+			load.Each(t, 1, func(int) { p.Abort() })
+			if mustGet(t, p, "web") != old {
+				t.Fatal("after the abort: the service's server is not the one it had")
+			}
+			if _, ok := p.Get("www"); ok {
+				t.Fatal("after the abort: the new name is served")
+			}
+			if !waitfor.Cond(10*time.Second, func() bool { return len(p.Draining(name)) == 0 }) {
+				t.Fatal("the server the abort gave up did not end")
+			}
+			accepted := old.Snapshot().Accepted
+			if !load.Progress(200, 10*time.Second) {
+				t.Fatal("the load made no progress after the abort")
+			}
+			// Only the old server listens now: of the 200 connections served, all
+			// but those the load's 8 clients had open before are its.
+			if got := old.Snapshot().Accepted; got < accepted+200-8 {
+				t.Errorf("after the abort: the old server accepted %d connections of 200 served; want at least 192", got-accepted)
+			}
+			load.NoneFailed(t, "a replacement started and aborted under load")
+			checkKeepalive(t, vip, 5)
+		})
 	}
 }
 
@@ -125,7 +156,7 @@ func TestRebuildAborted(t *testing.T) {
 func TestRebuildKeepsNoDescriptor(t *testing.T) {
 	p, vip, service := rebuildSetup(t, config.Proxy{IdleTimeout: 10 * time.Second})
 	idle := func(i int) *plan.Service {
-		return service(config.Proxy{IdleTimeout: time.Duration(10+i) * time.Second})
+		return service("web", config.Proxy{IdleTimeout: time.Duration(10+i) * time.Second})
 	}
 	// Served: the server's event loops, made as it starts, are open.
 	churn.Start(t, vip.String(), 1, []byte("ping"), []byte("ping")).NoneFailed(t, "before the reloads")
@@ -156,4 +187,29 @@ func openFDs(t *testing.T) int {
 		t.Fatal(err)
 	}
 	return len(ents)
+}
+
+// checkKeepalive fails the test unless a connection to vip now has keepalive on
+// with idle seconds.
+func checkKeepalive(t *testing.T, vip netip.AddrPort, idle int) {
+	t.Helper()
+	c, err := net.Dial("tcp", vip.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Read(make([]byte, 1)); err != nil {
+		t.Fatalf("read the echo: %v", err)
+	}
+	k, err := sockfd.KeepaliveBetween(vip, c.LocalAddr().(*net.TCPAddr).AddrPort())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if k.On != 1 || k.Idle != idle {
+		t.Errorf("the client socket's keepalive is %+v; want on, idle %ds", k, idle)
+	}
 }

@@ -50,7 +50,13 @@ type Set[S Server] struct {
 	// connections queued on them are not reset when old retires. If the
 	// change is aborted, old serves on; if it has a Reclaim() error method,
 	// that is called to put back what the new server set on the sockets.
+	// Update calls it with the service's own server; Add, with the running
+	// server of another service listening on the same address (Listen), so a
+	// renamed service takes its old name's sockets over too.
 	Replace func(old S, s *plan.Service) (S, error)
+	// Listen, if set, is the address a service's server listens on: Add
+	// gives Replace a server of another name on the same address.
+	Listen func(c *config.Service) netip.AddrPort
 	// Rebuilt says whether a change needs a new server; nil: plan.Rebuilt.
 	Rebuilt func(a, b *config.Service) bool
 	Log     *slog.Logger
@@ -215,7 +221,13 @@ func (p *Set[S]) Add(s *plan.Service) error {
 		return p.Update(&plan.Service{Config: e.cfg}, s)
 	}
 	p.hold(s.Name())
-	e, err := p.start(s, p.Start)
+	start := p.Start
+	if name, d := p.donor(s); d != nil {
+		// A refused change gives the donor its sockets back (Abort).
+		p.hold(name)
+		start = func(s *plan.Service) (S, error) { return p.Replace(d.srv, s) }
+	}
+	e, err := p.start(s, start)
 	if err != nil {
 		return err
 	}
@@ -225,6 +237,32 @@ func (p *Set[S]) Add(s *plan.Service) error {
 	p.services[s.Name()] = e
 	p.publish()
 	return nil
+}
+
+// donor returns a running server of another service that listens where s
+// will, and that service's name: s is a rename (or takes the address of a
+// service the change removes), and its server takes the donor's listening
+// sockets over. Nil if there is none, or no Replace or Listen.
+func (p *Set[S]) donor(s *plan.Service) (string, *entry[S]) {
+	if p.Replace == nil || p.Listen == nil {
+		return "", nil
+	}
+	at := p.Listen(&s.Config)
+	if at.Port() == 0 {
+		return "", nil // each binds a port of its own
+	}
+	for name, e := range p.services {
+		if name != s.Name() && !e.over() && p.Listen(&e.cfg) == at {
+			return name, e
+		}
+	}
+	// Removed by the change in progress, it still serves until Commit.
+	for name, h := range p.before {
+		if h.e != nil && name != s.Name() && p.services[name] != h.e && !h.e.over() && p.Listen(&h.cfg) == at {
+			return name, h.e
+		}
+	}
+	return "", nil
 }
 
 func (p *Set[S]) start(s *plan.Service, start func(*plan.Service) (S, error)) (*entry[S], error) {
