@@ -5,20 +5,22 @@ import (
 	"fmt"
 	"net"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/weir-lb/weir/internal/churn"
 	"github.com/weir-lb/weir/internal/sockfd"
 )
 
 // TestListenFromLoops: a service that replaces one on the same address takes
-// over as many of its listening sockets as it has loops for and binds the
-// rest; once the old service has stopped, every socket it serves on still
-// accepts.
+// over every one of its listening sockets and binds the rest of its loops'
+// (with fewer loops, it serves all the sockets it took all the same); once
+// the old service has stopped, every socket it serves on still accepts.
 func TestListenFromLoops(t *testing.T) {
-	for _, tc := range []struct{ old, new, taken int }{{2, 2, 2}, {2, 3, 2}, {3, 1, 1}} {
+	for _, tc := range []struct{ old, new, sockets, taken int }{{2, 2, 2, 2}, {2, 3, 3, 2}, {3, 1, 3, 3}} {
 		t.Run(fmt.Sprintf("%d loops to %d", tc.old, tc.new), func(t *testing.T) {
 			be := startBackend(t, "a", loopback0, echo)
 			cfg := Config{Name: t.Name(), Listen: loopback0, Backends: []Backend{{Addr: be.addr()}}, Logger: discardLogger(),
@@ -57,8 +59,8 @@ func TestListenFromLoops(t *testing.T) {
 					taken++
 				}
 			}
-			if len(s.lns) != tc.new || taken != tc.taken {
-				t.Errorf("got %d sockets, %d of them the old service's; want %d, %d", len(s.lns), taken, tc.new, tc.taken)
+			if len(s.lns) != tc.sockets || taken != tc.taken {
+				t.Errorf("got %d sockets, %d of them the old service's; want %d, %d", len(s.lns), taken, tc.sockets, tc.taken)
 			}
 			stop()
 			// Connections from many source ports reach every socket of the
@@ -70,6 +72,58 @@ func TestListenFromLoops(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestListenFromLoopsUnderLoad: services that replace one another on the
+// same address with more loops, and with fewer, each stopping the one it
+// replaced, while clients keep opening connections: none of them is reset,
+// the ones queued on a socket the new service has no loop of its own for
+// included.
+func TestListenFromLoopsUnderLoad(t *testing.T) {
+	be := startBackend(t, "a", loopback0, echo)
+	cfg := Config{Name: t.Name(), Listen: loopback0, Backends: []Backend{{Addr: be.addr()}}, Logger: discardLogger(),
+		ShutdownTimeout: DefaultDrainTimeout}
+	type running struct {
+		s    *Service
+		stop func()
+	}
+	serve := func(loops int, old *Service) running {
+		t.Helper()
+		cfg.AcceptLoops = loops
+		ctx, cancel := context.WithCancel(context.Background())
+		s, err := ListenFrom(ctx, cfg, old)
+		if err != nil {
+			cancel()
+			t.Fatalf("listen with %d loops: %v", loops, err)
+		}
+		done := make(chan error, 1)
+		// Exits when stop is called (below, or at cleanup), once drained.
+		go func() { done <- s.Serve(ctx) }()
+		var once sync.Once
+		stop := func() {
+			once.Do(func() {
+				cancel()
+				if err := <-done; err != nil {
+					t.Errorf("serve: %v", err)
+				}
+			})
+		}
+		t.Cleanup(stop)
+		return running{s, stop}
+	}
+	// The services listen on one address as configured, not port 0.
+	first := serve(1, nil)
+	cfg.Listen = first.s.Addr()
+	first.stop()
+	cur := serve(4, nil)
+	load := churn.Start(t, cur.s.Addr().String(), 16, []byte("ping"), []byte("ping"))
+	loops := []int{1, 3, 2, 4, 1, 2, 1, 3}
+	load.Each(t, len(loops), func(i int) {
+		next := serve(loops[i], cur.s)
+		cur.stop()
+		cur = next
+	})
+	load.NoneFailed(t, fmt.Sprintf("services replaced with %v loops under load", loops))
 }
 
 // inode returns the inode of the socket fd is a descriptor of.

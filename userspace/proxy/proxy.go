@@ -139,7 +139,7 @@ type Config struct {
 	DrainTimeout    time.Duration // a draining or removed backend's connections are closed after this; 0 = no limit
 	ShutdownTimeout time.Duration // Serve's grace after ctx is done; 0 takes DrainTimeout (and with it, no limit)
 
-	AcceptLoops int // listeners (SO_REUSEPORT), one event loop each; default runtime.GOMAXPROCS(0)
+	AcceptLoops int // listeners (SO_REUSEPORT), one event loop each; default runtime.GOMAXPROCS(0); ListenFrom may take more over
 
 	EjectAfter int           // consecutive failed dials that eject a backend; 0 = never (passive health off)
 	EjectFor   time.Duration // how long an ejected backend gets no new connection; default 10s
@@ -221,32 +221,63 @@ func Listen(ctx context.Context, cfg Config) (*Service, error) {
 	return ListenFrom(ctx, cfg, nil)
 }
 
-// ListenFrom is Listen for a service that replaces old (nil: none). If old listens on
-// cfg.Listen, the new service takes old's listening sockets over (it holds
-// descriptors of its own of them) instead of binding new ones beside them: the
-// connections queued on them, and those still in their handshake, are the new
-// service's to accept, where closing the sockets would reset them. The new
-// client keepalive setting is applied to the sockets (accepted sockets inherit
-// it). Old goes on accepting on them until its Serve ends, which closes only
-// its own descriptors, and its connections drain as at any shutdown. With
-// more loops than old has sockets the rest are bound anew; with fewer, the
-// sockets left over close with old, and connections queued there are reset.
+// ListenFrom is Listen for a service that replaces old (nil: none): a server
+// of the same address, this package's or another's that can hand its
+// listening sockets over (Sockets; an httplb.Service can). If old listens on
+// cfg.Listen, the new service takes every one of old's listening sockets over
+// (it holds descriptors of its own of them) instead of binding new ones
+// beside them: the connections queued on them, and those still in their
+// handshake, are the new service's to accept, where closing the sockets would
+// reset them. The new client keepalive setting is applied to the sockets
+// (accepted sockets inherit it), and TCP_NODELAY. Old goes on accepting on them
+// until its Serve ends, which closes only its own descriptors, and its
+// connections drain as at any shutdown. With more loops than old has sockets
+// the rest are bound anew; with fewer, the new service runs a loop for each
+// socket all the same (loops park in the runtime poller, so the extra ones
+// cost nothing while idle and take turns on the Ps when busy): a socket left
+// to close with old would reset what is queued on it.
 //
 // If the new service is given up (Close, or Serve ended) while old still
 // runs, old keeps accepting on its sockets; call old's Reclaim to give them
-// its own keepalive setting back.
-func ListenFrom(ctx context.Context, cfg Config, old *Service) (*Service, error) {
+// its own settings back.
+func ListenFrom(ctx context.Context, cfg Config, old Sockets) (*Service, error) {
 	s, err := newService(cfg)
 	if err != nil {
 		return nil, err
 	}
-	if old == nil || old.cfg.Listen != s.cfg.Listen {
-		old = nil
+	var fds []int
+	if old != nil {
+		fds = old.ListenFDs(s.cfg.Listen)
 	}
-	if err := s.listen(ctx, old); err != nil {
+	if err := s.listen(ctx, fds); err != nil {
 		return nil, fmt.Errorf("service %q: %w", cfg.Name, err)
 	}
 	return s, nil
+}
+
+// Sockets is a running server whose listening sockets a new one may take
+// over (ListenFrom).
+type Sockets interface {
+	// ListenFDs returns new descriptors (close-on-exec) of the listening
+	// sockets the server holds open, if it listens on addr as configured;
+	// the caller owns them.
+	ListenFDs(addr netip.AddrPort) []int
+}
+
+// ListenFDs returns new descriptors of the service's listening sockets that
+// are still open, if it listens on addr (see Sockets). A nil service has
+// none.
+func (s *Service) ListenFDs(addr netip.AddrPort) []int {
+	if s == nil || s.cfg.Listen != addr {
+		return nil
+	}
+	var fds []int
+	for _, ln := range s.lns {
+		if fd := ln.dup(); fd >= 0 {
+			fds = append(fds, fd)
+		}
+	}
+	return fds
 }
 
 // Reclaim sets the service's client keepalive setting on its listening sockets
@@ -416,26 +447,24 @@ func (s *Service) publish() {
 	s.table.Store(&t)
 }
 
-// listen binds the service's listening sockets, one per loop, or takes from's
-// over (see ListenFrom) where it has them.
-func (s *Service) listen(ctx context.Context, from *Service) error {
+// listen binds the service's listening sockets, one per loop, after taking
+// over the sockets of fds (see ListenFrom), which it owns.
+func (s *Service) listen(ctx context.Context, fds []int) error {
 	ap := s.cfg.Listen
-	if from != nil {
-		for _, ln := range from.lns[:min(len(from.lns), s.cfg.AcceptLoops)] {
-			fd := ln.dup()
-			if fd < 0 {
-				continue // closed: old stopped accepting there
-			}
-			s.lns = append(s.lns, &listener{fd: fd})
-			if err := retune(fd, s.cfg.ClientKeepalive); err != nil {
-				s.closeListeners()
-				return fmt.Errorf("listen %s: %w", ap, err)
-			}
+	for _, fd := range fds {
+		s.lns = append(s.lns, &listener{fd: fd})
+	}
+	for _, fd := range fds {
+		if err := adopt(fd, s.cfg.ClientKeepalive); err != nil {
+			s.closeListeners()
+			return fmt.Errorf("listen %s: %w", ap, err)
 		}
-		if len(s.lns) > 0 {
-			s.addr = from.addr
-			ap = netip.AddrPortFrom(ap.Addr(), s.addr.Port())
+	}
+	if len(s.lns) > 0 {
+		if err := s.bound(ap); err != nil {
+			return err
 		}
+		ap = netip.AddrPortFrom(ap.Addr(), s.addr.Port())
 	}
 	for len(s.lns) < s.cfg.AcceptLoops {
 		if err := ctx.Err(); err != nil {
@@ -449,15 +478,25 @@ func (s *Service) listen(ctx context.Context, from *Service) error {
 		}
 		s.lns = append(s.lns, ln)
 		if len(s.lns) == 1 {
-			if s.addr, err = getsocknameRaw(ln.fd); err != nil {
-				s.closeListeners()
-				return fmt.Errorf("listen %s: getsockname: %w", ap, err)
-			}
-			if ap.Addr().Zone() != "" {
-				s.addr = netip.AddrPortFrom(s.addr.Addr().WithZone(ap.Addr().Zone()), s.addr.Port())
+			if err := s.bound(ap); err != nil {
+				return err
 			}
 			ap = netip.AddrPortFrom(ap.Addr(), s.addr.Port()) // the others join the same port, even if it was 0
 		}
+	}
+	return nil
+}
+
+// bound sets s.addr to the address the first listening socket is bound to,
+// for listen address ap; if it cannot, it closes the sockets.
+func (s *Service) bound(ap netip.AddrPort) error {
+	var err error
+	if s.addr, err = getsocknameRaw(s.lns[0].fd); err != nil {
+		s.closeListeners()
+		return fmt.Errorf("listen %s: getsockname: %w", ap, err)
+	}
+	if ap.Addr().Zone() != "" {
+		s.addr = netip.AddrPortFrom(s.addr.Addr().WithZone(ap.Addr().Zone()), s.addr.Port())
 	}
 	return nil
 }

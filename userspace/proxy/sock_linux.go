@@ -103,6 +103,19 @@ func listen(ap netip.AddrPort, ka net.KeepAliveConfig) (*listener, error) {
 	return &listener{fd: fd}, nil
 }
 
+// adopt readies a listening socket taken over from another server (ListenFrom)
+// as listen makes its own: non-blocking (the other server's may be a Go
+// listener, which is too), TCP_NODELAY, and ka (retune).
+func adopt(fd int, ka net.KeepAliveConfig) error {
+	if err := unix.SetNonblock(fd, true); err != nil {
+		return fmt.Errorf("set non-blocking: %w", err)
+	}
+	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
+		return fmt.Errorf("set TCP_NODELAY: %w", err)
+	}
+	return retune(fd, ka)
+}
+
 // retune sets ka on a listening socket taken over from another service, whose
 // setting may have been another: unlike listen, it turns keepalive off when ka
 // is not enabled, and gives a field ka leaves zero the kernel's default back.

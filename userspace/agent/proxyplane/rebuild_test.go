@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"runtime"
 	"testing"
 	"time"
 
@@ -47,29 +48,39 @@ func rebuildSetup(t *testing.T, px config.Proxy) (p *Plane, vip netip.AddrPort, 
 // TestRebuildUnderLoad: reloads that replace a service's server while
 // clients keep opening connections lose none of them: no client sees its
 // connection reset. The new server takes the old one's listening sockets
-// over, after a change of a setting fixed at listen time (idle_timeout), and
-// after a rename on the same address.
+// over, after a change of a setting fixed at listen time (idle_timeout), the
+// same with the number of event loops (GOMAXPROCS) changed up and down
+// between reloads, and after a rename on the same address.
 func TestRebuildUnderLoad(t *testing.T) {
+	idle := func(i int) (string, config.Proxy) {
+		return "web", config.Proxy{IdleTimeout: time.Duration(10+i) * time.Second}
+	}
 	for _, tc := range []struct {
 		name string
 		// at is the name and settings after i reloads ("web" at 0).
 		at func(i int) (string, config.Proxy)
+		// procs is GOMAXPROCS before each reload, in turn; nil: unchanged.
+		procs []int
 	}{
-		{"idle_timeout", func(i int) (string, config.Proxy) {
-			return "web", config.Proxy{IdleTimeout: time.Duration(10+i) * time.Second}
-		}},
+		{"idle_timeout", idle, nil},
+		{"event_loops", idle, []int{4, 1, 3, 2}},
 		{"rename", func(i int) (string, config.Proxy) {
 			if i == 0 {
 				return "web", config.Proxy{}
 			}
 			return fmt.Sprintf("web-%d", i), config.Proxy{}
-		}},
+		}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			was := runtime.GOMAXPROCS(0)
+			t.Cleanup(func() { runtime.GOMAXPROCS(was) })
 			_, px := tc.at(0)
 			p, vip, service := rebuildSetup(t, px)
 			load := churn.Start(t, vip.String(), 16, []byte("ping"), []byte("ping"))
 			load.Each(t, 10, func(i int) {
+				if len(tc.procs) > 0 {
+					runtime.GOMAXPROCS(tc.procs[i%len(tc.procs)])
+				}
 				if err := reload(p, service(tc.at(i)), service(tc.at(i+1))); err != nil {
 					t.Fatalf("reload %d: %v", i, err)
 				}
