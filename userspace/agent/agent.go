@@ -65,6 +65,8 @@ import (
 	"github.com/weir-lb/weir/userspace/agent/proxyplane"
 	"github.com/weir-lb/weir/userspace/agent/xdpplane"
 	"github.com/weir-lb/weir/userspace/config"
+	"github.com/weir-lb/weir/userspace/httplb"
+	"github.com/weir-lb/weir/userspace/proxy"
 )
 
 // Options of an agent.
@@ -175,6 +177,7 @@ func (a *Agent) Run(ctx context.Context) (err error) {
 	a.xdp, a.proxy = x, proxyplane.New(a.checker, a.log)
 	a.http = httpplane.New(a.checker, a.log, a.metrics.ObserveRequest)
 	a.proxy.Wake, a.http.Wake = a.revive, a.revive
+	pairPlanes(a.proxy, a.http)
 	a.planes = map[plan.Plane]Plane{plan.XDP: x, plan.Proxy: a.proxy, plan.HTTP: a.http}
 
 	st := newState(cfg)
@@ -348,4 +351,12 @@ func (ls *listeners) serve(wg *sync.WaitGroup, adminHandler, metricsHandler http
 		wg.Go(func() { msrv.Serve(ls.metrics) })
 	}
 	return servers
+}
+
+// pairPlanes lets a service that moves between the proxy and the http plane on
+// the same address take the other plane's listening sockets over, as a
+// reload on one plane does: the connections queued on them are not reset.
+func pairPlanes(px *proxyplane.Plane, h *httpplane.Plane) {
+	px.Peer.Find = func(at netip.AddrPort) (proxy.Sockets, bool) { return h.ListeningOn(at) }
+	h.Peer.Find = func(at netip.AddrPort) (httplb.Sockets, bool) { return px.ListeningOn(at) }
 }

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"log/slog"
 	"net"
+	"net/netip"
+	"os"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -74,31 +76,60 @@ func (l *patientListener) Close() error {
 	return err
 }
 
-// takeOver returns a listener of its own on the listening socket under ln (see
-// ListenFrom), or nil if there is none (ln closed). net.FileListener's
-// accepted connections get Go's default keepalive (15s idle, 15s interval, 9
-// probes): where ka differs, its values are set on each one, the only cost a
-// socket taken over adds per connection (a setsockopt a field that differs).
-func takeOver(ln net.Listener, ka net.KeepAliveConfig) net.Listener {
-	if kl, ok := ln.(*keepaliveListener); ok {
-		ln = kl.TCPListener
+// Sockets is a running server whose listening sockets a new one may take
+// over (ListenFrom).
+type Sockets interface {
+	// ListenFDs returns new descriptors (close-on-exec) of the listening
+	// sockets the server holds open, if it listens on addr as configured;
+	// the caller owns them.
+	ListenFDs(addr netip.AddrPort) []int
+}
+
+// ListenFDs returns new descriptors of the service's listening sockets that
+// are still open, if it listens on addr (see Sockets). A nil service has
+// none.
+func (s *Service) ListenFDs(addr netip.AddrPort) []int {
+	if s == nil || s.cfg.Listen != addr {
+		return nil
 	}
-	tl, ok := ln.(*net.TCPListener)
+	var fds []int
+	for _, tl := range s.socks {
+		rc, err := tl.SyscallConn()
+		if err != nil {
+			continue
+		}
+		// Not called once tl is closed.
+		rc.Control(func(fd uintptr) {
+			if nfd, err := unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0); err == nil {
+				fds = append(fds, nfd)
+			}
+		})
+	}
+	return fds
+}
+
+// takeOver returns a listener on the listening socket fd, which it owns (see
+// ListenFrom), and the socket's own listener under it; nil if fd is no TCP
+// listening socket. net.FileListener's accepted connections get Go's default
+// keepalive (15s idle, 15s interval, 9 probes), whatever the socket had
+// (another server, the proxy, may have set its own on it): where ka differs,
+// its values are set on each one, the only cost a socket taken over adds per
+// connection (a setsockopt a field that differs).
+func takeOver(fd int, ka net.KeepAliveConfig) (*net.TCPListener, net.Listener) {
+	f := os.NewFile(uintptr(fd), "listener")
+	fl, err := net.FileListener(f) // a descriptor of its own
+	f.Close()
+	if err != nil {
+		return nil, nil
+	}
+	tl, ok := fl.(*net.TCPListener)
 	if !ok {
-		return nil
+		fl.Close()
+		return nil, nil
 	}
-	f, err := tl.File() // a new descriptor; fails once tl is closed
-	if err != nil {
-		return nil
-	}
-	defer f.Close()
-	fl, err := net.FileListener(f)
-	if err != nil {
-		return nil
-	}
-	kl := &keepaliveListener{TCPListener: fl.(*net.TCPListener)}
+	kl := &keepaliveListener{TCPListener: tl}
 	if !ka.Enable {
-		return kl.TCPListener // as a listener of its own: Go's default
+		return tl, tl // as a listener of its own: Go's default
 	}
 	secs := func(d time.Duration) int { return int((d + time.Second - 1) / time.Second) }
 	for _, o := range []struct{ opt, v, def int }{
@@ -111,10 +142,85 @@ func takeOver(ln net.Listener, ka net.KeepAliveConfig) net.Listener {
 		}
 	}
 	if len(kl.opts) == 0 {
-		return kl.TCPListener
+		return tl, tl
 	}
-	return kl
+	return tl, kl
 }
+
+// mergedListener accepts from several listening sockets of one address (a
+// proxy's, taken over), one goroutine each, started by the first Accept.
+// Close closes the sockets; a connection a goroutine accepted by then is
+// still handed to Accept, which returns net.ErrClosed once every goroutine
+// has ended: the caller (the split listener, net/http's server) accepts until
+// an error, and serves what it accepted, so nothing the sockets' queues held
+// is dropped.
+type mergedListener struct {
+	lns      []net.Listener
+	accepted chan acceptResult
+	start    sync.Once
+	wg       sync.WaitGroup
+	ended    chan struct{} // closed when every goroutine has ended
+	closed   atomic.Bool
+}
+
+type acceptResult struct {
+	c   net.Conn
+	err error
+}
+
+func newMergedListener(lns []net.Listener) *mergedListener {
+	return &mergedListener{lns: lns, accepted: make(chan acceptResult), ended: make(chan struct{})}
+}
+
+// accept hands what ln accepts to Accept: connections, and errors (Accept's
+// caller, patientListener, waits those that pass out); it ends at an error
+// that does not pass, quietly once Close has closed ln.
+func (m *mergedListener) accept(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
+		if err != nil && m.closed.Load() {
+			return
+		}
+		m.accepted <- acceptResult{c, err}
+		if err != nil && !passes(err) {
+			return
+		}
+	}
+}
+
+func (m *mergedListener) Accept() (net.Conn, error) {
+	m.start.Do(func() {
+		for _, ln := range m.lns {
+			// Exits when ln fails for good, or is closed (Close).
+			m.wg.Go(func() { m.accept(ln) })
+		}
+		// Exits when the goroutines above have.
+		go func() {
+			m.wg.Wait()
+			close(m.ended)
+		}()
+	})
+	select {
+	case r := <-m.accepted:
+		return r.c, r.err
+	case <-m.ended:
+		return nil, net.ErrClosed
+	}
+}
+
+// Close closes every socket; it may be called more than once.
+func (m *mergedListener) Close() error {
+	if m.closed.Swap(true) {
+		return nil
+	}
+	var errs []error
+	for _, ln := range m.lns {
+		errs = append(errs, ln.Close())
+	}
+	return errors.Join(errs...)
+}
+
+func (m *mergedListener) Addr() net.Addr { return m.lns[0].Addr() }
 
 // keepaliveListener sets TCP options (level IPPROTO_TCP, option and value) on
 // every connection it accepts.

@@ -172,7 +172,7 @@ type Service struct {
 	log      *slog.Logger
 	live     atomic.Pointer[live] // the settings Reconfigure may change
 	ln       net.Listener
-	sock     net.Listener // the listening socket under ln, which a replacement takes over (ListenFrom)
+	socks    []*net.TCPListener // the listening sockets under ln, which a replacement takes over (ListenFrom)
 	srv      *http.Server
 	upgraded *http.Server   // shuts the h2c-upgraded connections down (see Listen)
 	h2       *http2.Server  // serves h2c-upgraded connections
@@ -231,35 +231,49 @@ func Listen(cfg Config, backends []Backend) (*Service, error) {
 	return ListenFrom(cfg, backends, nil)
 }
 
-// ListenFrom is Listen for a service that replaces old (nil: none). If old
-// listens on cfg.Listen, the new service takes old's listening socket over (a
-// descriptor of its own of it) instead of binding a new one beside it: the
-// connections queued on it, and those still in their handshake, are the new
-// service's to accept, where closing the socket would reset them. Old goes on
-// accepting on it until its Serve ends, which closes only its own descriptor.
-// If the new service is given up while old still runs, old keeps accepting.
-func ListenFrom(cfg Config, backends []Backend, old *Service) (*Service, error) {
+// ListenFrom is Listen for a service that replaces old (nil: none): a server
+// of the same address, this package's or another's that can hand its
+// listening sockets over (Sockets; a proxy.Service can). If old listens on
+// cfg.Listen, the new service takes every one of old's listening sockets over
+// (descriptors of its own of them) instead of binding a new one beside them:
+// the connections queued on them, and those still in their handshake, are the
+// new service's to accept, where closing the sockets would reset them. Old
+// goes on accepting on them until its Serve ends, which closes only its own
+// descriptors. If the new service is given up while old still runs, old keeps
+// accepting. A service that took several sockets over (a proxy's, one per
+// event loop) accepts from each in a goroutine of its own.
+func ListenFrom(cfg Config, backends []Backend, old Sockets) (*Service, error) {
 	cfg.defaults()
 	s := &Service{cfg: cfg, tls: cfg.TLS.Clone(), log: cfg.Logger, backends: map[string]*backend{}, failed: make(chan struct{})}
 	if err := s.Reconfigure(cfg, backends); err != nil {
 		return nil, err
 	}
-	var ln net.Listener
-	if old != nil && old.cfg.Listen == cfg.Listen {
-		ln = takeOver(old.sock, cfg.ClientKeepalive)
+	var lns []net.Listener
+	if old != nil {
+		for _, fd := range old.ListenFDs(cfg.Listen) {
+			if tl, ln := takeOver(fd, cfg.ClientKeepalive); ln != nil {
+				s.socks = append(s.socks, tl)
+				lns = append(lns, ln)
+			}
+		}
 	}
-	if ln == nil {
+	if len(lns) == 0 {
 		lc := net.ListenConfig{KeepAliveConfig: cfg.ClientKeepalive, Control: func(_, _ string, c syscall.RawConn) error {
 			var serr error
 			err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1) })
 			return errors.Join(err, serr)
 		}}
-		var err error
-		if ln, err = lc.Listen(context.Background(), "tcp", cfg.Listen.String()); err != nil {
+		ln, err := lc.Listen(context.Background(), "tcp", cfg.Listen.String())
+		if err != nil {
 			return nil, fmt.Errorf("service %q: listen %s: %w", cfg.Name, cfg.Listen, err)
 		}
+		s.socks = []*net.TCPListener{ln.(*net.TCPListener)}
+		lns = []net.Listener{ln}
 	}
-	s.sock = ln
+	ln := lns[0]
+	if len(lns) > 1 {
+		ln = newMergedListener(lns)
+	}
 	s.ln = coalescingListener{newPatientListener(ln, s)}
 	if s.framesServe() || !cfg.NetHTTP1 {
 		s.split = newSplitListener(s.ln, s)

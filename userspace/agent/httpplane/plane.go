@@ -46,6 +46,11 @@ type Plane struct {
 	// Commit or Abort.
 	certsBefore map[string]*loadedCert
 	tally       served.Tally[*httplb.Service, httplb.Snapshot] // counters across servers
+
+	// Peer finds the running server of another plane (the proxy's) that
+	// listens on an address: a service moved here on the same address takes
+	// its listening sockets over. Set its Find before the first Add.
+	Peer served.Peer[httplb.Sockets]
 }
 
 // New returns an http plane that reports what its requests see to checker, and
@@ -177,6 +182,7 @@ func (p *Plane) setCert(name string, cert *loadedCert) {
 // it read stay.
 func (p *Plane) Commit() {
 	p.Set.Commit()
+	p.Peer.Commit()
 	clear(p.certsBefore)
 	for name := range p.certs {
 		if _, ok := p.Get(name); !ok {
@@ -196,13 +202,15 @@ func (p *Plane) Revive(find func(name string) *plan.Service) time.Duration {
 }
 
 // Abort undoes the change in progress (see served.Set.Abort), the certificates
-// it read too.
+// it read too; a server of another plane whose sockets it took over gets its
+// settings on them back.
 func (p *Plane) Abort() {
 	for name, c := range p.certsBefore {
 		p.certs[name].Store(c)
 	}
 	clear(p.certsBefore)
 	p.Set.Abort()
+	p.Peer.Abort(p.log)
 }
 
 // Snapshot returns the named service's counters. The client connections and
@@ -251,8 +259,9 @@ func merge(dst *httplb.Snapshot, src httplb.Snapshot, add bool) {
 func (p *Plane) start(s *plan.Service) (*httplb.Service, error) { return p.replace(nil, s) }
 
 // replace is start for a service whose server old (nil: none) it replaces:
-// where old listens on the same address, the new server takes its listening
-// socket over (httplb.ListenFrom).
+// where old, or else the other plane's server that Peer finds, listens on the
+// same address, the new server takes its listening sockets over
+// (httplb.ListenFrom).
 func (p *Plane) replace(old *httplb.Service, s *plan.Service) (*httplb.Service, error) {
 	cfg := p.lbConfig(&s.Config)
 	if s.Config.HTTP.TLSCert != "" {
@@ -265,7 +274,11 @@ func (p *Plane) replace(old *httplb.Service, s *plan.Service) (*httplb.Service, 
 		cfg.TLS = &tls.Config{NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12,
 			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return &cert.Load().Certificate, nil }}
 	}
-	lb, err := httplb.ListenFrom(cfg, backends(s), old)
+	var from httplb.Sockets = old
+	if old == nil {
+		from, _ = p.Peer.Take(cfg.Listen)
+	}
+	lb, err := httplb.ListenFrom(cfg, backends(s), from)
 	if errors.Is(err, syscall.EADDRNOTAVAIL) {
 		return nil, fmt.Errorf("%w: the http plane binds %s, which no interface of this host holds", err, cfg.Listen.Addr())
 	}

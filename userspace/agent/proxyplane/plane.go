@@ -36,6 +36,11 @@ type Plane struct {
 	sockmap    *loader.SockMap                              // in-kernel forwarding, loaded for the first service that uses it
 	sockmapErr error                                        // why it could not be loaded; then every service uses the copy path
 	tally      served.Tally[*proxy.Service, proxy.Snapshot] // counters across listeners
+
+	// Peer finds the running server of another plane (the http plane's)
+	// that listens on an address: a service moved here on the same address
+	// takes its listening sockets over. Set its Find before the first Add.
+	Peer served.Peer[proxy.Sockets]
 }
 
 // New returns a proxy plane that reports what its connections see to checker.
@@ -63,7 +68,15 @@ func (p *Plane) Snapshot(name string) (proxy.Snapshot, bool) { return p.tally.Sn
 // service's counters go.
 func (p *Plane) Commit() {
 	p.Set.Commit()
+	p.Peer.Commit()
 	p.tally.Prune()
+}
+
+// Abort undoes the change in progress (see served.Set.Abort); a server of
+// another plane whose sockets it took over gets its settings on them back.
+func (p *Plane) Abort() {
+	p.Set.Abort()
+	p.Peer.Abort(p.log)
 }
 
 // idle clears a drained listener's active connections.
@@ -107,8 +120,9 @@ func merge(dst *proxy.Snapshot, src proxy.Snapshot, add bool) {
 func (p *Plane) start(s *plan.Service) (*proxy.Service, error) { return p.replace(nil, s) }
 
 // replace is start for a service whose server old (nil: none) it replaces:
-// where old listens on the same address, the new server takes its listening
-// sockets over (proxy.ListenFrom).
+// where old, or else the other plane's server that Peer finds, listens on the
+// same address, the new server takes its listening sockets over
+// (proxy.ListenFrom).
 func (p *Plane) replace(old *proxy.Service, s *plan.Service) (*proxy.Service, error) {
 	log := p.log.With("service", s.Name())
 	cfg := proxyConfig(&s.Config, observer{p.checker, s.Name()}, log)
@@ -117,7 +131,11 @@ func (p *Plane) replace(old *proxy.Service, s *plan.Service) (*proxy.Service, er
 			cfg.Redirector = r
 		}
 	}
-	px, err := proxy.ListenFrom(context.Background(), cfg, old)
+	var from proxy.Sockets = old
+	if old == nil {
+		from, _ = p.Peer.Take(cfg.Listen)
+	}
+	px, err := proxy.ListenFrom(context.Background(), cfg, from)
 	if errors.Is(err, syscall.EADDRNOTAVAIL) {
 		return nil, fmt.Errorf("%w: the proxy binds %s, which no interface of this host holds (add it to one, or let XDP serve the service)", err, s.Config.Proxy.Listen.Addr())
 	}

@@ -247,22 +247,42 @@ func (p *Set[S]) donor(s *plan.Service) (string, *entry[S]) {
 	if p.Replace == nil || p.Listen == nil {
 		return "", nil
 	}
-	at := p.Listen(&s.Config)
+	return p.listening(p.Listen(&s.Config), s.Name())
+}
+
+// listening returns a running server listening on at, of a service other
+// than except, and that service's name; nil if there is none (or at has port
+// 0: each server binds a port of its own there).
+func (p *Set[S]) listening(at netip.AddrPort, except string) (string, *entry[S]) {
 	if at.Port() == 0 {
-		return "", nil // each binds a port of its own
+		return "", nil
 	}
 	for name, e := range p.services {
-		if name != s.Name() && !e.over() && p.Listen(&e.cfg) == at {
+		if name != except && !e.over() && p.Listen(&e.cfg) == at {
 			return name, e
 		}
 	}
 	// Removed by the change in progress, it still serves until Commit.
 	for name, h := range p.before {
-		if h.e != nil && name != s.Name() && p.services[name] != h.e && !h.e.over() && p.Listen(&h.cfg) == at {
+		if h.e != nil && name != except && p.services[name] != h.e && !h.e.over() && p.Listen(&h.cfg) == at {
 			return name, h.e
 		}
 	}
 	return "", nil
+}
+
+// ListeningOn returns the running server that listens on at, if any (Listen
+// must be set): a server of another plane that a service moves to on the same
+// address takes its listening sockets over. Called from the loop only.
+func (p *Set[S]) ListeningOn(at netip.AddrPort) (S, bool) {
+	var zero S
+	if p.Listen == nil {
+		return zero, false
+	}
+	if _, e := p.listening(at, ""); e != nil {
+		return e.srv, true
+	}
+	return zero, false
 }
 
 func (p *Set[S]) start(s *plan.Service, start func(*plan.Service) (S, error)) (*entry[S], error) {
@@ -560,6 +580,48 @@ func (p *Set[S]) Abort() {
 // over (Replace) and changed: Reclaim sets its own settings on them again.
 type reclaimer interface {
 	Reclaim() error
+}
+
+// Peer finds servers of another plane whose sockets a service that moves to
+// this plane on the same address takes over, and remembers them until the
+// change in progress ends: Abort gives them their settings back (Reclaim).
+// Loop only.
+type Peer[T any] struct {
+	// Find, if set, returns the other plane's running server that listens
+	// on an address, if any.
+	Find func(at netip.AddrPort) (T, bool)
+	lent []T
+}
+
+// Take returns the other plane's server listening on at, if any, and
+// remembers it.
+func (p *Peer[T]) Take(at netip.AddrPort) (T, bool) {
+	var zero T
+	if p.Find == nil {
+		return zero, false
+	}
+	srv, ok := p.Find(at)
+	if !ok {
+		return zero, false // not a typed nil in an interface T
+	}
+	p.lent = append(p.lent, srv)
+	return srv, true
+}
+
+// Commit forgets the servers taken from.
+func (p *Peer[T]) Commit() { p.lent = nil }
+
+// Abort calls Reclaim on the servers taken from that have it, logging what
+// fails, and forgets them.
+func (p *Peer[T]) Abort(log *slog.Logger) {
+	for _, srv := range p.lent {
+		if r, ok := any(srv).(reclaimer); ok {
+			if err := r.Reclaim(); err != nil {
+				log.Warn("the listener's settings were not put back", "err", err)
+			}
+		}
+	}
+	p.lent = nil
 }
 
 func (p *Set[S]) retire(e *entry[S]) {

@@ -1,0 +1,104 @@
+package agent
+
+import (
+	"log/slog"
+	"net"
+	"net/netip"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/internal/churn"
+	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/userspace/agent/httpplane"
+	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/agent/proxyplane"
+	"github.com/weir-lb/weir/userspace/config"
+)
+
+// TestPlaneMoveUnderLoad: reloads that move a service between the proxy and
+// the http plane on the same address, through the agent's reconcile (the
+// new plane's add, then the old plane's removal), while clients keep opening
+// connections, one HTTP/1.1 request each, lose none of them: the new plane's
+// server takes the other's listening sockets over, all of the proxy's (one
+// per event loop). A move refused by a later failing add leaves the old
+// server serving on its sockets, with nothing lost either.
+func TestPlaneMoveUnderLoad(t *testing.T) {
+	// Three event loops: the http plane takes three proxy sockets over.
+	was := runtime.GOMAXPROCS(3)
+	t.Cleanup(func() { runtime.GOMAXPROCS(was) })
+	bs := httpbackend.StartN(t, 1)
+	log := slog.New(slog.DiscardHandler)
+	a := &Agent{log: log, proxy: proxyplane.New(&health.Checker{}, log), http: httpplane.New(&health.Checker{}, log, nil)}
+	pairPlanes(a.proxy, a.http)
+	a.planes = map[plan.Plane]Plane{plan.Proxy: a.proxy, plan.HTTP: a.http}
+	t.Cleanup(a.http.Close)
+	t.Cleanup(a.proxy.Close)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	vip := l.Addr().(*net.TCPAddr).AddrPort()
+	l.Close()
+	service := func(name string, on plan.Plane, at netip.AddrPort) plan.Service {
+		dp := config.DataPlaneProxy
+		if on == plan.HTTP {
+			dp = config.DataPlaneHTTP
+		}
+		return plan.Service{
+			Config: config.Service{Name: name, DataPlane: dp, Algorithm: config.AlgorithmLeastConn, DrainTimeout: 5 * time.Second,
+				Proxy: config.Proxy{Listen: at, ConnectTimeout: time.Second},
+				HTTP:  config.HTTP{Listen: at, ConnectTimeout: time.Second, IdleTimeout: time.Minute}},
+			Placement: plan.Placement{Plane: on}, Installed: true,
+			Backends: []plan.Backend{{ID: plan.ID(name, bs[0].Addr), Config: config.Backend{Addr: bs[0].Addr, Weight: 1},
+				Healthy: true, Usable: true, Weight: 1}},
+		}
+	}
+	on := func(p plan.Plane) plan.Desired { return plan.Desired{Services: []plan.Service{service("web", p, vip)}} }
+	other := map[plan.Plane]plan.Plane{plan.Proxy: plan.HTTP, plan.HTTP: plan.Proxy}
+	prev := on(plan.Proxy)
+	if err := a.reconcile(plan.Desired{}, prev); err != nil {
+		t.Fatal(err)
+	}
+	load := churn.Start(t, vip.String(), 16, []byte("GET / HTTP/1.1\r\nHost: web\r\nConnection: close\r\n\r\n"), []byte("HTTP/1.1 200"))
+	load.Each(t, 10, func(i int) {
+		next := on(other[prev.Services[0].Plane])
+		if i%3 == 0 {
+			// An address no interface holds: its add fails after the
+			// move's, and the reload is refused.
+			refused := next
+			refused.Services = append(refused.Services, service("bad", plan.Proxy, netip.MustParseAddrPort("192.0.2.1:80")))
+			before := a.server(prev.Services[0].Plane)
+			if err := a.reconcile(prev, refused); err == nil {
+				t.Fatalf("move %d: a reload with a service that cannot bind was applied", i)
+			}
+			if got := a.server(prev.Services[0].Plane); got != before || before == nil {
+				t.Fatalf("move %d refused: the service's server on the %s plane is %v; want the one it had, %v", i, prev.Services[0].Plane, got, before)
+			}
+			if got := a.server(next.Services[0].Plane); got != nil {
+				t.Fatalf("move %d refused: the %s plane serves the service", i, next.Services[0].Plane)
+			}
+		}
+		if err := a.reconcile(prev, next); err != nil {
+			t.Fatalf("move %d to the %s plane: %v", i, next.Services[0].Plane, err)
+		}
+		prev = next
+	})
+	load.NoneFailed(t, "10 moves between the proxy and the http plane, and 4 refused, under load")
+}
+
+// server returns the server of service "web" on plane p, nil if none.
+func (a *Agent) server(p plan.Plane) any {
+	switch p {
+	case plan.Proxy:
+		if srv, ok := a.proxy.Get("web"); ok {
+			return srv
+		}
+	case plan.HTTP:
+		if srv, ok := a.http.Get("web"); ok {
+			return srv
+		}
+	}
+	return nil
+}
