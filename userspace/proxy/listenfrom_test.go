@@ -17,8 +17,9 @@ import (
 
 // TestListenFromLoops: a service that replaces one on the same address takes
 // over every one of its listening sockets and binds the rest of its loops'
-// (with fewer loops, it serves all the sockets it took all the same); once
-// the old service has stopped, every socket it serves on still accepts.
+// (with fewer loops, it serves all the sockets it took all the same), which
+// listen only once Join is called; once the old service has stopped, every
+// socket it serves on still accepts.
 func TestListenFromLoops(t *testing.T) {
 	for _, tc := range []struct{ old, new, sockets, taken int }{{2, 2, 2, 2}, {2, 3, 3, 2}, {3, 1, 3, 3}} {
 		t.Run(fmt.Sprintf("%d loops to %d", tc.old, tc.new), func(t *testing.T) {
@@ -62,6 +63,15 @@ func TestListenFromLoops(t *testing.T) {
 			if len(s.lns) != tc.sockets || taken != tc.taken {
 				t.Errorf("got %d sockets, %d of them the old service's; want %d, %d", len(s.lns), taken, tc.sockets, tc.taken)
 			}
+			if got := listening(t, s); got != tc.taken {
+				t.Errorf("before Join: got %d sockets listening; want the %d taken over", got, tc.taken)
+			}
+			if err := s.Join(); err != nil {
+				t.Fatal(err)
+			}
+			if got := listening(t, s); got != tc.sockets {
+				t.Errorf("after Join: got %d sockets listening; want %d", got, tc.sockets)
+			}
 			stop()
 			// Connections from many source ports reach every socket of the
 			// SO_REUSEPORT group.
@@ -76,9 +86,9 @@ func TestListenFromLoops(t *testing.T) {
 
 // TestListenFromLoopsUnderLoad: services that replace one another on the
 // same address with more loops, and with fewer, each stopping the one it
-// replaced, while clients keep opening connections: none of them is reset,
-// the ones queued on a socket the new service has no loop of its own for
-// included.
+// replaced and then joining the sockets it bound, while clients keep opening
+// connections: none of them is reset, the ones queued on a socket the new
+// service has no loop of its own for included.
 func TestListenFromLoopsUnderLoad(t *testing.T) {
 	be := startBackend(t, "a", loopback0, echo)
 	cfg := Config{Name: t.Name(), Listen: loopback0, Backends: []Backend{{Addr: be.addr()}}, Logger: discardLogger(),
@@ -121,9 +131,25 @@ func TestListenFromLoopsUnderLoad(t *testing.T) {
 	load.Each(t, len(loops), func(i int) {
 		next := serve(loops[i], cur.s)
 		cur.stop()
+		if err := next.s.Join(); err != nil {
+			t.Fatal(err)
+		}
 		cur = next
 	})
 	load.NoneFailed(t, fmt.Sprintf("services replaced with %v loops under load", loops))
+}
+
+// listening returns how many of s's sockets listen (SO_ACCEPTCONN).
+func listening(t *testing.T, s *Service) int {
+	n := 0
+	for _, ln := range s.lns {
+		on, err := unix.GetsockoptInt(ln.fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n += on
+	}
+	return n
 }
 
 // inode returns the inode of the socket fd is a descriptor of.

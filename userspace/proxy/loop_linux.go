@@ -145,9 +145,11 @@ func newLoop(s *Service, ln *listener) (*loop, error) {
 	if l.eprc, err = l.ep.SyscallConn(); err == nil {
 		err = unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wake, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: evWake})
 	}
-	if err == nil {
+	ln.mu.Lock()
+	if err == nil && !ln.bound { // else Join adds it (watch) once it listens
 		err = unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, ln.fd, &unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLET, Fd: evListener})
 	}
+	ln.mu.Unlock()
 	if err != nil {
 		l.ep.Close()
 		unix.Close(wake)
@@ -433,6 +435,19 @@ func (l *loop) accept() {
 		l.acceptLog.OK(s.log, time.Now)
 		l.newConn(fd, src)
 	}
+}
+
+// watch adds the loop's listener, which has just begun to listen (Join), to
+// its epoll set; nothing if it has stopped accepting.
+func (l *loop) watch(ln *listener) {
+	if l.ln != ln {
+		return
+	}
+	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, ln.fd, &unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLET, Fd: evListener}); err != nil {
+		l.s.log.Warn("a listening socket serves no connection", "err", fmt.Errorf("epoll_ctl: %w", err))
+		return
+	}
+	l.acceptMore = true
 }
 
 // stopAccepting closes the listener; connections already accepted go on. The

@@ -180,6 +180,11 @@ type Service struct {
 	drainMu sync.RWMutex
 	served  bool
 
+	// joinMu orders Join with Serve's making of the loops: a loop made
+	// before a socket listens leaves it out of its epoll set (a bound socket
+	// reports a hang-up there), and Join adds it.
+	joinMu sync.Mutex
+
 	wg      sync.WaitGroup // connections being handled
 	serving atomic.Bool
 	closed  atomic.Bool
@@ -253,6 +258,44 @@ func ListenFrom(ctx context.Context, cfg Config, old Sockets) (*Service, error) 
 		return nil, fmt.Errorf("service %q: %w", cfg.Name, err)
 	}
 	return s, nil
+}
+
+// Join makes the sockets that ListenFrom bound beside those it took over
+// listen, so they take their share of the connections. Until then they are
+// only bound: they take none and belong to no SO_REUSEPORT group, so a
+// service given up before (a refused reload) closes them with no connection
+// queued on them, where closing a listening socket resets those. The sockets
+// taken over serve meanwhile. Join may be called before or while Serve runs,
+// from any goroutine; a service whose sockets all listen has nothing to do.
+func (s *Service) Join() error {
+	s.joinMu.Lock()
+	defer s.joinMu.Unlock()
+	var errs []error
+	for i, ln := range s.lns {
+		ln.mu.Lock()
+		joined := ln.fd >= 0 && ln.bound
+		if joined {
+			if err := startListening(ln.fd); err != nil {
+				errs = append(errs, err)
+				joined = false
+			} else {
+				ln.bound = false
+			}
+		}
+		ln.mu.Unlock()
+		if !joined {
+			continue
+		}
+		// A loop already made skipped the socket: it takes it now.
+		if loops := s.loops.Load(); loops != nil {
+			l := (*loops)[i]
+			l.call(func() { l.watch(ln) })
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("service %q: listen %s: %w", s.cfg.Name, s.cfg.Listen, err)
+	}
+	return nil
 }
 
 // Sockets is a running server whose listening sockets a new one may take
@@ -471,7 +514,9 @@ func (s *Service) listen(ctx context.Context, fds []int) error {
 			s.closeListeners()
 			return err
 		}
-		ln, err := listen(ap, s.cfg.ClientKeepalive)
+		// Beside sockets taken over, until Join: a service given up
+		// (a refused reload) closes them with nothing queued.
+		ln, err := bindListener(ap, s.cfg.ClientKeepalive, len(fds) > 0)
 		if err != nil {
 			s.closeListeners()
 			return fmt.Errorf("listen %s: %w", ap, err)
@@ -537,6 +582,7 @@ func (s *Service) Serve(ctx context.Context) error {
 	if s.closed.Load() {
 		return fmt.Errorf("service %q: serve: %w", s.cfg.Name, net.ErrClosed)
 	}
+	s.joinMu.Lock()
 	loops := make([]*loop, 0, len(s.lns))
 	for i, ln := range s.lns {
 		l, err := newLoop(s, ln)
@@ -549,11 +595,13 @@ func (s *Service) Serve(ctx context.Context) error {
 			for _, ln := range s.lns[i:] {
 				ln.close()
 			}
+			s.joinMu.Unlock()
 			return fmt.Errorf("service %q: serve: %w", s.cfg.Name, err)
 		}
 		loops = append(loops, l)
 	}
 	s.loops.Store(&loops)
+	s.joinMu.Unlock()
 	var running sync.WaitGroup
 	errc := make(chan error, len(loops))
 	for _, l := range loops {

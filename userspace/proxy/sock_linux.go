@@ -28,6 +28,9 @@ import (
 type listener struct {
 	mu sync.Mutex
 	fd int // -1 once closed
+	// bound: bound, but not listening yet (Service.Join), so it takes no
+	// connection and belongs to no SO_REUSEPORT group; guarded by mu.
+	bound bool
 }
 
 func (l *listener) close() {
@@ -59,6 +62,12 @@ func (l *listener) dup() int {
 // IPv4), and sets TCP_NODELAY and, if ka is enabled, TCP keepalive: accepted
 // sockets inherit both, so they cost no system call per connection.
 func listen(ap netip.AddrPort, ka net.KeepAliveConfig) (*listener, error) {
+	return bindListener(ap, ka, false)
+}
+
+// bindListener is listen; with later, the socket is bound only, and
+// startListening makes it listen.
+func bindListener(ap netip.AddrPort, ka net.KeepAliveConfig, later bool) (*listener, error) {
 	sa := sockaddrOf(ap)
 	fd, err := unix.Socket(sa.family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -90,17 +99,23 @@ func listen(ap netip.AddrPort, ka net.KeepAliveConfig) (*listener, error) {
 			err = fmt.Errorf("bind: %w", err)
 		}
 	}
-	if err == nil {
-		// The kernel caps the backlog at net.core.somaxconn.
-		if err = unix.Listen(fd, 65535); err != nil {
-			err = fmt.Errorf("listen: %w", err)
-		}
+	if err == nil && !later {
+		err = startListening(fd)
 	}
 	if err != nil {
 		unix.Close(fd)
 		return nil, err
 	}
-	return &listener{fd: fd}, nil
+	return &listener{fd: fd, bound: later}, nil
+}
+
+// startListening makes the bound socket fd listen.
+func startListening(fd int) error {
+	// The kernel caps the backlog at net.core.somaxconn.
+	if err := unix.Listen(fd, 65535); err != nil {
+		return fmt.Errorf("listen: %w", err)
+	}
+	return nil
 }
 
 // adopt readies a listening socket taken over from another server (ListenFrom)

@@ -105,20 +105,33 @@ func reload(p *Plane, prev, next *plan.Service) error {
 
 // TestRebuildAborted: a change that replaced a service's server (its client
 // keepalive changed; or it was renamed, the change refused before the old name
-// was removed, as when a later add fails) and is aborted gives the old server
-// its listening sockets back: it goes on accepting on them, with its own
-// keepalive setting, and the load on the service loses no connection
-// meanwhile.
+// was removed, as when a later add fails; or its keepalive changed with more
+// event loops than the old server has sockets) and is aborted gives the old
+// server its listening sockets back: it goes on accepting on them, with its
+// own keepalive setting, and the load on the service loses no connection
+// meanwhile, on the sockets the new server bound beside those either.
 func TestRebuildAborted(t *testing.T) {
 	keepalive := func(idle time.Duration) config.Proxy {
 		return config.Proxy{TCPKeepalive: config.TCPKeepalive{Client: config.Keepalive{Idle: idle}}}
 	}
-	for _, name := range []string{"web", "www"} {
-		t.Run(name, func(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		to    string // the name after the change
+		procs int    // GOMAXPROCS for the change, from 1; 0: unchanged
+	}{{"rebuild", "web", 0}, {"rename", "www", 0}, {"more_event_loops", "web", 4}} {
+		t.Run(tc.name, func(t *testing.T) {
+			name := tc.to
+			if tc.procs > 0 {
+				t.Cleanup(func(was int) func() { return func() { runtime.GOMAXPROCS(was) } }(runtime.GOMAXPROCS(1)))
+			}
 			p, vip, service := rebuildSetup(t, keepalive(5*time.Second))
 			old := mustGet(t, p, "web")
-			load := churn.Start(t, vip.String(), 8, []byte("ping"), []byte("ping"))
+			load := churn.Start(t, vip.String(), 16, []byte("ping"), []byte("ping"))
 			load.Each(t, 1, func(int) {
+				if tc.procs > 0 {
+					// The new server binds sockets beside the one it takes over.
+					runtime.GOMAXPROCS(tc.procs)
+				}
 				next := service(name, keepalive(9*time.Second))
 				if name == "web" {
 					if err := p.Update(service("web", keepalive(5*time.Second)), next); err != nil {
@@ -150,9 +163,9 @@ func TestRebuildAborted(t *testing.T) {
 				t.Fatal("the load made no progress after the abort")
 			}
 			// Only the old server listens now: of the 200 connections served, all
-			// but those the load's 8 clients had open before are its.
-			if got := old.Snapshot().Accepted; got < accepted+200-8 {
-				t.Errorf("after the abort: the old server accepted %d connections of 200 served; want at least 192", got-accepted)
+			// but those the load's 16 clients had open before are its.
+			if got := old.Snapshot().Accepted; got < accepted+200-16 {
+				t.Errorf("after the abort: the old server accepted %d connections of 200 served; want at least 184", got-accepted)
 			}
 			load.NoneFailed(t, "a replacement started and aborted under load")
 			checkKeepalive(t, vip, 5)

@@ -399,6 +399,9 @@ func (p *Set[S]) Revive(find func(name string) *plan.Service) time.Duration {
 			continue
 		}
 		fresh, err := p.start(s, p.Start)
+		if err == nil {
+			p.join(fresh.srv) // no change to abort
+		}
 		p.mu.Lock()
 		if err != nil {
 			r.why = err.Error()
@@ -523,12 +526,17 @@ func (p *Set[S]) Remove(s *plan.Service) error {
 }
 
 // Commit ends the change in progress: the servers it replaced or removed drain
-// in the background.
+// in the background, and those it started make every socket they bound listen
+// (Join).
 func (p *Set[S]) Commit() {
+	var started []S
 	p.mu.Lock()
 	for name, h := range p.before {
 		if h.e != nil && p.services[name] != h.e {
 			p.retireLocked(h.e)
+		}
+		if e := p.services[name]; e != nil && e != h.e {
+			started = append(started, e.srv)
 		}
 		// A service the change gave a new server serves again (until
 		// Commit, Abort could give it back the one that stopped).
@@ -544,6 +552,26 @@ func (p *Set[S]) Commit() {
 		}
 	}
 	p.mu.Unlock()
+	for _, srv := range started {
+		p.join(srv)
+	}
+}
+
+// joiner is a Server that a replacement (Replace) may start with sockets
+// bound beside those it took over that listen only once Join is called:
+// until the change is committed, so an aborted one closes them with nothing
+// queued on them.
+type joiner interface {
+	Join() error
+}
+
+// join makes srv's sockets all listen, if it has such.
+func (p *Set[S]) join(srv S) {
+	if j, ok := any(srv).(joiner); ok {
+		if err := j.Join(); err != nil {
+			p.Log.Warn(p.What+": a listening socket serves no connection", "err", err)
+		}
+	}
 }
 
 // Abort undoes the change in progress: the servers it started are closed (they
