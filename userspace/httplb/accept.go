@@ -161,6 +161,11 @@ type mergedListener struct {
 	wg       sync.WaitGroup
 	ended    chan struct{} // closed when every goroutine has ended
 	closed   atomic.Bool
+	// failed is closed once Accept was handed an error that does not pass:
+	// its caller accepts no more, and a connection still to be handed is
+	// closed.
+	failed     chan struct{}
+	failedOnce sync.Once
 }
 
 type acceptResult struct {
@@ -169,20 +174,29 @@ type acceptResult struct {
 }
 
 func newMergedListener(lns []net.Listener) *mergedListener {
-	return &mergedListener{lns: lns, accepted: make(chan acceptResult), ended: make(chan struct{})}
+	return &mergedListener{lns: lns, accepted: make(chan acceptResult), ended: make(chan struct{}), failed: make(chan struct{})}
 }
 
 // accept hands what ln accepts to Accept: connections, and errors (Accept's
 // caller, patientListener, waits those that pass out); it ends at an error
-// that does not pass, quietly once Close has closed ln.
+// that does not pass (and so do the others), quietly once Close has closed
+// ln.
 func (m *mergedListener) accept(ln net.Listener) {
 	for {
 		c, err := ln.Accept()
 		if err != nil && m.closed.Load() {
 			return
 		}
-		m.accepted <- acceptResult{c, err}
+		select {
+		case m.accepted <- acceptResult{c, err}:
+		case <-m.failed:
+			if c != nil {
+				c.Close()
+			}
+			return
+		}
 		if err != nil && !passes(err) {
+			m.failedOnce.Do(func() { close(m.failed) })
 			return
 		}
 	}
