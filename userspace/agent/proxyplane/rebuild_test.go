@@ -104,12 +104,13 @@ func reload(p *Plane, prev, next *plan.Service) error {
 }
 
 // TestRebuildAborted: a change that replaced a service's server (its client
-// keepalive changed; or it was renamed, the change refused before the old name
-// was removed, as when a later add fails; or its keepalive changed with more
-// event loops than the old server has sockets) and is aborted gives the old
-// server its listening sockets back: it goes on accepting on them, with its
-// own keepalive setting, and the load on the service loses no connection
-// meanwhile, on the sockets the new server bound beside those either.
+// keepalive changed; or it was renamed, the change refused before the old
+// name was removed, as when a later add fails; or its keepalive changed with
+// more, or fewer, event loops than the old server has sockets) and is aborted
+// gives the old server its listening sockets back: it goes on accepting on
+// them, with its own keepalive setting, and the load on the service loses no
+// connection meanwhile, on the sockets the new server bound beside those
+// either.
 func TestRebuildAborted(t *testing.T) {
 	keepalive := func(idle time.Duration) config.Proxy {
 		return config.Proxy{TCPKeepalive: config.TCPKeepalive{Client: config.Keepalive{Idle: idle}}}
@@ -117,20 +118,23 @@ func TestRebuildAborted(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
 		to    string // the name after the change
-		procs int    // GOMAXPROCS for the change, from 1; 0: unchanged
-	}{{"rebuild", "web", 0}, {"rename", "www", 0}, {"more_event_loops", "web", 4}} {
+		procs [2]int // GOMAXPROCS before and for the change; 0: unchanged
+	}{{"rebuild", "web", [2]int{}}, {"rename", "www", [2]int{}},
+		{"more_event_loops", "web", [2]int{1, 4}}, {"fewer_event_loops", "web", [2]int{4, 1}}} {
 		t.Run(tc.name, func(t *testing.T) {
 			name := tc.to
-			if tc.procs > 0 {
-				t.Cleanup(func(was int) func() { return func() { runtime.GOMAXPROCS(was) } }(runtime.GOMAXPROCS(1)))
+			if tc.procs[0] > 0 {
+				t.Cleanup(func(was int) func() { return func() { runtime.GOMAXPROCS(was) } }(runtime.GOMAXPROCS(tc.procs[0])))
 			}
 			p, vip, service := rebuildSetup(t, keepalive(5*time.Second))
 			old := mustGet(t, p, "web")
 			load := churn.Start(t, vip.String(), 16, []byte("ping"), []byte("ping"))
 			load.Each(t, 1, func(int) {
-				if tc.procs > 0 {
-					// The new server binds sockets beside the one it takes over.
-					runtime.GOMAXPROCS(tc.procs)
+				if tc.procs[1] > 0 {
+					// More: the new server binds sockets beside those it
+					// takes over; fewer: it takes more over than it has
+					// loops for.
+					runtime.GOMAXPROCS(tc.procs[1])
 				}
 				next := service(name, keepalive(9*time.Second))
 				if name == "web" {
