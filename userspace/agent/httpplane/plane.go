@@ -40,7 +40,7 @@ type Plane struct {
 	served.Set[*httplb.Service]
 
 	// certs are the certificates the services' servers hand out, by service
-	// name (loop only; the servers read the pointers).
+	// name (loop only; the servers read the pointers, which never hold nil).
 	certs map[string]*atomic.Pointer[loadedCert]
 	// certsBefore are the certificates the change in progress replaced, until
 	// Commit or Abort.
@@ -206,6 +206,13 @@ func (p *Plane) Revive(find func(name string) *plan.Service) time.Duration {
 // settings on them back.
 func (p *Plane) Abort() {
 	for name, c := range p.certsBefore {
+		if c == nil {
+			// None before: the service loses its pointer, not what it
+			// points to, which a server the change started hands out to
+			// the connections it accepted as it drains them.
+			delete(p.certs, name)
+			continue
+		}
 		p.certs[name].Store(c)
 	}
 	clear(p.certsBefore)

@@ -2,9 +2,12 @@ package httpplane_test
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -46,15 +49,7 @@ func TestServeDiedStartedAgain(t *testing.T) {
 	port := freePort(t)
 	service := func(b *httpbackend.Backend) *plan.Service {
 		t.Helper()
-		cfg, err := config.Parse(fmt.Appendf(nil, "services:\n- {name: web, vip: 127.0.0.1:%d, data_plane: http, backends: [{address: %s}]}\n", port, b.Addr))
-		if err != nil {
-			t.Fatal(err)
-		}
-		s := &plan.Service{Config: cfg.Services[0], Placement: plan.Placement{Plane: plan.HTTP}, Installed: true}
-		for _, bc := range cfg.Services[0].Backends {
-			s.Backends = append(s.Backends, plan.Backend{Config: bc, Usable: true, Healthy: true, Weight: 1})
-		}
-		return s
+		return httpService(t, fmt.Sprintf("{name: web, vip: 127.0.0.1:%d, data_plane: http, backends: [{address: %s}]}", port, b.Addr))
 	}
 	log := stopLog{Handler: slog.DiscardHandler, once: new(sync.Once), stopped: make(chan struct{})}
 	p := httpplane.New(&health.Checker{}, slog.New(log), nil)
@@ -86,4 +81,60 @@ func TestServeDiedStartedAgain(t *testing.T) {
 		resp.Body.Close()
 		return fmt.Sprintf("%d, %d hits on the new backend", resp.StatusCode, bs[1].Hits.Load()), resp.StatusCode == http.StatusOK && bs[1].Hits.Load() > 0
 	})
+}
+
+// TestAbortedServiceFinishesHandshake: a TLS service that a change added and
+// then aborted drains the connections its server accepted meanwhile, and one
+// whose client sends its ClientHello after the abort is handed the
+// certificate the server started with. Before, the abort put back "no
+// certificate" where the server reads its own, and the handshake dereferenced
+// nil: the agent crashed.
+func TestAbortedServiceFinishesHandshake(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	dir := t.TempDir()
+	certPath, keyPath := filepath.Join(dir, "web.crt"), filepath.Join(dir, "web.key")
+	httpbackend.WriteCert(t, certPath, keyPath, "web")
+	port := freePort(t)
+	s := httpService(t, fmt.Sprintf("{name: web, vip: 127.0.0.1:%d, data_plane: http, http: {tls: {cert: %s, key: %s}}, backends: [{address: %s}]}",
+		port, certPath, keyPath, bs[0].Addr))
+	p := httpplane.New(&health.Checker{}, slog.New(slog.DiscardHandler), nil)
+	t.Cleanup(p.Close)
+	if err := p.Add(s); err != nil {
+		t.Fatal(err)
+	}
+	lb, _ := p.Get("web")
+	raw, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", port), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { raw.Close() })
+	// Accepted before the abort, so the server that drains holds it.
+	waitfor.Value(t, 10*time.Second, "the connection accepted", func() (any, bool) {
+		n := lb.Snapshot().Accepted
+		return n, n == 1
+	})
+	p.Abort()
+	c := tls.Client(raw, &tls.Config{InsecureSkipVerify: true})
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if err := c.Handshake(); err != nil {
+		t.Fatalf("handshake with the aborted service's server: %v; want its certificate", err)
+	}
+	if cn := c.ConnectionState().PeerCertificates[0].Subject.CommonName; cn != "web" {
+		t.Errorf("certificate for %q; want web", cn)
+	}
+}
+
+// httpService is the service the config line svc gives, as the plan hands it
+// to the plane: served by the http plane, every backend usable.
+func httpService(t *testing.T, svc string) *plan.Service {
+	t.Helper()
+	cfg, err := config.Parse([]byte("services:\n- " + svc + "\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &plan.Service{Config: cfg.Services[0], Placement: plan.Placement{Plane: plan.HTTP}, Installed: true}
+	for _, bc := range cfg.Services[0].Backends {
+		s.Backends = append(s.Backends, plan.Backend{Config: bc, Usable: true, Healthy: true, Weight: 1})
+	}
+	return s
 }
