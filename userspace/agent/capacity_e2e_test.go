@@ -2,13 +2,17 @@ package agent_test
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/weir-lb/weir/internal/httpbackend"
 	"github.com/weir-lb/weir/internal/topo"
 	"github.com/weir-lb/weir/userspace/agent/api"
 	"github.com/weir-lb/weir/userspace/config"
@@ -51,18 +55,44 @@ func fullConfig(link, socket string, weight int, span map[int][2]int) string {
 // before anything is written, naming the slots that ran out, the service and the
 // way through (before, it failed half-way on 'all 16384 backend slots in use',
 // after writing s00's new table, then rolled back); the running services keep
-// their tables and previous-table fallbacks as they were. While a backend an
-// earlier reload removed drains, the error says so. weir plan says beforehand
-// that the reload would be refused, and why.
+// their tables and previous-table fallbacks as they were, and an http service
+// the certificate it served, though its files were renewed (before, the
+// reload had read them, and the renewed certificate was served). While a
+// backend an earlier reload removed drains, the error says so. weir plan says
+// beforehand that the reload would be refused, and why.
 func TestReloadAtCapacityRefusedWhole(t *testing.T) {
 	tp := topo.NewT(t, topo.Config{Name: topo.UniqueName("cap"), Backends: 1})
 	dir := t.TempDir()
 	cfgPath, socket := filepath.Join(dir, "weir.yaml"), filepath.Join(dir, "weir.sock")
+	certPath, keyPath := filepath.Join(dir, "web.crt"), filepath.Join(dir, "web.key")
+	httpbackend.WriteCert(t, certPath, keyPath, "first")
+	web, withWeb := netip.AddrPortFrom(tp.Balancer.IP4, 8443), false
 	write := func(weight int, span map[int][2]int) {
 		t.Helper()
-		if err := os.WriteFile(cfgPath, []byte(fullConfig(tp.Balancer.Link, socket, weight, span)), 0o644); err != nil {
+		text := fullConfig(tp.Balancer.Link, socket, weight, span)
+		if withWeb {
+			text += fmt.Sprintf("  - {name: web, vip: %q, data_plane: http, http: {tls: {cert: %s, key: %s}}, health: {type: none}, backends: [{address: \"%s:80\"}]}\n",
+				web, certPath, keyPath, tp.Backends[0].IP4)
+		}
+		if err := os.WriteFile(cfgPath, []byte(text), 0o644); err != nil {
 			t.Fatal(err)
 		}
+	}
+	// served is the name the certificate web hands out gives.
+	served := func() string {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		raw, err := tp.DialTCP(ctx, web, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := tls.Client(raw, &tls.Config{InsecureSkipVerify: true})
+		defer c.Close()
+		if err := c.HandshakeContext(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return c.ConnectionState().PeerCertificates[0].Subject.CommonName
 	}
 	write(1, nil)
 	if _, err := config.Load(cfgPath); err != nil {
@@ -82,6 +112,16 @@ func TestReloadAtCapacityRefusedWhole(t *testing.T) {
 	if n := len(tables(before)); n != 16 {
 		t.Fatalf("%d services with a table; want 16", n)
 	}
+	// web, served by the http plane, holds no slot.
+	withWeb = true
+	write(1, nil)
+	if err := p.client.Reload(context.Background()); err != nil {
+		t.Fatalf("reload adding an http service: %v", err)
+	}
+	if cn := served(); cn != "first" {
+		t.Fatalf("web serves the certificate for %q; want first", cn)
+	}
+	httpbackend.WriteCert(t, certPath, keyPath, "second")
 
 	// s15's backend 0 replaced by 1024.
 	write(2, map[int][2]int{15: {1, 1025}})
@@ -114,6 +154,9 @@ func TestReloadAtCapacityRefusedWhole(t *testing.T) {
 		if !reflect.DeepEqual(g, w) {
 			t.Errorf("service %s: table %+v after the refused reload; want it untouched, %+v", name, g, w)
 		}
+	}
+	if cn := served(); cn != "first" {
+		t.Errorf("web serves the certificate for %q after the refused reload; want the one it served, first", cn)
 	}
 
 	// Removing s15's backend 0 takes no slot: it keeps its own while it drains,

@@ -675,8 +675,10 @@ func (a *Agent) reconcile(prev, next plan.Desired) error {
 // reconcileOps is reconcile with the operations from prev to next, plan.Diff's,
 // already computed.
 func (a *Agent) reconcileOps(prev, next plan.Desired, ops []plan.Op) error {
-	// A change the XDP program has no slots for is refused before any write.
+	// A change the XDP program has no slots for is refused before any write;
+	// what the caller staged for it (a reload's certificates) is undone.
 	if err := a.xdp.Fits(prev, ops); err != nil {
+		a.stage(staged.Abort)
 		return err
 	}
 	for i, op := range ops {
