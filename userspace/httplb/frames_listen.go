@@ -68,7 +68,8 @@ func (l *splitListener) stop(abandon <-chan struct{}) {
 	l.Listener.Close()
 	<-l.ran
 	arrived := make(chan struct{})
-	// Exits when the last sniff is over: each is bounded by the header time.
+	// Exits when the last sniff is over: each is bounded by the header time
+	// (over TLS by twice it: the handshake's, then the HTTP/2 preface's).
 	go func() {
 		l.arriving.Wait()
 		close(arrived)
