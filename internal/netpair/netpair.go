@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os/exec"
 	"testing"
 	"time"
 
@@ -95,22 +96,41 @@ func (p *Pair) CutB(t testing.TB) {
 	}
 }
 
+// DropPort makes a peer on port of this host vanish without a FIN or a reset:
+// from then on nftables drops every TCP packet to and from the port that
+// reaches the calling thread's network namespace. The rules stay with the
+// namespace: call it only in one the test made (or runs in) alone.
+func DropPort(t testing.TB, port uint16) {
+	t.Helper()
+	rules := fmt.Sprintf("table inet vanish { chain in { type filter hook input priority 0; tcp sport %[1]d drop; tcp dport %[1]d drop; }; }", port)
+	if out, err := exec.Command("nft", rules).CombinedOutput(); err != nil {
+		t.Fatalf("nft %s: %v: %s", rules, err, out)
+	}
+}
+
 // VanishB cuts B's link (CutB) and checks what two services, each holding
-// one connection from B, make of it: probed, whose count of open connections
-// is given, probes idle peers (TCP keepalive, say idle 1s, interval 1s, 2
-// probes) and must drop the connection within 20s, room for a loaded
-// machine; unprobed must still hold it a second after that.
+// one connection from B, make of it (Outlived).
 func (p *Pair) VanishB(t testing.TB, probed, unprobed func() int64) {
 	t.Helper()
 	p.CutB(t)
-	start := time.Now()
+	Outlived(t, time.Now(), probed, unprobed)
+}
+
+// Outlived checks what two services, each holding one connection whose peer
+// vanished at start, make of it: ends, whose count of open connections is
+// given, finds the peer gone (TCP keepalive, say idle 1s, interval 1s, 2
+// probes, or a TCP_USER_TIMEOUT of a second with bytes in flight) and must
+// drop the connection within 20s, room for a loaded machine; holds, which
+// does not, must still hold it a second after that.
+func Outlived(t testing.TB, start time.Time, ends, holds func() int64) {
+	t.Helper()
 	waitfor.Value(t, 20*time.Second, "0 connections", func() (any, bool) {
-		n := probed()
+		n := ends()
 		return fmt.Sprintf("%d connections", n), n == 0
 	})
-	t.Logf("the probing service ended the connection %v after B went", time.Since(start).Round(time.Millisecond))
-	if waitfor.Cond(time.Second, func() bool { return unprobed() != 1 }) {
-		t.Errorf("the service that does not probe, %v after B went: got %d connections; want 1",
-			time.Since(start).Round(time.Millisecond), unprobed())
+	t.Logf("the service that finds it out ended the connection %v after the peer went", time.Since(start).Round(time.Millisecond))
+	if waitfor.Cond(time.Second, func() bool { return holds() != 1 }) {
+		t.Errorf("the service that does not find it out, %v after the peer went: got %d connections; want 1",
+			time.Since(start).Round(time.Millisecond), holds())
 	}
 }

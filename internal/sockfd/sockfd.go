@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"strconv"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -91,4 +92,22 @@ func KeepaliveBetween(local, peer netip.AddrPort) (Keepalive, error) {
 		return Keepalive{}, err
 	}
 	return KeepaliveOf(fd)
+}
+
+// UserTimeoutOf reads fd's TCP_USER_TIMEOUT with getsockopt; 0 is none.
+func UserTimeoutOf(fd int) (time.Duration, error) {
+	ms, err := unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT)
+	if err != nil {
+		return 0, fmt.Errorf("getsockopt TCP_USER_TIMEOUT on fd %d: %w", fd, err)
+	}
+	return time.Duration(ms) * time.Millisecond, nil
+}
+
+// UserTimeoutBetween is UserTimeoutOf the socket Find finds.
+func UserTimeoutBetween(local, peer netip.AddrPort) (time.Duration, error) {
+	fd, err := Find(local, peer)
+	if err != nil {
+		return 0, err
+	}
+	return UserTimeoutOf(fd)
 }

@@ -85,6 +85,11 @@ const (
 	MaxKeepaliveCount    = 127
 )
 
+// MaxUserTimeout bounds TCP_USER_TIMEOUT, which the kernel takes in
+// milliseconds up to 2^31-1 (24 days): a day is already far past the
+// kernel's own limit on retransmissions (net.ipv4.tcp_retries2, ~15 minutes).
+const MaxUserTimeout = 24 * time.Hour
+
 // MinHealthInterval and MinHealthTimeout bound a health check's interval and
 // timeout from below: ten checks a second of every backend is twenty times the
 // default (HAProxy's inter is 2s too) and only loads the backends, and a check
@@ -631,10 +636,18 @@ type Proxy struct {
 	SockMap SockMap
 	// TCPKeepalive is TCP keepalive on the client and backend sockets.
 	TCPKeepalive TCPKeepalive
+	// TCPUserTimeout bounds how long sent bytes wait to be acknowledged.
+	TCPUserTimeout TCPUserTimeout
 }
 
 // TCPKeepalive is TCP keepalive on a data plane's client and backend sockets.
 type TCPKeepalive struct{ Client, Backend Keepalive }
+
+// TCPUserTimeout is TCP_USER_TIMEOUT on a data plane's client and backend
+// sockets (tcp(7)): a connection whose sent bytes stay unacknowledged this
+// long (or, with keepalive on, whose probes go unanswered this long) fails.
+// Whole milliseconds; 0: off, the kernel's retransmissions decide.
+type TCPUserTimeout struct{ Client, Backend time.Duration }
 
 // Keepalive is TCP keepalive on one side's sockets: after Idle with nothing
 // received, a probe every Interval; Count unanswered probes end the connection.
@@ -751,6 +764,8 @@ type HTTP struct {
 	// TCPKeepalive is TCP keepalive on the client and backend sockets; a side
 	// left off keeps Go's runtime's.
 	TCPKeepalive TCPKeepalive
+	// TCPUserTimeout bounds how long sent bytes wait to be acknowledged.
+	TCPUserTimeout TCPUserTimeout
 }
 
 // SockMap is the proxy's choice of in-kernel forwarding.

@@ -341,6 +341,13 @@ func TestErrors(t *testing.T) {
 		{"keepalive count too high", svc + "  data_plane: http\n  http:\n    tcp_keepalive:\n      backend: {count: 128}\n" + be, "line 7: services[0].http.tcp_keepalive.backend.count: must be 1..127"},
 		{"keepalive negative interval", svc + "  data_plane: http\n  http: {tcp_keepalive: {client: {interval: -1s}}}\n" + be, "line 5: services[0].http.tcp_keepalive.client.interval: must be whole seconds, 1s..32767s (the kernel's limits), got -1s"},
 		{"keepalive side misspelt", svc + "  proxy: {tcp_keepalive: {server: {}}}\n" + be, "services[0].proxy.tcp_keepalive.server: unknown field"},
+		// TCP_USER_TIMEOUT: the kernel takes milliseconds.
+		{"user timeout", svc + "  proxy:\n    tcp_user_timeout: {client: 30s, backend: 1ms}\n" + be, ""},
+		{"user timeout zero", svc + "  proxy:\n    tcp_user_timeout:\n      client: 0s\n" + be, "line 6: services[0].proxy.tcp_user_timeout.client: must be whole milliseconds, 1ms..24h0m0s, got 0s"},
+		{"user timeout fraction", svc + "  data_plane: http\n  http:\n    tcp_user_timeout:\n      backend: 1500us\n" + be, "line 7: services[0].http.tcp_user_timeout.backend: must be whole milliseconds, 1ms..24h0m0s, got 1.5ms"},
+		{"user timeout too long", svc + "  proxy: {tcp_user_timeout: {backend: 25h}}\n" + be, "line 4: services[0].proxy.tcp_user_timeout.backend: must be whole milliseconds, 1ms..24h0m0s, got 25h0m0s"},
+		{"user timeout negative", svc + "  data_plane: http\n  http: {tcp_user_timeout: {client: -1s}}\n" + be, "line 5: services[0].http.tcp_user_timeout.client: must be whole milliseconds, 1ms..24h0m0s, got -1s"},
+		{"user timeout side misspelt", svc + "  proxy: {tcp_user_timeout: {server: 1s}}\n" + be, "services[0].proxy.tcp_user_timeout.server: unknown field"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := Parse([]byte(c.yaml))
@@ -609,6 +616,37 @@ func TestResolveHTTP(t *testing.T) {
 	} {
 		if c.got != c.want {
 			t.Errorf("%s: got %v; want %v", c.name, c.got, c.want)
+		}
+	}
+}
+
+// TestResolveUserTimeout: a side of tcp_user_timeout that the file names has
+// its value; a side it leaves out is 0 (off).
+func TestResolveUserTimeout(t *testing.T) {
+	cfg, err := Parse([]byte(`services:
+- name: a
+  vip: 192.0.2.1:80
+  proxy: {tcp_user_timeout: {client: 30s, backend: 1500ms}}
+  backends: [{address: 192.0.2.10:80}]
+- name: b
+  vip: 192.0.2.1:81
+  data_plane: http
+  http: {tcp_user_timeout: {backend: 2s}}
+  backends: [{address: 192.0.2.10:80}]
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name      string
+		got, want TCPUserTimeout
+	}{
+		{"a.proxy", cfg.Services[0].Proxy.TCPUserTimeout, TCPUserTimeout{Client: 30 * time.Second, Backend: 1500 * time.Millisecond}},
+		{"b.proxy", cfg.Services[1].Proxy.TCPUserTimeout, TCPUserTimeout{}},
+		{"b.http", cfg.Services[1].HTTP.TCPUserTimeout, TCPUserTimeout{Backend: 2 * time.Second}},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s.tcp_user_timeout: got %+v; want %+v", c.name, c.got, c.want)
 		}
 	}
 }

@@ -189,6 +189,9 @@ type fileProxy struct {
 	SockMap            SockMap   `yaml:"sockmap,omitempty"`        // auto (default), on, off
 	// TCPKeepalive probes idle peers of the client and backend sockets. Default off.
 	TCPKeepalive fileTCPKeepalive `yaml:"tcp_keepalive,omitempty"`
+	// TCPUserTimeout bounds how long sent bytes may go unacknowledged on the
+	// client and backend sockets. Default off (the kernel's retransmissions).
+	TCPUserTimeout fileTCPUserTimeout `yaml:"tcp_user_timeout,omitempty"`
 
 	ListenAddr netip.AddrPort `yaml:"-"` // Listen, parsed
 }
@@ -211,6 +214,13 @@ type fileKeepalive struct {
 
 // A side named with no value ("client:") is on, with the defaults.
 func (*fileKeepalive) onWhenNamed() {}
+
+// fileTCPUserTimeout is TCP_USER_TIMEOUT on a data plane's client and backend
+// sockets; a side that is left out has none.
+type fileTCPUserTimeout struct {
+	Client  *duration `yaml:"client,omitempty"`
+	Backend *duration `yaml:"backend,omitempty"`
+}
 
 // HTTP holds the settings of the http data plane (data_plane: http).
 type fileHTTP struct {
@@ -249,6 +259,9 @@ type fileHTTP struct {
 	// Go's runtime's (15s, 15s, 9 probes; 30s idle for backend connections but
 	// the frame engine's and tunnels').
 	TCPKeepalive fileTCPKeepalive `yaml:"tcp_keepalive,omitempty"`
+	// TCPUserTimeout bounds how long sent bytes may go unacknowledged on the
+	// client and backend sockets. Default off (the kernel's retransmissions).
+	TCPUserTimeout fileTCPUserTimeout `yaml:"tcp_user_timeout,omitempty"`
 
 	ListenAddr netip.AddrPort `yaml:"-"` // Listen, parsed
 	Hash       HashBy         `yaml:"-"` // HashBy, parsed

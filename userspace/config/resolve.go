@@ -3,6 +3,7 @@ package config
 import (
 	"net"
 	"net/netip"
+	"time"
 )
 
 // resolve turns a validated file, defaults applied, into the model.
@@ -98,6 +99,7 @@ func (s *fileService) resolve() Service {
 			ProxyProtocol:      px.ProxyProtocol,
 			SockMap:            px.SockMap,
 			TCPKeepalive:       px.TCPKeepalive.resolve(),
+			TCPUserTimeout:     px.TCPUserTimeout.resolve(),
 		},
 	}
 	if h := s.HTTP; h != nil {
@@ -109,6 +111,7 @@ func (s *fileService) resolve() Service {
 			Retries: *h.Retries, RetryBudget: *h.RetryBudget, RetryGRPC: h.RetryGRPC,
 			XForwardedFor: *h.XForwardedFor, Forwarded: h.Forwarded, XForwardedProto: *h.XForwardedProto,
 			AccessLog: h.AccessLog, TCPKeepalive: h.TCPKeepalive.resolve(),
+			TCPUserTimeout: h.TCPUserTimeout.resolve(),
 		}
 	}
 	for _, b := range s.Backends {
@@ -133,4 +136,14 @@ func (k fileTCPKeepalive) resolve() TCPKeepalive {
 		return Keepalive{Idle: f.Idle.D(), Interval: f.Interval.D(), Count: *f.Count}
 	}
 	return TCPKeepalive{Client: side(k.Client), Backend: side(k.Backend)}
+}
+
+func (u fileTCPUserTimeout) resolve() TCPUserTimeout {
+	side := func(d *duration) time.Duration {
+		if d == nil {
+			return 0
+		}
+		return d.D()
+	}
+	return TCPUserTimeout{Client: side(u.Client), Backend: side(u.Backend)}
 }

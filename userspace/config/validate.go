@@ -999,6 +999,7 @@ func (px *fileProxy) validate(c *checker, p string, vip netip.AddrPort) {
 	}
 	oneOf(c, p+".sockmap", px.SockMap, SockMapAuto, SockMapOn, SockMapOff)
 	px.TCPKeepalive.validate(c, p+".tcp_keepalive")
+	px.TCPUserTimeout.validate(c, p+".tcp_user_timeout")
 }
 
 func (k *fileTCPKeepalive) defaults() {
@@ -1031,6 +1032,17 @@ func (k *fileTCPKeepalive) validate(c *checker, p string) {
 		c.keepaliveSeconds(sp+".interval", *side.f.Interval, MaxKeepaliveInterval)
 		if n := *side.f.Count; n < 1 || n > MaxKeepaliveCount {
 			c.bad(sp+".count", "must be 1..%d (probes unanswered before the connection ends), got %d", MaxKeepaliveCount, n)
+		}
+	}
+}
+
+func (u *fileTCPUserTimeout) validate(c *checker, p string) {
+	for _, side := range []struct {
+		name string
+		d    *duration
+	}{{"client", u.Client}, {"backend", u.Backend}} {
+		if d := side.d; d != nil && (*d <= 0 || d.D()%time.Millisecond != 0 || d.D() > MaxUserTimeout) {
+			c.bad(p+"."+side.name, "must be whole milliseconds, 1ms..%v, got %v", MaxUserTimeout, *d)
 		}
 	}
 }
@@ -1123,6 +1135,7 @@ func (h *fileHTTP) validate(c *checker, p string, vip netip.AddrPort, algo Algor
 	c.positive(p+".idle_timeout", *h.IdleTimeout)
 	c.positive(p+".read_header_timeout", *h.ReadHeaderTimeout)
 	h.TCPKeepalive.validate(c, p+".tcp_keepalive")
+	h.TCPUserTimeout.validate(c, p+".tcp_user_timeout")
 	if h.TryTimeout < 0 {
 		c.bad(p+".try_timeout", "must be 0 (none) or positive, got %v", h.TryTimeout)
 	}

@@ -109,13 +109,19 @@ func (s *Service) ListenFDs(addr netip.AddrPort) []int {
 }
 
 // takeOver returns a listener on the listening socket fd, which it owns (see
-// ListenFrom), and the socket's own listener under it; nil if fd is no TCP
-// listening socket. net.FileListener's accepted connections get Go's default
+// ListenFrom), with cfg's client options set on the socket (retune), and the
+// socket's own listener under it; nil if fd is no TCP listening socket or the
+// options cannot be set. net.FileListener's accepted connections get Go's default
 // keepalive (15s idle, 15s interval, 9 probes), whatever the socket had
 // (another server, the proxy, may have set its own on it): where ka differs,
 // its values are set on each one, the only cost a socket taken over adds per
 // connection (a setsockopt a field that differs).
-func takeOver(fd int, ka net.KeepAliveConfig) (*net.TCPListener, net.Listener) {
+func takeOver(fd int, cfg *Config) (*net.TCPListener, net.Listener) {
+	if cfg.retune(fd) != nil {
+		unix.Close(fd)
+		return nil, nil
+	}
+	ka := cfg.ClientKeepalive
 	f := os.NewFile(uintptr(fd), "listener")
 	fl, err := net.FileListener(f) // a descriptor of its own
 	f.Close()

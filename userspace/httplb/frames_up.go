@@ -362,7 +362,7 @@ func (uc *upconn) goAwayLocked(code http2.ErrCode, debug []byte) {
 func (uc *upconn) dial() {
 	s := uc.pool.s
 	be := uc.pool.be
-	d := net.Dialer{Timeout: s.cfg.ConnectTimeout, KeepAliveConfig: s.cfg.BackendKeepalive}
+	d := s.dialer()
 	c, err := d.DialContext(context.Background(), "tcp", be.id)
 	if err != nil {
 		uc.fail(&dialError{err})

@@ -33,7 +33,6 @@ import (
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/h2c"
-	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/userspace/balance"
 )
@@ -141,6 +140,16 @@ type Config struct {
 	// by Listen.
 	ClientKeepalive  net.KeepAliveConfig
 	BackendKeepalive net.KeepAliveConfig
+	// ClientUserTimeout and BackendUserTimeout set TCP_USER_TIMEOUT on the
+	// accepted client connections and the connections dialed to backends when
+	// positive: a connection whose sent bytes stay unacknowledged this long
+	// (or whose keepalive probes go unanswered this long) fails, where the
+	// kernel would retransmit for net.ipv4.tcp_retries2 (about 15 minutes).
+	// Rounded up to milliseconds. The client's is set on the listening
+	// socket, which accepted sockets inherit; 0: no system call. Read once, by
+	// Listen.
+	ClientUserTimeout  time.Duration
+	BackendUserTimeout time.Duration
 
 	// DrainTimeout bounds how long Serve waits for in-flight requests at
 	// shutdown, and how long a draining or removed backend keeps its tunnels;
@@ -251,7 +260,7 @@ func ListenFrom(cfg Config, backends []Backend, old Sockets) (*Service, error) {
 	var lns []net.Listener
 	if old != nil {
 		for _, fd := range old.ListenFDs(cfg.Listen) {
-			if tl, ln := takeOver(fd, cfg.ClientKeepalive); ln != nil {
+			if tl, ln := takeOver(fd, &cfg); ln != nil {
 				s.socks = append(s.socks, tl)
 				lns = append(lns, ln)
 			}
@@ -259,10 +268,12 @@ func ListenFrom(cfg Config, backends []Backend, old Sockets) (*Service, error) {
 	}
 	if len(lns) == 0 {
 		lc := net.ListenConfig{KeepAliveConfig: cfg.ClientKeepalive, Control: func(_, _ string, c syscall.RawConn) error {
-			var serr error
-			err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1) })
-			return errors.Join(err, serr)
+			return control(c, cfg.listenOpts)
 		}}
+		// Plain TCP, as the proxy's: Go would make it Multipath TCP, whose
+		// listening socket refuses TCP_USER_TIMEOUT (ENOPROTOOPT), so that a
+		// replacement taking it over could not set its own.
+		lc.SetMultipathTCP(false)
 		ln, err := lc.Listen(context.Background(), "tcp", cfg.Listen.String())
 		if err != nil {
 			return nil, fmt.Errorf("service %q: listen %s: %w", cfg.Name, cfg.Listen, err)
@@ -455,7 +466,8 @@ type backend struct {
 
 func (s *Service) newBackend(addr netip.AddrPort) *backend {
 	b := &backend{addr: addr, id: addr.String()}
-	dialer := &net.Dialer{Timeout: s.cfg.ConnectTimeout, KeepAlive: 30 * time.Second, KeepAliveConfig: s.cfg.BackendKeepalive}
+	dialer := s.dialer()
+	dialer.KeepAlive = 30 * time.Second
 	dial := func(ctx context.Context, network, _ string) (net.Conn, error) {
 		if b.retired.Load() {
 			return nil, &dialError{errRetired}
@@ -643,7 +655,8 @@ func Fixed(a, b Config) bool {
 	return a.Name != b.Name || a.Listen != b.Listen || a.TLS != b.TLS || a.NetHTTP2 != b.NetHTTP2 || a.NetHTTP1 != b.NetHTTP1 || a.ConnectTimeout != b.ConnectTimeout ||
 		a.IdleTimeout != b.IdleTimeout || a.ReadHeaderTimeout != b.ReadHeaderTimeout ||
 		a.MaxHeaderBytes != b.MaxHeaderBytes || a.DrainTimeout != b.DrainTimeout ||
-		a.ClientKeepalive != b.ClientKeepalive || a.BackendKeepalive != b.BackendKeepalive
+		a.ClientKeepalive != b.ClientKeepalive || a.BackendKeepalive != b.BackendKeepalive ||
+		a.ClientUserTimeout != b.ClientUserTimeout || a.BackendUserTimeout != b.BackendUserTimeout
 }
 
 // Reconfigure applies new settings and backends in place: client connections

@@ -49,24 +49,8 @@ func TestKeepaliveSockets(t *testing.T) {
 				cfg.ClientKeepalive, cfg.BackendKeepalive = client, backend
 			}
 			s := serve(t, cfg, bs)
-			local := make(chan netip.AddrPort, 1)
-			var p http.Protocols
-			p.SetHTTP1(!tc.h2)
-			p.SetUnencryptedHTTP2(tc.h2)
-			tr := &http.Transport{Protocols: &p, DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-				c, err := (&net.Dialer{KeepAlive: -1}).DialContext(ctx, network, addr)
-				if err == nil {
-					local <- c.LocalAddr().(*net.TCPAddr).AddrPort()
-				}
-				return c, err
-			}}
-			t.Cleanup(tr.CloseIdleConnections)
-			resp, _ := get(t, &http.Client{Transport: tr, Timeout: 10 * time.Second}, "http://"+s.Addr().String()+"/")
-			if resp.StatusCode != http.StatusOK {
-				t.Fatalf("got %s; want 200", resp.Status)
-			}
 			lb := s.Addr().(*net.TCPAddr).AddrPort()
-			kc, err := sockfd.KeepaliveBetween(lb, <-local)
+			kc, err := sockfd.KeepaliveBetween(lb, getFrom(t, s, tc.h2))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -144,6 +128,22 @@ func openConns(s *Service, want int64) func() (any, bool) {
 func TestKeepaliveTunnel(t *testing.T) {
 	bs := httpbackend.StartN(t, 1)
 	s := serve(t, Config{BackendKeepalive: net.KeepAliveConfig{Enable: true, Idle: 11 * time.Second, Interval: 2 * time.Second, Count: 2}}, bs)
+	wsEchoThrough(t, s)
+	// The tunnel's is the only connection to the backend: nothing else was asked.
+	fds, err := sockfd.FindAll(netip.AddrPort{}, bs[0].Addr)
+	if err != nil || len(fds) != 1 {
+		t.Fatalf("sockets to the backend: got %d, %v; want the tunnel's", len(fds), err)
+	}
+	want := sockfd.Keepalive{On: 1, Idle: 11, Interval: 2, Count: 2}
+	if k, err := sockfd.KeepaliveOf(fds[0]); err != nil || k != want {
+		t.Errorf("the tunnel's backend socket: got %+v, %v; want %+v", k, err, want)
+	}
+}
+
+// wsEchoThrough opens a WebSocket tunnel through s to its backend's echo, and
+// checks that it echoes; the tunnel is closed at the test's cleanup.
+func wsEchoThrough(t *testing.T, s *Service) *websocket.Conn {
+	t.Helper()
 	ws, err := websocket.DialConfig(wsConfig(t, "ws", s.Addr().String(), nil))
 	if err != nil {
 		t.Fatalf("WebSocket handshake through the plane: %v", err)
@@ -157,13 +157,29 @@ func TestKeepaliveTunnel(t *testing.T) {
 	if err := websocket.Message.Receive(ws, &got); err != nil || got != "ping" {
 		t.Fatalf("through the tunnel: got %q, %v; want \"ping\"", got, err)
 	}
-	// The tunnel's is the only connection to the backend: nothing else was asked.
-	fds, err := sockfd.FindAll(netip.AddrPort{}, bs[0].Addr)
-	if err != nil || len(fds) != 1 {
-		t.Fatalf("sockets to the backend: got %d, %v; want the tunnel's", len(fds), err)
+	return ws
+}
+
+// getFrom asks s for / over a new connection, HTTP/2 by prior knowledge if h2
+// (else HTTP/1.1), checks that it is answered 200, and returns the address
+// the connection was made from, open until the test ends.
+func getFrom(t *testing.T, s *Service, h2 bool) netip.AddrPort {
+	t.Helper()
+	local := make(chan netip.AddrPort, 1)
+	var p http.Protocols
+	p.SetHTTP1(!h2)
+	p.SetUnencryptedHTTP2(h2)
+	tr := &http.Transport{Protocols: &p, DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := (&net.Dialer{KeepAlive: -1}).DialContext(ctx, network, addr)
+		if err == nil {
+			local <- c.LocalAddr().(*net.TCPAddr).AddrPort()
+		}
+		return c, err
+	}}
+	t.Cleanup(tr.CloseIdleConnections)
+	resp, _ := get(t, &http.Client{Transport: tr, Timeout: 10 * time.Second}, "http://"+s.Addr().String()+"/")
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("got %s; want 200", resp.Status)
 	}
-	want := sockfd.Keepalive{On: 1, Idle: 11, Interval: 2, Count: 2}
-	if k, err := sockfd.KeepaliveOf(fds[0]); err != nil || k != want {
-		t.Errorf("the tunnel's backend socket: got %+v, %v; want %+v", k, err, want)
-	}
+	return <-local
 }

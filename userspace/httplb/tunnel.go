@@ -80,7 +80,7 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 	if try > 0 {
 		be.stats.retries.Add(1)
 	}
-	d := net.Dialer{Timeout: s.cfg.ConnectTimeout, KeepAliveConfig: s.cfg.BackendKeepalive}
+	d := s.dialer()
 	bc, err := d.DialContext(tctx, "tcp", be.id)
 	if err != nil {
 		if tctx.Err() != nil && client.Err() == nil {

@@ -228,7 +228,7 @@ func (l *loop) connect(c *conn) {
 		c.attempt++
 		c.b, c.lease = b, lease
 		c.dialed = time.Now()
-		fd, err := startDial(b.sa, c.h[up].pending(), &s.cfg.BackendKeepalive)
+		fd, err := startDial(b.sa, c.h[up].pending(), &s.backend)
 		if err == nil {
 			c.fd[server] = fd
 			if err = l.register(c, server); err == nil {

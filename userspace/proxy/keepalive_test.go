@@ -3,10 +3,8 @@ package proxy
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net"
 	"net/netip"
-	"os/exec"
 	"slices"
 	"syscall"
 	"testing"
@@ -17,17 +15,6 @@ import (
 	"github.com/weir-lb/weir/internal/waitfor"
 )
 
-// keepaliveBetween is the keepalive setting of the socket of this process
-// connected from local to peer.
-func keepaliveBetween(t *testing.T, local, peer netip.AddrPort) sockfd.Keepalive {
-	t.Helper()
-	k, err := sockfd.KeepaliveBetween(local, peer)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return k
-}
-
 // TestKeepaliveSockets checks with getsockopt, on both of the proxy's sockets of
 // a proxied connection, that the configured keepalive is what the kernel holds:
 // the client's set on the listener and inherited by the accepted socket, the
@@ -36,7 +23,7 @@ func keepaliveBetween(t *testing.T, local, peer netip.AddrPort) sockfd.Keepalive
 func TestKeepaliveSockets(t *testing.T) {
 	// The host's defaults, which a socket with keepalive off still reports.
 	off := func(t *testing.T) sockfd.Keepalive {
-		ln, err := listen(loopback0, net.KeepAliveConfig{})
+		ln, err := listen(loopback0, tcpOpts{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -75,54 +62,93 @@ func TestKeepaliveSockets(t *testing.T) {
 			off, sockfd.Keepalive{On: 1, Idle: off.Idle, Interval: 9, Count: 1}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			at := loopback0
-			if tc.ip != "" {
-				at = netip.AddrPortFrom(netip.MustParseAddr(tc.ip), 0)
+			client, backend := proxiedSockets(t, tc.ip, Config{ClientKeepalive: tc.client, BackendKeepalive: tc.backend})
+			if got, err := sockfd.KeepaliveOf(client); err != nil || got != tc.wantClient {
+				t.Errorf("client side: got %+v, %v; want %+v", got, err, tc.wantClient)
 			}
-			accepted := make(chan netip.AddrPort, 1)
-			be := startBackend(t, "b", at, func(name string, c *net.TCPConn) {
-				accepted <- c.RemoteAddr().(*net.TCPAddr).AddrPort()
-				echo(name, c)
-			})
-			s := startProxy(t, Config{Listen: at, Backends: []Backend{{Addr: be.addr()}},
-				ClientKeepalive: tc.client, BackendKeepalive: tc.backend})
-			c := dial(t, s)
-			if err := roundTrip(c, "ping"); err != nil {
-				t.Fatal(err)
+			if got, err := sockfd.KeepaliveOf(backend); err != nil || got != tc.wantBackd {
+				t.Errorf("backend side: got %+v, %v; want %+v", got, err, tc.wantBackd)
 			}
-			client := c.LocalAddr().(*net.TCPAddr).AddrPort()
-			if got := keepaliveBetween(t, s.Addr(), client); got != tc.wantClient {
-				t.Errorf("client side: got %+v; want %+v", got, tc.wantClient)
-			}
-			dialed := <-accepted
-			if got := keepaliveBetween(t, dialed, be.addr()); got != tc.wantBackd {
-				t.Errorf("backend side: got %+v; want %+v", got, tc.wantBackd)
-			}
-			c.Close()
-			waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
 		})
 	}
+}
+
+// proxiedSockets proxies a connection through a service with cfg (its Listen
+// and Backends set here: ip, "" 127.0.0.1, is the listener's and the
+// backend's address), and returns the descriptors of the proxy's client and
+// backend sockets of it, for getsockopt, until the test ends; then the
+// connection is closed and its end waited for.
+func proxiedSockets(t *testing.T, ip string, cfg Config) (client, backend int) {
+	t.Helper()
+	at := loopback0
+	if ip != "" {
+		at = netip.AddrPortFrom(netip.MustParseAddr(ip), 0)
+	}
+	accepted := make(chan netip.AddrPort, 1)
+	be := startBackend(t, "b", at, func(name string, c *net.TCPConn) {
+		accepted <- c.RemoteAddr().(*net.TCPAddr).AddrPort()
+		echo(name, c)
+	})
+	cfg.Listen, cfg.Backends = at, []Backend{{Addr: be.addr()}}
+	s := startProxy(t, cfg)
+	c := dial(t, s)
+	if err := roundTrip(c, "ping"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.Close()
+		waitfor.Value(t, 5*time.Second, "0 active connections", active(s, 0))
+	})
+	client, err := sockfd.Find(s.Addr(), c.LocalAddr().(*net.TCPAddr).AddrPort())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if backend, err = sockfd.Find(<-accepted, be.addr()); err != nil {
+		t.Fatal(err)
+	}
+	return client, backend
 }
 
 // TestKeepaliveVanishedClient: a client whose host vanishes without a FIN or a
 // reset (here its link goes down) is found out by keepalive and its connection
 // ends, freeing its slot; without keepalive, the connection stays.
+func TestKeepaliveVanishedClient(t *testing.T) {
+	vanishedClient(t, func(cfg *Config) {
+		cfg.ClientKeepalive = net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 2}
+	}, false)
+}
+
+// vanishedClient checks that a service with what set sets finds out a
+// client whose host vanished without a FIN or a reset (its link goes down)
+// and ends its connection, freeing its slot, where a service without it
+// still holds its connection a second after that (netpair.Outlived). With
+// inFlight, the backend sends the client bytes once it has gone, which the
+// proxy sends on and which then wait to be acknowledged.
 //
 // The client lives in a namespace of its own joined by a veth to the proxy's
 // listeners' namespace (netpair); the proxy's loops, which dial, and the
 // backend stay in the test's namespace.
-func TestKeepaliveVanishedClient(t *testing.T) {
+func vanishedClient(t *testing.T, set func(*Config), inFlight bool) {
+	t.Helper()
 	pair := netpair.New(t)
-	be := startBackend(t, "b", netip.AddrPort{}, echo)
+	backs := make(chan *net.TCPConn, 2)
+	be := startBackend(t, "b", netip.AddrPort{}, func(name string, c *net.TCPConn) {
+		backs <- c
+		echo(name, c)
+	})
 	listenInA := func(ctx context.Context, cfg Config) (s *Service, err error) {
 		err = pair.A.Do(func() error { s, err = Listen(ctx, cfg); return err })
 		return s, err
 	}
-	ka := net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 2}
 	services := map[string]*Service{}
-	for name, cka := range map[string]net.KeepAliveConfig{"keepalive": ka, "none": {}} {
-		services[name] = startProxyWith(t, Config{Name: name, Listen: netip.AddrPortFrom(pair.AddrA, 0),
-			Backends: []Backend{{Addr: be.addr()}}, ClientKeepalive: cka, ShutdownTimeout: 100 * time.Millisecond}, listenInA)
+	var backConns []*net.TCPConn
+	for _, name := range []string{"set", "none"} {
+		cfg := Config{Name: name, Listen: netip.AddrPortFrom(pair.AddrA, 0),
+			Backends: []Backend{{Addr: be.addr()}}, ShutdownTimeout: 100 * time.Millisecond}
+		if name == "set" {
+			set(&cfg)
+		}
+		services[name] = startProxyWith(t, cfg, listenInA)
 		// The client does not probe: it is the one that goes.
 		c, err := pair.B.DialWith(context.Background(), &net.Dialer{KeepAlive: -1}, "tcp", services[name].Addr().String())
 		if err != nil {
@@ -133,11 +159,22 @@ func TestKeepaliveVanishedClient(t *testing.T) {
 		if err := roundTrip(c, "ping"); err != nil {
 			t.Fatalf("%s: %v", name, err)
 		}
+		backConns = append(backConns, <-backs)
 		waitfor.Value(t, 5*time.Second, "1 active connections", active(services[name], 1))
 	}
 
-	// The client's host goes: nothing sent.
-	pair.VanishB(t, func() int64 { return services["keepalive"].Snapshot().Active },
+	// The client's host goes.
+	pair.CutB(t)
+	start := time.Now()
+	for _, bc := range backConns {
+		if !inFlight {
+			break
+		}
+		if _, err := bc.Write([]byte("for the client\n")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	netpair.Outlived(t, start, func() int64 { return services["set"].Snapshot().Active },
 		func() int64 { return services["none"].Snapshot().Active })
 }
 
@@ -153,14 +190,31 @@ func TestKeepaliveVanishedBackend(t *testing.T) {
 	if !inOwnNetns(t, nil) {
 		return
 	}
+	vanishedBackend(t, func(cfg *Config) {
+		cfg.BackendKeepalive = net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 2}
+	}, false)
+}
+
+// vanishedBackend checks that a service with what set sets finds
+// out a backend whose host vanished without a FIN or a reset (nftables drops
+// every packet to and from its port; the caller runs in a network namespace
+// of its own): the client gets a reset, the slot is freed, and the backend is
+// blamed for a reset (Resets, the Observer), as passive health counts it. A
+// service without the setting still holds its connection a second after
+// that. With inFlight, the clients send bytes once the backend has gone,
+// which the proxy sends on and which then wait to be acknowledged.
+func vanishedBackend(t *testing.T, set func(*Config), inFlight bool) {
+	t.Helper()
 	be := startBackend(t, "b", netip.AddrPort{}, echo)
-	ka := net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 2}
 	rec := &recorder{}
 	services := map[string]*Service{}
 	clients := map[string]*net.TCPConn{}
-	for name, bka := range map[string]net.KeepAliveConfig{"keepalive": ka, "none": {}} {
-		services[name] = startProxy(t, Config{Name: name, Backends: []Backend{{Addr: be.addr()}},
-			BackendKeepalive: bka, ShutdownTimeout: 100 * time.Millisecond, Observer: rec})
+	for _, name := range []string{"set", "none"} {
+		cfg := Config{Name: name, Backends: []Backend{{Addr: be.addr()}}, ShutdownTimeout: 100 * time.Millisecond, Observer: rec}
+		if name == "set" {
+			set(&cfg)
+		}
+		services[name] = startProxy(t, cfg)
 		c := dial(t, services[name])
 		c.SetDeadline(time.Now().Add(60 * time.Second))
 		if err := roundTrip(c, "ping"); err != nil {
@@ -170,24 +224,25 @@ func TestKeepaliveVanishedBackend(t *testing.T) {
 	}
 
 	// The backend's host goes: nothing it sends arrives, nothing reaches it.
-	rules := fmt.Sprintf("table inet vanish { chain in { type filter hook input priority 0; tcp sport %[1]d drop; tcp dport %[1]d drop; }; }", be.addr().Port())
-	if out, err := exec.Command("nft", rules).CombinedOutput(); err != nil {
-		t.Fatalf("nft %s: %v: %s", rules, err, out)
-	}
+	netpair.DropPort(t, be.addr().Port())
 	start := time.Now()
-	waitfor.Value(t, 20*time.Second, "0 active connections", active(services["keepalive"], 0))
-	t.Logf("the probing service ended the connection %v after the backend went", time.Since(start).Round(time.Millisecond))
-	if _, err := clients["keepalive"].Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
-		t.Errorf("the client of the probing service: read got %v; want a reset", err)
+	for _, c := range clients {
+		if !inFlight {
+			break
+		}
+		if _, err := c.Write([]byte("for the backend\n")); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if got := services["keepalive"].Snapshot().Backends[0].Resets; got != 1 {
+	netpair.Outlived(t, start, func() int64 { return services["set"].Snapshot().Active },
+		func() int64 { return services["none"].Snapshot().Active })
+	if _, err := clients["set"].Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("the client of the service that found it out: read got %v; want a reset", err)
+	}
+	if got := services["set"].Snapshot().Backends[0].Resets; got != 1 {
 		t.Errorf("backend resets: got %d; want 1", got)
 	}
 	if got, want := rec.list(), []string{be.addr().String() + " reset"}; !slices.Equal(got, want) {
 		t.Errorf("observed: got %q; want %q", got, want)
-	}
-	if waitfor.Cond(time.Second, func() bool { return services["none"].Snapshot().Active != 1 }) {
-		t.Errorf("the service that does not probe, %v after the backend went: got %d connections; want 1",
-			time.Since(start).Round(time.Millisecond), services["none"].Snapshot().Active)
 	}
 }

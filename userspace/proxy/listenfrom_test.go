@@ -187,39 +187,62 @@ func TestListenFromKeepalive(t *testing.T) {
 		old, new net.KeepAliveConfig
 	}{{"set to off", set, off}, {"off to the defaults", off, defaults}, {"set to the defaults", set, defaults}} {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := Config{Name: t.Name(), Listen: loopback0, Backends: []Backend{{Addr: loopback0}}, Logger: discardLogger(),
-				AcceptLoops: 1, ClientKeepalive: tc.old}
-			old, err := Listen(context.Background(), cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { old.Close() })
-			check := func(when string, want net.KeepAliveConfig) {
-				t.Helper()
-				k, err := sockfd.KeepaliveOf(old.lns[0].fd)
+			takeOverAndReclaim(t, func(cfg *Config, old bool) {
+				cfg.ClientKeepalive = tc.new
+				if old {
+					cfg.ClientKeepalive = tc.old
+				}
+			}, func(fd int, old bool) error {
+				k, err := sockfd.KeepaliveOf(fd)
 				if err != nil {
-					t.Fatal(err)
+					return err
 				}
-				w := wantOf(want)
+				w := wantOf(tc.new)
+				if old {
+					w = wantOf(tc.old)
+				}
 				if k.On != w.On || w.On == 1 && (k.Idle != w.Idle || k.Interval != w.Interval || k.Count != w.Count) {
-					t.Errorf("%s: the listening socket's keepalive got %+v; want %+v", when, k, w)
+					return fmt.Errorf("the listening socket's keepalive got %+v; want %+v", k, w)
 				}
-			}
-			check("before", tc.old)
-			cfg.ClientKeepalive = tc.new
-			s, err := ListenFrom(context.Background(), cfg, old)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if inode(t, s.lns[0].fd) != inode(t, old.lns[0].fd) {
-				t.Fatal("the new service did not take the socket over")
-			}
-			check("taken over", tc.new)
-			s.Close()
-			if err := old.Reclaim(); err != nil {
-				t.Fatal(err)
-			}
-			check("reclaimed", tc.old)
+				return nil
+			})
 		})
 	}
+}
+
+// takeOverAndReclaim starts a service with one listening socket, configured by
+// set(cfg, true), and checks the socket with check(fd, true); then a service
+// configured by set(cfg, false) takes it over (ListenFrom) and the socket is
+// checked with check(fd, false); then that one is given up, the old one
+// reclaims the socket (Reclaim), and it is checked as at first.
+func takeOverAndReclaim(t *testing.T, set func(cfg *Config, old bool), check func(fd int, old bool) error) {
+	t.Helper()
+	cfg := Config{Name: t.Name(), Listen: loopback0, Backends: []Backend{{Addr: loopback0}}, Logger: discardLogger(), AcceptLoops: 1}
+	set(&cfg, true)
+	old, err := Listen(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { old.Close() })
+	checkAt := func(when string, isOld bool) {
+		t.Helper()
+		if err := check(old.lns[0].fd, isOld); err != nil {
+			t.Errorf("%s: %v", when, err)
+		}
+	}
+	checkAt("before", true)
+	set(&cfg, false)
+	s, err := ListenFrom(context.Background(), cfg, old)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inode(t, s.lns[0].fd) != inode(t, old.lns[0].fd) {
+		t.Fatal("the new service did not take the socket over")
+	}
+	checkAt("taken over", false)
+	s.Close()
+	if err := old.Reclaim(); err != nil {
+		t.Fatal(err)
+	}
+	checkAt("reclaimed", true)
 }

@@ -19,7 +19,7 @@ import (
 func TestSiblingsWaiting(t *testing.T) {
 	var loops []*loop
 	for range 2 {
-		ln, err := listen(netip.MustParseAddrPort("127.0.0.1:0"), net.KeepAliveConfig{})
+		ln, err := listen(netip.MustParseAddrPort("127.0.0.1:0"), tcpOpts{})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -21,6 +21,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"net/netip"
 	"runtime"
@@ -47,6 +48,10 @@ const (
 	DefaultDrainTimeout = 30 * time.Second
 	DefaultEjectAfter   = 3
 )
+
+// MaxUserTimeout is the longest TCP_USER_TIMEOUT the kernel takes: 2^31-1
+// milliseconds.
+const MaxUserTimeout = math.MaxInt32 * time.Millisecond
 
 var (
 	// ErrUnknownBackend is returned for a backend address the service doesn't have.
@@ -135,6 +140,14 @@ type Config struct {
 	// inherit them), the backend's on each dialed socket. Off: no system call.
 	ClientKeepalive  net.KeepAliveConfig
 	BackendKeepalive net.KeepAliveConfig
+	// ClientUserTimeout and BackendUserTimeout set TCP_USER_TIMEOUT on the
+	// client and the backend sockets when positive: a connection whose sent
+	// bytes stay unacknowledged this long (or whose keepalive probes go
+	// unanswered this long) fails, where the kernel would retransmit for
+	// net.ipv4.tcp_retries2 (about 15 minutes). Rounded up to milliseconds, at
+	// most MaxUserTimeout. Set as the keepalive is; 0: no system call.
+	ClientUserTimeout  time.Duration
+	BackendUserTimeout time.Duration
 
 	DrainTimeout    time.Duration // a draining or removed backend's connections are closed after this; 0 = no limit
 	ShutdownTimeout time.Duration // Serve's grace after ctx is done; 0 takes DrainTimeout (and with it, no limit)
@@ -157,11 +170,12 @@ type Config struct {
 // with Serve; every other method is safe for concurrent use, before, during and after
 // Serve.
 type Service struct {
-	cfg  Config
-	log  *slog.Logger
-	lns  []*listener    // listening sockets, one per loop
-	addr netip.AddrPort // bound address
-	bal  balance.Balancer
+	cfg             Config
+	log             *slog.Logger
+	client, backend tcpOpts        // the options of either side's sockets, from cfg
+	lns             []*listener    // listening sockets, one per loop
+	addr            netip.AddrPort // bound address
+	bal             balance.Balancer
 
 	sem chan struct{} // MaxConns slots; nil = unlimited
 
@@ -331,7 +345,7 @@ func (s *Service) Reclaim() error {
 	for _, ln := range s.lns {
 		ln.mu.Lock()
 		if ln.fd >= 0 {
-			errs = append(errs, retune(ln.fd, s.cfg.ClientKeepalive))
+			errs = append(errs, retune(ln.fd, s.client))
 		}
 		ln.mu.Unlock()
 	}
@@ -359,6 +373,8 @@ func newService(cfg Config) (*Service, error) {
 		{"client keepalive interval", cfg.ClientKeepalive.Interval},
 		{"backend keepalive idle", cfg.BackendKeepalive.Idle},
 		{"backend keepalive interval", cfg.BackendKeepalive.Interval},
+		{"client user timeout", cfg.ClientUserTimeout},
+		{"backend user timeout", cfg.BackendUserTimeout},
 	} {
 		if d.v < 0 {
 			return nil, fmt.Errorf("%s: %s must be >= 0, got %v", name, d.field, d.v)
@@ -394,6 +410,8 @@ func newService(cfg Config) (*Service, error) {
 		return nil, fmt.Errorf("%s: connection limits must be >= 0", name)
 	case cfg.ClientKeepalive.Count < 0 || cfg.BackendKeepalive.Count < 0:
 		return nil, fmt.Errorf("%s: keepalive counts must be >= 0", name)
+	case cfg.ClientUserTimeout > MaxUserTimeout || cfg.BackendUserTimeout > MaxUserTimeout:
+		return nil, fmt.Errorf("%s: user timeouts must be at most %v", name, MaxUserTimeout)
 	}
 	if !cfg.Listen.IsValid() {
 		return nil, fmt.Errorf("%s: listen: must be ip:port, got the zero address", name)
@@ -403,9 +421,11 @@ func newService(cfg Config) (*Service, error) {
 		return nil, fmt.Errorf("%s: %w", name, err)
 	}
 	s := &Service{
-		cfg:    cfg,
-		log:    cfg.Logger.With("service", cfg.Name),
-		failed: make(chan struct{}),
+		cfg:     cfg,
+		log:     cfg.Logger.With("service", cfg.Name),
+		client:  tcpOpts{cfg.ClientKeepalive, cfg.ClientUserTimeout},
+		backend: tcpOpts{cfg.BackendKeepalive, cfg.BackendUserTimeout},
+		failed:  make(chan struct{}),
 	}
 	s.hashPort.Store(cfg.HashPort)
 	if cfg.MaxConns > 0 {
@@ -498,7 +518,7 @@ func (s *Service) listen(ctx context.Context, fds []int) error {
 		s.lns = append(s.lns, &listener{fd: fd})
 	}
 	for _, fd := range fds {
-		if err := adopt(fd, s.cfg.ClientKeepalive); err != nil {
+		if err := adopt(fd, s.client); err != nil {
 			s.closeListeners()
 			return fmt.Errorf("listen %s: %w", ap, err)
 		}
@@ -516,7 +536,7 @@ func (s *Service) listen(ctx context.Context, fds []int) error {
 		}
 		// Beside sockets taken over, until Join: a service given up
 		// (a refused reload) closes them with nothing queued.
-		ln, err := bindListener(ap, s.cfg.ClientKeepalive, len(fds) > 0)
+		ln, err := bindListener(ap, s.client, len(fds) > 0)
 		if err != nil {
 			s.closeListeners()
 			return fmt.Errorf("listen %s: %w", ap, err)

@@ -1,55 +1,21 @@
 package proxy
 
 import (
-	"bytes"
 	"net/netip"
-	"os"
-	"os/exec"
 	"slices"
-	"strings"
-	"syscall"
 	"testing"
 	"time"
 
+	"github.com/weir-lb/weir/internal/ownnetns"
 	"github.com/weir-lb/weir/internal/waitfor"
 )
 
-// netnsEnv set to a test's name marks the child process inOwnNetns starts for it,
-// which runs in a network namespace of its own.
-const netnsEnv = "WEIR_PROXY_TEST_NETNS"
-
-// inOwnNetns runs the calling test again in a child process in a network
-// namespace of its own (loopback up, and the sysctls given, which are the
-// namespace's own), on this process's path (copy, or sockmap in the child of
-// TestEveryTestOnSockmap), and reports false: the caller returns, the child's
-// result being the test's. In the child it reports true: the caller goes on
-// with the test.
+// inOwnNetns runs the calling test in a network namespace of its own
+// (ownnetns.In), on this process's path (copy, or sockmap in the child of
+// TestEveryTestOnSockmap, whose environment the child inherits).
 func inOwnNetns(t *testing.T, sysctls map[string]string) bool {
 	t.Helper()
-	if os.Getenv(netnsEnv) == t.Name() {
-		if out, err := exec.Command("ip", "link", "set", "lo", "up").CombinedOutput(); err != nil {
-			t.Fatalf("ip link set lo up: %v: %s", err, out)
-		}
-		for k, v := range sysctls {
-			if err := os.WriteFile("/proc/sys/"+strings.ReplaceAll(k, ".", "/"), []byte(v), 0); err != nil {
-				t.Fatal(err)
-			}
-		}
-		return true
-	}
-	cmd := exec.Command(os.Args[0], "-test.count=1", "-test.v", "-test.run=^"+t.Name()+"$")
-	cmd.Env = append(os.Environ(), netnsEnv+"="+t.Name())
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET}
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	err := cmd.Run()
-	if err != nil || !strings.Contains(out.String(), "--- PASS: "+t.Name()) {
-		t.Fatalf("in a network namespace of its own: %v\n%s", err, out.String())
-	}
-	if testing.Verbose() {
-		t.Logf("child:\n%s", out.String())
-	}
-	return false
+	return ownnetns.In(t, sysctls)
 }
 
 // TestSelfConnectIsRefused: a dial of a backend on this host whose port nothing

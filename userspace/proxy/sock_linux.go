@@ -57,17 +57,38 @@ func (l *listener) dup() int {
 	return fd
 }
 
+// tcpOpts are the TCP options one side's sockets get that the proxy does not
+// always set: keepalive if ka is enabled, TCP_USER_TIMEOUT if userTimeout > 0.
+type tcpOpts struct {
+	ka          net.KeepAliveConfig
+	userTimeout time.Duration
+}
+
+// set sets o's options on fd; an option that is off costs no system call.
+func (o *tcpOpts) set(fd int) error {
+	if o.ka.Enable {
+		if err := setKeepalive(fd, o.ka); err != nil {
+			return err
+		}
+	}
+	if o.userTimeout > 0 {
+		return setUserTimeout(fd, o.userTimeout)
+	}
+	return nil
+}
+
 // listen binds a non-blocking listening socket on ap with SO_REUSEPORT, as
 // net.Listen("tcp", ...) would (SO_REUSEADDR; a wildcard IPv6 address also takes
-// IPv4), and sets TCP_NODELAY and, if ka is enabled, TCP keepalive: accepted
-// sockets inherit both, so they cost no system call per connection.
-func listen(ap netip.AddrPort, ka net.KeepAliveConfig) (*listener, error) {
-	return bindListener(ap, ka, false)
+// IPv4), and sets TCP_NODELAY and o: accepted sockets inherit them all (the
+// kernel copies TCP_USER_TIMEOUT and the keepalive settings to the sockets it
+// clones from a listener), so they cost no system call per connection.
+func listen(ap netip.AddrPort, o tcpOpts) (*listener, error) {
+	return bindListener(ap, o, false)
 }
 
 // bindListener is listen; with later, the socket is bound only, and
 // startListening makes it listen.
-func bindListener(ap netip.AddrPort, ka net.KeepAliveConfig, later bool) (*listener, error) {
+func bindListener(ap netip.AddrPort, o tcpOpts, later bool) (*listener, error) {
 	sa := sockaddrOf(ap)
 	fd, err := unix.Socket(sa.family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -86,8 +107,8 @@ func bindListener(ap netip.AddrPort, ka net.KeepAliveConfig, later bool) (*liste
 	if err == nil {
 		err = set(unix.IPPROTO_TCP, unix.TCP_NODELAY, "TCP_NODELAY")
 	}
-	if err == nil && ka.Enable {
-		err = setKeepalive(fd, ka)
+	if err == nil {
+		err = o.set(fd)
 	}
 	if err == nil && sa.family == unix.AF_INET6 && ap.Addr().IsUnspecified() {
 		if err = unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 0); err != nil {
@@ -120,21 +141,27 @@ func startListening(fd int) error {
 
 // adopt readies a listening socket taken over from another server (ListenFrom)
 // as listen makes its own: non-blocking (the other server's may be a Go
-// listener, which is too), TCP_NODELAY, and ka (retune).
-func adopt(fd int, ka net.KeepAliveConfig) error {
+// listener, which is too), TCP_NODELAY, and o (retune).
+func adopt(fd int, o tcpOpts) error {
 	if err := unix.SetNonblock(fd, true); err != nil {
 		return fmt.Errorf("set non-blocking: %w", err)
 	}
 	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
 		return fmt.Errorf("set TCP_NODELAY: %w", err)
 	}
-	return retune(fd, ka)
+	return retune(fd, o)
 }
 
-// retune sets ka on a listening socket taken over from another service, whose
-// setting may have been another: unlike listen, it turns keepalive off when ka
-// is not enabled, and gives a field ka leaves zero the kernel's default back.
-func retune(fd int, ka net.KeepAliveConfig) error {
+// retune sets o on a listening socket taken over from another service, whose
+// settings may have been others: unlike listen, it turns keepalive and the user
+// timeout off when o does not set them, and gives a keepalive field o leaves
+// zero the kernel's default back.
+func retune(fd int, o tcpOpts) error {
+	// 0 is the kernel's default: no user timeout.
+	if err := setUserTimeout(fd, o.userTimeout); err != nil {
+		return err
+	}
+	ka := o.ka
 	on := 0
 	if ka.Enable {
 		on = 1
@@ -184,9 +211,9 @@ func keepaliveDefaults() (net.KeepAliveConfig, error) {
 // fails at once is returned as an error. With data (bytes wait to be sent as soon
 // as it is connected) the handshake's last ACK is held back to go with them
 // (TCP_QUICKACK off before the connect: the kernel then delays that ACK for up to
-// 200 ms, so only a caller with bytes in hand may ask). If ka is enabled the
-// socket probes its idle peer (TCP keepalive); else no system call is spent on it.
-func startDial(sa *rawSockaddr, data bool, ka *net.KeepAliveConfig) (int, error) {
+// 200 ms, so only a caller with bytes in hand may ask). o's options are set on
+// the socket; one that is off costs no system call.
+func startDial(sa *rawSockaddr, data bool, o *tcpOpts) (int, error) {
 	fd, err := unix.Socket(sa.family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, &localError{fmt.Errorf("socket: %w", err)}
@@ -195,11 +222,9 @@ func startDial(sa *rawSockaddr, data bool, ka *net.KeepAliveConfig) (int, error)
 		unix.Close(fd)
 		return -1, &localError{fmt.Errorf("set TCP_NODELAY: %w", err)}
 	}
-	if ka.Enable {
-		if err := setKeepalive(fd, *ka); err != nil {
-			unix.Close(fd)
-			return -1, &localError{err}
-		}
+	if err := o.set(fd); err != nil {
+		unix.Close(fd)
+		return -1, &localError{err}
 	}
 	if data {
 		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_QUICKACK, 0); err != nil {
@@ -289,6 +314,19 @@ func setKeepalive(fd int, ka net.KeepAliveConfig) error {
 		if err := unix.SetsockoptInt(fd, o.level, o.opt, o.v); err != nil {
 			return fmt.Errorf("set %s: %w", o.name, err)
 		}
+	}
+	return nil
+}
+
+// setUserTimeout sets TCP_USER_TIMEOUT on fd (tcp(7)): once bytes it sent have
+// waited d to be acknowledged, or, with keepalive on, its probes have gone
+// unanswered for d, the connection fails (ETIMEDOUT) instead of retransmitting
+// for net.ipv4.tcp_retries2. The kernel takes milliseconds: d is rounded up to
+// one; 0 turns it off.
+func setUserTimeout(fd int, d time.Duration) error {
+	ms := int((d + time.Millisecond - 1) / time.Millisecond)
+	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, ms); err != nil {
+		return fmt.Errorf("set TCP_USER_TIMEOUT: %w", err)
 	}
 	return nil
 }

@@ -91,7 +91,7 @@ func TestStartDial(t *testing.T) {
 	}
 	defer ln.Close()
 	sa := sockaddrOf(ln.Addr().(*net.TCPAddr).AddrPort())
-	fd, err := startDial(&sa, false, &net.KeepAliveConfig{})
+	fd, err := startDial(&sa, false, &tcpOpts{})
 	if err != nil {
 		t.Fatalf("dial listener: %v", err)
 	}
@@ -115,7 +115,7 @@ func TestStartDial(t *testing.T) {
 
 	// A refused connect shows as SO_ERROR once it has failed.
 	dead := sockaddrOf(closedPort(t))
-	fd2, err := startDial(&dead, false, &net.KeepAliveConfig{})
+	fd2, err := startDial(&dead, false, &tcpOpts{})
 	if err != nil {
 		if !errors.Is(err, unix.ECONNREFUSED) {
 			t.Fatalf("dial closed port: got %v; want ECONNREFUSED", err)

@@ -16,14 +16,15 @@ import (
 	"github.com/weir-lb/weir/internal/waitfor"
 )
 
-// TestKeepaliveReload: an http service's tcp_keepalive, as the file writes
-// it, is on its client and backend sockets; weir plan names it as what a
-// change of it gives a new listener for; and a reload that changes it gives
-// the connections after it the new setting.
+// TestKeepaliveReload: an http service's tcp_keepalive and tcp_user_timeout,
+// as the file writes them, are on its client and backend sockets; weir plan
+// names them as what a change of them gives a new listener for; and a reload
+// that changes them gives the connections after it the new settings.
 func TestKeepaliveReload(t *testing.T) {
 	bs := httpbackend.StartN(t, 1)
 	port := freePort(t)
-	svc := "  - {name: web, vip: 127.0.0.1:%d, data_plane: http, health: {method: connect}, http: {tcp_keepalive: {client: {idle: %ds, interval: 2s, count: 3}, backend: {idle: %ds}}}, backends: %s}\n"
+	// tcp_user_timeout is the keepalive idle of each side, which askIdles checks.
+	svc := "  - {name: web, vip: 127.0.0.1:%[1]d, data_plane: http, health: {method: connect}, http: {tcp_keepalive: {client: {idle: %[2]ds, interval: 2s, count: 3}, backend: {idle: %[3]ds}}, tcp_user_timeout: {client: %[2]ds, backend: %[3]ds}}, backends: %[4]s}\n"
 	r := startAgent(t, fmt.Sprintf(svc, port, 5, 6, backendList(bs)))
 	vip := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
 	// idles asks over new HTTP/1.1 connections until one is served with the
@@ -47,8 +48,9 @@ func TestKeepaliveReload(t *testing.T) {
 		t.Errorf("keepalive idle: got backend %vs; want [6]s", backend)
 	}
 	r.writeConfig(t, fmt.Sprintf(svc, port, 8, 9, backendList(bs)))
-	if sp := httpPlan(t, r.a, nil); !strings.HasPrefix(sp.NewDataPlane, "a new listener on http") || !strings.Contains(sp.NewDataPlane, "tcp_keepalive") {
-		t.Errorf("plan: new data plane %q; want a new listener, naming tcp_keepalive", sp.NewDataPlane)
+	if sp := httpPlan(t, r.a, nil); !strings.HasPrefix(sp.NewDataPlane, "a new listener on http") || !strings.Contains(sp.NewDataPlane, "tcp_keepalive") ||
+		!strings.Contains(sp.NewDataPlane, "tcp_user_timeout") {
+		t.Errorf("plan: new data plane %q; want a new listener, naming tcp_keepalive and tcp_user_timeout", sp.NewDataPlane)
 	}
 	if err := r.a.Reload(context.Background()); err != nil {
 		t.Fatal(err)
@@ -62,7 +64,8 @@ func TestKeepaliveReload(t *testing.T) {
 
 // askIdles sends a request over a new connection to vip and returns the
 // keepalive idle of the service's client socket and of each of this process's
-// sockets to backend, after checking their interval and count.
+// sockets to backend, after checking their interval and count, and that their
+// user timeout is their keepalive idle.
 func askIdles(vip, backend netip.AddrPort) (int, []int, error) {
 	c, err := net.Dial("tcp", vip.String())
 	if err != nil {
@@ -83,6 +86,9 @@ func askIdles(vip, backend netip.AddrPort) (int, []int, error) {
 	if kc.Interval != 2 || kc.Count != 3 {
 		return 0, nil, fmt.Errorf("got client side %+v; want interval 2, count 3", kc)
 	}
+	if uc, err := sockfd.UserTimeoutBetween(vip, c.LocalAddr().(*net.TCPAddr).AddrPort()); err != nil || uc != time.Duration(kc.Idle)*time.Second {
+		return 0, nil, fmt.Errorf("got client side user timeout %v, %v; want %ds", uc, err, kc.Idle)
+	}
 	fds, err := sockfd.FindAll(netip.AddrPort{}, backend)
 	if err != nil {
 		return 0, nil, err
@@ -95,6 +101,9 @@ func askIdles(vip, backend netip.AddrPort) (int, []int, error) {
 		}
 		if kb.Interval != 10 || kb.Count != 6 {
 			return 0, nil, fmt.Errorf("got backend side %+v; want the defaults, interval 10, count 6", kb)
+		}
+		if ub, err := sockfd.UserTimeoutOf(fd); err != nil || ub != time.Duration(kb.Idle)*time.Second {
+			return 0, nil, fmt.Errorf("got backend side user timeout %v, %v; want %ds", ub, err, kb.Idle)
 		}
 		idles = append(idles, kb.Idle)
 	}

@@ -238,7 +238,7 @@ func NewDataPlane(prev, next *Service, rebuilt func(a, b *config.Service) bool) 
 	case !rebuilt(&prev.Config, &next.Config):
 		return ""
 	case next.Plane == HTTP:
-		return "a new listener on http: its vip, http.listen, TLS certificate, drain_timeout, connect, idle or read-header timeout, header size limit, h2_engine, h1_engine or tcp_keepalive changed"
+		return "a new listener on http: its vip, http.listen, TLS certificate, drain_timeout, connect, idle or read-header timeout, header size limit, h2_engine, h1_engine, tcp_keepalive or tcp_user_timeout changed"
 	}
 	return "a new listener on " + string(next.Plane) + ": its vip, protocol, data_plane, mode, algorithm, drain_timeout or proxy settings changed"
 }

@@ -222,6 +222,8 @@ func proxyConfig(s *config.Service, obs proxy.Observer, log *slog.Logger) proxy.
 		ProxyProtocol:      px.ProxyProtocol,
 		ClientKeepalive:    px.TCPKeepalive.Client.KeepAliveConfig(),
 		BackendKeepalive:   px.TCPKeepalive.Backend.KeepAliveConfig(),
+		ClientUserTimeout:  px.TCPUserTimeout.Client,
+		BackendUserTimeout: px.TCPUserTimeout.Backend,
 		DrainTimeout:       s.DrainTimeout, // 0: no limit, in both
 		// EjectAfter 0: the proxy ejects nothing itself; passive ejection is the
 		// health checker's, configured by passive.

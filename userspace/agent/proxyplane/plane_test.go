@@ -237,9 +237,9 @@ func TestHashKey(t *testing.T) {
 	}
 }
 
-// TestKeepaliveReload: a service's tcp_keepalive reaches the proxy's sockets,
-// and a reload that changes it gives the service listeners with the new
-// setting: the next connection's sockets have it.
+// TestKeepaliveReload: a service's tcp_keepalive and tcp_user_timeout reach
+// the proxy's sockets, and a reload that changes them gives the service
+// listeners with the new settings: the next connection's sockets have them.
 func TestKeepaliveReload(t *testing.T) {
 	dialed := make(chan netip.AddrPort, 2)
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { io.WriteString(w, "ok") }))
@@ -258,13 +258,14 @@ func TestKeepaliveReload(t *testing.T) {
 		return &plan.Service{
 			Config: config.Service{Name: "web", Algorithm: config.AlgorithmLeastConn, DrainTimeout: 5 * time.Second,
 				Proxy: config.Proxy{Listen: netip.MustParseAddrPort("127.0.0.1:0"), ConnectTimeout: time.Second,
-					TCPKeepalive: config.TCPKeepalive{Client: side, Backend: side}}},
+					TCPKeepalive:   config.TCPKeepalive{Client: side, Backend: side},
+					TCPUserTimeout: config.TCPUserTimeout{Client: idle, Backend: idle}}},
 			Backends: []plan.Backend{{ID: plan.ID("web", be), Config: config.Backend{Addr: be}, Usable: true, Weight: 1}},
 		}
 	}
 	// connect opens a connection through the proxy, checks that it is served,
-	// and returns it with the proxy's keepalive idle on its client and its
-	// backend socket.
+	// and returns the proxy's keepalive idle on its client and its backend
+	// socket, in seconds, and their user timeouts, which must be the same.
 	connect := func() (int, int) {
 		px := mustGet(t, p, "web")
 		c, err := net.Dial("tcp", px.Addr().String())
@@ -283,9 +284,21 @@ func TestKeepaliveReload(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		kb, err := sockfd.KeepaliveBetween(<-dialed, be)
+		d := <-dialed
+		kb, err := sockfd.KeepaliveBetween(d, be)
 		if err != nil {
 			t.Fatal(err)
+		}
+		uc, err := sockfd.UserTimeoutBetween(px.Addr(), c.LocalAddr().(*net.TCPAddr).AddrPort())
+		if err != nil {
+			t.Fatal(err)
+		}
+		ub, err := sockfd.UserTimeoutBetween(d, be)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if uc != time.Duration(kc.Idle)*time.Second || ub != time.Duration(kb.Idle)*time.Second {
+			t.Errorf("user timeouts got client %v, backend %v; want the keepalive idle, %ds, %ds", uc, ub, kc.Idle, kb.Idle)
 		}
 		return kc.Idle * kc.On, kb.Idle * kb.On
 	}

@@ -1,0 +1,266 @@
+package httplb
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/internal/netpair"
+	"github.com/weir-lb/weir/internal/ownnetns"
+	"github.com/weir-lb/weir/internal/sockfd"
+	"github.com/weir-lb/weir/internal/waitfor"
+)
+
+// TestUserTimeoutSockets reads back with getsockopt, on the service's accepted
+// client socket and on its socket to the backend, the TCP_USER_TIMEOUT each
+// engine's connections get: the client's set on the listening socket and
+// inherited by the accepted one, the backend's on each dialed one; none when
+// not configured.
+func TestUserTimeoutSockets(t *testing.T) {
+	for _, tc := range []struct {
+		name            string
+		h2              bool // the client speaks HTTP/2 by prior knowledge, else HTTP/1.1
+		netHTTP         bool // net/http's engines serve it
+		upstream        Upstream
+		listen          string
+		client, backend time.Duration
+	}{
+		{"h1 loop", false, false, UpstreamAuto, "127.0.0.1:0", 7 * time.Second, 11 * time.Second},
+		{"h1 loop, IPv6", false, false, UpstreamAuto, "[::1]:0", 7 * time.Second, 11 * time.Second},
+		{"h2 frames", true, false, UpstreamAuto, "127.0.0.1:0", 1500 * time.Millisecond, 2 * time.Second},
+		{"h2 frames, IPv6", true, false, UpstreamAuto, "[::1]:0", 1500 * time.Millisecond, 2 * time.Second},
+		{"h1 net_http", false, true, UpstreamAuto, "127.0.0.1:0", 3 * time.Second, 4 * time.Second},
+		{"h2 net_http", true, true, UpstreamAuto, "[::1]:0", 3 * time.Second, 4 * time.Second},
+		{"h1 to h2c", false, false, UpstreamH2C, "127.0.0.1:0", 5 * time.Second, 6 * time.Second},
+		{"h1 loop off", false, false, UpstreamAuto, "127.0.0.1:0", 0, 0},
+		{"h2 frames off", true, false, UpstreamAuto, "[::1]:0", 0, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			bs := httpbackend.StartN(t, 1)
+			s := serve(t, Config{Listen: netip.MustParseAddrPort(tc.listen), Upstream: tc.upstream, NetHTTP1: tc.netHTTP, NetHTTP2: tc.netHTTP,
+				ClientUserTimeout: tc.client, BackendUserTimeout: tc.backend}, bs)
+			uc, err := sockfd.UserTimeoutBetween(s.Addr().(*net.TCPAddr).AddrPort(), getFrom(t, s, tc.h2))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ub, err := sockfd.UserTimeoutBetween(netip.AddrPort{}, bs[0].Addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if uc != tc.client || ub != tc.backend {
+				t.Errorf("got client side %v, backend side %v; want %v, %v", uc, ub, tc.client, tc.backend)
+			}
+		})
+	}
+}
+
+// TestUserTimeoutTunnel: a WebSocket tunnel's connection to its backend, which
+// the tunnel dials itself, has the backend side's user timeout too.
+func TestUserTimeoutTunnel(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	s := serve(t, Config{BackendUserTimeout: 2345 * time.Millisecond}, bs)
+	wsEchoThrough(t, s)
+	// The tunnel's is the only connection to the backend: nothing else was asked.
+	fds, err := sockfd.FindAll(netip.AddrPort{}, bs[0].Addr)
+	if err != nil || len(fds) != 1 {
+		t.Fatalf("sockets to the backend: got %d, %v; want the tunnel's", len(fds), err)
+	}
+	if d, err := sockfd.UserTimeoutOf(fds[0]); err != nil || d != 2345*time.Millisecond {
+		t.Errorf("the tunnel's backend socket: got %v, %v; want 2.345s", d, err)
+	}
+}
+
+// TestListenFromUserTimeout: a service that takes the listening socket over
+// sets its client user timeout on it, turning it off where the old service
+// had one, and Reclaim gives the old service's back once the new one is given
+// up; accepted sockets inherit what the listening socket has.
+func TestListenFromUserTimeout(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		old, new time.Duration
+	}{{"set to off", 5 * time.Second, 0}, {"off to set", 0, 1500 * time.Millisecond}, {"set to another", time.Second, time.Minute}} {
+		t.Run(tc.name, func(t *testing.T) {
+			bs := httpbackend.StartN(t, 1)
+			cfg := Config{Name: "old", Listen: netip.MustParseAddrPort("127.0.0.1:0"), ClientUserTimeout: tc.old}
+			old := serve(t, cfg, bs)
+			addr := old.Addr().(*net.TCPAddr).AddrPort()
+			// accepted is the user timeout of a connection the service
+			// given accepts.
+			accepted := func(s *Service) time.Duration {
+				t.Helper()
+				c, err := net.Dial("tcp", addr.String())
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				local := c.LocalAddr().(*net.TCPAddr).AddrPort()
+				var d time.Duration
+				waitfor.Value(t, 5*time.Second, "the accepted socket", func() (any, bool) {
+					d, err = sockfd.UserTimeoutBetween(addr, local)
+					return err, err == nil
+				})
+				return d
+			}
+			if got := accepted(old); got != tc.old {
+				t.Errorf("before: got %v; want %v", got, tc.old)
+			}
+			cfg.Name, cfg.ClientUserTimeout = "new", tc.new // the same Listen: a takeover
+			s, err := ListenFrom(cfg, backendSet(bs), old)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The old service still accepts on the socket, now with the new setting.
+			if got := accepted(old); got != tc.new {
+				t.Errorf("taken over: got %v; want %v", got, tc.new)
+			}
+			s.Close()
+			if err := old.Reclaim(); err != nil {
+				t.Fatal(err)
+			}
+			if got := accepted(old); got != tc.old {
+				t.Errorf("reclaimed: got %v; want %v", got, tc.old)
+			}
+		})
+	}
+}
+
+// TestUserTimeoutVanishedClient: an answer the service sends to an HTTP/1.1
+// client whose host vanished without a FIN or a reset (its link goes down
+// while the backend takes its time) stays unacknowledged; with a client user
+// timeout the connection ends about that long after, where keepalive would
+// not probe (bytes are in flight). Without it, the connection stays.
+func TestUserTimeoutVanishedClient(t *testing.T) {
+	pair := netpair.New(t)
+	release := make(chan struct{})
+	be := slowBackend(t, release)
+	listenInA := func(cfg Config, bs []Backend) (s *Service, err error) {
+		err = pair.A.Do(func() error { s, err = Listen(cfg, bs); return err })
+		return s, err
+	}
+	services := map[string]*Service{}
+	for _, name := range []string{"user timeout", "none"} {
+		ut := time.Second
+		if name == "none" {
+			ut = 0
+		}
+		s := serveStoppableWith(t, Config{Name: name, Listen: netip.AddrPortFrom(pair.AddrA, 0), ClientUserTimeout: ut, DrainTimeout: 100 * time.Millisecond},
+			[]Backend{{Addr: be, Weight: 1, Usable: true}}, listenInA).Service
+		services[name] = s
+		c, err := pair.B.DialWith(context.Background(), &net.Dialer{KeepAlive: -1}, "tcp", s.Addr().String())
+		if err != nil {
+			t.Fatalf("%s: dial: %v", name, err)
+		}
+		t.Cleanup(func() { c.Close() })
+		if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		waitfor.Value(t, 5*time.Second, "1 open connection", openConns(s, 1))
+	}
+	pair.CutB(t)
+	start := time.Now()
+	close(release) // the answers go to the vanished client
+	netpair.Outlived(t, start, func() int64 { return services["user timeout"].Snapshot().Connections },
+		func() int64 { return services["none"].Snapshot().Connections })
+}
+
+// slowBackend is an HTTP backend on loopback whose every answer waits for
+// release to be closed.
+func slowBackend(t *testing.T, release <-chan struct{}) netip.AddrPort {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-release:
+		case <-r.Context().Done():
+			return
+		}
+		io.WriteString(w, "late")
+	}), ReadHeaderTimeout: 10 * time.Second}
+	done := make(chan struct{})
+	// Exits when the cleanup closes srv.
+	go func() {
+		defer close(done)
+		srv.Serve(ln)
+	}()
+	t.Cleanup(func() {
+		srv.Close()
+		<-done
+	})
+	return ln.Addr().(*net.TCPAddr).AddrPort()
+}
+
+// TestUserTimeoutVanishedBackend: a request the service sends to a backend
+// whose host vanished (nftables drops every packet to and from its port) on
+// a pooled connection stays unacknowledged; with a backend user timeout the
+// connection fails about that long after and the client is answered 502 in
+// seconds, where without it the request still waits a second after that.
+//
+// In a network namespace of its own, for its nftables rules.
+func TestUserTimeoutVanishedBackend(t *testing.T) {
+	if !ownnetns.In(t, nil) {
+		return
+	}
+	bs := httpbackend.StartN(t, 1)
+	rec := &outcomeLog{}
+	type answer struct {
+		status int
+		err    error
+	}
+	answers := map[string]chan answer{}
+	clients := map[string]*http.Client{}
+	services := map[string]*Service{}
+	for _, name := range []string{"user timeout", "none"} {
+		ut := time.Second
+		if name == "none" {
+			ut = 0
+		}
+		services[name] = serve(t, Config{Name: name, BackendUserTimeout: ut, Observer: rec, DrainTimeout: 100 * time.Millisecond}, bs)
+		clients[name] = h1Client()
+		clients[name].Timeout = 30 * time.Second
+		t.Cleanup(clients[name].CloseIdleConnections)
+		// A first request opens the pooled connection to the backend.
+		if resp, _ := get(t, clients[name], "http://"+services[name].Addr().String()+"/"); resp.StatusCode != http.StatusOK {
+			t.Fatalf("%s: got %s; want 200", name, resp.Status)
+		}
+	}
+	netpair.DropPort(t, bs[0].Addr.Port())
+	start := time.Now()
+	for name, c := range clients {
+		answers[name] = make(chan answer, 1)
+		url := "http://" + services[name].Addr().String() + "/"
+		// Exits when the request is answered or the client's timeout ends it.
+		go func() {
+			resp, err := c.Get(url)
+			if err != nil {
+				answers[name] <- answer{err: err}
+				return
+			}
+			resp.Body.Close()
+			answers[name] <- answer{status: resp.StatusCode}
+		}()
+	}
+	select {
+	case a := <-answers["user timeout"]:
+		t.Logf("the service with a user timeout answered %v after the backend went", time.Since(start).Round(time.Millisecond))
+		if a.status != http.StatusBadGateway {
+			t.Errorf("the service with a user timeout: got %d, %v; want 502", a.status, a.err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the service with a user timeout: no answer 20s after the backend went")
+	}
+	select {
+	case a := <-answers["none"]:
+		t.Errorf("the service without one, %v after the backend went: got %d, %v; want no answer yet",
+			time.Since(start).Round(time.Millisecond), a.status, a.err)
+	case <-time.After(time.Second):
+	}
+	t.Logf("observed: %q", rec.get())
+}
