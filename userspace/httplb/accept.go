@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/userspace/acceptlog"
+	"github.com/weir-lb/weir/userspace/tcpopt"
 )
 
 // patientListener waits out the accept errors that pass (no file descriptor
@@ -111,17 +112,16 @@ func (s *Service) ListenFDs(addr netip.AddrPort) []int {
 // takeOver returns a listener on the listening socket fd, which it owns (see
 // ListenFrom), with cfg's client options set on the socket (retune), and the
 // socket's own listener under it; nil if fd is no TCP listening socket or the
-// options cannot be set. net.FileListener's accepted connections get Go's default
-// keepalive (15s idle, 15s interval, 9 probes), whatever the socket had
-// (another server, the proxy, may have set its own on it): where ka differs,
-// its values are set on each one, the only cost a socket taken over adds per
-// connection (a setsockopt a field that differs).
+// options cannot be set. Unlike one bound afresh, net.FileListener's listener
+// sets Go's default keepalive (15s idle, 15s interval, 9 probes) on every
+// connection it accepts, four setsockopt calls that override what the
+// connection inherited: where cfg's differs, its values are set on each one
+// too (a setsockopt a field that differs).
 func takeOver(fd int, cfg *Config) (*net.TCPListener, net.Listener) {
 	if cfg.retune(fd) != nil {
 		unix.Close(fd)
 		return nil, nil
 	}
-	ka := cfg.ClientKeepalive
 	f := os.NewFile(uintptr(fd), "listener")
 	fl, err := net.FileListener(f) // a descriptor of its own
 	f.Close()
@@ -134,16 +134,13 @@ func takeOver(fd int, cfg *Config) (*net.TCPListener, net.Listener) {
 		return nil, nil
 	}
 	kl := &keepaliveListener{TCPListener: tl}
-	if !ka.Enable {
-		return tl, tl // as a listener of its own: Go's default
-	}
-	secs := func(d time.Duration) int { return int((d + time.Second - 1) / time.Second) }
+	ka := cfg.clientKeepalive()
 	for _, o := range []struct{ opt, v, def int }{
-		{unix.TCP_KEEPIDLE, secs(ka.Idle), 15},
-		{unix.TCP_KEEPINTVL, secs(ka.Interval), 15},
-		{unix.TCP_KEEPCNT, ka.Count, 9},
+		{unix.TCP_KEEPIDLE, tcpopt.Secs(ka.Idle), tcpopt.Secs(goKeepalive.Idle)},
+		{unix.TCP_KEEPINTVL, tcpopt.Secs(ka.Interval), tcpopt.Secs(goKeepalive.Interval)},
+		{unix.TCP_KEEPCNT, ka.Count, goKeepalive.Count},
 	} {
-		if o.v > 0 && o.v != o.def {
+		if o.v != o.def {
 			kl.opts = append(kl.opts, [2]int{o.opt, o.v})
 		}
 	}

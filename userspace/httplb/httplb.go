@@ -267,7 +267,9 @@ func ListenFrom(cfg Config, backends []Backend, old Sockets) (*Service, error) {
 		}
 	}
 	if len(lns) == 0 {
-		lc := net.ListenConfig{KeepAliveConfig: cfg.ClientKeepalive, Control: func(_, _ string, c syscall.RawConn) error {
+		// KeepAlive -1: Go sets no keepalive on the accepted connections,
+		// which inherit the listening socket's (listenOpts).
+		lc := net.ListenConfig{KeepAlive: -1, Control: func(_, _ string, c syscall.RawConn) error {
 			return control(c, cfg.listenOpts)
 		}}
 		// Plain TCP, as the proxy's: Go would make it Multipath TCP, whose

@@ -183,3 +183,79 @@ func getFrom(t *testing.T, s *Service, h2 bool) netip.AddrPort {
 	}
 	return <-local
 }
+
+// TestKeepaliveListener: the client keepalive is set on the listening socket,
+// once, which accepted sockets inherit, so that Go need set none on each
+// (ListenConfig.KeepAlive -1): Go's defaults when it is not configured, the
+// configured one when it is; a service that takes the socket over sets its
+// own, and Reclaim the old one's back.
+func TestKeepaliveListener(t *testing.T) {
+	set := net.KeepAliveConfig{Enable: true, Idle: 7 * time.Second, Interval: 3 * time.Second, Count: 4}
+	goDefault := sockfd.Keepalive{On: 1, Idle: 15, Interval: 15, Count: 9}
+	want := sockfd.Keepalive{On: 1, Idle: 7, Interval: 3, Count: 4}
+	bs := httpbackend.StartN(t, 1)
+	old := serve(t, Config{}, bs)
+	listening := func(when string, s *Service, want sockfd.Keepalive) {
+		t.Helper()
+		rc, err := s.socks[0].SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var k sockfd.Keepalive
+		rc.Control(func(fd uintptr) { k, err = sockfd.KeepaliveOf(int(fd)) })
+		if err != nil || k != want {
+			t.Errorf("%s: the listening socket's keepalive got %+v, %v; want %+v", when, k, err, want)
+		}
+	}
+	listening("off", old, goDefault)
+	s, err := ListenFrom(Config{Name: "test", Listen: netip.MustParseAddrPort("127.0.0.1:0"), ClientKeepalive: set}, backendSet(bs), old)
+	if err != nil {
+		t.Fatal(err)
+	}
+	listening("taken over", old, want)
+	s.Close()
+	if err := old.Reclaim(); err != nil {
+		t.Fatal(err)
+	}
+	listening("reclaimed", old, goDefault)
+}
+
+// TestKeepaliveTakenOver reads back with getsockopt the keepalive of client
+// sockets accepted from a listening socket a service took over, by either
+// service (both accept from it until the old one stops), of each engine:
+// the new service's setting, which the old one's connections inherit from
+// the socket and the new one's get from Go's defaults and weir's changes.
+func TestKeepaliveTakenOver(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		h2      bool
+		netHTTP bool
+		ka      net.KeepAliveConfig
+		want    sockfd.Keepalive
+	}{
+		{"h1 loop", false, false, net.KeepAliveConfig{Enable: true, Idle: 7 * time.Second, Interval: 3 * time.Second, Count: 4}, sockfd.Keepalive{On: 1, Idle: 7, Interval: 3, Count: 4}},
+		{"h2 frames", true, false, net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 2 * time.Second, Count: 9}, sockfd.Keepalive{On: 1, Idle: 15, Interval: 2, Count: 9}},
+		{"h1 net_http", false, true, net.KeepAliveConfig{Enable: true, Idle: 8 * time.Second, Interval: 15 * time.Second, Count: 3}, sockfd.Keepalive{On: 1, Idle: 8, Interval: 15, Count: 3}},
+		{"h2 net_http, Go's", true, true, net.KeepAliveConfig{}, sockfd.Keepalive{On: 1, Idle: 15, Interval: 15, Count: 9}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			bs := httpbackend.StartN(t, 1)
+			cfg := Config{NetHTTP1: tc.netHTTP, NetHTTP2: tc.netHTTP, ClientKeepalive: net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 5 * time.Second, Count: 5}}
+			old := serve(t, cfg, bs)
+			cfg.ClientKeepalive = tc.ka
+			s := serveStoppableWith(t, cfg, backendSet(bs), func(cfg Config, bs []Backend) (*Service, error) {
+				cfg.Listen = netip.MustParseAddrPort("127.0.0.1:0") // as old's
+				return ListenFrom(cfg, bs, old)
+			}).Service
+			if s.Addr().String() != old.Addr().String() {
+				t.Fatalf("the new service listens on %v; want the old one's %v, taken over", s.Addr(), old.Addr())
+			}
+			for i := range 4 {
+				k, err := sockfd.KeepaliveBetween(s.Addr().(*net.TCPAddr).AddrPort(), getFrom(t, s, tc.h2))
+				if err != nil || k != tc.want {
+					t.Errorf("connection %d: got %+v, %v; want %+v", i, k, err, tc.want)
+				}
+			}
+		})
+	}
+}

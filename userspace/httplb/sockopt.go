@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/userspace/tcpopt"
 )
 
 // This file sets the TCP options of the service's sockets that net's
@@ -22,36 +24,49 @@ func control(c syscall.RawConn, f func(fd int) error) error {
 	return errors.Join(err, ferr)
 }
 
-// setUserTimeout sets TCP_USER_TIMEOUT on fd (tcp(7)): once bytes it sent have
-// waited d to be acknowledged, or, with keepalive on, its probes have gone
-// unanswered for d, the connection fails (ETIMEDOUT) instead of retransmitting
-// for net.ipv4.tcp_retries2. The kernel takes milliseconds: d is rounded up to
-// one; 0 turns it off.
-func setUserTimeout(fd int, d time.Duration) error {
-	ms := int((d + time.Millisecond - 1) / time.Millisecond)
-	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, ms); err != nil {
-		return fmt.Errorf("set TCP_USER_TIMEOUT: %w", err)
+// goKeepalive is the keepalive Go's net package gives a connection that asks
+// for none, and a field of one that asks leaves zero: 15s idle, 15s
+// interval, 9 probes.
+var goKeepalive = net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 15 * time.Second, Count: 9}
+
+// clientKeepalive is the keepalive of the client connections: cfg's, with
+// Go's for what it leaves out, or all of Go's when it is off.
+func (cfg *Config) clientKeepalive() net.KeepAliveConfig {
+	ka := cfg.ClientKeepalive
+	if !ka.Enable {
+		return goKeepalive
 	}
-	return nil
+	return tcpopt.Fill(ka, goKeepalive)
 }
 
-// listenOpts sets the client options on a listening socket bound afresh:
-// SO_REUSEPORT, and the user timeout if there is one.
+// listenOpts sets the client options on a listening socket bound afresh,
+// before it listens: SO_REUSEPORT, the client keepalive, and the user timeout
+// if there is one. The ListenConfig has Go leave its accepted connections'
+// keepalive alone (KeepAlive -1), so they keep what they inherit from the
+// socket: no system call per connection for it.
 func (cfg *Config) listenOpts(fd int) error {
 	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT, 1); err != nil {
 		return fmt.Errorf("set SO_REUSEPORT: %w", err)
 	}
+	if err := tcpopt.SetKeepalive(fd, cfg.clientKeepalive()); err != nil {
+		return err
+	}
 	if cfg.ClientUserTimeout > 0 {
-		return setUserTimeout(fd, cfg.ClientUserTimeout)
+		return tcpopt.SetUserTimeout(fd, cfg.ClientUserTimeout)
 	}
 	return nil
 }
 
 // retune sets the client options on a listening socket taken over from
 // another service, whose settings may have been others: unlike listenOpts, it
-// turns the user timeout off when there is none.
+// turns the user timeout off when there is none. The connections either
+// service accepts from the socket inherit them (but a taken-over socket's own
+// listener sets Go's keepalive on the connections it accepts; see takeOver).
 func (cfg *Config) retune(fd int) error {
-	return setUserTimeout(fd, cfg.ClientUserTimeout)
+	if err := tcpopt.SetKeepalive(fd, cfg.clientKeepalive()); err != nil {
+		return err
+	}
+	return tcpopt.SetUserTimeout(fd, cfg.ClientUserTimeout)
 }
 
 // Reclaim sets the service's client options on its listening sockets again,
@@ -81,7 +96,7 @@ func (s *Service) dialer() net.Dialer {
 	d := net.Dialer{Timeout: s.cfg.ConnectTimeout, KeepAliveConfig: s.cfg.BackendKeepalive}
 	if ut := s.cfg.BackendUserTimeout; ut > 0 {
 		d.Control = func(_, _ string, c syscall.RawConn) error {
-			return control(c, func(fd int) error { return setUserTimeout(fd, ut) })
+			return control(c, func(fd int) error { return tcpopt.SetUserTimeout(fd, ut) })
 		}
 	}
 	return d

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/weir-lb/weir/userspace/tcpopt"
 )
 
 // This file opens the proxy's sockets with raw system calls: listeners, and the
@@ -67,12 +69,12 @@ type tcpOpts struct {
 // set sets o's options on fd; an option that is off costs no system call.
 func (o *tcpOpts) set(fd int) error {
 	if o.ka.Enable {
-		if err := setKeepalive(fd, o.ka); err != nil {
+		if err := tcpopt.SetKeepalive(fd, o.ka); err != nil {
 			return err
 		}
 	}
 	if o.userTimeout > 0 {
-		return setUserTimeout(fd, o.userTimeout)
+		return tcpopt.SetUserTimeout(fd, o.userTimeout)
 	}
 	return nil
 }
@@ -158,7 +160,7 @@ func adopt(fd int, o tcpOpts) error {
 // zero the kernel's default back.
 func retune(fd int, o tcpOpts) error {
 	// 0 is the kernel's default: no user timeout.
-	if err := setUserTimeout(fd, o.userTimeout); err != nil {
+	if err := tcpopt.SetUserTimeout(fd, o.userTimeout); err != nil {
 		return err
 	}
 	ka := o.ka
@@ -169,16 +171,7 @@ func retune(fd int, o tcpOpts) error {
 		if err != nil {
 			return err
 		}
-		if ka.Idle <= 0 {
-			ka.Idle = def.Idle
-		}
-		if ka.Interval <= 0 {
-			ka.Interval = def.Interval
-		}
-		if ka.Count <= 0 {
-			ka.Count = def.Count
-		}
-		if err := setKeepalive(fd, ka); err != nil {
+		if err := tcpopt.SetKeepalive(fd, tcpopt.Fill(ka, def)); err != nil {
 			return err
 		}
 	}
@@ -290,46 +283,6 @@ type localError struct{ err error }
 
 func (e *localError) Error() string { return e.err.Error() }
 func (e *localError) Unwrap() error { return e.err }
-
-// setKeepalive turns TCP keepalive on for fd: after ka.Idle with nothing
-// received, a probe every ka.Interval, and after ka.Count unanswered probes the
-// connection fails (ETIMEDOUT). The kernel takes whole seconds: a duration is
-// rounded up to one. A field that is zero or negative keeps the kernel's default
-// (net.ipv4.tcp_keepalive_time, _intvl, _probes).
-func setKeepalive(fd int, ka net.KeepAliveConfig) error {
-	secs := func(d time.Duration) int { return int((d + time.Second - 1) / time.Second) }
-	for _, o := range []struct {
-		level, opt int
-		name       string
-		v          int
-	}{
-		{unix.SOL_SOCKET, unix.SO_KEEPALIVE, "SO_KEEPALIVE", 1},
-		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, "TCP_KEEPIDLE", secs(ka.Idle)},
-		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, "TCP_KEEPINTVL", secs(ka.Interval)},
-		{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, "TCP_KEEPCNT", ka.Count},
-	} {
-		if o.v <= 0 {
-			continue
-		}
-		if err := unix.SetsockoptInt(fd, o.level, o.opt, o.v); err != nil {
-			return fmt.Errorf("set %s: %w", o.name, err)
-		}
-	}
-	return nil
-}
-
-// setUserTimeout sets TCP_USER_TIMEOUT on fd (tcp(7)): once bytes it sent have
-// waited d to be acknowledged, or, with keepalive on, its probes have gone
-// unanswered for d, the connection fails (ETIMEDOUT) instead of retransmitting
-// for net.ipv4.tcp_retries2. The kernel takes milliseconds: d is rounded up to
-// one; 0 turns it off.
-func setUserTimeout(fd int, d time.Duration) error {
-	ms := int((d + time.Millisecond - 1) / time.Millisecond)
-	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, ms); err != nil {
-		return fmt.Errorf("set TCP_USER_TIMEOUT: %w", err)
-	}
-	return nil
-}
 
 // setLinger0 makes the close of fd send a reset instead of a FIN.
 func setLinger0(fd int) {
