@@ -85,6 +85,7 @@ func (a *Agent) Status() (api.Status, error) {
 		if s.Plane == plan.Proxy {
 			if snap, ok := a.proxy.Snapshot(s.Name()); ok {
 				ss.Connections, ss.Accepted, ss.AcceptErrors = snap.Active, snap.Accepted, snap.AcceptErrors
+				ss.ClientTimeouts = snap.ClientTimeouts
 				ss.Bytes = snap.BytesIn + snap.BytesOut
 				backSnap = make(map[netip.AddrPort]proxy.BackendSnapshot, len(snap.Backends))
 				for _, b := range snap.Backends {

@@ -841,6 +841,11 @@ func (l *loop) fail(c *conn, d int, read bool, err error) bool {
 		faulty, other = d, 1-d
 	}
 	outcome := OutcomeSuccess
+	if faulty == client && errors.Is(err, unix.ETIMEDOUT) {
+		// The kernel gave the client up: keepalive probes or bytes sent to
+		// it went unacknowledged (TCP keepalive, TCP_USER_TIMEOUT).
+		l.s.stats.clientTimeouts.Add(1)
+	}
 	if faulty == server {
 		if h := &c.h[down]; !h.eof && !h.whole && err != unix.EPIPE {
 			outcome = OutcomeReset

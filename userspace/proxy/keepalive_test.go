@@ -120,7 +120,8 @@ func TestKeepaliveVanishedClient(t *testing.T) {
 
 // vanishedClient checks that a service with what set sets finds out a
 // client whose host vanished without a FIN or a reset (its link goes down)
-// and ends its connection, freeing its slot, where a service without it
+// and ends its connection, freeing its slot and counting it in
+// ClientTimeouts, blaming no backend, where a service without it
 // still holds its connection a second after that (netpair.Outlived). With
 // inFlight, the backend sends the client bytes once it has gone, which the
 // proxy sends on and which then wait to be acknowledged.
@@ -176,6 +177,14 @@ func vanishedClient(t *testing.T, set func(*Config), inFlight bool) {
 	}
 	netpair.Outlived(t, start, func() int64 { return services["set"].Snapshot().Active },
 		func() int64 { return services["none"].Snapshot().Active })
+	// The client is counted as one the kernel gave up on; no backend is blamed.
+	snap := services["set"].Snapshot()
+	if snap.ClientTimeouts != 1 || snap.Backends[0].Resets != 0 {
+		t.Errorf("client timeouts, backend resets: got %d, %d; want 1, 0", snap.ClientTimeouts, snap.Backends[0].Resets)
+	}
+	if got := services["none"].Snapshot().ClientTimeouts; got != 0 {
+		t.Errorf("the other service's client timeouts: got %d; want 0", got)
+	}
 }
 
 // TestKeepaliveVanishedBackend: a backend whose host vanishes without a FIN

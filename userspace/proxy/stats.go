@@ -11,8 +11,10 @@ type serviceCounters struct {
 	active       atomic.Int64
 	unserved     atomic.Uint64
 	acceptErrors atomic.Uint64
-	bytesIn      atomic.Uint64 // client to backend
-	bytesOut     atomic.Uint64 // backend to client
+	// clientTimeouts counts client connections that failed with ETIMEDOUT.
+	clientTimeouts atomic.Uint64
+	bytesIn        atomic.Uint64 // client to backend
+	bytesOut       atomic.Uint64 // backend to client
 }
 
 type backendCounters struct {
@@ -34,9 +36,13 @@ type Snapshot struct {
 	Active       int64  // client connections being handled now
 	Unserved     uint64 // closed at once: no usable backend or every attempt failed
 	AcceptErrors uint64
-	BytesIn      uint64 // client to backends
-	BytesOut     uint64 // backends to clients
-	Backends     []BackendSnapshot
+	// ClientTimeouts counts client connections the kernel gave up on because
+	// the client stopped acknowledging (ETIMEDOUT: TCP keepalive probes, or
+	// bytes sent to it, unanswered; ClientKeepalive, ClientUserTimeout).
+	ClientTimeouts uint64
+	BytesIn        uint64 // client to backends
+	BytesOut       uint64 // backends to clients
+	Backends       []BackendSnapshot
 }
 
 // BackendSnapshot is one current backend's state and counters. Counters of removed
@@ -61,13 +67,14 @@ type BackendSnapshot struct {
 // Snapshot returns the service's counters.
 func (s *Service) Snapshot() Snapshot {
 	snap := Snapshot{
-		Service:      s.cfg.Name,
-		Accepted:     s.stats.accepted.Load(),
-		Active:       s.stats.active.Load(),
-		Unserved:     s.stats.unserved.Load(),
-		AcceptErrors: s.stats.acceptErrors.Load(),
-		BytesIn:      s.stats.bytesIn.Load(),
-		BytesOut:     s.stats.bytesOut.Load(),
+		Service:        s.cfg.Name,
+		Accepted:       s.stats.accepted.Load(),
+		Active:         s.stats.active.Load(),
+		Unserved:       s.stats.unserved.Load(),
+		AcceptErrors:   s.stats.acceptErrors.Load(),
+		ClientTimeouts: s.stats.clientTimeouts.Load(),
+		BytesIn:        s.stats.bytesIn.Load(),
+		BytesOut:       s.stats.bytesOut.Load(),
 	}
 	now := monotonic()
 	s.mu.Lock()

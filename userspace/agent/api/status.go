@@ -106,6 +106,9 @@ type ServiceStatus struct {
 	// Proxy and the http plane: accept errors waited out (no file
 	// descriptor or socket memory left).
 	AcceptErrors uint64 `json:"accept_errors,omitempty"`
+	// The proxy only: client connections the kernel gave up on, the client
+	// having stopped acknowledging (TCP keepalive or user timeout).
+	ClientTimeouts uint64 `json:"client_timeouts,omitempty"`
 	// The http plane only: requests in flight now, and answered.
 	InFlight int64           `json:"inflight_requests,omitempty"`
 	Tunnels  int64           `json:"tunnels,omitempty"` // of InFlight, WebSocket and other upgrades
@@ -227,6 +230,9 @@ func (st Status) WriteTable(w io.Writer) {
 		}
 		if s.AcceptErrors > 0 {
 			fmt.Fprintf(w, "  %d accept errors waited out (no file descriptor or socket memory left)\n", s.AcceptErrors)
+		}
+		if s.ClientTimeouts > 0 {
+			fmt.Fprintf(w, "  %d client connections timed out (the client stopped acknowledging: TCP keepalive or user timeout)\n", s.ClientTimeouts)
 		}
 		if t := s.Table; t != nil {
 			fp := t.Fingerprint

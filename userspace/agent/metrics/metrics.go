@@ -36,7 +36,7 @@ type descs struct {
 	bgpPeerUp, bgpPeerUptime, bgpAnnounced, bgpPending, nodeDrained                            *prometheus.Desc
 	tableInfo, prevTableInfo, prevTableAge                                                     *prometheus.Desc
 	httpInFlight, httpTunnels                                                                  *prometheus.Desc
-	serviceServing, serviceRestarts, serviceAcceptErrors                                       *prometheus.Desc
+	serviceServing, serviceRestarts, serviceAcceptErrors, serviceClientTimeouts                *prometheus.Desc
 }
 
 // New returns the registry; status is read at every scrape.
@@ -94,12 +94,13 @@ func New(status func() (api.Status, error)) *Metrics {
 			"no series for a service the XDP program does not hold.", "service", "fingerprint"),
 		prevTableInfo: d("weir_service_previous_table_info", "1, labelled with the fingerprint of the lookup table the current one replaced, "+
 			"while the previous-table fallback may use it.", "service", "fingerprint"),
-		httpInFlight:        d("weir_http_requests_in_flight", "Requests the http data plane is forwarding now, tunnels included.", "service"),
-		httpTunnels:         d("weir_http_tunnels_open", "Upgraded connections (WebSocket and others) the http data plane joins to a backend now.", "service"),
-		serviceServing:      d("weir_service_serving", "Proxy and http plane: 1 while the service's server serves, 0 while it stopped on its own and is being started anew.", "service"),
-		serviceRestarts:     d("weir_service_restarts_total", "Proxy and http plane: servers the agent started anew after the service's server stopped on its own (its listener failed).", "service"),
-		serviceAcceptErrors: d("weir_service_accept_errors_total", "Proxy and http plane: accept errors the service's listeners waited out (no file descriptor or socket memory left).", "service"),
-		prevTableAge:        d("weir_service_previous_table_age_seconds", "Seconds since the service's previous lookup table was replaced, while the fallback may use it.", "service"),
+		httpInFlight:          d("weir_http_requests_in_flight", "Requests the http data plane is forwarding now, tunnels included.", "service"),
+		httpTunnels:           d("weir_http_tunnels_open", "Upgraded connections (WebSocket and others) the http data plane joins to a backend now.", "service"),
+		serviceServing:        d("weir_service_serving", "Proxy and http plane: 1 while the service's server serves, 0 while it stopped on its own and is being started anew.", "service"),
+		serviceRestarts:       d("weir_service_restarts_total", "Proxy and http plane: servers the agent started anew after the service's server stopped on its own (its listener failed).", "service"),
+		serviceAcceptErrors:   d("weir_service_accept_errors_total", "Proxy and http plane: accept errors the service's listeners waited out (no file descriptor or socket memory left).", "service"),
+		serviceClientTimeouts: d("weir_service_client_timeouts_total", "Proxy: client connections the kernel gave up on because the client stopped acknowledging (TCP keepalive probes or bytes sent to it unanswered: tcp_keepalive, tcp_user_timeout).", "service"),
+		prevTableAge:          d("weir_service_previous_table_age_seconds", "Seconds since the service's previous lookup table was replaced, while the fallback may use it.", "service"),
 	}
 	m.reg.MustRegister(m.checks, m.reloads, m.requests, m.latency, m, prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
 	return m
@@ -146,7 +147,7 @@ func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 		m.d.serviceConns, m.d.serviceAccepted, m.d.backendPackets, m.d.backendBytes, m.d.serviceFlows, m.d.backendFlows,
 		m.d.backendConns, m.d.backendConnects, m.d.backendUsable, m.d.backendHealth, m.d.backendWeight,
 		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded, m.d.bgpPeerUp, m.d.bgpPeerUptime, m.d.bgpAnnounced, m.d.bgpPending, m.d.nodeDrained,
-		m.d.tableInfo, m.d.prevTableInfo, m.d.prevTableAge, m.d.httpInFlight, m.d.httpTunnels, m.d.serviceServing, m.d.serviceRestarts, m.d.serviceAcceptErrors} {
+		m.d.tableInfo, m.d.prevTableInfo, m.d.prevTableAge, m.d.httpInFlight, m.d.httpTunnels, m.d.serviceServing, m.d.serviceRestarts, m.d.serviceAcceptErrors, m.d.serviceClientTimeouts} {
 		ch <- d
 	}
 }
@@ -218,6 +219,9 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 			g(m.d.serviceServing, b2f(s.Down == ""), s.Name)
 			c(m.d.serviceRestarts, s.Restarts, s.Name)
 			c(m.d.serviceAcceptErrors, s.AcceptErrors, s.Name)
+			if s.DataPlane == api.PlaneProxy {
+				c(m.d.serviceClientTimeouts, s.ClientTimeouts, s.Name)
+			}
 		}
 		if s.DataPlane == api.PlaneHTTP {
 			g(m.d.httpInFlight, float64(s.InFlight), s.Name)

@@ -30,11 +30,12 @@ func TestBGPRoutes(t *testing.T) {
 }
 
 // TestServiceServing: proxy and http services have their serving gauge,
-// restarts and accept errors; XDP services have none of them.
+// restarts and accept errors; proxy services their client timeouts; XDP
+// services have none of them.
 func TestServiceServing(t *testing.T) {
 	st := api.Status{Services: []api.ServiceStatus{
 		{Name: "web", DataPlane: api.PlaneHTTP, Down: "listen: address in use", Restarts: 2, AcceptErrors: 7},
-		{Name: "tcp", DataPlane: api.PlaneProxy, AcceptErrors: 3},
+		{Name: "tcp", DataPlane: api.PlaneProxy, AcceptErrors: 3, ClientTimeouts: 4},
 		{Name: "fast", DataPlane: api.PlaneXDP},
 	}}
 	b := scrape(t, New(func() (api.Status, error) { return st, nil }))
@@ -45,14 +46,16 @@ func TestServiceServing(t *testing.T) {
 		`weir_service_serving{service="tcp"} 1`,
 		`weir_service_restarts_total{service="tcp"} 0`,
 		`weir_service_accept_errors_total{service="tcp"} 3`,
+		`weir_service_client_timeouts_total{service="tcp"} 4`,
 	} {
 		if !strings.Contains(b, want) {
 			t.Errorf("metrics lack %q:\n%s", want, b)
 		}
 	}
-	for _, unwanted := range []string{`weir_service_serving{service="fast"}`, `weir_service_accept_errors_total{service="fast"}`} {
+	for _, unwanted := range []string{`weir_service_serving{service="fast"}`, `weir_service_accept_errors_total{service="fast"}`,
+		`weir_service_client_timeouts_total{service="fast"}`, `weir_service_client_timeouts_total{service="web"}`} {
 		if strings.Contains(b, unwanted) {
-			t.Errorf("metrics have %q for an XDP service; want none", unwanted)
+			t.Errorf("metrics have %q for an XDP or http service; want none", unwanted)
 		}
 	}
 }

@@ -95,6 +95,7 @@ func merge(dst *proxy.Snapshot, src proxy.Snapshot, add bool) {
 	dst.Accepted += src.Accepted
 	dst.Unserved += src.Unserved
 	dst.AcceptErrors += src.AcceptErrors
+	dst.ClientTimeouts += src.ClientTimeouts
 	dst.BytesIn += src.BytesIn
 	dst.BytesOut += src.BytesOut
 	for _, ob := range src.Backends {
