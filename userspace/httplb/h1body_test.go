@@ -168,12 +168,12 @@ func TestH1BodySplit(t *testing.T) {
 			if _, err := conn.Write(req[c.at:]); err != nil {
 				t.Fatal(err)
 			}
-			if !c.waitFor {
-				<-entered
-			}
 			resp, got := readRaw(t, br, "POST")
 			if resp.StatusCode != 200 || !bytes.Equal(got, body) {
 				t.Fatalf("got %d, %q; want 200 and the body sent", resp.StatusCode, got)
+			}
+			if !c.waitFor {
+				<-entered // sent before the answer: the next case's to take is its own
 			}
 		})
 	}
