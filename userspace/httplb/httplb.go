@@ -524,8 +524,8 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 	return b
 }
 
-// closeIdle closes the backend's idle upstream connections. The pool of the
-// requests without a body and the frame engine's keep none from then on, until
+// closeIdle closes the backend's idle upstream connections. weir's own
+// HTTP/1.1 exchange's pool (h1s) and the frame engine's keep none from then on, until
 // the backend is configured again; http.Transport's pools keep the connections
 // of requests in flight, which closeRetired closes as the requests end.
 func (b *backend) closeIdle() {
