@@ -53,6 +53,16 @@ func FuzzH1Requests(f *testing.F) {
 		"CONNECT a:443 HTTP/1.1\r\nHost: a:443\r\n\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",
 		"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n\r\nGET / HTTP/1.1\r\nHost: [fe80::1%25eth0]:80\r\n\r\n",
 		"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: keep-alive, Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: k\r\n\r\nGET /after HTTP/1.1\r\nHost: a\r\n\r\n",
+		// Bodies that come whole with their head, which weir's own exchange
+		// carries: a length with leading zeros, the same length twice, a
+		// CRLF after a POST, a GET's body, an Idempotency-Key; a length
+		// with a sign, two that differ; HTTP/1.0's Transfer-Encoding, which
+		// the length overrides.
+		"POST /z HTTP/1.1\r\nHost: a\r\nContent-Length: 005\r\n\r\nhelloPOST /y HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nhi\r\nGET /g HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n\r\nbody" +
+			"DELETE /d HTTP/1.1\r\nHost: a\r\nIdempotency-Key: k\r\nContent-Length: 1\r\n\r\nx",
+		"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\n1POST / HTTP/1.1\r\nHost: a\r\nContent-Length: +5\r\n\r\nhello",
+		"PUT / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+		"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: a\r\n\r\n",
 	} {
 		f.Add([]byte(s))
 	}
