@@ -474,8 +474,8 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 		return nil
 	}
 	start := p.Start
-	if p.Replace != nil && !over {
-		start = func(s *plan.Service) (S, error) { return p.Replace(e.srv, s) }
+	if from := p.from(e, over, next); from != nil {
+		start = func(s *plan.Service) (S, error) { return p.Replace(from.srv, s) }
 	}
 	fresh, err := p.start(next, start)
 	if err != nil && over && !rebuild {
@@ -504,6 +504,29 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 	}
 	p.mu.Unlock()
 	return nil
+}
+
+// from returns the running server whose listening sockets the server that
+// Update starts for next takes over (Replace): e's, the service's own, where
+// next listens as e does and e serves; where next listens elsewhere, another
+// service's on that address that the change moves or removes (two services
+// swap their names, or one takes the address of one removed), held so that
+// Abort gives it its settings back. Nil: none, the new server binds anew.
+func (p *Set[S]) from(e *entry[S], over bool, next *plan.Service) *entry[S] {
+	if p.Replace == nil {
+		return nil
+	}
+	if p.Listen == nil || p.Listen(&e.cfg) == p.Listen(&next.Config) {
+		if over {
+			return nil
+		}
+		return e
+	}
+	name, d := p.donor(next)
+	if d != nil {
+		p.hold(name)
+	}
+	return d
 }
 
 // SetBackend applies one backend's change: the servers take the whole set.
