@@ -10,12 +10,15 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/weir-lb/weir/health"
 	"github.com/weir-lb/weir/internal/churn"
 	"github.com/weir-lb/weir/internal/sockfd"
 	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/config"
+	"github.com/weir-lb/weir/userspace/proxy"
 )
 
 // rebuildSetup runs a proxy plane with an echo backend; service(name, px) is
@@ -177,35 +180,85 @@ func TestRebuildAborted(t *testing.T) {
 	}
 }
 
-// TestRebuildKeepsNoDescriptor: reloads that replace a service's server, and
-// one that is aborted, leave the process no descriptor more than it had once
-// the replaced servers have drained: each server closes its own descriptors
-// of the listening sockets it shared.
+// TestRebuildKeepsNoDescriptor: reloads that replace a service's server (a
+// setting fixed at listen time changed; the service renamed; the number of
+// event loops changed up and down), one of them aborted, leave the process
+// no descriptor more than it had once the replaced servers have drained:
+// each server closes its own descriptors of the listening sockets it shared,
+// and the sockets bound beside those taken over.
 func TestRebuildKeepsNoDescriptor(t *testing.T) {
-	p, vip, service := rebuildSetup(t, config.Proxy{IdleTimeout: 10 * time.Second})
-	idle := func(i int) *plan.Service {
-		return service("web", config.Proxy{IdleTimeout: time.Duration(10+i) * time.Second})
+	idle := func(i int) (string, config.Proxy) {
+		return "web", config.Proxy{IdleTimeout: time.Duration(10+i) * time.Second}
 	}
-	// Served: the server's event loops, made as it starts, are open.
-	churn.Start(t, vip.String(), 1, []byte("ping"), []byte("ping")).NoneFailed(t, "before the reloads")
-	before := openFDs(t)
-	for i := range 6 {
-		if err := p.Update(idle(i), idle(i+1)); err != nil {
-			t.Fatalf("reload %d: %v", i, err)
-		}
-		if i == 3 {
-			p.Abort()
-			if err := p.Update(idle(i), idle(i+1)); err != nil {
-				t.Fatalf("reload %d again: %v", i, err)
+	for _, tc := range []struct {
+		name  string
+		at    func(i int) (string, config.Proxy) // as in TestRebuildUnderLoad
+		procs []int                              // GOMAXPROCS before each reload, in turn; nil: unchanged
+	}{
+		{"idle_timeout", idle, nil},
+		{"rename", func(i int) (string, config.Proxy) {
+			if i == 0 {
+				return "web", config.Proxy{}
 			}
+			return fmt.Sprintf("web-%d", i), config.Proxy{}
+		}, nil},
+		{"event_loops", idle, []int{3, 1, 4, 2, 1, 3}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			was := runtime.GOMAXPROCS(0)
+			t.Cleanup(func() { runtime.GOMAXPROCS(was) })
+			_, px := tc.at(0)
+			p, vip, service := rebuildSetup(t, px)
+			// Served: the server's event loops, made as it starts, are open.
+			churn.Start(t, vip.String(), 1, []byte("ping"), []byte("ping")).NoneFailed(t, "before the reloads")
+			before, loops := openFDs(t), sockets(t, mustGet(t, p, "web"), vip)
+			for i := range 6 {
+				if len(tc.procs) > 0 {
+					runtime.GOMAXPROCS(tc.procs[i])
+				}
+				if err := reload(p, service(tc.at(i)), service(tc.at(i+1))); err != nil {
+					t.Fatalf("reload %d: %v", i, err)
+				}
+				if i == 3 {
+					p.Abort()
+					if err := reload(p, service(tc.at(i)), service(tc.at(i+1))); err != nil {
+						t.Fatalf("reload %d again: %v", i, err)
+					}
+				}
+				p.Commit()
+			}
+			runtime.GOMAXPROCS(was)
+			churn.Start(t, vip.String(), 1, []byte("ping"), []byte("ping")).NoneFailed(t, "after the reloads")
+			last, _ := tc.at(6)
+			more := sockets(t, mustGet(t, p, last), vip) - loops
+			drained := func() bool {
+				for i := range 7 {
+					if name, _ := tc.at(i); len(p.Draining(name)) > 0 {
+						return false
+					}
+				}
+				return true
+			}
+			// Each loop the last server has more than the first has a
+			// listening socket, an epoll and a wake descriptor.
+			want := before + 3*more
+			if !waitfor.Cond(10*time.Second, func() bool { return drained() && openFDs(t) <= want }) {
+				t.Errorf("after 6 reloads and an abort: %d descriptors open, drained %v; want at most %d, true",
+					openFDs(t), drained(), want)
+			}
+		})
+	}
+}
+
+// sockets returns how many listening sockets px holds open on vip.
+func sockets(t *testing.T, px *proxy.Service, vip netip.AddrPort) int {
+	fds := px.ListenFDs(vip)
+	for _, fd := range fds {
+		if err := unix.Close(fd); err != nil {
+			t.Fatal(err)
 		}
-		p.Commit()
 	}
-	churn.Start(t, vip.String(), 1, []byte("ping"), []byte("ping")).NoneFailed(t, "after the reloads")
-	if !waitfor.Cond(10*time.Second, func() bool { return len(p.Draining("web")) == 0 && openFDs(t) <= before }) {
-		t.Errorf("after 6 reloads and an abort: %d descriptors open, %d draining servers; want at most %d, 0",
-			openFDs(t), len(p.Draining("web")), before)
-	}
+	return len(fds)
 }
 
 // openFDs returns how many descriptors the process has open.
