@@ -11,6 +11,8 @@ import (
 	"github.com/weir-lb/weir/health"
 	"github.com/weir-lb/weir/internal/churn"
 	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/internal/sockfd"
+	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/userspace/agent/httpplane"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/agent/proxyplane"
@@ -28,34 +30,7 @@ func TestPlaneMoveUnderLoad(t *testing.T) {
 	// Three event loops: the http plane takes three proxy sockets over.
 	was := runtime.GOMAXPROCS(3)
 	t.Cleanup(func() { runtime.GOMAXPROCS(was) })
-	bs := httpbackend.StartN(t, 1)
-	log := slog.New(slog.DiscardHandler)
-	a := &Agent{log: log, proxy: proxyplane.New(&health.Checker{}, log), http: httpplane.New(&health.Checker{}, log, nil)}
-	pairPlanes(a.proxy, a.http)
-	a.planes = map[plan.Plane]Plane{plan.Proxy: a.proxy, plan.HTTP: a.http}
-	t.Cleanup(a.http.Close)
-	t.Cleanup(a.proxy.Close)
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	vip := l.Addr().(*net.TCPAddr).AddrPort()
-	l.Close()
-	service := func(name string, on plan.Plane, at netip.AddrPort) plan.Service {
-		dp := config.DataPlaneProxy
-		if on == plan.HTTP {
-			dp = config.DataPlaneHTTP
-		}
-		return plan.Service{
-			Config: config.Service{Name: name, DataPlane: dp, Algorithm: config.AlgorithmLeastConn, DrainTimeout: 5 * time.Second,
-				Proxy: config.Proxy{Listen: at, ConnectTimeout: time.Second},
-				HTTP:  config.HTTP{Listen: at, ConnectTimeout: time.Second, IdleTimeout: time.Minute}},
-			Placement: plan.Placement{Plane: on}, Installed: true,
-			Backends: []plan.Backend{{ID: plan.ID(name, bs[0].Addr), Config: config.Backend{Addr: bs[0].Addr, Weight: 1},
-				Healthy: true, Usable: true, Weight: 1}},
-		}
-	}
-	on := func(p plan.Plane) plan.Desired { return plan.Desired{Services: []plan.Service{service("web", p, vip)}} }
+	a, vip, on, service := planeMoveSetup(t)
 	other := map[plan.Plane]plan.Plane{plan.Proxy: plan.HTTP, plan.HTTP: plan.Proxy}
 	prev := on(plan.Proxy)
 	if err := a.reconcile(plan.Desired{}, prev); err != nil {
@@ -88,6 +63,42 @@ func TestPlaneMoveUnderLoad(t *testing.T) {
 	load.NoneFailed(t, "10 moves between the proxy and the http plane, and 4 refused, under load")
 }
 
+// planeMoveSetup runs an agent's proxy and http planes, paired, with an
+// HTTP/1.1 backend; on(p) is service "web" on plane p at vip, service(name,
+// p, at) is one of them.
+func planeMoveSetup(t *testing.T) (a *Agent, vip netip.AddrPort, on func(plan.Plane) plan.Desired,
+	service func(name string, on plan.Plane, at netip.AddrPort) plan.Service) {
+	bs := httpbackend.StartN(t, 1)
+	log := slog.New(slog.DiscardHandler)
+	a = &Agent{log: log, proxy: proxyplane.New(&health.Checker{}, log), http: httpplane.New(&health.Checker{}, log, nil)}
+	pairPlanes(a.proxy, a.http)
+	a.planes = map[plan.Plane]Plane{plan.Proxy: a.proxy, plan.HTTP: a.http}
+	t.Cleanup(a.http.Close)
+	t.Cleanup(a.proxy.Close)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	vip = l.Addr().(*net.TCPAddr).AddrPort()
+	l.Close()
+	service = func(name string, on plan.Plane, at netip.AddrPort) plan.Service {
+		dp := config.DataPlaneProxy
+		if on == plan.HTTP {
+			dp = config.DataPlaneHTTP
+		}
+		return plan.Service{
+			Config: config.Service{Name: name, DataPlane: dp, Algorithm: config.AlgorithmLeastConn, DrainTimeout: 5 * time.Second,
+				Proxy: config.Proxy{Listen: at, ConnectTimeout: time.Second},
+				HTTP:  config.HTTP{Listen: at, ConnectTimeout: time.Second, IdleTimeout: time.Minute}},
+			Placement: plan.Placement{Plane: on}, Installed: true,
+			Backends: []plan.Backend{{ID: plan.ID(name, bs[0].Addr), Config: config.Backend{Addr: bs[0].Addr, Weight: 1},
+				Healthy: true, Usable: true, Weight: 1}},
+		}
+	}
+	on = func(p plan.Plane) plan.Desired { return plan.Desired{Services: []plan.Service{service("web", p, vip)}} }
+	return a, vip, on, service
+}
+
 // server returns the server of service "web" on plane p, nil if none.
 func (a *Agent) server(p plan.Plane) any {
 	switch p {
@@ -101,4 +112,53 @@ func (a *Agent) server(p plan.Plane) any {
 		}
 	}
 	return nil
+}
+
+// TestPlaneMoveKeepsNoDescriptor: moves of a service between the proxy and
+// the http plane and back, one refused at each turn first, leave the process
+// no descriptor and no goroutine more than it had once the servers they
+// replaced have drained: each server, the http one accepting from the
+// proxy's three sockets included, closes its own descriptors of the sockets
+// it shared, and ends what it started.
+func TestPlaneMoveKeepsNoDescriptor(t *testing.T) {
+	was := runtime.GOMAXPROCS(3)
+	t.Cleanup(func() { runtime.GOMAXPROCS(was) })
+	a, vip, on, service := planeMoveSetup(t)
+	prev := on(plan.Proxy)
+	if err := a.reconcile(plan.Desired{}, prev); err != nil {
+		t.Fatal(err)
+	}
+	request, answer := []byte("GET / HTTP/1.1\r\nHost: web\r\nConnection: close\r\n\r\n"), []byte("HTTP/1.1 200")
+	// Served: the proxy's event loops, made as it starts, are open.
+	churn.Start(t, vip.String(), 1, request, answer).NoneFailed(t, "before the moves")
+	count := func() (int, int) {
+		n, err := sockfd.Open()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n, runtime.NumGoroutine()
+	}
+	fds, goroutines := count()
+	for i, p := range []plan.Plane{plan.HTTP, plan.Proxy, plan.HTTP, plan.Proxy} {
+		next := on(p)
+		refused := next
+		refused.Services = append(refused.Services, service("bad", plan.Proxy, netip.MustParseAddrPort("192.0.2.1:80")))
+		if err := a.reconcile(prev, refused); err == nil {
+			t.Fatalf("move %d: a reload with a service that cannot bind was applied", i)
+		}
+		if err := a.reconcile(prev, next); err != nil {
+			t.Fatalf("move %d to the %s plane: %v", i, p, err)
+		}
+		prev = next
+	}
+	churn.Start(t, vip.String(), 1, request, answer).NoneFailed(t, "after the moves")
+	drained := func() bool { return len(a.proxy.Draining("web")) == 0 && len(a.http.Draining("web")) == 0 }
+	if !waitfor.Cond(10*time.Second, func() bool {
+		n, g := count()
+		return drained() && n <= fds && g <= goroutines
+	}) {
+		n, g := count()
+		t.Errorf("after 4 moves and 4 refused: %d descriptors, %d goroutines open, drained %v; want at most %d, %d, true",
+			n, g, drained(), fds, goroutines)
+	}
 }
