@@ -246,3 +246,47 @@ func takeOverAndReclaim(t *testing.T, set func(cfg *Config, old bool), check fun
 	}
 	checkAt("reclaimed", true)
 }
+
+// TestListenFromUnjoined: a service that replaces one whose sockets bound
+// beside those it took over have not joined yet takes only the listening
+// ones over and binds the rest itself, so that once it has joined them every
+// socket it serves on listens, and the first two services can stop.
+func TestListenFromUnjoined(t *testing.T) {
+	be := startBackend(t, "a", loopback0, echo)
+	cfg := Config{Name: t.Name(), Listen: loopback0, Backends: []Backend{{Addr: be.addr()}}, Logger: discardLogger(),
+		AcceptLoops: 1}
+	// The services listen on one address as configured, not port 0.
+	port, err := Listen(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Listen = port.Addr()
+	port.Close()
+	first, err := Listen(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { first.Close() })
+	cfg.AcceptLoops = 3
+	mid, err := ListenFrom(context.Background(), cfg, first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mid.Close() })
+	if got := listening(t, mid); got != 1 {
+		t.Fatalf("the unjoined service has %d sockets listening; want the 1 it took over", got)
+	}
+	s := startProxyWith(t, cfg, func(ctx context.Context, cfg Config) (*Service, error) { return ListenFrom(ctx, cfg, mid) })
+	mid.Close()
+	first.Close()
+	if err := s.Join(); err != nil {
+		t.Fatal(err)
+	}
+	if got := listening(t, s); got != len(s.lns) || got != 3 {
+		t.Errorf("got %d of %d sockets listening; want 3 of 3", got, len(s.lns))
+	}
+	churn.Start(t, s.Addr().String(), 4, []byte("ping"), []byte("ping")).NoneFailed(t, "once the first services stopped")
+	if n := s.Snapshot().AcceptErrors; n != 0 {
+		t.Errorf("got %d accept errors; want 0", n)
+	}
+}

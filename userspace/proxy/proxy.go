@@ -322,8 +322,9 @@ type Sockets interface {
 }
 
 // ListenFDs returns new descriptors of the service's listening sockets that
-// are still open, if it listens on addr (see Sockets). A nil service has
-// none.
+// are still open, if it listens on addr (see Sockets): those that listen, not
+// the ones bound beside them that Join has yet to make listen. A nil service
+// has none.
 func (s *Service) ListenFDs(addr netip.AddrPort) []int {
 	if s == nil || s.cfg.Listen != addr {
 		return nil

@@ -45,11 +45,13 @@ func (l *listener) close() {
 }
 
 // dup returns a new descriptor of the same listening socket, or -1 if l is
-// closed or the descriptor could not be had.
+// closed, only bound (not joined yet: nothing is queued on it, and a service
+// that took it over would take it for a listening one), or the descriptor
+// could not be had.
 func (l *listener) dup() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.fd < 0 {
+	if l.fd < 0 || l.bound {
 		return -1
 	}
 	fd, err := unix.FcntlInt(uintptr(l.fd), unix.F_DUPFD_CLOEXEC, 0)
