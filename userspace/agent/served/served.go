@@ -222,9 +222,7 @@ func (p *Set[S]) Add(s *plan.Service) error {
 	}
 	p.hold(s.Name())
 	start := p.Start
-	if name, d := p.donor(s); d != nil {
-		// A refused change gives the donor its sockets back (Abort).
-		p.hold(name)
+	if d := p.donor(s); d != nil {
 		start = func(s *plan.Service) (S, error) { return p.Replace(d.srv, s) }
 	}
 	e, err := p.start(s, start)
@@ -240,14 +238,19 @@ func (p *Set[S]) Add(s *plan.Service) error {
 }
 
 // donor returns a running server of another service that listens where s
-// will, and that service's name: s is a rename (or takes the address of a
-// service the change removes), and its server takes the donor's listening
-// sockets over. Nil if there is none, or no Replace or Listen.
-func (p *Set[S]) donor(s *plan.Service) (string, *entry[S]) {
+// will: s is a rename (or takes the address of a service the change removes
+// or moves away), and its server takes the donor's listening sockets over.
+// The donor's service is held: a refused change gives it its settings on
+// them back (Abort). Nil if there is none, or no Replace or Listen.
+func (p *Set[S]) donor(s *plan.Service) *entry[S] {
 	if p.Replace == nil || p.Listen == nil {
-		return "", nil
+		return nil
 	}
-	return p.listening(p.Listen(&s.Config), s.Name())
+	name, d := p.listening(p.Listen(&s.Config), s.Name())
+	if d != nil {
+		p.hold(name)
+	}
+	return d
 }
 
 // listening returns a running server listening on at, of a service other
@@ -508,10 +511,9 @@ func (p *Set[S]) Update(prev, next *plan.Service) error {
 
 // from returns the running server whose listening sockets the server that
 // Update starts for next takes over (Replace): e's, the service's own, where
-// next listens as e does and e serves; where next listens elsewhere, another
-// service's on that address that the change moves or removes (two services
-// swap their names, or one takes the address of one removed), held so that
-// Abort gives it its settings back. Nil: none, the new server binds anew.
+// next listens as e does and e serves; where next listens elsewhere, the
+// donor there (two services swap their names or addresses, or one takes the
+// address of one removed). Nil: none, the new server binds anew.
 func (p *Set[S]) from(e *entry[S], over bool, next *plan.Service) *entry[S] {
 	if p.Replace == nil {
 		return nil
@@ -522,11 +524,7 @@ func (p *Set[S]) from(e *entry[S], over bool, next *plan.Service) *entry[S] {
 		}
 		return e
 	}
-	name, d := p.donor(next)
-	if d != nil {
-		p.hold(name)
-	}
-	return d
+	return p.donor(next)
 }
 
 // SetBackend applies one backend's change: the servers take the whole set.
