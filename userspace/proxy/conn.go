@@ -391,7 +391,7 @@ func (l *loop) pump(c *conn, d int) bool {
 				// would from the client, by a reset; else the connection,
 				// its lease and its slot would last until the backend
 				// wrote, which one waiting for an event may never do.
-				return l.fail(c, d, true, unix.ECONNRESET)
+				return l.fail(c, d, true, failure(c.fd[d]))
 			}
 			// The backend reset after its FIN (a close with the client's
 			// later bytes unread, or an abortive close): its whole answer
@@ -430,7 +430,7 @@ func (l *loop) pump(c *conn, d int) bool {
 					// destination that does not read: they will never go, and
 					// nothing else would end c, as the destination may never
 					// drain. The destination gets a reset too.
-					return l.fail(c, d, true, unix.ECONNRESET)
+					return l.fail(c, d, true, failure(src))
 				}
 				return true
 			}
@@ -819,6 +819,16 @@ func (l *loop) finBeforeReset(c *conn, src int) bool {
 		return ti.Bytes_received > c.h[down].read+uint64(inq)
 	}
 	return false
+}
+
+// failure returns the error that failed fd, a socket that hung up without a
+// FIN, which no read has returned: its pending error (a reset, or ETIMEDOUT
+// when the kernel gave the peer up), or ECONNRESET if it has none left.
+func failure(fd int) error {
+	if errno := sockErr(fd); errno != 0 {
+		return errno
+	}
+	return unix.ECONNRESET
 }
 
 // sockErr returns and clears fd's pending error (SO_ERROR), or 0.

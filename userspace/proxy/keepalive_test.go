@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
 	"net/netip"
 	"slices"
@@ -113,9 +114,13 @@ func proxiedSockets(t *testing.T, ip string, cfg Config) (client, backend int) {
 // reset (here its link goes down) is found out by keepalive and its connection
 // ends, freeing its slot; without keepalive, the connection stays.
 func TestKeepaliveVanishedClient(t *testing.T) {
-	vanishedClient(t, func(cfg *Config) {
-		cfg.ClientKeepalive = net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 2}
-	}, false)
+	for _, halfClosed := range []bool{false, true} {
+		t.Run(map[bool]string{false: "open", true: "half-closed"}[halfClosed], func(t *testing.T) {
+			vanishedClient(t, func(cfg *Config) {
+				cfg.ClientKeepalive = net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 2}
+			}, false, halfClosed)
+		})
+	}
 }
 
 // vanishedClient checks that a service with what set sets finds out a
@@ -124,19 +129,30 @@ func TestKeepaliveVanishedClient(t *testing.T) {
 // ClientTimeouts, blaming no backend, where a service without it
 // still holds its connection a second after that (netpair.Outlived). With
 // inFlight, the backend sends the client bytes once it has gone, which the
-// proxy sends on and which then wait to be acknowledged.
+// proxy sends on and which then wait to be acknowledged. With halfClosed, the
+// client has sent its FIN before it goes (the backend reads its EOF and
+// stays), so the proxy no longer reads from it: its failure is still a
+// client timeout.
 //
 // The client lives in a namespace of its own joined by a veth to the proxy's
 // listeners' namespace (netpair); the proxy's loops, which dial, and the
 // backend stay in the test's namespace.
-func vanishedClient(t *testing.T, set func(*Config), inFlight bool) {
+func vanishedClient(t *testing.T, set func(*Config), inFlight, halfClosed bool) {
 	t.Helper()
 	pair := netpair.New(t)
 	backs := make(chan *net.TCPConn, 2)
+	eofs := make(chan struct{}, 2)
+	release := make(chan struct{})
 	be := startBackend(t, "b", netip.AddrPort{}, func(name string, c *net.TCPConn) {
 		backs <- c
-		echo(name, c)
+		io.Copy(c, c)
+		eofs <- struct{}{}
+		if halfClosed {
+			<-release // the connection stays open after the client's FIN
+		}
+		c.CloseWrite()
 	})
+	t.Cleanup(func() { close(release) })
 	listenInA := func(ctx context.Context, cfg Config) (s *Service, err error) {
 		err = pair.A.Do(func() error { s, err = Listen(ctx, cfg); return err })
 		return s, err
@@ -161,6 +177,16 @@ func vanishedClient(t *testing.T, set func(*Config), inFlight bool) {
 			t.Fatalf("%s: %v", name, err)
 		}
 		backConns = append(backConns, <-backs)
+		if halfClosed {
+			if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case <-eofs:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("%s: the backend did not read the client's FIN", name)
+			}
+		}
 		waitfor.Value(t, 5*time.Second, "1 active connections", active(services[name], 1))
 	}
 
