@@ -63,38 +63,11 @@ func TestPlaneMoveUnderLoad(t *testing.T) {
 	load.NoneFailed(t, "10 moves between the proxy and the http plane, and 4 refused, under load")
 }
 
-// planeMoveSetup runs an agent's proxy and http planes, paired, with an
-// HTTP/1.1 backend; on(p) is service "web" on plane p at vip, service(name,
-// p, at) is one of them.
+// planeMoveSetup is planeMover, plus on(p): service "web" on plane p at vip.
 func planeMoveSetup(t *testing.T) (a *Agent, vip netip.AddrPort, on func(plan.Plane) plan.Desired,
 	service func(name string, on plan.Plane, at netip.AddrPort) plan.Service) {
-	bs := httpbackend.StartN(t, 1)
-	log := slog.New(slog.DiscardHandler)
-	a = &Agent{log: log, proxy: proxyplane.New(&health.Checker{}, log), http: httpplane.New(&health.Checker{}, log, nil)}
-	pairPlanes(a.proxy, a.http)
-	a.planes = map[plan.Plane]Plane{plan.Proxy: a.proxy, plan.HTTP: a.http}
-	t.Cleanup(a.http.Close)
-	t.Cleanup(a.proxy.Close)
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	vip = l.Addr().(*net.TCPAddr).AddrPort()
-	l.Close()
-	service = func(name string, on plan.Plane, at netip.AddrPort) plan.Service {
-		dp := config.DataPlaneProxy
-		if on == plan.HTTP {
-			dp = config.DataPlaneHTTP
-		}
-		return plan.Service{
-			Config: config.Service{Name: name, DataPlane: dp, Algorithm: config.AlgorithmLeastConn, DrainTimeout: 5 * time.Second,
-				Proxy: config.Proxy{Listen: at, ConnectTimeout: time.Second},
-				HTTP:  config.HTTP{Listen: at, ConnectTimeout: time.Second, IdleTimeout: time.Minute}},
-			Placement: plan.Placement{Plane: on}, Installed: true,
-			Backends: []plan.Backend{{ID: plan.ID(name, bs[0].Addr), Config: config.Backend{Addr: bs[0].Addr, Weight: 1},
-				Healthy: true, Usable: true, Weight: 1}},
-		}
-	}
+	t.Helper()
+	a, vip, service = planeMover(t, nil)
 	on = func(p plan.Plane) plan.Desired { return plan.Desired{Services: []plan.Service{service("web", p, vip)}} }
 	return a, vip, on, service
 }
@@ -161,4 +134,44 @@ func TestPlaneMoveKeepsNoDescriptor(t *testing.T) {
 		t.Errorf("after 4 moves and 4 refused: %d descriptors, %d goroutines open, drained %v; want at most %d, %d, true",
 			n, g, drained(), fds, goroutines)
 	}
+}
+
+// planeMover returns an agent with paired proxy and http planes, an address
+// on loopback no socket holds, and service, which makes a service name on
+// plane on listening at with one backend (the same for every service),
+// amended by set if not nil.
+func planeMover(t *testing.T, set func(*config.Service)) (*Agent, netip.AddrPort, func(name string, on plan.Plane, at netip.AddrPort) plan.Service) {
+	t.Helper()
+	bs := httpbackend.StartN(t, 1)
+	log := slog.New(slog.DiscardHandler)
+	a := &Agent{log: log, proxy: proxyplane.New(&health.Checker{}, log), http: httpplane.New(&health.Checker{}, log, nil)}
+	pairPlanes(a.proxy, a.http)
+	a.planes = map[plan.Plane]Plane{plan.Proxy: a.proxy, plan.HTTP: a.http}
+	t.Cleanup(a.http.Close)
+	t.Cleanup(a.proxy.Close)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	vip := l.Addr().(*net.TCPAddr).AddrPort()
+	l.Close()
+	service := func(name string, on plan.Plane, at netip.AddrPort) plan.Service {
+		dp := config.DataPlaneProxy
+		if on == plan.HTTP {
+			dp = config.DataPlaneHTTP
+		}
+		s := plan.Service{
+			Config: config.Service{Name: name, DataPlane: dp, Algorithm: config.AlgorithmLeastConn, DrainTimeout: 5 * time.Second,
+				Proxy: config.Proxy{Listen: at, ConnectTimeout: time.Second},
+				HTTP:  config.HTTP{Listen: at, ConnectTimeout: time.Second, IdleTimeout: time.Minute}},
+			Placement: plan.Placement{Plane: on}, Installed: true,
+			Backends: []plan.Backend{{ID: plan.ID(name, bs[0].Addr), Config: config.Backend{Addr: bs[0].Addr, Weight: 1},
+				Healthy: true, Usable: true, Weight: 1}},
+		}
+		if set != nil {
+			set(&s.Config)
+		}
+		return s
+	}
+	return a, vip, service
 }
