@@ -687,8 +687,9 @@ func (l *loop) linger(c *conn) bool {
 		case err == unix.EAGAIN:
 			u.ready = false
 		case err != nil:
-			// The client reset: it has gone, and took no notice of the
-			// answer's rest.
+			// The client reset, or the kernel gave it up: it has gone,
+			// and took no notice of the answer's rest.
+			l.s.clientFailed(err)
 			l.close(c, OutcomeSuccess)
 			return false
 		case n == 0:
@@ -851,10 +852,8 @@ func (l *loop) fail(c *conn, d int, read bool, err error) bool {
 		faulty, other = d, 1-d
 	}
 	outcome := OutcomeSuccess
-	if faulty == client && errors.Is(err, unix.ETIMEDOUT) {
-		// The kernel gave the client up: keepalive probes or bytes sent to
-		// it went unacknowledged (TCP keepalive, TCP_USER_TIMEOUT).
-		l.s.stats.clientTimeouts.Add(1)
+	if faulty == client {
+		l.s.clientFailed(err)
 	}
 	if faulty == server {
 		if h := &c.h[down]; !h.eof && !h.whole && err != unix.EPIPE {
@@ -872,6 +871,15 @@ func (l *loop) fail(c *conn, d int, read bool, err error) bool {
 	setLinger0(c.fd[other])
 	l.close(c, outcome)
 	return false
+}
+
+// clientFailed counts err, which failed a client's socket, if the kernel gave
+// the client up: keepalive probes or bytes sent to it went unacknowledged
+// (ETIMEDOUT: TCP keepalive, TCP_USER_TIMEOUT).
+func (s *Service) clientFailed(err error) {
+	if errors.Is(err, unix.ETIMEDOUT) {
+		s.stats.clientTimeouts.Add(1)
+	}
 }
 
 // cut ends c for a failure of this host's (no descriptor or memory for a

@@ -114,11 +114,11 @@ func proxiedSockets(t *testing.T, ip string, cfg Config) (client, backend int) {
 // reset (here its link goes down) is found out by keepalive and its connection
 // ends, freeing its slot; without keepalive, the connection stays.
 func TestKeepaliveVanishedClient(t *testing.T) {
-	for _, halfClosed := range []bool{false, true} {
-		t.Run(map[bool]string{false: "open", true: "half-closed"}[halfClosed], func(t *testing.T) {
+	for _, how := range []string{"open", "half-closed"} {
+		t.Run(how, func(t *testing.T) {
 			vanishedClient(t, func(cfg *Config) {
 				cfg.ClientKeepalive = net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 2}
-			}, false, halfClosed)
+			}, false, how)
 		})
 	}
 }
@@ -129,15 +129,17 @@ func TestKeepaliveVanishedClient(t *testing.T) {
 // ClientTimeouts, blaming no backend, where a service without it
 // still holds its connection a second after that (netpair.Outlived). With
 // inFlight, the backend sends the client bytes once it has gone, which the
-// proxy sends on and which then wait to be acknowledged. With halfClosed, the
-// client has sent its FIN before it goes (the backend reads its EOF and
-// stays), so the proxy no longer reads from it: its failure is still a
-// client timeout.
+// proxy sends on and which then wait to be acknowledged. how is the
+// connection's state as the client goes: "open"; "half-closed", the client
+// has sent its FIN (the backend reads its EOF and stays), so the proxy no
+// longer reads from it; "answered" (with inFlight), the backend closes with
+// a FIN then a reset once it has sent its bytes, and the proxy lingers for
+// the client to take them. The client's failure is a client timeout in each.
 //
 // The client lives in a namespace of its own joined by a veth to the proxy's
 // listeners' namespace (netpair); the proxy's loops, which dial, and the
 // backend stay in the test's namespace.
-func vanishedClient(t *testing.T, set func(*Config), inFlight, halfClosed bool) {
+func vanishedClient(t *testing.T, set func(*Config), inFlight bool, how string) {
 	t.Helper()
 	pair := netpair.New(t)
 	backs := make(chan *net.TCPConn, 2)
@@ -147,7 +149,7 @@ func vanishedClient(t *testing.T, set func(*Config), inFlight, halfClosed bool) 
 		backs <- c
 		io.Copy(c, c)
 		eofs <- struct{}{}
-		if halfClosed {
+		if how == "half-closed" {
 			<-release // the connection stays open after the client's FIN
 		}
 		c.CloseWrite()
@@ -177,7 +179,7 @@ func vanishedClient(t *testing.T, set func(*Config), inFlight, halfClosed bool) 
 			t.Fatalf("%s: %v", name, err)
 		}
 		backConns = append(backConns, <-backs)
-		if halfClosed {
+		if how == "half-closed" {
 			if err := c.(*net.TCPConn).CloseWrite(); err != nil {
 				t.Fatal(err)
 			}
@@ -199,6 +201,14 @@ func vanishedClient(t *testing.T, set func(*Config), inFlight, halfClosed bool) 
 		}
 		if _, err := bc.Write([]byte("for the client\n")); err != nil {
 			t.Fatal(err)
+		}
+		if how == "answered" {
+			// The backend's FIN, then a reset: its answer is whole.
+			if err := bc.CloseWrite(); err != nil {
+				t.Fatal(err)
+			}
+			bc.SetLinger(0)
+			bc.Close()
 		}
 	}
 	netpair.Outlived(t, start, func() int64 { return services["set"].Snapshot().Active },

@@ -74,9 +74,9 @@ func TestListenFromUserTimeout(t *testing.T) {
 // keepalive would not probe (there are bytes in flight) and the kernel
 // retransmits for net.ipv4.tcp_retries2. Without it, the connection stays.
 func TestUserTimeoutVanishedClient(t *testing.T) {
-	for _, halfClosed := range []bool{false, true} {
-		t.Run(map[bool]string{false: "open", true: "half-closed"}[halfClosed], func(t *testing.T) {
-			vanishedClient(t, func(cfg *Config) { cfg.ClientUserTimeout = time.Second }, true, halfClosed)
+	for _, how := range []string{"open", "half-closed", "answered"} {
+		t.Run(how, func(t *testing.T) {
+			vanishedClient(t, func(cfg *Config) { cfg.ClientUserTimeout = time.Second }, true, how)
 		})
 	}
 }
