@@ -234,17 +234,20 @@ func TestUserTimeoutVanishedBackend(t *testing.T) {
 	netpair.DropPort(t, bs[0].Addr.Port())
 	start := time.Now()
 	for name, c := range clients {
-		answers[name] = make(chan answer, 1)
+		// The goroutine sends on its own channel: the map is this
+		// goroutine's, which writes it as the loop goes on.
+		ch := make(chan answer, 1)
+		answers[name] = ch
 		url := "http://" + services[name].Addr().String() + "/"
 		// Exits when the request is answered or the client's timeout ends it.
 		go func() {
 			resp, err := c.Get(url)
 			if err != nil {
-				answers[name] <- answer{err: err}
+				ch <- answer{err: err}
 				return
 			}
 			resp.Body.Close()
-			answers[name] <- answer{status: resp.StatusCode}
+			ch <- answer{status: resp.StatusCode}
 		}()
 	}
 	select {
