@@ -73,18 +73,17 @@ func (cfg *Config) retune(fd int) error {
 // which a service that took them over (ListenFrom) and was given up may have
 // changed. A socket already closed is left alone.
 func (s *Service) Reclaim() error {
+	var errs []error
 	for _, tl := range s.socks {
 		rc, err := tl.SyscallConn()
 		if err != nil {
 			continue // closed
 		}
-		var rerr error
-		if err := rc.Control(func(fd uintptr) { rerr = s.cfg.retune(int(fd)) }); err != nil {
-			continue // closed
-		}
-		if rerr != nil {
-			return fmt.Errorf("service %q: listen %s: %w", s.cfg.Name, s.cfg.Listen, rerr)
-		}
+		// Not run once tl is closed; each socket is tried, whatever the others did.
+		rc.Control(func(fd uintptr) { errs = append(errs, s.cfg.retune(int(fd))) })
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("service %q: listen %s: %w", s.cfg.Name, s.cfg.Listen, err)
 	}
 	return nil
 }
