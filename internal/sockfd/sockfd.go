@@ -55,19 +55,66 @@ func FindAll(local, peer netip.AddrPort) ([]int, error) {
 // proxy keeps those it splices through in a pool shared by every server, whose
 // size follows the load, so a test that looks for descriptors a server leaves
 // behind counts the rest.
-func Open() (int, error) {
+func Open() (int, error) { return count(func(int) bool { return true }) }
+
+// Standing is Open but for connected sockets too: what the process's servers
+// hold whatever their load (listening sockets, epoll sets, eventfds), where
+// the connections clients and pools leave open come and go.
+func Standing() (int, error) {
+	return count(func(fd int) bool {
+		_, err := unix.Getpeername(fd)
+		return err != nil
+	})
+}
+
+// count returns how many descriptors this process has open, pipes aside,
+// that keep says to count.
+func count(keep func(fd int) bool) (int, error) {
 	ents, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		return 0, fmt.Errorf("count descriptors: %w", err)
 	}
 	n := 0
 	for _, e := range ents {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
 		// A descriptor closed since the read has no link: not counted.
-		if to, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && !strings.HasPrefix(to, "pipe:") {
+		if to, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && !strings.HasPrefix(to, "pipe:") && keep(fd) {
 			n++
 		}
 	}
 	return n, nil
+}
+
+// Listening returns this process's listening TCP sockets bound to ap: how
+// many descriptors it holds of each, by the socket's name in /proc/self/fd
+// (socket:[inode]), which tells a socket taken over from one bound anew.
+func Listening(ap netip.AddrPort) (map[string]int, error) {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return nil, fmt.Errorf("find listening sockets: %w", err)
+	}
+	out := map[string]int{}
+	for _, e := range ents {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		// A descriptor closed since the read is skipped, one reused is
+		// taken for what it is now.
+		if la, err := unix.Getsockname(fd); err != nil || addrPort(la) != ap {
+			continue
+		}
+		if on, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || on != 1 {
+			continue
+		}
+		if to, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil {
+			out[to]++
+		}
+	}
+	return out, nil
 }
 
 func addrPort(sa unix.Sockaddr) netip.AddrPort {

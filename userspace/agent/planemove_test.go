@@ -2,6 +2,7 @@ package agent
 
 import (
 	"log/slog"
+	"maps"
 	"net"
 	"net/netip"
 	"runtime"
@@ -174,4 +175,101 @@ func planeMover(t *testing.T, set func(*config.Service)) (*Agent, netip.AddrPort
 		return s
 	}
 	return a, vip, service
+}
+
+// TestPlaneSwapUnderLoad: a reload in which a proxy service and an http
+// service swap their addresses, each staying on its plane, refused once
+// first, loses no connection to either address while clients keep opening
+// them: each new server takes over the sockets of the other plane's server
+// that leaves its address. Once the replaced servers have drained, each
+// address has the sockets it had, with one descriptor each (the new
+// server's), the proxy's address two more the proxy bound beside the http
+// server's one for its three event loops; the process holds no descriptor
+// more than those two, connected sockets aside (the http plane's pooled
+// connections to the backend).
+func TestPlaneSwapUnderLoad(t *testing.T) {
+	was := runtime.GOMAXPROCS(3)
+	t.Cleanup(func() { runtime.GOMAXPROCS(was) })
+	a, x, _, service := planeMoveSetup(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	y := l.Addr().(*net.TCPAddr).AddrPort()
+	l.Close()
+	prev := plan.Desired{Services: []plan.Service{service("web", plan.Proxy, x), service("api", plan.HTTP, y)}}
+	next := plan.Desired{Services: []plan.Service{service("web", plan.Proxy, y), service("api", plan.HTTP, x)}}
+	if err := a.reconcile(plan.Desired{}, prev); err != nil {
+		t.Fatal(err)
+	}
+	request, answer := []byte("GET / HTTP/1.1\r\nHost: web\r\nConnection: close\r\n\r\n"), []byte("HTTP/1.1 200")
+	// Served: the proxy's event loops, made as it starts, are open.
+	for _, ap := range []netip.AddrPort{x, y} {
+		churn.Start(t, ap.String(), 1, request, answer).NoneFailed(t, "before the swap, to "+ap.String())
+	}
+	standing := func() int {
+		n, err := sockfd.Standing()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	listening := func(ap netip.AddrPort) map[string]int {
+		m, err := sockfd.Listening(ap)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	fds, atX, atY := standing(), listening(x), listening(y)
+	if len(atX) != 3 || len(atY) != 1 {
+		t.Fatalf("before the swap: %v listening at the proxy's address, %v at the http plane's; want 3 sockets, 1", atX, atY)
+	}
+	loadX := churn.Start(t, x.String(), 8, request, answer)
+	loadY := churn.Start(t, y.String(), 8, request, answer)
+	loadX.Each(t, 1, func(int) {
+		refused := next
+		refused.Services = append(refused.Services, service("bad", plan.Proxy, netip.MustParseAddrPort("192.0.2.1:80")))
+		webWas := a.server(plan.Proxy)
+		apiWas, _ := a.http.Get("api")
+		if err := a.reconcile(prev, refused); err == nil {
+			t.Fatal("a reload with a service that cannot bind was applied")
+		}
+		if api, _ := a.http.Get("api"); a.server(plan.Proxy) != webWas || api != apiWas {
+			t.Fatal("after the refused swap: a service's server is not the one it had")
+		}
+	})
+	if !loadY.Progress(50, 10*time.Second) {
+		t.Fatal("the load on the http service's address made no progress after the refused swap")
+	}
+	loadX.Each(t, 1, func(int) {
+		if err := a.reconcile(prev, next); err != nil {
+			t.Fatalf("swap: %v", err)
+		}
+	})
+	loadX.NoneFailed(t, "a swap of a proxy and an http service's addresses, and one refused, to "+x.String())
+	loadY.NoneFailed(t, "a swap of a proxy and an http service's addresses, and one refused, to "+y.String())
+	drained := func() bool {
+		return len(a.proxy.Draining("web")) == 0 && len(a.http.Draining("api")) == 0
+	}
+	// The http server's socket at y, and two the proxy bound, once each.
+	atY3 := func(m map[string]int) bool {
+		for ino := range atY {
+			if m[ino] != 1 {
+				return false
+			}
+		}
+		for _, n := range m {
+			if n != 1 {
+				return false
+			}
+		}
+		return len(m) == 3
+	}
+	if !waitfor.Cond(10*time.Second, func() bool {
+		return drained() && standing() <= fds+2 && maps.Equal(listening(x), atX) && atY3(listening(y))
+	}) {
+		t.Errorf("after the swap: drained %v, %d descriptors open but for connections (want at most %d); listening at %s: %v (want %v), at %s: %v (want %v and 2 more, one descriptor each)",
+			drained(), standing(), fds+2, x, listening(x), atX, y, listening(y), atY)
+	}
 }
