@@ -13,6 +13,7 @@ import (
 
 	"github.com/weir-lb/weir/internal/churn"
 	"github.com/weir-lb/weir/internal/sockfd"
+	"github.com/weir-lb/weir/internal/waitfor"
 )
 
 // TestListenFromLoops: a service that replaces one on the same address takes
@@ -288,5 +289,79 @@ func TestListenFromUnjoined(t *testing.T) {
 	churn.Start(t, s.Addr().String(), 4, []byte("ping"), []byte("ping")).NoneFailed(t, "once the first services stopped")
 	if n := s.Snapshot().AcceptErrors; n != 0 {
 		t.Errorf("got %d accept errors; want 0", n)
+	}
+}
+
+// TestListenFromUnjoinedRetires: a serving service whose sockets bound beside
+// those it took over have not joined yet, replaced before it joined them,
+// closes them as it stops, with those it shared: once it and the first
+// service have stopped, the process holds the last service's sockets, epoll
+// sets and wake descriptors and nothing more, each of its sockets listening
+// with one descriptor.
+func TestListenFromUnjoinedRetires(t *testing.T) {
+	be := startBackend(t, "a", loopback0, echo)
+	cfg := Config{Name: t.Name(), Listen: loopback0, Backends: []Backend{{Addr: be.addr()}}, Logger: discardLogger(),
+		AcceptLoops: 1, ShutdownTimeout: DefaultDrainTimeout}
+	port, err := Listen(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Listen = port.Addr()
+	port.Close()
+	open := func() int {
+		n, err := sockfd.Open()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	before := open()
+	// serve runs the service listen gives until the returned stop, which
+	// waits for its Serve to end (the test's cleanup stops it too).
+	serve := func(listen func(context.Context, Config) (*Service, error)) (*Service, func()) {
+		ctx, cancel := context.WithCancel(context.Background())
+		s, err := listen(ctx, cfg)
+		if err != nil {
+			cancel()
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		// Exits when stop cancels ctx and Serve has shut down.
+		go func() { done <- s.Serve(ctx) }()
+		var once sync.Once
+		stop := func() {
+			once.Do(func() {
+				cancel()
+				if err := <-done; err != nil {
+					t.Errorf("serve: %v", err)
+				}
+			})
+		}
+		t.Cleanup(stop)
+		return s, stop
+	}
+	first, stopFirst := serve(Listen)
+	cfg.AcceptLoops = 3
+	mid, stopMid := serve(func(ctx context.Context, cfg Config) (*Service, error) { return ListenFrom(ctx, cfg, first) })
+	s, _ := serve(func(ctx context.Context, cfg Config) (*Service, error) { return ListenFrom(ctx, cfg, mid) })
+	stopMid()
+	stopFirst()
+	if err := s.Join(); err != nil {
+		t.Fatal(err)
+	}
+	churn.Start(t, s.Addr().String(), 4, []byte("ping"), []byte("ping")).NoneFailed(t, "once the first services stopped")
+	// Served: s's event loops are open. Three each of sockets, epolls, eventfds.
+	want := before + 3*3
+	if !waitfor.Cond(10*time.Second, func() bool { return open() <= want }) {
+		t.Errorf("got %d descriptors open; want at most %d, those of the last service", open(), want)
+	}
+	at, err := sockfd.Listening(s.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for ino, n := range at {
+		if n != 1 || len(at) != 3 {
+			t.Errorf("%d sockets listening at %s, %d descriptors of %s; want 3, 1", len(at), s.Addr(), n, ino)
+		}
 	}
 }
