@@ -1,0 +1,168 @@
+package httpplane_test
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/userspace/agent/httpplane"
+	"github.com/weir-lb/weir/userspace/agent/plan"
+)
+
+// TestAbortedCertificateChange: a change that gives a TLS service new
+// certificate files (a new server) and is aborted gives the service back the
+// certificate it served, to new handshakes on its sockets, while clients keep
+// handshaking, none of them failing; applied again, the new one is served. A
+// TLS service a change added and that was aborted is added again by a later
+// change as a new one: its files read anew, refused while they do not load
+// (nothing in memory to go on with), served once they do.
+func TestAbortedCertificateChange(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	dir := t.TempDir()
+	paths := func(name string) (string, string) {
+		return filepath.Join(dir, name+".crt"), filepath.Join(dir, name+".key")
+	}
+	tlsService := func(name, files string, port int) *plan.Service {
+		crt, key := paths(files)
+		return httpService(t, fmt.Sprintf("{name: %s, vip: 127.0.0.1:%d, data_plane: http, http: {tls: {cert: %s, key: %s}}, backends: [{address: %s}]}",
+			name, port, crt, key, bs[0].Addr))
+	}
+	for _, cn := range []string{"first", "second", "api"} {
+		crt, key := paths(cn)
+		httpbackend.WriteCert(t, crt, key, cn)
+	}
+	p := httpplane.New(&health.Checker{}, slog.New(slog.DiscardHandler), nil)
+	t.Cleanup(p.Close)
+	web, api := freePort(t), freePort(t)
+	if err := p.Add(tlsService("web", "first", web)); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	if got, err := served(web); err != nil || got != "first" {
+		t.Fatalf("web serves %q, %v; want first", got, err)
+	}
+
+	// Clients handshake with web all along.
+	var stop atomic.Bool
+	var handshakes, failed atomic.Int64
+	var firstErr atomic.Value
+	var wg sync.WaitGroup
+	for range 4 {
+		// Exits when stop is set, in the test's cleanup at the latest.
+		wg.Go(func() {
+			for !stop.Load() {
+				cn, err := served(web)
+				if err == nil && cn != "first" && cn != "second" {
+					err = fmt.Errorf("certificate for %q", cn)
+				}
+				if err != nil {
+					failed.Add(1)
+					firstErr.CompareAndSwap(nil, err)
+					continue
+				}
+				handshakes.Add(1)
+			}
+		})
+	}
+	t.Cleanup(func() { stop.Store(true); wg.Wait() })
+	progress := func(what string) {
+		t.Helper()
+		from := handshakes.Load()
+		deadline := time.Now().Add(10 * time.Second)
+		for handshakes.Load() < from+20 {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: the clients made no progress", what)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	progress("before the change")
+	old, _ := p.Get("web")
+	if err := p.Update(tlsService("web", "first", web), tlsService("web", "second", web)); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := served(web); err != nil || got != "second" {
+		t.Fatalf("web serves %q, %v during the change; want second", got, err)
+	}
+	progress("during the change")
+	p.Abort()
+	if now, _ := p.Get("web"); now != old {
+		t.Fatal("after the abort: web's server is not the one it had")
+	}
+	for range 20 {
+		if got, err := served(web); err != nil || got != "first" {
+			t.Fatalf("web serves %q, %v after the abort; want first, the certificate it served", got, err)
+		}
+	}
+	progress("after the abort")
+	if err := p.Update(tlsService("web", "first", web), tlsService("web", "second", web)); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	if got, err := served(web); err != nil || got != "second" {
+		t.Fatalf("web serves %q, %v after the change; want second", got, err)
+	}
+	progress("after the change")
+	stop.Store(true)
+	wg.Wait()
+	if n := failed.Load(); n > 0 {
+		t.Errorf("%d handshakes with web failed (first: %v); want none", n, firstErr.Load())
+	}
+
+	// Added, aborted; its files then do not load.
+	if err := p.Add(tlsService("api", "api", api)); err != nil {
+		t.Fatal(err)
+	}
+	p.Abort()
+	crt, key := paths("api")
+	for _, f := range []string{crt, key} {
+		if err := os.WriteFile(f, []byte("not pem\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var ce *httpplane.CertError
+	if err := p.Add(tlsService("api", "api", api)); !errors.As(err, &ce) {
+		t.Fatalf("adding api again while its files do not load: %v; want them named", err)
+	}
+	p.Abort()
+	if _, ok := p.Get("api"); ok {
+		t.Fatal("api is served though its files do not load")
+	}
+	httpbackend.WriteCert(t, crt, key, "api-renewed")
+	if err := p.Add(tlsService("api", "api", api)); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	if got, err := served(api); err != nil || got != "api-renewed" {
+		t.Errorf("api serves %q, %v; want api-renewed, its files read anew", got, err)
+	}
+}
+
+// served returns the common name of the certificate the TLS server on
+// 127.0.0.1:port hands out.
+func served(port int) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var d net.Dialer
+	raw, err := d.DialContext(ctx, "tcp", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		return "", err
+	}
+	c := tls.Client(raw, &tls.Config{InsecureSkipVerify: true})
+	defer c.Close()
+	if err := c.HandshakeContext(ctx); err != nil {
+		return "", err
+	}
+	return c.ConnectionState().PeerCertificates[0].Subject.CommonName, nil
+}
