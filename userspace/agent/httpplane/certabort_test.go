@@ -16,14 +16,16 @@ import (
 
 	"github.com/weir-lb/weir/health"
 	"github.com/weir-lb/weir/internal/httpbackend"
+	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/userspace/agent/httpplane"
 	"github.com/weir-lb/weir/userspace/agent/plan"
 )
 
 // TestAbortedCertificateChange: a change that gives a TLS service new
 // certificate files (a new server) and is aborted gives the service back the
-// certificate it served, to new handshakes on its sockets, while clients keep
-// handshaking, none of them failing; applied again, the new one is served. A
+// certificate it served, to new handshakes on its sockets once the aborted
+// server has ended, while clients keep handshaking, none of them failing;
+// applied again, the new one is served. A
 // TLS service a change added and that was aborted is added again by a later
 // change as a new one: its files read anew, refused while they do not load
 // (nothing in memory to go on with), served once they do.
@@ -89,17 +91,23 @@ func TestAbortedCertificateChange(t *testing.T) {
 	}
 	progress("before the change")
 	old, _ := p.Get("web")
+	// Each server hands out its own certificate, whichever accepted.
+	ended := func(what string) {
+		t.Helper()
+		waitfor.Value(t, 10*time.Second, what+": the replaced server ended", func() (any, bool) {
+			n := len(p.Draining("web"))
+			return fmt.Sprintf("%d servers draining", n), n == 0
+		})
+	}
 	if err := p.Update(tlsService("web", "first", web), tlsService("web", "second", web)); err != nil {
 		t.Fatal(err)
-	}
-	if got, err := served(web); err != nil || got != "second" {
-		t.Fatalf("web serves %q, %v during the change; want second", got, err)
 	}
 	progress("during the change")
 	p.Abort()
 	if now, _ := p.Get("web"); now != old {
 		t.Fatal("after the abort: web's server is not the one it had")
 	}
+	ended("after the abort")
 	for range 20 {
 		if got, err := served(web); err != nil || got != "first" {
 			t.Fatalf("web serves %q, %v after the abort; want first, the certificate it served", got, err)
@@ -110,6 +118,7 @@ func TestAbortedCertificateChange(t *testing.T) {
 		t.Fatal(err)
 	}
 	p.Commit()
+	ended("after the change")
 	if got, err := served(web); err != nil || got != "second" {
 		t.Fatalf("web serves %q, %v after the change; want second", got, err)
 	}
@@ -165,4 +174,78 @@ func served(port int) (string, error) {
 		return "", err
 	}
 	return c.ConnectionState().PeerCertificates[0].Subject.CommonName, nil
+}
+
+// TestSwappedNamesKeepCertificates: two TLS services that swap their names,
+// each address keeping its certificate files, hand out the certificate of
+// the address a client connected to: the one a replaced server accepted
+// before the change handshakes, as it drains, with the certificate that
+// server started with, not the one its service's name has now (that of the
+// other address, whose name the client did not ask for). Before, a
+// service's servers all read one certificate by name, so the old server at
+// web's address handed out api's; and the reload's reading of the files
+// gave the old server the files its name has in the new config.
+func TestSwappedNamesKeepCertificates(t *testing.T) {
+	bs := httpbackend.StartN(t, 1)
+	dir := t.TempDir()
+	x, y := freePort(t), freePort(t)
+	files := map[int][2]string{}
+	for port, cn := range map[int]string{x: "x.example", y: "y.example"} {
+		crt, key := filepath.Join(dir, cn+".crt"), filepath.Join(dir, cn+".key")
+		httpbackend.WriteCert(t, crt, key, cn)
+		files[port] = [2]string{crt, key}
+	}
+	at := func(name string, port int) *plan.Service {
+		return httpService(t, fmt.Sprintf("{name: %s, vip: 127.0.0.1:%d, data_plane: http, http: {tls: {cert: %s, key: %s}}, backends: [{address: %s}]}",
+			name, port, files[port][0], files[port][1], bs[0].Addr))
+	}
+	p := httpplane.New(&health.Checker{}, slog.New(slog.DiscardHandler), nil)
+	t.Cleanup(p.Close)
+	for name, port := range map[string]int{"web": x, "api": y} {
+		if err := p.Add(at(name, port)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.Commit()
+	// Accepted by the old servers, which drain them once the change is
+	// applied; the clients say hello only then.
+	raws := map[int]net.Conn{}
+	for name, port := range map[string]int{"web": x, "api": y} {
+		raw, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", port), 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { raw.Close() })
+		raws[port] = raw
+		lb, _ := p.Get(name)
+		waitfor.Value(t, 10*time.Second, name+"'s connection accepted", func() (any, bool) {
+			n := lb.Snapshot().Accepted
+			return n, n == 1
+		})
+	}
+	// As the agent applies a reload: the files read first, then the
+	// operations.
+	if err := p.ReadCertificates(plan.Desired{Services: []plan.Service{*at("web", y), *at("api", x)}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Update(at("web", x), at("web", y)); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Update(at("api", y), at("api", x)); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	for port, cn := range map[int]string{x: "x.example", y: "y.example"} {
+		c := tls.Client(raws[port], &tls.Config{InsecureSkipVerify: true})
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		if err := c.Handshake(); err != nil {
+			t.Fatalf("handshake on 127.0.0.1:%d with the server that accepted it: %v", port, err)
+		}
+		if got := c.ConnectionState().PeerCertificates[0].Subject.CommonName; got != cn {
+			t.Errorf("127.0.0.1:%d, accepted before the swap: certificate for %q; want %q", port, got, cn)
+		}
+		if got, err := served(port); err != nil || got != cn {
+			t.Errorf("127.0.0.1:%d after the swap: certificate for %q, %v; want %q", port, got, err, cn)
+		}
+	}
 }

@@ -39,12 +39,15 @@ type Plane struct {
 	// Set serves Add, Update, SetBackend, Remove and Close.
 	served.Set[*httplb.Service]
 
-	// certs are the certificates the services' servers hand out, by service
-	// name (loop only; the servers read the pointers, which never hold nil).
+	// certs are the certificates the services' newest servers hand out, by
+	// service name (loop only). Each server reads the pointer it started
+	// with, which never holds nil: one replaced keeps handing out its own
+	// certificate as it drains, not that of the name's new server, which may
+	// listen elsewhere (two services swapped their names).
 	certs map[string]*atomic.Pointer[loadedCert]
-	// certsBefore are the certificates the change in progress replaced, until
+	// certsBefore is what the change in progress replaced in certs, until
 	// Commit or Abort.
-	certsBefore map[string]*loadedCert
+	certsBefore map[string]heldCert
 	tally       served.Tally[*httplb.Service, httplb.Snapshot] // counters across servers
 
 	// Peer finds the running server of another plane (the proxy's) that
@@ -57,7 +60,7 @@ type Plane struct {
 // every finished request to observe (nil: nobody).
 func New(checker *health.Checker, log *slog.Logger, observe RequestObserver) *Plane {
 	p := &Plane{checker: checker, log: log, observe: observe,
-		certs: map[string]*atomic.Pointer[loadedCert]{}, certsBefore: map[string]*loadedCert{}}
+		certs: map[string]*atomic.Pointer[loadedCert]{}, certsBefore: map[string]heldCert{}}
 	p.Set = served.Set[*httplb.Service]{Start: p.start, Push: func(lb *httplb.Service, s *plan.Service) error {
 		return lb.Reconfigure(p.lbConfig(&s.Config), backends(s))
 	}, Replace: p.replace, Listen: func(c *config.Service) netip.AddrPort { return c.HTTP.Listen },
@@ -69,15 +72,20 @@ func New(checker *health.Checker, log *slog.Logger, observe RequestObserver) *Pl
 // ReadCertificates reads the certificate and key files of every TLS service of d
 // the plane serves now, so a reload serves renewed files at the same paths (a
 // new or rebuilt service reads its own when it starts). If a pair does not
-// load, it changes nothing and says which; else the certificates are served at
-// once, and Abort puts the ones before back.
+// load, it changes nothing and says which; else the certificates read from
+// the paths a service's server has are served at once, and Abort puts the
+// ones before back. Files at other paths are the new server's, which the
+// change starts: the running one hands out its own until it retires.
 func (p *Plane) ReadCertificates(d plan.Desired) error {
 	read, err := readCerts(d, func(name string) bool { return p.certs[name] != nil })
 	if err != nil {
 		return err
 	}
 	for name, cert := range read {
-		p.setCert(name, cert)
+		if ptr := p.certs[name]; ptr.Load().sameFiles(cert) {
+			p.holdCert(name)
+			ptr.Store(cert)
+		}
 	}
 	return nil
 }
@@ -130,6 +138,18 @@ type loadedCert struct {
 	certFile, keyFile string
 }
 
+// sameFiles reports whether c and o were read from the same files.
+func (c *loadedCert) sameFiles(o *loadedCert) bool {
+	return c.certFile == o.certFile && c.keyFile == o.keyFile
+}
+
+// heldCert is a service's certificate pointer (nil: none) and the
+// certificate it held as a change found them.
+type heldCert struct {
+	ptr  *atomic.Pointer[loadedCert]
+	cert *loadedCert
+}
+
 // readCert reads s's certificate and key files.
 func readCert(s *plan.Service) (*loadedCert, error) {
 	h := s.Config.HTTP
@@ -165,17 +185,17 @@ func (p *Plane) startCert(s *plan.Service) (*loadedCert, error) {
 	return last, nil
 }
 
-// setCert makes cert the one the named service's servers hand out.
-func (p *Plane) setCert(name string, cert *loadedCert) {
-	ptr := p.certs[name]
-	if ptr == nil {
-		ptr = new(atomic.Pointer[loadedCert])
-		p.certs[name] = ptr
+// holdCert remembers the named service's certificate before the change in
+// progress first touches it.
+func (p *Plane) holdCert(name string) {
+	if _, ok := p.certsBefore[name]; ok {
+		return
 	}
-	if _, ok := p.certsBefore[name]; !ok {
-		p.certsBefore[name] = ptr.Load()
+	h := heldCert{ptr: p.certs[name]}
+	if h.ptr != nil {
+		h.cert = h.ptr.Load()
 	}
-	ptr.Store(cert)
+	p.certsBefore[name] = h
 }
 
 // Commit ends the change in progress (see served.Set.Commit): the certificates
@@ -205,15 +225,16 @@ func (p *Plane) Revive(find func(name string) *plan.Service) time.Duration {
 // it read too; a server of another plane whose sockets it took over gets its
 // settings on them back.
 func (p *Plane) Abort() {
-	for name, c := range p.certsBefore {
-		if c == nil {
-			// None before: the service loses its pointer, not what it
-			// points to, which a server the change started hands out to
-			// the connections it accepted as it drains them.
+	for name, h := range p.certsBefore {
+		// A server the change started keeps its own pointer, and hands
+		// out what it holds to the connections it accepted as it drains
+		// them.
+		if h.ptr == nil {
 			delete(p.certs, name)
 			continue
 		}
-		p.certs[name].Store(c)
+		h.ptr.Store(h.cert)
+		p.certs[name] = h.ptr
 	}
 	clear(p.certsBefore)
 	p.Set.Abort()
@@ -276,8 +297,12 @@ func (p *Plane) replace(old *httplb.Service, s *plan.Service) (*httplb.Service, 
 		if err != nil {
 			return nil, err
 		}
-		p.setCert(s.Name(), c)
-		cert := p.certs[s.Name()]
+		// A pointer of its own: the server it replaces hands out its own
+		// certificate until it retires.
+		p.holdCert(s.Name())
+		cert := new(atomic.Pointer[loadedCert])
+		cert.Store(c)
+		p.certs[s.Name()] = cert
 		cfg.TLS = &tls.Config{NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12,
 			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return &cert.Load().Certificate, nil }}
 	}
