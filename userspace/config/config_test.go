@@ -343,10 +343,10 @@ func TestErrors(t *testing.T) {
 		{"keepalive side misspelt", svc + "  proxy: {tcp_keepalive: {server: {}}}\n" + be, "services[0].proxy.tcp_keepalive.server: unknown field"},
 		// TCP_USER_TIMEOUT: the kernel takes milliseconds.
 		{"user timeout", svc + "  proxy:\n    tcp_user_timeout: {client: 30s, backend: 1ms}\n" + be, ""},
-		{"user timeout zero", svc + "  proxy:\n    tcp_user_timeout:\n      client: 0s\n" + be, "line 6: services[0].proxy.tcp_user_timeout.client: must be whole milliseconds, 1ms..24h0m0s, got 0s"},
-		{"user timeout fraction", svc + "  data_plane: http\n  http:\n    tcp_user_timeout:\n      backend: 1500us\n" + be, "line 7: services[0].http.tcp_user_timeout.backend: must be whole milliseconds, 1ms..24h0m0s, got 1.5ms"},
-		{"user timeout too long", svc + "  proxy: {tcp_user_timeout: {backend: 25h}}\n" + be, "line 4: services[0].proxy.tcp_user_timeout.backend: must be whole milliseconds, 1ms..24h0m0s, got 25h0m0s"},
-		{"user timeout negative", svc + "  data_plane: http\n  http: {tcp_user_timeout: {client: -1s}}\n" + be, "line 5: services[0].http.tcp_user_timeout.client: must be whole milliseconds, 1ms..24h0m0s, got -1s"},
+		{"user timeout zero", svc + "  proxy:\n    tcp_user_timeout:\n      client: 0s\n" + be, "line 6: services[0].proxy.tcp_user_timeout.client: must be whole milliseconds, 1ms..24h, got 0s"},
+		{"user timeout fraction", svc + "  data_plane: http\n  http:\n    tcp_user_timeout:\n      backend: 1500us\n" + be, "line 7: services[0].http.tcp_user_timeout.backend: must be whole milliseconds, 1ms..24h, got 1.5ms"},
+		{"user timeout too long", svc + "  proxy: {tcp_user_timeout: {backend: 25h}}\n" + be, "line 4: services[0].proxy.tcp_user_timeout.backend: must be whole milliseconds, 1ms..24h, got 25h0m0s"},
+		{"user timeout negative", svc + "  data_plane: http\n  http: {tcp_user_timeout: {client: -1s}}\n" + be, "line 5: services[0].http.tcp_user_timeout.client: must be whole milliseconds, 1ms..24h, got -1s"},
 		{"user timeout side misspelt", svc + "  proxy: {tcp_user_timeout: {server: 1s}}\n" + be, "services[0].proxy.tcp_user_timeout.server: unknown field"},
 	} {
 		t.Run(c.name, func(t *testing.T) {

@@ -1042,7 +1042,7 @@ func (u *fileTCPUserTimeout) validate(c *checker, p string) {
 		d    *duration
 	}{{"client", u.Client}, {"backend", u.Backend}} {
 		if d := side.d; d != nil && (*d <= 0 || d.D()%time.Millisecond != 0 || d.D() > MaxUserTimeout) {
-			c.bad(p+"."+side.name, "must be whole milliseconds, 1ms..%v, got %v", MaxUserTimeout, *d)
+			c.bad(p+"."+side.name, "must be whole milliseconds, 1ms..24h, got %v", *d)
 		}
 	}
 }
