@@ -148,6 +148,32 @@ func startProxyWith(t *testing.T, cfg Config, listen func(context.Context, Confi
 	return s
 }
 
+// serveStoppable runs the service listen gives until the returned stop, which
+// waits for its Serve to end; the test's cleanup stops it too.
+func serveStoppable(t *testing.T, cfg Config, listen func(context.Context, Config) (*Service, error)) (*Service, func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	s, err := listen(ctx, cfg)
+	if err != nil {
+		cancel()
+		t.Fatalf("listen: %v", err)
+	}
+	done := make(chan error, 1)
+	// Exits when stop cancels ctx and Serve has shut down.
+	go func() { done <- s.Serve(ctx) }()
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("serve: %v", err)
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return s, stop
+}
+
 type testWriter struct{ t *testing.T }
 
 func (w testWriter) Write(p []byte) (int, error) {

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 	"slices"
-	"sync"
 	"testing"
 	"time"
 
@@ -101,25 +100,7 @@ func TestListenFromLoopsUnderLoad(t *testing.T) {
 	serve := func(loops int, old *Service) running {
 		t.Helper()
 		cfg.AcceptLoops = loops
-		ctx, cancel := context.WithCancel(context.Background())
-		s, err := ListenFrom(ctx, cfg, old)
-		if err != nil {
-			cancel()
-			t.Fatalf("listen with %d loops: %v", loops, err)
-		}
-		done := make(chan error, 1)
-		// Exits when stop is called (below, or at cleanup), once drained.
-		go func() { done <- s.Serve(ctx) }()
-		var once sync.Once
-		stop := func() {
-			once.Do(func() {
-				cancel()
-				if err := <-done; err != nil {
-					t.Errorf("serve: %v", err)
-				}
-			})
-		}
-		t.Cleanup(stop)
+		s, stop := serveStoppable(t, cfg, func(ctx context.Context, cfg Config) (*Service, error) { return ListenFrom(ctx, cfg, old) })
 		return running{s, stop}
 	}
 	// The services listen on one address as configured, not port 0.
@@ -316,29 +297,8 @@ func TestListenFromUnjoinedRetires(t *testing.T) {
 		return n
 	}
 	before := open()
-	// serve runs the service listen gives until the returned stop, which
-	// waits for its Serve to end (the test's cleanup stops it too).
 	serve := func(listen func(context.Context, Config) (*Service, error)) (*Service, func()) {
-		ctx, cancel := context.WithCancel(context.Background())
-		s, err := listen(ctx, cfg)
-		if err != nil {
-			cancel()
-			t.Fatal(err)
-		}
-		done := make(chan error, 1)
-		// Exits when stop cancels ctx and Serve has shut down.
-		go func() { done <- s.Serve(ctx) }()
-		var once sync.Once
-		stop := func() {
-			once.Do(func() {
-				cancel()
-				if err := <-done; err != nil {
-					t.Errorf("serve: %v", err)
-				}
-			})
-		}
-		t.Cleanup(stop)
-		return s, stop
+		return serveStoppable(t, cfg, listen)
 	}
 	first, stopFirst := serve(Listen)
 	cfg.AcceptLoops = 3
