@@ -274,3 +274,50 @@ func stopHeld(t *testing.T, a *Agent, name, addr string) (release func(), early 
 		early++
 	}
 }
+
+// TestRenewalReachesNewestServer: certificate files renewed at the same paths
+// are served at once after `weir reload` by the server the service has now:
+// one that a reload with new paths started, and one started anew after its
+// server stopped on its own. Each server holds a certificate of its own; the
+// reload renews that of the newest.
+func TestRenewalReachesNewestServer(t *testing.T) {
+	w := startTLSWeb(t, "first")
+	served := func() string {
+		c, err := tls.DialWithDialer(&net.Dialer{Timeout: 2 * time.Second}, "tcp", w.vip, &tls.Config{InsecureSkipVerify: true})
+		if err != nil {
+			return err.Error()
+		}
+		defer c.Close()
+		return c.ConnectionState().PeerCertificates[0].Subject.CommonName
+	}
+	dir := filepath.Dir(w.cert)
+	cert, key := filepath.Join(dir, "next.crt"), filepath.Join(dir, "next.key")
+	cfg := strings.NewReplacer(w.cert, cert, w.key, key).Replace(w.cfg)
+	if err := os.WriteFile(w.path, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	renew := func(cn, when string) {
+		t.Helper()
+		httpbackend.WriteCert(t, cert, key, cn)
+		if err := w.a.Reload(context.Background()); err != nil {
+			t.Fatalf("%s: reload: %v", when, err)
+		}
+		if got := served(); got != cn {
+			t.Errorf("%s: certificate after the reload: got %q; want %q", when, got, cn)
+		}
+	}
+	renew("second", "new paths")
+	renew("renewed", "renewed at the new paths")
+
+	lb, _ := w.a.http.Get("web")
+	lb.Close() // its Serve returns with an error, as when its listener fails
+	waitfor.Value(t, 15*time.Second, "the service started anew", func() (any, bool) {
+		st, err := w.a.Status()
+		if err != nil {
+			return err, false
+		}
+		s := st.Services[0]
+		return fmt.Sprintf("down %q, restarts %d", s.Down, s.Restarts), s.Down == "" && s.Restarts == 1
+	})
+	renew("third", "started anew")
+}
