@@ -249,3 +249,54 @@ func TestSwappedNamesKeepCertificates(t *testing.T) {
 		}
 	}
 }
+
+// TestPlainKeepsNoCertificate: a TLS service that a change serves without TLS
+// keeps no certificate; given TLS again by a later change, at the same paths,
+// its files are read anew and the change is refused while they do not load,
+// as for a new TLS service; a change to plain that is aborted leaves it, and
+// a reload renews it in place. Before, the plane kept the certificate of the
+// retired TLS server under the service's name for as long as the service
+// lived, and the later change served it.
+func TestPlainKeepsNoCertificate(t *testing.T) {
+	w := newTLSWeb(t)
+	p, port, crt, key, secure, plain := w.p, w.port, w.crt, w.key, w.secure, w.plain
+	if err := p.Add(secure); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	if got, err := served(port); err != nil || got != "web" {
+		t.Fatalf("web serves %q, %v; want web", got, err)
+	}
+	// Aborted, the change leaves the certificate, which a reload renews.
+	if err := p.Update(secure, plain); err != nil {
+		t.Fatal(err)
+	}
+	p.Abort()
+	httpbackend.WriteCert(t, crt, key, "renewed")
+	if err := p.ReadCertificates(plan.Desired{Services: []plan.Service{*secure}}); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := served(port); err != nil || got != "renewed" {
+		t.Fatalf("after an aborted change to plain and a reload: web serves %q, %v; want renewed", got, err)
+	}
+	if err := p.Update(secure, plain); err != nil {
+		t.Fatal(err)
+	}
+	p.Commit()
+	for _, f := range []string{crt, key} {
+		if err := os.WriteFile(f, []byte("not pem\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var ce *httpplane.CertError
+	err := p.Update(plain, secure)
+	if err == nil {
+		p.Commit()
+		got, herr := served(port)
+		t.Fatalf("TLS again while its files do not load: applied, serving %q (%v); want the files named", got, herr)
+	}
+	p.Abort()
+	if !errors.As(err, &ce) {
+		t.Fatalf("TLS again while its files do not load: %v; want the files named", err)
+	}
+}

@@ -305,6 +305,11 @@ func (p *Plane) replace(old *httplb.Service, s *plan.Service) (*httplb.Service, 
 		p.certs[s.Name()] = cert
 		cfg.TLS = &tls.Config{NextProtos: []string{"h2", "http/1.1"}, MinVersion: tls.VersionTLS12,
 			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return &cert.Load().Certificate, nil }}
+	} else if p.certs[s.Name()] != nil {
+		// Served without TLS: the name keeps no certificate (Abort puts
+		// it back), which TLS given again would start with.
+		p.holdCert(s.Name())
+		delete(p.certs, s.Name())
 	}
 	var from httplb.Sockets = old
 	if old == nil {

@@ -90,16 +90,9 @@ func TestServeDiedStartedAgain(t *testing.T) {
 // certificate" where the server reads its own, and the handshake dereferenced
 // nil: the agent crashed.
 func TestAbortedServiceFinishesHandshake(t *testing.T) {
-	bs := httpbackend.StartN(t, 1)
-	dir := t.TempDir()
-	certPath, keyPath := filepath.Join(dir, "web.crt"), filepath.Join(dir, "web.key")
-	httpbackend.WriteCert(t, certPath, keyPath, "web")
-	port := freePort(t)
-	s := httpService(t, fmt.Sprintf("{name: web, vip: 127.0.0.1:%d, data_plane: http, http: {tls: {cert: %s, key: %s}}, backends: [{address: %s}]}",
-		port, certPath, keyPath, bs[0].Addr))
-	p := httpplane.New(&health.Checker{}, slog.New(slog.DiscardHandler), nil)
-	t.Cleanup(p.Close)
-	if err := p.Add(s); err != nil {
+	w := newTLSWeb(t)
+	p, port := w.p, w.port
+	if err := p.Add(w.secure); err != nil {
 		t.Fatal(err)
 	}
 	lb, _ := p.Get("web")
@@ -122,6 +115,30 @@ func TestAbortedServiceFinishesHandshake(t *testing.T) {
 	if cn := c.ConnectionState().PeerCertificates[0].Subject.CommonName; cn != "web" {
 		t.Errorf("certificate for %q; want web", cn)
 	}
+}
+
+// tlsWeb is a plane that serves nothing yet, and the service web at a free
+// port of 127.0.0.1, to one backend, over TLS (secure) with a certificate for
+// "web" at crt and key, or without (plain).
+type tlsWeb struct {
+	p             *httpplane.Plane
+	secure, plain *plan.Service
+	crt, key      string
+	port          int
+}
+
+func newTLSWeb(t *testing.T) tlsWeb {
+	t.Helper()
+	bs := httpbackend.StartN(t, 1)
+	dir := t.TempDir()
+	w := tlsWeb{crt: filepath.Join(dir, "web.crt"), key: filepath.Join(dir, "web.key"), port: freePort(t)}
+	httpbackend.WriteCert(t, w.crt, w.key, "web")
+	w.secure = httpService(t, fmt.Sprintf("{name: web, vip: 127.0.0.1:%d, data_plane: http, http: {tls: {cert: %s, key: %s}}, backends: [{address: %s}]}",
+		w.port, w.crt, w.key, bs[0].Addr))
+	w.plain = httpService(t, fmt.Sprintf("{name: web, vip: 127.0.0.1:%d, data_plane: http, backends: [{address: %s}]}", w.port, bs[0].Addr))
+	w.p = httpplane.New(&health.Checker{}, slog.New(slog.DiscardHandler), nil)
+	t.Cleanup(w.p.Close)
+	return w
 }
 
 // httpService is the service the config line svc gives, as the plan hands it
