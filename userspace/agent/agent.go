@@ -300,7 +300,7 @@ func listen(cfg *config.Config) (*listeners, error) {
 	}
 	ls.admin = append(ls.admin, l)
 	if cfg.Admin.Listen.IsValid() {
-		l, err := net.Listen("tcp", cfg.Admin.Listen.String())
+		l, err := listenTCP(cfg.Admin.Listen)
 		if err != nil {
 			ls.close()
 			return nil, fmt.Errorf("admin.listen: %w%s", err, addrHint(cfg.Admin.Listen.Addr(), err))
@@ -308,12 +308,21 @@ func listen(cfg *config.Config) (*listeners, error) {
 		ls.admin = append(ls.admin, l)
 	}
 	if cfg.Metrics.Listen.IsValid() {
-		if ls.metrics, err = net.Listen("tcp", cfg.Metrics.Listen.String()); err != nil {
+		if ls.metrics, err = listenTCP(cfg.Metrics.Listen); err != nil {
 			ls.close()
 			return nil, fmt.Errorf("metrics.listen: %w%s", err, addrHint(cfg.Metrics.Listen.Addr(), err))
 		}
 	}
 	return ls, nil
+}
+
+// listenTCP listens on a plain TCP socket, as the data planes do: Go would
+// make it Multipath TCP where the kernel has it, whose listening socket
+// refuses some TCP options.
+func listenTCP(at netip.AddrPort) (net.Listener, error) {
+	var lc net.ListenConfig
+	lc.SetMultipathTCP(false)
+	return lc.Listen(context.Background(), "tcp", at.String())
 }
 
 // addrHint names the likely cause of a bind failing for want of the address.
