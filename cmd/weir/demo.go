@@ -203,6 +203,13 @@ func runDemoSub(ctx context.Context, cmd string, args []string, stdout, stderr i
 		if len(args) != 2 {
 			return errors.New("demo hold: usage: weir demo hold STATE PREFIX (run by weir demo --keep)")
 		}
+		// Only a demo's own prefix: weir's tests and demo fleet name their
+		// namespaces with the others, which a state file could then name.
+		if prefix := args[1]; prefix != demo.NamePrefix {
+			if _, p, err := demo.Place(prefix); err != nil || p != prefix {
+				return fmt.Errorf("demo hold: PREFIX %q is no demo's: a demo's namespaces begin %s or its %s (3 letters a-z that weir's own tests and demos do not use)", prefix, demo.NamePrefix, demo.NameEnv)
+			}
+		}
 		return demo.Hold(ctx, args[0], args[1])
 	}
 }

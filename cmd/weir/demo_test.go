@@ -709,3 +709,29 @@ func TestDemoName(t *testing.T) {
 		}
 	}
 }
+
+// TestDemoHoldRefusesPrefix: weir demo hold, run by a kept demo with its
+// namespace prefix, refuses a PREFIX no demo of this weir can have (one of
+// the prefixes weir's own tests and demos use, as WEIR_DEMO_NAME refuses
+// them) with an error naming the argument, before it reads the state file;
+// a demo's own prefix (wdm, or a name WEIR_DEMO_NAME takes) gets past that
+// check to the state file.
+func TestDemoHoldRefusesPrefix(t *testing.T) {
+	state := filepath.Join(t.TempDir(), "state.json") // none: the prefix is checked first
+	for _, c := range []struct{ prefix, want string }{
+		{"wfl", `PREFIX "wfl" is no demo's`},
+		{"wta", `PREFIX "wta" is no demo's`},
+		{testPrefix, `PREFIX "` + testPrefix + `" is no demo's`},
+		{"w", `PREFIX "w" is no demo's`},
+		{demo.NamePrefix, state},
+		{"abc", state},
+	} {
+		t.Run(c.prefix, func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			err := run(context.Background(), []string{"demo", "hold", state, c.prefix}, &stdout, &stderr)
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("weir demo hold STATE %s: got %v; want an error saying %q", c.prefix, err, c.want)
+			}
+		})
+	}
+}
