@@ -176,7 +176,8 @@ const dadWait = 3 * time.Second
 // deprecated one), never once it fails (another host holds it), and still in
 // DAD only when DAD outlasts wait and nothing else is there. It waits no
 // longer once ctx is done (the agent stops as it starts): it chooses from the
-// addresses as they are then.
+// addresses as they are then. Nor does it wait on a link that is down or
+// without carrier, where DAD does not run (see sourceAddrs).
 func interfaceAddrs(ctx context.Context, ifname string, wait time.Duration) ([]netip.Addr, error) {
 	deadline := time.Now().Add(wait)
 	for {
@@ -193,12 +194,17 @@ func interfaceAddrs(ctx context.Context, ifname string, wait time.Duration) ([]n
 
 // sourceAddrs is interfaceAddrs as the link's addresses are now; tentative
 // says whether a family has no preferred address but one still in duplicate
-// address detection.
+// address detection, and the link is up with carrier: on a link that is down,
+// or has had no carrier since it came up, the kernel runs no DAD and keeps the
+// address tentative until it has (a link that lost its carrier later goes on
+// with DAD, which nothing can answer, and it passes).
 func sourceAddrs(ifname string) (out []netip.Addr, tentative bool, err error) {
 	l, err := netlink.LinkByName(ifname)
 	if err != nil {
 		return nil, false, fmt.Errorf("interface %s: %w", ifname, err)
 	}
+	const running = unix.IFF_UP | unix.IFF_RUNNING
+	dad := l.Attrs().RawFlags&running == running
 	addrs, err := netlink.AddrList(l, unix.AF_UNSPEC)
 	if err != nil {
 		return nil, false, fmt.Errorf("interface %s: list addresses: %w", ifname, err)
@@ -224,7 +230,7 @@ func sourceAddrs(ifname string) (out []netip.Addr, tentative bool, err error) {
 	for f, ip := range best {
 		if ip.IsValid() {
 			out = append(out, ip)
-			tentative = tentative || inDAD[f] && rank[f] > 0
+			tentative = tentative || dad && inDAD[f] && rank[f] > 0
 		}
 	}
 	return out, tentative, nil

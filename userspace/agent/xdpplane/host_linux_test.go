@@ -287,3 +287,54 @@ func addrFlags(name string, ip netip.Addr) (int, error) {
 	}
 	return 0, err
 }
+
+// TestInterfaceAddrsNoWaitOnDownLink: duplicate address detection does not
+// run on a link that is down, or up without carrier since it came up (its
+// IPv6 addresses stay tentative until it has carrier), so the agent, reading
+// its own addresses at start, does not wait dadWait there for DAD to end: it
+// takes them as they are at once. The link is a veth whose peer never came
+// up, or a veth that is down itself.
+func TestInterfaceAddrsNoWaitOnDownLink(t *testing.T) {
+	ns := addrsNS(t)
+	own := netip.MustParseAddr("2001:db8:2::1")
+	own4 := netip.MustParseAddr("192.0.2.1")
+	for i, c := range []struct {
+		what string
+		up   bool // the link itself up; its peer is down
+	}{{"no carrier", true}, {"link down", false}} {
+		t.Run(c.what, func(t *testing.T) {
+			link, peer := fmt.Sprintf("na%d", i), fmt.Sprintf("nb%d", i)
+			var got []netip.Addr
+			var took time.Duration
+			err := ns.Do(func() error {
+				if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: link}, PeerName: peer}); err != nil {
+					return fmt.Errorf("add veth %s: %w", link, err)
+				}
+				if c.up {
+					if err := netlink.LinkSetUp(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: link}}); err != nil {
+						return fmt.Errorf("set %s up: %w", link, err)
+					}
+				}
+				if err := addAddrs(link, addr(own.String()+"/64", 0, 0, 0), addr(own4.String()+"/24", 0, 0, 0)); err != nil {
+					return err
+				}
+				start := time.Now()
+				var err error
+				got, err = interfaceAddrs(context.Background(), link, dadWait)
+				took = time.Since(start)
+				return err
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(got, []netip.Addr{own4, own}) {
+				t.Errorf("interfaceAddrs(%s) = %v; want [%s %s]", link, got, own4, own)
+			}
+			// A bound on a wait that should not happen (dadWait is 3s), with
+			// room for a loaded machine.
+			if took >= time.Second {
+				t.Errorf("interfaceAddrs(%s), %s, returned after %v; want at once, not after waiting for DAD (up to %v)", link, c.what, took, dadWait)
+			}
+		})
+	}
+}
