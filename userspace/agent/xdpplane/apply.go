@@ -297,10 +297,13 @@ func (x *Plane) ResolveMAC(ip netip.Addr) plan.MAC {
 // SpeakerPortClashes refuses cfg's tcp VIPs that XDP may serve at the node's
 // own address on bgp.listen_port, where the file leaves addresses out and that
 // address is the first interface's (config.Config.SpeakerPortClashes):
-// validation checks only the addresses a file names. The interface's address
-// is read each time, so a reload or plan after it changed checks the one the
-// speaker's peers reach now (the one read at Setup if it cannot be read). nil
-// when XDP is not loaded, as it then takes no packet.
+// validation checks only the addresses a file names. It is one address of each
+// family, the one interfaceAddrs chooses, since XDP takes no other as its own
+// (nat's and tunnel's source): another address of the interface is no more
+// checked than a host address that a file's addresses leave out. The
+// interface's address is read each time, so a reload or plan after it changed
+// checks the one the speaker's peers reach now (the one read at Setup if it
+// cannot be read). nil when XDP is not loaded, as it then takes no packet.
 func (x *Plane) SpeakerPortClashes(cfg *config.Config, file string) error {
 	if x == nil || x.prog == nil || len(cfg.Addresses) > 0 || len(cfg.Interfaces) == 0 {
 		return nil
