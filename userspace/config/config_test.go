@@ -7,6 +7,8 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -708,14 +710,12 @@ func TestResolveKeepalive(t *testing.T) {
 }
 
 // TestDocExamples: every YAML example in README.md and docs/ is a config this
-// parser takes, so an operator can start from any of them.
+// parser takes, so an operator can start from any of them; so is each with its
+// settings left out in comments (`# keepalive: 3s`) written in.
 func TestDocExamples(t *testing.T) {
-	files, err := filepath.Glob("../../docs/*.md")
-	if err != nil {
-		t.Fatal(err)
-	}
 	n := 0
-	for _, f := range append([]string{"../../README.md"}, files...) {
+	commented := regexp.MustCompile(`(?m)^(\s*)# ([a-z_]+: )`)
+	for _, f := range docFiles(t) {
 		data, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)
@@ -729,14 +729,123 @@ func TestDocExamples(t *testing.T) {
 			for i++; i < len(lines) && strings.TrimSpace(lines[i]) != "```"; i++ {
 			}
 			n++
-			if _, err := Parse([]byte(strings.Join(lines[start:i], "\n"))); err != nil {
+			block := strings.Join(lines[start:i], "\n")
+			if _, err := Parse([]byte(block)); err != nil {
 				t.Errorf("%s: the example at line %d: %v", filepath.Base(f), start, err)
+				continue
+			}
+			if all := commented.ReplaceAllString(block, "$1$2"); all != block {
+				if _, err := Parse([]byte(all)); err != nil {
+					t.Errorf("%s: the example at line %d with its commented settings written in: %v", filepath.Base(f), start, err)
+				}
 			}
 		}
 	}
 	if n == 0 {
 		t.Fatal("found no YAML examples")
 	}
+}
+
+// TestDocLinks: every relative link in README.md and docs/ leads to a file of
+// the repository, and every #anchor to a heading of the page it names (as
+// GitHub makes anchors: lower case, punctuation dropped, spaces as hyphens, a
+// repeated heading's anchor numbered).
+func TestDocLinks(t *testing.T) {
+	link := regexp.MustCompile(`\]\(([^)\s]+)\)`)
+	n := 0
+	for _, f := range docFiles(t) {
+		for _, l := range outsideCode(t, f) {
+			for _, sm := range link.FindAllStringSubmatch(l.text, -1) {
+				u := sm[1]
+				if strings.Contains(u, "://") || strings.HasPrefix(u, "mailto:") {
+					continue
+				}
+				n++
+				path, anchor, _ := strings.Cut(u, "#")
+				target := f
+				if path != "" {
+					target = filepath.Join(filepath.Dir(f), path)
+				}
+				if _, err := os.Stat(target); err != nil {
+					t.Errorf("%s:%d: link %s: %v", filepath.Base(f), l.n, u, err)
+					continue
+				}
+				if anchor == "" {
+					continue
+				}
+				if !strings.HasSuffix(target, ".md") {
+					t.Errorf("%s:%d: link %s: an anchor in a file that is not markdown", filepath.Base(f), l.n, u)
+				} else if !slices.Contains(anchors(t, target), anchor) {
+					t.Errorf("%s:%d: link %s: %s has no heading #%s", filepath.Base(f), l.n, u, target, anchor)
+				}
+			}
+		}
+	}
+	if n == 0 {
+		t.Fatal("found no relative links")
+	}
+}
+
+// docFiles are the user docs: README.md and docs/*.md.
+func docFiles(t *testing.T) []string {
+	t.Helper()
+	files, err := filepath.Glob("../../docs/*.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return append([]string{"../../README.md"}, files...)
+}
+
+// docLine is a line of a markdown file, numbered from 1.
+type docLine struct {
+	n    int
+	text string
+}
+
+// outsideCode returns the lines of the markdown file at path that are not in a
+// fenced code block.
+func outsideCode(t *testing.T, path string) []docLine {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []docLine
+	fenced := false
+	for i, l := range strings.Split(string(data), "\n") {
+		if strings.HasPrefix(strings.TrimSpace(l), "```") {
+			fenced = !fenced
+			continue
+		}
+		if !fenced {
+			out = append(out, docLine{i + 1, l})
+		}
+	}
+	return out
+}
+
+// anchors returns the anchors GitHub gives the headings of the markdown file
+// at path.
+func anchors(t *testing.T, path string) []string {
+	t.Helper()
+	heading := regexp.MustCompile(`^#{1,6}\s+(.*?)\s*$`)
+	drop := regexp.MustCompile(`[^\p{L}\p{N}_\- ]`)
+	var out []string
+	seen := map[string]int{}
+	for _, l := range outsideCode(t, path) {
+		sm := heading.FindStringSubmatch(l.text)
+		if sm == nil {
+			continue
+		}
+		a := strings.ReplaceAll(drop.ReplaceAllString(strings.ToLower(sm[1]), ""), " ", "-")
+		if k := seen[a]; k > 0 {
+			out = append(out, fmt.Sprintf("%s-%d", a, k))
+		} else {
+			out = append(out, a)
+		}
+		seen[a]++
+	}
+	return out
 }
 
 // TestXDPCapacity: a file the XDP program cannot hold is refused at the service,
