@@ -7,7 +7,7 @@
 //	weir undrain SERVICE BACKEND
 //	weir weight SERVICE BACKEND N         set a backend's weight at runtime
 //	weir stop [--detach]                  stop the agent; --detach also removes its XDP program
-//	weir explain SERVICE CLIENT_IP:PORT   which backend a client's flow gets (XDP)
+//	weir explain [--json] SERVICE CLIENT_IP:PORT  which backend a client's flow gets (XDP)
 //	weir reload [--max-move PCT]          re-read the config file (or send SIGHUP)
 //	weir plan [-c FILE] [--json] [--max-move PCT]  what a config change would move
 //	weir node drain [--wait] | undrain    withdraw (or announce again) the node's BGP routes
@@ -57,7 +57,8 @@ usage:
   weir weight SERVICE BACKEND N    set BACKEND's weight (0..65535) until restart
   weir stop [--detach]             stop the agent (the pinned XDP program keeps balancing);
                                    --detach removes it too, even with the agent stopped (-c FILE)
-  weir explain SERVICE CLIENT      which backend a new flow from CLIENT (ip:port) gets, and the
+  weir explain [--json] SERVICE CLIENT
+                                   which backend a new flow from CLIENT (ip:port) gets, and the
                                    backend an existing flow is pinned to (XDP services)
   weir reload [--max-move PCT]     re-read the config file; an invalid one changes nothing,
                                    nor one that moves more than PCT% of a service's new flows
@@ -71,10 +72,11 @@ usage:
   weir decap --interface IFACE [--mode auto|native|generic] [--addr A ...] [--interval D]
                                    on a backend of a tunnel-mode service: attach weir's
                                    decapsulation program until SIGINT/SIGTERM
-  weir demo [--keep]               run the agent on a demo topology in network namespaces
+  weir demo [--backends N] [--requests N] [--mode auto|native|generic] [--keep]
+                                   run the agent on a demo topology in network namespaces
                                    and show it balancing real traffic; --keep leaves it running
   weir demo down                   remove what weir demo --keep left
-  weir demo fleet                  three nodes announcing a VIP over BGP to a BIRD router; one dies,
+  weir demo fleet [--streams N]    three nodes announcing a VIP over BGP to a BIRD router; one dies,
                                    the streams go on
   weir version                     version, commit, build date and BPF object hash
 
