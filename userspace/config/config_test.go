@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"reflect"
 	"regexp"
 	"slices"
 	"strings"
@@ -1184,6 +1185,98 @@ func TestServing(t *testing.T) {
 		s := Service{DataPlane: tc.dp, Algorithm: tc.algo, Protocol: tc.proto}
 		if got := s.Serving(); got != tc.want {
 			t.Errorf("%s %s %s: got %+v; want %+v", tc.dp, tc.algo, tc.proto, got, tc.want)
+		}
+	}
+}
+
+// TestDocFields: every field of the config file is in a table of the docs
+// ("| field | default | meaning |": the configuration reference, http.md's,
+// fleet.md's), itself or within a part documented whole (`bgp.*`), and every
+// field such a table names is one the file takes.
+func TestDocFields(t *testing.T) {
+	fields := map[string]bool{} // path: whether it is a leaf, with no fields of its own
+	var walk func(prefix string, typ reflect.Type)
+	walk = func(prefix string, typ reflect.Type) {
+		for typ.Kind() == reflect.Pointer || typ.Kind() == reflect.Slice {
+			if typ.Kind() == reflect.Slice {
+				prefix += "[]"
+			}
+			typ = typ.Elem()
+		}
+		if typ.Kind() != reflect.Struct {
+			return
+		}
+		for f := range typ.Fields() {
+			name, _, _ := strings.Cut(f.Tag.Get("yaml"), ",")
+			if name == "" || name == "-" {
+				continue
+			}
+			path := strings.TrimPrefix(prefix+"."+name, ".")
+			fields[path] = true
+			fields[strings.TrimSuffix(prefix, "[]")] = false
+			walk(path, f.Type)
+		}
+	}
+	walk("", reflect.TypeFor[file]())
+	delete(fields, "")
+
+	span := regexp.MustCompile("`([^`]+)`")
+	documented := map[string]bool{}
+	n := 0
+	for _, f := range docFiles(t) {
+		in := false
+		for _, l := range outsideCode(t, f) {
+			cells := strings.Split(l.text, "|")
+			switch {
+			case len(cells) >= 4 && strings.TrimSpace(cells[1]) == "field" && strings.TrimSpace(cells[2]) == "default":
+				in = true
+			case !in || strings.HasPrefix(l.text, "|---"):
+			case !strings.HasPrefix(l.text, "|") || len(cells) < 4:
+				in = false
+			default:
+				// `a.b` / `c`, `a.b`, `.c`: c is a sibling of b.
+				var full string
+				for i, sm := range span.FindAllStringSubmatch(cells[1], -1) {
+					name := sm[1]
+					if i == 0 {
+						if name[0] >= 'A' && name[0] <= 'Z' {
+							break // a Go struct's field (proxy.md), not the file's
+						}
+						if strings.HasPrefix(name, "http.") && filepath.Base(f) == "http.md" {
+							name = "services[]." + name
+						}
+						full = name
+					} else {
+						full = full[:strings.LastIndex(full, ".")+1] + strings.TrimPrefix(name, ".")
+					}
+					n++
+					whole := strings.TrimSuffix(strings.TrimSuffix(full, ".*"), "[]") // addresses[]: the list
+					documented[whole] = true
+					if _, ok := fields[whole]; !ok {
+						t.Errorf("%s:%d: %s is no field of the config file", filepath.Base(f), l.n, full)
+					}
+				}
+			}
+		}
+	}
+	if n == 0 {
+		t.Fatal("found no table of fields")
+	}
+	for f, leaf := range fields {
+		if !leaf {
+			continue // a part, whose own fields are checked
+		}
+		covered := false
+		for p := f; p != "" && !covered; {
+			covered = documented[p]
+			i := strings.LastIndex(p, ".")
+			if i < 0 {
+				break
+			}
+			p = p[:i]
+		}
+		if !covered {
+			t.Errorf("%s is in no table of fields in the docs", f)
 		}
 	}
 }
