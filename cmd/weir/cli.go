@@ -94,9 +94,9 @@ func parseFlags(c *command, args []string, min, max int) error {
 		case len(pos) >= min:
 			what = fmt.Sprintf("unexpected argument %q", pos[max])
 		case min == max:
-			what = fmt.Sprintf("%d arguments, want %d", len(pos), min)
+			what = fmt.Sprintf("%s, want %d", arguments(len(pos)), min)
 		default:
-			what = fmt.Sprintf("%d arguments, want at least %d", len(pos), min)
+			what = fmt.Sprintf("%s, want at least %d", arguments(len(pos)), min)
 		}
 		return fmt.Errorf("%s: %s: usage: %s", c.name, what, c.usageLine())
 	}
@@ -106,4 +106,12 @@ func parseFlags(c *command, args []string, min, max int) error {
 // errUsage wraps a message about how a command is called.
 func errUsage(c *command, format string, args ...any) error {
 	return fmt.Errorf("%s: %s: usage: %s", c.name, fmt.Sprintf(format, args...), c.usageLine())
+}
+
+// arguments says "1 argument" or "n arguments".
+func arguments(n int) string {
+	if n == 1 {
+		return "1 argument"
+	}
+	return fmt.Sprintf("%d arguments", n)
 }

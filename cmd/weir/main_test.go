@@ -163,6 +163,8 @@ func TestUsageErrors(t *testing.T) {
 		want string
 	}{
 		{[]string{"explain", "web"}, "usage: weir explain SERVICE CLIENT_IP:PORT"},
+		{[]string{"drain", "web"}, "drain: 1 argument, want 2: usage: weir drain SERVICE BACKEND"},
+		{[]string{"weight", "web"}, "weight: 1 argument, want 3: usage: weir weight SERVICE BACKEND N"},
 		{[]string{"stop", "now"}, "usage: weir stop [--detach]"},
 		{[]string{"decap"}, "usage: weir decap --interface IFACE"},
 		{[]string{"decap", "--interface", "lo", "--mode", "fast"}, `attach mode "fast"`},
