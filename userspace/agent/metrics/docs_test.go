@@ -14,9 +14,10 @@ import (
 )
 
 // TestDocumented: every metric the agent exports is in the metrics list of
-// docs/operating.md with its labels, and every metric a docs table names
-// (a table whose header is "| metric | labels |") is exported with the labels
-// it names, so an operator's alert written from the docs matches a series.
+// docs/operating.md with its labels, every metric a docs table names (a table
+// whose header is "| metric | labels |") is exported with the labels it names,
+// and every other the docs name is exported, so an operator's alert written
+// from the docs matches a series.
 func TestDocumented(t *testing.T) {
 	m := New(func() (api.Status, error) { return api.Status{}, nil })
 	exported := map[string][]string{}
@@ -63,6 +64,23 @@ func TestDocumented(t *testing.T) {
 	}
 	if len(listed) == 0 {
 		t.Fatal("found no metrics list in operating.md")
+	}
+	// And every metric the prose names, a histogram's series too.
+	for _, f := range append([]string{"../../../README.md"}, files...) {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, name := range regexp.MustCompile(`\bweir_[a-z0-9_]*[a-z0-9]`).FindAllString(string(data), -1) {
+			_, ok := exported[name]
+			for _, series := range []string{"_bucket", "_sum", "_count"} {
+				_, histogram := exported[strings.TrimSuffix(name, series)]
+				ok = ok || histogram
+			}
+			if !ok {
+				t.Errorf("%s names %s, which is not exported", filepath.Base(f), name)
+			}
+		}
 	}
 	for name := range exported {
 		if !listed[name] {
