@@ -5,7 +5,37 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 )
+
+// TestStatusSample: the `weir status` sample in docs/operating.md is what
+// status prints for the agent it describes.
+func TestStatusSample(t *testing.T) {
+	st := Status{Config: "/etc/weir/weir.yaml", Started: time.Date(2026, 3, 2, 9, 14, 5, 0, time.UTC),
+		XDP:     XDPStatus{Loaded: true, Pinned: true, PinPath: "/sys/fs/bpf/weir", Interfaces: []InterfaceStatus{{Name: "eth0", Mode: "native"}}},
+		Reloads: []ReloadStatus{{Time: time.Date(2026, 3, 2, 10, 2, 41, 0, time.UTC), OK: true}},
+		Services: []ServiceStatus{{
+			Name: "web", Key: "tcp/192.0.2.10:80", DataPlane: PlaneXDP, Why: "XDP nat mode, self-test passed", Mode: "nat", Algorithm: "maglev",
+			HealthMethod: "syn", Packets: 1846130, Bytes: 1211835892, ActiveFlows: 216,
+			Table: &TableStatus{Fingerprint: "5e1f0c2a9b7d3e41", Size: 65537},
+			Backends: []BackendStatus{
+				{Address: "10.0.0.11:80", Health: "up", Usable: true, Weight: 1, ConfigWeight: 1, ActiveFlows: 70, Packets: 614212, Bytes: 403118190, LastCheck: "ok", LastCheckAgo: "1.204s"},
+				{Address: "10.0.0.12:80", Health: "up", Usable: true, Weight: 2, ConfigWeight: 2, ActiveFlows: 142, Packets: 1229708, Bytes: 807315585, LastCheck: "ok", LastCheckAgo: "380ms"},
+				{Address: "10.0.0.13:80", Health: "up", Usable: true, Weight: 1, ConfigWeight: 1, Drained: true, Override: true, DrainOverride: true, ActiveFlows: 4, Packets: 2210, Bytes: 1402117, Reason: "drained", LastCheck: "ok", LastCheckAgo: "1.9s"},
+			}}, {
+			Name: "app", Key: "tcp/192.0.2.10:8080", DataPlane: PlaneProxy, Why: "data_plane: proxy", Algorithm: "least_conn",
+			HealthMethod: "syn", Connections: 3, Accepted: 4127, Bytes: 88314002,
+			Backends: []BackendStatus{
+				{Address: "10.0.0.21:8080", Health: "up", Usable: true, Weight: 1, ConfigWeight: 1, Connections: 2, Connects: 2064, Bytes: 44157001, LastCheck: "ok", LastCheckAgo: "640ms"},
+				{Address: "10.0.0.22:8080", Health: "down", Usable: false, Weight: 1, ConfigWeight: 1, Connections: 1, Connects: 2063, Bytes: 44157001,
+					Reason: "health: down", LastCheck: "connect: connection refused", LastCheckAgo: "1.1s"},
+			}}}}
+	var b bytes.Buffer
+	st.WriteTable(&b)
+	if want := docSamples(t, "../../../docs/operating.md", "$ weir status")[0]; b.String() != want {
+		t.Errorf("operating.md's status sample:\n%s\nwant what weir status prints:\n%s", want, b.String())
+	}
+}
 
 // TestPlanSamples: the `weir plan` samples in docs/operating.md are what the
 // plan prints for the changes they describe, less the lines the docs elide
