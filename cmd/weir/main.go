@@ -288,7 +288,10 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	err := a.Run(runCtx)
 	cancel()
 	<-done
-	return err
+	if err != nil {
+		return fmt.Errorf("run: %w", err)
+	}
+	return nil
 }
 
 // adminFlags adds -s and -c/--config to a client command's flags and returns the

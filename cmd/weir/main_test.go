@@ -174,6 +174,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"node", "stop"}, "node: want drain or undrain"},
 		{[]string{"node", "drain", "-s", "/nonexistent/weir.sock"}, "is weir running?"},
 		{[]string{"demo", "fleet", "--streams", "0"}, "--streams must be 1..150"},
+		{[]string{"run", "-c", "/nonexistent/weir.yaml"}, "run: read config: open /nonexistent/weir.yaml"},
 		{[]string{"validate", "-c", "a.yaml", "b.yaml"}, `the file is "b.yaml" or -c "a.yaml", not both`},
 		{[]string{"validate", "--config=a.yaml", "b.yaml"}, "not both"},
 		// NaN is no percentage (and JSON cannot carry it to the agent).
