@@ -176,8 +176,8 @@ const dadWait = 3 * time.Second
 // deprecated one), never once it fails (another host holds it), and still in
 // DAD only when DAD outlasts wait and nothing else is there. It waits no
 // longer once ctx is done (the agent stops as it starts): it chooses from the
-// addresses as they are then. Nor does it wait on a link that is down or
-// without carrier, where DAD does not run (see sourceAddrs).
+// addresses as they are then. Nor does it wait on a link that is
+// administratively down, where DAD does not run (see sourceAddrs).
 func interfaceAddrs(ctx context.Context, ifname string, wait time.Duration) ([]netip.Addr, error) {
 	deadline := time.Now().Add(wait)
 	for {
@@ -194,17 +194,20 @@ func interfaceAddrs(ctx context.Context, ifname string, wait time.Duration) ([]n
 
 // sourceAddrs is interfaceAddrs as the link's addresses are now; tentative
 // says whether a family has no preferred address but one still in duplicate
-// address detection, and the link is up with carrier: on a link that is down,
-// or has had no carrier since it came up, the kernel runs no DAD and keeps the
-// address tentative until it has (a link that lost its carrier later goes on
-// with DAD, which nothing can answer, and it passes).
+// address detection, and the link is up. On a link that is down the kernel
+// keeps the address tentative, running no DAD, until someone sets it up. A
+// link that is up runs DAD, or will once it has carrier: a NIC still
+// negotiating its link, a bond or a veth whose peer comes up a moment later
+// has none yet, and a link that lost its carrier after coming up goes on with
+// DAD. Waiting there takes the address DAD passes over a deprecated one, and
+// never one that fails DAD, as on a link with carrier; on a link that stays
+// without carrier it only costs the wait.
 func sourceAddrs(ifname string) (out []netip.Addr, tentative bool, err error) {
 	l, err := netlink.LinkByName(ifname)
 	if err != nil {
 		return nil, false, fmt.Errorf("interface %s: %w", ifname, err)
 	}
-	const running = unix.IFF_UP | unix.IFF_RUNNING
-	dad := l.Attrs().RawFlags&running == running
+	dad := l.Attrs().RawFlags&unix.IFF_UP != 0
 	addrs, err := netlink.AddrList(l, unix.AF_UNSPEC)
 	if err != nil {
 		return nil, false, fmt.Errorf("interface %s: list addresses: %w", ifname, err)

@@ -138,12 +138,17 @@ func addr(s string, flags, preferred, valid int) *netlink.Addr {
 // namespace; writes sysctls ("%s" is link) before any address is added; then
 // adds peerAddrs to peer and addrs to link.
 func addVeth(link, peer string, sysctls map[string]string, peerAddrs, addrs []*netlink.Addr) error {
+	return addVethUp(link, peer, []string{peer, link}, sysctls, peerAddrs, addrs)
+}
+
+// addVethUp is addVeth with only the ends named in up set up.
+func addVethUp(link, peer string, up []string, sysctls map[string]string, peerAddrs, addrs []*netlink.Addr) error {
 	if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: link}, PeerName: peer}); err != nil {
 		return fmt.Errorf("add veth %s: %w", link, err)
 	}
-	for _, name := range []string{peer, link} {
-		if err := netlink.LinkSetUp(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: name}}); err != nil {
-			return fmt.Errorf("set %s up: %w", name, err)
+	for _, name := range up {
+		if err := setUp(name); err != nil {
+			return err
 		}
 	}
 	for k, v := range sysctls {
@@ -158,6 +163,14 @@ func addVeth(link, peer string, sysctls map[string]string, peerAddrs, addrs []*n
 		if err := addAddrs(l.name, l.addrs...); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// setUp sets link name up.
+func setUp(name string) error {
+	if err := netlink.LinkSetUp(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: name}}); err != nil {
+		return fmt.Errorf("set %s up: %w", name, err)
 	}
 	return nil
 }
@@ -182,6 +195,9 @@ func addAddrs(name string, addrs ...*netlink.Addr) error {
 // DAD fails because another host holds it, rather than keeping for its whole
 // run an address that is not its own. Beside a deprecated address (a prefix
 // being renumbered away) it waits too, and takes the new one once preferred.
+// It waits as well on a link that is up but has no carrier yet when the agent
+// starts (a NIC still negotiating, a veth whose peer comes up a moment later),
+// whose DAD runs once the carrier comes.
 func TestInterfaceAddrsWaitsForDAD(t *testing.T) {
 	ns := addrsNS(t)
 	own := netip.MustParseAddr("2001:db8:2::1")
@@ -192,12 +208,17 @@ func TestInterfaceAddrsWaitsForDAD(t *testing.T) {
 		retransMs int
 		peer      []*netlink.Addr
 		// old is an address the link has before own.
-		old  *netlink.Addr
-		want []netip.Addr
+		old *netlink.Addr
+		// lateCarrier: the peer is down as the addresses are added, and comes
+		// up once interfaceAddrs has begun.
+		lateCarrier bool
+		want        []netip.Addr
 	}{
 		{name: "passes", retransMs: 1500, want: []netip.Addr{own}},
 		{name: "fails", retransMs: 3600000, peer: []*netlink.Addr{addr(own.String()+"/64", unix.IFA_F_NODAD, 0, 0)}},
 		{name: "passes beside a deprecated one", retransMs: 1500, old: addr("2001:db8:1::1/64", unix.IFA_F_NODAD, 0, 3000), want: []netip.Addr{own}},
+		{name: "late carrier, fails", retransMs: 3600000, peer: []*netlink.Addr{addr(own.String()+"/64", unix.IFA_F_NODAD, 0, 0)}, lateCarrier: true},
+		{name: "late carrier, passes beside a deprecated one", retransMs: 1500, old: addr("2001:db8:1::1/64", unix.IFA_F_NODAD, 0, 3000), lateCarrier: true, want: []netip.Addr{own}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			link, peer := fmt.Sprintf("da%d", i), fmt.Sprintf("db%d", i)
@@ -213,11 +234,30 @@ func TestInterfaceAddrsWaitsForDAD(t *testing.T) {
 				if tc.old != nil {
 					addrs = []*netlink.Addr{tc.old, addrs[0]}
 				}
-				if err := addVeth(link, peer, sysctls, tc.peer, addrs); err != nil {
+				up := []string{peer, link}
+				if tc.lateCarrier {
+					up = []string{link}
+				}
+				if err := addVethUp(link, peer, up, sysctls, tc.peer, addrs); err != nil {
 					return err
 				}
+				carrier := make(chan error, 1)
+				if tc.lateCarrier {
+					// Exits once the peer is up, 200ms after interfaceAddrs
+					// began; received from below.
+					go func() {
+						time.Sleep(200 * time.Millisecond)
+						carrier <- ns.Do(func() error { return setUp(peer) })
+					}()
+				} else {
+					carrier <- nil
+				}
 				var err error
-				if got, err = interfaceAddrs(context.Background(), link, 30*time.Second); err != nil {
+				got, err = interfaceAddrs(context.Background(), link, 30*time.Second)
+				if err := <-carrier; err != nil {
+					return err
+				}
+				if err != nil {
 					return err
 				}
 				// The flags the address has as it is returned.
@@ -289,52 +329,36 @@ func addrFlags(name string, ip netip.Addr) (int, error) {
 }
 
 // TestInterfaceAddrsNoWaitOnDownLink: duplicate address detection does not
-// run on a link that is down, or up without carrier since it came up (its
-// IPv6 addresses stay tentative until it has carrier), so the agent, reading
-// its own addresses at start, does not wait dadWait there for DAD to end: it
-// takes them as they are at once. The link is a veth whose peer never came
-// up, or a veth that is down itself.
+// run on a link that is administratively down (its IPv6 addresses stay
+// tentative until it is set up), so the agent, reading its own addresses at
+// start, does not wait dadWait there for DAD to end: it takes them as they are
+// at once. The link is a veth that is down, its peer up.
 func TestInterfaceAddrsNoWaitOnDownLink(t *testing.T) {
 	ns := addrsNS(t)
 	own := netip.MustParseAddr("2001:db8:2::1")
 	own4 := netip.MustParseAddr("192.0.2.1")
-	for i, c := range []struct {
-		what string
-		up   bool // the link itself up; its peer is down
-	}{{"no carrier", true}, {"link down", false}} {
-		t.Run(c.what, func(t *testing.T) {
-			link, peer := fmt.Sprintf("na%d", i), fmt.Sprintf("nb%d", i)
-			var got []netip.Addr
-			var took time.Duration
-			err := ns.Do(func() error {
-				if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: link}, PeerName: peer}); err != nil {
-					return fmt.Errorf("add veth %s: %w", link, err)
-				}
-				if c.up {
-					if err := netlink.LinkSetUp(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: link}}); err != nil {
-						return fmt.Errorf("set %s up: %w", link, err)
-					}
-				}
-				if err := addAddrs(link, addr(own.String()+"/64", 0, 0, 0), addr(own4.String()+"/24", 0, 0, 0)); err != nil {
-					return err
-				}
-				start := time.Now()
-				var err error
-				got, err = interfaceAddrs(context.Background(), link, dadWait)
-				took = time.Since(start)
-				return err
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !slices.Equal(got, []netip.Addr{own4, own}) {
-				t.Errorf("interfaceAddrs(%s) = %v; want [%s %s]", link, got, own4, own)
-			}
-			// A bound on a wait that should not happen (dadWait is 3s), with
-			// room for a loaded machine.
-			if took >= time.Second {
-				t.Errorf("interfaceAddrs(%s), %s, returned after %v; want at once, not after waiting for DAD (up to %v)", link, c.what, took, dadWait)
-			}
-		})
+	var got []netip.Addr
+	var took time.Duration
+	err := ns.Do(func() error {
+		addrs := []*netlink.Addr{addr(own.String()+"/64", 0, 0, 0), addr(own4.String()+"/24", 0, 0, 0)}
+		if err := addVethUp("na0", "nb0", []string{"nb0"}, nil, nil, addrs); err != nil {
+			return err
+		}
+		start := time.Now()
+		var err error
+		got, err = interfaceAddrs(context.Background(), "na0", dadWait)
+		took = time.Since(start)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(got, []netip.Addr{own4, own}) {
+		t.Errorf("interfaceAddrs(na0) = %v; want [%s %s]", got, own4, own)
+	}
+	// A bound on a wait that should not happen (dadWait is 3s), with room for
+	// a loaded machine.
+	if took >= time.Second {
+		t.Errorf("interfaceAddrs(na0), the link down, returned after %v; want at once, not after waiting for DAD (up to %v)", took, dadWait)
 	}
 }
