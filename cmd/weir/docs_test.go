@@ -106,10 +106,12 @@ type commandLine struct {
 }
 
 // commandLines finds every command line in markdown text (code spans and code
-// block lines that begin with "weir COMMAND"), or in weir's usage its lines
-// that do.
+// block lines that begin with "weir COMMAND", perhaps after a prompt "$ ",
+// sudo, environment variables or a directory: `./weir demo`,
+// `WEIR_DEMO_NAME=abc weir demo`), or in weir's usage its lines that do.
 func commandLines(text string, usage bool) []commandLine {
-	span := regexp.MustCompile("`(weir [^`]*)`")
+	span := regexp.MustCompile("`([^`]*)`")
+	lead := regexp.MustCompile(`^(?:\$ |sudo |[A-Z][A-Z0-9_]*=\S* )*(?:\./|bin/)?`)
 	var out []commandLine
 	fenced := false
 	for i, l := range strings.Split(text, "\n") {
@@ -122,12 +124,14 @@ func commandLines(text string, usage bool) []commandLine {
 		if fenced || usage {
 			t, _, _ = strings.Cut(t, " #") // a comment
 			t, _, _ = strings.Cut(t, "  ") // the usage's explanation
-			if strings.HasPrefix(t, "weir ") {
+			if t = lead.ReplaceAllString(t, ""); strings.HasPrefix(t, "weir ") {
 				shown = append(shown, t)
 			}
 		} else {
 			for _, sm := range span.FindAllStringSubmatch(l, -1) {
-				shown = append(shown, sm[1])
+				if s := lead.ReplaceAllString(sm[1], ""); strings.HasPrefix(s, "weir ") {
+					shown = append(shown, s)
+				}
 			}
 		}
 		for j, s := range shown {
