@@ -23,7 +23,7 @@ func TestDocumented(t *testing.T) {
 	exported := map[string][]string{}
 	ch := make(chan *prometheus.Desc)
 	go func() { // exits once every collector has described itself
-		for _, c := range []prometheus.Collector{m, m.checks, m.reloads, m.requests, m.latency} {
+		for _, c := range m.collectors() {
 			c.Describe(ch)
 		}
 		close(ch)

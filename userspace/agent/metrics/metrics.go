@@ -102,8 +102,15 @@ func New(status func() (api.Status, error)) *Metrics {
 		serviceClientTimeouts: d("weir_service_client_timeouts_total", "Proxy: client connections the kernel gave up on because the client stopped acknowledging (TCP keepalive probes or bytes sent to it unanswered: tcp_keepalive, tcp_user_timeout).", "service"),
 		prevTableAge:          d("weir_service_previous_table_age_seconds", "Seconds since the service's previous lookup table was replaced, while the fallback may use it.", "service"),
 	}
-	m.reg.MustRegister(m.checks, m.reloads, m.requests, m.latency, m, prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
+	m.reg.MustRegister(m.collectors()...)
+	m.reg.MustRegister(prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
 	return m
+}
+
+// collectors are the registry's collectors of weir's own metrics (weir_*),
+// which docs/operating.md lists.
+func (m *Metrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.checks, m.reloads, m.requests, m.latency, m}
 }
 
 // ObserveCheck counts one health check's result and latency.
