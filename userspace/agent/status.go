@@ -97,7 +97,7 @@ func (a *Agent) Status() (api.Status, error) {
 		if s.Plane == plan.HTTP {
 			if snap, ok := a.http.Snapshot(s.Name()); ok {
 				ss.Connections, ss.Accepted, ss.InFlight, ss.Requests = snap.Connections, snap.Accepted, snap.InFlight, snap.Requests
-				ss.Tunnels, ss.AcceptErrors = snap.Tunnels, snap.AcceptErrors
+				ss.Tunnels, ss.AcceptErrors, ss.ClientTimeouts = snap.Tunnels, snap.AcceptErrors, snap.ClientTimeouts
 				httpSnap = make(map[netip.AddrPort]httplb.BackendSnapshot, len(snap.Backends))
 				for _, b := range snap.Backends {
 					httpSnap[b.Addr] = b

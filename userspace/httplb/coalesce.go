@@ -5,6 +5,8 @@ import (
 	"errors"
 	"net"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -49,6 +51,11 @@ type coalescingConn struct {
 	// after room reported it full; the frame engine sets it.
 	onDrain   func()
 	wantDrain bool
+
+	// stats, set on a client's connection (coalescingListener), counts it in
+	// clientTimeouts once timedOut is set (clientFailed).
+	stats    *stats
+	timedOut atomic.Bool
 }
 
 func newCoalescingConn(c net.Conn, async bool) *coalescingConn {
@@ -59,6 +66,9 @@ func newCoalescingConn(c net.Conn, async bool) *coalescingConn {
 
 func (c *coalescingConn) Read(p []byte) (int, error) {
 	n, err := c.Conn.Read(p)
+	if err != nil {
+		c.clientFailed(err)
+	}
 	if !c.sniffed && n > 0 {
 		c.sniffed = true
 		// net/http reads the preface in two short reads ("PRI * HTTP/2.0", then the
@@ -76,7 +86,11 @@ func (c *coalescingConn) Write(p []byte) (int, error) {
 	c.mu.Lock()
 	if !c.async {
 		c.mu.Unlock()
-		return c.Conn.Write(p)
+		n, err := c.Conn.Write(p)
+		if err != nil {
+			c.clientFailed(err)
+		}
+		return n, err
 	}
 	defer c.mu.Unlock()
 	for c.err == nil && !c.closed && len(c.buf) > 0 && len(c.buf)+len(p) > coalesceLimit {
@@ -186,6 +200,7 @@ func (c *coalescingConn) flush() {
 		c.spare, c.spareH = out[:0], outH
 		if err != nil {
 			c.err = err
+			c.clientFailed(err)
 		}
 		c.cond.Broadcast()
 	}
@@ -278,13 +293,37 @@ func (c *coalescingConn) CloseWrite() error {
 	return nil
 }
 
-// coalescingListener makes every accepted connection a coalescingConn.
-type coalescingListener struct{ net.Listener }
+// clientFailed counts c, a client's connection, in clientTimeouts if err, which
+// a read or write of it returned, says the kernel gave the client up: its
+// keepalive probes or the bytes sent to it went unacknowledged (ETIMEDOUT: TCP
+// keepalive, TCP_USER_TIMEOUT), as the proxy counts its clients. Every engine
+// tells the connection it was accepted as what its reads and writes of the
+// client's socket return, however it makes them (some go around c: raw reads,
+// the HTTP/1.1 loop's socket); a connection counts once, however many paths
+// see the error (a TLS connection's error is seen by the TLS layer and by c
+// below it). A connection weir dialed (no stats) counts nowhere.
+func (c *coalescingConn) clientFailed(err error) {
+	if c == nil || c.stats == nil || !errors.Is(err, syscall.ETIMEDOUT) {
+		return
+	}
+	if c.timedOut.CompareAndSwap(false, true) {
+		c.stats.clientTimeouts.Add(1)
+	}
+}
+
+// coalescingListener makes every accepted connection a coalescingConn that
+// counts in stats (clientFailed).
+type coalescingListener struct {
+	net.Listener
+	stats *stats
+}
 
 func (l coalescingListener) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
 	if err != nil {
 		return nil, err
 	}
-	return newCoalescingConn(c, false), nil
+	cc := newCoalescingConn(c, false)
+	cc.stats = l.stats
+	return cc, nil
 }

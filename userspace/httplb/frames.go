@@ -206,6 +206,7 @@ func (s *Service) serveFrames(c *coalescingConn, overTLS bool, arrived func()) {
 	ss.idle = time.AfterFunc(s.cfg.IdleTimeout, ss.idleExpired)
 	ss.mu.Unlock()
 	err := ss.readSafely()
+	c.clientFailed(err) // its reads go around c on a socket (frameReader)
 	ss.mu.Lock()
 	ss.closeLocked(err)
 	ss.mu.Unlock()

@@ -149,7 +149,7 @@ func (l *splitListener) sniff(c *coalescingConn, arrived func()) {
 	if string(buf[:n]) != http2.ClientPreface && !l.s.cfg.NetHTTP1 {
 		// The loop writes whole answers itself: no coalescing wrapper. The
 		// deadline set stays for the first request's head.
-		l.s.serveH1(rawConnOf(c.Conn), buf[:n], nil, arrived)
+		l.s.serveH1(rawConnOf(c.Conn), c, buf[:n], nil, arrived)
 		return
 	}
 	c.sniffed = false
@@ -196,7 +196,7 @@ func (l *splitListener) sniffTLS(c *coalescingConn, arrived func()) {
 		if !l.s.cfg.NetHTTP1 {
 			st := tc.ConnectionState()
 			tc.SetReadDeadline(time.Now().Add(l.s.cfg.ReadHeaderTimeout)) // the first request's head
-			l.s.serveH1(tc, nil, &st, arrived)
+			l.s.serveH1(tc, c, nil, &st, arrived)
 			return
 		}
 		l.handOver(tc, true)

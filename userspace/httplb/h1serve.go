@@ -70,8 +70,9 @@ type h1Session struct {
 	s      *Service
 	conn   net.Conn
 	in     h1Input
+	out    h1Output
 	br     *bufio.Reader // nil only while awaitRequest waits
-	bw     *bufio.Writer
+	bw     *bufio.Writer // writes to out
 	idle   *pooledReader // awaitRequest's, made at its first wait
 	remote string
 	tls    *tls.ConnectionState
@@ -102,6 +103,10 @@ type h1Input struct {
 	pending []byte
 	held    *pooledReader // owns pending's buffer until pending is read; nil if none does
 	lim     limitReader
+	// acct is the connection as it was accepted, which counts the client
+	// gone if a read or write of it fails so (clientFailed): the session's
+	// reads and writes go around it.
+	acct *coalescingConn
 }
 
 func (in *h1Input) Read(p []byte) (int, error) {
@@ -117,14 +122,35 @@ func (in *h1Input) Read(p []byte) (int, error) {
 		}
 		return n, nil
 	}
-	return in.lim.Read(p)
+	n, err := in.lim.Read(p)
+	if err != nil {
+		in.acct.clientFailed(err)
+	}
+	return n, err
 }
 
-// serveH1 serves an HTTP/1.1 client connection until it closes. prefix is what
-// the listener read of it first; tlsState is set for TLS connections; arrived
-// is called once the session is known to a shutdown (or refused by it).
-func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.ConnectionState, arrived func()) {
-	c := s.newH1Session(conn, prefix, tlsState)
+// h1Output is what the connection's writer writes to: the connection, whose
+// failures the accepted connection is told (clientFailed).
+type h1Output struct {
+	conn net.Conn
+	acct *coalescingConn
+}
+
+func (out *h1Output) Write(p []byte) (int, error) {
+	n, err := out.conn.Write(p)
+	if err != nil {
+		out.acct.clientFailed(err)
+	}
+	return n, err
+}
+
+// serveH1 serves an HTTP/1.1 client connection until it closes. acct is the
+// connection as it was accepted, which conn reads and writes (or goes around);
+// prefix is what the listener read of it first; tlsState is set for TLS
+// connections; arrived is called once the session is known to a shutdown (or
+// refused by it).
+func (s *Service) serveH1(conn net.Conn, acct *coalescingConn, prefix []byte, tlsState *tls.ConnectionState, arrived func()) {
+	c := s.newH1Session(conn, acct, prefix, tlsState)
 	defer s.stats.conns.Add(-1)
 	defer close(c.done)
 	defer c.ctx.cancelWith(nil)
@@ -147,9 +173,10 @@ func (s *Service) serveH1(conn net.Conn, prefix []byte, tlsState *tls.Connection
 // shrunk), which each idle connection pays for.
 //
 //go:noinline
-func (s *Service) newH1Session(conn net.Conn, prefix []byte, tlsState *tls.ConnectionState) *h1Session {
+func (s *Service) newH1Session(conn net.Conn, acct *coalescingConn, prefix []byte, tlsState *tls.ConnectionState) *h1Session {
 	c := &h1Session{s: s, conn: conn, remote: conn.RemoteAddr().String(), tls: tlsState, done: make(chan struct{})}
-	c.in = h1Input{pending: prefix, lim: limitReader{r: conn, n: math.MaxInt64}}
+	c.in = h1Input{pending: prefix, lim: limitReader{r: conn, n: math.MaxInt64}, acct: acct}
+	c.out = h1Output{conn: conn, acct: acct}
 	c.br = h1ReaderPool.Get().(*bufio.Reader)
 	c.br.Reset(&c.in)
 	c.ctx = newSessionCtx()
@@ -304,6 +331,7 @@ func (c *h1Session) awaitRequest() bool {
 	c.br = h1ReaderPool.Get().(*bufio.Reader)
 	c.br.Reset(&c.in)
 	if err != nil {
+		c.in.acct.clientFailed(err)
 		return false
 	}
 	c.in.pending, c.in.held = b, c.idle
@@ -454,7 +482,7 @@ func isReadError(err error) bool {
 func (c *h1Session) takeWriter() {
 	if c.bw == nil {
 		c.bw = h1WriterPool.Get().(*bufio.Writer)
-		c.bw.Reset(c.conn)
+		c.bw.Reset(&c.out)
 	}
 }
 
@@ -547,20 +575,23 @@ func (c *h1Session) upgrade(req *http.Request) bool {
 	// No longer an HTTP/1.1 connection: the HTTP/2 server's shutdown (through
 	// s.upgraded) sends it GOAWAY.
 	c.s.unregisterH1(c)
-	c.s.h2.ServeConn(&h1Upgraded{Conn: c.conn, r: c.br}, &http2.ServeConnOpts{
+	c.s.h2.ServeConn(&h1Upgraded{Conn: c.conn, r: c.br, w: &c.out}, &http2.ServeConnOpts{
 		BaseConfig: c.s.upgraded, Handler: c.s, UpgradeRequest: req, Settings: settings,
 	})
 	return false
 }
 
 // h1Upgraded is an upgraded connection, read on through the HTTP/1.1 reader, so
-// what it had read ahead (and the watch's byte under it) comes first.
+// what it had read ahead (and the watch's byte under it) comes first, and
+// written through the session's output, which tells its failures.
 type h1Upgraded struct {
 	net.Conn
 	r io.Reader
+	w io.Writer
 }
 
-func (u *h1Upgraded) Read(p []byte) (int, error) { return u.r.Read(p) }
+func (u *h1Upgraded) Read(p []byte) (int, error)  { return u.r.Read(p) }
+func (u *h1Upgraded) Write(p []byte) (int, error) { return u.w.Write(p) }
 
 // armWatch starts the countdown to watching the connection for the request.
 func (c *h1Session) armWatch() {
@@ -593,6 +624,9 @@ func (c *h1Session) startWatch() {
 	var b [1]byte
 	for {
 		n, err := c.conn.Read(b[:])
+		if err != nil {
+			c.in.acct.clientFailed(err) // ETIMEDOUT looks like a deadline below
+		}
 		c.wmu.Lock()
 		switch {
 		case n > 0:

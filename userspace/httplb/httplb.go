@@ -287,7 +287,7 @@ func ListenFrom(cfg Config, backends []Backend, old Sockets) (*Service, error) {
 	if len(lns) > 1 {
 		ln = newMergedListener(lns)
 	}
-	s.ln = coalescingListener{newPatientListener(ln, s)}
+	s.ln = coalescingListener{newPatientListener(ln, s), &s.stats}
 	if s.framesServe() || !cfg.NetHTTP1 {
 		s.split = newSplitListener(s.ln, s)
 		s.ln = s.split
@@ -800,14 +800,18 @@ type Snapshot struct {
 	// AcceptErrors counts the accept errors waited out (no descriptor or
 	// memory left), as the proxy's Snapshot.AcceptErrors.
 	AcceptErrors uint64
-	Backends     []BackendSnapshot
+	// ClientTimeouts counts client connections the kernel gave up on because
+	// the client stopped acknowledging (ETIMEDOUT: TCP keepalive probes, or
+	// bytes sent to it, unanswered), as the proxy's Snapshot.ClientTimeouts.
+	ClientTimeouts uint64
+	Backends       []BackendSnapshot
 }
 
 // Snapshot returns the service's counters now.
 func (s *Service) Snapshot() Snapshot {
 	sn := Snapshot{Connections: s.stats.conns.Load(), Accepted: s.stats.accepted.Load(),
 		InFlight: s.stats.inflight.Load(), Requests: s.stats.requests.Load(), NoBackend: s.stats.noBackend.Load(),
-		AcceptErrors: s.stats.acceptErrors.Load()}
+		AcceptErrors: s.stats.acceptErrors.Load(), ClientTimeouts: s.stats.clientTimeouts.Load()}
 	s.tunMu.Lock()
 	sn.Tunnels = int64(len(s.tunnels))
 	var tunnelsOf map[*backend]int

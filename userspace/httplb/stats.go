@@ -75,6 +75,7 @@ type stats struct {
 	requests        atomic.Uint64
 	noBackend       atomic.Uint64
 	acceptErrors    atomic.Uint64 // accept errors waited out (patientListener)
+	clientTimeouts  atomic.Uint64 // client connections that failed with ETIMEDOUT (clientFailed)
 }
 
 func (s *stats) connState(_ net.Conn, st http.ConnState) {

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -217,6 +218,7 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 	// The tunnel stays a request in flight (the request's count is its to
 	// end), and keeps the lease, until it ends.
 	t := s.newTunnel(be, cc, bc, s.cfg.IdleTimeout)
+	t.acct = acceptedConn(w, cc)
 	held := *lease
 	*lease = balance.Lease{}
 	method, path, remote := r.Method, r.URL.Path, r.RemoteAddr
@@ -248,8 +250,11 @@ var errTunnelIdle = errors.New("tunnel idle")
 // tunnel is a client connection joined to a backend's after a switch of
 // protocols.
 type tunnel struct {
-	be     *backend
-	c, b   net.Conn
+	be   *backend
+	c, b net.Conn
+	// acct is c as it was accepted, told c's failures (clientFailed): the
+	// tunnel's reads go around it. nil if not known.
+	acct   *coalescingConn
 	idle   time.Duration
 	moved  atomic.Bool // bytes moved since the idle timer last looked
 	misses int         // looks in a row that found none (the timer's own)
@@ -360,6 +365,28 @@ func (s *Service) closeTunnelsOf(be *backend) {
 	}
 }
 
+// acceptedConn returns the connection as it was accepted of the client's
+// connection w answers on, hijacked as c: the HTTP/1.1 loop's session has it,
+// net/http's server hijacks what it was given (the sniffed connection, or TLS
+// over the accepted one); nil if neither.
+func acceptedConn(w http.ResponseWriter, c net.Conn) *coalescingConn {
+	if hw, ok := w.(*h1Writer); ok {
+		return hw.c.in.acct
+	}
+	for {
+		switch x := c.(type) {
+		case *coalescingConn:
+			return x
+		case *prefixConn:
+			return x.coalescingConn
+		case *tls.Conn:
+			c = x.NetConn()
+		default:
+			return nil
+		}
+	}
+}
+
 // closedChan is a deadline already past.
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
@@ -430,6 +457,9 @@ func (t *tunnel) pipe(dst, src net.Conn) (int64, error) {
 				t.moved.Store(true) // a load first: no cache line written per message
 			}
 			if _, werr := dst.Write(b); werr != nil {
+				if dst == t.c {
+					t.acct.clientFailed(werr)
+				}
 				t.abort()
 				return n, werr
 			}
@@ -444,6 +474,9 @@ func (t *tunnel) pipe(dst, src net.Conn) (int64, error) {
 			}
 			t.abort()
 			return n, nil
+		}
+		if src == t.c {
+			t.acct.clientFailed(err)
 		}
 		ended := t.ended.Load()
 		t.abort()

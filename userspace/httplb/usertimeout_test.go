@@ -172,18 +172,23 @@ func TestUserTimeoutVanishedClient(t *testing.T) {
 // release to be closed.
 func slowBackend(t *testing.T, release <-chan struct{}) netip.AddrPort {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return startServer(t, &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		select {
 		case <-release:
 		case <-r.Context().Done():
 			return
 		}
 		io.WriteString(w, "late")
-	}), ReadHeaderTimeout: 10 * time.Second}
+	}), ReadHeaderTimeout: 10 * time.Second})
+}
+
+// startServer serves srv on loopback until the test ends.
+func startServer(t *testing.T, srv *http.Server) netip.AddrPort {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
 	done := make(chan struct{})
 	// Exits when the cleanup closes srv.
 	go func() {

@@ -267,6 +267,7 @@ func merge(dst *httplb.Snapshot, src httplb.Snapshot, add bool) {
 	dst.Requests += src.Requests
 	dst.NoBackend += src.NoBackend
 	dst.AcceptErrors += src.AcceptErrors
+	dst.ClientTimeouts += src.ClientTimeouts
 	for _, ob := range src.Backends {
 		b := served.Entry(&dst.Backends, func(b *httplb.BackendSnapshot) bool { return b.Addr == ob.Addr }, add,
 			func() httplb.BackendSnapshot { return httplb.BackendSnapshot{Addr: ob.Addr} })

@@ -99,7 +99,7 @@ func New(status func() (api.Status, error)) *Metrics {
 		serviceServing:        d("weir_service_serving", "Proxy and http plane: 1 while the service's server serves, 0 while it stopped on its own and is being started anew.", "service"),
 		serviceRestarts:       d("weir_service_restarts_total", "Proxy and http plane: servers the agent started anew after the service's server stopped on its own (its listener failed).", "service"),
 		serviceAcceptErrors:   d("weir_service_accept_errors_total", "Proxy and http plane: accept errors the service's listeners waited out (no file descriptor or socket memory left).", "service"),
-		serviceClientTimeouts: d("weir_service_client_timeouts_total", "Proxy: client connections the kernel gave up on because the client stopped acknowledging (TCP keepalive probes or bytes sent to it unanswered: tcp_keepalive, tcp_user_timeout).", "service"),
+		serviceClientTimeouts: d("weir_service_client_timeouts_total", "Proxy and http plane: client connections the kernel gave up on because the client stopped acknowledging (TCP keepalive probes or bytes sent to it unanswered: tcp_keepalive, tcp_user_timeout).", "service"),
 		prevTableAge:          d("weir_service_previous_table_age_seconds", "Seconds since the service's previous lookup table was replaced, while the fallback may use it.", "service"),
 	}
 	m.reg.MustRegister(m.collectors()...)
@@ -226,9 +226,7 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 			g(m.d.serviceServing, b2f(s.Down == ""), s.Name)
 			c(m.d.serviceRestarts, s.Restarts, s.Name)
 			c(m.d.serviceAcceptErrors, s.AcceptErrors, s.Name)
-			if s.DataPlane == api.PlaneProxy {
-				c(m.d.serviceClientTimeouts, s.ClientTimeouts, s.Name)
-			}
+			c(m.d.serviceClientTimeouts, s.ClientTimeouts, s.Name)
 		}
 		if s.DataPlane == api.PlaneHTTP {
 			g(m.d.httpInFlight, float64(s.InFlight), s.Name)

@@ -1,0 +1,207 @@
+package httplb
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+
+	"github.com/weir-lb/weir/internal/netpair"
+	"github.com/weir-lb/weir/internal/waitfor"
+)
+
+// TestClientTimeoutsCounted: a client whose host vanished (its link goes
+// down) while the backend takes its time is sent the answer, which stays
+// unacknowledged; the client user timeout fails its connection, which the
+// service counts in ClientTimeouts once, on every engine that serves
+// clients, and in a tunnel. A client that closed its connection first, as
+// clients do, counts nothing.
+func TestClientTimeoutsCounted(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		netHTTP bool
+		// ask sends, on a connection made with dial, a request to path: the
+		// backend answers "/now" at once, and holds "/held" until it is
+		// released. For "/now" it reads the answer and closes the
+		// connection; for "/held" it returns once the request is on its way.
+		ask func(t *testing.T, dial func() net.Conn, path string)
+	}{
+		{"h1 loop", false, askH1},
+		{"h1 net_http", true, askH1},
+		{"h2 frames", false, askH2},
+		{"h2 net_http", true, askH2},
+		{"tunnel h1 loop", false, askTunnel},
+		{"tunnel net_http", true, askTunnel},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pair := netpair.New(t)
+			be, release, waiting := releasedBackend(t)
+			listenInA := func(cfg Config, bs []Backend) (s *Service, err error) {
+				err = pair.A.Do(func() error { s, err = Listen(cfg, bs); return err })
+				return s, err
+			}
+			s := serveStoppableWith(t, Config{Listen: netip.AddrPortFrom(pair.AddrA, 0), ClientUserTimeout: time.Second,
+				NetHTTP1: tc.netHTTP, NetHTTP2: tc.netHTTP, DrainTimeout: 100 * time.Millisecond},
+				[]Backend{{Addr: be, Weight: 1, Usable: true}}, listenInA).Service
+			dial := func() net.Conn {
+				c, err := pair.B.DialWith(context.Background(), &net.Dialer{KeepAlive: -1}, "tcp", s.Addr().String())
+				if err != nil {
+					t.Fatalf("dial: %v", err)
+				}
+				t.Cleanup(func() { c.Close() })
+				return c
+			}
+			// Connections open, in the engine's hands or a tunnel's.
+			open := func(want int64) func() (any, bool) {
+				return func() (any, bool) {
+					sn := s.Snapshot()
+					return fmt.Sprintf("%d connections, %d tunnels", sn.Connections, sn.Tunnels), sn.Connections+sn.Tunnels == want
+				}
+			}
+			tc.ask(t, dial, "/now")
+			waitfor.Value(t, 10*time.Second, "none open", open(0))
+			if n := s.Snapshot().ClientTimeouts; n != 0 {
+				t.Fatalf("a client that closed: got %d client timeouts; want 0", n)
+			}
+			tc.ask(t, dial, "/held")
+			waitfor.Value(t, 10*time.Second, "1 open", open(1))
+			waitfor.Value(t, 10*time.Second, "the request held", func() (any, bool) {
+				n := waiting.Load()
+				return fmt.Sprintf("%d held", n), n == 1
+			})
+			pair.CutB(t)
+			release() // the answer goes to the vanished client
+			waitfor.Value(t, 20*time.Second, "none open", open(0))
+			if n := s.Snapshot().ClientTimeouts; n != 1 {
+				t.Errorf("a client that vanished: got %d client timeouts; want 1", n)
+			}
+		})
+	}
+}
+
+// releasedBackend is a backend on loopback that answers a request for "/now" at
+// once and one for "/held" once release is called (or the test ends),
+// counting those it holds in waiting; an upgrade to "hold" it accepts, and
+// sends releasedLen bytes into the tunnel, at once or on release as the path
+// says.
+func releasedBackend(t *testing.T) (addr netip.AddrPort, release func(), waiting *atomic.Int32) {
+	held := make(chan struct{})
+	release = closeOnce(held)
+	t.Cleanup(release)
+	waiting = new(atomic.Int32)
+	wait := func(path string) {
+		if path == "/held" {
+			waiting.Add(1)
+			<-held
+		}
+	}
+	var protos http.Protocols
+	protos.SetHTTP1(true)
+	protos.SetUnencryptedHTTP2(true) // the frame engine's upstream
+	addr = startServer(t, &http.Server{Protocols: &protos, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Upgrade") != "hold" {
+			wait(r.URL.Path)
+			io.WriteString(w, "ok")
+			return
+		}
+		c, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: hold\r\n\r\n")
+		wait(r.URL.Path)
+		c.Write(make([]byte, releasedLen))
+		io.Copy(io.Discard, brw)
+	})})
+	return addr, release, waiting
+}
+
+// releasedLen is what releasedBackend sends into a tunnel.
+const releasedLen = 64 << 10
+
+// askH1 sends an HTTP/1.1 GET for path (see TestClientTimeoutsCounted).
+func askH1(t *testing.T, dial func() net.Conn, path string) {
+	c := dial()
+	if _, err := io.WriteString(c, "GET "+path+" HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	if path != "/now" {
+		return
+	}
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	c.Close()
+}
+
+// askH2 sends a GET for path over HTTP/2 by prior knowledge (see
+// TestClientTimeoutsCounted).
+func askH2(t *testing.T, dial func() net.Conn, path string) {
+	tr := &http2.Transport{AllowHTTP: true, DialTLSContext: func(context.Context, string, string, *tls.Config) (net.Conn, error) {
+		return dial(), nil
+	}}
+	t.Cleanup(tr.CloseIdleConnections)
+	req, err := http.NewRequest("GET", "http://x"+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	// Exits when the request is answered or fails (at the latest when the
+	// test's cleanup closes the connection).
+	go func() {
+		resp, err := tr.RoundTrip(req)
+		if err == nil {
+			_, err = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+		done <- err
+	}()
+	if path != "/now" {
+		return
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no answer in 10s")
+	}
+	tr.CloseIdleConnections()
+}
+
+// askTunnel switches protocols to "hold" with a request for path, and for
+// "/now" reads what the backend sends into the tunnel and closes it (see
+// TestClientTimeoutsCounted).
+func askTunnel(t *testing.T, dial func() net.Conn, path string) {
+	c := dial()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	io.WriteString(c, "GET "+path+" HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: hold\r\n\r\n")
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil || resp.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("upgrade: got %v, %v; want 101", resp, err)
+	}
+	c.SetDeadline(time.Time{})
+	if path != "/now" {
+		return
+	}
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(br, make([]byte, releasedLen)); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+}
