@@ -21,12 +21,27 @@ import (
 type outcomeLog struct {
 	mu       sync.Mutex
 	outcomes []Outcome
+	addrs    []netip.AddrPort // of each outcome's backend
 }
 
-func (o *outcomeLog) Try(_ netip.AddrPort, out Outcome) {
+func (o *outcomeLog) Try(addr netip.AddrPort, out Outcome) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.outcomes = append(o.outcomes, out)
+	o.addrs = append(o.addrs, addr)
+}
+
+// of returns the outcomes of addr's tries.
+func (o *outcomeLog) of(addr netip.AddrPort) []Outcome {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	var outs []Outcome
+	for i, a := range o.addrs {
+		if a == addr {
+			outs = append(outs, o.outcomes[i])
+		}
+	}
+	return outs
 }
 
 func (o *outcomeLog) Request(netip.AddrPort, int, time.Duration) {}

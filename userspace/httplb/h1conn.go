@@ -212,7 +212,11 @@ func (p *h1Pool) close() {
 }
 
 // errUpstreamReused marks a failure on a reused connection before any of the
-// answer came: the backend may have closed it just as the request went out.
+// answer came: the backend may have closed it just as the request went out
+// (EOF, a reset, EPIPE). Not ETIMEDOUT: that connection was not closed, its
+// backend stopped acknowledging (TCP_USER_TIMEOUT, keepalive), and a new
+// connection to it would fare no better; that failure is the try's, counted
+// against the backend and retried elsewhere as any other.
 type errUpstreamReused struct{ err error }
 
 func (e *errUpstreamReused) Error() string { return e.err.Error() }
@@ -269,7 +273,7 @@ func (hc *h1Conn) exchange(ctx context.Context, req *http.Request, body []byte) 
 		if ctx.Err() != nil {
 			return nil, context.Cause(ctx)
 		}
-		if hc.used && !answered {
+		if hc.used && !answered && !errors.Is(err, syscall.ETIMEDOUT) {
 			return nil, &errUpstreamReused{err}
 		}
 		return nil, err

@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
@@ -205,8 +206,9 @@ func startServer(t *testing.T, srv *http.Server) netip.AddrPort {
 // TestUserTimeoutVanishedBackend: a request the service sends to a backend
 // whose host vanished (nftables drops every packet to and from its port) on
 // a pooled connection stays unacknowledged; with a backend user timeout the
-// connection fails about that long after and the client is answered 502 in
-// seconds, where without it the request still waits a second after that.
+// connection fails about that long after and the client is answered 504 in
+// seconds (the try timed out; there is no other backend), where without it
+// the request still waits a second after that.
 //
 // In a network namespace of its own, for its nftables rules.
 func TestUserTimeoutVanishedBackend(t *testing.T) {
@@ -258,8 +260,8 @@ func TestUserTimeoutVanishedBackend(t *testing.T) {
 	select {
 	case a := <-answers["user timeout"]:
 		t.Logf("the service with a user timeout answered %v after the backend went", time.Since(start).Round(time.Millisecond))
-		if a.status != http.StatusBadGateway {
-			t.Errorf("the service with a user timeout: got %d, %v; want 502", a.status, a.err)
+		if a.status != http.StatusGatewayTimeout {
+			t.Errorf("the service with a user timeout: got %d, %v; want 504", a.status, a.err)
 		}
 	case <-time.After(20 * time.Second):
 		t.Fatal("the service with a user timeout: no answer 20s after the backend went")
@@ -271,4 +273,45 @@ func TestUserTimeoutVanishedBackend(t *testing.T) {
 	case <-time.After(time.Second):
 	}
 	t.Logf("observed: %q", rec.get())
+}
+
+// TestUserTimeoutPooledIsFailedTry: a request sent on a pooled HTTP/1.1
+// connection to a backend that went silent (nftables drops every packet to
+// and from its port) fails by the backend user timeout, with ETIMEDOUT. That
+// is no stale connection the backend closed: the try is counted against the
+// backend (a timeout, for passive health) and the request is retried on the
+// other backend, not sent again on a new connection to the silent one (whose
+// dial would count a connect failure instead, and the broken try nothing).
+//
+// In a network namespace of its own, for its nftables rules.
+func TestUserTimeoutPooledIsFailedTry(t *testing.T) {
+	if !ownnetns.In(t, nil) {
+		return
+	}
+	bs := httpbackend.StartN(t, 2)
+	rec := &outcomeLog{}
+	s := serve(t, Config{Algorithm: "round_robin", Retries: 1, RetryBudget: 1, BackendUserTimeout: time.Second, Observer: rec}, bs)
+	c := h1Client()
+	c.Timeout = 30 * time.Second
+	t.Cleanup(c.CloseIdleConnections)
+	url := "http://" + s.Addr().String() + "/"
+	// A connection to each backend in its pool.
+	for range 2 {
+		if resp, _ := get(t, c, url); resp.StatusCode != http.StatusOK {
+			t.Fatalf("got %s; want 200", resp.Status)
+		}
+	}
+	silent := bs[0].Addr
+	netpair.DropPort(t, silent.Port())
+	before := len(rec.of(silent))
+	// Round robin sends one of two requests to the silent backend.
+	for i := 0; i < 2 && len(rec.of(silent)) == before; i++ {
+		resp, body := get(t, c, url)
+		if resp.StatusCode != http.StatusOK || !strings.Contains(body, bs[1].Name) {
+			t.Errorf("request %d: got %s %q; want 200 from %s", i, resp.Status, body, bs[1].Name)
+		}
+	}
+	if got := rec.of(silent)[before:]; len(got) != 1 || got[0] != Timeout {
+		t.Errorf("the silent backend's tries: got %v; want [%v]: one failed try, on its pooled connection", got, Timeout)
+	}
 }
