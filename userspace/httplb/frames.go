@@ -107,9 +107,12 @@ type fstream struct {
 	picker *live
 	// What the client sent that hdrs lacks, for keyIn: its own fields
 	// are hdrs[:nClient] (those weir adds follow), less X-Forwarded-For
-	// (xff) and X-Forwarded-Proto (xfp) where live adds its own instead.
+	// (xff) and X-Forwarded-Proto (xfp) where live adds its own instead,
+	// and less Host and the hop-by-hop fields (unsent), which no backend
+	// gets.
 	nClient   int
 	xff, xfp  []string
+	unsent    []hpack.HeaderField
 	grpc      bool
 	retryable bool
 	start     time.Time
@@ -623,7 +626,8 @@ func (ss *fsess) headers(f *hblock) error {
 				return ss.refuse(st, id, http2.ErrCodeProtocol)
 			}
 		case hf.Name == "host", hopOnly(hf.Name):
-			continue // host is in :authority
+			st.unsent = append(st.unsent, hf) // host is in :authority
+			continue
 		case hf.Name == "x-forwarded-for" && l.cfg.XForwardedFor:
 			xff = append(xff, hf.Value)
 			continue
@@ -718,11 +722,12 @@ func (st *fstream) key(cfg *Config, regular []hpack.HeaderField, cookies []strin
 }
 
 // keyIn is the request's hash key in cfg, a configuration other than its
-// own, found in the fields the client sent as the request keeps them: the
-// headers it goes to the backend with, without those weir adds, with the
-// forwarding headers weir replaced as the client sent them. (Host and
-// hop-by-hop fields are not kept.) Where the key is the same in both
-// configurations, the request's own is kept.
+// own, found by key in the fields the client sent as the request keeps them:
+// the headers it goes to the backend with, without those weir adds, with the
+// forwarding headers weir replaced as the client sent them, and with Host
+// and the hop-by-hop fields, which it sends on to no backend; so it is the
+// key cfg would have given the request first. Where the key is the same in
+// both configurations, the request's own is kept.
 func (st *fstream) keyIn(cfg *Config) uint64 {
 	own := &st.picker.cfg
 	if hashes(cfg.Algorithm) == hashes(own.Algorithm) && (!hashes(cfg.Algorithm) || cfg.Hash == own.Hash && cfg.HashName == own.HashName) {
@@ -735,6 +740,7 @@ func (st *fstream) keyIn(cfg *Config) uint64 {
 	for _, v := range st.xfp {
 		fields = append(fields, hpack.HeaderField{Name: "x-forwarded-proto", Value: v})
 	}
+	fields = append(fields, st.unsent...)
 	var cookies []string
 	for _, hf := range fields {
 		if hf.Name == "cookie" {
