@@ -889,7 +889,13 @@ func (l *live) hashKey(r *http.Request) uint64 {
 	var v string
 	switch l.cfg.Hash {
 	case HashHeader:
-		v = r.Header.Get(l.cfg.HashName)
+		if strings.EqualFold(l.cfg.HashName, "host") {
+			// Go's server moves Host (and HTTP/2's :authority) out of the
+			// header into r.Host.
+			v = r.Host
+		} else {
+			v = r.Header.Get(l.cfg.HashName)
+		}
 	case HashCookie:
 		if c, err := r.Cookie(l.cfg.HashName); err == nil {
 			v = c.Value

@@ -14,10 +14,10 @@ import (
 )
 
 // TestFramesRetryKeyHashesHost: a request over HTTP/2 whose retry a reload
-// gave a configuration that hashes by the Host field the client sent picks
-// the backend that key maps to, as a request sent after the reload does.
-// The retry's key was computed from the fields the request sends on, which
-// lack Host: it hashed the client's address instead.
+// gave a configuration that hashes by Host picks the backend its :authority
+// maps to, as a request sent after the reload does. (The key was once looked
+// for among the regular fields, where HTTP/2 has no Host: it hashed the
+// client's address instead.)
 func TestFramesRetryKeyHashesHost(t *testing.T) {
 	named := func(name string) Backend {
 		b, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) { w.Header().Set("X-B", name) })
@@ -36,7 +36,7 @@ func TestFramesRetryKeyHashesHost(t *testing.T) {
 		}
 	}
 	if host == "" {
-		t.Fatalf("every host went to %s, as the client's address does", byAddr)
+		t.Fatalf("every host went to %s, as the probe's own address does", byAddr)
 	}
 
 	g := newGate(t)
@@ -68,19 +68,19 @@ func TestFramesRetryKeyHashesHost(t *testing.T) {
 	}
 }
 
-// h2Answer sends GET / to addr over HTTP/2 by prior knowledge, with a Host
-// field if host is set, and returns the answer's X-B (which backend
-// answered), or what came instead.
+// h2Answer sends GET / to addr over HTTP/2 by prior knowledge, with host as
+// its :authority if set (addr if not), and returns the answer's X-B (which
+// backend answered), or what came instead.
 func h2Answer(t *testing.T, addr, host string) string {
 	conn, fr := h2Conn(t, addr)
 	defer conn.Close()
 	conn.SetDeadline(time.Now().Add(10 * time.Second))
 	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-	var extra []string
+	authority := addr
 	if host != "" {
-		extra = []string{"host", host}
+		authority = host
 	}
-	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(addr, extra...), EndHeaders: true, EndStream: true}); err != nil {
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: h2Get(authority), EndHeaders: true, EndStream: true}); err != nil {
 		return "write: " + err.Error()
 	}
 	for {

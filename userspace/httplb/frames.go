@@ -703,6 +703,12 @@ func (st *fstream) key(cfg *Config, regular []hpack.HeaderField, cookies []strin
 	switch cfg.Hash {
 	case HashHeader:
 		name := strings.ToLower(cfg.HashName)
+		if name == "host" {
+			// :authority, or the host field where the client sent none: the
+			// Host an HTTP/1.1 client's request is hashed by.
+			v = st.authority
+			break
+		}
 		for _, hf := range regular {
 			if hf.Name == name {
 				v = hf.Value

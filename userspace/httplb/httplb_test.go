@@ -118,6 +118,10 @@ func do(t *testing.T, c *http.Client, method, url string, hdr ...string) (*http.
 	t.Helper()
 	req, _ := http.NewRequest(method, url, nil)
 	for i := 0; i+1 < len(hdr); i += 2 {
+		if strings.EqualFold(hdr[i], "Host") {
+			req.Host = hdr[i+1] // Go's client sends no Host from the header
+			continue
+		}
 		req.Header.Set(hdr[i], hdr[i+1])
 	}
 	resp, err := c.Do(req)
@@ -270,12 +274,22 @@ func TestGRPC(t *testing.T) {
 func TestAffinity(t *testing.T) {
 	bs := httpbackend.StartN(t, 3)
 	user := func(i int) []string { return []string{"X-User", fmt.Sprint("user", i)} }
+	host := func(i int) []string { return []string{"Host", fmt.Sprintf("site%d.example", i)} }
+	byHost := Config{Algorithm: "maglev", Hash: HashHeader, HashName: "Host"}
+	byHostNetHTTP := byHost
+	byHostNetHTTP.NetHTTP1, byHostNetHTTP.NetHTTP2 = true, true
 	for _, c := range []struct {
 		name string
 		cfg  Config
 		key  func(i int) []string // request headers for user i
 		h1   bool                 // HTTP/1.1 requests, not h2c
 	}{
+		// Host is no header field to Go's server (r.Host), nor in HTTP/2
+		// (:authority): each engine hashes by it all the same.
+		{"host", byHost, host, false},
+		{"host h1", byHost, host, true},
+		{"host net_http", byHostNetHTTP, host, false},
+		{"host net_http h1", byHostNetHTTP, host, true},
 		{"header", Config{Algorithm: "maglev", Hash: HashHeader, HashName: "X-User"}, user, false},
 		{"cookie", Config{Algorithm: "maglev", Hash: HashCookie, HashName: "session"}, func(i int) []string { return []string{"Cookie", fmt.Sprintf("a=1; session=s%d", i)} }, false},
 		{"source", Config{Algorithm: "source_hash"}, func(int) []string { return nil }, false},
