@@ -23,24 +23,34 @@ import (
 // down) while the backend takes its time is sent the answer, which stays
 // unacknowledged; the client user timeout fails its connection, which the
 // service counts in ClientTimeouts once, on every engine that serves
-// clients, and in a tunnel. A client that closed its connection first, as
+// clients, and in a tunnel, in cleartext and over TLS (whose layer sees the
+// error as the accepted connection below it does). A client that closed its connection first, as
 // clients do, counts nothing.
 func TestClientTimeoutsCounted(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
 		netHTTP bool
+		// alpn, when set, is the protocol the client asks for over TLS; empty:
+		// cleartext.
+		alpn string
 		// ask sends, on a connection made with dial, a request to path: the
 		// backend answers "/now" at once, and holds "/held" until it is
 		// released. For "/now" it reads the answer and closes the
 		// connection; for "/held" it returns once the request is on its way.
 		ask func(t *testing.T, dial func() net.Conn, path string)
 	}{
-		{"h1 loop", false, askH1},
-		{"h1 net_http", true, askH1},
-		{"h2 frames", false, askH2},
-		{"h2 net_http", true, askH2},
-		{"tunnel h1 loop", false, askTunnel},
-		{"tunnel net_http", true, askTunnel},
+		{"h1 loop", false, "", askH1},
+		{"h1 net_http", true, "", askH1},
+		{"h2 frames", false, "", askH2},
+		{"h2 net_http", true, "", askH2},
+		{"tunnel h1 loop", false, "", askTunnel},
+		{"tunnel net_http", true, "", askTunnel},
+		{"tls h1 loop", false, "http/1.1", askH1},
+		{"tls h1 net_http", true, "http/1.1", askH1},
+		{"tls h2 frames", false, "h2", askH2},
+		{"tls h2 net_http", true, "h2", askH2},
+		{"tls tunnel h1 loop", false, "http/1.1", askTunnel},
+		{"tls tunnel net_http", true, "http/1.1", askTunnel},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pair := netpair.New(t)
@@ -49,16 +59,32 @@ func TestClientTimeoutsCounted(t *testing.T) {
 				err = pair.A.Do(func() error { s, err = Listen(cfg, bs); return err })
 				return s, err
 			}
-			s := serveStoppableWith(t, Config{Listen: netip.AddrPortFrom(pair.AddrA, 0), ClientUserTimeout: time.Second,
-				NetHTTP1: tc.netHTTP, NetHTTP2: tc.netHTTP, DrainTimeout: 100 * time.Millisecond},
-				[]Backend{{Addr: be, Weight: 1, Usable: true}}, listenInA).Service
+			cfg := Config{Listen: netip.AddrPortFrom(pair.AddrA, 0), ClientUserTimeout: time.Second,
+				NetHTTP1: tc.netHTTP, NetHTTP2: tc.netHTTP, DrainTimeout: 100 * time.Millisecond}
+			if tc.alpn != "" {
+				cert, err := tls.X509KeyPair(testCert, testKey)
+				if err != nil {
+					t.Fatal(err)
+				}
+				cfg.TLS = &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}}
+			}
+			s := serveStoppableWith(t, cfg, []Backend{{Addr: be, Weight: 1, Usable: true}}, listenInA).Service
 			dial := func() net.Conn {
 				c, err := pair.B.DialWith(context.Background(), &net.Dialer{KeepAlive: -1}, "tcp", s.Addr().String())
 				if err != nil {
 					t.Fatalf("dial: %v", err)
 				}
 				t.Cleanup(func() { c.Close() })
-				return c
+				if tc.alpn == "" {
+					return c
+				}
+				tc := tls.Client(c, &tls.Config{InsecureSkipVerify: true, NextProtos: []string{tc.alpn}})
+				c.SetDeadline(time.Now().Add(10 * time.Second))
+				if err := tc.Handshake(); err != nil {
+					t.Fatalf("TLS handshake: %v", err)
+				}
+				c.SetDeadline(time.Time{})
+				return tc
 			}
 			// Connections open, in the engine's hands or a tunnel's.
 			open := func(want int64) func() (any, bool) {
