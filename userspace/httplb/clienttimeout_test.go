@@ -231,3 +231,63 @@ func askTunnel(t *testing.T, dial func() net.Conn, path string) {
 	}
 	c.Close()
 }
+
+// TestClientTimeoutsBeforeRequest: a client that connects and vanishes (its
+// link goes down) before its first request is whole, while the service still
+// looks at its first bytes for the engine to serve it, is given up on by
+// keepalive and counted in ClientTimeouts once, as any other: having sent
+// nothing, part of HTTP/2's preface, or over TLS.
+func TestClientTimeoutsBeforeRequest(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		tls  bool
+		sent string
+	}{
+		{"nothing", false, ""},
+		{"part of the preface", false, "PRI * HTTP/2.0\r\n"},
+		{"tls", true, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pair := netpair.New(t)
+			listenInA := func(cfg Config, bs []Backend) (s *Service, err error) {
+				err = pair.A.Do(func() error { s, err = Listen(cfg, bs); return err })
+				return s, err
+			}
+			// The header time outlasts the keepalive's 2s by far: the
+			// connection ends by the keepalive's failure, not by it.
+			cfg := Config{Listen: netip.AddrPortFrom(pair.AddrA, 0), ReadHeaderTimeout: time.Minute,
+				ClientKeepalive: net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 1},
+				DrainTimeout:    100 * time.Millisecond}
+			if tc.tls {
+				cert, err := tls.X509KeyPair(testCert, testKey)
+				if err != nil {
+					t.Fatal(err)
+				}
+				cfg.TLS = &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}}
+			}
+			s := serveStoppableWith(t, cfg, []Backend{{Addr: netip.MustParseAddrPort("127.0.0.1:1"), Weight: 1, Usable: true}}, listenInA).Service
+			c, err := pair.B.DialWith(context.Background(), &net.Dialer{KeepAlive: -1}, "tcp", s.Addr().String())
+			if err != nil {
+				t.Fatalf("dial: %v", err)
+			}
+			t.Cleanup(func() { c.Close() })
+			if tc.sent != "" {
+				if _, err := io.WriteString(c, tc.sent); err != nil {
+					t.Fatal(err)
+				}
+			}
+			waitfor.Value(t, 10*time.Second, "the connection accepted", func() (any, bool) {
+				n := s.Snapshot().Connections
+				return fmt.Sprintf("%d connections", n), n == 1
+			})
+			pair.CutB(t)
+			waitfor.Value(t, 20*time.Second, "none open", func() (any, bool) {
+				n := s.Snapshot().Connections
+				return fmt.Sprintf("%d connections", n), n == 0
+			})
+			if n := s.Snapshot().ClientTimeouts; n != 1 {
+				t.Errorf("got %d client timeouts; want 1", n)
+			}
+		})
+	}
+}

@@ -125,6 +125,9 @@ func (l *splitListener) sniff(c *coalescingConn, arrived func()) {
 	n := 0
 	for n < len(buf) {
 		k, err := c.Conn.Read(buf[n:])
+		if err != nil {
+			c.clientFailed(err) // read around c, which counts its own reads' failures
+		}
 		n += k
 		if string(buf[:n]) != http2.ClientPreface[:n] || err != nil {
 			break
