@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -1138,6 +1139,9 @@ func (st *fstream) tryFailed(o Outcome, unprocessed bool) {
 	st.be.stats.count(0)
 	st.be = nil
 	status := http.StatusBadGateway
+	if o == Timeout {
+		status = http.StatusGatewayTimeout
+	}
 	st.fail = failure{retry: st.retryable || unprocessed, dial: unprocessed, status: status, err: fmt.Errorf("backend: %s", o)}
 }
 
@@ -1176,6 +1180,13 @@ func (st *fstream) upstreamReset(code http2.ErrCode, connErr error, unprocessed 
 		st.brokenOff(o, err)
 		st.reset(http2.ErrCodeInternal)
 		return
+	}
+	if o == Reset && errors.Is(connErr, syscall.ETIMEDOUT) {
+		// Before any answer, the backend stopped acknowledging
+		// (TCP_USER_TIMEOUT, keepalive): a timeout, as an HTTP/1.1
+		// connection's is (isTimeout), where a body broken off is a Reset
+		// on either.
+		o = Timeout
 	}
 	st.tryFailed(o, unprocessed)
 	if connErr != nil {

@@ -315,3 +315,37 @@ func TestUserTimeoutPooledIsFailedTry(t *testing.T) {
 		t.Errorf("the silent backend's tries: got %v; want [%v]: one failed try, on its pooled connection", got, Timeout)
 	}
 }
+
+// TestUserTimeoutFramesVanishedBackend: the frame engine's connection to a
+// backend that went silent (nftables drops every packet to and from its
+// port) fails by the backend user timeout, with ETIMEDOUT, as a pooled
+// HTTP/1.1 connection does (TestUserTimeoutPooledIsFailedTry), and counts the
+// same: the try is a timeout for passive health, and with no other backend
+// the client is answered 504, not 502 as for a backend that reset it.
+//
+// In a network namespace of its own, for its nftables rules.
+func TestUserTimeoutFramesVanishedBackend(t *testing.T) {
+	if !ownnetns.In(t, nil) {
+		return
+	}
+	bs := httpbackend.StartN(t, 1)
+	rec := &outcomeLog{}
+	s := serve(t, Config{BackendUserTimeout: time.Second, Observer: rec}, bs)
+	c := h2cClient()
+	c.Timeout = 30 * time.Second
+	t.Cleanup(c.CloseIdleConnections)
+	url := "http://" + s.Addr().String() + "/"
+	// The frame engine's connection to the backend, kept for the next.
+	if resp, _ := get(t, c, url); resp.StatusCode != http.StatusOK {
+		t.Fatalf("got %s; want 200", resp.Status)
+	}
+	silent := bs[0].Addr
+	netpair.DropPort(t, silent.Port())
+	before := len(rec.of(silent))
+	if resp, _ := get(t, c, url); resp.StatusCode != http.StatusGatewayTimeout {
+		t.Errorf("got %s; want 504", resp.Status)
+	}
+	if got := rec.of(silent)[before:]; len(got) != 1 || got[0] != Timeout {
+		t.Errorf("the silent backend's tries: got %v; want [%v]", got, Timeout)
+	}
+}
