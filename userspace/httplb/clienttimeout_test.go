@@ -23,7 +23,7 @@ import (
 // down) while the backend takes its time is sent the answer, which stays
 // unacknowledged; the client user timeout fails its connection, which the
 // service counts in ClientTimeouts once, on every engine that serves
-// clients, and in a tunnel, in cleartext and over TLS (whose layer sees the
+// clients, after an h2c upgrade and in a tunnel, in cleartext and over TLS (whose layer sees the
 // error as the accepted connection below it does). A client that closed its connection first, as
 // clients do, counts nothing.
 func TestClientTimeoutsCounted(t *testing.T) {
@@ -43,6 +43,7 @@ func TestClientTimeoutsCounted(t *testing.T) {
 		{"h1 net_http", true, "", askH1},
 		{"h2 frames", false, "", askH2},
 		{"h2 net_http", true, "", askH2},
+		{"h2c upgrade h1 loop", false, "", askH2cUpgrade},
 		{"tunnel h1 loop", false, "", askTunnel},
 		{"tunnel net_http", true, "", askTunnel},
 		{"tls h1 loop", false, "http/1.1", askH1},
@@ -209,19 +210,58 @@ func askH2(t *testing.T, dial func() net.Conn, path string) {
 	tr.CloseIdleConnections()
 }
 
-// askTunnel switches protocols to "hold" with a request for path, and for
-// "/now" reads what the backend sends into the tunnel and closes it (see
-// TestClientTimeoutsCounted).
-func askTunnel(t *testing.T, dial func() net.Conn, path string) {
+// askH2cUpgrade sends a GET for path with an upgrade to h2c, which the
+// answer comes over, and for "/now" reads the answer's frames to its end and
+// closes the connection (see TestClientTimeoutsCounted).
+func askH2cUpgrade(t *testing.T, dial func() net.Conn, path string) {
 	c := dial()
+	br := switchProtocols(t, c, path, "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: \r\n")
 	c.SetDeadline(time.Now().Add(10 * time.Second))
-	io.WriteString(c, "GET "+path+" HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: hold\r\n\r\n")
+	io.WriteString(c, http2.ClientPreface)
+	fr := http2.NewFramer(c, br)
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Time{})
+	if path != "/now" {
+		return
+	}
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The upgrade's request is stream 1; END_STREAM is the same bit on
+		// HEADERS and DATA.
+		if h := f.Header(); h.StreamID == 1 && h.Flags.Has(http2.FlagDataEndStream) {
+			break
+		}
+	}
+	c.Close()
+}
+
+// switchProtocols sends on c a GET for path with the upgrade fields given
+// (each line ending in CRLF) and reads the 101 that must answer it; it returns
+// the reader the rest is read with.
+func switchProtocols(t *testing.T, c net.Conn, path, fields string) *bufio.Reader {
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	defer c.SetDeadline(time.Time{})
+	io.WriteString(c, "GET "+path+" HTTP/1.1\r\nHost: x\r\n"+fields+"\r\n")
 	br := bufio.NewReader(c)
 	resp, err := http.ReadResponse(br, nil)
 	if err != nil || resp.StatusCode != http.StatusSwitchingProtocols {
 		t.Fatalf("upgrade: got %v, %v; want 101", resp, err)
 	}
-	c.SetDeadline(time.Time{})
+	return br
+}
+
+// askTunnel switches protocols to "hold" with a request for path, and for
+// "/now" reads what the backend sends into the tunnel and closes it (see
+// TestClientTimeoutsCounted).
+func askTunnel(t *testing.T, dial func() net.Conn, path string) {
+	c := dial()
+	br := switchProtocols(t, c, path, "Connection: Upgrade\r\nUpgrade: hold\r\n")
 	if path != "/now" {
 		return
 	}
