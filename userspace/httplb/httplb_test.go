@@ -636,3 +636,48 @@ func TestLargeBodies(t *testing.T) {
 type zeros struct{}
 
 func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
+
+// TestHashByHostAbsoluteForm: an HTTP/1.1 request whose target is in absolute
+// form (GET http://a.example/) names its host there, which stands in for its
+// Host field (the backend is sent it as Host): hash_by header:Host hashes by
+// it, so the request goes where one with that Host goes, on either engine.
+func TestHashByHostAbsoluteForm(t *testing.T) {
+	bs := httpbackend.StartN(t, 3)
+	for _, netHTTP := range []bool{false, true} {
+		t.Run(fmt.Sprint("net_http=", netHTTP), func(t *testing.T) {
+			s := serve(t, Config{Algorithm: "maglev", Hash: HashHeader, HashName: "Host", NetHTTP1: netHTTP}, bs)
+			c, err := net.Dial("tcp", s.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.Close() })
+			br := bufio.NewReader(c)
+			ask := func(head string) string {
+				t.Helper()
+				c.SetDeadline(time.Now().Add(10 * time.Second))
+				if _, err := io.WriteString(c, head+"\r\n"); err != nil {
+					t.Fatal(err)
+				}
+				resp, err := http.ReadResponse(br, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				body, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				return string(body)
+			}
+			owners := map[string]bool{}
+			for i := range 12 {
+				site := fmt.Sprintf("site%d.example", i)
+				want := ask("GET / HTTP/1.1\r\nHost: " + site + "\r\n")
+				if got := ask("GET http://" + site + "/ HTTP/1.1\r\nHost: decoy.example\r\n"); got != want {
+					t.Errorf("%s in absolute form: answered by %q; want %q, as for Host: %s", site, got, want, site)
+				}
+				owners[want] = true
+			}
+			if len(owners) < 2 {
+				t.Errorf("12 hosts all went to %v; want them spread", owners)
+			}
+		})
+	}
+}
