@@ -576,6 +576,12 @@ func TestResolveHTTP(t *testing.T) {
   vip: 192.0.2.1:80
   data_plane: http
   backends: [{address: 192.0.2.10:80}]
+- name: c
+  vip: 192.0.2.1:82
+  data_plane: http
+  algorithm: maglev
+  http: {hash_by: "header:x-USER"}
+  backends: [{address: 192.0.2.10:80}]
 - name: b
   vip: 192.0.2.1:81
   data_plane: http
@@ -586,7 +592,7 @@ func TestResolveHTTP(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, b := cfg.Services[0].HTTP, cfg.Services[1].HTTP
+	a, b := cfg.Services[0].HTTP, cfg.Services[2].HTTP
 	for _, c := range []struct {
 		name      string
 		got, want any
@@ -605,7 +611,9 @@ func TestResolveHTTP(t *testing.T) {
 		{"a.max_header_bytes", a.MaxHeaderBytes, DefaultMaxHeaderBytes},
 		{"a.read_header_timeout", a.ReadHeaderTimeout, DefaultHeaderTimeout},
 		{"a.connect_timeout", a.ConnectTimeout, DefaultConnectTimeout},
-		{"b.hash", cfg.Services[1].Hash, HashKey("")},
+		// A field name in any case is one key; a cookie's name keeps its case.
+		{"c.hash_by", cfg.Services[1].HTTP.HashBy, HashBy{Kind: HashByHeader, Name: "X-User"}},
+		{"b.hash", cfg.Services[2].Hash, HashKey("")},
 		{"b.listen", b.Listen, netip.MustParseAddrPort("127.0.0.1:8081")},
 		{"b.hash_by", b.HashBy, HashBy{Kind: HashByCookie, Name: "sid"}},
 		{"b.retries", b.Retries, 0},

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"net/textproto"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -1122,6 +1123,11 @@ func (h *fileHTTP) validate(c *checker, p string, vip netip.AddrPort, algo Algor
 	}
 	kind, name, _ := strings.Cut(h.HashBy, ":")
 	h.Hash = HashBy{Kind: HashByKind(kind), Name: name}
+	if h.Hash.Kind == HashByHeader {
+		// Field names are case-insensitive: header:host and header:Host are one
+		// key, so a reload between them moves no request (weir plan).
+		h.Hash.Name = textproto.CanonicalMIMEHeaderKey(name)
+	}
 	switch {
 	case !oneOf(c, p+".hash_by", h.Hash.Kind, HashBySource, HashByHeader, HashByCookie):
 	case h.Hash.Kind == HashBySource && name != "":
