@@ -227,6 +227,23 @@ func (c *coalescingConn) flush() {
 	}
 }
 
+// writeErr returns the error a write of c failed with, nil if none has. On a
+// socket the kernel has closed it first waits for a write under way, which
+// fails at once there: the kernel tells why a connection failed (ETIMEDOUT,
+// ECONNRESET) to the first read or write that asks, and the others find the
+// socket just closed (EOF, EPIPE), so a read that failed so may have left the
+// reason to the writer.
+func (c *coalescingConn) writeErr() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.writing && c.err == nil && socketClosed(c.Conn) {
+		for c.writing && c.err == nil {
+			c.cond.Wait()
+		}
+	}
+	return c.err
+}
+
 // writeBufPool holds the queues' buffers between bursts (*[]byte, grown by
 // the bursts that used them, up to writeBufKeep).
 var writeBufPool = sync.Pool{New: func() any { return new([]byte) }}

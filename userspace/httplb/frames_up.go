@@ -9,6 +9,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -402,7 +403,14 @@ func (uc *upconn) dial() {
 	uc.waiting = nil
 	uc.idleCheckLocked()
 	uc.mu.Unlock()
-	uc.fail(uc.read())
+	err = uc.read()
+	if werr := cc.writeErr(); errors.Is(werr, syscall.ETIMEDOUT) && !errors.Is(err, syscall.ETIMEDOUT) {
+		// The writer, waiting on the socket beside the read (a body
+		// uploading), heard of the user timeout first: the read saw
+		// only the socket closed.
+		err = werr
+	}
+	uc.fail(err)
 }
 
 // read handles the backend's frames until the connection fails.

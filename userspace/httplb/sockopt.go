@@ -100,3 +100,24 @@ func (s *Service) dialer() net.Dialer {
 	}
 	return d
 }
+
+// socketClosed reports whether c is a TCP socket the kernel has closed (state
+// TCP_CLOSE: reset, timed out, or both sides' FINs done), on which reads and
+// writes fail at once.
+func socketClosed(c net.Conn) bool {
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return false
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	var closed bool
+	err = control(rc, func(fd int) error {
+		info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
+		closed = err == nil && info.State == unix.BPF_TCP_CLOSE
+		return err
+	})
+	return err == nil && closed
+}

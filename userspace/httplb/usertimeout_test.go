@@ -2,6 +2,7 @@ package httplb
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -328,6 +329,14 @@ func TestUserTimeoutFramesVanishedBackend(t *testing.T) {
 	if !ownnetns.In(t, nil) {
 		return
 	}
+	silentFramesTry(t, nil)
+}
+
+// silentFramesTry sends a request, with body if not nil, on the frame
+// engine's connection to a backend that has gone silent, and checks that the
+// try is one timeout and the client is answered 504.
+func silentFramesTry(t *testing.T, body io.Reader) {
+	t.Helper()
 	bs := httpbackend.StartN(t, 1)
 	rec := &outcomeLog{}
 	s := serve(t, Config{BackendUserTimeout: time.Second, Observer: rec}, bs)
@@ -342,10 +351,41 @@ func TestUserTimeoutFramesVanishedBackend(t *testing.T) {
 	silent := bs[0].Addr
 	netpair.DropPort(t, silent.Port())
 	before := len(rec.of(silent))
-	if resp, _ := get(t, c, url); resp.StatusCode != http.StatusGatewayTimeout {
+	method := http.MethodGet
+	if body != nil {
+		method = http.MethodPost
+	}
+	req, _ := http.NewRequest(method, url, body)
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusGatewayTimeout {
 		t.Errorf("got %s; want 504", resp.Status)
 	}
 	if got := rec.of(silent)[before:]; len(got) != 1 || got[0] != Timeout {
 		t.Errorf("the silent backend's tries: got %v; want [%v]", got, Timeout)
+	}
+}
+
+// TestUserTimeoutFramesVanishedUpload is TestUserTimeoutFramesVanishedBackend
+// with a request body streaming to the backend: the queue to the silent
+// backend's socket fills (its send buffer kept small, so it does at once), and
+// the connection's writer waits on the socket beside its reader. The kernel
+// tells the user timeout (ETIMEDOUT) to whichever of the two asks first, the
+// other finds the socket closed; either way the try is a timeout and the
+// client is answered 504.
+//
+// In a network namespace of its own, for its nftables rules and send buffers.
+func TestUserTimeoutFramesVanishedUpload(t *testing.T) {
+	if !ownnetns.In(t, map[string]string{"net.ipv4.tcp_wmem": "4096 16384 65536"}) {
+		return
+	}
+	// Several rounds, each with a backend and a connection to it of its own:
+	// which side of the connection hears of the timeout first is the
+	// scheduler's choice.
+	for i := range 3 {
+		t.Run(fmt.Sprint("round_", i), func(t *testing.T) { silentFramesTry(t, zeros{}) })
 	}
 }
