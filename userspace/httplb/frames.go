@@ -1181,11 +1181,11 @@ func (st *fstream) upstreamReset(code http2.ErrCode, connErr error, unprocessed 
 		st.reset(http2.ErrCodeInternal)
 		return
 	}
-	if o == Reset && errors.Is(connErr, syscall.ETIMEDOUT) {
+	if o == Reset && st.status == 0 && errors.Is(connErr, syscall.ETIMEDOUT) {
 		// Before any answer, the backend stopped acknowledging
 		// (TCP_USER_TIMEOUT, keepalive): a timeout, as an HTTP/1.1
 		// connection's is (isTimeout), where a body broken off is a Reset
-		// on either.
+		// on either, its headers held back here (held) or not.
 		o = Timeout
 	}
 	st.tryFailed(o, unprocessed)

@@ -389,3 +389,77 @@ func TestUserTimeoutFramesVanishedUpload(t *testing.T) {
 		t.Run(fmt.Sprint("round_", i), func(t *testing.T) { silentFramesTry(t, zeros{}) })
 	}
 }
+
+// TestFramesVanishedAfterHead: a backend that sent an answer's headers and
+// then went silent, its connection failing by keepalive (ETIMEDOUT), broke
+// its answer off: a reset for passive health, as a body cut off on an
+// HTTP/1.1 connection is, not a timeout, although the frame engine still held
+// the headers back (a body of known length waits for its first bytes, so the
+// request can go elsewhere) and retries it on the other backend.
+//
+// In a network namespace of its own, for its nftables rules.
+func TestFramesVanishedAfterHead(t *testing.T) {
+	if !ownnetns.In(t, nil) {
+		return
+	}
+	headSent := make(chan struct{}, 1)
+	silent, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", "10")
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		select {
+		case headSent <- struct{}{}:
+		default:
+		}
+		<-r.Context().Done()
+	})
+	other, _ := h2cBackend(t, 0, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "other") })
+	rec := &outcomeLog{}
+	s := serveOn(t, Config{Algorithm: "round_robin", Retries: 1, RetryBudget: 1, Observer: rec, BackendUserTimeout: time.Second,
+		BackendKeepalive: net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 1}},
+		[]Backend{silent, other})
+	c := h2cClient()
+	c.Timeout = 30 * time.Second
+	t.Cleanup(c.CloseIdleConnections)
+	url := "http://" + s.Addr().String() + "/"
+	type answer struct {
+		status int
+		body   string
+		err    error
+	}
+	// Round robin sends one of two requests to the silent backend.
+	for i := range 2 {
+		answers := make(chan answer, 1)
+		// Exits when the request is answered, or by the client's timeout.
+		go func() {
+			resp, err := c.Get(url)
+			if err != nil {
+				answers <- answer{err: err}
+				return
+			}
+			body, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			answers <- answer{resp.StatusCode, string(body), err}
+		}()
+		select {
+		case a := <-answers:
+			if a.err != nil || a.status != http.StatusOK || a.body != "other" {
+				t.Fatalf("request %d: got %d %q, %v; want 200 from the other backend", i, a.status, a.body, a.err)
+			}
+			continue
+		case <-headSent:
+		case <-time.After(20 * time.Second):
+			t.Fatalf("request %d: no answer, nor headers from the silent backend, in 20s", i)
+		}
+		netpair.DropPort(t, silent.Addr.Port())
+		a := <-answers
+		if a.err != nil || a.status != http.StatusOK || a.body != "other" {
+			t.Errorf("got %d %q, %v; want 200 from the other backend, the request tried again there", a.status, a.body, a.err)
+		}
+		if got := rec.of(silent.Addr); len(got) != 1 || got[0] != Reset {
+			t.Errorf("the silent backend's tries: got %v; want [%v]: its answer broken off", got, Reset)
+		}
+		return
+	}
+	t.Fatal("neither of two requests went to the silent backend")
+}
