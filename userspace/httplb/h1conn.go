@@ -424,9 +424,8 @@ func writeRequestHead(bw *bufio.Writer, req *http.Request, n int) error {
 	}
 	switch {
 	case n > 0:
-		var num [20]byte
 		bw.WriteString("Content-Length: ")
-		bw.Write(strconv.AppendInt(num[:0], int64(n), 10))
+		bw.Write(strconv.AppendInt(bw.AvailableBuffer(), int64(n), 10)) // no array to escape (writeHead)
 		bw.WriteString("\r\n")
 	case method == http.MethodPost || method == http.MethodPut || method == http.MethodPatch:
 		bw.WriteString("Content-Length: 0\r\n") // servers expect a length with these

@@ -1033,8 +1033,10 @@ func (w *h1Writer) writeHead(code int, final bool) {
 	} else {
 		bw.WriteString("HTTP/1.0 ")
 	}
-	var num [3]byte
-	bw.Write(strconv.AppendInt(num[:0], int64(code), 10))
+	// Appended in the buffer's free room: a number appended to an array of
+	// this frame's would escape (through the writer's io.Writer) and cost an
+	// allocation per answer.
+	bw.Write(strconv.AppendInt(bw.AvailableBuffer(), int64(code), 10))
 	bw.WriteByte(' ')
 	if text := http.StatusText(code); text != "" {
 		bw.WriteString(text)
