@@ -331,7 +331,7 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 	var resp *http.Response
 	var err error
 	if sc != nil { // set exactly for the requests weir's own exchange carries
-		resp, err = be.h1s.roundTrip(tctx, out, sc.body)
+		resp, err = be.h1s.roundTrip(tctx, out, sc.body, &sc.answer)
 	} else {
 		resp, err = be.transport(l.cfg.Upstream, r).RoundTrip(out.WithContext(tctx))
 	}
@@ -571,6 +571,9 @@ type outScratch struct {
 	// while a request needs it); nil without one.
 	body    []byte
 	bodyBuf *[]byte
+	// answer is the answer's body as weir's exchange hands it over; a retry's
+	// answer reuses it, the one before it being closed by then.
+	answer h1Body
 }
 
 var outScratchPool = sync.Pool{New: func() any { return &outScratch{hdr: make(http.Header, 8)} }}
@@ -583,7 +586,7 @@ func (sc *outScratch) put() {
 	} else {
 		clear(sc.hdr)
 	}
-	sc.req, sc.url, sc.xff[0], sc.body = http.Request{}, url.URL{}, "", nil
+	sc.req, sc.url, sc.xff[0], sc.body, sc.answer = http.Request{}, url.URL{}, "", nil, h1Body{}
 	if sc.bodyBuf != nil {
 		h1ReadPool.Put(sc.bodyBuf)
 		sc.bodyBuf = nil

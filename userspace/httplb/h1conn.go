@@ -225,11 +225,13 @@ func (e *errUpstreamReused) Unwrap() error { return e.err }
 // roundTrip sends req with body (nil: none; req.Body is not read) and returns
 // the answer; ctx, not req's own, bounds it (so the caller need not copy the
 // request to give it one). The answer's body must be read to the end or closed;
-// the connection goes back to the pool when it has been read whole. On a reused connection that fails
+// the connection goes back to the pool when it has been read whole. ans is
+// where the answer's body goes (resp.Body), the caller's until it is done with
+// the answer. On a reused connection that fails
 // before any answer comes, a request that may be sent twice is sent once more on
 // a new connection, as http.Transport does (the body is in hand, as it is for
 // http.Transport with GetBody).
-func (p *h1Pool) roundTrip(ctx context.Context, req *http.Request, body []byte) (*http.Response, error) {
+func (p *h1Pool) roundTrip(ctx context.Context, req *http.Request, body []byte, ans *h1Body) (*http.Response, error) {
 	again := replayable(req)
 	for attempt := 0; ; attempt++ {
 		// A backend can still close a connection the check found open, just
@@ -238,7 +240,7 @@ func (p *h1Pool) roundTrip(ctx context.Context, req *http.Request, body []byte) 
 		if err != nil {
 			return nil, err
 		}
-		resp, err := hc.exchange(ctx, req, body)
+		resp, err := hc.exchange(ctx, req, body, ans)
 		if err == nil {
 			return resp, nil
 		}
@@ -263,7 +265,7 @@ func replayable(req *http.Request) bool {
 	return a || b
 }
 
-func (hc *h1Conn) exchange(ctx context.Context, req *http.Request, body []byte) (*http.Response, error) {
+func (hc *h1Conn) exchange(ctx context.Context, req *http.Request, body []byte, ans *h1Body) (*http.Response, error) {
 	// A cancelled context (the client gone, a timeout) breaks off the wait and the
 	// body: the deadline fails the blocked read.
 	stop := onCancel(ctx, hc.breakOff)
@@ -296,9 +298,11 @@ func (hc *h1Conn) exchange(ctx context.Context, req *http.Request, body []byte) 
 		return fail(err, a.came)
 	}
 	resp := a.resp
-	// A body of its own per answer: the handler may still close this one after
-	// the connection has gone back to the pool and carries the next.
-	resp.Body = &h1Body{hc: hc, body: resp.Body, resp: resp, stop: stop, grown: a.rd != hc.br}
+	// The request's own body, not the connection's: the handler may still
+	// close this one after the connection has gone back to the pool and
+	// carries the next. The caller's, so it costs no allocation.
+	*ans = h1Body{hc: hc, body: resp.Body, resp: resp, stop: stop, grown: a.rd != hc.br}
+	resp.Body = ans
 	return resp, nil
 }
 

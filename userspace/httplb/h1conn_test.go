@@ -212,7 +212,7 @@ func TestH1PoolReap(t *testing.T) {
 	p := newH1Pool(dial, 8, 100*time.Millisecond, 64<<10)
 	for range 3 {
 		req, _ := http.NewRequest("GET", "http://"+b.addr.String()+"/", nil)
-		resp, err := p.roundTrip(req.Context(), req, nil)
+		resp, err := p.roundTrip(req.Context(), req, nil, new(h1Body))
 		if err != nil {
 			t.Fatal(err)
 		}
