@@ -82,12 +82,21 @@ type h1Session struct {
 	w      h1Writer
 
 	// The watch for a client that goes away while its request is forwarded.
-	watch    *time.Timer
-	wmu      sync.Mutex
-	watching int32 // watchOff, watchArmed, watchReading
-	aborting bool  // the loop ended the watch's read
-	watchWG  sync.WaitGroup
-	body     *h1ReqBody // the request's body; nil without one
+	// The timer outlives a request: armed by one whose connection had none
+	// pending, it finds the request in flight when it fires (watchFrom) and
+	// waits out what is left of that one's h1WatchAfter, or goes unarmed if
+	// the connection is idle. Back-to-back requests so cost no timer change
+	// each: resetting a timer wakes a thread to poll for it (a futex wake
+	// per request).
+	watch     *time.Timer
+	wmu       sync.Mutex
+	watching  int32 // watchOff, watchArmed, watchReading
+	watchSet  bool  // watch is pending, or its function runs and has yet to decide
+	watchFrom int64 // nanotime of the armed request's start
+	watchArms int   // how often a request set the timer (a test reads it)
+	aborting  bool  // the loop ended the watch's read
+	watchWG   sync.WaitGroup
+	body      *h1ReqBody // the request's body; nil without one
 }
 
 const (
@@ -152,6 +161,7 @@ func (out *h1Output) Write(p []byte) (int, error) {
 func (s *Service) serveH1(conn net.Conn, acct *coalescingConn, prefix []byte, tlsState *tls.ConnectionState, arrived func()) {
 	c := s.newH1Session(conn, acct, prefix, tlsState)
 	defer s.stats.conns.Add(-1)
+	defer c.watch.Stop()
 	defer close(c.done)
 	defer c.ctx.cancelWith(nil)
 	ok := s.registerH1(c)
@@ -597,8 +607,16 @@ func (u *h1Upgraded) Write(p []byte) (int, error) { return u.w.Write(p) }
 func (c *h1Session) armWatch() {
 	c.wmu.Lock()
 	c.watching = watchArmed
+	c.watchFrom = nanotime()
+	set := c.watchSet
+	c.watchSet = true
+	if !set {
+		c.watchArms++
+	}
 	c.wmu.Unlock()
-	c.watch.Reset(h1WatchAfter)
+	if !set {
+		c.watch.Reset(h1WatchAfter)
+	}
 }
 
 // startWatch runs when a request has taken h1WatchAfter: a read on the
@@ -608,7 +626,14 @@ func (c *h1Session) armWatch() {
 func (c *h1Session) startWatch() {
 	c.wmu.Lock()
 	if c.watching != watchArmed {
+		c.watchSet = false // idle: the next request arms it
 		c.wmu.Unlock()
+		return
+	}
+	if left := h1WatchAfter - time.Duration(nanotime()-c.watchFrom); left > 0 {
+		// A request that came after the one that armed the timer.
+		c.wmu.Unlock()
+		c.watch.Reset(left)
 		return
 	}
 	if b := c.body; b != nil && !b.eof.Load() {
@@ -618,6 +643,7 @@ func (c *h1Session) startWatch() {
 		return
 	}
 	c.watching = watchReading
+	c.watchSet = false
 	c.watchWG.Add(1)
 	c.wmu.Unlock()
 	defer c.watchWG.Done()
@@ -650,7 +676,6 @@ func (c *h1Session) startWatch() {
 // endWatch stops the watch when the request has been answered, and waits for
 // its read to end.
 func (c *h1Session) endWatch() {
-	c.watch.Stop()
 	c.wmu.Lock()
 	reading := c.watching == watchReading
 	c.watching = watchOff

@@ -410,3 +410,55 @@ func TestH1SessionHookPerRequest(t *testing.T) {
 		}
 	}
 }
+
+// TestH1WatchTimerPerBurst: requests that follow one another on a connection
+// share its watch's timer, set by the first, rather than each setting it
+// anew; and a slow request that comes under a timer an earlier one set is
+// still watched from its own start: its client's going away cancels the
+// backend's request.
+func TestH1WatchTimerPerBurst(t *testing.T) {
+	be, gone := h1TestBackend(t)
+	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	conn, br := rawConn(t, s.Addr().String())
+	io.WriteString(conn, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	checkAnswer(t, br, wantAnswer{status: 200, body: "ok"})
+	arms := func() (n int) {
+		s.h1mu.Lock()
+		defer s.h1mu.Unlock()
+		for c := range s.h1conns {
+			c.wmu.Lock()
+			n += c.watchArms
+			c.wmu.Unlock()
+		}
+		return n
+	}
+	const burst = 100
+	before := arms()
+	start := time.Now()
+	for range burst {
+		io.WriteString(conn, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+		checkAnswer(t, br, wantAnswer{status: 200, body: "ok"})
+	}
+	took := time.Since(start)
+	// The timer fires at most once per h1WatchAfter, and a fire that finds
+	// the connection between two requests leaves the next to set it again.
+	want := 1 + int(took/h1WatchAfter)
+	if got := arms() - before; got > want {
+		t.Errorf("%d requests in %v set the watch's timer %d times; want at most %d", burst, took, got, want)
+	}
+
+	// Pipelined: the slow request is armed while the quick one's timer runs.
+	io.WriteString(conn, "GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+	checkAnswer(t, br, wantAnswer{status: 200, body: "ok"})
+	waitfor.Value(t, 5*time.Second, "the slow request in flight", func() (any, bool) {
+		n := s.Snapshot().InFlight
+		return n, n == 1
+	})
+	conn.Close()
+	select {
+	case d := <-gone:
+		t.Logf("the backend's request ended %v after it began", d)
+	case <-time.After(3 * time.Second):
+		t.Fatal("the backend's request still runs 3 s after its client closed; want it cancelled")
+	}
+}
