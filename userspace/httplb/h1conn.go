@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/textproto"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -395,8 +396,8 @@ func writeRequestHead(bw *bufio.Writer, req *http.Request, n int) error {
 		host = "" // what Request.Write sends for a host it cannot
 	}
 	host = withoutZone(host)
-	uri := req.URL.RequestURI()
-	if strings.IndexFunc(uri, isCTL) >= 0 {
+	path, query, hasQuery := requestTarget(req.URL)
+	if hasCTL(path) || hasCTL(query) {
 		return errors.New("request URI holds a control character")
 	}
 	method := req.Method
@@ -405,7 +406,11 @@ func writeRequestHead(bw *bufio.Writer, req *http.Request, n int) error {
 	}
 	bw.WriteString(method)
 	bw.WriteByte(' ')
-	bw.WriteString(uri)
+	bw.WriteString(path)
+	if hasQuery {
+		bw.WriteByte('?')
+		bw.WriteString(query)
+	}
 	bw.WriteString(" HTTP/1.1\r\nHost: ")
 	bw.WriteString(host)
 	bw.WriteString("\r\n")
@@ -438,7 +443,32 @@ func writeRequestHead(bw *bufio.Writer, req *http.Request, n int) error {
 	return err
 }
 
-func isCTL(r rune) bool { return r < ' ' || r == 0x7f }
+// requestTarget is u.RequestURI() in its pieces: the path (or opaque part),
+// and the query if there is one (hasQuery: a "?" goes before it, even an
+// empty one), so that writing it needs no string joined per request (a
+// target with a query cost an allocation).
+func requestTarget(u *url.URL) (path, query string, hasQuery bool) {
+	path = u.Opaque
+	if path == "" {
+		if path = u.EscapedPath(); path == "" {
+			path = "/"
+		}
+	} else if strings.HasPrefix(path, "//") {
+		path = u.Scheme + ":" + path
+	}
+	return path, u.RawQuery, u.ForceQuery || u.RawQuery != ""
+}
+
+// hasCTL reports whether s holds a control character (a byte under 0x20, or
+// DEL); bytes of multi-byte UTF-8 sequences are none.
+func hasCTL(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < ' ' || s[i] == 0x7f {
+			return true
+		}
+	}
+	return false
+}
 
 // withoutZone drops an IPv6 zone from a bracketed host ("[fe80::1%eth0]:80"):
 // it means nothing to the backend.
