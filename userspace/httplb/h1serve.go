@@ -87,13 +87,16 @@ type h1Session struct {
 	// waits out what is left of that one's h1WatchAfter, or goes unarmed if
 	// the connection is idle. Back-to-back requests so cost no timer change
 	// each: resetting a timer wakes a thread to poll for it (a futex wake
-	// per request).
+	// per request). A request that came alone (none armed within
+	// h1WatchAfter before it) stops the timer when it ends, as the next one
+	// is not expected soon: kept, the timer would fire once for nothing.
 	watch     *time.Timer
 	wmu       sync.Mutex
 	watching  int32 // watchOff, watchArmed, watchReading
 	watchSet  bool  // watch is pending, or its function runs and has yet to decide
 	watchFrom int64 // nanotime of the armed request's start
 	watchArms int   // how often a request set the timer (a test reads it)
+	watchKeep bool  // the armed request came soon after the one before it
 	aborting  bool  // the loop ended the watch's read
 	watchWG   sync.WaitGroup
 	body      *h1ReqBody // the request's body; nil without one
@@ -607,7 +610,9 @@ func (u *h1Upgraded) Write(p []byte) (int, error) { return u.w.Write(p) }
 func (c *h1Session) armWatch() {
 	c.wmu.Lock()
 	c.watching = watchArmed
-	c.watchFrom = nanotime()
+	now := nanotime()
+	c.watchKeep = now-c.watchFrom < int64(h1WatchAfter)
+	c.watchFrom = now
 	set := c.watchSet
 	c.watchSet = true
 	if !set {
@@ -631,9 +636,10 @@ func (c *h1Session) startWatch() {
 		return
 	}
 	if left := h1WatchAfter - time.Duration(nanotime()-c.watchFrom); left > 0 {
-		// A request that came after the one that armed the timer.
-		c.wmu.Unlock()
+		// A request that came after the one that armed the timer. Under
+		// wmu, so endWatch's stop sees the timer pending or not yet fired.
 		c.watch.Reset(left)
+		c.wmu.Unlock()
 		return
 	}
 	if b := c.body; b != nil && !b.eof.Load() {
@@ -679,6 +685,9 @@ func (c *h1Session) endWatch() {
 	c.wmu.Lock()
 	reading := c.watching == watchReading
 	c.watching = watchOff
+	if !c.watchKeep && c.watchSet && c.watch.Stop() {
+		c.watchSet = false
+	}
 	if reading {
 		c.aborting = true
 		c.conn.SetReadDeadline(aLongTimeAgo)

@@ -462,3 +462,41 @@ func TestH1WatchTimerPerBurst(t *testing.T) {
 		t.Fatal("the backend's request still runs 3 s after its client closed; want it cancelled")
 	}
 }
+
+// TestH1WatchTimerAlone: a request that comes alone, more than h1WatchAfter
+// after the one before it, leaves no watch timer pending once answered, so
+// the timer does not fire for an idle connection: the next request is not
+// expected soon.
+func TestH1WatchTimerAlone(t *testing.T) {
+	be, _ := h1TestBackend(t)
+	s := serveOn(t, Config{}, []Backend{{Addr: be, Weight: 1, Usable: true}})
+	conn, br := rawConn(t, s.Addr().String())
+	session := func() *h1Session {
+		s.h1mu.Lock()
+		defer s.h1mu.Unlock()
+		for c := range s.h1conns {
+			return c
+		}
+		return nil
+	}
+	for i := range 3 {
+		if i > 0 {
+			c := session()
+			waitfor.Value(t, 5*time.Second, "h1WatchAfter past the last request's start", func() (any, bool) {
+				c.wmu.Lock()
+				since := time.Duration(nanotime() - c.watchFrom)
+				c.wmu.Unlock()
+				return since, since > h1WatchAfter
+			})
+		}
+		io.WriteString(conn, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+		checkAnswer(t, br, wantAnswer{status: 200, body: "ok"})
+		c := session()
+		c.wmu.Lock()
+		set := c.watchSet
+		c.wmu.Unlock()
+		if set {
+			t.Errorf("request %d, alone, answered: the watch's timer is still pending; want it stopped", i)
+		}
+	}
+}
