@@ -621,13 +621,22 @@ func FuzzH1Answers(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	var answer atomic.Pointer[[]byte]
+	// finsOut counts the backend's connections whose end weir's kernel has
+	// yet to acknowledge: an input waits for none before the next, whose
+	// request would otherwise find the last one's connection in the pool
+	// still open, go out on it just as the end comes, and get a 502 (a POST
+	// is not sent again) for an answer the backend never had the request for.
+	var finsOut atomic.Int32
 	be := rawBackend(f, func(c net.Conn) {
 		br := bufio.NewReader(c)
 		if _, ok := nextRequest(br); !ok {
 			return
 		}
+		finsOut.Add(1)
 		c.Write(*answer.Load())
 		c.(*net.TCPConn).CloseWrite()
+		awaitFINAcked(c.(*net.TCPConn), time.Now().Add(5*time.Second))
+		finsOut.Add(-1)
 		io.Copy(io.Discard, br) // until weir closes its side
 	})
 	s := serveOn(f, Config{ReadHeaderTimeout: 2 * time.Second, MaxHeaderBytes: 8 << 10}, []Backend{{Addr: be, Weight: 1, Usable: true}})
@@ -657,7 +666,7 @@ func FuzzH1Answers(f *testing.F) {
 		got := exchangeRaw(t, addr, []byte(method+" / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n"+head), []*http.Request{req})
 		waitfor.Value(t, 5*time.Second, "no request in flight", func() (any, bool) {
 			sn := s.Snapshot()
-			return sn, sn.Connections == 0 && sn.InFlight == 0
+			return sn, sn.Connections == 0 && sn.InFlight == 0 && finsOut.Load() == 0
 		})
 		resp, err := http.ReadResponse(bufio.NewReader(bytes.NewReader(got)), req)
 		if err != nil {
@@ -685,6 +694,28 @@ func FuzzH1Answers(f *testing.F) {
 			}
 		}
 	})
+}
+
+// awaitFINAcked polls c, whose writing side was shut, until its peer's kernel
+// has acknowledged the FIN (the socket left ESTABLISHED and FIN_WAIT1), so a
+// read or peek on the peer's side finds the end, or until deadline.
+func awaitFINAcked(c *net.TCPConn, deadline time.Time) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return
+	}
+	for time.Now().Before(deadline) {
+		var state uint8
+		rc.Control(func(fd uintptr) {
+			if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+				state = info.State
+			}
+		})
+		if state != unix.BPF_TCP_ESTABLISHED && state != unix.BPF_TCP_FIN_WAIT1 {
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // backendAnswer reads raw as weir's exchange must: 1xx answers skipped, then
