@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/netip"
+	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -174,6 +175,10 @@ func (c *Checker) poke() {
 // SetService creates or reconfigures a service. Reconfiguring keeps every
 // backend's state and schedule, except that a shorter interval pulls the next
 // checks of this service's backends forward; other services are not touched.
+// A change of what one check asks (Check.Kind, Method, Timeout, Source or
+// HTTP) restarts the backends' pass and fail counts and drops the results of
+// their checks in flight, as a new address does; a change of Interval, Rise,
+// Fall, Jitter or Initial alone keeps them.
 func (c *Checker) SetService(name string, cfg Config) error {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
@@ -194,14 +199,14 @@ func (c *Checker) SetService(name string, cfg Config) error {
 	if !ok {
 		return nil
 	}
+	changed := !sameProbe(old.Check, cfg.Check)
 	for b := range s.members {
-		if old.Check.Source != cfg.Check.Source {
-			// Checks go from the new source from the next on; one in
-			// flight does not keep its connection (complete).
-			c.closeKeptOf(b)
+		if changed {
+			// The next check asks anew (from the new source, say); one in
+			// flight neither counts nor keeps its connection (complete).
+			c.retarget(b)
 		}
 		if old.Check.Kind != cfg.Check.Kind {
-			c.retarget(b)
 			switch {
 			case cfg.Check.Kind == None:
 				b.active = Up
@@ -221,6 +226,15 @@ func (c *Checker) SetService(name string, cfg Config) error {
 	c.settlePanic(s, now)
 	c.poke()
 	return nil
+}
+
+// sameProbe reports whether a and b make the same check of a backend, so that
+// a verdict counted under one holds under the other: they differ at most in
+// when checks run and how many it takes to change state.
+func sameProbe(a, b Check) bool {
+	return a.Kind == b.Kind && a.Method == b.Method && a.Timeout == b.Timeout && a.Source == b.Source &&
+		a.HTTP.Path == b.HTTP.Path && a.HTTP.Host == b.HTTP.Host && a.HTTP.Body == b.HTTP.Body &&
+		slices.Equal(a.HTTP.Status, b.HTTP.Status)
 }
 
 // RemoveService removes a service and all its backends.

@@ -1,0 +1,127 @@
+package health
+
+import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/weir-lb/weir/internal/waitfor"
+)
+
+// TestCheckChangeRestartsCounts: a reload that passes a service's check
+// unchanged keeps its backends' pass counts, so rise goes on counting; one
+// that changes what a check asks (here the HTTP path) starts them again, since
+// a pass of the old request says nothing of the new one. The state stays, so
+// neither change flaps the backend.
+func TestCheckChangeRestartsCounts(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "ok") }))
+	t.Cleanup(srv.Close)
+	u, _ := url.Parse(srv.URL)
+
+	clk := newFakeClock()
+	c := &Checker{clock: clk.Now}
+	cfg := func(path string) Config {
+		return Config{Check: Check{Kind: HTTP, Interval: 100 * time.Millisecond, Timeout: time.Second, Rise: 5, Initial: Down,
+			HTTP: HTTPCheck{Path: path, Status: []StatusRange{{200, 299}}}}}
+	}
+	if err := c.SetService("web", cfg("/a")); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(Backend{ID: "b", Addr: u.Host, Service: "web"}); err != nil {
+		t.Fatal(err)
+	}
+	runFake(t, c, clk, clk.Now().Add(250*time.Millisecond))
+	st, _ := c.Status("b")
+	if st.Passes < 2 || st.Active != Down {
+		t.Fatalf("after 250ms at 100ms: got %d passes, active %v; want at least 2, down", st.Passes, st.Active)
+	}
+	before := st.Passes
+
+	// The same settings, in a new value, as a reload builds them.
+	if err := c.SetService("web", cfg("/a")); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := c.Status("b"); st.Passes != before || st.State != Down {
+		t.Errorf("after an unchanged check: got %d passes, %v; want %d, down", st.Passes, st.State, before)
+	}
+
+	if err := c.SetService("web", cfg("/b")); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := c.Status("b"); st.Passes != 0 || st.Fails != 0 || st.State != Down {
+		t.Errorf("after the path changed: got %d passes, %d fails, %v; want 0, 0, down", st.Passes, st.Fails, st.State)
+	}
+}
+
+// TestCheckChangeDropsCheckInFlight: the result of a check that started
+// before its service's check changed is not counted: here the old path's
+// answer, a 503 that comes after the change, would take the backend down
+// at fall 1 although the new path answers 200 (and rise 100 would keep it
+// down).
+func TestCheckChangeDropsCheckInFlight(t *testing.T) {
+	started := make(chan struct{}, 1)
+	release := make(chan struct{})
+	var fresh atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/new" {
+			fresh.Add(1)
+			fmt.Fprint(w, "ok")
+			return
+		}
+		select {
+		case started <- struct{}{}:
+		default:
+		}
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}))
+	t.Cleanup(srv.Close)
+	t.Cleanup(func() { close(release) }) // before srv.Close, which waits for the handler
+	u, _ := url.Parse(srv.URL)
+
+	c := &Checker{}
+	cfg := func(path string) Config {
+		return Config{Check: Check{Kind: HTTP, Interval: 50 * time.Millisecond, Timeout: 10 * time.Second, Rise: 100, Fall: 1, Initial: Up,
+			HTTP: HTTPCheck{Path: path}}}
+	}
+	if err := c.SetService("web", cfg("/old")); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(Backend{ID: "b", Addr: u.Host, Service: "web"}); err != nil {
+		t.Fatal(err)
+	}
+	sub := c.Subscribe()
+	t.Cleanup(sub.Close)
+	run(t, c)
+	select {
+	case <-started:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no check of /old started")
+	}
+	if err := c.SetService("web", cfg("/new")); err != nil {
+		t.Fatal(err)
+	}
+	release <- struct{}{} // the old check's answer: 503
+	// Two checks of /new: the second starts after the old check's end was
+	// applied, and after the first's.
+	waitfor.Value(t, 5*time.Second, "2 checks of /new", func() (any, bool) { return fresh.Load(), fresh.Load() >= 2 })
+	for sub.pending() > 0 {
+		ch, err := sub.Next(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ch.To != Up {
+			t.Errorf("change after the path changed: %v -> %v (%s); want none but up", ch.From, ch.To, ch.Reason)
+		}
+	}
+	if st, _ := c.Status("b"); st.State != Up {
+		t.Errorf("state: got %v (%s); want up", st.State, st.Reason)
+	}
+}
