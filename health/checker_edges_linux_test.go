@@ -454,51 +454,31 @@ func TestMoveToUncheckedServiceClosesKeptConn(t *testing.T) {
 // "408 Request Timeout" with Connection: close and closes it, as Google's GFE
 // does (golang/go#32310) and as MDN describes for "some servers".
 func idle408Server(t *testing.T, idle time.Duration) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	wg.Add(1)
-	// Exits when the cleanup closes ln; each connection's goroutine ends
-	// with its connection, which the server closes after idle at most.
-	go func() {
-		defer wg.Done()
+	// Each connection's handler ends with its connection, which the server
+	// closes after idle at most.
+	return serveTCP(t, func(conn net.Conn) {
+		buf := make([]byte, 0, 4096)
+		tmp := make([]byte, 4096)
 		for {
-			conn, err := ln.Accept()
+			conn.SetReadDeadline(time.Now().Add(idle))
+			n, err := conn.Read(tmp)
 			if err != nil {
+				if ne, ok := err.(net.Error); ok && ne.Timeout() && len(buf) == 0 {
+					io.WriteString(conn, "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+				}
 				return
 			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer conn.Close()
-				buf := make([]byte, 0, 4096)
-				tmp := make([]byte, 4096)
-				for {
-					conn.SetReadDeadline(time.Now().Add(idle))
-					n, err := conn.Read(tmp)
-					if err != nil {
-						if ne, ok := err.(net.Error); ok && ne.Timeout() && len(buf) == 0 {
-							io.WriteString(conn, "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
-						}
-						return
-					}
-					buf = append(buf, tmp[:n]...)
-					for {
-						i := bytes.Index(buf, []byte("\r\n\r\n"))
-						if i < 0 {
-							break
-						}
-						buf = buf[i+4:]
-						io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-					}
+			buf = append(buf, tmp[:n]...)
+			for {
+				i := bytes.Index(buf, []byte("\r\n\r\n"))
+				if i < 0 {
+					break
 				}
-			}()
+				buf = buf[i+4:]
+				io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+			}
 		}
-	}()
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
-	return ln.Addr().String()
+	})
 }
 
 // A server that closes an idle kept connection with a 408 of its own (as

@@ -209,3 +209,38 @@ func (s *Subscription) pending() int {
 	defer s.mu.Unlock()
 	return len(s.queue) - s.head
 }
+
+// serveTCP listens on 127.0.0.1:0 and runs handle on each connection it
+// accepts, each on a goroutine of its own, closing the connection when handle
+// returns. At the end of the test it closes the listener and waits for every
+// handle, which must return once the checker closes its connection. It
+// returns the listener's address.
+func serveTCP(t *testing.T, handle func(net.Conn)) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(wg.Wait)
+	t.Cleanup(func() { ln.Close() })
+	wg.Add(1)
+	// Exits when the cleanup closes the listener.
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			// Exits when handle returns.
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				handle(c)
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}

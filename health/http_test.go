@@ -247,32 +247,18 @@ func TestHTTPMaxKept(t *testing.T) {
 // do not depend on the machine's speed, stay under 16 MiB. Before the bound,
 // Go's header reader kept every byte until the check's timeout.
 func TestHTTPHeaderBounded(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	// Exits when the listener closes at the end of the test; each
-	// connection's goroutine when the checker closes it, or after 256 MiB.
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
+	// Each connection's handler returns when the checker closes it, or
+	// after 256 MiB.
+	addr := serveTCP(t, func(c net.Conn) {
+		c.Read(make([]byte, 4096)) // the request
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nX-Endless: ")
+		chunk := bytes.Repeat([]byte("a"), 64<<10)
+		for range 4096 {
+			if _, err := c.Write(chunk); err != nil {
 				return
 			}
-			go func() {
-				defer c.Close()
-				c.Read(make([]byte, 4096)) // the request
-				io.WriteString(c, "HTTP/1.1 200 OK\r\nX-Endless: ")
-				chunk := bytes.Repeat([]byte("a"), 64<<10)
-				for range 4096 {
-					if _, err := c.Write(chunk); err != nil {
-						return
-					}
-				}
-			}()
 		}
-	}()
+	})
 	c := &Checker{}
 	cfg := Config{Check: Check{Kind: HTTP, Interval: time.Second, Timeout: 5 * time.Second}}
 	if err := c.SetService("web", cfg); err != nil {
@@ -280,7 +266,7 @@ func TestHTTPHeaderBounded(t *testing.T) {
 	}
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
-	if err := c.Set(Backend{ID: "b", Addr: ln.Addr().String(), Service: "web"}); err != nil {
+	if err := c.Set(Backend{ID: "b", Addr: addr, Service: "web"}); err != nil {
 		t.Fatal(err)
 	}
 	sub := c.Subscribe()
@@ -294,5 +280,60 @@ func TestHTTPHeaderBounded(t *testing.T) {
 	}
 	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 16<<20 {
 		t.Errorf("the check allocated %d MiB; want under 16", alloc>>20)
+	}
+}
+
+// TestHTTPBodyBounded: a backend that answers a check with a body that never
+// ends, of a declared length or chunked, has its check judged on the first
+// DefaultMaxBody bytes and its connection closed there. Before, closing the
+// response read the rest of the body, here until the check's timeout: the
+// check took the whole timeout and read everything the backend sent.
+func TestHTTPBodyBounded(t *testing.T) {
+	for _, tt := range []struct{ name, head string }{
+		{"content-length", "HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\n"},
+		{"chunked", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			var sent atomic.Int64
+			addr := serveTCP(t, func(c net.Conn) {
+				c.Read(make([]byte, 4096)) // the request
+				io.WriteString(c, tt.head)
+				chunk := bytes.Repeat([]byte("a"), 64<<10)
+				if tt.name == "chunked" {
+					chunk = append([]byte(fmt.Sprintf("%x\r\n", len(chunk))), append(chunk, "\r\n"...)...)
+				}
+				for {
+					n, err := c.Write(chunk)
+					sent.Add(int64(n))
+					if err != nil {
+						return
+					}
+				}
+			})
+			const timeout = 10 * time.Second
+			c := &Checker{}
+			cfg := Config{Check: Check{Kind: HTTP, Interval: 200 * time.Millisecond, Timeout: timeout}}
+			if err := c.SetService("web", cfg); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.Set(Backend{ID: "b", Addr: addr, Service: "web"}); err != nil {
+				t.Fatal(err)
+			}
+			sub := c.Subscribe()
+			t.Cleanup(sub.Close)
+			run(t, c)
+			ch := waitChange(t, sub, "b", 2*timeout, func(ch Change) bool { return ch.To != Unknown })
+			st, _ := c.Status("b")
+			if ch.To != Up {
+				t.Errorf("state: got %v (%q); want up: the status is 200", ch.To, ch.Reason)
+			}
+			if st.Last.Duration > timeout/2 {
+				t.Errorf("check took %v; want far below its timeout %v", st.Last.Duration, timeout)
+			}
+			if n := sent.Load(); n > 64<<20 {
+				t.Errorf("backend sent %d MiB before the check ended; want what the sockets hold", n>>20)
+			}
+		})
 	}
 }

@@ -212,10 +212,11 @@ func (p *probe) http(ctx context.Context, k *keptConn) (reuse bool, err error) {
 			return false, &statusError{code: resp.StatusCode}
 		}
 	}
-	defer resp.Body.Close()
 	// Read the body to its end (the marker is searched in the first
 	// DefaultMaxBody bytes); one longer than that is not worth reading to
-	// keep the connection.
+	// keep the connection, which the caller then closes. The body is not
+	// closed: read to its end there is nothing left to do, and closing one
+	// read in part would read the rest of it, to the timeout if it never ends.
 	body, err := io.ReadAll(io.LimitReader(resp.Body, DefaultMaxBody+1))
 	if err != nil {
 		return false, p.fail(ctx, "http body", err)
