@@ -130,7 +130,13 @@ func (l *Load) NoneFailed(t testing.TB, during string) {
 // its address.
 func Echo(t testing.TB) netip.AddrPort {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	return EchoAt(t, "127.0.0.1:0")
+}
+
+// EchoAt is Echo on the address addr (a port 0 picks one).
+func EchoAt(t testing.TB, addr string) netip.AddrPort {
+	t.Helper()
+	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,9 +1,21 @@
 package agent
 
 import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/weir-lb/weir/health"
+	"github.com/weir-lb/weir/internal/churn"
+	"github.com/weir-lb/weir/internal/waitfor"
+	"github.com/weir-lb/weir/userspace/agent/api"
+	"github.com/weir-lb/weir/userspace/agent/plan"
 	"github.com/weir-lb/weir/userspace/config"
 )
 
@@ -29,4 +41,82 @@ func TestHealthMethod(t *testing.T) {
 			t.Errorf("healthMethod(%s, %s): got %v; want %v", tt.typ, tt.method, got, tt.want)
 		}
 	}
+}
+
+// TestHealthVerdictReachesProxy: a backend whose checks fail is down in status
+// and gets no connection from the proxy (with no retry, one sent to it would
+// fail); a reload that leaves its check as it was keeps it down, with no
+// return to its initial up in between; once it listens again it is up and
+// served.
+func TestHealthVerdictReachesProxy(t *testing.T) {
+	live, dead, vip := echoBackend(t), freePort(t), freePort(t)
+	dir := t.TempDir()
+	path := filepath.Join(dir, "weir.yaml")
+	write := func(liveWeight int) {
+		t.Helper()
+		cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(dir, "weir.sock")) +
+			fmt.Sprintf("- name: a\n  vip: %s\n  data_plane: proxy\n  algorithm: round_robin\n  panic_threshold: 0\n  proxy: {retries: 0}\n", vip) +
+			"  health: {type: tcp, method: connect, interval: 100ms, timeout: 50ms, rise: 1, fall: 1}\n" +
+			fmt.Sprintf("  backends:\n  - {address: %s, weight: %d}\n  - {address: %s}\n", live, liveWeight, dead)
+		if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(1)
+	var changes atomic.Int32 // health changes the agent applied
+	a := runAgentLogged(t, path, slog.New(onMessage{"backend health", func() { changes.Add(1) }}))
+	status := func(addr string) api.BackendStatus {
+		t.Helper()
+		st, err := a.Status()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, b := range st.Services[0].Backends {
+			if b.Address == addr {
+				return b
+			}
+		}
+		t.Fatalf("status: no backend %s", addr)
+		return api.BackendStatus{}
+	}
+	served := func(during string) {
+		t.Helper()
+		for i := range 10 {
+			if err := dialEcho(t, vip).ask(fmt.Sprint(during, i)); err != nil {
+				t.Fatalf("%s: connection %d: %v; want every one served by the live backend", during, i, err)
+			}
+		}
+	}
+	waitfor.Value(t, 10*time.Second, "the dead backend down and unusable", func() (any, bool) {
+		b := status(dead)
+		return b, b.Health == "down" && !b.Usable
+	})
+	served("dead down")
+
+	write(2)
+	before, reloaded := changes.Load(), time.Now()
+	if err := a.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if b := status(dead); b.Health != "down" || b.Usable {
+		t.Errorf("right after a reload that kept its check: got health %s, usable %t; want down, unusable", b.Health, b.Usable)
+	}
+	// Once a check that started after the reload has been applied, a flap
+	// (back to the initial up, then down again) would have been logged.
+	id := plan.ID("a", netip.MustParseAddrPort(dead))
+	waitfor.Value(t, 10*time.Second, "a check of the dead backend after the reload", func() (any, bool) {
+		st, _ := a.checker.Status(id)
+		return st.Last.Start, st.Last.Start.After(reloaded)
+	})
+	if n := changes.Load() - before; n != 0 {
+		t.Errorf("health changes applied across a reload that kept the check: got %d; want 0", n)
+	}
+	served("after the reload")
+
+	churn.EchoAt(t, dead)
+	waitfor.Value(t, 10*time.Second, "the revived backend up and usable", func() (any, bool) {
+		b := status(dead)
+		return b, b.Health == "up" && b.Usable
+	})
+	served("both up")
 }
