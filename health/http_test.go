@@ -12,6 +12,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -80,6 +81,20 @@ func TestHTTPCheck(t *testing.T) {
 			wantState:  Down,
 			wantErr:    ErrBody,
 			wantReason: `http body: no "\"serving\"" in the first 21 bytes`,
+		},
+		{
+			name: "reset is down, said to be the http exchange's",
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				c, _, err := w.(http.Hijacker).Hijack()
+				if err != nil {
+					return
+				}
+				c.(*net.TCPConn).SetLinger(0) // close with an RST
+				c.Close()
+			},
+			wantState:  Down,
+			wantErr:    syscall.ECONNRESET,
+			wantReason: "http: read: connection reset by peer",
 		},
 		{
 			name:       "slow response past the timeout is down",

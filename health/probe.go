@@ -147,7 +147,8 @@ func (p *probe) runHTTP(ctx context.Context) error {
 }
 
 // fail turns an error into a short reason that still unwraps to its cause:
-// "connect: connection refused", "connect: timeout after 1s".
+// "connect: connection refused", "connect: timeout after 1s",
+// "http: read: connection reset by peer".
 func (p probe) fail(ctx context.Context, op string, err error) error {
 	var ne net.Error
 	if errors.Is(ctx.Err(), context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded) ||
@@ -158,7 +159,10 @@ func (p probe) fail(ctx context.Context, op string, err error) error {
 	if errors.As(err, &oe) {
 		var se *os.SyscallError
 		if errors.As(oe.Err, &se) {
-			return se // "connect: connection refused"
+			if se.Syscall == op {
+				return se // "connect: connection refused"
+			}
+			return fmt.Errorf("%s: %w", op, se)
 		}
 		return fmt.Errorf("%s: %w", op, oe.Err)
 	}
