@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -50,17 +51,11 @@ func TestHealthMethod(t *testing.T) {
 // served.
 func TestHealthVerdictReachesProxy(t *testing.T) {
 	live, dead, vip := echoBackend(t), freePort(t), freePort(t)
-	dir := t.TempDir()
-	path := filepath.Join(dir, "weir.yaml")
+	path := filepath.Join(t.TempDir(), "weir.yaml")
 	write := func(liveWeight int) {
 		t.Helper()
-		cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(dir, "weir.sock")) +
-			fmt.Sprintf("- name: a\n  vip: %s\n  data_plane: proxy\n  algorithm: round_robin\n  panic_threshold: 0\n  proxy: {retries: 0}\n", vip) +
-			"  health: {type: tcp, method: connect, interval: 100ms, timeout: 50ms, rise: 1, fall: 1}\n" +
-			fmt.Sprintf("  backends:\n  - {address: %s, weight: %d}\n  - {address: %s}\n", live, liveWeight, dead)
-		if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
-			t.Fatal(err)
-		}
+		writeCheckedProxy(t, path, vip, "  algorithm: round_robin\n  panic_threshold: 0\n  proxy: {retries: 0}\n",
+			fmt.Sprintf("{address: %s, weight: %d}", live, liveWeight), fmt.Sprintf("{address: %s}", dead))
 	}
 	write(1)
 	var changes atomic.Int32 // health changes the agent applied
@@ -119,4 +114,56 @@ func TestHealthVerdictReachesProxy(t *testing.T) {
 		return b, b.Health == "up" && b.Usable
 	})
 	served("both up")
+}
+
+// TestPanicShownInStatus: in panic (here 1 of 3 backends up, below the
+// default 50 %) the down backends are used, and status says why, as it does
+// for a backend all_down: keep_last keeps.
+func TestPanicShownInStatus(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "weir.yaml")
+	var backends []string
+	for _, addr := range []string{echoBackend(t), freePort(t), freePort(t)} {
+		backends = append(backends, fmt.Sprintf("{address: %s}", addr))
+	}
+	writeCheckedProxy(t, path, freePort(t), "", backends...)
+	a := runAgent(t, path)
+	waitfor.Value(t, 10*time.Second, "both dead backends down", func() (any, bool) {
+		st, err := a.Status()
+		if err != nil {
+			t.Fatal(err)
+		}
+		down := 0
+		for _, b := range st.Services[0].Backends {
+			if b.Health == "down" {
+				down++
+			}
+		}
+		return st.Services[0].Backends, down == 2
+	})
+	st, _ := a.Status()
+	for _, b := range st.Services[0].Backends {
+		if b.Health != "down" {
+			continue
+		}
+		if !b.Usable || !strings.HasPrefix(b.Reason, "panic: ") {
+			t.Errorf("%s, down in panic: got usable %t, reason %q; want usable, with a reason saying panic", b.Address, b.Usable, b.Reason)
+		}
+	}
+}
+
+// writeCheckedProxy writes to path a config of one proxy service "a" at vip,
+// its backends checked by connect every 100ms (a failure takes one down, a
+// pass brings it up), with the service's further settings extra (indented
+// lines) and the backends given as flow maps.
+func writeCheckedProxy(t *testing.T, path, vip, extra string, backends ...string) {
+	t.Helper()
+	cfg := fmt.Sprintf("admin: {socket: %s}\nmetrics: {listen: \"off\"}\nservices:\n", filepath.Join(filepath.Dir(path), "weir.sock")) +
+		fmt.Sprintf("- name: a\n  vip: %s\n  data_plane: proxy\n", vip) + extra +
+		"  health: {type: tcp, method: connect, interval: 100ms, timeout: 50ms, rise: 1, fall: 1}\n  backends:\n"
+	for _, b := range backends {
+		cfg += "  - " + b + "\n"
+	}
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
 }

@@ -155,7 +155,8 @@ type Backend struct {
 }
 
 // Reason says, in operator words, why a backend takes no new flows ("" if it takes
-// them): health, an unknown MAC, a drain, weight 0; or that all_down keeps it.
+// them): health, an unknown MAC, a drain, weight 0; or that all_down or panic
+// keeps it although its health says otherwise.
 func (b *Backend) Reason() string {
 	switch {
 	case b.Usable && !b.Healthy:
@@ -170,6 +171,9 @@ func (b *Backend) Reason() string {
 		return "drained"
 	case b.Weight == 0:
 		return "weight 0"
+	case b.Health != health.Up:
+		// The checker calls a backend usable that is not up only in panic.
+		return "panic: too few of the service's backends are up, so all are used although health says " + b.Health.String()
 	}
 	return ""
 }

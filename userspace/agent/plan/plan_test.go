@@ -695,10 +695,12 @@ func TestPlanTruth(t *testing.T) {
 		b    Backend
 		want string
 	}{
-		{"usable", Backend{Healthy: true, Usable: true, Weight: 1}, ""},
+		{"usable", Backend{Healthy: true, Usable: true, Weight: 1, Health: health.Up}, ""},
 		{"drained", Backend{Healthy: true, Usable: true, Weight: 1, Drained: true}, "drained"},
 		{"weight 0", Backend{Healthy: true, Usable: true}, "weight 0"},
 		{"kept", Backend{Usable: true, Weight: 1, Health: health.Down}, "kept by all_down: keep_last although health says down"},
+		{"panic", Backend{Healthy: true, Usable: true, Weight: 1, Health: health.Down}, "panic: too few of the service's backends are up, so all are used although health says down"},
+		{"panic, drained", Backend{Healthy: true, Usable: true, Weight: 1, Health: health.Unknown, Drained: true}, "drained"},
 	}
 	for _, c := range cases {
 		if got := c.b.Reason(); got != c.want {
