@@ -33,6 +33,15 @@ type state struct {
 	// drained: `weir node drain` withdrew the node's BGP routes, at drainedAt.
 	drained   bool
 	drainedAt time.Time
+	// unapplied: a health verdict the planes refused to take; the tick tries
+	// it again at retryAt, since the checker sends a verdict only when it
+	// changes, backing off from a second to a minute (each failed try's
+	// rollback logs). unappliedErr is the last failure logged, so a lasting
+	// one is logged once by the loop.
+	unapplied    bool
+	unappliedErr string
+	retryAt      time.Time
+	retryWait    time.Duration
 }
 
 func newState(cfg *config.Config) *state {
@@ -265,7 +274,7 @@ func (a *Agent) start(st *state) error {
 	if err := a.reconcile(plan.Desired{}, next); err != nil {
 		return fieldLines(st.cfg, a.opts.ConfigPath, err)
 	}
-	st.placement, st.running = placement, next
+	st.placement, st.running, st.unapplied = placement, next, false
 	a.register(plan.Desired{}, next)
 	return nil
 }
@@ -403,7 +412,7 @@ func (a *Agent) applyConfig(st *state, cfg *config.Config, maxMove *float64) err
 		return fieldLines(cfg, a.opts.ConfigPath, err)
 	}
 	prev := st.running
-	st.cfg, st.placement, st.overrides, st.running = cfg, placement, overrides, next
+	st.cfg, st.placement, st.overrides, st.running, st.unapplied = cfg, placement, overrides, next, false
 	a.register(prev, next)
 	for id := range st.health {
 		if !hasBackend(next, id) {
@@ -570,6 +579,10 @@ func (a *Agent) onHealth(st *state, ch health.Change) {
 	a.log.Info("backend health", "service", ch.Service, "backend", b.Config.Address, "state", ch.To.String(), "usable", ch.Usable, "panic", ch.Panic, "reason", ch.Reason)
 	if err != nil {
 		a.log.Error("apply health change", "service", ch.Service, "backend", b.Config.Address, "err", err)
+		if !st.unapplied {
+			st.retryWait = time.Second
+		}
+		st.unapplied, st.unappliedErr, st.retryAt = true, err.Error(), time.Now().Add(st.retryWait)
 		return
 	}
 	if now := st.running.Service(ch.Service); now != nil && now.AllDown != wasDown {
@@ -602,7 +615,7 @@ func (a *Agent) onOverride(st *state, ev overrideEvent) error {
 	if err := a.reconcile(st.running, next); err != nil {
 		return err
 	}
-	st.overrides, st.running = overrides, next
+	st.overrides, st.running, st.unapplied = overrides, next, false
 	nb := next.Service(ev.service).Backend(b.Config.Addr)
 	a.log.Info("backend changed at runtime", "service", ev.service, "backend", b.Config.Address, "weight", nb.Weight, "drained", nb.Drained)
 	return nil
@@ -638,6 +651,24 @@ func (a *Agent) tick(st *state, now time.Time) {
 			}
 		}
 	}
+	if st.unapplied {
+		// The retry applies whatever else changed, too.
+		if now.Before(st.retryAt) {
+			return
+		}
+		err := a.converge(st, now)
+		if err == nil {
+			a.log.Info("health changes applied after an earlier failure")
+			return
+		}
+		st.retryWait = min(2*st.retryWait, time.Minute)
+		st.retryAt = now.Add(st.retryWait)
+		if err.Error() != st.unappliedErr {
+			a.log.Error("apply health changes again", "err", err, "retry_in", st.retryWait)
+			st.unappliedErr = err.Error()
+		}
+		return
+	}
 	if changed {
 		if err := a.converge(st, now); err != nil {
 			a.log.Error("apply resolved macs and drained backends", "err", err)
@@ -651,7 +682,7 @@ func (a *Agent) converge(st *state, now time.Time) error {
 	if err := a.reconcile(st.running, next); err != nil {
 		return err
 	}
-	st.running = next
+	st.running, st.unapplied = next, false
 	return nil
 }
 

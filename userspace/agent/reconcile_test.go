@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -16,12 +17,15 @@ import (
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/weir-lb/weir/health"
 	"github.com/weir-lb/weir/internal/churn"
 	"github.com/weir-lb/weir/userspace/agent/admin"
 	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/agent/xdpplane"
 	"github.com/weir-lb/weir/userspace/config"
 )
 
@@ -409,4 +413,66 @@ func oneProxyService(t *testing.T) (dir, path string) {
 		t.Fatal(err)
 	}
 	return dir, path
+}
+
+// TestHealthRetriedAfterFailedApply: a verdict the planes refused to take is
+// applied on a later tick, once they take it, though the checker does not
+// send it again (it sends a verdict only when it changes). A plane that fails
+// on demand cannot be made from a real one: recordingPlane stands in.
+func TestHealthRetriedAfterFailedApply(t *testing.T) {
+	cfg, err := config.Parse([]byte("services:\n" +
+		"- {name: web, vip: 10.0.0.1:80, backends: [{address: 10.0.0.2:80}, {address: 10.0.0.3:80}]}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := &recordingPlane{services: map[string]plan.Service{}}
+	var logs bytes.Buffer
+	a := &Agent{log: slog.New(slog.NewTextHandler(&logs, nil)), planes: map[plan.Plane]Plane{plan.Proxy: proxy}, xdp: &xdpplane.Plane{}}
+	st := newState(cfg)
+	st.placement["web"] = plan.Placement{Plane: plan.Proxy}
+	if err := a.converge(st, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	down := st.running.Services[0].Backends[1]
+	usable := func() bool {
+		s := proxy.services["web"]
+		return s.Backend(down.Config.Addr).Usable
+	}
+	if !usable() {
+		t.Fatal("the backend is not usable before its verdict")
+	}
+
+	proxy.failOn = "set-backend web"
+	a.onHealth(st, health.Change{ID: down.ID, Service: "web", From: health.Up, To: health.Down, Reason: "test"})
+	if !usable() || !st.running.Services[0].Backend(down.Config.Addr).Usable {
+		t.Fatal("the refused verdict was not rolled back")
+	}
+	// Still failing: tried again a second later, then two seconds after
+	// that, not before; the lasting failure is logged by the loop once.
+	now := time.Now()
+	tries := func() int { return strings.Count(logs.String(), `msg="roll back to the running state"`) }
+	for _, c := range []struct {
+		after time.Duration
+		tries int
+	}{{0, 1}, {1100 * time.Millisecond, 2}, {2 * time.Second, 2}, {3200 * time.Millisecond, 3}} {
+		a.tick(st, now.Add(c.after))
+		if got := tries(); got != c.tries {
+			t.Fatalf("%v after the verdict: %d tries; want %d:\n%s", c.after, got, c.tries, logs.String())
+		}
+	}
+	if n := strings.Count(logs.String(), "level=ERROR msg=\"apply health"); n != 1 {
+		t.Errorf("the failure logged %d times by the loop; want once:\n%s", n, logs.String())
+	}
+	if !usable() {
+		t.Fatal("the plane took the verdict while it failed")
+	}
+
+	proxy.failOn = ""
+	a.tick(st, now.Add(7500*time.Millisecond))
+	if usable() {
+		t.Fatal("the refused verdict was not applied on the tick after the plane recovered")
+	}
+	if st.running.Services[0].Backend(down.Config.Addr).Usable {
+		t.Error("the loop's running state does not have the verdict")
+	}
 }
