@@ -236,6 +236,32 @@ func (f *Fleet) startBird() error {
 	}
 }
 
+// RestartBird stops BIRD as its service manager would (SIGTERM: it ends its
+// sessions with a Cease) and starts it again on the same config.
+func (f *Fleet) RestartBird() error {
+	if err := f.stopBird(); err != nil {
+		return err
+	}
+	return f.startBird()
+}
+
+// stopBird ends BIRD with SIGTERM, or SIGKILL if it lingers.
+func (f *Fleet) stopBird() error {
+	if f.birdC == nil {
+		return nil
+	}
+	defer func() { f.birdC = nil }()
+	f.birdC.Process.Signal(syscall.SIGTERM)
+	if exited(f.birdCh) {
+		return nil
+	}
+	f.birdC.Process.Kill()
+	if exited(f.birdCh) {
+		return nil
+	}
+	return fmt.Errorf("fleet: bird (pid %d) did not exit within %s of SIGKILL; %s", f.birdC.Process.Pid, killWait, logLine("its output", f.birdOut()))
+}
+
 // Birdc runs one birdc command on the router's control socket.
 func (f *Fleet) Birdc(command string) (string, error) {
 	out, err := exec.Command(f.birdc, append([]string{"-s", f.sock}, strings.Fields(command)...)...).CombinedOutput()
@@ -344,6 +370,8 @@ type ServiceOptions struct {
 	HashSeed uint32
 	// Extra is more YAML for the xdp section, e.g. "previous_table_window: 30s".
 	ExtraXDP string
+	// Communities are the service's bgp.communities (default RouterASN:1).
+	Communities []string
 	// V6 adds the service <Name>6 on FleetVIP6 with the backends' IPv6 addresses,
 	// announced over the IPv4 sessions with the node's IPv6 address as next hop.
 	V6 bool
@@ -391,8 +419,8 @@ services:
 `, n.Index, n.Host.Link, n.Host.IP4, n.Host.IP6, first.HashSeed, f.T.Name, n.Index, extra, n.Socket,
 		NodeASN, n.Host.IP4, nextHop, f.T.Router.IP4, RouterASN, hold, max(time.Second, (hold/3).Truncate(time.Second)), pw)
 	service := func(so ServiceOptions, name string, vip netip.Addr, v6 bool) {
-		fmt.Fprintf(&b, "- name: %s\n  vip: %q\n  mode: %s\n  health: {type: tcp, interval: %s, timeout: %s, fall: %d, rise: 1}\n  bgp: {communities: [\"%d:1\"]}\n  backends:\n",
-			name, netip.AddrPortFrom(vip, StreamPort).String(), so.Mode, so.Interval, so.Interval*3/4, so.Fall, RouterASN)
+		fmt.Fprintf(&b, "- name: %s\n  vip: %q\n  mode: %s\n  health: {type: tcp, interval: %s, timeout: %s, fall: %d, rise: 1}\n  bgp: {communities: [%s]}\n  backends:\n",
+			name, netip.AddrPortFrom(vip, StreamPort).String(), so.Mode, so.Interval, so.Interval*3/4, so.Fall, quoted(so.Communities))
 		for _, be := range so.Backends {
 			ip := be.IP4
 			if v6 {
@@ -411,12 +439,24 @@ services:
 		if so.Fall == 0 {
 			so.Fall = 2
 		}
+		if len(so.Communities) == 0 {
+			so.Communities = []string{fmt.Sprintf("%d:1", RouterASN)}
+		}
 		service(so, so.Name, so.VIP, false)
 		if so.V6 {
 			service(so, so.Name+"6", topo.FleetVIP6, true)
 		}
 	}
 	return b.String()
+}
+
+// quoted is ss as the items of a YAML flow sequence, each quoted.
+func quoted(ss []string) string {
+	q := make([]string, len(ss))
+	for i, s := range ss {
+		q[i] = strconv.Quote(s)
+	}
+	return strings.Join(q, ", ")
 }
 
 // StartAgent starts node i's agent on its config and waits until it answers and
@@ -543,15 +583,8 @@ func (f *Fleet) Close() error {
 			errs = append(errs, err)
 		}
 	}
-	if f.birdC != nil {
-		f.birdC.Process.Signal(syscall.SIGTERM)
-		if !exited(f.birdCh) {
-			f.birdC.Process.Kill()
-			if !exited(f.birdCh) {
-				errs = append(errs, fmt.Errorf("fleet: bird (pid %d) did not exit within %s of SIGKILL; %s", f.birdC.Process.Pid, killWait, logLine("its output", f.birdOut())))
-			}
-		}
-		f.birdC = nil
+	if err := f.stopBird(); err != nil {
+		errs = append(errs, err)
 	}
 	f.srv.Close()
 	for _, d := range f.decaps {

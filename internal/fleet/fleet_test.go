@@ -21,6 +21,7 @@ import (
 	"github.com/weir-lb/weir/internal/heavy"
 	"github.com/weir-lb/weir/internal/netns"
 	"github.com/weir-lb/weir/internal/topo"
+	"github.com/weir-lb/weir/internal/waitfor"
 	"github.com/weir-lb/weir/internal/xdptest"
 	"github.com/weir-lb/weir/userspace/agent"
 	"github.com/weir-lb/weir/userspace/agent/admin"
@@ -759,5 +760,161 @@ func returnsWithin(t *testing.T, what string, fn func() error, bound time.Durati
 	case <-time.After(bound + 30*time.Second):
 		t.Fatalf("%s has not returned after %s", what, bound+30*time.Second)
 		return nil
+	}
+}
+
+// TestRouterRestartAndReload: reloads that remove and add a VIP and change a
+// VIP's communities, a reset of one BGP session, and the router restarting. The
+// routes follow, and come back, with no agent restarted; the VIP a change does not
+// concern keeps its three next hops throughout.
+func TestRouterRestartAndReload(t *testing.T) {
+	heavy.Alone(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	f := start(t, Options{})
+	dsr := ServiceOptions{Name: "dsr", Mode: "dsr", VIP: topo.FleetVIP4, Backends: f.T.DSR, HashSeed: 7}
+	tun := ServiceOptions{Name: "tunnel", Mode: "tunnel", VIP: topo.FleetVIP4Tunnel, Backends: f.T.Tunnel, HashSeed: 7}
+	if err := f.WriteConfigs(dsr, tun); err != nil {
+		t.Fatal(err)
+	}
+	startAgents(t, ctx, f)
+	announced(t, ctx, f, []ServiceOptions{dsr, tun})
+	all := f.NodeIPs(All(len(f.Nodes))...)
+	vipTun := netip.PrefixFrom(topo.FleetVIP4Tunnel, 32)
+	pids := make([]int, len(f.Nodes))
+	for i, n := range f.Nodes {
+		pids[i] = n.cmd.Process.Pid
+	}
+
+	t.Run("reload", func(t *testing.T) {
+		steady := watchNextHops(t, f, vipTun, all)
+		tun.Communities = []string{"65000:7", "65000:8"}
+		if err := f.Reload(ctx, 15*time.Second, tun); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WaitNextHops(ctx, vip4, nil, 5*time.Second); err != nil {
+			t.Fatalf("a reload without the dsr service: %v", err)
+		}
+		if _, err := f.WaitNextHops(ctx, vipTun, all, time.Second); err != nil {
+			t.Fatal(err)
+		}
+		waitBird(t, f, vipTun, "(65000,7) (65000,8)", 5*time.Second)
+		if err := f.Reload(ctx, 15*time.Second, tun, dsr); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WaitNextHops(ctx, vip4, all, 10*time.Second); err != nil {
+			t.Fatalf("a reload that adds the dsr service back: %v", err)
+		}
+		waitBird(t, f, vip4, "(65000,1)", 5*time.Second)
+		steady.stop()
+	})
+
+	t.Run("session reset", func(t *testing.T) {
+		steady := watchNextHops(t, f, vip4, f.NodeIPs(1, 2))
+		reset := time.Now()
+		if _, err := f.Birdc("restart node0"); err != nil {
+			t.Fatal(err)
+		}
+		// Node 0's speaker dials again (GoBGP waits 5 s after a session fell).
+		if !waitfor.Cond(20*time.Second, func() bool {
+			st, err := f.Nodes[0].Client.Status(ctx)
+			return err == nil && st.BGP != nil && len(st.BGP.Peers) == 1 && st.BGP.Peers[0].State == "established" && st.BGP.Peers[0].Since.After(reset)
+		}) {
+			t.Fatalf("node 0's session not established again within 20s of birdc restart node0\nbird log:\n%s", f.BirdLog())
+		}
+		for _, p := range []netip.Prefix{vip4, vipTun} {
+			if _, err := f.WaitNextHops(ctx, p, all, 5*time.Second); err != nil {
+				t.Fatal(err)
+			}
+		}
+		steady.stop()
+	})
+
+	t.Run("router restarts", func(t *testing.T) {
+		if err := f.RestartBird(); err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range []netip.Prefix{vip4, vipTun} {
+			took, err := f.WaitNextHops(ctx, p, all, 20*time.Second)
+			if err != nil {
+				t.Fatalf("%v\nbird log:\n%s", err, f.BirdLog())
+			}
+			t.Logf("%s back through every node %s after BIRD restarted", p, took)
+		}
+	})
+
+	for i, n := range f.Nodes {
+		if n.cmd == nil || n.cmd.Process.Pid != pids[i] {
+			t.Errorf("node %d's agent is not the one started: the routes came back by a restart", i)
+		}
+	}
+}
+
+// nextHopWatch polls the router's route to a prefix until stop.
+type nextHopWatch struct {
+	t    *testing.T
+	done chan struct{}
+	out  chan string // the first next hops seen other than want, or ""
+}
+
+// watchNextHops checks, until stop, that the router's route to prefix keeps
+// the next hops want (a superset of them is allowed: a node coming back).
+func watchNextHops(t *testing.T, f *Fleet, prefix netip.Prefix, want []netip.Addr) *nextHopWatch {
+	t.Helper()
+	w := &nextHopWatch{t: t, done: make(chan struct{}), out: make(chan string, 1)}
+	// Exits at stop (or at cleanup, should the test end first).
+	go func() {
+		bad := ""
+		for {
+			got, err := f.KernelNextHops(prefix)
+			if bad == "" && (err != nil || !isSubset(want, got)) {
+				bad = fmt.Sprintf("%v (%v) at %s", got, err, time.Now().Format("15:04:05.000"))
+			}
+			select {
+			case <-w.done:
+				w.out <- bad
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-w.done:
+		default:
+			close(w.done)
+			<-w.out
+		}
+	})
+	return w
+}
+
+// stop ends the watch and fails the test if the route lost one of its next hops.
+func (w *nextHopWatch) stop() {
+	w.t.Helper()
+	close(w.done)
+	if bad := <-w.out; bad != "" {
+		w.t.Errorf("the route lost next hops while it should have kept them: %s", bad)
+	}
+}
+
+func isSubset(sub, of []netip.Addr) bool {
+	for _, a := range sub {
+		if !slices.Contains(of, a) {
+			return false
+		}
+	}
+	return true
+}
+
+// waitBird waits until BIRD's routes to prefix, with their attributes, say want.
+func waitBird(t *testing.T, f *Fleet, prefix netip.Prefix, want string, within time.Duration) {
+	t.Helper()
+	var out string
+	if !waitfor.Cond(within, func() bool {
+		out, _ = f.Birdc("show route " + prefix.String() + " all")
+		return strings.Count(out, want) == len(f.Nodes)
+	}) {
+		t.Errorf("birdc show route %s all: want %q on each of the %d routes:\n%s", prefix, want, len(f.Nodes), out)
 	}
 }
