@@ -29,8 +29,32 @@ type snapshot struct {
 func (a *Agent) publish(st *state) {
 	a.snap.Store(&snapshot{cfg: st.cfg, started: st.started, running: st.running, reloads: slices.Clone(st.reloads)})
 	if a.bgp != nil {
-		a.bgp.Announce(bgp.Routes(&st.running, st.drained))
+		a.bgp.Announce(bgp.Routes(&st.running, st.drained, a.confirm(st)))
 	}
+}
+
+// confirm records which of the running backends have passed an active check
+// since the agent started, and returns that as bgp.Routes' checked. A backend
+// up by health.initial has not: a node whose backends are dead at start would
+// announce its VIPs until the checks had failed fall times. The loop publishes
+// every second, so a first pass that changes no state reaches the routes within
+// a second.
+func (a *Agent) confirm(st *state) func(id string) bool {
+	passed := make(map[string]bool, len(st.passed))
+	for _, s := range st.running.Services {
+		if !s.Config.BGP.Enabled {
+			continue
+		}
+		for _, b := range s.Backends {
+			if st.passed[b.ID] {
+				passed[b.ID] = true
+			} else if hs, ok := a.checker.Status(b.ID); ok && hs.Passes > 0 {
+				passed[b.ID] = true
+			}
+		}
+	}
+	st.passed = passed
+	return func(id string) bool { return passed[id] }
 }
 
 // Status returns the agent's state as the loop last published it, with the data

@@ -5,7 +5,8 @@
 // adds and withdraws the difference while its sessions run.
 //
 // A VIP (/32 or /128) is announced while at least one service on it has a usable
-// backend that passes its health checks, on a data plane that took it (an XDP service passed its self-test when it
+// backend that passes its health checks (and has passed one since the agent
+// started), on a data plane that took it (an XDP service passed its self-test when it
 // was placed); it is withdrawn when none has, when the node is drained, and when the
 // agent stops (the sessions end with a Cease notification). A process that dies
 // without stopping closes its TCP sessions through the kernel, so the routers
@@ -21,6 +22,7 @@ import (
 
 	"github.com/weir-lb/weir/health"
 	"github.com/weir-lb/weir/userspace/agent/plan"
+	"github.com/weir-lb/weir/userspace/config"
 )
 
 // Route is one VIP route the node announces.
@@ -44,7 +46,11 @@ func (r *Route) equal(o *Route) bool {
 
 // Routes returns the routes the node should announce for d, by prefix in config
 // order, and the VIPs it should not, with why. drained withdraws everything.
-func Routes(d *plan.Desired, drained bool) ([]Route, []Withheld) {
+// checked reports whether a backend (by its ID) has passed an active check since
+// the agent started: one that starts up (health.initial: up) counts only once a
+// check has confirmed it, so a node whose backends are dead at start never
+// announces.
+func Routes(d *plan.Desired, drained bool, checked func(id string) bool) ([]Route, []Withheld) {
 	var routes []Route
 	var withheld []Withheld
 	why := map[netip.Prefix][]string{}
@@ -61,8 +67,10 @@ func Routes(d *plan.Desired, drained bool) ([]Route, []Withheld) {
 			reason = "the node is drained (weir node undrain announces again)"
 		case !s.Installed:
 			reason = fmt.Sprintf("%s: out of the data plane: %s", s.Name(), s.Note)
-		case !usable(s):
+		case !usable(s, func(string) bool { return true }):
 			reason = s.Name() + ": no backend usable and up"
+		case !usable(s, checked):
+			reason = s.Name() + ": waiting for the first health checks of its backends"
 		}
 		j := slices.IndexFunc(routes, func(r Route) bool { return r.Prefix == p })
 		if reason != "" {
@@ -90,14 +98,16 @@ func Routes(d *plan.Desired, drained bool) ([]Route, []Withheld) {
 }
 
 // usable reports whether s has a backend that may take new flows and passes its
-// health checks: panic mode and all_down: keep_last send flows to backends that are
+// health checks (checked says which have passed one; a service without active
+// checks needs none): panic mode and all_down: keep_last send flows to backends that are
 // down, but a node whose backends are all down attracts nothing.
-func usable(s *plan.Service) bool {
+func usable(s *plan.Service, checked func(id string) bool) bool {
 	if s.AllDown {
 		return false
 	}
+	unchecked := s.Config.Health.Type != config.CheckNone
 	for _, b := range s.Backends {
-		if b.Usable && b.Health == health.Up && b.Weight > 0 && !b.Drained {
+		if b.Usable && b.Health == health.Up && b.Weight > 0 && !b.Drained && (!unchecked || checked(b.ID)) {
 			return true
 		}
 	}
