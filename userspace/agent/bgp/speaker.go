@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"math/rand/v2"
+	"net"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -173,6 +174,11 @@ func (s *Speaker) Run(ctx context.Context) error {
 	if err := srv.StartBgp(ctx, &gobgpapi.StartBgpRequest{Global: &gobgpapi.Global{
 		Asn: s.cfg.ASN, RouterId: s.cfg.RouterID.String(), ListenPort: listen}}); err != nil {
 		stop()
+		// The listener is what a host can refuse (a port another process holds):
+		// name the setting, as admin.listen and metrics.listen do.
+		if oe := (*net.OpError)(nil); errors.As(err, &oe) && oe.Op == "listen" {
+			err = fmt.Errorf("bgp.listen_port %d: %w", s.cfg.ListenPort, err)
+		}
 		return s.failed(fmt.Errorf("bgp: start: %w", err))
 	}
 	watchCtx, cancelWatch := context.WithCancel(ctx)

@@ -3,6 +3,7 @@ package bgp
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"math"
@@ -12,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -148,7 +150,7 @@ func TestSpeaker(t *testing.T) {
 }
 
 // TestSpeakerListenTaken: a listen port another process holds stops the speaker
-// with an error that status shows.
+// with an error that names the setting, which status shows.
 func TestSpeakerListenTaken(t *testing.T) {
 	l, err := net.Listen("tcp", ":0")
 	if err != nil {
@@ -160,11 +162,12 @@ func TestSpeakerListenTaken(t *testing.T) {
 	s := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := s.Run(ctx); err == nil {
-		t.Fatal("Run: got nil; want the listen port's error")
+	port := fmt.Sprintf("bgp.listen_port %d: ", cfg.ListenPort)
+	if err := s.Run(ctx); err == nil || !strings.Contains(err.Error(), port) || !errors.Is(err, syscall.EADDRINUSE) {
+		t.Fatalf("Run: got %v; want the listen port's error, naming bgp.listen_port", err)
 	}
-	if st := s.Status(); st.Error == "" {
-		t.Errorf("status: %+v; want the error", st)
+	if st := s.Status(); !strings.Contains(st.Error, port) {
+		t.Errorf("status: %+v; want the error, naming bgp.listen_port", st)
 	}
 }
 
