@@ -149,7 +149,8 @@ func (s *Speaker) SetDrain(on bool, since time.Time) {
 func (s *Speaker) Run(ctx context.Context) error {
 	lvl := &slog.LevelVar{}
 	lvl.Set(slog.LevelWarn) // GoBGP's own info lines repeat what this package logs
-	srv := server.NewBgpServer(server.LoggerOption(s.log, lvl))
+	glog := slog.New(&notifyHandler{Handler: s.log.Handler(), note: s.onNotification})
+	srv := server.NewBgpServer(server.LoggerOption(glog, lvl))
 	served := make(chan struct{})
 	// Exits when StopBgp ends the server.
 	go func() {
@@ -350,6 +351,17 @@ func (s *Speaker) onPeer(ev *apiutil.WatchEventMessage_PeerEvent, at time.Time) 
 	s.mu.Unlock()
 	if was != state {
 		s.log.Info("bgp session", "peer", addr, "state", stateName(state), "was", stateName(was), "last_error", lastErr)
+	}
+}
+
+// onNotification records a NOTIFICATION sent to or received from peer as its
+// last error, for status: "sent notification: code 2(open) subcode 2(bad peer
+// as)" for a peer whose asn is wrong.
+func (s *Speaker) onNotification(peer netip.Addr, what string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p, ok := s.peers[peer]; ok {
+		p.lastErr = what
 	}
 }
 

@@ -171,6 +171,26 @@ func TestSpeakerListenTaken(t *testing.T) {
 	}
 }
 
+// TestSpeakerWrongPeerASN: a peer whose AS is not the configured asn never
+// comes up, and status says why: the OPEN the speaker refused.
+func TestSpeakerWrongPeerASN(t *testing.T) {
+	_, port := router(t, 65000)
+	cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"),
+		Peers: []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: 65009, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
+	s := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	run(t, s)
+	var got api.PeerStatus
+	if !waitfor.Cond(15*time.Second, func() bool {
+		got = s.Status().Peers[0]
+		return strings.Contains(got.LastError, "bad peer as")
+	}) {
+		t.Errorf("peer status: got %+v; want the refused OPEN (bad peer as) as its last error", got)
+	}
+	if got.State == "established" {
+		t.Errorf("peer state: got established; want a session to a peer of the wrong AS refused")
+	}
+}
+
 // TestSpeakerLocalPref: LOCAL_PREF reaches iBGP peers only: the service's
 // local_pref, or 100 when it has none; an eBGP peer gets no LOCAL_PREF at all.
 func TestSpeakerLocalPref(t *testing.T) {
