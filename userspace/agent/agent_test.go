@@ -58,7 +58,9 @@ func TestRestartOnlyNamesTheField(t *testing.T) {
 		{"bgp", bgp + svc, strings.Replace(bgp, "65001", "65002", 1) + svc, []string{"bgp.asn: changed from 65001 to 65002"}},
 		{"bgp added", svc, bgp + svc, []string{"bgp: added; restart weir to apply"}},
 		{"bgp removed", bgp + svc, svc, []string{"bgp: removed; restart weir to apply"}},
-		{"bgp peer", bgp + svc, strings.Replace(bgp, "s3cret", "other", 1) + svc, []string{"bgp.peers: changed; restart weir to apply"}},
+		{"bgp peer password", bgp + svc, strings.Replace(bgp, "s3cret", "other", 1) + svc, []string{"bgp.peers[0].password: changed; restart weir to apply"}},
+		{"bgp peer asn", bgp + svc, strings.Replace(bgp, "asn: 65000", "asn: 65010", 1) + svc, []string{"bgp.peers[0].asn: changed from 65000 to 65010; restart weir to apply"}},
+		{"bgp peer address", bgp + svc, strings.Replace(bgp, "10.0.0.254", "10.0.0.253", 1) + svc, []string{"bgp.peers[0].address: changed from 10.0.0.254 to 10.0.0.253"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			err := restartOnly(parse(c.old), parse(c.next))

@@ -355,8 +355,21 @@ func restartOnly(old, next *config.Config) error {
 	fixed("bgp.listen_port", b.ListenPort, c.ListenPort)
 	fixed("bgp.next_hop", b.NextHop, c.NextHop)
 	fixed("bgp.drain_timeout", b.DrainTimeout, c.DrainTimeout)
-	if !reflect.DeepEqual(b.Peers, c.Peers) {
-		errs = append(errs, errors.New("bgp.peers: changed; restart weir to apply (services' bgp policies reload)"))
+	if len(b.Peers) != len(c.Peers) {
+		errs = append(errs, fmt.Errorf("bgp.peers: changed from %d to %d peers; restart weir to apply (services' bgp policies reload)", len(b.Peers), len(c.Peers)))
+	} else {
+		for i := range b.Peers {
+			p, q, at := b.Peers[i], c.Peers[i], fmt.Sprintf("bgp.peers[%d]", i)
+			fixed(at+".address", p.Address, q.Address)
+			fixed(at+".asn", p.ASN, q.ASN)
+			fixed(at+".port", p.Port, q.Port)
+			fixed(at+".hold_time", p.HoldTime, q.HoldTime)
+			fixed(at+".keepalive", p.Keepalive, q.Keepalive)
+			fixed(at+".multihop", p.Multihop, q.Multihop)
+			if p.Password != q.Password {
+				errs = append(errs, fmt.Errorf("%s.password: changed; restart weir to apply", at))
+			}
+		}
 	}
 	// A setting not named above still holds a reload back.
 	if len(errs) == 0 && (old.XDP != next.XDP || old.Admin != next.Admin || old.Metrics != next.Metrics ||
