@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"math"
 	"net"
 	"net/netip"
@@ -33,7 +34,13 @@ import (
 // is asn; the speaker's is 65001 (eBGP unless asn is 65001 too).
 func router(t *testing.T, asn uint32) (*server.BgpServer, uint16) {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	return routerAt(t, asn, "127.0.0.1")
+}
+
+// routerAt is router listening at addr, for a speaker at the same address.
+func routerAt(t *testing.T, asn uint32, addr string) (*server.BgpServer, uint16) {
+	t.Helper()
+	l, err := net.Listen("tcp", net.JoinHostPort(addr, "0"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -43,11 +50,11 @@ func router(t *testing.T, asn uint32) (*server.BgpServer, uint16) {
 	done := make(chan struct{})
 	go func() { defer close(done); r.Serve() }() // exits at StopBgp
 	if err := r.StartBgp(context.Background(), &gobgpapi.StartBgpRequest{Global: &gobgpapi.Global{
-		Asn: asn, RouterId: "127.0.0.2", ListenPort: int32(port), ListenAddresses: []string{"127.0.0.1"}}}); err != nil {
+		Asn: asn, RouterId: "127.0.0.2", ListenPort: int32(port), ListenAddresses: []string{addr}}}); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.AddPeer(context.Background(), &gobgpapi.AddPeerRequest{Peer: &gobgpapi.Peer{
-		Conf:      &gobgpapi.PeerConf{NeighborAddress: "127.0.0.1", PeerAsn: 65001},
+		Conf:      &gobgpapi.PeerConf{NeighborAddress: addr, PeerAsn: 65001},
 		Transport: &gobgpapi.Transport{PassiveMode: true},
 		AfiSafis: []*gobgpapi.AfiSafi{
 			{Config: &gobgpapi.AfiSafiConfig{Family: &gobgpapi.Family{Afi: gobgpapi.Family_AFI_IP, Safi: gobgpapi.Family_SAFI_UNICAST}, Enabled: true}},
@@ -169,6 +176,47 @@ func TestSpeakerListenTaken(t *testing.T) {
 	if st := s.Status(); !strings.Contains(st.Error, port) {
 		t.Errorf("status: %+v; want the error, naming bgp.listen_port", st)
 	}
+}
+
+// TestSpeakerIPv6Session: over a session to an IPv6 peer, an IPv6 VIP goes with
+// the session's own address as next hop, and an IPv4 VIP with the configured
+// IPv4 next_hop.
+func TestSpeakerIPv6Session(t *testing.T) {
+	r, port := routerAt(t, 65000, "::1")
+	cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"),
+		NextHop: []netip.Addr{netip.MustParseAddr("192.0.2.1")},
+		Peers:   []config.Peer{{Address: netip.MustParseAddr("::1"), ASN: 65000, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
+	s := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	run(t, s)
+	v4, v6 := netip.MustParsePrefix("10.80.100.1/32"), netip.MustParsePrefix("fd80:100::1/128")
+	s.Announce([]Route{{Prefix: v4, Services: []string{"web"}}, {Prefix: v6, Services: []string{"web6"}}}, nil)
+	want := map[netip.Prefix]string{v4: "192.0.2.1", v6: "::1"}
+	got := map[netip.Prefix]string{}
+	if !waitfor.Cond(10*time.Second, func() bool {
+		for _, fam := range []bgp.Family{bgp.RF_IPv4_UC, bgp.RF_IPv6_UC} {
+			r.ListPath(apiutil.ListPathRequest{TableType: gobgpapi.TableType_TABLE_TYPE_GLOBAL, Family: fam}, func(nlri bgp.NLRI, paths []*apiutil.Path) {
+				if p, err := netip.ParsePrefix(nlri.String()); err == nil && len(paths) > 0 {
+					got[p] = nextHop(paths[0])
+				}
+			})
+		}
+		return maps.Equal(got, want)
+	}) {
+		t.Errorf("the router learnt %v; want %v", got, want)
+	}
+}
+
+// nextHop is p's next hop, from NEXT_HOP or MP_REACH_NLRI.
+func nextHop(p *apiutil.Path) string {
+	for _, a := range p.Attrs {
+		switch a := a.(type) {
+		case *bgp.PathAttributeNextHop:
+			return a.Value.String()
+		case *bgp.PathAttributeMpReachNLRI:
+			return a.Nexthop.String()
+		}
+	}
+	return ""
 }
 
 // TestSpeakerWrongPeerASN: a peer whose AS is not the configured asn never
