@@ -63,6 +63,8 @@ func TestRoutes(t *testing.T) {
 		{"without active checks nothing is waited for", []plan.Service{noChecks}, false,
 			[]Route{withServices(v4policy, "web")}, nil},
 		{"announce false is never announced nor listed", []plan.Service{svc("web", "10.80.100.1:80", false, up)}, false, nil, nil},
+		{"announce false beside a service that announces the address", []plan.Service{svc("web", "10.80.100.1:80", true, up), svc("quiet", "10.80.100.1:81", false, down)}, false,
+			[]Route{withServices(v4policy, "web")}, nil},
 		{"one of two services on a VIP keeps it up", []plan.Service{svc("web", "10.80.100.1:80", true, down), svc("tls", "10.80.100.1:443", true, up)}, false,
 			[]Route{withServices(v4policy, "tls")}, nil},
 		{"both services on a VIP", []plan.Service{svc("web", "10.80.100.1:80", true, up), svc("tls", "10.80.100.1:443", true, up)}, false,
