@@ -8,15 +8,18 @@ import (
 	"github.com/osrg/gobgp/v4/pkg/packet/bgp"
 )
 
-// notifyHandler stands between GoBGP and the speaker's logger: it passes every
-// record on, and hands each NOTIFICATION GoBGP logs that it sent or received to
-// note, with the peer it names (GoBGP's "Key" attribute). GoBGP v4 refuses an
-// OPEN on its outgoing connection (a wrong peer AS, say) without a peer state
-// change, so its log is the only place that says why a session never comes up.
+// notifyHandler stands between GoBGP and the speaker's logger: it passes on the
+// records at level or above (GoBGP's LoggerOption takes a level but leaves the
+// filtering to the logger), and hands each NOTIFICATION GoBGP logs that it sent
+// or received to note, with the peer it names (GoBGP's "Key" attribute). GoBGP
+// v4 refuses an OPEN on its outgoing connection (a wrong peer AS, say) without a
+// peer state change, so its log is the only place that says why a session never
+// comes up.
 type notifyHandler struct {
 	slog.Handler
-	peer netip.Addr // the "Key" attribute WithAttrs gave it
-	note func(peer netip.Addr, what string)
+	level slog.Leveler
+	peer  netip.Addr // the "Key" attribute WithAttrs gave it
+	note  func(peer netip.Addr, what string)
 }
 
 func (h *notifyHandler) Enabled(ctx context.Context, l slog.Level) bool {
@@ -43,7 +46,7 @@ func (h *notifyHandler) Handle(ctx context.Context, r slog.Record) error {
 			h.note(peer.Unmap(), r.Message+": "+bgp.NewNotificationErrorCode(uint8(code), uint8(subcode)).String())
 		}
 	}
-	if !h.Handler.Enabled(ctx, r.Level) {
+	if r.Level < h.level.Level() || !h.Handler.Enabled(ctx, r.Level) {
 		return nil
 	}
 	return h.Handler.Handle(ctx, r)

@@ -149,7 +149,7 @@ func (s *Speaker) SetDrain(on bool, since time.Time) {
 func (s *Speaker) Run(ctx context.Context) error {
 	lvl := &slog.LevelVar{}
 	lvl.Set(slog.LevelWarn) // GoBGP's own info lines repeat what this package logs
-	glog := slog.New(&notifyHandler{Handler: s.log.Handler(), note: s.onNotification})
+	glog := slog.New(&notifyHandler{Handler: s.log.Handler(), level: lvl, note: s.onNotification})
 	srv := server.NewBgpServer(server.LoggerOption(glog, lvl))
 	served := make(chan struct{})
 	// Exits when StopBgp ends the server.
@@ -359,9 +359,14 @@ func (s *Speaker) onPeer(ev *apiutil.WatchEventMessage_PeerEvent, at time.Time) 
 // as)" for a peer whose asn is wrong.
 func (s *Speaker) onNotification(peer netip.Addr, what string) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if p, ok := s.peers[peer]; ok {
+	p, ok := s.peers[peer]
+	same := ok && p.lastErr == what
+	if ok {
 		p.lastErr = what
+	}
+	s.mu.Unlock()
+	if ok && !same {
+		s.log.Info("bgp notification", "peer", peer, "notification", what)
 	}
 }
 

@@ -220,12 +220,14 @@ func nextHop(p *apiutil.Path) string {
 }
 
 // TestSpeakerWrongPeerASN: a peer whose AS is not the configured asn never
-// comes up, and status says why: the OPEN the speaker refused.
+// comes up, and status and the log say why: the OPEN the speaker refused. The
+// log has none of GoBGP's own info lines.
 func TestSpeakerWrongPeerASN(t *testing.T) {
 	_, port := router(t, 65000)
 	cfg := config.BGP{ASN: 65001, RouterID: netip.MustParseAddr("127.0.0.1"),
 		Peers: []config.Peer{{Address: netip.MustParseAddr("127.0.0.1"), ASN: 65009, Port: port, HoldTime: 3 * time.Second, Keepalive: time.Second}}}
-	s := New(cfg, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	log := &lineLog{}
+	s := New(cfg, slog.New(log))
 	run(t, s)
 	var got api.PeerStatus
 	if !waitfor.Cond(15*time.Second, func() bool {
@@ -236,6 +238,14 @@ func TestSpeakerWrongPeerASN(t *testing.T) {
 	}
 	if got.State == "established" {
 		t.Errorf("peer state: got established; want a session to a peer of the wrong AS refused")
+	}
+	if n := log.of("bgp notification"); len(n) == 0 || attr(n[0], "notification") != "sent notification: code 2(open) subcode 2(bad peer as)" {
+		t.Errorf("log: got %v; want the refused OPEN first", n)
+	}
+	for _, gobgp := range []string{"Add a peer configuration", "sent notification", "starting outgoing connection manager"} {
+		if n := log.of(gobgp); len(n) > 0 {
+			t.Errorf("log: got GoBGP's info line %q; want none", gobgp)
+		}
 	}
 }
 
