@@ -960,3 +960,52 @@ func TestStartWithBackendsDown(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestWrongASN: node 0's bgp.asn is not the one the router expects. BIRD refuses
+// its session and logs why; node 0's status shows the refusal; the other nodes
+// carry the VIP.
+func TestWrongASN(t *testing.T) {
+	heavy.Alone(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	f := start(t, Options{})
+	if err := f.WriteConfigs(ServiceOptions{Mode: "dsr", VIP: topo.FleetVIP4, Backends: f.T.DSR, HashSeed: 7}); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := os.ReadFile(f.Nodes[0].Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	own := fmt.Sprintf("  asn: %d\n", NodeASN)
+	if !strings.Contains(string(cfg), own) {
+		t.Fatalf("node 0's config has no %q", own)
+	}
+	if err := os.WriteFile(f.Nodes[0].Config, []byte(strings.Replace(string(cfg), own, fmt.Sprintf("  asn: %d\n", NodeASN+1), 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	startAgents(t, ctx, f)
+	if _, err := f.WaitNextHops(ctx, vip4, f.NodeIPs(1, 2), 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	var peer api.PeerStatus
+	if !waitfor.Cond(15*time.Second, func() bool {
+		st, err := f.Nodes[0].Client.Status(ctx)
+		if err != nil || st.BGP == nil || len(st.BGP.Peers) != 1 {
+			return false
+		}
+		peer = st.BGP.Peers[0]
+		return peer.LastError != ""
+	}) {
+		t.Errorf("node 0's peer: got %+v; want the refusal as its last error", peer)
+	}
+	t.Logf("node 0's peer: %s, last error %q", peer.State, peer.LastError)
+	if !waitfor.Cond(5*time.Second, func() bool { return strings.Contains(f.BirdLog(), "Bad peer AS") }) {
+		t.Errorf("bird log: want Bad peer AS:\n%s", f.BirdLog())
+	}
+	for _, l := range strings.Split(f.BirdLog(), "\n") {
+		if strings.Contains(l, "Bad peer AS") {
+			t.Logf("bird: %s", l)
+			break
+		}
+	}
+}
