@@ -60,7 +60,8 @@ static __always_inline int icmp_apply(struct xdp_md *ctx, struct packet *p, cons
 	} else if (data + in4 + 8 <= data_end && within_ip(p, in4, 8)) {
 		l4check = data + in4 + 6;
 	}
-	if (l4check && !(flow->proto == IPPROTO_UDP && v4 && *l4check == 0)) {
+	// A quoted UDP checksum of zero stays zero, as nat_rewrite leaves it.
+	if (l4check && !(flow->proto == IPPROTO_UDP && *l4check == 0)) {
 		__u16 old = *l4check, fresh;
 
 		s = csum_start(old);

@@ -194,9 +194,11 @@ static __always_inline int nat_rewrite(struct xdp_md *ctx, struct packet *p,
 		check = &udp->check;
 	}
 
-	// The L4 checksum: addresses (pseudo-header) and ports. An IPv4 UDP checksum of
-	// zero means "none" and stays zero.
-	if (!(p->flow.proto == IPPROTO_UDP && p->flow.family == FAMILY_IPV4 && *check == 0)) {
+	// The L4 checksum: addresses (pseudo-header) and ports. A UDP checksum of zero
+	// stays zero, as Linux's own NAT leaves it: over IPv4 it means "none"; over IPv6
+	// only a receiver that allows it takes it (RFC 6936, tunnels over UDP), and
+	// updated it would become a wrong non-zero checksum that no receiver takes.
+	if (!(p->flow.proto == IPPROTO_UDP && *check == 0)) {
 		sum = csum_start(*check);
 		for (int i = 0; i < 4; i++) {
 			if (i >= words)

@@ -720,7 +720,7 @@ func (r *run) natRewrite(p *modelPacket, src [4]uint32, sport uint16, dst [4]uin
 		}
 		check = l4 + 6
 	}
-	if !(p.flow.Proto == protoUDP && p.flow.Family == familyIPv4 && r.ld16(check) == 0) {
+	if !(p.flow.Proto == protoUDP && r.ld16(check) == 0) {
 		sum := csumStart(r.ld16(check))
 		for i := range words {
 			sum = csumAdd32(sum, p.flow.Src[i], src[i])
@@ -1407,7 +1407,7 @@ func (r *run) icmpApply(p *modelPacket, flow *bpf.WeirFlowKey, in3, in4 uint32, 
 	} else if r.fits(in4, 8) && withinIP(p, in4, 8) {
 		l4check, haveCheck = in4+6, true
 	}
-	if haveCheck && !(flow.Proto == protoUDP && v4 && r.ld16(l4check) == 0) {
+	if haveCheck && !(flow.Proto == protoUDP && r.ld16(l4check) == 0) {
 		old := r.ld16(l4check)
 		s := csumStart(old)
 		for i := range words {

@@ -246,6 +246,7 @@ var fuzzSeeds = []struct {
 	{"nat udp v4 zero checksum", []byte{0, 5, 0, 0, 0, 0x08, 0, 3}},
 	{"nat tcp v6", []byte{0, 6, 0, 0, packet.ACK}},
 	{"nat udp v6", []byte{0, 7, 0, 0, 0, 0, 0, 9}},
+	{"nat udp v6 zero checksum", []byte{0, 7, 0, 0, 0, 0x08, 0, 9}},
 	{"nat known flow, refreshed", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 1}},
 	{"nat known flow, backend's next hop cached", []byte{0, 4, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0x01}},
 	{"nat known flow, backend's next hop cached on wf0", []byte{0, 6, 0, 0, packet.ACK, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0x02}},

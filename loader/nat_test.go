@@ -773,3 +773,82 @@ func TestNATVLAN(t *testing.T) {
 		})
 	}
 }
+
+// TestNATUDPZeroChecksum: a UDP checksum of zero stays zero when a nat flow's
+// datagram is translated, each way and in an ICMP error's quote, in both families.
+// Over IPv4 zero means "no checksum"; over IPv6 it is one only a receiver that
+// allows it takes (RFC 6936, tunnels over UDP), and an incremental update would make
+// it a wrong non-zero checksum that no receiver takes. Expected frames are built
+// from scratch with the checksum zeroed.
+func TestNATUDPZeroChecksum(t *testing.T) {
+	tp, p := natRig(t, 1)
+	be := tp.Backends[0]
+	for _, v6 := range []bool{false, true} {
+		t.Run(map[bool]string{false: "v4", true: "v6"}[v6], func(t *testing.T) {
+			client, vip, lb, backendIP, l4 := tp.Client.IP4, tp.VIP4, tp.Balancer.IP4, be.IP4, 14+20
+			icmpProto, errType, errCode := uint8(packet.ProtoICMP), uint8(3), uint8(3)
+			if v6 {
+				client, vip, lb, backendIP, l4 = tp.Client.IP6, tp.VIP6, tp.Balancer.IP6, be.IP6, 14+40
+				icmpProto, errType, errCode = packet.ProtoICMPv6, 1, 4
+			}
+			backend := netip.AddrPortFrom(backendIP, 7100)
+			svc := Service{Key: ServiceKey{netip.AddrPortFrom(vip, 7100), UDP}, Forwarding: ForwardNAT,
+				Backends: []Backend{{Addr: backend, Weight: 1, Usable: true}}}
+			if err := p.AddService(svc); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				if err := p.DeleteService(svc.Key); err != nil {
+					t.Error(err)
+				}
+			})
+			// noSum is f's frame with its UDP checksum zeroed, after an Ethernet
+			// header of 14 bytes.
+			noSum := func(f packet.Frame) []byte {
+				b := f.Build()
+				binary.BigEndian.PutUint16(b[l4+6:], 0)
+				return b
+			}
+			run := func(what string, in, want []byte) []byte {
+				t.Helper()
+				action, out := runIn(t, tp, p, in)
+				if action != XDPTX {
+					t.Fatalf("%s: action %s; want XDP_TX", what, action)
+				}
+				if want != nil && !bytes.Equal(out, want) {
+					t.Fatalf("%s\n got %x\nwant %x", what, out, want)
+				}
+				return out
+			}
+
+			in := packet.Frame{SrcMAC: tp.Client.MAC, DstMAC: tp.Balancer.MAC, Proto: packet.ProtoUDP,
+				Src: netip.AddrPortFrom(client, 41000), Dst: svc.Key.VIP, Payload: []byte("hello")}
+			out := run("the client's datagram", noSum(in), nil)
+			natPort := binary.BigEndian.Uint16(out[l4:])
+			fwd := in
+			fwd.SrcMAC, fwd.DstMAC = tp.Balancer.MAC, be.MAC
+			fwd.Src, fwd.Dst = netip.AddrPortFrom(lb, natPort), backend
+			if want := noSum(fwd); !bytes.Equal(out, want) {
+				t.Fatalf("the client's datagram\n got %x\nwant %x", out, want)
+			}
+
+			reply := packet.Frame{SrcMAC: be.MAC, DstMAC: tp.Balancer.MAC, Proto: packet.ProtoUDP,
+				Src: backend, Dst: netip.AddrPortFrom(lb, natPort), Payload: []byte("world!")}
+			back := reply
+			back.SrcMAC, back.DstMAC = tp.Balancer.MAC, tp.Client.MAC
+			back.Src, back.Dst = svc.Key.VIP, netip.AddrPortFrom(client, 41000)
+			run("the backend's answer", noSum(reply), noSum(back))
+
+			// The backend's "port unreachable" quotes the datagram as it got it; the
+			// client gets it quoting the datagram it sent.
+			quote := func(b []byte) []byte { return b[14:] }
+			icmpIn := packet.Frame{SrcMAC: be.MAC, DstMAC: tp.Balancer.MAC, Proto: icmpProto,
+				Src: netip.AddrPortFrom(backendIP, 0), Dst: netip.AddrPortFrom(lb, 0),
+				ICMP: &packet.ICMP{Type: errType, Code: errCode, Quote: quote(noSum(fwd))}}
+			icmpOut := packet.Frame{SrcMAC: tp.Balancer.MAC, DstMAC: tp.Client.MAC, Proto: icmpProto,
+				Src: netip.AddrPortFrom(vip, 0), Dst: netip.AddrPortFrom(client, 0),
+				ICMP: &packet.ICMP{Type: errType, Code: errCode, Quote: quote(noSum(in))}}
+			run("the backend's port unreachable", icmpIn.Build(), icmpOut.Build())
+		})
+	}
+}
