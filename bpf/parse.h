@@ -5,7 +5,7 @@
 // is passed untouched (the kernel's own checks drop it); a packet to a VIP address
 // that cannot be balanced (fragment, truncated or inconsistent L4 header: a TCP data
 // offset or UDP length short of the header or past the IP packet; unwalkable IPv6
-// extension chain) is dropped and counted; anything else not to a service is passed untouched.
+// extension chain, or a routing header with segments left) is dropped and counted; anything else not to a service is passed untouched.
 // Nothing that fails a check is ever forwarded.
 #pragma once
 
@@ -161,7 +161,10 @@ static __always_inline int parse_ipv4(void *data, void *data_end, __u32 off, str
 // ipv6_skip_ext walks the hop-by-hop, routing and destination-options headers (at
 // most MAX_IPV6_EXT_HDRS) from *off, the first of type next, and leaves *off at the
 // header after them. It returns that header's type, or -1 when one is cut off by the
-// frame's end.
+// frame's end. It stops at a routing header with segments left, and returns its
+// type: the packet's destination address is a waypoint, not where it is going, nor
+// the address its TCP/UDP checksum covers (RFC 8200 4.4, 8.1), so it is no flow's
+// packet to a VIP.
 static __always_inline int ipv6_skip_ext(void *data, void *data_end, __u32 *off, __u8 next)
 {
 #pragma unroll
@@ -173,6 +176,14 @@ static __always_inline int ipv6_skip_ext(void *data, void *data_end, __u32 *off,
 		ext = data + *off;
 		if ((void *)(ext + 1) > data_end)
 			return -1;
+		if (next == IPPROTO_ROUTING) {
+			struct ipv6_rt_hdr *rt = (void *)ext;
+
+			if ((void *)(rt + 1) > data_end)
+				return -1;
+			if (rt->segments_left)
+				break;
+		}
 		next = ext->nexthdr;
 		*off += (ext->hdrlen + 1) * 8;
 	}
@@ -205,6 +216,7 @@ static __always_inline int parse_ipv6(void *data, void *data_end, __u32 off, str
 		return vip_address_verdict(p, STAT_DROP_IPV6_EXT);
 	if (next == IPPROTO_FRAGMENT)
 		return vip_address_verdict(p, STAT_DROP_FRAGMENT);
+	// Past the headers walked, a routing header with segments left, AH or ESP.
 	if (next == IPPROTO_HOPOPTS || next == IPPROTO_ROUTING || next == IPPROTO_DSTOPTS ||
 	    next == IPPROTO_AH || next == IPPROTO_ESP)
 		return vip_address_verdict(p, STAT_DROP_IPV6_EXT);

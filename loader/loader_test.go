@@ -349,6 +349,19 @@ func TestFixtures(t *testing.T) {
 			f.IPv6ExtHeaders = []uint8{packet.ProtoHopOpts, packet.ProtoDstOpts, packet.ProtoRouting, packet.ProtoDstOpts, packet.ProtoDstOpts}
 		}).Build(), ReasonDropIPv6Extension),
 		pass("truncated ipv6 header", tcp6(40018, packet.SYN).Build()[:14+30], ReasonPassMalformedL3),
+		// A routing header with segments left makes the VIP a waypoint, not the
+		// packet's destination (nor the one its TCP checksum covers, RFC 8200 8.1).
+		// One whose segments are all visited is walked past like any other.
+		dsr("ipv6 routing header, no segments left", svc6, with(tcp6(40027, packet.SYN), func(f *packet.Frame) {
+			f.IPv6ExtHeaders = []uint8{packet.ProtoRouting}
+		})),
+		drop("ipv6 routing header with segments left to vip", func() []byte {
+			b := with(tcp6(40028, packet.SYN), func(f *packet.Frame) {
+				f.IPv6ExtHeaders = []uint8{packet.ProtoDstOpts, packet.ProtoRouting}
+			}).Build()
+			b[14+40+8+2], b[14+40+8+3] = 4, 1 // a segment routing header, one segment left
+			return b
+		}(), ReasonDropIPv6Extension),
 		// A router on the way back to the client could not pass on the backend's
 		// answer (VIP -> client): its error, to the VIP, goes to the flow's backend
 		// as it came, so the backend's socket lowers its path MTU.

@@ -157,6 +157,7 @@ const (
 	tcpHeaderLen         = 20
 	udpHeaderLen         = 8
 	ipv6OptHeaderMinLen  = 2
+	ipv6RoutingMinLen    = 4 // through segments left
 	maxICMPQuote         = 200
 	maxICMPChecked       = 4096 // MAX_ICMP_CHECKED
 	protoIPIP            = 4    // IPv4 inside (tunnel.h IPPROTO_IPIP_)
@@ -333,7 +334,8 @@ func (r *run) parseIPv4(off uint32, p *modelPacket) int {
 
 // ipv6SkipExt is parse.h's ipv6_skip_ext: the offset and type of the header after
 // the hop-by-hop, routing and destination-options headers from off (the first of
-// type next); false when one is cut off by the frame's end.
+// type next), stopping at a routing header with segments left; false when one is
+// cut off by the frame's end.
 func (r *run) ipv6SkipExt(off uint32, next uint8) (uint32, uint8, bool) {
 	for range maxIPv6ExtHeaders {
 		if next != protoHopOpts && next != protoRouting && next != protoDstOpts {
@@ -341,6 +343,14 @@ func (r *run) ipv6SkipExt(off uint32, next uint8) (uint32, uint8, bool) {
 		}
 		if !r.fits(off, ipv6OptHeaderMinLen) {
 			return off, next, false
+		}
+		if next == protoRouting {
+			if !r.fits(off, ipv6RoutingMinLen) {
+				return off, next, false
+			}
+			if r.b[off+3] != 0 { // segments left
+				break
+			}
 		}
 		next = r.b[off]
 		off += (uint32(r.b[off+1]) + 1) * 8

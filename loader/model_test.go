@@ -231,6 +231,8 @@ var fuzzSeeds = []struct {
 	{"truncated udp header not to vip", []byte{0, 10, 0, 0, 0, 0, 0, 0, 7, 0, 44}},
 	{"truncated udp header to vip, v6", []byte{0, 7, 0, 0, 0, 0, 0, 0, 7, 0, 44}},
 	{"truncated ipv6 header", []byte{0, 3, 0, 0, packet.SYN, 0, 0, 0, 1, 0, 30}},
+	{"ipv6 routing header with segments left to vip", []byte{0, 3, 0, 0, packet.SYN, 0, 1, 1, 0, 4, 0, 14 + 40 + 3, 1}},
+	{"ipv6 routing header with segments left to vip, nat", []byte{0, 6, 0, 0, packet.SYN, 0, 1, 1, 0, 4, 0, 14 + 40 + 3, 1}},
 	{"ipv4 ihl below 5", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 2, 0x44}},
 	{"ipv4 version 6 in an ipv4 frame", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 2, 0x65}},
 	{"ipv4 ihl past total length", []byte{0, 0, 0, 0, packet.SYN, 0, 0, 0, 2, 0x4f}},
