@@ -27,7 +27,8 @@ import (
 // (BPF_PROG_TEST_RUN) and through the Go model (model_sim_test.go), from the same map
 // contents, and fails on any difference: verdict, output bytes, counters by reason,
 // per-service, per-backend and per-backend flow counters, and the connection and
-// nat reverse tables afterwards.
+// nat reverse tables afterwards; and it judges every frame the program changed by
+// its checksums, computed from scratch (checkChecksums).
 //
 // Each input starts from empty connection and nat reverse tables plus the entries the
 // input asks for (a known flow, a port held by another flow, a reply's reverse
@@ -169,6 +170,9 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"nat reply to a client on vlan 7", ReasonNATReply},
 		{"nat tagged reply to an untagged client", ReasonNATReply},
 		{"nat tagged reply to a client on vlan 7", ReasonNATReply},
+		{"nat udp v6 zero checksum", ReasonDropNoRoute},
+		{"ipv6 routing header with segments left to vip", ReasonDropIPv6Extension},
+		{"ipv6 routing header with segments left to vip, nat", ReasonDropIPv6Extension},
 	} {
 		t.Run(tc.seed, func(t *testing.T) {
 			i := slices.IndexFunc(fuzzSeeds, func(s struct {
@@ -975,6 +979,9 @@ func (rig *fuzzRig) check(t *testing.T, in []byte) Outcome {
 	if !bytes.Equal(res.out, want.Frame) {
 		report("output frame differs")
 	}
+	if err := checkChecksums(c.frame, res.out, res.action); err != nil {
+		report("%v", err)
+	}
 
 	wantCounts := func(n int, ids []uint32) []Counter {
 		out := make([]Counter, n)
@@ -1132,7 +1139,8 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 //	2  client address (and, for replies and ICMP, backend)
 //	3  source port: < 128 picks fuzzSports, else 1024 + 7n
 //	4  TCP flags; for ICMP targets the type (low 3 bits) and code (high bits)
-//	5  bit 0 VLAN tag, 1 more fragments, 2 fragment offset, 3 UDP checksum 0,
+//	5  bit 0 VLAN tag, 1 more fragments, 2 fragment offset, 3 UDP checksum 0 (IPv6:
+//	   without extension headers),
 //	   bits 4-7 IPv4 option words (mod 11)
 //	6  IPv6 extension headers (mod 7), then one byte each: type (low 3 bits,
 //	   fuzzExtTypes) and length in 8-byte units (high 5 bits; 30 and 31 mean 70)
@@ -1324,7 +1332,7 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 		f.ICMP = icmp
 		clientFlow = flowKeyOf(netip.AddrPortFrom(client, sport), svc.Key.VIP, tg.proto)
 	}
-	if opts&8 != 0 && tg.proto == packet.ProtoUDP && !tg.v6 && tg.kind != icmpBackend && tg.kind != icmpClient {
+	if opts&8 != 0 && tg.proto == packet.ProtoUDP && (!tg.v6 || len(ext) == 0) && tg.kind != icmpBackend && tg.kind != icmpClient {
 		defer func() { // the UDP checksum is written by Build; zero it afterwards
 			if l4 := l4Offset(c.frame); l4 > 0 && l4+8 <= len(c.frame) {
 				c.frame[l4+6], c.frame[l4+7] = 0, 0
