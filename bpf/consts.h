@@ -139,6 +139,7 @@ enum stat_reason {
 	STAT_NAT_TOO_BIG,          // nat: too big for the route to the backend; ICMP error sent back
 	STAT_ICMP_TO_BACKEND,      // dsr/tunnel: an ICMP error quoting a flow's reply, sent on to its backend
 	STAT_DROP_ICMP_CHECKSUM,   // nat/dsr/tunnel: an ICMP error quoting a flow, its ICMP (or quoted IPv4 header's, without options) checksum wrong
+	STAT_PASS_L2_GROUP,        // an IP packet in a frame to a group (broadcast, multicast) MAC: not sent to this host alone
 	STAT_MAX,
 };
 

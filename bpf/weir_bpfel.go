@@ -195,7 +195,8 @@ const (
 	WeirStatReasonSTAT_NAT_TOO_BIG         WeirStatReason = 29
 	WeirStatReasonSTAT_ICMP_TO_BACKEND     WeirStatReason = 30
 	WeirStatReasonSTAT_DROP_ICMP_CHECKSUM  WeirStatReason = 31
-	WeirStatReasonSTAT_MAX                 WeirStatReason = 32
+	WeirStatReasonSTAT_PASS_L2GROUP        WeirStatReason = 32
+	WeirStatReasonSTAT_MAX                 WeirStatReason = 33
 )
 
 type WeirVipKey struct {

@@ -262,6 +262,14 @@ func TestFixtures(t *testing.T) {
 		pass("vip wrong port", with(tcp4(40006, packet.SYN), func(f *packet.Frame) { f.Dst = netip.AddrPortFrom(vip4, 81) }).Build(), ReasonPassNotService),
 		pass("vip wrong protocol", with(tcp4(40007, 0), func(f *packet.Frame) { f.Proto = packet.ProtoUDP }).Build(), ReasonPassNotService),
 		pass("icmp to vip", with(tcp4(0, 0), func(f *packet.Frame) { f.Proto = packet.ProtoICMP; f.Payload = make([]byte, 8) }).Build(), ReasonPassNotService),
+		// A frame to a group MAC (broadcast, multicast) was not sent to this host
+		// alone, and its destination is no source MAC to send from.
+		pass("tcp to vip in a broadcast frame", with(tcp4(40029, packet.SYN), func(f *packet.Frame) {
+			f.DstMAC = net.HardwareAddr{0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
+		}).Build(), ReasonPassL2Group),
+		pass("tcp to vip in a multicast frame, vlan tagged", with(tcp6(40030, packet.SYN), func(f *packet.Frame) {
+			f.DstMAC, f.VLAN = net.HardwareAddr{0x33, 0x33, 0, 0, 0, 1}, 7
+		}).Build(), ReasonPassL2Group),
 		pass("arp", append(append(append([]byte{}, lbMAC...), clientMAC...), append([]byte{0x08, 0x06}, make([]byte, 28)...)...), ReasonPassNotIP),
 		// BPF_PROG_TEST_RUN refuses frames shorter than an Ethernet header (as no NIC
 		// delivers them), so the shortest frames tried are a bare header and a cut tag.

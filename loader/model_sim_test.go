@@ -303,13 +303,16 @@ func (r *run) parse(p *modelPacket) int {
 		off += vlanHeaderLen
 	}
 	p.l3 = off
-	switch proto {
-	case etherTypeIPv4:
-		return r.parseIPv4(off, p)
-	case etherTypeIPv6:
-		return r.parseIPv6(off, p)
+	if proto != etherTypeIPv4 && proto != etherTypeIPv6 {
+		return r.verdict(XDPPass, ReasonPassNotIP)
 	}
-	return r.verdict(XDPPass, ReasonPassNotIP)
+	if r.b[0]&1 != 0 { // a group MAC
+		return r.verdict(XDPPass, ReasonPassL2Group)
+	}
+	if proto == etherTypeIPv4 {
+		return r.parseIPv4(off, p)
+	}
+	return r.parseIPv6(off, p)
 }
 
 func (r *run) parseIPv4(off uint32, p *modelPacket) int {

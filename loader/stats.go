@@ -45,6 +45,7 @@ const (
 	ReasonNATTooBig         = Reason(bpf.WeirStatReasonSTAT_NAT_TOO_BIG)
 	ReasonICMPToBackend     = Reason(bpf.WeirStatReasonSTAT_ICMP_TO_BACKEND)
 	ReasonDropICMPChecksum  = Reason(bpf.WeirStatReasonSTAT_DROP_ICMP_CHECKSUM)
+	ReasonPassL2Group       = Reason(bpf.WeirStatReasonSTAT_PASS_L2GROUP)
 	reasonMax               = Reason(bpf.WeirStatReasonSTAT_MAX)
 )
 
@@ -81,6 +82,7 @@ var reasonNames = [...]string{
 	ReasonNATTooBig:         "nat_too_big",
 	ReasonICMPToBackend:     "icmp_to_backend",
 	ReasonDropICMPChecksum:  "drop_icmp_checksum",
+	ReasonPassL2Group:       "pass_l2_group",
 }
 
 func (r Reason) String() string {
