@@ -171,6 +171,7 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"nat tagged reply to an untagged client", ReasonNATReply},
 		{"nat tagged reply to a client on vlan 7", ReasonNATReply},
 		{"nat udp v6 zero checksum", ReasonDropNoRoute},
+		{"tcp syn to a dsr vip in a broadcast frame", ReasonPassL2Group},
 		{"ipv6 routing header with segments left to vip", ReasonDropIPv6Extension},
 		{"ipv6 routing header with segments left to vip, nat", ReasonDropIPv6Extension},
 	} {
@@ -452,6 +453,8 @@ var fuzzSeeds = []struct {
 	{"raw bytes", []byte{0x0e, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}},
 	{"raw ipv4 after ethernet", []byte{0x0c, 0, 0x45, 0, 0, 40, 0, 0, 0, 0, 64, 6, 0, 0, 10, 77, 0, 1, 10, 77, 100, 1}},
 	{"raw ipv6 after vlan", []byte{0x0c, 3, 0x60, 0, 0, 0, 0, 0, 6, 64}},
+	{"tcp syn to a dsr vip in a broadcast frame", append([]byte{0x0e}, packet.Frame{DstMAC: net.HardwareAddr{0xff, 0xff, 0xff, 0xff, 0xff, 0xff},
+		SrcMAC: clientMAC, Src: netip.AddrPortFrom(fuzzClients4[0], 40000), Dst: netip.AddrPortFrom(fuzzVIPD4, 80), TCPFlags: packet.SYN}.Build()...)},
 }
 
 // The programs' services. Every address is fixed; the fuzz input picks among them.
