@@ -1,11 +1,12 @@
 // parse.h: reads Ethernet (one optional 802.1Q tag), IPv4 or IPv6 and the TCP or UDP
 // ports into struct packet, and decides what happens to what it cannot read.
 //
-// The rule for malformed input: a packet whose IP header is truncated or inconsistent
-// is passed untouched (the kernel's own checks drop it); a packet to a VIP address
-// that cannot be balanced (fragment, truncated or inconsistent L4 header: a TCP data
-// offset or UDP length short of the header or past the IP packet; unwalkable IPv6
-// extension chain, or a routing header with segments left) is dropped and counted; anything else not to a service is passed untouched.
+// The rule for malformed input: a packet whose IP header is truncated or inconsistent,
+// or that came in a frame to a group MAC, is passed untouched (the kernel judges it);
+// a packet to a VIP address that cannot be balanced (fragment, truncated or
+// inconsistent L4 header: a TCP data offset or UDP length short of the header or past
+// the IP packet; unwalkable IPv6 extension chain, or a routing header with segments
+// left) is dropped and counted; anything else not to a service is passed untouched.
 // Nothing that fails a check is ever forwarded.
 #pragma once
 
@@ -246,8 +247,8 @@ static __always_inline int parse(struct xdp_md *ctx, struct packet *p)
 		off += sizeof(*vlan);
 	}
 	p->l3_off = off;
+	// ARP, LLDP, a second VLAN tag (QinQ), ...
 	if (proto != bpf_htons(ETH_P_IP) && proto != bpf_htons(ETH_P_IPV6))
-		// ARP, LLDP, a second VLAN tag (QinQ), ...
 		return verdict(XDP_PASS, STAT_PASS_NOT_IP, p->len);
 	// A frame to a group MAC (broadcast, multicast: the I/G bit) was not sent to this
 	// host alone: every host that took it would balance it, and its destination MAC,
