@@ -331,3 +331,51 @@ func TestClientTimeoutsBeforeRequest(t *testing.T) {
 		})
 	}
 }
+
+// TestClientTimeoutsRejected: a request the HTTP/1.1 loop refuses (a field
+// name that is not a token: 400; an Expect it does not know: 417) is answered
+// and the connection half-closed, and what the client still sends is read and
+// dropped for a moment before the close. A client that stopped taking
+// packets (nothing from the service reaches it) leaves that answer
+// unacknowledged: the client user timeout fails the connection during that
+// read, which counts it in ClientTimeouts once, as any other read would.
+func TestClientTimeoutsRejected(t *testing.T) {
+	for _, tc := range []struct{ name, req string }{
+		{"bad field name", "GET / HTTP/1.1\r\nHost: x\r\nX A: 1\r\n\r\n"},
+		{"unknown expect", "GET / HTTP/1.1\r\nHost: x\r\nExpect: later\r\nContent-Length: 1\r\n\r\n"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pair := netpair.New(t)
+			listenInA := func(cfg Config, bs []Backend) (s *Service, err error) {
+				err = pair.A.Do(func() error { s, err = Listen(cfg, bs); return err })
+				return s, err
+			}
+			// A user timeout well within the half second the refusal reads
+			// for: the kernel retransmits by it (the RTO is clamped to it).
+			cfg := Config{Listen: netip.AddrPortFrom(pair.AddrA, 0), ClientUserTimeout: 100 * time.Millisecond, DrainTimeout: 100 * time.Millisecond}
+			s := serveStoppableWith(t, cfg, []Backend{{Addr: netip.MustParseAddrPort("127.0.0.1:1"), Weight: 1, Usable: true}}, listenInA).Service
+			c, err := pair.B.DialWith(context.Background(), &net.Dialer{KeepAlive: -1}, "tcp", s.Addr().String())
+			if err != nil {
+				t.Fatalf("dial: %v", err)
+			}
+			t.Cleanup(func() { c.Close() })
+			conns := func(want int64) func() (any, bool) {
+				return func() (any, bool) {
+					n := s.Snapshot().Connections
+					return fmt.Sprintf("%d connections", n), n == want
+				}
+			}
+			waitfor.Value(t, 10*time.Second, "the connection accepted", conns(1))
+			// B's packets still reach the service; none of the service's
+			// reach B.
+			pair.B.Do(func() error { netpair.DropPort(t, s.Addr().(*net.TCPAddr).AddrPort().Port()); return nil })
+			if _, err := io.WriteString(c, tc.req); err != nil {
+				t.Fatal(err)
+			}
+			waitfor.Value(t, 20*time.Second, "the connection closed", conns(0))
+			if n := s.Snapshot().ClientTimeouts; n != 1 {
+				t.Errorf("got %d client timeouts; want 1", n)
+			}
+		})
+	}
+}

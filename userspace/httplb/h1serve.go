@@ -555,9 +555,12 @@ func (c *h1Session) reject(status int, why string) {
 	if tc, ok := c.conn.(interface{ CloseWrite() error }); ok {
 		// The client may still be sending; a close with unread bytes would reset
 		// the connection and could lose the answer. net/http waits a moment too.
+		// Read through the session's input, which tells the accepted
+		// connection a failure (clientFailed): a client that stopped
+		// acknowledging the answer fails this read.
 		tc.CloseWrite()
 		c.conn.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
-		io.Copy(io.Discard, io.LimitReader(c.conn, 256<<10))
+		io.Copy(io.Discard, io.LimitReader(&c.in, 256<<10))
 	}
 }
 
