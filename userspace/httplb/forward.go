@@ -886,21 +886,22 @@ func hashes(algorithm string) bool {
 // client's address, a header's or a cookie's value, so every balancer node
 // computes the same key for a request.
 func (l *live) hashKey(r *http.Request) uint64 {
-	if !hashes(l.cfg.Algorithm) {
+	h := &l.hash
+	if !h.on {
 		return 0
 	}
 	var v string
-	switch l.cfg.Hash {
-	case HashHeader:
-		if strings.EqualFold(l.cfg.HashName, "host") {
-			// Go's server moves Host (and HTTP/2's :authority) out of the
-			// header into r.Host.
-			v = r.Host
-		} else {
-			v = r.Header.Get(l.cfg.HashName)
+	switch {
+	case h.host:
+		// Go's server moves Host (and HTTP/2's :authority) out of the
+		// header into r.Host.
+		v = r.Host
+	case h.kind == HashHeader:
+		if vv := r.Header[h.field]; len(vv) > 0 {
+			v = vv[0]
 		}
-	case HashCookie:
-		if c, err := r.Cookie(l.cfg.HashName); err == nil {
+	case h.kind == HashCookie:
+		if c, err := r.Cookie(h.cookie); err == nil {
 			v = c.Value
 		}
 	}

@@ -112,3 +112,22 @@ func h2Answer(t *testing.T, addr, host string) string {
 		}
 	}
 }
+
+// TestHashKeyAllocs: a request's hash key by a header, named in any case,
+// allocates nothing on either protocol: the name is worked out once per
+// configuration, not compared, canonicalised or lowered per request.
+func TestHashKeyAllocs(t *testing.T) {
+	for _, name := range []string{"Host", "host", "x-request-id", "X-Request-ID"} {
+		cfg := Config{Algorithm: balance.Maglev, Hash: HashHeader, HashName: name}
+		l := &live{cfg: cfg, hash: newHashBy(&cfg)}
+		r := &http.Request{Host: "a.example", Header: http.Header{"X-Request-Id": {"42"}}, RemoteAddr: "192.0.2.1:1234"}
+		if n := testing.AllocsPerRun(100, func() { l.hashKey(r) }); n != 0 {
+			t.Errorf("header:%s, HTTP/1.1: got %v allocations per request; want 0", name, n)
+		}
+		st := &fstream{authority: "a.example"}
+		regular := []hpack.HeaderField{{Name: "x-request-id", Value: "42"}}
+		if n := testing.AllocsPerRun(100, func() { st.key(&l.hash, regular, nil) }); n != 0 {
+			t.Errorf("header:%s, HTTP/2: got %v allocations per request; want 0", name, n)
+		}
+	}
+}

@@ -658,7 +658,7 @@ func (ss *fsess) headers(f *hblock) error {
 	}
 	st.nClient, st.xff = len(st.hdrs), xff
 	st.addForwarding(xff)
-	st.hashKey, st.picker = st.key(&l.cfg, regular, cookies), l
+	st.hashKey, st.picker = st.key(&l.hash, regular, cookies), l
 	st.retryable = idempotent(st.method) || l.grpcRetryableName(st.grpc, st.path)
 	st.replayOK = st.retryable && l.cfg.Retries > 0
 	l.budget.deposit()
@@ -694,31 +694,28 @@ func (st *fstream) logPath() string {
 	return p
 }
 
-// key is the request's hash key in cfg, as hashKey computes it for
-// net/http's requests.
-func (st *fstream) key(cfg *Config, regular []hpack.HeaderField, cookies []string) uint64 {
-	if !hashes(cfg.Algorithm) {
+// key is the request's hash key by h, as hashKey computes it for net/http's
+// requests.
+func (st *fstream) key(h *hashBy, regular []hpack.HeaderField, cookies []string) uint64 {
+	if !h.on {
 		return 0
 	}
 	var v string
-	switch cfg.Hash {
-	case HashHeader:
-		name := strings.ToLower(cfg.HashName)
-		if name == "host" {
-			// :authority, or the host field where the client sent none: the
-			// Host an HTTP/1.1 client's request is hashed by.
-			v = st.authority
-			break
-		}
+	switch {
+	case h.host:
+		// :authority, or the host field where the client sent none: the
+		// Host an HTTP/1.1 client's request is hashed by.
+		v = st.authority
+	case h.kind == HashHeader:
 		for _, hf := range regular {
-			if hf.Name == name {
+			if hf.Name == h.lower {
 				v = hf.Value
 				break
 			}
 		}
-	case HashCookie:
-		h := http.Header{"Cookie": cookies}
-		if c, err := (&http.Request{Header: h}).Cookie(cfg.HashName); err == nil {
+	case h.kind == HashCookie:
+		hd := http.Header{"Cookie": cookies}
+		if c, err := (&http.Request{Header: hd}).Cookie(h.cookie); err == nil {
 			v = c.Value
 		}
 	}
@@ -728,16 +725,15 @@ func (st *fstream) key(cfg *Config, regular []hpack.HeaderField, cookies []strin
 	return fnv1a(v)
 }
 
-// keyIn is the request's hash key in cfg, a configuration other than its
-// own, found by key in the fields the client sent as the request keeps them:
-// the headers it goes to the backend with, without those weir adds, with the
-// forwarding headers weir replaced as the client sent them, and with Host
-// and the hop-by-hop fields, which it sends on to no backend; so it is the
-// key cfg would have given the request first. Where the key is the same in
-// both configurations, the request's own is kept.
-func (st *fstream) keyIn(cfg *Config) uint64 {
-	own := &st.picker.cfg
-	if hashes(cfg.Algorithm) == hashes(own.Algorithm) && (!hashes(cfg.Algorithm) || cfg.Hash == own.Hash && cfg.HashName == own.HashName) {
+// keyIn is the request's hash key in l, a configuration other than its own,
+// found by key in the fields the client sent as the request keeps them: the
+// headers it goes to the backend with, without those weir adds, with the
+// forwarding headers weir replaced as the client sent them, and with Host and
+// the hop-by-hop fields, which it sends on to no backend; so it is the key l
+// would have given the request first. Where the key is the same in both
+// configurations, the request's own is kept.
+func (st *fstream) keyIn(l *live) uint64 {
+	if l.hash == st.picker.hash {
 		return st.hashKey
 	}
 	fields := st.hdrs[:st.nClient:st.nClient]
@@ -754,7 +750,7 @@ func (st *fstream) keyIn(cfg *Config) uint64 {
 			cookies = append(cookies, hf.Value)
 		}
 	}
-	return st.key(cfg, fields, cookies)
+	return st.key(&l.hash, fields, cookies)
 }
 
 // data takes a DATA frame of the client's.
@@ -978,7 +974,7 @@ func (st *fstream) nextTry() {
 // what the request's may not.
 func (st *fstream) inForce() {
 	if l := st.sess.s.live.Load(); l != st.picker {
-		st.hashKey, st.picker = st.keyIn(&l.cfg), l
+		st.hashKey, st.picker = st.keyIn(l), l
 	}
 }
 

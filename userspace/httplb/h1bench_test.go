@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/weir-lb/weir/userspace/balance"
 )
 
 // cannedBackend answers every HTTP/1.1 request on its connections with the same
@@ -78,13 +80,19 @@ func rawBackend(tb testing.TB, serve func(net.Conn)) netip.AddrPort {
 // builds (benchstat) when a change claims to take work off the request path.
 func BenchmarkH1KeepAlive(b *testing.B) {
 	for _, c := range []struct {
-		name string
-		cfg  Config
-		post bool
+		name  string
+		cfg   Config
+		post  bool
+		extra string // fields the GET carries besides the usual
 	}{
-		{"loop", Config{XForwardedFor: true, XForwardedProto: true}, false},
-		{"net_http", Config{XForwardedFor: true, XForwardedProto: true, NetHTTP1: true}, false},
-		{"loop/POST", Config{XForwardedFor: true, XForwardedProto: true}, true},
+		{"loop", Config{XForwardedFor: true, XForwardedProto: true}, false, ""},
+		{"net_http", Config{XForwardedFor: true, XForwardedProto: true, NetHTTP1: true}, false, ""},
+		{"loop/POST", Config{XForwardedFor: true, XForwardedProto: true}, true, ""},
+		// Hashed by a field named as operators write it: Host, and one in
+		// lower case.
+		{"loop/hash_host", Config{XForwardedFor: true, XForwardedProto: true, Algorithm: balance.Maglev, Hash: HashHeader, HashName: "Host"}, false, ""},
+		{"loop/hash_header", Config{XForwardedFor: true, XForwardedProto: true, Algorithm: balance.Maglev, Hash: HashHeader, HashName: "x-request-id"},
+			false, "X-Request-Id: 42\r\n"},
 	} {
 		b.Run(c.name, func(b *testing.B) {
 			s := serveOn(b, c.cfg, []Backend{{Addr: cannedBackend(b), Weight: 1, Usable: true}})
@@ -93,7 +101,7 @@ func BenchmarkH1KeepAlive(b *testing.B) {
 				b.Fatal(err)
 			}
 			defer conn.Close()
-			req := []byte("GET /index.html HTTP/1.1\r\nHost: " + s.Addr().String() + "\r\nUser-Agent: bench\r\nAccept: */*\r\n\r\n")
+			req := []byte("GET /index.html HTTP/1.1\r\nHost: " + s.Addr().String() + "\r\nUser-Agent: bench\r\nAccept: */*\r\n" + c.extra + "\r\n")
 			if c.post {
 				body := benchJSON(512)
 				req = []byte("POST /api/items HTTP/1.1\r\nHost: " + s.Addr().String() + "\r\nUser-Agent: bench\r\nAccept: */*\r\n" +

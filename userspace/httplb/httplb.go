@@ -25,7 +25,9 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"net/textproto"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -226,6 +228,38 @@ type live struct {
 	cfg    Config
 	bal    balance.Balancer
 	budget *retryBudget
+	hash   hashBy
+}
+
+// hashBy is what a service's requests are hashed by, worked out from its
+// Config once, when a configuration is taken (Reconfigure), so a request
+// compares and converts no name. Its zero value: the algorithm does not
+// hash. Two are equal exactly when they make the same key of a request.
+type hashBy struct {
+	on   bool // the algorithm hashes
+	kind HashKind
+	host bool // header:Host (any case): the request's host, r.Host or :authority
+	// field is a header's name as net/http keys it (canonical), lower as
+	// HTTP/2 sends it; cookie is a cookie's name.
+	field, lower, cookie string
+}
+
+func newHashBy(cfg *Config) hashBy {
+	if !hashes(cfg.Algorithm) {
+		return hashBy{}
+	}
+	h := hashBy{on: true, kind: cfg.Hash}
+	switch cfg.Hash {
+	case HashHeader:
+		if strings.EqualFold(cfg.HashName, "host") {
+			h.host = true
+		} else {
+			h.field, h.lower = textproto.CanonicalMIMEHeaderKey(cfg.HashName), strings.ToLower(cfg.HashName)
+		}
+	case HashCookie:
+		h.cookie = cfg.HashName
+	}
+	return h
 }
 
 // Errors.
@@ -674,7 +708,7 @@ func (s *Service) Reconfigure(cfg Config, backends []Backend) error {
 		return fmt.Errorf("service %q: %w", cfg.Name, ErrRebuild)
 	}
 	prev := s.live.Load()
-	l := &live{cfg: cfg}
+	l := &live{cfg: cfg, hash: newHashBy(&cfg)}
 	if prev != nil && prev.cfg.Algorithm == cfg.Algorithm && prev.cfg.Seed == cfg.Seed {
 		l.bal = prev.bal
 	} else {
