@@ -120,6 +120,11 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 			err = fmt.Errorf("no answer to the upgrade in time: %w", context.Cause(tctx))
 			return failed(Timeout, err)
 		}
+		if isTimeout(err) {
+			// The backend stopped acknowledging (ETIMEDOUT: TCP_USER_TIMEOUT,
+			// keepalive): a timeout, as try counts one.
+			return failed(Timeout, err)
+		}
 		return failed(Reset, err)
 	}
 	bc.SetDeadline(time.Time{})

@@ -15,6 +15,8 @@ import (
 
 	"golang.org/x/net/websocket"
 
+	"github.com/weir-lb/weir/internal/netpair"
+	"github.com/weir-lb/weir/internal/ownnetns"
 	"github.com/weir-lb/weir/internal/waitfor"
 )
 
@@ -466,6 +468,89 @@ func TestUpgradeDrain(t *testing.T) {
 					t.Errorf("the kept tunnel: %q, %v", rest, err)
 				}
 			}
+		})
+	}
+}
+
+// TestTunnelSilentBeforeSwitch: an upgrade whose backend took the request
+// and then went silent (nftables drops every packet to and from its port)
+// before it answered has its connection fail by keepalive, with ETIMEDOUT,
+// while weir waits for the switch. That try timed out, as a request's on a
+// pooled connection does (TestUserTimeoutPooledIsFailedTry): a timeout for
+// passive health, the upgrade retried on the other backend where a retry is
+// allowed, else answered 504.
+//
+// In a network namespace of its own, for its nftables rules.
+func TestTunnelSilentBeforeSwitch(t *testing.T) {
+	if !ownnetns.In(t, nil) {
+		return
+	}
+	for _, retries := range []int{0, 1} {
+		t.Run(fmt.Sprint("retries ", retries), func(t *testing.T) {
+			came := make(chan struct{}, 2)
+			stop := make(chan struct{})
+			silent := Backend{Weight: 1, Usable: true, Addr: rawBackend(t, func(c net.Conn) {
+				if _, err := http.ReadRequest(bufio.NewReader(c)); err != nil {
+					return
+				}
+				came <- struct{}{}
+				<-stop
+			})}
+			t.Cleanup(func() { close(stop) })
+			bs := []Backend{silent}
+			if retries > 0 {
+				other, _, _ := releasedBackend(t)
+				bs = append(bs, Backend{Addr: other, Weight: 1, Usable: true})
+			}
+			rec := &outcomeLog{}
+			s := serveOn(t, Config{Algorithm: "round_robin", Retries: retries, RetryBudget: 1, Observer: rec, BackendUserTimeout: time.Second,
+				BackendKeepalive: net.KeepAliveConfig{Enable: true, Idle: time.Second, Interval: time.Second, Count: 1}}, bs)
+			type answer struct {
+				status int
+				err    error
+			}
+			// Round robin sends one of two upgrades to the silent backend.
+			for i := range 2 {
+				c, err := net.Dial("tcp", s.Addr().String())
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { c.Close() })
+				c.SetDeadline(time.Now().Add(20 * time.Second))
+				io.WriteString(c, "GET /now HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: hold\r\n\r\n")
+				answers := make(chan answer, 1)
+				// Exits when the answer is read, or by the deadline.
+				go func() {
+					resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+					if err != nil {
+						answers <- answer{err: err}
+						return
+					}
+					answers <- answer{status: resp.StatusCode}
+				}()
+				select {
+				case a := <-answers:
+					if a.err != nil || a.status != http.StatusSwitchingProtocols {
+						t.Fatalf("upgrade %d: got %d, %v; want 101 from the other backend", i, a.status, a.err)
+					}
+					c.Close()
+					continue
+				case <-came:
+				}
+				netpair.DropPort(t, silent.Addr.Port())
+				want := http.StatusGatewayTimeout
+				if retries > 0 {
+					want = http.StatusSwitchingProtocols // from the other backend
+				}
+				if a := <-answers; a.err != nil || a.status != want {
+					t.Errorf("got %d, %v; want %d", a.status, a.err, want)
+				}
+				if got := rec.of(silent.Addr); len(got) != 1 || got[0] != Timeout {
+					t.Errorf("the silent backend's tries: got %v; want [%v]", got, Timeout)
+				}
+				return
+			}
+			t.Fatal("neither of two upgrades went to the silent backend")
 		})
 	}
 }
