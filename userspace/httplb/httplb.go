@@ -514,16 +514,25 @@ func (s *Service) newBackend(addr netip.AddrPort) *backend {
 		}
 		return c, nil
 	}
+	// The transports' connections are failConns: their readers and writers
+	// agree on a backend that stopped acknowledging.
+	dialH1 := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return newFailConn(c), nil
+	}
 	dialH2 := func(ctx context.Context, network, addr string) (net.Conn, error) {
 		c, err := dial(ctx, network, addr)
 		if err != nil {
 			return nil, err
 		}
-		return newGoAwayConn(newCoalescingConn(c, true), &b.h2Retire, &b.h2Conns), nil
+		return newGoAwayConn(newCoalescingConn(newFailConn(c), true), &b.h2Retire, &b.h2Conns), nil
 	}
 	mk := func(h2c bool) *http.Transport {
 		t := &http.Transport{
-			DialContext:            dial,
+			DialContext:            dialH1,
 			MaxIdleConns:           0,
 			MaxIdleConnsPerHost:    1024,
 			IdleConnTimeout:        90 * time.Second,

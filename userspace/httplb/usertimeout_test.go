@@ -463,3 +463,199 @@ func TestFramesVanishedAfterHead(t *testing.T) {
 	}
 	t.Fatal("neither of two requests went to the silent backend")
 }
+
+// TestUserTimeoutTransportPaths is TestUserTimeoutPooledIsFailedTry for the
+// requests that go to their backend through http.Transport: a body that
+// streams (no length, so not whole with the head), an HTTP/1.1 client's
+// request to an h2c upstream, an HTTP/2 client's to an HTTP/1.1 upstream,
+// and net/http's engines. The request goes on a pooled connection to a
+// backend that went silent (nftables drops every packet to and from its
+// port) and fails by the backend user timeout, with ETIMEDOUT: the try is a
+// timeout for passive health, and the request is retried on the other
+// backend where a retry is allowed, else answered 504.
+//
+// In a network namespace of its own, for its nftables rules.
+func TestUserTimeoutTransportPaths(t *testing.T) {
+	if !ownnetns.In(t, nil) {
+		return
+	}
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+		h2   bool // the client speaks HTTP/2 by prior knowledge, else HTTP/1.1
+		body bool // a PUT whose body streams (no length given), else a GET
+	}{
+		{"h1 streamed body", Config{}, false, true},
+		{"h1 to h2c", Config{Upstream: UpstreamH2C}, false, false},
+		{"h2 to http1", Config{Upstream: UpstreamHTTP1}, true, true},
+		{"h1 net_http", Config{NetHTTP1: true}, false, true},
+		{"h2 net_http", Config{NetHTTP2: true}, true, false},
+	} {
+		for _, retries := range []int{0, 1} {
+			t.Run(fmt.Sprintf("%s, retries %d", tc.name, retries), func(t *testing.T) {
+				bs := httpbackend.StartN(t, 2)
+				rec := &outcomeLog{}
+				cfg := tc.cfg
+				cfg.Algorithm, cfg.Retries, cfg.RetryBudget, cfg.BackendUserTimeout, cfg.Observer = "round_robin", retries, 1, time.Second, rec
+				s := serve(t, cfg, bs)
+				c := slowPathClient(t, tc.h2)
+				url := "http://" + s.Addr().String() + "/"
+				ask := func() (int, string) {
+					method := http.MethodGet
+					var body io.Reader
+					if tc.body {
+						method, body = http.MethodPut, io.NopCloser(strings.NewReader("streamed"))
+					}
+					req, _ := http.NewRequest(method, url, body)
+					resp, err := c.Do(req)
+					if err != nil {
+						t.Fatal(err)
+					}
+					b, err := io.ReadAll(resp.Body)
+					resp.Body.Close()
+					if err != nil {
+						t.Fatal(err)
+					}
+					return resp.StatusCode, string(b)
+				}
+				// A connection to each backend in its pool.
+				for range 2 {
+					if status, body := ask(); status != http.StatusOK {
+						t.Fatalf("got %d %q; want 200", status, body)
+					}
+				}
+				silent := bs[0].Addr
+				netpair.DropPort(t, silent.Port())
+				before := len(rec.of(silent))
+				// Round robin sends one of two requests to the silent backend.
+				for i := 0; i < 2 && len(rec.of(silent)) == before; i++ {
+					status, body := ask()
+					switch {
+					case len(rec.of(silent)) == before || retries > 0:
+						if status != http.StatusOK || body != bs[1].Name {
+							t.Errorf("request %d: got %d %q; want 200 from %s", i, status, body, bs[1].Name)
+						}
+					case status != http.StatusGatewayTimeout:
+						t.Errorf("request %d: got %d %q; want 504", i, status, body)
+					}
+				}
+				if got := rec.of(silent)[before:]; len(got) != 1 || got[0] != Timeout {
+					t.Errorf("the silent backend's tries: got %v; want [%v]", got, Timeout)
+				}
+			})
+		}
+	}
+}
+
+// TestUserTimeoutTransportUpload is TestUserTimeoutTransportPaths with a
+// body that never ends streaming to the silent backend on a pooled
+// connection: the socket's send buffer (kept small) fills at once, and the
+// transport's writer waits on the socket beside its reader. The kernel tells
+// the user timeout (ETIMEDOUT) to whichever of the two asks first, the other
+// finds the socket closed; either way the try is a timeout and the client is
+// answered 504 (the body, past what a retry keeps, goes nowhere else).
+//
+// In a network namespace of its own, for its nftables rules and send buffers.
+func TestUserTimeoutTransportUpload(t *testing.T) {
+	if !ownnetns.In(t, map[string]string{"net.ipv4.tcp_wmem": "4096 16384 65536"}) {
+		return
+	}
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+		h2   bool // the client speaks HTTP/2 by prior knowledge, else HTTP/1.1
+	}{
+		{"h1", Config{}, false},
+		{"h1 to h2c", Config{Upstream: UpstreamH2C}, false},
+		{"h2 to http1", Config{Upstream: UpstreamHTTP1}, true},
+		{"h1 net_http", Config{NetHTTP1: true}, false},
+		{"h2 net_http", Config{NetHTTP2: true}, true},
+	} {
+		// Several rounds, each with a backend and a connection to it of its
+		// own: which side of the connection hears of the timeout first is
+		// the scheduler's choice.
+		for i := range 3 {
+			t.Run(fmt.Sprintf("%s, round %d", tc.name, i), func(t *testing.T) {
+				bs := httpbackend.StartN(t, 1)
+				rec := &outcomeLog{}
+				cfg := tc.cfg
+				cfg.BackendUserTimeout, cfg.Observer = time.Second, rec
+				s := serve(t, cfg, bs)
+				c := slowPathClient(t, tc.h2)
+				url := "http://" + s.Addr().String() + "/"
+				put := func(body io.Reader) int {
+					req, _ := http.NewRequest(http.MethodPut, url, body)
+					resp, err := c.Do(req)
+					if err != nil {
+						t.Fatal(err)
+					}
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+					return resp.StatusCode
+				}
+				// The pooled connection, on the path the upload takes.
+				if status := put(io.NopCloser(strings.NewReader("first"))); status != http.StatusOK {
+					t.Fatalf("got %d; want 200", status)
+				}
+				silent := bs[0].Addr
+				netpair.DropPort(t, silent.Port())
+				before := len(rec.of(silent))
+				status := 0
+				if tc.h2 {
+					status = put(io.NopCloser(zeros{}))
+				} else {
+					status = uploadH1(t, s.Addr().String())
+				}
+				if status != http.StatusGatewayTimeout {
+					t.Errorf("got %d; want 504", status)
+				}
+				if got := rec.of(silent)[before:]; len(got) != 1 || got[0] != Timeout {
+					t.Errorf("the silent backend's tries: got %v; want [%v]", got, Timeout)
+				}
+			})
+		}
+	}
+}
+
+// uploadH1 sends a PUT to addr over HTTP/1.1 whose chunked body goes on
+// until the connection fails, and returns the answer's status. The body is
+// written beside the read of the answer, which may come before the body's
+// end (Go's client would report its write failing instead, once weir closes
+// the connection after the answer).
+func uploadH1(t *testing.T, addr string) int {
+	t.Helper()
+	c, br := rawConn(t, addr)
+	c.SetDeadline(time.Now().Add(30 * time.Second))
+	chunk := append([]byte("4000\r\n"), make([]byte, 0x4000)...)
+	chunk = append(chunk, "\r\n"...)
+	// Exits when a write fails: weir closed the connection, or the test's
+	// cleanup did.
+	go func() {
+		if _, err := io.WriteString(c, "PUT / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"); err != nil {
+			return
+		}
+		for {
+			if _, err := c.Write(chunk); err != nil {
+				return
+			}
+		}
+	}()
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("read the answer: %v", err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// slowPathClient is a client that speaks HTTP/2 by prior knowledge if h2,
+// else HTTP/1.1, and waits long enough for a user timeout to end a request.
+func slowPathClient(t *testing.T, h2 bool) *http.Client {
+	c := h1Client()
+	if h2 {
+		c = h2cClient()
+	}
+	c.Timeout = 30 * time.Second
+	t.Cleanup(c.CloseIdleConnections)
+	return c
+}
