@@ -45,7 +45,7 @@ func (s *Service) serveRequest(client context.Context, w http.ResponseWriter, r 
 	if r.Method == http.MethodConnect {
 		// A reverse proxy answers requests; it does not open tunnels.
 		s.stats.requests.Add(1)
-		plainError(w, r, http.StatusMethodNotAllowed, fmt.Sprintf("service %q: CONNECT is not proxied", s.cfg.Name))
+		plainError(w, r, http.StatusMethodNotAllowed, grpcUnavailable, fmt.Sprintf("service %q: CONNECT is not proxied", s.cfg.Name))
 		return
 	}
 	l.budget.deposit()
@@ -276,6 +276,25 @@ type failure struct {
 	// notSent: the backend, retired since the pick, got no connection for
 	// the request; it goes to another as the same try.
 	notSent bool
+	// deadline: weir's own timeout (try_timeout, timeout) ended the try.
+	deadline bool
+}
+
+// The grpc-status of weir's own answers to gRPC calls.
+const (
+	grpcUnavailable      = "14" // UNAVAILABLE: no usable backend, a failed try, a refusal
+	grpcDeadlineExceeded = "4"  // DEADLINE_EXCEEDED: weir's own timeout ran out
+)
+
+// grpcStatus is the grpc-status of a gRPC call answered with f: weir's own
+// timeout is DEADLINE_EXCEEDED, as Envoy's router answers its timeouts, so
+// a client's retry policy, which retries UNAVAILABLE, does not send again a
+// call that has had its time; anything else is UNAVAILABLE.
+func (f failure) grpcStatus() string {
+	if f.deadline {
+		return grpcDeadlineExceeded
+	}
+	return grpcUnavailable
 }
 
 // try sends the request to one backend, as its try number try (0: the
@@ -374,20 +393,22 @@ func (s *Service) try(client, ctx context.Context, l *live, w http.ResponseWrite
 			return false, failure{status: http.StatusBadRequest, err: fmt.Errorf("request body: %w", berr), client: true}
 		}
 		o, status := Reset, http.StatusBadGateway
+		// The try's timeout, or the overall one (the client's own end was
+		// seen above).
+		deadline := errors.Is(context.Cause(tctx), errTryTimeout) || ctx.Err() != nil
 		var de *dialError
 		switch {
 		case errors.As(err, &de):
-			o = ConnectFailure
-		case errors.Is(context.Cause(tctx), errTryTimeout), isTimeout(err):
-			o, status = Timeout, http.StatusGatewayTimeout
-		case ctx.Err() != nil: // the overall timeout
+			o, deadline = ConnectFailure, false
+		case deadline, isTimeout(err):
 			o, status = Timeout, http.StatusGatewayTimeout
 		}
 		lease.Release(balance.Result{Failed: true, Latency: headerLatency})
 		l.observeTry(be, o)
 		be.stats.count(0)
 		overall := ctx.Err() != nil
-		return false, failure{retry: !overall && (retryable || o == ConnectFailure), dial: o == ConnectFailure, status: status, err: err}
+		return false, failure{retry: !overall && (retryable || o == ConnectFailure), dial: o == ConnectFailure, status: status, err: err,
+			deadline: deadline}
 	}
 	// The answer's outcome is told once its body has come whole: a body
 	// that breaks off makes the try a Reset, and one try must not be told as
@@ -720,7 +741,7 @@ func (s *Service) answerFailure(l *live, w http.ResponseWriter, r *http.Request,
 		s.log.Info("request", "method", r.Method, "path", r.URL.Path, "proto", r.Proto, "client", r.RemoteAddr,
 			"status", f.status, "tries", tries, "duration", time.Since(start), "err", f.err)
 	}
-	plainError(w, r, f.status, msg)
+	plainError(w, r, f.status, f.grpcStatus(), msg)
 }
 
 // noBackend answers 503 with the reason; gRPC clients read it from grpc-status
@@ -728,14 +749,24 @@ func (s *Service) answerFailure(l *live, w http.ResponseWriter, r *http.Request,
 func (s *Service) noBackend(w http.ResponseWriter, r *http.Request, why string) {
 	s.stats.noBackend.Add(1)
 	s.stats.requests.Add(1)
-	plainError(w, r, http.StatusServiceUnavailable, fmt.Sprintf("service %q: no usable backend: %s", s.cfg.Name, why))
+	plainError(w, r, http.StatusServiceUnavailable, grpcUnavailable, fmt.Sprintf("service %q: no usable backend: %s", s.cfg.Name, why))
 }
 
-func plainError(w http.ResponseWriter, r *http.Request, status int, msg string) {
+// plainError answers status with msg; a gRPC call gets grpcStatus and msg as
+// its grpc-status and grpc-message too.
+func plainError(w http.ResponseWriter, r *http.Request, status int, grpcStatus, msg string) {
 	h := w.Header()
 	if isGRPC(r) {
-		h.Set("Grpc-Status", "14")
+		// As a gRPC server answers a call it fails at once (trailers only:
+		// the status in the answer's head, and no body). A client reads
+		// grpc-status only beside gRPC's content type: with another (grpc-go,
+		// grpc-java) it takes a status from the HTTP status, UNAVAILABLE for
+		// 502, 503 and 504, and the body for a message's bytes.
+		h.Set("Content-Type", "application/grpc")
+		h.Set("Grpc-Status", grpcStatus)
 		h.Set("Grpc-Message", url.PathEscape(msg))
+		w.WriteHeader(status)
+		return
 	}
 	h.Set("Content-Type", "text/plain; charset=utf-8")
 	h.Set("X-Content-Type-Options", "nosniff")

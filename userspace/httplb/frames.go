@@ -594,13 +594,13 @@ func (ss *fsess) headers(f *hblock) error {
 	}
 	s.stats.inflight.Add(1)
 	if f.truncated {
-		st.answer(http.StatusRequestHeaderFieldsTooLarge, "request headers too large", false)
+		st.answer(http.StatusRequestHeaderFieldsTooLarge, grpcUnavailable, "request headers too large", false)
 		return nil
 	}
 	st.method, st.path, st.authority = f.pseudo("method"), f.pseudo("path"), f.pseudo("authority")
 	scheme := f.pseudo("scheme")
 	if st.method == http.MethodConnect {
-		st.answer(http.StatusMethodNotAllowed, fmt.Sprintf("service %q: CONNECT is not proxied", s.cfg.Name), false)
+		st.answer(http.StatusMethodNotAllowed, grpcUnavailable, fmt.Sprintf("service %q: CONNECT is not proxied", s.cfg.Name), false)
 		return nil
 	}
 	if st.method == "" || st.path == "" || scheme == "" || f.pseudo("status") != "" || f.pseudo("protocol") != "" {
@@ -920,20 +920,25 @@ func (st *fstream) settle(err error) {
 	}
 }
 
-// answer answers the client from weir itself (an error).
-func (st *fstream) answer(status int, msg string, noBackend bool) {
+// answer answers the client from weir itself (an error); a gRPC call gets
+// grpcStatus.
+func (st *fstream) answer(status int, grpcStatus, msg string, noBackend bool) {
 	ss := st.sess
 	s := ss.s
 	if noBackend {
 		s.stats.noBackend.Add(1)
 	}
-	h := []hpack.HeaderField{{Name: ":status", Value: strconv.Itoa(status)},
-		{Name: "content-type", Value: "text/plain; charset=utf-8"}, {Name: "x-content-type-options", Value: "nosniff"},
-		{Name: "content-length", Value: strconv.Itoa(len(msg) + 1)}}
+	var h []hpack.HeaderField
 	if st.grpc {
-		h = append(h, hpack.HeaderField{Name: "grpc-status", Value: "14"}, hpack.HeaderField{Name: "grpc-message", Value: url.PathEscape(msg)})
+		// As a gRPC server answers (trailers only; see plainError).
+		h = []hpack.HeaderField{{Name: ":status", Value: strconv.Itoa(status)}, {Name: "content-type", Value: "application/grpc"},
+			{Name: "grpc-status", Value: grpcStatus}, {Name: "grpc-message", Value: url.PathEscape(msg)}}
+	} else {
+		h = []hpack.HeaderField{{Name: ":status", Value: strconv.Itoa(status)},
+			{Name: "content-type", Value: "text/plain; charset=utf-8"}, {Name: "x-content-type-options", Value: "nosniff"},
+			{Name: "content-length", Value: strconv.Itoa(len(msg) + 1)}}
 	}
-	head := st.method == http.MethodHead
+	head := st.method == http.MethodHead || st.grpc // no body
 	writeHeaders(ss.fr, ss.enc, &ss.encBuf, ss.maxFrame, st.id, head, h)
 	st.status = status
 	if st.live.cfg.AccessLog {
@@ -1001,7 +1006,7 @@ func (st *fstream) pick() {
 	}
 	if err != nil {
 		if st.tries == 0 {
-			st.answer(http.StatusServiceUnavailable, fmt.Sprintf("service %q: no usable backend: every backend is down, drained or ejected", s.cfg.Name), true)
+			st.answer(http.StatusServiceUnavailable, grpcUnavailable, fmt.Sprintf("service %q: no usable backend: every backend is down, drained or ejected", s.cfg.Name), true)
 			return
 		}
 		st.answerFailure()
@@ -1082,7 +1087,7 @@ func (st *fstream) answerFailure() {
 	if f.status == 0 {
 		f.status = http.StatusBadGateway
 	}
-	st.answer(f.status, fmt.Sprintf("service %q: %d tries failed, the last: %v", st.sess.s.cfg.Name, len(st.tried), f.err), false)
+	st.answer(f.status, f.grpcStatus(), fmt.Sprintf("service %q: %d tries failed, the last: %v", st.sess.s.cfg.Name, len(st.tried), f.err), false)
 }
 
 // timerFired is the timeout of try number n (tryN), or of the request (n 0).
@@ -1109,7 +1114,7 @@ func (ss *fsess) timerFired(st *fstream, n int) {
 	st.live.observeTry(st.be, Timeout)
 	st.be.stats.count(0)
 	st.be = nil
-	st.fail = failure{retry: try && st.retryable, status: http.StatusGatewayTimeout, err: errTryTimeout}
+	st.fail = failure{retry: try && st.retryable, status: http.StatusGatewayTimeout, err: errTryTimeout, deadline: true}
 	if !try {
 		st.fail.err = context.DeadlineExceeded
 		st.answerFailure()

@@ -409,6 +409,44 @@ func TestRetryGRPC(t *testing.T) {
 	}
 }
 
+// TestGRPCTimeoutStatus: a gRPC call that runs out of weir's own time, one
+// try's (try_timeout) or the whole request's (timeout), while the client's
+// deadline is still far ahead, gets DEADLINE_EXCEEDED (4), as Envoy's router
+// answers its own timeouts, not UNAVAILABLE (14), which tells a client to
+// try again; on the frame engine and on net/http's. A call with no usable
+// backend still gets UNAVAILABLE.
+func TestGRPCTimeoutStatus(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+	}{
+		{"frames, try_timeout", Config{TryTimeout: 200 * time.Millisecond}},
+		{"frames, timeout", Config{Timeout: 200 * time.Millisecond}},
+		{"net_http, try_timeout", Config{NetHTTP2: true, TryTimeout: 200 * time.Millisecond}},
+		{"net_http, timeout", Config{NetHTTP2: true, Timeout: 200 * time.Millisecond}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			bs := httpbackend.StartN(t, 1)
+			bs[0].Delay.Store(int64(3 * time.Second))
+			cfg := tc.cfg
+			cfg.Retries = 0
+			s := serve(t, cfg, bs)
+			client := httpbackend.Client(t, s.Addr().String())
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			_, err := client.UnaryCall(ctx, &testpb.SimpleRequest{})
+			if got := status.Code(err); got != codes.DeadlineExceeded {
+				t.Errorf("got %v (%v); want %v", got, err, codes.DeadlineExceeded)
+			}
+			s.SetBackends([]Backend{{Addr: bs[0].Addr, Weight: 1, Usable: false}})
+			_, err = client.UnaryCall(ctx, &testpb.SimpleRequest{})
+			if got := status.Code(err); got != codes.Unavailable {
+				t.Errorf("no usable backend: got %v (%v); want %v", got, err, codes.Unavailable)
+			}
+		})
+	}
+}
+
 // TestRetryBudget: the budget lets a share of the requests retry, and no more.
 func TestRetryBudget(t *testing.T) {
 	b := newRetryBudget(0.2)

@@ -168,7 +168,7 @@ func (s *Service) tunnelTry(client, ctx context.Context, l *live, w http.Respons
 	if !ok || err != nil {
 		bc.Close()
 		lease.Release(balance.Result{})
-		plainError(w, r, http.StatusBadGateway, fmt.Sprintf("service %q: this connection cannot switch protocols", s.cfg.Name))
+		plainError(w, r, http.StatusBadGateway, grpcUnavailable, fmt.Sprintf("service %q: this connection cannot switch protocols", s.cfg.Name))
 		return true, failure{}
 	}
 	l.observeTry(be, Success)
