@@ -51,20 +51,21 @@ func (c *failConn) op(i int, p []byte) (int, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.busy[i] = false
+	// The other side may wait for this operation's end (below), however it
+	// ends: a read on a socket the kernel closed still returns the bytes that
+	// came before, and a write may have finished just before it closed.
+	c.cond.Broadcast()
 	if err == nil {
 		return n, nil
 	}
 	if c.err[i] == nil {
 		c.err[i] = err
 	}
-	c.cond.Broadcast()
 	if errors.Is(err, syscall.ETIMEDOUT) {
 		return n, err
 	}
 	if c.busy[1-i] && socketClosed(c.Conn) {
-		for c.busy[1-i] {
-			c.cond.Wait()
-		}
+		c.await(1 - i)
 	}
 	if o := c.err[1-i]; errors.Is(o, syscall.ETIMEDOUT) {
 		// Whatever failed this one since (the socket closed, or closed by
@@ -72,4 +73,12 @@ func (c *failConn) op(i int, p []byte) (int, error) {
 		err = o
 	}
 	return n, err
+}
+
+// await waits, c.mu held, until side i's operation under way, if any, has
+// ended.
+func (c *failConn) await(i int) {
+	for c.busy[i] {
+		c.cond.Wait()
+	}
 }
