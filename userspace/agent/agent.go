@@ -32,7 +32,7 @@
 // (userspace/agent/metrics) read only that, plus the data planes' live counters.
 //
 // With a bgp section, each snapshot also becomes the routes the BGP speaker
-// (userspace/agent/bgp) announces: bgp.Routes(desired, drained, checked), applied on the
+// (userspace/agent/bgp) announces: bgp.Routes(desired, drained, confirmed), applied on the
 // speaker's own goroutine.
 //
 // Imports point one way: agent -> {plan, xdpplane, proxyplane, bgp, admin,

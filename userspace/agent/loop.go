@@ -42,15 +42,16 @@ type state struct {
 	unappliedErr string
 	retryAt      time.Time
 	retryWait    time.Duration
-	// passed: the backends (by ID) whose active checks have passed since the agent
-	// started, as publish saw them; the BGP routes count no other (see confirm).
-	passed map[string]bool
+	// confirmed: the services (by name) one of whose backends has passed an
+	// active check since the agent started, as publish saw them; the BGP routes
+	// count no other (see confirm).
+	confirmed map[string]bool
 }
 
 func newState(cfg *config.Config) *state {
 	return &state{cfg: cfg, started: time.Now(), placement: map[string]plan.Placement{},
 		health: map[string]plan.Health{}, overrides: map[string]plan.Override{}, macs: map[netip.Addr]plan.MAC{},
-		passed: map[string]bool{}}
+		confirmed: map[string]bool{}}
 }
 
 func (st *state) input(cfg *config.Config, placement map[string]plan.Placement, overrides map[string]plan.Override, now time.Time) plan.Input {

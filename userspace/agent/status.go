@@ -33,28 +33,26 @@ func (a *Agent) publish(st *state) {
 	}
 }
 
-// confirm records which of the running backends have passed an active check
-// since the agent started, and returns that as bgp.Routes' checked. A backend
-// up by health.initial has not: a node whose backends are dead at start would
-// announce its VIPs until the checks had failed fall times. The loop publishes
-// every second, so a first pass that changes no state reaches the routes within
-// a second.
-func (a *Agent) confirm(st *state) func(id string) bool {
-	passed := make(map[string]bool, len(st.passed))
+// confirm records which running services have had a backend pass an active
+// check since the agent started, and returns that as bgp.Routes' confirmed.
+// Backends up by health.initial have not: a node whose backends are dead at
+// start would announce its VIPs until the checks had failed fall times. A
+// service stays confirmed while it runs, whatever backends a reload gives it,
+// and one without active checks is confirmed as it runs, so turning them on
+// withdraws nothing. The loop publishes every second, so a first pass that
+// changes no state reaches the routes within a second.
+func (a *Agent) confirm(st *state) func(service string) bool {
+	confirmed := make(map[string]bool, len(st.running.Services))
 	for _, s := range st.running.Services {
-		if !s.Config.BGP.Enabled {
-			continue
-		}
-		for _, b := range s.Backends {
-			if st.passed[b.ID] {
-				passed[b.ID] = true
-			} else if hs, ok := a.checker.Status(b.ID); ok && hs.Passes > 0 {
-				passed[b.ID] = true
-			}
-		}
+		name := s.Name()
+		confirmed[name] = st.confirmed[name] || s.Config.Health.Type == config.CheckNone ||
+			slices.ContainsFunc(s.Backends, func(b plan.Backend) bool {
+				hs, ok := a.checker.Status(b.ID)
+				return ok && hs.Passes > 0
+			})
 	}
-	st.passed = passed
-	return func(id string) bool { return passed[id] }
+	st.confirmed = confirmed
+	return func(service string) bool { return confirmed[service] }
 }
 
 // Status returns the agent's state as the loop last published it, with the data

@@ -5,8 +5,8 @@
 // adds and withdraws the difference while its sessions run.
 //
 // A VIP (/32 or /128) is announced while at least one service on it has a usable
-// backend that passes its health checks (and has passed one since the agent
-// started), on a data plane that took it (an XDP service passed its self-test when it
+// backend that passes its health checks (and one of whose backends has passed a
+// check since the agent started), on a data plane that took it (an XDP service passed its self-test when it
 // was placed); it is withdrawn when none has, when the node is drained, and when the
 // agent stops (the sessions end with a Cease notification). A process that dies
 // without stopping closes its TCP sessions through the kernel, so the routers
@@ -46,11 +46,13 @@ func (r *Route) equal(o *Route) bool {
 
 // Routes returns the routes the node should announce for d, by prefix in config
 // order, and the VIPs it should not, with why. drained withdraws everything.
-// checked reports whether a backend (by its ID) has passed an active check since
-// the agent started: one that starts up (health.initial: up) counts only once a
-// check has confirmed it, so a node whose backends are dead at start never
-// announces.
-func Routes(d *plan.Desired, drained bool, checked func(id string) bool) ([]Route, []Withheld) {
+// confirmed reports whether one of a service's backends (by service name) has
+// passed an active check since the agent started: backends that start up
+// (health.initial: up) keep their service's VIP withdrawn until a check has
+// confirmed one, so a node whose backends are dead at start never announces.
+// Once confirmed, a service counts the backends a reload gives it at once, as
+// the data planes do.
+func Routes(d *plan.Desired, drained bool, confirmed func(service string) bool) ([]Route, []Withheld) {
 	var routes []Route
 	var withheld []Withheld
 	why := map[netip.Prefix][]string{}
@@ -67,9 +69,9 @@ func Routes(d *plan.Desired, drained bool, checked func(id string) bool) ([]Rout
 			reason = "the node is drained (weir node undrain announces again)"
 		case !s.Installed:
 			reason = fmt.Sprintf("%s: out of the data plane: %s", s.Name(), s.Note)
-		case !usable(s, func(string) bool { return true }):
+		case !usable(s):
 			reason = s.Name() + ": no backend usable and up"
-		case !usable(s, checked):
+		case s.Config.Health.Type != config.CheckNone && !confirmed(s.Name()):
 			reason = s.Name() + ": waiting for the first health checks of its backends"
 		}
 		j := slices.IndexFunc(routes, func(r Route) bool { return r.Prefix == p })
@@ -98,16 +100,14 @@ func Routes(d *plan.Desired, drained bool, checked func(id string) bool) ([]Rout
 }
 
 // usable reports whether s has a backend that may take new flows and passes its
-// health checks (checked says which have passed one; a service without active
-// checks needs none): panic mode and all_down: keep_last send flows to backends that are
+// health checks: panic mode and all_down: keep_last send flows to backends that are
 // down, but a node whose backends are all down attracts nothing.
-func usable(s *plan.Service, checked func(id string) bool) bool {
+func usable(s *plan.Service) bool {
 	if s.AllDown {
 		return false
 	}
-	unchecked := s.Config.Health.Type != config.CheckNone
 	for _, b := range s.Backends {
-		if b.Usable && b.Health == health.Up && b.Weight > 0 && !b.Drained && (!unchecked || checked(b.ID)) {
+		if b.Usable && b.Health == health.Up && b.Weight > 0 && !b.Drained {
 			return true
 		}
 	}

@@ -21,7 +21,6 @@ var (
 	panicked = plan.Backend{Usable: true, Health: health.Down, Weight: 1} // panic mode: down but used
 	drained  = plan.Backend{Usable: true, Health: health.Up, Weight: 1, Drained: true}
 	weight0  = plan.Backend{Usable: true, Health: health.Up}
-	fresh    = plan.Backend{ID: "web/fresh", Usable: true, Health: health.Up, Weight: 1} // up by health.initial, no check yet
 	v4       = netip.MustParsePrefix("10.80.100.1/32")
 	v6       = netip.MustParsePrefix("fd80:100::1/128")
 	v4policy = Route{Prefix: v4, MED: 5, Communities: []uint32{65000<<16 | 1}}
@@ -34,8 +33,9 @@ func TestRoutes(t *testing.T) {
 	allDown.AllDown = true
 	out := svc("web", "10.80.100.1:80", true, up)
 	out.Installed, out.Note = false, "all_down: pass"
-	unchecked := svc("web", "10.80.100.1:80", true, fresh)
-	noChecks := svc("web", "10.80.100.1:80", true, fresh)
+	// "fresh": a service whose backends are up by health.initial, none checked yet.
+	fresh := svc("fresh", "10.80.100.1:80", true, up)
+	noChecks := svc("fresh", "10.80.100.1:80", true, up)
 	noChecks.Config.Health.Type = config.CheckNone
 	for _, c := range []struct {
 		name     string
@@ -56,12 +56,12 @@ func TestRoutes(t *testing.T) {
 			nil, []Withheld{{v4, "web: out of the data plane: all_down: pass"}}},
 		{"drained node withdraws all", []plan.Service{svc("web", "10.80.100.1:80", true, up), svc("web6", "[fd80:100::1]:80", true, up)}, true,
 			nil, []Withheld{{v4, "the node is drained (weir node undrain announces again)"}, {v6, "the node is drained (weir node undrain announces again)"}}},
-		{"up by health.initial before any check withdraws", []plan.Service{unchecked}, false,
-			nil, []Withheld{{v4, "web: waiting for the first health checks of its backends"}}},
-		{"a checked backend beside an unchecked one announces", []plan.Service{svc("web", "10.80.100.1:80", true, fresh, up)}, false,
+		{"up by health.initial before any check withdraws", []plan.Service{fresh}, false,
+			nil, []Withheld{{v4, "fresh: waiting for the first health checks of its backends"}}},
+		{"an unconfirmed service beside a confirmed one on the VIP announces", []plan.Service{fresh, svc("web", "10.80.100.1:443", true, up)}, false,
 			[]Route{withServices(v4policy, "web")}, nil},
 		{"without active checks nothing is waited for", []plan.Service{noChecks}, false,
-			[]Route{withServices(v4policy, "web")}, nil},
+			[]Route{withServices(v4policy, "fresh")}, nil},
 		{"announce false is never announced nor listed", []plan.Service{svc("web", "10.80.100.1:80", false, up)}, false, nil, nil},
 		{"announce false beside a service that announces the address", []plan.Service{svc("web", "10.80.100.1:80", true, up), svc("quiet", "10.80.100.1:81", false, down)}, false,
 			[]Route{withServices(v4policy, "web")}, nil},
@@ -73,7 +73,7 @@ func TestRoutes(t *testing.T) {
 			[]Route{{Prefix: v6, Services: []string{"web6"}, MED: 5, Communities: []uint32{65000<<16 | 1}}}, nil},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			got, withheld := Routes(&plan.Desired{Services: c.services}, c.drained, func(id string) bool { return id != fresh.ID })
+			got, withheld := Routes(&plan.Desired{Services: c.services}, c.drained, func(service string) bool { return service != "fresh" })
 			if !reflect.DeepEqual(got, c.want) {
 				t.Errorf("routes: got %+v; want %+v", got, c.want)
 			}
