@@ -33,15 +33,18 @@ type state struct {
 	// drained: `weir node drain` withdrew the node's BGP routes, at drainedAt.
 	drained   bool
 	drainedAt time.Time
-	// unapplied: a health verdict the planes refused to take; the tick tries
-	// it again at retryAt, since the checker sends a verdict only when it
-	// changes, backing off from a second to a minute (each failed try's
-	// rollback logs). unappliedErr is the last failure logged, so a lasting
-	// one is logged once by the loop.
-	unapplied    bool
-	unappliedErr string
-	retryAt      time.Time
-	retryWait    time.Duration
+	// unapplied: a health verdict the planes refused to take, since
+	// unappliedSince; the tick tries it again at retryAt, since the checker
+	// sends a verdict only when it changes, backing off from a second to a
+	// minute (each failed try's rollback logs). unappliedErr is the last
+	// failure logged, so a lasting one is logged once by the loop; status and
+	// metrics show it all along.
+	unapplied      bool
+	unappliedErr   string
+	unappliedSince time.Time
+	tries          int
+	retryAt        time.Time
+	retryWait      time.Duration
 	// confirmed: the services (by name) one of whose backends has passed an
 	// active check since the agent started, as publish saw them; the BGP routes
 	// count no other (see confirm).
@@ -597,10 +600,12 @@ func (a *Agent) onHealth(st *state, ch health.Change) {
 	a.log.Info("backend health", "service", ch.Service, "backend", b.Config.Address, "state", ch.To.String(), "usable", ch.Usable, "panic", ch.Panic, "reason", ch.Reason)
 	if err != nil {
 		a.log.Error("apply health change", "service", ch.Service, "backend", b.Config.Address, "err", err)
+		now := time.Now()
 		if !st.unapplied {
-			st.retryWait = time.Second
+			st.retryWait, st.unappliedSince, st.tries = time.Second, now, 0
 		}
-		st.unapplied, st.unappliedErr, st.retryAt = true, err.Error(), time.Now().Add(st.retryWait)
+		st.unapplied, st.unappliedErr, st.retryAt = true, err.Error(), now.Add(st.retryWait)
+		st.tries++
 		return
 	}
 	if now := st.running.Service(ch.Service); now != nil && now.AllDown != wasDown {
@@ -681,6 +686,7 @@ func (a *Agent) tick(st *state, now time.Time) {
 		}
 		st.retryWait = min(2*st.retryWait, time.Minute)
 		st.retryAt = now.Add(st.retryWait)
+		st.tries++
 		if err.Error() != st.unappliedErr {
 			a.log.Error("apply health changes again", "err", err, "retry_in", st.retryWait)
 			st.unappliedErr = err.Error()

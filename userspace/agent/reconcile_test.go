@@ -417,7 +417,9 @@ func oneProxyService(t *testing.T) (dir, path string) {
 
 // TestHealthRetriedAfterFailedApply: a verdict the planes refused to take is
 // applied on a later tick, once they take it, though the checker does not
-// send it again (it sends a verdict only when it changes). A plane that fails
+// send it again (it sends a verdict only when it changes). Meanwhile the
+// published state says so, with the tries and the error, for status and
+// metrics; a lasting failure is logged once. A plane that fails
 // on demand cannot be made from a real one: recordingPlane stands in.
 func TestHealthRetriedAfterFailedApply(t *testing.T) {
 	cfg, err := config.Parse([]byte("services:\n" +
@@ -466,6 +468,11 @@ func TestHealthRetriedAfterFailedApply(t *testing.T) {
 	if !usable() {
 		t.Fatal("the plane took the verdict while it failed")
 	}
+	a.publish(st)
+	if u := a.snap.Load().unapplied; u == nil || u.Attempts != 3 || !strings.HasPrefix(u.LastError, "injected failure") ||
+		!u.NextTry.Equal(now.Add(7200*time.Millisecond)) || now.Sub(u.Since).Abs() > time.Second {
+		t.Errorf("published unapplied verdicts: got %+v; want 3 attempts since the verdict, the plane's error, the next at 7.2s", u)
+	}
 
 	proxy.failOn = ""
 	a.tick(st, now.Add(7500*time.Millisecond))
@@ -474,5 +481,9 @@ func TestHealthRetriedAfterFailedApply(t *testing.T) {
 	}
 	if st.running.Services[0].Backend(down.Config.Addr).Usable {
 		t.Error("the loop's running state does not have the verdict")
+	}
+	a.publish(st)
+	if u := a.snap.Load().unapplied; u != nil {
+		t.Errorf("published unapplied verdicts once applied: got %+v; want none", u)
 	}
 }

@@ -24,10 +24,16 @@ type snapshot struct {
 	started time.Time
 	running plan.Desired
 	reloads []api.ReloadStatus
+	// unapplied: health verdicts the planes refused, nil if none.
+	unapplied *api.UnappliedHealth
 }
 
 func (a *Agent) publish(st *state) {
-	a.snap.Store(&snapshot{cfg: st.cfg, started: st.started, running: st.running, reloads: slices.Clone(st.reloads)})
+	snap := &snapshot{cfg: st.cfg, started: st.started, running: st.running, reloads: slices.Clone(st.reloads)}
+	if st.unapplied {
+		snap.unapplied = &api.UnappliedHealth{Since: st.unappliedSince, Attempts: st.tries, LastError: st.unappliedErr, NextTry: st.retryAt}
+	}
+	a.snap.Store(snap)
 	if a.bgp != nil {
 		a.bgp.Announce(bgp.Routes(&st.running, st.drained, a.confirm(st)))
 	}
@@ -64,7 +70,7 @@ func (a *Agent) Status() (api.Status, error) {
 	}
 	stats, haveStats := a.xdp.Stats()
 	st := api.Status{Config: a.opts.ConfigPath, Started: snap.started, Reloads: snap.reloads,
-		XDP: a.xdp.Status(snap.cfg.XDP.DetachOnStop)}
+		XDP: a.xdp.Status(snap.cfg.XDP.DetachOnStop), HealthUnapplied: snap.unapplied}
 	if a.bgp != nil {
 		st.BGP = a.bgp.Status()
 	}

@@ -21,8 +21,21 @@ type Status struct {
 	Services   []ServiceStatus   `json:"services"`
 	Reloads    []ReloadStatus    `json:"reloads,omitempty"`
 	XDPReasons map[string]uint64 `json:"xdp_packets_by_reason,omitempty"`
+	// HealthUnapplied: health verdicts the data planes refused, which the
+	// agent tries again; nil while the planes run every verdict.
+	HealthUnapplied *UnappliedHealth `json:"health_unapplied,omitempty"`
 	// BGP is the node's BGP speaker; nil when the config has none.
 	BGP *BGPStatus `json:"bgp,omitempty"`
+}
+
+// UnappliedHealth is health verdicts the data planes refused to take: until a
+// later try takes them, the planes (and the backends' health and usable in
+// status) are as before them.
+type UnappliedHealth struct {
+	Since     time.Time `json:"since"`
+	Attempts  int       `json:"attempts"`
+	LastError string    `json:"last_error"`
+	NextTry   time.Time `json:"next_try"`
 }
 
 // XDPStatus says whether XDP is loaded and where.
@@ -210,6 +223,10 @@ func (st Status) WriteTable(w io.Writer) {
 				fmt.Fprintf(w, "  %s\n", e)
 			}
 		}
+	}
+	if u := st.HealthUnapplied; u != nil {
+		fmt.Fprintf(w, "health: verdicts NOT APPLIED since %s (the backends below are as before them), %d tries, next at %s: %s\n",
+			u.Since.Format(time.RFC3339), u.Attempts, u.NextTry.Format(time.RFC3339), u.LastError)
 	}
 	if st.BGP != nil {
 		st.BGP.WriteTable(w)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestWriteTable: each runtime override is marked on the column it changes, every
@@ -44,6 +45,24 @@ func TestWriteTable(t *testing.T) {
 		if len(line) > 120 && !strings.Contains(line, ": ") {
 			t.Errorf("line of %d columns; want ≤ 120: %q", len(line), line)
 		}
+	}
+}
+
+// TestWriteTableHealthUnapplied: verdicts the data planes refused are one line,
+// saying the backends are shown as before them, with the tries and the error.
+func TestWriteTableHealthUnapplied(t *testing.T) {
+	at := time.Date(2026, 3, 2, 10, 2, 41, 0, time.UTC)
+	st := Status{HealthUnapplied: &UnappliedHealth{Since: at, Attempts: 4, LastError: "set backend: no space left", NextTry: at.Add(15 * time.Second)}}
+	var b bytes.Buffer
+	st.WriteTable(&b)
+	want := "health: verdicts NOT APPLIED since 2026-03-02T10:02:41Z (the backends below are as before them), 4 tries, next at 2026-03-02T10:02:56Z: set backend: no space left\n"
+	if !strings.Contains(b.String(), want) {
+		t.Errorf("table lacks %q:\n%s", want, b.String())
+	}
+	b.Reset()
+	(Status{}).WriteTable(&b)
+	if strings.Contains(b.String(), "health:") {
+		t.Errorf("with every verdict applied, the table has a health line:\n%s", b.String())
 	}
 }
 

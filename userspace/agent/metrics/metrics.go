@@ -33,7 +33,7 @@ type descs struct {
 	serviceDataPlane, serviceDown, servicePackets, serviceBytes, serviceConns, serviceAccepted *prometheus.Desc
 	backendPackets, backendBytes, serviceFlows, backendFlows, backendConns, backendConnects    *prometheus.Desc
 	backendUsable, backendHealth, backendWeight, backendDrained, xdpReason, xdpLoaded          *prometheus.Desc
-	bgpPeerUp, bgpPeerUptime, bgpAnnounced, bgpPending, nodeDrained                            *prometheus.Desc
+	bgpPeerUp, bgpPeerUptime, bgpAnnounced, bgpPending, nodeDrained, healthUnapplied           *prometheus.Desc
 	tableInfo, prevTableInfo, prevTableAge                                                     *prometheus.Desc
 	httpInFlight, httpTunnels                                                                  *prometheus.Desc
 	serviceServing, serviceRestarts, serviceAcceptErrors, serviceClientTimeouts                *prometheus.Desc
@@ -89,6 +89,7 @@ func New(status func() (api.Status, error)) *Metrics {
 		bgpAnnounced:     d("weir_bgp_route_announced", "1 for each VIP route the node announces over BGP.", "prefix"),
 		bgpPending:       d("weir_bgp_route_pending", "1 for each VIP route whose announcement (want=announce) or withdrawal (want=withdraw) GoBGP refused; retried until made.", "prefix", "want"),
 		nodeDrained:      d("weir_node_drained", "1 while the node is drained (weir node drain): every BGP route withdrawn."),
+		healthUnapplied:  d("weir_health_unapplied", "1 while health verdicts the data planes refused wait for the agent's next try: the planes lag the checker (weir status says why)."),
 		tableInfo: d("weir_service_table_info", "1, labelled with the fingerprint of the service's XDP lookup table: nodes with equal fingerprints "+
 			"give every new flow the same backend (alert when they differ); fingerprint \"\" while no backend takes new flows; "+
 			"no series for a service the XDP program does not hold.", "service", "fingerprint"),
@@ -153,7 +154,7 @@ func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{m.d.serviceDataPlane, m.d.serviceDown, m.d.servicePackets, m.d.serviceBytes,
 		m.d.serviceConns, m.d.serviceAccepted, m.d.backendPackets, m.d.backendBytes, m.d.serviceFlows, m.d.backendFlows,
 		m.d.backendConns, m.d.backendConnects, m.d.backendUsable, m.d.backendHealth, m.d.backendWeight,
-		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded, m.d.bgpPeerUp, m.d.bgpPeerUptime, m.d.bgpAnnounced, m.d.bgpPending, m.d.nodeDrained,
+		m.d.backendDrained, m.d.xdpReason, m.d.xdpLoaded, m.d.bgpPeerUp, m.d.bgpPeerUptime, m.d.bgpAnnounced, m.d.bgpPending, m.d.nodeDrained, m.d.healthUnapplied,
 		m.d.tableInfo, m.d.prevTableInfo, m.d.prevTableAge, m.d.httpInFlight, m.d.httpTunnels, m.d.serviceServing, m.d.serviceRestarts, m.d.serviceAcceptErrors, m.d.serviceClientTimeouts} {
 		ch <- d
 	}
@@ -178,6 +179,7 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		return 0
 	}
 	g(m.d.xdpLoaded, b2f(st.XDP.Loaded))
+	g(m.d.healthUnapplied, b2f(st.HealthUnapplied != nil))
 	for r, n := range st.XDPReasons {
 		c(m.d.xdpReason, n, r)
 	}

@@ -61,6 +61,20 @@ func TestServiceServing(t *testing.T) {
 	}
 }
 
+// TestHealthUnapplied: the gauge is 1 while status has health verdicts the
+// data planes refused, 0 otherwise.
+func TestHealthUnapplied(t *testing.T) {
+	for _, c := range []struct {
+		unapplied *api.UnappliedHealth
+		want      string
+	}{{nil, "weir_health_unapplied 0"}, {&api.UnappliedHealth{Attempts: 2, LastError: "refused"}, "weir_health_unapplied 1"}} {
+		b := scrape(t, New(func() (api.Status, error) { return api.Status{HealthUnapplied: c.unapplied}, nil }))
+		if !strings.Contains(b, c.want+"\n") {
+			t.Errorf("unapplied %+v: metrics lack %q:\n%s", c.unapplied, c.want, b)
+		}
+	}
+}
+
 // scrape returns m's exposition, read over HTTP.
 func scrape(t *testing.T, m *Metrics) string {
 	t.Helper()
