@@ -57,6 +57,41 @@ func TestCheckChangeRestartsCounts(t *testing.T) {
 	}
 }
 
+// TestPassedOutlivesTheRun: Passed says that a check has passed since the
+// backend was added after a failure ended the run of passes (Passes 0), and
+// while the backend stays up (fall not reached).
+func TestPassedOutlivesTheRun(t *testing.T) {
+	var fail atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if fail.Load() {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+	}))
+	t.Cleanup(srv.Close)
+	u, _ := url.Parse(srv.URL)
+	clk := newFakeClock()
+	c := &Checker{clock: clk.Now}
+	if err := c.SetService("web", Config{Check: Check{Kind: HTTP, Interval: 100 * time.Millisecond, Timeout: time.Second, Rise: 1, Fall: 100,
+		Initial: Up, HTTP: HTTPCheck{Path: "/", Status: []StatusRange{{200, 299}}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(Backend{ID: "b", Addr: u.Host, Service: "web"}); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := c.Status("b"); st.Passed {
+		t.Fatalf("before any check: got %+v; want not passed", st)
+	}
+	runFake(t, c, clk, clk.Now().Add(150*time.Millisecond))
+	if st, _ := c.Status("b"); st.Passes == 0 || !st.Passed {
+		t.Fatalf("after a passing check: got %d passes, passed %t; want a run, passed", st.Passes, st.Passed)
+	}
+	fail.Store(true)
+	runFake(t, c, clk, clk.Now().Add(250*time.Millisecond))
+	if st, _ := c.Status("b"); st.Passes != 0 || st.Fails == 0 || !st.Passed || st.State != Up {
+		t.Errorf("after failing checks: got %d passes, %d fails, passed %t, %v; want 0, some, passed, up", st.Passes, st.Fails, st.Passed, st.State)
+	}
+}
+
 // TestCheckChangeDropsCheckInFlight: the result of a check that started
 // before its service's check changed is not counted: here the old path's
 // answer, a 503 that comes after the change, would take the backend down

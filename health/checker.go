@@ -130,6 +130,7 @@ type backend struct {
 
 	active        State
 	passes, fails int
+	passed        bool // a check has passed since the backend was added
 	last          Result
 
 	state  State
@@ -529,7 +530,7 @@ func (b *backend) status(now time.Time) Status {
 		ID: b.id, Service: b.svc.name, Addr: b.addr,
 		State: b.state, Active: b.active, Usable: b.usable(), Panic: b.svc.panic,
 		Since: b.since, Reason: b.reason,
-		Passes: b.passes, Fails: b.fails,
+		Passes: b.passes, Fails: b.fails, Passed: b.passed,
 		EjectedUntil: b.ejectedUntil, Ejections: b.multiplier(now),
 		Last: b.last,
 	}
@@ -873,6 +874,7 @@ func (c *Checker) record(b *backend, res Result, now time.Time) {
 	if res.Err == nil {
 		b.passes++
 		b.fails = 0
+		b.passed = true
 	} else {
 		b.fails++
 		b.passes = 0

@@ -139,6 +139,9 @@ type Status struct {
 	Reason string
 	// Passes and Fails count the current run of passed or failed checks.
 	Passes, Fails int
+	// Passed: an active check has passed since the backend was added, though
+	// a failure may have ended that run since.
+	Passed bool
 	// EjectedUntil is when the current ejection ends (zero if not ejected).
 	// Ejections is the multiplier of the current or last ejection's length
 	// (BaseEjection times it); it decays while the backend stays in service.

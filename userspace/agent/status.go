@@ -45,8 +45,10 @@ func (a *Agent) publish(st *state) {
 // start would announce its VIPs until the checks had failed fall times. A
 // service stays confirmed while it runs, whatever backends a reload gives it,
 // and one without active checks is confirmed as it runs, so turning them on
-// withdraws nothing. The loop publishes every second, so a first pass that
-// changes no state reaches the routes within a second.
+// withdraws nothing. The checker remembers a pass (health.Status.Passed) even
+// once a failure has ended its run, so a pass between two publishes counts;
+// the loop publishes every second, so a first pass that changes no state
+// reaches the routes within a second.
 func (a *Agent) confirm(st *state) func(service string) bool {
 	confirmed := make(map[string]bool, len(st.running.Services))
 	for _, s := range st.running.Services {
@@ -54,7 +56,7 @@ func (a *Agent) confirm(st *state) func(service string) bool {
 		confirmed[name] = st.confirmed[name] || s.Config.Health.Type == config.CheckNone ||
 			slices.ContainsFunc(s.Backends, func(b plan.Backend) bool {
 				hs, ok := a.checker.Status(b.ID)
-				return ok && hs.Passes > 0
+				return ok && hs.Passed
 			})
 	}
 	st.confirmed = confirmed
