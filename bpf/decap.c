@@ -4,7 +4,9 @@
 // has no ipip/ip6tnl module. IPIP, IPv6-in-IPv4, IP6IP6 and IPv4-in-IPv6 packets whose
 // outer destination is one of this host's addresses (decap_addrs) lose their outer
 // header and go up the stack as the client sent them; everything else passes
-// untouched.
+// untouched. A tunnel packet to us whose headers or lengths do not hold together is
+// dropped: its inner packet would otherwise reach the stack cut short or with bytes
+// from outside the tunnel packet.
 
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -13,6 +15,8 @@
 #include <linux/ipv6.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
+
+#include "csum.h"
 
 char LICENSE[] SEC("license") = "Dual MIT/GPL";
 
@@ -32,7 +36,10 @@ struct decap_key {
 enum decap_reason {
 	DECAP_OK = 0,     // outer header removed, inner packet passed up
 	DECAP_NOT_OURS,   // not a tunnel packet to one of our addresses: passed untouched
-	DECAP_MALFORMED,  // a tunnel packet to us whose inner header is cut short: dropped
+	DECAP_MALFORMED,  // a tunnel packet to us with a broken outer header (version,
+			  // IPv4 checksum, length past the frame) or an inner packet that is
+			  // cut short, of the wrong version or not exactly the outer payload:
+			  // dropped
 	DECAP_MAX,
 };
 
@@ -69,6 +76,43 @@ static __always_inline int done(int action, enum decap_reason reason, __u32 byte
 	return action;
 }
 
+// outer_ok says whether a tunnel packet's outer header, of outer_len bytes with
+// tot_len the length it claims and avail bytes of frame from its start, holds
+// together: its version, for IPv4 its checksum (the kernel checks both before its own
+// tunnel sees the packet), and its length within the frame (what lies past it is
+// padding, no part of the packet).
+static __always_inline int outer_ok(void *outer, __u32 outer_len, __u32 tot_len, __u32 avail)
+{
+	if (tot_len > avail || tot_len < outer_len)
+		return 0;
+	if (outer_len == sizeof(struct iphdr)) {
+		struct iphdr *ip = outer;
+
+		return ip->version == 4 && csum_finish(bpf_csum_diff(0, 0, (__be32 *)ip, sizeof(*ip), 0)) == 0;
+	}
+	return ((struct ipv6hdr *)outer)->version == 6;
+}
+
+// inner_ok says whether the inner packet (IPPROTO_IPIP: IPv4, else IPv6) at inner,
+// with payload bytes after the outer header, is of its protocol's version and exactly
+// that long by its own header, as weir's tunnel sends it. One longer would take bytes
+// from outside the tunnel packet (padding, or what a shorter outer length left out).
+static __always_inline int inner_ok(void *inner, __u8 proto, __u32 payload, void *data_end)
+{
+	if (proto == IPPROTO_IPIP) {
+		struct iphdr *ip = inner;
+
+		if ((void *)(ip + 1) > data_end)
+			return 0;
+		return ip->version == 4 && bpf_ntohs(ip->tot_len) == payload;
+	}
+	struct ipv6hdr *ip6 = inner;
+
+	if ((void *)(ip6 + 1) > data_end)
+		return 0;
+	return ip6->version == 6 && sizeof(*ip6) + bpf_ntohs(ip6->payload_len) == payload;
+}
+
 SEC("xdp")
 int weir_decap(struct xdp_md *ctx)
 {
@@ -76,7 +120,7 @@ int weir_decap(struct xdp_md *ctx)
 	void *data_end = (void *)(long)ctx->data_end;
 	struct ethhdr *eth = data, saved;
 	struct decap_key key = {};
-	__u32 len = data_end - data, outer_len;
+	__u32 len = data_end - data, outer_len, tot_len;
 	__u8 inner;
 
 	if ((void *)(eth + 1) > data_end)
@@ -92,6 +136,7 @@ int weir_decap(struct xdp_md *ctx)
 		key.family = FAMILY_IPV4;
 		inner = ip->protocol;
 		outer_len = sizeof(*ip);
+		tot_len = bpf_ntohs(ip->tot_len);
 	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr *ip6 = (void *)(eth + 1);
 
@@ -101,13 +146,16 @@ int weir_decap(struct xdp_md *ctx)
 		key.family = FAMILY_IPV6;
 		inner = ip6->nexthdr;
 		outer_len = sizeof(*ip6);
+		tot_len = sizeof(*ip6) + bpf_ntohs(ip6->payload_len);
 	} else {
 		return done(XDP_PASS, DECAP_NOT_OURS, len);
 	}
 	if (!bpf_map_lookup_elem(&decap_addrs, &key))
 		return done(XDP_PASS, DECAP_NOT_OURS, len);
-	// The inner header must be there, or the stack would get a stub.
-	if (data + sizeof(*eth) + outer_len + (inner == IPPROTO_IPIP ? sizeof(struct iphdr) : sizeof(struct ipv6hdr)) > data_end)
+	// A tunnel packet to us from here on: one that does not hold together is dropped,
+	// or the stack would get a stub, or an inner packet with bytes not sent in it.
+	if (!outer_ok(eth + 1, outer_len, tot_len, len - sizeof(*eth)) ||
+	    !inner_ok((void *)(eth + 1) + outer_len, inner, tot_len - outer_len, data_end))
 		return done(XDP_DROP, DECAP_MALFORMED, len);
 
 	saved = *eth;

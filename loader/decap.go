@@ -90,7 +90,7 @@ func (d *Decap) Attach(ifname string, mode Mode) (Mode, error) {
 type DecapStats struct {
 	Decapsulated Counter // outer header removed, passed up
 	NotOurs      Counter // not a tunnel packet to one of our addresses, passed untouched
-	Malformed    Counter // a tunnel packet to us with a cut-short inner header, dropped
+	Malformed    Counter // a tunnel packet to us whose headers or lengths do not hold together, dropped
 }
 
 // Stats reads the program's counters.
