@@ -26,11 +26,22 @@ char LICENSE[] SEC("license") = "Dual MIT/GPL";
 #ifndef MAX_DECAP_ADDRS
 #define MAX_DECAP_ADDRS 64 // addresses of this host tunnel packets may be sent to
 #endif
+#ifndef MAX_DECAP_SOURCES
+#define MAX_DECAP_SOURCES 64 // prefixes tunnel packets may come from
+#endif
 
 // Key of decap_addrs: an address of this host (network byte order, IPv4 in word 0).
 struct decap_key {
 	__be32 addr[4];
 	__u32 family;
+};
+
+// Key of decap_sources, an LPM trie: prefixlen counts the bits of family (all 32 of
+// them) and then of addr (network byte order, IPv4 in word 0).
+struct decap_source {
+	__u32 prefixlen;
+	__u32 family;
+	__be32 addr[4];
 };
 
 enum decap_reason {
@@ -40,6 +51,7 @@ enum decap_reason {
 			  // IPv4 checksum, length past the frame) or an inner packet that is
 			  // cut short, of the wrong version or not exactly the outer payload:
 			  // dropped
+	DECAP_FOREIGN,    // a tunnel packet to us from outside decap_sources: dropped
 	DECAP_MAX,
 };
 
@@ -55,6 +67,16 @@ struct {
 	__type(key, struct decap_key);
 	__type(value, __u8);
 } decap_addrs SEC(".maps");
+
+// The prefixes of the balancers tunnel packets may come from; the value is unused.
+// The loader holds 0.0.0.0/0 and ::/0 here when it is given none: any source.
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, MAX_DECAP_SOURCES);
+	__uint(map_flags, BPF_F_NO_PREALLOC); // LPM tries must not be preallocated
+	__type(key, struct decap_source);
+	__type(value, __u8);
+} decap_sources SEC(".maps");
 
 // enum decap_reason -> packets and bytes, per CPU.
 struct {
@@ -120,6 +142,7 @@ int weir_decap(struct xdp_md *ctx)
 	void *data_end = (void *)(long)ctx->data_end;
 	struct ethhdr *eth = data, saved;
 	struct decap_key key = {};
+	struct decap_source src = {};
 	__u32 len = data_end - data, outer_len, tot_len;
 	__u8 inner;
 
@@ -134,6 +157,7 @@ int weir_decap(struct xdp_md *ctx)
 			return done(XDP_PASS, DECAP_NOT_OURS, len);
 		key.addr[0] = ip->daddr;
 		key.family = FAMILY_IPV4;
+		src.addr[0] = ip->saddr;
 		inner = ip->protocol;
 		outer_len = sizeof(*ip);
 		tot_len = bpf_ntohs(ip->tot_len);
@@ -144,6 +168,7 @@ int weir_decap(struct xdp_md *ctx)
 			return done(XDP_PASS, DECAP_NOT_OURS, len);
 		__builtin_memcpy(key.addr, &ip6->daddr, 16);
 		key.family = FAMILY_IPV6;
+		__builtin_memcpy(src.addr, &ip6->saddr, 16);
 		inner = ip6->nexthdr;
 		outer_len = sizeof(*ip6);
 		tot_len = sizeof(*ip6) + bpf_ntohs(ip6->payload_len);
@@ -152,6 +177,11 @@ int weir_decap(struct xdp_md *ctx)
 	}
 	if (!bpf_map_lookup_elem(&decap_addrs, &key))
 		return done(XDP_PASS, DECAP_NOT_OURS, len);
+	// Only balancers may put packets into our stack with any source address they like.
+	src.prefixlen = 32 + 128;
+	src.family = key.family;
+	if (!bpf_map_lookup_elem(&decap_sources, &src))
+		return done(XDP_DROP, DECAP_FOREIGN, len);
 	// A tunnel packet to us from here on: one that does not hold together is dropped,
 	// or the stack would get a stub, or an inner packet with bytes not sent in it.
 	if (!outer_ok(eth + 1, outer_len, tot_len, len - sizeof(*eth)) ||

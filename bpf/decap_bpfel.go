@@ -31,16 +31,25 @@ const (
 	DecapDecapReasonDECAP_OK        DecapDecapReason = 0
 	DecapDecapReasonDECAP_NOT_OURS  DecapDecapReason = 1
 	DecapDecapReasonDECAP_MALFORMED DecapDecapReason = 2
-	DecapDecapReasonDECAP_MAX       DecapDecapReason = 3
+	DecapDecapReasonDECAP_FOREIGN   DecapDecapReason = 3
+	DecapDecapReasonDECAP_MAX       DecapDecapReason = 4
 )
+
+type DecapDecapSource struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Family    uint32
+	Addr      [4]uint32
+}
 
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	DecapMapDecapAddrs = "decap_addrs"
-	DecapMapDecapStats = "decap_stats"
-	DecapProgWeirDecap = "weir_decap"
+	DecapMapDecapAddrs   = "decap_addrs"
+	DecapMapDecapSources = "decap_sources"
+	DecapMapDecapStats   = "decap_stats"
+	DecapProgWeirDecap   = "weir_decap"
 )
 
 // LoadDecap returns the embedded CollectionSpec for Decap.
@@ -92,8 +101,9 @@ type DecapProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type DecapMapSpecs struct {
-	DecapAddrs *ebpf.MapSpec `ebpf:"decap_addrs"`
-	DecapStats *ebpf.MapSpec `ebpf:"decap_stats"`
+	DecapAddrs   *ebpf.MapSpec `ebpf:"decap_addrs"`
+	DecapSources *ebpf.MapSpec `ebpf:"decap_sources"`
+	DecapStats   *ebpf.MapSpec `ebpf:"decap_stats"`
 }
 
 // DecapVariableSpecs contains global variables before they are loaded into the kernel.
@@ -122,13 +132,15 @@ func (o *DecapObjects) Close() error {
 //
 // It can be passed to LoadDecapObjects or ebpf.CollectionSpec.LoadAndAssign.
 type DecapMaps struct {
-	DecapAddrs *ebpf.Map `ebpf:"decap_addrs"`
-	DecapStats *ebpf.Map `ebpf:"decap_stats"`
+	DecapAddrs   *ebpf.Map `ebpf:"decap_addrs"`
+	DecapSources *ebpf.Map `ebpf:"decap_sources"`
+	DecapStats   *ebpf.Map `ebpf:"decap_stats"`
 }
 
 func (m *DecapMaps) Close() error {
 	return _DecapClose(
 		m.DecapAddrs,
+		m.DecapSources,
 		m.DecapStats,
 	)
 }

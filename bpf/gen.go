@@ -11,5 +11,5 @@
 package bpf
 
 //go:generate go tool bpf2go -target bpfel -type vip_key -type service -type backend -type flow_key -type flow_key4 -type lb_flow -type nat_flow -type counter -type stat_reason -type mode -type service_flags -type backend_flags -type flow_flags -type nat_entry -type nat_client -type flow_count -type next_hop Weir weir.c
-//go:generate go tool bpf2go -target bpfel -type decap_key -type decap_counter -type decap_reason Decap decap.c
+//go:generate go tool bpf2go -target bpfel -type decap_key -type decap_source -type decap_counter -type decap_reason Decap decap.c
 //go:generate go tool bpf2go -target bpfel -type splice_sock Sockmap sockmap.c

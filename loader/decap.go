@@ -15,11 +15,13 @@ import (
 // Decap is weir's tunnel decapsulation program, for backends of tunnel-mode services
 // on hosts without the kernel's ipip/ip6tnl modules. It strips the outer header of
 // tunnel packets sent to one of the addresses it is given and passes the client's
-// packet up the stack, which holds the VIP.
+// packet up the stack, which holds the VIP. It takes them from any source until
+// SetSources names the balancers'.
 type Decap struct {
 	mu          sync.Mutex
 	objs        bpf.DecapObjects
 	addrs       []netip.Addr
+	sources     []bpf.DecapDecapSource
 	attachments map[string]*attachment
 	closed      bool
 }
@@ -37,7 +39,50 @@ func LoadDecap(addrs []netip.Addr) (*Decap, error) {
 		d.Close()
 		return nil, err
 	}
+	if err := d.SetSources(nil); err != nil {
+		d.Close()
+		return nil, err
+	}
 	return d, nil
+}
+
+// anySource is what SetSources holds for no prefixes: every address of both families.
+var anySource = []netip.Prefix{netip.MustParsePrefix("0.0.0.0/0"), netip.MustParsePrefix("::/0")}
+
+// SetSources replaces the prefixes tunnel packets may come from (the balancers'
+// addresses); a tunnel packet to us from anywhere else is dropped and counted
+// Foreign. None: any source.
+func (d *Decap) SetSources(prefixes []netip.Prefix) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return fmt.Errorf("decap: %w", net.ErrClosed)
+	}
+	if len(prefixes) == 0 {
+		prefixes = anySource
+	}
+	want := make(map[bpf.DecapDecapSource]bool, len(prefixes))
+	for _, p := range prefixes {
+		if !p.IsValid() || p.Addr().Is4In6() {
+			return fmt.Errorf("decap source %s: want an IPv4 or IPv6 prefix", p)
+		}
+		p = p.Masked()
+		key := bpf.DecapDecapSource{Prefixlen: 32 + uint32(p.Bits()), Family: uint32(family(p.Addr())), Addr: addrWords(p.Addr())}
+		want[key] = true
+		if err := d.objs.DecapSources.Put(key, uint8(1)); err != nil {
+			return fmt.Errorf("decap source %s: %w", p, err)
+		}
+	}
+	for _, key := range d.sources {
+		if !want[key] {
+			_ = d.objs.DecapSources.Delete(key)
+		}
+	}
+	d.sources = d.sources[:0]
+	for key := range want {
+		d.sources = append(d.sources, key)
+	}
+	return nil
 }
 
 // SetAddrs replaces the addresses whose tunnel packets are decapsulated.
@@ -91,6 +136,7 @@ type DecapStats struct {
 	Decapsulated Counter // outer header removed, passed up
 	NotOurs      Counter // not a tunnel packet to one of our addresses, passed untouched
 	Malformed    Counter // a tunnel packet to us whose headers or lengths do not hold together, dropped
+	Foreign      Counter // a tunnel packet to us from outside the sources SetSources gave, dropped
 }
 
 // Stats reads the program's counters.
@@ -105,6 +151,7 @@ func (d *Decap) Stats() (DecapStats, error) {
 		bpf.DecapDecapReasonDECAP_OK:        &st.Decapsulated,
 		bpf.DecapDecapReasonDECAP_NOT_OURS:  &st.NotOurs,
 		bpf.DecapDecapReasonDECAP_MALFORMED: &st.Malformed,
+		bpf.DecapDecapReasonDECAP_FOREIGN:   &st.Foreign,
 	} {
 		var perCPU []bpf.DecapDecapCounter
 		if err := d.objs.DecapStats.Lookup(uint32(reason), &perCPU); err != nil {

@@ -5,9 +5,11 @@ import (
 	"encoding/binary"
 	"net/netip"
 	"testing"
+	"unsafe"
 
 	"github.com/cilium/ebpf"
 
+	"github.com/weir-lb/weir/bpf"
 	"github.com/weir-lb/weir/internal/packet"
 	"github.com/weir-lb/weir/internal/xdptest"
 )
@@ -271,4 +273,79 @@ func decapSetLen(ip []byte, n int) []byte {
 	}
 	binary.BigEndian.PutUint16(b[4:], uint16(n-40))
 	return b
+}
+
+// TestDecapSources: with the balancers' prefixes given, a tunnel packet from one of
+// them is decapsulated and one from anywhere else is dropped and counted foreign;
+// given none again, any source is decapsulated.
+func TestDecapSources(t *testing.T) {
+	spec, err := bpf.LoadDecap()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := spec.Maps[bpf.DecapMapDecapSources]; uintptr(m.KeySize) != unsafe.Sizeof(bpf.DecapDecapSource{}) {
+		t.Errorf("decap_sources: C key size %d; Go %d", m.KeySize, unsafe.Sizeof(bpf.DecapDecapSource{}))
+	}
+	d := loadDecapT(t)
+	in4, in6 := decapInner4(), decapInner6()
+	fromLB4 := tunnelFrame(decapLB4, decapHost4, in4, nil)
+	fromLB6 := tunnelFrame(decapLB6, decapHost6, in6, nil)
+	// Next to the balancers' prefixes, in the trie's other family and beyond their bits.
+	near4 := tunnelFrame(netip.MustParseAddr("10.78.1.1"), decapHost4, in4, nil)
+	near6 := tunnelFrame(netip.MustParseAddr("fd78::1:1"), decapHost6, in6, nil)
+	check := func(t *testing.T, frame []byte, want Action, foreign uint64) {
+		t.Helper()
+		before, err := d.Stats()
+		if err != nil {
+			t.Fatal(err)
+		}
+		action, _ := runDecap(t, d, frame)
+		after, err := d.Stats()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if action != want {
+			t.Errorf("got %v; want %v", action, want)
+		}
+		if n := after.Foreign.Packets - before.Foreign.Packets; n != foreign {
+			t.Errorf("counted %d foreign; want %d", n, foreign)
+		}
+	}
+	t.Run("any", func(t *testing.T) {
+		for _, f := range [][]byte{fromLB4, fromLB6, near4, near6} {
+			check(t, f, XDPPass, 0)
+		}
+	})
+	t.Run("balancers", func(t *testing.T) {
+		if err := d.SetSources([]netip.Prefix{netip.MustParsePrefix("10.78.0.0/24"), netip.PrefixFrom(decapLB6, 128)}); err != nil {
+			t.Fatal(err)
+		}
+		check(t, fromLB4, XDPPass, 0)
+		check(t, fromLB6, XDPPass, 0)
+		check(t, near4, XDPDrop, 1)
+		check(t, near6, XDPDrop, 1)
+		// An IPv4 balancer's prefix does not let in an IPv6 source whose first
+		// bits are the same, nor the other way round.
+		check(t, tunnelFrame(netip.MustParseAddr("a4e:3::1"), decapHost6, in6, nil), XDPDrop, 1)
+		// Not a tunnel packet to us: not the allow-list's to judge.
+		check(t, tunnelFrame(other4, other4, in4, nil), XDPPass, 0)
+	})
+	t.Run("only-ipv4-balancers", func(t *testing.T) {
+		if err := d.SetSources([]netip.Prefix{netip.PrefixFrom(decapLB4, 32)}); err != nil {
+			t.Fatal(err)
+		}
+		check(t, fromLB4, XDPPass, 0)
+		check(t, fromLB6, XDPDrop, 1)
+	})
+	t.Run("any-again", func(t *testing.T) {
+		if err := d.SetSources(nil); err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range [][]byte{fromLB4, fromLB6, near4, near6} {
+			check(t, f, XDPPass, 0)
+		}
+	})
+	if err := d.SetSources([]netip.Prefix{netip.MustParsePrefix("::ffff:10.78.0.1/128")}); err == nil {
+		t.Errorf("SetSources took an IPv4-mapped IPv6 prefix; want an error")
+	}
 }

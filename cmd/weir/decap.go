@@ -19,10 +19,13 @@ import (
 // addrList is a repeatable --addr flag.
 type addrList []netip.Addr
 
-func (l *addrList) String() string {
-	s := make([]string, len(*l))
-	for i, a := range *l {
-		s[i] = a.String()
+func (l *addrList) String() string { return joined(*l) }
+
+// joined is a repeatable flag's values, comma-separated.
+func joined[T fmt.Stringer](values []T) string {
+	s := make([]string, len(values))
+	for i, v := range values {
+		s[i] = v.String()
 	}
 	return strings.Join(s, ",")
 }
@@ -36,6 +39,32 @@ func (l *addrList) Set(v string) error {
 	return nil
 }
 
+// prefixList is a repeatable --from flag: prefixes, or addresses as prefixes of
+// their full length.
+type prefixList []netip.Prefix
+
+func (l *prefixList) String() string { return joined(*l) }
+
+func (l *prefixList) Set(v string) error {
+	if !strings.Contains(v, "/") {
+		a, err := netip.ParseAddr(v)
+		if err != nil {
+			return err
+		}
+		*l = append(*l, netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen()))
+		return nil
+	}
+	p, err := netip.ParsePrefix(v)
+	if err != nil {
+		return err
+	}
+	if p.Addr().Is4In6() {
+		return fmt.Errorf("%s: give an IPv4-mapped prefix as IPv4", v)
+	}
+	*l = append(*l, p.Masked())
+	return nil
+}
+
 // runDecap attaches weir's decapsulation program to an interface of a tunnel-mode
 // backend until ctx is done (SIGINT, SIGTERM), printing its counters on SIGUSR1,
 // every --interval, and at exit; then detaches it.
@@ -45,12 +74,14 @@ func runDecap(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	mode := fs.String("mode", "auto", "XDP attach `mode`: auto, native or generic")
 	var addrs addrList
 	fs.Var(&addrs, "addr", "an `address` whose tunnel packets to decapsulate (repeat; default: the interface's own addresses)")
+	var from prefixList
+	fs.Var(&from, "from", "a balancer `address or prefix` tunnel packets may come from; others are dropped (repeat; default: any source)")
 	interval := fs.Duration("interval", 0, "print the counters every `duration` (0: only on SIGUSR1 and at exit)")
 	if err := parseFlags(fs, args, 0, 0); err != nil {
 		return err
 	}
 	if *ifname == "" {
-		return errors.New("decap: usage: weir decap --interface IFACE [--mode auto|native|generic] [--addr A ...] [--interval D]")
+		return errors.New("decap: usage: weir decap --interface IFACE [--mode auto|native|generic] [--addr A ...] [--from PREFIX ...] [--interval D]")
 	}
 	m, err := loader.ParseMode(*mode)
 	if err != nil {
@@ -72,11 +103,18 @@ func runDecap(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return fmt.Errorf("decap: %w", err)
 	}
 	defer d.Close()
+	if err := d.SetSources(from); err != nil {
+		return fmt.Errorf("decap: %w", err)
+	}
 	got, err := d.Attach(*ifname, m)
 	if err != nil {
 		return fmt.Errorf("decap: %w", err)
 	}
-	fmt.Fprintf(stdout, "weir decap: attached to %s (%s) for tunnel packets to %s; SIGUSR1 prints counters, SIGINT/SIGTERM detaches\n", *ifname, got, addrs.String())
+	sources := "any source"
+	if len(from) > 0 {
+		sources = from.String()
+	}
+	fmt.Fprintf(stdout, "weir decap: attached to %s (%s) for tunnel packets to %s from %s; SIGUSR1 prints counters, SIGINT/SIGTERM detaches\n", *ifname, got, addrs.String(), sources)
 
 	usr1 := make(chan os.Signal, 1)
 	signal.Notify(usr1, syscall.SIGUSR1)
@@ -93,8 +131,8 @@ func runDecap(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			fmt.Fprintf(stderr, "weir decap: %v\n", err)
 			return
 		}
-		fmt.Fprintf(stdout, "%s: decapsulated %d packets (%d bytes), not ours %d, malformed (dropped) %d\n",
-			what, st.Decapsulated.Packets, st.Decapsulated.Bytes, st.NotOurs.Packets, st.Malformed.Packets)
+		fmt.Fprintf(stdout, "%s: decapsulated %d packets (%d bytes), not ours %d, malformed (dropped) %d, not from a balancer (dropped) %d\n",
+			what, st.Decapsulated.Packets, st.Decapsulated.Bytes, st.NotOurs.Packets, st.Malformed.Packets, st.Foreign.Packets)
 	}
 	for {
 		select {

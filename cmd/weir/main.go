@@ -69,7 +69,7 @@ usage:
                                    than PCT% of its new flows
   weir node drain [--wait]         withdraw every BGP route of this node (flows still arriving
                                    are served); weir node undrain announces again
-  weir decap --interface IFACE [--mode auto|native|generic] [--addr A ...] [--interval D]
+  weir decap --interface IFACE [--mode auto|native|generic] [--addr A ...] [--from PREFIX ...] [--interval D]
                                    on a backend of a tunnel-mode service: attach weir's
                                    decapsulation program until SIGINT/SIGTERM
   weir demo [--backends N] [--requests N] [--mode auto|native|generic] [--keep]

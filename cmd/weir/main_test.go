@@ -169,6 +169,8 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"decap"}, "usage: weir decap --interface IFACE"},
 		{[]string{"decap", "--interface", "lo", "--mode", "fast"}, `attach mode "fast"`},
 		{[]string{"decap", "--interface", "lo", "--addr", "not-an-ip"}, "not-an-ip"},
+		{[]string{"decap", "--interface", "lo", "--from", "10.0.0.0/33"}, "10.0.0.0/33"},
+		{[]string{"decap", "--interface", "lo", "--from", "::ffff:10.0.0.0/104"}, "give an IPv4-mapped prefix as IPv4"},
 		{[]string{"explain", "-s", "/nonexistent/weir.sock", "web", "10.0.0.1:1"}, "is weir running?"},
 		{[]string{"node"}, "weir node drain [--wait]"},
 		{[]string{"node", "stop"}, "node: want drain or undrain"},
@@ -206,10 +208,10 @@ func TestDecap(t *testing.T) {
 	err = ns.Do(func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 		defer cancel()
-		return run(ctx, []string{"decap", "--interface", "lo", "--mode", "generic", "--addr", "192.0.2.1", "--interval", "100ms"}, &stdout, &stderr)
+		return run(ctx, []string{"decap", "--interface", "lo", "--mode", "generic", "--addr", "192.0.2.1", "--from", "198.51.100.7/24", "--from", "2001:db8::1", "--interval", "100ms"}, &stdout, &stderr)
 	})
 	xdptest.Check(t, err)
-	for _, want := range []string{"attached to lo (generic) for tunnel packets to 192.0.2.1", "decapsulated 0 packets", "at exit:", "detached from lo"} {
+	for _, want := range []string{"attached to lo (generic) for tunnel packets to 192.0.2.1 from 198.51.100.0/24,2001:db8::1/128", "decapsulated 0 packets", "not from a balancer (dropped) 0", "at exit:", "detached from lo"} {
 		if !strings.Contains(stdout.String(), want) {
 			t.Errorf("stdout: got\n%s\nwant a line containing %q", stdout.String(), want)
 		}
