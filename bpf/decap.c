@@ -4,9 +4,10 @@
 // has no ipip/ip6tnl module. IPIP, IPv6-in-IPv4, IP6IP6 and IPv4-in-IPv6 packets whose
 // outer destination is one of this host's addresses (decap_addrs) lose their outer
 // header and go up the stack as the client sent them; everything else passes
-// untouched. A tunnel packet to us whose headers or lengths do not hold together is
-// dropped: its inner packet would otherwise reach the stack cut short or with bytes
-// from outside the tunnel packet.
+// untouched. A tunnel packet to us from outside the balancers' prefixes
+// (decap_sources, any source unless the loader is told them) is dropped, as is one
+// whose headers or lengths do not hold together: its inner packet would otherwise
+// reach the stack cut short or with bytes from outside the tunnel packet.
 
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
