@@ -2,6 +2,7 @@ package balance
 
 import (
 	"math"
+	"slices"
 	"sync"
 )
 
@@ -234,10 +235,31 @@ type smoothWeighted struct {
 	mu sync.Mutex // guards every backend's current credit
 }
 
+// SetBackends starts a new cycle, every credit at zero, when the usable backends or
+// their weights change. Credits sum to zero and each stays within the total weight
+// it was built under: kept across a change, a backend left with a credit built
+// under a total of 101 would take about a hundred picks in a row under a total of
+// 2, and one removed would take its credit's opposite out of the sum the others
+// share. A call that changes nothing (a health state or a ramp step elsewhere)
+// keeps the cycle going.
 func (w *smoothWeighted) SetBackends(backends []Backend) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	old := w.snap.Load()
 	w.core.SetBackends(backends)
+	s := w.snap.Load()
+	if sameWeights(old.entries, s.entries) {
+		return
+	}
+	for i := range s.entries {
+		s.entries[i].b.current = 0
+	}
+}
+
+// sameWeights reports whether two snapshots hold the same backends, in the same
+// order, at the same weights.
+func sameWeights(a, b []entry) bool {
+	return slices.EqualFunc(a, b, func(x, y entry) bool { return x.b == y.b && x.weight == y.weight })
 }
 
 // Pick calls skip with w.mu held: skip must not call back into this balancer's Pick.
