@@ -343,6 +343,11 @@ func (c *core) set(backends []Backend, initial bool) {
 				b.rampStart = now - int64(cfg.SlowStart) // the initial set starts at full weight
 			}
 			b.current = 0 // a returning backend gets no burst from old SWRR credit
+			if b.ewma != nil && !initial {
+				// Its latencies before it left (failures that got it taken out, or
+				// answers from before a restart) say nothing of how it answers now.
+				b.ewma.forget()
+			}
 		}
 		b.wasUsable = usable
 		if !usable {

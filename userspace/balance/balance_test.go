@@ -546,6 +546,46 @@ func pickBFailing(t *testing.T, b Balancer, c *clock, n int, got map[string]int)
 	}
 }
 
+// TestReturnedBackendStartsOver: a backend that failed its connects until it
+// was taken out (its health checks failed) and comes back a few seconds later,
+// answering as fast as the others, gets its share from its return on. The
+// estimate its failures left (five times the others') would otherwise have kept
+// it out, at one connection at a time, until ewmaDecay after its last sample.
+func TestReturnedBackendStartsOver(t *testing.T) {
+	for _, alg := range []string{EWMA, LeastTime} {
+		for seed := uint64(1); seed <= 4; seed++ {
+			c := &clock{}
+			bs := abc(1, 1, 1)
+			b := mustNewClock(t, alg, bs, seed, c)
+			answer := func(n int, got map[string]int, skip func(string) bool, r Result) {
+				for range n {
+					l, err := b.Pick(0, skip)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if got != nil {
+						got[l.Backend()]++
+					}
+					c.advance(10 * time.Millisecond)
+					l.Release(r)
+				}
+			}
+			answer(300, nil, nil, Result{Latency: time.Millisecond})
+			answer(20, nil, func(id string) bool { return id != "C" }, Result{Failed: true, Latency: time.Millisecond})
+			bs[2].Usable = false
+			b.SetBackends(bs)
+			c.advance(3 * time.Second)
+			bs[2].Usable = true
+			b.SetBackends(bs)
+			got := map[string]int{}
+			answer(300, got, nil, Result{Latency: time.Millisecond})
+			if got["C"] < 60 {
+				t.Errorf("%s, seed %d: back after failing, C got %d of the next 300 connections (%v); want about a third", alg, seed, got["C"], got)
+			}
+		}
+	}
+}
+
 // TestFailureBeforeAnySample: a backend that fails its connects before any backend
 // has answered still pays the failure penalty, so it gets a small share, not the one
 // a fast answer would earn; the first answers come only after B's failures.

@@ -146,6 +146,18 @@ func (s *ewmaState) look(now int64, neutral float64) (est float64, seen bool, id
 	return decayToward(s.est, neutral, now-s.stamp), true, now - s.stamp
 }
 
+// forget drops the estimate of a backend that becomes usable again: it starts over
+// as a backend with no sample (the balancer-wide average, one draw won once per
+// ewmaDecay), as Finagle and Linkerd start a node that rejoins their set. Left, the
+// failures that took it out (each five times the average) would keep it out at light
+// load until ewmaDecay after its last sample; answers from before a restart would
+// flood or starve it by what they said then.
+func (s *ewmaState) forget() {
+	s.mu.Lock()
+	s.est, s.stamp, s.seen = 0, 0, false
+	s.mu.Unlock()
+}
+
 func (s *ewmaState) observe(r Result) {
 	sample := float64(r.Latency)
 	if r.Failed {
