@@ -887,6 +887,37 @@ func TestRoundRobinGivenUpTurnsShared(t *testing.T) {
 	}
 }
 
+// TestSlowStartShareExact: a backend ramping at factor f among n-1 at full weight
+// gets f ÷ (n-1+f) of the picks, its weight's share at weight × f, as the tables
+// ramp it too; with few backends a draw refused several times in a row is common
+// (at n = 2, f = 0.1, 0.45 a draw), and random's answer to it must not favour the
+// ramping backend.
+func TestSlowStartShareExact(t *testing.T) {
+	const draws = 100000
+	for _, alg := range []string{Random, RoundRobin, Weighted} {
+		for _, n := range []int{2, 3, 5} {
+			for _, at := range []time.Duration{0, 3 * time.Second} {
+				c := &clock{}
+				bs := backendsN(n, one)
+				last := &bs[n-1]
+				last.SlowStart = 10 * time.Second
+				last.Usable = false
+				b := mustNewClock(t, alg, bs, 5, c)
+				last.Usable = true
+				b.SetBackends(bs)
+				c.advance(at)
+				got := counts(t, b, draws, false)
+				f := SlowStartFactor(at, last.SlowStart)
+				want := f / (float64(n-1) + f)
+				sd := math.Sqrt(want * (1 - want) / draws)
+				if share := float64(got[last.ID]) / draws; math.Abs(share-want) > 5*sd {
+					t.Errorf("%s, %d backends, %v into the ramp: ramping share %.4f; want %.4f ± %.4f", alg, n, at, share, want, 5*sd)
+				}
+			}
+		}
+	}
+}
+
 // random under slow start, with a skip that refuses more as picks go on (a
 // limit other connections reach meanwhile), leases a backend it drew or
 // answers ErrNoBackend; it never indexes past its set.
