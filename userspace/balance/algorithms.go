@@ -137,10 +137,11 @@ func pickRandom(s *snapshot, rnd *splitmix, skip func(string) bool, exclude int)
 }
 
 // leastConn scans every usable backend for the fewest in-flight connections (divided by
-// weight for weighted_least_conn). The scan starts at a random offset, so among equals
-// the winner varies instead of always being the first in the list; this is not exactly
-// uniform among ties (a backend after a long run of non-minimal ones wins more often),
-// but it can't starve a backend. Cost is linear in the backend count: see the benchmark.
+// weight for weighted_least_conn). Among backends tied for the least, each wins alike:
+// the scan keeps the k-th tie it meets with probability 1/k (reservoir sampling, one
+// random number per tie). A random start alone favoured the backend after a run of
+// busier ones: with A busy, B after it won every scan starting at A or B. Cost is
+// linear in the backend count: see the benchmark.
 type leastConn struct {
 	*core
 	weighted bool
@@ -156,12 +157,12 @@ func (l *leastConn) Pick(key uint64, skip func(id string) bool) (Lease, error) {
 	start := rnd.intn(n)
 	now, ramping := s.ramping(l.core)
 	if !l.weighted && !ramping {
-		return l.pickCount(s, start, key, skip)
+		return l.pickCount(s, start, &rnd, key, skip)
 	}
 	if !ramping {
-		return l.pickWeighted(s, start, key, skip)
+		return l.pickWeighted(s, start, &rnd, key, skip)
 	}
-	best, bestCost := -1, math.Inf(1)
+	best, bestCost, ties := -1, math.Inf(1), 0
 	for k := range n {
 		i := start + k
 		if i >= n {
@@ -179,8 +180,14 @@ func (l *leastConn) Pick(key uint64, skip func(id string) bool) (Lease, error) {
 			w *= e.factor(now)
 		}
 		// +1: with nothing in flight anywhere, the heavier backend still wins.
-		if c := float64(e.b.inflight.Load()+1) / w; c < bestCost {
-			best, bestCost = i, c
+		switch c := float64(e.b.inflight.Load()+1) / w; {
+		case c < bestCost:
+			best, bestCost, ties = i, c, 1
+		case c == bestCost:
+			ties++
+			if rnd.intn(ties) == 0 {
+				best = i
+			}
 		}
 	}
 	if best < 0 {
@@ -190,17 +197,23 @@ func (l *leastConn) Pick(key uint64, skip func(id string) bool) (Lease, error) {
 }
 
 // pickCount is least_conn's integer fast path (no weights, no slow start).
-func (l *leastConn) pickCount(s *snapshot, start int, key uint64, skip func(string) bool) (Lease, error) {
+func (l *leastConn) pickCount(s *snapshot, start int, rnd *splitmix, key uint64, skip func(string) bool) (Lease, error) {
 	n := len(s.entries)
-	best, bestN := -1, int64(math.MaxInt64)
+	best, bestN, ties := -1, int64(math.MaxInt64), 0
 	for k := range n {
 		i := start + k
 		if i >= n {
 			i -= n
 		}
 		e := &s.entries[i]
-		if c := e.b.inflight.Load(); c < bestN && (skip == nil || !skip(e.b.id)) {
-			best, bestN = i, c
+		c := e.b.inflight.Load()
+		if c > bestN || (skip != nil && skip(e.b.id)) {
+			continue
+		}
+		if c < bestN {
+			best, bestN, ties = i, c, 1
+		} else if ties++; rnd.intn(ties) == 0 {
+			best = i
 		}
 	}
 	if best < 0 {
@@ -212,9 +225,9 @@ func (l *leastConn) pickCount(s *snapshot, start int, key uint64, skip func(stri
 // pickWeighted is weighted_least_conn's integer path (no slow start): it compares
 // (in flight + 1) / weight by cross-multiplying, avoiding a division per backend.
 // In flight < 2^31 and weight < 2^32, so the products fit in a uint64.
-func (l *leastConn) pickWeighted(s *snapshot, start int, key uint64, skip func(string) bool) (Lease, error) {
+func (l *leastConn) pickWeighted(s *snapshot, start int, rnd *splitmix, key uint64, skip func(string) bool) (Lease, error) {
 	n := len(s.entries)
-	best := -1
+	best, ties := -1, 0
 	var bestN, bestW uint64
 	for k := range n {
 		i := start + k
@@ -224,8 +237,13 @@ func (l *leastConn) pickWeighted(s *snapshot, start int, key uint64, skip func(s
 		e := &s.entries[i]
 		c := uint64(max(0, e.b.inflight.Load())) + 1
 		w := uint64(e.weight)
-		if (best < 0 || c*bestW < bestN*w) && (skip == nil || !skip(e.b.id)) {
-			best, bestN, bestW = i, c, w
+		if (best >= 0 && c*bestW > bestN*w) || (skip != nil && skip(e.b.id)) {
+			continue
+		}
+		if best < 0 || c*bestW < bestN*w {
+			best, bestN, bestW, ties = i, c, w, 1
+		} else if ties++; rnd.intn(ties) == 0 {
+			best = i
 		}
 	}
 	if best < 0 {

@@ -274,6 +274,47 @@ func TestLeastConn(t *testing.T) {
 	}
 }
 
+// TestLeastConnTiesEven: backends tied for the fewest in flight share the picks
+// alike, whatever lies before them in the list. With A holding a connection, B and
+// C (and D) tie at none; a scan from a random offset alone gave B, after the busy
+// A, twice the picks of each of the others (every scan that starts at A finds B
+// first). With D ramping (slow start) the scan takes its float path, where D's cost
+// puts it out of the running at idle, and B won three picks in four.
+func TestLeastConnTiesEven(t *testing.T) {
+	for _, alg := range []string{LeastConn, WeightedLeastConn} {
+		for _, ramp := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/ramp=%v", alg, ramp), func(t *testing.T) {
+				c := &clock{}
+				bs := abc(1, 1, 1, 1)
+				bs[3].SlowStart = 10 * time.Second
+				bs[3].Usable = !ramp
+				b := mustNewClock(t, alg, bs, 9, c)
+				if ramp {
+					bs[3].Usable = true
+					b.SetBackends(bs) // D ramps from the floor
+				}
+				held, err := b.Pick(0, func(id string) bool { return id != "A" })
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { held.Release(Result{}) })
+				const n = 30000
+				got := counts(t, b, n, false)
+				tied := []string{"B", "C"}
+				if !ramp {
+					tied = append(tied, "D")
+				}
+				want := float64(n) / float64(len(tied))
+				for _, id := range tied {
+					if r := float64(got[id]) / want; r < 0.9 || r > 1.1 {
+						t.Errorf("picks %v: %s has %.2f× its share of the ties; want about 1", got, id, r)
+					}
+				}
+			})
+		}
+	}
+}
+
 func TestWeightedLeastConn(t *testing.T) {
 	b := mustNew(t, WeightedLeastConn, abc(3, 1), 5)
 	got := counts(t, b, 400, true)
