@@ -383,6 +383,39 @@ func TestP2C(t *testing.T) {
 	}
 }
 
+// TestP2CCandidatesDistinct: the P2C family's two candidates are two backends,
+// never one drawn twice, for any number of usable backends from two on and with
+// some skipped; skip is asked about each candidate drawn, so it sees them.
+func TestP2CCandidatesDistinct(t *testing.T) {
+	for _, alg := range []string{P2C, EWMA, LeastTime} {
+		for n := 2; n <= 6; n++ {
+			bs := backendsN(n, one)
+			b := mustNew(t, alg, bs, uint64(n))
+			for i := range 5000 {
+				var asked []string
+				skipped := ""
+				if n > 2 && i%2 == 1 {
+					skipped = bs[i%n].ID // one skipped, two or more left
+				}
+				l, err := b.Pick(0, func(id string) bool {
+					if id == skipped {
+						return true
+					}
+					asked = append(asked, id)
+					return false
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+				l.Release(Result{Latency: time.Millisecond})
+				if len(asked) != 2 || asked[0] == asked[1] {
+					t.Fatalf("%s, %d backends, pick %d: candidates %v; want two distinct", alg, n, i, asked)
+				}
+			}
+		}
+	}
+}
+
 // TestEWMA: a backend that answers slowly loses its share at once (peak), and gets
 // tried again after it has been left alone (decay toward the neutral estimate).
 func TestEWMA(t *testing.T) {
