@@ -462,6 +462,40 @@ func TestEWMA(t *testing.T) {
 	}
 }
 
+// TestEWMADecayCurve: an estimate left alone decays toward the balancer-wide
+// average with the documented time constant τ = 10 s: after t its excess over the
+// average is e^(-t/τ) of what it was (a 37 % remains after 10 s, 14 % after 20 s;
+// a half-life of τ ln 2, about 6.9 s).
+func TestEWMADecayCurve(t *testing.T) {
+	for _, alg := range []string{EWMA, LeastTime} {
+		c := &clock{}
+		b := mustNewClock(t, alg, abc(1, 1), 3, c)
+		// A answers in 1 ms, then B in 101 ms at the same instant: the average, which
+		// decays by time too, is still A's 1 ms.
+		for _, id := range []string{"A", "B"} {
+			l, err := b.Pick(0, func(x string) bool { return x != id })
+			if err != nil {
+				t.Fatal(err)
+			}
+			lat := time.Millisecond
+			if id == "B" {
+				lat = 101 * time.Millisecond
+			}
+			l.Release(Result{Latency: lat})
+		}
+		var elapsed time.Duration
+		for _, at := range []time.Duration{0, 6931 * time.Millisecond, 10 * time.Second, 20 * time.Second} {
+			c.advance(at - elapsed)
+			elapsed = at
+			est, seen := b.Estimate("B")
+			want := time.Millisecond + time.Duration(float64(100*time.Millisecond)*math.Exp(-at.Seconds()/10))
+			if !seen || math.Abs(float64(est-want)) > float64(10*time.Microsecond) {
+				t.Errorf("%s: B's estimate %v after its one 101 ms sample: %v; want %v", alg, at, est, want)
+			}
+		}
+	}
+}
+
 // TestSlowOnceTriedAgain: at light load, where every connection finds every backend
 // idle, a backend whose first answer was slow is tried again and its estimate comes
 // back once it is fast, while one that stays slow is held to a probe per ewmaDecay.
