@@ -163,13 +163,31 @@ func ipSums(ip []byte, sums []string, inner bool) []string {
 		if q := payload[8:]; len(q) >= 20 && q[0]>>4 == 4 && int(q[0]&0xf)*4 >= 20 && len(q) >= int(q[0]&0xf)*4 {
 			sums = append(sums, rightOrWrong("quoted ip4", packet.Checksum(q[:int(q[0]&0xf)*4])))
 		}
-		return sums
+		return quotedSums(payload[8:], sums)
 	case proto == packet.ProtoICMPv6 && len(pseudo) == 32:
-		return append(sums, rightOrWrong("icmp6", withPseudo(payload)))
+		sums = append(sums, rightOrWrong("icmp6", withPseudo(payload)))
+		if len(payload) < 8 {
+			return sums
+		}
+		return quotedSums(payload[8:], sums)
 	case (proto == protoIPIP || proto == protoIPv6) && inner:
 		return ipSums(payload, append(sums, "tunnel"), false)
 	}
 	return append(sums, fmt.Sprintf("protocol %d", proto))
+}
+
+// quotedSums appends the transport checksum of the packet an ICMP error quotes,
+// as "quoted udp none" and the like, when the quote holds all of it: a nat
+// translation updates it with the quote's addresses and ports.
+func quotedSums(q []byte, sums []string) []string {
+	qs := ipSums(q, nil, false)
+	if len(qs) < 2 || (qs[0] != "ip6" && !strings.HasPrefix(qs[0], "ip4 ")) {
+		return sums // cut short, as most quotes are: nothing to judge
+	}
+	for _, s := range qs[1:] {
+		sums = append(sums, "quoted "+s)
+	}
+	return sums
 }
 
 // TestCheckChecksums holds the fuzzer's checksum rules to frames built here: each
@@ -195,11 +213,35 @@ func TestCheckChecksums(t *testing.T) {
 		Proto: packet.ProtoICMPv6, ICMP: &packet.ICMP{Type: 2, Rest: 1280, Quote: in[14:]}}.Build()
 	badTooBig := slices.Clone(tooBig)
 	badTooBig[len(badTooBig)-1] ^= 1
+	// An ICMP error about a datagram, quoting all of it, and the error translated:
+	// the quote's checksum is judged as a datagram's is.
+	unreachable := func(quote []byte) []byte {
+		return packet.Frame{Src: netip.MustParseAddrPort("[fd00::9]:0"), Dst: netip.MustParseAddrPort("[fd00::1]:0"),
+			Proto: packet.ProtoICMPv6, ICMP: &packet.ICMP{Type: 1, Code: 4, Quote: quote[14:]}}.Build()
+	}
+	v4 := func(dst string) packet.Frame {
+		return packet.Frame{Src: netip.MustParseAddrPort("10.0.0.1:1000"), Dst: netip.MustParseAddrPort(dst),
+			Proto: packet.ProtoTCP, TCPFlags: packet.SYN, Payload: make([]byte, 4)}
+	}
+	fragNeeded := func(quote []byte) []byte {
+		return packet.Frame{Src: netip.MustParseAddrPort("10.0.0.9:0"), Dst: netip.MustParseAddrPort("10.0.0.1:0"),
+			Proto: packet.ProtoICMP, ICMP: &packet.ICMP{Type: 3, Code: 4, Rest: 1400, Quote: quote[14:]}}.Build()
+	}
+	spoilt4 := v4("10.0.0.3:80").Build()
+	spoilt4[len(spoilt4)-1] ^= 1
 	for _, tc := range []struct {
 		name    string
 		in, out []byte
 		ok      bool
 	}{
+		{"icmp6 error translated, quoted zero checksum kept", unreachable(noSum(slices.Clone(in))),
+			unreachable(noSum(slices.Clone(translated))), true},
+		{"icmp6 error translated, quoted zero checksum made non-zero", unreachable(noSum(slices.Clone(in))),
+			unreachable(translated), false},
+		{"icmp error translated", fragNeeded(v4("10.0.0.2:80").Build()), fragNeeded(v4("10.0.0.3:80").Build()), true},
+		{"icmp error translated, quoted checksum spoilt", fragNeeded(v4("10.0.0.2:80").Build()), fragNeeded(spoilt4), false},
+		{"icmp error translated, quote cut short", fragNeeded(v4("10.0.0.2:80").Build()[:14+28]),
+			fragNeeded(spoilt4[:14+28]), true},
 		{"translated", in, translated, true},
 		{"translated, a checksum spoilt", in, spoilt, false},
 		{"zero checksum kept", noSum(slices.Clone(in)), noSum(slices.Clone(translated)), true},

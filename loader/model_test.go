@@ -171,6 +171,8 @@ func TestFuzzSeedsTakeTheirPath(t *testing.T) {
 		{"nat tagged reply to an untagged client", ReasonNATReply},
 		{"nat tagged reply to a client on vlan 7", ReasonNATReply},
 		{"nat udp v6 zero checksum", ReasonDropNoRoute},
+		{"icmpv6 port unreachable from backend, quoted udp checksum zero", ReasonICMPTranslated},
+		{"icmp port unreachable from backend, v4, quoted udp checksum zero", ReasonICMPTranslated},
 		{"tcp syn to a dsr vip in a broadcast frame", ReasonPassL2Group},
 		{"ipv6 routing header with segments left to vip", ReasonDropIPv6Extension},
 		{"ipv6 routing header with segments left to vip, nat", ReasonDropIPv6Extension},
@@ -293,6 +295,8 @@ var fuzzSeeds = []struct {
 	{"icmp frag needed from backend, v4", []byte{0, 15, 0, 0, 4 << 3, 0, 0, 255, 0, 2}},
 	{"icmp port unreachable from backend, v4 udp, 8-byte quote", []byte{0, 19, 0, 0, 3 << 3, 0, 0, 28, 0, 2}},
 	{"icmpv6 packet too big from backend", []byte{0, 16, 0, 0, 1, 0, 0, 255, 0, 2}},
+	{"icmpv6 port unreachable from backend, quoted udp checksum zero", []byte{0, 16, 0, 0, 4 << 3, 0x08, 0, 255, 0, 2}},
+	{"icmp port unreachable from backend, v4, quoted udp checksum zero", []byte{0, 19, 0, 0, 3 << 3, 0x08, 0, 255, 0, 2}},
 	{"icmp time exceeded from client side, v4", []byte{0, 17, 0, 0, 1, 0, 0, 255, 0, 1, 0, 1}},
 	{"icmpv6 unreachable from client side", []byte{0, 18, 0, 0, 0, 0, 0, 255, 0, 1, 0, 1}},
 	{"icmp from client side, flow without nat port", []byte{0, 20, 0, 0, 0, 0, 0, 255, 0, 1, 0, 0}},
@@ -1143,7 +1147,9 @@ func flowKeyOf(src, dst netip.AddrPort, proto uint8) bpf.WeirFlowKey {
 //	3  source port: < 128 picks fuzzSports, else 1024 + 7n
 //	4  TCP flags; for ICMP targets the type (low 3 bits) and code (high bits)
 //	5  bit 0 VLAN tag, 1 more fragments, 2 fragment offset, 3 UDP checksum 0 (IPv6:
-//	   without extension headers),
+//	   without extension headers; in an ICMP error from the backend's side, the
+//	   quote's; in one from the client's side, the error goes to an address that
+//	   sent no such reply),
 //	   bits 4-7 IPv4 option words (mod 11)
 //	6  IPv6 extension headers (mod 7), then one byte each: type (low 3 bits,
 //	   fuzzExtTypes) and length in 8-byte units (high 5 bits; 30 and 31 mean 70)
@@ -1322,6 +1328,12 @@ func (rig *fuzzRig) decode(in []byte, now uint64) fuzzCase {
 			quoteExtLen, extLen = extLen, nil
 		}
 		quote := longExtHeaders(append(make([]byte, ethHeaderLen), quoted.IPPacket()...), false, quoteExtLen)[ethHeaderLen:]
+		// From the backend's side, opts bit 3 zeroes a quoted UDP checksum, which the
+		// translation keeps at zero; the UDP header ends where the payload starts.
+		if opts&8 != 0 && tg.kind == icmpBackend && tg.proto == packet.ProtoUDP {
+			at := len(quote) - len(quoted.Payload) - udpHeaderLen
+			quote[at+6], quote[at+7] = 0, 0
+		}
 		if payloadSel < 224 {
 			quote = quote[:min(len(quote), int(payloadSel))]
 		}
