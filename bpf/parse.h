@@ -247,15 +247,22 @@ static __always_inline int parse(struct xdp_md *ctx, struct packet *p)
 		off += sizeof(*vlan);
 	}
 	p->l3_off = off;
-	// ARP, LLDP, a second VLAN tag (QinQ), ...
-	if (proto != bpf_htons(ETH_P_IP) && proto != bpf_htons(ETH_P_IPV6))
-		return verdict(XDP_PASS, STAT_PASS_NOT_IP, p->len);
 	// A frame to a group MAC (broadcast, multicast: the I/G bit) was not sent to this
 	// host alone: every host that took it would balance it, and its destination MAC,
 	// which dsr sends from and nat answers from, is no source MAC. The kernel judges it.
-	if (eth->h_dest[0] & 1)
-		return verdict(XDP_PASS, STAT_PASS_L2_GROUP, p->len);
-	if (proto == bpf_htons(ETH_P_IP))
+	// The check is made in each family's branch: made once before them, the compiled
+	// program cost the verifier (Linux 6.18) about 115,000 instructions more, 55-64%
+	// of its limit instead of 45-54% (TestVerifierHeadroom).
+	if (proto == bpf_htons(ETH_P_IP)) {
+		if (eth->h_dest[0] & 1)
+			return verdict(XDP_PASS, STAT_PASS_L2_GROUP, p->len);
 		return parse_ipv4(data, data_end, off, p);
-	return parse_ipv6(data, data_end, off, p);
+	}
+	if (proto == bpf_htons(ETH_P_IPV6)) {
+		if (eth->h_dest[0] & 1)
+			return verdict(XDP_PASS, STAT_PASS_L2_GROUP, p->len);
+		return parse_ipv6(data, data_end, off, p);
+	}
+	// ARP, LLDP, a second VLAN tag (QinQ), ...
+	return verdict(XDP_PASS, STAT_PASS_NOT_IP, p->len);
 }
