@@ -119,13 +119,15 @@ static __always_inline int outer_ok(void *outer, __u32 outer_len, __u32 tot_len,
 // inner_ok says whether the inner packet (IPPROTO_IPIP: IPv4, else IPv6) at inner,
 // with payload bytes after the outer header, is of its protocol's version and exactly
 // that long by its own header, as weir's tunnel sends it. One longer would take bytes
-// from outside the tunnel packet (padding, or what a shorter outer length left out).
+// from outside the tunnel packet (padding, or what a shorter outer length left out),
+// and so would an inner IPv4 header longer than the payload, though the frame's
+// padding holds it and its length field says the payload's.
 static __always_inline int inner_ok(void *inner, __u8 proto, __u32 payload, void *data_end)
 {
 	if (proto == IPPROTO_IPIP) {
 		struct iphdr *ip = inner;
 
-		if ((void *)(ip + 1) > data_end)
+		if ((void *)(ip + 1) > data_end || payload < sizeof(*ip))
 			return 0;
 		return ip->version == 4 && bpf_ntohs(ip->tot_len) == payload;
 	}

@@ -181,6 +181,14 @@ func TestDecapFixtures(t *testing.T) {
 		{"inner-v4-shorter-than-outer-payload", tunnelFrame(decapLB4, decapHost4, decapSetLen(in4, len(in4)-2), nil), drop, nil},
 		{"inner-v6-longer-than-outer-payload", padded(tunnelFrame(decapLB6, decapHost6, decapSetLen(in6, len(in6)+6), nil)), drop, nil},
 		{"inner-v4-cut-short", tunnelFrame(decapLB4, decapHost4, in4, nil)[:14+20+12], drop, nil},
+		// The outer packet ends inside the inner IPv4 header, whose length says so:
+		// the rest of that header is the frame's padding, not the tunnel's.
+		{"inner-v4-header-past-outer-packet", tunnelFrame(decapLB4, decapHost4, decapSetLen(in4, 12), func(o []byte) {
+			binary.BigEndian.PutUint16(o[2:], 20+12)
+		}), drop, nil},
+		{"inner-v4-zero-length-in-v6-jumbo-length", tunnelFrame(decapLB6, decapHost6, decapSetLen(in4, 0), func(o []byte) {
+			binary.BigEndian.PutUint16(o[4:], 0)
+		}), drop, nil},
 		{"inner-v6-cut-short", tunnelFrame(decapLB6, decapHost6, in6, nil)[:14+40+30], drop, nil},
 		{"ipip-carrying-v6", tunnelFrame(decapLB4, decapHost4, in6, func(o []byte) { o[9] = 4 }), drop, nil},
 		{"ipv6-proto-carrying-v4", tunnelFrame(decapLB6, decapHost6, in4, func(o []byte) { o[6] = 41 }), drop, nil},
