@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"sync"
 
+	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
 	"github.com/weir-lb/weir/bpf"
@@ -21,14 +22,14 @@ type Decap struct {
 	mu          sync.Mutex
 	objs        bpf.DecapObjects
 	addrs       []netip.Addr
-	sources     []bpf.DecapDecapSource
+	sources     map[bpf.DecapDecapSource]bool // what decap_sources holds
 	attachments map[string]*attachment
 	closed      bool
 }
 
 // LoadDecap loads the decapsulation program for tunnel packets to addrs.
 func LoadDecap(addrs []netip.Addr) (*Decap, error) {
-	d := &Decap{attachments: make(map[string]*attachment)}
+	d := &Decap{attachments: make(map[string]*attachment), sources: make(map[bpf.DecapDecapSource]bool)}
 	if err := bpf.LoadDecapObjects(&d.objs, nil); err != nil {
 		if errors.Is(err, unix.EPERM) {
 			return nil, fmt.Errorf("load decap program: %w (run as root, or grant CAP_BPF and CAP_NET_ADMIN)", err)
@@ -51,7 +52,9 @@ var anySource = []netip.Prefix{netip.MustParsePrefix("0.0.0.0/0"), netip.MustPar
 
 // SetSources replaces the prefixes tunnel packets may come from (the balancers'
 // addresses); a tunnel packet to us from anywhere else is dropped and counted
-// Foreign. None: any source.
+// Foreign. None: any source. It takes as many as decap_sources holds; a list it
+// refuses (too long, or holding something that is not a prefix) leaves the one
+// before in force.
 func (d *Decap) SetSources(prefixes []netip.Prefix) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -61,27 +64,44 @@ func (d *Decap) SetSources(prefixes []netip.Prefix) error {
 	if len(prefixes) == 0 {
 		prefixes = anySource
 	}
-	want := make(map[bpf.DecapDecapSource]bool, len(prefixes))
+	want := make(map[bpf.DecapDecapSource]netip.Prefix, len(prefixes))
 	for _, p := range prefixes {
 		if !p.IsValid() || p.Addr().Is4In6() {
 			return fmt.Errorf("decap source %s: want an IPv4 or IPv6 prefix", p)
 		}
 		p = p.Masked()
-		key := bpf.DecapDecapSource{Prefixlen: 32 + uint32(p.Bits()), Family: uint32(family(p.Addr())), Addr: addrWords(p.Addr())}
-		want[key] = true
+		want[bpf.DecapDecapSource{Prefixlen: 32 + uint32(p.Bits()), Family: uint32(family(p.Addr())), Addr: addrWords(p.Addr())}] = p
+	}
+	capacity := int(d.objs.DecapSources.MaxEntries())
+	if len(want) > capacity {
+		return fmt.Errorf("decap sources: %d prefixes, at most %d", len(want), capacity)
+	}
+	var stale []bpf.DecapDecapSource
+	for key := range d.sources {
+		if _, ok := want[key]; !ok {
+			stale = append(stale, key)
+		}
+	}
+	// New prefixes go in before stale ones go out, so no source in both lists is
+	// refused meanwhile; but when the two lists together would not fit the trie, the
+	// stale ones go first.
+	deleteStale := func() {
+		for _, key := range stale {
+			if err := d.objs.DecapSources.Delete(key); err == nil || errors.Is(err, ebpf.ErrKeyNotExist) {
+				delete(d.sources, key)
+			}
+		}
+	}
+	if len(want)+len(stale) > capacity {
+		deleteStale()
+	}
+	for key, p := range want {
 		if err := d.objs.DecapSources.Put(key, uint8(1)); err != nil {
 			return fmt.Errorf("decap source %s: %w", p, err)
 		}
+		d.sources[key] = true
 	}
-	for _, key := range d.sources {
-		if !want[key] {
-			_ = d.objs.DecapSources.Delete(key)
-		}
-	}
-	d.sources = d.sources[:0]
-	for key := range want {
-		d.sources = append(d.sources, key)
-	}
+	deleteStale()
 	return nil
 }
 

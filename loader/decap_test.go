@@ -357,3 +357,83 @@ func TestDecapSources(t *testing.T) {
 		t.Errorf("SetSources took an IPv4-mapped IPv6 prefix; want an error")
 	}
 }
+
+// TestDecapSourcesReplace: SetSources takes as many prefixes as decap_sources holds,
+// whatever list was in force before (any source, too); a list it refuses — too long,
+// or with a prefix that is not one — changes nothing, and the map holds exactly the
+// list in force after each call, so no refused or replaced prefix still lets packets
+// in.
+func TestDecapSourcesReplace(t *testing.T) {
+	d := loadDecapT(t)
+	in4 := decapInner4()
+	capacity := int(d.objs.DecapSources.MaxEntries())
+	host := func(i int) netip.Prefix {
+		return netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 79, byte(i >> 8), byte(i)}), 32)
+	}
+	list := func(n int) []netip.Prefix {
+		var l []netip.Prefix
+		for i := range n {
+			l = append(l, host(i))
+		}
+		return l
+	}
+	from := func(t *testing.T, p netip.Prefix, want Action) {
+		t.Helper()
+		if got, _ := runDecap(t, d, tunnelFrame(p.Addr(), decapHost4, in4, nil)); got != want {
+			t.Errorf("tunnel packet from %s: got %v; want %v", p.Addr(), got, want)
+		}
+	}
+	entries := func(t *testing.T, want int) {
+		t.Helper()
+		var key bpf.DecapDecapSource
+		var value uint8
+		n := 0
+		for it := d.objs.DecapSources.Iterate(); it.Next(&key, &value); {
+			n++
+		}
+		if n != want {
+			t.Errorf("decap_sources holds %d prefixes; want %d", n, want)
+		}
+	}
+
+	// From any source (two prefixes) straight to a full list.
+	if err := d.SetSources(list(capacity)); err != nil {
+		t.Fatalf("SetSources(%d prefixes) after any source: %v", capacity, err)
+	}
+	entries(t, capacity)
+	from(t, host(capacity-1), XDPPass)
+	from(t, host(capacity), XDPDrop)
+
+	// One too many: refused, the list before stays whole.
+	if err := d.SetSources(list(capacity + 1)); err == nil {
+		t.Errorf("SetSources took %d prefixes; want an error", capacity+1)
+	}
+	entries(t, capacity)
+	from(t, host(capacity), XDPDrop)
+
+	// A list with a bad prefix after a good one: refused, the good one not let in.
+	newcomer := netip.MustParsePrefix("10.79.200.0/24")
+	if err := d.SetSources([]netip.Prefix{newcomer, {}}); err == nil {
+		t.Errorf("SetSources took an invalid prefix; want an error")
+	}
+	entries(t, capacity)
+	from(t, newcomer, XDPDrop)
+	from(t, host(0), XDPPass)
+
+	// A full list to another full list with no prefix in common.
+	other := make([]netip.Prefix, capacity)
+	for i := range other {
+		other[i] = host(capacity + i)
+	}
+	if err := d.SetSources(other); err != nil {
+		t.Fatalf("SetSources(another %d prefixes): %v", capacity, err)
+	}
+	entries(t, capacity)
+	from(t, host(0), XDPDrop)
+	from(t, host(2*capacity-1), XDPPass)
+
+	if err := d.SetSources(nil); err != nil {
+		t.Fatal(err)
+	}
+	entries(t, 2)
+}

@@ -104,7 +104,7 @@ func runDecap(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	defer d.Close()
 	if err := d.SetSources(from); err != nil {
-		return fmt.Errorf("decap: %w", err)
+		return fmt.Errorf("decap: --from: %w", err)
 	}
 	got, err := d.Attach(*ifname, m)
 	if err != nil {

@@ -193,6 +193,20 @@ func TestUsageErrors(t *testing.T) {
 	}
 }
 
+// TestDecapTooManySources: more --from prefixes than the program holds are
+// refused, naming the flag and the limit.
+func TestDecapTooManySources(t *testing.T) {
+	args := []string{"decap", "--interface", "lo", "--addr", "192.0.2.1"}
+	for i := range 65 {
+		args = append(args, "--from", fmt.Sprintf("198.51.100.%d", i))
+	}
+	var stdout, stderr bytes.Buffer
+	err := run(context.Background(), args, &stdout, &stderr)
+	if want := "decap: --from: decap sources: 65 prefixes, at most 64"; err == nil || err.Error() != want {
+		t.Errorf("got %v; want %q", err, want)
+	}
+}
+
 // decapPrefix names TestDecap's namespace: a prefix of its own, not the demo
 // tests' (testPrefix), whose kept and killed demos' namespaces the first
 // UniqueName of a prefix in a process removes as a dead run's.
