@@ -82,9 +82,9 @@ func (d *Decap) SetSources(prefixes []netip.Prefix) error {
 			stale = append(stale, key)
 		}
 	}
-	// New prefixes go in before stale ones go out, so no source in both lists is
-	// refused meanwhile; but when the two lists together would not fit the trie, the
-	// stale ones go first.
+	// New prefixes go in before stale ones go out, so no source that both lists let
+	// in is refused meanwhile; but when the two lists together would not fit the
+	// trie, the stale ones go first.
 	deleteStale := func() {
 		for _, key := range stale {
 			if err := d.objs.DecapSources.Delete(key); err == nil || errors.Is(err, ebpf.ErrKeyNotExist) {
