@@ -92,6 +92,51 @@ func TestPassedOutlivesTheRun(t *testing.T) {
 	}
 }
 
+// TestPassedRestartsWithTheCheck: a change of what a backend's check asks (the
+// HTTP path) or of where it asks (the address) forgets the pass the old check
+// had, as it forgets the run of passes: Passed then says that the check as it
+// now runs has passed, which a new service's VIP waits for.
+func TestPassedRestartsWithTheCheck(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+	t.Cleanup(srv.Close)
+	u, _ := url.Parse(srv.URL)
+	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+	t.Cleanup(other.Close)
+	o, _ := url.Parse(other.URL)
+	cfg := func(path string) Config {
+		return Config{Check: Check{Kind: HTTP, Interval: 100 * time.Millisecond, Timeout: time.Second, Rise: 1, Fall: 1,
+			Initial: Up, HTTP: HTTPCheck{Path: path, Status: []StatusRange{{200, 299}}}}}
+	}
+	for _, c := range []struct {
+		name   string
+		change func(c *Checker) error
+	}{
+		{"path", func(c *Checker) error { return c.SetService("web", cfg("/b")) }},
+		{"address", func(c *Checker) error { return c.Set(Backend{ID: "b", Addr: o.Host, Service: "web"}) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			clk := newFakeClock()
+			ck := &Checker{clock: clk.Now}
+			if err := ck.SetService("web", cfg("/a")); err != nil {
+				t.Fatal(err)
+			}
+			if err := ck.Set(Backend{ID: "b", Addr: u.Host, Service: "web"}); err != nil {
+				t.Fatal(err)
+			}
+			runFake(t, ck, clk, clk.Now().Add(150*time.Millisecond))
+			if st, _ := ck.Status("b"); !st.Passed {
+				t.Fatalf("after a passing check: got %+v; want passed", st)
+			}
+			if err := c.change(ck); err != nil {
+				t.Fatal(err)
+			}
+			if st, _ := ck.Status("b"); st.Passed || st.State != Up {
+				t.Errorf("after the change: got passed %t, %v; want not passed, up", st.Passed, st.State)
+			}
+		})
+	}
+}
+
 // TestCheckChangeDropsCheckInFlight: the result of a check that started
 // before its service's check changed is not counted: here the old path's
 // answer, a 503 that comes after the change, would take the backend down

@@ -130,7 +130,7 @@ type backend struct {
 
 	active        State
 	passes, fails int
-	passed        bool // a check has passed since the backend was added
+	passed        bool // a check of the current target has passed (retarget forgets it)
 	last          Result
 
 	state  State
@@ -372,7 +372,7 @@ func (c *Checker) remove(b *backend, now time.Time) {
 // retarget drops what is known of the old check target; c.mu must be held.
 func (c *Checker) retarget(b *backend) {
 	b.gen++
-	b.passes, b.fails = 0, 0
+	b.passes, b.fails, b.passed = 0, 0, false
 	c.closeKeptOf(b)
 }
 

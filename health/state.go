@@ -140,7 +140,8 @@ type Status struct {
 	// Passes and Fails count the current run of passed or failed checks.
 	Passes, Fails int
 	// Passed: an active check has passed since the backend was added, though
-	// a failure may have ended that run since.
+	// a failure may have ended that run since; a change of what the check
+	// asks or where (as one that restarts Passes) forgets it.
 	Passed bool
 	// EjectedUntil is when the current ejection ends (zero if not ejected).
 	// Ejections is the multiplier of the current or last ejection's length
