@@ -593,6 +593,11 @@ func (a *Agent) onHealth(st *state, ch health.Change) {
 		}
 	}
 	if b == nil || b.Healthy == ch.Usable && b.Health == ch.To {
+		if st.unapplied && !healthPending(st) {
+			// This verdict undid the refused ones: the planes run what the
+			// checker says, and nothing waits for the next try.
+			st.unapplied = false
+		}
 		return
 	}
 	wasDown := s.AllDown
@@ -611,6 +616,19 @@ func (a *Agent) onHealth(st *state, ch health.Change) {
 	if now := st.running.Service(ch.Service); now != nil && now.AllDown != wasDown {
 		a.log.Warn("service usable backends changed", "service", ch.Service, "all_down", now.AllDown, "note", now.Note)
 	}
+}
+
+// healthPending reports whether a running backend's health is not the
+// checker's last verdict for it.
+func healthPending(st *state) bool {
+	for _, s := range st.running.Services {
+		for _, b := range s.Backends {
+			if h, ok := st.health[b.ID]; ok && (h.State != b.Health || h.Usable != b.Healthy) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // onOverride is the drain or weight event.

@@ -422,19 +422,8 @@ func oneProxyService(t *testing.T) (dir, path string) {
 // metrics; a lasting failure is logged once. A plane that fails
 // on demand cannot be made from a real one: recordingPlane stands in.
 func TestHealthRetriedAfterFailedApply(t *testing.T) {
-	cfg, err := config.Parse([]byte("services:\n" +
-		"- {name: web, vip: 10.0.0.1:80, backends: [{address: 10.0.0.2:80}, {address: 10.0.0.3:80}]}\n"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := &recordingPlane{services: map[string]plan.Service{}}
 	var logs bytes.Buffer
-	a := &Agent{log: slog.New(slog.NewTextHandler(&logs, nil)), planes: map[plan.Plane]Plane{plan.Proxy: proxy}, xdp: &xdpplane.Plane{}}
-	st := newState(cfg)
-	st.placement["web"] = plan.Placement{Plane: plan.Proxy}
-	if err := a.converge(st, time.Now()); err != nil {
-		t.Fatal(err)
-	}
+	a, st, proxy := webOnRecordingPlane(t, &logs)
 	down := st.running.Services[0].Backends[1]
 	usable := func() bool {
 		s := proxy.services["web"]
@@ -486,4 +475,47 @@ func TestHealthRetriedAfterFailedApply(t *testing.T) {
 	if u := a.snap.Load().unapplied; u != nil {
 		t.Errorf("published unapplied verdicts once applied: got %+v; want none", u)
 	}
+}
+
+// TestHealthUnappliedEndsWithTheVerdict: a refused verdict that a later one
+// undoes (the backend came back before the planes took its failure) leaves
+// nothing to apply: status and metrics stop saying verdicts wait at once,
+// not at the next try, up to a minute later, while the planes still refuse.
+func TestHealthUnappliedEndsWithTheVerdict(t *testing.T) {
+	a, st, proxy := webOnRecordingPlane(t, io.Discard)
+	b := st.running.Services[0].Backends[1]
+	proxy.failOn = "set-backend web"
+	a.onHealth(st, health.Change{ID: b.ID, Service: "web", From: health.Up, To: health.Down, Reason: "test"})
+	a.publish(st)
+	if a.snap.Load().unapplied == nil {
+		t.Fatal("the refused verdict is not published as unapplied")
+	}
+	a.onHealth(st, health.Change{ID: b.ID, Service: "web", From: health.Down, To: health.Up, Usable: true, Reason: "test"})
+	a.publish(st)
+	if u := a.snap.Load().unapplied; u != nil {
+		t.Errorf("published unapplied verdicts once a later one undid the refused one: got %+v; want none", u)
+	}
+	if s := proxy.services["web"]; !s.Backend(b.Config.Addr).Usable {
+		t.Error("the plane does not have the backend usable")
+	}
+}
+
+// webOnRecordingPlane returns an agent, logging to logs, whose loop state runs
+// a proxy service web of two backends on a recordingPlane, which can be made
+// to refuse changes.
+func webOnRecordingPlane(t *testing.T, logs io.Writer) (*Agent, *state, *recordingPlane) {
+	t.Helper()
+	cfg, err := config.Parse([]byte("services:\n" +
+		"- {name: web, vip: 10.0.0.1:80, backends: [{address: 10.0.0.2:80}, {address: 10.0.0.3:80}]}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := &recordingPlane{services: map[string]plan.Service{}}
+	a := &Agent{log: slog.New(slog.NewTextHandler(logs, nil)), planes: map[plan.Plane]Plane{plan.Proxy: proxy}, xdp: &xdpplane.Plane{}}
+	st := newState(cfg)
+	st.placement["web"] = plan.Placement{Plane: plan.Proxy}
+	if err := a.converge(st, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	return a, st, proxy
 }
