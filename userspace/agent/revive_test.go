@@ -296,18 +296,29 @@ func TestRenewalReachesNewestServer(t *testing.T) {
 	if err := os.WriteFile(w.path, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	renew := func(cn, when string) {
+	// newServer: the reload starts a server in place of the one serving. The
+	// one it replaced is told to stop as the reload returns, and until its
+	// accept has ended it may still take a connection from the socket the two
+	// share (with its certificate); a renewal in place is served at once.
+	renew := func(cn, when string, newServer bool) {
 		t.Helper()
 		httpbackend.WriteCert(t, cert, key, cn)
 		if err := w.a.Reload(context.Background()); err != nil {
 			t.Fatalf("%s: reload: %v", when, err)
 		}
+		if newServer {
+			waitfor.Value(t, 5*time.Second, when+": certificate "+cn, func() (any, bool) {
+				got := served()
+				return got, got == cn
+			})
+			return
+		}
 		if got := served(); got != cn {
 			t.Errorf("%s: certificate after the reload: got %q; want %q", when, got, cn)
 		}
 	}
-	renew("second", "new paths")
-	renew("renewed", "renewed at the new paths")
+	renew("second", "new paths", true)
+	renew("renewed", "renewed at the new paths", false)
 
 	lb, _ := w.a.http.Get("web")
 	lb.Close() // its Serve returns with an error, as when its listener fails
@@ -319,5 +330,5 @@ func TestRenewalReachesNewestServer(t *testing.T) {
 		s := st.Services[0]
 		return fmt.Sprintf("down %q, restarts %d", s.Down, s.Restarts), s.Down == "" && s.Restarts == 1
 	})
-	renew("third", "started anew")
+	renew("third", "started anew", false)
 }
