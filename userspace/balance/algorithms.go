@@ -298,12 +298,15 @@ func (w *smoothWeighted) Pick(key uint64, skip func(id string) bool) (Lease, err
 	return w.lease(best, key, skip) // not under w.mu: it may pick again
 }
 
-// choose is Pick's choice of backend, made under w.mu.
+// choose is Pick's choice of backend, made under w.mu. It reads the list under
+// w.mu too, which SetBackends holds while it publishes a list and starts a new
+// cycle: read before, the list could be one a change has replaced meanwhile, and
+// the pick would move credit by the old weights into the new cycle.
 func (w *smoothWeighted) choose(skip func(id string) bool) (*backend, error) {
-	s := w.snap.Load()
-	now, ramping := s.ramping(w.core)
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	s := w.snap.Load()
+	now, ramping := s.ramping(w.core)
 	var best *backend
 	var total int64
 	for i := range s.entries {

@@ -6,6 +6,7 @@ import (
 	"math"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -253,6 +254,67 @@ func TestWeightedChangeNoBurst(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestWeightedPickRacingChange: a pick that read the backend list just before a
+// change of weights, and takes the lock only after the change started the new
+// cycle, must not move credit by the old weights: here it would leave A owing the
+// old total of 200, and D, beside it at weight 1 each, would take the next hundred
+// picks in a row. The clock, which a pick reads while a backend ramps, holds the
+// pick at that point.
+func TestWeightedPickRacingChange(t *testing.T) {
+	var armed atomic.Bool
+	entered, release := make(chan struct{}), make(chan struct{})
+	c := &clock{}
+	now := func() int64 {
+		if armed.CompareAndSwap(true, false) {
+			close(entered)
+			<-release
+		}
+		return c.now()
+	}
+	bs := abc(100, 100, 1)
+	bs[2].SlowStart = time.Hour
+	bs[2].Usable = false
+	bal, err := newBalancer(Weighted, bs, 0, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bs[2].Usable = true
+	bal.SetBackends(bs) // C ramps, so a pick reads the clock
+	armed.Store(true)
+	picked := make(chan error, 1)
+	go func() { // exits when the pick returns, once release is closed
+		l, err := bal.Pick(0, nil)
+		l.Release(Result{})
+		picked <- err
+	}()
+	select {
+	case <-entered:
+	case <-time.After(time.Minute):
+		t.Fatal("the pick never read the clock")
+	}
+	after := []Backend{{ID: "A", Weight: 1, Usable: true}, {ID: "D", Weight: 1, Usable: true}}
+	w := bal.(*smoothWeighted)
+	if w.mu.TryLock() {
+		// The pick reads the clock before it takes the lock: change the set there.
+		w.mu.Unlock()
+		bal.SetBackends(after)
+		close(release)
+	} else {
+		// It holds the lock: it picks from the old set, and the change follows.
+		close(release)
+		bal.SetBackends(after)
+	}
+	if err := <-picked; err != nil {
+		t.Fatal(err)
+	}
+	got := picks(t, bal, 20)
+	for i := 0; i+2 <= len(got); i += 2 {
+		if got[i] == got[i+1] {
+			t.Fatalf("after the change, got %s; want A and D alternating", got)
+		}
 	}
 }
 
