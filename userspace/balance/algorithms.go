@@ -269,6 +269,14 @@ type smoothWeighted struct {
 // 2, and one removed would take its credit's opposite out of the sum the others
 // share. A call that changes nothing (a health state or a ramp step elsewhere)
 // keeps the cycle going.
+//
+// The new cycle breaks its ties in an order drawn at random, not the list's: each
+// credit starts at a random fraction of a weight unit (below 1 << 10, the unit),
+// which decides only between credits that are otherwise equal, as every pick moves
+// credits by whole units (a ramping backend's weight aside). With the list's order, the first backend took the first
+// pick of every cycle: with a backend flapping every few picks, a share far above
+// its weight's (A half of the picks, not 5 in 12, with B of A, B, C down every
+// other three), and every balancer node's first pick after a change alike.
 func (w *smoothWeighted) SetBackends(backends []Backend) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -278,8 +286,9 @@ func (w *smoothWeighted) SetBackends(backends []Backend) {
 	if sameWeights(old.entries, s.entries) {
 		return
 	}
+	rnd := w.rand()
 	for i := range s.entries {
-		s.entries[i].b.current = 0
+		s.entries[i].b.current = int64(rnd.intn(1 << 10))
 	}
 }
 

@@ -257,6 +257,42 @@ func TestWeightedChangeNoBurst(t *testing.T) {
 	}
 }
 
+// TestWeightedFlapShares: a backend going down and up every few picks (a
+// flapping health check at light load) starts a new cycle at each change, and the
+// others still get their shares: with the ties of each new cycle going to the
+// first backend listed, A took the first pick of every cycle, and with a change
+// after every pick, every pick.
+func TestWeightedFlapShares(t *testing.T) {
+	const rounds = 3000
+	for _, every := range []int{1, 2, 3, 5} {
+		bs := abc(1, 1, 1)
+		b := mustNew(t, Weighted, bs, 7)
+		got := map[string]int{}
+		for r := range rounds {
+			for range every {
+				l, err := b.Pick(0, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				got[l.Backend()]++
+				l.Release(Result{})
+			}
+			bs[1].Usable = r%2 == 1 // B flaps: down, up, down...
+			b.SetBackends(bs)
+		}
+		// Half the picks among all three, half among A and C.
+		total := float64(rounds * every)
+		want := map[string]float64{"A": 0.5/3 + 0.5/2, "B": 0.5 / 3, "C": 0.5/3 + 0.5/2}
+		for id, w := range want {
+			sd := math.Sqrt(w * (1 - w) / total)
+			if share := float64(got[id]) / total; math.Abs(share-w) > 5*sd {
+				t.Errorf("B flapping every %d picks: picks %v: %s has share %.3f; want %.3f ± %.3f",
+					every, got, id, share, w, 5*sd)
+			}
+		}
+	}
+}
+
 // TestWeightedPickRacingChange: a pick that read the backend list just before a
 // change of weights, and takes the lock only after the change started the new
 // cycle, must not move credit by the old weights: here it would leave A owing the
