@@ -778,11 +778,7 @@ func TestReturnedBackendStartsOver(t *testing.T) {
 			}
 			answer(300, nil, nil, Result{Latency: time.Millisecond})
 			answer(20, nil, func(id string) bool { return id != "C" }, Result{Failed: true, Latency: time.Millisecond})
-			bs[2].Usable = false
-			b.SetBackends(bs)
-			c.advance(3 * time.Second)
-			bs[2].Usable = true
-			b.SetBackends(bs)
+			downFor(b, bs, 2, c, 3*time.Second)
 			got := map[string]int{}
 			answer(300, got, nil, Result{Latency: time.Millisecond})
 			if got["C"] < 60 {
@@ -790,6 +786,64 @@ func TestReturnedBackendStartsOver(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestReturnedBackendWinsUntried: a backend that comes back starts over as a new
+// one, and a new one wins the first draw it is in with nothing in flight, even
+// when it won one as a new backend a few seconds before. Here C joins, wins its
+// first draw, answers slowly once, goes down and is back two seconds later: its
+// estimate is the balancer-wide average, a hair above A's and B's, so at light
+// load it wins no draw on cost, and with its earlier win still counted it got no
+// connection until ewmaDecay after it.
+func TestReturnedBackendWinsUntried(t *testing.T) {
+	for _, alg := range []string{EWMA, LeastTime} {
+		for seed := uint64(1); seed <= 4; seed++ {
+			c := &clock{}
+			bs := abc(1, 1, 1)
+			bs[2].Usable = false
+			b := mustNewClock(t, alg, bs, seed, c)
+			answer := func(n int, got map[string]int, r func(id string) Result) {
+				for range n {
+					l, err := b.Pick(0, nil)
+					if err != nil {
+						t.Fatal(err)
+					}
+					got[l.Backend()]++
+					c.advance(10 * time.Millisecond)
+					l.Release(r(l.Backend()))
+				}
+			}
+			fast := func(string) Result { return Result{Latency: time.Millisecond} }
+			answer(100, map[string]int{}, fast)
+			bs[2].Usable = true // C joins
+			b.SetBackends(bs)
+			first := map[string]int{}
+			answer(20, first, func(id string) Result {
+				if id == "C" {
+					return Result{Latency: 50 * time.Millisecond}
+				}
+				return fast(id)
+			})
+			if first["C"] != 1 {
+				t.Fatalf("%s, seed %d: C new, got %d of 20 connections (%v); want its one win", alg, seed, first["C"], first)
+			}
+			downFor(b, bs, 2, c, 2*time.Second)
+			got := map[string]int{}
+			answer(50, got, fast)
+			if got["C"] == 0 {
+				t.Errorf("%s, seed %d: C back, got none of 50 connections (%v); want a first one", alg, seed, got)
+			}
+		}
+	}
+}
+
+// downFor takes bs[i] out of b's usable set for d on c, and back.
+func downFor(b Balancer, bs []Backend, i int, c *clock, d time.Duration) {
+	bs[i].Usable = false
+	b.SetBackends(bs)
+	c.advance(d)
+	bs[i].Usable = true
+	b.SetBackends(bs)
 }
 
 // TestFailureBeforeAnySample: a backend that fails its connects before any backend

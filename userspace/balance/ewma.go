@@ -151,11 +151,16 @@ func (s *ewmaState) look(now int64, neutral float64) (est float64, seen bool, id
 // ewmaDecay), as Finagle and Linkerd start a node that rejoins their set. Left, the
 // failures that took it out (each five times the average) would keep it out at light
 // load until ewmaDecay after its last sample; answers from before a restart would
-// flood or starve it by what they said then.
+// flood or starve it by what they said then. Its draw won as a new backend, and its
+// last probe, go too: a backend back within ewmaDecay of winning one would otherwise
+// win no draw at light load (its estimate, the average, a hair above the tried
+// backends') until ewmaDecay after it.
 func (s *ewmaState) forget() {
 	s.mu.Lock()
 	s.est, s.stamp, s.seen = 0, 0, false
 	s.mu.Unlock()
+	s.untriedWon.last.Store(0)
+	s.probed.last.Store(0)
 }
 
 func (s *ewmaState) observe(r Result) {
