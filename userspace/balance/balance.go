@@ -56,7 +56,8 @@ type Result struct {
 // Copies of a lease are not tracked: releasing two copies releases twice (the count
 // is clamped at zero, so it can't go negative, but it can undercount).
 type Lease struct {
-	b *backend
+	b   *backend
+	gen uint32 // the ewma state's generation when picked (see ewmaState.gen)
 }
 
 // Backend returns the chosen backend's ID ("" for a zero lease).
@@ -76,7 +77,7 @@ func (l *Lease) Release(r Result) {
 	l.b = nil
 	b.release()
 	if b.ewma != nil {
-		b.ewma.observe(r)
+		b.ewma.observe(r, l.gen)
 	}
 }
 
@@ -461,7 +462,11 @@ func (s *splitmix) float() float64 {
 // SetBackends has forgotten b meanwhile, it picks again (from a snapshot without b).
 func (c *core) lease(b *backend, key uint64, skip func(id string) bool) (Lease, error) {
 	if b.acquire() {
-		return Lease{b: b}, nil
+		l := Lease{b: b}
+		if b.ewma != nil {
+			l.gen = b.ewma.gen.Load()
+		}
+		return l, nil
 	}
 	return c.self.Pick(key, skip)
 }

@@ -837,6 +837,48 @@ func TestReturnedBackendWinsUntried(t *testing.T) {
 	}
 }
 
+// TestReturnedBackendIgnoresOldLeases: a connection picked before a backend went
+// down that ends after it is back (a request that hung until its timeout, say)
+// tells nothing of the backend as it is now: its outcome leaves the fresh start
+// alone. Recorded, its failure was the new estimate's first sample, five times
+// the average, the very estimate starting over drops.
+func TestReturnedBackendIgnoresOldLeases(t *testing.T) {
+	for _, alg := range []string{EWMA, LeastTime} {
+		c := &clock{}
+		bs := abc(1, 1, 1)
+		b := mustNewClock(t, alg, bs, 5, c)
+		for _, id := range []string{"A", "B"} {
+			l, err := b.Pick(0, func(x string) bool { return x != id })
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.advance(time.Millisecond)
+			l.Release(Result{Latency: time.Millisecond})
+		}
+		old, err := b.Pick(0, func(id string) bool { return id != "C" })
+		if err != nil {
+			t.Fatal(err)
+		}
+		downFor(b, bs, 2, c, 2*time.Second)
+		c.advance(time.Second)
+		old.Release(Result{Failed: true, Latency: 3 * time.Second})
+		if est, seen := b.Estimate("C"); seen {
+			t.Errorf("%s: C back, a connection from before it went down failed: estimate %v; want none", alg, est)
+		}
+		if n := b.InFlight("C"); n != 0 {
+			t.Errorf("%s: C in flight %d after its one lease ended; want 0", alg, n)
+		}
+		l, err := b.Pick(0, func(id string) bool { return id != "C" })
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.Release(Result{Latency: 2 * time.Millisecond})
+		if est, seen := b.Estimate("C"); !seen || est != 2*time.Millisecond {
+			t.Errorf("%s: C answered in 2 ms after its return: estimate %v, %v; want 2ms, true", alg, est, seen)
+		}
+	}
+}
+
 // downFor takes bs[i] out of b's usable set for d on c, and back.
 func downFor(b Balancer, bs []Backend, i int, c *clock, d time.Duration) {
 	bs[i].Usable = false

@@ -80,6 +80,13 @@ type ewmaState struct {
 	// untriedWon: when the backend last won a draw for having no sample (see
 	// claimUntried).
 	untriedWon perDecay
+	// gen counts forget's starts over. A lease carries the generation it was
+	// picked in, and an outcome from an earlier one is not a sample: a connection
+	// picked before the backend went down and ending after it came back (a
+	// request hung until its timeout) tells nothing of the backend as it is now,
+	// and its failure, five times the average, would be the fresh estimate's first
+	// sample.
+	gen atomic.Uint32 // written under mu
 }
 
 // perDecay is the time of the last of something allowed once per ewmaDecay,
@@ -158,12 +165,14 @@ func (s *ewmaState) look(now int64, neutral float64) (est float64, seen bool, id
 func (s *ewmaState) forget() {
 	s.mu.Lock()
 	s.est, s.stamp, s.seen = 0, 0, false
+	s.gen.Add(1)
 	s.mu.Unlock()
 	s.untriedWon.last.Store(0)
 	s.probed.last.Store(0)
 }
 
-func (s *ewmaState) observe(r Result) {
+// observe records the outcome of a connection picked in generation gen (see gen).
+func (s *ewmaState) observe(r Result, gen uint32) {
 	sample := float64(r.Latency)
 	if r.Failed {
 		base := s.shared.neutral()
@@ -177,6 +186,10 @@ func (s *ewmaState) observe(r Result) {
 	}
 	now := s.shared.now()
 	s.mu.Lock()
+	if s.gen.Load() != gen {
+		s.mu.Unlock()
+		return // picked before the backend started over
+	}
 	switch {
 	case !s.seen, now-s.stamp >= int64(ewmaDecay):
 		// A first sample, or the first after ewmaDecay without one (a probe's):
