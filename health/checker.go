@@ -70,6 +70,10 @@ type Checker struct {
 	// clock replaces time.Now in tests.
 	clock func() time.Time
 
+	// firstPasses counts the backends whose first pass (Status.Passed) came:
+	// a caller waiting for one need not look at every backend while it stays.
+	firstPasses atomic.Uint64
+
 	mu       sync.RWMutex
 	services map[string]*service
 	backends map[string]*backend
@@ -502,6 +506,10 @@ func (c *Checker) Status(id string) (Status, bool) {
 	return b.status(c.now()), true
 }
 
+// FirstPasses counts the first passes of backends (each Status.Passed that
+// became true) since the checker was made; it changes whenever one does.
+func (c *Checker) FirstPasses() uint64 { return c.firstPasses.Load() }
+
 // Snapshot returns the status of every backend, ordered by service then ID.
 func (c *Checker) Snapshot() []Status {
 	c.mu.RLock()
@@ -874,7 +882,10 @@ func (c *Checker) record(b *backend, res Result, now time.Time) {
 	if res.Err == nil {
 		b.passes++
 		b.fails = 0
-		b.passed = true
+		if !b.passed {
+			b.passed = true
+			c.firstPasses.Add(1)
+		}
 	} else {
 		b.fails++
 		b.passes = 0

@@ -47,8 +47,10 @@ type state struct {
 	retryWait      time.Duration
 	// confirmed: the services (by name) one of whose backends has passed an
 	// active check since the agent started, as publish saw them; the BGP routes
-	// count no other (see confirm).
-	confirmed map[string]bool
+	// count no other (see confirm). passesSeen is the checker's FirstPasses
+	// when confirm last looked.
+	confirmed  map[string]bool
+	passesSeen uint64
 }
 
 func newState(cfg *config.Config) *state {

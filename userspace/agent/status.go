@@ -49,17 +49,24 @@ func (a *Agent) publish(st *state) {
 // once a failure has ended its run, so a pass between two publishes counts;
 // the loop publishes every second, so a first pass that changes no state
 // reaches the routes within a second.
+//
+// A service found unconfirmed is looked at again only once a backend's first
+// pass has come (health.Checker.FirstPasses): the loop publishes after every
+// event, and with thousands of dead backends at start, each of their
+// verdicts would otherwise ask the checker about every one of them.
 func (a *Agent) confirm(st *state) func(service string) bool {
+	passes := a.checker.FirstPasses()
 	confirmed := make(map[string]bool, len(st.running.Services))
 	for _, s := range st.running.Services {
 		name := s.Name()
-		confirmed[name] = st.confirmed[name] || s.Config.Health.Type == config.CheckNone ||
-			slices.ContainsFunc(s.Backends, func(b plan.Backend) bool {
+		was, seen := st.confirmed[name]
+		confirmed[name] = was || s.Config.Health.Type == config.CheckNone ||
+			(!seen || passes != st.passesSeen) && slices.ContainsFunc(s.Backends, func(b plan.Backend) bool {
 				hs, ok := a.checker.Status(b.ID)
 				return ok && hs.Passed
 			})
 	}
-	st.confirmed = confirmed
+	st.confirmed, st.passesSeen = confirmed, passes
 	return func(service string) bool { return confirmed[service] }
 }
 
